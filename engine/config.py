@@ -1,0 +1,80 @@
+"""Server configuration: one frozen dataclass, validated on construction, passed to every
+child process as JSON (`to_json` / `from_json`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = ""  # HF-style directory; "" = the default SmolLM2 model, prepared on first run
+    served_model_name: str = ""
+    load_format: str = "auto"  # auto | safetensors | dummy
+    host: str = "127.0.0.1"
+    port: int = 8000
+    sdk_port: int = 8001
+    run_dir: str = ""  # private dir for ipc sockets; chosen by the supervisor
+    log_dir: str = ""
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    attention_backend: str = "auto"
+    tp_size: int = 1
+    page_size: int = 16
+    max_total_tokens: int = 0  # KV pool capacity in tokens; 0 = size from free memory
+    mem_fraction: float = 0.85
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048  # token budget per step (chunked prefill splits above it)
+    context_length: int = 0  # 0 = the model's max_position_embeddings
+    disable_overlap: bool = False
+    disable_radix_cache: bool = False
+    disable_cuda_graph: bool = False
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = [
+            (self.load_format in ("auto", "safetensors", "dummy"), f"bad --load-format {self.load_format}"),
+            (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
+            (0 < self.port < 65536 and 0 < self.sdk_port < 65536, "ports must be in 1..65535"),
+            (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page size: power of 2"),
+            (self.max_total_tokens >= 0, "--max-total-tokens must be >= 0"),
+            (0 < self.mem_fraction <= 1, "--mem-fraction must be in (0, 1]"),
+            (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
+            (self.max_prefill_tokens >= self.page_size, "--max-prefill-tokens must be >= page size"),
+            (self.tp_size >= 1, "--tp-size must be >= 1"),
+        ]
+        for ok, problem in problems:
+            if not ok:
+                raise ValueError(problem)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or (Path(self.model).name if self.model else "SmolLM2-135M-Instruct")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # lazy: the tokenizer process never needs torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def ipc(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.run_dir, name)}"
+
+    @property
+    def sdk_addr(self) -> str:
+        return f"tcp://{self.host}:{self.sdk_port}"
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerConfig:
+        return msgspec.json.decode(text, type=cls)

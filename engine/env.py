@@ -1,0 +1,35 @@
+"""Environment variables, read once into a typed, frozen record.
+
+Every STRATA_* variable the code honours is declared here; nothing else calls os.getenv.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Env:
+    cache_dir: Path  # STRATA_CACHE_DIR: converted models and other reusable artifacts
+    log_level: str  # STRATA_LOG_LEVEL
+    log_json: bool | None  # STRATA_LOG_JSON: force JSON (1) or console (0) on stderr
+    digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
+
+
+def _flag(name: str) -> bool | None:
+    val = os.environ.get(name)
+    return None if val is None else val.lower() in ("1", "true", "yes")
+
+
+@cache
+def env() -> Env:
+    base = os.environ.get("STRATA_CACHE_DIR") or str(Path.home() / ".cache" / "strata")
+    return Env(
+        cache_dir=Path(base),
+        log_level=os.environ.get("STRATA_LOG_LEVEL", "info").lower(),
+        log_json=_flag("STRATA_LOG_JSON"),
+        digest_every=int(os.environ.get("STRATA_DIGEST_EVERY", "64")),
+    )

@@ -1,0 +1,58 @@
+"""Wire codec shared by every channel: msgpack via msgspec, never pickle.
+
+Each channel module defines one tagged Union of Structs; `Codec(Union)` builds its
+encoder/decoder once. A frame that does not decode is logged and dropped (`decode`
+returns None) so a malformed peer can never kill a process.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+log = logging.getLogger("strata.msgs")
+T = TypeVar("T")
+
+
+def pack_ids(ids: Iterable[int]) -> bytes:
+    """Token ids as packed little-endian int32 (compact and decodable without Python ints)."""
+    return array("i", ids).tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    out = array("i")
+    out.frombytes(data)
+    return out.tolist()
+
+
+def pack_f32(vals: Iterable[float]) -> bytes:
+    return array("f", vals).tobytes()
+
+
+def unpack_f32(data: bytes) -> list[float]:
+    out = array("f")
+    out.frombytes(data)
+    return out.tolist()
+
+
+class Codec(Generic[T]):
+    """Encoder + decoder for one channel's Union type, built once per process."""
+
+    def __init__(self, union: Any, channel: str) -> None:
+        self.channel = channel
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: T) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, frame: bytes) -> T | None:
+        try:
+            return self._dec.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropped malformed frame on %s: %s (%d bytes)", self.channel, exc, len(frame))
+            return None

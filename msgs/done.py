@@ -1,0 +1,41 @@
+"""Channel workers -> scheduler: step completions and worker readiness."""
+
+from __future__ import annotations
+
+import msgspec
+
+from msgs.codec import Codec
+
+
+class StepDone(msgspec.Struct, tag=True, frozen=True):
+    """Result of Step `seq` on `rank`. Sampled arrays follow the order of the forward's
+    requests that had sample=1. Only rank 0 fills them."""
+
+    seq: int
+    rank: int
+    token_ids: bytes = b""  # packed int32
+    logprobs: bytes | None = None  # packed f32
+    top_ids: bytes | None = None  # packed int32, [n, top_k] row-major
+    top_logprobs: bytes | None = None  # packed f32
+    top_k: int = 0
+    digest: str | None = None
+    forward_s: float = 0.0
+
+
+class WorkerReady(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    num_pages: int
+    page_size: int
+    max_context: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
+    rank: int
+    seq: int
+    reason: str
+
+
+FromWorker = StepDone | WorkerReady | WorkerFailed
+codec: Codec[FromWorker] = Codec(FromWorker, "done")

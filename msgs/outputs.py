@@ -1,0 +1,44 @@
+"""Channel scheduler -> tokenizer: new tokens per request, readiness and stats."""
+
+from __future__ import annotations
+
+import msgspec
+
+from msgs.codec import Codec
+
+
+class ReqOutput(msgspec.Struct, frozen=True):
+    rid: str
+    new_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[float] | None = None  # one per new id
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new id: (token, logprob)
+
+
+class TokenBatch(msgspec.Struct, tag=True, frozen=True):
+    outs: list[ReqOutput]
+
+
+class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
+    """Gauges and counters for /metrics, sent when ready and then whenever they change
+    (at most every ~100 ms). The first one with ready=True means every worker is up."""
+
+    ready: bool
+    max_context: int  # longest prompt + output a request may have, in tokens
+    vocab_size: int
+    kv_pages_total: int
+    kv_pages_used: int  # held by requests or by the prefix cache
+    cache_pages: int  # held by the prefix cache (reusable, evictable when unlocked)
+    running: int
+    waiting: int
+    cache_hit_tokens: int  # cumulative prompt tokens served from the device prefix cache
+    step_seconds: list[float]  # durations of steps finished since the previous stats
+    leak_free: bool = True  # result of the last idle leak check
+
+
+ToTokenizer = TokenBatch | SchedulerStats
+codec: Codec[ToTokenizer] = Codec(ToTokenizer, "outputs")

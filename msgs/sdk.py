@@ -1,0 +1,195 @@
+"""ZMQ client SDK for Strata (depends on msgspec and pyzmq only; no torch).
+
+    from msgs.sdk import Client
+    with Client("tcp://127.0.0.1:8001") as c:
+        print(c.generate("The capital of France is", max_new_tokens=8).text)
+        for chunk in c.stream("Count: 1, 2,", max_new_tokens=8):
+            print(chunk.text, end="")
+
+`AsyncClient` offers the same calls as coroutines / async iterators. A request that is
+abandoned (an iterator closed early, a cancelled task) is aborted on the server.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from msgs.codec import Codec
+from msgs.params import SamplingParams
+
+
+class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+    params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    stream: bool = False
+
+
+class AbortGenerate(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+
+
+class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
+    """A streamed delta, or with stream=False the whole result in one chunk."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+
+
+class GenerateError(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+    status: int
+    message: str
+
+
+class StrataError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+ToServer = GenerateRequest | AbortGenerate
+FromServer = GenerateChunk | GenerateError
+server_codec: Codec[ToServer] = Codec(ToServer, "sdk-in")
+client_codec: Codec[FromServer] = Codec(FromServer, "sdk-out")
+
+
+def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any]) -> GenerateRequest:
+    params = SamplingParams(**kw)
+    rid = rid or uuid.uuid4().hex
+    if isinstance(prompt, str):
+        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream)
+    return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream)
+
+
+def _check(msg: FromServer | None) -> GenerateChunk | None:
+    if isinstance(msg, GenerateError):
+        raise StrataError(msg.status, msg.message)
+    return msg
+
+
+class Client:
+    """Blocking client. One request at a time per client object (use AsyncClient for many)."""
+
+    def __init__(self, addr: str, timeout_s: float = 300.0) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self._sock.connect(addr)
+
+    def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
+        """Run one request to completion; params are SamplingParams fields."""
+        req = _request(prompt, False, rid, params)
+        self._sock.send(server_codec.encode(req))
+        while True:
+            chunk = _check(client_codec.decode(self._sock.recv()))
+            if chunk is not None and chunk.rid == req.rid:
+                return chunk
+
+    def stream(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> Iterator[GenerateChunk]:
+        """Yield deltas until the request finishes. Closing the iterator early aborts it."""
+        req = _request(prompt, True, rid, params)
+        self._sock.send(server_codec.encode(req))
+        finished = False
+        try:
+            while not finished:
+                chunk = _check(client_codec.decode(self._sock.recv()))
+                if chunk is None or chunk.rid != req.rid:
+                    continue
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._sock.send(server_codec.encode(AbortGenerate(rid=rid)))
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; many concurrent requests share one socket, routed by rid."""
+
+    def __init__(self, addr: str) -> None:
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(addr)
+        self._queues: dict[str, list[FromServer]] = {}
+        self._reading = False
+
+    async def _next(self, rid: str) -> FromServer:
+        import asyncio
+
+        while True:
+            pending = self._queues[rid]
+            if pending:
+                return pending.pop(0)
+            if self._reading:  # another task is reading: let it route our message
+                await asyncio.sleep(0.001)
+                continue
+            self._reading = True
+            try:
+                msg = client_codec.decode(await self._sock.recv())
+            finally:
+                self._reading = False
+            if msg is not None and msg.rid in self._queues:
+                self._queues[msg.rid].append(msg)
+
+    async def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
+        req = _request(prompt, False, rid, params)
+        self._queues[req.rid] = []
+        try:
+            await self._sock.send(server_codec.encode(req))
+            chunk = _check(await self._next(req.rid))
+            assert chunk is not None
+            return chunk
+        finally:
+            del self._queues[req.rid]
+
+    async def stream(
+        self, prompt: str | list[int], rid: str | None = None, **params: Any
+    ) -> AsyncIterator[GenerateChunk]:
+        req = _request(prompt, True, rid, params)
+        self._queues[req.rid] = []
+        finished = False
+        try:
+            await self._sock.send(server_codec.encode(req))
+            while not finished:
+                chunk = _check(await self._next(req.rid))
+                assert chunk is not None
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            del self._queues[req.rid]
+            if not finished:
+                await self.abort(req.rid)
+
+    async def abort(self, rid: str) -> None:
+        await self._sock.send(server_codec.encode(AbortGenerate(rid=rid)))
+
+    def close(self) -> None:
+        self._sock.close(0)

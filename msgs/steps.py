@@ -1,0 +1,76 @@
+"""Channel scheduler -> workers: the numbered Step stream.
+
+A Step is applied by every worker in seq order. Ops are the only way replicated state
+(per-slot page tables and sampling state) changes; `forward` says what to compute.
+Slots are small integers the scheduler assigns (lowest free first), used as row indices
+on the worker.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from msgs.codec import Codec
+
+
+class WorkerSampling(msgspec.Struct, frozen=True):
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int  # always set: the scheduler draws one deterministically when the user gave none
+    logprobs: bool
+    top_logprobs: int
+
+
+class AddReq(msgspec.Struct, tag=True, frozen=True):
+    slot: int
+    rid: str
+    sampling: WorkerSampling
+    prompt_ids: bytes  # packed int32, for the repetition penalty
+
+
+class ExtendPages(msgspec.Struct, tag=True, frozen=True):
+    slot: int
+    pages: bytes  # packed int32, appended to the slot's page table
+
+
+class FreeReq(msgspec.Struct, tag=True, frozen=True):
+    slot: int
+
+
+class DigestCheck(msgspec.Struct, tag=True, frozen=True):
+    """Every replica reports the digest of its replicated state in this step's StepDone."""
+
+
+Op = AddReq | ExtendPages | FreeReq | DigestCheck
+
+
+class Forward(msgspec.Struct, frozen=True):
+    """One batch. Arrays are packed int32, one entry per request unless noted.
+
+    input_ids holds every new token, request-major; -1 is a future reference: the token
+    this slot sampled in the previous step, resolved on the worker's device."""
+
+    slots: bytes
+    input_ids: bytes  # per token
+    start_pos: bytes  # KV length before this step
+    extend_lens: bytes
+    sample: bytes  # 1 when the request's last new token must be sampled
+
+
+class Step(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+    ops: list[Op]
+    forward: Forward | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+ToWorker = Step | Shutdown
+codec: Codec[ToWorker] = Codec(ToWorker, "steps")
