@@ -146,8 +146,13 @@ class RadixCache:
         return MatchResult(pages, path[-1] if path else self.root, n)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """`insert_node` without the node."""
+        return self.insert_node(tokens, pages)[0]
+
+    def insert_node(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, RadixNode]:
         """Insert a page-aligned prefix (``len(tokens) == len(pages) * page_size``) and return
-        how many leading tokens were ALREADY in the tree (a multiple of page_size).
+        how many leading tokens were ALREADY in the tree (a multiple of page_size), and the
+        node that now ends at `tokens` (the root for an empty insert).
 
         Ownership: ``pages[: ret // page_size]`` are NOT taken by the tree; they stay the
         caller's (to free, or to drop if they are the very pages the tree holds). The
@@ -174,7 +179,8 @@ class RadixCache:
             self._leaves.pop(parent.id, None)
             self._leaves[leaf.id] = leaf
             self._total_pages += len(new_pages)
-        return n
+            return n, leaf
+        return n, path[-1] if path else self.root
 
     # ---- locking --------------------------------------------------------------------
 
@@ -240,7 +246,7 @@ class RadixCache:
         restart from 0. Raises RuntimeError if anything is locked."""
         if any(c.lock_ref for c in self.root.children.values()):
             raise RuntimeError("reset of a radix cache with locked nodes")
-        self.allocator.free([p for node in self._dfs() for p in node.pages])
+        self.allocator.free([p for _, node in self._dfs() for p in node.pages])
         self._init_state()
 
     # ---- introspection ----------------------------------------------------------------

@@ -1,0 +1,454 @@
+"""Batched token sampler run by the worker after the model's forward.
+
+Contracts:
+- Same code on CPU and CUDA. `sample()` never reads device values on the host, so it never
+  synchronises (as long as `slots` is a host list/CPU tensor or a device tensor, and
+  `positions` is already on the device).
+- Per-request work (validation, parameter upload, penalty bookkeeping allocation) happens once in
+  `add()`. Per-batch-composition work (plan, gathered parameter rows) is cached by the tuple of
+  slots and invalidated by `add()`/`remove()`.
+- Seeded sampling: the token drawn for a row depends only on (seed, position, that row's logits and
+  params), never on the rest of the batch or the step number. Noise is a counter-based splitmix64
+  hash of (seed, position, token id) fed to the Gumbel-max trick.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+# Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
+GREEDY_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20
+# When every sampled row has top_k <= this, filter on topk() candidates instead of a full sort.
+_TOPK_CANDIDATES_MAX = 4096
+# Bounded cache of batch compositions; cleared whenever a request is added or removed.
+_PLAN_CACHE_MAX = 16
+
+
+def _s64(x: int) -> int:
+    """Reinterpret an unsigned 64-bit constant as the signed int64 torch stores."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GAMMA = _s64(0x9E3779B97F4A7C15)
+_MIX1 = _s64(0xBF58476D1CE4E5B9)
+_MIX2 = _s64(0x94D049BB133111EB)
+_UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleParams:
+    """Per-request sampling parameters; validated once at construction (ValueError).
+
+    temperature < GREEDY_EPS means greedy. top_p=1, top_k<=0, min_p=0, repetition_penalty=1,
+    frequency_penalty=presence_penalty=0 disable the respective feature. repetition_penalty
+    follows HF (prompt + generated tokens); frequency/presence follow OpenAI (generated only).
+    `seed` is required: the scheduler fills a deterministic one when the user gives none.
+    top_logprobs > 0 requires logprobs=True (as in the OpenAI API).
+    """
+
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature must be finite and >= 0")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(_is_int(self.top_k), "top_k must be an int (<= 0 disables it)")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty must be finite and > 0",
+        )
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+               "frequency_penalty must be in [-2, 2]")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+               "presence_penalty must be in [-2, 2]")
+        _check(isinstance(self.logprobs, bool), "logprobs must be a bool")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=True")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def uses_repetition(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_freq_presence(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Output of `Sampler.sample`; every tensor stays on the sampler's device.
+
+    token_ids: int64[B]. logprobs: float32[B], log_softmax of the RAW logits at the chosen token,
+    present when any batch row asked for logprobs. top_ids/top_logprobs: [B, K] sorted descending,
+    K = max top_logprobs over the batch (rows that asked for fewer slice their own prefix).
+    """
+
+    token_ids: Tensor
+    logprobs: Tensor | None = None
+    top_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None
+
+
+# Rows of the per-slot parameter tables.
+_F_INV_TEMP, _F_TOP_P, _F_LOG_MIN_P, _F_REP, _F_FREQ, _F_PRES = range(6)
+_I_SEED, _I_TOP_K, _I_GREEDY = range(3)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Host-side decisions for one batch composition (what work the step needs)."""
+
+    all_greedy: bool
+    any_greedy: bool
+    any_repetition: bool
+    any_freq_presence: bool
+    mode: str  # candidates for filtering: "none" (full vocab), "topk", "sort"
+    kmax: int  # candidate count in "topk" mode
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    want_logprobs: bool
+    num_top: int
+
+    @property
+    def any_penalty(self) -> bool:
+        return self.any_repetition or self.any_freq_presence
+
+    @property
+    def argmax_only(self) -> bool:
+        return self.all_greedy and not self.any_penalty and not self.want_logprobs
+
+
+class _Batch(NamedTuple):
+    plan: _Plan
+    slots: Tensor  # int64[B] on device
+    fp: Tensor  # float32[6, B] gathered parameter rows
+    ip: Tensor  # int64[3, B]
+
+
+class Sampler:
+    """Samples one token per row from [B, V] logits; per-request state lives in slot rows."""
+
+    def __init__(self, vocab_size: int, max_slots: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.max_slots = max_slots
+        self.device = torch.device(device)
+        self._params: list[SampleParams | None] = [None] * max_slots
+        self._fp = torch.zeros(6, max_slots, dtype=torch.float32, device=self.device)
+        self._ip = torch.zeros(3, max_slots, dtype=torch.int64, device=self.device)
+        # (id + 1) * gamma for every token id: the per-token half of the noise counter.
+        self._id_gamma = (torch.arange(1, vocab_size + 1, device=self.device) * _GAMMA)
+        # Penalty bookkeeping, allocated on first use: most deployments never pay for it.
+        self._seen: Tensor | None = None  # bool[S, V]: prompt | generated (repetition penalty)
+        self._counts: Tensor | None = None  # float32[S, V]: generated counts (freq/presence)
+        self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
+        self._active_plan: _Plan | None = None  # plan over all registered slots
+
+    # ---- request lifecycle (once per request) ----
+
+    def add(self, slot: int, params: SampleParams, prompt_ids: Sequence[int] | Tensor = ()) -> None:
+        """Register a request in a free slot. prompt_ids only matter for repetition_penalty."""
+        self._check_slot(slot)
+        if self._params[slot] is not None:
+            raise ValueError(f"slot {slot} is already in use")
+        self._params[slot] = params
+        self._fp[:, slot] = self._upload(_float_row(params), torch.float32)
+        self._ip[:, slot] = self._upload(self._int_row(params), torch.int64)
+        if params.uses_repetition:
+            self._init_seen(slot, prompt_ids)
+        if params.uses_freq_presence:
+            self._init_counts(slot)
+        self._invalidate()
+
+    def remove(self, slot: int) -> None:
+        """Free a slot. Its device rows go stale; add() overwrites them on reuse."""
+        self._check_slot(slot)
+        if self._params[slot] is None:
+            raise ValueError(f"slot {slot} is not in use")
+        self._params[slot] = None
+        self._invalidate()
+
+    # ---- per step ----
+
+    def sample(
+        self, logits: Tensor, slots: Sequence[int] | Tensor, positions: Sequence[int] | Tensor
+    ) -> SampleResult:
+        """Pick one token per row and update the penalty state with it.
+
+        logits: float[B, V] (V == vocab_size), not modified. slots: the row's slot, as a host
+        list/CPU tensor (exact per-batch plan, cached by composition) or a device tensor (plan
+        taken over all registered slots; no host read). positions: int64[B], the position of the
+        token being sampled; with the seed it fully determines the noise. Call this only for rows
+        whose token will be kept: it records the token for penalties.
+        """
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [B, {self.vocab_size}], got {tuple(logits.shape)}")
+        batch = self._batch(slots)
+        if batch.plan.argmax_only:
+            return SampleResult(token_ids=logits.argmax(dim=-1))
+        logits = logits.float()
+        penalized = self._penalize(logits, batch)
+        tokens = self._choose(penalized, batch, self._as_device(positions))
+        self._record(batch, tokens)
+        return self._with_logprobs(logits, tokens, batch.plan)
+
+    def apply_penalties(self, logits: Tensor, slots: Sequence[int] | Tensor) -> Tensor:
+        """Return logits with the slots' repetition/frequency/presence penalties applied."""
+        return self._penalize(logits.float(), self._batch(slots))
+
+    # ---- batch plans ----
+
+    def _batch(self, slots: Sequence[int] | Tensor) -> _Batch:
+        if isinstance(slots, Tensor) and slots.device.type != "cpu":
+            # Reading a device tensor would sync, so plan for every registered request instead.
+            if self._active_plan is None:
+                self._active_plan = self._plan([p for p in self._params if p is not None])
+            idx = slots.to(torch.int64)
+            return _Batch(self._active_plan, idx, self._fp[:, idx], self._ip[:, idx])
+        key = tuple(int(s) for s in (slots.tolist() if isinstance(slots, Tensor) else slots))
+        batch = self._batches.get(key)
+        return batch if batch is not None else self._build_batch(key)
+
+    def _invalidate(self) -> None:
+        self._batches.clear()
+        self._active_plan = None
+
+    def _build_batch(self, key: tuple[int, ...]) -> _Batch:
+        params = []
+        for s in key:
+            self._check_slot(s)
+            p = self._params[s]
+            if p is None:
+                raise ValueError(f"slot {s} is not in use")
+            params.append(p)
+        idx = self._upload(list(key), torch.int64)
+        batch = _Batch(self._plan(params), idx, self._fp[:, idx], self._ip[:, idx])
+        if len(self._batches) >= _PLAN_CACHE_MAX:
+            self._batches.clear()
+        self._batches[key] = batch
+        return batch
+
+    def _plan(self, params: list[SampleParams]) -> _Plan:
+        sampled = [p for p in params if not p.greedy]
+        ks = [p.top_k for p in sampled]
+        use_top_k = any(k > 0 for k in ks)
+        use_top_p = any(p.top_p < 1.0 for p in sampled)
+        if sampled and all(0 < k <= _TOPK_CANDIDATES_MAX for k in ks):
+            mode, kmax = "topk", min(max(ks), self.vocab_size)
+        else:
+            mode, kmax = ("sort" if use_top_k or use_top_p else "none"), 0
+        return _Plan(
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < len(params),
+            any_repetition=any(p.uses_repetition for p in params),
+            any_freq_presence=any(p.uses_freq_presence for p in params),
+            mode=mode,
+            kmax=kmax,
+            use_top_k=use_top_k,
+            use_top_p=use_top_p,
+            use_min_p=any(p.min_p > 0 for p in sampled),
+            want_logprobs=any(p.logprobs for p in params),
+            num_top=min(max((p.top_logprobs for p in params), default=0), self.vocab_size),
+        )
+
+    # ---- logits processing ----
+
+    def _penalize(self, logits: Tensor, batch: _Batch) -> Tensor:
+        plan, out = batch.plan, logits
+        if plan.any_repetition and self._seen is not None:
+            rep = batch.fp[_F_REP].unsqueeze(1)
+            # HF semantics: positive logits are divided, negative multiplied (both lower them).
+            scaled = torch.where(out > 0, out / rep, out * rep)
+            out = torch.where(self._seen[batch.slots], scaled, out)
+        if plan.any_freq_presence and self._counts is not None:
+            counts = self._counts[batch.slots]
+            presence = (counts > 0).to(out.dtype) * batch.fp[_F_PRES].unsqueeze(1)
+            out = out - counts.mul_(batch.fp[_F_FREQ].unsqueeze(1)) - presence
+        return out
+
+    def _choose(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
+        plan = batch.plan
+        greedy = penalized.argmax(dim=-1) if plan.any_greedy else None
+        if plan.all_greedy:
+            return greedy
+        sampled = self._race(penalized, batch, positions)
+        if greedy is None:
+            return sampled
+        return torch.where(batch.ip[_I_GREEDY].bool(), greedy, sampled)
+
+    def _race(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
+        """Temperature, top_k, top_p, min_p, then the Gumbel-max race over what is left."""
+        plan = batch.plan
+        inv_temp = batch.fp[_F_INV_TEMP].unsqueeze(1)
+        ids: Tensor | None = None
+        # Temperature does not change order, so pick candidates before scaling (fewer elements).
+        if plan.mode == "topk":
+            cand, ids = penalized.topk(plan.kmax, dim=-1)
+        elif plan.mode == "sort":
+            cand, ids = penalized.sort(dim=-1, descending=True)
+        else:
+            cand = penalized
+        cand = cand * inv_temp
+        if ids is not None:
+            cand = self._filter_sorted(cand, batch)
+        if plan.use_min_p:
+            cand = _min_p_mask(cand, batch.fp[_F_LOG_MIN_P], is_sorted=ids is not None)
+        pick = cand.add_(self._gumbel(batch.ip[_I_SEED], positions, ids)).argmax(dim=-1)
+        return pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+    def _filter_sorted(self, cand: Tensor, batch: _Batch) -> Tensor:
+        """Mask top_k / top_p on candidates sorted descending (rank 0 always survives)."""
+        plan = batch.plan
+        if plan.use_top_k:
+            ranks = torch.arange(cand.shape[1], device=cand.device)
+            cand = cand.masked_fill(ranks >= batch.ip[_I_TOP_K].unsqueeze(1), -math.inf)
+        if plan.use_top_p:
+            top_p = batch.fp[_F_TOP_P].unsqueeze(1)
+            probs = cand.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
+            # Rows with top_p == 1 are exempt: cumsum rounding could otherwise clip their tail.
+            drop = (mass_before >= top_p) & (top_p < 1.0)
+            cand = cand.masked_fill(drop, -math.inf)
+        return cand
+
+    def _gumbel(self, seeds: Tensor, positions: Tensor, ids: Tensor | None) -> Tensor:
+        """Gumbel(0,1) noise[B, C] from splitmix64(seed, position, token id); no RNG state."""
+        row = _mix64(seeds + (positions + 1) * _GAMMA).unsqueeze(1)
+        counter = row + (self._id_gamma if ids is None else (ids + 1) * _GAMMA)
+        bits = _lshr(_mix64(counter), 64 - _UNIFORM_BITS)
+        u = bits.to(torch.float32).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+        return u.log_().neg_().log_().neg_()
+
+    # ---- after the choice ----
+
+    def _record(self, batch: _Batch, tokens: Tensor) -> None:
+        """Add the chosen tokens to the penalty state (device scatter, no sync).
+
+        Rows of requests without penalties are updated too (cheaper than masking); add() resets a
+        row before a penalised request uses it.
+        """
+        plan = batch.plan
+        if plan.any_repetition and self._seen is not None:
+            self._seen.index_put_((batch.slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+        if plan.any_freq_presence and self._counts is not None:
+            ones = torch.ones_like(tokens, dtype=torch.float32)
+            self._counts.index_put_((batch.slots, tokens), ones, accumulate=True)
+
+    def _with_logprobs(self, logits: Tensor, tokens: Tensor, plan: _Plan) -> SampleResult:
+        if not plan.want_logprobs:
+            return SampleResult(token_ids=tokens)
+        logp = logits.log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if plan.num_top == 0:
+            return SampleResult(token_ids=tokens, logprobs=chosen)
+        top_lp, top_ids = logp.topk(plan.num_top, dim=-1)
+        return SampleResult(token_ids=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+    # ---- helpers ----
+
+    def _init_seen(self, slot: int, prompt_ids: Sequence[int] | Tensor) -> None:
+        if self._seen is None:
+            self._seen = torch.zeros(self.max_slots, self.vocab_size, dtype=torch.bool, device=self.device)
+        row = self._seen[slot]
+        row.zero_()
+        ids = self._as_device(prompt_ids)
+        if ids.numel():
+            row.index_fill_(0, ids, True)
+
+    def _init_counts(self, slot: int) -> None:
+        if self._counts is None:
+            self._counts = torch.zeros(self.max_slots, self.vocab_size, device=self.device)
+        self._counts[slot].zero_()
+
+    def _int_row(self, p: SampleParams) -> list[int]:
+        top_k = self.vocab_size if p.top_k <= 0 else min(p.top_k, self.vocab_size)
+        return [_mix64_int(p.seed), top_k, int(p.greedy)]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+
+    def _as_device(self, values: Sequence[int] | Tensor) -> Tensor:
+        if isinstance(values, Tensor):
+            return values.to(device=self.device, dtype=torch.int64)
+        return self._upload(list(values), torch.int64)
+
+    def _upload(self, values: list, dtype: torch.dtype) -> Tensor:
+        """Host list -> device tensor without a stream sync (pinned + non_blocking on CUDA)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            # The caching host allocator keeps the pinned block alive until the copy is done.
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+
+def _float_row(p: SampleParams) -> list[float]:
+    inv_temp = 1.0 if p.greedy else 1.0 / p.temperature
+    log_min_p = math.log(p.min_p) if p.min_p > 0 else -math.inf
+    return [inv_temp, p.top_p, log_min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+
+
+def _min_p_mask(cand: Tensor, log_min_p: Tensor, is_sorted: bool) -> Tensor:
+    """Drop tokens with p < min_p * p_max, i.e. logit < max_logit + log(min_p) (no softmax needed)."""
+    top = cand[:, :1] if is_sorted else cand.amax(dim=-1, keepdim=True)
+    return cand.masked_fill(cand < top + log_min_p.unsqueeze(1), -math.inf)
+
+
+def _lshr(z: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64: torch's >> is arithmetic, so clear the sign-extended bits."""
+    return (z >> s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    """splitmix64 finaliser on int64 tensors (multiplication wraps like uint64); z is not modified."""
+    z = z ^ _lshr(z, 30)  # the one allocation; the rest is in place to spare [B, V] temporaries
+    z.mul_(_MIX1)
+    z ^= _lshr(z, 27)
+    z.mul_(_MIX2)
+    z ^= _lshr(z, 31)
+    return z
+
+
+def _mix64_int(x: int) -> int:
+    """Host twin of _mix64 (for per-request precomputation and tests); int64 in, int64 out."""
+    mask = (1 << 64) - 1
+    z = x & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return _s64(z ^ (z >> 31))

@@ -1,0 +1,54 @@
+"""A request as the scheduler sees it: tokens, KV pages, and where it stands."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from msgs.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new_tokens: int  # already clamped to the context length
+    arrival: int  # admission order, a total order tie-break
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)  # page table as sent to the workers
+    private: set[int] = field(default_factory=set)  # pages this request must free itself
+    node: Any = None  # deepest radix node it has locked
+    kv_len: int = 0  # tokens whose KV is written, or will be by a step already sent
+    inflight: int = 0  # sent steps that will return a sampled token for this request
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    admitted_once: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens known so far plus tokens being sampled by steps in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_len < self.seq_len - 1
+
+    @property
+    def pending_tokens(self) -> int:
+        """Output tokens already sampled or being sampled."""
+        return len(self.output_ids) + self.inflight

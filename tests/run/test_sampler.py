@@ -1,0 +1,366 @@
+"""Tests for the batched token sampler (run on CPU, and on CUDA when available)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.run.sampler import SampleParams, Sampler, _mix64, _mix64_int
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return torch.device(request.param)
+
+
+def _sampler(device: torch.device, vocab: int = 16, slots: int = 8) -> Sampler:
+    return Sampler(vocab, slots, device)
+
+
+def _pos(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _draw(s: Sampler, logits: torch.Tensor, slot: int, n: int, device: torch.device) -> torch.Tensor:
+    """n draws for one slot: the same logits row at positions 0..n-1, in one batch."""
+    rows = logits.to(device).expand(n, -1).contiguous()
+    return s.sample(rows, [slot] * n, torch.arange(n, device=device)).token_ids.cpu()
+
+
+def test_hash_matches_host_splitmix64(device: torch.device) -> None:
+    rng = random.Random(0)
+    vals = [rng.getrandbits(64) - (1 << 63) for _ in range(2000)] + [-(1 << 63), (1 << 63) - 1, 0, -1]
+    got = _mix64(torch.tensor(vals, device=device)).cpu().tolist()
+    assert got == [_mix64_int(v) for v in vals]
+
+
+# ---- greedy ----
+
+
+def test_greedy_is_argmax(device: torch.device) -> None:
+    s = _sampler(device, vocab=1000)
+    for slot in range(5):
+        s.add(slot, SampleParams(seed=slot, temperature=0.0))
+    logits = torch.randn(5, 1000, device=device)
+    res = s.sample(logits, [0, 1, 2, 3, 4], _pos([3, 9, 0, 1, 2], device))
+    assert torch.equal(res.token_ids, logits.argmax(-1))
+    assert res.token_ids.dtype == torch.int64 and res.token_ids.device.type == device.type
+    assert res.logprobs is None and res.top_ids is None and res.top_logprobs is None
+
+
+def test_zero_temperature_rows_stay_greedy_in_mixed_batch(device: torch.device) -> None:
+    s = _sampler(device, vocab=50)
+    temps = [0.0, 1.5, 0.0, 1.0]
+    for slot, t in enumerate(temps):
+        s.add(slot, SampleParams(seed=100 + slot, temperature=t, top_p=0.99 if slot == 3 else 1.0))
+    torch.manual_seed(0)
+    non_argmax = 0
+    for step in range(50):
+        logits = torch.randn(4, 50, device=device) * 0.3  # flat: sampled rows rarely hit argmax
+        tok = s.sample(logits, [0, 1, 2, 3], _pos([step] * 4, device)).token_ids
+        best = logits.argmax(-1)
+        assert tok[0] == best[0] and tok[2] == best[2]
+        non_argmax += int((tok[1] != best[1]).item()) + int((tok[3] != best[3]).item())
+    assert non_argmax > 50  # the sampled rows really sampled
+
+
+# ---- seeded reproducibility ----
+
+
+def test_same_seed_and_position_give_same_token_in_any_batch(device: torch.device) -> None:
+    vocab = 64
+    params = {
+        0: SampleParams(seed=7, temperature=1.0, top_k=20),  # alone: top-k candidate path
+        1: SampleParams(seed=8, temperature=0.9),  # no filter: full-vocab path
+        2: SampleParams(seed=9, temperature=1.2, top_p=0.9),  # forces the sort path
+        3: SampleParams(seed=10, temperature=0.0),
+    }
+    torch.manual_seed(1)
+    row_logits = {slot: torch.randn(vocab, device=device) for slot in params}
+
+    def run(sampler: Sampler, slots: list[int], positions: list[int]) -> dict[int, int]:
+        logits = torch.stack([row_logits[s] for s in slots])
+        tok = sampler.sample(logits, slots, _pos(positions, device)).token_ids.tolist()
+        return dict(zip(slots, tok, strict=True))
+
+    a, b = _sampler(device, vocab), _sampler(device, vocab)
+    for slot, p in params.items():
+        a.add(slot, p)
+        b.add(slot, p)
+    for pos in range(40):
+        alone = {slot: run(a, [slot], [pos])[slot] for slot in params}
+        full = run(a, [0, 1, 2, 3], [pos] * 4)
+        reordered = run(b, [2, 3, 0, 1], [pos] * 4)
+        pairs = {**run(b, [1, 0], [pos, pos]), **run(b, [3, 2], [pos, pos])}
+        assert alone == full == reordered == pairs
+
+
+def test_position_not_step_count_determines_noise(device: torch.device) -> None:
+    s = _sampler(device, vocab=100)
+    s.add(0, SampleParams(seed=5, temperature=1.0))
+    logits = torch.zeros(1, 100, device=device)
+    first = [s.sample(logits, [0], _pos([p], device)).token_ids.item() for p in range(30)]
+    again = [s.sample(logits, [0], _pos([p], device)).token_ids.item() for p in reversed(range(30))]
+    assert first == list(reversed(again))
+    assert len(set(first)) > 15  # positions decorrelate
+
+
+def test_different_seeds_give_different_tokens(device: torch.device) -> None:
+    s = _sampler(device, vocab=100)
+    s.add(0, SampleParams(seed=1, temperature=1.0))
+    s.add(1, SampleParams(seed=2, temperature=1.0))
+    s.add(2, SampleParams(seed=1, temperature=1.0))
+    logits = torch.zeros(3, 100, device=device)
+    same, diff = 0, 0
+    for pos in range(300):
+        tok = s.sample(logits, [0, 1, 2], _pos([pos] * 3, device)).token_ids.tolist()
+        same += tok[0] == tok[2]
+        diff += tok[0] != tok[1]
+    assert same == 300
+    assert diff > 280  # uniform over 100 tokens: ~1% collisions expected
+
+
+# ---- distribution ----
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor, n: int) -> float:
+    expected = probs * n
+    keep = expected > 0
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+def test_samples_follow_softmax_with_temperature(device: torch.device) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
+    n, temp = 20000, 0.7
+    s = _sampler(device, vocab=6)
+    s.add(0, SampleParams(seed=1234, temperature=temp))
+    tok = _draw(s, logits, 0, n, device)
+    counts = torch.bincount(tok, minlength=6).double()
+    probs = torch.softmax(logits.double() / temp, -1)
+    # 5 degrees of freedom; 25 is the p~1e-4 critical value.
+    assert _chi_square(counts, probs, n) < 25.0
+
+
+def test_top_k_keeps_only_best_and_renormalises(device: torch.device) -> None:
+    logits = torch.tensor([0.1, 1.0, -0.5, 0.9, 0.0, 0.2, -1.0, 0.3])
+    n = 20000
+    s = _sampler(device, vocab=8)
+    s.add(0, SampleParams(seed=3, temperature=1.0, top_k=2))
+    counts = torch.bincount(_draw(s, logits, 0, n, device), minlength=8).double()
+    assert set(torch.nonzero(counts).flatten().tolist()) == {1, 3}
+    probs = torch.zeros(8, dtype=torch.float64)
+    probs[[1, 3]] = torch.softmax(logits[[1, 3]].double(), -1)
+    assert _chi_square(counts, probs, n) < 15.0  # 1 dof
+
+
+def test_top_p_excludes_tail_per_row(device: torch.device) -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    n = 4000
+    s = _sampler(device, vocab=4)
+    s.add(0, SampleParams(seed=11, temperature=1.0, top_p=0.75))
+    s.add(1, SampleParams(seed=12, temperature=1.0))
+    rows = logits.to(device).expand(2 * n, -1)
+    slots = [0] * n + [1] * n
+    tok = s.sample(rows, slots, torch.arange(2 * n, device=device) % n).token_ids.cpu()
+    assert set(tok[:n].tolist()) == {0, 1}  # mass before token 2 is 0.8 >= 0.75
+    assert set(tok[n:].tolist()) == {0, 1, 2, 3}  # the unfiltered row in the same batch keeps the tail
+    kept = torch.bincount(tok[:n], minlength=4).double()
+    assert _chi_square(kept, torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64), n) < 15.0
+
+
+def test_min_p_excludes_tokens_below_fraction_of_max(device: torch.device) -> None:
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    s = _sampler(device, vocab=5)
+    s.add(0, SampleParams(seed=21, temperature=1.0, min_p=0.2))  # threshold 0.1
+    tok = _draw(s, probs.log(), 0, 5000, device)
+    assert set(tok.tolist()) == {0, 1, 2}
+
+
+def test_top_k_and_top_p_combine(device: torch.device) -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    s = _sampler(device, vocab=4)
+    # top_k=3 renormalises to [4/9, 3/9, 2/9]; top_p=0.7 then keeps tokens 0 and 1 (mass 7/9).
+    s.add(0, SampleParams(seed=2, temperature=1.0, top_k=3, top_p=0.7))
+    assert set(_draw(s, probs.log(), 0, 3000, device).tolist()) == {0, 1}
+
+
+# ---- penalties ----
+
+
+def _force(s: Sampler, slot: int, token: int, position: int, vocab: int, device: torch.device) -> None:
+    """Make `slot` emit `token` (a large one-hot logit beats any penalty here)."""
+    logits = torch.zeros(1, vocab, device=device)
+    logits[0, token] = 100.0
+    assert s.sample(logits, [slot], _pos([position], device)).token_ids.item() == token
+
+
+def test_repetition_penalty_matches_transformers(device: torch.device) -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    vocab, prompt, generated = 32, [1, 2, 3, 5, 2], [7, 9, 7]
+    s = _sampler(device, vocab)
+    s.add(0, SampleParams(seed=0, temperature=0.0, repetition_penalty=1.3), prompt)
+    s.add(1, SampleParams(seed=0, temperature=1.0))  # neighbour without penalties
+    for i, t in enumerate(generated):
+        _force(s, 0, t, len(prompt) + i, vocab, device)
+    torch.manual_seed(2)
+    logits = torch.randn(2, vocab) * 3
+    got = s.apply_penalties(logits.to(device), [0, 1]).cpu()
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + generated]), logits[:1].clone())
+    torch.testing.assert_close(got[:1], ref)
+    assert torch.equal(got[1], logits[1])
+    seen = set(prompt + generated)
+    assert all(got[0, i] < logits[0, i] for i in seen if logits[0, i] != 0)
+
+
+def test_frequency_and_presence_penalties_follow_openai(device: torch.device) -> None:
+    vocab, freq, pres = 16, 0.5, 0.3
+    s = _sampler(device, vocab)
+    s.add(2, SampleParams(seed=0, temperature=0.0, frequency_penalty=freq, presence_penalty=pres), [4, 4])
+    for i, t in enumerate([7, 7, 9, 7]):
+        _force(s, 2, t, i, vocab, device)
+    counts = torch.zeros(vocab)
+    counts[7], counts[9] = 3, 1  # prompt tokens (4) do not count for OpenAI penalties
+    logits = torch.randn(1, vocab)
+    got = s.apply_penalties(logits.to(device), [2]).cpu()
+    torch.testing.assert_close(got, logits - counts * freq - (counts > 0).float() * pres)
+
+
+def test_penalties_change_greedy_choice_and_reset_on_reuse(device: torch.device) -> None:
+    vocab = 8
+    s = _sampler(device, vocab)
+    s.add(0, SampleParams(seed=0, temperature=0.0, presence_penalty=2.0))
+    logits = torch.tensor([[0.0, 1.0, 0.5, 0, 0, 0, 0, 0]], device=device)
+    assert s.sample(logits, [0], _pos([0], device)).token_ids.item() == 1
+    assert s.sample(logits, [0], _pos([1], device)).token_ids.item() == 2  # 1.0 - 2.0 < 0.5
+    s.remove(0)
+    s.add(0, SampleParams(seed=0, temperature=0.0, presence_penalty=2.0))
+    assert s.sample(logits, [0], _pos([0], device)).token_ids.item() == 1  # fresh counts
+
+
+# ---- logprobs ----
+
+
+def test_logprobs_are_raw_log_softmax_at_chosen_token(device: torch.device) -> None:
+    vocab = 40
+    s = _sampler(device, vocab)
+    s.add(0, SampleParams(seed=1, temperature=0.8, logprobs=True, top_logprobs=3, repetition_penalty=1.5),
+          [0, 1, 2])
+    s.add(1, SampleParams(seed=2, temperature=0.0, logprobs=True, top_logprobs=5))
+    s.add(2, SampleParams(seed=3, temperature=1.0))
+    torch.manual_seed(4)
+    for pos in range(5):
+        logits = torch.randn(3, vocab, device=device) * 2
+        res = s.sample(logits, [0, 1, 2], _pos([pos] * 3, device))
+        ref = torch.log_softmax(logits, -1)
+        assert res.logprobs is not None and res.top_ids is not None and res.top_logprobs is not None
+        torch.testing.assert_close(res.logprobs, ref.gather(1, res.token_ids[:, None]).squeeze(1))
+        assert res.top_ids.shape == (3, 5) and res.top_logprobs.shape == (3, 5)
+        assert torch.all(res.top_logprobs[:, :-1] >= res.top_logprobs[:, 1:])
+        torch.testing.assert_close(res.top_logprobs, ref.gather(1, res.top_ids))
+        torch.testing.assert_close(res.top_logprobs, ref.topk(5, -1).values)
+
+
+def test_logprobs_without_top_logprobs(device: torch.device) -> None:
+    s = _sampler(device, vocab=10)
+    s.add(0, SampleParams(seed=1, temperature=0.0, logprobs=True))
+    logits = torch.randn(1, 10, device=device)
+    res = s.sample(logits, [0], _pos([0], device))
+    assert res.top_ids is None and res.top_logprobs is None
+    torch.testing.assert_close(res.logprobs, torch.log_softmax(logits, -1).max(-1).values)
+
+
+# ---- bookkeeping and validation ----
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.01},
+        {"top_k": 2.5},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -2.1},
+        {"logprobs": 1},
+        {"logprobs": True, "top_logprobs": 21},
+        {"logprobs": True, "top_logprobs": -1},
+        {"top_logprobs": 2},  # requires logprobs=True
+        {"seed": 1.0},
+        {"seed": True},
+    ],
+)
+def test_param_validation(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SampleParams(**{"seed": 0, **kwargs})
+
+
+def test_param_defaults_and_flags() -> None:
+    p = SampleParams(seed=-5)
+    assert not p.greedy and not p.uses_repetition and not p.uses_freq_presence
+    assert SampleParams(seed=0, temperature=0.0).greedy
+    assert SampleParams(seed=0, repetition_penalty=1.1).uses_repetition
+    assert SampleParams(seed=0, presence_penalty=0.1).uses_freq_presence
+
+
+def test_slot_errors() -> None:
+    s = _sampler(torch.device("cpu"), slots=2)
+    s.add(0, SampleParams(seed=0))
+    with pytest.raises(ValueError):
+        s.add(0, SampleParams(seed=1))
+    with pytest.raises(ValueError):
+        s.add(2, SampleParams(seed=1))
+    with pytest.raises(ValueError):
+        s.remove(1)
+    with pytest.raises(ValueError):
+        s.sample(torch.zeros(1, 16), [1], [0])
+    with pytest.raises(ValueError):
+        s.sample(torch.zeros(1, 15), [0], [0])
+
+
+def test_batch_plan_cached_until_membership_changes() -> None:
+    s = _sampler(torch.device("cpu"))
+    s.add(0, SampleParams(seed=0))
+    s.add(1, SampleParams(seed=1))
+    first = s._batch([0, 1])
+    assert s._batch(torch.tensor([0, 1])) is first
+    s.add(2, SampleParams(seed=2))
+    assert s._batch([0, 1]) is not first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sample_does_not_sync() -> None:
+    dev = torch.device("cuda")
+    s = Sampler(5000, 8, dev)
+    s.add(0, SampleParams(seed=1, temperature=0.7, top_p=0.9, min_p=0.01, logprobs=True, top_logprobs=4))
+    penalised = SampleParams(seed=2, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5)
+    s.add(1, penalised, [1, 2, 3])
+    s.add(2, SampleParams(seed=3, temperature=1.0, top_k=40))
+    logits = torch.randn(3, 5000, device=dev)
+    positions = torch.tensor([5, 6, 7], device=dev)
+    slots_dev = torch.tensor([0, 1, 2], device=dev)
+    expected = s.sample(logits, [0, 1, 2], positions).token_ids
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s.remove(1)  # re-adding resets the penalty state, so the list call below repeats `expected`
+        s.add(1, penalised, [1, 2, 3])
+        s.sample(logits, [0, 1, 2], positions)  # cache miss: uploads the slot list
+        s.remove(1)
+        s.add(1, penalised, [1, 2, 3])
+        listed = s.sample(logits, [0, 1, 2], positions).token_ids
+        on_device = s.sample(logits, slots_dev, positions).token_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # Each call recorded its token; the penalised row may move, the others must not.
+    assert torch.equal(listed, expected)
+    assert on_device[0] == expected[0] and on_device[2] == expected[2]

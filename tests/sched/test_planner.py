@@ -1,0 +1,210 @@
+"""SchedulerCore planning: budget, chunked prefill, prefix reuse, overlap, retraction, abort.
+
+The core is driven directly; StepDone results carry tokens chosen by the test (the
+worker's forward is covered by the engine and integration tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sched.scheduler import SchedConfig, SchedulerCore
+from msgs.codec import pack_ids, unpack_ids
+from msgs.done import StepDone
+from msgs.params import SamplingParams
+from msgs.requests import TokenizedRequest
+from msgs.steps import AddReq, ExtendPages, FreeReq, Step
+
+PS = 4
+
+
+def make(num_pages: int = 64, budget: int = 32, max_running: int = 8, radix: bool = True) -> SchedulerCore:
+    cfg = SchedConfig(
+        num_pages=num_pages, page_size=PS, max_running=max_running, max_prefill_tokens=budget,
+        max_context=256, eos_token_ids=(0,), enable_radix=radix, digest_every=1,
+    )
+    return SchedulerCore(cfg)
+
+
+def submit(core: SchedulerCore, rid: str, ids: list[int], max_new: int = 4, **kw) -> None:
+    params = SamplingParams(max_new_tokens=max_new, **kw)
+    assert core.submit(TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params)) is None
+
+
+def rows(step: Step) -> list[tuple[int, list[int], int, int, int]]:
+    f = step.forward
+    assert f is not None
+    slots, starts, lens, sample = (unpack_ids(x) for x in (f.slots, f.start_pos, f.extend_lens, f.sample))
+    ids, out, i = unpack_ids(f.input_ids), [], 0
+    for s, st, n, smp in zip(slots, starts, lens, sample, strict=True):
+        out.append((s, ids[i : i + n], st, n, smp))
+        i += n
+    return out
+
+
+def flush(core: SchedulerCore) -> None:
+    """Publish pending FreeReq ops and complete that step."""
+    step = core.plan()
+    if step is not None:
+        finish_step(core, step)
+
+
+def finish_step(core: SchedulerCore, step: Step, token: int = 7):
+    n = len(core.sampled_by_step[step.seq])
+    return core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([token] * n), digest=core.expected_digest.get(step.seq)))
+
+
+def test_chunked_prefill_respects_budget_and_samples_only_final_chunk():
+    core = make(budget=8)
+    submit(core, "a", list(range(1, 21)))  # 20 tokens -> chunks 8, 8, 4
+    seen = []
+    for _ in range(3):
+        step = core.plan()
+        assert step is not None
+        (slot, ids, start, n, smp), = rows(step)
+        seen.append((start, n, smp))
+        finish_step(core, step)
+    assert seen == [(0, 8, 0), (8, 8, 0), (16, 4, 1)]
+
+
+def test_decode_rows_use_future_reference_under_overlap():
+    core = make()
+    submit(core, "a", [1, 2, 3, 4, 5])
+    s1 = core.plan()
+    s2 = core.plan()  # planned before s1's result: the input is a future reference
+    assert rows(s2)[0][1] == [-1] and rows(s2)[0][2] == 5
+    outs = finish_step(core, s1, token=9)
+    assert outs[0].new_ids == [9]
+    finish_step(core, s2, token=10)
+    s3 = core.plan()  # now the last token is known: no future reference needed
+    assert rows(s3)[0][1] == [10] and rows(s3)[0][2] == 6
+
+
+def test_max_tokens_stop_and_overlap_token_discarded():
+    core = make()
+    submit(core, "a", [1, 2, 3], max_new=2)
+    s1, s2 = core.plan(), core.plan()
+    assert core.plan() is None  # both output tokens are already being sampled
+    finish_step(core, s1)
+    outs = finish_step(core, s2)
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 2
+    free = core.plan()
+    assert free is not None and any(isinstance(op, FreeReq) for op in free.ops)
+    finish_step(core, free)
+    assert core.idle and core.leak_free()
+
+
+def test_eos_stop_discards_the_step_already_sent():
+    core = make()
+    submit(core, "a", [1, 2, 3], max_new=10)
+    s1, s2 = core.plan(), core.plan()
+    outs = finish_step(core, s1, token=0)  # EOS
+    assert outs[-1].finish_reason == "stop"
+    assert finish_step(core, s2, token=5) == []  # the overlap step's token is dropped
+    flush(core)
+    assert core.idle and core.leak_free()
+
+
+def test_prefix_cache_reuse_and_hit_accounting():
+    core = make()
+    prompt = list(range(1, 19))  # 18 tokens: 4 full pages
+    submit(core, "a", prompt, max_new=1)
+    finish_step(core, core.plan())
+    submit(core, "b", prompt + [50, 51], max_new=1)
+    step = core.plan()
+    (slot, ids, start, n, smp), = rows(step)
+    assert start == 16 and ids == [17, 18, 50, 51]
+    assert core.reqs["b"].cached_tokens == 16 and core.cache_hit_tokens == 16
+    add = [op for op in step.ops if isinstance(op, AddReq)][0]
+    assert add.slot == slot
+    ext = [unpack_ids(op.pages) for op in step.ops if isinstance(op, ExtendPages)]
+    assert len(ext[0]) == 4  # the cached pages come first
+
+
+def test_retraction_when_pages_run_out_then_readmission():
+    core = make(num_pages=7, budget=64)  # 6 usable pages of 4 tokens
+    submit(core, "a", list(range(1, 9)), max_new=12)  # 8 tokens: 2 pages
+    submit(core, "b", list(range(20, 28)), max_new=12)
+    for _ in range(12):
+        step = core.plan()
+        if step is None:
+            break
+        finish_step(core, step, token=3)
+        if core.waiting:
+            break
+    assert [r.rid for r in core.waiting] == ["b"], "the newest request is retracted"
+    assert core.reqs["b"].output_ids, "its generated tokens are kept for re-prefill"
+    # drain: a finishes, b re-prefills prompt + output and finishes
+    done = set()
+    for _ in range(60):
+        step = core.plan()
+        if step is None and core.idle:
+            break
+        if step is not None and step.seq in core.sampled_by_step:
+            for o in finish_step(core, step, token=3):
+                if o.finish_reason:
+                    done.add(o.rid)
+    assert done == {"a", "b"}
+    flush(core)
+    assert core.leak_free()
+
+
+def test_abort_frees_everything_and_unknown_rid_is_ignored():
+    core = make()
+    submit(core, "a", list(range(1, 30)), max_new=50)
+    step = core.plan()
+    out = core.abort("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert core.abort("a") is None and core.abort("nope") is None
+    assert finish_step(core, step) == []
+    flush(core)
+    assert core.idle and core.leak_free()
+
+
+def test_rejects_empty_too_long_and_duplicate():
+    core = make()
+    bad = core.submit(TokenizedRequest(rid="x", input_ids=b"", params=SamplingParams()))
+    assert bad is not None and bad.finish_reason == "error"
+    long = core.submit(TokenizedRequest(rid="y", input_ids=pack_ids([1] * 300), params=SamplingParams()))
+    assert long is not None and "context" in (long.error or "")
+    submit(core, "z", [1, 2])
+    dup = core.submit(TokenizedRequest(rid="z", input_ids=pack_ids([1]), params=SamplingParams()))
+    assert dup is not None and "already" in (dup.error or "")
+
+
+def test_digest_mismatch_is_fatal():
+    from engine.sched.scheduler import DigestMismatch
+
+    core = make()
+    submit(core, "a", [1, 2, 3])
+    step = core.plan()
+    with pytest.raises(DigestMismatch):
+        core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([1]), digest="0" * 64))
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_many_requests_drain_without_leaks(radix: bool):
+    import random
+
+    rng = random.Random(0)
+    core = make(num_pages=40, budget=24, max_running=5, radix=radix)
+    base = [rng.randrange(1, 50) for _ in range(12)]
+    for i in range(20):
+        tail = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))]
+        submit(core, f"r{i}", base + tail, max_new=rng.randrange(1, 15))
+    finished = set()
+    pending: list[Step] = []
+    for _ in range(2000):
+        step = core.plan()
+        if step is not None:
+            pending.append(step)
+        if pending and (len(pending) == 2 or step is None):
+            s = pending.pop(0)
+            for o in finish_step(core, s, token=rng.choice([0, 5, 6, 7, 8])):
+                if o.finish_reason:
+                    finished.add(o.rid)
+        if core.idle and not pending:
+            break
+    core.plan()
+    assert finished == {f"r{i}" for i in range(20)}
+    assert core.leak_free()
+    core.cache.check_invariants()
