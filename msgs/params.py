@@ -37,6 +37,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (self.top_logprobs == 0 or self.logprobs, "top_logprobs requires logprobs"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),

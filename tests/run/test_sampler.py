@@ -364,3 +364,18 @@ def test_cuda_sample_does_not_sync() -> None:
     # Each call recorded its token; the penalised row may move, the others must not.
     assert torch.equal(listed, expected)
     assert on_device[0] == expected[0] and on_device[2] == expected[2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_noise_matches_eager() -> None:
+    dev = torch.device("cuda")
+    eager, compiled = Sampler(3000, 4, dev), Sampler(3000, 4, dev, compile_noise=True)
+    for s in (eager, compiled):
+        s.add(0, SampleParams(seed=1, temperature=0.9))
+        s.add(1, SampleParams(seed=2, temperature=1.1, top_p=0.8))
+        s.add(2, SampleParams(seed=3, temperature=1.0, top_k=30))
+    logits = torch.randn(64, 3000, device=dev)
+    for slots in ([0] * 64, [1] * 64, [2] * 64, [0, 1, 2, 0] * 16):
+        positions = torch.arange(64, device=dev)
+        assert torch.equal(eager.sample(logits, slots, positions).token_ids,
+                           compiled.sample(logits, slots, positions).token_ids)

@@ -1,0 +1,191 @@
+"""Attention backends: one interface over paged KV, chosen by name.
+
+`torch` is the reference (CPU and GPU, scaled_dot_product_attention over KV gathered
+through the page table). `flashinfer` (GPU, paged kernels) plugs in through a lazy
+import so CPU installs never need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from engine.run.forward import ForwardBatch
+from engine.run.kv_pool import KVPool
+
+log = structlog.get_logger()
+
+
+class AttentionBackend(ABC):
+    """Causal attention of each request's new tokens over its whole paged KV.
+
+    Contract:
+    - `prepare(batch)` is called once per step, before the model's forward, and may
+      precompute per-step state (index tensors, kernel plans) shared by all layers.
+    - `forward(q, k, v, layer_id, batch, kv_pool)` with q [T, Hq, D], k and v [T, Hkv, D]
+      (T = batch.num_tokens, Hq a multiple of Hkv) first stores k, v at batch.out_slots
+      of layer `layer_id`, then returns out [T, Hq, D] (q's dtype): for each new token at
+      position p of request i, softmax(q K^T / sqrt(D)) V over that request's KV
+      positions 0..p (cached prefix plus this step's tokens), read through
+      batch.page_table[i].
+    """
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        kv_pool: KVPool,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class _DecodeGroup:
+    """Requests with one new token each, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # int64 [b]: their rows in T
+    slots: torch.Tensor  # int64 [b, Lk]: KV slots of positions 0..Lk-1 (padding points anywhere)
+    mask: torch.Tensor  # bool [b, 1, 1, Lk]: position < seq_len
+
+
+@dataclass
+class _ExtendReq:
+    """One request with several new tokens (a prefill or a prefill chunk)."""
+
+    row_start: int
+    row_end: int
+    slots: torch.Tensor  # int64 [seq_len]
+    mask: torch.Tensor | None  # bool [Lq, Lk]; None when there is no prefix (plain causal)
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: gathers each request's KV slots and calls SDPA.
+
+    Decode requests share one batched call (padded to the longest KV, masked); each
+    extend request gets its own call, so a long prefill never pads the decodes.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._decode: _DecodeGroup | None = None
+        self._extends: list[_ExtendReq] = []
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
+        decode_reqs = [i for i, n in enumerate(lens) if n == 1]
+        row_starts = [0]
+        for n in lens:
+            row_starts.append(row_starts[-1] + n)
+        self._decode = self._decode_group(batch, decode_reqs, row_starts) if decode_reqs else None
+        self._extends = [
+            self._extend_req(batch, i, row_starts[i], seqs[i]) for i, n in enumerate(lens) if n > 1
+        ]
+
+    def _slots(self, batch: ForwardBatch, reqs: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Slots of positions 0..kv_len-1 for each request in `reqs`: int64 [len(reqs), kv_len]."""
+        pos = torch.arange(kv_len, device=batch.page_table.device)
+        pages = batch.page_table[reqs][:, pos // batch.page_size].to(torch.int64)
+        return pages * batch.page_size + pos % batch.page_size
+
+    def _decode_group(self, batch: ForwardBatch, reqs: list[int], row_starts: list[int]) -> _DecodeGroup:
+        dev = batch.page_table.device
+        req_t = torch.tensor(reqs, dtype=torch.int64, device=dev)
+        kv_len = max(batch.seq_lens_cpu[i] for i in reqs)
+        pos = torch.arange(kv_len, device=dev)
+        mask = pos[None, :] < batch.seq_lens[req_t].to(torch.int64)[:, None]
+        rows = torch.tensor([row_starts[i] for i in reqs], dtype=torch.int64, device=dev)
+        return _DecodeGroup(rows=rows, slots=self._slots(batch, req_t, kv_len), mask=mask[:, None, None, :])
+
+    def _extend_req(self, batch: ForwardBatch, i: int, row_start: int, seq_len: int) -> _ExtendReq:
+        n = batch.extend_lens_cpu[i]
+        start = seq_len - n
+        req_t = torch.tensor([i], dtype=torch.int64, device=batch.page_table.device)
+        slots = self._slots(batch, req_t, seq_len)[0]
+        mask = None
+        if start > 0:  # with a cached prefix the causal diagonal is shifted right by `start`
+            q_pos = torch.arange(start, seq_len, device=slots.device)
+            mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
+        return _ExtendReq(row_start=row_start, row_end=row_start + n, slots=slots, mask=mask)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        kv_pool.store(layer_id, batch.out_slots, k, v)
+        k_all, v_all = kv_pool.k[layer_id], kv_pool.v[layer_id]
+        out = torch.empty_like(q)
+        if self._decode is not None:
+            g = self._decode
+            kg = k_all[g.slots].to(q.dtype).transpose(1, 2)  # [b, Hkv, Lk, D]
+            vg = v_all[g.slots].to(q.dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), kg, vg, attn_mask=g.mask, enable_gqa=True)
+            out[g.rows] = o.squeeze(2)
+        for e in self._extends:
+            qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
+            ke = k_all[e.slots].to(q.dtype).transpose(0, 1)  # [Hkv, Lk, D]
+            ve = v_all[e.slots].to(q.dtype).transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None, enable_gqa=True
+            )
+            out[e.row_start : e.row_end] = o.transpose(0, 1)
+        return out
+
+
+# name -> (module, class); imported lazily so optional GPU kernels stay optional
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("engine.run.attention", "TorchAttention"),
+    "flashinfer": ("engine.run.flashinfer_attention", "FlashInferAttention"),
+}
+
+
+def available_backends() -> list[str]:
+    return ["auto", *_BACKENDS]
+
+
+def create_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Instantiate backend `name` ("auto", "torch", "flashinfer") for `device`.
+
+    "auto" is torch on CPU; on CUDA it is flashinfer when that backend is installed and
+    implemented, else torch with a warning. Raises ValueError for an unknown name and
+    RuntimeError when an explicitly named backend cannot be loaded.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return TorchAttention(device)
+        try:
+            return _load("flashinfer", device)
+        except RuntimeError as e:
+            log.warning("attention backend fallback", wanted="flashinfer", using="torch", reason=str(e))
+            return TorchAttention(device)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {available_backends()}")
+    return _load(name, device)
+
+
+def _load(name: str, device: torch.device) -> AttentionBackend:
+    module, cls_name = _BACKENDS[name]
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"attention backend {name!r} is not available ({module}.{cls_name}: {e}); "
+            f"use --attention-backend torch"
+        ) from e
+    return cls(device)

@@ -1,0 +1,84 @@
+"""KVPool: the device KV cache of one rank, as flat token slots grouped in pages.
+
+Each layer owns a K and a V buffer shaped [num_pages * page_size, num_kv_heads, head_dim].
+Token slot `page * page_size + offset` holds the K/V of one token. Page 0 is the padding
+page: the scheduler's allocator never hands it out, so padded page-table entries (0) and
+padded slots always point at memory no live request owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_PAGE = 0  # reserved by the page allocator; padded page tables point here
+
+
+class KVPool:
+    """Per-layer K/V slot buffers. Not thread-safe; owned by one worker."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(f"KV pool needs >= 2 pages (page 0 is padding), got {num_pages}")
+        if min(num_layers, page_size, num_kv_heads, head_dim) < 1:
+            raise ValueError("KV pool dimensions must all be >= 1")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded slots are read (then masked) and must never hold NaN/Inf,
+        # since 0 * NaN in a masked softmax would still poison the output.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v ([T, num_kv_heads, head_dim]) into `slots` (int64 [T]) of `layer`."""
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` as [num_pages, page_size, num_kv_heads, head_dim] views (no copy)."""
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one page costs across all layers, K and V together."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+
+    @classmethod
+    def pages_for_bytes(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many pages (padding page included) fit in `budget_bytes`."""
+        return max(0, budget_bytes // cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype))
+
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page(
+            self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype
+        )

@@ -1,0 +1,152 @@
+"""ModelRunner: one rank's deterministic replica of the Step stream.
+
+It applies each Step's ops to its ReplicaState (page tables) and sampler slots, runs the
+forward, samples, and answers a StepDone. It makes no policy decision: everything it
+does is a function of the steps it received, in seq order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+from models.registry import load_model
+
+from engine.config import ServerConfig
+from engine.run.attention import create_backend
+from engine.run.forward import ForwardBatch
+from engine.run.kv_pool import KVPool
+from engine.run.memory import plan_pool
+from engine.run.sampler import SampleParams, Sampler
+from engine.sched.replica import ReplicaState
+from msgs.codec import pack_f32, pack_ids, unpack_ids
+from msgs.done import StepDone, WorkerReady
+from msgs.steps import AddReq, DigestCheck, Forward, FreeReq, Step
+
+log = structlog.get_logger()
+
+
+class StepOrderError(RuntimeError):
+    pass
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ServerConfig, rank: int = 0) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.device = torch.device(cfg.resolved_device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model, self.mcfg = load_model(cfg.model, cfg.load_format, self.dtype, self.device)
+        pool = plan_pool(cfg, self.mcfg, self.dtype, self.device)
+        self.page_size = cfg.page_size
+        self.num_pages = pool.num_pages
+        self.max_context = pool.max_context
+        self.kv = KVPool(
+            self.mcfg.num_layers, pool.num_pages, cfg.page_size, self.mcfg.num_kv_heads,
+            self.mcfg.head_dim, self.dtype, self.device,
+        )
+        self.backend = create_backend(cfg.attention_backend, self.device)
+        self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
+        self.replica = ReplicaState()
+        self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
+        self.seq = 0
+        log.info("runner ready", pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype))
+
+    def ready_msg(self) -> WorkerReady:
+        return WorkerReady(
+            rank=self.rank,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            max_context=self.max_context,
+            vocab_size=self.mcfg.vocab_size,
+            eos_token_ids=list(self.mcfg.eos_token_ids),
+        )
+
+    @torch.inference_mode()
+    def run_step(self, step: Step) -> StepDone:
+        if step.seq != self.seq + 1:  # a gap means a lost Step: never continue silently
+            raise StepOrderError(f"expected step {self.seq + 1}, got {step.seq}")
+        self.seq = step.seq
+        t0 = time.perf_counter()
+        digest = None
+        for op in step.ops:
+            self.replica.apply(op)
+            if isinstance(op, AddReq):
+                self.sampler.add(op.slot, _sample_params(op), unpack_ids(op.prompt_ids))
+            elif isinstance(op, FreeReq):
+                self.sampler.remove(op.slot)
+            elif isinstance(op, DigestCheck):
+                digest = self.replica.digest()
+        if step.forward is None:
+            return StepDone(seq=step.seq, rank=self.rank, digest=digest)
+        done = self._forward(step.seq, step.forward)
+        return StepDone(
+            seq=done.seq, rank=self.rank, token_ids=done.token_ids, logprobs=done.logprobs,
+            top_ids=done.top_ids, top_logprobs=done.top_logprobs, top_k=done.top_k, digest=digest,
+            forward_s=time.perf_counter() - t0,
+        )
+
+    def _forward(self, seq: int, fwd: Forward) -> StepDone:
+        slots = unpack_ids(fwd.slots)
+        starts = unpack_ids(fwd.start_pos)
+        lens = unpack_ids(fwd.extend_lens)
+        sample = unpack_ids(fwd.sample)
+        input_ids = self._resolve_ids(unpack_ids(fwd.input_ids), slots, lens)
+        tables = [self.replica.page_tables[s] for s in slots]
+        batch = ForwardBatch.build(
+            input_ids, starts, lens, tables, sample, self.page_size, self.device
+        )
+        self.backend.prepare(batch)
+        logits = self.model(batch, self.kv, self.backend)
+        sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]
+        if not sampled_slots:
+            return StepDone(seq=seq, rank=self.rank)
+        slot_t = torch.tensor(sampled_slots, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(
+            [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp],
+            dtype=torch.int64, device=self.device,
+        )
+        res = self.sampler.sample(logits, slot_t, pos_t)
+        self.last_token[slot_t] = res.token_ids
+        return _pack_result(seq, self.rank, res)
+
+    def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
+        """Replace future references (-1) with the token the slot sampled last step."""
+        t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if -1 not in ids:
+            return t
+        token_slots = torch.tensor(
+            [s for s, n in zip(slots, lens, strict=True) for _ in range(n)], dtype=torch.int64, device=self.device
+        )
+        return torch.where(t < 0, self.last_token[token_slots], t)
+
+
+def _sample_params(op: AddReq) -> SampleParams:
+    s = op.sampling
+    return SampleParams(
+        seed=s.seed, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0), min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+    )
+
+
+def _pack_result(seq: int, rank: int, res) -> StepDone:  # noqa: ANN001
+    tokens = res.token_ids.tolist()  # the one host sync of a step
+    logprobs = pack_f32(res.logprobs.tolist()) if res.logprobs is not None else None
+    top_ids = top_lps = None
+    k = 0
+    if res.top_ids is not None:
+        k = res.top_ids.shape[1]
+        top_ids = pack_ids(res.top_ids.flatten().tolist())
+        top_lps = pack_f32(res.top_logprobs.flatten().tolist())
+    return StepDone(
+        seq=seq, rank=rank, token_ids=pack_ids(tokens), logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
+        top_k=k,
+    )

@@ -1,0 +1,99 @@
+"""Chat prompts: OpenAI messages -> the model's chat template -> token ids.
+
+The template is rendered to text (add_generation_prompt=True) and then tokenized without
+adding special tokens: templates write their own BOS, so adding it again would double it
+(the same two steps as vLLM). Any failure to render is the request's fault (a template
+that raises on an unexpected role, content the template cannot handle): a 400.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+from typing import Any
+
+from engine.serve.errors import ApiError
+from engine.serve.protocol import ChatMessage
+from engine.serve.tokenizer import TextTokenizer
+from engine.serve.validate import IDS_ONLY
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Plain dicts for the template. Text parts are joined with newlines (as vLLM does
+    for string-content templates); any other part type is refused."""
+    if not messages:
+        raise ApiError(400, "messages must be a non-empty array", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if msg.role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", param=f"messages[{i}].role")
+        item: dict[str, Any] = {"role": msg.role, "content": _content(msg, i)}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            value = getattr(msg, key)
+            if value is not None:
+                item[key] = value
+        out.append(item)
+    return out
+
+
+def _content(msg: ChatMessage, i: int) -> str | None:
+    if isinstance(msg.content, str):
+        return msg.content
+    if msg.content is None:
+        # An assistant turn that only calls tools has no content; templates test for None.
+        return None if msg.tool_calls else ""
+    texts = []
+    for part in msg.content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(
+                400, f"content part type {part.type!r} is not supported (text only)", f"messages[{i}].content"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+@cache
+def _reserved_kwargs() -> frozenset[str]:
+    """apply_chat_template's own parameters: chat_template_kwargs must not set them."""
+    from transformers import PreTrainedTokenizerBase
+
+    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+
+
+def render_chat(
+    tok: TextTokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text for a conversation, ending with the assistant's generation prompt."""
+    if tok.chat_template is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+    kwargs = dict(template_kwargs or {})
+    clash = sorted(set(kwargs) & _reserved_kwargs())
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    try:
+        text = tok.hf.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja raises anything; all of it is the input's fault
+        raise ApiError(400, f"the chat template failed to render these messages: {exc}", "messages") from None
+    if not isinstance(text, str):
+        raise ApiError(400, "the chat template did not render to text", param="messages")
+    return text
+
+
+def chat_prompt_ids(
+    tok: TextTokenizer | None,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a chat request's prompt (validation + rendering + tokenization)."""
+    if tok is None:
+        raise ApiError(400, f"chat is not available: {IDS_ONLY}", param="messages")
+    text = render_chat(tok, message_dicts(messages), tools, template_kwargs)
+    return tok.encode(text, add_special_tokens=False)

@@ -1,0 +1,147 @@
+"""Incremental detokenization with stop strings, one `Detokenizer` per request.
+
+Two layers:
+- `IncrementalDecoder` turns new token ids into new text. It decodes a small window
+  (the previously emitted tail for context, plus the unread ids) twice and emits the
+  difference, so the cost per call does not grow with the output. Text ending in U+FFFD
+  is held back: the last token ended inside a multi-byte UTF-8 character.
+- `StopMatcher` finds stop strings across chunk boundaries and holds back the longest
+  suffix that could still become one, so streamed text never has to be taken back.
+
+`Detokenizer.push(ids)` returns text that is safe to send; `finish()` flushes the rest
+when the scheduler ends the request. After a stop string, `stopped` is True and the text
+is cut right before it (the stop string itself is not part of the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.serve.tokenizer import Decoder
+
+REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 5  # prompt ids decoded as left context (leading-space rules of some decoders)
+# A partial UTF-8 character is at most 3 bytes, so at most 3 tokens. More unread tokens
+# than this that still end in U+FFFD mean invalid bytes: emit them rather than stall.
+MAX_PENDING = 4
+
+
+class IncrementalDecoder:
+    """Token ids -> text deltas, never splitting a UTF-8 character."""
+
+    def __init__(self, decoder: Decoder, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
+        self._decoder = decoder
+        self._skip = skip_special_tokens
+        self._ids = list(context[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS else []
+        self._prefix = 0  # window start: already-emitted ids kept as context
+        self._read = len(self._ids)  # ids before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._decoder.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add ids; return the text they complete (maybe "", maybe more than their own)."""
+        self._ids.extend(new_ids)
+        if self._read == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if not full.endswith(REPLACEMENT) and full.startswith(prefix):
+            return self._advance(full[len(prefix) :], len(self._ids))
+        if len(self._ids) - self._read > MAX_PENDING:
+            # Keep only the last 3 tokens (room for a partial char); the rest is final.
+            cut = len(self._ids) - (MAX_PENDING - 1)
+            head = self._decode(self._ids[self._prefix : cut])
+            return self._advance(head[len(prefix) :], cut)
+        return ""
+
+    def flush(self) -> str:
+        """Everything not yet emitted, incomplete characters included (as U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        return self._advance(full[len(prefix) :], len(self._ids))
+
+    def _advance(self, delta: str, read: int) -> str:
+        # The next window starts at the old read point: the ids just emitted stay as
+        # left context, everything older is dropped, so the cost per call stays bounded.
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, read - self._read
+        return delta
+
+
+class StopMatcher:
+    """Finds the earliest stop string in a text stream; releases text that cannot start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Add text; return what is safe to emit. After a hit, returns the text before the
+        stop string and ignores further input."""
+        if self.stopped or not self._stops:
+            return "" if self.stopped else text
+        buf = self._held + text
+        hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self.stopped, self._held = True, ""
+            return buf[:hit]
+        keep = self._partial_len(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """Release held text: the output ended without completing a stop string."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_len(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+class Detokenizer:
+    """Per-request output text: UTF-8 safe, special tokens skipped on request, stop strings cut."""
+
+    def __init__(
+        self,
+        decoder: Decoder | None,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        # decoder None: ids-only mode, the output text is always empty.
+        self._dec = IncrementalDecoder(decoder, skip_special_tokens, prompt_ids) if decoder else None
+        self._stop = StopMatcher(stop)
+        self.text = ""  # everything emitted so far
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        if self._dec is None or self.stopped:
+            return ""
+        return self._emit(self._stop.feed(self._dec.push(new_ids)))
+
+    def finish(self) -> str:
+        """The remaining text once the request has ended (call once, after the last push)."""
+        if self._dec is None or self.stopped:
+            return ""
+        out = self._stop.feed(self._dec.flush())
+        if not self.stopped:
+            out += self._stop.flush()
+        return self._emit(out)
+
+    def _emit(self, text: str) -> str:
+        self.text += text
+        return text

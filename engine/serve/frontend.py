@@ -1,0 +1,217 @@
+"""The async core of the tokenizer process: request registry and output routing.
+
+    handle = frontend.submit(rid, ids, params)     # sends TokenizedRequest
+    try:
+        async for out in handle: ...               # ReqOutput, in order, until finished
+    finally:
+        handle.close()                             # aborts in the scheduler if unfinished
+
+Everything here runs on one asyncio loop and never awaits between checking and changing
+the registry, so the checks are race-free without locks. Messages to the scheduler go
+through an outbox drained by `run_sender`, which lets `close()` be synchronous: it is
+called from `finally` blocks of cancelled tasks, where awaiting is not an option.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from engine.serve.errors import ApiError
+from engine.serve.metrics import Metrics
+from engine.serve.validate import Limits
+from msgs import outputs, requests
+from msgs.codec import pack_ids
+from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch
+from msgs.params import SamplingParams
+from msgs.requests import AbortRequest, TokenizedRequest
+
+log = structlog.get_logger()
+
+
+class _Group:
+    """The sub-requests of one API request; the parent rid stays taken until all end."""
+
+    __slots__ = ("parent", "left")
+
+    def __init__(self, parent: str, size: int) -> None:
+        self.parent = parent
+        self.left = size
+
+
+class ReqHandle:
+    """The output stream of one scheduler request. Consecutive outputs that queued up
+    while the consumer was busy are merged into one (fewer, larger deltas under load)."""
+
+    def __init__(self, frontend: Frontend, rid: str, group: _Group, t0: float) -> None:
+        self.rid = rid
+        self.finished = False  # the scheduler sent the final output, or we closed it
+        self._frontend = frontend
+        self._group = group
+        self._queue: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        self._t0: float | None = t0
+
+    def __aiter__(self) -> ReqHandle:
+        return self
+
+    async def __anext__(self) -> ReqOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if not self._queue.empty():
+            pending = [out]
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+            out = merge_outputs(pending)
+        if out.finish_reason is not None:
+            self.finished = True
+            self._frontend._release(self)
+        return out
+
+    def close(self) -> None:
+        """Stop this request; tells the scheduler to free it unless it already finished."""
+        if self.finished:
+            return
+        self.finished = True
+        self._frontend._release(self)
+        self._frontend.send(AbortRequest(rid=self.rid))
+
+    def _put(self, out: ReqOutput, now: float) -> None:
+        if self._t0 is not None and out.new_ids:
+            self._frontend.metrics.ttft.observe(now - self._t0)
+            self._t0 = None
+        self._queue.put_nowait(out)
+
+
+def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
+    """Concatenate consecutive outputs of one request (the last one's counters win)."""
+    last = outs[-1]
+    ids = [t for o in outs for t in o.new_ids]
+    lps = [x for o in outs for x in (o.logprobs or [])] if any(o.logprobs is not None for o in outs) else None
+    tops = (
+        [x for o in outs for x in (o.top_logprobs or [])] if any(o.top_logprobs is not None for o in outs) else None
+    )
+    return ReqOutput(
+        rid=last.rid,
+        new_ids=ids,
+        finish_reason=last.finish_reason,
+        error=last.error,
+        prompt_tokens=last.prompt_tokens,
+        cached_tokens=max(o.cached_tokens for o in outs),
+        completion_tokens=last.completion_tokens,
+        logprobs=lps,
+        top_logprobs=tops,
+    )
+
+
+class Frontend:
+    """Registry of in-flight requests, the scheduler's latest stats, and the socket loops."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics or Metrics()
+        self.stats: SchedulerStats | None = None
+        self._reqs: dict[str, ReqHandle] = {}
+        self._parents: set[str] = set()
+        self._outbox: asyncio.Queue[requests.ToScheduler] = asyncio.Queue()
+        self._ready = asyncio.Event()
+
+    # -- requests ---------------------------------------------------------------------
+
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, t0: float | None = None) -> ReqHandle:
+        return self.submit_many(rid, [(rid, ids, params)], t0)[0]
+
+    def submit_many(
+        self, parent: str, subs: Sequence[tuple[str, list[int], SamplingParams]], t0: float | None = None
+    ) -> list[ReqHandle]:
+        """Send the sub-requests of one API request; 400 if any of its rids is in flight."""
+        rids = [rid for rid, _, _ in subs]
+        taken = self.in_flight(parent) or any(self.in_flight(r) for r in rids) or len(set(rids)) < len(rids)
+        if taken:
+            raise ApiError(400, f"request id {parent!r} is already in flight", "x-request-id", "duplicate_request_id")
+        t0 = time.monotonic() if t0 is None else t0
+        group = _Group(parent, len(subs))
+        self._parents.add(parent)
+        handles = []
+        for rid, ids, params in subs:
+            handle = ReqHandle(self, rid, group, t0)
+            self._reqs[rid] = handle
+            handles.append(handle)
+            self.metrics.on_submit(len(ids))
+            self.send(TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params))
+        return handles
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self._reqs or rid in self._parents
+
+    def abort(self, rid: str) -> None:
+        handle = self._reqs.get(rid)
+        if handle is not None:
+            handle.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._reqs)
+
+    def send(self, msg: requests.ToScheduler) -> None:
+        self._outbox.put_nowait(msg)
+
+    def _release(self, handle: ReqHandle) -> None:
+        if self._reqs.get(handle.rid) is handle:
+            del self._reqs[handle.rid]
+        group = handle._group
+        group.left -= 1
+        if group.left == 0:
+            self._parents.discard(group.parent)
+
+    # -- scheduler state --------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    def limits(self) -> Limits | None:
+        if self.stats is None:
+            return None
+        return Limits(max_context=self.stats.max_context, vocab_size=self.stats.vocab_size)
+
+    def dispatch(self, msg: outputs.ToTokenizer) -> None:
+        """Route one message from the scheduler."""
+        if isinstance(msg, TokenBatch):
+            now = time.monotonic()
+            for out in msg.outs:
+                self.metrics.generation_tokens.inc(len(out.new_ids))
+                handle = self._reqs.get(out.rid)
+                if handle is not None:
+                    handle._put(out, now)
+        elif isinstance(msg, SchedulerStats):
+            self.stats = msg
+            self.metrics.on_stats(msg)
+            if msg.ready and not self._ready.is_set():
+                log.info("scheduler ready", max_context=msg.max_context, vocab_size=msg.vocab_size)
+                self._ready.set()
+            elif not msg.ready:
+                self._ready.clear()
+
+    # -- socket loops -----------------------------------------------------------------
+
+    async def run_sender(self, sock) -> None:  # noqa: ANN001 - a zmq.asyncio PUSH socket
+        while True:
+            msg = await self._outbox.get()
+            await sock.send(requests.codec.encode(msg))
+
+    async def run_receiver(self, sock) -> None:  # noqa: ANN001 - a zmq.asyncio PULL socket
+        while True:
+            msg = outputs.codec.decode(await sock.recv())
+            if msg is not None:
+                self.dispatch(msg)

@@ -1,0 +1,182 @@
+"""One API request end to end: its scheduler sub-requests -> text deltas.
+
+`Generation` submits every sub-request at once (so the scheduler can share their cached
+prompt prefix), detokenizes each output stream, and merges them into one stream of
+`Delta`s tagged with the choice index. `collect` folds that stream into final choices
+for non-streaming responses. Always `close()` a Generation (in a finally): it aborts
+whatever is still running, which is how client disconnects reach the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.serve.detokenizer import Detokenizer
+from engine.serve.errors import ApiError
+from engine.serve.frontend import Frontend, ReqHandle
+from engine.serve.tokenizer import TextTokenizer
+from engine.serve.validate import SubRequest
+from msgs.outputs import ReqOutput
+
+
+@dataclass
+class Delta:
+    """New output of one choice. Counters are cumulative for that choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Choice:
+    """A finished choice (non-streaming)."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class GenerationFailed(Exception):
+    """The scheduler ended a request with finish_reason "error"."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+_DONE = object()
+
+
+class Generation:
+    def __init__(
+        self,
+        frontend: Frontend,
+        tok: TextTokenizer | None,
+        parent: str,
+        subs: list[SubRequest],
+        t0: float | None = None,
+    ) -> None:
+        """Submits now: raises ApiError (400) if a rid is already in flight."""
+        self.subs = subs
+        self._tok = tok
+        self._handles = frontend.submit_many(parent, [(s.rid, s.ids, s.params) for s in subs], t0)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas of every choice, interleaved in arrival order."""
+        if len(self.subs) == 1:
+            async for delta in _sub_deltas(self._tok, self.subs[0], self._handles[0]):
+                yield delta
+            return
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        for sub, handle in zip(self.subs, self._handles, strict=True):
+            self._tasks.append(asyncio.create_task(_pump(_sub_deltas(self._tok, sub, handle), queue)))
+        left = len(self._tasks)
+        while left:
+            item = await queue.get()
+            if item is _DONE:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                assert isinstance(item, Delta)
+                yield item
+
+    def close(self) -> None:
+        """Abort every unfinished sub-request (idempotent; safe in finally blocks)."""
+        for task in self._tasks:
+            task.cancel()
+        for handle in self._handles:
+            handle.close()
+
+
+async def _pump(gen: AsyncIterator[Delta], queue: asyncio.Queue[object]) -> None:
+    try:
+        async for delta in gen:
+            queue.put_nowait(delta)
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+        queue.put_nowait(exc)
+    finally:
+        queue.put_nowait(_DONE)
+
+
+async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHandle) -> AsyncIterator[Delta]:
+    params = sub.params
+    detok = Detokenizer(tok, params.stop, params.skip_special_tokens, sub.ids)
+    produced = cached = 0
+    try:
+        async for out in handle:
+            produced += len(out.new_ids)
+            cached = max(cached, out.cached_tokens)
+            text, finish = _advance(detok, out, params.stop_token_ids)
+            if text or out.new_ids or finish:
+                yield Delta(
+                    index=sub.index,
+                    text=text,
+                    token_ids=out.new_ids,
+                    logprobs=out.logprobs,
+                    top_logprobs=out.top_logprobs,
+                    finish_reason=finish,
+                    error=out.error if finish == "error" else None,
+                    prompt_tokens=len(sub.ids),
+                    completion_tokens=produced,
+                    cached_tokens=cached,
+                )
+            if finish:
+                return
+    finally:
+        handle.close()  # after a stop string this aborts the request in the scheduler
+
+
+def _advance(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int]) -> tuple[str, str | None]:
+    """Text for one output and the finish reason (a stop string overrides the scheduler's)."""
+    ids = out.new_ids
+    if out.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:
+        ids = ids[:-1]  # a user stop token ends the text but is not part of it (as in vLLM)
+    text = detok.push(ids)
+    if detok.stopped:
+        return text, "stop"
+    if out.finish_reason is None:
+        return text, None
+    text += detok.finish()
+    return text, "stop" if detok.stopped else out.finish_reason
+
+
+async def collect(gen: Generation) -> list[Choice]:
+    """Run to completion; the choices in index order. Raises GenerationFailed on "error"."""
+    choices = {s.index: Choice(index=s.index, prompt_index=s.prompt_index) for s in gen.subs}
+    async for delta in gen.deltas():
+        if delta.finish_reason == "error":
+            raise GenerationFailed(delta.error or "the scheduler failed this request")
+        c = choices[delta.index]
+        c.text += delta.text
+        c.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            c.logprobs = (c.logprobs or []) + delta.logprobs
+        if delta.top_logprobs is not None:
+            c.top_logprobs = (c.top_logprobs or []) + delta.top_logprobs
+        c.finish_reason = delta.finish_reason or c.finish_reason
+        c.prompt_tokens, c.completion_tokens = delta.prompt_tokens, delta.completion_tokens
+        c.cached_tokens = delta.cached_tokens
+    return [choices[i] for i in sorted(choices)]
+
+
+def failure_error(exc: GenerationFailed) -> ApiError:
+    return ApiError(500, f"generation failed: {exc.message}")

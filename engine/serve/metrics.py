@@ -1,0 +1,60 @@
+"""Prometheus metrics served at /metrics.
+
+Counters and TTFT are measured in this process; gauges and the step-time histogram come
+from the scheduler's SchedulerStats. Each `Metrics` has its own registry so tests can
+build as many as they like.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from msgs.outputs import SchedulerStats
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("strata_requests", "Requests sent to the scheduler", registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens sent to the scheduler", registry=r)
+        self.generation_tokens = Counter("strata_generation_tokens", "Tokens generated", registry=r)
+        self.cache_hit_tokens = Counter(
+            "strata_cache_hit_tokens", "Prompt tokens served from the prefix cache", ["tier"], registry=r
+        )
+        self.kv_pages_used = Gauge("strata_kv_pages_used", "KV pages held by requests or the cache", registry=r)
+        self.kv_pages_total = Gauge("strata_kv_pages_total", "KV pages in the device pool", registry=r)
+        self.kv_cache_pages = Gauge("strata_kv_cache_pages", "KV pages held by the prefix cache", registry=r)
+        self.running = Gauge("strata_running_requests", "Requests being decoded or prefilled", registry=r)
+        self.waiting = Gauge("strata_waiting_requests", "Requests queued in the scheduler", registry=r)
+        self.leak_free = Gauge("strata_kv_leak_free", "1 when the last idle leak check passed", registry=r)
+        self.ttft = Histogram("strata_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.step = Histogram("strata_step_seconds", "Scheduler step duration", buckets=STEP_BUCKETS, registry=r)
+        self.cache_hit_tokens.labels(tier="device")  # present (at 0) before the first hit
+        self._device_hits = 0
+
+    def on_submit(self, prompt_tokens: int) -> None:
+        self.requests.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        self.kv_pages_used.set(stats.kv_pages_used)
+        self.kv_pages_total.set(stats.kv_pages_total)
+        self.kv_cache_pages.set(stats.cache_pages)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.leak_free.set(1 if stats.leak_free else 0)
+        for seconds in stats.step_seconds:
+            self.step.observe(seconds)
+        # The scheduler reports a cumulative count; a smaller one means it restarted.
+        hits = stats.cache_hit_tokens
+        delta = hits - self._device_hits if hits >= self._device_hits else hits
+        if delta:
+            self.cache_hit_tokens.labels(tier="device").inc(delta)
+        self._device_hits = hits
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

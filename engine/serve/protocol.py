@@ -1,0 +1,145 @@
+"""Request bodies of the HTTP API as msgspec Structs, decoded strictly.
+
+Unknown top-level fields are rejected (a typo must not be silently ignored). Common
+OpenAI fields this server does not implement are declared so that their harmless values
+(None, false, "text", an empty map) pass, and `check_unsupported` rejects the rest.
+Messages are lenient on extra keys: clients echo back assistant messages with fields
+like `refusal` or `annotations`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from engine.serve.errors import ApiError, from_validation
+
+T = TypeVar("T")
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions (vLLM / SGLang names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type in a
+    # union, so the array shapes are checked by `completion_prompts`.
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang-native /generate. sampling_params stays a dict until `native_params` so
+    that the defaults the client did not set can be told apart."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: str | None = None
+
+
+_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest, GenerateBody)}
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into `kind`, or raise a 400 naming the offending field."""
+    if not body.strip():
+        raise ApiError(400, "request body is empty; expected a JSON object")
+    try:
+        return _DECODERS[kind].decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise from_validation(exc) from None
+
+
+def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Reject OpenAI features this server does not implement, when asked for for real."""
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        _check_completion_extras(req)
+    else:
+        _check_chat_extras(req)
+
+
+def _check_completion_extras(req: CompletionRequest) -> None:
+    if req.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, "best_of other than n is not supported", param="best_of")
+
+
+def _check_chat_extras(req: ChatCompletionRequest) -> None:
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise ApiError(400, f"response_format type {fmt!r} is not supported", param="response_format")
+    if req.modalities not in (None, ["text"]):
+        raise ApiError(400, "only the text modality is supported", param="modalities")
+    # Without a tool-call parser, tools are only rendered into the prompt (as vLLM does
+    # without --enable-auto-tool-choice); forcing a call cannot be honoured.
+    if req.tools and req.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")

@@ -1,0 +1,215 @@
+"""Turning API requests into scheduler requests: prompts, SamplingParams, limits.
+
+Shared by the OpenAI routes, /generate and the ZMQ SDK so that the same input gets the
+same answer everywhere. Every function raises `ApiError` (4xx) on bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.serve.errors import ApiError, from_validation
+from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
+from engine.serve.tokenizer import TextTokenizer
+from msgs.params import SamplingParams
+
+MAX_N = 16
+MAX_SUBREQUESTS = 256  # prompts x n of one HTTP request
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+IDS_ONLY = "this server has no tokenizer (the model directory has no tokenizer files); send token ids"
+_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"max_tokens"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the scheduler accepts, from its SchedulerStats."""
+
+    max_context: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One scheduler request; an API request with n > 1 or several prompts has many."""
+
+    rid: str
+    index: int  # choice index in the response
+    prompt_index: int
+    ids: list[int]
+    params: SamplingParams
+
+
+def check_params(params: SamplingParams) -> None:
+    problem = params.validate()
+    if problem is not None:
+        first = problem.split()[0]
+        raise ApiError(400, problem, param=first if first in _PARAM_NAMES else None)
+
+
+def check_ids(ids: list[int], limits: Limits, param: str = "prompt") -> None:
+    if not ids:
+        raise ApiError(400, "the prompt is empty (0 tokens)", param=param)
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is out of range for the vocabulary (size {limits.vocab_size})", param)
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: Limits) -> int:
+    """The user's max_tokens, or the default clipped to what the context leaves."""
+    room = limits.max_context - prompt_len
+    if requested is None:
+        return max(0, room if default is None else min(default, room))
+    if requested < 0:
+        raise ApiError(400, f"max_tokens must be >= 0, got {requested}", param="max_tokens")
+    return requested
+
+
+def check_length(prompt_len: int, max_new: int, limits: Limits, what: str = "prompt") -> None:
+    """vLLM-style context checks: the prompt must leave room, and so must max_tokens."""
+    ctx = limits.max_context
+    if prompt_len >= ctx:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens, but the {what} has {prompt_len} tokens. "
+            f"Please reduce the length of the {what}.",
+            param="messages" if what == "messages" else "prompt",
+        )
+    if max_new > ctx:
+        raise ApiError(
+            400, f"max_tokens ({max_new}) is larger than the maximum context length ({ctx} tokens)", "max_tokens"
+        )
+    if prompt_len + max_new > ctx:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_len + max_new} tokens ({prompt_len} in the {what}, {max_new} in the completion). "
+            f"Please reduce the length of the {what} or completion.",
+            param="max_tokens",
+        )
+
+
+def check_text_features(params: SamplingParams, tok: TextTokenizer | None) -> None:
+    if tok is None and params.stop:
+        raise ApiError(400, f"stop strings need text: {IDS_ONLY}", param="stop")
+
+
+def check_model(model: str | None, accepted: tuple[str, ...]) -> None:
+    if model is not None and model not in accepted:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """SamplingParams fields from an OpenAI body (max_new_tokens is added per prompt)."""
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
+    kw: dict[str, Any] = {
+        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "seed": req.seed,
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        _set(kw, name, getattr(req, name))
+    _set(kw, "presence_penalty", req.presence_penalty)
+    _set(kw, "frequency_penalty", req.frequency_penalty)
+    kw.update(_logprob_params(req))
+    return kw
+
+
+def _set(kw: dict[str, Any], name: str, value: Any) -> None:
+    if value is not None:
+        kw[name] = value
+
+
+def _logprob_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    if isinstance(req, CompletionRequest):  # legacy: logprobs is the number of top tokens
+        if req.logprobs is not None and req.logprobs < 0:
+            raise ApiError(400, "logprobs must be >= 0", param="logprobs")
+        return {"logprobs": req.logprobs is not None, "top_logprobs": req.logprobs or 0}
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    return {"logprobs": req.logprobs, "top_logprobs": req.top_logprobs or 0}
+
+
+def make_params(kw: dict[str, Any], max_new: int) -> SamplingParams:
+    params = SamplingParams(**kw, max_new_tokens=max_new)
+    check_params(params)
+    return params
+
+
+def fan_out(rid: str, prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[SubRequest]:
+    """One SubRequest per (prompt, sample). A single one keeps the rid; otherwise rid-k.
+
+    Seeded samples get seed+i so that n samples differ yet stay reproducible."""
+    if len(prompts) * n > MAX_SUBREQUESTS:
+        raise ApiError(400, f"at most {MAX_SUBREQUESTS} prompts x n per request", param="n")
+    if len(prompts) * n == 1:
+        return [SubRequest(rid, 0, 0, prompts[0], params[0])]
+    subs = []
+    for p, (ids, base) in enumerate(zip(prompts, params, strict=True)):
+        for i in range(n):
+            k = p * n + i
+            sp = base if base.seed is None else msgspec.structs.replace(base, seed=(base.seed + i) % 2**63)
+            subs.append(SubRequest(f"{rid}-{k}", k, p, ids, sp))
+    return subs
+
+
+def completion_prompts(prompt: str | list[Any], tok: TextTokenizer | None) -> list[list[int]]:
+    """The token ids of each prompt of a /v1/completions body."""
+    if isinstance(prompt, str):
+        return [_encode(prompt, tok)]
+    if not prompt:
+        raise ApiError(400, "prompt must not be an empty array", param="prompt")
+    if all(type(t) is int for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(t, str) for t in prompt):
+        return [_encode(t, tok) for t in prompt]
+    if all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise ApiError(
+        400, "prompt must be a string, an array of strings, an array of token ids or an array of those", "prompt"
+    )
+
+
+def _encode(text: str, tok: TextTokenizer | None) -> list[int]:
+    if tok is None:
+        raise ApiError(400, f"text prompts are not available: {IDS_ONLY}", param="prompt")
+    return tok.encode(text)
+
+
+def native_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, bool]:
+    """SamplingParams from a /generate body, and whether max_new_tokens was given."""
+    try:
+        params = msgspec.convert(raw or {}, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc, prefix="sampling_params") from None
+    return params, "max_new_tokens" in (raw or {})
+
+
+def native_prompt(text: str | None, input_ids: list[int] | None, tok: TextTokenizer | None) -> list[int]:
+    """The prompt of /generate or an SDK request: exactly one of text and input_ids."""
+    if (text is None) == (input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", param="text")
+    if input_ids is not None:
+        return list(input_ids)
+    if tok is None:
+        raise ApiError(400, f"text prompts are not available: {IDS_ONLY}", param="text")
+    return tok.encode(text or "")
+
+
+def native_request(
+    ids: list[int], params: SamplingParams, max_given: bool, limits: Limits, tok: TextTokenizer | None
+) -> SamplingParams:
+    """Validate a native request; an unset max_new_tokens is clipped to the context left."""
+    check_ids(ids, limits, param="input_ids")
+    if not max_given:
+        room = max(0, limits.max_context - len(ids))
+        params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+    check_params(params)
+    check_text_features(params, tok)
+    check_length(len(ids), params.max_new_tokens, limits)
+    return params

@@ -1,0 +1,90 @@
+"""One real server (bin/serve on the default model) shared by the integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    http: str
+    sdk: str
+    log_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.http}/v1"
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.http}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Wait until nothing runs or waits; return the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m.get("strata_running_requests") == 0 and m.get("strata_waiting_requests") == 0:
+                time.sleep(0.3)  # let the idle leak check and the last stats arrive
+                return self.metrics()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not idle: {m}")
+            time.sleep(0.1)
+
+
+def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
+    port, sdk_port = free_port(), free_port()
+    cmd = [str(ROOT / "bin" / "serve"), "--port", str(port), "--sdk-port", str(sdk_port),
+           "--log-dir", str(log_dir), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "STRATA_LOG_JSON": "1"})
+    http = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"bin/serve exited with {proc.returncode} during start-up")
+        try:
+            if httpx.get(f"{http}/health", timeout=2).status_code == 200:
+                return Server(proc, http, f"tcp://127.0.0.1:{sdk_port}", log_dir)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise TimeoutError("bin/serve did not become healthy")
+
+
+def stop_server(server: Server) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    return server.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(
+        tmp_path_factory.mktemp("logs"), "--max-total-tokens", "16384", "--max-prefill-tokens", "512",
+    )
+    yield srv
+    stop_server(srv)
