@@ -66,10 +66,18 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root))
         try:
             convert_gguf(gguf_path(), tmp)
+            _make_readable(tmp)
             os.rename(tmp, final)  # atomic on one filesystem
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _make_readable(path: Path) -> None:
+    """mkdtemp and safetensors create owner-only modes; a shared cache should be readable."""
+    path.chmod(0o755)
+    for f in path.iterdir():
+        f.chmod(0o644)
 
 
 @contextmanager

@@ -70,6 +70,7 @@ class SchedulerCore:
         self.rng = random.Random(cfg.seed)
         self.arrivals = 0
         self.cache_hit_tokens = 0
+        self.retractions = 0
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -228,6 +229,7 @@ class SchedulerCore:
 
     def _retract(self, req: Req, ops: list[Op]) -> None:
         """Free req's KV and queue it again; it re-prefills prompt + output when readmitted."""
+        self.retractions += 1
         self._release_kv(req)
         self._release_slot(req, ops)
         req.status = Status.WAITING

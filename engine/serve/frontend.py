@@ -91,9 +91,7 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
     last = outs[-1]
     ids = [t for o in outs for t in o.new_ids]
     lps = [x for o in outs for x in (o.logprobs or [])] if any(o.logprobs is not None for o in outs) else None
-    tops = (
-        [x for o in outs for x in (o.top_logprobs or [])] if any(o.top_logprobs is not None for o in outs) else None
-    )
+    tops = [x for o in outs for x in (o.top_logprobs or [])] if any(o.top_logprobs is not None for o in outs) else None
     return ReqOutput(
         rid=last.rid,
         new_ids=ids,

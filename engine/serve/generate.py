@@ -13,12 +13,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import structlog
+
 from engine.serve.detokenizer import Detokenizer
 from engine.serve.errors import ApiError
 from engine.serve.frontend import Frontend, ReqHandle
 from engine.serve.tokenizer import TextTokenizer
 from engine.serve.validate import SubRequest
 from msgs.outputs import ReqOutput
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -121,6 +125,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
     params = sub.params
     detok = Detokenizer(tok, params.stop, params.skip_special_tokens, sub.ids)
     produced = cached = 0
+    finish: str | None = None
     try:
         async for out in handle:
             produced += len(out.new_ids)
@@ -143,6 +148,14 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
                 return
     finally:
         handle.close()  # after a stop string this aborts the request in the scheduler
+        log.info(
+            "request finished",
+            rid=sub.rid,
+            finish_reason=finish or "cancelled",
+            prompt_tokens=len(sub.ids),
+            completion_tokens=produced,
+            cached_tokens=cached,
+        )
 
 
 def _advance(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int]) -> tuple[str, str | None]:
@@ -169,9 +182,11 @@ async def collect(gen: Generation) -> list[Choice]:
         c.text += delta.text
         c.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
-            c.logprobs = (c.logprobs or []) + delta.logprobs
+            c.logprobs = c.logprobs or []
+            c.logprobs.extend(delta.logprobs)
         if delta.top_logprobs is not None:
-            c.top_logprobs = (c.top_logprobs or []) + delta.top_logprobs
+            c.top_logprobs = c.top_logprobs or []
+            c.top_logprobs.extend(delta.top_logprobs)
         c.finish_reason = delta.finish_reason or c.finish_reason
         c.prompt_tokens, c.completion_tokens = delta.prompt_tokens, delta.completion_tokens
         c.cached_tokens = delta.cached_tokens

@@ -17,6 +17,7 @@ from engine.serve.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
 
 MAX_N = 16
+MAX_RID_LEN = 256
 MAX_SUBREQUESTS = 256  # prompts x n of one HTTP request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 IDS_ONLY = "this server has no tokenizer (the model directory has no tokenizer files); send token ids"
@@ -40,6 +41,13 @@ class SubRequest:
     prompt_index: int
     ids: list[int]
     params: SamplingParams
+
+
+def check_rid(rid: str, param: str = "rid") -> str:
+    """A client-chosen request id: 1..256 printable characters, no whitespace."""
+    if not 0 < len(rid) <= MAX_RID_LEN or not rid.isprintable() or any(c.isspace() for c in rid):
+        raise ApiError(400, f"{param} must be 1..{MAX_RID_LEN} printable characters without spaces", param)
+    return rid
 
 
 def check_params(params: SamplingParams) -> None:

@@ -1,0 +1,188 @@
+"""Response bodies: OpenAI chat/completions objects and chunks, logprobs, usage, SSE.
+
+Pure functions of their inputs (no I/O), so they are easy to test and to reuse for the
+streaming and non-streaming paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from engine.serve.tokenizer import TextTokenizer
+
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON; OpenAI clients expect a number
+_json = msgspec.json.Encoder()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def to_json(obj: Any) -> bytes:
+    return _json.encode(obj)
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def usage_of(rows: Iterable[tuple[int, int, int, int]]) -> dict[str, Any]:
+    """Usage of a request from (prompt_index, prompt, completion, cached) per choice: the
+    prompt counts once per distinct prompt (as OpenAI does for n > 1)."""
+    prompt = cached = completion = 0
+    seen: set[int] = set()
+    for prompt_index, p, c, k in rows:
+        completion += c
+        if prompt_index not in seen:
+            seen.add(prompt_index)
+            prompt += p
+            cached += k
+    return usage(prompt, completion, cached)
+
+
+def _lp(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def token_text(tok: TextTokenizer | None, token_id: int) -> str:
+    # Without a tokenizer, name tokens the way vLLM's return_tokens_as_token_ids does.
+    return tok.token_text(token_id) if tok is not None else f"token_id:{token_id}"
+
+
+def chat_logprobs(
+    tok: TextTokenizer | None,
+    ids: list[int],
+    logprobs: list[float] | None,
+    tops: list[list[tuple[int, float]]] | None,
+) -> dict[str, Any] | None:
+    """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+    if logprobs is None:
+        return None
+    content = []
+    for i, (tid, lp) in enumerate(zip(ids, logprobs, strict=False)):
+        text = token_text(tok, tid)
+        alts = tops[i] if tops is not None and i < len(tops) else []
+        content.append(
+            {
+                "token": text,
+                "logprob": _lp(lp),
+                "bytes": list(text.encode()),
+                "top_logprobs": [_alt(tok, t, v) for t, v in alts],
+            }
+        )
+    return {"content": content}
+
+
+def _alt(tok: TextTokenizer | None, tid: int, lp: float) -> dict[str, Any]:
+    text = token_text(tok, tid)
+    return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+
+
+def completion_logprobs(
+    tok: TextTokenizer | None,
+    ids: list[int],
+    logprobs: list[float] | None,
+    tops: list[list[tuple[int, float]]] | None,
+    offset: int = 0,
+) -> tuple[dict[str, Any] | None, int]:
+    """Legacy completions format; returns it and the text offset after these tokens."""
+    if logprobs is None:
+        return None, offset
+    tokens, offsets = [], []
+    for tid in ids[: len(logprobs)]:
+        text = token_text(tok, tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text) if tok is not None else 0  # ids-only: there is no text
+    top = None
+    if tops is not None:
+        top = [{token_text(tok, t): _lp(v) for t, v in alts} for alts in tops[: len(tokens)]]
+    body = {"tokens": tokens, "token_logprobs": [_lp(x) for x in logprobs], "top_logprobs": top, "text_offset": offsets}
+    return body, offset
+
+
+def chat_completion(
+    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    include_usage: bool,
+    use: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model}
+    chunk["choices"] = choices
+    if include_usage:
+        chunk["usage"] = use
+    return chunk
+
+
+def chat_chunk_choice(
+    index: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion(
+    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, Any] | None
+) -> dict[str, Any]:
+    body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model}
+    body["choices"] = choices
+    body["usage"] = use
+    return body
+
+
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, finish: str | None) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached,
+        "finish_reason": finish,
+    }
+
+
+def native_logprobs(
+    meta: dict[str, Any], ids: list[int], logprobs: list[float] | None, tops: list[list[tuple[int, float]]] | None
+) -> None:
+    """SGLang's shape: [[logprob, token_id, null], ...] and per-token lists of those."""
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [[_lp(v), t, None] for v, t in zip(logprobs, ids, strict=False)]
+    if tops is not None:
+        meta["output_top_logprobs"] = [[[_lp(v), t, None] for t, v in alts] for alts in tops]

@@ -1,0 +1,155 @@
+"""The Starlette app: routes, request ids, error bodies, disconnect handling.
+
+Handlers (openai_api, native) return a `Reply`; this module owns everything HTTP:
+- x-request-id becomes the rid (validated) and is echoed on every response;
+- ApiError -> its status with an OpenAI-style body; any other exception -> logged, 500
+  in the same format (the process stays up);
+- a client that disconnects aborts its request: non-streaming handlers race a watcher on
+  the ASGI receive channel; streaming responses are cancelled by Starlette on disconnect
+  and the Reply's `close` runs as the response's background task either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import structlog
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive
+
+from engine.serve import formats as fmt
+from engine.serve.errors import ApiError, api_error_body, error_body
+from engine.serve.native import generate_http
+from engine.serve.openai_api import chat_completions, completions
+from engine.serve.state import Call, Reply, ServeState
+from engine.serve.validate import check_rid
+
+log = structlog.get_logger()
+Handler = Callable[[ServeState, bytes, Call], Awaitable[Reply]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def request_id(header: str | None) -> str:
+    """The rid for a request: the client's x-request-id, or a fresh one."""
+    return uuid.uuid4().hex if header is None else check_rid(header, "x-request-id")
+
+
+def json_response(body: Any, status: int = 200, rid: str | None = None) -> Response:
+    headers = {"x-request-id": rid} if rid else None
+    return Response(fmt.to_json(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError, rid: str | None = None) -> Response:
+    return json_response(api_error_body(err), err.status, rid)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, Reply]) -> Reply:
+    """Run `work`; if the client disconnects first, cancel it (its finally blocks abort
+    the scheduler requests) and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        t0 = time.monotonic()
+        header = request.headers.get("x-request-id")
+        try:
+            rid = request_id(header)
+        except ApiError as exc:
+            return error_response(exc)
+        with structlog.contextvars.bound_contextvars(rid=rid):
+            try:
+                body = await request.body()
+                reply = await until_disconnect(request, handler(state, body, Call(rid, t0, header is not None)))
+            except ApiError as exc:
+                log.info("request rejected", status=exc.status, error=exc.message)
+                return error_response(exc, rid)
+            except (ClientGone, ClientDisconnect):
+                log.info("client disconnected before the response")
+                return Response(status_code=499)
+            except Exception:
+                log.exception("request handler failed")
+                return error_response(ApiError(500, "internal server error"), rid)
+        rid = reply.rid or rid
+        if reply.stream is not None:
+            headers = {"x-request-id": rid, "cache-control": "no-cache"}
+            background = BackgroundTask(reply.close) if reply.close else None
+            return StreamingResponse(
+                reply.stream, media_type="text/event-stream", headers=headers, background=background
+            )
+        return json_response(reply.body, rid=rid)
+
+    return endpoint
+
+
+def build_app(state: ServeState) -> Starlette:
+    async def models(_request: Request) -> Response:
+        limits = state.frontend.limits()
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "strata",
+            "root": state.cfg.model or state.model_name,
+            "max_model_len": limits.max_context if limits else None,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(_request: Request) -> Response:
+        if state.frontend.ready:
+            return json_response({"status": "ok"})
+        return json_response(error_body(503, "the scheduler is not ready"), 503)
+
+    async def metrics(_request: Request) -> Response:
+        body, content_type = state.frontend.metrics.render()
+        return Response(body, media_type=content_type)
+
+    routes = [
+        Route("/v1/chat/completions", api_route(state, chat_completions), methods=["POST"]),
+        Route("/v1/completions", api_route(state, completions), methods=["POST"]),
+        Route("/generate", api_route(state, generate_http), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    handlers = {HTTPException: _http_exception, Exception: _unhandled}
+    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+async def _http_exception(_request: Request, exc: HTTPException) -> Response:
+    # Unknown routes (404) and wrong methods (405) in the OpenAI error shape.
+    return json_response(error_body(exc.status_code, exc.detail or "error"), exc.status_code)
+
+
+async def _unhandled(_request: Request, exc: Exception) -> Response:
+    log.error("unhandled exception", error=repr(exc))
+    return json_response(error_body(500, "internal server error"), 500)

@@ -1,0 +1,198 @@
+"""/v1/chat/completions and /v1/completions: validate, submit, answer (JSON or SSE)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+
+from engine.serve import formats as fmt
+from engine.serve.chat import chat_prompt_ids
+from engine.serve.errors import error_body
+from engine.serve.generate import Generation, GenerationFailed, collect, failure_error
+from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported, decode_body
+from engine.serve.state import Call, Reply, ServeState
+from engine.serve.tokenizer import TextTokenizer
+from engine.serve.validate import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    Limits,
+    check_ids,
+    check_length,
+    check_model,
+    check_text_features,
+    completion_prompts,
+    fan_out,
+    make_params,
+    openai_params,
+    resolve_max_tokens,
+)
+from msgs.params import SamplingParams
+
+log = structlog.get_logger()
+
+
+def _params_for(
+    ids: list[int],
+    kw: dict[str, Any],
+    requested: int | None,
+    default: int | None,
+    limits: Limits,
+    tok: TextTokenizer | None,
+    what: str,
+) -> SamplingParams:
+    check_ids(ids, limits, param=what)
+    max_new = resolve_max_tokens(requested, default, len(ids), limits)
+    check_length(len(ids), max_new, limits, what)
+    params = make_params(kw, max_new)
+    check_text_features(params, tok)
+    return params
+
+
+async def _finish(gen: Generation) -> list[Any]:
+    try:
+        return await collect(gen)
+    except GenerationFailed as exc:
+        raise failure_error(exc) from None
+    finally:
+        gen.close()
+
+
+def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+# -- chat -------------------------------------------------------------------------------
+
+
+async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
+    rid = call.rid
+    req = decode_body(body, ChatCompletionRequest)
+    check_model(req.model, state.accepted_models)
+    check_unsupported(req)
+    kw = openai_params(req)
+    limits = await state.limits()
+    ids = chat_prompt_ids(state.tok, req.messages, req.tools, req.chat_template_kwargs)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")
+    subs = fan_out(rid, [ids], [params], req.n)
+    log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
+    gen = Generation(state.frontend, state.tok, rid, subs, call.t0)
+    created = int(time.time())
+    if req.stream:
+        stream = _chat_stream(state, gen, rid, created, req.logprobs, _include_usage(req))
+        return Reply(stream=stream, close=gen.close)
+    choices = await _finish(gen)
+    out = [
+        fmt.chat_choice(
+            c.index,
+            c.text,
+            c.finish_reason,
+            fmt.chat_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
+        )
+        for c in choices
+    ]
+    use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
+    return Reply(body=fmt.chat_completion(rid, state.model_name, created, out, use))
+
+
+async def _chat_stream(
+    state: ServeState, gen: Generation, rid: str, created: int, logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    model, tok = state.model_name, state.tok
+    prompt_of = {s.index: s.prompt_index for s in gen.subs}
+    counts: dict[int, tuple[int, int, int, int]] = {}
+
+    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
+        return fmt.sse(fmt.chat_chunk(rid, model, created, choices, include_usage, use))
+
+    try:
+        for sub in gen.subs:
+            yield chunk([fmt.chat_chunk_choice(sub.index, {"role": "assistant", "content": ""}, None, None)])
+        async for d in gen.deltas():
+            if d.finish_reason == "error":
+                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
+                break
+            counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+            lp = fmt.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if logprobs else None
+            if d.text or d.finish_reason or lp:
+                delta = {"content": d.text} if d.text else {}
+                yield chunk([fmt.chat_chunk_choice(d.index, delta, d.finish_reason, lp)])
+        else:
+            if include_usage:
+                yield chunk([], fmt.usage_of(counts.values()))
+        yield fmt.SSE_DONE
+    finally:
+        gen.close()
+
+
+# -- completions ------------------------------------------------------------------------
+
+
+async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
+    rid = call.rid
+    req = decode_body(body, CompletionRequest)
+    check_model(req.model, state.accepted_models)
+    check_unsupported(req)
+    kw = openai_params(req)
+    limits = await state.limits()
+    prompts = completion_prompts(req.prompt, state.tok)
+    default = COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = [_params_for(ids, kw, req.max_tokens, default, limits, state.tok, "prompt") for ids in prompts]
+    subs = fan_out(rid, prompts, params, req.n)
+    log.info(
+        "completion request",
+        prompt_tokens=sum(len(p) for p in prompts),
+        prompts=len(prompts),
+        n=req.n,
+        max_tokens=params[0].max_new_tokens,
+        stream=req.stream,
+    )
+    gen = Generation(state.frontend, state.tok, rid, subs, call.t0)
+    created = int(time.time())
+    want_lp = req.logprobs is not None
+    if req.stream:
+        stream = _completion_stream(state, gen, rid, created, want_lp, _include_usage(req))
+        return Reply(stream=stream, close=gen.close)
+    choices = await _finish(gen)
+    out = []
+    for c in choices:
+        lp = fmt.completion_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs)[0] if want_lp else None
+        out.append(fmt.completion_choice(c.index, c.text, c.finish_reason, lp))
+    use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
+    return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
+
+
+async def _completion_stream(
+    state: ServeState, gen: Generation, rid: str, created: int, logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    model, tok = state.model_name, state.tok
+    prompt_of = {s.index: s.prompt_index for s in gen.subs}
+    counts: dict[int, tuple[int, int, int, int]] = {}
+    offsets: dict[int, int] = {}
+
+    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
+        body = fmt.completion(rid, model, created, choices, use)
+        if not include_usage:
+            del body["usage"]
+        return fmt.sse(body)
+
+    try:
+        async for d in gen.deltas():
+            if d.finish_reason == "error":
+                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
+                break
+            counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+            lp = None
+            if logprobs:
+                off = offsets.get(d.index, 0)
+                lp, offsets[d.index] = fmt.completion_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs, off)
+            if d.text or d.finish_reason or lp:
+                yield chunk([fmt.completion_choice(d.index, d.text, d.finish_reason, lp)])
+        else:
+            if include_usage:
+                yield chunk([], fmt.usage_of(counts.values()))
+        yield fmt.SSE_DONE
+    finally:
+        gen.close()

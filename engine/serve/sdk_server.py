@@ -1,0 +1,110 @@
+"""The ZMQ SDK front: a ROUTER socket speaking msgs.sdk.
+
+Each GenerateRequest runs as a task that answers its client (by ROUTER identity) with
+GenerateChunk deltas (stream) or one final chunk, or a GenerateError with the same status
+the HTTP API would give. AbortGenerate cancels the task, which aborts the scheduler
+request through Generation.close().
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from engine.serve.errors import ApiError
+from engine.serve.generate import Delta, Generation, GenerationFailed, collect
+from engine.serve.native import prepare
+from engine.serve.state import ServeState
+from engine.serve.validate import SubRequest
+from msgs.sdk import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, client_codec, server_codec
+
+log = structlog.get_logger()
+
+
+class SdkServer:
+    def __init__(self, state: ServeState, sock) -> None:  # noqa: ANN001 - zmq.asyncio ROUTER
+        self._state = state
+        self._sock = sock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) < 2:
+                continue
+            ident, msg = frames[0], server_codec.decode(frames[-1])
+            if isinstance(msg, GenerateRequest):
+                await self._start(ident, msg)
+            elif isinstance(msg, AbortGenerate):
+                task = self._tasks.get(msg.rid)
+                if task is not None:
+                    log.info("sdk abort", rid=msg.rid)
+                    task.cancel()
+
+    async def _start(self, ident: bytes, req: GenerateRequest) -> None:
+        if req.rid in self._tasks:
+            await self._send(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"))
+            return
+        task = asyncio.create_task(self._serve(ident, req))
+        self._tasks[req.rid] = task
+        task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
+
+    async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError) -> None:
+        await self._sock.send_multipart([ident, client_codec.encode(msg)])
+
+    async def _serve(self, ident: bytes, req: GenerateRequest) -> None:
+        rid = req.rid
+        try:
+            ids, params = await prepare(self._state, req.text, req.input_ids, req.params, max_given=True)
+            log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens)
+            gen = Generation(self._state.frontend, self._state.tok, rid, [SubRequest(rid, 0, 0, ids, params)])
+            try:
+                if req.stream:
+                    await self._stream(ident, rid, gen)
+                else:
+                    await self._whole(ident, rid, gen)
+            finally:
+                gen.close()
+        except ApiError as exc:
+            log.info("sdk request rejected", rid=rid, status=exc.status, message=exc.message)
+            await self._send(ident, GenerateError(rid, exc.status, exc.message))
+        except GenerationFailed as exc:
+            await self._send(ident, GenerateError(rid, 500, f"generation failed: {exc.message}"))
+        except Exception:  # noqa: BLE001 - a bug must not take the SDK loop down
+            log.exception("sdk request failed", rid=rid)
+            await self._send(ident, GenerateError(rid, 500, "internal server error"))
+
+    async def _stream(self, ident: bytes, rid: str, gen: Generation) -> None:
+        async for d in gen.deltas():
+            if d.finish_reason == "error":
+                raise GenerationFailed(d.error or "the scheduler failed this request")
+            if d.text or d.token_ids or d.finish_reason:
+                await self._send(ident, _chunk(rid, d))
+
+    async def _whole(self, ident: bytes, rid: str, gen: Generation) -> None:
+        (c,) = await collect(gen)
+        chunk = GenerateChunk(
+            rid=rid,
+            text=c.text,
+            token_ids=c.token_ids,
+            finish_reason=c.finish_reason,
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            cached_tokens=c.cached_tokens,
+            logprobs=c.logprobs,
+        )
+        await self._send(ident, chunk)
+
+
+def _chunk(rid: str, d: Delta) -> GenerateChunk:
+    return GenerateChunk(
+        rid=rid,
+        text=d.text,
+        token_ids=d.token_ids,
+        finish_reason=d.finish_reason,
+        prompt_tokens=d.prompt_tokens,
+        completion_tokens=d.completion_tokens,
+        cached_tokens=d.cached_tokens,
+        logprobs=d.logprobs,
+    )
