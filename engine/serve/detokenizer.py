@@ -2,9 +2,9 @@
 
 Two layers:
 - `IncrementalDecoder` turns new token ids into new text. It decodes a small window
-  (the previously emitted tail for context, plus the unread ids) twice and emits the
-  difference, so the cost per call does not grow with the output. Text ending in U+FFFD
-  is held back: the last token ended inside a multi-byte UTF-8 character.
+  (a few emitted ids as context, plus the unread ids) and emits the new part, so the
+  cost per call does not grow with the output. Trailing U+FFFD is held back: the last
+  token ended inside a multi-byte UTF-8 character.
 - `StopMatcher` finds stop strings across chunk boundaries and holds back the longest
   suffix that could still become one, so streamed text never has to be taken back.
 
@@ -20,54 +20,56 @@ from collections.abc import Sequence
 from engine.serve.tokenizer import Decoder
 
 REPLACEMENT = "\ufffd"
-CONTEXT_TOKENS = 5  # prompt ids decoded as left context (leading-space rules of some decoders)
-# A partial UTF-8 character is at most 3 bytes, so at most 3 tokens. More unread tokens
-# than this that still end in U+FFFD mean invalid bytes: emit them rather than stall.
-MAX_PENDING = 4
+CONTEXT_TOKENS = 5  # emitted ids kept as left context (leading-space rules of some decoders)
+# Output ending in U+FFFD is held back (the last token ended inside a character). After
+# this many unread tokens it is released anyway: those bytes are invalid, not incomplete.
+MAX_PENDING = 16
 
 
 class IncrementalDecoder:
-    """Token ids -> text deltas, never splitting a UTF-8 character."""
+    """Token ids -> text deltas, never splitting a UTF-8 character.
+
+    The window is a few already-emitted ids (context, whose text is cached) plus the
+    unread ids. Each push decodes the window once; the text past the context, minus any
+    trailing U+FFFD, is what may be emitted. When the window text is complete the unread
+    ids become the new context, so the window (and the cost per push) stays small."""
 
     def __init__(self, decoder: Decoder, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self._decoder = decoder
         self._skip = skip_special_tokens
         self._ids = list(context[-CONTEXT_TOKENS:]) if CONTEXT_TOKENS else []
-        self._prefix = 0  # window start: already-emitted ids kept as context
-        self._read = len(self._ids)  # ids before this are emitted
+        self._read = len(self._ids)  # ids before this are context
+        self._context_text = self._decode(self._ids)
+        self._sent = 0  # characters of the text past the context already emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self._decoder.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add ids; return the text they complete (maybe "", maybe more than their own)."""
-        self._ids.extend(new_ids)
-        if self._read == len(self._ids):
+        if not new_ids:
             return ""
-        prefix = self._decode(self._ids[self._prefix : self._read])
-        full = self._decode(self._ids[self._prefix :])
-        if not full.endswith(REPLACEMENT) and full.startswith(prefix):
-            return self._advance(full[len(prefix) :], len(self._ids))
-        if len(self._ids) - self._read > MAX_PENDING:
-            # Keep only the last 3 tokens (room for a partial char); the rest is final.
-            cut = len(self._ids) - (MAX_PENDING - 1)
-            head = self._decode(self._ids[self._prefix : cut])
-            return self._advance(head[len(prefix) :], cut)
-        return ""
+        self._ids.extend(new_ids)
+        text = self._decode(self._ids)[len(self._context_text) :]
+        if text.endswith(REPLACEMENT) and len(self._ids) - self._read <= MAX_PENDING:
+            safe = text.rstrip(REPLACEMENT)
+            delta = safe[self._sent :]
+            self._sent = max(self._sent, len(safe))
+            return delta
+        return self._advance(text)
 
     def flush(self) -> str:
         """Everything not yet emitted, incomplete characters included (as U+FFFD)."""
         if self._read == len(self._ids):
             return ""
-        prefix = self._decode(self._ids[self._prefix : self._read])
-        full = self._decode(self._ids[self._prefix :])
-        return self._advance(full[len(prefix) :], len(self._ids))
+        return self._advance(self._decode(self._ids)[len(self._context_text) :])
 
-    def _advance(self, delta: str, read: int) -> str:
-        # The next window starts at the old read point: the ids just emitted stay as
-        # left context, everything older is dropped, so the cost per call stays bounded.
-        del self._ids[: self._read]
-        self._prefix, self._read = 0, read - self._read
+    def _advance(self, text: str) -> str:
+        delta = text[self._sent :]
+        del self._ids[: max(0, len(self._ids) - CONTEXT_TOKENS)]
+        self._read = len(self._ids)
+        self._context_text = self._decode(self._ids)
+        self._sent = 0
         return delta
 
 

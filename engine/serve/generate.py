@@ -69,6 +69,8 @@ _DONE = object()
 
 
 class Generation:
+    """The scheduler requests behind one API request, and their merged output."""
+
     def __init__(
         self,
         frontend: Frontend,
@@ -76,11 +78,13 @@ class Generation:
         parent: str,
         subs: list[SubRequest],
         t0: float | None = None,
+        stream: bool = True,
     ) -> None:
-        """Submits now: raises ApiError (400) if a rid is already in flight."""
+        """Submits now: raises ApiError (400) if a rid is already in flight. stream=False
+        when only the final result matters (`collect`): fewer wake-ups per token."""
         self.subs = subs
         self._tok = tok
-        self._handles = frontend.submit_many(parent, [(s.rid, s.ids, s.params) for s in subs], t0)
+        self._handles = frontend.submit_many(parent, [(s.rid, s.ids, s.params) for s in subs], t0, stream)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -111,6 +115,30 @@ class Generation:
             handle.close()
 
 
+async def first_then_rest(gen: Generation) -> AsyncIterator[Delta]:
+    """The deltas of a streaming request, after waiting for the first one.
+
+    Waiting before the response starts lets a request the scheduler fails at once get
+    a real error status instead of a 200 followed by an error event."""
+    deltas = gen.deltas()
+    try:
+        first = await anext(deltas, None)
+    except BaseException:  # cancelled (client gone) before the response started
+        gen.close()
+        raise
+    if first is not None and first.finish_reason == "error":
+        gen.close()
+        raise failure_error(GenerationFailed(first.error or "the scheduler failed this request"))
+    return _chain(first, deltas)
+
+
+async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    if first is not None:
+        yield first
+    async for delta in rest:
+        yield delta
+
+
 async def _pump(gen: AsyncIterator[Delta], queue: asyncio.Queue[object]) -> None:
     try:
         async for delta in gen:
@@ -130,7 +158,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         async for out in handle:
             produced += len(out.new_ids)
             cached = max(cached, out.cached_tokens)
-            text, finish = _advance(detok, out, params.stop_token_ids)
+            text, finish = _text_and_finish(detok, out, params.stop_token_ids)
             if text or out.new_ids or finish:
                 yield Delta(
                     index=sub.index,
@@ -158,7 +186,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         )
 
 
-def _advance(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int]) -> tuple[str, str | None]:
+def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int]) -> tuple[str, str | None]:
     """Text for one output and the finish reason (a stop string overrides the scheduler's)."""
     ids = out.new_ids
     if out.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:

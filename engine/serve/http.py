@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -78,6 +78,18 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, Reply]) -
             task.cancel()
 
 
+async def _guarded(stream: AsyncIterator[bytes], rid: str) -> AsyncIterator[bytes]:
+    """A bug while streaming ends the stream with an error event instead of a torn
+    connection (the status line has already gone out as 200)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception:
+        log.exception("stream failed", rid=rid)
+        yield fmt.sse(error_body(500, "internal server error"))
+        yield fmt.SSE_DONE
+
+
 def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         t0 = time.monotonic()
@@ -103,9 +115,8 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
         if reply.stream is not None:
             headers = {"x-request-id": rid, "cache-control": "no-cache"}
             background = BackgroundTask(reply.close) if reply.close else None
-            return StreamingResponse(
-                reply.stream, media_type="text/event-stream", headers=headers, background=background
-            )
+            stream = _guarded(reply.stream, rid)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers, background=background)
         return json_response(reply.body, rid=rid)
 
     return endpoint

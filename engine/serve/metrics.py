@@ -19,7 +19,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("strata_requests", "Requests sent to the scheduler", registry=r)
+        self.requests = Counter("strata_requests", "Requests sent to the scheduler (n > 1 counts n)", registry=r)
         self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens sent to the scheduler", registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "Tokens generated", registry=r)
         self.cache_hit_tokens = Counter(

@@ -14,7 +14,7 @@ import structlog
 
 from engine.serve import formats as fmt
 from engine.serve.errors import error_body
-from engine.serve.generate import Generation, GenerationFailed, collect, failure_error
+from engine.serve.generate import Delta, Generation, GenerationFailed, collect, failure_error, first_then_rest
 from engine.serve.protocol import GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import SubRequest, check_rid, native_params, native_prompt, native_request
@@ -46,9 +46,10 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     params, max_given = native_params(req.sampling_params)
     ids, params = await prepare(state, req.text, req.input_ids, params, max_given)
     log.info("generate request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens, stream=req.stream)
-    gen = Generation(state.frontend, state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], call.t0)
+    gen = Generation(state.frontend, state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], call.t0, req.stream)
     if req.stream:
-        return Reply(stream=_stream(gen, rid, len(ids)), close=gen.close, rid=rid)
+        deltas = await first_then_rest(gen)
+        return Reply(stream=_stream(gen, deltas, rid, len(ids)), close=gen.close, rid=rid)
     try:
         (c,) = await collect(gen)
     except GenerationFailed as exc:
@@ -68,12 +69,12 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     return Reply(body=out, rid=rid)
 
 
-async def _stream(gen: Generation, rid: str, prompt: int) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, prompt: int) -> AsyncIterator[bytes]:
     text, ids = "", []
     lps: list[float] | None = None
     tops: list[list[tuple[int, float]]] | None = None
     try:
-        async for d in gen.deltas():
+        async for d in deltas:
             if d.finish_reason == "error":
                 yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
                 break

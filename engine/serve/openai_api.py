@@ -11,7 +11,7 @@ import structlog
 from engine.serve import formats as fmt
 from engine.serve.chat import chat_prompt_ids
 from engine.serve.errors import error_body
-from engine.serve.generate import Generation, GenerationFailed, collect, failure_error
+from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, failure_error, first_then_rest
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenizer import TextTokenizer
@@ -50,7 +50,7 @@ def _params_for(
     return params
 
 
-async def _finish(gen: Generation) -> list[Any]:
+async def _finish(gen: Generation) -> list[Choice]:
     try:
         return await collect(gen)
     except GenerationFailed as exc:
@@ -78,10 +78,11 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
-    gen = Generation(state.frontend, state.tok, rid, subs, call.t0)
+    gen = Generation(state.frontend, state.tok, rid, subs, call.t0, req.stream)
     created = int(time.time())
     if req.stream:
-        stream = _chat_stream(state, gen, rid, created, req.logprobs, _include_usage(req))
+        deltas = await first_then_rest(gen)
+        stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req))
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
     out = [
@@ -98,7 +99,13 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
 
 
 async def _chat_stream(
-    state: ServeState, gen: Generation, rid: str, created: int, logprobs: bool, include_usage: bool
+    state: ServeState,
+    gen: Generation,
+    deltas: AsyncIterator[Delta],
+    rid: str,
+    created: int,
+    logprobs: bool,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
     prompt_of = {s.index: s.prompt_index for s in gen.subs}
@@ -110,7 +117,7 @@ async def _chat_stream(
     try:
         for sub in gen.subs:
             yield chunk([fmt.chat_chunk_choice(sub.index, {"role": "assistant", "content": ""}, None, None)])
-        async for d in gen.deltas():
+        async for d in deltas:
             if d.finish_reason == "error":
                 yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
                 break
@@ -149,11 +156,12 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         max_tokens=params[0].max_new_tokens,
         stream=req.stream,
     )
-    gen = Generation(state.frontend, state.tok, rid, subs, call.t0)
+    gen = Generation(state.frontend, state.tok, rid, subs, call.t0, req.stream)
     created = int(time.time())
     want_lp = req.logprobs is not None
     if req.stream:
-        stream = _completion_stream(state, gen, rid, created, want_lp, _include_usage(req))
+        deltas = await first_then_rest(gen)
+        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req))
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
     out = []
@@ -165,7 +173,13 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
 
 
 async def _completion_stream(
-    state: ServeState, gen: Generation, rid: str, created: int, logprobs: bool, include_usage: bool
+    state: ServeState,
+    gen: Generation,
+    deltas: AsyncIterator[Delta],
+    rid: str,
+    created: int,
+    logprobs: bool,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
     prompt_of = {s.index: s.prompt_index for s in gen.subs}
@@ -179,7 +193,7 @@ async def _completion_stream(
         return fmt.sse(body)
 
     try:
-        async for d in gen.deltas():
+        async for d in deltas:
             if d.finish_reason == "error":
                 yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
                 break

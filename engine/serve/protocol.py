@@ -18,6 +18,15 @@ from engine.serve.errors import ApiError, from_validation
 T = TypeVar("T")
 
 
+_NULL_MEANS_DEFAULT = {
+    "n": 1,
+    "stream": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "echo": False,
+}
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -44,8 +53,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1  # None (JSON null) becomes the default in __post_init__, as below
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -57,15 +66,21 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = True
+
+    def __post_init__(self) -> None:
+        # Some clients send every field, unset ones as null: null means the default.
+        for name in _NULL_MEANS_DEFAULT:
+            if getattr(self, name, 0) is None:
+                setattr(self, name, _NULL_MEANS_DEFAULT[name])
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -83,7 +98,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     # union, so the array shapes are checked by `completion_prompts`.
     prompt: str | list[Any]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 

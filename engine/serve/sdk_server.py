@@ -16,7 +16,7 @@ from engine.serve.errors import ApiError
 from engine.serve.generate import Delta, Generation, GenerationFailed, collect
 from engine.serve.native import prepare
 from engine.serve.state import ServeState
-from engine.serve.validate import SubRequest
+from engine.serve.validate import SubRequest, check_rid
 from msgs.sdk import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, client_codec, server_codec
 
 log = structlog.get_logger()
@@ -34,13 +34,19 @@ class SdkServer:
             if len(frames) < 2:
                 continue
             ident, msg = frames[0], server_codec.decode(frames[-1])
-            if isinstance(msg, GenerateRequest):
-                await self._start(ident, msg)
-            elif isinstance(msg, AbortGenerate):
-                task = self._tasks.get(msg.rid)
-                if task is not None:
-                    log.info("sdk abort", rid=msg.rid)
-                    task.cancel()
+            try:
+                await self._handle(ident, msg)
+            except Exception:  # one bad message must not stop the SDK front
+                log.exception("sdk message failed", kind=type(msg).__name__)
+
+    async def _handle(self, ident: bytes, msg: GenerateRequest | AbortGenerate | None) -> None:
+        if isinstance(msg, GenerateRequest):
+            await self._start(ident, msg)
+        elif isinstance(msg, AbortGenerate):
+            task = self._tasks.get(msg.rid)
+            if task is not None:
+                log.info("sdk abort", rid=msg.rid)
+                task.cancel()
 
     async def _start(self, ident: bytes, req: GenerateRequest) -> None:
         if req.rid in self._tasks:
@@ -56,9 +62,12 @@ class SdkServer:
     async def _serve(self, ident: bytes, req: GenerateRequest) -> None:
         rid = req.rid
         try:
+            check_rid(rid)
             ids, params = await prepare(self._state, req.text, req.input_ids, req.params, max_given=True)
             log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens)
-            gen = Generation(self._state.frontend, self._state.tok, rid, [SubRequest(rid, 0, 0, ids, params)])
+            gen = Generation(
+                self._state.frontend, self._state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], stream=req.stream
+            )
             try:
                 if req.stream:
                     await self._stream(ident, rid, gen)

@@ -140,11 +140,16 @@ def _logprob_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str,
         return {"logprobs": req.logprobs is not None, "top_logprobs": req.logprobs or 0}
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    return {"logprobs": req.logprobs, "top_logprobs": req.top_logprobs or 0}
+    return {"logprobs": bool(req.logprobs), "top_logprobs": req.top_logprobs or 0}
 
 
 def make_params(kw: dict[str, Any], max_new: int) -> SamplingParams:
-    params = SamplingParams(**kw, max_new_tokens=max_new)
+    # convert (not the constructor) type-checks every field: a mistyped value would
+    # otherwise be encoded, fail to decode in the scheduler, and hang the request.
+    try:
+        params = msgspec.convert({**kw, "max_new_tokens": max_new}, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from None
     check_params(params)
     return params
 

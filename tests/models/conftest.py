@@ -2,41 +2,24 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from model_harness import make_hf_dir
+import torch
+from model_harness import make_hf_dir, tiny_config
 
 from models.default_model import ensure_default_model
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "configs"
 
-TINY_QWEN2 = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 2048,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "eos_token_id": 2,
-}
-
-
-def tiny_config(name: str) -> dict:
-    """A tiny config from configs/ (tiny-llama, tiny-qwen3) or the inline Qwen2 one."""
-    if name == "tiny-qwen2":
-        return dict(TINY_QWEN2)
-    cfg = json.loads((CONFIGS / name / "config.json").read_text())
-    cfg.pop("torch_dtype", None)
-    return cfg
+@pytest.fixture(autouse=True, scope="package")
+def _one_thread() -> Iterator[None]:
+    """Tiny matmuls: OpenMP thread hand-offs cost more than they save (and a busy CI host
+    makes 2-thread barriers stall by milliseconds), so run these tests single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-qwen3", "tiny-qwen2"])

@@ -7,6 +7,7 @@ split prompts into chunks so prefill chunks and decodes share a step.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -20,6 +21,34 @@ from engine.run.attention import TorchAttention
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
 from models.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def tiny_config(name: str) -> dict:
+    """A tiny config from configs/ (tiny-llama, tiny-qwen3) or the inline Qwen2 one."""
+    if name == "tiny-qwen2":
+        return dict(TINY_QWEN2)
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    return cfg
 
 
 @dataclass

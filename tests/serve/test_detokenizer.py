@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.serve.detokenizer import REPLACEMENT, Detokenizer, IncrementalDecoder, StopMatcher
+from engine.serve.detokenizer import MAX_PENDING, REPLACEMENT, Detokenizer, IncrementalDecoder, StopMatcher
 
 TEXT = "héllo 日本語 🎉 done. Ünïcödé: 𝔘𝔫𝔦 and more"
 
@@ -52,7 +52,7 @@ def test_prompt_context_is_not_part_of_the_output(small_tok) -> None:
     assert "".join(_push_all(dec, out, [1] * len(out))) + dec.flush() == " quick 日本"
 
 
-def test_invalid_bytes_do_not_stall_and_a_later_character_survives(small_tok) -> None:
+def test_invalid_bytes_before_a_valid_character_are_kept(small_tok) -> None:
     lone = small_tok.encode("é").ids[1]  # a continuation byte on its own: never valid
     emoji = small_tok.encode("🎉").ids
     assert len(emoji) == 4
@@ -60,9 +60,16 @@ def test_invalid_bytes_do_not_stall_and_a_later_character_survives(small_tok) ->
     dec = IncrementalDecoder(small_tok)
     deltas = _push_all(dec, ids, [1] * len(ids))
     text = "".join(deltas) + dec.flush()
-    assert text == small_tok.decode(ids)
-    assert text.endswith("🎉 ok")
-    assert "".join(deltas[:7]).count(REPLACEMENT) >= 1  # garbage is released, not held forever
+    assert text == small_tok.decode(ids) == REPLACEMENT * 6 + "🎉 ok"
+    assert not deltas[-1].startswith(REPLACEMENT)
+
+
+def test_a_stream_of_invalid_bytes_does_not_stall(small_tok) -> None:
+    lone = small_tok.encode("é").ids[1]
+    dec = IncrementalDecoder(small_tok)
+    deltas = _push_all(dec, [lone] * (MAX_PENDING + 2), [1] * (MAX_PENDING + 2))
+    assert REPLACEMENT in "".join(deltas)  # released before the request ends
+    assert "".join(deltas) + dec.flush() == REPLACEMENT * (MAX_PENDING + 2)
 
 
 def test_flush_releases_an_incomplete_character(small_tok) -> None:

@@ -1,0 +1,181 @@
+"""The OpenAI-compatible API through the real stack (bin/serve, all processes, real model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import Server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+
+def chat(client: openai.OpenAI, text: str, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], **kw)
+
+
+def test_chat_greedy_answers_and_counts_usage(client: openai.OpenAI) -> None:
+    r = chat(client, "What is the capital of France?", max_tokens=16, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_stream_finishes(client: openai.OpenAI) -> None:
+    stream = chat(client, "Say hello.", max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+
+
+def test_stop_string_trims_text(client: openai.OpenAI) -> None:
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    assert "," in text, text
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","])
+    assert cut.choices[0].text == text[: text.index(",")]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                         stop=[","], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = chat(client, "Name a fruit.", max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        tops = item.top_logprobs
+        assert len(tops) == 3 and item.logprob <= 0
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert tops[0].token == item.token and abs(tops[0].logprob - item.logprob) < 1e-4  # greedy
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_seed_reproducible_and_n(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    c = client.completions.create(**{**kw, "seed": 7}).choices[0].text
+    assert a == b and a != c
+    many = client.completions.create(**{**kw, "n": 3})
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2]
+    assert len({ch.text for ch in many.choices}) >= 2
+
+
+def test_models_health_and_request_id(server: Server) -> None:
+    models = httpx.get(f"{server.base_url}/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{server.http}/health").status_code == 200
+    r = httpx.post(f"{server.base_url}/completions", headers={"x-request-id": "my-rid-1"},
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-rid-1"
+
+
+def test_native_generate_with_ids(server: Server) -> None:
+    r = httpx.post(f"{server.http}/generate", timeout=60, json={
+        "input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert len(body["output_ids"]) == 5 and body["meta_info"]["prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ("{not json", 400),
+        (json.dumps({"model": MODEL, "messages": "hi"}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "bogus_field": 1}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}), 400),
+        (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}), 404),
+        (json.dumps({"model": MODEL, "messages": []}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -2}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 20000}]}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}), 400),
+    ],
+)
+def test_bad_input_gets_4xx_with_openai_error(server: Server, body: str, status: int) -> None:
+    r = httpx.post(f"{server.base_url}/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_chat_template_failure_is_400(server: Server) -> None:
+    # a content part type the template cannot render
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+
+
+def test_client_disconnect_frees_pages(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a long story about dragons.", "max_tokens": 400,
+            "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data:") for line in got)
+    m = server.wait_idle()
+    assert m["strata_running_requests"] == 0 and m["strata_waiting_requests"] == 0
+    assert m["strata_kv_leak_free"] == 1
+    assert m["strata_kv_pages_used"] == m["strata_kv_cache_pages"]  # only the prefix cache holds pages
+
+
+def test_64_concurrent_streams_all_complete(server: Server) -> None:
+    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        stream = await ac.completions.create(model=MODEL, prompt=f"Item {i}:", max_tokens=8 + i % 5,
+                                             temperature=0.7, seed=i, stream=True)
+        text, reason = "", None
+        async for c in stream:
+            text += c.choices[0].text
+            reason = c.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main() -> list[tuple[str, str]]:
+        ac = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(ac, i) for i in range(64)))
+
+    before = server.metrics()["strata_requests_total"]
+    results = asyncio.run(main())
+    assert len(results) == 64 and all(reason in ("stop", "length") for _, reason in results)
+    m = server.wait_idle()
+    assert m["strata_requests_total"] - before >= 64
+    assert m["strata_kv_leak_free"] == 1 and m["strata_kv_pages_used"] == m["strata_kv_cache_pages"]
+
+
+def test_metrics_exposed(server: Server) -> None:
+    text = httpx.get(f"{server.http}/metrics").text
+    for name in ("strata_requests_total", "strata_prompt_tokens_total", "strata_generation_tokens_total",
+                 'strata_cache_hit_tokens_total{tier="device"}', "strata_kv_pages_used",
+                 "strata_ttft_seconds_bucket", "strata_step_seconds_bucket"):
+        assert name in text, name
+    m = httpx.get(f"{server.http}/metrics").text
+    hits = [line for line in m.splitlines() if line.startswith('strata_cache_hit_tokens_total{tier="device"}')]
+    assert float(hits[0].split()[-1]) > 0  # repeated chat prefixes hit the radix cache

@@ -1,0 +1,53 @@
+"""The ZMQ client SDK against the real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from msgs.sdk import AsyncClient, Client, StrataError
+from tests.integration.conftest import Server
+
+
+def test_sdk_generate_and_stream(server: Server) -> None:
+    with Client(server.sdk) as c:
+        full = c.generate("The capital of France is", max_new_tokens=8, temperature=0)
+        assert full.finish_reason in ("stop", "length") and full.text
+        assert len(full.token_ids) == full.completion_tokens
+        parts = list(c.stream("The capital of France is", max_new_tokens=8, temperature=0))
+        assert "".join(p.text for p in parts) == full.text
+        assert parts[-1].finish_reason == full.finish_reason
+
+
+def test_sdk_token_ids_and_errors(server: Server) -> None:
+    with Client(server.sdk) as c:
+        out = c.generate([504, 3575, 282, 4649, 314], max_new_tokens=4, temperature=0)
+        assert len(out.token_ids) == 4
+        with pytest.raises(StrataError) as err:
+            c.generate("hi", max_new_tokens=4, temperature=-1)
+        assert 400 <= err.value.status < 500
+
+
+def test_sdk_abort_mid_stream_frees_pages(server: Server) -> None:
+    with Client(server.sdk) as c:
+        it = c.stream("Write a long essay.", max_new_tokens=300, ignore_eos=True)
+        for _ in range(3):
+            next(it)
+        it.close()  # aborts on the server
+    m = server.wait_idle()
+    assert m["strata_kv_leak_free"] == 1 and m["strata_kv_pages_used"] == m["strata_kv_cache_pages"]
+
+
+def test_async_sdk_concurrent(server: Server) -> None:
+    async def main() -> list[str]:
+        c = AsyncClient(server.sdk)
+        try:
+            outs = await asyncio.gather(*(c.generate(f"Number {i}:", max_new_tokens=5, seed=i) for i in range(8)))
+            chunks = [ch async for ch in c.stream("Hello", max_new_tokens=4, temperature=0)]
+            assert chunks[-1].finish_reason is not None
+            return [o.finish_reason for o in outs]
+        finally:
+            c.close()
+
+    assert all(r in ("stop", "length") for r in asyncio.run(main()))

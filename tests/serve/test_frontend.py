@@ -1,0 +1,295 @@
+"""The async core without sockets: routing, coalescing, aborts, stop strings, n > 1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from engine.serve import formats as fmt
+from engine.serve.errors import ApiError
+from engine.serve.frontend import Frontend, merge_outputs
+from engine.serve.generate import Generation, GenerationFailed, collect
+from engine.serve.metrics import Metrics
+from engine.serve.validate import SubRequest, fan_out
+from msgs.codec import unpack_ids
+from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch
+from msgs.params import SamplingParams
+from msgs.requests import AbortRequest, TokenizedRequest
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+def sent(fe: Frontend) -> list[Any]:
+    out = []
+    while not fe._outbox.empty():
+        out.append(fe._outbox.get_nowait())
+    return out
+
+
+def out(rid: str, ids: list[int], finish: str | None = None, **kw: Any) -> TokenBatch:
+    return TokenBatch(outs=[ReqOutput(rid=rid, new_ids=ids, finish_reason=finish, **kw)])
+
+
+def stats(**kw: Any) -> SchedulerStats:
+    base = dict(
+        ready=True,
+        max_context=100,
+        vocab_size=1000,
+        kv_pages_total=10,
+        kv_pages_used=2,
+        cache_pages=1,
+        running=1,
+        waiting=0,
+        cache_hit_tokens=0,
+        step_seconds=[],
+    )
+    return SchedulerStats(**{**base, **kw})
+
+
+def test_submit_routes_outputs_and_finishes() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        handle = fe.submit("a", [1, 2, 3], SamplingParams(max_new_tokens=2))
+        (req,) = sent(fe)
+        assert isinstance(req, TokenizedRequest) and unpack_ids(req.input_ids) == [1, 2, 3]
+        fe.dispatch(out("a", [7]))
+        fe.dispatch(out("other", [9]))  # unknown rids are dropped
+        fe.dispatch(out("a", [8], "length"))
+        got = [o async for o in handle]
+        # Both outputs queued before the consumer ran: merged into one.
+        assert [(o.new_ids, o.finish_reason) for o in got] == [([7, 8], "length")]
+        assert not fe.in_flight("a")
+        handle.close()
+        assert sent(fe) == []  # finished requests are not aborted
+
+    run(main())
+
+
+def test_close_before_finish_aborts_and_frees_the_rid() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        handle = fe.submit("a", [1], SamplingParams())
+        with pytest.raises(ApiError) as info:
+            fe.submit("a", [1], SamplingParams())
+        assert info.value.status == 400 and info.value.code == "duplicate_request_id"
+        sent(fe)
+        handle.close()
+        assert sent(fe) == [AbortRequest(rid="a")]
+        assert not fe.in_flight("a")
+        fe.submit("a", [1], SamplingParams())  # reusable once gone
+
+    run(main())
+
+
+def test_parent_and_sub_rids_are_all_taken() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        subs = fan_out("p", [[1]], [SamplingParams()], 2)
+        gen = Generation(fe, None, "p", subs)
+        for rid in ("p", "p-0", "p-1"):
+            with pytest.raises(ApiError):
+                fe.submit(rid, [1], SamplingParams())
+        gen.close()
+        assert {m.rid for m in sent(fe) if isinstance(m, AbortRequest)} == {"p-0", "p-1"}
+        assert not fe.in_flight("p")
+
+    run(main())
+
+
+def test_merge_outputs_keeps_logprobs_aligned() -> None:
+    merged = merge_outputs(
+        [
+            ReqOutput("a", [1], logprobs=[-0.1], top_logprobs=[[(1, -0.1)]], cached_tokens=4),
+            ReqOutput("a", [2, 3], "stop", logprobs=[-0.2, -0.3], top_logprobs=[[(2, -0.2)], [(3, -0.3)]]),
+        ]
+    )
+    assert merged.new_ids == [1, 2, 3] and merged.finish_reason == "stop"
+    assert merged.logprobs == [-0.1, -0.2, -0.3] and len(merged.top_logprobs or []) == 3
+    assert merged.cached_tokens == 4
+
+
+def test_stop_string_finishes_and_aborts(text_tok) -> None:
+    async def main() -> None:
+        fe = Frontend()
+        ids = text_tok.encode("one two STOP three four")
+        params = SamplingParams(stop=["STOP"], max_new_tokens=50)
+        gen = Generation(fe, text_tok, "s", [SubRequest("s", 0, 0, [1], params)])
+        sent(fe)
+
+        async def feed() -> None:
+            for t in ids:
+                fe.dispatch(out("s", [t]))
+                await asyncio.sleep(0)
+
+        feeder = asyncio.create_task(feed())
+        try:
+            deltas = [d async for d in gen.deltas()]
+        finally:
+            gen.close()
+        await feeder
+        assert "".join(d.text for d in deltas) == "one two "
+        assert deltas[-1].finish_reason == "stop"
+        assert AbortRequest(rid="s") in sent(fe)  # the scheduler frees the pages
+
+    run(main())
+
+
+def test_user_stop_token_is_not_in_the_text(text_tok) -> None:
+    async def main() -> None:
+        fe = Frontend()
+        stop_id = text_tok.encode("!")[0]
+        params = SamplingParams(stop_token_ids=[stop_id])
+        gen = Generation(fe, text_tok, "t", [SubRequest("t", 0, 0, [1], params)])
+        fe.dispatch(out("t", [*text_tok.encode("hello"), stop_id], "stop"))
+        (choice,) = await collect(gen)
+        assert choice.text == "hello" and choice.finish_reason == "stop"
+        assert choice.token_ids[-1] == stop_id
+
+    run(main())
+
+
+def test_n_choices_are_merged_with_their_index(text_tok) -> None:
+    async def main() -> None:
+        fe = Frontend()
+        subs = fan_out("n", [text_tok.encode("x")], [SamplingParams(seed=1)], 3)
+        gen = Generation(fe, text_tok, "n", subs)
+        for i, word in enumerate(["one", "two", "three"]):
+            fe.dispatch(out(f"n-{i}", text_tok.encode(word), "length", cached_tokens=i))
+        choices = await collect(gen)
+        gen.close()
+        assert [(c.index, c.text) for c in choices] == [(0, "one"), (1, "two"), (2, "three")]
+        use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
+        assert use["prompt_tokens"] == 1  # one prompt, counted once
+        assert use["completion_tokens"] == sum(len(text_tok.encode(w)) for w in ["one", "two", "three"])
+
+    run(main())
+
+
+def test_scheduler_error_raises() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        gen = Generation(fe, None, "e", [SubRequest("e", 0, 0, [1], SamplingParams())])
+        fe.dispatch(out("e", [], "error", error="worker died"))
+        with pytest.raises(GenerationFailed, match="worker died"):
+            await collect(gen)
+        gen.close()
+
+    run(main())
+
+
+def test_cancelled_consumer_aborts() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        gen = Generation(fe, None, "c", fan_out("c", [[1]], [SamplingParams()], 2))
+        sent(fe)
+
+        async def consume() -> None:
+            try:
+                await collect(gen)
+            finally:
+                gen.close()
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert {m.rid for m in sent(fe)} == {"c-0", "c-1"}
+        assert fe.num_in_flight == 0
+
+    run(main())
+
+
+def test_readiness_and_limits() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        assert not fe.ready and fe.limits() is None
+        assert not await fe.wait_ready(0.01)
+        fe.dispatch(stats(ready=False))
+        assert not fe.ready
+        fe.dispatch(stats(max_context=4096))
+        assert fe.ready and await fe.wait_ready(0.01)
+        assert fe.limits() is not None and fe.limits().max_context == 4096
+
+    run(main())
+
+
+def test_metrics_from_stats_and_requests() -> None:
+    async def main() -> str:
+        m = Metrics()
+        fe = Frontend(m)
+        fe.dispatch(stats(cache_hit_tokens=10, step_seconds=[0.01, 0.02], kv_pages_used=5, running=3))
+        fe.dispatch(stats(cache_hit_tokens=25, leak_free=False))
+        handle = fe.submit("m", [1, 2, 3, 4], SamplingParams())
+        fe.dispatch(out("m", [5, 6], "length"))
+        _ = [o async for o in handle]
+        return m.render()[0].decode()
+
+    text = run(main())
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines['strata_cache_hit_tokens_total{tier="device"}']) == 25
+    assert float(lines["strata_requests_total"]) == 1
+    assert float(lines["strata_prompt_tokens_total"]) == 4
+    assert float(lines["strata_generation_tokens_total"]) == 2
+    assert float(lines["strata_step_seconds_count"]) == 2
+    assert float(lines["strata_ttft_seconds_count"]) == 1
+    assert float(lines["strata_kv_leak_free"]) == 0
+    assert float(lines["strata_running_requests"]) == 1
+
+
+def test_logprob_formats(text_tok) -> None:
+    ids = text_tok.encode("hi there")
+    lps = [-0.5] * len(ids)
+    tops = [[(t, -0.5), (0, float("-inf"))] for t in ids]
+    chat = fmt.chat_logprobs(text_tok, ids, lps, tops)
+    assert chat is not None
+    entry = chat["content"][0]
+    assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert entry["top_logprobs"][1]["logprob"] == fmt.LOGPROB_FLOOR  # -inf is not JSON
+    legacy, end = fmt.completion_logprobs(text_tok, ids, lps, tops)
+    assert legacy is not None and "".join(legacy["tokens"]) == "hi there"
+    assert legacy["text_offset"][0] == 0 and end == len("hi there")
+    assert fmt.chat_logprobs(text_tok, ids, None, None) is None
+
+
+class _FakeRequest:
+    """Just the ASGI receive channel of a Starlette Request."""
+
+    def __init__(self, disconnect_after: float | None) -> None:
+        self._after = disconnect_after
+
+    async def receive(self) -> dict[str, Any]:
+        if self._after is None:
+            await asyncio.Event().wait()  # the client never leaves
+        await asyncio.sleep(self._after or 0)
+        return {"type": "http.disconnect"}
+
+
+def test_disconnect_cancels_a_pending_handler() -> None:
+    from engine.serve.http import ClientGone, until_disconnect
+    from engine.serve.state import Reply
+
+    async def main() -> list[str]:
+        events: list[str] = []
+
+        async def slow() -> Reply:
+            try:
+                await asyncio.sleep(10)
+            finally:
+                events.append("cleaned up")
+            return Reply(body={})
+
+        async def fast() -> Reply:
+            return Reply(body={"ok": True})
+
+        with pytest.raises(ClientGone):
+            await until_disconnect(_FakeRequest(0.01), slow())  # type: ignore[arg-type]
+        reply = await until_disconnect(_FakeRequest(None), fast())  # type: ignore[arg-type]
+        events.append(str(reply.body))
+        return events
+
+    assert run(main()) == ["cleaned up", "{'ok': True}"]

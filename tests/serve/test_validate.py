@@ -1,0 +1,277 @@
+"""Request validation: every bad input maps to a 4xx with an OpenAI-style body."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.serve.errors import ApiError, api_error_body, error_body
+from engine.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateBody,
+    check_unsupported,
+    decode_body,
+)
+from engine.serve.validate import (
+    Limits,
+    check_ids,
+    check_length,
+    check_model,
+    check_params,
+    check_rid,
+    completion_prompts,
+    fan_out,
+    make_params,
+    native_params,
+    native_prompt,
+    native_request,
+    openai_params,
+    resolve_max_tokens,
+)
+from msgs.params import SamplingParams
+
+LIMITS = Limits(max_context=100, vocab_size=1000)
+CHAT_OK = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def _raises(status: int, fn, *args, param: str | None = "", **kw) -> ApiError:  # noqa: ANN001
+    with pytest.raises(ApiError) as info:
+        fn(*args, **kw)
+    err = info.value
+    assert err.status == status, err.message
+    if param != "":
+        assert err.param == param, (err.param, err.message)
+    body = api_error_body(err)["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    return err
+
+
+# -- bodies -----------------------------------------------------------------------------
+
+
+def test_valid_bodies_decode() -> None:
+    req = decode_body(CHAT_OK, ChatCompletionRequest)
+    assert req.messages[0].content == "hi" and req.n == 1
+    comp = decode_body(b'{"prompt": [1, 2], "user": "u", "max_tokens": 3}', CompletionRequest)
+    assert comp.prompt == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        (b"{not json", None, "invalid JSON"),
+        (b"", None, "empty"),
+        (b"[1, 2]", None, "object"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', "max_tokens", "int"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature", "float"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": true}', "n", "int"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}', "frobnicate", "unknown"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stop": [1]}', "stop[0]", "str"),
+        (b'{"messages": "hello"}', "messages", "array"),
+        (b'{"model": "m"}', "messages", "missing"),
+        (b'{"messages": [{"content": "x"}]}', "messages[0]", "role"),
+    ],
+)
+def test_bad_chat_bodies_are_400(body: bytes, param: str | None, needle: str) -> None:
+    err = _raises(400, decode_body, body, ChatCompletionRequest, param=param)
+    assert needle in err.message
+
+
+def test_null_fields_mean_the_default() -> None:
+    body = (
+        b'{"messages": [{"role": "user", "content": "x"}], "n": null, "stream": null, "logprobs": null,'
+        b' "max_tokens": null, "temperature": null, "stop": null, "ignore_eos": null, "skip_special_tokens": null}'
+    )
+    req = decode_body(body, ChatCompletionRequest)
+    assert req.n == 1 and req.stream is False and req.ignore_eos is False and req.skip_special_tokens is True
+    params = make_params(openai_params(req), 5)
+    assert params.logprobs is False and params.temperature == 1.0 and params.stop == []
+
+
+def test_unknown_sampling_param_in_generate() -> None:
+    body = decode_body(b'{"text": "x", "sampling_params": {"max_new_tokens": 2, "bogus": 1}}', GenerateBody)
+    _raises(400, native_params, body.sampling_params, param="sampling_params.bogus")
+    body = decode_body(b'{"text": "x", "sampling_params": {"temperature": "x"}}', GenerateBody)
+    _raises(400, native_params, body.sampling_params, param="sampling_params.temperature")
+    _raises(400, decode_body, b'{"text": "x", "prompt": "y"}', GenerateBody, param="prompt")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ('"logit_bias": {"5": 1.0}', "logit_bias"),
+        ('"stream_options": {"include_usage": true}', "stream_options"),
+        ('"response_format": {"type": "json_object"}', "response_format"),
+        ('"tools": [{"type": "function"}], "tool_choice": "required"', "tool_choice"),
+        ('"modalities": ["audio"]', "modalities"),
+    ],
+)
+def test_unsupported_chat_features_are_400(extra: str, param: str) -> None:
+    req = decode_body(
+        b'{"messages": [{"role": "user", "content": "x"}], ' + extra.encode() + b"}", ChatCompletionRequest
+    )
+    _raises(400, check_unsupported, req, param=param)
+
+
+def test_harmless_unimplemented_fields_pass() -> None:
+    body = (
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "u", "logit_bias": {}, "store": false,'
+        b' "response_format": {"type": "text"}, "parallel_tool_calls": true, "stream": true,'
+        b' "stream_options": {"include_usage": true}, "metadata": {"a": "b"}}'
+    )
+    check_unsupported(decode_body(body, ChatCompletionRequest))
+    comp = decode_body(b'{"prompt": "x", "echo": false, "best_of": 1, "n": 1}', CompletionRequest)
+    check_unsupported(comp)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"), [('"echo": true', "echo"), ('"suffix": "s"', "suffix"), ('"best_of": 3', "best_of")]
+)
+def test_unsupported_completion_features_are_400(extra: str, param: str) -> None:
+    req = decode_body(b'{"prompt": "x", ' + extra.encode() + b"}", CompletionRequest)
+    _raises(400, check_unsupported, req, param=param)
+
+
+# -- model, params, limits --------------------------------------------------------------
+
+
+def test_unknown_model_is_404_model_not_found() -> None:
+    err = _raises(404, check_model, "gpt-4", ("smol", "/models/smol"), param="model")
+    assert err.code == "model_not_found"
+    check_model("smol", ("smol",))
+    check_model(None, ("smol",))
+
+
+@pytest.mark.parametrize("n", [0, 17, -1])
+def test_n_out_of_range(n: int) -> None:
+    req = decode_body(b'{"prompt": "x", "n": %d}' % n, CompletionRequest)
+    _raises(400, openai_params, req, param="n")
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    req = decode_body(b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', ChatCompletionRequest)
+    _raises(400, openai_params, req, param="top_logprobs")
+
+
+def test_openai_params_mapping() -> None:
+    req = decode_body(
+        b'{"messages": [{"role": "user", "content": "x"}], "stop": "END", "temperature": 0, "seed": 7,'
+        b' "logprobs": true, "top_logprobs": 3, "top_k": 5, "ignore_eos": true, "stop_token_ids": [9],'
+        b' "skip_special_tokens": false, "presence_penalty": 0.5}',
+        ChatCompletionRequest,
+    )
+    params = make_params(openai_params(req), 10)
+    assert params.stop == ["END"] and params.temperature == 0 and params.seed == 7
+    assert params.logprobs and params.top_logprobs == 3 and params.top_k == 5
+    assert params.ignore_eos and params.stop_token_ids == [9] and not params.skip_special_tokens
+    assert params.presence_penalty == 0.5 and params.max_new_tokens == 10
+    comp = decode_body(b'{"prompt": "x", "logprobs": 2}', CompletionRequest)
+    kw = openai_params(comp)
+    assert kw["logprobs"] is True and kw["top_logprobs"] == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("temperature", -1.0, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_k", 0, "top_k"),
+        ("min_p", 2.0, "min_p"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("frequency_penalty", 3.0, "frequency_penalty"),
+        ("presence_penalty", -3.0, "presence_penalty"),
+        ("top_logprobs", 21, "top_logprobs"),
+        ("stop", [""], "stop"),
+        ("seed", -1, "seed"),
+        ("max_new_tokens", -1, "max_tokens"),
+    ],
+)
+def test_sampling_params_problems_are_400(field: str, value: object, param: str) -> None:
+    _raises(400, check_params, SamplingParams(**{field: value}), param=param)
+
+
+def test_max_tokens_resolution() -> None:
+    assert resolve_max_tokens(None, None, 30, LIMITS) == 70  # chat: whatever the context leaves
+    assert resolve_max_tokens(None, 16, 30, LIMITS) == 16
+    assert resolve_max_tokens(None, 16, 95, LIMITS) == 5  # a default never overflows
+    assert resolve_max_tokens(40, 16, 30, LIMITS) == 40
+    _raises(400, resolve_max_tokens, -1, None, 30, LIMITS, param="max_tokens")
+
+
+def test_context_length_checks() -> None:
+    check_length(30, 70, LIMITS)
+    err = _raises(400, check_length, 100, 1, LIMITS, param="prompt")
+    assert "maximum context length is 100" in err.message
+    _raises(400, check_length, 150, 0, LIMITS, "messages", param="messages")
+    err = _raises(400, check_length, 10, 101, LIMITS, param="max_tokens")
+    assert "larger than the maximum context length" in err.message
+    err = _raises(400, check_length, 60, 50, LIMITS, "messages", param="max_tokens")
+    assert "you requested 110 tokens (60 in the messages, 50 in the completion)" in err.message
+
+
+def test_token_id_checks() -> None:
+    check_ids([0, 999], LIMITS)
+    _raises(400, check_ids, [], LIMITS, param="prompt")
+    err = _raises(400, check_ids, [1, 1000], LIMITS, param="prompt")
+    assert "1000" in err.message
+    _raises(400, check_ids, [-1], LIMITS, "input_ids", param="input_ids")
+
+
+# -- prompts and fan-out ----------------------------------------------------------------
+
+
+def test_completion_prompt_shapes(text_tok) -> None:
+    assert completion_prompts([1, 2, 3], None) == [[1, 2, 3]]
+    assert completion_prompts([[1], [2, 3]], None) == [[1], [2, 3]]
+    assert completion_prompts("hello", text_tok) == [text_tok.encode("hello")]
+    assert len(completion_prompts(["a", "b"], text_tok)) == 2
+    _raises(400, completion_prompts, [], text_tok, param="prompt")
+    _raises(400, completion_prompts, [1, "a"], text_tok, param="prompt")
+    _raises(400, completion_prompts, [True, 2], text_tok, param="prompt")
+    _raises(400, completion_prompts, "text", None, param="prompt")  # ids-only mode
+
+
+def test_fan_out_n_and_seeds() -> None:
+    base = SamplingParams(seed=10)
+    (one,) = fan_out("r", [[1, 2]], [base], 1)
+    assert one.rid == "r" and one.index == 0
+    subs = fan_out("r", [[1, 2]], [base], 3)
+    assert [s.rid for s in subs] == ["r-0", "r-1", "r-2"]
+    assert [s.params.seed for s in subs] == [10, 11, 12]
+    unseeded = fan_out("r", [[1], [2]], [SamplingParams(), SamplingParams()], 2)
+    assert [(s.rid, s.index, s.prompt_index) for s in unseeded] == [
+        ("r-0", 0, 0),
+        ("r-1", 1, 0),
+        ("r-2", 2, 1),
+        ("r-3", 3, 1),
+    ]
+    assert all(s.params.seed is None for s in unseeded)
+    _raises(400, fan_out, "r", [[1]] * 100, [base] * 100, 16, param="n")
+
+
+def test_native_requests(text_tok) -> None:
+    params, given = native_params({"temperature": 0})
+    assert not given and params.max_new_tokens == 128
+    assert native_params({"max_new_tokens": 5})[1]
+    _raises(400, native_prompt, None, None, text_tok, param="text")
+    _raises(400, native_prompt, "x", [1], text_tok, param="text")
+    _raises(400, native_prompt, "x", None, None, param="text")  # ids-only mode
+    assert native_prompt(None, [4, 5], None) == [4, 5]
+    clipped = native_request([1] * 90, params, False, LIMITS, text_tok)
+    assert clipped.max_new_tokens == 10  # an unset default is clipped to the context left
+    _raises(400, native_request, [1] * 90, SamplingParams(max_new_tokens=20), True, LIMITS, text_tok)
+    _raises(400, native_request, [1], SamplingParams(stop=["x"]), True, LIMITS, None, param="stop")
+
+
+def test_request_ids() -> None:
+    assert check_rid("abc-123_:.") == "abc-123_:."
+    for bad in ("", "has space", "x" * 257, "tab\there", "nl\n"):
+        _raises(400, check_rid, bad, "x-request-id", param="x-request-id")
+
+
+def test_error_body_shape() -> None:
+    assert error_body(404, "nope", "model", "model_not_found") == {
+        "error": {"message": "nope", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    }
+    assert error_body(500, "boom")["error"]["type"] == "server_error"
