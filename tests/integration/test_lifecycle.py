@@ -1,0 +1,50 @@
+"""Supervisor behaviour: clean SIGTERM shutdown (no orphans, no stale sockets) and a clear,
+non-zero exit when a child fails to start. Each test starts its own bin/serve."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.integration.conftest import ROOT, free_port, start_server
+
+
+def test_sigterm_shuts_down_everything(tmp_path: Path) -> None:
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
+    children = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert len(children) >= 3  # worker, scheduler, tokenizer
+    run_dirs = {Path(a).parent for c in children for a in c.cmdline() if a.endswith("config.json")}
+    assert len(run_dirs) == 1
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(timeout=20) == 0
+    assert time.monotonic() - t0 < 10
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"orphans: {alive}"
+    assert not any(d.exists() for d in run_dirs), "the ipc run dir must be removed"
+    logs = {p.name for p in (tmp_path / "logs").iterdir()}
+    assert {"supervisor.log", "scheduler.log", "tokenizer.log", "worker-0.log"} <= logs
+    line = json.loads((tmp_path / "logs" / "scheduler.log").read_text().splitlines()[0])
+    assert line["proc"] == "scheduler"
+
+
+def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
+    model = tmp_path / "bad-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 10}))
+    cmd = [str(ROOT / "bin" / "serve"), "--model", str(model), "--load-format", "dummy",
+           "--port", str(free_port()), "--sdk-port", str(free_port())]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "worker" in res.stderr and "failed" in res.stderr
+
+
+def test_bad_flag_exits_2(tmp_path: Path) -> None:
+    res = subprocess.run([str(ROOT / "bin" / "serve"), "--page-size", "3"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "page size" in res.stderr
