@@ -47,7 +47,7 @@ class ServerConfig:
             (0 < self.mem_fraction <= 1, "--mem-fraction must be in (0, 1]"),
             (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
             (self.max_prefill_tokens >= self.page_size, "--max-prefill-tokens must be >= page size"),
-            (self.tp_size >= 1, "--tp-size must be >= 1"),
+            (self.tp_size == 1, "--tp-size > 1: tensor parallelism is not implemented yet"),
         ]
         for ok, problem in problems:
             if not ok:
