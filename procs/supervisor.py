@@ -87,8 +87,7 @@ def _run(cfg: ServerConfig, children: ChildSet, control: zmq.Socket, stop: dict,
                 if set(ready) == set(expected):
                     info = ready["tokenizer"].info
                     print(
-                        f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; "
-                        f"SDK {info.get('sdk')}",
+                        f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}",
                         flush=True,
                     )
         if len(ready) < len(expected) and time.monotonic() > deadline:

@@ -11,7 +11,6 @@ import time
 
 import structlog
 import torch
-from models.registry import load_model
 
 from engine.config import ServerConfig
 from engine.run.attention import create_backend
@@ -20,6 +19,7 @@ from engine.run.kv_pool import KVPool
 from engine.run.memory import plan_pool
 from engine.run.sampler import SampleParams, Sampler
 from engine.sched.replica import ReplicaState
+from models.registry import load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
 from msgs.done import StepDone, WorkerReady
 from msgs.steps import AddReq, DigestCheck, Forward, FreeReq, Step
@@ -49,8 +49,13 @@ class ModelRunner:
         self.num_pages = pool.num_pages
         self.max_context = pool.max_context
         self.kv = KVPool(
-            self.mcfg.num_layers, pool.num_pages, cfg.page_size, self.mcfg.num_kv_heads,
-            self.mcfg.head_dim, self.dtype, self.device,
+            self.mcfg.num_layers,
+            pool.num_pages,
+            cfg.page_size,
+            self.mcfg.num_kv_heads,
+            self.mcfg.head_dim,
+            self.dtype,
+            self.device,
         )
         self.backend = create_backend(cfg.attention_backend, self.device)
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
@@ -88,8 +93,14 @@ class ModelRunner:
             return StepDone(seq=step.seq, rank=self.rank, digest=digest)
         done = self._forward(step.seq, step.forward)
         return StepDone(
-            seq=done.seq, rank=self.rank, token_ids=done.token_ids, logprobs=done.logprobs,
-            top_ids=done.top_ids, top_logprobs=done.top_logprobs, top_k=done.top_k, digest=digest,
+            seq=done.seq,
+            rank=self.rank,
+            token_ids=done.token_ids,
+            logprobs=done.logprobs,
+            top_ids=done.top_ids,
+            top_logprobs=done.top_logprobs,
+            top_k=done.top_k,
+            digest=digest,
             forward_s=time.perf_counter() - t0,
         )
 
@@ -100,9 +111,7 @@ class ModelRunner:
         sample = unpack_ids(fwd.sample)
         input_ids = self._resolve_ids(unpack_ids(fwd.input_ids), slots, lens)
         tables = [self.replica.page_tables[s] for s in slots]
-        batch = ForwardBatch.build(
-            input_ids, starts, lens, tables, sample, self.page_size, self.device
-        )
+        batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device)
         self.backend.prepare(batch)
         logits = self.model(batch, self.kv, self.backend)
         sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]
@@ -111,7 +120,8 @@ class ModelRunner:
         slot_t = torch.tensor(sampled_slots, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(
             [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp],
-            dtype=torch.int64, device=self.device,
+            dtype=torch.int64,
+            device=self.device,
         )
         res = self.sampler.sample(logits, slot_t, pos_t)
         self.last_token[slot_t] = res.token_ids
@@ -131,9 +141,16 @@ class ModelRunner:
 def _sample_params(op: AddReq) -> SampleParams:
     s = op.sampling
     return SampleParams(
-        seed=s.seed, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0), min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        seed=s.seed,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=max(s.top_k, 0),
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -147,6 +164,11 @@ def _pack_result(seq: int, rank: int, res) -> StepDone:  # noqa: ANN001
         top_ids = pack_ids(res.top_ids.flatten().tolist())
         top_lps = pack_f32(res.top_logprobs.flatten().tolist())
     return StepDone(
-        seq=seq, rank=rank, token_ids=pack_ids(tokens), logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lps,
+        seq=seq,
+        rank=rank,
+        token_ids=pack_ids(tokens),
+        logprobs=logprobs,
+        top_ids=top_ids,
+        top_logprobs=top_lps,
         top_k=k,
     )

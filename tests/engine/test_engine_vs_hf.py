@@ -27,9 +27,17 @@ def _save(hf_config, path: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=255, bos_token_id=1,
-        tie_word_embeddings=False, rope_theta=10000.0,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=255,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
     )
     return _save(cfg, tmp_path_factory.mktemp("tiny-llama"))
 
@@ -37,9 +45,17 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory) -> Path:
     cfg = Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, eos_token_id=255,
-        tie_word_embeddings=True, rope_theta=1000000.0,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        eos_token_id=255,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
     )
     return _save(cfg, tmp_path_factory.mktemp("tiny-qwen3"))
 
@@ -48,9 +64,10 @@ def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     outs = []
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, min_new_tokens=n)
-        outs.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=n
+        )
+        outs.append(ids[0, len(p) :].tolist())
     return outs
 
 

@@ -58,8 +58,16 @@ class Server:
 
 def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
     port, sdk_port = free_port(), free_port()
-    cmd = [str(ROOT / "bin" / "serve"), "--port", str(port), "--sdk-port", str(sdk_port),
-           "--log-dir", str(log_dir), *args]
+    cmd = [
+        str(ROOT / "bin" / "serve"),
+        "--port",
+        str(port),
+        "--sdk-port",
+        str(sdk_port),
+        "--log-dir",
+        str(log_dir),
+        *args,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "STRATA_LOG_JSON": "1"})
     http = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -84,7 +92,11 @@ def stop_server(server: Server) -> int:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(
-        tmp_path_factory.mktemp("logs"), "--max-total-tokens", "16384", "--max-prefill-tokens", "512",
+        tmp_path_factory.mktemp("logs"),
+        "--max-total-tokens",
+        "16384",
+        "--max-prefill-tokens",
+        "512",
     )
     yield srv
     stop_server(srv)

@@ -54,8 +54,9 @@ def test_stop_string_trims_text(client: openai.OpenAI) -> None:
     cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","])
     assert cut.choices[0].text == text[: text.index(",")]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
-                                         stop=[","], stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
 
 
@@ -92,14 +93,21 @@ def test_models_health_and_request_id(server: Server) -> None:
     models = httpx.get(f"{server.base_url}/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.get(f"{server.http}/health").status_code == 200
-    r = httpx.post(f"{server.base_url}/completions", headers={"x-request-id": "my-rid-1"},
-                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        f"{server.base_url}/completions",
+        headers={"x-request-id": "my-rid-1"},
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "my-rid-1"
 
 
 def test_native_generate_with_ids(server: Server) -> None:
-    r = httpx.post(f"{server.http}/generate", timeout=60, json={
-        "input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 5, "temperature": 0}})
+    r = httpx.post(
+        f"{server.http}/generate",
+        timeout=60,
+        json={"input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+    )
     body = r.json()
     assert r.status_code == 200, body
     assert len(body["output_ids"]) == 5 and body["meta_info"]["prompt_tokens"] == 5
@@ -121,8 +129,9 @@ def test_native_generate_with_ids(server: Server) -> None:
     ],
 )
 def test_bad_input_gets_4xx_with_openai_error(server: Server, body: str, status: int) -> None:
-    r = httpx.post(f"{server.base_url}/chat/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{server.base_url}/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
@@ -130,14 +139,23 @@ def test_bad_input_gets_4xx_with_openai_error(server: Server, body: str, status:
 
 def test_chat_template_failure_is_400(server: Server) -> None:
     # a content part type the template cannot render
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    }
     r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
     assert 400 <= r.status_code < 500, r.text
 
 
 def test_client_disconnect_frees_pages(server: Server) -> None:
-    body = {"model": MODEL, "prompt": "Tell me a long story about dragons.", "max_tokens": 400,
-            "stream": True, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story about dragons.",
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -150,8 +168,9 @@ def test_client_disconnect_frees_pages(server: Server) -> None:
 
 def test_64_concurrent_streams_all_complete(server: Server) -> None:
     async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
-        stream = await ac.completions.create(model=MODEL, prompt=f"Item {i}:", max_tokens=8 + i % 5,
-                                             temperature=0.7, seed=i, stream=True)
+        stream = await ac.completions.create(
+            model=MODEL, prompt=f"Item {i}:", max_tokens=8 + i % 5, temperature=0.7, seed=i, stream=True
+        )
         text, reason = "", None
         async for c in stream:
             text += c.choices[0].text
@@ -172,9 +191,15 @@ def test_64_concurrent_streams_all_complete(server: Server) -> None:
 
 def test_metrics_exposed(server: Server) -> None:
     text = httpx.get(f"{server.http}/metrics").text
-    for name in ("strata_requests_total", "strata_prompt_tokens_total", "strata_generation_tokens_total",
-                 'strata_cache_hit_tokens_total{tier="device"}', "strata_kv_pages_used",
-                 "strata_ttft_seconds_bucket", "strata_step_seconds_bucket"):
+    for name in (
+        "strata_requests_total",
+        "strata_prompt_tokens_total",
+        "strata_generation_tokens_total",
+        'strata_cache_hit_tokens_total{tier="device"}',
+        "strata_kv_pages_used",
+        "strata_ttft_seconds_bucket",
+        "strata_step_seconds_bucket",
+    ):
         assert name in text, name
     m = httpx.get(f"{server.http}/metrics").text
     hits = [line for line in m.splitlines() if line.startswith('strata_cache_hit_tokens_total{tier="device"}')]

@@ -37,14 +37,24 @@ def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     model = tmp_path / "bad-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 10}))
-    cmd = [str(ROOT / "bin" / "serve"), "--model", str(model), "--load-format", "dummy",
-           "--port", str(free_port()), "--sdk-port", str(free_port())]
+    cmd = [
+        str(ROOT / "bin" / "serve"),
+        "--model",
+        str(model),
+        "--load-format",
+        "dummy",
+        "--port",
+        str(free_port()),
+        "--sdk-port",
+        str(free_port()),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     assert "worker" in res.stderr and "failed" in res.stderr
 
 
 def test_bad_flag_exits_2(tmp_path: Path) -> None:
-    res = subprocess.run([str(ROOT / "bin" / "serve"), "--page-size", "3"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [str(ROOT / "bin" / "serve"), "--page-size", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2 and "page size" in res.stderr

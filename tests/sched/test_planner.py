@@ -19,8 +19,14 @@ PS = 4
 
 def make(num_pages: int = 64, budget: int = 32, max_running: int = 8, radix: bool = True) -> SchedulerCore:
     cfg = SchedConfig(
-        num_pages=num_pages, page_size=PS, max_running=max_running, max_prefill_tokens=budget,
-        max_context=256, eos_token_ids=(0,), enable_radix=radix, digest_every=1,
+        num_pages=num_pages,
+        page_size=PS,
+        max_running=max_running,
+        max_prefill_tokens=budget,
+        max_context=256,
+        eos_token_ids=(0,),
+        enable_radix=radix,
+        digest_every=1,
     )
     return SchedulerCore(cfg)
 
@@ -50,7 +56,9 @@ def flush(core: SchedulerCore) -> None:
 
 def finish_step(core: SchedulerCore, step: Step, token: int = 7):
     n = len(core.sampled_by_step[step.seq])
-    return core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([token] * n), digest=core.expected_digest.get(step.seq)))
+    return core.on_done(
+        StepDone(seq=step.seq, rank=0, token_ids=pack_ids([token] * n), digest=core.expected_digest.get(step.seq))
+    )
 
 
 def test_chunked_prefill_respects_budget_and_samples_only_final_chunk():
@@ -60,7 +68,7 @@ def test_chunked_prefill_respects_budget_and_samples_only_final_chunk():
     for _ in range(3):
         step = core.plan()
         assert step is not None
-        (slot, ids, start, n, smp), = rows(step)
+        ((slot, ids, start, n, smp),) = rows(step)
         seen.append((start, n, smp))
         finish_step(core, step)
     assert seen == [(0, 8, 0), (8, 8, 0), (16, 4, 1)]
@@ -111,7 +119,7 @@ def test_prefix_cache_reuse_and_hit_accounting():
     finish_step(core, core.plan())
     submit(core, "b", prompt + [50, 51], max_new=1)
     step = core.plan()
-    (slot, ids, start, n, smp), = rows(step)
+    ((slot, ids, start, n, smp),) = rows(step)
     assert start == 16 and ids == [17, 18, 50, 51]
     assert core.reqs["b"].cached_tokens == 16 and core.cache_hit_tokens == 16
     add = [op for op in step.ops if isinstance(op, AddReq)][0]
