@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import traceback
+from collections import deque
 
 import zmq
 
@@ -17,6 +18,24 @@ from msgs.control import Fatal, Ready
 from msgs.control import codec as control_codec
 from msgs.done import WorkerFailed
 from msgs.steps import Shutdown, Step
+
+
+def serve_steps(runner, steps: zmq.Socket, done: zmq.Socket) -> None:  # noqa: ANN001
+    """Launch each Step as it arrives; while one runs on the device, launch the next before
+    waiting for the first's results (at most two in flight), so the device never idles on
+    the host between steps."""
+    pending: deque = deque()
+    while True:
+        if pending and (len(pending) == 2 or runner.ready(pending[0])):
+            done.send(done_ch.codec.encode(runner.finish(pending.popleft())))
+            continue
+        if pending and not steps.poll(0, zmq.POLLIN):
+            continue  # spin: the running step may be ready now (a GPU worker owns its core)
+        msg = step_ch.codec.decode(steps.recv())
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, Step):
+            pending.append(runner.launch(msg))
 
 
 def main() -> int:
@@ -35,23 +54,17 @@ def main() -> int:
     done = ctx.socket(zmq.PUSH)
     done.setsockopt(zmq.SNDHWM, 0)
     done.connect(cfg.ipc("done"))
-    seq = 0
     try:
         from engine.run.runner import ModelRunner  # heavy import after sockets: fail fast on bad config
 
         runner = ModelRunner(cfg, args.rank)
         done.send(done_ch.codec.encode(runner.ready_msg()))
         control.send(control_codec.encode(Ready(proc="worker", rank=args.rank)))
-        while True:
-            msg = step_ch.codec.decode(steps.recv())
-            if isinstance(msg, Shutdown):
-                return 0
-            if isinstance(msg, Step):
-                seq = msg.seq
-                done.send(done_ch.codec.encode(runner.run_step(msg)))
+        serve_steps(runner, steps, done)
+        return 0
     except Exception as exc:  # fatal by design: report, exit non-zero
-        log.error("worker failed", error=str(exc), seq=seq, trace=traceback.format_exc())
-        done.send(done_ch.codec.encode(WorkerFailed(rank=args.rank, seq=seq, reason=str(exc))))
+        log.error("worker failed", error=str(exc), trace=traceback.format_exc())
+        done.send(done_ch.codec.encode(WorkerFailed(rank=args.rank, seq=-1, reason=str(exc))))
         control.send(control_codec.encode(Fatal(proc="worker", rank=args.rank, reason=str(exc))))
         return 1
 

@@ -8,6 +8,7 @@ does is a function of the steps it received, in seq order.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -17,7 +18,7 @@ from engine.run.attention import create_backend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
 from engine.run.memory import plan_pool
-from engine.run.sampler import SampleParams, Sampler
+from engine.run.sampler import SampleParams, Sampler, SampleResult
 from engine.sched.replica import ReplicaState
 from models.registry import load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
@@ -29,6 +30,17 @@ log = structlog.get_logger()
 
 class StepOrderError(RuntimeError):
     pass
+
+
+@dataclass
+class Launched:
+    """A step whose work is enqueued; `result` holds host tensors once `event` completes."""
+
+    seq: int
+    digest: str | None
+    t0: float
+    result: SampleResult | None
+    event: torch.cuda.Event | None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -74,8 +86,14 @@ class ModelRunner:
             eos_token_ids=list(self.mcfg.eos_token_ids),
         )
 
-    @torch.inference_mode()
     def run_step(self, step: Step) -> StepDone:
+        """Apply and run one step to completion (launch + finish)."""
+        return self.finish(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: Step) -> Launched:
+        """Apply the ops and enqueue the forward and sampling; on a GPU this returns before the
+        kernels finish, so the next step can be launched while this one runs."""
         if step.seq != self.seq + 1:  # a gap means a lost Step: never continue silently
             raise StepOrderError(f"expected step {self.seq + 1}, got {step.seq}")
         self.seq = step.seq
@@ -89,22 +107,37 @@ class ModelRunner:
                 self.sampler.remove(op.slot)
             elif isinstance(op, DigestCheck):
                 digest = self.replica.digest()
-        if step.forward is None:
-            return StepDone(seq=step.seq, rank=self.rank, digest=digest)
-        done = self._forward(step.seq, step.forward)
+        res = self._forward(step.forward) if step.forward is not None else None
+        return Launched(step.seq, digest, t0, _to_host(res) if res is not None else None, self._event())
+
+    def ready(self, launched: Launched) -> bool:
+        return launched.event is None or launched.event.query()
+
+    def finish(self, launched: Launched) -> StepDone:
+        """Wait for a launched step's results (the one host sync of a step) and pack them."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        done = _pack_result(launched.seq, self.rank, launched.result) if launched.result else None
         return StepDone(
-            seq=done.seq,
+            seq=launched.seq,
             rank=self.rank,
-            token_ids=done.token_ids,
-            logprobs=done.logprobs,
-            top_ids=done.top_ids,
-            top_logprobs=done.top_logprobs,
-            top_k=done.top_k,
-            digest=digest,
-            forward_s=time.perf_counter() - t0,
+            token_ids=done.token_ids if done else b"",
+            logprobs=done.logprobs if done else None,
+            top_ids=done.top_ids if done else None,
+            top_logprobs=done.top_logprobs if done else None,
+            top_k=done.top_k if done else 0,
+            digest=launched.digest,
+            forward_s=time.perf_counter() - launched.t0,
         )
 
-    def _forward(self, seq: int, fwd: Forward) -> StepDone:
+    def _event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _forward(self, fwd: Forward) -> SampleResult | None:
         slots = unpack_ids(fwd.slots)
         starts = unpack_ids(fwd.start_pos)
         lens = unpack_ids(fwd.extend_lens)
@@ -116,16 +149,13 @@ class ModelRunner:
         logits = self.model(batch, self.kv, self.backend)
         sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]
         if not sampled_slots:
-            return StepDone(seq=seq, rank=self.rank)
-        slot_t = torch.tensor(sampled_slots, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(
-            [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        res = self.sampler.sample(logits, slot_t, pos_t)
+            return None
+        positions = [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp]
+        slot_t = torch.tensor(sampled_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        res = self.sampler.sample(logits, sampled_slots, pos_t)
         self.last_token[slot_t] = res.token_ids
-        return _pack_result(seq, self.rank, res)
+        return res
 
     def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
         """Replace future references (-1) with the token the slot sampled last step."""
@@ -154,8 +184,17 @@ def _sample_params(op: AddReq) -> SampleParams:
     )
 
 
-def _pack_result(seq: int, rank: int, res) -> StepDone:  # noqa: ANN001
-    tokens = res.token_ids.tolist()  # the one host sync of a step
+def _to_host(res: SampleResult) -> SampleResult:
+    """Start the device-to-host copies of a step's results without waiting for them."""
+
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to("cpu", non_blocking=True)
+
+    return SampleResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs))
+
+
+def _pack_result(seq: int, rank: int, res: SampleResult) -> StepDone:
+    tokens = res.token_ids.tolist()
     logprobs = pack_f32(res.logprobs.tolist()) if res.logprobs is not None else None
     top_ids = top_lps = None
     k = 0
