@@ -7,6 +7,7 @@ does is a function of the steps it received, in seq order.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class ModelRunner:
         self.rank = rank
         self.device = torch.device(cfg.resolved_device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cpu":  # leave a core to the scheduler and tokenizer processes
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.model, self.mcfg = load_model(cfg.model, cfg.load_format, self.dtype, self.device)
         pool = plan_pool(cfg, self.mcfg, self.dtype, self.device)
         self.page_size = cfg.page_size

@@ -1,0 +1,85 @@
+"""What a result was measured on: CPU, GPU, library versions, git commit.
+
+`python -m engine.bench.hardware` prints the same record as JSON: server-driving modes
+call it in a subprocess so the bench process itself never creates a CUDA context (that
+would take GPU memory the server sizes its KV pool from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (from /proc/cpuinfo on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_info() -> dict[str, Any]:
+    """GPU name and count from torch (None/0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"gpu": None, "gpu_count": 0, "cuda": torch.version.cuda}
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_count": torch.cuda.device_count(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def hardware_info() -> dict[str, Any]:
+    """Hardware and software of this machine, in this process (imports torch)."""
+    import psutil
+    import torch
+
+    return {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        **gpu_info(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def hardware_info_subprocess(timeout_s: float = 120.0) -> dict[str, Any]:
+    """hardware_info() computed in a child process (no CUDA context here)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "engine.bench.hardware"], cwd=ROOT, capture_output=True, text=True,
+            timeout=timeout_s, check=True,
+        )
+        return json.loads(out.stdout)
+    except (subprocess.SubprocessError, json.JSONDecodeError) as exc:
+        return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "error": str(exc)}
+
+
+def git_commit() -> str | None:
+    """`git rev-parse HEAD` of the repository, or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+if __name__ == "__main__":
+    print(json.dumps(hardware_info()))

@@ -1,0 +1,113 @@
+"""Start bin/serve for a benchmark (free ports, wait for /health) and stop it afterwards."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from engine.bench.hardware import ROOT
+
+START_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    http: str | None  # e.g. http://127.0.0.1:8000
+    sdk: str | None  # e.g. tcp://127.0.0.1:8001
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: str | None, load_format: str, server_args: list[str], port: int, sdk_port: int) -> list[str]:
+    cmd = [str(ROOT / "bin" / "serve"), "--port", str(port), "--sdk-port", str(sdk_port)]
+    if model:
+        cmd += ["--model", model]
+    if load_format != "auto":
+        cmd += ["--load-format", load_format]
+    return cmd + server_args
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, timeout_s: float) -> float:
+    """Poll GET url/health until 200; return seconds waited. Raises if the server died."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"bin/serve exited with {proc.returncode} during start-up\n{_tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not become healthy in {timeout_s:.0f} s\n{_tail(log)}")
+
+
+def _tail(log: Path | None, lines: int = 30) -> str:
+    if log is None or not log.is_file():
+        return ""
+    return "server log tail:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM the supervisor (it stops its children); SIGKILL if it does not exit in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@contextmanager
+def launched_server(model: str | None, load_format: str, server_args: list[str]) -> Iterator[Endpoints]:
+    """bin/serve on free ports for the duration of the block; its output goes to a temp log."""
+    port, sdk_port = free_port(), free_port()
+    cmd = serve_command(model, load_format, server_args, port, sdk_port)
+    tmp = Path(tempfile.mkdtemp(prefix="strata-bench-"))
+    log = tmp / "serve.log"
+    print(f"starting: {' '.join(cmd)}  (log: {log})", flush=True)
+    ok = False
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            waited = wait_healthy(url, proc, log, START_TIMEOUT_S)
+            print(f"server ready in {waited:.1f} s", flush=True)
+            yield Endpoints(http=url, sdk=f"tcp://127.0.0.1:{sdk_port}")
+            ok = True
+        finally:
+            code = stop(proc)
+            ok = ok and code == 0
+    if ok:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print(f"bin/serve exit status {code}; its log is kept at {log}", flush=True)
+
+
+@contextmanager
+def endpoints(
+    url: str | None, sdk: str | None, model: str | None, load_format: str, server_args: list[str]
+) -> Iterator[Endpoints]:
+    """The given server (--url / --sdk), or one started here for the duration of the block."""
+    if url or sdk:
+        if url:
+            wait_healthy(url.rstrip("/"), None, None, 60.0)
+        yield Endpoints(http=url.rstrip("/") if url else None, sdk=sdk)
+        return
+    with launched_server(model, load_format, server_args) as ep:
+        yield ep

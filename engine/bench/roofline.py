@@ -1,0 +1,75 @@
+"""The decode roofline: bytes one decode step must read, and the memory bandwidth to read them.
+
+bytes/step = weight bytes + KV bytes read. Weights count every parameter once, except the
+input embedding: a step gathers only `batch` of its rows, so embed_tokens counts zero
+unless it is tied to (and so read in full as) the lm_head. KV bytes = sum over the batch
+of the tokens attended to times the per-token K+V bytes of all layers.
+Bandwidth is measured in the same run by a large device-to-device copy (it reads and
+writes every byte: bandwidth = 2 * bytes / time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+GIB = 1 << 30
+
+
+def weight_bytes(model: nn.Module, tied_embeddings: bool) -> int:
+    """Bytes of parameters a decode step reads (shared parameters once, embedding gather excluded)."""
+    total = 0
+    for name, p in model.named_parameters():  # de-duplicates tied parameters
+        if "embed_tokens" in name and not tied_embeddings:
+            continue
+        total += p.nbytes
+    return total
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Memory bandwidth in bytes/s from copying an `nbytes` buffer (best of `iters`)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    times = _cuda_copy_times(src, dst, iters) if device.type == "cuda" else _host_copy_times(src, dst, iters)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / min(times)
+
+
+def _cuda_copy_times(src: torch.Tensor, dst: torch.Tensor, iters: int) -> list[float]:
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _host_copy_times(src: torch.Tensor, dst: torch.Tensor, iters: int) -> list[float]:
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def copy_size(device: torch.device, requested_gib: float | None) -> int:
+    """Copy buffer size: requested, else 1 GiB on GPU (less if memory is short) / 256 MiB on CPU."""
+    if requested_gib:
+        return int(requested_gib * GIB)
+    if device.type != "cuda":
+        return GIB // 4
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(64 << 20, min(GIB, int(free * 0.4) // 2))

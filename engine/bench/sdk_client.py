@@ -1,0 +1,63 @@
+"""A lean asyncio client for the ZMQ SDK wire protocol (msgs.sdk), built for many requests.
+
+msgs.sdk.AsyncClient is meant for a handful of concurrent calls: tasks waiting for a
+reply poll every millisecond, which for hundreds of in-flight requests would burn the
+benchmark's CPU. Here one reader task routes each reply to its request's future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from msgs.params import SamplingParams
+from msgs.sdk import GenerateChunk, GenerateError, GenerateRequest, StrataError, client_codec, server_codec
+
+
+class SdkBatchClient:
+    """Non-streaming generate calls over one DEALER socket; use as `async with`."""
+
+    def __init__(self, addr: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(addr)
+        self._waiting: dict[str, asyncio.Future[GenerateChunk | GenerateError]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> SdkBatchClient:
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def _read(self) -> None:
+        while True:
+            msg = client_codec.decode(await self._sock.recv())
+            fut = self._waiting.pop(msg.rid, None) if msg is not None else None
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def generate(self, input_ids: list[int], **params: Any) -> GenerateChunk:
+        """One request to completion (params are SamplingParams fields); StrataError on failure."""
+        rid = uuid.uuid4().hex
+        fut: asyncio.Future[GenerateChunk | GenerateError] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        req = GenerateRequest(rid=rid, params=SamplingParams(**params), input_ids=input_ids)
+        try:
+            await self._sock.send(server_codec.encode(req))
+            msg = await fut
+        finally:
+            self._waiting.pop(rid, None)
+        if isinstance(msg, GenerateError):
+            raise StrataError(msg.status, msg.message)
+        return msg

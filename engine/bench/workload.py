@@ -1,0 +1,67 @@
+"""Synthetic workloads: random token-id prompts with seeded lengths, and the model they target."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    output_len: int
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory a run uses: --model, or the default model (prepared on first use)."""
+    if model:
+        return Path(model)
+    from models.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def model_name(model: str | None) -> str:
+    """Short name for result files: the model directory's name."""
+    return Path(model).name if model else DEFAULT_MODEL_NAME
+
+
+def vocab_size(model_dir: Path) -> int:
+    """vocab_size from the model's config.json."""
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def lengths(rng: np.random.Generator, n: int, fixed: int | None, span: tuple[int, int]) -> list[int]:
+    """n lengths: all `fixed`, or uniform integers in [lo, hi] (both inclusive)."""
+    if fixed is not None:
+        return [fixed] * n
+    lo, hi = span
+    return rng.integers(lo, hi + 1, size=n).tolist()
+
+
+def random_requests(
+    num: int,
+    input_span: tuple[int, int],
+    output_span: tuple[int, int],
+    vocab: int,
+    seed: int,
+    input_len: int | None = None,
+    output_len: int | None = None,
+) -> list[BenchRequest]:
+    """`num` requests of random token ids (uniform over the vocabulary), reproducible from `seed`.
+
+    Every prompt is drawn independently, so prompts share no prefix (no radix cache hits)."""
+    rng = np.random.default_rng(seed)
+    ins = lengths(rng, num, input_len, input_span)
+    outs = lengths(rng, num, output_len, output_span)
+    return [BenchRequest(rng.integers(0, vocab, size=i).tolist(), o) for i, o in zip(ins, outs, strict=True)]
+
+
+def token_totals(reqs: list[BenchRequest]) -> tuple[int, int]:
+    """(total prompt tokens, total requested output tokens)."""
+    return sum(len(r.prompt) for r in reqs), sum(r.output_len for r in reqs)
