@@ -51,3 +51,17 @@ def test_async_sdk_concurrent(server: Server) -> None:
             c.close()
 
     assert all(r in ("stop", "length") for r in asyncio.run(main()))
+
+
+def test_malformed_frames_do_not_hurt_the_server(server: Server) -> None:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.sdk)
+    for frame in (b"", b"\x00\xff garbage", b'{"type": "GenerateRequest"}'):
+        sock.send(frame)
+    sock.close(0)
+    with Client(server.sdk) as c:
+        assert c.generate("Hello", max_new_tokens=2, temperature=0).completion_tokens == 2
