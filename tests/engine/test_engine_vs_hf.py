@@ -135,3 +135,12 @@ def test_default_model_matches_transformers(default_model_dir: Path) -> None:
     eng = engine(default_model_dir, page_size=16, max_prefill_tokens=64, max_total_tokens=8192)
     got = eng.generate(prompts, GREEDY)
     assert [r.output_ids for r in got] == want
+
+
+def test_same_step_prefix_sharing_is_exact(tiny_llama: Path) -> None:
+    """Siblings admitted in one step read the first one's prompt KV written in that same forward."""
+    prompt = prompts_for(256, (23,), seed=9)[0]
+    want = hf_greedy(tiny_llama, [prompt], 32)[0]
+    got = engine(tiny_llama, max_prefill_tokens=128).generate([prompt] * 3, GREEDY)
+    assert [r.cached_tokens for r in got] == [0, 20, 20]
+    assert all(r.output_ids == want for r in got)

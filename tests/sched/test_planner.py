@@ -216,3 +216,18 @@ def test_many_requests_drain_without_leaks(radix: bool):
     assert finished == {f"r{i}" for i in range(20)}
     assert core.leak_free()
     core.cache.check_invariants()
+
+
+def test_siblings_in_one_step_share_prompt_pages():
+    """n > 1: sub-requests admitted in the same step reuse the first one's prompt pages
+    (they are in the tree from plan time; backends store a layer's K/V before attending)."""
+    core = make(budget=64)
+    prompt = list(range(1, 15))  # 14 tokens: 3 full pages
+    for i in range(3):
+        submit(core, f"p-{i}", prompt, max_new=2)
+    step = core.plan()
+    r = rows(step)
+    assert [n for _, _, _, n, _ in r] == [14, 2, 2]
+    assert [core.reqs[f"p-{i}"].cached_tokens for i in range(3)] == [0, 12, 12]
+    tables = list(core.replica.page_tables.values())
+    assert tables[0][:3] == tables[1][:3] == tables[2][:3]
