@@ -40,6 +40,14 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_known(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def seq_len(self) -> int:
         """Tokens known so far plus tokens being sampled by steps in flight."""
         return len(self.prompt_ids) + len(self.output_ids) + self.inflight

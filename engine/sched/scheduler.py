@@ -139,7 +139,7 @@ class SchedulerCore:
                 continue  # its last token is already being sampled (max_new fits the context)
             if req.kv_len % self.cfg.page_size == 0 and not self._grow(req, 1, ops, may_retract=True):
                 continue  # req itself was retracted
-            token = -1 if req.inflight else req.all_ids[-1]  # -1: sampled by the step in flight
+            token = -1 if req.inflight else req.last_token  # -1: sampled by the step in flight
             rows.append(_Row(req, [token], req.kv_len, True))
             req.kv_len += 1
             req.inflight += 1
@@ -155,6 +155,7 @@ class SchedulerCore:
         return budget
 
     def _admit(self, rows: list[_Row], ops: list[Op], budget: int) -> None:
+        decoding = sum(1 for r in self.running if not r.in_prefill)  # each may need a page soon
         while self.waiting and budget > 0 and self.free_slots:
             req = self.waiting[0]
             if req.inflight:  # retracted while a step with its token is in flight
@@ -165,7 +166,7 @@ class SchedulerCore:
                 self.cache.lock(match.node)
                 req.node, req.pages, req.kv_len = match.node, list(match.pages), match.num_tokens
             first = min(len(ids) - req.kv_len, budget)
-            need = self._pages_for(req, first) + sum(1 for r in self.running if not r.in_prefill)
+            need = self._pages_for(req, first) + decoding
             if need > self.alloc.num_free + self.cache.evictable_pages:
                 self._release_kv(req)
                 break
@@ -240,7 +241,7 @@ class SchedulerCore:
         """Publish req's full pages (KV written by now or by a step already sent) in the tree."""
         if not self.cfg.enable_radix:
             return
-        full = min(kv_tokens, len(req.all_ids)) // self.cfg.page_size
+        full = min(kv_tokens, req.num_known) // self.cfg.page_size
         if full == 0:
             return
         tokens = req.all_ids[: full * self.cfg.page_size]
