@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 MODES = ("offline", "serve", "latency")
+TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
+
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -91,11 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"bin/bench: {problem}", file=sys.stderr)
         return 2
-    modes: dict[str, Callable[[argparse.Namespace], Any]] = {
+    modes: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
         "offline": _offline, "serve": _serve, "latency": _latency,
     }
-    modes[args.mode](args)
-    return 0
+    from engine.bench.launch import ServerUnavailable
+
+    try:
+        figures = modes[args.mode](args)
+    except ServerUnavailable as exc:
+        print(f"bin/bench: {exc}", file=sys.stderr)
+        return 1
+    return 1 if figures.get("completed", 1) == 0 else 0
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
@@ -113,52 +121,62 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
         args.num_requests, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.seed,
         args.input_len, args.output_len,
     )
-    return reqs, workload.model_name(args.model)
+    name = workload.model_name(args.model)
+    if args.url and not args.model:
+        name = workload.served_model_name(args.url) or name
+    return reqs, name
 
 
-def _finish(args: argparse.Namespace, settings: dict, hardware: dict, figures: dict, title: str, rows: list) -> None:
-    from engine.bench import report
+def _against_server(
+    args: argparse.Namespace, measure: Callable[..., dict[str, Any]], rows: Callable[[dict], list]
+) -> dict[str, Any]:
+    """Shared frame of the server modes: workload, banner, server (given or started), record.
 
-    report.print_table(title, rows)
-    name = settings["model_name"]
-    report.write_record(report.make_record(args.mode, name, settings, hardware, figures), args.out)
-
-
-def _offline(args: argparse.Namespace) -> None:
-    from engine.bench import launch, offline, report, workload
-    from engine.bench.hardware import hardware_info_subprocess
+    measure(endpoints, requests, settings) runs the load and returns the figures; rows(figures)
+    gives the results table."""
+    from engine.bench import launch, report, workload
+    from engine.bench.hardware import HardwareProbe
 
     reqs, name = _requests(args)
     n_in, n_out = workload.token_totals(reqs)
     settings = _settings(args, model_name=name, total_input_tokens=n_in, total_output_tokens=n_out)
-    report.print_settings("offline", settings)
-    hardware = hardware_info_subprocess()
-    with launch.endpoints(args.url, args.sdk, args.model, args.load_format, shlex.split(args.server_args)) as ep:
+    report.print_settings(args.mode, settings)
+    probe = HardwareProbe()  # in a child process, overlapping the server start-up
+    server_args = shlex.split(args.server_args)
+    with launch.endpoints(args.url, getattr(args, "sdk", None), args.model, args.load_format, server_args) as ep:
+        figures = measure(ep, reqs, settings)
+    report.print_table(TITLES[args.mode], rows(figures))
+    for problem in figures.get("errors", []):
+        print(f"error: {problem}")
+    for caveat in figures.get("warnings", []):
+        print(f"warning: {caveat}")
+    report.write_record(report.make_record(args.mode, name, settings, probe.result(), figures), args.out)
+    return figures
+
+
+def _offline(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import offline
+
+    def measure(ep: Any, reqs: list[Any], settings: dict[str, Any]) -> dict[str, Any]:
         backend = "sdk" if ep.sdk and (args.backend == "sdk" or not ep.http) else "http"
         settings["backend_used"] = backend
         outcomes, duration = offline.run(backend, ep.sdk if backend == "sdk" else ep.http, reqs)
-    figures = offline.figures(outcomes, duration)
-    _finish(args, settings, hardware, figures, "Offline Throughput Result", offline.table_rows(figures))
+        return offline.figures(outcomes, duration)
+
+    return _against_server(args, measure, offline.table_rows)
 
 
-def _serve(args: argparse.Namespace) -> None:
-    from engine.bench import launch, online, report, workload
-    from engine.bench.hardware import hardware_info_subprocess
+def _serve(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import online
 
-    reqs, name = _requests(args)
-    n_in, n_out = workload.token_totals(reqs)
-    settings = _settings(args, model_name=name, total_input_tokens=n_in, total_output_tokens=n_out)
-    report.print_settings("serve", settings)
-    hardware = hardware_info_subprocess()
-    with launch.endpoints(args.url, None, args.model, args.load_format, shlex.split(args.server_args)) as ep:
-        traces, duration = online.run(
-            ep.http, args.backend, reqs, args.request_rate, args.max_concurrency, args.seed
-        )
-    figures = online.figures(traces, duration)
-    _finish(args, settings, hardware, figures, "Serving Benchmark Result", online.table_rows(figures))
+    def measure(ep: Any, reqs: list[Any], settings: dict[str, Any]) -> dict[str, Any]:
+        traces, duration = online.run(ep.http, args.backend, reqs, args.request_rate, args.max_concurrency, args.seed)
+        return online.figures(traces, duration, args.backend)
+
+    return _against_server(args, measure, online.table_rows)
 
 
-def _latency(args: argparse.Namespace) -> None:
+def _latency(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import latency, report, workload
     from engine.bench.hardware import hardware_info
 
@@ -180,6 +198,7 @@ def _latency(args: argparse.Namespace) -> None:
     )
     record = report.make_record("latency", settings["model_name"], settings, hardware_info(), figures)
     report.write_record(record, args.out)
+    return figures
 
 
 def _idle_pct(idle: dict[str, Any] | None, key: str) -> float | str | None:

@@ -58,16 +58,23 @@ def hardware_info() -> dict[str, Any]:
     }
 
 
-def hardware_info_subprocess(timeout_s: float = 120.0) -> dict[str, Any]:
-    """hardware_info() computed in a child process (no CUDA context here)."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "engine.bench.hardware"], cwd=ROOT, capture_output=True, text=True,
-            timeout=timeout_s, check=True,
+class HardwareProbe:
+    """hardware_info() computed in a child process (no CUDA context here), started at once so
+    that it overlaps the server's start-up; `result()` waits for it."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.bench.hardware"], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True,
         )
-        return json.loads(out.stdout)
-    except (subprocess.SubprocessError, json.JSONDecodeError) as exc:
-        return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "error": str(exc)}
+
+    def result(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        try:
+            out, _ = self._proc.communicate(timeout=timeout_s)
+            return json.loads(out)
+        except (subprocess.SubprocessError, json.JSONDecodeError) as exc:
+            self._proc.kill()
+            return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "error": str(exc)}
 
 
 def git_commit() -> str | None:

@@ -20,6 +20,10 @@ from engine.bench.hardware import ROOT
 START_TIMEOUT_S = 900.0
 
 
+class ServerUnavailable(RuntimeError):
+    """The benchmark's server did not start or answer /health."""
+
+
 @dataclass(frozen=True)
 class Endpoints:
     http: str | None  # e.g. http://127.0.0.1:8000
@@ -46,14 +50,14 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, time
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"bin/serve exited with {proc.returncode} during start-up\n{_tail(log)}")
+            raise ServerUnavailable(f"bin/serve exited with {proc.returncode} during start-up\n{_tail(log)}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return time.monotonic() - t0
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{url} did not become healthy in {timeout_s:.0f} s\n{_tail(log)}")
+    raise ServerUnavailable(f"{url} did not become healthy in {timeout_s:.0f} s\n{_tail(log)}")
 
 
 def _tail(log: Path | None, lines: int = 30) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -62,8 +63,8 @@ class _Clock:
         self.trace.chunks += 1
 
 
-async def _sse(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream, up to `data: [DONE]`."""
+async def _sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The raw `data:` payloads of an SSE stream, up to `data: [DONE]`; errors raise."""
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
     async for line in resp.aiter_lines():
@@ -72,19 +73,38 @@ async def _sse(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        event = json.loads(data)
-        if "error" in event:
-            raise RuntimeError(f"stream error: {event['error']}")
-        yield event
+        if data.startswith('{"error"'):
+            raise RuntimeError(f"stream error: {data[:300]}")
+        yield data
+
+
+async def _sse(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream."""
+    async for data in _sse_data(resp):
+        yield json.loads(data)
+
+
+# /generate events repeat the whole output so far (text and output_ids): parsing each one
+# would cost O(n^2) per request, so only the cumulative count is read, from the last
+# occurrence (meta_info follows the text; a quote inside the text is always escaped).
+_COMPLETION_TOKENS = re.compile(r'"completion_tokens":\s*(\d+)')
+
+
+def completion_tokens(data: str) -> int:
+    """meta_info.completion_tokens of one /generate stream event."""
+    found = _COMPLETION_TOKENS.findall(data, data.rfind('"meta_info"'))
+    if not found:
+        raise RuntimeError(f"no completion_tokens in stream event {data[:200]}")
+    return int(found[-1])
 
 
 async def stream_generate(client: httpx.AsyncClient, req: BenchRequest, trace: Trace, clock: _Clock) -> None:
-    """POST /generate with stream; output_ids in each event are cumulative."""
+    """POST /generate with stream; each event carries the cumulative completion token count."""
     params = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True}
     body = {"input_ids": req.prompt, "sampling_params": params, "stream": True}
     async with client.stream("POST", "/generate", json=body) as resp:
-        async for event in _sse(resp):
-            clock.tokens(len(event.get("output_ids", ())))
+        async for data in _sse_data(resp):
+            clock.tokens(completion_tokens(data))
 
 
 async def stream_openai(client: httpx.AsyncClient, req: BenchRequest, trace: Trace, clock: _Clock) -> None:
@@ -162,7 +182,21 @@ def run(
     return traces, duration
 
 
-def figures(traces: list[Trace], duration: float) -> dict[str, Any]:
+def warnings(traces: list[Trace], backend: str) -> list[str]:
+    """Caveats about the figures (printed and saved with them)."""
+    ok = [t for t in traces if t.error is None]
+    chunks = sum(t.chunks for t in ok)
+    per_chunk = sum(t.output_tokens for t in ok) / max(1, chunks)
+    out = []
+    if backend == "openai" and per_chunk > 1.5:
+        out.append(
+            f"the openai stream carried {per_chunk:.1f} tokens per chunk (ids-only model?): TTFT/ITL are not "
+            "per token; use --backend generate"
+        )
+    return out
+
+
+def figures(traces: list[Trace], duration: float, backend: str = "generate") -> dict[str, Any]:
     """Throughput plus TTFT / TPOT / ITL / E2E statistics in milliseconds."""
     ok = [t for t in traces if t.error is None and t.ttft_s is not None]
     inp = sum(t.prompt_tokens for t in ok)
@@ -186,6 +220,7 @@ def figures(traces: list[Trace], duration: float) -> dict[str, Any]:
         "itl_ms": summary([g for t in ok for g in t.itl_s], 1e3),
         "e2e_latency_ms": summary([t.latency_s for t in ok], 1e3),
         "errors": sorted({t.error for t in traces if t.error})[:10],
+        "warnings": warnings(traces, backend),
     }
 
 

@@ -31,6 +31,17 @@ def model_name(model: str | None) -> str:
     return Path(model).name if model else DEFAULT_MODEL_NAME
 
 
+def served_model_name(url: str) -> str | None:
+    """The model a running server names in GET /v1/models (None if it does not answer)."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"]
+        return str(data[0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
 def vocab_size(model_dir: Path) -> int:
     """vocab_size from the model's config.json."""
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])

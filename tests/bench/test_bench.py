@@ -1,0 +1,160 @@
+"""bin/bench: each mode end to end as a subprocess on a tiny random-weight model, plus the
+pure helpers. One server start per server mode; the whole file takes well under a minute."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.bench import cli, idle, online, report, roofline, workload
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "max_position_embeddings": 1024,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "vocab_size": 512,
+}
+WORKLOAD = ["--num-requests", "8", "--input-len-range", "16", "64", "--output-len-range", "8", "32"]
+SERVER = ["--load-format", "dummy", "--server-args", "--max-total-tokens 4096"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama config with no tokenizer files: the server runs in ids-only mode."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+def bench(out: Path, *args: str) -> dict[str, Any]:
+    """Run bin/bench with `args`, writing to `out`; return the JSON record."""
+    res = subprocess.run(
+        [str(ROOT / "bin" / "bench"), *args, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "settings" in res.stdout and "result written to" in res.stdout
+    return json.loads(out.read_text())
+
+
+def check_record(rec: dict[str, Any], mode: str) -> None:
+    assert rec["mode"] == mode and rec["model"].startswith("tiny-llama")
+    assert rec["date"] and rec["command"].startswith(f"bin/bench {mode}")
+    assert rec["hardware"]["cpu"] and rec["hardware"]["torch"]
+    assert "gpu" in rec["hardware"] and "git_commit" in rec
+
+
+def check_throughput(f: dict[str, Any]) -> None:
+    assert f["completed"] == f["num_requests"] == 8 and f["failed"] == 0
+    assert f["output_len_mismatch"] == 0, f
+    assert f["total_input_tokens"] > 0 and f["total_output_tokens"] >= 8 * 8
+    for key in ("duration_s", "request_throughput", "input_throughput", "output_throughput"):
+        assert f[key] > 0 and math.isfinite(f[key]), key
+
+
+def test_offline_sdk(tiny_model: Path, tmp_path: Path) -> None:
+    rec = bench(tmp_path / "off.json", "offline", "--model", str(tiny_model), *SERVER, *WORKLOAD)
+    check_record(rec, "offline")
+    assert rec["settings"]["backend_used"] == "sdk" and rec["settings"]["num_requests"] == 8
+    check_throughput(rec["figures"])
+
+
+def test_serve_generate_stream(tiny_model: Path, tmp_path: Path) -> None:
+    rec = bench(
+        tmp_path / "serve.json", "serve", "--model", str(tiny_model), *SERVER, *WORKLOAD,
+        "--request-rate", "40", "--max-concurrency", "4",
+    )
+    check_record(rec, "serve")
+    f = rec["figures"]
+    check_throughput(f)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        stats = f[key]
+        assert 0 < stats["mean"] and stats["median"] <= stats["p90"] <= stats["p99"] <= stats["max"], key
+    assert f["e2e_latency_ms"]["mean"] >= f["ttft_ms"]["mean"]
+
+
+def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
+    rec = bench(
+        tmp_path / "lat.json", "latency", "--model", str(tiny_model), "--load-format", "dummy", "--device", "cpu",
+        "--batch-sizes", "1", "3", "--context-len", "40", "--steps", "4", "--warmup", "2", "--profile-idle",
+    )
+    check_record(rec, "latency")
+    f = rec["figures"]
+    assert f["device"] == "cpu" and f["bandwidth_gb_s"] > 0 and f["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert [b["batch_size"] for b in f["batches"]] == [1, 3]
+    for b in f["batches"]:
+        assert b["ms_per_step_median"] > 0 and b["roofline_ms"] > 0 and b["ratio_to_roofline"] > 0
+        assert b["tokens_per_s"] > 0 and b["bytes_per_step"] == b["weight_bytes"] + b["kv_bytes_read"]
+        assert 40 < b["mean_kv_tokens_per_row"] < 40 + 2 + 4 + 2
+        assert "skipped" in b["idle"]  # no GPU here
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def test_weight_bytes_skip_untied_embedding() -> None:
+    import torch
+
+    from models.registry import load_model
+
+    model, cfg = load_model(ROOT / "configs" / "tiny-llama", "dummy", torch.float32, "cpu", progress=False)
+    total = sum(p.nbytes for p in model.parameters())
+    embed = cfg.vocab_size * cfg.hidden_size * 4
+    assert roofline.weight_bytes(model, tied_embeddings=False) == total - embed
+    tied, tcfg = load_model(ROOT / "configs" / "tiny-qwen3", "dummy", torch.float32, "cpu", progress=False)
+    assert tcfg.tie_word_embeddings
+    assert roofline.weight_bytes(tied, True) == sum(p.nbytes for p in tied.parameters())
+
+
+def test_random_requests_seeded() -> None:
+    a = workload.random_requests(5, (3, 9), (2, 4), 100, seed=7)
+    assert a == workload.random_requests(5, (3, 9), (2, 4), 100, seed=7)
+    assert a != workload.random_requests(5, (3, 9), (2, 4), 100, seed=8)
+    assert all(3 <= len(r.prompt) <= 9 and 2 <= r.output_len <= 4 for r in a)
+    assert all(0 <= t < 100 for r in a for t in r.prompt)
+    fixed = workload.random_requests(3, (3, 9), (2, 4), 100, seed=0, input_len=5, output_len=6)
+    assert {(len(r.prompt), r.output_len) for r in fixed} == {(5, 6)}
+
+
+def test_summary_and_idle_math() -> None:
+    s = report.summary([1.0, 2.0, 3.0, 4.0], scale=1000)
+    assert s["mean"] == 2500 and s["median"] == 2500 and s["max"] == 4000
+    assert report.summary([])["mean"] is None
+    assert idle.union_length([(0, 5), (3, 8), (10, 12)]) == 10
+    st = idle.idle_stats([(0, 60), (100, 160)], steps=2, host_s=0.0, sched_s=20e-9)
+    assert st["idle_fraction"] == pytest.approx(40 / 160)
+    assert st["worker_idle_fraction"] == pytest.approx(20 / 140)
+
+
+def test_arrivals_and_arg_checks() -> None:
+    assert online.arrival_gaps(4, math.inf, 0) == [0.0] * 4
+    gaps = online.arrival_gaps(2000, 10.0, 0)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    assert cli.main(["offline", "--input-len-range", "10", "5"]) == 2
+    assert cli.main(["latency", "--warmup", "0"]) == 2
+
+
+def test_generate_event_token_count() -> None:
+    event = json.dumps({
+        "text": '"completion_tokens": 99', "output_ids": [5, 6],
+        "meta_info": {"id": "x", "prompt_tokens": 4, "completion_tokens": 2, "finish_reason": None},
+    })
+    assert online.completion_tokens(event) == 2
