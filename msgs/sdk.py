@@ -12,6 +12,7 @@ abandoned (an iterator closed early, a cancelled task) is aborted on the server.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -131,60 +132,59 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client; many concurrent requests share one socket, routed by rid."""
+    """asyncio client; many concurrent requests share one socket. One reader task routes
+    replies to per-request queues by rid."""
 
     def __init__(self, addr: str) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(addr)
-        self._queues: dict[str, list[FromServer]] = {}
-        self._reading = False
+        self._queues: dict[str, asyncio.Queue[FromServer]] = {}
+        self._reader: asyncio.Task[None] | None = None
 
-    async def _next(self, rid: str) -> FromServer:
-        import asyncio
-
+    async def _read_forever(self) -> None:
         while True:
-            pending = self._queues[rid]
-            if pending:
-                return pending.pop(0)
-            if self._reading:  # another task is reading: let it route our message
-                await asyncio.sleep(0.001)
-                continue
-            self._reading = True
-            try:
-                msg = client_codec.decode(await self._sock.recv())
-            finally:
-                self._reading = False
-            if msg is not None and msg.rid in self._queues:
-                self._queues[msg.rid].append(msg)
+            msg = client_codec.decode(await self._sock.recv())
+            queue = self._queues.get(msg.rid) if msg is not None else None
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def _open(self, req: GenerateRequest) -> asyncio.Queue[FromServer]:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        queue: asyncio.Queue[FromServer] = asyncio.Queue()
+        self._queues[req.rid] = queue
+        await self._sock.send(server_codec.encode(req))
+        return queue
 
     async def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         req = _request(prompt, False, rid, params)
-        self._queues[req.rid] = []
         try:
-            await self._sock.send(server_codec.encode(req))
-            chunk = _check(await self._next(req.rid))
+            queue = await self._open(req)
+            chunk = _check(await queue.get())
             assert chunk is not None
             return chunk
+        except asyncio.CancelledError:
+            self._sock.send(server_codec.encode(AbortGenerate(rid=req.rid)))  # fire and forget
+            raise
         finally:
-            del self._queues[req.rid]
+            self._queues.pop(req.rid, None)
 
     async def stream(
         self, prompt: str | list[int], rid: str | None = None, **params: Any
     ) -> AsyncIterator[GenerateChunk]:
         req = _request(prompt, True, rid, params)
-        self._queues[req.rid] = []
         finished = False
         try:
-            await self._sock.send(server_codec.encode(req))
+            queue = await self._open(req)
             while not finished:
-                chunk = _check(await self._next(req.rid))
+                chunk = _check(await queue.get())
                 assert chunk is not None
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            del self._queues[req.rid]
+            self._queues.pop(req.rid, None)
             if not finished:
                 await self.abort(req.rid)
 
@@ -192,4 +192,6 @@ class AsyncClient:
         await self._sock.send(server_codec.encode(AbortGenerate(rid=rid)))
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
         self._sock.close(0)
