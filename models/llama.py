@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.run import ops
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
+from engine.run.ops import apply_rope, rope_cos_sin  # noqa: F401 - re-exported (moved to ops)
 from models.config import ModelConfig, RopeScaling
 
 
@@ -55,9 +57,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); may reuse x and residual's storage (fused)."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -76,20 +80,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, head_dim] in `dtype`, computed in float32 (rotate-half layout)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by cos/sin [T, D] (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -104,10 +94,11 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple,
         batch: ForwardBatch,
         kv: KVPool,
         backend: AttentionBackend,
+        rotary: ops.Rotary,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -116,7 +107,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = rotary.apply(q, k, rope)
         o = backend.forward(q, k, v, self.layer_id, batch, kv)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -128,8 +119,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -140,10 +130,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch, kv, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple, batch: ForwardBatch,
+                kv: KVPool, backend: AttentionBackend, rotary: ops.Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream h = residual + x (x: the previous sublayer's output; residual None at
+        layer 0, where x is the embedding). Returns (this layer's MLP output, its residual)."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, rope, batch, kv, backend, rotary)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -164,17 +162,19 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         # a plain attribute, not a buffer: module.to(dtype) must not cast RoPE frequencies
-        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = ops.Rotary(
+            rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), cfg.head_dim, cfg.max_position_embeddings
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        h = self.model.embed_tokens(batch.input_ids)
-        if self._inv_freq.device != h.device:  # once, after the first move to a device
-            self._inv_freq = self._inv_freq.to(h.device)
-        rope = rope_cos_sin(batch.positions, self._inv_freq, h.dtype)
+        x = self.model.embed_tokens(batch.input_ids)
+        rope = self.rotary.prepare(batch.positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, rope, batch, kv, backend)
+            x, residual = layer(x, residual, rope, batch, kv, backend, self.rotary)
         # the final norm is per token: select the sampled rows first
-        h = self.model.norm(h[batch.logit_indices])
+        idx = batch.logit_indices
+        h = self.model.norm(residual[idx] + x[idx])
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()

@@ -25,6 +25,8 @@ class AttentionBackend(ABC):
     """Causal attention of each request's new tokens over its whole paged KV.
 
     Contract:
+    - `bind(...)` is called once by the runner after the KV pool exists (head counts,
+      pool, the largest batch); backends that plan kernels size their buffers there.
     - `prepare(batch)` is called once per step, before the model's forward, and may
       precompute per-step state (index tensors, kernel plans) shared by all layers.
     - `forward(q, k, v, layer_id, batch, kv_pool)` with q [T, Hq, D], k and v [T, Hkv, D]
@@ -34,6 +36,13 @@ class AttentionBackend(ABC):
       positions 0..p (cached prefix plus this step's tokens), read through
       batch.page_table[i].
     """
+
+    # whether engine/run/cuda_graph.py can capture this backend's decode (see FlashInferAttention)
+    supports_cuda_graph: bool = False
+
+    def bind(self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int) -> None:
+        """Learn the model's attention geometry once (default: nothing to do)."""
+        return None
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
@@ -152,6 +161,7 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("engine.run.attention", "TorchAttention"),
     "flashinfer": ("engine.run.flashinfer_attention", "FlashInferAttention"),
 }
+_CUDA_ONLY = {"flashinfer"}
 
 
 def available_backends() -> list[str]:
@@ -176,7 +186,25 @@ def create_backend(name: str, device: torch.device | str) -> AttentionBackend:
             return TorchAttention(device)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {available_backends()}")
+    if name in _CUDA_ONLY and device.type != "cuda":
+        raise RuntimeError(
+            f"attention backend {name!r} is not available on {device.type}: it needs a CUDA device; "
+            f"use --attention-backend torch (or auto)"
+        )
     return _load(name, device)
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """The backend `create_backend(name, device)` aims for, without importing it ("auto":
+    torch on CPU, flashinfer on CUDA). Raises like create_backend for bad names/devices."""
+    device = torch.device(device)
+    if name == "auto":
+        return "flashinfer" if device.type == "cuda" else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {available_backends()}")
+    if name in _CUDA_ONLY and device.type != "cuda":
+        raise RuntimeError(f"attention backend {name!r} needs a CUDA device, got {device.type}")
+    return name
 
 
 def _load(name: str, device: torch.device) -> AttentionBackend:

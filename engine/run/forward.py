@@ -1,8 +1,9 @@
 """ForwardBatch: everything one model forward needs, built once per step by the worker.
 
 Tokens are laid out request-major: request 0's new tokens, then request 1's, ... .
-Index tensors are built on the CPU from python lists (one copy each to the device), and
-the CPU list copies ride along so the torch backend never has to sync to read lengths.
+Index tensors are built on the CPU from python lists (one non-blocking copy each to the
+device: building a step never waits for the device), and the CPU copies ride along so
+backends never have to sync to read lengths or page tables.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     page_size: int
     is_decode: bool
+    page_table_cpu: torch.Tensor | None = None  # the CPU twin of page_table (for kernel plans)
 
     @property
     def batch_size(self) -> int:
@@ -89,16 +91,17 @@ class ForwardBatch:
         ids = _ids_tensor(input_ids, sum(lens), device)
         return cls(
             input_ids=ids,
-            positions=positions.to(device),
-            out_slots=out_slots.to(device),
-            page_table=table.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            extend_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            logit_indices=logit_idx.to(device),
+            positions=_to(positions, device),
+            out_slots=_to(out_slots, device),
+            page_table=_to(table, device),
+            seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
+            extend_lens=_to(torch.tensor(lens, dtype=torch.int32), device),
+            logit_indices=_to(logit_idx, device),
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=lens,
             page_size=page_size,
             is_decode=all(n == 1 for n in lens),
+            page_table_cpu=table,
         )
 
     @classmethod
@@ -146,21 +149,32 @@ def _check_lengths(
 def _page_table(page_tables: Sequence[Sequence[int]], seq_lens: list[int], page_size: int) -> torch.Tensor:
     """int32 [B, max_pages]: the pages covering each seq_len, padded with PAD_PAGE."""
     needed = [math.ceil(n / page_size) for n in seq_lens]
-    table = torch.full((len(seq_lens), max(needed)), PAD_PAGE, dtype=torch.int32)
+    width = max(needed)
+    rows = []
     for i, (pages, k) in enumerate(zip(page_tables, needed, strict=True)):
-        row = torch.as_tensor(list(pages[:k]), dtype=torch.int32)
-        if bool((row == PAD_PAGE).any()):
+        row = [int(p) for p in pages[:k]]
+        if PAD_PAGE in row:
             # page 0 is the shared padding page; writing real KV there corrupts other requests
             raise ValueError(f"request {i}: page table uses the reserved padding page {PAD_PAGE}")
-        table[i, :k] = row
-    return table
+        rows.append(row + [PAD_PAGE] * (width - k))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> device without waiting for the device (a no-op on CPU).
+
+    A blocking host-to-device copy synchronises the stream; from pageable memory a
+    non-blocking one is staged by the driver before it returns, so the host tensor may be
+    dropped right away."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def _ids_tensor(input_ids: torch.Tensor | Sequence[int], total: int, device: torch.device) -> torch.Tensor:
     if isinstance(input_ids, torch.Tensor):
-        ids = input_ids.to(device=device, dtype=torch.int64)
+        ids = input_ids.to(dtype=torch.int64)
+        ids = ids if ids.device == device else _to(ids, device)
     else:
-        ids = torch.tensor(list(input_ids), dtype=torch.int64, device=device)
+        ids = _to(torch.tensor(list(input_ids), dtype=torch.int64), device)
     if ids.dim() != 1 or ids.numel() != total:
         raise ValueError(f"input_ids has shape {tuple(ids.shape)}, want [{total}] (sum of extend_lens)")
     return ids

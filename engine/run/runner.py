@@ -7,6 +7,7 @@ does is a function of the steps it received, in seq order.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from engine.config import ServerConfig
 from engine.run.attention import create_backend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
-from engine.run.memory import plan_pool
+from engine.run.memory import OutOfMemory, check_weights_fit, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
 from engine.sched.replica import ReplicaState
 from models.registry import load_model
@@ -58,7 +59,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu":  # leave a core to the scheduler and tokenizer processes
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-        self.model, self.mcfg = load_model(cfg.model, cfg.load_format, self.dtype, self.device)
+        self.model, self.mcfg = _load(cfg, self.dtype, self.device)
         pool = plan_pool(cfg, self.mcfg, self.dtype, self.device)
         self.page_size = cfg.page_size
         self.num_pages = pool.num_pages
@@ -73,11 +74,41 @@ class ModelRunner:
             self.device,
         )
         self.backend = create_backend(cfg.attention_backend, self.device)
+        self.backend.bind(
+            num_q_heads=self.mcfg.num_heads,
+            kv_pool=self.kv,
+            max_batch=cfg.max_running_requests,
+            max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
+        )
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         self.replica = ReplicaState()
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.seq = 0
-        log.info("runner ready", pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype))
+        self.graphs = self._capture_graphs()
+        log.info(
+            "runner ready", pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
+            backend=type(self.backend).__name__, cuda_graphs=self.graphs is not None,
+        )
+
+    def _capture_graphs(self):  # noqa: ANN202
+        """CUDA graphs for decode, unless disabled, on CPU, or the backend cannot be captured."""
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+            return None
+        if not self.backend.supports_cuda_graph:
+            log.info("cuda graphs off", reason=f"{type(self.backend).__name__} is not capturable")
+            return None
+        from engine.run.cuda_graph import CudaGraphRunner
+
+        graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.cfg.max_running_requests, self.device)
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemory(
+                f"out of GPU memory while capturing CUDA graphs ({e}); lower --mem-fraction or "
+                "--max-running-requests, or pass --disable-cuda-graph"
+            ) from e
+        return graphs
 
     def ready_msg(self) -> WorkerReady:
         return WorkerReady(
@@ -145,30 +176,56 @@ class ModelRunner:
         starts = unpack_ids(fwd.start_pos)
         lens = unpack_ids(fwd.extend_lens)
         sample = unpack_ids(fwd.sample)
-        input_ids = self._resolve_ids(unpack_ids(fwd.input_ids), slots, lens)
+        ids = unpack_ids(fwd.input_ids)
         tables = [self.replica.page_tables[s] for s in slots]
-        batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device)
-        self.backend.prepare(batch)
-        logits = self.model(batch, self.kv, self.backend)
+        slots_dev = None  # the sampled rows' slots on the device, when already there
+        if self.graphs is not None and len(slots) <= self.graphs.max_batch and all(n == 1 for n in lens):
+            # decode: the captured graph, fed straight from the Step's lists
+            logits = self.graphs.run_decode(ids, slots, starts, tables, self.last_token)
+            if all(sample):
+                slots_dev = self.graphs.slots[: len(slots)]
+            else:
+                rows = [i for i, smp in enumerate(sample) if smp]
+                logits = logits[_to_device(torch.tensor(rows, dtype=torch.int64), self.device)] if rows else None
+        else:
+            input_ids = self._resolve_ids(ids, slots, lens)
+            batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device)
+            self.backend.prepare(batch)
+            logits = self.model(batch, self.kv, self.backend)
         sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]
         if not sampled_slots:
             return None
         positions = [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp]
-        slot_t = torch.tensor(sampled_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        res = self.sampler.sample(logits, sampled_slots, pos_t)
-        self.last_token[slot_t] = res.token_ids
+        res = self.sampler.sample(logits, sampled_slots, positions)
+        if slots_dev is None:
+            slots_dev = _to_device(torch.tensor(sampled_slots, dtype=torch.int64), self.device)
+        self.last_token.index_copy_(0, slots_dev, res.token_ids)
         return res
 
     def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
         """Replace future references (-1) with the token the slot sampled last step."""
-        t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        t = _to_device(torch.tensor(ids, dtype=torch.int64), self.device)
         if -1 not in ids:
             return t
-        token_slots = torch.tensor(
-            [s for s, n in zip(slots, lens, strict=True) for _ in range(n)], dtype=torch.int64, device=self.device
+        token_slots = _to_device(
+            torch.tensor([s for s, n in zip(slots, lens, strict=True) for _ in range(n)], dtype=torch.int64),
+            self.device,
         )
         return torch.where(t < 0, self.last_token[token_slots], t)
+
+
+def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN202
+    """load_model with a clear error when the weights cannot fit the device."""
+    check_weights_fit(cfg.model, dtype, device)
+    try:
+        return load_model(cfg.model, cfg.load_format, dtype, device)
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync (a blocking H2D copy waits for the device)."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def _sample_params(op: AddReq) -> SampleParams:

@@ -1,0 +1,222 @@
+"""FlashInfer attention over the paged KV pool (CUDA only; flashinfer is imported lazily).
+
+The pool's flat slot buffers [num_pages * page_size, Hkv, D] are viewed as
+[num_pages, page_size, Hkv, D] (NHD) and handed to flashinfer as (k_cache, v_cache).
+
+Per step, `prepare` builds the paged-KV metadata (kv_indptr, kv_indices, kv_last_page_len,
+and qo_indptr for ragged queries) on the host from the batch's CPU page table and lengths,
+and calls `plan()` once on the wrapper that fits the batch:
+
+* pure decode (every request extends by one token): BatchDecodeWithPagedKVCacheWrapper with
+  tensor cores (the GQA-friendly kernel);
+* anything with an extend > 1 (prefill, chunked prefill with a cached prefix, mixed with
+  decodes): BatchPrefillWithPagedKVCacheWrapper, causal (bottom-right aligned, so a chunk
+  attends to its whole prefix), ragged queries through qo_indptr.
+
+`forward` per layer only writes the new K/V into their slots and runs the planned kernel.
+
+CUDA graphs (engine/run/cuda_graph.py): `graph_wrapper(bs)` builds a decode wrapper with
+use_cuda_graph=True over fixed buffers (indptr [bs+1], last_page_len [bs], and one shared
+indices buffer sized max_batch * max_pages_per_req); `plan_graph(bs, batch)` re-plans it
+before each replay, pointing padded rows at the padding page 0.
+
+plan() writes its schedule into a pinned host buffer and copies it to the device
+asynchronously. With two steps in flight, the next plan could overwrite that buffer before
+the copy ran, so two pinned buffers alternate, each reused only after an event recorded
+behind its copy has completed (normally long since).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.run.attention import AttentionBackend
+from engine.run.forward import ForwardBatch
+from engine.run.kv_pool import PAD_PAGE, KVPool
+
+WORKSPACE_BYTES = 256 << 20  # float workspace (split-KV partial results), shared by all wrappers
+_INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own int workspace size (its staging must match)
+# fa2 prefill is the very module tensor-core decode uses: one JIT compile serves both.
+PREFILL_BACKEND = os.environ.get("STRATA_FLASHINFER_PREFILL_BACKEND", "fa2")
+
+
+class _Staging:
+    """Two pinned plan-staging buffers used alternately (see the module docstring)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.i = 0
+
+    def take(self) -> torch.Tensor:
+        self.i ^= 1
+        ev = self.events[self.i]
+        if ev is not None:
+            ev.synchronize()  # the copy that last read this buffer: done long ago in practice
+        return self.bufs[self.i]
+
+    def release(self) -> None:
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[self.i] = ev
+
+
+def paged_kv_metadata(
+    seq_lens: list[int], page_table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]) on the CPU,
+    from the CPU page table [B, W] (row i's first ceil(seq_lens[i]/page_size) entries)."""
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    npages = (seq + (page_size - 1)) // page_size
+    indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(npages, 0)
+    last = seq - (npages - 1) * page_size
+    width = page_table.shape[1]
+    mask = torch.arange(width, dtype=torch.int32)[None, :] < npages[:, None]
+    return indptr, page_table[mask].to(torch.int32), last
+
+
+def pad_metadata(
+    indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append `pad` dummy requests of one token each on the padding page (CUDA-graph rows)."""
+    if pad <= 0:
+        return indptr, indices, last
+    extra = indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)
+    return (
+        torch.cat([indptr, extra]),
+        torch.cat([indices, torch.full((pad,), PAD_PAGE, dtype=torch.int32)]),
+        torch.cat([last, torch.ones(pad, dtype=torch.int32)]),
+    )
+
+
+class FlashInferAttention(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise RuntimeError(
+                f"the flashinfer attention backend needs a CUDA device, got {self.device}; "
+                "use --attention-backend torch"
+            )
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise RuntimeError(f"flashinfer is not installed ({e}); use --attention-backend torch") from e
+        self._fi = flashinfer
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._staging = _Staging(_INT_WORKSPACE_BYTES)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=PREFILL_BACKEND
+        )
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self._active = None  # the wrapper planned for the current step
+        self._bound = False
+        self._graph: dict[int, object] = {}
+
+    # ---- geometry (once) ----
+
+    def bind(self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int) -> None:
+        if num_q_heads % kv_pool.num_kv_heads:
+            raise ValueError(f"{num_q_heads} query heads are not a multiple of {kv_pool.num_kv_heads} KV heads")
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = kv_pool.num_kv_heads
+        self.head_dim = kv_pool.head_dim
+        self.page_size = kv_pool.page_size
+        self.dtype = kv_pool.dtype
+        self.kv_pool = kv_pool
+        self._kv = [kv_pool.page_view(layer) for layer in range(kv_pool.num_layers)]
+        self.max_batch = max_batch
+        self.max_pages_per_req = max_pages_per_req
+        # CUDA-graph decode buffers, shared by every captured batch size (each wrapper uses a
+        # prefix; replays run in stream order, each after its own plan)
+        self._g_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
+        self._g_last = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=self.device)
+        self._bound = True
+
+    def _plan_kwargs(self) -> dict:
+        return dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:  # noqa: ANN001
+        wrapper._pin_memory_int_workspace_buffer = self._staging.take()
+        wrapper.plan(*args, **kwargs)
+        self._staging.release()
+
+    # ---- per step ----
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if not self._bound:
+            raise RuntimeError("FlashInferAttention.bind() must be called before prepare()")
+        if batch.page_table_cpu is None:
+            raise ValueError("flashinfer attention needs ForwardBatch.page_table_cpu (build the batch with build())")
+        indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
+        hq, hkv, d, ps = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
+        if batch.is_decode:
+            self._plan(self._decode, indptr, indices, last, hq, hkv, d, ps, **self._plan_kwargs())
+            self._active = self._decode
+        else:
+            qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0)
+            self._plan(
+                self._prefill, qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal=True, **self._plan_kwargs()
+            )
+            self._active = self._prefill
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        kv_pool.store(layer_id, batch.out_slots, k, v)
+        return self._active.run(q, self._kv[layer_id])
+
+    # ---- CUDA graphs (decode) ----
+
+    def graph_wrapper(self, bs: int):  # noqa: ANN201
+        """The fixed-size decode wrapper for padded batch size `bs` (created once), planned
+        with dummy rows (all on the padding page) and made active, ready for capture."""
+        if bs > self.max_batch:
+            raise ValueError(f"graph batch {bs} exceeds max_batch {self.max_batch}")
+        w = self._graph.get(bs)
+        if w is None:
+            w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._g_indices,
+                paged_kv_last_page_len_buffer=self._g_last[:bs],
+            )
+            self._graph[bs] = w
+        indptr = torch.arange(bs + 1, dtype=torch.int32)
+        indices = torch.full((bs,), PAD_PAGE, dtype=torch.int32, device=self.device)
+        last = torch.ones(bs, dtype=torch.int32)
+        self._plan(w, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                   self.page_size, **self._plan_kwargs())
+        self._active = w
+        return w
+
+    def plan_graph(self, bs: int, batch: ForwardBatch) -> None:
+        """Plan the captured wrapper of size `bs` for this decode batch (rows past
+        batch.batch_size are padding: one token on the padding page)."""
+        indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
+        indptr, indices, last = pad_metadata(indptr, indices, last, bs - batch.batch_size)
+        # indices go to the device first: the wrapper copies a host tensor with a blocking copy
+        self.plan_graph_arrays(bs, indptr, last, indices.to(self.device, non_blocking=True))
+
+    def plan_graph_arrays(self, bs: int, indptr: torch.Tensor, last: torch.Tensor, indices: torch.Tensor) -> None:
+        """Plan the captured wrapper of size `bs` from padded metadata: indptr [bs+1] and
+        last [bs] on the host (int32), indices [nnz] already on the device (int32)."""
+        w = self._graph[bs]
+        self._plan(w, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                   self.page_size, **self._plan_kwargs())
+        self._active = w

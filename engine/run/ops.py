@@ -1,0 +1,163 @@
+"""Fused elementwise kernels for the decoder, with exact torch fallbacks.
+
+On a CUDA device with fp16/bf16 tensors and flashinfer installed, these call flashinfer's
+fused kernels (RMSNorm, add+RMSNorm, SiLU-and-mul, in-place rotary from a cos/sin cache).
+Everywhere else (CPU, float32, no flashinfer) they run the plain torch code the CPU
+reference has always used, so CPU results are bit-for-bit what they were.
+
+flashinfer is imported lazily, on the first CUDA half-precision call: CPU installs never
+import it. `set_fused(False)` turns the fused path off (for A/B comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+_HALF = (torch.float16, torch.bfloat16)
+_enabled = True
+_fi: ModuleType | None | bool = False  # False: not tried yet; None: unavailable
+
+
+def set_fused(enabled: bool) -> None:
+    """Enable or disable the flashinfer kernels (the torch fallbacks are always available)."""
+    global _enabled
+    _enabled = enabled
+
+
+def flashinfer_module() -> ModuleType | None:
+    """The flashinfer package, or None when it cannot be imported (imported once)."""
+    global _fi
+    if _fi is False:
+        # the CUDA-JIT norm kernels: one known module to compile (the CuTe-DSL variants need
+        # nvidia-cutlass-dsl and compile per shape)
+        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
+        try:
+            import flashinfer
+            import flashinfer.activation  # noqa: F401
+            import flashinfer.norm  # noqa: F401
+            import flashinfer.rope  # noqa: F401
+
+            _fi = flashinfer
+        except Exception:  # noqa: BLE001 - any import failure means "use torch"
+            _fi = None
+    return _fi  # type: ignore[return-value]
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """Whether x takes the flashinfer path: CUDA, fp16/bf16, flashinfer importable, enabled."""
+    return _enabled and x.is_cuda and x.dtype in _HALF and flashinfer_module() is not None
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back before the weight (as HF Llama does)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([T, H] or [T, heads, D]); returns a new tensor."""
+    if fused_ok(x) and x.dim() in (2, 3) and x.stride(-1) == 1:
+        return flashinfer_module().norm.rmsnorm(x, weight, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual).
+
+    The fused kernel works in place: `x` receives the normalized values and `residual` the
+    sum, so both must be tensors the caller owns (fresh activations).
+    """
+    if fused_ok(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
+        flashinfer_module().norm.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+    total = x + residual
+    return _rms_norm_torch(total, weight, eps), total
+
+
+# ---------------------------------------------------------------- SiLU and mul
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2d] (the SwiGLU gate)."""
+    if fused_ok(x) and x.is_contiguous() and (x.shape[-1] * x.element_size()) % 16 == 0:
+        return flashinfer_module().activation.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------- rotary
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, head_dim] in `dtype`, computed in float32 (rotate-half layout)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by cos/sin [T, D] (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Rotary:
+    """Neox-style (rotate_half) rotary embedding for Llama/Qwen.
+
+    `prepare(positions, dtype)` runs once per forward; `apply(q, k, state)` once per layer.
+    The fused path keeps a float32 [max_positions, head_dim] cache (cos | sin halves, the
+    layout flashinfer's apply_rope_with_cos_sin_cache_inplace reads), built once per device,
+    and rotates q and k in place. The torch path computes cos/sin per forward, as HF does.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, head_dim: int, max_positions: int) -> None:
+        self.inv_freq = inv_freq  # float32 [head_dim/2]
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self._cache: torch.Tensor | None = None
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if self.inv_freq.device != device:  # once, after the first move to a device
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        if self._cache is None or self._cache.device != device:
+            pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = pos[:, None] * self._inv_freq_on(device)[None, :]
+            self._cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+        return self._cache
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        probe = torch.empty(0, dtype=dtype, device=positions.device)
+        if fused_ok(probe):
+            return ("fused", positions, self.cos_sin_cache(positions.device))
+        return ("torch", *rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype))
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, state: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D]; the fused path works in place (last dim
+        contiguous views are fine) and returns the same tensors."""
+        if state[0] == "fused" and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype in _HALF:
+            _, positions, cache = state
+            t = q.shape[0]
+            flashinfer_module().rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q.view(t, -1), k.view(t, -1), self.head_dim, cache, is_neox=True
+            )
+            return q, k
+        if state[0] == "fused":  # a layout the kernel cannot take: exact torch math instead
+            _, positions, _cache = state
+            cos, sin = rope_cos_sin(positions, self._inv_freq_on(positions.device), q.dtype)
+        else:
+            _, cos, sin = state
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
