@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, then run the served-engine benchmarks on the
+# H200 (offline throughput through the real process stack, online serving). Results go to $OUT.
+# Usage on the device (carry .whl): bash scripts/gpu_bench.sh [qwen|llama|serve ...]
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD FLASHINFER_NO_DOWNLOAD=1 PYTHONUNBUFFERED=1 STRATA_PYTHON=python3
+A=/tmp/site/flashinfer/data/aot; mkdir -p $A; [ -f .whl/fi_aot.tgz ] && tar xzf .whl/fi_aot.tgz -C $A
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+run() {  # name, timeout, command...
+  local name=$1 t=$2; shift 2
+  echo "=== $name"; local t0=$(date +%s)
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "rc=$rc in $(( $(date +%s) - t0 )) s"; grep -A14 "Result ==" "$OUT/$name.log" | head -24
+  [ $rc = 0 ] || { tail -40 "$OUT/$name.log"; for f in /tmp/strata-bench-*/serve.log; do [ -f "$f" ] && tail -60 "$f"; done; }
+}
+for what in "${@:-qwen llama serve}"; do case $what in
+  qwen) run offline-qwen3-0.6b 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy \
+          --num-requests 256 --server-args "--max-running-requests 256 --max-prefill-tokens 16384" \
+          --out "$OUT/offline-qwen3-0.6b-h200.json" ;;
+  llama) run offline-llama-3.1-8b 260 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+          --num-requests 256 --input-len 1000 --output-len 1000 \
+          --server-args "--max-running-requests 256 --max-prefill-tokens 16384" \
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-h200.json" ;;
+  serve) run serve-qwen3-0.6b 120 bin/bench serve --model configs/qwen3-0.6b --load-format dummy \
+          --num-requests 400 --request-rate 40 --server-args "--max-running-requests 256" \
+          --out "$OUT/serve-qwen3-0.6b-h200.json" ;;
+esac; done
