@@ -15,7 +15,8 @@ run() {  # name, timeout, command...
   echo "rc=$rc in $(( $(date +%s) - t0 )) s"; grep -A14 "Result ==" "$OUT/$name.log" | head -24
   [ $rc = 0 ] || { tail -40 "$OUT/$name.log"; for f in /tmp/strata-bench-*/serve.log; do [ -f "$f" ] && tail -60 "$f"; done; }
 }
-for what in "${@:-qwen llama serve}"; do case $what in
+[ $# -gt 0 ] || set -- qwen llama serve
+for what in "$@"; do case $what in
   qwen) run offline-qwen3-0.6b 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy \
           --num-requests 256 --server-args "--max-running-requests 256 --max-prefill-tokens 16384" \
           --out "$OUT/offline-qwen3-0.6b-h200.json" ;;
