@@ -18,12 +18,16 @@ run() {  # name, timeout, command...
 [ $# -gt 0 ] || set -- qwen llama serve
 for what in "$@"; do case $what in
   qwen) run offline-qwen3-0.6b 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy \
-          --num-requests 256 --server-args "--max-running-requests 256 --max-prefill-tokens 16384" \
-          --out "$OUT/offline-qwen3-0.6b-h200.json" ;;
+          --num-requests 256 --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-qwen" \
+          --out "$OUT/offline-qwen3-0.6b-h200.json"; grep -h '"gpu idle"' $OUT/logs-qwen/worker-0.log | tail -3 ;;
   llama) run offline-llama-3.1-8b 260 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
           --num-requests 256 --input-len 1000 --output-len 1000 \
-          --server-args "--max-running-requests 256 --max-prefill-tokens 16384" \
-          --out "$OUT/offline-llama-3.1-8b-1000-1000-h200.json" ;;
+          --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-llama" \
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-h200.json"; grep -h '"gpu idle"' $OUT/logs-llama/worker-0.log | tail -3 ;;
+  llama512) run offline-llama-3.1-8b-512 200 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+          --num-requests 512 --input-len 1000 --output-len 1000 \
+          --server-args "--max-running-requests 384 --max-prefill-tokens 16384 --mem-fraction 0.92" \
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-512req-h200.json" ;;
   serve) run serve-qwen3-0.6b 120 bin/bench serve --model configs/qwen3-0.6b --load-format dummy \
           --num-requests 400 --request-rate 40 --server-args "--max-running-requests 256" \
           --out "$OUT/serve-qwen3-0.6b-h200.json" ;;

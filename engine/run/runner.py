@@ -18,6 +18,7 @@ import torch
 from engine.config import ServerConfig
 from engine.run.attention import create_backend
 from engine.run.forward import ForwardBatch
+from engine.run.idle import IdleMeter, StepEvents
 from engine.run.kv_pool import KVPool
 from engine.run.memory import OutOfMemory, check_weights_fit, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
@@ -43,6 +44,7 @@ class Launched:
     t0: float
     result: SampleResult | None
     event: torch.cuda.Event | None
+    timing: StepEvents | None = None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -84,6 +86,7 @@ class ModelRunner:
         self.replica = ReplicaState()
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.seq = 0
+        self.idle = IdleMeter() if self.device.type == "cuda" else None
         self.graphs = self._capture_graphs()
         log.info(
             "runner ready", pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
@@ -141,8 +144,12 @@ class ModelRunner:
                 self.sampler.remove(op.slot)
             elif isinstance(op, DigestCheck):
                 digest = self.replica.digest()
+        start = self.idle.start() if self.idle is not None and step.forward is not None else None
         res = self._forward(step.forward) if step.forward is not None else None
-        return Launched(step.seq, digest, t0, _to_host(res) if res is not None else None, self._event())
+        launched = Launched(step.seq, digest, t0, _to_host(res) if res is not None else None, self._event())
+        if start is not None and launched.event is not None:
+            launched.timing = StepEvents(start, launched.event, len(step.forward.slots) // 4)
+        return launched
 
     def ready(self, launched: Launched) -> bool:
         return launched.event is None or launched.event.query()
@@ -151,6 +158,8 @@ class ModelRunner:
         """Wait for a launched step's results (the one host sync of a step) and pack them."""
         if launched.event is not None:
             launched.event.synchronize()
+        if launched.timing is not None and self.idle is not None:
+            self.idle.finished(launched.timing)
         done = _pack_result(launched.seq, self.rank, launched.result) if launched.result else None
         return StepDone(
             seq=launched.seq,
@@ -167,7 +176,7 @@ class ModelRunner:
     def _event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=self.idle is not None)
         event.record()
         return event
 
