@@ -31,4 +31,8 @@ for what in "$@"; do case $what in
   serve) run serve-qwen3-0.6b 120 bin/bench serve --model configs/qwen3-0.6b --load-format dummy \
           --num-requests 400 --request-rate 40 --server-args "--max-running-requests 256" \
           --out "$OUT/serve-qwen3-0.6b-h200.json" ;;
+  latency) for m in qwen3-0.6b llama-3.1-8b; do
+            run latency-$m 150 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
+              --context-len 1024 --steps 50 --profile-idle --out "$OUT/latency-$m-h200.json"; done ;;
+  check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
 esac; done

@@ -1,8 +1,8 @@
 """bin/bench command line: `offline`, `serve` and `latency` modes.
 
-    bin/bench offline --num-requests 256 --input-len-range 100 1024 --output-len-range 100 1024
-    bin/bench serve --request-rate 8 --num-requests 200
-    bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 8 32
+bin/bench offline --num-requests 256 --input-len-range 100 1024 --output-len-range 100 1024
+bin/bench serve --request-rate 8 --num-requests 200
+bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 8 32
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 MODES = ("offline", "serve", "latency")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
-
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -50,8 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     _workload(srv, 200)
     srv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (inf: all at once)")
     srv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    srv.add_argument("--backend", default="generate", choices=("generate", "openai"),
-                     help="/generate stream (exact token counts) or /v1/completions stream")
+    srv.add_argument(
+        "--backend",
+        default="generate",
+        choices=("generate", "openai"),
+        help="/generate stream (exact token counts) or /v1/completions stream",
+    )
     lat = sub.add_parser("latency", help="in-process decode ms/step vs the memory-bandwidth roofline")
     _common(lat)
     lat.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -94,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bin/bench: {problem}", file=sys.stderr)
         return 2
     modes: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-        "offline": _offline, "serve": _serve, "latency": _latency,
+        "offline": _offline,
+        "serve": _serve,
+        "latency": _latency,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -118,8 +123,13 @@ def _requests(args: argparse.Namespace) -> tuple[list[Any], str]:
 
     vocab = args.vocab_size or workload.vocab_size(workload.resolve_model_dir(args.model))
     reqs = workload.random_requests(
-        args.num_requests, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.seed,
-        args.input_len, args.output_len,
+        args.num_requests,
+        tuple(args.input_len_range),
+        tuple(args.output_len_range),
+        vocab,
+        args.seed,
+        args.input_len,
+        args.output_len,
     )
     name = workload.model_name(args.model)
     if args.url and not args.model:
@@ -185,16 +195,46 @@ def _latency(args: argparse.Namespace) -> dict[str, Any]:
     report.print_settings("latency", settings)
     engine, batches = latency.run(args, str(model_dir), workload.vocab_size(model_dir))
     figures = {**engine, "batches": batches}
-    report.print_table("Decode Latency vs Roofline", [
-        ("Device", engine["device"]), ("Dtype", engine["dtype"]),
-        ("Measured bandwidth (GB/s)", engine["bandwidth_gb_s"]), ("Weight bytes read/step", engine["weight_bytes"]),
-        ("KV bytes per token", engine["kv_bytes_per_token"]),
-    ])
+    report.print_table(
+        "Decode Latency vs Roofline",
+        [
+            ("Device", engine["device"]),
+            ("Dtype", engine["dtype"]),
+            ("Measured bandwidth (GB/s)", engine["bandwidth_gb_s"]),
+            ("Weight bytes read/step", engine["weight_bytes"]),
+            ("KV bytes per token", engine["kv_bytes_per_token"]),
+        ],
+    )
     report.print_grid(
-        ["batch", "ctx", "ms/step", "roofline ms", "ratio", "tok/s", "cycle ms", "idle %", "worker idle %"],
-        [[b["batch_size"], b["context_len"], b["ms_per_step_median"], b["roofline_ms"], b["ratio_to_roofline"],
-          b["tokens_per_s"], b["cycle_ms_per_step_median"], _idle_pct(b["idle"], "idle_fraction"),
-          _idle_pct(b["idle"], "worker_idle_fraction")] for b in batches],
+        [
+            "batch",
+            "ctx",
+            "ms/step",
+            "overlapped ms/step",
+            "roofline ms",
+            "ratio",
+            "overlapped ratio",
+            "tok/s",
+            "cycle ms",
+            "idle %",
+            "worker idle %",
+        ],
+        [
+            [
+                b["batch_size"],
+                b["context_len"],
+                b["ms_per_step_median"],
+                b["pipelined_ms_per_step"],
+                b["roofline_ms"],
+                b["ratio_to_roofline"],
+                b["pipelined_ratio_to_roofline"],
+                b["tokens_per_s"],
+                b["cycle_ms_per_step_median"],
+                _idle_pct(b["idle"], "idle_fraction"),
+                _idle_pct(b["idle"], "worker_idle_fraction"),
+            ]
+            for b in batches
+        ],
     )
     record = report.make_record("latency", settings["model_name"], settings, hardware_info(), figures)
     report.write_record(record, args.out)

@@ -13,6 +13,7 @@ import math
 import shlex
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,6 +47,7 @@ class BatchResult:
     batch: int
     times: list[StepTime] = field(default_factory=list)
     idle: dict[str, Any] | None = None
+    pipelined_ms: float | None = None
 
 
 def server_config(args: Any, model_dir: str) -> ServerConfig:
@@ -55,16 +57,22 @@ def server_config(args: Any, model_dir: str) -> ServerConfig:
     per_req = args.context_len + decode_budget(args) + cfg.page_size
     pages = math.ceil(per_req / cfg.page_size) + 1
     return replace(
-        cfg, model=model_dir, load_format=args.load_format, device=args.device,
+        cfg,
+        model=model_dir,
+        load_format=args.load_format,
+        device=args.device,
         max_running_requests=max(cfg.max_running_requests, biggest),
         max_total_tokens=cfg.max_total_tokens or biggest * pages * cfg.page_size,
+        # one prefill step for the whole batch: chunks would let early rows start decoding
+        max_prefill_tokens=max(cfg.max_prefill_tokens, biggest * args.context_len),
         disable_radix_cache=True,
     )
 
 
 def decode_budget(args: Any) -> int:
-    """Tokens each request must be able to generate: warm-up, timed and profiled steps, plus slack."""
-    return args.warmup + args.steps + (args.idle_steps if args.profile_idle else 0) + 4
+    """Tokens each request must be able to generate: warm-up, timed (serial and overlapped) and
+    profiled steps, plus slack."""
+    return args.warmup + 2 * args.steps + (args.idle_steps if args.profile_idle else 0) + 6
 
 
 class Driver:
@@ -129,6 +137,26 @@ class Driver:
                 bar.update(1)
         return out
 
+    def decode_pipelined(self, n: int, batch: int) -> float:
+        """Wall ms per decode step when each step is launched before the previous one's result
+        is collected: the served worker's loop (procs/worker.py), minus the sockets."""
+        launched: deque = deque()
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0, steps = time.perf_counter(), 0
+        while steps < n:
+            while len(launched) < 2:
+                step = self.core.plan()
+                if step is None or not is_full_decode(step, batch):
+                    raise RuntimeError("the decode batch changed mid-measurement (a request finished early?)")
+                launched.append(self.runner.launch(step))
+            self.core.on_done(self.runner.finish(launched.popleft()))
+            steps += 1
+        while launched:
+            self.core.on_done(self.runner.finish(launched.popleft()))
+            steps += 1
+        return (time.perf_counter() - t0) * 1e3 / steps
+
     def finish(self, rids: list[str]) -> None:
         """Abort the batch and run the Steps that free it, so the next batch starts clean."""
         for rid in rids:
@@ -165,6 +193,7 @@ def measure_batch(drv: Driver, args: Any, batch: int, vocab: int, bar: tqdm) -> 
     bar.set_postfix_str(f"batch {batch}: decode")
     drv.decode_steps(args.warmup - 1, batch, bar)
     res = BatchResult(batch, drv.decode_steps(args.steps, batch, bar))
+    res.pipelined_ms = drv.decode_pipelined(args.steps, batch)
     if profiles_idle(args, drv.runner.device):
         res.idle = idle.profile_idle(drv.runner.device, lambda n: _sched_s(drv, n, batch, bar), args.idle_steps)
     elif args.profile_idle:
@@ -206,6 +235,8 @@ def summarize(res: BatchResult, context_len: int, weights: int, kv_per_token: in
         "roofline_ms": roof_ms,
         "ratio_to_roofline": ms / roof_ms,
         "tokens_per_s": res.batch / (ms / 1e3),
+        "pipelined_ms_per_step": res.pipelined_ms,
+        "pipelined_ratio_to_roofline": res.pipelined_ms / roof_ms if res.pipelined_ms else None,
         "idle": res.idle,
     }
 
@@ -221,8 +252,10 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
     bw = roofline.copy_bandwidth(runner.device, copy_bytes)
     need = args.context_len + decode_budget(args)
     if need > runner.max_context:
-        raise SystemExit(f"bench: context {args.context_len} + {decode_budget(args)} decode tokens exceeds the "
-                         f"engine's max context {runner.max_context}")
+        raise SystemExit(
+            f"bench: context {args.context_len} + {decode_budget(args)} decode tokens exceeds the "
+            f"engine's max context {runner.max_context}"
+        )
     drv = Driver(eng)
     per_step = args.warmup + args.steps + (args.idle_steps if profiles_idle(args, runner.device) else 0)
     with tqdm(total=per_step * len(args.batch_sizes), desc="latency", unit="step") as bar:
