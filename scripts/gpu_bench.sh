@@ -35,4 +35,5 @@ for what in "$@"; do case $what in
             run latency-$m 150 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --profile-idle --out "$OUT/latency-$m-h200.json"; done ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
+  probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done
