@@ -7,6 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD FLASHINFER_NO_DOWNLOAD=1 PYTHONUNBUFFERED=1 STRATA_PYTHON=python3
 A=/tmp/site/flashinfer/data/aot; mkdir -p $A; [ -f .whl/fi_aot.tgz ] && tar xzf .whl/fi_aot.tgz -C $A
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the device tree has no .git: pass STRATA_GIT_COMMIT=<commit> in the command to record it
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 run() {  # name, timeout, command...
   local name=$1 t=$2; shift 2

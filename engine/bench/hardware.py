@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.env import env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -78,14 +80,15 @@ class HardwareProbe:
 
 
 def git_commit() -> str | None:
-    """`git rev-parse HEAD` of the repository, or None outside a git checkout."""
+    """`git rev-parse HEAD` of the repository; outside a checkout (the GPU machine gets a copy
+    of the tree without .git) STRATA_GIT_COMMIT, set by whoever copied the tree; else None."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        return env().git_commit
+    return out.stdout.strip() or env().git_commit
 
 
 if __name__ == "__main__":
