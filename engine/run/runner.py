@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 import torch
 
@@ -238,19 +239,9 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _sample_params(op: AddReq) -> SampleParams:
-    s = op.sampling
-    return SampleParams(
-        seed=s.seed,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=max(s.top_k, 0),
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs,
-    )
+    """The wire's sampling fields are SampleParams' fields; top_k -1 (off) is 0 here."""
+    fields = msgspec.structs.asdict(op.sampling)
+    return SampleParams(**{**fields, "top_k": max(op.sampling.top_k, 0)})
 
 
 def _to_host(res: SampleResult) -> SampleResult:

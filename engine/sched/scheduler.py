@@ -367,19 +367,9 @@ class SchedulerCore:
 
 
 def _worker_sampling(req: Req) -> WorkerSampling:
+    """The request's sampling fields, with the seed the scheduler settled on."""
     p = req.params
-    return WorkerSampling(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty,
-        frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty,
-        seed=req.seed,
-        logprobs=p.logprobs,
-        top_logprobs=p.top_logprobs,
-    )
+    return WorkerSampling(**{f: getattr(p, f) for f in WorkerSampling.__struct_fields__ if f != "seed"}, seed=req.seed)
 
 
 def _top_rows(done: StepDone) -> list[list[tuple[int, float]]] | None:
