@@ -18,6 +18,7 @@ _HELP = {
     "max_prefill_tokens": "token budget per step; longer prompts are prefilled in chunks",
     "attention_backend": "auto | torch | flashinfer",
     "context_length": "max prompt + output tokens (0: the model's own)",
+    "kv_cache_dtype": "auto (the model dtype) | fp8_e4m3: KV stored in 8-bit floats, half the bytes",
 }
 
 

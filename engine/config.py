@@ -23,6 +23,7 @@ class ServerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (= --dtype) | fp8_e4m3 (half the KV bytes; lossy)
     tp_size: int = 1
     page_size: int = 16
     max_total_tokens: int = 0  # KV pool capacity in tokens; 0 = size from free memory
@@ -41,6 +42,7 @@ class ServerConfig:
             (self.load_format in ("auto", "safetensors", "dummy"), f"bad --load-format {self.load_format}"),
             (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
+            (self.kv_cache_dtype in ("auto", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype}"),
             (0 < self.port < 65536 and 0 < self.sdk_port < 65536, "ports must be in 1..65535"),
             (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page size: power of 2"),
             (self.max_total_tokens >= 0, "--max-total-tokens must be >= 0"),

@@ -35,6 +35,16 @@ for what in "$@"; do case $what in
   latency) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m 150 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --profile-idle --out "$OUT/latency-$m-h200.json"; done ;;
+  check8) run gpu-check-fp8 200 python3 scripts/gpu_check.py --skip logits transformers --kv-cache-dtype fp8_e4m3 \
+            --json "$OUT/gpu_check-fp8kv-h200.json"; grep -E "PASS|FAIL|checks passed" "$OUT/gpu-check-fp8.log" | tail -12 ;;
+  llama8) run offline-llama-3.1-8b-fp8kv 200 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+          --num-requests 256 --input-len 1000 --output-len 1000 \
+          --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --log-dir $OUT/logs-llama8" \
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-h200.json"; grep -h '"gpu idle"' $OUT/logs-llama8/worker-0.log | tail -2 ;;
+  llama8x) run offline-llama-3.1-8b-fp8kv-512 200 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+          --num-requests 512 --input-len 1000 --output-len 1000 \
+          --server-args "--max-running-requests 512 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3" \
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-512req-h200.json" ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done

@@ -214,11 +214,15 @@ def compare_tokens(label: str, ref_eng, prompts, want, got, tie_tol: float) -> N
     report(label, ok, detail)
 
 
+KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype: the greedy checks' KV pool
+
+
 def engine_cfg(path: Path, backend: str, graphs: bool, dtype: str = "bfloat16", load: str = "dummy"):  # noqa: ANN201
     from engine.config import ServerConfig
 
     return ServerConfig(
         model=str(path), load_format=load, device="cuda", dtype=dtype, attention_backend=backend,
+        kv_cache_dtype=KV_CACHE_DTYPE if dtype != "float32" else "auto",
         disable_cuda_graph=not graphs, max_total_tokens=16384, page_size=16, max_prefill_tokens=64,
         max_running_requests=16,
     )
@@ -310,7 +314,10 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=0.03, help="logits: max |diff| <= tol * max(|ref logit|, 1)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["logits", "greedy", "transformers"])
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pool of the greedy checks (auto | fp8_e4m3)")
     args = ap.parse_args()
+    global KV_CACHE_DTYPE
+    KV_CACHE_DTYPE = args.kv_cache_dtype
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 2

@@ -40,8 +40,12 @@ class AttentionBackend(ABC):
     # whether engine/run/cuda_graph.py can capture this backend's decode (see FlashInferAttention)
     supports_cuda_graph: bool = False
 
-    def bind(self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int) -> None:
-        """Learn the model's attention geometry once (default: nothing to do)."""
+    def bind(
+        self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
+        q_dtype: torch.dtype | None = None,
+    ) -> None:
+        """Learn the model's attention geometry once (default: nothing to do). q_dtype is the
+        activations' dtype when the KV pool stores another (an 8-bit KV cache)."""
         return None
 
     @abstractmethod
@@ -137,18 +141,17 @@ class TorchAttention(AttentionBackend):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         kv_pool.store(layer_id, batch.out_slots, k, v)
-        k_all, v_all = kv_pool.k[layer_id], kv_pool.v[layer_id]
         out = torch.empty_like(q)
         if self._decode is not None:
             g = self._decode
-            kg = k_all[g.slots].to(q.dtype).transpose(1, 2)  # [b, Hkv, Lk, D]
-            vg = v_all[g.slots].to(q.dtype).transpose(1, 2)
+            kg, vg = kv_pool.gather(layer_id, g.slots, q.dtype)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [b, Hkv, Lk, D]
             o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), kg, vg, attn_mask=g.mask, enable_gqa=True)
             out[g.rows] = o.squeeze(2)
         for e in self._extends:
             qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
-            ke = k_all[e.slots].to(q.dtype).transpose(0, 1)  # [Hkv, Lk, D]
-            ve = v_all[e.slots].to(q.dtype).transpose(0, 1)
+            ke, ve = kv_pool.gather(layer_id, e.slots, q.dtype)
+            ke, ve = ke.transpose(0, 1), ve.transpose(0, 1)  # [Hkv, Lk, D]
             o = F.scaled_dot_product_attention(
                 qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None, enable_gqa=True
             )

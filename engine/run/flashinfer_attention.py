@@ -119,7 +119,10 @@ class FlashInferAttention(AttentionBackend):
 
     # ---- geometry (once) ----
 
-    def bind(self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int) -> None:
+    def bind(
+        self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
+        q_dtype: torch.dtype | None = None,
+    ) -> None:
         if num_q_heads % kv_pool.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {kv_pool.num_kv_heads} KV heads")
         self.num_q_heads = num_q_heads
@@ -127,6 +130,7 @@ class FlashInferAttention(AttentionBackend):
         self.head_dim = kv_pool.head_dim
         self.page_size = kv_pool.page_size
         self.dtype = kv_pool.dtype
+        self.q_dtype = q_dtype or kv_pool.dtype
         self.kv_pool = kv_pool
         self._kv = [kv_pool.page_view(layer) for layer in range(kv_pool.num_layers)]
         self.max_batch = max_batch
@@ -139,7 +143,7 @@ class FlashInferAttention(AttentionBackend):
         self._bound = True
 
     def _plan_kwargs(self) -> dict:
-        return dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        return dict(q_data_type=self.q_dtype, kv_data_type=self.dtype)
 
     def _plan(self, wrapper, *args, **kwargs) -> None:  # noqa: ANN001
         wrapper._pin_memory_int_workspace_buffer = self._staging.take()

@@ -42,6 +42,10 @@ class KVPool:
         # since 0 * NaN in a masked softmax would still poison the output.
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # 8-bit float KV is written and gathered through uint8 views of the same memory
+        self._bytes = dtype.itemsize == 1 and dtype.is_floating_point
+        self._k_raw = [t.view(torch.uint8) for t in self.k] if self._bytes else self.k
+        self._v_raw = [t.view(torch.uint8) for t in self.v] if self._bytes else self.v
 
     @property
     def num_slots(self) -> int:
@@ -49,8 +53,19 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ([T, num_kv_heads, head_dim]) into `slots` (int64 [T]) of `layer`."""
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        self._k_raw[layer].index_copy_(0, slots, self._raw(k))
+        self._v_raw[layer].index_copy_(0, slots, self._raw(v))
+
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        return x.view(torch.uint8) if self._bytes else x
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any shape of int64 indices) of `layer`, converted to `dtype`."""
+        k, v = self._k_raw[layer][slots], self._v_raw[layer][slots]
+        if self._bytes:
+            k, v = k.view(self.dtype), v.view(self.dtype)
+        return k.to(dtype), v.to(dtype)
 
     def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` as [num_pages, page_size, num_kv_heads, head_dim] views (no copy)."""

@@ -72,13 +72,13 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     return activations + logits + workspace + graphs + (256 << 20)  # + CUDA context growth, cuBLAS
 
 
-def plan_pool(cfg: ServerConfig, mcfg, dtype: torch.dtype, device: torch.device) -> PoolPlan:  # noqa: ANN001
-    per_token = kv_bytes_per_token(mcfg, dtype)
+def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.device) -> PoolPlan:  # noqa: ANN001
+    per_token = kv_bytes_per_token(mcfg, kv_dtype)
     if cfg.max_total_tokens:
         tokens = cfg.max_total_tokens
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        reserve = runtime_reserve_bytes(cfg, mcfg, dtype)
+        reserve = runtime_reserve_bytes(cfg, mcfg, torch.bfloat16)  # activations are never 8-bit
         budget = int(free * cfg.mem_fraction) - reserve
         if budget < per_token * cfg.page_size * 16:
             raise OutOfMemory(

@@ -48,6 +48,10 @@ class Launched:
     timing: StepEvents | None = None
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float8_e4m3fn if name == "fp8_e4m3" else model_dtype
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -63,7 +67,8 @@ class ModelRunner:
         if self.device.type == "cpu":  # leave a core to the scheduler and tokenizer processes
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self.model, self.mcfg = _load(cfg, self.dtype, self.device)
-        pool = plan_pool(cfg, self.mcfg, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        pool = plan_pool(cfg, self.mcfg, self.kv_dtype, self.device)
         self.page_size = cfg.page_size
         self.num_pages = pool.num_pages
         self.max_context = pool.max_context
@@ -73,7 +78,7 @@ class ModelRunner:
             cfg.page_size,
             self.mcfg.num_kv_heads,
             self.mcfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.backend = create_backend(cfg.attention_backend, self.device)
@@ -82,6 +87,7 @@ class ModelRunner:
             kv_pool=self.kv,
             max_batch=cfg.max_running_requests,
             max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
+            q_dtype=self.dtype,
         )
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         self.replica = ReplicaState()

@@ -144,3 +144,36 @@ def test_same_step_prefix_sharing_is_exact(tiny_llama: Path) -> None:
     got = engine(tiny_llama, max_prefill_tokens=128).generate([prompt] * 3, GREEDY)
     assert [r.cached_tokens for r in got] == [0, 20, 20]
     assert all(r.output_ids == want for r in got)
+
+
+def test_fp8_kv_cache_stays_close(tiny_llama: Path) -> None:
+    """--kv-cache-dtype fp8_e4m3 stores one byte per K/V value; teacher-forced logits read back
+    through it stay close to those of the full-precision pool, and the engine runs with it."""
+    from engine.run.attention import TorchAttention
+    from engine.run.forward import ForwardBatch
+    from engine.run.kv_pool import KVPool
+    from models.registry import load_model
+
+    model, mcfg = load_model(tiny_llama, device="cpu", progress=False)
+    tokens = prompts_for(256, (48,), seed=4)[0]
+    pages = list(range(1, 13))
+
+    def logits(kv_dtype: torch.dtype) -> torch.Tensor:
+        pool = KVPool(mcfg.num_layers, 16, 4, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype, "cpu")
+        backend, out = TorchAttention("cpu"), []
+        steps = [(tokens[:24], 0)] + [([tokens[i]], i) for i in range(24, 48)]  # decodes read the pool
+        for ids, start in steps:
+            batch = ForwardBatch.from_requests([(ids, start, pages)], 4, "cpu")
+            backend.prepare(batch)
+            out.append(model(batch, pool, backend))
+        return torch.cat(out)
+
+    full, fp8 = logits(torch.float32), logits(torch.float8_e4m3fn)
+    rel = ((full - fp8).abs().max() / full.abs().max()).item()
+    cos = torch.nn.functional.cosine_similarity(full, fp8, dim=-1).min().item()
+    print(f"fp8 KV: max rel diff {rel:.4f}, min cosine {cos:.5f}")
+    assert rel < 0.1 and cos > 0.99, (rel, cos)
+    eng8 = engine(tiny_llama, kv_cache_dtype="fp8_e4m3")
+    assert eng8.runner.kv.k[0].dtype == torch.float8_e4m3fn and eng8.runner.kv.k[0].element_size() == 1
+    out = eng8.generate(prompts_for(256, (9, 30), seed=4), GREEDY)
+    assert all(len(r.output_ids) == 32 for r in out) and eng8.core.leak_free()
