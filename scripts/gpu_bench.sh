@@ -45,6 +45,8 @@ for what in "$@"; do case $what in
           --num-requests 512 --input-len 1000 --output-len 1000 \
           --server-args "--max-running-requests 512 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3" \
           --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-512req-h200.json" ;;
+  profile) run profile-llama 150 python3 scripts/profile_decode.py configs/llama-3.1-8b 256 1500
+           grep -A16 "kernels per decode step" "$OUT/profile-llama.log" ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done
