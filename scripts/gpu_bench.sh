@@ -47,8 +47,6 @@ for what in "$@"; do case $what in
           --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-512req-h200.json" ;;
   profile) run profile-llama 150 python3 scripts/profile_decode.py configs/llama-3.1-8b 256 1500
            grep -A16 "kernels per decode step" "$OUT/profile-llama.log" ;;
-  profile8) run profile-llama-fp8 150 python3 scripts/profile_decode.py configs/llama-3.1-8b 256 1500 fp8_e4m3
-           grep -A8 "kernels per decode step" "$OUT/profile-llama-fp8.log" ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done

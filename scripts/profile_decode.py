@@ -1,6 +1,6 @@
 """Which kernels fill a decode step? (device diagnostic, not in CI)
 
-    python3 scripts/profile_decode.py configs/llama-3.1-8b 256 1500 [fp8_e4m3]
+    python3 scripts/profile_decode.py configs/llama-3.1-8b 256 1500
 
 Prefills `batch` random prompts of `ctx` tokens with LocalEngine (CUDA graphs off so the
 profiler sees every kernel), then profiles decode steps and prints the kernels by GPU time.
@@ -55,4 +55,4 @@ def main(model: str, batch: int, ctx: int, steps: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

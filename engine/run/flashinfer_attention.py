@@ -112,7 +112,7 @@ class FlashInferAttention(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=PREFILL_BACKEND
         )
-        self._decode = None  # created in bind(), once the KV dtype is known
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._active = None  # the wrapper planned for the current step
         self._bound = False
         self._graph: dict[int, object] = {}
@@ -131,12 +131,6 @@ class FlashInferAttention(AttentionBackend):
         self.page_size = kv_pool.page_size
         self.dtype = kv_pool.dtype
         self.q_dtype = q_dtype or kv_pool.dtype
-        # 8-bit KV: flashinfer's tensor-core (prefill-kernel) decode dequantizes in its inner
-        # loop and measured no faster than bf16 on an H200; its CUDA-core decode kernel reads fp8
-        self.tensor_core_decode = kv_pool.dtype.itemsize > 1
-        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.tensor_core_decode
-        )
         self.kv_pool = kv_pool
         self._kv = [kv_pool.page_view(layer) for layer in range(kv_pool.num_layers)]
         self.max_batch = max_batch
@@ -201,7 +195,7 @@ class FlashInferAttention(AttentionBackend):
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=self.tensor_core_decode,
+                use_tensor_cores=True,
                 paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
                 paged_kv_indices_buffer=self._g_indices,
                 paged_kv_last_page_len_buffer=self._g_last[:bs],
