@@ -17,6 +17,7 @@ class Env:
     log_level: str  # STRATA_LOG_LEVEL
     log_json: bool | None  # STRATA_LOG_JSON: force JSON (1) or console (0) on stderr
     digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
+    flashinfer_prefill_backend: str  # STRATA_FLASHINFER_PREFILL_BACKEND: fa2 (default) | fa3 | auto
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
 
 
@@ -33,5 +34,6 @@ def env() -> Env:
         log_level=os.environ.get("STRATA_LOG_LEVEL", "info").lower(),
         log_json=_flag("STRATA_LOG_JSON"),
         digest_every=int(os.environ.get("STRATA_DIGEST_EVERY", "64")),
+        flashinfer_prefill_backend=os.environ.get("STRATA_FLASHINFER_PREFILL_BACKEND", "fa2"),
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
     )

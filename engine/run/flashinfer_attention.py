@@ -28,10 +28,9 @@ behind its copy has completed (normally long since).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from engine.env import env
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import PAD_PAGE, KVPool
@@ -39,7 +38,7 @@ from engine.run.kv_pool import PAD_PAGE, KVPool
 WORKSPACE_BYTES = 256 << 20  # float workspace (split-KV partial results), shared by all wrappers
 _INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own int workspace size (its staging must match)
 # fa2 prefill is the very module tensor-core decode uses: one JIT compile serves both.
-PREFILL_BACKEND = os.environ.get("STRATA_FLASHINFER_PREFILL_BACKEND", "fa2")
+PREFILL_BACKEND = env().flashinfer_prefill_backend
 
 
 class _Staging:
