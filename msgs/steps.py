@@ -31,6 +31,7 @@ class AddReq(msgspec.Struct, tag=True, frozen=True):
     rid: str
     sampling: WorkerSampling
     prompt_ids: bytes  # packed int32, for the repetition penalty
+    output_ids: bytes = b""  # packed int32: tokens generated before a retraction (penalty history)
 
 
 class ExtendPages(msgspec.Struct, tag=True, frozen=True):

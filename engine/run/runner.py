@@ -146,7 +146,7 @@ class ModelRunner:
         for op in step.ops:
             self.replica.apply(op)
             if isinstance(op, AddReq):
-                self.sampler.add(op.slot, _sample_params(op), unpack_ids(op.prompt_ids))
+                self.sampler.add(op.slot, _sample_params(op), unpack_ids(op.prompt_ids), unpack_ids(op.output_ids))
             elif isinstance(op, FreeReq):
                 self.sampler.remove(op.slot)
             elif isinstance(op, DigestCheck):

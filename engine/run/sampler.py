@@ -192,8 +192,15 @@ class Sampler:
 
     # ---- request lifecycle (once per request) ----
 
-    def add(self, slot: int, params: SampleParams, prompt_ids: Sequence[int] | Tensor = ()) -> None:
-        """Register a request in a free slot. prompt_ids only matter for repetition_penalty."""
+    def add(
+        self,
+        slot: int,
+        params: SampleParams,
+        prompt_ids: Sequence[int] | Tensor = (),
+        output_ids: Sequence[int] | Tensor = (),
+    ) -> None:
+        """Register a request in a free slot. prompt_ids matter for repetition_penalty only;
+        output_ids (tokens generated before a retraction) seed every penalty's history."""
         self._check_slot(slot)
         if self._params[slot] is not None:
             raise ValueError(f"slot {slot} is already in use")
@@ -202,8 +209,13 @@ class Sampler:
         self._ip[:, slot] = self._upload(self._int_row(params), torch.int64)
         if params.uses_repetition:
             self._init_seen(slot, prompt_ids)
+            if len(output_ids):
+                self._seen[slot].index_fill_(0, self._as_device(output_ids), True)
         if params.uses_freq_presence:
             self._init_counts(slot)
+            if len(output_ids):
+                ids = self._as_device(output_ids)
+                self._counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         self._invalidate()
 
     def remove(self, slot: int) -> None:

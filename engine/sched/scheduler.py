@@ -177,7 +177,9 @@ class SchedulerCore:
             req.slot = heapq.heappop(self.free_slots)
             req.status = Status.RUNNING
             self.running.append(req)
-            ops.append(AddReq(req.slot, req.rid, _worker_sampling(req), pack_ids(req.prompt_ids)))
+            ops.append(
+                AddReq(req.slot, req.rid, _worker_sampling(req), pack_ids(req.prompt_ids), pack_ids(req.output_ids))
+            )
             if req.pages:
                 ops.append(ExtendPages(req.slot, pack_ids(req.pages)))
             budget -= self._chunk(req, rows, ops, budget)

@@ -177,3 +177,17 @@ def test_fp8_kv_cache_stays_close(tiny_llama: Path) -> None:
     assert eng8.runner.kv.k[0].dtype == torch.float8_e4m3fn and eng8.runner.kv.k[0].element_size() == 1
     out = eng8.generate(prompts_for(256, (9, 30), seed=4), GREEDY)
     assert all(len(r.output_ids) == 32 for r in out) and eng8.core.leak_free()
+
+
+def test_retraction_keeps_penalized_seeded_sampling_identical(tiny_llama: Path) -> None:
+    """A retracted request is re-admitted with its generated tokens as penalty history, so
+    seeded sampling with penalties gives the same tokens as a run that never retracts."""
+    prompts = prompts_for(256, (12, 9, 14, 11), seed=3)
+    # negative penalties make the history decisive: earlier tokens are strongly repeated
+    params = SamplingParams(max_new_tokens=32, temperature=0.8, seed=7, frequency_penalty=-1.0,
+                            presence_penalty=-1.0, repetition_penalty=0.8, ignore_eos=True)
+    roomy = engine(tiny_llama).generate(prompts, params)
+    tight = engine(tiny_llama, max_total_tokens=96)
+    got = tight.generate(prompts, params)
+    assert tight.core.retractions > 0
+    assert [r.output_ids for r in got] == [r.output_ids for r in roomy]
