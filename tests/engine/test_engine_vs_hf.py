@@ -122,19 +122,25 @@ def test_seeded_sampling_reproducible_across_batches(tiny_llama: Path) -> None:
 
 
 def test_default_model_matches_transformers(default_model_dir: Path) -> None:
+    """SmolLM2 (the converted GGUF): a batch of chat prompts prefilled in 16-token chunks, then a
+    follow-up turn served from the prefix cache; greedy tokens equal transformers'."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    texts = ["What is the capital of France?", "Write a haiku about the sea.", "2 + 2 ="]
-    rendered = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-        for t in texts
-    ]
-    prompts = [tok.encode(r, add_special_tokens=False) for r in rendered]
-    want = hf_greedy(default_model_dir, prompts, 32)
-    eng = engine(default_model_dir, page_size=16, max_prefill_tokens=64, max_total_tokens=8192)
+
+    def chat(*turns: str) -> list[int]:
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    prompts = [chat("What is the capital of France?"), chat("Write a haiku about the sea."), chat("2 + 2 =")]
+    eng = engine(default_model_dir, page_size=16, max_prefill_tokens=16, max_total_tokens=8192)
     got = eng.generate(prompts, GREEDY)
-    assert [r.output_ids for r in got] == want
+    assert [r.output_ids for r in got] == hf_greedy(default_model_dir, prompts, 32)
+    follow = [chat("What is the capital of France?", "Paris.", "And of Italy?")]
+    again = eng.generate(follow, GREEDY)[0]
+    assert again.cached_tokens >= 16
+    assert again.output_ids == hf_greedy(default_model_dir, follow, 32)[0]
 
 
 def test_same_step_prefix_sharing_is_exact(tiny_llama: Path) -> None:
