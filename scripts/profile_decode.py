@@ -49,9 +49,9 @@ def main(model: str, batch: int, ctx: int, steps: int = 5) -> None:
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / steps / 1e3
     print(f"{model} batch {batch} ctx {ctx}: {total:.2f} ms of kernels per decode step")
-    for e in events[:14]:
+    for e in events[:24]:
         ms = e.self_device_time_total / steps / 1e3
-        print(f"  {ms:7.3f} ms  {100 * ms / total:5.1f}%  x{e.count // steps:<4} {e.key[:110]}")
+        print(f"  {ms:7.3f} ms  {100 * ms / total:5.1f}%  x{e.count // steps:<4} {e.key[:150]}")
 
 
 if __name__ == "__main__":
