@@ -49,7 +49,7 @@ for what in "$@"; do case $what in
            grep -A16 "kernels per decode step" "$OUT/profile-llama.log" ;;
   profile1) for m in qwen3-0.6b llama-3.1-8b; do
              run profile-$m-b1 120 python3 scripts/profile_decode.py configs/$m 1 1024
-             grep -A16 "kernels per decode step" "$OUT/profile-$m-b1.log"; done ;;
+             grep -A26 "kernels per decode step" "$OUT/profile-$m-b1.log"; done ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done
