@@ -121,7 +121,7 @@ def reference(prompt: list[int], seed: int, max_new: int) -> list[int]:
 
 
 def stress(seed: int, *, radix: bool, overlap: bool, num_pages: int, budget: int, ps: int = 4,
-           max_running: int = 6, n_req: int = 40, abort_p: float = 0.08, max_context: int = 96) -> SchedulerCore:
+           max_running: int = 6, n_req: int = 40, abort_p: float = 0.08, max_context: int = 96, tail: int = 20) -> SchedulerCore:
     rng = random.Random(seed)
     core = SchedulerCore(
         SchedConfig(num_pages=num_pages, page_size=ps, max_running=max_running, max_prefill_tokens=budget,
@@ -132,7 +132,7 @@ def stress(seed: int, *, radix: bool, overlap: bool, num_pages: int, budget: int
     todo = []
     for i in range(n_req):
         prompt = list(rng.choice(bases)) if rng.random() < 0.6 else []
-        prompt = (prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, 20))])[: max_context - 1] or [1]
+        prompt = (prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, tail))])[: max_context - 1] or [1]
         todo.append((f"r{i}", prompt, rng.randrange(1, 30), rng.randrange(1 << 40)))
     want = {rid: reference(p, s, min(m, max_context - len(p))) for rid, p, m, s in todo}
     got: dict[str, list[int]] = {rid: [] for rid, *_ in todo}
