@@ -50,6 +50,11 @@ for what in "$@"; do case $what in
   profile1) for m in qwen3-0.6b llama-3.1-8b; do
              run profile-$m-b1 120 python3 scripts/profile_decode.py configs/$m 1 1024
              grep -A26 "kernels per decode step" "$OUT/profile-$m-b1.log"; done ;;
+  quick) run gpu-check-quick 120 python3 scripts/gpu_check.py --skip logits transformers; grep -E "FAIL|checks passed" "$OUT/gpu-check-quick.log" | tail -5
+         for m in qwen3-0.6b llama-3.1-8b; do
+           run latency-$m-b1 100 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 4 8 \
+             --context-len 1024 --steps 50 --out "$OUT/latency-$m-small-h200.json"
+           grep -A6 "batch  ctx" "$OUT/latency-$m-b1.log"; done ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done
