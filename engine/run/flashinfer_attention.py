@@ -39,9 +39,8 @@ WORKSPACE_BYTES = 256 << 20  # float workspace (split-KV partial results), share
 _INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own int workspace size (its staging must match)
 # fa2 prefill is the very module tensor-core decode uses: one JIT compile serves both.
 PREFILL_BACKEND = env().flashinfer_prefill_backend
-# Tiny decode batches use flashinfer's CUDA-core decode kernel: the tensor-core path (the FA2
-# prefill kernel plus a split-KV merge) spent ~10 us per layer on 1 request's KV on an H200.
-CUDA_CORE_DECODE_MAX_BATCH = 4
+# Decode always uses tensor cores: flashinfer's CUDA-core decode kernel measured slower on an
+# H200 for bf16 at batch 1-8 (latency-*-cudacore-decode-small-batch.json) and for fp8 KV.
 
 
 class _Staging:
@@ -197,7 +196,7 @@ class FlashInferAttention(AttentionBackend):
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=bs > CUDA_CORE_DECODE_MAX_BATCH,
+                use_tensor_cores=True,
                 paged_kv_indptr_buffer=self._g_indptr[: bs + 1],
                 paged_kv_indices_buffer=self._g_indices,
                 paged_kv_last_page_len_buffer=self._g_last[:bs],
