@@ -358,13 +358,13 @@ class SchedulerCore:
         return not self.running and not self.waiting and not self.sampled_by_step
 
     def leak_free(self) -> bool:
-        """When idle, every page is either free or held by the prefix cache, unlocked."""
+        """When idle and every FreeReq is published, every page is either free or held by the
+        prefix cache, unlocked, and no slot holds a page table. (Callers check only then.)"""
         tree = self.cache.pages_in_tree()
         return (
             self.cache.locked_pages == 0
             and self.alloc.num_free + len(tree) == self.alloc.capacity
             and not self.replica.page_tables
-            or bool(self.pending_ops)  # FreeReq ops not yet published: check again later
         )
 
 

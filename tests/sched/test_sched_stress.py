@@ -13,6 +13,7 @@ equal a reference computed alone, whatever the batching, retraction or overlap.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 
 import pytest
@@ -21,9 +22,13 @@ from engine.sched.replica import ReplicaState
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.codec import pack_ids, unpack_ids
 from msgs.done import StepDone
+from msgs.done import codec as done_codec
+from msgs.outputs import SchedulerStats
+from msgs.outputs import codec as out_codec
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 from msgs.steps import AddReq, DigestCheck, FreeReq, Step
+from msgs.steps import codec as step_codec
 
 VOCAB = 40
 EOS = 0
@@ -82,7 +87,7 @@ class FakeWorker:
             ids = unpack_ids(f.input_ids)
             assert len(set(slots)) == len(slots), "a slot appears twice in one forward"
             rows, i = [], 0
-            for s, st, n in zip(slots, starts, lens, strict=True):
+            for s, n in zip(slots, lens, strict=True):
                 rows.append([self.last[s] if t == -1 else t for t in ids[i : i + n]])
                 assert -1 not in ids[i : i + n] or n == 1
                 i += n
@@ -120,24 +125,32 @@ def reference(prompt: list[int], seed: int, max_new: int) -> list[int]:
     return out
 
 
-def stress(seed: int, *, radix: bool, overlap: bool, num_pages: int, budget: int, ps: int = 4,
-           max_running: int = 6, n_req: int = 40, abort_p: float = 0.08, max_context: int = 96, tail: int = 20) -> SchedulerCore:
-    rng = random.Random(seed)
-    core = SchedulerCore(
-        SchedConfig(num_pages=num_pages, page_size=ps, max_running=max_running, max_prefill_tokens=budget,
-                    max_context=max_context, eos_token_ids=(EOS,), enable_radix=radix, digest_every=rng.choice([1, 3]))
-    )
-    worker = FakeWorker(ps)
-    bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 24))] for _ in range(3)]
+def make_requests(rng: random.Random, n_req: int, max_context: int, vocab: int, tail: int) -> list[tuple]:
+    """(rid, prompt, max_new, seed): prompts often share one of a few prefixes."""
+    bases = [[rng.randrange(1, vocab) for _ in range(rng.randrange(1, 24))] for _ in range(3)]
     todo = []
     for i in range(n_req):
         prompt = list(rng.choice(bases)) if rng.random() < 0.6 else []
-        prompt = (prompt + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, tail))])[: max_context - 1] or [1]
+        prompt = (prompt + [rng.randrange(1, vocab) for _ in range(rng.randrange(0, tail))])[: max_context - 1] or [1]
         todo.append((f"r{i}", prompt, rng.randrange(1, 30), rng.randrange(1 << 40)))
-    want = {rid: reference(p, s, min(m, max_context - len(p))) for rid, p, m, s in todo}
+    return todo
+
+
+def drive(
+    core: SchedulerCore,
+    worker: object,
+    todo: list[tuple],
+    rng: random.Random,
+    *,
+    overlap: bool,
+    abort_p: float,
+    greedy: bool = False,
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Submit `todo` over time, abort at random moments (also between a plan() and its
+    StepDone), run every Step on `worker` in order, up to two in flight with overlap."""
     got: dict[str, list[int]] = {rid: [] for rid, *_ in todo}
     reason: dict[str, str] = {}
-    todo.reverse()
+    todo = todo[::-1]
     ahead = 2 if overlap else 1
     inflight: deque[Step] = deque()
 
@@ -157,7 +170,7 @@ def stress(seed: int, *, radix: bool, overlap: bool, num_pages: int, budget: int
     for _ in range(20_000):
         while todo and rng.random() < 0.3:
             rid, p, m, s = todo.pop()
-            params = SamplingParams(max_new_tokens=m, seed=s)
+            params = SamplingParams(max_new_tokens=m, seed=s, temperature=0.0 if greedy else 1.0)
             take([core.submit(TokenizedRequest(rid=rid, input_ids=pack_ids(p), params=params))])
         maybe_abort()
         while len(inflight) < ahead and (step := core.plan()) is not None:
@@ -167,26 +180,71 @@ def stress(seed: int, *, radix: bool, overlap: bool, num_pages: int, budget: int
             if not todo and core.idle:
                 break
             continue
-        take(core.on_done(worker.run(inflight.popleft())))
+        take(core.on_done(worker.run(inflight.popleft())))  # type: ignore[attr-defined]
         maybe_abort()
     else:
-        raise AssertionError(f"no progress: running={[r.rid for r in core.running]} "
-                             f"waiting={[r.rid for r in core.waiting]} free={core.alloc.num_free}")
+        raise AssertionError(
+            f"no progress: running={[r.rid for r in core.running]} "
+            f"waiting={[r.rid for r in core.waiting]} free={core.alloc.num_free}"
+        )
     while (step := core.plan()) is not None:  # publish the last FreeReqs
-        take(core.on_done(worker.run(step)))
-    assert core.idle and not core.pending_ops
+        take(core.on_done(worker.run(step)))  # type: ignore[attr-defined]
     assert set(reason) == set(got), f"unfinished: {set(got) - set(reason)}"
+    return got, reason
+
+
+def check_drained(core: SchedulerCore, worker_replica: ReplicaState) -> None:
+    assert core.idle and not core.pending_ops
+    assert core.leak_free()
+    assert core.cache.locked_pages == 0
+    core.cache.check_invariants()
+    assert core.alloc.num_free + len(core.cache.pages_in_tree()) == core.alloc.capacity
+    assert worker_replica.digest() == core.replica.digest()
+    assert not worker_replica.page_tables
+
+
+def check_outputs(want: dict[str, list[int]], got: dict[str, list[int]], reason: dict[str, str], eos: int) -> None:
     for rid, w in want.items():
         if reason[rid] == "abort":
             assert got[rid] == w[: len(got[rid])], rid
         else:
             assert got[rid] == w, (rid, reason[rid])
-            assert reason[rid] == ("stop" if w[-1] == EOS else "length")
-    assert core.leak_free()
-    assert core.cache.locked_pages == 0
-    core.cache.check_invariants()
-    assert worker.replica.digest() == core.replica.digest()
-    assert not worker.replica.page_tables
+            assert reason[rid] == ("stop" if w[-1] == eos else "length")
+
+
+def stress(
+    seed: int,
+    *,
+    radix: bool,
+    overlap: bool,
+    num_pages: int,
+    budget: int,
+    ps: int = 4,
+    max_running: int = 6,
+    n_req: int = 40,
+    abort_p: float = 0.08,
+    max_context: int = 96,
+    tail: int = 20,
+) -> SchedulerCore:
+    rng = random.Random(seed)
+    core = SchedulerCore(
+        SchedConfig(
+            num_pages=num_pages,
+            page_size=ps,
+            max_running=max_running,
+            max_prefill_tokens=budget,
+            max_context=max_context,
+            eos_token_ids=(EOS,),
+            enable_radix=radix,
+            digest_every=rng.choice([1, 3]),
+        )
+    )
+    worker = FakeWorker(ps)
+    todo = make_requests(rng, n_req, max_context, VOCAB, tail)
+    want = {rid: reference(p, s, min(m, max_context - len(p))) for rid, p, m, s in todo}
+    got, reason = drive(core, worker, todo, rng, overlap=overlap, abort_p=abort_p)
+    check_drained(core, worker.replica)
+    check_outputs(want, got, reason, EOS)
     return core
 
 
@@ -202,3 +260,148 @@ def test_stress_tight_pool(seed: int, radix: bool, overlap: bool) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_stress_roomy_pool(seed: int, radix: bool) -> None:
     stress(100 + seed, radix=radix, overlap=True, num_pages=400, budget=32, max_running=8)
+
+
+# ---- the real ModelRunner (tiny random Llama on CPU) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=63,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("stress-llama")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return str(path)
+
+
+class _RunnerWorker:
+    def __init__(self, runner) -> None:  # noqa: ANN001
+        self.runner = runner
+        self.replica = runner.replica
+
+    def run(self, step: Step) -> StepDone:
+        return self.runner.run_step(step)
+
+
+def _engine(model: str, **kw):  # noqa: ANN202
+    from engine.config import ServerConfig
+    from engine.local import LocalEngine
+
+    base = dict(
+        model=model, device="cpu", page_size=4, max_total_tokens=2048, max_prefill_tokens=32, max_running_requests=6
+    )
+    return LocalEngine(ServerConfig(**{**base, **kw}))
+
+
+@pytest.mark.parametrize(("radix", "overlap", "seed"), [(True, True, 0), (False, True, 1), (True, False, 2)])
+def test_stress_local_engine(tiny_model: str, radix: bool, overlap: bool, seed: int) -> None:
+    """Tight pool (retraction), random aborts: completed requests equal a roomy run's greedy
+    tokens; after draining nothing leaks and the runner's replica equals the scheduler's."""
+    rng = random.Random(seed)
+    todo = make_requests(rng, 24, 60, 60, 40)  # prompt + output < 96: no clamp in either engine
+    roomy = _engine(tiny_model)
+    ref = roomy.generate(
+        [p for _, p, _, _ in todo], [SamplingParams(max_new_tokens=m, temperature=0.0) for _, _, m, _ in todo]
+    )
+    want = {rid: r.output_ids for (rid, *_), r in zip(todo, ref, strict=True)}
+    eng = _engine(
+        tiny_model,
+        max_total_tokens=96,
+        max_prefill_tokens=rng.choice([8, 16]),
+        disable_radix_cache=not radix,
+        disable_overlap=not overlap,
+    )
+    got, reason = drive(eng.core, _RunnerWorker(eng.runner), todo, rng, overlap=overlap, abort_p=0.05, greedy=True)
+    check_drained(eng.core, eng.runner.replica)
+    check_outputs(want, got, reason, 63)
+    assert eng.core.retractions > 0
+
+
+# ---- the scheduler loop's idle leak check --------------------------------------------------
+
+
+def _real_loop(tmp_path, tiny_model: str, overlap: bool):  # noqa: ANN001, ANN202
+    """SchedulerLoop on real ipc sockets, with a real ModelRunner answering on the worker's side."""
+    import zmq
+
+    from engine.config import ServerConfig
+    from engine.run.runner import ModelRunner
+    from engine.sched.loop import SchedulerLoop
+
+    cfg = ServerConfig(
+        model=tiny_model,
+        device="cpu",
+        page_size=4,
+        max_total_tokens=128,
+        max_running_requests=4,
+        max_prefill_tokens=16,
+        disable_overlap=not overlap,
+        run_dir=str(tmp_path),
+    )
+    ctx = zmq.Context.instance()
+    tok, step_in, done_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    tok.bind(cfg.ipc("tokenizer"))
+    step_in.bind(cfg.ipc("step-0"))
+    ctl = ctx.socket(zmq.PULL)
+    ctl.bind(cfg.ipc("control"))
+    loop = SchedulerLoop(cfg)
+    done_out.connect(cfg.ipc("done"))
+    runner = ModelRunner(cfg)
+    done_out.send(done_codec.encode(runner.ready_msg()))
+    loop.wait_for_workers()
+    return loop, runner, (tok, step_in, done_out, ctl)
+
+
+def _iteration(loop, runner, socks) -> None:  # noqa: ANN001
+    """One pass of SchedulerLoop.run with the worker answering every step, >= 100 ms after the
+    previous stats (a slow step)."""
+    _, step_in, done_out, _ = socks
+    loop._drain_requests()
+    while len(loop.inflight) < (1 if loop.cfg.disable_overlap else 2) and loop._send_next():
+        pass
+    while step_in.poll(100):
+        done_out.send(done_codec.encode(runner.run_step(step_codec.decode(step_in.recv()))))
+    time.sleep(0.05)  # let the StepDone frames arrive on the loop's socket
+    loop._drain_done()
+    loop._maybe_check_leaks()
+    loop.last_stats = -1.0
+    loop._send_stats()
+
+
+@pytest.mark.parametrize("leak", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_loop_idle_leak_check_is_not_vacuous(tmp_path, tiny_model: str, overlap: bool, leak: bool) -> None:
+    """A page leaked by the time the engine goes idle must show as leak_free=False in the
+    loop's stats: the check must run after the last FreeReq is published, not before."""
+    loop, runner, socks = _real_loop(tmp_path, tiny_model, overlap)
+    try:
+        params = SamplingParams(max_new_tokens=3, seed=1, ignore_eos=True)
+        assert loop.core.submit(TokenizedRequest(rid="a", input_ids=pack_ids([5, 6, 7]), params=params)) is None
+        if leak:
+            loop.core.alloc.alloc(1)  # a page leaked while the request runs
+        for _ in range(8):
+            _iteration(loop, runner, socks)
+        assert loop.core.idle and not loop.inflight and not loop.core.pending_ops
+        assert loop.leak_free is not leak
+        stats = []
+        while socks[0].poll(0):
+            msg = out_codec.decode(socks[0].recv())
+            if isinstance(msg, SchedulerStats):
+                stats.append(msg)
+        assert stats[-1].leak_free is not leak and stats[-1].running == 0
+    finally:
+        for s in (*socks, loop.req_in, loop.done_in, loop.out, loop.control, *loop.steps):
+            s.close(0)
