@@ -88,6 +88,7 @@ class SchedulerLoop:
                 enable_radix=not self.cfg.disable_radix_cache,
                 seed=self.cfg.seed,
                 digest_every=env().digest_every,
+                num_ranks=self.cfg.tp_size,
             )
         )
         log.info("workers ready", num_pages=first.num_pages, max_context=first.max_context)

@@ -35,6 +35,7 @@ class SchedConfig:
     enable_radix: bool = True
     seed: int = 0
     digest_every: int = 64
+    num_ranks: int = 1  # workers replaying the stream; each reports every DigestCheck
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1:
@@ -66,6 +67,7 @@ class SchedulerCore:
         self.seq = 0
         self.sampled_by_step: dict[int, list[Req]] = {}
         self.expected_digest: dict[int, str] = {}
+        self.digest_reports: dict[int, int] = {}  # ranks that reported the digest of a step
         self.pending_ops: list[Op] = []
         self.rng = random.Random(cfg.seed)
         self.arrivals = 0
@@ -300,14 +302,20 @@ class SchedulerCore:
         return outs
 
     def check_digest(self, seq: int, digest: str, rank: int) -> None:
+        """Compare one rank's replica digest for step `seq`; forget the expected value once
+        every rank has reported it."""
         want = self.expected_digest.get(seq)
-        if want is not None and want != digest:
+        if want is None:
+            raise DigestMismatch(f"rank {rank} reported a digest for step {seq}, which asked for none")
+        if want != digest:
             raise DigestMismatch(f"rank {rank} diverged at or before step {seq}: {digest} != {want}")
+        self.digest_reports[seq] = self.digest_reports.get(seq, 0) + 1
+        if self.digest_reports[seq] == self.cfg.num_ranks:
+            del self.expected_digest[seq], self.digest_reports[seq]
 
     def _check_digest(self, done: StepDone) -> None:
         if done.digest is not None:
             self.check_digest(done.seq, done.digest, done.rank)
-            self.expected_digest.pop(done.seq, None)
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params

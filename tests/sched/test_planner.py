@@ -231,3 +231,22 @@ def test_siblings_in_one_step_share_prompt_pages():
     assert [core.reqs[f"p-{i}"].cached_tokens for i in range(3)] == [0, 12, 12]
     tables = list(core.replica.page_tables.values())
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
+
+
+def test_digest_checked_for_every_rank():
+    """The expected digest stays until every rank reported it: a rank that diverges after rank 0
+    reported is still caught."""
+    from dataclasses import replace
+
+    from engine.sched.scheduler import DigestMismatch
+
+    core = make()
+    core.cfg = replace(core.cfg, num_ranks=2)
+    submit(core, "a", [1, 2, 3])
+    step = core.plan()
+    want = core.expected_digest[step.seq]
+    core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([1]), digest=want))
+    with pytest.raises(DigestMismatch, match="rank 1"):
+        core.check_digest(step.seq, "0" * 64, rank=1)
+    core.check_digest(step.seq, want, rank=1)
+    assert step.seq not in core.expected_digest
