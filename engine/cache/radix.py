@@ -133,17 +133,25 @@ class RadixCache:
                 break
         return path, i
 
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest page-aligned cached prefix of `tokens`. Marks every matched node as
-        accessed now and counts a hit on it. Lock `result.node` before the next call that
-        may evict, or its pages can be freed under you."""
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
+        """Longest page-aligned cached prefix of `tokens`. With `touch`, marks every matched
+        node as accessed now and counts a hit on it (else call `touch(node)` once the match is
+        used). Lock `result.node` before the next call that may evict, or its pages can be
+        freed under you."""
         path, n = self._walk(self._aligned(tokens))
         pages: list[int] = []
         for node in path:
-            node.last_access = self.clock
-            node.hits += 1
+            if touch:
+                node.last_access = self.clock
+                node.hits += 1
             pages.extend(node.pages)
         return MatchResult(pages, path[-1] if path else self.root, n)
+
+    def touch(self, node: RadixNode) -> None:
+        """Count a hit, now, on `node` and every node above it (a match that was used)."""
+        for n in self._path_up(node):
+            n.last_access = self.clock
+            n.hits += 1
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
         """`insert_node` without the node."""

@@ -164,7 +164,9 @@ class SchedulerCore:
                 break
             ids = req.all_ids
             if self.cfg.enable_radix:
-                match = self.cache.match_prefix(ids[: len(ids) - 1])
+                # no hit counted until the request is admitted: a blocked head of the queue
+                # re-matches every step and must not promote its prefix to the protected tier
+                match = self.cache.match_prefix(ids[: len(ids) - 1], touch=False)
                 self.cache.lock(match.node)
                 req.node, req.pages, req.kv_len = match.node, list(match.pages), match.num_tokens
             first = min(len(ids) - req.kv_len, budget)
@@ -173,6 +175,8 @@ class SchedulerCore:
                 self._release_kv(req)
                 break
             self.waiting.popleft()
+            if req.node is not None:
+                self.cache.touch(req.node)
             if not req.admitted_once:
                 req.admitted_once, req.cached_tokens = True, req.kv_len
                 self.cache_hit_tokens += req.kv_len

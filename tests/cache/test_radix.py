@@ -360,3 +360,18 @@ def test_randomized_ops_keep_invariants_and_are_deterministic(seed: int, page_si
     trace = _simulate(seed, page_size)
     assert trace == _simulate(seed, page_size)
     assert len(set(trace)) > 10
+
+
+def test_untouched_match_counts_no_hit_until_touch() -> None:
+    """A match that is not used (a blocked admission) leaves recency and hits alone; touch()
+    counts the hit on the whole path once it is used."""
+    cache = make()
+    put(cache, list(range(2 * PS)))
+    cache.tick()
+    first = cache.match_prefix(list(range(2 * PS)), touch=False)
+    assert first.num_tokens == 2 * PS and first.node.hits == 0 and first.node.last_access == 0
+    for _ in range(3):
+        cache.match_prefix(list(range(2 * PS)), touch=False)
+    assert first.node.hits == 0
+    cache.touch(first.node)
+    assert first.node.hits == 1 and first.node.last_access == cache.clock
