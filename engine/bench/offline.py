@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from engine.bench import report
 from engine.bench.workload import BenchRequest
 
 OFFLINE_TIMEOUT_S = 3600.0
@@ -86,21 +87,9 @@ def run(backend: str, address: str, reqs: list[BenchRequest]) -> tuple[list[Outc
 def figures(outcomes: list[Outcome], duration: float) -> dict[str, Any]:
     """Throughput figures over the successful requests."""
     ok = [o for o in outcomes if o.error is None]
-    inp = sum(o.prompt_tokens for o in ok)
-    out = sum(o.output_tokens for o in ok)
     errors = sorted({o.error for o in outcomes if o.error})
     return {
-        "num_requests": len(outcomes),
-        "completed": len(ok),
-        "failed": len(outcomes) - len(ok),
-        "output_len_mismatch": sum(1 for o in ok if o.output_tokens != o.requested),
-        "duration_s": duration,
-        "total_input_tokens": inp,
-        "total_output_tokens": out,
-        "request_throughput": len(ok) / duration,
-        "input_throughput": inp / duration,
-        "output_throughput": out / duration,
-        "total_token_throughput": (inp + out) / duration,
+        **report.throughput(len(outcomes), ok, duration),
         "mean_latency_s": sum(o.latency_s for o in ok) / len(ok) if ok else None,
         "errors": errors[:10],
     }

@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from engine.bench import report
 from engine.bench.report import summary
 from engine.bench.workload import BenchRequest
 
@@ -199,21 +200,10 @@ def warnings(traces: list[Trace], backend: str) -> list[str]:
 def figures(traces: list[Trace], duration: float, backend: str = "generate") -> dict[str, Any]:
     """Throughput plus TTFT / TPOT / ITL / E2E statistics in milliseconds."""
     ok = [t for t in traces if t.error is None and t.ttft_s is not None]
-    inp = sum(t.prompt_tokens for t in ok)
     out = sum(t.output_tokens for t in ok)
     tpot = [(t.latency_s - t.ttft_s) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
     return {
-        "num_requests": len(traces),
-        "completed": len(ok),
-        "failed": len(traces) - len(ok),
-        "output_len_mismatch": sum(1 for t in ok if t.output_tokens != t.requested),
-        "duration_s": duration,
-        "total_input_tokens": inp,
-        "total_output_tokens": out,
-        "request_throughput": len(ok) / duration,
-        "input_throughput": inp / duration,
-        "output_throughput": out / duration,
-        "total_token_throughput": (inp + out) / duration,
+        **report.throughput(len(traces), ok, duration),
         "mean_tokens_per_chunk": out / max(1, sum(t.chunks for t in ok)),
         "ttft_ms": summary([t.ttft_s for t in ok], 1e3),
         "tpot_ms": summary(tpot, 1e3),

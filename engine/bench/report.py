@@ -121,3 +121,23 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def throughput(num_requests: int, ok: Sequence[Any], duration: float) -> dict[str, Any]:
+    """Request and token throughput over the successful requests `ok` (each with prompt_tokens,
+    output_tokens and requested), shared by the offline and online modes."""
+    inp = sum(o.prompt_tokens for o in ok)
+    out = sum(o.output_tokens for o in ok)
+    return {
+        "num_requests": num_requests,
+        "completed": len(ok),
+        "failed": num_requests - len(ok),
+        "output_len_mismatch": sum(1 for o in ok if o.output_tokens != o.requested),
+        "duration_s": duration,
+        "total_input_tokens": inp,
+        "total_output_tokens": out,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": inp / duration,
+        "output_throughput": out / duration,
+        "total_token_throughput": (inp + out) / duration,
+    }
