@@ -96,16 +96,4 @@ def figures(outcomes: list[Outcome], duration: float) -> dict[str, Any]:
 
 
 def table_rows(f: dict[str, Any]) -> list[tuple[str, Any]]:
-    return [
-        ("Successful requests", f["completed"]),
-        ("Failed requests", f["failed"]),
-        ("Output length mismatches", f["output_len_mismatch"]),
-        ("Benchmark duration (s)", f["duration_s"]),
-        ("Total input tokens", f["total_input_tokens"]),
-        ("Total output tokens", f["total_output_tokens"]),
-        ("Request throughput (req/s)", f["request_throughput"]),
-        ("Input token throughput (tok/s)", f["input_throughput"]),
-        ("Output token throughput (tok/s)", f["output_throughput"]),
-        ("Total token throughput (tok/s)", f["total_token_throughput"]),
-        ("Mean request latency (s)", f["mean_latency_s"]),
-    ]
+    return [*report.throughput_rows(f), ("Mean request latency (s)", f["mean_latency_s"])]

@@ -215,17 +215,7 @@ def figures(traces: list[Trace], duration: float, backend: str = "generate") -> 
 
 
 def table_rows(f: dict[str, Any]) -> list[tuple[str, Any]]:
-    rows: list[tuple[str, Any]] = [
-        ("Successful requests", f["completed"]),
-        ("Failed requests", f["failed"]),
-        ("Benchmark duration (s)", f["duration_s"]),
-        ("Total input tokens", f["total_input_tokens"]),
-        ("Total output tokens", f["total_output_tokens"]),
-        ("Request throughput (req/s)", f["request_throughput"]),
-        ("Input token throughput (tok/s)", f["input_throughput"]),
-        ("Output token throughput (tok/s)", f["output_throughput"]),
-        ("Total token throughput (tok/s)", f["total_token_throughput"]),
-    ]
+    rows: list[tuple[str, Any]] = report.throughput_rows(f)
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_latency_ms", "E2E")):
         stats = f[key]
         rows += [(f"{stat.capitalize()} {label} (ms)", stats[stat]) for stat in ("mean", "median", "p90", "p99")]

@@ -141,3 +141,19 @@ def throughput(num_requests: int, ok: Sequence[Any], duration: float) -> dict[st
         "output_throughput": out / duration,
         "total_token_throughput": (inp + out) / duration,
     }
+
+
+def throughput_rows(f: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The table rows of `throughput()`'s figures."""
+    return [
+        ("Successful requests", f["completed"]),
+        ("Failed requests", f["failed"]),
+        ("Output length mismatches", f["output_len_mismatch"]),
+        ("Benchmark duration (s)", f["duration_s"]),
+        ("Total input tokens", f["total_input_tokens"]),
+        ("Total output tokens", f["total_output_tokens"]),
+        ("Request throughput (req/s)", f["request_throughput"]),
+        ("Input token throughput (tok/s)", f["input_throughput"]),
+        ("Output token throughput (tok/s)", f["output_throughput"]),
+        ("Total token throughput (tok/s)", f["total_token_throughput"]),
+    ]

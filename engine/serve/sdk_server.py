@@ -13,7 +13,7 @@ import asyncio
 import structlog
 
 from engine.serve.errors import ApiError
-from engine.serve.generate import Delta, Generation, GenerationFailed, collect
+from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect
 from engine.serve.native import prepare
 from engine.serve.state import ServeState
 from engine.serve.validate import SubRequest, check_rid
@@ -93,20 +93,11 @@ class SdkServer:
 
     async def _whole(self, ident: bytes, rid: str, gen: Generation) -> None:
         (c,) = await collect(gen)
-        chunk = GenerateChunk(
-            rid=rid,
-            text=c.text,
-            token_ids=c.token_ids,
-            finish_reason=c.finish_reason,
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.completion_tokens,
-            cached_tokens=c.cached_tokens,
-            logprobs=c.logprobs,
-        )
-        await self._send(ident, chunk)
+        await self._send(ident, _chunk(rid, c))
 
 
-def _chunk(rid: str, d: Delta) -> GenerateChunk:
+def _chunk(rid: str, d: Delta | Choice) -> GenerateChunk:
+    """A streamed delta, or the whole result (a Choice) as one chunk."""
     return GenerateChunk(
         rid=rid,
         text=d.text,
