@@ -19,6 +19,8 @@ class Env:
     digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
     flashinfer_prefill_backend: str  # STRATA_FLASHINFER_PREFILL_BACKEND: fa2 (default) | fa3 | auto
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
+    decode_kernel: str  # STRATA_DECODE_KERNEL: auto (XQA where it measured faster) | fa2 | xqa
+    fused_prologue: bool  # STRATA_FUSED_PROLOGUE: one triton kernel for q/k norm + RoPE + KV store (1)
 
 
 def _flag(name: str) -> bool | None:
@@ -36,4 +38,6 @@ def env() -> Env:
         digest_every=int(os.environ.get("STRATA_DIGEST_EVERY", "64")),
         flashinfer_prefill_backend=os.environ.get("STRATA_FLASHINFER_PREFILL_BACKEND", "fa2"),
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
+        decode_kernel=os.environ.get("STRATA_DECODE_KERNEL", "auto").lower(),
+        fused_prologue=_flag("STRATA_FUSED_PROLOGUE") is not False,
     )

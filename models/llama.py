@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.run import ops
+from engine.run import ops, triton_ops
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
@@ -101,7 +101,18 @@ class Attention(nn.Module):
         rotary: ops.Rotary,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if rope[0] == "fused" and rope[3]:  # one kernel: q/k norm, RoPE, K/V into the pool
+            qn, kn = self.q_norm, self.k_norm
+            q = triton_ops.qk_norm_rope_store(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope[1], rope[2], batch.out_slots,
+                kv.k[self.layer_id], kv.v[self.layer_id],
+                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                qn.eps if qn is not None else 0.0,
+            )
+            o = backend.attend(q, self.layer_id, batch, kv)
+            return self.o_proj(o.reshape(t, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)

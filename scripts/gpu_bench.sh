@@ -55,6 +55,16 @@ for what in "$@"; do case $what in
            run latency-$m-b1 100 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 4 8 \
              --context-len 1024 --steps 50 --out "$OUT/latency-$m-small-h200.json"
            grep -A6 "batch  ctx" "$OUT/latency-$m-b1.log"; done ;;
+  latency8) for m in qwen3-0.6b llama-3.1-8b; do
+            run latency-$m-fp8kv 150 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
+              --context-len 1024 --steps 50 --server-args "--kv-cache-dtype fp8_e4m3" \
+              --out "$OUT/latency-$m-fp8kv-h200.json"; done ;;
+  latencyfa2) for m in qwen3-0.6b llama-3.1-8b; do
+            STRATA_DECODE_KERNEL=fa2 run latency-$m-fa2 150 bin/bench latency --model configs/$m --load-format dummy \
+              --batch-sizes 1 --context-len 1024 --steps 50 --out "$OUT/latency-$m-fa2-decode-h200.json"; done ;;
+  checkfa2) STRATA_DECODE_KERNEL=fa2 run gpu-check-fa2 200 python3 scripts/gpu_check.py --skip transformers \
+            --json "$OUT/gpu_check-fa2-decode-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-fa2.log" | tail -5 ;;
+  attn) run attn-probe 300 python3 scripts/attn_probe.py --json "$OUT/attn_probe-h200.json"; grep -v -i warn "$OUT/attn-probe.log" | tail -20 ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
 esac; done

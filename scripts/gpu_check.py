@@ -41,6 +41,21 @@ RESULTS: list[dict] = []
 T0 = time.perf_counter()
 
 
+class unfused:  # noqa: N801 - a context manager used like a function
+    """The torch reference runs every op unfused: no flashinfer norm/rope/activation kernels and
+    no triton q/k-norm + RoPE + KV-store prologue, so the fused kernels are checked too."""
+
+    def __enter__(self) -> None:
+        from engine.run import ops
+
+        ops.set_fused(False)
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        from engine.run import ops
+
+        ops.set_fused(True)
+
+
 def report(name: str, ok: bool, detail: str) -> None:
     RESULTS.append({"check": name, "ok": bool(ok), "detail": detail})
     print(f"[{time.perf_counter() - T0:7.1f}s] {'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
@@ -159,7 +174,11 @@ def check_logits(name: str, path: Path, tol_rel: float) -> float:
         for k, be in backends.items():
             batch = ForwardBatch.from_requests(reqs, ps, dev)
             be.prepare(batch)
-            out[k] = model(batch, pools[k], be)
+            if k == "torch":
+                with unfused():
+                    out[k] = model(batch, pools[k], be)
+            else:
+                out[k] = model(batch, pools[k], be)
         ref, got = out["torch"], out["flashinfer"]
         diff = (got - ref).abs().max().item()
         scale = ref.abs().max().item()
@@ -188,7 +207,8 @@ def seq_logits(model, mcfg, tokens: list[int]) -> torch.Tensor:  # noqa: ANN001
     be = TorchAttention(dev)
     batch = ForwardBatch.from_requests([(tokens, 0, list(range(1, n + 1)))], ps, dev)
     be.prepare(batch)
-    return model(batch, pool, be)[0]
+    with unfused():
+        return model(batch, pool, be)[0]
 
 
 def compare_tokens(label: str, ref_eng, prompts, want, got, tie_tol: float) -> None:  # noqa: ANN001
@@ -239,6 +259,9 @@ def check_greedy(name: str, path: Path, tie_tol: float) -> None:
     prompts = [torch.randint(3, vocab - 3, (n,), generator=g).tolist() for n in lens]
     # second round: extends cached prompts (prefix cache hits), 3 requests (graph padded 3 -> 4)
     prompts2 = [prompts[3][:64] + prompts[1], prompts[5] + [7, 8, 9], prompts[2][:32] + prompts[0]]
+    from engine.env import env
+
+    print(f"  decode kernel {env().decode_kernel}, fused prologue {env().fused_prologue}", flush=True)
     runs = {}
     engines = {}
     for label, backend, graphs in (("torch", "torch", False), ("flashinfer", "flashinfer", False),
@@ -246,8 +269,11 @@ def check_greedy(name: str, path: Path, tie_tol: float) -> None:
         t = time.perf_counter()
         eng = LocalEngine(engine_cfg(path, backend, graphs))
         t_init = time.perf_counter() - t
-        r1 = eng.generate(prompts, greedy)
-        r2 = eng.generate(prompts2, greedy)
+        if backend == "torch":
+            with unfused():
+                r1, r2 = eng.generate(prompts, greedy), eng.generate(prompts2, greedy)
+        else:
+            r1, r2 = eng.generate(prompts, greedy), eng.generate(prompts2, greedy)
         cached = [r.cached_tokens for r in r2]
         replays = getattr(eng.runner.graphs, "replays", None)
         print(f"  {name} {label}: init {t_init:.1f}s, run {time.perf_counter() - t - t_init:.1f}s, "

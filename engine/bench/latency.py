@@ -247,7 +247,7 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
     eng = LocalEngine(cfg)
     runner = eng.runner
     weights = roofline.weight_bytes(runner.model, runner.mcfg.tie_word_embeddings)
-    kv_per_token = kv_bytes_per_token(runner.mcfg, runner.dtype)
+    kv_per_token = kv_bytes_per_token(runner.mcfg, runner.kv_dtype)
     copy_bytes = roofline.copy_size(runner.device, args.bandwidth_gib)
     bw = roofline.copy_bandwidth(runner.device, copy_bytes)
     need = args.context_len + decode_budget(args)

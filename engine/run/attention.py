@@ -29,12 +29,13 @@ class AttentionBackend(ABC):
       pool, the largest batch); backends that plan kernels size their buffers there.
     - `prepare(batch)` is called once per step, before the model's forward, and may
       precompute per-step state (index tensors, kernel plans) shared by all layers.
-    - `forward(q, k, v, layer_id, batch, kv_pool)` with q [T, Hq, D], k and v [T, Hkv, D]
-      (T = batch.num_tokens, Hq a multiple of Hkv) first stores k, v at batch.out_slots
-      of layer `layer_id`, then returns out [T, Hq, D] (q's dtype): for each new token at
-      position p of request i, softmax(q K^T / sqrt(D)) V over that request's KV
-      positions 0..p (cached prefix plus this step's tokens), read through
-      batch.page_table[i].
+    - `attend(q, layer_id, batch, kv_pool)` with q [T, Hq, D] (T = batch.num_tokens, Hq a
+      multiple of Hkv), called after this step's K/V of layer `layer_id` are in the pool at
+      batch.out_slots, returns out [T, Hq, D] (q's dtype): for each new token at position p
+      of request i, softmax(q K^T / sqrt(D)) V over that request's KV positions 0..p
+      (cached prefix plus this step's tokens), read through batch.page_table[i].
+    - `forward(q, k, v, ...)` (k, v [T, Hkv, D]) stores k, v first, then attends. Models
+      whose prologue writes K/V itself (engine/run/triton_ops.py) call `attend` directly.
     """
 
     # whether engine/run/cuda_graph.py can capture this backend's decode (see FlashInferAttention)
@@ -52,6 +53,8 @@ class AttentionBackend(ABC):
     def prepare(self, batch: ForwardBatch) -> None: ...
 
     @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor: ...
+
     def forward(
         self,
         q: torch.Tensor,
@@ -60,7 +63,9 @@ class AttentionBackend(ABC):
         layer_id: int,
         batch: ForwardBatch,
         kv_pool: KVPool,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        kv_pool.store(layer_id, batch.out_slots, k, v)
+        return self.attend(q, layer_id, batch, kv_pool)
 
 
 @dataclass
@@ -131,16 +136,7 @@ class TorchAttention(AttentionBackend):
             mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
         return _ExtendReq(row_start=row_start, row_end=row_start + n, slots=slots, mask=mask)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatch,
-        kv_pool: KVPool,
-    ) -> torch.Tensor:
-        kv_pool.store(layer_id, batch.out_slots, k, v)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         out = torch.empty_like(q)
         if self._decode is not None:
             g = self._decode

@@ -86,6 +86,27 @@ def decode_metadata(
     return out_slots, indptr, indices, last
 
 
+def decode_table(
+    starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For a decode batch as in decode_metadata: (out_slots int64 [B], seq_lens int32 [B],
+    page table int32 [B, W]) with W the most pages any request needs, rows padded with the
+    padding page (the dense form XQA reads). Raises ValueError like decode_metadata."""
+    st = np.asarray(starts, dtype=np.int64)
+    seq = st + 1
+    npages = ((seq + (page_size - 1)) // page_size).tolist()
+    width = max(npages)
+    table = np.zeros((len(npages), width), dtype=np.int32)
+    for i, (t, n) in enumerate(zip(tables, npages, strict=True)):
+        row = t[:n]
+        if len(row) < n or PAD_PAGE in row:
+            raise ValueError(f"request {i}: page table {list(row)} cannot hold {int(seq[i])} tokens "
+                             f"off the padding page")
+        table[i, :n] = row
+    last_page = table[np.arange(len(npages)), np.asarray(npages) - 1].astype(np.int64)
+    return last_page * page_size + st % page_size, seq.astype(np.int32), table
+
+
 class _Pinned:
     """Two pinned host staging sets used alternately; one is refilled only after the copies
     that read it (recorded by an event) are done. At most two steps are ever in flight."""
@@ -127,7 +148,7 @@ class CudaGraphRunner:
         self.positions, self.out_slots, self.slots = self.meta[1], self.meta[2], self.meta[3]
         self.rows = torch.arange(n, dtype=torch.int64, device=self.device)
         self._pinned: _Pinned | None = None
-        self._dev_indices: torch.Tensor | None = None
+        self._dev_i32: torch.Tensor | None = None  # device twin of the pinned int32 staging
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._batches: dict[int, ForwardBatch] = {}
@@ -199,35 +220,48 @@ class CudaGraphRunner:
         if bs is None:
             raise ValueError(f"decode batch {b} exceeds the largest captured size {self.max_batch}")
         ps = self.kv.page_size
-        out_slots, indptr, indices, last = decode_metadata(starts, tables, ps)
         if self._pinned is None:
             self._pinned = _Pinned(self.max_batch, self.backend._g_indices.numel())
+            self._dev_i32 = torch.zeros_like(self._pinned.i32[0], device=self.device)
         h64, h32 = self._pinned.take()
+        xqa = self.backend.uses_xqa(bs)
+        if xqa:
+            out_slots, seq, table = decode_table(starts, tables, ps)
+        else:
+            out_slots, indptr, indices, last = decode_metadata(starts, tables, ps)
         m = h64.numpy()
         m[0, :b], m[1, :b], m[2, :b], m[3, :b] = ids, starts, out_slots, slots
         m[:, b:bs] = 0  # padding rows: token 0 at position 0, written into the padding page
         m[2, b:bs] = PAD_PAGE * ps
-        nnz, pad = int(indptr[-1]), bs - b
+        self.meta.copy_(h64, non_blocking=True)
         n = self.max_batch
         a = h32.numpy()
-        a[: b + 1] = indptr
-        a[b + 1 : bs + 1] = nnz + np.arange(1, pad + 1, dtype=np.int32)
-        a[n + 1 : n + 1 + b] = last
-        a[n + 1 + b : n + 1 + bs] = 1
-        off = 2 * n + 1
-        a[off : off + nnz] = indices
-        a[off + nnz : off + nnz + pad] = PAD_PAGE
-        self.meta.copy_(h64, non_blocking=True)
-        if self._dev_indices is None:
-            self._dev_indices = torch.zeros_like(self.backend._g_indices)
-        g_indices = self._dev_indices[: nnz + pad]  # the plan copies them into the wrapper's buffer
-        g_indices.copy_(h32[off : off + nnz + pad], non_blocking=True)
+        if xqa:  # [0, bs): KV lengths; [n, n + bs*w): the dense page table
+            w = table.shape[1]
+            a[:b], a[b:bs] = seq, 1
+            t = a[n : n + bs * w].reshape(bs, w)
+            t[:b], t[b:] = table, PAD_PAGE
+            dev = self._dev_i32[: n + bs * w]
+            dev.copy_(h32[: n + bs * w], non_blocking=True)
+            self.backend.set_graph_table(bs, dev[:bs], dev[n:].view(bs, w))
+        else:  # [0, bs+1): kv_indptr; [n+1, n+1+bs): last page lengths; [2n+1, ...): page indices
+            nnz, pad = int(indptr[-1]), bs - b
+            a[: b + 1] = indptr
+            a[b + 1 : bs + 1] = nnz + np.arange(1, pad + 1, dtype=np.int32)
+            a[n + 1 : n + 1 + b] = last
+            a[n + 1 + b : n + 1 + bs] = 1
+            off = 2 * n + 1
+            a[off : off + nnz] = indices
+            a[off + nnz : off + nnz + pad] = PAD_PAGE
+            g_indices = self._dev_i32[off : off + nnz + pad]  # the plan copies them into the wrapper's buffer
+            g_indices.copy_(h32[off : off + nnz + pad], non_blocking=True)
         if min(ids) < 0:
             raw = self.meta[0, :bs]
             torch.where(raw < 0, last_token[self.meta[3, :bs]], raw, out=self.input_ids[:bs])
         else:
             self.input_ids[:bs].copy_(self.meta[0, :bs])
-        self.backend.plan_graph_arrays(bs, h32[: bs + 1], h32[n + 1 : n + 1 + bs], g_indices)
+        if not xqa:
+            self.backend.plan_graph_arrays(bs, h32[: bs + 1], h32[n + 1 : n + 1 + bs], g_indices)
         self._pinned.release()
         self.graphs[bs].replay()
         self.replays += 1

@@ -13,7 +13,15 @@ and calls `plan()` once on the wrapper that fits the batch:
   decodes): BatchPrefillWithPagedKVCacheWrapper, causal (bottom-right aligned, so a chunk
   attends to its whole prefix), ragged queries through qo_indptr.
 
-`forward` per layer only writes the new K/V into their slots and runs the planned kernel.
+`attend` per layer runs the planned kernel (the K/V are already in their slots).
+
+Decode batches may instead run flashinfer's XQA kernel (TensorRT-LLM's decode attention;
+on SM90 with an fp8 KV cache its GMMA kernel reads fp8 at ~3.8 TB/s where the tensor-core
+decode above stays at the bf16 step time). XQA needs no plan: it reads the dense page
+table [B, W] and the KV lengths on the device, splits long sequences across CTAs and
+merges them in the same launch. `use_xqa` decides per batch size, from measurements on an
+H200 (scripts/attn_probe.py, bench/results/attn_probe-h200.json): with bf16 KV it is faster
+up to batch 32 and slower at 256; with fp8 KV faster everywhere.
 
 CUDA graphs (engine/run/cuda_graph.py): `graph_wrapper(bs)` builds a decode wrapper with
 use_cuda_graph=True over fixed buffers (indptr [bs+1], last_page_len [bs], and one shared
@@ -41,6 +49,34 @@ _INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own int workspace size (its stagi
 PREFILL_BACKEND = env().flashinfer_prefill_backend
 # Decode always uses tensor cores: flashinfer's CUDA-core decode kernel measured slower on an
 # H200 for bf16 at batch 1-8 (latency-*-cudacore-decode-small-batch.json) and for fp8 KV.
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+XQA_MAX_BF16_BATCH = 32  # bf16 KV: XQA wins at batch 1 (0.27 vs 0.35 ms / 32 layers), ties at 32
+_XQA_SEMAPHORE_BYTES = 8 << 20
+_XQA_SCRATCH_BYTES = 56 << 20
+
+
+def xqa_supported(capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                  head_dim: int, page_size: int) -> bool:
+    """Whether flashinfer's XQA decode kernel takes this geometry (SM90/100/120, half
+    queries, KV of the query dtype or fp8 e4m3, head_dim a multiple of 16 up to 256)."""
+    return (
+        capability[0] in (9, 10, 12)
+        and q_dtype in (torch.float16, torch.bfloat16)
+        and kv_dtype in (q_dtype, torch.float8_e4m3fn)
+        and head_dim % 16 == 0
+        and 16 <= head_dim <= 256
+        and page_size in XQA_PAGE_SIZES
+    )
+
+
+def use_xqa(mode: str, supported: bool, kv_dtype: torch.dtype, batch: int) -> bool:
+    """Decode kernel choice for a decode batch: mode "fa2" never, "xqa" whenever supported,
+    "auto" when supported and measured faster (fp8 KV always, bf16 up to XQA_MAX_BF16_BATCH)."""
+    if mode not in ("auto", "fa2", "xqa"):
+        raise ValueError(f"STRATA_DECODE_KERNEL must be auto, fa2 or xqa, got {mode!r}")
+    if mode == "fa2" or not supported:
+        return False
+    return mode == "xqa" or kv_dtype.itemsize == 1 or batch <= XQA_MAX_BF16_BATCH
 
 
 class _Staging:
@@ -115,6 +151,7 @@ class FlashInferAttention(AttentionBackend):
         )
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._active = None  # the wrapper planned for the current step
+        self._xqa_args: tuple[torch.Tensor, torch.Tensor] | None = None  # (table, seq_lens) when XQA runs
         self._bound = False
         self._graph: dict[int, object] = {}
 
@@ -141,7 +178,30 @@ class FlashInferAttention(AttentionBackend):
         self._g_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         self._g_last = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=self.device)
+        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
+        self._xqa_ok = xqa_supported(cap, self.q_dtype, self.dtype, self.head_dim, self.page_size)
+        self._xqa_mode = env().decode_kernel
+        use_xqa(self._xqa_mode, self._xqa_ok, self.dtype, 1)  # validates the mode once
+        if self._xqa_ok and self._xqa_mode != "fa2":
+            from flashinfer.xqa import xqa
+
+            self._init_xqa(xqa)
         self._bound = True
+
+    def _init_xqa(self, xqa_fn) -> None:  # noqa: ANN001 - flashinfer.xqa.xqa or a stand-in
+        self._xqa_fn = xqa_fn
+        self._sm_count = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        )
+        # semaphores must start at zero (the kernel leaves them so): never shared with FA2
+        self._xqa_ws = torch.zeros(_XQA_SEMAPHORE_BYTES + _XQA_SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
+        # CUDA-graph inputs: dense page-table rows and KV lengths (padding rows: page 0, 1 token)
+        self._g_table = torch.zeros(self.max_batch, self.max_pages_per_req, dtype=torch.int32, device=self.device)
+        self._g_seq = torch.ones(self.max_batch, dtype=torch.int32, device=self.device)
+
+    def uses_xqa(self, batch_size: int) -> bool:
+        """Whether a decode batch of this (padded) size runs the XQA kernel."""
+        return use_xqa(self._xqa_mode, self._xqa_ok, self.dtype, batch_size)
 
     def _plan_kwargs(self) -> dict:
         return dict(q_data_type=self.q_dtype, kv_data_type=self.dtype)
@@ -158,6 +218,10 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("FlashInferAttention.bind() must be called before prepare()")
         if batch.page_table_cpu is None:
             raise ValueError("flashinfer attention needs ForwardBatch.page_table_cpu (build the batch with build())")
+        self._xqa_args = None
+        if batch.is_decode and self.uses_xqa(batch.batch_size):
+            self._xqa_args = (batch.page_table, batch.seq_lens)
+            return
         indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
         hq, hkv, d, ps = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
         if batch.is_decode:
@@ -171,17 +235,25 @@ class FlashInferAttention(AttentionBackend):
             )
             self._active = self._prefill
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatch,
-        kv_pool: KVPool,
-    ) -> torch.Tensor:
-        kv_pool.store(layer_id, batch.out_slots, k, v)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        if self._xqa_args is not None:
+            return self._xqa(q, layer_id, *self._xqa_args)
         return self._active.run(q, self._kv[layer_id])
+
+    def _xqa(self, q: torch.Tensor, layer_id: int, table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """XQA decode: q [B, Hq, D] over the pages in table [B, W] (int32; W * page_size is the
+        kernel's max length) and seq_lens int32 [B]. Scales 1.0: the kernel applies 1/sqrt(D)."""
+        b = q.shape[0]
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        k, v = self._kv[layer_id]
+        ws = self._xqa_ws
+        self._xqa_fn(
+            q.view(b, 1, self.num_q_heads, self.head_dim), k, v, table, seq_lens.view(b, 1),
+            out.view(b, 1, self.num_q_heads, self.head_dim), ws[_XQA_SEMAPHORE_BYTES:], ws[:_XQA_SEMAPHORE_BYTES],
+            self.num_kv_heads, self.page_size, kv_layout="NHD", sm_count=self._sm_count,
+        )
+        return out
 
     # ---- CUDA graphs (decode) ----
 
@@ -190,6 +262,12 @@ class FlashInferAttention(AttentionBackend):
         with dummy rows (all on the padding page) and made active, ready for capture."""
         if bs > self.max_batch:
             raise ValueError(f"graph batch {bs} exceeds max_batch {self.max_batch}")
+        if self.uses_xqa(bs):  # no wrapper: the graph reads the static table and lengths
+            self._g_table[:bs].zero_()
+            self._g_seq[:bs].fill_(1)
+            self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])
+            return None
+        self._xqa_args = None
         w = self._graph.get(bs)
         if w is None:
             w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -213,6 +291,14 @@ class FlashInferAttention(AttentionBackend):
     def plan_graph(self, bs: int, batch: ForwardBatch) -> None:
         """Plan the captured wrapper of size `bs` for this decode batch (rows past
         batch.batch_size are padding: one token on the padding page)."""
+        if self.uses_xqa(bs):
+            b, w = batch.batch_size, batch.page_table.shape[1]
+            self._g_table[:b, :w].copy_(batch.page_table)
+            self._g_table[b:bs].zero_()
+            self._g_seq[:b].copy_(batch.seq_lens)
+            self._g_seq[b:bs].fill_(1)
+            self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])
+            return
         indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
         indptr, indices, last = pad_metadata(indptr, indices, last, bs - batch.batch_size)
         # indices go to the device first: the wrapper copies a host tensor with a blocking copy
@@ -225,3 +311,11 @@ class FlashInferAttention(AttentionBackend):
         self._plan(w, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.page_size, **self._plan_kwargs())
         self._active = w
+        self._xqa_args = None
+
+    def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
+        """Point the XQA graph of size `bs` at this step: seq_lens int32 [bs] and table int32
+        [bs, w] (w <= max_pages_per_req), both on the device, padding rows included."""
+        self._g_seq[:bs].copy_(seq_lens)
+        self._g_table[:bs, : table.shape[1]].copy_(table)
+        self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])

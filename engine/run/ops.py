@@ -17,6 +17,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine.env import env
+from engine.run import triton_ops
+
 _HALF = (torch.float16, torch.bfloat16)
 _enabled = True
 _fi: ModuleType | None | bool = False  # False: not tried yet; None: unavailable
@@ -140,23 +143,27 @@ class Rotary:
         return self._cache
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """Per-forward state for `apply`: ("fused", positions, cos_sin_cache, prologue) on the
+        fused path, where `prologue` says whether layers may use the one-kernel q/k-norm +
+        RoPE + KV-store prologue (triton_ops); ("torch", cos, sin) otherwise."""
         probe = torch.empty(0, dtype=dtype, device=positions.device)
         if fused_ok(probe):
-            return ("fused", positions, self.cos_sin_cache(positions.device))
+            prologue = env().fused_prologue and triton_ops.supported(self.head_dim, probe)
+            return ("fused", positions, self.cos_sin_cache(positions.device), prologue)
         return ("torch", *rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype))
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, state: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D]; the fused path works in place (last dim
         contiguous views are fine) and returns the same tensors."""
         if state[0] == "fused" and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype in _HALF:
-            _, positions, cache = state
+            positions, cache = state[1], state[2]
             t = q.shape[0]
             flashinfer_module().rope.apply_rope_with_cos_sin_cache_inplace(
                 positions, q.view(t, -1), k.view(t, -1), self.head_dim, cache, is_neox=True
             )
             return q, k
         if state[0] == "fused":  # a layout the kernel cannot take: exact torch math instead
-            _, positions, _cache = state
+            positions = state[1]
             cos, sin = rope_cos_sin(positions, self._inv_freq_on(positions.device), q.dtype)
         else:
             _, cos, sin = state

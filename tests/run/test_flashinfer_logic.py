@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.run.attention import TorchAttention
-from engine.run.flashinfer_attention import FlashInferAttention
+from engine.run.cuda_graph import decode_table
+from engine.run.flashinfer_attention import FlashInferAttention, use_xqa, xqa_supported
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
 
@@ -77,7 +78,7 @@ def make_backend(pool: KVPool, hq: int, max_batch: int = 8) -> FlashInferAttenti
     be.workspace = torch.empty(0)
     be._staging = NoStaging()
     be._prefill, be._decode = RefWrapper(None), RefWrapper(None, use_tensor_cores=True)
-    be._active, be._bound, be._graph = None, False, {}
+    be._active, be._bound, be._graph, be._xqa_args = None, False, {}, None
     be.bind(num_q_heads=hq, kv_pool=pool, max_batch=max_batch, max_pages_per_req=16)
     return be
 
@@ -140,3 +141,89 @@ def test_graph_plan_pads_rows_onto_the_padding_page() -> None:
     got = w.run(q, pools[1].page_view(0))
     torch.testing.assert_close(got[:2], ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(got).all()
+
+
+def ref_xqa(q, k_cache, v_cache, table, seq_lens, out, scratch, semaphores, num_kv_heads, page_size,  # noqa: ANN001
+            **kwargs) -> None:  # noqa: ANN003
+    """Torch stand-in for flashinfer.xqa.xqa (NHD, q/out [B, 1, Hq, D], seq_lens [B, 1])."""
+    assert table.dtype == torch.int32 and seq_lens.shape == (q.shape[0], 1) and table.is_contiguous()
+    assert semaphores.numel() > 0 and scratch.numel() > 0
+    for i in range(q.shape[0]):
+        n = int(seq_lens[i, 0])
+        pages = table[i, : -(-n // page_size)].long()
+        k = k_cache[pages].flatten(0, 1)[:n].transpose(0, 1)
+        v = v_cache[pages].flatten(0, 1)[:n].transpose(0, 1)
+        out[i, 0] = F.scaled_dot_product_attention(q[i, 0][:, None], k, v, enable_gqa=True)[:, 0]
+
+
+def xqa_backend(pool: KVPool, hq: int) -> FlashInferAttention:
+    be = make_backend(pool, hq)
+    be._xqa_ok, be._xqa_mode = True, "xqa"
+    be._init_xqa(ref_xqa)
+    return be
+
+
+def test_xqa_decode_eager_and_graph_match_torch() -> None:
+    hq, hkv, d, ps = 4, 2, 16, 4
+    pools = [KVPool(1, 32, ps, hkv, d, torch.float32, "cpu") for _ in range(2)]
+    fi = xqa_backend(pools[1], hq)
+    gen = torch.Generator().manual_seed(2)
+    run_step([([1] * 6, 0, [3, 5]), ([2] * 3, 0, [7])], pools, [TorchAttention("cpu"), fi], hq, hkv, d, ps, gen)
+    assert fi._xqa_args is None  # prefill plans the FA2 prefill wrapper
+    # eager decode: XQA over the batch's own page table
+    batch, (ref, got) = run_step([([3], 6, [3, 5]), ([4], 3, [7])], pools, [TorchAttention("cpu"), fi],
+                                 hq, hkv, d, ps, gen)
+    assert fi._xqa_args is not None and fi._xqa_args[0] is batch.page_table
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # graph decode of padded size 4: capture-time padding, then this step's table
+    assert fi.graph_wrapper(4) is None and fi._g_seq[:4].tolist() == [1, 1, 1, 1]
+    starts, tables = [7, 4], [[3, 5], [7, 9]]
+    batch = ForwardBatch.from_requests([([5], 7, tables[0]), ([6], 4, tables[1])], ps, "cpu")
+    q = torch.randn(4, hq, d, generator=gen)
+    k, v = torch.randn(4, hkv, d, generator=gen), torch.randn(4, hkv, d, generator=gen)
+    ref_be = TorchAttention("cpu")
+    ref_be.prepare(batch)
+    ref = ref_be.forward(q[:2], k[:2], v[:2], 0, batch, pools[0])
+    pools[1].store(0, batch.out_slots, k[:2], v[:2])
+    out_slots, seq, table = decode_table(starts, tables, ps)
+    assert out_slots.tolist() == batch.out_slots.tolist()
+    pad_seq = torch.tensor([*seq.tolist(), 1, 1], dtype=torch.int32)
+    pad_table = torch.zeros(4, table.shape[1], dtype=torch.int32)
+    pad_table[:2] = torch.from_numpy(table)
+    fi.set_graph_table(4, pad_seq, pad_table)
+    got = fi.attend(q, 0, batch, pools[1])
+    torch.testing.assert_close(got[:2], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+    # the ForwardBatch form of the same step (CudaGraphRunner.replay)
+    fi._g_table.fill_(-1)  # stale rows must not matter past each row's pages
+    fi.plan_graph(4, batch)
+    assert fi._g_seq[:4].tolist() == [8, 5, 1, 1] and fi._g_table[2:4, 0].tolist() == [0, 0]
+    torch.testing.assert_close(fi.attend(q, 0, batch, pools[1])[:2], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_table_matches_forward_batch() -> None:
+    rng = random.Random(5)
+    ps = 4
+    starts = [rng.randrange(0, 40) for _ in range(6)]
+    tables = [rng.sample(range(1, 500), s // ps + 1 + rng.randrange(0, 3)) for s in starts]
+    batch = ForwardBatch.build([1] * 6, starts, [1] * 6, tables, [1] * 6, ps, "cpu")
+    out_slots, seq, table = decode_table(starts, tables, ps)
+    assert out_slots.tolist() == batch.out_slots.tolist()
+    assert seq.tolist() == batch.seq_lens_cpu
+    assert table.tolist() == batch.page_table_cpu.tolist()
+
+
+def test_xqa_choice() -> None:
+    bf, f8 = torch.bfloat16, torch.float8_e4m3fn
+    assert xqa_supported((9, 0), bf, bf, 128, 16) and xqa_supported((9, 0), bf, f8, 128, 16)
+    assert not xqa_supported((8, 0), bf, bf, 128, 16)  # Ampere: FA2 only
+    assert not xqa_supported((9, 0), bf, bf, 128, 8)  # page size XQA does not build
+    assert not xqa_supported((9, 0), torch.float32, torch.float32, 128, 16)
+    assert not xqa_supported((9, 0), bf, bf, 72, 16)
+    assert use_xqa("auto", True, bf, 1) and use_xqa("auto", True, bf, 32) and not use_xqa("auto", True, bf, 64)
+    assert use_xqa("auto", True, f8, 256) and use_xqa("xqa", True, bf, 256)
+    assert not use_xqa("fa2", True, f8, 1) and not use_xqa("xqa", False, f8, 1)
+    import pytest
+
+    with pytest.raises(ValueError, match="STRATA_DECODE_KERNEL"):
+        use_xqa("fast", True, bf, 1)

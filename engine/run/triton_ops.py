@@ -1,0 +1,142 @@
+"""Triton kernels for the decoder's attention prologue (CUDA only; triton is imported lazily).
+
+`qk_norm_rope_store` replaces, per layer, up to five small kernels (q RMSNorm, k RMSNorm,
+RoPE over q and k, the K store and the V store) with one launch: each program takes one
+token's row of the fused QKV projection, normalizes and rotates its q and k heads in
+float32, writes q to a contiguous [T, Hq, D] tensor and k, v straight into their KV-pool
+slot (cast to the pool's dtype, so an fp8 pool is quantized here). At batch 1 these
+kernels are latency-bound, so the count matters more than their bytes.
+
+Rounding follows the unfused path: the normalized q/k is rounded to the activation dtype
+before RoPE, and k to the activation dtype before the pool's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def available() -> bool:
+    """Whether triton imports (CUDA builds of torch ship it; CPU installs do not)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "use the unfused path"
+        return False
+    return True
+
+
+def supported(head_dim: int, q: torch.Tensor) -> bool:
+    """Whether the fused kernel handles this geometry and tensor (CUDA, half precision,
+    power-of-two head_dim so a head splits into two aranges)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+        and available()
+    )
+
+
+@functools.cache
+def _kernel():  # noqa: ANN202 - a triton JITFunction
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def qk_norm_rope_store_kernel(
+        qkv, qkv_stride, q_out, positions, slots, cos_sin, cs_stride,
+        q_w, k_w, eps, k_cache, v_cache,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        half: tl.constexpr = D // 2
+        act = q_out.dtype.element_ty
+        pos = tl.load(positions + t)
+        slot = tl.load(slots + t)
+        d = tl.arange(0, half)
+        cos = tl.load(cos_sin + pos * cs_stride + d)[None, :]
+        sin = tl.load(cos_sin + pos * cs_stride + half + d)[None, :]
+        row = qkv + t * qkv_stride
+
+        # q heads: norm, rotate, store contiguous
+        hq = tl.arange(0, HQ_P2)[:, None]
+        mq = hq < HQ
+        q1 = tl.load(row + hq * D + d[None, :], mask=mq, other=0.0).to(tl.float32)
+        q2 = tl.load(row + hq * D + half + d[None, :], mask=mq, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)[:, None]
+            q1 = (q1 * r * tl.load(q_w + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
+            q2 = (q2 * r * tl.load(q_w + half + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
+        qo = q_out + t * (HQ * D) + hq * D + d[None, :]
+        tl.store(qo, (q1 * cos - q2 * sin).to(act), mask=mq)
+        tl.store(qo + half, (q2 * cos + q1 * sin).to(act), mask=mq)
+
+        # k heads: norm, rotate, store into the pool slot
+        hk = tl.arange(0, HKV_P2)[:, None]
+        mk = hk < HKV
+        kb = row + HQ * D + hk * D + d[None, :]
+        k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
+        k2 = tl.load(kb + half, mask=mk, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + eps)[:, None]
+            k1 = (k1 * r * tl.load(k_w + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
+            k2 = (k2 * r * tl.load(k_w + half + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
+        cache_t = k_cache.dtype.element_ty
+        ko = k_cache + slot * (HKV * D) + hk * D + d[None, :]
+        tl.store(ko, (k1 * cos - k2 * sin).to(act).to(cache_t), mask=mk)
+        tl.store(ko + half, (k2 * cos + k1 * sin).to(act).to(cache_t), mask=mk)
+
+        # v heads: copy into the pool slot
+        vb = row + (HQ + HKV) * D + hk * D + d[None, :]
+        vo = v_cache + slot * (HKV * D) + hk * D + d[None, :]
+        tl.store(vo, tl.load(vb, mask=mk, other=0.0).to(cache_t), mask=mk)
+        tl.store(vo + half, tl.load(vb + half, mask=mk, other=0.0).to(cache_t), mask=mk)
+
+    return qk_norm_rope_store_kernel
+
+
+def _p2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """From qkv [T, (Hq + 2 Hkv) * D] (row stride free, last dim contiguous): optional per-head
+    RMSNorm of q and k (both weights or neither), neox RoPE at `positions` (int64 [T]) from
+    `cos_sin_cache` (float32 [max_pos, D]: cos | sin halves), K and V written to
+    `out_slots` (int64 [T]) of k_cache/v_cache ([slots, Hkv, D], any dtype). Returns q
+    [T, Hq, D], contiguous, in qkv's dtype."""
+    t = qkv.shape[0]
+    if qkv.stride(-1) != 1 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not a contiguous-row [T, (Hq+2Hkv)*D] projection")
+    norm = q_norm_weight is not None
+    if norm != (k_norm_weight is not None):
+        raise ValueError("pass both q and k norm weights or neither")
+    q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    _kernel()[(t,)](
+        qkv, qkv.stride(0), q, positions, out_slots, cos_sin_cache, cos_sin_cache.stride(0),
+        q_norm_weight if norm else qkv, k_norm_weight if norm else qkv, eps, k_cache, v_cache,
+        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim,
+        HQ_P2=_p2(num_q_heads), HKV_P2=_p2(num_kv_heads), NORM=norm,
+        num_warps=4 if num_q_heads * head_dim >= 2048 else 2,
+    )
+    return q
