@@ -96,7 +96,6 @@ def probe_attention(name: str, hq: int, hkv: int, batch: int, ctx: int, layers: 
 
 def _attention_case(name, hq, hkv, batch, ctx, layers, kv_dtype, q, seq, ws, xws, results) -> None:  # noqa: ANN001
     import flashinfer
-    from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
     d = 128
     kv, table = make_kv(layers, batch, ctx, hkv, d, kv_dtype)
@@ -118,24 +117,35 @@ def _attention_case(name, hq, hkv, batch, ctx, layers, kv_dtype, q, seq, ws, xws
     w.plan(indptr.cpu(), indices, last.cpu(), hq, hkv, d, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
     err_fa = (w.run(q, kv[0])[:4].float() - ref).abs().max().item()
     t_fa = graph_ms(lambda: [w.run(q, kv[i]) for i in range(layers)])
+    from flashinfer.xqa import get_xqa_module
+
+    op = get_xqa_module(torch.bfloat16, kv_dtype, PS, d, hq // hkv, False, torch.bfloat16, 1).xqa
+    sm = torch.cuda.get_device_properties(DEV).multi_processor_count
     out = torch.empty_like(q)
+    variants = [("xqa", False, True), ("xqa_nopdl", False, False)]
+    if kv_dtype.itemsize == 1:
+        variants.append(("xqa_fp8gmma", True, True))
 
-    def xqa(i: int) -> torch.Tensor:
-        return xqa_batch_decode_with_kv_cache(
-            q, kv[i], xws, table, seq, table.shape[1] * PS, bmm1_scale=1 / math.sqrt(d), out=out, kv_layout="NHD",
-        )
+    def xqa(i: int, gmma: bool, pdl: bool) -> torch.Tensor:
+        op(gmma, sm, hkv, 0, 1.0, out.view(batch, 1, hq, d), 1.0, q.view(batch, 1, hq, d), None, kv[i][0], kv[i][1],
+           None, None, table, table.shape[1] * PS, seq.view(batch, 1), batch, 1.0, xws[: 8 << 20], xws[8 << 20 :],
+           pdl, 1, None)
+        return out
 
-    try:
-        err_x = (xqa(0)[:4].float() - ref).abs().max().item()
-        t_x = graph_ms(lambda: [xqa(i) for i in range(layers)])
-    except Exception as e:  # noqa: BLE001
-        print(f"xqa {name} {kv_dtype} failed: {e!r}"[:600])
-        err_x, t_x = float("nan"), float("nan")
+    for label, gmma, pdl in variants:
+        try:
+            err = (xqa(0, gmma, pdl)[:4].float() - ref).abs().max().item()
+            t = graph_ms(lambda g=gmma, p=pdl: [xqa(i, g, p) for i in range(layers)])
+        except Exception as e:  # noqa: BLE001
+            print(f"{label} {name} {kv_dtype} failed: {e!r}"[:600])
+            err, t = float("nan"), float("nan")
+        row[f"{label}_ms"], row[f"{label}_err"] = t, err
     gb = kv_bytes / 1e9
-    row.update(fa2_tc_ms=t_fa, fa2_tc_err=err_fa, xqa_ms=t_x, xqa_err=err_x, kv_gb=gb)
+    row.update(fa2_tc_ms=t_fa, fa2_tc_err=err_fa, kv_gb=gb)
     results.append(row)
+    xs = " | ".join(f"{lb} {row[lb + '_ms']:7.3f} ms (err {row[lb + '_err']:.3g})" for lb, _, _ in variants)
     print(f"{name:8s} b={batch:3d} ctx={ctx:5d} {str(kv_dtype):20s} KV {gb:6.3f} GB | "
-          f"fa2-tc {t_fa:7.3f} ms (err {err_fa:.3g}) | xqa {t_x:7.3f} ms (err {err_x:.3g})", flush=True)
+          f"fa2-tc {t_fa:7.3f} ms (err {err_fa:.3g}) | {xs}", flush=True)
 
 
 def probe_prologue(name: str, hq: int, hkv: int, norm: bool, batch: int, layers: int, results: list) -> None:

@@ -81,7 +81,10 @@ class HardwareProbe:
 
 def git_commit() -> str | None:
     """`git rev-parse HEAD` of the repository; outside a checkout (the GPU machine gets a copy
-    of the tree without .git) STRATA_GIT_COMMIT, set by whoever copied the tree; else None."""
+    of the tree without .git) STRATA_GIT_COMMIT, set by whoever copied the tree; else None.
+    STRATA_GIT_COMMIT wins when set: a copied tree may carry a stale .git."""
+    if env().git_commit:
+        return env().git_commit
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True

@@ -183,13 +183,24 @@ class FlashInferAttention(AttentionBackend):
         self._xqa_mode = env().decode_kernel
         use_xqa(self._xqa_mode, self._xqa_ok, self.dtype, 1)  # validates the mode once
         if self._xqa_ok and self._xqa_mode != "fa2":
-            from flashinfer.xqa import xqa
+            from flashinfer.xqa import get_xqa_module
 
-            self._init_xqa(xqa)
+            group = self.num_q_heads // self.num_kv_heads
+            module = get_xqa_module(self.q_dtype, self.dtype, self.page_size, self.head_dim, group, False,
+                                    self.q_dtype, 1)
+            self._init_xqa(module.xqa)
         self._bound = True
 
-    def _init_xqa(self, xqa_fn) -> None:  # noqa: ANN001 - flashinfer.xqa.xqa or a stand-in
+    def _init_xqa(self, xqa_fn) -> None:  # noqa: ANN001 - flashinfer's compiled xqa op or a stand-in
+        """xqa_fn(run_sm90_fp8_mha, sm_count, num_kv_heads, sliding_window, q_scale, out, rcp_out_scale,
+        q, sinks, k_cache, v_cache, k_sf, v_sf, page_table, max_seq_len, seq_lens, batch, kv_scale,
+        semaphores, scratch, enable_pdl, q_seq_len, mask): the op flashinfer.xqa.xqa wraps."""
         self._xqa_fn = xqa_fn
+        # fp8 KV on SM90: the GMMA kernel also rounds q and the probabilities to fp8 (fastest,
+        # least precise); otherwise the generic kernel widens fp8 K/V to the query dtype
+        self._xqa_fp8_gmma = env().xqa_fp8_gmma and self.dtype.itemsize == 1 and self.device.type == "cuda" \
+            and torch.cuda.get_device_capability(self.device)[0] == 9
+        self._xqa_pdl = env().xqa_pdl
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         )
@@ -249,9 +260,10 @@ class FlashInferAttention(AttentionBackend):
         k, v = self._kv[layer_id]
         ws = self._xqa_ws
         self._xqa_fn(
-            q.view(b, 1, self.num_q_heads, self.head_dim), k, v, table, seq_lens.view(b, 1),
-            out.view(b, 1, self.num_q_heads, self.head_dim), ws[_XQA_SEMAPHORE_BYTES:], ws[:_XQA_SEMAPHORE_BYTES],
-            self.num_kv_heads, self.page_size, kv_layout="NHD", sm_count=self._sm_count,
+            self._xqa_fp8_gmma, self._sm_count, self.num_kv_heads, 0, 1.0,
+            out.view(b, 1, self.num_q_heads, self.head_dim), 1.0, q.view(b, 1, self.num_q_heads, self.head_dim),
+            None, k, v, None, None, table, table.shape[1] * self.page_size, seq_lens.view(b, 1), b, 1.0,
+            ws[:_XQA_SEMAPHORE_BYTES], ws[_XQA_SEMAPHORE_BYTES:], self._xqa_pdl, 1, None,
         )
         return out
 

@@ -143,11 +143,14 @@ def test_graph_plan_pads_rows_onto_the_padding_page() -> None:
     assert torch.isfinite(got).all()
 
 
-def ref_xqa(q, k_cache, v_cache, table, seq_lens, out, scratch, semaphores, num_kv_heads, page_size,  # noqa: ANN001
-            **kwargs) -> None:  # noqa: ANN003
-    """Torch stand-in for flashinfer.xqa.xqa (NHD, q/out [B, 1, Hq, D], seq_lens [B, 1])."""
+def ref_xqa(fp8_gmma, sm_count, num_kv_heads, window, q_scale, out, rcp_out_scale, q, sinks,  # noqa: ANN001
+            k_cache, v_cache, k_sf, v_sf, table, max_seq_len, seq_lens, batch, kv_scale,  # noqa: ANN001
+            semaphores, scratch, pdl, q_seq_len, mask) -> None:  # noqa: ANN001
+    """Torch stand-in for flashinfer's compiled xqa op (NHD, q/out [B, 1, Hq, D], seq_lens [B, 1])."""
     assert table.dtype == torch.int32 and seq_lens.shape == (q.shape[0], 1) and table.is_contiguous()
-    assert semaphores.numel() > 0 and scratch.numel() > 0
+    assert semaphores.numel() > 0 and scratch.numel() > 0 and batch == q.shape[0] and q_seq_len == 1
+    page_size = k_cache.shape[1]
+    assert max_seq_len == table.shape[1] * page_size and window == 0 and q_scale == kv_scale == 1.0
     for i in range(q.shape[0]):
         n = int(seq_lens[i, 0])
         pages = table[i, : -(-n // page_size)].long()
