@@ -24,6 +24,7 @@ class ServerConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= --dtype) | fp8_e4m3 (half the KV bytes; lossy)
+    attention_fp8_math: bool = False  # fp8 KV: attend in fp8 tensor-core math (SM90 XQA), q/probs rounded
     tp_size: int = 1
     page_size: int = 16
     max_total_tokens: int = 0  # KV pool capacity in tokens; 0 = size from free memory
@@ -49,6 +50,8 @@ class ServerConfig:
             (0 < self.mem_fraction <= 1, "--mem-fraction must be in (0, 1]"),
             (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
             (self.max_prefill_tokens >= self.page_size, "--max-prefill-tokens must be >= page size"),
+            (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
+             "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
             (self.tp_size == 1, "--tp-size > 1: tensor parallelism is not implemented yet"),
         ]
         for ok, problem in problems:

@@ -35,8 +35,12 @@ for what in "$@"; do case $what in
   latency) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m 150 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --profile-idle --out "$OUT/latency-$m-h200.json"; done ;;
-  check8) run gpu-check-fp8 200 python3 scripts/gpu_check.py --skip logits transformers --kv-cache-dtype fp8_e4m3 \
-            --json "$OUT/gpu_check-fp8kv-h200.json"; grep -E "PASS|FAIL|checks passed" "$OUT/gpu-check-fp8.log" | tail -12 ;;
+  check8) run gpu-check-fp8 200 python3 scripts/gpu_check.py --skip transformers --kv-cache-dtype fp8_e4m3 \
+            --json "$OUT/gpu_check-fp8kv-h200.json"; grep -E "logits|FAIL|checks passed" "$OUT/gpu-check-fp8.log" | tail -16 ;;
+  check8m) run gpu-check-fp8math 200 python3 scripts/gpu_check.py --skip transformers --kv-cache-dtype fp8_e4m3 \
+            --attention-fp8-math --tol 0.08 --json "$OUT/gpu_check-fp8kv-fp8math-h200.json"
+           grep -E "logits|FAIL|checks passed" "$OUT/gpu-check-fp8math.log" | tail -16 ;;
+  gemv) run gemv-probe 200 python3 scripts/gemv_probe.py --json "$OUT/gemv_probe-h200.json"; grep -v -i warn "$OUT/gemv-probe.log" | tail -12 ;;
   llama8) run offline-llama-3.1-8b-fp8kv 200 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
           --num-requests 256 --input-len 1000 --output-len 1000 \
           --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --log-dir $OUT/logs-llama8" \

@@ -144,13 +144,14 @@ def check_logits(name: str, path: Path, tol_rel: float) -> float:
     model, mcfg = load_model(path, "dummy", torch.bfloat16, dev)
     print(f"  {name}: dummy weights loaded in {time.perf_counter() - t:.1f}s", flush=True)
     ps, npages = 16, 128
+    kv_dtype = torch.float8_e4m3fn if KV_CACHE_DTYPE == "fp8_e4m3" else torch.bfloat16
     pools = {
-        k: KVPool(mcfg.num_layers, npages, ps, mcfg.num_kv_heads, mcfg.head_dim, torch.bfloat16, dev)
+        k: KVPool(mcfg.num_layers, npages, ps, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype, dev)
         for k in ("torch", "flashinfer")
     }
     backends = {"torch": TorchAttention(dev), "flashinfer": FlashInferAttention(dev)}
     backends["flashinfer"].bind(num_q_heads=mcfg.num_heads, kv_pool=pools["flashinfer"], max_batch=8,
-                                max_pages_per_req=32)
+                                max_pages_per_req=32, q_dtype=torch.bfloat16, fp8_math=FP8_MATH)
     g = torch.Generator().manual_seed(7)
 
     def toks(n: int) -> list[int]:
@@ -234,7 +235,8 @@ def compare_tokens(label: str, ref_eng, prompts, want, got, tie_tol: float) -> N
     report(label, ok, detail)
 
 
-KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype: the greedy checks' KV pool
+KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype: the KV pool of the logits and greedy checks
+FP8_MATH = False  # --attention-fp8-math
 
 
 def engine_cfg(path: Path, backend: str, graphs: bool, dtype: str = "bfloat16", load: str = "dummy"):  # noqa: ANN201
@@ -243,6 +245,7 @@ def engine_cfg(path: Path, backend: str, graphs: bool, dtype: str = "bfloat16", 
     return ServerConfig(
         model=str(path), load_format=load, device="cuda", dtype=dtype, attention_backend=backend,
         kv_cache_dtype=KV_CACHE_DTYPE if dtype != "float32" else "auto",
+        attention_fp8_math=FP8_MATH and dtype != "float32",
         disable_cuda_graph=not graphs, max_total_tokens=16384, page_size=16, max_prefill_tokens=64,
         max_running_requests=16,
     )
@@ -340,10 +343,11 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=0.03, help="logits: max |diff| <= tol * max(|ref logit|, 1)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["logits", "greedy", "transformers"])
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pool of the greedy checks (auto | fp8_e4m3)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV pool of the checks (auto | fp8_e4m3)")
+    ap.add_argument("--attention-fp8-math", action="store_true", help="fp8 KV attended in fp8 math (XQA GMMA)")
     args = ap.parse_args()
-    global KV_CACHE_DTYPE
-    KV_CACHE_DTYPE = args.kv_cache_dtype
+    global KV_CACHE_DTYPE, FP8_MATH
+    KV_CACHE_DTYPE, FP8_MATH = args.kv_cache_dtype, args.attention_fp8_math
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
         return 2

@@ -43,10 +43,11 @@ class AttentionBackend(ABC):
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
-        q_dtype: torch.dtype | None = None,
+        q_dtype: torch.dtype | None = None, fp8_math: bool = False,
     ) -> None:
         """Learn the model's attention geometry once (default: nothing to do). q_dtype is the
-        activations' dtype when the KV pool stores another (an 8-bit KV cache)."""
+        activations' dtype when the KV pool stores another (an 8-bit KV cache); fp8_math lets
+        a backend attend an 8-bit KV cache in 8-bit math (--attention-fp8-math)."""
         return None
 
     @abstractmethod

@@ -21,7 +21,8 @@ decode above stays at the bf16 step time). XQA needs no plan: it reads the dense
 table [B, W] and the KV lengths on the device, splits long sequences across CTAs and
 merges them in the same launch. `use_xqa` decides per batch size, from measurements on an
 H200 (scripts/attn_probe.py, bench/results/attn_probe-h200.json): with bf16 KV it is faster
-up to batch 32 and slower at 256; with fp8 KV faster everywhere.
+at batch 1 on its own but made the served step slower, and is slower at batch 256; with fp8 KV
+it is faster everywhere (2x with --attention-fp8-math).
 
 CUDA graphs (engine/run/cuda_graph.py): `graph_wrapper(bs)` builds a decode wrapper with
 use_cuda_graph=True over fixed buffers (indptr [bs+1], last_page_len [bs], and one shared
@@ -50,7 +51,6 @@ PREFILL_BACKEND = env().flashinfer_prefill_backend
 # Decode always uses tensor cores: flashinfer's CUDA-core decode kernel measured slower on an
 # H200 for bf16 at batch 1-8 (latency-*-cudacore-decode-small-batch.json) and for fp8 KV.
 XQA_PAGE_SIZES = (16, 32, 64, 128)
-XQA_MAX_BF16_BATCH = 32  # bf16 KV: XQA wins at batch 1 (0.27 vs 0.35 ms / 32 layers), ties at 32
 _XQA_SEMAPHORE_BYTES = 8 << 20
 _XQA_SCRATCH_BYTES = 56 << 20
 
@@ -71,12 +71,14 @@ def xqa_supported(capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: t
 
 def use_xqa(mode: str, supported: bool, kv_dtype: torch.dtype, batch: int) -> bool:
     """Decode kernel choice for a decode batch: mode "fa2" never, "xqa" whenever supported,
-    "auto" when supported and measured faster (fp8 KV always, bf16 up to XQA_MAX_BF16_BATCH)."""
+    "auto" when supported and measured faster in the served model: an fp8 KV cache only.
+    (bf16: XQA alone beats FA2 at batch 1, 0.27 vs 0.35 ms per 32 layers, but inside the model
+    the step got slower, 5.06 vs 4.71 ms; at batch 256 it is slower alone too.)"""
     if mode not in ("auto", "fa2", "xqa"):
         raise ValueError(f"STRATA_DECODE_KERNEL must be auto, fa2 or xqa, got {mode!r}")
     if mode == "fa2" or not supported:
         return False
-    return mode == "xqa" or kv_dtype.itemsize == 1 or batch <= XQA_MAX_BF16_BATCH
+    return mode == "xqa" or kv_dtype.itemsize == 1
 
 
 class _Staging:
@@ -159,7 +161,7 @@ class FlashInferAttention(AttentionBackend):
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
-        q_dtype: torch.dtype | None = None,
+        q_dtype: torch.dtype | None = None, fp8_math: bool = False,
     ) -> None:
         if num_q_heads % kv_pool.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {kv_pool.num_kv_heads} KV heads")
@@ -170,6 +172,7 @@ class FlashInferAttention(AttentionBackend):
         self.dtype = kv_pool.dtype
         self.q_dtype = q_dtype or kv_pool.dtype
         self.kv_pool = kv_pool
+        self.fp8_math = fp8_math
         self._kv = [kv_pool.page_view(layer) for layer in range(kv_pool.num_layers)]
         self.max_batch = max_batch
         self.max_pages_per_req = max_pages_per_req
@@ -196,9 +199,9 @@ class FlashInferAttention(AttentionBackend):
         q, sinks, k_cache, v_cache, k_sf, v_sf, page_table, max_seq_len, seq_lens, batch, kv_scale,
         semaphores, scratch, enable_pdl, q_seq_len, mask): the op flashinfer.xqa.xqa wraps."""
         self._xqa_fn = xqa_fn
-        # fp8 KV on SM90: the GMMA kernel also rounds q and the probabilities to fp8 (fastest,
-        # least precise); otherwise the generic kernel widens fp8 K/V to the query dtype
-        self._xqa_fp8_gmma = env().xqa_fp8_gmma and self.dtype.itemsize == 1 and self.device.type == "cuda" \
+        # fp8 KV on SM90 with --attention-fp8-math: the GMMA kernel, which also rounds q and the
+        # probabilities to fp8 (2x faster); otherwise the generic kernel widens fp8 K/V to q's dtype
+        self._xqa_fp8_gmma = self.fp8_math and self.dtype.itemsize == 1 and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device)[0] == 9
         self._xqa_pdl = env().xqa_pdl
         self._sm_count = (

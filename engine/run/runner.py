@@ -88,6 +88,7 @@ class ModelRunner:
             max_batch=cfg.max_running_requests,
             max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
             q_dtype=self.dtype,
+            fp8_math=cfg.attention_fp8_math,
         )
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         self.replica = ReplicaState()

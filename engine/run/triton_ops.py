@@ -140,3 +140,39 @@ def qk_norm_rope_store(
         num_warps=4 if num_q_heads * head_dim >= 2048 else 2,
     )
     return q
+
+
+# ---------------------------------------------------------------- batch-1 GEMV
+
+
+@functools.cache
+def _gemv_kernel():  # noqa: ANN202 - a triton JITFunction
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            wt = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=rmask[:, None], other=0.0)
+            acc += wt.to(tl.float32) * tl.load(x + cols).to(tl.float32)[None, :]
+        tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
+
+    return gemv_kernel
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
+         num_stages: int = 3) -> torch.Tensor:
+    """x [1, K] @ w[N, K]^T -> [1, N] (fp32 accumulation): one pass over the weights, no split-K
+    reduce kernel. Needs K % block_k == 0 and contiguous rows."""
+    n, k = w.shape
+    if x.shape != (1, k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
+        raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel()[(-(-n // block_n),)](
+        x, w, y, n, w.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
+    )
+    return y

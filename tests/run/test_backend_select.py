@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from engine.config import ServerConfig
 from engine.run.attention import TorchAttention, available_backends, create_backend, resolve_backend_name
 from engine.run.cuda_graph import capture_sizes, padded_batch_size
 from engine.run.flashinfer_attention import pad_metadata, paged_kv_metadata
@@ -118,3 +119,12 @@ def test_decode_metadata_matches_forward_batch() -> None:
         decode_metadata([5], [[3, 0]], ps)
     with pytest.raises(ValueError, match="cannot hold"):
         decode_metadata([5], [[3]], ps)
+
+
+def test_attention_fp8_math_needs_an_fp8_kv_cache() -> None:
+    from engine.args import parse_args
+
+    with pytest.raises(ValueError, match="needs --kv-cache-dtype fp8_e4m3"):
+        ServerConfig(attention_fp8_math=True)
+    cfg = parse_args(["--kv-cache-dtype", "fp8_e4m3", "--attention-fp8-math"])
+    assert cfg.attention_fp8_math and cfg.kv_cache_dtype == "fp8_e4m3"
