@@ -21,6 +21,7 @@ class Env:
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
     decode_kernel: str  # STRATA_DECODE_KERNEL: auto (XQA where it measured faster) | fa2 | xqa
     fused_prologue: bool  # STRATA_FUSED_PROLOGUE: one triton kernel for q/k norm + RoPE + KV store (1)
+    triton_gemv: bool  # STRATA_TRITON_GEMV: batch-1 projections as triton GEMVs, not cuBLAS (1)
     xqa_pdl: bool  # STRATA_XQA_PDL: launch XQA with programmatic dependent launch (0: measured slower)
 
 
@@ -41,5 +42,6 @@ def env() -> Env:
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
         decode_kernel=os.environ.get("STRATA_DECODE_KERNEL", "auto").lower(),
         fused_prologue=_flag("STRATA_FUSED_PROLOGUE") is not False,
+        triton_gemv=_flag("STRATA_TRITON_GEMV") is not False,
         xqa_pdl=bool(_flag("STRATA_XQA_PDL")),
     )

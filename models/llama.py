@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.env import env
 from engine.run import ops, triton_ops
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
@@ -34,8 +35,14 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
+        self._gemv: tuple | None | bool = False  # batch-1 triton GEMV config; False: not decided yet
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.bias is None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
+            if self._gemv is False:  # decided once, on the device the weights ended up on
+                self._gemv = triton_ops.gemv_config(self.weight) if env().triton_gemv else None
+            if self._gemv is not None and x.is_contiguous() and ops.fused_enabled():
+                return triton_ops.gemv(x, self.weight, *self._gemv)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -31,6 +31,11 @@ def set_fused(enabled: bool) -> None:
     _enabled = enabled
 
 
+def fused_enabled() -> bool:
+    """Whether fused kernels are on (set_fused); the triton GEMV/prologue honour it too."""
+    return _enabled
+
+
 def flashinfer_module() -> ModuleType | None:
     """The flashinfer package, or None when it cannot be imported (imported once)."""
     global _fi

@@ -1,5 +1,9 @@
 """Triton kernels for the decoder's attention prologue (CUDA only; triton is imported lazily).
 
+`gemv` is a batch-1 matrix-vector product: one pass over the weights with fp32 accumulation
+and no split-K reduce kernel, which beats cuBLAS's M=1 kernels by 5-70% per projection
+(scripts/gemv_probe.py).
+
 `qk_norm_rope_store` replaces, per layer, up to five small kernels (q RMSNorm, k RMSNorm,
 RoPE over q and k, the K store and the V store) with one launch: each program takes one
 token's row of the fused QKV projection, normalizes and rotates its q and k heads in
@@ -162,6 +166,23 @@ def _gemv_kernel():  # noqa: ANN202 - a triton JITFunction
         tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
 
     return gemv_kernel
+
+
+def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(block_n, block_k, num_warps, num_stages) for batch-1 GEMVs over w [N, K], or None where
+    cuBLAS stays (CPU, float32, no triton, an odd K). From scripts/gemv_probe.py on an H200
+    (bench/results/gemv_probe-h200.json): 8x512 blocks win almost everywhere; narrow outputs
+    want 4 rows x 1024, very wide ones 16 x 256."""
+    if not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1 and available()):
+        return None
+    n, k = w.shape
+    if n <= 2048 and k % 1024 == 0:
+        return (4, 1024, 4, 3)
+    if n >= 16384 and k % 256 == 0:
+        return (16, 256, 4, 4)
+    if k % 512 == 0:
+        return (8, 512, 4, 3)
+    return None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
