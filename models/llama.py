@@ -37,12 +37,18 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._gemv: tuple | None | bool = False  # batch-1 triton GEMV config; False: not decided yet
 
+    def gemv_config(self, x: torch.Tensor) -> tuple | None:
+        """The triton GEMV config when x is one row this layer can take (batch-1 decode), else None."""
+        if x.shape[0] != 1 or self.bias is not None or not x.is_contiguous() or not ops.fused_enabled():
+            return None
+        if self._gemv is False:  # decided once, on the device the weights ended up on
+            self._gemv = triton_ops.gemv_config(self.weight) if env().triton_gemv else None
+        return self._gemv
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.bias is None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
-            if self._gemv is False:  # decided once, on the device the weights ended up on
-                self._gemv = triton_ops.gemv_config(self.weight) if env().triton_gemv else None
-            if self._gemv is not None and x.is_contiguous() and ops.fused_enabled():
-                return triton_ops.gemv(x, self.weight, *self._gemv)
+        cfg = self.gemv_config(x)
+        if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
+            return triton_ops.gemv(x, self.weight, *cfg)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -100,15 +106,15 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
         rope: tuple,
         batch: ForwardBatch,
         kv: KVPool,
         backend: AttentionBackend,
         rotary: ops.Rotary,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        """Attention output (after o_proj) from this layer's fused QKV projection."""
+        t = qkv.shape[0]
         if rope[0] == "fused" and rope[3]:  # one kernel: q/k norm, RoPE, K/V into the pool
             qn, kn = self.q_norm, self.k_norm
             q = triton_ops.qk_norm_rope_store(
@@ -136,8 +142,29 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        """The down projection of the gate_up output h: silu(gate) * up, then down_proj."""
+        cfg = self.down_proj.gemv_config(h[:, : h.shape[1] // 2])
+        if cfg is not None:  # batch 1: SiLU-and-mul folded into the down-projection GEMV
+            return triton_ops.gemv(h, self.down_proj.weight, *cfg, silu_mul=True)
+        return self.down_proj(ops.silu_and_mul(h))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+
+def norm_linear(
+    norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
+    itself (layer 0). At batch 1 one triton launch does the add, the norm and the GEMV."""
+    cfg = linear.gemv_config(x)
+    if cfg is not None:
+        return triton_ops.add_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, *cfg)
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm.add_forward(x, residual)
+    return linear(h), residual
 
 
 class DecoderLayer(nn.Module):
@@ -152,14 +179,10 @@ class DecoderLayer(nn.Module):
                 kv: KVPool, backend: AttentionBackend, rotary: ops.Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h = residual + x (x: the previous sublayer's output; residual None at
         layer 0, where x is the embedding). Returns (this layer's MLP output, its residual)."""
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(x, rope, batch, kv, backend, rotary)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn(qkv, rope, batch, kv, backend, rotary)
+        h, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
+        return self.mlp.down(h), residual
 
 
 class LlamaModel(nn.Module):

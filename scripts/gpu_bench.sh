@@ -49,7 +49,8 @@ for what in "$@"; do case $what in
           --num-requests 256 --input-len 1000 --output-len 1000 \
           --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llama8m" \
           --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-fp8math-h200.json"; grep -h '"gpu idle"' $OUT/logs-llama8m/worker-0.log | tail -2 ;;
-  pack) cd "$OUT" && tar czf logs.tgz --exclude='*.json' --exclude=logs.tgz . && find . -mindepth 1 ! -name '*.json' ! -name logs.tgz -delete; ls "$OUT" ;;
+  pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
+          && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;  # the device returns at most 8 files
   llama8x) run offline-llama-3.1-8b-fp8kv-512 200 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
           --num-requests 512 --input-len 1000 --output-len 1000 \
           --server-args "--max-running-requests 512 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3" \

@@ -155,14 +155,20 @@ def _gemv_kernel():  # noqa: ANN202 - a triton JITFunction
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def gemv_kernel(x, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SILU_MUL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             wt = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=rmask[:, None], other=0.0)
-            acc += wt.to(tl.float32) * tl.load(x + cols).to(tl.float32)[None, :]
+            if SILU_MUL:  # x = [gate | up] of width 2K: the input is silu(gate) * up, rounded like the kernel's
+                g = tl.load(x + cols).to(tl.float32)
+                xv = (g / (1.0 + tl.exp(-g)) * tl.load(x + K + cols).to(tl.float32)).to(x.dtype.element_ty)
+            else:
+                xv = tl.load(x + cols)
+            acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
         tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
 
     return gemv_kernel
@@ -186,14 +192,75 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-         num_stages: int = 3) -> torch.Tensor:
+         num_stages: int = 3, silu_mul: bool = False) -> torch.Tensor:
     """x [1, K] @ w[N, K]^T -> [1, N] (fp32 accumulation): one pass over the weights, no split-K
-    reduce kernel. Needs K % block_k == 0 and contiguous rows."""
+    reduce kernel. With silu_mul, x is [1, 2K] = [gate | up] and the product uses
+    silu(gate) * up (the SwiGLU activation folded into the down projection: one launch fewer).
+    Needs K % block_k == 0 and contiguous rows."""
     n, k = w.shape
-    if x.shape != (1, k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
-        raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
+    if x.shape != (1, 2 * k if silu_mul else k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
+        raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k} silu_mul {silu_mul}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel()[(-(-n // block_n),)](
-        x, w, y, n, w.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
+        x, w, y, n, w.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return y
+
+
+@functools.cache
+def _norm_gemv_kernel():  # noqa: ANN202 - a triton JITFunction
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
+        pid = tl.program_id(0)
+        act = x.dtype.element_ty
+        # pass 1 (every program, from L2): s = x + r, its sum of squares; program 0 writes s
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            s = tl.load(x + cols).to(tl.float32)
+            if HAS_RES:
+                s = s + tl.load(r + cols).to(tl.float32)
+                if pid == 0:
+                    tl.store(r_out + cols, s.to(act))
+            ss += s * s
+        rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        # pass 2: normalize each chunk and multiply with this program's weight rows
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            s = tl.load(x + cols).to(tl.float32)
+            if HAS_RES:
+                s = s + tl.load(r + cols).to(tl.float32)
+            xn = (s * rrms * tl.load(nw + cols).to(tl.float32)).to(act).to(tl.float32)
+            wt = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=rmask[:, None], other=0.0)
+            acc += wt.to(tl.float32) * xn[None, :]
+        tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
+
+    return add_norm_gemv_kernel
+
+
+def add_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+    block_n: int, block_k: int, num_warps: int, num_stages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-1 (RMSNorm(x + residual) * norm_weight) @ w^T in one launch, the residual add and
+    the norm recomputed per program from L2 (a 1 x hidden vector). Returns (y [1, N], the new
+    residual x + residual, or x itself when residual is None: the first layer)."""
+    n, k = w.shape
+    if x.shape != (1, k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
+        raise ValueError(f"add_norm_gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else x
+    _norm_gemv_kernel()[(-(-n // block_n),)](
+        x, residual if residual is not None else x, r_out, norm_weight, eps, w, y, n, w.stride(0),
+        K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_RES=residual is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y, r_out
