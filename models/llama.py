@@ -158,7 +158,7 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
     itself (layer 0). At batch 1 one triton launch does the add, the norm and the GEMV."""
-    cfg = linear.gemv_config(x)
+    cfg = linear.gemv_config(x) if env().norm_gemv else None
     if cfg is not None:
         return triton_ops.add_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, *cfg)
     if residual is None:

@@ -74,6 +74,9 @@ for what in "$@"; do case $what in
               --batch-sizes 1 --context-len 1024 --steps 50 --out "$OUT/latency-$m-fa2-decode-h200.json"; done ;;
   checkfa2) STRATA_DECODE_KERNEL=fa2 run gpu-check-fa2 200 python3 scripts/gpu_check.py --skip transformers \
             --json "$OUT/gpu_check-fa2-decode-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-fa2.log" | tail -5 ;;
+  latencynorm) for v in 1 0; do for m in llama-3.1-8b qwen3-0.6b; do
+            STRATA_NORM_GEMV=$v run latency-$m-normgemv$v 100 bin/bench latency --model configs/$m --load-format dummy \
+              --batch-sizes 1 --context-len 1024 --steps 100 --out "$OUT/latency-$m-b1-normgemv$v-h200.json"; done; done ;;
   latencyab) for v in "STRATA_DECODE_KERNEL=fa2" "STRATA_FUSED_PROLOGUE=0" "STRATA_XQA_PDL=0"; do
             env $v bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 \
               --context-len 1024 --steps 50 --out "$OUT/latency-llama-ab-${v%%=*}.json" 2>&1 | grep -A3 "batch  ctx" | sed "s/^/$v /"; done ;;

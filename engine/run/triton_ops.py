@@ -216,32 +216,25 @@ def _norm_gemv_kernel():  # noqa: ANN202 - a triton JITFunction
     @triton.jit
     def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
+        # one pass: y = rrms * W (s * nw) with s = x + r, so the sum of squares of s (every
+        # program re-reads the 1 x K vector from L2) is applied after the dot products
         pid = tl.program_id(0)
-        act = x.dtype.element_ty
-        # pass 1 (every program, from L2): s = x + r, its sum of squares; program 0 writes s
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
+            wt = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=rmask[:, None], other=0.0)
             s = tl.load(x + cols).to(tl.float32)
             if HAS_RES:
                 s = s + tl.load(r + cols).to(tl.float32)
                 if pid == 0:
-                    tl.store(r_out + cols, s.to(act))
+                    tl.store(r_out + cols, s.to(x.dtype.element_ty))
             ss += s * s
+            acc += wt.to(tl.float32) * (s * tl.load(nw + cols).to(tl.float32))[None, :]
         rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-        # pass 2: normalize each chunk and multiply with this program's weight rows
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            s = tl.load(x + cols).to(tl.float32)
-            if HAS_RES:
-                s = s + tl.load(r + cols).to(tl.float32)
-            xn = (s * rrms * tl.load(nw + cols).to(tl.float32)).to(act).to(tl.float32)
-            wt = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=rmask[:, None], other=0.0)
-            acc += wt.to(tl.float32) * xn[None, :]
-        tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
+        tl.store(y + rows, (tl.sum(acc, 1) * rrms).to(y.dtype.element_ty), mask=rmask)
 
     return add_norm_gemv_kernel
 
@@ -250,8 +243,9 @@ def add_norm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
     block_n: int, block_k: int, num_warps: int, num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch-1 (RMSNorm(x + residual) * norm_weight) @ w^T in one launch, the residual add and
-    the norm recomputed per program from L2 (a 1 x hidden vector). Returns (y [1, N], the new
+    """Batch-1 (RMSNorm(x + residual) * norm_weight) @ w^T in one launch and one pass, the
+    residual add and the norm's sum of squares recomputed per program from L2 (a 1 x hidden
+    vector); the normalized input is not rounded to the activation dtype. Returns (y [1, N], the new
     residual x + residual, or x itself when residual is None: the first layer)."""
     n, k = w.shape
     if x.shape != (1, k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
