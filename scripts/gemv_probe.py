@@ -26,18 +26,24 @@ SHAPES = {  # name: (N, K, layers)
     "llama down": (4096, 14336, 32), "qwen3 qkv": (4096, 1024, 28), "qwen3 o": (1024, 2048, 28),
     "qwen3 gate_up": (6144, 1024, 28), "qwen3 down": (1024, 3072, 28),
 }
-CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 8, 3), (8, 1024, 4, 2), (4, 1024, 4, 3)]
+CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 8, 3), (8, 1024, 4, 2), (4, 1024, 4, 3),
+           (4, 512, 4, 3), (8, 256, 4, 4), (8, 512, 8, 3), (8, 512, 4, 4), (16, 512, 8, 3), (4, 512, 2, 4),
+           (8, 256, 2, 5), (16, 128, 4, 6)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", default="", help="shapes whose name starts with this")
+    ap.add_argument("--tune-out", type=Path, help='write {"N,K": best config} here (for STRATA_GEMV_TUNE)')
     a = ap.parse_args()
     dev = torch.device("cuda")
     bw = roofline.copy_bandwidth(dev, 1 << 30)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for name, (n, k, layers) in SHAPES.items():
+        if not name.startswith(a.only):
+            continue
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         ref = F.linear(x, ws[0]).float()
@@ -62,6 +68,8 @@ def main() -> None:
         print(f"{name:14s} N={n:6d} K={k:6d} x{layers}: hbm {hbm_ms:.3f} ms | cublas {row['cublas_ms']:.3f} ms | "
               f"triton best {best[1]:.3f} ms {best[0]} (err {best[2]:.2g})", flush=True)
         del ws
+    if a.tune_out:
+        a.tune_out.write_text(json.dumps({f"{r['n']},{r['k']}": list(r["best"][0]) for r in rows}))
     if a.json:
         a.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, indent=1))
 

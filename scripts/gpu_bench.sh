@@ -74,6 +74,10 @@ for what in "$@"; do case $what in
               --batch-sizes 1 --context-len 1024 --steps 50 --out "$OUT/latency-$m-fa2-decode-h200.json"; done ;;
   checkfa2) STRATA_DECODE_KERNEL=fa2 run gpu-check-fa2 200 python3 scripts/gpu_check.py --skip transformers \
             --json "$OUT/gpu_check-fa2-decode-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-fa2.log" | tail -5 ;;
+  tune) run gemv-tune 200 python3 scripts/gemv_probe.py --only llama --tune-out "$OUT/gemv_tune.json" \
+          --json "$OUT/gemv_probe-llama-tune-h200.json"; grep -v -i warn "$OUT/gemv-tune.log" | tail -5; cat "$OUT/gemv_tune.json"
+        STRATA_GEMV_TUNE=$OUT/gemv_tune.json run latency-llama-tuned 100 bin/bench latency --model configs/llama-3.1-8b \
+          --load-format dummy --batch-sizes 1 --context-len 1024 --steps 100 --out "$OUT/latency-llama-3.1-8b-b1-tuned-h200.json" ;;
   latencynorm) for v in 1 0; do for m in llama-3.1-8b qwen3-0.6b; do
             STRATA_NORM_GEMV=$v run latency-$m-normgemv$v 100 bin/bench latency --model configs/$m --load-format dummy \
               --batch-sizes 1 --context-len 1024 --steps 100 --out "$OUT/latency-$m-b1-normgemv$v-h200.json"; done; done ;;

@@ -174,6 +174,20 @@ def _gemv_kernel():  # noqa: ANN202 - a triton JITFunction
     return gemv_kernel
 
 
+@functools.cache
+def _tuned() -> dict[str, list[int]]:
+    """STRATA_GEMV_TUNE's per-shape configs (a tuning experiment's override), or none."""
+    from engine.env import env
+
+    path = env().gemv_tune
+    if not path:
+        return {}
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(path).read_text())
+
+
 def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_warps, num_stages) for batch-1 GEMVs over w [N, K], or None where
     cuBLAS stays (CPU, float32, no triton, an odd K). From scripts/gemv_probe.py on an H200
@@ -182,6 +196,9 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     if not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1 and available()):
         return None
     n, k = w.shape
+    tuned = _tuned().get(f"{n},{k}")
+    if tuned is not None and k % tuned[1] == 0:
+        return tuple(tuned)
     if n <= 2048 and k % 1024 == 0:
         return (4, 1024, 4, 3)
     if n >= 16384 and k % 256 == 0:
