@@ -72,6 +72,8 @@ for what in "$@"; do case $what in
   latencyfa2) for m in qwen3-0.6b llama-3.1-8b; do
             STRATA_DECODE_KERNEL=fa2 run latency-$m-fa2 150 bin/bench latency --model configs/$m --load-format dummy \
               --batch-sizes 1 --context-len 1024 --steps 50 --out "$OUT/latency-$m-fa2-decode-h200.json"; done ;;
+  checknf) STRATA_NORM_GEMV=0 run gpu-check-nonormgemv 200 python3 scripts/gpu_check.py --skip transformers \
+            --json "$OUT/gpu_check-no-norm-gemv-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-nonormgemv.log" | tail -5 ;;
   checkfa2) STRATA_DECODE_KERNEL=fa2 run gpu-check-fa2 200 python3 scripts/gpu_check.py --skip transformers \
             --json "$OUT/gpu_check-fa2-decode-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-fa2.log" | tail -5 ;;
   tune) run gemv-tune 200 python3 scripts/gemv_probe.py --only llama --tune-out "$OUT/gemv_tune.json" \
