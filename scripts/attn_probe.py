@@ -184,8 +184,10 @@ def _prologue_case(name, hq, hkv, norm, batch, layers, kv_dtype, results) -> Non
             qkv[i], hq, hkv, d, pos, cache, slots, kc[i], vc[i], qw if norm else None, kw if norm else None, 1e-6
         )
 
+    src = qkv[0].clone()  # the unfused rotary works in place on qkv: restore it for the fused run
     q_ref = unfused(0).clone()
     k_ref, v_ref = kc[0][slots].float(), vc[0][slots].float()
+    qkv[0].copy_(src)
     kc[0].zero_()
     vc[0].zero_()
     q_f = fused(0)
