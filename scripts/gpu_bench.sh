@@ -80,6 +80,9 @@ for what in "$@"; do case $what in
           --json "$OUT/gemv_probe-llama-tune-h200.json"; grep -v -i warn "$OUT/gemv-tune.log" | tail -5; cat "$OUT/gemv_tune.json"
         STRATA_GEMV_TUNE=$OUT/gemv_tune.json run latency-llama-tuned 100 bin/bench latency --model configs/llama-3.1-8b \
           --load-format dummy --batch-sizes 1 --context-len 1024 --steps 100 --out "$OUT/latency-llama-3.1-8b-b1-tuned-h200.json" ;;
+  latencypdl) for v in 0 1; do for m in llama-3.1-8b qwen3-0.6b; do
+            STRATA_TRITON_PDL=$v run latency-$m-pdl$v 100 bin/bench latency --model configs/$m --load-format dummy \
+              --batch-sizes 1 --context-len 1024 --steps 100 --out "$OUT/latency-$m-b1-pdl$v-h200.json"; done; done ;;
   latencynorm) for v in 1 0; do for m in llama-3.1-8b qwen3-0.6b; do
             STRATA_NORM_GEMV=$v run latency-$m-normgemv$v 100 bin/bench latency --model configs/$m --load-format dummy \
               --batch-sizes 1 --context-len 1024 --steps 100 --out "$OUT/latency-$m-b1-normgemv$v-h200.json"; done; done ;;
