@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import structlog
@@ -98,7 +98,39 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     return Reply(body=fmt.chat_completion(rid, state.model_name, created, out, use))
 
 
-async def _chat_stream(
+async def _sse(
+    gen: Generation,
+    deltas: AsyncIterator[Delta],
+    include_usage: bool,
+    chunk: Callable[[list[dict[str, Any]], dict[str, Any] | None], bytes],
+    choice_of: Callable[[Delta], dict[str, Any] | None],
+    first: list[bytes],
+) -> AsyncIterator[bytes]:
+    """The SSE body both endpoints share: `first` events, one chunk per delta that carries
+    anything (`choice_of` returns None otherwise), an error event that ends the stream, the
+    usage chunk when asked, [DONE]; the generation is closed however the stream ends."""
+    prompt_of = {s.index: s.prompt_index for s in gen.subs}
+    counts: dict[int, tuple[int, int, int, int]] = {}
+    try:
+        for event in first:
+            yield event
+        async for d in deltas:
+            if d.finish_reason == "error":
+                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
+                break
+            counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+            choice = choice_of(d)
+            if choice is not None:
+                yield chunk([choice], None)
+        else:
+            if include_usage:
+                yield chunk([], fmt.usage_of(counts.values()))
+        yield fmt.SSE_DONE
+    finally:
+        gen.close()
+
+
+def _chat_stream(
     state: ServeState,
     gen: Generation,
     deltas: AsyncIterator[Delta],
@@ -108,30 +140,19 @@ async def _chat_stream(
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
-    prompt_of = {s.index: s.prompt_index for s in gen.subs}
-    counts: dict[int, tuple[int, int, int, int]] = {}
 
-    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
+    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None) -> bytes:
         return fmt.sse(fmt.chat_chunk(rid, model, created, choices, include_usage, use))
 
-    try:
-        for sub in gen.subs:
-            yield chunk([fmt.chat_chunk_choice(sub.index, {"role": "assistant", "content": ""}, None, None)])
-        async for d in deltas:
-            if d.finish_reason == "error":
-                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
-                break
-            counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
-            lp = fmt.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if logprobs else None
-            if d.text or d.finish_reason or lp:
-                delta = {"content": d.text} if d.text else {}
-                yield chunk([fmt.chat_chunk_choice(d.index, delta, d.finish_reason, lp)])
-        else:
-            if include_usage:
-                yield chunk([], fmt.usage_of(counts.values()))
-        yield fmt.SSE_DONE
-    finally:
-        gen.close()
+    def choice_of(d: Delta) -> dict[str, Any] | None:
+        lp = fmt.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if logprobs else None
+        if not (d.text or d.finish_reason or lp):
+            return None
+        return fmt.chat_chunk_choice(d.index, {"content": d.text} if d.text else {}, d.finish_reason, lp)
+
+    roles = [chunk([fmt.chat_chunk_choice(s.index, {"role": "assistant", "content": ""}, None, None)], None)
+             for s in gen.subs]
+    return _sse(gen, deltas, include_usage, chunk, choice_of, roles)
 
 
 # -- completions ------------------------------------------------------------------------
@@ -172,7 +193,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
 
 
-async def _completion_stream(
+def _completion_stream(
     state: ServeState,
     gen: Generation,
     deltas: AsyncIterator[Delta],
@@ -182,31 +203,22 @@ async def _completion_stream(
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
-    prompt_of = {s.index: s.prompt_index for s in gen.subs}
-    counts: dict[int, tuple[int, int, int, int]] = {}
     offsets: dict[int, int] = {}
 
-    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> bytes:
+    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None) -> bytes:
         body = fmt.completion(rid, model, created, choices, use)
         if not include_usage:
             del body["usage"]
         return fmt.sse(body)
 
-    try:
-        async for d in deltas:
-            if d.finish_reason == "error":
-                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
-                break
-            counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
-            lp = None
-            if logprobs:
-                off = offsets.get(d.index, 0)
-                lp, offsets[d.index] = fmt.completion_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs, off)
-            if d.text or d.finish_reason or lp:
-                yield chunk([fmt.completion_choice(d.index, d.text, d.finish_reason, lp)])
-        else:
-            if include_usage:
-                yield chunk([], fmt.usage_of(counts.values()))
-        yield fmt.SSE_DONE
-    finally:
-        gen.close()
+    def choice_of(d: Delta) -> dict[str, Any] | None:
+        lp = None
+        if logprobs:
+            lp, offsets[d.index] = fmt.completion_logprobs(
+                tok, d.token_ids, d.logprobs, d.top_logprobs, offsets.get(d.index, 0)
+            )
+        if not (d.text or d.finish_reason or lp):
+            return None
+        return fmt.completion_choice(d.index, d.text, d.finish_reason, lp)
+
+    return _sse(gen, deltas, include_usage, chunk, choice_of, [])
