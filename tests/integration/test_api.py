@@ -78,6 +78,23 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert all(len(t) <= 2 for t in lp.top_logprobs)
 
 
+def test_streamed_logprobs_and_usage_match_non_stream(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    full = client.completions.create(**kw).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **kw))
+    lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in lps for t in lp.tokens] == full.tokens
+    offsets = [o for lp in lps for o in lp.text_offset]
+    assert offsets == full.text_offset  # offsets continue across chunks
+    chat_kw = dict(max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    whole = chat(client, "Name a fruit.", **chat_kw)
+    parts = list(chat(client, "Name a fruit.", stream=True, stream_options={"include_usage": True}, **chat_kw))
+    got = [item.token for p in parts if p.choices and p.choices[0].logprobs for item in p.choices[0].logprobs.content]
+    assert got == [item.token for item in whole.choices[0].logprobs.content]
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_seed_reproducible_and_n(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42)
     a = client.completions.create(**kw).choices[0].text
