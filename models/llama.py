@@ -144,7 +144,7 @@ class MLP(nn.Module):
 
     def down(self, h: torch.Tensor) -> torch.Tensor:
         """The down projection of the gate_up output h: silu(gate) * up, then down_proj."""
-        cfg = self.down_proj.gemv_config(h[:, : h.shape[1] // 2])
+        cfg = self.down_proj.gemv_config(h)  # h is [1, 2 * intermediate] at batch 1
         if cfg is not None:  # batch 1: SiLU-and-mul folded into the down-projection GEMV
             return triton_ops.gemv(h, self.down_proj.weight, *cfg, silu_mul=True)
         return self.down_proj(ops.silu_and_mul(h))

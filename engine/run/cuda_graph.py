@@ -59,13 +59,12 @@ def padded_batch_size(batch: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def decode_metadata(
+def _decode_pages(
     starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For a decode batch (one new token per request at position starts[i], written through
-    page table tables[i]): (out_slots int64 [B], kv_indptr int32 [B+1], kv_indices int32 [nnz],
-    kv_last_page_len int32 [B]), the same values ForwardBatch.build and paged_kv_metadata give.
-    Raises ValueError when a table is too short or uses the padding page."""
+    """(seq_lens int64 [B], pages per request int64 [B], their pages flattened int32 [nnz],
+    out_slots int64 [B]) of a decode batch; raises ValueError when a table is too short or
+    uses the padding page."""
     st = np.asarray(starts, dtype=np.int64)
     seq = st + 1
     npages = (seq + (page_size - 1)) // page_size
@@ -74,14 +73,24 @@ def decode_metadata(
         if len(t) < n or PAD_PAGE in t[:n]:
             raise ValueError(f"request {i}: page table {list(t[:n])} cannot hold {int(seq[i])} tokens "
                              f"off the padding page")
-    cur = np.fromiter((t[n - 1] for t, n in zip(tables, counts, strict=True)), dtype=np.int64, count=len(counts))
-    out_slots = cur * page_size + st % page_size
-    indptr = np.zeros(len(counts) + 1, dtype=np.int32)
-    np.cumsum(npages, out=indptr[1:])
-    total = int(indptr[-1])
     indices = np.fromiter(
-        itertools.chain.from_iterable(t[:n] for t, n in zip(tables, counts, strict=True)), dtype=np.int32, count=total
+        itertools.chain.from_iterable(t[:n] for t, n in zip(tables, counts, strict=True)), dtype=np.int32,
+        count=sum(counts),
     )
+    last_page = indices[np.cumsum(npages) - 1].astype(np.int64)
+    return seq, npages, indices, last_page * page_size + st % page_size
+
+
+def decode_metadata(
+    starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For a decode batch (one new token per request at position starts[i], written through
+    page table tables[i]): (out_slots int64 [B], kv_indptr int32 [B+1], kv_indices int32 [nnz],
+    kv_last_page_len int32 [B]), the same values ForwardBatch.build and paged_kv_metadata give.
+    Raises ValueError when a table is too short or uses the padding page."""
+    seq, npages, indices, out_slots = _decode_pages(starts, tables, page_size)
+    indptr = np.zeros(len(npages) + 1, dtype=np.int32)
+    np.cumsum(npages, out=indptr[1:])
     last = (seq - (npages - 1) * page_size).astype(np.int32)
     return out_slots, indptr, indices, last
 
@@ -92,19 +101,10 @@ def decode_table(
     """For a decode batch as in decode_metadata: (out_slots int64 [B], seq_lens int32 [B],
     page table int32 [B, W]) with W the most pages any request needs, rows padded with the
     padding page (the dense form XQA reads). Raises ValueError like decode_metadata."""
-    st = np.asarray(starts, dtype=np.int64)
-    seq = st + 1
-    npages = ((seq + (page_size - 1)) // page_size).tolist()
-    width = max(npages)
-    table = np.zeros((len(npages), width), dtype=np.int32)
-    for i, (t, n) in enumerate(zip(tables, npages, strict=True)):
-        row = t[:n]
-        if len(row) < n or PAD_PAGE in row:
-            raise ValueError(f"request {i}: page table {list(row)} cannot hold {int(seq[i])} tokens "
-                             f"off the padding page")
-        table[i, :n] = row
-    last_page = table[np.arange(len(npages)), np.asarray(npages) - 1].astype(np.int64)
-    return last_page * page_size + st % page_size, seq.astype(np.int32), table
+    seq, npages, indices, out_slots = _decode_pages(starts, tables, page_size)
+    table = np.full((len(npages), int(npages.max())), PAD_PAGE, dtype=np.int32)
+    table[np.arange(table.shape[1])[None, :] < npages[:, None]] = indices  # row-major: request order
+    return out_slots, seq.astype(np.int32), table
 
 
 class _Pinned:

@@ -278,9 +278,8 @@ class FlashInferAttention(AttentionBackend):
         if bs > self.max_batch:
             raise ValueError(f"graph batch {bs} exceeds max_batch {self.max_batch}")
         if self.uses_xqa(bs):  # no wrapper: the graph reads the static table and lengths
-            self._g_table[:bs].zero_()
-            self._g_seq[:bs].fill_(1)
-            self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])
+            empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
+            self.set_graph_table(bs, empty[:, 0], empty)  # every row padding until the first replay
             return None
         self._xqa_args = None
         w = self._graph.get(bs)
@@ -307,12 +306,7 @@ class FlashInferAttention(AttentionBackend):
         """Plan the captured wrapper of size `bs` for this decode batch (rows past
         batch.batch_size are padding: one token on the padding page)."""
         if self.uses_xqa(bs):
-            b, w = batch.batch_size, batch.page_table.shape[1]
-            self._g_table[:b, :w].copy_(batch.page_table)
-            self._g_table[b:bs].zero_()
-            self._g_seq[:b].copy_(batch.seq_lens)
-            self._g_seq[b:bs].fill_(1)
-            self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])
+            self.set_graph_table(bs, batch.seq_lens, batch.page_table)
             return
         indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
         indptr, indices, last = pad_metadata(indptr, indices, last, bs - batch.batch_size)
@@ -329,8 +323,13 @@ class FlashInferAttention(AttentionBackend):
         self._xqa_args = None
 
     def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
-        """Point the XQA graph of size `bs` at this step: seq_lens int32 [bs] and table int32
-        [bs, w] (w <= max_pages_per_req), both on the device, padding rows included."""
-        self._g_seq[:bs].copy_(seq_lens)
-        self._g_table[:bs, : table.shape[1]].copy_(table)
+        """Point the XQA graph of size `bs` at this step: seq_lens int32 [b] and table int32
+        [b, w] (b <= bs, w <= max_pages_per_req) on the device; rows b..bs become padding (one
+        token on the padding page). Columns past each row's pages are never read."""
+        b, w = table.shape
+        self._g_seq[:b].copy_(seq_lens)
+        self._g_table[:b, :w].copy_(table)
+        if b < bs:
+            self._g_seq[b:bs].fill_(1)
+            self._g_table[b:bs, 0].fill_(PAD_PAGE)
         self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])
