@@ -129,3 +129,122 @@ def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexp
         acc += wt.to(tl.float32) * (s * tl.load(nw + cols).to(tl.float32))[None, :]
     rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     tl.store(y + rows, (tl.sum(acc, 1) * rrms).to(y.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def decode_attention_kernel(
+    qkv, qkv_stride, positions, cos_sin, cs_stride, q_w, k_w, eps,
+    k_cache, v_cache, table, table_stride, part_o, part_lse, counters, out, sm_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NSPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """Split-KV decode attention of one (request, KV head, split), see triton_ops.decode_attention."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    G: tl.constexpr = HQ // HKV
+    half: tl.constexpr = D // 2
+    act = out.dtype.element_ty
+    dot_t = tl.float32 if F32_DOT else act  # the same bf16 values; triton's interpreter needs fp32 dots
+    cache_t = k_cache.dtype.element_ty
+    pos = tl.load(positions + b)  # the new token's position: the request holds pos + 1 tokens
+    # splits of whole BLOCK_N blocks over the pos + 1 tokens; the new token's split owns it
+    chunk = tl.cdiv(tl.cdiv(pos + 1, NSPLIT), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    owner = (pos // chunk) == s
+    end = tl.minimum(start + chunk, pos + 1)
+    if PROLOGUE:  # the new token's K/V come from registers, the pool is read below pos only
+        end = tl.minimum(end, pos)
+    h = tl.arange(0, BLOCK_H)
+    hm = h < G
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    trow = table + b * table_stride
+    kv_off = kvh * D + d[None, :]
+    if PDL:  # q (and the new K/V) are the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()
+    row = qkv + b * qkv_stride
+    if PROLOGUE:
+        # neox RoPE on full-width loads: rot(x)[d] = x[d] cos - x[d + D/2] sin (first half),
+        # x[d] cos + x[d - D/2] sin (second half); rounding as in qk_norm_rope_store
+        dsw = (d + half) % D
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_sin + pos * cs_stride + d % half)
+        sin = tl.load(cos_sin + pos * cs_stride + half + d % half)
+        qh = (kvh * G + h)[:, None] * D
+        x = tl.load(row + qh + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        xs = tl.load(row + qh + dsw[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        kb = row + HQ * D + kvh * D
+        k = tl.load(kb + d).to(tl.float32)
+        ks = tl.load(kb + dsw).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+            x = (x * r * tl.load(q_w + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
+            xs = (xs * r * tl.load(q_w + dsw).to(tl.float32)[None, :]).to(act).to(tl.float32)
+            rk = tl.rsqrt(tl.sum(k * k, 0) / D + eps)
+            k = (k * rk * tl.load(k_w + d).to(tl.float32)).to(act).to(tl.float32)
+            ks = (ks * rk * tl.load(k_w + dsw).to(tl.float32)).to(act).to(tl.float32)
+        q = (x * cos[None, :] + sign[None, :] * xs * sin[None, :]).to(act)
+        k_new = (k * cos + sign * ks * sin).to(act).to(cache_t)
+        v_new = tl.load(row + (HQ + HKV) * D + kvh * D + d).to(cache_t)
+        slot = tl.load(trow + pos // PS).to(tl.int64) * PS + pos % PS
+        own = tl.full([D], 0, tl.int32) + s == pos // chunk
+        tl.store(k_cache + slot * (HKV * D) + kvh * D + d, k_new, mask=own)
+        tl.store(v_cache + slot * (HKV * D) + kvh * D + d, v_new, mask=own)
+    else:
+        q = tl.load(row + (kvh * G + h)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
+    scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    m_i = tl.full([BLOCK_H], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + n
+        tm = t < end
+        slots = tl.load(trow + t // PS, mask=tm, other=0).to(tl.int64) * PS + t % PS
+        kt = tl.load(k_cache + slots[:, None] * (HKV * D) + kv_off, mask=tm[:, None], other=0.0).to(act)
+        vt = tl.load(v_cache + slots[:, None] * (HKV * D) + kv_off, mask=tm[:, None], other=0.0).to(act)
+        qk = tl.dot(q.to(dot_t), tl.trans(kt.to(dot_t))) * scale
+        qk = tl.where(tm[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(act).to(dot_t), vt.to(dot_t))
+        m_i = m_new
+    if PROLOGUE:  # the new token, in the owner split only
+        kf = k_new.to(act).to(tl.float32)
+        s_new = tl.sum(q.to(tl.float32) * kf[None, :], 1) * scale
+        s_new = tl.where(owner, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        p_new = tl.exp2(s_new - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(act).to(tl.float32)[None, :]
+        m_i = m_new
+    # this split's normalized partial output and log2-sum-exp; empty splits weigh nothing
+    part = (b * HKV + kvh) * NSPLIT
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    o_part = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(part_o + ((part + s) * BLOCK_H + h[:, None]) * D + d[None, :], o_part, mask=hm[:, None])
+    tl.store(part_lse + (part + s) * BLOCK_H + h, lse, mask=hm)
+    # the last split of this (request, head) to finish merges all of them (no merge kernel)
+    tl.debug_barrier()
+    done = tl.atomic_add(counters + b * HKV + kvh, 1, sem="acq_rel")
+    if done == NSPLIT - 1:
+        m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for i in range(NSPLIT):
+            m_all = tl.maximum(m_all, tl.load(part_lse + (part + i) * BLOCK_H + h, mask=hm, other=0.0,
+                                              cache_modifier=".cg"))
+        den = tl.zeros([BLOCK_H], tl.float32)
+        o = tl.zeros([BLOCK_H, D], tl.float32)
+        for i in range(NSPLIT):
+            w = tl.exp2(tl.load(part_lse + (part + i) * BLOCK_H + h, mask=hm, other=0.0, cache_modifier=".cg")
+                        - m_all)
+            den += w
+            o += w[:, None] * tl.load(part_o + ((part + i) * BLOCK_H + h[:, None]) * D + d[None, :],
+                                      mask=hm[:, None], other=0.0, cache_modifier=".cg")
+        o = o / den[:, None]
+        tl.store(out + (b * HQ + kvh * G + h[:, None]) * D + d[None, :], o.to(act), mask=hm[:, None])
+        tl.store(counters + b * HKV + kvh, 0)  # ready for the next launch

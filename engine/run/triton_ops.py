@@ -86,6 +86,15 @@ def supported(head_dim: int, q: torch.Tensor) -> bool:
 
 
 
+@functools.cache
+def _interpreted() -> bool:
+    """Whether triton runs kernels in its CPU interpreter (the tests), whose bf16 tl.dot is
+    wrong: kernels then multiply the same bf16 values in float32. Triton's own switch, read once."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _p2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -205,3 +214,90 @@ def add_norm_gemv(
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
     )
     return y, r_out
+
+
+# ---------------------------------------------------------------- small-batch decode attention
+
+DECODE_BLOCK_H = 16  # query rows per program: a GQA group padded to one tensor-core tile
+
+
+def decode_splits(batch: int, num_kv_heads: int, sm_count: int) -> int:
+    """Splits of each sequence so that batch * Hkv * splits programs about fill the GPU twice
+    over (1..32; fixed per batch size, so a CUDA graph keeps one grid)."""
+    return max(1, min(32, -(-2 * sm_count // (batch * num_kv_heads))))
+
+
+def decode_workspace(max_batch: int, num_kv_heads: int, head_dim: int, sm_count: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(partial outputs fp32, partial log-sum-exps fp32, zeroed merge counters int32) for
+    decode_attention up to max_batch requests; the counters return to zero after each launch."""
+    rows = max(max_batch * num_kv_heads * decode_splits(b, num_kv_heads, sm_count)
+               for b in range(1, max_batch + 1))
+    return (
+        torch.empty(rows * DECODE_BLOCK_H * head_dim, dtype=torch.float32, device=device),
+        torch.empty(rows * DECODE_BLOCK_H, dtype=torch.float32, device=device),
+        torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device),
+    )
+
+
+def decode_attention(
+    x: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_size: int,
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    splits: int,
+    cos_sin_cache: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention of B requests, one new token each at `positions` (int64 [B]), over the
+    pages in `table` (int32 [B, W]; row i holds positions 0..positions[i]), in one launch:
+    each (request, KV head, split) program attends its GQA group over one slice of the
+    sequence and writes a partial result; the last program of a (request, head) to finish
+    (an atomic counter) merges them, so there is no separate merge kernel.
+
+    Without cos_sin_cache, x is q [B, Hq * D] (row stride free) and the new K/V are already
+    in the pool. With it, x is the layer's QKV projection [B, (Hq + 2 Hkv) * D] and the
+    prologue runs in the same launch: optional per-head q/k RMSNorm (both weights or
+    neither), neox RoPE from cos_sin_cache (float32 [max_pos, D], cos | sin), and the new
+    K/V written to their slot by the program whose split owns the new token (which attends
+    them from registers: no program reads a slot written in this launch). Returns out
+    [B, Hq, D] in x's dtype."""
+    bsz = x.shape[0]
+    prologue = cos_sin_cache is not None
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim if prologue else num_q_heads * head_dim
+    if x.stride(-1) != 1 or x.shape[1] != width or num_q_heads % num_kv_heads:
+        raise ValueError(f"decode_attention: x {tuple(x.shape)} for Hq {num_q_heads} Hkv {num_kv_heads} "
+                         f"D {head_dim} prologue {prologue}")
+    if num_q_heads // num_kv_heads > DECODE_BLOCK_H or table.dtype != torch.int32 or table.stride(-1) != 1:
+        raise ValueError(f"decode_attention: group {num_q_heads // num_kv_heads} > {DECODE_BLOCK_H} "
+                         f"or table {table.dtype} not contiguous int32 rows")
+    norm = q_norm_weight is not None
+    if norm != (k_norm_weight is not None):
+        raise ValueError("pass both q and k norm weights or neither")
+    part_o, part_lse, counters = workspace
+    if bsz * num_kv_heads > counters.numel() or bsz * num_kv_heads * splits * DECODE_BLOCK_H > part_lse.numel():
+        raise ValueError(f"decode_attention: batch {bsz} x {splits} splits exceeds the workspace")
+    out = torch.empty(bsz, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
+    if bsz == 0:
+        return out
+    cs = cos_sin_cache if prologue else x
+    _k().decode_attention_kernel[(bsz, num_kv_heads, splits)](
+        x, x.stride(0), positions, cs, cs.stride(0), q_norm_weight if norm else x,
+        k_norm_weight if norm else x, eps, k_cache, v_cache, table, table.stride(0),
+        part_o, part_lse, counters, out, head_dim ** -0.5,
+        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
+        BLOCK_H=DECODE_BLOCK_H, PROLOGUE=prologue, NORM=norm, PDL=_pdl(), F32_DOT=_interpreted(),
+        num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
+    )
+    return out

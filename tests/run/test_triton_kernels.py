@@ -98,3 +98,77 @@ def test_add_norm_gemv(with_residual: bool) -> None:
 
 def test_gemv_config_is_none_off_cuda() -> None:
     assert triton_ops.gemv_config(torch.zeros(64, 1024, dtype=BF)) is None  # CPU: cuBLAS/torch stays
+
+
+def _decode_case(b: int, hq: int, hkv: int, d: int, ps: int, lens: list[int], kv_dtype: torch.dtype, seed: int):
+    """A pool with random K/V, a page table per request (scattered pages, padding past the
+    end) and a QKV row per request whose new token sits at position lens[i] - 1."""
+    g = torch.Generator().manual_seed(seed)
+    w = max(-(-n // ps) for n in lens) + 1
+    pages = torch.randperm(b * w + 8, generator=g)[: b * w] + 1  # page 0 is padding
+    table = pages.reshape(b, w).to(torch.int32)
+    slots_n = (b * w + 9) * ps
+    kc = torch.randn(slots_n, hkv, d, generator=g).to(kv_dtype)
+    vc = torch.randn(slots_n, hkv, d, generator=g).to(kv_dtype)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(BF)
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.int64)
+    return table, kc, vc, qkv, pos
+
+
+def _slots_of(table: torch.Tensor, ps: int, n: int, i: int) -> torch.Tensor:
+    t = torch.arange(n)
+    return table[i, t // ps].long() * ps + t % ps
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "ps", "lens", "splits", "norm", "kv_dtype"), [
+    (16, 8, 128, 16, [1080], 16, True, BF),  # Qwen3-0.6B's geometry, batch 1
+    (8, 2, 64, 16, [1, 37, 300], 4, False, BF),  # a one-token request, splits left empty
+    (4, 1, 32, 8, [5, 64], 3, True, BF),
+    (4, 2, 64, 16, [33, 200], 5, True, torch.float8_e4m3fn),  # an fp8 pool: quantized new K/V
+])
+def test_decode_attention_matches_torch(hq: int, hkv: int, d: int, ps: int, lens: list[int], splits: int,
+                                        norm: bool, kv_dtype: torch.dtype) -> None:
+    b = len(lens)
+    table, kc, vc, qkv, pos = _decode_case(b, hq, hkv, d, ps, lens, kv_dtype, seed=hq + d + b)
+    rot = ops.Rotary(1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d)), d, 2048)
+    cache = rot.cos_sin_cache(torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    qw, kw = torch.rand(d, generator=g).to(BF) + 0.5, torch.rand(d, generator=g).to(BF) + 0.5
+    ws = triton_ops.decode_workspace(b, hkv, d, 64, torch.device("cpu"))
+    new_slots = torch.stack([_slots_of(table, ps, n, i)[-1] for i, n in enumerate(lens)])
+
+    # reference: the tested prologue kernel stores K/V and gives q, then SDPA over each request's slots
+    kr, vr = kc.clone(), vc.clone()
+    q = triton_ops.qk_norm_rope_store(qkv, hq, hkv, d, pos, cache, new_slots, kr, vr,
+                                      qw if norm else None, kw if norm else None, 1e-6)
+    ref = torch.empty(b, hq, d)
+    for i, n in enumerate(lens):
+        s = _slots_of(table, ps, n, i)
+        k, v = kr[s].to(BF).transpose(0, 1), vr[s].to(BF).transpose(0, 1)  # [Hkv, n, D]
+        ref[i] = F.scaled_dot_product_attention(q[i].float()[:, None], k.float(), v.float(), enable_gqa=True)[:, 0]
+
+    # fused: the prologue in the same launch, the new K/V written by the kernel
+    kf, vf = kc.clone(), vc.clone()
+    out = triton_ops.decode_attention(qkv, hq, hkv, d, pos, table, kf, vf, ps, ws, splits, cache,
+                                      qw if norm else None, kw if norm else None, 1e-6)
+    assert out.shape == (b, hq, d) and out.dtype == BF
+    torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.03)
+    assert torch.equal(kf.view(torch.uint8), kr.view(torch.uint8))  # same slots, same bits
+    assert torch.equal(vf.view(torch.uint8), vr.view(torch.uint8))
+    assert not ws[2].any()  # the merge counters are back to zero for the next launch
+
+    # plain: q given, K/V already in the pool (the same kernel without the prologue)
+    out2 = triton_ops.decode_attention(q.reshape(b, hq * d), hq, hkv, d, pos, table, kr, vr, ps, ws, splits)
+    torch.testing.assert_close(out2.float(), ref, atol=0.03, rtol=0.03)
+
+
+def test_decode_attention_rejects_bad_shapes() -> None:
+    ws = triton_ops.decode_workspace(1, 2, 64, 8, torch.device("cpu"))
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    kc = torch.zeros(64, 2, 64, dtype=BF)
+    with pytest.raises(ValueError, match="decode_attention"):
+        triton_ops.decode_attention(torch.zeros(1, 5 * 64, dtype=BF), 4, 2, 64, torch.zeros(1, dtype=torch.int64),
+                                    table, kc, kc, 16, ws, 2)
+    with pytest.raises(ValueError, match="workspace"):
+        triton_ops.decode_attention(torch.zeros(2, 4 * 64, dtype=BF), 4, 2, 64, torch.zeros(2, dtype=torch.int64),
+                                    torch.zeros(2, 4, dtype=torch.int32), kc, kc, 16, ws, 2)
