@@ -19,7 +19,7 @@ class Env:
     digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
     flashinfer_prefill_backend: str  # STRATA_FLASHINFER_PREFILL_BACKEND: fa2 (default) | fa3 | auto
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
-    decode_kernel: str  # STRATA_DECODE_KERNEL: auto (XQA where it measured faster) | fa2 | xqa
+    decode_kernel: str  # STRATA_DECODE_KERNEL: auto (the fastest measured per batch) | fa2 | xqa | triton
     fused_prologue: bool  # STRATA_FUSED_PROLOGUE: one triton kernel for q/k norm + RoPE + KV store (1)
     triton_gemv: bool  # STRATA_TRITON_GEMV: batch-1 projections as triton GEMVs, not cuBLAS (1)
     gemv_tune: str | None  # STRATA_GEMV_TUNE: JSON {"N,K": [block_n, block_k, warps, stages]} overrides

@@ -117,13 +117,15 @@ class Attention(nn.Module):
         t = qkv.shape[0]
         if rope[0] == "fused" and rope[3]:  # one kernel: q/k norm, RoPE, K/V into the pool
             qn, kn = self.q_norm, self.k_norm
-            q = triton_ops.qk_norm_rope_store(
-                qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope[1], rope[2], batch.out_slots,
-                kv.k[self.layer_id], kv.v[self.layer_id],
-                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                qn.eps if qn is not None else 0.0,
-            )
-            o = backend.attend(q, self.layer_id, batch, kv)
+            norm = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
+            # the backend's decode kernel may take the prologue too (one launch for all of attention)
+            o = backend.attend_qkv(qkv, self.layer_id, batch, kv, rope[1], rope[2], *norm)
+            if o is None:
+                q = triton_ops.qk_norm_rope_store(
+                    qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope[1], rope[2], batch.out_slots,
+                    kv.k[self.layer_id], kv.v[self.layer_id], *norm,
+                )
+                o = backend.attend(q, self.layer_id, batch, kv)
             return self.o_proj(o.reshape(t, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)

@@ -5,7 +5,10 @@ reference:
   * paged decode attention: flashinfer's tensor-core decode (FA2 prefill kernel + merge),
     flashinfer's XQA decode (TRT-LLM kernel; bf16 KV and, on SM90, the fp8 GMMA kernel);
   * the attention prologue: q/k RMSNorm + RoPE + K/V store as separate kernels versus
-    engine/run/triton_ops.qk_norm_rope_store.
+    engine/run/triton_ops.qk_norm_rope_store;
+  * a layer's whole decode attention from its QKV projection: that prologue + flashinfer's
+    tensor-core decode (+ merge) versus engine/run/triton_ops.decode_attention (one launch),
+    over batch sizes and kernel configs (block_n, warps, splits).
 
 Usage: python3 scripts/attn_probe.py [--json OUT]
 """
@@ -204,6 +207,76 @@ def _prologue_case(name, hq, hkv, norm, batch, layers, kv_dtype, results) -> Non
           f"err q/k/v {errs[0]:.3g}/{errs[1]:.3g}/{errs[2]:.3g}", flush=True)
 
 
+def probe_fused(name: str, hq: int, hkv: int, norm: bool, batch: int, ctx: int, layers: int, results: list,
+                kv_dtype: torch.dtype = torch.bfloat16) -> None:
+    import flashinfer
+
+    d = 128
+    kv, table = make_kv(layers, batch, ctx + 1, hkv, d, kv_dtype)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    seq[::2] = ctx - 7
+    pos = (seq - 1).to(torch.int64)
+    slots = table.gather(1, (pos // PS)[:, None]).long()[:, 0] * PS + pos % PS
+    rot = ops.Rotary(1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d)), d, ctx + 8)
+    cache = rot.cos_sin_cache(DEV)
+    qw = torch.rand(d, device=DEV, dtype=torch.bfloat16) + 0.5
+    kw = torch.rand(d, device=DEV, dtype=torch.bfloat16) + 0.5
+    nw = (qw, kw) if norm else (None, None)
+    qkv = [torch.randn(batch, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16) for _ in range(layers)]
+    flat = [(k.view(-1, hkv, d), v.view(-1, hkv, d)) for k, v in kv]
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
+    npages = (seq + PS - 1) // PS
+    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(npages, 0)
+    cols = torch.arange(table.shape[1], device=DEV)[None, :] < npages[:, None]
+    indices = table[cols].contiguous()
+    last = (seq - (npages - 1) * PS).to(torch.int32)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
+        paged_kv_last_page_len_buffer=last.clone(),
+    )
+    w.plan(indptr.cpu(), indices, last.cpu(), hq, hkv, d, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+
+    def current(i: int) -> torch.Tensor:
+        q = triton_ops.qk_norm_rope_store(qkv[i], hq, hkv, d, pos, cache, slots, *flat[i], *nw, 1e-6)
+        return w.run(q, kv[i])
+
+    sm = torch.cuda.get_device_properties(DEV).multi_processor_count
+    tws = triton_ops.decode_workspace(batch, hkv, d, 4 * sm, DEV)
+
+    def fused(i: int, splits: int, block_n: int, warps: int, stages: int) -> torch.Tensor:
+        return triton_ops.decode_attention(qkv[i], hq, hkv, d, pos, table, *flat[i], PS, tws, splits, cache,
+                                           *nw, 1e-6, block_n=block_n, num_warps=warps, num_stages=stages)
+
+    q0 = triton_ops.qk_norm_rope_store(qkv[0], hq, hkv, d, pos, cache, slots, *flat[0], *nw, 1e-6)
+    n_ref = min(batch, 4)
+    ref = ref_attention(q0[:n_ref], *kv[0], table[:n_ref], seq[:n_ref])
+    err_cur = (current(0)[:n_ref].float() - ref).abs().max().item()
+    t_cur = graph_ms(lambda: [current(i) for i in range(layers)])
+    base = triton_ops.decode_splits(batch, hkv, sm)
+    row = {"case": name, "batch": batch, "ctx": ctx, "kv_dtype": str(kv_dtype), "current_ms": t_cur,
+           "current_err": err_cur, "default_splits": base, "configs": []}
+    line = f"fused {name:8s} b={batch:3d} ctx={ctx:5d} {str(kv_dtype):15s} prologue+fa2 {t_cur:.3f} ms ({err_cur:.3g})"
+    best = None
+    configs = ((base, 32, 4, 2), (base, 64, 4, 2), (base, 32, 2, 2), (base, 16, 4, 2), (base, 32, 4, 3),
+               (max(1, base // 2), 32, 4, 2), (min(32, base * 2), 32, 4, 2))
+    for splits, block_n, warps, stages in configs:
+        try:
+            err = (fused(0, splits, block_n, warps, stages)[:n_ref].float() - ref).abs().max().item()
+            t = graph_ms(lambda a=(splits, block_n, warps, stages): [fused(i, *a) for i in range(layers)])
+        except Exception as e:  # noqa: BLE001
+            print(f"fused {name} {splits, block_n, warps, stages} failed: {e!r}"[:600])
+            err, t = float("nan"), float("nan")
+        row["configs"].append({"splits": splits, "block_n": block_n, "warps": warps, "stages": stages,
+                               "ms": t, "err": err})
+        if best is None or t < best[0]:
+            best = (t, splits, block_n, warps, stages, err)
+    row["default_ms"] = row["configs"][0]["ms"]
+    results.append(row)
+    print(f"{line} | triton default {row['default_ms']:.3f} ms ({row['configs'][0]['err']:.3g}) | best "
+          f"{best[0]:.3f} ms at splits {best[1]} block_n {best[2]} warps {best[3]} stages {best[4]}", flush=True)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -216,6 +289,12 @@ def main() -> None:
         for name, hq, hkv, norm in (("llama8b", 32, 8, False), ("qwen3", 16, 8, True)):
             for b in (1, 256):
                 probe_prologue(name, hq, hkv, norm, b, 32 if name == "llama8b" else 28, results)
+    if "fused" not in a.skip:
+        for name, hq, hkv, norm, layers in (("qwen3", 16, 8, True, 28), ("llama8b", 32, 8, False, 32)):
+            for b in (1, 2, 4, 8, 16, 32):
+                probe_fused(name, hq, hkv, norm, b, 1024, layers, results)
+            probe_fused(name, hq, hkv, norm, 1, 8192, layers, results)
+            probe_fused(name, hq, hkv, norm, 1, 1024, layers, results, torch.float8_e4m3fn)
     if "attention" not in a.skip:
         probe_attention("llama8b", 32, 8, 1, 1024, 32, results)
         probe_attention("qwen3", 16, 8, 1, 1024, 28, results)

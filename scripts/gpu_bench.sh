@@ -89,6 +89,14 @@ for what in "$@"; do case $what in
   latencyab) for v in "STRATA_DECODE_KERNEL=fa2" "STRATA_FUSED_PROLOGUE=0" "STRATA_XQA_PDL=0"; do
             env $v bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 \
               --context-len 1024 --steps 50 --out "$OUT/latency-llama-ab-${v%%=*}.json" 2>&1 | grep -A3 "batch  ctx" | sed "s/^/$v /"; done ;;
+  fused) run attn-fused 240 python3 scripts/attn_probe.py --skip prologue attention --json "$OUT/attn_probe-fused-h200.json"
+         grep "^fused" "$OUT/attn-fused.log" ;;
+  checktr) STRATA_DECODE_KERNEL=triton run gpu-check-triton 200 python3 scripts/gpu_check.py --skip transformers \
+            --json "$OUT/gpu_check-triton-decode-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-triton.log" | tail -5 ;;
+  latencydk) for v in fa2 auto; do for m in qwen3-0.6b llama-3.1-8b; do
+            STRATA_DECODE_KERNEL=$v run latency-$m-dk-$v 100 bin/bench latency --model configs/$m --load-format dummy \
+              --batch-sizes 1 2 4 8 16 --context-len 1024 --steps 100 --out "$OUT/latency-$m-decode-$v-h200.json"
+            grep -A7 "batch  ctx" "$OUT/latency-$m-dk-$v.log"; done; done ;;
   attn) run attn-probe 300 python3 scripts/attn_probe.py --json "$OUT/attn_probe-h200.json"; grep -v -i warn "$OUT/attn-probe.log" | tail -20 ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;

@@ -224,8 +224,8 @@ class CudaGraphRunner:
             self._pinned = _Pinned(self.max_batch, self.backend._g_indices.numel())
             self._dev_i32 = torch.zeros_like(self._pinned.i32[0], device=self.device)
         h64, h32 = self._pinned.take()
-        xqa = self.backend.uses_xqa(bs)
-        if xqa:
+        dense = self.backend.uses_table(bs)
+        if dense:
             out_slots, seq, table = decode_table(starts, tables, ps)
         else:
             out_slots, indptr, indices, last = decode_metadata(starts, tables, ps)
@@ -236,7 +236,7 @@ class CudaGraphRunner:
         self.meta.copy_(h64, non_blocking=True)
         n = self.max_batch
         a = h32.numpy()
-        if xqa:  # [0, bs): KV lengths; [n, n + bs*w): the dense page table
+        if dense:  # [0, bs): KV lengths; [n, n + bs*w): the dense page table
             w = table.shape[1]
             a[:b], a[b:bs] = seq, 1
             t = a[n : n + bs * w].reshape(bs, w)
@@ -260,7 +260,7 @@ class CudaGraphRunner:
             torch.where(raw < 0, last_token[self.meta[3, :bs]], raw, out=self.input_ids[:bs])
         else:
             self.input_ids[:bs].copy_(self.meta[0, :bs])
-        if not xqa:
+        if not dense:
             self.backend.plan_graph_arrays(bs, h32[: bs + 1], h32[n + 1 : n + 1 + bs], g_indices)
         self._pinned.release()
         self.graphs[bs].replay()

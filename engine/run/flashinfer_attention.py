@@ -19,9 +19,13 @@ Decode batches may instead run flashinfer's XQA kernel (TensorRT-LLM's decode at
 on SM90 with an fp8 KV cache its GMMA kernel reads fp8 at ~3.8 TB/s where the tensor-core
 decode above stays at the bf16 step time). XQA needs no plan: it reads the dense page
 table [B, W] and the KV lengths on the device, splits long sequences across CTAs and
-merges them in the same launch. `use_xqa` decides per batch size, from measurements on an
-H200 (scripts/attn_probe.py, bench/results/attn_probe-h200.json): with bf16 KV it is faster
-at batch 1 on its own but made the served step slower, and is slower at batch 256; with fp8 KV
+merges them in the same launch. Small decode batches may run our triton kernel
+(engine/run/triton_ops.decode_attention), which reads the same dense table and does the
+layer's whole attention in one launch: the q/k norm + RoPE + K/V store prologue (the model
+hands it the QKV projection through `attend_qkv`), split-KV attention and the merge.
+`choose_decode_kernel` decides per batch size, from measurements on an H200
+(scripts/attn_probe.py, bench/results/attn_probe-h200.json): with bf16 KV XQA is faster at
+batch 1 on its own but made the served step slower, and is slower at batch 256; with fp8 KV
 it is faster everywhere (2x with --attention-fp8-math).
 
 CUDA graphs (engine/run/cuda_graph.py): `graph_wrapper(bs)` builds a decode wrapper with
@@ -69,16 +73,44 @@ def xqa_supported(capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: t
     )
 
 
-def use_xqa(mode: str, supported: bool, kv_dtype: torch.dtype, batch: int) -> bool:
-    """Decode kernel choice for a decode batch: mode "fa2" never, "xqa" whenever supported,
-    "auto" when supported and measured faster in the served model: an fp8 KV cache only.
-    (bf16: XQA alone beats FA2 at batch 1, 0.27 vs 0.35 ms per 32 layers, but inside the model
-    the step got slower, 5.06 vs 4.71 ms; at batch 256 it is slower alone too.)"""
-    if mode not in ("auto", "fa2", "xqa"):
-        raise ValueError(f"STRATA_DECODE_KERNEL must be auto, fa2 or xqa, got {mode!r}")
-    if mode == "fa2" or not supported:
-        return False
-    return mode == "xqa" or kv_dtype.itemsize == 1
+# the triton decode kernel (prologue + split-KV attention + merge in one launch) wins over FA2's
+# decode + merge + the separate prologue where launches dominate: small batches
+TRITON_DECODE_MAX_BATCH = 8
+DECODE_KERNELS = ("auto", "fa2", "xqa", "triton")
+
+
+def triton_decode_supported(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                            num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether engine/run/triton_ops.decode_attention takes this geometry (CUDA with triton, half
+    queries, KV of the query dtype or fp8 e4m3, a power-of-two head_dim, a GQA group <= 16)."""
+    from engine.run import triton_ops
+
+    return (
+        device.type == "cuda" and triton_ops.available()
+        and q_dtype in (torch.float16, torch.bfloat16) and kv_dtype in (q_dtype, torch.float8_e4m3fn)
+        and 16 <= head_dim and head_dim & (head_dim - 1) == 0
+        and num_q_heads // num_kv_heads <= triton_ops.DECODE_BLOCK_H
+    )
+
+
+def choose_decode_kernel(mode: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
+    """The kernel for a decode batch of this (padded) size: "fa2", "xqa" or "triton". A mode
+    names one (used where supported, else fa2); "auto" picks what measured fastest in the served
+    model: XQA for an fp8 KV cache, the triton kernel for bf16 batches <= TRITON_DECODE_MAX_BATCH,
+    FA2 otherwise. (bf16: XQA alone beats FA2 at batch 1, 0.27 vs 0.35 ms per 32 layers, but
+    inside the model the step got slower, 5.06 vs 4.71 ms; at batch 256 it is slower alone too.)"""
+    if mode not in DECODE_KERNELS:
+        raise ValueError(f"STRATA_DECODE_KERNEL must be one of {', '.join(DECODE_KERNELS)}, got {mode!r}")
+    if mode == "xqa":
+        return "xqa" if xqa_ok else "fa2"
+    if mode == "triton":
+        return "triton" if triton_ok else "fa2"
+    if mode == "auto":
+        if xqa_ok and kv_dtype.itemsize == 1:
+            return "xqa"
+        if triton_ok and batch <= TRITON_DECODE_MAX_BATCH:
+            return "triton"
+    return "fa2"
 
 
 class _Staging:
@@ -153,7 +185,9 @@ class FlashInferAttention(AttentionBackend):
         )
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self._active = None  # the wrapper planned for the current step
-        self._xqa_args: tuple[torch.Tensor, torch.Tensor] | None = None  # (table, seq_lens) when XQA runs
+        # (table, seq_lens) when this step's decode kernel reads the dense page table (XQA, triton)
+        self._table_args: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._table_kernel = "fa2"
         self._bound = False
         self._graph: dict[int, object] = {}
 
@@ -183,16 +217,41 @@ class FlashInferAttention(AttentionBackend):
         self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=self.device)
         cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._xqa_ok = xqa_supported(cap, self.q_dtype, self.dtype, self.head_dim, self.page_size)
-        self._xqa_mode = env().decode_kernel
-        use_xqa(self._xqa_mode, self._xqa_ok, self.dtype, 1)  # validates the mode once
-        if self._xqa_ok and self._xqa_mode != "fa2":
+        self._mode = env().decode_kernel
+        self._triton_ok = triton_decode_supported(self.device, self.q_dtype, self.dtype, num_q_heads,
+                                                  self.num_kv_heads, self.head_dim)
+        self._sm_count = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
+        )
+        choose_decode_kernel(self._mode, self._xqa_ok, self._triton_ok, self.dtype, 1)  # validates the mode
+        if self._xqa_ok and self._mode in ("auto", "xqa"):
             from flashinfer.xqa import get_xqa_module
 
             group = self.num_q_heads // self.num_kv_heads
             module = get_xqa_module(self.q_dtype, self.dtype, self.page_size, self.head_dim, group, False,
                                     self.q_dtype, 1)
             self._init_xqa(module.xqa)
+        if self._triton_ok and self._mode in ("auto", "triton"):
+            self._init_triton()
         self._bound = True
+
+    def _init_table(self) -> None:
+        """CUDA-graph inputs of the dense-table kernels: page-table rows and KV lengths
+        (padding rows: the padding page, one token)."""
+        if getattr(self, "_g_table", None) is None:
+            self._g_table = torch.zeros(self.max_batch, self.max_pages_per_req, dtype=torch.int32,
+                                        device=self.device)
+            self._g_seq = torch.ones(self.max_batch, dtype=torch.int32, device=self.device)
+
+    def _init_triton(self) -> None:
+        """The triton decode kernel's split workspace (batches up to TRITON_DECODE_MAX_BATCH, or
+        every batch when it is forced)."""
+        from engine.run import triton_ops
+
+        top = self.max_batch if self._mode == "triton" else min(self.max_batch, TRITON_DECODE_MAX_BATCH)
+        self._triton_ws = triton_ops.decode_workspace(top, self.num_kv_heads, self.head_dim, self._sm_count,
+                                                      self.device)
+        self._init_table()
 
     def _init_xqa(self, xqa_fn) -> None:  # noqa: ANN001 - flashinfer's compiled xqa op or a stand-in
         """xqa_fn(run_sm90_fp8_mha, sm_count, num_kv_heads, sliding_window, q_scale, out, rcp_out_scale,
@@ -204,18 +263,17 @@ class FlashInferAttention(AttentionBackend):
         self._xqa_fp8_gmma = self.fp8_math and self.dtype.itemsize == 1 and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device)[0] == 9
         self._xqa_pdl = env().xqa_pdl
-        self._sm_count = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
-        )
         # semaphores must start at zero (the kernel leaves them so): never shared with FA2
         self._xqa_ws = torch.zeros(_XQA_SEMAPHORE_BYTES + _XQA_SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
-        # CUDA-graph inputs: dense page-table rows and KV lengths (padding rows: page 0, 1 token)
-        self._g_table = torch.zeros(self.max_batch, self.max_pages_per_req, dtype=torch.int32, device=self.device)
-        self._g_seq = torch.ones(self.max_batch, dtype=torch.int32, device=self.device)
+        self._init_table()
 
-    def uses_xqa(self, batch_size: int) -> bool:
-        """Whether a decode batch of this (padded) size runs the XQA kernel."""
-        return use_xqa(self._xqa_mode, self._xqa_ok, self.dtype, batch_size)
+    def decode_kernel(self, batch_size: int) -> str:
+        """The kernel a decode batch of this (padded) size runs: "fa2", "xqa" or "triton"."""
+        return choose_decode_kernel(self._mode, self._xqa_ok, self._triton_ok, self.dtype, batch_size)
+
+    def uses_table(self, batch_size: int) -> bool:
+        """Whether that kernel reads the dense page table (set_graph_table) instead of a plan."""
+        return self.decode_kernel(batch_size) != "fa2"
 
     def _plan_kwargs(self) -> dict:
         return dict(q_data_type=self.q_dtype, kv_data_type=self.dtype)
@@ -232,9 +290,10 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("FlashInferAttention.bind() must be called before prepare()")
         if batch.page_table_cpu is None:
             raise ValueError("flashinfer attention needs ForwardBatch.page_table_cpu (build the batch with build())")
-        self._xqa_args = None
-        if batch.is_decode and self.uses_xqa(batch.batch_size):
-            self._xqa_args = (batch.page_table, batch.seq_lens)
+        self._table_args, self._table_kernel = None, "fa2"
+        if batch.is_decode and self.uses_table(batch.batch_size):
+            self._table_args = (batch.page_table, batch.seq_lens)
+            self._table_kernel = self.decode_kernel(batch.batch_size)
             return
         indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
         hq, hkv, d, ps = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
@@ -250,9 +309,32 @@ class FlashInferAttention(AttentionBackend):
             self._active = self._prefill
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
-        if self._xqa_args is not None:
-            return self._xqa(q, layer_id, *self._xqa_args)
+        if self._table_kernel == "xqa":
+            return self._xqa(q, layer_id, *self._table_args)
+        if self._table_kernel == "triton":
+            return self._triton(q.reshape(q.shape[0], -1), layer_id, batch.positions)
         return self._active.run(q, self._kv[layer_id])
+
+    def attend_qkv(
+        self, qkv: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor | None:
+        if self._table_kernel != "triton":
+            return None
+        return self._triton(qkv, layer_id, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+
+    def _triton(self, x: torch.Tensor, layer_id: int, positions: torch.Tensor, *prologue) -> torch.Tensor:  # noqa: ANN002
+        """The triton decode kernel over the dense table (triton_ops.decode_attention), with the
+        prologue when given (cos_sin_cache, q_norm_weight, k_norm_weight, eps)."""
+        from engine.run import triton_ops
+
+        b = x.shape[0]
+        return triton_ops.decode_attention(
+            x, self.num_q_heads, self.num_kv_heads, self.head_dim, positions, self._table_args[0],
+            self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_size, self._triton_ws,
+            triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count), *prologue,
+        )
 
     def _xqa(self, q: torch.Tensor, layer_id: int, table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """XQA decode: q [B, Hq, D] over the pages in table [B, W] (int32; W * page_size is the
@@ -277,11 +359,11 @@ class FlashInferAttention(AttentionBackend):
         with dummy rows (all on the padding page) and made active, ready for capture."""
         if bs > self.max_batch:
             raise ValueError(f"graph batch {bs} exceeds max_batch {self.max_batch}")
-        if self.uses_xqa(bs):  # no wrapper: the graph reads the static table and lengths
+        if self.uses_table(bs):  # no wrapper: the graph reads the static table and lengths
             empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
             self.set_graph_table(bs, empty[:, 0], empty)  # every row padding until the first replay
             return None
-        self._xqa_args = None
+        self._table_args, self._table_kernel = None, "fa2"
         w = self._graph.get(bs)
         if w is None:
             w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -305,7 +387,7 @@ class FlashInferAttention(AttentionBackend):
     def plan_graph(self, bs: int, batch: ForwardBatch) -> None:
         """Plan the captured wrapper of size `bs` for this decode batch (rows past
         batch.batch_size are padding: one token on the padding page)."""
-        if self.uses_xqa(bs):
+        if self.uses_table(bs):
             self.set_graph_table(bs, batch.seq_lens, batch.page_table)
             return
         indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
@@ -320,10 +402,10 @@ class FlashInferAttention(AttentionBackend):
         self._plan(w, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.page_size, **self._plan_kwargs())
         self._active = w
-        self._xqa_args = None
+        self._table_args, self._table_kernel = None, "fa2"
 
     def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
-        """Point the XQA graph of size `bs` at this step: seq_lens int32 [b] and table int32
+        """Point the XQA or triton graph of size `bs` at this step: seq_lens int32 [b] and table int32
         [b, w] (b <= bs, w <= max_pages_per_req) on the device; rows b..bs become padding (one
         token on the padding page). Columns past each row's pages are never read."""
         b, w = table.shape
@@ -332,4 +414,5 @@ class FlashInferAttention(AttentionBackend):
         if b < bs:
             self._g_seq[b:bs].fill_(1)
             self._g_table[b:bs, 0].fill_(PAD_PAGE)
-        self._xqa_args = (self._g_table[:bs], self._g_seq[:bs])
+        self._table_args = (self._g_table[:bs], self._g_seq[:bs])
+        self._table_kernel = self.decode_kernel(bs)

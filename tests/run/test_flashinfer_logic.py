@@ -13,7 +13,12 @@ import torch.nn.functional as F
 
 from engine.run.attention import TorchAttention
 from engine.run.cuda_graph import decode_table
-from engine.run.flashinfer_attention import FlashInferAttention, use_xqa, xqa_supported
+from engine.run.flashinfer_attention import (
+    TRITON_DECODE_MAX_BATCH,
+    FlashInferAttention,
+    choose_decode_kernel,
+    xqa_supported,
+)
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
 
@@ -78,7 +83,7 @@ def make_backend(pool: KVPool, hq: int, max_batch: int = 8) -> FlashInferAttenti
     be.workspace = torch.empty(0)
     be._staging = NoStaging()
     be._prefill, be._decode = RefWrapper(None), RefWrapper(None, use_tensor_cores=True)
-    be._active, be._bound, be._graph, be._xqa_args = None, False, {}, None
+    be._active, be._bound, be._graph, be._table_args, be._table_kernel = None, False, {}, None, "fa2"
     be.bind(num_q_heads=hq, kv_pool=pool, max_batch=max_batch, max_pages_per_req=16)
     return be
 
@@ -161,7 +166,7 @@ def ref_xqa(fp8_gmma, sm_count, num_kv_heads, window, q_scale, out, rcp_out_scal
 
 def xqa_backend(pool: KVPool, hq: int) -> FlashInferAttention:
     be = make_backend(pool, hq)
-    be._xqa_ok, be._xqa_mode = True, "xqa"
+    be._xqa_ok, be._mode = True, "xqa"
     be._init_xqa(ref_xqa)
     return be
 
@@ -172,11 +177,11 @@ def test_xqa_decode_eager_and_graph_match_torch() -> None:
     fi = xqa_backend(pools[1], hq)
     gen = torch.Generator().manual_seed(2)
     run_step([([1] * 6, 0, [3, 5]), ([2] * 3, 0, [7])], pools, [TorchAttention("cpu"), fi], hq, hkv, d, ps, gen)
-    assert fi._xqa_args is None  # prefill plans the FA2 prefill wrapper
+    assert fi._table_args is None  # prefill plans the FA2 prefill wrapper
     # eager decode: XQA over the batch's own page table
     batch, (ref, got) = run_step([([3], 6, [3, 5]), ([4], 3, [7])], pools, [TorchAttention("cpu"), fi],
                                  hq, hkv, d, ps, gen)
-    assert fi._xqa_args is not None and fi._xqa_args[0] is batch.page_table
+    assert fi._table_kernel == "xqa" and fi._table_args[0] is batch.page_table
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     # graph decode of padded size 4: capture-time padding, then this step's table
     assert fi.graph_wrapper(4) is None and fi._g_seq[:4].tolist() == [1, 1, 1, 1]
@@ -223,10 +228,19 @@ def test_xqa_choice() -> None:
     assert not xqa_supported((9, 0), bf, bf, 128, 8)  # page size XQA does not build
     assert not xqa_supported((9, 0), torch.float32, torch.float32, 128, 16)
     assert not xqa_supported((9, 0), bf, bf, 72, 16)
-    assert not use_xqa("auto", True, bf, 1) and not use_xqa("auto", True, bf, 64)
-    assert use_xqa("auto", True, f8, 256) and use_xqa("xqa", True, bf, 256)
-    assert not use_xqa("fa2", True, f8, 1) and not use_xqa("xqa", False, f8, 1)
+    top = TRITON_DECODE_MAX_BATCH
+    assert choose_decode_kernel("auto", True, False, bf, 1) == "fa2"  # bf16: XQA measured slower in place
+    assert choose_decode_kernel("auto", True, True, bf, 1) == "triton"
+    assert choose_decode_kernel("auto", True, True, bf, top) == "triton"
+    assert choose_decode_kernel("auto", True, True, bf, top + 1) == "fa2"
+    assert choose_decode_kernel("auto", True, True, f8, 1) == "xqa"  # fp8 KV: XQA everywhere
+    assert choose_decode_kernel("auto", False, True, f8, 1) == "triton"
+    assert choose_decode_kernel("xqa", True, True, bf, 256) == "xqa"
+    assert choose_decode_kernel("triton", True, True, f8, 256) == "triton"
+    assert choose_decode_kernel("fa2", True, True, f8, 1) == "fa2"
+    assert choose_decode_kernel("xqa", False, True, f8, 1) == "fa2"  # named but unsupported: FA2
+    assert choose_decode_kernel("triton", True, False, bf, 1) == "fa2"
     import pytest
 
     with pytest.raises(ValueError, match="STRATA_DECODE_KERNEL"):
-        use_xqa("fast", True, bf, 1)
+        choose_decode_kernel("fast", True, True, bf, 1)

@@ -172,3 +172,62 @@ def test_decode_attention_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="workspace"):
         triton_ops.decode_attention(torch.zeros(2, 4 * 64, dtype=BF), 4, 2, 64, torch.zeros(2, dtype=torch.int64),
                                     torch.zeros(2, 4, dtype=torch.int32), kc, kc, 16, ws, 2)
+
+
+def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> None:
+    """FlashInferAttention's host side of the triton decode kernel (the table it passes, the
+    prologue through attend_qkv, the padded graph rows) against TorchAttention."""
+    from test_flashinfer_logic import make_backend
+
+    from engine.run.attention import TorchAttention
+    from engine.run.forward import ForwardBatch
+    from engine.run.kv_pool import KVPool
+
+    hq, hkv, d, ps = 4, 2, 32, 4
+    g = torch.Generator().manual_seed(3)
+    pools = [KVPool(1, 32, ps, hkv, d, BF, "cpu") for _ in range(2)]
+    for p in pools:
+        p.k[0].copy_(torch.randn(p.k[0].shape, generator=torch.Generator().manual_seed(9)))
+        p.v[0].copy_(torch.randn(p.v[0].shape, generator=torch.Generator().manual_seed(10)))
+    fi = make_backend(pools[1], hq)
+    fi._triton_ok, fi._mode = True, "auto"
+    fi._init_triton()
+    rot = ops.Rotary(1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d)), d, 64)
+    cache = rot.cos_sin_cache(torch.device("cpu"))
+    qw, kw = torch.rand(d, generator=g).to(BF) + 0.5, torch.rand(d, generator=g).to(BF) + 0.5
+
+    def reference(batch: ForwardBatch, qkv: torch.Tensor) -> torch.Tensor:
+        q = triton_ops.qk_norm_rope_store(qkv, hq, hkv, d, batch.positions, cache, batch.out_slots,
+                                          pools[0].k[0], pools[0].v[0], qw, kw, 1e-6)
+        ref_be = TorchAttention("cpu")
+        ref_be.prepare(batch)
+        return ref_be.attend(q, 0, batch, pools[0]).float()
+
+    # eager decode: the batch's own page table
+    batch = ForwardBatch.from_requests([([3], 6, [3, 5]), ([4], 3, [7])], ps, "cpu")
+    qkv = torch.randn(2, (hq + 2 * hkv) * d, generator=g).to(BF)
+    fi.prepare(batch)
+    assert fi._table_kernel == "triton" and fi._table_args[0] is batch.page_table
+    got = fi.attend_qkv(qkv, 0, batch, pools[1], batch.positions, cache, qw, kw, 1e-6)
+    torch.testing.assert_close(got.float(), reference(batch, qkv), atol=0.03, rtol=0.03)
+    assert torch.equal(pools[0].k[0], pools[1].k[0]) and torch.equal(pools[0].v[0], pools[1].v[0])
+    # attend (K/V already stored, q given): the same kernel without the prologue
+    q = torch.randn(2, hq, d, generator=g).to(BF)
+    ref_be = TorchAttention("cpu")
+    ref_be.prepare(batch)
+    torch.testing.assert_close(fi.attend(q, 0, batch, pools[1]).float(), ref_be.attend(q, 0, batch, pools[0]).float(),
+                               atol=0.03, rtol=0.03)
+
+    # graph decode of padded size 4: static positions, the table set by plan_graph
+    assert fi.graph_wrapper(4) is None and fi._table_kernel == "triton"
+    batch = ForwardBatch.from_requests([([5], 7, [3, 5]), ([6], 4, [7, 9])], ps, "cpu")
+    qkv = torch.randn(4, (hq + 2 * hkv) * d, generator=g).to(BF)  # 2 real rows + 2 padding rows
+    fi._g_table.fill_(-1)  # stale columns past each row's pages must not be read
+    fi.plan_graph(4, batch)
+    positions = torch.tensor([7, 4, 0, 0])
+    got = fi.attend_qkv(qkv, 0, batch, pools[1], positions, cache, qw, kw, 1e-6)
+    torch.testing.assert_close(got[:2].float(), reference(batch, qkv[:2]), atol=0.03, rtol=0.03)
+    assert torch.isfinite(got.float()).all()
+    real = torch.ones(pools[0].k[0].shape[0], dtype=torch.bool)
+    real[:ps] = False  # the padding rows wrote their K/V into the padding page
+    assert torch.equal(pools[0].k[0][real], pools[1].k[0][real])
