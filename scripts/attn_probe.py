@@ -259,8 +259,9 @@ def probe_fused(name: str, hq: int, hkv: int, norm: bool, batch: int, ctx: int, 
            "current_err": err_cur, "default_splits": base, "configs": []}
     line = f"fused {name:8s} b={batch:3d} ctx={ctx:5d} {str(kv_dtype):15s} prologue+fa2 {t_cur:.3f} ms ({err_cur:.3g})"
     best = None
-    configs = ((base, 32, 4, 2), (base, 64, 4, 2), (base, 32, 2, 2), (base, 16, 4, 2), (base, 32, 4, 3),
-               (max(1, base // 2), 32, 4, 2), (min(32, base * 2), 32, 4, 2))
+    half = max(1, base // 2)
+    configs = ((base, 64, 4, 2), (base, 32, 4, 2), (base, 64, 8, 2), (base, 64, 2, 2), (base, 64, 4, 3),
+               (half, 64, 4, 2), (half, 32, 4, 2))
     for splits, block_n, warps, stages in configs:
         try:
             err = (fused(0, splits, block_n, warps, stages)[:n_ref].float() - ref).abs().max().item()

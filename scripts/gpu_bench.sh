@@ -95,7 +95,7 @@ for what in "$@"; do case $what in
             --json "$OUT/gpu_check-triton-decode-h200.json"; grep -E "FAIL|checks passed" "$OUT/gpu-check-triton.log" | tail -5 ;;
   latencydk) for v in fa2 auto; do for m in qwen3-0.6b llama-3.1-8b; do
             STRATA_DECODE_KERNEL=$v run latency-$m-dk-$v 100 bin/bench latency --model configs/$m --load-format dummy \
-              --batch-sizes 1 2 4 8 16 --context-len 1024 --steps 100 --out "$OUT/latency-$m-decode-$v-h200.json"
+              --batch-sizes 1 2 8 --context-len 1024 --steps 100 --out "$OUT/latency-$m-decode-$v-h200.json"
             grep -A7 "batch  ctx" "$OUT/latency-$m-dk-$v.log"; done; done ;;
   attn) run attn-probe 300 python3 scripts/attn_probe.py --json "$OUT/attn_probe-h200.json"; grep -v -i warn "$OUT/attn-probe.log" | tail -20 ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;

@@ -132,12 +132,35 @@ def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexp
 
 
 @triton.jit
+def _kv_tile(k_cache, v_cache, trow, t, end, kv_off, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+    """K and V [BLOCK_N, D] of token positions t (masked past `end`), through the page table row."""
+    tm = t < end
+    slots = tl.load(trow + t // PS, mask=tm, other=0).to(tl.int64) * PS + t % PS
+    kt = tl.load(k_cache + slots[:, None] * (HKV * D) + kv_off, mask=tm[:, None], other=0.0)
+    vt = tl.load(v_cache + slots[:, None] * (HKV * D) + kv_off, mask=tm[:, None], other=0.0)
+    return kt, vt, tm
+
+
+@triton.jit
+def _attend_tile(q, kt, vt, tm, m_i, l_i, acc, scale, act, dot_t):
+    """One online-softmax step (base 2) of q [BLOCK_H, D] over a K/V tile."""
+    qk = tl.dot(q.to(dot_t), tl.trans(kt.to(act).to(dot_t))) * scale
+    qk = tl.where(tm[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(act).to(dot_t), vt.to(act).to(dot_t))
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_attention_kernel(
     qkv, qkv_stride, positions, cos_sin, cs_stride, q_w, k_w, eps,
     k_cache, v_cache, table, table_stride, part_o, part_lse, counters, out, sm_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NSPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, PROLOGUE: tl.constexpr, NORM: tl.constexpr,
-    PDL: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, G_P2: tl.constexpr, SPLIT_P2: tl.constexpr,
+    PROLOGUE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """Split-KV decode attention of one (request, KV head, split), see triton_ops.decode_attention."""
     b = tl.program_id(0)
@@ -149,9 +172,13 @@ def decode_attention_kernel(
     dot_t = tl.float32 if F32_DOT else act  # the same bf16 values; triton's interpreter needs fp32 dots
     cache_t = k_cache.dtype.element_ty
     pos = tl.load(positions + b)  # the new token's position: the request holds pos + 1 tokens
-    # splits of whole BLOCK_N blocks over the pos + 1 tokens; the new token's split owns it
+    # splits of whole BLOCK_N tiles over the pos + 1 tokens; the new token's split owns it and
+    # splits past the end have nothing to do (the merge counts only the n_act active ones)
     chunk = tl.cdiv(tl.cdiv(pos + 1, NSPLIT), BLOCK_N) * BLOCK_N
+    n_act = tl.cdiv(pos + 1, chunk)
     start = s * chunk
+    if start > pos:
+        return
     owner = (pos // chunk) == s
     end = tl.minimum(start + chunk, pos + 1)
     if PROLOGUE:  # the new token's K/V come from registers, the pool is read below pos only
@@ -162,6 +189,8 @@ def decode_attention_kernel(
     n = tl.arange(0, BLOCK_N)
     trow = table + b * table_stride
     kv_off = kvh * D + d[None, :]
+    # the cached K/V do not depend on the previous kernel: the first tile loads before the wait
+    kt, vt, tm = _kv_tile(k_cache, v_cache, trow, start + n, end, kv_off, HKV, D, PS)
     if PDL:  # q (and the new K/V) are the previous kernel's output
         gdc_wait()
         gdc_launch_dependents()
@@ -199,20 +228,10 @@ def decode_attention_kernel(
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + n
-        tm = t < end
-        slots = tl.load(trow + t // PS, mask=tm, other=0).to(tl.int64) * PS + t % PS
-        kt = tl.load(k_cache + slots[:, None] * (HKV * D) + kv_off, mask=tm[:, None], other=0.0).to(act)
-        vt = tl.load(v_cache + slots[:, None] * (HKV * D) + kv_off, mask=tm[:, None], other=0.0).to(act)
-        qk = tl.dot(q.to(dot_t), tl.trans(kt.to(dot_t))) * scale
-        qk = tl.where(tm[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(act).to(dot_t), vt.to(dot_t))
-        m_i = m_new
+    m_i, l_i, acc = _attend_tile(q, kt, vt, tm, m_i, l_i, acc, scale, act, dot_t)
+    for t0 in range(start + BLOCK_N, end, BLOCK_N):
+        kt, vt, tm = _kv_tile(k_cache, v_cache, trow, t0 + n, end, kv_off, HKV, D, PS)
+        m_i, l_i, acc = _attend_tile(q, kt, vt, tm, m_i, l_i, acc, scale, act, dot_t)
     if PROLOGUE:  # the new token, in the owner split only
         kf = k_new.to(act).to(tl.float32)
         s_new = tl.sum(q.to(tl.float32) * kf[None, :], 1) * scale
@@ -223,28 +242,26 @@ def decode_attention_kernel(
         l_i = l_i * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(act).to(tl.float32)[None, :]
         m_i = m_new
-    # this split's normalized partial output and log2-sum-exp; empty splits weigh nothing
+    # this split's normalized partial output and log2-sum-exp ([split, G, D] rows of the workspace)
     part = (b * HKV + kvh) * NSPLIT
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     o_part = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(part_o + ((part + s) * BLOCK_H + h[:, None]) * D + d[None, :], o_part, mask=hm[:, None])
-    tl.store(part_lse + (part + s) * BLOCK_H + h, lse, mask=hm)
-    # the last split of this (request, head) to finish merges all of them (no merge kernel)
+    tl.store(part_o + ((part + s) * G + h[:, None]) * D + d[None, :], o_part, mask=hm[:, None])
+    tl.store(part_lse + (part + s) * G + h, lse, mask=hm)
+    # the last active split of this (request, head) to finish merges them all (no merge kernel)
     tl.debug_barrier()
     done = tl.atomic_add(counters + b * HKV + kvh, 1, sem="acq_rel")
-    if done == NSPLIT - 1:
-        m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for i in range(NSPLIT):
-            m_all = tl.maximum(m_all, tl.load(part_lse + (part + i) * BLOCK_H + h, mask=hm, other=0.0,
-                                              cache_modifier=".cg"))
-        den = tl.zeros([BLOCK_H], tl.float32)
-        o = tl.zeros([BLOCK_H, D], tl.float32)
-        for i in range(NSPLIT):
-            w = tl.exp2(tl.load(part_lse + (part + i) * BLOCK_H + h, mask=hm, other=0.0, cache_modifier=".cg")
-                        - m_all)
-            den += w
-            o += w[:, None] * tl.load(part_o + ((part + i) * BLOCK_H + h[:, None]) * D + d[None, :],
-                                      mask=hm[:, None], other=0.0, cache_modifier=".cg")
-        o = o / den[:, None]
-        tl.store(out + (b * HQ + kvh * G + h[:, None]) * D + d[None, :], o.to(act), mask=hm[:, None])
+    if done == n_act - 1:
+        si = tl.arange(0, SPLIT_P2)[:, None]
+        hg = tl.arange(0, G_P2)[None, :]
+        live = (si < n_act) & (hg < G)
+        lse_all = tl.load(part_lse + (part + si) * G + hg, mask=live, other=float("-inf"), cache_modifier=".cg")
+        m_all = tl.max(lse_all, 0)
+        w = tl.exp2(lse_all - m_all[None, :])  # [SPLIT_P2, G_P2]; dead entries weigh 0
+        w = w / tl.sum(w, 0)[None, :]
+        po = tl.load(part_o + ((part + si) * G + hg)[:, :, None] * D + d[None, None, :], mask=live[:, :, None],
+                     other=0.0, cache_modifier=".cg")
+        o = tl.sum(w[:, :, None] * po, 0)  # [G_P2, D]
+        hg1 = tl.arange(0, G_P2)
+        tl.store(out + (b * HQ + kvh * G + hg1[:, None]) * D + d[None, :], o.to(act), mask=(hg1 < G)[:, None])
         tl.store(counters + b * HKV + kvh, 0)  # ready for the next launch

@@ -256,7 +256,7 @@ def decode_attention(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    block_n: int = 32,
+    block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -297,7 +297,8 @@ def decode_attention(
         k_norm_weight if norm else x, eps, k_cache, v_cache, table, table.stride(0),
         part_o, part_lse, counters, out, head_dim ** -0.5,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
-        BLOCK_H=DECODE_BLOCK_H, PROLOGUE=prologue, NORM=norm, PDL=_pdl(), F32_DOT=_interpreted(),
+        BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(num_q_heads // num_kv_heads), SPLIT_P2=_p2(splits),
+        PROLOGUE=prologue, NORM=norm, PDL=_pdl(), F32_DOT=_interpreted(),
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
     )
     return out
