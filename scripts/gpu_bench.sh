@@ -97,6 +97,14 @@ for what in "$@"; do case $what in
             STRATA_DECODE_KERNEL=$v run latency-$m-dk-$v 100 bin/bench latency --model configs/$m --load-format dummy \
               --batch-sizes 1 2 8 --context-len 1024 --steps 100 --out "$OUT/latency-$m-decode-$v-h200.json"
             grep -A7 "batch  ctx" "$OUT/latency-$m-dk-$v.log"; done; done ;;
+  gemvab) echo '{"4096,1024":[8,1024,4,1],"1024,2048":[4,2048,4,1],"6144,1024":[8,1024,4,1],"1024,3072":[4,4096,4,1],
+            "6144,4096":[2,4096,4,1],"4096,4096":[2,4096,4,1],"28672,4096":[2,4096,4,1]}' > /tmp/onetile_a.json
+          echo '{"4096,1024":[4,1024,4,1],"1024,2048":[2,2048,4,1],"6144,1024":[4,1024,4,1],"1024,3072":[2,4096,4,1],
+            "6144,4096":[4,4096,8,1],"4096,4096":[4,4096,8,1],"28672,4096":[4,4096,8,1]}' > /tmp/onetile_b.json
+          for m in qwen3-0.6b llama-3.1-8b; do for v in none /tmp/onetile_a.json /tmp/onetile_b.json; do
+            t=$(basename $v .json); STRATA_GEMV_TUNE=${v/none/} run latency-$m-gemv-$t 100 bin/bench latency --model configs/$m \
+              --load-format dummy --batch-sizes 1 --context-len 1024 --steps 200 --out "$OUT/latency-$m-b1-gemv-$t-h200.json"
+            grep -A3 "^batch    ctx" "$OUT/latency-$m-gemv-$t.log" | tail -1 | sed "s/^/$m $t /"; done; done ;;
   attn) run attn-probe 300 python3 scripts/attn_probe.py --json "$OUT/attn_probe-h200.json"; grep -v -i warn "$OUT/attn-probe.log" | tail -20 ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;

@@ -75,7 +75,7 @@ def xqa_supported(capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: t
 
 # the triton decode kernel (prologue + split-KV attention + merge in one launch) wins over FA2's
 # decode + merge + the separate prologue where launches dominate: small batches
-TRITON_DECODE_MAX_BATCH = 8
+TRITON_DECODE_MAX_BATCH = 16
 DECODE_KERNELS = ("auto", "fa2", "xqa", "triton")
 
 

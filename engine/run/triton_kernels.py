@@ -68,40 +68,44 @@ def qk_norm_rope_store_kernel(
 
 
 @triton.jit
-def x_chunk(x, cols, K: tl.constexpr, SILU_MUL: tl.constexpr):
+def x_chunk(x, cols, cm, K: tl.constexpr, SILU_MUL: tl.constexpr):
     if SILU_MUL:  # x = [gate | up] of width 2K: the input is silu(gate) * up, rounded like the kernel's
-        g = tl.load(x + cols).to(tl.float32)
-        return (g / (1.0 + tl.exp(-g)) * tl.load(x + K + cols).to(tl.float32)).to(x.dtype.element_ty)
-    return tl.load(x + cols)
+        g = tl.load(x + cols, mask=cm, other=0.0).to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * tl.load(x + K + cols, mask=cm, other=0.0).to(tl.float32)).to(
+            x.dtype.element_ty)
+    return tl.load(x + cols, mask=cm, other=0.0)
 
 @triton.jit
 def gemv_kernel(x, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    # BLOCK_K >= K: the whole row slice is one (column-masked) tile, every weight load issued
+    # before the wait; otherwise K % BLOCK_K == 0 and the first tile loads before it
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     wrow = w + rows[:, None] * stride_w
     cols = tl.arange(0, BLOCK_K)
+    cm = cols < K
     # the first weight tile does not depend on the previous kernel: load it before waiting
-    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
+    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = wt.to(tl.float32) * x_chunk(x, cols, K, SILU_MUL).to(tl.float32)[None, :]
+    acc = wt.to(tl.float32) * x_chunk(x, cols, cm, K, SILU_MUL).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
-        acc += wt.to(tl.float32) * x_chunk(x, cols, K, SILU_MUL).to(tl.float32)[None, :]
+        acc += wt.to(tl.float32) * x_chunk(x, cols, cols < K, K, SILU_MUL).to(tl.float32)[None, :]
     tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
-def s_chunk(x, r, r_out, cols, pid, HAS_RES: tl.constexpr):
+def s_chunk(x, r, r_out, cols, cm, pid, HAS_RES: tl.constexpr):
     """x + r over `cols` in float32; program 0 also writes it (the new residual)."""
-    s = tl.load(x + cols).to(tl.float32)
+    s = tl.load(x + cols, mask=cm, other=0.0).to(tl.float32)
     if HAS_RES:
-        s = s + tl.load(r + cols).to(tl.float32)
+        s = s + tl.load(r + cols, mask=cm, other=0.0).to(tl.float32)
         if pid == 0:
-            tl.store(r_out + cols, s.to(x.dtype.element_ty))
+            tl.store(r_out + cols, s.to(x.dtype.element_ty), mask=cm)
     return s
 
 @triton.jit
@@ -114,19 +118,21 @@ def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexp
     rmask = rows < N
     wrow = w + rows[:, None] * stride_w
     cols = tl.arange(0, BLOCK_K)
-    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)  # independent: before the wait
+    cm = cols < K
+    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)  # before the wait
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    s = s_chunk(x, r, r_out, cols, pid, HAS_RES)
+    s = s_chunk(x, r, r_out, cols, cm, pid, HAS_RES)
     ss = s * s
-    acc = wt.to(tl.float32) * (s * tl.load(nw + cols).to(tl.float32))[None, :]
+    acc = wt.to(tl.float32) * (s * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32))[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
+        cm = cols < K
         wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
-        s = s_chunk(x, r, r_out, cols, pid, HAS_RES)
+        s = s_chunk(x, r, r_out, cols, cm, pid, HAS_RES)
         ss += s * s
-        acc += wt.to(tl.float32) * (s * tl.load(nw + cols).to(tl.float32))[None, :]
+        acc += wt.to(tl.float32) * (s * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32))[None, :]
     rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     tl.store(y + rows, (tl.sum(acc, 1) * rrms).to(y.dtype.element_ty), mask=rmask)
 

@@ -156,6 +156,12 @@ def _tuned() -> dict[str, list[int]]:
     return json.loads(Path(path).read_text())
 
 
+def _fits(k: int, block_k: int) -> bool:
+    """Whether a GEMV kernel takes K with this block: whole blocks, or one power-of-two block
+    covering all of K (column-masked; every weight load issued before the grid-dependency wait)."""
+    return k % block_k == 0 or (block_k >= k and block_k & (block_k - 1) == 0)
+
+
 def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_warps, num_stages) for batch-1 GEMVs over w [N, K], or None where
     cuBLAS stays (CPU, float32, no triton, an odd K). From scripts/gemv_probe.py on an H200
@@ -165,7 +171,7 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
         return None
     n, k = w.shape
     tuned = _tuned().get(f"{n},{k}")
-    if tuned is not None and k % tuned[1] == 0:
+    if tuned is not None and _fits(k, tuned[1]):
         return tuple(tuned)
     if n <= 2048 and k % 1024 == 0:
         return (4, 1024, 4, 3)
@@ -181,9 +187,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512
     """x [1, K] @ w[N, K]^T -> [1, N] (fp32 accumulation): one pass over the weights, no split-K
     reduce kernel. With silu_mul, x is [1, 2K] = [gate | up] and the product uses
     silu(gate) * up (the SwiGLU activation folded into the down projection: one launch fewer).
-    Needs K % block_k == 0 and contiguous rows."""
+    Needs K % block_k == 0, or one power-of-two block_k >= K, and contiguous rows."""
     n, k = w.shape
-    if x.shape != (1, 2 * k if silu_mul else k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
+    if x.shape != (1, 2 * k if silu_mul else k) or not _fits(k, block_k) or w.stride(1) != 1 or not x.is_contiguous():
         raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k} silu_mul {silu_mul}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _k().gemv_kernel[(-(-n // block_n),)](
@@ -204,7 +210,7 @@ def add_norm_gemv(
     vector); the normalized input is not rounded to the activation dtype. Returns (y [1, N], the new
     residual x + residual, or x itself when residual is None: the first layer)."""
     n, k = w.shape
-    if x.shape != (1, k) or k % block_k or w.stride(1) != 1 or not x.is_contiguous():
+    if x.shape != (1, k) or not _fits(k, block_k) or w.stride(1) != 1 or not x.is_contiguous():
         raise ValueError(f"add_norm_gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x

@@ -56,7 +56,8 @@ def test_qk_norm_rope_store_matches_torch(hq: int, hkv: int, d: int, norm: bool,
 
 
 @pytest.mark.parametrize(("n", "k", "cfg"), [(100, 1024, (8, 512, 4, 3)), (37, 2048, (4, 1024, 4, 3)),
-                                             (64, 512, (16, 256, 4, 4))])
+                                             (64, 512, (16, 256, 4, 4)),
+                                             (30, 768, (4, 1024, 4, 1))])  # one column-masked tile
 def test_gemv_matches_matmul(n: int, k: int, cfg: tuple) -> None:
     g = torch.Generator().manual_seed(n)
     w, x = torch.randn(n, k, generator=g).to(BF), torch.randn(1, k, generator=g).to(BF)
@@ -64,28 +65,33 @@ def test_gemv_matches_matmul(n: int, k: int, cfg: tuple) -> None:
     y = triton_ops.gemv(x, w, *cfg)
     assert y.shape == (1, n) and y.dtype == BF
     torch.testing.assert_close(y.float(), ref, atol=0.01 * ref.abs().max().item(), rtol=0)
+    if cfg[1] < k:
+        with pytest.raises(ValueError, match="gemv"):
+            triton_ops.gemv(x[:, :-1], w[:, :-1], *cfg)  # K not a multiple of block_k
     with pytest.raises(ValueError, match="gemv"):
-        triton_ops.gemv(x[:, :-1], w[:, :-1], *cfg)  # K not a multiple of block_k
+        triton_ops.gemv(x, w, cfg[0], 3 * cfg[1], *cfg[2:])  # nor one power-of-two block over it
 
 
-def test_gemv_with_silu_mul_folded() -> None:
+@pytest.mark.parametrize(("k", "block_k"), [(1024, 512), (768, 1024)])
+def test_gemv_with_silu_mul_folded(k: int, block_k: int) -> None:
     g = torch.Generator().manual_seed(1)
-    n, k = 48, 1024
+    n = 48
     w, h = torch.randn(n, k, generator=g).to(BF), torch.randn(1, 2 * k, generator=g).to(BF)
     gate, up = h.chunk(2, -1)
     ref = (F.silu(gate.float()) * up.float()).to(BF).float() @ w.float().T
-    y = triton_ops.gemv(h, w, 8, 512, 4, 3, silu_mul=True)
+    y = triton_ops.gemv(h, w, 8, block_k, 4, 3, silu_mul=True)
     torch.testing.assert_close(y.float(), ref, atol=0.01 * ref.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_norm_gemv(with_residual: bool) -> None:
+@pytest.mark.parametrize(("k", "block_k"), [(1024, 512), (768, 1024)])
+def test_add_norm_gemv(with_residual: bool, k: int, block_k: int) -> None:
     g = torch.Generator().manual_seed(2)
-    n, k = 40, 1024
+    n = 40
     w = torch.randn(n, k, generator=g).to(BF)
     x, r = torch.randn(1, k, generator=g).to(BF), torch.randn(1, k, generator=g).to(BF)
     nw = torch.rand(k, generator=g).to(BF) + 0.5
-    y, r_out = triton_ops.add_norm_gemv(x, r if with_residual else None, nw, 1e-6, w, 8, 512, 4, 3)
+    y, r_out = triton_ops.add_norm_gemv(x, r if with_residual else None, nw, 1e-6, w, 8, block_k, 4, 3)
     s = x.float() + (r.float() if with_residual else 0)
     ref = _rms(s.to(BF), nw).float() @ w.float().T
     torch.testing.assert_close(y.float(), ref, atol=0.01 * ref.abs().max().item(), rtol=0)
