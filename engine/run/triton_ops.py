@@ -164,15 +164,21 @@ def _fits(k: int, block_k: int) -> bool:
 
 def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_warps, num_stages) for batch-1 GEMVs over w [N, K], or None where
-    cuBLAS stays (CPU, float32, no triton, an odd K). From scripts/gemv_probe.py on an H200
-    (bench/results/gemv_probe-h200.json): 8x512 blocks win almost everywhere; narrow outputs
-    want 4 rows x 1024, very wide ones 16 x 256."""
+    cuBLAS stays (CPU, float32, no triton, an odd K). From measurements on an H200: below K =
+    4096 each program takes its rows' whole K as one (padded) tile of 8-16K elements, so every
+    weight load is in flight before the PDL wait (Qwen3-0.6B batch 1: 1.09 -> 0.94 ms/step,
+    latency-qwen3-0.6b-b1-gemv-*.json); at K = 4096 that measured even (Llama-3.1-8B), so wider
+    K keeps the looped kernel (scripts/gemv_probe.py, gemv_probe-h200.json): 8x512 blocks win
+    almost everywhere; narrow outputs want 4 rows x 1024, very wide ones 16 x 256."""
     if not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1 and available()):
         return None
     n, k = w.shape
     tuned = _tuned().get(f"{n},{k}")
     if tuned is not None and _fits(k, tuned[1]):
         return tuple(tuned)
+    if k < 4096 and k % 64 == 0:
+        kp2 = _p2(k)
+        return (8192 // kp2 if kp2 <= 2048 else 4, kp2, 4, 1)
     if n <= 2048 and k % 1024 == 0:
         return (4, 1024, 4, 3)
     if n >= 16384 and k % 256 == 0:
