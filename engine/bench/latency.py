@@ -47,7 +47,8 @@ class BatchResult:
     batch: int
     times: list[StepTime] = field(default_factory=list)
     idle: dict[str, Any] | None = None
-    pipelined_ms: float | None = None
+    pipelined_ms: float | None = None  # median step interval of the overlapped loop
+    pipelined_mean_ms: float | None = None
 
 
 def server_config(args: Any, model_dir: str) -> ServerConfig:
@@ -137,25 +138,29 @@ class Driver:
                 bar.update(1)
         return out
 
-    def decode_pipelined(self, n: int, batch: int) -> float:
-        """Wall ms per decode step when each step is launched before the previous one's result
-        is collected: the served worker's loop (procs/worker.py), minus the sockets."""
+    def decode_pipelined(self, n: int, batch: int) -> tuple[float, float]:
+        """(median, mean) wall ms per decode step when each step is launched before the previous
+        one's result is collected: the served worker's loop (procs/worker.py), minus the
+        sockets. A step's time is the interval between consecutive results; the median, like
+        the serial figure's, leaves out a rare host stall (a GC pause) that the mean keeps."""
         launched: deque = deque()
         if self.cuda:
             torch.cuda.synchronize()
-        t0, steps = time.perf_counter(), 0
-        while steps < n:
+        t0 = time.perf_counter()
+        stamps = [t0]
+        while len(stamps) <= n:
             while len(launched) < 2:
                 step = self.core.plan()
                 if step is None or not is_full_decode(step, batch):
                     raise RuntimeError("the decode batch changed mid-measurement (a request finished early?)")
                 launched.append(self.runner.launch(step))
             self.core.on_done(self.runner.finish(launched.popleft()))
-            steps += 1
+            stamps.append(time.perf_counter())
         while launched:
             self.core.on_done(self.runner.finish(launched.popleft()))
-            steps += 1
-        return (time.perf_counter() - t0) * 1e3 / steps
+            stamps.append(time.perf_counter())
+        gaps = np.diff(stamps) * 1e3
+        return float(np.median(gaps)), float(gaps.mean())
 
     def finish(self, rids: list[str]) -> None:
         """Abort the batch and run the Steps that free it, so the next batch starts clean."""
@@ -193,7 +198,7 @@ def measure_batch(drv: Driver, args: Any, batch: int, vocab: int, bar: tqdm) -> 
     bar.set_postfix_str(f"batch {batch}: decode")
     drv.decode_steps(args.warmup - 1, batch, bar)
     res = BatchResult(batch, drv.decode_steps(args.steps, batch, bar))
-    res.pipelined_ms = drv.decode_pipelined(args.steps, batch)
+    res.pipelined_ms, res.pipelined_mean_ms = drv.decode_pipelined(args.steps, batch)
     if profiles_idle(args, drv.runner.device):
         res.idle = idle.profile_idle(drv.runner.device, lambda n: _sched_s(drv, n, batch, bar), args.idle_steps)
     elif args.profile_idle:
@@ -236,6 +241,7 @@ def summarize(res: BatchResult, context_len: int, weights: int, kv_per_token: in
         "ratio_to_roofline": ms / roof_ms,
         "tokens_per_s": res.batch / (ms / 1e3),
         "pipelined_ms_per_step": res.pipelined_ms,
+        "pipelined_ms_per_step_mean": res.pipelined_mean_ms,
         "pipelined_ratio_to_roofline": res.pipelined_ms / roof_ms if res.pipelined_ms else None,
         "idle": res.idle,
     }

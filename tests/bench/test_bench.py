@@ -104,6 +104,7 @@ def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
         assert b["ms_per_step_median"] > 0 and b["roofline_ms"] > 0 and b["ratio_to_roofline"] > 0
         assert b["tokens_per_s"] > 0 and b["bytes_per_step"] == b["weight_bytes"] + b["kv_bytes_read"]
         assert 40 < b["mean_kv_tokens_per_row"] < 40 + 2 + 4 + 2
+        assert b["pipelined_ms_per_step"] > 0 and b["pipelined_ms_per_step_mean"] > 0  # median and mean
         assert "skipped" in b["idle"]  # no GPU here
 
 
