@@ -49,6 +49,7 @@ class BatchResult:
     idle: dict[str, Any] | None = None
     pipelined_ms: float | None = None  # median step interval of the overlapped loop
     pipelined_mean_ms: float | None = None
+    pipelined_warmup_ms: list[float] = field(default_factory=list)  # the untimed first steps
 
 
 def server_config(args: Any, model_dir: str) -> ServerConfig:
@@ -71,9 +72,9 @@ def server_config(args: Any, model_dir: str) -> ServerConfig:
 
 
 def decode_budget(args: Any) -> int:
-    """Tokens each request must be able to generate: warm-up, timed (serial and overlapped) and
-    profiled steps, plus slack."""
-    return args.warmup + 2 * args.steps + (args.idle_steps if args.profile_idle else 0) + 6
+    """Tokens each request must be able to generate: warm-up (serial and overlapped), timed
+    (serial and overlapped) and profiled steps, plus slack."""
+    return 2 * args.warmup + 2 * args.steps + (args.idle_steps if args.profile_idle else 0) + 6
 
 
 class Driver:
@@ -138,17 +139,18 @@ class Driver:
                 bar.update(1)
         return out
 
-    def decode_pipelined(self, n: int, batch: int) -> tuple[float, float]:
-        """(median, mean) wall ms per decode step when each step is launched before the previous
+    def decode_pipelined(self, n: int, batch: int, warmup: int) -> tuple[float, float, list[float]]:
+        """(median, mean, the warm-up steps' ms) wall ms per decode step when each step is launched before the previous
         one's result is collected: the served worker's loop (procs/worker.py), minus the
-        sockets. A step's time is the interval between consecutive results; the median, like
-        the serial figure's, leaves out a rare host stall (a GC pause) that the mean keeps."""
+        sockets. A step's time is the interval between consecutive results, timed after
+        `warmup` untimed steps of the same loop (on an H200 the mean of 50 steps timed from the
+        first one ran ~40 ms in all above their median: a start-up transient); the median, like
+        the serial figure's, also leaves out a rare host stall that the mean keeps."""
         launched: deque = deque()
         if self.cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        stamps = [t0]
-        while len(stamps) <= n:
+        stamps = [time.perf_counter()]
+        while len(stamps) <= n + warmup:
             while len(launched) < 2:
                 step = self.core.plan()
                 if step is None or not is_full_decode(step, batch):
@@ -160,7 +162,8 @@ class Driver:
             self.core.on_done(self.runner.finish(launched.popleft()))
             stamps.append(time.perf_counter())
         gaps = np.diff(stamps) * 1e3
-        return float(np.median(gaps)), float(gaps.mean())
+        timed = gaps[warmup:]
+        return float(np.median(timed)), float(timed.mean()), [round(float(g), 3) for g in gaps[:warmup]]
 
     def finish(self, rids: list[str]) -> None:
         """Abort the batch and run the Steps that free it, so the next batch starts clean."""
@@ -198,7 +201,8 @@ def measure_batch(drv: Driver, args: Any, batch: int, vocab: int, bar: tqdm) -> 
     bar.set_postfix_str(f"batch {batch}: decode")
     drv.decode_steps(args.warmup - 1, batch, bar)
     res = BatchResult(batch, drv.decode_steps(args.steps, batch, bar))
-    res.pipelined_ms, res.pipelined_mean_ms = drv.decode_pipelined(args.steps, batch)
+    res.pipelined_ms, res.pipelined_mean_ms, res.pipelined_warmup_ms = drv.decode_pipelined(
+        args.steps, batch, args.warmup)
     if profiles_idle(args, drv.runner.device):
         res.idle = idle.profile_idle(drv.runner.device, lambda n: _sched_s(drv, n, batch, bar), args.idle_steps)
     elif args.profile_idle:
@@ -242,6 +246,7 @@ def summarize(res: BatchResult, context_len: int, weights: int, kv_per_token: in
         "tokens_per_s": res.batch / (ms / 1e3),
         "pipelined_ms_per_step": res.pipelined_ms,
         "pipelined_ms_per_step_mean": res.pipelined_mean_ms,
+        "pipelined_warmup_ms": res.pipelined_warmup_ms,
         "pipelined_ratio_to_roofline": res.pipelined_ms / roof_ms if res.pipelined_ms else None,
         "idle": res.idle,
     }
