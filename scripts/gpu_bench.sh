@@ -105,6 +105,12 @@ for what in "$@"; do case $what in
             t=$(basename $v .json); STRATA_GEMV_TUNE=${v/none/} run latency-$m-gemv-$t 100 bin/bench latency --model configs/$m \
               --load-format dummy --batch-sizes 1 --context-len 1024 --steps 200 --out "$OUT/latency-$m-b1-gemv-$t-h200.json"
             grep -A3 "^batch    ctx" "$OUT/latency-$m-gemv-$t.log" | tail -1 | sed "s/^/$m $t /"; done; done ;;
+  sessionab) echo '{"4096,1024":[8,512,4,3],"1024,2048":[4,1024,4,3],"6144,1024":[8,512,4,3],"1024,3072":[4,1024,4,3]}' > /tmp/looped.json
+          for v in "X=1" "STRATA_DECODE_KERNEL=fa2" "STRATA_GEMV_TUNE=/tmp/looped.json" "STRATA_DECODE_KERNEL=fa2 STRATA_GEMV_TUNE=/tmp/looped.json"; do
+            t=$(echo "$v" | tr -c 'A-Za-z0-9\n' '_' | tr -s _); for m in qwen3-0.6b llama-3.1-8b; do
+            [ $m = llama-3.1-8b ] && [[ "$v" == *looped* ]] && continue
+            env $v bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 --context-len 1024 --steps 100 \
+              --out "$OUT/latency-$m-b1-ab-$t.json" 2>&1 | grep -A3 "^batch    ctx" | tail -1 | sed "s|^|$m $v |"; done; done ;;
   attn) run attn-probe 300 python3 scripts/attn_probe.py --json "$OUT/attn_probe-h200.json"; grep -v -i warn "$OUT/attn-probe.log" | tail -20 ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;
