@@ -256,8 +256,7 @@ class CudaGraphRunner:
             g_indices = self._dev_i32[off : off + nnz + pad]  # the plan copies them into the wrapper's buffer
             g_indices.copy_(h32[off : off + nnz + pad], non_blocking=True)
         if min(ids) < 0:
-            raw = self.meta[0, :bs]
-            torch.where(raw < 0, last_token[self.meta[3, :bs]], raw, out=self.input_ids[:bs])
+            self._resolve_future(bs, last_token)
         else:
             self.input_ids[:bs].copy_(self.meta[0, :bs])
         if not dense:
@@ -266,6 +265,17 @@ class CudaGraphRunner:
         self.graphs[bs].replay()
         self.replays += 1
         return self.outputs[bs][:b]
+
+    def _resolve_future(self, bs: int, last_token: torch.Tensor) -> None:
+        """input ids of rows :bs from meta, future references (-1) read from last_token[slot]."""
+        raw = self.meta[0, :bs]
+        torch.where(raw < 0, last_token[self.meta[3, :bs]], raw, out=self.input_ids[:bs])
+
+    def warm_future_refs(self, last_token: torch.Tensor) -> None:
+        """Run the future-reference path once before serving (row 0 stays padding: token 0).
+        Only overlapped steps take it, and its kernels load lazily on first use: the first
+        overlapped decode step stalled 25-50 ms on an H200 without this."""
+        self._resolve_future(1, last_token)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_batch and bool(self.graphs)

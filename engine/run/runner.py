@@ -96,6 +96,11 @@ class ModelRunner:
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
         self.graphs = self._capture_graphs()
+        if self.device.type == "cuda":  # load the future-reference kernels now, not in a served step
+            self._resolve_ids([-1], [0], [1])
+            if self.graphs is not None:
+                self.graphs.warm_future_refs(self.last_token)
+            torch.cuda.synchronize(self.device)
         log.info(
             "runner ready", pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
             backend=type(self.backend).__name__, cuda_graphs=self.graphs is not None,
