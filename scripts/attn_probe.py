@@ -71,6 +71,26 @@ def make_kv(layers: int, batch: int, ctx: int, hkv: int, d: int, dtype: torch.dt
     return kv, table
 
 
+def fa2_decode(ws, table, seq, hq: int, hkv: int, d: int, kv_dtype: torch.dtype):  # noqa: ANN001, ANN201
+    """flashinfer's tensor-core decode (the FA2 backend's), graph-capturable, planned for seq over table."""
+    import flashinfer
+
+    batch = seq.shape[0]
+    npages = (seq + PS - 1) // PS
+    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(npages, 0)
+    cols = torch.arange(table.shape[1], device=DEV)[None, :] < npages[:, None]
+    indices = table[cols].contiguous()
+    last = (seq - (npages - 1) * PS).to(torch.int32)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
+        paged_kv_last_page_len_buffer=last.clone(),
+    )
+    w.plan(indptr.cpu(), indices, last.cpu(), hq, hkv, d, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    return w
+
+
 def ref_attention(q, k, v, table, seq_lens):  # noqa: ANN001, ANN201
     out = []
     for i in range(q.shape[0]):
@@ -98,7 +118,6 @@ def probe_attention(name: str, hq: int, hkv: int, batch: int, ctx: int, layers: 
 
 
 def _attention_case(name, hq, hkv, batch, ctx, layers, kv_dtype, q, seq, ws, xws, results) -> None:  # noqa: ANN001
-    import flashinfer
 
     d = 128
     kv, table = make_kv(layers, batch, ctx, hkv, d, kv_dtype)
@@ -106,18 +125,7 @@ def _attention_case(name, hq, hkv, batch, ctx, layers, kv_dtype, q, seq, ws, xws
     row = {"case": name, "batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "kv_dtype": str(kv_dtype)}
     kv_bytes = layers * int(seq.sum()) * hkv * d * 2 * kv_dtype.itemsize
     # flashinfer tensor-core decode (the current backend), graph-capturable wrapper
-    npages = (seq + PS - 1) // PS
-    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=DEV)
-    indptr[1:] = torch.cumsum(npages, 0)
-    cols = torch.arange(table.shape[1], device=DEV)[None, :] < npages[:, None]
-    indices = table[cols].contiguous()
-    last = (seq - (npages - 1) * PS).to(torch.int32)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
-        paged_kv_last_page_len_buffer=last.clone(),
-    )
-    w.plan(indptr.cpu(), indices, last.cpu(), hq, hkv, d, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    w = fa2_decode(ws, table, seq, hq, hkv, d, kv_dtype)
     err_fa = (w.run(q, kv[0])[:4].float() - ref).abs().max().item()
     t_fa = graph_ms(lambda: [w.run(q, kv[i]) for i in range(layers)])
     from flashinfer.xqa import get_xqa_module
@@ -209,7 +217,6 @@ def _prologue_case(name, hq, hkv, norm, batch, layers, kv_dtype, results) -> Non
 
 def probe_fused(name: str, hq: int, hkv: int, norm: bool, batch: int, ctx: int, layers: int, results: list,
                 kv_dtype: torch.dtype = torch.bfloat16) -> None:
-    import flashinfer
 
     d = 128
     kv, table = make_kv(layers, batch, ctx + 1, hkv, d, kv_dtype)
@@ -225,18 +232,7 @@ def probe_fused(name: str, hq: int, hkv: int, norm: bool, batch: int, ctx: int, 
     qkv = [torch.randn(batch, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16) for _ in range(layers)]
     flat = [(k.view(-1, hkv, d), v.view(-1, hkv, d)) for k, v in kv]
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
-    npages = (seq + PS - 1) // PS
-    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=DEV)
-    indptr[1:] = torch.cumsum(npages, 0)
-    cols = torch.arange(table.shape[1], device=DEV)[None, :] < npages[:, None]
-    indices = table[cols].contiguous()
-    last = (seq - (npages - 1) * PS).to(torch.int32)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
-        paged_kv_last_page_len_buffer=last.clone(),
-    )
-    w.plan(indptr.cpu(), indices, last.cpu(), hq, hkv, d, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+    w = fa2_decode(ws, table, seq, hq, hkv, d, kv_dtype)
 
     def current(i: int) -> torch.Tensor:
         q = triton_ops.qk_norm_rope_store(qkv[i], hq, hkv, d, pos, cache, slots, *flat[i], *nw, 1e-6)
