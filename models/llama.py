@@ -38,12 +38,14 @@ class Linear(nn.Module):
         self._gemv: tuple | None | bool = False  # batch-1 triton GEMV config; False: not decided yet
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
-        """The triton GEMV config when x is one row this layer can take (batch-1 decode), else None."""
-        if x.shape[0] != 1 or self.bias is not None or not x.is_contiguous() or not ops.fused_enabled():
+        """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
+        batches where the config holds a whole row slice per program), else None."""
+        rows = x.shape[0]
+        if rows > env().gemv_max_rows or self.bias is not None or not x.is_contiguous() or not ops.fused_enabled():
             return None
         if self._gemv is False:  # decided once, on the device the weights ended up on
             self._gemv = triton_ops.gemv_config(self.weight) if env().triton_gemv else None
-        return self._gemv
+        return self._gemv if triton_ops.gemv_rows_ok(self._gemv, self.weight.shape[1], rows) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.gemv_config(x)
@@ -146,8 +148,8 @@ class MLP(nn.Module):
 
     def down(self, h: torch.Tensor) -> torch.Tensor:
         """The down projection of the gate_up output h: silu(gate) * up, then down_proj."""
-        cfg = self.down_proj.gemv_config(h)  # h is [1, 2 * intermediate] at batch 1
-        if cfg is not None:  # batch 1: SiLU-and-mul folded into the down-projection GEMV
+        cfg = self.down_proj.gemv_config(h)  # h is [B, 2 * intermediate]
+        if cfg is not None:  # small batches: SiLU-and-mul folded into the down-projection GEMV
             return triton_ops.gemv(h, self.down_proj.weight, *cfg, silu_mul=True)
         return self.down_proj(ops.silu_and_mul(h))
 
@@ -162,11 +164,12 @@ def norm_linear(
     norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
-    itself (layer 0). At batch 1 one triton launch does the add, the norm and the GEMV."""
+    itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
+    norm and the GEMV."""
     # folded only for narrow models: at hidden 4096 every program re-reading the vector from L2
     # cost more than the launch it saves (Llama-3.1-8B batch 1: 4.76 vs 4.52 ms; Qwen3-0.6B: 1.31 vs 1.40)
     cfg = linear.gemv_config(x) if env().norm_gemv and x.shape[1] <= NORM_GEMV_MAX_HIDDEN else None
-    if cfg is not None:
+    if cfg is not None and (residual is None or residual.is_contiguous()):
         return triton_ops.add_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, *cfg)
     if residual is None:
         return linear(norm(x)), x

@@ -111,6 +111,10 @@ for what in "$@"; do case $what in
             [ $m = llama-3.1-8b ] && [[ "$v" == *looped* ]] && continue
             env $v bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 --context-len 1024 --steps 100 \
               --out "$OUT/latency-$m-b1-ab-$t.json" 2>&1 | grep -A3 "^batch    ctx" | tail -1 | sed "s|^|$m $v |"; done; done ;;
+  rowsab) for v in 1 8; do for m in qwen3-0.6b llama-3.1-8b; do
+            STRATA_GEMV_MAX_ROWS=$v bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 2 4 8 \
+              --context-len 1024 --steps 100 --out "$OUT/latency-$m-gemv-rows$v-h200.json" 2>&1 \
+              | grep -A6 "^batch    ctx" | sed "s|^|$m rows<=$v |"; done; done ;;
   attn) run attn-probe 300 python3 scripts/attn_probe.py --json "$OUT/attn_probe-h200.json"; grep -v -i warn "$OUT/attn-probe.log" | tail -20 ;;
   check) run gpu-check 150 python3 scripts/gpu_check.py --json "$OUT/gpu_check-h200.json"; tail -30 "$OUT/gpu-check.log" ;;
   probe) run probe-qwen 90 python3 scripts/decode_probe.py configs/qwen3-0.6b 1; cat "$OUT/probe-qwen.log" | grep -v "it/s" | tail -40 ;;

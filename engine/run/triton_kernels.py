@@ -76,10 +76,11 @@ def x_chunk(x, cols, cm, K: tl.constexpr, SILU_MUL: tl.constexpr):
     return tl.load(x + cols, mask=cm, other=0.0)
 
 @triton.jit
-def gemv_kernel(x, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+def gemv_kernel(x, w, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                M: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_K >= K: the whole row slice is one (column-masked) tile, every weight load issued
-    # before the wait; otherwise K % BLOCK_K == 0 and the first tile loads before it
+    # before the wait, and each of the M rows of x meets it; otherwise (M == 1) K % BLOCK_K == 0
+    # and the first tile loads before the wait
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     wrow = w + rows[:, None] * stride_w
@@ -90,12 +91,18 @@ def gemv_kernel(x, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BL
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = wt.to(tl.float32) * x_chunk(x, cols, cm, K, SILU_MUL).to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
-        acc += wt.to(tl.float32) * x_chunk(x, cols, cols < K, K, SILU_MUL).to(tl.float32)[None, :]
-    tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
+    if BLOCK_K >= K:
+        wf = wt.to(tl.float32)
+        for m in tl.static_range(M):
+            xm = x_chunk(x + m * stride_x, cols, cm, K, SILU_MUL).to(tl.float32)
+            tl.store(y + m * N + rows, tl.sum(wf * xm[None, :], 1).to(y.dtype.element_ty), mask=rmask)
+    else:
+        acc = wt.to(tl.float32) * x_chunk(x, cols, cm, K, SILU_MUL).to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
+            acc += wt.to(tl.float32) * x_chunk(x, cols, cols < K, K, SILU_MUL).to(tl.float32)[None, :]
+        tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -110,9 +117,9 @@ def s_chunk(x, r, r_out, cols, cm, pid, HAS_RES: tl.constexpr):
 
 @triton.jit
 def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     # one pass: y = rrms * W (s * nw) with s = x + r, so the sum of squares of s (every
-    # program re-reads the 1 x K vector from L2) is applied after the dot products
+    # program re-reads the M x K input from L2) is applied after the dot products
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -123,18 +130,27 @@ def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexp
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    s = s_chunk(x, r, r_out, cols, cm, pid, HAS_RES)
-    ss = s * s
-    acc = wt.to(tl.float32) * (s * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32))[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cm = cols < K
-        wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
+    if BLOCK_K >= K:  # one tile: each of the M rows meets it
+        wf = wt.to(tl.float32)
+        nwf = tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32)
+        for m in tl.static_range(M):
+            s = s_chunk(x + m * K, r + m * K, r_out + m * K, cols, cm, pid, HAS_RES)
+            rrms = tl.rsqrt(tl.sum(s * s, 0) / K + eps)
+            ym = tl.sum(wf * (s * nwf)[None, :], 1) * rrms
+            tl.store(y + m * N + rows, ym.to(y.dtype.element_ty), mask=rmask)
+    else:
         s = s_chunk(x, r, r_out, cols, cm, pid, HAS_RES)
-        ss += s * s
-        acc += wt.to(tl.float32) * (s * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32))[None, :]
-    rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-    tl.store(y + rows, (tl.sum(acc, 1) * rrms).to(y.dtype.element_ty), mask=rmask)
+        ss = s * s
+        acc = wt.to(tl.float32) * (s * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32))[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cm = cols < K
+            wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
+            s = s_chunk(x, r, r_out, cols, cm, pid, HAS_RES)
+            ss += s * s
+            acc += wt.to(tl.float32) * (s * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32))[None, :]
+        rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        tl.store(y + rows, (tl.sum(acc, 1) * rrms).to(y.dtype.element_ty), mask=rmask)
 
 
 @triton.jit

@@ -156,6 +156,15 @@ def _tuned() -> dict[str, list[int]]:
     return json.loads(Path(path).read_text())
 
 
+GEMV_MAX_ROWS = 8  # rows of x a one-tile GEMV takes (small decode batches); more go to cuBLAS
+
+
+def gemv_rows_ok(cfg: tuple[int, int, int, int] | None, k: int, rows: int) -> bool:
+    """Whether a GEMV with config cfg over K takes `rows` rows of x: one always; up to
+    GEMV_MAX_ROWS with a one-tile config (each program holds its weight tile and meets every row)."""
+    return cfg is not None and (rows == 1 or (1 < rows <= GEMV_MAX_ROWS and cfg[1] >= k))
+
+
 def _fits(k: int, block_k: int) -> bool:
     """Whether a GEMV kernel takes K with this block: whole blocks, or one power-of-two block
     covering all of K (column-masked; every weight load issued before the grid-dependency wait)."""
@@ -190,39 +199,44 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
          num_stages: int = 3, silu_mul: bool = False) -> torch.Tensor:
-    """x [1, K] @ w[N, K]^T -> [1, N] (fp32 accumulation): one pass over the weights, no split-K
-    reduce kernel. With silu_mul, x is [1, 2K] = [gate | up] and the product uses
+    """x [M, K] @ w[N, K]^T -> [M, N] (fp32 accumulation): one pass over the weights, no split-K
+    reduce kernel. With silu_mul, x is [M, 2K] = [gate | up] and the product uses
     silu(gate) * up (the SwiGLU activation folded into the down projection: one launch fewer).
-    Needs K % block_k == 0, or one power-of-two block_k >= K, and contiguous rows."""
+    Needs K % block_k == 0 (then M = 1), or one power-of-two block_k >= K (then M <=
+    GEMV_MAX_ROWS), and contiguous rows."""
     n, k = w.shape
-    if x.shape != (1, 2 * k if silu_mul else k) or not _fits(k, block_k) or w.stride(1) != 1 or not x.is_contiguous():
+    m = x.shape[0]
+    if (x.shape[1] != (2 * k if silu_mul else k) or not _fits(k, block_k) or w.stride(1) != 1
+            or not x.is_contiguous() or not gemv_rows_ok((block_n, block_k, 0, 0), k, m)):
         raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k} silu_mul {silu_mul}")
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _k().gemv_kernel[(-(-n // block_n),)](
-        x, w, y, n, w.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, PDL=_pdl(),
-        num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
+        x, w, y, n, w.stride(0), x.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, SILU_MUL=silu_mul,
+        PDL=_pdl(), num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
     )
     return y
-
-
 
 
 def add_norm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
     block_n: int, block_k: int, num_warps: int, num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch-1 (RMSNorm(x + residual) * norm_weight) @ w^T in one launch and one pass, the
-    residual add and the norm's sum of squares recomputed per program from L2 (a 1 x hidden
-    vector); the normalized input is not rounded to the activation dtype. Returns (y [1, N], the new
-    residual x + residual, or x itself when residual is None: the first layer)."""
+    """(RMSNorm(x + residual) * norm_weight) @ w^T for M rows (1, or up to GEMV_MAX_ROWS with a
+    one-tile config) in one launch and one pass, the residual add and the norm's sum of squares
+    recomputed per program from L2 (M x hidden); the normalized input is not rounded to the
+    activation dtype. Returns (y [M, N], the new residual x + residual, or x itself when
+    residual is None: the first layer)."""
     n, k = w.shape
-    if x.shape != (1, k) or not _fits(k, block_k) or w.stride(1) != 1 or not x.is_contiguous():
+    m = x.shape[0]
+    if (x.shape[1] != k or not _fits(k, block_k) or w.stride(1) != 1 or not x.is_contiguous()
+            or not gemv_rows_ok((block_n, block_k, 0, 0), k, m)
+            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous()))):
         raise ValueError(f"add_norm_gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
     _k().add_norm_gemv_kernel[(-(-n // block_n),)](
         x, residual if residual is not None else x, r_out, norm_weight, eps, w, y, n, w.stride(0),
-        K=k, BLOCK_N=block_n, BLOCK_K=block_k, HAS_RES=residual is not None, PDL=_pdl(),
+        K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, HAS_RES=residual is not None, PDL=_pdl(),
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
     )
     return y, r_out

@@ -102,6 +102,47 @@ def test_add_norm_gemv(with_residual: bool, k: int, block_k: int) -> None:
         assert r_out is x  # layer 0: the input is the residual stream
 
 
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_takes_several_rows_with_one_tile(silu_mul: bool) -> None:
+    g = torch.Generator().manual_seed(4)
+    m, n, k = 3, 20, 768
+    w = torch.randn(n, k, generator=g).to(BF)
+    x = torch.randn(m, 2 * k if silu_mul else k, generator=g).to(BF)
+    xin = (F.silu(x[:, :k].float()) * x[:, k:].float()).to(BF) if silu_mul else x
+    ref = xin.float() @ w.float().T
+    y = triton_ops.gemv(x, w, 4, 1024, 4, 1, silu_mul=silu_mul)
+    assert y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=0.01 * ref.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="gemv"):  # several rows need the one-tile config
+        triton_ops.gemv(x, w[:, :512], 4, 256, 4, 1, silu_mul=silu_mul)
+    with pytest.raises(ValueError, match="gemv"):  # and at most GEMV_MAX_ROWS of them
+        triton_ops.gemv(x.repeat(3, 1), w, 4, 1024, 4, 1, silu_mul=silu_mul)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_norm_gemv_takes_several_rows(with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    m, n, k = 4, 24, 640
+    w = torch.randn(n, k, generator=g).to(BF)
+    x, r = torch.randn(m, k, generator=g).to(BF), torch.randn(m, k, generator=g).to(BF)
+    nw = torch.rand(k, generator=g).to(BF) + 0.5
+    y, r_out = triton_ops.add_norm_gemv(x, r if with_residual else None, nw, 1e-6, w, 8, 1024, 4, 1)
+    s = x.float() + (r.float() if with_residual else 0)
+    ref = _rms(s.to(BF), nw).float() @ w.float().T
+    assert y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=0.01 * ref.abs().max().item(), rtol=0)
+    if with_residual:
+        torch.testing.assert_close(r_out.float(), s.to(BF).float(), atol=1e-3, rtol=2**-7)
+
+
+def test_gemv_rows_rule() -> None:
+    assert triton_ops.gemv_rows_ok((8, 512, 4, 3), 1024, 1)  # batch 1: any config
+    assert not triton_ops.gemv_rows_ok((8, 512, 4, 3), 1024, 2)  # looped: one row only
+    assert triton_ops.gemv_rows_ok((8, 1024, 4, 1), 1024, triton_ops.GEMV_MAX_ROWS)
+    assert not triton_ops.gemv_rows_ok((8, 1024, 4, 1), 1024, triton_ops.GEMV_MAX_ROWS + 1)
+    assert not triton_ops.gemv_rows_ok(None, 1024, 1)
+
+
 def test_gemv_config_is_none_off_cuda() -> None:
     assert triton_ops.gemv_config(torch.zeros(64, 1024, dtype=BF)) is None  # CPU: cuBLAS/torch stays
 
