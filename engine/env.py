@@ -22,7 +22,7 @@ class Env:
     decode_kernel: str  # STRATA_DECODE_KERNEL: auto (the fastest measured per batch) | fa2 | xqa | triton
     fused_prologue: bool  # STRATA_FUSED_PROLOGUE: one triton kernel for q/k norm + RoPE + KV store (1)
     triton_gemv: bool  # STRATA_TRITON_GEMV: batch-1 projections as triton GEMVs, not cuBLAS (1)
-    gemv_max_rows: int  # STRATA_GEMV_MAX_ROWS: most rows (tokens) a one-tile triton GEMV takes (8; 1: batch 1)
+    gemv_max_rows: int  # STRATA_GEMV_MAX_ROWS: most rows a one-tile triton GEMV takes (4, measured; <= 8)
     gemv_tune: str | None  # STRATA_GEMV_TUNE: JSON {"N,K": [block_n, block_k, warps, stages]} overrides
     triton_pdl: bool  # STRATA_TRITON_PDL: triton kernels use programmatic dependent launch (1)
     norm_gemv: bool  # STRATA_NORM_GEMV: batch 1, fold add + RMSNorm into the next GEMV (1)
@@ -47,7 +47,7 @@ def env() -> Env:
         decode_kernel=os.environ.get("STRATA_DECODE_KERNEL", "auto").lower(),
         fused_prologue=_flag("STRATA_FUSED_PROLOGUE") is not False,
         triton_gemv=_flag("STRATA_TRITON_GEMV") is not False,
-        gemv_max_rows=int(os.environ.get("STRATA_GEMV_MAX_ROWS", "8")),
+        gemv_max_rows=int(os.environ.get("STRATA_GEMV_MAX_ROWS", "4")),
         gemv_tune=os.environ.get("STRATA_GEMV_TUNE") or None,
         triton_pdl=_flag("STRATA_TRITON_PDL") is not False,
         norm_gemv=_flag("STRATA_NORM_GEMV") is not False,

@@ -156,7 +156,11 @@ def _tuned() -> dict[str, list[int]]:
     return json.loads(Path(path).read_text())
 
 
-GEMV_MAX_ROWS = 8  # rows of x a one-tile GEMV takes (small decode batches); more go to cuBLAS
+# rows of x a one-tile GEMV can take (its M loop is unrolled); the model uses up to
+# STRATA_GEMV_MAX_ROWS (4): on an H200, Qwen3-0.6B decode at batch 2 went 1.45 -> 1.02 ms, batch 4
+# 1.49 -> 1.41, but batch 8 1.51 -> 2.20 (the per-row FMAs outgrow the weight read), so batch 8
+# stays on cuBLAS (latency-qwen3-0.6b-gemv-rows{1,8}-h200.json)
+GEMV_MAX_ROWS = 8
 
 
 def gemv_rows_ok(cfg: tuple[int, int, int, int] | None, k: int, rows: int) -> bool:
