@@ -37,6 +37,13 @@ def _flag(name: str) -> bool | None:
 @cache
 def env() -> Env:
     base = os.environ.get("STRATA_CACHE_DIR") or str(Path.home() / ".cache" / "strata")
+    e = _read(base)
+    if e.gemv_max_rows < 1:
+        raise ValueError(f"STRATA_GEMV_MAX_ROWS must be >= 1, got {e.gemv_max_rows}")
+    return e
+
+
+def _read(base: str) -> Env:
     return Env(
         cache_dir=Path(base),
         log_level=os.environ.get("STRATA_LOG_LEVEL", "info").lower(),
