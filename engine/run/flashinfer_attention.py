@@ -215,6 +215,7 @@ class FlashInferAttention(AttentionBackend):
         self._g_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         self._g_last = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=self.device)
+        self._g_table: torch.Tensor | None = None  # the dense-table kernels' graph inputs (_init_table)
         cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._xqa_ok = xqa_supported(cap, self.q_dtype, self.dtype, self.head_dim, self.page_size)
         self._mode = env().decode_kernel
@@ -238,7 +239,7 @@ class FlashInferAttention(AttentionBackend):
     def _init_table(self) -> None:
         """CUDA-graph inputs of the dense-table kernels: page-table rows and KV lengths
         (padding rows: the padding page, one token)."""
-        if getattr(self, "_g_table", None) is None:
+        if self._g_table is None:
             self._g_table = torch.zeros(self.max_batch, self.max_pages_per_req, dtype=torch.int32,
                                         device=self.device)
             self._g_seq = torch.ones(self.max_batch, dtype=torch.int32, device=self.device)
