@@ -35,7 +35,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
-        self._gemv: tuple | None | bool = False  # batch-1 triton GEMV config; False: not decided yet
+        self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
