@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from engine.env import env
+from engine.run import triton_ops
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import PAD_PAGE, KVPool
@@ -83,8 +84,6 @@ def triton_decode_supported(device: torch.device, q_dtype: torch.dtype, kv_dtype
                             num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether engine/run/triton_ops.decode_attention takes this geometry (CUDA with triton, half
     queries, KV of the query dtype or fp8 e4m3, a power-of-two head_dim, a GQA group <= 16)."""
-    from engine.run import triton_ops
-
     return (
         device.type == "cuda" and triton_ops.available()
         and q_dtype in (torch.float16, torch.bfloat16) and kv_dtype in (q_dtype, torch.float8_e4m3fn)
@@ -247,8 +246,6 @@ class FlashInferAttention(AttentionBackend):
     def _init_triton(self) -> None:
         """The triton decode kernel's split workspace (batches up to TRITON_DECODE_MAX_BATCH, or
         every batch when it is forced)."""
-        from engine.run import triton_ops
-
         top = self.max_batch if self._mode == "triton" else min(self.max_batch, TRITON_DECODE_MAX_BATCH)
         self._triton_ws = triton_ops.decode_workspace(top, self.num_kv_heads, self.head_dim, self._sm_count,
                                                       self.device)
@@ -291,11 +288,10 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("FlashInferAttention.bind() must be called before prepare()")
         if batch.page_table_cpu is None:
             raise ValueError("flashinfer attention needs ForwardBatch.page_table_cpu (build the batch with build())")
-        self._table_args, self._table_kernel = None, "fa2"
         if batch.is_decode and self.uses_table(batch.batch_size):
-            self._table_args = (batch.page_table, batch.seq_lens)
-            self._table_kernel = self.decode_kernel(batch.batch_size)
+            self._use_table(batch.page_table, batch.seq_lens)
             return
+        self._use_plan()
         indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
         hq, hkv, d, ps = self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
         if batch.is_decode:
@@ -328,14 +324,23 @@ class FlashInferAttention(AttentionBackend):
     def _triton(self, x: torch.Tensor, layer_id: int, positions: torch.Tensor, *prologue) -> torch.Tensor:  # noqa: ANN002
         """The triton decode kernel over the dense table (triton_ops.decode_attention), with the
         prologue when given (cos_sin_cache, q_norm_weight, k_norm_weight, eps)."""
-        from engine.run import triton_ops
-
-        b = x.shape[0]
         return triton_ops.decode_attention(
             x, self.num_q_heads, self.num_kv_heads, self.head_dim, positions, self._table_args[0],
             self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_size, self._triton_ws,
-            triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count), *prologue,
+            self._triton_splits, *prologue,
         )
+
+    def _use_table(self, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """This step's decode runs a dense-table kernel (XQA or triton) over table [B, W] and
+        seq_lens [B]; the per-step choices are made here once, not per layer."""
+        b = table.shape[0]
+        self._table_args = (table, seq_lens)
+        self._table_kernel = self.decode_kernel(b)
+        self._triton_splits = triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count)
+
+    def _use_plan(self) -> None:
+        """This step runs a planned flashinfer wrapper (self._active)."""
+        self._table_args, self._table_kernel = None, "fa2"
 
     def _xqa(self, q: torch.Tensor, layer_id: int, table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """XQA decode: q [B, Hq, D] over the pages in table [B, W] (int32; W * page_size is the
@@ -364,7 +369,7 @@ class FlashInferAttention(AttentionBackend):
             empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
             self.set_graph_table(bs, empty[:, 0], empty)  # every row padding until the first replay
             return None
-        self._table_args, self._table_kernel = None, "fa2"
+        self._use_plan()
         w = self._graph.get(bs)
         if w is None:
             w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -403,7 +408,7 @@ class FlashInferAttention(AttentionBackend):
         self._plan(w, indptr, indices, last, self.num_q_heads, self.num_kv_heads, self.head_dim,
                    self.page_size, **self._plan_kwargs())
         self._active = w
-        self._table_args, self._table_kernel = None, "fa2"
+        self._use_plan()
 
     def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
         """Point the XQA or triton graph of size `bs` at this step: seq_lens int32 [b] and table int32
@@ -415,5 +420,4 @@ class FlashInferAttention(AttentionBackend):
         if b < bs:
             self._g_seq[b:bs].fill_(1)
             self._g_table[b:bs, 0].fill_(PAD_PAGE)
-        self._table_args = (self._g_table[:bs], self._g_seq[:bs])
-        self._table_kernel = self.decode_kernel(bs)
+        self._use_table(self._g_table[:bs], self._g_seq[:bs])

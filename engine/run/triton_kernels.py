@@ -241,6 +241,8 @@ def decode_attention_kernel(
         k_new = (k * cos + sign * ks * sin).to(act).to(cache_t)
         v_new = tl.load(row + (HQ + HKV) * D + kvh * D + d).to(cache_t)
         slot = tl.load(trow + pos // PS).to(tl.int64) * PS + pos % PS
+        # only the owner split stores the new K/V (a [D] mask: triton's interpreter rejects a
+        # broadcast scalar bool as a mask)
         own = tl.full([D], 0, tl.int32) + s == pos // chunk
         tl.store(k_cache + slot * (HKV * D) + kvh * D + d, k_new, mask=own)
         tl.store(v_cache + slot * (HKV * D) + kvh * D + d, v_new, mask=own)
