@@ -97,20 +97,6 @@ for what in "$@"; do case $what in
             STRATA_DECODE_KERNEL=$v run latency-$m-dk-$v 100 bin/bench latency --model configs/$m --load-format dummy \
               --batch-sizes 1 2 8 --context-len 1024 --steps 100 --out "$OUT/latency-$m-decode-$v-h200.json"
             grep -A7 "batch  ctx" "$OUT/latency-$m-dk-$v.log"; done; done ;;
-  gemvab) echo '{"4096,1024":[8,1024,4,1],"1024,2048":[4,2048,4,1],"6144,1024":[8,1024,4,1],"1024,3072":[4,4096,4,1],
-            "6144,4096":[2,4096,4,1],"4096,4096":[2,4096,4,1],"28672,4096":[2,4096,4,1]}' > /tmp/onetile_a.json
-          echo '{"4096,1024":[4,1024,4,1],"1024,2048":[2,2048,4,1],"6144,1024":[4,1024,4,1],"1024,3072":[2,4096,4,1],
-            "6144,4096":[4,4096,8,1],"4096,4096":[4,4096,8,1],"28672,4096":[4,4096,8,1]}' > /tmp/onetile_b.json
-          for m in qwen3-0.6b llama-3.1-8b; do for v in none /tmp/onetile_a.json /tmp/onetile_b.json; do
-            t=$(basename $v .json); STRATA_GEMV_TUNE=${v/none/} run latency-$m-gemv-$t 100 bin/bench latency --model configs/$m \
-              --load-format dummy --batch-sizes 1 --context-len 1024 --steps 200 --out "$OUT/latency-$m-b1-gemv-$t-h200.json"
-            grep -A3 "^batch    ctx" "$OUT/latency-$m-gemv-$t.log" | tail -1 | sed "s/^/$m $t /"; done; done ;;
-  sessionab) echo '{"4096,1024":[8,512,4,3],"1024,2048":[4,1024,4,3],"6144,1024":[8,512,4,3],"1024,3072":[4,1024,4,3]}' > /tmp/looped.json
-          for v in "X=1" "STRATA_DECODE_KERNEL=fa2" "STRATA_GEMV_TUNE=/tmp/looped.json" "STRATA_DECODE_KERNEL=fa2 STRATA_GEMV_TUNE=/tmp/looped.json"; do
-            t=$(echo "$v" | tr -c 'A-Za-z0-9\n' '_' | tr -s _); for m in qwen3-0.6b llama-3.1-8b; do
-            [ $m = llama-3.1-8b ] && [[ "$v" == *looped* ]] && continue
-            env $v bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 --context-len 1024 --steps 100 \
-              --out "$OUT/latency-$m-b1-ab-$t.json" 2>&1 | grep -A3 "^batch    ctx" | tail -1 | sed "s|^|$m $v |"; done; done ;;
   rowsab) for v in 1 8; do for m in qwen3-0.6b llama-3.1-8b; do
             STRATA_GEMV_MAX_ROWS=$v bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 2 4 8 \
               --context-len 1024 --steps 100 --out "$OUT/latency-$m-gemv-rows$v-h200.json" 2>&1 \
