@@ -36,6 +36,8 @@ class ServerConfig:
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
     seed: int = 0
+    cpu_threads: int = 0  # torch intra-op threads of a CPU worker; 0 = every core this process may use
+    decode_kernel: str = "auto"  # auto (the GPU's tuning file) | fa2 | xqa | triton: override for debugging
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class ServerConfig:
             (self.max_prefill_tokens >= self.page_size, "--max-prefill-tokens must be >= page size"),
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
+            (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
+            (self.decode_kernel in ("auto", "fa2", "xqa", "triton"), f"bad --decode-kernel {self.decode_kernel}"),
             (self.tp_size == 1, "--tp-size > 1: tensor parallelism is not implemented yet"),
         ]
         for ok, problem in problems:
