@@ -1,4 +1,7 @@
-"""Command-line flags -> ServerConfig (the only place flags are defined)."""
+"""Command-line flags -> ServerConfig (the only place flags are defined).
+
+Every ServerConfig field is a flag with a help line; `bin/serve --help` shows each default.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +11,57 @@ import sys
 
 from engine.config import ServerConfig
 
-_HELP = {
-    "model": "HF-style model directory (default: SmolLM2-135M-Instruct, prepared on first run)",
+HIDDEN = ("run_dir", "extra")  # set by the supervisor, not by people
+
+HELP = {
+    "model": "HF-style model directory (empty: SmolLM2-135M-Instruct, converted on first run)",
+    "served_model_name": "the model name the API reports and accepts (empty: the model directory's name)",
     "load_format": "auto | safetensors | dummy (random weights from config.json)",
-    "port": "HTTP port",
-    "sdk_port": "ZMQ port for the client SDK",
-    "log_dir": "write one JSON log file per process here",
-    "max_total_tokens": "cap the KV pool at this many tokens (0: size from free memory)",
-    "max_prefill_tokens": "token budget per step; longer prompts are prefilled in chunks",
-    "attention_backend": "auto | torch | flashinfer",
-    "context_length": "max prompt + output tokens (0: the model's own)",
-    "kv_cache_dtype": "auto (the model dtype) | fp8_e4m3: KV stored in 8-bit floats, half the bytes",
+    "host": "address HTTP and the SDK listen on (127.0.0.1: this machine only)",
+    "port": "HTTP port (OpenAI API, /generate, /health, /metrics)",
+    "sdk_port": "TCP port of the ZMQ client SDK",
+    "log_dir": "write one JSON-lines log file per process here (empty: stderr only)",
+    "device": "auto (cuda when available) | cpu | cuda",
+    "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16",
+    "attention_backend": "auto (flashinfer on CUDA, torch on CPU) | torch | flashinfer",
+    "kv_cache_dtype": "auto (the model dtype) | fp8_e4m3: KV stored in 8-bit floats, half the bytes (lossy)",
     "attention_fp8_math": "with an fp8 KV cache on SM90, decode attention in fp8 tensor-core math (queries and "
     "probabilities rounded to e4m3, as FA3/TensorRT-LLM fp8 attention do): ~2x faster decode attention, less precise",
+    "tp_size": "tensor-parallel ranks, one worker process each (only 1 is implemented so far)",
+    "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2)",
+    "max_total_tokens": "cap the KV pool at this many tokens (0: sized from free memory on GPU, from the model "
+    "and the machine on CPU)",
+    "mem_fraction": "share of free GPU memory, after the weights load, for the KV pool and runtime buffers",
+    "max_running_requests": "most requests in the running batch at once (also the largest CUDA graph)",
+    "max_prefill_tokens": "token budget per step; longer prompts are prefilled in chunks",
+    "context_length": "max prompt + output tokens per request (0: the model's max_position_embeddings)",
+    "disable_overlap": "run each step to completion before planning the next (no one-step-ahead scheduling)",
+    "disable_radix_cache": "do not reuse KV pages of shared prompt prefixes across requests",
+    "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",
+    "seed": "seed for requests that give none (each gets a fresh seed drawn from this)",
+    "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on)",
+    "decode_kernel": "decode attention kernel on GPU: auto (the GPU's tuning file) | fa2 | xqa | triton; for debugging",
 }
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default == "":
+            return f"{action.help} (default: empty)"
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bin/serve", description="Strata LLM server")
+    parser = argparse.ArgumentParser(prog="bin/serve", description="Strata LLM server", formatter_class=_Formatter)
     for f in dataclasses.fields(ServerConfig):
-        if f.name in ("run_dir", "extra"):
+        if f.name in HIDDEN:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=_HELP.get(f.name))
+            parser.add_argument(flag, action="store_true", help=HELP[f.name])
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=_HELP.get(f.name))
+            parser.add_argument(flag, type=type(default), default=default, help=HELP[f.name])
     return parser
 
 

@@ -40,6 +40,7 @@ class LocalEngine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 max_context=ready.max_context,
                 eos_token_ids=tuple(ready.eos_token_ids),
+                vocab_size=ready.vocab_size,
                 enable_radix=not cfg.disable_radix_cache,
                 seed=cfg.seed,
                 digest_every=env().digest_every or 1,

@@ -15,6 +15,9 @@ import structlog
 
 from engine.env import env
 
+# No locals: they can hold prompts and whole tensors.
+_TRACEBACKS = structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+
 
 def setup_logging(proc: str, log_dir: str = "", rank: int | None = None) -> structlog.stdlib.BoundLogger:
     level = getattr(logging, env().log_level.upper(), logging.INFO)
@@ -23,8 +26,14 @@ def setup_logging(proc: str, log_dir: str = "", rank: int | None = None) -> stru
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # dict_tracebacks: an exception becomes one structured "exception" field of the same
+    # event (type, message, frames), not a bare exc_info flag or extra text lines.
     json_fmt = structlog.stdlib.ProcessorFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.JSONRenderer()],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            _TRACEBACKS,
+            structlog.processors.JSONRenderer(),
+        ],
         foreign_pre_chain=pre,
     )
     console = env().log_json is False or (env().log_json is None and sys.stderr.isatty())

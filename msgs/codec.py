@@ -8,6 +8,7 @@ returns None) so a malformed peer can never kill a process.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
@@ -39,6 +40,11 @@ def unpack_f32(data: bytes) -> list[float]:
     return out.tolist()
 
 
+# Frames dropped per channel in this process (exported as strata_dropped_frames_total).
+DROPPED: dict[str, int] = {}
+WARN_INTERVAL_S = 5.0  # at most one warning per channel per interval; the count says how many
+
+
 class Codec(Generic[T]):
     """Encoder + decoder for one channel's Union type, built once per process."""
 
@@ -46,6 +52,8 @@ class Codec(Generic[T]):
         self.channel = channel
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(union)
+        self._last_warn = -WARN_INTERVAL_S
+        self._unreported = 0
 
     def encode(self, msg: T) -> bytes:
         return self._enc.encode(msg)
@@ -53,6 +61,20 @@ class Codec(Generic[T]):
     def decode(self, frame: bytes) -> T | None:
         try:
             return self._dec.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped malformed frame on %s: %s (%d bytes)", self.channel, exc, len(frame))
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            self._dropped(exc, len(frame))
             return None
+
+    def _dropped(self, exc: Exception, size: int) -> None:
+        """Count every dropped frame; warn at most once per interval, so a flood of bad
+        frames cannot flood the log."""
+        DROPPED[self.channel] = DROPPED.get(self.channel, 0) + 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._last_warn >= WARN_INTERVAL_S:
+            log.warning(
+                "dropped malformed frame on %s: %s (%d bytes; %d dropped since the last warning)",
+                self.channel, exc, size, self._unreported,
+            )
+            self._last_warn = now
+            self._unreported = 0

@@ -38,6 +38,7 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     cache_hit_tokens: int  # cumulative prompt tokens served from the device prefix cache
     step_seconds: list[float]  # durations of steps finished since the previous stats
     leak_free: bool = True  # result of the last idle leak check
+    dropped_frames: dict[str, int] = {}  # malformed frames the scheduler dropped, per channel
 
 
 ToTokenizer = TokenBatch | SchedulerStats

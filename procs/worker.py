@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import traceback
 from collections import deque
 
 import zmq
@@ -63,7 +62,7 @@ def main() -> int:
         serve_steps(runner, steps, done)
         return 0
     except Exception as exc:  # fatal by design: report, exit non-zero
-        log.error("worker failed", error=str(exc), trace=traceback.format_exc())
+        log.exception("worker failed", error=str(exc))
         done.send(done_ch.codec.encode(WorkerFailed(rank=args.rank, seq=-1, reason=str(exc))))
         control.send(control_codec.encode(Fatal(proc="worker", rank=args.rank, reason=str(exc))))
         return 1

@@ -20,6 +20,7 @@ from msgs import done as done_ch
 from msgs import outputs as out_ch
 from msgs import requests as req_ch
 from msgs import steps as step_ch
+from msgs.codec import DROPPED
 from msgs.control import Ready
 from msgs.control import codec as control_codec
 from msgs.done import StepDone, WorkerFailed, WorkerReady
@@ -85,6 +86,7 @@ class SchedulerLoop:
                 max_prefill_tokens=self.cfg.max_prefill_tokens,
                 max_context=first.max_context,
                 eos_token_ids=tuple(first.eos_token_ids),
+                vocab_size=first.vocab_size,
                 enable_radix=not self.cfg.disable_radix_cache,
                 seed=self.cfg.seed,
                 digest_every=env().digest_every,
@@ -131,16 +133,26 @@ class SchedulerLoop:
         while self.req_in.poll(0):
             msg = req_ch.codec.decode(self.req_in.recv())
             if isinstance(msg, TokenizedRequest):
-                err = self.core.submit(msg)
+                err = self._submit(msg)
                 log.info("request", rid=msg.rid, prompt_tokens=len(msg.input_ids) // 4, rejected=err is not None)
             elif isinstance(msg, AbortRequest):
                 err = self.core.abort(msg.rid)
                 log.info("abort", rid=msg.rid, found=err is not None)
             else:
+                self.stats_dirty = True  # a dropped frame: the count goes out with the stats
                 continue
             if err is not None:
                 outs.append(err)
         self._emit(outs)
+
+    def _submit(self, msg: TokenizedRequest) -> ReqOutput | None:
+        """Queue a request; a bug that concerns one request fails that request only."""
+        assert self.core is not None
+        try:
+            return self.core.submit(msg)
+        except Exception as exc:  # noqa: BLE001 - defence in depth (submit checks before it queues)
+            log.exception("request rejected by an internal error", rid=msg.rid)
+            return ReqOutput(rid=msg.rid, new_ids=[], finish_reason="error", error=f"internal error: {exc}")
 
     def _drain_done(self) -> None:
         assert self.core is not None
@@ -193,6 +205,7 @@ class SchedulerLoop:
             cache_hit_tokens=core.cache_hit_tokens,
             step_seconds=self.step_seconds,
             leak_free=self.leak_free,
+            dropped_frames=dict(DROPPED),
         )
         self.out.send(out_ch.codec.encode(stats))
         self.step_seconds = []

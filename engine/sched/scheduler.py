@@ -32,13 +32,14 @@ class SchedConfig:
     max_prefill_tokens: int  # token budget per step (decode tokens count one each)
     max_context: int
     eos_token_ids: tuple[int, ...]
+    vocab_size: int  # prompt ids and stop ids are checked against it (defence in depth)
     enable_radix: bool = True
     seed: int = 0
     digest_every: int = 64
     num_ranks: int = 1  # workers replaying the stream; each reports every DigestCheck
 
     def __post_init__(self) -> None:
-        if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1:
+        if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
             raise ValueError(f"bad scheduler config {self}")
 
 
@@ -78,8 +79,10 @@ class SchedulerCore:
 
     def submit(self, msg: TokenizedRequest) -> ReqOutput | None:
         """Queue a request; returns an error output when it can never run."""
+        if len(msg.input_ids) % 4:
+            return ReqOutput(rid=msg.rid, new_ids=[], finish_reason="error", error="input_ids: not packed int32")
         ids = unpack_ids(msg.input_ids)
-        problem = self._reject_reason(msg.rid, ids)
+        problem = self._reject_reason(msg.rid, ids) or msg.params.validate(self.cfg.vocab_size)
         if problem:
             return ReqOutput(rid=msg.rid, new_ids=[], finish_reason="error", error=problem)
         p = msg.params
@@ -100,6 +103,8 @@ class SchedulerCore:
             return "the prompt is empty"
         if len(ids) >= self.cfg.max_context:
             return f"prompt has {len(ids)} tokens; the context holds {self.cfg.max_context}"
+        if not 0 <= min(ids) <= max(ids) < self.cfg.vocab_size:
+            return f"prompt token ids must be in [0, {self.cfg.vocab_size})"
         return None
 
     def abort(self, rid: str) -> ReqOutput | None:

@@ -12,6 +12,8 @@ import inspect
 from functools import cache
 from typing import Any
 
+import msgspec
+
 from engine.serve.errors import ApiError
 from engine.serve.protocol import ChatMessage
 from engine.serve.tokenizer import TextTokenizer
@@ -41,8 +43,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def _content(msg: ChatMessage, i: int) -> str | None:
     if isinstance(msg.content, str):
         return msg.content
-    if msg.content is None:
-        # An assistant turn that only calls tools has no content; templates test for None.
+    if msg.content is None or msg.content is msgspec.UNSET:
+        # OpenAI: content is required, except on an assistant turn (which may only call
+        # tools: templates test for None there).
+        if msg.role != "assistant":
+            raise ApiError(400, f"messages[{i}].content is required for role {msg.role!r}", f"messages[{i}].content")
         return None if msg.tool_calls else ""
     texts = []
     for part in msg.content:

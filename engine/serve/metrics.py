@@ -7,8 +7,13 @@ build as many as they like.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Iterator
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from msgs.codec import DROPPED
 from msgs.outputs import SchedulerStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -35,6 +40,8 @@ class Metrics:
         self.step = Histogram("strata_step_seconds", "Scheduler step duration", buckets=STEP_BUCKETS, registry=r)
         self.cache_hit_tokens.labels(tier="device")  # present (at 0) before the first hit
         self._device_hits = 0
+        self.dropped = _DroppedFrames()
+        r.register(self.dropped)
 
     def on_submit(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -47,6 +54,7 @@ class Metrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.leak_free.set(1 if stats.leak_free else 0)
+        self.dropped.scheduler = stats.dropped_frames
         for seconds in stats.step_seconds:
             self.step.observe(seconds)
         # The scheduler reports a cumulative count; a smaller one means it restarted.
@@ -58,3 +66,21 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _DroppedFrames(Collector):
+    """strata_dropped_frames_total{proc, channel}: malformed frames dropped by this process
+    (the codec's count, read at scrape time) and by the scheduler (from its stats)."""
+
+    def __init__(self) -> None:
+        self.scheduler: dict[str, int] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "strata_dropped_frames", "Malformed frames dropped, per process and channel", labels=["proc", "channel"]
+        )
+        for channel, n in sorted(DROPPED.items()):
+            family.add_metric(["tokenizer", channel], n)
+        for channel, n in sorted(self.scheduler.items()):
+            family.add_metric(["scheduler", channel], n)
+        yield family

@@ -39,7 +39,8 @@ class ContentPart(msgspec.Struct):
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: str | list[ContentPart] | None = None
+    # UNSET (the key is absent) differs from null: only an assistant turn may omit it.
+    content: str | list[ContentPart] | None | msgspec.UnsetType = msgspec.UNSET
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -125,6 +126,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         return _DECODERS[kind].decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise from_validation(exc) from None
+    except RecursionError:  # msgspec's depth limit: arrays or objects nested ~1000 deep
+        raise ApiError(400, "invalid JSON: nested too deeply") from None
 
 
 def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:

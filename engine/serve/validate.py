@@ -50,8 +50,8 @@ def check_rid(rid: str, param: str = "rid") -> str:
     return rid
 
 
-def check_params(params: SamplingParams) -> None:
-    problem = params.validate()
+def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
+    problem = params.validate(vocab_size)
     if problem is not None:
         first = problem.split()[0]
         raise ApiError(400, problem, param=first if first in _PARAM_NAMES else None)
@@ -143,14 +143,14 @@ def _logprob_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str,
     return {"logprobs": bool(req.logprobs), "top_logprobs": req.top_logprobs or 0}
 
 
-def make_params(kw: dict[str, Any], max_new: int) -> SamplingParams:
+def make_params(kw: dict[str, Any], max_new: int, vocab_size: int | None = None) -> SamplingParams:
     # convert (not the constructor) type-checks every field: a mistyped value would
     # otherwise be encoded, fail to decode in the scheduler, and hang the request.
     try:
         params = msgspec.convert({**kw, "max_new_tokens": max_new}, SamplingParams)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from None
-    check_params(params)
+    check_params(params, vocab_size)
     return params
 
 
@@ -222,7 +222,7 @@ def native_request(
     if not max_given:
         room = max(0, limits.max_context - len(ids))
         params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-    check_params(params)
+    check_params(params, limits.vocab_size)
     check_text_features(params, tok)
     check_length(len(ids), params.max_new_tokens, limits)
     return params

@@ -25,6 +25,7 @@ def make(num_pages: int = 64, budget: int = 32, max_running: int = 8, radix: boo
         max_prefill_tokens=budget,
         max_context=256,
         eos_token_ids=(0,),
+        vocab_size=1000,
         enable_radix=radix,
         digest_every=1,
     )
@@ -250,3 +251,21 @@ def test_digest_checked_for_every_rank():
         core.check_digest(step.seq, "0" * 64, rank=1)
     core.check_digest(step.seq, want, rank=1)
     assert step.seq not in core.expected_digest
+
+
+@pytest.mark.parametrize(
+    ("ids", "params", "problem"),
+    [
+        (pack_ids([1, 2, 3]), SamplingParams(temperature=float("inf")), "temperature"),
+        (pack_ids([1, 2, 3]), SamplingParams(stop_token_ids=[5000]), "stop_token_ids"),
+        (pack_ids([1, 5000]), SamplingParams(), "token ids"),
+        (pack_ids([1, -3]), SamplingParams(), "token ids"),
+        (b"\x01\x02\x03", SamplingParams(), "int32"),
+    ],
+)
+def test_scheduler_fails_a_bad_request_without_queueing_it(ids: bytes, params: SamplingParams, problem: str) -> None:
+    """Defence in depth: what the tokenizer should have refused fails only that request."""
+    core = make()
+    out = core.submit(TokenizedRequest(rid="bad", input_ids=ids, params=params))
+    assert out is not None and out.finish_reason == "error" and problem in out.error
+    assert not core.reqs and not core.waiting and core.plan() is None

@@ -235,6 +235,7 @@ def stress(
             max_prefill_tokens=budget,
             max_context=max_context,
             eos_token_ids=(EOS,),
+            vocab_size=VOCAB,
             enable_radix=radix,
             digest_every=rng.choice([1, 3]),
         )
