@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.env import env
 from engine.run import ops, triton_ops
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import KVPool
 from engine.run.ops import apply_rope, rope_cos_sin  # noqa: F401 - re-exported (moved to ops)
+from engine.run.tuning import kernel_tuning
 from models.config import ModelConfig, RopeScaling
 
 
@@ -36,15 +36,18 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
+        self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
         batches where the config holds a whole row slice per program), else None."""
-        rows = x.shape[0]
-        if rows > env().gemv_max_rows or self.bias is not None or not x.is_contiguous() or not ops.fused_enabled():
-            return None
         if self._gemv is False:  # decided once, on the device the weights ended up on
-            self._gemv = triton_ops.gemv_config(self.weight) if env().triton_gemv else None
+            self._gemv = triton_ops.gemv_config(self.weight)
+            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
+        rows = x.shape[0]
+        if (self._gemv is None or rows > self._gemv_rows or self.bias is not None or not x.is_contiguous()
+                or not ops.fused_enabled()):
+            return None
         return self._gemv if triton_ops.gemv_rows_ok(self._gemv, self.weight.shape[1], rows) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,18 +160,17 @@ class MLP(nn.Module):
         return self.down(self.gate_up_proj(x))
 
 
-NORM_GEMV_MAX_HIDDEN = 2048
-
-
 def norm_linear(
     norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
     itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
     norm and the GEMV."""
-    # folded only for narrow models: at hidden 4096 every program re-reading the vector from L2
-    # cost more than the launch it saves (Llama-3.1-8B batch 1: 4.76 vs 4.52 ms; Qwen3-0.6B: 1.31 vs 1.40)
-    cfg = linear.gemv_config(x) if env().norm_gemv and x.shape[1] <= NORM_GEMV_MAX_HIDDEN else None
+    # folded only for models up to the tuning's norm_gemv_max_hidden: on an H200 at hidden 4096
+    # every program re-reading the vector from L2 cost more than the launch it saves (Llama-3.1-8B
+    # batch 1: 4.76 vs 4.52 ms; Qwen3-0.6B, hidden 1024: 1.31 vs 1.40)
+    fold = x.shape[1] <= kernel_tuning(x.device).norm_gemv_max_hidden
+    cfg = linear.gemv_config(x) if fold else None
     if cfg is not None and (residual is None or residual.is_contiguous()):
         return triton_ops.add_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, *cfg)
     if residual is None:

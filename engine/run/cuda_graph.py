@@ -9,7 +9,7 @@ attending to that page only). The attention backend re-plans its fixed-size deco
 for the real page tables before each replay. Logits come back sliced to the real rows;
 sampling runs right after the replay, outside the graph.
 
-The runner's decode steps take `run_decode`, a lean host path: the step's metadata is built
+Decode steps replay through `run_decode` (the only replay path), a lean host path: the step's metadata is built
 from the Step's Python lists with numpy (`decode_metadata`), staged in two alternating pinned
 buffers and sent with two host-to-device copies (ids/positions/slots, page indices); no
 ForwardBatch and no per-step torch CPU ops. Future references (-1 ids) resolve on the device.
@@ -151,7 +151,7 @@ class CudaGraphRunner:
         self._dev_i32: torch.Tensor | None = None  # device twin of the pinned int32 staging
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._batches: dict[int, ForwardBatch] = {}
+        self._batches: dict[int, ForwardBatch] = {}  # keeps each captured batch's tensors alive
         self.pool = None
         self.capture_s = 0.0
         self.capture_bytes = 0
@@ -276,26 +276,3 @@ class CudaGraphRunner:
         Only overlapped steps take it, and its kernels load lazily on first use: the first
         overlapped decode step stalled 25-50 ms on an H200 without this."""
         self._resolve_future(1, last_token)
-
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.batch_size <= self.max_batch and bool(self.graphs)
-
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run a decode batch through its padded graph; float32 logits [S, vocab] for
-        batch.logit_indices (S <= batch size), like the model's forward."""
-        b = batch.batch_size
-        bs = padded_batch_size(b, self.sizes)
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.out_slots[:b].copy_(batch.out_slots)
-        if bs > b:  # rows left over from a larger batch: back to padding
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.out_slots[b:bs].fill_(PAD_PAGE * self.kv.page_size)
-        self.backend.plan_graph(bs, batch)
-        self.graphs[bs].replay()
-        self.replays += 1
-        logits = self.outputs[bs]
-        if batch.logit_indices.shape[0] == b:  # every row samples (the usual decode)
-            return logits[:b]
-        return logits.index_select(0, batch.logit_indices)

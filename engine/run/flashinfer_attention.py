@@ -23,15 +23,17 @@ merges them in the same launch. Small decode batches may run our triton kernel
 (engine/run/triton_ops.decode_attention), which reads the same dense table and does the
 layer's whole attention in one launch: the q/k norm + RoPE + K/V store prologue (the model
 hands it the QKV projection through `attend_qkv`), split-KV attention and the merge.
-`choose_decode_kernel` decides per batch size, from measurements on an H200
-(scripts/attn_probe.py, bench/results/attn_probe-h200.json): with bf16 KV XQA is faster at
-batch 1 on its own but made the served step slower, and is slower at batch 256; with fp8 KV
-it is faster everywhere (2x with --attention-fp8-math).
+Which one runs at which batch size comes from the GPU's tuning file (engine/run/tuning.py,
+configs/tuning/): on an H200 (bench/results/attn_probe-h200.json) with bf16 KV XQA is faster
+at batch 1 on its own but made the served step slower, and is slower at batch 256; with fp8
+KV it is faster everywhere (2x with --attention-fp8-math). `--decode-kernel` overrides it
+(`set_decode_kernel`, called by the runner before `bind`).
 
 CUDA graphs (engine/run/cuda_graph.py): `graph_wrapper(bs)` builds a decode wrapper with
 use_cuda_graph=True over fixed buffers (indptr [bs+1], last_page_len [bs], and one shared
-indices buffer sized max_batch * max_pages_per_req); `plan_graph(bs, batch)` re-plans it
-before each replay, pointing padded rows at the padding page 0.
+indices buffer sized max_batch * max_pages_per_req); `plan_graph_arrays` re-plans it before
+each replay from the padded metadata CudaGraphRunner.run_decode builds (padded rows on the
+padding page 0); the dense-table kernels take `set_graph_table` instead.
 
 plan() writes its schedule into a pinned host buffer and copies it to the device
 asynchronously. With two steps in flight, the next plan could overwrite that buffer before
@@ -43,16 +45,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.env import env
 from engine.run import triton_ops
 from engine.run.attention import AttentionBackend
 from engine.run.forward import ForwardBatch
 from engine.run.kv_pool import PAD_PAGE, KVPool
+from engine.run.tuning import DECODE_KERNELS, KernelTuning, kernel_tuning
 
 WORKSPACE_BYTES = 256 << 20  # float workspace (split-KV partial results), shared by all wrappers
 _INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own int workspace size (its staging must match)
-# fa2 prefill is the very module tensor-core decode uses: one JIT compile serves both.
-PREFILL_BACKEND = env().flashinfer_prefill_backend
+# fa2 prefill is the very module tensor-core decode uses: one JIT compile serves both (fa3 and
+# flashinfer's "auto" were the losing side of that choice)
+PREFILL_BACKEND = "fa2"
 # Decode always uses tensor cores: flashinfer's CUDA-core decode kernel measured slower on an
 # H200 for bf16 at batch 1-8 (latency-*-cudacore-decode-small-batch.json) and for fp8 KV.
 XQA_PAGE_SIZES = (16, 32, 64, 128)
@@ -74,12 +77,6 @@ def xqa_supported(capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: t
     )
 
 
-# the triton decode kernel (prologue + split-KV attention + merge in one launch) wins over FA2's
-# decode + merge + the separate prologue where launches dominate: small batches
-TRITON_DECODE_MAX_BATCH = 16
-DECODE_KERNELS = ("auto", "fa2", "xqa", "triton")
-
-
 def triton_decode_supported(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                             num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether engine/run/triton_ops.decode_attention takes this geometry (CUDA with triton, half
@@ -92,24 +89,17 @@ def triton_decode_supported(device: torch.device, q_dtype: torch.dtype, kv_dtype
     )
 
 
-def choose_decode_kernel(mode: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
-    """The kernel for a decode batch of this (padded) size: "fa2", "xqa" or "triton". A mode
-    names one (used where supported, else fa2); "auto" picks what measured fastest in the served
-    model: XQA for an fp8 KV cache, the triton kernel for bf16 batches <= TRITON_DECODE_MAX_BATCH,
-    FA2 otherwise. (bf16: XQA alone beats FA2 at batch 1, 0.27 vs 0.35 ms per 32 layers, but
-    inside the model the step got slower, 5.06 vs 4.71 ms; at batch 256 it is slower alone too.)"""
-    if mode not in DECODE_KERNELS:
-        raise ValueError(f"STRATA_DECODE_KERNEL must be one of {', '.join(DECODE_KERNELS)}, got {mode!r}")
-    if mode == "xqa":
-        return "xqa" if xqa_ok else "fa2"
-    if mode == "triton":
-        return "triton" if triton_ok else "fa2"
-    if mode == "auto":
-        if xqa_ok and kv_dtype.itemsize == 1:
-            return "xqa"
-        if triton_ok and batch <= TRITON_DECODE_MAX_BATCH:
-            return "triton"
-    return "fa2"
+def set_decode_kernel(backend: AttentionBackend, mode: str) -> None:
+    """--decode-kernel: "auto" (the GPU's tuning file) or a kernel name forced for every decode
+    batch where it is supported (debugging). Call before bind(). Only the flashinfer backend has
+    decode kernels to choose from; naming one for another backend is an error, not a no-op."""
+    if mode != "auto" and mode not in DECODE_KERNELS:
+        raise ValueError(f"--decode-kernel must be auto or one of {', '.join(DECODE_KERNELS)}, got {mode!r}")
+    if isinstance(backend, FlashInferAttention):
+        backend.decode_mode = mode
+    elif mode != "auto":
+        raise ValueError(f"--decode-kernel {mode} needs the flashinfer attention backend, "
+                         f"not {type(backend).__name__}")
 
 
 class _Staging:
@@ -164,6 +154,7 @@ def pad_metadata(
 
 class FlashInferAttention(AttentionBackend):
     supports_cuda_graph = True
+    decode_mode = "auto"  # --decode-kernel (set_decode_kernel): auto = the tuning's rules
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -217,23 +208,28 @@ class FlashInferAttention(AttentionBackend):
         self._g_table: torch.Tensor | None = None  # the dense-table kernels' graph inputs (_init_table)
         cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else (0, 0)
         self._xqa_ok = xqa_supported(cap, self.q_dtype, self.dtype, self.head_dim, self.page_size)
-        self._mode = env().decode_kernel
+        self.tuning: KernelTuning = kernel_tuning(self.device)
         self._triton_ok = triton_decode_supported(self.device, self.q_dtype, self.dtype, num_q_heads,
                                                   self.num_kv_heads, self.head_dim)
         self._sm_count = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 8
         )
-        choose_decode_kernel(self._mode, self._xqa_ok, self._triton_ok, self.dtype, 1)  # validates the mode
-        if self._xqa_ok and self._mode in ("auto", "xqa"):
+        if self._xqa_ok and self._may_use("xqa"):  # compiles XQA's module: only where it can run
             from flashinfer.xqa import get_xqa_module
 
             group = self.num_q_heads // self.num_kv_heads
             module = get_xqa_module(self.q_dtype, self.dtype, self.page_size, self.head_dim, group, False,
                                     self.q_dtype, 1)
             self._init_xqa(module.xqa)
-        if self._triton_ok and self._mode in ("auto", "triton"):
+        if self._triton_ok and self._may_use("triton"):
             self._init_triton()
         self._bound = True
+
+    def _may_use(self, kernel: str) -> bool:
+        """Whether some decode batch may run `kernel` (forced, or in the tuning's rules)."""
+        if self.decode_mode != "auto":
+            return self.decode_mode == kernel
+        return self.tuning.max_decode_batch(kernel, self.dtype) != 0
 
     def _init_table(self) -> None:
         """CUDA-graph inputs of the dense-table kernels: page-table rows and KV lengths
@@ -244,9 +240,10 @@ class FlashInferAttention(AttentionBackend):
             self._g_seq = torch.ones(self.max_batch, dtype=torch.int32, device=self.device)
 
     def _init_triton(self) -> None:
-        """The triton decode kernel's split workspace (batches up to TRITON_DECODE_MAX_BATCH, or
+        """The triton decode kernel's split workspace (batches up to the tuning's limit for it, or
         every batch when it is forced)."""
-        top = self.max_batch if self._mode == "triton" else min(self.max_batch, TRITON_DECODE_MAX_BATCH)
+        top = self.tuning.max_decode_batch("triton", self.dtype) if self.decode_mode == "auto" else None
+        top = self.max_batch if top is None else min(self.max_batch, top)
         self._triton_ws = triton_ops.decode_workspace(top, self.num_kv_heads, self.head_dim, self._sm_count,
                                                       self.device)
         self._init_table()
@@ -260,14 +257,14 @@ class FlashInferAttention(AttentionBackend):
         # probabilities to fp8 (2x faster); otherwise the generic kernel widens fp8 K/V to q's dtype
         self._xqa_fp8_gmma = self.fp8_math and self.dtype.itemsize == 1 and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device)[0] == 9
-        self._xqa_pdl = env().xqa_pdl
+        self._xqa_pdl = self.tuning.xqa_pdl
         # semaphores must start at zero (the kernel leaves them so): never shared with FA2
         self._xqa_ws = torch.zeros(_XQA_SEMAPHORE_BYTES + _XQA_SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
         self._init_table()
 
     def decode_kernel(self, batch_size: int) -> str:
         """The kernel a decode batch of this (padded) size runs: "fa2", "xqa" or "triton"."""
-        return choose_decode_kernel(self._mode, self._xqa_ok, self._triton_ok, self.dtype, batch_size)
+        return self.tuning.decode_kernel(self.decode_mode, self._xqa_ok, self._triton_ok, self.dtype, batch_size)
 
     def uses_table(self, batch_size: int) -> bool:
         """Whether that kernel reads the dense page table (set_graph_table) instead of a plan."""
@@ -389,17 +386,6 @@ class FlashInferAttention(AttentionBackend):
                    self.page_size, **self._plan_kwargs())
         self._active = w
         return w
-
-    def plan_graph(self, bs: int, batch: ForwardBatch) -> None:
-        """Plan the captured wrapper of size `bs` for this decode batch (rows past
-        batch.batch_size are padding: one token on the padding page)."""
-        if self.uses_table(bs):
-            self.set_graph_table(bs, batch.seq_lens, batch.page_table)
-            return
-        indptr, indices, last = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
-        indptr, indices, last = pad_metadata(indptr, indices, last, bs - batch.batch_size)
-        # indices go to the device first: the wrapper copies a host tensor with a blocking copy
-        self.plan_graph_arrays(bs, indptr, last, indices.to(self.device, non_blocking=True))
 
     def plan_graph_arrays(self, bs: int, indptr: torch.Tensor, last: torch.Tensor, indices: torch.Tensor) -> None:
         """Plan the captured wrapper of size `bs` from padded metadata: indptr [bs+1] and

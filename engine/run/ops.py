@@ -17,8 +17,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.env import env
 from engine.run import triton_ops
+from engine.run.tuning import kernel_tuning
 
 _HALF = (torch.float16, torch.bfloat16)
 _enabled = True
@@ -153,7 +153,8 @@ class Rotary:
         RoPE + KV-store prologue (triton_ops); ("torch", cos, sin) otherwise."""
         probe = torch.empty(0, dtype=dtype, device=positions.device)
         if fused_ok(probe):
-            prologue = env().fused_prologue and triton_ops.supported(self.head_dim, probe)
+            # the one-launch prologue where the GPU's tuning turns it on (engine/run/tuning.py)
+            prologue = kernel_tuning(probe.device).fused_prologue and triton_ops.supported(self.head_dim, probe)
             return ("fused", positions, self.cos_sin_cache(positions.device), prologue)
         return ("torch", *rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype))
 

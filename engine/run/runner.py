@@ -18,6 +18,7 @@ import torch
 
 from engine.config import ServerConfig
 from engine.run.attention import create_backend
+from engine.run.flashinfer_attention import set_decode_kernel
 from engine.run.forward import ForwardBatch
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.kv_pool import KVPool
@@ -82,6 +83,7 @@ class ModelRunner:
             self.device,
         )
         self.backend = create_backend(cfg.attention_backend, self.device)
+        set_decode_kernel(self.backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
         self.backend.bind(
             num_q_heads=self.mcfg.num_heads,
             kv_pool=self.kv,

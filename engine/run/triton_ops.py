@@ -1,14 +1,14 @@
 """Triton kernels for batch-1 decode and the attention prologue (CUDA only; triton is imported
 lazily: the kernels live in engine/run/triton_kernels.py, these are their Python wrappers).
 
-On SM90 with a recent triton every kernel here is launched with programmatic dependent launch
-(STRATA_TRITON_PDL): it starts while its predecessor drains, loads the first tile of its
-weights (which do not depend on that kernel), then waits on the grid dependency before it
-reads activations or writes anything.
+On SM90 with a recent triton, where the GPU's tuning file says so (engine/run/tuning.py,
+`triton_pdl`), every kernel here is launched with programmatic dependent launch: it starts
+while its predecessor drains, loads the first tile of its weights (which do not depend on that
+kernel), then waits on the grid dependency before it reads activations or writes anything.
 
 `gemv` is a batch-1 matrix-vector product: one pass over the weights with fp32 accumulation
 and no split-K reduce kernel, which beats cuBLAS's M=1 kernels by 5-70% per projection
-(scripts/gemv_probe.py).
+(bench/results/gemv_probe-h200.json).
 
 `qk_norm_rope_store` replaces, per layer, up to five small kernels (q RMSNorm, k RMSNorm,
 RoPE over q and k, the K store and the V store) with one launch: each program takes one
@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from engine.run.tuning import kernel_tuning
 
 
 @functools.cache
@@ -56,14 +58,12 @@ def pdl_supported() -> bool:
         return False
 
 
-def _pdl() -> bool:
-    from engine.env import env
-
-    return env().triton_pdl and pdl_supported()
+def _pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and kernel_tuning(device).triton_pdl and pdl_supported()
 
 
-def _launch_opts() -> dict:
-    return {"launch_pdl": True} if _pdl() else {}
+def _launch_opts(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
 
 
 def _k():  # noqa: ANN202 - the kernels module, imported on first use
@@ -127,12 +127,13 @@ def qk_norm_rope_store(
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
+    pdl = _pdl(qkv.device)
     _k().qk_norm_rope_store_kernel[(t,)](
         qkv, qkv.stride(0), q, positions, out_slots, cos_sin_cache, cos_sin_cache.stride(0),
         q_norm_weight if norm else qkv, k_norm_weight if norm else qkv, eps, k_cache, v_cache,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim,
-        HQ_P2=_p2(num_q_heads), HKV_P2=_p2(num_kv_heads), NORM=norm, PDL=_pdl(),
-        num_warps=4 if num_q_heads * head_dim >= 2048 else 2, **_launch_opts(),
+        HQ_P2=_p2(num_q_heads), HKV_P2=_p2(num_kv_heads), NORM=norm, PDL=pdl,
+        num_warps=4 if num_q_heads * head_dim >= 2048 else 2, **_launch_opts(pdl),
     )
     return q
 
@@ -142,24 +143,10 @@ def qk_norm_rope_store(
 
 
 
-@functools.cache
-def _tuned() -> dict[str, list[int]]:
-    """STRATA_GEMV_TUNE's per-shape configs (a tuning experiment's override), or none."""
-    from engine.env import env
-
-    path = env().gemv_tune
-    if not path:
-        return {}
-    import json
-    from pathlib import Path
-
-    return json.loads(Path(path).read_text())
-
-
-# rows of x a one-tile GEMV can take (its M loop is unrolled); the model uses up to
-# STRATA_GEMV_MAX_ROWS (4): on an H200, Qwen3-0.6B decode at batch 2 went 1.45 -> 1.02 ms, batch 4
+# rows of x a one-tile GEMV can take (its M loop is unrolled); the model uses up to the tuning's
+# gemv_max_rows (4 on an H200: Qwen3-0.6B decode at batch 2 went 1.45 -> 1.02 ms, batch 4
 # 1.49 -> 1.41, but batch 8 1.51 -> 2.20 (the per-row FMAs outgrow the weight read), so batch 8
-# stays on cuBLAS (latency-qwen3-0.6b-gemv-rows{1,8}-h200.json)
+# stays on cuBLAS; latency-qwen3-0.6b-gemv-rows{1,8}-h200.json)
 GEMV_MAX_ROWS = 8
 
 
@@ -176,29 +163,18 @@ def _fits(k: int, block_k: int) -> bool:
 
 
 def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """(block_n, block_k, num_warps, num_stages) for batch-1 GEMVs over w [N, K], or None where
-    cuBLAS stays (CPU, float32, no triton, an odd K). From measurements on an H200: below K =
-    4096 each program takes its rows' whole K as one (padded) tile of 8-16K elements, so every
-    weight load is in flight before the PDL wait (Qwen3-0.6B batch 1: 1.09 -> 0.94 ms/step,
+    """(block_n, block_k, num_warps, num_stages) for small-batch GEMVs over w [N, K], or None where
+    cuBLAS stays (CPU, float32, no triton, a K no config takes, a GPU whose tuning does not turn
+    them on). The configs come from the GPU's tuning file (engine/run/tuning.py); on an H200:
+    below K = 4096 each program takes its rows' whole K as one (padded) tile of 8-16K elements, so
+    every weight load is in flight before the PDL wait (Qwen3-0.6B batch 1: 1.09 -> 0.94 ms/step,
     latency-qwen3-0.6b-b1-gemv-*.json); at K = 4096 that measured even (Llama-3.1-8B), so wider
-    K keeps the looped kernel (scripts/gemv_probe.py, gemv_probe-h200.json): 8x512 blocks win
-    almost everywhere; narrow outputs want 4 rows x 1024, very wide ones 16 x 256."""
+    K keeps the looped kernel (gemv_probe-h200.json): 8x512 blocks win almost everywhere; narrow
+    outputs want 4 rows x 1024, very wide ones 16 x 256."""
     if not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1 and available()):
         return None
-    n, k = w.shape
-    tuned = _tuned().get(f"{n},{k}")
-    if tuned is not None and _fits(k, tuned[1]):
-        return tuple(tuned)
-    if k < 4096 and k % 64 == 0:
-        kp2 = _p2(k)
-        return (8192 // kp2 if kp2 <= 2048 else 4, kp2, 4, 1)
-    if n <= 2048 and k % 1024 == 0:
-        return (4, 1024, 4, 3)
-    if n >= 16384 and k % 256 == 0:
-        return (16, 256, 4, 4)
-    if k % 512 == 0:
-        return (8, 512, 4, 3)
-    return None
+    cfg = kernel_tuning(w.device).gemv_config(*w.shape)
+    return cfg if cfg is not None and _fits(w.shape[1], cfg[1]) else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
@@ -214,9 +190,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512
             or not x.is_contiguous() or not gemv_rows_ok((block_n, block_k, 0, 0), k, m)):
         raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k} silu_mul {silu_mul}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = _pdl(x.device)
     _k().gemv_kernel[(-(-n // block_n),)](
         x, w, y, n, w.stride(0), x.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, SILU_MUL=silu_mul,
-        PDL=_pdl(), num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return y
 
@@ -238,10 +215,11 @@ def add_norm_gemv(
         raise ValueError(f"add_norm_gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
+    pdl = _pdl(x.device)
     _k().add_norm_gemv_kernel[(-(-n // block_n),)](
         x, residual if residual is not None else x, r_out, norm_weight, eps, w, y, n, w.stride(0),
-        K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, HAS_RES=residual is not None, PDL=_pdl(),
-        num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
+        K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, HAS_RES=residual is not None, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return y, r_out
 
@@ -322,13 +300,14 @@ def decode_attention(
     if bsz == 0:
         return out
     cs = cos_sin_cache if prologue else x
+    pdl = _pdl(x.device)
     _k().decode_attention_kernel[(bsz, num_kv_heads, splits)](
         x, x.stride(0), positions, cs, cs.stride(0), q_norm_weight if norm else x,
         k_norm_weight if norm else x, eps, k_cache, v_cache, table, table.stride(0),
         part_o, part_lse, counters, out, head_dim ** -0.5,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
         BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(num_q_heads // num_kv_heads), SPLIT_P2=_p2(splits),
-        PROLOGUE=prologue, NORM=norm, PDL=_pdl(), F32_DOT=_interpreted(),
-        num_warps=num_warps, num_stages=num_stages, **_launch_opts(),
+        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=_interpreted(),
+        num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return out

@@ -1,6 +1,9 @@
-"""engine/env.py: STRATA_* variables read once into a typed record, bad values rejected."""
+"""engine/env.py: STRATA_* variables read once into a typed record; kernel switches are gone."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -14,20 +17,22 @@ def fresh_env():  # noqa: ANN201
     env_mod.env.cache_clear()
 
 
-def test_defaults_and_overrides(fresh_env, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    for name in ("STRATA_GEMV_MAX_ROWS", "STRATA_DECODE_KERNEL", "STRATA_TRITON_PDL", "STRATA_XQA_PDL"):
+def test_defaults_and_overrides(fresh_env, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: ANN001
+    for name in ("STRATA_CACHE_DIR", "STRATA_LOG_LEVEL", "STRATA_LOG_JSON", "STRATA_DIGEST_EVERY"):
         monkeypatch.delenv(name, raising=False)
     e = fresh_env()
-    assert e.gemv_max_rows == 4 and e.decode_kernel == "auto" and e.triton_pdl and not e.xqa_pdl
+    assert e.log_level == "info" and e.log_json is None and e.digest_every == 64
+    assert e.cache_dir == Path.home() / ".cache" / "strata"
     fresh_env.cache_clear()
-    monkeypatch.setenv("STRATA_GEMV_MAX_ROWS", "1")
-    monkeypatch.setenv("STRATA_DECODE_KERNEL", "Triton")
-    monkeypatch.setenv("STRATA_TRITON_PDL", "0")
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STRATA_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("STRATA_LOG_JSON", "0")
+    monkeypatch.setenv("STRATA_DIGEST_EVERY", "8")
     e = fresh_env()
-    assert e.gemv_max_rows == 1 and e.decode_kernel == "triton" and not e.triton_pdl
+    assert (e.cache_dir, e.log_level, e.log_json, e.digest_every) == (tmp_path, "debug", False, 8)
 
 
-def test_rejects_a_row_limit_below_one(fresh_env, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("STRATA_GEMV_MAX_ROWS", "0")
-    with pytest.raises(ValueError, match="STRATA_GEMV_MAX_ROWS"):
-        fresh_env()
+def test_no_kernel_switches(fresh_env) -> None:  # noqa: ANN001
+    """Kernel choices come from configs/tuning/ and --decode-kernel, not the environment."""
+    fields = {f.name for f in dataclasses.fields(fresh_env())}
+    assert fields == {"cache_dir", "log_level", "log_json", "digest_every", "git_commit"}

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from engine.run.attention import TorchAttention
 from engine.run.cuda_graph import decode_table
 from engine.run.flashinfer_attention import (
-    TRITON_DECODE_MAX_BATCH,
     FlashInferAttention,
-    choose_decode_kernel,
+    pad_metadata,
+    paged_kv_metadata,
+    set_decode_kernel,
     xqa_supported,
 )
 from engine.run.forward import ForwardBatch
@@ -88,6 +89,22 @@ def make_backend(pool: KVPool, hq: int, max_batch: int = 8) -> FlashInferAttenti
     return be
 
 
+def plan_padded(fi: FlashInferAttention, bs: int, batch: ForwardBatch) -> None:
+    """What CudaGraphRunner.run_decode hands the backend before replaying the graph of size bs for
+    this decode batch: the dense table and lengths, or FA2's padded metadata (indices on the device)."""
+    if fi.uses_table(bs):
+        b = batch.batch_size
+        seq = torch.ones(bs, dtype=torch.int32)
+        seq[:b] = batch.seq_lens
+        table = torch.zeros(bs, batch.page_table.shape[1], dtype=torch.int32)
+        table[:b] = batch.page_table
+        fi.set_graph_table(bs, seq, table)
+        return
+    meta = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, batch.page_size)
+    indptr, indices, last = pad_metadata(*meta, bs - batch.batch_size)
+    fi.plan_graph_arrays(bs, indptr, last, indices)
+
+
 def run_step(reqs, pools, backends, hq, hkv, d, ps, gen):  # noqa: ANN001, ANN201
     batch = ForwardBatch.from_requests(reqs, ps, "cpu")
     t = batch.num_tokens
@@ -136,7 +153,7 @@ def test_graph_plan_pads_rows_onto_the_padding_page() -> None:
     ref_be = TorchAttention("cpu")
     ref_be.prepare(batch)
     ref = ref_be.forward(q[:2], k[:2], v[:2], 0, batch, pools[0])
-    fi.plan_graph(4, batch)
+    plan_padded(fi, 4, batch)
     w = fi._graph[4]
     assert fi._active is w and w.plans == 2
     indptr, indices, last, _ = w.meta
@@ -166,7 +183,7 @@ def ref_xqa(fp8_gmma, sm_count, num_kv_heads, window, q_scale, out, rcp_out_scal
 
 def xqa_backend(pool: KVPool, hq: int) -> FlashInferAttention:
     be = make_backend(pool, hq)
-    be._xqa_ok, be._mode = True, "xqa"
+    be._xqa_ok, be.decode_mode = True, "xqa"
     be._init_xqa(ref_xqa)
     return be
 
@@ -202,11 +219,10 @@ def test_xqa_decode_eager_and_graph_match_torch() -> None:
     got = fi.attend(q, 0, batch, pools[1])
     torch.testing.assert_close(got[:2], ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(got).all()
-    # the ForwardBatch form of the same step (CudaGraphRunner.replay)
-    fi._g_table.fill_(-1)  # stale rows must not matter past each row's pages
-    fi.plan_graph(4, batch)
-    assert fi._g_seq[:4].tolist() == [8, 5, 1, 1] and fi._g_table[2:4, 0].tolist() == [0, 0]
-    torch.testing.assert_close(fi.attend(q, 0, batch, pools[1])[:2], ref, atol=1e-5, rtol=1e-5)
+    # a smaller batch (1 of 4 rows) after it: the rows it leaves become padding again
+    fi._g_table.fill_(-1)  # stale columns must not matter past each row's pages
+    fi.set_graph_table(4, pad_seq[:1], pad_table[:1])
+    assert fi._g_seq[:4].tolist() == [8, 1, 1, 1] and fi._g_table[1:4, 0].tolist() == [0, 0, 0]
 
 
 def test_decode_table_matches_forward_batch() -> None:
@@ -221,26 +237,25 @@ def test_decode_table_matches_forward_batch() -> None:
     assert table.tolist() == batch.page_table_cpu.tolist()
 
 
-def test_xqa_choice() -> None:
+def test_xqa_support() -> None:
     bf, f8 = torch.bfloat16, torch.float8_e4m3fn
     assert xqa_supported((9, 0), bf, bf, 128, 16) and xqa_supported((9, 0), bf, f8, 128, 16)
     assert not xqa_supported((8, 0), bf, bf, 128, 16)  # Ampere: FA2 only
     assert not xqa_supported((9, 0), bf, bf, 128, 8)  # page size XQA does not build
     assert not xqa_supported((9, 0), torch.float32, torch.float32, 128, 16)
     assert not xqa_supported((9, 0), bf, bf, 72, 16)
-    top = TRITON_DECODE_MAX_BATCH
-    assert choose_decode_kernel("auto", True, False, bf, 1) == "fa2"  # bf16: XQA measured slower in place
-    assert choose_decode_kernel("auto", True, True, bf, 1) == "triton"
-    assert choose_decode_kernel("auto", True, True, bf, top) == "triton"
-    assert choose_decode_kernel("auto", True, True, bf, top + 1) == "fa2"
-    assert choose_decode_kernel("auto", True, True, f8, 1) == "xqa"  # fp8 KV: XQA everywhere
-    assert choose_decode_kernel("auto", False, True, f8, 1) == "triton"
-    assert choose_decode_kernel("xqa", True, True, bf, 256) == "xqa"
-    assert choose_decode_kernel("triton", True, True, f8, 256) == "triton"
-    assert choose_decode_kernel("fa2", True, True, f8, 1) == "fa2"
-    assert choose_decode_kernel("xqa", False, True, f8, 1) == "fa2"  # named but unsupported: FA2
-    assert choose_decode_kernel("triton", True, False, bf, 1) == "fa2"
+
+
+def test_decode_kernel_flag_reaches_only_flashinfer() -> None:
     import pytest
 
-    with pytest.raises(ValueError, match="STRATA_DECODE_KERNEL"):
-        choose_decode_kernel("fast", True, True, bf, 1)
+    pool = KVPool(1, 8, 4, 2, 16, torch.float32, "cpu")
+    fi = make_backend(pool, 4)
+    set_decode_kernel(fi, "triton")
+    assert fi.decode_mode == "triton"
+    assert fi.decode_kernel(1) == "fa2"  # forced but unsupported here (CPU): FA2
+    set_decode_kernel(TorchAttention("cpu"), "auto")  # the default is fine for any backend
+    with pytest.raises(ValueError, match="needs the flashinfer attention backend"):
+        set_decode_kernel(TorchAttention("cpu"), "fa2")
+    with pytest.raises(ValueError, match="--decode-kernel"):
+        set_decode_kernel(fi, "fast")

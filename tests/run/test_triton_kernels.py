@@ -1,7 +1,7 @@
 """The triton kernels (engine/run/triton_kernels.py) against torch references, run by triton's
 interpreter on the CPU. Skipped where triton is not installed (the CPU CI image); on a machine
 with triton: `TRITON_INTERPRET=1 pytest tests/run/test_triton_kernels.py`. The GPU check
-(scripts/gpu_check.py) covers the compiled kernels inside the model."""
+(tests/gpu, `pytest -m gpu tests/gpu` on a CUDA machine) covers the compiled kernels inside the model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is f
 pytest.importorskip("triton")
 
 from engine.run import ops, triton_ops  # noqa: E402
+from engine.run.tuning import load_tuning  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -224,7 +225,7 @@ def test_decode_attention_rejects_bad_shapes() -> None:
 def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> None:
     """FlashInferAttention's host side of the triton decode kernel (the table it passes, the
     prologue through attend_qkv, the padded graph rows) against TorchAttention."""
-    from test_flashinfer_logic import make_backend
+    from test_flashinfer_logic import make_backend, plan_padded
 
     from engine.run.attention import TorchAttention
     from engine.run.forward import ForwardBatch
@@ -237,7 +238,7 @@ def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> N
         p.k[0].copy_(torch.randn(p.k[0].shape, generator=torch.Generator().manual_seed(9)))
         p.v[0].copy_(torch.randn(p.v[0].shape, generator=torch.Generator().manual_seed(10)))
     fi = make_backend(pools[1], hq)
-    fi._triton_ok, fi._mode = True, "auto"
+    fi._triton_ok, fi.tuning = True, load_tuning("NVIDIA H200")  # triton decode up to batch 16 there
     fi._init_triton()
     rot = ops.Rotary(1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d)), d, 64)
     cache = rot.cos_sin_cache(torch.device("cpu"))
@@ -265,12 +266,12 @@ def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> N
     torch.testing.assert_close(fi.attend(q, 0, batch, pools[1]).float(), ref_be.attend(q, 0, batch, pools[0]).float(),
                                atol=0.01, rtol=0.01)
 
-    # graph decode of padded size 4: static positions, the table set by plan_graph
+    # graph decode of padded size 4: static positions, the table set as run_decode sets it
     assert fi.graph_wrapper(4) is None and fi._table_kernel == "triton"
     batch = ForwardBatch.from_requests([([5], 7, [3, 5]), ([6], 4, [7, 9])], ps, "cpu")
     qkv = torch.randn(4, (hq + 2 * hkv) * d, generator=g).to(BF)  # 2 real rows + 2 padding rows
     fi._g_table.fill_(-1)  # stale columns past each row's pages must not be read
-    fi.plan_graph(4, batch)
+    plan_padded(fi, 4, batch)
     positions = torch.tensor([7, 4, 0, 0])
     got = fi.attend_qkv(qkv, 0, batch, pools[1], positions, cache, qw, kw, 1e-6)
     torch.testing.assert_close(got[:2].float(), reference(batch, qkv[:2]), atol=0.01, rtol=0.01)

@@ -1,0 +1,152 @@
+"""Kernel choices per GPU model: one checked-in JSON file per model under configs/tuning/.
+
+The file is chosen by the CUDA device's name ("NVIDIA H200" -> configs/tuning/NVIDIA_H200.json).
+Its values are the winners of the A/Bs recorded in docs/PERF.md, measured on that GPU; a GPU
+without a file gets `KernelTuning()`'s defaults, which use only the vendor kernels (flashinfer's
+FA2/XQA attention, its norm and rotary kernels, cuBLAS projections): our triton kernels are
+fast on the GPU they were measured on, but are only turned on where someone measured them.
+
+`--decode-kernel` (ServerConfig.decode_kernel) overrides the decode rule for debugging; nothing
+here reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TUNING_DIR = Path(__file__).resolve().parents[2] / "configs" / "tuning"
+DECODE_KERNELS = ("fa2", "xqa", "triton")
+
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """Use `kernel` for decode batches up to `max_batch` (None: any size) where it is supported."""
+
+    kernel: str
+    max_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class GemvRule:
+    """A looped GEMV config (block_n, block_k, warps, stages) for weights [N, K] with
+    min_n <= N <= max_n (None: unbounded) and K a multiple of block_k."""
+
+    config: tuple[int, int, int, int]
+    min_n: int | None = None
+    max_n: int | None = None
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Which kernel runs where. The defaults are the safe choice for a GPU nobody measured."""
+
+    gpu: str = "default"  # the device name this was chosen for, or "default"
+    # decode attention per KV dtype: the first rule whose kernel is supported and whose
+    # max_batch covers the (padded) batch wins; FA2 when none does
+    decode_bf16: tuple[DecodeRule, ...] = (DecodeRule("fa2"),)
+    decode_fp8: tuple[DecodeRule, ...] = (DecodeRule("xqa"), DecodeRule("fa2"))
+    triton_pdl: bool = False  # triton kernels launch with programmatic dependent launch (SM90+)
+    xqa_pdl: bool = False  # XQA launches with programmatic dependent launch
+    fused_prologue: bool = False  # q/k norm + RoPE + K/V store as one triton launch per layer
+    triton_gemv: bool = False  # small-batch projections as triton GEMVs instead of cuBLAS
+    gemv_max_rows: int = 1  # most rows of x a one-tile GEMV takes (small decode batches)
+    gemv_one_tile_below_k: int = 0  # K below which a GEMV program takes its rows' whole K as one tile
+    gemv_one_tile_elems: int = 8192  # elements of weight per one-tile program (block_n * padded K)
+    gemv_looped: tuple[GemvRule, ...] = field(default=())  # configs for wider K, first match wins
+    norm_gemv_max_hidden: int = 0  # fold residual add + RMSNorm into the next GEMV up to this hidden size
+
+    def decode_kernel(self, override: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
+        """The decode kernel for a batch of this (padded) size: "fa2", "xqa" or "triton".
+        `override` ("auto" or a kernel name, from --decode-kernel) names one, used where
+        supported (else fa2); "auto" follows this GPU's rules."""
+        ok = {"fa2": True, "xqa": xqa_ok, "triton": triton_ok}
+        if override != "auto":
+            if override not in DECODE_KERNELS:
+                names = ", ".join(DECODE_KERNELS)
+                raise ValueError(f"--decode-kernel must be auto or one of {names}, got {override!r}")
+            return override if ok[override] else "fa2"
+        rules = self.decode_fp8 if kv_dtype.itemsize == 1 else self.decode_bf16
+        for r in rules:
+            if ok[r.kernel] and (r.max_batch is None or batch <= r.max_batch):
+                return r.kernel
+        return "fa2"
+
+    def max_decode_batch(self, kernel: str, kv_dtype: torch.dtype) -> int | None:
+        """The largest batch "auto" may give `kernel` (None: any size; 0: never)."""
+        rules = self.decode_fp8 if kv_dtype.itemsize == 1 else self.decode_bf16
+        sizes = [r.max_batch for r in rules if r.kernel == kernel]
+        if not sizes:
+            return 0
+        return None if None in sizes else max(s for s in sizes if s is not None)
+
+    def gemv_config(self, n: int, k: int) -> tuple[int, int, int, int] | None:
+        """(block_n, block_k, warps, stages) of the triton GEMV for weights [n, k], or None (cuBLAS)."""
+        if not self.triton_gemv:
+            return None
+        if k < self.gemv_one_tile_below_k and k % 64 == 0:
+            kp2 = 1 << (k - 1).bit_length()
+            return (max(4, self.gemv_one_tile_elems // kp2), kp2, 4, 1)
+        for r in self.gemv_looped:
+            if ((r.min_n is None or n >= r.min_n) and (r.max_n is None or n <= r.max_n)
+                    and k % r.config[1] == 0):
+                return r.config
+        return None
+
+
+def tuning_file(device_name: str) -> Path:
+    """configs/tuning/<device name, non-alphanumerics as _>.json"""
+    return TUNING_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def parse_tuning(data: dict, gpu: str) -> KernelTuning:
+    """A KernelTuning from a tuning file's JSON; unknown keys are an error (a typo must not
+    silently fall back to a default). Keys starting with "_" are comments."""
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    names = {f.name for f in dataclasses.fields(KernelTuning)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"tuning for {gpu}: unknown keys {unknown}")
+    kw: dict = dict(data, gpu=gpu)
+    for key in ("decode_bf16", "decode_fp8"):
+        if key in kw:
+            kw[key] = tuple(DecodeRule(**r) for r in kw[key])
+            bad = [r.kernel for r in kw[key] if r.kernel not in DECODE_KERNELS]
+            if bad:
+                raise ValueError(f"tuning for {gpu}: {key} names unknown kernels {bad}")
+    if "gemv_looped" in kw:
+        kw["gemv_looped"] = tuple(GemvRule(**{**r, "config": tuple(r["config"])}) for r in kw["gemv_looped"])
+    t = KernelTuning(**kw)
+    if not 1 <= t.gemv_max_rows <= 8:  # the GEMV kernel's unrolled row loop takes at most 8
+        raise ValueError(f"tuning for {gpu}: gemv_max_rows must be in 1..8, got {t.gemv_max_rows}")
+    return t
+
+
+def load_tuning(device_name: str) -> KernelTuning:
+    """The tuning file for this GPU model, or the safe defaults when there is none."""
+    path = tuning_file(device_name)
+    if not path.is_file():
+        return DEFAULT
+    return parse_tuning(json.loads(path.read_text()), device_name)
+
+
+DEFAULT = KernelTuning()
+
+
+@functools.cache
+def _for_cuda_index(index: int) -> KernelTuning:
+    return load_tuning(torch.cuda.get_device_name(index))
+
+
+def kernel_tuning(device: torch.device) -> KernelTuning:
+    """The tuning of this device (read once per device); the defaults off CUDA, where none of
+    these kernels run."""
+    if device.type != "cuda":
+        return DEFAULT
+    return _for_cuda_index(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,85 @@
+"""engine/run/tuning.py: the per-GPU tuning files and the rules they encode (CPU only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.run.tuning import (
+    DEFAULT,
+    TUNING_DIR,
+    DecodeRule,
+    KernelTuning,
+    kernel_tuning,
+    load_tuning,
+    parse_tuning,
+    tuning_file,
+)
+
+BF, F8 = torch.bfloat16, torch.float8_e4m3fn
+H200 = load_tuning("NVIDIA H200")
+
+
+def test_file_is_chosen_by_device_name() -> None:
+    assert tuning_file("NVIDIA H200") == TUNING_DIR / "NVIDIA_H200.json"
+    assert tuning_file("NVIDIA H100 80GB HBM3") == TUNING_DIR / "NVIDIA_H100_80GB_HBM3.json"
+    assert H200.gpu == "NVIDIA H200"
+    assert load_tuning("Some Future GPU") is DEFAULT
+    assert kernel_tuning(torch.device("cpu")) is DEFAULT
+
+
+def test_every_checked_in_file_parses() -> None:
+    files = sorted(TUNING_DIR.glob("*.json"))
+    assert files, "no tuning files"
+    for f in files:
+        parse_tuning(json.loads(f.read_text()), f.stem)
+
+
+def test_h200_values_are_the_measured_defaults() -> None:
+    """The values docs/PERF.md measured as the defaults before they moved into the file."""
+    t = H200
+    assert t.triton_pdl and not t.xqa_pdl and t.fused_prologue and t.triton_gemv
+    assert t.gemv_max_rows == 4 and t.norm_gemv_max_hidden == 2048
+    # decode: triton up to batch 16 with bf16 KV, FA2 above; XQA for fp8 KV; forced names win
+    assert [t.decode_kernel("auto", True, True, BF, b) for b in (1, 16, 17, 256)] == ["triton", "triton", "fa2", "fa2"]
+    assert t.decode_kernel("auto", True, False, BF, 1) == "fa2"
+    assert t.decode_kernel("auto", True, True, F8, 1) == "xqa" == t.decode_kernel("auto", True, True, F8, 256)
+    assert t.decode_kernel("auto", False, True, F8, 1) == "triton"
+    assert t.decode_kernel("auto", False, True, F8, 32) == "fa2"
+    assert t.decode_kernel("xqa", True, True, BF, 256) == "xqa"
+    assert t.decode_kernel("triton", True, True, F8, 256) == "triton"
+    assert t.decode_kernel("fa2", True, True, F8, 1) == "fa2"
+    assert t.decode_kernel("xqa", False, True, F8, 1) == "fa2"  # named but unsupported: FA2
+    assert t.max_decode_batch("triton", BF) == 16 and t.max_decode_batch("xqa", BF) == 0
+    assert t.max_decode_batch("xqa", F8) is None
+    # GEMV tiles: the rule that was built into triton_ops.gemv_config
+    want = {
+        (1024, 1024): (8, 1024, 4, 1), (4096, 1024): (8, 1024, 4, 1), (1024, 2048): (4, 2048, 4, 1),
+        (1024, 3072): (4, 4096, 4, 1), (2048, 4096): (4, 1024, 4, 3), (6144, 4096): (8, 512, 4, 3),
+        (28672, 4096): (16, 256, 4, 4), (4096, 14336): (8, 512, 4, 3), (4096, 1000): None,
+    }
+    assert {nk: t.gemv_config(*nk) for nk in want} == want
+
+
+def test_unknown_gpu_uses_only_vendor_kernels() -> None:
+    t = DEFAULT
+    assert not (t.triton_pdl or t.xqa_pdl or t.fused_prologue or t.triton_gemv or t.norm_gemv_max_hidden)
+    assert t.gemv_config(1024, 1024) is None
+    assert t.decode_kernel("auto", True, True, BF, 1) == "fa2"
+    assert t.decode_kernel("auto", True, True, F8, 1) == "xqa"
+    assert t.decode_kernel("triton", True, True, BF, 1) == "triton"  # --decode-kernel still forces
+
+
+def test_bad_files_are_errors() -> None:
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_tuning({"triton_pdll": True}, "x")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        parse_tuning({"decode_bf16": [{"kernel": "fa3"}]}, "x")
+    with pytest.raises(ValueError, match="gemv_max_rows"):
+        parse_tuning({"gemv_max_rows": 9}, "x")
+    with pytest.raises(ValueError, match="--decode-kernel"):
+        KernelTuning().decode_kernel("fast", True, True, BF, 1)
+    t = parse_tuning({"_comment": "ignored", "decode_bf16": [{"kernel": "xqa", "max_batch": 4}]}, "x")
+    assert t.decode_bf16 == (DecodeRule("xqa", 4),)
