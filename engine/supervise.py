@@ -1,6 +1,9 @@
-"""Child processes of the supervisor: spawn, liveness, orderly teardown.
+"""Child processes of the supervisor: spawn, liveness, crash notice, orderly teardown.
 
 Children get PR_SET_PDEATHSIG(SIGKILL) so a supervisor killed with -9 leaves no orphans.
+When a child dies (or reports Fatal) while serving, `announce_death` tells the tokenizer
+first, so every in-flight client gets an explicit error before the teardown cuts its
+connection.
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import zmq
+
 from engine.config import ServerConfig
+from msgs.control import Flushed, ProcessDied, notice_codec
+from msgs.control import codec as control_codec
 
 _PR_SET_PDEATHSIG = 1
 
@@ -22,6 +29,36 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: teardown still happens on clean exits
         pass
+
+
+def describe_exit(returncode: int) -> str:
+    """'killed by SIGKILL' or 'exit status 1': what a person needs to tell a crash apart."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def child_name(proc: str, rank: int | None) -> str:
+    return proc if rank is None else f"{proc}-{rank}"
+
+
+def announce_death(notices: zmq.Socket, control: zmq.Socket, proc: str, reason: str, timeout_s: float) -> int | None:
+    """Send ProcessDied to the tokenizer and wait up to timeout_s for its Flushed; the
+    number of requests it failed, or None if it did not answer in time."""
+    try:
+        notices.send(notice_codec.encode(ProcessDied(proc=proc, reason=reason)), zmq.NOBLOCK)
+    except zmq.Again:  # the tokenizer is not connected (it is gone too): nobody to tell
+        return None
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if control.poll(int(left * 1000) + 1):
+            msg = control_codec.decode(control.recv())
+            if isinstance(msg, Flushed):
+                return msg.requests
+    return None
 
 
 class ChildSet:
@@ -44,10 +81,11 @@ class ChildSet:
         cmd = [sys.executable, "-m", module, "--config", str(self.config_path), *extra]
         self.procs[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
-    def first_dead(self) -> str | None:
+    def first_dead(self) -> tuple[str, str] | None:
+        """(name, how it ended) of a child that is no longer running, if any."""
         for name, proc in self.procs.items():
             if proc.poll() is not None:
-                return f"{name} (exit status {proc.returncode})"
+                return name, describe_exit(proc.returncode)
         return None
 
     def stop_all(self, grace_s: float = 5.0) -> None:

@@ -1,4 +1,10 @@
-"""Channel children -> supervisor: readiness and fatal errors."""
+"""Control channels between the supervisor and its children.
+
+* children PUSH -> supervisor PULL (`codec`): readiness, fatal errors, and the tokenizer's
+  `Flushed` once it has answered every in-flight request after a `ProcessDied`.
+* supervisor PUSH -> tokenizer PULL (`notice_codec`, ipc "notices"): `ProcessDied`, so
+  in-flight clients get an explicit error before everything is torn down.
+"""
 
 from __future__ import annotations
 
@@ -19,5 +25,21 @@ class Fatal(msgspec.Struct, tag=True, frozen=True):
     rank: int | None = None
 
 
-ToSupervisor = Ready | Fatal
+class Flushed(msgspec.Struct, tag=True, frozen=True):
+    """The tokenizer failed every in-flight request after a ProcessDied (or gave up)."""
+
+    proc: str
+    requests: int  # how many in-flight requests were failed
+
+
+class ProcessDied(msgspec.Struct, tag=True, frozen=True):
+    """A child died or reported Fatal; the server is about to shut down."""
+
+    proc: str  # e.g. "worker-0", "scheduler"
+    reason: str  # e.g. "killed by SIGKILL", "exit status 1", a Fatal's reason
+
+
+ToSupervisor = Ready | Fatal | Flushed
 codec: Codec[ToSupervisor] = Codec(ToSupervisor, "control")
+ToTokenizerControl = ProcessDied
+notice_codec: Codec[ToTokenizerControl] = Codec(ToTokenizerControl, "notices")

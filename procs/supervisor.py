@@ -1,7 +1,9 @@
 """bin/serve: start every process, wait for each to be Ready, watch them, tear down.
 
 Exit status: 0 after a clean SIGINT/SIGTERM shutdown, 1 when a child fails to start or
-dies (the message names it), 2 for bad arguments.
+dies (the message names it), 2 for bad arguments. A child that dies while serving is first
+announced to the tokenizer (ProcessDied), which answers every in-flight request with an
+error (503) before the teardown.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import zmq
 from engine.args import parse_args
 from engine.config import ServerConfig
 from engine.logs import setup_logging
-from engine.supervise import ChildSet
+from engine.supervise import ChildSet, announce_death, child_name
 from msgs.control import Fatal, Ready
 from msgs.control import codec as control_codec
 
 START_TIMEOUT_S = 900.0
+POLL_MS = 100  # how often children are checked: a crash reaches clients within ~this
+FLUSH_TIMEOUT_S = 1.0  # how long the tokenizer may take to fail in-flight requests
 
 
 def prepare_model(cfg: ServerConfig) -> ServerConfig:
@@ -52,36 +56,46 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     control = ctx.socket(zmq.PULL)
     control.bind(cfg.ipc("control"))
+    notices = ctx.socket(zmq.PUSH)  # -> tokenizer: ProcessDied
+    notices.setsockopt(zmq.LINGER, 0)
+    notices.bind(cfg.ipc("notices"))
     children = ChildSet(cfg, Path(run_dir))
     try:
         children.start_all()
-        code = _run(cfg, children, control, stop, log)
+        code = _run(cfg, children, control, notices, stop, log)
     finally:
         children.stop_all()
         control.close(0)
+        notices.close(0)
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 
-def _run(cfg: ServerConfig, children: ChildSet, control: zmq.Socket, stop: dict, log) -> int:  # noqa: ANN001
+def _run(
+    cfg: ServerConfig, children: ChildSet, control: zmq.Socket, notices: zmq.Socket, stop: dict, log  # noqa: ANN001
+) -> int:
     expected = children.names()
     ready: dict[str, Ready] = {}
     deadline = time.monotonic() + START_TIMEOUT_S
+
+    def crashed(name: str, message: str, reason: str) -> int:
+        print(f"strata: {message}; shutting down", file=sys.stderr, flush=True)
+        log.error("child died", child=name, reason=reason)
+        if "tokenizer" in ready and name != "tokenizer":  # clients are connected: tell them
+            failed = announce_death(notices, control, name, reason, FLUSH_TIMEOUT_S)
+            log.info("tokenizer flushed" if failed is not None else "tokenizer did not flush", requests=failed)
+        return 1
+
     while not stop["signal"]:
-        dead = children.first_dead()
-        if dead:
-            print(f"strata: process {dead} exited unexpectedly; shutting down", file=sys.stderr)
-            log.error("child died", child=dead)
-            return 1
-        if control.poll(200):
+        # Messages first: a child that sent Fatal and exited is reported with its reason.
+        if control.poll(POLL_MS):
             msg = control_codec.decode(control.recv())
             if isinstance(msg, Fatal):
-                print(f"strata: {msg.proc} failed: {msg.reason}", file=sys.stderr)
-                log.error("child fatal", child=msg.proc, reason=msg.reason)
-                return 1
+                name = child_name(msg.proc, msg.rank)
+                return crashed(name, f"{name} failed: {msg.reason}", msg.reason)
             if isinstance(msg, Ready):
-                name = msg.proc if msg.rank is None else f"{msg.proc}-{msg.rank}"
+                name = child_name(msg.proc, msg.rank)
                 ready[name] = msg
                 log.info("child ready", child=name, **msg.info)
                 if set(ready) == set(expected):
@@ -90,6 +104,10 @@ def _run(cfg: ServerConfig, children: ChildSet, control: zmq.Socket, stop: dict,
                         f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}",
                         flush=True,
                     )
+        dead = children.first_dead()
+        if dead:
+            name, how = dead
+            return crashed(name, f"process {name} ({how}) exited unexpectedly", how)
         if len(ready) < len(expected) and time.monotonic() > deadline:
             print(f"strata: start timed out; not ready: {sorted(set(expected) - set(ready))}", file=sys.stderr)
             return 1

@@ -10,6 +10,10 @@ Everything here runs on one asyncio loop and never awaits between checking and c
 the registry, so the checks are race-free without locks. Messages to the scheduler go
 through an outbox drained by `run_sender`, which lets `close()` be synchronous: it is
 called from `finally` blocks of cancelled tasks, where awaiting is not an option.
+
+When a server process dies, `process_died` fails every in-flight handle (its consumer gets
+a `GenerationFailed` with status 503 naming the process) and every later submission, so
+no client mistakes a crash for a finished answer.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ from msgs.params import SamplingParams
 from msgs.requests import AbortRequest, TokenizedRequest
 
 log = structlog.get_logger()
+
+
+class GenerationFailed(ApiError):
+    """A request the server could not finish: the scheduler failed it (500), or a server
+    process died (503). An ApiError, so every front maps it like any other error."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "generation_failed") -> None:
+        super().__init__(status, message, code=code)
 
 
 class _Group:
@@ -59,6 +71,7 @@ class ReqHandle:
         self._pending: list[ReqOutput] = []
         self._waiter: asyncio.Future[None] | None = None
         self._t0: float | None = t0
+        self._failure: GenerationFailed | None = None  # raised once _pending is delivered
 
     def __aiter__(self) -> ReqHandle:
         return self
@@ -66,12 +79,17 @@ class ReqHandle:
     async def __anext__(self) -> ReqOutput:
         if self.finished:
             raise StopAsyncIteration
-        while not self._pending or not (self._wake_each or self._pending[-1].finish_reason is not None):
+        while not self._has_news():
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        if not self._pending:  # failed, and every output that came before is delivered
+            assert self._failure is not None
+            self.finished = True
+            self._frontend._release(self)
+            raise self._failure
         outs, self._pending = self._pending, []
         out = outs[0] if len(outs) == 1 else merge_outputs(outs)
         if out.finish_reason is not None:
@@ -86,6 +104,17 @@ class ReqHandle:
         self.finished = True
         self._frontend._release(self)
         self._frontend.send(AbortRequest(rid=self.rid))
+
+    def _has_news(self) -> bool:
+        if self._failure is not None:
+            return True
+        return bool(self._pending) and (self._wake_each or self._pending[-1].finish_reason is not None)
+
+    def _fail(self, exc: GenerationFailed) -> None:
+        self._failure = exc
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _put(self, out: ReqOutput, now: float) -> None:
         if self._t0 is not None and out.new_ids:
@@ -126,6 +155,7 @@ class Frontend:
         self._parents: set[str] = set()
         self._outbox: asyncio.Queue[requests.ToScheduler] = asyncio.Queue()
         self._ready = asyncio.Event()
+        self.died: tuple[str, str] | None = None  # (process, reason) once one has died
 
     # -- requests ---------------------------------------------------------------------
 
@@ -143,6 +173,8 @@ class Frontend:
 
         stream=False: the consumer only needs the final result, so it is woken per
         output only when stop strings must be checked as the text grows."""
+        if self.died is not None:
+            raise self.unavailable()
         rids = [rid for rid, _, _ in subs]
         taken = self.in_flight(parent) or any(self.in_flight(r) for r in rids) or len(set(rids)) < len(rids)
         if taken:
@@ -182,18 +214,51 @@ class Frontend:
         if group.left == 0:
             self._parents.discard(group.parent)
 
+    # -- a dead server process --------------------------------------------------------
+
+    def process_died(self, proc: str, reason: str) -> int:
+        """Fail every in-flight request and refuse new ones; how many were failed."""
+        if self.died is None:
+            self.died = (proc, reason)
+            log.error("server process died: failing every request", proc=proc, reason=reason, requests=len(self._reqs))
+        self._ready.set()  # wakes requests waiting for readiness: they find the server dead
+        handles = list(self._reqs.values())
+        for handle in handles:
+            handle._fail(self.unavailable())
+        return len(handles)
+
+    def unavailable(self) -> GenerationFailed:
+        """A fresh 503 naming the dead process (one per request: tracebacks are per raise)."""
+        assert self.died is not None
+        proc, reason = self.died
+        message = f"server process {proc} died ({reason}); the server is shutting down"
+        return GenerationFailed(message, 503, "process_died")
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until every in-flight request has been released (its consumer saw the
+        failure); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._reqs:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
     # -- scheduler state --------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        return self._ready.is_set() and self.died is None
 
     async def wait_ready(self, timeout: float) -> bool:
+        """True once the scheduler is ready, False on timeout; 503 if a process died."""
         if not self._ready.is_set():
             try:
                 await asyncio.wait_for(self._ready.wait(), timeout)
             except TimeoutError:
                 return False
+        if self.died is not None:
+            raise self.unavailable()
         return True
 
     def limits(self) -> Limits | None:

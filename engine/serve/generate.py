@@ -5,6 +5,11 @@ prompt prefix), detokenizes each output stream, and merges them into one stream 
 `Delta`s tagged with the choice index. `collect` folds that stream into final choices
 for non-streaming responses. Always `close()` a Generation (in a finally): it aborts
 whatever is still running, which is how client disconnects reach the scheduler.
+
+A request the server cannot finish raises `GenerationFailed` (an ApiError) from the delta
+stream: 500 when the scheduler ended it with finish_reason "error", 503 when a server
+process died. The fronts answer it like any ApiError (a JSON error before the response
+starts; an SSE error event then [DONE] once a stream has started).
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine.serve.detokenizer import Detokenizer
-from engine.serve.errors import ApiError
-from engine.serve.frontend import Frontend, ReqHandle
+from engine.serve.frontend import Frontend, GenerationFailed, ReqHandle  # fronts import it from here
 from engine.serve.tokenizer import TextTokenizer
 from engine.serve.validate import SubRequest
 from msgs.outputs import ReqOutput
@@ -35,7 +39,6 @@ class Delta:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
-    error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -55,14 +58,6 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-
-
-class GenerationFailed(Exception):
-    """The scheduler ended a request with finish_reason "error"."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 _DONE = object()
@@ -118,17 +113,14 @@ class Generation:
 async def first_then_rest(gen: Generation) -> AsyncIterator[Delta]:
     """The deltas of a streaming request, after waiting for the first one.
 
-    Waiting before the response starts lets a request the scheduler fails at once get
-    a real error status instead of a 200 followed by an error event."""
+    Waiting before the response starts lets a request the server fails at once get a
+    real error status (GenerationFailed propagates) instead of a 200 and an error event."""
     deltas = gen.deltas()
     try:
         first = await anext(deltas, None)
-    except BaseException:  # cancelled (client gone) before the response started
+    except BaseException:  # failed, or cancelled (client gone), before the response started
         gen.close()
         raise
-    if first is not None and first.finish_reason == "error":
-        gen.close()
-        raise failure_error(GenerationFailed(first.error or "the scheduler failed this request"))
     return _chain(first, deltas)
 
 
@@ -159,6 +151,8 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
             produced += len(out.new_ids)
             cached = max(cached, out.cached_tokens)
             text, finish = _text_and_finish(detok, out, params.stop_token_ids)
+            if finish == "error":
+                raise GenerationFailed(f"generation failed: {out.error or 'the scheduler failed this request'}")
             if text or out.new_ids or finish:
                 yield Delta(
                     index=sub.index,
@@ -167,13 +161,15 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
                     logprobs=out.logprobs,
                     top_logprobs=out.top_logprobs,
                     finish_reason=finish,
-                    error=out.error if finish == "error" else None,
                     prompt_tokens=len(sub.ids),
                     completion_tokens=produced,
                     cached_tokens=cached,
                 )
             if finish:
                 return
+    except GenerationFailed:
+        finish = "error"
+        raise
     finally:
         handle.close()  # after a stop string this aborts the request in the scheduler
         log.info(
@@ -201,11 +197,9 @@ def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[in
 
 
 async def collect(gen: Generation) -> list[Choice]:
-    """Run to completion; the choices in index order. Raises GenerationFailed on "error"."""
+    """Run to completion; the choices in index order. Raises GenerationFailed."""
     choices = {s.index: Choice(index=s.index, prompt_index=s.prompt_index) for s in gen.subs}
     async for delta in gen.deltas():
-        if delta.finish_reason == "error":
-            raise GenerationFailed(delta.error or "the scheduler failed this request")
         c = choices[delta.index]
         c.text += delta.text
         c.token_ids.extend(delta.token_ids)
@@ -219,7 +213,3 @@ async def collect(gen: Generation) -> list[Choice]:
         c.prompt_tokens, c.completion_tokens = delta.prompt_tokens, delta.completion_tokens
         c.cached_tokens = delta.cached_tokens
     return [choices[i] for i in sorted(choices)]
-
-
-def failure_error(exc: GenerationFailed) -> ApiError:
-    return ApiError(500, f"generation failed: {exc.message}")

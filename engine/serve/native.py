@@ -13,8 +13,8 @@ from typing import Any
 import structlog
 
 from engine.serve import formats as fmt
-from engine.serve.errors import error_body
-from engine.serve.generate import Delta, Generation, GenerationFailed, collect, failure_error, first_then_rest
+from engine.serve.errors import api_error_body
+from engine.serve.generate import Delta, Generation, GenerationFailed, collect, first_then_rest
 from engine.serve.protocol import GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import SubRequest, check_rid, native_params, native_prompt, native_request
@@ -51,9 +51,7 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
         deltas = await first_then_rest(gen)
         return Reply(stream=_stream(gen, deltas, rid, len(ids)), close=gen.close, rid=rid)
     try:
-        (c,) = await collect(gen)
-    except GenerationFailed as exc:
-        raise failure_error(exc) from None
+        (c,) = await collect(gen)  # GenerationFailed is an ApiError: a 5xx JSON error
     finally:
         gen.close()
     out = _body(
@@ -74,19 +72,20 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
     lps: list[float] | None = None
     tops: list[list[tuple[int, float]]] | None = None
     try:
-        async for d in deltas:
-            if d.finish_reason == "error":
-                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
-                break
-            text += d.text
-            ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                lps = (lps or []) + d.logprobs
-            if d.top_logprobs is not None:
-                tops = (tops or []) + d.top_logprobs
-            yield fmt.sse(
-                _body(rid, text, ids, prompt, d.cached_tokens, d.finish_reason, logprobs=lps, top_logprobs=tops)
-            )
+        try:
+            async for d in deltas:
+                text += d.text
+                ids.extend(d.token_ids)
+                if d.logprobs is not None:
+                    lps = (lps or []) + d.logprobs
+                if d.top_logprobs is not None:
+                    tops = (tops or []) + d.top_logprobs
+                yield fmt.sse(
+                    _body(rid, text, ids, prompt, d.cached_tokens, d.finish_reason, logprobs=lps, top_logprobs=tops)
+                )
+        except GenerationFailed as exc:  # the error event, then [DONE] as after any stream
+            log.warning("stream failed", status=exc.status, error=exc.message)
+            yield fmt.sse(api_error_body(exc))
         yield fmt.SSE_DONE
     finally:
         gen.close()

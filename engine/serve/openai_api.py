@@ -10,8 +10,8 @@ import structlog
 
 from engine.serve import formats as fmt
 from engine.serve.chat import chat_prompt_ids
-from engine.serve.errors import error_body
-from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, failure_error, first_then_rest
+from engine.serve.errors import api_error_body
+from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenizer import TextTokenizer
@@ -52,9 +52,7 @@ def _params_for(
 
 async def _finish(gen: Generation) -> list[Choice]:
     try:
-        return await collect(gen)
-    except GenerationFailed as exc:
-        raise failure_error(exc) from None
+        return await collect(gen)  # GenerationFailed is an ApiError: a 5xx JSON error
     finally:
         gen.close()
 
@@ -107,21 +105,24 @@ async def _sse(
     first: list[bytes],
 ) -> AsyncIterator[bytes]:
     """The SSE body both endpoints share: `first` events, one chunk per delta that carries
-    anything (`choice_of` returns None otherwise), an error event that ends the stream, the
-    usage chunk when asked, [DONE]; the generation is closed however the stream ends."""
+    anything (`choice_of` returns None otherwise), the usage chunk when asked, [DONE]. A
+    failed generation (the scheduler failed it, or a server process died) ends the stream
+    with an OpenAI-style error event then [DONE], so a client never takes a crash for a
+    finished answer. The generation is closed however the stream ends."""
     prompt_of = {s.index: s.prompt_index for s in gen.subs}
     counts: dict[int, tuple[int, int, int, int]] = {}
     try:
         for event in first:
             yield event
-        async for d in deltas:
-            if d.finish_reason == "error":
-                yield fmt.sse(error_body(500, f"generation failed: {d.error}"))
-                break
-            counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
-            choice = choice_of(d)
-            if choice is not None:
-                yield chunk([choice], None)
+        try:
+            async for d in deltas:
+                counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+                choice = choice_of(d)
+                if choice is not None:
+                    yield chunk([choice], None)
+        except GenerationFailed as exc:
+            log.warning("stream failed", status=exc.status, error=exc.message)
+            yield fmt.sse(api_error_body(exc))
         else:
             if include_usage:
                 yield chunk([], fmt.usage_of(counts.values()))

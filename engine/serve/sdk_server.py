@@ -75,19 +75,18 @@ class SdkServer:
                     await self._whole(ident, rid, gen)
             finally:
                 gen.close()
+        except GenerationFailed as exc:  # the scheduler failed it (500), or a server process died (503)
+            log.warning("sdk request failed", rid=rid, status=exc.status, message=exc.message)
+            await self._send(ident, GenerateError(rid, exc.status, exc.message))
         except ApiError as exc:
             log.info("sdk request rejected", rid=rid, status=exc.status, message=exc.message)
             await self._send(ident, GenerateError(rid, exc.status, exc.message))
-        except GenerationFailed as exc:
-            await self._send(ident, GenerateError(rid, 500, f"generation failed: {exc.message}"))
         except Exception:  # noqa: BLE001 - a bug must not take the SDK loop down
             log.exception("sdk request failed", rid=rid)
             await self._send(ident, GenerateError(rid, 500, "internal server error"))
 
     async def _stream(self, ident: bytes, rid: str, gen: Generation) -> None:
-        async for d in gen.deltas():
-            if d.finish_reason == "error":
-                raise GenerationFailed(d.error or "the scheduler failed this request")
+        async for d in gen.deltas():  # raises GenerationFailed
             if d.text or d.token_ids or d.finish_reason:
                 await self._send(ident, _chunk(rid, d))
 

@@ -4,6 +4,11 @@
 in use, a socket that will not bind) are reported to the supervisor as Fatal with a
 message a person can act on; once HTTP listens, Ready carries the http and sdk addresses.
 Everything runs on one event loop; SIGTERM/SIGINT stop uvicorn gracefully and return 0.
+
+When another process dies, the supervisor sends ProcessDied on the notices socket: every
+in-flight request is failed with a 503 naming that process, new ones are refused, and
+`Flushed` tells the supervisor it may tear down (uvicorn's graceful shutdown then lets the
+error responses finish).
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from engine.serve.sdk_server import SdkServer
 from engine.serve.state import ServeState
 from engine.serve.tokenizer import load_tokenizer
 from msgs import control
-from msgs.control import Fatal, Ready
+from msgs.control import Fatal, Flushed, ProcessDied, Ready
 
 log = structlog.get_logger()
 PROC = "tokenizer"
 GRACEFUL_SHUTDOWN_S = 5
+FLUSH_TIMEOUT_S = 0.8  # under the supervisor's 1 s wait, so Flushed arrives in time
+FLUSH_SETTLE_S = 0.05  # lets woken handlers write their error before we report Flushed
 
 
 class StartupError(Exception):
@@ -82,6 +89,8 @@ class TokenizerProcess:
         if not cfg.run_dir:
             raise StartupError("run_dir is not set: the supervisor must give a private directory for ipc sockets")
         self.control.connect(cfg.ipc("control"))
+        self.notices = self.ctx.socket(zmq.PULL)
+        self.notices.connect(cfg.ipc("notices"))
         try:
             tok = load_tokenizer(cfg.model)
         except Exception as exc:  # noqa: BLE001 - any loading failure is fatal, with its reason
@@ -124,6 +133,7 @@ class TokenizerProcess:
             asyncio.create_task(state.frontend.run_sender(self.to_sched), name="sender"),
             asyncio.create_task(state.frontend.run_receiver(self.from_sched), name="receiver"),
             asyncio.create_task(SdkServer(state, self.sdk).run(), name="sdk"),
+            asyncio.create_task(self.watch_supervisor(state.frontend), name="notices"),
         }
         http = asyncio.create_task(server.serve(sockets=[http_sock]), name="http")
         try:
@@ -141,6 +151,19 @@ class TokenizerProcess:
             for task in (http, *tasks):
                 task.cancel()
             await asyncio.gather(http, *tasks, return_exceptions=True)
+
+    async def watch_supervisor(self, frontend: Frontend) -> None:
+        """On ProcessDied: fail every request, wait until their consumers have seen it,
+        then report Flushed so the supervisor tears down only after clients were told."""
+        while True:
+            msg = control.notice_codec.decode(await self.notices.recv())
+            if not isinstance(msg, ProcessDied):
+                continue
+            failed = frontend.process_died(msg.proc, msg.reason)
+            if not await frontend.drained(FLUSH_TIMEOUT_S):
+                log.warning("requests still in flight after a process died", left=frontend.num_in_flight)
+            await asyncio.sleep(FLUSH_SETTLE_S)
+            await self.control.send(control.codec.encode(Flushed(proc=PROC, requests=failed)))
 
     @staticmethod
     def _exit_code(done: set[asyncio.Task[None]], http: asyncio.Task[None]) -> int:

@@ -1,0 +1,220 @@
+"""A child that dies while serving: every in-flight client gets an explicit error within
+about a second (an SSE error event then [DONE], a JSON 503, an SDK 503), then bin/serve
+exits 1 naming the process, with no orphans and no run dir left. Each test starts its own
+bin/serve and kills one child (kill -9) or makes one report Fatal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import zmq
+
+from msgs.control import Fatal
+from msgs.control import codec as control_codec
+from msgs.sdk import Client, StrataError
+from tests.integration.conftest import Server, start_server
+
+LONG = {"ignore_eos": True, "temperature": 0}  # with a large max_tokens: runs until killed
+MAX = 1500
+TOLD_WITHIN_S = 2.0  # from the kill to the client's error (the goal is ~1 s)
+
+
+def _children(srv: Server) -> dict[str, psutil.Process]:
+    """The server's processes by role: worker-0, scheduler, tokenizer."""
+    out = {}
+    for child in psutil.Process(srv.proc.pid).children(recursive=True):
+        cmd = child.cmdline()
+        for role in ("worker", "scheduler", "tokenizer"):
+            if f"procs.{role}" in cmd:
+                out[f"{role}-{cmd[cmd.index('--rank') + 1]}" if role == "worker" else role] = child
+    assert set(out) == {"worker-0", "scheduler", "tokenizer"}, out
+    return out
+
+
+def _run_dir(children: dict[str, psutil.Process]) -> Path:
+    (path,) = {Path(a).parent for c in children.values() for a in c.cmdline() if a.endswith("config.json")}
+    return path
+
+
+class Background:
+    """Runs fn in a thread; `started` is set by fn when its request is under way."""
+
+    def __init__(self, fn: Callable[[threading.Event], Any]) -> None:
+        self.started = threading.Event()
+        self.result: Any = None
+        self.done_at = 0.0
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[threading.Event], Any]) -> None:
+        try:
+            self.result = fn(self.started)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            self.result = exc
+        self.done_at = time.monotonic()
+        self.started.set()
+
+    def join(self, timeout: float = 15) -> Any:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the client was never told"
+        return self.result
+
+
+def _sdk_stream(addr: str) -> Callable[[threading.Event], Any]:
+    def run(started: threading.Event) -> Any:
+        with Client(addr, timeout_s=20) as c:
+            for chunk in c.stream("Count to a thousand:", max_new_tokens=MAX, **LONG):
+                if chunk.token_ids:
+                    started.set()
+        return "finished"  # a crash must never look like this
+
+    return run
+
+
+def _http_post(url: str, body: dict[str, Any]) -> Callable[[threading.Event], Any]:
+    def run(started: threading.Event) -> Any:
+        started.set()  # non-streaming: nothing arrives before the end
+        return httpx.post(url, json=body, timeout=30)
+
+    return run
+
+
+def _sse_events(resp: httpx.Response, first: threading.Event) -> list[Any]:
+    """Every SSE data payload (JSON or the '[DONE]' string) in order; sets `first` at the
+    first one that carries generated text."""
+    events: list[Any] = []
+    for line in resp.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+        if len(events) >= 2:
+            first.set()
+    return events
+
+
+def _wait_running(srv: Server, n: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while srv.metrics().get("strata_running_requests", 0) < n:
+        assert time.monotonic() < deadline, "requests never started running"
+        time.sleep(0.05)
+
+
+def _assert_error_event(events: list[Any], proc: str) -> None:
+    assert events[-1] == "[DONE]", events[-3:]
+    err = events[-2]["error"]
+    assert err["type"] == "server_error" and err["code"] == "process_died", err
+    assert proc in err["message"], err
+
+
+def _assert_503(resp: Any, proc: str) -> None:
+    assert isinstance(resp, httpx.Response), resp
+    assert resp.status_code == 503, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "process_died" and proc in err["message"], err
+
+
+def _assert_sdk_503(result: Any, proc: str) -> None:
+    assert isinstance(result, StrataError), result
+    assert result.status == 503 and proc in result.message, result
+
+
+def _assert_refused_or_down(srv: Server) -> None:
+    """Right after the errors went out the tokenizer may still answer; then it must say 503
+    (health and new requests), never 200. Once it is gone, the connection is refused."""
+    try:
+        health = httpx.get(f"{srv.http}/health", timeout=2)
+        new = httpx.post(f"{srv.http}/generate", json={"text": "hi"}, timeout=2)
+    except httpx.HTTPError:
+        return
+    assert health.status_code == 503, health.text
+    assert new.status_code == 503, new.text
+
+
+def _assert_orderly_exit(
+    srv: Server, children: dict[str, psutil.Process], run_dir: Path, capfd: pytest.CaptureFixture[str], says: str
+) -> None:
+    assert srv.proc.wait(timeout=20) == 1
+    _, alive = psutil.wait_procs(list(children.values()), timeout=5)
+    assert not alive, f"orphans: {alive}"
+    assert not run_dir.exists(), "the ipc run dir must be removed"
+    assert says in capfd.readouterr().err
+
+
+def test_worker_killed_mid_stream(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
+    children = _children(srv)
+    run_dir = _run_dir(children)
+    sdk = Background(_sdk_stream(srv.sdk))
+    body = {"prompt": "Once upon a time", "max_tokens": MAX, **LONG}
+    whole = Background(_http_post(f"{srv.base_url}/completions", body))
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, "stream": True}
+    first = threading.Event()
+    with httpx.stream("POST", f"{srv.base_url}/chat/completions", json={**chat, **LONG}, timeout=30) as resp:
+        assert resp.status_code == 200
+        stream = Background(lambda _started: _sse_events(resp, first))
+        assert first.wait(30) and sdk.started.wait(30)
+        _wait_running(srv, 3)
+        t_kill = time.monotonic()
+        children["worker-0"].send_signal(signal.SIGKILL)
+        events = stream.join()
+    assert not isinstance(events, BaseException), events
+    _assert_error_event(events, "worker-0")
+    assert stream.done_at - t_kill < TOLD_WITHIN_S
+    _assert_refused_or_down(srv)
+    _assert_sdk_503(sdk.join(), "worker-0")
+    _assert_503(whole.join(), "worker-0")
+    assert max(sdk.done_at, whole.done_at) - t_kill < TOLD_WITHIN_S
+    _assert_orderly_exit(srv, children, run_dir, capfd, "worker-0 (killed by SIGKILL)")
+
+
+def test_scheduler_killed_mid_request(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
+    children = _children(srv)
+    run_dir = _run_dir(children)
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, **LONG}
+    whole = Background(_http_post(f"{srv.base_url}/chat/completions", chat))
+    sdk = Background(_sdk_stream(srv.sdk))
+    assert sdk.started.wait(30)
+    _wait_running(srv, 2)
+    t_kill = time.monotonic()
+    children["scheduler"].send_signal(signal.SIGKILL)
+    _assert_503(whole.join(), "scheduler")
+    _assert_sdk_503(sdk.join(), "scheduler")
+    assert max(sdk.done_at, whole.done_at) - t_kill < TOLD_WITHIN_S
+    _assert_orderly_exit(srv, children, run_dir, capfd, "scheduler (killed by SIGKILL)")
+
+
+def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A child that reports Fatal while serving (a digest mismatch, say) is handled like a
+    death. The Fatal is sent on the real control socket, as the scheduler would send it."""
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
+    children = _children(srv)
+    run_dir = _run_dir(children)
+    body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": MAX, **LONG}}
+    first = threading.Event()
+    with httpx.stream("POST", f"{srv.http}/generate", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        stream = Background(lambda _started: _sse_events(resp, first))
+        assert first.wait(30)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"ipc://{run_dir}/control")
+        push.send(control_codec.encode(Fatal(proc="scheduler", reason="digest mismatch at step 7 (test)")))
+        push.close(linger=1000)
+        ctx.term()
+        events = stream.join()
+    assert not isinstance(events, BaseException), events
+    _assert_error_event(events, "scheduler")
+    assert "digest mismatch at step 7" in events[-2]["error"]["message"]
+    assert all("error" not in e for e in events[:-2] if isinstance(e, dict))
+    _assert_orderly_exit(srv, children, run_dir, capfd, "scheduler failed: digest mismatch at step 7 (test)")
