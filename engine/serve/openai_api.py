@@ -45,7 +45,7 @@ def _params_for(
     check_ids(ids, limits, param=what)
     max_new = resolve_max_tokens(requested, default, len(ids), limits)
     check_length(len(ids), max_new, limits, what)
-    params = make_params(kw, max_new)
+    params = make_params(kw, max_new, limits.vocab_size)
     check_text_features(params, tok)
     return params
 

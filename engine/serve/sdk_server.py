@@ -3,7 +3,8 @@
 Each GenerateRequest runs as a task that answers its client (by ROUTER identity) with
 GenerateChunk deltas (stream) or one final chunk, or a GenerateError with the same status
 the HTTP API would give. AbortGenerate cancels the task, which aborts the scheduler
-request through Generation.close().
+request through Generation.close(). A request belongs to the connection (ROUTER identity)
+that sent it: only that connection can abort it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class SdkServer:
     def __init__(self, state: ServeState, sock) -> None:  # noqa: ANN001 - zmq.asyncio ROUTER
         self._state = state
         self._sock = sock
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, tuple[bytes, asyncio.Task[None]]] = {}  # rid -> (owner, task)
 
     async def run(self) -> None:
         while True:
@@ -43,17 +44,21 @@ class SdkServer:
         if isinstance(msg, GenerateRequest):
             await self._start(ident, msg)
         elif isinstance(msg, AbortGenerate):
-            task = self._tasks.get(msg.rid)
-            if task is not None:
-                log.info("sdk abort", rid=msg.rid)
-                task.cancel()
+            owner, task = self._tasks.get(msg.rid, (None, None))
+            if task is None:
+                return
+            if owner != ident:  # someone else's request: ignored, as if unknown
+                log.info("sdk abort from another connection ignored", rid=msg.rid)
+                return
+            log.info("sdk abort", rid=msg.rid)
+            task.cancel()
 
     async def _start(self, ident: bytes, req: GenerateRequest) -> None:
         if req.rid in self._tasks:
             await self._send(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"))
             return
         task = asyncio.create_task(self._serve(ident, req))
-        self._tasks[req.rid] = task
+        self._tasks[req.rid] = (ident, task)
         task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
 
     async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError) -> None:

@@ -1,0 +1,154 @@
+"""Hostile input against the real server: nothing a client sends can take it down.
+
+Each test ends by checking that the server still answers; `test_fuzz.py` throws
+arbitrary bodies and parameters at the same server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from msgs.params import SamplingParams
+from msgs.sdk import AbortGenerate, Client, GenerateRequest, StrataError, client_codec, server_codec
+from tests.integration.conftest import Server
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+def greedy_ids(server: Server) -> list[int]:
+    with Client(server.sdk) as c:
+        return c.generate("The capital of France is", **GREEDY).token_ids
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": math.inf},
+        {"temperature": math.nan},
+        {"repetition_penalty": math.inf},
+        {"repetition_penalty": 0.0},
+        {"top_p": math.nan},
+        {"min_p": -math.inf},
+        {"frequency_penalty": math.inf},
+        {"top_k": 2**40},
+        {"max_new_tokens": 2**40},
+        {"stop_token_ids": [10**9]},
+        {"stop_token_ids": [-1]},
+        {"seed": -1},
+        {"top_logprobs": 1000, "logprobs": True},
+    ],
+)
+def test_sdk_rejects_params_the_sampler_would_refuse(server: Server, bad: dict) -> None:
+    """inf/NaN/out-of-range values reach the server only through the SDK (JSON has no inf):
+    each is a 400 for that request, and the server keeps serving the same greedy answer."""
+    before = greedy_ids(server)
+    with Client(server.sdk) as c:
+        with pytest.raises(StrataError) as err:
+            c.generate("Hello", **{"max_new_tokens": 4, **bad})
+        assert err.value.status == 400, err.value
+    assert greedy_ids(server) == before
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_json_is_400(server: Server, path: str, depth: int) -> None:
+    nested = "[" * depth + "]" * depth
+    body = {
+        "/v1/completions": '{"model": "x", "prompt": %s}',
+        "/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": %s}}',
+        "/generate": '{"text": "hi", "sampling_params": {"x": %s}}',
+    }[path] % nested
+    r = httpx.post(server.http + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text[:200]
+    assert "nested too deeply" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ({"role": "user"}, "messages[0].content"),
+        ({"role": "user", "content": None}, "messages[0].content"),
+        ({"role": "system"}, "messages[0].content"),
+        ({"content": "hi"}, "role"),
+    ],
+)
+def test_chat_message_fields_are_required(server: Server, message: dict, field: str) -> None:
+    r = httpx.post(f"{server.base_url}/chat/completions", json={"messages": [message], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in err["message"] or field == err["param"], err
+
+
+def test_assistant_turn_may_omit_content(server: Server) -> None:
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant"}, {"role": "user", "content": "Again"}]
+    r = httpx.post(f"{server.base_url}/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _raw_sdk(server: Server) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.connect(server.sdk)
+    return sock
+
+
+def test_only_the_owner_connection_can_abort(server: Server) -> None:
+    owner, stranger = _raw_sdk(server), _raw_sdk(server)
+    try:
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0)
+        owner.send(server_codec.encode(GenerateRequest(rid="owned-1", params=params, text="Count:", stream=True)))
+        first = client_codec.decode(owner.recv())
+        assert first is not None and first.rid == "owned-1"
+        stranger.send(server_codec.encode(AbortGenerate(rid="owned-1")))
+        chunks = [first]
+        while chunks[-1].finish_reason is None:
+            chunks.append(client_codec.decode(owner.recv()))
+        assert chunks[-1].finish_reason == "length"  # not aborted
+        assert sum(len(c.token_ids) for c in chunks) == 24
+        # the owner itself can abort
+        owner.send(server_codec.encode(GenerateRequest(rid="owned-2", params=params, text="Count:", stream=True)))
+        client_codec.decode(owner.recv())
+        owner.send(server_codec.encode(AbortGenerate(rid="owned-2")))
+    finally:
+        owner.close(0)
+        stranger.close(0)
+    m = server.wait_idle()
+    assert m["strata_kv_leak_free"] == 1
+
+
+def test_malformed_frame_flood_is_counted_and_rate_limited(server: Server) -> None:
+    def dropped() -> float:
+        return server.metrics().get('strata_dropped_frames_total{channel="sdk-in",proc="tokenizer"}', 0.0)
+
+    log = server.log_dir / "tokenizer.log"
+    lines_before = log.read_text().count("dropped malformed frame")
+    count_before = dropped()
+    sock = _raw_sdk(server)
+    frames = [b"\x00\xff", b"garbage", msgspec.msgpack.encode({"type": "GenerateRequest"}), b"\x91" * 5000]
+    for i in range(2000):
+        sock.send(frames[i % len(frames)])
+    sock.close(linger=10_000)  # deliver every queued frame before closing
+    deadline = time.monotonic() + 30
+    while dropped() < count_before + 2000 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dropped() == count_before + 2000
+    assert log.read_text().count("dropped malformed frame") - lines_before <= 10
+    assert greedy_ids(server)
+
+
+def test_logged_exception_carries_a_structured_traceback(server: Server) -> None:
+    """Every line is one JSON event; any line that logged an exception has its frames."""
+    for path in server.log_dir.glob("*.log"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            assert event.get("exc_info") is not True, f"{path.name}: traceback missing: {line[:200]}"
+            if "exception" in event:
+                assert event["exception"][0]["frames"], line[:200]
