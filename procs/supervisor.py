@@ -73,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(
-    cfg: ServerConfig, children: ChildSet, control: zmq.Socket, notices: zmq.Socket, stop: dict, log  # noqa: ANN001
+    cfg: ServerConfig,
+    children: ChildSet,
+    control: zmq.Socket,
+    notices: zmq.Socket,
+    stop: dict,
+    log,  # noqa: ANN001
 ) -> int:
     expected = children.names()
     ready: dict[str, Ready] = {}

@@ -40,6 +40,12 @@ def _children(srv: Server) -> dict[str, psutil.Process]:
     return out
 
 
+def _shm(children: dict[str, psutil.Process]) -> set[Path]:
+    """Shared-memory files the children map (none today; the L2 host slab will be one)."""
+    paths = {m.path for c in children.values() for m in c.memory_maps()}
+    return {Path(p) for p in paths if p.startswith("/dev/shm/") and not p.endswith("(deleted)")}
+
+
 def _run_dir(children: dict[str, psutil.Process]) -> Path:
     (path,) = {Path(a).parent for c in children.values() for a in c.cmdline() if a.endswith("config.json")}
     return path
@@ -141,12 +147,18 @@ def _assert_refused_or_down(srv: Server) -> None:
 
 
 def _assert_orderly_exit(
-    srv: Server, children: dict[str, psutil.Process], run_dir: Path, capfd: pytest.CaptureFixture[str], says: str
+    srv: Server,
+    children: dict[str, psutil.Process],
+    leftovers: tuple[Path, set[Path]],
+    capfd: pytest.CaptureFixture[str],
+    says: str,
 ) -> None:
     assert srv.proc.wait(timeout=20) == 1
     _, alive = psutil.wait_procs(list(children.values()), timeout=5)
     assert not alive, f"orphans: {alive}"
+    run_dir, shm = leftovers
     assert not run_dir.exists(), "the ipc run dir must be removed"
+    assert not any(p.exists() for p in shm), f"shared memory left behind: {shm}"
     assert says in capfd.readouterr().err
 
 
@@ -154,6 +166,7 @@ def test_worker_killed_mid_stream(tmp_path: Path, capfd: pytest.CaptureFixture[s
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
     children = _children(srv)
     run_dir = _run_dir(children)
+    leftovers = (run_dir, _shm(children))
     sdk = Background(_sdk_stream(srv.sdk))
     body = {"prompt": "Once upon a time", "max_tokens": MAX, **LONG}
     whole = Background(_http_post(f"{srv.base_url}/completions", body))
@@ -174,13 +187,14 @@ def test_worker_killed_mid_stream(tmp_path: Path, capfd: pytest.CaptureFixture[s
     _assert_sdk_503(sdk.join(), "worker-0")
     _assert_503(whole.join(), "worker-0")
     assert max(sdk.done_at, whole.done_at) - t_kill < TOLD_WITHIN_S
-    _assert_orderly_exit(srv, children, run_dir, capfd, "worker-0 (killed by SIGKILL)")
+    _assert_orderly_exit(srv, children, leftovers, capfd, "worker-0 (killed by SIGKILL)")
 
 
 def test_scheduler_killed_mid_request(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
     children = _children(srv)
     run_dir = _run_dir(children)
+    leftovers = (run_dir, _shm(children))
     chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, **LONG}
     whole = Background(_http_post(f"{srv.base_url}/chat/completions", chat))
     sdk = Background(_sdk_stream(srv.sdk))
@@ -191,7 +205,7 @@ def test_scheduler_killed_mid_request(tmp_path: Path, capfd: pytest.CaptureFixtu
     _assert_503(whole.join(), "scheduler")
     _assert_sdk_503(sdk.join(), "scheduler")
     assert max(sdk.done_at, whole.done_at) - t_kill < TOLD_WITHIN_S
-    _assert_orderly_exit(srv, children, run_dir, capfd, "scheduler (killed by SIGKILL)")
+    _assert_orderly_exit(srv, children, leftovers, capfd, "scheduler (killed by SIGKILL)")
 
 
 def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -200,6 +214,7 @@ def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFi
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
     children = _children(srv)
     run_dir = _run_dir(children)
+    leftovers = (run_dir, _shm(children))
     body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": MAX, **LONG}}
     first = threading.Event()
     with httpx.stream("POST", f"{srv.http}/generate", json=body, timeout=30) as resp:
@@ -217,4 +232,4 @@ def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFi
     _assert_error_event(events, "scheduler")
     assert "digest mismatch at step 7" in events[-2]["error"]["message"]
     assert all("error" not in e for e in events[:-2] if isinstance(e, dict))
-    _assert_orderly_exit(srv, children, run_dir, capfd, "scheduler failed: digest mismatch at step 7 (test)")
+    _assert_orderly_exit(srv, children, leftovers, capfd, "scheduler failed: digest mismatch at step 7 (test)")
