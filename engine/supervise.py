@@ -18,8 +18,8 @@ from pathlib import Path
 import zmq
 
 from engine.config import ServerConfig
-from msgs.control import Flushed, ProcessDied, notice_codec
-from msgs.control import codec as control_codec
+from msgs.channels import Receiver, Sender
+from msgs.control import Flushed, ProcessDied, ToSupervisor, ToTokenizerControl
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,17 +45,19 @@ def child_name(proc: str, rank: int | None) -> str:
     return proc if rank is None else f"{proc}-{rank}"
 
 
-def announce_death(notices: zmq.Socket, control: zmq.Socket, proc: str, reason: str, timeout_s: float) -> int | None:
+def announce_death(
+    notices: Sender[ToTokenizerControl], control: Receiver[ToSupervisor], proc: str, reason: str, timeout_s: float
+) -> int | None:
     """Send ProcessDied to the tokenizer and wait up to timeout_s for its Flushed; the
     number of requests it failed, or None if it did not answer in time."""
     try:
-        notices.send(notice_codec.encode(ProcessDied(proc=proc, reason=reason)), zmq.NOBLOCK)
+        notices.send(ProcessDied(proc=proc, reason=reason), block=False)
     except zmq.Again:  # the tokenizer is not connected (it is gone too): nobody to tell
         return None
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
         if control.poll(int(left * 1000) + 1):
-            msg = control_codec.decode(control.recv())
+            msg = control.recv()
             if isinstance(msg, Flushed):
                 return msg.requests
     return None

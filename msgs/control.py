@@ -1,16 +1,14 @@
 """Control channels between the supervisor and its children.
 
-* children PUSH -> supervisor PULL (`codec`): readiness, fatal errors, and the tokenizer's
+* children PUSH -> supervisor PULL (channel `control`): readiness, fatal errors, and the tokenizer's
   `Flushed` once it has answered every in-flight request after a `ProcessDied`.
-* supervisor PUSH -> tokenizer PULL (`notice_codec`, ipc "notices"): `ProcessDied`, so
+* supervisor PUSH -> tokenizer PULL (channel `notices`): `ProcessDied`, so
   in-flight clients get an explicit error before everything is torn down.
 """
 
 from __future__ import annotations
 
 import msgspec
-
-from msgs.codec import Codec
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
@@ -40,6 +38,4 @@ class ProcessDied(msgspec.Struct, tag=True, frozen=True):
 
 
 ToSupervisor = Ready | Fatal | Flushed
-codec: Codec[ToSupervisor] = Codec(ToSupervisor, "control")
 ToTokenizerControl = ProcessDied
-notice_codec: Codec[ToTokenizerControl] = Codec(ToTokenizerControl, "notices")

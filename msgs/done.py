@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from msgs.codec import Codec
-
 
 class StepDone(msgspec.Struct, tag=True, frozen=True):
     """Result of Step `seq` on `rank`. Sampled arrays follow the order of the forward's
@@ -18,7 +16,8 @@ class StepDone(msgspec.Struct, tag=True, frozen=True):
     top_ids: bytes | None = None  # packed int32, [n, top_k] row-major
     top_logprobs: bytes | None = None  # packed f32
     top_k: int = 0
-    digest: str | None = None
+    digest: str | None = None  # at a DigestCheck: the replica's digest after this step's ops
+    tokens_hash: str | None = None  # at a DigestCheck: SHA-256 chain of every token sampled so far
     forward_s: float = 0.0
 
 
@@ -38,4 +37,3 @@ class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
 
 
 FromWorker = StepDone | WorkerReady | WorkerFailed
-codec: Codec[FromWorker] = Codec(FromWorker, "done")

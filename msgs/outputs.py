@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from msgs.codec import Codec
-
 
 class ReqOutput(msgspec.Struct, frozen=True):
     rid: str
@@ -42,4 +40,3 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
 
 
 ToTokenizer = TokenBatch | SchedulerStats
-codec: Codec[ToTokenizer] = Codec(ToTokenizer, "outputs")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from msgs.codec import Codec
 from msgs.params import SamplingParams
 
 
@@ -19,4 +18,3 @@ class AbortRequest(msgspec.Struct, tag=True, frozen=True):
 
 
 ToScheduler = TokenizedRequest | AbortRequest
-codec: Codec[ToScheduler] = Codec(ToScheduler, "requests")

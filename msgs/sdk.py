@@ -17,43 +17,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from msgs.codec import Codec
+from msgs.channels import SDK_IN, SDK_OUT
+from msgs.client import AbortGenerate, FromServer, GenerateChunk, GenerateError, GenerateRequest
 from msgs.params import SamplingParams
 
-
-class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
-    rid: str
-    params: SamplingParams
-    text: str | None = None
-    input_ids: list[int] | None = None
-    stream: bool = False
-
-
-class AbortGenerate(msgspec.Struct, tag=True, frozen=True):
-    rid: str
-
-
-class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
-    """A streamed delta, or with stream=False the whole result in one chunk."""
-
-    rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[float] | None = None
-
-
-class GenerateError(msgspec.Struct, tag=True, frozen=True):
-    rid: str
-    status: int
-    message: str
+__all__ = ["AbortGenerate", "AsyncClient", "Client", "GenerateChunk", "GenerateError", "GenerateRequest", "StrataError"]
 
 
 class StrataError(RuntimeError):
@@ -63,10 +34,8 @@ class StrataError(RuntimeError):
         self.message = message
 
 
-ToServer = GenerateRequest | AbortGenerate
-FromServer = GenerateChunk | GenerateError
-server_codec: Codec[ToServer] = Codec(ToServer, "sdk-in")
-client_codec: Codec[FromServer] = Codec(FromServer, "sdk-out")
+server_codec = SDK_IN.codec  # what the server decodes
+client_codec = SDK_OUT.codec  # what the client decodes
 
 
 def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any]) -> GenerateRequest:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import msgspec
 
-from msgs.codec import Codec
-
 
 class WorkerSampling(msgspec.Struct, frozen=True):
     temperature: float
@@ -43,11 +41,28 @@ class FreeReq(msgspec.Struct, tag=True, frozen=True):
     slot: int
 
 
+class CachePages(msgspec.Struct, tag=True, frozen=True):
+    """Pages enter the prefix cache (they hold a prompt prefix others may reuse)."""
+
+    pages: bytes  # packed int32
+
+
+class EvictPages(msgspec.Struct, tag=True, frozen=True):
+    """Pages leave the prefix cache for the free pool (eviction)."""
+
+    pages: bytes  # packed int32
+
+
+class Flush(msgspec.Struct, tag=True, frozen=True):
+    """The prefix cache is emptied (only when no request holds a slot)."""
+
+
 class DigestCheck(msgspec.Struct, tag=True, frozen=True):
-    """Every replica reports the digest of its replicated state in this step's StepDone."""
+    """Every replica reports the digest of its replicated state, and a hash of every token
+    it sampled so far, in this step's StepDone."""
 
 
-Op = AddReq | ExtendPages | FreeReq | DigestCheck
+Op = AddReq | ExtendPages | FreeReq | CachePages | EvictPages | Flush | DigestCheck
 
 
 class Forward(msgspec.Struct, frozen=True):
@@ -74,4 +89,3 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
 
 
 ToWorker = Step | Shutdown
-codec: Codec[ToWorker] = Codec(ToWorker, "steps")

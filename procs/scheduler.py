@@ -1,17 +1,24 @@
-"""Scheduler process: `python -m procs.scheduler --config PATH`."""
+"""Scheduler process: `python -m procs.scheduler --config PATH`.
+
+Owns the scheduler's sockets (one end of each channel in msgs/channels.py) and runs
+engine.sched.loop.SchedulerLoop over them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
-import traceback
+
+import zmq
 
 from engine.config import ServerConfig
 from engine.logs import setup_logging
-from engine.sched.loop import SchedulerLoop
+from engine.sched.loop import SchedulerLoop, SchedulerPorts
+from msgs.channels import CONTROL, DONE, OUTPUTS, REQUESTS, STEPS, open_receiver, open_sender
 from msgs.control import Fatal
-from msgs.control import codec as control_codec
+
+ROLE = "scheduler"
 
 
 def main() -> int:
@@ -19,14 +26,26 @@ def main() -> int:
     ap.add_argument("--config", required=True)
     args = ap.parse_args()
     cfg = ServerConfig.from_json(open(args.config).read())
-    log = setup_logging("scheduler", cfg.log_dir)
+    log = setup_logging(ROLE, cfg.log_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    loop = SchedulerLoop(cfg)
+    ctx = zmq.Context()
+    run_dir = cfg.run_dir
+    ports = SchedulerPorts(
+        requests=open_receiver(ctx, REQUESTS, ROLE, run_dir),
+        done=open_receiver(ctx, DONE, ROLE, run_dir),
+        outputs=open_sender(ctx, OUTPUTS, ROLE, run_dir),
+        steps=[open_sender(ctx, STEPS, ROLE, run_dir, rank=r) for r in range(cfg.tp_size)],
+        control=open_sender(ctx, CONTROL, ROLE, run_dir, linger_ms=1000),
+    )
+    poller = zmq.Poller()
+    poller.register(ports.requests.sock, zmq.POLLIN)  # type: ignore[attr-defined]
+    poller.register(ports.done.sock, zmq.POLLIN)  # type: ignore[attr-defined]
+    loop = SchedulerLoop(cfg, ports)
     try:
-        loop.run()
+        loop.run(wait=poller.poll)
     except Exception as exc:  # fatal by design: report it, then exit non-zero
-        log.error("scheduler failed", error=str(exc), trace=traceback.format_exc())
-        loop.control.send(control_codec.encode(Fatal(proc="scheduler", reason=str(exc))))
+        log.exception("scheduler failed", error=str(exc))
+        ports.control.send(Fatal(proc=ROLE, reason=str(exc)))
         return 1
     return 0
 

@@ -22,8 +22,8 @@ from engine.args import parse_args
 from engine.config import ServerConfig
 from engine.logs import setup_logging
 from engine.supervise import ChildSet, announce_death, child_name
-from msgs.control import Fatal, Ready
-from msgs.control import codec as control_codec
+from msgs.channels import CONTROL, NOTICES, Receiver, Sender, open_receiver, open_sender
+from msgs.control import Fatal, Ready, ToSupervisor, ToTokenizerControl
 
 START_TIMEOUT_S = 900.0
 POLL_MS = 100  # how often children are checked: a crash reaches clients within ~this
@@ -54,19 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     ctx = zmq.Context()
-    control = ctx.socket(zmq.PULL)
-    control.bind(cfg.ipc("control"))
-    notices = ctx.socket(zmq.PUSH)  # -> tokenizer: ProcessDied
-    notices.setsockopt(zmq.LINGER, 0)
-    notices.bind(cfg.ipc("notices"))
+    control = open_receiver(ctx, CONTROL, "supervisor", run_dir)
+    notices = open_sender(ctx, NOTICES, "supervisor", run_dir)  # -> tokenizer: ProcessDied
     children = ChildSet(cfg, Path(run_dir))
     try:
         children.start_all()
         code = _run(cfg, children, control, notices, stop, log)
     finally:
         children.stop_all()
-        control.close(0)
-        notices.close(0)
+        control.sock.close(0)
+        notices.sock.close(0)
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
@@ -75,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(
     cfg: ServerConfig,
     children: ChildSet,
-    control: zmq.Socket,
-    notices: zmq.Socket,
+    control: Receiver[ToSupervisor],
+    notices: Sender[ToTokenizerControl],
     stop: dict,
     log,  # noqa: ANN001
 ) -> int:
@@ -95,7 +92,7 @@ def _run(
     while not stop["signal"]:
         # Messages first: a child that sent Fatal and exited is reported with its reason.
         if control.poll(POLL_MS):
-            msg = control_codec.decode(control.recv())
+            msg = control.recv()
             if isinstance(msg, Fatal):
                 name = child_name(msg.proc, msg.rank)
                 return crashed(name, f"{name} failed: {msg.reason}", msg.reason)

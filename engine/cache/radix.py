@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.cache.allocator import PageAllocator
+from msgs.codec import pack_ids
+from msgs.steps import CachePages, EvictPages, Flush
 
 PROTECT_HITS = 2  # a node matched this many times moves to the protected LRU segment
 
@@ -54,7 +56,14 @@ class RadixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
+        # every change of which pages the tree holds, in order, as the op that replicates it;
+        # the scheduler publishes them in the next Step (no silent side effects)
+        self.changes: list[CachePages | EvictPages | Flush] = []
         self._init_state()
+
+    def take_changes(self) -> list[CachePages | EvictPages | Flush]:
+        changes, self.changes = self.changes, []
+        return changes
 
     def _init_state(self) -> None:
         self._next_id = 0
@@ -187,6 +196,8 @@ class RadixCache:
             self._leaves.pop(parent.id, None)
             self._leaves[leaf.id] = leaf
             self._total_pages += len(new_pages)
+            if new_pages:
+                self.changes.append(CachePages(pack_ids(new_pages)))
             return n, leaf
         return n, path[-1] if path else self.root
 
@@ -245,6 +256,7 @@ class RadixCache:
         if parent is not self.root and not parent.children:
             self._leaves[parent.id] = parent
         self.allocator.free(node.pages)
+        self.changes.append(EvictPages(pack_ids(node.pages)))
         self._total_pages -= len(node.pages)
         node.parent = None
         return len(node.pages)
@@ -255,6 +267,7 @@ class RadixCache:
         if any(c.lock_ref for c in self.root.children.values()):
             raise RuntimeError("reset of a radix cache with locked nodes")
         self.allocator.free([p for _, node in self._dfs() for p in node.pages])
+        self.changes.append(Flush())
         self._init_state()
 
     # ---- introspection ----------------------------------------------------------------

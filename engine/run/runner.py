@@ -1,6 +1,7 @@
 """ModelRunner: one rank's deterministic replica of the Step stream.
 
-It applies each Step's ops to its ReplicaState (page tables) and sampler slots, runs the
+It applies each Step's ops to its replica (engine/replica: page tables, slot sampling,
+prefix-cache pages; the sampler's device state as an effect), runs the
 forward, samples, and answers a StepDone. It makes no policy decision: everything it
 does is a function of the steps it received, in seq order.
 """
@@ -17,6 +18,7 @@ import structlog
 import torch
 
 from engine.config import ServerConfig
+from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
 from engine.run.attention import create_backend
 from engine.run.flashinfer_attention import set_decode_kernel
 from engine.run.forward import ForwardBatch
@@ -24,17 +26,29 @@ from engine.run.idle import IdleMeter, StepEvents
 from engine.run.kv_pool import KVPool
 from engine.run.memory import OutOfMemory, check_weights_fit, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
-from engine.sched.replica import ReplicaState
 from models.registry import load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
 from msgs.done import StepDone, WorkerReady
-from msgs.steps import AddReq, DigestCheck, Forward, FreeReq, Step
+from msgs.steps import AddReq, Forward, FreeReq, Step
 
 log = structlog.get_logger()
+__all__ = ["ModelRunner", "StepOrderError"]
 
 
-class StepOrderError(RuntimeError):
-    pass
+class SamplerSlots(Effect):
+    """The sampler's per-slot device state follows AddReq / FreeReq (not digested: the
+    replica's SlotSampling component holds the same parameters on the host)."""
+
+    ops = (AddReq, FreeReq)
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def apply(self, op: AddReq | FreeReq) -> None:
+        if isinstance(op, AddReq):
+            self.sampler.add(op.slot, _sample_params(op), unpack_ids(op.prompt_ids), unpack_ids(op.output_ids))
+        else:
+            self.sampler.remove(op.slot)
 
 
 @dataclass
@@ -93,7 +107,8 @@ class ModelRunner:
             fp8_math=cfg.attention_fp8_math,
         )
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
-        self.replica = ReplicaState()
+        self.replica = rank_replica([SamplerSlots(self.sampler)])
+        self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
@@ -146,19 +161,10 @@ class ModelRunner:
     def launch(self, step: Step) -> Launched:
         """Apply the ops and enqueue the forward and sampling; on a GPU this returns before the
         kernels finish, so the next step can be launched while this one runs."""
-        if step.seq != self.seq + 1:  # a gap means a lost Step: never continue silently
-            raise StepOrderError(f"expected step {self.seq + 1}, got {step.seq}")
-        self.seq = step.seq
         t0 = time.perf_counter()
-        digest = None
-        for op in step.ops:
-            self.replica.apply(op)
-            if isinstance(op, AddReq):
-                self.sampler.add(op.slot, _sample_params(op), unpack_ids(op.prompt_ids), unpack_ids(op.output_ids))
-            elif isinstance(op, FreeReq):
-                self.sampler.remove(op.slot)
-            elif isinstance(op, DigestCheck):
-                digest = self.replica.digest()
+        # a gap means a lost Step: StepOrderError, never continue silently
+        digest = self.replica.digest() if self.replica.apply_step(step) else None
+        self.seq = step.seq
         start = self.idle.start() if self.idle is not None and step.forward is not None else None
         res = self._forward(step.forward) if step.forward is not None else None
         launched = Launched(step.seq, digest, t0, _to_host(res) if res is not None else None, self._event())
@@ -176,6 +182,7 @@ class ModelRunner:
         if launched.timing is not None and self.idle is not None:
             self.idle.finished(launched.timing)
         done = _pack_result(launched.seq, self.rank, launched.result) if launched.result else None
+        self.tokens.update(done.token_ids if done else b"")
         return StepDone(
             seq=launched.seq,
             rank=self.rank,
@@ -185,6 +192,7 @@ class ModelRunner:
             top_logprobs=done.top_logprobs if done else None,
             top_k=done.top_k if done else 0,
             digest=launched.digest,
+            tokens_hash=self.tokens.hexdigest() if launched.digest is not None else None,
             forward_s=time.perf_counter() - launched.t0,
         )
 
@@ -201,7 +209,7 @@ class ModelRunner:
         lens = unpack_ids(fwd.extend_lens)
         sample = unpack_ids(fwd.sample)
         ids = unpack_ids(fwd.input_ids)
-        tables = [self.replica.page_tables[s] for s in slots]
+        tables = [self.replica["page_tables"].tables[s] for s in slots]
         slots_dev = None  # the sampled rows' slots on the device, when already there
         if self.graphs is not None and len(slots) <= self.graphs.max_batch and all(n == 1 for n in lens):
             # decode: the captured graph, fed straight from the Step's lists

@@ -1,4 +1,8 @@
-"""The scheduler process's event loop: sockets around SchedulerCore.
+"""The scheduler's driver: messages in, messages out, around SchedulerCore.
+
+`SchedulerLoop` owns no socket. It reads from `Inbox`es and writes to `Outbox`es (see
+msgs/channels.py): procs/scheduler.py hands it zmq ends, tests hand it in-memory pipes and
+call `pump()` themselves, with no sleep and no private method.
 
 Overlap (DESIGN.md section 5): with overlap on, step N+1 is planned and sent before the
 result of step N is processed, so the worker always has the next step queued while the
@@ -9,75 +13,71 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
-import zmq
 
 from engine.config import ServerConfig
 from engine.env import env
 from engine.sched.scheduler import SchedConfig, SchedulerCore
-from msgs import done as done_ch
-from msgs import outputs as out_ch
-from msgs import requests as req_ch
-from msgs import steps as step_ch
+from msgs.channels import Inbox, Outbox
 from msgs.codec import DROPPED
-from msgs.control import Ready
-from msgs.control import codec as control_codec
-from msgs.done import StepDone, WorkerFailed, WorkerReady
-from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch
-from msgs.requests import AbortRequest, TokenizedRequest
+from msgs.control import Ready, ToSupervisor
+from msgs.done import FromWorker, StepDone, WorkerFailed, WorkerReady
+from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch, ToTokenizer
+from msgs.requests import AbortRequest, TokenizedRequest, ToScheduler
+from msgs.steps import ToWorker
 
 log = structlog.get_logger()
 STATS_INTERVAL_S = 0.1
 
 
 class WorkerFailure(RuntimeError):
-    pass
+    """A worker reported failure (or never became ready): fatal for the engine."""
+
+
+@dataclass
+class SchedulerPorts:
+    requests: Inbox[ToScheduler]  # from the tokenizer
+    done: Inbox[FromWorker]  # from every rank
+    outputs: Outbox[ToTokenizer]
+    steps: list[Outbox[ToWorker]]  # one per rank, the same Step to each
+    control: Outbox[ToSupervisor]
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S) -> None:
         self.cfg = cfg
-        self.ctx = zmq.Context()
-        self.req_in = self._sock(zmq.PULL, bind="scheduler")
-        self.done_in = self._sock(zmq.PULL, bind="done")
-        self.out = self._sock(zmq.PUSH, connect="tokenizer")
-        self.control = self._sock(zmq.PUSH, connect="control")
-        self.steps = [self._sock(zmq.PUSH, connect=f"step-{r}") for r in range(cfg.tp_size)]
+        self.ports = ports
+        self.num_ranks = len(ports.steps)
+        self.max_ahead = 1 if cfg.disable_overlap else 2
+        self.stats_interval_s = stats_interval_s
         self.core: SchedulerCore | None = None
-        self.max_context = 0
-        self.vocab_size = 0
+        self.ready: WorkerReady | None = None
+        self.readies: dict[int, WorkerReady] = {}
         self.inflight: deque[int] = deque()
         self.done_ranks: dict[int, int] = {}
         self.step_seconds: list[float] = []
-        self.last_stats = 0.0
+        self.last_stats = -stats_interval_s
         self.stats_dirty = True
         self.leak_free = True
 
-    def _sock(self, kind: int, bind: str = "", connect: str = "") -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.PUSH:
-            sock.setsockopt(zmq.SNDHWM, 0)  # never drop a Step or an output
-        if bind:
-            sock.bind(self.cfg.ipc(bind))
-        else:
-            sock.connect(self.cfg.ipc(connect))
-        return sock
-
     # ---- start-up ----------------------------------------------------------------------
 
-    def wait_for_workers(self) -> None:
-        readies: dict[int, WorkerReady] = {}
-        while len(readies) < self.cfg.tp_size:
-            msg = done_ch.codec.decode(self.done_in.recv())
-            if isinstance(msg, WorkerReady):
-                readies[msg.rank] = msg
-            elif isinstance(msg, WorkerFailed):
-                raise WorkerFailure(f"worker {msg.rank}: {msg.reason}")
-        first = readies[0]
-        self.max_context = first.max_context
-        self.vocab_size = first.vocab_size
+    def on_worker_ready(self, msg: FromWorker) -> bool:
+        """Collect WorkerReady from every rank; True once all are in and the core exists."""
+        if isinstance(msg, WorkerFailed):
+            raise WorkerFailure(f"worker {msg.rank}: {msg.reason}")
+        if isinstance(msg, WorkerReady):
+            self.readies[msg.rank] = msg
+        if len(self.readies) < self.num_ranks:
+            return False
+        self._start(agree(self.readies))
+        return True
+
+    def _start(self, first: WorkerReady) -> None:
+        self.ready = first
         self.core = SchedulerCore(
             SchedConfig(
                 num_pages=first.num_pages,
@@ -90,39 +90,42 @@ class SchedulerLoop:
                 enable_radix=not self.cfg.disable_radix_cache,
                 seed=self.cfg.seed,
                 digest_every=env().digest_every,
-                num_ranks=self.cfg.tp_size,
+                num_ranks=self.num_ranks,
             )
         )
-        log.info("workers ready", num_pages=first.num_pages, max_context=first.max_context)
-        self.control.send(control_codec.encode(Ready(proc="scheduler", info={"pages": str(first.num_pages)})))
+        log.info("workers ready", num_pages=first.num_pages, max_context=first.max_context, ranks=self.num_ranks)
+        self.ports.control.send(Ready(proc="scheduler", info={"pages": str(first.num_pages)}))
         self._send_stats(force=True)
 
-    # ---- main loop ---------------------------------------------------------------------
+    # ---- one pass ----------------------------------------------------------------------
 
-    def run(self) -> None:
-        self.wait_for_workers()
-        max_ahead = 1 if self.cfg.disable_overlap else 2
-        poller = zmq.Poller()
-        poller.register(self.req_in, zmq.POLLIN)
-        poller.register(self.done_in, zmq.POLLIN)
+    def pump(self) -> None:
+        """One non-blocking pass: requests in, steps out, results in, outputs and stats out."""
+        if self.core is None:
+            for msg in _drain(self.ports.done):
+                if self.on_worker_ready(msg):
+                    break
+            return
+        self._drain_requests()
+        while len(self.inflight) < self.max_ahead and self._send_next():
+            pass
+        self._drain_done()
+        self._maybe_check_leaks()
+        self._send_stats()
+
+    def run(self, wait: Callable[[int], None]) -> None:
+        """The process loop: pump, then `wait(timeout_ms)` for input (a zmq poll)."""
         while True:
-            self._drain_requests()
-            while len(self.inflight) < max_ahead and self._send_next():
-                pass
-            events = dict(poller.poll(5 if self.inflight else 50))
-            if self.done_in in events:
-                self._drain_done()
-            self._maybe_check_leaks()
-            self._send_stats()
+            self.pump()
+            wait(5 if self.inflight or self.core is None else 50)
 
     def _send_next(self) -> bool:
         assert self.core is not None
         step = self.core.plan()
         if step is None:
             return False
-        frame = step_ch.codec.encode(step)
-        for sock in self.steps:
-            sock.send(frame)
+        for out in self.ports.steps:
+            out.send(step)
         self.inflight.append(step.seq)
         self.done_ranks[step.seq] = 0
         return True
@@ -130,8 +133,8 @@ class SchedulerLoop:
     def _drain_requests(self) -> None:
         assert self.core is not None
         outs: list[ReqOutput] = []
-        while self.req_in.poll(0):
-            msg = req_ch.codec.decode(self.req_in.recv())
+        while self.ports.requests.poll(0):
+            msg = self.ports.requests.recv()
             if isinstance(msg, TokenizedRequest):
                 err = self._submit(msg)
                 log.info("request", rid=msg.rid, prompt_tokens=len(msg.input_ids) // 4, rejected=err is not None)
@@ -157,25 +160,22 @@ class SchedulerLoop:
     def _drain_done(self) -> None:
         assert self.core is not None
         outs: list[ReqOutput] = []
-        while self.done_in.poll(0):
-            msg = done_ch.codec.decode(self.done_in.recv())
+        for msg in _drain(self.ports.done):
             if isinstance(msg, WorkerFailed):
                 raise WorkerFailure(f"worker {msg.rank} failed at step {msg.seq}: {msg.reason}")
             if not isinstance(msg, StepDone):
                 continue
+            outs.extend(self.core.on_done(msg))
             if msg.rank == 0:
-                outs.extend(self.core.on_done(msg))
                 self.step_seconds.append(msg.forward_s)
-            elif msg.digest is not None:
-                self.core.check_digest(msg.seq, msg.digest, msg.rank)
             self.done_ranks[msg.seq] += 1
-            while self.inflight and self.done_ranks[self.inflight[0]] == self.cfg.tp_size:
+            while self.inflight and self.done_ranks[self.inflight[0]] == self.num_ranks:
                 del self.done_ranks[self.inflight.popleft()]
         self._emit(outs)
 
     def _emit(self, outs: list[ReqOutput]) -> None:
         if outs:
-            self.out.send(out_ch.codec.encode(TokenBatch(outs=outs)))
+            self.ports.outputs.send(TokenBatch(outs=outs))
             self.stats_dirty = True
 
     def _maybe_check_leaks(self) -> None:
@@ -189,14 +189,14 @@ class SchedulerLoop:
 
     def _send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and (not self.stats_dirty or now - self.last_stats < STATS_INTERVAL_S):
+        if not force and (not self.stats_dirty or now - self.last_stats < self.stats_interval_s):
             return
-        core = self.core
-        assert core is not None
+        core, ready = self.core, self.ready
+        assert core is not None and ready is not None
         stats = SchedulerStats(
             ready=True,
-            max_context=self.max_context,
-            vocab_size=self.vocab_size,
+            max_context=ready.max_context,
+            vocab_size=ready.vocab_size,
             kv_pages_total=core.alloc.capacity,
             kv_pages_used=core.alloc.num_used,
             cache_pages=core.cache.total_pages,
@@ -207,7 +207,28 @@ class SchedulerLoop:
             leak_free=self.leak_free,
             dropped_frames=dict(DROPPED),
         )
-        self.out.send(out_ch.codec.encode(stats))
+        self.ports.outputs.send(stats)
         self.step_seconds = []
         self.last_stats = now
         self.stats_dirty = bool(self.inflight or not core.idle or core.pending_ops)
+
+
+def agree(readies: dict[int, WorkerReady]) -> WorkerReady:
+    """What every rank can do: the smallest KV pool; everything else must be identical
+    (ranks of one model and one config), else the engine cannot start."""
+    first = readies[min(readies)]
+    for rank, r in sorted(readies.items()):
+        same = (r.page_size, r.max_context, r.vocab_size, r.eos_token_ids)
+        if same != (first.page_size, first.max_context, first.vocab_size, first.eos_token_ids):
+            raise WorkerFailure(f"worker {rank} disagrees with worker {first.rank} on the model: {r} vs {first}")
+    pages = min(r.num_pages for r in readies.values())
+    return WorkerReady(first.rank, pages, first.page_size, first.max_context, first.vocab_size, first.eos_token_ids)
+
+
+def _drain(inbox: Inbox[FromWorker]) -> list[FromWorker]:
+    out = []
+    while inbox.poll(0):
+        msg = inbox.recv()
+        if msg is not None:
+            out.append(msg)
+    return out

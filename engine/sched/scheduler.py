@@ -3,7 +3,8 @@
 The proc (procs/scheduler.py) only moves messages; this class is what tests drive:
 `submit` / `abort` requests, `plan()` the next Step, `on_done()` a worker's StepDone.
 Replicated state changes only through the ops of the Steps it returns; it applies each
-op to its own ReplicaState mirror so DigestCheck can compare replicas (DESIGN.md 4-5).
+op to its own mirror (engine/replica, the same code the workers run) so DigestCheck can
+compare replicas (DESIGN.md 4-5); engine/sched/digests.py tracks what the ranks report.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from engine.cache.allocator import PageAllocator
 from engine.cache.radix import RadixCache
-from engine.sched.replica import ReplicaState
+from engine.replica import rank_replica
+from engine.sched.digests import DigestMismatch, DigestTracker
 from engine.sched.request import Req, Status
 from msgs.codec import pack_ids, unpack_f32, unpack_ids
 from msgs.done import StepDone
@@ -43,10 +45,6 @@ class SchedConfig:
             raise ValueError(f"bad scheduler config {self}")
 
 
-class DigestMismatch(RuntimeError):
-    pass
-
-
 @dataclass
 class _Row:
     req: Req
@@ -60,15 +58,15 @@ class SchedulerCore:
         self.cfg = cfg
         self.alloc = PageAllocator(cfg.num_pages)
         self.cache = RadixCache(cfg.page_size, self.alloc)
-        self.replica = ReplicaState()
+        self.replica = rank_replica()
         self.reqs: dict[str, Req] = {}
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.free_slots = list(range(cfg.max_running))
         self.seq = 0
         self.sampled_by_step: dict[int, list[Req]] = {}
-        self.expected_digest: dict[int, str] = {}
-        self.digest_reports: dict[int, int] = {}  # ranks that reported the digest of a step
+        self.digests = DigestTracker(cfg.num_ranks)
+        self.done_ranks: dict[int, int] = {}  # seq -> ranks that finished it
         self.pending_ops: list[Op] = []
         self.rng = random.Random(cfg.seed)
         self.arrivals = 0
@@ -127,15 +125,25 @@ class SchedulerCore:
         if not ops and not rows:
             return None
         self.seq += 1
+        ops.extend(self.cache.take_changes())
         if self.cfg.digest_every and self.seq % self.cfg.digest_every == 0:
             ops.append(DigestCheck())
-        for op in ops:
-            self.replica.apply(op)
-        if any(isinstance(op, DigestCheck) for op in ops):
-            self.expected_digest[self.seq] = self.replica.digest()
-        forward = self._forward(rows) if rows else None
+        step = Step(seq=self.seq, ops=ops, forward=self._forward(rows) if rows else None)
+        if self.replica.apply_step(step):
+            self._check_mirror()
+            self.digests.expect(self.seq, self.replica.digest())
         self.sampled_by_step[self.seq] = [r.req for r in rows if r.sample]
-        return Step(seq=self.seq, ops=ops, forward=forward)
+        self.done_ranks[self.seq] = 0
+        return step
+
+    def _check_mirror(self) -> None:
+        """The scheduler's own state must equal the mirror it publishes: live page tables
+        and the radix tree's pages (a scheduler bug is caught here, not only transport)."""
+        live = {r.slot: r.pages for r in self.reqs.values() if r.slot is not None}
+        if live != self.replica["page_tables"].tables:
+            raise DigestMismatch(f"step {self.seq}: the scheduler's page tables differ from its mirror")
+        if self.cache.pages_in_tree() != self.replica["prefix_cache"].pages:
+            raise DigestMismatch(f"step {self.seq}: the radix tree's pages differ from the mirror")
 
     def _plan_decodes(self, rows: list[_Row], ops: list[Op]) -> int:
         used = 0
@@ -280,8 +288,20 @@ class SchedulerCore:
     # ---- results -----------------------------------------------------------------------
 
     def on_done(self, done: StepDone) -> list[ReqOutput]:
-        """Apply a rank-0 StepDone: append sampled tokens, check stop conditions."""
-        self._check_digest(done)
+        """A rank finished a step: check its digests; rank 0's tokens are the output
+        (appended, stop conditions checked)."""
+        if done.seq not in self.done_ranks:
+            raise DigestMismatch(f"rank {done.rank} finished step {done.seq}, which is not in flight")
+        if done.rank == 0:
+            self.digests.on_tokens(done.seq, done.token_ids)
+        self.digests.on_report(done.seq, done.rank, done.digest, done.tokens_hash)
+        self.done_ranks[done.seq] += 1
+        if self.done_ranks[done.seq] == self.cfg.num_ranks:
+            del self.done_ranks[done.seq]
+            self.digests.forget_done(done.seq)
+        return self._outputs(done) if done.rank == 0 else []
+
+    def _outputs(self, done: StepDone) -> list[ReqOutput]:
         reqs = self.sampled_by_step.pop(done.seq)
         tokens = unpack_ids(done.token_ids)
         if len(tokens) != len(reqs):
@@ -309,22 +329,6 @@ class SchedulerCore:
                 self._finish(req, reason)
                 outs[-1] = _with_finish(out, reason)
         return outs
-
-    def check_digest(self, seq: int, digest: str, rank: int) -> None:
-        """Compare one rank's replica digest for step `seq`; forget the expected value once
-        every rank has reported it."""
-        want = self.expected_digest.get(seq)
-        if want is None:
-            raise DigestMismatch(f"rank {rank} reported a digest for step {seq}, which asked for none")
-        if want != digest:
-            raise DigestMismatch(f"rank {rank} diverged at or before step {seq}: {digest} != {want}")
-        self.digest_reports[seq] = self.digest_reports.get(seq, 0) + 1
-        if self.digest_reports[seq] == self.cfg.num_ranks:
-            del self.expected_digest[seq], self.digest_reports[seq]
-
-    def _check_digest(self, done: StepDone) -> None:
-        if done.digest is not None:
-            self.check_digest(done.seq, done.digest, done.rank)
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params
@@ -381,7 +385,7 @@ class SchedulerCore:
         return (
             self.cache.locked_pages == 0
             and self.alloc.num_free + len(tree) == self.alloc.capacity
-            and not self.replica.page_tables
+            and not self.replica["page_tables"].tables
         )
 
 

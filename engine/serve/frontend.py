@@ -28,6 +28,7 @@ from engine.serve.errors import ApiError
 from engine.serve.metrics import Metrics
 from engine.serve.validate import Limits
 from msgs import outputs, requests
+from msgs.channels import AsyncReceiver, AsyncSender
 from msgs.codec import pack_ids
 from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch
 from msgs.params import SamplingParams
@@ -288,14 +289,14 @@ class Frontend:
 
     # -- socket loops -----------------------------------------------------------------
 
-    async def run_sender(self, sock) -> None:  # noqa: ANN001 - a zmq.asyncio PUSH socket
+    async def run_sender(self, out: AsyncSender[requests.ToScheduler]) -> None:
         while True:
             msg = await self._outbox.get()
-            await sock.send(requests.codec.encode(msg))
+            await out.send(msg)
 
-    async def run_receiver(self, sock) -> None:  # noqa: ANN001 - a zmq.asyncio PULL socket
+    async def run_receiver(self, inbox: AsyncReceiver[outputs.ToTokenizer]) -> None:
         while True:
-            msg = outputs.codec.decode(await sock.recv())
+            msg = await inbox.recv()
             if msg is None:
                 continue
             try:

@@ -18,7 +18,8 @@ from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, c
 from engine.serve.native import prepare
 from engine.serve.state import ServeState
 from engine.serve.validate import SubRequest, check_rid
-from msgs.sdk import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, client_codec, server_codec
+from msgs.channels import SDK_IN, SDK_OUT
+from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest
 
 log = structlog.get_logger()
 
@@ -34,7 +35,7 @@ class SdkServer:
             frames = await self._sock.recv_multipart()
             if len(frames) < 2:
                 continue
-            ident, msg = frames[0], server_codec.decode(frames[-1])
+            ident, msg = frames[0], SDK_IN.codec.decode(frames[-1])
             try:
                 await self._handle(ident, msg)
             except Exception:  # one bad message must not stop the SDK front
@@ -62,7 +63,7 @@ class SdkServer:
         task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
 
     async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError) -> None:
-        await self._sock.send_multipart([ident, client_codec.encode(msg)])
+        await self._sock.send_multipart([ident, SDK_OUT.codec.encode(msg)])
 
     async def _serve(self, ident: bytes, req: GenerateRequest) -> None:
         rid = req.rid

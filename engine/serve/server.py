@@ -30,8 +30,21 @@ from engine.serve.http import build_app
 from engine.serve.sdk_server import SdkServer
 from engine.serve.state import ServeState
 from engine.serve.tokenizer import load_tokenizer
-from msgs import control
-from msgs.control import Fatal, Flushed, ProcessDied, Ready
+from msgs.channels import (
+    CONTROL,
+    NOTICES,
+    OUTPUTS,
+    REQUESTS,
+    SDK_IN,
+    SDK_OUT,
+    AsyncReceiver,
+    AsyncSender,
+    open_async_receiver,
+    open_async_sender,
+)
+from msgs.control import Fatal, Flushed, ProcessDied, Ready, ToSupervisor, ToTokenizerControl
+from msgs.outputs import ToTokenizer
+from msgs.requests import ToScheduler
 
 log = structlog.get_logger()
 PROC = "tokenizer"
@@ -80,17 +93,17 @@ class TokenizerProcess:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
-        self.control = self.ctx.socket(zmq.PUSH)
-        self.control.setsockopt(zmq.LINGER, 5000)  # Ready/Fatal must get out before we exit
+        self.control: AsyncSender[ToSupervisor] | None = None
 
     def start(self) -> tuple[ServeState, socket.socket]:
         """Everything that can fail at startup, in order; raises StartupError."""
         cfg = self.cfg
         if not cfg.run_dir:
             raise StartupError("run_dir is not set: the supervisor must give a private directory for ipc sockets")
-        self.control.connect(cfg.ipc("control"))
-        self.notices = self.ctx.socket(zmq.PULL)
-        self.notices.connect(cfg.ipc("notices"))
+        run_dir = cfg.run_dir
+        # Ready/Fatal must get out before we exit
+        self.control = open_async_sender(self.ctx, CONTROL, PROC, run_dir, linger_ms=5000)
+        self.notices: AsyncReceiver[ToTokenizerControl] = open_async_receiver(self.ctx, NOTICES, PROC, run_dir)
         try:
             tok = load_tokenizer(cfg.model)
         except Exception as exc:  # noqa: BLE001 - any loading failure is fatal, with its reason
@@ -101,19 +114,21 @@ class TokenizerProcess:
         # replaces whoever had it, so that only happens once nothing else can fail.
         http_sock = listen_socket(cfg.host, cfg.port)
         self.sdk = self.ctx.socket(zmq.ROUTER)
+        self.sdk.setsockopt(zmq.RCVHWM, SDK_IN.hwm)
+        self.sdk.setsockopt(zmq.SNDHWM, SDK_OUT.hwm)
         _bind(self.sdk, cfg.sdk_addr, "SDK")
-        self.to_sched = self.ctx.socket(zmq.PUSH)
-        self.to_sched.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow scheduler
-        self.to_sched.connect(cfg.ipc("scheduler"))
-        self.from_sched = self.ctx.socket(zmq.PULL)
-        self.from_sched.setsockopt(zmq.RCVHWM, 0)
-        _bind(self.from_sched, cfg.ipc("tokenizer"), "scheduler output")
+        self.to_sched: AsyncSender[ToScheduler] = open_async_sender(self.ctx, REQUESTS, PROC, run_dir)
+        try:
+            self.from_sched: AsyncReceiver[ToTokenizer] = open_async_receiver(self.ctx, OUTPUTS, PROC, run_dir)
+        except zmq.ZMQError as exc:
+            raise StartupError(f"cannot bind the scheduler output socket in {run_dir}: {exc}") from exc
         return ServeState(cfg=cfg, tok=tok, frontend=Frontend()), http_sock
 
     async def fatal(self, reason: str) -> None:
         log.error("startup failed", reason=reason)
         with contextlib.suppress(zmq.ZMQError, TimeoutError):  # no supervisor listening: still exit
-            await asyncio.wait_for(self.control.send(control.codec.encode(Fatal(proc=PROC, reason=reason))), 5)
+            if self.control is not None:
+                await asyncio.wait_for(self.control.send(Fatal(proc=PROC, reason=reason)), 5)
 
     async def serve(self, state: ServeState, http_sock: socket.socket) -> int:
         cfg = self.cfg
@@ -143,7 +158,7 @@ class TokenizerProcess:
                     return 1
                 await asyncio.sleep(0.01)
             info = {"http": f"http://{cfg.host}:{cfg.port}", "sdk": cfg.sdk_addr}
-            await self.control.send(control.codec.encode(Ready(proc=PROC, info=info)))
+            await self.control.send(Ready(proc=PROC, info=info))
             log.info("tokenizer ready", **info, model=cfg.model_name, ids_only=state.tok is None)
             done, _ = await asyncio.wait({http, *tasks}, return_when=asyncio.FIRST_COMPLETED)
             return self._exit_code(done, http)
@@ -156,14 +171,14 @@ class TokenizerProcess:
         """On ProcessDied: fail every request, wait until their consumers have seen it,
         then report Flushed so the supervisor tears down only after clients were told."""
         while True:
-            msg = control.notice_codec.decode(await self.notices.recv())
+            msg = await self.notices.recv()
             if not isinstance(msg, ProcessDied):
                 continue
             failed = frontend.process_died(msg.proc, msg.reason)
             if not await frontend.drained(FLUSH_TIMEOUT_S):
                 log.warning("requests still in flight after a process died", left=frontend.num_in_flight)
             await asyncio.sleep(FLUSH_SETTLE_S)
-            await self.control.send(control.codec.encode(Flushed(proc=PROC, requests=failed)))
+            await self.control.send(Flushed(proc=PROC, requests=failed))
 
     @staticmethod
     def _exit_code(done: set[asyncio.Task[None]], http: asyncio.Task[None]) -> int:

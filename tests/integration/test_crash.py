@@ -18,8 +18,8 @@ import psutil
 import pytest
 import zmq
 
+from msgs.channels import CONTROL
 from msgs.control import Fatal
-from msgs.control import codec as control_codec
 from msgs.sdk import Client, StrataError
 from tests.integration.conftest import Server, start_server
 
@@ -223,8 +223,8 @@ def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFi
         assert first.wait(30)
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
-        push.connect(f"ipc://{run_dir}/control")
-        push.send(control_codec.encode(Fatal(proc="scheduler", reason="digest mismatch at step 7 (test)")))
+        push.connect(CONTROL.address(str(run_dir)))
+        push.send(CONTROL.codec.encode(Fatal(proc="scheduler", reason="digest mismatch at step 7 (test)")))
         push.close(linger=1000)
         ctx.term()
         events = stream.join()

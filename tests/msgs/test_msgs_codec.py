@@ -9,21 +9,24 @@ import sys
 import msgspec
 import pytest
 
-from msgs import control, done, outputs, requests, sdk, steps
+from msgs import channels, client, control, done, outputs, requests, steps
 from msgs.codec import pack_f32, pack_ids, unpack_f32, unpack_ids
 from msgs.params import SamplingParams
 
 SAMPLES = [
-    (requests.codec, requests.TokenizedRequest(rid="a", input_ids=pack_ids([1, 2, 3]), params=SamplingParams(seed=5))),
-    (requests.codec, requests.AbortRequest(rid="a")),
     (
-        outputs.codec,
+        channels.REQUESTS.codec,
+        requests.TokenizedRequest(rid="a", input_ids=pack_ids([1, 2, 3]), params=SamplingParams(seed=5)),
+    ),
+    (channels.REQUESTS.codec, requests.AbortRequest(rid="a")),
+    (
+        channels.OUTPUTS.codec,
         outputs.TokenBatch(
             outs=[outputs.ReqOutput(rid="a", new_ids=[7], finish_reason="stop", top_logprobs=[[(1, -0.5)]])]
         ),
     ),
     (
-        steps.codec,
+        channels.STEPS.codec,
         steps.Step(
             seq=3,
             ops=[
@@ -47,6 +50,9 @@ SAMPLES = [
                 steps.ExtendPages(slot=0, pages=pack_ids([4, 5])),
                 steps.DigestCheck(),
                 steps.FreeReq(slot=1),
+                steps.CachePages(pages=pack_ids([4])),
+                steps.EvictPages(pages=pack_ids([4])),
+                steps.Flush(),
             ],
             forward=steps.Forward(
                 slots=pack_ids([0]),
@@ -57,10 +63,11 @@ SAMPLES = [
             ),
         ),
     ),
-    (done.codec, done.StepDone(seq=3, rank=0, token_ids=pack_ids([9]), digest="ab")),
-    (control.codec, control.Ready(proc="worker", rank=0, info={"x": "y"})),
-    (sdk.server_codec, sdk.GenerateRequest(rid="r", params=SamplingParams(), input_ids=[1, 2])),
-    (sdk.client_codec, sdk.GenerateError(rid="r", status=400, message="bad")),
+    (channels.DONE.codec, done.StepDone(seq=3, rank=0, token_ids=pack_ids([9]), digest="ab")),
+    (channels.CONTROL.codec, control.Ready(proc="worker", rank=0, info={"x": "y"})),
+    (channels.NOTICES.codec, control.ProcessDied(proc="worker-0", reason="killed by SIGKILL")),
+    (channels.SDK_IN.codec, client.GenerateRequest(rid="r", params=SamplingParams(), input_ids=[1, 2])),
+    (channels.SDK_OUT.codec, client.GenerateError(rid="r", status=400, message="bad")),
 ]
 
 
@@ -80,11 +87,11 @@ def test_round_trip(codec, msg) -> None:
     ],
 )
 def test_malformed_frames_are_dropped(frame: bytes) -> None:
-    assert requests.codec.decode(frame) is None
+    assert channels.REQUESTS.codec.decode(frame) is None
 
 
 def test_message_of_another_channel_is_rejected() -> None:
-    assert steps.codec.decode(requests.codec.encode(requests.AbortRequest(rid="x"))) is None
+    assert channels.STEPS.codec.decode(channels.REQUESTS.codec.encode(requests.AbortRequest(rid="x"))) is None
 
 
 def test_packed_arrays() -> None:

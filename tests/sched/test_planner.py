@@ -5,8 +5,11 @@ worker's forward is covered by the engine and integration tests)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
+from engine.replica import TokenChain
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.codec import pack_ids, unpack_ids
 from msgs.done import StepDone
@@ -56,10 +59,16 @@ def flush(core: SchedulerCore) -> None:
 
 
 def finish_step(core: SchedulerCore, step: Step, token: int = 7):
+    """Rank 0 answers as a faithful replica: the mirror's digest and the token chain."""
     n = len(core.sampled_by_step[step.seq])
-    return core.on_done(
-        StepDone(seq=step.seq, rank=0, token_ids=pack_ids([token] * n), digest=core.expected_digest.get(step.seq))
-    )
+    tokens = pack_ids([token] * n)
+    CHAINS.setdefault(core, TokenChain()).update(tokens)
+    expected = core.digests.expected.get(step.seq)
+    digest, chain = (expected[0], CHAINS[core].hexdigest()) if expected else (None, None)
+    return core.on_done(StepDone(seq=step.seq, rank=0, token_ids=tokens, digest=digest, tokens_hash=chain))
+
+
+CHAINS: weakref.WeakKeyDictionary[SchedulerCore, TokenChain] = weakref.WeakKeyDictionary()
 
 
 def test_chunked_prefill_respects_budget_and_samples_only_final_chunk():
@@ -181,7 +190,7 @@ def test_rejects_empty_too_long_and_duplicate():
 
 
 def test_digest_mismatch_is_fatal():
-    from engine.sched.scheduler import DigestMismatch
+    from engine.sched.digests import DigestMismatch
 
     core = make()
     submit(core, "a", [1, 2, 3])
@@ -230,7 +239,7 @@ def test_siblings_in_one_step_share_prompt_pages():
     r = rows(step)
     assert [n for _, _, _, n, _ in r] == [14, 2, 2]
     assert [core.reqs[f"p-{i}"].cached_tokens for i in range(3)] == [0, 12, 12]
-    tables = list(core.replica.page_tables.values())
+    tables = list(core.replica["page_tables"].tables.values())
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
 
 
@@ -239,18 +248,25 @@ def test_digest_checked_for_every_rank():
     reported is still caught."""
     from dataclasses import replace
 
-    from engine.sched.scheduler import DigestMismatch
+    from engine.sched.digests import DigestMismatch
 
     core = make()
     core.cfg = replace(core.cfg, num_ranks=2)
     submit(core, "a", [1, 2, 3])
+    core.digests.num_ranks = 2
     step = core.plan()
-    want = core.expected_digest[step.seq]
-    core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([1]), digest=want))
+    want = core.digests.expected[step.seq][0]
+    core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([1]), digest=want, tokens_hash=_chain([1])))
     with pytest.raises(DigestMismatch, match="rank 1"):
-        core.check_digest(step.seq, "0" * 64, rank=1)
-    core.check_digest(step.seq, want, rank=1)
-    assert step.seq not in core.expected_digest
+        core.on_done(StepDone(seq=step.seq, rank=1, digest="0" * 64, tokens_hash=_chain([1])))
+    core.on_done(StepDone(seq=step.seq, rank=1, digest=want, tokens_hash=_chain([1])))
+    assert step.seq not in core.digests.expected
+
+
+def _chain(tokens: list[int]) -> str:
+    chain = TokenChain()
+    chain.update(pack_ids(tokens))
+    return chain.hexdigest()
 
 
 @pytest.mark.parametrize(

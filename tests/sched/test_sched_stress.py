@@ -13,22 +13,17 @@ equal a reference computed alone, whatever the batching, retraction or overlap.
 from __future__ import annotations
 
 import random
-import time
 from collections import deque
 
 import pytest
 
-from engine.sched.replica import ReplicaState
+from engine.replica import Replica, TokenChain, rank_replica
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.codec import pack_ids, unpack_ids
 from msgs.done import StepDone
-from msgs.done import codec as done_codec
-from msgs.outputs import SchedulerStats
-from msgs.outputs import codec as out_codec
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
-from msgs.steps import AddReq, DigestCheck, FreeReq, Step
-from msgs.steps import codec as step_codec
+from msgs.steps import AddReq, FreeReq, Step
 
 VOCAB = 40
 EOS = 0
@@ -46,7 +41,8 @@ def _sample(seed: int, h: int) -> int:
 class FakeWorker:
     def __init__(self, page_size: int) -> None:
         self.ps = page_size
-        self.replica = ReplicaState()
+        self.replica = rank_replica()
+        self.chain = TokenChain()
         self.kv: dict[tuple[int, int], int] = {}
         self.hist: dict[int, list[int]] = {}  # slot -> prefix hashes, one per known position
         self.toks: dict[int, list[int]] = {}
@@ -65,11 +61,8 @@ class FakeWorker:
         return hist[pos]
 
     def run(self, step: Step) -> StepDone:
-        assert step.seq == self.seq + 1
-        self.seq = step.seq
-        digest = None
+        digest = self.replica.digest() if self.replica.apply_step(step) else None
         for op in step.ops:
-            self.replica.apply(op)
             if isinstance(op, AddReq):
                 self.toks[op.slot] = []
                 self.hist[op.slot] = []
@@ -78,8 +71,6 @@ class FakeWorker:
                 self.seed[op.slot] = op.sampling.seed
             elif isinstance(op, FreeReq):
                 del self.toks[op.slot], self.hist[op.slot], self.seed[op.slot]
-            elif isinstance(op, DigestCheck):
-                digest = self.replica.digest()
         out: list[int] = []
         f = step.forward
         if f is not None:
@@ -92,7 +83,7 @@ class FakeWorker:
                 assert -1 not in ids[i : i + n] or n == 1
                 i += n
             for s, st, row in zip(slots, starts, rows, strict=True):  # every write first
-                table = self.replica.page_tables[s]
+                table = self.replica["page_tables"].tables[s]
                 for k, t in enumerate(row):
                     pos = st + k
                     assert pos // self.ps < len(table), f"slot {s}: no page for position {pos}"
@@ -100,7 +91,7 @@ class FakeWorker:
                     assert page != 0
                     self.kv[(page, pos % self.ps)] = self._known(s, pos, t)
             for s, st, n, smp in zip(slots, starts, lens, sample, strict=True):  # then reads
-                table, hist = self.replica.page_tables[s], self.hist[s]
+                table, hist = self.replica["page_tables"].tables[s], self.hist[s]
                 for pos in range(st + n):
                     got = self.kv.get((table[pos // self.ps], pos % self.ps))
                     assert got == hist[pos], f"step {step.seq} slot {s}: stale KV at position {pos}"
@@ -108,7 +99,9 @@ class FakeWorker:
                     tok = _sample(self.seed[s], hist[st + n - 1])
                     self.last[s] = tok
                     out.append(tok)
-        return StepDone(seq=step.seq, rank=0, token_ids=pack_ids(out), digest=digest)
+        self.chain.update(pack_ids(out))
+        tokens_hash = self.chain.hexdigest() if digest else None
+        return StepDone(seq=step.seq, rank=0, token_ids=pack_ids(out), digest=digest, tokens_hash=tokens_hash)
 
 
 def reference(prompt: list[int], seed: int, max_new: int) -> list[int]:
@@ -193,14 +186,14 @@ def drive(
     return got, reason
 
 
-def check_drained(core: SchedulerCore, worker_replica: ReplicaState) -> None:
+def check_drained(core: SchedulerCore, worker_replica: Replica) -> None:
     assert core.idle and not core.pending_ops
     assert core.leak_free()
     assert core.cache.locked_pages == 0
     core.cache.check_invariants()
     assert core.alloc.num_free + len(core.cache.pages_in_tree()) == core.alloc.capacity
     assert worker_replica.digest() == core.replica.digest()
-    assert not worker_replica.page_tables
+    assert not worker_replica["page_tables"].tables
 
 
 def check_outputs(want: dict[str, list[int]], got: dict[str, list[int]], reason: dict[str, str], eos: int) -> None:
@@ -266,28 +259,6 @@ def test_stress_roomy_pool(seed: int, radix: bool) -> None:
 # ---- the real ModelRunner (tiny random Llama on CPU) --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        eos_token_id=63,
-        bos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("stress-llama")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
-
-
 class _RunnerWorker:
     def __init__(self, runner) -> None:  # noqa: ANN001
         self.runner = runner
@@ -329,80 +300,3 @@ def test_stress_local_engine(tiny_model: str, radix: bool, overlap: bool, seed: 
     check_drained(eng.core, eng.runner.replica)
     check_outputs(want, got, reason, 63)
     assert eng.core.retractions > 0
-
-
-# ---- the scheduler loop's idle leak check --------------------------------------------------
-
-
-def _real_loop(tmp_path, tiny_model: str, overlap: bool):  # noqa: ANN001, ANN202
-    """SchedulerLoop on real ipc sockets, with a real ModelRunner answering on the worker's side."""
-    import zmq
-
-    from engine.config import ServerConfig
-    from engine.run.runner import ModelRunner
-    from engine.sched.loop import SchedulerLoop
-
-    cfg = ServerConfig(
-        model=tiny_model,
-        device="cpu",
-        page_size=4,
-        max_total_tokens=128,
-        max_running_requests=4,
-        max_prefill_tokens=16,
-        disable_overlap=not overlap,
-        run_dir=str(tmp_path),
-    )
-    ctx = zmq.Context.instance()
-    tok, step_in, done_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    tok.bind(cfg.ipc("tokenizer"))
-    step_in.bind(cfg.ipc("step-0"))
-    ctl = ctx.socket(zmq.PULL)
-    ctl.bind(cfg.ipc("control"))
-    loop = SchedulerLoop(cfg)
-    done_out.connect(cfg.ipc("done"))
-    runner = ModelRunner(cfg)
-    done_out.send(done_codec.encode(runner.ready_msg()))
-    loop.wait_for_workers()
-    return loop, runner, (tok, step_in, done_out, ctl)
-
-
-def _iteration(loop, runner, socks) -> None:  # noqa: ANN001
-    """One pass of SchedulerLoop.run with the worker answering every step, >= 100 ms after the
-    previous stats (a slow step)."""
-    _, step_in, done_out, _ = socks
-    loop._drain_requests()
-    while len(loop.inflight) < (1 if loop.cfg.disable_overlap else 2) and loop._send_next():
-        pass
-    while step_in.poll(100):
-        done_out.send(done_codec.encode(runner.run_step(step_codec.decode(step_in.recv()))))
-    time.sleep(0.05)  # let the StepDone frames arrive on the loop's socket
-    loop._drain_done()
-    loop._maybe_check_leaks()
-    loop.last_stats = -1.0
-    loop._send_stats()
-
-
-@pytest.mark.parametrize("leak", [True, False])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_loop_idle_leak_check_is_not_vacuous(tmp_path, tiny_model: str, overlap: bool, leak: bool) -> None:
-    """A page leaked by the time the engine goes idle must show as leak_free=False in the
-    loop's stats: the check must run after the last FreeReq is published, not before."""
-    loop, runner, socks = _real_loop(tmp_path, tiny_model, overlap)
-    try:
-        params = SamplingParams(max_new_tokens=3, seed=1, ignore_eos=True)
-        assert loop.core.submit(TokenizedRequest(rid="a", input_ids=pack_ids([5, 6, 7]), params=params)) is None
-        if leak:
-            loop.core.alloc.alloc(1)  # a page leaked while the request runs
-        for _ in range(8):
-            _iteration(loop, runner, socks)
-        assert loop.core.idle and not loop.inflight and not loop.core.pending_ops
-        assert loop.leak_free is not leak
-        stats = []
-        while socks[0].poll(0):
-            msg = out_codec.decode(socks[0].recv())
-            if isinstance(msg, SchedulerStats):
-                stats.append(msg)
-        assert stats[-1].leak_free is not leak and stats[-1].running == 0
-    finally:
-        for s in (*socks, loop.req_in, loop.done_in, loop.out, loop.control, *loop.steps):
-            s.close(0)

@@ -1,0 +1,17 @@
+"""Replicated state: components with apply(op) and digest(), one op table (DESIGN.md 4)."""
+
+from engine.replica.base import Component, Effect, Replica, ReplicaError, StepOrderError, TokenChain
+from engine.replica.components import PageTables, PrefixCachePages, SlotSampling, rank_replica
+
+__all__ = [
+    "Component",
+    "Effect",
+    "PageTables",
+    "PrefixCachePages",
+    "Replica",
+    "ReplicaError",
+    "SlotSampling",
+    "StepOrderError",
+    "TokenChain",
+    "rank_replica",
+]

@@ -1,0 +1,237 @@
+"""The channel table: every ZMQ channel of Strata, declared once.
+
+| channel  | pattern      | sender -> receiver           | binds      | messages                              |
+|----------|--------------|------------------------------|------------|---------------------------------------|
+| requests | PUSH/PULL    | tokenizer -> scheduler       | scheduler  | TokenizedRequest, AbortRequest        |
+| outputs  | PUSH/PULL    | scheduler -> tokenizer       | tokenizer  | TokenBatch, SchedulerStats            |
+| steps    | PUSH/PULL    | scheduler -> worker (1/rank) | worker     | Step, Shutdown                        |
+| done     | PUSH/PULL    | workers -> scheduler         | scheduler  | StepDone, WorkerReady, WorkerFailed   |
+| control  | PUSH/PULL    | children -> supervisor       | supervisor | Ready, Fatal, Flushed                 |
+| notices  | PUSH/PULL    | supervisor -> tokenizer      | supervisor | ProcessDied                           |
+| sdk      | DEALER/ROUTER| client <-> tokenizer (tcp)   | tokenizer  | GenerateRequest, AbortGenerate /      |
+|          |              |                              |            | GenerateChunk, GenerateError          |
+
+A `Channel` knows its address (ipc in the supervisor's private run dir, tcp for the SDK),
+its high-water mark (0: never drop, never block the sender's peer) and its codec. Typed
+ends wrap a socket: `Sender.send` refuses a message type the channel does not carry (a
+bug at the source), `Receiver.recv` decodes through the codec, which drops, counts and
+(rate-limited) logs any frame that is malformed or of another channel's type.
+
+`pipe(channel)` gives both ends over an in-memory queue, through the same encode/decode,
+so drivers (scheduler loop, worker pipeline) run in tests without sockets or sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from msgs import client, control, done, outputs, requests, steps
+from msgs.codec import Codec
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+@dataclass(frozen=True)
+class Channel(Generic[T]):
+    name: str  # ipc file name, log and metric label
+    sender: str  # process role that sends
+    receiver: str  # process role that receives
+    binder: str  # the role that binds (the stable end); the other connects
+    union: Any  # the message types this channel carries
+    hwm: int = 0  # 0: unlimited; nothing on these channels may be dropped
+    per_rank: bool = False  # one socket per worker rank (the Step stream)
+    codec: Codec[T] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "codec", Codec(self.union, self.name))
+
+    @property
+    def types(self) -> tuple[type, ...]:
+        return typing.get_args(self.union) or (self.union,)
+
+    def address(self, run_dir: str, rank: int | None = None) -> str:
+        if self.per_rank != (rank is not None):
+            raise ValueError(f"channel {self.name}: rank {rank!r} given for per_rank={self.per_rank}")
+        name = self.name if rank is None else f"{self.name}-{rank}"
+        return f"ipc://{os.path.join(run_dir, name)}"
+
+
+#        name          sender       receiver      binder        messages
+REQUESTS = Channel("requests", "tokenizer", "scheduler", "scheduler", requests.ToScheduler)
+OUTPUTS = Channel("outputs", "scheduler", "tokenizer", "tokenizer", outputs.ToTokenizer)
+STEPS = Channel("steps", "scheduler", "worker", "worker", steps.ToWorker, per_rank=True)
+DONE = Channel("done", "worker", "scheduler", "scheduler", done.FromWorker)
+CONTROL = Channel("control", "child", "supervisor", "supervisor", control.ToSupervisor)
+NOTICES = Channel("notices", "supervisor", "tokenizer", "supervisor", control.ToTokenizerControl)
+# The SDK is one ROUTER socket (tokenizer, tcp) talking to DEALER clients: two directions,
+# bounded queues (a client that stops reading must not grow the server's memory).
+SDK_IN = Channel("sdk-in", "client", "tokenizer", "tokenizer", client.ToServer, hwm=1000)
+SDK_OUT = Channel("sdk-out", "tokenizer", "client", "tokenizer", client.FromServer, hwm=1000)
+
+ALL: tuple[Channel[Any], ...] = (REQUESTS, OUTPUTS, STEPS, DONE, CONTROL, NOTICES, SDK_IN, SDK_OUT)
+
+
+# ---- typed ends ---------------------------------------------------------------------------
+
+
+class Inbox(Protocol[T_co]):
+    def poll(self, timeout_ms: int = 0) -> bool: ...
+    def recv(self) -> T_co | None: ...
+
+
+class Outbox(Protocol[T]):
+    def send(self, msg: T) -> None: ...
+
+
+class Sender(Generic[T]):
+    """The sending end of a channel over a zmq socket (sync)."""
+
+    def __init__(self, channel: Channel[T], sock: zmq.Socket) -> None:
+        self.channel = channel
+        self.sock = sock
+        self._types = channel.types
+
+    def send(self, msg: T, block: bool = True) -> None:
+        """block=False raises zmq.Again when the message cannot be queued (no peer)."""
+        if not isinstance(msg, self._types):
+            raise TypeError(f"channel {self.channel.name} does not carry {type(msg).__name__}")
+        self.sock.send(self.channel.codec.encode(msg), 0 if block else zmq.NOBLOCK)
+
+
+class Receiver(Generic[T]):
+    """The receiving end (sync). recv() returns None for a dropped frame."""
+
+    def __init__(self, channel: Channel[T], sock: zmq.Socket) -> None:
+        self.channel = channel
+        self.sock = sock
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
+
+    def recv(self) -> T | None:
+        return self.channel.codec.decode(self.sock.recv())
+
+    def drain(self) -> Iterator[T]:
+        """Every message already queued (dropped frames skipped), without blocking."""
+        while self.poll(0):
+            msg = self.recv()
+            if msg is not None:
+                yield msg
+
+
+class AsyncSender(Generic[T]):
+    def __init__(self, channel: Channel[T], sock: zmq.asyncio.Socket) -> None:
+        self.channel = channel
+        self.sock = sock
+        self._types = channel.types
+
+    async def send(self, msg: T) -> None:
+        if not isinstance(msg, self._types):
+            raise TypeError(f"channel {self.channel.name} does not carry {type(msg).__name__}")
+        await self.sock.send(self.channel.codec.encode(msg))
+
+
+class AsyncReceiver(Generic[T]):
+    def __init__(self, channel: Channel[T], sock: zmq.asyncio.Socket) -> None:
+        self.channel = channel
+        self.sock = sock
+
+    async def recv(self) -> T | None:
+        return self.channel.codec.decode(await self.sock.recv())
+
+
+def _socket(ctx: zmq.Context, kind: int, channel: Channel[Any], role: str, run_dir: str, rank: int | None) -> Any:
+    sock = ctx.socket(kind)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, channel.hwm)
+    else:
+        sock.setsockopt(zmq.RCVHWM, channel.hwm)
+    addr = channel.address(run_dir, rank)
+    if role == channel.binder:
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock
+
+
+def open_sender(
+    ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None, linger_ms: int = 0
+) -> Sender[T]:
+    """`role` is the calling process's role: it binds when it is the channel's binder."""
+    sock = _socket(ctx, zmq.PUSH, channel, role, run_dir, rank)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    return Sender(channel, sock)
+
+
+def open_receiver(
+    ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None
+) -> Receiver[T]:
+    sock = _socket(ctx, zmq.PULL, channel, role, run_dir, rank)
+    sock.setsockopt(zmq.LINGER, 0)
+    return Receiver(channel, sock)
+
+
+def open_async_sender(
+    ctx: zmq.asyncio.Context, channel: Channel[T], role: str, run_dir: str, linger_ms: int = 0
+) -> AsyncSender[T]:
+    sock = _socket(ctx, zmq.PUSH, channel, role, run_dir, None)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    return AsyncSender(channel, sock)
+
+
+def open_async_receiver(ctx: zmq.asyncio.Context, channel: Channel[T], role: str, run_dir: str) -> AsyncReceiver[T]:
+    sock = _socket(ctx, zmq.PULL, channel, role, run_dir, None)
+    sock.setsockopt(zmq.LINGER, 0)
+    return AsyncReceiver(channel, sock)
+
+
+# ---- in memory (tests, single-process drivers) --------------------------------------------
+
+
+class MemorySender(Generic[T]):
+    def __init__(self, channel: Channel[T], queue: deque[bytes]) -> None:
+        self.channel = channel
+        self.queue = queue
+        self._types = channel.types
+
+    def send(self, msg: T) -> None:
+        if not isinstance(msg, self._types):
+            raise TypeError(f"channel {self.channel.name} does not carry {type(msg).__name__}")
+        self.queue.append(self.channel.codec.encode(msg))
+
+
+class MemoryReceiver(Generic[T]):
+    def __init__(self, channel: Channel[T], queue: deque[bytes]) -> None:
+        self.channel = channel
+        self.queue = queue
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return bool(self.queue)  # nothing else can fill it while we wait: never sleeps
+
+    def recv(self) -> T | None:
+        return self.channel.codec.decode(self.queue.popleft())
+
+    def push_raw(self, frame: bytes) -> None:
+        """Inject a raw frame (tests: malformed or wrong-type frames)."""
+        self.queue.append(frame)
+
+    def drain(self) -> Iterator[T]:
+        while self.queue:
+            msg = self.recv()
+            if msg is not None:
+                yield msg
+
+
+def pipe(channel: Channel[T]) -> tuple[MemorySender[T], MemoryReceiver[T]]:
+    """Both ends of a channel over one in-memory queue (same codec as the wire)."""
+    queue: deque[bytes] = deque()
+    return MemorySender(channel, queue), MemoryReceiver(channel, queue)

@@ -1,0 +1,46 @@
+"""Channel client <-> tokenizer (the ZMQ SDK, tcp): generate requests and their replies.
+
+The client (a DEALER) sends ToServer; the tokenizer's ROUTER answers with FromServer,
+routed back by the connection's identity.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from msgs.params import SamplingParams
+
+
+class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+    params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    stream: bool = False
+
+
+class AbortGenerate(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+
+
+class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
+    """A streamed delta, or with stream=False the whole result in one chunk."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+
+
+class GenerateError(msgspec.Struct, tag=True, frozen=True):
+    rid: str
+    status: int
+    message: str
+
+
+ToServer = GenerateRequest | AbortGenerate
+FromServer = GenerateChunk | GenerateError

@@ -1,0 +1,86 @@
+"""The channel table: every message on exactly one channel, typed ends, wrong-type frames
+dropped and counted on every channel, addresses from one place."""
+
+from __future__ import annotations
+
+import inspect
+
+import msgspec
+import pytest
+import zmq
+
+from msgs import channels, client, control, done, outputs, requests, steps
+from msgs.codec import DROPPED
+from msgs.steps import Shutdown
+
+
+def _tagged_structs() -> set[type]:
+    found = set()
+    for module in (client, control, done, outputs, requests, steps):
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, msgspec.Struct) and obj.__struct_config__.tag and obj.__module__ == module.__name__:
+                found.add(obj)
+    return found
+
+
+def test_every_message_type_is_carried_by_exactly_one_channel() -> None:
+    carried = [t for ch in channels.ALL for t in ch.types]
+    ops = set(steps.Op.__args__)  # ops travel inside a Step, not on their own
+    assert len(carried) == len(set(carried))
+    assert set(carried) | ops == _tagged_structs()
+
+
+def test_addresses_derive_from_the_table() -> None:
+    assert channels.REQUESTS.address("/run") == "ipc:///run/requests"
+    assert channels.STEPS.address("/run", rank=1) == "ipc:///run/steps-1"
+    with pytest.raises(ValueError):
+        channels.STEPS.address("/run")
+    with pytest.raises(ValueError):
+        channels.DONE.address("/run", rank=0)
+
+
+def _foreign(channel: channels.Channel) -> bytes:
+    """A well-formed frame of some other channel."""
+    for other, msg in [
+        (channels.REQUESTS, requests.AbortRequest(rid="x")),
+        (channels.STEPS, Shutdown()),
+    ]:
+        if other is not channel:
+            return other.codec.encode(msg)
+    raise AssertionError
+
+
+@pytest.mark.parametrize("channel", channels.ALL, ids=lambda c: c.name)
+def test_wrong_type_frame_is_dropped_and_counted_on_every_channel(channel: channels.Channel) -> None:
+    send, recv = channels.pipe(channel)
+    before = DROPPED.get(channel.name, 0)
+    recv.push_raw(_foreign(channel))
+    recv.push_raw(b"\x00garbage")
+    assert recv.poll() and recv.recv() is None and recv.recv() is None
+    assert DROPPED[channel.name] == before + 2
+    with pytest.raises(TypeError, match=channel.name):
+        send.send(requests.AbortRequest(rid="x") if channel is not channels.REQUESTS else Shutdown())
+
+
+def test_pipe_round_trips_through_the_codec() -> None:
+    send, recv = channels.pipe(channels.REQUESTS)
+    send.send(requests.AbortRequest(rid="r1"))
+    assert list(recv.drain()) == [requests.AbortRequest(rid="r1")]
+    assert not recv.poll()
+
+
+def test_zmq_ends_bind_and_connect_by_role(tmp_path) -> None:
+    ctx = zmq.Context()
+    try:
+        inbox = channels.open_receiver(ctx, channels.DONE, "scheduler", str(tmp_path))  # the binder
+        out = channels.open_sender(ctx, channels.DONE, "worker", str(tmp_path))
+        out.send(done.WorkerFailed(rank=0, seq=3, reason="test"))
+        assert inbox.poll(5000)
+        assert inbox.recv() == done.WorkerFailed(rank=0, seq=3, reason="test")
+        out.sock.send(b"\xc1")  # malformed on the wire: dropped, the receiver keeps going
+        assert inbox.poll(5000) and inbox.recv() is None
+        assert (tmp_path / "done").exists()
+        out.sock.close(0)
+        inbox.sock.close(0)
+    finally:
+        ctx.term()

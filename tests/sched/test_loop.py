@@ -1,0 +1,249 @@
+"""The scheduler loop and the worker pipeline as message-in / message-out drivers, over
+in-memory pipes (the same codec as the wire; no socket, no sleep, no private method)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ServerConfig
+from engine.replica import StepOrderError, TokenChain
+from engine.run.pipeline import WorkerPipeline
+from engine.sched.digests import DigestMismatch
+from engine.sched.loop import SchedulerLoop, SchedulerPorts, WorkerFailure
+from msgs import channels
+from msgs.codec import pack_ids, unpack_ids
+from msgs.control import Ready
+from msgs.done import StepDone, WorkerReady
+from msgs.outputs import SchedulerStats, TokenBatch
+from msgs.params import SamplingParams
+from msgs.requests import TokenizedRequest
+from msgs.steps import Shutdown, Step
+from tests.sched.test_sched_stress import FakeWorker
+
+PS = 4
+
+
+class Wires:
+    """Both ends of every channel the scheduler loop uses, for `ranks` workers."""
+
+    def __init__(self, ranks: int) -> None:
+        self.req_out, req_in = channels.pipe(channels.REQUESTS)
+        self.done_out, done_in = channels.pipe(channels.DONE)
+        outputs_out, self.outputs = channels.pipe(channels.OUTPUTS)
+        control_out, self.control = channels.pipe(channels.CONTROL)
+        pairs = [channels.pipe(channels.STEPS) for _ in range(ranks)]
+        self.steps = [recv for _, recv in pairs]
+        self.ports = SchedulerPorts(req_in, done_in, outputs_out, [send for send, _ in pairs], control_out)
+
+    def outputs_seen(self) -> tuple[dict[str, list[int]], dict[str, str], list[SchedulerStats]]:
+        got: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        stats = []
+        for msg in self.outputs.drain():
+            if isinstance(msg, SchedulerStats):
+                stats.append(msg)
+            elif isinstance(msg, TokenBatch):
+                for out in msg.outs:
+                    got.setdefault(out.rid, []).extend(out.new_ids)
+                    if out.finish_reason:
+                        reasons[out.rid] = out.finish_reason
+        return got, reasons, stats
+
+
+class FakeRank:
+    """A pure-Python rank (tests/sched/test_sched_stress.FakeWorker) answering as `rank`."""
+
+    def __init__(self, rank: int, pages: int = 64) -> None:
+        self.rank = rank
+        self.worker = FakeWorker(PS)
+        self.pages = pages
+        self.tamper = None  # called with (seq, StepDone) -> StepDone, to make this rank diverge
+
+    def ready(self) -> WorkerReady:
+        return WorkerReady(rank=self.rank, num_pages=self.pages, page_size=PS, max_context=96, vocab_size=40,
+                           eos_token_ids=[0])
+
+    def answer(self, step: Step) -> StepDone:
+        done = self.worker.run(step)
+        done = StepDone(seq=done.seq, rank=self.rank, token_ids=done.token_ids, digest=done.digest,
+                        tokens_hash=done.tokens_hash)
+        return self.tamper(step.seq, done) if self.tamper else done
+
+
+def cfg(**kw) -> ServerConfig:
+    return ServerConfig(max_running_requests=4, max_prefill_tokens=16, page_size=PS, **kw)
+
+
+def start(ranks: list[FakeRank], **kw) -> tuple[SchedulerLoop, Wires]:
+    wires = Wires(len(ranks))
+    loop = SchedulerLoop(cfg(**kw), wires.ports, stats_interval_s=0.0)
+    for r in ranks:
+        wires.done_out.send(r.ready())
+    loop.pump()
+    assert loop.core is not None
+    assert list(wires.control.drain()) == [Ready(proc="scheduler", info={"pages": str(min(r.pages for r in ranks))})]
+    loop.core.cfg = type(loop.core.cfg)(**{**loop.core.cfg.__dict__, "digest_every": 1})
+    return loop, wires
+
+
+def run_until_idle(loop: SchedulerLoop, wires: Wires, ranks: list[FakeRank], max_pumps: int = 500) -> None:
+    for _ in range(max_pumps):
+        loop.pump()
+        moved = False
+        for rank, inbox in zip(ranks, wires.steps, strict=True):
+            for step in inbox.drain():
+                assert isinstance(step, Step)
+                wires.done_out.send(rank.answer(step))
+                moved = True
+        assert loop.core is not None
+        if not moved and loop.core.idle and not loop.inflight and not loop.core.pending_ops:
+            return
+    raise AssertionError("the loop did not go idle")
+
+
+def submit(wires: Wires, n: int = 6, max_new: int = 5) -> None:
+    for i in range(n):
+        ids = [1 + (i * 7 + k) % 30 for k in range(5 + i)]
+        params = SamplingParams(max_new_tokens=max_new, seed=i, ignore_eos=True)
+        wires.req_out.send(TokenizedRequest(rid=f"r{i}", input_ids=pack_ids(ids), params=params))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_two_ranks_agree_and_every_request_finishes(overlap: bool) -> None:
+    ranks = [FakeRank(0), FakeRank(1, pages=48)]
+    loop, wires = start(ranks, disable_overlap=not overlap)
+    assert loop.core.alloc.capacity == 48 - 1  # the pool agreed as the minimum over ranks (page 0 is padding)
+    submit(wires)
+    run_until_idle(loop, wires, ranks)
+    got, reasons, stats = wires.outputs_seen()
+    assert reasons == {f"r{i}": "length" for i in range(6)}
+    assert all(len(v) == 5 for v in got.values())
+    assert stats[-1].leak_free and stats[-1].running == 0
+    assert ranks[0].worker.replica.digest() == ranks[1].worker.replica.digest() == loop.core.replica.digest()
+
+
+def test_a_rank_with_a_different_replica_stops_the_engine_naming_rank_and_seq() -> None:
+    ranks = [FakeRank(0), FakeRank(1)]
+    loop, wires = start(ranks)
+    target = {}
+
+    def diverge(seq: int, done: StepDone) -> StepDone:
+        if done.digest is not None and not target:
+            target["seq"] = seq
+            ranks[1].worker.replica["prefix_cache"].pages.add(999)  # a page it thinks is cached
+            return StepDone(seq=seq, rank=1, digest=ranks[1].worker.replica.digest(), tokens_hash=done.tokens_hash)
+        return done
+
+    ranks[1].tamper = diverge
+    submit(wires, n=2)
+    with pytest.raises(DigestMismatch) as err:
+        run_until_idle(loop, wires, ranks)
+    assert f"rank 1 diverged at or before step {target['seq']}" in str(err.value)
+
+
+def test_a_rank_that_samples_other_tokens_stops_the_engine() -> None:
+    ranks = [FakeRank(0), FakeRank(1)]
+    loop, wires = start(ranks)
+
+    def resample(seq: int, done: StepDone) -> StepDone:
+        if done.digest is None:
+            return done
+        ranks[1].worker.chain.update(b"\x01\x00\x00\x00")  # one token the others did not sample
+        return StepDone(seq=seq, rank=1, digest=done.digest, tokens_hash=ranks[1].worker.chain.hexdigest())
+
+    ranks[1].tamper = resample
+    submit(wires, n=1)
+    with pytest.raises(DigestMismatch, match=r"rank 1 sampled different tokens at or before step \d+"):
+        run_until_idle(loop, wires, ranks)
+
+
+def test_ranks_that_disagree_on_the_model_cannot_start() -> None:
+    ranks = [FakeRank(0), FakeRank(1)]
+    wires = Wires(2)
+    loop = SchedulerLoop(cfg(), wires.ports)
+    wires.done_out.send(ranks[0].ready())
+    other = ranks[1].ready()
+    wires.done_out.send(WorkerReady(1, other.num_pages, PS, other.max_context, 41, other.eos_token_ids))
+    with pytest.raises(WorkerFailure, match="worker 1 disagrees"):
+        loop.pump()
+
+
+def test_malformed_request_frame_is_dropped_and_the_loop_goes_on() -> None:
+    ranks = [FakeRank(0)]
+    loop, wires = start(ranks)
+    wires.ports.requests.push_raw(b"\xc1not msgpack")  # type: ignore[attr-defined]
+    submit(wires, n=1)
+    run_until_idle(loop, wires, ranks)
+    _, reasons, stats = wires.outputs_seen()
+    assert reasons == {"r0": "length"}
+    assert stats[-1].dropped_frames.get("requests", 0) >= 1
+
+
+# ---- the worker pipeline, with the real ModelRunner ----------------------------------------
+
+
+@pytest.fixture
+def runner(tiny_model: str):  # noqa: ANN201
+    from engine.run.runner import ModelRunner
+
+    return ModelRunner(ServerConfig(model=tiny_model, device="cpu", page_size=PS, max_total_tokens=128,
+                                    max_running_requests=4, max_prefill_tokens=16))
+
+
+def _pipeline(runner) -> tuple[WorkerPipeline, channels.MemorySender, channels.MemoryReceiver]:  # noqa: ANN001
+    step_out, step_in = channels.pipe(channels.STEPS)
+    done_out, done_in = channels.pipe(channels.DONE)
+    pipeline = WorkerPipeline(runner, step_in, done_out)
+    pipeline.start()
+    (ready,) = list(done_in.drain())
+    assert isinstance(ready, WorkerReady)
+    return pipeline, step_out, done_in
+
+
+def _steps(n: int) -> list[Step]:
+    """A real Step stream from a SchedulerCore: one request, greedy."""
+    from engine.sched.scheduler import SchedConfig, SchedulerCore
+
+    core = SchedulerCore(SchedConfig(num_pages=32, page_size=PS, max_running=4, max_prefill_tokens=16,
+                                     max_context=96, eos_token_ids=(63,), vocab_size=64, digest_every=2))
+    core.submit(TokenizedRequest(rid="a", input_ids=pack_ids([5, 6, 7]), params=SamplingParams(
+        max_new_tokens=n, temperature=0, ignore_eos=True)))
+    steps, chain = [], TokenChain()
+    while (step := core.plan()) is not None and len(steps) < n:
+        steps.append(step)
+        chain.update(pack_ids([9]))
+        want = core.digests.expected.get(step.seq)
+        digest, tokens = (want[0], chain.hexdigest()) if want else (None, None)
+        core.on_done(StepDone(seq=step.seq, rank=0, token_ids=pack_ids([9]), digest=digest, tokens_hash=tokens))
+    return steps
+
+
+def test_worker_pipeline_runs_the_stream_and_overlaps(runner) -> None:  # noqa: ANN001
+    pipeline, step_out, done_in = _pipeline(runner)
+    steps = _steps(4)
+    for step in steps:
+        step_out.send(step)
+    step_out.send(Shutdown())
+    while pipeline.pump():
+        pass
+    assert pipeline.stopped and not pipeline.pending
+    dones = list(done_in.drain())
+    assert [d.seq for d in dones] == [s.seq for s in steps]
+    assert all(len(unpack_ids(d.token_ids)) == 1 for d in dones)
+    assert [d.digest is not None for d in dones] == [any(type(o).__name__ == "DigestCheck" for o in s.ops)
+                                                     for s in steps]
+
+
+def test_worker_fails_loudly_on_a_seq_gap_and_skips_a_malformed_frame(runner) -> None:  # noqa: ANN001
+    pipeline, step_out, done_in = _pipeline(runner)
+    steps = _steps(3)
+    step_out.send(steps[0])
+    step_out.queue.append(b"\x93garbage")  # a malformed frame: dropped and counted, no crash
+    while pipeline.pump():
+        pass
+    assert [d.seq for d in done_in.drain()] == [steps[0].seq]
+    step_out.send(steps[2])  # steps[1] was lost
+    with pytest.raises(StepOrderError, match=f"expected step {steps[1].seq}, got {steps[2].seq}"):
+        while pipeline.pump():
+            pass
+    assert pipeline.last_seq == steps[2].seq
