@@ -32,20 +32,7 @@ class LocalEngine:
         self.cfg = cfg
         self.runner = ModelRunner(cfg)
         ready = self.runner.ready_msg()
-        self.core = SchedulerCore(
-            SchedConfig(
-                num_pages=ready.num_pages,
-                page_size=ready.page_size,
-                max_running=cfg.max_running_requests,
-                max_prefill_tokens=cfg.max_prefill_tokens,
-                max_context=ready.max_context,
-                eos_token_ids=tuple(ready.eos_token_ids),
-                vocab_size=ready.vocab_size,
-                enable_radix=not cfg.disable_radix_cache,
-                seed=cfg.seed,
-                digest_every=env().digest_every or 1,
-            )
-        )
+        self.core = SchedulerCore(SchedConfig.build(cfg, ready, num_ranks=1, digest_every=env().digest_every or 1))
         self.steps_run = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Result]:

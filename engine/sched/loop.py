@@ -78,21 +78,7 @@ class SchedulerLoop:
 
     def _start(self, first: WorkerReady) -> None:
         self.ready = first
-        self.core = SchedulerCore(
-            SchedConfig(
-                num_pages=first.num_pages,
-                page_size=first.page_size,
-                max_running=self.cfg.max_running_requests,
-                max_prefill_tokens=self.cfg.max_prefill_tokens,
-                max_context=first.max_context,
-                eos_token_ids=tuple(first.eos_token_ids),
-                vocab_size=first.vocab_size,
-                enable_radix=not self.cfg.disable_radix_cache,
-                seed=self.cfg.seed,
-                digest_every=env().digest_every,
-                num_ranks=self.num_ranks,
-            )
-        )
+        self.core = SchedulerCore(SchedConfig.build(self.cfg, first, self.num_ranks, env().digest_every))
         log.info("workers ready", num_pages=first.num_pages, max_context=first.max_context, ranks=self.num_ranks)
         self.ports.control.send(Ready(proc="scheduler", info={"pages": str(first.num_pages)}))
         self._send_stats(force=True)

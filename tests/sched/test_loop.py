@@ -3,6 +3,8 @@ in-memory pipes (the same codec as the wire; no socket, no sleep, no private met
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.config import ServerConfig
@@ -82,7 +84,7 @@ def start(ranks: list[FakeRank], **kw) -> tuple[SchedulerLoop, Wires]:
     loop.pump()
     assert loop.core is not None
     assert list(wires.control.drain()) == [Ready(proc="scheduler", info={"pages": str(min(r.pages for r in ranks))})]
-    loop.core.cfg = type(loop.core.cfg)(**{**loop.core.cfg.__dict__, "digest_every": 1})
+    loop.core.state.cfg = dataclasses.replace(loop.core.cfg, digest_every=1)
     return loop, wires
 
 

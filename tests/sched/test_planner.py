@@ -251,7 +251,7 @@ def test_digest_checked_for_every_rank():
     from engine.sched.digests import DigestMismatch
 
     core = make()
-    core.cfg = replace(core.cfg, num_ranks=2)
+    core.state.cfg = replace(core.cfg, num_ranks=2)
     submit(core, "a", [1, 2, 3])
     core.digests.num_ranks = 2
     step = core.plan()

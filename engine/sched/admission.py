@@ -1,0 +1,122 @@
+"""Admission and chunked prefill: requests in (checked), waiting requests admitted in
+arrival order with their cached prefix, prompts prefilled in chunks within the budget."""
+
+from __future__ import annotations
+
+import heapq
+
+from engine.sched.growth import DecodeGrowth, Row
+from engine.sched.request import Req, Status
+from engine.sched.state import RequestKV, SchedState
+from msgs.codec import pack_ids, unpack_ids
+from msgs.requests import TokenizedRequest
+from msgs.steps import AddReq, ExtendPages, Op, WorkerSampling
+
+
+class Admission:
+    def __init__(self, state: SchedState, kv: RequestKV, growth: DecodeGrowth) -> None:
+        self.s = state
+        self.kv = kv
+        self.growth = growth
+
+    def accept(self, msg: TokenizedRequest) -> Req | str:
+        """A new request, or why it can never run (the edge checked it; this is defence
+        in depth: what concerns one request fails that request)."""
+        if len(msg.input_ids) % 4:
+            return "input_ids: not packed int32"
+        ids = unpack_ids(msg.input_ids)
+        problem = self._reject_reason(msg.rid, ids) or msg.params.validate(self.s.cfg.vocab_size)
+        if problem:
+            return problem
+        p, s = msg.params, self.s
+        seed = p.seed if p.seed is not None else s.rng.getrandbits(63)
+        max_new = min(p.max_new_tokens, s.cfg.max_context - len(ids))
+        req = Req(msg.rid, ids, p, seed, max_new, s.arrivals)
+        s.arrivals += 1
+        s.reqs[req.rid] = req
+        return req
+
+    def _reject_reason(self, rid: str, ids: list[int]) -> str | None:
+        cfg = self.s.cfg
+        if rid in self.s.reqs:
+            return f"request id {rid!r} is already in flight"
+        if not ids:
+            return "the prompt is empty"
+        if len(ids) >= cfg.max_context:
+            return f"prompt has {len(ids)} tokens; the context holds {cfg.max_context}"
+        if not 0 <= min(ids) <= max(ids) < cfg.vocab_size:
+            return f"prompt token ids must be in [0, {cfg.vocab_size})"
+        return None
+
+    def plan_prefill_chunks(self, rows: list[Row], ops: list[Op], budget: int) -> int:
+        """Continue running prefills within the budget; the budget left."""
+        for req in self.s.running:
+            if budget <= 0:
+                break
+            if req.status == Status.RUNNING and req.in_prefill:
+                budget -= self.chunk(req, rows, ops, budget)
+        return budget
+
+    def admit(self, rows: list[Row], ops: list[Op], budget: int) -> None:
+        """Admit waiting requests in arrival order while the budget, a slot and pages last
+        (pages for the first chunk only when every running decode can also get one)."""
+        s = self.s
+        decoding = sum(1 for r in s.running if not r.in_prefill)  # each may need a page soon
+        while s.waiting and budget > 0 and s.free_slots:
+            req = s.waiting[0]
+            if req.inflight:  # retracted while a step with its token is in flight
+                break
+            if not self._fits(req, budget, decoding):
+                break
+            s.waiting.popleft()
+            self._start(req, ops)
+            budget -= self.chunk(req, rows, ops, budget)
+
+    def _fits(self, req: Req, budget: int, decoding: int) -> bool:
+        s = self.s
+        ids = req.all_ids
+        if s.cfg.enable_radix:
+            # no hit counted until the request is admitted: a blocked head of the queue
+            # re-matches every step and must not promote its prefix to the protected tier
+            match = s.cache.match_prefix(ids[: len(ids) - 1], touch=False)
+            s.cache.lock(match.node)
+            req.node, req.pages, req.kv_len = match.node, list(match.pages), match.num_tokens
+        first = min(len(ids) - req.kv_len, budget)
+        if self.kv.pages_for(req, first) + decoding > s.alloc.num_free + s.cache.evictable_pages:
+            self.kv.release(req)
+            return False
+        return True
+
+    def _start(self, req: Req, ops: list[Op]) -> None:
+        s = self.s
+        if req.node is not None:
+            s.cache.touch(req.node)
+        if not req.admitted_once:
+            req.admitted_once, req.cached_tokens = True, req.kv_len
+            s.cache_hit_tokens += req.kv_len
+        req.slot = heapq.heappop(s.free_slots)
+        req.status = Status.RUNNING
+        s.running.append(req)
+        ops.append(AddReq(req.slot, req.rid, worker_sampling(req), pack_ids(req.prompt_ids), pack_ids(req.output_ids)))
+        if req.pages:
+            ops.append(ExtendPages(req.slot, pack_ids(req.pages)))
+
+    def chunk(self, req: Req, rows: list[Row], ops: list[Op], budget: int) -> int:
+        """Schedule up to `budget` prompt tokens of req; returns how many were scheduled."""
+        ids = req.all_ids
+        n = min(len(ids) - req.kv_len, budget)
+        if n <= 0 or not self.growth.grow(req, n, ops, may_retract=False):
+            return 0
+        final = req.kv_len + n == len(ids)  # decided now, from the live request
+        rows.append(Row(req, ids[req.kv_len : req.kv_len + n], req.kv_len, final))
+        req.kv_len += n
+        if final:
+            req.inflight += 1
+        self.kv.publish(req, req.kv_len)
+        return n
+
+
+def worker_sampling(req: Req) -> WorkerSampling:
+    """The request's sampling fields, with the seed the scheduler settled on."""
+    p = req.params
+    return WorkerSampling(**{f: getattr(p, f) for f in WorkerSampling.__struct_fields__ if f != "seed"}, seed=req.seed)

@@ -1,0 +1,72 @@
+"""Decode growth and retraction: one token per running request per step, a new page at
+each page boundary, and when pages run out the newest request gives its KV back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sched.request import Req, Status
+from engine.sched.state import RequestKV, SchedState
+from msgs.steps import Op
+
+
+@dataclass
+class Row:
+    """One request's part of a Step's forward."""
+
+    req: Req
+    ids: list[int]
+    start: int
+    sample: bool
+
+
+class DecodeGrowth:
+    def __init__(self, state: SchedState, kv: RequestKV) -> None:
+        self.s = state
+        self.kv = kv
+
+    def plan_decodes(self, rows: list[Row], ops: list[Op]) -> int:
+        """A decode row for every running request whose prompt is done; tokens used."""
+        used = 0
+        for req in list(self.s.running):
+            if req.status != Status.RUNNING or req.in_prefill:
+                continue
+            if req.pending_tokens >= req.max_new_tokens:
+                continue  # its last token is already being sampled (max_new fits the context)
+            if req.kv_len % self.s.cfg.page_size == 0 and not self.grow(req, 1, ops, may_retract=True):
+                continue  # req itself was retracted
+            token = -1 if req.inflight else req.last_token  # -1: sampled by the step in flight
+            rows.append(Row(req, [token], req.kv_len, True))
+            req.kv_len += 1
+            req.inflight += 1
+            used += 1
+        return used
+
+    def grow(self, req: Req, new_tokens: int, ops: list[Op], may_retract: bool) -> bool:
+        """Give req pages for new_tokens more tokens, evicting cache and (for decode)
+        retracting the newest other request when needed. False when req cannot grow now."""
+        need = self.kv.pages_for(req, new_tokens)
+        if need == 0:
+            return True
+        while (pages := self.kv.alloc(need)) is None:
+            victim = self._victim() if may_retract else None
+            if victim is None:
+                return False
+            self.retract(victim, ops)
+            if victim is req:
+                return False
+        self.kv.extend(req, pages, ops)
+        return True
+
+    def _victim(self) -> Req | None:
+        live = [r for r in self.s.running if r.status == Status.RUNNING]
+        return max(live, key=lambda r: r.arrival) if live else None
+
+    def retract(self, req: Req, ops: list[Op]) -> None:
+        """Free req's KV and queue it again; it re-prefills prompt + output when readmitted."""
+        self.s.retractions += 1
+        self.kv.release(req)
+        self.kv.release_slot(req, ops)
+        req.status = Status.WAITING
+        self.s.running.remove(req)
+        self.s.waiting.appendleft(req)

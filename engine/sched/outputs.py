@@ -1,0 +1,85 @@
+"""Output processing and stop conditions: rank 0's sampled tokens -> ReqOutputs; EOS,
+stop ids and max_new_tokens end a request; a finished request's pages go to the tree."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sched.request import Req, Status
+from engine.sched.state import RequestKV, SchedState
+from msgs.codec import unpack_f32, unpack_ids
+from msgs.done import StepDone
+from msgs.outputs import ReqOutput
+
+
+class OutputProcessor:
+    def __init__(self, state: SchedState, kv: RequestKV) -> None:
+        self.s = state
+        self.kv = kv
+
+    def on_tokens(self, done: StepDone, reqs: list[Req]) -> list[ReqOutput]:
+        """One output per request that sampled in this step (in the forward's order)."""
+        tokens = unpack_ids(done.token_ids)
+        if len(tokens) != len(reqs):
+            raise RuntimeError(f"step {done.seq}: {len(tokens)} tokens for {len(reqs)} requests")
+        logprobs = unpack_f32(done.logprobs) if done.logprobs is not None else None
+        top = _top_rows(done)
+        outs = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            req.inflight -= 1
+            if req.status == Status.FINISHED:
+                continue  # finished at an earlier step; this overlap token is discarded
+            req.output_ids.append(tok)
+            out = ReqOutput(
+                rid=req.rid,
+                new_ids=[tok],
+                prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
+                completion_tokens=len(req.output_ids),
+                logprobs=[logprobs[i]] if logprobs is not None and req.params.logprobs else None,
+                top_logprobs=[top[i][: req.params.top_logprobs]] if top and req.params.top_logprobs else None,
+            )
+            reason = self._stop_reason(req, tok)
+            if reason:
+                self.finish(req, reason)
+                out = msgspec.structs.replace(out, finish_reason=reason)
+            outs.append(out)
+        return outs
+
+    def _stop_reason(self, req: Req, tok: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.s.cfg.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def finish(self, req: Req, reason: str) -> ReqOutput:
+        """End req (any state): its full pages enter the tree, the rest is freed, FreeReq queued."""
+        s = self.s
+        if req.status == Status.RUNNING:
+            self.kv.publish(req, req.kv_len)
+            self.kv.release(req)
+            self.kv.release_slot(req, s.pending_ops)
+            s.running.remove(req)
+        elif req.status == Status.WAITING and req in s.waiting:
+            s.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        del s.reqs[req.rid]
+        return ReqOutput(
+            rid=req.rid,
+            new_ids=[],
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids),
+        )
+
+
+def _top_rows(done: StepDone) -> list[list[tuple[int, float]]] | None:
+    if done.top_ids is None or done.top_logprobs is None or done.top_k == 0:
+        return None
+    ids, lps, k = unpack_ids(done.top_ids), unpack_f32(done.top_logprobs), done.top_k
+    return [list(zip(ids[i : i + k], lps[i : i + k], strict=True)) for i in range(0, len(ids), k)]

@@ -1,0 +1,129 @@
+"""What the scheduler's parts share: its config, the requests and where they stand, the
+page allocator, the radix tree, and each request's KV pages (`RequestKV`)."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.cache.allocator import PageAllocator
+from engine.cache.radix import RadixCache
+from engine.config import ServerConfig
+from engine.sched.request import Req
+from msgs.codec import pack_ids
+from msgs.done import WorkerReady
+from msgs.steps import ExtendPages, FreeReq, Op
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    num_pages: int  # including the reserved padding page 0
+    page_size: int
+    max_running: int
+    max_prefill_tokens: int  # token budget per step (decode tokens count one each)
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int  # prompt ids and stop ids are checked against it (defence in depth)
+    enable_radix: bool = True
+    seed: int = 0
+    digest_every: int = 64
+    num_ranks: int = 1  # workers replaying the stream; each reports every DigestCheck
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
+            raise ValueError(f"bad scheduler config {self}")
+
+    @classmethod
+    def build(cls, cfg: ServerConfig, ready: WorkerReady, num_ranks: int, digest_every: int) -> SchedConfig:
+        """The one place a SchedConfig is made: the server's flags plus what the workers
+        agreed on (the smallest pool, the model's context, vocabulary and EOS ids)."""
+        return cls(
+            num_pages=ready.num_pages,
+            page_size=ready.page_size,
+            max_running=cfg.max_running_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            max_context=ready.max_context,
+            eos_token_ids=tuple(ready.eos_token_ids),
+            vocab_size=ready.vocab_size,
+            enable_radix=not cfg.disable_radix_cache,
+            seed=cfg.seed,
+            digest_every=digest_every,
+            num_ranks=num_ranks,
+        )
+
+
+@dataclass
+class SchedState:
+    cfg: SchedConfig
+    alloc: PageAllocator = field(init=False)
+    cache: RadixCache = field(init=False)
+    reqs: dict[str, Req] = field(default_factory=dict)  # every unfinished request
+    waiting: deque[Req] = field(default_factory=deque)
+    running: list[Req] = field(default_factory=list)
+    free_slots: list[int] = field(init=False)  # a heap: lowest free slot first
+    pending_ops: list[Op] = field(default_factory=list)  # ops decided between plans (FreeReq)
+    rng: random.Random = field(init=False)  # seeds for requests that gave none
+    arrivals: int = 0
+    cache_hit_tokens: int = 0
+    retractions: int = 0
+
+    def __post_init__(self) -> None:
+        self.alloc = PageAllocator(self.cfg.num_pages)
+        self.cache = RadixCache(self.cfg.page_size, self.alloc)
+        self.free_slots = list(range(self.cfg.max_running))
+        self.rng = random.Random(self.cfg.seed)
+
+
+class RequestKV:
+    """A request's KV pages and slot: growth, publication in the radix tree, release."""
+
+    def __init__(self, state: SchedState) -> None:
+        self.s = state
+
+    def pages_for(self, req: Req, new_tokens: int) -> int:
+        total = -(-(req.kv_len + new_tokens) // self.s.cfg.page_size)
+        return max(0, total - len(req.pages))
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n free pages, evicting unlocked cache first if needed; None if they do not exist."""
+        short = n - self.s.alloc.num_free
+        if short > 0:
+            self.s.cache.evict(short)
+        return self.s.alloc.alloc(n)
+
+    def extend(self, req: Req, pages: list[int], ops: list[Op]) -> None:
+        req.pages.extend(pages)
+        req.private.update(pages)
+        ops.append(ExtendPages(req.slot, pack_ids(pages)))  # type: ignore[arg-type]
+
+    def publish(self, req: Req, kv_tokens: int) -> None:
+        """Put req's full pages (KV written by now or by a step already sent) in the tree."""
+        s = self.s
+        if not s.cfg.enable_radix:
+            return
+        full = min(kv_tokens, req.num_known) // s.cfg.page_size
+        if full == 0:
+            return
+        tokens = req.all_ids[: full * s.cfg.page_size]
+        present, node = s.cache.insert_node(tokens, req.pages[:full])
+        req.private.difference_update(req.pages[present // s.cfg.page_size : full])
+        s.cache.lock(node)
+        if req.node is not None:
+            s.cache.unlock(req.node)
+        req.node = node
+
+    def release(self, req: Req) -> None:
+        """Free the pages only req holds and unlock its tree path."""
+        if req.private:
+            self.s.alloc.free(sorted(req.private))
+        if req.node is not None:
+            self.s.cache.unlock(req.node)
+        req.private, req.pages, req.node, req.kv_len = set(), [], None, 0
+
+    def release_slot(self, req: Req, ops: list[Op]) -> None:
+        if req.slot is not None:
+            ops.append(FreeReq(req.slot))
+            heapq.heappush(self.s.free_slots, req.slot)
+            req.slot = None
