@@ -136,6 +136,9 @@ def build_app(state: ServeState) -> Starlette:
         return json_response({"object": "list", "data": [card]})
 
     async def health(_request: Request) -> Response:
+        if state.frontend.died is not None:
+            proc, reason = state.frontend.died
+            return json_response(error_body(503, f"server process {proc} died ({reason})", code="process_died"), 503)
         if state.frontend.ready:
             return json_response({"status": "ok"})
         return json_response(error_body(503, "the scheduler is not ready"), 503)

@@ -189,3 +189,18 @@ def test_collect_raises_503_for_every_choice() -> None:
         assert await fe.drained(1.0)
 
     run(main())
+
+
+def test_health_names_the_dead_process() -> None:
+    from starlette.testclient import TestClient
+
+    from engine.serve.http import build_app
+
+    state = ready_state()
+    with TestClient(build_app(state)) as client:
+        assert client.get("/health").status_code == 200
+        state.frontend.process_died("worker-0", "killed by SIGKILL")
+        r = client.get("/health")
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "process_died" and "worker-0" in err["message"] and "SIGKILL" in err["message"]
