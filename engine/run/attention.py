@@ -96,7 +96,37 @@ class _ExtendReq:
     row_start: int
     row_end: int
     slots: torch.Tensor  # int64 [seq_len]
-    mask: torch.Tensor | None  # bool [Lq, Lk]; None when there is no prefix (plain causal)
+    start: int  # cached prefix length: the new tokens are at positions start..seq_len-1
+    mask: torch.Tensor | None  # bool [Lq, Lk] for the masked path; None when it is not used
+
+
+# CPU flash attention that also returns the log-sum-exp, so a chunk can attend its cached
+# prefix (unmasked) and itself (causal) separately and merge the two exactly; None when this
+# torch lacks it (the masked SDPA path is then used).
+_CPU_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _sdpa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:  # noqa: ANN003
+    """SDPA on [H, L, D] tensors, called with a batch dim of 1: on CPU only 4-D inputs reach the
+    flash kernel; 3-D ones take the math path, which materializes [H, Lq, Lk] scores (3-10x
+    slower, most of an 8k-token prefill's time)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True, **kw)[0]
+
+
+def _prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Attention of q [Hq, Lq, D] (positions start..start+Lq-1) over k, v [Hkv, start+Lq, D] with
+    the causal diagonal shifted right by `start`, on CPU: the prefix part has no mask and the
+    chunk part is plain causal, so both run the flash kernel with no mask tensor and no masked
+    blocks computed; the two are merged by their log-sum-exp."""
+    hq, lq, d = q.shape
+    hkv, group = k.shape[0], hq // k.shape[0]
+    # prefix: no mask, so a GQA group's query rows can share one KV head: [Hkv, group*Lq, D]
+    o1, l1 = _CPU_FLASH_LSE(q.reshape(hkv, group * lq, d)[None], k[None, :, :start], v[None, :, :start])
+    o1, l1 = o1.reshape(hq, lq, d), l1.reshape(hq, lq)
+    kc, vc = k[:, start:].repeat_interleave(group, 0), v[:, start:].repeat_interleave(group, 0)
+    o2, l2 = _CPU_FLASH_LSE(q[None], kc[None], vc[None], is_causal=True)
+    lse = torch.logaddexp(l1, l2[0])
+    return o1 * torch.exp(l1 - lse)[..., None] + o2[0] * torch.exp(l2[0] - lse)[..., None]
 
 
 class TorchAttention(AttentionBackend):
@@ -143,10 +173,16 @@ class TorchAttention(AttentionBackend):
         req_t = torch.tensor([i], dtype=torch.int64, device=batch.page_table.device)
         slots = self._slots(batch, req_t, seq_len)[0]
         mask = None
-        if start > 0:  # with a cached prefix the causal diagonal is shifted right by `start`
+        if start > 0 and not self._split_prefix:
+            # with a cached prefix the causal diagonal is shifted right by `start`
             q_pos = torch.arange(start, seq_len, device=slots.device)
             mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
-        return _ExtendReq(row_start=row_start, row_end=row_start + n, slots=slots, mask=mask)
+        return _ExtendReq(row_start=row_start, row_end=row_start + n, slots=slots, start=start, mask=mask)
+
+    @property
+    def _split_prefix(self) -> bool:
+        """Whether a chunk with a cached prefix runs as prefix + causal parts (CPU flash with LSE)."""
+        return self.device.type == "cpu" and _CPU_FLASH_LSE is not None
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -160,9 +196,12 @@ class TorchAttention(AttentionBackend):
             qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
             ke, ve = kv_pool.gather(layer_id, e.slots, q.dtype)
             ke, ve = ke.transpose(0, 1), ve.transpose(0, 1)  # [Hkv, Lk, D]
-            o = F.scaled_dot_product_attention(
-                qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None, enable_gqa=True
-            )
+            if e.start == 0:
+                o = _sdpa4(qe, ke, ve, is_causal=True)
+            elif e.mask is None:
+                o = _prefix_then_causal(qe, ke, ve, e.start)
+            else:
+                o = _sdpa4(qe, ke, ve, attn_mask=e.mask)
             out[e.row_start : e.row_end] = o.transpose(0, 1)
         return out
 

@@ -1,9 +1,15 @@
-"""KV pool sizing: from --max-total-tokens, or from memory left after the weights load.
+"""KV pool sizing: from --max-total-tokens, or from the device's memory and the workload.
 
 On CUDA the pool gets `free * mem_fraction - reserve` bytes, measured after the weights
 are loaded; the reserve covers what is allocated after the pool: activations of the
 largest prefill step, logits and sampler temporaries of the largest batch, the attention
 workspace and the CUDA graphs (their static inputs and memory pool).
+
+On CPU host memory is shared with everything else on the machine, and a CPU worker cannot
+use a large pool anyway (a full 8k-token context takes tens of seconds to prefill on a few
+cores), so the pool is what the workload can use, `max_running_requests x context` tokens,
+capped at CPU_POOL_RAM_FRACTION of the machine's RAM (and half of what is available now),
+but never below one full context when that much is available.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import torch
 from engine.config import ServerConfig
 from models.config import ModelConfig
 
-CPU_POOL_CAP_BYTES = 4 << 30  # the CPU path is a reference: keep its pool modest
+CPU_POOL_RAM_FRACTION = 1 / 16  # of total RAM: 1.5 GiB (34k tokens of SmolLM2-135M) on a 24 GiB machine
 
 
 @dataclass(frozen=True)
 class PoolPlan:
     num_pages: int  # including the reserved padding page 0
     max_context: int
+    sized_by: str = ""  # how the size was chosen, for the start-up log line
 
 
 class OutOfMemory(RuntimeError):
@@ -72,29 +79,48 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     return activations + logits + workspace + graphs + (256 << 20)  # + CUDA context growth, cuBLAS
 
 
+def cpu_pool_tokens(
+    cfg: ServerConfig, mcfg, per_token: int, total_ram: int, available_ram: int  # noqa: ANN001
+) -> int:
+    """Default CPU pool size in tokens (see the module docstring); RAM figures in bytes."""
+    context = cfg.context_length or mcfg.max_position_embeddings
+    want = cfg.max_running_requests * context
+    affordable = available_ram // 2 // per_token
+    cap = min(int(total_ram * CPU_POOL_RAM_FRACTION) // per_token, affordable)
+    return min(want, max(cap, min(context, affordable)))
+
+
 def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.device) -> PoolPlan:  # noqa: ANN001
     per_token = kv_bytes_per_token(mcfg, kv_dtype)
     if cfg.max_total_tokens:
-        tokens = cfg.max_total_tokens
+        tokens, sized_by = cfg.max_total_tokens, "--max-total-tokens"
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserve = runtime_reserve_bytes(cfg, mcfg, torch.bfloat16)  # activations are never 8-bit
-        budget = int(free * cfg.mem_fraction) - reserve
-        if budget < per_token * cfg.page_size * 16:
-            raise OutOfMemory(
-                f"model loaded but only {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is free: after "
-                f"--mem-fraction {cfg.mem_fraction} and a {reserve / 2**30:.1f} GiB runtime reserve there is no "
-                f"room for a KV cache ({per_token} bytes/token); use a smaller model, raise --mem-fraction, or "
-                "lower --max-running-requests / --max-prefill-tokens"
-            )
-        tokens = budget // per_token
+        tokens, sized_by = _cuda_pool_tokens(cfg, mcfg, per_token, device), f"--mem-fraction {cfg.mem_fraction}"
     else:
         import psutil  # lazy: only the CPU path sizes from host memory
 
-        budget = min(int(psutil.virtual_memory().available * 0.25), CPU_POOL_CAP_BYTES)
-        tokens = budget // per_token
+        mem = psutil.virtual_memory()
+        tokens = cpu_pool_tokens(cfg, mcfg, per_token, mem.total, mem.available)
+        sized_by = (
+            f"cpu: min({cfg.max_running_requests} requests x context, 1/{round(1 / CPU_POOL_RAM_FRACTION)} "
+            f"of {mem.total / 2**30:.1f} GiB RAM); --max-total-tokens overrides"
+        )
     num_pages = tokens // cfg.page_size + 1
     if num_pages < 2:
         raise OutOfMemory(f"KV pool of {tokens} tokens holds no page of {cfg.page_size}")
     max_model = cfg.context_length or mcfg.max_position_embeddings
-    return PoolPlan(num_pages=num_pages, max_context=min(max_model, (num_pages - 1) * cfg.page_size))
+    return PoolPlan(num_pages=num_pages, max_context=min(max_model, (num_pages - 1) * cfg.page_size), sized_by=sized_by)
+
+
+def _cuda_pool_tokens(cfg: ServerConfig, mcfg, per_token: int, device: torch.device) -> int:  # noqa: ANN001
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = runtime_reserve_bytes(cfg, mcfg, torch.bfloat16)  # activations are never 8-bit
+    budget = int(free * cfg.mem_fraction) - reserve
+    if budget < per_token * cfg.page_size * 16:
+        raise OutOfMemory(
+            f"model loaded but only {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is free: after "
+            f"--mem-fraction {cfg.mem_fraction} and a {reserve / 2**30:.1f} GiB runtime reserve there is no "
+            f"room for a KV cache ({per_token} bytes/token); use a smaller model, raise --mem-fraction, or "
+            "lower --max-running-requests / --max-prefill-tokens"
+        )
+    return budget // per_token

@@ -19,12 +19,13 @@ import torch
 
 from engine.config import ServerConfig
 from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
+from engine.run import TORCH_PREIMPORTED
 from engine.run.attention import create_backend
 from engine.run.flashinfer_attention import set_decode_kernel
 from engine.run.forward import ForwardBatch
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.kv_pool import KVPool
-from engine.run.memory import OutOfMemory, check_weights_fit, plan_pool
+from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
 from models.registry import load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
@@ -79,13 +80,20 @@ class ModelRunner:
         self.rank = rank
         self.device = torch.device(cfg.resolved_device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        if self.device.type == "cpu":  # leave a core to the scheduler and tokenizer processes
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(cfg.cpu_threads))
+            if TORCH_PREIMPORTED:  # in-process users (tests, LocalEngine) keep torch's spinning default
+                log.debug("torch was imported before engine.run: OMP_WAIT_POLICY left as torch found it")
         self.model, self.mcfg = _load(cfg, self.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         pool = plan_pool(cfg, self.mcfg, self.kv_dtype, self.device)
         self.page_size = cfg.page_size
         self.num_pages = pool.num_pages
+        kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(self.mcfg, self.kv_dtype) / 2**30
+        log.info(
+            f"kv pool: {(pool.num_pages - 1) * cfg.page_size} tokens, {kv_gib:.2f} GiB on {self.device}",
+            sized_by=pool.sized_by, threads=torch.get_num_threads() if self.device.type == "cpu" else None,
+        )
         self.max_context = pool.max_context
         self.kv = KVPool(
             self.mcfg.num_layers,
@@ -244,6 +252,16 @@ class ModelRunner:
             self.device,
         )
         return torch.where(t < 0, self.last_token[token_slots], t)
+
+
+def cpu_threads(requested: int) -> int:
+    """--cpu-threads: torch intra-op threads of a CPU worker; 0 = every core this process may run on.
+
+    All of them, not one fewer: the forward is the work, and the scheduler and tokenizer
+    processes mostly wait on their sockets while it runs (measured on 2 cores: one thread
+    gave 0.86x transformers' throughput). The affinity mask, not os.cpu_count(), so taskset and
+    cgroup cpusets are honoured."""
+    return requested if requested > 0 else len(os.sched_getaffinity(0))
 
 
 def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN202
