@@ -41,6 +41,13 @@ HELP = {
     "seed": "seed for requests that give none (each gets a fresh seed drawn from this)",
     "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on)",
     "decode_kernel": "decode attention kernel on GPU: auto (the GPU's tuning file) | fa2 | xqa | triton; for debugging",
+    "tool_call_parser": "parse tool calls out of chat output (message.tool_calls): hermes | qwen25 | llama3 | "
+    "deepseek_v3 | deepseek_v31 | glm45 (empty: tools are only rendered into the prompt; tool_choice required "
+    "or a named function is refused)",
+    "reasoning_parser": "split <think>...</think> into reasoning_content: deepseek-r1 | qwen3 | glm45 "
+    "(empty: the reasoning stays in content)",
+    "chat_template": "a Jinja chat template file to use instead of the model's own (e.g. "
+    "configs/templates/smollm2-hermes-tools.jinja: the default model with Hermes-style tools)",
 }
 
 

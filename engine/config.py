@@ -38,6 +38,9 @@ class ServerConfig:
     seed: int = 0
     cpu_threads: int = 0  # torch intra-op threads of a CPU worker; 0 = every core this process may use
     decode_kernel: str = "auto"  # auto (the GPU's tuning file) | fa2 | xqa | triton: override for debugging
+    tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
+    reasoning_parser: str = ""  # "" = <think> blocks stay in the content
+    chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,24 @@ class ServerConfig:
         for ok, problem in problems:
             if not ok:
                 raise ValueError(problem)
+        self._check_serving()
+
+    def _check_serving(self) -> None:
+        """Parser names against their registries (no parser is imported), and the chat
+        template file, made absolute so that every process finds it."""
+        from engine.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+        for flag, value, table in (
+            ("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+            ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),
+        ):
+            if value and value not in table:
+                raise ValueError(f"bad {flag} {value} (known: {', '.join(sorted(table))})")
+        if self.chat_template:
+            path = Path(self.chat_template).expanduser()
+            if not path.is_file():
+                raise ValueError(f"--chat-template {self.chat_template}: no such file")
+            object.__setattr__(self, "chat_template", str(path.resolve()))  # frozen; set once here
 
     @property
     def model_name(self) -> str:

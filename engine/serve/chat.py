@@ -3,12 +3,20 @@
 The template is rendered to text (add_generation_prompt=True) and then tokenized without
 adding special tokens: templates write their own BOS, so adding it again would double it
 (the same two steps as vLLM). Any failure to render is the request's fault (a template
-that raises on an unexpected role, content the template cannot handle): a 400.
+that raises on an unexpected role, content the template cannot handle): a 400, whatever
+the exception type (jinja errors, a TypeError from `tojson` on an Undefined, ...).
+
+History tool calls: templates want `function.arguments` as a dict (they apply `tojson` or
+iterate over its items), while OpenAI clients send the JSON text. The text is decoded for
+the template; text holding one JSON document followed by junk (seen in long agent
+histories) keeps its leading document instead of failing the whole conversation; text
+that is not JSON at all is passed on unchanged, as a string.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from functools import cache
 from typing import Any
 
@@ -32,12 +40,40 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if msg.role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", param=f"messages[{i}].role")
         item: dict[str, Any] = {"role": msg.role, "content": _content(msg, i)}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(msg, key)
             if value is not None:
                 item[key] = value
+        if msg.tool_calls is not None:
+            item["tool_calls"] = [
+                _history_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(msg.tool_calls)
+            ]
         out.append(item)
     return out
+
+
+_DECODER = json.JSONDecoder(strict=False)
+
+
+def _history_call(call: Any, where: str) -> dict[str, Any]:
+    """A past assistant tool call as the template gets it: arguments decoded (see above)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, f"{where} must be an object with function.name", param=where)
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        fn = {**fn, "arguments": salvage_arguments(args)}
+    return {**call, "function": fn}
+
+
+def salvage_arguments(text: str) -> Any:
+    """The arguments of a past call: its JSON document (the leading one when junk follows),
+    or the text itself when it does not start with a JSON object."""
+    try:
+        value, _ = _DECODER.raw_decode(text.strip())
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _content(msg: ChatMessage, i: int) -> str | None:
@@ -91,14 +127,25 @@ def render_chat(
     return text
 
 
+def chat_prompt(
+    tok: TextTokenizer | None,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """A chat request's prompt text and token ids (validation + rendering + tokenization).
+    The text tells a reasoning parser whether the template pre-filled `<think>`."""
+    if tok is None:
+        raise ApiError(400, f"chat is not available: {IDS_ONLY}", param="messages")
+    text = render_chat(tok, message_dicts(messages), tools, template_kwargs)
+    return text, tok.encode(text, add_special_tokens=False)
+
+
 def chat_prompt_ids(
     tok: TextTokenizer | None,
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of a chat request's prompt (validation + rendering + tokenization)."""
-    if tok is None:
-        raise ApiError(400, f"chat is not available: {IDS_ONLY}", param="messages")
-    text = render_chat(tok, message_dicts(messages), tools, template_kwargs)
-    return tok.encode(text, add_special_tokens=False)
+    """Token ids of a chat request's prompt."""
+    return chat_prompt(tok, messages, tools, template_kwargs)[1]

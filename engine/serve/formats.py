@@ -125,13 +125,12 @@ def chat_completion(
     }
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
+def chat_choice(
+    index: int, message: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """`message`: {"role": "assistant", "content": ...} plus `reasoning_content` and
+    `tool_calls` when the server parses them (engine.serve.parsers.output.ChatOutput)."""
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_chunk(

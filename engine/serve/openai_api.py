@@ -9,9 +9,11 @@ from typing import Any
 import structlog
 
 from engine.serve import formats as fmt
-from engine.serve.chat import chat_prompt_ids
+from engine.serve.chat import chat_prompt
 from engine.serve.errors import api_error_body
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
+from engine.serve.parsers.output import ChatOutput, chat_outputs
+from engine.serve.parsers.tool_request import ToolRequest, check_tools
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenizer import TextTokenizer
@@ -69,9 +71,11 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     req = decode_body(body, ChatCompletionRequest)
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
+    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
     kw = openai_params(req)
     limits = await state.limits()
-    ids = chat_prompt_ids(state.tok, req.messages, req.tools, req.chat_template_kwargs)
+    prompt, ids = chat_prompt(state.tok, req.messages, req.tools, req.chat_template_kwargs)
+    new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")
     subs = fan_out(rid, [ids], [params], req.n)
@@ -80,20 +84,38 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     created = int(time.time())
     if req.stream:
         deltas = await first_then_rest(gen)
-        stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req))
+        parsed = _Parsed(new_output, tools)
+        stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req), parsed)
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
-    out = [
-        fmt.chat_choice(
-            c.index,
-            c.text,
-            c.finish_reason,
-            fmt.chat_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
-        )
-        for c in choices
-    ]
+    out = []
+    for c in choices:
+        output = new_output()
+        output.feed(c.text)
+        output.finish()
+        lp = fmt.chat_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
+        out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp))
     use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
     return Reply(body=fmt.chat_completion(rid, state.model_name, created, out, use))
+
+
+class _Parsed:
+    """Each streamed choice's output parser (reasoning, tool calls), made on first use."""
+
+    def __init__(self, new_output: Callable[[], ChatOutput], tools: ToolRequest | None) -> None:
+        self._new, self._tools = new_output, tools
+        self._outputs: dict[int, ChatOutput] = {}
+
+    def delta(self, d: Delta) -> tuple[dict[str, Any], str | None]:
+        """The chunk's `delta` and finish_reason for one text delta."""
+        output = self._outputs.get(d.index)
+        if output is None:
+            output = self._outputs[d.index] = self._new()
+        parsed = output.feed(d.text)
+        if d.finish_reason is None:
+            return parsed.openai_delta(), None
+        parsed.extend(output.finish())
+        return parsed.openai_delta(), output.finish_reason(d.finish_reason, self._tools)
 
 
 async def _sse(
@@ -139,6 +161,7 @@ def _chat_stream(
     created: int,
     logprobs: bool,
     include_usage: bool,
+    parsed: _Parsed,
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
 
@@ -147,12 +170,15 @@ def _chat_stream(
 
     def choice_of(d: Delta) -> dict[str, Any] | None:
         lp = fmt.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if logprobs else None
-        if not (d.text or d.finish_reason or lp):
-            return None
-        return fmt.chat_chunk_choice(d.index, {"content": d.text} if d.text else {}, d.finish_reason, lp)
+        delta, finish = parsed.delta(d)
+        if not (delta or finish or lp):
+            return None  # nothing to send (maybe text held back by a parser)
+        return fmt.chat_chunk_choice(d.index, delta, finish, lp)
 
-    roles = [chunk([fmt.chat_chunk_choice(s.index, {"role": "assistant", "content": ""}, None, None)], None)
-             for s in gen.subs]
+    roles = [
+        chunk([fmt.chat_chunk_choice(s.index, {"role": "assistant", "content": ""}, None, None)], None)
+        for s in gen.subs
+    ]
     return _sse(gen, deltas, include_usage, chunk, choice_of, roles)
 
 

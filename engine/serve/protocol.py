@@ -157,7 +157,5 @@ def _check_chat_extras(req: ChatCompletionRequest) -> None:
         raise ApiError(400, f"response_format type {fmt!r} is not supported", param="response_format")
     if req.modalities not in (None, ["text"]):
         raise ApiError(400, "only the text modality is supported", param="modalities")
-    # Without a tool-call parser, tools are only rendered into the prompt (as vLLM does
-    # without --enable-auto-tool-choice); forcing a call cannot be honoured.
-    if req.tools and req.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
+    # tools / tool_choice / parallel_tool_calls: engine.serve.parsers.tool_request.check_tools,
+    # which needs the server's --tool-call-parser.

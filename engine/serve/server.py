@@ -105,7 +105,7 @@ class TokenizerProcess:
         self.control = open_async_sender(self.ctx, CONTROL, PROC, run_dir, linger_ms=5000)
         self.notices: AsyncReceiver[ToTokenizerControl] = open_async_receiver(self.ctx, NOTICES, PROC, run_dir)
         try:
-            tok = load_tokenizer(cfg.model)
+            tok = load_tokenizer(cfg.model, cfg.chat_template)
         except Exception as exc:  # noqa: BLE001 - any loading failure is fatal, with its reason
             raise StartupError(f"cannot load the tokenizer from {cfg.model!r}: {exc}") from exc
         if tok is None:

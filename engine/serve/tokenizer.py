@@ -58,11 +58,35 @@ def has_tokenizer_files(model_dir: str) -> bool:
     return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_tokenizer(model_dir: str) -> TextTokenizer | None:
+def load_tokenizer(model_dir: str, chat_template: str = "") -> TextTokenizer | None:
     """Load the tokenizer of an HF-style directory, or None when it has no tokenizer files.
 
-    Raises on a directory that does not exist or tokenizer files that fail to load: the
-    caller reports that as a fatal startup error rather than silently going ids-only."""
+    `chat_template`: a Jinja file that replaces the model's template (--chat-template).
+    Raises on a directory that does not exist, tokenizer files that fail to load or a
+    template that does not compile: the caller reports that as a fatal startup error
+    rather than silently going ids-only or failing every chat request later."""
+    tok = _load(model_dir)
+    if chat_template:
+        if tok is None:
+            raise ValueError(f"--chat-template given, but {model_dir!r} has no tokenizer files")
+        tok.hf.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(path: str) -> str:
+    """The template text of a --chat-template file, compiled once to fail at startup."""
+    text = Path(path).read_text()
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {path} does not compile: {exc} (line {exc.lineno})") from None
+    return text
+
+
+def _load(model_dir: str) -> TextTokenizer | None:
     if not model_dir:
         raise ValueError("no model directory given (cfg.model is empty; the supervisor must resolve it)")
     if not Path(model_dir).is_dir():

@@ -103,7 +103,6 @@ def test_unknown_sampling_param_in_generate() -> None:
         ('"logit_bias": {"5": 1.0}', "logit_bias"),
         ('"stream_options": {"include_usage": true}', "stream_options"),
         ('"response_format": {"type": "json_object"}', "response_format"),
-        ('"tools": [{"type": "function"}], "tool_choice": "required"', "tool_choice"),
         ('"modalities": ["audio"]', "modalities"),
     ],
 )
