@@ -1,8 +1,9 @@
-"""bin/bench command line: `offline`, `serve` and `latency` modes.
+"""bin/bench command line: `offline`, `serve`, `latency` and `cpu` modes.
 
 bin/bench offline --num-requests 256 --input-len-range 100 1024 --output-len-range 100 1024
 bin/bench serve --request-rate 8 --num-requests 200
 bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 8 32
+bin/bench cpu        # served CPU path vs transformers: 16x64 throughput, 8k-prompt TTFT, worker memory
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("offline", "serve", "latency")
+MODES = ("offline", "serve", "latency", "cpu")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
@@ -65,11 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--bandwidth-gib", type=float, default=None, help="copy size for the bandwidth probe")
     lat.add_argument("--profile-idle", action="store_true", help="also measure GPU idle time between steps")
     lat.add_argument("--idle-steps", type=int, default=20, help="decode steps profiled by --profile-idle")
+    from engine.bench import cpu
+
+    cpu_p = sub.add_parser(
+        "cpu", help="served CPU path vs transformers on the same weights: throughput, long-prompt TTFT, memory"
+    )
+    _common(cpu_p)
+    cpu.add_arguments(cpu_p)
     return parser
 
 
 def check(args: argparse.Namespace) -> str | None:
     """A problem with the arguments, or None."""
+    if args.mode == "cpu":
+        from engine.bench import cpu
+
+        return cpu.check(args)
     if args.mode == "latency":
         checks = [
             (all(b >= 1 for b in args.batch_sizes), "--batch-sizes must be >= 1"),
@@ -100,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline": _offline,
         "serve": _serve,
         "latency": _latency,
+        "cpu": _cpu,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -239,6 +252,20 @@ def _latency(args: argparse.Namespace) -> dict[str, Any]:
         ],
     )
     record = report.make_record("latency", settings["model_name"], settings, hardware_info(), figures)
+    report.write_record(record, args.out)
+    return figures
+
+
+def _cpu(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import cpu, report, workload
+    from engine.bench.hardware import HardwareProbe
+
+    settings = _settings(args, model_name=workload.model_name(args.model))
+    report.print_settings("cpu", settings)
+    hardware = HardwareProbe().result()  # before the timed runs, not overlapping them
+    figures = cpu.run(args)
+    report.print_table("CPU: Strata served vs transformers", cpu.table_rows(figures))
+    record = report.make_record("cpu", settings["model_name"], settings, hardware, figures)
     report.write_record(record, args.out)
     return figures
 

@@ -28,6 +28,7 @@ class ServerUnavailable(RuntimeError):
 class Endpoints:
     http: str | None  # e.g. http://127.0.0.1:8000
     sdk: str | None  # e.g. tcp://127.0.0.1:8001
+    pid: int | None = None  # the supervisor's process id when the benchmark started the server
 
 
 def free_port() -> int:
@@ -92,7 +93,7 @@ def launched_server(model: str | None, load_format: str, server_args: list[str])
             url = f"http://127.0.0.1:{port}"
             waited = wait_healthy(url, proc, log, START_TIMEOUT_S)
             print(f"server ready in {waited:.1f} s", flush=True)
-            yield Endpoints(http=url, sdk=f"tcp://127.0.0.1:{sdk_port}")
+            yield Endpoints(http=url, sdk=f"tcp://127.0.0.1:{sdk_port}", pid=proc.pid)
             ok = True
         finally:
             code = stop(proc)
