@@ -2,7 +2,7 @@
 
 Every STRATA_* variable the code honours is declared here; nothing else calls os.getenv. Kernel
 choices are not environment variables: they come from the GPU's tuning file
-(engine/run/tuning.py, configs/tuning/) and `--decode-kernel`.
+(engine/layers/tuning.py, configs/tuning/) and `--decode-kernel`.
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.run import ops, triton_ops
-from engine.run.attention import AttentionBackend
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import KVPool
-from engine.run.ops import apply_rope, rope_cos_sin  # noqa: F401 - re-exported (moved to ops)
-from engine.run.tuning import kernel_tuning
+from engine.layers import ops, triton_ops
+from engine.layers.attention import AttentionBackend
+from engine.layers.context import ForwardContext
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+from engine.layers.ops import apply_rope, rope_cos_sin  # noqa: F401 - re-exported (moved to ops)
+from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig, RopeScaling
 
 
@@ -109,26 +110,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        qkv: torch.Tensor,
-        rope: tuple,
-        batch: ForwardBatch,
-        kv: KVPool,
-        backend: AttentionBackend,
-        rotary: ops.Rotary,
-    ) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Attention output (after o_proj) from this layer's fused QKV projection."""
         t = qkv.shape[0]
-        if rope[0] == "fused" and rope[3]:  # one kernel: q/k norm, RoPE, K/V into the pool
+        rope, batch, kv, backend = ctx.rope, ctx.batch, ctx.kv, ctx.backend
+        if rope.fused and rope.prologue:  # one kernel: q/k norm, RoPE, K/V into the pool
             qn, kn = self.q_norm, self.k_norm
             norm = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
             # the backend's decode kernel may take the prologue too (one launch for all of attention)
-            o = backend.attend_qkv(qkv, self.layer_id, batch, kv, rope[1], rope[2], *norm)
+            o = backend.attend_qkv(qkv, self.layer_id, batch, kv, rope.positions, rope.cos_sin_cache, *norm)
             if o is None:
                 q = triton_ops.qk_norm_rope_store(
-                    qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope[1], rope[2], batch.out_slots,
-                    kv.k[self.layer_id], kv.v[self.layer_id], *norm,
+                    qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions, rope.cos_sin_cache,
+                    batch.out_slots, kv.k[self.layer_id], kv.v[self.layer_id], *norm,
                 )
                 o = backend.attend(q, self.layer_id, batch, kv)
             return self.o_proj(o.reshape(t, self.q_size))
@@ -138,7 +132,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, k, rope)
+        q, k = ctx.rotary.apply(q, k, rope)
         o = backend.forward(q, k, v, self.layer_id, batch, kv)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -187,12 +181,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple, batch: ForwardBatch,
-                kv: KVPool, backend: AttentionBackend, rotary: ops.Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h = residual + x (x: the previous sublayer's output; residual None at
         layer 0, where x is the embedding). Returns (this layer's MLP output, its residual)."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        x = self.self_attn(qkv, rope, batch, kv, backend, rotary)
+        x = self.self_attn(qkv, ctx)
         h, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
         return self.mlp.down(h), residual
 
@@ -222,10 +217,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
-        rope = self.rotary.prepare(batch.positions, x.dtype)
+        ctx = ForwardContext(batch, kv, backend, self.rotary, self.rotary.prepare(batch.positions, x.dtype))
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, batch, kv, backend, self.rotary)
+            x, residual = layer(x, residual, ctx)
         # the final norm is per token: select the sampled rows first
         idx = batch.logit_indices
         h = self.model.norm(residual[idx] + x[idx])

@@ -1,4 +1,4 @@
-"""Worker-side runtime: model runner, KV pool, attention backends, sampler.
+"""Above models/: the model runner, CUDA graphs, memory sizing, the sampler, the worker pipeline.
 
 Import side effect: OpenMP threads that wait passively. torch's OpenMP runtime (libgomp)
 reads OMP_WAIT_POLICY once, when torch is first imported, and by default a thread that

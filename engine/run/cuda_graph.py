@@ -29,8 +29,8 @@ import numpy as np
 import structlog
 import torch
 
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import PAD_PAGE
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import PAD_PAGE
 
 log = structlog.get_logger()
 

@@ -18,13 +18,13 @@ import structlog
 import torch
 
 from engine.config import ServerConfig
+from engine.layers.attention import create_backend
+from engine.layers.flashinfer_attention import set_decode_kernel
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
 from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
 from engine.run import TORCH_PREIMPORTED
-from engine.run.attention import create_backend
-from engine.run.flashinfer_attention import set_decode_kernel
-from engine.run.forward import ForwardBatch
 from engine.run.idle import IdleMeter, StepEvents
-from engine.run.kv_pool import KVPool
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
 from models.registry import load_model

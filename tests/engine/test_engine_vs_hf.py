@@ -155,9 +155,9 @@ def test_same_step_prefix_sharing_is_exact(tiny_llama: Path) -> None:
 def test_fp8_kv_cache_stays_close(tiny_llama: Path) -> None:
     """--kv-cache-dtype fp8_e4m3 stores one byte per K/V value; teacher-forced logits read back
     through it stay close to those of the full-precision pool, and the engine runs with it."""
-    from engine.run.attention import TorchAttention
-    from engine.run.forward import ForwardBatch
-    from engine.run.kv_pool import KVPool
+    from engine.layers.attention import TorchAttention
+    from engine.layers.forward import ForwardBatch
+    from engine.layers.kv_pool import KVPool
     from models.registry import load_model
 
     model, mcfg = load_model(tiny_llama, device="cpu", progress=False)

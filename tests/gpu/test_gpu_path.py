@@ -52,7 +52,7 @@ MODES = {
 def unfused():  # noqa: ANN201
     """The torch reference runs every op unfused (no flashinfer norm/rope/activation kernels, no
     triton prologue or GEMVs), so the fused kernels are checked too."""
-    from engine.run import ops
+    from engine.layers import ops
 
     ops.set_fused(False)
     try:
@@ -75,10 +75,10 @@ class Pages:
 def logits_diffs(mode_name: str, path: Path) -> tuple[tuple[str, float, float, float], ...]:
     """Per step: (label, max |diff|, logit scale, argmax agreement), flashinfer vs torch. Cached:
     the greedy test derives its near-tie tolerance from the worst diff."""
-    from engine.run.attention import TorchAttention
-    from engine.run.flashinfer_attention import FlashInferAttention, set_decode_kernel
-    from engine.run.forward import ForwardBatch
-    from engine.run.kv_pool import KVPool
+    from engine.layers.attention import TorchAttention
+    from engine.layers.flashinfer_attention import FlashInferAttention, set_decode_kernel
+    from engine.layers.forward import ForwardBatch
+    from engine.layers.kv_pool import KVPool
     from models.registry import load_model
 
     mode = MODES[mode_name]
@@ -153,9 +153,9 @@ def engine_cfg(path: Path, mode: Mode, backend: str, graphs: bool, dtype: str = 
 
 def seq_logits(model, mcfg, tokens: list[int]) -> torch.Tensor:  # noqa: ANN001
     """float32 logits of the last token of `tokens`: one fresh, unfused torch-backend prefill."""
-    from engine.run.attention import TorchAttention
-    from engine.run.forward import ForwardBatch
-    from engine.run.kv_pool import KVPool
+    from engine.layers.attention import TorchAttention
+    from engine.layers.forward import ForwardBatch
+    from engine.layers.kv_pool import KVPool
 
     dev = torch.device("cuda")
     ps = 16

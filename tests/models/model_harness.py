@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.run.attention import TorchAttention
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import KVPool
+from engine.layers.attention import TorchAttention
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
 from models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]

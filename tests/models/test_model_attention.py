@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.run.attention import TorchAttention, create_backend
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import KVPool
+from engine.layers.attention import TorchAttention, create_backend
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
 
 
 def test_build_layout() -> None:

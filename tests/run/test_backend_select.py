@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.config import ServerConfig
-from engine.run.attention import TorchAttention, available_backends, create_backend, resolve_backend_name
+from engine.layers.attention import TorchAttention, available_backends, create_backend, resolve_backend_name
+from engine.layers.flashinfer_attention import pad_metadata, paged_kv_metadata
+from engine.layers.forward import ForwardBatch
 from engine.run.cuda_graph import capture_sizes, padded_batch_size
-from engine.run.flashinfer_attention import pad_metadata, paged_kv_metadata
-from engine.run.forward import ForwardBatch
 
 
 def test_auto_is_torch_on_cpu() -> None:

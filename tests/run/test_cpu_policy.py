@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ServerConfig
-from engine.run.attention import _CPU_FLASH_LSE, _prefix_then_causal
+from engine.layers.attention import _CPU_FLASH_LSE, _prefix_then_causal
 from engine.run.memory import CPU_POOL_RAM_FRACTION, cpu_pool_tokens, kv_bytes_per_token, plan_pool
 from engine.run.runner import cpu_threads
 from models.config import ModelConfig

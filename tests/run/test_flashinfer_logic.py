@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from engine.run.attention import TorchAttention
-from engine.run.cuda_graph import decode_table
-from engine.run.flashinfer_attention import (
+from engine.layers.attention import TorchAttention
+from engine.layers.flashinfer_attention import (
     FlashInferAttention,
     pad_metadata,
     paged_kv_metadata,
     set_decode_kernel,
     xqa_supported,
 )
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import KVPool
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+from engine.run.cuda_graph import decode_table
 
 
 class RefWrapper:

@@ -1,4 +1,4 @@
-"""The triton kernels (engine/run/triton_kernels.py) against torch references, run by triton's
+"""The triton kernels (engine/layers/triton_kernels.py) against torch references, run by triton's
 interpreter on the CPU. Skipped where triton is not installed (the CPU CI image); on a machine
 with triton: `TRITON_INTERPRET=1 pytest tests/run/test_triton_kernels.py`. The GPU check
 (tests/gpu, `pytest -m gpu tests/gpu` on a CUDA machine) covers the compiled kernels inside the model."""
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is first imported
 pytest.importorskip("triton")
 
-from engine.run import ops, triton_ops  # noqa: E402
-from engine.run.tuning import load_tuning  # noqa: E402
+from engine.layers import ops, triton_ops  # noqa: E402
+from engine.layers.tuning import load_tuning  # noqa: E402
 
 BF = torch.bfloat16
 
@@ -227,9 +227,9 @@ def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> N
     prologue through attend_qkv, the padded graph rows) against TorchAttention."""
     from test_flashinfer_logic import make_backend, plan_padded
 
-    from engine.run.attention import TorchAttention
-    from engine.run.forward import ForwardBatch
-    from engine.run.kv_pool import KVPool
+    from engine.layers.attention import TorchAttention
+    from engine.layers.forward import ForwardBatch
+    from engine.layers.kv_pool import KVPool
 
     hq, hkv, d, ps = 4, 2, 32, 4
     g = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""engine/run/tuning.py: the per-GPU tuning files and the rules they encode (CPU only)."""
+"""engine/layers/tuning.py: the per-GPU tuning files and the rules they encode (CPU only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.run.tuning import (
+from engine.layers.tuning import (
     DEFAULT,
     TUNING_DIR,
     DecodeRule,

@@ -20,10 +20,10 @@ on SM90 with an fp8 KV cache its GMMA kernel reads fp8 at ~3.8 TB/s where the te
 decode above stays at the bf16 step time). XQA needs no plan: it reads the dense page
 table [B, W] and the KV lengths on the device, splits long sequences across CTAs and
 merges them in the same launch. Small decode batches may run our triton kernel
-(engine/run/triton_ops.decode_attention), which reads the same dense table and does the
+(engine/layers/triton_ops.decode_attention), which reads the same dense table and does the
 layer's whole attention in one launch: the q/k norm + RoPE + K/V store prologue (the model
 hands it the QKV projection through `attend_qkv`), split-KV attention and the merge.
-Which one runs at which batch size comes from the GPU's tuning file (engine/run/tuning.py,
+Which one runs at which batch size comes from the GPU's tuning file (engine/layers/tuning.py,
 configs/tuning/): on an H200 (bench/results/attn_probe-h200.json) with bf16 KV XQA is faster
 at batch 1 on its own but made the served step slower, and is slower at batch 256; with fp8
 KV it is faster everywhere (2x with --attention-fp8-math). `--decode-kernel` overrides it
@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.run import triton_ops
-from engine.run.attention import AttentionBackend
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import PAD_PAGE, KVPool
-from engine.run.tuning import DECODE_KERNELS, KernelTuning, kernel_tuning
+from engine.layers import triton_ops
+from engine.layers.attention import AttentionBackend
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import PAD_PAGE, KVPool
+from engine.layers.tuning import DECODE_KERNELS, KernelTuning, kernel_tuning
 
 WORKSPACE_BYTES = 256 << 20  # float workspace (split-KV partial results), shared by all wrappers
 _INT_WORKSPACE_BYTES = 8 << 20  # flashinfer's own int workspace size (its staging must match)
@@ -79,7 +79,7 @@ def xqa_supported(capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: t
 
 def triton_decode_supported(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                             num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether engine/run/triton_ops.decode_attention takes this geometry (CUDA with triton, half
+    """Whether engine/layers/triton_ops.decode_attention takes this geometry (CUDA with triton, half
     queries, KV of the query dtype or fp8 e4m3, a power-of-two head_dim, a GQA group <= 16)."""
     return (
         device.type == "cuda" and triton_ops.available()

@@ -15,8 +15,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from engine.run.forward import ForwardBatch
-from engine.run.kv_pool import KVPool
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
 
 log = structlog.get_logger()
 
@@ -35,7 +35,7 @@ class AttentionBackend(ABC):
       of request i, softmax(q K^T / sqrt(D)) V over that request's KV positions 0..p
       (cached prefix plus this step's tokens), read through batch.page_table[i].
     - `forward(q, k, v, ...)` (k, v [T, Hkv, D]) stores k, v first, then attends. Models
-      whose prologue writes K/V itself (engine/run/triton_ops.py) call `attend` directly.
+      whose prologue writes K/V itself (engine/layers/triton_ops.py) call `attend` directly.
     """
 
     # whether engine/run/cuda_graph.py can capture this backend's decode (see FlashInferAttention)
@@ -208,8 +208,8 @@ class TorchAttention(AttentionBackend):
 
 # name -> (module, class); imported lazily so optional GPU kernels stay optional
 _BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("engine.run.attention", "TorchAttention"),
-    "flashinfer": ("engine.run.flashinfer_attention", "FlashInferAttention"),
+    "torch": ("engine.layers.attention", "TorchAttention"),
+    "flashinfer": ("engine.layers.flashinfer_attention", "FlashInferAttention"),
 }
 _CUDA_ONLY = {"flashinfer"}
 

@@ -1,4 +1,4 @@
-"""Triton kernels behind engine/run/triton_ops.py (imported only where triton is; see there).
+"""Triton kernels behind engine/layers/triton_ops.py (imported only where triton is; see there).
 
 Module-level so kernels can call each other (triton resolves callees through globals).
 """

@@ -1,7 +1,7 @@
 """Triton kernels for batch-1 decode and the attention prologue (CUDA only; triton is imported
-lazily: the kernels live in engine/run/triton_kernels.py, these are their Python wrappers).
+lazily: the kernels live in engine/layers/triton_kernels.py, these are their Python wrappers).
 
-On SM90 with a recent triton, where the GPU's tuning file says so (engine/run/tuning.py,
+On SM90 with a recent triton, where the GPU's tuning file says so (engine/layers/tuning.py,
 `triton_pdl`), every kernel here is launched with programmatic dependent launch: it starts
 while its predecessor drains, loads the first tile of its weights (which do not depend on that
 kernel), then waits on the grid dependency before it reads activations or writes anything.
@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from engine.run.tuning import kernel_tuning
+from engine.layers.tuning import kernel_tuning
 
 
 @functools.cache
@@ -67,7 +67,7 @@ def _launch_opts(pdl: bool) -> dict:
 
 
 def _k():  # noqa: ANN202 - the kernels module, imported on first use
-    from engine.run import triton_kernels
+    from engine.layers import triton_kernels
 
     return triton_kernels
 
@@ -165,7 +165,7 @@ def _fits(k: int, block_k: int) -> bool:
 def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_warps, num_stages) for small-batch GEMVs over w [N, K], or None where
     cuBLAS stays (CPU, float32, no triton, a K no config takes, a GPU whose tuning does not turn
-    them on). The configs come from the GPU's tuning file (engine/run/tuning.py); on an H200:
+    them on). The configs come from the GPU's tuning file (engine/layers/tuning.py); on an H200:
     below K = 4096 each program takes its rows' whole K as one (padded) tile of 8-16K elements, so
     every weight load is in flight before the PDL wait (Qwen3-0.6B batch 1: 1.09 -> 0.94 ms/step,
     latency-qwen3-0.6b-b1-gemv-*.json); at K = 4096 that measured even (Llama-3.1-8B), so wider

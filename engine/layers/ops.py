@@ -17,8 +17,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.run import triton_ops
-from engine.run.tuning import kernel_tuning
+from engine.layers import triton_ops
+from engine.layers.context import RopeState
+from engine.layers.tuning import kernel_tuning
 
 _HALF = (torch.float16, torch.bfloat16)
 _enabled = True
@@ -147,30 +148,27 @@ class Rotary:
             self._cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
         return self._cache
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
-        """Per-forward state for `apply`: ("fused", positions, cos_sin_cache, prologue) on the
-        fused path, where `prologue` says whether layers may use the one-kernel q/k-norm +
-        RoPE + KV-store prologue (triton_ops); ("torch", cos, sin) otherwise."""
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeState:
+        """Per-forward state for `apply` (and the fused prologue, where the GPU's tuning turns
+        it on: engine/layers/tuning.py)."""
         probe = torch.empty(0, dtype=dtype, device=positions.device)
         if fused_ok(probe):
-            # the one-launch prologue where the GPU's tuning turns it on (engine/run/tuning.py)
             prologue = kernel_tuning(probe.device).fused_prologue and triton_ops.supported(self.head_dim, probe)
-            return ("fused", positions, self.cos_sin_cache(positions.device), prologue)
-        return ("torch", *rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype))
+            return RopeState(True, positions, cos_sin_cache=self.cos_sin_cache(positions.device), prologue=prologue)
+        cos, sin = rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype)
+        return RopeState(False, positions, cos=cos, sin=sin)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, state: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, q: torch.Tensor, k: torch.Tensor, state: RopeState) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D]; the fused path works in place (last dim
         contiguous views are fine) and returns the same tensors."""
-        if state[0] == "fused" and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype in _HALF:
-            positions, cache = state[1], state[2]
+        if state.fused and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype in _HALF:
             t = q.shape[0]
             flashinfer_module().rope.apply_rope_with_cos_sin_cache_inplace(
-                positions, q.view(t, -1), k.view(t, -1), self.head_dim, cache, is_neox=True
+                state.positions, q.view(t, -1), k.view(t, -1), self.head_dim, state.cos_sin_cache, is_neox=True
             )
             return q, k
-        if state[0] == "fused":  # a layout the kernel cannot take: exact torch math instead
-            positions = state[1]
-            cos, sin = rope_cos_sin(positions, self._inv_freq_on(positions.device), q.dtype)
+        if state.fused:  # a layout the kernel cannot take: exact torch math instead
+            cos, sin = rope_cos_sin(state.positions, self._inv_freq_on(state.positions.device), q.dtype)
         else:
-            _, cos, sin = state
+            cos, sin = state.cos, state.sin
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

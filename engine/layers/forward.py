@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.run.kv_pool import PAD_PAGE
+from engine.layers.kv_pool import PAD_PAGE
 
 ReqSpec = tuple[Sequence[int], int, Sequence[int]]  # (new token ids, start_pos, page table)
 

@@ -1,0 +1,42 @@
+"""Imports point one way (DESIGN.md section 2): procs -> engine/run -> models ->
+engine/layers -> msgs. Checked on the source, so a lazy import inside a function counts too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# package -> module prefixes it must never import
+FORBIDDEN = {
+    "msgs": ("torch", "engine", "models", "procs"),
+    "engine/layers": ("models", "engine.run", "engine.sched", "engine.serve", "procs"),
+    "models": ("engine.run", "engine.sched", "engine.serve", "procs"),
+    "engine/replica": ("torch", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
+    "engine/sched": ("torch", "engine.run", "engine.serve", "models", "procs"),
+    "engine/serve": ("torch", "engine.run", "engine.sched", "models", "procs"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_point_downward(package: str) -> None:
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in _imports(path):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
