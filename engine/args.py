@@ -39,7 +39,8 @@ HELP = {
     "disable_radix_cache": "do not reuse KV pages of shared prompt prefixes across requests",
     "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",
     "seed": "seed for requests that give none (each gets a fresh seed drawn from this)",
-    "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on)",
+    "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on; OpenMP threads wait "
+    "passively unless OMP_WAIT_POLICY is set)",
     "decode_kernel": "decode attention kernel on GPU: auto (the GPU's tuning file) | fa2 | xqa | triton; for debugging",
     "tool_call_parser": "parse tool calls out of chat output (message.tool_calls): hermes | qwen25 | llama3 | "
     "deepseek_v3 | deepseek_v31 | glm45 (empty: tools are only rendered into the prompt; tool_choice required "
