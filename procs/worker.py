@@ -33,9 +33,10 @@ def main() -> int:
         from engine.run.pipeline import WorkerPipeline  # heavy imports after sockets: fail fast on bad config
         from engine.run.runner import ModelRunner
 
-        pipeline = WorkerPipeline(ModelRunner(cfg, args.rank), steps, done)
+        runner = ModelRunner(cfg, args.rank)
+        pipeline = WorkerPipeline(runner, steps, done)
         pipeline.start()
-        control.send(Ready(proc="worker", rank=args.rank))
+        control.send(Ready(proc="worker", rank=args.rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
         pipeline.run()
         return 0
     except Exception as exc:  # fatal by design: report, exit non-zero

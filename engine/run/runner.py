@@ -27,6 +27,7 @@ from engine.run import TORCH_PREIMPORTED
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
+from engine.run.warmup import warm_up
 from models.registry import load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
 from msgs.done import StepDone, WorkerReady
@@ -84,7 +85,9 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads(cfg.cpu_threads))
             if TORCH_PREIMPORTED:  # in-process users (tests, LocalEngine) keep torch's spinning default
                 log.debug("torch was imported before engine.run: OMP_WAIT_POLICY left as torch found it")
+        t0 = time.perf_counter()
         self.model, self.mcfg = _load(cfg, self.dtype, self.device)
+        self.startup = {"load_s": time.perf_counter() - t0}  # time to ready, by phase (Ready's info)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         pool = plan_pool(cfg, self.mcfg, self.kv_dtype, self.device)
         self.page_size = cfg.page_size
@@ -120,14 +123,18 @@ class ModelRunner:
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
+        self.startup["warmup_s"] = warm_up(self)  # every kernel compiled before Ready
+        t0 = time.perf_counter()
         self.graphs = self._capture_graphs()
         if self.device.type == "cuda":  # load the future-reference kernels now, not in a served step
             self._resolve_ids([-1], [0], [1])
             if self.graphs is not None:
                 self.graphs.warm_future_refs(self.last_token)
             torch.cuda.synchronize(self.device)
+        self.startup["capture_s"] = time.perf_counter() - t0
         log.info(
-            "runner ready", pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
+            "runner ready", **{k: round(v, 2) for k, v in self.startup.items()},
+            pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
             backend=type(self.backend).__name__, cuda_graphs=self.graphs is not None,
         )
 

@@ -218,6 +218,11 @@ class Sampler:
                 self._counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         self._invalidate()
 
+    @property
+    def active_slots(self) -> list[int]:
+        """Slots with a registered request."""
+        return [s for s, p in enumerate(self._params) if p is not None]
+
     def remove(self, slot: int) -> None:
         """Free a slot. Its device rows go stale; add() overwrites them on reuse."""
         self._check_slot(slot)

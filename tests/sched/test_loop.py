@@ -249,3 +249,14 @@ def test_worker_fails_loudly_on_a_seq_gap_and_skips_a_malformed_frame(runner) ->
         while pipeline.pump():
             pass
     assert pipeline.last_seq == steps[2].seq
+
+
+def test_runner_is_warm_and_clean_before_ready(runner) -> None:  # noqa: ANN001
+    """The warm-up ran the prefill, decode and sampling paths, then left no trace: every
+    sampler slot free, the replica at its initial digest."""
+    from engine.replica import rank_replica
+
+    assert set(runner.startup) == {"load_s", "warmup_s", "capture_s"}
+    assert runner.startup["warmup_s"] > 0
+    assert runner.sampler.active_slots == []
+    assert runner.replica.digest() == rank_replica().digest() and runner.replica.seq == 0
