@@ -5,7 +5,11 @@
 | requests | PUSH/PULL    | tokenizer -> scheduler       | scheduler  | TokenizedRequest, AbortRequest        |
 | outputs  | PUSH/PULL    | scheduler -> tokenizer       | tokenizer  | TokenBatch, SchedulerStats            |
 | steps    | PUSH/PULL    | scheduler -> worker (1/rank) | worker     | Step, Shutdown                        |
+|          |              | and -> cache (a follower)    | cache      |                                       |
 | done     | PUSH/PULL    | workers -> scheduler         | scheduler  | StepDone, WorkerReady, WorkerFailed   |
+| backups  | PUSH/PULL    | workers -> cache             | cache      | BackupDone                            |
+| commits  | PUSH/PULL    | cache -> scheduler           | scheduler  | Committed, ControllerDigest,          |
+|          |              |                              |            | ControllerFailed                      |
 | control  | PUSH/PULL    | children -> supervisor       | supervisor | Ready, Fatal, Flushed                 |
 | notices  | PUSH/PULL    | supervisor -> tokenizer      | supervisor | ProcessDied                           |
 | sdk      | DEALER/ROUTER| client <-> tokenizer (tcp)   | tokenizer  | GenerateRequest, AbortGenerate /      |
@@ -49,6 +53,7 @@ class Channel(Generic[T]):
     union: Any  # the message types this channel carries
     hwm: int = 0  # 0: unlimited; nothing on these channels may be dropped
     per_rank: bool = False  # one socket per worker rank (the Step stream)
+    followers: tuple[str, ...] = ()  # roles that get their own copy of the stream (the cache controller)
     codec: Codec[T] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,7 +63,11 @@ class Channel(Generic[T]):
     def types(self) -> tuple[type, ...]:
         return typing.get_args(self.union) or (self.union,)
 
-    def address(self, run_dir: str, rank: int | None = None) -> str:
+    def address(self, run_dir: str, rank: int | None = None, follower: str | None = None) -> str:
+        if follower is not None:
+            if follower not in self.followers or rank is not None:
+                raise ValueError(f"channel {self.name}: {follower!r} does not follow it (rank {rank!r})")
+            return f"ipc://{os.path.join(run_dir, f'{self.name}-{follower}')}"
         if self.per_rank != (rank is not None):
             raise ValueError(f"channel {self.name}: rank {rank!r} given for per_rank={self.per_rank}")
         name = self.name if rank is None else f"{self.name}-{rank}"
@@ -68,8 +77,10 @@ class Channel(Generic[T]):
 #        name          sender       receiver      binder        messages
 REQUESTS = Channel("requests", "tokenizer", "scheduler", "scheduler", requests.ToScheduler)
 OUTPUTS = Channel("outputs", "scheduler", "tokenizer", "tokenizer", outputs.ToTokenizer)
-STEPS = Channel("steps", "scheduler", "worker", "worker", steps.ToWorker, per_rank=True)
+STEPS = Channel("steps", "scheduler", "worker", "worker", steps.ToWorker, per_rank=True, followers=("cache",))
 DONE = Channel("done", "worker", "scheduler", "scheduler", done.FromWorker)
+BACKUPS = Channel("backups", "worker", "cache", "cache", done.ToController)
+COMMITS = Channel("commits", "cache", "scheduler", "scheduler", done.FromController)
 CONTROL = Channel("control", "child", "supervisor", "supervisor", control.ToSupervisor)
 NOTICES = Channel("notices", "supervisor", "tokenizer", "supervisor", control.ToTokenizerControl)
 # The SDK is one ROUTER socket (tokenizer, tcp) talking to DEALER clients: two directions,
@@ -77,7 +88,9 @@ NOTICES = Channel("notices", "supervisor", "tokenizer", "supervisor", control.To
 SDK_IN = Channel("sdk-in", "client", "tokenizer", "tokenizer", client.ToServer, hwm=1000)
 SDK_OUT = Channel("sdk-out", "tokenizer", "client", "tokenizer", client.FromServer, hwm=1000)
 
-ALL: tuple[Channel[Any], ...] = (REQUESTS, OUTPUTS, STEPS, DONE, CONTROL, NOTICES, SDK_IN, SDK_OUT)
+ALL: tuple[Channel[Any], ...] = (
+    REQUESTS, OUTPUTS, STEPS, DONE, BACKUPS, COMMITS, CONTROL, NOTICES, SDK_IN, SDK_OUT
+)
 
 
 # ---- typed ends ---------------------------------------------------------------------------
@@ -149,14 +162,17 @@ class AsyncReceiver(Generic[T]):
         return self.channel.codec.decode(await self.sock.recv())
 
 
-def _socket(ctx: zmq.Context, kind: int, channel: Channel[Any], role: str, run_dir: str, rank: int | None) -> Any:
+def _socket(
+    ctx: zmq.Context, kind: int, channel: Channel[Any], role: str, run_dir: str, rank: int | None,
+    follower: str | None = None,
+) -> Any:
     sock = ctx.socket(kind)
     if kind == zmq.PUSH:
         sock.setsockopt(zmq.SNDHWM, channel.hwm)
     else:
         sock.setsockopt(zmq.RCVHWM, channel.hwm)
-    addr = channel.address(run_dir, rank)
-    if role == channel.binder:
+    addr = channel.address(run_dir, rank, follower)
+    if role == (follower or channel.binder):  # a follower binds its own copy of the stream
         sock.bind(addr)
     else:
         sock.connect(addr)
@@ -164,18 +180,21 @@ def _socket(ctx: zmq.Context, kind: int, channel: Channel[Any], role: str, run_d
 
 
 def open_sender(
-    ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None, linger_ms: int = 0
+    ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None, linger_ms: int = 0,
+    follower: str | None = None,
 ) -> Sender[T]:
-    """`role` is the calling process's role: it binds when it is the channel's binder."""
-    sock = _socket(ctx, zmq.PUSH, channel, role, run_dir, rank)
+    """`role` is the calling process's role: it binds when it is the channel's binder.
+    `follower`: the end of a follower's copy of the stream (e.g. STEPS for "cache")."""
+    sock = _socket(ctx, zmq.PUSH, channel, role, run_dir, rank, follower)
     sock.setsockopt(zmq.LINGER, linger_ms)
     return Sender(channel, sock)
 
 
 def open_receiver(
-    ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None
+    ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None,
+    follower: str | None = None,
 ) -> Receiver[T]:
-    sock = _socket(ctx, zmq.PULL, channel, role, run_dir, rank)
+    sock = _socket(ctx, zmq.PULL, channel, role, run_dir, rank, follower)
     sock.setsockopt(zmq.LINGER, 0)
     return Receiver(channel, sock)
 

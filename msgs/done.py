@@ -37,3 +37,35 @@ class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
 
 
 FromWorker = StepDone | WorkerReady | WorkerFailed
+
+
+# ---- the cache controller (host tier) ---------------------------------------------------
+
+
+class BackupDone(msgspec.Struct, tag=True, frozen=True):
+    """Worker -> cache controller: rank `rank` copied object `obj` to the host slab."""
+
+    obj: int
+    rank: int
+
+
+class Committed(msgspec.Struct, tag=True, frozen=True):
+    """Cache controller -> scheduler: every rank backed `obj` up; the scheduler re-publishes
+    it as ApplyCommit, so every replica sees the commit at one place in the stream."""
+
+    obj: int
+
+
+class ControllerDigest(msgspec.Struct, tag=True, frozen=True):
+    """Cache controller -> scheduler: its replica's digest after step `seq` (a DigestCheck)."""
+
+    seq: int
+    digest: str
+
+
+class ControllerFailed(msgspec.Struct, tag=True, frozen=True):
+    reason: str
+
+
+ToController = BackupDone
+FromController = Committed | ControllerDigest | ControllerFailed

@@ -62,7 +62,59 @@ class DigestCheck(msgspec.Struct, tag=True, frozen=True):
     it sampled so far, in this step's StepDone."""
 
 
-Op = AddReq | ExtendPages | FreeReq | CachePages | EvictPages | Flush | DigestCheck
+# ---- the host tier (L2), DESIGN.md 6. Host objects are radix nodes' KV copies in the host
+# slab; an object's id is its radix node's id, its pages one contiguous host range.
+
+
+class HostInit(msgspec.Struct, tag=True, frozen=True):
+    """The host tier exists with `num_pages` pages (first op of the stream when it is on)."""
+
+    num_pages: int
+
+
+class BackupPrepare(msgspec.Struct, tag=True, frozen=True):
+    """Object `obj` takes host pages [host_start, host_start + n) (first fit: every replica
+    computes the same start and refuses a different one); workers copy `device_pages`
+    there after this step's forward and report BackupDone to the cache controller."""
+
+    obj: int
+    device_pages: bytes  # packed int32, n pages, in the object's token order
+    host_start: int
+
+
+class ApplyCommit(msgspec.Struct, tag=True, frozen=True):
+    """Every rank finished `obj`'s backup (the controller's Committed, re-published)."""
+
+    obj: int
+
+
+class HostSplit(msgspec.Struct, tag=True, frozen=True):
+    """The radix node of `obj` split: its first `cut` pages become object `new_obj`."""
+
+    obj: int
+    cut: int
+    new_obj: int
+
+
+class LoadBack(msgspec.Struct, tag=True, frozen=True):
+    """Copy committed object `obj` (at host_start, checked) into `device_pages` before the
+    forward."""
+
+    obj: int
+    device_pages: bytes  # packed int32
+    host_start: int
+
+
+class HostEvict(msgspec.Struct, tag=True, frozen=True):
+    """Object `obj` leaves the host tier; its pages return to the free list."""
+
+    obj: int
+
+
+Op = (
+    AddReq | ExtendPages | FreeReq | CachePages | EvictPages | Flush | DigestCheck
+    | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict
+)
 
 
 class Forward(msgspec.Struct, frozen=True):

@@ -37,6 +37,8 @@ class RadixNode:
     lock_ref: int = 0
     last_access: int = 0
     hits: int = 0
+    host: int = -1  # its host-tier (L2) object (= this node's id) or -1; see hiradix.py
+    committed: bool = False  # every rank finished the host copy; only then may `pages` go
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class MatchResult:
     pages: list[int]
     node: RadixNode
     num_tokens: int
+    host_nodes: tuple[RadixNode, ...] = ()  # matched nodes below `node` held only in the host tier
 
 
 class RadixCache:
@@ -295,8 +298,7 @@ class RadixCache:
         duplicate pages, or a tree page that the allocator considers free."""
         ps, total, locked, seen, leaves = self.page_size, 0, 0, set(), set()
         for _, node in self._dfs():
-            _check(node.parent is not None and node.key and len(node.key) == len(node.pages) * ps,
-                   f"node {node.id}: bad key/pages shape")
+            _check(node.parent is not None and node.key and self._shape_ok(node), f"node {node.id}: bad shape")
             _check(node.parent.children.get(node.key[:ps]) is node, f"node {node.id}: bad parent link")
             _check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0,
                    f"node {node.id}: lock_ref below its children's")
@@ -312,6 +314,10 @@ class RadixCache:
         _check(total == self._total_pages, f"total_pages {self._total_pages} != walked {total}")
         _check(locked == self._locked_pages, f"locked_pages {self._locked_pages} != walked {locked}")
         _check(leaves == set(self._leaves), "leaf index out of sync")
+
+
+    def _shape_ok(self, node: RadixNode) -> bool:
+        return len(node.key) == len(node.pages) * self.page_size
 
 
 def _check(cond: object, msg: str) -> None:

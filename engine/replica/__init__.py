@@ -2,10 +2,12 @@
 
 from engine.replica.base import Component, Effect, Replica, ReplicaError, StepOrderError, TokenChain
 from engine.replica.components import PageTables, PrefixCachePages, SlotSampling, rank_replica
+from engine.replica.host import HostTier
 
 __all__ = [
     "Component",
     "Effect",
+    "HostTier",
     "PageTables",
     "PrefixCachePages",
     "Replica",

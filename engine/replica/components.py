@@ -3,7 +3,8 @@
 * PageTables: slot -> (rid, page table); AddReq / ExtendPages / FreeReq.
 * SlotSampling: slot -> the sampling parameters the worker's sampler holds for it.
 * PrefixCachePages: the device pages the prefix cache holds; CachePages / EvictPages / Flush.
-Coming: the host-tier (L2) allocator, grammar matchers.
+* HostTier (host.py): the host tier's (L2) allocator; the host ops and Flush.
+Coming: grammar matchers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from array import array
 import msgspec
 
 from engine.replica.base import Component, Effect, Replica, ReplicaError
+from engine.replica.host import HostTier
 from msgs.codec import unpack_ids
 from msgs.steps import AddReq, CachePages, EvictPages, ExtendPages, Flush, FreeReq
 
@@ -102,4 +104,4 @@ class PrefixCachePages(Component):
 
 def rank_replica(effects: list[Effect] | None = None) -> Replica:
     """The replica every rank and the scheduler's mirror hold."""
-    return Replica([PageTables(), SlotSampling(), PrefixCachePages()], effects or [])
+    return Replica([PageTables(), SlotSampling(), PrefixCachePages(), HostTier()], effects or [])

@@ -1,0 +1,320 @@
+"""The radix tree over two tiers: device pages (L1) and a host slab (L2), DESIGN.md 6.
+
+A node's KV lives on the device (`pages`), in the host tier (`host`, an object in the
+HostAllocator whose id is the node's id), or both. Invariants:
+
+* device-resident nodes form an upper subtree: a host-only node's descendants are
+  host-only (eviction goes bottom-up, load-back restores a whole path);
+* a node being backed up (`host >= 0 and not committed`, "pending") keeps its device
+  pages: only committed nodes may give them up, and then stay in the tree host-only;
+* host-only nodes are never locked (a lock pins device pages; a match loads them back
+  before it locks them).
+
+Every change is recorded, in order, as the op that replicates it (`changes`): CachePages /
+EvictPages for device pages as before, plus HostInit, BackupPrepare, HostSplit,
+ApplyCommit, LoadBack, HostEvict. Eviction orders (device and host) are the same total
+order as the base tree: (protected, last_access, node id).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+
+from engine.cache.allocator import PageAllocator
+from engine.cache.host_alloc import HostAllocator
+from engine.cache.radix import PROTECT_HITS, MatchResult, RadixCache, RadixNode
+from msgs.codec import pack_ids
+from msgs.steps import ApplyCommit, BackupPrepare, CachePages, EvictPages, HostEvict, HostInit, HostSplit, LoadBack
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class TieredRadixCache(RadixCache):
+    def __init__(
+        self,
+        page_size: int,
+        allocator: PageAllocator,
+        host_pages: int,
+        policy: str = "write_through",
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        if policy not in ("write_through", "write_through_selective"):
+            raise ValueError(f"host tier write policy {policy!r} is not implemented")
+        super().__init__(page_size, allocator)
+        self.host = HostAllocator(host_pages)
+        self.policy = policy
+        self.warn = warn or (lambda _msg: None)
+        self.objects: dict[int, RadixNode] = {}  # host object id -> its node
+        self.pieces: dict[int, list[int]] = {}  # pending object -> objects split off it since
+        self.origin: dict[int, int] = {}  # a split-off pending piece -> the object that commits it
+        self.stats = {"backups": 0, "skipped": 0, "committed": 0, "load_backs": 0, "l2_hit_tokens": 0,
+                      "host_evicted": 0}
+        self.changes.append(HostInit(host_pages))
+
+    # ---- matching and inserting -----------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
+        """As the base tree, but the match may continue into host-only nodes: those are
+        `host_nodes` (not in `pages` / `num_tokens` until `load_back`)."""
+        path, _ = self._walk(self._aligned(tokens))
+        device = [n for n in path if n.pages]
+        pages = [p for n in device for p in n.pages]
+        if touch:
+            for n in path:
+                n.last_access = self.clock
+                n.hits += 1
+        node = device[-1] if device else self.root
+        return MatchResult(pages, node, len(pages) * self.page_size, tuple(path[len(device):]))
+
+    def load_back(self, match: MatchResult) -> MatchResult | None:
+        """Give the match's host-only nodes device pages and emit LoadBack for each; the
+        match grows by them. None (nothing changed) when the device pages cannot be found.
+        The caller holds a lock on `match.node`, so eviction cannot take the path."""
+        ps, nodes = self.page_size, match.host_nodes
+        need = sum(len(n.key) for n in nodes) // ps
+        short = need - self.allocator.num_free
+        if short > 0:
+            self.evict(short)
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return None
+        at = 0
+        for node in nodes:
+            k = len(node.key) // ps
+            node.pages = pages[at : at + k]
+            at += k
+            self._total_pages += k
+            start = self.host.ranges[node.host][0]
+            self.changes += [CachePages(pack_ids(node.pages)), LoadBack(node.host, pack_ids(node.pages), start)]
+        self.stats["load_backs"] += len(nodes)
+        self.stats["l2_hit_tokens"] += need * ps
+        return MatchResult(match.pages + pages, nodes[-1], match.num_tokens + need * ps)
+
+    def insert_node(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, RadixNode]:
+        """As the base tree, but host-only nodes on the path adopt the caller's pages (they
+        are device-resident again), so the count returned covers device nodes only: the
+        caller keeps `pages[: ret // page_size]`, the tree owns the rest. With write_through
+        a new leaf is backed up at once."""
+        ps = self.page_size
+        if len(tokens) != len(pages) * ps:
+            raise ValueError(f"insert: {len(tokens)} tokens do not fill {len(pages)} pages of {ps}")
+        bad = [p for p in pages if not 0 < p <= self.allocator.capacity or self.allocator.is_free(p)]
+        if bad:
+            raise ValueError(f"insert: pages {bad} are not allocated")
+        path, _ = self._walk(tuple(map(int, tokens)))
+        kept = at = 0
+        for node in path:  # device nodes first, then host-only ones (the invariant)
+            if node.pages:
+                kept = at + len(node.key)
+            else:
+                if node.lock_ref:  # a lock pins device pages: a locked host-only node is a bug
+                    raise RuntimeError(f"host-only node {node.id} is locked")
+                node.pages = list(map(int, pages[at // ps : (at + len(node.key)) // ps]))
+                self._total_pages += len(node.pages)
+                self.changes.append(CachePages(pack_ids(node.pages)))
+            at += len(node.key)
+        n, node = super().insert_node(tokens, pages)
+        if n < len(tokens) and self.policy == "write_through":
+            self.backup(node)
+        return kept, node
+
+    def touch(self, node: RadixNode) -> None:
+        """A used match; with write_through_selective a node is backed up on its second hit."""
+        super().touch(node)
+        if self.policy == "write_through_selective":
+            for n in reversed(list(self._path_up(node))):  # top-down: parents are placed first
+                if n.host < 0 and n.hits >= PROTECT_HITS and n.pages:
+                    self.backup(n)
+
+    # ---- backup and commit -------------------------------------------------------------
+
+    def backup(self, node: RadixNode) -> bool:
+        """Reserve host pages for node (evicting colder host objects to fit) and emit
+        BackupPrepare; the workers copy after this step's forward. False: skipped."""
+        start = self._reserve(node.id, len(node.pages))
+        if start is None:
+            self.stats["skipped"] += 1
+            self.warn(f"host tier full: backup of {len(node.pages)} pages skipped")
+            return False
+        node.host, node.committed = node.id, False
+        self.objects[node.id] = node
+        self.stats["backups"] += 1
+        self.changes.append(BackupPrepare(node.id, pack_ids(node.pages), start))
+        return True
+
+    def _reserve(self, obj: int, n: int) -> int | None:
+        """First fit; on a miss evict the coldest unpinned committed host leaf and retry."""
+        if n > self.host.capacity:
+            return None
+        while (start := self.host.reserve(obj, n)) is None:
+            victim = self._host_victim()
+            if victim is None:
+                return None
+            self._drop_host(victim)
+        return start
+
+    def _host_victim(self) -> RadixNode | None:
+        cands = [n for n in self.objects.values() if n.committed and not n.children and n.lock_ref == 0]
+        return min(cands, key=self._evict_key) if cands else None
+
+    def _drop_host(self, node: RadixNode) -> None:
+        """node's host copy goes; a host-only node leaves the tree with it."""
+        self.host.release(node.host)
+        self.changes.append(HostEvict(node.host))
+        del self.objects[node.host]
+        node.host, node.committed = -1, False
+        self.stats["host_evicted"] += 1
+        if not node.pages:
+            self._unlink(node)
+
+    def commit(self, obj: int) -> None:
+        """The controller's Committed(obj): obj and every piece split off it since are
+        committed (ApplyCommit each). Unknown or already committed: a protocol bug."""
+        for piece in [obj, *self.pieces.pop(obj, [])]:
+            node = self.objects.get(piece)
+            if node is None or node.committed:
+                raise RuntimeError(f"Committed for host object {piece}, which is not pending")
+            node.committed = True
+            self.origin.pop(piece, None)
+            self.host.commit(piece)
+            self.changes.append(ApplyCommit(piece))
+            self.stats["committed"] += 1
+
+    @property
+    def pending(self) -> int:
+        return sum(1 for n in self.objects.values() if not n.committed)
+
+    def _split(self, node: RadixNode, m: int) -> RadixNode:
+        """The base split; node's host object splits with it (the prefix takes the prefix
+        node's id), and a pending piece commits with the object it came from."""
+        prefix = super()._split(node, m)
+        if node.host >= 0:
+            cut = m // self.page_size
+            self.host.split(node.host, cut, prefix.id)
+            prefix.host, prefix.committed = prefix.id, node.committed
+            self.objects[prefix.id] = prefix
+            self.changes.append(HostSplit(node.host, cut, prefix.id))
+            if not node.committed:
+                root = self.origin.get(node.id, node.id)
+                self.origin[prefix.id] = root
+                self.pieces.setdefault(root, []).append(prefix.id)
+        return prefix
+
+    # ---- device eviction ---------------------------------------------------------------
+
+    def _device_leaf(self, node: RadixNode) -> bool:
+        """May give up its device pages now: unlocked, not pending, no device child."""
+        return (
+            bool(node.pages) and node.lock_ref == 0 and not (node.host >= 0 and not node.committed)
+            and not any(c.pages for c in node.children.values())
+        )
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages device pages, coldest device leaf first: a committed
+        node keeps its host copy (host-only now), any other leaves the tree (with its
+        host-only descendants). Returns the pages freed."""
+        heap = [self._evict_key(n) for n in self._nodes() if self._device_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            node = heapq.heappop(heap)[-1]
+            parent = node.parent
+            freed += self._drop_device(node) if node.committed else self._remove_subtree(node)
+            if parent is not self.root and parent is not None and self._device_leaf(parent):
+                heapq.heappush(heap, self._evict_key(parent))
+        return freed
+
+    def _drop_device(self, node: RadixNode) -> int:
+        n = len(node.pages)
+        self.allocator.free(node.pages)
+        self.changes.append(EvictPages(pack_ids(node.pages)))
+        self._total_pages -= n
+        node.pages = []
+        return n
+
+    def _remove_subtree(self, node: RadixNode) -> int:
+        """node has no host copy: it leaves the tree, its host-only descendants first
+        (deepest first, then by id: one order on every replica)."""
+        below = sorted(self._below(node), key=lambda d: (-self._depth(d), d.id))
+        for d in below:
+            self._drop_host(d)
+        return self._remove_leaf(node)
+
+    def _below(self, node: RadixNode) -> Iterator[RadixNode]:
+        stack = list(node.children.values())
+        while stack:
+            d = stack.pop()
+            yield d
+            stack.extend(d.children.values())
+
+    @staticmethod
+    def _depth(node: RadixNode) -> int:
+        depth = 0
+        while node.parent is not None:
+            node, depth = node.parent, depth + 1
+        return depth
+
+    def _unlink(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0 and not node.pages
+        del parent.children[node.key[: self.page_size]]
+        del self._leaves[node.id]
+        if parent is not self.root and not parent.children:
+            self._leaves[parent.id] = parent
+        node.parent = None
+
+    @property
+    def evictable_pages(self) -> int:
+        """Device pages eviction can free: unlocked nodes with no pending node at or below."""
+        total = 0
+
+        def visit(node: RadixNode) -> bool:  # True: a pending node at or below
+            nonlocal total
+            blocked = node.host >= 0 and not node.committed
+            for c in node.children.values():
+                blocked = visit(c) or blocked
+            if not blocked and node.lock_ref == 0:
+                total += len(node.pages)
+            return blocked
+
+        for c in self.root.children.values():
+            visit(c)
+        return total
+
+    # ---- flush and checks --------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Every tier emptied (Flush resets the host tier of every replica too)."""
+        if self.pending:
+            raise RuntimeError("flush while host backups are in flight")
+        super().reset()
+        self.host.reset()
+        self.objects.clear()
+        self.pieces.clear()
+        self.origin.clear()
+
+    def _shape_ok(self, node: RadixNode) -> bool:
+        if not node.pages:  # host-only: committed, unlocked, only host-only below
+            return node.host >= 0 and node.committed and node.lock_ref == 0 and not any(
+                c.pages for c in node.children.values())
+        return super()._shape_ok(node)
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        self.host.check()
+        held = {n.host: n for n in self._nodes() if n.host >= 0}
+        if held != self.objects or set(self.host.ranges) != set(held):
+            raise AssertionError("host objects out of sync with the tree")
+        for obj, node in held.items():
+            if obj != node.id or self.host.ranges[obj][1] * self.page_size != len(node.key):
+                raise AssertionError(f"host object {obj}: wrong node or size")
+            if node.committed != (obj in self.host.committed):
+                raise AssertionError(f"host object {obj}: commit state differs")

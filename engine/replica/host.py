@@ -1,0 +1,57 @@
+"""The host tier's (L2) replicated state: the HostAllocator driven by the host ops.
+
+Every replica applies the same ops, so the placement of each object is identical
+everywhere; BackupPrepare carries the scheduler's placement and a replica that computes
+another one stops (ReplicaError) instead of copying to the wrong pages. `Flush` empties
+the tier. Without HostInit the tier does not exist: every host op is then refused.
+"""
+
+from __future__ import annotations
+
+from engine.cache.host_alloc import HostAllocator, HostAllocError
+from engine.replica.base import Component, ReplicaError
+from msgs.codec import unpack_ids
+from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, LoadBack
+
+HostOp = HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | Flush
+
+
+class HostTier(Component):
+    name = "host_tier"
+    ops = (HostInit, BackupPrepare, ApplyCommit, HostSplit, LoadBack, HostEvict, Flush)
+
+    def __init__(self) -> None:
+        self.alloc = HostAllocator()
+
+    def apply(self, op: HostOp) -> None:
+        if not isinstance(op, (HostInit, Flush)) and not self.alloc.capacity:
+            raise ReplicaError(f"{type(op).__name__} without a host tier (no HostInit)")
+        try:
+            self._apply(op)
+        except HostAllocError as exc:
+            raise ReplicaError(str(exc)) from exc
+
+    def _apply(self, op: HostOp) -> None:
+        a = self.alloc
+        match op:
+            case HostInit(num_pages=n):
+                a.init(n)
+            case BackupPrepare(obj=obj, device_pages=pages, host_start=want):
+                got = a.reserve(obj, len(unpack_ids(pages)))
+                if got != want:  # the scheduler placed it elsewhere: this replica diverged
+                    raise ReplicaError(f"BackupPrepare of object {obj}: placed at {got}, the stream says {want}")
+            case ApplyCommit(obj=obj):
+                a.commit(obj)
+            case HostSplit(obj=obj, cut=cut, new_obj=new):
+                a.split(obj, cut, new)
+            case LoadBack(obj=obj, device_pages=pages, host_start=start):
+                n = len(unpack_ids(pages))
+                if obj not in a.committed or a.ranges[obj] != (start, n):
+                    raise ReplicaError(f"LoadBack of object {obj} ({n} pages at {start}): not a committed object there")
+            case HostEvict(obj=obj):
+                a.release(obj)
+            case Flush():
+                a.reset()
+
+    def encode(self) -> bytes:
+        return self.alloc.encode() if self.alloc.capacity else b""
