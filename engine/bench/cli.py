@@ -9,6 +9,7 @@ bin/bench cpu        # served CPU path vs transformers: 16x64 throughput, 8k-pro
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shlex
 import sys
@@ -19,18 +20,30 @@ MODES = ("offline", "serve", "latency", "cpu")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, unless the help text already says it (or there is none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default in (None, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                   help="dummy: random weights at the model's shapes (configs/)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--server-args", default="", help='extra bin/serve flags, one string: "--max-total-tokens 8192"')
     p.add_argument("--out", default=None, help="result JSON path (default bench/results/<mode>-<model>-<time>.json)")
 
 
 def _workload(p: argparse.ArgumentParser, num: int) -> None:
-    p.add_argument("--num-requests", type=int, default=num)
-    p.add_argument("--input-len-range", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len-range", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    p.add_argument("--num-requests", type=int, default=num, help="requests in the run")
+    p.add_argument("--input-len-range", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX]")
+    p.add_argument("--output-len-range", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"),
+                   help="output lengths (ignore_eos), uniform in [MIN, MAX]")
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length (overrides the range)")
     p.add_argument("--output-len", type=int, default=None, help="fixed output length (overrides the range)")
     p.add_argument("--vocab-size", type=int, default=None, help="token id range (default: the model's)")
@@ -38,8 +51,10 @@ def _workload(p: argparse.ArgumentParser, num: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bin/bench", description="Strata benchmarks")
+    fmt = _Formatter  # every flag's help shows its default
+    parser = argparse.ArgumentParser(prog="bin/bench", description="Strata benchmarks", formatter_class=fmt)
     sub = parser.add_subparsers(dest="mode", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=fmt)  # type: ignore[method-assign]
     off = sub.add_parser("offline", help="throughput: every request at once through the process stack")
     _common(off)
     _workload(off, 256)
@@ -58,11 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lat = sub.add_parser("latency", help="in-process decode ms/step vs the memory-bandwidth roofline")
     _common(lat)
-    lat.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    lat.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes to time")
     lat.add_argument("--context-len", type=int, default=1024, help="prompt tokens per request before decoding")
     lat.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
     lat.add_argument("--warmup", type=int, default=5, help="untimed decode steps first (>= 1)")
-    lat.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    lat.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
     lat.add_argument("--bandwidth-gib", type=float, default=None, help="copy size for the bandwidth probe")
     lat.add_argument("--profile-idle", action="store_true", help="also measure GPU idle time between steps")
     lat.add_argument("--idle-steps", type=int, default=20, help="decode steps profiled by --profile-idle")
