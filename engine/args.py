@@ -11,7 +11,7 @@ import sys
 
 from engine.config import ServerConfig
 
-HIDDEN = ("run_dir", "extra")  # set by the supervisor, not by people
+HIDDEN = ("run_dir", "extra", "hicache_path")  # set by the supervisor, not by people
 
 HELP = {
     "model": "HF-style model directory (empty: SmolLM2-135M-Instruct, converted on first run)",
@@ -42,6 +42,12 @@ HELP = {
     "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on; OpenMP threads wait "
     "passively unless OMP_WAIT_POLICY is set)",
     "decode_kernel": "decode attention kernel on GPU: auto (the GPU's tuning file) | fa2 | xqa | triton; for debugging",
+    "enable_hierarchical_cache": "keep prefix-cache KV in a host-memory tier (L2, one shared-memory slab) when "
+    "it leaves the GPU, and load it back on a match instead of recomputing it",
+    "hicache_ratio": "L2 size as a multiple of the device KV pool (with --enable-hierarchical-cache)",
+    "hicache_size": "L2 size in GB; overrides --hicache-ratio when > 0",
+    "hicache_write_policy": "when cached KV is copied to L2: write_through (as it enters the cache) | "
+    "write_through_selective (on its second hit); write_back is not implemented yet",
     "tool_call_parser": "parse tool calls out of chat output (message.tool_calls): hermes | qwen25 | llama3 | "
     "deepseek_v3 | deepseek_v31 | glm45 (empty: tools are only rendered into the prompt; tool_choice required "
     "or a named function is refused)",

@@ -41,6 +41,12 @@ class ServerConfig:
     tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
     reasoning_parser: str = ""  # "" = <think> blocks stay in the content
     chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
+    # the host tier (L2, DESIGN.md 6): opt-in, as SGLang's --enable-hierarchical-cache
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # L2 pages = this x the device pool's pages
+    hicache_size: float = 0.0  # GB of host slab; > 0 overrides the ratio
+    hicache_write_policy: str = "write_through"  # write_through | write_through_selective (| write_back: not yet)
+    hicache_path: str = ""  # the host slab's shared-memory file; created by the supervisor
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +71,21 @@ class ServerConfig:
             if not ok:
                 raise ValueError(problem)
         self._check_serving()
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        for ok, problem in (
+            (self.hicache_ratio > 0, "--hicache-ratio must be > 0"),
+            (self.hicache_size >= 0, "--hicache-size must be >= 0 (GB; 0: use --hicache-ratio)"),
+            (self.hicache_write_policy in ("write_through", "write_through_selective", "write_back"),
+             f"bad --hicache-write-policy {self.hicache_write_policy}"),
+            (self.hicache_write_policy != "write_back" or not self.enable_hierarchical_cache,
+             "--hicache-write-policy write_back is not implemented yet (write_through, write_through_selective)"),
+            (not (self.enable_hierarchical_cache and self.disable_radix_cache),
+             "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"),
+        ):
+            if not ok:
+                raise ValueError(problem)
 
     def _check_serving(self) -> None:
         """Parser names against their registries (no parser is imported), and the chat

@@ -28,6 +28,7 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     max_context: int
     vocab_size: int
     eos_token_ids: list[int]
+    page_bytes: int = 0  # one KV page across every layer, K and V: a host-tier page
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):

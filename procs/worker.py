@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
 import zmq
 
 from engine.config import ServerConfig
 from engine.logs import setup_logging
-from msgs.channels import CONTROL, DONE, STEPS, open_receiver, open_sender
+from msgs.channels import BACKUPS, CONTROL, DONE, STEPS, open_receiver, open_sender
 from msgs.control import Fatal, Ready
 from msgs.done import WorkerFailed
 
@@ -34,7 +35,7 @@ def main() -> int:
         from engine.run.runner import ModelRunner
 
         runner = ModelRunner(cfg, args.rank)
-        pipeline = WorkerPipeline(runner, steps, done)
+        pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, done, runner, args.rank))
         pipeline.start()
         control.send(Ready(proc="worker", rank=args.rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
         pipeline.run()
@@ -45,6 +46,16 @@ def main() -> int:
         done.send(WorkerFailed(rank=args.rank, seq=seq, reason=str(exc)))
         control.send(Fatal(proc="worker", rank=args.rank, reason=str(exc)))
         return 1
+
+def _with_backups(cfg: ServerConfig, ctx: zmq.Context, done: Any, runner: Any, rank: int) -> Any:
+    """With the host tier on, every backup this rank copies is reported to the cache controller."""
+    if not cfg.enable_hierarchical_cache:
+        return done
+    from engine.run.host_tier import WithBackups
+
+    backups = open_sender(ctx, BACKUPS, "worker", cfg.run_dir, linger_ms=1000)
+    return WithBackups(done, backups, runner.host_tier, rank)
+
 
 if __name__ == "__main__":
     sys.exit(main())

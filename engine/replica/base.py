@@ -95,6 +95,13 @@ class Replica:
         if missing:  # an op nobody applies would be a silent no-op: refuse to build
             raise ValueError(f"no component applies {', '.join(missing)}")
 
+    def add_effect(self, effect: Effect) -> None:
+        """Follow ops with one more effect (after those already registered)."""
+        for op_type in effect.ops:
+            if op_type not in self.table:
+                raise ValueError(f"{type(effect).__name__} handles {op_type.__name__}, which is not an Op")
+            self.table[op_type].append(effect.apply)
+
     def __getitem__(self, name: str) -> Any:
         return self.components[name]
 

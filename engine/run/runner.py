@@ -24,6 +24,7 @@ from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
 from engine.run import TORCH_PREIMPORTED
+from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
@@ -120,6 +121,8 @@ class ModelRunner:
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         self.replica = rank_replica([SamplerSlots(self.sampler)])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
+        self.host_tier = HostCopies(self.kv, cfg.hicache_path, rank, cfg.tp_size)  # L2 copies: host_tier.py
+        self.replica.add_effect(self.host_tier)
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
@@ -166,6 +169,7 @@ class ModelRunner:
             max_context=self.max_context,
             vocab_size=self.mcfg.vocab_size,
             eos_token_ids=list(self.mcfg.eos_token_ids),
+            page_bytes=self.host_tier.page_bytes,
         )
 
     def run_step(self, step: Step) -> StepDone:
@@ -182,6 +186,7 @@ class ModelRunner:
         self.seq = step.seq
         start = self.idle.start() if self.idle is not None and step.forward is not None else None
         res = self._forward(step.forward) if step.forward is not None else None
+        self.host_tier.after_forward()  # this step's backups: their KV is written now
         launched = Launched(step.seq, digest, t0, _to_host(res) if res is not None else None, self._event())
         if start is not None and launched.event is not None:
             launched.timing = StepEvents(start, launched.event, len(step.forward.slots) // 4)

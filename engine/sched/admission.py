@@ -80,6 +80,8 @@ class Admission:
             # re-matches every step and must not promote its prefix to the protected tier
             match = s.cache.match_prefix(ids[: len(ids) - 1], touch=False)
             s.cache.lock(match.node)
+            if match.host_nodes and s.tiers is not None:  # the rest is in the host tier: load it back
+                match = s.tiers.load_back(match)
             req.node, req.pages, req.kv_len = match.node, list(match.pages), match.num_tokens
         first = min(len(ids) - req.kv_len, budget)
         if self.kv.pages_for(req, first) + decoding > s.alloc.num_free + s.cache.evictable_pages:

@@ -88,7 +88,7 @@ class SchedulerCore:
         budget -= self.growth.plan_decodes(rows, ops)
         budget = self.admission.plan_prefill_chunks(rows, ops, budget)
         self.admission.admit(rows, ops, budget)
-        if not ops and not rows:
+        if not ops and not rows and not s.cache.changes:  # (changes: e.g. commits to publish)
             return None
         self.seq += 1
         ops.extend(s.cache.take_changes())
@@ -97,7 +97,10 @@ class SchedulerCore:
         step = Step(seq=self.seq, ops=ops, forward=_forward(rows) if rows else None)
         if self.replica.apply_step(step):
             self._check_mirror()
-            self.digests.expect(self.seq, self.replica.digest())
+            digest = self.replica.digest()
+            self.digests.expect(self.seq, digest)
+            if s.tiers is not None:  # the cache controller reports this step's digest too
+                s.tiers.expect(self.seq, digest)
         self.sampled_by_step[self.seq] = [r.req for r in rows if r.sample]
         self.done_ranks[self.seq] = 0
         return step
@@ -110,6 +113,9 @@ class SchedulerCore:
             raise DigestMismatch(f"step {self.seq}: the scheduler's page tables differ from its mirror")
         if self.state.cache.pages_in_tree() != self.replica["prefix_cache"].pages:
             raise DigestMismatch(f"step {self.seq}: the radix tree's pages differ from the mirror")
+        tiers = self.state.tiers
+        if tiers is not None and tiers.cache.host.encode() != self.replica["host_tier"].alloc.encode():
+            raise DigestMismatch(f"step {self.seq}: the host tier's allocator differs from the mirror")
 
     # ---- results -----------------------------------------------------------------------
 
@@ -129,6 +135,12 @@ class SchedulerCore:
             return []
         return self.outputs.on_tokens(done, self.sampled_by_step.pop(done.seq))
 
+    def on_committed(self, obj: int) -> None:
+        """The cache controller's Committed: ApplyCommit ops go out with the next Step."""
+        if self.state.tiers is None:
+            raise DigestMismatch(f"Committed({obj}) without a host tier")
+        self.state.tiers.on_committed(obj)
+
     # ---- introspection -----------------------------------------------------------------
 
     @property
@@ -144,6 +156,7 @@ class SchedulerCore:
             s.cache.locked_pages == 0
             and s.alloc.num_free + len(tree) == s.alloc.capacity
             and not self.replica["page_tables"].tables
+            and (s.tiers is None or s.tiers.leak_free())
         )
 
 
@@ -158,4 +171,3 @@ def _forward(rows: list[Row]) -> Forward:
         extend_lens=pack_ids(len(r.ids) for r in rows),
         sample=pack_ids(int(r.sample) for r in rows),
     )
-

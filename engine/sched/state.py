@@ -9,9 +9,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cache.allocator import PageAllocator
+from engine.cache.hiradix import TieredRadixCache
 from engine.cache.radix import RadixCache
 from engine.config import ServerConfig
 from engine.sched.request import Req
+from engine.sched.tiers import Tiers, make_cache
 from msgs.codec import pack_ids
 from msgs.done import WorkerReady
 from msgs.steps import ExtendPages, FreeReq, Op
@@ -30,6 +32,8 @@ class SchedConfig:
     seed: int = 0
     digest_every: int = 64
     num_ranks: int = 1  # workers replaying the stream; each reports every DigestCheck
+    host_pages: int = 0  # the host tier's (L2) pages; 0: no host tier
+    write_policy: str = "write_through"  # when cached KV is copied to L2
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -51,6 +55,8 @@ class SchedConfig:
             seed=cfg.seed,
             digest_every=digest_every,
             num_ranks=num_ranks,
+            host_pages=host_pages(cfg, ready),
+            write_policy=cfg.hicache_write_policy,
         )
 
 
@@ -59,6 +65,7 @@ class SchedState:
     cfg: SchedConfig
     alloc: PageAllocator = field(init=False)
     cache: RadixCache = field(init=False)
+    tiers: Tiers | None = field(init=False)  # the host tier's part, when it is on
     reqs: dict[str, Req] = field(default_factory=dict)  # every unfinished request
     waiting: deque[Req] = field(default_factory=deque)
     running: list[Req] = field(default_factory=list)
@@ -71,9 +78,21 @@ class SchedState:
 
     def __post_init__(self) -> None:
         self.alloc = PageAllocator(self.cfg.num_pages)
-        self.cache = RadixCache(self.cfg.page_size, self.alloc)
+        self.cache = make_cache(self.cfg, self.alloc)
+        self.tiers = Tiers(self.cache) if isinstance(self.cache, TieredRadixCache) else None
         self.free_slots = list(range(self.cfg.max_running))
         self.rng = random.Random(self.cfg.seed)
+
+
+def host_pages(cfg: ServerConfig, ready: WorkerReady) -> int:
+    """L2 pages: --hicache-size GB of host pages, else --hicache-ratio x the device pool."""
+    if not cfg.enable_hierarchical_cache:
+        return 0
+    if cfg.hicache_size > 0:
+        if ready.page_bytes <= 0:
+            raise ValueError("--hicache-size needs the workers' page size in bytes")
+        return max(1, int(cfg.hicache_size * 2**30) // ready.page_bytes)
+    return max(1, int(cfg.hicache_ratio * (ready.num_pages - 1)))
 
 
 class RequestKV:

@@ -1,0 +1,43 @@
+"""The host slab's file: one shared-memory file per server, created and removed by the
+supervisor (it outlives any child, so a child killed with -9 leaves nothing behind).
+
+The supervisor creates it empty; the first HostInit op sizes it (every rank computes the
+same size from the stream, so the ftruncate is idempotent) and each process maps it.
+No torch here: the cache controller maps it too.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+
+
+def create_slab(tag: str = "strata") -> str:
+    """An empty file, mode 0600, under /dev/shm (a temp dir where there is none)."""
+    base = SHM_DIR if SHM_DIR.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    path = base / f"{tag}-{os.getpid()}-{secrets.token_hex(4)}-l2"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    return str(path)
+
+
+def remove_slab(path: str) -> None:
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
+def map_slab(path: str, nbytes: int) -> mmap.mmap:
+    """Map `nbytes` of the slab, growing the file to that size if it is smaller."""
+    if not path:
+        raise RuntimeError("the host tier is on but no slab file was given (hicache_path)")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the memory; the file name is the supervisor's
