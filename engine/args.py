@@ -27,7 +27,12 @@ HELP = {
     "kv_cache_dtype": "auto (the model dtype) | fp8_e4m3: KV stored in 8-bit floats, half the bytes (lossy)",
     "attention_fp8_math": "with an fp8 KV cache on SM90, decode attention in fp8 tensor-core math (queries and "
     "probabilities rounded to e4m3, as FA3/TensorRT-LLM fp8 attention do): ~2x faster decode attention, less precise",
-    "tp_size": "tensor-parallel ranks, one worker process each (only 1 is implemented so far)",
+    "tp_size": "tensor-parallel ranks, one worker process (and one GPU: cuda:LOCAL_RANK) each; gloo on CPU, "
+    "NCCL on GPU",
+    "nnodes": "nodes the --tp-size ranks are spread over (as in SGLang; > 1 is refused until the Step stream "
+    "travels over tcp)",
+    "node_rank": "this node's index in 0..--nnodes-1 (node 0 runs the scheduler and tokenizer; others only workers)",
+    "dist_init_addr": "HOST:PORT of rank 0's torch.distributed rendezvous (empty: 127.0.0.1 and a free port)",
     "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2)",
     "max_total_tokens": "cap the KV pool at this many tokens (0: sized from free memory on GPU, from the model "
     "and the machine on CPU)",

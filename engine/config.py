@@ -25,7 +25,10 @@ class ServerConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= --dtype) | fp8_e4m3 (half the KV bytes; lossy)
     attention_fp8_math: bool = False  # fp8 KV: attend in fp8 tensor-core math (SM90 XQA), q/probs rounded
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks over all nodes, one worker process each
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""  # host:port of rank 0's torch.distributed store ("": 127.0.0.1, a free port)
     page_size: int = 16
     max_total_tokens: int = 0  # KV pool capacity in tokens; 0 = size from free memory
     mem_fraction: float = 0.85
@@ -65,7 +68,13 @@ class ServerConfig:
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
             (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
             (self.decode_kernel in ("auto", "fa2", "xqa", "triton"), f"bad --decode-kernel {self.decode_kernel}"),
-            (self.tp_size == 1, "--tp-size > 1: tensor parallelism is not implemented yet"),
+            (self.tp_size >= 1, "--tp-size must be >= 1"),
+            (self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "--node-rank must be in 0..--nnodes-1"),
+            (self.tp_size % self.nnodes == 0, "--tp-size must be a multiple of --nnodes"),
+            (not self.dist_init_addr or _host_port(self.dist_init_addr), "--dist-init-addr must be HOST:PORT"),
+            # the flags and the rank environment exist, but the Step/done channels are ipc sockets in
+            # node 0's private run dir (msgs/channels.py): workers elsewhere cannot reach them yet
+            (self.nnodes == 1, "--nnodes > 1: multi-node needs tcp Step/done channels (not implemented yet)"),
         ]
         for ok, problem in problems:
             if not ok:
@@ -105,6 +114,15 @@ class ServerConfig:
             object.__setattr__(self, "chat_template", str(path.resolve()))  # frozen; set once here
 
     @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def local_ranks(self) -> range:
+        """The global ranks whose workers run on this node (LOCAL_RANK = rank - start)."""
+        start = self.node_rank * self.ranks_per_node
+        return range(start, start + self.ranks_per_node)
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or (Path(self.model).name if self.model else "SmolLM2-135M-Instruct")
 
@@ -129,3 +147,11 @@ class ServerConfig:
     @classmethod
     def from_json(cls, text: str) -> ServerConfig:
         return msgspec.json.decode(text, type=cls)
+
+
+def _host_port(addr: str) -> tuple[str, int] | None:
+    """("host", port) from "host:port" ([v6]:port too), or None when malformed."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)

@@ -9,7 +9,9 @@ connection.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,9 @@ from msgs.channels import Receiver, Sender
 from msgs.control import Flushed, ProcessDied, ToSupervisor, ToTokenizerControl
 
 _PR_SET_PDEATHSIG = 1
+# NVLink multicast is off on the lent GPU machines and must stay off in every process we start
+# (issue 11); kept in sync with engine/run/dist.py, which also sets them for in-process ranks
+DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def _die_with_parent() -> None:
@@ -63,6 +68,32 @@ def announce_death(
     return None
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def dist_master(cfg: ServerConfig) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT): --dist-init-addr, else this host and a port free now."""
+    if cfg.dist_init_addr:
+        host, _, port = cfg.dist_init_addr.rpartition(":")
+        return host.strip("[]"), int(port)
+    return "127.0.0.1", free_port()
+
+
+def rank_env(cfg: ServerConfig, rank: int, master: tuple[str, int]) -> dict[str, str]:
+    """torch.distributed's usual environment for the worker of global rank `rank`."""
+    return {
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(cfg.tp_size),
+        "LOCAL_RANK": str(rank - cfg.node_rank * cfg.ranks_per_node),
+        "LOCAL_WORLD_SIZE": str(cfg.ranks_per_node),
+    }
+
+
 class ChildSet:
     def __init__(self, cfg: ServerConfig, run_dir: Path) -> None:
         self.cfg = cfg
@@ -71,17 +102,25 @@ class ChildSet:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def names(self) -> list[str]:
-        return [f"worker-{r}" for r in range(self.cfg.tp_size)] + ["scheduler", "tokenizer"]
+        workers = [f"worker-{r}" for r in self.cfg.local_ranks()]
+        return workers + (["scheduler", "tokenizer"] if self.cfg.node_rank == 0 else [])
 
     def start_all(self) -> None:
-        for rank in range(self.cfg.tp_size):
-            self._spawn(f"worker-{rank}", "procs.worker", "--rank", str(rank))
-        self._spawn("scheduler", "procs.scheduler")
-        self._spawn("tokenizer", "procs.tokenizer")
+        master = dist_master(self.cfg)
+        for rank in self.cfg.local_ranks():
+            self._spawn(f"worker-{rank}", "procs.worker", "--rank", str(rank), env=rank_env(self.cfg, rank, master))
+        if self.cfg.node_rank == 0:  # other nodes run workers only (they follow node 0's scheduler)
+            self._spawn("scheduler", "procs.scheduler")
+            self._spawn("tokenizer", "procs.tokenizer")
 
-    def _spawn(self, name: str, module: str, *extra: str) -> None:
+    def _spawn(self, name: str, module: str, *extra: str, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", module, "--config", str(self.config_path), *extra]
-        self.procs[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        full_env = {**os.environ, **DIST_ENV, **(env or {})}
+        self.procs[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=full_env)  # noqa: PLW1509
+
+    def start_cache(self) -> None:
+        """The cache controller (with --enable-hierarchical-cache); watched like the others."""
+        self._spawn("cache", "procs.cache")
 
     def first_dead(self) -> tuple[str, str] | None:
         """(name, how it ended) of a child that is no longer running, if any."""

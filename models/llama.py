@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import ops, triton_ops
@@ -21,50 +20,20 @@ from engine.layers.context import ForwardContext
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.layers.ops import apply_rope, rope_cos_sin  # noqa: F401 - re-exported (moved to ops)
+from engine.layers.parallel import (
+    ColumnParallelLinear,
+    Linear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _param,
+    head_shard,
+    lm_logits,
+    range_split,
+    tp,
+)
 from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig, RopeScaling
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b), without nn.Linear's (slow, useless here) random init."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
-        self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
-        self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
-
-    def gemv_config(self, x: torch.Tensor) -> tuple | None:
-        """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
-        batches where the config holds a whole row slice per program), else None."""
-        if self._gemv is False:  # decided once, on the device the weights ended up on
-            self._gemv = triton_ops.gemv_config(self.weight)
-            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
-        rows = x.shape[0]
-        if (self._gemv is None or rows > self._gemv_rows or self.bias is not None or not x.is_contiguous()
-                or not ops.fused_enabled()):
-            return None
-        return self._gemv if triton_ops.gemv_rows_ok(self._gemv, self.weight.shape[1], rows) else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.gemv_config(x)
-        if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
-            return triton_ops.gemv(x, self.weight, *cfg)
-        return F.linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(num, dim, dtype=dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -103,10 +72,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        # this rank's heads (all of them at tp 1): column-parallel QKV, row-parallel o_proj
+        heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp().rank, tp().world)
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_q, heads.num_kv, d
+        self.q_size, self.kv_size = heads.num_q * d, heads.num_kv * d
+        (qs, qe), (ks, ke) = heads.q, heads.kv
+        parts = [("q", cfg.q_size, (qs * d, qe * d)), ("k", cfg.kv_size, (ks * d, ke * d)),
+                 ("v", cfg.kv_size, (ks * d, ke * d))]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.attention_bias, dtype)
+        self.o_proj = RowParallelLinear(cfg.q_size, (qs * d, qe * d), cfg.hidden_size, cfg.o_proj_bias, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -140,8 +115,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        inter = cfg.intermediate_size
+        mine = range_split(inter, tp().world, tp().rank)  # this rank's slice of the intermediate dim
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [("gate", inter, mine), ("up", inter, mine)],
+                                                 False, dtype)
+        self.down_proj = RowParallelLinear(inter, mine, cfg.hidden_size, False, dtype)
 
     def down(self, h: torch.Tensor) -> torch.Tensor:
         """The down projection of the gate_up output h: silu(gate) * up, then down_proj."""
@@ -195,7 +173,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -208,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.dtype = dtype
         self.model = LlamaModel(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         # a plain attribute, not a buffer: module.to(dtype) must not cast RoPE frequencies
         self.rotary = ops.Rotary(
             rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), cfg.head_dim, cfg.max_position_embeddings
@@ -225,4 +203,4 @@ class LlamaForCausalLM(nn.Module):
         idx = batch.logit_indices
         h = self.model.norm(residual[idx] + x[idx])
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        return lm_logits(h, w, self.config.vocab_size)  # tp > 1: gathered, the same on every rank

@@ -1,8 +1,10 @@
 """Weight loading: HF safetensors checkpoints (single or sharded) and dummy weights.
 
 HF names map onto Strata's fused parameters: q_proj/k_proj/v_proj become row slices of
-qkv_proj, gate_proj/up_proj row slices of gate_up_proj. Every parameter must be filled
-exactly once; anything missing or unexpected is a ValueError naming the tensors.
+qkv_proj, gate_proj/up_proj row slices of gate_up_proj. Where each piece lands, and which
+slice a tensor-parallel rank reads, is the parameter's `Sharding` (engine/layers/parallel.py).
+Every parameter must be filled exactly once; anything missing or unexpected is a ValueError
+naming the tensors.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from engine.layers.parallel import Piece, sharding_of
 from models.config import ModelConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -28,18 +32,6 @@ _FUSED = (
     (".up_proj.", ".gate_up_proj.", "up"),
 )
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed, stored by some old checkpoints
-
-
-def _shard_rows(cfg: ModelConfig, shard: str) -> tuple[int, int]:
-    """Row range [start, end) of `shard` inside its fused parameter."""
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return {
-        "q": (0, q),
-        "k": (q, q + kv),
-        "v": (q + kv, q + 2 * kv),
-        "gate": (0, inter),
-        "up": (inter, 2 * inter),
-    }[shard]
 
 
 def map_name(hf_name: str) -> tuple[str, str | None]:
@@ -68,7 +60,8 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_handles(files: list[Path], progress: bool) -> Iterator[tuple[str, Any]]:
+    """(tensor name, open safetensors handle): the caller reads only what it needs (get_slice)."""
     total = 0
     for f in files:
         with safe_open(str(f), framework="pt") as h:
@@ -78,29 +71,33 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torc
         for f in files:
             with safe_open(str(f), framework="pt") as h:
                 for name in h.keys():
-                    yield name, h.get_tensor(name)
+                    yield name, h
                     bar.update(1)
 
 
 def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progress: bool = True) -> None:
     """Fill every parameter of `model` from the checkpoint in `path` (converting dtype/device).
 
-    Raises ValueError for a quantized checkpoint, a shape mismatch, an unexpected tensor, or
-    a parameter (or fused shard) the checkpoint does not provide.
+    A tensor-parallel rank reads only its slice of each sharded tensor (safetensors get_slice:
+    no full copy in host memory). Raises ValueError for a quantized checkpoint, a shape
+    mismatch, an unexpected tensor, or a parameter (or fused shard) the checkpoint does not
+    provide.
     """
     if cfg.quant_method is not None:
         raise ValueError(f"quantized checkpoints ({cfg.quant_method}) are not supported yet")
     params = dict(model.named_parameters())
-    pending = {(n, s) for n, s in _expected_pieces(params, cfg)}
+    pending = {(n, s) for n, p in params.items() for s in _pieces_of(p)}
     unexpected: list[str] = []
-    for hf_name, tensor in _iter_tensors(checkpoint_files(Path(path)), progress):
+    for hf_name, handle in _iter_handles(checkpoint_files(Path(path)), progress):
         if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # tied checkpoints sometimes store a copy of the embedding; we read the embedding
         name, shard = map_name(hf_name)
         if name not in params:
             unexpected.append(hf_name)
             continue
-        _copy_into(params[name], tensor, cfg, shard, hf_name)
+        _copy_into(params[name], handle, hf_name, shard)
+        if shard is None:  # a whole (already fused) tensor fills every piece
+            pending -= {(name, s) for s in _pieces_of(params[name])}
         pending.discard((name, shard))
     if unexpected:
         raise ValueError(f"checkpoint {path} has {len(unexpected)} unexpected tensors: {_head(unexpected)}")
@@ -109,24 +106,36 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors: {_head(missing)}")
 
 
-def _expected_pieces(params: dict[str, nn.Parameter], cfg: ModelConfig) -> Iterator[tuple[str, str | None]]:
-    for name in params:
-        if ".qkv_proj." in name:
-            yield from ((name, s) for s in ("q", "k", "v"))
-        elif ".gate_up_proj." in name:
-            yield from ((name, s) for s in ("gate", "up"))
-        else:
-            yield name, None
+def _pieces_of(p: nn.Parameter) -> list[str | None]:
+    sh = sharding_of(p)
+    return [None] if sh is None else list(sh.pieces)
 
 
-def _copy_into(param: nn.Parameter, tensor: torch.Tensor, cfg: ModelConfig, shard: str | None, src: str) -> None:
-    target = param.data
-    if shard is not None:
-        start, end = _shard_rows(cfg, shard)
-        target = target[start:end]
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(f"tensor {src} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-    target.copy_(tensor)
+def _copy_into(param: nn.Parameter, handle: Any, src: str, shard: str | None) -> None:
+    """Copy this rank's part of checkpoint tensor `src` into `param` (fused shard `shard`)."""
+    sh = sharding_of(param)
+    sl = handle.get_slice(src)
+    shape = tuple(sl.get_shape())
+    if sh is None:  # replicated: the whole tensor
+        if shape != tuple(param.shape):
+            raise ValueError(f"tensor {src} has shape {shape}, expected {tuple(param.shape)}")
+        param.data.copy_(handle.get_tensor(src))
+        return
+    if shard is None and None not in sh.pieces:  # a checkpoint storing the fused tensor whole
+        pieces = [Piece((p.full_offset + p.src[0], p.full_offset + p.src[1]), p.dst, sh.full_shape[sh.dim], 0)
+                  for p in sh.pieces.values()]
+    elif shard in sh.pieces:
+        pieces = [sh.pieces[shard]]
+    else:
+        raise ValueError(f"tensor {src}: parameter has no shard {shard!r}")
+    for piece in pieces:
+        want = list(param.shape)
+        want[sh.dim] = piece.full_len
+        if shape != tuple(want):
+            raise ValueError(f"tensor {src} has shape {shape}, expected {tuple(want)}")
+        a, b = piece.src
+        part = sl[a:b] if sh.dim == 0 else sl[:, a:b]  # only these bytes are read from the file
+        param.data.narrow(sh.dim, piece.dst, b - a).copy_(part)
 
 
 def _head(names: list[str], n: int = 8) -> str:
@@ -137,8 +146,11 @@ def _head(names: list[str], n: int = 8) -> str:
 def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic random weights: N(0, std) for matrices, 1 for norms, 0 for biases.
 
-    Each parameter draws from its own generator seeded by (seed, parameter index) on the
-    parameter's device, so results depend only on the seed, the config and the device type.
+    Each parameter draws its whole, unsharded tensor from its own generator seeded by
+    (seed, parameter index) on the parameter's device, and a tensor-parallel rank keeps its
+    slice of it: the same shards a real checkpoint would give, so tp=N runs the same model as
+    tp=1 (the parameter names, hence the indices, do not depend on the rank). Results depend
+    only on the seed, the config and the device type.
     """
     for i, (name, p) in enumerate(sorted(model.named_parameters())):
         if name.endswith("norm.weight"):
@@ -146,7 +158,15 @@ def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
         elif name.endswith(".bias"):
             p.data.zero_()
         else:
+            sh = sharding_of(p)
+            full = tuple(p.shape) if sh is None else sh.full_shape
             gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
             # draw in float32 then cast, so bf16 and fp32 dummy models share one distribution
-            buf = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, std, generator=gen)
-            p.data.copy_(buf)
+            buf = torch.empty(full, dtype=torch.float32, device=p.device).normal_(0.0, std, generator=gen)
+            if full == tuple(p.shape):  # tp 1 (or a replicated tensor): the whole draw
+                p.data.copy_(buf)
+                continue
+            for piece in sh.pieces.values():
+                a, b = piece.src
+                p.data.narrow(sh.dim, piece.dst, b - a).copy_(buf.narrow(sh.dim, piece.full_offset + a, b - a))
+            del buf

@@ -39,13 +39,17 @@ def main() -> int:
         pipeline.start()
         control.send(Ready(proc="worker", rank=args.rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
         pipeline.run()
-        return 0
+        code = 0
     except Exception as exc:  # fatal by design: report, exit non-zero
         log.exception("worker failed", error=str(exc))
         seq = pipeline.last_seq if pipeline is not None else -1
         done.send(WorkerFailed(rank=args.rank, seq=seq, reason=str(exc)))
         control.send(Fatal(proc="worker", rank=args.rank, reason=str(exc)))
-        return 1
+        code = 1
+    finally:
+        if "engine.run.dist" in sys.modules:  # tp > 1: leave the group, never waiting on it forever
+            sys.modules["engine.run.dist"].shutdown_distributed(1)
+    return code
 
 def _with_backups(cfg: ServerConfig, ctx: zmq.Context, done: Any, runner: Any, rank: int) -> Any:
     """With the host tier on, every backup this rank copies is reported to the cache controller."""

@@ -50,17 +50,18 @@ def weight_bytes(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
     return elem * (mcfg.num_layers * layer + embed + h)
 
 
-def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device) -> None:
-    """On CUDA, refuse (OutOfMemory, with the numbers) a model whose weights exceed free memory."""
+def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> None:
+    """On CUDA, refuse (OutOfMemory, with the numbers) a model whose weights (this rank's share
+    of them at tp_size > 1, about 1/tp_size) exceed free memory."""
     if device.type != "cuda" or not model_dir:
         return
     mcfg = ModelConfig.from_dir(model_dir)
-    need = weight_bytes(mcfg, dtype)
+    need = weight_bytes(mcfg, dtype) // tp_size
     free, total = torch.cuda.mem_get_info(device)
     if need > free:
         raise OutOfMemory(
             f"the model does not fit: its weights need {need / 2**30:.1f} GiB in {dtype}, but {device} has "
-            f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB (tensor parallelism is not implemented)"
+            f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB at --tp-size {tp_size}"
         )
 
 

@@ -24,6 +24,8 @@ from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
 from engine.run import TORCH_PREIMPORTED
+from engine.run.dist import init_distributed, rank_config
+from engine.run.grammar import GrammarSlots
 from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
@@ -80,7 +82,7 @@ class ModelRunner:
     def __init__(self, cfg: ServerConfig, rank: int = 0) -> None:
         self.cfg = cfg
         self.rank = rank
-        self.device = torch.device(cfg.resolved_device)
+        self.device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(cfg.cpu_threads))
@@ -90,10 +92,11 @@ class ModelRunner:
         self.model, self.mcfg = _load(cfg, self.dtype, self.device)
         self.startup = {"load_s": time.perf_counter() - t0}  # time to ready, by phase (Ready's info)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
-        pool = plan_pool(cfg, self.mcfg, self.kv_dtype, self.device)
+        self.shard = rank_config(self.mcfg)  # this rank's heads and MLP slice: what its KV pool holds
+        pool = plan_pool(cfg, self.shard, self.kv_dtype, self.device)
         self.page_size = cfg.page_size
         self.num_pages = pool.num_pages
-        kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(self.mcfg, self.kv_dtype) / 2**30
+        kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(self.shard, self.kv_dtype) / 2**30
         log.info(
             f"kv pool: {(pool.num_pages - 1) * cfg.page_size} tokens, {kv_gib:.2f} GiB on {self.device}",
             sized_by=pool.sized_by, threads=torch.get_num_threads() if self.device.type == "cpu" else None,
@@ -103,7 +106,7 @@ class ModelRunner:
             self.mcfg.num_layers,
             pool.num_pages,
             cfg.page_size,
-            self.mcfg.num_kv_heads,
+            self.shard.num_kv_heads,
             self.mcfg.head_dim,
             self.kv_dtype,
             self.device,
@@ -111,7 +114,7 @@ class ModelRunner:
         self.backend = create_backend(cfg.attention_backend, self.device)
         set_decode_kernel(self.backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
         self.backend.bind(
-            num_q_heads=self.mcfg.num_heads,
+            num_q_heads=self.shard.num_heads,
             kv_pool=self.kv,
             max_batch=cfg.max_running_requests,
             max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
@@ -119,7 +122,9 @@ class ModelRunner:
             fp8_math=cfg.attention_fp8_math,
         )
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
-        self.replica = rank_replica([SamplerSlots(self.sampler)])
+        # grammar matchers per slot (engine/run/grammar.py): an effect, like the sampler's state
+        self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device)
+        self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.host_tier = HostCopies(self.kv, cfg.hicache_path, rank, cfg.tp_size)  # L2 copies: host_tier.py
         self.replica.add_effect(self.host_tier)
@@ -248,7 +253,9 @@ class ModelRunner:
         if not sampled_slots:
             return None
         positions = [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp]
+        self.grammar.mask(logits, sampled_slots)  # constrained rows only; waits for last step's tokens
         res = self.sampler.sample(logits, sampled_slots, positions)
+        self.grammar.sampled(sampled_slots, res.token_ids)
         if slots_dev is None:
             slots_dev = _to_device(torch.tensor(sampled_slots, dtype=torch.int64), self.device)
         self.last_token.index_copy_(0, slots_dev, res.token_ids)
@@ -278,7 +285,7 @@ def cpu_threads(requested: int) -> int:
 
 def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN202
     """load_model with a clear error when the weights cannot fit the device."""
-    check_weights_fit(cfg.model, dtype, device)
+    check_weights_fit(cfg.model, dtype, device, cfg.tp_size)
     try:
         return load_model(cfg.model, cfg.load_format, dtype, device)
     except torch.OutOfMemoryError as e:

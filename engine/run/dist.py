@@ -1,0 +1,97 @@
+"""torch.distributed for one worker rank: set up from the supervisor's environment, torn down
+without ever waiting on a collective forever.
+
+The supervisor (engine/supervise.py) gives each worker MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE and LOCAL_RANK. A rank uses cuda:LOCAL_RANK and NCCL on GPU, gloo on CPU, and
+publishes itself to the layers (`engine.layers.parallel.set_tp`) before the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from engine.config import ServerConfig
+from engine.layers.parallel import head_shard, range_split, set_tp, tp
+from models.config import ModelConfig
+
+log = structlog.get_logger()
+
+# A collective that waits this long has lost its peer (a rank died mid-step): it raises instead of
+# hanging, the worker reports the failure and exits. Far above any step's time (a CPU prefill of the
+# largest budget takes seconds); the start-up rendezvous is bounded by it too.
+COLLECTIVE_TIMEOUT_S = 120.0
+DESTROY_WAIT_S = 5.0  # destroy_process_group hung at exit in the H200 probe (issue 11): bounded
+
+# NVLink multicast is off on the lent machines and must stay off in every process (issue 11)
+DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
+    """The device of this rank; at tp > 1 also joins the process group (blocking until every
+    rank has joined, at most COLLECTIVE_TIMEOUT_S) and sets the layers' TP group."""
+    device = torch.device(cfg.resolved_device)
+    if cfg.tp_size == 1:
+        return device
+    for key, value in DIST_ENV.items():
+        os.environ[key] = value
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"--tp-size {cfg.tp_size}: {', '.join(missing)} not set (the supervisor sets them)")
+    world = int(os.environ.get("WORLD_SIZE", cfg.tp_size))
+    if world != cfg.tp_size or int(os.environ.get("RANK", rank)) != rank:
+        raise RuntimeError(f"environment RANK/WORLD_SIZE disagree with rank {rank} of --tp-size {cfg.tp_size}")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        kwargs["device_id"] = device  # eager NCCL communicator: ready before CUDA graphs are captured
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
+            # one host: gloo would otherwise bind the interface the hostname resolves to, which
+            # containers often cannot reach
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
+    )
+    set_tp(rank, world, dist.group.WORLD)
+    log.info("tensor parallel group joined", backend=backend, world=world, device=str(device),
+             master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    return device
+
+
+def rank_config(mcfg: ModelConfig) -> ModelConfig:
+    """The model config as this rank sees it: its q and K/V heads, its slice of the MLP (for the
+    KV pool, the attention backend and memory sizing); the vocabulary stays whole, since the
+    logits are gathered before sampling. At tp 1, mcfg itself."""
+    t = tp()
+    if t.world == 1:
+        return mcfg
+    heads = head_shard(mcfg.num_heads, mcfg.num_kv_heads, t.rank, t.world)
+    start, end = range_split(mcfg.intermediate_size, t.world, t.rank)
+    return dataclasses.replace(mcfg, num_heads=heads.num_q, num_kv_heads=heads.num_kv, intermediate_size=end - start)
+
+
+def shutdown_distributed(exit_code: int, wait_s: float = DESTROY_WAIT_S) -> None:
+    """Leave the process group, waiting at most wait_s; if it does not return (a peer gone in
+    the middle of a collective), exit now with exit_code rather than hang at interpreter exit."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    t = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
+    t.start()
+    t.join(wait_s)
+    if t.is_alive():
+        log.warning("destroy_process_group did not return; exiting without it", wait_s=wait_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
