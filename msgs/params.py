@@ -11,6 +11,18 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_IDS = 256
+MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf text; a bigger spec is a 400, not a slow compile
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """A compiled grammar as it travels tokenizer -> scheduler -> every rank (never pickled).
+
+    Set only by the tokenizer, from the request's json_schema / regex / ebnf /
+    response_format / forced tool_choice (whatever a client sends here is overwritten)."""
+
+    key: str  # SHA-256 of what was compiled: the worker's cache key and the replica's digest entry
+    data: bytes  # zlib of xgrammar's CompiledGrammar.serialize_json()
+    stop_ids: list[int]  # tokens that end the grammar: the scheduler stops the request on them
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -32,6 +44,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Constrained decoding (SGLang's names): at most one; compiled by the tokenizer into `grammar`.
+    json_schema: str | None = None  # a JSON Schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
+    grammar: Grammar | None = None
 
     def validate(self, vocab_size: int | None = None) -> str | None:
         """Return a human-readable problem, or None when the params are acceptable.
@@ -56,11 +73,22 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
             (all(0 <= t < (vocab_size or INT32) for t in self.stop_token_ids), _ids_problem(vocab_size)),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+            (len(self.grammar_specs()) <= 1, "give at most one of json_schema, regex and ebnf"),
+            (
+                all(len(v) <= MAX_GRAMMAR_CHARS for v in self.grammar_specs().values()),
+                f"json_schema, regex and ebnf must be at most {MAX_GRAMMAR_CHARS} characters",
+            ),
         ]
         for ok, problem in checks:
             if not ok:
                 return problem
         return None
+
+
+    def grammar_specs(self) -> dict[str, str]:
+        """The constrained-decoding fields the client set: name -> text."""
+        specs = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+        return {k: v for k, v in specs.items() if v is not None}
 
 
 def _ids_problem(vocab_size: int | None) -> str:

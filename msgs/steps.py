@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from msgs.params import Grammar
+
 
 class WorkerSampling(msgspec.Struct, frozen=True):
     temperature: float
@@ -30,6 +32,8 @@ class AddReq(msgspec.Struct, tag=True, frozen=True):
     sampling: WorkerSampling
     prompt_ids: bytes  # packed int32, for the repetition penalty
     output_ids: bytes = b""  # packed int32: tokens generated before a retraction (penalty history)
+    # The request's compiled grammar (a matcher per rank; re-advanced over output_ids), or None.
+    grammar: Grammar | None = None
 
 
 class ExtendPages(msgspec.Struct, tag=True, frozen=True):

@@ -99,7 +99,12 @@ class Admission:
         req.slot = heapq.heappop(s.free_slots)
         req.status = Status.RUNNING
         s.running.append(req)
-        ops.append(AddReq(req.slot, req.rid, worker_sampling(req), pack_ids(req.prompt_ids), pack_ids(req.output_ids)))
+        ops.append(
+            AddReq(
+                req.slot, req.rid, worker_sampling(req), pack_ids(req.prompt_ids), pack_ids(req.output_ids),
+                grammar=req.params.grammar,
+            )
+        )
         if req.pages:
             ops.append(ExtendPages(req.slot, pack_ids(req.pages)))
 

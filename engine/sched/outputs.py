@@ -48,6 +48,10 @@ class OutputProcessor:
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params
+        # A grammar ends only on one of its stop tokens (xgrammar accepts nothing else once the
+        # document is complete), so stopping on them is grammar termination, ignore_eos or not.
+        if p.grammar is not None and tok in p.grammar.stop_ids:
+            return "stop"
         if not p.ignore_eos and tok in self.s.cfg.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:

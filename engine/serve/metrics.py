@@ -17,6 +17,7 @@ from msgs.codec import DROPPED
 from msgs.outputs import SchedulerStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -38,6 +39,15 @@ class Metrics:
         self.leak_free = Gauge("strata_kv_leak_free", "1 when the last idle leak check passed", registry=r)
         self.ttft = Histogram("strata_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
         self.step = Histogram("strata_step_seconds", "Scheduler step duration", buckets=STEP_BUCKETS, registry=r)
+        self.grammar_compile = Histogram(
+            "strata_grammar_compile_seconds", "Grammar compile time (cache misses)", buckets=GRAMMAR_BUCKETS, registry=r
+        )
+        self.grammar_cache_hits = Counter(
+            "strata_grammar_cache_hits", "Constrained requests served by an already compiled grammar", registry=r
+        )
+        self.grammar_failures = Counter(
+            "strata_grammar_failures", "Grammars that failed to compile or timed out (400s)", registry=r
+        )
         self.cache_hit_tokens.labels(tier="device")  # present (at 0) before the first hit
         self._device_hits = 0
         self.dropped = _DroppedFrames()

@@ -15,6 +15,7 @@ import structlog
 from engine.serve import formats as fmt
 from engine.serve.errors import api_error_body
 from engine.serve.generate import Delta, Generation, GenerationFailed, collect, first_then_rest
+from engine.serve.grammar import constrain, service_of
 from engine.serve.protocol import GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import SubRequest, check_rid, native_params, native_prompt, native_request
@@ -29,7 +30,8 @@ async def prepare(
     """Prompt ids and final params of a native request (HTTP or SDK); ApiError if bad."""
     limits = await state.limits()
     ids = native_prompt(text, input_ids, state.tok)
-    return ids, native_request(ids, params, max_given, limits, state.tok)
+    params = native_request(ids, params, max_given, limits, state.tok)
+    return ids, await constrain(service_of(state), params, limits.vocab_size)
 
 
 def _body(rid: str, text: str, ids: list[int], prompt: int, cached: int, finish: str | None, **lp: Any) -> dict:

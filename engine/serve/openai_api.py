@@ -12,6 +12,8 @@ from engine.serve import formats as fmt
 from engine.serve.chat import chat_prompt
 from engine.serve.errors import api_error_body
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
+from engine.serve.grammar import Reasoning, constrain, service_of
+from engine.serve.parsers import reasoning_parser
 from engine.serve.parsers.output import ChatOutput, chat_outputs
 from engine.serve.parsers.tool_request import ToolRequest, check_tools
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported, decode_body
@@ -78,6 +80,10 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")
+    structure = tools.structure() if tools is not None else None
+    forced = (structure, tools.parallel) if structure is not None and tools is not None else None
+    reasoning = _reasoning(state, prompt, req.chat_template_kwargs)
+    params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
     gen = Generation(state.frontend, state.tok, rid, subs, call.t0, req.stream)
@@ -97,6 +103,15 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp))
     use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
     return Reply(body=fmt.chat_completion(rid, state.model_name, created, out, use))
+
+
+def _reasoning(state: ServeState, prompt: str, template_kwargs: dict[str, Any] | None) -> Reasoning | None:
+    """Where this request's reasoning ends, when a reasoning parser is on and the prompt
+    leaves thinking enabled: a grammar applies only after that marker."""
+    if not state.cfg.reasoning_parser:
+        return None
+    parser = reasoning_parser(state.cfg.reasoning_parser)(prompt, template_kwargs)
+    return Reasoning(parser.start, parser.end, parser.starts_inside) if parser.enabled else None
 
 
 class _Parsed:
@@ -195,6 +210,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     prompts = completion_prompts(req.prompt, state.tok)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [_params_for(ids, kw, req.max_tokens, default, limits, state.tok, "prompt") for ids in prompts]
+    params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]
     subs = fan_out(rid, prompts, params, req.n)
     log.info(
         "completion request",

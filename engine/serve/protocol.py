@@ -70,6 +70,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
+    regex: str | None = None  # constrained decoding (engine/serve/grammar.py)
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Some clients send every field, unset ones as null: null means the default.
@@ -153,7 +155,7 @@ def _check_completion_extras(req: CompletionRequest) -> None:
 
 def _check_chat_extras(req: ChatCompletionRequest) -> None:
     fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
+    if fmt not in ("text", "json_object", "json_schema"):  # the rest: engine.serve.grammar.response_format_spec
         raise ApiError(400, f"response_format type {fmt!r} is not supported", param="response_format")
     if req.modalities not in (None, ["text"]):
         raise ApiError(400, "only the text modality is supported", param="modalities")

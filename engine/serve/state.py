@@ -23,6 +23,7 @@ class ServeState:
     tok: TextTokenizer | None  # None: ids-only mode
     frontend: Frontend
     ready_timeout_s: float = READY_TIMEOUT_S
+    grammar: Any = None  # engine.serve.grammar.GrammarService, made on the first constrained request
 
     @property
     def model_name(self) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from engine.serve.errors import ApiError, from_validation
+from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.serve.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
@@ -124,6 +125,10 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         _set(kw, name, getattr(req, name))
     _set(kw, "presence_penalty", req.presence_penalty)
     _set(kw, "frequency_penalty", req.frequency_penalty)
+    _set(kw, "regex", req.regex)
+    _set(kw, "ebnf", req.ebnf)
+    if isinstance(req, ChatCompletionRequest):
+        kw.update(response_format_spec(req.response_format))
     kw.update(_logprob_params(req))
     return kw
 

@@ -102,7 +102,7 @@ def test_unknown_sampling_param_in_generate() -> None:
     [
         ('"logit_bias": {"5": 1.0}', "logit_bias"),
         ('"stream_options": {"include_usage": true}', "stream_options"),
-        ('"response_format": {"type": "json_object"}', "response_format"),
+        ('"response_format": {"type": "xml"}', "response_format"),
         ('"modalities": ["audio"]', "modalities"),
     ],
 )

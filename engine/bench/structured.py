@@ -1,0 +1,150 @@
+"""Structured-output throughput: N concurrent json_schema requests vs N unconstrained
+requests of the same output lengths, on one server (DESIGN.md 9: >= 90%).
+
+    python -m engine.bench.structured --model configs/qwen3-0.6b --load-format dummy \\
+        --tokenizer-from ~/.cache/strata/models/SmolLM2-135M-Instruct --num-requests 64
+
+Random-weight model dirs have no tokenizer, and a grammar needs one: `--tokenizer-from`
+copies a tokenizer's files next to the config in a temp dir (the model's vocabulary may be
+larger: the grammar masks the ids past the tokenizer's). The constrained pass runs first;
+each unconstrained request then asks for exactly the tokens its twin produced
+(ignore_eos), so both passes generate the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.bench.launch import launched_server
+from engine.serve.tokenizer import TOKENIZER_FILES
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 8,
+            "maxItems": 24,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                    "name": {"type": "string", "minLength": 4, "maxLength": 24},
+                    "kind": {"enum": ["alpha", "beta", "gamma"]},
+                    "ok": {"type": "boolean"},
+                },
+                "required": ["id", "name", "kind", "ok"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def model_with_tokenizer(model: str, tokenizer_from: str) -> str:
+    tmp = Path(tempfile.mkdtemp(prefix="strata-structured-"))
+    shutil.copy(Path(model) / "config.json", tmp / "config.json")
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer_from).expanduser() / name
+        if src.is_file():
+            shutil.copy(src, tmp / name)
+    return str(tmp)
+
+
+async def _pass(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        replies = await asyncio.gather(*(client.post(f"{url}/generate", json=b) for b in bodies))
+        wall = time.perf_counter() - t0
+    for r in replies:
+        r.raise_for_status()
+    return wall, [r.json() for r in replies]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = model_with_tokenizer(args.model, args.tokenizer_from) if args.tokenizer_from else args.model
+    server_args = shlex.split(args.server_args) + ["--max-running-requests", str(max(args.num_requests, 1))]
+    prompt = "Write a JSON inventory of items:"
+    with launched_server(model, args.load_format, server_args) as ep:
+        url = ep.http
+        assert url is not None
+        # warm-up: compile the grammar once (cached after) and run both paths once
+        warm = {"text": prompt, "sampling_params": {"max_new_tokens": 8, "json_schema": json.dumps(SCHEMA)}}
+        asyncio.run(_pass(url, [warm, {"text": prompt, "sampling_params": {"max_new_tokens": 8}}]))
+        constrained = [
+            {"text": prompt, "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 1.0, "seed": i,
+                                                 "json_schema": json.dumps(SCHEMA)}}
+            for i in range(args.num_requests)
+        ]  # fmt: skip
+        c_wall, c_out = asyncio.run(_pass(url, constrained))
+        lengths = [o["meta_info"]["completion_tokens"] for o in c_out]
+        valid = 0
+        for o in c_out:
+            try:
+                json.loads(o["text"])
+                valid += 1
+            except ValueError:
+                pass
+        plain = [
+            {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "seed": i,
+                                                 "ignore_eos": True}}
+            for i, n in enumerate(lengths)
+        ]  # fmt: skip
+        p_wall, p_out = asyncio.run(_pass(url, plain))
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    tokens = sum(lengths)
+    assert sum(o["meta_info"]["completion_tokens"] for o in p_out) == tokens
+    c_tps, p_tps = tokens / c_wall, tokens / p_wall
+    result = {
+        "model": args.model,
+        "tokenizer_from": args.tokenizer_from,
+        "num_requests": args.num_requests,
+        "output_tokens": tokens,
+        "mean_output_len": tokens / max(len(lengths), 1),
+        "json_valid": valid,
+        "finish_stop": sum(o["meta_info"]["finish_reason"] == "stop" for o in c_out)
+        if isinstance(c_out[0]["meta_info"]["finish_reason"], str)
+        else None,
+        "constrained_s": c_wall,
+        "unconstrained_s": p_wall,
+        "constrained_tok_s": c_tps,
+        "unconstrained_tok_s": p_tps,
+        "ratio": c_tps / p_tps,
+        "grammar_metrics": [ln for ln in metrics.splitlines() if ln.startswith("strata_grammar")],
+    }
+    print("============ Structured Output Result ============")
+    for k in ("num_requests", "output_tokens", "mean_output_len", "json_valid", "constrained_tok_s",
+              "unconstrained_tok_s", "ratio"):  # fmt: skip
+        print(f"{k:24s} {result[k]}")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokenizer-from", default=None, help="copy this directory's tokenizer files next to the config")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--server-args", default="")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = run(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

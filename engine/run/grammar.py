@@ -1,0 +1,185 @@
+"""Grammar matchers on a rank: replicated per-slot state, and the logits mask they make.
+
+`GrammarSlots` is an Effect of the rank's replica: AddReq with a grammar creates the slot's
+xgrammar GrammarMatcher (re-advanced over `output_ids` after a retraction), FreeReq drops
+it. Every rank advances its own matchers with the tokens it sampled, so no round trip to
+the scheduler is needed; the matcher's state is a function of the Step stream and the
+sampled tokens, which the digest's token chain already covers.
+
+Overlap: step N+1's forward is launched before the matchers have seen step N's tokens.
+Only its sampling waits: `mask` first takes step N's tokens off the host copy started when
+N sampled (`_Pending`: the one wait, on N's event, while N+1's forward is queued behind it
+on the device), accepts them (Python ints: xgrammar's binding rejects tensor scalars), fills
+the bitmask rows of the constrained slots on the host (pinned on CUDA), copies it, and
+applies it with xgrammar's kernel (triton on CUDA, its C++ kernel on CPU) to those rows
+only. The bitmask spans the model's vocabulary (the TokenizerInfo has the model's vocab
+size), so ids past the tokenizer's vocabulary are masked too.
+
+A finished grammar (its stop token accepted) is terminated: the scheduler ends the request
+on that token, and a row of it still sampled by the overlap step is left unmasked (its
+token is discarded).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+import xgrammar as xgr
+
+from engine.replica import Effect, ReplicaError
+from msgs.codec import unpack_ids
+from msgs.params import Grammar
+from msgs.steps import AddReq, FreeReq
+
+log = structlog.get_logger()
+COMPILED_CACHE = 64  # deserialized grammars kept by key (requests sharing a schema share one)
+
+
+@dataclass
+class _Pending:
+    """Tokens a step sampled for constrained rows, on their way to the host."""
+
+    tokens: torch.Tensor  # host copy (non-blocking on CUDA) of the step's sampled tokens
+    event: torch.cuda.Event | None  # completes when `tokens` is filled
+    rows: list[tuple[int, Any]]  # (row in the step's sampled tokens, the matcher it goes to)
+
+
+class GrammarSlots(Effect):
+    ops = (AddReq, FreeReq)
+
+    def __init__(self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.device = device
+        self.matchers: dict[int, Any] = {}  # slot -> xgr.GrammarMatcher
+        self._info: Any = None  # xgr.TokenizerInfo, built on the first grammar
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._pending: _Pending | None = None
+        self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)
+        self._indices = torch.zeros(max_slots, dtype=torch.int32)
+        if device.type == "cuda":
+            self._bitmask = self._bitmask.pin_memory()
+            self._indices = self._indices.pin_memory()
+        # fills and accepts the rows of a step on xgrammar's thread pool (64 rows: ~1 ms serially)
+        self._batch = xgr.BatchGrammarMatcher("auto")
+        self.rejected = 0  # sampled tokens a matcher refused (never expected: the mask forbids them)
+        if device.type == "cuda":
+            self._warm()
+
+    def _warm(self) -> None:
+        """Compile the triton mask kernel now, not in a served step: triton specializes an int
+        argument on ==1 and on divisibility by 16, so row counts 1, 2 and 16 are three kernels
+        (~0.5 s each to compile)."""
+        logits = torch.zeros(16, self.vocab_size, dtype=torch.float32, device=self.device)
+        bitmask = self._bitmask[:16].to(self.device)
+        for n in (1, 2, 16):
+            self._apply(logits, bitmask, list(range(n)))
+        torch.cuda.synchronize(self.device)
+
+    # ---- replica ops ----
+
+    def apply(self, op: AddReq | FreeReq) -> None:
+        if isinstance(op, FreeReq):
+            self.matchers.pop(op.slot, None)
+            return
+        if op.slot in self.matchers:
+            raise ReplicaError(f"AddReq for busy grammar slot {op.slot}")
+        if op.grammar is None:
+            return
+        matcher = xgr.GrammarMatcher(self._compiled_grammar(op.grammar))
+        for tok in unpack_ids(op.output_ids):  # a retracted request's tokens so far
+            if not matcher.accept_token(int(tok)):
+                raise ReplicaError(f"slot {op.slot} ({op.rid}): its grammar refuses its own output token {tok}")
+        self.matchers[op.slot] = matcher
+
+    def _compiled_grammar(self, grammar: Grammar) -> Any:
+        compiled = self._compiled.get(grammar.key)
+        if compiled is None:
+            text = zlib.decompress(grammar.data).decode()
+            compiled = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info())
+            self._compiled[grammar.key] = compiled
+            while len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar.key)
+        return compiled
+
+    def _tokenizer_info(self) -> Any:
+        if self._info is None:  # once, on the first constrained request: the tokenizer process's twin
+            from engine.serve.grammar import tokenizer_info
+            from engine.serve.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(self.model_dir)
+            if tok is None:
+                raise ReplicaError(f"a grammar arrived, but {self.model_dir!r} has no tokenizer files")
+            self._info = tokenizer_info(tok.hf, self.vocab_size)
+        return self._info
+
+    # ---- per step ----
+
+    def mask(self, logits: torch.Tensor, slots: list[int]) -> None:
+        """Mask the rows of constrained slots in place (logits: one row per sampled slot)."""
+        if not self.matchers:
+            return
+        rows = [(i, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
+        if not rows:
+            return
+        self._catch_up()
+        live = [(i, m) for i, m in rows if not m.is_terminated()]
+        if not live:
+            return
+        idx = [i for i, _ in live]
+        self._batch.batch_fill_next_token_bitmask([m for _, m in live], self._bitmask, idx)
+        bitmask = self._bitmask[: len(slots)]
+        if self.device.type == "cuda":
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        self._apply(logits, bitmask, idx)
+
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, idx: list[int]) -> None:
+        if self.device.type != "cuda":
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=idx, backend="cpu")
+            return
+        # row indices through a pinned buffer: a pageable copy could wait on the queued forward
+        self._indices[: len(idx)] = torch.tensor(idx, dtype=torch.int32)
+        indices = self._indices[: len(idx)].to(self.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=self.vocab_size, indices=indices, backend="triton"
+        )
+
+    def sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
+        """Record the tokens of this step's constrained rows; matchers accept them when the
+        next constrained step needs its mask (`mask`), not now: that would wait for the
+        device."""
+        rows = [(i, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
+        if not rows:
+            return
+        if self.device.type == "cuda":
+            host = tokens.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = tokens, None
+        # at most one step is pending: every constrained step calls mask (which drains) first
+        self._pending = _Pending(host, event, rows)
+
+    def _catch_up(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.event is not None:
+            pending.event.synchronize()
+        toks = pending.tokens.tolist()  # Python ints
+        # a matcher dropped by FreeReq meanwhile still gets its token: harmless, it is garbage
+        live = [(toks[i], m) for i, m in pending.rows if not m.is_terminated()]
+        if not live:
+            return
+        ok = self._batch.batch_accept_token([m for _, m in live], [t for t, _ in live])
+        for accepted, (tok, _) in zip(ok, live, strict=True):
+            if not accepted:
+                self.rejected += 1
+                log.warning("grammar refused a sampled token", token=tok, rejected=self.rejected)

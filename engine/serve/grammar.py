@@ -1,0 +1,285 @@
+"""Grammar compilation in the tokenizer process: one xgrammar GrammarCompiler per model.
+
+What a request constrains (json_schema / regex / ebnf, response_format, a forced
+tool_choice) becomes one xgrammar structural tag, compiled here and shipped to every rank
+serialized (`msgs.params.Grammar`: zlib of CompiledGrammar.serialize_json, never a pickle).
+
+* Compilation runs in a small thread pool, never on the event loop, under a time limit: a
+  grammar that fails to compile or takes longer is a 400; the server keeps serving.
+* One compiler and one cache of serialized grammars (by the SHA-256 of what is compiled)
+  are shared by every request: 64 requests with one schema compile it once.
+* xgrammar imports torch, which this process otherwise never loads, so it is imported on the
+  first constrained request (in the pool, not on the loop), together with the TokenizerInfo.
+* The TokenizerInfo has the MODEL's vocabulary size (logits may be wider than the
+  tokenizer's vocabulary: those ids are never allowed). Workers build the same TokenizerInfo
+  from the same tokenizer files (`tokenizer_info`), which deserialization needs.
+* Whitespace between JSON tokens is capped (`JSON_MAX_WHITESPACE` per run), so JSON mode
+  cannot loop on spaces or newlines until max_tokens.
+* With a reasoning parser on, the constraint starts after the end-of-reasoning marker: the
+  structural tag is (reasoning tag of any text) + a few whitespace chars + the constraint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from engine.serve.errors import ApiError
+from engine.serve.metrics import Metrics
+from engine.serve.parsers.base import ToolStructure
+from msgs.params import Grammar
+
+log = structlog.get_logger()
+
+COMPILE_TIMEOUT_S = 10.0
+JSON_MAX_WHITESPACE = 8  # per whitespace run: room for a newline and an indent, never a loop
+CACHE_ENTRIES = 256  # serialized grammars kept (each ~0.2-3 MB depending on the vocabulary)
+COMPILE_THREADS = 2  # pool threads; xgrammar itself may use more inside one compile
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
+_ARGS_STYLE = {"json": "json", "glm45_xml": "glm_xml"}  # ToolStructure.args_format -> xgrammar style
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Where reasoning ends: the grammar applies after `end`. `starts_inside`: the prompt
+    pre-filled the start marker, so the output begins inside the reasoning."""
+
+    start: str
+    end: str
+    starts_inside: bool
+
+
+def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
+    """The xgrammar TokenizerInfo of a model: its tokenizer, the model's vocabulary size
+    (>= the tokenizer's; the extra ids are never allowed), stop tokens detected from the
+    tokenizer. The tokenizer process and every worker call this on the same files."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+
+
+def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+
+
+def spec_format(name: str, text: str) -> dict[str, Any]:
+    """The structural-tag format of a json_schema / regex / ebnf field (400 on bad JSON)."""
+    if name == "regex":
+        return {"type": "regex", "pattern": text}
+    if name == "ebnf":
+        return {"type": "grammar", "grammar": text, "syntax": "ebnf"}
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ApiError(400, f"json_schema is not valid JSON: {exc}", param="json_schema") from None
+    if not isinstance(schema, dict | bool):
+        raise ApiError(400, "json_schema must be a JSON object (a JSON Schema)", param="json_schema")
+    return json_format(schema)
+
+
+def tools_format(structure: ToolStructure, parallel: bool) -> dict[str, Any]:
+    """The forced call(s) of a tool_choice required / named: prefix + tag (separator +
+    tag)* + suffix, one tag per allowed function with its arguments' schema."""
+    style = _ARGS_STYLE.get(structure.args_format)
+    if style is None:
+        raise ApiError(400, f"tool_choice cannot be enforced for argument format {structure.args_format!r}")
+    tags = [
+        {
+            "type": "tag",
+            "begin": t.begin,
+            "content": {**json_format(t.schema), "style": style},
+            "end": t.end,
+        }
+        for t in structure.tags
+    ]
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": structure.separator,
+        "at_least_one": True,
+        "stop_after_first": not parallel,
+    }
+    parts = [{"type": "const_string", "value": s} for s in (structure.prefix,) if s]
+    parts.append(calls)
+    parts += [{"type": "const_string", "value": s} for s in (structure.suffix,) if s]
+    return parts[0] if len(parts) == 1 else {"type": "sequence", "elements": parts}
+
+
+def with_reasoning(fmt: dict[str, Any], reasoning: Reasoning | None) -> dict[str, Any]:
+    """Free text up to the end-of-reasoning marker, then the constraint."""
+    if reasoning is None:
+        return fmt
+    think = {
+        "type": "tag",
+        "begin": "" if reasoning.starts_inside else reasoning.start,
+        "content": {"type": "any_text"},
+        "end": reasoning.end,
+    }
+    gap = {"type": "regex", "pattern": r"[ \t\n]{0,4}"}  # models put a newline or two after the marker
+    return {"type": "sequence", "elements": [think, gap, fmt]}
+
+
+class GrammarService:
+    """Compiles constraints to `Grammar`s for requests; see the module docstring."""
+
+    def __init__(self, hf_tokenizer: Any, metrics: Metrics, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self._hf = hf_tokenizer
+        self._metrics = metrics
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._init_lock = threading.Lock()
+        self._compiler: Any = None
+        self._stop_ids: list[int] = []
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future[Grammar]] = {}
+
+    async def compile(self, fmt: dict[str, Any], vocab_size: int, param: str) -> Grammar:
+        """The Grammar of one structural-tag format; 400 naming `param` if it does not
+        compile or takes longer than the time limit."""
+        tag = {"type": "structural_tag", "format": fmt}
+        text = json.dumps(tag, sort_keys=True, separators=(",", ":"))
+        key = hashlib.sha256(f"{vocab_size}\0{text}".encode()).hexdigest()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self._metrics.grammar_cache_hits.inc()
+            return hit
+        pending = self._inflight.get(key)
+        if pending is not None:  # the same grammar is compiling for another request: share it
+            self._metrics.grammar_cache_hits.inc()
+            return await asyncio.shield(pending)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Grammar] = loop.create_future()
+        self._inflight[key] = fut
+        try:
+            work = loop.run_in_executor(self._pool, self._compile_sync, text, key, vocab_size)
+            try:
+                grammar = await asyncio.wait_for(work, self.timeout_s)
+            except TimeoutError:
+                # the thread cannot be stopped; it finishes in the background and is dropped
+                self._metrics.grammar_failures.inc()
+                raise ApiError(
+                    400, f"{param}: grammar compilation took longer than {self.timeout_s:g} s", param
+                ) from None
+            except ApiError:
+                self._metrics.grammar_failures.inc()
+                raise
+            except Exception as exc:  # xgrammar's errors: a schema/regex/grammar it cannot compile
+                self._metrics.grammar_failures.inc()
+                raise ApiError(400, f"{param} does not compile: {_first_line(exc)}", param) from None
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            fut.set_result(grammar)
+            return grammar
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters re-raise it, nobody logs "never retrieved"
+            raise
+        finally:
+            del self._inflight[key]
+
+    def _compile_sync(self, text: str, key: str, vocab_size: int) -> Grammar:
+        compiler, stop_ids = self._ensure(vocab_size)
+        t0 = time.perf_counter()
+        compiled = compiler.compile_structural_tag(text)
+        data = zlib.compress(compiled.serialize_json().encode(), 1)
+        seconds = time.perf_counter() - t0
+        self._metrics.grammar_compile.observe(seconds)
+        log.info("grammar compiled", key=key[:12], seconds=round(seconds, 4), bytes=len(data))
+        return Grammar(key=key, data=data, stop_ids=stop_ids)
+
+    def _ensure(self, vocab_size: int) -> tuple[Any, list[int]]:
+        with self._init_lock:  # first use: import xgrammar, build the tokenizer info once
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                t0 = time.perf_counter()
+                info = tokenizer_info(self._hf, vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=True)
+                self._stop_ids = [int(t) for t in info.stop_token_ids]
+                log.info("grammar compiler ready", seconds=round(time.perf_counter() - t0, 3), stop_ids=self._stop_ids)
+            return self._compiler, self._stop_ids
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # xgrammar's errors start with a '[time] file.cc:line:' prefix: keep the message after it
+    msg = _CPP_PREFIX.sub("", lines[-1] if lines else text)
+    return msg[:500]
+
+
+def response_format_spec(response_format: dict[str, Any] | None) -> dict[str, str]:
+    """OpenAI `response_format` -> the SamplingParams field it sets ({} for text)."""
+    rf = response_format or {}
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format type {kind!r} is not supported", param="response_format")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise ApiError(400, "response_format.json_schema must be an object", param="response_format.json_schema")
+    extra = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise ApiError(400, f"response_format.json_schema has unknown fields: {', '.join(extra)}",
+                       param=f"response_format.json_schema.{extra[0]}")
+    if not isinstance(js.get("name", ""), str) or not isinstance(js.get("strict", False), bool | None):
+        raise ApiError(400, "response_format.json_schema: name must be a string, strict a boolean",
+                       param="response_format.json_schema")
+    schema = js.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema must be an object",
+                       param="response_format.json_schema.schema")
+    return {"json_schema": json.dumps(schema)}
+
+
+async def constrain(
+    service: GrammarService | None,
+    params: Any,
+    vocab_size: int,
+    tools: tuple[ToolStructure, bool] | None = None,
+    reasoning: Reasoning | None = None,
+) -> Any:
+    """`params` (a SamplingParams) with its `grammar` compiled from its json_schema / regex /
+    ebnf field or the forced tool calls, or None: whatever a client put in `grammar` is
+    always replaced. 400 when a constraint is asked of a server without a tokenizer."""
+    import msgspec
+
+    specs = params.grammar_specs()
+    if tools is not None and specs:
+        raise ApiError(400, f"{next(iter(specs))} cannot be combined with a forced tool_choice", param="tool_choice")
+    if not specs and tools is None:
+        return msgspec.structs.replace(params, grammar=None) if params.grammar is not None else params
+    if service is None:
+        raise ApiError(400, "constrained decoding needs the model's tokenizer, and this server has none")
+    if tools is not None:
+        fmt, param = tools_format(*tools), "tool_choice"
+    else:
+        (param, text), = specs.items()
+        fmt = spec_format(param, text)
+    grammar = await service.compile(with_reasoning(fmt, reasoning), vocab_size, param)
+    return msgspec.structs.replace(params, grammar=grammar)
+
+
+def service_of(state: Any) -> GrammarService | None:
+    """The server's GrammarService (made on first use), or None without a tokenizer."""
+    if state.tok is None:
+        return None
+    if state.grammar is None:
+        state.grammar = GrammarService(state.tok.hf, state.frontend.metrics)
+    return state.grammar

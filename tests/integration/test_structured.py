@@ -1,0 +1,268 @@
+"""Structured output end to end (bin/serve on the default model, CPU, official openai client):
+json_schema answers that validate, pydantic parse, forced tool calls, regex/ebnf, 400s for
+what does not compile, and an unconstrained request unchanged by constrained batch mates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from tests.integration.conftest import Server, start_server, stop_server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(
+        tmp_path_factory.mktemp("structured"),
+        "--tool-call-parser", "hermes",
+        "--chat-template", "configs/templates/smollm2-hermes-tools.jinja",
+        "--max-total-tokens", "16384",
+    )  # fmt: skip
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def client(srv: Server) -> OpenAI:
+    return OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def _obj(props: dict, required: list[str] | None = None) -> dict:
+    return {"type": "object", "properties": props, "required": required or list(props), "additionalProperties": False}
+
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+SCHEMAS = [
+    ("person", _obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}})),
+    ("color", _obj({"color": {"enum": ["red", "green", "blue"]}})),
+    ("flag", _obj({"ok": {"type": "boolean"}})),
+    ("tags", _obj({"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}})),
+    ("nested", _obj({"user": _obj({"id": {"type": "integer", "minimum": 1, "maximum": 999}, "name": NAME})})),
+    ("code", _obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}})),
+    ("scores", _obj({"scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                "minItems": 1, "maxItems": 4}})),
+    ("city", _obj({"city": {"type": "string", "minLength": 3, "maxLength": 10},
+                   "country": {"enum": ["FR", "DE", "IT"]}})),
+    ("point", _obj({"x": {"type": "number", "minimum": -10, "maximum": 10}, "y": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 5}})),
+    ("items", _obj({"items": {"type": "array", "maxItems": 2, "items": _obj({"sku": {"type": "string",
+                    "maxLength": 6}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}})}})),
+    ("optional", _obj({"title": NAME, "note": {"type": "string", "maxLength": 10}}, required=["title"])),
+    ("status", _obj({"status": {"enum": ["open", "closed"]}, "count": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 50}})),
+]  # fmt: skip
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": _obj({"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}}),
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": _obj({"zone": {"type": "string", "maxLength": 16}}),
+    },
+}
+
+
+def _ask_json(client: OpenAI, name: str, schema: dict) -> tuple[str, str]:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Reply with a JSON {name} object."}],
+        max_tokens=128,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+    )
+    return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+
+def test_every_json_schema_answer_validates(client: OpenAI) -> None:
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # all at once: one batch of constrained rows
+        answers = list(pool.map(lambda ns: _ask_json(client, *ns), SCHEMAS))
+    for (name, schema), (text, finish) in zip(SCHEMAS, answers, strict=True):
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_sampled_json(client: OpenAI) -> None:
+    name, schema = SCHEMAS[0]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A person as JSON."}],
+        max_tokens=128,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
+    )
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=10)
+    legs: int = Field(ge=0, le=8)
+
+
+def test_parse_with_a_pydantic_model(client: OpenAI) -> None:
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a pet."}],
+        max_tokens=96,
+        temperature=0,
+        response_format=Pet,
+    )
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
+
+
+def _check_calls(calls: list, allowed: dict[str, dict]) -> None:
+    assert calls
+    for call in calls:
+        schema = allowed[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls(client: OpenAI, choice: str) -> None:
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there!"}],  # nothing in it asks for a tool
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+    )
+    c = r.choices[0]
+    allowed = {"get_weather": WEATHER, "get_time": TIME} if choice == "required" else {"get_time": TIME}
+    _check_calls(c.message.tool_calls, allowed)
+    assert len(c.message.tool_calls) == 1
+    assert c.finish_reason == ("tool_calls" if choice == "required" else "stop")
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_streamed(client: OpenAI, choice: str) -> None:
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+        stream=True,
+    )
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    finish = None
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        for tc in d.tool_calls or []:
+            if tc.function and tc.function.name:
+                names[tc.index] = tc.function.name
+            args[tc.index] = args.get(tc.index, "") + ((tc.function.arguments or "") if tc.function else "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert names and set(names) == set(args)
+    allowed = {"get_weather": WEATHER, "get_time": TIME}
+    for i, name in names.items():
+        jsonschema.validate(json.loads(args[i]), allowed[name]["function"]["parameters"])
+    assert finish in ("tool_calls", "stop")
+
+
+def test_regex_and_ebnf_on_completions_and_generate(client: OpenAI, srv: Server) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="The year was", max_tokens=16, temperature=0, extra_body={"regex": r" (19|20)[0-9]{2}\."}
+    )
+    assert r.choices[0].finish_reason == "stop"
+    text = r.choices[0].text
+    assert len(text) == 6 and text.endswith(".") and text[1:5].isdigit(), text
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ebnf": 'root ::= "yes" | "no"'},
+    )
+    assert r.choices[0].message.content in ("yes", "no")
+    body = {"text": "Colors:", "sampling_params": {"max_new_tokens": 64, "temperature": 0,
+            "json_schema": json.dumps(SCHEMAS[1][1])}}  # fmt: skip
+    out = httpx.post(f"{srv.http}/generate", json=body, timeout=120).json()
+    jsonschema.validate(json.loads(out["text"]), SCHEMAS[1][1])
+    metrics = srv.metrics()
+    assert metrics["strata_grammar_compile_seconds_count"] >= 1
+    assert metrics["strata_grammar_cache_hits_total"] >= 0
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, ""),
+    ({"response_format": {"type": "json_schema"}}, ""),
+    ({"response_format": {"type": "xml"}}, ""),
+    ({"regex": "(unclosed"}, ""),
+    ({"ebnf": "root ::= undefined_rule"}, ""),
+    ({"ebnf": "not a grammar at all"}, ""),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, ""),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, ""),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, ""),
+    ({"tools": [WEATHER], "tool_choice": "required", "regex": "a"}, ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [b for b, _ in BAD], ids=range(len(BAD)))
+def test_malformed_constraints_are_400s(srv: Server, extra: dict) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    r = httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_generate_bad_schema_is_400_and_server_keeps_serving(client: OpenAI, srv: Server) -> None:
+    for params in ({"json_schema": "{not json"}, {"json_schema": '{"type": 5}'}, {"regex": "[z-a]"}):
+        r = httpx.post(f"{srv.http}/generate", json={"text": "x", "sampling_params": params}, timeout=60)
+        assert r.status_code == 400, r.text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "(("})
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_unconstrained_greedy_unchanged_next_to_constrained(client: OpenAI, srv: Server) -> None:
+    def plain() -> str:
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0)
+        return r.choices[0].text
+
+    alone = plain()
+    with ThreadPoolExecutor(5) as pool:
+        constrained = [pool.submit(_ask_json, client, *SCHEMAS[i]) for i in range(4)]
+        mixed = pool.submit(plain)
+        assert mixed.result() == alone
+        for f in constrained:
+            assert f.result()[1] == "stop"
+    m = srv.wait_idle()
+    assert m["strata_kv_leak_free"] == 1
+
+
+def test_grammar_metrics_exported(srv: Server) -> None:
+    text = httpx.get(f"{srv.http}/metrics", timeout=10).text
+    assert "strata_grammar_compile_seconds_bucket" in text
+    assert "strata_grammar_cache_hits_total" in text

@@ -1,0 +1,133 @@
+"""GrammarSlots (engine/run/grammar.py): the per-slot matchers a rank replicates, on CPU with
+the default model's tokenizer and real xgrammar grammars compiled the way the tokenizer
+process compiles them (engine/serve/grammar.py)."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from engine.replica import ReplicaError, rank_replica
+from engine.run.grammar import GrammarSlots
+from engine.serve.grammar import json_format, tokenizer_info, with_reasoning
+from engine.serve.tokenizer import load_tokenizer
+from msgs.codec import pack_ids
+from msgs.params import Grammar
+from msgs.steps import AddReq, FreeReq, Step, WorkerSampling
+
+EXTRA = 64  # the model's logits are wider than the tokenizer's vocabulary by this much
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+SAMPLING = WorkerSampling(1.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 7, False, 0)
+
+
+@pytest.fixture(scope="module")
+def setup(default_model_dir: Path) -> tuple[object, int, Grammar]:
+    tok = load_tokenizer(str(default_model_dir))
+    assert tok is not None
+    vocab = len(tok.hf) + EXTRA
+    info = tokenizer_info(tok.hf, vocab)
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
+    compiled = compiler.compile_structural_tag(json.dumps(tag))
+    grammar = Grammar("k1", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    return tok, vocab, grammar
+
+
+def _slots(default_model_dir: Path, vocab: int) -> GrammarSlots:
+    return GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"))
+
+
+def _add(slot: int, grammar: Grammar | None, output: list[int] = ()) -> AddReq:
+    return AddReq(slot, f"r{slot}", SAMPLING, pack_ids([1]), pack_ids(list(output)), grammar=grammar)
+
+
+def _drive(g: GrammarSlots, slot: int, tokens: list[int], vocab: int) -> torch.Tensor:
+    """Sample `tokens` for `slot` step by step through mask/sampled; return the last mask."""
+    logits = torch.zeros(1, vocab)
+    for t in tokens:
+        logits = torch.zeros(1, vocab)
+        g.mask(logits, [slot])
+        assert logits[0, t] == 0, f"token {t} was masked"
+        g.sampled([slot], torch.tensor([t]))
+    return logits
+
+
+def test_mask_follows_the_tokens_until_the_grammar_terminates(default_model_dir: Path, setup) -> None:
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab)
+    g.apply(_add(0, grammar))
+    ids = tok.encode('{"n": 42}', add_special_tokens=False)
+    _drive(g, 0, ids, vocab)
+    logits = torch.zeros(1, vocab)
+    g.mask(logits, [0])  # the document is complete: only the stop token is left
+    allowed = (logits[0] == 0).nonzero().flatten().tolist()
+    assert allowed == grammar.stop_ids
+    g.sampled([0], torch.tensor([grammar.stop_ids[0]]))
+    logits = torch.zeros(1, vocab)
+    g.mask(logits, [0])  # the overlap step after termination: left unmasked, its token is dropped
+    assert g.matchers[0].is_terminated()
+    assert bool((logits == 0).all())
+
+
+def test_the_vocabulary_tail_is_masked(default_model_dir: Path, setup) -> None:
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab)
+    g.apply(_add(1, grammar))
+    logits = torch.zeros(2, vocab)
+    g.mask(logits, [3, 1])  # slot 3 is not constrained: its row stays as it was
+    assert bool((logits[0] == 0).all())
+    assert bool(torch.isinf(logits[1, len(tok.hf) :]).all())  # ids past the tokenizer's vocabulary
+    assert 0 < int((logits[1] == 0).sum()) < len(tok.hf)
+
+
+def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, setup) -> None:
+    tok, vocab, grammar = setup
+    ids = tok.encode('{"n": 12', add_special_tokens=False)
+    live = _slots(default_model_dir, vocab)
+    live.apply(_add(0, grammar))
+    expected = _drive(live, 0, ids, vocab)
+    expected = torch.zeros(1, vocab)
+    live.mask(expected, [0])
+    readded = _slots(default_model_dir, vocab)
+    readded.apply(_add(2, grammar, ids))  # what the scheduler sends after a retraction
+    got = torch.zeros(1, vocab)
+    readded.mask(got, [2])
+    assert torch.equal(got, expected)
+    readded.apply(FreeReq(2))
+    assert 2 not in readded.matchers
+
+
+def test_an_output_the_grammar_refuses_is_fatal(default_model_dir: Path, setup) -> None:
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab)
+    with pytest.raises(ReplicaError):
+        g.apply(_add(0, grammar, tok.encode("hello", add_special_tokens=False)))
+
+
+def test_the_replica_drives_the_matchers(default_model_dir: Path, setup) -> None:
+    """AddReq / FreeReq through a rank's replica; a free slot is reused by a new grammar."""
+    _tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab)
+    replica = rank_replica([g])
+    replica.apply_step(Step(1, [_add(0, grammar), _add(1, None)]))
+    assert set(g.matchers) == {0}
+    replica.apply_step(Step(2, [FreeReq(0), _add(0, grammar)]))
+    assert set(g.matchers) == {0}
+
+
+def test_reasoning_comes_before_the_constraint(default_model_dir: Path, setup) -> None:
+    from engine.serve.grammar import Reasoning
+
+    tok, vocab, _ = setup
+    info = tokenizer_info(tok.hf, vocab)
+    fmt = with_reasoning(json_format(SCHEMA), Reasoning("<think>", "</think>", starts_inside=True))
+    compiled = xgr.GrammarCompiler(info).compile_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
+    m = xgr.GrammarMatcher(compiled)
+    assert m.accept_string("free text, even { and ]</think>\n")
+    assert not m.accept_string("no json")
+    assert m.accept_string('{"n": 1}')
