@@ -37,6 +37,13 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     step_seconds: list[float]  # durations of steps finished since the previous stats
     leak_free: bool = True  # result of the last idle leak check
     dropped_frames: dict[str, int] = {}  # malformed frames the scheduler dropped, per channel
+    # the host tier (L2), when on: cumulative counters and its pages
+    l2_hit_tokens: int = 0  # prompt tokens loaded back from L2 instead of recomputed
+    l2_pages_used: int = 0
+    l2_pages_total: int = 0
+    backups_committed: int = 0
+    backups_skipped: int = 0  # L2 full even after evict-to-fit
+    load_backs: int = 0
 
 
 ToTokenizer = TokenBatch | SchedulerStats

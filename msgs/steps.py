@@ -71,9 +71,10 @@ class DigestCheck(msgspec.Struct, tag=True, frozen=True):
 
 
 class HostInit(msgspec.Struct, tag=True, frozen=True):
-    """The host tier exists with `num_pages` pages (first op of the stream when it is on)."""
+    """The host tier exists with `num_pages` pages of `page_bytes` per rank (the first host op)."""
 
     num_pages: int
+    page_bytes: int = 0  # one KV page across every layer (0: not given, e.g. in unit tests)
 
 
 class BackupPrepare(msgspec.Struct, tag=True, frozen=True):

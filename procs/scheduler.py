@@ -15,7 +15,7 @@ import zmq
 from engine.config import ServerConfig
 from engine.logs import setup_logging
 from engine.sched.loop import SchedulerLoop, SchedulerPorts
-from msgs.channels import CONTROL, DONE, OUTPUTS, REQUESTS, STEPS, open_receiver, open_sender
+from msgs.channels import COMMITS, CONTROL, DONE, OUTPUTS, REQUESTS, STEPS, open_receiver, open_sender
 from msgs.control import Fatal
 
 ROLE = "scheduler"
@@ -38,6 +38,10 @@ def main() -> int:
         control=open_sender(ctx, CONTROL, ROLE, run_dir, linger_ms=1000),
     )
     poller = zmq.Poller()
+    if cfg.enable_hierarchical_cache:  # the cache controller follows the Step stream and commits
+        ports.cache_steps = open_sender(ctx, STEPS, ROLE, run_dir, follower="cache")
+        ports.commits = open_receiver(ctx, COMMITS, ROLE, run_dir)
+        poller.register(ports.commits.sock, zmq.POLLIN)  # type: ignore[attr-defined]
     poller.register(ports.requests.sock, zmq.POLLIN)  # type: ignore[attr-defined]
     poller.register(ports.done.sock, zmq.POLLIN)  # type: ignore[attr-defined]
     loop = SchedulerLoop(cfg, ports)

@@ -19,6 +19,7 @@ from pathlib import Path
 import zmq
 
 from engine.args import parse_args
+from engine.cache.slab import create_slab, remove_slab
 from engine.config import ServerConfig
 from engine.logs import setup_logging
 from engine.supervise import ChildSet, announce_death, child_name
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_logging("supervisor", cfg.log_dir)
     cfg = prepare_model(cfg)
     run_dir = tempfile.mkdtemp(prefix="strata-")  # mode 0700: ipc sockets stay private
-    cfg = replace(cfg, run_dir=run_dir)
+    # the host tier's slab: created here, removed below whatever happens to the children
+    cfg = replace(cfg, run_dir=run_dir, hicache_path=create_slab() if cfg.enable_hierarchical_cache else "")
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     children = ChildSet(cfg, Path(run_dir))
     try:
         children.start_all()
+        if cfg.enable_hierarchical_cache:
+            children.start_cache()
         code = _run(cfg, children, control, notices, stop, log)
     finally:
         children.stop_all()
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         notices.sock.close(0)
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
+        remove_slab(cfg.hicache_path)
     return code
 
 
@@ -77,7 +82,7 @@ def _run(
     stop: dict,
     log,  # noqa: ANN001
 ) -> int:
-    expected = children.names()
+    expected = children.names() + (["cache"] if cfg.enable_hierarchical_cache else [])
     ready: dict[str, Ready] = {}
     t_start = time.monotonic()
     deadline = t_start + START_TIMEOUT_S

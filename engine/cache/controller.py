@@ -24,17 +24,17 @@ from msgs.steps import HostInit, Shutdown, Step, ToWorker
 
 
 class SlabMapping(Effect):
-    """Maps the slab when the tier is created (read-only use so far)."""
+    """Maps the slab (every rank's region) when the tier is created; read-only use so far."""
 
     ops = (HostInit,)
 
-    def __init__(self, path: str, page_bytes: int) -> None:
-        self.path, self.page_bytes = path, page_bytes
+    def __init__(self, path: str, world: int = 1) -> None:
+        self.path, self.world = path, world
         self.map: mmap.mmap | None = None
 
     def apply(self, op: HostInit) -> None:
-        if self.path and self.page_bytes:
-            self.map = map_slab(self.path, op.num_pages * self.page_bytes)
+        if self.path and op.page_bytes:
+            self.map = map_slab(self.path, op.num_pages * op.page_bytes * self.world)
 
 
 class CacheController:

@@ -38,6 +38,7 @@ class TieredRadixCache(RadixCache):
         host_pages: int,
         policy: str = "write_through",
         warn: Callable[[str], None] | None = None,
+        page_bytes: int = 0,
     ) -> None:
         if policy not in ("write_through", "write_through_selective"):
             raise ValueError(f"host tier write policy {policy!r} is not implemented")
@@ -50,7 +51,7 @@ class TieredRadixCache(RadixCache):
         self.origin: dict[int, int] = {}  # a split-off pending piece -> the object that commits it
         self.stats = {"backups": 0, "skipped": 0, "committed": 0, "load_backs": 0, "l2_hit_tokens": 0,
                       "host_evicted": 0}
-        self.changes.append(HostInit(host_pages))
+        self.changes.append(HostInit(host_pages, page_bytes))
 
     # ---- matching and inserting -----------------------------------------------------
 

@@ -47,7 +47,9 @@ class HostCopies(Effect):
 
     def apply(self, op: HostInit | BackupPrepare | LoadBack) -> None:
         match op:
-            case HostInit(num_pages=n):
+            case HostInit(num_pages=n, page_bytes=want):
+                if want and want != self.page_bytes:  # another layout than the scheduler's: fatal
+                    raise RuntimeError(f"host tier pages of {want} bytes; this rank's are {self.page_bytes}")
                 region = n * self.page_bytes
                 self._map = map_slab(self.path, region * self.world)
                 raw = torch.frombuffer(self._map, dtype=torch.uint8)[self.rank * region : (self.rank + 1) * region]

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -24,7 +25,16 @@ from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import Inbox, Outbox
 from msgs.codec import DROPPED
 from msgs.control import Ready, ToSupervisor
-from msgs.done import FromWorker, StepDone, WorkerFailed, WorkerReady
+from msgs.done import (
+    Committed,
+    ControllerDigest,
+    ControllerFailed,
+    FromController,
+    FromWorker,
+    StepDone,
+    WorkerFailed,
+    WorkerReady,
+)
 from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch, ToTokenizer
 from msgs.requests import AbortRequest, TokenizedRequest, ToScheduler
 from msgs.steps import ToWorker
@@ -44,6 +54,8 @@ class SchedulerPorts:
     outputs: Outbox[ToTokenizer]
     steps: list[Outbox[ToWorker]]  # one per rank, the same Step to each
     control: Outbox[ToSupervisor]
+    cache_steps: Outbox[ToWorker] | None = None  # the cache controller's copy of the Step stream
+    commits: Inbox[FromController] | None = None  # from the cache controller
 
 
 class SchedulerLoop:
@@ -96,6 +108,7 @@ class SchedulerLoop:
         while len(self.inflight) < self.max_ahead and self._send_next():
             pass
         self._drain_done()
+        self._drain_commits()
         self._maybe_check_leaks()
         self._send_stats()
 
@@ -112,6 +125,8 @@ class SchedulerLoop:
             return False
         for out in self.ports.steps:
             out.send(step)
+        if self.ports.cache_steps is not None:
+            self.ports.cache_steps.send(step)
         self.inflight.append(step.seq)
         self.done_ranks[step.seq] = 0
         return True
@@ -159,6 +174,21 @@ class SchedulerLoop:
                 del self.done_ranks[self.inflight.popleft()]
         self._emit(outs)
 
+    def _drain_commits(self) -> None:
+        """The cache controller's messages: commits become ApplyCommit ops in the next Step."""
+        assert self.core is not None
+        if self.ports.commits is None:
+            return
+        for msg in _drain(self.ports.commits):
+            if isinstance(msg, Committed):
+                self.core.on_committed(msg.obj)
+                self.stats_dirty = True
+            elif isinstance(msg, ControllerDigest):
+                assert self.core.state.tiers is not None
+                self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
+            elif isinstance(msg, ControllerFailed):
+                raise WorkerFailure(f"cache controller failed: {msg.reason}")
+
     def _emit(self, outs: list[ReqOutput]) -> None:
         if outs:
             self.ports.outputs.send(TokenBatch(outs=outs))
@@ -192,6 +222,7 @@ class SchedulerLoop:
             step_seconds=self.step_seconds,
             leak_free=self.leak_free,
             dropped_frames=dict(DROPPED),
+            **(core.state.tiers.stats() if core.state.tiers is not None else {}),
         )
         self.ports.outputs.send(stats)
         self.step_seconds = []
@@ -208,10 +239,12 @@ def agree(readies: dict[int, WorkerReady]) -> WorkerReady:
         if same != (first.page_size, first.max_context, first.vocab_size, first.eos_token_ids):
             raise WorkerFailure(f"worker {rank} disagrees with worker {first.rank} on the model: {r} vs {first}")
     pages = min(r.num_pages for r in readies.values())
-    return WorkerReady(first.rank, pages, first.page_size, first.max_context, first.vocab_size, first.eos_token_ids)
+    return WorkerReady(
+        first.rank, pages, first.page_size, first.max_context, first.vocab_size, first.eos_token_ids, first.page_bytes
+    )
 
 
-def _drain(inbox: Inbox[FromWorker]) -> list[FromWorker]:
+def _drain(inbox: Inbox[Any]) -> list[Any]:
     out = []
     while inbox.poll(0):
         msg = inbox.recv()

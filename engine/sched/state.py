@@ -34,6 +34,7 @@ class SchedConfig:
     num_ranks: int = 1  # workers replaying the stream; each reports every DigestCheck
     host_pages: int = 0  # the host tier's (L2) pages; 0: no host tier
     write_policy: str = "write_through"  # when cached KV is copied to L2
+    page_bytes: int = 0  # a worker's KV page across every layer: a host-tier page
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -57,6 +58,7 @@ class SchedConfig:
             num_ranks=num_ranks,
             host_pages=host_pages(cfg, ready),
             write_policy=cfg.hicache_write_policy,
+            page_bytes=ready.page_bytes,
         )
 
 

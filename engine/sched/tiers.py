@@ -34,7 +34,9 @@ WARN_EVERY_S = 5.0
 def make_cache(cfg: SchedConfig, alloc: PageAllocator) -> RadixCache:
     if not cfg.host_pages:
         return RadixCache(cfg.page_size, alloc)
-    return TieredRadixCache(cfg.page_size, alloc, cfg.host_pages, cfg.write_policy, warn=_RateLimited().warn)
+    return TieredRadixCache(
+        cfg.page_size, alloc, cfg.host_pages, cfg.write_policy, warn=_RateLimited().warn, page_bytes=cfg.page_bytes
+    )
 
 
 class _RateLimited:

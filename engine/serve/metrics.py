@@ -49,6 +49,12 @@ class Metrics:
             "strata_grammar_failures", "Grammars that failed to compile or timed out (400s)", registry=r
         )
         self.cache_hit_tokens.labels(tier="device")  # present (at 0) before the first hit
+        # the host tier (L2): hits are tier="l2" above; tier="device" is L1
+        self.l2_pages_used = Gauge("strata_l2_pages_used", "Host-tier (L2) pages holding KV", registry=r)
+        self.l2_pages_total = Gauge("strata_l2_pages_total", "Host-tier (L2) pages in the slab", registry=r)
+        self.backups = Counter("strata_l2_backups", "KV backups to L2, by result", ["result"], registry=r)
+        self.load_backs = Counter("strata_l2_load_backs", "Cached nodes loaded back from L2 to L1", registry=r)
+        self._tier_totals: dict[str, int] = {}
         self._device_hits = 0
         self.dropped = _DroppedFrames()
         r.register(self.dropped)
@@ -73,6 +79,25 @@ class Metrics:
         if delta:
             self.cache_hit_tokens.labels(tier="device").inc(delta)
         self._device_hits = hits
+        self._on_tier_stats(stats)
+
+    def _on_tier_stats(self, stats: SchedulerStats) -> None:
+        """The scheduler's cumulative host-tier counters, turned into counter increments."""
+        if not stats.l2_pages_total:
+            return
+        self.l2_pages_used.set(stats.l2_pages_used)
+        self.l2_pages_total.set(stats.l2_pages_total)
+        for key, counter in (
+            ("l2_hit_tokens", self.cache_hit_tokens.labels(tier="l2")),
+            ("backups_committed", self.backups.labels(result="committed")),
+            ("backups_skipped", self.backups.labels(result="skipped")),
+            ("load_backs", self.load_backs),
+        ):
+            now, before = getattr(stats, key), self._tier_totals.get(key, 0)
+            delta = now - before if now >= before else now  # smaller: the scheduler restarted
+            if delta:
+                counter.inc(delta)
+            self._tier_totals[key] = now
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

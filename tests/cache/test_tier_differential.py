@@ -41,7 +41,7 @@ class Engine:
         self.to_ctrl, steps_in = pipe(STEPS)
         self.backups, backups_in = pipe(BACKUPS)
         commits_out, self.commits = pipe(COMMITS)
-        slab = SlabMapping(cfg.hicache_path, ready.page_bytes)
+        slab = SlabMapping(cfg.hicache_path)
         self.ctrl = CacheController(1, steps_in, backups_in, commits_out, [slab])
         self.n = 0
 

@@ -1,0 +1,53 @@
+"""Cache controller process: `python -m procs.cache --config PATH`.
+
+Owns the controller's sockets (its copy of the Step stream, every worker's BackupDone,
+Committed/digests to the scheduler) and runs engine.cache.controller.CacheController.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import zmq
+
+from engine.cache.controller import CacheController, SlabMapping
+from engine.config import ServerConfig
+from engine.logs import setup_logging
+from msgs.channels import BACKUPS, COMMITS, CONTROL, STEPS, open_receiver, open_sender
+from msgs.control import Fatal, Ready
+from msgs.done import ControllerFailed
+
+ROLE = "cache"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args()
+    cfg = ServerConfig.from_json(open(args.config).read())
+    log = setup_logging(ROLE, cfg.log_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    control = open_sender(ctx, CONTROL, ROLE, cfg.run_dir, linger_ms=1000)
+    steps = open_receiver(ctx, STEPS, ROLE, cfg.run_dir, follower=ROLE)
+    backups = open_receiver(ctx, BACKUPS, ROLE, cfg.run_dir)
+    commits = open_sender(ctx, COMMITS, ROLE, cfg.run_dir, linger_ms=1000)
+    poller = zmq.Poller()
+    poller.register(steps.sock, zmq.POLLIN)
+    poller.register(backups.sock, zmq.POLLIN)
+    controller = CacheController(cfg.tp_size, steps, backups, commits, [SlabMapping(cfg.hicache_path, cfg.tp_size)])
+    control.send(Ready(proc=ROLE))
+    try:
+        controller.run(wait=poller.poll)
+    except Exception as exc:  # fatal by design: tell the scheduler and the supervisor, exit non-zero
+        log.exception("cache controller failed", error=str(exc))
+        commits.send(ControllerFailed(reason=str(exc)))
+        control.send(Fatal(proc=ROLE, reason=str(exc)))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
