@@ -149,3 +149,15 @@ def test_random_workload_replays_identically_on_eight_replicas() -> None:
 def test_write_back_is_refused() -> None:
     with pytest.raises(ValueError, match="not implemented"):
         TieredRadixCache(PS, PageAllocator(4), 4, policy="write_back")
+
+
+def test_write_through_selective_backs_up_on_the_second_hit() -> None:
+    cache = TieredRadixCache(PS, PageAllocator(17), 16, policy="write_through_selective")
+    f = Follower()
+    _insert(cache, [1, 2, 3, 4])
+    assert not cache.objects  # no backup on insert
+    for _ in range(2):
+        m = cache.match_prefix([1, 2, 3, 4, 5], touch=False)
+        cache.touch(m.node)
+    assert len(cache.objects) == 1  # the second hit backed it up
+    f.sync(cache)
