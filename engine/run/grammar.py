@@ -6,14 +6,17 @@ it. Every rank advances its own matchers with the tokens it sampled, so no round
 the scheduler is needed; the matcher's state is a function of the Step stream and the
 sampled tokens, which the digest's token chain already covers.
 
-Overlap: step N+1's forward is launched before the matchers have seen step N's tokens.
-Only its sampling waits: `mask` first takes step N's tokens off the host copy started when
-N sampled (`_Pending`: the one wait, on N's event, while N+1's forward is queued behind it
-on the device), accepts them (Python ints: xgrammar's binding rejects tensor scalars), fills
-the bitmask rows of the constrained slots on the host (pinned on CUDA), copies it, and
-applies it with xgrammar's kernel (triton on CUDA, its C++ kernel on CPU) to those rows
-only. The bitmask spans the model's vocabulary (the TokenizerInfo has the model's vocab
-size), so ids past the tokenizer's vocabulary are masked too.
+Overlap: step N+1's forward is launched before the matchers have seen step N's tokens;
+only its sampling waits for the mask. When step N samples, `sampled` starts a job on one
+host thread: wait for N's token copy (its event), accept the tokens (Python ints: xgrammar's
+binding rejects tensor scalars; its batch matcher's thread pool), fill those slots' next
+bitmask rows. It runs while the worker's thread answers step N-1 and waits for step N+1 on
+its socket (xgrammar holds the GIL, a socket wait does not). `mask` for step N+1 joins it,
+fills only rows it could not know (requests added by this step), gathers the rows by logits
+row into a pinned buffer, copies it and applies it with xgrammar's kernel (triton on CUDA,
+its C++ kernel on CPU) to the constrained rows only. The bitmask spans the model's
+vocabulary (the TokenizerInfo has the model's vocab size), so ids past the tokenizer's
+vocabulary are masked too. Requests without a grammar never wait.
 
 A finished grammar (its stop token accepted) is terminated: the scheduler ends the request
 on that token, and a row of it still sampled by the overlap step is left unmasked (its
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,24 +50,30 @@ class _Pending:
 
     tokens: torch.Tensor  # host copy (non-blocking on CUDA) of the step's sampled tokens
     event: torch.cuda.Event | None  # completes when `tokens` is filled
-    rows: list[tuple[int, Any]]  # (row in the step's sampled tokens, the matcher it goes to)
+    rows: list[tuple[int, int, Any]]  # (row in the step's sampled tokens, slot, the matcher it goes to)
 
 
 class GrammarSlots(Effect):
     ops = (AddReq, FreeReq)
 
-    def __init__(self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device, background: bool = True
+    ) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.device = device
         self.matchers: dict[int, Any] = {}  # slot -> xgr.GrammarMatcher
         self._info: Any = None  # xgr.TokenizerInfo, built on the first grammar
         self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._pending: _Pending | None = None
-        self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)
+        self._pending: _Pending | None = None  # without a background thread: advanced by the next mask
+        self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
+        self._ready: dict[int, Any] = {}  # slot -> the matcher whose next-token row is in _bitmask
+        self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by slot
+        self._staging = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by logits row, for the copy
         self._indices = torch.zeros(max_slots, dtype=torch.int32)
         if device.type == "cuda":
-            self._bitmask = self._bitmask.pin_memory()
+            self._staging = self._staging.pin_memory()
             self._indices = self._indices.pin_memory()
         # fills and accepts the rows of a step on xgrammar's thread pool (64 rows: ~1 ms serially)
         self._batch = xgr.BatchGrammarMatcher("auto")
@@ -86,6 +96,7 @@ class GrammarSlots(Effect):
     def apply(self, op: AddReq | FreeReq) -> None:
         if isinstance(op, FreeReq):
             self.matchers.pop(op.slot, None)
+            self._ready.pop(op.slot, None)
             return
         if op.slot in self.matchers:
             raise ReplicaError(f"AddReq for busy grammar slot {op.slot}")
@@ -126,18 +137,22 @@ class GrammarSlots(Effect):
         """Mask the rows of constrained slots in place (logits: one row per sampled slot)."""
         if not self.matchers:
             return
-        rows = [(i, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
+        rows = [(i, s, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
         if not rows:
             return
-        self._catch_up()
-        live = [(i, m) for i, m in rows if not m.is_terminated()]
+        self._join()  # the previous constrained step's tokens are accepted and its rows filled
+        live = [(i, s, m) for i, s, m in rows if not m.is_terminated()]
         if not live:
             return
-        idx = [i for i, _ in live]
-        self._batch.batch_fill_next_token_bitmask([m for _, m in live], self._bitmask, idx)
-        bitmask = self._bitmask[: len(slots)]
-        if self.device.type == "cuda":
-            bitmask = bitmask.to(self.device, non_blocking=True)
+        stale = [(s, m) for _, s, m in live if self._ready.get(s) is not m]
+        if stale:  # new matchers (AddReq), or rows the background job did not fill
+            self._batch.batch_fill_next_token_bitmask([m for _, m in stale], self._bitmask, [s for s, _ in stale])
+        idx = [i for i, _, _ in live]
+        # the bitmask is by slot; the kernel wants it by logits row: gather into pinned staging
+        by_slot = torch.tensor(slots, dtype=torch.int64)
+        staging = self._staging[: len(slots)]
+        torch.index_select(self._bitmask, 0, by_slot, out=staging)
+        bitmask = staging.to(self.device, non_blocking=True) if self.device.type == "cuda" else staging
         self._apply(logits, bitmask, idx)
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, idx: list[int]) -> None:
@@ -152,10 +167,11 @@ class GrammarSlots(Effect):
         )
 
     def sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
-        """Record the tokens of this step's constrained rows; matchers accept them when the
-        next constrained step needs its mask (`mask`), not now: that would wait for the
-        device."""
-        rows = [(i, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
+        """This step's constrained rows sampled `tokens`: start the job that waits for them,
+        has the matchers accept them and fills those slots' next bitmask rows, on a host
+        thread, while this thread answers the previous step and receives the next one (both
+        wait on sockets, without the GIL). The next `mask` joins it."""
+        rows = [(i, s, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
         if not rows:
             return
         if self.device.type == "cuda":
@@ -164,22 +180,38 @@ class GrammarSlots(Effect):
             event.record()
         else:
             host, event = tokens, None
-        # at most one step is pending: every constrained step calls mask (which drains) first
-        self._pending = _Pending(host, event, rows)
+        for _, s, _ in rows:
+            self._ready.pop(s, None)  # their state changes with this token
+        # at most one job is in flight: every constrained step calls mask (which joins) first
+        pending = _Pending(host, event, rows)
+        if self._pool is None:
+            self._pending = pending
+        else:
+            self._job = self._pool.submit(self._advance, pending)
 
-    def _catch_up(self) -> None:
+    def _join(self) -> None:
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()  # re-raises the job's error here, on the worker's thread
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
+        if pending is not None:
+            self._advance(pending)
+
+    def _advance(self, pending: _Pending) -> None:
         if pending.event is not None:
             pending.event.synchronize()
         toks = pending.tokens.tolist()  # Python ints
         # a matcher dropped by FreeReq meanwhile still gets its token: harmless, it is garbage
-        live = [(toks[i], m) for i, m in pending.rows if not m.is_terminated()]
+        live = [(toks[i], s, m) for i, s, m in pending.rows if not m.is_terminated()]
         if not live:
             return
-        ok = self._batch.batch_accept_token([m for _, m in live], [t for t, _ in live])
-        for accepted, (tok, _) in zip(ok, live, strict=True):
+        ok = self._batch.batch_accept_token([m for _, _, m in live], [t for t, _, _ in live])
+        for accepted, (tok, _, _) in zip(ok, live, strict=True):
             if not accepted:
                 self.rejected += 1
                 log.warning("grammar refused a sampled token", token=tok, rejected=self.rejected)
+        fill = [(s, m) for _, s, m in live if not m.is_terminated()]
+        if fill:
+            self._batch.batch_fill_next_token_bitmask([m for _, m in fill], self._bitmask, [s for s, _ in fill])
+            for s, m in fill:
+                self._ready[s] = m

@@ -38,8 +38,8 @@ def setup(default_model_dir: Path) -> tuple[object, int, Grammar]:
     return tok, vocab, grammar
 
 
-def _slots(default_model_dir: Path, vocab: int) -> GrammarSlots:
-    return GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"))
+def _slots(default_model_dir: Path, vocab: int, background: bool = True) -> GrammarSlots:
+    return GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"), background=background)
 
 
 def _add(slot: int, grammar: Grammar | None, output: list[int] = ()) -> AddReq:
@@ -57,9 +57,10 @@ def _drive(g: GrammarSlots, slot: int, tokens: list[int], vocab: int) -> torch.T
     return logits
 
 
-def test_mask_follows_the_tokens_until_the_grammar_terminates(default_model_dir: Path, setup) -> None:
+@pytest.mark.parametrize("background", [True, False])
+def test_mask_follows_the_tokens_until_the_grammar_terminates(default_model_dir: Path, setup, background: bool) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab)
+    g = _slots(default_model_dir, vocab, background)
     g.apply(_add(0, grammar))
     ids = tok.encode('{"n": 42}', add_special_tokens=False)
     _drive(g, 0, ids, vocab)
@@ -131,3 +132,33 @@ def test_reasoning_comes_before_the_constraint(default_model_dir: Path, setup) -
     assert m.accept_string("free text, even { and ]</think>\n")
     assert not m.accept_string("no json")
     assert m.accept_string('{"n": 1}')
+
+
+def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, setup) -> None:
+    """Two constrained slots at different points of the document, an unconstrained row
+    between them, and a slot freed and reused by a new grammar while a job is in flight:
+    each row gets its own slot's mask."""
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab)
+    ref = _slots(default_model_dir, vocab, background=False)
+    a = tok.encode('{"n": 4', add_special_tokens=False)
+    g.apply(_add(0, grammar))
+    g.apply(_add(2, grammar))
+    ref.apply(_add(0, grammar, a))
+    for t in a:  # slot 0 advances, slot 2 stays at the start (it samples the same token: '{' first)
+        logits = torch.zeros(3, vocab)
+        g.mask(logits, [0, 1, 2] if t == a[0] else [0, 1])
+        g.sampled([0, 1, 2] if t == a[0] else [0, 1], torch.tensor([t, 5, t]) if t == a[0] else torch.tensor([t, 5]))
+    g.apply(FreeReq(2))  # freed while the last job may still run; its slot takes a fresh grammar
+    g.apply(_add(2, grammar))
+    logits = torch.zeros(3, vocab)
+    g.mask(logits, [0, 1, 2])
+    expected0 = torch.zeros(1, vocab)
+    ref.mask(expected0, [0])
+    fresh = _slots(default_model_dir, vocab, background=False)
+    fresh.apply(_add(0, grammar))
+    expected2 = torch.zeros(1, vocab)
+    fresh.mask(expected2, [0])
+    assert torch.equal(logits[0], expected0[0])
+    assert bool((logits[1] == 0).all())
+    assert torch.equal(logits[2], expected2[0])
