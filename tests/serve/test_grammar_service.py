@@ -1,0 +1,82 @@
+"""GrammarService (engine/serve/grammar.py): compile off the event loop, one shared cache,
+400s for what does not compile or takes too long, and what a request's fields turn into."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.serve.errors import ApiError
+from engine.serve.grammar import GrammarService, constrain, response_format_spec
+from engine.serve.metrics import Metrics
+from engine.serve.tokenizer import load_tokenizer
+from msgs.params import Grammar, SamplingParams
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir: Path):  # noqa: ANN201
+    tok = load_tokenizer(str(default_model_dir))
+    assert tok is not None
+    return tok.hf
+
+
+def test_compiles_once_for_concurrent_requests_and_counts_hits(hf) -> None:  # noqa: ANN001
+    metrics = Metrics()
+    service = GrammarService(hf, metrics)
+    params = SamplingParams(json_schema=SCHEMA)
+
+    async def main() -> list[SamplingParams]:
+        return await asyncio.gather(*(constrain(service, params, 49152) for _ in range(4)))
+
+    out = asyncio.run(main())
+    assert all(isinstance(p.grammar, Grammar) for p in out)
+    assert len({p.grammar.key for p in out}) == 1
+    assert out[0].grammar.stop_ids == [2]
+    assert metrics.grammar_compile._sum.get() > 0  # one compile observed
+    assert metrics.grammar_cache_hits._value.get() == 3
+
+
+def test_what_does_not_compile_or_takes_too_long_is_a_400(hf) -> None:  # noqa: ANN001
+    service = GrammarService(hf, Metrics())
+    for params in (
+        SamplingParams(json_schema="{not json"),
+        SamplingParams(json_schema='{"type": "nonsense"}'),
+        SamplingParams(regex="(unclosed"),
+        SamplingParams(ebnf="root ::= missing"),
+    ):
+        with pytest.raises(ApiError) as info:
+            asyncio.run(constrain(service, params, 49152))
+        assert info.value.status == 400
+    slow = GrammarService(hf, Metrics(), timeout_s=1e-9)
+    with pytest.raises(ApiError) as info:
+        asyncio.run(constrain(slow, SamplingParams(regex="[a-z]{3}"), 49152))
+    assert info.value.status == 400 and "longer than" in info.value.message
+
+
+def test_a_client_grammar_is_always_replaced(hf) -> None:  # noqa: ANN001
+    forged = Grammar("k", b"not a grammar", [1])
+    assert asyncio.run(constrain(None, SamplingParams(grammar=forged), 49152)).grammar is None
+    service = GrammarService(hf, Metrics())
+    got = asyncio.run(constrain(service, SamplingParams(regex="a+", grammar=forged), 49152)).grammar
+    assert got is not None and got.key != "k"
+    with pytest.raises(ApiError):  # a constraint on a server without a tokenizer
+        asyncio.run(constrain(None, SamplingParams(regex="a"), 49152))
+
+
+def test_response_format() -> None:
+    assert response_format_spec(None) == {}
+    assert response_format_spec({"type": "text"}) == {}
+    assert json.loads(response_format_spec({"type": "json_object"})["json_schema"]) == {"type": "object"}
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+    spec = response_format_spec({"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}})
+    assert json.loads(spec["json_schema"]) == schema
+    for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": [1]}},
+                {"type": "json_schema", "json_schema": {"name": "n", "oops": 1}}):  # fmt: skip
+        with pytest.raises(ApiError):
+            response_format_spec(bad)
+    assert SamplingParams(regex="a", ebnf="b").validate() is not None  # at most one constraint
