@@ -1,9 +1,10 @@
-"""bin/bench command line: `offline`, `serve`, `latency` and `cpu` modes.
+"""bin/bench command line: `offline`, `serve`, `latency`, `cpu` and `structured` modes.
 
 bin/bench offline --num-requests 256 --input-len-range 100 1024 --output-len-range 100 1024
 bin/bench serve --request-rate 8 --num-requests 200
 bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 8 32
 bin/bench cpu        # served CPU path vs transformers: 16x64 throughput, 8k-prompt TTFT, worker memory
+bin/bench structured # N json_schema requests vs N unconstrained of the same lengths (engine/bench/structured.py)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("offline", "serve", "latency", "cpu")
+MODES = ("offline", "serve", "latency", "cpu", "structured")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(cpu_p)
     cpu.add_arguments(cpu_p)
+    from engine.bench import structured
+
+    st = sub.add_parser("structured", help="N json_schema requests vs N unconstrained of the same output lengths")
+    _common(st)
+    structured.add_arguments(st)
     return parser
 
 
@@ -97,6 +103,8 @@ def check(args: argparse.Namespace) -> str | None:
         from engine.bench import cpu
 
         return cpu.check(args)
+    if args.mode == "structured":
+        return None if args.num_requests >= 1 and args.max_tokens >= 1 else "--num-requests, --max-tokens >= 1"
     if args.mode == "latency":
         checks = [
             (all(b >= 1 for b in args.batch_sizes), "--batch-sizes must be >= 1"),
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": _serve,
         "latency": _latency,
         "cpu": _cpu,
+        "structured": _structured,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -137,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bin/bench: {exc}", file=sys.stderr)
         return 1
     return 1 if figures.get("completed", 1) == 0 else 0
+
+
+def _structured(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import structured
+
+    return structured.main(args)
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Structured-output throughput: N concurrent json_schema requests vs N unconstrained
 requests of the same output lengths, on one server (DESIGN.md 9: >= 90%).
 
-    python -m engine.bench.structured --model configs/qwen3-0.6b --load-format dummy \\
+    bin/bench structured --model configs/qwen3-0.6b --load-format dummy \\
         --tokenizer-from ~/.cache/strata/models/SmolLM2-135M-Instruct --num-requests 64
 
 Random-weight model dirs have no tokenizer, and a grammar needs one: `--tokenizer-from`
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = {"text": prompt, "sampling_params": {"max_new_tokens": 8, "json_schema": json.dumps(SCHEMA)}}
         asyncio.run(_pass(url, [warm, {"text": prompt, "sampling_params": {"max_new_tokens": 8}}]))
         constrained = [
-            {"text": prompt, "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 1.0, "seed": i,
-                                                 "json_schema": json.dumps(SCHEMA)}}
+            {"text": prompt, "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 1.0,
+                                                 "seed": args.seed + i, "json_schema": json.dumps(SCHEMA)}}
             for i in range(args.num_requests)
         ]  # fmt: skip
         c_wall, c_out = asyncio.run(_pass(url, constrained))
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except ValueError:
                 pass
         plain = [
-            {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "seed": i,
-                                                 "ignore_eos": True}}
+            {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 1.0,
+                                                 "seed": args.seed + i, "ignore_eos": True}}
             for i, n in enumerate(lengths)
         ]  # fmt: skip
         p_wall, p_out = asyncio.run(_pass(url, plain))
@@ -131,20 +131,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--load-format", default="auto")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The mode's own flags (bin/bench adds --model, --load-format, --server-args, --out)."""
     p.add_argument("--tokenizer-from", default=None, help="copy this directory's tokenizer files next to the config")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--server-args", default="")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    p.add_argument("--num-requests", type=int, default=64, help="concurrent requests in each pass")
+    p.add_argument("--max-tokens", type=int, default=512, help="max_new_tokens of the constrained requests")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """bin/bench structured: run, print, and write the result JSON when --out is given."""
+    if args.num_requests < 1 or args.max_tokens < 1:
+        raise SystemExit("bin/bench: --num-requests and --max-tokens must be >= 1")
     result = run(args)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    name = Path(args.model).name if args.model else "default"
+    out = Path(args.out or Path("bench/results") / f"structured-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.write_text(json.dumps(result, indent=2))
+    print(f"result: {out}")
+    return result
