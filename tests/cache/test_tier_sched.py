@@ -1,0 +1,127 @@
+"""The scheduler core with the host tier, against 8 fake ranks and the cache controller
+(no model: ranks replay the Step stream on their replicas and 'sample' a deterministic
+token). Every step is digest-checked on every rank and the controller; randomized
+multi-turn conversations with shared prefixes and a small L1/L2 exercise backups,
+commits, splits, evictions to host, load-backs and evict-to-fit; nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from engine.cache.controller import CacheController
+from engine.replica import TokenChain, rank_replica
+from engine.sched.scheduler import SchedConfig, SchedulerCore
+from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
+from msgs.codec import pack_ids, unpack_ids
+from msgs.done import BackupDone, Committed, ControllerDigest, StepDone
+from msgs.params import SamplingParams
+from msgs.requests import TokenizedRequest
+from msgs.steps import BackupPrepare, Step
+
+RANKS = 8
+
+
+class FakeRank:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.replica = rank_replica()
+        self.chain = TokenChain()
+
+    def run(self, step: Step) -> tuple[StepDone, list[int]]:
+        check = self.replica.apply_step(step)
+        n = sum(unpack_ids(step.forward.sample)) if step.forward is not None else 0
+        tokens = pack_ids((step.seq * 7 + i) % 900 + 50 for i in range(n))  # never an EOS
+        self.chain.update(tokens)
+        backed = [op.obj for op in step.ops if isinstance(op, BackupPrepare)]
+        digest = self.replica.digest() if check else None
+        done = StepDone(seq=step.seq, rank=self.rank, token_ids=tokens, digest=digest,
+                        tokens_hash=self.chain.hexdigest() if check else None)
+        return done, backed
+
+
+class Cluster:
+    def __init__(self, num_pages: int, host_pages: int) -> None:
+        cfg = SchedConfig(num_pages=num_pages, page_size=4, max_running=4, max_prefill_tokens=48,
+                          max_context=400, eos_token_ids=(1,), vocab_size=1000, digest_every=1,
+                          num_ranks=RANKS, host_pages=host_pages)
+        self.core = SchedulerCore(cfg)
+        self.ranks = [FakeRank(r) for r in range(RANKS)]
+        self.to_ctrl, steps_in = pipe(STEPS)
+        self.backups, backups_in = pipe(BACKUPS)
+        commits_out, self.commits = pipe(COMMITS)
+        self.ctrl = CacheController(RANKS, steps_in, backups_in, commits_out)
+        self.n = 0
+
+    def run(self, prompts: list[list[int]], max_new: int) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for ids in prompts:
+            rid = f"r{self.n}"
+            self.n += 1
+            params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+            assert self.core.submit(TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params)) is None
+            out[rid] = []
+        inflight: deque[Step] = deque()
+        while True:
+            while len(inflight) < 2 and (step := self.core.plan()) is not None:
+                self.to_ctrl.send(step)
+                inflight.append(step)
+            if not inflight:
+                return out
+            step = inflight.popleft()
+            for rank in reversed(self.ranks):  # rank 0 last: the others' reports arrive first
+                done, backed = rank.run(step)
+                for o in self.core.on_done(done):
+                    out[o.rid].extend(o.new_ids)
+                for obj in backed:
+                    self.backups.send(BackupDone(obj=obj, rank=rank.rank))
+            self.ctrl.pump()
+            for msg in self.commits.drain():
+                if isinstance(msg, Committed):
+                    self.core.on_committed(msg.obj)
+                else:
+                    assert isinstance(msg, ControllerDigest)
+                    self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
+
+
+def test_randomized_conversations_keep_every_replica_identical() -> None:
+    rng = random.Random(5)
+    cl = Cluster(num_pages=40, host_pages=60)
+    system = [rng.randrange(50, 900) for _ in range(24)]  # a shared system prompt
+    convs = [system + [rng.randrange(50, 900) for _ in range(rng.randrange(8, 40))] for _ in range(10)]
+    for _ in range(4):
+        batch = rng.sample(range(len(convs)), 3)
+        outs = cl.run([convs[c] for c in batch], max_new=rng.randrange(2, 9))
+        for c, toks in zip(batch, outs.values(), strict=True):
+            convs[c] = convs[c] + toks + [rng.randrange(50, 900) for _ in range(rng.randrange(4, 20))]
+    stats = cl.core.state.tiers.stats()
+    assert stats["load_backs"] > 0 and stats["backups_committed"] > 0 and stats["l2_hit_tokens"] > 0
+    assert cl.core.state.cache.stats["host_evicted"] > 0  # L2 was full at least once: evict-to-fit
+    while (step := cl.core.plan()) is not None:  # publish the last FreeReqs and commits
+        cl.to_ctrl.send(step)
+        for rank in cl.ranks:
+            cl.core.on_done(rank.run(step)[0])
+    assert cl.core.idle and cl.core.leak_free()
+    want = cl.core.replica.digest()
+    assert {r.replica.digest() for r in cl.ranks} == {want}
+    cl.ctrl.pump()
+    assert cl.ctrl.replica.digest() == want
+
+
+def test_pending_backups_are_not_evictable_until_committed() -> None:
+    cl = Cluster(num_pages=12, host_pages=40)
+    core = cl.core
+    prompt = list(range(100, 140))  # 10 pages: the whole pool but one
+    assert core.submit(TokenizedRequest(rid="a", input_ids=pack_ids(prompt),
+                                        params=SamplingParams(max_new_tokens=1, temperature=0.0))) is None
+    step = core.plan()
+    assert step is not None and any(isinstance(op, BackupPrepare) for op in step.ops)
+    for rank in cl.ranks:
+        core.on_done(rank.run(step)[0])  # finished: its pages are the tree's, still pending
+    assert core.cache.evictable_pages == 0  # pending: they may not leave the device
+    for op in step.ops:  # what the controller reports once all 8 ranks copied it
+        if isinstance(op, BackupPrepare):
+            core.on_committed(op.obj)
+    assert core.cache.evictable_pages == 10
+    assert core.cache.evict(10) == 10 and core.cache.total_pages == 0  # host-only now, still matched
+    assert len(core.cache.match_prefix(prompt, touch=False).host_nodes) == 1
