@@ -33,6 +33,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    # float32 + torch attention: the agreement check without bf16 rounding (near-ties of random weights)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     vocab = ModelConfig.from_dir(a.model).vocab_size
@@ -41,9 +44,11 @@ def main() -> int:
     report: dict = {"model": a.model, "context_len": a.context_len, "steps": a.steps, "runs": {}}
     tokens = {}
     for tp in a.tp:
-        cfg = ServerConfig(model=a.model, load_format="dummy", device=a.device, tp_size=tp, max_running_requests=1,
+        # 16 running requests, not 1: the grammar effect's start-up warm-up slices 16 bitmask rows
+        cfg = ServerConfig(model=a.model, load_format="dummy", device=a.device, tp_size=tp, max_running_requests=16,
                            max_total_tokens=a.context_len + a.steps + 64, max_prefill_tokens=max(2048, a.context_len),
-                           disable_cuda_graph=a.disable_cuda_graph, disable_overlap=True)
+                           disable_cuda_graph=a.disable_cuda_graph, disable_overlap=True, dtype=a.dtype,
+                           attention_backend=a.attention_backend)
         try:
             (wave,) = run_tp(cfg, [([prompt], params)], timeout_s=500)
         except Exception as exc:  # noqa: BLE001 - one device call: record it and retry eager
