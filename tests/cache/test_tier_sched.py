@@ -125,3 +125,20 @@ def test_pending_backups_are_not_evictable_until_committed() -> None:
     assert core.cache.evictable_pages == 10
     assert core.cache.evict(10) == 10 and core.cache.total_pages == 0  # host-only now, still matched
     assert len(core.cache.match_prefix(prompt, touch=False).host_nodes) == 1
+
+
+def test_host_tier_size_and_flags() -> None:
+    import pytest
+
+    from engine.config import ServerConfig
+    from engine.sched.state import host_pages
+    from msgs.done import WorkerReady
+
+    ready = WorkerReady(0, num_pages=101, page_size=16, max_context=512, vocab_size=100, eos_token_ids=[1],
+                        page_bytes=1 << 20)
+    assert host_pages(ServerConfig(), ready) == 0  # off by default: no tier at all
+    assert host_pages(ServerConfig(enable_hierarchical_cache=True), ready) == 200  # 2 x the usable pool
+    assert host_pages(ServerConfig(enable_hierarchical_cache=True, hicache_size=0.5), ready) == 512
+    for bad in ({"hicache_write_policy": "write_back"}, {"disable_radix_cache": True}, {"hicache_ratio": 0.0}):
+        with pytest.raises(ValueError):
+            ServerConfig(enable_hierarchical_cache=True, **bad)
