@@ -85,9 +85,10 @@ class GrammarSlots(Effect):
         """Compile the triton mask kernel now, not in a served step: triton specializes an int
         argument on ==1 and on divisibility by 16, so row counts 1, 2 and 16 are three kernels
         (~0.5 s each to compile)."""
-        logits = torch.zeros(16, self.vocab_size, dtype=torch.float32, device=self.device)
-        bitmask = self._bitmask[:16].to(self.device)
-        for n in (1, 2, 16):
+        rows = min(16, self._bitmask.shape[0])  # fewer slots than 16: only the counts that can occur
+        logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+        bitmask = self._bitmask[:rows].to(self.device)
+        for n in sorted({1, min(2, rows), rows}):
             self._apply(logits, bitmask, list(range(n)))
         torch.cuda.synchronize(self.device)
 
