@@ -27,7 +27,7 @@ from msgs.done import BackupDone, Committed, ControllerDigest
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 
-GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
+GREEDY = SamplingParams(max_new_tokens=3, temperature=0.0)
 
 
 class Engine:
@@ -94,22 +94,22 @@ def test_outputs_equal_fresh_l1_and_l2(default_model_dir: Path, slab: str) -> No
     rng = random.Random(0)
     fresh = Engine(_cfg(default_model_dir, disable_radix_cache=True))
     tiered = Engine(_cfg(default_model_dir, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_path=slab))
-    # 4 conversations of 4-6 pages, 3 turns: the device pool (11 pages) holds about two, so a
-    # later turn finds its history in L2 (or in L1 when it ran recently); L2 holds 22 pages
-    convs = [[rng.randrange(200, 20000) for _ in range(64)] for _ in range(4)]
-    for turn in range(3):
+    # 3 conversations of 5-6 pages, 2 turns: the device pool (11 pages) holds about two, so the
+    # second turn finds its history in L2 (or in L1 when it ran recently); L2 holds 22 pages
+    convs = [[rng.randrange(200, 20000) for _ in range(80)] for _ in range(3)]
+    for turn in range(2):
         order = list(range(len(convs))) if turn % 2 == 0 else list(reversed(range(len(convs))))
         for c in order:
             ref = fresh.run([convs[c]])[0]
             got = tiered.run([convs[c]])[0]
             assert got == ref, f"conversation {c} turn {turn}: {got} != fresh {ref}"
             convs[c] = convs[c] + got + [rng.randrange(200, 20000) for _ in range(10)]
-        # two requests at once that share a conversation's history
-        pair = [convs[0] + [5, 6, 7], convs[0] + [8, 9]]
-        assert tiered.run(pair) == fresh.run(pair)
+    # two requests at once that share a conversation's history
+    pair = [convs[0] + [5, 6, 7], convs[0] + [8, 9]]
+    assert tiered.run(pair) == fresh.run(pair)
     stats = tiered.core.state.tiers.stats()
     assert stats["load_backs"] > 0 and stats["l2_hit_tokens"] > 0 and stats["backups_committed"] > 0
-    assert tiered.core.cache_hit_tokens > 0
+    assert tiered.core.cache_hit_tokens > stats["l2_hit_tokens"]  # some prefixes were L1 hits too
     assert tiered.ctrl.committed > 0
     # idle: every FreeReq and commit published, both tiers accounted for
     while (step := tiered.core.plan()) is not None:
