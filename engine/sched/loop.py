@@ -85,6 +85,9 @@ class SchedulerLoop:
             self.readies[msg.rank] = msg
         if len(self.readies) < self.num_ranks:
             return False
+        if self.cfg.enable_hierarchical_cache and len({r.page_bytes for r in self.readies.values()}) > 1:
+            # one slab, one region per rank, one page size in HostInit: ranks must agree
+            raise WorkerFailure(f"the host tier needs equal KV pages on every rank: {sorted(self.readies.items())}")
         self._start(agree(self.readies))
         return True
 

@@ -142,3 +142,49 @@ def test_host_tier_size_and_flags() -> None:
     for bad in ({"hicache_write_policy": "write_back"}, {"disable_radix_cache": True}, {"hicache_ratio": 0.0}):
         with pytest.raises(ValueError):
             ServerConfig(enable_hierarchical_cache=True, **bad)
+
+
+def test_ranks_with_different_host_pages_cannot_start_the_tier() -> None:
+    import pytest
+
+    from engine.config import ServerConfig
+    from engine.sched.loop import SchedulerLoop, SchedulerPorts, WorkerFailure
+    from msgs.channels import CONTROL, DONE, OUTPUTS, REQUESTS
+    from msgs.done import WorkerReady
+
+    def ports() -> SchedulerPorts:
+        return SchedulerPorts(requests=pipe(REQUESTS)[1], done=pipe(DONE)[1], outputs=pipe(OUTPUTS)[0],
+                              steps=[pipe(STEPS)[0], pipe(STEPS)[0]], control=pipe(CONTROL)[0])
+
+    loop = SchedulerLoop(ServerConfig(enable_hierarchical_cache=True), ports())
+    loop.on_worker_ready(WorkerReady(0, 50, 16, 512, 1000, [1], page_bytes=4096))
+    with pytest.raises(WorkerFailure, match="equal KV pages"):
+        loop.on_worker_ready(WorkerReady(1, 50, 16, 512, 1000, [1], page_bytes=2048))
+
+
+def test_a_protected_host_object_survives_a_scan() -> None:
+    """Evict-to-fit takes one-hit objects before an object hit twice (segmented LRU), even
+    when the twice-hit one is older: a scan of new prefixes does not flush the hot one."""
+    from engine.cache.allocator import PageAllocator
+    from engine.cache.hiradix import TieredRadixCache
+
+    cache = TieredRadixCache(2, PageAllocator(64), 6)
+    hot = [9, 9, 9, 9]
+
+    def insert(tokens: list[int]) -> None:
+        cache.tick()
+        pages = cache.allocator.alloc(len(tokens) // 2)
+        kept, _ = cache.insert_node(tokens, pages)
+        cache.allocator.free(pages[: kept // 2])
+        for obj, node in list(cache.objects.items()):
+            if not node.committed:
+                cache.commit(obj)
+
+    insert(hot)
+    for _ in range(2):
+        cache.tick()
+        cache.touch(cache.match_prefix(hot + [1], touch=False).node)
+    for i in range(10):  # a scan: 10 one-hit prefixes through an L2 of 3 objects
+        insert([i, i, i, i])
+    assert cache.match_prefix(hot, touch=False).node.host >= 0  # still backed up
+    cache.check_invariants()
