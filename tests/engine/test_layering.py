@@ -17,6 +17,7 @@ FORBIDDEN = {
     "models": ("engine.run", "engine.sched", "engine.serve", "procs"),
     "engine/replica": ("torch", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
     "engine/sched": ("torch", "engine.run", "engine.serve", "models", "procs"),
+    "engine/cache": ("torch", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
     "engine/serve": ("torch", "engine.run", "engine.sched", "models", "procs"),
 }
 
