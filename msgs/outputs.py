@@ -46,4 +46,12 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     load_backs: int = 0
 
 
-ToTokenizer = TokenBatch | SchedulerStats
+class FlushDone(msgspec.Struct, tag=True, frozen=True):
+    """The answer to FlushCache `id`: done, or refused with the reason (requests in flight)."""
+
+    id: int
+    ok: bool
+    message: str = ""
+
+
+ToTokenizer = TokenBatch | SchedulerStats | FlushDone

@@ -1,4 +1,4 @@
-"""Channel tokenizer -> scheduler: tokenized requests and aborts."""
+"""Channel tokenizer -> scheduler: tokenized requests, aborts, cache flushes."""
 
 from __future__ import annotations
 
@@ -17,4 +17,10 @@ class AbortRequest(msgspec.Struct, tag=True, frozen=True):
     rid: str
 
 
-ToScheduler = TokenizedRequest | AbortRequest
+class FlushCache(msgspec.Struct, tag=True, frozen=True):
+    """Empty every cache tier (POST /flush_cache); answered by a FlushDone with the same id."""
+
+    id: int
+
+
+ToScheduler = TokenizedRequest | AbortRequest | FlushCache

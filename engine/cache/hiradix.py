@@ -292,6 +292,10 @@ class TieredRadixCache(RadixCache):
 
     # ---- flush and checks --------------------------------------------------------------
 
+    @property
+    def flushable(self) -> bool:
+        return super().flushable and not self.pending  # no backup may be in flight
+
     def reset(self) -> None:
         """Every tier emptied (Flush resets the host tier of every replica too)."""
         if self.pending:

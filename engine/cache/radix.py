@@ -264,6 +264,11 @@ class RadixCache:
         node.parent = None
         return len(node.pages)
 
+    @property
+    def flushable(self) -> bool:
+        """Whether `reset` may run now (nothing locked)."""
+        return self.locked_pages == 0
+
     def reset(self) -> None:
         """Drop every node, returning all tree pages to the allocator; clock and node ids
         restart from 0. Raises RuntimeError if anything is locked."""

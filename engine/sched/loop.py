@@ -35,8 +35,8 @@ from msgs.done import (
     WorkerFailed,
     WorkerReady,
 )
-from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch, ToTokenizer
-from msgs.requests import AbortRequest, TokenizedRequest, ToScheduler
+from msgs.outputs import FlushDone, ReqOutput, SchedulerStats, TokenBatch, ToTokenizer
+from msgs.requests import AbortRequest, FlushCache, TokenizedRequest, ToScheduler
 from msgs.steps import ToWorker
 
 log = structlog.get_logger()
@@ -145,6 +145,12 @@ class SchedulerLoop:
             elif isinstance(msg, AbortRequest):
                 err = self.core.abort(msg.rid)
                 log.info("abort", rid=msg.rid, found=err is not None)
+            elif isinstance(msg, FlushCache):
+                problem = self.core.flush()
+                log.info("flush cache", done=problem is None, problem=problem)
+                self.ports.outputs.send(FlushDone(id=msg.id, ok=problem is None, message=problem or ""))
+                self.stats_dirty = True
+                continue
             else:
                 self.stats_dirty = True  # a dropped frame: the count goes out with the stats
                 continue

@@ -76,6 +76,15 @@ class SchedulerCore:
             return None
         return self.outputs.finish(req, "abort")
 
+    def flush(self) -> str | None:
+        """Empty the prefix cache (and the host tier): only when nothing runs, waits or is in
+        flight, so no request holds a page. The Flush op goes out with the next Step, which
+        every replica applies; None when done, else why not."""
+        if not self.idle or self.done_ranks or self.state.pending_ops or not self.state.cache.flushable:
+            return "requests or cache backups are in flight; retry when the server is idle"
+        self.state.cache.reset()
+        return None
+
     # ---- planning ----------------------------------------------------------------------
 
     def plan(self) -> Step | None:

@@ -30,9 +30,9 @@ from engine.serve.validate import Limits
 from msgs import outputs, requests
 from msgs.channels import AsyncReceiver, AsyncSender
 from msgs.codec import pack_ids
-from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch
+from msgs.outputs import FlushDone, ReqOutput, SchedulerStats, TokenBatch
 from msgs.params import SamplingParams
-from msgs.requests import AbortRequest, TokenizedRequest
+from msgs.requests import AbortRequest, FlushCache, TokenizedRequest
 
 log = structlog.get_logger()
 
@@ -157,6 +157,8 @@ class Frontend:
         self._outbox: asyncio.Queue[requests.ToScheduler] = asyncio.Queue()
         self._ready = asyncio.Event()
         self.died: tuple[str, str] | None = None  # (process, reason) once one has died
+        self._flushes: dict[int, asyncio.Future[FlushDone]] = {}  # FlushCache id -> its answer
+        self._next_flush = 0
 
     # -- requests ---------------------------------------------------------------------
 
@@ -278,6 +280,10 @@ class Frontend:
                 if handle is not None:
                     handle._put(out, now)
             self.metrics.generation_tokens.inc(tokens)
+        elif isinstance(msg, FlushDone):
+            fut = self._flushes.get(msg.id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, SchedulerStats):
             self.stats = msg
             self.metrics.on_stats(msg)
@@ -286,6 +292,23 @@ class Frontend:
                 self._ready.set()
             elif not msg.ready:
                 self._ready.clear()
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> FlushDone:
+        """Ask the scheduler to empty every cache tier; its answer (refused while requests
+        run). Raises ApiError 503 when the server is not serving, 504 on no answer."""
+        if self.died is not None or not self.ready:
+            raise ApiError(503, "the server is not ready", code="not_ready")
+        self._next_flush += 1
+        fid = self._next_flush
+        fut: asyncio.Future[FlushDone] = asyncio.get_running_loop().create_future()
+        self._flushes[fid] = fut
+        self.send(FlushCache(id=fid))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise ApiError(504, "the scheduler did not answer the flush in time") from None
+        finally:
+            del self._flushes[fid]
 
     # -- socket loops -----------------------------------------------------------------
 

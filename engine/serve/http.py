@@ -143,6 +143,16 @@ def build_app(state: ServeState) -> Starlette:
             return json_response({"status": "ok"})
         return json_response(error_body(503, "the scheduler is not ready"), 503)
 
+    async def flush_cache(_request: Request) -> Response:
+        """SGLang's POST /flush_cache: empty every cache tier, only while nothing runs (409 else)."""
+        try:
+            done = await state.frontend.flush_cache()
+        except ApiError as exc:
+            return error_response(exc)
+        if not done.ok:
+            return json_response(error_body(409, f"cache not flushed: {done.message}", code="busy"), 409)
+        return json_response({"status": "ok", "message": "every cache tier is empty"})
+
     async def metrics(_request: Request) -> Response:
         body, content_type = state.frontend.metrics.render()
         return Response(body, media_type=content_type)
@@ -154,6 +164,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
     ]
     handlers = {HTTPException: _http_exception, Exception: _unhandled}
     return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]

@@ -152,3 +152,20 @@ def test_logged_exception_carries_a_structured_traceback(server: Server) -> None
             assert event.get("exc_info") is not True, f"{path.name}: traceback missing: {line[:200]}"
             if "exception" in event:
                 assert event["exception"][0]["frames"], line[:200]
+
+
+def test_flush_cache_empties_the_prefix_cache_and_keeps_outputs(server: Server) -> None:
+    long_prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
+    with Client(server.sdk) as c:
+        before = c.generate(long_prompt, **GREEDY).token_ids
+    m = server.wait_idle()
+    assert m["strata_kv_cache_pages"] > 0  # the prompt's full pages are cached
+    r = httpx.post(f"{server.http}/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while server.metrics()["strata_kv_cache_pages"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = server.wait_idle()
+    assert m["strata_kv_cache_pages"] == 0 and m["strata_kv_leak_free"] == 1
+    with Client(server.sdk) as c:
+        assert c.generate(long_prompt, **GREEDY).token_ids == before  # computed afresh, same tokens

@@ -260,3 +260,28 @@ def test_runner_is_warm_and_clean_before_ready(runner) -> None:  # noqa: ANN001
     assert runner.startup["warmup_s"] > 0
     assert runner.sampler.active_slots == []
     assert runner.replica.digest() == rank_replica().digest() and runner.replica.seq == 0
+
+
+def test_flush_cache_empties_every_replica_when_idle_and_is_refused_while_busy() -> None:
+    from engine.replica import rank_replica
+    from msgs.outputs import FlushDone
+    from msgs.requests import FlushCache
+
+    ranks = [FakeRank(0), FakeRank(1)]
+    loop, wires = start(ranks)
+    submit(wires, n=3)
+    loop.pump()  # admitted: requests run
+    wires.req_out.send(FlushCache(id=1))
+    loop.pump()
+    refused = [m for m in wires.outputs.drain() if isinstance(m, FlushDone)]
+    assert refused == [FlushDone(id=1, ok=False, message=refused[0].message)] and "in flight" in refused[0].message
+    run_until_idle(loop, wires, ranks)
+    assert loop.core.cache.total_pages > 0  # the finished prompts are cached
+    wires.req_out.send(FlushCache(id=2))
+    run_until_idle(loop, wires, ranks)
+    assert [m for m in wires.outputs.drain() if isinstance(m, FlushDone)] == [FlushDone(id=2, ok=True)]
+    fresh = rank_replica().digest()
+    assert loop.core.replica.digest() == fresh
+    assert all(r.worker.replica.digest() == fresh for r in ranks)
+    assert loop.core.cache.total_pages == 0 and loop.core.leak_free()
+    assert loop.core.alloc.num_free == loop.core.alloc.capacity
