@@ -72,6 +72,7 @@ class ReqHandle:
         self._pending: list[ReqOutput] = []
         self._waiter: asyncio.Future[None] | None = None
         self._t0: float | None = t0
+        self.ttft: float | None = None  # seconds from arrival to the first token (logged when it finishes)
         self._failure: GenerationFailed | None = None  # raised once _pending is delivered
 
     def __aiter__(self) -> ReqHandle:
@@ -119,7 +120,8 @@ class ReqHandle:
 
     def _put(self, out: ReqOutput, now: float) -> None:
         if self._t0 is not None and out.new_ids:
-            self._frontend.metrics.ttft.observe(now - self._t0)
+            self.ttft = now - self._t0
+            self._frontend.metrics.ttft.observe(self.ttft)
             self._t0 = None
         self._pending.append(out)
         waiter = self._waiter

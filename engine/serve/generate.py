@@ -179,6 +179,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
             prompt_tokens=len(sub.ids),
             completion_tokens=produced,
             cached_tokens=cached,
+            ttft=None if handle.ttft is None else round(handle.ttft, 6),
         )
 
 

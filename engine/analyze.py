@@ -1,0 +1,402 @@
+"""bin/analyze LOGDIR: read the JSON-lines logs of `bin/serve --log-dir DIR` and print request
+timelines (received, queued, first token, done), TTFT / E2E percentiles, TTFT by the tier that
+served the prefix, prefix-cache hit rates, host-tier (L2) activity, and every error line with the
+first step seq it mentions. `--json` prints the same summary as JSON; `--plot OUT_DIR` writes PNGs.
+
+Only what the logs carry is reported; what they do not carry is said so in `notes`.
+No torch import: this runs anywhere the logs can be copied to."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+
+RECEIVED_EVENTS = ("generate request", "chat request", "completion request", "sdk request")
+ERROR_LEVELS = ("error", "critical", "exception")
+_SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
+_L2_RE = re.compile(r"back ?up|load.?back|l2|host tier|hicache", re.IGNORECASE)
+
+
+@dataclass
+class Request:
+    rid: str
+    received: float | None = None  # seconds since the first log line
+    queued: float | None = None
+    first_token: float | None = None
+    done: float | None = None
+    ttft: float | None = None  # seconds, as the tokenizer measured it
+    e2e: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    tier: str = "none"
+
+
+@dataclass
+class Report:
+    logdir: str
+    files: list[str]
+    requests: list[Request]
+    summary: dict[str, Any]
+    ttft_by_tier: dict[str, dict[str, Any]]
+    hit_rates: dict[str, float | None]
+    host_tier: dict[str, int]
+    errors: list[dict[str, Any]]
+    first_error_seq: int | None
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _ts(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def load(logdir: Path) -> list[Record]:
+    """Every parseable JSON line of every *.log file, in timestamp order, each with `file` and `t`."""
+    out: list[Record] = []
+    for path in sorted(logdir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            rec = _parse(line)
+            if rec is not None:
+                rec["file"] = path.name
+                out.append(rec)
+    out.sort(key=lambda r: r["t"])
+    return out
+
+
+def _parse(line: str) -> Record | None:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(rec, dict) or "event" not in rec or "timestamp" not in rec:
+        return None
+    try:
+        rec["t"] = _ts(str(rec["timestamp"]))
+    except ValueError:
+        return None
+    return rec
+
+
+# ---------------------------------------------------------------- requests
+
+
+def build_requests(records: list[Record], t0: float, has_l2: bool) -> list[Request]:
+    reqs: dict[str, Request] = {}
+    for rec in records:
+        rid = rec.get("rid")
+        if not isinstance(rid, str):
+            continue
+        _apply(reqs.setdefault(rid, Request(rid=rid)), rec, rec["t"] - t0)
+    done = [r for r in reqs.values() if r.done is not None]
+    for r in done:
+        _finish(r, has_l2)
+    return sorted(done, key=lambda r: r.received if r.received is not None else r.done or 0.0)
+
+
+def _apply(req: Request, rec: Record, t: float) -> None:
+    event, proc = rec["event"], rec.get("proc")
+    if proc == "tokenizer" and event in RECEIVED_EVENTS and req.received is None:
+        req.received = t
+    elif proc == "scheduler" and event == "request" and req.queued is None:
+        req.queued = t
+    elif proc == "tokenizer" and event == "request finished":
+        req.done = t
+        req.ttft = rec.get("ttft")
+        req.prompt_tokens = rec.get("prompt_tokens")
+        req.completion_tokens = rec.get("completion_tokens")
+        req.cached_tokens = rec.get("cached_tokens")
+        req.finish_reason = rec.get("finish_reason")
+
+
+def _finish(req: Request, has_l2: bool) -> None:
+    start = req.received if req.received is not None else req.queued
+    if start is not None and req.done is not None:
+        req.e2e = req.done - start
+        if req.ttft is not None:
+            req.first_token = start + req.ttft
+    if req.cached_tokens:
+        req.tier = "device+host" if has_l2 else "device"
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return s[k]
+
+
+def _dist(values: list[float]) -> dict[str, Any]:
+    return {"count": len(values), **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
+
+
+def summarize(reqs: list[Request]) -> dict[str, Any]:
+    ttft = [r.ttft for r in reqs if r.ttft is not None]
+    e2e = [r.e2e for r in reqs if r.e2e is not None]
+    reasons: dict[str, int] = {}
+    for r in reqs:
+        reasons[r.finish_reason or "?"] = reasons.get(r.finish_reason or "?", 0) + 1
+    return {"count": len(reqs), "ttft": _dist(ttft), "e2e": _dist(e2e), "finish_reasons": reasons}
+
+
+def ttft_by_tier(reqs: list[Request]) -> dict[str, dict[str, Any]]:
+    tiers: dict[str, list[float]] = {}
+    for r in reqs:
+        if r.ttft is not None:
+            tiers.setdefault(r.tier, []).append(r.ttft)
+    return {tier: _dist(v) for tier, v in sorted(tiers.items())}
+
+
+def hit_rates(reqs: list[Request]) -> dict[str, float | None]:
+    prompt = sum(r.prompt_tokens or 0 for r in reqs)
+    cached = sum(r.cached_tokens or 0 for r in reqs)
+    hits = sum(1 for r in reqs if r.cached_tokens)
+    return {
+        "token_hit_rate": cached / prompt if prompt else None,
+        "request_hit_rate": hits / len(reqs) if reqs else None,
+    }
+
+
+def host_tier_counts(records: list[Record]) -> dict[str, int]:
+    """Counts of host-tier (L2) log events by event name: backups, load-backs, tier warnings."""
+    out: dict[str, int] = {}
+    for rec in records:
+        if rec.get("proc") == "cache" or _L2_RE.search(str(rec["event"])):
+            out[str(rec["event"])] = out.get(str(rec["event"]), 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------- errors
+
+
+def errors(records: list[Record]) -> list[dict[str, Any]]:
+    out = []
+    for rec in records:
+        if str(rec.get("level", "")).lower() not in ERROR_LEVELS:
+            continue
+        text = _error_text(rec)
+        out.append(
+            {
+                "timestamp": rec["timestamp"],
+                "file": rec["file"],
+                "proc": rec.get("proc"),
+                "event": rec["event"],
+                "detail": text[:300],
+                "seq": _first_seq(rec, text),
+            }
+        )
+    return out
+
+
+def _error_text(rec: Record) -> str:
+    parts = [str(rec["event"]), str(rec.get("error", "")), str(rec.get("reason", ""))]
+    exc = rec.get("exception")
+    if isinstance(exc, list):
+        parts += [f"{e.get('exc_type', '')}: {e.get('exc_value', '')}" for e in exc if isinstance(e, dict)]
+    elif exc:
+        parts.append(str(exc))
+    return " | ".join(p for p in parts if p)
+
+
+def _first_seq(rec: Record, text: str) -> int | None:
+    if isinstance(rec.get("seq"), int):
+        return rec["seq"]
+    m = _SEQ_RE.search(text)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------- the report
+
+
+def analyze(logdir: Path) -> Report:
+    records = load(logdir)
+    files = sorted(p.name for p in logdir.glob("*.log"))
+    has_l2 = "cache.log" in files
+    t0 = records[0]["t"] if records else 0.0
+    reqs = build_requests(records, t0, has_l2)
+    errs = errors(records)
+    seqs = [e["seq"] for e in errs if e["seq"] is not None]
+    return Report(
+        logdir=str(logdir),
+        files=files,
+        requests=reqs,
+        summary=summarize(reqs),
+        ttft_by_tier=ttft_by_tier(reqs),
+        hit_rates=hit_rates(reqs),
+        host_tier=host_tier_counts(records),
+        errors=errs,
+        first_error_seq=min(seqs) if seqs else None,
+        notes=_notes(reqs, has_l2, records),
+    )
+
+
+def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str]:
+    notes = []
+    if any(r.ttft is None for r in reqs):
+        notes.append("some 'request finished' lines carry no ttft (logs from an older server)")
+    if has_l2:
+        notes.append("per-request L1/L2 split is not logged: cached requests show as tier 'device+host'")
+    else:
+        notes.append("no cache.log: host tier (L2) off, every cached token came from the device tier (L1)")
+    if not host_tier_counts(records):
+        notes.append("no backup / load-back events in the logs (only the l2_hit_tokens metric counts them)")
+    notes.append("running/waiting requests and cache occupancy over time are not logged (see /metrics)")
+    return notes
+
+
+# ---------------------------------------------------------------- output
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def print_text(rep: Report, timelines: bool = True, out: Any = sys.stdout) -> None:
+    w = lambda s="": print(s, file=out)  # noqa: E731
+    w(f"logs: {rep.logdir} ({', '.join(rep.files) or 'no *.log files'})")
+    if timelines and rep.requests:
+        _print_timelines(rep.requests, w)
+    _print_summary(rep, w)
+    _print_errors(rep, w)
+    for n in rep.notes:
+        w(f"note: {n}")
+
+
+def _print_timelines(reqs: list[Request], w: Any) -> None:
+    w("\nrequest timelines (seconds since the first log line; ttft/e2e in ms)")
+    w(
+        f"{'rid':<12} {'received':>9} {'queued':>9} {'first':>9} {'done':>9} {'ttft':>8} {'e2e':>8} "
+        f"{'prompt':>6} {'compl':>5} {'cached':>6} {'tier':<11} finish"
+    )
+    for r in reqs:
+        w(
+            f"{r.rid[:12]:<12} {_s(r.received):>9} {_s(r.queued):>9} {_s(r.first_token):>9} {_s(r.done):>9} "
+            f"{_ms(r.ttft):>8} {_ms(r.e2e):>8} {r.prompt_tokens or 0:>6} {r.completion_tokens or 0:>5} "
+            f"{r.cached_tokens or 0:>6} {r.tier:<11} {r.finish_reason}"
+        )
+
+
+def _print_summary(rep: Report, w: Any) -> None:
+    s = rep.summary
+    w(f"\nrequests: {s['count']}  finish reasons: {s['finish_reasons']}")
+    w(f"{'':<16} {'count':>5} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+    rows = [("TTFT", s["ttft"]), ("E2E", s["e2e"])] + [(f"TTFT tier={t}", d) for t, d in rep.ttft_by_tier.items()]
+    for name, d in rows:
+        w(f"{name:<16} {d['count']:>5} {_ms(d['p50']):>8} {_ms(d['p90']):>8} {_ms(d['p99']):>8}")
+    h = rep.hit_rates
+    pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    w(f"prefix cache: token hit rate {pct(h['token_hit_rate'])}, requests with a hit {pct(h['request_hit_rate'])}")
+    if rep.host_tier:
+        w("host tier (L2) events: " + ", ".join(f"{k}: {v}" for k, v in sorted(rep.host_tier.items())))
+
+
+def _print_errors(rep: Report, w: Any) -> None:
+    if not rep.errors:
+        w("errors: none")
+        return
+    first = "" if rep.first_error_seq is None else f" (first seq mentioned: {rep.first_error_seq})"
+    w(f"errors: {len(rep.errors)}{first}")
+    for e in rep.errors:
+        seq = "" if e["seq"] is None else f" seq={e['seq']}"
+        w(f"  {e['timestamp']} {e['file']}{seq}: {e['detail']}")
+
+
+def to_json(rep: Report) -> str:
+    return json.dumps(asdict(rep), indent=2)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def plot(rep: Report, out_dir: Path) -> list[Path]:
+    """PNG charts: TTFT by tier (box plot) and TTFT over time; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by_tier: dict[str, list[float]] = {}
+    for r in rep.requests:
+        if r.ttft is not None:
+            by_tier.setdefault(r.tier, []).append(r.ttft * 1000)
+    paths = [out_dir / "ttft_by_tier.png", out_dir / "ttft_over_time.png"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if by_tier:
+        names = sorted(by_tier)
+        ax.boxplot([by_tier[n] for n in names], tick_labels=[f"{n}\n(n={len(by_tier[n])})" for n in names])
+    ax.set(title="TTFT by the tier that served the prefix", ylabel="TTFT (ms)", xlabel="prefix tier")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    _plot_over_time(plt, rep, paths[1])
+    return paths
+
+
+def _plot_over_time(plt: Any, rep: Report, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    tiers = sorted({r.tier for r in rep.requests})
+    for tier in tiers:
+        pts = [
+            (r.received, r.ttft * 1000)
+            for r in rep.requests
+            if r.tier == tier and r.ttft is not None and r.received is not None
+        ]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=tier, s=24)
+    ax.set(title="TTFT over time (by arrival)", xlabel="arrival (s since the first log line)", ylabel="TTFT (ms)")
+    ax.grid(alpha=0.3)
+    if tiers:
+        ax.legend(title="prefix tier")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bin/analyze", description=__doc__.split("\n\n")[0])
+    p.add_argument("logdir", type=Path, help="the --log-dir of a bin/serve run")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--plot", type=Path, metavar="OUT_DIR", help="write PNG charts here")
+    p.add_argument("--no-timelines", action="store_true", help="omit the per-request table")
+    args = p.parse_args(argv)
+    if not args.logdir.is_dir():
+        p.error(f"{args.logdir} is not a directory")
+    rep = analyze(args.logdir)
+    if args.json:
+        print(to_json(rep))
+    else:
+        print_text(rep, timelines=not args.no_timelines)
+    if args.plot is not None:
+        for path in plot(rep, args.plot):
+            print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
