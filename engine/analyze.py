@@ -300,10 +300,10 @@ def _print_timelines(reqs: list[Request], w: Any) -> None:
 def _print_summary(rep: Report, w: Any) -> None:
     s = rep.summary
     w(f"\nrequests: {s['count']}  finish reasons: {s['finish_reasons']}")
-    w(f"{'':<16} {'count':>5} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+    w(f"{'':<22} {'count':>5} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     rows = [("TTFT", s["ttft"]), ("E2E", s["e2e"])] + [(f"TTFT tier={t}", d) for t, d in rep.ttft_by_tier.items()]
     for name, d in rows:
-        w(f"{name:<16} {d['count']:>5} {_ms(d['p50']):>8} {_ms(d['p90']):>8} {_ms(d['p99']):>8}")
+        w(f"{name:<22} {d['count']:>5} {_ms(d['p50']):>8} {_ms(d['p90']):>8} {_ms(d['p99']):>8}")
     h = rep.hit_rates
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     w(f"prefix cache: token hit rate {pct(h['token_hit_rate'])}, requests with a hit {pct(h['request_hit_rate'])}")
