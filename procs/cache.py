@@ -6,29 +6,21 @@ Committed/digests to the scheduler) and runs engine.cache.controller.CacheContro
 
 from __future__ import annotations
 
-import argparse
-import signal
 import sys
 
 import zmq
 
 from engine.cache.controller import CacheController, SlabMapping
-from engine.config import ServerConfig
-from engine.logs import setup_logging
 from msgs.channels import BACKUPS, COMMITS, CONTROL, STEPS, open_receiver, open_sender
 from msgs.control import Fatal, Ready
 from msgs.done import ControllerFailed
+from procs.child import start_child
 
 ROLE = "cache"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    args = ap.parse_args()
-    cfg = ServerConfig.from_json(open(args.config).read())
-    log = setup_logging(ROLE, cfg.log_dir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    cfg, log, _ = start_child(ROLE)
     ctx = zmq.Context()
     control = open_sender(ctx, CONTROL, ROLE, cfg.run_dir, linger_ms=1000)
     steps = open_receiver(ctx, STEPS, ROLE, cfg.run_dir, follower=ROLE)

@@ -6,28 +6,20 @@ engine.sched.loop.SchedulerLoop over them.
 
 from __future__ import annotations
 
-import argparse
-import signal
 import sys
 
 import zmq
 
-from engine.config import ServerConfig
-from engine.logs import setup_logging
 from engine.sched.loop import SchedulerLoop, SchedulerPorts
 from msgs.channels import COMMITS, CONTROL, DONE, OUTPUTS, REQUESTS, STEPS, open_receiver, open_sender
 from msgs.control import Fatal
+from procs.child import start_child
 
 ROLE = "scheduler"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    args = ap.parse_args()
-    cfg = ServerConfig.from_json(open(args.config).read())
-    log = setup_logging(ROLE, cfg.log_dir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    cfg, log, _ = start_child(ROLE)
     ctx = zmq.Context()
     run_dir = cfg.run_dir
     ports = SchedulerPorts(

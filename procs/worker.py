@@ -2,49 +2,42 @@
 
 from __future__ import annotations
 
-import argparse
-import signal
 import sys
 from typing import Any
 
 import zmq
 
 from engine.config import ServerConfig
-from engine.logs import setup_logging
 from msgs.channels import BACKUPS, CONTROL, DONE, STEPS, open_receiver, open_sender
 from msgs.control import Fatal, Ready
 from msgs.done import WorkerFailed
+from procs.child import start_child
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--rank", type=int, default=0)
-    args = ap.parse_args()
-    cfg = ServerConfig.from_json(open(args.config).read())
-    log = setup_logging("worker", cfg.log_dir, rank=args.rank)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    cfg, log, rank = start_child("worker", with_rank=True)
+    assert rank is not None
     ctx = zmq.Context()
     # bounded linger: Fatal / WorkerFailed get out, but a dead peer never holds up the exit
     control = open_sender(ctx, CONTROL, "worker", cfg.run_dir, linger_ms=1000)
-    steps = open_receiver(ctx, STEPS, "worker", cfg.run_dir, rank=args.rank)
+    steps = open_receiver(ctx, STEPS, "worker", cfg.run_dir, rank=rank)
     done = open_sender(ctx, DONE, "worker", cfg.run_dir, linger_ms=1000)
     pipeline = None
     try:
         from engine.run.pipeline import WorkerPipeline  # heavy imports after sockets: fail fast on bad config
         from engine.run.runner import ModelRunner
 
-        runner = ModelRunner(cfg, args.rank)
-        pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, done, runner, args.rank))
+        runner = ModelRunner(cfg, rank)
+        pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, done, runner, rank))
         pipeline.start()
-        control.send(Ready(proc="worker", rank=args.rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
+        control.send(Ready(proc="worker", rank=rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
         pipeline.run()
         code = 0
     except Exception as exc:  # fatal by design: report, exit non-zero
         log.exception("worker failed", error=str(exc))
         seq = pipeline.last_seq if pipeline is not None else -1
-        done.send(WorkerFailed(rank=args.rank, seq=seq, reason=str(exc)))
-        control.send(Fatal(proc="worker", rank=args.rank, reason=str(exc)))
+        done.send(WorkerFailed(rank=rank, seq=seq, reason=str(exc)))
+        control.send(Fatal(proc="worker", rank=rank, reason=str(exc)))
         code = 1
     finally:
         if "engine.run.dist" in sys.modules:  # tp > 1: leave the group, never waiting on it forever

@@ -1,0 +1,27 @@
+"""What every child process the supervisor starts does first: read `--config` (and
+`--rank` for workers), set up its JSON log, exit cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import structlog
+
+from engine.config import ServerConfig
+from engine.logs import setup_logging
+
+
+def start_child(role: str, with_rank: bool = False) -> tuple[ServerConfig, structlog.stdlib.BoundLogger, int | None]:
+    """(config, logger, rank) for `python -m procs.<role> --config PATH [--rank R]`."""
+    ap = argparse.ArgumentParser(prog=f"procs.{role}")
+    ap.add_argument("--config", required=True, help="the ServerConfig JSON the supervisor wrote")
+    if with_rank:
+        ap.add_argument("--rank", type=int, default=0, help="this worker's rank")
+    args = ap.parse_args()
+    cfg = ServerConfig.from_json(open(args.config).read())
+    rank = args.rank if with_rank else None
+    log = setup_logging(role, cfg.log_dir, rank=rank)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return cfg, log, rank
