@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from msgs.params import SamplingParams
 from msgs.sdk import Client, StrataError
 from tests.integration.conftest import Server
+from tests.param_strategies import sampling_params
 
 SETTINGS = settings(
     max_examples=60, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
@@ -135,21 +136,12 @@ def test_arbitrary_messages_are_answered_or_4xx(server: Server, baseline: str, m
 
 FLOAT = st.floats() | st.sampled_from([math.inf, -math.inf, math.nan, 0.0, 1.0, 2.0])
 INT = st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 3)
-SDK_PARAMS = st.builds(
-    SamplingParams,
-    max_new_tokens=st.integers(-3, 3) | st.sampled_from([10**6, 2**31, 2**62]),
-    temperature=FLOAT,
-    top_p=FLOAT,
-    top_k=INT,
-    min_p=FLOAT,
-    repetition_penalty=FLOAT,
-    frequency_penalty=FLOAT,
-    presence_penalty=FLOAT,
-    seed=st.none() | INT,
-    stop=st.lists(st.text(max_size=3), max_size=3),
-    stop_token_ids=st.lists(INT, max_size=3),
-    logprobs=st.booleans(),
+SDK_PARAMS = sampling_params(
+    FLOAT,
+    INT,
+    max_new=st.integers(-3, 3) | st.sampled_from([10**6, 2**31, 2**62]),
     top_logprobs=st.integers(-2, 30),
+    stop=st.lists(st.text(max_size=3), max_size=3),
 )
 
 

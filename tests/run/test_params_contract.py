@@ -11,27 +11,14 @@ from hypothesis import strategies as st
 from engine.run.runner import _sample_params
 from msgs.params import SamplingParams
 from msgs.steps import AddReq, WorkerSampling
+from tests.param_strategies import sampling_params
 
 FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0.0, -0.0, 1.0, 2.0, 1e-300, 1e300, math.inf, -math.inf, math.nan]),
 )
 INTS = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from([-1, 0, 1, 20, 21, 2**31 - 1, 2**31, 2**63]))
-PARAMS = st.builds(
-    SamplingParams,
-    max_new_tokens=INTS,
-    temperature=FLOATS,
-    top_p=FLOATS,
-    top_k=INTS,
-    min_p=FLOATS,
-    repetition_penalty=FLOATS,
-    frequency_penalty=FLOATS,
-    presence_penalty=FLOATS,
-    seed=st.none() | INTS,
-    stop_token_ids=st.lists(INTS, max_size=3),
-    logprobs=st.booleans(),
-    top_logprobs=INTS,
-)
+PARAMS = sampling_params(FLOATS, INTS, max_new=INTS, top_logprobs=INTS)
 
 
 @settings(max_examples=400, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
