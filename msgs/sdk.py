@@ -34,8 +34,8 @@ class StrataError(RuntimeError):
         self.message = message
 
 
-server_codec = SDK_IN.codec  # what the server decodes
-client_codec = SDK_OUT.codec  # what the client decodes
+_TO_SERVER = SDK_IN.codec  # what the server decodes
+_FROM_SERVER = SDK_OUT.codec  # what the client decodes
 
 
 def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any]) -> GenerateRequest:
@@ -65,20 +65,20 @@ class Client:
     def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         """Run one request to completion; params are SamplingParams fields."""
         req = _request(prompt, False, rid, params)
-        self._sock.send(server_codec.encode(req))
+        self._sock.send(_TO_SERVER.encode(req))
         while True:
-            chunk = _check(client_codec.decode(self._sock.recv()))
+            chunk = _check(_FROM_SERVER.decode(self._sock.recv()))
             if chunk is not None and chunk.rid == req.rid:
                 return chunk
 
     def stream(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> Iterator[GenerateChunk]:
         """Yield deltas until the request finishes. Closing the iterator early aborts it."""
         req = _request(prompt, True, rid, params)
-        self._sock.send(server_codec.encode(req))
+        self._sock.send(_TO_SERVER.encode(req))
         finished = False
         try:
             while not finished:
-                chunk = _check(client_codec.decode(self._sock.recv()))
+                chunk = _check(_FROM_SERVER.decode(self._sock.recv()))
                 if chunk is None or chunk.rid != req.rid:
                     continue
                 finished = chunk.finish_reason is not None
@@ -88,7 +88,7 @@ class Client:
                 self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
-        self._sock.send(server_codec.encode(AbortGenerate(rid=rid)))
+        self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
 
     def close(self) -> None:
         self._sock.close(0)
@@ -114,7 +114,7 @@ class AsyncClient:
 
     async def _read_forever(self) -> None:
         while True:
-            msg = client_codec.decode(await self._sock.recv())
+            msg = _FROM_SERVER.decode(await self._sock.recv())
             queue = self._queues.get(msg.rid) if msg is not None else None
             if queue is not None:
                 queue.put_nowait(msg)
@@ -124,7 +124,7 @@ class AsyncClient:
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
         queue: asyncio.Queue[FromServer] = asyncio.Queue()
         self._queues[req.rid] = queue
-        await self._sock.send(server_codec.encode(req))
+        await self._sock.send(_TO_SERVER.encode(req))
         return queue
 
     async def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
@@ -135,7 +135,7 @@ class AsyncClient:
             assert chunk is not None
             return chunk
         except asyncio.CancelledError:
-            self._sock.send(server_codec.encode(AbortGenerate(rid=req.rid)))  # fire and forget
+            self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=req.rid)))  # fire and forget
             raise
         finally:
             self._queues.pop(req.rid, None)
@@ -158,7 +158,7 @@ class AsyncClient:
                 await self.abort(req.rid)
 
     async def abort(self, rid: str) -> None:
-        await self._sock.send(server_codec.encode(AbortGenerate(rid=rid)))
+        await self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
 
     def close(self) -> None:
         if self._reader is not None:

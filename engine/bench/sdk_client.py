@@ -14,8 +14,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from msgs.channels import SDK_IN, SDK_OUT
 from msgs.params import SamplingParams
-from msgs.sdk import GenerateChunk, GenerateError, GenerateRequest, StrataError, client_codec, server_codec
+from msgs.sdk import GenerateChunk, GenerateError, GenerateRequest, StrataError
 
 
 class SdkBatchClient:
@@ -42,7 +43,7 @@ class SdkBatchClient:
 
     async def _read(self) -> None:
         while True:
-            msg = client_codec.decode(await self._sock.recv())
+            msg = SDK_OUT.codec.decode(await self._sock.recv())
             fut = self._waiting.pop(msg.rid, None) if msg is not None else None
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -54,7 +55,7 @@ class SdkBatchClient:
         self._waiting[rid] = fut
         req = GenerateRequest(rid=rid, params=SamplingParams(**params), input_ids=input_ids)
         try:
-            await self._sock.send(server_codec.encode(req))
+            await self._sock.send(SDK_IN.codec.encode(req))
             msg = await fut
         finally:
             self._waiting.pop(rid, None)

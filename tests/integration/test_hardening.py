@@ -15,8 +15,9 @@ import msgspec
 import pytest
 import zmq
 
+from msgs.channels import SDK_IN, SDK_OUT
 from msgs.params import SamplingParams
-from msgs.sdk import AbortGenerate, Client, GenerateRequest, StrataError, client_codec, server_codec
+from msgs.sdk import AbortGenerate, Client, GenerateRequest, StrataError
 from tests.integration.conftest import Server
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -104,19 +105,19 @@ def test_only_the_owner_connection_can_abort(server: Server) -> None:
     owner, stranger = _raw_sdk(server), _raw_sdk(server)
     try:
         params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0)
-        owner.send(server_codec.encode(GenerateRequest(rid="owned-1", params=params, text="Count:", stream=True)))
-        first = client_codec.decode(owner.recv())
+        owner.send(SDK_IN.codec.encode(GenerateRequest(rid="owned-1", params=params, text="Count:", stream=True)))
+        first = SDK_OUT.codec.decode(owner.recv())
         assert first is not None and first.rid == "owned-1"
-        stranger.send(server_codec.encode(AbortGenerate(rid="owned-1")))
+        stranger.send(SDK_IN.codec.encode(AbortGenerate(rid="owned-1")))
         chunks = [first]
         while chunks[-1].finish_reason is None:
-            chunks.append(client_codec.decode(owner.recv()))
+            chunks.append(SDK_OUT.codec.decode(owner.recv()))
         assert chunks[-1].finish_reason == "length"  # not aborted
         assert sum(len(c.token_ids) for c in chunks) == 24
         # the owner itself can abort
-        owner.send(server_codec.encode(GenerateRequest(rid="owned-2", params=params, text="Count:", stream=True)))
-        client_codec.decode(owner.recv())
-        owner.send(server_codec.encode(AbortGenerate(rid="owned-2")))
+        owner.send(SDK_IN.codec.encode(GenerateRequest(rid="owned-2", params=params, text="Count:", stream=True)))
+        SDK_OUT.codec.decode(owner.recv())
+        owner.send(SDK_IN.codec.encode(AbortGenerate(rid="owned-2")))
     finally:
         owner.close(0)
         stranger.close(0)
