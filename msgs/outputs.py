@@ -33,7 +33,7 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     cache_pages: int  # held by the prefix cache (reusable, evictable when unlocked)
     running: int
     waiting: int
-    cache_hit_tokens: int  # cumulative prompt tokens served from the device prefix cache
+    cache_hit_tokens: int  # cumulative prompt tokens served from the prefix cache, every tier (L1 + L2 + L3)
     step_seconds: list[float]  # durations of steps finished since the previous stats
     leak_free: bool = True  # result of the last idle leak check
     dropped_frames: dict[str, int] = {}  # malformed frames the scheduler dropped, per channel
@@ -44,6 +44,16 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     backups_committed: int = 0
     backups_skipped: int = 0  # L2 full even after evict-to-fit
     load_backs: int = 0
+    # the disk tier (L3, --l3-dir), when on: cumulative counters and the directory's size
+    l3_hit_tokens: int = 0  # prompt tokens read from L3 files (into L2, then L1) instead of recomputed
+    l3_reads: int = 0  # page files read and verified
+    l3_writes: int = 0  # page files written
+    l3_bytes_read: int = 0
+    l3_bytes_written: int = 0
+    l3_corrupt: int = 0  # files rejected (header, length, checksum, foreign model) and removed
+    l3_write_skips: int = 0  # writes skipped (writer queue over its byte bound)
+    l3_files: int = 0  # files in the directory (as the controller sees it)
+    l3_bytes: int = 0  # their bytes
 
 
 class FlushDone(msgspec.Struct, tag=True, frozen=True):

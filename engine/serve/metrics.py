@@ -48,12 +48,27 @@ class Metrics:
         self.grammar_failures = Counter(
             "strata_grammar_failures", "Grammars that failed to compile or timed out (400s)", registry=r
         )
-        self.cache_hit_tokens.labels(tier="device")  # present (at 0) before the first hit
-        # the host tier (L2): hits are tier="l2" above; tier="device" is L1
+        for tier in ("l1", "l2", "l3"):  # present (at 0) before the first hit
+            self.cache_hit_tokens.labels(tier=tier)
+        # tier="l1": the device prefix cache; "l2": loaded back from the host tier; "l3": read from disk
         self.l2_pages_used = Gauge("strata_l2_pages_used", "Host-tier (L2) pages holding KV", registry=r)
         self.l2_pages_total = Gauge("strata_l2_pages_total", "Host-tier (L2) pages in the slab", registry=r)
         self.backups = Counter("strata_l2_backups", "KV backups to L2, by result", ["result"], registry=r)
         self.load_backs = Counter("strata_l2_load_backs", "Cached nodes loaded back from L2 to L1", registry=r)
+        # the disk tier (L3): hits are tier="l3" above
+        self.l3_reads = Counter("strata_l3_reads", "Page files read from L3 and verified", registry=r)
+        self.l3_writes = Counter("strata_l3_writes", "Page files written to L3", registry=r)
+        self.l3_bytes_read = Counter("strata_l3_read_bytes", "Bytes read from L3 page files", registry=r)
+        self.l3_bytes_written = Counter("strata_l3_written_bytes", "Bytes written to L3 page files", registry=r)
+        self.l3_corrupt = Counter(
+            "strata_l3_corrupt_files", "L3 files rejected (header, length, checksum, foreign model) and removed",
+            registry=r,
+        )
+        self.l3_write_skips = Counter(
+            "strata_l3_write_skips", "L3 writes skipped (the writer's queue was over its byte bound)", registry=r
+        )
+        self.l3_files = Gauge("strata_l3_files", "Page files in the L3 directory", registry=r)
+        self.l3_bytes = Gauge("strata_l3_bytes", "Bytes of the page files in the L3 directory", registry=r)
         self._tier_totals: dict[str, int] = {}
         self._device_hits = 0
         self.dropped = _DroppedFrames()
@@ -73,11 +88,12 @@ class Metrics:
         self.dropped.scheduler = stats.dropped_frames
         for seconds in stats.step_seconds:
             self.step.observe(seconds)
-        # The scheduler reports a cumulative count; a smaller one means it restarted.
-        hits = stats.cache_hit_tokens
+        # The scheduler reports cumulative counts (every tier's hits in cache_hit_tokens);
+        # a smaller one means it restarted. L1 is what the host and disk tiers did not serve.
+        hits = max(0, stats.cache_hit_tokens - stats.l2_hit_tokens - stats.l3_hit_tokens)
         delta = hits - self._device_hits if hits >= self._device_hits else hits
         if delta:
-            self.cache_hit_tokens.labels(tier="device").inc(delta)
+            self.cache_hit_tokens.labels(tier="l1").inc(delta)
         self._device_hits = hits
         self._on_tier_stats(stats)
 
@@ -87,11 +103,20 @@ class Metrics:
             return
         self.l2_pages_used.set(stats.l2_pages_used)
         self.l2_pages_total.set(stats.l2_pages_total)
+        self.l3_files.set(stats.l3_files)
+        self.l3_bytes.set(stats.l3_bytes)
         for key, counter in (
             ("l2_hit_tokens", self.cache_hit_tokens.labels(tier="l2")),
             ("backups_committed", self.backups.labels(result="committed")),
             ("backups_skipped", self.backups.labels(result="skipped")),
             ("load_backs", self.load_backs),
+            ("l3_hit_tokens", self.cache_hit_tokens.labels(tier="l3")),
+            ("l3_reads", self.l3_reads),
+            ("l3_writes", self.l3_writes),
+            ("l3_bytes_read", self.l3_bytes_read),
+            ("l3_bytes_written", self.l3_bytes_written),
+            ("l3_corrupt", self.l3_corrupt),
+            ("l3_write_skips", self.l3_write_skips),
         ):
             now, before = getattr(stats, key), self._tier_totals.get(key, 0)
             delta = now - before if now >= before else now  # smaller: the scheduler restarted

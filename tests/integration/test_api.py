@@ -212,12 +212,12 @@ def test_metrics_exposed(server: Server) -> None:
         "strata_requests_total",
         "strata_prompt_tokens_total",
         "strata_generation_tokens_total",
-        'strata_cache_hit_tokens_total{tier="device"}',
+        'strata_cache_hit_tokens_total{tier="l1"}',
         "strata_kv_pages_used",
         "strata_ttft_seconds_bucket",
         "strata_step_seconds_bucket",
     ):
         assert name in text, name
     m = httpx.get(f"{server.http}/metrics").text
-    hits = [line for line in m.splitlines() if line.startswith('strata_cache_hit_tokens_total{tier="device"}')]
+    hits = [line for line in m.splitlines() if line.startswith('strata_cache_hit_tokens_total{tier="l1"}')]
     assert float(hits[0].split()[-1]) > 0  # repeated chat prefixes hit the radix cache

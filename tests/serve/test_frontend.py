@@ -231,7 +231,7 @@ def test_metrics_from_stats_and_requests() -> None:
 
     text = run(main())
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    assert float(lines['strata_cache_hit_tokens_total{tier="device"}']) == 25
+    assert float(lines['strata_cache_hit_tokens_total{tier="l1"}']) == 25
     assert float(lines["strata_requests_total"]) == 1
     assert float(lines["strata_prompt_tokens_total"]) == 4
     assert float(lines["strata_generation_tokens_total"]) == 2
