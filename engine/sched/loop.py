@@ -107,11 +107,14 @@ class SchedulerLoop:
                 if self.on_worker_ready(msg):
                     break
             return
+        # results first, then plan: a StepDone that frees an in-flight slot is answered by
+        # the next Step in this same pass, not after the next wait (which would sleep until
+        # the following StepDone and leave the worker one step ahead instead of two)
         self._drain_requests()
-        while len(self.inflight) < self.max_ahead and self._send_next():
-            pass
         self._drain_done()
         self._drain_commits()
+        while len(self.inflight) < self.max_ahead and self._send_next():
+            pass
         self._maybe_check_leaks()
         self._send_stats()
 

@@ -124,6 +124,23 @@ def test_two_ranks_agree_and_every_request_finishes(overlap: bool) -> None:
     assert ranks[0].worker.replica.digest() == ranks[1].worker.replica.digest() == loop.core.replica.digest()
 
 
+def test_a_step_done_is_answered_by_the_next_step_in_the_same_pump() -> None:
+    """With overlap the worker must always hold two steps: the pass that takes a StepDone
+    plans and sends the next Step before it waits for input (a regression cost 18% of
+    offline throughput on the H200: the next Step waited for the following StepDone)."""
+    ranks = [FakeRank(0)]
+    loop, wires = start(ranks)
+    submit(wires, n=2, max_new=8)
+    loop.pump()
+    sent = list(wires.steps[0].drain())
+    assert [s.seq for s in sent] == [1, 2] and list(loop.inflight) == [1, 2]
+    for _ in range(4):
+        wires.done_out.send(ranks[0].answer(sent.pop(0)))
+        loop.pump()  # one pass: the done in, the next step out
+        sent.extend(wires.steps[0].drain())
+        assert len(loop.inflight) == 2 and len(sent) == 2
+
+
 def test_a_rank_with_a_different_replica_stops_the_engine_naming_rank_and_seq() -> None:
     ranks = [FakeRank(0), FakeRank(1)]
     loop, wires = start(ranks)
