@@ -5,6 +5,7 @@ bin/bench serve --request-rate 8 --num-requests 200
 bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 8 32
 bin/bench cpu        # served CPU path vs transformers: 16x64 throughput, 8k-prompt TTFT, worker memory
 bin/bench structured # N json_schema requests vs N unconstrained of the same lengths (engine/bench/structured.py)
+bin/bench cache      # TTFT of one long prompt: recompute vs L1 vs L2 (vs L3 with --l3-dir) (engine/bench/cache.py)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("offline", "serve", "latency", "cpu", "structured")
+MODES = ("offline", "serve", "latency", "cpu", "structured", "cache")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("structured", help="N json_schema requests vs N unconstrained of the same output lengths")
     _common(st)
     structured.add_arguments(st)
+    from engine.bench import cache
+
+    ca = sub.add_parser("cache", help="TTFT of one long prompt served by recompute, L1, L2 and L3, side by side")
+    _common(ca)
+    cache.add_arguments(ca)
     return parser
 
 
@@ -103,6 +109,10 @@ def check(args: argparse.Namespace) -> str | None:
         from engine.bench import cpu
 
         return cpu.check(args)
+    if args.mode == "cache":
+        from engine.bench import cache
+
+        return cache.check(args)
     if args.mode == "structured":
         return None if args.num_requests >= 1 and args.max_tokens >= 1 else "--num-requests, --max-tokens >= 1"
     if args.mode == "latency":
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency": _latency,
         "cpu": _cpu,
         "structured": _structured,
+        "cache": _cache,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServerUnavailable as exc:
         print(f"bin/bench: {exc}", file=sys.stderr)
         return 1
-    return 1 if figures.get("completed", 1) == 0 else 0
+    return 1 if figures.get("completed", 1) == 0 or figures.get("tier_errors") else 0
 
 
 def _structured(args: argparse.Namespace) -> dict[str, Any]:
@@ -297,6 +308,28 @@ def _cpu(args: argparse.Namespace) -> dict[str, Any]:
     report.print_table("CPU: Strata served vs transformers", cpu.table_rows(figures))
     record = report.make_record("cpu", settings["model_name"], settings, hardware, figures)
     report.write_record(record, args.out)
+    return figures
+
+
+def _cache(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import cache, launch, report, workload
+    from engine.bench.hardware import HardwareProbe
+
+    name = workload.model_name(args.model)
+    server_args = cache.server_args(args)
+    settings = _settings(args, model_name=name, pool_tokens=cache.pool_tokens(args),
+                         filler_len=cache.filler_len(args), server_command_args=server_args)  # fmt: skip
+    report.print_settings("cache", settings)
+    probe = HardwareProbe()  # in a child process, overlapping the server start-up
+    vocab = workload.vocab_size(workload.resolve_model_dir(args.model))
+    with launch.launched_server(args.model, args.load_format, server_args) as ep:
+        assert ep.http is not None
+        figures = cache.measure(ep.http, args, vocab)
+    print(f"Prompt cache TTFT: {args.prompt_len} tokens, median of {args.repeat}")
+    report.print_grid(*cache.table(figures))
+    for problem in figures["tier_errors"]:
+        print(f"error: {problem}")
+    report.write_record(report.make_record("cache", name, settings, probe.result(), figures), args.out)
     return figures
 
 

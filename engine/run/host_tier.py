@@ -6,23 +6,61 @@ allocator state it follows):
 * HostInit: map this rank's region of the slab (engine/cache/slab.py), laid out
   [layer][K, V][host page][page_size * kv_heads * head_dim bytes]: an object's pages are one
   contiguous span per layer and K/V, so each is one copy (and, on a GPU, the region is
-  registered with cudaHostRegister so those copies are DMA, async on a side stream later);
-* LoadBack: copy host -> device at once, i.e. before this step's forward reads the pages;
+  registered with cudaHostRegister so those copies are DMA);
+* LoadBack: copy host -> device at once, on the compute stream, i.e. before this step's
+  forward reads the pages;
 * BackupPrepare: queued; `after_forward()` copies device -> host once the step's forward
   has written the KV, and the object is reported done (`take_done`), which the worker
-  sends to the cache controller as BackupDone after the StepDone.
+  sends to the cache controller as BackupDone (`WithBackups`).
 
 The copies go through byte views (any KV dtype): device pages are gathered per layer into
 one contiguous block and copied to the object's span (and back, then scattered). On CPU
-the slab is ordinary shared memory. On a GPU the copies are issued on the compute stream
-(no side stream or per-layer overlap with the forward yet).
+the slab is ordinary shared memory and everything is synchronous: a backup is done when
+`after_forward` returns.
+
+**On a GPU the backups run on a side stream**, off the critical path. `after_forward`
+records an event on the compute stream after the step's forward was enqueued; the side
+stream waits on it (so the gather reads the KV the forward wrote, and any LoadBack of
+this or an earlier step that read the same host range, since those are earlier on the
+compute stream), then gathers and copies, then records a "copied" event. The next step's
+forward is enqueued on the compute stream meanwhile and overlaps the copy. The index
+tensors are kept referenced until the copied event completed; the gather buffers are
+allocated on the side stream itself (see `_backup`). `take_done` polls `event.query()` (never waits); `WithBackups`
+calls it after every StepDone, and its reporter thread waits on the oldest outstanding
+event (a blocking-sync event: it sleeps, without the GIL) so that a finished copy is
+reported even when no further step comes. Only then does the worker send BackupDone, so
+the cache controller commits an object only once every rank's bytes are in the slab.
+
+Why nothing else can race with a copy still in flight on the side stream:
+
+* device pages: a pending node (backed up, not committed) keeps its device pages
+  (engine/cache/hiradix.py's invariant: `_device_leaf` never picks a pending node,
+  `evictable_pages` counts none at or above one, a flush is refused while any is pending),
+  and the KV of a tree node is never rewritten. Its pages can only be freed after
+  ApplyCommit, which needs this rank's BackupDone, which needs this copy's event: so a
+  LoadBack or a forward can never write pages a pending backup still reads;
+* host ranges: a pending object's host range is never freed (evict-to-fit only drops
+  committed objects) and only a committed object is loaded back; copies on the one side
+  stream run in order, so a range freed by HostEvict and reused is written after the
+  previous writer finished, and after every LoadBack enqueued before it read it;
+* memory: tensors the side stream uses are allocated on it (the caching allocator reuses
+  their blocks only for later side-stream work) or are the KV pool's (never freed).
+
+Every second with activity at most, each worker logs one `host copies` line: backups and
+load-backs since the last line, their bytes and copy seconds (bin/analyze sums them into
+counts and GB/s). On a GPU the seconds come from timing events around each batch of copies
+(a backup's time includes contention with the overlapping forward).
 """
 
 from __future__ import annotations
 
+import contextvars
 import mmap
+import threading
+import time
 from typing import Any
 
+import structlog
 import torch
 
 from engine.cache.slab import map_slab
@@ -31,6 +69,10 @@ from engine.replica import Effect
 from msgs.codec import unpack_ids
 from msgs.done import BackupDone
 from msgs.steps import BackupPrepare, HostInit, LoadBack
+
+log = structlog.get_logger()
+LOG_INTERVAL_S = 1.0
+STAT_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
 
 
 class HostCopies(Effect):
@@ -44,9 +86,17 @@ class HostCopies(Effect):
         self.page_bytes = 2 * kv.num_layers * self.layer_bytes
         self.slab: torch.Tensor | None = None  # uint8 [layers, 2, host pages, layer_bytes]
         self._map: mmap.mmap | None = None
+        self.cuda = kv.device.type == "cuda"
+        self.stream = torch.cuda.Stream(kv.device) if self.cuda else None  # the backups' side stream
         self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
-        self.done: list[tuple[int, torch.cuda.Event | None]] = []  # copied (or enqueued: event)
-        self.stats = {"backups": 0, "load_backs": 0, "bytes_out": 0, "bytes_in": 0}
+        # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
+        self.done: list[tuple[list[int], torch.cuda.Event | None, list[Any]]] = []
+        # GPU copy timings not read yet: (key of seconds, start event, end event)
+        self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.lock = threading.Lock()  # self.done and the stats: the worker's loop and WithBackups' thread
+        self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # cumulative
+        self._logged: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
+        self._last_log = 0.0
 
     def apply(self, op: HostInit | BackupPrepare | LoadBack) -> None:
         match op:
@@ -65,7 +115,7 @@ class HostCopies(Effect):
 
     def _register(self, slab: torch.Tensor) -> None:
         """Pin the mapping for DMA (every process that maps the slab may register it)."""
-        if self.kv.device.type == "cuda":
+        if self.cuda:
             err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host slab failed: {err}")
@@ -77,57 +127,157 @@ class HostCopies(Effect):
                 self.kv.v[layer].view(torch.uint8).view(n, self.layer_bytes))
 
     def _load(self, pages: list[int], start: int) -> None:
+        """Host -> device on the compute stream: the forward of this step comes after it."""
         assert self.slab is not None
+        t0 = time.perf_counter()
+        begin = self._timing_event() if self.cuda else None
         span = slice(start, start + len(pages))
         idx = torch.tensor(pages, dtype=torch.int64).to(self.kv.device, non_blocking=True)
         for layer in range(self.kv.num_layers):
             for kv, dev in zip((0, 1), self._pages(layer), strict=True):
                 dev.index_copy_(0, idx, self.slab[layer, kv, span].to(self.kv.device, non_blocking=True))
-        self.stats["load_backs"] += 1
-        self.stats["bytes_in"] += len(pages) * self.page_bytes
+        with self.lock:
+            self.stats["load_backs"] += 1
+            self.stats["bytes_in"] += len(pages) * self.page_bytes
+            if begin is not None:
+                self._timings.append(("load_back_s", begin, self._timing_event()))
+            else:
+                self.stats["load_back_s"] += time.perf_counter() - t0
 
     def after_forward(self) -> None:
-        """Copy the queued backups (their KV is written once this step's forward ran)."""
+        """Copy the queued backups (their KV is written once this step's forward ran): at
+        once on CPU; on a GPU enqueued on the side stream after the forward (module doc)."""
         if not self.queued:
             return
         assert self.slab is not None
-        for obj, pages, start in self.queued:
-            span = slice(start, start + len(pages))
-            idx = torch.tensor(pages, dtype=torch.int64).to(self.kv.device, non_blocking=True)
-            for layer in range(self.kv.num_layers):
-                for kv, dev in zip((0, 1), self._pages(layer), strict=True):
-                    self.slab[layer, kv, span].copy_(dev[idx], non_blocking=True)
-            self.done.append((obj, None))
-            self.stats["backups"] += 1
-            self.stats["bytes_out"] += len(pages) * self.page_bytes
-        self.queued = []
-        if self.kv.device.type == "cuda":  # BackupDone promises the bytes are in the slab: track them
-            event = torch.cuda.Event()
-            event.record()
-            self.done = [(obj, ev or event) for obj, ev in self.done]
+        queued, self.queued = self.queued, []
+        nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
+        if self.stream is None:
+            t0 = time.perf_counter()
+            for _, pages, start in queued:
+                self._backup(pages, start)
+            with self.lock:
+                self.done.append(([obj for obj, _, _ in queued], None, []))
+                self._count_backups(len(queued), nbytes, time.perf_counter() - t0)
+            return
+        forward_written = torch.cuda.Event()
+        forward_written.record()  # on the compute stream, after this step's forward
+        keep: list[Any] = []
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(forward_written)
+            begin = self._timing_event()
+            for _, pages, start in queued:
+                keep += self._backup(pages, start)
+            end = self._timing_event()
+            copied = torch.cuda.Event(blocking=True)  # WithBackups' thread may sleep on it
+            copied.record()
+        with self.lock:
+            self.done.append(([obj for obj, _, _ in queued], copied, keep))
+            self._timings.append(("backup_s", begin, end))
+            self._count_backups(len(queued), nbytes, 0.0)
+
+    def _backup(self, pages: list[int], start: int) -> list[torch.Tensor]:
+        """Gather the pages of each layer, K and V, and copy them to the object's spans, on
+        the current stream; returns the index tensors, kept until the copies finished. (A
+        gather block is allocated on the same stream as its copy: the caching allocator
+        gives it to later work of that stream only, so it is freed at once and the next
+        layer reuses it; holding every block would hold the whole object on the device.)"""
+        assert self.slab is not None
+        span = slice(start, start + len(pages))
+        host_idx = torch.tensor(pages, dtype=torch.int64)
+        idx = host_idx.to(self.kv.device, non_blocking=True)
+        keep = [host_idx, idx]
+        for layer in range(self.kv.num_layers):
+            for kv, dev in zip((0, 1), self._pages(layer), strict=True):
+                self.slab[layer, kv, span].copy_(dev[idx], non_blocking=True)
+        return keep
+
+    def _count_backups(self, n: int, nbytes: int, seconds: float) -> None:
+        self.stats["backups"] += n
+        self.stats["bytes_out"] += nbytes
+        self.stats["backup_s"] += seconds
+
+    def _timing_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def take_done(self) -> list[int]:
-        """Objects whose copy has finished (never waits: on a GPU a copy still running is
-        reported by a later call; the step that enqueued it finishes after it, and its
-        StepDone is followed by this call)."""
-        ready, waiting = [], []
-        for obj, ev in self.done:  # one query per copy: a copy finishing meanwhile is not lost
-            (ready if ev is None or ev.query() else waiting).append((obj, ev))
-        self.done = waiting
-        return [obj for obj, _ in ready]
+        """Objects whose copy has finished, oldest first (never waits: a copy still running
+        is reported by a later call; see WithBackups for who makes that call)."""
+        with self.lock:
+            ready: list[int] = []
+            while self.done and (self.done[0][1] is None or self.done[0][1].query()):
+                ready += self.done.pop(0)[0]  # side-stream copies finish in order
+            self._read_timings()
+            return ready
+
+    def oldest_in_flight(self) -> torch.cuda.Event | None:
+        """The copied event of the oldest backup still running (None: none is)."""
+        with self.lock:
+            return next((ev for _, ev, _ in self.done if ev is not None), None)
+
+    def _read_timings(self) -> None:
+        while self._timings and self._timings[0][2].query():
+            key, begin, end = self._timings.pop(0)
+            self.stats[key] += begin.elapsed_time(end) / 1000
+
+    def maybe_log(self, now: float | None = None) -> dict[str, float] | None:
+        """One `host copies` line with what happened since the last one, at most one per
+        LOG_INTERVAL_S and only after activity; returns what it logged."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            if now - self._last_log < LOG_INTERVAL_S:
+                return None
+            self._read_timings()
+            delta = {k: self.stats[k] - self._logged[k] for k in STAT_KEYS}
+            if not (delta["backups"] or delta["load_backs"] or delta["backup_s"] or delta["load_back_s"]):
+                return None
+            self._logged = dict(self.stats)
+            self._last_log = now
+        out = {k: (round(v, 6) if k.endswith("_s") else int(v)) for k, v in delta.items()}
+        log.info("host copies", **out, in_flight=len(self.done), device=self.kv.device.type)
+        return out
 
 
 class WithBackups:
     """The worker's `done` outbox, followed by a BackupDone per object this rank copied
-    (to the cache controller), sent after the StepDone of the step that copied them."""
+    (to the cache controller), sent after the StepDone of the step that copied them, or,
+    for a copy still running on the GPU's side stream then, as soon as it finished: a
+    daemon thread sleeps on the oldest copy's event (or, with none in flight, up to a
+    second) and reports what finished; it also writes the rate-limited `host copies` log
+    line. The backups socket is only used under the lock."""
 
     def __init__(self, done: Any, backups: Any, copies: HostCopies, rank: int) -> None:
         self.done, self.backups, self.copies, self.rank = done, backups, copies, rank
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._reporter,), name="backup-reporter", daemon=True
+        )  # the log context (proc, rank) goes with it
+        self._thread.start()
 
     def send(self, msg: Any) -> None:
         self.done.send(msg)
-        for obj in self.copies.take_done():
-            self.backups.send(BackupDone(obj=obj, rank=self.rank))
+        self._report()
+        if self.copies.oldest_in_flight() is not None:
+            self._wake.set()
+
+    def _report(self) -> None:
+        with self._send_lock:
+            for obj in self.copies.take_done():
+                self.backups.send(BackupDone(obj=obj, rank=self.rank))
+
+    def _reporter(self) -> None:
+        while True:
+            event = self.copies.oldest_in_flight()
+            if event is not None:
+                event.synchronize()  # a blocking-sync event: sleeps, the GIL released
+                self._report()
+            else:
+                self._wake.wait(LOG_INTERVAL_S)
+                self._wake.clear()
+            self.copies.maybe_log()
 
 
 def measure(kv: KVPool, path: str, host_pages: int, object_pages: int, repeat: int = 5) -> dict[str, float]:
@@ -164,6 +314,7 @@ def _round_trip(copies: HostCopies, src: list[int], dst: list[int]) -> bool:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, device=t.device))
     copies.apply(BackupPrepare(1, b"".join(p.to_bytes(4, "little") for p in src), 0))
     copies.after_forward()
+    _sync(kv.device)  # a LoadBack reads only committed objects: their copies have finished
     copies.apply(LoadBack(1, b"".join(p.to_bytes(4, "little") for p in dst), 0))
     _sync(kv.device)
     idx_s, idx_d = torch.tensor(src, device=kv.device), torch.tensor(dst, device=kv.device)

@@ -1,0 +1,304 @@
+"""bin/bench cache: time to first token of one long prompt served by recompute, L1 (the
+device prefix cache), L2 (the host tier) and L3 (the disk tier), side by side, on one
+`bin/serve` (issue 10).
+
+    bin/bench cache                                  # CPU: the default model, 1024-token prompt
+    bin/bench cache --model configs/llama-3.1-8b --load-format dummy --prompt-len 32768 \\
+        --l3-dir /tmp/strata-l3
+
+The server runs with --enable-hierarchical-cache and a device pool just larger than the
+prompt (--max-total-tokens = prompt + --slack-tokens), so one filler prompt that needs
+almost the whole pool pushes the prompt out of L1, while L2 (--hicache-ratio x L1) keeps
+it. Each repetition takes a fresh random prompt (so recompute is real) and, on an empty
+cache (POST /flush_cache):
+
+  recompute  the prompt, never seen (max_new_tokens 1, streamed: TTFT = first token);
+  L1         the same prompt again;
+  L2         after the prompt's backup committed (strata_l2_backups_total{result=committed}
+             grew) and a filler prompt evicted it from L1, the same prompt again;
+  L3         with --l3-dir: after its L3 files were written (strata_l3_writes_total grew and
+             settled) and POST /flush_cache emptied L1 and L2, the same prompt again.
+
+After each phase the server is let go idle and `strata_cache_hit_tokens_total{tier}` is read:
+the phase's hit tokens per tier are recorded, and a phase served by another tier than the
+intended one (or recompute with any hit) is an error of the run, listed in the output and
+the JSON, never silently averaged (its TTFT is left out of the median). tier="device" is
+read as l1 (servers before the l1/l2/l3 labels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import statistics
+import time
+from typing import Any
+
+import httpx
+
+PHASES = ("recompute", "l1", "l2", "l3")
+TIERS = ("l1", "l2", "l3")
+HIT = "strata_cache_hit_tokens_total"
+COMMITTED = 'strata_l2_backups_total{result="committed"}'
+L3_WRITES = "strata_l3_writes_total"
+MAJORITY = 0.9  # the intended tier must serve at least this share of a phase's hit tokens
+TIMEOUT_S = 3600.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The mode's own flags (bin/bench adds --model, --load-format, --seed, --server-args, --out)."""
+    p.add_argument("--prompt-len", type=int, default=1024, help="tokens of the long prompt (GPU: 32768)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions, each with a fresh prompt; medians reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed recompute + L1 rounds first (fresh prompts)")
+    p.add_argument(
+        "--slack-tokens",
+        type=int,
+        default=64,
+        help="device pool = prompt + this many tokens (a few pages: the prompt fits, a filler evicts it)",
+    )
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size as a multiple of the device pool")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page of the server")
+    p.add_argument("--l3-dir", default=None, help="also measure L3: the server's --l3-dir (default: no L3 phase)")
+    p.add_argument("--l3-size", type=float, default=None, help="the server's --l3-size in GB (default: its own)")
+    p.add_argument(
+        "--phase-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a commit, the L3 files or an idle server",
+    )
+
+
+def check(args: argparse.Namespace) -> str | None:
+    if args.repeat < 1 or args.warmup < 0:
+        return "--repeat must be >= 1 and --warmup >= 0"
+    if args.page_size < 1 or args.slack_tokens < 2 * args.page_size:
+        return "--slack-tokens must be at least two pages"
+    if args.prompt_len < 4 * args.page_size:
+        return "--prompt-len must be at least four pages"
+    return None
+
+
+def pool_tokens(args: argparse.Namespace) -> int:
+    """The device pool: the prompt and its output token fit, with a few pages to spare."""
+    n = args.prompt_len + args.slack_tokens
+    return -(-n // args.page_size) * args.page_size
+
+
+def filler_len(args: argparse.Namespace) -> int:
+    """A prompt that needs all but one page of the pool: nothing else stays in L1."""
+    return pool_tokens(args) - args.page_size - 1
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    out = [
+        "--enable-hierarchical-cache",
+        "--max-total-tokens", str(pool_tokens(args)),
+        "--hicache-ratio", str(args.hicache_ratio),
+        "--page-size", str(args.page_size),
+        "--max-running-requests", "4",
+    ]  # fmt: skip
+    if args.l3_dir:
+        out += ["--l3-dir", args.l3_dir]
+        if args.l3_size is not None:
+            out += ["--l3-size", str(args.l3_size)]
+    return out + shlex.split(args.server_args)  # the user's flags last: they win
+
+
+# ---------------------------------------------------------------- talking to the server
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def hits(m: dict[str, float]) -> dict[str, float]:
+    """Hit tokens per tier; tier="device" counts as l1."""
+    out = {t: m.get(f'{HIT}{{tier="{t}"}}', 0.0) for t in TIERS}
+    out["l1"] += m.get(f'{HIT}{{tier="device"}}', 0.0)
+    return out
+
+
+def wait_idle(url: str, timeout: float) -> dict[str, float]:
+    """Nothing running or waiting, and the scheduler's last stats arrived; the metrics then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m.get("strata_running_requests") == 0 and m.get("strata_waiting_requests") == 0:
+            time.sleep(0.3)  # the stats of the last step (sent at most every 0.1 s)
+            return metrics(url)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server not idle after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def wait_metric(url: str, name: str, above: float, timeout: float, settle_s: float = 0.0) -> float:
+    """Poll /metrics until `name` exceeds `above` (and, with settle_s, stopped growing for that
+    long); returns its value."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        value = metrics(url).get(name, 0.0)
+        if value != last:
+            last, since = value, time.monotonic()
+        if value > above and time.monotonic() - since >= settle_s:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} did not grow past {above} in {timeout:.0f} s (last {last})")
+
+
+def flush(url: str, timeout: float) -> None:
+    """POST /flush_cache until it is accepted (409 while something runs or is backed up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(f"{url}/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        if r.status_code != 409 or time.monotonic() > deadline:
+            raise RuntimeError(f"POST /flush_cache: HTTP {r.status_code} {r.text[:200]}")
+        time.sleep(0.1)
+
+
+def ttft(url: str, ids: list[int]) -> tuple[float, int | None]:
+    """Time to the first streamed token of one request (max_new_tokens 1) and the
+    cached_tokens its response reports."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": True}
+    first, cached = None, None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT_S) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"/generate: HTTP {resp.status_code} {resp.read()[:200]!r}")
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            data = json.loads(line[5:])
+            if "error" in data:
+                raise RuntimeError(f"/generate stream error: {str(data)[:300]}")
+            meta = data.get("meta_info", {})
+            if first is None and meta.get("completion_tokens", 0) >= 1:
+                first = time.perf_counter() - t0
+            cached = meta.get("cached_tokens", cached)
+    if first is None:
+        raise RuntimeError("/generate streamed no token")
+    return first, cached
+
+
+# ---------------------------------------------------------------- the measurement
+
+
+class Run:
+    def __init__(self, url: str, args: argparse.Namespace, vocab: int) -> None:
+        self.url, self.args = url, args
+        self.rng = random.Random(args.seed)
+        self.hi = max(min(vocab, 32000) - 1, 200)
+        self.timeout = args.phase_timeout
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, self.hi) for _ in range(n)]
+
+    def phase(self, name: str, ids: list[int]) -> dict[str, Any]:
+        before = hits(wait_idle(self.url, self.timeout))
+        seconds, cached = ttft(self.url, ids)
+        after = hits(wait_idle(self.url, self.timeout))
+        got = {t: int(after[t] - before[t]) for t in TIERS}
+        return {"phase": name, "ttft_s": seconds, "cached_tokens": cached, "hit_tokens": got,
+                "error": verdict(name, got)}  # fmt: skip
+
+    def repetition(self, timed: bool = True) -> list[dict[str, Any]]:
+        a, url = self.args, self.url
+        flush(url, self.timeout)
+        ids = self.prompt(a.prompt_len)
+        committed = metrics(url).get(COMMITTED, 0.0)
+        out = [self.phase("recompute", ids), self.phase("l1", ids)]
+        if not timed:
+            return out
+        wait_metric(url, COMMITTED, committed, self.timeout)  # the prompt is in L2
+        self.phase("filler", self.prompt(filler_len(a)))  # evicts it from L1
+        out.append(self.phase("l2", ids))
+        if a.l3_dir:
+            wait_metric(url, L3_WRITES, metrics(url).get(L3_WRITES, 0.0), self.timeout, settle_s=1.0)
+            wait_idle(url, self.timeout)
+            flush(url, self.timeout)  # L1 and L2 emptied; the L3 files stay
+            out.append(self.phase("l3", ids))
+        return out
+
+
+def verdict(phase: str, got: dict[str, int]) -> str | None:
+    """None when the phase was served by its tier; else what went wrong. The intended tier
+    must have served the prompt's hits, any other at most (1 - MAJORITY) of that (an L3 read
+    goes through L2: in the L3 phase the L2 count may match it)."""
+    total = sum(got.values())
+    if phase in ("recompute", "filler"):
+        return None if total == 0 else f"{phase}: {total} prompt tokens were cache hits ({got})"
+    if total == 0:
+        return f"{phase}: no cache hit at all (recomputed)"
+    others = [t for t in TIERS if t != phase and not (phase == "l3" and t == "l2")]
+    if got[phase] == 0 or any(got[t] > (1 - MAJORITY) * got[phase] for t in others):
+        return f"{phase}: served by another tier: hit tokens {got}"
+    return None
+
+
+def measure(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    run = Run(url, args, vocab)
+    for _ in range(args.warmup):
+        run.repetition(timed=False)
+    reps = []
+    for i in range(args.repeat):
+        phases = run.repetition()
+        reps.append(phases)
+        print(
+            f"repetition {i + 1}/{args.repeat}: "
+            + ", ".join(f"{p['phase']} {p['ttft_s'] * 1000:.1f} ms{' (ERROR)' if p['error'] else ''}" for p in phases),
+            flush=True,
+        )
+    return figures(reps, args)
+
+
+def figures(reps: list[list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
+    phases = [p for p in PHASES if p != "l3" or args.l3_dir]
+    per: dict[str, dict[str, Any]] = {}
+    errors: list[str] = []
+    for name in phases:
+        runs = [p for rep in reps for p in rep if p["phase"] == name]
+        ok = [p["ttft_s"] for p in runs if p["error"] is None]
+        errors += [f"repetition {i + 1}: {p['error']}" for i, p in enumerate(runs) if p["error"]]
+        per[name] = {
+            "ttft_s": [p["ttft_s"] for p in runs],
+            "median_ttft_s": statistics.median(ok) if ok else None,
+            "valid": len(ok),
+            "hit_tokens": [p["hit_tokens"] for p in runs],
+            "cached_tokens": [p["cached_tokens"] for p in runs],
+        }
+    base = per["recompute"]["median_ttft_s"]
+    for name in phases:
+        med = per[name]["median_ttft_s"]
+        per[name]["speedup"] = base / med if base and med else None
+    return {
+        "prompt_len": args.prompt_len,
+        "pool_tokens": pool_tokens(args),
+        "filler_len": filler_len(args),
+        "repeat": args.repeat,
+        "phases": per,
+        "tier_errors": errors,
+        "completed": sum(per[n]["valid"] for n in phases),
+    }
+
+
+def table(f: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    header = ["served by", "median TTFT ms", "speedup", "valid", "hit tokens l1/l2/l3 (per repetition)"]
+    rows = []
+    for name, p in f["phases"].items():
+        med = p["median_ttft_s"]
+        hit = "; ".join(f"{h['l1']}/{h['l2']}/{h['l3']}" for h in p["hit_tokens"])
+        rows.append([name, None if med is None else med * 1000, p["speedup"], f"{p['valid']}/{len(p['ttft_s'])}", hit])
+    return header, rows
