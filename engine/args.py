@@ -53,6 +53,10 @@ HELP = {
     "hicache_size": "L2 size in GB; overrides --hicache-ratio when > 0",
     "hicache_write_policy": "when cached KV is copied to L2: write_through (as it enters the cache) | "
     "write_through_selective (on its second hit); write_back is not implemented yet",
+    "l3_dir": "keep prefix-cache KV as files in this directory too (the disk tier, L3; with "
+    "--enable-hierarchical-cache): it survives restarts and may be shared by several engines of the same model; "
+    "/flush_cache does not delete it (empty: off)",
+    "l3_size": "cap, in GB, on the L3 files in --l3-dir; the oldest are removed first",
     "tool_call_parser": "parse tool calls out of chat output (message.tool_calls): hermes | qwen25 | llama3 | "
     "deepseek_v3 | deepseek_v31 | glm45 (empty: tools are only rendered into the prompt; tool_choice required "
     "or a named function is refused)",

@@ -50,6 +50,9 @@ class ServerConfig:
     hicache_size: float = 0.0  # GB of host slab; > 0 overrides the ratio
     hicache_write_policy: str = "write_through"  # write_through | write_through_selective (| write_back: not yet)
     hicache_path: str = ""  # the host slab's shared-memory file; created by the supervisor
+    # the disk tier (L3): page files under this directory, shared by engines and restarts
+    l3_dir: str = ""  # "": off; needs --enable-hierarchical-cache
+    l3_size: float = 16.0  # GB cap on the files in l3_dir (oldest removed first)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,9 +95,17 @@ class ServerConfig:
              "--hicache-write-policy write_back is not implemented yet (write_through, write_through_selective)"),
             (not (self.enable_hierarchical_cache and self.disable_radix_cache),
              "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"),
+            (not self.l3_dir or self.enable_hierarchical_cache,
+             "--l3-dir needs --enable-hierarchical-cache (L3 files are read into and written from the L2 host tier)"),
+            (self.l3_size > 0, "--l3-size must be > 0 (GB)"),
         ):
             if not ok:
                 raise ValueError(problem)
+        if self.l3_dir:  # absolute, so that every process finds the same directory
+            path = Path(self.l3_dir).expanduser()
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"--l3-dir {self.l3_dir}: not a directory")
+            object.__setattr__(self, "l3_dir", str(path.resolve()))  # frozen; set once here
 
     def _check_serving(self) -> None:
         """Parser names against their registries (no parser is imported), and the chat

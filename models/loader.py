@@ -170,3 +170,18 @@ def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
                 a, b = piece.src
                 p.data.narrow(sh.dim, piece.dst, b - a).copy_(buf.narrow(sh.dim, piece.full_offset + a, b - a))
             del buf
+
+
+def weights_identity(path: str | Path, load_format: str = "auto", seed: int = 0) -> bytes:
+    """Bytes that change when the weights do, without reading them (the L3 fingerprint,
+    engine/cache/l3.py): for dummy weights "dummy" and the seed; for a checkpoint each
+    safetensors file's name, size and header (tensor names, shapes, dtypes, offsets)."""
+    if load_format == "dummy":
+        return b"dummy:%d" % seed
+    parts = []
+    for f in checkpoint_files(Path(path)):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = fh.read(min(n, 100 << 20))
+        parts.append(b"%s\0%d\0" % (f.name.encode(), f.stat().st_size) + header)
+    return b"\0\0".join(parts)

@@ -9,7 +9,7 @@
 | done     | PUSH/PULL    | workers -> scheduler         | scheduler  | StepDone, WorkerReady, WorkerFailed   |
 | backups  | PUSH/PULL    | workers -> cache             | cache      | BackupDone                            |
 | commits  | PUSH/PULL    | cache -> scheduler           | scheduler  | Committed, ControllerDigest,          |
-|          |              |                              |            | ControllerFailed                      |
+|          |              |                              |            | ControllerFailed, L3Loaded, L3Stats   |
 | control  | PUSH/PULL    | children -> supervisor       | supervisor | Ready, Fatal, Flushed                 |
 | notices  | PUSH/PULL    | supervisor -> tokenizer      | supervisor | ProcessDied                           |
 | sdk      | DEALER/ROUTER| client <-> tokenizer (tcp)   | tokenizer  | GenerateRequest, AbortGenerate /      |

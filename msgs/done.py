@@ -29,6 +29,8 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     vocab_size: int
     eos_token_ids: list[int]
     page_bytes: int = 0  # one KV page across every layer, K and V: a host-tier page
+    num_layers: int = 0  # layers of that page (the L3 files' layout)
+    l3_fingerprint: bytes = b""  # with --l3-dir: the model's L3 fingerprint (engine/cache/l3.py)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
@@ -68,5 +70,28 @@ class ControllerFailed(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
+class L3Loaded(msgspec.Struct, tag=True, frozen=True):
+    """Cache controller -> scheduler: the L3Load of `obj` is done; ok: every page was read
+    and verified into the host slab (re-published as ApplyCommit), else the object is
+    dropped (HostEvict) and its request recomputes."""
+
+    obj: int
+    ok: bool
+
+
+class L3Stats(msgspec.Struct, tag=True, frozen=True):
+    """Cache controller -> scheduler (at most once a second, when changed): the disk tier's
+    cumulative counters and the directory's size as the controller sees it."""
+
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt: int = 0
+    write_skips: int = 0
+    files: int = 0
+    bytes: int = 0
+
+
 ToController = BackupDone
-FromController = Committed | ControllerDigest | ControllerFailed
+FromController = Committed | ControllerDigest | ControllerFailed | L3Loaded | L3Stats

@@ -75,6 +75,8 @@ class HostInit(msgspec.Struct, tag=True, frozen=True):
 
     num_pages: int
     page_bytes: int = 0  # one KV page across every layer (0: not given, e.g. in unit tests)
+    num_layers: int = 0  # layers of a page ([layer][K, V] pieces): the cache controller's L3 files
+    l3_fingerprint: bytes = b""  # the model's L3 fingerprint (engine/cache/l3.py); empty: no disk tier
 
 
 class BackupPrepare(msgspec.Struct, tag=True, frozen=True):
@@ -85,6 +87,7 @@ class BackupPrepare(msgspec.Struct, tag=True, frozen=True):
     obj: int
     device_pages: bytes  # packed int32, n pages, in the object's token order
     host_start: int
+    keys: bytes = b""  # the pages' L3 keys, 16 bytes each (empty when the disk tier is off)
 
 
 class ApplyCommit(msgspec.Struct, tag=True, frozen=True):
@@ -110,6 +113,16 @@ class LoadBack(msgspec.Struct, tag=True, frozen=True):
     host_start: int
 
 
+class L3Load(msgspec.Struct, tag=True, frozen=True):
+    """Object `obj` takes host pages [host_start, host_start + n) (first fit, checked as for
+    BackupPrepare), n = len(keys) / 16; the cache controller reads those pages' L3 files
+    into them (every rank's part) and reports L3Loaded. Workers copy nothing."""
+
+    obj: int
+    host_start: int
+    keys: bytes  # the pages' L3 keys, 16 bytes each
+
+
 class HostEvict(msgspec.Struct, tag=True, frozen=True):
     """Object `obj` leaves the host tier; its pages return to the free list."""
 
@@ -118,7 +131,7 @@ class HostEvict(msgspec.Struct, tag=True, frozen=True):
 
 Op = (
     AddReq | ExtendPages | FreeReq | CachePages | EvictPages | Flush | DigestCheck
-    | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict
+    | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | L3Load
 )
 
 

@@ -10,7 +10,7 @@ import sys
 
 import zmq
 
-from engine.cache.controller import CacheController, SlabMapping
+from engine.cache.controller import CacheController, L3Tier, SlabMapping
 from msgs.channels import BACKUPS, COMMITS, CONTROL, STEPS, open_receiver, open_sender
 from msgs.control import Fatal, Ready
 from msgs.done import ControllerFailed
@@ -29,7 +29,9 @@ def main() -> int:
     poller = zmq.Poller()
     poller.register(steps.sock, zmq.POLLIN)
     poller.register(backups.sock, zmq.POLLIN)
-    controller = CacheController(cfg.tp_size, steps, backups, commits, [SlabMapping(cfg.hicache_path, cfg.tp_size)])
+    slab = SlabMapping(cfg.hicache_path, cfg.tp_size)
+    l3 = L3Tier(slab, cfg.l3_dir, int(cfg.l3_size * 2**30)) if cfg.l3_dir else None
+    controller = CacheController(cfg.tp_size, steps, backups, commits, [slab], l3=l3)
     control.send(Ready(proc=ROLE))
     try:
         controller.run(wait=poller.poll)

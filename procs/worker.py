@@ -5,12 +5,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import msgspec
 import zmq
 
 from engine.config import ServerConfig
 from msgs.channels import BACKUPS, CONTROL, DONE, STEPS, open_receiver, open_sender
 from msgs.control import Fatal, Ready
-from msgs.done import WorkerFailed
+from msgs.done import WorkerFailed, WorkerReady
 from procs.child import start_child
 
 
@@ -28,7 +29,8 @@ def main() -> int:
         from engine.run.runner import ModelRunner
 
         runner = ModelRunner(cfg, rank)
-        pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, done, runner, rank))
+        ready_out = WithL3Identity(done, l3_ready_fields(cfg, runner))
+        pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, ready_out, runner, rank))
         pipeline.start()
         control.send(Ready(proc="worker", rank=rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
         pipeline.run()
@@ -43,6 +45,31 @@ def main() -> int:
         if "engine.run.dist" in sys.modules:  # tp > 1: leave the group, never waiting on it forever
             sys.modules["engine.run.dist"].shutdown_distributed(1)
     return code
+
+def l3_ready_fields(cfg: ServerConfig, runner: Any) -> dict[str, Any]:
+    """What the scheduler needs of this rank for the disk tier: the page layout's layers and,
+    with --l3-dir, the model fingerprint (the worker knows the weights)."""
+    fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers}
+    if cfg.l3_dir and cfg.enable_hierarchical_cache:
+        from engine.cache.l3 import worker_fingerprint
+
+        fields["l3_fingerprint"] = worker_fingerprint(
+            cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers
+        )
+    return fields
+
+
+class WithL3Identity:
+    """The worker's `done` outbox, with the L3 fields filled into its WorkerReady."""
+
+    def __init__(self, done: Any, fields: dict[str, Any]) -> None:
+        self.done, self.fields = done, fields
+
+    def send(self, msg: Any) -> None:
+        if isinstance(msg, WorkerReady):
+            msg = msgspec.structs.replace(msg, **self.fields)
+        self.done.send(msg)
+
 
 def _with_backups(cfg: ServerConfig, ctx: zmq.Context, done: Any, runner: Any, rank: int) -> Any:
     """With the host tier on, every backup this rank copies is reported to the cache controller."""

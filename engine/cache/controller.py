@@ -8,23 +8,46 @@ procs/cache.py hands it zmq ends, tests hand it in-memory pipes and call `pump()
 * A BackupDone may arrive before the Step that prepared the object (different sockets):
   it waits. An object is Committed once every rank reported it AND this replica holds it
   pending, and only once; a second report from one rank is a protocol bug (fatal).
-* It maps the host slab on HostInit (for the coming L3 writer; it never writes to it).
+* It maps the host slab on HostInit (every rank's region).
+* The disk tier (L3, `L3Tier`, with --l3-dir): it keeps every pending backup's page keys
+  (BackupPrepare carries them; they split with HostSplit). When it decides Committed(obj)
+  it first snapshots the bytes of obj and of the pieces split off it (every rank) out of
+  the slab and queues them for the writer thread, then sends Committed: a later HostEvict
+  and reuse of those host pages can never reach the disk. On L3Load it reads the files
+  into the slab on a reader thread and reports L3Loaded(obj, ok). L3Stats at most once a
+  second, when they changed.
 """
 
 from __future__ import annotations
 
 import mmap
+import time
 from typing import Any
 
+from engine.cache.host_alloc import HostAllocator
+from engine.cache.l3 import WRITE_QUEUE_BYTES, L3Dir, L3Store, unpack_keys
 from engine.cache.slab import map_slab
 from engine.replica import Effect, ReplicaError, rank_replica
 from msgs.channels import Inbox, Outbox
-from msgs.done import BackupDone, Committed, ControllerDigest, FromController, ToController
-from msgs.steps import HostInit, Shutdown, Step, ToWorker
+from msgs.done import BackupDone, Committed, ControllerDigest, FromController, L3Loaded, L3Stats, ToController
+from msgs.steps import (
+    ApplyCommit,
+    BackupPrepare,
+    Flush,
+    HostEvict,
+    HostInit,
+    HostSplit,
+    L3Load,
+    Shutdown,
+    Step,
+    ToWorker,
+)
+
+STATS_EVERY_S = 1.0
 
 
 class SlabMapping(Effect):
-    """Maps the slab (every rank's region) when the tier is created; read-only use so far."""
+    """Maps the slab (every rank's region) when the tier is created."""
 
     ops = (HostInit,)
 
@@ -37,6 +60,58 @@ class SlabMapping(Effect):
             self.map = map_slab(self.path, op.num_pages * op.page_bytes * self.world)
 
 
+class L3Tier(Effect):
+    """The controller's side of the disk tier: page keys of pending objects, the writes at
+    commit, the reads of L3Load. Created with the tier (HostInit with a fingerprint)."""
+
+    ops = (HostInit, BackupPrepare, HostSplit, HostEvict, ApplyCommit, Flush, L3Load)
+
+    def __init__(self, slab: SlabMapping, root: str, cap_bytes: int, queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
+        self.slab, self.root, self.cap, self.queue_bytes = slab, root, cap_bytes, queue_bytes
+        self.store: L3Store | None = None
+        self.keys: dict[int, list[bytes]] = {}  # pending backup -> its pages' keys
+        self.pieces: dict[int, list[int]] = {}  # pending backup -> pieces split off it since
+        self.origin: dict[int, int] = {}  # a piece -> the object whose commit covers it
+
+    def apply(self, op: Any) -> None:
+        match op:
+            case HostInit(num_pages=n, page_bytes=page_bytes, num_layers=layers, l3_fingerprint=fp) if fp:
+                if self.slab.map is None or layers < 1 or page_bytes % (2 * layers):
+                    raise ReplicaError(f"L3 without a mapped slab or layout ({page_bytes} bytes, {layers} layers)")
+                import numpy as np
+
+                view = np.frombuffer(self.slab.map, dtype=np.uint8)
+                view = view.reshape(self.slab.world, 2 * layers, n, page_bytes // (2 * layers))
+                self.store = L3Store(L3Dir(self.root, fp, self.cap), view, self.queue_bytes)
+            case BackupPrepare(obj=obj, keys=keys) if keys:
+                self.keys[obj] = unpack_keys(keys)
+            case HostSplit(obj=obj, cut=cut, new_obj=new) if obj in self.keys:
+                keys = self.keys[obj]
+                self.keys[new], self.keys[obj] = keys[:cut], keys[cut:]
+                root = self.origin.get(obj, obj)
+                self.origin[new] = root
+                self.pieces.setdefault(root, []).append(new)
+            case HostEvict(obj=obj) | ApplyCommit(obj=obj):
+                self.keys.pop(obj, None)
+                self.pieces.pop(obj, None)
+                self.origin.pop(obj, None)
+            case Flush():
+                self.keys.clear()
+                self.pieces.clear()
+                self.origin.clear()
+            case L3Load(obj=obj, host_start=start, keys=keys) if self.store is not None:
+                self.store.load_object(obj, start, unpack_keys(keys))
+
+    def write(self, obj: int, alloc: HostAllocator) -> None:
+        """obj is about to be Committed: queue its pages and its pieces' for the disk."""
+        if self.store is None:
+            return
+        for o in [obj, *self.pieces.pop(obj, [])]:
+            keys, placed = self.keys.get(o), alloc.ranges.get(o)
+            if keys and placed is not None:
+                self.store.write_object(placed[0], keys)
+
+
 class CacheController:
     def __init__(
         self,
@@ -45,13 +120,17 @@ class CacheController:
         backups: Inbox[ToController],
         out: Outbox[FromController],
         effects: list[Effect] | None = None,
+        l3: L3Tier | None = None,
     ) -> None:
         self.num_ranks = num_ranks
         self.steps, self.backups, self.out = steps, backups, out
-        self.replica = rank_replica(effects or [])
+        self.l3 = l3
+        self.replica = rank_replica([*(effects or []), *([l3] if l3 is not None else [])])
         self.reports: dict[int, set[int]] = {}  # object -> ranks that copied it
         self.stopped = False
         self.committed = 0
+        self._stats_sent: L3Stats | None = None
+        self._stats_at = -STATS_EVERY_S
 
     def pump(self) -> bool:
         """Every queued Step, then every queued BackupDone; False when nothing moved."""
@@ -68,7 +147,22 @@ class CacheController:
             msg = self.backups.recv()
             if isinstance(msg, BackupDone):
                 self.on_backup(msg)
+        store = self.l3.store if self.l3 is not None else None
+        if store is not None:
+            for obj, ok in store.take_loaded():
+                moved = True
+                self.out.send(L3Loaded(obj=obj, ok=ok))
+            self._send_stats(store)
         return moved
+
+    def _send_stats(self, store: L3Store, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._stats_at < STATS_EVERY_S:
+            return
+        stats = L3Stats(**store.stats())
+        if stats != self._stats_sent:
+            self.out.send(stats)
+            self._stats_sent, self._stats_at = stats, now
 
     def on_step(self, step: Step) -> None:
         if self.replica.apply_step(step):
@@ -89,6 +183,8 @@ class CacheController:
         for obj in sorted(self.reports):  # one order, whatever the arrival order
             if len(self.reports[obj]) == self.num_ranks and obj in alloc.ranges and obj not in alloc.committed:
                 del self.reports[obj]
+                if self.l3 is not None:  # the bytes go to disk from a snapshot taken now
+                    self.l3.write(obj, alloc)
                 self.out.send(Committed(obj=obj))
                 self.committed += 1
 
@@ -96,4 +192,5 @@ class CacheController:
         """The process loop: pump, then `wait(timeout_ms)` (a zmq poll) for input."""
         while not self.stopped:
             if not self.pump():
-                wait(50)
+                busy = self.l3 is not None and self.l3.store is not None and self.l3.store.busy
+                wait(2 if busy else 50)  # L3 reads finish on a thread: look again soon

@@ -9,10 +9,15 @@ HostAllocator whose id is the node's id), or both. Invariants:
   pages: only committed nodes may give them up, and then stay in the tree host-only;
 * host-only nodes are never locked (a lock pins device pages; a match loads them back
   before it locks them).
+* a *loading* node (the disk tier, L3) is a host-only leaf whose object is being read from
+  L3 files by the cache controller (`start_l3_load`, op L3Load): host >= 0, not committed,
+  no device pages. A match never goes into it; the tree locks its parent until the
+  controller's L3Loaded, which commits it (a host-only node like any other) or drops it.
+  A split piece of a loading object commits or drops with it (as a pending backup's do).
 
 Every change is recorded, in order, as the op that replicates it (`changes`): CachePages /
 EvictPages for device pages as before, plus HostInit, BackupPrepare, HostSplit,
-ApplyCommit, LoadBack, HostEvict. Eviction orders (device and host) are the same total
+ApplyCommit, LoadBack, HostEvict, L3Load. Eviction orders (device and host) are the same total
 order as the base tree: (protected, last_access, node id).
 """
 
@@ -21,11 +26,22 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 
+from engine.cache import l3
 from engine.cache.allocator import PageAllocator
 from engine.cache.host_alloc import HostAllocator
 from engine.cache.radix import PROTECT_HITS, MatchResult, RadixCache, RadixNode
 from msgs.codec import pack_ids
-from msgs.steps import ApplyCommit, BackupPrepare, CachePages, EvictPages, HostEvict, HostInit, HostSplit, LoadBack
+from msgs.steps import (
+    ApplyCommit,
+    BackupPrepare,
+    CachePages,
+    EvictPages,
+    HostEvict,
+    HostInit,
+    HostSplit,
+    L3Load,
+    LoadBack,
+)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -39,6 +55,8 @@ class TieredRadixCache(RadixCache):
         policy: str = "write_through",
         warn: Callable[[str], None] | None = None,
         page_bytes: int = 0,
+        num_layers: int = 0,
+        l3_fingerprint: bytes = b"",
     ) -> None:
         if policy not in ("write_through", "write_through_selective"):
             raise ValueError(f"host tier write policy {policy!r} is not implemented")
@@ -50,8 +68,14 @@ class TieredRadixCache(RadixCache):
         self.pieces: dict[int, list[int]] = {}  # pending object -> objects split off it since
         self.origin: dict[int, int] = {}  # a split-off pending piece -> the object that commits it
         self.stats = {"backups": 0, "skipped": 0, "committed": 0, "load_backs": 0, "l2_hit_tokens": 0,
-                      "host_evicted": 0}
-        self.changes.append(HostInit(host_pages, page_bytes))
+                      "host_evicted": 0, "l3_loads": 0, "l3_loaded": 0, "l3_failed": 0, "l3_hit_tokens": 0}
+        # the disk tier (L3): on when the model has a fingerprint (--l3-dir)
+        self.fingerprint = l3_fingerprint
+        self.loading: dict[int, RadixNode] = {}  # loading object -> the parent the tree keeps locked
+        self.from_l3: set[int] = set()  # committed nodes read from L3, not yet loaded back by a match
+        self._l3_end: dict[int, bytes] = {}  # node id -> the L3 key of its last page (a cache)
+        self.last_load = (0, 0)  # tokens the last load_back took from (L2, L3)
+        self.changes.append(HostInit(host_pages, page_bytes, num_layers, l3_fingerprint))
 
     # ---- matching and inserting -----------------------------------------------------
 
@@ -59,6 +83,10 @@ class TieredRadixCache(RadixCache):
         """As the base tree, but the match may continue into host-only nodes: those are
         `host_nodes` (not in `pages` / `num_tokens` until `load_back`)."""
         path, _ = self._walk(self._aligned(tokens))
+        for i, n in enumerate(path):  # never into a node still being read from L3
+            if not n.pages and self.is_loading(n):
+                path = path[:i]
+                break
         device = [n for n in path if n.pages]
         pages = [p for n in device for p in n.pages]
         if touch:
@@ -80,16 +108,21 @@ class TieredRadixCache(RadixCache):
         pages = self.allocator.alloc(need)
         if pages is None:
             return None
-        at = 0
+        at = l3_tokens = 0
         for node in nodes:
             k = len(node.key) // ps
+            if node.id in self.from_l3:  # read from disk for this match: an L3 hit, once
+                self.from_l3.discard(node.id)
+                l3_tokens += k * ps
             node.pages = pages[at : at + k]
             at += k
             self._total_pages += k
             start = self.host.ranges[node.host][0]
             self.changes += [CachePages(pack_ids(node.pages)), LoadBack(node.host, pack_ids(node.pages), start)]
         self.stats["load_backs"] += len(nodes)
-        self.stats["l2_hit_tokens"] += need * ps
+        self.stats["l2_hit_tokens"] += need * ps - l3_tokens
+        self.stats["l3_hit_tokens"] += l3_tokens
+        self.last_load = (need * ps - l3_tokens, l3_tokens)
         return MatchResult(match.pages + pages, nodes[-1], match.num_tokens + need * ps)
 
     def insert_node(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, RadixNode]:
@@ -112,6 +145,7 @@ class TieredRadixCache(RadixCache):
                 if node.lock_ref:  # a lock pins device pages: a locked host-only node is a bug
                     raise RuntimeError(f"host-only node {node.id} is locked")
                 node.pages = list(map(int, pages[at // ps : (at + len(node.key)) // ps]))
+                self.from_l3.discard(node.id)  # computed again: no longer an L3 hit to count
                 self._total_pages += len(node.pages)
                 self.changes.append(CachePages(pack_ids(node.pages)))
             at += len(node.key)
@@ -141,7 +175,8 @@ class TieredRadixCache(RadixCache):
         node.host, node.committed = node.id, False
         self.objects[node.id] = node
         self.stats["backups"] += 1
-        self.changes.append(BackupPrepare(node.id, pack_ids(node.pages), start))
+        keys = l3.pack_keys(self.node_keys(node)) if self.fingerprint else b""
+        self.changes.append(BackupPrepare(node.id, pack_ids(node.pages), start, keys))
         return True
 
     def _reserve(self, obj: int, n: int) -> int | None:
@@ -165,6 +200,7 @@ class TieredRadixCache(RadixCache):
         self.changes.append(HostEvict(node.host))
         del self.objects[node.host]
         node.host, node.committed = -1, False
+        self.from_l3.discard(node.id)
         self.stats["host_evicted"] += 1
         if not node.pages:
             self._unlink(node)
@@ -184,12 +220,90 @@ class TieredRadixCache(RadixCache):
 
     @property
     def pending(self) -> int:
+        """Objects not committed: backups in flight and L3 loads in flight."""
         return sum(1 for n in self.objects.values() if not n.committed)
+
+    # ---- the disk tier (L3) ------------------------------------------------------------
+
+    def is_loading(self, node: RadixNode) -> bool:
+        return node.host >= 0 and not node.committed and self.origin.get(node.id, node.id) in self.loading
+
+    def loading_at(self, node: RadixNode, tokens: Sequence[int]) -> bool:
+        """Whether the match that ended at `node` stopped at a loading node (`tokens`: the
+        tokens after it): its request waits for the load rather than computing them."""
+        child = node.children.get(tuple(map(int, tokens[: self.page_size])))
+        return child is not None and not child.pages and self.is_loading(child)
+
+    def chain_end(self, node: RadixNode) -> bytes:
+        """The L3 key of node's last page (the fingerprint for the root)."""
+        stack = []
+        while node is not self.root and node.id not in self._l3_end:
+            stack.append(node)
+            node = node.parent  # type: ignore[assignment]
+        key = self.fingerprint if node is self.root else self._l3_end[node.id]
+        for n in reversed(stack):
+            key = l3.chain(key, n.key, self.page_size)[-1]
+            self._l3_end[n.id] = key
+        return key
+
+    def node_keys(self, node: RadixNode) -> list[bytes]:
+        assert node.parent is not None
+        keys = l3.chain(self.chain_end(node.parent), node.key, self.page_size)
+        self._l3_end[node.id] = keys[-1]
+        return keys
+
+    def start_l3_load(self, parent: RadixNode, tokens: Sequence[int], keys: Sequence[bytes]) -> bool:
+        """A host-only loading node for `tokens` (len(keys) full pages, whose files exist)
+        under `parent` (where a match ended; the caller holds it locked): reserve host pages
+        (evict-to-fit) and emit L3Load. False, nothing changed, when L2 has no room."""
+        ps, n = self.page_size, len(keys)
+        toks = tuple(map(int, tokens[: n * ps]))
+        if n < 1 or len(toks) != n * ps or toks[:ps] in parent.children:
+            raise ValueError(f"L3 load of {n} pages under node {parent.id}: bad tokens or occupied")
+        obj = self._next_id  # the node made below takes this id (reserving creates no node)
+        start = self._reserve(obj, n)
+        if start is None:
+            return False
+        node = self._new_node(toks, [], parent)
+        assert node.id == obj
+        parent.children[toks[:ps]] = node
+        self._leaves.pop(parent.id, None)
+        self._leaves[node.id] = node
+        node.host, node.committed = obj, False
+        self.objects[obj] = node
+        self.loading[obj] = parent
+        self.lock(parent)  # the path above stays while the controller reads (whatever the request does)
+        self._l3_end[obj] = keys[-1]
+        self.changes.append(L3Load(obj, start, l3.pack_keys(keys)))
+        self.stats["l3_loads"] += 1
+        return True
+
+    def l3_loaded(self, obj: int, ok: bool) -> None:
+        """The controller's L3Loaded(obj): commit the object and its pieces (ApplyCommit) or
+        drop them (HostEvict); the parent is unlocked either way."""
+        parent = self.loading.get(obj)
+        if parent is None:
+            raise RuntimeError(f"L3Loaded for host object {obj}, which is not loading")
+        pieces = [obj, *self.pieces.get(obj, [])]
+        if ok:
+            self.commit(obj)
+            self.from_l3.update(pieces)
+            self.stats["l3_loaded"] += 1
+        else:
+            self.pieces.pop(obj, None)
+            for node in sorted((self.objects[p] for p in pieces), key=lambda d: (-self._depth(d), d.id)):
+                self.origin.pop(node.id, None)
+                self._drop_host(node)
+            self.stats["l3_failed"] += 1
+        del self.loading[obj]
+        self.unlock(parent)
 
     def _split(self, node: RadixNode, m: int) -> RadixNode:
         """The base split; node's host object splits with it (the prefix takes the prefix
         node's id), and a pending piece commits with the object it came from."""
         prefix = super()._split(node, m)
+        if node.id in self.from_l3:
+            self.from_l3.add(prefix.id)
         if node.host >= 0:
             cut = m // self.page_size
             self.host.split(node.host, cut, prefix.id)
@@ -263,7 +377,12 @@ class TieredRadixCache(RadixCache):
             node, depth = node.parent, depth + 1
         return depth
 
+    def _remove_leaf(self, node: RadixNode) -> int:
+        self._l3_end.pop(node.id, None)
+        return super()._remove_leaf(node)
+
     def _unlink(self, node: RadixNode) -> None:
+        self._l3_end.pop(node.id, None)
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0 and not node.pages
         del parent.children[node.key[: self.page_size]]
@@ -294,7 +413,7 @@ class TieredRadixCache(RadixCache):
 
     @property
     def flushable(self) -> bool:
-        return super().flushable and not self.pending  # no backup may be in flight
+        return super().flushable and not self.pending  # no backup and no L3 load may be in flight
 
     def reset(self) -> None:
         """Every tier emptied (Flush resets the host tier of every replica too)."""
@@ -305,9 +424,14 @@ class TieredRadixCache(RadixCache):
         self.objects.clear()
         self.pieces.clear()
         self.origin.clear()
+        self.from_l3.clear()
+        self._l3_end.clear()
 
     def _shape_ok(self, node: RadixNode) -> bool:
-        if not node.pages:  # host-only: committed, unlocked, only host-only below
+        if not node.pages:  # host-only: committed (or a loading leaf), unlocked, only host-only below
+            if node.host >= 0 and not node.committed:
+                return self.is_loading(node) and node.lock_ref == 0 and all(
+                    not c.pages and self.is_loading(c) for c in node.children.values())
             return node.host >= 0 and node.committed and node.lock_ref == 0 and not any(
                 c.pages for c in node.children.values())
         return super()._shape_ok(node)
@@ -323,3 +447,7 @@ class TieredRadixCache(RadixCache):
                 raise AssertionError(f"host object {obj}: wrong node or size")
             if node.committed != (obj in self.host.committed):
                 raise AssertionError(f"host object {obj}: commit state differs")
+        for obj, parent in self.loading.items():
+            node = self.objects.get(obj)
+            if node is None or node.committed or parent.lock_ref < 1:
+                raise AssertionError(f"loading object {obj}: gone, committed or its parent unlocked")

@@ -3,7 +3,8 @@
 Every replica applies the same ops, so the placement of each object is identical
 everywhere; BackupPrepare carries the scheduler's placement and a replica that computes
 another one stops (ReplicaError) instead of copying to the wrong pages. `Flush` empties
-the tier. Without HostInit the tier does not exist: every host op is then refused.
+the tier. L3Load reserves host pages exactly as BackupPrepare does (the cache controller
+fills them from disk; workers copy nothing). Without HostInit the tier does not exist: every host op is then refused.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 from engine.cache.host_alloc import HostAllocator, HostAllocError
 from engine.replica.base import Component, ReplicaError
 from msgs.codec import unpack_ids
-from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, LoadBack
+from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, L3Load, LoadBack
 
-HostOp = HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | Flush
+HostOp = HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | Flush | L3Load
+L3_KEY_BYTES = 16  # engine/cache/l3.py: KEY_BYTES
 
 
 class HostTier(Component):
     name = "host_tier"
-    ops = (HostInit, BackupPrepare, ApplyCommit, HostSplit, LoadBack, HostEvict, Flush)
+    ops = (HostInit, BackupPrepare, ApplyCommit, HostSplit, LoadBack, HostEvict, Flush, L3Load)
 
     def __init__(self) -> None:
         self.alloc = HostAllocator()
@@ -40,6 +42,13 @@ class HostTier(Component):
                 got = a.reserve(obj, len(unpack_ids(pages)))
                 if got != want:  # the scheduler placed it elsewhere: this replica diverged
                     raise ReplicaError(f"BackupPrepare of object {obj}: placed at {got}, the stream says {want}")
+            case L3Load(obj=obj, host_start=want, keys=keys):
+                # reserved as a backup is: the controller fills it from disk, workers copy nothing
+                if not keys or len(keys) % L3_KEY_BYTES:
+                    raise ReplicaError(f"L3Load of object {obj} with {len(keys)} bytes of keys")
+                got = a.reserve(obj, len(keys) // L3_KEY_BYTES)
+                if got != want:
+                    raise ReplicaError(f"L3Load of object {obj}: placed at {got}, the stream says {want}")
             case ApplyCommit(obj=obj):
                 a.commit(obj)
             case HostSplit(obj=obj, cut=cut, new_obj=new):

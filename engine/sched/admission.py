@@ -81,8 +81,12 @@ class Admission:
             match = s.cache.match_prefix(ids[: len(ids) - 1], touch=False)
             s.cache.lock(match.node)
             if match.host_nodes and s.tiers is not None:  # the rest is in the host tier: load it back
-                match = s.tiers.load_back(match)
+                match, l2, l3 = s.tiers.load_back(match)
+                req.hit_l2, req.hit_l3 = req.hit_l2 + l2, req.hit_l3 + l3
             req.node, req.pages, req.kv_len = match.node, list(match.pages), match.num_tokens
+            if s.tiers is not None and s.tiers.l3_wait(req, match, ids[: len(ids) - 1]):
+                self.kv.release(req)  # an L3 load of its next pages is in flight: wait at the head
+                return False
         first = min(len(ids) - req.kv_len, budget)
         if self.kv.pages_for(req, first) + decoding > s.alloc.num_free + s.cache.evictable_pages:
             self.kv.release(req)
@@ -96,6 +100,9 @@ class Admission:
         if not req.admitted_once:
             req.admitted_once, req.cached_tokens = True, req.kv_len
             s.cache_hit_tokens += req.kv_len
+            if s.tiers is not None:  # by tier: what L2/L3 loaded for it and it still uses
+                l3 = min(req.hit_l3, req.kv_len)
+                s.tiers.count_hits(min(req.hit_l2, req.kv_len - l3), l3)
         req.slot = heapq.heappop(s.free_slots)
         req.status = Status.RUNNING
         s.running.append(req)

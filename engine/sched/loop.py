@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 
 from engine.config import ServerConfig
@@ -31,6 +32,8 @@ from msgs.done import (
     ControllerFailed,
     FromController,
     FromWorker,
+    L3Loaded,
+    L3Stats,
     StepDone,
     WorkerFailed,
     WorkerReady,
@@ -195,6 +198,14 @@ class SchedulerLoop:
             if isinstance(msg, Committed):
                 self.core.on_committed(msg.obj)
                 self.stats_dirty = True
+            elif isinstance(msg, L3Loaded):
+                self.core.on_l3_loaded(msg.obj, msg.ok)
+                log.info("l3 load", obj=msg.obj, ok=msg.ok)
+                self.stats_dirty = True
+            elif isinstance(msg, L3Stats):
+                assert self.core.state.tiers is not None
+                self.core.state.tiers.l3_stats = msg
+                self.stats_dirty = True
             elif isinstance(msg, ControllerDigest):
                 assert self.core.state.tiers is not None
                 self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
@@ -209,7 +220,10 @@ class SchedulerLoop:
     def _maybe_check_leaks(self) -> None:
         assert self.core is not None
         # not while FreeReq ops are unpublished: leak_free() would pass vacuously
-        if self.core.idle and not self.inflight and not self.core.pending_ops and self.stats_dirty:
+        # nor while an L3 load holds its lock on the tree (it ends with an L3Loaded: checked then)
+        tiers = self.core.state.tiers
+        loading = tiers is not None and tiers.loading > 0
+        if self.core.idle and not self.inflight and not self.core.pending_ops and self.stats_dirty and not loading:
             ok = self.core.leak_free()
             if not ok:
                 log.error("page leak detected while idle", free=self.core.alloc.num_free)
@@ -247,13 +261,11 @@ def agree(readies: dict[int, WorkerReady]) -> WorkerReady:
     (ranks of one model and one config), else the engine cannot start."""
     first = readies[min(readies)]
     for rank, r in sorted(readies.items()):
-        same = (r.page_size, r.max_context, r.vocab_size, r.eos_token_ids)
-        if same != (first.page_size, first.max_context, first.vocab_size, first.eos_token_ids):
+        same = (r.page_size, r.max_context, r.vocab_size, r.eos_token_ids, r.l3_fingerprint)
+        if same != (first.page_size, first.max_context, first.vocab_size, first.eos_token_ids, first.l3_fingerprint):
             raise WorkerFailure(f"worker {rank} disagrees with worker {first.rank} on the model: {r} vs {first}")
     pages = min(r.num_pages for r in readies.values())
-    return WorkerReady(
-        first.rank, pages, first.page_size, first.max_context, first.vocab_size, first.eos_token_ids, first.page_bytes
-    )
+    return msgspec.structs.replace(first, num_pages=pages)
 
 
 def _drain(inbox: Inbox[Any]) -> list[Any]:

@@ -33,6 +33,9 @@ class Req:
     inflight: int = 0  # sent steps that will return a sampled token for this request
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     admitted_once: bool = False
+    l3_probed: bool = False  # its prompt was looked up in the disk tier (once per request)
+    hit_l2: int = 0  # prompt tokens loaded back for it from L2 before its first admission
+    hit_l3: int = 0  # ... of which were read from L3 files
     finish_reason: str | None = None
 
     @property

@@ -150,6 +150,12 @@ class SchedulerCore:
             raise DigestMismatch(f"Committed({obj}) without a host tier")
         self.state.tiers.on_committed(obj)
 
+    def on_l3_loaded(self, obj: int, ok: bool) -> None:
+        """The cache controller's L3Loaded: ApplyCommit (or HostEvict) ops go out with the next Step."""
+        if self.state.tiers is None:
+            raise DigestMismatch(f"L3Loaded({obj}) without a host tier")
+        self.state.tiers.on_l3_loaded(obj, ok)
+
     # ---- introspection -----------------------------------------------------------------
 
     @property

@@ -35,6 +35,9 @@ class SchedConfig:
     host_pages: int = 0  # the host tier's (L2) pages; 0: no host tier
     write_policy: str = "write_through"  # when cached KV is copied to L2
     page_bytes: int = 0  # a worker's KV page across every layer: a host-tier page
+    num_layers: int = 0  # layers of that page (the L3 files' layout)
+    l3_dir: str = ""  # the disk tier's directory (--l3-dir); "": no disk tier
+    l3_fingerprint: bytes = b""  # the workers' model fingerprint: the L3 key chain's start
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -59,6 +62,9 @@ class SchedConfig:
             host_pages=host_pages(cfg, ready),
             write_policy=cfg.hicache_write_policy,
             page_bytes=ready.page_bytes,
+            num_layers=ready.num_layers,
+            l3_dir=cfg.l3_dir if cfg.enable_hierarchical_cache else "",
+            l3_fingerprint=ready.l3_fingerprint,
         )
 
 
@@ -81,7 +87,7 @@ class SchedState:
     def __post_init__(self) -> None:
         self.alloc = PageAllocator(self.cfg.num_pages)
         self.cache = make_cache(self.cfg, self.alloc)
-        self.tiers = Tiers(self.cache) if isinstance(self.cache, TieredRadixCache) else None
+        self.tiers = Tiers(self.cache, self.cfg.l3_dir) if isinstance(self.cache, TieredRadixCache) else None
         self.free_slots = list(range(self.cfg.max_running))
         self.rng = random.Random(self.cfg.seed)
 

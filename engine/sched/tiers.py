@@ -1,4 +1,5 @@
-"""The scheduler's part for the memory tiers (DESIGN.md 6): L1 + L2 under one radix tree.
+"""The scheduler's part for the memory tiers (DESIGN.md 6): L1 + L2 under one radix tree,
+and L3 files read into L2 on a match.
 
 The tree (engine/cache/hiradix.py) makes the placement decisions and records them as ops;
 this part connects it to the rest of the scheduler:
@@ -8,6 +9,10 @@ this part connects it to the rest of the scheduler:
   ops; the worker copies before the forward) and moves the request's lock down;
 * `on_committed`: the cache controller's Committed(obj) becomes ApplyCommit ops in the next
   Step (rule 5: messages that come back change state only as re-published ops);
+* `l3_wait`: past what L1 and L2 hold, a waiting request's full prompt pages are looked up
+  in L3 (once per request: a stat per page); found pages become a loading node (L3Load) and
+  the request waits for the controller's L3Loaded, re-published as ApplyCommit (or
+  HostEvict on a failed read: the request computes them);
 * the controller's digests are checked against the mirror's at the same step;
 * `stats` / `leak_free` for /metrics and the idle leak check.
 """
@@ -19,12 +24,15 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from engine.cache import l3
 from engine.cache.allocator import PageAllocator
 from engine.cache.hiradix import TieredRadixCache
 from engine.cache.radix import MatchResult, RadixCache
 from engine.sched.digests import DigestMismatch
+from msgs.done import L3Stats
 
 if TYPE_CHECKING:
+    from engine.sched.request import Req
     from engine.sched.state import SchedConfig
 
 log = structlog.get_logger()
@@ -35,7 +43,8 @@ def make_cache(cfg: SchedConfig, alloc: PageAllocator) -> RadixCache:
     if not cfg.host_pages:
         return RadixCache(cfg.page_size, alloc)
     return TieredRadixCache(
-        cfg.page_size, alloc, cfg.host_pages, cfg.write_policy, warn=_RateLimited().warn, page_bytes=cfg.page_bytes
+        cfg.page_size, alloc, cfg.host_pages, cfg.write_policy, warn=_RateLimited().warn, page_bytes=cfg.page_bytes,
+        num_layers=cfg.num_layers, l3_fingerprint=cfg.l3_fingerprint if cfg.l3_dir else b"",
     )
 
 
@@ -56,19 +65,52 @@ class _RateLimited:
 
 
 class Tiers:
-    def __init__(self, cache: TieredRadixCache) -> None:
+    def __init__(self, cache: TieredRadixCache, l3_dir: str = "") -> None:
         self.cache = cache
+        self.l3_dir = l3_dir if cache.fingerprint else ""  # "": no disk tier
         self.expected: dict[int, str] = {}  # DigestCheck seq -> the mirror's digest then
+        self.hits = {"l2": 0, "l3": 0}  # prompt tokens of admitted requests, by the tier that served them
+        self.l3_stats = L3Stats()  # the controller's latest
 
-    def load_back(self, match: MatchResult) -> MatchResult:
+    def load_back(self, match: MatchResult) -> tuple[MatchResult, int, int]:
         """`match.node` is locked by the caller; on success the lock moves to the deepest
-        loaded node (the pages below stay pinned as the request's prefix)."""
+        loaded node (the pages below stay pinned as the request's prefix). Also returns the
+        tokens loaded that came from L2 and from L3."""
         loaded = self.cache.load_back(match)
         if loaded is None:  # no device room even after eviction: use the device part only
-            return match
+            return match, 0, 0
         self.cache.lock(loaded.node)
         self.cache.unlock(match.node)
-        return loaded
+        return loaded, *self.cache.last_load
+
+    def l3_wait(self, req: Req, match: MatchResult, ids: list[int]) -> bool:
+        """After L1 and L2 (`match`, locked by the caller, ending on the device): whether req
+        must wait for an L3 load of the pages that follow. A load in flight there: wait.
+        Else, once per request, look the following full pages of `ids` up in L3 and start
+        a load of those found (if L2 has room): wait for it."""
+        if not self.l3_dir or match.host_nodes:
+            return False
+        ps, at = self.cache.page_size, match.num_tokens
+        rest = ids[at : len(ids) // ps * ps]
+        if self.cache.loading_at(match.node, rest):
+            return True
+        if req.l3_probed or len(rest) < ps:
+            return False
+        req.l3_probed = True
+        keys = l3.chain(self.cache.chain_end(match.node), rest, ps)
+        found = l3.probe(self.l3_dir, keys)
+        return found > 0 and self.cache.start_l3_load(match.node, rest, keys[:found])
+
+    def on_l3_loaded(self, obj: int, ok: bool) -> None:
+        self.cache.l3_loaded(obj, ok)
+
+    def count_hits(self, l2: int, l3_tokens: int) -> None:
+        self.hits["l2"] += l2
+        self.hits["l3"] += l3_tokens
+
+    @property
+    def loading(self) -> int:
+        return len(self.cache.loading)
 
     def on_committed(self, obj: int) -> None:
         self.cache.commit(obj)
@@ -85,13 +127,23 @@ class Tiers:
 
     def stats(self) -> dict[str, int]:
         c = self.cache
+        d = self.l3_stats
         return {
-            "l2_hit_tokens": c.stats["l2_hit_tokens"],
+            "l2_hit_tokens": self.hits["l2"],
             "l2_pages_used": c.host.num_used,
             "l2_pages_total": c.host.capacity,
             "backups_committed": c.stats["committed"],
             "backups_skipped": c.stats["skipped"],
             "load_backs": c.stats["load_backs"],
+            "l3_hit_tokens": self.hits["l3"],
+            "l3_reads": d.reads,
+            "l3_writes": d.writes,
+            "l3_bytes_read": d.bytes_read,
+            "l3_bytes_written": d.bytes_written,
+            "l3_corrupt": d.corrupt,
+            "l3_write_skips": d.write_skips,
+            "l3_files": d.files,
+            "l3_bytes": d.bytes,
         }
 
     def leak_free(self) -> bool:

@@ -1,0 +1,386 @@
+"""The disk tier (L3): KV pages as content-addressed files under `--l3-dir` (DESIGN.md 6).
+
+No torch here: the scheduler (probing) and the cache controller (reads and writes) use it.
+
+* **Keys.** A model fingerprint (16 bytes) hashes everything that makes a page's bytes
+  what they are: the model's config and weights identity, the compute and KV dtypes, the
+  page size and the layout (tp size, bytes per page, layers). Page keys chain over the
+  token prefix: key_i = blake2b(key_{i-1} || page i's tokens as int32, 16 bytes), key_{-1}
+  = the fingerprint, so a key names the whole prefix up to and including its page.
+* **Files.** `<dir>/<hex[:2]>/<hex>.kv`, one per page, holding every rank's bytes of that
+  page: a header (magic, version, fingerprint, key, payload length, blake2b of the
+  payload) and the payload, [rank][layer][K, V][layer bytes]. A write goes to a
+  temporary name in the same directory and is renamed into place (`os.replace`), so a
+  reader never sees half a file, also on a directory shared by several engines; a file
+  that exists is not written again (content-addressed). A read checks the header, the
+  length and the checksum: a bad file is counted as corrupt, unlinked and not served.
+* **Size cap.** `L3Dir` knows the bytes in the directory (a scan at start, then its own
+  writes); over the cap it rescans and removes the oldest files (mtime: a read refreshes
+  it) down to 90% of the cap.
+* **Threads.** `L3Store` (the controller's) writes snapshots of committed objects on a
+  writer thread (a queue bounded in bytes: over it a write is skipped and counted) and
+  reads objects into the host slab on a reader thread; results come back through
+  `take_loaded()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import secrets
+import struct
+import threading
+import time
+from array import array
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+KEY_BYTES = 16
+MAGIC = b"STRATAKV"
+VERSION = 1
+HEADER = struct.Struct("<8sI16s16sQ16s")  # magic, version, fingerprint, key, payload length, checksum
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
+WRITE_QUEUE_BYTES = 512 << 20
+
+
+# ---- keys ---------------------------------------------------------------------------------
+
+
+def model_fingerprint(
+    config_json: bytes, weights: bytes, dtype: str, kv_dtype: str, page_size: int, tp_size: int,
+    page_bytes: int, num_layers: int,
+) -> bytes:
+    """16 bytes naming the KV a page holds: two engines share L3 files only when equal."""
+    h = hashlib.blake2b(b"strata.l3.v1", digest_size=KEY_BYTES)
+    for part in (config_json, weights, dtype.encode(), kv_dtype.encode(),
+                 b"%d/%d/%d/%d" % (page_size, tp_size, page_bytes, num_layers)):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def worker_fingerprint(cfg: Any, dtype: Any, kv_dtype: Any, page_bytes: int, num_layers: int) -> bytes:
+    """The fingerprint a worker reports (it knows the weights): config.json, the weights'
+    identity (models/loader.py), dtypes and layout. Imports the loader (torch) lazily."""
+    from models.loader import weights_identity
+
+    config = Path(cfg.model, "config.json").read_bytes()
+    weights = weights_identity(cfg.model, cfg.load_format)
+    return model_fingerprint(config, weights, str(dtype), str(kv_dtype), cfg.page_size, cfg.tp_size,
+                             page_bytes, num_layers)
+
+
+def chain(prev: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """The keys of the full pages of `tokens`, continuing the chain after key `prev`."""
+    keys = []
+    for at in range(0, len(tokens) - page_size + 1, page_size):
+        prev = hashlib.blake2b(prev + array("i", tokens[at : at + page_size]).tobytes(), digest_size=KEY_BYTES).digest()
+        keys.append(prev)
+    return keys
+
+
+def page_keys(fingerprint: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    return chain(fingerprint, tokens, page_size)
+
+
+def pack_keys(keys: Iterable[bytes]) -> bytes:
+    return b"".join(keys)
+
+
+def unpack_keys(packed: bytes) -> list[bytes]:
+    if len(packed) % KEY_BYTES:
+        raise ValueError(f"packed L3 keys of {len(packed)} bytes")
+    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+
+def key_path(root: str | Path, key: bytes) -> Path:
+    hx = key.hex()
+    return Path(root) / hx[:2] / f"{hx}{SUFFIX}"
+
+
+def probe(root: str | Path, keys: Sequence[bytes]) -> int:
+    """How many of `keys`, from the first, have a file (a stat each; the read verifies)."""
+    n = 0
+    for key in keys:
+        if not key_path(root, key).is_file():
+            break
+        n += 1
+    return n
+
+
+# ---- one file -----------------------------------------------------------------------------
+
+
+def encode_file(fingerprint: bytes, key: bytes, payload: bytes) -> bytes:
+    check = hashlib.blake2b(payload, digest_size=16).digest()
+    return HEADER.pack(MAGIC, VERSION, fingerprint, key, len(payload), check) + payload
+
+
+def decode_file(data: bytes, fingerprint: bytes, key: bytes, payload_len: int) -> bytes | None:
+    """The payload, or None when anything is off (header, model, key, length, checksum)."""
+    if len(data) != HEADER.size + payload_len:
+        return None
+    magic, version, fp, k, n, check = HEADER.unpack_from(data)
+    if (magic, version, fp, k, n) != (MAGIC, VERSION, fingerprint, key, payload_len):
+        return None
+    payload = data[HEADER.size :]
+    if hashlib.blake2b(payload, digest_size=16).digest() != check:
+        return None
+    return payload
+
+
+# ---- the directory ------------------------------------------------------------------------
+
+
+class L3Dir:
+    """The files of one model in one directory: write, read, size cap, counters.
+    Thread-safe (the controller's reader and writer threads share one)."""
+
+    def __init__(self, root: str | Path, fingerprint: bytes, cap_bytes: int) -> None:
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.cap = cap_bytes
+        self.lock = threading.Lock()
+        self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "corrupt": 0,
+                      "write_skips": 0, "files": 0, "bytes": 0}
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.scan()
+
+    def path(self, key: bytes) -> Path:
+        return key_path(self.root, key)
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every page file; stale temporary files are removed."""
+        out, now = [], time.time()
+        for sub in self.root.iterdir() if self.root.is_dir() else ():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:  # removed meanwhile (another engine)
+                    continue
+                if entry.name.endswith(SUFFIX):
+                    out.append((st.st_mtime, st.st_size, Path(entry.path)))
+                elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_S:
+                    Path(entry.path).unlink(missing_ok=True)
+        return out
+
+    def scan(self) -> None:
+        files = self._files()
+        with self.lock:
+            self.stats["files"] = len(files)
+            self.stats["bytes"] = sum(size for _, size, _ in files)
+
+    def exists(self, key: bytes) -> bool:
+        return self.path(key).is_file()
+
+    def write(self, key: bytes, payload: bytes) -> bool:
+        """Write one page file atomically; False when it already existed (its mtime is
+        refreshed: it was just wanted again)."""
+        dst = self.path(key)
+        if dst.is_file():
+            _touch(dst)
+            return False
+        dst.parent.mkdir(exist_ok=True)
+        data = encode_file(self.fingerprint, key, payload)
+        tmp = dst.parent / f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, dst)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self.lock:
+            self.stats["writes"] += 1
+            self.stats["bytes_written"] += len(data)
+            self.stats["files"] += 1
+            self.stats["bytes"] += len(data)
+            over = self.stats["bytes"] > self.cap
+        if over:
+            self.enforce_cap()
+        return True
+
+    def read(self, key: bytes, payload_len: int) -> bytes | None:
+        """The verified payload of `key`'s page, or None (missing, or corrupt: then unlinked
+        and counted)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        payload = decode_file(data, self.fingerprint, key, payload_len)
+        if payload is None:
+            with self.lock:
+                self.stats["corrupt"] += 1
+            self._remove(path, len(data))
+            return None
+        _touch(path)
+        with self.lock:
+            self.stats["reads"] += 1
+            self.stats["bytes_read"] += len(data)
+        return payload
+
+    def _remove(self, path: Path, size: int) -> None:
+        try:
+            path.unlink()
+        except OSError:  # gone already (another engine), or not ours to remove: best effort
+            return
+        with self.lock:
+            self.stats["files"] = max(0, self.stats["files"] - 1)
+            self.stats["bytes"] = max(0, self.stats["bytes"] - size)
+
+    def enforce_cap(self) -> int:
+        """Over the cap: rescan (other engines write here too) and remove the oldest files
+        down to 90% of it. Returns the files removed."""
+        files = sorted(self._files())
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        target = int(self.cap * 0.9)
+        for _, size, path in files:
+            if total <= target:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+            removed += 1
+        with self.lock:
+            self.stats["files"] = len(files) - removed
+            self.stats["bytes"] = total
+        return removed
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+# ---- the controller's threads -------------------------------------------------------------
+
+
+class L3Store:
+    """Reads and writes of whole host objects between the host slab and an `L3Dir`.
+
+    `slab` is a numpy uint8 view [rank, layer x (K, V), host page, layer bytes] of the
+    slab (every rank's region): one page of every rank is `slab[:, :, page, :]`, the payload
+    of its file."""
+
+    def __init__(self, files: L3Dir, slab: Any, queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
+        self.files = files
+        self.slab = slab
+        self.page_payload = slab.shape[0] * slab.shape[1] * slab.shape[3]
+        self.queue_bytes = queue_bytes
+        self.queued_bytes = 0
+        self.lock = threading.Lock()
+        self.writes: queue.Queue[Any] = queue.Queue()
+        self.reads: queue.Queue[Any] = queue.Queue()
+        self.loaded: queue.Queue[tuple[int, bool]] = queue.Queue()
+        self.reading = 0  # loads submitted and not yet taken
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=self._writer, daemon=True, name="l3-writer"),
+                         threading.Thread(target=self._reader, daemon=True, name="l3-reader")]
+        for t in self._threads:
+            t.start()
+
+    # -- the controller's side (one thread)
+
+    def write_object(self, start: int, keys: Sequence[bytes]) -> int:
+        """Snapshot the object's pages at host page `start` (those not on disk yet) and queue
+        them for the writer. Returns the pages queued; over the byte bound none are (a skip)."""
+        todo = [(i, k) for i, k in enumerate(keys) if not self.files.exists(k)]
+        if not todo:
+            return 0
+        nbytes = len(todo) * self.page_payload
+        with self.lock:
+            if self.queued_bytes + nbytes > self.queue_bytes:
+                with self.files.lock:
+                    self.files.stats["write_skips"] += len(todo)
+                return 0
+            self.queued_bytes += nbytes
+        # the copy happens now, before Committed goes out: a later HostEvict and reuse of
+        # these host pages can never reach the disk
+        pages = [(k, self.slab[:, :, start + i, :].tobytes()) for i, k in todo]
+        self.writes.put(pages)
+        return len(pages)
+
+    def load_object(self, obj: int, start: int, keys: Sequence[bytes]) -> None:
+        self.reading += 1
+        self.reads.put((obj, start, list(keys)))
+
+    def take_loaded(self) -> list[tuple[int, bool]]:
+        out = []
+        while True:
+            try:
+                out.append(self.loaded.get_nowait())
+            except queue.Empty:
+                break
+        self.reading -= len(out)
+        if self.errors:
+            raise RuntimeError(f"L3 I/O failed: {self.errors[0]}")
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return self.reading > 0 or self.queued_bytes > 0
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every queued write and read is done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while (self.writes.unfinished_tasks or self.reads.unfinished_tasks) and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    # -- the threads
+
+    def _writer(self) -> None:
+        while True:
+            pages = self.writes.get()
+            try:
+                for key, payload in pages:
+                    try:
+                        self.files.write(key, payload)
+                    except OSError as exc:  # a full or read-only disk: count it, keep serving
+                        with self.files.lock:
+                            self.files.stats["write_skips"] += 1
+                        self._note(f"write of {key.hex()}: {exc}", fatal=False)
+            finally:
+                with self.lock:
+                    self.queued_bytes -= len(pages) * self.page_payload
+                self.writes.task_done()
+
+    def _reader(self) -> None:
+        import numpy as np
+
+        while True:
+            obj, start, keys = self.reads.get()
+            ok = True
+            try:
+                for i, key in enumerate(keys):
+                    payload = self.files.read(key, self.page_payload)
+                    if payload is None:
+                        ok = False
+                        break
+                    shape = (self.slab.shape[0], self.slab.shape[1], self.slab.shape[3])
+                    self.slab[:, :, start + i, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
+            except Exception as exc:  # noqa: BLE001 - a read error fails this load only
+                self._note(f"read of object {obj}: {exc}", fatal=False)
+                ok = False
+            finally:
+                self.loaded.put((obj, ok))
+                self.reads.task_done()
+
+    def _note(self, msg: str, fatal: bool) -> None:
+        import structlog
+
+        structlog.get_logger().warning("l3 i/o error", error=msg)
+        if fatal:
+            self.errors.append(msg)
+
+    def stats(self) -> dict[str, int]:
+        with self.files.lock:
+            return dict(self.files.stats)
