@@ -449,5 +449,5 @@ class TieredRadixCache(RadixCache):
                 raise AssertionError(f"host object {obj}: commit state differs")
         for obj, parent in self.loading.items():
             node = self.objects.get(obj)
-            if node is None or node.committed or parent.lock_ref < 1:
+            if node is None or node.committed or (parent is not self.root and parent.lock_ref < 1):
                 raise AssertionError(f"loading object {obj}: gone, committed or its parent unlocked")
