@@ -9,6 +9,14 @@ triton GEMVs stay); at world > 1:
   piece (its q heads, its K/V heads, its slice of gate and of up); no communication.
 * row-parallel (`RowParallelLinear`: o_proj, down_proj): a rank holds the matching input
   columns; partial outputs are summed with one all-reduce, the bias added after it.
+* small batches run the same triton GEMVs as world 1 on the local shard: the GPU's tuning rules
+  are looked up with the shard's [N, K] (Llama-3.1-8B at tp 2: QKV 3072x4096, o_proj 4096x2048,
+  gate_up 14336x4096, down 4096x7168); a shape no rule takes stays on the vendor kernel.
+* all-reduce: NCCL, or for messages up to the tuning's `tp_symm_allreduce_max_bytes` (bf16 and
+  fp32 on CUDA) a one-shot all-reduce over peer memory (`SymmAllReduce`: torch symmetric memory,
+  one kernel that copies the input into a registered buffer, meets its peers at a barrier and
+  sums every rank's buffer in rank order; capturable in a CUDA graph). Every rank gets the same
+  bytes either way.
 * `VocabParallelEmbedding`: a rank holds a vocabulary range, looks up its ids, zeros the
   rest, all-reduce. `lm_logits`: each rank's logits over its vocabulary range, gathered
   (padded to equal sizes) so every rank holds identical full logits before sampling.
@@ -22,6 +30,7 @@ checkpoint tensor it holds) that the loader and the dummy initializer follow.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +50,15 @@ class TPGroup:
     rank: int = 0
     world: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
+    symm: SymmAllReduce | None = None  # the small-message path (CUDA, set up before capture), or None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over ranks, in place; every rank gets the same bytes (one reduction per element,
-        then copies), which is what lets every rank sample the same token."""
+        """Sum x over ranks: the returned tensor (x itself, reduced in place, on the NCCL/gloo
+        path; a new one on the one-shot path). Every rank gets the same bytes (each element summed
+        once in one order, then copied), which is what lets every rank sample the same token."""
         if self.world > 1:
+            if self.symm is not None and self.symm.takes(x):
+                return self.symm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -67,6 +80,73 @@ class TPGroup:
             dist.all_gather(parts, x, group=self.group)
         widths = [e - s for s, e in (range_split(total, self.world, r) for r in range(self.world))]
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
+
+
+class SymmAllReduce:
+    """One-shot all-reduce over peer memory for small messages (torch symmetric memory, CUDA).
+
+    One registered buffer per dtype (bf16, fp32) of `max_bytes`, mapped into every rank's
+    address space at set-up (a collective: every rank constructs it at the same point, before
+    any CUDA graph is captured). A call is one kernel (`symm_mem.one_shot_all_reduce_copy_out`):
+    copy x into this rank's buffer, barrier with the peers, read every rank's buffer and sum in
+    rank order 0..W-1 (so every rank gets the same bytes), barrier again (no rank overwrites its
+    buffer while a peer still reads it); the output is a fresh tensor. No host work beyond the
+    launch, so it is captured in CUDA graphs like any kernel. NVLink multicast is not used (the
+    multimem ops need it; TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stays set)."""
+
+    DTYPES = (torch.bfloat16, torch.float32)  # the dtypes torch's one-shot kernel dispatches
+
+    def __init__(self, group: Any, max_bytes: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.max_bytes = max_bytes - max_bytes % 16
+        if self.max_bytes <= 0:
+            raise ValueError(f"SymmAllReduce: max_bytes {max_bytes} holds no message")
+        group = group if group is not None else dist.group.WORLD
+        self.group_name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.10, deprecated after
+        if enable is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(self.group_name)
+        self.bufs: dict[torch.dtype, torch.Tensor] = {}
+        self.handles = []
+        for dtype in self.DTYPES:
+            buf = symm_mem.empty(self.max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            self.handles.append(symm_mem.rendezvous(buf, group))  # collective: maps every rank's buffer
+            self.bufs[dtype] = buf
+        ops_ = torch.ops.symm_mem
+        self._copy_out = getattr(ops_, "one_shot_all_reduce_copy_out", None)
+        self._out = ops_.one_shot_all_reduce_out
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x goes this way: CUDA, bf16/fp32, contiguous, 1..max_bytes bytes, 4-byte
+        multiples, and 16-byte aligned like the buffer (the kernel's vector width must match)."""
+        n = x.numel() * x.element_size()
+        return (x.is_cuda and x.dtype in self.bufs and 0 < n <= self.max_bytes and n % 4 == 0
+                and x.is_contiguous() and (x.storage_offset() * x.element_size()) % 16 == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        buf = self.bufs[x.dtype][: x.numel()]  # exactly x's size: the kernel copies buf.numel() elements
+        if self._copy_out is not None:  # the copy into the buffer is inside the kernel
+            self._copy_out(buf, x.view(-1), "sum", self.group_name, out.view(-1))
+        else:
+            buf.copy_(x.view(-1))
+            self._out(buf, "sum", self.group_name, out.view(-1))
+        return out
+
+
+def symm_all_reduce_ok(max_bytes: int, device: torch.device) -> bool:
+    """Whether the one-shot path may be set up here: a CUDA device, a threshold, torch's ops."""
+    if device.type != "cuda" or max_bytes <= 0:
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+
+        return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out")
+    except Exception:  # noqa: BLE001 - a torch without symmetric memory: NCCL only
+        return False
 
 
 _TP = TPGroup()
@@ -177,24 +257,37 @@ class Linear(nn.Module):
         self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
 
-    def gemv_config(self, x: torch.Tensor) -> tuple | None:
-        """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
-        batches where the config holds a whole row slice per program), else None."""
+    def _local_gemv(self, x: torch.Tensor) -> tuple | None:
+        """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
         if self._gemv is False:  # decided once, on the device the weights ended up on
-            # tp > 1: plain F.linear on the local shard first (the GEMVs are tuned for whole weights)
-            self._gemv = triton_ops.gemv_config(self.weight) if tp().world == 1 else None
+            # the local weight's [N, K]: a tensor-parallel shard is looked up by its own shape, and a
+            # shape no tuning rule takes (or a GPU without rules) keeps the vendor kernel
+            self._gemv = triton_ops.gemv_config(self.weight)
             self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
         rows = x.shape[0]
-        if (self._gemv is None or rows > self._gemv_rows or self.bias is not None or not x.is_contiguous()
-                or not ops.fused_enabled()):
+        if self._gemv is None or rows > self._gemv_rows or not x.is_contiguous() or not ops.fused_enabled():
             return None
         return self._gemv if triton_ops.gemv_rows_ok(self._gemv, self.weight.shape[1], rows) else None
+
+    def gemv_config(self, x: torch.Tensor) -> tuple | None:
+        """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
+        batches where the config holds a whole row slice per program), else None. A caller that
+        runs the GEMV itself gets the whole layer's output from it (no bias, no communication)."""
+        return None if self.bias is not None else self._local_gemv(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.gemv_config(x)
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for h = [gate | up] ([T, 2 * in_features]): for small batches
+        the activation is folded into the GEMV (one launch fewer)."""
+        cfg = self.gemv_config(h)
+        if cfg is not None:
+            return triton_ops.gemv(h, self.weight, *cfg, silu_mul=True)
+        return self(ops.silu_and_mul(h))
 
 
 class ColumnParallelLinear(Linear):
@@ -218,11 +311,32 @@ class RowParallelLinear(Linear):
         self.tp = tp()
         _shard(self.weight, Sharding(1, (out_features, in_features), {None: Piece(in_range, 0, in_features, 0)}))
 
+    def gemv_config(self, x: torch.Tensor) -> tuple | None:
+        # at world > 1 a GEMV run by the caller would be this rank's partial sum only (no
+        # all-reduce): callers get None and call forward / forward_silu_mul, which GEMV the shard
+        return super().gemv_config(x) if self.tp.world == 1 else None
+
+    def partial(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """This rank's partial product x W_local^T (no bias), silu(gate) * up first with silu_mul:
+        the shard's GEMV for small batches, else the vendor kernel."""
+        cfg = self._local_gemv(x)
+        if cfg is not None:
+            return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)
+        return F.linear(ops.silu_and_mul(x) if silu_mul else x, self.weight)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias  # once, not once per rank
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world == 1:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias  # once, not once per rank
+        return self._reduce(self.partial(x))
+
+    def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tp.world == 1:
+            return super().forward_silu_mul(h)
+        return self._reduce(self.partial(h, silu_mul=True))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -7,7 +7,8 @@ FA2/XQA attention, its norm and rotary kernels, cuBLAS projections): our triton 
 fast on the GPU they were measured on, but are only turned on where someone measured them.
 
 `--decode-kernel` (ServerConfig.decode_kernel) overrides the decode rule for debugging; nothing
-here reads the environment.
+here reads the environment. `override_tuning` replaces fields in one process, for the benches'
+A/Bs (scripts/tp_bench.py runs each variant in its own processes); served runs never call it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class KernelTuning:
     gemv_one_tile_elems: int = 8192  # elements of weight per one-tile program (block_n * padded K)
     gemv_looped: tuple[GemvRule, ...] = field(default=())  # configs for wider K, first match wins
     norm_gemv_max_hidden: int = 0  # fold residual add + RMSNorm into the next GEMV up to this hidden size
+    # tensor parallel: all-reduces of at most this many bytes (bf16/fp32, CUDA) take the one-shot
+    # all-reduce over peer memory (torch symmetric memory: one kernel, capturable in a CUDA graph);
+    # larger ones, and all of them at 0, take NCCL (engine/layers/parallel.py, SymmAllReduce)
+    tp_symm_allreduce_max_bytes: int = 0
 
     def decode_kernel(self, override: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
         """The decode kernel for a batch of this (padded) size: "fa2", "xqa" or "triton".
@@ -125,15 +130,35 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
     t = KernelTuning(**kw)
     if not 1 <= t.gemv_max_rows <= 8:  # the GEMV kernel's unrolled row loop takes at most 8
         raise ValueError(f"tuning for {gpu}: gemv_max_rows must be in 1..8, got {t.gemv_max_rows}")
+    if t.tp_symm_allreduce_max_bytes < 0:
+        raise ValueError(f"tuning for {gpu}: tp_symm_allreduce_max_bytes must be >= 0")
     return t
 
 
+_OVERRIDE: dict = {}  # override_tuning's fields, applied over every CUDA device's file
+
+
 def load_tuning(device_name: str) -> KernelTuning:
-    """The tuning file for this GPU model, or the safe defaults when there is none."""
+    """The tuning file for this GPU model (with override_tuning's fields over it), or the safe
+    defaults when there is neither."""
     path = tuning_file(device_name)
-    if not path.is_file():
+    if not path.is_file() and not _OVERRIDE:
         return DEFAULT
-    return parse_tuning(json.loads(path.read_text()), device_name)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return parse_tuning(data | _OVERRIDE, device_name)
+
+
+def override_tuning(**fields: object) -> None:
+    """Replace these KernelTuning fields (JSON values, as in a tuning file) of every CUDA
+    device's tuning in this process, or drop all replacements when called with none. For
+    benchmarks' A/Bs, before the model is built (layers read the tuning once); unknown names are
+    an error, as in a file."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(KernelTuning)} - {"gpu"})
+    if unknown or "gpu" in fields:
+        raise ValueError(f"override_tuning: unknown fields {unknown or ['gpu']}")
+    _OVERRIDE.clear()
+    _OVERRIDE.update(fields)
+    _for_cuda_index.cache_clear()
 
 
 DEFAULT = KernelTuning()

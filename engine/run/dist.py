@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ServerConfig
-from engine.layers.parallel import head_shard, range_split, set_tp, tp
+from engine.layers.parallel import SymmAllReduce, head_shard, range_split, set_tp, symm_all_reduce_ok, tp
+from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig
 
 log = structlog.get_logger()
@@ -30,8 +31,9 @@ log = structlog.get_logger()
 COLLECTIVE_TIMEOUT_S = 120.0
 DESTROY_WAIT_S = 5.0  # destroy_process_group hung at exit in the H200 probe (issue 11): bounded
 
-# NVLink multicast is off on the lent machines and must stay off in every process (issue 11)
-DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# NVLink multicast is off on the lent machines and must stay off in every process (issue 11);
+# NVSHMEM's switch too, should torch's symmetric memory ever pick that backend
+DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
@@ -64,10 +66,34 @@ def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
     )
-    set_tp(rank, world, dist.group.WORLD)
+    t = set_tp(rank, world, dist.group.WORLD)
+    t.symm = _symm_all_reduce(device)
     log.info("tensor parallel group joined", backend=backend, world=world, device=str(device),
-             master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+             master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+             symm_allreduce_max_bytes=t.symm.max_bytes if t.symm is not None else 0)
     return device
+
+
+def _symm_all_reduce(device: torch.device) -> SymmAllReduce | None:
+    """The one-shot all-reduce for small messages where this GPU's tuning file turns it on
+    (`tp_symm_allreduce_max_bytes`), set up on every rank before any model or CUDA graph; None
+    (NCCL for every size) where it does not, or where set-up failed on any rank: the ranks agree
+    with one NCCL all-reduce, so that every rank takes the same path for every message."""
+    max_bytes = kernel_tuning(device).tp_symm_allreduce_max_bytes if device.type == "cuda" else 0
+    if not max_bytes:
+        return None
+    symm, why = None, "unavailable in this torch"
+    if symm_all_reduce_ok(max_bytes, device):
+        try:
+            symm = SymmAllReduce(dist.group.WORLD, max_bytes, device)
+        except Exception as exc:  # noqa: BLE001 - any failure: NCCL, on every rank
+            why = f"{type(exc).__name__}: {exc}"
+    flag = torch.tensor([1 if symm is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag.item()) == 1:
+        return symm
+    log.warning("one-shot all-reduce not set up: NCCL for every size", reason=why if symm is None else "a peer failed")
+    return None
 
 
 def rank_config(mcfg: ModelConfig) -> ModelConfig:

@@ -5,19 +5,29 @@ Cases: the default model (SmolLM2-135M: 3 K/V heads, split 2 + 1 over 2 ranks); 
 configs with one K/V head (replicated on both ranks), with 3 K/V heads and an odd vocabulary
 and MLP width (uneven splits), untied LM head; each with chunked prefill, a second wave that
 reuses cached prefixes, and overlap (one step planned ahead).
+
+Also the layers alone: the triton GEMVs on shard shapes (triton's interpreter, float32) give
+F.linear's result, a shard no tuning rule takes stays on F.linear, and the all-reduce takes the
+one-shot path only for the messages it accepts.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
-from model_harness import make_hf_dir, tiny_config
-from tp_harness import run_tp
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported: the GEMVs run interpreted
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from model_harness import make_hf_dir, tiny_config  # noqa: E402
+from tp_harness import run_tp  # noqa: E402
 
 from engine.config import ServerConfig
-from engine.layers.parallel import head_shard, range_split
+from engine.layers import parallel, triton_ops
+from engine.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, head_shard, range_split, set_tp
+from engine.layers.tuning import load_tuning
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 from models.loader import init_dummy, load_safetensors
@@ -96,3 +106,109 @@ def test_loader_fills_shards_like_dummy_slices(tmp_path: Path) -> None:
     init_dummy(a, 3)
     init_dummy(b, 3)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# ---- the layers alone ------------------------------------------------------------------------
+
+H200 = load_tuning("NVIDIA H200")
+
+
+@pytest.fixture
+def gemv_on_cpu(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """The H200's GEMV rules for float32 weights on the CPU (triton's interpreter runs them):
+    what the layers decide on an H200, with exact float32 arithmetic to compare against."""
+    pytest.importorskip("triton")
+
+    def cfg(w: torch.Tensor) -> tuple | None:
+        c = H200.gemv_config(*w.shape)
+        return c if c is not None and triton_ops._fits(w.shape[1], c[1]) else None
+
+    monkeypatch.setattr(triton_ops, "gemv_config", cfg)
+    monkeypatch.setattr(parallel, "kernel_tuning", lambda device: H200)
+    yield
+    set_tp(0, 1)
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32 products of a different summation order: equal to a few ulps of the largest output"""
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+# (hidden, heads, kv heads, head_dim, intermediate): each shard shape meets a different rule:
+# one-tile (K < 4096), looped (K = 4096: several rows then take F.linear), column-masked one
+# tile (K = 768), and K that no rule takes (3 K/V heads x 20 split 2 + 1: K = 60 / 40, F.linear)
+SHAPES = [(1024, 8, 4, 64, 1536), (4096, 8, 4, 32, 1024), (256, 6, 3, 20, 60)]
+
+
+@pytest.mark.parametrize(("hidden", "heads", "kv", "d", "inter"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_on_shards_matches_f_linear(gemv_on_cpu: None, hidden: int, heads: int, kv: int, d: int, inter: int,
+                                         rows: int) -> None:
+    """At tp 2 every shard's projection equals F.linear of that shard (float32, interpreter);
+    the row-parallel partial products sum to the unsharded product."""
+    x = _rand(rows, hidden, seed=1)
+    w_o, w_down = _rand(hidden, heads * d, seed=2), _rand(hidden, inter, seed=3)
+    o_in, down_in = _rand(rows, heads * d, seed=4), _rand(rows, 2 * inter, seed=5)
+    used = []
+    partial_o, partial_down = torch.zeros(rows, hidden), torch.zeros(rows, hidden)
+    for rank in range(2):
+        set_tp(rank, 2)
+        sh = head_shard(heads, kv, rank, 2)
+        (qs, qe), (ks, ke) = sh.q, sh.kv
+        qkv = ColumnParallelLinear(hidden, [("q", heads * d, (qs * d, qe * d)), ("k", kv * d, (ks * d, ke * d)),
+                                            ("v", kv * d, (ks * d, ke * d))], False, torch.float32)
+        qkv.weight.data.copy_(_rand(*qkv.weight.shape, seed=10 + rank))
+        o = RowParallelLinear(heads * d, (qs * d, qe * d), hidden, False, torch.float32)
+        o.weight.data.copy_(w_o[:, qs * d: qe * d])
+        ms, me = range_split(inter, 2, rank)
+        down = RowParallelLinear(inter, (ms, me), hidden, False, torch.float32)
+        down.weight.data.copy_(w_down[:, ms:me])
+        _close(qkv(x), F.linear(x, qkv.weight))
+        partial_o += o.partial(o_in[:, qs * d: qe * d].contiguous())
+        h = torch.cat([down_in[:, ms:me], down_in[:, inter + ms: inter + me]], dim=1)
+        partial_down += down.partial(h, silu_mul=True)
+        # a caller running the row-parallel GEMV itself would skip the all-reduce: it gets None
+        assert o.gemv_config(o_in[:, qs * d: qe * d].contiguous()) is None
+        used += [qkv.gemv_config(x[:1]) is not None, o._local_gemv(o_in[:1, qs * d: qe * d].contiguous()) is not None]
+    _close(partial_o, F.linear(o_in, w_o))
+    gate, up = down_in.chunk(2, dim=1)
+    _close(partial_down, F.linear(F.silu(gate) * up, w_down))
+    # (qkv, o_proj) per rank; o_proj's K of 80 / 40 columns (4 + 2 q heads of 20): no rule, F.linear
+    assert used == ([True, False] * 2 if d == 20 else [True] * 4)
+
+
+def test_shard_without_rule_is_exactly_f_linear(gemv_on_cpu: None) -> None:
+    set_tp(1, 2)
+    lin = RowParallelLinear(95, range_split(95, 2, 1), 64, True, torch.float32)
+    lin.weight.data.copy_(_rand(64, 47, seed=7))
+    x = _rand(1, 47, seed=8)
+    assert lin._local_gemv(x) is None
+    assert torch.equal(lin.partial(x), F.linear(x, lin.weight))
+
+
+def test_all_reduce_takes_the_one_shot_path_only_for_accepted_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    class FakeSymm:
+        max_bytes = 64
+
+        def takes(self, x: torch.Tensor) -> bool:
+            return x.numel() * x.element_size() <= self.max_bytes
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append("symm")
+            return x * 2
+
+    monkeypatch.setattr(parallel.dist, "all_reduce", lambda x, group=None: calls.append("nccl"))
+    t = TPGroup(0, 2, None, FakeSymm())
+    small, big = torch.ones(16), torch.ones(17)
+    assert torch.equal(t.all_reduce(small), torch.full((16,), 2.0))  # a new tensor: callers use the result
+    assert t.all_reduce(big) is big
+    assert calls == ["symm", "nccl"]
+    assert TPGroup(0, 1, None, FakeSymm()).all_reduce(small) is small and calls == ["symm", "nccl"]
+    assert not parallel.symm_all_reduce_ok(1 << 20, torch.device("cpu"))
+    assert not parallel.symm_all_reduce_ok(0, torch.device("cuda", 0))

@@ -14,6 +14,7 @@ from engine.layers.tuning import (
     KernelTuning,
     kernel_tuning,
     load_tuning,
+    override_tuning,
     parse_tuning,
     tuning_file,
 )
@@ -83,3 +84,35 @@ def test_bad_files_are_errors() -> None:
         KernelTuning().decode_kernel("fast", True, True, BF, 1)
     t = parse_tuning({"_comment": "ignored", "decode_bf16": [{"kernel": "xqa", "max_batch": 4}]}, "x")
     assert t.decode_bf16 == (DecodeRule("xqa", 4),)
+
+
+def test_shard_shapes_find_rules() -> None:
+    """Tensor-parallel shards are looked up by their own [N, K]: Llama-3.1-8B's at tp 2 (QKV,
+    o_proj, gate_up, down) all have a GEMV; a K no rule takes keeps cuBLAS."""
+    want = {(3072, 4096): (8, 512, 4, 3), (4096, 2048): (4, 2048, 4, 1), (14336, 4096): (8, 512, 4, 3),
+            (4096, 7168): (8, 512, 4, 3), (4096, 1000): None, (1536, 40): None}
+    assert {nk: H200.gemv_config(*nk) for nk in want} == want
+
+
+def test_symm_allreduce_threshold_defaults_to_nccl() -> None:
+    assert DEFAULT.tp_symm_allreduce_max_bytes == 0  # no tuning entry: NCCL for every size
+    assert parse_tuning({"tp_symm_allreduce_max_bytes": 65536}, "x").tp_symm_allreduce_max_bytes == 65536
+    with pytest.raises(ValueError, match="tp_symm_allreduce_max_bytes"):
+        parse_tuning({"tp_symm_allreduce_max_bytes": -1}, "x")
+
+
+def test_override_tuning_replaces_fields_until_reset() -> None:
+    try:
+        override_tuning(tp_symm_allreduce_max_bytes=1 << 20, gemv_max_rows=2)
+        t = load_tuning("NVIDIA H200")
+        assert (t.tp_symm_allreduce_max_bytes, t.gemv_max_rows, t.triton_gemv) == (1 << 20, 2, True)
+        u = load_tuning("Some Future GPU")  # no file: the defaults with the override
+        assert u.tp_symm_allreduce_max_bytes == 1 << 20 and not u.triton_gemv
+        assert kernel_tuning(torch.device("cpu")) is DEFAULT  # off CUDA nothing runs these kernels
+        with pytest.raises(ValueError, match="unknown"):
+            override_tuning(triton_pdll=True)
+        with pytest.raises(ValueError, match="unknown"):
+            override_tuning(gpu="x")
+    finally:
+        override_tuning()
+    assert load_tuning("Some Future GPU") is DEFAULT and load_tuning("NVIDIA H200") == H200
