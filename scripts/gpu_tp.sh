@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call on 2 GPUs (kind nvidia-h200-x2, carry .whl): the tensor-parallel probes, each
+# part in its own timeout so that one failing or hanging part does not stop the others, then a
+# summary. About 7-8 minutes. Results in $OUT (at most 8 files):
+#   tp-probe.json       all-reduce per size (NCCL / one-shot, eager / CUDA graph, correctness) and
+#                       the triton GEMVs vs cuBLAS on Llama-3.1-8B's tp=2 shard and tp=1 shapes
+#   tp-agree-fp32.json  greedy tokens tp=2 vs tp=1, float32, torch attention, no CUDA graph, Llama-3.1-8B
+#                       cut to 4 layers (dummy weights): must agree; one-shot and NCCL all-reduce
+#   tp-llama-8b.json    Llama-3.1-8B bf16 decode, batch 1 and 8, ctx 1024, CUDA graphs: tp=1,
+#                       tp=2 one-shot, tp=2 NCCL, tp=2 one-shot + SiLU folded into the down GEMV
+#   summary.txt         the tables (also printed), logs.tgz: every log
+# Usage on the device: bash scripts/gpu_tp.sh
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD FLASHINFER_NO_DOWNLOAD=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 STRATA_PYTHON=python3
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$OUT/logs"
+T0=$(date +%s)
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; nvidia-smi topo -m; \
+  python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'; \
+} > "$OUT/logs/gpu.txt" 2>&1
+cat "$OUT/logs/gpu.txt"
+part() {  # name, timeout seconds, command...: output to logs/<name>.log, never stops the script
+  local name=$1 t=$2; shift 2
+  echo "=== $name (timeout $t s, at $(( $(date +%s) - T0 )) s)"; local t1=$(date +%s)
+  timeout -k 10 "$t" "$@" > "$OUT/logs/$name.log" 2>&1; local rc=$?
+  echo "rc=$rc in $(( $(date +%s) - t1 )) s"
+  [ $rc = 0 ] || tail -25 "$OUT/logs/$name.log"
+}
+M=configs/llama-3.1-8b
+part probe 90 python3 scripts/tp_probe.py micro --out "$OUT/tp-probe.json"
+grep -E '^\{' "$OUT/logs/probe.log" | head -40
+part agree-fp32 100 python3 scripts/tp_bench.py --model $M --layers 4 --dtype float32 --attention-backend torch \
+  --disable-cuda-graph --runs 1 2:symm 2:nccl --batch-sizes 1 --context-len 256 --steps 32 --timeout 80 \
+  --out "$OUT/tp-agree-fp32.json"
+grep -E 'decode median|FAILED' "$OUT/logs/agree-fp32.log"
+part llama-8b 270 python3 scripts/tp_bench.py --model $M --runs 1 2:symm 2:nccl 2:symm+fold_down_silu \
+  --batch-sizes 1 8 --context-len 1024 --steps 64 --timeout 120 --out "$OUT/tp-llama-8b.json"
+grep -E 'decode median|FAILED|retrying' "$OUT/logs/llama-8b.log"
+python3 scripts/tp_probe.py summary "$OUT" | tee "$OUT/summary.txt"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+echo "gpu_tp.sh: done in $(( $(date +%s) - T0 )) s"; ls "$OUT"
