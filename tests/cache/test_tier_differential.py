@@ -6,24 +6,32 @@ Multi-turn conversations with a small L1 and L2: every turn's greedy output must
 the output of the same prompt computed fresh (radix cache off), whether its prefix was
 computed, hit in L1 or loaded back from L2; every step is digest-checked (workers and
 the controller against the scheduler's mirror); nothing leaks in either tier afterwards.
+The tiered engine also writes L3 files (--l3-dir); after a full restart (a new runner,
+slab, controller and scheduler on the same directory) the conversations are served from
+L3 with the same outputs, and a conversation whose file was corrupted is recomputed, with
+the same output too.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from engine.cache.controller import CacheController, SlabMapping
+from engine.cache import l3
+from engine.cache.controller import CacheController, L3Tier, SlabMapping
 from engine.cache.slab import create_slab, remove_slab
 from engine.config import ServerConfig
 from engine.run.runner import ModelRunner
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
 from msgs.codec import pack_ids
-from msgs.done import BackupDone, Committed, ControllerDigest
+from msgs.done import BackupDone, Committed, ControllerDigest, L3Loaded, L3Stats
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 
@@ -35,14 +43,18 @@ class Engine:
     stepped like the served engine (two steps in flight), digests checked every step."""
 
     def __init__(self, cfg: ServerConfig) -> None:
+        from procs.worker import l3_ready_fields
+
         self.runner = ModelRunner(cfg)
-        ready = self.runner.ready_msg()
+        ready = msgspec.structs.replace(self.runner.ready_msg(), **l3_ready_fields(cfg, self.runner))
+        self.fingerprint = ready.l3_fingerprint
         self.core = SchedulerCore(SchedConfig.build(cfg, ready, num_ranks=1, digest_every=1))
         self.to_ctrl, steps_in = pipe(STEPS)
         self.backups, backups_in = pipe(BACKUPS)
         commits_out, self.commits = pipe(COMMITS)
         slab = SlabMapping(cfg.hicache_path)
-        self.ctrl = CacheController(1, steps_in, backups_in, commits_out, [slab])
+        self.l3 = L3Tier(slab, cfg.l3_dir, 1 << 30) if cfg.l3_dir else None
+        self.ctrl = CacheController(1, steps_in, backups_in, commits_out, [slab], l3=self.l3)
         self.n = 0
 
     def run(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -54,12 +66,18 @@ class Engine:
             rids.append(rid)
         out: dict[str, list[int]] = {rid: [] for rid in rids}
         inflight: deque = deque()
+        deadline = time.monotonic() + 120
         while True:
             while len(inflight) < 2 and (step := self.core.plan()) is not None:
                 self.to_ctrl.send(step)
                 inflight.append(step)
             if not inflight:
-                return [out[r] for r in rids]
+                if self.core.idle:
+                    return [out[r] for r in rids]
+                assert time.monotonic() < deadline, "stuck: nothing to plan, requests left"
+                time.sleep(0.002)  # a request waits for an L3 read (the controller's thread)
+                self._controller()
+                continue
             for o in self.core.on_done(self.runner.run_step(inflight.popleft())):
                 out[o.rid].extend(o.new_ids)
             self._controller()
@@ -73,6 +91,10 @@ class Engine:
         for msg in self.commits.drain():
             if isinstance(msg, Committed):
                 self.core.on_committed(msg.obj)
+            elif isinstance(msg, L3Loaded):
+                self.core.on_l3_loaded(msg.obj, msg.ok)
+            elif isinstance(msg, L3Stats):
+                self.core.state.tiers.l3_stats = msg
             elif isinstance(msg, ControllerDigest):
                 self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
 
@@ -90,10 +112,12 @@ def _cfg(model: Path, **kw) -> ServerConfig:
                         max_prefill_tokens=256, cpu_threads=2, **kw)
 
 
-def test_outputs_equal_fresh_l1_and_l2(default_model_dir: Path, slab: str) -> None:
+def test_outputs_equal_fresh_l1_l2_and_l3(default_model_dir: Path, slab: str, tmp_path: Path) -> None:
     rng = random.Random(0)
     fresh = Engine(_cfg(default_model_dir, disable_radix_cache=True))
-    tiered = Engine(_cfg(default_model_dir, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_path=slab))
+    tier_cfg = _cfg(default_model_dir, enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_path=slab,
+                    l3_dir=str(tmp_path / "l3"))
+    tiered = Engine(tier_cfg)
     # 3 conversations of 5-6 pages, 2 turns: the device pool (11 pages) holds about two, so the
     # second turn finds its history in L2 (or in L1 when it ran recently); L2 holds 22 pages
     convs = [[rng.randrange(200, 20000) for _ in range(80)] for _ in range(3)]
@@ -119,3 +143,29 @@ def test_outputs_equal_fresh_l1_and_l2(default_model_dir: Path, slab: str) -> No
     assert tiered.core.leak_free()
     assert tiered.core.state.cache.pending == 0
     assert tiered.runner.replica.digest() == tiered.core.replica.digest() == tiered.ctrl.replica.digest()
+
+    # L3 after a full restart: a new engine on the same directory; conversation 2's first
+    # page file is corrupted first (the whole load fails: recomputed)
+    tiered.l3.store.drain()
+    assert tiered.l3.store.stats()["writes"] > 0
+    victim = l3.key_path(tier_cfg.l3_dir, l3.page_keys(tiered.fingerprint, convs[2], 16)[0])
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x10
+    victim.write_bytes(bytes(data))
+    slab2 = create_slab("strata-test")
+    try:
+        again = Engine(replace(tier_cfg, hicache_path=slab2))
+        for c in range(3):
+            assert again.run([convs[c]]) == fresh.run([convs[c]]), f"conversation {c} after the restart"
+        hits = again.core.state.tiers.stats()
+        assert hits["l3_hit_tokens"] >= 2 * 80, hits  # conversations 0 and 1 came from L3
+        assert again.l3.store.stats()["corrupt"] == 1
+        while (step := again.core.plan()) is not None:  # publish the last FreeReqs and commits
+            again.to_ctrl.send(step)
+            again.core.on_done(again.runner.run_step(step))
+            again._controller()
+        assert again.core.leak_free() and again.core.state.tiers.loading == 0
+        assert again.runner.replica.digest() == again.core.replica.digest() == again.ctrl.replica.digest()
+        again.l3.store.drain()
+    finally:
+        remove_slab(slab2)
