@@ -9,9 +9,11 @@
 #   llama     Llama-3.1-8B offline 1000/1000, bf16 KV cache
 #   serve     Qwen3-0.6B online serving, 400 requests at 40 req/s
 #   profile1  kernels of one batch-1 decode step (scripts/profile_decode.py), both models
+#   cache     Llama-3.1-8B TTFT of a 32k prompt: recompute vs L1 vs L2 vs L3 (bin/bench cache, L3 under /tmp)
+#   hostcopy  host-tier copy GB/s (python -m engine.run.host_tier cuda) and the gpu tier tests (side stream)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="check latency qwen llama8m llama serve profile1 pack"
+MODES="check latency qwen llama8m llama serve profile1 cache hostcopy pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -55,6 +57,13 @@ for what in "$@"; do case $what in
   profile1) for m in qwen3-0.6b llama-3.1-8b; do
              run profile-$m-b1 150 python3 scripts/profile_decode.py configs/$m 1 1024 || fails=$((fails + 1))
              grep -A26 "kernels per decode step" "$OUT/profile-$m-b1.log"; done ;;
+  cache) rm -rf /tmp/strata-l3; run cache-llama-3.1-8b 580 bin/bench cache --model configs/llama-3.1-8b --load-format dummy \
+          --prompt-len 32768 --repeat 3 --l3-dir /tmp/strata-l3 --server-args "--log-dir $OUT/logs-cache" \
+          --out "$OUT/cache-llama-3.1-8b-32k-h200.json" || fails=$((fails + 1))
+          grep -A8 "served by" "$OUT/cache-llama-3.1-8b.log"; grep -h '"host copies"' $OUT/logs-cache/worker-0.log | tail -3 ;;
+  hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log"
+          run tier-gpu-tests 300 python3 -m pytest -m gpu tests/cache/test_tier_gpu.py -q -rA -p no:cacheprovider \
+            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/tier-gpu-tests.log" | tail -30 ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done

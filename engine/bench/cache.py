@@ -34,6 +34,7 @@ import random
 import shlex
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -214,11 +215,28 @@ class Run:
         return {"phase": name, "ttft_s": seconds, "cached_tokens": cached, "hit_tokens": got,
                 "error": verdict(name, got)}  # fmt: skip
 
+    def wait_l3(self, writes: float, files: int) -> None:
+        """Until the prompt's page files are on disk: strata_l3_writes_total grew (the metric
+        can lag: the controller sends its L3 stats rate-limited) or the directory holds at
+        least the prompt's pages more than before, then nothing changed for a second."""
+        need = self.args.prompt_len // self.args.page_size - 1
+        deadline = time.monotonic() + self.timeout
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = (metrics(self.url).get(L3_WRITES, 0.0), l3_files(self.args.l3_dir))
+            if now != last:
+                last, since = now, time.monotonic()
+            if (now[0] > writes or now[1] >= files + need) and time.monotonic() - since >= 1.0:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"no L3 writes in {self.timeout:.0f} s (writes, files: {last}; before {writes}, {files})")
+
     def repetition(self, timed: bool = True) -> list[dict[str, Any]]:
         a, url = self.args, self.url
         flush(url, self.timeout)
         ids = self.prompt(a.prompt_len)
-        committed = metrics(url).get(COMMITTED, 0.0)
+        m = metrics(url)
+        committed, writes, files = m.get(COMMITTED, 0.0), m.get(L3_WRITES, 0.0), l3_files(a.l3_dir)
         out = [self.phase("recompute", ids), self.phase("l1", ids)]
         if not timed:
             return out
@@ -226,11 +244,21 @@ class Run:
         self.phase("filler", self.prompt(filler_len(a)))  # evicts it from L1
         out.append(self.phase("l2", ids))
         if a.l3_dir:
-            wait_metric(url, L3_WRITES, metrics(url).get(L3_WRITES, 0.0), self.timeout, settle_s=1.0)
+            try:
+                self.wait_l3(writes, files)
+            except TimeoutError as exc:
+                out.append({"phase": "l3", "ttft_s": None, "cached_tokens": None,
+                            "hit_tokens": dict.fromkeys(TIERS, 0), "error": f"l3: {exc}"})  # fmt: skip
+                return out
             wait_idle(url, self.timeout)
             flush(url, self.timeout)  # L1 and L2 emptied; the L3 files stay
             out.append(self.phase("l3", ids))
         return out
+
+
+def l3_files(d: str | None) -> int:
+    """Page files (*.kv) in a local L3 directory (0 without one)."""
+    return sum(1 for _ in Path(d).rglob("*.kv")) if d and Path(d).is_dir() else 0
 
 
 def verdict(phase: str, got: dict[str, int]) -> str | None:
@@ -258,10 +286,14 @@ def measure(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         reps.append(phases)
         print(
             f"repetition {i + 1}/{args.repeat}: "
-            + ", ".join(f"{p['phase']} {p['ttft_s'] * 1000:.1f} ms{' (ERROR)' if p['error'] else ''}" for p in phases),
+            + ", ".join(f"{p['phase']} {_ms(p['ttft_s'])} ms{' (ERROR)' if p['error'] else ''}" for p in phases),
             flush=True,
         )
     return figures(reps, args)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def figures(reps: list[list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""bin/bench cache on CPU (the default model, a 256-token prompt, one repetition): every
-phase is served by its tier, the numbers are sane, the JSON record holds them. No timing
+"""bin/bench cache on CPU (the default model, a 256-token prompt, one repetition, L3 in a
+temp dir): every phase is served by its tier, the numbers are sane, the JSON record holds them. No timing
 assertions (a shared 2-core machine)."""
 
 from __future__ import annotations
@@ -14,15 +14,18 @@ from engine.bench.cli import main
 
 def test_bench_cache_cpu(tmp_path: Path) -> None:
     out = tmp_path / "cache.json"
-    code = main(["cache", "--prompt-len", "256", "--repeat", "1", "--warmup", "0", "--out", str(out)])
+    l3 = tmp_path / "l3"
+    flags = ["--prompt-len", "256", "--repeat", "1", "--warmup", "0", "--l3-dir", str(l3), "--out", str(out)]
+    code = main(["cache", *flags])
     record = json.loads(out.read_text())
     f = record["figures"]
     assert code == 0, f["tier_errors"]
     assert record["mode"] == "cache" and f["tier_errors"] == [] and f["prompt_len"] == 256
     phases = f["phases"]
-    assert set(phases) == {"recompute", "l1", "l2"}  # no --l3-dir: no L3 phase
+    assert set(phases) == {"recompute", "l1", "l2", "l3"}
     assert phases["recompute"]["hit_tokens"] == [{"l1": 0, "l2": 0, "l3": 0}]
-    for tier in ("l1", "l2"):
+    assert cache.l3_files(str(l3)) >= 256 // 16 - 1
+    for tier in ("l1", "l2", "l3"):
         (hit,) = phases[tier]["hit_tokens"]
         assert hit[tier] >= 256 - 2 * 16 and sum(hit.values()) == hit[tier], (tier, hit)
         assert phases[tier]["cached_tokens"][0] == hit[tier]
