@@ -2,8 +2,10 @@
 # One device call on 2 GPUs (kind nvidia-h200-x2, carry .whl): the tensor-parallel probes, each
 # part in its own timeout so that one failing or hanging part does not stop the others, then a
 # summary. About 7-8 minutes. Results in $OUT (at most 8 files):
-#   tp-probe.json       all-reduce per size (NCCL / one-shot, eager / CUDA graph, correctness) and
-#                       the triton GEMVs vs cuBLAS on Llama-3.1-8B's tp=2 shard and tp=1 shapes
+#   tp-probe.json       all-reduce per size (NCCL / the engine's copy + one-shot, eager / CUDA graph;
+#                       torch's copy-in-kernel one-shot and two-shot in graphs for comparison),
+#                       correctness against NCCL and a back-to-back stress count; the triton GEMVs
+#                       vs cuBLAS on Llama-3.1-8B's tp=2 shard and tp=1 shapes
 #   tp-agree-fp32.json  greedy tokens tp=2 vs tp=1, float32, torch attention, no CUDA graph, Llama-3.1-8B
 #                       cut to 4 layers (dummy weights): must agree; one-shot and NCCL all-reduce
 #   tp-llama-8b.json    Llama-3.1-8B bf16 decode, batch 1 and 8, ctx 1024, CUDA graphs: tp=1,

@@ -98,6 +98,15 @@ def _two_shot(symm, x):  # noqa: ANN001, ANN202 - torch's two-shot all-reduce th
     return out
 
 
+def _one_shot_copy(symm, x):  # noqa: ANN001, ANN202 - torch's one-shot with the copy inside the kernel
+    import torch
+
+    out = torch.empty_like(x)
+    torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm.bufs[x.dtype][: x.numel()], x.view(-1), "sum",
+                                                   symm.group_name, out.view(-1))
+    return out
+
+
 def _micro_rank(rank: int, world: int, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -115,7 +124,7 @@ def _micro_rank(rank: int, world: int, port: int, out_path: str) -> None:
                     "errors": []}
     try:
         t.symm = SymmAllReduce(dist.group.WORLD, max(SIZES), dev)
-        report["symm_copy_op"] = t.symm._copy_out is not None
+        report["symm_copy_op"] = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
     except Exception:  # noqa: BLE001 - NCCL rows are still measured
         report["errors"].append("SymmAllReduce set-up: " + traceback.format_exc()[-3000:])
     cases = [(n, torch.bfloat16) for n in SIZES] + [(32 << 10, torch.float32), (256 << 10, torch.float32)]
@@ -155,6 +164,16 @@ def _micro_rank(rank: int, world: int, port: int, out_path: str) -> None:
                 yg = t.all_reduce(x)  # after graph replays the eager path still gives the same bytes
                 torch.cuda.synchronize()
                 row["symm_equals_nccl_after_graph"] = bool(torch.equal(yg, ref))
+                try:  # for comparison: torch's copy-in-kernel one-shot (one launch; not used, see SymmAllReduce)
+                    dist.barrier()
+                    yc = _one_shot_copy(t.symm, x)
+                    torch.cuda.synchronize()
+                    row["copyop_equals_nccl"] = bool(torch.equal(yc, ref))
+                    dist.barrier()
+                    row["copyop_graph_us"] = _time_graph(lambda v=x: _one_shot_copy(t.symm, v), GRAPH_OPS,
+                                                         GRAPH_REPLAYS)
+                except Exception:  # noqa: BLE001
+                    row["copyop_error"] = traceback.format_exc()[-1500:]
                 try:  # for comparison: torch's two-shot (reduce-scatter + all-gather over peer memory)
                     dist.barrier()
                     yt = _two_shot(t.symm, x)
@@ -173,11 +192,41 @@ def _micro_rank(rank: int, world: int, port: int, out_path: str) -> None:
         if rank == 0:
             print(json.dumps(row), flush=True)
     dist.barrier()
+    report["stress"] = _stress(t, dev, rank) if t.symm is not None else None
     if rank == 0:
+        print(json.dumps({"stress": report["stress"]}), flush=True)
         report["gemv"] = _gemv_rows(dev)
         Path(out_path).write_text(json.dumps(report, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _stress(t, dev, rank: int) -> dict:  # noqa: ANN001
+    """Back-to-back all-reduces of changing data (a race shows as a wrong sum): 16 inputs per size,
+    each reduced 50 times in a row on the engine's path (and torch's copy-in-kernel op), every
+    result compared with NCCL's bytes; counts of mismatching results, summed over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    res: dict = {}
+    for nbytes in (8 << 10, 64 << 10):
+        n = nbytes // 2
+        g = torch.Generator(device=dev).manual_seed(7 + rank + nbytes)
+        xs = [torch.randn(n // 4096, 4096, generator=g, device=dev).to(torch.bfloat16) for _ in range(16)]
+        refs = [x.clone() for x in xs]
+        for r in refs:
+            dist.all_reduce(r)
+        for name, fn in (("engine", t.all_reduce), ("copyop", lambda v: _one_shot_copy(t.symm, v))):
+            try:
+                bad = torch.zeros((), dtype=torch.int64, device=dev)
+                for _ in range(50):
+                    for x, r in zip(xs, refs, strict=True):
+                        bad += (~torch.eq(fn(x), r).all()).long()
+                dist.all_reduce(bad)
+                res[f"{name}_{nbytes}_bad_of_{2 * 16 * 50}"] = int(bad.item())
+            except Exception:  # noqa: BLE001
+                res[f"{name}_{nbytes}_error"] = traceback.format_exc()[-800:]
+    return res
 
 
 def _gemv_rows(dev) -> list[dict]:  # noqa: ANN001
@@ -256,14 +305,17 @@ def summary(d: str) -> int:
         print(f"== all-reduce, {p['world']} ranks ({', '.join(p['gpus'])}; torch {p['torch']}, NCCL {p['nccl']}, "
               f"one-shot copy op: {p.get('symm_copy_op')}), us per call")
         print(f"{'bytes':>8} {'dtype':>8} {'nccl eager':>10} {'nccl graph':>10} {'1shot eager':>11} {'1shot graph':>11}"
-              f" {'=nccl':>6} {'ranks=':>6} {'1 rnd':>6} {'2shot graph':>11}")
+              f" {'=nccl':>6} {'ranks=':>6} {'1 rnd':>6} {'2shot graph':>11} {'copyop graph':>12}")
         for r in p["allreduce"]:
             print(f"{r['bytes']:>8} {r['dtype']:>8} {_f(r.get('nccl_eager_us')):>10} {_f(r.get('nccl_graph_us')):>10} "
                   f"{_f(r.get('symm_eager_us')):>11} {_f(r.get('symm_graph_us')):>11} "
                   f"{_f(r.get('symm_equals_nccl')):>6} {_f(r.get('same_bytes_on_every_rank')):>6} "
-                  f"{_f(r.get('symm_within_one_rounding')):>6} {_f(r.get('twoshot_graph_us')):>11}"
+                  f"{_f(r.get('symm_within_one_rounding')):>6} {_f(r.get('twoshot_graph_us')):>11} "
+                  f"{_f(r.get('copyop_graph_us')):>12}"
                   + ("  ERROR" if "error" in r else "")
-                  + ("" if r.get("twoshot_equals_nccl", True) else " 2shot!=nccl"))
+                  + ("" if r.get("twoshot_equals_nccl", True) else " 2shot!=nccl")
+                  + ("" if r.get("copyop_equals_nccl", True) else " copyop!=nccl"))
+        print(f"stress (mismatching results over both ranks): {p.get('stress')}")
         for e in p.get("errors", []):
             print("  error:", e.strip().splitlines()[-1])
         print(f"suggested tp_symm_allreduce_max_bytes: {suggest_threshold(p['allreduce'])}")

@@ -13,10 +13,10 @@ triton GEMVs stay); at world > 1:
   are looked up with the shard's [N, K] (Llama-3.1-8B at tp 2: QKV 3072x4096, o_proj 4096x2048,
   gate_up 14336x4096, down 4096x7168); a shape no rule takes stays on the vendor kernel.
 * all-reduce: NCCL, or for messages up to the tuning's `tp_symm_allreduce_max_bytes` (bf16 and
-  fp32 on CUDA) a one-shot all-reduce over peer memory (`SymmAllReduce`: torch symmetric memory,
-  one kernel that copies the input into a registered buffer, meets its peers at a barrier and
-  sums every rank's buffer in rank order; capturable in a CUDA graph). Every rank gets the same
-  bytes either way.
+  fp32 on CUDA) a one-shot all-reduce over peer memory (`SymmAllReduce`, torch symmetric memory:
+  the input copied into a registered buffer, then one kernel that meets the peers at a barrier
+  and sums every rank's buffer in rank order; capturable in a CUDA graph). Every rank gets the
+  same bytes either way.
 * `VocabParallelEmbedding`: a rank holds a vocabulary range, looks up its ids, zeros the
   rest, all-reduce. `lm_logits`: each rank's logits over its vocabulary range, gathered
   (padded to equal sizes) so every rank holds identical full logits before sampling.
@@ -87,12 +87,17 @@ class SymmAllReduce:
 
     One registered buffer per dtype (bf16, fp32) of `max_bytes`, mapped into every rank's
     address space at set-up (a collective: every rank constructs it at the same point, before
-    any CUDA graph is captured). A call is one kernel (`symm_mem.one_shot_all_reduce_copy_out`):
-    copy x into this rank's buffer, barrier with the peers, read every rank's buffer and sum in
-    rank order 0..W-1 (so every rank gets the same bytes), barrier again (no rank overwrites its
-    buffer while a peer still reads it); the output is a fresh tensor. No host work beyond the
-    launch, so it is captured in CUDA graphs like any kernel. NVLink multicast is not used (the
-    multimem ops need it; TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stays set)."""
+    any CUDA graph is captured). A call is two kernels: x is copied into this rank's buffer,
+    then `symm_mem.one_shot_all_reduce_out` meets the peers at a barrier, reads every rank's
+    buffer and sums in rank order 0..W-1 (so every rank gets the same bytes), and meets them
+    again (no rank overwrites its buffer while a peer still reads it); the output is a fresh
+    tensor. No host work beyond the launches, so it is captured in CUDA graphs like any kernel.
+
+    Not torch's `one_shot_all_reduce_copy_out`, which copies inside the kernel (one launch
+    fewer): its copy is not followed by a block barrier before the signal that releases the
+    buffer to the peers (torch's own "pattern 1" wants one), so a peer could read an element
+    that another warp has not stored yet. NVLink multicast is not used (the multimem ops need
+    it; TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stays set)."""
 
     DTYPES = (torch.bfloat16, torch.float32)  # the dtypes torch's one-shot kernel dispatches
 
@@ -115,25 +120,19 @@ class SymmAllReduce:
             buf = symm_mem.empty(self.max_bytes // dtype.itemsize, dtype=dtype, device=device)
             self.handles.append(symm_mem.rendezvous(buf, group))  # collective: maps every rank's buffer
             self.bufs[dtype] = buf
-        ops_ = torch.ops.symm_mem
-        self._copy_out = getattr(ops_, "one_shot_all_reduce_copy_out", None)
-        self._out = ops_.one_shot_all_reduce_out
+        self._out = torch.ops.symm_mem.one_shot_all_reduce_out
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether x goes this way: CUDA, bf16/fp32, contiguous, 1..max_bytes bytes, 4-byte
-        multiples, and 16-byte aligned like the buffer (the kernel's vector width must match)."""
+        """Whether x goes this way: CUDA, bf16/fp32, contiguous, 1..max_bytes bytes, a multiple
+        of 4 bytes (the kernel's narrowest vector)."""
         n = x.numel() * x.element_size()
-        return (x.is_cuda and x.dtype in self.bufs and 0 < n <= self.max_bytes and n % 4 == 0
-                and x.is_contiguous() and (x.storage_offset() * x.element_size()) % 16 == 0)
+        return x.is_cuda and x.dtype in self.bufs and 0 < n <= self.max_bytes and n % 4 == 0 and x.is_contiguous()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.bufs[x.dtype][: x.numel()]  # exactly x's size: the kernel reduces buf.numel() elements
+        buf.copy_(x.view(-1))
         out = torch.empty_like(x)
-        buf = self.bufs[x.dtype][: x.numel()]  # exactly x's size: the kernel copies buf.numel() elements
-        if self._copy_out is not None:  # the copy into the buffer is inside the kernel
-            self._copy_out(buf, x.view(-1), "sum", self.group_name, out.view(-1))
-        else:
-            buf.copy_(x.view(-1))
-            self._out(buf, "sum", self.group_name, out.view(-1))
+        self._out(buf, "sum", self.group_name, out.view(-1))
         return out
 
 

@@ -40,3 +40,10 @@ def test_rank_env_and_children(tmp_path: Path) -> None:
                    "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert ChildSet(cfg, tmp_path).names() == ["worker-0", "worker-1", "scheduler", "tokenizer"]
     assert DIST_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def test_workers_keep_multicast_off_themselves() -> None:
+    """engine/run/dist.py sets the same switches in the worker (and NVSHMEM's), whoever started it."""
+    from engine.run.dist import DIST_ENV as WORKER_ENV
+
+    assert WORKER_ENV.items() >= DIST_ENV.items() and WORKER_ENV["NVSHMEM_DISABLE_NVLS"] == "1"
