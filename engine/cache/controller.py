@@ -140,6 +140,8 @@ class CacheController:
             msg = self.steps.recv()
             if isinstance(msg, Shutdown):
                 self.stopped = True
+                if self.l3 is not None and self.l3.store is not None:
+                    self.l3.store.drain(timeout=5.0)  # queued L3 writes land before the exit
             elif isinstance(msg, Step):
                 self.on_step(msg)
         while self.backups.poll(0):

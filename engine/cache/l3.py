@@ -211,14 +211,16 @@ class L3Dir:
         and counted)."""
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            size = path.stat().st_size
+            # never read more than a page file can hold (a shared directory may hold anything)
+            data = path.read_bytes() if size == HEADER.size + payload_len else b""
         except FileNotFoundError:
             return None
         payload = decode_file(data, self.fingerprint, key, payload_len)
         if payload is None:
             with self.lock:
                 self.stats["corrupt"] += 1
-            self._remove(path, len(data))
+            self._remove(path, size)
             return None
         _touch(path)
         with self.lock:
@@ -348,6 +350,8 @@ class L3Store:
                         with self.files.lock:
                             self.files.stats["write_skips"] += 1
                         self._note(f"write of {key.hex()}: {exc}", fatal=False)
+                    except Exception as exc:  # noqa: BLE001 - a bug: the controller fails loudly
+                        self._note(f"write of {key.hex()}: {exc!r}", fatal=True)
             finally:
                 with self.lock:
                     self.queued_bytes -= len(pages) * self.page_payload

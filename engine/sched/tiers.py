@@ -98,7 +98,7 @@ class Tiers:
             return False
         req.l3_probed = True
         keys = l3.chain(self.cache.chain_end(match.node), rest, ps)
-        found = l3.probe(self.l3_dir, keys)
+        found = min(l3.probe(self.l3_dir, keys), self.cache.host.capacity)
         return found > 0 and self.cache.start_l3_load(match.node, rest, keys[:found])
 
     def on_l3_loaded(self, obj: int, ok: bool) -> None:
