@@ -198,7 +198,9 @@ def _micro_rank(rank: int, world: int, port: int, out_path: str) -> None:
         report["gemv"] = _gemv_rows(dev)
         Path(out_path).write_text(json.dumps(report, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    from engine.run.dist import shutdown_distributed
+
+    shutdown_distributed(0)  # bounded: destroy_process_group hung at exit here once (issue 11)
 
 
 def _stress(t, dev, rank: int) -> dict:  # noqa: ANN001
