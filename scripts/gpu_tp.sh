@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on 2 GPUs (kind nvidia-h200-x2, carry .whl): the tensor-parallel probes, each
 # part in its own timeout so that one failing or hanging part does not stop the others, then a
-# summary. About 7-8 minutes. Results in $OUT (at most 8 files):
+# summary. About 6-8 minutes (timeouts: 80 + 110 + 290 s). Results in $OUT (at most 8 files):
 #   tp-probe.json       all-reduce per size (NCCL / the engine's copy + one-shot, eager / CUDA graph;
 #                       torch's copy-in-kernel one-shot and two-shot in graphs for comparison),
 #                       correctness against NCCL and a back-to-back stress count; the triton GEMVs
@@ -30,7 +30,7 @@ part() {  # name, timeout seconds, command...: output to logs/<name>.log, never 
   [ $rc = 0 ] || tail -25 "$OUT/logs/$name.log"
 }
 M=configs/llama-3.1-8b
-part probe 90 python3 scripts/tp_probe.py micro --out "$OUT/tp-probe.json"
+part probe 80 python3 scripts/tp_probe.py micro --out "$OUT/tp-probe.json"
 grep -E '^\{' "$OUT/logs/probe.log" | head -40
 # the one-shot runs only where the probe's one-shot all-reduce worked (a hang there would cost each run its timeout)
 if python3 -c "import json, sys; p = json.load(open('$OUT/tp-probe.json')); \
@@ -40,12 +40,12 @@ else
   echo "one-shot all-reduce did not work in the probe: NCCL runs only"
   AGREE_RUNS="1 2:nccl"; LLAMA_RUNS="1 2:nccl 2:nccl+fold_down_silu"
 fi
-part agree-fp32 100 python3 scripts/tp_bench.py --model $M --layers 4 --dtype float32 --attention-backend torch \
-  --disable-cuda-graph --runs $AGREE_RUNS --batch-sizes 1 --context-len 256 --steps 32 --timeout 80 \
+part agree-fp32 110 python3 scripts/tp_bench.py --model $M --layers 4 --dtype float32 --attention-backend torch \
+  --disable-cuda-graph --runs $AGREE_RUNS --batch-sizes 1 --context-len 256 --steps 32 --timeout 90 \
   --out "$OUT/tp-agree-fp32.json"
 grep -E 'decode median|FAILED' "$OUT/logs/agree-fp32.log"
-part llama-8b 270 python3 scripts/tp_bench.py --model $M --runs $LLAMA_RUNS \
-  --batch-sizes 1 8 --context-len 1024 --steps 64 --timeout 120 --out "$OUT/tp-llama-8b.json"
+part llama-8b 290 python3 scripts/tp_bench.py --model $M --runs $LLAMA_RUNS \
+  --batch-sizes 1 8 --context-len 1024 --steps 64 --timeout 150 --out "$OUT/tp-llama-8b.json"
 grep -E 'decode median|FAILED|retrying' "$OUT/logs/llama-8b.log"
 python3 scripts/tp_probe.py summary "$OUT" | tee "$OUT/summary.txt"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import queue
 import statistics
 import sys
 import tempfile
@@ -158,8 +159,8 @@ def main() -> int:
                 outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes),
                               patches=run.patches)
             except Exception as exc:  # noqa: BLE001 - one device call: record it and retry eager
-                if cfg.disable_cuda_graph or cfg.resolved_device != "cuda":
-                    raise
+                if cfg.disable_cuda_graph or cfg.resolved_device != "cuda" or isinstance(exc, queue.Empty):
+                    raise  # a run that timed out is not retried
                 print(f"{run.name} with CUDA graphs failed, retrying eager: {str(exc)[-3000:]}", flush=True)
                 rec["graph_failure"] = str(exc)[-3000:]
                 cfg = dataclasses.replace(cfg, disable_cuda_graph=True)
