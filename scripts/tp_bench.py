@@ -10,7 +10,8 @@ Each run is `TP[:ALLREDUCE][+PATCH...]`, started in its own spawned processes
   ALLREDUCE  tuned (default: the GPU's tuning file), nccl (NCCL for every size), symm (the
              one-shot all-reduce over peer memory up to --symm-max-bytes, NCCL above)
   PATCH      fold_down_silu: the SiLU-and-mul folded into the down projection's GEMV at tp > 1
-             too (a proposed one-line change to models/llama.py, measured before it is made)
+             too (a proposed one-line change to models/llama.py, measured before it is made);
+             nogemv: no triton GEMVs (cuBLAS for every projection, as before shards had GEMVs)
 Per batch size, one wave of that many prompts (distinct, --context-len tokens each); step time is
 rank 0's wall time per pure-decode step of exactly that batch (run_step: launch + the host sync
 of the sampled tokens, every rank running it, no overlap), median after 5 warm-up steps. Greedy
@@ -42,6 +43,7 @@ from models.config import ModelConfig  # noqa: E402
 from msgs.params import SamplingParams  # noqa: E402
 
 ALLREDUCE = ("tuned", "nccl", "symm")
+TUNING_PATCHES = {"nogemv": {"triton_gemv": False}}  # patches that are tuning fields
 WARMUP_STEPS = 5
 
 
@@ -61,18 +63,27 @@ def parse_run(spec: str) -> Run:
     head, *patches = spec.split("+")
     tp, _, allreduce = head.partition(":")
     r = Run(int(tp), allreduce or "tuned", tuple(patches))
-    if r.tp < 1 or r.allreduce not in ALLREDUCE or any(p not in PATCHES for p in r.patches):
-        raise argparse.ArgumentTypeError(f"bad run {spec!r}: TP[:{'|'.join(ALLREDUCE)}][+{'|'.join(PATCHES)}]")
+    known = set(PATCHES) | set(TUNING_PATCHES)
+    if r.tp < 1 or r.allreduce not in ALLREDUCE or any(p not in known for p in r.patches):
+        raise argparse.ArgumentTypeError(f"bad run {spec!r}: TP[:{'|'.join(ALLREDUCE)}][+{'|'.join(sorted(known))}]")
     return r
 
 
 def tuning_of(run: Run, symm_max_bytes: int) -> dict | None:
-    """override_tuning's fields for the run's all-reduce choice (None: the GPU's file as is)."""
+    """override_tuning's fields for the run's all-reduce choice and tuning patches (None: the
+    GPU's file as is)."""
+    kw: dict = {}
     if run.allreduce == "nccl":
-        return {"tp_symm_allreduce_max_bytes": 0}
+        kw["tp_symm_allreduce_max_bytes"] = 0
     if run.allreduce == "symm":
-        return {"tp_symm_allreduce_max_bytes": symm_max_bytes}
-    return None
+        kw["tp_symm_allreduce_max_bytes"] = symm_max_bytes
+    for p in run.patches:
+        kw |= TUNING_PATCHES.get(p, {})
+    return kw or None
+
+
+def harness_patches(run: Run) -> tuple[str, ...]:
+    return tuple(p for p in run.patches if p in PATCHES)
 
 
 def cut_model(model: str, layers: int, into: Path) -> str:
@@ -157,7 +168,7 @@ def main() -> int:
         try:
             try:
                 outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes),
-                              patches=run.patches)
+                              patches=harness_patches(run))
             except Exception as exc:  # noqa: BLE001 - one device call: record it and retry eager
                 if cfg.disable_cuda_graph or cfg.resolved_device != "cuda" or isinstance(exc, queue.Empty):
                     raise  # a run that timed out is not retried
@@ -165,7 +176,7 @@ def main() -> int:
                 rec["graph_failure"] = str(exc)[-3000:]
                 cfg = dataclasses.replace(cfg, disable_cuda_graph=True)
                 outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes),
-                              patches=run.patches)
+                              patches=harness_patches(run))
         except Exception as exc:  # noqa: BLE001 - the other runs still run
             rec["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
             print(f"{run.name}: FAILED {rec['error']}", flush=True)
