@@ -336,3 +336,19 @@ def test_a_full_write_queue_skips_and_counts(slab: str, tmp_path: Path) -> None:
     ctrl.pump()
     assert Committed(obj=3) in list(commits.drain())  # the commit does not wait for the disk
     assert tier.store.stats()["write_skips"] == 1 and not tier.store.files.exists(keys[0])
+
+
+def test_a_writer_killed_mid_write_leaves_no_page_file(tmp_path: Path) -> None:
+    """A temporary file is never a page file (a reader never sees it); a stale one (its
+    writer died) is removed by the next scan, a young one (a live writer) is left alone."""
+    d = _dir(tmp_path)
+    key = l3.page_keys(FP, [1, 2], PS)[0]
+    sub = d.path(key).parent
+    sub.mkdir()
+    stale, young = sub / f".{key.hex()}.kv.1.aa.tmp", sub / f".{key.hex()}.kv.2.bb.tmp"
+    for f in (stale, young):
+        f.write_bytes(b"half a file")
+    os.utime(stale, (1, 1))
+    assert l3.probe(d.root, [key]) == 0 and d.read(key, 11) is None
+    d.scan()
+    assert not stale.exists() and young.exists() and d.stats["files"] == 0
