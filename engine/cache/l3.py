@@ -20,7 +20,8 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
 * **Threads.** `L3Store` (the controller's) writes snapshots of committed objects on a
   writer thread (a queue bounded in bytes: over it a write is skipped and counted) and
   reads objects into the host slab on a reader thread; results come back through
-  `take_loaded()`.
+  `take_loaded()`. Each spreads an object's pages over a small pool (file I/O, blake2b and
+  the copies release the GIL), so a long prefix is not checksummed on one core.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import threading
 import time
 from array import array
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +287,7 @@ class L3Store:
         self.loaded: queue.Queue[tuple[int, bool]] = queue.Queue()
         self.reading = 0  # loads submitted and not yet taken
         self.errors: list[str] = []
+        self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="l3-io")
         self._threads = [threading.Thread(target=self._writer, daemon=True, name="l3-writer"),
                          threading.Thread(target=self._reader, daemon=True, name="l3-reader")]
         for t in self._threads:
@@ -339,41 +342,46 @@ class L3Store:
 
     # -- the threads
 
+    def _write_page(self, page: tuple[bytes, bytes]) -> None:
+        key, payload = page
+        try:
+            self.files.write(key, payload)
+        except OSError as exc:  # a full or read-only disk: count it, keep serving
+            with self.files.lock:
+                self.files.stats["write_skips"] += 1
+            self._note(f"write of {key.hex()}: {exc}", fatal=False)
+        except Exception as exc:  # noqa: BLE001 - a bug: the controller fails loudly
+            self._note(f"write of {key.hex()}: {exc!r}", fatal=True)
+
     def _writer(self) -> None:
         while True:
             pages = self.writes.get()
             try:
-                for key, payload in pages:
-                    try:
-                        self.files.write(key, payload)
-                    except OSError as exc:  # a full or read-only disk: count it, keep serving
-                        with self.files.lock:
-                            self.files.stats["write_skips"] += 1
-                        self._note(f"write of {key.hex()}: {exc}", fatal=False)
-                    except Exception as exc:  # noqa: BLE001 - a bug: the controller fails loudly
-                        self._note(f"write of {key.hex()}: {exc!r}", fatal=True)
+                list(self.pool.map(self._write_page, pages))
             finally:
                 with self.lock:
                     self.queued_bytes -= len(pages) * self.page_payload
                 self.writes.task_done()
 
-    def _reader(self) -> None:
+    def _read_page(self, at: int, key: bytes) -> bool:
+        """Read and verify one page's file into host page `at` (every rank's part)."""
         import numpy as np
 
+        payload = self.files.read(key, self.page_payload)
+        if payload is None:
+            return False
+        shape = (self.slab.shape[0], self.slab.shape[1], self.slab.shape[3])
+        self.slab[:, :, at, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
+        return True
+
+    def _reader(self) -> None:
         while True:
             obj, start, keys = self.reads.get()
-            ok = True
+            ok = False
             try:
-                for i, key in enumerate(keys):
-                    payload = self.files.read(key, self.page_payload)
-                    if payload is None:
-                        ok = False
-                        break
-                    shape = (self.slab.shape[0], self.slab.shape[1], self.slab.shape[3])
-                    self.slab[:, :, start + i, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
+                ok = all(list(self.pool.map(self._read_page, range(start, start + len(keys)), keys)))
             except Exception as exc:  # noqa: BLE001 - a read error fails this load only
                 self._note(f"read of object {obj}: {exc}", fatal=False)
-                ok = False
             finally:
                 self.loaded.put((obj, ok))
                 self.reads.task_done()
