@@ -358,6 +358,8 @@ class L3Store:
             pages = self.writes.get()
             try:
                 list(self.pool.map(self._write_page, pages))
+            except RuntimeError:  # the interpreter is exiting: queued writes are dropped (a cache)
+                return
             finally:
                 with self.lock:
                     self.queued_bytes -= len(pages) * self.page_payload

@@ -7,14 +7,17 @@ commits, splits, evictions to host, load-backs and evict-to-fit; nothing leaks."
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
+from pathlib import Path
 
-from engine.cache.controller import CacheController
+from engine.cache.controller import CacheController, L3Tier, SlabMapping
+from engine.cache.slab import create_slab, remove_slab
 from engine.replica import TokenChain, rank_replica
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
 from msgs.codec import pack_ids, unpack_ids
-from msgs.done import BackupDone, Committed, ControllerDigest, StepDone
+from msgs.done import BackupDone, Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 from msgs.steps import BackupPrepare, Step
@@ -41,16 +44,24 @@ class FakeRank:
 
 
 class Cluster:
-    def __init__(self, num_pages: int, host_pages: int) -> None:
+    def __init__(self, num_pages: int, host_pages: int, l3_dir: str = "", slab: str = "") -> None:
+        """With l3_dir (and a slab file for the controller to map): the disk tier is on."""
+        l3 = {"l3_dir": l3_dir, "l3_fingerprint": b"m" * 16, "page_bytes": 64, "num_layers": 1} if l3_dir else {}
         cfg = SchedConfig(num_pages=num_pages, page_size=4, max_running=4, max_prefill_tokens=48,
                           max_context=400, eos_token_ids=(1,), vocab_size=1000, digest_every=1,
-                          num_ranks=RANKS, host_pages=host_pages)
+                          num_ranks=RANKS, host_pages=host_pages, **l3)
         self.core = SchedulerCore(cfg)
         self.ranks = [FakeRank(r) for r in range(RANKS)]
         self.to_ctrl, steps_in = pipe(STEPS)
         self.backups, backups_in = pipe(BACKUPS)
         commits_out, self.commits = pipe(COMMITS)
-        self.ctrl = CacheController(RANKS, steps_in, backups_in, commits_out)
+        self.l3 = None
+        effects = []
+        if l3_dir:
+            mapping = SlabMapping(slab, RANKS)
+            self.l3 = L3Tier(mapping, l3_dir, 1 << 30)
+            effects = [mapping]
+        self.ctrl = CacheController(RANKS, steps_in, backups_in, commits_out, effects, l3=self.l3)
         self.n = 0
 
     def run(self, prompts: list[list[int]], max_new: int) -> dict[str, list[int]]:
@@ -62,12 +73,18 @@ class Cluster:
             assert self.core.submit(TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params)) is None
             out[rid] = []
         inflight: deque[Step] = deque()
+        deadline = time.monotonic() + 60
         while True:
             while len(inflight) < 2 and (step := self.core.plan()) is not None:
                 self.to_ctrl.send(step)
                 inflight.append(step)
             if not inflight:
-                return out
+                if self.core.idle:
+                    return out
+                assert time.monotonic() < deadline, "stuck: nothing to plan, requests left"
+                time.sleep(0.002)  # a request waits for an L3 read (the controller's thread)
+                self._controller()
+                continue
             step = inflight.popleft()
             for rank in reversed(self.ranks):  # rank 0 last: the others' reports arrive first
                 done, backed = rank.run(step)
@@ -75,13 +92,20 @@ class Cluster:
                     out[o.rid].extend(o.new_ids)
                 for obj in backed:
                     self.backups.send(BackupDone(obj=obj, rank=rank.rank))
-            self.ctrl.pump()
-            for msg in self.commits.drain():
-                if isinstance(msg, Committed):
-                    self.core.on_committed(msg.obj)
-                else:
-                    assert isinstance(msg, ControllerDigest)
-                    self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
+            self._controller()
+
+    def _controller(self) -> None:
+        self.ctrl.pump()
+        for msg in self.commits.drain():
+            if isinstance(msg, Committed):
+                self.core.on_committed(msg.obj)
+            elif isinstance(msg, L3Loaded):
+                self.core.on_l3_loaded(msg.obj, msg.ok)
+            elif isinstance(msg, L3Stats):
+                self.core.state.tiers.l3_stats = msg
+            else:
+                assert isinstance(msg, ControllerDigest)
+                self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
 
 
 def test_randomized_conversations_keep_every_replica_identical() -> None:
@@ -188,3 +212,39 @@ def test_a_protected_host_object_survives_a_scan() -> None:
         insert([i, i, i, i])
     assert cache.match_prefix(hot, touch=False).node.host >= 0  # still backed up
     cache.check_invariants()
+
+
+def test_l3_after_a_restart_keeps_every_replica_identical(tmp_path: Path) -> None:
+    """Randomized conversations write L3; a new cluster (scheduler, 8 ranks, controller, slab)
+    on the same directory serves them from L3 (loads into a smaller L2: evict-to-fit), every
+    step digest-checked on every rank and the controller."""
+    rng = random.Random(11)
+    system = [rng.randrange(50, 900) for _ in range(24)]
+    convs = [system + [rng.randrange(50, 900) for _ in range(rng.randrange(8, 30))] for _ in range(6)]
+    slabs = [create_slab("strata-test"), create_slab("strata-test")]
+    try:
+        first = Cluster(num_pages=40, host_pages=60, l3_dir=str(tmp_path), slab=slabs[0])
+        for c in range(0, 6, 3):
+            first.run(convs[c : c + 3], max_new=3)
+        first.l3.store.drain()
+        assert first.l3.store.stats()["writes"] > 0
+        again = Cluster(num_pages=40, host_pages=24, l3_dir=str(tmp_path), slab=slabs[1])
+        for _ in range(3):
+            batch = rng.sample(range(len(convs)), 2)
+            again.run([convs[c] + [rng.randrange(50, 900) for _ in range(3)] for c in batch], max_new=2)
+        tiers = again.core.state.tiers
+        assert tiers.stats()["l3_hit_tokens"] > 0 and again.core.cache.stats["l3_loaded"] > 0
+        assert again.core.cache.stats["host_evicted"] > 0
+        while (step := again.core.plan()) is not None:  # publish the last FreeReqs and commits
+            again.to_ctrl.send(step)
+            for rank in again.ranks:
+                again.core.on_done(rank.run(step)[0])
+        assert again.core.idle and again.core.leak_free() and tiers.loading == 0
+        want = again.core.replica.digest()
+        assert {r.replica.digest() for r in again.ranks} == {want}
+        again.ctrl.pump()
+        assert again.ctrl.replica.digest() == want
+        again.l3.store.drain()
+    finally:
+        for s in slabs:
+            remove_slab(s)
