@@ -1,7 +1,10 @@
 """bin/analyze LOGDIR: read the JSON-lines logs of `bin/serve --log-dir DIR` and print request
 timelines (received, queued, first token, done), TTFT / E2E percentiles, TTFT by the tier that
-served the prefix, prefix-cache hit rates, host-tier (L2) activity, and every error line with the
-first step seq it mentions. `--json` prints the same summary as JSON; `--plot OUT_DIR` writes PNGs.
+served the prefix, prefix-cache hit rates, host-tier (L2) activity (backup and load-back counts,
+bytes and GB/s from the workers' `host copies` lines), disk-tier (L3) loads, and every error line
+with the first step seq it mentions. `--json` prints the same summary as JSON; `--plot OUT_DIR`
+writes PNGs (TTFT by tier, TTFT over time, and cache occupancy over time when the logs carry it:
+scheduler lines with kv_pages_used / l2_pages_used fields).
 
 Only what the logs carry is reported; what they do not carry is said so in `notes`.
 No torch import: this runs anywhere the logs can be copied to."""
@@ -23,7 +26,10 @@ Record = dict[str, Any]
 RECEIVED_EVENTS = ("generate request", "chat request", "completion request", "sdk request")
 ERROR_LEVELS = ("error", "critical", "exception")
 _SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
-_L2_RE = re.compile(r"back ?up|load.?back|l2|host tier|hicache", re.IGNORECASE)
+_L2_RE = re.compile(r"back ?up|load.?back|l2|l3|host tier|hicache", re.IGNORECASE)
+COPIES_EVENT = "host copies"  # engine/run/host_tier.py: per worker, at most once a second
+COPY_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
+OCCUPANCY_KEYS = ("kv_pages_used", "kv_pages_total", "cache_pages", "l2_pages_used", "l2_pages_total", "l3_files")
 
 
 @dataclass
@@ -51,6 +57,9 @@ class Report:
     ttft_by_tier: dict[str, dict[str, Any]]
     hit_rates: dict[str, float | None]
     host_tier: dict[str, int]
+    copies: dict[str, Any]  # backups / load-backs: counts, bytes, seconds, GB/s, per worker and total
+    l3: dict[str, Any]  # disk tier: loads (ok / failed) and other l3 events
+    occupancy: list[dict[str, Any]]  # (t, kv_pages_used, l2_pages_used, ...) from scheduler lines
     errors: list[dict[str, Any]]
     first_error_seq: int | None
     notes: list[str] = field(default_factory=list)
@@ -128,7 +137,7 @@ def _finish(req: Request, has_l2: bool) -> None:
         if req.ttft is not None:
             req.first_token = start + req.ttft
     if req.cached_tokens:
-        req.tier = "device+host" if has_l2 else "device"
+        req.tier = "l1+l2" if has_l2 else "l1"
 
 
 # ---------------------------------------------------------------- statistics
@@ -175,11 +184,68 @@ def hit_rates(reqs: list[Request]) -> dict[str, float | None]:
 
 
 def host_tier_counts(records: list[Record]) -> dict[str, int]:
-    """Counts of host-tier (L2) log events by event name: backups, load-backs, tier warnings."""
+    """Counts of host/disk-tier log events by event name: l3 loads, tier warnings (the
+    workers' `host copies` lines are summed by copies() instead)."""
     out: dict[str, int] = {}
     for rec in records:
+        if rec["event"] == COPIES_EVENT:
+            continue
         if rec.get("proc") == "cache" or _L2_RE.search(str(rec["event"])):
             out[str(rec["event"])] = out.get(str(rec["event"]), 0) + 1
+    return out
+
+
+def copies(records: list[Record]) -> dict[str, Any]:
+    """The workers' `host copies` lines summed per worker and in total: backups (device ->
+    host) and load-backs (host -> device), their bytes and copy seconds, and GB/s (bytes over
+    copy seconds; on a GPU a backup's seconds include the forward it overlaps)."""
+    per: dict[str, dict[str, float]] = {}
+    for rec in records:
+        if rec["event"] != COPIES_EVENT:
+            continue
+        name = rec["file"].removesuffix(".log")
+        acc = per.setdefault(name, dict.fromkeys(COPY_KEYS, 0.0))
+        for k in COPY_KEYS:
+            v = rec.get(k)
+            if isinstance(v, int | float):
+                acc[k] += v
+    if not per:
+        return {}
+    total = {k: sum(w[k] for w in per.values()) for k in COPY_KEYS}
+    return {"total": _rates(total), "workers": {n: _rates(w) for n, w in sorted(per.items())}}
+
+
+def _rates(acc: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: (acc[k] if k.endswith("_s") else int(acc[k])) for k in COPY_KEYS}
+    out["backup_gbps"] = acc["bytes_out"] / acc["backup_s"] / 1e9 if acc["backup_s"] > 0 else None
+    out["load_back_gbps"] = acc["bytes_in"] / acc["load_back_s"] / 1e9 if acc["load_back_s"] > 0 else None
+    return out
+
+
+def l3_activity(records: list[Record]) -> dict[str, Any]:
+    """Disk-tier (L3) events: the scheduler's `l3 load` lines (ok or not), any other l3 event."""
+    loads = [rec for rec in records if rec["event"] == "l3 load"]
+    others: dict[str, int] = {}
+    for rec in records:
+        ev = str(rec["event"])
+        if ev != "l3 load" and re.search(r"\bl3\b", ev, re.IGNORECASE):
+            others[ev] = others.get(ev, 0) + 1
+    if not loads and not others:
+        return {}
+    ok = sum(1 for r in loads if r.get("ok") is True)
+    return {"loads": len(loads), "loads_ok": ok, "loads_failed": len(loads) - ok, "events": others}
+
+
+def occupancy(records: list[Record], t0: float) -> list[dict[str, Any]]:
+    """Cache occupancy over time from scheduler lines that carry page counts (e.g. a periodic
+    stats line with kv_pages_used, l2_pages_used); empty when the logs carry none."""
+    out = []
+    for rec in records:
+        if rec.get("proc") != "scheduler":
+            continue
+        point = {k: rec[k] for k in OCCUPANCY_KEYS if isinstance(rec.get(k), int | float)}
+        if "kv_pages_used" in point or "l2_pages_used" in point:
+            out.append({"t": rec["t"] - t0, **point})
     return out
 
 
@@ -241,6 +307,9 @@ def analyze(logdir: Path) -> Report:
         ttft_by_tier=ttft_by_tier(reqs),
         hit_rates=hit_rates(reqs),
         host_tier=host_tier_counts(records),
+        copies=copies(records),
+        l3=l3_activity(records),
+        occupancy=occupancy(records, t0),
         errors=errs,
         first_error_seq=min(seqs) if seqs else None,
         notes=_notes(reqs, has_l2, records),
@@ -252,12 +321,14 @@ def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str
     if any(r.ttft is None for r in reqs):
         notes.append("some 'request finished' lines carry no ttft (logs from an older server)")
     if has_l2:
-        notes.append("per-request L1/L2 split is not logged: cached requests show as tier 'device+host'")
+        notes.append("per-request L1/L2/L3 split is not logged: cached requests show as tier 'l1+l2'")
+        if not copies(records):
+            notes.append("no 'host copies' lines from the workers (older server): no backup/load-back counts")
+        notes.append("L3 writes are not logged (see strata_l3_writes_total in /metrics); L3 reads: 'l3 load' lines")
     else:
         notes.append("no cache.log: host tier (L2) off, every cached token came from the device tier (L1)")
-    if not host_tier_counts(records):
-        notes.append("no backup / load-back events in the logs (only the l2_hit_tokens metric counts them)")
-    notes.append("running/waiting requests and cache occupancy over time are not logged (see /metrics)")
+    if not occupancy(records, 0.0):
+        notes.append("cache occupancy over time is not logged (no scheduler line with kv_pages_used; see /metrics)")
     return notes
 
 
@@ -307,8 +378,30 @@ def _print_summary(rep: Report, w: Any) -> None:
     h = rep.hit_rates
     pct = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     w(f"prefix cache: token hit rate {pct(h['token_hit_rate'])}, requests with a hit {pct(h['request_hit_rate'])}")
+    if rep.copies:
+        _print_copies(rep.copies, w)
+    if rep.l3:
+        l3 = rep.l3
+        w(f"disk tier (L3): {l3['loads']} loads ({l3['loads_ok']} ok, {l3['loads_failed']} failed)"
+          + "".join(f", {k}: {v}" for k, v in sorted(l3["events"].items())))  # fmt: skip
     if rep.host_tier:
-        w("host tier (L2) events: " + ", ".join(f"{k}: {v}" for k, v in sorted(rep.host_tier.items())))
+        w("cache tier events: " + ", ".join(f"{k}: {v}" for k, v in sorted(rep.host_tier.items())))
+    if rep.occupancy:
+        last = rep.occupancy[-1]
+        w(f"cache occupancy: {len(rep.occupancy)} samples, last: "
+          + ", ".join(f"{k} {v}" for k, v in last.items() if k != "t"))  # fmt: skip
+
+
+def _print_copies(c: dict[str, Any], w: Any) -> None:
+    gbps = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    w(f"{'host tier (L2) copies':<22} {'count':>7} {'GB':>9} {'seconds':>9} {'GB/s':>7}")
+    rows = [("total", c["total"])] + (list(c["workers"].items()) if len(c["workers"]) > 1 else [])
+    for name, d in rows:
+        label = "" if name == "total" else f" {name}"
+        w(f"{'backups' + label:<22} {d['backups']:>7} {d['bytes_out'] / 1e9:>9.3f} {d['backup_s']:>9.3f} "
+          f"{gbps(d['backup_gbps']):>7}")
+        w(f"{'load-backs' + label:<22} {d['load_backs']:>7} {d['bytes_in'] / 1e9:>9.3f} {d['load_back_s']:>9.3f} "
+          f"{gbps(d['load_back_gbps']):>7}")
 
 
 def _print_errors(rep: Report, w: Any) -> None:
@@ -330,7 +423,8 @@ def to_json(rep: Report) -> str:
 
 
 def plot(rep: Report, out_dir: Path) -> list[Path]:
-    """PNG charts: TTFT by tier (box plot) and TTFT over time; returns the files written."""
+    """PNG charts: TTFT by tier (box plot), TTFT over time, and cache occupancy over time when
+    the logs carry it; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,7 +446,29 @@ def plot(rep: Report, out_dir: Path) -> list[Path]:
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
     _plot_over_time(plt, rep, paths[1])
+    if rep.occupancy:
+        paths.append(out_dir / "cache_occupancy.png")
+        _plot_occupancy(plt, rep.occupancy, paths[-1])
     return paths
+
+
+def _plot_occupancy(plt: Any, points: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, label in (("kv_pages_used", "L1 pages used"), ("cache_pages", "L1 prefix-cache pages"),
+                       ("l2_pages_used", "L2 pages used")):  # fmt: skip
+        pts = [(p["t"], p[key]) for p in points if key in p]
+        if pts:
+            ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label)
+    for key, label in (("kv_pages_total", "L1 capacity"), ("l2_pages_total", "L2 capacity")):
+        caps = [p[key] for p in points if key in p]
+        if caps:
+            ax.axhline(caps[-1], linestyle="--", alpha=0.5, label=label)
+    ax.set(title="Cache occupancy over time", xlabel="s since the first log line", ylabel="pages")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _plot_over_time(plt: Any, rep: Report, path: Path) -> None:

@@ -58,6 +58,7 @@ import contextvars
 import mmap
 import threading
 import time
+import weakref
 from typing import Any
 
 import structlog
@@ -97,6 +98,7 @@ class HostCopies(Effect):
         self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # cumulative
         self._logged: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
         self._last_log = 0.0
+        self._finalizer: weakref.finalize | None = None
 
     def apply(self, op: HostInit | BackupPrepare | LoadBack) -> None:
         match op:
@@ -114,11 +116,19 @@ class HostCopies(Effect):
                 self._load(unpack_ids(pages), start)
 
     def _register(self, slab: torch.Tensor) -> None:
-        """Pin the mapping for DMA (every process that maps the slab may register it)."""
+        """Pin the mapping for DMA (every process that maps the slab may register it). It is
+        unregistered before it is unmapped (when this object goes, or on close()): a stale
+        registration would make a later mapping at the same address fail to register."""
         if self.cuda:
             err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host slab failed: {err}")
+            self._finalizer = weakref.finalize(self, _unregister, slab.data_ptr(), self._map)
+
+    def close(self) -> None:
+        """Unregister the slab's mapping (GPU) now; the mapping goes with this object."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def _pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as raw bytes, one row per device page."""
@@ -238,6 +248,15 @@ class HostCopies(Effect):
         out = {k: (round(v, 6) if k.endswith("_s") else int(v)) for k, v in delta.items()}
         log.info("host copies", **out, in_flight=len(self.done), device=self.kv.device.type)
         return out
+
+
+def _unregister(ptr: int, mapping: mmap.mmap | None) -> None:
+    """cudaHostUnregister, then let the mapping go (it is held until now)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter exit: the CUDA context may be gone already
+        pass
+    del mapping
 
 
 class WithBackups:

@@ -1,18 +1,21 @@
-"""bin/analyze on real logs (one real server: two requests sharing a long prefix, one not) and
-on a hand-written log with a digest mismatch."""
+"""bin/analyze on real logs (one real server: two requests sharing a long prefix, one not; one
+with the host and disk tiers: a prompt computed, hit in L1, loaded back from L2, read from L3)
+and on hand-written logs (a digest mismatch; cache occupancy lines)."""
 
 from __future__ import annotations
 
 import io
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from engine.analyze import analyze, main, percentile, print_text
+from engine.analyze import analyze, main, percentile, plot, print_text
+from engine.bench import cache as bench_cache
 from tests.integration.conftest import ROOT, start_server, stop_server
 
 PREFIX = list(range(100, 400))
@@ -45,9 +48,10 @@ def test_real_logs(logdir: Path) -> None:
     assert all(r.ttft is not None and r.ttft > 0 for r in rep.requests)
     assert all(r.e2e is not None and r.e2e >= (r.ttft or 0) for r in rep.requests)
     assert all(r.queued is not None and r.received is not None for r in rep.requests)
-    assert [r.tier for r in rep.requests] == ["none", "device", "none"]
+    assert [r.tier for r in rep.requests] == ["none", "l1", "none"]
     assert rep.requests[1].cached_tokens and rep.requests[1].cached_tokens > 0
-    assert set(rep.ttft_by_tier) == {"none", "device"}
+    assert set(rep.ttft_by_tier) == {"none", "l1"}
+    assert rep.copies == {} and rep.l3 == {} and rep.occupancy == []  # tiers off
     assert rep.hit_rates["request_hit_rate"] == pytest.approx(1 / 3)
     assert rep.summary["ttft"]["p50"] > 0 and rep.errors == []
 
@@ -65,6 +69,46 @@ def test_cli_json_and_plots(logdir: Path, tmp_path: Path) -> None:
     pngs = sorted(tmp_path.glob("*.png"))
     assert [p.name for p in pngs] == ["ttft_by_tier.png", "ttft_over_time.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+
+
+@pytest.fixture(scope="module")
+def tier_logdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A server with L2 and L3 and a pool just larger than one 128-token prompt: the prompt
+    computed, hit in L1, loaded back from L2 after a filler evicted it, read from L3 after
+    a flush (bin/bench cache's phases)."""
+    d = tmp_path_factory.mktemp("tier-logs")
+    pool = 128 + 64
+    srv = start_server(d, "--enable-hierarchical-cache", "--max-total-tokens", str(pool), "--l3-dir", str(d / "l3"))
+    try:
+        prompt = list(range(1000, 1128))
+        cached = [_generate(srv.http, prompt), _generate(srv.http, prompt)]
+        bench_cache.wait_metric(srv.http, bench_cache.COMMITTED, 0.0, 60)
+        _generate(srv.http, list(range(3000, 3000 + pool - 17)))  # evicts the prompt from L1
+        cached.append(_generate(srv.http, prompt))
+        bench_cache.wait_metric(srv.http, bench_cache.L3_WRITES, 0.0, 60, settle_s=1.0)
+        srv.wait_idle()
+        bench_cache.flush(srv.http, 60)
+        cached.append(_generate(srv.http, prompt))
+        srv.wait_idle()
+        time.sleep(1.5)  # the workers' 'host copies' line: at most one a second
+    finally:
+        assert stop_server(srv) == 0
+    assert cached[0] == 0 and all(c >= 112 for c in cached[1:]), cached
+    yield d
+
+
+def test_real_logs_with_tiers(tier_logdir: Path, tmp_path: Path) -> None:
+    rep = analyze(tier_logdir)
+    assert rep.summary["count"] == 5 and rep.errors == []
+    assert [r.tier for r in rep.requests] == ["none", "l1+l2", "none", "l1+l2", "l1+l2"]
+    total = rep.copies["total"]
+    assert total["backups"] >= 2 and total["load_backs"] >= 2  # from L2, and from L3 through L2
+    assert total["bytes_out"] > 0 and total["backup_gbps"] > 0 and total["load_back_gbps"] > 0
+    assert list(rep.copies["workers"]) == ["worker-0"]
+    assert rep.l3["loads_ok"] >= 1 and rep.l3["loads_failed"] == 0
+    buf = io.StringIO()
+    print_text(rep, timelines=False, out=buf)
+    assert "backups" in buf.getvalue() and "load-backs" in buf.getvalue() and "disk tier (L3)" in buf.getvalue()
 
 
 def _line(**kw: object) -> str:
@@ -121,6 +165,24 @@ def test_digest_mismatch_reported_with_its_seq(tmp_path: Path) -> None:
     print_text(rep, out=buf)
     assert "errors: 2 (first seq mentioned: 17)" in buf.getvalue() and "seq=17" in buf.getvalue()
     assert main([str(tmp_path), "--json"]) == 0
+
+
+def test_cache_occupancy_plot(tmp_path: Path) -> None:
+    """Scheduler lines with page counts (when the scheduler logs its stats) give a third PNG."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lines = [
+        _line(event="stats", proc="scheduler", kv_pages_used=u, kv_pages_total=20, l2_pages_used=2 * u,
+              l2_pages_total=40, timestamp=f"2026-01-01T00:00:0{i}.000000Z")  # fmt: skip
+        for i, u in enumerate((0, 5, 12, 20))
+    ]
+    (logs / "scheduler.log").write_text("\n".join(lines) + "\n")
+    rep = analyze(logs)
+    assert [p["kv_pages_used"] for p in rep.occupancy] == [0, 5, 12, 20]
+    assert rep.occupancy[-1]["t"] == pytest.approx(3.0) and rep.occupancy[-1]["l2_pages_used"] == 40
+    paths = plot(rep, tmp_path / "png")
+    assert [p.name for p in paths][-1] == "cache_occupancy.png"
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)
 
 
 def test_percentile() -> None:

@@ -136,6 +136,7 @@ def test_side_stream_backup_round_trip_is_exact() -> None:
         assert copies.stats["backups"] == 1 and copies.stats["load_backs"] == 1
         logged = copies.maybe_log(now=time.monotonic() + 10)
         assert logged is not None and logged["bytes_out"] == 16 * copies.page_bytes and logged["backup_s"] > 0
+        copies.close()
     finally:
         remove_slab(slab)
 
@@ -167,5 +168,6 @@ def test_done_copy_reported_without_another_step() -> None:
             time.sleep(0.01)
         assert done.sent == ["step done"]
         assert backups.sent == [BackupDone(obj=3, rank=0)]
+        copies.close()
     finally:
         remove_slab(slab)
