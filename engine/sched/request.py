@@ -34,8 +34,8 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     admitted_once: bool = False
     l3_probed: bool = False  # its prompt was looked up in the disk tier (once per request)
-    hit_l2: int = 0  # prompt tokens loaded back for it from L2 before its first admission
-    hit_l3: int = 0  # ... of which were read from L3 files
+    hit_l2: int = 0  # prompt tokens loaded back for it from L2 before its first admission (not L3)
+    hit_l3: int = 0  # ... and from L3 files (read into L2 for it)
     finish_reason: str | None = None
 
     @property
