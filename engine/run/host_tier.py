@@ -124,6 +124,7 @@ class HostCopies(Effect):
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host slab failed: {err}")
             self._finalizer = weakref.finalize(self, _unregister, slab.data_ptr(), self._map)
+            self._finalizer.atexit = False  # an exiting process needs no unregister (nor CUDA calls then)
 
     def close(self) -> None:
         """Unregister the slab's mapping (GPU) now; the mapping goes with this object."""
