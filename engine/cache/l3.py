@@ -297,17 +297,20 @@ class L3Store:
 
     def write_object(self, start: int, keys: Sequence[bytes]) -> int:
         """Snapshot the object's pages at host page `start` (those not on disk yet) and queue
-        them for the writer. Returns the pages queued; over the byte bound none are (a skip)."""
+        them for the writer. Returns the pages queued: as many leading pages as the byte bound
+        leaves room for (a prefix keeps the key chain whole); the rest are skipped, counted."""
         todo = [(i, k) for i, k in enumerate(keys) if not self.files.exists(k)]
         if not todo:
             return 0
-        nbytes = len(todo) * self.page_payload
         with self.lock:
-            if self.queued_bytes + nbytes > self.queue_bytes:
-                with self.files.lock:
-                    self.files.stats["write_skips"] += len(todo)
-                return 0
-            self.queued_bytes += nbytes
+            room = max(0, self.queue_bytes - self.queued_bytes) // self.page_payload
+            todo, skipped = todo[:room], len(todo) - min(room, len(todo))
+            self.queued_bytes += len(todo) * self.page_payload
+        if skipped:
+            with self.files.lock:
+                self.files.stats["write_skips"] += skipped
+        if not todo:
+            return 0
         # the copy happens now, before Committed goes out: a later HostEvict and reuse of
         # these host pages can never reach the disk
         pages = [(k, self.slab[:, :, start + i, :].tobytes()) for i, k in todo]

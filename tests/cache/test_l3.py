@@ -326,16 +326,18 @@ def test_the_controller_writes_committed_objects_and_reads_them_back(slab: str, 
     assert stats.writes == 3 and stats.reads >= 4 and stats.corrupt == 1 and stats.files == 2
 
 
-def test_a_full_write_queue_skips_and_counts(slab: str, tmp_path: Path) -> None:
+def test_a_full_write_queue_writes_a_prefix_and_counts_the_rest(slab: str, tmp_path: Path) -> None:
     ctrl, mapping, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
-    tier.queue_bytes = 10  # smaller than one page
-    keys = l3.page_keys(FP, [1, 2], PS)
-    steps.send(Step(seq=1, ops=[HostInit(4, 32, 2, FP), BackupPrepare(3, pack_ids([1]), 0, l3.pack_keys(keys))]))
+    tier.queue_bytes = 80  # room for 2 pages of 32 bytes
+    keys = l3.page_keys(FP, [1, 2, 3, 4, 5, 6], PS)
+    steps.send(Step(seq=1, ops=[HostInit(4, 32, 2, FP), BackupPrepare(3, pack_ids([1, 2, 3]), 0, l3.pack_keys(keys))]))
     ctrl.pump()
     backups.send(BackupDone(obj=3, rank=0))
     ctrl.pump()
     assert Committed(obj=3) in list(commits.drain())  # the commit does not wait for the disk
-    assert tier.store.stats()["write_skips"] == 1 and not tier.store.files.exists(keys[0])
+    tier.store.drain()
+    assert tier.store.stats()["write_skips"] == 1  # the leading pages fit: the key chain stays whole
+    assert [tier.store.files.exists(k) for k in keys] == [True, True, False]
 
 
 def test_a_writer_killed_mid_write_leaves_no_page_file(tmp_path: Path) -> None:
