@@ -89,6 +89,17 @@ def test_what_one_engine_writes_the_other_serves(engines: tuple[Server, Server, 
     _written(a, 12)
     _, cached, from_l3 = _generate(b, other, max_new=1)
     assert cached == 96
+    # /flush_cache empties L1 and L2, not L3: the prompt comes from the files again
+    files = _files(l3_dir)
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(f"{b.http}/flush_cache", timeout=30)).status_code == 409:  # commits in flight
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.status_code == 200 and _files(l3_dir) == files
+    again, cached, _ = _generate(b, prompt)
+    assert again == want and cached == 96
+    assert _eventually(b, 'strata_cache_hit_tokens_total{tier="l3"}', 2 * 96 + 96)[
+        'strata_cache_hit_tokens_total{tier="l3"}'] == 3 * 96
     print(f"\nTTFT of a 100-token prompt on CPU: recomputed {recompute * 1e3:.0f} ms, 96 tokens from L3 "
           f"{from_l3 * 1e3:.0f} ms (4 new tokens: computed {t_compute * 1e3:.0f} ms, from L3 {t_l3 * 1e3:.0f} ms)")
 
