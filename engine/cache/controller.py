@@ -106,10 +106,11 @@ class L3Tier(Effect):
         """obj is about to be Committed: queue its pages and its pieces' for the disk."""
         if self.store is None:
             return
-        for o in [obj, *self.pieces.pop(obj, [])]:
-            keys, placed = self.keys.get(o), alloc.ranges.get(o)
-            if keys and placed is not None:
-                self.store.write_object(placed[0], keys)
+        # in host order, which is token order (splits cut a contiguous range): should the
+        # writer's queue fill up, the pages left out are the chain's last ones
+        objs = [o for o in [obj, *self.pieces.pop(obj, [])] if o in alloc.ranges and self.keys.get(o)]
+        for o in sorted(objs, key=lambda o: alloc.ranges[o][0]):
+            self.store.write_object(alloc.ranges[o][0], self.keys[o])
 
 
 class CacheController:
