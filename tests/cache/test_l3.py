@@ -21,7 +21,7 @@ from engine.replica import ReplicaError, rank_replica
 from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
 from msgs.codec import pack_ids
 from msgs.done import BackupDone, Committed, L3Loaded, L3Stats
-from msgs.steps import ApplyCommit, BackupPrepare, DigestCheck, HostEvict, HostInit, L3Load, Step
+from msgs.steps import ApplyCommit, BackupPrepare, DigestCheck, HostEvict, HostInit, HostSplit, L3Load, Step
 
 FP = bytes(range(16))
 PS = 2
@@ -354,3 +354,19 @@ def test_a_writer_killed_mid_write_leaves_no_page_file(tmp_path: Path) -> None:
     assert l3.probe(d.root, [key]) == 0 and d.read(key, 11) is None
     d.scan()
     assert not stale.exists() and young.exists() and d.stats["files"] == 0
+
+
+def test_a_pending_object_split_before_its_commit_is_written_whole(slab: str, tmp_path: Path) -> None:
+    ctrl, _, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
+    keys = l3.page_keys(FP, list(range(8)), PS)
+    steps.send(Step(seq=1, ops=[HostInit(8, 32, 2, FP), BackupPrepare(7, pack_ids([1, 2, 3, 4]), 0, l3.pack_keys(keys)),
+                                HostSplit(7, 1, 9), HostSplit(7, 2, 11)]))  # pieces 9 | 11 | 7
+    ctrl.pump()
+    backups.send(BackupDone(obj=7, rank=0))
+    ctrl.pump()
+    assert Committed(obj=7) in list(commits.drain())
+    tier.store.drain()
+    assert all(tier.store.files.exists(k) for k in keys)
+    steps.send(Step(seq=2, ops=[ApplyCommit(7), ApplyCommit(9), ApplyCommit(11)]))
+    ctrl.pump()
+    assert not tier.keys and not tier.pieces and not tier.origin  # nothing kept once committed
