@@ -82,7 +82,10 @@ class L3Tier(Effect):
 
                 view = np.frombuffer(self.slab.map, dtype=np.uint8)
                 view = view.reshape(self.slab.world, 2 * layers, n, page_bytes // (2 * layers))
-                self.store = L3Store(L3Dir(self.root, fp, self.cap), view, self.queue_bytes)
+                # the writer may hold up to one L2's worth (at least queue_bytes): an object is at
+                # most the whole slab, so a long prefix (4 GiB at 32k tokens of Llama-3.1-8B) is written whole
+                queue = max(self.queue_bytes, n * page_bytes * self.slab.world)
+                self.store = L3Store(L3Dir(self.root, fp, self.cap), view, queue)
             case BackupPrepare(obj=obj, keys=keys) if keys:
                 self.keys[obj] = unpack_keys(keys)
             case HostSplit(obj=obj, cut=cut, new_obj=new) if obj in self.keys:

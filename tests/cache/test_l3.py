@@ -328,10 +328,12 @@ def test_the_controller_writes_committed_objects_and_reads_them_back(slab: str, 
 
 def test_a_full_write_queue_writes_a_prefix_and_counts_the_rest(slab: str, tmp_path: Path) -> None:
     ctrl, mapping, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
-    tier.queue_bytes = 80  # room for 2 pages of 32 bytes
+    tier.queue_bytes = 80
     keys = l3.page_keys(FP, [1, 2, 3, 4, 5, 6], PS)
     steps.send(Step(seq=1, ops=[HostInit(4, 32, 2, FP), BackupPrepare(3, pack_ids([1, 2, 3]), 0, l3.pack_keys(keys))]))
     ctrl.pump()
+    assert tier.store.queue_bytes == 4 * 32  # the bound grows to one L2's worth (4 pages of 32 bytes)
+    tier.store.queue_bytes = 80  # room for 2 pages of 32 bytes
     backups.send(BackupDone(obj=3, rank=0))
     ctrl.pump()
     assert Committed(obj=3) in list(commits.drain())  # the commit does not wait for the disk
