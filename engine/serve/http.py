@@ -144,14 +144,15 @@ def build_app(state: ServeState) -> Starlette:
         return json_response(error_body(503, "the scheduler is not ready"), 503)
 
     async def flush_cache(_request: Request) -> Response:
-        """SGLang's POST /flush_cache: empty every cache tier, only while nothing runs (409 else)."""
+        """SGLang's POST /flush_cache: empty L1 and L2 (the L3 files stay: a store that engines
+        share), only while nothing runs (409 else)."""
         try:
             done = await state.frontend.flush_cache()
         except ApiError as exc:
             return error_response(exc)
         if not done.ok:
             return json_response(error_body(409, f"cache not flushed: {done.message}", code="busy"), 409)
-        return json_response({"status": "ok", "message": "every cache tier is empty"})
+        return json_response({"status": "ok", "message": "L1 and L2 are empty (L3 files are kept)"})
 
     async def metrics(_request: Request) -> Response:
         body, content_type = state.frontend.metrics.render()
