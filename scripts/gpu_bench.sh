@@ -58,7 +58,7 @@ for what in "$@"; do case $what in
              run profile-$m-b1 150 python3 scripts/profile_decode.py configs/$m 1 1024 || fails=$((fails + 1))
              grep -A26 "kernels per decode step" "$OUT/profile-$m-b1.log"; done ;;
   cache) rm -rf /tmp/strata-l3; run cache-llama-3.1-8b 580 bin/bench cache --model configs/llama-3.1-8b --load-format dummy \
-          --prompt-len 32768 --repeat 3 --l3-dir /tmp/strata-l3 --server-args "--log-dir $OUT/logs-cache" \
+          --prompt-len 32768 --repeat 3 --l3-dir /tmp/strata-l3 --server-args "--max-prefill-tokens 32832 --log-dir $OUT/logs-cache" \
           --out "$OUT/cache-llama-3.1-8b-32k-h200.json" || fails=$((fails + 1))
           grep -A8 "served by" "$OUT/cache-llama-3.1-8b.log"; grep -h '"host copies"' $OUT/logs-cache/worker-0.log | tail -3 ;;
   hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log"
