@@ -15,7 +15,8 @@ cache (POST /flush_cache):
   recompute  the prompt, never seen (max_new_tokens 1, streamed: TTFT = first token);
   L1         the same prompt again;
   L2         after the prompt's backup committed (strata_l2_backups_total{result=committed}
-             grew) and a filler prompt evicted it from L1, the same prompt again;
+             grew) and a filler prompt evicted it from L1 (and its own backup committed
+             too, so the prompt's load-back waits for no commit), the same prompt again;
   L3         with --l3-dir: after its L3 files were written (strata_l3_writes_total grew and
              settled) and POST /flush_cache emptied L1 and L2, the same prompt again.
 
@@ -241,7 +242,9 @@ class Run:
         if not timed:
             return out
         wait_metric(url, COMMITTED, committed, self.timeout)  # the prompt is in L2
+        committed = metrics(url).get(COMMITTED, 0.0)
         self.phase("filler", self.prompt(filler_len(a)))  # evicts it from L1
+        wait_metric(url, COMMITTED, committed, self.timeout)  # its backup too: no commit is awaited below
         out.append(self.phase("l2", ids))
         if a.l3_dir:
             try:
