@@ -323,7 +323,7 @@ def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str
     if has_l2:
         notes.append("per-request L1/L2/L3 split is not logged: cached requests show as tier 'l1+l2'")
         if not copies(records):
-            notes.append("no 'host copies' lines from the workers (older server): no backup/load-back counts")
+            notes.append("no 'host copies' lines in the worker logs (older server or no worker log): no copy counts")
         notes.append("L3 writes are not logged (see strata_l3_writes_total in /metrics); L3 reads: 'l3 load' lines")
     else:
         notes.append("no cache.log: host tier (L2) off, every cached token came from the device tier (L1)")
