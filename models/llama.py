@@ -201,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, ctx)
         # the final norm is per token: select the sampled rows first
         idx = batch.logit_indices
+        if idx.numel() == 0:  # a prefill chunk that samples no row (flashinfer's norm fails on 0 rows)
+            return x.new_empty(0, self.config.vocab_size)
         h = self.model.norm(residual[idx] + x[idx])
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return lm_logits(h, w, self.config.vocab_size)  # tp > 1: gathered, the same on every rank

@@ -256,3 +256,21 @@ def test_torch_backend_fp32_matches_transformers(arch: str, tmp_path: Path) -> N
     got = [r.output_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0,
                                                                        ignore_eos=True))]
     assert not token_mismatches(eng, prompts, want, got, 1e-4)
+
+
+def test_a_long_prompt_alone_is_prefilled_in_chunks_that_sample_nothing(dummy_models: dict[str, Path],
+                                                                          flashinfer_built: None) -> None:
+    """A prompt 3x the prefill budget with nothing else running: its first chunks sample no row
+    (flashinfer's norm on 0 rows used to crash the forward); the tokens equal a one-chunk run."""
+    import dataclasses
+
+    from engine.local import LocalEngine
+    from msgs.params import SamplingParams
+
+    path = dummy_models["qwen3-0.6b-4L"]
+    prompt = torch.randint(3, 20000, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    greedy = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    cfg = engine_cfg(path, MODES["bf16"], "flashinfer", True)
+    chunked = LocalEngine(cfg).generate([prompt], greedy)[0].output_ids
+    whole = LocalEngine(dataclasses.replace(cfg, max_prefill_tokens=256)).generate([prompt], greedy)[0].output_ids
+    assert len(chunked) == 6 and chunked == whole
