@@ -4,19 +4,25 @@ page allocator, the radix tree, and each request's KV pages (`RequestKV`)."""
 from __future__ import annotations
 
 import heapq
+import os
 import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import structlog
+
 from engine.cache.allocator import PageAllocator
 from engine.cache.hiradix import TieredRadixCache
 from engine.cache.radix import RadixCache
+from engine.cache.slab import SHM_DIR
 from engine.config import ServerConfig
 from engine.sched.request import Req
 from engine.sched.tiers import Tiers, make_cache
 from msgs.codec import pack_ids
 from msgs.done import WorkerReady
 from msgs.steps import ExtendPages, FreeReq, Op
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class SchedConfig:
             seed=cfg.seed,
             digest_every=digest_every,
             num_ranks=num_ranks,
-            host_pages=host_pages(cfg, ready),
+            host_pages=host_pages(cfg, ready, num_ranks),
             write_policy=cfg.hicache_write_policy,
             page_bytes=ready.page_bytes,
             num_layers=ready.num_layers,
@@ -92,15 +98,52 @@ class SchedState:
         self.rng = random.Random(self.cfg.seed)
 
 
-def host_pages(cfg: ServerConfig, ready: WorkerReady) -> int:
-    """L2 pages: --hicache-size GB of host pages, else --hicache-ratio x the device pool."""
+def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:
+    """L2 pages: --hicache-size GB of host pages, else --hicache-ratio x the device pool, within
+    `room` bytes of host memory for the whole slab (every rank's region; default: 80% of what
+    is available now). The ratio is capped to fit, with a warning (an H200's 1M-token pool at
+    the default ratio 2 would need 226 GiB, and pinning it failed at the first step); an
+    explicit --hicache-size that cannot fit stops the start-up with a clear error."""
     if not cfg.enable_hierarchical_cache:
         return 0
     if cfg.hicache_size > 0:
         if ready.page_bytes <= 0:
             raise ValueError("--hicache-size needs the workers' page size in bytes")
-        return max(1, int(cfg.hicache_size * 2**30) // ready.page_bytes)
-    return max(1, int(cfg.hicache_ratio * (ready.num_pages - 1)))
+        want = max(1, int(cfg.hicache_size * 2**30) // ready.page_bytes)
+    else:
+        want = max(1, int(cfg.hicache_ratio * (ready.num_pages - 1)))
+    if ready.page_bytes <= 0:  # no layout given (unit tests): nothing to size against
+        return want
+    room = host_room() if room is None else room
+    fits = room // (ready.page_bytes * ranks)
+    if want <= fits:
+        return want
+    need_gib = want * ready.page_bytes * ranks / 2**30
+    if cfg.hicache_size > 0:
+        raise ValueError(f"--hicache-size {cfg.hicache_size} GB needs {need_gib:.1f} GiB of host memory for "
+                         f"{ranks} rank(s); {room / 2**30:.1f} GiB are available")
+    if fits < 1:
+        raise ValueError(f"no host memory for the host tier: {room / 2**30:.2f} GiB available")
+    log.warning("host tier capped to the host memory available", wanted_gib=round(need_gib, 1),
+                capped_gib=round(fits * ready.page_bytes * ranks / 2**30, 1), pages=fits)
+    return fits
+
+
+def host_room() -> int:
+    """80% of the host memory available now: MemAvailable and the free space of /dev/shm."""
+    avail = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    shm = SHM_DIR if SHM_DIR.is_dir() else None
+    if shm is not None:
+        st = os.statvfs(shm)
+        avail.append(st.f_bavail * st.f_frsize)
+    return int(0.8 * min(avail)) if avail else 1 << 62
 
 
 class RequestKV:
