@@ -85,8 +85,8 @@ class _DecodeGroup:
     """Requests with one new token each, attended in one padded SDPA call."""
 
     rows: torch.Tensor  # int64 [b]: their rows in T
-    slots: torch.Tensor  # int64 [b, Lk]: KV slots of positions 0..Lk-1 (padding points anywhere)
-    mask: torch.Tensor  # bool [b, 1, 1, Lk]: position < seq_len
+    pages: torch.Tensor  # int64 [b, n]: pages of positions 0..n*page_size-1 (padding: page 0)
+    mask: torch.Tensor  # bool [b, 1, 1, n*page_size]: position < seq_len
 
 
 @dataclass
@@ -95,7 +95,8 @@ class _ExtendReq:
 
     row_start: int
     row_end: int
-    slots: torch.Tensor  # int64 [seq_len]
+    pages: torch.Tensor  # int64 [1, n]: the pages covering positions 0..seq_len-1
+    seq_len: int
     start: int  # cached prefix length: the new tokens are at positions start..seq_len-1
     mask: torch.Tensor | None  # bool [Lq, Lk] for the masked path; None when it is not used
 
@@ -152,32 +153,33 @@ class TorchAttention(AttentionBackend):
             self._extend_req(batch, i, row_starts[i], seqs[i]) for i, n in enumerate(lens) if n > 1
         ]
 
-    def _slots(self, batch: ForwardBatch, reqs: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Slots of positions 0..kv_len-1 for each request in `reqs`: int64 [len(reqs), kv_len]."""
-        pos = torch.arange(kv_len, device=batch.page_table.device)
-        pages = batch.page_table[reqs][:, pos // batch.page_size].to(torch.int64)
-        return pages * batch.page_size + pos % batch.page_size
+    @staticmethod
+    def _pages(batch: ForwardBatch, reqs: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Pages covering positions 0..kv_len-1 of each request in `reqs`: int64 [len(reqs), n]."""
+        n = -(-kv_len // batch.page_size)
+        return batch.page_table[reqs][:, :n].to(torch.int64)
 
     def _decode_group(self, batch: ForwardBatch, reqs: list[int], row_starts: list[int]) -> _DecodeGroup:
         dev = batch.page_table.device
         req_t = torch.tensor(reqs, dtype=torch.int64, device=dev)
-        kv_len = max(batch.seq_lens_cpu[i] for i in reqs)
-        pos = torch.arange(kv_len, device=dev)
+        pages = self._pages(batch, req_t, max(batch.seq_lens_cpu[i] for i in reqs))
+        pos = torch.arange(pages.shape[1] * batch.page_size, device=dev)
         mask = pos[None, :] < batch.seq_lens[req_t].to(torch.int64)[:, None]
         rows = torch.tensor([row_starts[i] for i in reqs], dtype=torch.int64, device=dev)
-        return _DecodeGroup(rows=rows, slots=self._slots(batch, req_t, kv_len), mask=mask[:, None, None, :])
+        return _DecodeGroup(rows=rows, pages=pages, mask=mask[:, None, None, :])
 
     def _extend_req(self, batch: ForwardBatch, i: int, row_start: int, seq_len: int) -> _ExtendReq:
         n = batch.extend_lens_cpu[i]
         start = seq_len - n
         req_t = torch.tensor([i], dtype=torch.int64, device=batch.page_table.device)
-        slots = self._slots(batch, req_t, seq_len)[0]
+        pages = self._pages(batch, req_t, seq_len)
         mask = None
         if start > 0 and not self._split_prefix:
             # with a cached prefix the causal diagonal is shifted right by `start`
-            q_pos = torch.arange(start, seq_len, device=slots.device)
-            mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
-        return _ExtendReq(row_start=row_start, row_end=row_start + n, slots=slots, start=start, mask=mask)
+            q_pos = torch.arange(start, seq_len, device=pages.device)
+            mask = torch.arange(seq_len, device=pages.device)[None, :] <= q_pos[:, None]
+        return _ExtendReq(row_start=row_start, row_end=row_start + n, pages=pages, seq_len=seq_len, start=start,
+                          mask=mask)
 
     @property
     def _split_prefix(self) -> bool:
@@ -188,14 +190,14 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if self._decode is not None:
             g = self._decode
-            kg, vg = kv_pool.gather(layer_id, g.slots, q.dtype)
+            kg, vg = kv_pool.gather_pages(layer_id, g.pages, q.dtype)
             kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [b, Hkv, Lk, D]
             o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), kg, vg, attn_mask=g.mask, enable_gqa=True)
             out[g.rows] = o.squeeze(2)
         for e in self._extends:
             qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
-            ke, ve = kv_pool.gather(layer_id, e.slots, q.dtype)
-            ke, ve = ke.transpose(0, 1), ve.transpose(0, 1)  # [Hkv, Lk, D]
+            ke, ve = kv_pool.gather_pages(layer_id, e.pages, q.dtype)
+            ke, ve = ke[0, : e.seq_len].transpose(0, 1), ve[0, : e.seq_len].transpose(0, 1)  # [Hkv, Lk, D]
             if e.start == 0:
                 o = _sdpa4(qe, ke, ve, is_causal=True)
             elif e.mask is None:

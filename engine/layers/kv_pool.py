@@ -60,9 +60,13 @@ class KVPool:
         x = x.to(self.dtype)
         return x.view(torch.uint8) if self._bytes else x
 
-    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` (any shape of int64 indices) of `layer`, converted to `dtype`."""
-        k, v = self._k_raw[layer][slots], self._v_raw[layer][slots]
+    def gather_pages(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole pages (int64 [b, n] page ids) of `layer` as [b, n * page_size,
+        num_kv_heads, head_dim] in `dtype`: one contiguous page per index, several times faster
+        on a CPU than gathering the same slots token by token."""
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        k, v = self._k_raw[layer].view(shape)[pages], self._v_raw[layer].view(shape)[pages]
+        k, v = k.flatten(1, 2), v.flatten(1, 2)
         if self._bytes:
             k, v = k.view(self.dtype), v.view(self.dtype)
         return k.to(dtype), v.to(dtype)
