@@ -51,7 +51,7 @@ def l3_ready_fields(cfg: ServerConfig, runner: Any) -> dict[str, Any]:
     with --l3-dir, the model fingerprint (the worker knows the weights)."""
     fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers}
     if cfg.l3_dir and cfg.enable_hierarchical_cache:
-        from engine.cache.l3 import worker_fingerprint
+        from engine.run.fingerprint import worker_fingerprint
 
         fields["l3_fingerprint"] = worker_fingerprint(
             cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers

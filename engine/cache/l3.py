@@ -65,17 +65,6 @@ def model_fingerprint(
     return h.digest()
 
 
-def worker_fingerprint(cfg: Any, dtype: Any, kv_dtype: Any, page_bytes: int, num_layers: int) -> bytes:
-    """The fingerprint a worker reports (it knows the weights): config.json, the weights'
-    identity (models/loader.py), dtypes and layout. Imports the loader (torch) lazily."""
-    from models.loader import weights_identity
-
-    config = Path(cfg.model, "config.json").read_bytes()
-    weights = weights_identity(cfg.model, cfg.load_format)
-    return model_fingerprint(config, weights, str(dtype), str(kv_dtype), cfg.page_size, cfg.tp_size,
-                             page_bytes, num_layers)
-
-
 def chain(prev: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
     """The keys of the full pages of `tokens`, continuing the chain after key `prev`."""
     keys = []
