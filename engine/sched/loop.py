@@ -44,6 +44,10 @@ from msgs.steps import ToWorker
 
 log = structlog.get_logger()
 STATS_INTERVAL_S = 0.1
+OCCUPANCY_LOG_S = 1.0  # at most one `cache occupancy` line a second, and only after a change
+# the page counts of SchedulerStats that the `cache occupancy` line carries (bin/analyze reads them)
+OCCUPANCY_FIELDS = ("kv_pages_used", "kv_pages_total", "cache_pages", "running", "waiting")
+TIER_OCCUPANCY_FIELDS = ("l2_pages_used", "l2_pages_total", "l3_files", "l3_bytes")
 
 
 class WorkerFailure(RuntimeError):
@@ -77,6 +81,9 @@ class SchedulerLoop:
         self.last_stats = -stats_interval_s
         self.stats_dirty = True
         self.leak_free = True
+        self.occupancy: dict[str, int] = {}  # the figures of the last stats sent
+        self.occupancy_logged: dict[str, int] = {}
+        self.occupancy_logged_at = -OCCUPANCY_LOG_S
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -120,6 +127,7 @@ class SchedulerLoop:
             pass
         self._maybe_check_leaks()
         self._send_stats()
+        self._maybe_log_occupancy()
 
     def run(self, wait: Callable[[int], None]) -> None:
         """The process loop: pump, then `wait(timeout_ms)` for input (a zmq poll)."""
@@ -251,9 +259,22 @@ class SchedulerLoop:
             **(core.state.tiers.stats() if core.state.tiers is not None else {}),
         )
         self.ports.outputs.send(stats)
+        fields = OCCUPANCY_FIELDS + (TIER_OCCUPANCY_FIELDS if core.state.tiers is not None else ())
+        self.occupancy = {k: getattr(stats, k) for k in fields}
         self.step_seconds = []
         self.last_stats = now
         self.stats_dirty = bool(self.inflight or not core.idle or core.pending_ops)
+
+    def _maybe_log_occupancy(self, now: float | None = None) -> bool:
+        """One `cache occupancy` line (the page counts of the last stats sent) at most every
+        OCCUPANCY_LOG_S, only when they changed since the last line: a change within the
+        interval is logged once it has passed (pump runs at least every 50 ms)."""
+        now = time.monotonic() if now is None else now
+        if self.occupancy == self.occupancy_logged or now - self.occupancy_logged_at < OCCUPANCY_LOG_S:
+            return False
+        log.info("cache occupancy", **self.occupancy)
+        self.occupancy_logged, self.occupancy_logged_at = dict(self.occupancy), now
+        return True
 
 
 def agree(readies: dict[int, WorkerReady]) -> WorkerReady:
