@@ -15,7 +15,8 @@ procs/cache.py hands it zmq ends, tests hand it in-memory pipes and call `pump()
   the slab and queues them for the writer thread, then sends Committed: a later HostEvict
   and reuse of those host pages can never reach the disk. On L3Load it reads the files
   into the slab on a reader thread and reports L3Loaded(obj, ok). L3Stats at most once a
-  second, when they changed.
+  second, when they changed; an `l3 writes` log line likewise (`L3Store.maybe_log`: pages
+  written, bytes, writer seconds, skips, corrupt files), and a last one at shutdown.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class CacheController:
                 self.stopped = True
                 if self.l3 is not None and self.l3.store is not None:
                     self.l3.store.drain(timeout=5.0)  # queued L3 writes land before the exit
+                    self.l3.store.maybe_log(force=True)
             elif isinstance(msg, Step):
                 self.on_step(msg)
         while self.backups.poll(0):
@@ -159,6 +161,7 @@ class CacheController:
                 moved = True
                 self.out.send(L3Loaded(obj=obj, ok=ok))
             self._send_stats(store)
+            store.maybe_log()  # the writer logs after its batches; this logs what came after
         return moved
 
     def _send_stats(self, store: L3Store, force: bool = False) -> None:

@@ -22,10 +22,17 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
   reads objects into the host slab on a reader thread; results come back through
   `take_loaded()`. Each spreads an object's pages over a small pool (file I/O, blake2b and
   the copies release the GIL), so a long prefix is not checksummed on one core.
+* **Log.** At most once per LOG_INTERVAL_S, and only after activity, `L3Store.maybe_log`
+  writes one `l3 writes` line with what happened since the last one: page files written,
+  their bytes, the writer's seconds (wall time of its batches), pages that already had a
+  file, skips (queue full or I/O error) and corrupt files seen by reads; plus the
+  directory's files and bytes. The writer thread calls it after each batch, the controller
+  on every pass (so the last activity is logged within a second), and once at shutdown.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import os
 import queue
@@ -47,6 +54,10 @@ SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
 WRITE_QUEUE_BYTES = 512 << 20
+LOG_INTERVAL_S = 1.0
+# the `l3 writes` line's counters (deltas; bin/analyze sums them): the writer's, by batch
+WRITER_KEYS = ("pages", "bytes", "existed", "write_s")
+DIR_KEYS = {"write_skips": "skips", "corrupt": "corrupt"}  # L3Dir.stats' (skips: also at queueing)
 
 
 # ---- keys ---------------------------------------------------------------------------------
@@ -276,9 +287,16 @@ class L3Store:
         self.loaded: queue.Queue[tuple[int, bool]] = queue.Queue()
         self.reading = 0  # loads submitted and not yet taken
         self.errors: list[str] = []
+        # the writer's totals over finished batches (under self.lock): pages written, their
+        # bytes, pages whose file existed, wall seconds
+        self.written: dict[str, float] = dict.fromkeys(WRITER_KEYS, 0)
+        self._log_lock = threading.Lock()
+        self._logged: dict[str, float] = {}  # the counters at the last `l3 writes` line
+        self._logged_at = -LOG_INTERVAL_S
         self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="l3-io")
-        self._threads = [threading.Thread(target=self._writer, daemon=True, name="l3-writer"),
-                         threading.Thread(target=self._reader, daemon=True, name="l3-reader")]
+        # each with the log context (proc) of the thread that made the store
+        self._threads = [threading.Thread(target=contextvars.copy_context().run, args=(fn,), daemon=True, name=name)
+                         for fn, name in ((self._writer, "l3-writer"), (self._reader, "l3-reader"))]
         for t in self._threads:
             t.start()
 
@@ -334,28 +352,38 @@ class L3Store:
 
     # -- the threads
 
-    def _write_page(self, page: tuple[bytes, bytes]) -> None:
+    def _write_page(self, page: tuple[bytes, bytes]) -> bool | None:
+        """True: written; False: its file existed; None: failed (counted as a skip)."""
         key, payload = page
         try:
-            self.files.write(key, payload)
+            return self.files.write(key, payload)
         except OSError as exc:  # a full or read-only disk: count it, keep serving
             with self.files.lock:
                 self.files.stats["write_skips"] += 1
             self._note(f"write of {key.hex()}: {exc}", fatal=False)
         except Exception as exc:  # noqa: BLE001 - a bug: the controller fails loudly
             self._note(f"write of {key.hex()}: {exc!r}", fatal=True)
+        return None
 
     def _writer(self) -> None:
         while True:
             pages = self.writes.get()
+            begin = time.perf_counter()
+            done: list[bool | None] = []
             try:
-                list(self.pool.map(self._write_page, pages))
+                done = list(self.pool.map(self._write_page, pages))
             except RuntimeError:  # the interpreter is exiting: queued writes are dropped (a cache)
                 return
             finally:
+                written = sum(1 for d in done if d)
                 with self.lock:
                     self.queued_bytes -= len(pages) * self.page_payload
+                    self.written["pages"] += written
+                    self.written["bytes"] += written * (HEADER.size + self.page_payload)
+                    self.written["existed"] += sum(1 for d in done if d is False)
+                    self.written["write_s"] += time.perf_counter() - begin
                 self.writes.task_done()
+            self.maybe_log()
 
     def _read_page(self, at: int, key: bytes) -> bool:
         """Read and verify one page's file into host page `at` (every rank's part)."""
@@ -390,3 +418,27 @@ class L3Store:
     def stats(self) -> dict[str, int]:
         with self.files.lock:
             return dict(self.files.stats)
+
+    def maybe_log(self, now: float | None = None, force: bool = False) -> dict[str, Any] | None:
+        """One `l3 writes` line with the activity since the last one (see the module's
+        docstring), at most once per LOG_INTERVAL_S unless `force`, none without activity;
+        returns what it logged. Any thread."""
+        now = time.monotonic() if now is None else now
+        with self._log_lock:
+            if not force and now - self._logged_at < LOG_INTERVAL_S:
+                return None
+            with self.lock:
+                counters = dict(self.written)
+            with self.files.lock:
+                counters.update({k: self.files.stats[k] for k in DIR_KEYS})
+                files, size = self.files.stats["files"], self.files.stats["bytes"]
+            delta = {k: v - self._logged.get(k, 0) for k, v in counters.items()}
+            if not any(delta.values()):
+                return None
+            self._logged, self._logged_at = counters, now
+        out: dict[str, Any] = {DIR_KEYS.get(k, k): int(v) for k, v in delta.items() if k != "write_s"}
+        out["write_s"] = round(delta["write_s"], 6)
+        import structlog
+
+        structlog.get_logger().info("l3 writes", **out, files=files, dir_bytes=size)
+        return out
