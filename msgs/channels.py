@@ -4,9 +4,10 @@
 |----------|--------------|------------------------------|------------|---------------------------------------|
 | requests | PUSH/PULL    | tokenizer -> scheduler       | scheduler  | TokenizedRequest, AbortRequest        |
 | outputs  | PUSH/PULL    | scheduler -> tokenizer       | tokenizer  | TokenBatch, SchedulerStats            |
-| steps    | PUSH/PULL    | scheduler -> worker (1/rank) | worker     | Step, Shutdown                        |
+| steps    | PUSH/PULL    | scheduler -> worker (1/rank) | worker [1] | Step, Shutdown                        |
 |          |              | and -> cache (a follower)    | cache      |                                       |
 | done     | PUSH/PULL    | workers -> scheduler         | scheduler  | StepDone, WorkerReady, WorkerFailed   |
+|          |              |                              | [1]        |                                       |
 | backups  | PUSH/PULL    | workers -> cache             | cache      | BackupDone                            |
 | commits  | PUSH/PULL    | cache -> scheduler           | scheduler  | Committed, ControllerDigest,          |
 |          |              |                              |            | ControllerFailed, L3Loaded, L3Stats   |
@@ -15,11 +16,15 @@
 | sdk      | DEALER/ROUTER| client <-> tokenizer (tcp)   | tokenizer  | GenerateRequest, AbortGenerate /      |
 |          |              |                              |            | GenerateChunk, GenerateError          |
 
-A `Channel` knows its address (ipc in the supervisor's private run dir, tcp for the SDK),
-its high-water mark (0: never drop, never block the sender's peer) and its codec. Typed
-ends wrap a socket: `Sender.send` refuses a message type the channel does not carry (a
-bug at the source), `Receiver.recv` decodes through the codec, which drops, counts and
-(rate-limited) logs any frame that is malformed or of another channel's type.
+[1] with --nnodes > 1 these two cross nodes: tcp (TcpPlan), bound by node 0's scheduler.
+
+A `Channel` knows its address (ipc in the supervisor's private run dir, tcp for the SDK;
+for the channels that cross nodes, `steps` per rank and `done` with --nnodes > 1, tcp from a
+`TcpPlan`: --dist-init-addr's host, port base + slot (+ rank)), its high-water mark (0:
+never drop, never block the sender's peer) and its codec. Typed ends wrap a socket:
+`Sender.send` refuses a message type the channel does not carry (a bug at the source),
+`Receiver.recv` decodes through the codec, which drops, counts and (rate-limited) logs
+any frame that is malformed or of another channel's type.
 
 `pipe(channel)` gives both ends over an in-memory queue, through the same encode/decode,
 so drivers (scheduler loop, worker pipeline) run in tests without sockets or sleeps.
@@ -54,6 +59,11 @@ class Channel(Generic[T]):
     hwm: int = 0  # 0: unlimited; nothing on these channels may be dropped
     per_rank: bool = False  # one socket per worker rank (the Step stream)
     followers: tuple[str, ...] = ()  # roles that get their own copy of the stream (the cache controller)
+    # crosses nodes with --nnodes > 1: over tcp, `tcp_binder` binds port `TcpPlan.base_port +
+    # tcp_slot (+ rank)` ("" = node-local, ipc only). Over tcp the binder is always node 0's
+    # scheduler, so that node 0 never needs to know where the other nodes' workers run.
+    tcp_binder: str = ""
+    tcp_slot: int = 0
     codec: Codec[T] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -63,7 +73,14 @@ class Channel(Generic[T]):
     def types(self) -> tuple[type, ...]:
         return typing.get_args(self.union) or (self.union,)
 
-    def address(self, run_dir: str, rank: int | None = None, follower: str | None = None) -> str:
+    def address(
+        self, run_dir: str, rank: int | None = None, follower: str | None = None, net: TcpPlan | None = None
+    ) -> str:
+        """ipc in run_dir; tcp when `net` is given and this channel crosses nodes."""
+        if net is not None and self.tcp_binder and follower is None:
+            if self.per_rank != (rank is not None):
+                raise ValueError(f"channel {self.name}: rank {rank!r} given for per_rank={self.per_rank}")
+            return net.address(self.tcp_slot + (rank or 0))
         if follower is not None:
             if follower not in self.followers or rank is not None:
                 raise ValueError(f"channel {self.name}: {follower!r} does not follow it (rank {rank!r})")
@@ -73,12 +90,46 @@ class Channel(Generic[T]):
         name = self.name if rank is None else f"{self.name}-{rank}"
         return f"ipc://{os.path.join(run_dir, name)}"
 
+    def binds(self, role: str, follower: str | None = None, net: TcpPlan | None = None) -> bool:
+        """Whether `role` binds its end (else it connects)."""
+        if net is not None and self.tcp_binder and follower is None:
+            return role == self.tcp_binder
+        return role == (follower or self.binder)
+
+
+@dataclass(frozen=True)
+class TcpPlan:
+    """Where the channels that cross nodes listen, with --nnodes > 1 (engine/config.py builds
+    it from --dist-init-addr HOST:PORT, and checks the ports fit): on HOST, port PORT + 1 + slot,
+    i.e. `done` on PORT+1 and `steps` of rank r on PORT+2+r. PORT itself is torch.distributed's
+    store (rank 0). Node 0's scheduler binds them all; every worker, on every node, connects:
+    node 0 never needs the other nodes' addresses. HOST is bound as given (127.0.0.1 stays
+    loopback; 0.0.0.0 only when the user passes it)."""
+
+    host: str
+    base_port: int  # the dist-init port + 1
+
+    def address(self, slot: int) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.base_port + slot}"
+
+    def ports(self, tp_size: int) -> range:
+        """Every port the plan uses: done, then steps of ranks 0..tp_size-1."""
+        return range(self.base_port, self.base_port + 1 + tp_size)
+
+
+# tcp heartbeats on the sockets that cross nodes: a peer whose host vanished (no FIN) is
+# dropped within HEARTBEAT_TIMEOUT_MS, so a follower sees the stream lost (procs/worker.py)
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+
 
 #        name          sender       receiver      binder        messages
 REQUESTS = Channel("requests", "tokenizer", "scheduler", "scheduler", requests.ToScheduler)
 OUTPUTS = Channel("outputs", "scheduler", "tokenizer", "tokenizer", outputs.ToTokenizer)
-STEPS = Channel("steps", "scheduler", "worker", "worker", steps.ToWorker, per_rank=True, followers=("cache",))
-DONE = Channel("done", "worker", "scheduler", "scheduler", done.FromWorker)
+STEPS = Channel("steps", "scheduler", "worker", "worker", steps.ToWorker, per_rank=True, followers=("cache",),
+                tcp_binder="scheduler", tcp_slot=1)  # tcp: slot 1 + rank
+DONE = Channel("done", "worker", "scheduler", "scheduler", done.FromWorker, tcp_binder="scheduler", tcp_slot=0)
 BACKUPS = Channel("backups", "worker", "cache", "cache", done.ToController)
 COMMITS = Channel("commits", "cache", "scheduler", "scheduler", done.FromController)
 CONTROL = Channel("control", "child", "supervisor", "supervisor", control.ToSupervisor)
@@ -164,15 +215,20 @@ class AsyncReceiver(Generic[T]):
 
 def _socket(
     ctx: zmq.Context, kind: int, channel: Channel[Any], role: str, run_dir: str, rank: int | None,
-    follower: str | None = None,
+    follower: str | None = None, net: TcpPlan | None = None,
 ) -> Any:
     sock = ctx.socket(kind)
     if kind == zmq.PUSH:
         sock.setsockopt(zmq.SNDHWM, channel.hwm)
     else:
         sock.setsockopt(zmq.RCVHWM, channel.hwm)
-    addr = channel.address(run_dir, rank, follower)
-    if role == (follower or channel.binder):  # a follower binds its own copy of the stream
+    addr = channel.address(run_dir, rank, follower, net)
+    if addr.startswith("tcp://") and channel.tcp_binder:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if addr.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+    if channel.binds(role, follower, net):  # a follower binds its own copy of the stream
         sock.bind(addr)
     else:
         sock.connect(addr)
@@ -181,20 +237,21 @@ def _socket(
 
 def open_sender(
     ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None, linger_ms: int = 0,
-    follower: str | None = None,
+    follower: str | None = None, net: TcpPlan | None = None,
 ) -> Sender[T]:
     """`role` is the calling process's role: it binds when it is the channel's binder.
-    `follower`: the end of a follower's copy of the stream (e.g. STEPS for "cache")."""
-    sock = _socket(ctx, zmq.PUSH, channel, role, run_dir, rank, follower)
+    `follower`: the end of a follower's copy of the stream (e.g. STEPS for "cache").
+    `net` (ServerConfig.net, with --nnodes > 1): the channels that cross nodes go over tcp."""
+    sock = _socket(ctx, zmq.PUSH, channel, role, run_dir, rank, follower, net)
     sock.setsockopt(zmq.LINGER, linger_ms)
     return Sender(channel, sock)
 
 
 def open_receiver(
     ctx: zmq.Context, channel: Channel[T], role: str, run_dir: str, rank: int | None = None,
-    follower: str | None = None,
+    follower: str | None = None, net: TcpPlan | None = None,
 ) -> Receiver[T]:
-    sock = _socket(ctx, zmq.PULL, channel, role, run_dir, rank, follower)
+    sock = _socket(ctx, zmq.PULL, channel, role, run_dir, rank, follower, net)
     sock.setsockopt(zmq.LINGER, 0)
     return Receiver(channel, sock)
 

@@ -84,3 +84,62 @@ def test_zmq_ends_bind_and_connect_by_role(tmp_path) -> None:
         inbox.sock.close(0)
     finally:
         ctx.term()
+
+
+def test_cross_node_channels_get_tcp_addresses_bound_by_the_scheduler() -> None:
+    """With a TcpPlan (--nnodes > 1) `steps` and `done` go over tcp on the plan's host, node 0's
+    scheduler binds both (workers connect); everything else, and the cache's copy, stays ipc."""
+    net = channels.TcpPlan(host="10.0.0.5", base_port=29501)
+    assert channels.DONE.address("/run", net=net) == "tcp://10.0.0.5:29501"
+    assert channels.STEPS.address("/run", rank=0, net=net) == "tcp://10.0.0.5:29502"
+    assert channels.STEPS.address("/run", rank=3, net=net) == "tcp://10.0.0.5:29505"
+    assert list(net.ports(4)) == [29501, 29502, 29503, 29504, 29505]
+    assert channels.STEPS.binds("scheduler", net=net) and not channels.STEPS.binds("worker", net=net)
+    assert channels.DONE.binds("scheduler", net=net) and not channels.DONE.binds("worker", net=net)
+    assert channels.STEPS.binds("worker") and not channels.STEPS.binds("scheduler")  # one node: unchanged
+    assert channels.REQUESTS.address("/run", net=net) == "ipc:///run/requests"
+    assert channels.STEPS.address("/run", follower="cache", net=net) == "ipc:///run/steps-cache"
+    assert channels.STEPS.binds("cache", follower="cache", net=net)
+    assert channels.TcpPlan(host="::1", base_port=5000).address(1) == "tcp://[::1]:5001"
+    with pytest.raises(ValueError):
+        channels.STEPS.address("/run", net=net)  # per rank: a rank is needed
+    assert sum(bool(ch.tcp_binder) for ch in channels.ALL) == 2
+
+
+def _free_base(n: int) -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no free port range")
+
+
+def test_zmq_ends_over_tcp(tmp_path) -> None:
+    """The scheduler binds, a worker connects (on loopback here), both directions."""
+    net = channels.TcpPlan(host="127.0.0.1", base_port=_free_base(3))
+    ctx = zmq.Context()
+    try:
+        w_steps = channels.open_receiver(ctx, channels.STEPS, "worker", str(tmp_path), rank=1, net=net)
+        w_done = channels.open_sender(ctx, channels.DONE, "worker", str(tmp_path), net=net)
+        s_steps = channels.open_sender(ctx, channels.STEPS, "scheduler", str(tmp_path), rank=1, net=net)
+        s_done = channels.open_receiver(ctx, channels.DONE, "scheduler", str(tmp_path), net=net)
+        s_steps.send(Shutdown())
+        assert w_steps.poll(5000) and w_steps.recv() == Shutdown()
+        w_done.send(done.WorkerFailed(rank=1, seq=2, reason="test"))
+        assert s_done.poll(5000) and s_done.recv() == done.WorkerFailed(rank=1, seq=2, reason="test")
+        assert not list(tmp_path.iterdir())  # nothing in the run dir: no ipc
+        for end in (w_steps, w_done, s_steps, s_done):
+            end.sock.close(0)
+    finally:
+        ctx.term()
