@@ -29,10 +29,12 @@ HELP = {
     "probabilities rounded to e4m3, as FA3/TensorRT-LLM fp8 attention do): ~2x faster decode attention, less precise",
     "tp_size": "tensor-parallel ranks, one worker process (and one GPU: cuda:LOCAL_RANK) each; gloo on CPU, "
     "NCCL on GPU",
-    "nnodes": "nodes the --tp-size ranks are spread over (as in SGLang; > 1 is refused until the Step stream "
-    "travels over tcp)",
+    "nnodes": "nodes the --tp-size ranks are spread over, --tp-size/--nnodes workers each (as in SGLang); run "
+    "bin/serve on every node with the same flags but --node-rank",
     "node_rank": "this node's index in 0..--nnodes-1 (node 0 runs the scheduler and tokenizer; others only workers)",
-    "dist_init_addr": "HOST:PORT of rank 0's torch.distributed rendezvous (empty: 127.0.0.1 and a free port)",
+    "dist_init_addr": "HOST:PORT of node 0: torch.distributed's rendezvous on PORT, and with --nnodes > 1 the "
+    "Step stream and done channels on PORT+1..PORT+1+--tp-size, bound on HOST by node 0's scheduler (workers of "
+    "every node connect); required with --nnodes > 1 (empty: 127.0.0.1 and a free port)",
     "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2)",
     "max_total_tokens": "cap the KV pool at this many tokens (0: sized from free memory on GPU, from the model "
     "and the machine on CPU)",

@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from msgs.channels import TcpPlan
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,9 @@ class ServerConfig:
     tp_size: int = 1  # tensor-parallel ranks over all nodes, one worker process each
     nnodes: int = 1
     node_rank: int = 0
-    dist_init_addr: str = ""  # host:port of rank 0's torch.distributed store ("": 127.0.0.1, a free port)
+    # host:port of rank 0's torch.distributed store ("": 127.0.0.1, a free port); with nnodes > 1
+    # required, and ports port+1 .. port+1+tp_size carry the Step stream and `done` (TcpPlan)
+    dist_init_addr: str = ""
     page_size: int = 16
     max_total_tokens: int = 0  # KV pool capacity in tokens; 0 = size from free memory
     mem_fraction: float = 0.85
@@ -72,18 +78,43 @@ class ServerConfig:
             (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
             (self.decode_kernel in ("auto", "fa2", "xqa", "triton"), f"bad --decode-kernel {self.decode_kernel}"),
             (self.tp_size >= 1, "--tp-size must be >= 1"),
-            (self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "--node-rank must be in 0..--nnodes-1"),
-            (self.tp_size % self.nnodes == 0, "--tp-size must be a multiple of --nnodes"),
+            (self.nnodes >= 1, "--nnodes must be >= 1"),
+            (0 <= self.node_rank < max(self.nnodes, 1), "--node-rank must be in 0..--nnodes-1"),
+            (self.tp_size % max(self.nnodes, 1) == 0, "--tp-size must be a multiple of --nnodes"),
             (not self.dist_init_addr or _host_port(self.dist_init_addr), "--dist-init-addr must be HOST:PORT"),
-            # the flags and the rank environment exist, but the Step/done channels are ipc sockets in
-            # node 0's private run dir (msgs/channels.py): workers elsewhere cannot reach them yet
-            (self.nnodes == 1, "--nnodes > 1: multi-node needs tcp Step/done channels (not implemented yet)"),
         ]
         for ok, problem in problems:
             if not ok:
                 raise ValueError(problem)
+        self._check_nodes()
         self._check_serving()
         self._check_hicache()
+
+    def _check_nodes(self) -> None:
+        """--nnodes > 1: the Step stream and `done` travel over tcp (msgs/channels.TcpPlan) on
+        --dist-init-addr's host, ports PORT+1 (done) and PORT+2+r (steps of rank r)."""
+        if self.nnodes == 1:
+            return
+        hp = _host_port(self.dist_init_addr)
+        if hp is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
+        last = hp[1] + 1 + self.tp_size
+        if last > 65535:
+            raise ValueError(f"--dist-init-addr port {hp[1]}: the Step/done channels need ports {hp[1] + 1}..{last}, "
+                             "past 65535; pick a lower port")
+        if self.enable_hierarchical_cache:
+            raise ValueError("--enable-hierarchical-cache with --nnodes > 1: the host tier's slab is node-local "
+                             "shared memory (one cache controller per engine); use one node")
+
+    @property
+    def net(self) -> TcpPlan | None:
+        """Where the channels that cross nodes listen (None: one node, every channel ipc)."""
+        if self.nnodes == 1:
+            return None
+        from msgs.channels import TcpPlan
+
+        host, port = _host_port(self.dist_init_addr)  # type: ignore[misc]  # checked in _check_nodes
+        return TcpPlan(host=host, base_port=port + 1)
 
     def _check_hicache(self) -> None:
         for ok, problem in (

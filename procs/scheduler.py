@@ -22,11 +22,12 @@ def main() -> int:
     cfg, log, _ = start_child(ROLE)
     ctx = zmq.Context()
     run_dir = cfg.run_dir
+    net = cfg.net  # --nnodes > 1: done and the Step streams over tcp, bound here (workers connect)
     ports = SchedulerPorts(
         requests=open_receiver(ctx, REQUESTS, ROLE, run_dir),
-        done=open_receiver(ctx, DONE, ROLE, run_dir),
+        done=open_receiver(ctx, DONE, ROLE, run_dir, net=net),
         outputs=open_sender(ctx, OUTPUTS, ROLE, run_dir),
-        steps=[open_sender(ctx, STEPS, ROLE, run_dir, rank=r) for r in range(cfg.tp_size)],
+        steps=[open_sender(ctx, STEPS, ROLE, run_dir, rank=r, net=net) for r in range(cfg.tp_size)],
         control=open_sender(ctx, CONTROL, ROLE, run_dir, linger_ms=1000),
     )
     poller = zmq.Poller()

@@ -4,6 +4,12 @@ Exit status: 0 after a clean SIGINT/SIGTERM shutdown, 1 when a child fails to st
 dies (the message names it), 2 for bad arguments. A child that dies while serving is first
 announced to the tokenizer (ProcessDied), which answers every in-flight request with an
 error (503) before the teardown.
+
+With --nnodes > 1, node 0's supervisor runs the tokenizer, the scheduler and its own workers;
+the supervisor of node R > 0 runs only its workers (ranks R*local ..), which follow node 0's
+scheduler over tcp. It watches them like any child: one that dies or reports Fatal (a failed
+collective, or the Step stream lost when node 0 went away: procs/worker.py) stops the node's
+other ranks and exits 1 naming it.
 """
 
 from __future__ import annotations
@@ -107,11 +113,7 @@ def _run(
                 ready[name] = msg
                 log.info("child ready", child=name, **msg.info)
                 if set(ready) == set(expected):
-                    info = ready["tokenizer"].info
-                    print(
-                        f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}",
-                        flush=True,
-                    )
+                    print(ready_line(cfg, ready), flush=True)
                     print(f"strata: {time_to_ready(time.monotonic() - t_start, ready)}", flush=True)
         dead = children.first_dead()
         if dead:
@@ -122,6 +124,16 @@ def _run(
             return 1
     log.info("shutting down", signal=stop["signal"])
     return 0
+
+
+def ready_line(cfg: ServerConfig, ready: dict[str, Ready]) -> str:
+    if cfg.node_rank > 0:
+        net = cfg.net
+        where = net.address(0).rsplit(":", 1)[0] if net is not None else "?"
+        return (f"strata: node {cfg.node_rank}/{cfg.nnodes} ready: {', '.join(sorted(ready))} "
+                f"following node 0's scheduler at {where}")
+    info = ready["tokenizer"].info
+    return f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}"
 
 
 def time_to_ready(total_s: float, ready: dict[str, Ready]) -> str:

@@ -1,15 +1,21 @@
-"""Tensor-parallel launch plumbing: the flags, each rank's torch.distributed environment, and
-which processes a node starts (no process is started here)."""
+"""Tensor-parallel launch plumbing: the flags, each rank's torch.distributed environment,
+which processes a node starts, where the cross-node channels listen, and the watch on a
+worker's Step stream (no process is started here)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import zmq
 
 from engine.args import parse_args
 from engine.config import ServerConfig
-from engine.supervise import DIST_ENV, ChildSet, dist_master, rank_env
+from engine.supervise import DIST_ENV, ChildSet, dist_master, free_port, rank_env
+from msgs.channels import STEPS, TcpPlan, open_receiver, open_sender
+from msgs.steps import Shutdown
 
 
 def test_tp_flags() -> None:
@@ -26,7 +32,11 @@ def test_tp_flags() -> None:
     ({"dist_init_addr": "h:99999"}, "HOST:PORT"),
     ({"tp_size": 3, "nnodes": 2}, "multiple of --nnodes"),
     ({"node_rank": 1}, "--node-rank"),
-    ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "h:1"}, "tcp Step/done channels"),
+    ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "--node-rank"),
+    ({"nnodes": 0}, "--nnodes must be >= 1"),
+    ({"tp_size": 2, "nnodes": 2}, "needs --dist-init-addr"),
+    ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "h:65533"}, "past 65535"),
+    ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "h:1", "enable_hierarchical_cache": True}, "node-local"),
 ])
 def test_bad_tp_flags(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -40,6 +50,45 @@ def test_rank_env_and_children(tmp_path: Path) -> None:
                    "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert ChildSet(cfg, tmp_path).names() == ["worker-0", "worker-1", "scheduler", "tokenizer"]
     assert DIST_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def test_second_node_starts_its_workers_only(tmp_path: Path) -> None:
+    cfg = parse_args(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:29500"])
+    assert list(cfg.local_ranks()) == [2, 3]
+    assert ChildSet(cfg, tmp_path).names() == ["worker-2", "worker-3"]
+    assert ChildSet(replace(cfg, node_rank=0), tmp_path).names() == ["worker-0", "worker-1", "scheduler", "tokenizer"]
+    env = rank_env(cfg, 3, dist_master(cfg))
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (
+        "10.1.2.3", "29500", "3", "4", "1")
+    # the Step streams and done: on node 0's host, past the rendezvous port; one node: none (ipc)
+    assert cfg.net == TcpPlan(host="10.1.2.3", base_port=29501) and list(cfg.net.ports(4)) == list(range(29501, 29506))
+    assert ServerConfig.from_json(cfg.to_json()).net == cfg.net
+    assert ServerConfig(tp_size=2, dist_init_addr="10.1.2.3:29500").net is None
+
+
+def test_watched_steps_delivers_then_fails_when_the_scheduler_goes() -> None:
+    """A worker on another node never waits for Steps forever: once the scheduler's end
+    closes, frames already sent still arrive, then poll raises within lost_s."""
+    from procs.worker import StreamLost, WatchedSteps
+
+    net = TcpPlan(host="127.0.0.1", base_port=free_port())
+    ctx = zmq.Context()
+    try:
+        inner = open_receiver(ctx, STEPS, "worker", "/nonexistent", rank=0, net=net)
+        steps = WatchedSteps(inner, STEPS.address("/nonexistent", 0, net=net), lost_s=0.3)
+        assert not steps.poll(100)  # nobody bound yet: just no message
+        sched = open_sender(ctx, STEPS, "scheduler", "/nonexistent", rank=0, net=net)
+        sched.send(Shutdown())
+        assert steps.poll(5000) and steps.recv() == Shutdown()
+        sched.sock.close(0)
+        t0 = time.monotonic()
+        with pytest.raises(StreamLost, match="lost the Step stream"):
+            steps.poll(-1)
+        assert time.monotonic() - t0 < 5
+        inner.sock.close(0)
+        steps.monitor.close(0)
+    finally:
+        ctx.term()
 
 
 def test_workers_keep_multicast_off_themselves() -> None:
