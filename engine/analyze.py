@@ -1,10 +1,12 @@
 """bin/analyze LOGDIR: read the JSON-lines logs of `bin/serve --log-dir DIR` and print request
 timelines (received, queued, first token, done), TTFT / E2E percentiles, TTFT by the tier that
 served the prefix, prefix-cache hit rates, host-tier (L2) activity (backup and load-back counts,
-bytes and GB/s from the workers' `host copies` lines), disk-tier (L3) loads, and every error line
-with the first step seq it mentions. `--json` prints the same summary as JSON; `--plot OUT_DIR`
-writes PNGs (TTFT by tier, TTFT over time, and cache occupancy over time when the logs carry it:
-scheduler lines with kv_pages_used / l2_pages_used fields).
+bytes and GB/s from the workers' `host copies` lines), disk-tier (L3) loads (the scheduler's
+`l3 load` lines) and writes (count, GB, GB/s from the cache controller's `l3 writes` lines), cache
+occupancy (peak and last L1 / L2 pages used, L3 bytes, from the scheduler's `cache occupancy`
+lines), and every error line with the first step seq it mentions. `--json` prints the same summary
+as JSON; `--plot OUT_DIR` writes PNGs (TTFT by tier, TTFT over time, and cache occupancy over time
+when the logs carry it: scheduler lines with kv_pages_used / l2_pages_used fields).
 
 Only what the logs carry is reported; what they do not carry is said so in `notes`.
 No torch import: this runs anywhere the logs can be copied to."""
@@ -29,7 +31,14 @@ _SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
 _L2_RE = re.compile(r"back ?up|load.?back|l2|l3|host tier|hicache", re.IGNORECASE)
 COPIES_EVENT = "host copies"  # engine/run/host_tier.py: per worker, at most once a second
 COPY_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
-OCCUPANCY_KEYS = ("kv_pages_used", "kv_pages_total", "cache_pages", "l2_pages_used", "l2_pages_total", "l3_files")
+# engine/sched/loop.py: the scheduler's `cache occupancy` line, at most once a second after a change
+OCCUPANCY_EVENT = "cache occupancy"
+OCCUPANCY_KEYS = (
+    "kv_pages_used", "kv_pages_total", "cache_pages", "l2_pages_used", "l2_pages_total", "l3_files", "l3_bytes",
+)  # fmt: skip
+L3_LOAD_EVENT = "l3 load"  # engine/sched/loop.py: one per L3Loaded
+L3_WRITES_EVENT = "l3 writes"  # engine/cache/l3.py: the cache controller's, at most once a second
+L3_WRITE_KEYS = ("pages", "bytes", "write_s", "existed", "skips", "corrupt")
 
 
 @dataclass
@@ -58,8 +67,9 @@ class Report:
     hit_rates: dict[str, float | None]
     host_tier: dict[str, int]
     copies: dict[str, Any]  # backups / load-backs: counts, bytes, seconds, GB/s, per worker and total
-    l3: dict[str, Any]  # disk tier: loads (ok / failed) and other l3 events
+    l3: dict[str, Any]  # disk tier: loads (ok / failed), writes (pages, bytes, GB/s), other l3 events
     occupancy: list[dict[str, Any]]  # (t, kv_pages_used, l2_pages_used, ...) from scheduler lines
+    occupancy_summary: dict[str, dict[str, int]]  # per figure: peak, last (and the capacity)
     errors: list[dict[str, Any]]
     first_error_seq: int | None
     notes: list[str] = field(default_factory=list)
@@ -188,7 +198,7 @@ def host_tier_counts(records: list[Record]) -> dict[str, int]:
     workers' `host copies` lines are summed by copies() instead)."""
     out: dict[str, int] = {}
     for rec in records:
-        if rec["event"] == COPIES_EVENT:
+        if rec["event"] in (COPIES_EVENT, L3_WRITES_EVENT):
             continue
         if rec.get("proc") == "cache" or _L2_RE.search(str(rec["event"])):
             out[str(rec["event"])] = out.get(str(rec["event"]), 0) + 1
@@ -223,17 +233,44 @@ def _rates(acc: dict[str, float]) -> dict[str, Any]:
 
 
 def l3_activity(records: list[Record]) -> dict[str, Any]:
-    """Disk-tier (L3) events: the scheduler's `l3 load` lines (ok or not), any other l3 event."""
-    loads = [rec for rec in records if rec["event"] == "l3 load"]
+    """Disk-tier (L3) events: the scheduler's `l3 load` lines (ok or not), the cache
+    controller's `l3 writes` lines summed (`writes`: pages written, bytes, writer seconds,
+    GB/s = bytes over those seconds, pages whose file existed, skips, corrupt files seen;
+    {} when none), any other l3 event."""
+    loads = [rec for rec in records if rec["event"] == L3_LOAD_EVENT]
+    writes = [rec for rec in records if rec["event"] == L3_WRITES_EVENT]
     others: dict[str, int] = {}
     for rec in records:
         ev = str(rec["event"])
-        if ev != "l3 load" and re.search(r"\bl3\b", ev, re.IGNORECASE):
+        if ev not in (L3_LOAD_EVENT, L3_WRITES_EVENT) and re.search(r"\bl3\b", ev, re.IGNORECASE):
             others[ev] = others.get(ev, 0) + 1
-    if not loads and not others:
+    if not loads and not writes and not others:
         return {}
     ok = sum(1 for r in loads if r.get("ok") is True)
-    return {"loads": len(loads), "loads_ok": ok, "loads_failed": len(loads) - ok, "events": others}
+    return {
+        "loads": len(loads),
+        "loads_ok": ok,
+        "loads_failed": len(loads) - ok,
+        "writes": _l3_writes(writes),
+        "events": others,
+    }
+
+
+def _l3_writes(lines: list[Record]) -> dict[str, Any]:
+    if not lines:
+        return {}
+    acc = dict.fromkeys(L3_WRITE_KEYS, 0.0)
+    for rec in lines:
+        for k in L3_WRITE_KEYS:
+            v = rec.get(k)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                acc[k] += v
+    out: dict[str, Any] = {k: (acc[k] if k.endswith("_s") else int(acc[k])) for k in L3_WRITE_KEYS}
+    out["lines"] = len(lines)
+    out["gbps"] = acc["bytes"] / acc["write_s"] / 1e9 if acc["write_s"] > 0 else None
+    last = lines[-1]
+    out["files"], out["dir_bytes"] = last.get("files"), last.get("dir_bytes")
+    return out
 
 
 def occupancy(records: list[Record], t0: float) -> list[dict[str, Any]]:
@@ -246,6 +283,22 @@ def occupancy(records: list[Record], t0: float) -> list[dict[str, Any]]:
         point = {k: rec[k] for k in OCCUPANCY_KEYS if isinstance(rec.get(k), int | float)}
         if "kv_pages_used" in point or "l2_pages_used" in point:
             out.append({"t": rec["t"] - t0, **point})
+    return out
+
+
+def occupancy_summary(points: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per figure of the occupancy lines (L1 pages used, prefix-cache pages, L2 pages used,
+    L3 files and bytes): its peak and last value, and the last capacity where there is one."""
+    out: dict[str, dict[str, int]] = {}
+    for key, cap in (("kv_pages_used", "kv_pages_total"), ("cache_pages", "kv_pages_total"),
+                     ("l2_pages_used", "l2_pages_total"), ("l3_files", ""), ("l3_bytes", "")):  # fmt: skip
+        vals = [p[key] for p in points if key in p]
+        if not vals:
+            continue
+        out[key] = {"peak": max(vals), "last": vals[-1]}
+        caps = [p[cap] for p in points if cap in p]
+        if caps:
+            out[key]["total"] = caps[-1]
     return out
 
 
@@ -299,6 +352,7 @@ def analyze(logdir: Path) -> Report:
     reqs = build_requests(records, t0, has_l2)
     errs = errors(records)
     seqs = [e["seq"] for e in errs if e["seq"] is not None]
+    occ = occupancy(records, t0)
     return Report(
         logdir=str(logdir),
         files=files,
@@ -309,7 +363,8 @@ def analyze(logdir: Path) -> Report:
         host_tier=host_tier_counts(records),
         copies=copies(records),
         l3=l3_activity(records),
-        occupancy=occupancy(records, t0),
+        occupancy=occ,
+        occupancy_summary=occupancy_summary(occ),
         errors=errs,
         first_error_seq=min(seqs) if seqs else None,
         notes=_notes(reqs, has_l2, records),
@@ -324,11 +379,12 @@ def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str
         notes.append("per-request L1/L2/L3 split is not logged: cached requests show as tier 'l1+l2'")
         if not copies(records):
             notes.append("no 'host copies' lines in the worker logs (older server or no worker log): no copy counts")
-        notes.append("L3 writes are not logged (see strata_l3_writes_total in /metrics); L3 reads: 'l3 load' lines")
+        if l3_activity(records).get("loads") and not _l3_writes([r for r in records if r["event"] == L3_WRITES_EVENT]):
+            notes.append("no 'l3 writes' lines in cache.log (older server): L3 writes are not counted")
     else:
         notes.append("no cache.log: host tier (L2) off, every cached token came from the device tier (L1)")
     if not occupancy(records, 0.0):
-        notes.append("cache occupancy over time is not logged (no scheduler line with kv_pages_used; see /metrics)")
+        notes.append("no 'cache occupancy' lines in scheduler.log (older server): occupancy over time is not known")
     return notes
 
 
@@ -384,12 +440,33 @@ def _print_summary(rep: Report, w: Any) -> None:
         l3 = rep.l3
         w(f"disk tier (L3): {l3['loads']} loads ({l3['loads_ok']} ok, {l3['loads_failed']} failed)"
           + "".join(f", {k}: {v}" for k, v in sorted(l3["events"].items())))  # fmt: skip
+        if l3["writes"]:
+            _print_l3_writes(l3["writes"], w)
     if rep.host_tier:
         w("cache tier events: " + ", ".join(f"{k}: {v}" for k, v in sorted(rep.host_tier.items())))
     if rep.occupancy:
-        last = rep.occupancy[-1]
-        w(f"cache occupancy: {len(rep.occupancy)} samples, last: "
-          + ", ".join(f"{k} {v}" for k, v in last.items() if k != "t"))  # fmt: skip
+        _print_occupancy(rep, w)
+
+
+OCCUPANCY_LABELS = {"kv_pages_used": "L1 pages used", "cache_pages": "L1 prefix-cache pages",
+                    "l2_pages_used": "L2 pages used", "l3_files": "L3 files", "l3_bytes": "L3 bytes"}  # fmt: skip
+
+
+def _print_occupancy(rep: Report, w: Any) -> None:
+    head = f"cache occupancy ({len(rep.occupancy)} samples)"
+    w(f"{head:<35} {'peak':>12} {'last':>12} {'capacity':>12}")
+    for key, d in rep.occupancy_summary.items():
+        if key == "l3_bytes":
+            peak, last, cap = f"{d['peak'] / 1e9:.3f} GB", f"{d['last'] / 1e9:.3f} GB", "-"
+        else:
+            peak, last, cap = str(d["peak"]), str(d["last"]), str(d.get("total", "-"))
+        w(f"  {OCCUPANCY_LABELS[key]:<33} {peak:>12} {last:>12} {cap:>12}")
+
+
+def _print_l3_writes(d: dict[str, Any], w: Any) -> None:
+    gbps = "-" if d["gbps"] is None else f"{d['gbps']:.2f}"
+    w(f"disk tier (L3) writes: {d['pages']} pages, {d['bytes'] / 1e9:.3f} GB in {d['write_s']:.3f} s "
+      f"({gbps} GB/s); already on disk {d['existed']}, skipped {d['skips']}, corrupt seen {d['corrupt']}")  # fmt: skip
 
 
 def _print_copies(c: dict[str, Any], w: Any) -> None:
@@ -454,18 +531,29 @@ def plot(rep: Report, out_dir: Path) -> list[Path]:
 
 def _plot_occupancy(plt: Any, points: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = {}
     for key, label in (("kv_pages_used", "L1 pages used"), ("cache_pages", "L1 prefix-cache pages"),
                        ("l2_pages_used", "L2 pages used")):  # fmt: skip
         pts = [(p["t"], p[key]) for p in points if key in p]
         if pts:
-            ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label)
-    for key, label in (("kv_pages_total", "L1 capacity"), ("l2_pages_total", "L2 capacity")):
+            (line,) = ax.step([t for t, _ in pts], [v for _, v in pts], where="post", label=label)
+            colors[key] = line.get_color()
+    for key, used, label in (("kv_pages_total", "kv_pages_used", "L1 capacity"),
+                             ("l2_pages_total", "l2_pages_used", "L2 capacity")):  # fmt: skip
         caps = [p[key] for p in points if key in p]
         if caps:
-            ax.axhline(caps[-1], linestyle="--", alpha=0.5, label=label)
+            ax.axhline(caps[-1], linestyle="--", alpha=0.5, color=colors.get(used), label=label)
     ax.set(title="Cache occupancy over time", xlabel="s since the first log line", ylabel="pages")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    l3 = [(p["t"], p["l3_bytes"] / 1e9) for p in points if "l3_bytes" in p]
+    if l3 and any(v for _, v in l3):
+        ax3 = ax.twinx()
+        ax3.step([t for t, _ in l3], [v for _, v in l3], where="post", color="tab:gray", label="L3 bytes (GB)")
+        ax3.set_ylabel("L3 GB")
+        more = ax3.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="upper left", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,6 +1,7 @@
 """bin/analyze on real logs (one real server: two requests sharing a long prefix, one not; one
 with the host and disk tiers: a prompt computed, hit in L1, loaded back from L2, read from L3)
-and on hand-written logs (a digest mismatch; cache occupancy lines)."""
+and on hand-written logs (a digest mismatch; cache occupancy lines). The real logs carry the
+scheduler's `cache occupancy` lines and, with L3, the cache controller's `l3 writes` lines."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.analyze import analyze, main, percentile, plot, print_text
+from engine.analyze import analyze, load, main, percentile, plot, print_text
 from engine.bench import cache as bench_cache
 from tests.integration.conftest import ROOT, start_server, stop_server
 
@@ -51,7 +52,14 @@ def test_real_logs(logdir: Path) -> None:
     assert [r.tier for r in rep.requests] == ["none", "l1", "none"]
     assert rep.requests[1].cached_tokens and rep.requests[1].cached_tokens > 0
     assert set(rep.ttft_by_tier) == {"none", "l1"}
-    assert rep.copies == {} and rep.l3 == {} and rep.occupancy == []  # tiers off
+    assert rep.copies == {} and rep.l3 == {}  # tiers off
+    # the scheduler's `cache occupancy` lines: L1 only (a change within a second of the last
+    # line may be logged after the server stopped, so only the first line is certain)
+    lines = [r for r in load(logdir) if r["event"] == "cache occupancy"]
+    assert lines and all(r["proc"] == "scheduler" and r["kv_pages_total"] > 0 for r in lines)
+    assert len(rep.occupancy) == len(lines) and not any("l2_pages_used" in p for p in rep.occupancy)
+    assert set(rep.occupancy_summary) == {"kv_pages_used", "cache_pages"}
+    assert rep.occupancy_summary["kv_pages_used"]["total"] == lines[0]["kv_pages_total"]
     assert rep.hit_rates["request_hit_rate"] == pytest.approx(1 / 3)
     assert rep.summary["ttft"]["p50"] > 0 and rep.errors == []
 
@@ -67,7 +75,8 @@ def test_cli_json_and_plots(logdir: Path, tmp_path: Path) -> None:
     data = json.loads(out.stdout)
     assert data["summary"]["count"] == 3 and data["summary"]["ttft"]["count"] == 3
     pngs = sorted(tmp_path.glob("*.png"))
-    assert [p.name for p in pngs] == ["ttft_by_tier.png", "ttft_over_time.png"]
+    assert [p.name for p in pngs] == ["cache_occupancy.png", "ttft_by_tier.png", "ttft_over_time.png"]
+    assert data["occupancy"] and data["occupancy_summary"]["kv_pages_used"]["total"] > 0
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
 
 
@@ -108,7 +117,23 @@ def test_real_logs_with_tiers(tier_logdir: Path, tmp_path: Path) -> None:
     assert rep.l3["loads_ok"] >= 1 and rep.l3["loads_failed"] == 0
     buf = io.StringIO()
     print_text(rep, timelines=False, out=buf)
-    assert "backups" in buf.getvalue() and "load-backs" in buf.getvalue() and "disk tier (L3)" in buf.getvalue()
+    text = buf.getvalue()
+    assert "backups" in text and "load-backs" in text and "disk tier (L3)" in text
+    # L3 writes: the cache controller's `l3 writes` lines, summed; every page file written once
+    writes = rep.l3["writes"]
+    assert writes["pages"] >= 7 and writes["bytes"] > writes["pages"] * 1000 and writes["write_s"] > 0
+    assert writes["gbps"] > 0 and writes["skips"] == 0 and writes["corrupt"] == 0
+    assert "disk tier (L3) writes:" in text and f"{writes['pages']} pages" in text
+    # occupancy from the scheduler's `cache occupancy` lines, with L2 and L3 figures
+    occ = rep.occupancy_summary
+    assert {"kv_pages_used", "cache_pages", "l2_pages_used", "l3_files", "l3_bytes"} <= set(occ)
+    assert 0 < occ["kv_pages_used"]["peak"] <= occ["kv_pages_used"]["total"]
+    assert 0 < occ["l2_pages_used"]["peak"] <= occ["l2_pages_used"]["total"]
+    assert occ["l3_files"]["last"] == writes["pages"] and occ["l3_bytes"]["last"] == writes["dir_bytes"] > 0
+    assert "cache occupancy" in text and "L2 pages used" in text and "L3 bytes" in text
+    assert not [n for n in rep.notes if "occupancy" in n or "l3 writes" in n]
+    paths = plot(rep, tmp_path)
+    assert paths[-1].name == "cache_occupancy.png" and paths[-1].read_bytes()[:8] == PNG_MAGIC
 
 
 def _line(**kw: object) -> str:
@@ -168,18 +193,38 @@ def test_digest_mismatch_reported_with_its_seq(tmp_path: Path) -> None:
 
 
 def test_cache_occupancy_plot(tmp_path: Path) -> None:
-    """Scheduler lines with page counts (when the scheduler logs its stats) give a third PNG."""
+    """The scheduler's `cache occupancy` lines give a summary and a third PNG; the cache
+    controller's `l3 writes` lines are summed."""
     logs = tmp_path / "logs"
     logs.mkdir()
     lines = [
-        _line(event="stats", proc="scheduler", kv_pages_used=u, kv_pages_total=20, l2_pages_used=2 * u,
-              l2_pages_total=40, timestamp=f"2026-01-01T00:00:0{i}.000000Z")  # fmt: skip
-        for i, u in enumerate((0, 5, 12, 20))
+        _line(event="cache occupancy", proc="scheduler", kv_pages_used=u, kv_pages_total=20, cache_pages=u // 2,
+              l2_pages_used=2 * u, l2_pages_total=40, l3_files=u, l3_bytes=u * 1000,
+              timestamp=f"2026-01-01T00:00:0{i}.000000Z")  # fmt: skip
+        for i, u in enumerate((0, 5, 20, 12))
     ]
     (logs / "scheduler.log").write_text("\n".join(lines) + "\n")
+    writes = [
+        _line(event="l3 writes", proc="cache", pages=n, bytes=n * 10**6, write_s=n / 1000, existed=0, skips=1,
+              corrupt=0, files=f, dir_bytes=f * 10**6, timestamp=f"2026-01-01T00:00:0{i}.500000Z")  # fmt: skip
+        for i, (n, f) in enumerate(((3, 3), (5, 8)))
+    ]
+    (logs / "cache.log").write_text("\n".join(writes) + "\n")
     rep = analyze(logs)
-    assert [p["kv_pages_used"] for p in rep.occupancy] == [0, 5, 12, 20]
-    assert rep.occupancy[-1]["t"] == pytest.approx(3.0) and rep.occupancy[-1]["l2_pages_used"] == 40
+    assert [p["kv_pages_used"] for p in rep.occupancy] == [0, 5, 20, 12]
+    assert rep.occupancy[-1]["t"] == pytest.approx(3.0) and rep.occupancy[-1]["l2_pages_used"] == 24
+    occ = rep.occupancy_summary
+    assert occ["kv_pages_used"] == {"peak": 20, "last": 12, "total": 20}
+    assert occ["l2_pages_used"] == {"peak": 40, "last": 24, "total": 40}
+    assert occ["l3_bytes"] == {"peak": 20000, "last": 12000}
+    w = rep.l3["writes"]
+    assert (w["pages"], w["bytes"], w["skips"], w["lines"], w["files"]) == (8, 8 * 10**6, 2, 2, 8)
+    assert w["gbps"] == pytest.approx(1.0) and rep.l3["loads"] == 0 and "l3 writes" not in rep.host_tier
+    buf = io.StringIO()
+    print_text(rep, out=buf)
+    text = buf.getvalue()
+    assert "disk tier (L3) writes: 8 pages, 0.008 GB in 0.008 s (1.00 GB/s)" in text
+    assert "cache occupancy (4 samples)" in text
     paths = plot(rep, tmp_path / "png")
     assert [p.name for p in paths][-1] == "cache_occupancy.png"
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)
