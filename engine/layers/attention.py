@@ -114,6 +114,21 @@ def _sdpa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Ten
     return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True, **kw)[0]
 
 
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query token per request, in float32: q [b, Hq, D], k/v [b, Lk, Hkv, D], mask [b, 1, 1, Lk]
+    -> [b, Hq, D]. Two batched GEMMs over (request, KV head), for half-precision KV: CPU flash
+    SDPA with a mask took 1.35 ms a layer in bf16 (40 ms of a 16-request decode step); in fp32
+    SDPA stays (it measured faster inside the model)."""
+    b, hq, d = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv  # a GQA group's query heads share one KV head
+    kt = k.permute(0, 2, 1, 3).reshape(b * hkv, lk, d)
+    vt = v.permute(0, 2, 1, 3).reshape(b * hkv, lk, d)
+    scores = torch.bmm(q.float().view(b * hkv, g, d), kt.transpose(1, 2)) * d**-0.5
+    probs = scores.view(b, hkv, g, lk).masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.bmm(probs.view(b * hkv, g, lk), vt).view(b, hq, d)
+
+
 def _prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Attention of q [Hq, Lq, D] (positions start..start+Lq-1) over k, v [Hkv, start+Lq, D] with
     the causal diagonal shifted right by `start`, on CPU: the prefix part has no mask and the
@@ -190,10 +205,14 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if self._decode is not None:
             g = self._decode
-            kg, vg = kv_pool.gather_pages(layer_id, g.pages, q.dtype)
-            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [b, Hkv, Lk, D]
-            o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), kg, vg, attn_mask=g.mask, enable_gqa=True)
-            out[g.rows] = o.squeeze(2)
+            if q.dtype == torch.float32:  # SDPA's flash kernel is the faster one in fp32 (CPU)
+                kg, vg = kv_pool.gather_pages(layer_id, g.pages, q.dtype)
+                kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [b, Hkv, Lk, D]
+                o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), kg, vg, attn_mask=g.mask, enable_gqa=True)
+                out[g.rows] = o.squeeze(2)
+            else:  # bf16/fp16: two GEMMs in fp32, 4x faster than masked SDPA at one query row
+                kg, vg = kv_pool.gather_pages(layer_id, g.pages, torch.float32)
+                out[g.rows] = _decode_attention(q[g.rows], kg, vg, g.mask).to(q.dtype)
         for e in self._extends:
             qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
             ke, ve = kv_pool.gather_pages(layer_id, e.pages, q.dtype)

@@ -84,11 +84,13 @@ def _dense_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, st
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_torch_attention_matches_dense() -> None:
-    """Decodes, a prefill over a cached prefix and a fresh prefill, mixed in one step, GQA 6:2."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_attention_matches_dense(dtype: torch.dtype) -> None:
+    """Decodes, a prefill over a cached prefix and a fresh prefill, mixed in one step, GQA 6:2
+    (in bf16 the decodes take the two-GEMM path, the prefills SDPA)."""
     torch.manual_seed(0)
     hq, hkv, d, ps = 6, 2, 16, 4
-    pool = KVPool(1, 32, ps, hkv, d, torch.float32, "cpu")
+    pool = KVPool(1, 32, ps, hkv, d, dtype, "cpu")
     # (start, new, pages): the prefix KV of start tokens is written into the pool beforehand
     reqs = [(9, 1, [5, 2, 11]), (6, 5, [7, 3, 1]), (0, 7, [4, 9]), (2, 1, [8])]
     full_k, full_v = [], []
@@ -98,18 +100,21 @@ def test_torch_attention_matches_dense() -> None:
         full_v.append(v)
         slots = torch.tensor([pages[p // ps] * ps + p % ps for p in range(start)], dtype=torch.int64)
         pool.store(0, slots, k[:start], v[:start])
+    full_k = [k.to(dtype).float() for k in full_k]  # what the pool holds
+    full_v = [v.to(dtype).float() for v in full_v]
     batch = ForwardBatch.from_requests([([0] * n, s, p) for s, n, p in reqs], ps, "cpu")
-    q = torch.randn(batch.num_tokens, hq, d)
+    q = torch.randn(batch.num_tokens, hq, d).to(dtype)
     k_new = torch.cat([k[s:] for k, (s, _, _) in zip(full_k, reqs, strict=True)])
     v_new = torch.cat([v[s:] for v, (s, _, _) in zip(full_v, reqs, strict=True)])
     backend = TorchAttention("cpu")
     backend.prepare(batch)
-    out = backend.forward(q, k_new, v_new, 0, batch, pool)
-    assert out.shape == q.shape
+    out = backend.forward(q, k_new.to(dtype), v_new.to(dtype), 0, batch, pool)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     row = 0
     for (start, new, _), k, v in zip(reqs, full_k, full_v, strict=True):
-        want = _dense_reference(q[row : row + new], k, v, start)
-        torch.testing.assert_close(out[row : row + new], want, atol=1e-5, rtol=1e-5)
+        want = _dense_reference(q[row : row + new].float(), k, v, start)
+        torch.testing.assert_close(out[row : row + new].float(), want, atol=tol, rtol=tol)
         row += new
 
 
