@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,26 +19,11 @@ import psutil
 import pytest
 
 from tests.integration.conftest import ROOT, Server, start_server
+from tests.ports import free_port_range
 
 PROMPT = [504, 3575, 282, 4649, 314]
 FLAGS = ("--tp-size", "2", "--nnodes", "2", "--cpu-threads", "1", "--max-total-tokens", "4096")
 STOP_S = 15  # a node stops within this of the other going away (lost stream: 5 s, teardown <= 5 s)
-
-
-def _free_range(n: int) -> int:
-    """A port P with P .. P+n-1 all free now (the rendezvous, then done and the Step streams)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no free port range")
 
 
 @dataclass
@@ -51,7 +35,7 @@ class Pair:
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[Pair]:
-    addr = f"127.0.0.1:{_free_range(4)}"  # rendezvous, done, steps-0, steps-1
+    addr = f"127.0.0.1:{free_port_range(4)}"  # rendezvous, done, steps-0, steps-1
     log1 = tmp_path / "node1"
     out1 = open(tmp_path / "node1.out", "w")  # noqa: SIM115 - the process's, closed below
     node1 = subprocess.Popen([str(ROOT / "bin" / "serve"), *FLAGS, "--node-rank", "1", "--dist-init-addr", addr,

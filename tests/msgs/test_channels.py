@@ -12,6 +12,7 @@ import zmq
 from msgs import channels, client, control, done, outputs, requests, steps
 from msgs.codec import DROPPED
 from msgs.steps import Shutdown
+from tests.ports import free_port_range
 
 
 def _tagged_structs() -> set[type]:
@@ -106,28 +107,11 @@ def test_cross_node_channels_get_tcp_addresses_bound_by_the_scheduler() -> None:
     assert sum(bool(ch.tcp_binder) for ch in channels.ALL) == 2
 
 
-def _free_base(n: int) -> int:
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no free port range")
 
 
 def test_zmq_ends_over_tcp(tmp_path) -> None:
     """The scheduler binds, a worker connects (on loopback here), both directions."""
-    net = channels.TcpPlan(host="127.0.0.1", base_port=_free_base(3))
+    net = channels.TcpPlan(host="127.0.0.1", base_port=free_port_range(3))
     ctx = zmq.Context()
     try:
         w_steps = channels.open_receiver(ctx, channels.STEPS, "worker", str(tmp_path), rank=1, net=net)
