@@ -27,13 +27,11 @@ from msgs.channels import Inbox, Outbox
 from msgs.codec import DROPPED
 from msgs.control import Ready, ToSupervisor
 from msgs.done import (
-    Committed,
     ControllerDigest,
     ControllerFailed,
     FromController,
     FromWorker,
     L3Loaded,
-    L3Stats,
     StepDone,
     WorkerFailed,
     WorkerReady,
@@ -203,22 +201,12 @@ class SchedulerLoop:
         if self.ports.commits is None:
             return
         for msg in _drain(self.ports.commits):
-            if isinstance(msg, Committed):
-                self.core.on_committed(msg.obj)
-                self.stats_dirty = True
-            elif isinstance(msg, L3Loaded):
-                self.core.on_l3_loaded(msg.obj, msg.ok)
-                log.info("l3 load", obj=msg.obj, ok=msg.ok)
-                self.stats_dirty = True
-            elif isinstance(msg, L3Stats):
-                assert self.core.state.tiers is not None
-                self.core.state.tiers.l3_stats = msg
-                self.stats_dirty = True
-            elif isinstance(msg, ControllerDigest):
-                assert self.core.state.tiers is not None
-                self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
-            elif isinstance(msg, ControllerFailed):
+            if isinstance(msg, ControllerFailed):
                 raise WorkerFailure(f"cache controller failed: {msg.reason}")
+            self.core.on_controller(msg)
+            if isinstance(msg, L3Loaded):
+                log.info("l3 load", obj=msg.obj, ok=msg.ok)
+            self.stats_dirty |= not isinstance(msg, ControllerDigest)
 
     def _emit(self, outs: list[ReqOutput]) -> None:
         if outs:

@@ -26,7 +26,7 @@ from engine.sched.outputs import OutputProcessor
 from engine.sched.request import Req, Status
 from engine.sched.state import RequestKV, SchedConfig, SchedState
 from msgs.codec import pack_ids
-from msgs.done import StepDone
+from msgs.done import Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
 from msgs.outputs import ReqOutput
 from msgs.requests import TokenizedRequest
 from msgs.steps import DigestCheck, Forward, Step
@@ -155,6 +155,21 @@ class SchedulerCore:
         if self.state.tiers is None:
             raise DigestMismatch(f"L3Loaded({obj}) without a host tier")
         self.state.tiers.on_l3_loaded(obj, ok)
+
+    def on_controller(self, msg: Committed | L3Loaded | L3Stats | ControllerDigest) -> None:
+        """One message of the cache controller that changes the scheduler's state (its
+        ControllerFailed is the loop's: it stops the process)."""
+        match msg:
+            case Committed(obj=obj):
+                self.on_committed(obj)
+            case L3Loaded(obj=obj, ok=ok):
+                self.on_l3_loaded(obj, ok)
+            case L3Stats() | ControllerDigest() if self.state.tiers is None:
+                raise DigestMismatch(f"{type(msg).__name__} without a host tier")
+            case L3Stats():
+                self.state.tiers.l3_stats = msg
+            case ControllerDigest(seq=seq, digest=digest):
+                self.state.tiers.on_controller_digest(seq, digest)
 
     # ---- introspection -----------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from engine.run.runner import ModelRunner
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
 from msgs.codec import pack_ids
-from msgs.done import BackupDone, Committed, ControllerDigest, L3Loaded, L3Stats
+from msgs.done import BackupDone
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 
@@ -89,14 +89,7 @@ class Engine:
             self.backups.send(BackupDone(obj=obj, rank=0))
         self.ctrl.pump()
         for msg in self.commits.drain():
-            if isinstance(msg, Committed):
-                self.core.on_committed(msg.obj)
-            elif isinstance(msg, L3Loaded):
-                self.core.on_l3_loaded(msg.obj, msg.ok)
-            elif isinstance(msg, L3Stats):
-                self.core.state.tiers.l3_stats = msg
-            elif isinstance(msg, ControllerDigest):
-                self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
+            self.core.on_controller(msg)
 
 
 @pytest.fixture(scope="module")

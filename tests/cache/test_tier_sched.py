@@ -17,7 +17,7 @@ from engine.replica import TokenChain, rank_replica
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
 from msgs.codec import pack_ids, unpack_ids
-from msgs.done import BackupDone, Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
+from msgs.done import BackupDone, StepDone
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 from msgs.steps import BackupPrepare, Step
@@ -97,15 +97,7 @@ class Cluster:
     def _controller(self) -> None:
         self.ctrl.pump()
         for msg in self.commits.drain():
-            if isinstance(msg, Committed):
-                self.core.on_committed(msg.obj)
-            elif isinstance(msg, L3Loaded):
-                self.core.on_l3_loaded(msg.obj, msg.ok)
-            elif isinstance(msg, L3Stats):
-                self.core.state.tiers.l3_stats = msg
-            else:
-                assert isinstance(msg, ControllerDigest)
-                self.core.state.tiers.on_controller_digest(msg.seq, msg.digest)
+            self.core.on_controller(msg)
 
 
 def test_randomized_conversations_keep_every_replica_identical() -> None:
