@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.cache.host_alloc import HostAllocator
 from engine.cache.l3 import WRITE_QUEUE_BYTES, L3Dir, L3Store, unpack_keys
-from engine.cache.slab import map_slab
+from engine.cache.slab import available_memory, map_slab
 from engine.replica import Effect, ReplicaError, rank_replica
 from msgs.channels import Inbox, Outbox
 from msgs.done import BackupDone, Committed, ControllerDigest, FromController, L3Loaded, L3Stats, ToController
@@ -84,8 +84,10 @@ class L3Tier(Effect):
                 view = np.frombuffer(self.slab.map, dtype=np.uint8)
                 view = view.reshape(self.slab.world, 2 * layers, n, page_bytes // (2 * layers))
                 # the writer may hold up to one L2's worth (at least queue_bytes): an object is at
-                # most the whole slab, so a long prefix (4 GiB at 32k tokens of Llama-3.1-8B) is written whole
-                queue = max(self.queue_bytes, n * page_bytes * self.slab.world)
+                # most the whole slab, so a long prefix (4 GiB at 32k tokens of Llama-3.1-8B) is written
+                # whole; but never more than a fifth of the memory free now (the slab was sized to leave it)
+                slab_bytes = n * page_bytes * self.slab.world
+                queue = max(self.queue_bytes, min(slab_bytes, available_memory() // 5))
                 self.store = L3Store(L3Dir(self.root, fp, self.cap), view, queue)
             case BackupPrepare(obj=obj, keys=keys) if keys:
                 self.keys[obj] = unpack_keys(keys)

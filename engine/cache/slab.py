@@ -41,3 +41,19 @@ def map_slab(path: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping keeps the memory; the file name is the supervisor's
+
+
+def available_memory() -> int:
+    """Host memory free now for a slab: the smaller of MemAvailable and /dev/shm's free space."""
+    avail = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    if SHM_DIR.is_dir():
+        st = os.statvfs(SHM_DIR)
+        avail.append(st.f_bavail * st.f_frsize)
+    return min(avail) if avail else 1 << 62

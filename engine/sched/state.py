@@ -4,7 +4,6 @@ page allocator, the radix tree, and each request's KV pages (`RequestKV`)."""
 from __future__ import annotations
 
 import heapq
-import os
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ import structlog
 from engine.cache.allocator import PageAllocator
 from engine.cache.hiradix import TieredRadixCache
 from engine.cache.radix import RadixCache
-from engine.cache.slab import SHM_DIR
+from engine.cache.slab import available_memory
 from engine.config import ServerConfig
 from engine.sched.request import Req
 from engine.sched.tiers import Tiers, make_cache
@@ -101,9 +100,10 @@ class SchedState:
 def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:
     """L2 pages: --hicache-size GB of host pages, else --hicache-ratio x the device pool, within
     `room` bytes of host memory for the whole slab (every rank's region; default: 80% of what
-    is available now). The ratio is capped to fit, with a warning (an H200's 1M-token pool at
-    the default ratio 2 would need 226 GiB, and pinning it failed at the first step); an
-    explicit --hicache-size that cannot fit stops the start-up with a clear error."""
+    is available now, 60% with the disk tier on, whose writer queue may take another 20%).
+    The ratio is capped to fit, with a warning (an H200's 1M-token pool at the default ratio 2
+    would need 226 GiB, and pinning it failed at the first step); an explicit --hicache-size
+    that cannot fit stops the start-up with a clear error."""
     if not cfg.enable_hierarchical_cache:
         return 0
     if cfg.hicache_size > 0:
@@ -114,7 +114,8 @@ def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int 
         want = max(1, int(cfg.hicache_ratio * (ready.num_pages - 1)))
     if ready.page_bytes <= 0:  # no layout given (unit tests): nothing to size against
         return want
-    room = host_room() if room is None else room
+    if room is None:  # 80% of what is free; 60% with L3 on (its writer queue takes up to 20%)
+        room = available_memory() * (3 if cfg.l3_dir else 4) // 5
     fits = room // (ready.page_bytes * ranks)
     if want <= fits:
         return want
@@ -127,23 +128,6 @@ def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int 
     log.warning("host tier capped to the host memory available", wanted_gib=round(need_gib, 1),
                 capped_gib=round(fits * ready.page_bytes * ranks / 2**30, 1), pages=fits)
     return fits
-
-
-def host_room() -> int:
-    """80% of the host memory available now: MemAvailable and the free space of /dev/shm."""
-    avail = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    shm = SHM_DIR if SHM_DIR.is_dir() else None
-    if shm is not None:
-        st = os.statvfs(shm)
-        avail.append(st.f_bavail * st.f_frsize)
-    return int(0.8 * min(avail)) if avail else 1 << 62
 
 
 class RequestKV:
