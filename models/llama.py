@@ -122,11 +122,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, mine, cfg.hidden_size, False, dtype)
 
     def down(self, h: torch.Tensor) -> torch.Tensor:
-        """The down projection of the gate_up output h: silu(gate) * up, then down_proj."""
-        cfg = self.down_proj.gemv_config(h)  # h is [B, 2 * intermediate]
-        if cfg is not None:  # small batches: SiLU-and-mul folded into the down-projection GEMV
-            return triton_ops.gemv(h, self.down_proj.weight, *cfg, silu_mul=True)
-        return self.down_proj(ops.silu_and_mul(h))
+        """The down projection of the gate_up output h ([B, 2 * intermediate]): silu(gate) * up,
+        then down_proj (for small batches folded into its GEMV, on each shard at tp > 1)."""
+        return self.down_proj.forward_silu_mul(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
