@@ -9,8 +9,7 @@
 #   tp-agree-fp32.json  greedy tokens tp=2 vs tp=1, float32, torch attention, no CUDA graph, Llama-3.1-8B
 #                       cut to 4 layers (dummy weights): must agree; one-shot and NCCL all-reduce
 #   tp-llama-8b.json    Llama-3.1-8B bf16 decode, batch 1 and 8, ctx 1024, CUDA graphs: tp=1,
-#                       tp=2 one-shot, tp=2 NCCL, tp=2 one-shot + SiLU folded into the down GEMV,
-#                       tp=2 NCCL without GEMVs (the code before this change; last, dropped first)
+#                       tp=2 one-shot, tp=2 NCCL
 #   summary.txt         the tables (also printed), logs.tgz: every log
 # Usage on the device: bash scripts/gpu_tp.sh
 set -uo pipefail
@@ -36,10 +35,10 @@ grep -E '^\{' "$OUT/logs/probe.log" | head -40
 # the one-shot runs only where the probe's one-shot all-reduce worked (a hang there would cost each run its timeout)
 if python3 -c "import json, sys; p = json.load(open('$OUT/tp-probe.json')); \
 sys.exit(0 if any(r.get('symm_equals_nccl') for r in p['allreduce']) else 1)" 2>/dev/null; then
-  AGREE_RUNS="1 2:symm 2:nccl"; LLAMA_RUNS="1 2:symm 2:nccl 2:symm+fold_down_silu 2:nccl+nogemv"
+  AGREE_RUNS="1 2:symm 2:nccl"; LLAMA_RUNS="1 2:symm 2:nccl"
 else
   echo "one-shot all-reduce did not work in the probe: NCCL runs only"
-  AGREE_RUNS="1 2:nccl"; LLAMA_RUNS="1 2:nccl 2:nccl+fold_down_silu 2:nccl+nogemv"
+  AGREE_RUNS="1 2:nccl"; LLAMA_RUNS="1 2:nccl"
 fi
 part agree-fp32 110 python3 scripts/tp_bench.py --model $M --layers 4 --dtype float32 --attention-backend torch \
   --disable-cuda-graph --runs $AGREE_RUNS --batch-sizes 1 --context-len 256 --steps 32 --timeout 90 \

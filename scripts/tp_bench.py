@@ -4,14 +4,11 @@ python3 scripts/tp_bench.py --model configs/llama-3.1-8b --runs 1 2:nccl 2:symm 
     [--context-len 1024 --steps 64] [--layers 4] [--dtype float32 --attention-backend torch
     --disable-cuda-graph] [--out FILE]
 
-Each run is `TP[:ALLREDUCE][+PATCH...]`, started in its own spawned processes
-(tests/models/tp_harness.py, the driver the CPU tests use):
+Each run is `TP[:ALLREDUCE]`, started in its own spawned processes (tests/models/tp_harness.py,
+the driver the CPU tests use):
   TP         ranks (1 = the baseline)
   ALLREDUCE  tuned (default: the GPU's tuning file), nccl (NCCL for every size), symm (the
              one-shot all-reduce over peer memory up to --symm-max-bytes, NCCL above)
-  PATCH      fold_down_silu: the SiLU-and-mul folded into the down projection's GEMV at tp > 1
-             too (a proposed one-line change to models/llama.py, measured before it is made);
-             nogemv: no triton GEMVs (cuBLAS for every projection, as before shards had GEMVs)
 Per batch size, one wave of that many prompts (distinct, --context-len tokens each); step time is
 rank 0's wall time per pure-decode step of exactly that batch (run_step: launch + the host sync
 of the sampled tokens, every rank running it, no overlap), median after 5 warm-up steps. Greedy
@@ -36,14 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]
 
-from tp_harness import PATCHES, run_tp  # noqa: E402
+from tp_harness import run_tp  # noqa: E402
 
 from engine.config import ServerConfig  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from msgs.params import SamplingParams  # noqa: E402
 
 ALLREDUCE = ("tuned", "nccl", "symm")
-TUNING_PATCHES = {"nogemv": {"triton_gemv": False}}  # patches that are tuning fields
 WARMUP_STEPS = 5
 
 
@@ -51,39 +47,27 @@ WARMUP_STEPS = 5
 class Run:
     tp: int
     allreduce: str = "tuned"
-    patches: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return str(self.tp) + ("" if self.allreduce == "tuned" else f":{self.allreduce}") + "".join(
-            f"+{p}" for p in self.patches)
+        return str(self.tp) + ("" if self.allreduce == "tuned" else f":{self.allreduce}")
 
 
 def parse_run(spec: str) -> Run:
-    head, *patches = spec.split("+")
-    tp, _, allreduce = head.partition(":")
-    r = Run(int(tp), allreduce or "tuned", tuple(patches))
-    known = set(PATCHES) | set(TUNING_PATCHES)
-    if r.tp < 1 or r.allreduce not in ALLREDUCE or any(p not in known for p in r.patches):
-        raise argparse.ArgumentTypeError(f"bad run {spec!r}: TP[:{'|'.join(ALLREDUCE)}][+{'|'.join(sorted(known))}]")
+    tp, _, allreduce = spec.partition(":")
+    r = Run(int(tp), allreduce or "tuned")
+    if r.tp < 1 or r.allreduce not in ALLREDUCE:
+        raise argparse.ArgumentTypeError(f"bad run {spec!r}: TP[:{'|'.join(ALLREDUCE)}]")
     return r
 
 
 def tuning_of(run: Run, symm_max_bytes: int) -> dict | None:
-    """override_tuning's fields for the run's all-reduce choice and tuning patches (None: the
-    GPU's file as is)."""
-    kw: dict = {}
+    """override_tuning's fields for the run's all-reduce choice (None: the GPU's file as is)."""
     if run.allreduce == "nccl":
-        kw["tp_symm_allreduce_max_bytes"] = 0
+        return {"tp_symm_allreduce_max_bytes": 0}
     if run.allreduce == "symm":
-        kw["tp_symm_allreduce_max_bytes"] = symm_max_bytes
-    for p in run.patches:
-        kw |= TUNING_PATCHES.get(p, {})
-    return kw or None
-
-
-def harness_patches(run: Run) -> tuple[str, ...]:
-    return tuple(p for p in run.patches if p in PATCHES)
+        return {"tp_symm_allreduce_max_bytes": symm_max_bytes}
+    return None
 
 
 def cut_model(model: str, layers: int, into: Path) -> str:
@@ -162,21 +146,19 @@ def main() -> int:
                            max_total_tokens=most * (a.context_len + a.steps + 64) + 256,
                            max_prefill_tokens=max(2048, a.context_len), disable_cuda_graph=a.disable_cuda_graph,
                            disable_overlap=True, dtype=a.dtype, attention_backend=a.attention_backend)
-        rec: dict = {"tp": run.tp, "allreduce": run.allreduce, "patches": list(run.patches)}
+        rec: dict = {"tp": run.tp, "allreduce": run.allreduce}
         report["runs"][run.name] = rec
         t0 = time.perf_counter()
         try:
             try:
-                outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes),
-                              patches=harness_patches(run))
+                outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes))
             except Exception as exc:  # noqa: BLE001 - one device call: record it and retry eager
                 if cfg.disable_cuda_graph or cfg.resolved_device != "cuda" or isinstance(exc, queue.Empty):
                     raise  # a run that timed out is not retried
                 print(f"{run.name} with CUDA graphs failed, retrying eager: {str(exc)[-3000:]}", flush=True)
                 rec["graph_failure"] = str(exc)[-3000:]
                 cfg = dataclasses.replace(cfg, disable_cuda_graph=True)
-                outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes),
-                              patches=harness_patches(run))
+                outs = run_tp(cfg, waves, timeout_s=a.timeout, tuning=tuning_of(run, a.symm_max_bytes))
         except Exception as exc:  # noqa: BLE001 - the other runs still run
             rec["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
             print(f"{run.name}: FAILED {rec['error']}", flush=True)

@@ -38,23 +38,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fold_down_silu() -> None:
-    """The SiLU-and-mul folded into the down projection's GEMV at any tp (models/llama.py folds
-    it only where the layer hands out its GEMV config, i.e. tp 1): MLP.down as
-    `down_proj.forward_silu_mul`, the one-line change this A/B measures before it is made."""
-    from models.llama import MLP
-
-    MLP.down = lambda self, h: self.down_proj.forward_silu_mul(h)
-
-
-PATCHES = {"fold_down_silu": _fold_down_silu}
-
-
 def _rank_main(cfg_json: str, rank: int, port: int, peers: list[Connection], waves: list[Any], out: Any,
-               tuning: dict | None = None, patches: tuple[str, ...] = ()) -> None:
+               tuning: dict | None = None) -> None:
     """One rank's process: the environment bin/serve's supervisor would give it, then serve.
-    `tuning`: KernelTuning fields over the GPU's file (engine.layers.tuning.override_tuning);
-    `patches`: names in PATCHES, applied before the model is built (benchmarks' A/Bs)."""
+    `tuning`: KernelTuning fields over the GPU's file (engine.layers.tuning.override_tuning)."""
     cfg = ServerConfig.from_json(cfg_json)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(cfg.tp_size), LOCAL_RANK=str(rank))
@@ -65,8 +52,6 @@ def _rank_main(cfg_json: str, rank: int, port: int, peers: list[Connection], wav
             from engine.layers.tuning import override_tuning
 
             override_tuning(**tuning)
-        for name in patches:
-            PATCHES[name]()
 
         if cfg.resolved_device == "cpu":
             torch.set_num_threads(1)
@@ -133,23 +118,19 @@ def _drive(cfg: ServerConfig, runner: Any, peers: list[Connection], waves: list[
     return results
 
 
-def run_tp(cfg: ServerConfig, waves: list[Any], timeout_s: float = 240.0, tuning: dict | None = None,
-           patches: tuple[str, ...] = ()) -> list[list[Out]]:
+def run_tp(cfg: ServerConfig, waves: list[Any], timeout_s: float = 240.0,
+           tuning: dict | None = None) -> list[list[Out]]:
     """Run `waves` ([(prompts, SamplingParams)]) on cfg.tp_size ranks; per wave, per prompt, the
-    output. `tuning` and `patches` as in _rank_main (every rank the same)."""
-    unknown = [p for p in patches if p not in PATCHES]
-    if unknown:
-        raise ValueError(f"unknown patches {unknown}; known: {sorted(PATCHES)}")
+    output. `tuning` as in _rank_main (every rank the same)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe() for _ in range(cfg.tp_size - 1)]
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(cfg.to_json(), 0, port, [a for a, _ in pipes], waves, out, tuning,
-                                             tuple(patches)), daemon=True)
-    ] + [
-        ctx.Process(target=_rank_main, args=(cfg.to_json(), r + 1, port, [b], waves, out, tuning, tuple(patches)),
+        ctx.Process(target=_rank_main, args=(cfg.to_json(), 0, port, [a for a, _ in pipes], waves, out, tuning),
                     daemon=True)
+    ] + [
+        ctx.Process(target=_rank_main, args=(cfg.to_json(), r + 1, port, [b], waves, out, tuning), daemon=True)
         for r, (_, b) in enumerate(pipes)
     ]
     for p in procs:
