@@ -8,20 +8,24 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
   token prefix: key_i = blake2b(key_{i-1} || page i's tokens as int32, 16 bytes), key_{-1}
   = the fingerprint, so a key names the whole prefix up to and including its page.
 * **Files.** `<dir>/<hex[:2]>/<hex>.kv`, one per page, holding every rank's bytes of that
-  page: a header (magic, version, fingerprint, key, payload length, blake2b of the
+  page: a header (magic, version, fingerprint, key, payload length, CRC-32 of the
   payload) and the payload, [rank][layer][K, V][layer bytes]. A write goes to a
   temporary name in the same directory and is renamed into place (`os.replace`), so a
   reader never sees half a file, also on a directory shared by several engines; a file
   that exists is not written again (content-addressed). A read checks the header, the
   length and the checksum: a bad file is counted as corrupt, unlinked and not served.
+  The payload is read straight into its host pages (one `preadv` into the page's
+  [rank][layer][K, V] rows of the slab) and checked there: no intermediate buffer. CRC-32
+  (zlib's, carry-less-multiply accelerated: ~4 GB/s a core here against blake2b's ~0.9)
+  detects a damaged file; the header's fingerprint and key detect a foreign one.
 * **Size cap.** `L3Dir` knows the bytes in the directory (a scan at start, then its own
   writes); over the cap it rescans and removes the oldest files (mtime: a read refreshes
   it) down to 90% of the cap.
 * **Threads.** `L3Store` (the controller's) writes snapshots of committed objects on a
   writer thread (a queue bounded in bytes: over it a write is skipped and counted) and
   reads objects into the host slab on a reader thread; results come back through
-  `take_loaded()`. Each spreads an object's pages over a small pool (file I/O, blake2b and
-  the copies release the GIL), so a long prefix is not checksummed on one core.
+  `take_loaded()`. Each spreads an object's pages over a small pool (file I/O and CRC-32
+  release the GIL), so a long prefix is not checksummed on one core.
 * **Log.** At most once per LOG_INTERVAL_S, and only after activity, `L3Store.maybe_log`
   writes one `l3 writes` line with what happened since the last one: page files written,
   their bytes, the writer's seconds (wall time of its batches), pages that already had a
@@ -40,6 +44,7 @@ import secrets
 import struct
 import threading
 import time
+import zlib
 from array import array
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,8 +53,9 @@ from typing import Any
 
 KEY_BYTES = 16
 MAGIC = b"STRATAKV"
-VERSION = 1
-HEADER = struct.Struct("<8sI16s16sQ16s")  # magic, version, fingerprint, key, payload length, checksum
+VERSION = 2  # 1: blake2b checksums (such files read as foreign: ignored and removed)
+HEADER = struct.Struct("<8sI16s16sQI")  # magic, version, fingerprint, key, payload length, CRC-32
+IOV_MAX = 1024  # iovecs per preadv call (POSIX minimum of the Linux limit)
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
@@ -117,22 +123,39 @@ def probe(root: str | Path, keys: Sequence[bytes]) -> int:
 # ---- one file -----------------------------------------------------------------------------
 
 
+def crc32(parts: Iterable[Any]) -> int:
+    """CRC-32 over the concatenation of `parts` (buffers)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def header(fingerprint: bytes, key: bytes, payload: Sequence[Any], payload_len: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, fingerprint, key, payload_len, crc32(payload))
+
+
 def encode_file(fingerprint: bytes, key: bytes, payload: bytes) -> bytes:
-    check = hashlib.blake2b(payload, digest_size=16).digest()
-    return HEADER.pack(MAGIC, VERSION, fingerprint, key, len(payload), check) + payload
+    return header(fingerprint, key, [payload], len(payload)) + payload
+
+
+def header_ok(head: bytes, fingerprint: bytes, key: bytes, payload_len: int) -> int | None:
+    """The payload's CRC-32 the header promises, or None when the header is not this page's."""
+    if len(head) != HEADER.size:
+        return None
+    magic, version, fp, k, n, check = HEADER.unpack(head)
+    if (magic, version, fp, k, n) != (MAGIC, VERSION, fingerprint, key, payload_len):
+        return None
+    return check
 
 
 def decode_file(data: bytes, fingerprint: bytes, key: bytes, payload_len: int) -> bytes | None:
     """The payload, or None when anything is off (header, model, key, length, checksum)."""
     if len(data) != HEADER.size + payload_len:
         return None
-    magic, version, fp, k, n, check = HEADER.unpack_from(data)
-    if (magic, version, fp, k, n) != (MAGIC, VERSION, fingerprint, key, payload_len):
-        return None
+    check = header_ok(data[: HEADER.size], fingerprint, key, payload_len)
     payload = data[HEADER.size :]
-    if hashlib.blake2b(payload, digest_size=16).digest() != check:
-        return None
-    return payload
+    return payload if check is not None and zlib.crc32(payload) == check else None
 
 
 # ---- the directory ------------------------------------------------------------------------
@@ -189,20 +212,21 @@ class L3Dir:
             _touch(dst)
             return False
         dst.parent.mkdir(exist_ok=True)
-        data = encode_file(self.fingerprint, key, payload)
+        head = header(self.fingerprint, key, [payload], len(payload))
         tmp = dst.parent / f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.write(head)
+                f.write(payload)
             os.replace(tmp, dst)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
         with self.lock:
             self.stats["writes"] += 1
-            self.stats["bytes_written"] += len(data)
+            self.stats["bytes_written"] += len(head) + len(payload)
             self.stats["files"] += 1
-            self.stats["bytes"] += len(data)
+            self.stats["bytes"] += len(head) + len(payload)
             over = self.stats["bytes"] > self.cap
         if over:
             self.enforce_cap()
@@ -211,24 +235,37 @@ class L3Dir:
     def read(self, key: bytes, payload_len: int) -> bytes | None:
         """The verified payload of `key`'s page, or None (missing, or corrupt: then unlinked
         and counted)."""
+        buf = bytearray(payload_len)
+        return bytes(buf) if self.read_into(key, [memoryview(buf)]) else None
+
+    def read_into(self, key: bytes, parts: Sequence[memoryview]) -> bool:
+        """Read `key`'s verified payload into the writable buffers `parts`, in order (their
+        sizes sum to the payload's length); False when missing, or corrupt: then unlinked and
+        counted, and `parts` hold garbage."""
         path = self.path(key)
+        payload_len = sum(p.nbytes for p in parts)
         try:
-            size = path.stat().st_size
-            # never read more than a page file can hold (a shared directory may hold anything)
-            data = path.read_bytes() if size == HEADER.size + payload_len else b""
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return None
-        payload = decode_file(data, self.fingerprint, key, payload_len)
-        if payload is None:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            # never read more than a page file can hold (a shared directory may hold anything)
+            check = header_ok(os.pread(fd, HEADER.size, 0), self.fingerprint, key, payload_len) \
+                if size == HEADER.size + payload_len else None
+            ok = check is not None and _preadv(fd, parts, HEADER.size) == payload_len and crc32(parts) == check
+        finally:
+            os.close(fd)
+        if not ok:
             with self.lock:
                 self.stats["corrupt"] += 1
             self._remove(path, size)
-            return None
+            return False
         _touch(path)
         with self.lock:
             self.stats["reads"] += 1
-            self.stats["bytes_read"] += len(data)
-        return payload
+            self.stats["bytes_read"] += size
+        return True
 
     def _remove(self, path: Path, size: int) -> None:
         try:
@@ -256,6 +293,19 @@ class L3Dir:
             self.stats["files"] = len(files) - removed
             self.stats["bytes"] = total
         return removed
+
+
+def _preadv(fd: int, parts: Sequence[memoryview], offset: int) -> int:
+    """Read into `parts` from `offset`, as many preadv calls as it takes; the bytes read."""
+    done = 0
+    for at in range(0, len(parts), IOV_MAX):
+        group = parts[at : at + IOV_MAX]
+        want = sum(p.nbytes for p in group)
+        got = os.preadv(fd, group, offset + done)
+        done += got
+        if got != want:  # short: the file shrank under us (another engine) or an odd filesystem
+            return done
+    return done
 
 
 def _touch(path: Path) -> None:
@@ -386,15 +436,9 @@ class L3Store:
             self.maybe_log()
 
     def _read_page(self, at: int, key: bytes) -> bool:
-        """Read and verify one page's file into host page `at` (every rank's part)."""
-        import numpy as np
-
-        payload = self.files.read(key, self.page_payload)
-        if payload is None:
-            return False
-        shape = (self.slab.shape[0], self.slab.shape[1], self.slab.shape[3])
-        self.slab[:, :, at, :] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
-        return True
+        """Read and verify one page's file straight into host page `at` (every rank's part)."""
+        ranks, rows = self.slab.shape[0], self.slab.shape[1]
+        return self.files.read_into(key, [memoryview(self.slab[r, j, at]) for r in range(ranks) for j in range(rows)])
 
     def _reader(self) -> None:
         while True:
