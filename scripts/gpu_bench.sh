@@ -10,10 +10,12 @@
 #   serve     Qwen3-0.6B online serving, 400 requests at 40 req/s
 #   profile1  kernels of one batch-1 decode step (scripts/profile_decode.py), both models
 #   cache     Llama-3.1-8B TTFT of a 32k prompt: recompute vs L1 vs L2 vs L3 (bin/bench cache, L3 under /tmp)
+#   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
+#   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
 #   hostcopy  host-tier copy GB/s (python -m engine.run.host_tier cuda) and the gpu tier tests (side stream)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="check latency qwen llama8m llama serve profile1 cache hostcopy pack"
+MODES="check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -61,6 +63,16 @@ for what in "$@"; do case $what in
           --prompt-len 32768 --repeat 3 --l3-dir /tmp/strata-l3 --server-args "--max-prefill-tokens 32832 --log-dir $OUT/logs-cache" \
           --out "$OUT/cache-llama-3.1-8b-32k-h200.json" || fails=$((fails + 1))
           grep -A8 "served by" "$OUT/cache-llama-3.1-8b.log"; grep -h '"host copies"' $OUT/logs-cache/worker-0.log | tail -3 ;;
+  structured) run structured-qwen3-0.6b 300 bin/bench structured --model configs/qwen3-0.6b --load-format dummy \
+          --tokenizer-from bench/tok-smollm2 --num-requests 64 --max-tokens 512 --server-args "--log-dir $OUT/logs-structured" \
+          --out "$OUT/structured-qwen3-0.6b-h200.json" || fails=$((fails + 1))
+          grep -h '"grammar timing"\|"gpu idle"' $OUT/logs-structured/worker-0.log | tail -12 ;;
+  l2decode) for l2 in off on; do
+            extra=""; [ $l2 = on ] && extra="--enable-hierarchical-cache"
+            run offline-qwen3-0.6b-l2$l2 240 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
+              --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
+              --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
+            grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
   hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log"
           run tier-gpu-tests 300 python3 -m pytest -m gpu tests/cache/test_tier_gpu.py -q -rA -p no:cacheprovider \
             || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/tier-gpu-tests.log" | tail -30 ;;

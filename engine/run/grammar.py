@@ -18,6 +18,11 @@ its C++ kernel on CPU) to the constrained rows only. The bitmask spans the model
 vocabulary (the TokenizerInfo has the model's vocab size), so ids past the tokenizer's
 vocabulary are masked too. Requests without a grammar never wait.
 
+Timing: every TIMING_WINDOW constrained steps one `grammar timing` log line gives the mean
+milliseconds per step of each part: the job's wait for the tokens, its accept and fill, the
+worker thread's wait in `mask` for the job, the rest of `mask` (late fills, gather, copy,
+apply), and the period between two masks (what a constrained step costs the host).
+
 A finished grammar (its stop token accepted) is terminated: the scheduler ends the request
 on that token, and a row of it still sampled by the overlap step is left unmasked (its
 token is discarded).
@@ -25,6 +30,7 @@ token is discarded).
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +48,30 @@ from msgs.steps import AddReq, FreeReq
 
 log = structlog.get_logger()
 COMPILED_CACHE = 64  # deserialized grammars kept by key (requests sharing a schema share one)
+TIMING_WINDOW = 200  # constrained steps per `grammar timing` line
+TIMING_KEYS = ("tokens_wait", "accept", "fill", "join_wait", "mask", "period")
+
+
+class _Timing:
+    """Sums of seconds by part over the constrained steps since the last line (any thread adds)."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(TIMING_KEYS, 0.0)
+        self.steps = 0
+        self.rows = 0
+        self.last_mask: float | None = None
+
+    def step(self, rows: int, now: float) -> None:
+        if self.last_mask is not None and now - self.last_mask < 0.05:  # not across idle gaps
+            self.sums["period"] += now - self.last_mask
+        self.last_mask = now
+        self.steps += 1
+        self.rows += rows
+        if self.steps == TIMING_WINDOW:
+            ms = {f"{k}_ms": round(v / self.steps * 1e3, 3) for k, v in self.sums.items()}
+            log.info("grammar timing", steps=self.steps, rows_per_step=round(self.rows / self.steps, 1), **ms)
+            self.sums = dict.fromkeys(TIMING_KEYS, 0.0)
+            self.steps = self.rows = 0
 
 
 @dataclass
@@ -78,6 +108,7 @@ class GrammarSlots(Effect):
         # fills and accepts the rows of a step on xgrammar's thread pool (64 rows: ~1 ms serially)
         self._batch = xgr.BatchGrammarMatcher("auto")
         self.rejected = 0  # sampled tokens a matcher refused (never expected: the mask forbids them)
+        self.timing = _Timing()
         if device.type == "cuda":
             self._warm()
 
@@ -141,7 +172,9 @@ class GrammarSlots(Effect):
         rows = [(i, s, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
         if not rows:
             return
+        t0 = time.perf_counter()
         self._join()  # the previous constrained step's tokens are accepted and its rows filled
+        t1 = time.perf_counter()
         live = [(i, s, m) for i, s, m in rows if not m.is_terminated()]
         if not live:
             return
@@ -155,6 +188,10 @@ class GrammarSlots(Effect):
         torch.index_select(self._bitmask, 0, by_slot, out=staging)
         bitmask = staging.to(self.device, non_blocking=True) if self.device.type == "cuda" else staging
         self._apply(logits, bitmask, idx)
+        t2 = time.perf_counter()
+        self.timing.sums["join_wait"] += t1 - t0
+        self.timing.sums["mask"] += t2 - t1
+        self.timing.step(len(live), t0)
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, idx: list[int]) -> None:
         if self.device.type != "cuda":
@@ -199,14 +236,20 @@ class GrammarSlots(Effect):
             self._advance(pending)
 
     def _advance(self, pending: _Pending) -> None:
+        t0 = time.perf_counter()
         if pending.event is not None:
             pending.event.synchronize()
+        t1 = time.perf_counter()
+        sums = self.timing.sums
+        sums["tokens_wait"] += t1 - t0
         toks = pending.tokens.tolist()  # Python ints
         # a matcher dropped by FreeReq meanwhile still gets its token: harmless, it is garbage
         live = [(toks[i], s, m) for i, s, m in pending.rows if not m.is_terminated()]
         if not live:
             return
         ok = self._batch.batch_accept_token([m for _, _, m in live], [t for t, _, _ in live])
+        t2 = time.perf_counter()
+        sums["accept"] += t2 - t1
         for accepted, (tok, _, _) in zip(ok, live, strict=True):
             if not accepted:
                 self.rejected += 1
@@ -216,3 +259,4 @@ class GrammarSlots(Effect):
             self._batch.batch_fill_next_token_bitmask([m for _, m in fill], self._bitmask, [s for s, _ in fill])
             for s, m in fill:
                 self._ready[s] = m
+        sums["fill"] += time.perf_counter() - t2
