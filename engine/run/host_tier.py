@@ -56,9 +56,11 @@ from __future__ import annotations
 
 import contextvars
 import mmap
+import os
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -73,6 +75,7 @@ from msgs.steps import BackupPrepare, HostInit, LoadBack
 
 log = structlog.get_logger()
 LOG_INTERVAL_S = 1.0
+POPULATE_CHUNK = 1 << 30  # bytes of the slab one thread first-touches at a time
 STAT_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
 
 
@@ -109,7 +112,13 @@ class HostCopies(Effect):
                 self._map = map_slab(self.path, region * self.world)
                 raw = torch.frombuffer(self._map, dtype=torch.uint8)[self.rank * region : (self.rank + 1) * region]
                 self.slab = raw.view(self.kv.num_layers, 2, n, self.layer_bytes)
-                self._register(self.slab)
+                if self.cuda:
+                    t0 = time.perf_counter()
+                    populate(raw)
+                    t1 = time.perf_counter()
+                    self._register(self.slab)
+                    log.info("host slab pinned", gib=round(region / 2**30, 2), populate_s=round(t1 - t0, 2),
+                             register_s=round(time.perf_counter() - t1, 2))
             case BackupPrepare(obj=obj, device_pages=pages, host_start=start):
                 self.queued.append((obj, unpack_ids(pages), start))
             case LoadBack(device_pages=pages, host_start=start):
@@ -249,6 +258,18 @@ class HostCopies(Effect):
         out = {k: (round(v, 6) if k.endswith("_s") else int(v)) for k, v in delta.items()}
         log.info("host copies", **out, in_flight=len(self.done), device=self.kv.device.type)
         return out
+
+
+def populate(region: torch.Tensor) -> None:
+    """First-touch a fresh (all-zero, unwritten) slab region from many threads before
+    cudaHostRegister pins it: tmpfs allocates and zeroes each page on its first touch, and
+    one thread does that at ~2 GB/s (a 99 GiB slab took 48 s to register); pinning pages
+    that are already there is the cheaper part. Writing zeros is safe only because nothing
+    was written yet (HostInit is the slab's first op)."""
+    flat = region.view(-1)
+    chunks = [flat[at : at + POPULATE_CHUNK] for at in range(0, flat.numel(), POPULATE_CHUNK)]
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(chunks)))) as pool:
+        list(pool.map(torch.Tensor.zero_, chunks))
 
 
 def _unregister(ptr: int, mapping: mmap.mmap | None) -> None:

@@ -82,6 +82,7 @@ class SchedulerLoop:
         self.occupancy: dict[str, int] = {}  # the figures of the last stats sent
         self.occupancy_logged: dict[str, int] = {}
         self.occupancy_logged_at = -OCCUPANCY_LOG_S
+        self.setup_seq: int | None = None  # the set-up Step (host tier) that ready waits for
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -103,7 +104,17 @@ class SchedulerLoop:
         self.ready = first
         self.core = SchedulerCore(SchedConfig.build(self.cfg, first, self.num_ranks, env().digest_every))
         log.info("workers ready", num_pages=first.num_pages, max_context=first.max_context, ranks=self.num_ranks)
-        self.ports.control.send(Ready(proc="scheduler", info={"pages": str(first.num_pages)}))
+        if self.core.state.cache.changes and self._send_next():
+            # set-up ops (HostInit: every worker maps and pins the host slab, which takes
+            # seconds per 10 GB) run in a Step of their own now, and ready waits for it: the
+            # first request must not pay for them (ready means warm)
+            self.setup_seq = self.inflight[-1]
+            return
+        self._announce()
+
+    def _announce(self) -> None:
+        assert self.ready is not None
+        self.ports.control.send(Ready(proc="scheduler", info={"pages": str(self.ready.num_pages)}))
         self._send_stats(force=True)
 
     # ---- one pass ----------------------------------------------------------------------
@@ -192,7 +203,11 @@ class SchedulerLoop:
                 self.step_seconds.append(msg.forward_s)
             self.done_ranks[msg.seq] += 1
             while self.inflight and self.done_ranks[self.inflight[0]] == self.num_ranks:
-                del self.done_ranks[self.inflight.popleft()]
+                seq = self.inflight.popleft()
+                del self.done_ranks[seq]
+                if seq == self.setup_seq:
+                    self.setup_seq = None
+                    self._announce()
         self._emit(outs)
 
     def _drain_commits(self) -> None:
@@ -226,6 +241,8 @@ class SchedulerLoop:
             self.leak_free = ok
 
     def _send_stats(self, force: bool = False) -> None:
+        if self.setup_seq is not None:  # not ready yet: no stats (they say ready)
+            return
         now = time.monotonic()
         if not force and (not self.stats_dirty or now - self.last_stats < self.stats_interval_s):
             return

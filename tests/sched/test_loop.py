@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from engine.config import ServerConfig
@@ -302,3 +303,30 @@ def test_flush_cache_empties_every_replica_when_idle_and_is_refused_while_busy()
     assert all(r.worker.replica.digest() == fresh for r in ranks)
     assert loop.core.cache.total_pages == 0 and loop.core.leak_free()
     assert loop.core.alloc.num_free == loop.core.alloc.capacity
+
+
+def test_ready_waits_for_the_host_tier_set_up_step() -> None:
+    """With the host tier on, HostInit (every worker maps and pins the slab: seconds per
+    10 GB on a GPU) goes out in a Step of its own at start, and ready (to the supervisor,
+    and the stats the tokenizer's /health reads) waits for every rank's StepDone of it."""
+    ranks = [FakeRank(0), FakeRank(1)]
+    wires = Wires(len(ranks))
+    loop = SchedulerLoop(cfg(enable_hierarchical_cache=True, hicache_size=0.001), wires.ports, stats_interval_s=0.0)
+    for r in ranks:
+        wires.done_out.send(msgspec.structs.replace(r.ready(), page_bytes=4096))
+    loop.pump()
+    assert loop.core is not None and list(wires.control.drain()) == []
+    setup = [list(inbox.drain()) for inbox in wires.steps]
+    assert [[type(op).__name__ for op in s.ops] for [s] in setup] == [["HostInit"], ["HostInit"]]
+    assert setup[0][0].forward is None
+    wires.done_out.send(ranks[0].answer(setup[0][0]))
+    loop.pump()
+    assert list(wires.control.drain()) == [] and wires.outputs_seen()[2] == []  # one rank is not enough
+    wires.done_out.send(ranks[1].answer(setup[1][0]))
+    loop.pump()
+    assert list(wires.control.drain()) == [Ready(proc="scheduler", info={"pages": "64"})]
+    assert [s.ready for s in wires.outputs_seen()[2]] == [True]
+    submit(wires, n=2)
+    run_until_idle(loop, wires, ranks)
+    got, reasons, _ = wires.outputs_seen()
+    assert sorted(reasons) == ["r0", "r1"] and all(len(v) == 5 for v in got.values())
