@@ -227,6 +227,11 @@ class GrammarSlots(Effect):
         else:
             self._job = self._pool.submit(self._advance, pending)
 
+    @property
+    def busy(self) -> bool:
+        """The job advancing the last constrained step is still running."""
+        return self._job is not None and not self._job.done()
+
     def _join(self) -> None:
         job, self._job = self._job, None
         if job is not None:

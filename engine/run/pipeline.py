@@ -16,11 +16,12 @@ from msgs.done import FromWorker
 from msgs.steps import Shutdown, Step, ToWorker
 
 MAX_IN_FLIGHT = 2
+HOST_WAIT_MS = 1  # the Step socket's wait while a runner's host thread works (GIL-free)
 
 
 class WorkerPipeline:
     def __init__(self, runner: Any, steps: Inbox[ToWorker], done: Outbox[FromWorker]) -> None:
-        self.runner = runner  # a ModelRunner: launch / ready / finish / ready_msg
+        self.runner = runner  # a ModelRunner: launch / ready / finish / ready_msg / host_busy
         self.steps = steps
         self.done = done
         self.pending: deque[Any] = deque()
@@ -48,7 +49,14 @@ class WorkerPipeline:
 
     def run(self) -> None:
         """The process loop. Spins while a step runs (a GPU worker owns its core); blocks
-        on the Step socket when nothing is in flight."""
+        on the Step socket when nothing is in flight, and in slices of HOST_WAIT_MS while a
+        host thread of the runner works (a grammar job): a thread spinning in Python holds
+        the GIL, and the job's xgrammar calls, which need it, ran ~20x slower against one
+        (measured: 64 rows' accepts 0.13 ms alone, 2.7 ms against a spinning loop)."""
         while not (self.stopped and not self.pending):
-            if not self.pump() and not self.pending:
+            if self.pump():
+                continue
+            if not self.pending:
                 self.steps.poll(-1)
+            elif self.runner.host_busy():
+                self.steps.poll(HOST_WAIT_MS)

@@ -197,6 +197,11 @@ class ModelRunner:
             launched.timing = StepEvents(start, launched.event, len(step.forward.slots) // 4)
         return launched
 
+    def host_busy(self) -> bool:
+        """A host thread of this runner is working (the grammar job): the worker's loop
+        should wait without the GIL rather than spin."""
+        return self.grammar.busy
+
     def ready(self, launched: Launched) -> bool:
         return launched.event is None or launched.event.query()
 
