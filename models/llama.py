@@ -35,6 +35,8 @@ from engine.layers.parallel import (
 from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig, RopeScaling
 
+_HALF = (torch.float16, torch.bfloat16)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, cast back before the weight (as HF Llama does)."""
@@ -100,6 +102,12 @@ class Attention(nn.Module):
                     batch.out_slots, kv.k[self.layer_id], kv.v[self.layer_id], *norm,
                 )
                 o = backend.attend(q, self.layer_id, batch, kv)
+            return self.o_proj(o.reshape(t, self.q_size))
+        if not rope.fused and self.q_norm is None and qkv.dtype in _HALF and qkv.device.type == "cpu":
+            # CPU half precision: q and k rotated together (the torch ops cost more than their bytes)
+            q, k = ops.apply_rope_qk(qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            o = backend.forward(q, k, v, self.layer_id, batch, kv)
             return self.o_proj(o.reshape(t, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)

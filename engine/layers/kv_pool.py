@@ -64,9 +64,16 @@ class KVPool:
         """K and V of whole pages (int64 [b, n] page ids) of `layer` as [b, n * page_size,
         num_kv_heads, head_dim] in `dtype`: one contiguous page per index, several times faster
         on a CPU than gathering the same slots token by token."""
-        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        k, v = self._k_raw[layer].view(shape)[pages], self._v_raw[layer].view(shape)[pages]
-        k, v = k.flatten(1, 2), v.flatten(1, 2)
+        if self.device.type == "cpu":
+            # index_select copies each page as one row (a memcpy): 3-6x faster on a CPU than
+            # advanced indexing, whose kernel computes an offset per element; the same values
+            flat, out = pages.reshape(-1), (pages.shape[0], -1, self.num_kv_heads, self.head_dim)
+            k = torch.index_select(self._k_raw[layer].view(self.num_pages, -1), 0, flat).view(out)
+            v = torch.index_select(self._v_raw[layer].view(self.num_pages, -1), 0, flat).view(out)
+        else:
+            shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+            k, v = self._k_raw[layer].view(shape)[pages], self._v_raw[layer].view(shape)[pages]
+            k, v = k.flatten(1, 2), v.flatten(1, 2)
         if self._bytes:
             k, v = k.view(self.dtype), v.view(self.dtype)
         return k.to(dtype), v.to(dtype)

@@ -121,6 +121,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def apply_rope_qk(
+    qkv: torch.Tensor, num_q: int, num_kv: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k of a fused QKV projection [T, (Hq + 2 Hkv) * D] rotated together: q and k are
+    adjacent columns, so one apply_rope over [T, Hq + Hkv, D] (one set of elementwise ops a
+    layer instead of two; the same values). Returns views q [T, Hq, D], k [T, Hkv, D] of the result."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    qk = apply_rope(qkv[:, : (num_q + num_kv) * d].view(t, num_q + num_kv, d), cos, sin)
+    return qk[:, :num_q], qk[:, num_q:]
+
+
 class Rotary:
     """Neox-style (rotate_half) rotary embedding for Llama/Qwen.
 
