@@ -269,7 +269,12 @@ def populate(region: torch.Tensor) -> None:
     flat = region.view(-1)
     chunks = [flat[at : at + POPULATE_CHUNK] for at in range(0, flat.numel(), POPULATE_CHUNK)]
     with ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(chunks)))) as pool:
-        list(pool.map(torch.Tensor.zero_, chunks))
+        list(pool.map(_zero, chunks))
+
+
+@torch.inference_mode()  # the slab is an inference tensor (made under the worker's inference mode)
+def _zero(chunk: torch.Tensor) -> None:
+    chunk.zero_()
 
 
 def _unregister(ptr: int, mapping: mmap.mmap | None) -> None:

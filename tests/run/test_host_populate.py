@@ -1,0 +1,27 @@
+"""The host slab's parallel first touch (engine/run/host_tier.populate), which a GPU worker
+runs on HostInit before cudaHostRegister: on CPU here, as the worker calls it (inside
+inference mode, from pool threads that are not)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.slab import create_slab, map_slab, remove_slab
+from engine.run import host_tier
+
+
+def test_populate_touches_every_chunk_of_an_inference_mode_slab(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(host_tier, "POPULATE_CHUNK", 1 << 16)  # many chunks, several threads
+    path = create_slab("test-populate")
+    try:
+        mapping = map_slab(path, 5 << 16 | 123)  # not a multiple of the chunk
+        with torch.inference_mode():
+            region = torch.frombuffer(mapping, dtype=torch.uint8)[100:]
+            host_tier.populate(region)
+            assert region.is_inference() and int(region.count_nonzero()) == 0
+            region[:10] = 7  # writable after, through the same mapping
+        assert mapping[100:110] == bytes([7] * 10)
+        del region
+        mapping.close()
+    finally:
+        remove_slab(path)
