@@ -87,6 +87,7 @@ class _DecodeGroup:
     rows: torch.Tensor  # int64 [b]: their rows in T
     pages: torch.Tensor  # int64 [b, n]: pages of positions 0..n*page_size-1 (padding: page 0)
     mask: torch.Tensor  # bool [b, 1, 1, n*page_size]: position < seq_len
+    bias: torch.Tensor | None = None  # the mask as 0 / -inf in the activations' dtype (CPU half: made once a step)
 
 
 @dataclass
@@ -131,11 +132,12 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 def _decode_sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query token per request on CPU, half-precision KV: q [b, Hq, D], k/v [b, Lk, Hkv, D],
-    mask [b, 1, 1, Lk] -> [b, Hq, D]. A GQA group's query heads become the query rows of their
-    KV head ([b, Hkv, group, D]): one flash SDPA call over (request, KV head) with the mask
-    broadcast over the rows. In bf16 this measured 0.43 ms a layer at 16 x 160 positions,
-    against 2.6 ms for SDPA with enable_gqa and one query row per head, and 1.1 ms for two fp32
-    GEMMs after converting and transposing the gathered KV (_decode_attention)."""
+    mask [b, 1, 1, Lk] (bool, or additive in q's dtype) -> [b, Hq, D]. A GQA group's query heads
+    become the query rows of their KV head ([b, Hkv, group, D]): one flash SDPA call over
+    (request, KV head) with the mask broadcast over the rows. In bf16 this measured 0.43 ms a
+    layer at 16 x 160 positions, against 2.6 ms for SDPA with enable_gqa and one query row per
+    head, and 1.1 ms for two fp32 GEMMs after converting and transposing the gathered KV
+    (_decode_attention)."""
     b, hq, d = q.shape
     hkv = k.shape[2]
     o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
@@ -228,7 +230,9 @@ class TorchAttention(AttentionBackend):
                 o = o.squeeze(2)
             elif self.device.type == "cpu":  # bf16/fp16 KV read as stored, GQA groups as query rows
                 kg, vg = kv_pool.gather_pages(layer_id, g.pages, q.dtype)
-                o = _decode_sdpa_grouped(qd, kg, vg, g.mask)
+                if g.bias is None or g.bias.dtype != q.dtype:  # once a step, not once a layer inside SDPA
+                    g.bias = torch.zeros(g.mask.shape, dtype=q.dtype).masked_fill_(~g.mask, float("-inf"))
+                o = _decode_sdpa_grouped(qd, kg, vg, g.bias)
             else:  # bf16/fp16 (GPU): two GEMMs in fp32, 4x faster than masked SDPA at one query row
                 kg, vg = kv_pool.gather_pages(layer_id, g.pages, torch.float32)
                 o = _decode_attention(qd, kg, vg, g.mask).to(q.dtype)
