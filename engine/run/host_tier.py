@@ -91,7 +91,8 @@ class HostCopies(Effect):
         self.slab: torch.Tensor | None = None  # uint8 [layers, 2, host pages, layer_bytes]
         self._map: mmap.mmap | None = None
         self.cuda = kv.device.type == "cuda"
-        self.stream = torch.cuda.Stream(kv.device) if self.cuda else None  # the backups' side stream
+        # the backups' side stream, at the default (lowest) priority: the forward's is higher (runner.py)
+        self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
         self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
         # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
         self.done: list[tuple[list[int], torch.cuda.Event | None, list[Any]]] = []

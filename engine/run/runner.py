@@ -84,6 +84,12 @@ class ModelRunner:
         self.rank = rank
         self.device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cuda":
+            # the forward (and the replays of its graphs) runs on a high-priority stream, so
+            # that the host tier's backups, on a default-priority side stream, get only the
+            # SMs the forward leaves idle (on one stream priority each, the write-through's
+            # gathers slowed prefill-heavy steps by ~25% on the H200)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device, priority=-1))
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(cfg.cpu_threads))
             if TORCH_PREIMPORTED:  # in-process users (tests, LocalEngine) keep torch's spinning default
