@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the served worker (engine/run/__init__.py)
 
@@ -27,7 +28,12 @@ def run(dtype: str, prompts: list[list[int]], output_len: int) -> list[list[int]
     cfg = ServerConfig(model=str(ensure_default_model()), device="cpu", dtype=dtype, max_running_requests=len(prompts),
                        max_total_tokens=len(prompts) * (len(prompts[0]) + output_len + 32))
     params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
-    return [r.output_ids for r in LocalEngine(cfg).generate(prompts, params)]
+    eng = LocalEngine(cfg)
+    eng.generate(prompts[:2], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))  # warm-up
+    t = time.perf_counter()
+    out = [r.output_ids for r in eng.generate(prompts, params)]
+    print(f"{dtype}: {len(prompts)} x {output_len} tokens in {time.perf_counter() - t:.2f} s (in process)")
+    return out
 
 
 def main() -> None:
