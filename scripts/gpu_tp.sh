@@ -11,7 +11,11 @@
 #   tp-llama-8b.json    Llama-3.1-8B bf16 decode, batch 1 and 8, ctx 1024, CUDA graphs: tp=1,
 #                       tp=2 one-shot, tp=2 NCCL
 #   summary.txt         the tables (also printed), logs.tgz: every log
-# Usage on the device: bash scripts/gpu_tp.sh
+# Those three are the mode `probe` (the default). Other modes:
+#   offline             Llama-3.1-8B offline 256 x 1000/1000 through bin/serve at tp=2, then tp=1
+#   70b                 Llama-3.1-70B (dummy, ~70 GB of bf16 weights a rank) batch-1 decode at tp=2,
+#                       one-shot all-reduce (it fits no single H200)
+# Usage on the device: bash scripts/gpu_tp.sh [probe] [offline] [70b]
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD FLASHINFER_NO_DOWNLOAD=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
@@ -30,6 +34,25 @@ part() {  # name, timeout seconds, command...: output to logs/<name>.log, never 
   [ $rc = 0 ] || tail -25 "$OUT/logs/$name.log"
 }
 M=configs/llama-3.1-8b
+MODES="${*:-probe}"
+for mode in $MODES; do case $mode in
+  probe|offline|70b) ;; *) echo "gpu_tp.sh: unknown mode '$mode' (probe offline 70b)" >&2; exit 2 ;; esac; done
+if [[ " $MODES " == *" offline "* ]]; then
+  for tp in 2 1; do
+    part offline-tp$tp 200 bin/bench offline --model $M --load-format dummy --num-requests 256 --input-len 1000 \
+      --output-len 1000 --server-args "--tp-size $tp --max-running-requests 256 --max-prefill-tokens 16384" \
+      --out "$OUT/offline-llama-3.1-8b-1000-1000-tp$tp-h200x2.json"
+    grep -E "Output token throughput|Benchmark duration" "$OUT/logs/offline-tp$tp.log"
+  done
+fi
+if [[ " $MODES " == *" 70b "* ]]; then
+  part llama-70b 280 python3 scripts/tp_bench.py --model configs/llama-3.1-70b --runs 2:symm \
+    --batch-sizes 1 --context-len 1024 --steps 48 --timeout 260 --out "$OUT/tp-llama-70b.json"
+  grep -E 'decode median|FAILED|retrying' "$OUT/logs/llama-70b.log"
+fi
+if [[ " $MODES " != *" probe "* ]]; then
+  tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"; ls "$OUT"; exit 0
+fi
 part probe 80 python3 scripts/tp_probe.py micro --out "$OUT/tp-probe.json"
 grep -E '^\{' "$OUT/logs/probe.log" | head -40
 # the one-shot runs only where the probe's one-shot all-reduce worked (a hang there would cost each run its timeout)

@@ -173,9 +173,10 @@ class HostCopies(Effect):
         assert self.slab is not None
         queued, self.queued = self.queued, []
         nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
+        runs = _runs(queued)
         if self.stream is None:
             t0 = time.perf_counter()
-            for _, pages, start in queued:
+            for pages, start in runs:
                 self._backup(pages, start)
             with self.lock:
                 self.done.append(([obj for obj, _, _ in queued], None, []))
@@ -187,7 +188,7 @@ class HostCopies(Effect):
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(forward_written)
             begin = self._timing_event()
-            for _, pages, start in queued:
+            for pages, start in runs:
                 keep += self._backup(pages, start)
             end = self._timing_event()
             copied = torch.cuda.Event(blocking=True)  # WithBackups' thread may sleep on it
@@ -259,6 +260,21 @@ class HostCopies(Effect):
         out = {k: (round(v, 6) if k.endswith("_s") else int(v)) for k, v in delta.items()}
         log.info("host copies", **out, in_flight=len(self.done), device=self.kv.device.type)
         return out
+
+
+def _runs(queued: list[tuple[int, list[int], int]]) -> list[tuple[list[int], int]]:
+    """The queued backups as (device pages, host start) runs: objects whose host spans are
+    adjacent (the usual case: one step's objects are placed one after the other) are merged,
+    so a step's backups cost one gather and one copy per layer and K/V per run, not per
+    object (a prefill step of ~30 objects launched ~3,400 copies from the worker's thread,
+    and its steps took ~26% longer on the H200)."""
+    runs: list[tuple[list[int], int]] = []
+    for _, pages, start in sorted(queued, key=lambda q: q[2]):
+        if runs and runs[-1][1] + len(runs[-1][0]) == start:
+            runs[-1][0].extend(pages)
+        else:
+            runs.append((list(pages), start))
+    return runs
 
 
 def populate(region: torch.Tensor) -> None:

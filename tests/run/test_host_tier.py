@@ -1,4 +1,4 @@
-"""The host slab's parallel first touch (engine/run/host_tier.populate), which a GPU worker
+"""engine/run/host_tier.py on CPU: the host slab's parallel first touch (engine/run/host_tier.populate), which a GPU worker
 runs on HostInit before cudaHostRegister: on CPU here, as the worker calls it (inside
 inference mode, from pool threads that are not)."""
 
@@ -25,3 +25,9 @@ def test_populate_touches_every_chunk_of_an_inference_mode_slab(monkeypatch) -> 
         mapping.close()
     finally:
         remove_slab(path)
+
+
+def test_adjacent_backups_are_merged_into_runs() -> None:
+    queued = [(7, [9, 3], 12), (5, [4], 10), (6, [1], 11), (8, [2, 2], 20)]  # (obj, device pages, host start)
+    assert host_tier._runs(queued) == [([4, 1, 9, 3], 10), ([2, 2], 20)]
+    assert queued[1] == (5, [4], 10)  # the queued lists are not changed
