@@ -92,14 +92,16 @@ class _DecodeGroup:
 
 @dataclass
 class _ExtendReq:
-    """One request with several new tokens (a prefill or a prefill chunk)."""
+    """One request with several new tokens (a prefill or a prefill chunk), or on CPU `count`
+    fresh prefills (start 0) of equal length in consecutive rows, attended in one SDPA call."""
 
     row_start: int
     row_end: int
-    pages: torch.Tensor  # int64 [1, n]: the pages covering positions 0..seq_len-1
+    pages: torch.Tensor  # int64 [count, n]: the pages covering positions 0..seq_len-1
     seq_len: int
     start: int  # cached prefix length: the new tokens are at positions start..seq_len-1
     mask: torch.Tensor | None  # bool [Lq, Lk] for the masked path; None when it is not used
+    count: int = 1
 
 
 # CPU flash attention that also returns the log-sum-exp, so a chunk can attend its cached
@@ -182,9 +184,27 @@ class TorchAttention(AttentionBackend):
             row_starts.append(row_starts[-1] + n)
         self._decode = self._decode_group(batch, decode_reqs, row_starts) if decode_reqs else None
         self._all_decode = len(decode_reqs) == len(lens)  # then the decode rows are 0..T-1 in order
-        self._extends = [
-            self._extend_req(batch, i, row_starts[i], seqs[i]) for i, n in enumerate(lens) if n > 1
-        ]
+        extend_reqs = [[i] for i, n in enumerate(lens) if n > 1]
+        if self.device.type == "cpu":  # fresh prefills of one length in a row: one batched SDPA call
+            extend_reqs = self._fresh_runs(batch, extend_reqs)
+        self._extends = [self._extend_req(batch, reqs, row_starts[reqs[0]], seqs[reqs[0]]) for reqs in extend_reqs]
+
+    @staticmethod
+    def _fresh_runs(batch: ForwardBatch, reqs: list[list[int]]) -> list[list[int]]:
+        """Merge consecutive requests (adjacent rows) that are fresh prefills (no cached prefix)
+        of the same length: SDPA over [count, H, L, D] gives each the values of its own call (the
+        same flash kernel per request and head) with one gather and one call a layer instead of
+        `count` (16 x 128-token prompts: 7.8 vs 10.3 ms a layer)."""
+        lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
+        runs: list[list[int]] = []
+        for (i,) in reqs:
+            last = runs[-1][-1] if runs else None
+            fresh = seqs[i] == lens[i]
+            if last is not None and fresh and last == i - 1 and seqs[last] == lens[last] == lens[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
 
     @staticmethod
     def _pages(batch: ForwardBatch, reqs: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -201,18 +221,18 @@ class TorchAttention(AttentionBackend):
         rows = torch.tensor([row_starts[i] for i in reqs], dtype=torch.int64, device=dev)
         return _DecodeGroup(rows=rows, pages=pages, mask=mask[:, None, None, :])
 
-    def _extend_req(self, batch: ForwardBatch, i: int, row_start: int, seq_len: int) -> _ExtendReq:
-        n = batch.extend_lens_cpu[i]
+    def _extend_req(self, batch: ForwardBatch, reqs: list[int], row_start: int, seq_len: int) -> _ExtendReq:
+        n = batch.extend_lens_cpu[reqs[0]]
         start = seq_len - n
-        req_t = torch.tensor([i], dtype=torch.int64, device=batch.page_table.device)
+        req_t = torch.tensor(reqs, dtype=torch.int64, device=batch.page_table.device)
         pages = self._pages(batch, req_t, seq_len)
         mask = None
         if start > 0 and not self._split_prefix:
             # with a cached prefix the causal diagonal is shifted right by `start`
             q_pos = torch.arange(start, seq_len, device=pages.device)
             mask = torch.arange(seq_len, device=pages.device)[None, :] <= q_pos[:, None]
-        return _ExtendReq(row_start=row_start, row_end=row_start + n, pages=pages, seq_len=seq_len, start=start,
-                          mask=mask)
+        return _ExtendReq(row_start=row_start, row_end=row_start + n * len(reqs), pages=pages, seq_len=seq_len,
+                          start=start, mask=mask, count=len(reqs))
 
     @property
     def _split_prefix(self) -> bool:
@@ -243,6 +263,14 @@ class TorchAttention(AttentionBackend):
         else:
             out = torch.empty_like(q)
         for e in self._extends:
+            if e.count > 1:  # fresh prefills of one length: [count, H, L, D]
+                _, hq, d = q.shape
+                qe = q[e.row_start : e.row_end].view(e.count, e.seq_len, hq, d).transpose(1, 2)
+                ke, ve = kv_pool.gather_pages(layer_id, e.pages, q.dtype)
+                ke, ve = ke[:, : e.seq_len].transpose(1, 2), ve[:, : e.seq_len].transpose(1, 2)
+                o = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
+                out[e.row_start : e.row_end].view(e.count, e.seq_len, hq, d).copy_(o.transpose(1, 2))
+                continue
             qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
             ke, ve = kv_pool.gather_pages(layer_id, e.pages, q.dtype)
             ke, ve = ke[0, : e.seq_len].transpose(0, 1), ve[0, : e.seq_len].transpose(0, 1)  # [Hkv, Lk, D]

@@ -107,3 +107,51 @@ def test_rope_joint_qk_matches_separate_rotation(dtype: torch.dtype) -> None:
         exact = ops.apply_rope(x.float(), cos32, sin32)
         torch.testing.assert_close(got.float(), exact, atol=3e-2, rtol=1e-2)
     assert rotary.apply_qkv(qkv, hq, hkv, state)[0].equal(qj)  # the signed sin is reused
+
+
+def _dense_causal(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int) -> torch.Tensor:
+    """q [n, Hq, D] at positions start.. over keys/vals [start + n, Hkv, D], float64."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = vals.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    q_pos = torch.arange(start, start + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(keys.shape[0])[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prefills_of_one_length_share_a_call(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three fresh 5-token prefills in a row (one call), a decode, a fresh prefill of another
+    length and a chunk over a cached prefix: each against dense attention, and bitwise equal to
+    one SDPA call per request."""
+    torch.manual_seed(4)
+    hq, hkv, d, ps = 6, 2, 16, 4
+    reqs = [(0, 5, [1, 2]), (0, 5, [3, 4]), (0, 5, [5, 6]), (6, 1, [7, 8]), (0, 3, [9]), (4, 3, [10, 11])]
+    pool = KVPool(1, 16, ps, hkv, d, dtype, "cpu")
+    full_k, full_v = [], []
+    for start, new, pages in reqs:
+        k, v = torch.randn(start + new, hkv, d), torch.randn(start + new, hkv, d)
+        slots = torch.tensor([pages[p // ps] * ps + p % ps for p in range(start)], dtype=torch.int64)
+        pool.store(0, slots, k[:start], v[:start])
+        full_k.append(k.to(dtype))
+        full_v.append(v.to(dtype))
+    batch = ForwardBatch.from_requests([([0] * n, s, p) for s, n, p in reqs], ps, "cpu")
+    q = torch.randn(batch.num_tokens, hq, d).to(dtype)
+    k_new = torch.cat([k[s:] for k, (s, _, _) in zip(full_k, reqs, strict=True)])
+    v_new = torch.cat([v[s:] for v, (s, _, _) in zip(full_v, reqs, strict=True)])
+    backend = TorchAttention("cpu")
+    backend.prepare(batch)
+    assert [e.count for e in backend._extends] == [3, 1, 1]
+    out = backend.forward(q, k_new, v_new, 0, batch, pool)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    row = 0
+    for (start, new, _), k, v in zip(reqs, full_k, full_v, strict=True):
+        want = _dense_causal(q[row : row + new], k, v, start)
+        torch.testing.assert_close(out[row : row + new].double(), want, atol=tol, rtol=tol)
+        row += new
+    monkeypatch.setattr(TorchAttention, "_fresh_runs", staticmethod(lambda batch, reqs: reqs))
+    apart = TorchAttention("cpu")
+    apart.prepare(batch)
+    assert [e.count for e in apart._extends] == [1, 1, 1, 1, 1]
+    assert torch.equal(apart.attend(q, 0, batch, pool), out)
