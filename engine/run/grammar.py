@@ -30,6 +30,7 @@ token is discarded).
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import OrderedDict
@@ -42,6 +43,7 @@ import torch
 import xgrammar as xgr
 
 from engine.replica import Effect, ReplicaError
+from engine.run.grammar_helper import GrammarHelpers
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, FreeReq
@@ -83,11 +85,32 @@ class _Pending:
     rows: list[tuple[int, int, Any]]  # (row in the step's sampled tokens, slot, the matcher it goes to)
 
 
+class _Remote:
+    """A matcher that lives in a grammar helper process (engine/run/grammar_helper.py)."""
+
+    __slots__ = ("id", "terminated")
+
+    def __init__(self, id: int, terminated: bool) -> None:
+        self.id = id
+        self.terminated = terminated
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+
+def default_helpers(device: torch.device) -> int:
+    """Grammar helper processes of a rank: on a GPU a quarter of the cores, at most 4 (64 rows'
+    accepts take ~3 ms of one core, longer than a small model's step); none on CPU, where
+    the forward is the work and the cores are its."""
+    return min(4, (os.cpu_count() or 1) // 4) if device.type == "cuda" else 0
+
+
 class GrammarSlots(Effect):
     ops = (AddReq, FreeReq)
 
     def __init__(
-        self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device, background: bool = True
+        self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device, background: bool = True,
+        helpers: int | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
@@ -99,7 +122,11 @@ class GrammarSlots(Effect):
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
         self._ready: dict[int, Any] = {}  # slot -> the matcher whose next-token row is in _bitmask
-        self._bitmask = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by slot
+        n = default_helpers(device) if helpers is None else helpers
+        self._helpers = GrammarHelpers(n, model_dir, vocab_size, max_slots) if n > 0 else None
+        self._next_id = 0  # a helper's matchers are named by id: a slot is reused
+        # by slot; with helpers, the shared memory they fill
+        self._bitmask = self._helpers.bitmask if self._helpers else xgr.allocate_token_bitmask(max_slots, vocab_size)
         self._staging = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by logits row, for the copy
         self._indices = torch.zeros(max_slots, dtype=torch.int32)
         if device.type == "cuda":
@@ -127,12 +154,22 @@ class GrammarSlots(Effect):
 
     def apply(self, op: AddReq | FreeReq) -> None:
         if isinstance(op, FreeReq):
-            self.matchers.pop(op.slot, None)
+            gone = self.matchers.pop(op.slot, None)
             self._ready.pop(op.slot, None)
+            if self._helpers is not None and gone is not None:
+                self._helpers.free(gone.id, op.slot)
             return
         if op.slot in self.matchers:
             raise ReplicaError(f"AddReq for busy grammar slot {op.slot}")
         if op.grammar is None:
+            return
+        if self._helpers is not None:  # the helper re-advances it and fills its row
+            self._next_id += 1
+            ids = [int(t) for t in unpack_ids(op.output_ids)]
+            ok, done = self._helpers.add(self._next_id, op.slot, op.grammar.key, op.grammar.data, ids)
+            if not ok:
+                raise ReplicaError(f"slot {op.slot} ({op.rid}): its grammar refuses its own output tokens")
+            self.matchers[op.slot] = self._ready[op.slot] = _Remote(self._next_id, done)
             return
         matcher = xgr.GrammarMatcher(self._compiled_grammar(op.grammar))
         for tok in unpack_ids(op.output_ids):  # a retracted request's tokens so far
@@ -179,7 +216,9 @@ class GrammarSlots(Effect):
         if not live:
             return
         stale = [(s, m) for _, s, m in live if self._ready.get(s) is not m]
-        if stale:  # new matchers (AddReq), or rows the background job did not fill
+        if stale and self._helpers is not None:  # rows the background job did not fill
+            self._helpers.fill([(m.id, s) for s, m in stale])
+        elif stale:  # new matchers (AddReq), or rows the background job did not fill
             self._batch.batch_fill_next_token_bitmask([m for _, m in stale], self._bitmask, [s for s, _ in stale])
         idx = [i for i, _, _ in live]
         # the bitmask is by slot; the kernel wants it by logits row: gather into pinned staging
@@ -227,6 +266,11 @@ class GrammarSlots(Effect):
         else:
             self._job = self._pool.submit(self._advance, pending)
 
+    def close(self) -> None:
+        """Stop the helper processes (they also exit when this process goes)."""
+        if self._helpers is not None:
+            self._helpers.close()
+
     @property
     def busy(self) -> bool:
         """The job advancing the last constrained step is still running."""
@@ -251,6 +295,17 @@ class GrammarSlots(Effect):
         # a matcher dropped by FreeReq meanwhile still gets its token: harmless, it is garbage
         live = [(toks[i], s, m) for i, s, m in pending.rows if not m.is_terminated()]
         if not live:
+            return
+        if self._helpers is not None:  # accepted and filled by the helpers, at once, without the GIL
+            results = self._helpers.accept([(m.id, s, tok) for tok, s, m in live])
+            sums["accept"] += time.perf_counter() - t1
+            for (_, accepted, terminated), (tok, s, m) in zip(results, live, strict=True):
+                m.terminated = terminated
+                if not accepted:
+                    self.rejected += 1
+                    log.warning("grammar refused a sampled token", token=tok, rejected=self.rejected)
+                if not terminated:
+                    self._ready[s] = m
             return
         ok = self._batch.batch_accept_token([m for _, _, m in live], [t for t, _, _ in live])
         t2 = time.perf_counter()

@@ -38,8 +38,21 @@ def setup(default_model_dir: Path) -> tuple[object, int, Grammar]:
     return tok, vocab, grammar
 
 
-def _slots(default_model_dir: Path, vocab: int, background: bool = True) -> GrammarSlots:
-    return GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"), background=background)
+OPEN: list[GrammarSlots] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_helpers():  # noqa: ANN202
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
+def _slots(default_model_dir: Path, vocab: int, background: bool = True, helpers: int = 0) -> GrammarSlots:
+    """Matchers in process (helpers=0, the CPU default) or in helper processes (the GPU's)."""
+    g = GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"), background=background, helpers=helpers)
+    OPEN.append(g)
+    return g
 
 
 def _add(slot: int, grammar: Grammar | None, output: list[int] = ()) -> AddReq:
@@ -57,10 +70,12 @@ def _drive(g: GrammarSlots, slot: int, tokens: list[int], vocab: int) -> torch.T
     return logits
 
 
-@pytest.mark.parametrize("background", [True, False])
-def test_mask_follows_the_tokens_until_the_grammar_terminates(default_model_dir: Path, setup, background: bool) -> None:
+@pytest.mark.parametrize(("background", "helpers"), [(True, 0), (False, 0), (True, 2)])
+def test_mask_follows_the_tokens_until_the_grammar_terminates(
+    default_model_dir: Path, setup, background: bool, helpers: int
+) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab, background)
+    g = _slots(default_model_dir, vocab, background, helpers)
     g.apply(_add(0, grammar))
     ids = tok.encode('{"n": 42}', add_special_tokens=False)
     _drive(g, 0, ids, vocab)
@@ -86,15 +101,16 @@ def test_the_vocabulary_tail_is_masked(default_model_dir: Path, setup) -> None:
     assert 0 < int((logits[1] == 0).sum()) < len(tok.hf)
 
 
-def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, setup) -> None:
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, setup, helpers: int) -> None:
     tok, vocab, grammar = setup
     ids = tok.encode('{"n": 12', add_special_tokens=False)
-    live = _slots(default_model_dir, vocab)
+    live = _slots(default_model_dir, vocab, helpers=helpers)
     live.apply(_add(0, grammar))
     expected = _drive(live, 0, ids, vocab)
     expected = torch.zeros(1, vocab)
     live.mask(expected, [0])
-    readded = _slots(default_model_dir, vocab)
+    readded = _slots(default_model_dir, vocab, helpers=helpers)
     readded.apply(_add(2, grammar, ids))  # what the scheduler sends after a retraction
     got = torch.zeros(1, vocab)
     readded.mask(got, [2])
@@ -103,9 +119,10 @@ def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, 
     assert 2 not in readded.matchers
 
 
-def test_an_output_the_grammar_refuses_is_fatal(default_model_dir: Path, setup) -> None:
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_an_output_the_grammar_refuses_is_fatal(default_model_dir: Path, setup, helpers: int) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab)
+    g = _slots(default_model_dir, vocab, helpers=helpers)
     with pytest.raises(ReplicaError):
         g.apply(_add(0, grammar, tok.encode("hello", add_special_tokens=False)))
 
@@ -134,12 +151,13 @@ def test_reasoning_comes_before_the_constraint(default_model_dir: Path, setup) -
     assert m.accept_string('{"n": 1}')
 
 
-def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, setup) -> None:
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, setup, helpers: int) -> None:
     """Two constrained slots at different points of the document, an unconstrained row
     between them, and a slot freed and reused by a new grammar while a job is in flight:
-    each row gets its own slot's mask."""
+    each row gets its own slot's mask (with 2 helpers, slots 0 and 2 share one)."""
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab)
+    g = _slots(default_model_dir, vocab, helpers=helpers)
     ref = _slots(default_model_dir, vocab, background=False)
     a = tok.encode('{"n": 4', add_special_tokens=False)
     g.apply(_add(0, grammar))
@@ -162,3 +180,16 @@ def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, se
     assert torch.equal(logits[0], expected0[0])
     assert bool((logits[1] == 0).all())
     assert torch.equal(logits[2], expected2[0])
+
+
+def test_a_dead_helper_fails_loudly_and_close_leaves_no_process(default_model_dir: Path, setup) -> None:
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab, helpers=2)
+    g.apply(_add(1, grammar))
+    procs = list(g._helpers.procs)
+    procs[1].kill()  # slot 1's helper
+    procs[1].wait()
+    with pytest.raises(RuntimeError, match="grammar helper 1"):
+        g.apply(_add(3, grammar))
+    g.close()
+    assert all(p.poll() is not None for p in procs)

@@ -1,0 +1,270 @@
+"""Grammar helper processes: a rank's xgrammar matchers spread over a few processes.
+
+Why: xgrammar's accept_token and fill_next_token_bitmask hold the GIL, and a step's accepts
+are serial: 64 rows of the structured benchmark took 2.2-3.0 ms of one H200 host core a
+step, longer than the GPU's whole step (2.8 ms), so the worker's host thread, not the GPU,
+set the pace (59% of unconstrained throughput). Each helper owns the matchers of the slots
+`slot % n == its index`, so the rows of a step are accepted and filled on n cores at once,
+while the worker's thread waits on pipes without the GIL.
+
+Protocol: length-prefixed msgspec frames over the helper's stdin / stdout (never pickle).
+Matchers are named by an id the worker assigns on AddReq (a slot is reused by later
+requests; an accept for an id already freed is ignored and touches no bitmask row). The
+bitmask, by slot, is one anonymous shared-memory file (memfd) mapped by the worker and every
+helper (passed as an inherited fd: nothing to clean up after a kill -9). A helper fills a
+row only for a live matcher of its own. Requests and replies on one pipe are in order; the
+worker holds a helper's lock from a request to its reply. A helper exits when its stdin
+closes (the worker is gone); a helper that dies makes the worker's next call raise.
+
+`python -m engine.run.grammar_helper MODEL_DIR VOCAB_SIZE MAX_SLOTS BITMASK_FD` runs one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import subprocess
+import sys
+import threading
+import zlib
+from typing import Any
+
+import msgspec
+
+FRAME = struct.Struct("<I")
+
+
+class HAdd(msgspec.Struct, tag=True):
+    id: int
+    slot: int
+    key: str
+    data: bytes  # the serialized compiled grammar, zlib-compressed (msgs.params.Grammar.data)
+    output_ids: list[int]  # a retracted request's tokens so far
+
+
+class HFree(msgspec.Struct, tag=True):
+    id: int
+
+
+class HAccept(msgspec.Struct, tag=True):
+    rows: list[tuple[int, int, int]]  # (id, slot, token): accept, then fill the slot's row if live
+
+
+class HFill(msgspec.Struct, tag=True):
+    rows: list[tuple[int, int]]  # (id, slot)
+
+
+class HDone(msgspec.Struct, tag=True):
+    rows: list[tuple[int, bool, bool]]  # (id, accepted, terminated), one per request row
+
+
+class HError(msgspec.Struct, tag=True):
+    reason: str
+
+
+Request = HAdd | HFree | HAccept | HFill
+Reply = HDone | HError
+
+
+def _write(fd: int, payload: bytes) -> None:
+    data = FRAME.pack(len(payload)) + payload
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read(fd: int) -> bytes | None:
+    """One frame, or None at end of stream."""
+    head = _read_exact(fd, FRAME.size)
+    return None if head is None else _read_exact(fd, FRAME.unpack(head)[0])
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+# ---- the worker's side --------------------------------------------------------------------
+
+
+class GrammarHelpers:
+    """n helper processes and the shared bitmask (`bitmask`: int32 [max_slots, words], by slot)."""
+
+    def __init__(self, n: int, model_dir: str, vocab_size: int, max_slots: int) -> None:
+        import torch
+
+        self.n = n
+        nbytes = max_slots * bitmask_words(vocab_size) * 4
+        fd = os.memfd_create("strata-grammar-bitmask")
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.bitmask = torch.frombuffer(self._map, dtype=torch.int32).view(max_slots, -1)
+            cmd = [sys.executable, "-m", "engine.run.grammar_helper", model_dir, str(vocab_size), str(max_slots),
+                   str(fd)]
+            self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,))
+                          for _ in range(n)]
+        finally:
+            os.close(fd)
+        self.locks = [threading.Lock() for _ in range(n)]
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Reply)
+
+    def owner(self, slot: int) -> int:
+        return slot % self.n
+
+    def _send(self, h: int, msg: Request) -> None:
+        stdin = self.procs[h].stdin
+        assert stdin is not None
+        try:
+            _write(stdin.fileno(), self._enc.encode(msg))
+        except OSError as exc:
+            raise RuntimeError(f"grammar helper {h} is gone ({exc}); exit code {self.procs[h].poll()}") from exc
+
+    def _reply(self, h: int) -> HDone:
+        stdout = self.procs[h].stdout
+        assert stdout is not None
+        frame = _read(stdout.fileno())
+        if frame is None:
+            raise RuntimeError(f"grammar helper {h} died (exit code {self.procs[h].wait()})")
+        reply = self._dec.decode(frame)
+        if isinstance(reply, HError):
+            raise RuntimeError(f"grammar helper {h}: {reply.reason}")
+        return reply
+
+    def add(self, id: int, slot: int, key: str, data: bytes, output_ids: list[int]) -> tuple[bool, bool]:
+        """Create the matcher (re-advanced over output_ids) and fill its row: whether it
+        accepted every output id, and whether it is terminated."""
+        h = self.owner(slot)
+        with self.locks[h]:
+            self._send(h, HAdd(id, slot, key, data, output_ids))
+            (_, ok, terminated), = self._reply(h).rows
+        return ok, terminated
+
+    def free(self, id: int, slot: int) -> None:
+        h = self.owner(slot)
+        with self.locks[h]:
+            self._send(h, HFree(id))
+
+    def _scatter(self, rows: list[Any], make: Any) -> list[tuple[int, bool, bool]]:
+        """Send each helper its rows (all first, then wait: they work at once); the replies
+        in the order of `rows`. Locks are taken in helper order (the other thread takes one)."""
+        by_helper: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_helper.setdefault(self.owner(row[1]), []).append(i)
+        out: list[Any] = [None] * len(rows)
+        held = []
+        try:
+            for h in sorted(by_helper):
+                self.locks[h].acquire()
+                held.append(h)
+                self._send(h, make([rows[i] for i in by_helper[h]]))
+            for h in sorted(by_helper):
+                for i, res in zip(by_helper[h], self._reply(h).rows, strict=True):
+                    out[i] = res
+        finally:
+            for h in held:
+                self.locks[h].release()
+        return out
+
+    def accept(self, rows: list[tuple[int, int, int]]) -> list[tuple[int, bool, bool]]:
+        """(id, slot, token) rows: accepted and terminated per row; live rows' masks filled."""
+        return self._scatter(rows, HAccept)
+
+    def fill(self, rows: list[tuple[int, int]]) -> None:
+        self._scatter(rows, HFill)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()  # the helper sees the end of its stream and exits
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ---- the helper process -------------------------------------------------------------------
+
+
+def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd: int, wfd: int) -> None:
+    import torch
+    import xgrammar as xgr
+
+    from engine.serve.grammar import tokenizer_info
+    from engine.serve.tokenizer import load_tokenizer
+
+    nbytes = max_slots * bitmask_words(vocab_size) * 4
+    mapping = mmap.mmap(bitmask_fd, nbytes, mmap.MAP_SHARED)
+    bitmask = torch.frombuffer(mapping, dtype=torch.int32).view(max_slots, -1)
+    tok = load_tokenizer(model_dir)
+    info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
+    compiled: dict[str, Any] = {}
+    matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
+
+    def step(m: Any, slot: int) -> bool:
+        done = m.is_terminated()
+        if not done:
+            m.fill_next_token_bitmask(bitmask, slot)
+        return done
+
+    while (frame := _read(rfd)) is not None:
+        msg = dec.decode(frame)
+        try:
+            match msg:
+                case HFree(id=id):
+                    matchers.pop(id, None)
+                    continue
+                case HAdd():
+                    if info is None:
+                        raise RuntimeError(f"a grammar arrived, but {model_dir!r} has no tokenizer files")
+                    grammar = compiled.get(msg.key)
+                    if grammar is None:
+                        text = zlib.decompress(msg.data).decode()
+                        grammar = compiled[msg.key] = xgr.CompiledGrammar.deserialize_json(text, info)
+                    m = xgr.GrammarMatcher(grammar)
+                    ok = all(m.accept_token(int(t)) for t in msg.output_ids)
+                    matchers[msg.id] = (m, msg.slot)
+                    reply: Reply = HDone([(msg.id, ok, step(m, msg.slot))])
+                case HAccept(rows=rows):
+                    res = []
+                    for id, slot, token in rows:
+                        entry = matchers.get(id)
+                        if entry is None:  # freed meanwhile: its row may be another request's now
+                            res.append((id, True, True))
+                            continue
+                        ok = entry[0].accept_token(token)
+                        res.append((id, ok, step(entry[0], slot)))
+                    reply = HDone(res)
+                case HFill(rows=rows):
+                    res = []
+                    for id, slot in rows:
+                        entry = matchers.get(id)
+                        res.append((id, True, True if entry is None else step(entry[0], slot)))
+                    reply = HDone(res)
+        except Exception as exc:  # noqa: BLE001 - reported to the worker, which fails loudly
+            reply = HError(f"{type(exc).__name__}: {exc}")
+        _write(wfd, enc.encode(reply))
+
+
+def main() -> None:
+    model_dir, vocab, slots, fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    wfd = os.dup(1)
+    os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream
+    serve(model_dir, vocab, slots, fd, 0, wfd)
+
+
+if __name__ == "__main__":
+    main()
