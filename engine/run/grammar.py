@@ -102,7 +102,7 @@ def default_helpers(device: torch.device) -> int:
     """Grammar helper processes of a rank: on a GPU a quarter of the cores, at most 4 (64 rows'
     accepts take ~3 ms of one core, longer than a small model's step); none on CPU, where
     the forward is the work and the cores are its."""
-    return min(4, (os.cpu_count() or 1) // 4) if device.type == "cuda" else 0
+    return min(8, (os.cpu_count() or 1) // 2) if device.type == "cuda" else 0
 
 
 class GrammarSlots(Effect):
