@@ -21,6 +21,7 @@ closes (the worker is gone); a helper that dies makes the worker's next call rai
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -28,11 +29,13 @@ import subprocess
 import sys
 import threading
 import zlib
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
 
 FRAME = struct.Struct("<I")
+COMPILED_CACHE = 64  # deserialized grammars a helper keeps (as engine/run/grammar.py does in process)
 
 
 class HAdd(msgspec.Struct, tag=True):
@@ -41,6 +44,14 @@ class HAdd(msgspec.Struct, tag=True):
     key: str
     data: bytes  # the serialized compiled grammar, zlib-compressed (msgs.params.Grammar.data)
     output_ids: list[int]  # a retracted request's tokens so far
+
+
+class HPrepare(msgspec.Struct, tag=True):
+    """Deserialize a grammar now (no reply): sent to every helper with a key's first AddReq,
+    so that they do it at once, not each in a later step (~0.4 s each on the H200 host)."""
+
+    key: str
+    data: bytes
 
 
 class HFree(msgspec.Struct, tag=True):
@@ -63,7 +74,7 @@ class HError(msgspec.Struct, tag=True):
     reason: str
 
 
-Request = HAdd | HFree | HAccept | HFill
+Request = HAdd | HPrepare | HFree | HAccept | HFill
 Reply = HDone | HError
 
 
@@ -117,6 +128,7 @@ class GrammarHelpers:
         finally:
             os.close(fd)
         self.locks = [threading.Lock() for _ in range(n)]
+        self.prepared: set[str] = set()  # grammar keys sent to every helper
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
 
@@ -145,6 +157,14 @@ class GrammarHelpers:
     def add(self, id: int, slot: int, key: str, data: bytes, output_ids: list[int]) -> tuple[bool, bool]:
         """Create the matcher (re-advanced over output_ids) and fill its row: whether it
         accepted every output id, and whether it is terminated."""
+        if key not in self.prepared:  # every helper deserializes it now, in parallel
+            if len(self.prepared) >= 4 * COMPILED_CACHE:  # a bound; a key sent again is harmless
+                self.prepared.clear()
+            self.prepared.add(key)
+            for other in range(self.n):
+                if other != self.owner(slot):
+                    with self.locks[other]:
+                        self._send(other, HPrepare(key, data))
         h = self.owner(slot)
         with self.locks[h]:
             self._send(h, HAdd(id, slot, key, data, output_ids))
@@ -210,9 +230,20 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     bitmask = torch.frombuffer(mapping, dtype=torch.int32).view(max_slots, -1)
     tok = load_tokenizer(model_dir)
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
-    compiled: dict[str, Any] = {}
+    compiled: OrderedDict[str, Any] = OrderedDict()  # the last COMPILED_CACHE grammars
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
+
+    def grammar_of(key: str, data: bytes) -> Any:
+        if info is None:
+            raise RuntimeError(f"a grammar arrived, but {model_dir!r} has no tokenizer files")
+        grammar = compiled.get(key)
+        if grammar is None:
+            grammar = compiled[key] = xgr.CompiledGrammar.deserialize_json(zlib.decompress(data).decode(), info)
+            while len(compiled) > COMPILED_CACHE:
+                compiled.popitem(last=False)
+        compiled.move_to_end(key)
+        return grammar
 
     def step(m: Any, slot: int) -> bool:
         done = m.is_terminated()
@@ -227,14 +258,12 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                 case HFree(id=id):
                     matchers.pop(id, None)
                     continue
+                case HPrepare(key=key, data=data):
+                    with contextlib.suppress(Exception):  # no reply: a bad grammar fails its HAdd
+                        grammar_of(key, data)
+                    continue
                 case HAdd():
-                    if info is None:
-                        raise RuntimeError(f"a grammar arrived, but {model_dir!r} has no tokenizer files")
-                    grammar = compiled.get(msg.key)
-                    if grammar is None:
-                        text = zlib.decompress(msg.data).decode()
-                        grammar = compiled[msg.key] = xgr.CompiledGrammar.deserialize_json(text, info)
-                    m = xgr.GrammarMatcher(grammar)
+                    m = xgr.GrammarMatcher(grammar_of(msg.key, msg.data))
                     ok = all(m.accept_token(int(t)) for t in msg.output_ids)
                     matchers[msg.id] = (m, msg.slot)
                     reply: Reply = HDone([(msg.id, ok, step(m, msg.slot))])
