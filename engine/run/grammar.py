@@ -202,6 +202,10 @@ class GrammarSlots(Effect):
 
     # ---- per step ----
 
+    def constrained(self, slots: list[int]) -> bool:
+        """Some of these sampled slots have a grammar (their mask may wait for a job)."""
+        return bool(self.matchers) and any(s in self.matchers for s in slots)
+
     def mask(self, logits: torch.Tensor, slots: list[int]) -> None:
         """Mask the rows of constrained slots in place (logits: one row per sampled slot)."""
         if not self.matchers:

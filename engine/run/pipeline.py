@@ -2,8 +2,11 @@
 
 Each Step is launched as it arrives; while one runs on the device the next is launched
 before the first's results are awaited (at most two in flight), so the device never idles
-on the host between steps. Owns no socket: procs/worker.py hands it zmq ends, tests hand
-it in-memory pipes (msgs/channels.py) and call `pump()`.
+on the host between steps. A step with grammar rows is launched without its sampling (the
+mask needs the previous step's tokens): the previous step is answered first, then the
+runner `complete`s it, so the scheduler plans the next step while the masks are filled.
+Owns no socket: procs/worker.py hands it zmq ends, tests hand it in-memory pipes
+(msgs/channels.py) and call `pump()`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ HOST_WAIT_MS = 1  # the Step socket's wait while a runner's host thread works (G
 
 class WorkerPipeline:
     def __init__(self, runner: Any, steps: Inbox[ToWorker], done: Outbox[FromWorker]) -> None:
-        self.runner = runner  # a ModelRunner: launch / ready / finish / ready_msg / host_busy
+        self.runner = runner  # a ModelRunner: launch / ready / finish / complete / ready_msg / host_busy
         self.steps = steps
         self.done = done
         self.pending: deque[Any] = deque()
@@ -36,6 +39,10 @@ class WorkerPipeline:
         pending = self.pending
         if pending and (len(pending) == MAX_IN_FLIGHT or self.runner.ready(pending[0])):
             self.done.send(self.runner.finish(pending.popleft()))
+            return True
+        deferred = getattr(self.runner, "deferred", None)
+        if deferred is not None:  # its mask waited for the step just answered: sample it now
+            self.runner.complete(deferred)
             return True
         if self.stopped or not self.steps.poll(0):
             return False

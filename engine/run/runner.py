@@ -66,6 +66,19 @@ class Launched:
     result: SampleResult | None
     event: torch.cuda.Event | None
     timing: StepEvents | None = None
+    to_sample: _ToSample | None = None  # sampling deferred until `complete` (grammar rows)
+    start: torch.cuda.Event | None = None  # the idle meter's start event
+    rows: int = 0
+
+
+@dataclass
+class _ToSample:
+    """A forward's logits and the rows to sample from them."""
+
+    logits: torch.Tensor
+    slots: list[int]  # the sampled rows' slots
+    positions: list[int]
+    slots_dev: torch.Tensor | None  # the same slots on the device, when already there
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -132,6 +145,7 @@ class ModelRunner:
         self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
+        self.deferred: Launched | None = None  # the launched step whose sampling waits (grammar)
         self.host_tier = HostCopies(self.kv, cfg.hicache_path, rank, cfg.tp_size)  # L2 copies: host_tier.py
         self.replica.add_effect(self.host_tier)
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
@@ -190,17 +204,27 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: Step) -> Launched:
         """Apply the ops and enqueue the forward and sampling; on a GPU this returns before the
-        kernels finish, so the next step can be launched while this one runs."""
+        kernels finish, so the next step can be launched while this one runs.
+
+        A step with grammar-constrained rows leaves its sampling deferred (`deferred`): the
+        mask needs the previous step's tokens, so the worker first answers that step, and
+        only then `complete`s this one (the scheduler plans the next step meanwhile)."""
+        if self.deferred is not None:  # a newer step never overtakes an unsampled one
+            self.complete(self.deferred)
         t0 = time.perf_counter()
         # a gap means a lost Step: StepOrderError, never continue silently
         digest = self.replica.digest() if self.replica.apply_step(step) else None
         self.seq = step.seq
-        start = self.idle.start() if self.idle is not None and step.forward is not None else None
-        res = self._forward(step.forward) if step.forward is not None else None
+        launched = Launched(step.seq, digest, t0, None, None)
+        if step.forward is not None:
+            launched.start = self.idle.start() if self.idle is not None else None
+            launched.rows = len(step.forward.slots) // 4
+            launched.to_sample = self._forward(step.forward)
         self.host_tier.after_forward()  # this step's backups: their KV is written now
-        launched = Launched(step.seq, digest, t0, _to_host(res) if res is not None else None, self._event())
-        if start is not None and launched.event is not None:
-            launched.timing = StepEvents(start, launched.event, len(step.forward.slots) // 4)
+        if launched.to_sample is not None and self.grammar.constrained(launched.to_sample.slots):
+            self.deferred = launched
+        else:
+            self.complete(launched)
         return launched
 
     def host_busy(self) -> bool:
@@ -208,11 +232,27 @@ class ModelRunner:
         should wait without the GIL rather than spin."""
         return self.grammar.busy
 
+    @torch.inference_mode()
+    def complete(self, launched: Launched) -> None:
+        """Enqueue a launched step's sampling (masks first) and its result copies."""
+        if launched is self.deferred:
+            self.deferred = None
+        to_sample, launched.to_sample = launched.to_sample, None
+        res = self._sample(to_sample) if to_sample is not None else None
+        launched.result = _to_host(res) if res is not None else None
+        launched.event = self._event()
+        if launched.start is not None and launched.event is not None:
+            launched.timing = StepEvents(launched.start, launched.event, launched.rows)
+
     def ready(self, launched: Launched) -> bool:
+        if launched is self.deferred:
+            return False
         return launched.event is None or launched.event.query()
 
     def finish(self, launched: Launched) -> StepDone:
         """Wait for a launched step's results (the one host sync of a step) and pack them."""
+        if launched is self.deferred:
+            self.complete(launched)
         if launched.event is not None:
             launched.event.synchronize()
         if launched.timing is not None and self.idle is not None:
@@ -239,7 +279,8 @@ class ModelRunner:
         event.record()
         return event
 
-    def _forward(self, fwd: Forward) -> SampleResult | None:
+    def _forward(self, fwd: Forward) -> _ToSample | None:
+        """Enqueue the forward; the logits of the rows to sample (None: no row samples)."""
         slots = unpack_ids(fwd.slots)
         starts = unpack_ids(fwd.start_pos)
         lens = unpack_ids(fwd.extend_lens)
@@ -264,11 +305,15 @@ class ModelRunner:
         if not sampled_slots:
             return None
         positions = [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp]
-        self.grammar.mask(logits, sampled_slots)  # constrained rows only; waits for last step's tokens
-        res = self.sampler.sample(logits, sampled_slots, positions)
-        self.grammar.sampled(sampled_slots, res.token_ids)
+        return _ToSample(logits, sampled_slots, positions, slots_dev)
+
+    def _sample(self, t: _ToSample) -> SampleResult:
+        self.grammar.mask(t.logits, t.slots)  # constrained rows only; waits for last step's tokens
+        res = self.sampler.sample(t.logits, t.slots, t.positions)
+        self.grammar.sampled(t.slots, res.token_ids)
+        slots_dev = t.slots_dev
         if slots_dev is None:
-            slots_dev = _to_device(torch.tensor(sampled_slots, dtype=torch.int64), self.device)
+            slots_dev = _to_device(torch.tensor(t.slots, dtype=torch.int64), self.device)
         self.last_token.index_copy_(0, slots_dev, res.token_ids)
         return res
 

@@ -254,6 +254,32 @@ def test_worker_pipeline_runs_the_stream_and_overlaps(runner) -> None:  # noqa: 
                                                      for s in steps]
 
 
+def test_deferred_sampling_answers_the_previous_step_first(runner, tiny_model: str) -> None:  # noqa: ANN001
+    """A step with grammar rows is launched without its sampling; the pipeline answers the
+    step before it, then completes it (so the scheduler plans while masks are filled). The
+    tokens are those of the plain path. (Forced here on every step, without a grammar.)"""
+    from engine.run.runner import ModelRunner
+
+    steps = _steps(5)
+    plain = ModelRunner(ServerConfig(model=tiny_model, device="cpu", page_size=PS, max_total_tokens=128,
+                                     max_running_requests=4, max_prefill_tokens=16))
+    want = [plain.run_step(s).token_ids for s in steps]
+    runner.grammar.constrained = lambda slots: True
+    pipeline, step_out, done_in = _pipeline(runner)
+    order: list[tuple[str, int]] = []
+    complete, send = runner.complete, pipeline.done.send
+    runner.complete = lambda launched: (order.append(("complete", launched.seq)), complete(launched))[1]
+    pipeline.done.send = lambda msg: (order.append(("done", msg.seq)), send(msg))[1]
+    for step in steps:
+        step_out.send(step)
+    step_out.send(Shutdown())
+    while pipeline.pump():
+        pass
+    assert [d.token_ids for d in done_in.drain()] == want
+    for seq in range(2, len(steps) + 1):  # step seq-1 answered before step seq samples
+        assert order.index(("done", seq - 1)) < order.index(("complete", seq)) < order.index(("done", seq))
+
+
 def test_worker_fails_loudly_on_a_seq_gap_and_skips_a_malformed_frame(runner) -> None:  # noqa: ANN001
     pipeline, step_out, done_in = _pipeline(runner)
     steps = _steps(3)
