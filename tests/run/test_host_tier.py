@@ -1,6 +1,6 @@
-"""engine/run/host_tier.py on CPU: the host slab's parallel first touch (engine/run/host_tier.populate), which a GPU worker
-runs on HostInit before cudaHostRegister: on CPU here, as the worker calls it (inside
-inference mode, from pool threads that are not)."""
+"""engine/run/host_tier.py on CPU: the host slab's parallel first touch (`populate`), which a
+GPU worker runs on HostInit before cudaHostRegister (here as the worker calls it: inside
+inference mode, from pool threads that are not), and the merging of a step's backups."""
 
 from __future__ import annotations
 
