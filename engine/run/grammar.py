@@ -270,6 +270,11 @@ class GrammarSlots(Effect):
         else:
             self._job = self._pool.submit(self._advance, pending)
 
+    def wait_ready(self) -> None:
+        """Return once the helper processes (if any) are ready: before the worker's Ready."""
+        if self._helpers is not None:
+            self._helpers.wait_ready()
+
     def close(self) -> None:
         """Stop the helper processes (they also exit when this process goes)."""
         if self._helpers is not None:

@@ -7,7 +7,8 @@ set the pace (59% of unconstrained throughput). Each helper owns the matchers of
 `slot % n == its index`, so the rows of a step are accepted and filled on n cores at once,
 while the worker's thread waits on pipes without the GIL.
 
-Protocol: length-prefixed msgspec frames over the helper's stdin / stdout (never pickle).
+Protocol: a helper's first frame says it is ready (xgrammar imported, tokenizer info built);
+then length-prefixed msgspec frames over the helper's stdin / stdout (never pickle).
 Matchers are named by an id the worker assigns on AddReq (a slot is reused by later
 requests; an accept for an id already freed is ignored and touches no bitmask row). The
 bitmask, by slot, is one anonymous shared-memory file (memfd) mapped by the worker and every
@@ -129,13 +130,28 @@ class GrammarHelpers:
             os.close(fd)
         self.locks = [threading.Lock() for _ in range(n)]
         self.prepared: set[str] = set()  # grammar keys sent to every helper
+        self.ready = [False] * n  # each helper's ready frame taken
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
+
+    def wait_ready(self) -> None:
+        """Wait for every helper's first frame (sent once it has imported xgrammar and built
+        the tokenizer info): the worker says ready only after its helpers are."""
+        for h in range(self.n):
+            with self.locks[h]:
+                self._ensure_ready(h)
+
+    def _ensure_ready(self, h: int) -> None:
+        """Take helper h's ready frame if not taken yet (under its lock)."""
+        if not self.ready[h]:
+            self._reply(h)
+            self.ready[h] = True
 
     def owner(self, slot: int) -> int:
         return slot % self.n
 
     def _send(self, h: int, msg: Request) -> None:
+        self._ensure_ready(h)
         stdin = self.procs[h].stdin
         assert stdin is not None
         try:
@@ -233,6 +249,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     compiled: OrderedDict[str, Any] = OrderedDict()  # the last COMPILED_CACHE grammars
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
+    _write(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
 
     def grammar_of(key: str, data: bytes) -> Any:
         if info is None:

@@ -160,6 +160,7 @@ class ModelRunner:
                 self.graphs.warm_future_refs(self.last_token)
             torch.cuda.synchronize(self.device)
         self.startup["capture_s"] = time.perf_counter() - t0
+        self.grammar.wait_ready()  # the grammar helper processes, started with GrammarSlots
         log.info(
             "runner ready", **{k: round(v, 2) for k, v in self.startup.items()},
             pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),

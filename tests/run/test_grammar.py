@@ -185,6 +185,7 @@ def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, se
 def test_a_dead_helper_fails_loudly_and_close_leaves_no_process(default_model_dir: Path, setup) -> None:
     tok, vocab, grammar = setup
     g = _slots(default_model_dir, vocab, helpers=2)
+    g.wait_ready()
     g.apply(_add(1, grammar))
     procs = list(g._helpers.procs)
     procs[1].kill()  # slot 1's helper
