@@ -47,6 +47,7 @@ class ServerConfig:
     seed: int = 0
     cpu_threads: int = 0  # torch intra-op threads of a CPU worker; 0 = every core this process may use
     decode_kernel: str = "auto"  # auto (the GPU's tuning file) | fa2 | xqa | triton: override for debugging
+    grammar_helpers: int = -1  # grammar matcher processes per rank; -1 = auto (GPU: min(8, cores/2); CPU: 0)
     tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
     reasoning_parser: str = ""  # "" = <think> blocks stay in the content
     chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
@@ -76,6 +77,7 @@ class ServerConfig:
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
             (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
+            (-1 <= self.grammar_helpers <= 64, "--grammar-helpers must be -1 (auto) or 0..64"),
             (self.decode_kernel in ("auto", "fa2", "xqa", "triton"), f"bad --decode-kernel {self.decode_kernel}"),
             (self.tp_size >= 1, "--tp-size must be >= 1"),
             (self.nnodes >= 1, "--nnodes must be >= 1"),

@@ -142,7 +142,8 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         # grammar matchers per slot (engine/run/grammar.py): an effect, like the sampler's state
-        self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device)
+        self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device,
+                                    helpers=None if cfg.grammar_helpers < 0 else cfg.grammar_helpers)
         self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.deferred: Launched | None = None  # the launched step whose sampling waits (grammar)

@@ -266,3 +266,35 @@ def test_grammar_metrics_exported(srv: Server) -> None:
     text = httpx.get(f"{srv.http}/metrics", timeout=10).text
     assert "strata_grammar_compile_seconds_bucket" in text
     assert "strata_grammar_cache_hits_total" in text
+
+
+def test_grammar_helper_processes_give_the_same_answers(srv: Server, client: OpenAI, tmp_path) -> None:  # noqa: ANN001
+    """The GPU's matcher placement (grammar helper processes, here 2 on CPU) against the CPU's
+    (in the worker): the same greedy answers, one request at a time and a batch that validates;
+    the helpers are the worker's children and go with the server."""
+    import psutil
+
+    helped = start_server(
+        tmp_path / "logs",
+        "--tool-call-parser", "hermes",
+        "--chat-template", "configs/templates/smollm2-hermes-tools.jinja",
+        "--max-total-tokens", "16384",
+        "--grammar-helpers", "2",
+    )  # fmt: skip
+    try:
+        procs = psutil.Process(helped.proc.pid).children(recursive=True)
+        helpers = [p for p in procs if "engine.run.grammar_helper" in " ".join(p.cmdline())]
+        assert len(helpers) == 2
+        other = OpenAI(base_url=helped.base_url, api_key="none", max_retries=0, timeout=120)
+        for name, schema in SCHEMAS[:6]:
+            assert _ask_json(other, name, schema) == _ask_json(client, name, schema), name
+        with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+            answers = list(pool.map(lambda ns: _ask_json(other, *ns), SCHEMAS))
+        for (name, schema), (text, finish) in zip(SCHEMAS, answers, strict=True):
+            assert finish == "stop", (name, text)
+            jsonschema.validate(json.loads(text), schema)
+        assert helped.wait_idle()["strata_kv_leak_free"] == 1
+    finally:
+        assert stop_server(helped) == 0
+    psutil.wait_procs(helpers, timeout=10)
+    assert not any(p.is_running() for p in helpers)
