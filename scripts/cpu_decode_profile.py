@@ -49,11 +49,8 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="time and profile the prefill instead")
     p.add_argument("--rows", type=int, default=28, help="operators to print")
     p.add_argument("--shapes", action="store_true", help="group operators by input shapes too")
-    p.add_argument("--prepack", action="store_true", help="experiment: bf16 projections on oneDNN-prepacked weights")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    if a.prepack:
-        _prepack_linears()
     cfg = ServerConfig(model=str(ensure_default_model()), device="cpu", dtype=a.dtype, max_running_requests=a.batch,
                        max_prefill_tokens=a.batch * a.input_len, max_total_tokens=a.batch * (a.input_len + 256),
                        disable_overlap=True)
@@ -103,23 +100,6 @@ def main() -> None:
         for _ in range(a.steps):
             _step(core, runner)
     _print(prof, a.steps, a.rows, a.shapes)
-
-
-def _prepack_linears() -> None:
-    """Patch Linear.forward (tp 1, CPU, half precision): x times a weight reordered once into
-    oneDNN's blocked layout (an A/B of the GEMM kernel, not the engine's code)."""
-    from engine.layers import parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or self.bias is not None:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        packed = getattr(self, "_packed", None)
-        if packed is None:
-            packed = self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-    parallel.Linear.forward = forward
-    parallel.RowParallelLinear.forward = forward
 
 
 def _print(prof, steps: int, rows: int, shapes: bool = False) -> None:  # noqa: ANN001

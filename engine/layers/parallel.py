@@ -255,6 +255,16 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
+        self._packed: torch.Tensor | None = None  # CPU bf16: the weight in oneDNN's blocked layout
+
+    def pack_for_cpu(self) -> None:
+        """CPU, bf16, one rank, no bias: keep the weight also reordered once into oneDNN's
+        blocked layout, which its GEMM reads faster than the plain one (2 cores, default model:
+        16-row decode step 61 -> 50 ms; a 16 x 128-token prefill unchanged, 1.42-1.47 s). A
+        second copy of the weight (the plain one stays for everything else that reads it)."""
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and self.bias is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
@@ -275,6 +285,8 @@ class Linear(nn.Module):
         return None if self.bias is not None else self._local_gemv(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
         cfg = self.gemv_config(x)
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
@@ -365,6 +377,17 @@ class ParallelLMHead(nn.Module):
         start, end = range_split(vocab, tp().world, tp().rank)
         self.weight = _param(end - start, hidden, dtype=dtype)
         _shard(self.weight, Sharding(0, (vocab, hidden), {None: Piece((start, end), 0, vocab, 0)}))
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Every one-rank projection of a CPU bf16 model in oneDNN's layout (Linear.pack_for_cpu);
+    how many were packed."""
+    if tp().world != 1:
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in layers:
+        m.pack_for_cpu()
+    return sum(m._packed is not None for m in layers)
 
 
 def lm_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from engine.layers.attention import create_backend
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import pack_for_cpu
 from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
 from engine.run import TORCH_PREIMPORTED
 from engine.run.dist import init_distributed, rank_config
@@ -345,9 +346,12 @@ def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa:
     """load_model with a clear error when the weights cannot fit the device."""
     check_weights_fit(cfg.model, dtype, device, cfg.tp_size)
     try:
-        return load_model(cfg.model, cfg.load_format, dtype, device)
+        model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device)
     except torch.OutOfMemoryError as e:
         raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        log.info("cpu bf16 projections in oneDNN's layout", layers=pack_for_cpu(model))
+    return model, mcfg
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
