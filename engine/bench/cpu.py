@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ]
     for flag, default, what in flags:
         p.add_argument(flag, type=int, default=default, help=f"{what} (default: {default})")
+    p.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="transformers' dtype: float32 (its default for this checkpoint) or bfloat16, the same "
+                   "precision as --server-args '--dtype bfloat16' (default: float32)")
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -68,13 +71,15 @@ def workload_of(args: argparse.Namespace, vocab: int) -> tuple[list[BenchRequest
     return reqs, rng.integers(0, vocab, size=args.long_prompt_len).tolist()
 
 
-def baseline(model_dir: Path, reqs: list[BenchRequest], long_prompt: list[int], output_len: int) -> dict[str, Any]:
+def baseline(
+    model_dir: Path, reqs: list[BenchRequest], long_prompt: list[int], output_len: int, dtype: str = "float32"
+) -> dict[str, Any]:
     """Run engine/bench/hf_baseline.py in a child process; its progress bars show on stderr."""
     with tempfile.TemporaryDirectory(prefix="strata-bench-hf-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({
             "model_dir": str(model_dir), "prompts": [r.prompt for r in reqs], "output_len": output_len,
-            "long_prompt": long_prompt,
+            "long_prompt": long_prompt, "dtype": dtype,
         }))
         subprocess.run([sys.executable, "-m", "engine.bench.hf_baseline", str(spec), str(out)], cwd=ROOT, check=True)
         return json.loads(out.read_text())
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = workload.resolve_model_dir(args.model)
     reqs, long_prompt = workload_of(args, workload.vocab_size(model_dir))
     load_start = os.getloadavg()
-    hf = baseline(model_dir, reqs, long_prompt, args.output_len)
+    hf = baseline(model_dir, reqs, long_prompt, args.output_len, args.hf_dtype)
     ours = served(args, reqs, long_prompt)
     return {**figures(args, hf, ours), "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg())}
 

@@ -20,10 +20,10 @@ import torch
 from tqdm import tqdm
 
 
-def load(model_dir: str) -> Any:
+def load(model_dir: str, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = None  # like ignore_eos: every row runs to max_new_tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -75,7 +75,7 @@ def forward(model: Any, prompt: list[int]) -> tuple[float, int]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    model = load(spec["model_dir"])
+    model = load(spec["model_dir"], spec.get("dtype", "float32"))
     short = [p[:8] for p in spec["prompts"][:2]]
     generate(model, short, 2)  # warm-up: first-call allocations and kernel selection
     seconds, ids = generate(model, spec["prompts"], spec["output_len"])
