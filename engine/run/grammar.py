@@ -4,14 +4,18 @@
 xgrammar GrammarMatcher (re-advanced over `output_ids` after a retraction), FreeReq drops
 it. Every rank advances its own matchers with the tokens it sampled, so no round trip to
 the scheduler is needed; the matcher's state is a function of the Step stream and the
-sampled tokens, which the digest's token chain already covers.
+sampled tokens, which the digest's token chain already covers. Where the matchers live:
+in this process (CPU), or in grammar helper processes (GPU; engine/run/grammar_helper.py),
+which accept and fill a step's rows in parallel; the interface below is the same.
 
 Overlap: step N+1's forward is launched before the matchers have seen step N's tokens;
 only its sampling waits for the mask. When step N samples, `sampled` starts a job on one
 host thread: wait for N's token copy (its event), accept the tokens (Python ints: xgrammar's
 binding rejects tensor scalars; its batch matcher's thread pool), fill those slots' next
 bitmask rows. It runs while the worker's thread answers step N-1 and waits for step N+1 on
-its socket (xgrammar holds the GIL, a socket wait does not). `mask` for step N+1 joins it,
+its socket (xgrammar holds the GIL, a socket wait does not; with helpers the job only waits
+on their pipes). The runner launches a constrained step without its sampling and samples it
+after answering the previous step (runner.py, `deferred`). `mask` for step N+1 joins it,
 fills only rows it could not know (requests added by this step), gathers the rows by logits
 row into a pinned buffer, copies it and applies it with xgrammar's kernel (triton on CUDA,
 its C++ kernel on CPU) to the constrained rows only. The bitmask spans the model's
@@ -21,7 +25,8 @@ vocabulary are masked too. Requests without a grammar never wait.
 Timing: every TIMING_WINDOW constrained steps one `grammar timing` log line gives the mean
 milliseconds per step of each part: the job's wait for the tokens, its accept and fill, the
 worker thread's wait in `mask` for the job, the rest of `mask` (late fills, gather, copy,
-apply), and the period between two masks (what a constrained step costs the host).
+apply), and the period between two masks (what a constrained step costs the host). With
+grammar helpers, `accept` is the helpers' accept and fill together (IPC included) and `fill` 0.
 
 A finished grammar (its stop token accepted) is terminated: the scheduler ends the request
 on that token, and a row of it still sampled by the overlap step is left unmasked (its
