@@ -22,7 +22,8 @@ HELP = {
     "sdk_port": "TCP port of the ZMQ client SDK",
     "log_dir": "write one JSON-lines log file per process here (empty: stderr only)",
     "device": "auto (cuda when available) | cpu | cuda",
-    "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16",
+    "dtype": "weights and activations: auto (bfloat16 on GPU and on a CPU with native bf16, AVX512-BF16 or AMX; "
+    "float32 on other CPUs) | float32 | bfloat16 | float16",
     "attention_backend": "auto (flashinfer on CUDA, torch on CPU) | torch | flashinfer",
     "kv_cache_dtype": "auto (the model dtype) | fp8_e4m3: KV stored in 8-bit floats, half the bytes (lossy)",
     "attention_fp8_math": "with an fp8 KV cache on SM90, decode attention in fp8 tensor-core math (queries and "

@@ -95,6 +95,7 @@ def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
     rec = bench(
         tmp_path / "lat.json", "latency", "--model", str(tiny_model), "--load-format", "dummy", "--device", "cpu",
         "--batch-sizes", "1", "3", "--context-len", "40", "--steps", "4", "--warmup", "2", "--profile-idle",
+        "--server-args", "--dtype float32",  # the KV bytes below are float32's (auto may be bf16 on this CPU)
     )
     check_record(rec, "latency")
     f = rec["figures"]

@@ -101,8 +101,9 @@ def slab():
 
 
 def _cfg(model: Path, **kw) -> ServerConfig:
-    return ServerConfig(model=str(model), device="cpu", max_total_tokens=12 * 16, max_running_requests=4,
-                        max_prefill_tokens=256, cpu_threads=2, **kw)
+    # float32: the tiers must give the very tokens of a fresh compute (bf16 rounding differs by path)
+    return ServerConfig(model=str(model), device="cpu", dtype="float32", max_total_tokens=12 * 16,
+                        max_running_requests=4, max_prefill_tokens=256, cpu_threads=2, **kw)
 
 
 def test_outputs_equal_fresh_l1_l2_and_l3(default_model_dir: Path, slab: str, tmp_path: Path) -> None:

@@ -77,7 +77,9 @@ def prompts_for(vocab: int, lengths: tuple[int, ...], seed: int = 1) -> list[lis
 
 
 def engine(path: Path, **kw) -> LocalEngine:
-    base = dict(model=str(path), device="cpu", max_total_tokens=4096, page_size=4, max_prefill_tokens=24)
+    # float32, as transformers here: greedy tokens equal (auto is bf16 on a CPU with native bf16)
+    base = dict(model=str(path), device="cpu", dtype="float32", max_total_tokens=4096, page_size=4,
+                max_prefill_tokens=24)
     return LocalEngine(ServerConfig(**{**base, **kw}))
 
 

@@ -16,7 +16,7 @@ import pytest
 from tests.integration.conftest import Server, start_server, stop_server
 
 ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
-        "--max-prefill-tokens", "256", "--max-running-requests", "4")
+        "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ PROMPTS = [[504, 3575, 282, 4649, 314], list(range(100, 160))]  # the second is 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("tp-logs"), "--tp-size", "2", "--cpu-threads", "1",
-                       "--max-total-tokens", "4096", "--max-prefill-tokens", "32")
+                       "--max-total-tokens", "4096", "--max-prefill-tokens", "32", "--dtype", "float32")
     yield srv
     if srv.proc.poll() is None:
         srv.proc.kill()
@@ -45,7 +45,7 @@ def _reference(default_model_dir: Path) -> list[list[int]]:
     from engine.local import LocalEngine
     from msgs.params import SamplingParams
 
-    eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", max_total_tokens=4096))
+    eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
     return [r.output_ids for r in res]
 

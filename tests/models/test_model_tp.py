@@ -46,7 +46,8 @@ def _waves(vocab: int, n: int = 3, length: int = 37) -> list:
 
 def _cfg(model: Path, tp: int, **kw: object) -> ServerConfig:
     # page 4 and a 16-token budget: prompts are prefilled in chunks, prefixes cached page by page
-    return ServerConfig(model=str(model), device="cpu", tp_size=tp, cpu_threads=1, page_size=4,
+    # float32: tp=2 must give tp=1's tokens (bf16 sums of two partial products round differently)
+    return ServerConfig(model=str(model), device="cpu", dtype="float32", tp_size=tp, cpu_threads=1, page_size=4,
                         max_prefill_tokens=16, max_total_tokens=2048, max_running_requests=8, **kw)
 
 
