@@ -70,13 +70,24 @@ DIR_KEYS = {"write_skips": "skips", "corrupt": "corrupt"}  # L3Dir.stats' (skips
 
 
 def model_fingerprint(
-    config_json: bytes, weights: bytes, dtype: str, kv_dtype: str, page_size: int, tp_size: int,
-    page_bytes: int, num_layers: int,
+    config_json: bytes,
+    weights: bytes,
+    dtype: str,
+    kv_dtype: str,
+    page_size: int,
+    tp_size: int,
+    page_bytes: int,
+    num_layers: int,
 ) -> bytes:
     """16 bytes naming the KV a page holds: two engines share L3 files only when equal."""
     h = hashlib.blake2b(b"strata.l3.v1", digest_size=KEY_BYTES)
-    for part in (config_json, weights, dtype.encode(), kv_dtype.encode(),
-                 b"%d/%d/%d/%d" % (page_size, tp_size, page_bytes, num_layers)):
+    for part in (
+        config_json,
+        weights,
+        dtype.encode(),
+        kv_dtype.encode(),
+        b"%d/%d/%d/%d" % (page_size, tp_size, page_bytes, num_layers),
+    ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
@@ -170,8 +181,16 @@ class L3Dir:
         self.fingerprint = fingerprint
         self.cap = cap_bytes
         self.lock = threading.Lock()
-        self.stats = {"reads": 0, "writes": 0, "bytes_read": 0, "bytes_written": 0, "corrupt": 0,
-                      "write_skips": 0, "files": 0, "bytes": 0}
+        self.stats = {
+            "reads": 0,
+            "writes": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "corrupt": 0,
+            "write_skips": 0,
+            "files": 0,
+            "bytes": 0,
+        }
         self.root.mkdir(parents=True, exist_ok=True)
         self.scan()
 
@@ -251,8 +270,11 @@ class L3Dir:
         try:
             size = os.fstat(fd).st_size
             # never read more than a page file can hold (a shared directory may hold anything)
-            check = header_ok(os.pread(fd, HEADER.size, 0), self.fingerprint, key, payload_len) \
-                if size == HEADER.size + payload_len else None
+            check = (
+                header_ok(os.pread(fd, HEADER.size, 0), self.fingerprint, key, payload_len)
+                if size == HEADER.size + payload_len
+                else None
+            )
             ok = check is not None and _preadv(fd, parts, HEADER.size) == payload_len and crc32(parts) == check
         finally:
             os.close(fd)
@@ -345,8 +367,10 @@ class L3Store:
         self._logged_at = -LOG_INTERVAL_S
         self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="l3-io")
         # each with the log context (proc) of the thread that made the store
-        self._threads = [threading.Thread(target=contextvars.copy_context().run, args=(fn,), daemon=True, name=name)
-                         for fn, name in ((self._writer, "l3-writer"), (self._reader, "l3-reader"))]
+        self._threads = [
+            threading.Thread(target=contextvars.copy_context().run, args=(fn,), daemon=True, name=name)
+            for fn, name in ((self._writer, "l3-writer"), (self._reader, "l3-reader"))
+        ]
         for t in self._threads:
             t.start()
 

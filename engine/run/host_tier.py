@@ -118,8 +118,12 @@ class HostCopies(Effect):
                     populate(raw)
                     t1 = time.perf_counter()
                     self._register(self.slab)
-                    log.info("host slab pinned", gib=round(region / 2**30, 2), populate_s=round(t1 - t0, 2),
-                             register_s=round(time.perf_counter() - t1, 2))
+                    log.info(
+                        "host slab pinned",
+                        gib=round(region / 2**30, 2),
+                        populate_s=round(t1 - t0, 2),
+                        register_s=round(time.perf_counter() - t1, 2),
+                    )
             case BackupPrepare(obj=obj, device_pages=pages, host_start=start):
                 self.queued.append((obj, unpack_ids(pages), start))
             case LoadBack(device_pages=pages, host_start=start):
@@ -144,8 +148,10 @@ class HostCopies(Effect):
     def _pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as raw bytes, one row per device page."""
         n = self.kv.num_pages
-        return (self.kv.k[layer].view(torch.uint8).view(n, self.layer_bytes),
-                self.kv.v[layer].view(torch.uint8).view(n, self.layer_bytes))
+        return (
+            self.kv.k[layer].view(torch.uint8).view(n, self.layer_bytes),
+            self.kv.v[layer].view(torch.uint8).view(n, self.layer_bytes),
+        )
 
     def _load(self, pages: list[int], start: int) -> None:
         """Host -> device on the compute stream: the forward of this step comes after it."""
@@ -381,9 +387,7 @@ def _round_trip(copies: HostCopies, src: list[int], dst: list[int]) -> bool:
     copies.apply(LoadBack(1, b"".join(p.to_bytes(4, "little") for p in dst), 0))
     _sync(kv.device)
     idx_s, idx_d = torch.tensor(src, device=kv.device), torch.tensor(dst, device=kv.device)
-    return all(
-        torch.equal(a[idx_s], a[idx_d]) for layer in range(kv.num_layers) for a in copies._pages(layer)
-    )
+    return all(torch.equal(a[idx_s], a[idx_d]) for layer in range(kv.num_layers) for a in copies._pages(layer))
 
 
 def _sync(device: torch.device) -> None:

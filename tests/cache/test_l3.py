@@ -40,12 +40,27 @@ def test_keys_chain_over_the_prefix_and_the_fingerprint() -> None:
     assert not set(other) & set(keys)
     assert l3.page_keys(bytes(16), toks, PS)[0] != keys[0]  # another model, other keys
     assert l3.unpack_keys(l3.pack_keys(keys)) == keys
-    base = dict(config_json=b"{}", weights=b"w", dtype="float32", kv_dtype="float32", page_size=16, tp_size=1,
-                page_bytes=4096, num_layers=2)
+    base = dict(
+        config_json=b"{}",
+        weights=b"w",
+        dtype="float32",
+        kv_dtype="float32",
+        page_size=16,
+        tp_size=1,
+        page_bytes=4096,
+        num_layers=2,
+    )
     fp = l3.model_fingerprint(**base)
     assert len(fp) == 16 and fp == l3.model_fingerprint(**base)
-    for change in ({"weights": b"w2"}, {"config_json": b"{ }"}, {"kv_dtype": "bfloat16"}, {"page_size": 32},
-                   {"tp_size": 2}, {"page_bytes": 8192}, {"dtype": "bfloat16"}):
+    for change in (
+        {"weights": b"w2"},
+        {"config_json": b"{ }"},
+        {"kv_dtype": "bfloat16"},
+        {"page_size": 32},
+        {"tp_size": 2},
+        {"page_bytes": 8192},
+        {"dtype": "bfloat16"},
+    ):
         assert l3.model_fingerprint(**{**base, **change}) != fp, change
 
 
@@ -199,8 +214,10 @@ def test_backups_carry_their_page_keys() -> None:
     pages2 = cache.allocator.alloc(3)
     cache.insert_node(toks + [5, 6], pages2)
     backups = [c for c in cache.changes if isinstance(c, BackupPrepare)]
-    assert [l3.unpack_keys(b.keys) for b in backups] == [l3.page_keys(FP, toks, PS),
-                                                          l3.page_keys(FP, toks + [5, 6], PS)[2:]]
+    assert [l3.unpack_keys(b.keys) for b in backups] == [
+        l3.page_keys(FP, toks, PS),
+        l3.page_keys(FP, toks + [5, 6], PS)[2:],
+    ]
 
 
 def test_replicas_agree_across_l3_loads() -> None:
@@ -295,8 +312,12 @@ def test_the_controller_writes_committed_objects_and_reads_them_back(slab: str, 
     layers, layer_bytes, host = 2, 8, 8
     page_bytes = 2 * layers * layer_bytes
     keys = l3.page_keys(FP, list(range(6)), PS)
-    steps.send(Step(seq=1, ops=[HostInit(host, page_bytes, layers, FP),
-                                BackupPrepare(7, pack_ids([1, 2, 3]), 0, l3.pack_keys(keys))]))
+    steps.send(
+        Step(
+            seq=1,
+            ops=[HostInit(host, page_bytes, layers, FP), BackupPrepare(7, pack_ids([1, 2, 3]), 0, l3.pack_keys(keys))],
+        )
+    )
     ctrl.pump()
     view = np.frombuffer(mapping.map, dtype=np.uint8).reshape(2, 2 * layers, host, layer_bytes)
     view[:, :, 0:3, :] = np.random.default_rng(0).integers(0, 256, (2, 2 * layers, 3, layer_bytes), dtype=np.uint8)
@@ -361,8 +382,17 @@ def test_a_writer_killed_mid_write_leaves_no_page_file(tmp_path: Path) -> None:
 def test_a_pending_object_split_before_its_commit_is_written_whole(slab: str, tmp_path: Path) -> None:
     ctrl, _, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
     keys = l3.page_keys(FP, list(range(8)), PS)
-    steps.send(Step(seq=1, ops=[HostInit(8, 32, 2, FP), BackupPrepare(7, pack_ids([1, 2, 3, 4]), 0, l3.pack_keys(keys)),
-                                HostSplit(7, 1, 9), HostSplit(7, 2, 11)]))  # pieces 9 | 11 | 7
+    steps.send(
+        Step(
+            seq=1,
+            ops=[
+                HostInit(8, 32, 2, FP),
+                BackupPrepare(7, pack_ids([1, 2, 3, 4]), 0, l3.pack_keys(keys)),
+                HostSplit(7, 1, 9),
+                HostSplit(7, 2, 11),
+            ],
+        )
+    )  # pieces 9 | 11 | 7
     ctrl.pump()
     backups.send(BackupDone(obj=7, rank=0))
     ctrl.pump()

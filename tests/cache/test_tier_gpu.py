@@ -35,9 +35,15 @@ def test_l2_load_back_gives_the_l1_tokens_on_gpu() -> None:
     slab = create_slab("strata-gpu-test")
     try:
         cfg = ServerConfig(
-            model=str(ROOT / "configs" / "qwen3-0.6b"), load_format="dummy", device="cuda",
-            max_total_tokens=12 * 16, max_running_requests=4, max_prefill_tokens=256,
-            enable_hierarchical_cache=True, hicache_path=slab, **_backend(),
+            model=str(ROOT / "configs" / "qwen3-0.6b"),
+            load_format="dummy",
+            device="cuda",
+            max_total_tokens=12 * 16,
+            max_running_requests=4,
+            max_prefill_tokens=256,
+            enable_hierarchical_cache=True,
+            hicache_path=slab,
+            **_backend(),
         )
         eng = SettledEngine(cfg)
         rng = random.Random(2)
@@ -78,8 +84,11 @@ def _fill(kv: KVPool, pages: list[int], value: int | None = None) -> None:
     """Random (or constant) bytes into `pages` of every layer's K and V, on the current stream."""
     for t in (*kv.k, *kv.v):
         rows = t.view(kv.num_pages, -1).view(torch.uint8)[torch.tensor(pages, device="cuda")]
-        new = torch.randint(0, 256, rows.shape, dtype=torch.uint8, device="cuda") if value is None else (
-            torch.full_like(rows, value))
+        new = (
+            torch.randint(0, 256, rows.shape, dtype=torch.uint8, device="cuda")
+            if value is None
+            else (torch.full_like(rows, value))
+        )
         t.view(kv.num_pages, -1).view(torch.uint8)[torch.tensor(pages, device="cuda")] = new
 
 
