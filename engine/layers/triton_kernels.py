@@ -289,3 +289,19 @@ def decode_attention_kernel(
         hg1 = tl.arange(0, G_P2)
         tl.store(out + (b * HQ + kvh * G + hg1[:, None]) * D + d[None, :], o.to(act), mask=(hg1 < G)[:, None])
         tl.store(counters + b * HKV + kvh, 0)  # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["logits_stride", "words", "vocab_size"])
+def mask_by_slot_kernel(logits, logits_stride, bitmask, words, pairs, vocab_size, BLOCK: tl.constexpr):
+    """Grammar mask: logits row `pairs[2i]` gets -inf wherever bit t of bitmask row
+    `pairs[2i + 1]` (the request's slot) is 0; program (i, block) covers BLOCK tokens."""
+    i = tl.program_id(0)
+    blk = tl.program_id(1)
+    row = tl.load(pairs + 2 * i).to(tl.int64)
+    slot = tl.load(pairs + 2 * i + 1).to(tl.int64)
+    w = blk * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    packed = tl.load(bitmask + slot * words + w, mask=w < words, other=0)
+    banned = ((packed[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0
+    banned = tl.reshape(banned, (BLOCK,))
+    t = blk * BLOCK + tl.arange(0, BLOCK)
+    tl.store(logits + row * logits_stride + t, float("-inf"), mask=(t < vocab_size) & banned)

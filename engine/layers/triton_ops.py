@@ -311,3 +311,36 @@ def decode_attention(
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return out
+
+
+MASK_BLOCK = 4096  # tokens per program of the grammar mask (128 bitmask words)
+
+
+class HostPointer:
+    """A host buffer the GPU reads in place (pinned, or registered with cudaHostRegister: with
+    unified addressing its address is valid on the device), passed to a triton kernel as a
+    pointer: triton takes any object with `data_ptr()` and `dtype`."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._ptr = t.data_ptr()
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def mask_by_slot(
+    logits: torch.Tensor, bitmask: torch.Tensor | HostPointer, words: int, pairs: torch.Tensor | HostPointer, n: int,
+    vocab_size: int,
+) -> None:
+    """Grammar masks in place: for i < n, logits row pairs[2i] is masked with bitmask row
+    pairs[2i + 1] (int32 rows of `words` words, bit t set = token t allowed; tokens past the
+    bitmask are masked too). The bitmask and pairs may stay in host memory (HostPointer):
+    the kernel reads the n rows it needs, with no gather and no copy."""
+    if n == 0:
+        return
+    if logits.stride(-1) != 1:
+        raise ValueError("mask_by_slot: logits rows must be contiguous")
+    grid = (n, (vocab_size + MASK_BLOCK - 1) // MASK_BLOCK)
+    _k().mask_by_slot_kernel[grid](logits, logits.stride(0), bitmask, words, pairs, vocab_size, BLOCK=MASK_BLOCK,
+                                   num_warps=4)

@@ -16,9 +16,13 @@ bitmask rows. It runs while the worker's thread answers step N-1 and waits for s
 its socket (xgrammar holds the GIL, a socket wait does not; with helpers the job only waits
 on their pipes). The runner launches a constrained step without its sampling and samples it
 after answering the previous step (runner.py, `deferred`). `mask` for step N+1 joins it,
-fills only rows it could not know (requests added by this step), gathers the rows by logits
-row into a pinned buffer, copies it and applies it with xgrammar's kernel (triton on CUDA,
-its C++ kernel on CPU) to the constrained rows only. The bitmask spans the model's
+fills only rows it could not know (requests added by this step) and masks the constrained
+rows only. On CUDA one triton kernel (engine/layers/triton_ops.py `mask_by_slot`) reads each
+row's bitmask by slot straight from host memory (pinned, or the helpers' shared memory
+registered with cudaHostRegister) and the (logits row, slot) pairs from a pinned buffer: no
+gather, no copy, one launch. Host buffers are rewritten only after the previous constrained
+step's tokens reached the host, which come after its mask kernel in stream order. On CPU
+the rows are gathered by logits row and masked by xgrammar's C++ kernel. The bitmask spans the model's
 vocabulary (the TokenizerInfo has the model's vocab size), so ids past the tokenizer's
 vocabulary are masked too. Requests without a grammar never wait.
 
@@ -47,6 +51,7 @@ import structlog
 import torch
 import xgrammar as xgr
 
+from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
 from engine.run.grammar_helper import GrammarHelpers
 from msgs.codec import unpack_ids
@@ -55,7 +60,7 @@ from msgs.steps import AddReq, FreeReq
 
 log = structlog.get_logger()
 COMPILED_CACHE = 64  # deserialized grammars kept by key (requests sharing a schema share one)
-TIMING_WINDOW = 200  # constrained steps per `grammar timing` line
+TIMING_WINDOW = 100  # constrained steps per `grammar timing` line
 TIMING_KEYS = ("tokens_wait", "accept", "fill", "join_wait", "mask", "period")
 
 
@@ -132,11 +137,19 @@ class GrammarSlots(Effect):
         self._next_id = 0  # a helper's matchers are named by id: a slot is reused
         # by slot; with helpers, the shared memory they fill
         self._bitmask = self._helpers.bitmask if self._helpers else xgr.allocate_token_bitmask(max_slots, vocab_size)
-        self._staging = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by logits row, for the copy
-        self._indices = torch.zeros(max_slots, dtype=torch.int32)
-        if device.type == "cuda":
-            self._staging = self._staging.pin_memory()
-            self._indices = self._indices.pin_memory()
+        self._adding: dict[int, tuple[int, str, _Remote]] = {}  # helper matchers not settled: id -> slot, rid
+        self._unregister: tuple[int, ...] = ()
+        if device.type == "cuda":  # the mask kernel reads the bitmask and the row pairs in host memory
+            if self._helpers is not None:
+                self._register(self._bitmask)
+            else:
+                self._bitmask = self._bitmask.pin_memory()
+            self._pairs = torch.zeros(2 * max_slots, dtype=torch.int32).pin_memory()
+            self._pairs_np = self._pairs.numpy()
+            self._bitmask_ptr = triton_ops.HostPointer(self._bitmask)
+            self._pairs_ptr = triton_ops.HostPointer(self._pairs)
+        else:
+            self._staging = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by logits row, for the CPU kernel
         # fills and accepts the rows of a step on xgrammar's thread pool (64 rows: ~1 ms serially)
         self._batch = xgr.BatchGrammarMatcher("auto")
         self.rejected = 0  # sampled tokens a matcher refused (never expected: the mask forbids them)
@@ -144,15 +157,20 @@ class GrammarSlots(Effect):
         if device.type == "cuda":
             self._warm()
 
+    def _register(self, bitmask: torch.Tensor) -> None:
+        """Pin the helpers' shared bitmask for the device to read (it is unregistered on close)."""
+        ptr = bitmask.data_ptr()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, bitmask.numel() * bitmask.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the grammar bitmask failed: {err}")
+        self._unregister = (ptr,)
+
     def _warm(self) -> None:
-        """Compile the triton mask kernel now, not in a served step: triton specializes an int
-        argument on ==1 and on divisibility by 16, so row counts 1, 2 and 16 are three kernels
-        (~0.5 s each to compile)."""
-        rows = min(16, self._bitmask.shape[0])  # fewer slots than 16: only the counts that can occur
-        logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-        bitmask = self._bitmask[:rows].to(self.device)
-        for n in sorted({1, min(2, rows), rows}):
-            self._apply(logits, bitmask, list(range(n)))
+        """Compile the triton mask kernel now, not in a served step (its row count is the grid,
+        nothing is specialized on it: one compile)."""
+        logits = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
+        self._pairs_np[:2] = (0, 0)
+        triton_ops.mask_by_slot(logits, self._bitmask_ptr, self._bitmask.shape[1], self._pairs_ptr, 1, self.vocab_size)
         torch.cuda.synchronize(self.device)
 
     # ---- replica ops ----
@@ -162,19 +180,20 @@ class GrammarSlots(Effect):
             gone = self.matchers.pop(op.slot, None)
             self._ready.pop(op.slot, None)
             if self._helpers is not None and gone is not None:
+                self._adding.pop(gone.id, None)
                 self._helpers.free(gone.id, op.slot)
             return
         if op.slot in self.matchers:
             raise ReplicaError(f"AddReq for busy grammar slot {op.slot}")
         if op.grammar is None:
             return
-        if self._helpers is not None:  # the helper re-advances it and fills its row
+        if self._helpers is not None:  # the helper re-advances it and fills its row; settled in mask
             self._next_id += 1
             ids = [int(t) for t in unpack_ids(op.output_ids)]
-            ok, done = self._helpers.add(self._next_id, op.slot, op.grammar.key, op.grammar.data, ids)
-            if not ok:
-                raise ReplicaError(f"slot {op.slot} ({op.rid}): its grammar refuses its own output tokens")
-            self.matchers[op.slot] = self._ready[op.slot] = _Remote(self._next_id, done)
+            self._helpers.add(self._next_id, op.slot, op.grammar.key, op.grammar.data, ids)
+            remote = _Remote(self._next_id, False)
+            self._adding[remote.id] = (op.slot, op.rid, remote)
+            self.matchers[op.slot] = self._ready[op.slot] = remote
             return
         matcher = xgr.GrammarMatcher(self._compiled_grammar(op.grammar))
         for tok in unpack_ids(op.output_ids):  # a retracted request's tokens so far
@@ -220,6 +239,7 @@ class GrammarSlots(Effect):
             return
         t0 = time.perf_counter()
         self._join()  # the previous constrained step's tokens are accepted and its rows filled
+        self._settle()
         t1 = time.perf_counter()
         live = [(i, s, m) for i, s, m in rows if not m.is_terminated()]
         if not live:
@@ -229,28 +249,36 @@ class GrammarSlots(Effect):
             self._helpers.fill([(m.id, s) for s, m in stale])
         elif stale:  # new matchers (AddReq), or rows the background job did not fill
             self._batch.batch_fill_next_token_bitmask([m for _, m in stale], self._bitmask, [s for s, _ in stale])
-        idx = [i for i, _, _ in live]
-        # the bitmask is by slot; the kernel wants it by logits row: gather into pinned staging
-        by_slot = torch.tensor(slots, dtype=torch.int64)
-        staging = self._staging[: len(slots)]
-        torch.index_select(self._bitmask, 0, by_slot, out=staging)
-        bitmask = staging.to(self.device, non_blocking=True) if self.device.type == "cuda" else staging
-        self._apply(logits, bitmask, idx)
+        if self.device.type == "cuda":
+            pairs = self._pairs_np
+            for j, (i, s, _) in enumerate(live):
+                pairs[2 * j], pairs[2 * j + 1] = i, s
+            triton_ops.mask_by_slot(logits, self._bitmask_ptr, self._bitmask.shape[1], self._pairs_ptr, len(live),
+                                    self.vocab_size)
+        else:  # the bitmask is by slot; xgrammar's kernel wants it by logits row
+            staging = self._staging[: len(slots)]
+            torch.index_select(self._bitmask, 0, torch.tensor(slots, dtype=torch.int64), out=staging)
+            xgr.apply_token_bitmask_inplace(logits, staging, vocab_size=self.vocab_size,
+                                            indices=[i for i, _, _ in live], backend="cpu")
         t2 = time.perf_counter()
         self.timing.sums["join_wait"] += t1 - t0
         self.timing.sums["mask"] += t2 - t1
         self.timing.step(len(live), t0)
 
-    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, idx: list[int]) -> None:
-        if self.device.type != "cuda":
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=idx, backend="cpu")
+    def _settle(self) -> None:
+        """Take the helpers' replies to this step's new matchers (their rows are filled then);
+        a grammar that refuses its request's own output so far (after a retraction) is fatal."""
+        if not self._adding:
             return
-        # row indices through a pinned buffer: a pageable copy could wait on the queued forward
-        self._indices[: len(idx)] = torch.tensor(idx, dtype=torch.int32)
-        indices = self._indices[: len(idx)].to(self.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=self.vocab_size, indices=indices, backend="triton"
-        )
+        assert self._helpers is not None
+        for id, (ok, terminated) in self._helpers.settle().items():
+            entry = self._adding.pop(id, None)
+            if entry is None:  # freed meanwhile
+                continue
+            slot, rid, remote = entry
+            if not ok:
+                raise ReplicaError(f"slot {slot} ({rid}): its grammar refuses its own output tokens")
+            remote.terminated = terminated
 
     def sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
         """This step's constrained rows sampled `tokens`: start the job that waits for them,
@@ -284,6 +312,9 @@ class GrammarSlots(Effect):
         """Stop the helper processes (they also exit when this process goes)."""
         if self._helpers is not None:
             self._helpers.close()
+        for ptr in self._unregister:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._unregister = ()
 
     @property
     def busy(self) -> bool:

@@ -14,8 +14,12 @@ requests; an accept for an id already freed is ignored and touches no bitmask ro
 bitmask, by slot, is one anonymous shared-memory file (memfd) mapped by the worker and every
 helper (passed as an inherited fd: nothing to clean up after a kill -9). A helper fills a
 row only for a live matcher of its own. Requests and replies on one pipe are in order; the
-worker holds a helper's lock from a request to its reply. A helper exits when its stdin
-closes (the worker is gone); a helper that dies makes the worker's next call raise.
+worker holds a helper's lock from a request to its reply, except for HAdd: a step's new
+matchers are sent to their helpers without waiting (64 new requests cost 64 round trips of
+~0.8 ms each, serially, inside one step), and their replies are taken before the next reply
+on that pipe or by `settle()`, which the worker calls before it reads the bitmask. A helper
+exits when its stdin closes (the worker is gone); a helper that dies makes the worker's next
+call raise.
 
 `python -m engine.run.grammar_helper MODEL_DIR VOCAB_SIZE MAX_SLOTS BITMASK_FD` runs one.
 """
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import threading
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import msgspec
@@ -131,6 +135,9 @@ class GrammarHelpers:
         self.locks = [threading.Lock() for _ in range(n)]
         self.prepared: set[str] = set()  # grammar keys sent to every helper
         self.ready = [False] * n  # each helper's ready frame taken
+        self.unsettled: list[deque[int]] = [deque() for _ in range(n)]  # HAdd ids whose reply is not read
+        self._settled: dict[int, tuple[bool, bool]] = {}  # id -> (accepted, terminated), read, not taken
+        self._settled_lock = threading.Lock()
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
 
@@ -170,9 +177,9 @@ class GrammarHelpers:
             raise RuntimeError(f"grammar helper {h}: {reply.reason}")
         return reply
 
-    def add(self, id: int, slot: int, key: str, data: bytes, output_ids: list[int]) -> tuple[bool, bool]:
-        """Create the matcher (re-advanced over output_ids) and fill its row: whether it
-        accepted every output id, and whether it is terminated."""
+    def add(self, id: int, slot: int, key: str, data: bytes, output_ids: list[int]) -> None:
+        """Create the matcher (re-advanced over output_ids) and fill its row, without waiting:
+        `settle()` says whether it accepted every output id and whether it is terminated."""
         if key not in self.prepared:  # every helper deserializes it now, in parallel
             if len(self.prepared) >= 4 * COMPILED_CACHE:  # a bound; a key sent again is harmless
                 self.prepared.clear()
@@ -184,8 +191,26 @@ class GrammarHelpers:
         h = self.owner(slot)
         with self.locks[h]:
             self._send(h, HAdd(id, slot, key, data, output_ids))
-            (_, ok, terminated), = self._reply(h).rows
-        return ok, terminated
+            self.unsettled[h].append(id)
+
+    def _drain(self, h: int) -> None:
+        """Read helper h's outstanding HAdd replies (under its lock): they come before any later one."""
+        while self.unsettled[h]:
+            (id, ok, terminated), = self._reply(h).rows
+            self.unsettled[h].popleft()
+            with self._settled_lock:
+                self._settled[id] = (ok, terminated)
+
+    def settle(self) -> dict[int, tuple[bool, bool]]:
+        """Wait for every HAdd sent so far (their rows are filled then); id -> (accepted every
+        output id, terminated) for those not returned by an earlier call."""
+        for h in range(self.n):
+            if self.unsettled[h]:
+                with self.locks[h]:
+                    self._drain(h)
+        with self._settled_lock:
+            out, self._settled = self._settled, {}
+        return out
 
     def free(self, id: int, slot: int) -> None:
         h = self.owner(slot)
@@ -206,6 +231,7 @@ class GrammarHelpers:
                 held.append(h)
                 self._send(h, make([rows[i] for i in by_helper[h]]))
             for h in sorted(by_helper):
+                self._drain(h)
                 for i, res in zip(by_helper[h], self._reply(h).rows, strict=True):
                     out[i] = res
         finally:

@@ -123,8 +123,9 @@ def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, 
 def test_an_output_the_grammar_refuses_is_fatal(default_model_dir: Path, setup, helpers: int) -> None:
     tok, vocab, grammar = setup
     g = _slots(default_model_dir, vocab, helpers=helpers)
-    with pytest.raises(ReplicaError):
+    with pytest.raises(ReplicaError, match="refuses its own output"):  # helpers: at the step's mask
         g.apply(_add(0, grammar, tok.encode("hello", add_special_tokens=False)))
+        g.mask(torch.zeros(1, vocab), [0])
 
 
 def test_the_replica_drives_the_matchers(default_model_dir: Path, setup) -> None:

@@ -1,0 +1,71 @@
+"""Grammar masks on CUDA (engine/run/grammar.py): the triton kernel that reads each row's
+bitmask by slot straight from host memory (pinned in process, or the helpers' shared memory
+registered with cudaHostRegister) masks exactly what the CPU path masks."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from engine.run.grammar import GrammarSlots
+from engine.serve.grammar import json_format, tokenizer_info
+from engine.serve.tokenizer import load_tokenizer
+from msgs.codec import pack_ids
+from msgs.params import Grammar
+from msgs.steps import AddReq, FreeReq, WorkerSampling
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["ab", "cd"]}},
+          "required": ["n", "s"], "additionalProperties": False}
+SAMPLING = WorkerSampling(1.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 7, False, 0)
+
+
+def _add(slot: int, grammar: Grammar | None) -> AddReq:
+    return AddReq(slot, f"r{slot}", SAMPLING, pack_ids([1]), pack_ids([]), grammar=grammar)
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_cuda_mask_by_slot_equals_the_cpu_mask(default_model_dir: Path, helpers: int) -> None:
+    tok = load_tokenizer(str(default_model_dir))
+    assert tok is not None
+    vocab = len(tok.hf) + 64  # logits wider than the tokenizer: the tail must be masked too
+    info = tokenizer_info(tok.hf, vocab)
+    tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
+    grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    dev = torch.device("cuda")
+    gpu = GrammarSlots(str(default_model_dir), vocab, 8, dev, helpers=helpers)
+    cpu = GrammarSlots(str(default_model_dir), vocab, 8, torch.device("cpu"), background=False, helpers=0)
+    try:
+        gpu.wait_ready()
+        a = tok.encode('{"n": 42, "s": "cd"}', add_special_tokens=False)
+        b = tok.encode('{"n": 7', add_special_tokens=False)
+        for g in (gpu, cpu):
+            g.apply(_add(5, grammar))
+            g.apply(_add(2, grammar))
+        slots = [5, 3, 2]  # slot 3 is unconstrained: its row is never touched
+        for step in range(len(a)):
+            ta = a[step]
+            tb = b[step] if step < len(b) else a[step - len(b)]  # slot 2's second request follows a
+            if step == len(b):  # slot 2 leaves, and a fresh request takes it
+                for g in (gpu, cpu):
+                    g.apply(FreeReq(2))
+                    g.apply(_add(2, grammar))
+            got = torch.randn(3, vocab, device=dev)
+            want = got.cpu()
+            gpu.mask(got, slots)
+            cpu.mask(want, slots)
+            assert torch.equal(got.cpu(), want), f"step {step}"
+            assert torch.isinf(want[0]).sum() > 0 and not torch.isinf(want[1]).any()
+            assert not torch.isinf(want[0, ta]) and not torch.isinf(want[2, tb])  # the tokens sampled next
+            assert bool(torch.isinf(want[0, len(tok.hf):]).all())
+            sampled = torch.tensor([ta, 11, tb])
+            gpu.sampled(slots, sampled.to(dev))
+            cpu.sampled(slots, sampled)
+    finally:
+        gpu.close()
+        cpu.close()
