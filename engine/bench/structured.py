@@ -73,6 +73,34 @@ async def _pass(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[dic
     return wall, [r.json() for r in replies]
 
 
+PASS_METRICS = ("strata_step_seconds_count", "strata_step_seconds_sum", "strata_ttft_seconds_count",
+                "strata_ttft_seconds_sum")
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The counters a pass is described by (steps, their summed worker seconds, first tokens)."""
+    out = dict.fromkeys(PASS_METRICS, 0.0)
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in out:
+            out[name] = float(value)
+    return out
+
+
+def _measured(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]], dict[str, float]]:
+    """One pass and what it did: steps, mean step and mean time to first token (ms)."""
+    before = _metrics(url)
+    wall, out = asyncio.run(_pass(url, bodies))
+    d = {k: v - before[k] for k, v in _metrics(url).items()}
+    steps = d["strata_step_seconds_count"]
+    return wall, out, {
+        "steps": steps,
+        "mean_step_ms": 1e3 * d["strata_step_seconds_sum"] / max(steps, 1),
+        "wall_per_step_ms": 1e3 * wall / max(steps, 1),
+        "mean_ttft_ms": 1e3 * d["strata_ttft_seconds_sum"] / max(d["strata_ttft_seconds_count"], 1),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_with_tokenizer(args.model, args.tokenizer_from) if args.tokenizer_from else args.model
     server_args = shlex.split(args.server_args) + ["--max-running-requests", str(max(args.num_requests, 1))]
@@ -88,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  "seed": args.seed + i, "json_schema": json.dumps(SCHEMA)}}
             for i in range(args.num_requests)
         ]  # fmt: skip
-        c_wall, c_out = asyncio.run(_pass(url, constrained))
+        c_wall, c_out, c_pass = _measured(url, constrained)
         lengths = [o["meta_info"]["completion_tokens"] for o in c_out]
         valid = 0
         for o in c_out:
@@ -102,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  "seed": args.seed + i, "ignore_eos": True}}
             for i, n in enumerate(lengths)
         ]  # fmt: skip
-        p_wall, p_out = asyncio.run(_pass(url, plain))
+        p_wall, p_out, p_pass = _measured(url, plain)
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     tokens = sum(lengths)
     assert sum(o["meta_info"]["completion_tokens"] for o in p_out) == tokens
@@ -122,11 +150,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "constrained_tok_s": c_tps,
         "unconstrained_tok_s": p_tps,
         "ratio": c_tps / p_tps,
+        "constrained_pass": c_pass,
+        "unconstrained_pass": p_pass,
         "grammar_metrics": [ln for ln in metrics.splitlines() if ln.startswith("strata_grammar")],
     }
     print("============ Structured Output Result ============")
     for k in ("num_requests", "output_tokens", "mean_output_len", "json_valid", "constrained_tok_s",
-              "unconstrained_tok_s", "ratio"):  # fmt: skip
+              "unconstrained_tok_s", "ratio", "constrained_pass", "unconstrained_pass"):  # fmt: skip
         print(f"{k:24s} {result[k]}")
     return result
 
