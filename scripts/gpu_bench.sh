@@ -2,6 +2,7 @@
 # One device call: install the carried wheels, then run the named modes on the GPU machine (an
 # H200). Results go to $OUT. An unknown mode fails before anything runs.
 # Usage on the device (carry .whl): bash scripts/gpu_bench.sh MODE ...
+#   quick     the gpu tests of the grammar mask and the host tier's copies only
 #   check     the gpu tests (tests/gpu: bf16, fp8 KV, fp8 math, forced triton decode, transformers)
 #   latency   decode latency, Qwen3-0.6B and Llama-3.1-8B, batch 1 8 32, ctx 1024 (docs/PERF.md)
 #   qwen      Qwen3-0.6B offline throughput, 256 requests (docs/PERF.md)
@@ -12,10 +13,10 @@
 #   cache     Llama-3.1-8B TTFT of a 32k prompt: recompute vs L1 vs L2 vs L3 (bin/bench cache, L3 under /tmp)
 #   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
 #   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
-#   hostcopy  host-tier copy GB/s (python -m engine.run.host_tier cuda) and the gpu tier tests (side stream)
+#   hostcopy  host-tier copy GB/s (python -m engine.run.host_tier cuda); its gpu tests are in quick
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -35,6 +36,8 @@ run() {  # name, timeout, command...
 }
 fails=0
 for what in "$@"; do case $what in
+  quick) run gpu-quick 300 python3 -m pytest -m gpu tests/gpu/test_grammar_gpu.py tests/cache/test_tier_gpu.py -q -rA \
+           -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quick.log" | tail -30 ;;
   check) run gpu-tests 540 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do
@@ -73,9 +76,7 @@ for what in "$@"; do case $what in
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
               --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
-  hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log"
-          run tier-gpu-tests 300 python3 -m pytest -m gpu tests/cache/test_tier_gpu.py -q -rA -p no:cacheprovider \
-            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/tier-gpu-tests.log" | tail -30 ;;
+  hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done
