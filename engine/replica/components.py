@@ -4,18 +4,21 @@
 * SlotSampling: slot -> the sampling parameters the worker's sampler holds for it.
 * PrefixCachePages: the device pages the prefix cache holds; CachePages / EvictPages / Flush.
 * HostTier (host.py): the host tier's (L2) allocator; the host ops and Flush.
-Coming: grammar matchers.
+* GrammarKeys: the compiled grammars every rank holds, by key (AddReq); the matchers
+  themselves are an effect (engine/run/grammar.py).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 
 import msgspec
 
 from engine.replica.base import Component, Effect, Replica, ReplicaError
 from engine.replica.host import HostTier
 from msgs.codec import unpack_ids
+from msgs.params import Grammar
 from msgs.steps import AddReq, CachePages, EvictPages, ExtendPages, Flush, FreeReq
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -102,6 +105,51 @@ class PrefixCachePages(Component):
         return array("i", sorted(self.pages)).tobytes()
 
 
+class GrammarKeys(Component):
+    """The compiled grammars a rank holds: the last CAPACITY keys used by an AddReq, least
+    recently used first. A grammar's data (hundreds of KB for a JSON schema over a 152k
+    vocabulary) travels in the Step stream only in the AddReq that brings its key in; later
+    AddReqs carry the key alone (`strip`). An AddReq without data for a key not held is a
+    missing descriptor: fatal. The scheduler keeps one more instance, updated as it emits
+    AddReqs, to decide what to strip; each rank's GrammarSlots runs one to know what it may
+    drop (the same code on the same ops: the same keys everywhere, checked by the digest)."""
+
+    name = "grammar_keys"
+    ops = (AddReq,)
+    CAPACITY = 64
+
+    def __init__(self) -> None:
+        self.keys: OrderedDict[str, None] = OrderedDict()
+
+    def apply(self, op: AddReq) -> None:
+        if op.grammar is not None:
+            self.use(op.grammar)
+
+    def use(self, grammar: Grammar) -> list[str]:
+        """Take one AddReq's grammar: the keys it evicts, oldest first."""
+        if grammar.key in self.keys:
+            self.keys.move_to_end(grammar.key)
+            return []
+        if not grammar.data:
+            raise ReplicaError(f"AddReq names grammar {grammar.key[:12]} without its data, and it is not held")
+        self.keys[grammar.key] = None
+        evicted = []
+        while len(self.keys) > self.CAPACITY:
+            evicted.append(self.keys.popitem(last=False)[0])
+        return evicted
+
+    def strip(self, grammar: Grammar | None) -> Grammar | None:
+        """The grammar as the next AddReq carries it (without data when held), and take it."""
+        if grammar is None:
+            return None
+        held = grammar.key in self.keys
+        self.use(grammar)
+        return Grammar(grammar.key, b"", grammar.stop_ids) if held else grammar
+
+    def encode(self) -> bytes:
+        return "\n".join(self.keys).encode()
+
+
 def rank_replica(effects: list[Effect] | None = None) -> Replica:
     """The replica every rank and the scheduler's mirror hold."""
-    return Replica([PageTables(), SlotSampling(), PrefixCachePages(), HostTier()], effects or [])
+    return Replica([PageTables(), SlotSampling(), PrefixCachePages(), HostTier(), GrammarKeys()], effects or [])

@@ -42,7 +42,6 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +52,13 @@ import xgrammar as xgr
 
 from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
+from engine.replica.components import GrammarKeys
 from engine.run.grammar_helper import GrammarHelpers
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, FreeReq
 
 log = structlog.get_logger()
-COMPILED_CACHE = 64  # deserialized grammars kept by key (requests sharing a schema share one)
 TIMING_WINDOW = 100  # constrained steps per `grammar timing` line
 TIMING_KEYS = ("tokens_wait", "accept", "fill", "join_wait", "mask", "period")
 
@@ -127,7 +126,11 @@ class GrammarSlots(Effect):
         self.device = device
         self.matchers: dict[int, Any] = {}  # slot -> xgr.GrammarMatcher
         self._info: Any = None  # xgr.TokenizerInfo, built on the first grammar
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        # the grammars this rank holds, by the replica's rule (GrammarKeys: an AddReq carries a
+        # grammar's data only when its key comes in); in process: data, deserialized on first use
+        self._keys = GrammarKeys()
+        self._data: dict[str, bytes] = {}
+        self._compiled: dict[str, Any] = {}
         self._pending: _Pending | None = None  # without a background thread: advanced by the next mask
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
@@ -187,30 +190,42 @@ class GrammarSlots(Effect):
             raise ReplicaError(f"AddReq for busy grammar slot {op.slot}")
         if op.grammar is None:
             return
+        self._hold(op.grammar)
         if self._helpers is not None:  # the helper re-advances it and fills its row; settled in mask
             self._next_id += 1
             ids = [int(t) for t in unpack_ids(op.output_ids)]
-            self._helpers.add(self._next_id, op.slot, op.grammar.key, op.grammar.data, ids)
+            self._helpers.add(self._next_id, op.slot, op.grammar.key, ids)
             remote = _Remote(self._next_id, False)
             self._adding[remote.id] = (op.slot, op.rid, remote)
             self.matchers[op.slot] = self._ready[op.slot] = remote
             return
-        matcher = xgr.GrammarMatcher(self._compiled_grammar(op.grammar))
+        matcher = xgr.GrammarMatcher(self._compiled_grammar(op.grammar.key))
         for tok in unpack_ids(op.output_ids):  # a retracted request's tokens so far
             if not matcher.accept_token(int(tok)):
                 raise ReplicaError(f"slot {op.slot} ({op.rid}): its grammar refuses its own output token {tok}")
         self.matchers[op.slot] = matcher
 
-    def _compiled_grammar(self, grammar: Grammar) -> Any:
-        compiled = self._compiled.get(grammar.key)
-        if compiled is None:
-            text = zlib.decompress(grammar.data).decode()
-            compiled = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info())
-            self._compiled[grammar.key] = compiled
-            while len(self._compiled) > COMPILED_CACHE:
-                self._compiled.popitem(last=False)
+    def _hold(self, grammar: Grammar) -> None:
+        """Follow GrammarKeys: a key coming in brings its data (to the helpers at once, all in
+        parallel); keys it evicts are dropped (matchers using them keep their grammar)."""
+        new = grammar.key not in self._keys.keys
+        for key in self._keys.use(grammar):  # a key not held and no data: ReplicaError
+            self._data.pop(key, None)
+            self._compiled.pop(key, None)
+            if self._helpers is not None:
+                self._helpers.forget(key)
+        if not new:
+            return
+        if self._helpers is not None:
+            self._helpers.prepare(grammar.key, grammar.data)
         else:
-            self._compiled.move_to_end(grammar.key)
+            self._data[grammar.key] = grammar.data
+
+    def _compiled_grammar(self, key: str) -> Any:
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            text = zlib.decompress(self._data[key]).decode()
+            compiled = self._compiled[key] = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info())
         return compiled
 
     def _tokenizer_info(self) -> Any:

@@ -26,7 +26,6 @@ call raise.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import struct
@@ -34,29 +33,35 @@ import subprocess
 import sys
 import threading
 import zlib
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any
 
 import msgspec
 
 FRAME = struct.Struct("<I")
-COMPILED_CACHE = 64  # deserialized grammars a helper keeps (as engine/run/grammar.py does in process)
 
 
 class HAdd(msgspec.Struct, tag=True):
     id: int
     slot: int
-    key: str
-    data: bytes  # the serialized compiled grammar, zlib-compressed (msgs.params.Grammar.data)
+    key: str  # a grammar sent before (HPrepare)
     output_ids: list[int]  # a retracted request's tokens so far
 
 
 class HPrepare(msgspec.Struct, tag=True):
-    """Deserialize a grammar now (no reply): sent to every helper with a key's first AddReq,
-    so that they do it at once, not each in a later step (~0.4 s each on the H200 host)."""
+    """Deserialize a grammar now and keep it until HForget (no reply): sent to every helper
+    when a key comes into the rank's GrammarKeys, so that they do it at once, in parallel,
+    not each in a later step (~0.4 s each on the H200 host), and its data (~0.5 MB) crosses
+    each pipe once, not with every request."""
 
     key: str
-    data: bytes
+    data: bytes  # the serialized compiled grammar, zlib-compressed (msgs.params.Grammar.data)
+
+
+class HForget(msgspec.Struct, tag=True):
+    """Drop a grammar (no reply): it left the rank's GrammarKeys. Its live matchers keep it."""
+
+    key: str
 
 
 class HFree(msgspec.Struct, tag=True):
@@ -79,7 +84,7 @@ class HError(msgspec.Struct, tag=True):
     reason: str
 
 
-Request = HAdd | HPrepare | HFree | HAccept | HFill
+Request = HAdd | HPrepare | HForget | HFree | HAccept | HFill
 Reply = HDone | HError
 
 
@@ -133,7 +138,6 @@ class GrammarHelpers:
         finally:
             os.close(fd)
         self.locks = [threading.Lock() for _ in range(n)]
-        self.prepared: set[str] = set()  # grammar keys sent to every helper
         self.ready = [False] * n  # each helper's ready frame taken
         self.unsettled: list[deque[int]] = [deque() for _ in range(n)]  # HAdd ids whose reply is not read
         self._settled: dict[int, tuple[bool, bool]] = {}  # id -> (accepted, terminated), read, not taken
@@ -177,20 +181,24 @@ class GrammarHelpers:
             raise RuntimeError(f"grammar helper {h}: {reply.reason}")
         return reply
 
-    def add(self, id: int, slot: int, key: str, data: bytes, output_ids: list[int]) -> None:
-        """Create the matcher (re-advanced over output_ids) and fill its row, without waiting:
-        `settle()` says whether it accepted every output id and whether it is terminated."""
-        if key not in self.prepared:  # every helper deserializes it now, in parallel
-            if len(self.prepared) >= 4 * COMPILED_CACHE:  # a bound; a key sent again is harmless
-                self.prepared.clear()
-            self.prepared.add(key)
-            for other in range(self.n):
-                if other != self.owner(slot):
-                    with self.locks[other]:
-                        self._send(other, HPrepare(key, data))
+    def prepare(self, key: str, data: bytes) -> None:
+        """Every helper deserializes this grammar now, in parallel, and keeps it until `forget`."""
+        for h in range(self.n):
+            with self.locks[h]:
+                self._send(h, HPrepare(key, data))
+
+    def forget(self, key: str) -> None:
+        for h in range(self.n):
+            with self.locks[h]:
+                self._send(h, HForget(key))
+
+    def add(self, id: int, slot: int, key: str, output_ids: list[int]) -> None:
+        """Create the matcher of a prepared grammar (re-advanced over output_ids) and fill its
+        row, without waiting: `settle()` says whether it accepted every output id and whether
+        it is terminated."""
         h = self.owner(slot)
         with self.locks[h]:
-            self._send(h, HAdd(id, slot, key, data, output_ids))
+            self._send(h, HAdd(id, slot, key, output_ids))
             self.unsettled[h].append(id)
 
     def _drain(self, h: int) -> None:
@@ -272,20 +280,24 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     bitmask = torch.frombuffer(mapping, dtype=torch.int32).view(max_slots, -1)
     tok = load_tokenizer(model_dir)
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
-    compiled: OrderedDict[str, Any] = OrderedDict()  # the last COMPILED_CACHE grammars
+    compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not deserialize), HPrepare to HForget
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
     _write(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
 
-    def grammar_of(key: str, data: bytes) -> Any:
+    def prepare(data: bytes) -> Any:
         if info is None:
-            raise RuntimeError(f"a grammar arrived, but {model_dir!r} has no tokenizer files")
+            return None  # no tokenizer: the HAdd reports it
+        try:
+            return xgr.CompiledGrammar.deserialize_json(zlib.decompress(data).decode(), info)
+        except Exception:  # noqa: BLE001 - reported by the HAdd that uses it
+            return None
+
+    def grammar_of(key: str) -> Any:
         grammar = compiled.get(key)
         if grammar is None:
-            grammar = compiled[key] = xgr.CompiledGrammar.deserialize_json(zlib.decompress(data).decode(), info)
-            while len(compiled) > COMPILED_CACHE:
-                compiled.popitem(last=False)
-        compiled.move_to_end(key)
+            why = "has no tokenizer files" if info is None else "did not deserialize, or was never sent"
+            raise RuntimeError(f"grammar {key[:12]}: {model_dir!r} {why}")
         return grammar
 
     def step(m: Any, slot: int) -> bool:
@@ -302,11 +314,13 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                     matchers.pop(id, None)
                     continue
                 case HPrepare(key=key, data=data):
-                    with contextlib.suppress(Exception):  # no reply: a bad grammar fails its HAdd
-                        grammar_of(key, data)
+                    compiled[key] = prepare(data)
+                    continue
+                case HForget(key=key):
+                    compiled.pop(key, None)
                     continue
                 case HAdd():
-                    m = xgr.GrammarMatcher(grammar_of(msg.key, msg.data))
+                    m = xgr.GrammarMatcher(grammar_of(msg.key))
                     ok = all(m.accept_token(int(t)) for t in msg.output_ids)
                     matchers[msg.id] = (m, msg.slot)
                     reply: Reply = HDone([(msg.id, ok, step(m, msg.slot))])

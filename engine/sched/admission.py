@@ -109,7 +109,7 @@ class Admission:
         ops.append(
             AddReq(
                 req.slot, req.rid, worker_sampling(req), pack_ids(req.prompt_ids), pack_ids(req.output_ids),
-                grammar=req.params.grammar,
+                grammar=s.grammar_keys.strip(req.params.grammar),  # data only if no rank holds it
             )
         )
         if req.pages:

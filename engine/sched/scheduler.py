@@ -125,6 +125,8 @@ class SchedulerCore:
         tiers = self.state.tiers
         if tiers is not None and tiers.cache.host.encode() != self.replica["host_tier"].alloc.encode():
             raise DigestMismatch(f"step {self.seq}: the host tier's allocator differs from the mirror")
+        if self.state.grammar_keys.keys != self.replica["grammar_keys"].keys:
+            raise DigestMismatch(f"step {self.seq}: the grammars the scheduler strips by differ from the mirror")
 
     # ---- results -----------------------------------------------------------------------
 

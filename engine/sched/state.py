@@ -15,6 +15,7 @@ from engine.cache.hiradix import TieredRadixCache
 from engine.cache.radix import RadixCache
 from engine.cache.slab import available_memory
 from engine.config import ServerConfig
+from engine.replica.components import GrammarKeys
 from engine.sched.request import Req
 from engine.sched.tiers import Tiers, make_cache
 from msgs.codec import pack_ids
@@ -84,6 +85,7 @@ class SchedState:
     running: list[Req] = field(default_factory=list)
     free_slots: list[int] = field(init=False)  # a heap: lowest free slot first
     pending_ops: list[Op] = field(default_factory=list)  # ops decided between plans (FreeReq)
+    grammar_keys: GrammarKeys = field(default_factory=GrammarKeys)  # what every rank holds (strips AddReqs)
     rng: random.Random = field(init=False)  # seeds for requests that gave none
     arrivals: int = 0
     cache_hit_tokens: int = 0

@@ -195,3 +195,32 @@ def test_a_dead_helper_fails_loudly_and_close_leaves_no_process(default_model_di
         g.apply(_add(3, grammar))
     g.close()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_grammar_keys_strip_what_is_held_and_evict_the_least_recent() -> None:
+    from engine.replica.components import GrammarKeys
+
+    live, mirror = GrammarKeys(), GrammarKeys()
+    live.CAPACITY = mirror.CAPACITY = 2
+    g = {k: Grammar(k, b"data-" + k.encode(), [0]) for k in "abc"}
+    sent = [live.strip(g[k]) for k in "abac"]  # what four AddReqs carry
+    assert [s.data for s in sent] == [b"data-a", b"data-b", b"", b"data-c"]  # a: held the second time
+    for s in sent:
+        mirror.apply(AddReq(0, "r", SAMPLING, pack_ids([1]), pack_ids([]), grammar=s))
+    assert list(live.keys) == list(mirror.keys) == ["a", "c"]  # b was the least recent
+    assert mirror.encode() == live.encode()
+    with pytest.raises(ReplicaError, match="without its data"):
+        mirror.use(Grammar("b", b"", [0]))
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_a_stripped_grammar_is_served_from_what_the_rank_holds(default_model_dir: Path, setup, helpers: int) -> None:
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab, helpers=helpers)
+    g.apply(_add(0, grammar))
+    g.apply(_add(1, Grammar(grammar.key, b"", grammar.stop_ids)))  # the scheduler strips a held key
+    logits = torch.zeros(2, vocab)
+    g.mask(logits, [0, 1])
+    assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[1]).any())
+    with pytest.raises(ReplicaError, match="without its data"):
+        g.apply(_add(2, Grammar("other", b"", grammar.stop_ids)))
