@@ -1,0 +1,106 @@
+"""How much the host tier's backups slow a prefill-heavy step on the GPU (issue 10).
+
+A stand-in for a prefill step (bf16 GEMMs on a high-priority stream, as the worker's
+forward runs) is timed alone and then with one write-through backup per step through the
+real `HostCopies` effect (Qwen3-0.6B KV shapes: 28 layers, 8 KV heads of 128, 16-token
+pages; PAGES pages a step, about what a 16k-token prefill step backs up), for each copy
+path and staging size. Reports per variant: the median GPU time of a step's compute,
+the worker thread's time in `after_forward`, and the backup's GPU GB/s alone.
+
+    python scripts/l2_probe.py            # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.cache.slab import create_slab, remove_slab  # noqa: E402
+from engine.layers.kv_pool import KVPool  # noqa: E402
+from engine.run import host_tier  # noqa: E402
+from msgs.steps import BackupPrepare, HostInit  # noqa: E402
+
+PAGES = 1024  # device pages backed up per step
+STEPS = 30
+
+
+def _pack(pages: list[int]) -> bytes:
+    return b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
+
+
+def run(variant: str, staging_bytes: int, kernels: bool, pool: KVPool, slab: str) -> dict[str, float]:
+    host_tier.STAGING_BYTES = staging_bytes
+    copies = host_tier.HostCopies(pool, slab)
+    copies.apply(HostInit(2 * PAGES, copies.page_bytes))
+    if not kernels:
+        copies._kernels = None
+    compute = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+    a = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, list[float]] = {"step_ms": [], "after_forward_ms": []}
+    events = []
+    torch.cuda.synchronize()
+    for i in range(STEPS):  # no sync between steps: a step's backup overlaps the next step's compute
+        pages = (torch.randperm(pool.num_pages - 1, generator=gen)[:PAGES] + 1).tolist()
+        with torch.cuda.stream(compute):
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(28):  # ~a layer's GEMMs each
+                torch.mm(a, w)
+            t1.record()
+            if variant != "none":
+                copies.apply(BackupPrepare(i, _pack(pages), (i % 2) * PAGES))
+                c0 = time.perf_counter()
+                copies.after_forward()
+                out["after_forward_ms"].append((time.perf_counter() - c0) * 1e3)
+        events.append((t0, t1))
+        copies.take_done()
+    torch.cuda.synchronize()
+    out["step_ms"] = [t0.elapsed_time(t1) for t0, t1 in events]
+    copies.take_done()
+    res = {k: statistics.median(v[5:]) for k, v in out.items() if v}
+    if variant != "none":  # the backup alone
+        pages = list(range(1, PAGES + 1))
+        torch.cuda.synchronize()
+        c0 = time.perf_counter()
+        for i in range(5):
+            copies.apply(BackupPrepare(100 + i, _pack(pages), 0))
+            copies.after_forward()
+        torch.cuda.synchronize()
+        res["backup_gbps_alone"] = 5 * PAGES * copies.page_bytes / (time.perf_counter() - c0) / 1e9
+        copies.take_done()
+    copies.close()
+    return res
+
+
+def main() -> None:
+    pool = KVPool(28, 4 * PAGES + 1, 16, 8, 128, torch.bfloat16, torch.device("cuda"))
+    slab = create_slab("strata-l2probe")
+    results = {}
+    try:
+        for name, staging, kernels in (("none", 64 << 20, True), ("kernel-64MiB", 64 << 20, True),
+                                       ("kernel-512MiB", 512 << 20, True), ("torch-64MiB", 64 << 20, False),
+                                       ("torch-512MiB", 512 << 20, False)):
+            results[name] = run(name, staging, kernels, pool, slab)
+            print(name, {k: round(v, 3) for k, v in results[name].items()}, flush=True)
+    finally:
+        remove_slab(slab)
+    base = results["none"]["step_ms"]
+    for name, r in results.items():
+        print(f"{name:14s} step {r['step_ms']:.3f} ms ({r['step_ms'] / base - 1:+.1%})"
+              f" after_forward {r.get('after_forward_ms', 0):.3f} ms  alone {r.get('backup_gbps_alone', 0):.1f} GB/s")
+    Path("/tmp/out").mkdir(exist_ok=True)
+    Path("/tmp/out/l2_probe.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
