@@ -19,8 +19,6 @@ staging page i holds device page pages[i]. Bytes move as 8-byte words (layer_byt
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -78,7 +76,7 @@ def scatter_pages(ptrs: torch.Tensor, pages: torch.Tensor, staging: torch.Tensor
     _launch(_scatter_kernel, ptrs, pages, staging, layer_bytes)
 
 
-def _launch(kernel: Any, ptrs: torch.Tensor, pages: torch.Tensor, staging: torch.Tensor, layer_bytes: int) -> None:
+def _launch(kernel, ptrs: torch.Tensor, pages: torch.Tensor, staging: torch.Tensor, layer_bytes: int) -> None:  # noqa: ANN001 - a triton JITFunction
     assert layer_bytes % WORD == 0, f"pages of {layer_bytes} bytes per layer: not whole 8-byte words"
     assert pages.dtype == torch.int64 and ptrs.dtype == torch.int64 and staging.is_contiguous()
     assert staging.numel() == pages.numel() * ptrs.numel() * layer_bytes, "staging is not [pages, tensors, bytes]"

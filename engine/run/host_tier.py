@@ -18,12 +18,10 @@ The copies go through byte views (any KV dtype). On a GPU, per chunk of at most
 STAGING_BYTES of a run (whole pages): one triton kernel (engine/layers/triton_pages.py)
 gathers every layer's K and V of the chunk's device pages into a contiguous device staging
 block laid out like the slab, and ONE copy moves it to its span; a load-back is one copy
-into staging and one scatter kernel. That is two launches a chunk (and one copy of the page
-ids a run) from the worker's thread, where gathering and copying per layer and K/V cost
-4 * layers a run (112 for 28 layers): the suspected cause of prefill-heavy steps running
-13.5% slower with the tier on, on the H200.
-(Without triton, or with pages that are not whole 8-byte words, torch gathers per layer and
-K/V into the staging block: still one copy.)
+into staging and one scatter kernel. That is two launches a chunk from the worker's thread,
+where gathering and copying per layer and K/V cost 4 * layers a run (112 for 28 layers) and
+slowed prefill-heavy steps by 13.5% on the H200. (Without triton, or with pages that are not
+whole 8-byte words, torch gathers per layer and K/V into the staging block: still one copy.)
 On CPU the slab is ordinary shared memory: torch gathers each layer and K/V straight into the
 page-major view of the span (strided writes), and everything is synchronous: a backup is
 done when `after_forward` returns.

@@ -4,16 +4,13 @@ prefix loaded back from L2 must give the same greedy tokens as the same prefix h
 (the KV bytes round-trip exactly), with every step digest-checked. The backups run on a
 side stream (engine/run/host_tier.py): a round trip through it is byte-identical, it reads
 the KV the forward before it wrote, a forward issued right after it does not corrupt it,
-and WithBackups reports a finished copy even when no further step comes. The page kernels
-(engine/layers/triton_pages.py: every layer's K and V of a list of pages in one launch) give
-torch's bytes, and a backup in several staging chunks lands page-major in the slab.
+and WithBackups reports a finished copy even when no further step comes.
 
     python3 -m pytest -m gpu tests/cache/test_tier_gpu.py
 """
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from pathlib import Path
@@ -25,7 +22,6 @@ from test_tier_differential import Engine  # tests/cache is on sys.path (no __in
 from engine.cache.slab import create_slab, remove_slab
 from engine.config import ServerConfig
 from engine.layers.kv_pool import KVPool
-from engine.run import host_tier
 from engine.run.host_tier import HostCopies, WithBackups
 from msgs.codec import pack_ids
 from msgs.done import BackupDone
@@ -184,68 +180,3 @@ def test_done_copy_reported_without_another_step() -> None:
         copies.close()
     finally:
         remove_slab(slab)
-
-
-def _compiled_triton() -> None:
-    """Skip unless the page kernels run compiled (triton installed, not its interpreter: a
-    session that imported the interpreter tests first would read device pointers on the host)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this session: run this file on its own")
-
-
-def test_page_kernels_match_torch_on_gpu() -> None:
-    """gather_pages / scatter_pages compiled for CUDA against torch's indexing, on a bf16 pool:
-    a page list with repeats and out of order, then a scatter into other (distinct) pages."""
-    _compiled_triton()
-    from engine.layers import triton_pages
-
-    kv = _pool()
-    _fill(kv, list(range(kv.num_pages)))
-    layer_bytes = kv.page_size * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
-    ptrs = triton_pages.layer_pointers(kv.k, kv.v, kv.device)
-    rows = [t.view(torch.uint8).view(kv.num_pages, layer_bytes) for pair in zip(kv.k, kv.v, strict=True) for t in pair]
-    pages = [9, 3, 3, 60, 1, 33, 9]
-    idx = torch.tensor(pages, device="cuda")
-    staging = torch.full((len(pages), len(rows) * layer_bytes), 0xEE, dtype=torch.uint8, device="cuda")
-    triton_pages.gather_pages(ptrs, idx, staging, layer_bytes)
-    want = torch.stack([r[idx] for r in rows], 1)  # [page, layer x (K, V), bytes]
-    assert torch.equal(staging.view(want.shape), want)
-    src, dst = [5, 40, 2, 17], [50, 4, 63, 21]
-    before = [r.clone() for r in rows]
-    staging = torch.stack([r[torch.tensor(src, device="cuda")] for r in rows], 1).reshape(len(src), -1).contiguous()
-    triton_pages.scatter_pages(ptrs, torch.tensor(dst, device="cuda"), staging, layer_bytes)
-    torch.cuda.synchronize()
-    for now, old in zip(rows, before, strict=True):
-        expect = old.clone()
-        expect[dst] = old[src]
-        assert torch.equal(now, expect)  # the pages written, every other page untouched
-
-
-def test_chunked_backup_is_page_major_and_round_trips(monkeypatch) -> None:  # noqa: ANN001
-    """Staging chunks of 3 pages: a run of 10 pages is 4 gather kernels and 4 copies on the
-    side stream; host page p holds [layer][K, V] of its device page; loading it back into
-    other pages (4 copies, 4 scatters) gives the same bytes."""
-    _compiled_triton()
-    slab = create_slab("strata-gpu-chunks")
-    try:
-        kv = _pool()
-        monkeypatch.setattr(host_tier, "STAGING_BYTES", 3 * kv.nbytes() // kv.num_pages)  # 3 pages
-        copies = HostCopies(kv, slab)
-        copies.apply(HostInit(32, copies.page_bytes))
-        assert copies.chunk_pages == 3 and copies._kernels is not None
-        src, dst = [11, 3, 30, 7, 22, 1, 19, 5, 28, 14], list(range(40, 50))
-        assert host_tier._round_trip(copies, src, dst)
-        assert copies.take_done() == [1]
-        slab_pages = copies.slab.view(32, -1)
-        for p, dev_page in enumerate(src):
-            want = torch.cat([t.view(kv.num_pages, -1).view(torch.uint8)[dev_page] for t in _interleaved(kv)])
-            assert torch.equal(slab_pages[p], want.cpu()), p
-        copies.close()
-    finally:
-        remove_slab(slab)
-
-
-def _interleaved(kv: KVPool) -> list[torch.Tensor]:
-    """K0, V0, K1, V1, ...: the order of a host page's blocks."""
-    return [t for pair in zip(kv.k, kv.v, strict=True) for t in pair]
