@@ -81,9 +81,8 @@ class L3Tier(Effect):
                     raise ReplicaError(f"L3 without a mapped slab or layout ({page_bytes} bytes, {layers} layers)")
                 import numpy as np
 
-                # [rank, host page, page bytes]: the slab is page-major (engine/run/host_tier.py), one
-                # page of one rank is page_bytes contiguous bytes ([layer][K, V][layer bytes])
-                view = np.frombuffer(self.slab.map, dtype=np.uint8).reshape(self.slab.world, n, page_bytes)
+                view = np.frombuffer(self.slab.map, dtype=np.uint8)
+                view = view.reshape(self.slab.world, 2 * layers, n, page_bytes // (2 * layers))
                 # the writer may hold up to one L2's worth (at least queue_bytes): an object is at
                 # most the whole slab, so a long prefix (4 GiB at 32k tokens of Llama-3.1-8B) is written
                 # whole; but never more than a fifth of the memory free now (the slab was sized to leave it)

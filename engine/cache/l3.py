@@ -14,8 +14,8 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
   reader never sees half a file, also on a directory shared by several engines; a file
   that exists is not written again (content-addressed). A read checks the header, the
   length and the checksum: a bad file is counted as corrupt, unlinked and not served.
-  The payload is read straight into its host pages (one `preadv` into the page's bytes of
-  every rank in the slab) and checked there: no intermediate buffer. CRC-32
+  The payload is read straight into its host pages (one `preadv` into the page's
+  [rank][layer][K, V] rows of the slab) and checked there: no intermediate buffer. CRC-32
   (zlib's, carry-less-multiply accelerated: ~4 GB/s a core here against blake2b's ~0.9)
   detects a damaged file; the header's fingerprint and key detect a foreign one.
 * **Size cap.** `L3Dir` knows the bytes in the directory (a scan at start, then its own
@@ -343,17 +343,14 @@ def _touch(path: Path) -> None:
 class L3Store:
     """Reads and writes of whole host objects between the host slab and an `L3Dir`.
 
-    `slab` is a numpy uint8 view [rank, host page, page bytes] of the slab (every rank's
-    region). The slab is page-major (engine/run/host_tier.py): a page of one rank is one
-    contiguous [layer][K, V][layer bytes] block, so one page of every rank is `slab[:, page]`,
-    the payload of its file, [rank][layer][K, V][layer bytes]: the same bytes in the same order
-    as when the slab was layer-major ([rank][layer][K, V][host page]), so the file format (and
-    every file already on disk) is unchanged."""
+    `slab` is a numpy uint8 view [rank, layer x (K, V), host page, layer bytes] of the
+    slab (every rank's region): one page of every rank is `slab[:, :, page, :]`, the payload
+    of its file."""
 
     def __init__(self, files: L3Dir, slab: Any, queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
         self.files = files
         self.slab = slab
-        self.page_payload = slab.shape[0] * slab.shape[2]
+        self.page_payload = slab.shape[0] * slab.shape[1] * slab.shape[3]
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0
         self.lock = threading.Lock()
@@ -397,7 +394,7 @@ class L3Store:
             return 0
         # the copy happens now, before Committed goes out: a later HostEvict and reuse of
         # these host pages can never reach the disk
-        pages = [(k, self.slab[:, start + i].tobytes()) for i, k in todo]
+        pages = [(k, self.slab[:, :, start + i, :].tobytes()) for i, k in todo]
         self.writes.put(pages)
         return len(pages)
 
@@ -463,9 +460,9 @@ class L3Store:
             self.maybe_log()
 
     def _read_page(self, at: int, key: bytes) -> bool:
-        """Read and verify one page's file straight into host page `at` (every rank's part:
-        one contiguous buffer per rank)."""
-        return self.files.read_into(key, [memoryview(self.slab[r, at]) for r in range(self.slab.shape[0])])
+        """Read and verify one page's file straight into host page `at` (every rank's part)."""
+        ranks, rows = self.slab.shape[0], self.slab.shape[1]
+        return self.files.read_into(key, [memoryview(self.slab[r, j, at]) for r in range(ranks) for j in range(rows)])
 
     def _reader(self) -> None:
         while True:

@@ -3,28 +3,20 @@
 `HostCopies` is an effect of the replica (not digested: the HostTier component holds the
 allocator state it follows):
 
-* HostInit: map this rank's region of the slab (engine/cache/slab.py), laid out page-major,
-  [host page][layer][K, V][page_size * kv_heads * head_dim bytes]: one host page is
-  `page_bytes` contiguous bytes, so an object (a run of adjacent host pages) is one
-  contiguous span (and, on a GPU, the region is registered with cudaHostRegister so the
-  copies to and from it are DMA);
+* HostInit: map this rank's region of the slab (engine/cache/slab.py), laid out
+  [layer][K, V][host page][page_size * kv_heads * head_dim bytes]: an object's pages are one
+  contiguous span per layer and K/V, so each is one copy (and, on a GPU, the region is
+  registered with cudaHostRegister so those copies are DMA);
 * LoadBack: copy host -> device at once, on the compute stream, i.e. before this step's
   forward reads the pages;
 * BackupPrepare: queued; `after_forward()` copies device -> host once the step's forward
   has written the KV, and the object is reported done (`take_done`), which the worker
   sends to the cache controller as BackupDone (`WithBackups`).
 
-The copies go through byte views (any KV dtype). On a GPU, per chunk of at most
-STAGING_BYTES of a run (whole pages): one triton kernel (engine/layers/triton_pages.py)
-gathers every layer's K and V of the chunk's device pages into a contiguous device staging
-block laid out like the slab, and ONE copy moves it to its span; a load-back is one copy
-into staging and one scatter kernel. That is two launches a chunk from the worker's thread,
-where gathering and copying per layer and K/V cost 4 * layers a run (112 for 28 layers) and
-slowed prefill-heavy steps by 13.5% on the H200. (Without triton, or with pages that are not
-whole 8-byte words, torch gathers per layer and K/V into the staging block: still one copy.)
-On CPU the slab is ordinary shared memory: torch gathers each layer and K/V straight into the
-page-major view of the span (strided writes), and everything is synchronous: a backup is
-done when `after_forward` returns.
+The copies go through byte views (any KV dtype): device pages are gathered per layer into
+one contiguous block and copied to the object's span (and back, then scattered). On CPU
+the slab is ordinary shared memory and everything is synchronous: a backup is done when
+`after_forward` returns.
 
 **On a GPU the backups run on a side stream**, off the critical path. `after_forward`
 records an event on the compute stream after the step's forward was enqueued; the side
@@ -32,9 +24,9 @@ stream waits on it (so the gather reads the KV the forward wrote, and any LoadBa
 this or an earlier step that read the same host range, since those are earlier on the
 compute stream), then gathers and copies, then records a "copied" event. The next step's
 forward is enqueued on the compute stream meanwhile and overlaps the copy. The index
-tensors are kept referenced until the copied event completed; the staging blocks are
-allocated on the side stream itself (see `_backup`). `take_done` polls `event.query()`
-(never waits); `WithBackups` calls it after every StepDone, and its reporter thread waits on the oldest outstanding
+tensors are kept referenced until the copied event completed; the gather buffers are
+allocated on the side stream itself (see `_backup`). `take_done` polls `event.query()` (never waits); `WithBackups`
+calls it after every StepDone, and its reporter thread waits on the oldest outstanding
 event (a blocking-sync event: it sleeps, without the GIL) so that a finished copy is
 reported even when no further step comes. Only then does the worker send BackupDone, so
 the cache controller commits an object only once every rank's bytes are in the slab.
@@ -52,8 +44,7 @@ Why nothing else can race with a copy still in flight on the side stream:
   stream run in order, so a range freed by HostEvict and reused is written after the
   previous writer finished, and after every LoadBack enqueued before it read it;
 * memory: tensors the side stream uses are allocated on it (the caching allocator reuses
-  their blocks only for later side-stream work) or are the KV pool's and its pointer table
-  (never freed while this object lives).
+  their blocks only for later side-stream work) or are the KV pool's (never freed).
 
 Every second with activity at most, each worker logs one `host copies` line: backups and
 load-backs since the last line, their bytes and copy seconds (bin/analyze sums them into
@@ -70,15 +61,13 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
 from typing import Any
 
 import structlog
 import torch
 
 from engine.cache.slab import map_slab
-from engine.layers import triton_ops
-from engine.layers.kv_pool import PAD_PAGE, KVPool
+from engine.layers.kv_pool import KVPool
 from engine.replica import Effect
 from msgs.codec import unpack_ids
 from msgs.done import BackupDone
@@ -87,7 +76,6 @@ from msgs.steps import BackupPrepare, HostInit, LoadBack
 log = structlog.get_logger()
 LOG_INTERVAL_S = 1.0
 POPULATE_CHUNK = 1 << 30  # bytes of the slab one thread first-touches at a time
-STAGING_BYTES = 64 << 20  # a copy's device staging block: chunks of this many bytes (whole pages, at least one)
 STAT_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
 
 
@@ -100,12 +88,7 @@ class HostCopies(Effect):
         self.rank, self.world = rank, world  # each rank owns one region of the slab: its KV heads
         self.layer_bytes = kv.page_size * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
         self.page_bytes = 2 * kv.num_layers * self.layer_bytes
-        self.slab: torch.Tensor | None = None  # uint8 [host pages, page_bytes]; a page: [layer][K, V][layer_bytes]
-        self.chunk_pages = max(1, STAGING_BYTES // self.page_bytes)
-        # engine/layers/triton_pages and its table of the pool's K/V pointers (set on HostInit on a
-        # GPU with triton); None: torch gathers per layer and K/V
-        self._kernels: ModuleType | None = None
-        self._ptrs: torch.Tensor | None = None
+        self.slab: torch.Tensor | None = None  # uint8 [layers, 2, host pages, layer_bytes]
         self._map: mmap.mmap | None = None
         self.cuda = kv.device.type == "cuda"
         # the backups' side stream, at the default (lowest) priority: the forward's is higher (runner.py)
@@ -129,9 +112,8 @@ class HostCopies(Effect):
                 region = n * self.page_bytes
                 self._map = map_slab(self.path, region * self.world)
                 raw = torch.frombuffer(self._map, dtype=torch.uint8)[self.rank * region : (self.rank + 1) * region]
-                self.slab = raw.view(n, self.page_bytes)
+                self.slab = raw.view(self.kv.num_layers, 2, n, self.layer_bytes)
                 if self.cuda:
-                    self._use_kernels()
                     t0 = time.perf_counter()
                     populate(raw)
                     t1 = time.perf_counter()
@@ -163,23 +145,6 @@ class HostCopies(Effect):
         if self._finalizer is not None:
             self._finalizer()
 
-    def _use_kernels(self) -> None:
-        """Copy through triton_pages' kernels: one launch for every layer's K and V of a chunk
-        (imported here: triton loads only in a worker whose host tier is on, on a GPU)."""
-        if self.layer_bytes % 8 or not triton_ops.available():  # the kernels move 8-byte words
-            return
-        from engine.layers import triton_pages
-
-        self._kernels = triton_pages
-        # a synchronous copy: complete before any stream reads it; never freed while this object lives
-        self._ptrs = triton_pages.layer_pointers(self.kv.k, self.kv.v, self.kv.device)
-        # compile both kernels now, not in the first step that copies: a round trip of the
-        # padding page, on the compute stream (its bytes stay what they were)
-        pad = torch.full((1,), PAD_PAGE, dtype=torch.int64, device=self.kv.device)
-        staging = torch.empty((1, self.page_bytes), dtype=torch.uint8, device=self.kv.device)
-        triton_pages.gather_pages(self._ptrs, pad, staging, self.layer_bytes)
-        triton_pages.scatter_pages(self._ptrs, pad, staging, self.layer_bytes)
-
     def _pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as raw bytes, one row per device page."""
         n = self.kv.num_pages
@@ -189,17 +154,15 @@ class HostCopies(Effect):
         )
 
     def _load(self, pages: list[int], start: int) -> None:
-        """Host -> device on the compute stream: the forward of this step comes after it. Per
-        chunk one copy into a staging block and one scatter (GPU), or torch's scatter straight
-        from the slab (CPU). A staging block is allocated on the compute stream, so its reuse
-        by the next chunk (or anything later on it) waits for this chunk's scatter."""
+        """Host -> device on the compute stream: the forward of this step comes after it."""
         assert self.slab is not None
         t0 = time.perf_counter()
         begin = self._timing_event() if self.cuda else None
+        span = slice(start, start + len(pages))
         idx = torch.tensor(pages, dtype=torch.int64).to(self.kv.device, non_blocking=True)
-        for at, span in self._chunks(start, len(pages)):
-            part = idx[at : at + len(span)]
-            self._scatter(part, span.to(self.kv.device, non_blocking=True) if self.cuda else span)
+        for layer in range(self.kv.num_layers):
+            for kv, dev in zip((0, 1), self._pages(layer), strict=True):
+                dev.index_copy_(0, idx, self.slab[layer, kv, span].to(self.kv.device, non_blocking=True))
         with self.lock:
             self.stats["load_backs"] += 1
             self.stats["bytes_in"] += len(pages) * self.page_bytes
@@ -242,52 +205,20 @@ class HostCopies(Effect):
             self._count_backups(len(queued), nbytes, 0.0)
 
     def _backup(self, pages: list[int], start: int) -> list[torch.Tensor]:
-        """Copy device pages `pages` to host pages from `start`, on the current stream: per
-        chunk one gather into a staging block and one copy to the chunk's span (GPU), or
-        torch's gather straight into the slab (CPU); returns the index tensors, kept until the
-        copies finished. (A staging block is allocated on the same stream as its copy: the
-        caching allocator gives it to later work of that stream only, so it is freed at once
-        and the next chunk reuses it; holding every block would hold the whole object on the
-        device.)"""
+        """Gather the pages of each layer, K and V, and copy them to the object's spans, on
+        the current stream; returns the index tensors, kept until the copies finished. (A
+        gather block is allocated on the same stream as its copy: the caching allocator
+        gives it to later work of that stream only, so it is freed at once and the next
+        layer reuses it; holding every block would hold the whole object on the device.)"""
+        assert self.slab is not None
+        span = slice(start, start + len(pages))
         host_idx = torch.tensor(pages, dtype=torch.int64)
         idx = host_idx.to(self.kv.device, non_blocking=True)
-        for at, span in self._chunks(start, len(pages)):
-            part = idx[at : at + len(span)]
-            if not self.cuda:
-                self._gather(part, span)
-                continue
-            staging = torch.empty(span.shape, dtype=torch.uint8, device=self.kv.device)
-            self._gather(part, staging)
-            span.copy_(staging, non_blocking=True)
-        return [host_idx, idx]
-
-    def _chunks(self, start: int, n: int) -> list[tuple[int, torch.Tensor]]:
-        """(offset in the run, slab span [pages, page_bytes]) of each chunk of the run of `n`
-        host pages from `start`: at most STAGING_BYTES, at least one page each."""
-        assert self.slab is not None
-        step = self.chunk_pages
-        return [(at, self.slab[start + at : start + min(n, at + step)]) for at in range(0, n, step)]
-
-    def _gather(self, idx: torch.Tensor, out: torch.Tensor) -> None:
-        """Every layer's K and V of device pages `idx` into `out` (uint8 [len(idx), page_bytes],
-        page-major like the slab): one kernel, or a torch gather per layer and K/V."""
-        if self._kernels is not None:
-            self._kernels.gather_pages(self._ptrs, idx, out, self.layer_bytes)
-            return
-        rows = out.view(len(idx), self.kv.num_layers, 2, self.layer_bytes)
+        keep = [host_idx, idx]
         for layer in range(self.kv.num_layers):
-            for kv, dev in enumerate(self._pages(layer)):
-                rows[:, layer, kv] = dev[idx]
-
-    def _scatter(self, idx: torch.Tensor, src: torch.Tensor) -> None:
-        """The inverse of `_gather`: `src`'s pages into device pages `idx` (distinct)."""
-        if self._kernels is not None:
-            self._kernels.scatter_pages(self._ptrs, idx, src, self.layer_bytes)
-            return
-        rows = src.view(len(idx), self.kv.num_layers, 2, self.layer_bytes)
-        for layer in range(self.kv.num_layers):
-            for kv, dev in enumerate(self._pages(layer)):
-                dev.index_copy_(0, idx, rows[:, layer, kv])
+            for kv, dev in zip((0, 1), self._pages(layer), strict=True):
+                self.slab[layer, kv, span].copy_(dev[idx], non_blocking=True)
+        return keep
 
     def _count_backups(self, n: int, nbytes: int, seconds: float) -> None:
         self.stats["backups"] += n
