@@ -3,9 +3,10 @@
 A stand-in for a prefill step (bf16 GEMMs on a high-priority stream, as the worker's
 forward runs) is timed alone and then with one write-through backup per step through the
 real `HostCopies` effect (Qwen3-0.6B KV shapes: 28 layers, 8 KV heads of 128, 16-token
-pages; PAGES pages a step, about what a 16k-token prefill step backs up), for each copy
-path and staging size. Reports per variant: the median GPU time of a step's compute,
-the worker thread's time in `after_forward`, and the backup's GPU GB/s alone.
+pages; PAGES pages a step, about what a 16k-token prefill step backs up), with consecutive
+device pages (copied straight: DMA) and with scattered ones (gathered first). Reports per
+variant: the median GPU time of a step's compute, the worker thread's time in
+`after_forward`, and the backup's GB/s alone.
 
     python scripts/l2_probe.py            # on a CUDA machine
 """
@@ -35,12 +36,10 @@ def _pack(pages: list[int]) -> bytes:
     return b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
 
 
-def run(variant: str, staging_bytes: int, kernels: bool, pool: KVPool, slab: str) -> dict[str, float]:
-    host_tier.STAGING_BYTES = staging_bytes
+def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
+    """variant: none (no backup), direct (consecutive device pages), gather (scattered ones)."""
     copies = host_tier.HostCopies(pool, slab)
     copies.apply(HostInit(2 * PAGES, copies.page_bytes))
-    if not kernels:
-        copies._kernels = None
     compute = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
     a = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16)
@@ -49,7 +48,11 @@ def run(variant: str, staging_bytes: int, kernels: bool, pool: KVPool, slab: str
     events = []
     torch.cuda.synchronize()
     for i in range(STEPS):  # no sync between steps: a step's backup overlaps the next step's compute
-        pages = (torch.randperm(pool.num_pages - 1, generator=gen)[:PAGES] + 1).tolist()
+        if variant == "direct":
+            first = 1 + (i % 3) * PAGES
+            pages = list(range(first, first + PAGES))
+        else:
+            pages = (torch.randperm(pool.num_pages - 1, generator=gen)[:PAGES] + 1).tolist()
         with torch.cuda.stream(compute):
             t0 = torch.cuda.Event(enable_timing=True)
             t1 = torch.cuda.Event(enable_timing=True)
@@ -69,7 +72,7 @@ def run(variant: str, staging_bytes: int, kernels: bool, pool: KVPool, slab: str
     copies.take_done()
     res = {k: statistics.median(v[5:]) for k, v in out.items() if v}
     if variant != "none":  # the backup alone
-        pages = list(range(1, PAGES + 1))
+        pages = list(range(1, PAGES + 1)) if variant == "direct" else pages
         torch.cuda.synchronize()
         c0 = time.perf_counter()
         for i in range(5):
@@ -87,10 +90,8 @@ def main() -> None:
     slab = create_slab("strata-l2probe")
     results = {}
     try:
-        for name, staging, kernels in (("none", 64 << 20, True), ("kernel-64MiB", 64 << 20, True),
-                                       ("kernel-512MiB", 512 << 20, True), ("torch-64MiB", 64 << 20, False),
-                                       ("torch-512MiB", 512 << 20, False)):
-            results[name] = run(name, staging, kernels, pool, slab)
+        for name in ("none", "direct", "gather"):
+            results[name] = run(name, pool, slab)
             print(name, {k: round(v, 3) for k, v in results[name].items()}, flush=True)
     finally:
         remove_slab(slab)

@@ -31,3 +31,33 @@ def test_adjacent_backups_are_merged_into_runs() -> None:
     queued = [(7, [9, 3], 12), (5, [4], 10), (6, [1], 11), (8, [2, 2], 20)]  # (obj, device pages, host start)
     assert host_tier._runs(queued) == [([4, 1, 9, 3], 10), ([2, 2], 20)]
     assert queued[1] == (5, [4], 10)  # the queued lists are not changed
+
+
+def test_segments_copy_long_stretches_straight_and_gather_the_rest(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(host_tier, "MIN_DIRECT_PAGES", 3)
+    pages = [10, 11, 12, 13, 40, 7, 8, 20, 21, 22, 5]
+    assert host_tier._segments(pages) == [(0, 4, 10), (4, 3, None), (7, 3, 20), (10, 1, None)]
+    assert host_tier._segments([]) == []
+    scattered = [9, 1, 5, 3] * 3
+    assert host_tier._segments(scattered) == [(0, 12, None)]
+    monkeypatch.setattr(host_tier, "MAX_SEGMENTS", 2)  # too many pieces: gather the whole run
+    assert host_tier._segments(pages) == [(0, len(pages), None)]
+
+
+def test_round_trip_through_direct_and_gathered_pieces(monkeypatch) -> None:  # noqa: ANN001
+    """Back up a run mixing consecutive and scattered device pages, load it into another such
+    run: every layer's K and V bytes arrive, through both kinds of copy, both ways."""
+    from engine.layers.kv_pool import KVPool
+
+    monkeypatch.setattr(host_tier, "MIN_DIRECT_PAGES", 3)
+    pool = KVPool(3, 64, 4, 2, 8, torch.float32, torch.device("cpu"))
+    path = create_slab("test-segments")
+    try:
+        copies = host_tier.HostCopies(pool, path)
+        copies.apply(host_tier.HostInit(32, copies.page_bytes))
+        src = [5, 6, 7, 8, 30, 2, 40, 41, 42]
+        dst = [50, 12, 13, 14, 15, 16, 60, 61, 3]
+        assert host_tier._round_trip(copies, src, dst)
+        copies.close()
+    finally:
+        remove_slab(path)
