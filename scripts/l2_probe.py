@@ -32,6 +32,18 @@ PAGES = 1024  # device pages backed up per step
 STEPS = 30
 
 
+def _store_kernel():  # noqa: ANN202 - a triton kernel: the step's tokens stored by the SMs into pinned host memory
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store(src, dst, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(dst + o, tl.load(src + o, mask=o < n), mask=o < n)
+
+    return store
+
+
 def _pack(pages: list[int]) -> bytes:
     return b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
 
@@ -44,7 +56,12 @@ def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
     a = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, list[float]] = {"step_ms": [], "after_forward_ms": []}
+    out: dict[str, list[float]] = {"step_ms": [], "after_forward_ms": [], "result_copy_ms": [], "result_store_ms": []}
+    tokens = torch.arange(256, device="cuda")
+    pinned = torch.zeros(256, dtype=torch.int64).pin_memory()
+    from engine.layers.triton_ops import HostPointer
+
+    store, dst = _store_kernel(), HostPointer(pinned)
     events = []
     torch.cuda.synchronize()
     for i in range(STEPS):  # no sync between steps: a step's backup overlaps the next step's compute
@@ -60,17 +77,26 @@ def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
             for _ in range(28):  # ~a layer's GEMMs each
                 torch.mm(a, w)
             t1.record()
+            tokens.to("cpu", non_blocking=True)  # the step's result copy (a copy engine)
+            t2 = torch.cuda.Event(enable_timing=True)
+            t2.record()
+            store[(1,)](tokens, dst, 256, BLOCK=256)  # the same bytes stored by a kernel
+            t3 = torch.cuda.Event(enable_timing=True)
+            t3.record()
             if variant != "none":
                 copies.apply(BackupPrepare(i, _pack(pages), (i % 2) * PAGES))
                 c0 = time.perf_counter()
                 copies.after_forward()
                 out["after_forward_ms"].append((time.perf_counter() - c0) * 1e3)
-        events.append((t0, t1))
+        events.append((t0, t1, t2, t3))
         copies.take_done()
     torch.cuda.synchronize()
-    out["step_ms"] = [t0.elapsed_time(t1) for t0, t1 in events]
+    out["step_ms"] = [t0.elapsed_time(t1) for t0, t1, _, _ in events]
+    out["result_copy_ms"] = [t1.elapsed_time(t2) for _, t1, t2, _ in events]
+    out["result_store_ms"] = [t2.elapsed_time(t3) for _, _, t2, t3 in events]
     copies.take_done()
     res = {k: statistics.median(v[5:]) for k, v in out.items() if v}
+    res["copy_all"], res["store_all"] = out["result_copy_ms"][5:], out["result_store_ms"][5:]
     if variant != "none":  # the backup alone
         pages = list(range(1, PAGES + 1)) if variant == "direct" else pages
         torch.cuda.synchronize()
@@ -92,13 +118,15 @@ def main() -> None:
     try:
         for name in ("none", "direct", "gather"):
             results[name] = run(name, pool, slab)
-            print(name, {k: round(v, 3) for k, v in results[name].items()}, flush=True)
+            print(name, {k: round(v, 3) for k, v in results[name].items() if not isinstance(v, list)}, flush=True)
     finally:
         remove_slab(slab)
     base = results["none"]["step_ms"]
     for name, r in results.items():
         print(f"{name:14s} step {r['step_ms']:.3f} ms ({r['step_ms'] / base - 1:+.1%})"
-              f" after_forward {r.get('after_forward_ms', 0):.3f} ms  alone {r.get('backup_gbps_alone', 0):.1f} GB/s")
+              f" after_forward {r.get('after_forward_ms', 0):.3f} ms  alone {r.get('backup_gbps_alone', 0):.1f} GB/s"
+              f"  result copy {r['result_copy_ms']:.3f} ms, stored by a kernel {r['result_store_ms']:.3f} ms"
+              f" (max {max(r['copy_all']):.3f} / {max(r['store_all']):.3f})")
     Path("/tmp/out").mkdir(exist_ok=True)
     Path("/tmp/out/l2_probe.json").write_text(json.dumps(results, indent=1))
 
