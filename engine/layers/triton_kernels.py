@@ -305,3 +305,12 @@ def mask_by_slot_kernel(logits, logits_stride, bitmask, words, pairs, vocab_size
     banned = tl.reshape(banned, (BLOCK,))
     t = blk * BLOCK + tl.arange(0, BLOCK)
     tl.store(logits + row * logits_stride + t, float("-inf"), mask=(t < vocab_size) & banned)
+
+
+@triton.jit(do_not_specialize=["n"])
+def store_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n], dst being host memory the device can write (pinned): the SMs store
+    the bytes over PCIe, no copy engine is involved."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(dst + o, tl.load(src + o, mask=m), mask=m)

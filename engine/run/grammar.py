@@ -304,7 +304,7 @@ class GrammarSlots(Effect):
         if not rows:
             return
         if self.device.type == "cuda":
-            host = tokens.to("cpu", non_blocking=True)
+            host = triton_ops.to_host(tokens)  # stored by a kernel: never behind the host tier's copies
             event = torch.cuda.Event()
             event.record()
         else:

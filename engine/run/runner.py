@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from engine.config import ServerConfig
+from engine.layers import triton_ops
 from engine.layers.attention import create_backend
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.forward import ForwardBatch
@@ -167,6 +168,8 @@ class ModelRunner:
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
         self.startup["warmup_s"] = warm_up(self)  # every kernel compiled before Ready
+        if self.device.type == "cuda":
+            triton_ops.warm_to_host(self.device)  # the results' store kernel (_to_host)
         t0 = time.perf_counter()
         self.graphs = self._capture_graphs()
         if self.device.type == "cuda":  # load the future-reference kernels now, not in a served step
@@ -379,10 +382,13 @@ def _sample_params(op: AddReq) -> SampleParams:
 
 
 def _to_host(res: SampleResult) -> SampleResult:
-    """Start the device-to-host copies of a step's results without waiting for them."""
+    """Start the device-to-host transfers of a step's results without waiting for them (on
+    CUDA stored by a kernel into pinned memory: never behind the host tier's copies)."""
 
     def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to("cpu", non_blocking=True)
+        if t is None:
+            return None
+        return triton_ops.to_host(t) if t.is_cuda else t
 
     return SampleResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs))
 

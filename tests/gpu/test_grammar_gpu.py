@@ -88,3 +88,17 @@ def test_cuda_mask_by_slot_equals_the_cpu_mask(tokenizer_dir: Path, helpers: int
     finally:
         gpu.close()
         cpu.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_to_host_stores_a_step_result_into_pinned_memory(dtype: torch.dtype) -> None:
+    from engine.layers import triton_ops
+
+    src = (torch.randn(3000, device="cuda") * 1000).to(dtype)
+    out = triton_ops.to_host(src[5:2005].view(40, 50))  # a view: made contiguous first
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    assert out.is_pinned() and out.shape == (40, 50) and out.dtype == dtype
+    assert torch.equal(out.flatten(), src[5:2005].cpu())
+    assert triton_ops.to_host(src[:0]).numel() == 0
