@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ class GrammarSlots(Effect):
         # by slot; with helpers, the shared memory they fill
         self._bitmask = self._helpers.bitmask if self._helpers else xgr.allocate_token_bitmask(max_slots, vocab_size)
         self._adding: dict[int, tuple[int, str, _Remote]] = {}  # helper matchers not settled: id -> slot, rid
-        self._unregister: tuple[int, ...] = ()
+        self._finalizer: weakref.finalize | None = None  # unregisters the helpers' bitmask (CUDA)
         if device.type == "cuda":  # the mask kernel reads the bitmask and the row pairs in host memory
             if self._helpers is not None:
                 self._register(self._bitmask)
@@ -161,12 +162,16 @@ class GrammarSlots(Effect):
             self._warm()
 
     def _register(self, bitmask: torch.Tensor) -> None:
-        """Pin the helpers' shared bitmask for the device to read (it is unregistered on close)."""
+        """Pin the helpers' shared bitmask for the device to read. It is unregistered on close
+        or when this object goes, before its mapping is unmapped (the finalizer holds the
+        helpers, which hold the mapping): a stale registration would make a later mapping at
+        the same address fail to register (a second runner in one process did)."""
         ptr = bitmask.data_ptr()
         err = torch.cuda.cudart().cudaHostRegister(ptr, bitmask.numel() * bitmask.element_size(), 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of the grammar bitmask failed: {err}")
-        self._unregister = (ptr,)
+        self._finalizer = weakref.finalize(self, _unregister, ptr, self._helpers)
+        self._finalizer.atexit = False  # an exiting process needs no unregister (nor CUDA calls then)
 
     def _warm(self) -> None:
         """Compile the triton mask kernel now, not in a served step (its row count is the grid,
@@ -327,9 +332,8 @@ class GrammarSlots(Effect):
         """Stop the helper processes (they also exit when this process goes)."""
         if self._helpers is not None:
             self._helpers.close()
-        for ptr in self._unregister:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self._unregister = ()
+        if self._finalizer is not None:
+            self._finalizer()
 
     @property
     def busy(self) -> bool:
@@ -380,3 +384,12 @@ class GrammarSlots(Effect):
             for s, m in fill:
                 self._ready[s] = m
         sums["fill"] += time.perf_counter() - t2
+
+
+def _unregister(ptr: int, helpers: GrammarHelpers | None) -> None:
+    """cudaHostUnregister, then let the helpers (and the mapping they hold) go."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter exit: the CUDA context may be gone already
+        pass
+    del helpers

@@ -102,3 +102,21 @@ def test_to_host_stores_a_step_result_into_pinned_memory(dtype: torch.dtype) -> 
     assert out.is_pinned() and out.shape == (40, 50) and out.dtype == dtype
     assert torch.equal(out.flatten(), src[5:2005].cpu())
     assert triton_ops.to_host(src[:0]).numel() == 0
+
+
+def test_runners_one_after_another_register_their_bitmask(tokenizer_dir: Path) -> None:
+    """GrammarSlots with helpers made and dropped in one process (as the GPU tests build one
+    runner after another): each registers its shared bitmask; a dropped one unregisters."""
+    import gc
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    assert tok is not None
+    vocab = len(tok.hf) + 64
+    for _ in range(3):
+        g = GrammarSlots(str(tokenizer_dir), vocab, 4, torch.device("cuda"), helpers=1)
+        g.wait_ready()
+        del g
+        gc.collect()
+    g = GrammarSlots(str(tokenizer_dir), vocab, 4, torch.device("cuda"), helpers=1)
+    g.close()
+    g.close()  # twice is harmless
