@@ -6,7 +6,9 @@ real `HostCopies` effect (Qwen3-0.6B KV shapes: 28 layers, 8 KV heads of 128, 16
 pages; PAGES pages a step, about what a 16k-token prefill step backs up), with consecutive
 device pages (copied straight: DMA) and with scattered ones (gathered first). Reports per
 variant: the median GPU time of a step's compute, the worker thread's time in
-`after_forward`, and the backup's GB/s alone.
+`after_forward`, the backup's GB/s alone, and how long a step's 2 KB result copy (device to
+host), the same bytes stored by a kernel, and a 64 KB input copy (host to device) take
+with backups in flight.
 
     python scripts/l2_probe.py            # on a CUDA machine
 """
