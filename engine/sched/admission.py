@@ -4,13 +4,19 @@ arrival order with their cached prefix, prompts prefilled in chunks within the b
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+
+import msgspec
 
 from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.request import Req, Status
 from engine.sched.state import RequestKV, SchedState
 from msgs.codec import pack_ids, unpack_ids
+from msgs.params import Grammar
 from msgs.requests import TokenizedRequest
 from msgs.steps import AddReq, ExtendPages, Op, WorkerSampling
+
+INTERNED_GRAMMARS = 256  # distinct grammars whose data waiting requests share (by key)
 
 
 class Admission:
@@ -18,6 +24,7 @@ class Admission:
         self.s = state
         self.kv = kv
         self.growth = growth
+        self.grammars: OrderedDict[str, Grammar] = OrderedDict()  # key -> the one copy requests hold
 
     def accept(self, msg: TokenizedRequest) -> Req | str:
         """A new request, or why it can never run (the edge checked it; this is defence
@@ -29,12 +36,27 @@ class Admission:
         if problem:
             return problem
         p, s = msg.params, self.s
+        if p.grammar is not None:  # one copy per key: a schema's data is ~0.5 MB, per request it adds up
+            p = msgspec.structs.replace(p, grammar=self._interned(p.grammar))
         seed = p.seed if p.seed is not None else s.rng.getrandbits(63)
         max_new = min(p.max_new_tokens, s.cfg.max_context - len(ids))
         req = Req(msg.rid, ids, p, seed, max_new, s.arrivals)
         s.arrivals += 1
         s.reqs[req.rid] = req
         return req
+
+    def _interned(self, grammar: Grammar) -> Grammar:
+        """The copy of this grammar other requests already hold (a key names its data: the
+        SHA-256 of what was compiled), or this one, kept for the next."""
+        held = self.grammars.get(grammar.key)
+        if held is not None and held.data == grammar.data:
+            self.grammars.move_to_end(grammar.key)
+            return held
+        self.grammars[grammar.key] = grammar
+        self.grammars.move_to_end(grammar.key)
+        while len(self.grammars) > INTERNED_GRAMMARS:
+            self.grammars.popitem(last=False)
+        return grammar
 
     def _reject_reason(self, rid: str, ids: list[int]) -> str | None:
         cfg = self.s.cfg

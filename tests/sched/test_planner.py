@@ -285,3 +285,18 @@ def test_scheduler_fails_a_bad_request_without_queueing_it(ids: bytes, params: S
     out = core.submit(TokenizedRequest(rid="bad", input_ids=ids, params=params))
     assert out is not None and out.finish_reason == "error" and problem in out.error
     assert not core.reqs and not core.waiting and core.plan() is None
+
+
+def test_a_grammar_crosses_the_step_stream_once_and_requests_share_one_copy():
+    from msgs.params import Grammar
+
+    core = make()
+    data = bytes(range(256)) * 4
+    for rid in ("a", "b"):  # equal grammars, decoded from two messages: two bytes objects
+        submit(core, rid, [5, 6, 7], grammar=Grammar("k" * 64, bytes(bytearray(data)), [0]))
+    assert core.state.reqs["a"].params.grammar is core.state.reqs["b"].params.grammar
+    step = core.plan()  # the mirror check runs (digest_every=1): scheduler and mirror agree
+    assert step is not None
+    adds = [op for op in step.ops if isinstance(op, AddReq)]
+    assert [len(op.grammar.data) for op in adds] == [len(data), 0]  # the second names the key only
+    assert list(core.replica["grammar_keys"].keys) == ["k" * 64]
