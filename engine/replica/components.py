@@ -112,17 +112,20 @@ class GrammarKeys(Component):
     AddReqs carry the key alone (`strip`). An AddReq without data for a key not held is a
     missing descriptor: fatal. The scheduler keeps one more instance, updated as it emits
     AddReqs, to decide what to strip; each rank's GrammarSlots runs one to know what it may
-    drop (the same code on the same ops: the same keys everywhere, checked by the digest)."""
+    drop (the same code on the same ops: the same keys everywhere, checked by the digest).
+    A Flush empties it, as every replica."""
 
     name = "grammar_keys"
-    ops = (AddReq,)
+    ops = (AddReq, Flush)
     CAPACITY = 64
 
     def __init__(self) -> None:
         self.keys: OrderedDict[str, None] = OrderedDict()
 
-    def apply(self, op: AddReq) -> None:
-        if op.grammar is not None:
+    def apply(self, op: AddReq | Flush) -> None:
+        if isinstance(op, Flush):  # every replica back to its freshly built state
+            self.keys.clear()
+        elif op.grammar is not None:
             self.use(op.grammar)
 
     def use(self, grammar: Grammar) -> list[str]:

@@ -57,7 +57,7 @@ from engine.replica.components import GrammarKeys
 from engine.run.grammar_helper import GrammarHelpers
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, FreeReq
+from msgs.steps import AddReq, Flush, FreeReq
 
 log = structlog.get_logger()
 TIMING_WINDOW = 100  # constrained steps per `grammar timing` line
@@ -116,7 +116,7 @@ def default_helpers(device: torch.device) -> int:
 
 
 class GrammarSlots(Effect):
-    ops = (AddReq, FreeReq)
+    ops = (AddReq, FreeReq, Flush)
 
     def __init__(
         self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device, background: bool = True,
@@ -183,7 +183,15 @@ class GrammarSlots(Effect):
 
     # ---- replica ops ----
 
-    def apply(self, op: AddReq | FreeReq) -> None:
+    def apply(self, op: AddReq | FreeReq | Flush) -> None:
+        if isinstance(op, Flush):  # GrammarKeys empties: drop every grammar (live matchers keep theirs)
+            for key in self._keys.keys:
+                if self._helpers is not None:
+                    self._helpers.forget(key)
+            self._keys.keys.clear()
+            self._data.clear()
+            self._compiled.clear()
+            return
         if isinstance(op, FreeReq):
             gone = self.matchers.pop(op.slot, None)
             self._ready.pop(op.slot, None)

@@ -29,7 +29,7 @@ from msgs.codec import pack_ids
 from msgs.done import Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
 from msgs.outputs import ReqOutput
 from msgs.requests import TokenizedRequest
-from msgs.steps import DigestCheck, Forward, Step
+from msgs.steps import DigestCheck, Flush, Forward, Step
 
 __all__ = ["DigestMismatch", "SchedConfig", "SchedulerCore"]
 
@@ -100,7 +100,10 @@ class SchedulerCore:
         if not ops and not rows and not s.cache.changes:  # (changes: e.g. commits to publish)
             return None
         self.seq += 1
-        ops.extend(s.cache.take_changes())
+        changes = s.cache.take_changes()
+        if any(isinstance(op, Flush) for op in changes):  # after this step's AddReqs, as replicas apply it
+            s.grammar_keys.apply(Flush())
+        ops.extend(changes)
         if s.cfg.digest_every and self.seq % s.cfg.digest_every == 0:
             ops.append(DigestCheck())
         step = Step(seq=self.seq, ops=ops, forward=_forward(rows) if rows else None)

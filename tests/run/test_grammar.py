@@ -18,7 +18,7 @@ from engine.serve.grammar import json_format, tokenizer_info, with_reasoning
 from engine.serve.tokenizer import load_tokenizer
 from msgs.codec import pack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, FreeReq, Step, WorkerSampling
+from msgs.steps import AddReq, Flush, FreeReq, Step, WorkerSampling
 
 EXTRA = 64  # the model's logits are wider than the tokenizer's vocabulary by this much
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
@@ -224,3 +224,25 @@ def test_a_stripped_grammar_is_served_from_what_the_rank_holds(default_model_dir
     assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[1]).any())
     with pytest.raises(ReplicaError, match="without its data"):
         g.apply(_add(2, Grammar("other", b"", grammar.stop_ids)))
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_a_flush_drops_the_held_grammars_everywhere(default_model_dir: Path, setup, helpers: int) -> None:
+    """After Flush (every replica back to its fresh state) a key is no longer held: an AddReq
+    must bring its data again; a matcher made before keeps working."""
+    from engine.replica.components import GrammarKeys
+
+    tok, vocab, grammar = setup
+    keys = GrammarKeys()
+    keys.apply(_add(0, grammar))
+    keys.apply(Flush())
+    assert not keys.keys and keys.encode() == GrammarKeys().encode()
+    g = _slots(default_model_dir, vocab, helpers=helpers)
+    g.apply(_add(0, grammar))
+    g.apply(Flush())
+    with pytest.raises(ReplicaError, match="without its data"):
+        g.apply(_add(1, Grammar(grammar.key, b"", grammar.stop_ids)))
+    g.apply(_add(2, grammar))  # with its data: held again
+    logits = torch.zeros(2, vocab)
+    g.mask(logits, [0, 2])  # slot 0's matcher predates the flush
+    assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[0]).any())

@@ -300,3 +300,27 @@ def test_a_grammar_crosses_the_step_stream_once_and_requests_share_one_copy():
     adds = [op for op in step.ops if isinstance(op, AddReq)]
     assert [len(op.grammar.data) for op in adds] == [len(data), 0]  # the second names the key only
     assert list(core.replica["grammar_keys"].keys) == ["k" * 64]
+
+
+def test_after_a_cache_flush_the_next_addreq_brings_the_grammar_again():
+    from engine.replica import rank_replica
+    from msgs.params import Grammar
+
+    core = make()
+    g = Grammar("g" * 64, b"compiled", [0])
+    submit(core, "a", [5, 6, 7], max_new=2, grammar=g)
+    while not core.idle or core.state.pending_ops:
+        step = core.plan()
+        assert step is not None
+        finish_step(core, step)
+    assert core.flush() is None
+    submit(core, "b", [5, 6, 7], max_new=2, grammar=g)
+    step = core.plan()  # b's AddReq, then the Flush: held when sent, dropped after
+    assert step is not None
+    assert [len(op.grammar.data) for op in step.ops if isinstance(op, AddReq)] == [0]
+    assert not core.state.grammar_keys.keys and not core.replica["grammar_keys"].keys
+    assert core.replica["grammar_keys"].encode() == rank_replica()["grammar_keys"].encode()
+    submit(core, "c", [8, 9], max_new=2, grammar=g)
+    step = core.plan()
+    assert step is not None
+    assert [len(op.grammar.data) for op in step.ops if isinstance(op, AddReq)] == [len(g.data)]
