@@ -22,17 +22,18 @@ ordinary shared memory and everything is synchronous: a backup is done when
 `after_forward` returns.
 
 **On a GPU the backups run on a side stream**, off the critical path. `after_forward`
-records an event on the compute stream after the step's forward was enqueued; the side
-stream waits on it (so the gather reads the KV the forward wrote, and any LoadBack of
-this or an earlier step that read the same host range, since those are earlier on the
-compute stream), then gathers and copies, then records a "copied" event. The next step's
-forward is enqueued on the compute stream meanwhile and overlaps the copy. The index
-tensors are kept referenced until the copied event completed; the gather buffers are
-allocated on the side stream itself (see `_backup`). `take_done` polls `event.query()` (never waits); `WithBackups`
-calls it after every StepDone, and its reporter thread waits on the oldest outstanding
-event (a blocking-sync event: it sleeps, without the GIL) so that a finished copy is
-reported even when no further step comes. Only then does the worker send BackupDone, so
-the cache controller commits an object only once every rank's bytes are in the slab.
+records an event on the compute stream after the step's forward (and its sampling, which the
+runner launches first) was enqueued; the side stream waits on it (so the gather reads the KV
+the forward wrote, and any LoadBack of this or an earlier step that read the same host
+range, since those are earlier on the compute stream), then gathers and copies, then records
+a "copied" event. The next step's forward is enqueued on the compute stream meanwhile and
+overlaps the copy. The index tensors are kept referenced until the copied event completed;
+the gather buffers are allocated on the side stream itself (see `_backup`). `take_done`
+polls `event.query()` (never waits); `WithBackups` calls it after every StepDone, and its
+reporter thread waits on the oldest outstanding event (a blocking-sync event: it sleeps,
+without the GIL) so that a finished copy is reported even when no further step comes. Only
+then does the worker send BackupDone, so the cache controller commits an object only once
+every rank's bytes are in the slab.
 
 Why nothing else can race with a copy still in flight on the side stream:
 

@@ -239,11 +239,14 @@ class ModelRunner:
             launched.start = self.idle.start() if self.idle is not None else None
             launched.rows = len(step.forward.slots) // 4
             launched.to_sample = self._forward(step.forward)
-        self.host_tier.after_forward()  # this step's backups: their KV is written now
         if launched.to_sample is not None and self.grammar.constrained(launched.to_sample.slots):
             self.deferred = launched
         else:
             self.complete(launched)
+        # this step's backups (their KV is written by the forward), launched after its sampling:
+        # launching them costs the host ~1-3 ms a prefill step (scripts/l2_probe.py), which the
+        # GPU would otherwise spend waiting, inside the step, for the sampling kernels
+        self.host_tier.after_forward()
         return launched
 
     def host_busy(self) -> bool:
