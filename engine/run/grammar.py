@@ -28,8 +28,8 @@ vocabulary are masked too. Requests without a grammar never wait.
 
 Timing: every TIMING_WINDOW constrained steps one `grammar timing` log line gives the mean
 milliseconds per step of each part: the job's wait for the tokens, its accept and fill, the
-worker thread's wait in `mask` for the job, the rest of `mask` (late fills, gather, copy,
-apply), and the period between two masks (what a constrained step costs the host). With
+worker thread's wait in `mask` for the job, the rest of `mask` (late fills and the mask
+itself), and the period between two masks (what a constrained step costs the host). With
 grammar helpers, `accept` is the helpers' accept and fill together (IPC included) and `fill` 0.
 
 A finished grammar (its stop token accepted) is terminated: the scheduler ends the request
@@ -55,6 +55,7 @@ from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
 from engine.replica.components import GrammarKeys
 from engine.run.grammar_helper import GrammarHelpers
+from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, Flush, FreeReq
@@ -109,9 +110,9 @@ class _Remote:
 
 
 def default_helpers(device: torch.device) -> int:
-    """Grammar helper processes of a rank: on a GPU a quarter of the cores, at most 4 (64 rows'
-    accepts take ~3 ms of one core, longer than a small model's step); none on CPU, where
-    the forward is the work and the cores are its."""
+    """Grammar helper processes of a rank: on a GPU half the cores, at most 8 (64 rows'
+    accepts take ~3 ms of one core, longer than a small model's step; 8 beat 4 on the H200);
+    none on CPU, where the forward is the work and the cores are its."""
     return min(8, (os.cpu_count() or 1) // 2) if device.type == "cuda" else 0
 
 
@@ -144,8 +145,8 @@ class GrammarSlots(Effect):
         self._adding: dict[int, tuple[int, str, _Remote]] = {}  # helper matchers not settled: id -> slot, rid
         self._finalizer: weakref.finalize | None = None  # unregisters the helpers' bitmask (CUDA)
         if device.type == "cuda":  # the mask kernel reads the bitmask and the row pairs in host memory
-            if self._helpers is not None:
-                self._register(self._bitmask)
+            if self._helpers is not None:  # the helpers' memfd, unregistered before it is unmapped
+                self._finalizer = register_host(self, self._bitmask, self._helpers, "the grammar bitmask")
             else:
                 self._bitmask = self._bitmask.pin_memory()
             self._pairs = torch.zeros(2 * max_slots, dtype=torch.int32).pin_memory()
@@ -161,18 +162,6 @@ class GrammarSlots(Effect):
         if device.type == "cuda":
             self._warm()
 
-    def _register(self, bitmask: torch.Tensor) -> None:
-        """Pin the helpers' shared bitmask for the device to read. It is unregistered on close
-        or when this object goes, before its mapping is unmapped (the finalizer holds the
-        helpers, which hold the mapping): a stale registration would make a later mapping at
-        the same address fail to register (a second runner in one process did)."""
-        ptr = bitmask.data_ptr()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, bitmask.numel() * bitmask.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the grammar bitmask failed: {err}")
-        self._finalizer = weakref.finalize(self, _unregister, ptr, self._helpers)
-        self._finalizer.atexit = False  # an exiting process needs no unregister (nor CUDA calls then)
-
     def _warm(self) -> None:
         """Compile the triton mask kernel now, not in a served step (its row count is the grid,
         nothing is specialized on it: one compile)."""
@@ -185,10 +174,10 @@ class GrammarSlots(Effect):
 
     def apply(self, op: AddReq | FreeReq | Flush) -> None:
         if isinstance(op, Flush):  # GrammarKeys empties: drop every grammar (live matchers keep theirs)
-            for key in self._keys.keys:
-                if self._helpers is not None:
+            if self._helpers is not None:
+                for key in self._keys.keys:
                     self._helpers.forget(key)
-            self._keys.keys.clear()
+            self._keys.apply(op)
             self._data.clear()
             self._compiled.clear()
             return
@@ -393,11 +382,3 @@ class GrammarSlots(Effect):
                 self._ready[s] = m
         sums["fill"] += time.perf_counter() - t2
 
-
-def _unregister(ptr: int, helpers: GrammarHelpers | None) -> None:
-    """cudaHostUnregister, then let the helpers (and the mapping they hold) go."""
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - interpreter exit: the CUDA context may be gone already
-        pass
-    del helpers

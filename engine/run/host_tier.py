@@ -73,6 +73,7 @@ import torch
 from engine.cache.slab import map_slab
 from engine.layers.kv_pool import KVPool
 from engine.replica import Effect
+from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.done import BackupDone
 from msgs.steps import BackupPrepare, HostInit, LoadBack
@@ -136,15 +137,10 @@ class HostCopies(Effect):
                 self._load(unpack_ids(pages), start)
 
     def _register(self, slab: torch.Tensor) -> None:
-        """Pin the mapping for DMA (every process that maps the slab may register it). It is
-        unregistered before it is unmapped (when this object goes, or on close()): a stale
-        registration would make a later mapping at the same address fail to register."""
+        """Pin the mapping for DMA (every process that maps the slab may register it); undone
+        before it is unmapped (when this object goes, or on close(): engine/run/pinning.py)."""
         if self.cuda:
-            err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of the host slab failed: {err}")
-            self._finalizer = weakref.finalize(self, _unregister, slab.data_ptr(), self._map)
-            self._finalizer.atexit = False  # an exiting process needs no unregister (nor CUDA calls then)
+            self._finalizer = register_host(self, slab, self._map, "the host slab")
 
     def close(self) -> None:
         """Unregister the slab's mapping (GPU) now; the mapping goes with this object."""
@@ -346,15 +342,6 @@ def populate(region: torch.Tensor) -> None:
 @torch.inference_mode()  # the slab is an inference tensor (made under the worker's inference mode)
 def _zero(chunk: torch.Tensor) -> None:
     chunk.zero_()
-
-
-def _unregister(ptr: int, mapping: mmap.mmap | None) -> None:
-    """cudaHostUnregister, then let the mapping go (it is held until now)."""
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # interpreter exit: the CUDA context may be gone already
-        pass
-    del mapping
 
 
 class WithBackups:

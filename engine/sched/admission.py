@@ -47,16 +47,12 @@ class Admission:
 
     def _interned(self, grammar: Grammar) -> Grammar:
         """The copy of this grammar other requests already hold (a key names its data: the
-        SHA-256 of what was compiled), or this one, kept for the next."""
-        held = self.grammars.get(grammar.key)
-        if held is not None and held.data == grammar.data:
-            self.grammars.move_to_end(grammar.key)
-            return held
-        self.grammars[grammar.key] = grammar
+        SHA-256 of what was compiled, as GrammarKeys relies on too), or this one, kept."""
+        held = self.grammars.setdefault(grammar.key, grammar)
         self.grammars.move_to_end(grammar.key)
         while len(self.grammars) > INTERNED_GRAMMARS:
             self.grammars.popitem(last=False)
-        return grammar
+        return held
 
     def _reject_reason(self, rid: str, ids: list[int]) -> str | None:
         cfg = self.s.cfg
