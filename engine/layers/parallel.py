@@ -30,6 +30,7 @@ checkpoint tensor it holds) that the loader and the dummy initializer follow.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -263,7 +264,7 @@ class Linear(nn.Module):
         16-row decode step 61 -> 50 ms; a 16 x 128-token prefill unchanged, 1.42-1.47 s). A
         second copy of the weight (the plain one stays for everything else that reads it)."""
         w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and self.bias is None:
+        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and self.bias is None and onednn_packs_bf16():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
@@ -377,6 +378,17 @@ class ParallelLMHead(nn.Module):
         start, end = range_split(vocab, tp().world, tp().rank)
         self.weight = _param(end - start, hidden, dtype=dtype)
         _shard(self.weight, Sharding(0, (vocab, hidden), {None: Piece((start, end), 0, vocab, 0)}))
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """oneDNN can reorder a bf16 weight on this CPU: it needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; an AVX2-only CPU refuses, and keeps the plain weight."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_for_cpu(model: nn.Module) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.parallel import Linear, pack_for_cpu
+from engine.layers.parallel import Linear, onednn_packs_bf16, pack_for_cpu
 
 
 def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
@@ -20,6 +20,10 @@ def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
     return m
 
 
+needs_avx512 = pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 only with AVX512 or AVX-NE-CONVERT")
+
+
+@needs_avx512
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_packed_product_equals_the_plain_one(rows: int) -> None:
     m = _linear(torch.bfloat16)
@@ -38,3 +42,13 @@ def test_packed_product_equals_the_plain_one(rows: int) -> None:
 def test_only_bf16_without_bias_is_packed() -> None:
     assert pack_for_cpu(_linear(torch.float32)) == 0
     assert pack_for_cpu(_linear(torch.bfloat16, bias=True)) == 0
+
+
+@pytest.mark.skipif(onednn_packs_bf16(), reason="this CPU packs bf16 weights")
+def test_a_cpu_without_bf16_packing_keeps_the_plain_weight() -> None:
+    m = _linear(torch.bfloat16)
+    x = torch.randn(4, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        plain = m(x)
+        assert pack_for_cpu(m) == 0
+        assert torch.equal(m(x), plain)
