@@ -20,7 +20,7 @@ def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
     return m
 
 
-needs_avx512 = pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 only with AVX512 or AVX-NE-CONVERT")
+needs_avx512 = pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 with AVX512 or AVX-NE-CONVERT")
 
 
 @needs_avx512
