@@ -210,5 +210,5 @@ class LlamaForCausalLM(nn.Module):
         if idx.numel() == 0:  # a prefill chunk that samples no row (flashinfer's norm fails on 0 rows)
             return x.new_empty(0, self.config.vocab_size)
         h = self.model.norm(residual[idx] + x[idx])
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return lm_logits(h, w, self.config.vocab_size)  # tp > 1: gathered, the same on every rank
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_logits(h, head.weight, self.config.vocab_size, head.packed)  # tp > 1: gathered on every rank

@@ -256,16 +256,14 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
-        self._packed: torch.Tensor | None = None  # CPU bf16: the weight in oneDNN's blocked layout
+        self._packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout
 
     def pack_for_cpu(self) -> None:
-        """CPU, bf16, one rank, no bias: keep the weight also reordered once into oneDNN's
-        blocked layout, which its GEMM reads faster than the plain one (2 cores, default model:
-        16-row decode step 61 -> 50 ms; a 16 x 128-token prefill unchanged, 1.42-1.47 s). A
-        second copy of the weight (the plain one stays for everything else that reads it)."""
-        w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and self.bias is None and onednn_packs_bf16():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+        """CPU, one rank, no bias: keep the weight also reordered once into oneDNN's blocked
+        layout, which its GEMM reads faster than the plain one (see `cpu_pack`). A second copy
+        of the weight: the plain one stays for everything else that reads it."""
+        if self.bias is None:
+            self._packed = cpu_pack(self.weight)
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
@@ -287,7 +285,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+            return packed_linear(x, self._packed)
         cfg = self.gemv_config(x)
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
@@ -361,6 +359,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end = range_split(num, self.tp.world, self.tp.rank)
         self.weight = _param(self.end - self.start, dim, dtype=dtype)
         _shard(self.weight, Sharding(0, (num, dim), {None: Piece((self.start, self.end), 0, num, 0)}))
+        self.packed: torch.Tensor | None = None  # CPU, tied LM head: the weight in oneDNN's layout
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world == 1:
@@ -378,36 +377,59 @@ class ParallelLMHead(nn.Module):
         start, end = range_split(vocab, tp().world, tp().rank)
         self.weight = _param(end - start, hidden, dtype=dtype)
         _shard(self.weight, Sharding(0, (vocab, hidden), {None: Piece((start, end), 0, vocab, 0)}))
+        self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's layout
 
 
 @functools.cache
-def onednn_packs_bf16() -> bool:
-    """oneDNN can reorder a bf16 weight on this CPU: it needs AVX512 (BW, VL, DQ) or
-    AVX-NE-CONVERT; an AVX2-only CPU refuses, and keeps the plain weight."""
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN can reorder a weight of this dtype for its CPU GEMM: float32 on the x86 CPUs it
+    supports; bf16 needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2-only CPU refuses)."""
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
-    except RuntimeError:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
+    except (RuntimeError, NotImplementedError):
         return False
     return True
 
 
+def cpu_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """`w` [N, K] reordered into oneDNN's blocked layout for x @ w.T, or None where that does
+    not apply. Its GEMM reads that layout much faster than MKL reads the plain weight at
+    decode sizes and as fast at prefill sizes (2 cores, default model: the float32
+    projections and LM head of a 16-row step 77 -> 44 ms, AVX2; bf16 16-row decode step
+    61 -> 50 ms, AVX512-BF16)."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_packs(w.dtype):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)  # 16: the row count it is tuned for
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with `packed` = cpu_pack(w)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def pack_for_cpu(model: nn.Module) -> int:
-    """Every one-rank projection of a CPU bf16 model in oneDNN's layout (Linear.pack_for_cpu);
+    """Every one-rank projection and LM head of a CPU model in oneDNN's layout (`cpu_pack`);
     how many were packed."""
     if tp().world != 1:
         return 0
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for m in layers:
-        m.pack_for_cpu()
-    return sum(m._packed is not None for m in layers)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.pack_for_cpu()
+            n += m._packed is not None
+        elif isinstance(m, (VocabParallelEmbedding, ParallelLMHead)):
+            m.packed = cpu_pack(m.weight)
+            n += m.packed is not None
+    return n
 
 
-def lm_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 logits [S, vocab] from the final hidden rows and this rank's LM-head rows; at
-    world > 1 gathered, so that every rank holds the same full logits."""
+def lm_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits [S, vocab] from the final hidden rows and this rank's LM-head rows
+    (`packed`: the same in oneDNN's layout, on CPU); at world > 1 gathered, so that every rank
+    holds the same full logits."""
     t = tp()
     if t.world == 1:
-        return F.linear(h, weight).float()
+        return (F.linear(h, weight) if packed is None else packed_linear(h, packed)).float()
     if h.shape[0] == 0:  # nothing sampled this step: same on every rank, so no collective is skipped by one
         return h.new_zeros(0, vocab, dtype=torch.float32)
     return t.all_gather_cols(F.linear(h, weight), vocab).float()  # gathered in the model dtype: half the bytes

@@ -368,8 +368,8 @@ def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa:
         model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device)
     except torch.OutOfMemoryError as e:
         raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        log.info("cpu bf16 projections in oneDNN's layout", layers=pack_for_cpu(model))
+    if device.type == "cpu":
+        log.info("cpu projections in oneDNN's layout", layers=pack_for_cpu(model))
     return model, mcfg
 
 

@@ -1,13 +1,13 @@
-"""CPU bf16 projections on oneDNN-packed weights (engine/layers/parallel.py: pack_for_cpu):
-the same products as the plain weight, for decode-sized and prefill-sized inputs, and only
-where it applies (bf16, no bias)."""
+"""CPU projections and LM heads on oneDNN-packed weights (engine/layers/parallel.py: cpu_pack,
+pack_for_cpu): the same products as the plain weight, for decode-sized and prefill-sized
+inputs, in float32 and bf16, and only where they apply (no bias; bf16 only where the CPU can)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers.parallel import Linear, onednn_packs_bf16, pack_for_cpu
+from engine.layers.parallel import Linear, ParallelLMHead, lm_logits, onednn_packs, pack_for_cpu
 
 
 def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
@@ -20,31 +20,56 @@ def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
     return m
 
 
-needs_avx512 = pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 with AVX512 or AVX-NE-CONVERT")
+def _packs(dtype: torch.dtype) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not onednn_packs(dtype), reason=f"oneDNN cannot pack {dtype} on this CPU")
 
 
-@needs_avx512
+# one fp32 accumulation rounded once: bf16 at most an ulp from the plain product; fp32 a few ulps
+_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2 ** -7, "atol": 1e-2}}
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=_packs(torch.float32)),
+                                   pytest.param(torch.bfloat16, marks=_packs(torch.bfloat16))])
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_packed_product_equals_the_plain_one(rows: int) -> None:
-    m = _linear(torch.bfloat16)
-    x = torch.randn(rows, 576).to(torch.bfloat16)
+def test_packed_product_equals_the_plain_one(rows: int, dtype: torch.dtype) -> None:
+    m = _linear(dtype)
+    x = torch.randn(rows, 576).to(dtype)
     with torch.inference_mode():
         plain = m(x)
         assert pack_for_cpu(m) == 1
         packed = m(x)
-    assert packed.dtype == torch.bfloat16 and packed.shape == (rows, 1536)
-    ref = x.float() @ m.weight.float().T
-    # both round an fp32 accumulation to bf16 once: at most one bf16 ulp apart, and as close to fp32
-    torch.testing.assert_close(packed, plain, rtol=2 ** -7, atol=1e-2)
-    assert (packed.float() - ref).abs().max() <= (plain.float() - ref).abs().max() * 1.5 + 1e-3
+    assert packed.dtype == dtype and packed.shape == (rows, 1536)
+    ref = x.double() @ m.weight.double().T
+    torch.testing.assert_close(packed, plain, **_TOL[dtype])
+    err = (packed.double() - ref).abs()
+    if dtype == torch.float32:  # the textbook bound of a float32 dot product of length K: K u |x| |w|
+        u = 2.0 ** -24
+        assert (err <= 576 * u * (x.double().abs() @ m.weight.double().abs().T) + u * ref.abs()).all()
+    else:  # rounded to bf16 once, as the plain product
+        assert err.max() <= (plain.double() - ref).abs().max() * 1.5 + 1e-6
 
 
-def test_only_bf16_without_bias_is_packed() -> None:
-    assert pack_for_cpu(_linear(torch.float32)) == 0
+@_packs(torch.float32)
+def test_the_lm_head_is_packed_and_gives_the_same_logits() -> None:
+    torch.manual_seed(0)
+    head = ParallelLMHead(576, 1000, torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(1000, 576))
+    h = torch.randn(5, 576)
+    with torch.inference_mode():
+        plain = lm_logits(h, head.weight, 1000)
+        assert pack_for_cpu(head) == 1 and head.packed is not None
+        packed = lm_logits(h, head.weight, 1000, head.packed)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+def test_only_bias_free_weights_are_packed() -> None:
+    assert pack_for_cpu(_linear(torch.float32, bias=True)) == 0
     assert pack_for_cpu(_linear(torch.bfloat16, bias=True)) == 0
 
 
-@pytest.mark.skipif(onednn_packs_bf16(), reason="this CPU packs bf16 weights")
+@pytest.mark.skipif(onednn_packs(torch.bfloat16), reason="this CPU packs bf16 weights")
 def test_a_cpu_without_bf16_packing_keeps_the_plain_weight() -> None:
     m = _linear(torch.bfloat16)
     x = torch.randn(4, 576).to(torch.bfloat16)
