@@ -1,14 +1,16 @@
 """`bin/bench cpu`: the served CPU path against transformers, same weights, same batch, same run.
 
-1. transformers (engine/bench/hf_baseline.py, a child process): greedy `generate` of the batch
-   and one forward pass of the long prompt.
-2. bin/serve, started here: the same batch over the SDK, all requests at once (greedy, no EOS
-   stop), then the long prompt alone with one output token (its time to first token), then the
-   worker's resident memory.
+Both sides stay loaded for the whole run: transformers in a child process
+(engine/bench/hf_baseline.py: greedy `generate`, one forward pass), bin/serve started here.
+The throughput batch runs in `--rounds` rounds that alternate the two sides, each round with
+fresh seeded prompts (no prefix-cache hit carries over), and the figures are the medians over
+rounds: a shared VM's speed drifts by tens of percent within a minute, which one sequential
+run of each side turns into a ratio of anything. Then the long prompt once on each side (time
+to first token against one forward pass), then the worker's resident memory.
 
 Both sides get one untimed warm-up first. Throughput counts output tokens over the wall time
 of the whole batch, prefill included, on both sides. The machine's load average is recorded
-at start and end: on a shared machine it says how much the figures can be trusted.
+at start and end.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import asyncio
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--input-len", 128, "prompt tokens per request of the throughput run"),
         ("--output-len", 64, "output tokens per request, greedy, no EOS stop"),
         ("--long-prompt-len", 8191, "prompt tokens of the time-to-first-token run; 0 skips it"),
+        ("--rounds", 3, "throughput rounds, alternating transformers and Strata; medians reported"),
     ]
     for flag, default, what in flags:
         p.add_argument(flag, type=int, default=default, help=f"{what} (default: {default})")
@@ -55,34 +58,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> str | None:
     """A problem with the cpu mode's arguments, or None."""
     checks = [
-        (args.batch >= 1 and args.input_len >= 1 and args.output_len >= 1, "--batch/--input-len/--output-len >= 1"),
+        (min(args.batch, args.input_len, args.output_len, args.rounds) >= 1,
+         "--batch/--input-len/--output-len/--rounds >= 1"),
         (args.long_prompt_len >= 0, "--long-prompt-len must be >= 0"),
         (args.load_format != "dummy", "cpu mode compares with transformers, which needs the weights (no dummy)"),
     ]
     return next((problem for ok, problem in checks if not ok), None)
 
 
-def workload_of(args: argparse.Namespace, vocab: int) -> tuple[list[BenchRequest], list[int]]:
-    """The seeded batch and long prompt (random ids: no shared prefix, no cache hits)."""
+def workload_of(args: argparse.Namespace, vocab: int, round_: int = 0) -> tuple[list[BenchRequest], list[int]]:
+    """A round's seeded batch, and the long prompt (random ids: no shared prefix, no cache hits)."""
     reqs = workload.random_requests(
-        args.batch, (args.input_len, args.input_len), (args.output_len, args.output_len), vocab, args.seed
+        args.batch, (args.input_len, args.input_len), (args.output_len, args.output_len), vocab,
+        args.seed + 1000 * round_,
     )
     rng = np.random.default_rng(args.seed + 1)
     return reqs, rng.integers(0, vocab, size=args.long_prompt_len).tolist()
 
 
-def baseline(
-    model_dir: Path, reqs: list[BenchRequest], long_prompt: list[int], output_len: int, dtype: str = "float32"
-) -> dict[str, Any]:
-    """Run engine/bench/hf_baseline.py in a child process; its progress bars show on stderr."""
-    with tempfile.TemporaryDirectory(prefix="strata-bench-hf-") as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({
-            "model_dir": str(model_dir), "prompts": [r.prompt for r in reqs], "output_len": output_len,
-            "long_prompt": long_prompt, "dtype": dtype,
-        }))
-        subprocess.run([sys.executable, "-m", "engine.bench.hf_baseline", str(spec), str(out)], cwd=ROOT, check=True)
-        return json.loads(out.read_text())
+class Transformers:
+    """The transformers child process (engine/bench/hf_baseline.py), one JSON line per call."""
+
+    def __init__(self, model_dir: Path, dtype: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.bench.hf_baseline", str(model_dir), dtype],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.threads = self._reply()["threads"]
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the transformers baseline exited (status {self.proc.wait()})")
+        return json.loads(line)
+
+    def _call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def generate(self, reqs: list[BenchRequest], output_len: int) -> tuple[float, list[list[int]]]:
+        out = self._call(op="generate", prompts=[r.prompt for r in reqs], output_len=output_len)
+        return out["seconds"], out["ids"]
+
+    def forward(self, prompt: list[int]) -> tuple[float, int]:
+        out = self._call(op="forward", prompt=prompt)
+        return out["seconds"], out["next_id"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()  # its command loop ends
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @contextmanager
@@ -138,34 +170,57 @@ def worker_memory(supervisor_pid: int | None) -> dict[str, float | None]:
     return {"worker_rss_gib": worker.memory_info().rss / GIB, "worker_peak_rss_gib": peak}
 
 
-def served(args: argparse.Namespace, reqs: list[BenchRequest], long_prompt: list[int]) -> dict[str, Any]:
-    """Our side: bin/serve started here, the batch, the long prompt, the worker's memory."""
-    out: dict[str, Any] = {}
-    with launch.endpoints(None, None, args.model, args.load_format, shlex.split(args.server_args)) as ep:
-        timed_batch(ep.sdk, [BenchRequest(r.prompt[:8], 2) for r in reqs[:2]], "strata warm-up")
-        out["served_s"], out["served_ids"] = timed_batch(ep.sdk, reqs, f"strata {len(reqs)}x{args.output_len}")
-        if long_prompt:
-            desc = f"strata {len(long_prompt)}-token prompt"
-            out["ttft_s"], ids = timed_batch(ep.sdk, [BenchRequest(long_prompt, 1)], desc)
-            out["ttft_next_id"] = ids[0][0] if ids[0] else None
-        out.update(worker_memory(ep.pid))
-    return out
+def measure(args: argparse.Namespace, model_dir: Path, vocab: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both sides' timings: `rounds` alternating throughput rounds, then the long prompt."""
+    hf_side: dict[str, Any] = {"generate_s": [], "generate_ids": []}
+    ours: dict[str, Any] = {"served_s": [], "served_ids": []}
+    hf = Transformers(model_dir, args.hf_dtype)
+    try:
+        hf_side["threads"] = hf.threads
+        with launch.endpoints(None, None, args.model, args.load_format, shlex.split(args.server_args)) as ep:
+            warm, long_prompt = workload_of(args, vocab, round_=-1)
+            timed_batch(ep.sdk, [BenchRequest(r.prompt[:8], 2) for r in warm[:2]], "strata warm-up")
+            for i in range(args.rounds):
+                reqs, _ = workload_of(args, vocab, round_=i)
+                secs, ids = hf.generate(reqs, args.output_len)
+                hf_side["generate_s"].append(secs)
+                hf_side["generate_ids"].append(ids)
+                secs, ids = timed_batch(ep.sdk, reqs, f"strata {len(reqs)}x{args.output_len} ({i + 1}/{args.rounds})")
+                ours["served_s"].append(secs)
+                ours["served_ids"].append(ids)
+            if long_prompt:
+                hf_side["forward_s"], hf_side["forward_next_id"] = hf.forward(long_prompt)
+                desc = f"strata {len(long_prompt)}-token prompt"
+                ours["ttft_s"], ids = timed_batch(ep.sdk, [BenchRequest(long_prompt, 1)], desc)
+                ours["ttft_next_id"] = ids[0][0] if ids[0] else None
+            ours.update(worker_memory(ep.pid))
+    finally:
+        hf.close()
+    return hf_side, ours
 
 
 def figures(args: argparse.Namespace, hf: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """Medians over rounds (each side's seconds per round, in `hf["generate_s"]` and
+    `ours["served_s"]`), the ratio per round, and the rows whose tokens equal transformers'."""
     tokens = args.batch * args.output_len
-    hf_tps, our_tps = tokens / hf["generate_s"], tokens / ours["served_s"]
-    same = sum(a == b for a, b in zip(hf["generate_ids"], ours["served_ids"], strict=True))
+    hf_s, our_s = statistics.median(hf["generate_s"]), statistics.median(ours["served_s"])
+    same = sum(a == b for hf_ids, our_ids in zip(hf["generate_ids"], ours["served_ids"], strict=True)
+               for a, b in zip(hf_ids, our_ids, strict=True))
     f: dict[str, Any] = {
-        "completed": len(ours["served_ids"]),
+        "rounds": len(ours["served_s"]),
+        "completed": sum(len(ids) for ids in ours["served_ids"]),
         "output_tokens": tokens,
         "hf_threads": hf["threads"],
-        "hf_generate_s": hf["generate_s"],
-        "hf_output_tok_s": hf_tps,
-        "served_s": ours["served_s"],
-        "served_output_tok_s": our_tps,
-        "throughput_ratio": our_tps / hf_tps,
+        "hf_generate_s": hf_s,
+        "hf_generate_s_rounds": hf["generate_s"],
+        "hf_output_tok_s": tokens / hf_s,
+        "served_s": our_s,
+        "served_s_rounds": ours["served_s"],
+        "served_output_tok_s": tokens / our_s,
+        "throughput_ratio": hf_s / our_s,
+        "throughput_ratio_rounds": [h / o for h, o in zip(hf["generate_s"], ours["served_s"], strict=True)],
         "rows_equal_to_hf": same,
+        "rows": sum(len(ids) for ids in ours["served_ids"]),
         "worker_rss_gib": ours["worker_rss_gib"],
         "worker_peak_rss_gib": ours["worker_peak_rss_gib"],
     }
@@ -181,24 +236,23 @@ def figures(args: argparse.Namespace, hf: dict[str, Any], ours: dict[str, Any]) 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Both sides, in this order (transformers first, so the server is not running meanwhile)."""
     model_dir = workload.resolve_model_dir(args.model)
-    reqs, long_prompt = workload_of(args, workload.vocab_size(model_dir))
     load_start = os.getloadavg()
-    hf = baseline(model_dir, reqs, long_prompt, args.output_len, args.hf_dtype)
-    ours = served(args, reqs, long_prompt)
+    hf, ours = measure(args, model_dir, workload.vocab_size(model_dir))
     return {**figures(args, hf, ours), "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg())}
 
 
 def table_rows(f: dict[str, Any]) -> list[tuple[str, Any]]:
     rows = [
         ("transformers threads", f["hf_threads"]),
+        ("Rounds (alternating; medians below)", f["rounds"]),
         ("transformers generate (s)", f["hf_generate_s"]),
         ("transformers output tok/s", f["hf_output_tok_s"]),
         ("Strata served (s)", f["served_s"]),
         ("Strata output tok/s", f["served_output_tok_s"]),
         ("Throughput ratio (Strata / transformers)", f["throughput_ratio"]),
-        ("Rows with tokens equal to transformers", f["rows_equal_to_hf"]),
+        ("Ratio by round", " ".join(f"{r:.2f}" for r in f["throughput_ratio_rounds"])),
+        ("Rows with tokens equal to transformers", f"{f['rows_equal_to_hf']} / {f['rows']}"),
     ]
     if "ttft_ratio" in f:
         rows += [

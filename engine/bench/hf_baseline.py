@@ -1,11 +1,15 @@
 """The transformers baseline of `bin/bench cpu`, run in a child process of the benchmark.
 
-`python -m engine.bench.hf_baseline SPEC.json OUT.json`: SPEC holds the model directory, the
-batch of prompts, the output length and the long prompt. It measures `generate` (greedy, no
-EOS stop, so every row yields exactly its tokens) on the batch and one forward pass of the
-long prompt, on the same weights the server loads, and writes the timings and generated ids.
-A child process: its memory is returned before the server starts, and its torch threads and
-OpenMP settings are transformers' defaults, what a user of transformers gets.
+`python -m engine.bench.hf_baseline MODEL_DIR DTYPE` loads the model, warms it up, writes one
+JSON line `{"threads": N}` to stdout, then answers JSON-line commands from stdin, one line of
+output each, until stdin ends:
+- `{"op": "generate", "prompts": [[ids]], "output_len": N}`: greedy `generate` of the batch (no
+  EOS stop, so every row yields exactly its tokens): `{"seconds": s, "ids": [[new ids]]}`;
+- `{"op": "forward", "prompt": [ids]}`: one forward pass: `{"seconds": s, "next_id": id}`.
+It stays loaded between commands, so that the benchmark can alternate rounds of both sides
+(a shared machine drifts by tens of percent over a minute). A child process: its torch
+threads and OpenMP settings are transformers' defaults, what a user of transformers gets;
+progress bars go to stderr.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,22 +77,20 @@ def forward(model: Any, prompt: list[int]) -> tuple[float, int]:
     return seconds, int(logits[0, -1].argmax())
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    model = load(spec["model_dir"], spec.get("dtype", "float32"))
-    short = [p[:8] for p in spec["prompts"][:2]]
-    generate(model, short, 2)  # warm-up: first-call allocations and kernel selection
-    seconds, ids = generate(model, spec["prompts"], spec["output_len"])
-    result: dict[str, Any] = {"threads": torch.get_num_threads(), "generate_s": seconds, "generate_ids": ids}
-    if spec.get("long_prompt"):
-        result["forward_s"], result["forward_next_id"] = forward(model, spec["long_prompt"])
-    return result
-
-
-def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
-    Path(argv[1]).write_text(json.dumps(run(spec)))
-    return 0
+def serve(model_dir: str, dtype: str) -> None:
+    model = load(model_dir, dtype)
+    generate(model, [[1] * 8, [2] * 8], 2)  # warm-up: first-call allocations and kernel selection
+    print(json.dumps({"threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "generate":
+            seconds, ids = generate(model, cmd["prompts"], cmd["output_len"])
+            out: dict[str, Any] = {"seconds": seconds, "ids": ids}
+        else:
+            seconds, next_id = forward(model, cmd["prompt"])
+            out = {"seconds": seconds, "next_id": next_id}
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    serve(sys.argv[1], sys.argv[2])
