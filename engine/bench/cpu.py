@@ -178,7 +178,7 @@ def measure(args: argparse.Namespace, model_dir: Path, vocab: int) -> tuple[dict
     try:
         hf_side["threads"] = hf.threads
         with launch.endpoints(None, None, args.model, args.load_format, shlex.split(args.server_args)) as ep:
-            warm, long_prompt = workload_of(args, vocab, round_=-1)
+            warm, long_prompt = workload_of(args, vocab, round_=args.rounds)  # a batch no round uses
             timed_batch(ep.sdk, [BenchRequest(r.prompt[:8], 2) for r in warm[:2]], "strata warm-up")
             for i in range(args.rounds):
                 reqs, _ = workload_of(args, vocab, round_=i)
