@@ -46,12 +46,13 @@ def test_figures_are_medians_over_rounds() -> None:
     a = args_of("--batch", "2", "--output-len", "4", "--long-prompt-len", "10")
     hf = {"threads": 2, "generate_s": [2.0, 9.0, 3.0], "forward_s": 4.0, "forward_next_id": 9,
           "generate_ids": [[[1, 2, 3, 4], [5, 6, 7, 8]]] * 3}
-    ours = {"served_s": [1.0, 3.0, 1.5], "ttft_s": 5.0, "ttft_next_id": 9, "worker_rss_gib": 1.0,
+    ours = {"served_s": [1.0, 3.0, 2.0], "ttft_s": 5.0, "ttft_next_id": 9, "worker_rss_gib": 1.0,
             "worker_peak_rss_gib": 1.5, "served_ids": [[[1, 2, 3, 4], [5, 6, 7, 0]]] * 2 + [[[1, 2, 3, 4]] * 2]}
     f = cpu.figures(a, hf, ours)
-    assert (f["hf_generate_s"], f["served_s"], f["throughput_ratio"]) == (3.0, 1.5, 2.0)
-    assert (f["hf_output_tok_s"], f["served_output_tok_s"]) == (8 / 3.0, 8 / 1.5)
-    assert f["throughput_ratio_rounds"] == [2.0, 3.0, 2.0] and f["rounds"] == 3
+    # the ratio is the median of the paired rounds' ratios (2, 3, 1.5), not of the medians (3 / 2)
+    assert (f["hf_generate_s"], f["served_s"], f["throughput_ratio"]) == (3.0, 2.0, 2.0)
+    assert (f["hf_output_tok_s"], f["served_output_tok_s"]) == (8 / 3.0, 8 / 2.0)
+    assert f["throughput_ratio_rounds"] == [2.0, 3.0, 1.5] and f["rounds"] == 3
     assert (f["rows_equal_to_hf"], f["rows"], f["ttft_ratio"], f["long_next_token_equal"]) == (3, 6, 1.25, True)
 
 
