@@ -256,14 +256,7 @@ class Linear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
-        self._packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout
-
-    def pack_for_cpu(self) -> None:
-        """CPU, one rank, no bias: keep the weight also reordered once into oneDNN's blocked
-        layout, which its GEMM reads faster than the plain one (see `cpu_pack`). A second copy
-        of the weight: the plain one stays for everything else that reads it."""
-        if self.bias is None:
-            self._packed = cpu_pack(self.weight)
+        self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout (pack_for_cpu)
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
@@ -284,8 +277,8 @@ class Linear(nn.Module):
         return None if self.bias is not None else self._local_gemv(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return packed_linear(x, self._packed)
+        if self.packed is not None:
+            return packed_linear(x, self.packed)
         cfg = self.gemv_config(x)
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
@@ -408,18 +401,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """Every one-rank projection and LM head of a CPU model in oneDNN's layout (`cpu_pack`);
-    how many were packed."""
+    """Every one-rank, bias-free projection and the LM head of a CPU model also in oneDNN's
+    layout (`cpu_pack`; a second copy of the weight: the plain one stays for everything else
+    that reads it); how many were packed. The embedding is packed only when it is the (tied)
+    LM head."""
     if tp().world != 1:
         return 0
+    mods = list(model.modules())
+    heads = [m for m in mods if isinstance(m, ParallelLMHead)]  # untied; else the embedding is the head
+    heads = heads or [m for m in mods if isinstance(m, VocabParallelEmbedding)]
     n = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.pack_for_cpu()
-            n += m._packed is not None
-        elif isinstance(m, (VocabParallelEmbedding, ParallelLMHead)):
-            m.packed = cpu_pack(m.weight)
-            n += m.packed is not None
+    for m in [m for m in mods if isinstance(m, Linear) and m.bias is None] + heads:
+        m.packed = cpu_pack(m.weight)
+        n += m.packed is not None
     return n
 
 

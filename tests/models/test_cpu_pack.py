@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from engine.layers.parallel import Linear, ParallelLMHead, lm_logits, onednn_packs, pack_for_cpu
+from engine.layers.parallel import (
+    Linear,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    lm_logits,
+    onednn_packs,
+    pack_for_cpu,
+)
 
 
 def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
@@ -62,6 +70,14 @@ def test_the_lm_head_is_packed_and_gives_the_same_logits() -> None:
         packed = lm_logits(h, head.weight, 1000, head.packed)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+@_packs(torch.float32)
+def test_the_embedding_is_packed_only_when_it_is_the_lm_head() -> None:
+    untied = nn.ModuleList([VocabParallelEmbedding(100, 16, torch.float32), ParallelLMHead(16, 100, torch.float32)])
+    assert pack_for_cpu(untied) == 1 and untied[0].packed is None and untied[1].packed is not None
+    tied = nn.ModuleList([VocabParallelEmbedding(100, 16, torch.float32), Linear(16, 32, False, torch.float32)])
+    assert pack_for_cpu(tied) == 2 and tied[0].packed is not None
 
 
 def test_only_bias_free_weights_are_packed() -> None:
