@@ -381,4 +381,3 @@ class GrammarSlots(Effect):
             for s, m in fill:
                 self._ready[s] = m
         sums["fill"] += time.perf_counter() - t2
-

@@ -53,7 +53,7 @@ def test_figures_are_medians_over_rounds() -> None:
     assert (f["hf_generate_s"], f["served_s"], f["throughput_ratio"]) == (3.0, 2.0, 2.0)
     assert (f["hf_output_tok_s"], f["served_output_tok_s"]) == (8 / 3.0, 8 / 2.0)
     assert f["throughput_ratio_rounds"] == [2.0, 3.0, 1.5] and f["rounds"] == 3
-    assert (f["rows_equal_to_hf"], f["rows"], f["ttft_ratio"], f["long_next_token_equal"]) == (3, 6, 1.25, True)
+    assert (f["rows_equal_to_hf"], f["completed"], f["ttft_ratio"], f["long_next_token_equal"]) == (3, 6, 1.25, True)
 
 
 def test_baseline_generate_runs_every_row_to_its_length(tmp_path: Path) -> None:
