@@ -64,6 +64,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -162,17 +163,13 @@ class HostCopies(Effect):
         assert self.slab is not None
         t0 = time.perf_counter()
         begin = self._timing_event() if self.cuda else None
-        for at, n, first in _segments(pages):
-            span = slice(start + at, start + at + n)
-            idx = None
-            if first is None:
-                idx = torch.tensor(pages[at : at + n], dtype=torch.int64).to(self.kv.device, non_blocking=True)
+        for span, dev_pages, _ in self._pieces(pages, start):
             for layer in range(self.kv.num_layers):
                 for kv, dev in zip((0, 1), self._pages(layer), strict=True):
-                    if idx is None:
-                        dev[first : first + n].copy_(self.slab[layer, kv, span], non_blocking=True)
+                    if isinstance(dev_pages, slice):
+                        dev[dev_pages].copy_(self.slab[layer, kv, span], non_blocking=True)
                     else:
-                        dev.index_copy_(0, idx, self.slab[layer, kv, span].to(self.kv.device, non_blocking=True))
+                        dev.index_copy_(0, dev_pages, self.slab[layer, kv, span].to(self.kv.device, non_blocking=True))
         with self.lock:
             self.stats["load_backs"] += 1
             self.stats["bytes_in"] += len(pages) * self.page_bytes
@@ -224,18 +221,25 @@ class HostCopies(Effect):
         holding every block would hold the whole object on the device.)"""
         assert self.slab is not None
         keep: list[torch.Tensor] = []
-        for at, n, first in _segments(pages):
-            span = slice(start + at, start + at + n)
-            idx = None
-            if first is None:
-                host_idx = torch.tensor(pages[at : at + n], dtype=torch.int64)
-                idx = host_idx.to(self.kv.device, non_blocking=True)
-                keep += [host_idx, idx]
+        for span, dev_pages, held in self._pieces(pages, start):
+            keep += held
             for layer in range(self.kv.num_layers):
                 for kv, dev in zip((0, 1), self._pages(layer), strict=True):
-                    src = dev[first : first + n] if idx is None else dev[idx]
-                    self.slab[layer, kv, span].copy_(src, non_blocking=True)
+                    self.slab[layer, kv, span].copy_(dev[dev_pages], non_blocking=True)  # a view, or a gather
         return keep
+
+    def _pieces(self, pages: list[int], start: int) -> Iterator[tuple[slice, slice | torch.Tensor, list[torch.Tensor]]]:
+        """Per `_segments` piece of a run at host page `start`: its host span, its device pages
+        (a slice of the pool where consecutive, else an index tensor on the device), and the
+        tensors an asynchronous copy must keep alive (the index and its host source)."""
+        for at, n, first in _segments(pages):
+            span = slice(start + at, start + at + n)
+            if first is not None:
+                yield span, slice(first, first + n), []
+            else:
+                host_idx = torch.tensor(pages[at : at + n], dtype=torch.int64)
+                idx = host_idx.to(self.kv.device, non_blocking=True)
+                yield span, idx, [host_idx, idx]
 
     def _count_backups(self, n: int, nbytes: int, seconds: float) -> None:
         self.stats["backups"] += n
