@@ -401,19 +401,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """Every one-rank, bias-free projection and the LM head of a CPU model also in oneDNN's
-    layout (`cpu_pack`; a second copy of the weight: the plain one stays for everything else
-    that reads it); how many were packed. The embedding is packed only when it is the (tied)
-    LM head."""
+    """Every one-rank, bias-free projection and the LM head of a CPU model in oneDNN's layout
+    (`cpu_pack`); how many were packed. A packed projection or untied head drops its plain
+    weight (nothing else multiplies with it; one copy of the weights, not two): the parameter
+    becomes a meta tensor, the same shape, dtype and bytes for whoever counts them, and an
+    error, not garbage, for any code that would still compute with it. The embedding keeps its
+    plain weight (the lookup reads it), packed as well when it is the tied LM head."""
     if tp().world != 1:
         return 0
     mods = list(model.modules())
-    heads = [m for m in mods if isinstance(m, ParallelLMHead)]  # untied; else the embedding is the head
-    heads = heads or [m for m in mods if isinstance(m, VocabParallelEmbedding)]
+    untied = [m for m in mods if isinstance(m, ParallelLMHead)]
+    heads = untied or [m for m in mods if isinstance(m, VocabParallelEmbedding)]
     n = 0
     for m in [m for m in mods if isinstance(m, Linear) and m.bias is None] + heads:
         m.packed = cpu_pack(m.weight)
-        n += m.packed is not None
+        if m.packed is None:
+            continue
+        n += 1
+        if not isinstance(m, VocabParallelEmbedding):
+            m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)
+        if isinstance(m, Linear):
+            m._gemv = None  # decided: no triton GEMV (it would read the plain weight)
     return n
 
 

@@ -42,17 +42,18 @@ _TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2 
 def test_packed_product_equals_the_plain_one(rows: int, dtype: torch.dtype) -> None:
     m = _linear(dtype)
     x = torch.randn(rows, 576).to(dtype)
+    w = m.weight.detach().clone()
     with torch.inference_mode():
         plain = m(x)
         assert pack_for_cpu(m) == 1
         packed = m(x)
     assert packed.dtype == dtype and packed.shape == (rows, 1536)
-    ref = x.double() @ m.weight.double().T
+    ref = x.double() @ w.double().T
     torch.testing.assert_close(packed, plain, **_TOL[dtype])
     err = (packed.double() - ref).abs()
     if dtype == torch.float32:  # the textbook bound of a float32 dot product of length K: K u |x| |w|
         u = 2.0 ** -24
-        assert (err <= 576 * u * (x.double().abs() @ m.weight.double().abs().T) + u * ref.abs()).all()
+        assert (err <= 576 * u * (x.double().abs() @ w.double().abs().T) + u * ref.abs()).all()
     else:  # rounded to bf16 once, as the plain product
         assert err.max() <= (plain.double() - ref).abs().max() * 1.5 + 1e-6
 
@@ -68,6 +69,7 @@ def test_the_lm_head_is_packed_and_gives_the_same_logits() -> None:
         plain = lm_logits(h, head.weight, 1000)
         assert pack_for_cpu(head) == 1 and head.packed is not None
         packed = lm_logits(h, head.weight, 1000, head.packed)
+    assert head.weight.is_meta  # the plain copy is dropped
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
 
@@ -78,6 +80,21 @@ def test_the_embedding_is_packed_only_when_it_is_the_lm_head() -> None:
     assert pack_for_cpu(untied) == 1 and untied[0].packed is None and untied[1].packed is not None
     tied = nn.ModuleList([VocabParallelEmbedding(100, 16, torch.float32), Linear(16, 32, False, torch.float32)])
     assert pack_for_cpu(tied) == 2 and tied[0].packed is not None
+
+
+@_packs(torch.float32)
+def test_a_packed_projection_keeps_one_copy_of_its_weight() -> None:
+    m = _linear(torch.float32)
+    with torch.inference_mode():
+        pack_for_cpu(m)
+        out = m.forward_silu_mul(torch.randn(3, 2 * 576))  # silu(gate) * up, then the packed product
+    assert m.weight.is_meta and m.weight.shape == (1536, 576) and m.weight.nbytes == 1536 * 576 * 4
+    assert out.shape == (3, 1536) and torch.isfinite(out).all()
+    emb = VocabParallelEmbedding(100, 16, torch.float32)
+    with torch.no_grad():
+        emb.weight.normal_()
+    assert pack_for_cpu(emb) == 1 and not emb.weight.is_meta  # the lookup still reads it
+    assert torch.equal(emb(torch.tensor([3])), emb.weight[3:4])
 
 
 def test_only_bias_free_weights_are_packed() -> None:
