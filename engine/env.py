@@ -20,6 +20,7 @@ class Env:
     log_json: bool | None  # STRATA_LOG_JSON: force JSON (1) or console (0) on stderr
     digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
+    profile_steps: str | None  # STRATA_PROFILE_STEPS=FIRST:COUNT: torch-profile a worker's forward steps
 
 
 def _flag(name: str) -> bool | None:
@@ -36,4 +37,5 @@ def env() -> Env:
         log_json=_flag("STRATA_LOG_JSON"),
         digest_every=int(os.environ.get("STRATA_DIGEST_EVERY", "64")),
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
+        profile_steps=os.environ.get("STRATA_PROFILE_STEPS") or None,
     )

@@ -16,6 +16,7 @@ with backups in flight.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -59,7 +60,7 @@ def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     out: dict[str, list[float]] = {"step_ms": [], "after_forward_ms": [], "result_copy_ms": [], "result_store_ms": [],
-                                   "input_copy_ms": []}
+                                   "input_copy_ms": [], "pageable_input_ms": [], "pageable_host_ms": []}
     inputs = torch.zeros(16384, dtype=torch.int32).pin_memory()  # a step's ids/positions/tables: H2D
     tokens = torch.arange(256, device="cuda")
     pinned = torch.zeros(256, dtype=torch.int64).pin_memory()
@@ -90,18 +91,24 @@ def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
             inputs.to("cuda", non_blocking=True)  # the next step's inputs (the other direction)
             t4 = torch.cuda.Event(enable_timing=True)
             t4.record()
+            h0 = time.perf_counter()
+            torch.zeros(16384, dtype=torch.int32).to("cuda", non_blocking=True)  # as forward._to: pageable
+            out["pageable_host_ms"].append((time.perf_counter() - h0) * 1e3)
+            t5 = torch.cuda.Event(enable_timing=True)
+            t5.record()
             if variant != "none":
                 copies.apply(BackupPrepare(i, _pack(pages), (i % 2) * PAGES))
                 c0 = time.perf_counter()
                 copies.after_forward()
                 out["after_forward_ms"].append((time.perf_counter() - c0) * 1e3)
-        events.append((t0, t1, t2, t3, t4))
+        events.append((t0, t1, t2, t3, t4, t5))
         copies.take_done()
     torch.cuda.synchronize()
     out["step_ms"] = [e[0].elapsed_time(e[1]) for e in events]
     out["result_copy_ms"] = [e[1].elapsed_time(e[2]) for e in events]
     out["result_store_ms"] = [e[2].elapsed_time(e[3]) for e in events]
     out["input_copy_ms"] = [e[3].elapsed_time(e[4]) for e in events]
+    out["pageable_input_ms"] = [e[4].elapsed_time(e[5]) for e in events]
     copies.take_done()
     res = {k: statistics.median(v[5:]) for k, v in out.items() if v}
     res["copy_all"], res["store_all"] = out["result_copy_ms"][5:], out["result_store_ms"][5:]
@@ -135,9 +142,11 @@ def main() -> None:
               f" after_forward {r.get('after_forward_ms', 0):.3f} ms  alone {r.get('backup_gbps_alone', 0):.1f} GB/s"
               f"  result copy {r['result_copy_ms']:.3f} ms, stored by a kernel {r['result_store_ms']:.3f} ms"
               f" (max {max(r['copy_all']):.3f} / {max(r['store_all']):.3f}),"
-              f" 64 KB input copy {r['input_copy_ms']:.3f} ms")
-    Path("/tmp/out").mkdir(exist_ok=True)
-    Path("/tmp/out/l2_probe.json").write_text(json.dumps(results, indent=1))
+              f" 64 KB input copy {r['input_copy_ms']:.3f} ms, pageable {r['pageable_input_ms']:.3f} ms"
+              f" (host {r['pageable_host_ms']:.3f} ms)")
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(exist_ok=True)
+    (out / "l2_probe.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -238,6 +238,8 @@ class HostCopies(Effect):
                 yield span, slice(first, first + n), []
             else:
                 host_idx = torch.tensor(pages[at : at + n], dtype=torch.int64)
+                if self.cuda:  # pinned: from pageable memory the driver may first wait for the stream
+                    host_idx = host_idx.pin_memory()
                 idx = host_idx.to(self.kv.device, non_blocking=True)
                 yield span, idx, [host_idx, idx]
 

@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from engine.config import ServerConfig
+from engine.env import env
 from engine.layers import triton_ops
 from engine.layers.attention import create_backend
 from engine.layers.flashinfer_attention import set_decode_kernel
@@ -33,6 +34,7 @@ from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
+from engine.run.step_profile import StepProfiler
 from engine.run.warmup import warm_up
 from models.registry import load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
@@ -167,6 +169,8 @@ class ModelRunner:
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
+        spec = env().profile_steps if self.device.type == "cuda" else None
+        self.profiler = StepProfiler(spec, cfg.log_dir, rank) if spec else None
         self.startup["warmup_s"] = warm_up(self)  # every kernel compiled before Ready
         if self.device.type == "cuda":
             triton_ops.warm_to_host(self.device)  # the results' store kernel (_to_host)
@@ -236,6 +240,8 @@ class ModelRunner:
         self.seq = step.seq
         launched = Launched(step.seq, digest, t0, None, None)
         if step.forward is not None:
+            if self.profiler is not None:
+                self.profiler.tick()
             launched.start = self.idle.start() if self.idle is not None else None
             launched.rows = len(step.forward.slots) // 4
             launched.to_sample = self._forward(step.forward)

@@ -1,0 +1,45 @@
+"""A torch profiler over a range of a worker's forward steps, for diagnosing the served path
+(STRATA_PROFILE_STEPS=FIRST:COUNT): the steps FIRST .. FIRST+COUNT-1 with a forward are
+profiled (CPU and device activity), then a table of kernels and ops by self device time is
+written to LOG_DIR/profile-rank{R}.txt (or the working directory). Off by default: nothing is
+done per step but one comparison."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger()
+
+
+class StepProfiler:
+    def __init__(self, spec: str, out_dir: str, rank: int) -> None:
+        first, _, count = spec.partition(":")
+        self.first, self.count = int(first), int(count or 100)
+        if self.first < 1 or self.count < 1:
+            raise ValueError(f"STRATA_PROFILE_STEPS={spec!r}: want FIRST:COUNT, both >= 1")
+        self.path = Path(out_dir or ".") / f"profile-rank{rank}.txt"
+        self.steps = 0
+        self.prof: torch.profiler.profile | None = None
+        self.t0 = 0.0
+
+    def tick(self) -> None:
+        """Called once per forward step, before it is launched."""
+        self.steps += 1
+        if self.steps == self.first:
+            torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif self.steps == self.first + self.count and self.prof is not None:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            table = self.prof.key_averages().table(sort_by="self_device_time_total", row_limit=50)
+            self.path.write_text(f"steps {self.first}..{self.steps - 1}, wall {wall * 1e3:.1f} ms\n{table}")
+            log.info("step profile written", path=str(self.path), steps=self.count, wall_ms=round(wall * 1e3, 1))
+            self.prof = None
