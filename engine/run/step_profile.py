@@ -1,7 +1,8 @@
 """A torch profiler over a range of a worker's forward steps, for diagnosing the served path
 (STRATA_PROFILE_STEPS=FIRST:COUNT): the steps FIRST .. FIRST+COUNT-1 with a forward are
 profiled (CPU and device activity), then a table of kernels and ops by self device time is
-written to LOG_DIR/profile-rank{R}.txt (or the working directory). Off by default: nothing is
+written to LOG_DIR/profile-rank{R}.txt (or the working directory) and the timeline, for
+chrome://tracing or Perfetto, to profile-rank{R}.json.gz. Off by default: nothing is
 done per step but one comparison."""
 
 from __future__ import annotations
@@ -41,5 +42,6 @@ class StepProfiler:
             self.prof.__exit__(None, None, None)
             table = self.prof.key_averages().table(sort_by="self_device_time_total", row_limit=50)
             self.path.write_text(f"steps {self.first}..{self.steps - 1}, wall {wall * 1e3:.1f} ms\n{table}")
+            self.prof.export_chrome_trace(str(self.path.with_suffix(".json.gz")))
             log.info("step profile written", path=str(self.path), steps=self.count, wall_ms=round(wall * 1e3, 1))
             self.prof = None
