@@ -5,6 +5,11 @@ Covered: an eager prefill (a fresh prompt and one continuing after a cached page
 attention paths run) and an eager decode batch, in the configured dtype, KV dtype and
 attention math; the sampler's greedy, temperature, top-k/top-p/min-p, penalty and logprob
 paths. Decode CUDA graphs are captured (and so run) separately, for every batch size.
+On a GPU, every projection's GEMM also runs at a ladder of row counts up to the largest
+step (`warm_gemms`): cuBLAS picks its kernel by shape, and CUDA loads a kernel on its first
+launch (lazy loading), a load that waits for all the work queued on the device, the host
+tier's backups on the side stream included: a served prefill step stalled 23-43 ms on
+such loads, 8 of them in 40 steps (H200 profile, STRATA_PROFILE_STEPS).
 The KV written here lands in free pages: every page is written by its request's prefill
 before anything reads it, so the garbage is never seen.
 """
@@ -15,8 +20,10 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.forward import ForwardBatch
+from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding
 from engine.run.sampler import SampleParams
 
 if TYPE_CHECKING:
@@ -52,8 +59,42 @@ def warm_up(runner: ModelRunner) -> float:
         for slot in slots:
             runner.sampler.remove(slot)
     if runner.device.type == "cuda":
+        cfg = runner.cfg
+        warm_gemms(runner.model, cfg.max_prefill_tokens + cfg.max_running_requests, cfg.max_running_requests)
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
+
+
+def gemm_rows(most: int) -> list[int]:
+    """Row counts a GEMM is warmed at: every count up to 256 (decode batches, short prompts:
+    where cuBLAS's choice changes most often), every 16th up to 4096, every 64th beyond, and
+    `most` itself."""
+    rows = [*range(1, min(most, 256) + 1), *range(272, min(most, 4096) + 1, 16), *range(4160, most + 1, 64)]
+    return rows if rows[-1] == most else [*rows, most]
+
+
+def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int:
+    """Run every distinct projection (weight shape, dtype, bias) through cuBLAS at `gemm_rows(most_rows)`
+    and the LM head (or the tied embedding) at every sampled-row count: the kernels any step
+    will pick are loaded before ready (module docstring). Returns the GEMMs run."""
+    done: set[tuple] = set()
+    runs = 0
+    for module in model.modules():
+        head = isinstance(module, ParallelLMHead | VocabParallelEmbedding)
+        if not (isinstance(module, Linear) or head):
+            continue
+        w = module.weight
+        bias = None if head else module.bias
+        key = (tuple(w.shape), w.dtype, bias is not None, head)
+        if w.is_meta or w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or key in done:
+            continue
+        done.add(key)
+        counts = range(1, most_sampled + 1) if head else gemm_rows(most_rows)
+        x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
+        for n in counts:
+            F.linear(x[:n], w, bias)
+            runs += 1
+    return runs
 
 
 def _forward(runner: ModelRunner, starts: list[int], lens: list[int], pages: list[int]) -> torch.Tensor:

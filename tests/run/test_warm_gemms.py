@@ -1,0 +1,49 @@
+"""The GEMM warm-up's coverage: the row ladder and which weights it runs (on CPU here; on a
+GPU the same calls load the kernels cuBLAS picks, before ready)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.parallel import Linear, ParallelLMHead
+from engine.run.warmup import gemm_rows, warm_gemms
+
+
+def test_gemm_rows_cover_every_small_count_then_a_ladder_up_to_the_largest_step() -> None:
+    rows = gemm_rows(16640)
+    assert rows[:256] == list(range(1, 257))
+    assert rows == sorted(set(rows)) and rows[-1] == 16640
+    gaps = [b - a for a, b in zip(rows, rows[1:], strict=False)]
+    assert max(gaps) == 64 and max(g for a, g in zip(rows, gaps, strict=False) if a < 4096) == 16
+    assert gemm_rows(10) == list(range(1, 11))
+    assert gemm_rows(4100)[-2:] == [4096, 4100]
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = Linear(8, 24, bias=False, dtype=torch.float32)
+        self.k = Linear(8, 24, bias=False, dtype=torch.float32)  # the same shape as q: warmed once
+        self.o = Linear(24, 8, bias=True, dtype=torch.float32)
+        self.head = ParallelLMHead(8, 40, dtype=torch.float32)
+        for p in self.parameters():
+            nn.init.normal_(p)
+
+
+def test_warm_gemms_runs_each_distinct_projection_at_every_count_and_the_head_at_every_batch(monkeypatch) -> None:
+    model = _Tiny()
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = torch.nn.functional.linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append((tuple(x.shape), tuple(w.shape)))
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)  # records, then runs the real GEMM
+    runs = warm_gemms(model, most_rows=300, most_sampled=5)
+    ladder = gemm_rows(300)
+    assert runs == len(calls) == 2 * len(ladder) + 5
+    assert [x[0] for x, w in calls if w == (24, 8)] == ladder
+    assert [x[0] for x, w in calls if w == (8, 24)] == ladder
+    assert [x[0] for x, w in calls if w == (40, 8)] == [1, 2, 3, 4, 5]
