@@ -297,8 +297,11 @@ class FlashInferAttention(AttentionBackend):
         else:
             qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0)
+            # the longest new span, known here: flashinfer's own max() walks the tensor element by
+            # element (1-2 ms of the worker's thread per 256-row mixed step in an H200 profile)
             self._plan(
-                self._prefill, qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal=True, **self._plan_kwargs()
+                self._prefill, qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal=True,
+                max_token_per_sequence=max(batch.extend_lens_cpu), **self._plan_kwargs(),
             )
             self._active = self._prefill
 

@@ -35,9 +35,12 @@ class RefWrapper:
         self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.plans = 0
 
-    def plan(self, *args, causal=False, q_data_type=None, kv_data_type=None) -> None:  # noqa: ANN001
+    def plan(self, *args, causal=False, q_data_type=None, kv_data_type=None,  # noqa: ANN001
+             max_token_per_sequence=None) -> None:  # noqa: ANN001
         if len(args) == 8:  # prefill: qo_indptr first
             qo, args = args[0], args[1:]
+            # what flashinfer computes itself when it is not given
+            assert max_token_per_sequence == int((qo[1:] - qo[:-1]).max())
         else:
             qo = None
         indptr, indices, last, hq, hkv, d, ps = args
