@@ -2,6 +2,10 @@
 # One device call: install the carried wheels, then run the named modes on the GPU machine (an
 # H200). Results go to $OUT. An unknown mode fails before anything runs.
 # Usage on the device (carry .whl): bash scripts/gpu_bench.sh MODE ...
+# .whl, made here once per checkout: ../shared/gpu/fetch-wheels.sh uvicorn==0.54.0 starlette==1.10.0
+#   h11==0.16.0 click==8.5.1 httptools==0.9.0 psutil==7.2.2 (the GPU machine lacks the HTTP server's
+#   packages since 2026-12-01: without them every served mode fails at start-up)
+# A worker's steps can be torch-profiled: STRATA_PROFILE_STEPS=FIRST:COUNT (table + timeline in --log-dir)
 #   quick     the gpu tests of the grammar mask and the host tier's copies only
 #   check     the gpu tests (tests/gpu: bf16, fp8 KV, fp8 math, forced triton decode, transformers)
 #   latency   decode latency, Qwen3-0.6B and Llama-3.1-8B, batch 1 8 32, ctx 1024 (docs/PERF.md)
