@@ -18,21 +18,35 @@ def fresh_env():  # noqa: ANN201
 
 
 def test_defaults_and_overrides(fresh_env, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: ANN001
-    for name in ("STRATA_CACHE_DIR", "STRATA_LOG_LEVEL", "STRATA_LOG_JSON", "STRATA_DIGEST_EVERY"):
+    for name in ("STRATA_CACHE_DIR", "STRATA_LOG_LEVEL", "STRATA_LOG_JSON", "STRATA_DIGEST_EVERY",
+                 "STRATA_PROFILE_STEPS"):
         monkeypatch.delenv(name, raising=False)
     e = fresh_env()
-    assert e.log_level == "info" and e.log_json is None and e.digest_every == 64
+    assert e.log_level == "info" and e.log_json is None and e.digest_every == 64 and e.profile_steps is None
     assert e.cache_dir == Path.home() / ".cache" / "strata"
     fresh_env.cache_clear()
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("STRATA_LOG_LEVEL", "DEBUG")
     monkeypatch.setenv("STRATA_LOG_JSON", "0")
     monkeypatch.setenv("STRATA_DIGEST_EVERY", "8")
+    monkeypatch.setenv("STRATA_PROFILE_STEPS", "5:40")
     e = fresh_env()
     assert (e.cache_dir, e.log_level, e.log_json, e.digest_every) == (tmp_path, "debug", False, 8)
+    assert e.profile_steps == "5:40"
 
 
 def test_no_kernel_switches(fresh_env) -> None:  # noqa: ANN001
-    """Kernel choices come from configs/tuning/ and --decode-kernel, not the environment."""
+    """Kernel choices come from configs/tuning/ and --decode-kernel, not the environment
+    (profile_steps only turns on a diagnostic profiler)."""
     fields = {f.name for f in dataclasses.fields(fresh_env())}
-    assert fields == {"cache_dir", "log_level", "log_json", "digest_every", "git_commit"}
+    assert fields == {"cache_dir", "log_level", "log_json", "digest_every", "git_commit", "profile_steps"}
+
+
+@pytest.mark.parametrize("spec", ["0:10", "3:0", "x:2"])
+def test_profile_steps_spec_is_checked(spec: str, tmp_path: Path) -> None:
+    from engine.run.step_profile import StepProfiler
+
+    with pytest.raises(ValueError):
+        StepProfiler(spec, str(tmp_path), 0)
+    profiler = StepProfiler("5:40", str(tmp_path), 1)
+    assert (profiler.first, profiler.count, profiler.path.name) == (5, 40, "profile-rank1.txt")
