@@ -34,12 +34,12 @@ class StepProfiler:
             torch.cuda.synchronize()
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             self.prof = torch.profiler.profile(activities=acts)
-            self.prof.__enter__()
+            self.prof.start()
             self.t0 = time.perf_counter()
         elif self.steps == self.first + self.count and self.prof is not None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
-            self.prof.__exit__(None, None, None)
+            self.prof.stop()
             table = self.prof.key_averages().table(sort_by="self_device_time_total", row_limit=50)
             self.path.write_text(f"steps {self.first}..{self.steps - 1}, wall {wall * 1e3:.1f} ms\n{table}")
             self.prof.export_chrome_trace(str(self.path.with_suffix(".json.gz")))
