@@ -1,6 +1,7 @@
 """KVPool: the device KV cache of one rank, as flat token slots grouped in pages.
 
-Each layer owns a K and a V buffer shaped [num_pages * page_size, num_kv_heads, head_dim].
+Each layer has a K and a V buffer shaped [num_pages * page_size, num_kv_heads, head_dim]
+(views of one [num_layers, ...] tensor each: `k_all`, `v_all`).
 Token slot `page * page_size + offset` holds the K/V of one token. Page 0 is the padding
 page: the scheduler's allocator never hands it out, so padded page-table entries (0) and
 padded slots always point at memory no live request owns.
@@ -40,8 +41,11 @@ class KVPool:
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         # zeros, not empty: padded slots are read (then masked) and must never hold NaN/Inf,
         # since 0 * NaN in a masked softmax would still poison the output.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # One tensor per K and V across layers, so that a page range of every layer is one
+        # strided view (the host tier copies all layers of a run with one call, host_tier.py).
+        self.k_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+        self.v_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))  # per layer: contiguous views
         # 8-bit float KV is written and gathered through uint8 views of the same memory
         self._bytes = dtype.itemsize == 1 and dtype.is_floating_point
         self._k_raw = [t.view(torch.uint8) for t in self.k] if self._bytes else self.k
@@ -77,6 +81,12 @@ class KVPool:
         if self._bytes:
             k, v = k.view(self.dtype), v.view(self.dtype)
         return k.to(dtype), v.to(dtype)
+
+    def page_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer as raw bytes, uint8 [num_layers, num_pages, page bytes of a
+        layer] views: `[:, pages]` is a page range (or gather) of all layers at once."""
+        n = (self.num_layers, self.num_pages, -1)
+        return self.k_all.view(torch.uint8).view(n), self.v_all.view(torch.uint8).view(n)
 
     def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` as [num_pages, page_size, num_kv_heads, head_dim] views (no copy)."""

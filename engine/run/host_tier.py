@@ -17,7 +17,11 @@ The copies go through byte views (any KV dtype), per layer and K/V, in pieces of
 (`_segments`): a stretch of consecutive device pages (a prefill's pages mostly are: the
 allocator hands out the lowest free pages) is one copy straight from the pool, a DMA that
 takes no SM time from the forward; other pages are gathered into one contiguous block per
-layer and K/V and copied to their span (and back, then scattered). On CPU the slab is
+layer and K/V and copied to their span (and back, then scattered). A straight piece's
+copies of every layer are launched by one call (`torch._foreach_copy_` over the pool's
+all-layer view, KVPool.page_bytes): the worker's thread pays one Python call per piece and
+K/V, not one per layer (it launches them between steps, on the critical path when the host
+is the bottleneck). On CPU the slab is
 ordinary shared memory and everything is synchronous: a backup is done when
 `after_forward` returns.
 
@@ -96,6 +100,9 @@ class HostCopies(Effect):
         self.rank, self.world = rank, world  # each rank owns one region of the slab: its KV heads
         self.layer_bytes = kv.page_size * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
         self.page_bytes = 2 * kv.num_layers * self.layer_bytes
+        # the pool's K and V as raw bytes: [layers, device pages, layer bytes], and per layer
+        self.dev = kv.page_bytes()
+        self.dev_layers = tuple(list(t.unbind(0)) for t in self.dev)
         self.slab: torch.Tensor | None = None  # uint8 [layers, 2, host pages, layer_bytes]
         self._map: mmap.mmap | None = None
         self.cuda = kv.device.type == "cuda"
@@ -148,28 +155,21 @@ class HostCopies(Effect):
         if self._finalizer is not None:
             self._finalizer()
 
-    def _pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as raw bytes, one row per device page."""
-        n = self.kv.num_pages
-        return (
-            self.kv.k[layer].view(torch.uint8).view(n, self.layer_bytes),
-            self.kv.v[layer].view(torch.uint8).view(n, self.layer_bytes),
-        )
-
     def _load(self, pages: list[int], start: int) -> None:
         """Host -> device on the compute stream: the forward of this step comes after it.
-        Per segment (`_segments`) and layer, K and V: one copy into consecutive device pages,
-        or one copy to the device then a scatter."""
+        Per segment (`_segments`), K and V: consecutive device pages are one copy per layer,
+        all launched by one call; other pages one copy to the device then a scatter per layer."""
         assert self.slab is not None
         t0 = time.perf_counter()
         begin = self._timing_event() if self.cuda else None
         for span, dev_pages, _ in self._pieces(pages, start):
-            for layer in range(self.kv.num_layers):
-                for kv, dev in zip((0, 1), self._pages(layer), strict=True):
-                    if isinstance(dev_pages, slice):
-                        dev[dev_pages].copy_(self.slab[layer, kv, span], non_blocking=True)
-                    else:
-                        dev.index_copy_(0, dev_pages, self.slab[layer, kv, span].to(self.kv.device, non_blocking=True))
+            for kv, dev in enumerate(self.dev):
+                host = self.slab[:, kv, span]  # [layers, pages, layer bytes]
+                if isinstance(dev_pages, slice):
+                    torch._foreach_copy_(dev[:, dev_pages].unbind(0), host.unbind(0), non_blocking=True)
+                else:
+                    for layer, layer_dev in enumerate(self.dev_layers[kv]):
+                        layer_dev.index_copy_(0, dev_pages, host[layer].to(self.kv.device, non_blocking=True))
         with self.lock:
             self.stats["load_backs"] += 1
             self.stats["bytes_in"] += len(pages) * self.page_bytes
@@ -223,9 +223,13 @@ class HostCopies(Effect):
         keep: list[torch.Tensor] = []
         for span, dev_pages, held in self._pieces(pages, start):
             keep += held
-            for layer in range(self.kv.num_layers):
-                for kv, dev in zip((0, 1), self._pages(layer), strict=True):
-                    self.slab[layer, kv, span].copy_(dev[dev_pages], non_blocking=True)  # a view, or a gather
+            for kv, dev in enumerate(self.dev):
+                host = self.slab[:, kv, span]  # [layers, pages, layer bytes]
+                if isinstance(dev_pages, slice):  # one call launches every layer's copy
+                    torch._foreach_copy_(host.unbind(0), dev[:, dev_pages].unbind(0), non_blocking=True)
+                else:  # gathered per layer: a block of one layer's pages at a time
+                    for layer, layer_dev in enumerate(self.dev_layers[kv]):
+                        host[layer].copy_(layer_dev[dev_pages], non_blocking=True)
         return keep
 
     def _pieces(self, pages: list[int], start: int) -> Iterator[tuple[slice, slice | torch.Tensor, list[torch.Tensor]]]:
@@ -428,7 +432,7 @@ def _round_trip(copies: HostCopies, src: list[int], dst: list[int]) -> bool:
     copies.apply(LoadBack(1, b"".join(p.to_bytes(4, "little") for p in dst), 0))
     _sync(kv.device)
     idx_s, idx_d = torch.tensor(src, device=kv.device), torch.tensor(dst, device=kv.device)
-    return all(torch.equal(a[idx_s], a[idx_d]) for layer in range(kv.num_layers) for a in copies._pages(layer))
+    return all(torch.equal(a[:, idx_s], a[:, idx_d]) for a in copies.dev)
 
 
 def _sync(device: torch.device) -> None:
