@@ -147,8 +147,11 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.positions, self.out_slots, self.slots = self.meta[1], self.meta[2], self.meta[3]
         self.rows = torch.arange(n, dtype=torch.int64, device=self.device)
-        self._pinned: _Pinned | None = None  # made by capture(): see there
-        self._dev_i32: torch.Tensor | None = None  # device twin of the pinned int32 staging
+        # Made here, before ready: made on the first served decode step, their cudaHostAlloc
+        # (2 x 2.6 MB) held the compute stream until the host tier's queued backups drained
+        # (27 ms in an H200 profile).
+        self._pinned = _Pinned(n, backend._g_indices.numel())
+        self._dev_i32 = torch.zeros_like(self._pinned.i32[0], device=self.device)  # its device twin
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._batches: dict[int, ForwardBatch] = {}  # keeps each captured batch's tensors alive
@@ -196,13 +199,8 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs] = graph, out
-        # Ready means warm. The staging buffers were made on the first served decode step: its
-        # cudaHostAlloc (2 x 2.6 MB) stalled the compute stream until the host tier's queued
-        # backups drained (27 ms in an H200 profile; more when prefill steps' backups queued
-        # up). A graph's first replay also does work of its own (its upload): replay each once
-        # now, on the padding rows it was captured with.
-        self._pinned = _Pinned(self.max_batch, self.backend._g_indices.numel())
-        self._dev_i32 = torch.zeros_like(self._pinned.i32[0], device=self.device)
+        # ready means warm: a graph's first replay does work of its own (its upload); replay
+        # each once now, on the padding rows it was captured with
         for bs in self.sizes:
             self.graphs[bs].replay()
         torch.cuda.synchronize(self.device)
@@ -229,7 +227,6 @@ class CudaGraphRunner:
         if bs is None:
             raise ValueError(f"decode batch {b} exceeds the largest captured size {self.max_batch}")
         ps = self.kv.page_size
-        assert self._pinned is not None and self._dev_i32 is not None, "capture() first"
         h64, h32 = self._pinned.take()
         dense = self.backend.uses_table(bs)
         if dense:
