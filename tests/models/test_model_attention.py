@@ -73,6 +73,20 @@ def test_kv_pool_store_and_sizing() -> None:
         KVPool(1, 1, 2, 1, 8, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_kv_pool_page_bytes_are_every_layers_pages(dtype: torch.dtype) -> None:
+    """page_bytes(): the raw bytes of all layers, [layer, page, bytes], the same memory as the
+    per-layer buffers (the host tier copies a page range of every layer through it)."""
+    pool = KVPool(num_layers=3, num_pages=4, page_size=2, num_kv_heads=2, head_dim=8, dtype=dtype, device="cpu")
+    kb, vb = pool.page_bytes()
+    assert kb.shape == vb.shape == (3, 4, 2 * 2 * 8 * dtype.itemsize) and kb.dtype == torch.uint8
+    pool.store(1, torch.tensor([5]), torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0))  # slot 5 = page 2
+    assert kb[1, 2].any() and vb[1, 2].any()
+    assert kb.count_nonzero() == kb[1, 2].count_nonzero() and vb.count_nonzero() == vb[1, 2].count_nonzero()
+    kb[2, 3] = 7  # and writes through them land in the per-layer buffers the attention reads
+    assert pool.k[2].view(torch.uint8)[6:8].eq(7).all() and not pool.k[1].view(torch.uint8)[6:8].any()
+
+
 def _dense_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int) -> torch.Tensor:
     """Plain causal GQA attention for one request: q [n, Hq, D] at positions start.., keys [L, Hkv, D]."""
     group = q.shape[1] // keys.shape[1]
