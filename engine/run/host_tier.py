@@ -13,15 +13,17 @@ allocator state it follows):
   has written the KV, and the object is reported done (`take_done`), which the worker
   sends to the cache controller as BackupDone (`WithBackups`).
 
-The copies go through byte views (any KV dtype), per layer and K/V, in pieces of the run
+The copies go through byte views (any KV dtype), per K/V, in pieces of the run
 (`_segments`): a stretch of consecutive device pages (a prefill's pages mostly are: the
-allocator hands out the lowest free pages) is one copy straight from the pool, a DMA that
-takes no SM time from the forward; other pages are gathered into one contiguous block per
-layer and K/V and copied to their span (and back, then scattered). A straight piece's
-copies of every layer are launched by one call (`torch._foreach_copy_` over the pool's
-all-layer view, KVPool.page_bytes): the worker's thread pays one Python call per piece and
-K/V, not one per layer (it launches them between steps, on the critical path when the host
-is the bottleneck). On CPU the slab is
+allocator hands out the lowest free pages) is copied straight from the pool, every layer at
+once: on a GPU one 2D DMA (engine/run/dma.py; the stretch is one row per layer at a fixed
+pitch on both sides), which takes no SM time from the forward and costs the worker's thread
+one call per piece and K/V (it launches them between steps, on the critical path when the
+host is the bottleneck). Other pages are gathered into one contiguous block per layer and
+K/V and copied to their span (and back, then scattered). Why a step's backups are mostly
+straight: its objects are merged into runs (`_runs`), and each prompt's pages are followed by
+its partly filled last page (not part of the object), so a run of 30 prompts is ~30 stretches;
+MAX_SEGMENTS bounds that before the whole run is gathered instead. On CPU the slab is
 ordinary shared memory and everything is synchronous: a backup is done when
 `after_forward` returns.
 
@@ -78,6 +80,7 @@ import torch
 from engine.cache.slab import map_slab
 from engine.layers.kv_pool import KVPool
 from engine.replica import Effect
+from engine.run.dma import copy_rows, load_runtime
 from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.done import BackupDone
@@ -88,7 +91,7 @@ LOG_INTERVAL_S = 1.0
 POPULATE_CHUNK = 1 << 30  # bytes of the slab one thread first-touches at a time
 STAT_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
 MIN_DIRECT_PAGES = 8  # consecutive device pages copied straight (DMA) rather than gathered
-MAX_SEGMENTS = 8  # more pieces than this: the whole run is gathered (bounds the copies a run issues)
+MAX_SEGMENTS = 64  # more pieces than this: the whole run is gathered (bounds the copies a run issues)
 
 
 class HostCopies(Effect):
@@ -108,6 +111,8 @@ class HostCopies(Effect):
         self.cuda = kv.device.type == "cuda"
         # the backups' side stream, at the default (lowest) priority: the forward's is higher (runner.py)
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
+        if self.cuda:
+            load_runtime()
         self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
         # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
         self.done: list[tuple[list[int], torch.cuda.Event | None, list[Any]]] = []
@@ -157,8 +162,8 @@ class HostCopies(Effect):
 
     def _load(self, pages: list[int], start: int) -> None:
         """Host -> device on the compute stream: the forward of this step comes after it.
-        Per segment (`_segments`), K and V: consecutive device pages are one copy per layer,
-        all launched by one call; other pages one copy to the device then a scatter per layer."""
+        Per segment (`_segments`), K and V: consecutive device pages are one copy of every
+        layer (`_straight`); other pages one copy to the device then a scatter per layer."""
         assert self.slab is not None
         t0 = time.perf_counter()
         begin = self._timing_event() if self.cuda else None
@@ -166,7 +171,7 @@ class HostCopies(Effect):
             for kv, dev in enumerate(self.dev):
                 host = self.slab[:, kv, span]  # [layers, pages, layer bytes]
                 if isinstance(dev_pages, slice):
-                    torch._foreach_copy_(dev[:, dev_pages].unbind(0), host.unbind(0), non_blocking=True)
+                    self._straight(dev[:, dev_pages], host)
                 else:
                     for layer, layer_dev in enumerate(self.dev_layers[kv]):
                         layer_dev.index_copy_(0, dev_pages, host[layer].to(self.kv.device, non_blocking=True))
@@ -214,7 +219,7 @@ class HostCopies(Effect):
     def _backup(self, pages: list[int], start: int) -> list[torch.Tensor]:
         """Copy the pages of each layer, K and V, to the object's spans, on the current stream,
         per segment (`_segments`): consecutive device pages in one copy straight from the
-        pool (DMA: no kernel, no SM time taken from the forward), the others gathered first;
+        pool (`_straight`: no kernel, no SM time taken from the forward), the others gathered first;
         returns the index tensors, kept until the copies finished. (A gather block is
         allocated on the same stream as its copy: the caching allocator gives it to later
         work of that stream only, so it is freed at once and the next layer reuses it;
@@ -225,12 +230,20 @@ class HostCopies(Effect):
             keep += held
             for kv, dev in enumerate(self.dev):
                 host = self.slab[:, kv, span]  # [layers, pages, layer bytes]
-                if isinstance(dev_pages, slice):  # one call launches every layer's copy
-                    torch._foreach_copy_(host.unbind(0), dev[:, dev_pages].unbind(0), non_blocking=True)
+                if isinstance(dev_pages, slice):  # every layer's copy in one call
+                    self._straight(host, dev[:, dev_pages])
                 else:  # gathered per layer: a block of one layer's pages at a time
                     for layer, layer_dev in enumerate(self.dev_layers[kv]):
                         host[layer].copy_(layer_dev[dev_pages], non_blocking=True)
         return keep
+
+    def _straight(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy a stretch of every layer ([layers, pages, layer bytes] on both sides) on the
+        current stream: on a GPU one 2D DMA (engine/run/dma.py), on CPU one strided copy."""
+        if self.cuda:
+            copy_rows(dst.flatten(1), src.flatten(1), torch.cuda.current_stream(self.kv.device))
+        else:
+            dst.copy_(src)
 
     def _pieces(self, pages: list[int], start: int) -> Iterator[tuple[slice, slice | torch.Tensor, list[torch.Tensor]]]:
         """Per `_segments` piece of a run at host page `start`: its host span, its device pages
@@ -396,28 +409,31 @@ class WithBackups:
 
 def measure(kv: KVPool, path: str, host_pages: int, object_pages: int, repeat: int = 5) -> dict[str, float]:
     """GB/s of backups (device -> host) and load-backs (host -> device) of objects of
-    `object_pages` scattered device pages, through the real effect (docs/PERF.md)."""
+    `object_pages` device pages, scattered (gathered copies) and consecutive (straight 2D
+    copies), through the real effect (docs/PERF.md)."""
     import time
 
     copies = HostCopies(kv, path)
     copies.apply(HostInit(host_pages, copies.page_bytes))
     gen = torch.Generator().manual_seed(0)
-    pages = (torch.randperm(kv.num_pages - 1, generator=gen)[:object_pages] + 1).tolist()
-    packed = b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
+    scattered = (torch.randperm(kv.num_pages - 1, generator=gen)[:object_pages] + 1).tolist()
     out: dict[str, float] = {}
-    for name, run in (
-        ("backup_gbps", lambda: (copies.apply(BackupPrepare(0, packed, 0)), copies.after_forward())),
-        ("load_back_gbps", lambda: copies.apply(LoadBack(0, packed, 0))),
-    ):
-        run()  # warm
-        _sync(kv.device)
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            run()
-        _sync(kv.device)
-        out[name] = repeat * object_pages * copies.page_bytes / (time.perf_counter() - t0) / 1e9
+    for layout, pages in (("scattered", scattered), ("straight", list(range(1, object_pages + 1)))):
+        packed = b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
+        for name, run in (
+            ("backup_gbps", lambda packed=packed: (copies.apply(BackupPrepare(0, packed, 0)), copies.after_forward())),
+            ("load_back_gbps", lambda packed=packed: copies.apply(LoadBack(0, packed, 0))),
+        ):
+            run()  # warm
+            _sync(kv.device)
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                run()
+            _sync(kv.device)
+            out[f"{layout}_{name}"] = repeat * object_pages * copies.page_bytes / (time.perf_counter() - t0) / 1e9
     copies.take_done()
-    out["round_trip_equal"] = float(_round_trip(copies, pages[: object_pages // 2], pages[object_pages // 2 :]))
+    half = object_pages // 2
+    out["round_trip_equal"] = float(_round_trip(copies, scattered[:half], scattered[half:]))
     return out
 
 
