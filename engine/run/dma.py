@@ -22,8 +22,8 @@ _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers (unif
 
 
 @functools.cache
-def _memcpy_2d_async() -> ctypes._CFuncPtr:
-    """cudaMemcpy2DAsync of the libcudart this process mapped (torch's)."""
+def _runtime_path() -> str:
+    """The libcudart this process mapped (torch's: one runtime)."""
     torch.cuda.init()
     with open("/proc/self/maps") as maps:
         mapped = {line.split()[-1] for line in maps}
@@ -31,12 +31,65 @@ def _memcpy_2d_async() -> ctypes._CFuncPtr:
     # a torch that links the runtime statically maps none: then any libcudart (one driver context)
     path = paths[0] if paths else ctypes.util.find_library("cudart")
     if path is None:
-        raise RuntimeError("no CUDA runtime (libcudart) found for the host tier's 2D copies")
-    fn = ctypes.CDLL(path).cudaMemcpy2DAsync
+        raise RuntimeError("no CUDA runtime (libcudart) found for the host tier's copies")
+    return path
+
+
+@functools.cache
+def _memcpy_2d_async() -> ctypes._CFuncPtr:
+    """cudaMemcpy2DAsync of the libcudart this process mapped (torch's)."""
+    fn = ctypes.CDLL(_runtime_path()).cudaMemcpy2DAsync
     size = ctypes.c_size_t
     fn.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+class _Attributes(ctypes.Structure):
+    """cudaMemcpyAttributes (CUDA 12.8+): source access order, two location hints, flags."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_loc_type", ctypes.c_int),
+        ("src_loc_id", ctypes.c_int),
+        ("dst_loc_type", ctypes.c_int),
+        ("dst_loc_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_ACCESS_STREAM = 1  # cudaMemcpySrcAccessOrderStream: the source is read in stream order
+
+
+@functools.cache
+def _batch() -> tuple[ctypes._CFuncPtr, int]:
+    """cudaMemcpyBatchAsync and the runtime's version (13.0 dropped its failIdx argument)."""
+    lib = ctypes.CDLL(_runtime_path())
+    version = ctypes.c_int()
+    lib.cudaRuntimeGetVersion(ctypes.byref(version))
+    fn = lib.cudaMemcpyBatchAsync
+    size, ptr = ctypes.c_size_t, ctypes.c_void_p
+    args = [ptr, ptr, ptr, size, ptr, ptr, size]
+    fn.argtypes = [*args, ptr] if version.value >= 13000 else [*args, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn, version.value
+
+
+def copy_batch(dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Many 1D copies by the copy engines in one call (cudaMemcpyBatchAsync), in `stream`'s
+    order: int64 CPU tensors of destination and source addresses and byte counts. The stream
+    must not be the legacy default one (the API rejects it)."""
+    fn, version = _batch()
+    n = sizes.numel()
+    attrs = _Attributes(_ACCESS_STREAM, 0, 0, 0, 0, 0)
+    first = ctypes.c_size_t(0)
+    args = [dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), n, ctypes.addressof(attrs), ctypes.addressof(first), 1]
+    if version < 13000:
+        fail = ctypes.c_size_t(0)
+        args.append(ctypes.addressof(fail))
+    err = fn(*args, stream.cuda_stream)
+    if err != 0:
+        raise RuntimeError(f"cudaMemcpyBatchAsync of {n} copies failed with CUDA error {err}")
 
 
 def load_runtime() -> None:
