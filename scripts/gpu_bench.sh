@@ -17,12 +17,10 @@
 #   cache     Llama-3.1-8B TTFT of a 32k prompt: recompute vs L1 vs L2 vs L3 (bin/bench cache, L3 under /tmp)
 #   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
 #   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
-#   l2gather  l2decode's L2-on run with MAX_SEGMENTS lowered to 8 (this tree's copy edited, then
-#             restored): the merged runs gathered, as before the 2D copies (docs/PERF.md, issue 10)
 #   hostcopy  host-tier copy GB/s (python -m engine.run.host_tier cuda); its gpu tests are in quick
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode l2gather hostcopy pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -82,13 +80,6 @@ for what in "$@"; do case $what in
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
               --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
-  l2gather) sed -i 's/^MAX_SEGMENTS = 64 /MAX_SEGMENTS = 8 /' engine/run/host_tier.py && grep -q "^MAX_SEGMENTS = 8 " engine/run/host_tier.py \
-            || { echo "l2gather: MAX_SEGMENTS = 64 not found" >&2; fails=$((fails + 1)); continue; }
-          run offline-qwen3-0.6b-l2gather 240 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
-            --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --enable-hierarchical-cache --log-dir $OUT/logs-l2gather" \
-            --out "$OUT/offline-qwen3-0.6b-l2gather-h200.json" || fails=$((fails + 1))
-          sed -i 's/^MAX_SEGMENTS = 8 /MAX_SEGMENTS = 64 /' engine/run/host_tier.py
-          grep -h '"gpu idle"' $OUT/logs-l2gather/worker-0.log | tail -4 ;;
   hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;

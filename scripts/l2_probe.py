@@ -103,6 +103,7 @@ def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
                 out["after_forward_ms"].append((time.perf_counter() - c0) * 1e3)
         events.append((t0, t1, t2, t3, t4, t5))
         copies.take_done()
+    copies.drain()
     torch.cuda.synchronize()
     out["step_ms"] = [e[0].elapsed_time(e[1]) for e in events]
     out["result_copy_ms"] = [e[1].elapsed_time(e[2]) for e in events]
@@ -119,6 +120,7 @@ def run(variant: str, pool: KVPool, slab: str) -> dict[str, float]:
         for i in range(5):
             copies.apply(BackupPrepare(100 + i, _pack(pages), 0))
             copies.after_forward()
+        copies.drain()
         torch.cuda.synchronize()
         res["backup_gbps_alone"] = 5 * PAGES * copies.page_bytes / (time.perf_counter() - c0) / 1e9
         copies.take_done()

@@ -13,33 +13,35 @@ allocator state it follows):
   has written the KV, and the object is reported done (`take_done`), which the worker
   sends to the cache controller as BackupDone (`WithBackups`).
 
-The copies go through byte views (any KV dtype), per K/V, in pieces of the run
-(`_segments`): a stretch of consecutive device pages (a prefill's pages mostly are: the
-allocator hands out the lowest free pages) is copied straight from the pool, every layer at
-once: on a GPU one 2D DMA (engine/run/dma.py; the stretch is one row per layer at a fixed
-pitch on both sides), which takes no SM time from the forward and costs the worker's thread
-one call per piece and K/V (it launches them between steps, on the critical path when the
-host is the bottleneck). Other pages are gathered into one contiguous block per layer and
-K/V and copied to their span (and back, then scattered). Why a step's backups are mostly
-straight: its objects are merged into runs (`_runs`), and each prompt's pages are followed by
-its partly filled last page (not part of the object), so a run of 30 prompts is ~30 stretches;
-MAX_SEGMENTS bounds that before the whole run is gathered instead. On CPU the slab is
-ordinary shared memory and everything is synchronous: a backup is done when
-`after_forward` returns.
+Backups (device -> host) are a list of 1D copies (`batch_copies`), one per layer, K/V and
+stretch: pages consecutive both on the device and in the slab (a step's objects are placed
+one after another in the slab, and a prefill's device pages are mostly ascending, so a
+stretch is usually a prompt's cached pages; a decoded tail, interleaved with other requests'
+pages, is a stretch per page). On a GPU the list is one cudaMemcpyBatchAsync
+(engine/run/dma.py): DMA by the copy engines, no kernel, so no SM time taken from the
+forward. (Measured on the H200, issue 10: gather kernels on the side stream, and the host
+time of launching per-layer copies from the worker's thread, cost L2-on decode throughput
+3-8%.) On CPU each copy is a memmove, done when `after_forward` returns.
 
-**On a GPU the backups run on a side stream**, off the critical path. `after_forward`
-records an event on the compute stream after the step's forward (and its sampling, which the
-runner launches first) was enqueued; the side stream waits on it (so the gather reads the KV
-the forward wrote, and any LoadBack of this or an earlier step that read the same host
-range, since those are earlier on the compute stream), then gathers and copies, then records
-a "copied" event. The next step's forward is enqueued on the compute stream meanwhile and
-overlaps the copy. The index tensors are kept referenced until the copied event completed;
-the gather buffers are allocated on the side stream itself (see `_backup`). `take_done`
-polls `event.query()` (never waits); `WithBackups` calls it after every StepDone, and its
-reporter thread waits on the oldest outstanding event (a blocking-sync event: it sleeps,
-without the GIL) so that a finished copy is reported even when no further step comes. Only
-then does the worker send BackupDone, so the cache controller commits an object only once
-every rank's bytes are in the slab.
+Load-backs (host -> device) are on the critical path anyway (the forward waits for them): per
+K/V, in pieces (`_segments`), a stretch of consecutive device pages is one copy of every
+layer (a 2D DMA on a GPU, `_straight`), other pages one copy to the device then a scatter
+per layer.
+
+**On a GPU the backups run on a side stream, launched by a copier thread**, both off the
+critical path. `after_forward` records an event on the compute stream after the step's
+forward (and its sampling, which the runner launches first) was enqueued and hands the step's
+backups to the copier thread (`_copier`), which makes the side stream wait on that event (so
+the copies read the KV the forward wrote, and come after any LoadBack of this or an earlier
+step that read the same host range, since those are earlier on the compute stream), enqueues
+the batch and records a "copied" event. The next step's forward is enqueued on the compute
+stream meanwhile and overlaps the copy. The address lists are kept referenced until the
+copied event completed. `take_done` polls `event.query()` (never waits) and raises what the
+copier thread failed with; `WithBackups` calls it after every StepDone, and its reporter
+thread waits on the oldest outstanding event (a blocking-sync event: it sleeps, without the
+GIL) so that a finished copy is reported even when no further step comes. Only then does the
+worker send BackupDone, so the cache controller commits an object only once every rank's
+bytes are in the slab.
 
 Why nothing else can race with a copy still in flight on the side stream:
 
@@ -53,8 +55,8 @@ Why nothing else can race with a copy still in flight on the side stream:
   committed objects) and only a committed object is loaded back; copies on the one side
   stream run in order, so a range freed by HostEvict and reused is written after the
   previous writer finished, and after every LoadBack enqueued before it read it;
-* memory: tensors the side stream uses are allocated on it (the caching allocator reuses
-  their blocks only for later side-stream work) or are the KV pool's (never freed).
+* memory: the side stream allocates nothing; it reads the KV pool (never freed) and writes
+  the slab (unmapped only after close(), which drains the copier thread first).
 
 Every second with activity at most, each worker logs one `host copies` line: backups and
 load-backs since the last line, their bytes and copy seconds (bin/analyze sums them into
@@ -65,8 +67,10 @@ counts and GB/s). On a GPU the seconds come from timing events around each batch
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import mmap
 import os
+import queue
 import threading
 import time
 import weakref
@@ -80,7 +84,7 @@ import torch
 from engine.cache.slab import map_slab
 from engine.layers.kv_pool import KVPool
 from engine.replica import Effect
-from engine.run.dma import copy_rows, load_runtime
+from engine.run.dma import copy_batch, copy_rows, load_runtime
 from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.done import BackupDone
@@ -91,7 +95,7 @@ LOG_INTERVAL_S = 1.0
 POPULATE_CHUNK = 1 << 30  # bytes of the slab one thread first-touches at a time
 STAT_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
 MIN_DIRECT_PAGES = 8  # consecutive device pages copied straight (DMA) rather than gathered
-MAX_SEGMENTS = 64  # more pieces than this: the whole run is gathered (bounds the copies a run issues)
+MAX_SEGMENTS = 8  # more pieces than this: the whole load-back is gathered (bounds the copies it issues)
 
 
 class HostCopies(Effect):
@@ -111,8 +115,20 @@ class HostCopies(Effect):
         self.cuda = kv.device.type == "cuda"
         # the backups' side stream, at the default (lowest) priority: the forward's is higher (runner.py)
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
+        # GPU backups are launched by a copier thread (`_copier`), not the worker's: the batch
+        # call costs the host ~0.7 us a copy, which the next step's launch would wait for
+        self._jobs: queue.Queue[tuple[list[tuple[int, list[int], int]], torch.cuda.Event] | None] = queue.Queue()
+        self.enqueued = threading.Event()  # set when the copier added in-flight copies (WithBackups waits)
+        self._error: BaseException | None = None
         if self.cuda:
             load_runtime()
+            threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(_copier, weakref.ref(self), self._jobs, kv.device),
+                name="host-tier-copier",
+                daemon=True,
+            ).start()
+            weakref.finalize(self, self._jobs.put, None)  # the thread ends with this object
         self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
         # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
         self.done: list[tuple[list[int], torch.cuda.Event | None, list[Any]]] = []
@@ -156,9 +172,22 @@ class HostCopies(Effect):
             self._finalizer = register_host(self, slab, self._map, "the host slab")
 
     def close(self) -> None:
-        """Unregister the slab's mapping (GPU) now; the mapping goes with this object."""
+        """Stop the copier thread after the backups queued so far, then unregister the slab's
+        mapping (GPU); the mapping goes with this object."""
+        self.drain()
+        self._jobs.put(None)
         if self._finalizer is not None:
             self._finalizer()
+
+    def drain(self) -> None:
+        """Wait until the copier thread has enqueued every backup handed to it (not until the
+        copies ran: their events say that); raises what the thread failed with."""
+        self._jobs.join()
+        self._raise_copier_error()
+
+    def _raise_copier_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the host tier's copier thread failed") from self._error
 
     def _load(self, pages: list[int], start: int) -> None:
         """Host -> device on the compute stream: the forward of this step comes after it.
@@ -190,52 +219,39 @@ class HostCopies(Effect):
             return
         assert self.slab is not None
         queued, self.queued = self.queued, []
-        nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
-        runs = _runs(queued)
-        if self.stream is None:
+        if self.stream is None:  # CPU: the same copies, each a memmove, done at once
             t0 = time.perf_counter()
-            for pages, start in runs:
-                self._backup(pages, start)
+            nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
+            dsts, srcs, sizes = batch_copies(queued, self.dev, self.slab)
+            for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+                ctypes.memmove(dst, src, size)
             with self.lock:
                 self.done.append(([obj for obj, _, _ in queued], None, []))
                 self._count_backups(len(queued), nbytes, time.perf_counter() - t0)
             return
         forward_written = torch.cuda.Event()
         forward_written.record()  # on the compute stream, after this step's forward
-        keep: list[Any] = []
+        self._jobs.put((queued, forward_written))
+
+    def _copy_job(self, queued: list[tuple[int, list[int], int]], forward_written: torch.cuda.Event) -> None:
+        """The copier thread's part of a step's backups: on the side stream, after the forward
+        that wrote them, one batch of DMAs (`batch_copies`); the objects are done once the
+        copied event completes."""
+        assert self.stream is not None and self.slab is not None
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(forward_written)
             begin = self._timing_event()
-            for pages, start in runs:
-                keep += self._backup(pages, start)
+            keep = batch_copies(queued, self.dev, self.slab)
+            copy_batch(*keep, self.stream)
             end = self._timing_event()
             copied = torch.cuda.Event(blocking=True)  # WithBackups' thread may sleep on it
             copied.record()
+        nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
         with self.lock:
-            self.done.append(([obj for obj, _, _ in queued], copied, keep))
+            self.done.append(([obj for obj, _, _ in queued], copied, list(keep)))
             self._timings.append(("backup_s", begin, end))
             self._count_backups(len(queued), nbytes, 0.0)
-
-    def _backup(self, pages: list[int], start: int) -> list[torch.Tensor]:
-        """Copy the pages of each layer, K and V, to the object's spans, on the current stream,
-        per segment (`_segments`): consecutive device pages in one copy straight from the
-        pool (`_straight`: no kernel, no SM time taken from the forward), the others gathered first;
-        returns the index tensors, kept until the copies finished. (A gather block is
-        allocated on the same stream as its copy: the caching allocator gives it to later
-        work of that stream only, so it is freed at once and the next layer reuses it;
-        holding every block would hold the whole object on the device.)"""
-        assert self.slab is not None
-        keep: list[torch.Tensor] = []
-        for span, dev_pages, held in self._pieces(pages, start):
-            keep += held
-            for kv, dev in enumerate(self.dev):
-                host = self.slab[:, kv, span]  # [layers, pages, layer bytes]
-                if isinstance(dev_pages, slice):  # every layer's copy in one call
-                    self._straight(host, dev[:, dev_pages])
-                else:  # gathered per layer: a block of one layer's pages at a time
-                    for layer, layer_dev in enumerate(self.dev_layers[kv]):
-                        host[layer].copy_(layer_dev[dev_pages], non_blocking=True)
-        return keep
+        self.enqueued.set()
 
     def _straight(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy a stretch of every layer ([layers, pages, layer bytes] on both sides) on the
@@ -273,6 +289,7 @@ class HostCopies(Effect):
     def take_done(self) -> list[int]:
         """Objects whose copy has finished, oldest first (never waits: a copy still running
         is reported by a later call; see WithBackups for who makes that call)."""
+        self._raise_copier_error()
         with self.lock:
             ready: list[int] = []
             while self.done and (self.done[0][1] is None or self.done[0][1].query()):
@@ -308,29 +325,54 @@ class HostCopies(Effect):
         return out
 
 
-def _runs(queued: list[tuple[int, list[int], int]]) -> list[tuple[list[int], int]]:
-    """The queued backups as (device pages, host start) runs: objects whose host spans are
-    adjacent (the usual case: one step's objects are placed one after the other) are merged,
-    so a step's backups cost one gather and one copy per layer and K/V per run, not per
-    object (a prefill step of ~30 objects launched ~3,400 copies from the worker's thread,
-    and its steps took ~26% longer on the H200)."""
-    runs: list[tuple[list[int], int]] = []
-    for _, pages, start in sorted(queued, key=lambda q: q[2]):
-        if runs and runs[-1][1] + len(runs[-1][0]) == start:
-            runs[-1][0].extend(pages)
-        else:
-            runs.append((list(pages), start))
-    return runs
+def _copier(
+    ref: weakref.ref[HostCopies], jobs: queue.Queue, device: torch.device
+) -> None:  # the copier thread: a step's backups at a time, in order
+    torch.cuda.set_device(device)  # the runtime's current device is per thread
+    while (job := jobs.get()) is not None:
+        copies = ref()
+        try:
+            if copies is None:
+                return
+            if copies._error is None:
+                copies._copy_job(*job)
+        except BaseException as e:  # noqa: BLE001 - reported on the worker's thread (take_done, drain)
+            log.error("host tier copier failed", error=repr(e))
+            copies._error = e  # type: ignore[union-attr]
+        finally:
+            del copies
+            jobs.task_done()
+
+
+def batch_copies(
+    queued: list[tuple[int, list[int], int]], dev: tuple[torch.Tensor, torch.Tensor], slab: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's backups as 1D copies (destination, source, bytes: int64 CPU tensors, the
+    arguments of engine/run/dma.copy_batch): one per layer, K/V and stretch, a stretch being
+    pages consecutive both on the device and in the slab (objects placed one after another
+    merge). `dev` is the pool's K and V as bytes [layers, device pages, layer bytes], `slab`
+    this rank's region [layers, K/V, host pages, layer bytes]. Vectorized: the copier thread
+    holds the GIL only for a few tensor ops, whatever the number of pages."""
+    queued = sorted(queued, key=lambda q: q[2])
+    dev_pages = torch.tensor([p for _, pages, _ in queued for p in pages], dtype=torch.int64)
+    host_pages = torch.tensor([start + i for _, pages, start in queued for i in range(len(pages))], dtype=torch.int64)
+    n = dev_pages.numel()
+    brk = torch.ones(n, dtype=torch.bool)
+    brk[1:] = (dev_pages[1:] != dev_pages[:-1] + 1) | (host_pages[1:] != host_pages[:-1] + 1)
+    first = brk.nonzero().squeeze(1)
+    count = torch.diff(first, append=torch.tensor([n]))
+    layers, page = slab.shape[0], slab.shape[-1]
+    layer = torch.arange(layers, dtype=torch.int64)[:, None]
+    dsts = [slab[:, kv].data_ptr() + layer * slab.stride(0) + host_pages[first] * page for kv in (0, 1)]
+    srcs = [dev[kv].data_ptr() + layer * dev[kv].stride(0) + dev_pages[first] * page for kv in (0, 1)]
+    sizes = (count * page).expand(2 * layers, -1)
+    return torch.stack(dsts).reshape(-1), torch.stack(srcs).reshape(-1), sizes.reshape(-1).contiguous()
 
 
 def _segments(pages: list[int]) -> list[tuple[int, int, int | None]]:
-    """A run's device pages as (offset, count, first device page or None) pieces: a stretch
-    of at least MIN_DIRECT_PAGES consecutive device pages is copied straight (first = its
-    first page), the pages between such stretches are gathered (None). A prefill's pages
-    are mostly consecutive (the allocator hands out the lowest free pages, ascending); a
-    decoded tail is interleaved with other requests' pages. Measured on the H200
-    (scripts/l2_probe.py): a gather kernel on the side stream took 8-11% off a concurrent
-    GEMM step; a DMA takes none."""
+    """A load-back's device pages as (offset, count, first device page or None) pieces: a
+    stretch of at least MIN_DIRECT_PAGES consecutive device pages is copied straight (first =
+    its first page), the pages between such stretches are gathered (None)."""
     stretches: list[tuple[int, int]] = []  # (offset, count) of consecutive device pages
     at = 0
     while at < len(pages):
@@ -378,7 +420,7 @@ class WithBackups:
     def __init__(self, done: Any, backups: Any, copies: HostCopies, rank: int) -> None:
         self.done, self.backups, self.copies, self.rank = done, backups, copies, rank
         self._send_lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = copies.enqueued  # set by the copier thread, or below
         self._thread = threading.Thread(
             target=contextvars.copy_context().run, args=(self._reporter,), name="backup-reporter", daemon=True
         )  # the log context (proc, rank) goes with it
@@ -409,8 +451,8 @@ class WithBackups:
 
 def measure(kv: KVPool, path: str, host_pages: int, object_pages: int, repeat: int = 5) -> dict[str, float]:
     """GB/s of backups (device -> host) and load-backs (host -> device) of objects of
-    `object_pages` device pages, scattered (gathered copies) and consecutive (straight 2D
-    copies), through the real effect (docs/PERF.md)."""
+    `object_pages` device pages, scattered and consecutive, through the real effect
+    (docs/PERF.md)."""
     import time
 
     copies = HostCopies(kv, path)
@@ -421,7 +463,7 @@ def measure(kv: KVPool, path: str, host_pages: int, object_pages: int, repeat: i
     for layout, pages in (("scattered", scattered), ("straight", list(range(1, object_pages + 1)))):
         packed = b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
         for name, run in (
-            ("backup_gbps", lambda packed=packed: (copies.apply(BackupPrepare(0, packed, 0)), copies.after_forward())),
+            ("backup_gbps", lambda packed=packed: _backup_now(copies, BackupPrepare(0, packed, 0))),
             ("load_back_gbps", lambda packed=packed: copies.apply(LoadBack(0, packed, 0))),
         ):
             run()  # warm
@@ -442,13 +484,19 @@ def _round_trip(copies: HostCopies, src: list[int], dst: list[int]) -> bool:
     kv = copies.kv
     for t in (*kv.k, *kv.v):
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, device=t.device))
-    copies.apply(BackupPrepare(1, b"".join(p.to_bytes(4, "little") for p in src), 0))
-    copies.after_forward()
+    _backup_now(copies, BackupPrepare(1, b"".join(p.to_bytes(4, "little") for p in src), 0))
     _sync(kv.device)  # a LoadBack reads only committed objects: their copies have finished
     copies.apply(LoadBack(1, b"".join(p.to_bytes(4, "little") for p in dst), 0))
     _sync(kv.device)
     idx_s, idx_d = torch.tensor(src, device=kv.device), torch.tensor(dst, device=kv.device)
     return all(torch.equal(a[:, idx_s], a[:, idx_d]) for a in copies.dev)
+
+
+def _backup_now(copies: HostCopies, op: BackupPrepare) -> None:
+    """Queue a backup and launch it as a step would, then wait until its copies are enqueued."""
+    copies.apply(op)
+    copies.after_forward()
+    copies.drain()
 
 
 def _sync(device: torch.device) -> None:

@@ -1,6 +1,7 @@
 """engine/run/host_tier.py on CPU: the host slab's parallel first touch (`populate`), which a
 GPU worker runs on HostInit before cudaHostRegister (here as the worker calls it: inside
-inference mode, from pool threads that are not), and the merging of a step's backups."""
+inference mode, from pool threads that are not), a step's backups as a list of copies, and
+the pieces of a load-back."""
 
 from __future__ import annotations
 
@@ -27,10 +28,32 @@ def test_populate_touches_every_chunk_of_an_inference_mode_slab(monkeypatch) -> 
         remove_slab(path)
 
 
-def test_adjacent_backups_are_merged_into_runs() -> None:
-    queued = [(7, [9, 3], 12), (5, [4], 10), (6, [1], 11), (8, [2, 2], 20)]  # (obj, device pages, host start)
-    assert host_tier._runs(queued) == [([4, 1, 9, 3], 10), ([2, 2], 20)]
-    assert queued[1] == (5, [4], 10)  # the queued lists are not changed
+def test_batch_copies_merge_stretches_across_objects_and_match_the_slab_layout() -> None:
+    """A step's backups as 1D copies: pages consecutive on the device and in the slab make one
+    copy per layer and K/V (also across objects placed one after another); executed, the
+    copies put every page's bytes of every layer at its host page."""
+    import ctypes
+
+    from engine.layers.kv_pool import KVPool
+
+    pool = KVPool(3, 64, 4, 2, 8, torch.float32, torch.device("cpu"))
+    dev = pool.page_bytes()
+    for t in dev:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    slab = torch.zeros(3, 2, 40, dev[0].shape[-1], dtype=torch.uint8)
+    # (obj, device pages, host start): 5 and 6 continue each other on both sides; 7 is scattered
+    queued = [(6, [13, 14], 12), (5, [10, 11, 12], 9), (7, [40, 2, 3], 30), (8, [20], 14)]
+    dsts, srcs, sizes = host_tier.batch_copies(queued, dev, slab)
+    # stretches: 10-14 -> 9-13 (objects 5 and 6), 20 -> 14, 40 -> 30, 2-3 -> 31-32
+    assert sorted(set(sizes.tolist())) == [dev[0].shape[-1], 2 * dev[0].shape[-1], 5 * dev[0].shape[-1]]
+    assert len(sizes) == 2 * 3 * 4
+    for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(dst, src, size)
+    for _, pages, start in queued:
+        for i, page in enumerate(pages):
+            for kv in (0, 1):
+                assert torch.equal(slab[:, kv, start + i], dev[kv][:, page])
+    assert int(slab[:, :, :9].count_nonzero()) == 0 and int(slab[:, :, 15:30].count_nonzero()) == 0
 
 
 def test_segments_copy_long_stretches_straight_and_gather_the_rest(monkeypatch) -> None:  # noqa: ANN001
