@@ -124,7 +124,7 @@ class HostCopies(Effect):
             load_runtime()
             threading.Thread(
                 target=contextvars.copy_context().run,
-                args=(_copier, weakref.ref(self), self._jobs, kv.device),
+                args=(_copier, weakref.ref(self), self._jobs, _device_index(kv.device)),
                 name="host-tier-copier",
                 daemon=True,
             ).start()
@@ -325,20 +325,32 @@ class HostCopies(Effect):
         return out
 
 
-def _copier(
-    ref: weakref.ref[HostCopies], jobs: queue.Queue, device: torch.device
-) -> None:  # the copier thread: a step's backups at a time, in order
-    torch.cuda.set_device(device)  # the runtime's current device is per thread
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _copier(ref: weakref.ref[HostCopies], jobs: queue.Queue, device: int) -> None:
+    """The copier thread: a step's backups at a time, in order. A failure (also of its set-up)
+    is kept in `_error`, raised on the worker's thread by take_done/drain; later jobs are still
+    taken off the queue (so drain returns) but not run."""
+    error: BaseException | None = None
+    try:
+        torch.cuda.set_device(device)  # the runtime's current device is per thread
+    except BaseException as e:  # noqa: BLE001
+        error = e
     while (job := jobs.get()) is not None:
         copies = ref()
         try:
             if copies is None:
                 return
+            if error is not None:
+                raise error
             if copies._error is None:
                 copies._copy_job(*job)
         except BaseException as e:  # noqa: BLE001 - reported on the worker's thread (take_done, drain)
             log.error("host tier copier failed", error=repr(e))
-            copies._error = e  # type: ignore[union-attr]
+            if copies is not None:
+                copies._error = e
         finally:
             del copies
             jobs.task_done()
