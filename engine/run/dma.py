@@ -59,6 +59,8 @@ class _Attributes(ctypes.Structure):
 
 
 _ACCESS_STREAM = 1  # cudaMemcpySrcAccessOrderStream: the source is read in stream order
+# cudaMemcpyFlagPreferOverlapWithCompute: copy engines, not SMs (the forward runs meanwhile)
+_OVERLAP_WITH_COMPUTE = 1
 
 
 @functools.cache
@@ -81,7 +83,7 @@ def copy_batch(dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stre
     must not be the legacy default one (the API rejects it)."""
     fn, version = _batch()
     n = sizes.numel()
-    attrs = _Attributes(_ACCESS_STREAM, 0, 0, 0, 0, 0)
+    attrs = _Attributes(_ACCESS_STREAM, 0, 0, 0, 0, _OVERLAP_WITH_COMPUTE)
     first = ctypes.c_size_t(0)
     args = [dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), n, ctypes.addressof(attrs), ctypes.addressof(first), 1]
     if version < 13000:
