@@ -19,9 +19,9 @@ one after another in the slab, and a prefill's device pages are mostly ascending
 stretch is usually a prompt's cached pages; a decoded tail, interleaved with other requests'
 pages, is a stretch per page). On a GPU the list is one cudaMemcpyBatchAsync
 (engine/run/dma.py): DMA by the copy engines, no kernel, so no SM time taken from the
-forward. (Measured on the H200, issue 10: gather kernels on the side stream, and the host
-time of launching per-layer copies from the worker's thread, cost L2-on decode throughput
-3-8%.) On CPU each copy is a memmove, done when `after_forward` returns.
+forward. (Issue 10, docs/PERF.md: gather kernels on the side stream, and launching copies
+from the worker's thread, each cost L2-on throughput a few percent on the H200.) On CPU each
+copy is a memmove, done when `after_forward` returns.
 
 Load-backs (host -> device) are on the critical path anyway (the forward waits for them): per
 K/V, in pieces (`_segments`), a stretch of consecutive device pages is one copy of every

@@ -249,9 +249,8 @@ class ModelRunner:
             self.deferred = launched
         else:
             self.complete(launched)
-        # this step's backups (their KV is written by the forward), launched after its sampling:
-        # launching them costs the host ~1-3 ms a prefill step (scripts/l2_probe.py), which the
-        # GPU would otherwise spend waiting, inside the step, for the sampling kernels
+        # this step's backups (their KV is written by the forward), after its sampling: on a GPU
+        # an event behind both and a hand-over to the host tier's copier thread
         self.host_tier.after_forward()
         return launched
 
