@@ -17,7 +17,7 @@
 #   cache     Llama-3.1-8B TTFT of a 32k prompt: recompute vs L1 vs L2 vs L3 (bin/bench cache, L3 under /tmp)
 #   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
 #   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
-#   hostcopy  host-tier copy GB/s (python -m engine.run.host_tier cuda); its gpu tests are in quick
+#   hostcopy  host-tier copy GB/s (python -m engine.bench.hostcopy cuda); its gpu tests are in quick
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
 MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy pack"
@@ -80,7 +80,7 @@ for what in "$@"; do case $what in
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
               --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
-  hostcopy) run hostcopy 120 python3 -m engine.run.host_tier cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
+  hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done

@@ -120,15 +120,7 @@ class HostCopies(Effect):
         self._jobs: queue.Queue[tuple[list[tuple[int, list[int], int]], torch.cuda.Event] | None] = queue.Queue()
         self.enqueued = threading.Event()  # set when the copier added in-flight copies (WithBackups waits)
         self._error: BaseException | None = None
-        if self.cuda:
-            load_runtime()
-            threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(_copier, weakref.ref(self), self._jobs, _device_index(kv.device)),
-                name="host-tier-copier",
-                daemon=True,
-            ).start()
-            weakref.finalize(self, self._jobs.put, None)  # the thread ends with this object
+        self._copier_started = False
         self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
         # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
         self.done: list[tuple[list[int], torch.cuda.Event | None, list[Any]]] = []
@@ -149,7 +141,8 @@ class HostCopies(Effect):
                 self._map = map_slab(self.path, region * self.world)
                 raw = torch.frombuffer(self._map, dtype=torch.uint8)[self.rank * region : (self.rank + 1) * region]
                 self.slab = raw.view(self.kv.num_layers, 2, n, self.layer_bytes)
-                if self.cuda:
+                if self.cuda and not self._copier_started:
+                    self._start_copier()
                     t0 = time.perf_counter()
                     populate(raw)
                     t1 = time.perf_counter()
@@ -165,6 +158,19 @@ class HostCopies(Effect):
             case LoadBack(device_pages=pages, host_start=start):
                 self._load(unpack_ids(pages), start)
 
+    def _start_copier(self) -> None:
+        """At HostInit (start-up: only an engine with a host tier has the thread, and a missing
+        runtime fails there, not in a request's step)."""
+        load_runtime()
+        self._copier_started = True
+        threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(_copier, weakref.ref(self), self._jobs, _device_index(self.kv.device)),
+            name="host-tier-copier",
+            daemon=True,
+        ).start()
+        weakref.finalize(self, self._jobs.put, None)  # the thread ends with this object
+
     def _register(self, slab: torch.Tensor) -> None:
         """Pin the mapping for DMA (every process that maps the slab may register it); undone
         before it is unmapped (when this object goes, or on close(): engine/run/pinning.py)."""
@@ -175,7 +181,9 @@ class HostCopies(Effect):
         """Stop the copier thread after the backups queued so far, then unregister the slab's
         mapping (GPU); the mapping goes with this object."""
         self.drain()
-        self._jobs.put(None)
+        if self._copier_started:
+            self._copier_started = False
+            self._jobs.put(None)
         if self._finalizer is not None:
             self._finalizer()
 
@@ -338,7 +346,11 @@ def _copier(ref: weakref.ref[HostCopies], jobs: queue.Queue, device: int) -> Non
         torch.cuda.set_device(device)  # the runtime's current device is per thread
     except BaseException as e:  # noqa: BLE001
         error = e
-    while (job := jobs.get()) is not None:
+    while True:
+        job = jobs.get()
+        if job is None:  # close() or the object went
+            jobs.task_done()
+            return
         copies = ref()
         try:
             if copies is None:
@@ -459,74 +471,3 @@ class WithBackups:
                 self._wake.wait(LOG_INTERVAL_S)
                 self._wake.clear()
             self.copies.maybe_log()
-
-
-def measure(kv: KVPool, path: str, host_pages: int, object_pages: int, repeat: int = 5) -> dict[str, float]:
-    """GB/s of backups (device -> host) and load-backs (host -> device) of objects of
-    `object_pages` device pages, scattered and consecutive, through the real effect
-    (docs/PERF.md)."""
-    import time
-
-    copies = HostCopies(kv, path)
-    copies.apply(HostInit(host_pages, copies.page_bytes))
-    gen = torch.Generator().manual_seed(0)
-    scattered = (torch.randperm(kv.num_pages - 1, generator=gen)[:object_pages] + 1).tolist()
-    out: dict[str, float] = {}
-    for layout, pages in (("scattered", scattered), ("straight", list(range(1, object_pages + 1)))):
-        packed = b"".join(int(p).to_bytes(4, "little", signed=True) for p in pages)
-        for name, run in (
-            ("backup_gbps", lambda packed=packed: _backup_now(copies, BackupPrepare(0, packed, 0))),
-            ("load_back_gbps", lambda packed=packed: copies.apply(LoadBack(0, packed, 0))),
-        ):
-            run()  # warm
-            _sync(kv.device)
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                run()
-            _sync(kv.device)
-            out[f"{layout}_{name}"] = repeat * object_pages * copies.page_bytes / (time.perf_counter() - t0) / 1e9
-    copies.take_done()
-    half = object_pages // 2
-    out["round_trip_equal"] = float(_round_trip(copies, scattered[:half], scattered[half:]))
-    return out
-
-
-def _round_trip(copies: HostCopies, src: list[int], dst: list[int]) -> bool:
-    """Back `src` up, load it into `dst`: the bytes must be equal, every layer, K and V."""
-    kv = copies.kv
-    for t in (*kv.k, *kv.v):
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, device=t.device))
-    _backup_now(copies, BackupPrepare(1, b"".join(p.to_bytes(4, "little") for p in src), 0))
-    _sync(kv.device)  # a LoadBack reads only committed objects: their copies have finished
-    copies.apply(LoadBack(1, b"".join(p.to_bytes(4, "little") for p in dst), 0))
-    _sync(kv.device)
-    idx_s, idx_d = torch.tensor(src, device=kv.device), torch.tensor(dst, device=kv.device)
-    return all(torch.equal(a[:, idx_s], a[:, idx_d]) for a in copies.dev)
-
-
-def _backup_now(copies: HostCopies, op: BackupPrepare) -> None:
-    """Queue a backup and launch it as a step would, then wait until its copies are enqueued."""
-    copies.apply(op)
-    copies.after_forward()
-    copies.drain()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-if __name__ == "__main__":  # python -m engine.run.host_tier [cuda|cpu]: the copy bandwidth
-    import sys
-
-    from engine.cache.slab import create_slab, remove_slab
-
-    dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu"))
-    # Llama-3.1-8B's KV shapes in bf16: 32 layers, 8 KV heads of 128, pages of 16 tokens (2 MiB a page)
-    n = 1024 if dev.type == "cuda" else 64  # pages per object (2 GiB on a GPU)
-    pool = KVPool(32, 2 * n + 1, 16, 8, 128, torch.bfloat16, dev)
-    slab = create_slab("strata-bw")
-    try:
-        print({"device": str(dev), "object_mib": n * 2, **measure(pool, slab, host_pages=n, object_pages=n)})
-    finally:
-        remove_slab(slab)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.bench.hostcopy import round_trip
 from engine.cache.slab import create_slab, map_slab, remove_slab
 from engine.run import host_tier
 
@@ -80,7 +81,7 @@ def test_round_trip_through_direct_and_gathered_pieces(monkeypatch) -> None:  # 
         copies.apply(host_tier.HostInit(32, copies.page_bytes))
         src = [5, 6, 7, 8, 30, 2, 40, 41, 42]
         dst = [50, 12, 13, 14, 15, 16, 60, 61, 3]
-        assert host_tier._round_trip(copies, src, dst)
+        assert round_trip(copies, src, dst)
         copies.close()
     finally:
         remove_slab(path)
