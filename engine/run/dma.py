@@ -1,13 +1,15 @@
-"""Strided copies by the GPU's copy engines: `copy_rows` is cudaMemcpy2DAsync, called through
-the CUDA runtime torch already loaded.
+"""Copies by the GPU's copy engines (DMA: no kernel, so no SM time taken from a concurrent
+forward), called through the CUDA runtime torch already loaded (torch exposes neither call,
+hence ctypes; both release the GIL):
 
-Why: a run of device pages spans every layer of the KV pool (`[layers, pages, bytes]`), so the
-same stretch of every layer is `layers` rows of equal width at a fixed pitch, on both sides
-(the host slab is `[layers, K/V, pages, bytes]`). One 2D copy moves all of them: a DMA that
-takes no SM time from a concurrent forward (a gather kernel on a side stream does, measured
-on the H200), launched by one call instead of one per layer (torch's `copy_` of a strided
-device tensor to the host first packs it with a kernel). torch exposes no 2D memcpy, hence
-ctypes; the call releases the GIL.
+* `copy_batch`: many 1D copies in one call (cudaMemcpyBatchAsync, CUDA 12.8+), the host
+  tier's backups: a step's list of (destination, source, bytes), built by
+  engine/run/host_tier.batch_copies;
+* `copy_rows`: one 2D copy (cudaMemcpy2DAsync), the host tier's load-backs of a stretch of
+  pages: the same stretch of every layer is `layers` rows of equal width at a fixed pitch
+  on both sides (the pool is `[layers, pages, bytes]`, the slab `[layers, K/V, pages,
+  bytes]`), so one call moves all of them (torch's `copy_` of a strided device tensor to
+  the host first packs it with a kernel).
 """
 
 from __future__ import annotations
@@ -95,9 +97,12 @@ def copy_batch(dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stre
 
 
 def load_runtime() -> None:
-    """Find the runtime's cudaMemcpy2DAsync now (at start-up: a missing one fails there, not
-    in a request's step)."""
-    _memcpy_2d_async()
+    """Find both calls now (at start-up: a missing one fails there, not in a request's step)."""
+    try:
+        _memcpy_2d_async()
+        _batch()
+    except AttributeError as e:  # ctypes: the symbol is not in this libcudart
+        raise RuntimeError(f"the host tier needs CUDA runtime 12.8 or newer ({_runtime_path()}): {e}") from e
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:

@@ -116,7 +116,8 @@ class HostCopies(Effect):
         # the backups' side stream, at the default (lowest) priority: the forward's is higher (runner.py)
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
         # GPU backups are launched by a copier thread (`_copier`), not the worker's: the batch
-        # call costs the host ~0.7 us a copy, which the next step's launch would wait for
+        # call costs the host ~0.7 us a copy (scripts/dma_probe.py), which the next step's
+        # launch would wait for
         self._jobs: queue.Queue[tuple[list[tuple[int, list[int], int]], torch.cuda.Event] | None] = queue.Queue()
         self.enqueued = threading.Event()  # set when the copier added in-flight copies (WithBackups waits)
         self._error: BaseException | None = None
@@ -141,8 +142,9 @@ class HostCopies(Effect):
                 self._map = map_slab(self.path, region * self.world)
                 raw = torch.frombuffer(self._map, dtype=torch.uint8)[self.rank * region : (self.rank + 1) * region]
                 self.slab = raw.view(self.kv.num_layers, 2, n, self.layer_bytes)
-                if self.cuda and not self._copier_started:
-                    self._start_copier()
+                if self.cuda:
+                    if not self._copier_started:
+                        self._start_copier()
                     t0 = time.perf_counter()
                     populate(raw)
                     t1 = time.perf_counter()
