@@ -1,11 +1,13 @@
-"""Does a 2D DMA (engine/run/dma.py) return at once, whatever the row pitches? (issue 10)
+"""The host tier's DMA calls on a GPU (engine/run/dma.py; issue 10, docs/PERF.md):
 
-The host tier's straight backups are cudaMemcpy2DAsync calls whose pitches are the KV pool's
-layer stride (GBs on a large pool) and the slab's (GBs on a large slab). A copy the runtime
-cannot run asynchronously (e.g. host memory it does not see as pinned) blocks the calling
-thread until done: on the worker's thread that is GPU idle time. Here the side stream is
-held by a sleeping kernel; an asynchronous call returns in microseconds, a blocking one
-after the sleep. Both directions, small and large (> 2 GiB) pitches on either side.
+1. does a 2D copy (`copy_rows`, the load-backs' straight stretches) return at once, whatever
+   its row pitches? Their pitches are the KV pool's layer stride and the slab's, GBs on large
+   ones. A call the runtime cannot run asynchronously blocks the calling thread until done.
+   The side stream is held by a sleeping kernel: an asynchronous call returns in
+   microseconds, a blocking one after the sleep. Both directions, small and large (> 2 GiB)
+   pitches on either side;
+2. a decoded tail of scattered pages as one batch (`copy_batch`, the backups), as a 2D copy
+   per page, and as a gather per layer: call time, GB/s, bytes equal.
 
     python scripts/dma_probe.py            # on a CUDA machine
 """
@@ -75,14 +77,14 @@ def main() -> None:
                 out.append(r)
     for h in host.values():
         h.fin()
-    batch_and_interference()
+    scattered_tail()
 
 
-def batch_and_interference() -> None:
+def scattered_tail() -> None:
     """Qwen3-0.6B KV shapes (28 layers, 32 KiB per page and layer), a decode tail of 36
     scattered pages: one batch of 28 * 36 copies per K/V vs one 2D copy per page vs a gather
-    per layer. Call time, GB/s, bytes equal; then the slowdown of GEMMs on a high-priority
-    stream while each runs back to back on the side stream."""
+    per layer. Call time, GB/s, bytes equal. (How much each slows a concurrent forward is
+    measured served: gpu_bench.sh l2decode, docs/PERF.md.)"""
     layers, lb, pages = 28, 32 << 10, 70000
     pool = torch.randint(0, 255, (layers, pages, lb), dtype=torch.uint8, device="cuda")  # K only: 63 GB
     host_pages = 4096
@@ -133,32 +135,7 @@ def batch_and_interference() -> None:
             gbps = 20 * layers * len(tail) * lb / (time.perf_counter() - t0) / 1e9
         r = {"tail": name, "call_ms": round(call_ms, 3), "gbps": round(gbps, 1), "bytes_ok": ok}
         print(json.dumps(r), flush=True)
-    torch.cuda.empty_cache()
-    interference(slab, batch, rows2d, gather, side)
     h.fin()
-
-
-def interference(slab, batch, rows2d, gather, side) -> None:  # noqa: ANN001
-    compute = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
-    a = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16)
-    for name, fn in (("none", None), ("batch", batch), ("rows2d", rows2d), ("gather", gather)):
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(compute):
-                b.record()
-                for _ in range(200):
-                    torch.mm(a, w)
-                e.record()
-            if fn is not None:
-                with torch.cuda.stream(side):
-                    for _ in range(30):
-                        fn()
-            torch.cuda.synchronize()
-            times.append(b.elapsed_time(e))
-        print(json.dumps({"gemm_with": name, "ms": sorted(times)[2]}), flush=True)
 
 
 if __name__ == "__main__":

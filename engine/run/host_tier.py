@@ -124,7 +124,7 @@ class HostCopies(Effect):
         self._copier_started = False
         self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
         # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
-        self.done: list[tuple[list[int], torch.cuda.Event | None, list[Any]]] = []
+        self.done: list[tuple[list[int], torch.cuda.Event | None, tuple[torch.Tensor, ...]]] = []
         # GPU copy timings not read yet: (key of seconds, start event, end event)
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.lock = threading.Lock()  # self.done and the stats: the worker's loop and WithBackups' thread
@@ -206,7 +206,7 @@ class HostCopies(Effect):
         assert self.slab is not None
         t0 = time.perf_counter()
         begin = self._timing_event() if self.cuda else None
-        for span, dev_pages, _ in self._pieces(pages, start):
+        for span, dev_pages in self._pieces(pages, start):
             for kv, dev in enumerate(self.dev):
                 host = self.slab[:, kv, span]  # [layers, pages, layer bytes]
                 if isinstance(dev_pages, slice):
@@ -231,13 +231,10 @@ class HostCopies(Effect):
         queued, self.queued = self.queued, []
         if self.stream is None:  # CPU: the same copies, each a memmove, done at once
             t0 = time.perf_counter()
-            nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
             dsts, srcs, sizes = batch_copies(queued, self.dev, self.slab)
             for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
                 ctypes.memmove(dst, src, size)
-            with self.lock:
-                self.done.append(([obj for obj, _, _ in queued], None, []))
-                self._count_backups(len(queued), nbytes, time.perf_counter() - t0)
+            self._record_backups(queued, None, (), time.perf_counter() - t0)
             return
         forward_written = torch.cuda.Event()
         forward_written.record()  # on the compute stream, after this step's forward
@@ -251,17 +248,31 @@ class HostCopies(Effect):
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(forward_written)
             begin = self._timing_event()
-            keep = batch_copies(queued, self.dev, self.slab)
-            copy_batch(*keep, self.stream)
+            copies = batch_copies(queued, self.dev, self.slab)
+            copy_batch(*copies, self.stream)
             end = self._timing_event()
             copied = torch.cuda.Event(blocking=True)  # WithBackups' thread may sleep on it
             copied.record()
-        nbytes = sum(len(pages) for _, pages, _ in queued) * self.page_bytes
-        with self.lock:
-            self.done.append(([obj for obj, _, _ in queued], copied, list(keep)))
-            self._timings.append(("backup_s", begin, end))
-            self._count_backups(len(queued), nbytes, 0.0)
+        self._record_backups(queued, copied, copies, 0.0, (begin, end))
         self.enqueued.set()
+
+    def _record_backups(
+        self,
+        queued: list[tuple[int, list[int], int]],
+        copied: torch.cuda.Event | None,
+        keep: tuple[torch.Tensor, ...],
+        seconds: float,
+        timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
+        """The objects of a step's backups are in flight (or, on CPU, done): `take_done` reports
+        them once `copied` completed; `keep` lives until then; the stats count them."""
+        with self.lock:
+            self.done.append(([obj for obj, _, _ in queued], copied, keep))
+            if timing is not None:
+                self._timings.append(("backup_s", *timing))
+            self.stats["backups"] += len(queued)
+            self.stats["bytes_out"] += sum(len(pages) for _, pages, _ in queued) * self.page_bytes
+            self.stats["backup_s"] += seconds
 
     def _straight(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy a stretch of every layer ([layers, pages, layer bytes] on both sides) on the
@@ -271,25 +282,20 @@ class HostCopies(Effect):
         else:
             dst.copy_(src)
 
-    def _pieces(self, pages: list[int], start: int) -> Iterator[tuple[slice, slice | torch.Tensor, list[torch.Tensor]]]:
-        """Per `_segments` piece of a run at host page `start`: its host span, its device pages
-        (a slice of the pool where consecutive, else an index tensor on the device), and the
-        tensors an asynchronous copy must keep alive (the index and its host source)."""
+    def _pieces(self, pages: list[int], start: int) -> Iterator[tuple[slice, slice | torch.Tensor]]:
+        """Per `_segments` piece of a load-back at host page `start`: its host span and its
+        device pages (a slice of the pool where consecutive, else an index tensor on the
+        device; the compute stream uses it, so torch's allocators keep it and its pinned
+        source alive until then)."""
         for at, n, first in _segments(pages):
             span = slice(start + at, start + at + n)
             if first is not None:
-                yield span, slice(first, first + n), []
+                yield span, slice(first, first + n)
             else:
                 host_idx = torch.tensor(pages[at : at + n], dtype=torch.int64)
                 if self.cuda:  # pinned: from pageable memory the driver may first wait for the stream
                     host_idx = host_idx.pin_memory()
-                idx = host_idx.to(self.kv.device, non_blocking=True)
-                yield span, idx, [host_idx, idx]
-
-    def _count_backups(self, n: int, nbytes: int, seconds: float) -> None:
-        self.stats["backups"] += n
-        self.stats["bytes_out"] += nbytes
-        self.stats["backup_s"] += seconds
+                yield span, host_idx.to(self.kv.device, non_blocking=True)
 
     def _timing_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)

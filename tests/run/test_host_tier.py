@@ -85,3 +85,43 @@ def test_round_trip_through_direct_and_gathered_pieces(monkeypatch) -> None:  # 
         copies.close()
     finally:
         remove_slab(path)
+
+
+def test_a_copier_that_fails_is_raised_on_the_worker_thread_and_never_hangs_drain() -> None:
+    """The GPU copier thread's protocol, on a real HostCopies: a failure (here its set-up: no
+    such device, on any machine) is kept and raised by take_done and drain; jobs handed over
+    after it are still taken off the queue, so drain returns; close() ends the thread."""
+    import queue
+    import threading
+    import weakref
+
+    import pytest
+
+    from engine.layers.kv_pool import KVPool
+
+    pool = KVPool(2, 8, 4, 2, 8, torch.float32, torch.device("cpu"))
+    path = create_slab("test-copier")
+    try:
+        copies = host_tier.HostCopies(pool, path)
+        copies.apply(host_tier.HostInit(4, copies.page_bytes))
+        jobs: queue.Queue = copies._jobs
+        thread = threading.Thread(target=host_tier._copier, args=(weakref.ref(copies), jobs, 10**6), daemon=True)
+        thread.start()
+        copies._copier_started = True
+        jobs.put(([(1, [1, 2], 0)], None))
+        jobs.put(([(2, [3], 2)], None))
+        done = threading.Thread(target=jobs.join, daemon=True)
+        done.start()
+        done.join(10)
+        assert not done.is_alive(), "drain would hang"
+        with pytest.raises(RuntimeError, match="copier thread failed"):
+            copies.take_done()
+        with pytest.raises(RuntimeError, match="copier thread failed"):
+            copies.drain()
+        copies._error = None  # as if nothing failed: close() stops the thread and returns
+        copies.close()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert copies.done == []  # nothing was copied, nothing is reported done
+    finally:
+        remove_slab(path)
