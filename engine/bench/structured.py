@@ -101,6 +101,25 @@ def _measured(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[dict[
     }
 
 
+def _stopped(out: dict[str, Any]) -> bool:
+    return out["meta_info"]["finish_reason"] == "stop"
+
+
+def _validity(outs: list[dict[str, Any]]) -> tuple[int, int]:
+    """(answers that are JSON valid under SCHEMA, answers that finished with "stop" and are
+    not: a grammar that let a wrong token through; must be 0)."""
+    import jsonschema
+
+    valid = invalid_stop = 0
+    for o in outs:
+        try:
+            jsonschema.validate(json.loads(o["text"]), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            invalid_stop += _stopped(o)
+    return valid, invalid_stop
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = model_with_tokenizer(args.model, args.tokenizer_from) if args.tokenizer_from else args.model
     server_args = shlex.split(args.server_args) + ["--max-running-requests", str(max(args.num_requests, 1))]
@@ -118,13 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ]  # fmt: skip
         c_wall, c_out, c_pass = _measured(url, constrained)
         lengths = [o["meta_info"]["completion_tokens"] for o in c_out]
-        valid = 0
-        for o in c_out:
-            try:
-                json.loads(o["text"])
-                valid += 1
-            except ValueError:
-                pass
+        valid, invalid_stop = _validity(c_out)
         plain = [
             {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 1.0,
                                                  "seed": args.seed + i, "ignore_eos": True}}
@@ -142,9 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": tokens,
         "mean_output_len": tokens / max(len(lengths), 1),
         "json_valid": valid,
-        "finish_stop": sum(o["meta_info"]["finish_reason"] == "stop" for o in c_out)
-        if isinstance(c_out[0]["meta_info"]["finish_reason"], str)
-        else None,
+        "finish_stop": sum(_stopped(o) for o in c_out),
+        "invalid_stop": invalid_stop,
         "constrained_s": c_wall,
         "unconstrained_s": p_wall,
         "constrained_tok_s": c_tps,
@@ -155,7 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "grammar_metrics": [ln for ln in metrics.splitlines() if ln.startswith("strata_grammar")],
     }
     print("============ Structured Output Result ============")
-    for k in ("num_requests", "output_tokens", "mean_output_len", "json_valid", "constrained_tok_s",
+    for k in ("num_requests", "output_tokens", "mean_output_len", "json_valid", "finish_stop", "invalid_stop",
+              "constrained_tok_s",
               "unconstrained_tok_s", "ratio", "constrained_pass", "unconstrained_pass"):  # fmt: skip
         print(f"{k:24s} {result[k]}")
     return result
@@ -173,8 +186,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_requests < 1 or args.max_tokens < 1:
         raise SystemExit("bin/bench: --num-requests and --max-tokens must be >= 1")
     result = run(args)
+    if result["invalid_stop"]:  # written first, so the answers' figures are kept
+        print(f"bin/bench structured: {result['invalid_stop']} answers finished with 'stop' but are not "
+              "valid under the schema")
     name = Path(args.model).name if args.model else "default"
     out = Path(args.out or Path("bench/results") / f"structured-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"result: {out}")
+    if result["invalid_stop"]:
+        raise SystemExit(1)
     return result

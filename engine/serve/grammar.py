@@ -70,7 +70,35 @@ def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
 
 
 def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+    return {"type": "json_schema", "json_schema": json_safe_strings(schema), "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+
+
+_STRING_FIXED_BY = ("pattern", "format", "enum", "const")  # string schemas xgrammar builds another way
+# a raw character of a JSON string, as well-formed UTF-8: not a control character, quote or
+# backslash, not a surrogate; the ranges are explicit because xgrammar compiles a negated or
+# "." class to byte sequences that include overlong forms
+JSON_STRING_CHAR = "[ !#-\\[\\]-\ud7ff\ue000-\uffff\U00010000-\U0010ffff]"
+
+
+def json_safe_strings(schema: Any) -> Any:
+    """`schema` with every length-bounded string (minLength / maxLength, and no pattern,
+    format, enum or const) rewritten to the pattern `^{JSON_STRING_CHAR}{min,max}$`.
+
+    Why: xgrammar 0.2.9 builds such a string from the byte-level class [^"\\\r\n]. It admits
+    raw control characters (a "stop" answer that json.loads refuses) and invalid UTF-8
+    (surrogates and overlong forms, which decode to one U+FFFD per byte and break maxLength).
+    The pattern admits neither; like xgrammar's own, it admits no escapes, so a length counts
+    characters."""
+    if isinstance(schema, list):
+        return [json_safe_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: json_safe_strings(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not any(k in out for k in _STRING_FIXED_BY):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = f"^{JSON_STRING_CHAR}{{{lo},{'' if hi is None else hi}}}$"
+    return out
 
 
 def spec_format(name: str, text: str) -> dict[str, Any]:

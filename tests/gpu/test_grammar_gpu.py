@@ -120,3 +120,15 @@ def test_runners_one_after_another_register_their_bitmask(tokenizer_dir: Path) -
     g = GrammarSlots(str(tokenizer_dir), vocab, 4, torch.device("cuda"), helpers=1)
     g.close()
     g.close()  # twice is harmless
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_cuda_stop_answers_are_valid_json(tokenizer_dir: Path, helpers: int) -> None:
+    """Issue 27: constrained sampling at temperature 1 through the CUDA mask and sampler, with
+    logits favouring byte tokens and the vocabulary tail; every "stop" answer is valid JSON
+    under the schema (before the fix: raw control characters and invalid UTF-8 in strings)."""
+    from engine.bench.structured import SCHEMA
+    from tests.grammar_sampling import check_answers, sample_json
+
+    answers = sample_json(tokenizer_dir, SCHEMA, torch.device("cuda"), 32, max_steps=2000, helpers=helpers)
+    check_answers(answers, SCHEMA, 32)
