@@ -15,6 +15,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 
@@ -175,9 +176,13 @@ class TorchAttention(AttentionBackend):
         self._decode: _DecodeGroup | None = None
         self._extends: list[_ExtendReq] = []
         self._all_decode = False
+        self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
+        if batch_invariant.enabled():
+            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size)
+            return
         decode_reqs = [i for i, n in enumerate(lens) if n == 1]
         row_starts = [0]
         for n in lens:
@@ -240,6 +245,8 @@ class TorchAttention(AttentionBackend):
         return self.device.type == "cpu" and _CPU_FLASH_LSE is not None
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        if self._invariant is not None:
+            return batch_invariant.attend(q, self._invariant, kv_pool, layer_id)
         if self._decode is not None:
             g = self._decode
             qd = q if self._all_decode else q[g.rows]

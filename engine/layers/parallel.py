@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import ops, triton_ops
+from engine.layers import batch_invariant, ops, triton_ops
 from engine.layers.tuning import kernel_tuning
 
 
@@ -266,7 +266,8 @@ class Linear(nn.Module):
             self._gemv = triton_ops.gemv_config(self.weight)
             self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
         rows = x.shape[0]
-        if self._gemv is None or rows > self._gemv_rows or not x.is_contiguous() or not ops.fused_enabled():
+        if self._gemv is None or rows > self._gemv_rows or not x.is_contiguous() or not ops.fused_enabled() \
+                or batch_invariant.enabled():
             return None
         return self._gemv if triton_ops.gemv_rows_ok(self._gemv, self.weight.shape[1], rows) else None
 
@@ -276,9 +277,19 @@ class Linear(nn.Module):
         runs the GEMV itself gets the whole layer's output from it (no bias, no communication)."""
         return None if self.bias is not None else self._local_gemv(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """x W_local^T (+ b) by the vendor kernel; deterministic inference: in fixed row blocks."""
+        if batch_invariant.enabled():
+            if self.packed is not None:
+                return batch_invariant.rows_of(x, lambda b: packed_linear(b, self.packed))
+            return batch_invariant.linear(x, self.weight, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed)
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None or batch_invariant.enabled():
+            return self.local(x)
         cfg = self.gemv_config(x)
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
@@ -325,7 +336,8 @@ class RowParallelLinear(Linear):
         cfg = self._local_gemv(x)
         if cfg is not None:
             return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)
-        return F.linear(ops.silu_and_mul(x) if silu_mul else x, self.weight)
+        x = ops.silu_and_mul(x) if silu_mul else x
+        return batch_invariant.linear(x, self.weight) if batch_invariant.enabled() else F.linear(x, self.weight)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -430,8 +442,14 @@ def lm_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, packed: torch.T
     (`packed`: the same in oneDNN's layout, on CPU); at world > 1 gathered, so that every rank
     holds the same full logits."""
     t = tp()
+    packed = packed if t.world == 1 else None
+    if batch_invariant.enabled():
+        gemm = (lambda b: packed_linear(b, packed)) if packed is not None else (lambda b: F.linear(b, weight))
+        local = batch_invariant.rows_of(h, gemm)
+    else:
+        local = F.linear(h, weight) if packed is None else packed_linear(h, packed)
     if t.world == 1:
-        return (F.linear(h, weight) if packed is None else packed_linear(h, packed)).float()
+        return local.float()
     if h.shape[0] == 0:  # nothing sampled this step: same on every rank, so no collective is skipped by one
         return h.new_zeros(0, vocab, dtype=torch.float32)
-    return t.all_gather_cols(F.linear(h, weight), vocab).float()  # gathered in the model dtype: half the bytes
+    return t.all_gather_cols(local, vocab).float()  # gathered in the model dtype: half the bytes

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import ServerConfig
 from engine.env import env
-from engine.layers import triton_ops
+from engine.layers import batch_invariant, ops, triton_ops
 from engine.layers.attention import create_backend
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.forward import ForwardBatch
@@ -114,6 +114,12 @@ class ModelRunner:
         self.rank = rank
         self.device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
+        # torch backend's chunked attention; on CUDA also no fused kernels and no graphs
+        self.deterministic = cfg.deterministic(self.device.type)
+        batch_invariant.enable(self.deterministic)
+        if self.deterministic and self.device.type == "cuda":
+            ops.set_fused(False)
         if self.device.type == "cuda":
             # the forward (and the replays of its graphs) runs on a high-priority stream, so
             # that the host tier's backups, on a default-priority side stream, get only the
@@ -147,7 +153,7 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
-        self.backend = create_backend(cfg.attention_backend, self.device)
+        self.backend = create_backend(self._backend_name(), self.device)
         set_decode_kernel(self.backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
         self.backend.bind(
             num_q_heads=self.shard.num_heads,
@@ -187,7 +193,13 @@ class ModelRunner:
             "runner ready", **{k: round(v, 2) for k, v in self.startup.items()},
             pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
             backend=type(self.backend).__name__, cuda_graphs=self.graphs is not None,
+            deterministic=self.deterministic,
         )
+
+    def _backend_name(self) -> str:
+        """Deterministic inference has one attention path: the torch backend's (config.py refuses
+        another named backend with the mode on)."""
+        return "torch" if self.deterministic else self.cfg.attention_backend
 
     def _capture_graphs(self):  # noqa: ANN202
         """CUDA graphs for decode, unless disabled, on CPU, or the backend cannot be captured."""

@@ -1,0 +1,148 @@
+"""Deterministic inference: a token's logits, bit for bit, whatever else runs beside it.
+
+A GEMM library picks its kernel, its blocking and its split of the reduction by the matrix
+shape, so the same row of x @ W^T comes out with different low bits when x has 1, 7 or 300
+rows (measured on CPU: oneDNN and MKL in float32 and bfloat16). What stays fixed is a
+kernel's work for one fixed shape: rows of one call do not mix. So with the mode on:
+
+* every projection and the LM head run on blocks of exactly `ROWS` rows (the last padded
+  with zeros): a row is computed by the same kernel whatever the batch, prefill or decode;
+* attention (`attend`) reduces over the KV in chunks of `kv_chunk` positions aligned to
+  absolute position 0, with an online softmax whose running max, sum and output are merged
+  chunk after chunk in order; each chunk is two batched GEMMs of one fixed shape per
+  (block of `TOKENS` query tokens, KV head). A fresh prompt, a cached prefix, a chunked
+  prefill and a decode step all take this one path, so a token sees the same sums in the same
+  order. A row with no visible key in a chunk is left exactly unchanged by it (exp(0) = 1,
+  p = 0), so visiting more chunks than a row needs changes nothing.
+
+Everything else a token meets is per row and elementwise (norms, RoPE, SiLU, sampling).
+The mode is set once per process (`enable`), before the model runs; engine/run/runner.py
+turns it on from --enable-deterministic-inference (the CPU default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.kv_pool import KVPool
+
+ROWS = 16  # rows per GEMM call (oneDNN's packed CPU weights are laid out for 16 rows)
+TOKENS = 16  # query tokens per attention block
+KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
+
+_enabled = False
+
+
+def enable(on: bool) -> None:
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """f(x) for a row-wise f (a GEMM), called on blocks of exactly ROWS rows of x."""
+    m = x.shape[0]
+    pad = -m % ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    if m + pad == ROWS:
+        return f(x)[:m]
+    return torch.cat([f(x[i : i + ROWS]) for i in range(0, m + pad, ROWS)])[:m]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return rows_of(x, lambda b: F.linear(b, weight, bias))
+
+
+@dataclass
+class Chunk:
+    """The blocks that read KV chunk j (a prefix of the blocks, which are sorted by how many
+    chunks they read), their pages and which (token, key) pairs are visible."""
+
+    blocks: int
+    pages: torch.Tensor  # int64 [blocks, kv_chunk / page_size]
+    visible: torch.Tensor  # bool [blocks, 1, TOKENS, 1, kv_chunk]
+
+
+@dataclass
+class Plan:
+    """One step's attention plan, shared by every layer."""
+
+    rows: torch.Tensor  # int64 [nb, TOKENS]: the q row of each block token (pads repeat the last)
+    real: torch.Tensor  # int64: the block tokens (flat index into nb * TOKENS) that are not pads
+    chunks: list[Chunk]
+
+
+def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int) -> Plan:
+    """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order)."""
+    chunk = max(KV_CHUNK, page_size)
+    per_chunk = chunk // page_size
+    rows, pos, req, reads, used = [], [], [], [], []
+    row0 = 0
+    for i, (seq, n) in enumerate(zip(seq_lens, extend_lens, strict=True)):
+        start = seq - n
+        for b in range(0, n, TOKENS):
+            k = min(TOKENS, n - b)
+            r = [row0 + b + t for t in range(k)] + [row0 + b + k - 1] * (TOKENS - k)
+            p = [start + b + t for t in range(k)] + [start + b + k - 1] * (TOKENS - k)
+            rows.append(r)
+            pos.append(p)
+            req.append(i)
+            used.append(k)
+            reads.append(p[k - 1] // chunk + 1)
+        row0 += n
+    order = sorted(range(len(rows)), key=lambda b: -reads[b])  # stable: ties keep batch order
+    dev = page_table.device
+    rows_t = torch.tensor([rows[b] for b in order], dtype=torch.int64, device=dev)
+    real = [j * TOKENS + t for j, b in enumerate(order) for t in range(used[b])]
+    real_t = torch.tensor(real, dtype=torch.int64, device=dev)
+    pos_t = torch.tensor([pos[b] for b in order], dtype=torch.int64, device=dev)
+    req_t = torch.tensor([req[b] for b in order], dtype=torch.int64, device=dev)
+    width = page_table.shape[1]
+    chunks = []
+    for j in range(reads[order[0]] if order else 0):
+        nb = sum(1 for b in order if reads[b] > j)
+        cols = torch.arange(j * per_chunk, (j + 1) * per_chunk, device=dev).clamp_(max=width - 1)
+        pages = page_table[req_t[:nb]][:, cols].to(torch.int64)
+        key = torch.arange(j * chunk, (j + 1) * chunk, device=dev)
+        visible = key[None, None, :] <= pos_t[:nb, :, None]
+        chunks.append(Chunk(nb, pages, visible[:, None, :, None, :]))
+    return Plan(rows_t, real_t, chunks)
+
+
+def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over `layer`'s paged KV by the plan; [T, Hq, D] in q's dtype."""
+    _, hq, d = q.shape
+    nb = p.rows.shape[0]
+    out = torch.empty_like(q)
+    if nb == 0:
+        return out
+    hkv = kv_pool.num_kv_heads
+    g = hq // hkv
+    qb = q[p.rows].float().view(nb, TOKENS, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(nb * hkv, TOKENS * g, d)
+    qb = qb * d**-0.5
+    m = torch.full((nb * hkv, TOKENS * g, 1), float("-inf"), device=q.device)
+    acc = torch.zeros(nb * hkv, TOKENS * g, d + 1, device=q.device)  # [.., :d] output, [.., d] the sum
+    for c in p.chunks:
+        n = c.blocks * hkv
+        k, v = kv_pool.gather_pages(layer, c.pages, torch.float32)  # [blocks, chunk, Hkv, D]
+        chunk = k.shape[1]
+        kt = k.permute(0, 2, 3, 1).reshape(n, d, chunk)
+        # V with a column of ones: the same GEMM sums the probabilities (no separate reduction)
+        v1 = torch.cat([v.permute(0, 2, 1, 3), v.new_ones(c.blocks, hkv, chunk, 1)], -1).view(n, chunk, d + 1)
+        s = torch.bmm(qb[:n], kt).view(c.blocks, hkv, TOKENS, g, chunk)
+        s = s.masked_fill(~c.visible, float("-inf")).view(n, TOKENS * g, chunk)
+        m_new = torch.maximum(m[:n], s.amax(-1, keepdim=True))
+        scale = torch.exp(m[:n] - m_new)
+        acc[:n] = acc[:n] * scale + torch.bmm(torch.exp(s - m_new), v1)
+        m[:n] = m_new
+    o = (acc[..., :d] / acc[..., d:]).view(nb, hkv, TOKENS, g, d).permute(0, 2, 1, 3, 4).reshape(nb * TOKENS, hq, d)
+    out[p.rows.view(-1)[p.real]] = o[p.real].to(q.dtype)
+    return out

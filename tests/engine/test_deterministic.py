@@ -1,0 +1,64 @@
+"""Deterministic inference (--enable-deterministic-inference, engine/layers/batch_invariant.py):
+a request's tokens and logprobs are identical bit for bit alone, in a batch of mixed requests,
+behind a cached prefix of any length, at any prefill chunk size and with overlap on or off.
+In bfloat16 (where reduction order shows most) and float32, on the default model, in process
+(LocalEngine: the served Step stream and runner without sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import ServerConfig
+from engine.local import LocalEngine, Result
+from msgs.params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11, ignore_eos=True, logprobs=True)
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 13 * salt) % 40000 + 100 for i in range(n)]
+
+
+PROMPT = _prompt(150)
+OTHERS = [_prompt(n, s) for s, n in enumerate((3, 40, 97, 16, 200, 1, 65), start=1)]
+
+
+def _engine(model: Path, dtype: str, **kw) -> LocalEngine:  # noqa: ANN003
+    return LocalEngine(ServerConfig(model=str(model), dtype=dtype, enable_deterministic_inference="on",
+                                    max_total_tokens=8192, max_running_requests=16, **kw))
+
+
+def _key(r: Result) -> tuple[list[int], list[float]]:
+    assert r.finish_reason == "length", r
+    return r.output_ids, r.logprobs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_request_one_answer(default_model_dir: Path, dtype: str) -> None:
+    eng = _engine(default_model_dir, dtype)
+    for params in (GREEDY, SAMPLED):
+        (alone,) = eng.generate([PROMPT], params)
+        want = _key(alone)
+        assert alone.cached_tokens == 0 or params is SAMPLED
+        (again,) = eng.generate([PROMPT], params)  # the prompt's pages from the prefix cache
+        assert again.cached_tokens >= 128 and _key(again) == want
+        mixed = eng.generate([OTHERS[0], PROMPT[:50] + [5], PROMPT, *OTHERS[1:]], params)
+        assert _key(mixed[2]) == want, "in a batch of mixed requests"
+    for cut in (16, 48, 96, 144):  # a cached prefix of every length, in a fresh engine each
+        eng = _engine(default_model_dir, dtype)
+        eng.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
+        (hit,) = eng.generate([PROMPT], SAMPLED)
+        assert hit.cached_tokens == cut // 16 * 16 and _key(hit) == _key(eng.generate([PROMPT], SAMPLED)[0])
+        assert _key(hit) == want, f"behind {hit.cached_tokens} cached tokens"
+
+
+@pytest.mark.parametrize(("chunk", "overlap"), [(64, True), (128, False), (2048, False)])
+def test_chunks_and_overlap(default_model_dir: Path, chunk: int, overlap: bool) -> None:
+    ref = _engine(default_model_dir, "bfloat16")
+    (want,) = ref.generate([PROMPT], GREEDY)
+    eng = _engine(default_model_dir, "bfloat16", max_prefill_tokens=chunk, disable_overlap=not overlap)
+    got = eng.generate([*OTHERS[:3], PROMPT], GREEDY)[-1]
+    assert _key(got) == _key(want)
