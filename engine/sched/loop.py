@@ -42,6 +42,7 @@ from msgs.steps import ToWorker
 
 log = structlog.get_logger()
 STATS_INTERVAL_S = 0.1
+FLUSH_SETTLE_S = 10.0  # how long a flush waits for in-flight steps and backups before a 409
 OCCUPANCY_LOG_S = 1.0  # at most one `cache occupancy` line a second, and only after a change
 # the page counts of SchedulerStats that the `cache occupancy` line carries (bin/analyze reads them)
 OCCUPANCY_FIELDS = ("kv_pages_used", "kv_pages_total", "cache_pages", "running", "waiting")
@@ -74,6 +75,7 @@ class SchedulerLoop:
         self.ready: WorkerReady | None = None
         self.readies: dict[int, WorkerReady] = {}
         self.inflight: deque[int] = deque()
+        self.flushes: deque[tuple[int, float]] = deque()  # flush ids waiting for steps to settle, deadline
         self.done_ranks: dict[int, int] = {}
         self.step_seconds: list[float] = []
         self.last_stats = -stats_interval_s
@@ -132,6 +134,8 @@ class SchedulerLoop:
         self._drain_requests()
         self._drain_done()
         self._drain_commits()
+        if self.flushes:
+            self._flush()
         while len(self.inflight) < self.max_ahead and self._send_next():
             pass
         self._maybe_check_leaks()
@@ -169,10 +173,8 @@ class SchedulerLoop:
                 err = self.core.abort(msg.rid)
                 log.info("abort", rid=msg.rid, found=err is not None)
             elif isinstance(msg, FlushCache):
-                problem = self.core.flush()
-                log.info("flush cache", done=problem is None, problem=problem)
-                self.ports.outputs.send(FlushDone(id=msg.id, ok=problem is None, message=problem or ""))
-                self.stats_dirty = True
+                self.flushes.append((msg.id, time.monotonic() + FLUSH_SETTLE_S))
+                self._flush()
                 continue
             else:
                 self.stats_dirty = True  # a dropped frame: the count goes out with the stats
@@ -180,6 +182,21 @@ class SchedulerLoop:
             if err is not None:
                 outs.append(err)
         self._emit(outs)
+
+    def _flush(self) -> None:
+        """Answer the flushes asked for. One asked right after the last answer finds that
+        request's overlap step (or its backups) still in flight: it waits for them, up to
+        FLUSH_SETTLE_S, rather than answering 409 to a client whose requests all returned."""
+        assert self.core is not None
+        while self.flushes:
+            fid, deadline = self.flushes[0]
+            problem = self.core.flush()
+            if problem is not None and not self.core.busy and time.monotonic() < deadline:
+                return
+            self.flushes.popleft()
+            log.info("flush cache", done=problem is None, problem=problem)
+            self.ports.outputs.send(FlushDone(id=fid, ok=problem is None, message=problem or ""))
+            self.stats_dirty = True
 
     def _submit(self, msg: TokenizedRequest) -> ReqOutput | None:
         """Queue a request; a bug that concerns one request fails that request only."""

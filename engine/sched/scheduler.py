@@ -79,11 +79,26 @@ class SchedulerCore:
     def flush(self) -> str | None:
         """Empty the prefix cache (and the host tier): only when nothing runs, waits or is in
         flight, so no request holds a page. The Flush op goes out with the next Step, which
-        every replica applies; None when done, else why not."""
-        if not self.idle or self.done_ranks or self.state.pending_ops or not self.state.cache.flushable:
-            return "requests or cache backups are in flight; retry when the server is idle"
+        every replica applies; None when done, else why not (`settling`: only what ended the
+        last requests is still on its way, so the caller may wait rather than refuse)."""
+        if self.busy:
+            return "requests are running; retry when the server is idle"
+        if self.settling:
+            return "steps or cache backups are in flight; retry when the server is idle"
         self.state.cache.reset()
         return None
+
+    @property
+    def busy(self) -> bool:
+        """Requests run or wait."""
+        return bool(self.state.running or self.state.waiting)
+
+    @property
+    def settling(self) -> bool:
+        """No request runs or waits, but steps are in flight (overlap's step after a request's
+        last token), their ops unpublished, or cache backups uncommitted: all end by themselves."""
+        return bool(self.sampled_by_step or self.done_ranks or self.state.pending_ops
+                    or not self.state.cache.flushable)
 
     # ---- planning ----------------------------------------------------------------------
 

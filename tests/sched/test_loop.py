@@ -318,7 +318,7 @@ def test_flush_cache_empties_every_replica_when_idle_and_is_refused_while_busy()
     wires.req_out.send(FlushCache(id=1))
     loop.pump()
     refused = [m for m in wires.outputs.drain() if isinstance(m, FlushDone)]
-    assert refused == [FlushDone(id=1, ok=False, message=refused[0].message)] and "in flight" in refused[0].message
+    assert refused == [FlushDone(id=1, ok=False, message=refused[0].message)] and "running" in refused[0].message
     run_until_idle(loop, wires, ranks)
     assert loop.core.cache.total_pages > 0  # the finished prompts are cached
     wires.req_out.send(FlushCache(id=2))
@@ -329,6 +329,35 @@ def test_flush_cache_empties_every_replica_when_idle_and_is_refused_while_busy()
     assert all(r.worker.replica.digest() == fresh for r in ranks)
     assert loop.core.cache.total_pages == 0 and loop.core.leak_free()
     assert loop.core.alloc.num_free == loop.core.alloc.capacity
+
+
+def test_a_flush_right_after_the_last_answer_waits_for_the_steps_in_flight() -> None:
+    """Issue 21: /flush_cache sent as soon as the last request's answer arrived found the
+    overlap step after its last token still in flight and answered 409. It now waits for
+    what is in flight (no request runs) and succeeds."""
+    from msgs.outputs import FlushDone
+    from msgs.requests import FlushCache
+
+    ranks = [FakeRank(0)]
+    loop, wires = start(ranks)
+    submit(wires, n=1, max_new=3)
+    finished = False
+    for _ in range(100):  # answer steps one by one until the request's finish is out
+        loop.pump()
+        msgs = list(wires.outputs.drain())
+        finished |= any(isinstance(m, TokenBatch) and any(o.finish_reason for o in m.outs) for m in msgs)
+        if finished:
+            break
+        for step in wires.steps[0].drain():
+            wires.done_out.send(ranks[0].answer(step))
+    assert finished and loop.core.settling and not loop.core.busy  # the overlap step is in flight
+    wires.req_out.send(FlushCache(id=7))
+    loop.pump()
+    assert [m for m in wires.outputs.drain() if isinstance(m, FlushDone)] == []  # waiting, not refused
+    run_until_idle(loop, wires, ranks)
+    loop.pump()
+    assert [m for m in wires.outputs.drain() if isinstance(m, FlushDone)] == [FlushDone(id=7, ok=True)]
+    assert loop.core.cache.total_pages == 0
 
 
 def test_ready_waits_for_the_host_tier_set_up_step() -> None:
