@@ -36,6 +36,7 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     cache_hit_tokens: int  # cumulative prompt tokens served from the prefix cache, every tier (L1 + L2 + L3)
     step_seconds: list[float]  # durations of steps finished since the previous stats
     leak_free: bool = True  # result of the last idle leak check
+    deterministic: bool = False  # every worker runs deterministic inference (GET /health says so)
     dropped_frames: dict[str, int] = {}  # malformed frames the scheduler dropped, per channel
     # the host tier (L2), when on: cumulative counters and its pages
     l2_hit_tokens: int = 0  # prompt tokens loaded back from L2 instead of recomputed

@@ -133,7 +133,10 @@ def ready_line(cfg: ServerConfig, ready: dict[str, Ready]) -> str:
         return (f"strata: node {cfg.node_rank}/{cfg.nnodes} ready: {', '.join(sorted(ready))} "
                 f"following node 0's scheduler at {where}")
     info = ready["tokenizer"].info
-    return f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}"
+    worker = ready.get("worker-0")
+    det = f"; deterministic inference {worker.info['deterministic']}" if worker and "deterministic" in worker.info \
+        else ""
+    return f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}{det}"
 
 
 def time_to_ready(total_s: float, ready: dict[str, Ready]) -> str:

@@ -42,7 +42,9 @@ def main() -> int:
         ready_out = WithL3Identity(done, l3_ready_fields(cfg, runner))
         pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, ready_out, runner, rank))
         pipeline.start()
-        control.send(Ready(proc="worker", rank=rank, info={k: f"{v:.1f}" for k, v in runner.startup.items()}))
+        info = {k: f"{v:.1f}" for k, v in runner.startup.items()}
+        info["deterministic"] = "on" if runner.deterministic else "off"
+        control.send(Ready(proc="worker", rank=rank, info=info))
         pipeline.run()
         code = 0
     except Exception as exc:  # fatal by design: report, exit non-zero

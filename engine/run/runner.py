@@ -230,6 +230,7 @@ class ModelRunner:
             vocab_size=self.mcfg.vocab_size,
             eos_token_ids=list(self.mcfg.eos_token_ids),
             page_bytes=self.host_tier.page_bytes,
+            deterministic=self.deterministic,
         )
 
     def run_step(self, step: Step) -> StepDone:

@@ -277,6 +277,7 @@ class SchedulerLoop:
             cache_hit_tokens=core.cache_hit_tokens,
             step_seconds=self.step_seconds,
             leak_free=self.leak_free,
+            deterministic=ready.deterministic,
             dropped_frames=dict(DROPPED),
             **(core.state.tiers.stats() if core.state.tiers is not None else {}),
         )
@@ -304,8 +305,9 @@ def agree(readies: dict[int, WorkerReady]) -> WorkerReady:
     (ranks of one model and one config), else the engine cannot start."""
     first = readies[min(readies)]
     for rank, r in sorted(readies.items()):
-        same = (r.page_size, r.max_context, r.vocab_size, r.eos_token_ids, r.l3_fingerprint)
-        if same != (first.page_size, first.max_context, first.vocab_size, first.eos_token_ids, first.l3_fingerprint):
+        same = (r.page_size, r.max_context, r.vocab_size, r.eos_token_ids, r.l3_fingerprint, r.deterministic)
+        if same != (first.page_size, first.max_context, first.vocab_size, first.eos_token_ids, first.l3_fingerprint,
+                    first.deterministic):
             raise WorkerFailure(f"worker {rank} disagrees with worker {first.rank} on the model: {r} vs {first}")
     pages = min(r.num_pages for r in readies.values())
     return msgspec.structs.replace(first, num_pages=pages)

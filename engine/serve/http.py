@@ -140,7 +140,8 @@ def build_app(state: ServeState) -> Starlette:
             proc, reason = state.frontend.died
             return json_response(error_body(503, f"server process {proc} died ({reason})", code="process_died"), 503)
         if state.frontend.ready:
-            return json_response({"status": "ok"})
+            stats = state.frontend.stats
+            return json_response({"status": "ok", "deterministic": bool(stats and stats.deterministic)})
         return json_response(error_body(503, "the scheduler is not ready"), 503)
 
     async def flush_cache(_request: Request) -> Response:

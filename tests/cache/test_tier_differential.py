@@ -35,7 +35,7 @@ from msgs.done import BackupDone
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 
-GREEDY = SamplingParams(max_new_tokens=3, temperature=0.0)
+GREEDY = SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=True)
 
 
 class Engine:
@@ -56,8 +56,10 @@ class Engine:
         self.l3 = L3Tier(slab, cfg.l3_dir, 1 << 30) if cfg.l3_dir else None
         self.ctrl = CacheController(1, steps_in, backups_in, commits_out, [slab], l3=self.l3)
         self.n = 0
+        self.logprobs: list[list[float]] = []  # of the last run's prompts
 
     def run(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt's greedy output ids (`logprobs` keeps their logprobs by prompt)."""
         rids = []
         for ids in prompts:
             rid = f"r{self.n}"
@@ -65,6 +67,7 @@ class Engine:
             assert self.core.submit(TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=GREEDY)) is None
             rids.append(rid)
         out: dict[str, list[int]] = {rid: [] for rid in rids}
+        lps: dict[str, list[float]] = {rid: [] for rid in rids}
         inflight: deque = deque()
         deadline = time.monotonic() + 120
         while True:
@@ -73,6 +76,7 @@ class Engine:
                 inflight.append(step)
             if not inflight:
                 if self.core.idle:
+                    self.logprobs = [lps[r] for r in rids]
                     return [out[r] for r in rids]
                 assert time.monotonic() < deadline, "stuck: nothing to plan, requests left"
                 time.sleep(0.002)  # a request waits for an L3 read (the controller's thread)
@@ -80,6 +84,7 @@ class Engine:
                 continue
             for o in self.core.on_done(self.runner.run_step(inflight.popleft())):
                 out[o.rid].extend(o.new_ids)
+                lps[o.rid].extend(o.logprobs or [])
             self._controller()
 
     def _controller(self) -> None:
@@ -101,8 +106,10 @@ def slab():
 
 
 def _cfg(model: Path, **kw) -> ServerConfig:
-    # float32: the tiers must give the very tokens of a fresh compute (bf16 rounding differs by path)
-    return ServerConfig(model=str(model), device="cpu", dtype="float32", max_total_tokens=12 * 16,
+    # bfloat16 with deterministic inference (the CPU default): the tiers must give the very tokens
+    # and logprobs of a fresh compute, whose KV of the earlier turns' outputs came from a prefill
+    # where the tiers' came from decode steps (with the mode off, bf16 tokens differ)
+    return ServerConfig(model=str(model), device="cpu", dtype="bfloat16", max_total_tokens=12 * 16,
                         max_running_requests=4, max_prefill_tokens=256, cpu_threads=2, **kw)
 
 
@@ -121,10 +128,11 @@ def test_outputs_equal_fresh_l1_l2_and_l3(default_model_dir: Path, slab: str, tm
             ref = fresh.run([convs[c]])[0]
             got = tiered.run([convs[c]])[0]
             assert got == ref, f"conversation {c} turn {turn}: {got} != fresh {ref}"
+            assert tiered.logprobs == fresh.logprobs and len(fresh.logprobs[0]) == 3, f"conversation {c} turn {turn}"
             convs[c] = convs[c] + got + [rng.randrange(200, 20000) for _ in range(10)]
     # two requests at once that share a conversation's history
     pair = [convs[0] + [5, 6, 7], convs[0] + [8, 9]]
-    assert tiered.run(pair) == fresh.run(pair)
+    assert tiered.run(pair) == fresh.run(pair) and tiered.logprobs == fresh.logprobs
     stats = tiered.core.state.tiers.stats()
     assert stats["load_backs"] > 0 and stats["l2_hit_tokens"] > 0 and stats["backups_committed"] > 0
     assert tiered.core.cache_hit_tokens > stats["l2_hit_tokens"]  # some prefixes were L1 hits too
@@ -151,6 +159,7 @@ def test_outputs_equal_fresh_l1_l2_and_l3(default_model_dir: Path, slab: str, tm
         again = Engine(replace(tier_cfg, hicache_path=slab2))
         for c in range(3):
             assert again.run([convs[c]]) == fresh.run([convs[c]]), f"conversation {c} after the restart"
+            assert again.logprobs == fresh.logprobs, f"conversation {c} after the restart"
         hits = again.core.state.tiers.stats()
         assert hits["l3_hit_tokens"] >= 2 * 80, hits  # conversations 0 and 1 came from L3
         assert again.l3.store.stats()["corrupt"] == 1

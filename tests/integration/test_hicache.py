@@ -17,8 +17,9 @@ import pytest
 
 from tests.integration.conftest import Server, start_server, stop_server
 
+# bfloat16 with deterministic inference (the CPU default): computed, L1 and L2 answers equal bit for bit
 TIER_ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
-             "--max-prefill-tokens", "256", "--max-running-requests", "4")
+             "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16")
 
 
 def _children(srv: Server) -> dict[str, psutil.Process]:
@@ -46,12 +47,13 @@ def tier_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert slabs and not any(p.exists() for p in slabs), f"slab left behind: {slabs}"
 
 
-def _generate(srv: Server, ids: list[int]) -> tuple[list[int], int]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+def _generate(srv: Server, ids: list[int]) -> tuple[list, int]:
+    """(output ids with their logprobs, cached prompt tokens)."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "logprobs": True}}
     r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()
-    return out["output_ids"], out["meta_info"]["cached_tokens"]
+    return out["meta_info"]["output_token_logprobs"], out["meta_info"]["cached_tokens"]
 
 
 def test_every_process_maps_the_slab(tier_server: Server) -> None:
