@@ -4,6 +4,7 @@ bin/bench offline --num-requests 256 --input-len-range 100 1024 --output-len-ran
 bin/bench serve --request-rate 8 --num-requests 200
 bin/bench latency --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 8 32
 bin/bench cpu        # served CPU path vs transformers: 16x64 throughput, 8k-prompt TTFT, worker memory
+bin/bench deterministic # distinct answers per prompt, SGLang's single/mixed/prefix (engine/bench/deterministic.py)
 bin/bench structured # N json_schema requests vs N unconstrained of the same lengths (engine/bench/structured.py)
 bin/bench cache      # TTFT of one long prompt: recompute vs L1 vs L2 (vs L3 with --l3-dir) (engine/bench/cache.py)
 """
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("offline", "serve", "latency", "cpu", "structured", "cache")
+MODES = ("offline", "serve", "latency", "cpu", "structured", "cache", "deterministic")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("cache", help="TTFT of one long prompt served by recompute, L1, L2 and L3, side by side")
     _common(ca)
     cache.add_arguments(ca)
+    from engine.bench import deterministic
+
+    det = sub.add_parser("deterministic", help="distinct answers per prompt alone, mixed and behind prefixes (1 each)")
+    _common(det)
+    deterministic.add_arguments(det)
     return parser
 
 
@@ -113,6 +119,8 @@ def check(args: argparse.Namespace) -> str | None:
         from engine.bench import cache
 
         return cache.check(args)
+    if args.mode == "deterministic":
+        return None if args.samples >= 1 and args.max_batch >= 1 and args.max_new >= 1 else "--samples etc. >= 1"
     if args.mode == "structured":
         return None if args.num_requests >= 1 and args.max_tokens >= 1 else "--num-requests, --max-tokens >= 1"
     if args.mode == "latency":
@@ -148,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": _cpu,
         "structured": _structured,
         "cache": _cache,
+        "deterministic": _deterministic,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -157,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bin/bench: {exc}", file=sys.stderr)
         return 1
     return 1 if figures.get("completed", 1) == 0 or figures.get("tier_errors") else 0
+
+
+def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import deterministic
+
+    return deterministic.main(args)
 
 
 def _structured(args: argparse.Namespace) -> dict[str, Any]:

@@ -68,6 +68,28 @@ def test_tp2_serves_tp1_tokens(tp_server: Server, default_model_dir: Path) -> No
     assert tp_server.wait_idle()["strata_kv_leak_free"] == 1
 
 
+def test_tp2_is_deterministic(tp_server: Server) -> None:
+    """Deterministic inference (the CPU default) at tp=2: a prompt's tokens and logprobs are
+    the same bits alone, behind its cached prefix and batched with other requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = list(range(1000, 1075))
+
+    def gen(ids: list[int]) -> list:
+        r = httpx.post(f"{tp_server.http}/generate", timeout=120, json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True}})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["output_token_logprobs"]
+
+    assert httpx.get(f"{tp_server.http}/health").json() == {"status": "ok", "deterministic": True}
+    alone = gen(prompt)
+    assert gen(prompt) == alone  # 64 of its tokens from the prefix cache
+    others = [[(7 * i + k) % 3000 + 200 for k in range(n)] for i, n in enumerate((3, 40, 97, 16, 1))]
+    with ThreadPoolExecutor(6) as pool:
+        batched = list(pool.map(gen, [*others[:3], prompt[:40] + [9] + prompt[40:], prompt, *others[3:]]))
+    assert batched[4] == alone
+
+
 def test_killed_rank_stops_engine(tp_server: Server) -> None:
     everyone = psutil.Process(tp_server.proc.pid).children(recursive=True)
     workers = _workers(tp_server)

@@ -1,0 +1,104 @@
+"""bin/bench deterministic: SGLang's test_deterministic modes against one server, counting the
+distinct answers each prompt got (tokens and logprobs, bit for bit); with deterministic
+inference on, every count must be 1, and the bench exits 1 when one is not.
+
+    bin/bench deterministic --server-args "--enable-deterministic-inference" --samples 1000
+
+* single: one prompt, sent `samples` times in batches of random size (1..max-batch) of itself;
+* mixed: the prompt and a short one, each batch a random mix of both and of random other prompts;
+* prefix: four prompts sharing one long prefix (cut at different lengths, so each finds a
+  different part of it cached), in random batches, the cache warm or flushed at random.
+
+Sampling at temperature 1 with a fixed seed: a changed logit flips a draw, not only an argmax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.bench.launch import launched_server
+
+MODES = ("single", "mixed", "prefix")
+
+
+def _words(rng: random.Random, n: int) -> str:
+    vocab = ["river", "stone", "light", "paper", "seven", "green", "north", "quiet", "table", "cloud", "iron",
+             "salt", "winter", "garden", "signal", "bridge"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+async def _ask(client: httpx.AsyncClient, url: str, text: str, max_new: int) -> str:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0, "seed": 42,
+                                              "ignore_eos": True, "logprobs": True}}
+    r = await client.post(f"{url}/generate", json=body)
+    r.raise_for_status()
+    out = r.json()
+    return json.dumps(out["meta_info"]["output_token_logprobs"])  # ids with their logprobs, exactly
+
+
+async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int, seed: int) -> dict[str, int]:
+    """Distinct answers per prompt of this mode."""
+    rng = random.Random(seed)
+    base = _words(rng, 600)
+    if mode == "single":
+        targets = [_words(rng, 40)]
+    elif mode == "mixed":
+        targets = [_words(rng, 40), _words(rng, 5)]
+    else:
+        targets = [base[: len(base) * k // 4] for k in (1, 2, 3, 4)]
+    seen: dict[str, set[str]] = {t: set() for t in targets}
+    sent = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+        while sent < samples:
+            n = rng.randint(1, max_batch)
+            batch = [rng.choice(targets) for _ in range(n)]
+            if mode == "mixed":
+                batch += [_words(rng, rng.randint(1, 200)) for _ in range(rng.randint(0, max_batch))]
+            if mode == "prefix" and rng.random() < 0.2:
+                await client.post(f"{url}/flush_cache")  # refused (409) while others run: fine
+            rng.shuffle(batch)
+            answers = await asyncio.gather(*(_ask(client, url, t, max_new) for t in batch))
+            for t, a in zip(batch, answers, strict=True):
+                if t in seen:
+                    seen[t].add(a)
+                    sent += 1
+    return {f"prompt{i}": len(seen[t]) for i, t in enumerate(targets)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"model": args.model, "samples": args.samples, "server_args": args.server_args}
+    with launched_server(args.model, args.load_format, shlex.split(args.server_args)) as ep:
+        assert ep.http is not None
+        result["health"] = httpx.get(f"{ep.http}/health", timeout=10).json()
+        for mode in args.modes:
+            t0 = time.perf_counter()
+            result[mode] = asyncio.run(_mode(ep.http, mode, args.samples, args.max_batch, args.max_new, args.seed))
+            print(f"{mode:8s} distinct answers per prompt: {result[mode]}  ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+    result["deterministic"] = all(v == 1 for m in args.modes for v in result[m].values())
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--samples", type=int, default=50, help="answers collected per mode (SGLang's test: 1000)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="which tests to run")
+    p.add_argument("--max-batch", type=int, default=8, help="largest batch of the prompt under test")
+    p.add_argument("--max-new", type=int, default=8, help="tokens per answer")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    result = run(args)
+    name = Path(args.model).name if args.model else "default"
+    out = Path(args.out or Path("bench/results") / f"deterministic-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.write_text(json.dumps(result, indent=2))
+    print(f"result: {out}\ndeterministic: {result['deterministic']}")
+    return {**result, "completed": int(result["deterministic"])}
