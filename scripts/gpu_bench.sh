@@ -18,9 +18,11 @@
 #   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
 #   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
 #   hostcopy  host-tier copy GB/s (python -m engine.bench.hostcopy cuda); its gpu tests are in quick
+#   det       deterministic inference: its gpu tests, then bin/bench deterministic (Qwen3-0.6B, bf16, mode on)
+#   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -80,6 +82,15 @@ for what in "$@"; do case $what in
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
               --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
+  det) run gpu-det 300 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py -q -rA -p no:cacheprovider \
+         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-det.log" | tail -10
+       run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
+         --samples "${DET_SAMPLES:-300}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
+         --out "$OUT/deterministic-qwen3-0.6b-h200.json" || fails=$((fails + 1)); grep "distinct\|deterministic:" "$OUT/deterministic-qwen3-0.6b.log" ;;
+  detcost) for det in off on; do
+            run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
+              --input-len 256 --output-len 128 --server-args "--enable-deterministic-inference $det --max-running-requests 64" \
+              --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;

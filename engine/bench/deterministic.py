@@ -30,48 +30,45 @@ from engine.bench.launch import launched_server
 MODES = ("single", "mixed", "prefix")
 
 
-def _words(rng: random.Random, n: int) -> str:
-    vocab = ["river", "stone", "light", "paper", "seven", "green", "north", "quiet", "table", "cloud", "iron",
-             "salt", "winter", "garden", "signal", "bridge"]
-    return " ".join(rng.choice(vocab) for _ in range(n))
+def _ids(rng: random.Random, n: int) -> list[int]:
+    """A prompt of n token ids (ids, not text: random-weight model dirs have no tokenizer)."""
+    return [rng.randrange(1000, 20000) for _ in range(n)]
 
 
-async def _ask(client: httpx.AsyncClient, url: str, text: str, max_new: int) -> str:
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0, "seed": 42,
-                                              "ignore_eos": True, "logprobs": True}}
+async def _ask(client: httpx.AsyncClient, url: str, ids: list[int], max_new: int) -> str:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0, "seed": 42,
+                                                  "ignore_eos": True, "logprobs": True}}
     r = await client.post(f"{url}/generate", json=body)
     r.raise_for_status()
-    out = r.json()
-    return json.dumps(out["meta_info"]["output_token_logprobs"])  # ids with their logprobs, exactly
+    return json.dumps(r.json()["meta_info"]["output_token_logprobs"])  # ids with their logprobs, exactly
 
 
 async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int, seed: int) -> dict[str, int]:
     """Distinct answers per prompt of this mode."""
     rng = random.Random(seed)
-    base = _words(rng, 600)
+    base = _ids(rng, 600)
     if mode == "single":
-        targets = [_words(rng, 40)]
+        targets = [_ids(rng, 40)]
     elif mode == "mixed":
-        targets = [_words(rng, 40), _words(rng, 5)]
+        targets = [_ids(rng, 40), _ids(rng, 5)]
     else:
         targets = [base[: len(base) * k // 4] for k in (1, 2, 3, 4)]
-    seen: dict[str, set[str]] = {t: set() for t in targets}
+    seen: dict[int, set[str]] = {i: set() for i in range(len(targets))}
     sent = 0
     async with httpx.AsyncClient(timeout=600) as client:
         while sent < samples:
-            n = rng.randint(1, max_batch)
-            batch = [rng.choice(targets) for _ in range(n)]
+            batch = [(i, targets[i]) for i in (rng.randrange(len(targets)) for _ in range(rng.randint(1, max_batch)))]
             if mode == "mixed":
-                batch += [_words(rng, rng.randint(1, 200)) for _ in range(rng.randint(0, max_batch))]
+                batch += [(-1, _ids(rng, rng.randint(1, 200))) for _ in range(rng.randint(0, max_batch))]
             if mode == "prefix" and rng.random() < 0.2:
                 await client.post(f"{url}/flush_cache")  # refused (409) while others run: fine
             rng.shuffle(batch)
-            answers = await asyncio.gather(*(_ask(client, url, t, max_new) for t in batch))
-            for t, a in zip(batch, answers, strict=True):
-                if t in seen:
-                    seen[t].add(a)
+            answers = await asyncio.gather(*(_ask(client, url, ids, max_new) for _, ids in batch))
+            for (i, _), a in zip(batch, answers, strict=True):
+                if i >= 0:
+                    seen[i].add(a)
                     sent += 1
-    return {f"prompt{i}": len(seen[t]) for i, t in enumerate(targets)}
+    return {f"prompt{i}": len(v) for i, v in seen.items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

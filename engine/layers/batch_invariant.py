@@ -30,16 +30,20 @@ import torch.nn.functional as F
 
 from engine.layers.kv_pool import KVPool
 
-ROWS = 16  # rows per GEMM call (oneDNN's packed CPU weights are laid out for 16 rows)
+# rows per GEMM call: oneDNN's packed CPU weights are laid out for 16 rows (at decode batches up
+# to 16 a 16-row bf16 GEMM costs what a 1-row one does); on a GPU fewer, larger calls
+ROWS_BY_DEVICE = {"cpu": 16, "cuda": 64}
+ROWS = 16
 TOKENS = 16  # query tokens per attention block
 KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 
 _enabled = False
 
 
-def enable(on: bool) -> None:
-    global _enabled
+def enable(on: bool, device_type: str = "cpu") -> None:
+    global _enabled, ROWS
     _enabled = on
+    ROWS = ROWS_BY_DEVICE.get(device_type, 16)
 
 
 def enabled() -> bool:

@@ -117,7 +117,7 @@ class ModelRunner:
         # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
         # torch backend's chunked attention; on CUDA also no fused kernels and no graphs
         self.deterministic = cfg.deterministic(self.device.type)
-        batch_invariant.enable(self.deterministic)
+        batch_invariant.enable(self.deterministic, self.device.type)
         if self.deterministic and self.device.type == "cuda":
             ops.set_fused(False)
         if self.device.type == "cuda":

@@ -1,0 +1,41 @@
+"""Deterministic inference on CUDA (engine/layers/batch_invariant.py): Qwen3-0.6B shapes with
+random weights in bfloat16, in process: a prompt's tokens and logprobs are the same bits
+alone, in mixed batches, behind cached prefixes of several lengths, at several prefill chunk
+sizes and with overlap off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import ServerConfig
+from engine.local import LocalEngine, Result
+from msgs.params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, ignore_eos=True, logprobs=True)
+PROMPT = [(31 * i) % 30000 + 500 for i in range(300)]
+OTHERS = [[(17 * i + 7 * s) % 30000 + 500 for i in range(n)] for s, n in enumerate((1, 37, 130, 600, 5, 64), 1)]
+
+
+def _engine(det: str, **kw) -> LocalEngine:  # noqa: ANN003
+    return LocalEngine(ServerConfig(model=str(REPO / "configs" / "qwen3-0.6b"), load_format="dummy", device="cuda",
+                                    dtype="bfloat16", enable_deterministic_inference=det, max_total_tokens=32768,
+                                    max_running_requests=32, **kw))
+
+
+def _key(r: Result) -> tuple[list[int], list[float]]:
+    return r.output_ids, r.logprobs
+
+
+def test_one_request_one_answer_on_cuda() -> None:
+    eng = _engine("on")
+    want = _key(eng.generate([PROMPT], SAMPLED)[0])
+    answers = {str(want)}
+    answers.add(str(_key(eng.generate([PROMPT], SAMPLED)[0])))  # cached
+    for k in range(1, len(OTHERS) + 1):  # batches of 1..6 others, mixed lengths
+        answers.add(str(_key(eng.generate([*OTHERS[:k], PROMPT], SAMPLED)[-1])))
+    for cut in (16, 100, 256):
+        fresh = _engine("on", disable_overlap=cut == 100, max_prefill_tokens=64 if cut == 256 else 2048)
+        fresh.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
+        answers.add(str(_key(fresh.generate([OTHERS[2], PROMPT], SAMPLED)[-1])))
+    assert answers == {str(want)}
