@@ -13,3 +13,23 @@ def default_model_dir() -> Path:
     from models.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariant_state():  # noqa: ANN202
+    """A ModelRunner turns deterministic inference on process-wide (the CPU default): give each
+    test back the state it started with, so tests of the default kernels are not left in it."""
+    from engine.layers import batch_invariant
+
+    was = batch_invariant.enabled(), batch_invariant.ROWS
+    yield
+    batch_invariant._enabled, batch_invariant.ROWS = was
+
+
+@pytest.fixture
+def vendor_kernels():  # noqa: ANN202
+    """The default (not batch-invariant) kernels, whatever earlier tests' runners left on."""
+    from engine.layers import batch_invariant
+
+    batch_invariant.enable(False)
+    yield

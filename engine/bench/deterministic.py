@@ -53,7 +53,7 @@ async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int,
         targets = [_ids(rng, 40), _ids(rng, 5)]
     else:
         targets = [base[: len(base) * k // 4] for k in (1, 2, 3, 4)]
-    seen: dict[int, set[str]] = {i: set() for i in range(len(targets))}
+    seen: dict[int, dict[str, list[int]]] = {i: {} for i in range(len(targets))}  # answer -> [count, 1st batch size]
     sent = 0
     async with httpx.AsyncClient(timeout=600) as client:
         while sent < samples:
@@ -66,8 +66,11 @@ async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int,
             answers = await asyncio.gather(*(_ask(client, url, ids, max_new) for _, ids in batch))
             for (i, _), a in zip(batch, answers, strict=True):
                 if i >= 0:
-                    seen[i].add(a)
+                    seen[i].setdefault(a, [0, len(batch)])[0] += 1
                     sent += 1
+    for i, v in seen.items():
+        if len(v) > 1:  # how often each answer came, and the batch size it first came in
+            print(f"  {mode} prompt{i}: {sorted(v.values(), reverse=True)}", flush=True)
     return {f"prompt{i}": len(v) for i, v in seen.items()}
 
 

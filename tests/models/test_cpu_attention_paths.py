@@ -14,6 +14,8 @@ from engine.layers.attention import TorchAttention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 
+pytestmark = pytest.mark.usefixtures("vendor_kernels")  # these test the default kernels
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_gather_pages_matches_slot_indexing(dtype: torch.dtype) -> None:

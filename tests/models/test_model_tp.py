@@ -33,6 +33,8 @@ from models.llama import LlamaForCausalLM
 from models.loader import init_dummy, load_safetensors
 from msgs.params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("vendor_kernels")  # these test the default kernels
+
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
