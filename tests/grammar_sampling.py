@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
 from engine.run.sampler import SampleParams, Sampler
-from engine.serve.grammar import json_format, tokenizer_info
+from engine.serve.grammar import compilable, json_format, tokenizer_info
 from engine.serve.tokenizer import load_tokenizer
 from msgs.codec import pack_ids
 from msgs.params import Grammar
@@ -42,7 +42,7 @@ def sample_json(tokenizer_dir: Path, schema: dict[str, Any], device: torch.devic
     vocab = len(tok.hf) + TAIL
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(schema)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(compilable(json.dumps(tag)))
     stops = [int(t) for t in info.stop_token_ids]
     grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), stops)
     bias = torch.zeros(vocab)

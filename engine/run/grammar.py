@@ -128,6 +128,7 @@ class GrammarSlots(Effect):
         self.device = device
         self.matchers: dict[int, Any] = {}  # slot -> xgr.GrammarMatcher
         self._info: Any = None  # xgr.TokenizerInfo, built on the first grammar
+        self._guard: torch.Tensor | None = None  # its utf8_guard row
         # the grammars this rank holds, by the replica's rule (GrammarKeys: an AddReq carries a
         # grammar's data only when its key comes in); in process: data, deserialized on first use
         self._keys = GrammarKeys()
@@ -232,13 +233,14 @@ class GrammarSlots(Effect):
 
     def _tokenizer_info(self) -> Any:
         if self._info is None:  # once, on the first constrained request: the tokenizer process's twin
-            from engine.serve.grammar import tokenizer_info
+            from engine.serve.grammar import tokenizer_info, utf8_guard
             from engine.serve.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.model_dir)
             if tok is None:
                 raise ReplicaError(f"a grammar arrived, but {self.model_dir!r} has no tokenizer files")
             self._info = tokenizer_info(tok.hf, self.vocab_size)
+            self._guard = utf8_guard(self._info)
         return self._info
 
     # ---- per step ----
@@ -265,7 +267,7 @@ class GrammarSlots(Effect):
         if stale and self._helpers is not None:  # rows the background job did not fill
             self._helpers.fill([(m.id, s) for s, m in stale])
         elif stale:  # new matchers (AddReq), or rows the background job did not fill
-            self._batch.batch_fill_next_token_bitmask([m for _, m in stale], self._bitmask, [s for s, _ in stale])
+            self._fill([m for _, m in stale], [s for s, _ in stale])
         if self.device.type == "cuda":
             pairs = self._pairs_np
             for j, (i, s, _) in enumerate(live):
@@ -345,6 +347,13 @@ class GrammarSlots(Effect):
         if pending is not None:
             self._advance(pending)
 
+    def _fill(self, matchers: list[Any], slots: list[int]) -> None:
+        """The slots' next-token rows, with the tokens that would make ill-formed UTF-8 cleared
+        (engine/serve/grammar.py `utf8_guard`; the helpers do the same)."""
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, slots)
+        rows = torch.tensor(slots, dtype=torch.int64)
+        self._bitmask[rows] = self._bitmask[rows] & self._guard
+
     def _advance(self, pending: _Pending) -> None:
         t0 = time.perf_counter()
         if pending.event is not None:
@@ -377,7 +386,7 @@ class GrammarSlots(Effect):
                 log.warning("grammar refused a sampled token", token=tok, rejected=self.rejected)
         fill = [(s, m) for _, s, m in live if not m.is_terminated()]
         if fill:
-            self._batch.batch_fill_next_token_bitmask([m for _, m in fill], self._bitmask, [s for s, _ in fill])
+            self._fill([m for _, m in fill], [s for s, _ in fill])
             for s, m in fill:
                 self._ready[s] = m
         sums["fill"] += time.perf_counter() - t2

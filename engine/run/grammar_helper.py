@@ -272,7 +272,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     import torch
     import xgrammar as xgr
 
-    from engine.serve.grammar import tokenizer_info
+    from engine.serve.grammar import tokenizer_info, utf8_guard
     from engine.serve.tokenizer import load_tokenizer
 
     nbytes = max_slots * bitmask_words(vocab_size) * 4
@@ -280,6 +280,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     bitmask = torch.frombuffer(mapping, dtype=torch.int32).view(max_slots, -1)
     tok = load_tokenizer(model_dir)
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
+    guard = utf8_guard(info) if info is not None else None  # see engine/run/grammar.py _fill
     compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not deserialize), HPrepare to HForget
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
@@ -304,6 +305,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
         done = m.is_terminated()
         if not done:
             m.fill_next_token_bitmask(bitmask, slot)
+            bitmask[slot] &= guard
         return done
 
     while (frame := _read(rfd)) is not None:

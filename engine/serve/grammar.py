@@ -69,36 +69,65 @@ def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
     return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
 
 
+_LEAD_FOLLOWERS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def utf8_guard(info: Any) -> Any:
+    """An int32 bitmask row (xgrammar's layout, the TokenizerInfo's vocabulary) that clears the
+    tokens which would make the output ill-formed UTF-8 whatever follows: bytes C0, C1, F5-FF;
+    a lead byte E0/ED/F0/F4 followed in the token by a byte outside its range (an overlong form,
+    a surrogate, past U+10FFFF), or ending the token (the next token's first byte would be
+    unchecked: xgrammar's byte automaton takes any continuation there). ANDed into every
+    grammar row: xgrammar 0.2.9 admits those forms in strings, and each decodes to U+FFFD per
+    byte. What it costs: U+0800-U+0FFF, U+D000-U+D7FF and planes 1-16 only through tokens that
+    hold their lead byte and the next one (byte-level vocabularies merge these)."""
+    import numpy as np
+    import torch
+
+    row = np.full(-(-info.vocab_size // 32), 0xFFFFFFFF, dtype=np.uint32)  # xgrammar's words: bit t%32 of t//32
+    for t, b in enumerate(info.decoded_vocab):
+        for i, c in enumerate(b):
+            span = _LEAD_FOLLOWERS.get(c)
+            if c in (0xC0, 0xC1) or c >= 0xF5 or (span and (i + 1 == len(b) or not span[0] <= b[i + 1] <= span[1])):
+                row[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+                break
+    return torch.from_numpy(row.view(np.int32))
+
+
 def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": json_safe_strings(schema), "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
 
 
-_STRING_FIXED_BY = ("pattern", "format", "enum", "const")  # string schemas xgrammar builds another way
-# a raw character of a JSON string, as well-formed UTF-8: not a control character, quote or
-# backslash, not a surrogate; the ranges are explicit because xgrammar compiles a negated or
-# "." class to byte sequences that include overlong forms
-JSON_STRING_CHAR = "[ !#-\\[\\]-\ud7ff\ue000-\uffff\U00010000-\U0010ffff]"
+# xgrammar 0.2.9 builds a string with minLength / maxLength from this class, which admits raw
+# control characters (U+0000-U+001F but CR and LF: a "stop" answer json.loads refuses) and
+# UTF-8-encoded surrogates (one U+FFFD per byte once decoded: maxLength broken); its plain
+# strings exclude the former. Patched in the EBNF; a pattern instead (a Regex rule) made every
+# mask fill ~8x slower (0.13-0.24 vs 0.017 ms a row), so did a class of explicit ranges.
+_BOUNDED_STRING_CLASS = r'[^\"\\\r\n]'
+_JSON_STRING_CLASS = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
-def json_safe_strings(schema: Any) -> Any:
-    """`schema` with every length-bounded string (minLength / maxLength, and no pattern,
-    format, enum or const) rewritten to the pattern `^{JSON_STRING_CHAR}{min,max}$`.
+def json_grammars(fmt: Any) -> Any:
+    """A structural-tag format with each JSON-schema part (JSON style) replaced by its EBNF, the
+    class of length-bounded strings patched (_BOUNDED_STRING_CLASS); runs where compiles run
+    (a schema xgrammar refuses raises here, as it would compiling)."""
+    if isinstance(fmt, list):
+        return [json_grammars(f) for f in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    if fmt.get("type") == "json_schema" and fmt.get("style", "json") == "json":
+        import xgrammar as xgr
 
-    Why: xgrammar 0.2.9 builds such a string from the byte-level class [^"\\\r\n]. It admits
-    raw control characters (a "stop" answer that json.loads refuses) and invalid UTF-8
-    (surrogates and overlong forms, which decode to one U+FFFD per byte and break maxLength).
-    The pattern admits neither; like xgrammar's own, it admits no escapes, so a length counts
-    characters."""
-    if isinstance(schema, list):
-        return [json_safe_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: json_safe_strings(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not any(k in out for k in _STRING_FIXED_BY):
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
-        out["pattern"] = f"^{JSON_STRING_CHAR}{{{lo},{'' if hi is None else hi}}}$"
-    return out
+        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(fmt["json_schema"]), any_whitespace=True,
+                                                max_whitespace_cnt=fmt.get("max_whitespace_cnt")))
+        return {"type": "grammar", "grammar": ebnf.replace(_BOUNDED_STRING_CLASS, _JSON_STRING_CLASS)}
+    return {k: json_grammars(v) for k, v in fmt.items()}
+
+
+def compilable(tag_text: str) -> str:
+    """A structural tag's JSON as GrammarCompiler.compile_structural_tag should get it."""
+    tag = json.loads(tag_text)
+    return json.dumps({**tag, "format": json_grammars(tag["format"])})
 
 
 def spec_format(name: str, text: str) -> dict[str, Any]:
@@ -221,7 +250,7 @@ class GrammarService:
     def _compile_sync(self, text: str, key: str, vocab_size: int) -> Grammar:
         compiler, stop_ids = self._ensure(vocab_size)
         t0 = time.perf_counter()
-        compiled = compiler.compile_structural_tag(text)
+        compiled = compiler.compile_structural_tag(compilable(text))
         data = zlib.compress(compiled.serialize_json().encode(), 1)
         seconds = time.perf_counter() - t0
         self._metrics.grammar_compile.observe(seconds)
