@@ -20,6 +20,16 @@ def bmm_sweep(m: int, k: int, n: int, dtype: torch.dtype) -> list[int]:
 for shape in ((32, 128, 64), (32, 64, 129), (32, 64, 128), (48, 64, 64)):
     bad = bmm_sweep(*shape, torch.float32)
     print(f"bmm fp32 {shape}: batch counts whose entry 0 differs: {len(bad)} {bad[:12]}", flush=True)
+a = torch.randn(64, 32, 128, device=dev)
+b = torch.randn(64, 128, 64, device=dev)
+x_a, x_b = torch.randn(32, 128, device=dev), torch.randn(128, 64, device=dev)
+outs = []
+for p in (0, 5, 31, 63):
+    a2, b2 = a.clone(), b.clone()
+    a2[p], b2[p] = x_a, x_b
+    outs.append(torch.bmm(a2, b2)[p])
+print(f"bmm of 64: one entry keeps its bits at any position beside any others: "
+      f"{all(torch.equal(o, outs[0]) for o in outs)}", flush=True)
 w = torch.randn(3072, 1024, device=dev, dtype=torch.bfloat16)
 x = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
 ref = torch.nn.functional.linear(x[:64].clone(), w)

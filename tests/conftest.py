@@ -21,9 +21,9 @@ def _batch_invariant_state():  # noqa: ANN202
     test back the state it started with, so tests of the default kernels are not left in it."""
     from engine.layers import batch_invariant
 
-    was = batch_invariant.enabled(), batch_invariant.ROWS
+    was = batch_invariant.enabled(), batch_invariant.ROWS, batch_invariant.BMM_GROUP
     yield
-    batch_invariant._enabled, batch_invariant.ROWS = was
+    batch_invariant._enabled, batch_invariant.ROWS, batch_invariant.BMM_GROUP = was
 
 
 @pytest.fixture

@@ -34,6 +34,11 @@ from engine.layers.kv_pool import KVPool
 # to 16 a 16-row bf16 GEMM costs what a 1-row one does); on a GPU fewer, larger calls
 ROWS_BY_DEVICE = {"cpu": 16, "cuda": 64}
 ROWS = 16
+# batched GEMMs in calls of exactly this many matrices: cuBLAS picks its kernel by the batch
+# count too (on the H200 entry 0 of a [n, 32, 128] x [n, 128, 64] bmm changed bits between
+# n = 1 and every n > 1; scripts/det_probe.py). CPU (oneDNN) measured invariant: one call.
+BMM_GROUP_BY_DEVICE = {"cuda": 64}
+BMM_GROUP: int | None = None
 TOKENS = 16  # query tokens per attention block
 KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 
@@ -41,9 +46,10 @@ _enabled = False
 
 
 def enable(on: bool, device_type: str = "cpu") -> None:
-    global _enabled, ROWS
+    global _enabled, ROWS, BMM_GROUP
     _enabled = on
     ROWS = ROWS_BY_DEVICE.get(device_type, 16)
+    BMM_GROUP = BMM_GROUP_BY_DEVICE.get(device_type)
 
 
 def enabled() -> bool:
@@ -59,6 +65,17 @@ def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch
     if m + pad == ROWS:
         return f(x)[:m]
     return torch.cat([f(x[i : i + ROWS]) for i in range(0, m + pad, ROWS)])[:m]
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, in calls of BMM_GROUP matrices (the last padded with zeros) where set."""
+    g, n = BMM_GROUP, a.shape[0]
+    if g is None:
+        return torch.bmm(a, b)
+    pad = -n % g
+    if pad:
+        a, b = torch.cat([a, a.new_zeros(pad, *a.shape[1:])]), torch.cat([b, b.new_zeros(pad, *b.shape[1:])])
+    return torch.cat([torch.bmm(a[i : i + g], b[i : i + g]) for i in range(0, n + pad, g)])[:n]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,11 +158,11 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
         kt = k.permute(0, 2, 3, 1).reshape(n, d, chunk)
         # V with a column of ones: the same GEMM sums the probabilities (no separate reduction)
         v1 = torch.cat([v.permute(0, 2, 1, 3), v.new_ones(c.blocks, hkv, chunk, 1)], -1).view(n, chunk, d + 1)
-        s = torch.bmm(qb[:n], kt).view(c.blocks, hkv, TOKENS, g, chunk)
+        s = bmm(qb[:n], kt).view(c.blocks, hkv, TOKENS, g, chunk)
         s = s.masked_fill(~c.visible, float("-inf")).view(n, TOKENS * g, chunk)
         m_new = torch.maximum(m[:n], s.amax(-1, keepdim=True))
         scale = torch.exp(m[:n] - m_new)
-        acc[:n] = acc[:n] * scale + torch.bmm(torch.exp(s - m_new), v1)
+        acc[:n] = acc[:n] * scale + bmm(torch.exp(s - m_new), v1)
         m[:n] = m_new
     o = (acc[..., :d] / acc[..., d:]).view(nb, hkv, TOKENS, g, d).permute(0, 2, 1, 3, 4).reshape(nb * TOKENS, hq, d)
     out[p.rows.view(-1)[p.real]] = o[p.real].to(q.dtype)

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import ServerConfig
 from engine.env import env
-from engine.layers import batch_invariant, ops, triton_ops
+from engine.layers import batch_invariant, triton_ops
 from engine.layers.attention import create_backend
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.forward import ForwardBatch
@@ -115,11 +115,10 @@ class ModelRunner:
         self.device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
-        # torch backend's chunked attention; on CUDA also no fused kernels and no graphs
+        # torch backend's chunked attention (no CUDA graphs: that backend is not captured); the
+        # fused norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
         self.deterministic = cfg.deterministic(self.device.type)
         batch_invariant.enable(self.deterministic, self.device.type)
-        if self.deterministic and self.device.type == "cuda":
-            ops.set_fused(False)
         if self.device.type == "cuda":
             # the forward (and the replays of its graphs) runs on a high-priority stream, so
             # that the host tier's backups, on a default-priority side stream, get only the

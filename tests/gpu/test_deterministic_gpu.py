@@ -34,6 +34,8 @@ def test_one_request_one_answer_on_cuda() -> None:
     answers.add(str(_key(eng.generate([PROMPT], SAMPLED)[0])))  # cached
     for k in range(1, len(OTHERS) + 1):  # batches of 1..6 others, mixed lengths
         answers.add(str(_key(eng.generate([*OTHERS[:k], PROMPT], SAMPLED)[-1])))
+    for k in range(2, 12, 3):  # copies of itself (bin/bench deterministic's single mode), with others
+        answers |= {str(_key(r)) for r in eng.generate([PROMPT] * k + OTHERS[: k % 4], SAMPLED)[:k]}
     for cut in (16, 100, 256):
         fresh = _engine("on", disable_overlap=cut == 100, max_prefill_tokens=64 if cut == 256 else 2048)
         fresh.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
