@@ -62,3 +62,19 @@ def test_chunks_and_overlap(default_model_dir: Path, chunk: int, overlap: bool) 
     eng = _engine(default_model_dir, "bfloat16", max_prefill_tokens=chunk, disable_overlap=not overlap)
     got = eng.generate([*OTHERS[:3], PROMPT], GREEDY)[-1]
     assert _key(got) == _key(want)
+
+
+def test_grouped_bmm_and_row_blocks_keep_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA shapes of the mode (batched GEMMs in fixed groups, GEMMs in fixed row blocks),
+    run on CPU, where a fixed shape keeps a row's bits: the same values as one call."""
+    import torch
+
+    from engine.layers import batch_invariant as bi
+
+    torch.manual_seed(0)
+    a, b = torch.randn(70, 32, 64), torch.randn(70, 64, 65)
+    monkeypatch.setattr(bi, "BMM_GROUP", 16)
+    assert torch.equal(bi.bmm(a, b), torch.bmm(a, b))
+    monkeypatch.setattr(bi, "ROWS", 64)
+    x, w = torch.randn(150, 64), torch.randn(96, 64)
+    assert torch.equal(bi.linear(x, w)[100:], bi.linear(x[100:], w)) and bi.linear(x, w).shape == (150, 96)
