@@ -177,11 +177,19 @@ class TorchAttention(AttentionBackend):
         self._extends: list[_ExtendReq] = []
         self._all_decode = False
         self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
+        self._kernel = False  # that path's CUDA kernel takes this model (bind)
+
+    def bind(
+        self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
+        q_dtype: torch.dtype | None = None, fp8_math: bool = False,
+    ) -> None:
+        self._kernel = batch_invariant.kernel_fits(num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
+                                                   self.device)
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
         if batch_invariant.enabled():
-            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size)
+            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel)
             return
         decode_reqs = [i for i, n in enumerate(lens) if n == 1]
         row_starts = [0]

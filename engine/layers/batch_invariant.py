@@ -89,7 +89,7 @@ class Chunk:
 
     blocks: int
     pages: torch.Tensor  # int64 [blocks, kv_chunk / page_size]
-    visible: torch.Tensor  # bool [blocks, 1, TOKENS, 1, kv_chunk]
+    hidden: torch.Tensor  # bool [blocks, 1, TOKENS, 1, kv_chunk]: key after the token (masked)
 
 
 @dataclass
@@ -99,10 +99,28 @@ class Plan:
     rows: torch.Tensor  # int64 [nb, TOKENS]: the q row of each block token (pads repeat the last)
     real: torch.Tensor  # int64: the block tokens (flat index into nb * TOKENS) that are not pads
     chunks: list[Chunk]
+    page_table: torch.Tensor
+    page_size: int
+    chunk: int
+    # the same blocks for the CUDA kernel: (request int32, rows, positions int64 [nb, TOKENS],
+    # chunks read int32, real int8 [nb, TOKENS])
+    blocks: tuple[torch.Tensor, ...]
+    kernel: bool  # attend by the CUDA kernel (then `chunks` is empty)
 
 
-def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int) -> Plan:
-    """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order)."""
+def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                device: torch.device) -> bool:
+    """Whether the CUDA kernel takes this geometry (power-of-two GQA group and head dim, a
+    16/32-bit KV cache); else the torch ops below run, on any device."""
+    g = num_q_heads // num_kv_heads
+    return (device.type == "cuda" and g & (g - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and kv_dtype.itemsize >= 2)
+
+
+def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
+         kernel: bool = False) -> Plan:
+    """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order);
+    `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself."""
     chunk = max(KV_CHUNK, page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
@@ -127,21 +145,33 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     pos_t = torch.tensor([pos[b] for b in order], dtype=torch.int64, device=dev)
     req_t = torch.tensor([req[b] for b in order], dtype=torch.int64, device=dev)
     width = page_table.shape[1]
-    chunks = []
+    real_mask = torch.zeros(len(order) * TOKENS, dtype=torch.int8)
+    real_mask[real] = 1
+    blocks = (req_t.to(torch.int32), rows_t, pos_t,
+              torch.tensor([reads[b] for b in order], dtype=torch.int32, device=dev),
+              real_mask.view(-1, TOKENS).to(dev))
+    chunks: list[Chunk] = []
+    if kernel:
+        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel)
     for j in range(reads[order[0]] if order else 0):
         nb = sum(1 for b in order if reads[b] > j)
         cols = torch.arange(j * per_chunk, (j + 1) * per_chunk, device=dev).clamp_(max=width - 1)
         pages = page_table[req_t[:nb]][:, cols].to(torch.int64)
         key = torch.arange(j * chunk, (j + 1) * chunk, device=dev)
-        visible = key[None, None, :] <= pos_t[:nb, :, None]
-        chunks.append(Chunk(nb, pages, visible[:, None, :, None, :]))
-    return Plan(rows_t, real_t, chunks)
+        hidden = key[None, None, :] > pos_t[:nb, :, None]
+        chunks.append(Chunk(nb, pages, hidden[:, None, :, None, :]))
+    return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel)
 
 
 def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over `layer`'s paged KV by the plan; [T, Hq, D] in q's dtype."""
     _, hq, d = q.shape
     nb = p.rows.shape[0]
+    if p.kernel:  # one launch, the same structure
+        from engine.layers import triton_ops
+
+        return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], p.page_size,
+                                              p.page_table, p.blocks, TOKENS, p.chunk)
     out = torch.empty_like(q)
     if nb == 0:
         return out
@@ -153,16 +183,21 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
     acc = torch.zeros(nb * hkv, TOKENS * g, d + 1, device=q.device)  # [.., :d] output, [.., d] the sum
     for c in p.chunks:
         n = c.blocks * hkv
-        k, v = kv_pool.gather_pages(layer, c.pages, torch.float32)  # [blocks, chunk, Hkv, D]
+        k, v = kv_pool.gather_pages(layer, c.pages, kv_pool.dtype)  # [blocks, chunk, Hkv, D] as stored
         chunk = k.shape[1]
-        kt = k.permute(0, 2, 3, 1).reshape(n, d, chunk)
-        # V with a column of ones: the same GEMM sums the probabilities (no separate reduction)
-        v1 = torch.cat([v.permute(0, 2, 1, 3), v.new_ones(c.blocks, hkv, chunk, 1)], -1).view(n, chunk, d + 1)
-        s = bmm(qb[:n], kt).view(c.blocks, hkv, TOKENS, g, chunk)
-        s = s.masked_fill(~c.visible, float("-inf")).view(n, TOKENS * g, chunk)
-        m_new = torch.maximum(m[:n], s.amax(-1, keepdim=True))
-        scale = torch.exp(m[:n] - m_new)
-        acc[:n] = acc[:n] * scale + bmm(torch.exp(s - m_new), v1)
+        # float32 and the GEMMs' layouts in one copy each; V gets a column of ones, so that the
+        # same GEMM sums the probabilities (no separate reduction)
+        kt = torch.empty(n, d, chunk, device=q.device)
+        kt.view(c.blocks, hkv, d, chunk).copy_(k.permute(0, 2, 3, 1))
+        v1 = torch.empty(n, chunk, d + 1, device=q.device)
+        v1.view(c.blocks, hkv, chunk, d + 1)[..., :d].copy_(v.permute(0, 2, 1, 3))
+        v1[..., d] = 1.0
+        s = bmm(qb[:n], kt)
+        s.view(c.blocks, hkv, TOKENS, g, chunk).masked_fill_(c.hidden, float("-inf"))
+        m_old = m[:n]
+        m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
+        pv = bmm(s.sub_(m_new).exp_(), v1)
+        acc[:n].mul_(m_old.sub_(m_new).exp_()).add_(pv)
         m[:n] = m_new
     o = (acc[..., :d] / acc[..., d:]).view(nb, hkv, TOKENS, g, d).permute(0, 2, 1, 3, 4).reshape(nb * TOKENS, hq, d)
     out[p.rows.view(-1)[p.real]] = o[p.real].to(q.dtype)

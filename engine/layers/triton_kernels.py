@@ -314,3 +314,54 @@ def store_kernel(src, dst, n, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width"])
+def invariant_attention_kernel(
+    q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
+    blk_real, out, sm_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """Deterministic inference's attention (engine/layers/batch_invariant.py) for one (block of
+    T query tokens of one request, KV head): the group's T * G query rows against the KV in
+    chunks of C positions from position 0, online softmax in chunk order. A row's arithmetic
+    depends on nothing but its own q, its position and the KV: not on the batch."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    G: tl.constexpr = HQ // HKV
+    M: tl.constexpr = T * G
+    act = out.dtype.element_ty
+    dot_t = tl.float32 if F32_DOT else act
+    r = tl.arange(0, M)
+    t = r // G
+    qrow = tl.load(blk_rows + b * T + t)
+    pos = tl.load(blk_pos + b * T + t)
+    req = tl.load(blk_req + b).to(tl.int64)
+    reads = tl.load(blk_reads + b)
+    d = tl.arange(0, D)
+    head = kvh * G + r % G
+    qv = tl.load(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :]).to(dot_t)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    n = tl.arange(0, C)
+    trow = table + req * table_stride
+    for j in range(0, reads):
+        kpos = j * C + n
+        col = kpos // PS
+        page = tl.load(trow + col, mask=col < table_width, other=0).to(tl.int64)
+        off = (page * PS + kpos % PS)[:, None] * (HKV * D) + kvh * D + d[None, :]
+        kt = tl.load(k_cache + off).to(dot_t)
+        vt = tl.load(v_cache + off).to(dot_t)
+        s = tl.dot(qv, tl.trans(kt)) * sm_scale
+        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), vt)
+        m_i = m_new
+    o = (acc / l_i[:, None]).to(act)
+    real = tl.load(blk_real + b * T + t) != 0
+    tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o, mask=real[:, None])

@@ -313,6 +313,25 @@ def decode_attention(
     return out
 
 
+def invariant_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
+    blocks: tuple[torch.Tensor, ...], tokens: int, chunk: int,
+) -> torch.Tensor:
+    """Deterministic inference's attention in one launch (triton_kernels.invariant_attention_kernel):
+    q [T, Hq, D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64
+    [nb, tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    nb = blocks[0].shape[0]
+    if nb:
+        _k().invariant_attention_kernel[(nb, hkv)](
+            q, q.stride(0), k_cache, v_cache, table, table.stride(0), table.shape[1], *blocks, out, d**-0.5,
+            HQ=hq, HKV=hkv, D=d, PS=page_size, T=tokens, C=chunk, F32_DOT=_interpreted(), num_warps=4,
+        )
+    return out
+
+
 MASK_BLOCK = 4096  # tokens per program of the grammar mask (128 bitmask words)
 
 
