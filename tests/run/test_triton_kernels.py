@@ -279,3 +279,28 @@ def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> N
     real = torch.ones(pools[0].k[0].shape[0], dtype=torch.bool)
     real[:ps] = False  # the padding rows wrote their K/V into the padding page
     assert torch.equal(pools[0].k[0][real], pools[1].k[0][real])
+
+
+def test_invariant_attention_kernel_matches_the_torch_path() -> None:
+    """Deterministic inference's CUDA kernel (interpreted) against its torch path on CPU, over a
+    batch with a fresh prompt, a chunk behind a cached prefix and two decodes; and a token's
+    output is the same bits when its request runs alone (the invariance, in the interpreter)."""
+    from engine.layers import batch_invariant as bi
+    from engine.layers.kv_pool import KVPool
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, ps = 4, 2, 32, 16
+    pool = KVPool(1, 64, ps, hkv, d, torch.float32, "cpu")
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    table = torch.randperm(63, generator=g)[:60].add(1).view(4, 15).to(torch.int32)  # 4 requests x 15 pages
+    seqs, lens = [40, 150, 77, 9], [40, 30, 1, 1]
+    q = torch.randn(sum(lens), hq, d, generator=g)
+    want = bi.attend(q, bi.plan(table, seqs, lens, ps), pool, 0)
+    blocks = bi.plan(table, seqs, lens, ps, kernel=True)
+    got = triton_ops.invariant_attention(q, pool.k[0], pool.v[0], ps, table, blocks.blocks, bi.TOKENS, blocks.chunk)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    alone = bi.plan(table[1:2], seqs[1:2], lens[1:2], ps, kernel=True)
+    one = triton_ops.invariant_attention(q[40:70], pool.k[0], pool.v[0], ps, table[1:2], alone.blocks, bi.TOKENS,
+                                         alone.chunk)
+    assert torch.equal(one, got[40:70])
