@@ -48,8 +48,7 @@ HELP = {
     "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",
     "enable_deterministic_inference": "one request, one answer: its logits bit for bit whatever its batch, cached "
     "prefix (any tier), prefill chunks or overlap (fixed-shape GEMMs, attention summed in chunks aligned to "
-    "absolute positions; the torch attention backend, no CUDA graphs). auto = on for CPU, off for CUDA; the flag "
-    "alone = on",
+    "absolute positions; the torch attention backend, no CUDA graphs). Costs throughput: docs/PERF.md",
     "seed": "seed for requests that give none (each gets a fresh seed drawn from this)",
     "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on; OpenMP threads wait "
     "passively unless OMP_WAIT_POLICY is set)",
@@ -92,8 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         default = f.default
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=HELP[f.name])
-        elif f.name == "enable_deterministic_inference":  # SGLang's flag, bare = on; or auto | on | off
-            parser.add_argument(flag, nargs="?", const="on", default=default, help=HELP[f.name])
         else:
             parser.add_argument(flag, type=type(default), default=default, help=HELP[f.name])
     return parser

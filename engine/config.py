@@ -45,7 +45,7 @@ class ServerConfig:
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
     # a request's logits independent of its batch, cache hits, chunks, overlap (engine/layers/batch_invariant.py)
-    enable_deterministic_inference: str = "auto"  # auto (on for CPU, off for CUDA) | on | off
+    enable_deterministic_inference: bool = False
     seed: int = 0
     cpu_threads: int = 0  # torch intra-op threads of a CPU worker; 0 = every core this process may use
     decode_kernel: str = "auto"  # auto (the GPU's tuning file) | fa2 | xqa | triton: override for debugging
@@ -69,9 +69,7 @@ class ServerConfig:
             (self.load_format in ("auto", "safetensors", "dummy"), f"bad --load-format {self.load_format}"),
             (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
-            (self.enable_deterministic_inference in ("auto", "on", "off"),
-             f"bad --enable-deterministic-inference {self.enable_deterministic_inference} (auto | on | off)"),
-            (self.enable_deterministic_inference != "on" or self.attention_backend in ("auto", "torch"),
+            (not self.enable_deterministic_inference or self.attention_backend in ("auto", "torch"),
              "--enable-deterministic-inference needs the torch attention backend (--attention-backend auto or torch)"),
             (self.kv_cache_dtype in ("auto", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype}"),
             (0 < self.port < 65536 and 0 < self.sdk_port < 65536, "ports must be in 1..65535"),
@@ -113,11 +111,6 @@ class ServerConfig:
         if self.enable_hierarchical_cache:
             raise ValueError("--enable-hierarchical-cache with --nnodes > 1: the host tier's slab is node-local "
                              "shared memory (one cache controller per engine); use one node")
-
-    def deterministic(self, device_type: str) -> bool:
-        """Whether deterministic inference is on for a worker on `device_type` (auto: on CPU)."""
-        mode = self.enable_deterministic_inference
-        return mode == "on" or (mode == "auto" and device_type == "cpu")
 
     @property
     def net(self) -> TcpPlan | None:

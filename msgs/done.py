@@ -31,7 +31,7 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     page_bytes: int = 0  # one KV page across every layer, K and V: a host-tier page
     num_layers: int = 0  # layers of that page (the L3 files' layout)
     l3_fingerprint: bytes = b""  # with --l3-dir: the model's L3 fingerprint (engine/cache/l3.py)
-    deterministic: bool = False  # --enable-deterministic-inference resolved on this rank's device
+    deterministic: bool = False  # --enable-deterministic-inference (every rank must agree)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):

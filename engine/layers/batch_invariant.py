@@ -17,7 +17,7 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
 
 Everything else a token meets is per row and elementwise (norms, RoPE, SiLU, sampling).
 The mode is set once per process (`enable`), before the model runs; engine/run/runner.py
-turns it on from --enable-deterministic-inference (the CPU default).
+turns it on from --enable-deterministic-inference.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import structlog
@@ -90,21 +89,15 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if name == "fp8_e4m3" else model_dtype
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 arithmetic on this CPU (AVX512-BF16 or AMX; the Linux flags)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f" {flag}" in text for flag in ("avx512_bf16", "amx_bf16"))
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype auto: bfloat16 on a GPU, and on a CPU with native bf16 arithmetic (as vLLM's CPU
-    backend): half the bytes of float32 per step, 1.8x transformers' float32 throughput at 16 x 64
-    on 2 cores; float32 elsewhere. Differential tests pin float32."""
+    """--dtype auto: bfloat16 on a GPU, float32 on a CPU. On a CPU with native bf16, bfloat16 is
+    ~1.6x float32's throughput, but its answers move with the batch and the cache (the README's
+    question answered two ways, fresh and cached), and deterministic bf16 costs 3.2x (16 x 64/128
+    on 2 cores: 75 vs 237 tok/s), so the CPU default is float32 (145 tok/s), whose texts agree
+    across paths; --dtype bfloat16, with or without --enable-deterministic-inference, is a flag
+    away (docs/architecture.md, "Deterministic inference")."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
 
@@ -117,7 +110,7 @@ class ModelRunner:
         # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
         # torch backend's chunked attention (no CUDA graphs: that backend is not captured); the
         # fused norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
-        self.deterministic = cfg.deterministic(self.device.type)
+        self.deterministic = cfg.enable_deterministic_inference
         batch_invariant.enable(self.deterministic, self.device.type)
         if self.device.type == "cuda":
             # the forward (and the replays of its graphs) runs on a high-priority stream, so

@@ -106,10 +106,11 @@ def slab():
 
 
 def _cfg(model: Path, **kw) -> ServerConfig:
-    # bfloat16 with deterministic inference (the CPU default): the tiers must give the very tokens
+    # bfloat16 with deterministic inference: the tiers must give the very tokens
     # and logprobs of a fresh compute, whose KV of the earlier turns' outputs came from a prefill
     # where the tiers' came from decode steps (with the mode off, bf16 tokens differ)
-    return ServerConfig(model=str(model), device="cpu", dtype="bfloat16", max_total_tokens=12 * 16,
+    return ServerConfig(model=str(model), device="cpu", dtype="bfloat16", enable_deterministic_inference=True,
+                        max_total_tokens=12 * 16,
                         max_running_requests=4, max_prefill_tokens=256, cpu_threads=2, **kw)
 
 

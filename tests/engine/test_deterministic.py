@@ -27,7 +27,7 @@ OTHERS = [_prompt(n, s) for s, n in enumerate((3, 40, 97, 16, 200, 1, 65), start
 
 
 def _engine(model: Path, dtype: str, **kw) -> LocalEngine:  # noqa: ANN003
-    return LocalEngine(ServerConfig(model=str(model), dtype=dtype, enable_deterministic_inference="on",
+    return LocalEngine(ServerConfig(model=str(model), dtype=dtype, enable_deterministic_inference=True,
                                     max_total_tokens=8192, max_running_requests=16, **kw))
 
 

@@ -17,7 +17,7 @@ PROMPT = [(31 * i) % 30000 + 500 for i in range(300)]
 OTHERS = [[(17 * i + 7 * s) % 30000 + 500 for i in range(n)] for s, n in enumerate((1, 37, 130, 600, 5, 64), 1)]
 
 
-def _engine(det: str, **kw) -> LocalEngine:  # noqa: ANN003
+def _engine(det: bool, **kw) -> LocalEngine:  # noqa: ANN003
     return LocalEngine(ServerConfig(model=str(REPO / "configs" / "qwen3-0.6b"), load_format="dummy", device="cuda",
                                     dtype="bfloat16", enable_deterministic_inference=det, max_total_tokens=32768,
                                     max_running_requests=32, **kw))
@@ -28,7 +28,7 @@ def _key(r: Result) -> tuple[list[int], list[float]]:
 
 
 def test_one_request_one_answer_on_cuda() -> None:
-    eng = _engine("on")
+    eng = _engine(True)
     want = _key(eng.generate([PROMPT], SAMPLED)[0])
     answers = {str(want)}
     answers.add(str(_key(eng.generate([PROMPT], SAMPLED)[0])))  # cached
@@ -37,7 +37,7 @@ def test_one_request_one_answer_on_cuda() -> None:
     for k in range(2, 12, 3):  # copies of itself (bin/bench deterministic's single mode), with others
         answers |= {str(_key(r)) for r in eng.generate([PROMPT] * k + OTHERS[: k % 4], SAMPLED)[:k]}
     for cut in (16, 100, 256):
-        fresh = _engine("on", disable_overlap=cut == 100, max_prefill_tokens=64 if cut == 256 else 2048)
+        fresh = _engine(True, disable_overlap=cut == 100, max_prefill_tokens=64 if cut == 256 else 2048)
         fresh.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
         answers.add(str(_key(fresh.generate([OTHERS[2], PROMPT], SAMPLED)[-1])))
     assert answers == {str(want)}

@@ -17,9 +17,10 @@ import pytest
 
 from tests.integration.conftest import Server, start_server, stop_server
 
-# bfloat16 with deterministic inference (the CPU default): computed, L1 and L2 answers equal bit for bit
+# bfloat16 with deterministic inference: computed, L1 and L2 answers equal bit for bit
 TIER_ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
-             "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16")
+             "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16",
+             "--enable-deterministic-inference")
 
 
 def _children(srv: Server) -> dict[str, psutil.Process]:

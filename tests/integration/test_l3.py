@@ -16,7 +16,8 @@ import pytest
 from tests.integration.conftest import Server, start_server, stop_server
 
 ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
-        "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16")
+        "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16",
+        "--enable-deterministic-inference")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
 
 def _generate(srv: Server, ids: list[int], max_new: int = 4) -> tuple[list, int, float]:
     """(output ids with their logprobs: equal bit for bit from any tier in bf16 with deterministic
-    inference, the CPU default; cached prompt tokens; seconds)."""
+    inference; cached prompt tokens; seconds)."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "logprobs": True}}
     t0 = time.perf_counter()
     r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)

@@ -23,7 +23,8 @@ PROMPTS = [[504, 3575, 282, 4649, 314], list(range(100, 160))]  # the second is 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("tp-logs"), "--tp-size", "2", "--cpu-threads", "1",
-                       "--max-total-tokens", "4096", "--max-prefill-tokens", "32", "--dtype", "float32")
+                       "--max-total-tokens", "4096", "--max-prefill-tokens", "32", "--dtype", "float32",
+                       "--enable-deterministic-inference")
     yield srv
     if srv.proc.poll() is None:
         srv.proc.kill()
@@ -69,7 +70,7 @@ def test_tp2_serves_tp1_tokens(tp_server: Server, default_model_dir: Path) -> No
 
 
 def test_tp2_is_deterministic(tp_server: Server) -> None:
-    """Deterministic inference (the CPU default) at tp=2: a prompt's tokens and logprobs are
+    """Deterministic inference at tp=2: a prompt's tokens and logprobs are
     the same bits alone, behind its cached prefix and batched with other requests."""
     from concurrent.futures import ThreadPoolExecutor
 
