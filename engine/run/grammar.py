@@ -54,7 +54,7 @@ import xgrammar as xgr
 from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
 from engine.replica.components import GrammarKeys
-from engine.run.grammar_helper import GrammarHelpers
+from engine.run.grammar_helper import GrammarHelpers, utf8_guard
 from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
@@ -233,7 +233,7 @@ class GrammarSlots(Effect):
 
     def _tokenizer_info(self) -> Any:
         if self._info is None:  # once, on the first constrained request: the tokenizer process's twin
-            from engine.serve.grammar import tokenizer_info, utf8_guard
+            from engine.serve.grammar import tokenizer_info
             from engine.serve.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self.model_dir)
@@ -349,7 +349,7 @@ class GrammarSlots(Effect):
 
     def _fill(self, matchers: list[Any], slots: list[int]) -> None:
         """The slots' next-token rows, with the tokens that would make ill-formed UTF-8 cleared
-        (engine/serve/grammar.py `utf8_guard`; the helpers do the same)."""
+        (`utf8_guard`; the helpers do the same)."""
         self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, slots)
         rows = torch.tensor(slots, dtype=torch.int64)
         self._bitmask[rows] = self._bitmask[rows] & self._guard

@@ -111,6 +111,31 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
+_LEAD_FOLLOWERS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def utf8_guard(info: Any) -> Any:
+    """An int32 bitmask row (xgrammar's layout, the TokenizerInfo's vocabulary) that clears the
+    tokens which would make the output ill-formed UTF-8 whatever follows: bytes C0, C1, F5-FF;
+    a lead byte E0/ED/F0/F4 followed in the token by a byte outside its range (an overlong form,
+    a surrogate, past U+10FFFF), or ending the token (the next token's first byte would be
+    unchecked: xgrammar's byte automaton takes any continuation there). ANDed into every
+    grammar row: xgrammar 0.2.9 admits those forms in strings, and each decodes to U+FFFD per
+    byte. What it costs: U+0800-U+0FFF, U+D000-U+D7FF and planes 1-16 only through tokens that
+    hold their lead byte and the next one (byte-level vocabularies merge these)."""
+    import numpy as np
+    import torch
+
+    row = np.full(-(-info.vocab_size // 32), 0xFFFFFFFF, dtype=np.uint32)  # xgrammar's words: bit t%32 of t//32
+    for t, b in enumerate(info.decoded_vocab):
+        for i, c in enumerate(b):
+            span = _LEAD_FOLLOWERS.get(c)
+            if c in (0xC0, 0xC1) or c >= 0xF5 or (span and (i + 1 == len(b) or not span[0] <= b[i + 1] <= span[1])):
+                row[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+                break
+    return torch.from_numpy(row.view(np.int32))
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -272,7 +297,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     import torch
     import xgrammar as xgr
 
-    from engine.serve.grammar import tokenizer_info, utf8_guard
+    from engine.serve.grammar import tokenizer_info
     from engine.serve.tokenizer import load_tokenizer
 
     nbytes = max_slots * bitmask_words(vocab_size) * 4
@@ -280,7 +305,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     bitmask = torch.frombuffer(mapping, dtype=torch.int32).view(max_slots, -1)
     tok = load_tokenizer(model_dir)
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
-    guard = utf8_guard(info) if info is not None else None  # see engine/run/grammar.py _fill
+    guard = utf8_guard(info) if info is not None else None  # as engine/run/grammar.py _fill
     compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not deserialize), HPrepare to HForget
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)

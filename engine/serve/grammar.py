@@ -69,31 +69,6 @@ def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
     return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
 
 
-_LEAD_FOLLOWERS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
-
-
-def utf8_guard(info: Any) -> Any:
-    """An int32 bitmask row (xgrammar's layout, the TokenizerInfo's vocabulary) that clears the
-    tokens which would make the output ill-formed UTF-8 whatever follows: bytes C0, C1, F5-FF;
-    a lead byte E0/ED/F0/F4 followed in the token by a byte outside its range (an overlong form,
-    a surrogate, past U+10FFFF), or ending the token (the next token's first byte would be
-    unchecked: xgrammar's byte automaton takes any continuation there). ANDed into every
-    grammar row: xgrammar 0.2.9 admits those forms in strings, and each decodes to U+FFFD per
-    byte. What it costs: U+0800-U+0FFF, U+D000-U+D7FF and planes 1-16 only through tokens that
-    hold their lead byte and the next one (byte-level vocabularies merge these)."""
-    import numpy as np
-    import torch
-
-    row = np.full(-(-info.vocab_size // 32), 0xFFFFFFFF, dtype=np.uint32)  # xgrammar's words: bit t%32 of t//32
-    for t, b in enumerate(info.decoded_vocab):
-        for i, c in enumerate(b):
-            span = _LEAD_FOLLOWERS.get(c)
-            if c in (0xC0, 0xC1) or c >= 0xF5 or (span and (i + 1 == len(b) or not span[0] <= b[i + 1] <= span[1])):
-                row[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-                break
-    return torch.from_numpy(row.view(np.int32))
-
-
 def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
 

@@ -34,3 +34,26 @@ def test_only_the_bounded_string_class_is_patched() -> None:
     assert ebnf == want.replace(_BOUNDED_STRING_CLASS, _JSON_STRING_CLASS)
     xml = {**fmt, "style": "glm_xml"}  # another style: xgrammar converts it itself
     assert json_grammars({"type": "sequence", "elements": [xml]}) == {"type": "sequence", "elements": [xml]}
+
+
+def test_utf8_guard_clears_the_tokens_that_start_ill_formed_utf8(default_model_dir: Path) -> None:
+    from engine.run.grammar_helper import utf8_guard
+    from engine.serve.grammar import tokenizer_info
+    from engine.serve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(default_model_dir))
+    info = tokenizer_info(tok.hf, len(tok.hf) + 64)
+    row = utf8_guard(info)
+    banned = {info.decoded_vocab[t] for t in range(info.vocab_size) if not (int(row[t // 32]) >> (t % 32)) & 1}
+    assert {b"\xe0", b"\xed", b"\xf0", b"\xf4"} <= banned  # lone lead bytes: the next byte is unchecked
+    for b in banned:
+        assert b[-1:] in (b"\xe0", b"\xed", b"\xf0", b"\xf4") or any(c in (0xC0, 0xC1) or c >= 0xF5 for c in b) or any(
+            (lead, nxt) in _BAD_PAIRS for lead, nxt in zip(b, b[1:], strict=False)), b
+    assert b"a" not in banned and "é".encode() not in banned
+
+
+def _bad(lead: int, lo: int, hi: int) -> set[tuple[int, int]]:
+    return {(lead, c) for c in range(0x80, 0xC0) if not lo <= c <= hi}
+
+
+_BAD_PAIRS = _bad(0xE0, 0xA0, 0xBF) | _bad(0xED, 0x80, 0x9F) | _bad(0xF0, 0x90, 0xBF) | _bad(0xF4, 0x80, 0x8F)
