@@ -17,8 +17,8 @@ import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
 from engine.run.sampler import SampleParams, Sampler
-from engine.serve.grammar import compilable, json_format, tokenizer_info
-from engine.serve.tokenizer import load_tokenizer
+from engine.serve.grammar import compilable, json_format
+from engine.tokenizer import load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, FreeReq, WorkerSampling

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from engine.bench.launch import launched_server
-from engine.serve.tokenizer import TOKENIZER_FILES
+from engine.tokenizer import TOKENIZER_FILES
 
 SCHEMA = {
     "type": "object",

@@ -233,8 +233,7 @@ class GrammarSlots(Effect):
 
     def _tokenizer_info(self) -> Any:
         if self._info is None:  # once, on the first constrained request: the tokenizer process's twin
-            from engine.serve.grammar import tokenizer_info
-            from engine.serve.tokenizer import load_tokenizer
+            from engine.tokenizer import load_tokenizer, tokenizer_info
 
             tok = load_tokenizer(self.model_dir)
             if tok is None:

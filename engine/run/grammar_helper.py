@@ -297,8 +297,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     import torch
     import xgrammar as xgr
 
-    from engine.serve.grammar import tokenizer_info
-    from engine.serve.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer, tokenizer_info
 
     nbytes = max_slots * bitmask_words(vocab_size) * 4
     mapping = mmap.mmap(bitmask_fd, nbytes, mmap.MAP_SHARED)

@@ -24,8 +24,8 @@ import msgspec
 
 from engine.serve.errors import ApiError
 from engine.serve.protocol import ChatMessage
-from engine.serve.tokenizer import TextTokenizer
 from engine.serve.validate import IDS_ONLY
+from engine.tokenizer import TextTokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

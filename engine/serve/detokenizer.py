@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.serve.tokenizer import Decoder
+from engine.tokenizer import Decoder
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5  # emitted ids kept as left context (leading-space rules of some decoders)

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from engine.serve.tokenizer import TextTokenizer
+from engine.tokenizer import TextTokenizer
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; OpenAI clients expect a number
 _json = msgspec.json.Encoder()

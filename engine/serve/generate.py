@@ -22,8 +22,8 @@ import structlog
 
 from engine.serve.detokenizer import Detokenizer
 from engine.serve.frontend import Frontend, GenerationFailed, ReqHandle  # fronts import it from here
-from engine.serve.tokenizer import TextTokenizer
 from engine.serve.validate import SubRequest
+from engine.tokenizer import TextTokenizer
 from msgs.outputs import ReqOutput
 
 log = structlog.get_logger()

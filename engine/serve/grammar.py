@@ -38,6 +38,7 @@ import structlog
 from engine.serve.errors import ApiError
 from engine.serve.metrics import Metrics
 from engine.serve.parsers.base import ToolStructure
+from engine.tokenizer import tokenizer_info
 from msgs.params import Grammar
 
 log = structlog.get_logger()
@@ -58,15 +59,6 @@ class Reasoning:
     start: str
     end: str
     starts_inside: bool
-
-
-def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
-    """The xgrammar TokenizerInfo of a model: its tokenizer, the model's vocabulary size
-    (>= the tokenizer's; the extra ids are never allowed), stop tokens detected from the
-    tokenizer. The tokenizer process and every worker call this on the same files."""
-    import xgrammar as xgr
-
-    return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
 
 
 def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:

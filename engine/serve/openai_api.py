@@ -18,7 +18,6 @@ from engine.serve.parsers.output import ChatOutput, chat_outputs
 from engine.serve.parsers.tool_request import ToolRequest, check_tools
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported, decode_body
 from engine.serve.state import Call, Reply, ServeState
-from engine.serve.tokenizer import TextTokenizer
 from engine.serve.validate import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Limits,
@@ -32,6 +31,7 @@ from engine.serve.validate import (
     openai_params,
     resolve_max_tokens,
 )
+from engine.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
 
 log = structlog.get_logger()

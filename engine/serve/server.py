@@ -29,7 +29,7 @@ from engine.serve.frontend import Frontend
 from engine.serve.http import build_app
 from engine.serve.sdk_server import SdkServer
 from engine.serve.state import ServeState
-from engine.serve.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from msgs.channels import (
     CONTROL,
     NOTICES,

@@ -9,8 +9,8 @@ from typing import Any
 from engine.config import ServerConfig
 from engine.serve.errors import ApiError
 from engine.serve.frontend import Frontend
-from engine.serve.tokenizer import TextTokenizer
 from engine.serve.validate import Limits
+from engine.tokenizer import TextTokenizer
 
 # Requests that arrive before the scheduler reported ready wait this long, then get a 503:
 # the supervisor may announce readiness a moment before the first SchedulerStats lands.

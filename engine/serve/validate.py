@@ -14,7 +14,7 @@ import msgspec
 from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
-from engine.serve.tokenizer import TextTokenizer
+from engine.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
 
 MAX_N = 16

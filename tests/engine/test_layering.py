@@ -19,6 +19,8 @@ FORBIDDEN = {
     "engine/sched": ("torch", "engine.run", "engine.serve", "models", "procs"),
     "engine/cache": ("torch", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
     "engine/serve": ("torch", "engine.run", "engine.sched", "models", "procs"),
+    # the worker never imports the front end (tokenizer loading lives below both: engine/tokenizer.py)
+    "engine/run": ("engine.serve", "engine.sched", "procs"),
 }
 
 

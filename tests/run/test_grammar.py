@@ -14,8 +14,8 @@ import xgrammar as xgr
 
 from engine.replica import ReplicaError, rank_replica
 from engine.run.grammar import GrammarSlots
-from engine.serve.grammar import json_format, tokenizer_info, with_reasoning
-from engine.serve.tokenizer import load_tokenizer
+from engine.serve.grammar import json_format, with_reasoning
+from engine.tokenizer import load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, Flush, FreeReq, Step, WorkerSampling

@@ -38,8 +38,7 @@ def test_only_the_bounded_string_class_is_patched() -> None:
 
 def test_utf8_guard_clears_the_tokens_that_start_ill_formed_utf8(default_model_dir: Path) -> None:
     from engine.run.grammar_helper import utf8_guard
-    from engine.serve.grammar import tokenizer_info
-    from engine.serve.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer, tokenizer_info
 
     tok = load_tokenizer(str(default_model_dir))
     info = tokenizer_info(tok.hf, len(tok.hf) + 64)

@@ -20,8 +20,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def text_tok(model_dir: Path):  # noqa: ANN201 - engine.serve.tokenizer.TextTokenizer
-    from engine.serve.tokenizer import load_tokenizer
+def text_tok(model_dir: Path):  # noqa: ANN201 - engine.tokenizer.TextTokenizer
+    from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     assert tok is not None

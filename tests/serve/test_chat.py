@@ -10,7 +10,7 @@ from serve_fixtures import write_model_dir
 from engine.serve.chat import chat_prompt_ids, message_dicts, render_chat
 from engine.serve.errors import ApiError
 from engine.serve.protocol import ChatCompletionRequest, decode_body
-from engine.serve.tokenizer import has_tokenizer_files, load_tokenizer
+from engine.tokenizer import has_tokenizer_files, load_tokenizer
 
 
 def _messages(body: bytes):  # noqa: ANN202

@@ -156,7 +156,7 @@ def test_ids_only_detokenizer_emits_nothing() -> None:
 
 def test_real_default_model_tokenizer_utf8(default_model_dir) -> None:
     """The default SmolLM2 tokenizer splits CJK and emoji into byte tokens too."""
-    from engine.serve.tokenizer import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(default_model_dir))
     assert tok is not None

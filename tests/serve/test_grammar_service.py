@@ -12,7 +12,7 @@ import pytest
 from engine.serve.errors import ApiError
 from engine.serve.grammar import GrammarService, constrain, response_format_spec
 from engine.serve.metrics import Metrics
-from engine.serve.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from msgs.params import Grammar, SamplingParams
 
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})

@@ -14,7 +14,7 @@ from engine.serve.chat import chat_prompt_ids, message_dicts, render_chat, salva
 from engine.serve.errors import ApiError
 from engine.serve.parsers.tool_request import check_tools
 from engine.serve.protocol import ChatCompletionRequest, check_unsupported, decode_body
-from engine.serve.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "configs" / "templates" / "smollm2-hermes-tools.jinja"

@@ -1,4 +1,6 @@
-"""The tokenizer as the front end sees it: encode, decode, token text, chat template.
+"""The tokenizer as the front end sees it: encode, decode, token text, chat template; and the
+xgrammar TokenizerInfo that the tokenizer process and every worker build from the same files.
+Below both engine/serve and engine/run (tests/engine/test_layering.py).
 
 `load_tokenizer(model_dir)` returns None for a directory without tokenizer files (random
 weight benchmark dirs): the server then runs in ids-only mode. Decoding goes straight to
@@ -105,3 +107,12 @@ def _load(model_dir: str) -> TextTokenizer | None:
         from transformers import AutoTokenizer
 
         return TextTokenizer(AutoTokenizer.from_pretrained(model_dir))
+
+
+def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
+    """The xgrammar TokenizerInfo of a model: its tokenizer, the model's vocabulary size
+    (>= the tokenizer's; the extra ids are never allowed), stop tokens detected from the
+    tokenizer. The tokenizer process and every worker call this on the same files."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
