@@ -30,9 +30,9 @@ from engine.bench.launch import launched_server
 MODES = ("single", "mixed", "prefix")
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     """A prompt of n token ids (ids, not text: random-weight model dirs have no tokenizer)."""
-    return [rng.randrange(1000, 20000) for _ in range(n)]
+    return [rng.randrange(vocab // 8, vocab) for _ in range(n)]
 
 
 async def _ask(client: httpx.AsyncClient, url: str, ids: list[int], max_new: int) -> str:
@@ -43,14 +43,15 @@ async def _ask(client: httpx.AsyncClient, url: str, ids: list[int], max_new: int
     return json.dumps(r.json()["meta_info"]["output_token_logprobs"])  # ids with their logprobs, exactly
 
 
-async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int, seed: int) -> dict[str, int]:
+async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int, seed: int,
+                vocab: int) -> dict[str, int]:
     """Distinct answers per prompt of this mode."""
     rng = random.Random(seed)
-    base = _ids(rng, 600)
+    base = _ids(rng, 600, vocab)
     if mode == "single":
-        targets = [_ids(rng, 40)]
+        targets = [_ids(rng, 40, vocab)]
     elif mode == "mixed":
-        targets = [_ids(rng, 40), _ids(rng, 5)]
+        targets = [_ids(rng, 40, vocab), _ids(rng, 5, vocab)]
     else:
         targets = [base[: len(base) * k // 4] for k in (1, 2, 3, 4)]
     seen: dict[int, dict[str, list[int]]] = {i: {} for i in range(len(targets))}  # answer -> [count, 1st batch size]
@@ -59,7 +60,7 @@ async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int,
         while sent < samples:
             batch = [(i, targets[i]) for i in (rng.randrange(len(targets)) for _ in range(rng.randint(1, max_batch)))]
             if mode == "mixed":
-                batch += [(-1, _ids(rng, rng.randint(1, 200))) for _ in range(rng.randint(0, max_batch))]
+                batch += [(-1, _ids(rng, rng.randint(1, 200), vocab)) for _ in range(rng.randint(0, max_batch))]
             if mode == "prefix" and rng.random() < 0.2:
                 await client.post(f"{url}/flush_cache")  # refused (409) while others run: fine
             rng.shuffle(batch)
@@ -75,13 +76,17 @@ async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import workload
+
+    vocab = workload.vocab_size(workload.resolve_model_dir(args.model))
     result: dict[str, Any] = {"model": args.model, "samples": args.samples, "server_args": args.server_args}
     with launched_server(args.model, args.load_format, shlex.split(args.server_args)) as ep:
         assert ep.http is not None
         result["health"] = httpx.get(f"{ep.http}/health", timeout=10).json()
         for mode in args.modes:
             t0 = time.perf_counter()
-            result[mode] = asyncio.run(_mode(ep.http, mode, args.samples, args.max_batch, args.max_new, args.seed))
+            result[mode] = asyncio.run(_mode(ep.http, mode, args.samples, args.max_batch, args.max_new, args.seed,
+                                             vocab))
             print(f"{mode:8s} distinct answers per prompt: {result[mode]}  ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
     result["deterministic"] = all(v == 1 for m in args.modes for v in result[m].values())

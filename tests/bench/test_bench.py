@@ -160,3 +160,19 @@ def test_generate_event_token_count() -> None:
         "meta_info": {"id": "x", "prompt_tokens": 4, "completion_tokens": 2, "finish_reason": None},
     })
     assert online.completion_tokens(event) == 2
+
+
+def test_deterministic_modes_count_one_answer(tiny_model: Path, tmp_path: Path) -> None:
+    """bin/bench deterministic (SGLang's single/mixed/prefix tests) with the mode on: one answer
+    per prompt, and the record says so (exit 0); its own logic is what fails it otherwise."""
+    out = tmp_path / "det.json"
+    res = subprocess.run(
+        [str(ROOT / "bin" / "bench"), "deterministic", "--model", str(tiny_model), "--load-format", "dummy",
+         "--samples", "12", "--max-batch", "4", "--max-new", "3",
+         "--server-args", "--max-total-tokens 8192 --enable-deterministic-inference", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["deterministic"] is True and rec["health"]["deterministic"] is True
+    assert rec["single"] == {"prompt0": 1} and len(rec["prefix"]) == 4 and set(rec["mixed"].values()) == {1}
