@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.layers.kv_pool import KVPool
 
@@ -56,30 +55,26 @@ def enabled() -> bool:
     return _enabled
 
 
-def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """f(x) for a row-wise f (a GEMM), called on blocks of exactly ROWS rows of x."""
-    m = x.shape[0]
-    pad = -m % ROWS
+def in_blocks(f: Callable[..., torch.Tensor], size: int, *xs: torch.Tensor) -> torch.Tensor:
+    """f(*xs) for an f whose output rows depend on the same rows of its inputs only, called on
+    blocks of exactly `size` rows (dim 0; the last block padded with zeros)."""
+    m = xs[0].shape[0]
+    pad = -m % size
     if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    if m + pad == ROWS:
-        return f(x)[:m]
-    return torch.cat([f(x[i : i + ROWS]) for i in range(0, m + pad, ROWS)])[:m]
+        xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
+    if m + pad == size:
+        return f(*xs)[:m]
+    return torch.cat([f(*(x[i : i + size] for x in xs)) for i in range(0, m + pad, size)])[:m]
+
+
+def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """f(x) for a row-wise f (a GEMM), on blocks of exactly ROWS rows of x."""
+    return in_blocks(f, ROWS, x)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, in calls of BMM_GROUP matrices (the last padded with zeros) where set."""
-    g, n = BMM_GROUP, a.shape[0]
-    if g is None:
-        return torch.bmm(a, b)
-    pad = -n % g
-    if pad:
-        a, b = torch.cat([a, a.new_zeros(pad, *a.shape[1:])]), torch.cat([b, b.new_zeros(pad, *b.shape[1:])])
-    return torch.cat([torch.bmm(a[i : i + g], b[i : i + g]) for i in range(0, n + pad, g)])[:n]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return rows_of(x, lambda b: F.linear(b, weight, bias))
+    """torch.bmm, in calls of BMM_GROUP matrices where set."""
+    return torch.bmm(a, b) if BMM_GROUP is None else in_blocks(torch.bmm, BMM_GROUP, a, b)
 
 
 @dataclass

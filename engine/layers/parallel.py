@@ -277,23 +277,11 @@ class Linear(nn.Module):
         runs the GEMV itself gets the whole layer's output from it (no bias, no communication)."""
         return None if self.bias is not None else self._local_gemv(x)
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """x W_local^T (+ b) by the vendor kernel; deterministic inference: in fixed row blocks."""
-        if batch_invariant.enabled():
-            if self.packed is not None:
-                return batch_invariant.rows_of(x, lambda b: packed_linear(b, self.packed))
-            return batch_invariant.linear(x, self.weight, self.bias)
-        if self.packed is not None:
-            return packed_linear(x, self.packed)
-        return F.linear(x, self.weight, self.bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None or batch_invariant.enabled():
-            return self.local(x)
-        cfg = self.gemv_config(x)
+        cfg = self.gemv_config(x) if self.packed is None else None
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias, self.packed)
 
     def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for h = [gate | up] ([T, 2 * in_features]): for small batches
@@ -336,8 +324,7 @@ class RowParallelLinear(Linear):
         cfg = self._local_gemv(x)
         if cfg is not None:
             return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)
-        x = ops.silu_and_mul(x) if silu_mul else x
-        return batch_invariant.linear(x, self.weight) if batch_invariant.enabled() else F.linear(x, self.weight)
+        return matmul(ops.silu_and_mul(x) if silu_mul else x, self.weight)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -412,6 +399,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) by the vendor kernel (oneDNN's packed weight where there is one: bias-free
+    layers only); with deterministic inference in fixed row blocks (batch_invariant.rows_of)."""
+    def gemm(a: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, weight, bias) if packed is None else packed_linear(a, packed)
+
+    return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)
+
+
 def pack_for_cpu(model: nn.Module) -> int:
     """Every one-rank, bias-free projection and the LM head of a CPU model in oneDNN's layout
     (`cpu_pack`); how many were packed. A packed projection or untied head drops its plain
@@ -442,12 +439,7 @@ def lm_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, packed: torch.T
     (`packed`: the same in oneDNN's layout, on CPU); at world > 1 gathered, so that every rank
     holds the same full logits."""
     t = tp()
-    packed = packed if t.world == 1 else None
-    if batch_invariant.enabled():
-        gemm = (lambda b: packed_linear(b, packed)) if packed is not None else (lambda b: F.linear(b, weight))
-        local = batch_invariant.rows_of(h, gemm)
-    else:
-        local = F.linear(h, weight) if packed is None else packed_linear(h, packed)
+    local = matmul(h, weight, packed=packed if t.world == 1 else None)
     if t.world == 1:
         return local.float()
     if h.shape[0] == 0:  # nothing sampled this step: same on every rank, so no collective is skipped by one

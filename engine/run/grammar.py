@@ -350,8 +350,7 @@ class GrammarSlots(Effect):
         """The slots' next-token rows, with the tokens that would make ill-formed UTF-8 cleared
         (`utf8_guard`; the helpers do the same)."""
         self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, slots)
-        rows = torch.tensor(slots, dtype=torch.int64)
-        self._bitmask[rows] = self._bitmask[rows] & self._guard
+        self._bitmask[slots] &= self._guard
 
     def _advance(self, pending: _Pending) -> None:
         t0 = time.perf_counter()
