@@ -176,3 +176,20 @@ def test_deterministic_modes_count_one_answer(tiny_model: Path, tmp_path: Path) 
     rec = json.loads(out.read_text())
     assert rec["deterministic"] is True and rec["health"]["deterministic"] is True
     assert rec["single"] == {"prompt0": 1} and len(rec["prefix"]) == 4 and set(rec["mixed"].values()) == {1}
+
+
+def test_structured_counts_stop_answers_that_are_not_valid() -> None:
+    """bin/bench structured's check (issue 27): an answer that finished with "stop" and fails
+    json.loads or the schema is counted (the bench then exits 1); a "length" one is not."""
+    from engine.bench.structured import _validity
+
+    item = {"id": 1, "name": "abcd", "kind": "beta", "ok": True}
+    good = json.dumps({"items": [item] * 8})
+    short = json.dumps({"items": [item]})  # JSON, but minItems is 8
+
+    def out(text: str, reason: str) -> dict[str, Any]:
+        return {"text": text, "meta_info": {"finish_reason": reason}}
+
+    outs = [out(good, "stop"), out('{"items": [{"name": "a\\x08', "length"), out(short, "stop"),
+            out(good[:-2] + '\x08"}', "stop")]
+    assert _validity(outs) == (1, 2)
