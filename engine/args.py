@@ -14,7 +14,8 @@ from engine.config import ServerConfig
 HIDDEN = ("run_dir", "extra", "hicache_path")  # set by the supervisor, not by people
 
 HELP = {
-    "model": "HF-style model directory (empty: SmolLM2-135M-Instruct, converted on first run)",
+    "model": "HF-style model directory, or a Hugging Face hub id (Org/Name: the HF cache first, then a download) "
+    "(empty: SmolLM2-135M-Instruct, converted on first run)",
     "served_model_name": "the model name the API reports and accepts (empty: the model directory's name)",
     "load_format": "auto | safetensors | dummy (random weights from config.json)",
     "host": "address HTTP and the SDK listen on (127.0.0.1: this machine only)",

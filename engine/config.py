@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = ""  # HF-style directory; "" = the default SmolLM2 model, prepared on first run
+    model: str = ""  # HF-style directory or hub id (engine/hub.py); "" = the default SmolLM2 model
     served_model_name: str = ""
     load_format: str = "auto"  # auto | safetensors | dummy
     host: str = "127.0.0.1"
@@ -95,6 +95,20 @@ class ServerConfig:
         self._check_nodes()
         self._check_serving()
         self._check_hicache()
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """A hub id (`Qwen/Qwen3-30B-A3B`) becomes its snapshot directory here, once
+        (engine/hub.py: the HF cache first, then a download), so every process gets a
+        directory; the API then names the model by the id."""
+        if not self.model or Path(self.model).expanduser().is_dir():
+            return
+        from engine.hub import resolve_model
+
+        hub_id = self.model
+        object.__setattr__(self, "model", resolve_model(hub_id, self.load_format))  # frozen; set once here
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", hub_id)
 
     def _check_nodes(self) -> None:
         """--nnodes > 1: the Step stream and `done` travel over tcp (msgs/channels.TcpPlan) on
