@@ -1,0 +1,231 @@
+"""Mixture-of-experts block: router, fused routed experts, optional shared experts.
+
+Contract (what a model builds on; Qwen3-MoE, GLM-4.5 and DeepSeek-V2/V3 use it as is):
+
+    moe = MoE(hidden_size, spec, dtype)     # spec: any object with the `MoESpec` attributes
+    y = moe(x)                              # x [T, hidden] -> [T, hidden], x.dtype, all-reduced
+
+`MoE` is the whole `mlp` of an MoE layer; its submodules carry the HF checkpoint names, so that
+`model.layers.{L}.mlp.` + the names below load through models/loader.py:
+
+* `gate` (`Router`): `weight` [E, hidden] (float32, like transformers keeps it) and, for
+  noaux_tc routing, `e_score_correction_bias` [E] (float32). Replicated on every rank.
+* `experts` (`Experts`): `w13` [E, 2 * I_local, hidden] (gate rows then up rows: HF's
+  `experts.{e}.gate_proj` / `up_proj`) and `w2` [E, hidden, I_local] (`experts.{e}.down_proj`).
+  Tensor parallelism gives each rank a slice of every expert's intermediate dim (I_local of
+  `range_split(I, world, rank)`, uneven where it does not divide): w13 column-parallel, w2
+  row-parallel, like the dense MLP. Both carry a `Sharding` (along dim 1 / 2) and `experts_of`
+  says they are stacked over experts, so the loader fills expert e's row from HF's per-expert
+  tensors (`loader.ExpertShard`).
+* `shared_experts` (`SharedMLP`, when spec.num_shared_experts > 0): a dense SwiGLU MLP of
+  intermediate `intermediate_size * num_shared_experts` (`gate_up_proj`, `down_proj`).
+
+Routing (`route`), as transformers computes it (fp32 logits = x @ gate.weight^T):
+* scores = softmax(logits) (Qwen3-MoE, DeepSeek-V2) or sigmoid(logits) (DeepSeek-V3, GLM-4.5);
+* topk_method "greedy": the top_k scores; "group_limited_greedy" (V2): experts in n_group
+  groups, a group scored by its best expert, only the topk_group best groups take part;
+  "noaux_tc" (V3): choice = scores + e_score_correction_bias, a group scored by the sum of its
+  two best choices, top_k of the choices in the topk_group best groups;
+* weights = the chosen experts' scores (not the biased choices), divided by their sum when
+  norm_topk_prob, times routed_scaling_factor. Slots are sorted by choice, best first.
+
+Compute (`Experts.forward`): the T*k (token, slot) pairs are sorted by expert (a stable argsort
+of the flat top-k ids); for each expert with tokens one gate_up GEMM, SiLU-and-mul, one down
+GEMM over its rows (`parallel.matmul`: in fixed row blocks under deterministic inference, so a
+row's result does not depend on how many other rows the expert got); the outputs go back to
+their (token, slot) place, and a token's k outputs are summed in float32 in slot order (not in
+scatter order): out = sum_j w[t, j] * y[t, j]. With the shared experts' partial product added,
+one all-reduce per block at tp > 1. Plain torch ops, on CPU or GPU; the GPU path reads the
+per-expert counts on the host (a sync), so it is not CUDA-graph capturable
+(`MoE.supports_cuda_graph` is False; fused kernels come later).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engine.layers import ops
+from engine.layers.parallel import (
+    ColumnParallelLinear,
+    Piece,
+    RowParallelLinear,
+    Sharding,
+    _param,
+    _row_pieces,
+    _shard,
+    matmul,
+    range_split,
+    tp,
+)
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+class MoESpec(Protocol):
+    """What the layer reads of a config (models/config.py's MoEConfig has these fields)."""
+
+    num_experts: int  # routed experts E
+    top_k: int  # experts per token (num_experts_per_tok)
+    intermediate_size: int  # per expert (moe_intermediate_size)
+    scoring_func: str  # SCORING_FUNCS
+    topk_method: str  # TOPK_METHODS
+    norm_topk_prob: bool
+    n_group: int  # expert groups (grouped methods); 1 = no grouping
+    topk_group: int  # groups a token may pick from
+    routed_scaling_factor: float
+    num_shared_experts: int  # 0 = none
+
+
+def _experts(p: nn.Parameter, n: int) -> None:
+    p.moe_experts = n  # type: ignore[attr-defined]  # read by the loader (dim 0 stacks experts)
+
+
+def experts_of(p: torch.Tensor) -> int:
+    """How many experts a parameter stacks along dim 0 (0: not an expert stack)."""
+    return getattr(p, "moe_experts", 0)
+
+
+def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) from float32 router logits [T, E]."""
+    scores = logits.softmax(-1) if spec.scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if spec.topk_method != "greedy" and spec.topk_group < spec.n_group:  # else every group takes part
+        grouped = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
+        if spec.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.amax(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, spec.num_experts)
+    ids = choice.topk(spec.top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(1, ids)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    return weights, ids
+
+
+class Router(nn.Module):
+    """The gate: float32 logits of every expert, then `route`."""
+
+    def __init__(self, hidden_size: int, spec: MoESpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = _param(spec.num_experts, hidden_size, dtype=torch.float32)
+        noaux = spec.topk_method == "noaux_tc"
+        self.e_score_correction_bias = _param(spec.num_experts, dtype=torch.float32) if noaux else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = matmul(x.float(), self.weight)  # fixed row blocks under deterministic inference
+        return route(logits, self.spec, self.e_score_correction_bias)
+
+
+class Experts(nn.Module):
+    """The routed experts, fused: w13 [E, 2 * I_local, H] and w2 [E, H, I_local]."""
+
+    def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        t = tp()
+        e, inter = spec.num_experts, spec.intermediate_size
+        mine = range_split(inter, t.world, t.rank)
+        pieces, local, full = _row_pieces([("gate", inter, mine), ("up", inter, mine)])
+        self.num_experts, self.local_inter = e, mine[1] - mine[0]
+        self.w13 = _param(e, local, hidden_size, dtype=dtype)
+        _shard(self.w13, Sharding(1, (e, full, hidden_size), pieces))
+        self.w2 = _param(e, hidden_size, self.local_inter, dtype=dtype)
+        _shard(self.w2, Sharding(2, (e, hidden_size, inter), {None: Piece(mine, 0, inter, 0)}))
+        _experts(self.w13, e)
+        _experts(self.w2, e)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host sync on a GPU
+        xs = x.index_select(0, order // k)
+        ys = x.new_empty(t * k, x.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                h = matmul(xs[start : start + n], self.w13[e])
+                ys[start : start + n] = matmul(ops.silu_and_mul(h), self.w2[e])
+                start += n
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to (token, slot) order: an assignment, nothing summed yet
+        y = y.view(t, k, -1)
+        out = y[:, 0].float() * weights[:, :1]
+        for j in range(1, k):  # slot order: a token's sum never depends on the batch
+            out.addcmul_(y[:, j].float(), weights[:, j : j + 1])
+        return out.to(x.dtype)
+
+
+class SharedMLP(nn.Module):
+    """The shared experts: one dense SwiGLU MLP (column-parallel gate_up, row-parallel down)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp()
+        mine = range_split(intermediate_size, self.tp.world, self.tp.rank)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [("gate", intermediate_size, mine), ("up", intermediate_size, mine)], False, dtype
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, mine, hidden_size, False, dtype)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output (the whole output at tp 1), before any all-reduce."""
+        h = self.gate_up_proj(x)
+        if self.tp.world == 1:
+            return self.down_proj.forward_silu_mul(h)  # takes a CPU-packed weight too
+        return self.down_proj.partial(h, silu_mul=True)
+
+
+class MoE(nn.Module):
+    """An MoE layer's `mlp`: x [T, H] -> [T, H] (see the module docstring for the contract)."""
+
+    supports_cuda_graph = False  # the torch path reads per-expert counts on the host
+
+    def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        check_spec(spec)
+        self.tp = tp()
+        self.gate = Router(hidden_size, spec)
+        self.experts = Experts(hidden_size, spec, dtype)
+        shared = spec.num_shared_experts * spec.intermediate_size
+        self.shared_experts = SharedMLP(hidden_size, shared, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts.partial(x)
+        return self.tp.all_reduce(y)
+
+
+def check_spec(spec: MoESpec) -> None:
+    """ValueError naming the field for a spec the layer cannot run (models/config.py checks the
+    same at parse time, with the config.json key names)."""
+    e, g = spec.num_experts, spec.n_group
+    checks = [
+        (e > 0, f"num_experts must be > 0, got {e}"),
+        (0 < spec.top_k <= e, f"num_experts_per_tok ({spec.top_k}) must be in 1..num_experts ({e})"),
+        (spec.intermediate_size > 0, f"moe_intermediate_size must be > 0, got {spec.intermediate_size}"),
+        (spec.scoring_func in SCORING_FUNCS, f"scoring_func {spec.scoring_func!r} not in {SCORING_FUNCS}"),
+        (spec.topk_method in TOPK_METHODS, f"topk_method {spec.topk_method!r} not in {TOPK_METHODS}"),
+        (g > 0 and e % g == 0, f"n_group ({g}) must divide num_experts ({e})"),
+        (0 < spec.topk_group <= g, f"topk_group ({spec.topk_group}) must be in 1..n_group ({g})"),
+        (spec.topk_method != "noaux_tc" or g == 0 or e // g >= 2,
+         f"noaux_tc scores a group by its 2 best experts: num_experts / n_group ({e}/{g}) must be >= 2"),
+        (g == 0 or spec.topk_group * (e // g) >= spec.top_k,
+         f"num_experts_per_tok ({spec.top_k}) exceeds the experts of topk_group ({spec.topk_group}) groups"),
+        (spec.num_shared_experts >= 0, f"n_shared_experts must be >= 0, got {spec.num_shared_experts}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(f"invalid MoE config: {msg}")
