@@ -3,7 +3,6 @@ child process as JSON (`to_json` / `from_json`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,7 +117,9 @@ class ServerConfig:
         hp = _host_port(self.dist_init_addr)
         if hp is None:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
-        last = hp[1] + 1 + self.tp_size
+        from msgs.channels import TcpPlan
+
+        last = TcpPlan.beside_store(*hp).ports(self.tp_size)[-1]
         if last > 65535:
             raise ValueError(f"--dist-init-addr port {hp[1]}: the Step/done channels need ports {hp[1] + 1}..{last}, "
                              "past 65535; pick a lower port")
@@ -134,7 +135,7 @@ class ServerConfig:
         from msgs.channels import TcpPlan
 
         host, port = _host_port(self.dist_init_addr)  # type: ignore[misc]  # checked in _check_nodes
-        return TcpPlan(host=host, base_port=port + 1)
+        return TcpPlan.beside_store(host, port)
 
     def _check_hicache(self) -> None:
         for ok, problem in (
@@ -196,12 +197,11 @@ class ServerConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def ipc(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.run_dir, name)}"
-
     @property
     def sdk_addr(self) -> str:
-        return f"tcp://{self.host}:{self.sdk_port}"
+        from msgs.channels import sdk_address
+
+        return sdk_address(self.host, self.sdk_port)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -18,9 +18,10 @@
 
 [1] with --nnodes > 1 these two cross nodes: tcp (TcpPlan), bound by node 0's scheduler.
 
-A `Channel` knows its address (ipc in the supervisor's private run dir, tcp for the SDK;
-for the channels that cross nodes, `steps` per rank and `done` with --nnodes > 1, tcp from a
-`TcpPlan`: --dist-init-addr's host, port base + slot (+ rank)), its high-water mark (0:
+Every address is formed here. A `Channel` knows its address (ipc in the supervisor's private
+run dir; for the channels that cross nodes, `steps` per rank and `done` with --nnodes > 1, tcp
+from a `TcpPlan`: --dist-init-addr's host, port base + slot (+ rank); the SDK's tcp address
+comes from `sdk_address`), its high-water mark (0:
 never drop, never block the sender's peer) and its codec. Typed ends wrap a socket:
 `Sender.send` refuses a message type the channel does not carry (a bug at the source),
 `Receiver.recv` decodes through the codec, which drops, counts and (rate-limited) logs
@@ -109,6 +110,11 @@ class TcpPlan:
     host: str
     base_port: int  # the dist-init port + 1
 
+    @classmethod
+    def beside_store(cls, host: str, store_port: int) -> TcpPlan:
+        """The plan of --dist-init-addr HOST:PORT: the channels take the ports after the store's."""
+        return cls(host=host, base_port=store_port + 1)
+
     def address(self, slot: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.base_port + slot}"
@@ -116,6 +122,12 @@ class TcpPlan:
     def ports(self, tp_size: int) -> range:
         """Every port the plan uses: done, then steps of ranks 0..tp_size-1."""
         return range(self.base_port, self.base_port + 1 + tp_size)
+
+
+def sdk_address(host: str, port: int) -> str:
+    """The SDK's one ROUTER socket (SDK_IN and SDK_OUT), bound by the tokenizer on --host and
+    --sdk-port; what a client passes to msgs.sdk.Client."""
+    return f"tcp://{host}:{port}"
 
 
 # tcp heartbeats on the sockets that cross nodes: a peer whose host vanished (no FIN) is

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from engine.bench.hardware import ROOT
+from msgs.channels import sdk_address
 
 START_TIMEOUT_S = 900.0
 
@@ -93,7 +94,7 @@ def launched_server(model: str | None, load_format: str, server_args: list[str])
             url = f"http://127.0.0.1:{port}"
             waited = wait_healthy(url, proc, log, START_TIMEOUT_S)
             print(f"server ready in {waited:.1f} s", flush=True)
-            yield Endpoints(http=url, sdk=f"tcp://127.0.0.1:{sdk_port}", pid=proc.pid)
+            yield Endpoints(http=url, sdk=sdk_address("127.0.0.1", sdk_port), pid=proc.pid)
             ok = True
         finally:
             code = stop(proc)

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from msgs.channels import sdk_address
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -76,7 +78,7 @@ def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
             raise RuntimeError(f"bin/serve exited with {proc.returncode} during start-up")
         try:
             if httpx.get(f"{http}/health", timeout=2).status_code == 200:
-                return Server(proc, http, f"tcp://127.0.0.1:{sdk_port}", log_dir)
+                return Server(proc, http, sdk_address("127.0.0.1", sdk_port), log_dir)
         except httpx.HTTPError:
             pass
         time.sleep(0.25)

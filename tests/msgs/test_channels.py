@@ -105,6 +105,12 @@ def test_cross_node_channels_get_tcp_addresses_bound_by_the_scheduler() -> None:
     with pytest.raises(ValueError):
         channels.STEPS.address("/run", net=net)  # per rank: a rank is needed
     assert sum(bool(ch.tcp_binder) for ch in channels.ALL) == 2
+    assert channels.TcpPlan.beside_store("10.0.0.5", 29500) == net  # the store's port, then the channels'
+
+
+def test_sdk_address_is_formed_by_the_table() -> None:
+    assert channels.sdk_address("127.0.0.1", 8001) == "tcp://127.0.0.1:8001"
+    assert channels.sdk_address("0.0.0.0", 9) == "tcp://0.0.0.0:9"
 
 
 
