@@ -52,7 +52,7 @@ class ServerConfig:
     tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
     reasoning_parser: str = ""  # "" = <think> blocks stay in the content
     chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
-    # the host tier (L2, DESIGN.md 6): opt-in, as SGLang's --enable-hierarchical-cache
+    # the host tier (L2, docs/architecture.md: Tiers): opt-in, as SGLang's --enable-hierarchical-cache
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # L2 pages = this x the device pool's pages
     hicache_size: float = 0.0  # GB of host slab; > 0 overrides the ratio

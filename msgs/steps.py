@@ -66,7 +66,7 @@ class DigestCheck(msgspec.Struct, tag=True, frozen=True):
     it sampled so far, in this step's StepDone."""
 
 
-# ---- the host tier (L2), DESIGN.md 6. Host objects are radix nodes' KV copies in the host
+# ---- the host tier (L2), docs/architecture.md, Tiers. Host objects are radix nodes' KV copies in the host
 # slab; an object's id is its radix node's id, its pages one contiguous host range.
 
 

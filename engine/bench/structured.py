@@ -1,5 +1,5 @@
 """Structured-output throughput: N concurrent json_schema requests vs N unconstrained
-requests of the same output lengths, on one server (DESIGN.md 9: >= 90%).
+requests of the same output lengths, on one server (target >= 90%: docs/PERF.md).
 
     bin/bench structured --model configs/qwen3-0.6b --load-format dummy \\
         --tokenizer-from ~/.cache/strata/models/SmolLM2-135M-Instruct --num-requests 64

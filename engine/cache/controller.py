@@ -1,5 +1,5 @@
 """The cache controller's logic: a replica of the Step stream that turns every rank's
-BackupDone into one Committed (DESIGN.md 6). Messages in, messages out, no socket:
+BackupDone into one Committed (docs/architecture.md, Tiers). Messages in, messages out, no socket:
 procs/cache.py hands it zmq ends, tests hand it in-memory pipes and call `pump()`.
 
 * It applies every Step to its own replica (the same `rank_replica()` as the workers and

@@ -1,4 +1,4 @@
-"""The radix tree over two tiers: device pages (L1) and a host slab (L2), DESIGN.md 6.
+"""The radix tree over two tiers: device pages (L1) and a host slab (L2); docs/architecture.md, Tiers.
 
 A node's KV lives on the device (`pages`), in the host tier (`host`, an object in the
 HostAllocator whose id is the node's id), or both. Invariants:

@@ -2,7 +2,7 @@
 
 The scheduler owns one; every replica (each worker, the cache controller, the scheduler's
 mirror) holds another, driven by the same ops (engine/replica/components.py: HostTier),
-so placement is a pure function of the Step stream and `digest()` proves it (DESIGN.md 6).
+so placement is a pure function of the Step stream and `digest()` proves it (docs/architecture.md, Tiers).
 
 * An object (a radix node's KV copy) holds ONE contiguous range of host pages: a copy is
   one span per object and a split (the node split) cuts it in two without moving data.

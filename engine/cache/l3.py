@@ -1,4 +1,4 @@
-"""The disk tier (L3): KV pages as content-addressed files under `--l3-dir` (DESIGN.md 6).
+"""The disk tier (L3): KV pages as content-addressed files under `--l3-dir` (docs/architecture.md, Tiers).
 
 No torch here: the scheduler (probing) and the cache controller (reads and writes) use it.
 

@@ -1,4 +1,5 @@
-"""Replicated state: components with apply(op) and digest(), one op table (DESIGN.md 4)."""
+"""Replicated state: components with apply(op) and digest(), one op table
+(docs/architecture.md: The Step stream and the replica; Replica rules)."""
 
 from engine.replica.base import Component, Effect, Replica, ReplicaError, StepOrderError, TokenChain
 from engine.replica.components import PageTables, PrefixCachePages, SlotSampling, rank_replica

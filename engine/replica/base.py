@@ -2,7 +2,7 @@
 
 Every process that follows the Step stream (the scheduler's mirror, every worker, the
 coming cache controller) holds a `Replica` of the same components and applies the same
-ops through the same op table, so `digest()` compares like with like (DESIGN.md 4).
+ops through the same op table, so `digest()` compares like with like (docs/architecture.md, Replica rules).
 
     replica = Replica([PageTables(), SlotSampling(), PrefixCachePages()], effects=[sampler])
     replica.apply_step(step)          # seq order checked; each op -> its handlers

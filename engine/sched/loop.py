@@ -4,7 +4,7 @@
 msgs/channels.py): procs/scheduler.py hands it zmq ends, tests hand it in-memory pipes and
 call `pump()` themselves, with no sleep and no private method.
 
-Overlap (DESIGN.md section 5): with overlap on, step N+1 is planned and sent before the
+Overlap (docs/architecture.md, Scheduling): with overlap on, step N+1 is planned and sent before the
 result of step N is processed, so the worker always has the next step queued while the
 scheduler works; at most one step runs ahead.
 """

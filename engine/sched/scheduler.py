@@ -11,7 +11,7 @@ It is made of parts with one job each, sharing one SchedState (engine/sched/stat
 
 Replicated state changes only through the ops of the Steps it returns; it applies each
 op to its own mirror (engine/replica, the same code the workers run) so DigestCheck can
-compare replicas (DESIGN.md 4-5).
+compare replicas (docs/architecture.md: The Step stream and the replica; Replica rules).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The scheduler's part for the memory tiers (DESIGN.md 6): L1 + L2 under one radix tree,
+"""The scheduler's part for the memory tiers (docs/architecture.md, Tiers): L1 + L2 under one radix tree,
 and L3 files read into L2 on a match.
 
 The tree (engine/cache/hiradix.py) makes the placement decisions and records them as ops;

@@ -1,5 +1,6 @@
-"""Imports point one way (DESIGN.md section 2): procs -> engine/run -> models ->
-engine/layers -> msgs. Checked on the source, so a lazy import inside a function counts too."""
+"""Imports point one way (docs/architecture.md, "Layers: imports point one way"): procs ->
+engine/run -> models -> engine/layers -> msgs. Checked on the source, so a lazy import inside a
+function counts too."""
 
 from __future__ import annotations
 
