@@ -12,13 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.quant import QuantScheme, read_scheme
+
 # Architectures whose attention carries per-head RMSNorm on q and k before RoPE.
-_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM"})
+_QK_NORM_ARCHS = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 # Qwen2 hard-codes a bias on q/k/v (not on o_proj) and has no `attention_bias` key.
 _QKV_BIAS_ONLY_ARCHS = frozenset({"Qwen2ForCausalLM"})
 # Families with a `use_sliding_window` switch that is off for the released checkpoints.
-_SWITCHED_WINDOW_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+_SWITCHED_WINDOW_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 _DTYPES = frozenset({"float32", "bfloat16", "float16"})
+# GLM-4.5's `attention_bias` is on q/k/v only: its o_proj has none.
+_UNBIASED_O_PROJ_ARCHS = frozenset({"Glm4MoeForCausalLM"})
+# MoE families whose router scores by sigmoid with the score-correction bias (noaux_tc) when
+# the config does not say (GLM-4.5 has no scoring_func / topk_method keys)
+_SIGMOID_NOAUX_ARCHS = frozenset({"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,50 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position_embeddings: int
     rope_type: str = "llama3"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a config (engine/layers/moe.py's MoESpec reads it).
+
+    `layers`: the decoder layers whose MLP is an MoE block (the others are dense, of the
+    model's intermediate_size): Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`,
+    DeepSeek/GLM's `first_k_dense_replace` (and `moe_layer_freq`). Routing as in moe.py.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layers: tuple[int, ...]
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc (score-correction bias)
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        e, g, k = self.num_experts, self.n_group, self.top_k
+        checks = [
+            (e > 0, f"num_experts must be > 0, got {e}"),
+            (0 < k <= e, f"num_experts_per_tok ({k}) must be in 1..the number of experts ({e})"),
+            (self.intermediate_size > 0, f"moe_intermediate_size must be > 0, got {self.intermediate_size}"),
+            (self.scoring_func in ("softmax", "sigmoid"), f"unsupported scoring_func {self.scoring_func!r}"),
+            (self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
+             f"unsupported topk_method {self.topk_method!r} (supported: greedy, group_limited_greedy, noaux_tc)"),
+            (g > 0 and e % g == 0, f"n_group ({g}) must divide the number of experts ({e})"),
+            (0 < self.topk_group <= g, f"topk_group ({self.topk_group}) must be in 1..n_group ({g})"),
+            (g <= 0 or self.topk_group * (e // g) >= k,
+             f"num_experts_per_tok ({k}) exceeds the experts in topk_group ({self.topk_group}) groups"),
+            (self.topk_method != "noaux_tc" or g <= 0 or e // g >= 2,
+             f"noaux_tc scores a group by its two best experts: n_group ({g}) leaves fewer than 2 per group"),
+            (self.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}"),
+            (self.num_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.num_shared_experts}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"invalid MoE config: {msg}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +110,9 @@ class ModelConfig:
     o_proj_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
-    quant_method: str | None = None  # read from the checkpoint; loaders refuse what they can't run
+    quant: QuantScheme | None = None  # the checkpoint's weight quantization (models/quant.py)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims (GLM-4.5: 0.5)
+    moe: MoEConfig | None = None  # mixture-of-experts models (Qwen3-MoE, GLM-4.5, DeepSeek)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,10 +133,23 @@ class ModelConfig:
             (self.max_position_embeddings > 0, "max_position_embeddings must be > 0"),
             (self.dtype in _DTYPES, f"unsupported torch dtype {self.dtype!r} (want one of {sorted(_DTYPES)})"),
             (all(t >= 0 for t in self.eos_token_ids), f"negative eos token id in {self.eos_token_ids}"),
+            (0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+             f"partial_rotary_factor ({self.partial_rotary_factor}) must give an even rotary dim in 2..head_dim "
+             f"({self.head_dim}), got {self.rotary_dim}"),
+            (self.moe is None or all(0 <= i < self.num_layers for i in self.moe.layers),
+             f"MoE layers {self.moe and self.moe.layers} outside num_hidden_layers ({self.num_layers})"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"invalid model config ({self.architecture}): {msg}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dims RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id in self.moe.layers
 
     @property
     def q_size(self) -> int:
@@ -102,10 +168,11 @@ class ModelConfig:
             raise ValueError(f"no config.json in model directory {path}")
         gen_file = path / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-        return cls.from_dict(json.loads(cfg_file.read_text()), generation=gen)
+        return cls.from_dict(json.loads(cfg_file.read_text()), generation=gen, model_dir=path)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(cls, d: dict[str, Any], generation: dict[str, Any] | None = None,
+                  model_dir: Path | None = None) -> ModelConfig:
         """Build from a config.json dict; raises ValueError on missing keys or unsupported features."""
         arch = _architecture(d)
         _reject_unsupported(d, arch)
@@ -114,7 +181,6 @@ class ModelConfig:
         rope_theta, scaling = _rope(d)
         bias = bool(d.get("attention_bias", False))
         qkv_bias_only = arch in _QKV_BIAS_ONLY_ARCHS
-        quant = d.get("quantization_config")
         return cls(
             architecture=arch,
             vocab_size=_req(d, "vocab_size"),
@@ -129,12 +195,14 @@ class ModelConfig:
             max_position_embeddings=_req(d, "max_position_embeddings"),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=arch in _QK_NORM_ARCHS,
+            qk_norm=arch in _QK_NORM_ARCHS or bool(d.get("use_qk_norm", False)),
             attention_bias=True if qkv_bias_only else bias,
-            o_proj_bias=False if qkv_bias_only else bias,
+            o_proj_bias=False if qkv_bias_only or arch in _UNBIASED_O_PROJ_ARCHS else bias,
             eos_token_ids=_eos_ids(d, generation),
             dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-            quant_method=quant.get("quant_method") if isinstance(quant, dict) else None,
+            quant=read_scheme(d, model_dir),  # model_dir: ModelOpt's hf_quant_config.json
+            partial_rotary_factor=_partial_rotary_factor(d),
+            moe=_moe(d, arch),
             extra={k: d[k] for k in ("bos_token_id", "pad_token_id", "model_type") if k in d},
         )
 
@@ -204,3 +272,42 @@ def _as_ids(v: Any) -> list[int]:
 def _eos_ids(d: dict[str, Any], generation: dict[str, Any] | None) -> tuple[int, ...]:
     ids = _as_ids((generation or {}).get("eos_token_id")) + _as_ids(d.get("eos_token_id"))
     return tuple(dict.fromkeys(ids))
+
+
+def _partial_rotary_factor(d: dict[str, Any]) -> float:
+    """GLM-4.5 keeps it at the top level (transformers 4) or in rope_parameters (5)."""
+    params = d.get("rope_parameters")
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(inner if inner is not None else d.get("partial_rotary_factor", 1.0))
+
+
+def _moe(d: dict[str, Any], arch: str) -> MoEConfig | None:
+    """The MoE part of a config.json, or None for a dense model (no expert count)."""
+    experts = next((d[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if d.get(k)), 0)
+    if not experts:
+        return None
+    layers = _req(d, "num_hidden_layers")
+    if "decoder_sparse_step" in d or "mlp_only_layers" in d:  # Qwen3-MoE
+        step, dense = int(d.get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or [])
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    else:  # DeepSeek / GLM: dense first layers, then (every moe_layer_freq-th) MoE
+        first, freq = int(d.get("first_k_dense_replace") or 0), int(d.get("moe_layer_freq") or 1)
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {freq}")
+        moe_layers = tuple(i for i in range(layers) if i >= first and i % freq == 0)
+    noaux = arch in _SIGMOID_NOAUX_ARCHS
+    return MoEConfig(
+        num_experts=int(experts),
+        top_k=int(_req(d, "num_experts_per_tok")),
+        intermediate_size=int(_req(d, "moe_intermediate_size")),
+        layers=moe_layers,
+        scoring_func=str(d.get("scoring_func") or ("sigmoid" if noaux else "softmax")),
+        topk_method=str(d.get("topk_method") or ("noaux_tc" if noaux else "greedy")),
+        norm_topk_prob=bool(d.get("norm_topk_prob", noaux)),  # transformers' defaults: on for GLM/DeepSeek-V3
+        n_group=int(d.get("n_group") or 1),
+        topk_group=int(d.get("topk_group") or 1),
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        num_shared_experts=int(d.get("n_shared_experts") or 0),
+    )

@@ -10,7 +10,9 @@ naming the tensors.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers.parallel import Piece, sharding_of
+from engine.layers.moe import experts_of
+from engine.layers.parallel import Piece, Sharding, _shard, sharding_of
 from models.config import ModelConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -34,12 +37,64 @@ _FUSED = (
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed, stored by some old checkpoints
 
 
-def map_name(hf_name: str) -> tuple[str, str | None]:
+def map_name(hf_name: str) -> tuple[str, str | ExpertShard | None]:
     """HF tensor name -> (Strata parameter name, shard or None when stored whole)."""
+    expert = map_expert_name(hf_name)
+    if expert is not None:
+        return expert
     for hf_part, fused_part, shard in _FUSED:
         if hf_part in hf_name:
             return hf_name.replace(hf_part, fused_part), shard
     return hf_name, None
+
+
+# ---- MoE experts: HF stores one tensor per expert, Strata one stack per layer (engine/layers/moe.py)
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARTS = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", None)}
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which row of an expert stack (dim 0) a per-expert checkpoint tensor fills, and its fused
+    piece there (gate / up of w13; None for w2)."""
+
+    expert: int
+    piece: str | None
+
+
+def map_expert_name(hf_name: str) -> tuple[str, ExpertShard] | None:
+    """`...mlp.experts.{e}.gate_proj.weight` -> (`...mlp.experts.w13`, ExpertShard(e, "gate")), or None."""
+    m = _EXPERT_NAME.match(hf_name)
+    if m is None:
+        return None
+    param, piece = _EXPERT_PARTS[m.group(3)]
+    return f"{m.group(1)}.{param}", ExpertShard(int(m.group(2)), piece)
+
+
+def is_nextn_layer(hf_name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers GLM-4.5 and DeepSeek-V3 checkpoints store
+    after the last decoder layer (`model.layers.{num_hidden_layers + i}`): not part of the model
+    we serve (transformers skips them too)."""
+    m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
+    return cfg.moe is not None and m is not None and int(m.group(1)) >= cfg.num_layers
+
+
+def expert_pieces(p: nn.Parameter) -> list[str | ExpertShard | None]:
+    sh = sharding_of(p)
+    pieces = list(sh.pieces) if sh is not None else [None]
+    return [ExpertShard(e, piece) for e in range(experts_of(p)) for piece in pieces]
+
+
+def _copy_expert(param: nn.Parameter, handle: Any, src: str, shard: ExpertShard) -> None:
+    """Copy checkpoint tensor `src` (one expert) into row `shard.expert` of an expert stack: that
+    row is a 2-D parameter of its own, sharded like the stack minus the expert dim."""
+    if not 0 <= shard.expert < experts_of(param):
+        raise ValueError(f"tensor {src}: expert {shard.expert} outside the {experts_of(param)} experts")
+    row = param.data[shard.expert]
+    sh = sharding_of(param)
+    if sh is not None:
+        _shard(row, Sharding(sh.dim - 1, sh.full_shape[1:], sh.pieces))  # type: ignore[arg-type]
+    _copy_into(row, handle, src, shard.piece)  # type: ignore[arg-type]
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -91,6 +146,8 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
     for hf_name, handle in _iter_handles(checkpoint_files(Path(path)), progress):
         if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # tied checkpoints sometimes store a copy of the embedding; we read the embedding
+        if is_nextn_layer(hf_name, cfg):
+            continue
         name, shard = map_name(hf_name)
         if name not in params:
             unexpected.append(hf_name)
@@ -106,13 +163,17 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors: {_head(missing)}")
 
 
-def _pieces_of(p: nn.Parameter) -> list[str | None]:
+def _pieces_of(p: nn.Parameter) -> list[str | ExpertShard | None]:
     sh = sharding_of(p)
+    if experts_of(p):
+        return expert_pieces(p)
     return [None] if sh is None else list(sh.pieces)
 
 
-def _copy_into(param: nn.Parameter, handle: Any, src: str, shard: str | None) -> None:
+def _copy_into(param: nn.Parameter, handle: Any, src: str, shard: str | ExpertShard | None) -> None:
     """Copy this rank's part of checkpoint tensor `src` into `param` (fused shard `shard`)."""
+    if isinstance(shard, ExpertShard):
+        return _copy_expert(param, handle, src, shard)
     sh = sharding_of(param)
     sl = handle.get_slice(src)
     shape = tuple(sl.get_shape())
