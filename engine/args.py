@@ -17,7 +17,10 @@ HELP = {
     "model": "HF-style model directory, or a Hugging Face hub id (Org/Name: the HF cache first, then a download) "
     "(empty: SmolLM2-135M-Instruct, converted on first run)",
     "served_model_name": "the model name the API reports and accepts (empty: the model directory's name)",
-    "load_format": "auto | safetensors | dummy (random weights from config.json)",
+    "load_format": "auto | safetensors | dummy (random weights from config.json; quantized as the config says)",
+    "quantization": "fp8: quantize a bf16 checkpoint's projections to e4m3 per output channel at load (dynamic "
+    "per-token activations), as vLLM/SGLang's --quantization fp8. Quantized checkpoints (fp8 block, "
+    "compressed-tensors FP8, ModelOpt FP8/NVFP4) need no flag: their config says. On CPU weights are dequantized",
     "host": "address HTTP and the SDK listen on (127.0.0.1: this machine only)",
     "port": "HTTP port (OpenAI API, /generate, /health, /metrics)",
     "sdk_port": "TCP port of the ZMQ client SDK",

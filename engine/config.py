@@ -18,6 +18,7 @@ class ServerConfig:
     model: str = ""  # HF-style directory or hub id (engine/hub.py); "" = the default SmolLM2 model
     served_model_name: str = ""
     load_format: str = "auto"  # auto | safetensors | dummy
+    quantization: str = ""  # "" (the checkpoint's own) | fp8 (a plain checkpoint quantized per channel at load)
     host: str = "127.0.0.1"
     port: int = 8000
     sdk_port: int = 8001
@@ -66,6 +67,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         problems = [
             (self.load_format in ("auto", "safetensors", "dummy"), f"bad --load-format {self.load_format}"),
+            (self.quantization in ("", "fp8"), f"bad --quantization {self.quantization!r} (choose fp8)"),
             (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
             (not self.enable_deterministic_inference or self.attention_backend in ("auto", "torch"),

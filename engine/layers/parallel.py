@@ -257,13 +257,15 @@ class Linear(nn.Module):
         self._gemv: tuple | None | bool = False  # small-batch triton GEMV config; False: not decided yet
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
         self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout (pack_for_cpu)
+        self.quant: str | None = None  # a quantized weight format (engine/layers/quant.py), CUDA only
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
         if self._gemv is False:  # decided once, on the device the weights ended up on
             # the local weight's [N, K]: a tensor-parallel shard is looked up by its own shape, and a
             # shape no tuning rule takes (or a GPU without rules) keeps the vendor kernel
-            self._gemv = triton_ops.gemv_config(self.weight)
+            # quantized: only fp8 with row scales has a GEMV (weight-only, scaled per row)
+            self._gemv = triton_ops.gemv_config(self.weight) if self.quant in (None, "fp8_row") else None
             self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
         rows = x.shape[0]
         if self._gemv is None or rows > self._gemv_rows or not x.is_contiguous() or not ops.fused_enabled() \
@@ -274,10 +276,14 @@ class Linear(nn.Module):
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode
         batches where the config holds a whole row slice per program), else None. A caller that
-        runs the GEMV itself gets the whole layer's output from it (no bias, no communication)."""
-        return None if self.bias is not None else self._local_gemv(x)
+        runs the GEMV itself gets the whole layer's output from it (no bias, no communication);
+        never for a quantized weight, whose scales only this layer applies."""
+        return None if self.bias is not None or self.quant is not None else self._local_gemv(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant_forward(self, x, self._local_gemv(x))
+            return y if self.bias is None else y + self.bias
         cfg = self.gemv_config(x) if self.packed is None else None
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg)
@@ -286,6 +292,8 @@ class Linear(nn.Module):
     def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for h = [gate | up] ([T, 2 * in_features]): for small batches
         the activation is folded into the GEMV (one launch fewer)."""
+        if self.quant is not None:
+            return self.quant_forward(self, h, self._local_gemv(h), silu_mul=True)
         cfg = self.gemv_config(h)
         if cfg is not None:
             return triton_ops.gemv(h, self.weight, *cfg, silu_mul=True)
@@ -321,6 +329,8 @@ class RowParallelLinear(Linear):
     def partial(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """This rank's partial product x W_local^T (no bias), silu(gate) * up first with silu_mul:
         the shard's GEMV for small batches, else the vendor kernel."""
+        if self.quant is not None:
+            return self.quant_forward(self, x, self._local_gemv(x), silu_mul=silu_mul)
         cfg = self._local_gemv(x)
         if cfg is not None:
             return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)

@@ -76,11 +76,12 @@ def x_chunk(x, cols, cm, K: tl.constexpr, SILU_MUL: tl.constexpr):
     return tl.load(x + cols, mask=cm, other=0.0)
 
 @triton.jit
-def gemv_kernel(x, w, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                M: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                M: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
     # BLOCK_K >= K: the whole row slice is one (column-masked) tile, every weight load issued
     # before the wait, and each of the M rows of x meets it; otherwise (M == 1) K % BLOCK_K == 0
-    # and the first tile loads before the wait
+    # and the first tile loads before the wait. HAS_SCALE: w is fp8 and row n's sum is
+    # multiplied by ws[n] (a weight-only FP8 GEMV: the activation is not quantized)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     wrow = w + rows[:, None] * stride_w
@@ -91,18 +92,19 @@ def gemv_kernel(x, w, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl.con
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    scale = tl.load(ws + rows, mask=rmask, other=0.0) if HAS_SCALE else 1.0
     if BLOCK_K >= K:
         wf = wt.to(tl.float32)
         for m in tl.static_range(M):
             xm = x_chunk(x + m * stride_x, cols, cm, K, SILU_MUL).to(tl.float32)
-            tl.store(y + m * N + rows, tl.sum(wf * xm[None, :], 1).to(y.dtype.element_ty), mask=rmask)
+            tl.store(y + m * N + rows, (tl.sum(wf * xm[None, :], 1) * scale).to(y.dtype.element_ty), mask=rmask)
     else:
         acc = wt.to(tl.float32) * x_chunk(x, cols, cm, K, SILU_MUL).to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
             acc += wt.to(tl.float32) * x_chunk(x, cols, cols < K, K, SILU_MUL).to(tl.float32)[None, :]
-        tl.store(y + rows, tl.sum(acc, 1).to(y.dtype.element_ty), mask=rmask)
+        tl.store(y + rows, (tl.sum(acc, 1) * scale).to(y.dtype.element_ty), mask=rmask)
 
 
 @triton.jit

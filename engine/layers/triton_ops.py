@@ -162,6 +162,9 @@ def _fits(k: int, block_k: int) -> bool:
     return k % block_k == 0 or (block_k >= k and block_k & (block_k - 1) == 0)
 
 
+_GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)  # fp8: with per-row scales
+
+
 def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_warps, num_stages) for small-batch GEMVs over w [N, K], or None where
     cuBLAS stays (CPU, float32, no triton, a K no config takes, a GPU whose tuning does not turn
@@ -171,19 +174,20 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     latency-qwen3-0.6b-b1-gemv-*.json); at K = 4096 that measured even (Llama-3.1-8B), so wider
     K keeps the looped kernel (gemv_probe-h200.json): 8x512 blocks win almost everywhere; narrow
     outputs want 4 rows x 1024, very wide ones 16 x 256."""
-    if not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16) and w.stride(1) == 1 and available()):
+    if not (w.is_cuda and w.dtype in _GEMV_DTYPES and w.stride(1) == 1 and available()):
         return None
     cfg = kernel_tuning(w.device).gemv_config(*w.shape)
     return cfg if cfg is not None and _fits(w.shape[1], cfg[1]) else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-         num_stages: int = 3, silu_mul: bool = False) -> torch.Tensor:
+         num_stages: int = 3, silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T -> [M, N] (fp32 accumulation): one pass over the weights, no split-K
     reduce kernel. With silu_mul, x is [M, 2K] = [gate | up] and the product uses
     silu(gate) * up (the SwiGLU activation folded into the down projection: one launch fewer).
     Needs K % block_k == 0 (then M = 1), or one power-of-two block_k >= K (then M <=
-    GEMV_MAX_ROWS), and contiguous rows."""
+    GEMV_MAX_ROWS), and contiguous rows. `scale` [N] float32: w is fp8 and row n is multiplied by
+    scale[n] (engine/layers/quant.py's fp8_row format)."""
     n, k = w.shape
     m = x.shape[0]
     if (x.shape[1] != (2 * k if silu_mul else k) or not _fits(k, block_k) or w.stride(1) != 1
@@ -192,8 +196,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = _pdl(x.device)
     _k().gemv_kernel[(-(-n // block_n),)](
-        x, w, y, n, w.stride(0), x.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, SILU_MUL=silu_mul,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
+        x, w, w if scale is None else scale, y, n, w.stride(0), x.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+        M=m, SILU_MUL=silu_mul, HAS_SCALE=scale is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return y
 

@@ -375,7 +375,7 @@ def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa:
     """load_model with a clear error when the weights cannot fit the device."""
     check_weights_fit(cfg.model, dtype, device, cfg.tp_size)
     try:
-        model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device)
+        model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device, quantization=cfg.quantization or None)
     except torch.OutOfMemoryError as e:
         raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
     if device.type == "cpu":

@@ -1,0 +1,86 @@
+"""Launchers of the quantized projections' GEMMs (CUDA; formats in engine/layers/quant.py).
+
+* `gemv_fp8`: the small-batch triton GEMV (engine/layers/triton_kernels.py) over fp8 weights,
+  each row's sum scaled once: weight-only, the activation stays bf16.
+* `fp8_row_gemm`: per-token e4m3 activations (one triton launch) times row-scaled e4m3 weights
+  by cuBLASLt (`torch._scaled_mm` with row-wise scales, bf16 out).
+* `fp8_block_gemm`: per-(token, 128 columns) activation scales, then the block-scaled triton GEMM.
+* `nvfp4_gemm`: the weight dequantized tile by tile inside a triton GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from engine.layers import triton_ops
+
+FP8 = torch.float8_e4m3fn
+
+
+def _k():  # noqa: ANN202 - the kernels module, imported on first use
+    from engine.layers import quant_kernels
+
+    return quant_kernels
+
+
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, num_warps: int,
+             num_stages: int, silu_mul: bool = False) -> torch.Tensor:
+    return triton_ops.gemv(x, w, block_n, block_k, num_warps, num_stages, silu_mul=silu_mul, scale=scale)
+
+
+def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, 1]) with x ~= q * scale row by row."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        _k().per_token_quant_kernel[(m,)](x, q, s, k, x.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)),
+                                          num_warps=8)
+    return q, s
+
+
+def group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, ceil(K/group)]): one scale per row and `group` columns."""
+    m, k = x.shape
+    g = -(-k // group)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, g, dtype=torch.float32, device=x.device)
+    if m:
+        _k().group_quant_kernel[(m, g)](x, q, s, k, g, x.stride(0), GROUP=group, num_warps=1)
+    return q, s
+
+
+def fp8_row_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) @ (w [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype."""
+    q, s = per_token_quant(x)
+    return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+
+
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (w [N, K] e4m3 with 128x128 block scales [N/128, K/128])^T -> [M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    q, s = group_quant(x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm = 64 if m > 32 else 16
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128),)
+        _k().fp8_block_gemm_kernel[grid](q, w, out, s, scale, m, n, k, s.shape[1], q.stride(0), w.stride(0),
+                                         scale.stride(0), BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=4,
+                                         num_stages=3)
+    return out
+
+
+def nvfp4_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T with W the NVFP4 weight (w uint8 [N, K/2], scale e4m3 [N, K/16], scale_2 [N])."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm = 64 if m > 32 else 16
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, 64),)
+        _k().nvfp4_gemm_kernel[grid](x, w, scale, scale_2, out, m, n, k, x.stride(0), w.stride(0), scale.stride(0),
+                                     BM=bm, BN=64, BK=64, GROUP_M=8, num_warps=4, num_stages=3)
+    return out
+

@@ -1,0 +1,62 @@
+"""A model's quantized projections: which `Linear`s a QuantScheme covers, and the three passes
+the registry runs over them (before loading, after dummy or online quantization, on the CPU).
+
+Names follow the checkpoint: our fused `qkv_proj` is HF's q/k/v_proj and `gate_up_proj` its
+gate/up_proj, so an `ignore` pattern written for the checkpoint means what it says. A fused
+projection whose pieces disagree (q quantized, k not) cannot be one tensor: a clear error.
+The LM head and the embedding are never quantized (every format here leaves them in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers import quant
+from engine.layers.parallel import Linear
+from models.quant import QuantScheme
+
+_FUSED_HF = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def covered(model: nn.Module, scheme: QuantScheme) -> list[Linear]:
+    """The Linears that `scheme` quantizes."""
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        hf = [f"{parent}.{p}" for p in _FUSED_HF.get(leaf, (leaf,))]
+        ignored = [scheme.ignores(h) for h in hf]
+        if any(ignored) and not all(ignored):
+            raise ValueError(f"quantization ignore list covers only part of the fused {name} ({hf}); "
+                             "the engine fuses them into one tensor")
+        if not any(ignored):
+            out.append(m)
+    return out
+
+
+def prepare_model(model: nn.Module, scheme: QuantScheme) -> int:
+    """Empty quantized parameters (and scales) for every covered Linear, for the loader to fill."""
+    mods = covered(model, scheme)
+    for m in mods:
+        quant.prepare(m, scheme.format)
+    return len(mods)
+
+
+@torch.inference_mode()
+def quantize_model(model: nn.Module, scheme: QuantScheme) -> int:
+    """Quantize every covered Linear's loaded plain weight (dummy weights, `--quantization fp8`)."""
+    mods = covered(model, scheme)
+    for m in mods:
+        quant.quantize(m, scheme.format)
+    return len(mods)
+
+
+@torch.inference_mode()
+def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every quantized Linear back to a plain weight in `dtype` (CPU: dequantized once, at load)."""
+    mods = [m for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
+    for m in mods:
+        quant.to_plain(m, dtype)
+    return len(mods)
