@@ -18,6 +18,7 @@ from engine.layers import ops, triton_ops
 from engine.layers.attention import AttentionBackend
 from engine.layers.context import ForwardContext
 from engine.layers.forward import ForwardBatch
+from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.ops import apply_rope, rope_cos_sin  # noqa: F401 - re-exported (moved to ops)
 from engine.layers.parallel import (
@@ -197,6 +198,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = ops.Rotary(
             rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), cfg.head_dim, cfg.max_position_embeddings
         )
+
+    @staticmethod
+    def kv_layout(cfg: ModelConfig) -> KVLayout:
+        """K and V per KV head (of `cfg`: a rank's shard at tp > 1)."""
+        return KVLayout.gqa(cfg.num_kv_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend) -> torch.Tensor:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.layers.kv_layout import KVLayout
 from models.config import ModelConfig
 from models.loader import LOAD_FORMATS, init_dummy, load_safetensors
 
@@ -36,6 +37,12 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         )
     module, cls = _ARCHS[architecture]
     return getattr(importlib.import_module(module), cls)
+
+
+def kv_layout(cfg: ModelConfig) -> KVLayout:
+    """The KV layout (engine/layers/kv_layout.py) the plug-in of `cfg.architecture` declares for
+    `cfg` (a rank's shard at tp > 1): what its KV pool holds per token and layer."""
+    return get_model_class(cfg.architecture).kv_layout(cfg)  # type: ignore[attr-defined]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -75,8 +75,9 @@ class HostInit(msgspec.Struct, tag=True, frozen=True):
 
     num_pages: int
     page_bytes: int = 0  # one KV page across every layer (0: not given, e.g. in unit tests)
-    num_layers: int = 0  # layers of a page ([layer][K, V] pieces): the cache controller's L3 files
+    num_layers: int = 0  # layers of a page ([layer][component] pieces): the cache controller's L3 files
     l3_fingerprint: bytes = b""  # the model's L3 fingerprint (engine/cache/l3.py); empty: no disk tier
+    kv_components: int = 2  # KV layout components per layer (K and V: 2; MLA's latent: 1)
 
 
 class BackupPrepare(msgspec.Struct, tag=True, frozen=True):

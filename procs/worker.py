@@ -117,12 +117,14 @@ class WatchedSteps:
 def l3_ready_fields(cfg: ServerConfig, runner: Any) -> dict[str, Any]:
     """What the scheduler needs of this rank for the disk tier: the page layout's layers and,
     with --l3-dir, the model fingerprint (the worker knows the weights)."""
-    fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers}
+    fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers,
+                              "kv_components": len(runner.kv_layout.components)}
     if cfg.l3_dir and cfg.enable_hierarchical_cache:
         from engine.run.fingerprint import worker_fingerprint
 
         fields["l3_fingerprint"] = worker_fingerprint(
-            cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers
+            cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers,
+            runner.kv_layout.describe(runner.kv_dtype),
         )
     return fields
 

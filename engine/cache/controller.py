@@ -76,13 +76,16 @@ class L3Tier(Effect):
 
     def apply(self, op: Any) -> None:
         match op:
-            case HostInit(num_pages=n, page_bytes=page_bytes, num_layers=layers, l3_fingerprint=fp) if fp:
-                if self.slab.map is None or layers < 1 or page_bytes % (2 * layers):
-                    raise ReplicaError(f"L3 without a mapped slab or layout ({page_bytes} bytes, {layers} layers)")
+            case HostInit(num_pages=n, page_bytes=page_bytes, num_layers=layers, l3_fingerprint=fp,
+                          kv_components=comps) if fp:
+                rows = layers * comps  # the slab's [layer][component] rows of a page (host_tier.py)
+                if self.slab.map is None or rows < 1 or page_bytes % rows:
+                    raise ReplicaError(f"L3 without a mapped slab or layout ({page_bytes} bytes, {layers} layers, "
+                                       f"{comps} KV components)")
                 import numpy as np
 
                 view = np.frombuffer(self.slab.map, dtype=np.uint8)
-                view = view.reshape(self.slab.world, 2 * layers, n, page_bytes // (2 * layers))
+                view = view.reshape(self.slab.world, rows, n, page_bytes // rows)
                 # the writer may hold up to one L2's worth (at least queue_bytes): an object is at
                 # most the whole slab, so a long prefix (4 GiB at 32k tokens of Llama-3.1-8B) is written
                 # whole; but never more than a fifth of the memory free now (the slab was sized to leave it)

@@ -57,6 +57,7 @@ class TieredRadixCache(RadixCache):
         page_bytes: int = 0,
         num_layers: int = 0,
         l3_fingerprint: bytes = b"",
+        kv_components: int = 2,
     ) -> None:
         if policy not in ("write_through", "write_through_selective"):
             raise ValueError(f"host tier write policy {policy!r} is not implemented")
@@ -75,7 +76,7 @@ class TieredRadixCache(RadixCache):
         self.from_l3: set[int] = set()  # committed nodes read from L3, not yet loaded back by a match
         self._l3_end: dict[int, bytes] = {}  # node id -> the L3 key of its last page (a cache)
         self.last_load = (0, 0)  # tokens the last load_back took from (L2, L3)
-        self.changes.append(HostInit(host_pages, page_bytes, num_layers, l3_fingerprint))
+        self.changes.append(HostInit(host_pages, page_bytes, num_layers, l3_fingerprint, kv_components))
 
     # ---- matching and inserting -----------------------------------------------------
 

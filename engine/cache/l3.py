@@ -4,18 +4,19 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
 
 * **Keys.** A model fingerprint (16 bytes) hashes everything that makes a page's bytes
   what they are: the model's config and weights identity, the compute and KV dtypes, the
-  page size and the layout (tp size, bytes per page, layers). Page keys chain over the
+  page size and the layout (tp size, bytes per page, layers, the model's declared KV layout:
+  K and V, or MLA's latent). Page keys chain over the
   token prefix: key_i = blake2b(key_{i-1} || page i's tokens as int32, 16 bytes), key_{-1}
   = the fingerprint, so a key names the whole prefix up to and including its page.
 * **Files.** `<dir>/<hex[:2]>/<hex>.kv`, one per page, holding every rank's bytes of that
   page: a header (magic, version, fingerprint, key, payload length, CRC-32 of the
-  payload) and the payload, [rank][layer][K, V][layer bytes]. A write goes to a
+  payload) and the payload, [rank][layer][component][layer bytes] (K, V; or the latent). A write goes to a
   temporary name in the same directory and is renamed into place (`os.replace`), so a
   reader never sees half a file, also on a directory shared by several engines; a file
   that exists is not written again (content-addressed). A read checks the header, the
   length and the checksum: a bad file is counted as corrupt, unlinked and not served.
   The payload is read straight into its host pages (one `preadv` into the page's
-  [rank][layer][K, V] rows of the slab) and checked there: no intermediate buffer. CRC-32
+  [rank][layer][component] rows of the slab) and checked there: no intermediate buffer. CRC-32
   (zlib's, carry-less-multiply accelerated: ~4 GB/s a core here against blake2b's ~0.9)
   detects a damaged file; the header's fingerprint and key detect a foreign one.
 * **Size cap.** `L3Dir` knows the bytes in the directory (a scan at start, then its own
@@ -78,8 +79,10 @@ def model_fingerprint(
     tp_size: int,
     page_bytes: int,
     num_layers: int,
+    kv_layout: str = "",
 ) -> bytes:
-    """16 bytes naming the KV a page holds: two engines share L3 files only when equal."""
+    """16 bytes naming the KV a page holds: two engines share L3 files only when equal.
+    `kv_layout` is the model's declared layout (engine/layers/kv_layout.py, `describe`)."""
     h = hashlib.blake2b(b"strata.l3.v1", digest_size=KEY_BYTES)
     for part in (
         config_json,
@@ -87,6 +90,7 @@ def model_fingerprint(
         dtype.encode(),
         kv_dtype.encode(),
         b"%d/%d/%d/%d" % (page_size, tp_size, page_bytes, num_layers),
+        kv_layout.encode(),
     ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -343,7 +347,7 @@ def _touch(path: Path) -> None:
 class L3Store:
     """Reads and writes of whole host objects between the host slab and an `L3Dir`.
 
-    `slab` is a numpy uint8 view [rank, layer x (K, V), host page, layer bytes] of the
+    `slab` is a numpy uint8 view [rank, layer x component, host page, layer bytes] of the
     slab (every rank's region): one page of every rank is `slab[:, :, page, :]`, the payload
     of its file."""
 

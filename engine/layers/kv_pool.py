@@ -1,8 +1,11 @@
 """KVPool: the device KV cache of one rank, as flat token slots grouped in pages.
 
-Each layer has a K and a V buffer shaped [num_pages * page_size, num_kv_heads, head_dim]
-(views of one [num_layers, ...] tensor each: `k_all`, `v_all`).
-Token slot `page * page_size + offset` holds the K/V of one token. Page 0 is the padding
+What a token caches is the model's declared layout (engine/layers/kv_layout.py): one buffer
+per component, shaped [num_pages * page_size, heads, dim] per layer, a view of one
+[num_layers, ...] tensor (`all[name]`). A Llama-family model's components are `k` and `v`
+(`k_all`/`v_all`, and per layer `k[layer]`/`v[layer]`, which the attention kernels read); an
+MLA model's is one `latent` (`latent[layer]`).
+Token slot `page * page_size + offset` holds the KV of one token. Page 0 is the padding
 page: the scheduler's allocator never hands it out, so padded page-table entries (0) and
 padded slots always point at memory no live request owns.
 """
@@ -11,11 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.kv_layout import KVLayout
+
 PAD_PAGE = 0  # reserved by the page allocator; padded page tables point here
 
 
 class KVPool:
-    """Per-layer K/V slot buffers. Not thread-safe; owned by one worker."""
+    """Per-layer KV slot buffers, one per layout component. Not thread-safe; owned by one worker.
+
+    `KVPool(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)` is the
+    GQA (K and V) pool; `KVPool.from_layout` takes any declared layout."""
 
     def __init__(
         self,
@@ -27,79 +35,111 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        if min(num_kv_heads, head_dim) < 1:
+            raise ValueError("KV pool dimensions must all be >= 1")
+        self._setup(KVLayout.gqa(num_kv_heads, head_dim), num_layers, num_pages, page_size, dtype, device)
+
+    @classmethod
+    def from_layout(
+        cls, layout: KVLayout, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVPool:
+        pool = cls.__new__(cls)
+        pool._setup(layout, num_layers, num_pages, page_size, dtype, device)
+        return pool
+
+    def _setup(
+        self, layout: KVLayout, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         if num_pages < 2:
             raise ValueError(f"KV pool needs >= 2 pages (page 0 is padding), got {num_pages}")
-        if min(num_layers, page_size, num_kv_heads, head_dim) < 1:
+        if min(num_layers, page_size) < 1:
             raise ValueError("KV pool dimensions must all be >= 1")
+        self.layout = layout
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        first = layout.components[0]
+        # the first component's geometry (K's for GQA, the latent's for MLA): what backends bind to
+        self.num_kv_heads, self.head_dim = first.heads, first.dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        slots = num_pages * page_size
         # zeros, not empty: padded slots are read (then masked) and must never hold NaN/Inf,
         # since 0 * NaN in a masked softmax would still poison the output.
-        # One tensor per K and V across layers, so that a page range of every layer is one
+        # One tensor per component across layers, so that a page range of every layer is one
         # strided view (the host tier copies all layers of a run with one call, host_tier.py).
-        self.k_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
-        self.v_all = torch.zeros((num_layers, *shape), dtype=dtype, device=self.device)
-        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))  # per layer: contiguous views
+        self.all: dict[str, torch.Tensor] = {
+            c.name: torch.zeros((num_layers, slots, c.heads, c.dim), dtype=c.dtype_in(dtype), device=self.device)
+            for c in layout.components
+        }
+        self.per_layer: dict[str, list[torch.Tensor]] = {n: list(t.unbind(0)) for n, t in self.all.items()}
         # 8-bit float KV is written and gathered through uint8 views of the same memory
-        self._bytes = dtype.itemsize == 1 and dtype.is_floating_point
-        self._k_raw = [t.view(torch.uint8) for t in self.k] if self._bytes else self.k
-        self._v_raw = [t.view(torch.uint8) for t in self.v] if self._bytes else self.v
+        self._raw_layers = [
+            [t.view(torch.uint8) for t in self.per_layer[c.name]] if _bytewise(c.dtype_in(dtype))
+            else self.per_layer[c.name]
+            for c in layout.components
+        ]
+        self._dtypes = [c.dtype_in(dtype) for c in layout.components]
+        self._shapes = [(c.heads, c.dim) for c in layout.components]
+        if layout.is_gqa:  # the names the attention backends and triton kernels use
+            self.k_all, self.v_all = self.all["k"], self.all["v"]
+            self.k, self.v = self.per_layer["k"], self.per_layer["v"]  # per layer: contiguous views
+        if "latent" in self.all:
+            self.latent = self.per_layer["latent"]
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v ([T, num_kv_heads, head_dim]) into `slots` (int64 [T]) of `layer`."""
-        self._k_raw[layer].index_copy_(0, slots, self._raw(k))
-        self._v_raw[layer].index_copy_(0, slots, self._raw(v))
+    def store(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:
+        """Write each component's values ([T, heads, dim], in layout order: k, v for GQA) into
+        `slots` (int64 [T]) of `layer`."""
+        for raw, dtype, x in zip(self._raw_layers, self._dtypes, values, strict=True):
+            x = x.to(dtype)
+            raw[layer].index_copy_(0, slots, x.view(torch.uint8) if _bytewise(dtype) else x)
 
-    def _raw(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
-        return x.view(torch.uint8) if self._bytes else x
+    def gather_pages(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Each component (K and V for GQA) of whole pages (int64 [b, n] page ids) of `layer` as
+        [b, n * page_size, heads, dim] in `dtype`: one contiguous page per index, several times
+        faster on a CPU than gathering the same slots token by token."""
+        return tuple(
+            self._gather(raw[layer], pages, shape, stored).to(dtype)
+            for raw, shape, stored in zip(self._raw_layers, self._shapes, self._dtypes, strict=True)
+        )
 
-    def gather_pages(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole pages (int64 [b, n] page ids) of `layer` as [b, n * page_size,
-        num_kv_heads, head_dim] in `dtype`: one contiguous page per index, several times faster
-        on a CPU than gathering the same slots token by token."""
+    def _gather(self, raw: torch.Tensor, pages: torch.Tensor, shape: tuple[int, int],
+                stored: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu":
             # index_select copies each page as one row (a memcpy): 3-6x faster on a CPU than
             # advanced indexing, whose kernel computes an offset per element; the same values
-            flat, out = pages.reshape(-1), (pages.shape[0], -1, self.num_kv_heads, self.head_dim)
-            k = torch.index_select(self._k_raw[layer].view(self.num_pages, -1), 0, flat).view(out)
-            v = torch.index_select(self._v_raw[layer].view(self.num_pages, -1), 0, flat).view(out)
+            x = torch.index_select(raw.view(self.num_pages, -1), 0, pages.reshape(-1))
+            x = x.view(pages.shape[0], -1, *shape)
         else:
-            shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-            k, v = self._k_raw[layer].view(shape)[pages], self._v_raw[layer].view(shape)[pages]
-            k, v = k.flatten(1, 2), v.flatten(1, 2)
-        if self._bytes:
-            k, v = k.view(self.dtype), v.view(self.dtype)
-        return k.to(dtype), v.to(dtype)
+            x = raw.view(self.num_pages, self.page_size, *shape)[pages].flatten(1, 2)
+        return x.view(stored) if _bytewise(stored) else x
 
-    def page_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every layer as raw bytes, uint8 [num_layers, num_pages, page bytes of a
-        layer] views: `[:, pages]` is a page range (or gather) of all layers at once."""
+    def page_bytes(self) -> tuple[torch.Tensor, ...]:
+        """Each component (K and V for GQA) of every layer as raw bytes, uint8 [num_layers,
+        num_pages, page bytes of a layer] views: `[:, pages]` is a page range (or gather) of all
+        layers at once."""
         n = (self.num_layers, self.num_pages, -1)
-        return self.k_all.view(torch.uint8).view(n), self.v_all.view(torch.uint8).view(n)
+        return tuple(t.view(torch.uint8).view(n) for t in self.all.values())
 
-    def page_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `layer` as [num_pages, page_size, num_kv_heads, head_dim] views (no copy)."""
-        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+    def page_view(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Each component (K and V for GQA) of `layer` as [num_pages, page_size, heads, dim] views."""
+        return tuple(
+            t[layer].view(self.num_pages, self.page_size, *shape)
+            for t, shape in zip(self.all.values(), self._shapes, strict=True)
+        )
 
     @staticmethod
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one page costs across all layers, K and V together."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+        """Bytes one GQA page costs across all layers, K and V together."""
+        return page_size * KVLayout.gqa(num_kv_heads, head_dim).bytes_per_token(num_layers, dtype)
 
     @classmethod
     def pages_for_bytes(
@@ -111,10 +151,12 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
     ) -> int:
-        """How many pages (padding page included) fit in `budget_bytes`."""
+        """How many GQA pages (padding page included) fit in `budget_bytes`."""
         return max(0, budget_bytes // cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype))
 
     def nbytes(self) -> int:
-        return self.num_pages * self.bytes_per_page(
-            self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
+        return self.num_pages * self.page_size * self.layout.bytes_per_token(self.num_layers, self.dtype)
+
+
+def _bytewise(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1 and dtype.is_floating_point

@@ -4,8 +4,9 @@
 allocator state it follows):
 
 * HostInit: map this rank's region of the slab (engine/cache/slab.py), laid out
-  [layer][K, V][host page][page_size * kv_heads * head_dim bytes]: an object's pages are one
-  contiguous span per layer and K/V, so each is one copy (and, on a GPU, the region is
+  [layer][component][host page][page bytes of a component] (the components of the model's
+  declared KV layout, engine/layers/kv_layout.py: K and V, or MLA's latent): an object's pages
+  are one contiguous span per layer and component, so each is one copy (and, on a GPU, the region is
   registered with cudaHostRegister so those copies are DMA);
 * LoadBack: copy host -> device at once, on the compute stream, i.e. before this step's
   forward reads the pages;
@@ -105,12 +106,14 @@ class HostCopies(Effect):
         self.kv = kv
         self.path = path
         self.rank, self.world = rank, world  # each rank owns one region of the slab: its KV heads
-        self.layer_bytes = kv.page_size * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
-        self.page_bytes = 2 * kv.num_layers * self.layer_bytes
-        # the pool's K and V as raw bytes: [layers, device pages, layer bytes], and per layer
+        # the slab's rows are [layer][component] (K, V for GQA; the latent for MLA): one size
+        self.layer_bytes = kv.layout.uniform_page_bytes(kv.page_size, kv.dtype)
+        self.components = len(kv.layout.components)
+        self.page_bytes = self.components * kv.num_layers * self.layer_bytes
+        # the pool's components as raw bytes: [layers, device pages, layer bytes], and per layer
         self.dev = kv.page_bytes()
         self.dev_layers = tuple(list(t.unbind(0)) for t in self.dev)
-        self.slab: torch.Tensor | None = None  # uint8 [layers, 2, host pages, layer_bytes]
+        self.slab: torch.Tensor | None = None  # uint8 [layers, components, host pages, layer_bytes]
         self._map: mmap.mmap | None = None
         self.cuda = kv.device.type == "cuda"
         # the backups' side stream, at the default (lowest) priority: the forward's is higher (runner.py)
@@ -141,7 +144,7 @@ class HostCopies(Effect):
                 region = n * self.page_bytes
                 self._map = map_slab(self.path, region * self.world)
                 raw = torch.frombuffer(self._map, dtype=torch.uint8)[self.rank * region : (self.rank + 1) * region]
-                self.slab = raw.view(self.kv.num_layers, 2, n, self.layer_bytes)
+                self.slab = raw.view(self.kv.num_layers, self.components, n, self.layer_bytes)
                 if self.cuda:
                     if not self._copier_started:
                         self._start_copier()
@@ -377,13 +380,13 @@ def _copier(ref: weakref.ref[HostCopies], jobs: queue.Queue, device: int) -> Non
 
 
 def batch_copies(
-    queued: list[tuple[int, list[int], int]], dev: tuple[torch.Tensor, torch.Tensor], slab: torch.Tensor
+    queued: list[tuple[int, list[int], int]], dev: tuple[torch.Tensor, ...], slab: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's backups as 1D copies (destination, source, bytes: int64 CPU tensors, the
-    arguments of engine/run/dma.copy_batch): one per layer, K/V and stretch, a stretch being
-    pages consecutive both on the device and in the slab (objects placed one after another
-    merge). `dev` is the pool's K and V as bytes [layers, device pages, layer bytes], `slab`
-    this rank's region [layers, K/V, host pages, layer bytes]. Vectorized: the copier thread
+    arguments of engine/run/dma.copy_batch): one per layer, component (K/V) and stretch, a
+    stretch being pages consecutive both on the device and in the slab (objects placed one after
+    another merge). `dev` is the pool's components as bytes [layers, device pages, layer bytes],
+    `slab` this rank's region [layers, components, host pages, layer bytes]. Vectorized: the copier thread
     holds the GIL only for a few tensor ops, whatever the number of pages."""
     queued = sorted(queued, key=lambda q: q[2])
     dev_pages = torch.tensor([p for _, pages, _ in queued for p in pages], dtype=torch.int64)
@@ -395,9 +398,10 @@ def batch_copies(
     count = torch.diff(first, append=torch.tensor([n]))
     layers, page = slab.shape[0], slab.shape[-1]
     layer = torch.arange(layers, dtype=torch.int64)[:, None]
-    dsts = [slab[:, kv].data_ptr() + layer * slab.stride(0) + host_pages[first] * page for kv in (0, 1)]
-    srcs = [dev[kv].data_ptr() + layer * dev[kv].stride(0) + dev_pages[first] * page for kv in (0, 1)]
-    sizes = (count * page).expand(2 * layers, -1)
+    comps = range(len(dev))
+    dsts = [slab[:, kv].data_ptr() + layer * slab.stride(0) + host_pages[first] * page for kv in comps]
+    srcs = [dev[kv].data_ptr() + layer * dev[kv].stride(0) + dev_pages[first] * page for kv in comps]
+    sizes = (count * page).expand(len(dev) * layers, -1)
     return torch.stack(dsts).reshape(-1), torch.stack(srcs).reshape(-1), sizes.reshape(-1).contiguous()
 
 

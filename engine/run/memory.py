@@ -20,6 +20,7 @@ import torch
 
 from engine.config import ServerConfig
 from models.config import ModelConfig
+from models.registry import kv_layout
 
 CPU_POOL_RAM_FRACTION = 1 / 16  # of total RAM: 1.5 GiB (34k tokens of SmolLM2-135M) on a 24 GiB machine
 
@@ -36,8 +37,9 @@ class OutOfMemory(RuntimeError):
 
 
 def kv_bytes_per_token(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * elem
+    """KV bytes a token costs across every layer, by the layout the model declares (K and V per
+    KV head, or MLA's latent) for this config (a rank's shard at tp > 1)."""
+    return kv_layout(mcfg).bytes_per_token(mcfg.num_layers, dtype)
 
 
 def weight_bytes(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001

@@ -35,7 +35,7 @@ from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token
 from engine.run.sampler import SampleParams, Sampler, SampleResult
 from engine.run.step_profile import StepProfiler
 from engine.run.warmup import warm_up
-from models.registry import load_model
+from models.registry import kv_layout, load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
 from msgs.done import StepDone, WorkerReady
 from msgs.steps import AddReq, Forward, FreeReq, Step
@@ -127,23 +127,20 @@ class ModelRunner:
         self.startup = {"load_s": time.perf_counter() - t0}  # time to ready, by phase (Ready's info)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.shard = rank_config(self.mcfg)  # this rank's heads and MLP slice: what its KV pool holds
+        # what a token caches per layer, as the model declares it (K and V, or MLA's latent)
+        self.kv_layout = kv_layout(self.shard)
         pool = plan_pool(cfg, self.shard, self.kv_dtype, self.device)
         self.page_size = cfg.page_size
         self.num_pages = pool.num_pages
         kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(self.shard, self.kv_dtype) / 2**30
         log.info(
             f"kv pool: {(pool.num_pages - 1) * cfg.page_size} tokens, {kv_gib:.2f} GiB on {self.device}",
-            sized_by=pool.sized_by, threads=torch.get_num_threads() if self.device.type == "cpu" else None,
+            sized_by=pool.sized_by, layout=self.kv_layout.describe(self.kv_dtype),
+            threads=torch.get_num_threads() if self.device.type == "cpu" else None,
         )
         self.max_context = pool.max_context
-        self.kv = KVPool(
-            self.mcfg.num_layers,
-            pool.num_pages,
-            cfg.page_size,
-            self.shard.num_kv_heads,
-            self.mcfg.head_dim,
-            self.kv_dtype,
-            self.device,
+        self.kv = KVPool.from_layout(
+            self.kv_layout, self.mcfg.num_layers, pool.num_pages, cfg.page_size, self.kv_dtype, self.device
         )
         self.backend = create_backend(self._backend_name(), self.device)
         set_decode_kernel(self.backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file

@@ -42,6 +42,7 @@ class SchedConfig:
     write_policy: str = "write_through"  # when cached KV is copied to L2
     page_bytes: int = 0  # a worker's KV page across every layer: a host-tier page
     num_layers: int = 0  # layers of that page (the L3 files' layout)
+    kv_components: int = 2  # KV layout components per layer of that page (K and V; MLA: 1)
     l3_dir: str = ""  # the disk tier's directory (--l3-dir); "": no disk tier
     l3_fingerprint: bytes = b""  # the workers' model fingerprint: the L3 key chain's start
 
@@ -69,6 +70,7 @@ class SchedConfig:
             write_policy=cfg.hicache_write_policy,
             page_bytes=ready.page_bytes,
             num_layers=ready.num_layers,
+            kv_components=ready.kv_components,
             l3_dir=cfg.l3_dir if cfg.enable_hierarchical_cache else "",
             l3_fingerprint=ready.l3_fingerprint,
         )

@@ -44,7 +44,8 @@ def make_cache(cfg: SchedConfig, alloc: PageAllocator) -> RadixCache:
         return RadixCache(cfg.page_size, alloc)
     return TieredRadixCache(
         cfg.page_size, alloc, cfg.host_pages, cfg.write_policy, warn=_RateLimited().warn, page_bytes=cfg.page_bytes,
-        num_layers=cfg.num_layers, l3_fingerprint=cfg.l3_fingerprint if cfg.l3_dir else b"",
+        num_layers=cfg.num_layers, kv_components=cfg.kv_components,
+        l3_fingerprint=cfg.l3_fingerprint if cfg.l3_dir else b"",
     )
 
 
