@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from engine.layers.moe import experts_of
 from engine.layers.parallel import Piece, Sharding, _shard, sharding_of
+from engine.layers.quant import ROW_SCALE
 from models.config import ModelConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -138,8 +139,6 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
     mismatch, an unexpected tensor, or a parameter (or fused shard) the checkpoint does not
     provide.
     """
-    if cfg.quant_method is not None:
-        raise ValueError(f"quantized checkpoints ({cfg.quant_method}) are not supported yet")
     params = dict(model.named_parameters())
     pending = {(n, s) for n, p in params.items() for s in _pieces_of(p)}
     unexpected: list[str] = []
@@ -148,7 +147,9 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
             continue  # tied checkpoints sometimes store a copy of the embedding; we read the embedding
         if is_nextn_layer(hf_name, cfg):
             continue
-        name, shard = map_name(hf_name)
+        if cfg.quant is not None and hf_name.endswith(_UNUSED_QUANT_SUFFIXES):
+            continue  # activation and KV-cache scales: see models/quant.py
+        name, shard = map_name(_scale_alias(hf_name, cfg))
         if name not in params:
             unexpected.append(hf_name)
             continue
@@ -174,8 +175,11 @@ def _copy_into(param: nn.Parameter, handle: Any, src: str, shard: str | ExpertSh
     """Copy this rank's part of checkpoint tensor `src` into `param` (fused shard `shard`)."""
     if isinstance(shard, ExpertShard):
         return _copy_expert(param, handle, src, shard)
+    if getattr(param, ROW_SCALE, False):
+        return _copy_row_scale(param, handle, src, shard)
     sh = sharding_of(param)
     sl = handle.get_slice(src)
+    _check_stored_dtype(param, sl.get_dtype(), src)
     shape = tuple(sl.get_shape())
     if sh is None:  # replicated: the whole tensor
         if shape != tuple(param.shape):
@@ -197,6 +201,53 @@ def _copy_into(param: nn.Parameter, handle: Any, src: str, shard: str | ExpertSh
         a, b = piece.src
         part = sl[a:b] if sh.dim == 0 else sl[:, a:b]  # only these bytes are read from the file
         param.data.narrow(sh.dim, piece.dst, b - a).copy_(part)
+
+
+# ---- quantized checkpoints (models/quant.py, engine/layers/quant.py)
+# activation scales (the engine quantizes activations per token) and KV-cache scales (its fp8
+# KV cache is unscaled) are read past; every weight and weight scale must be there
+_UNUSED_QUANT_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_STORED = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}  # quantized parameter -> safetensors dtype
+
+
+def _scale_alias(hf_name: str, cfg: ModelConfig) -> str:
+    """fp8-block checkpoints name the multiplier `weight_scale_inv`: the engine's `weight_scale`."""
+    inv = ".weight_scale_inv"
+    if cfg.quant is not None and cfg.quant.checkpoint_scale == "weight_scale_inv" and hf_name.endswith(inv):
+        return hf_name[: -len(inv)] + ".weight_scale"
+    return hf_name
+
+
+def _check_stored_dtype(param: nn.Parameter, stored: str, src: str) -> None:
+    """A quantized parameter takes only its own bits: a bf16 tensor where e4m3 is expected means
+    the config's quantization does not describe this tensor (casting would drop its scale)."""
+    want = _STORED.get(param.dtype)
+    if want is not None and stored != want:
+        raise ValueError(f"tensor {src} is stored as {stored}, but the checkpoint's quantization config makes it "
+                         f"{want} (is the module missing from the config's ignore list?)")
+
+
+def _copy_row_scale(param: nn.Parameter, handle: Any, src: str, shard: str | None) -> None:
+    """A per-row scale (engine/layers/quant.py ROW_SCALE) from a checkpoint's scalar (per tensor),
+    [n] or [n, 1] (per channel) scale: a scalar fills its tensor's rows."""
+    t = handle.get_tensor(src).float().reshape(-1)
+    sh = sharding_of(param)
+    whole = Piece((0, param.shape[0]), 0, param.shape[0], 0)
+    if sh is None:
+        pieces = [whole]
+    elif shard in sh.pieces:
+        pieces = [sh.pieces[shard]]
+    elif shard is None and t.numel() == sh.full_shape[0]:  # one scale tensor for a fused weight stored whole
+        pieces = [Piece((p.full_offset + p.src[0], p.full_offset + p.src[1]), p.dst, sh.full_shape[0], 0)
+                  for p in sh.pieces.values()]
+    else:
+        raise ValueError(f"tensor {src}: cannot place a scale of {t.numel()} values in {tuple(param.shape)}")
+    for piece in pieces:
+        full = t.expand(piece.full_len) if t.numel() == 1 else t
+        if full.numel() != piece.full_len:
+            raise ValueError(f"scale {src} has {t.numel()} values, expected 1 or {piece.full_len}")
+        a, b = piece.src
+        param.data[piece.dst : piece.dst + b - a].copy_(full[a:b])
 
 
 def _head(names: list[str], n: int = 8) -> str:
