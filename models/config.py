@@ -23,6 +23,8 @@ _SWITCHED_WINDOW_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwe
 _DTYPES = frozenset({"float32", "bfloat16", "float16"})
 # GLM-4.5's `attention_bias` is on q/k/v only: its o_proj has none.
 _UNBIASED_O_PROJ_ARCHS = frozenset({"Glm4MoeForCausalLM"})
+# Architectures whose model rotates part of each head (models/moe.py's PartialRotary).
+_PARTIAL_ROTARY_ARCHS = frozenset({"Glm4MoeForCausalLM"})
 # MoE families whose router scores by sigmoid with the score-correction bias (noaux_tc) when
 # the config does not say (GLM-4.5 has no scoring_func / topk_method keys)
 _SIGMOID_NOAUX_ARCHS = frozenset({"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"})
@@ -236,6 +238,8 @@ def _reject_unsupported(d: dict[str, Any], arch: str) -> None:
     window_on = d.get("use_sliding_window", arch not in _SWITCHED_WINDOW_ARCHS)
     if window and window_on and window < d.get("max_position_embeddings", 0):
         raise ValueError(f"sliding-window attention (window {window}) is not supported")
+    if _partial_rotary_factor(d) != 1.0 and arch not in _PARTIAL_ROTARY_ARCHS:
+        raise ValueError(f"partial_rotary_factor {_partial_rotary_factor(d)} is not supported for {arch}")
 
 
 def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:

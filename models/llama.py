@@ -162,9 +162,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = self.make_mlp(cfg, layer_id, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def make_mlp(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
+        """This layer's MLP; a subclass picks per layer (models/moe.py: MoE blocks)."""
+        return MLP(cfg, dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -178,21 +182,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM. `forward` returns float32 logits [S, vocab] for batch.logit_indices."""
 
+    layer_cls: type[DecoderLayer] = DecoderLayer  # a subclass's decoder layer (models/moe.py)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = LlamaModel(cfg, dtype)
+        self.model = LlamaModel(cfg, dtype, self.layer_cls)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         # a plain attribute, not a buffer: module.to(dtype) must not cast RoPE frequencies
         self.rotary = ops.Rotary(

@@ -22,6 +22,8 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "Glm4MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
 }
 
 

@@ -91,7 +91,9 @@ def experts_of(p: torch.Tensor) -> int:
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], expert ids int64 [T, k]) from float32 router logits [T, E]."""
-    scores = logits.softmax(-1) if spec.scoring_func == "softmax" else logits.sigmoid()
+    # sigmoid as 1 / (1 + exp(-x)): torch's CPU sigmoid gives other bits in its vector body than
+    # in its scalar tail, whose place moves with the row count; exp, add and divide do not
+    scores = logits.softmax(-1) if spec.scoring_func == "softmax" else logits.neg().exp_().add_(1).reciprocal_()
     choice = scores if bias is None else scores + bias
     if spec.topk_method != "greedy" and spec.topk_group < spec.n_group:  # else every group takes part
         grouped = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
@@ -162,7 +164,7 @@ class Experts(nn.Module):
         y = y.view(t, k, -1)
         out = y[:, 0].float() * weights[:, :1]
         for j in range(1, k):  # slot order: a token's sum never depends on the batch
-            out.addcmul_(y[:, j].float(), weights[:, j : j + 1])
+            out += y[:, j].float() * weights[:, j : j + 1]  # mul, add: no FMA in one path only
         return out.to(x.dtype)
 
 
