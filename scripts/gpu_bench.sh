@@ -20,9 +20,12 @@
 #   hostcopy  host-tier copy GB/s (python -m engine.bench.hostcopy cuda); its gpu tests are in quick
 #   det       deterministic inference: its gpu tests, then bin/bench deterministic (Qwen3-0.6B, bf16, mode on)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
+#   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
+#   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
+#   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -91,6 +94,20 @@ for what in "$@"; do case $what in
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
               --input-len 256 --output-len 128 --server-args "$([ $det = on ] && echo --enable-deterministic-inference) --max-running-requests 64" \
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
+  quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
+           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
+         run quant-gemm 400 bin/bench quant --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
+         grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
+  fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
+            run latency-$m-fp8 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
+              --context-len 1024 --steps 50 --profile-idle --server-args "--quantization fp8" \
+              --out "$OUT/latency-$m-fp8w-h200.json" || fails=$((fails + 1))
+            grep -A6 "batch  *ctx" "$OUT/latency-$m-fp8.log"; done ;;
+  llamafp8) run offline-llama-3.1-8b-fp8w 300 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+          --num-requests 256 --input-len 1000 --output-len 1000 \
+          --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llamafp8" \
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math-h200.json" || fails=$((fails + 1))
+          grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("offline", "serve", "latency", "cpu", "structured", "cache", "deterministic")
+MODES = ("offline", "serve", "latency", "cpu", "structured", "cache", "deterministic", "quant")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     det = sub.add_parser("deterministic", help="distinct answers per prompt alone, mixed and behind prefixes (1 each)")
     _common(det)
     deterministic.add_arguments(det)
+    from engine.bench import quant
+
+    qu = sub.add_parser("quant", help="quantized GEMMs (fp8 row/block, NVFP4) against bf16 at real shapes (CUDA)")
+    _common(qu)
+    quant.add_arguments(qu)
     return parser
 
 
@@ -121,6 +126,8 @@ def check(args: argparse.Namespace) -> str | None:
         return cache.check(args)
     if args.mode == "deterministic":
         return None if args.samples >= 1 and args.max_batch >= 1 and args.max_new >= 1 else "--samples etc. >= 1"
+    if args.mode == "quant":
+        return None if args.rep_ms >= 1 else "--rep-ms must be >= 1"
     if args.mode == "structured":
         return None if args.num_requests >= 1 and args.max_tokens >= 1 else "--num-requests, --max-tokens >= 1"
     if args.mode == "latency":
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "structured": _structured,
         "cache": _cache,
         "deterministic": _deterministic,
+        "quant": _quant,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -172,6 +180,12 @@ def _deterministic(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import deterministic
 
     return deterministic.main(args)
+
+
+def _quant(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import quant
+
+    return quant.main(args)
 
 
 def _structured(args: argparse.Namespace) -> dict[str, Any]:

@@ -92,7 +92,10 @@ def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    scale = tl.load(ws + rows, mask=rmask, other=0.0) if HAS_SCALE else 1.0
+    if HAS_SCALE:
+        scale = tl.load(ws + rows, mask=rmask, other=0.0)
+    else:
+        scale = 1.0
     if BLOCK_K >= K:
         wf = wt.to(tl.float32)
         for m in tl.static_range(M):

@@ -1,0 +1,175 @@
+"""`bin/bench quant`: the quantized projections' GEMMs against bf16, at real shapes, on CUDA.
+
+Per shape [N, K] and token count M, each kernel's median time (triton's do_bench: L2 flushed
+between runs), its TFLOPS and weight GB/s, and its error against bf16 on the same inputs
+(`err_bf16`: relative Frobenius error of the output against F.linear with the unquantized bf16
+weight, which includes the quantization; `err_kernel`: against float32 x @ dequantized W^T, the
+kernel alone). Rooflines measured in the same run: the copy bandwidth, and the FP8 tensor rate
+of cuBLASLt at 8192^3 (next to the H200's 1979 TFLOPS data-sheet peak).
+
+Kernels: bf16 (cuBLAS), fp8_row (per-token quant + torch._scaled_mm), fp8_gemv (the weight-only
+triton GEMV, M <= 4), fp8_block (the block-scaled triton GEMM), deep_gemm (DeepGEMM's fp8
+1x128 x 128x128 GEMM when `deep_gemm` imports; its error is recorded otherwise), nvfp4.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name -> [(projection, N, K)]
+    "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "deepseek-v3": [("q_a+kv_a", 2112, 7168), ("q_b", 24576, 1536), ("kv_b", 32768, 512), ("o", 7168, 16384),
+                    ("dense gate_up", 36864, 7168), ("dense down", 7168, 18432), ("expert gate_up", 4096, 7168),
+                    ("expert down", 7168, 2048)],
+}
+TOKENS = {"llama-3.1-8b": [1, 4, 16, 64, 256, 1024, 4096], "deepseek-v3": [1, 64, 4096]}
+H200_FP8_PEAK_TFLOPS = 1979.0  # dense, data sheet
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="shape sets to run")
+    p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
+
+
+def _bench(fn: Any, rep: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")) / 1e3
+
+
+def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def _deep_gemm() -> tuple[Any, str]:
+    try:
+        import deep_gemm
+
+        return deep_gemm, ""
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the triton kernel is measured anyway
+        return None, f"{type(e).__name__}: {e}"[:300]
+
+
+def _shape_rows(n: int, k: int, ms: list[int], rep: int) -> list[dict[str, Any]]:
+    from engine.layers import quant, triton_ops
+    from engine.layers.parallel import Linear
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    layers = {}
+    for fmt in ("fp8_row", "fp8_block", "nvfp4"):
+        lin = Linear(k, n, False, torch.bfloat16).to(dev)
+        lin.weight.data.copy_(w)
+        quant.quantize(lin, fmt)
+        layers[fmt] = lin
+    deq = {fmt: quant.dequantize(lin) for fmt, lin in layers.items()}
+    gemv = triton_ops.gemv_config(layers["fp8_row"].weight)
+    dg, dg_err = _deep_gemm()
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref_bf16 = F.linear(x, w).float()
+        row: dict[str, Any] = {"n": n, "k": k, "m": m, "kernels": {}}
+        runs = _runs(x, w, layers, gemv, dg)
+        for name, (fn, fmt) in runs.items():
+            try:
+                y = fn()
+                t = _bench(fn, rep)
+            except Exception as e:  # noqa: BLE001 - one kernel's failure is a recorded result
+                row["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            wbytes = n * k * (2 if fmt is None else 1 if fmt.startswith("fp8") else 0.5625)
+            entry = {"ms": t * 1e3, "tflops": 2 * m * n * k / t / 1e12, "weight_gbs": wbytes / t / 1e9,
+                     "err_bf16": _err(y, ref_bf16)}
+            if fmt is not None:
+                entry["err_kernel"] = _err(y, x.float() @ deq[fmt].t())
+            row["kernels"][name] = entry
+        if dg is None:
+            row["kernels"]["deep_gemm"] = {"error": dg_err}
+        rows.append(row)
+    return rows
+
+
+def _runs(x: torch.Tensor, w: torch.Tensor, layers: dict[str, Any], gemv: tuple | None,
+          dg: Any) -> dict[str, tuple[Any, str | None]]:
+    """kernel name -> (a call computing x W^T, the weight format it reads or None for bf16)."""
+    from engine.layers import quant_ops, triton_ops
+
+    row, blk, fp4 = layers["fp8_row"], layers["fp8_block"], layers["nvfp4"]
+    runs = {
+        "bf16": (lambda: F.linear(x, w), None),
+        "fp8_row": (lambda: quant_ops.fp8_row_gemm(x, row.weight, row.weight_scale), "fp8_row"),
+        "fp8_block": (lambda: quant_ops.fp8_block_gemm(x, blk.weight, blk.weight_scale), "fp8_block"),
+        "nvfp4": (lambda: quant_ops.nvfp4_gemm(x, fp4.weight, fp4.weight_scale, fp4.weight_scale_2), "nvfp4"),
+    }
+    if gemv is not None and triton_ops.gemv_rows_ok(gemv, x.shape[1], x.shape[0]):
+        runs["fp8_gemv"] = (lambda: quant_ops.gemv_fp8(x, row.weight, row.weight_scale, *gemv), "fp8_row")
+    if dg is not None:
+        runs["deep_gemm"] = (_deep_gemm_fn(dg, x, blk), "fp8_block")
+    return runs
+
+
+def _deep_gemm_fn(dg: Any, x: torch.Tensor, blk: Any) -> Any:
+    """DeepGEMM's fp8 x fp8 GEMM (activations 1x128-scaled, weights 128x128), bf16 out."""
+    from engine.layers import quant_ops
+
+    m, n = x.shape[0], blk.weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+
+    def run() -> torch.Tensor:
+        q, s = quant_ops.group_quant(x)
+        dg.fp8_gemm_nt((q, s), (blk.weight, blk.weight_scale), out)
+        return out
+
+    return run
+
+
+def fp8_peak_tflops() -> float:
+    """cuBLASLt's FP8 rate at 8192^3 with per-tensor scales (the best case), TFLOPS."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = _bench(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 100)
+    return 2 * n**3 / t / 1e12
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from engine.bench import report
+    from engine.bench.hardware import hardware_info
+    from engine.bench.roofline import copy_bandwidth
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bin/bench quant: needs a CUDA device")
+    figures: dict[str, Any] = {"copy_gbs": copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e9,
+                               "fp8_peak_tflops_measured": fp8_peak_tflops(),
+                               "fp8_peak_tflops_datasheet": H200_FP8_PEAK_TFLOPS, "shapes": {}}
+    jobs = [(s, name, n, k) for s in args.shapes for name, n, k in SHAPES[s]]
+    for s, name, n, k in tqdm(jobs, desc="quantized GEMMs", unit="shape"):
+        figures["shapes"][f"{s} {name}"] = _shape_rows(n, k, TOKENS[s], args.rep_ms)
+    _print(figures)
+    record = report.make_record("quant", "gemm-shapes", vars(args) | {"out": None}, hardware_info(), figures)
+    report.write_record(record, args.out)
+    return figures
+
+
+def _print(fig: dict[str, Any]) -> None:
+    print(f"copy {fig['copy_gbs']:.0f} GB/s; FP8 cuBLASLt 8192^3 {fig['fp8_peak_tflops_measured']:.0f} TFLOPS "
+          f"(data sheet {fig['fp8_peak_tflops_datasheet']:.0f})")
+    names = ("bf16", "fp8_gemv", "fp8_row", "fp8_block", "deep_gemm", "nvfp4")
+    print(f"{'shape':28} {'M':>5} " + " ".join(f"{n:>20}" for n in names) + "   (us / TFLOPS / err_bf16)")
+    for shape, rows in fig["shapes"].items():
+        for r in rows:
+            cells = []
+            for n in names:
+                e = r["kernels"].get(n)
+                cells.append(f"{'-':>20}" if not e or "error" in e else
+                             f"{e['ms'] * 1e3:7.1f}/{e['tflops']:5.0f}/{e['err_bf16']:.3f}".rjust(20))
+            print(f"{shape:28} {r['m']:>5} " + " ".join(cells))

@@ -1,0 +1,47 @@
+"""The quantized projections' triton kernels (engine/layers/quant_kernels.py, the fp8 GEMV in
+triton_kernels.py) against float32 x @ dequantized W^T, run by triton's interpreter on the CPU.
+The kernels that round to e4m3 (activation quantization) are checked on the GPU only
+(tests/gpu/test_quant_gpu.py): the interpreter's float-to-fp8 conversion does not round as the
+hardware does. Skipped where triton is not installed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is first imported
+pytest.importorskip("triton")
+
+from engine.layers import ops, quant, quant_ops, triton_ops  # noqa: E402
+from engine.layers.parallel import Linear  # noqa: E402
+
+
+def _linear(n: int, k: int, fmt: str, seed: int) -> Linear:
+    torch.manual_seed(seed)
+    lin = Linear(k, n, False, torch.float32)
+    lin.weight.data.normal_(0, 0.05)
+    quant.quantize(lin, fmt)
+    return lin
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(("rows", "block_k", "silu_mul"), [(1, 128, False), (3, 512, False), (1, 128, True)])
+def test_fp8_gemv_scales_each_row(rows: int, block_k: int, silu_mul: bool) -> None:
+    lin = _linear(40, 512, "fp8_row", rows)
+    x = torch.randn(rows, 1024 if silu_mul else 512)
+    ref = (ops.silu_and_mul(x) if silu_mul else x) @ quant.dequantize(lin).t()
+    y = triton_ops.gemv(x, lin.weight, 16, block_k, 4, 1, silu_mul=silu_mul, scale=lin.weight_scale)
+    assert _rel(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 128), (5, 70, 96), (33, 64, 256)])
+def test_nvfp4_gemm_dequantizes_in_registers(m: int, n: int, k: int) -> None:
+    lin = _linear(n, k, "nvfp4", m)
+    x = torch.randn(m, k)
+    assert _rel(quant_ops.nvfp4_gemm(x, lin.weight, lin.weight_scale, lin.weight_scale_2),
+                x @ quant.dequantize(lin).t()) < 1e-5
