@@ -21,6 +21,8 @@ _QKV_BIAS_ONLY_ARCHS = frozenset({"Qwen2ForCausalLM"})
 # Families with a `use_sliding_window` switch that is off for the released checkpoints.
 _SWITCHED_WINDOW_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 _DTYPES = frozenset({"float32", "bfloat16", "float16"})
+# Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): q/kv low-rank projections, a latent KV cache
+_MLA_ARCHS = frozenset({"DeepseekV3ForCausalLM"})
 # GLM-4.5's `attention_bias` is on q/k/v only: its o_proj has none.
 _UNBIASED_O_PROJ_ARCHS = frozenset({"Glm4MoeForCausalLM"})
 # Architectures whose model rotates part of each head (models/moe.py's PartialRotary).
@@ -86,6 +88,58 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling (DeepSeek-V3): frequencies blended between interpolated and extrapolated
+    by dimension, cos/sin scaled by `attention_factor`, and with `mscale_all_dim` the softmax scale
+    multiplied by mscale(factor, mscale_all_dim)^2 (transformers' modeling_rope_utils / deepseek_v3)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    rope_type: str = "yarn"
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(f"yarn rope scaling: factor and original_max_position_embeddings must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention shapes. q_lora_rank None: a plain q_proj (DeepSeek-V2-Lite).
+    rope_interleave: the checkpoint's rope dims come in (even, odd) pairs (transformers' default)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"invalid MLA config: {name} must be > 0, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"invalid MLA config: q_lora_rank must be > 0 or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"invalid MLA config: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a token caches per layer: the compressed KV, then the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of a Llama-family decoder.
 
@@ -105,7 +159,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); None: GQA
     tie_word_embeddings: bool = False
     qk_norm: bool = False
     attention_bias: bool = False
@@ -179,8 +234,10 @@ class ModelConfig:
         arch = _architecture(d)
         _reject_unsupported(d, arch)
         hidden, heads = _req(d, "hidden_size"), _req(d, "num_attention_heads")
-        head_dim = d.get("head_dim") or _derived_head_dim(hidden, heads)
-        rope_theta, scaling = _rope(d)
+        mla = _mla(d) if arch in _MLA_ARCHS else None
+        # MLA: RoPE covers the qk_rope_head_dim part of each head (transformers sets head_dim so too)
+        head_dim = mla.qk_rope_head_dim if mla else d.get("head_dim") or _derived_head_dim(hidden, heads)
+        rope_theta, scaling = _rope(d, yarn_ok=mla is not None)
         bias = bool(d.get("attention_bias", False))
         qkv_bias_only = arch in _QKV_BIAS_ONLY_ARCHS
         return cls(
@@ -196,6 +253,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=_req(d, "max_position_embeddings"),
             rope_scaling=scaling,
+            mla=mla,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qk_norm=arch in _QK_NORM_ARCHS or bool(d.get("use_qk_norm", False)),
             attention_bias=True if qkv_bias_only else bias,
@@ -242,8 +300,39 @@ def _reject_unsupported(d: dict[str, Any], arch: str) -> None:
         raise ValueError(f"partial_rotary_factor {_partial_rotary_factor(d)} is not supported for {arch}")
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from either `rope_parameters` (transformers 5) or the legacy keys."""
+def _mla(d: dict[str, Any]) -> MLAConfig:
+    return MLAConfig(
+        q_lora_rank=d.get("q_lora_rank"),
+        kv_lora_rank=int(_req(d, "kv_lora_rank")),
+        qk_nope_head_dim=int(_req(d, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_req(d, "qk_rope_head_dim")),
+        v_head_dim=int(_req(d, "v_head_dim")),
+        rope_interleave=bool(d.get("rope_interleave", True)),
+    )
+
+
+def _yarn(s: dict[str, Any], max_positions: int) -> YarnScaling:
+    if s.get("original_max_position_embeddings") is None:
+        raise ValueError("yarn rope scaling lacks 'original_max_position_embeddings'")
+    orig = int(s["original_max_position_embeddings"])
+    factor = s.get("factor")
+    def opt(key: str) -> float | None:
+        return None if s.get(key) is None else float(s[key])
+    return YarnScaling(
+        factor=float(factor) if factor is not None else max_positions / orig,
+        original_max_position_embeddings=orig,
+        beta_fast=float(s.get("beta_fast") or 32),
+        beta_slow=float(s.get("beta_slow") or 1),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor"),
+        truncate=bool(s.get("truncate", True)),
+    )
+
+
+def _rope(d: dict[str, Any], yarn_ok: bool = False) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(theta, scaling) from either `rope_parameters` (transformers 5) or the legacy keys; `yarn_ok`:
+    the architecture's plug-in implements YaRN (MLA models)."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         theta, scaling = params["rope_theta"], params
@@ -254,8 +343,12 @@ def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return float(theta), None
+    if kind == "yarn" and yarn_ok:
+        return float(theta), _yarn(scaling, int(d.get("max_position_embeddings") or 0))
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: none, llama3)")
+        supported = "none, llama3, yarn" if yarn_ok else "none, llama3"
+        raise ValueError(f"unsupported rope scaling type {kind!r} in rope_scaling/rope_parameters "
+                         f"(supported for {_architecture(d)}: {supported})")
     try:
         return float(theta), RopeScaling(
             factor=float(scaling["factor"]),

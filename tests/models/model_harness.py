@@ -21,6 +21,7 @@ from engine.layers.attention import TorchAttention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from models.config import ModelConfig
+from models.registry import kv_layout
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -65,7 +66,8 @@ class Seq:
 class PagedGreedy:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, page_size: int = 4, num_pages: int = 256) -> None:
         self.model, self.cfg, self.page_size = model, cfg, page_size
-        self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        # the layout the model declares (K and V, or MLA's latent)
+        self.kv = KVPool.from_layout(kv_layout(cfg), cfg.num_layers, num_pages, page_size, torch.float32, "cpu")
         self.backend = TorchAttention("cpu")
         self.free = list(range(1, num_pages))  # page 0 is the padding page
         random.Random(0).shuffle(self.free)

@@ -1,0 +1,198 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent KV cache, in torch.
+
+The pool (engine/layers/kv_pool.py, layout `KVLayout.latent`) holds one latent per token and
+layer: c = kv_a_layernorm(compressed KV) [kv_lora_rank] then the roped shared key k_pe [rope].
+Per head h the expanded key is [W_UK_h c | k_pe] (qk_nope + rope dims) and the value W_UV_h c
+(v dims), with W_UK, W_UV the two halves of kv_b_proj's rows. Two forms of one attention:
+
+* non-absorbed (`_expanded`, prefill and prefill chunks): the request's latents are expanded
+  through kv_b_proj to K [L, H, qk_nope + rope] and V [L, H, v], then causal attention;
+* absorbed (`_absorbed`, decode): q_nope is absorbed into the latent space, q_lat = q_nope W_UK
+  [H, kv_lora_rank], and every head attends the cached [c | k_pe] directly (MQA over one
+  576-wide "head" for V3); the output o_lat [H, kv_lora_rank] goes through W_UV.
+
+Both give softmax(q_nope . W_UK c + q_pe . k_pe) weighted sums of W_UV c: the same values up
+to rounding. The query/key width (qk_nope + rope, or kv_lora_rank + rope) differs from the
+value width (v, or kv_lora_rank): the attention here takes them separately.
+
+With deterministic inference (engine/layers/batch_invariant.py) every row takes the absorbed
+form, in blocks of batch_invariant.TOKENS query tokens of one request and KV chunks aligned to
+position 0 merged by an online softmax in order, and the absorption GEMMs run in fixed row
+blocks: a token's bits do not depend on the batch, its prefill chunks or its cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers import batch_invariant
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class MLAShapes:
+    """One rank's MLA geometry: `heads` query heads, the latent's kv_lora_rank and rope dims."""
+
+    heads: int
+    kv_lora_rank: int
+    qk_nope: int
+    rope: int
+    v: int
+    scale: float  # softmax scale: qk_head_dim^-0.5, times YaRN's mscale^2 where the config says so
+
+
+@dataclass
+class _Req:
+    row_start: int
+    rows: int  # new tokens
+    seq_len: int  # KV length after this step
+    pages: torch.Tensor  # int64 [n]: the pages covering positions 0..seq_len-1
+
+
+@dataclass
+class MLAPlan:
+    """One step's attention plan, shared by every layer: decode requests (one new token) take
+    the absorbed form in one padded batch, the others the expanded form one request at a time;
+    with deterministic inference one batch_invariant plan for every row."""
+
+    decode_rows: torch.Tensor | None  # int64 [b]
+    decode_pages: torch.Tensor | None  # int64 [b, n]
+    decode_mask: torch.Tensor | None  # bool [b, 1, n * page_size]: position < seq_len
+    extends: list[_Req]
+    invariant: batch_invariant.Plan | None = None
+    all_decode: bool = False
+    absorb_extends: bool = False  # prefill rows in the absorbed form too (one row at a time)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, absorb_all: bool = False) -> MLAPlan:
+        """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one)."""
+        lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
+        if batch_invariant.enabled():
+            inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
+            return cls(None, None, None, [], invariant=inv)
+        dev = batch.page_table.device
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        plan = cls(None, None, None, [], all_decode=len(dec) == len(lens))
+        if dec:
+            req = torch.tensor(dec, dtype=torch.int64, device=dev)
+            n = -(-max(seqs[i] for i in dec) // ps)
+            plan.decode_pages = batch.page_table[req][:, :n].to(torch.int64)
+            pos = torch.arange(n * ps, device=dev)
+            plan.decode_mask = (pos[None, :] < batch.seq_lens[req].to(torch.int64)[:, None])[:, None, :]
+            plan.decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=dev)
+        for i, n in enumerate(lens):
+            if n > 1:
+                pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
+                plan.extends.append(_Req(starts[i], n, seqs[i], pages))
+        plan.absorb_extends = absorb_all
+        return plan
+
+
+def mla_attend(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, plan: MLAPlan, kv: KVPool, layer: int, w_kv_b: torch.Tensor,
+    s: MLAShapes,
+) -> torch.Tensor:
+    """Attention output [T, H, v] (q's dtype) of q_nope [T, H, qk_nope] and roped q_pe [T, H, rope]
+    over `layer`'s latents (this step's already stored), w_kv_b = kv_b_proj's weight [H * (qk_nope
+    + v), kv_lora_rank] (this rank's heads)."""
+    w = w_kv_b.view(s.heads, s.qk_nope + s.v, s.kv_lora_rank)
+    w_uk, w_uv = w[:, : s.qk_nope], w[:, s.qk_nope :]
+    t = q_nope.shape[0]
+    if plan.invariant is not None:
+        return _invariant(q_nope, q_pe, plan.invariant, kv, layer, w_uk, w_uv, s)
+    out = q_nope.new_empty(t, s.heads, s.v)
+    if plan.decode_rows is not None:
+        rows = None if plan.all_decode else plan.decode_rows
+        qn = q_nope if rows is None else q_nope[rows]
+        qp = q_pe if rows is None else q_pe[rows]
+        (lat,) = kv.gather_pages(layer, plan.decode_pages, q_nope.dtype)  # [b, Lk, 1, latent]
+        o = _absorbed(qn, qp, lat[:, :, 0], plan.decode_mask, w_uk, w_uv, s)
+        if rows is None:
+            return o
+        out[rows] = o
+    for r in plan.extends:
+        (lat,) = kv.gather_pages(layer, r.pages[None], q_nope.dtype)
+        lat = lat[0, : r.seq_len, 0]  # [Lk, latent]
+        sl = slice(r.row_start, r.row_start + r.rows)
+        start = r.seq_len - r.rows
+        causal = torch.arange(r.seq_len, device=lat.device)[None, :] <= torch.arange(
+            start, r.seq_len, device=lat.device)[:, None]  # [Lq, Lk]
+        if plan.absorb_extends:
+            qn, qp = q_nope[sl], q_pe[sl]
+            out[sl] = torch.cat([
+                _absorbed(qn[i : i + 1], qp[i : i + 1], lat[None], causal[i][None, None], w_uk, w_uv, s)
+                for i in range(r.rows)
+            ])
+        else:
+            out[sl] = _expanded(q_nope[sl], q_pe[sl], lat, causal, w_uk, w_uv, s)
+    return out
+
+
+def _expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, causal: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
+    """Non-absorbed: the latents lat [Lk, latent] expanded to per-head K and V, causal softmax.
+    q [Lq, H, *], causal bool [Lq, Lk] -> [Lq, H, v]."""
+    c, k_pe = lat[:, : s.kv_lora_rank], lat[:, s.kv_lora_rank :]
+    k_nope = torch.einsum("lr,hnr->hln", c, w_uk)  # [H, Lk, qk_nope]
+    v = torch.einsum("lr,hvr->hlv", c, w_uv)  # [H, Lk, v]
+    scores = torch.matmul(q_nope.transpose(0, 1), k_nope.transpose(1, 2))  # [H, Lq, Lk]
+    scores = scores + torch.matmul(q_pe.transpose(0, 1), k_pe.t())  # the rope key is shared by the heads
+    probs = (scores.float() * s.scale).masked_fill(~causal, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)
+
+
+def _absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
+    """Absorbed (MQA over the latent): q [b, H, *], lat [b, Lk, latent], mask bool [b, 1, Lk]
+    -> [b, H, v]."""
+    q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # q_nope absorbed by W_UK
+    q = torch.cat([q_lat, q_pe], dim=-1)  # [b, H, latent]
+    scores = torch.bmm(q, lat.transpose(1, 2))  # [b, H, Lk]
+    probs = (scores.float() * s.scale).masked_fill(~mask, float("-inf")).softmax(-1).to(lat.dtype)
+    o_lat = torch.bmm(probs, lat[:, :, : s.kv_lora_rank])  # [b, H, kv_lora_rank]
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # through W_UV
+
+
+def _absorb_rows(x: torch.Tensor, w: torch.Tensor, eq: str) -> torch.Tensor:
+    """einsum(eq, x, w) for x [T, H, *] in fixed blocks of batch_invariant.ROWS rows (a row's bits
+    do not depend on T)."""
+    return batch_invariant.in_blocks(lambda xb: torch.einsum(eq, xb, w), batch_invariant.ROWS, x)
+
+
+def _invariant(q_nope: torch.Tensor, q_pe: torch.Tensor, p: batch_invariant.Plan, kv: KVPool, layer: int,
+               w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
+    """Deterministic inference: the absorbed form for every row, in batch_invariant's blocks of
+    TOKENS query tokens x KV chunks from position 0, online softmax merged chunk after chunk
+    (as batch_invariant.attend, with one latent 'KV head' and value = its first kv_lora_rank)."""
+    t, h = q_nope.shape[:2]
+    r, tok = s.kv_lora_rank, batch_invariant.TOKENS
+    out = q_nope.new_empty(t, h, s.v)
+    nb = p.rows.shape[0]
+    if nb == 0:
+        return out
+    q_lat = _absorb_rows(q_nope.float(), w_uk.float(), "thn,hnr->thr")
+    q = torch.cat([q_lat, q_pe.float()], dim=-1) * s.scale  # [T, H, latent]
+    qb = q[p.rows].reshape(nb, tok * h, -1)  # [nb, TOKENS * H, latent]
+    m = torch.full((nb, tok * h, 1), float("-inf"), device=q.device)
+    acc = torch.zeros(nb, tok * h, r + 1, device=q.device)  # [.., :r] output, [.., r] the sum
+    for c in p.chunks:
+        (lat,) = kv.gather_pages(layer, c.pages, torch.float32)  # [blocks, chunk, 1, latent]
+        lat = lat[:, :, 0]
+        v1 = torch.cat([lat[:, :, :r], lat.new_ones(lat.shape[0], lat.shape[1], 1)], dim=-1)
+        sc = batch_invariant.bmm(qb[: c.blocks], lat.transpose(1, 2).contiguous())  # [blocks, TOKENS*H, chunk]
+        sc.view(c.blocks, tok, h, -1).masked_fill_(c.hidden.view(c.blocks, tok, 1, -1), float("-inf"))
+        m_old = m[: c.blocks]
+        m_new = torch.maximum(m_old, sc.amax(-1, keepdim=True))
+        pv = batch_invariant.bmm(sc.sub_(m_new).exp_(), v1)
+        acc[: c.blocks].mul_(m_old.sub_(m_new).exp_()).add_(pv)
+        m[: c.blocks] = m_new
+    o_lat = (acc[..., :r] / acc[..., r:]).view(nb * tok, h, r)
+    o = _absorb_rows(o_lat[p.real], w_uv.float(), "thr,hvr->thv")
+    out[p.rows.view(-1)[p.real]] = o.to(out.dtype)
+    return out

@@ -1,0 +1,218 @@
+"""DeepSeek-V3 (MLA) against transformers on the same random weights (float32, CPU).
+
+Tiny configs with YaRN on (mscale != mscale_all_dim, so both the cos/sin factor and the softmax
+scale correction matter), q_lora and plain q_proj, interleaved and rotate-half rope; one with MoE
+layers (an odd expert count, grouped noaux_tc routing with a non-zero score-correction bias,
+shared experts, a first dense layer). Plus: absorbed decode equals the expanded form, a cached
+prefix and chunked prefill equal fresh, the latent pool's bytes at V3 shapes, deterministic
+inference, and bad configs failing at start naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from model_harness import CONFIGS, PagedGreedy, Seq, hf_greedy, load_hf
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.layers import batch_invariant
+from engine.layers.kv_layout import KVLayout
+from engine.layers.kv_pool import KVPool
+from engine.run.memory import kv_bytes_per_token
+from models.config import ModelConfig
+from models.registry import kv_layout, load_model
+
+ATOL = 1e-3
+MAX_NEW = 32
+
+TINY_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,  # all dense
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 9,
+    "num_experts_per_tok": 3,
+    "n_group": 3,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+    "eos_token_id": 1,
+    "bos_token_id": 0,
+}
+VARIANTS = {
+    "q_lora": {},
+    "q_proj": {"q_lora_rank": None, "rope_interleave": False},  # DeepSeek-V2-Lite's plain q_proj
+    "moe": {"num_hidden_layers": 3, "first_k_dense_replace": 1},
+}
+
+
+def make_v3_dir(path: Path, config: dict, seed: int = 0) -> Path:
+    """A random DeepseekV3 checkpoint saved by transformers; norms around 1, the router's
+    score-correction bias non-zero (it is a buffer, not a parameter)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def v3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    path = make_v3_dir(tmp_path_factory.mktemp(f"v3-{request.param}"), {**TINY_V3, **VARIANTS[request.param]})
+    model, cfg = load_model(path, progress=False)
+    yield model, cfg, load_hf(path)
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TINY_V3["vocab_size"]) for _ in range(n)] for n in lengths]
+
+
+def _check(hf: torch.nn.Module, seqs: list[Seq], prompts: list[list[int]], n: int) -> None:
+    for s, prompt in zip(seqs, prompts, strict=True):
+        want_toks, want_logits = hf_greedy(hf, prompt, n)
+        assert s.out == want_toks, f"prompt of {len(prompt)} tokens diverged"
+        torch.testing.assert_close(torch.stack(s.logits), want_logits, atol=ATOL, rtol=0)
+
+
+def test_config_reads_mla_and_yarn(v3: tuple) -> None:
+    _, cfg, hf = v3
+    assert cfg.mla is not None and cfg.mla.kv_lora_rank == 32 and cfg.mla.qk_head_dim == 24
+    assert cfg.rope_scaling.factor == 4.0 and cfg.rope_scaling.mscale_all_dim == 0.8
+    assert kv_layout(cfg) == KVLayout.latent(32, 8)
+    first, n = hf.config.first_k_dense_replace, hf.config.num_hidden_layers
+    assert cfg.moe is not None and cfg.moe.layers == tuple(range(first, n))
+
+
+def test_greedy_matches_hf(v3: tuple) -> None:
+    """Batched prefill of mixed lengths then batched decode (the absorbed form), 32 tokens."""
+    model, cfg, hf = v3
+    prompts = _prompts([1, 5, 17, 30])
+    runner = PagedGreedy(model, cfg)
+    seqs = [runner.new_seq(p, MAX_NEW) for p in prompts]
+    runner.run(seqs, MAX_NEW)
+    _check(hf, seqs, prompts, MAX_NEW)
+
+
+def test_chunked_prefill_and_cached_prefix_match_hf(v3: tuple) -> None:
+    """Chunks of 7 beside decodes; then B reuses A's first 3 pages and prefills only its suffix."""
+    model, cfg, hf = v3
+    prompts = _prompts([3, 20], seed=1)
+    runner = PagedGreedy(model, cfg)
+    seqs = [runner.new_seq(p, MAX_NEW) for p in prompts]
+    runner.run(seqs, MAX_NEW, chunk=7)
+    _check(hf, seqs, prompts, MAX_NEW)
+    prefix, suf_a, suf_b = _prompts([12, 5, 9], seed=2)
+    a = runner.new_seq(prefix + suf_a, 4)
+    runner.run([a], 4)
+    b = runner.new_seq(prefix + suf_b, 16, share=a, shared_tokens=12)
+    runner.run([b], 16)
+    _check(hf, [b], [prefix + suf_b], 16)
+
+
+def test_absorbed_equals_expanded(v3: tuple) -> None:
+    """Every row in the absorbed form (prefill too) against the expanded prefill + absorbed
+    decode: the same greedy tokens and logits (fp32)."""
+    model, cfg, _ = v3
+    prompts = _prompts([6, 19], seed=3)
+    outs = []
+    for absorb in (False, True):
+        model.absorb_all = absorb
+        try:
+            runner = PagedGreedy(model, cfg)
+            seqs = [runner.new_seq(p, 8) for p in prompts]
+            runner.run(seqs, 8)
+        finally:
+            model.absorb_all = False
+        outs.append(seqs)
+    for s, t in zip(*outs, strict=True):
+        assert s.out == t.out
+        torch.testing.assert_close(torch.stack(s.logits), torch.stack(t.logits), atol=1e-4, rtol=0)
+
+
+def test_deterministic_inference_is_batch_invariant(v3: tuple) -> None:
+    """With the mode on, a request's logits are the same bits alone, batched with others, and
+    prefilled in chunks (every row the absorbed form in fixed blocks), and close to transformers."""
+    model, cfg, hf = v3
+    target, *others = _prompts([11, 4, 23], seed=4)
+    before = batch_invariant.enabled()
+    batch_invariant.enable(True, "cpu")
+    try:
+        runs = []
+        for batch, chunk in (([], None), (others, None), (others, 5)):
+            runner = PagedGreedy(model, cfg)
+            seqs = [runner.new_seq(p, 6) for p in [target, *batch]]
+            runner.run(seqs, 6, chunk=chunk)
+            runs.append(seqs[0])
+    finally:
+        batch_invariant.enable(before, "cpu")
+    for r in runs[1:]:
+        assert r.out == runs[0].out
+        assert torch.equal(torch.stack(r.logits), torch.stack(runs[0].logits))
+    _check(hf, runs[:1], [target], 6)
+
+
+def test_latent_pool_bytes_at_v3_shapes() -> None:
+    """DeepSeek-V3's layout (cut to 5 layers): 576 values, 1152 bytes a token and layer in bf16,
+    what the pool allocates; Llama-3.1-8B's GQA pool keeps its bytes."""
+    d = json.loads((CONFIGS / "deepseek-v3" / "config.json").read_text())
+    cfg = ModelConfig.from_dict({**d, "num_hidden_layers": 5})
+    layout = kv_layout(cfg)
+    assert layout == KVLayout.latent(512, 64) and layout.token_bytes(torch.bfloat16) == 1152
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 5 * 1152
+    pool = KVPool.from_layout(layout, cfg.num_layers, 3, 16, torch.bfloat16, "cpu")
+    assert tuple(pool.all) == ("latent",)
+    assert sum(t.numel() * t.element_size() for t in pool.all.values()) == 3 * 16 * 5 * 1152 == pool.nbytes()
+    assert pool.latent[0].shape == (3 * 16, 1, 576)
+    llama = ModelConfig.from_dir(CONFIGS / "llama-3.1-8b")
+    assert kv_bytes_per_token(llama, torch.bfloat16) == 2 * 32 * 8 * 128 * 2
+    gqa = KVPool(2, 3, 16, 8, 128, torch.bfloat16, "cpu")
+    assert gqa.k_all.shape == gqa.v_all.shape == (2, 48, 8, 128) and gqa.nbytes() == 2 * 2 * 48 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope'"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+])
+def test_bad_mla_configs_fail_naming_the_field(change: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_dict({**TINY_V3, **change})
+
+
+def test_yarn_is_refused_where_the_plug_in_lacks_it() -> None:
+    d = json.loads((CONFIGS / "tiny-llama" / "config.json").read_text())
+    d["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="'yarn'.*LlamaForCausalLM"):
+        ModelConfig.from_dict(d)
