@@ -45,11 +45,23 @@ def kv_bytes_per_token(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
 def weight_bytes(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
     """Bytes of the model's parameters in `dtype` (unquantized), from its config."""
     elem = torch.empty((), dtype=dtype).element_size()
-    h, i, v = mcfg.hidden_size, mcfg.intermediate_size, mcfg.vocab_size
+    h, v = mcfg.hidden_size, mcfg.vocab_size
     q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * mcfg.head_dim if mcfg.qk_norm else 0)
+    layer = h * (q + 2 * kv) + q * h + 2 * h + (2 * mcfg.head_dim if mcfg.qk_norm else 0)
+    layer += (q + 2 * kv if mcfg.attention_bias else 0) + (h if mcfg.o_proj_bias else 0)
+    mlps = sum(mlp_params(mcfg, i) for i in range(mcfg.num_layers))
     embed = v * h * (1 if mcfg.tie_word_embeddings else 2)
-    return elem * (mcfg.num_layers * layer + embed + h)
+    return elem * (mcfg.num_layers * layer + mlps + embed + h)
+
+
+def mlp_params(mcfg, layer_id: int) -> int:  # noqa: ANN001
+    """Parameters of one layer's MLP: the dense SwiGLU, or an MoE block (every routed expert, not
+    only the active ones, the shared experts, the router and its score-correction bias)."""
+    h, moe = mcfg.hidden_size, getattr(mcfg, "moe", None)
+    if moe is None or layer_id not in moe.layers:
+        return 3 * h * mcfg.intermediate_size
+    experts = (moe.num_experts + moe.num_shared_experts) * 3 * h * moe.intermediate_size
+    return experts + moe.num_experts * h + (moe.num_experts if moe.topk_method == "noaux_tc" else 0)
 
 
 def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> None:
@@ -74,6 +86,9 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     tokens = cfg.max_prefill_tokens + cfg.max_running_requests
     q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
     per_token = (q + 2 * kv) + q + 3 * mcfg.intermediate_size + 4 * mcfg.hidden_size
+    moe = getattr(mcfg, "moe", None)
+    if moe is not None:  # the MoE torch path's [T * top_k, hidden] gathered inputs and outputs, gate_up rows
+        per_token += moe.top_k * (3 * mcfg.hidden_size + 3 * moe.intermediate_size)
     activations = 2 * tokens * per_token * elem  # x2: allocator slack, live tensors across a layer
     # float32 logits plus the sampler's int64 [B, V] noise temporaries (a few alive at once)
     logits = cfg.max_running_requests * mcfg.vocab_size * (4 + 4 * 8)

@@ -217,3 +217,18 @@ def test_loader_fills_expert_stacks(tmp_path: Path) -> None:
         pre = f"model.layers.1.mlp.experts.{e}"
         want13 = torch.cat([raw[f"{pre}.gate_proj.weight"], raw[f"{pre}.up_proj.weight"]])
         assert torch.equal(experts.w13[e], want13) and torch.equal(experts.w2[e], raw[f"{pre}.down_proj.weight"])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_weight_bytes_count_every_expert(name: str) -> None:
+    """Memory sizing's parameter count (engine/run/memory.py) is the model's, experts and all;
+    Qwen3-30B-A3B's config gives its published 30.5B parameters."""
+    from engine.run.memory import weight_bytes
+    from models.moe import MoeForCausalLM
+
+    cfg = ModelConfig.from_dict(CONFIGS[name])
+    with torch.device("meta"):
+        model = MoeForCausalLM(cfg)
+    assert weight_bytes(cfg, torch.float32) == 4 * sum(p.numel() for p in model.parameters())
+    big = ModelConfig.from_dir(Path(__file__).resolve().parents[2] / "configs" / "qwen3-30b-a3b")
+    assert 30.4e9 < weight_bytes(big, torch.bfloat16) / 2 < 30.6e9
