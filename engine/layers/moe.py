@@ -148,6 +148,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
         t, k = ids.shape
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the MoE torch path reads per-expert counts on the host and cannot be captured in a "
+                               "CUDA graph: serve MoE models with --disable-cuda-graph until its fused kernels land")
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host sync on a GPU
