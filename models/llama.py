@@ -30,8 +30,8 @@ from engine.layers.parallel import (
     _param,
     head_shard,
     lm_logits,
+    parallel_state,
     range_split,
-    tp,
 )
 from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig, RopeScaling
@@ -76,7 +76,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         # this rank's heads (all of them at tp 1): column-parallel QKV, row-parallel o_proj
-        heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp().rank, tp().world)
+        t = parallel_state().tp
+        heads = head_shard(cfg.num_heads, cfg.num_kv_heads, t.rank, t.world)
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_q, heads.num_kv, d
         self.q_size, self.kv_size = heads.num_q * d, heads.num_kv * d
@@ -125,7 +126,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        mine = range_split(inter, tp().world, tp().rank)  # this rank's slice of the intermediate dim
+        t = parallel_state().tp
+        mine = range_split(inter, t.world, t.rank)  # this rank's slice of the intermediate dim
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [("gate", inter, mine), ("up", inter, mine)],
                                                  False, dtype)
         self.down_proj = RowParallelLinear(inter, mine, cfg.hidden_size, False, dtype)

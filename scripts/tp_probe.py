@@ -116,9 +116,9 @@ def _micro_rank(rank: int, world: int, port: int, out_path: str) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-    from engine.layers.parallel import SymmAllReduce, set_tp
+    from engine.layers.parallel import ParallelState, SymmAllReduce, TPGroup, set_parallel_state
 
-    t = set_tp(rank, world, dist.group.WORLD)
+    t = set_parallel_state(ParallelState(tp=TPGroup(rank, world, dist.group.WORLD))).tp
     report: dict = {"torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(world)],
                     "nccl": str(torch.cuda.nccl.version()), "world": world, "allreduce": [],
                     "errors": []}

@@ -57,8 +57,8 @@ from engine.layers.parallel import (
     _row_pieces,
     _shard,
     matmul,
+    parallel_state,
     range_split,
-    tp,
 )
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -133,7 +133,7 @@ class Experts(nn.Module):
 
     def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
         super().__init__()
-        t = tp()
+        t = parallel_state().tp
         e, inter = spec.num_experts, spec.intermediate_size
         mine = range_split(inter, t.world, t.rank)
         pieces, local, full = _row_pieces([("gate", inter, mine), ("up", inter, mine)])
@@ -176,7 +176,7 @@ class SharedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.tp = tp()
+        self.tp = parallel_state().tp
         mine = range_split(intermediate_size, self.tp.world, self.tp.rank)
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size, [("gate", intermediate_size, mine), ("up", intermediate_size, mine)], False, dtype
@@ -199,7 +199,7 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
         super().__init__()
         check_spec(spec)
-        self.tp = tp()
+        self.tp = parallel_state().tp
         self.gate = Router(hidden_size, spec)
         self.experts = Experts(hidden_size, spec, dtype)
         shared = spec.num_shared_experts * spec.intermediate_size

@@ -1,7 +1,7 @@
 """Tensor-parallel (Megatron-style) layers and the process-group holder they read.
 
-One worker process per rank; `set_tp` is called once per process (engine/run/dist.py) before
-the model is built, and every layer reads the module-level `tp()` at construction. At
+One worker process per rank; `set_parallel_state` is called once per process (engine/run/dist.py)
+before the model is built, and every layer reads `parallel_state().tp` at construction. At
 world 1 each layer is exactly the single-GPU layer (same parameters, same kernels: the
 triton GEMVs stay); at world > 1:
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -149,20 +149,38 @@ def symm_all_reduce_ok(max_bytes: int, device: torch.device) -> bool:
         return False
 
 
-_TP = TPGroup()
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's process groups, one per kind of parallelism (each a `TPGroup`: rank, world,
+    process group, collectives). Set once per process (engine/run/dist.py) before the model is
+    built; layers read `parallel_state().tp` (or `.ep`) at construction. Every group has world 1
+    until its flag exists: ep (experts), cp (context), dp (data: attention replicas)."""
+
+    tp: TPGroup = field(default_factory=TPGroup)
+    ep: TPGroup = field(default_factory=TPGroup)
+    cp: TPGroup = field(default_factory=TPGroup)
+    dp: TPGroup = field(default_factory=TPGroup)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "cp", "dp"):
+            g = getattr(self, name)
+            if not 0 <= g.rank < g.world:
+                raise ValueError(f"{name} group: rank {g.rank} outside a world of {g.world}")
 
 
-def tp() -> TPGroup:
-    return _TP
+_STATE = ParallelState()
 
 
-def set_tp(rank: int, world: int, group: Any = None) -> TPGroup:
-    """Set once per process, before the model is built (layers read it at construction)."""
-    global _TP
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside a world of {world}")
-    _TP = TPGroup(rank, world, group)
-    return _TP
+def parallel_state() -> ParallelState:
+    return _STATE
+
+
+def set_parallel_state(state: ParallelState) -> ParallelState:
+    """Set once per process, before the model is built (layers read it at construction);
+    tests set it per simulated rank."""
+    global _STATE
+    _STATE = state
+    return state
 
 
 def range_split(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -318,7 +336,7 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, in_range: tuple[int, int], out_features: int, bias: bool,
                  dtype: torch.dtype) -> None:
         super().__init__(in_range[1] - in_range[0], out_features, bias, dtype)
-        self.tp = tp()
+        self.tp = parallel_state().tp
         _shard(self.weight, Sharding(1, (out_features, in_features), {None: Piece(in_range, 0, in_features, 0)}))
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
@@ -356,7 +374,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.tp = tp()
+        self.tp = parallel_state().tp
         self.num = num
         self.start, self.end = range_split(num, self.tp.world, self.tp.rank)
         self.weight = _param(self.end - self.start, dim, dtype=dtype)
@@ -376,7 +394,8 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, hidden: int, vocab: int, dtype: torch.dtype) -> None:
         super().__init__()
-        start, end = range_split(vocab, tp().world, tp().rank)
+        t = parallel_state().tp
+        start, end = range_split(vocab, t.world, t.rank)
         self.weight = _param(end - start, hidden, dtype=dtype)
         _shard(self.weight, Sharding(0, (vocab, hidden), {None: Piece((start, end), 0, vocab, 0)}))
         self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's layout
@@ -426,7 +445,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     becomes a meta tensor, the same shape, dtype and bytes for whoever counts them, and an
     error, not garbage, for any code that would still compute with it. The embedding keeps its
     plain weight (the lookup reads it), packed as well when it is the tied LM head."""
-    if tp().world != 1:
+    if parallel_state().tp.world != 1:
         return 0
     mods = list(model.modules())
     untied = [m for m in mods if isinstance(m, ParallelLMHead)]
@@ -448,7 +467,7 @@ def lm_logits(h: torch.Tensor, weight: torch.Tensor, vocab: int, packed: torch.T
     """float32 logits [S, vocab] from the final hidden rows and this rank's LM-head rows
     (`packed`: the same in oneDNN's layout, on CPU); at world > 1 gathered, so that every rank
     holds the same full logits."""
-    t = tp()
+    t = parallel_state().tp
     local = matmul(h, weight, packed=packed if t.world == 1 else None)
     if t.world == 1:
         return local.float()

@@ -3,7 +3,8 @@ without ever waiting on a collective forever.
 
 The supervisor (engine/supervise.py) gives each worker MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE and LOCAL_RANK. A rank uses cuda:LOCAL_RANK and NCCL on GPU, gloo on CPU, and
-publishes itself to the layers (`engine.layers.parallel.set_tp`) before the model is built.
+publishes its groups to the layers (`engine.layers.parallel.set_parallel_state`: tp, and ep, cp,
+dp of world 1 until their flags exist) before the model is built.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ServerConfig
-from engine.layers.parallel import SymmAllReduce, head_shard, range_split, set_tp, symm_all_reduce_ok, tp
+from engine.layers.parallel import (
+    ParallelState,
+    SymmAllReduce,
+    TPGroup,
+    head_shard,
+    parallel_state,
+    range_split,
+    set_parallel_state,
+    symm_all_reduce_ok,
+)
 from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig
 
@@ -38,9 +48,10 @@ DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
     """The device of this rank; at tp > 1 also joins the process group (blocking until every
-    rank has joined, at most COLLECTIVE_TIMEOUT_S) and sets the layers' TP group."""
+    rank has joined, at most COLLECTIVE_TIMEOUT_S) and sets the layers' parallel state."""
     device = torch.device(cfg.resolved_device)
     if cfg.tp_size == 1:
+        set_parallel_state(ParallelState())  # every group of world 1
         return device
     for key, value in DIST_ENV.items():
         os.environ[key] = value
@@ -66,8 +77,8 @@ def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
     )
-    t = set_tp(rank, world, dist.group.WORLD)
-    t.symm = _symm_all_reduce(device)
+    t = TPGroup(rank, world, dist.group.WORLD, _symm_all_reduce(device))
+    set_parallel_state(ParallelState(tp=t))
     log.info("tensor parallel group joined", backend=backend, world=world, device=str(device),
              master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
              symm_allreduce_max_bytes=t.symm.max_bytes if t.symm is not None else 0)
@@ -100,7 +111,7 @@ def rank_config(mcfg: ModelConfig) -> ModelConfig:
     """The model config as this rank sees it: its q and K/V heads, its slice of the MLP (for the
     KV pool, the attention backend and memory sizing); the vocabulary stays whole, since the
     logits are gathered before sampling. At tp 1, mcfg itself."""
-    t = tp()
+    t = parallel_state().tp
     if t.world == 1:
         return mcfg
     heads = head_shard(mcfg.num_heads, mcfg.num_kv_heads, t.rank, t.world)

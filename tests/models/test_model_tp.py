@@ -26,7 +26,16 @@ from tp_harness import run_tp  # noqa: E402
 
 from engine.config import ServerConfig
 from engine.layers import parallel, triton_ops
-from engine.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, head_shard, range_split, set_tp
+from engine.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelState,
+    RowParallelLinear,
+    TPGroup,
+    head_shard,
+    parallel_state,
+    range_split,
+    set_parallel_state,
+)
 from engine.layers.tuning import load_tuning
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
@@ -129,7 +138,7 @@ def gemv_on_cpu(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     monkeypatch.setattr(triton_ops, "gemv_config", cfg)
     monkeypatch.setattr(parallel, "kernel_tuning", lambda device: H200)
     yield
-    set_tp(0, 1)
+    set_parallel_state(ParallelState())
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
@@ -159,7 +168,7 @@ def test_gemv_on_shards_matches_f_linear(gemv_on_cpu: None, hidden: int, heads: 
     used = []
     partial_o, partial_down = torch.zeros(rows, hidden), torch.zeros(rows, hidden)
     for rank in range(2):
-        set_tp(rank, 2)
+        set_parallel_state(ParallelState(tp=TPGroup(rank, 2)))
         sh = head_shard(heads, kv, rank, 2)
         (qs, qe), (ks, ke) = sh.q, sh.kv
         qkv = ColumnParallelLinear(hidden, [("q", heads * d, (qs * d, qe * d)), ("k", kv * d, (ks * d, ke * d)),
@@ -185,7 +194,7 @@ def test_gemv_on_shards_matches_f_linear(gemv_on_cpu: None, hidden: int, heads: 
 
 
 def test_shard_without_rule_is_exactly_f_linear(gemv_on_cpu: None) -> None:
-    set_tp(1, 2)
+    set_parallel_state(ParallelState(tp=TPGroup(1, 2)))
     lin = RowParallelLinear(95, range_split(95, 2, 1), 64, True, torch.float32)
     lin.weight.data.copy_(_rand(64, 47, seed=7))
     x = _rand(1, 47, seed=8)
@@ -215,3 +224,22 @@ def test_all_reduce_takes_the_one_shot_path_only_for_accepted_messages(monkeypat
     assert TPGroup(0, 1, None, FakeSymm()).all_reduce(small) is small and calls == ["symm", "nccl"]
     assert not parallel.symm_all_reduce_ok(1 << 20, torch.device("cpu"))
     assert not parallel.symm_all_reduce_ok(0, torch.device("cuda", 0))
+
+
+def test_parallel_state_holds_every_group_and_dist_sets_it() -> None:
+    """One object holds a rank's groups: tp as set, ep/cp/dp of world 1 until their flags exist;
+    a rank outside its world is refused naming the group; a tp=1 worker's set-up resets it."""
+    from engine.run.dist import init_distributed
+
+    state = ParallelState(tp=TPGroup(1, 2))
+    assert (state.tp.rank, state.tp.world) == (1, 2)
+    assert all((g.rank, g.world) == (0, 1) for g in (state.ep, state.cp, state.dp))
+    with pytest.raises(ValueError, match="ep group: rank 1 outside a world of 1"):
+        ParallelState(ep=TPGroup(1, 1))
+    try:
+        set_parallel_state(state)
+        assert RowParallelLinear(10, range_split(10, 2, 1), 4, False, torch.float32).tp is state.tp
+        assert init_distributed(ServerConfig(device="cpu"), 0) == torch.device("cpu")
+        assert parallel_state() == ParallelState() and parallel_state().tp.world == 1
+    finally:
+        set_parallel_state(ParallelState())
