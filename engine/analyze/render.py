@@ -24,6 +24,9 @@ def _s(v: float | None) -> str:
 def print_text(rep: Report, timelines: bool = True, out: Any = sys.stdout) -> None:
     w = lambda s="": print(s, file=out)  # noqa: E731
     w(f"logs: {rep.logdir} ({', '.join(rep.files) or 'no *.log files'})")
+    for worker, kv in rep.kv_pools.items():
+        per = f", {kv['token_layer_bytes']} bytes a token and layer" if kv["token_layer_bytes"] else ""
+        w(f"kv pool ({worker}): {kv['pool']}; layout {kv['layout']}{per}")
     if timelines and rep.requests:
         _print_timelines(rep.requests, w)
     _print_summary(rep, w)

@@ -61,6 +61,7 @@ class Report:
     errors: list[dict[str, Any]]
     first_error_seq: int | None
     notes: list[str] = field(default_factory=list)
+    kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker: its KV pool and layout
 
 
 # ---------------------------------------------------------------- reading
@@ -356,7 +357,40 @@ def analyze(logdir: Path) -> Report:
         errors=errs,
         first_error_seq=min(seqs) if seqs else None,
         notes=_notes(reqs, has_l2, records),
+        kv_pools=kv_pools(records),
     )
+
+
+KV_POOL_EVENT = "kv pool: "  # engine/run/runner.py: "kv pool: N tokens, X GiB on DEV", layout=...
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+
+
+def kv_pools(records: list[Record]) -> dict[str, dict[str, Any]]:
+    """Each worker's KV pool from its start-up line: the size, and the KV layout its model declares
+    (engine/layers/kv_layout.py: `k:8x128:bfloat16,v:8x128:bfloat16`, or MLA's one latent) with
+    the bytes it costs a token in one layer (None where a dtype is not known here)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if not str(r["event"]).startswith(KV_POOL_EVENT):
+            continue
+        layout = r.get("layout")
+        out[r["file"].removesuffix(".log")] = {
+            "pool": str(r["event"])[len(KV_POOL_EVENT):],
+            "layout": layout,
+            "token_layer_bytes": _layout_bytes(layout) if isinstance(layout, str) else None,
+        }
+    return out
+
+
+def _layout_bytes(layout: str) -> int | None:
+    total = 0
+    for comp in layout.split(","):
+        parts = comp.split(":")  # name:HxD:dtype
+        if len(parts) != 3 or parts[2] not in _DTYPE_BYTES:
+            return None
+        heads, _, dim = parts[1].partition("x")
+        total += int(heads) * int(dim) * _DTYPE_BYTES[parts[2]]
+    return total
 
 
 def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str]:

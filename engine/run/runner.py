@@ -187,8 +187,12 @@ class ModelRunner:
 
     def _backend_name(self) -> str:
         """Deterministic inference has one attention path: the torch backend's (config.py refuses
-        another named backend with the mode on)."""
-        return "torch" if self.deterministic else self.cfg.attention_backend
+        another named backend with the mode on). A model whose KV layout is not K and V (MLA's
+        latent) attends its pool itself (engine/layers/mla_attention.py): the GQA kernels are not
+        planned for it (the torch backend's per-step plan is cheap, and no CUDA graphs)."""
+        if self.deterministic or not self.kv_layout.is_gqa:
+            return "torch"
+        return self.cfg.attention_backend
 
     def _capture_graphs(self):  # noqa: ANN202
         """CUDA graphs for decode, unless disabled, on CPU, or the backend cannot be captured."""
