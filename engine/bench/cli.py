@@ -33,7 +33,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="model directory or Hugging Face hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="dummy: random weights at the model's shapes (configs/)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")

@@ -18,9 +18,12 @@ class BenchRequest:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The model directory a run uses: --model, or the default model (prepared on first use)."""
+    """The model directory a run uses: --model (a directory, or a hub id resolved as bin/serve
+    resolves it: engine/hub.py), or the default model (prepared on first use)."""
     if model:
-        return Path(model)
+        from engine.hub import resolve_model
+
+        return Path(resolve_model(model, "dummy"))  # the config is all a workload reads
     from models.default_model import ensure_default_model
 
     return ensure_default_model()

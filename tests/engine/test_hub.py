@@ -47,12 +47,15 @@ def run_offline(cache: Path, code: str) -> subprocess.CompletedProcess[str]:
 
 def test_hub_id_from_offline_cache_loads_like_the_directory(tmp_path: Path) -> None:
     cache = hub_cache(tmp_path / "hub", HUB_ID, {"config.json": (TINY / "config.json").read_bytes()})
-    code = ("from engine.config import ServerConfig; "
+    code = ("from engine.config import ServerConfig; from engine.bench.workload import resolve_model_dir; "
+            f"print(resolve_model_dir({HUB_ID!r})); "
             f"print(ServerConfig(model={HUB_ID!r}, load_format='dummy', device='cpu').to_json())")
     res = run_offline(cache, code)
     assert res.returncode == 0, res.stderr
-    cfg = ServerConfig.from_json(res.stdout.strip().splitlines()[-1])  # a child's view: a directory
+    bench_dir, cfg_json = res.stdout.strip().splitlines()[-2:]
+    cfg = ServerConfig.from_json(cfg_json)  # a child's view: a directory
     snap = cache / "models--strata-test--tiny-llama" / "snapshots" / COMMIT
+    assert Path(bench_dir) == snap  # bin/bench reads the same snapshot's config
     assert Path(cfg.model) == snap and cfg.model_name == HUB_ID
     assert (Path(cfg.model) / "config.json").read_bytes() == (TINY / "config.json").read_bytes()
     # the same dummy model as from configs/tiny-llama (dummy weights depend on config and seed only)
