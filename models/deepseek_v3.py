@@ -149,6 +149,7 @@ class MLAttention(nn.Module):
         qk, v, r = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
         self.shapes = MLAShapes(self.heads, r, m.qk_nope_head_dim, m.qk_rope_head_dim, v, softmax_scale(cfg))
         eps = cfg.rms_norm_eps
+        self.q_lora = m.q_lora_rank is not None
         if m.q_lora_rank is None:
             # named qkv_proj, piece "q": the loader maps a checkpoint's q_proj there (models/loader.py)
             self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [("q", cfg.num_heads * qk, (hs * qk, he * qk))],
@@ -167,7 +168,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: MLAContext) -> torch.Tensor:
         s, t = self.shapes, x.shape[0]
-        q = self.qkv_proj(x) if hasattr(self, "qkv_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.qkv_proj(x)
         q = q.view(t, s.heads, s.qk_nope + s.rope)
         q_nope, q_pe = q[..., : s.qk_nope], ctx.rope(q[..., s.qk_nope :], ctx.cos, ctx.sin)
         ckv = self.kv_a_proj_with_mqa(x)

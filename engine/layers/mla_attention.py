@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
@@ -121,6 +122,7 @@ def mla_attend(
         lat = lat[0, : r.seq_len, 0]  # [Lk, latent]
         sl = slice(r.row_start, r.row_start + r.rows)
         start = r.seq_len - r.rows
+        # with a cached prefix the causal diagonal is shifted right by `start`
         causal = torch.arange(r.seq_len, device=lat.device)[None, :] <= torch.arange(
             start, r.seq_len, device=lat.device)[:, None]  # [Lq, Lk]
         if plan.absorb_extends:
@@ -130,21 +132,27 @@ def mla_attend(
                 for i in range(r.rows)
             ])
         else:
-            out[sl] = _expanded(q_nope[sl], q_pe[sl], lat, causal, w_uk, w_uv, s)
+            out[sl] = _expanded(q_nope[sl], q_pe[sl], lat, causal if start else None, w_uk, w_uv, s)
     return out
 
 
-def _expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, causal: torch.Tensor,
+def _expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, causal: torch.Tensor | None,
               w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
-    """Non-absorbed: the latents lat [Lk, latent] expanded to per-head K and V, causal softmax.
-    q [Lq, H, *], causal bool [Lq, Lk] -> [Lq, H, v]."""
+    """Non-absorbed: the latents lat [Lk, latent] expanded to per-head K [qk_nope + rope] and V [v],
+    then SDPA (its flash kernels take a v width other than the qk one; no [H, Lq, Lk] scores kept).
+    q [Lq, H, *], causal bool [Lq, Lk] (None: plain causal, no cached prefix) -> [Lq, H, v]."""
     c, k_pe = lat[:, : s.kv_lora_rank], lat[:, s.kv_lora_rank :]
-    k_nope = torch.einsum("lr,hnr->hln", c, w_uk)  # [H, Lk, qk_nope]
+    lk, lq = lat.shape[0], q_nope.shape[0]
+    k = lat.new_empty(s.heads, lk, s.qk_nope + s.rope)
+    k[..., : s.qk_nope].copy_(torch.einsum("lr,hnr->hln", c, w_uk))
+    k[..., s.qk_nope :].copy_(k_pe[None].expand(s.heads, lk, s.rope))  # the rope key is shared by the heads
     v = torch.einsum("lr,hvr->hlv", c, w_uv)  # [H, Lk, v]
-    scores = torch.matmul(q_nope.transpose(0, 1), k_nope.transpose(1, 2))  # [H, Lq, Lk]
-    scores = scores + torch.matmul(q_pe.transpose(0, 1), k_pe.t())  # the rope key is shared by the heads
-    probs = (scores.float() * s.scale).masked_fill(~causal, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).transpose(0, 1)
+    q = q_nope.new_empty(s.heads, lq, s.qk_nope + s.rope)
+    q[..., : s.qk_nope].copy_(q_nope.transpose(0, 1))
+    q[..., s.qk_nope :].copy_(q_pe.transpose(0, 1))
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, is_causal=causal is None,
+                                       scale=s.scale)
+    return o[0].transpose(0, 1)
 
 
 def _absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor,
