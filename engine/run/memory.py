@@ -46,12 +46,26 @@ def weight_bytes(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
     """Bytes of the model's parameters in `dtype` (unquantized), from its config."""
     elem = torch.empty((), dtype=dtype).element_size()
     h, v = mcfg.hidden_size, mcfg.vocab_size
-    q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
-    layer = h * (q + 2 * kv) + q * h + 2 * h + (2 * mcfg.head_dim if mcfg.qk_norm else 0)
-    layer += (q + 2 * kv if mcfg.attention_bias else 0) + (h if mcfg.o_proj_bias else 0)
+    layer = attention_params(mcfg) + 2 * h
     mlps = sum(mlp_params(mcfg, i) for i in range(mcfg.num_layers))
     embed = v * h * (1 if mcfg.tie_word_embeddings else 2)
     return elem * (mcfg.num_layers * layer + mlps + embed + h)
+
+
+def attention_params(mcfg) -> int:  # noqa: ANN001
+    """Parameters of one layer's attention: GQA's q/k/v/o projections (q/k norms, biases), or MLA's
+    (q_a_proj, q_a_layernorm, q_b_proj or a plain q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj, o_proj)."""
+    h, m = mcfg.hidden_size, getattr(mcfg, "mla", None)
+    if m is not None:
+        heads, qk, r = mcfg.num_heads, m.qk_head_dim, m.kv_lora_rank
+        q = h * heads * qk if m.q_lora_rank is None else (h + 1 + heads * qk) * m.q_lora_rank
+        bias = (m.q_lora_rank or 0) + m.latent_dim + h if mcfg.attention_bias else 0
+        return q + h * m.latent_dim + r + r * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h \
+            + bias
+    q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+    params = h * (q + 2 * kv) + q * h + (2 * mcfg.head_dim if mcfg.qk_norm else 0)
+    return params + (q + 2 * kv if mcfg.attention_bias else 0) + (h if mcfg.o_proj_bias else 0)
 
 
 def mlp_params(mcfg, layer_id: int) -> int:  # noqa: ANN001
@@ -86,6 +100,9 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     tokens = cfg.max_prefill_tokens + cfg.max_running_requests
     q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
     per_token = (q + 2 * kv) + q + 3 * mcfg.intermediate_size + 4 * mcfg.hidden_size
+    m = getattr(mcfg, "mla", None)
+    if m is not None:  # MLA prefill: q and the latents expanded to per-head K and V, the output (a chunk's rows)
+        per_token += mcfg.num_heads * (2 * m.qk_head_dim + 2 * m.v_head_dim)
     moe = getattr(mcfg, "moe", None)
     if moe is not None:  # the MoE torch path's [T * top_k, hidden] gathered inputs and outputs, gate_up rows
         per_token += moe.top_k * (3 * mcfg.hidden_size + 3 * moe.intermediate_size)

@@ -216,3 +216,12 @@ def test_yarn_is_refused_where_the_plug_in_lacks_it() -> None:
     d["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(ValueError, match="'yarn'.*LlamaForCausalLM"):
         ModelConfig.from_dict(d)
+
+
+def test_weight_bytes_count_mla_parameters(v3: tuple) -> None:
+    """engine/run/memory.py's weight_bytes (the GPU's does-it-fit check) counts exactly the
+    parameters the model has (MLA's projections and norms, dense MLPs and MoE blocks)."""
+    from engine.run.memory import weight_bytes
+
+    model, cfg, _ = v3
+    assert weight_bytes(cfg, torch.float32) == 4 * sum(p.numel() for p in model.parameters())
