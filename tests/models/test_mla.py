@@ -225,3 +225,30 @@ def test_weight_bytes_count_mla_parameters(v3: tuple) -> None:
 
     model, cfg, _ = v3
     assert weight_bytes(cfg, torch.float32) == 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.usefixtures("vendor_kernels")
+def test_tp2_equals_tp1(tmp_path: Path) -> None:
+    """MLA with its heads split over 2 ranks (q_b_proj, kv_b_proj column-parallel by head, o_proj
+    row-parallel, the latent replicated; 3 heads: 2 + 1) and the MoE layer's experts sliced, over
+    gloo: tp=1's greedy tokens, every rank's replica digest checked every step (tp_harness),
+    prefill chunks, cached prefixes and overlap included."""
+    from tp_harness import run_tp
+
+    from engine.config import ServerConfig
+    from msgs.params import SamplingParams
+
+    path = make_v3_dir(tmp_path / "m", {**TINY_V3, **VARIANTS["moe"], "num_attention_heads": 3,
+                                        "num_key_value_heads": 3})
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    shared = _prompts([24], seed=5)[0]
+    waves = [([shared + p for p in _prompts([9, 14], seed=6)], greedy),
+             ([shared + p for p in _prompts([5, 3], seed=7)], greedy)]
+
+    def run(tp_size: int) -> list:
+        cfg = ServerConfig(model=str(path), device="cpu", dtype="float32", tp_size=tp_size, cpu_threads=1,
+                           page_size=4, max_prefill_tokens=16, max_total_tokens=1024, max_running_requests=4)
+        return [[o.output_ids for o in w] for w in run_tp(cfg, waves)]
+
+    one, two = run(1), run(2)
+    assert two == one and all(len(ids) == 8 for w in two for ids in w)
