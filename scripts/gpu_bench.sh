@@ -96,7 +96,7 @@ for what in "$@"; do case $what in
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
   quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
-         run quant-gemm 400 bin/bench quant --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
+         run quant-gemm 400 bin/bench quant --sweep --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-fp8 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \

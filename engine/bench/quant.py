@@ -33,6 +33,7 @@ H200_FP8_PEAK_TFLOPS = 1979.0  # dense, data sheet
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="shape sets to run")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
+    p.add_argument("--sweep", action="store_true", help="also sweep kernel configs at the Llama-3.1-8B shapes")
 
 
 def _bench(fn: Any, rep: int) -> float:
@@ -109,9 +110,62 @@ def _runs(x: torch.Tensor, w: torch.Tensor, layers: dict[str, Any], gemv: tuple 
     }
     if gemv is not None and triton_ops.gemv_rows_ok(gemv, x.shape[1], x.shape[0]):
         runs["fp8_gemv"] = (lambda: quant_ops.gemv_fp8(x, row.weight, row.weight_scale, *gemv), "fp8_row")
+        wide = (gemv[0], gemv[1] * 2, *gemv[2:])  # the bf16 rule's bytes per load: twice the fp8 elements
+        if x.shape[0] == 1 and x.shape[1] % wide[1] == 0:
+            runs["fp8_gemv_k2"] = (lambda: quant_ops.gemv_fp8(x, row.weight, row.weight_scale, *wide), "fp8_row")
+    if x.shape[0] <= 64:
+        runs["fp8_wo_row"] = (lambda: quant_ops.fp8_weight_only_gemm(x, row.weight, row.weight_scale), "fp8_row")
+        runs["fp8_wo_block"] = (lambda: quant_ops.fp8_weight_only_gemm(x, blk.weight, blk.weight_scale), "fp8_block")
+    runs["cublas_block"] = (lambda: quant_ops.fp8_block_cublas(x, blk.weight, blk.weight_scale), "fp8_block")
     if dg is not None:
         runs["deep_gemm"] = (_deep_gemm_fn(dg, x, blk), "fp8_block")
     return runs
+
+
+def sweep(n: int, k: int, rep: int) -> dict[str, Any]:
+    """Config sweeps at one shape: the fp8 GEMV at M = 1, the weight-only GEMM at M = 16 and 64,
+    the block-scaled GEMM at M = 4096 (each config's median us; errors recorded)."""
+    from engine.layers import quant, quant_ops
+    from engine.layers.parallel import Linear
+
+    dev = torch.device("cuda")
+    lins = {}
+    for fmt in ("fp8_row", "fp8_block"):
+        lin = Linear(k, n, False, torch.bfloat16).to(dev)
+        lin.weight.data.normal_(0, 0.02)
+        quant.quantize(lin, fmt)
+        lins[fmt] = lin
+    row, blk = lins["fp8_row"], lins["fp8_block"]
+    out: dict[str, Any] = {"gemv_m1": {}, "weight_only": {}, "block_m4096": {}}
+    x1 = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    for bn in (4, 8, 16, 32):
+        for bk in (256, 512, 1024, 2048):
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                if k % bk:
+                    continue
+                cfg = (bn, bk, warps, stages)
+                out["gemv_m1"][str(cfg)] = _time(lambda c=cfg: quant_ops.gemv_fp8(x1, row.weight, row.weight_scale, *c),
+                                                 rep)
+    for m in (16, 64):
+        xm = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        for bn in (32, 64, 128):
+            for stages in (3, 4, 5):
+                for name, lin in (("row", row), ("block", blk)):
+                    out["weight_only"][f"m{m} {name} bn{bn} s{stages}"] = _time(
+                        lambda b=bn, st=stages, lin=lin, xm=xm: quant_ops.fp8_weight_only_gemm(
+                            xm, lin.weight, lin.weight_scale, b, st), rep)
+    xl = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
+    for cfg in ((64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 4)):
+        out["block_m4096"][str(cfg)] = _time(
+            lambda c=cfg: quant_ops.fp8_block_gemm(xl, blk.weight, blk.weight_scale, c), rep)
+    return out
+
+
+def _time(fn: Any, rep: int) -> float | str:
+    try:
+        return _bench(fn, rep) * 1e6
+    except Exception as e:  # noqa: BLE001 - a config that does not compile or run is recorded
+        return f"{type(e).__name__}: {e}"[:200]
 
 
 def _deep_gemm_fn(dg: Any, x: torch.Tensor, blk: Any) -> Any:
@@ -154,6 +208,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     jobs = [(s, name, n, k) for s in args.shapes for name, n, k in SHAPES[s]]
     for s, name, n, k in tqdm(jobs, desc="quantized GEMMs", unit="shape"):
         figures["shapes"][f"{s} {name}"] = _shape_rows(n, k, TOKENS[s], args.rep_ms)
+    if args.sweep:
+        figures["sweep"] = {name: sweep(n, k, args.rep_ms) for name, n, k in tqdm(SHAPES["llama-3.1-8b"], desc="sweep")}
+        figures["sweep"]["deepseek-v3 dense gate_up"] = sweep(36864, 7168, args.rep_ms)
     _print(figures)
     record = report.make_record("quant", "gemm-shapes", vars(args) | {"out": None}, hardware_info(), figures)
     report.write_record(record, args.out)
@@ -163,13 +220,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 def _print(fig: dict[str, Any]) -> None:
     print(f"copy {fig['copy_gbs']:.0f} GB/s; FP8 cuBLASLt 8192^3 {fig['fp8_peak_tflops_measured']:.0f} TFLOPS "
           f"(data sheet {fig['fp8_peak_tflops_datasheet']:.0f})")
-    names = ("bf16", "fp8_gemv", "fp8_row", "fp8_block", "deep_gemm", "nvfp4")
-    print(f"{'shape':28} {'M':>5} " + " ".join(f"{n:>20}" for n in names) + "   (us / TFLOPS / err_bf16)")
+    print("per shape and M: kernel us/TFLOPS/err_bf16")
     for shape, rows in fig["shapes"].items():
         for r in rows:
-            cells = []
-            for n in names:
-                e = r["kernels"].get(n)
-                cells.append(f"{'-':>20}" if not e or "error" in e else
-                             f"{e['ms'] * 1e3:7.1f}/{e['tflops']:5.0f}/{e['err_bf16']:.3f}".rjust(20))
-            print(f"{shape:28} {r['m']:>5} " + " ".join(cells))
+            cells = [f"{n} {e['ms'] * 1e3:.1f}/{e['tflops']:.0f}/{e['err_bf16']:.3f}"
+                     for n, e in r["kernels"].items() if "error" not in e]
+            print(f"{shape:26} {r['m']:>5}  " + "  ".join(cells))
+    for shape, sw in fig.get("sweep", {}).items():
+        for what, res in sw.items():
+            ok = {c: t for c, t in res.items() if isinstance(t, float)}
+            best = sorted(ok.items(), key=lambda kv: kv[1])[:4]
+            print(f"sweep {shape:26} {what:12} best: " + "  ".join(f"{c} {t:.1f}us" for c, t in best))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 
 
 @triton.jit
@@ -101,4 +101,31 @@ def nvfp4_gemm_kernel(a, w, ws, ws2, c, M, N, K, stride_am, stride_wn, stride_ws
         s = tl.reshape(tl.broadcast_to(s[:, None, :], (BK // 16, 16, BN)), (BK, BN))
         acc += tl.dot(at, (wt * s).to(at.dtype))
     acc = acc * tl.load(ws2 + rn, mask=nm, other=0.0)[None, :]
+    tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def fp8_weight_only_gemm_kernel(a, w, ws, c, M, N, K, stride_am, stride_wn, stride_wsn,
+                                BLOCK_SCALES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """c = a @ (w * scales)^T for few rows of a (bf16): the e4m3 weight tile is widened to bf16
+    in registers (half the weight bytes of a bf16 GEMM, no activation rounding). Scales: one per
+    output row (applied once at the end), or BLOCK_SCALES [N/128, K/128] (BK = 128: one per
+    k-step and 128 rows)."""
+    pm, pn = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    mm, nm = rm < M, rn < N
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        km = rk < K
+        at = tl.load(a + rm[:, None] * stride_am + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        wt = tl.load(w + rn[None, :] * stride_wn + rk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+        part = tl.dot(at, wt.to(at.dtype))
+        if BLOCK_SCALES:
+            part = part * tl.load(ws + (rn // 128) * stride_wsn + k0 // 128, mask=nm, other=0.0)[None, :]
+        acc += part
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(ws + rn, mask=nm, other=0.0)[None, :]
     tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=mm[:, None] & nm[None, :])

@@ -57,19 +57,52 @@ def fp8_row_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
     return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=x.dtype)
 
 
-def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (w [N, K] e4m3 with 128x128 block scales [N/128, K/128])^T -> [M, N]."""
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                   config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ (w [N, K] e4m3 with 128x128 block scales [N/128, K/128])^T -> [M, N];
+    config (BM, BN, warps, stages), BN at most 128 (one weight block row per tile)."""
     m, k = x.shape
     n = w.shape[0]
     q, s = group_quant(x)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bm = 64 if m > 32 else 16
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128),)
+        bm, bn, warps, stages = config or ((64 if m > 32 else 16), 128, 4, 3)
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
         _k().fp8_block_gemm_kernel[grid](q, w, out, s, scale, m, n, k, s.shape[1], q.stride(0), w.stride(0),
-                                         scale.stride(0), BM=bm, BN=128, BK=128, GROUP_M=8, num_warps=4,
-                                         num_stages=3)
+                                         scale.stride(0), BM=bm, BN=bn, BK=128, GROUP_M=8, num_warps=warps,
+                                         num_stages=stages)
     return out
+
+
+def fp8_weight_only_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_n: int = 64,
+                         num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (bf16, a few rows) @ W^T with W = w (e4m3 [N, K]) times `scale`: per row ([N]) or
+    per 128 x 128 block ([N/128, K/128]); the weight is widened in registers, x is not rounded."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        blocks = scale.dim() == 2
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, block_n),)
+        _k().fp8_weight_only_gemm_kernel[grid](
+            x, w, scale, out, m, n, k, x.stride(0), w.stride(0), scale.stride(0) if blocks else 0,
+            BLOCK_SCALES=blocks, BM=bm, BN=block_n, BK=128, GROUP_M=8, num_warps=4, num_stages=num_stages)
+    return out
+
+
+def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The block-scaled GEMM by cuBLASLt (torch's scaled_mm, 1x128 activation and 128x128 weight
+    scales): activation scales token-major with M padded to 4, weight K-blocks padded to 4."""
+    import torch.nn.functional as F
+
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    q, s = group_quant(xp)
+    kb = scale.shape[1]
+    ws = F.pad(scale, (0, -kb % 4)) if kb % 4 else scale
+    return F.scaled_mm(q, w.t(), s.t().contiguous().t(), F.ScalingType.BlockWise1x128, ws.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
 
 
 def nvfp4_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:

@@ -77,5 +77,7 @@ def test_checkpoint_on_cuda_matches_cpu_dequantized(tmp_path: Path, fmt: str) ->
         backend.prepare(batch)
         logits[dev] = model(batch, kv, backend)[0].float().cpu()
     ref, got = logits["cpu"], logits["cuda"]
-    assert (got - ref).abs().max() <= 0.08 * ref.abs().max(), fmt
+    # the same weights: what differs is bf16 arithmetic and, for fp8, each GEMM's e4m3 activations
+    # (2-4% relative per GEMM, bin/bench quant's err_kernel), over 2 layers of 4 GEMMs
+    assert _rel(got, ref) < (0.02 if fmt == "modelopt-nvfp4" else 0.08), fmt
     assert int(got.argmax()) == int(ref.argmax()) or ref.topk(2).values.diff().abs() < 0.05 * ref.abs().max()

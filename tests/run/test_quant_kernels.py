@@ -45,3 +45,11 @@ def test_nvfp4_gemm_dequantizes_in_registers(m: int, n: int, k: int) -> None:
     x = torch.randn(m, k)
     assert _rel(quant_ops.nvfp4_gemm(x, lin.weight, lin.weight_scale, lin.weight_scale_2),
                 x @ quant.dequantize(lin).t()) < 1e-5
+
+
+@pytest.mark.parametrize(("fmt", "m"), [("fp8_row", 1), ("fp8_row", 20), ("fp8_block", 7), ("fp8_block", 40)])
+def test_fp8_weight_only_gemm_scales_rows_or_blocks(fmt: str, m: int) -> None:
+    lin = _linear(200, 384, fmt, m)
+    x = torch.randn(m, 384)
+    y = quant_ops.fp8_weight_only_gemm(x, lin.weight, lin.weight_scale)
+    assert _rel(y, x @ quant.dequantize(lin).t()) < 1e-5
