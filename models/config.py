@@ -22,7 +22,7 @@ _QKV_BIAS_ONLY_ARCHS = frozenset({"Qwen2ForCausalLM"})
 _SWITCHED_WINDOW_ARCHS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 _DTYPES = frozenset({"float32", "bfloat16", "float16"})
 # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): q/kv low-rank projections, a latent KV cache
-_MLA_ARCHS = frozenset({"DeepseekV3ForCausalLM"})
+_MLA_ARCHS = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 # GLM-4.5's `attention_bias` is on q/k/v only: its o_proj has none.
 _UNBIASED_O_PROJ_ARCHS = frozenset({"Glm4MoeForCausalLM"})
 # Architectures whose model rotates part of each head (models/moe.py's PartialRotary).

@@ -24,6 +24,7 @@ _ARCHS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),  # V2's attention and routing: config
     "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),  # also Kimi-K2's config
 }
 

@@ -65,6 +65,12 @@ VARIANTS = {
     "q_lora": {},
     "q_proj": {"q_lora_rank": None, "rope_interleave": False},  # DeepSeek-V2-Lite's plain q_proj
     "moe": {"num_hidden_layers": 3, "first_k_dense_replace": 1},
+    # DeepSeek-V2(-Lite): softmax routing limited to the best groups (no correction bias), plain
+    # q_proj; its rope rotates (even, odd) pairs in place, V3's interleave takes them apart: the same
+    # dot products
+    "v2": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_hidden_layers": 3,
+           "first_k_dense_replace": 1, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+           "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0},
 }
 
 
