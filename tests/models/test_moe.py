@@ -263,3 +263,52 @@ def test_served_glm4_moe_matches_hf(tmp_path: Path) -> None:
         assert stop_server(srv) == 0
     assert [r["output_ids"] for r in first] == want
     assert again["output_ids"] == want[1] and again["meta_info"]["cached_tokens"] >= 28
+
+
+# ---- routing alone --------------------------------------------------------------------------
+
+
+def _hf_router(kind: str) -> tuple[torch.nn.Module, object]:
+    """transformers' router of `kind` with random weights (and bias), and our MoEConfig for it."""
+    from transformers import DeepseekV2Config, DeepseekV3Config, Qwen3MoeConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from models.config import MoEConfig
+
+    common = {"hidden_size": 64, "num_experts_per_tok": 3, "moe_intermediate_size": 8}
+    if kind == "qwen3":
+        router = Qwen3MoeTopKRouter(Qwen3MoeConfig(**common, num_experts=7, norm_topk_prob=True))
+        spec = MoEConfig(7, 3, 8, (), "softmax", "greedy", True)
+    elif kind == "v2-group-limited":
+        router = DeepseekV2TopkRouter(DeepseekV2Config(**common, n_routed_experts=12, n_group=4, topk_group=2,
+                                                       topk_method="group_limited_greedy", routed_scaling_factor=1.5))
+        spec = MoEConfig(12, 3, 8, (), "softmax", "group_limited_greedy", False, 4, 2, 1.5)
+    else:
+        router = DeepseekV3TopkRouter(DeepseekV3Config(**common, n_routed_experts=15, n_group=5, topk_group=2,
+                                                       norm_topk_prob=True, routed_scaling_factor=2.5))
+        spec = MoEConfig(15, 3, 8, (), "sigmoid", "noaux_tc", True, 5, 2, 2.5)
+        router.e_score_correction_bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    router.weight.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    return router, spec
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "v2-group-limited", "v3-noaux-grouped"])
+def test_routing_matches_transformers(kind: str) -> None:
+    """engine.layers.moe.route picks transformers' experts with its weights (compared per token as
+    sets: transformers' grouped top-k does not sort)."""
+    from engine.layers.moe import Router
+
+    hf, spec = _hf_router(kind)
+    ours = Router(64, spec)
+    with torch.no_grad():
+        ours.weight.copy_(hf.weight)
+        if ours.e_score_correction_bias is not None:
+            ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
+        x = torch.randn(200, 64, generator=torch.Generator().manual_seed(3))
+        _, want_w, want_ids = hf(x)
+        got_w, got_ids = ours(x)
+    order_w, order_g = want_ids.argsort(-1), got_ids.argsort(-1)
+    assert torch.equal(want_ids.gather(1, order_w), got_ids.gather(1, order_g))
+    torch.testing.assert_close(got_w.gather(1, order_g), want_w.float().gather(1, order_w), atol=1e-6, rtol=1e-5)
