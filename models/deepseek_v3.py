@@ -38,18 +38,11 @@ from engine.layers.parallel import (
     _row_pieces,
     _shard,
     lm_logits,
+    parallel_state,
     range_split,
 )
 from models.config import ModelConfig, RopeScaling, YarnScaling
 from models.llama import MLP, RMSNorm, norm_linear, rope_inv_freq
-
-try:  # the parallel-state object that replaces tp() (issue 22), where it has landed
-    from engine.layers.parallel import parallel_state
-
-    def _tp():  # noqa: ANN202
-        return parallel_state().tp
-except ImportError:  # pragma: no cover - before it
-    from engine.layers.parallel import tp as _tp
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
@@ -143,7 +136,7 @@ class MLAttention(nn.Module):
         super().__init__()
         m = cfg.mla
         assert m is not None
-        t = _tp()
+        t = parallel_state().tp
         hs, he = range_split(cfg.num_heads, t.world, t.rank)
         self.layer_id, self.heads = layer_id, he - hs
         qk, v, r = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
