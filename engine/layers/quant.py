@@ -30,6 +30,7 @@ from torch import nn
 from engine.layers import batch_invariant, ops
 from engine.layers.parallel import Piece, Sharding, sharding_of
 from engine.layers.parallel import _shard as shard
+from engine.layers.tuning import kernel_tuning
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -187,13 +188,20 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
         return quant_ops.gemv_fp8(x, linear.weight, linear.weight_scale, *gemv, silu_mul=silu_mul)
     if silu_mul:
         x = ops.silu_and_mul(x)
-    if fmt == "fp8_row":
+    tuning = kernel_tuning(x.device)
+    w, s = linear.weight, linear.weight_scale
+    if fmt == "nvfp4":
         def gemm(a: torch.Tensor) -> torch.Tensor:
-            return quant_ops.fp8_row_gemm(a, linear.weight, linear.weight_scale)
-    elif fmt == "fp8_block":
-        def gemm(a: torch.Tensor) -> torch.Tensor:
-            return quant_ops.fp8_block_gemm(a, linear.weight, linear.weight_scale)
+            return quant_ops.nvfp4_gemm(a, w, s, linear.weight_scale_2)
     else:
         def gemm(a: torch.Tensor) -> torch.Tensor:
-            return quant_ops.nvfp4_gemm(a, linear.weight, linear.weight_scale, linear.weight_scale_2)
+            m = a.shape[0]
+            if m <= tuning.fp8_weight_only_max_rows:  # few rows: the weight bytes are the cost
+                wide = m > 16 and w.shape[0] >= 16384
+                return quant_ops.fp8_weight_only_gemm(a, w, s, 128 if wide else 32, 3 if wide else 4)
+            if fmt == "fp8_row":
+                return quant_ops.fp8_row_gemm(a, w, s)
+            if 0 < tuning.fp8_block_cublas_min_rows <= m:
+                return quant_ops.fp8_block_cublas(a, w, s)
+            return quant_ops.fp8_block_gemm(a, w, s)
     return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)

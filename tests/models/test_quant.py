@@ -69,7 +69,7 @@ def test_online_fp8_is_per_channel_e4m3(plain: dict[str, Path]) -> None:
     want = (w / s).to(torch.float8_e4m3fn).float() * s
     assert torch.equal(model.model.layers[1].self_attn.o_proj.weight, want)
     plain_model, _ = load_model(plain["llama"], progress=False)
-    assert not torch.equal(model.model.layers[1].self_attn.o_proj.weight, plain_model.model.layers[1].self_attn.o_proj.weight)
+    assert not torch.equal(want, plain_model.model.layers[1].self_attn.o_proj.weight)
     with pytest.raises(ValueError, match="unknown --quantization 'int4'"):
         load_model(plain["llama"], progress=False, quantization="int4")
 
