@@ -51,6 +51,7 @@ class _Req:
     rows: int  # new tokens
     seq_len: int  # KV length after this step
     pages: torch.Tensor  # int64 [n]: the pages covering positions 0..seq_len-1
+    causal: torch.Tensor  # bool [rows, seq_len]: with a cached prefix the diagonal shifted right by it
 
 
 @dataclass
@@ -90,7 +91,8 @@ class MLAPlan:
         for i, n in enumerate(lens):
             if n > 1:
                 pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
-                plan.extends.append(_Req(starts[i], n, seqs[i], pages))
+                keys, queries = torch.arange(seqs[i], device=dev), torch.arange(seqs[i] - n, seqs[i], device=dev)
+                plan.extends.append(_Req(starts[i], n, seqs[i], pages, keys[None, :] <= queries[:, None]))
         plan.absorb_extends = absorb_all
         return plan
 
@@ -121,18 +123,14 @@ def mla_attend(
         (lat,) = kv.gather_pages(layer, r.pages[None], q_nope.dtype)
         lat = lat[0, : r.seq_len, 0]  # [Lk, latent]
         sl = slice(r.row_start, r.row_start + r.rows)
-        start = r.seq_len - r.rows
-        # with a cached prefix the causal diagonal is shifted right by `start`
-        causal = torch.arange(r.seq_len, device=lat.device)[None, :] <= torch.arange(
-            start, r.seq_len, device=lat.device)[:, None]  # [Lq, Lk]
         if plan.absorb_extends:
             qn, qp = q_nope[sl], q_pe[sl]
             out[sl] = torch.cat([
-                _absorbed(qn[i : i + 1], qp[i : i + 1], lat[None], causal[i][None, None], w_uk, w_uv, s)
+                _absorbed(qn[i : i + 1], qp[i : i + 1], lat[None], r.causal[i][None, None], w_uk, w_uv, s)
                 for i in range(r.rows)
             ])
-        else:
-            out[sl] = _expanded(q_nope[sl], q_pe[sl], lat, causal if start else None, w_uk, w_uv, s)
+        else:  # no cached prefix: plain causal (SDPA's own mask)
+            out[sl] = _expanded(q_nope[sl], q_pe[sl], lat, r.causal if r.seq_len > r.rows else None, w_uk, w_uv, s)
     return out
 
 
