@@ -71,6 +71,10 @@ VARIANTS = {
     "v2": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_hidden_layers": 3,
            "first_k_dense_replace": 1, "q_lora_rank": None, "topk_method": "group_limited_greedy",
            "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+    # Kimi-K2's shape of V3: one expert group, beta_fast = beta_slow (a zero-width YaRN ramp)
+    "kimi": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
 }
 
 
@@ -114,7 +118,9 @@ def _check(hf: torch.nn.Module, seqs: list[Seq], prompts: list[list[int]], n: in
 def test_config_reads_mla_and_yarn(v3: tuple) -> None:
     _, cfg, hf = v3
     assert cfg.mla is not None and cfg.mla.kv_lora_rank == 32 and cfg.mla.qk_head_dim == 24
-    assert cfg.rope_scaling.factor == 4.0 and cfg.rope_scaling.mscale_all_dim == 0.8
+    rope = hf.config.rope_parameters
+    assert cfg.rope_scaling.factor == rope["factor"] and cfg.rope_scaling.mscale_all_dim == rope["mscale_all_dim"]
+    assert cfg.rope_scaling.beta_fast == rope["beta_fast"]
     assert kv_layout(cfg) == KVLayout.latent(32, 8)
     first, n = hf.config.first_k_dense_replace, hf.config.num_hidden_layers
     assert cfg.moe is not None and cfg.moe.layers == tuple(range(first, n))
@@ -186,6 +192,28 @@ def test_deterministic_inference_is_batch_invariant(v3: tuple) -> None:
         assert r.out == runs[0].out
         assert torch.equal(torch.stack(r.logits), torch.stack(runs[0].logits))
     _check(hf, runs[:1], [target], 6)
+
+
+KIMI_K2 = {  # Kimi-K2-Instruct's config.json (its values that Strata reads)
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384, "routed_scaling_factor": 2.827,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "max_position_embeddings": 131072,
+    "rope_theta": 50000.0, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "bos_token_id": 163584, "eos_token_id": 163585, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+}
+
+
+def test_kimi_k2_config_loads_as_v3() -> None:
+    cfg = ModelConfig.from_dict(KIMI_K2)
+    assert cfg.mla is not None and cfg.mla.q_lora_rank == 1536 and cfg.num_heads == 64
+    assert cfg.moe is not None and cfg.moe.num_experts == 384 and cfg.moe.layers == tuple(range(1, 61))
+    assert cfg.rope_scaling.factor == 32.0 and cfg.rope_theta == 50000.0
+    assert kv_layout(cfg).token_bytes(torch.bfloat16) == 1152
 
 
 def test_latent_pool_bytes_at_v3_shapes() -> None:
