@@ -37,6 +37,10 @@ class AttentionBackend(ABC):
       (cached prefix plus this step's tokens), read through batch.page_table[i].
     - `forward(q, k, v, ...)` (k, v [T, Hkv, D]) stores k, v first, then attends. Models
       whose prologue writes K/V itself (engine/layers/triton_ops.py) call `attend` directly.
+    - Head dims: q and K share the qk head dim, V and the output the v head dim; these backends
+      take K/V pools (`KVLayout.gqa`: one head dim for both). MLA, whose qk and v dims differ
+      (192 / 128 expanded, 576 / 512 absorbed for DeepSeek-V3), attends its latent pool in
+      engine/layers/mla_attention.py; the runner then binds the torch backend, unused.
     """
 
     # whether engine/run/cuda_graph.py can capture this backend's decode (see FlashInferAttention)
