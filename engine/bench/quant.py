@@ -117,21 +117,10 @@ def _runs(x: torch.Tensor, w: torch.Tensor, layers: dict[str, Any], gemv: tuple 
         wide = (gemv[0], gemv[1] * 2, *gemv[2:])  # the bf16 rule's bytes per load: twice the fp8 elements
         if x.shape[0] == 1 and x.shape[1] % wide[1] == 0:
             runs["fp8_gemv_k2"] = (lambda: quant_ops.gemv_fp8(x, row.weight, row.weight_scale, *wide), "fp8_row")
-    m, n = x.shape[0], w.shape[0]
+    m = x.shape[0]
     if m <= 256:
-        bn, st = (128, 3) if m > 16 and n >= 16384 else (32, 4)
-        runs["fp8_wo_row"] = (lambda: quant_ops.fp8_weight_only_gemm(x, row.weight, row.weight_scale, bn, st),
-                              "fp8_row")
-        runs["fp8_wo_block"] = (lambda: quant_ops.fp8_weight_only_gemm(x, blk.weight, blk.weight_scale, bn, st),
-                                "fp8_block")
-    one = torch.ones((), device=x.device)
-
-    def tensorwise() -> torch.Tensor:  # cuBLASLt's tensor-scaled FP8 GEMM, row scales applied after
-        q, s = quant_ops.per_token_quant(x)
-        y = torch._scaled_mm(q, row.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return (y * s * row.weight_scale).to(torch.bfloat16)
-
-    runs["fp8_row_tw"] = (tensorwise, "fp8_row")
+        runs["fp8_wo_row"] = (lambda: quant_ops.fp8_weight_only_gemm(x, row.weight, row.weight_scale), "fp8_row")
+        runs["fp8_wo_block"] = (lambda: quant_ops.fp8_weight_only_gemm(x, blk.weight, blk.weight_scale), "fp8_block")
     runs["served_row"] = (lambda: row(x), "fp8_row")  # Linear.forward: the tuning file's choice
     runs["served_block"] = (lambda: blk(x), "fp8_block")
     runs["cublas_block"] = (lambda: quant_ops.fp8_block_cublas(x, blk.weight, blk.weight_scale), "fp8_block")

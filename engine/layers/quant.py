@@ -197,8 +197,7 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
         def gemm(a: torch.Tensor) -> torch.Tensor:
             m = a.shape[0]
             if m <= tuning.fp8_weight_only_max_rows:  # few rows: the weight bytes are the cost
-                wide = m > 16 and w.shape[0] >= 16384
-                return quant_ops.fp8_weight_only_gemm(a, w, s, 128 if wide else 32, 3 if wide else 4)
+                return quant_ops.fp8_weight_only_gemm(a, w, s)
             if fmt == "fp8_row":
                 return quant_ops.fp8_row_gemm(a, w, s)
             if 0 < tuning.fp8_block_cublas_min_rows <= m:

@@ -74,7 +74,7 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def fp8_weight_only_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_n: int = 64,
+def fp8_weight_only_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_n: int = 32,
                          num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (bf16, a few rows) @ W^T with W = w (e4m3 [N, K]) times `scale`: per row ([N]) or
     per 128 x 128 block ([N/128, K/128]); the weight is widened in registers, x is not rounded."""
