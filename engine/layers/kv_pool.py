@@ -83,6 +83,9 @@ class KVPool:
         ]
         self._dtypes = [c.dtype_in(dtype) for c in layout.components]
         self._shapes = [(c.heads, c.dim) for c in layout.components]
+        # per component, what a gather needs (a hot path: once per layer and step)
+        self._parts = [(raw, shape, stored, _bytewise(stored))
+                       for raw, shape, stored in zip(self._raw_layers, self._shapes, self._dtypes, strict=True)]
         if layout.is_gqa:  # the names the attention backends and triton kernels use
             self.k_all, self.v_all = self.all["k"], self.all["v"]
             self.k, self.v = self.per_layer["k"], self.per_layer["v"]  # per layer: contiguous views
@@ -96,29 +99,25 @@ class KVPool:
     def store(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:
         """Write each component's values ([T, heads, dim], in layout order: k, v for GQA) into
         `slots` (int64 [T]) of `layer`."""
-        for raw, dtype, x in zip(self._raw_layers, self._dtypes, values, strict=True):
-            x = x.to(dtype)
-            raw[layer].index_copy_(0, slots, x.view(torch.uint8) if _bytewise(dtype) else x)
+        for (raw, _, stored, bytewise), x in zip(self._parts, values, strict=True):
+            x = x.to(stored)
+            raw[layer].index_copy_(0, slots, x.view(torch.uint8) if bytewise else x)
 
     def gather_pages(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Each component (K and V for GQA) of whole pages (int64 [b, n] page ids) of `layer` as
         [b, n * page_size, heads, dim] in `dtype`: one contiguous page per index, several times
         faster on a CPU than gathering the same slots token by token."""
-        return tuple(
-            self._gather(raw[layer], pages, shape, stored).to(dtype)
-            for raw, shape, stored in zip(self._raw_layers, self._shapes, self._dtypes, strict=True)
-        )
-
-    def _gather(self, raw: torch.Tensor, pages: torch.Tensor, shape: tuple[int, int],
-                stored: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":
-            # index_select copies each page as one row (a memcpy): 3-6x faster on a CPU than
-            # advanced indexing, whose kernel computes an offset per element; the same values
-            x = torch.index_select(raw.view(self.num_pages, -1), 0, pages.reshape(-1))
-            x = x.view(pages.shape[0], -1, *shape)
-        else:
-            x = raw.view(self.num_pages, self.page_size, *shape)[pages].flatten(1, 2)
-        return x.view(stored) if _bytewise(stored) else x
+        out = []
+        cpu, flat, b = self.device.type == "cpu", pages.reshape(-1), pages.shape[0]
+        for raw, shape, stored, bytewise in self._parts:
+            if cpu:
+                # index_select copies each page as one row (a memcpy): 3-6x faster on a CPU than
+                # advanced indexing, whose kernel computes an offset per element; the same values
+                x = torch.index_select(raw[layer].view(self.num_pages, -1), 0, flat).view(b, -1, *shape)
+            else:
+                x = raw[layer].view(self.num_pages, self.page_size, *shape)[pages].flatten(1, 2)
+            out.append((x.view(stored) if bytewise else x).to(dtype))
+        return tuple(out)
 
     def page_bytes(self) -> tuple[torch.Tensor, ...]:
         """Each component (K and V for GQA) of every layer as raw bytes, uint8 [num_layers,
