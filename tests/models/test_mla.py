@@ -314,3 +314,22 @@ def test_served_v3_matches_hf(tmp_path: Path) -> None:
         assert stop_server(srv) == 0
     assert [r["output_ids"] for r in first] == want
     assert again["output_ids"] == want[1] and again["meta_info"]["cached_tokens"] >= 28
+
+
+def test_fp8_latent_cache(v3: tuple) -> None:
+    """--kv-cache-dtype fp8_e4m3 for MLA: the latent stored in 8 bits (576 bytes a token and layer at
+    V3 shapes, half of bf16) and read back through the same paths; lossy, so only the prefill
+    logits are compared: within 10% of the largest logit of the float32 cache's."""
+    model, cfg, _ = v3
+    assert KVLayout.latent(512, 64).token_bytes(torch.float8_e4m3fn) == 576
+    prompts = _prompts([9, 21], seed=9)
+    firsts = []
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        runner = PagedGreedy(model, cfg)
+        runner.kv = KVPool.from_layout(kv_layout(cfg), cfg.num_layers, 256, 4, dtype, "cpu")
+        assert runner.kv.all["latent"].dtype == dtype
+        seqs = [runner.new_seq(p, 4) for p in prompts]
+        runner.run(seqs, 4)
+        firsts.append(torch.stack([s.logits[0] for s in seqs]))
+    scale = firsts[0].abs().max()
+    assert (firsts[1] - firsts[0]).abs().max() < 0.1 * scale
