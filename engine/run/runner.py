@@ -195,11 +195,15 @@ class ModelRunner:
         return self.cfg.attention_backend
 
     def _capture_graphs(self):  # noqa: ANN202
-        """CUDA graphs for decode, unless disabled, on CPU, or the backend cannot be captured."""
+        """CUDA graphs for decode, unless disabled, on CPU, or the backend or model cannot be captured."""
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return None
         if not self.backend.supports_cuda_graph:
             log.info("cuda graphs off", reason=f"{type(self.backend).__name__} is not capturable")
+            return None
+        blocker = cuda_graph_blocker(self.model)
+        if blocker is not None:
+            log.info("cuda graphs off", reason=blocker)
             return None
         from engine.run.cuda_graph import CudaGraphRunner
 
@@ -360,6 +364,21 @@ class ModelRunner:
             self.device,
         )
         return torch.where(t < 0, self.last_token[token_slots], t)
+
+
+def cuda_graph_blocker(model: torch.nn.Module) -> str | None:
+    """Why `model`'s decode cannot be captured in a CUDA graph (None: it can). The model's own
+    `supports_cuda_graph` decides where it declares one (MoeForCausalLM: False with MoE layers);
+    otherwise a submodule class declaring it False does (engine/layers/moe.py's MoE reads
+    per-expert counts on the host), so a model that does not declare it (DeepSeek-V3) is still
+    served, uncaptured, instead of failing in capture."""
+    flag = getattr(model, "supports_cuda_graph", None)
+    if flag is not None:
+        return None if flag else f"{type(model).__name__}.supports_cuda_graph is False"
+    for m in model.modules():
+        if getattr(type(m), "supports_cuda_graph", True) is False:
+            return f"{type(m).__name__} layers are not capturable (torch path)"
+    return None
 
 
 def cpu_threads(requested: int) -> int:
