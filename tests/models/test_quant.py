@@ -138,3 +138,18 @@ def test_missing_scale_is_named(plain: dict[str, Path], tmp_path: Path) -> None:
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"qkv_proj\.weight_scale\[k\]"):
         load_model(qdir, progress=False)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_fp8_block_agrees_with_transformers(plain: dict[str, Path], tmp_path: Path, arch: str) -> None:
+    """transformers loads the fp8-block format on a CPU by dequantizing it (its FineGrainedFP8
+    path; the compressed-tensors and ModelOpt formats need packages or a GPU it lacks here): the
+    same float32 weights as ours, and the same greedy tokens."""
+    from model_harness import hf_greedy, load_hf
+
+    qdir = quantize_dir(plain[arch], tmp_path / "q", "fp8-block")
+    hf = load_hf(qdir)
+    got, model = _greedy(qdir)
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(hf.model.layers[1].self_attn.q_proj.weight, qkv[: model.config.q_size])
+    assert got == [hf_greedy(hf, p, len(got[0]))[0] for p in PROMPTS]
