@@ -15,6 +15,8 @@ from torch import nn
 from engine.layers.kv_layout import KVLayout
 from models.config import ModelConfig
 from models.loader import LOAD_FORMATS, init_dummy, load_safetensors
+from models.quant import QUANTIZATION_CHOICES, QuantScheme, online_fp8
+from models.quant_weights import dequantize_model, prepare_model, quantize_model
 
 # architecture -> (module, class); the Llama family shares one implementation
 _ARCHS: dict[str, tuple[str, str]] = {
@@ -61,23 +63,45 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build and load the model in directory `path` (config.json plus weights).
 
     load_format: "auto"/"safetensors" read the checkpoint's safetensors; "dummy" needs only
     config.json and fills deterministic random weights from `seed`. dtype None picks
     `default_dtype(device)`. Returns (model in eval mode, its ModelConfig).
+
+    Quantized weights (models/quant.py): a quantized checkpoint's projections are loaded as
+    stored; `quantization="fp8"` quantizes a plain checkpoint per channel after loading; dummy
+    weights are drawn plain and then quantized to the scheme. On the CPU every quantized
+    projection is then dequantized to `dtype` (the same values, run by the plain kernels).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     cfg = ModelConfig.from_dir(path)
+    scheme = quant_scheme(cfg, quantization)
     cls = get_model_class(cfg.architecture)
     with torch.device(device):  # allocate straight on the target device, no CPU staging copy
         model = cls(cfg, dtype)
     if load_format == "dummy":
         init_dummy(model, seed)
     else:
+        if cfg.quant is not None:  # the checkpoint's bits and scales go straight in
+            prepare_model(model, cfg.quant)
         load_safetensors(model, cfg, path, progress=progress)
+    if scheme is not None and (load_format == "dummy" or cfg.quant is None):
+        quantize_model(model, scheme)
+    if device.type == "cpu":
+        dequantize_model(model, dtype)
     return model.eval(), cfg
+
+
+def quant_scheme(cfg: ModelConfig, quantization: str | None) -> QuantScheme | None:
+    """The weight quantization the model runs with: the checkpoint's, else `--quantization`'s."""
+    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown --quantization {quantization!r}; choose from {QUANTIZATION_CHOICES}")
+    if cfg.quant is not None:
+        return cfg.quant  # already quantized: the checkpoint's own scheme wins (as in vLLM and SGLang)
+    return online_fp8() if quantization == "fp8" else None
