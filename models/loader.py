@@ -50,7 +50,8 @@ def map_name(hf_name: str) -> tuple[str, str | ExpertShard | None]:
 
 
 # ---- MoE experts: HF stores one tensor per expert, Strata one stack per layer (engine/layers/moe.py)
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# `.weight_scale`: a quantized expert's scale (fp8's `weight_scale_inv` arrives renamed, _scale_alias)
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
 _EXPERT_PARTS = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", None)}
 
 
@@ -64,12 +65,13 @@ class ExpertShard:
 
 
 def map_expert_name(hf_name: str) -> tuple[str, ExpertShard] | None:
-    """`...mlp.experts.{e}.gate_proj.weight` -> (`...mlp.experts.w13`, ExpertShard(e, "gate")), or None."""
+    """`...mlp.experts.{e}.gate_proj.weight` -> (`...mlp.experts.w13`, ExpertShard(e, "gate")), or None
+    (`.weight_scale` -> the stack's `w13_scale`, engine/layers/moe_quant.py)."""
     m = _EXPERT_NAME.match(hf_name)
     if m is None:
         return None
     param, piece = _EXPERT_PARTS[m.group(3)]
-    return f"{m.group(1)}.{param}", ExpertShard(int(m.group(2)), piece)
+    return f"{m.group(1)}.{param}{m.group(4) or ''}", ExpertShard(int(m.group(2)), piece)
 
 
 def is_nextn_layer(hf_name: str, cfg: ModelConfig) -> bool:
@@ -95,6 +97,8 @@ def _copy_expert(param: nn.Parameter, handle: Any, src: str, shard: ExpertShard)
     sh = sharding_of(param)
     if sh is not None:
         _shard(row, Sharding(sh.dim - 1, sh.full_shape[1:], sh.pieces))  # type: ignore[arg-type]
+    if getattr(param, ROW_SCALE, False):  # a per-row scale: a per-tensor scalar fills its piece's rows
+        setattr(row, ROW_SCALE, True)
     _copy_into(row, handle, src, shard.piece)  # type: ignore[arg-type]
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import quant
+from engine.layers import moe_quant, quant
+from engine.layers.moe import Experts
 from engine.layers.parallel import Linear
 from models.quant import QuantScheme
 
@@ -36,27 +37,59 @@ def covered(model: nn.Module, scheme: QuantScheme) -> list[Linear]:
     return out
 
 
+_EXPERT_HF = ("gate_proj", "up_proj", "down_proj")
+
+
+def covered_experts(model: nn.Module, scheme: QuantScheme) -> list[Experts]:
+    """The MoE expert stacks that `scheme` quantizes (engine/layers/moe_quant.py): HF names each
+    expert's projections `{...}.experts.{e}.gate_proj` etc.; a stack is quantized whole or not at
+    all. The router (`mlp.gate`) is never a Linear here: it stays float32, as checkpoints keep it."""
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Experts):
+            continue
+        ignored = {scheme.ignores(f"{name}.{e}.{p}") for e in range(m.num_experts) for p in _EXPERT_HF}
+        if len(ignored) > 1:
+            raise ValueError(f"quantization ignore list covers only some projections of the experts in {name}; "
+                             "the engine stacks them into one tensor per layer")
+        if not ignored.pop():
+            out.append(m)
+    return out
+
+
 def prepare_model(model: nn.Module, scheme: QuantScheme) -> int:
-    """Empty quantized parameters (and scales) for every covered Linear, for the loader to fill."""
+    """Empty quantized parameters (and scales) for every covered Linear and expert stack, for the
+    loader to fill."""
     mods = covered(model, scheme)
     for m in mods:
         quant.prepare(m, scheme.format)
-    return len(mods)
+    stacks = covered_experts(model, scheme)
+    for x in stacks:
+        moe_quant.prepare(x, scheme.format)
+    return len(mods) + len(stacks)
 
 
 @torch.inference_mode()
 def quantize_model(model: nn.Module, scheme: QuantScheme) -> int:
-    """Quantize every covered Linear's loaded plain weight (dummy weights, `--quantization fp8`)."""
+    """Quantize every covered Linear's (and expert stack's) loaded plain weight (dummy weights,
+    `--quantization fp8`)."""
     mods = covered(model, scheme)
     for m in mods:
         quant.quantize(m, scheme.format)
-    return len(mods)
+    stacks = covered_experts(model, scheme)
+    for x in stacks:
+        moe_quant.quantize(x, scheme.format)
+    return len(mods) + len(stacks)
 
 
 @torch.inference_mode()
 def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
-    """Every quantized Linear back to a plain weight in `dtype` (CPU: dequantized once, at load)."""
+    """Every quantized Linear and expert stack back to a plain weight in `dtype` (CPU: dequantized
+    once, at load)."""
     mods = [m for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
     for m in mods:
         quant.to_plain(m, dtype)
-    return len(mods)
+    stacks = [m for m in model.modules() if isinstance(m, Experts) and m.quant is not None]
+    for x in stacks:
+        moe_quant.to_plain(x, dtype)
+    return len(mods) + len(stacks)

@@ -15,8 +15,10 @@ Formats (what production checkpoints ship; models/quant.py reads them):
   modelopt-nvfp4  hf_quant_config.json and config.json quant_algo NVFP4: uint8 pairs of e2m1
                   codes (even column low), e4m3 weight_scale per 16, scalar weight_scale_2
 
-Only the decoder's projections are quantized (q/k/v/o, gate/up/down); embeddings, norms and
-the LM head stay as they are, as every format above leaves them. This module's arithmetic is
+Only the decoder's projections are quantized (q/k/v/o, gate/up/down, of the dense MLP, the
+shared experts and every routed expert: `mlp.experts.{e}.gate_proj` etc.); embeddings, norms,
+the LM head and an MoE router (`mlp.gate`, listed in the ignore list as real checkpoints do)
+stay as they are, as every format above leaves them. This module's arithmetic is
 its own (it does not import the engine), so a test that compares the engine on DST with the
 engine on the dequantized copy checks the engine's reading of each format.
 """
@@ -33,7 +35,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FORMATS = ("fp8-block", "ct-channel", "ct-tensor", "modelopt-fp8", "modelopt-nvfp4")
-_PROJ = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# the dense MLP's, the shared experts' and every routed expert's (experts.{e}.) gate/up/down; an
+# MoE layer's router (mlp.gate) stays as it is, as every format's MoE checkpoints keep it
+_PROJ = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)"
+    r"\.weight$")
 F8 = torch.float8_e4m3fn
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -100,7 +106,7 @@ def _config_keys(fmt: str) -> tuple[dict | None, dict | None]:
     """(config.json quantization_config, hf_quant_config.json) for a format."""
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}, None
+                "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "mlp.gate"]}, None
     if fmt.startswith("ct-"):
         channel = fmt == "ct-channel"
         group = {"targets": ["Linear"], "output_activations": None,
@@ -109,8 +115,8 @@ def _config_keys(fmt: str) -> tuple[dict | None, dict | None]:
                              "block_structure": None, "observer": "minmax"},
                  "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": channel,
                                        "strategy": "token" if channel else "tensor"}}
-        return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                "config_groups": {"group_0": group}, "kv_cache_scheme": None,
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "ignore": ["lm_head", "re:.*mlp.gate$"], "config_groups": {"group_0": group}, "kv_cache_scheme": None,
                 "quantization_status": "compressed"}, None
     algo = "FP8" if fmt == "modelopt-fp8" else "NVFP4"
     hf_quant = {"producer": {"name": "modelopt", "version": "0.29.0"},

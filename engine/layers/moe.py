@@ -144,6 +144,7 @@ class Experts(nn.Module):
         _shard(self.w2, Sharding(2, (e, hidden_size, inter), {None: Piece(mine, 0, inter, 0)}))
         _experts(self.w13, e)
         _experts(self.w2, e)
+        self.quant: str | None = None  # fp8 stacks (engine/layers/moe_quant.py) or plain
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
@@ -159,8 +160,8 @@ class Experts(nn.Module):
         start = 0
         for e, n in enumerate(counts):
             if n:
-                h = matmul(xs[start : start + n], self.w13[e])
-                ys[start : start + n] = matmul(ops.silu_and_mul(h), self.w2[e])
+                h = matmul(xs[start : start + n], self._weight("w13", e, x.dtype))
+                ys[start : start + n] = matmul(ops.silu_and_mul(h), self._weight("w2", e, x.dtype))
                 start += n
         y = torch.empty_like(ys)
         y[order] = ys  # back to (token, slot) order: an assignment, nothing summed yet
@@ -169,6 +170,14 @@ class Experts(nn.Module):
         for j in range(1, k):  # slot order: a token's sum never depends on the batch
             out += y[:, j].float() * weights[:, j : j + 1]  # mul, add: no FMA in one path only
         return out.to(x.dtype)
+
+    def _weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's w13 or w2; a quantized stack's (GPU) dequantized on the fly."""
+        if self.quant is None:
+            return getattr(self, name)[e]
+        from engine.layers.moe_quant import expert_weight  # that module builds on this one
+
+        return expert_weight(self, name, e, dtype)
 
 
 class SharedMLP(nn.Module):
