@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from engine.layers.moe import experts_of
 from engine.layers.parallel import Piece, Sharding, _shard, sharding_of
 from engine.layers.quant import ROW_SCALE
+from engine.layers.quant import dequantize as quant_dequantize
 from models.config import ModelConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -145,6 +147,7 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
     """
     params = dict(model.named_parameters())
     pending = {(n, s) for n, p in params.items() for s in _pieces_of(p)}
+    stash: dict[str, dict[str, torch.Tensor]] = {}  # fp8 tensors of parameters kept plain
     unexpected: list[str] = []
     for hf_name, handle in _iter_handles(checkpoint_files(Path(path)), progress):
         if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -154,6 +157,8 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
         if cfg.quant is not None and hf_name.endswith(_UNUSED_QUANT_SUFFIXES):
             continue  # activation and KV-cache scales: see models/quant.py
         name, shard = map_name(_scale_alias(hf_name, cfg))
+        if cfg.quant is not None and shard is None and _stash_kept_plain(name, params, handle, hf_name, stash):
+            continue
         if name not in params:
             unexpected.append(hf_name)
             continue
@@ -161,6 +166,8 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
         if shard is None:  # a whole (already fused) tensor fills every piece
             pending -= {(name, s) for s in _pieces_of(params[name])}
         pending.discard((name, shard))
+    for name in _fill_kept_plain(params, stash, path):
+        pending -= {(name, s) for s in _pieces_of(params[name])}
     if unexpected:
         raise ValueError(f"checkpoint {path} has {len(unexpected)} unexpected tensors: {_head(unexpected)}")
     if pending:
@@ -252,6 +259,51 @@ def _copy_row_scale(param: nn.Parameter, handle: Any, src: str, shard: str | Non
             raise ValueError(f"scale {src} has {t.numel()} values, expected 1 or {piece.full_len}")
         a, b = piece.src
         param.data[piece.dst : piece.dst + b - a].copy_(full[a:b])
+
+
+def _stash_kept_plain(name: str, params: dict[str, nn.Parameter], handle: Any, src: str,
+                      stash: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """Whether `src` is the e4m3 weight, or its scale, of a parameter the engine keeps plain
+    (one it uses only as matrices, not a quantized Linear: MLA's kv_b_proj, which DeepSeek's fp8
+    checkpoints store in e4m3 with block scales). Such pairs are read whole and dequantized
+    once both are in (`_fill_kept_plain`), on every device."""
+    if name.endswith(".weight_scale"):
+        weight = name[: -len("_scale")]
+        if name in params or weight not in params or params[weight].dtype in _STORED:
+            return False
+        stash.setdefault(weight, {})["scale"] = handle.get_tensor(src)
+        return True
+    p = params.get(name)
+    if (p is None or p.dtype in _STORED or p.dim() != 2 or name + "_scale" in params
+            or handle.get_slice(src).get_dtype() != _STORED[torch.float8_e4m3fn]):
+        return False
+    stash.setdefault(name, {})["q"] = handle.get_tensor(src)
+    return True
+
+
+def _fill_kept_plain(params: dict[str, nn.Parameter], stash: dict[str, dict[str, torch.Tensor]],
+                     path: str | Path) -> list[str]:
+    """Dequantize each stashed (e4m3, scale) pair as engine/layers/quant.py's to_plain would
+    (per tensor, per row or 128x128 blocks, by the scale's shape) and fill this rank's part."""
+    for name, parts in stash.items():
+        if set(parts) != {"q", "scale"}:
+            raise ValueError(f"checkpoint {path}: {name} has {'a scale' if 'scale' in parts else 'e4m3 values'} "
+                             "but not the other (an fp8 weight needs both)")
+        q, s = parts["q"], parts["scale"].float()
+        n = q.shape[0]
+        fmt = "fp8_row" if s.numel() in (1, n) else "fp8_block"
+        s = s.reshape(-1).expand(n) if fmt == "fp8_row" else s
+        full = quant_dequantize(SimpleNamespace(quant=fmt, weight=q, weight_scale=s))
+        p, sh = params[name], sharding_of(params[name])
+        if sh is None:
+            if tuple(full.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {name} has shape {tuple(full.shape)}, expected {tuple(p.shape)}")
+            p.data.copy_(full)
+            continue
+        for piece in sh.pieces.values():
+            a, b = piece.src
+            p.data.narrow(sh.dim, piece.dst, b - a).copy_(full.narrow(sh.dim, piece.full_offset + a, b - a))
+    return list(stash)
 
 
 def _head(names: list[str], n: int = 8) -> str:

@@ -35,11 +35,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FORMATS = ("fp8-block", "ct-channel", "ct-tensor", "modelopt-fp8", "modelopt-nvfp4")
-# the dense MLP's, the shared experts' and every routed expert's (experts.{e}.) gate/up/down; an
+# attention's (MLA's q_a/q_b/kv_a_proj_with_mqa/kv_b_proj too, as DeepSeek's fp8 checkpoints
+# store them); the dense MLP's, the shared experts' and every routed expert's gate/up/down; an
 # MoE layer's router (mlp.gate) stays as it is, as every format's MoE checkpoints keep it
 _PROJ = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)"
-    r"\.weight$")
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
 F8 = torch.float8_e4m3fn
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

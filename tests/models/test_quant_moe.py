@@ -1,7 +1,7 @@
 """Quantized MoE checkpoints on the CPU (issues 22 and 23): every routed expert's gate/up/down in
 fp8 (128x128 blocks with `weight_scale_inv`, as DeepSeek-V3 and Qwen3-*-FP8 ship; or per
 channel / per tensor, as compressed-tensors and ModelOpt do), written by
-scripts/quantize_checkpoint.py from tiny random Qwen3-MoE and GLM-4.5 checkpoints, load into
+scripts/quantize_checkpoint.py from tiny random Qwen3-MoE, GLM-4.5 and DeepSeek-V3 checkpoints, load into
 exactly the weights of the same checkpoint dequantized to float32 by the script's own code, and
 decode the same greedy tokens. Also: the GPU's path (experts kept in fp8, dequantized per
 forward) run on the CPU, dummy and online-fp8 expert stacks, NVFP4 experts refused."""
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from model_harness import PagedGreedy, make_hf_dir
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from test_mla import TINY_V3
 
 from engine.layers import quant
 from engine.layers.moe import Experts
@@ -36,8 +37,12 @@ MODELS = {
                          "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
                          "norm_topk_prob": True, "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5,
                          "attention_bias": True, "use_qk_norm": True},
+    # MLA (q_a/q_b, kv_a_proj_with_mqa, kv_b_proj: a matrix the engine keeps plain, dequantized at
+    # load), 9 experts in 3 groups (noaux_tc), a shared expert, YaRN
+    "deepseek-v3": TINY_V3 | {"intermediate_size": 128, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+                              "first_k_dense_replace": 1},
 }
-MOE_LAYER = {"qwen3-moe": 0, "glm4-moe": 1}  # the other layer is dense
+MOE_LAYER = {"qwen3-moe": 0, "glm4-moe": 1, "deepseek-v3": 1}  # the other layer is dense
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8], [200, 11, 64]]
 N = 12
 
@@ -66,6 +71,8 @@ def test_quantized_experts_load_as_their_dequantized_weights(plain: dict[str, Pa
     stored, layer = load_file(qdir / "model.safetensors"), f"model.layers.{MOE_LAYER[arch]}.mlp"
     assert stored[f"{layer}.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert stored[f"{layer}.gate.weight"].dtype == torch.float32  # the router stays
+    if arch == "deepseek-v3":  # stored in e4m3 like every projection, dequantized at load on any device
+        assert stored["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
     ref = dequantize_dir(qdir, tmp_path / "ref")
     model, cfg = load_model(qdir, progress=False)
     ref_model, _ = load_model(ref, progress=False)
@@ -140,4 +147,13 @@ def test_partly_ignored_experts_are_named(plain: dict[str, Path], tmp_path: Path
     cfg["quantization_config"]["modules_to_not_convert"].append("model.layers.0.mlp.experts.2.down_proj")
     (qdir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"covers only some projections of the experts in model\.layers\.0"):
+        load_model(qdir, progress=False)
+
+
+def test_kv_b_proj_without_its_scale_is_named(plain: dict[str, Path], tmp_path: Path) -> None:
+    qdir = quantize_dir(plain["deepseek-v3"], tmp_path / "q", "fp8-block")
+    tensors = load_file(qdir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
+    save_file(tensors, qdir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.kv_b_proj\.weight has e4m3 values but not"):
         load_model(qdir, progress=False)
