@@ -15,6 +15,6 @@ def worker_fingerprint(
     """config.json, the weights' identity (models/loader.py), dtypes and layout (the page's
     bytes and layers, and the model's declared KV layout: `KVLayout.describe`)."""
     config = Path(cfg.model, "config.json").read_bytes()
-    weights = weights_identity(cfg.model, cfg.load_format)
+    weights = weights_identity(cfg.model, cfg.load_format) + b"\0quantization:" + cfg.quantization.encode()
     return model_fingerprint(config, weights, str(dtype), str(kv_dtype), cfg.page_size, cfg.tp_size,
                              page_bytes, num_layers, kv_layout)
