@@ -19,6 +19,9 @@ class StepDone(msgspec.Struct, tag=True, frozen=True):
     digest: str | None = None  # at a DigestCheck: the replica's digest after this step's ops
     tokens_hash: str | None = None  # at a DigestCheck: SHA-256 chain of every token sampled so far
     forward_s: float = 0.0
+    # rank 0, an MoE model, at most once a second and when a batch drained: cumulative routed
+    # (token, expert) pairs, {layer id: per expert} (engine/run/expert_counts.py)
+    expert_tokens: dict[int, list[int]] | None = None
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):

@@ -38,6 +38,9 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     leak_free: bool = True  # result of the last idle leak check
     deterministic: bool = False  # every worker runs deterministic inference (GET /health says so)
     dropped_frames: dict[str, int] = {}  # malformed frames the scheduler dropped, per channel
+    # an MoE model's cumulative routed (token, expert) pairs, {layer id: per expert}, when new
+    # since the previous stats (engine/run/expert_counts.py)
+    expert_tokens: dict[int, list[int]] | None = None
     # the host tier (L2), when on: cumulative counters and its pages
     l2_hit_tokens: int = 0  # prompt tokens loaded back from L2 instead of recomputed
     l2_pages_used: int = 0

@@ -30,6 +30,7 @@ def print_text(rep: Report, timelines: bool = True, out: Any = sys.stdout) -> No
     if timelines and rep.requests:
         _print_timelines(rep.requests, w)
     _print_summary(rep, w)
+    _print_moe(rep, w)
     _print_errors(rep, w)
     for n in rep.notes:
         w(f"note: {n}")
@@ -115,6 +116,22 @@ def _print_errors(rep: Report, w: Any) -> None:
     for e in rep.errors:
         seq = "" if e["seq"] is None else f" seq={e['seq']}"
         w(f"  {e['timestamp']} {e['file']}{seq}: {e['detail']}")
+
+
+def _print_moe(rep: Report, w: Any) -> None:
+    """Expert load per MoE layer (the worker's cumulative counts): max / mean 1 is an even load."""
+    for worker, layers in rep.moe.items():
+        w(f"\nmoe expert load ({worker}; routed (token, expert) pairs since start)")
+        w(f"{'layer':>6} {'tokens':>10} {'experts':>7} {'idle':>5} {'max/mean':>8} {'min/mean':>8} "
+          f"{'hottest':>14} {'coldest':>14}")
+        for layer, d in layers.items():
+            hot, cold = f"#{d['hottest']}: {d['hottest_tokens']}", f"#{d['coldest']}: {d['coldest_tokens']}"
+            w(f"{layer:>6} {d['tokens']:>10} {d['experts']:>7} {d['idle_experts']:>5} {_ratio(d['max_over_mean']):>8} "
+              f"{_ratio(d['min_over_mean']):>8} {hot:>14} {cold:>14}")
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def to_json(rep: Report) -> str:

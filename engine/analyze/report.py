@@ -62,6 +62,7 @@ class Report:
     first_error_seq: int | None
     notes: list[str] = field(default_factory=list)
     kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker: its KV pool and layout
+    moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker and MoE layer: expert load
 
 
 # ---------------------------------------------------------------- reading
@@ -358,7 +359,36 @@ def analyze(logdir: Path) -> Report:
         first_error_seq=min(seqs) if seqs else None,
         notes=_notes(reqs, has_l2, records),
         kv_pools=kv_pools(records),
+        moe=moe_load(records),
     )
+
+
+MOE_EVENT = "moe expert tokens"  # engine/run/expert_counts.py: rank 0's cumulative counts, per layer
+
+
+def moe_load(records: list[Record]) -> dict[str, dict[str, Any]]:
+    """Each worker's last `moe expert tokens` line (cumulative since start), per MoE layer: the
+    routed (token, expert) pairs, the busiest and idlest expert, and max / mean (1 = even load)."""
+    last: dict[str, dict[str, list[int]]] = {}
+    for r in records:
+        if r["event"] == MOE_EVENT and isinstance(r.get("layers"), dict):
+            last[r["file"].removesuffix(".log")] = r["layers"]
+    out: dict[str, dict[str, Any]] = {}
+    for worker, layers in last.items():
+        out[worker] = {}
+        for layer, counts in sorted(layers.items(), key=lambda kv: int(kv[0])):
+            total, n = sum(counts), len(counts)
+            mean = total / n if n else 0.0
+            hot = max(range(n), key=counts.__getitem__) if n else None
+            cold = min(range(n), key=counts.__getitem__) if n else None
+            out[worker][layer] = {
+                "tokens": total, "experts": n, "idle_experts": sum(1 for c in counts if c == 0),
+                "hottest": hot, "hottest_tokens": counts[hot] if hot is not None else 0,
+                "coldest": cold, "coldest_tokens": counts[cold] if cold is not None else 0,
+                "max_over_mean": round(max(counts) / mean, 3) if mean else None,
+                "min_over_mean": round(min(counts) / mean, 3) if mean else None,
+            }
+    return out
 
 
 KV_POOL_EVENT = "kv pool: "  # engine/run/runner.py: "kv pool: N tokens, X GiB on DEV", layout=...

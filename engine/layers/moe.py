@@ -145,6 +145,9 @@ class Experts(nn.Module):
         _experts(self.w13, e)
         _experts(self.w2, e)
         self.quant: str | None = None  # fp8 stacks (engine/layers/moe_quant.py) or plain
+        # routed (token, expert) pairs per expert since the last reset, on the weights' device:
+        # one in-place add a forward, read by engine/run/expert_counts.py at its stats cadence
+        self.register_buffer("token_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
@@ -154,7 +157,9 @@ class Experts(nn.Module):
                                "CUDA graph: serve MoE models with --disable-cuda-graph until its fused kernels land")
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host sync on a GPU
+        per_expert = torch.bincount(flat, minlength=self.num_experts)
+        self.token_counts += per_expert
+        counts = per_expert.tolist()  # host sync on a GPU
         xs = x.index_select(0, order // k)
         ys = x.new_empty(t * k, x.shape[1])
         start = 0

@@ -28,6 +28,7 @@ from engine.layers.parallel import pack_for_cpu
 from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
 from engine.run import TORCH_PREIMPORTED
 from engine.run.dist import init_distributed, rank_config
+from engine.run.expert_counts import ExpertCounts
 from engine.run.grammar import GrammarSlots
 from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
@@ -171,6 +172,7 @@ class ModelRunner:
             triton_ops.warm_to_host(self.device)  # the results' store kernel (_to_host)
         t0 = time.perf_counter()
         self.graphs = self._capture_graphs()
+        self.expert_counts = ExpertCounts(self.model)  # MoE layers' routed tokens (zeroed: after warm-up)
         if self.device.type == "cuda":  # load the future-reference kernels now, not in a served step
             self._resolve_ids([-1], [0], [1])
             if self.graphs is not None:
@@ -296,6 +298,10 @@ class ModelRunner:
             self.idle.finished(launched.timing)
         done = _pack_result(launched.seq, self.rank, launched.result) if launched.result else None
         self.tokens.update(done.token_ids if done else b"")
+        expert_tokens = None
+        if self.rank == 0 and self.expert_counts:  # cumulative, at a stats cadence (expert_counts.py)
+            drained = launched.rows == 0 and launched.seq == self.seq
+            expert_tokens = self.expert_counts.poll(time.monotonic(), drained)
         return StepDone(
             seq=launched.seq,
             rank=self.rank,
@@ -307,6 +313,7 @@ class ModelRunner:
             digest=launched.digest,
             tokens_hash=self.tokens.hexdigest() if launched.digest is not None else None,
             forward_s=time.perf_counter() - launched.t0,
+            expert_tokens=expert_tokens,
         )
 
     def _event(self) -> torch.cuda.Event | None:

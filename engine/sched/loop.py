@@ -78,6 +78,7 @@ class SchedulerLoop:
         self.flushes: deque[tuple[int, float]] = deque()  # flush ids waiting for steps to settle, deadline
         self.done_ranks: dict[int, int] = {}
         self.step_seconds: list[float] = []
+        self.expert_tokens: dict[int, list[int]] | None = None  # rank 0's latest, until the next stats
         self.last_stats = -stats_interval_s
         self.stats_dirty = True
         self.leak_free = True
@@ -218,6 +219,8 @@ class SchedulerLoop:
             outs.extend(self.core.on_done(msg))
             if msg.rank == 0:
                 self.step_seconds.append(msg.forward_s)
+                if msg.expert_tokens is not None:
+                    self.expert_tokens, self.stats_dirty = msg.expert_tokens, True
             self.done_ranks[msg.seq] += 1
             while self.inflight and self.done_ranks[self.inflight[0]] == self.num_ranks:
                 seq = self.inflight.popleft()
@@ -276,6 +279,7 @@ class SchedulerLoop:
             waiting=len(core.waiting),
             cache_hit_tokens=core.cache_hit_tokens,
             step_seconds=self.step_seconds,
+            expert_tokens=self.expert_tokens,
             leak_free=self.leak_free,
             deterministic=ready.deterministic,
             dropped_frames=dict(DROPPED),
@@ -285,6 +289,7 @@ class SchedulerLoop:
         fields = OCCUPANCY_FIELDS + (TIER_OCCUPANCY_FIELDS if core.state.tiers is not None else ())
         self.occupancy = {k: getattr(stats, k) for k in fields}
         self.step_seconds = []
+        self.expert_tokens = None
         self.last_stats = now
         self.stats_dirty = bool(self.inflight or not core.idle or core.pending_ops)
 

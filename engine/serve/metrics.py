@@ -70,6 +70,22 @@ class Metrics:
         self.l3_files = Gauge("strata_l3_files", "Page files in the L3 directory", registry=r)
         self.l3_bytes = Gauge("strata_l3_bytes", "Bytes of the page files in the L3 directory", registry=r)
         self._tier_totals: dict[str, int] = {}
+        # MoE models (engine/run/expert_counts.py): routed (token, expert) pairs. Per expert summed
+        # over the layers and per layer, not per (layer, expert): DeepSeek-V3's 58 x 256 would be
+        # 14,848 series; bin/analyze shows the per-layer, per-expert table from the worker's log
+        self.expert_tokens = Counter(
+            "strata_moe_expert_tokens", "Tokens routed to each expert, summed over the MoE layers", ["expert"],
+            registry=r,
+        )
+        self.layer_tokens = Counter(
+            "strata_moe_routed_tokens", "Tokens routed to experts in each MoE layer (top-k per token)", ["layer"],
+            registry=r,
+        )
+        self.layer_imbalance = Gauge(
+            "strata_moe_load_imbalance", "Busiest expert's tokens over the mean, per MoE layer, since start (1 = even)",
+            ["layer"], registry=r,
+        )
+        self._expert_totals: dict[int, list[int]] = {}
         self._device_hits = 0
         self.dropped = _DroppedFrames()
         r.register(self.dropped)
@@ -96,6 +112,23 @@ class Metrics:
             self.cache_hit_tokens.labels(tier="l1").inc(delta)
         self._device_hits = hits
         self._on_tier_stats(stats)
+        if stats.expert_tokens is not None:
+            self._on_expert_tokens(stats.expert_tokens)
+
+    def _on_expert_tokens(self, counts: dict[int, list[int]]) -> None:
+        """A worker's cumulative per-layer, per-expert counts, turned into counter increments."""
+        for layer, now in sorted(counts.items()):
+            before = self._expert_totals.get(layer, [0] * len(now))
+            if len(before) != len(now) or sum(now) < sum(before):  # another model, or a restart
+                before = [0] * len(now)
+            for e, (n, b) in enumerate(zip(now, before, strict=True)):
+                if n > b:
+                    self.expert_tokens.labels(expert=str(e)).inc(n - b)
+            if sum(now) > sum(before):
+                self.layer_tokens.labels(layer=str(layer)).inc(sum(now) - sum(before))
+            if sum(now):
+                self.layer_imbalance.labels(layer=str(layer)).set(max(now) * len(now) / sum(now))
+            self._expert_totals[layer] = list(now)
 
     def _on_tier_stats(self, stats: SchedulerStats) -> None:
         """The scheduler's cumulative host-tier counters, turned into counter increments."""

@@ -1,14 +1,17 @@
 """MoE models at run time: whether the runner captures their decode in CUDA graphs (it must
-not while the MoE blocks take the torch path, which reads per-expert counts on the host)."""
+not while the MoE blocks take the torch path, which reads per-expert counts on the host), and
+the per-expert token counts a served MoE model reports in /metrics and to bin/analyze."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
 from pathlib import Path
 
 import pytest
 from test_mla import TINY_V3
-from test_moe import QWEN3_MOE
+from test_moe import QWEN3_MOE, make_moe_dir
 
 from engine.run.runner import cuda_graph_blocker
 from models.registry import load_model
@@ -28,3 +31,45 @@ def _dummy(tmp_path: Path, config: dict) -> object:
 def test_cuda_graph_blocker(tmp_path: Path, config: dict, reason: str | None) -> None:
     blocker = cuda_graph_blocker(_dummy(tmp_path, config))
     assert blocker == reason if reason is None else reason in blocker
+
+
+def _routed(m: dict[str, float], layer: int) -> float:
+    return m.get(f'strata_moe_routed_tokens_total{{layer="{layer}"}}', 0.0)
+
+
+def test_served_moe_counts_expert_tokens(tmp_path: Path) -> None:
+    """bin/serve on a tiny Qwen3-MoE (MoE layers 0 and 2): once the batch drains, /metrics holds
+    top_k routed (token, expert) pairs per forwarded token in every MoE layer (a prompt's
+    tokens plus its outputs but the last; the warm-up not counted), and bin/analyze's expert-load
+    table, from the worker's log, the same per layer."""
+    import httpx
+
+    from engine.analyze import analyze, print_text
+    from tests.integration.conftest import start_server, stop_server
+
+    path = make_moe_dir(tmp_path / "m", QWEN3_MOE)
+    prompts, n = [[5, 17, 99, 3, 42, 7, 8], [200, 11, 64, 9, 9, 30, 31, 32, 33, 34, 35]], 8
+    want = QWEN3_MOE["num_experts_per_tok"] * sum(len(p) + n - 1 for p in prompts)
+    srv = start_server(tmp_path / "logs", "--model", str(path), "--max-total-tokens", "2048", "--page-size", "4")
+    try:
+        for ids in prompts:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+            assert len(httpx.post(f"{srv.http}/generate", json=body, timeout=60).json()["output_ids"]) == n
+        m = srv.wait_idle()
+        deadline = time.monotonic() + 10
+        while _routed(m, 2) < want and time.monotonic() < deadline:  # the drained step's report
+            time.sleep(0.1)
+            m = srv.metrics()
+    finally:
+        assert stop_server(srv) == 0
+    assert _routed(m, 0) == _routed(m, 2) == want and _routed(m, 1) == 0  # layer 1 is dense
+    experts = [m.get(f'strata_moe_expert_tokens_total{{expert="{e}"}}', 0.0) for e in range(QWEN3_MOE["num_experts"])]
+    assert sum(experts) == 2 * want
+    for layer in (0, 2):
+        assert 1.0 <= m[f'strata_moe_load_imbalance{{layer="{layer}"}}'] <= QWEN3_MOE["num_experts"]
+    rep = analyze(tmp_path / "logs")
+    (layers,) = rep.moe.values()
+    assert sorted(layers) == ["0", "2"] and all(d["tokens"] == want and d["experts"] == 5 for d in layers.values())
+    out = io.StringIO()
+    print_text(rep, timelines=False, out=out)
+    assert "moe expert load" in out.getvalue()
