@@ -34,6 +34,8 @@ HELP = {
     "probabilities rounded to e4m3, as FA3/TensorRT-LLM fp8 attention do): ~2x faster decode attention, less precise",
     "tp_size": "tensor-parallel ranks, one worker process (and one GPU: cuda:LOCAL_RANK) each; gloo on CPU, "
     "NCCL on GPU",
+    "ep_size": "expert parallelism for MoE models: 1 (every rank a slice of every expert) or --tp-size (whole "
+    "experts per rank, E / --ep-size each; must divide the experts); attention stays tensor-parallel",
     "nnodes": "nodes the --tp-size ranks are spread over, --tp-size/--nnodes workers each (as in SGLang); run "
     "bin/serve on every node with the same flags but --node-rank",
     "node_rank": "this node's index in 0..--nnodes-1 (node 0 runs the scheduler and tokenizer; others only workers)",

@@ -30,6 +30,7 @@ class ServerConfig:
     kv_cache_dtype: str = "auto"  # auto (= --dtype) | fp8_e4m3 (half the KV bytes; lossy)
     attention_fp8_math: bool = False  # fp8 KV: attend in fp8 tensor-core math (SM90 XQA), q/probs rounded
     tp_size: int = 1  # tensor-parallel ranks over all nodes, one worker process each
+    ep_size: int = 1  # expert-parallel ranks: 1, or --tp-size (whole MoE experts per rank)
     nnodes: int = 1
     node_rank: int = 0
     # host:port of rank 0's torch.distributed store ("": 127.0.0.1, a free port); with nnodes > 1
@@ -85,6 +86,8 @@ class ServerConfig:
             (-1 <= self.grammar_helpers <= 64, "--grammar-helpers must be -1 (auto) or 0..64"),
             (self.decode_kernel in ("auto", "fa2", "xqa", "triton"), f"bad --decode-kernel {self.decode_kernel}"),
             (self.tp_size >= 1, "--tp-size must be >= 1"),
+            (self.ep_size in (1, self.tp_size), f"--ep-size {self.ep_size} must be 1 or equal to --tp-size "
+             f"{self.tp_size} (the MoE experts are spread over the tensor-parallel ranks)"),
             (self.nnodes >= 1, "--nnodes must be >= 1"),
             (0 <= self.node_rank < max(self.nnodes, 1), "--node-rank must be in 0..--nnodes-1"),
             (self.tp_size % max(self.nnodes, 1) == 0, "--tp-size must be a multiple of --nnodes"),

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers.moe import experts_of
+from engine.layers.moe import expert_range, experts_of
 from engine.layers.parallel import Piece, Sharding, _shard, sharding_of
 from engine.layers.quant import ROW_SCALE
 from engine.layers.quant import dequantize as quant_dequantize
@@ -85,17 +85,23 @@ def is_nextn_layer(hf_name: str, cfg: ModelConfig) -> bool:
 
 
 def expert_pieces(p: nn.Parameter) -> list[str | ExpertShard | None]:
+    """What a stack needs from the checkpoint: every piece of each expert it holds (an
+    expert-parallel rank's experts only)."""
     sh = sharding_of(p)
     pieces = list(sh.pieces) if sh is not None else [None]
-    return [ExpertShard(e, piece) for e in range(experts_of(p)) for piece in pieces]
+    first, _ = expert_range(p)
+    return [ExpertShard(first + e, piece) for e in range(experts_of(p)) for piece in pieces]
 
 
 def _copy_expert(param: nn.Parameter, handle: Any, src: str, shard: ExpertShard) -> None:
     """Copy checkpoint tensor `src` (one expert) into row `shard.expert` of an expert stack: that
     row is a 2-D parameter of its own, sharded like the stack minus the expert dim."""
-    if not 0 <= shard.expert < experts_of(param):
-        raise ValueError(f"tensor {src}: expert {shard.expert} outside the {experts_of(param)} experts")
-    row = param.data[shard.expert]
+    first, total = expert_range(param)
+    if not 0 <= shard.expert < total:
+        raise ValueError(f"tensor {src}: expert {shard.expert} outside the {total} experts")
+    if not first <= shard.expert < first + experts_of(param):
+        return  # another expert-parallel rank's expert
+    row = param.data[shard.expert - first]
     sh = sharding_of(param)
     if sh is not None:
         _shard(row, Sharding(sh.dim - 1, sh.full_shape[1:], sh.pieces))  # type: ignore[arg-type]
@@ -331,6 +337,9 @@ def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
             # draw in float32 then cast, so bf16 and fp32 dummy models share one distribution
             buf = torch.empty(full, dtype=torch.float32, device=p.device).normal_(0.0, std, generator=gen)
+            first, total = expert_range(p)
+            if experts_of(p) != total:  # an expert-parallel rank keeps its experts of the whole draw
+                buf = buf.narrow(0, first, experts_of(p))
             if full == tuple(p.shape):  # tp 1 (or a replicated tensor): the whole draw
                 p.data.copy_(buf)
                 continue

@@ -80,13 +80,26 @@ class MoESpec(Protocol):
     num_shared_experts: int  # 0 = none
 
 
-def _experts(p: nn.Parameter, n: int) -> None:
+def _experts(p: nn.Parameter, n: int, first: int = 0, total: int | None = None) -> None:
+    """Mark `p` as a stack of experts first .. first + n - 1 (of `total`) along dim 0."""
     p.moe_experts = n  # type: ignore[attr-defined]  # read by the loader (dim 0 stacks experts)
+    p.moe_expert_range = (first, n if total is None else total)  # type: ignore[attr-defined]
 
 
 def experts_of(p: torch.Tensor) -> int:
     """How many experts a parameter stacks along dim 0 (0: not an expert stack)."""
     return getattr(p, "moe_experts", 0)
+
+
+def expert_range(p: torch.Tensor) -> tuple[int, int]:
+    """(the first expert a stack holds, the model's experts): (0, E) but on an expert-parallel rank."""
+    return getattr(p, "moe_expert_range", (0, experts_of(p)))
+
+
+def copy_experts_mark(src: torch.Tensor, dst: nn.Parameter) -> None:
+    """Give `dst` the expert-stack mark of `src` (a stack re-made quantized or plain)."""
+    first, total = expert_range(src)
+    _experts(dst, experts_of(src), first, total)
 
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,21 +142,33 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, fused: w13 [E, 2 * I_local, H] and w2 [E, H, I_local]."""
+    """The routed experts, fused: w13 [E_local, 2 * I_local, H] and w2 [E_local, H, I_local].
+
+    Tensor parallelism: every expert (E_local = E), a slice of each one's intermediate dim.
+    Expert parallelism (`parallel_state().ep`, world W > 1: the tensor-parallel ranks): whole
+    experts, E / W of them per rank (first = rank * E / W), I_local = I. Every rank has every
+    token (activations are replicated between the blocks), so dispatch is each rank picking
+    the (token, slot) pairs routed to its experts, and the combine is the block's all-reduce of
+    the partial sums (the pairs routed elsewhere contribute zeros here)."""
 
     def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
         super().__init__()
-        t = parallel_state().tp
+        t, ep = parallel_state().tp, parallel_state().ep
         e, inter = spec.num_experts, spec.intermediate_size
-        mine = range_split(inter, t.world, t.rank)
+        if e % ep.world:
+            raise ValueError(f"--ep-size {ep.world} does not divide the model's {e} routed experts "
+                             "(config.json num_experts / n_routed_experts)")
+        self.num_experts, self.local_experts = e, e // ep.world
+        self.first = ep.rank * self.local_experts
+        mine = range_split(inter, t.world, t.rank) if ep.world == 1 else (0, inter)
         pieces, local, full = _row_pieces([("gate", inter, mine), ("up", inter, mine)])
-        self.num_experts, self.local_inter = e, mine[1] - mine[0]
-        self.w13 = _param(e, local, hidden_size, dtype=dtype)
+        self.local_inter, n = mine[1] - mine[0], self.local_experts
+        self.w13 = _param(n, local, hidden_size, dtype=dtype)
         _shard(self.w13, Sharding(1, (e, full, hidden_size), pieces))
-        self.w2 = _param(e, hidden_size, self.local_inter, dtype=dtype)
+        self.w2 = _param(n, hidden_size, self.local_inter, dtype=dtype)
         _shard(self.w2, Sharding(2, (e, hidden_size, inter), {None: Piece(mine, 0, inter, 0)}))
-        _experts(self.w13, e)
-        _experts(self.w2, e)
+        _experts(self.w13, n, self.first, e)
+        _experts(self.w2, n, self.first, e)
         self.quant: str | None = None  # fp8 stacks (engine/layers/moe_quant.py) or plain
         # routed (token, expert) pairs per expert since the last reset, on the weights' device:
         # one in-place add a forward, read by engine/run/expert_counts.py at its stats cadence
@@ -160,16 +185,20 @@ class Experts(nn.Module):
         per_expert = torch.bincount(flat, minlength=self.num_experts)
         self.token_counts += per_expert
         counts = per_expert.tolist()  # host sync on a GPU
-        xs = x.index_select(0, order // k)
-        ys = x.new_empty(t * k, x.shape[1])
+        lo = sum(counts[: self.first])  # this rank's experts' pairs: order[lo:hi] (all of them at ep 1)
+        hi = lo + sum(counts[self.first : self.first + self.local_experts])
+        mine = order[lo:hi]
+        xs = x.index_select(0, mine // k)
+        ys = x.new_empty(hi - lo, x.shape[1])
         start = 0
-        for e, n in enumerate(counts):
+        for i in range(self.local_experts):
+            n = counts[self.first + i]
             if n:
-                h = matmul(xs[start : start + n], self._weight("w13", e, x.dtype))
-                ys[start : start + n] = matmul(ops.silu_and_mul(h), self._weight("w2", e, x.dtype))
+                h = matmul(xs[start : start + n], self._weight("w13", i, x.dtype))
+                ys[start : start + n] = matmul(ops.silu_and_mul(h), self._weight("w2", i, x.dtype))
                 start += n
-        y = torch.empty_like(ys)
-        y[order] = ys  # back to (token, slot) order: an assignment, nothing summed yet
+        y = torch.empty_like(ys) if hi - lo == t * k else x.new_zeros(t * k, x.shape[1])
+        y[mine] = ys  # back to (token, slot) order: an assignment, nothing summed yet
         y = y.view(t, k, -1)
         out = y[:, 0].float() * weights[:, :1]
         for j in range(1, k):  # slot order: a token's sum never depends on the batch

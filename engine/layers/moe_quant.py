@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine.layers import quant
-from engine.layers.moe import Experts, _experts
+from engine.layers.moe import Experts, copy_experts_mark
 from engine.layers.parallel import Sharding, sharding_of
 from engine.layers.parallel import _shard as shard
 
@@ -67,7 +67,7 @@ def prepare(experts: Experts, fmt: str) -> None:
             shard(w, sh)
         s = _scale(sh, fmt, tuple(old.shape), dev)
         for p in (w, s):
-            _experts(p, experts.num_experts)
+            copy_experts_mark(old, p)
         setattr(experts, name, w)
         setattr(experts, name + "_scale", s)
     experts.quant = fmt
@@ -117,7 +117,7 @@ def to_plain(experts: Experts, dtype: torch.dtype) -> None:
         sh = sharding_of(q)
         if sh is not None:
             shard(p, sh)
-        _experts(p, experts.num_experts)
+        copy_experts_mark(q, p)
         setattr(experts, name, p)
         delattr(experts, name + "_scale")
     experts.quant = None

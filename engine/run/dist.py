@@ -3,8 +3,9 @@ without ever waiting on a collective forever.
 
 The supervisor (engine/supervise.py) gives each worker MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE and LOCAL_RANK. A rank uses cuda:LOCAL_RANK and NCCL on GPU, gloo on CPU, and
-publishes its groups to the layers (`engine.layers.parallel.set_parallel_state`: tp, and ep, cp,
-dp of world 1 until their flags exist) before the model is built.
+publishes its groups to the layers (`engine.layers.parallel.set_parallel_state`: tp; ep the same
+ranks with --ep-size, else world 1; cp and dp of world 1 until their flags exist) before the
+model is built.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
         backend, rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
     )
     t = TPGroup(rank, world, dist.group.WORLD, _symm_all_reduce(device))
-    set_parallel_state(ParallelState(tp=t))
+    # --ep-size (1 or --tp-size, engine/config.py): the expert-parallel group is the same ranks
+    set_parallel_state(ParallelState(tp=t, ep=t if cfg.ep_size > 1 else TPGroup()))
     log.info("tensor parallel group joined", backend=backend, world=world, device=str(device),
              master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
              symm_allreduce_max_bytes=t.symm.max_bytes if t.symm is not None else 0)
