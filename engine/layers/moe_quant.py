@@ -43,7 +43,10 @@ def _scale(sh: Sharding | None, fmt: str, shape: tuple[int, ...], device: torch.
     if fmt == "fp8_block":
         bs = (e, -(-n // quant.BLOCK), -(-k // quant.BLOCK))
         s = _param(bs, torch.float32, device)
-        ssh = quant._scaled_sharding(sh, {1: quant.BLOCK, 2: quant.BLOCK}, bs)
+        try:
+            ssh = quant._scaled_sharding(sh, {1: quant.BLOCK, 2: quant.BLOCK}, bs)
+        except ValueError as exc:  # a tensor-parallel slice of every expert that cuts its blocks
+            raise ValueError(f"MoE experts: {exc}, or --ep-size equal to --tp-size (whole experts per rank)") from exc
         if ssh is not None:
             shard(s, ssh)
         return s
