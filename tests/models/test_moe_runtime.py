@@ -73,3 +73,31 @@ def test_served_moe_counts_expert_tokens(tmp_path: Path) -> None:
     out = io.StringIO()
     print_text(rep, timelines=False, out=out)
     assert "moe expert load" in out.getvalue()
+
+
+def test_metrics_turn_cumulative_counts_into_counters() -> None:
+    """The scheduler's cumulative per-layer counts become counter increments (a smaller total:
+    the worker restarted, counted from zero again), and the imbalance is max over mean."""
+    from engine.serve.metrics import Metrics
+    from msgs.outputs import SchedulerStats
+
+    m = Metrics()
+
+    def stats(counts: dict[int, list[int]] | None) -> SchedulerStats:
+        return SchedulerStats(ready=True, max_context=64, vocab_size=256, kv_pages_total=8, kv_pages_used=0,
+                              cache_pages=0, running=0, waiting=0, cache_hit_tokens=0, step_seconds=[],
+                              expert_tokens=counts)
+
+    def value(name: str, **labels: str) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    m.on_stats(stats({0: [4, 0, 2, 2], 3: [1, 1, 1, 1]}))
+    m.on_stats(stats(None))  # no news: nothing changes
+    m.on_stats(stats({0: [6, 1, 3, 2], 3: [2, 2, 1, 1]}))
+    assert [value("strata_moe_expert_tokens_total", expert=str(e)) for e in range(4)] == [8, 3, 4, 3]
+    assert value("strata_moe_routed_tokens_total", layer="0") == 12
+    assert value("strata_moe_load_imbalance", layer="0") == 2.0  # 6 of a mean 3
+    assert value("strata_moe_load_imbalance", layer="3") == 4 / 3
+    m.on_stats(stats({0: [1, 0, 0, 1], 3: [0, 0, 0, 0]}))  # a restart
+    assert value("strata_moe_routed_tokens_total", layer="0") == 14
+    assert value("strata_moe_expert_tokens_total", expert="3") == 4
