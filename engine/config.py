@@ -63,6 +63,13 @@ class ServerConfig:
     # the disk tier (L3): page files under this directory, shared by engines and restarts
     l3_dir: str = ""  # "": off; needs --enable-hierarchical-cache
     l3_size: float = 16.0  # GB cap on the files in l3_dir (oldest removed first)
+    # speculative decoding (docs/architecture.md, Speculative decoding), SGLang's flag names
+    speculative_algorithm: str = ""  # "" (off) | NGRAM | STANDALONE
+    speculative_num_steps: int = 0  # drafts per row and step (0: 3 when speculation is on)
+    speculative_num_draft_tokens: int = 0  # tokens verified per row: num_steps + 1 for chains (0: that)
+    speculative_eagle_topk: int = 1  # drafts per position: 1 (chains) only for now
+    speculative_draft_model_path: str = ""  # STANDALONE: a separate draft model (not yet)
+    speculative_draft_layers: int = 0  # STANDALONE self-draft: the target's first N layers + norm + head
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,6 +106,7 @@ class ServerConfig:
         self._check_nodes()
         self._check_serving()
         self._check_hicache()
+        self._check_spec()
         self._check_model()
 
     def _check_model(self) -> None:
@@ -113,6 +121,42 @@ class ServerConfig:
         object.__setattr__(self, "model", resolve_model(hub_id, self.load_format))  # frozen; set once here
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", hub_id)
+
+    def _check_spec(self) -> None:
+        """Speculative decoding's flags, checked together once here: a combination that cannot
+        work is a start-up error naming the flag. Defaults are filled in (frozen; set once)."""
+        algo = self.speculative_algorithm
+        if not algo:
+            others = (self.speculative_num_steps, self.speculative_num_draft_tokens, self.speculative_draft_layers,
+                      self.speculative_draft_model_path, self.speculative_eagle_topk != 1)
+            if any(others):
+                raise ValueError("--speculative-num-steps / --speculative-num-draft-tokens / --speculative-eagle-topk "
+                                 "/ --speculative-draft-* need --speculative-algorithm")
+            return
+        if algo in ("EAGLE", "EAGLE3", "NEXTN"):
+            raise ValueError(f"--speculative-algorithm {algo} is not implemented yet (NGRAM, STANDALONE)")
+        if algo not in ("NGRAM", "STANDALONE"):
+            raise ValueError(f"bad --speculative-algorithm {algo} (NGRAM, STANDALONE)")
+        steps = self.speculative_num_steps or 3
+        tokens = self.speculative_num_draft_tokens or steps + 1
+        for ok, problem in (
+            (1 <= steps <= 16, "--speculative-num-steps must be in 1..16"),
+            (self.speculative_eagle_topk == 1, "--speculative-eagle-topk must be 1 (chains; trees are not yet)"),
+            (tokens == steps + 1, f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {steps + 1} "
+             "with --speculative-eagle-topk 1 (a chain verifies its drafts and one bonus token)"),
+            (algo == "STANDALONE" or not (self.speculative_draft_layers or self.speculative_draft_model_path),
+             "--speculative-draft-layers / --speculative-draft-model-path need --speculative-algorithm STANDALONE"),
+            (algo != "STANDALONE" or self.speculative_draft_layers > 0 or self.speculative_draft_model_path,
+             "--speculative-algorithm STANDALONE needs --speculative-draft-layers N (a self-draft) or "
+             "--speculative-draft-model-path"),
+            (not self.speculative_draft_model_path, "--speculative-draft-model-path is not supported yet: use "
+             "--speculative-draft-layers N (the target's first N layers as the draft)"),
+            (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),
+        ):
+            if not ok:
+                raise ValueError(problem)
+        object.__setattr__(self, "speculative_num_steps", steps)  # frozen; set once here
+        object.__setattr__(self, "speculative_num_draft_tokens", tokens)
 
     def _check_nodes(self) -> None:
         """--nnodes > 1: the Step stream and `done` travel over tcp (msgs/channels.TcpPlan) on

@@ -24,6 +24,16 @@ class StepDone(msgspec.Struct, tag=True, frozen=True):
     expert_tokens: dict[int, list[int]] | None = None
 
 
+class SpecDone(StepDone):
+    """StepDone of a step that verified drafts (Forward.drafts): `token_ids` (and the logprob
+    arrays) hold every answered token, request-major, and `accepted` (packed int32, one per
+    sampled request) how many of its drafts were accepted: it answered accepted + 1 tokens
+    (the last one the bonus token, sampled from the target). A step without drafts answers a
+    plain StepDone (the same bytes as without speculation)."""
+
+    accepted: bytes = b""
+
+
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     rank: int
     num_pages: int
@@ -44,7 +54,7 @@ class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
-FromWorker = StepDone | WorkerReady | WorkerFailed
+FromWorker = StepDone | SpecDone | WorkerReady | WorkerFailed
 
 
 # ---- the cache controller (host tier) ---------------------------------------------------

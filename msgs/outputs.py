@@ -58,6 +58,8 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     l3_write_skips: int = 0  # writes skipped (writer queue over its byte bound)
     l3_files: int = 0  # files in the directory (as the controller sees it)
     l3_bytes: int = 0  # their bytes
+    # speculative decoding, when on: cumulative verify rows by drafts accepted (index 0: none)
+    spec_accept_hist: list[int] = []
 
 
 class FlushDone(msgspec.Struct, tag=True, frozen=True):

@@ -45,6 +45,14 @@ class FreeReq(msgspec.Struct, tag=True, frozen=True):
     slot: int
 
 
+class TrimReq(msgspec.Struct, tag=True, frozen=True):
+    """Speculative decoding: the slot's page table keeps its first `keep` pages; the rest
+    (reserved for drafts that were rejected) return to the free pool, on every replica."""
+
+    slot: int
+    keep: int
+
+
 class CachePages(msgspec.Struct, tag=True, frozen=True):
     """Pages enter the prefix cache (they hold a prompt prefix others may reuse)."""
 
@@ -131,22 +139,41 @@ class HostEvict(msgspec.Struct, tag=True, frozen=True):
 
 
 Op = (
-    AddReq | ExtendPages | FreeReq | CachePages | EvictPages | Flush | DigestCheck
+    AddReq | ExtendPages | FreeReq | TrimReq | CachePages | EvictPages | Flush | DigestCheck
     | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | L3Load
 )
 
 
-class Forward(msgspec.Struct, frozen=True):
+class Drafts(msgspec.Struct, frozen=True):
+    """Speculative rows of a Forward (docs/architecture.md, Speculative decoding). Arrays are
+    packed int32, one entry per request of the forward unless noted.
+
+    num_drafts: the last num_drafts input tokens of the row are draft tokens to verify (0: a
+    plain row); its logits are taken at its last num_drafts + 1 tokens (the logit positions),
+    and it answers between 1 and num_drafts + 1 tokens (the accepted drafts, then the bonus).
+    parents: per draft token, request-major, the index among its row's drafts of the token it
+    follows (-1: the row's first token); empty: every row is a chain (i follows i - 1), the
+    only shape verified so far. on_worker: draft ids given as -1 are proposed on every rank by
+    the draft model (`--speculative-algorithm STANDALONE`), not by the scheduler."""
+
+    num_drafts: bytes
+    parents: bytes = b""
+    on_worker: bool = False
+
+
+class Forward(msgspec.Struct, frozen=True, omit_defaults=True):
     """One batch. Arrays are packed int32, one entry per request unless noted.
 
     input_ids holds every new token, request-major; -1 is a future reference: the token
-    this slot sampled in the previous step, resolved on the worker's device."""
+    this slot sampled in the previous step, resolved on the worker's device. `drafts` is
+    None without speculation (omitted on the wire: the same bytes as before it existed)."""
 
     slots: bytes
     input_ids: bytes  # per token
     start_pos: bytes  # KV length before this step
     extend_lens: bytes
     sample: bytes  # 1 when the request's last new token must be sampled
+    drafts: Drafts | None = None  # speculative decoding: rows that verify draft tokens
 
 
 class Step(msgspec.Struct, tag=True, frozen=True):

@@ -31,9 +31,21 @@ def print_text(rep: Report, timelines: bool = True, out: Any = sys.stdout) -> No
         _print_timelines(rep.requests, w)
     _print_summary(rep, w)
     _print_moe(rep, w)
+    _print_spec(rep, w)
     _print_errors(rep, w)
     for n in rep.notes:
         w(f"note: {n}")
+
+
+def _print_spec(rep: Report, w: Any) -> None:
+    s = rep.spec
+    if not s:
+        return
+    rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+    w(f"\nspeculative decoding: {s['rows']} verify rows, accept length {s['accept_length']:.2f} tokens a row, "
+      f"{s['accepted']} of {s['drafted']} drafts accepted ({rate:.0%}); rows by drafts accepted {s['accept_hist']}")
+    if len(s["series"]) > 1:
+        w("  accept length over time: " + ", ".join(f"{p['t']:.0f}s {p['accept_length']:.2f}" for p in s["series"]))
 
 
 def _print_timelines(reqs: list[Request], w: Any) -> None:

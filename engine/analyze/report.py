@@ -63,6 +63,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker: its KV pool and layout
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker and MoE layer: expert load
+    spec: dict[str, Any] = field(default_factory=dict)  # speculative decoding: accept length, overall and per line
 
 
 # ---------------------------------------------------------------- reading
@@ -360,7 +361,31 @@ def analyze(logdir: Path) -> Report:
         notes=_notes(reqs, has_l2, records),
         kv_pools=kv_pools(records),
         moe=moe_load(records),
+        spec=spec_accept(records, t0),
     )
+
+
+SPEC_EVENT = "speculative decoding"  # engine/sched/loop.py: cumulative verify rows, at most once a second
+
+
+def spec_accept(records: list[Record], t0: float) -> dict[str, Any]:
+    """The scheduler's `speculative decoding` lines: the last one's totals (verify rows, drafts
+    proposed and accepted, accept length = tokens a row answered, rows by drafts accepted) and
+    the accept length between consecutive lines (t, rows, accept length over that interval)."""
+    lines = [r for r in records if r["event"] == SPEC_EVENT and isinstance(r.get("rows"), int)]
+    if not lines:
+        return {}
+    last = lines[-1]
+    series, rows, acc = [], 0, 0
+    for r in lines:
+        if r["rows"] < rows:  # a restart: counts begin again
+            rows = acc = 0
+        if r["rows"] > rows:
+            series.append({"t": round(r["t"] - t0, 3), "rows": r["rows"] - rows,
+                           "accept_length": round(1 + (r["accepted"] - acc) / (r["rows"] - rows), 3)})
+        rows, acc = r["rows"], r["accepted"]
+    return {"rows": last["rows"], "drafted": last["drafted"], "accepted": last["accepted"],
+            "accept_length": last["accept_length"], "accept_hist": last.get("accept_hist"), "series": series}
 
 
 MOE_EVENT = "moe expert tokens"  # engine/run/expert_counts.py: rank 0's cumulative counts, per layer

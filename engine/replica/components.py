@@ -1,6 +1,6 @@
 """The components of a rank's replica (and of the scheduler's mirror of it).
 
-* PageTables: slot -> (rid, page table); AddReq / ExtendPages / FreeReq.
+* PageTables: slot -> (rid, page table); AddReq / ExtendPages / FreeReq / TrimReq.
 * SlotSampling: slot -> the sampling parameters the worker's sampler holds for it.
 * PrefixCachePages: the device pages the prefix cache holds; CachePages / EvictPages / Flush.
 * HostTier (host.py): the host tier's (L2) allocator; the host ops and Flush.
@@ -19,20 +19,20 @@ from engine.replica.base import Component, Effect, Replica, ReplicaError
 from engine.replica.host import HostTier
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, CachePages, EvictPages, ExtendPages, Flush, FreeReq
+from msgs.steps import AddReq, CachePages, EvictPages, ExtendPages, Flush, FreeReq, TrimReq
 
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 class PageTables(Component):
     name = "page_tables"
-    ops = (AddReq, ExtendPages, FreeReq)
+    ops = (AddReq, ExtendPages, FreeReq, TrimReq)
 
     def __init__(self) -> None:
         self.tables: dict[int, list[int]] = {}
         self.rids: dict[int, str] = {}
 
-    def apply(self, op: AddReq | ExtendPages | FreeReq) -> None:
+    def apply(self, op: AddReq | ExtendPages | FreeReq | TrimReq) -> None:
         match op:
             case AddReq(slot=slot, rid=rid):
                 if slot in self.tables:
@@ -44,6 +44,11 @@ class PageTables(Component):
             case FreeReq(slot=slot):
                 self.table(slot)
                 del self.tables[slot], self.rids[slot]
+            case TrimReq(slot=slot, keep=keep):
+                table = self.table(slot)
+                if not 0 <= keep <= len(table):  # a trim never grows a table: the stream diverged
+                    raise ReplicaError(f"TrimReq keeps {keep} of slot {slot}'s {len(table)} pages")
+                del table[keep:]
 
     def table(self, slot: int) -> list[int]:
         table = self.tables.get(slot)

@@ -25,7 +25,7 @@ from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import pack_for_cpu
-from engine.replica import Effect, StepOrderError, TokenChain, rank_replica
+from engine.replica import Effect, ReplicaError, StepOrderError, TokenChain, rank_replica
 from engine.run import TORCH_PREIMPORTED
 from engine.run.dist import init_distributed, rank_config
 from engine.run.expert_counts import ExpertCounts
@@ -34,11 +34,12 @@ from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
+from engine.run.spec import SelfDraft, Speculator, VerifiedResult, VerifyRows
 from engine.run.step_profile import StepProfiler
 from engine.run.warmup import warm_up
 from models.registry import kv_layout, load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
-from msgs.done import StepDone, WorkerReady
+from msgs.done import SpecDone, StepDone, WorkerReady
 from msgs.steps import AddReq, Forward, FreeReq, Step
 
 log = structlog.get_logger()
@@ -84,6 +85,8 @@ class _ToSample:
     slots: list[int]  # the sampled rows' slots
     positions: list[int]
     slots_dev: torch.Tensor | None  # the same slots on the device, when already there
+    verify: VerifyRows | None = None  # a verify step: slots/positions have one entry per logit row
+    req_slots: list[int] | None = None  # ... and these are the sampled requests' slots
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -163,6 +166,7 @@ class ModelRunner:
         self.host_tier = HostCopies(self.kv, cfg.hicache_path, rank, cfg.tp_size)  # L2 copies: host_tier.py
         self.replica.add_effect(self.host_tier)
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
+        self.spec = self._speculator()
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
         spec = env().profile_steps if self.device.type == "cuda" else None
@@ -196,9 +200,22 @@ class ModelRunner:
             return "torch"
         return self.cfg.attention_backend
 
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding's part on this rank (engine/run/spec.py), when it is on."""
+        if not self.cfg.speculative_algorithm:
+            return None
+        layers = self.cfg.speculative_draft_layers
+        draft = SelfDraft(self.model, layers) if layers else None
+        log.info("speculative decoding", algorithm=self.cfg.speculative_algorithm,
+                 steps=self.cfg.speculative_num_steps, draft_layers=layers or None)
+        return Speculator(draft, self.kv, self.backend, self.page_size, self.device)
+
     def _capture_graphs(self):  # noqa: ANN202
         """CUDA graphs for decode, unless disabled, on CPU, or the backend or model cannot be captured."""
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+            return None
+        if self.spec is not None:  # verify rows are several tokens: no captured shape for them yet
+            log.info("cuda graphs off", reason="speculative decoding: verify and draft forwards run eagerly")
             return None
         if not self.backend.supports_cuda_graph:
             log.info("cuda graphs off", reason=f"{type(self.backend).__name__} is not capturable")
@@ -302,7 +319,9 @@ class ModelRunner:
         if self.rank == 0 and self.expert_counts:  # cumulative, at a stats cadence (expert_counts.py)
             drained = launched.rows == 0 and launched.seq == self.seq
             expert_tokens = self.expert_counts.poll(time.monotonic(), drained)
-        return StepDone(
+        extra = {"accepted": done.accepted} if isinstance(done, SpecDone) else {}
+        return (SpecDone if extra else StepDone)(
+            **extra,
             seq=launched.seq,
             rank=self.rank,
             token_ids=done.token_ids if done else b"",
@@ -331,6 +350,10 @@ class ModelRunner:
         sample = unpack_ids(fwd.sample)
         ids = unpack_ids(fwd.input_ids)
         tables = [self.replica["page_tables"].tables[s] for s in slots]
+        if fwd.drafts is not None and self.spec is not None:
+            return self._forward_verify(fwd, ids, slots, starts, lens, sample, tables)
+        if fwd.drafts is not None:
+            raise ReplicaError("a Step verifies drafts, but speculative decoding is off on this rank")
         slots_dev = None  # the sampled rows' slots on the device, when already there
         if self.graphs is not None and len(slots) <= self.graphs.max_batch and all(n == 1 for n in lens):
             # decode: the captured graph, fed straight from the Step's lists
@@ -351,10 +374,34 @@ class ModelRunner:
         positions = [st + n for st, n, smp in zip(starts, lens, sample, strict=True) if smp]
         return _ToSample(logits, sampled_slots, positions, slots_dev)
 
+    def _forward_verify(self, fwd: Forward, ids: list[int], slots: list[int], starts: list[int], lens: list[int],
+                        sample: list[int], tables: list[list[int]]) -> _ToSample | None:
+        """A verify step (engine/run/spec.py): the drafts resolved (the draft model's filled
+        in), one forward over every row, logits at each sampled row's last num_drafts + 1."""
+        assert self.spec is not None
+        v = self.spec.rows(fwd, ids, tables)
+        batch = ForwardBatch.build(self._resolve_ids(ids, slots, lens), starts, lens, tables, sample, self.page_size,
+                                   self.device)
+        batch.logit_indices = _to_device(Speculator.logit_indices(lens, sample, v), self.device)
+        self.backend.prepare(batch)
+        logits = self.model(batch, self.kv, self.backend)
+        req = [(s, st + n - k - 1) for s, st, n, smp, k in zip(slots, starts, lens, sample, v.row_drafts, strict=True)
+               if smp]
+        if not req:
+            return None
+        row_slots = [s for (s, _), n in zip(req, v.logit_rows, strict=True) for _ in range(n)]
+        positions = [p + 1 + i for (_, p), n in zip(req, v.logit_rows, strict=True) for i in range(n)]
+        return _ToSample(logits, row_slots, positions, None, verify=v, req_slots=[s for s, _ in req])
+
     def _sample(self, t: _ToSample) -> SampleResult:
         self.grammar.mask(t.logits, t.slots)  # constrained rows only; waits for last step's tokens
         res = self.sampler.sample(t.logits, t.slots, t.positions)
-        self.grammar.sampled(t.slots, res.token_ids)
+        self.grammar.sampled(t.slots, res.token_ids)  # (a constrained request has one row: no drafts)
+        if t.verify is not None and self.spec is not None:
+            res, bonus = self.spec.accept(res, t.verify)
+            req_dev = _to_device(torch.tensor(t.req_slots, dtype=torch.int64), self.device)
+            self.last_token.index_copy_(0, req_dev, bonus)
+            return res
         slots_dev = t.slots_dev
         if slots_dev is None:
             slots_dev = _to_device(torch.tensor(t.slots, dtype=torch.int64), self.device)
@@ -430,6 +477,9 @@ def _to_host(res: SampleResult) -> SampleResult:
             return None
         return triton_ops.to_host(t) if t.is_cuda else t
 
+    if isinstance(res, VerifiedResult):
+        return VerifiedResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs),
+                              accepted=host(res.accepted))
     return SampleResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs))
 
 
@@ -442,12 +492,8 @@ def _pack_result(seq: int, rank: int, res: SampleResult) -> StepDone:
         k = res.top_ids.shape[1]
         top_ids = pack_ids(res.top_ids.flatten().tolist())
         top_lps = pack_f32(res.top_logprobs.flatten().tolist())
-    return StepDone(
-        seq=seq,
-        rank=rank,
-        token_ids=pack_ids(tokens),
-        logprobs=logprobs,
-        top_ids=top_ids,
-        top_logprobs=top_lps,
-        top_k=k,
-    )
+    fields = dict(seq=seq, rank=rank, token_ids=pack_ids(tokens), logprobs=logprobs, top_ids=top_ids,
+                  top_logprobs=top_lps, top_k=k)
+    if isinstance(res, VerifiedResult) and res.accepted is not None:
+        return SpecDone(**fields, accepted=pack_ids(res.accepted.tolist()))
+    return StepDone(**fields)

@@ -18,6 +18,7 @@ class Row:
     ids: list[int]
     start: int
     sample: bool
+    drafts: int = 0  # speculative decoding: the last `drafts` ids are drafts to verify
 
 
 class DecodeGrowth:
@@ -33,6 +34,9 @@ class DecodeGrowth:
                 continue
             if req.pending_tokens >= req.max_new_tokens:
                 continue  # its last token is already being sampled (max_new fits the context)
+            if self.s.spec is not None and self.s.spec.eligible(req):
+                used += self._plan_verify(req, rows, ops)
+                continue
             if req.kv_len % self.s.cfg.page_size == 0 and not self.grow(req, 1, ops, may_retract=True):
                 continue  # req itself was retracted
             token = -1 if req.inflight else req.last_token  # -1: sampled by the step in flight
@@ -41,6 +45,21 @@ class DecodeGrowth:
             req.inflight += 1
             used += 1
         return used
+
+    def _plan_verify(self, req: Req, rows: list[Row], ops: list[Op]) -> int:
+        """A speculating request's row: its last token and its drafts. It waits for the step
+        in flight to answer (its drafts and start position follow from that step's accepted
+        tokens: docs/architecture.md, Speculative decoding, Overlap); tokens used."""
+        if req.inflight:
+            return 0
+        room = min(req.max_new_tokens - len(req.output_ids), self.s.cfg.max_context - req.kv_len) - 1
+        drafts = self.s.spec.drafts(req, room)  # type: ignore[union-attr]
+        if not self.grow(req, 1 + len(drafts), ops, may_retract=True):
+            return 0  # req itself was retracted
+        rows.append(Row(req, [req.last_token, *drafts], req.kv_len, True, len(drafts)))
+        req.kv_len += 1 + len(drafts)
+        req.inflight += 1
+        return 1 + len(drafts)
 
     def grow(self, req: Req, new_tokens: int, ops: list[Op], may_retract: bool) -> bool:
         """Give req pages for new_tokens more tokens, evicting cache and (for decode)

@@ -86,6 +86,7 @@ class SchedulerLoop:
         self.occupancy_logged: dict[str, int] = {}
         self.occupancy_logged_at = -OCCUPANCY_LOG_S
         self.setup_seq: int | None = None  # the set-up Step (host tier) that ready waits for
+        self.spec_logged: tuple[int, float] = (0, -OCCUPANCY_LOG_S)  # verify rows at the last line, when
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class SchedulerLoop:
         self._maybe_check_leaks()
         self._send_stats()
         self._maybe_log_occupancy()
+        self._maybe_log_spec()
 
     def run(self, wait: Callable[[int], None]) -> None:
         """The process loop: pump, then `wait(timeout_ms)` for input (a zmq poll)."""
@@ -283,6 +285,7 @@ class SchedulerLoop:
             leak_free=self.leak_free,
             deterministic=ready.deterministic,
             dropped_frames=dict(DROPPED),
+            spec_accept_hist=list(core.state.spec_stats.hist),
             **(core.state.tiers.stats() if core.state.tiers is not None else {}),
         )
         self.ports.outputs.send(stats)
@@ -303,6 +306,18 @@ class SchedulerLoop:
         log.info("cache occupancy", **self.occupancy)
         self.occupancy_logged, self.occupancy_logged_at = dict(self.occupancy), now
         return True
+
+    def _maybe_log_spec(self) -> None:
+        """Speculative decoding: one `speculative decoding` line (cumulative verify rows,
+        drafts proposed and accepted, the accept length, rows by drafts accepted) at most every
+        OCCUPANCY_LOG_S, when rows were verified since the last one."""
+        assert self.core is not None
+        st, now = self.core.state.spec_stats, time.monotonic()
+        if st.rows == self.spec_logged[0] or now - self.spec_logged[1] < OCCUPANCY_LOG_S:
+            return
+        log.info("speculative decoding", rows=st.rows, drafted=st.drafted, accepted=st.accepted,
+                 accept_length=round(st.accept_length, 3), accept_hist=list(st.hist))
+        self.spec_logged = (st.rows, now)
 
 
 def agree(readies: dict[int, WorkerReady]) -> WorkerReady:

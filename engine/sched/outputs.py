@@ -8,7 +8,7 @@ import msgspec
 from engine.sched.request import Req, Status
 from engine.sched.state import RequestKV, SchedState
 from msgs.codec import unpack_f32, unpack_ids
-from msgs.done import StepDone
+from msgs.done import SpecDone, StepDone
 from msgs.outputs import ReqOutput
 
 
@@ -17,8 +17,12 @@ class OutputProcessor:
         self.s = state
         self.kv = kv
 
-    def on_tokens(self, done: StepDone, reqs: list[Req]) -> list[ReqOutput]:
+    def on_tokens(self, done: StepDone, reqs: list[Req], drafts: list[int] | None = None) -> list[ReqOutput]:
         """One output per request that sampled in this step (in the forward's order)."""
+        if drafts is not None:
+            if not isinstance(done, SpecDone):
+                raise RuntimeError(f"step {done.seq} verified drafts but its StepDone says nothing of them")
+            return self._on_verified(done, reqs, drafts)
         tokens = unpack_ids(done.token_ids)
         if len(tokens) != len(reqs):
             raise RuntimeError(f"step {done.seq}: {len(tokens)} tokens for {len(reqs)} requests")
@@ -45,6 +49,56 @@ class OutputProcessor:
                 out = msgspec.structs.replace(out, finish_reason=reason)
             outs.append(out)
         return outs
+
+    def _on_verified(self, done: SpecDone, reqs: list[Req], drafts: list[int]) -> list[ReqOutput]:
+        """A verify step: each request answered accepted + 1 tokens. Its KV is trimmed to
+        what was accepted, then the tokens are taken one by one until a stop condition, so
+        stop ids, EOS and max_new_tokens end it exactly where a one-token step would."""
+        tokens, accepted = unpack_ids(done.token_ids), unpack_ids(done.accepted)
+        if len(accepted) != len(reqs) or len(tokens) != sum(accepted) + len(reqs):
+            raise RuntimeError(f"step {done.seq}: {len(tokens)} tokens, {len(accepted)} counts, {len(reqs)} requests")
+        logprobs = unpack_f32(done.logprobs) if done.logprobs is not None else None
+        top = _top_rows(done)
+        outs, off = [], 0
+        for req, k, a in zip(reqs, drafts, accepted, strict=True):
+            if a > k:
+                raise RuntimeError(f"step {done.seq}: {a} drafts accepted of {k}")
+            lo, off = off, off + a + 1
+            req.inflight -= 1
+            if req.status == Status.FINISHED:
+                continue  # finished (or aborted) meanwhile: its tokens are discarded
+            if k:
+                self.s.spec_stats.add(k, a)
+            if req.status == Status.RUNNING:
+                self.kv.trim(req, k - a)  # (a retracted request holds no KV to trim)
+            outs.append(self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
+                                   top[lo:off] if top else None))
+        return outs
+
+    def _take(self, req: Req, toks: list[int], lps: list[float] | None,
+              top: list[list[tuple[int, float]]] | None) -> ReqOutput:
+        """Append tokens to req up to the first that ends it; its output."""
+        reason = None
+        n = 0
+        for tok in toks:
+            req.output_ids.append(tok)
+            n += 1
+            reason = self._stop_reason(req, tok)
+            if reason:
+                break
+        out = ReqOutput(
+            rid=req.rid,
+            new_ids=toks[:n],
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids),
+            logprobs=lps[:n] if lps is not None and req.params.logprobs else None,
+            top_logprobs=[t[: req.params.top_logprobs] for t in top[:n]] if top and req.params.top_logprobs else None,
+        )
+        if reason:
+            self.finish(req, reason)
+            out = msgspec.structs.replace(out, finish_reason=reason)
+        return out
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params

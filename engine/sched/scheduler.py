@@ -29,7 +29,7 @@ from msgs.codec import pack_ids
 from msgs.done import Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
 from msgs.outputs import ReqOutput
 from msgs.requests import TokenizedRequest
-from msgs.steps import DigestCheck, Flush, Forward, Step
+from msgs.steps import DigestCheck, Drafts, Flush, Forward, Step
 
 __all__ = ["DigestMismatch", "SchedConfig", "SchedulerCore"]
 
@@ -45,6 +45,7 @@ class SchedulerCore:
         self.replica = rank_replica()  # the mirror of every rank's replica
         self.seq = 0
         self.sampled_by_step: dict[int, list[Req]] = {}  # seq -> requests that sample in it
+        self.drafts_by_step: dict[int, list[int]] = {}  # seq -> drafts of each sampled row (verify steps)
         self.done_ranks: dict[int, int] = {}  # seq -> ranks that finished it
 
     # the shared state, read-only from outside
@@ -121,7 +122,7 @@ class SchedulerCore:
         ops.extend(changes)
         if s.cfg.digest_every and self.seq % s.cfg.digest_every == 0:
             ops.append(DigestCheck())
-        step = Step(seq=self.seq, ops=ops, forward=_forward(rows) if rows else None)
+        step = Step(seq=self.seq, ops=ops, forward=_forward(rows, s.cfg.spec_algorithm) if rows else None)
         if self.replica.apply_step(step):
             self._check_mirror()
             digest = self.replica.digest()
@@ -129,6 +130,8 @@ class SchedulerCore:
             if s.tiers is not None:  # the cache controller reports this step's digest too
                 s.tiers.expect(self.seq, digest)
         self.sampled_by_step[self.seq] = [r.req for r in rows if r.sample]
+        if step.forward is not None and step.forward.drafts is not None:  # a verify step: drafts per sampled row
+            self.drafts_by_step[self.seq] = [r.drafts for r in rows if r.sample]
         self.done_ranks[self.seq] = 0
         return step
 
@@ -162,7 +165,7 @@ class SchedulerCore:
             self.digests.forget_done(done.seq)
         if done.rank != 0:
             return []
-        return self.outputs.on_tokens(done, self.sampled_by_step.pop(done.seq))
+        return self.outputs.on_tokens(done, self.sampled_by_step.pop(done.seq), self.drafts_by_step.pop(done.seq, None))
 
     def on_committed(self, obj: int) -> None:
         """The cache controller's Committed: ApplyCommit ops go out with the next Step."""
@@ -210,14 +213,18 @@ class SchedulerCore:
         )
 
 
-def _forward(rows: list[Row]) -> Forward:
+def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
     ids: list[int] = []
     for r in rows:
         ids.extend(r.ids)
+    drafts = None  # only a step that verifies drafts carries them: otherwise the bytes of a plain step
+    if any(r.drafts for r in rows):
+        drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm == "STANDALONE")
     return Forward(
         slots=pack_ids(r.req.slot for r in rows),  # type: ignore[misc]
         input_ids=pack_ids(ids),
         start_pos=pack_ids(r.start for r in rows),
         extend_lens=pack_ids(len(r.ids) for r in rows),
         sample=pack_ids(int(r.sample) for r in rows),
+        drafts=drafts,
     )

@@ -17,10 +17,11 @@ from engine.cache.slab import available_memory
 from engine.config import ServerConfig
 from engine.replica.components import GrammarKeys
 from engine.sched.request import Req
+from engine.sched.spec import SpecPolicy, SpecStats
 from engine.sched.tiers import Tiers, make_cache
 from msgs.codec import pack_ids
 from msgs.done import WorkerReady
-from msgs.steps import ExtendPages, FreeReq, Op
+from msgs.steps import ExtendPages, FreeReq, Op, TrimReq
 
 log = structlog.get_logger()
 
@@ -45,6 +46,8 @@ class SchedConfig:
     kv_components: int = 2  # KV layout components per layer of that page (K and V; MLA: 1)
     l3_dir: str = ""  # the disk tier's directory (--l3-dir); "": no disk tier
     l3_fingerprint: bytes = b""  # the workers' model fingerprint: the L3 key chain's start
+    spec_algorithm: str = ""  # speculative decoding: "" (off) | NGRAM | STANDALONE (engine/sched/spec.py)
+    spec_steps: int = 0  # drafts per row at most
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -73,6 +76,8 @@ class SchedConfig:
             kv_components=ready.kv_components,
             l3_dir=cfg.l3_dir if cfg.enable_hierarchical_cache else "",
             l3_fingerprint=ready.l3_fingerprint,
+            spec_algorithm=cfg.speculative_algorithm,
+            spec_steps=cfg.speculative_num_steps,
         )
 
 
@@ -89,6 +94,8 @@ class SchedState:
     pending_ops: list[Op] = field(default_factory=list)  # ops decided between plans (FreeReq)
     grammar_keys: GrammarKeys = field(default_factory=GrammarKeys)  # what every rank holds (strips AddReqs)
     rng: random.Random = field(init=False)  # seeds for requests that gave none
+    spec: SpecPolicy | None = field(init=False)  # speculative decoding, when on
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     arrivals: int = 0
     cache_hit_tokens: int = 0
     retractions: int = 0
@@ -99,6 +106,7 @@ class SchedState:
         self.tiers = Tiers(self.cache, self.cfg.l3_dir) if isinstance(self.cache, TieredRadixCache) else None
         self.free_slots = list(range(self.cfg.max_running))
         self.rng = random.Random(self.cfg.seed)
+        self.spec = SpecPolicy(self.cfg.spec_algorithm, self.cfg.spec_steps) if self.cfg.spec_algorithm else None
 
 
 def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:
@@ -171,6 +179,22 @@ class RequestKV:
         if req.node is not None:
             s.cache.unlock(req.node)
         req.node = node
+
+    def trim(self, req: Req, rejected: int) -> None:
+        """Speculative decoding: req's KV ends `rejected` tokens before what its verify row
+        wrote; the pages past its new length (reserved for rejected drafts, private: never in
+        the tree, which holds only accepted tokens) are freed, and TrimReq tells every replica."""
+        if rejected <= 0:
+            return
+        req.kv_len -= rejected
+        keep = -(-req.kv_len // self.s.cfg.page_size)
+        surplus = req.pages[keep:]
+        if not surplus:
+            return
+        del req.pages[keep:]
+        req.private.difference_update(surplus)
+        self.s.alloc.free(sorted(surplus))
+        self.s.pending_ops.append(TrimReq(req.slot, keep))  # type: ignore[arg-type]
 
     def release(self, req: Req) -> None:
         """Free the pages only req holds and unlock its tree path."""

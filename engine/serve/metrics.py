@@ -18,6 +18,7 @@ from msgs.outputs import SchedulerStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+ACCEPT_BUCKETS = tuple(float(n) for n in range(1, 18))  # tokens a verify row answers: 1 + drafts accepted
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -87,6 +88,11 @@ class Metrics:
         )
         self._expert_totals: dict[int, list[int]] = {}
         self._device_hits = 0
+        self.spec_accept = Histogram(  # speculative decoding: tokens each verify row answered
+            "strata_spec_accept_length", "Tokens a speculative verify row answered (1 + drafts accepted)",
+            buckets=ACCEPT_BUCKETS, registry=r,
+        )
+        self._spec_hist: list[int] = []
         self.dropped = _DroppedFrames()
         r.register(self.dropped)
 
@@ -112,6 +118,7 @@ class Metrics:
             self.cache_hit_tokens.labels(tier="l1").inc(delta)
         self._device_hits = hits
         self._on_tier_stats(stats)
+        self._on_spec_stats(stats.spec_accept_hist)
         if stats.expert_tokens is not None:
             self._on_expert_tokens(stats.expert_tokens)
 
@@ -129,6 +136,14 @@ class Metrics:
             if sum(now):
                 self.layer_imbalance.labels(layer=str(layer)).set(max(now) * len(now) / sum(now))
             self._expert_totals[layer] = list(now)
+
+    def _on_spec_stats(self, hist: list[int]) -> None:
+        """The scheduler's cumulative rows by drafts accepted, observed as accept lengths."""
+        before = self._spec_hist if sum(hist) >= sum(self._spec_hist) else []  # smaller: a restart
+        for accepted, n in enumerate(hist):
+            for _ in range(n - (before[accepted] if accepted < len(before) else 0)):
+                self.spec_accept.observe(accepted + 1)
+        self._spec_hist = list(hist)
 
     def _on_tier_stats(self, stats: SchedulerStats) -> None:
         """The scheduler's cumulative host-tier counters, turned into counter increments."""

@@ -1,0 +1,173 @@
+"""Speculative decoding on a rank (docs/architecture.md, Speculative decoding): the draft
+model's proposals (STANDALONE self-draft), the verify rows' logit positions, and acceptance.
+
+Acceptance is one rule for greedy and sampled rows: the target's token at each logit
+position is drawn exactly as a one-token step would draw it (the sampler's noise is a
+function of the request's seed and the token's position), and a draft is accepted while it
+equals that token; the first token that differs (or the one after the last draft) is the
+bonus. For greedy rows that is the longest prefix equal to the target's argmax. For sampled
+rows it is exact rejection sampling of a deterministic draft (a point mass q = 1 on d):
+the Gumbel race picks d with probability p(d) (accept), and given that it did not, its
+winner is distributed as p without d, renormalized: the residual (p - q)+ / (1 - p(d)).
+So the output distribution is the target's, and a request's tokens are the ones it would
+get without speculation whenever the logits are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.context import ForwardContext
+from engine.layers.forward import ForwardBatch
+from engine.layers.parallel import lm_logits
+from engine.replica import ReplicaError
+from engine.run.sampler import SampleResult
+from msgs.codec import unpack_ids
+from msgs.steps import Forward
+
+
+@dataclass(frozen=True)
+class VerifiedResult(SampleResult):
+    """A verify step's answer: every answered token (request-major; the logprob tensors
+    the same rows) and, per sampled request, how many drafts it accepted."""
+
+    accepted: torch.Tensor | None = None
+
+
+@dataclass
+class VerifyRows:
+    """The sampled requests of a verify step: their drafts and where their logits are."""
+
+    num_drafts: list[int]  # per sampled request
+    drafts: list[list[int]]  # per sampled request, resolved (no -1 left)
+    row_drafts: list[int]  # per row of the forward (Drafts.num_drafts)
+
+    @property
+    def logit_rows(self) -> list[int]:
+        return [k + 1 for k in self.num_drafts]
+
+
+class SelfDraft:
+    """The target's first `layers` layers, its final norm and its LM head: a draft model
+    that needs no weights and no KV of its own. Its layers are the target's, fed the same
+    tokens at the same positions, so the K/V they write are what the target's first layers
+    write: it reads the target's KV pool and its own writes are overwritten by the verify
+    forward (values equal up to the rounding of another batch shape)."""
+
+    def __init__(self, model: torch.nn.Module, layers: int) -> None:
+        from models.llama import LlamaForCausalLM
+
+        if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+            raise ValueError(f"--speculative-draft-layers: a self-draft needs a Llama-family model, not "
+                             f"{type(model).__name__}")
+        total = len(model.model.layers)
+        if not 1 <= layers < total:
+            raise ValueError(f"--speculative-draft-layers {layers}: must be in 1..{total - 1} (the model has "
+                             f"{total} layers)")
+        self.model = model
+        self.layers = layers
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch, kv, backend) -> torch.Tensor:  # noqa: ANN001
+        """LlamaForCausalLM.forward over the first `layers` layers: float32 logits at
+        batch.logit_indices."""
+        m = self.model
+        x = m.model.embed_tokens(batch.input_ids)
+        ctx = ForwardContext(batch, kv, backend, m.rotary, m.rotary.prepare(batch.positions, x.dtype))
+        residual = None
+        for layer in m.model.layers[: self.layers]:
+            x, residual = layer(x, residual, ctx)
+        idx = batch.logit_indices
+        h = m.model.norm(residual[idx] + x[idx])
+        head = m.model.embed_tokens if m.lm_head is None else m.lm_head
+        return lm_logits(h, head.weight, m.config.vocab_size, head.packed)
+
+
+class Speculator:
+    """A rank's part of speculative decoding: fills worker drafts, lays out verify logits,
+    decides acceptance. Stateless between steps: everything follows from the Step."""
+
+    def __init__(self, draft: SelfDraft | None, kv, backend, page_size: int, device: torch.device) -> None:  # noqa: ANN001
+        self.draft = draft
+        self.kv = kv
+        self.backend = backend
+        self.page_size = page_size
+        self.device = device
+
+    def rows(self, fwd: Forward, ids: list[int], tables: list[list[int]]) -> VerifyRows:
+        """The verify rows of `fwd` (its drafts resolved: the draft model's filled into `ids`)."""
+        assert fwd.drafts is not None
+        num = unpack_ids(fwd.drafts.num_drafts)
+        if fwd.drafts.parents:
+            raise ReplicaError("draft trees (Drafts.parents) are not verified yet: chains only")
+        lens, starts, sample = unpack_ids(fwd.extend_lens), unpack_ids(fwd.start_pos), unpack_ids(fwd.sample)
+        if len(num) != len(lens) or any(k and (not s or k >= n) for k, s, n in zip(num, sample, lens, strict=True)):
+            raise ReplicaError(f"bad Drafts: {num} drafts for rows of {lens} tokens (sample {sample})")
+        ends = [sum(lens[: i + 1]) for i in range(len(lens))]
+        if fwd.drafts.on_worker:
+            self._fill(ids, num, ends, starts, lens, tables)
+        elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
+            raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")
+        drafts = [ids[e - k : e] for k, e, s in zip(num, ends, sample, strict=True) if s]
+        return VerifyRows([k for k, s in zip(num, sample, strict=True) if s], drafts, num)
+
+    def _fill(self, ids: list[int], num: list[int], ends: list[int], starts: list[int], lens: list[int],
+              tables: list[list[int]]) -> None:
+        """The draft model proposes each -1 draft greedily, one position a forward for every
+        drafting row at once; the row's first token must be known (never a future reference)."""
+        if self.draft is None:
+            raise ReplicaError("a Step asks for worker drafts, but this rank has no draft model")
+        rows = [i for i, k in enumerate(num) if k]
+        for i in rows:
+            first = ends[i] - num[i] - 1
+            if ids[first] < 0 or any(t != -1 for t in ids[first + 1 : ends[i]]):
+                raise ReplicaError(f"row {i}: worker drafts need a known first token and -1 placeholders")
+        for step in range(max((num[i] for i in rows), default=0)):
+            act = [i for i in rows if num[i] > step]
+            pos = [ends[i] - num[i] - 1 + step for i in act]  # index in ids of the token drafted from
+            batch = ForwardBatch.build([ids[p] for p in pos], [starts[i] + lens[i] - num[i] - 1 + step for i in act],
+                                       [1] * len(act), [tables[i] for i in act], [1] * len(act), self.page_size,
+                                       self.device)
+            self.backend.prepare(batch)
+            nxt = self.draft(batch, self.kv, self.backend).argmax(dim=-1).tolist()  # (a host sync per draft step)
+            for p, t in zip(pos, nxt, strict=True):
+                ids[p + 1] = int(t)
+
+    @staticmethod
+    def logit_indices(lens: list[int], sample: list[int], v: VerifyRows) -> torch.Tensor:
+        """Token rows whose logits are taken: each sampled row's last num_drafts + 1."""
+        out: list[int] = []
+        end, j = 0, 0
+        for n, s in zip(lens, sample, strict=True):
+            end += n
+            if s:
+                out.extend(range(end - v.num_drafts[j] - 1, end))
+                j += 1
+        return torch.tensor(out, dtype=torch.int64)
+
+    def accept(self, res: SampleResult, v: VerifyRows) -> tuple[VerifiedResult, torch.Tensor]:
+        """The answered tokens (accepted drafts, then the bonus) of each row, and each row's
+        last answered token (the next step's input)."""
+        rows = v.logit_rows
+        dev = res.token_ids.device
+        b, width = len(rows), max(rows)
+        req = torch.repeat_interleave(torch.arange(b), torch.tensor(rows)).to(dev)
+        col = torch.cat([torch.arange(n) for n in rows]).to(dev)
+        target = torch.full((b, width), -1, dtype=torch.int64, device=dev)
+        target[req, col] = res.token_ids
+        drafts = torch.full((b, width), -2, dtype=torch.int64)  # -2 pads: never a token, never -1
+        for i, d in enumerate(v.drafts):
+            drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        match = target[:, :-1] == drafts[:, :-1].to(dev) if width > 1 else target[:, :0] == 0
+        accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # the longest matching prefix
+        keep = col <= accepted[req]
+        bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)
+
+        def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[keep]
+
+        out = VerifiedResult(res.token_ids[keep], rows_of(res.logprobs), rows_of(res.top_ids),
+                             rows_of(res.top_logprobs), accepted=accepted)
+        return out, bonus

@@ -1,0 +1,160 @@
+"""Speculative decoding end to end on the default model in float32 (LocalEngine: the served
+Step stream, digests checked every step, overlap on): greedy tokens with speculation equal the
+tokens without, batched, from the prefix cache and in prefill chunks; NGRAM accepts more than
+one token a step on a repetitive prompt; the self-draft accepts some drafts but not all; stop
+ids and max_new_tokens end a request exactly where they would without speculation; a
+json_schema request stays valid; no page leaks."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+
+from engine.config import ServerConfig
+from engine.local import LocalEngine, Result
+from engine.replica import rank_replica
+from engine.serve.grammar import compilable, json_format
+from engine.tokenizer import load_tokenizer, tokenizer_info
+from msgs.params import Grammar, SamplingParams
+from msgs.steps import Step, TrimReq
+
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
+TEXTS = [CODE, "The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8, 9,", "Once upon a time, in a small village",
+         "The quick brown fox jumps over the lazy dog. " * 3, "Give me a JSON object with a person's name and age:"]
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir: Path) -> tuple[str, list[list[int]]]:
+    tok = load_tokenizer(str(default_model_dir))
+    assert tok is not None
+    return str(default_model_dir), [tok.encode(t) for t in TEXTS]
+
+
+def _engine(model: str, **kw) -> LocalEngine:  # noqa: ANN003
+    return LocalEngine(ServerConfig(model=model, dtype="float32", max_total_tokens=4096, max_running_requests=8, **kw))
+
+
+@pytest.fixture(scope="module")
+def plain(model: tuple[str, list[list[int]]]) -> LocalEngine:
+    return _engine(model[0])
+
+
+@pytest.fixture(scope="module")
+def ngram(model: tuple[str, list[list[int]]]) -> LocalEngine:
+    eng = _engine(model[0], speculative_algorithm="NGRAM", max_prefill_tokens=32)  # chunked prefill too
+    STEPS[id(eng)] = _recording(eng)
+    return eng
+
+
+STEPS: dict[int, list[Step]] = {}  # every Step an engine's scheduler planned (by id of the engine)
+
+
+def _ids(results: list[Result]) -> list[list[int]]:
+    assert all(r.finish_reason == "length" for r in results), results
+    return [r.output_ids for r in results]
+
+
+def _recording(eng: LocalEngine) -> list[Step]:
+    """Every Step the engine's scheduler plans from now on."""
+    steps: list[Step] = []
+    plan = eng.core.plan
+
+    def record() -> Step | None:
+        step = plan()
+        if step is not None:
+            steps.append(step)
+        return step
+
+    eng.core.plan = record  # type: ignore[method-assign]
+    return steps
+
+
+def test_ngram_greedy_equals_plain_batched_cached_chunked(model, plain: LocalEngine, ngram: LocalEngine) -> None:  # noqa: ANN001
+    prompts = model[1][:4]
+    want = _ids(plain.generate(prompts, GREEDY))
+    before = ngram.core.state.spec_stats.rows
+    assert _ids(ngram.generate(prompts, GREEDY)) == want  # 4 prompts in one batch, prefilled in 32-token chunks
+    again = ngram.generate(prompts, GREEDY)  # their prompts' pages from the prefix cache now
+    assert _ids(again) == want and again[0].cached_tokens >= 32
+    stats = ngram.core.state.spec_stats
+    assert stats.rows > before
+    assert ngram.core.leak_free()
+    # another replica of the whole stream (a cache controller's, a second rank's) ends where the
+    # worker and the scheduler's mirror are, trims included
+    steps = STEPS[id(ngram)]
+    assert steps[0].seq == 1 and any(isinstance(op, TrimReq) for st in steps for op in st.ops)
+    replay = rank_replica()
+    for st in steps:
+        replay.apply_step(st)
+    assert replay.digest() == ngram.runner.replica.digest() == ngram.core.replica.digest()
+
+
+def test_seeded_sampling_equals_plain(model, plain: LocalEngine, ngram: LocalEngine) -> None:  # noqa: ANN001
+    """Sampled rows: the rejection rule draws each token as a one-token step would, so a seeded
+    request answers the same tokens (the logits agreeing, as they do here in float32)."""
+    prompts = [model[1][4], model[1][0]]
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+    assert _ids(ngram.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+
+
+def test_ngram_accepts_more_than_one_token_a_step(model, ngram: LocalEngine) -> None:  # noqa: ANN001
+    _, prompts = model
+    eng = ngram
+    rows, accepted = eng.core.state.spec_stats.rows, eng.core.state.spec_stats.accepted
+    steps = eng.steps_run
+    (res,) = eng.generate([prompts[4]], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+    st = eng.core.state.spec_stats
+    length = 1 + (st.accepted - accepted) / (st.rows - rows)
+    assert length > 2, f"accept length {length:.2f} on a repetitive prompt"
+    assert eng.steps_run - steps < 24 / 2  # half the steps of one token each, or fewer
+    assert len(res.output_ids) == 24
+
+
+def test_stop_ids_and_max_tokens_exact_with_multi_token_steps(model, plain: LocalEngine,  # noqa: ANN001
+                                                               ngram: LocalEngine) -> None:
+    _, prompts = model
+    (ref,) = plain.generate([prompts[4]], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    stop = ref.output_ids[9]  # inside a run of accepted drafts: the step answers tokens past it
+    first = ref.output_ids.index(stop)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    cuts = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 5, 7)]
+    got, *cut = ngram.generate([prompts[4]] * 5, [params, *cuts])
+    assert got.finish_reason == "stop" and got.output_ids == ref.output_ids[: first + 1]
+    for c, p in zip(cut, cuts, strict=True):
+        assert c.finish_reason == "length" and c.output_ids == ref.output_ids[: p.max_new_tokens]
+    assert ngram.core.leak_free()
+
+
+def test_json_schema_stays_valid_with_speculation(model, ngram: LocalEngine) -> None:  # noqa: ANN001
+    path, prompts = model
+    tok = load_tokenizer(path)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    info = tokenizer_info(tok.hf, ngram.runner.mcfg.vocab_size)
+    tag = {"type": "structural_tag", "format": json_format(schema)}
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(compilable(json.dumps(tag)))
+    grammar = Grammar("spec-test", zlib.compress(compiled.serialize_json().encode()),
+                      [int(t) for t in info.stop_token_ids])
+    constrained = SamplingParams(max_new_tokens=48, temperature=0, grammar=grammar)
+    res = ngram.generate([prompts[5], prompts[4]], [constrained, GREEDY])  # next to a speculating request
+    assert res[0].finish_reason == "stop"
+    doc = json.loads(tok.decode(res[0].output_ids))
+    assert set(doc) == {"name", "age"} and isinstance(doc["age"], int)
+    assert ngram.core.leak_free()
+
+
+def test_self_draft_greedy_equals_plain_and_accepts_some(model, plain: LocalEngine) -> None:  # noqa: ANN001
+    path, prompts = model
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want = _ids(plain.generate(prompts[1:3], params))
+    eng = _engine(path, speculative_algorithm="STANDALONE", speculative_draft_layers=20, speculative_num_steps=2)
+    assert _ids(eng.generate(prompts[1:3], params)) == want
+    st = eng.core.state.spec_stats
+    assert 0 < st.accepted < st.drafted, st
+    assert eng.core.leak_free()

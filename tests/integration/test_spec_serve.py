@@ -1,0 +1,59 @@
+"""bin/serve --tp-size 2 with --speculative-algorithm NGRAM: verify steps and their multi-token
+answers cross the real processes (Step with drafts, SpecDone, TrimReq on both ranks' replicas and
+the scheduler's mirror, digests and token chains compared every 8 steps: a rank that trimmed
+differently stops the server); max_tokens and stop strings hold exactly; the accept length reaches
+/metrics and the scheduler's log; no page leaks when idle.
+(Token-for-token equality with speculation off: tests/engine/test_spec_engine.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Server, start_server, stop_server
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    os.environ["STRATA_DIGEST_EVERY"] = "8"
+    try:
+        srv = start_server(tmp_path_factory.mktemp("spec-logs"), "--tp-size", "2", "--cpu-threads", "1",
+                           "--dtype", "float32", "--max-total-tokens", "4096",
+                           "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4")
+    finally:
+        del os.environ["STRATA_DIGEST_EVERY"]
+    yield srv
+    assert stop_server(srv) == 0
+
+
+def _complete(srv: Server, **body) -> dict:  # noqa: ANN003
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "temperature": 0, **body}
+    r = httpx.post(f"{srv.base_url}/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_speculative_server_answers_exactly(spec_server: Server) -> None:
+    full = _complete(spec_server, max_tokens=24, ignore_eos=True)
+    assert full["usage"]["completion_tokens"] == 24
+    text = full["choices"][0]["text"]
+    for n in (3, 10):  # a multi-token step answers past max_tokens: cut exactly
+        assert _complete(spec_server, max_tokens=n, ignore_eos=True)["usage"]["completion_tokens"] == n
+    stop = "lazy"
+    assert stop in text
+    cut = _complete(spec_server, max_tokens=24, ignore_eos=True, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+    m = spec_server.wait_idle()
+    assert m["strata_kv_leak_free"] == 1
+    count, total = m["strata_spec_accept_length_count"], m["strata_spec_accept_length_sum"]
+    assert count > 0 and total / count > 1.5, (count, total)
+    lines = [json.loads(line) for line in Path(spec_server.log_dir, "scheduler.log").read_text().splitlines()
+             if '"speculative decoding"' in line]
+    assert lines and lines[-1]["accept_length"] > 1.5
