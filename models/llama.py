@@ -93,7 +93,7 @@ class Attention(nn.Module):
         """Attention output (after o_proj) from this layer's fused QKV projection."""
         t = qkv.shape[0]
         rope, batch, kv, backend = ctx.rope, ctx.batch, ctx.kv, ctx.backend
-        if rope.fused and rope.prologue:  # one kernel: q/k norm, RoPE, K/V into the pool
+        if rope.fused and rope.prologue and not backend.owns_kv_writes:  # one kernel: q/k norm, RoPE, K/V store
             qn, kn = self.q_norm, self.k_norm
             norm = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
             # the backend's decode kernel may take the prologue too (one launch for all of attention)

@@ -45,6 +45,9 @@ class AttentionBackend(ABC):
 
     # whether engine/run/cuda_graph.py can capture this backend's decode (see FlashInferAttention)
     supports_cuda_graph: bool = False
+    # the backend decides which rows' K/V it stores (context parallelism: only its own pages'), so
+    # the model must hand it q, k, v through `forward`, never store K/V itself (the fused prologue)
+    owns_kv_writes: bool = False
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,

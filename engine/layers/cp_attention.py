@@ -1,0 +1,207 @@
+"""Context parallelism at the model level: each KV page lives on one cp rank, attention is merged
+by log-sum-exp (docs/architecture.md, "Context parallelism").
+
+* **Ownership** (`page_owner`): a request's i-th page (positions i*page_size ..) belongs to rank
+  i % cp. A pure function of the page's index in its request, so every replica (and the scheduler)
+  agrees without a message, and a cached prefix keeps its owners when another request reuses it
+  (a shared page has the same index in both). One page table serves every rank: entry i is a
+  page id in the pool of rank page_owner(i); a rank reads and writes only its own entries.
+* **Writes**: a new token's K/V is stored by the owner of its page only.
+* **Attention** for request i with cached prefix [0, start) and new tokens [start, seq_len):
+  - prefix part: every new query over this rank's own pages' cached keys (no mask: all of them
+    precede every query);
+  - self part: this rank's zigzag share of the new query rows (`zigzag_rows`) over the step's
+    new keys, causal. Every rank holds every new token's K/V this step (the projections are
+    replicated), so the causal triangle needs no exchange and is split evenly by the zigzag.
+  Each part returns (output, LSE) in float32; a rank merges its parts, then one all-gather over
+  the cp group per layer carries [T, Hq, D + 1] (output | LSE) and every rank merges the cp
+  partials in rank order, so every rank ends with the same bytes.
+  A decode row (one new token) is the same case: its prefix over every rank's own pages, its
+  own key on rank 0.
+* The exact path is float32 torch (scores materialized per part); cp = 1 never builds this backend
+  (`context_parallel` returns the plain one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.layers.attention import AttentionBackend
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import TPGroup, parallel_state, range_split
+
+
+def page_owner(page_index: int, cp_world: int) -> int:
+    """The cp rank that holds a request's page number `page_index` (0 = its first page): round
+    robin over the request's pages, so a long context spreads evenly and every rank's share of
+    any causal prefix is within one page of 1/cp."""
+    if cp_world < 1 or page_index < 0:
+        raise ValueError(f"page_owner: page index {page_index} and cp world {cp_world} must be >= 0 and >= 1")
+    return page_index % cp_world
+
+
+def zigzag_rows(n: int, cp_world: int, rank: int) -> list[tuple[int, int]]:
+    """Rank's share of n new query rows for the causal part: [0, n) cut into 2 * cp chunks, the
+    rank taking chunk `rank` and chunk 2 * cp - 1 - rank (one early, cheap; one late, costly), so
+    each rank's causal work (sum of row + 1) is even. Empty ranges are left out."""
+    parts = 2 * cp_world
+    chunks = (range_split(n, parts, rank), range_split(n, parts, parts - 1 - rank))
+    return [c for c in chunks if c[1] > c[0]]
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [Lq, Hq, D] over k, v [Lk, Hkv, D] (GQA: Hq a multiple of Hkv), mask
+    [Lq, Lk] bool (True: attend) or None, in float32: (out [Lq, Hq, D], lse [Lq, Hq]). A row with
+    no key gets out 0 and lse -inf, which the merge weighs by 0."""
+    lq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    # a GQA group's query heads become rows of their K/V head: [Hkv, g * Lq, D], K read once
+    qf = q.float().view(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * lq, d)
+    kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)
+    s = torch.matmul(qf, kf.transpose(1, 2)) * d**-0.5
+    if mask is not None:
+        s = s.masked_fill(~mask.repeat(g, 1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    shift = torch.where(torch.isinf(lse), 0.0, lse)  # a row with no key: exp(-inf) = 0, not NaN
+    o = torch.matmul(torch.exp(s - shift[..., None]), vf)  # already normalized by the LSE
+    o = o.view(hkv, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
+    return o, lse.view(hkv, g, lq).permute(2, 0, 1).reshape(lq, hq)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge k partial attentions of the same queries over disjoint key sets: o [k, ..., D], lse
+    [k, ...] -> (o [..., D], lse [...]), exactly the attention over the union of the key sets.
+    Summed in index order (deterministic); rows empty everywhere stay (0, -inf)."""
+    m = lse.max(0).values
+    m = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.exp(lse - m)  # -inf -> 0
+    den = w.sum(0)
+    out = (w[..., None] * o).sum(0) / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None]
+    return out, m + torch.log(den)
+
+
+@dataclass
+class _ReqPlan:
+    """One request's work on this rank (rows of T, pages of the pool)."""
+
+    row: int  # its first row in T
+    n: int  # its new tokens
+    prefix_pages: torch.Tensor | None  # int64 [1, m]: this rank's pages holding cached positions
+    prefix_keys: int  # how many of those pages' gathered rows are cached positions (< start)
+    self_rows: list[tuple[int, int]]  # its zigzag rows (relative to row) for the causal part
+
+
+@dataclass
+class _Plan:
+    own_rows: torch.Tensor  # int64: rows of T whose K/V this rank stores (their page is its own)
+    own_slots: torch.Tensor  # int64: where (this rank's pool)
+    reqs: list[_ReqPlan]
+
+
+def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
+    """This rank's share of a step: which new K/V it writes, which cached pages and new rows it attends."""
+    ps = batch.page_size
+    pos = batch.positions.cpu()
+    own = torch.nonzero((pos // ps) % world == rank).flatten()
+    table = batch.page_table_cpu if batch.page_table_cpu is not None else batch.page_table.cpu()
+    reqs, row = [], 0
+    for i, (seq, n) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)):
+        start = seq - n
+        cached_pages = -(-start // ps)
+        mine = [j for j in range(cached_pages) if page_owner(j, world) == rank]
+        pages, keys = None, 0
+        if mine:
+            pages = table[i, mine].to(torch.int64)[None].to(batch.page_table.device)
+            keys = len(mine) * ps
+            if mine[-1] == cached_pages - 1:  # the last cached page may also hold new tokens
+                keys -= cached_pages * ps - start
+        reqs.append(_ReqPlan(row, n, pages, keys, zigzag_rows(n, world, rank)))
+        row += n
+    dev = batch.out_slots.device
+    return _Plan(own.to(dev), batch.out_slots[own.to(dev)], reqs)
+
+
+class ContextParallelAttention(AttentionBackend):
+    """Attention over KV pages spread round robin over the cp group (`parallel_state().cp`, world
+    >= 2): stores the K/V of its own pages only, attends its share, merges over the group by LSE
+    (one all-gather a layer). The model must call `forward` (q, k, v): a fused prologue that stores
+    every row itself would write other ranks' pages into this pool (`owns_kv_writes`)."""
+
+    owns_kv_writes = True
+
+    def __init__(self, group: TPGroup | None = None) -> None:
+        self.cp = group if group is not None else parallel_state().cp
+        if self.cp.world < 2:
+            raise ValueError("ContextParallelAttention needs a cp group of world >= 2 (use context_parallel())")
+        self._plan: _Plan | None = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._plan = plan_step(batch, self.cp.rank, self.cp.world)
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        raise RuntimeError("context parallelism attends through forward(q, k, v): the new K/V are needed and "
+                           "only their pages' owners store them")
+
+    def store_owned(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool) -> None:
+        """Store the rows of this step whose page this rank owns."""
+        p = self._plan
+        if p is not None and p.own_rows.numel():
+            kv_pool.store(layer_id, p.own_slots, k[p.own_rows], v[p.own_rows])
+
+    def partial(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's partial attention of every row: (out [T, Hq, D], lse [T, Hq]) float32."""
+        assert self._plan is not None, "prepare(batch) first"
+        t, hq, d = q.shape
+        o_all = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
+        lse_all = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
+        if kv_pool.dtype != q.dtype:  # the self part reads what the pool would give back
+            k, v = k.to(kv_pool.dtype).to(q.dtype), v.to(kv_pool.dtype).to(q.dtype)
+        for r in self._plan.reqs:
+            rows = slice(r.row, r.row + r.n)
+            if r.prefix_pages is not None and r.prefix_keys > 0:
+                kp, vp = kv_pool.gather_pages(layer_id, r.prefix_pages, q.dtype)
+                o_all[rows], lse_all[rows] = partial_attention(q[rows], kp[0, : r.prefix_keys], vp[0, : r.prefix_keys])
+            for a, b in r.self_rows:
+                qi = torch.arange(a, b, device=q.device)
+                mask = torch.arange(b, device=q.device)[None, :] <= qi[:, None]  # causal over the new tokens
+                o_s, l_s = partial_attention(q[r.row + a : r.row + b], k[r.row : r.row + b], v[r.row : r.row + b],
+                                             mask)
+                sl = slice(r.row + a, r.row + b)
+                o_all[sl], lse_all[sl] = merge_partials(torch.stack([o_all[sl], o_s]), torch.stack([lse_all[sl], l_s]))
+        return o_all, lse_all
+
+    def merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """All-gather every rank's (out | lse) over the cp group, merge in rank order: [T, Hq, D]."""
+        parts = _all_gather(self.cp, torch.cat([o, lse[..., None]], -1))
+        out, _ = merge_partials(parts[..., :-1], parts[..., -1])
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+                kv_pool: KVPool) -> torch.Tensor:
+        self.store_owned(layer_id, k, v, kv_pool)
+        return self.merge(*self.partial(q, k, v, layer_id, kv_pool)).to(q.dtype)
+
+
+def _all_gather(group: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x, in rank order (the same tensor on every rank)."""
+    x = x.contiguous()
+    if dist.get_backend(group.group) == "nccl":  # one buffer, one kernel
+        out = torch.empty(group.world, *x.shape, dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=group.group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(group.world)]  # gloo has no all_gather_into_tensor
+    dist.all_gather(parts, x, group=group.group)
+    return torch.stack(parts)
+
+
+def context_parallel(backend: AttentionBackend) -> AttentionBackend:
+    """The attention backend for this rank: `backend` itself at cp world 1 (every existing path
+    unchanged, no overhead), else a ContextParallelAttention over `parallel_state().cp`."""
+    return backend if parallel_state().cp.world == 1 else ContextParallelAttention()

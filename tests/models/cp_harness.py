@@ -1,0 +1,169 @@
+"""Context-parallel greedy decoding at the model level: cp ranks in spawned processes over gloo.
+
+`CPGreedy` is model_harness.PagedGreedy for one cp rank: a request's page i comes from the
+allocator of rank page_owner(i) (every rank runs every owner's allocator over the same calls,
+so all ranks build the same page tables without a message, as the replicated scheduler will);
+the rank's KV pool has only `pages_per_rank` pages. At cp 1 it is the plain path (TorchAttention,
+one pool), the reference. `scenario` is one fixed workload: long prompts prefilled in chunks
+next to a short one that decodes meanwhile, then a second wave reusing a cached prefix.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import random
+import socket
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.layers.attention import TorchAttention
+from engine.layers.cp_attention import page_owner
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import ParallelState, TPGroup, parallel_state, set_parallel_state
+from models.registry import kv_layout, load_model
+
+PAGE = 4
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    pages: list[int]  # page i: an id in rank page_owner(i)'s pool
+    cached: int = 0
+    out: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class CPGreedy:
+    def __init__(self, model: torch.nn.Module, cfg: Any, pages_per_rank: int, page_size: int = PAGE) -> None:
+        from engine.layers.cp_attention import context_parallel
+
+        self.model, self.cfg, self.page_size = model, cfg, page_size
+        self.cp = parallel_state().cp
+        self.kv = KVPool.from_layout(kv_layout(cfg), cfg.num_layers, pages_per_rank, page_size, torch.float32, "cpu")
+        self.backend = context_parallel(TorchAttention("cpu"))
+        self.free = [list(range(1, pages_per_rank)) for _ in range(self.cp.world)]  # page 0: padding
+        for r, f in enumerate(self.free):
+            random.Random(r).shuffle(f)  # non-contiguous page tables
+        self.used = [set() for _ in range(self.cp.world)]  # pages handed out, per owner
+
+    def new_seq(self, prompt: Sequence[int], max_new: int, share: Seq | None = None, shared_tokens: int = 0) -> Seq:
+        """Room for max_new tokens; the first `shared_tokens` (whole pages) are `share`'s KV."""
+        assert shared_tokens % self.page_size == 0
+        pages = share.pages[: shared_tokens // self.page_size] if share else []
+        for i in range(len(pages), math.ceil((len(prompt) + max_new) / self.page_size)):
+            owner = page_owner(i, self.cp.world)
+            pages.append(self.free[owner].pop())
+            self.used[owner].add(pages[-1])
+        return Seq(tokens=list(prompt), pages=list(pages), cached=shared_tokens)
+
+    def step(self, seqs: list[Seq], chunk: int | None) -> None:
+        reqs, sample = [], []
+        for s in seqs:
+            n = len(s.tokens) - s.cached if chunk is None else min(chunk, len(s.tokens) - s.cached)
+            reqs.append((s.tokens[s.cached : s.cached + n], s.cached, s.pages))
+            s.cached += n
+            sample.append(s.cached == len(s.tokens))
+        batch = ForwardBatch.from_requests(reqs, self.page_size, "cpu", sample)
+        self.backend.prepare(batch)
+        logits = self.model(batch, self.kv, self.backend)
+        for s, row in zip([s for s, m in zip(seqs, sample, strict=True) if m], logits, strict=True):
+            s.out.append(int(row.argmax()))
+            s.tokens.append(s.out[-1])
+            s.logits.append(row)
+
+    def run(self, seqs: list[Seq], max_new: int, chunk: int | None = None) -> None:
+        while active := [s for s in seqs if len(s.out) < max_new]:
+            self.step(active, chunk)
+
+    def untouched_pages_zero(self) -> bool:
+        """Whether every page of this rank's pool that it never owned is still all zeros."""
+        idle = sorted(set(range(1, self.kv.num_pages)) - self.used[self.cp.rank])
+        return all(not t[:, idle].any() for t in self.kv.page_bytes())
+
+
+MAX_NEW = 5
+
+
+def scenario(model_dir: Path, pages_per_rank: int, seed: int = 0) -> dict:
+    """The fixed workload on this rank: tokens, logits, pages used per owner, pool checks."""
+    model, cfg = load_model(model_dir, dtype=torch.float32, progress=False)
+    g = CPGreedy(model, cfg, pages_per_rank)
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, cfg.vocab_size) for _ in range(n)]
+
+    # wave 1: long prompts (not multiples of cp x page) in chunks of 24 next to a short one's decodes
+    first = [g.new_seq(prompt(n), MAX_NEW) for n in (83, 61, 5)]
+    g.run(first, MAX_NEW, chunk=24)
+    # wave 2: a suffix over the first prompt's 10 cached pages (40 tokens), next to a fresh prompt
+    shared = first[0].tokens[:40]
+    second = [g.new_seq(shared + prompt(29), MAX_NEW, share=first[0], shared_tokens=40),
+              g.new_seq(prompt(45), MAX_NEW)]
+    g.run(second, MAX_NEW, chunk=16)
+    seqs = first + second
+    return {"tokens": [s.out for s in seqs], "logits": [torch.stack(s.logits) for s in seqs],
+            "used": [len(u) for u in g.used], "pages": [s.pages for s in seqs], "pool_pages": g.kv.num_pages,
+            "untouched_zero": g.untouched_pages_zero()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(model_dir: str, rank: int, world: int, port: int, pages_per_rank: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        set_parallel_state(ParallelState(cp=TPGroup(rank, world)))  # the default group is the cp group (tp 1)
+        res = scenario(Path(model_dir), pages_per_rank)
+        # numpy pickles by value: a torch tensor would go through shared memory the exiting rank takes away
+        res["logits"] = [t.numpy() for t in res["logits"]]
+        out.put((rank, "ok", res))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_reference(model_dir: Path, pages: int) -> dict:
+    """cp = 1 in this process (the plain path)."""
+    set_parallel_state(ParallelState())
+    return scenario(model_dir, pages)
+
+
+def run_cp(model_dir: Path, world: int, pages_per_rank: int, timeout_s: float = 120.0) -> list[dict]:
+    """The scenario on `world` cp ranks (spawned processes, gloo): each rank's result, by rank."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(str(model_dir), r, world, port, pages_per_rank, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        reports = sorted(out.get(timeout=timeout_s) for _ in procs)
+        errors = [f"rank {r}: {msg}" for r, kind, msg in reports if kind == "error"]
+        assert not errors, "\n".join(errors)
+        results = [msg for _, _, msg in reports]
+        for res in results:
+            res["logits"] = [torch.from_numpy(a) for a in res["logits"]]
+        return results
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()

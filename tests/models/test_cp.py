@@ -1,0 +1,180 @@
+"""Context parallelism at the model level (engine/layers/cp_attention.py), CPU, float32.
+
+* cp = 2 (two spawned ranks over gloo, cp_harness) gives cp = 1's greedy tokens and logits for
+  the default model and a random Qwen3: prompts of 83 / 61 / 45 tokens (11 pages and more per
+  rank, none a multiple of cp x page), prefilled in chunks next to a decoding request, and a
+  second wave reusing a cached prefix; both ranks hold the same logits bit for bit, each rank's
+  pool is 1/cp of cp = 1's and holds only the pages it owns.
+* The pieces alone: round-robin ownership, the zigzag split's balance, the LSE merge of partial
+  attentions over disjoint page sets equals full attention, and the backend's per-rank partials
+  (two simulated ranks in this process, no collective) merged equal TorchAttention.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cp_harness import run_cp, run_reference
+from model_harness import make_hf_dir, tiny_config
+
+from engine.layers.attention import TorchAttention
+from engine.layers.cp_attention import (
+    ContextParallelAttention,
+    context_parallel,
+    merge_partials,
+    page_owner,
+    partial_attention,
+    zigzag_rows,
+)
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import ParallelState, TPGroup, set_parallel_state
+
+POOL = 81  # cp = 1's pages (page 0 padding); a cp = 2 rank gets 1 + 80 / 2
+
+
+def _check_cp2(model_dir: Path) -> None:
+    ref = run_reference(model_dir, POOL)
+    ranks = run_cp(model_dir, 2, 1 + (POOL - 1) // 2)
+    for r, res in enumerate(ranks):
+        assert res["tokens"] == ref["tokens"], f"rank {r}'s greedy tokens differ from cp = 1's"
+        for got, want in zip(res["logits"], ref["logits"], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        # the merge is the same arithmetic over the same gathered bytes: every rank samples alike
+        assert all(torch.equal(a, b) for a, b in zip(res["logits"], ranks[0]["logits"], strict=True))
+        assert res["pool_pages"] == 1 + (POOL - 1) // 2 and res["untouched_zero"]
+    # every page in use exactly once over the ranks; a rank's share is its request pages i % 2 == r
+    assert sum(ranks[0]["used"]) == ref["used"][0] == sum(ranks[1]["used"])
+    assert ranks[0]["used"] == ranks[1]["used"]  # every rank ran every owner's allocator alike
+    assert ranks[0]["pages"][3][:10] == ranks[0]["pages"][0][:10], "the second wave reuses the cached prefix"
+    per_rank = ranks[0]["used"]
+    assert abs(per_rank[0] - per_rank[1]) <= 5 and max(per_rank) <= (ref["used"][0] + 5) // 2
+
+
+def test_cp2_default_model(default_model_dir: Path) -> None:
+    _check_cp2(default_model_dir)
+
+
+def test_cp2_random_qwen3(tmp_path: Path) -> None:
+    cfg = tiny_config("tiny-qwen3") | {"num_key_value_heads": 2, "num_attention_heads": 6, "vocab_size": 251}
+    _check_cp2(make_hf_dir(tmp_path / "m", cfg))
+
+
+def test_page_owner_is_round_robin() -> None:
+    assert [page_owner(i, 2) for i in range(5)] == [0, 1, 0, 1, 0]
+    assert [page_owner(i, 3) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert {page_owner(i, 1) for i in range(9)} == {0}
+    with pytest.raises(ValueError, match="cp world 0"):
+        page_owner(1, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("n", [1, 7, 1001, 4096])
+def test_zigzag_rows_cover_once_and_balance_causal_work(cp: int, n: int) -> None:
+    shares = [zigzag_rows(n, cp, r) for r in range(cp)]
+    rows = sorted(i for s in shares for a, b in s for i in range(a, b))
+    assert rows == list(range(n))
+    work = [sum(i + 1 for a, b in s for i in range(a, b)) for s in shares]  # causal keys per row
+    if n >= 1000:  # within 1% of even; a contiguous split would give (2 cp - 1) : 1
+        assert max(work) / min(work) < 1.01
+    assert shares[0][0][0] == 0  # a single new token (a decode) is rank 0's
+
+
+def _full_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [Lq, Hq, D] at positions start.. over k, v [start + Lq, Hkv, D], causal: the reference."""
+    lq, lk = q.shape[0], k.shape[0]
+    mask = torch.arange(lk)[None, :] <= torch.arange(start, start + lq)[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                       enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_lse_merge_of_disjoint_pages_equals_full_attention(cp: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    page, start, lq, hq, hkv, d = 4, 37, 19, 6, 2, 16
+    q = torch.randn(lq, hq, d, generator=g)
+    k, v = torch.randn(start + lq, hkv, d, generator=g), torch.randn(start + lq, hkv, d, generator=g)
+    pos = torch.arange(start + lq)
+    q_pos = torch.arange(start, start + lq)
+    parts = []
+    for r in range(cp):  # each rank: its own pages' keys, causal by position
+        mine = torch.tensor([page_owner(int(p) // page, cp) == r for p in pos])
+        mask = pos[mine][None, :] <= q_pos[:, None]
+        parts.append(partial_attention(q, k[mine], v[mine], mask))
+    o, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(o, _full_causal(q, k, v, start), atol=1e-5, rtol=0)
+    full_scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(hq // hkv, 1)) * d**-0.5
+    full_scores = full_scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(full_scores, -1).T, atol=1e-5, rtol=0)
+    # a part with no key for some rows (lse -inf) weighs nothing and makes no NaN
+    empty = partial_attention(q, k[:0], v[:0])
+    assert torch.equal(empty[0], torch.zeros_like(q)) and bool(torch.isinf(empty[1]).all())
+    o2, _ = merge_partials(torch.stack([o, empty[0]]), torch.stack([lse, empty[1]]))
+    torch.testing.assert_close(o2, o, atol=1e-6, rtol=0)
+
+
+class _Alloc:
+    """Pages per owner (cp ranks), each pool's page 0 reserved."""
+
+    def __init__(self, cp: int) -> None:
+        self.cp, self.free = cp, [list(range(1, 40)) for _ in range(cp)]
+        for r, f in enumerate(self.free):
+            random.Random(r).shuffle(f)
+
+    def pages(self, n_tokens: int) -> list[int]:
+        return [self.free[page_owner(i, self.cp)].pop() for i in range(-(-n_tokens // 4))]
+
+
+def test_backend_partials_merged_equal_torch_attention() -> None:
+    """Two simulated ranks, each with its own pool of 1/2 the pages: step 1 fresh prefills, step 2
+    a chunk over a cached prefix (13 tokens: the last cached page shared with new tokens), a decode,
+    a fresh prefill. Each rank's partials merged = TorchAttention over cp = 1's pool."""
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, cp = 4, 2, 8, 2
+    lengths = {"a": 24, "b": 10, "c": 7}
+    one, two = _Alloc(1), _Alloc(cp)
+    tables = {n: (one.pages(t), two.pages(t)) for n, t in lengths.items()}
+    steps = [[("a", 0, 13), ("b", 0, 9)], [("a", 13, 11), ("b", 9, 1), ("c", 0, 7)]]
+    ref_pool = KVPool(1, 40, 4, hkv, d, torch.float32, "cpu")
+    pools = [KVPool(1, 40, 4, hkv, d, torch.float32, "cpu") for _ in range(cp)]
+    backends = [ContextParallelAttention(TPGroup(r, cp)) for r in range(cp)]
+    ref = TorchAttention("cpu")
+    for step in steps:
+        def batch(which: int, step: list = step) -> ForwardBatch:
+            return ForwardBatch.from_requests([([5] * n, s, tables[name][which]) for name, s, n in step], 4, "cpu")
+
+        t = sum(n for *_, n in step)
+        q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+        b1 = batch(0)
+        ref.prepare(b1)
+        want = ref.forward(q, k, v, 0, b1, ref_pool)
+        parts = []
+        for be, pool in zip(backends, pools, strict=True):
+            be.prepare(batch(1))
+            be.store_owned(0, k, v, pool)
+            parts.append(be.partial(q, k, v, 0, pool))
+        got, _ = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # each rank stored only its own pages: together they hold cp = 1's tokens once
+    assert sum(int(p.k_all.abs().sum(-1).sum(-1).ne(0).sum()) for p in pools) == sum(lengths.values())
+
+
+def test_cp1_keeps_the_plain_backend() -> None:
+    plain = TorchAttention("cpu")
+    assert context_parallel(plain) is plain  # cp world 1: the same object, no wrapper in the path
+    with pytest.raises(ValueError, match="world >= 2"):
+        ContextParallelAttention(TPGroup(0, 1))
+    try:
+        set_parallel_state(ParallelState(cp=TPGroup(1, 2)))
+        be = context_parallel(plain)
+        assert isinstance(be, ContextParallelAttention) and (be.cp.rank, be.cp.world) == (1, 2)
+        assert be.owns_kv_writes and not plain.owns_kv_writes  # the model never stores K/V itself then
+        with pytest.raises(RuntimeError, match="forward"):
+            be.attend(torch.zeros(1, 2, 4), 0, None, None)  # type: ignore[arg-type]
+    finally:
+        set_parallel_state(ParallelState())
