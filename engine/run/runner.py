@@ -395,17 +395,27 @@ class ModelRunner:
 
     def _sample(self, t: _ToSample) -> SampleResult:
         self.grammar.mask(t.logits, t.slots)  # constrained rows only; waits for last step's tokens
+        if t.verify is not None:
+            return self._sample_verify(t)
         res = self.sampler.sample(t.logits, t.slots, t.positions)
-        self.grammar.sampled(t.slots, res.token_ids)  # (a constrained request has one row: no drafts)
-        if t.verify is not None and self.spec is not None:
-            res, bonus = self.spec.accept(res, t.verify)
-            req_dev = _to_device(torch.tensor(t.req_slots, dtype=torch.int64), self.device)
-            self.last_token.index_copy_(0, req_dev, bonus)
-            return res
+        self.grammar.sampled(t.slots, res.token_ids)
         slots_dev = t.slots_dev
         if slots_dev is None:
             slots_dev = _to_device(torch.tensor(t.slots, dtype=torch.int64), self.device)
         self.last_token.index_copy_(0, slots_dev, res.token_ids)
+        return res
+
+    def _sample_verify(self, t: _ToSample) -> SampleResult:
+        """Every logit row drawn with its penalty history (the slot's and the drafts before the
+        row), the drafts accepted (engine/run/spec.py); only answered tokens enter the history."""
+        assert t.verify is not None and t.req_slots is not None and self.spec is not None
+        prior = [d[:i] for d, n in zip(t.verify.drafts, t.verify.logit_rows, strict=True) for i in range(n)]
+        res = self.sampler.sample_verify(t.logits, t.slots, t.positions, prior)
+        self.grammar.sampled(t.slots, res.token_ids)  # (a constrained request has one row: no drafts)
+        res, bonus = self.spec.accept(res, t.verify)
+        req_dev = _to_device(torch.tensor(t.req_slots, dtype=torch.int64), self.device)
+        self.last_token.index_copy_(0, req_dev, bonus)
+        self.sampler.record(req_dev.repeat_interleave(res.accepted + 1), res.token_ids)  # type: ignore[operator]
         return res
 
     def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:

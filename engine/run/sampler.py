@@ -255,6 +255,38 @@ class Sampler:
         self._record(batch, tokens)
         return self._with_logprobs(logits, tokens, batch.plan)
 
+    def sample_verify(
+        self, logits: Tensor, slots: Sequence[int], positions: Sequence[int], prior: Sequence[Sequence[int]]
+    ) -> SampleResult:
+        """Speculative verify rows (engine/run/spec.py): pick one token per row as `sample` would
+        for a request whose history also holds `prior[j]` (the drafts before row j), and record
+        nothing: only the tokens the request answers enter its history (`record`)."""
+        batch = self._batch(slots)
+        if batch.plan.argmax_only:
+            return SampleResult(token_ids=logits.argmax(dim=-1))
+        logits = logits.float()
+        penalized = self._penalize(logits, batch, self._prior(prior, batch.plan) if batch.plan.any_penalty else None)
+        tokens = self._choose(penalized, batch, self._as_device(positions))
+        return self._with_logprobs(logits, tokens, batch.plan)
+
+    def record(self, slots: Tensor, tokens: Tensor) -> None:
+        """Add answered tokens (int64 device tensors, one slot per token, repeats allowed) to their
+        slots' penalty history."""
+        if self._active_plan is None:
+            self._active_plan = self._plan([p for p in self._params if p is not None])
+        if self._active_plan.any_penalty:
+            self._record(_Batch(self._active_plan, slots, self._fp[:, slots], self._ip[:, slots]), tokens)
+
+    def _prior(self, prior: Sequence[Sequence[int]], plan: _Plan) -> tuple[Tensor, Tensor]:
+        """Per row: [R, V] bool of the prior tokens and [R, V] float32 of their counts."""
+        rows = [j for j, ids in enumerate(prior) for _ in ids]
+        ids = [t for p in prior for t in p]
+        counts = torch.zeros(len(prior), self.vocab_size, device=self.device)
+        if ids:
+            idx = (self._upload(rows, torch.int64), self._upload(ids, torch.int64))
+            counts.index_put_(idx, torch.ones(len(ids), device=self.device), accumulate=True)
+        return counts > 0, counts
+
     def apply_penalties(self, logits: Tensor, slots: Sequence[int] | Tensor) -> Tensor:
         """Return logits with the slots' repetition/frequency/presence penalties applied."""
         return self._penalize(logits.float(), self._batch(slots))
@@ -316,15 +348,17 @@ class Sampler:
 
     # ---- logits processing ----
 
-    def _penalize(self, logits: Tensor, batch: _Batch) -> Tensor:
+    def _penalize(self, logits: Tensor, batch: _Batch, prior: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """prior: per row, tokens (and their counts) of the history beyond the slot's (verify rows)."""
         plan, out = batch.plan, logits
         if plan.any_repetition and self._seen is not None:
             rep = batch.fp[_F_REP].unsqueeze(1)
             # HF semantics: positive logits are divided, negative multiplied (both lower them).
             scaled = torch.where(out > 0, out / rep, out * rep)
-            out = torch.where(self._seen[batch.slots], scaled, out)
+            seen = self._seen[batch.slots] if prior is None else self._seen[batch.slots] | prior[0]
+            out = torch.where(seen, scaled, out)
         if plan.any_freq_presence and self._counts is not None:
-            counts = self._counts[batch.slots]
+            counts = self._counts[batch.slots] if prior is None else self._counts[batch.slots] + prior[1]
             presence = (counts > 0).to(out.dtype) * batch.fp[_F_PRES].unsqueeze(1)
             out = out - counts.mul_(batch.fp[_F_FREQ].unsqueeze(1)) - presence
         return out

@@ -59,11 +59,10 @@ class SpecPolicy:
 
     def eligible(self, req: Req) -> bool:
         """Requests that speculate. Not (yet) those with a grammar (their mask per drafted
-        position needs the matcher's fork and rollback) or penalties (their history per
-        drafted position): they decode one token a step, as without speculation."""
-        p = req.params
-        return (p.grammar is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-                and p.presence_penalty == 0.0)
+        position needs the matcher's fork and rollback): they decode one token a step, as
+        without speculation. (Penalties speculate: each verify row is penalized with the
+        drafts before it, and only answered tokens enter the history.)"""
+        return req.params.grammar is None
 
     def drafts(self, req: Req, room: int) -> list[int]:
         """The draft tokens of req's next row (at most `room`: what max_new_tokens and the

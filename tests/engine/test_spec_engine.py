@@ -19,7 +19,9 @@ from engine.local import LocalEngine, Result
 from engine.replica import rank_replica
 from engine.serve.grammar import compilable, json_format
 from engine.tokenizer import load_tokenizer, tokenizer_info
+from msgs.codec import pack_ids
 from msgs.params import Grammar, SamplingParams
+from msgs.requests import TokenizedRequest
 from msgs.steps import Step, TrimReq
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -37,7 +39,8 @@ def model(default_model_dir: Path) -> tuple[str, list[list[int]]]:
 
 
 def _engine(model: str, **kw) -> LocalEngine:  # noqa: ANN003
-    return LocalEngine(ServerConfig(model=model, dtype="float32", max_total_tokens=4096, max_running_requests=8, **kw))
+    return LocalEngine(ServerConfig(**{"model": model, "dtype": "float32", "max_total_tokens": 4096,
+                                       "max_running_requests": 8, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +161,41 @@ def test_self_draft_greedy_equals_plain_and_accepts_some(model, plain: LocalEngi
     st = eng.core.state.spec_stats
     assert 0 < st.accepted < st.drafted, st
     assert eng.core.leak_free()
+
+
+def test_penalized_requests_speculate_with_the_same_tokens(model, plain: LocalEngine,  # noqa: ANN001
+                                                             ngram: LocalEngine) -> None:
+    prompts = [model[1][4], model[1][0]]
+    rows = ngram.core.state.spec_stats.rows
+    for params in (SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.2,
+                                  frequency_penalty=0.3),
+                   SamplingParams(max_new_tokens=16, temperature=0.7, seed=9, ignore_eos=True, presence_penalty=0.5)):
+        assert _ids(ngram.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+    assert ngram.core.state.spec_stats.rows > rows
+
+
+def test_retraction_and_abort_mid_speculation_leave_no_leak(model, plain: LocalEngine) -> None:  # noqa: ANN001
+    """A pool too small for the batch: speculating requests are retracted (their verify rows'
+    worst-case pages given back) and re-prefilled, with the tokens they would get anyway; then a
+    request aborted while its verify step is in flight: every page comes back."""
+    path, prompts = model
+    batch = [prompts[4], prompts[0], prompts[4][:20], prompts[2]]
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    want = _ids(plain.generate(batch, params))
+    eng = _engine(path, speculative_algorithm="NGRAM", max_total_tokens=12 * 16)
+    assert _ids(eng.generate(batch, params)) == want
+    assert eng.core.retractions > 0 and eng.core.leak_free()
+    core, runner = eng.core, eng.runner
+    for i, ids in enumerate(batch[:2]):
+        assert core.submit(TokenizedRequest(rid=f"a{i}", input_ids=pack_ids(ids), params=params)) is None
+    aborted = False
+    while (step := core.plan()) is not None:  # one step at a time: abort between a verify's send and answer
+        victim = core.reqs.get("a0")
+        if not aborted and step.forward is not None and step.forward.drafts is not None and victim is not None \
+                and victim.inflight:
+            assert core.abort("a0") is not None
+            aborted = True
+        core.on_done(runner.run_step(step))
+    assert aborted and core.idle
+    core.plan()  # publishes the last FreeReq
+    assert core.leak_free()

@@ -159,3 +159,23 @@ def test_speculative_defaults() -> None:
     cfg = ServerConfig(speculative_algorithm="NGRAM")
     assert (cfg.speculative_num_steps, cfg.speculative_num_draft_tokens) == (3, 4)
     assert ServerConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_verify_rows_see_the_drafts_before_them_in_their_penalty_history() -> None:
+    """Row j of a verify is penalized as a one-token step after drafts d[:j] were answered; and
+    `record` adds only what was answered."""
+    pen = SampleParams(seed=3, temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3)
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    drafts = [2, 5]
+    spec = Sampler(V, 2, "cpu")
+    spec.add(0, pen, prompt_ids=[1])
+    got = spec.sample_verify(logits, [0, 0, 0], [8, 9, 10], [[], drafts[:1], drafts]).token_ids.tolist()
+    for j in range(3):
+        one = Sampler(V, 2, "cpu")
+        one.add(0, pen, prompt_ids=[1], output_ids=drafts[:j])
+        assert one.sample(logits[j : j + 1], [0], [8 + j]).token_ids.tolist() == [got[j]]
+    spec.record(torch.tensor([0, 0]), torch.tensor([2, 2]))  # two answered tokens: counts 2
+    one = Sampler(V, 2, "cpu")
+    one.add(0, pen, prompt_ids=[1], output_ids=[2, 2])
+    assert torch.equal(spec.apply_penalties(logits, [0, 0, 0]), one.apply_penalties(logits, [0, 0, 0]))
