@@ -107,7 +107,8 @@ class _Plan:
 def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
     """This rank's share of a step: which new K/V it writes, which cached pages and new rows it attends."""
     ps = batch.page_size
-    pos = batch.positions.cpu()
+    # positions from the host lists (no device sync): request i's new tokens are at start..seq-1
+    pos = torch.cat([torch.arange(s - n, s) for s, n in zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)])
     own = torch.nonzero((pos // ps) % world == rank).flatten()
     table = batch.page_table_cpu if batch.page_table_cpu is not None else batch.page_table.cpu()
     reqs, row = [], 0

@@ -121,17 +121,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(model_dir: str, rank: int, world: int, port: int, pages_per_rank: int, out: Any) -> None:
+def _rank_main(model_dirs: list[str], rank: int, world: int, port: int, pages_per_rank: int, out: Any) -> None:
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         set_parallel_state(ParallelState(cp=TPGroup(rank, world)))  # the default group is the cp group (tp 1)
-        res = scenario(Path(model_dir), pages_per_rank)
-        # numpy pickles by value: a torch tensor would go through shared memory the exiting rank takes away
-        res["logits"] = [t.numpy() for t in res["logits"]]
-        out.put((rank, "ok", res))
+        results = [scenario(Path(d), pages_per_rank) for d in model_dirs]  # one start-up for every model
+        for res in results:  # numpy pickles by value: a tensor would go through shared memory the rank takes away
+            res["logits"] = [t.numpy() for t in res["logits"]]
+        out.put((rank, "ok", results))
     except BaseException:  # noqa: BLE001 - reported to the test
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -145,11 +145,13 @@ def run_reference(model_dir: Path, pages: int) -> dict:
     return scenario(model_dir, pages)
 
 
-def run_cp(model_dir: Path, world: int, pages_per_rank: int, timeout_s: float = 120.0) -> list[dict]:
-    """The scenario on `world` cp ranks (spawned processes, gloo): each rank's result, by rank."""
+def run_cp(model_dirs: list[Path], world: int, pages_per_rank: int, timeout_s: float = 120.0) -> list[list[dict]]:
+    """The scenario for each model on `world` cp ranks (spawned processes, gloo): per model, each
+    rank's result, by rank."""
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(str(model_dir), r, world, port, pages_per_rank, out), daemon=True)
+    dirs = [str(d) for d in model_dirs]
+    procs = [ctx.Process(target=_rank_main, args=(dirs, r, world, port, pages_per_rank, out), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -157,10 +159,10 @@ def run_cp(model_dir: Path, world: int, pages_per_rank: int, timeout_s: float = 
         reports = sorted(out.get(timeout=timeout_s) for _ in procs)
         errors = [f"rank {r}: {msg}" for r, kind, msg in reports if kind == "error"]
         assert not errors, "\n".join(errors)
-        results = [msg for _, _, msg in reports]
-        for res in results:
+        per_rank = [msg for _, _, msg in reports]
+        for res in (res for results in per_rank for res in results):
             res["logits"] = [torch.from_numpy(a) for a in res["logits"]]
-        return results
+        return [list(by_model) for by_model in zip(*per_rank, strict=True)]
     finally:
         for p in procs:
             p.join(10)

@@ -37,9 +37,16 @@ from engine.layers.parallel import ParallelState, TPGroup, set_parallel_state
 POOL = 81  # cp = 1's pages (page 0 padding); a cp = 2 rank gets 1 + 80 / 2
 
 
-def _check_cp2(model_dir: Path) -> None:
-    ref = run_reference(model_dir, POOL)
-    ranks = run_cp(model_dir, 2, 1 + (POOL - 1) // 2)
+@pytest.fixture(scope="module")
+def cp2_runs(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Both models' scenario at cp = 1 (here) and cp = 2 (one spawned pair of ranks for both)."""
+    cfg = tiny_config("tiny-qwen3") | {"num_key_value_heads": 2, "num_attention_heads": 6, "vocab_size": 251}
+    dirs = {"default": default_model_dir, "qwen3": make_hf_dir(tmp_path_factory.mktemp("cp-qwen3"), cfg)}
+    cp2 = run_cp(list(dirs.values()), 2, 1 + (POOL - 1) // 2)
+    return {name: (run_reference(d, POOL), ranks) for (name, d), ranks in zip(dirs.items(), cp2, strict=True)}
+
+
+def _check_cp2(ref: dict, ranks: list[dict]) -> None:
     for r, res in enumerate(ranks):
         assert res["tokens"] == ref["tokens"], f"rank {r}'s greedy tokens differ from cp = 1's"
         for got, want in zip(res["logits"], ref["logits"], strict=True):
@@ -55,13 +62,13 @@ def _check_cp2(model_dir: Path) -> None:
     assert abs(per_rank[0] - per_rank[1]) <= 5 and max(per_rank) <= (ref["used"][0] + 5) // 2
 
 
-def test_cp2_default_model(default_model_dir: Path) -> None:
-    _check_cp2(default_model_dir)
+def test_cp2_default_model(cp2_runs: dict[str, tuple]) -> None:
+    _check_cp2(*cp2_runs["default"])
 
 
-def test_cp2_random_qwen3(tmp_path: Path) -> None:
-    cfg = tiny_config("tiny-qwen3") | {"num_key_value_heads": 2, "num_attention_heads": 6, "vocab_size": 251}
-    _check_cp2(make_hf_dir(tmp_path / "m", cfg))
+def test_cp2_random_qwen3(cp2_runs: dict[str, tuple]) -> None:
+    """6 q heads over 2 K/V heads (GQA groups of 3), an odd vocabulary."""
+    _check_cp2(*cp2_runs["qwen3"])
 
 
 def test_page_owner_is_round_robin() -> None:
