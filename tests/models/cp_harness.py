@@ -94,8 +94,10 @@ MAX_NEW = 5
 
 def scenario(model_dir: Path, pages_per_rank: int, seed: int = 0) -> dict:
     """The fixed workload on this rank: tokens, logits, pages used per owner, pool checks."""
+    from engine.run.dist import rank_config
+
     model, cfg = load_model(model_dir, dtype=torch.float32, progress=False)
-    g = CPGreedy(model, cfg, pages_per_rank)
+    g = CPGreedy(model, rank_config(cfg), pages_per_rank)  # at tp > 1 the pool holds this rank's K/V heads
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
@@ -121,13 +123,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(model_dirs: list[str], rank: int, world: int, port: int, pages_per_rank: int, out: Any) -> None:
+def _groups(rank: int, cp: int, tp: int) -> ParallelState:
+    """rank = cp_rank * tp + tp_rank (tp innermost: a tp group is consecutive ranks). Every rank
+    creates every group, in one order (torch.distributed.new_group is collective)."""
+    import torch.distributed as dist
+
+    if tp == 1:
+        return ParallelState(cp=TPGroup(rank, cp))  # the default group is the cp group
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    c, t = divmod(rank, tp)
+    return ParallelState(tp=TPGroup(t, tp, tp_groups[c]), cp=TPGroup(c, cp, cp_groups[t]))
+
+
+def _rank_main(model_dirs: list[str], rank: int, cp: int, tp: int, port: int, pages_per_rank: int,
+               out: Any) -> None:
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        set_parallel_state(ParallelState(cp=TPGroup(rank, world)))  # the default group is the cp group (tp 1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp * tp)
+        set_parallel_state(_groups(rank, cp, tp))
         results = [scenario(Path(d), pages_per_rank) for d in model_dirs]  # one start-up for every model
         for res in results:  # numpy pickles by value: a tensor would go through shared memory the rank takes away
             res["logits"] = [t.numpy() for t in res["logits"]]
@@ -145,14 +161,15 @@ def run_reference(model_dir: Path, pages: int) -> dict:
     return scenario(model_dir, pages)
 
 
-def run_cp(model_dirs: list[Path], world: int, pages_per_rank: int, timeout_s: float = 120.0) -> list[list[dict]]:
-    """The scenario for each model on `world` cp ranks (spawned processes, gloo): per model, each
+def run_cp(model_dirs: list[Path], cp: int, pages_per_rank: int, tp: int = 1,
+           timeout_s: float = 120.0) -> list[list[dict]]:
+    """The scenario for each model on cp x tp ranks (spawned processes, gloo): per model, each
     rank's result, by rank."""
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), _free_port()
     dirs = [str(d) for d in model_dirs]
-    procs = [ctx.Process(target=_rank_main, args=(dirs, r, world, port, pages_per_rank, out), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(dirs, r, cp, tp, port, pages_per_rank, out), daemon=True)
+             for r in range(cp * tp)]
     for p in procs:
         p.start()
     try:

@@ -38,19 +38,25 @@ POOL = 81  # cp = 1's pages (page 0 padding); a cp = 2 rank gets 1 + 80 / 2
 
 
 @pytest.fixture(scope="module")
-def cp2_runs(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Both models' scenario at cp = 1 (here) and cp = 2 (one spawned pair of ranks for both)."""
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen3: 6 q heads over 2 K/V heads (GQA groups of 3), an odd vocabulary."""
     cfg = tiny_config("tiny-qwen3") | {"num_key_value_heads": 2, "num_attention_heads": 6, "vocab_size": 251}
-    dirs = {"default": default_model_dir, "qwen3": make_hf_dir(tmp_path_factory.mktemp("cp-qwen3"), cfg)}
+    return make_hf_dir(tmp_path_factory.mktemp("cp-qwen3"), cfg)
+
+
+@pytest.fixture(scope="module")
+def cp2_runs(default_model_dir: Path, qwen3_dir: Path) -> dict[str, tuple]:
+    """Both models' scenario at cp = 1 (here) and cp = 2 (one spawned pair of ranks for both)."""
+    dirs = {"default": default_model_dir, "qwen3": qwen3_dir}
     cp2 = run_cp(list(dirs.values()), 2, 1 + (POOL - 1) // 2)
     return {name: (run_reference(d, POOL), ranks) for (name, d), ranks in zip(dirs.items(), cp2, strict=True)}
 
 
-def _check_cp2(ref: dict, ranks: list[dict]) -> None:
+def _check_cp2(ref: dict, ranks: list[dict], atol: float = 1e-4) -> None:
     for r, res in enumerate(ranks):
         assert res["tokens"] == ref["tokens"], f"rank {r}'s greedy tokens differ from cp = 1's"
         for got, want in zip(res["logits"], ref["logits"], strict=True):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
         # the merge is the same arithmetic over the same gathered bytes: every rank samples alike
         assert all(torch.equal(a, b) for a, b in zip(res["logits"], ranks[0]["logits"], strict=True))
         assert res["pool_pages"] == 1 + (POOL - 1) // 2 and res["untouched_zero"]
@@ -67,8 +73,16 @@ def test_cp2_default_model(cp2_runs: dict[str, tuple]) -> None:
 
 
 def test_cp2_random_qwen3(cp2_runs: dict[str, tuple]) -> None:
-    """6 q heads over 2 K/V heads (GQA groups of 3), an odd vocabulary."""
     _check_cp2(*cp2_runs["qwen3"])
+
+
+def test_tp2_cp2_random_qwen3(cp2_runs: dict[str, tuple], qwen3_dir: Path) -> None:
+    """4 ranks: tp groups {0, 1}, {2, 3} (one K/V head each), cp groups {0, 2}, {1, 3}: cp = 1's
+    tokens (logits to 1e-3: the tp all-reduces sum in another order), per cp rank the same pages."""
+    ref, _ = cp2_runs["qwen3"]
+    (ranks,) = run_cp([qwen3_dir], 2, 1 + (POOL - 1) // 2, tp=2)
+    _check_cp2(ref, [ranks[0], ranks[2]], atol=1e-3)
+    _check_cp2(ref, [ranks[1], ranks[3]], atol=1e-3)
 
 
 def test_page_owner_is_round_robin() -> None:
