@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import queue
 import random
 import socket
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -136,14 +138,33 @@ def _groups(rank: int, cp: int, tp: int) -> ParallelState:
     return ParallelState(tp=TPGroup(t, tp, tp_groups[c]), cp=TPGroup(c, cp, cp_groups[t]))
 
 
+def _die_at_merge(n: int) -> None:
+    """This rank exits (no report, no goodbye) at its n-th attention merge: a dead peer mid-step."""
+    import os
+
+    from engine.layers.cp_attention import ContextParallelAttention
+
+    merge, calls = ContextParallelAttention.merge, [0]
+
+    def dying(self: ContextParallelAttention, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == n:
+            os._exit(3)
+        return merge(self, o, lse)
+
+    ContextParallelAttention.merge = dying  # type: ignore[method-assign]
+
+
 def _rank_main(model_dirs: list[str], rank: int, cp: int, tp: int, port: int, pages_per_rank: int,
-               out: Any) -> None:
+               out: Any, die_at: int = 0) -> None:
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp * tp)
         set_parallel_state(_groups(rank, cp, tp))
+        if die_at and rank == cp * tp - 1:
+            _die_at_merge(die_at)
         results = [scenario(Path(d), pages_per_rank) for d in model_dirs]  # one start-up for every model
         for res in results:  # numpy pickles by value: a tensor would go through shared memory the rank takes away
             res["logits"] = [t.numpy() for t in res["logits"]]
@@ -161,28 +182,47 @@ def run_reference(model_dir: Path, pages: int) -> dict:
     return scenario(model_dir, pages)
 
 
+def spawn_ranks(model_dirs: list[Path], cp: int, pages_per_rank: int, tp: int = 1, timeout_s: float = 120.0,
+                die_at: int = 0) -> dict[int, tuple[str, Any]]:
+    """Run the scenario on cp x tp spawned ranks: rank -> ("ok", per-model results) or ("error",
+    traceback), or ("died", exit code) for a rank that exited without a report. `die_at`: the last
+    rank exits at its die_at-th attention merge."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    dirs = [str(d) for d in model_dirs]
+    procs = [ctx.Process(target=_rank_main, args=(dirs, r, cp, tp, port, pages_per_rank, out, die_at), daemon=True)
+             for r in range(cp * tp)]
+    for p in procs:
+        p.start()
+    reports: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(reports) < len(procs) and time.monotonic() < deadline:
+            try:
+                rank, kind, msg = out.get(timeout=0.2)
+                reports[rank] = (kind, msg)
+            except queue.Empty:  # every rank gone and nothing more to read: the rest died silently
+                if not any(p.is_alive() for p in procs):
+                    break
+        for r, p in enumerate(procs):
+            p.join(10)
+            reports.setdefault(r, ("died", p.exitcode))
+        return reports
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 def run_cp(model_dirs: list[Path], cp: int, pages_per_rank: int, tp: int = 1,
            timeout_s: float = 120.0) -> list[list[dict]]:
     """The scenario for each model on cp x tp ranks (spawned processes, gloo): per model, each
     rank's result, by rank."""
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
-    dirs = [str(d) for d in model_dirs]
-    procs = [ctx.Process(target=_rank_main, args=(dirs, r, cp, tp, port, pages_per_rank, out), daemon=True)
-             for r in range(cp * tp)]
-    for p in procs:
-        p.start()
-    try:
-        reports = sorted(out.get(timeout=timeout_s) for _ in procs)
-        errors = [f"rank {r}: {msg}" for r, kind, msg in reports if kind == "error"]
-        assert not errors, "\n".join(errors)
-        per_rank = [msg for _, _, msg in reports]
-        for res in (res for results in per_rank for res in results):
-            res["logits"] = [torch.from_numpy(a) for a in res["logits"]]
-        return [list(by_model) for by_model in zip(*per_rank, strict=True)]
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    reports = spawn_ranks(model_dirs, cp, pages_per_rank, tp, timeout_s)
+    errors = [f"rank {r}: {kind}: {msg}" for r, (kind, msg) in sorted(reports.items()) if kind != "ok"]
+    assert not errors, "\n".join(errors)
+    per_rank = [reports[r][1] for r in range(cp * tp)]
+    for res in (res for results in per_rank for res in results):
+        res["logits"] = [torch.from_numpy(a) for a in res["logits"]]
+    return [list(by_model) for by_model in zip(*per_rank, strict=True)]

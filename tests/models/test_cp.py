@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from cp_harness import run_cp, run_reference
+from cp_harness import run_cp, run_reference, spawn_ranks
 from model_harness import make_hf_dir, tiny_config
 
 from engine.layers.attention import TorchAttention
@@ -199,3 +200,14 @@ def test_cp1_keeps_the_plain_backend() -> None:
             be.attend(torch.zeros(1, 2, 4), 0, None, None)  # type: ignore[arg-type]
     finally:
         set_parallel_state(ParallelState())
+
+
+def test_dead_cp_rank_fails_the_peer_fast(qwen3_dir: Path) -> None:
+    """Rank 1 exits in the middle of a step (its 10th merge): rank 0's all-gather fails at once
+    (gloo: the connection is closed) and it reports the error instead of hanging."""
+    t0 = time.monotonic()
+    reports = spawn_ranks([qwen3_dir], 2, 1 + (POOL - 1) // 2, die_at=10, timeout_s=60)
+    assert reports[1] == ("died", 3)
+    kind, msg = reports[0]
+    assert kind == "error" and "all_gather" in msg and "gloo" in msg.lower(), msg
+    assert time.monotonic() - t0 < 30
