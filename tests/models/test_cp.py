@@ -1,7 +1,7 @@
 """Context parallelism at the model level (engine/layers/cp_attention.py), CPU, float32.
 
 * cp = 2 (two spawned ranks over gloo, cp_harness) gives cp = 1's greedy tokens and logits for
-  the default model and a random Qwen3: prompts of 83 / 61 / 45 tokens (11 pages and more per
+  the default model and a random Qwen3: prompts of 83 / 61 / 45 tokens (6 to 11 pages per
   rank, none a multiple of cp x page), prefilled in chunks next to a decoding request, and a
   second wave reusing a cached prefix; both ranks hold the same logits bit for bit, each rank's
   pool is 1/cp of cp = 1's and holds only the pages it owns.
