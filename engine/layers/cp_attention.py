@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.layers.attention import AttentionBackend
+from engine.layers.attention import _CPU_FLASH_LSE, AttentionBackend
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import TPGroup, parallel_state, range_split
@@ -72,6 +72,39 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o = torch.matmul(torch.exp(s - shift[..., None]), vf)  # already normalized by the LSE
     o = o.view(hkv, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
     return o, lse.view(hkv, g, lq).permute(2, 0, 1).reshape(lq, hq)
+
+
+def _flash_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """partial_attention without a mask by the CPU flash kernel (float32, O(L) memory, the LSE
+    returned): a GQA group's query heads as rows of their K/V head, K/V read once."""
+    lq, hq, d = q.shape
+    hkv = k.shape[1]
+    qh = q.float().transpose(0, 1).reshape(hkv, hq // hkv * lq, d)
+    o, lse = _CPU_FLASH_LSE(qh[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None])
+    return o[0].reshape(hq, lq, d).transpose(0, 1), lse[0].reshape(hq, lq).T
+
+
+def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row i of q [L, Hq, D] over keys 0..i of k, v [L, Hkv, D] by the CPU flash kernel (float32);
+    the causal mask differs per row, so K/V are repeated per query head here."""
+    g = q.shape[1] // k.shape[1]
+    kr, vr = (x.float().transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
+    o, lse = _CPU_FLASH_LSE(q.float().transpose(0, 1)[None], kr[None], vr[None], is_causal=True)
+    return o[0].transpose(0, 1), lse[0].T
+
+
+def causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Lq, Hq, D] being the last Lq of the L keys k, v [L, Hkv, D], causal: row i attends keys
+    0..L-Lq+i. By flash: the keys before the rows unmasked, the square causal, merged by LSE."""
+    a = k.shape[0] - q.shape[0]
+    if not flash:
+        pos = torch.arange(k.shape[0], device=q.device)
+        return partial_attention(q, k, v, pos[None, :] <= pos[a:, None])
+    o, lse = _flash_causal(q, k[a:], v[a:])
+    if a == 0:
+        return o, lse
+    o0, l0 = _flash_all(q, k[:a], v[:a])
+    return merge_partials(torch.stack([o0, o]), torch.stack([l0, lse]))
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +174,8 @@ class ContextParallelAttention(AttentionBackend):
         if self.cp.world < 2:
             raise ValueError("ContextParallelAttention needs a cp group of world >= 2 (use context_parallel())")
         self._plan: _Plan | None = None
+        # the CPU flash kernel returns the LSE: O(L) memory; elsewhere (and for tests) the exact path
+        self.flash = _CPU_FLASH_LSE is not None
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._plan = plan_step(batch, self.cp.rank, self.cp.world)
@@ -162,18 +197,17 @@ class ContextParallelAttention(AttentionBackend):
         t, hq, d = q.shape
         o_all = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
         lse_all = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
+        flash = self.flash and q.device.type == "cpu"
         if kv_pool.dtype != q.dtype:  # the self part reads what the pool would give back
             k, v = k.to(kv_pool.dtype).to(q.dtype), v.to(kv_pool.dtype).to(q.dtype)
         for r in self._plan.reqs:
             rows = slice(r.row, r.row + r.n)
             if r.prefix_pages is not None and r.prefix_keys > 0:
                 kp, vp = kv_pool.gather_pages(layer_id, r.prefix_pages, q.dtype)
-                o_all[rows], lse_all[rows] = partial_attention(q[rows], kp[0, : r.prefix_keys], vp[0, : r.prefix_keys])
-            for a, b in r.self_rows:
-                qi = torch.arange(a, b, device=q.device)
-                mask = torch.arange(b, device=q.device)[None, :] <= qi[:, None]  # causal over the new tokens
-                o_s, l_s = partial_attention(q[r.row + a : r.row + b], k[r.row : r.row + b], v[r.row : r.row + b],
-                                             mask)
+                kp, vp = kp[0, : r.prefix_keys], vp[0, : r.prefix_keys]
+                o_all[rows], lse_all[rows] = (_flash_all if flash else partial_attention)(q[rows], kp, vp)
+            for a, b in r.self_rows:  # causal over the new tokens
+                o_s, l_s = causal_tail(q[r.row + a : r.row + b], k[r.row : r.row + b], v[r.row : r.row + b], flash)
                 sl = slice(r.row + a, r.row + b)
                 o_all[sl], lse_all[sl] = merge_partials(torch.stack([o_all[sl], o_s]), torch.stack([lse_all[sl], l_s]))
         return o_all, lse_all

@@ -27,6 +27,7 @@ from model_harness import make_hf_dir, tiny_config
 from engine.layers.attention import TorchAttention
 from engine.layers.cp_attention import (
     ContextParallelAttention,
+    causal_tail,
     context_parallel,
     merge_partials,
     page_owner,
@@ -142,6 +143,19 @@ def test_lse_merge_of_disjoint_pages_equals_full_attention(cp: int) -> None:
     torch.testing.assert_close(o2, o, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("before", [0, 5])
+def test_flash_causal_tail_equals_the_exact_path(before: int) -> None:
+    """The rows are the last 7 of 7 + `before` keys: flash (unmasked head + causal square, merged)
+    gives the masked exact path's output and LSE."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(7, 6, 8, generator=g)
+    k, v = torch.randn(7 + before, 2, 8, generator=g), torch.randn(7 + before, 2, 8, generator=g)
+    (o1, l1), (o2, l2) = causal_tail(q, k, v, True), causal_tail(q, k, v, False)
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o2, _full_causal(q, k, v, before), atol=1e-5, rtol=0)
+
+
 class _Alloc:
     """Pages per owner (cp ranks), each pool's page 0 reserved."""
 
@@ -154,8 +168,9 @@ class _Alloc:
         return [self.free[page_owner(i, self.cp)].pop() for i in range(-(-n_tokens // 4))]
 
 
+@pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol: float) -> None:
+def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol: float, flash: bool) -> None:
     """Two simulated ranks, each with its own pool of 1/2 the pages: step 1 fresh prefills, step 2
     a chunk over a cached prefix (13 tokens: the last cached page shared with new tokens), a decode,
     a fresh prefill. Each rank's partials merged = TorchAttention over cp = 1's pool."""
@@ -168,6 +183,8 @@ def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol:
     ref_pool = KVPool(1, 40, 4, hkv, d, dtype, "cpu")
     pools = [KVPool(1, 40, 4, hkv, d, dtype, "cpu") for _ in range(cp)]
     backends = [ContextParallelAttention(TPGroup(r, cp)) for r in range(cp)]
+    for be in backends:  # the CPU flash kernel with its LSE, or the exact float32 path
+        be.flash = flash
     ref = TorchAttention("cpu")
     for step in steps:
         def batch(which: int, step: list = step) -> ForwardBatch:
