@@ -18,8 +18,9 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   partials in rank order, so every rank ends with the same bytes.
   A decode row (one new token) is the same case: its prefix over every rank's own pages, its
   own key on rank 0.
-* The exact path is float32 torch (scores materialized per part); cp = 1 never builds this backend
-  (`context_parallel` returns the plain one).
+* Kernels: on CPU torch's flash kernel that returns the LSE (float32, O(L) memory); elsewhere the
+  exact float32 path (`partial_attention`, the tests' reference). cp = 1 never builds this
+  backend (`context_parallel` returns the plain one).
 """
 
 from __future__ import annotations
