@@ -248,11 +248,20 @@ class GrammarSlots(Effect):
         """Some of these sampled slots have a grammar (their mask may wait for a job)."""
         return bool(self.matchers) and any(s in self.matchers for s in slots)
 
-    def mask(self, logits: torch.Tensor, slots: list[int]) -> None:
-        """Mask the rows of constrained slots in place (logits: one row per sampled slot)."""
+    @property
+    def verifies_drafts(self) -> bool:
+        """Speculative decoding: a constrained row's drafted positions get their own masks
+        (in-process matchers on CPU); else its drafts are all rejected (engine/run/spec.py)."""
+        return self._helpers is None and self.device.type == "cpu"
+
+    def mask(self, logits: torch.Tensor, slots: list[int], drafts: dict[int, list[int]] | None = None) -> None:
+        """Mask the rows of constrained slots in place (logits: one row per sampled slot; a
+        speculative verify row has one per logit position, its slot repeated, its drafts in
+        `drafts` by slot: its first row gets the slot's mask, the next ones `_mask_drafted`)."""
         if not self.matchers:
             return
-        rows = [(i, s, self.matchers[s]) for i, s in enumerate(slots) if s in self.matchers]
+        rows = [(i, s, self.matchers[s]) for i, s in enumerate(slots)
+                if s in self.matchers and (i == 0 or slots[i - 1] != s)]  # a slot's first row
         if not rows:
             return
         t0 = time.perf_counter()
@@ -274,14 +283,44 @@ class GrammarSlots(Effect):
             triton_ops.mask_by_slot(logits, self._bitmask_ptr, self._bitmask.shape[1], self._pairs_ptr, len(live),
                                     self.vocab_size)
         else:  # the bitmask is by slot; xgrammar's kernel wants it by logits row
+            if len(slots) > self._staging.shape[0]:  # verify rows: more logits rows than slots
+                self._staging = xgr.allocate_token_bitmask(len(slots), self.vocab_size)
             staging = self._staging[: len(slots)]
             torch.index_select(self._bitmask, 0, torch.tensor(slots, dtype=torch.int64), out=staging)
             xgr.apply_token_bitmask_inplace(logits, staging, vocab_size=self.vocab_size,
                                             indices=[i for i, _, _ in live], backend="cpu")
+        if drafts and self.verifies_drafts:
+            self._mask_drafted(logits, live, drafts)
         t2 = time.perf_counter()
         self.timing.sums["join_wait"] += t1 - t0
         self.timing.sums["mask"] += t2 - t1
         self.timing.step(len(live), t0)
+
+    def _mask_drafted(self, logits: torch.Tensor, live: list[tuple[int, int, Any]],
+                      drafts: dict[int, list[int]]) -> None:
+        """A verify row's logit position j + 1 is masked with its matcher's state after drafts
+        d1..d(j+1), then the matcher is rolled back. A draft the grammar refuses ends it: the
+        position before it masks it out, so it is never accepted, and the rows past it are
+        never reached; so are the rows past a stop token (the scheduler ends the request there)."""
+        bitmask = None
+        rows: list[int] = []
+        for i, s, m in live:
+            n = 0
+            for j, tok in enumerate(drafts.get(s, ())):
+                if not m.accept_token(int(tok)):
+                    break
+                n += 1
+                if m.is_terminated():
+                    break
+                if bitmask is None:
+                    bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+                m.fill_next_token_bitmask(bitmask, i + 1 + j)
+                rows.append(i + 1 + j)
+            if n:
+                m.rollback(n)
+        if bitmask is not None:
+            bitmask[rows] &= self._guard
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows, backend="cpu")
 
     def _settle(self) -> None:
         """Take the helpers' replies to this step's new matchers (their rows are filled then);
@@ -375,14 +414,17 @@ class GrammarSlots(Effect):
                 if not terminated:
                     self._ready[s] = m
             return
-        ok = self._batch.batch_accept_token([m for _, _, m in live], [t for t, _, _ in live])
+        if len({id(m) for _, _, m in live}) < len(live):  # a verify step's answered tokens, in order
+            ok = [m.accept_token(t) if not m.is_terminated() else True for t, _, m in live]
+        else:
+            ok = self._batch.batch_accept_token([m for _, _, m in live], [t for t, _, _ in live])
         t2 = time.perf_counter()
         sums["accept"] += t2 - t1
         for accepted, (tok, _, _) in zip(ok, live, strict=True):
             if not accepted:
                 self.rejected += 1
                 log.warning("grammar refused a sampled token", token=tok, rejected=self.rejected)
-        fill = [(s, m) for _, s, m in live if not m.is_terminated()]
+        fill = list({s: m for _, s, m in live if not m.is_terminated()}.items())  # one row per slot
         if fill:
             self._fill([m for _, m in fill], [s for s, _ in fill])
             for s, m in fill:

@@ -394,9 +394,9 @@ class ModelRunner:
         return _ToSample(logits, row_slots, positions, None, verify=v, req_slots=[s for s, _ in req])
 
     def _sample(self, t: _ToSample) -> SampleResult:
-        self.grammar.mask(t.logits, t.slots)  # constrained rows only; waits for last step's tokens
         if t.verify is not None:
             return self._sample_verify(t)
+        self.grammar.mask(t.logits, t.slots)  # constrained rows only; waits for last step's tokens
         res = self.sampler.sample(t.logits, t.slots, t.positions)
         self.grammar.sampled(t.slots, res.token_ids)
         slots_dev = t.slots_dev
@@ -408,14 +408,22 @@ class ModelRunner:
     def _sample_verify(self, t: _ToSample) -> SampleResult:
         """Every logit row drawn with its penalty history (the slot's and the drafts before the
         row), the drafts accepted (engine/run/spec.py); only answered tokens enter the history."""
-        assert t.verify is not None and t.req_slots is not None and self.spec is not None
-        prior = [d[:i] for d, n in zip(t.verify.drafts, t.verify.logit_rows, strict=True) for i in range(n)]
+        v, req_slots = t.verify, t.req_slots
+        assert v is not None and req_slots is not None and self.spec is not None
+        constrained = self.grammar.constrained(req_slots)
+        if constrained and not self.grammar.verifies_drafts:  # (grammar helpers, GPU): drafts rejected
+            v = VerifyRows(v.num_drafts, [[] if s in self.grammar.matchers else d
+                                          for s, d in zip(req_slots, v.drafts, strict=True)], v.row_drafts)
+        self.grammar.mask(t.logits, t.slots, dict(zip(req_slots, v.drafts, strict=True)) if constrained else None)
+        prior = [d[:i] for d, n in zip(v.drafts, v.logit_rows, strict=True) for i in range(n)]
         res = self.sampler.sample_verify(t.logits, t.slots, t.positions, prior)
-        self.grammar.sampled(t.slots, res.token_ids)  # (a constrained request has one row: no drafts)
-        res, bonus = self.spec.accept(res, t.verify)
-        req_dev = _to_device(torch.tensor(t.req_slots, dtype=torch.int64), self.device)
+        res, bonus = self.spec.accept(res, v)
+        req_dev = _to_device(torch.tensor(req_slots, dtype=torch.int64), self.device)
         self.last_token.index_copy_(0, req_dev, bonus)
-        self.sampler.record(req_dev.repeat_interleave(res.accepted + 1), res.token_ids)  # type: ignore[operator]
+        answered = req_dev.repeat_interleave(res.accepted + 1)  # type: ignore[operator]
+        self.sampler.record(answered, res.token_ids)
+        if constrained:  # the matchers advance by the answered tokens only (a host read of the slots)
+            self.grammar.sampled(answered.tolist(), res.token_ids)
         return res
 
     def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:

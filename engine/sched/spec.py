@@ -58,11 +58,10 @@ class SpecPolicy:
     num_steps: int  # drafts per row at most
 
     def eligible(self, req: Req) -> bool:
-        """Requests that speculate. Not (yet) those with a grammar (their mask per drafted
-        position needs the matcher's fork and rollback): they decode one token a step, as
-        without speculation. (Penalties speculate: each verify row is penalized with the
-        drafts before it, and only answered tokens enter the history.)"""
-        return req.params.grammar is None
+        """Requests that speculate: all of them. Each verify row is penalized with the drafts
+        before it and masked by its grammar after them; only answered tokens enter a request's
+        penalty history and its grammar matcher (engine/run/spec.py, grammar.py)."""
+        return True
 
     def drafts(self, req: Req, room: int) -> list[int]:
         """The draft tokens of req's next row (at most `room`: what max_new_tokens and the

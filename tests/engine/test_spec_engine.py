@@ -134,21 +134,37 @@ def test_stop_ids_and_max_tokens_exact_with_multi_token_steps(model, plain: Loca
     assert ngram.core.leak_free()
 
 
-def test_json_schema_stays_valid_with_speculation(model, ngram: LocalEngine) -> None:  # noqa: ANN001
-    path, prompts = model
+def _grammar(path: str, vocab: int, schema: dict, key: str) -> Grammar:
     tok = load_tokenizer(path)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
-    info = tokenizer_info(tok.hf, ngram.runner.mcfg.vocab_size)
+    info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(schema)}
     compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(compilable(json.dumps(tag)))
-    grammar = Grammar("spec-test", zlib.compress(compiled.serialize_json().encode()),
-                      [int(t) for t in info.stop_token_ids])
-    constrained = SamplingParams(max_new_tokens=48, temperature=0, grammar=grammar)
-    res = ngram.generate([prompts[5], prompts[4]], [constrained, GREEDY])  # next to a speculating request
-    assert res[0].finish_reason == "stop"
-    doc = json.loads(tok.decode(res[0].output_ids))
-    assert set(doc) == {"name", "age"} and isinstance(doc["age"], int)
+    return Grammar(key, zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+
+
+def test_json_schema_speculates_and_stays_valid(model, plain: LocalEngine, ngram: LocalEngine) -> None:  # noqa: ANN001
+    """Constrained requests speculate: each drafted position is masked by the grammar after the
+    drafts before it (a draft it refuses is masked out one position earlier, so never accepted),
+    and the matcher advances by the answered tokens only: the same tokens as without speculation."""
+    path, prompts = model
+    tok = load_tokenizer(path)
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    people = {"type": "array", "items": person, "minItems": 3, "maxItems": 3}
+    vocab = ngram.runner.mcfg.vocab_size
+    params = [SamplingParams(max_new_tokens=64, temperature=0, grammar=_grammar(path, vocab, people, "spec-people")),
+              SamplingParams(max_new_tokens=40, temperature=0, grammar=_grammar(path, vocab, person, "spec-person")),
+              GREEDY]
+    batch = [prompts[5], prompts[5], prompts[4]]  # next to an unconstrained speculating request
+    st = ngram.core.state.spec_stats
+    rows, accepted = st.rows, st.accepted
+    got = ngram.generate(batch, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in plain.generate(batch, params)]
+    assert got[0].finish_reason == got[1].finish_reason == "stop"
+    docs = [json.loads(tok.decode(r.output_ids)) for r in got[:2]]
+    assert len(docs[0]) == 3 and all(set(d) == {"name", "age"} for d in docs[0]) and set(docs[1]) == {"name", "age"}
+    assert st.rows - rows > 0 and st.accepted > accepted  # drafts were verified, some accepted
+    assert ngram.runner.grammar.rejected == 0
     assert ngram.core.leak_free()
 
 
