@@ -68,7 +68,7 @@ class ServerConfig:
     speculative_num_steps: int = 0  # drafts per row and step (0: 3 when speculation is on)
     speculative_num_draft_tokens: int = 0  # tokens verified per row: num_steps + 1 for chains (0: that)
     speculative_eagle_topk: int = 1  # drafts per position: 1 (chains) only for now
-    speculative_draft_model_path: str = ""  # STANDALONE: a separate draft model (not yet)
+    speculative_draft_model_path: str = ""  # STANDALONE: a separate draft model's directory (same tokenizer)
     speculative_draft_layers: int = 0  # STANDALONE self-draft: the target's first N layers + norm + head
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -149,12 +149,17 @@ class ServerConfig:
             (algo != "STANDALONE" or self.speculative_draft_layers > 0 or self.speculative_draft_model_path,
              "--speculative-algorithm STANDALONE needs --speculative-draft-layers N (a self-draft) or "
              "--speculative-draft-model-path"),
-            (not self.speculative_draft_model_path, "--speculative-draft-model-path is not supported yet: use "
-             "--speculative-draft-layers N (the target's first N layers as the draft)"),
+            (not (self.speculative_draft_model_path and self.speculative_draft_layers),
+             "--speculative-draft-model-path and --speculative-draft-layers: choose one draft"),
             (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),
         ):
             if not ok:
                 raise ValueError(problem)
+        if self.speculative_draft_model_path:  # absolute, so that every worker finds the same directory
+            path = Path(self.speculative_draft_model_path).expanduser()
+            if not path.is_dir():
+                raise ValueError(f"--speculative-draft-model-path {path}: no such directory")
+            object.__setattr__(self, "speculative_draft_model_path", str(path.resolve()))
         object.__setattr__(self, "speculative_num_steps", steps)  # frozen; set once here
         object.__setattr__(self, "speculative_num_draft_tokens", tokens)
 

@@ -34,7 +34,7 @@ from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
-from engine.run.spec import SelfDraft, Speculator, VerifiedResult, VerifyRows
+from engine.run.spec import DraftModel, SelfDraft, Speculator, VerifiedResult, VerifyRows
 from engine.run.step_profile import StepProfiler
 from engine.run.warmup import warm_up
 from models.registry import kv_layout, load_model
@@ -204,11 +204,17 @@ class ModelRunner:
         """Speculative decoding's part on this rank (engine/run/spec.py), when it is on."""
         if not self.cfg.speculative_algorithm:
             return None
-        layers = self.cfg.speculative_draft_layers
-        draft = SelfDraft(self.model, layers) if layers else None
+        layers, path = self.cfg.speculative_draft_layers, self.cfg.speculative_draft_model_path
+        draft: SelfDraft | DraftModel | None = None
+        if layers:
+            draft = SelfDraft(self.model, layers, self.kv, self.backend)
+        elif path:
+            draft = DraftModel(path, self.mcfg.vocab_size, self.num_pages, self.page_size,
+                               self.cfg.max_running_requests, math.ceil(self.max_context / self.page_size) + 1,
+                               self.dtype, self.device)
         log.info("speculative decoding", algorithm=self.cfg.speculative_algorithm,
-                 steps=self.cfg.speculative_num_steps, draft_layers=layers or None)
-        return Speculator(draft, self.kv, self.backend, self.page_size, self.device)
+                 steps=self.cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
+        return Speculator(draft, self.page_size, self.device)
 
     def _capture_graphs(self):  # noqa: ANN202
         """CUDA graphs for decode, unless disabled, on CPU, or the backend or model cannot be captured."""
@@ -368,6 +374,8 @@ class ModelRunner:
             batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device)
             self.backend.prepare(batch)
             logits = self.model(batch, self.kv, self.backend)
+            if self.spec is not None:  # a separate draft model writes its KV for the same tokens
+                self.spec.follow(batch)
         sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]
         if not sampled_slots:
             return None
@@ -385,6 +393,7 @@ class ModelRunner:
         batch.logit_indices = _to_device(Speculator.logit_indices(lens, sample, v), self.device)
         self.backend.prepare(batch)
         logits = self.model(batch, self.kv, self.backend)
+        self.spec.follow(batch)
         req = [(s, st + n - k - 1) for s, st, n, smp, k in zip(slots, starts, lens, sample, v.row_drafts, strict=True)
                if smp]
         if not req:

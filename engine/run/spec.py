@@ -56,7 +56,7 @@ class SelfDraft:
     write: it reads the target's KV pool and its own writes are overwritten by the verify
     forward (values equal up to the rounding of another batch shape)."""
 
-    def __init__(self, model: torch.nn.Module, layers: int) -> None:
+    def __init__(self, model: torch.nn.Module, layers: int, kv, backend) -> None:  # noqa: ANN001
         from models.llama import LlamaForCausalLM
 
         if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
@@ -68,12 +68,18 @@ class SelfDraft:
                              f"{total} layers)")
         self.model = model
         self.layers = layers
+        self.kv = kv
+        self.backend = backend
+
+    def follow(self, batch: ForwardBatch) -> None:
+        """Nothing: the target's forward wrote this draft's KV."""
 
     @torch.inference_mode()
-    def __call__(self, batch: ForwardBatch, kv, backend) -> torch.Tensor:  # noqa: ANN001
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """LlamaForCausalLM.forward over the first `layers` layers: float32 logits at
         batch.logit_indices."""
-        m = self.model
+        self.backend.prepare(batch)
+        kv, backend, m = self.kv, self.backend, self.model
         x = m.model.embed_tokens(batch.input_ids)
         ctx = ForwardContext(batch, kv, backend, m.rotary, m.rotary.prepare(batch.positions, x.dtype))
         residual = None
@@ -85,16 +91,58 @@ class SelfDraft:
         return lm_logits(h, head.weight, m.config.vocab_size, head.packed)
 
 
+class DraftModel:
+    """A separate draft model with the target's vocabulary (--speculative-draft-model-path):
+    its own weights and its own KV pool, indexed by the target's pages (one page table serves
+    both), written by every forward the target runs (`follow`: prefill chunks, decode and
+    verify rows), so its KV covers every token the target's does."""
+
+    def __init__(self, path: str, target_vocab: int, num_pages: int, page_size: int, max_batch: int,
+                 max_pages_per_req: int, dtype: torch.dtype, device: torch.device) -> None:
+        from engine.layers.attention import create_backend
+        from engine.layers.kv_pool import KVPool
+        from engine.run.dist import rank_config
+        from models.registry import kv_layout, load_model
+
+        self.model, mcfg = load_model(path, "auto", dtype, device)
+        if mcfg.vocab_size != target_vocab:
+            raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has {mcfg.vocab_size} tokens, "
+                             f"the model's {target_vocab}: a draft must share the tokenizer")
+        shard = rank_config(mcfg)
+        self.kv = KVPool.from_layout(kv_layout(shard), mcfg.num_layers, num_pages, page_size, dtype, device)
+        self.backend = create_backend("torch", device)
+        self.backend.bind(num_q_heads=shard.num_heads, kv_pool=self.kv, max_batch=max_batch,
+                          max_pages_per_req=max_pages_per_req, q_dtype=dtype)
+
+    @torch.inference_mode()
+    def follow(self, batch: ForwardBatch) -> None:
+        """Write this draft's KV for the target's batch (its logits are not needed)."""
+        idx = batch.logit_indices
+        batch.logit_indices = idx[:0]
+        try:
+            self(batch)
+        finally:
+            batch.logit_indices = idx
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        self.backend.prepare(batch)
+        return self.model(batch, self.kv, self.backend)
+
+
 class Speculator:
     """A rank's part of speculative decoding: fills worker drafts, lays out verify logits,
     decides acceptance. Stateless between steps: everything follows from the Step."""
 
-    def __init__(self, draft: SelfDraft | None, kv, backend, page_size: int, device: torch.device) -> None:  # noqa: ANN001
+    def __init__(self, draft: SelfDraft | DraftModel | None, page_size: int, device: torch.device) -> None:
         self.draft = draft
-        self.kv = kv
-        self.backend = backend
         self.page_size = page_size
         self.device = device
+
+    def follow(self, batch: ForwardBatch) -> None:
+        """After every target forward: a separate draft model writes its KV for the same batch."""
+        if self.draft is not None:
+            self.draft.follow(batch)
 
     def rows(self, fwd: Forward, ids: list[int], tables: list[list[int]]) -> VerifyRows:
         """The verify rows of `fwd` (its drafts resolved: the draft model's filled into `ids`)."""
@@ -130,8 +178,7 @@ class Speculator:
             batch = ForwardBatch.build([ids[p] for p in pos], [starts[i] + lens[i] - num[i] - 1 + step for i in act],
                                        [1] * len(act), [tables[i] for i in act], [1] * len(act), self.page_size,
                                        self.device)
-            self.backend.prepare(batch)
-            nxt = self.draft(batch, self.kv, self.backend).argmax(dim=-1).tolist()  # (a host sync per draft step)
+            nxt = self.draft(batch).argmax(dim=-1).tolist()  # (a host sync per draft step)
             for p, t in zip(pos, nxt, strict=True):
                 ids[p + 1] = int(t)
 

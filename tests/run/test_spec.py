@@ -32,7 +32,7 @@ def _verify(sampler: Sampler, logits: torch.Tensor, slots: list[int], starts: li
     positions = [p + 1 + i for p, n in zip(starts, rows, strict=True) for i in range(n)]
     res = sampler.sample(logits, row_slots, positions)
     v = VerifyRows([len(d) for d in drafts], drafts, [len(d) for d in drafts])
-    out, bonus = Speculator(None, None, None, 16, torch.device("cpu")).accept(res, v)
+    out, bonus = Speculator(None, 16, torch.device("cpu")).accept(res, v)
     accepted = out.accepted.tolist()
     toks, answered, off = out.token_ids.tolist(), [], 0
     for a in accepted:
@@ -147,7 +147,9 @@ def test_wire_plain_steps_unchanged_and_spec_messages_round_trip() -> None:
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5),
      "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="NGRAM", speculative_draft_layers=4), "need --speculative-algorithm STANDALONE"),
-    (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/x"), "--speculative-draft-model-path"),
+    (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/nonexistent"), "no such directory"),
+    (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/tmp", speculative_draft_layers=2),
+     "choose one draft"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=40), "--speculative-num-steps"),
 ])
 def test_bad_speculative_flags_fail_at_start(kw: dict, flag: str) -> None:
