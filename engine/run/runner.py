@@ -384,23 +384,13 @@ class ModelRunner:
 
     def _forward_verify(self, fwd: Forward, ids: list[int], slots: list[int], starts: list[int], lens: list[int],
                         sample: list[int], tables: list[list[int]]) -> _ToSample | None:
-        """A verify step (engine/run/spec.py): the drafts resolved (the draft model's filled
-        in), one forward over every row, logits at each sampled row's last num_drafts + 1."""
+        """A verify step (engine/run/spec.py: Speculator.forward)."""
         assert self.spec is not None
-        v = self.spec.rows(fwd, ids, tables)
-        batch = ForwardBatch.build(self._resolve_ids(ids, slots, lens), starts, lens, tables, sample, self.page_size,
-                                   self.device)
-        batch.logit_indices = _to_device(Speculator.logit_indices(lens, sample, v), self.device)
-        self.backend.prepare(batch)
-        logits = self.model(batch, self.kv, self.backend)
-        self.spec.follow(batch)
-        req = [(s, st + n - k - 1) for s, st, n, smp, k in zip(slots, starts, lens, sample, v.row_drafts, strict=True)
-               if smp]
-        if not req:
+        out = self.spec.forward(self, fwd, ids, slots, starts, lens, sample, tables)
+        if out is None:
             return None
-        row_slots = [s for (s, _), n in zip(req, v.logit_rows, strict=True) for _ in range(n)]
-        positions = [p + 1 + i for (_, p), n in zip(req, v.logit_rows, strict=True) for i in range(n)]
-        return _ToSample(logits, row_slots, positions, None, verify=v, req_slots=[s for s, _ in req])
+        logits, row_slots, positions, v, req_slots = out
+        return _ToSample(logits, row_slots, positions, None, verify=v, req_slots=req_slots)
 
     def _sample(self, t: _ToSample) -> SampleResult:
         if t.verify is not None:
@@ -415,25 +405,9 @@ class ModelRunner:
         return res
 
     def _sample_verify(self, t: _ToSample) -> SampleResult:
-        """Every logit row drawn with its penalty history (the slot's and the drafts before the
-        row), the drafts accepted (engine/run/spec.py); only answered tokens enter the history."""
-        v, req_slots = t.verify, t.req_slots
-        assert v is not None and req_slots is not None and self.spec is not None
-        constrained = self.grammar.constrained(req_slots)
-        if constrained and not self.grammar.verifies_drafts:  # (grammar helpers, GPU): drafts rejected
-            v = VerifyRows(v.num_drafts, [[] if s in self.grammar.matchers else d
-                                          for s, d in zip(req_slots, v.drafts, strict=True)], v.row_drafts)
-        self.grammar.mask(t.logits, t.slots, dict(zip(req_slots, v.drafts, strict=True)) if constrained else None)
-        prior = [d[:i] for d, n in zip(v.drafts, v.logit_rows, strict=True) for i in range(n)]
-        res = self.sampler.sample_verify(t.logits, t.slots, t.positions, prior)
-        res, bonus = self.spec.accept(res, v)
-        req_dev = _to_device(torch.tensor(req_slots, dtype=torch.int64), self.device)
-        self.last_token.index_copy_(0, req_dev, bonus)
-        answered = req_dev.repeat_interleave(res.accepted + 1)  # type: ignore[operator]
-        self.sampler.record(answered, res.token_ids)
-        if constrained:  # the matchers advance by the answered tokens only (a host read of the slots)
-            self.grammar.sampled(answered.tolist(), res.token_ids)
-        return res
+        """A verify step's tokens (engine/run/spec.py: Speculator.sample)."""
+        assert self.spec is not None and t.verify is not None and t.req_slots is not None
+        return self.spec.sample(self, t.logits, t.slots, t.positions, t.verify, t.req_slots)
 
     def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
         """Replace future references (-1) with the token the slot sampled last step."""

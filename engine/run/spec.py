@@ -16,6 +16,7 @@ get without speculation whenever the logits are the same bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -182,6 +183,49 @@ class Speculator:
             for p, t in zip(pos, nxt, strict=True):
                 ids[p + 1] = int(t)
 
+    def forward(self, runner: Any, fwd: Forward, ids: list[int], slots: list[int], starts: list[int],
+                lens: list[int], sample: list[int], tables: list[list[int]]
+                ) -> tuple[torch.Tensor, list[int], list[int], VerifyRows, list[int]] | None:
+        """A verify step on `runner` (the ModelRunner): the drafts resolved (the draft model's
+        filled in), one forward over every row, logits at each sampled row's last num_drafts + 1.
+        Returns the logits, each logit row's slot and sampled position, the rows, the sampled
+        requests' slots (None when no row samples)."""
+        v = self.rows(fwd, ids, tables)
+        batch = ForwardBatch.build(runner._resolve_ids(ids, slots, lens), starts, lens, tables, sample,
+                                   self.page_size, self.device)
+        batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
+        runner.backend.prepare(batch)
+        logits = runner.model(batch, runner.kv, runner.backend)
+        self.follow(batch)
+        req = [(s, st + n - k - 1) for s, st, n, smp, k in zip(slots, starts, lens, sample, v.row_drafts, strict=True)
+               if smp]
+        if not req:
+            return None
+        row_slots = [s for (s, _), n in zip(req, v.logit_rows, strict=True) for _ in range(n)]
+        positions = [p + 1 + i for (_, p), n in zip(req, v.logit_rows, strict=True) for i in range(n)]
+        return logits, row_slots, positions, v, [s for s, _ in req]
+
+    def sample(self, runner: Any, logits: torch.Tensor, row_slots: list[int], positions: list[int], v: VerifyRows,
+               req_slots: list[int]) -> VerifiedResult:
+        """Every logit row drawn with its penalty history (the slot's and the drafts before the
+        row) and masked by its grammar after them, the drafts accepted, `last_token` set to each
+        bonus; only answered tokens enter the penalty history and the grammar matchers."""
+        grammar, sampler = runner.grammar, runner.sampler
+        constrained = grammar.constrained(req_slots)
+        if constrained and not grammar.verifies_drafts:  # (grammar helpers, GPU): drafts rejected
+            v = VerifyRows(v.num_drafts, [[] if s in grammar.matchers else d
+                                          for s, d in zip(req_slots, v.drafts, strict=True)], v.row_drafts)
+        grammar.mask(logits, row_slots, dict(zip(req_slots, v.drafts, strict=True)) if constrained else None)
+        prior = [d[:i] for d, n in zip(v.drafts, v.logit_rows, strict=True) for i in range(n)]
+        res, bonus = self.accept(sampler.sample_verify(logits, row_slots, positions, prior), v)
+        req_dev = _to_device(torch.tensor(req_slots, dtype=torch.int64), self.device)
+        runner.last_token.index_copy_(0, req_dev, bonus)
+        answered = req_dev.repeat_interleave(res.accepted + 1)  # type: ignore[operator]
+        sampler.record(answered, res.token_ids)
+        if constrained:  # the matchers advance by the answered tokens only (a host read of the slots)
+            grammar.sampled(answered.tolist(), res.token_ids)
+        return res
+
     @staticmethod
     def logit_indices(lens: list[int], sample: list[int], v: VerifyRows) -> torch.Tensor:
         """Token rows whose logits are taken: each sampled row's last num_drafts + 1."""
@@ -218,3 +262,8 @@ class Speculator:
         out = VerifiedResult(res.token_ids[keep], rows_of(res.logprobs), rows_of(res.top_ids),
                              rows_of(res.top_logprobs), accepted=accepted)
         return out, bonus
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync (as the runner's)."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
