@@ -57,3 +57,12 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     lines = [json.loads(line) for line in Path(spec_server.log_dir, "scheduler.log").read_text().splitlines()
              if '"speculative decoding"' in line]
     assert lines and lines[-1]["accept_length"] > 1.5
+
+
+def test_speculative_tp2_gives_the_plain_tp1_tokens(spec_server: Server, server: Server) -> None:
+    """The session's plain server (tp=1, speculation off, float32 as here) answers the same greedy
+    text: NGRAM verification at tp=2 changes neither the tokens nor where they stop."""
+    for body in ({"max_tokens": 24, "ignore_eos": True}, {"max_tokens": 16, "stop": ["lazy"]}):
+        spec = _complete(spec_server, **body)["choices"][0]
+        plain = _complete(server, **body)["choices"][0]
+        assert (spec["text"], spec["finish_reason"]) == (plain["text"], plain["finish_reason"])
