@@ -3,13 +3,13 @@
 It applies each Step's ops to its replica (engine/replica: page tables, slot sampling,
 prefix-cache pages; the sampler's device state as an effect), runs the
 forward, samples, and answers a StepDone. It makes no policy decision: everything it
-does is a function of the steps it received, in seq order.
+does is a function of the steps it received, in seq order. What is built once before the
+first step (the model, the KV pool, the bound backend, warm-up, CUDA graphs) is
+engine/run/assembly.py; this file is step execution.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -19,25 +19,17 @@ import torch
 
 from engine.config import ServerConfig
 from engine.env import env
-from engine.layers import batch_invariant, triton_ops
-from engine.layers.attention import create_backend
-from engine.layers.flashinfer_attention import set_decode_kernel
+from engine.layers import triton_ops
 from engine.layers.forward import ForwardBatch
-from engine.layers.kv_pool import KVPool
-from engine.layers.parallel import pack_for_cpu
 from engine.replica import Effect, ReplicaError, StepOrderError, TokenChain, rank_replica
-from engine.run import TORCH_PREIMPORTED
-from engine.run.dist import init_distributed, rank_config
+from engine.run.assembly import assemble, make_ready, make_speculator
 from engine.run.expert_counts import ExpertCounts
 from engine.run.grammar import GrammarSlots
 from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
-from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.sampler import SampleParams, Sampler, SampleResult
-from engine.run.spec import DraftModel, SelfDraft, Speculator, VerifiedResult, VerifyRows
+from engine.run.spec import VerifiedResult, VerifyRows
 from engine.run.step_profile import StepProfiler
-from engine.run.warmup import warm_up
-from models.registry import kv_layout, load_model
 from msgs.codec import pack_f32, pack_ids, unpack_ids
 from msgs.done import SpecDone, StepDone, WorkerReady
 from msgs.steps import AddReq, Forward, FreeReq, Step
@@ -89,73 +81,18 @@ class _ToSample:
     req_slots: list[int] | None = None  # ... and these are the sampled requests' slots
 
 
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    return torch.float8_e4m3fn if name == "fp8_e4m3" else model_dtype
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype auto: bfloat16 on a GPU, float32 on a CPU. On a CPU with native bf16, bfloat16 is
-    ~1.6x float32's throughput, but its answers move with the batch and the cache (the README's
-    question answered two ways, fresh and cached), and deterministic bf16 costs 3.2x (16 x 64/128
-    on 2 cores: 75 vs 237 tok/s), so the CPU default is float32 (145 tok/s), whose texts agree
-    across paths; --dtype bfloat16, with or without --enable-deterministic-inference, is a flag
-    away (docs/architecture.md, "Deterministic inference")."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 class ModelRunner:
     def __init__(self, cfg: ServerConfig, rank: int = 0) -> None:
+        """Assemble (engine/run/assembly.py: load, size, bind), set up the step state, then make
+        ready (warm up, capture)."""
         self.cfg = cfg
         self.rank = rank
-        self.device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
-        # torch backend's chunked attention (no CUDA graphs: that backend is not captured); the
-        # fused norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
-        self.deterministic = cfg.enable_deterministic_inference
-        batch_invariant.enable(self.deterministic, self.device.type)
-        if self.device.type == "cuda":
-            # the forward (and the replays of its graphs) runs on a high-priority stream, so
-            # that the host tier's backups, on a default-priority side stream, get only the
-            # SMs the forward leaves idle (on one stream priority each, the write-through's
-            # gathers slowed prefill-heavy steps by ~25% on the H200)
-            torch.cuda.set_stream(torch.cuda.Stream(self.device, priority=-1))
-        if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads(cfg.cpu_threads))
-            if TORCH_PREIMPORTED:  # in-process users (tests, LocalEngine) keep torch's spinning default
-                log.debug("torch was imported before engine.run: OMP_WAIT_POLICY left as torch found it")
-        t0 = time.perf_counter()
-        self.model, self.mcfg = _load(cfg, self.dtype, self.device)
-        self.startup = {"load_s": time.perf_counter() - t0}  # time to ready, by phase (Ready's info)
-        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
-        self.shard = rank_config(self.mcfg)  # this rank's heads and MLP slice: what its KV pool holds
-        # what a token caches per layer, as the model declares it (K and V, or MLA's latent)
-        self.kv_layout = kv_layout(self.shard)
-        pool = plan_pool(cfg, self.shard, self.kv_dtype, self.device)
-        self.page_size = cfg.page_size
-        self.num_pages = pool.num_pages
-        kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(self.shard, self.kv_dtype) / 2**30
-        log.info(
-            f"kv pool: {(pool.num_pages - 1) * cfg.page_size} tokens, {kv_gib:.2f} GiB on {self.device}",
-            sized_by=pool.sized_by, layout=self.kv_layout.describe(self.kv_dtype),
-            threads=torch.get_num_threads() if self.device.type == "cpu" else None,
-        )
-        self.max_context = pool.max_context
-        self.kv = KVPool.from_layout(
-            self.kv_layout, self.mcfg.num_layers, pool.num_pages, cfg.page_size, self.kv_dtype, self.device
-        )
-        self.backend = create_backend(self._backend_name(), self.device)
-        set_decode_kernel(self.backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
-        self.backend.bind(
-            num_q_heads=self.shard.num_heads,
-            kv_pool=self.kv,
-            max_batch=cfg.max_running_requests,
-            max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
-            q_dtype=self.dtype,
-            fp8_math=cfg.attention_fp8_math,
-        )
+        a = assemble(cfg, rank)
+        self.device, self.dtype, self.deterministic = a.device, a.dtype, a.deterministic
+        self.model, self.mcfg, self.shard, self.kv_layout = a.model, a.mcfg, a.shard, a.kv_layout
+        self.kv_dtype, self.kv, self.backend = a.kv_dtype, a.kv, a.backend
+        self.page_size, self.num_pages, self.max_context = cfg.page_size, a.num_pages, a.max_context
+        self.startup = a.startup  # time to ready, by phase (Ready's info)
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
         # grammar matchers per slot (engine/run/grammar.py): an effect, like the sampler's state
         self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device,
@@ -166,82 +103,14 @@ class ModelRunner:
         self.host_tier = HostCopies(self.kv, cfg.hicache_path, rank, cfg.tp_size)  # L2 copies: host_tier.py
         self.replica.add_effect(self.host_tier)
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
-        self.spec = self._speculator()
+        self.spec = make_speculator(cfg, a)
         self.seq = 0
         self.idle = IdleMeter() if self.device.type == "cuda" else None
         spec = env().profile_steps if self.device.type == "cuda" else None
         self.profiler = StepProfiler(spec, cfg.log_dir, rank) if spec else None
-        self.startup["warmup_s"] = warm_up(self)  # every kernel compiled before Ready
-        if self.device.type == "cuda":
-            triton_ops.warm_to_host(self.device)  # the results' store kernel (_to_host)
-        t0 = time.perf_counter()
-        self.graphs = self._capture_graphs()
-        self.expert_counts = ExpertCounts(self.model)  # MoE layers' routed tokens (zeroed: after warm-up)
-        if self.device.type == "cuda":  # load the future-reference kernels now, not in a served step
-            self._resolve_ids([-1], [0], [1])
-            if self.graphs is not None:
-                self.graphs.warm_future_refs(self.last_token)
-            torch.cuda.synchronize(self.device)
-        self.startup["capture_s"] = time.perf_counter() - t0
-        self.grammar.wait_ready()  # the grammar helper processes, started with GrammarSlots
-        log.info(
-            "runner ready", **{k: round(v, 2) for k, v in self.startup.items()},
-            pages=pool.num_pages, max_context=pool.max_context, dtype=str(self.dtype),
-            backend=type(self.backend).__name__, cuda_graphs=self.graphs is not None,
-            deterministic=self.deterministic,
-        )
-
-    def _backend_name(self) -> str:
-        """Deterministic inference has one attention path: the torch backend's (config.py refuses
-        another named backend with the mode on). A model whose KV layout is not K and V (MLA's
-        latent) attends its pool itself (engine/layers/mla_attention.py): the GQA kernels are not
-        planned for it (the torch backend's per-step plan is cheap, and no CUDA graphs)."""
-        if self.deterministic or not self.kv_layout.is_gqa:
-            return "torch"
-        return self.cfg.attention_backend
-
-    def _speculator(self) -> Speculator | None:
-        """Speculative decoding's part on this rank (engine/run/spec.py), when it is on."""
-        if not self.cfg.speculative_algorithm:
-            return None
-        layers, path = self.cfg.speculative_draft_layers, self.cfg.speculative_draft_model_path
-        draft: SelfDraft | DraftModel | None = None
-        if layers:
-            draft = SelfDraft(self.model, layers, self.kv, self.backend)
-        elif path:
-            draft = DraftModel(path, self.mcfg.vocab_size, self.num_pages, self.page_size,
-                               self.cfg.max_running_requests, math.ceil(self.max_context / self.page_size) + 1,
-                               self.dtype, self.device)
-        log.info("speculative decoding", algorithm=self.cfg.speculative_algorithm,
-                 steps=self.cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
-        return Speculator(draft, self.page_size, self.device)
-
-    def _capture_graphs(self):  # noqa: ANN202
-        """CUDA graphs for decode, unless disabled, on CPU, or the backend or model cannot be captured."""
-        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
-            return None
-        if self.spec is not None:  # verify rows are several tokens: no captured shape for them yet
-            log.info("cuda graphs off", reason="speculative decoding: verify and draft forwards run eagerly")
-            return None
-        if not self.backend.supports_cuda_graph:
-            log.info("cuda graphs off", reason=f"{type(self.backend).__name__} is not capturable")
-            return None
-        blocker = cuda_graph_blocker(self.model)
-        if blocker is not None:
-            log.info("cuda graphs off", reason=blocker)
-            return None
-        from engine.run.cuda_graph import CudaGraphRunner
-
-        graphs = CudaGraphRunner(self.model, self.kv, self.backend, self.cfg.max_running_requests, self.device)
-        try:
-            with torch.inference_mode():
-                graphs.capture()
-        except torch.OutOfMemoryError as e:
-            raise OutOfMemory(
-                f"out of GPU memory while capturing CUDA graphs ({e}); lower --mem-fraction or "
-                "--max-running-requests, or pass --disable-cuda-graph"
-            ) from e
-        return graphs
+        self.graphs = None
+        self.expert_counts: ExpertCounts | None = None
+        make_ready(self)  # warm up and capture: nothing compiles after this
 
     def ready_msg(self) -> WorkerReady:
         return WorkerReady(
@@ -370,7 +239,7 @@ class ModelRunner:
                 rows = [i for i, smp in enumerate(sample) if smp]
                 logits = logits[_to_device(torch.tensor(rows, dtype=torch.int64), self.device)] if rows else None
         else:
-            input_ids = self._resolve_ids(ids, slots, lens)
+            input_ids = self.resolve_ids(ids, slots, lens)
             batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device)
             self.backend.prepare(batch)
             logits = self.model(batch, self.kv, self.backend)
@@ -409,7 +278,7 @@ class ModelRunner:
         assert self.spec is not None and t.verify is not None and t.req_slots is not None
         return self.spec.sample(self, t.logits, t.slots, t.positions, t.verify, t.req_slots)
 
-    def _resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
+    def resolve_ids(self, ids: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
         """Replace future references (-1) with the token the slot sampled last step."""
         t = _to_device(torch.tensor(ids, dtype=torch.int64), self.device)
         if -1 not in ids:
@@ -419,43 +288,6 @@ class ModelRunner:
             self.device,
         )
         return torch.where(t < 0, self.last_token[token_slots], t)
-
-
-def cuda_graph_blocker(model: torch.nn.Module) -> str | None:
-    """Why `model`'s decode cannot be captured in a CUDA graph (None: it can). The model's own
-    `supports_cuda_graph` decides where it declares one (MoeForCausalLM: False with MoE layers);
-    otherwise a submodule class declaring it False does (engine/layers/moe.py's MoE reads
-    per-expert counts on the host), so a model that does not declare it (DeepSeek-V3) is still
-    served, uncaptured, instead of failing in capture."""
-    flag = getattr(model, "supports_cuda_graph", None)
-    if flag is not None:
-        return None if flag else f"{type(model).__name__}.supports_cuda_graph is False"
-    for m in model.modules():
-        if getattr(type(m), "supports_cuda_graph", True) is False:
-            return f"{type(m).__name__} layers are not capturable (torch path)"
-    return None
-
-
-def cpu_threads(requested: int) -> int:
-    """--cpu-threads: torch intra-op threads of a CPU worker; 0 = every core this process may run on.
-
-    All of them, not one fewer: the forward is the work, and the scheduler and tokenizer
-    processes mostly wait on their sockets while it runs (measured on 2 cores: one thread
-    gave 0.86x transformers' throughput). The affinity mask, not os.cpu_count(), so taskset and
-    cgroup cpusets are honoured."""
-    return requested if requested > 0 else len(os.sched_getaffinity(0))
-
-
-def _load(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN202
-    """load_model with a clear error when the weights cannot fit the device."""
-    check_weights_fit(cfg.model, dtype, device, cfg.tp_size)
-    try:
-        model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device, quantization=cfg.quantization or None)
-    except torch.OutOfMemoryError as e:
-        raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
-    if device.type == "cpu":
-        log.info("cpu projections in oneDNN's layout", layers=pack_for_cpu(model))
-    return model, mcfg
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

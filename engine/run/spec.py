@@ -191,7 +191,7 @@ class Speculator:
         Returns the logits, each logit row's slot and sampled position, the rows, the sampled
         requests' slots (None when no row samples)."""
         v = self.rows(fwd, ids, tables)
-        batch = ForwardBatch.build(runner._resolve_ids(ids, slots, lens), starts, lens, tables, sample,
+        batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
                                    self.page_size, self.device)
         batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
         runner.backend.prepare(batch)

@@ -13,7 +13,7 @@ import pytest
 from test_mla import TINY_V3
 from test_moe import QWEN3_MOE, make_moe_dir
 
-from engine.run.runner import cuda_graph_blocker
+from engine.run.assembly import cuda_graph_blocker
 from models.registry import load_model
 
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from engine.config import ServerConfig
 from engine.layers.attention import _CPU_FLASH_LSE, _prefix_then_causal
+from engine.run.assembly import cpu_threads
 from engine.run.memory import CPU_POOL_RAM_FRACTION, cpu_pool_tokens, kv_bytes_per_token, plan_pool
-from engine.run.runner import cpu_threads
 from models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,9 +82,9 @@ def test_auto_dtype_is_float32_on_cpu_and_bf16_on_cuda() -> None:
     float32 is faster and its answers agree across batch and cache paths)."""
     import torch
 
-    from engine.run import runner
+    from engine.run import assembly
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert runner.resolve_dtype("auto", cpu) == torch.float32
-    assert runner.resolve_dtype("auto", cuda) == torch.bfloat16
-    assert runner.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert assembly.resolve_dtype("auto", cpu) == torch.float32
+    assert assembly.resolve_dtype("auto", cuda) == torch.bfloat16
+    assert assembly.resolve_dtype("bfloat16", cpu) == torch.bfloat16

@@ -1,0 +1,238 @@
+"""Assembling a rank's ModelRunner: what is built once, before the first step.
+
+`assemble` loads the model, sizes the KV pool and binds the attention backend (the parts a
+runner executes steps on: `Assembled`); `make_ready` runs once the runner exists: every kernel
+warmed, CUDA graphs captured, the grammar helpers started, so that nothing a request can reach
+compiles or captures after the worker says Ready. Step execution is engine/run/runner.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from engine.config import ServerConfig
+from engine.layers import batch_invariant, triton_ops
+from engine.layers.attention import AttentionBackend, create_backend
+from engine.layers.flashinfer_attention import set_decode_kernel
+from engine.layers.kv_layout import KVLayout
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import pack_for_cpu
+from engine.run import TORCH_PREIMPORTED
+from engine.run.dist import init_distributed, rank_config
+from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
+from engine.run.spec import DraftModel, SelfDraft, Speculator
+from engine.run.warmup import warm_up
+from models.config import ModelConfig
+from models.registry import kv_layout, load_model
+
+if TYPE_CHECKING:
+    from engine.run.runner import ModelRunner
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Assembled:
+    """A rank's loaded model, its KV pool and bound attention backend."""
+
+    device: torch.device
+    dtype: torch.dtype
+    deterministic: bool
+    model: torch.nn.Module
+    mcfg: ModelConfig
+    shard: ModelConfig  # this rank's heads and MLP slice: what its KV pool holds
+    kv_layout: KVLayout  # what a token caches per layer, as the model declares it
+    kv_dtype: torch.dtype
+    kv: KVPool
+    backend: AttentionBackend
+    num_pages: int
+    max_context: int
+    startup: dict[str, float] = field(default_factory=dict)  # seconds by phase, for the ready line
+
+
+def assemble(cfg: ServerConfig, rank: int) -> Assembled:
+    """Load, size, bind: the device (joining the tp group at tp > 1), the model, the KV pool the
+    model's declared layout needs, and the attention backend bound to it."""
+    device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
+    dtype = resolve_dtype(cfg.dtype, device)
+    # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
+    # torch backend's chunked attention (no CUDA graphs: that backend is not captured); the
+    # fused norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
+    deterministic = cfg.enable_deterministic_inference
+    batch_invariant.enable(deterministic, device.type)
+    if device.type == "cuda":
+        # the forward (and the replays of its graphs) runs on a high-priority stream, so
+        # that the host tier's backups, on a default-priority side stream, get only the
+        # SMs the forward leaves idle (on one stream priority each, the write-through's
+        # gathers slowed prefill-heavy steps by ~25% on the H200)
+        torch.cuda.set_stream(torch.cuda.Stream(device, priority=-1))
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(cfg.cpu_threads))
+        if TORCH_PREIMPORTED:  # in-process users (tests, LocalEngine) keep torch's spinning default
+            log.debug("torch was imported before engine.run: OMP_WAIT_POLICY left as torch found it")
+    t0 = time.perf_counter()
+    model, mcfg = load_checked(cfg, dtype, device)
+    startup = {"load_s": time.perf_counter() - t0}
+    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
+    shard = rank_config(mcfg)
+    layout = kv_layout(shard)
+    pool = plan_pool(cfg, shard, kv_dtype, device)
+    kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(shard, kv_dtype) / 2**30
+    log.info(
+        f"kv pool: {(pool.num_pages - 1) * cfg.page_size} tokens, {kv_gib:.2f} GiB on {device}",
+        sized_by=pool.sized_by, layout=layout.describe(kv_dtype),
+        threads=torch.get_num_threads() if device.type == "cpu" else None,
+    )
+    kv = KVPool.from_layout(layout, mcfg.num_layers, pool.num_pages, cfg.page_size, kv_dtype, device)
+    backend = create_backend(backend_name(cfg, deterministic, layout), device)
+    set_decode_kernel(backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
+    backend.bind(
+        num_q_heads=shard.num_heads,
+        kv_pool=kv,
+        max_batch=cfg.max_running_requests,
+        max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
+        q_dtype=dtype,
+        fp8_math=cfg.attention_fp8_math,
+    )
+    return Assembled(device, dtype, deterministic, model, mcfg, shard, layout, kv_dtype, kv, backend,
+                     pool.num_pages, pool.max_context, startup)
+
+
+def backend_name(cfg: ServerConfig, deterministic: bool, layout: KVLayout) -> str:
+    """Deterministic inference has one attention path: the torch backend's (config.py refuses
+    another named backend with the mode on). A model whose KV layout is not K and V (MLA's
+    latent) attends its pool itself (engine/layers/mla_attention.py): the GQA kernels are not
+    planned for it (the torch backend's per-step plan is cheap, and no CUDA graphs)."""
+    if deterministic or not layout.is_gqa:
+        return "torch"
+    return cfg.attention_backend
+
+
+def make_speculator(cfg: ServerConfig, a: Assembled) -> Speculator | None:
+    """Speculative decoding's part on this rank (engine/run/spec.py), when it is on."""
+    if not cfg.speculative_algorithm:
+        return None
+    layers, path = cfg.speculative_draft_layers, cfg.speculative_draft_model_path
+    draft: SelfDraft | DraftModel | None = None
+    if layers:
+        draft = SelfDraft(a.model, layers, a.kv, a.backend)
+    elif path:
+        draft = DraftModel(path, a.mcfg.vocab_size, a.num_pages, cfg.page_size, cfg.max_running_requests,
+                           math.ceil(a.max_context / cfg.page_size) + 1, a.dtype, a.device)
+    log.info("speculative decoding", algorithm=cfg.speculative_algorithm,
+             steps=cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
+    return Speculator(draft, cfg.page_size, a.device)
+
+
+def make_ready(runner: ModelRunner) -> None:
+    """Warm up, capture, start the grammar helpers: after this nothing a step can reach compiles."""
+    from engine.run.expert_counts import ExpertCounts
+
+    runner.startup["warmup_s"] = warm_up(runner)  # every kernel compiled before Ready
+    if runner.device.type == "cuda":
+        triton_ops.warm_to_host(runner.device)  # the results' store kernel (runner's _to_host)
+    t0 = time.perf_counter()
+    runner.graphs = capture_graphs(runner)
+    runner.expert_counts = ExpertCounts(runner.model)  # MoE layers' routed tokens (zeroed: after warm-up)
+    if runner.device.type == "cuda":  # load the future-reference kernels now, not in a served step
+        runner.resolve_ids([-1], [0], [1])
+        if runner.graphs is not None:
+            runner.graphs.warm_future_refs(runner.last_token)
+        torch.cuda.synchronize(runner.device)
+    runner.startup["capture_s"] = time.perf_counter() - t0
+    runner.grammar.wait_ready()  # the grammar helper processes, started with GrammarSlots
+    log.info(
+        "runner ready", **{k: round(v, 2) for k, v in runner.startup.items()},
+        pages=runner.num_pages, max_context=runner.max_context, dtype=str(runner.dtype),
+        backend=type(runner.backend).__name__, cuda_graphs=runner.graphs is not None,
+        deterministic=runner.deterministic,
+    )
+
+
+def capture_graphs(runner: ModelRunner):  # noqa: ANN201
+    """CUDA graphs for decode, unless disabled, on CPU, or the backend or model cannot be captured."""
+    cfg = runner.cfg
+    if runner.device.type != "cuda" or cfg.disable_cuda_graph:
+        return None
+    if runner.spec is not None:  # verify rows are several tokens: no captured shape for them yet
+        log.info("cuda graphs off", reason="speculative decoding: verify and draft forwards run eagerly")
+        return None
+    if not runner.backend.supports_cuda_graph:
+        log.info("cuda graphs off", reason=f"{type(runner.backend).__name__} is not capturable")
+        return None
+    blocker = cuda_graph_blocker(runner.model)
+    if blocker is not None:
+        log.info("cuda graphs off", reason=blocker)
+        return None
+    from engine.run.cuda_graph import CudaGraphRunner
+
+    graphs = CudaGraphRunner(runner.model, runner.kv, runner.backend, cfg.max_running_requests, runner.device)
+    try:
+        with torch.inference_mode():
+            graphs.capture()
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemory(
+            f"out of GPU memory while capturing CUDA graphs ({e}); lower --mem-fraction or "
+            "--max-running-requests, or pass --disable-cuda-graph"
+        ) from e
+    return graphs
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return torch.float8_e4m3fn if name == "fp8_e4m3" else model_dtype
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--dtype auto: bfloat16 on a GPU, float32 on a CPU. On a CPU with native bf16, bfloat16 is
+    ~1.6x float32's throughput, but its answers move with the batch and the cache (the README's
+    question answered two ways, fresh and cached), and deterministic bf16 costs 3.2x (16 x 64/128
+    on 2 cores: 75 vs 237 tok/s), so the CPU default is float32 (145 tok/s), whose texts agree
+    across paths; --dtype bfloat16, with or without --enable-deterministic-inference, is a flag
+    away (docs/architecture.md, "Deterministic inference")."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def cuda_graph_blocker(model: torch.nn.Module) -> str | None:
+    """Why `model`'s decode cannot be captured in a CUDA graph (None: it can). The model's own
+    `supports_cuda_graph` decides where it declares one (MoeForCausalLM: False with MoE layers);
+    otherwise a submodule class declaring it False does (engine/layers/moe.py's MoE reads
+    per-expert counts on the host), so a model that does not declare it (DeepSeek-V3) is still
+    served, uncaptured, instead of failing in capture."""
+    flag = getattr(model, "supports_cuda_graph", None)
+    if flag is not None:
+        return None if flag else f"{type(model).__name__}.supports_cuda_graph is False"
+    for m in model.modules():
+        if getattr(type(m), "supports_cuda_graph", True) is False:
+            return f"{type(m).__name__} layers are not capturable (torch path)"
+    return None
+
+
+def cpu_threads(requested: int) -> int:
+    """--cpu-threads: torch intra-op threads of a CPU worker; 0 = every core this process may run on.
+
+    All of them, not one fewer: the forward is the work, and the scheduler and tokenizer
+    processes mostly wait on their sockets while it runs (measured on 2 cores: one thread
+    gave 0.86x transformers' throughput). The affinity mask, not os.cpu_count(), so taskset and
+    cgroup cpusets are honoured."""
+    return requested if requested > 0 else len(os.sched_getaffinity(0))
+
+
+def load_checked(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN201
+    """load_model with a clear error when the weights cannot fit the device."""
+    check_weights_fit(cfg.model, dtype, device, cfg.tp_size)
+    try:
+        model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device, quantization=cfg.quantization or None)
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
+    if device.type == "cpu":
+        log.info("cpu projections in oneDNN's layout", layers=pack_for_cpu(model))
+    return model, mcfg
