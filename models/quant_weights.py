@@ -57,29 +57,28 @@ def covered_experts(model: nn.Module, scheme: QuantScheme) -> list[Experts]:
     return out
 
 
+def _each_covered(model: nn.Module, scheme: QuantScheme, linear_op, stack_op) -> int:  # noqa: ANN001
+    """linear_op(m, format) on every covered Linear, stack_op(x, format) on every covered expert
+    stack; how many there were."""
+    mods, stacks = covered(model, scheme), covered_experts(model, scheme)
+    for m in mods:
+        linear_op(m, scheme.format)
+    for x in stacks:
+        stack_op(x, scheme.format)
+    return len(mods) + len(stacks)
+
+
 def prepare_model(model: nn.Module, scheme: QuantScheme) -> int:
     """Empty quantized parameters (and scales) for every covered Linear and expert stack, for the
     loader to fill."""
-    mods = covered(model, scheme)
-    for m in mods:
-        quant.prepare(m, scheme.format)
-    stacks = covered_experts(model, scheme)
-    for x in stacks:
-        moe_quant.prepare(x, scheme.format)
-    return len(mods) + len(stacks)
+    return _each_covered(model, scheme, quant.prepare, moe_quant.prepare)
 
 
 @torch.inference_mode()
 def quantize_model(model: nn.Module, scheme: QuantScheme) -> int:
     """Quantize every covered Linear's (and expert stack's) loaded plain weight (dummy weights,
     `--quantization fp8`)."""
-    mods = covered(model, scheme)
-    for m in mods:
-        quant.quantize(m, scheme.format)
-    stacks = covered_experts(model, scheme)
-    for x in stacks:
-        moe_quant.quantize(x, scheme.format)
-    return len(mods) + len(stacks)
+    return _each_covered(model, scheme, quant.quantize, moe_quant.quantize)
 
 
 @torch.inference_mode()
