@@ -226,6 +226,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         self.rope = LatentRope(cfg)  # a plain attribute: module.to(dtype) must not cast the frequencies
         self.absorb_all = False  # tests: prefill rows in the absorbed form too
+        self.decode_kernel: bool | None = None  # decode rows' triton kernel (None: on CUDA; tests force it)
 
     @staticmethod
     def kv_layout(cfg: ModelConfig) -> KVLayout:
@@ -238,7 +239,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend | None = None) -> torch.Tensor:
         """`backend` is not used: MLA attends the latent pool itself (engine/layers/mla_attention.py)."""
         x = self.model.embed_tokens(batch.input_ids)
-        ctx = MLAContext(batch, kv, MLAPlan.build(batch, self.absorb_all), self.rope, x.dtype)
+        ctx = MLAContext(batch, kv, MLAPlan.build(batch, self.absorb_all, self.decode_kernel), self.rope, x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)

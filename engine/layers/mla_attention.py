@@ -15,6 +15,11 @@ Both give softmax(q_nope . W_UK c + q_pe . k_pe) weighted sums of W_UV c: the sa
 to rounding. The query/key width (qk_nope + rope, or kv_lora_rank + rope) differs from the
 value width (v, or kv_lora_rank): the attention here takes them separately.
 
+On CUDA (triton present) the decode rows' attention over the latents is one triton kernel
+(engine/layers/mla_kernels.py: paged, split-KV, fp32 accumulation, bf16 or fp8 pool) reading
+the batch's page table and lengths on the device: no gather of the latents, no per-request work
+on the host. The torch path (`_absorbed` over gathered pages) stays the CPU path and the reference.
+
 With deterministic inference (engine/layers/batch_invariant.py) every row takes the absorbed
 form, in blocks of batch_invariant.TOKENS query tokens of one request and KV chunks aligned to
 position 0 merged by an online softmax in order, and the absorption GEMMs run in fixed row
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers import batch_invariant
+from engine.layers import batch_invariant, triton_ops
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 
@@ -67,21 +72,37 @@ class MLAPlan:
     invariant: batch_invariant.Plan | None = None
     all_decode: bool = False
     absorb_extends: bool = False  # prefill rows in the absorbed form too (one row at a time)
+    # the decode kernel's inputs (CUDA): int32 page table [b, W] and KV lengths [b] on the device
+    decode_table: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, batch: ForwardBatch, absorb_all: bool = False) -> MLAPlan:
-        """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one)."""
+    def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None) -> MLAPlan:
+        """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one).
+        `kernel`: decode rows through the triton kernel (None: on CUDA where triton is)."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
         if batch_invariant.enabled():
             inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
             return cls(None, None, None, [], invariant=inv)
         dev = batch.page_table.device
+        if kernel is None:
+            kernel = decode_kernel_available(dev)
+        if kernel and batch.is_decode and not absorb_all:
+            # a pure decode step: the batch's own device tensors, no host work per request (and
+            # nothing a CUDA graph would have to re-plan)
+            rows = torch.arange(len(lens), dtype=torch.int64, device=dev)
+            return cls(rows, None, None, [], all_decode=True, decode_table=batch.page_table,
+                       decode_lens=batch.seq_lens)
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
         dec = [i for i, n in enumerate(lens) if n == 1]
         plan = cls(None, None, None, [], all_decode=len(dec) == len(lens))
-        if dec:
+        if dec and kernel:
+            req = torch.tensor(dec, dtype=torch.int64, device=dev)
+            plan.decode_table, plan.decode_lens = batch.page_table[req], batch.seq_lens[req]
+            plan.decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=dev)
+        elif dec:
             req = torch.tensor(dec, dtype=torch.int64, device=dev)
             n = -(-max(seqs[i] for i in dec) // ps)
             plan.decode_pages = batch.page_table[req][:, :n].to(torch.int64)
@@ -114,8 +135,11 @@ def mla_attend(
         rows = None if plan.all_decode else plan.decode_rows
         qn = q_nope if rows is None else q_nope[rows]
         qp = q_pe if rows is None else q_pe[rows]
-        (lat,) = kv.gather_pages(layer, plan.decode_pages, q_nope.dtype)  # [b, Lk, 1, latent]
-        o = _absorbed(qn, qp, lat[:, :, 0], plan.decode_mask, w_uk, w_uv, s)
+        if plan.decode_table is not None:
+            o = _absorbed_kernel(qn, qp, plan, kv, layer, w_uk, w_uv, s)
+        else:
+            (lat,) = kv.gather_pages(layer, plan.decode_pages, q_nope.dtype)  # [b, Lk, 1, latent]
+            o = _absorbed(qn, qp, lat[:, :, 0], plan.decode_mask, w_uk, w_uv, s)
         if rows is None:
             return o
         out[rows] = o
@@ -163,6 +187,23 @@ def _absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask:
     probs = (scores.float() * s.scale).masked_fill(~mask, float("-inf")).softmax(-1).to(lat.dtype)
     o_lat = torch.bmm(probs, lat[:, :, : s.kv_lora_rank])  # [b, H, kv_lora_rank]
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # through W_UV
+
+
+def decode_kernel_available(device: torch.device) -> bool:
+    """Whether decode rows on `device` take the triton kernel (CUDA with triton)."""
+    return device.type == "cuda" and triton_ops.available()
+
+
+def _absorbed_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, plan: MLAPlan, kv: KVPool, layer: int,
+                     w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
+    """The absorbed form with the attention in engine/layers/mla_kernels.py: q [b, H, *] ->
+    [b, H, v]; the latents are read in place through plan.decode_table."""
+    from engine.layers import mla_kernels  # triton: imported on first use, on CUDA
+
+    q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+    o_lat = mla_kernels.mla_decode(q_lat, q_pe, kv.latent[layer], plan.decode_table, plan.decode_lens, s.scale,
+                                   kv.page_size)
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
 def _absorb_rows(x: torch.Tensor, w: torch.Tensor, eq: str) -> torch.Tensor:

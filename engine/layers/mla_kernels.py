@@ -1,0 +1,220 @@
+"""Paged MLA decode attention in triton: the absorbed form over the latent pool (CUDA; the tests
+run it in triton's CPU interpreter). Imported only where triton is (mla_attention.py imports it
+on first use on a CUDA device).
+
+One decode row b with absorbed queries q_lat [H, R] (q_nope through W_UK) and roped q_pe [H, P]
+attends its L cached latents [c | k_pe] (R + P values a token: 512 + 64 for DeepSeek-V3) read
+through its page table: scores = (q_lat . c + q_pe . k_pe) * scale, output softmax . c [H, R]
+(fp32 accumulation, in q's dtype). W_UV is applied by the caller.
+
+Split-KV (flash-decoding) in two launches:
+* `_mla_split_kernel`, grid (head blocks, B, MAX_SPLITS): program (hb, b, s) attends BLOCK_H heads
+  of row b over split s of its tokens, in tiles of BLOCK_N tokens with an online softmax, and
+  writes its normalized partial output and log2-sum-exp (fp32). Splits past the row's end exit.
+* `_mla_reduce_kernel`, grid (H, B): merges a row's splits in split order.
+
+The split length is a function of the row's own length and the head count only (at least
+`min_split(H)` tokens, at most MAX_SPLITS splits a row, a multiple of MIN_SPLIT_TOKENS), never of
+the batch: a row's output is the same bits whatever else is in the batch (tested), and the grid
+depends on B only, so a CUDA graph keeps one grid per batch size. `min_split` grows with the head
+count because each split writes H x (R + 1) fp32 partials: at 128 heads (DeepSeek-V3 at tp 1) a
+split of 1024 tokens reads 1.2 MB of latents and writes 0.26 MB of partials.
+
+The pool's dtype: bf16/fp16/fp32, or fp8 e4m3 stored unscaled (as KVPool stores it), read as
+bytes and widened to q's dtype in the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 16  # splits of one row at most (the grid's third axis)
+MIN_SPLIT_TOKENS = 256  # split lengths are multiples of this (so every BLOCK_N <= 256 divides them)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLAKernelConfig:
+    """Tile shape and launch options of the split kernel. It changes the order of the sums inside
+    a split (not the split boundaries), so it is fixed per model, never chosen per batch."""
+
+    block_h: int = 16  # query heads a program takes (a tensor-core tile's rows)
+    block_n: int = 32  # tokens per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_CONFIG = MLAKernelConfig()
+
+
+def min_split(heads: int) -> int:
+    """Fewest tokens a split covers: partial outputs (heads x (R + 1) fp32 a split) stay <= ~1/5
+    of the latent bytes the split reads (1.78 x heads tokens' worth at R = 512)."""
+    n = MIN_SPLIT_TOKENS
+    while n < 8 * heads:
+        n *= 2
+    return n
+
+
+def split_len(length: int, heads: int) -> int:
+    """Tokens per split of a row of `length` (the kernel's formula, for tests and the bench)."""
+    lo = min_split(heads)
+    per = -(-length // MAX_SPLITS)
+    return max(lo, -(-per // lo) * lo)
+
+
+@functools.cache
+def _interpreted() -> bool:
+    """Triton's CPU interpreter (the tests): its bf16 tl.dot is wrong, so the kernels multiply the
+    same values in float32 there."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _mla_split_kernel(
+    q, q_pe, kv, table, lens, part_o, part_lse, sm_scale,
+    stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb, H,
+    R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.program_id(2)
+    length = tl.load(lens + b)
+    per = tl.cdiv(length, SPLITS)
+    split = tl.maximum(MIN_SPLIT, tl.cdiv(per, MIN_SPLIT) * MIN_SPLIT)
+    start = s * split
+    if start < length:
+        end = tl.minimum(start + split, length)
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        dr = tl.arange(0, R)
+        dp = tl.arange(0, P)
+        qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + dr[None, :], mask=hmask[:, None], other=0.0)
+        pv = tl.load(q_pe + b * stride_pb + heads[:, None] * stride_ph + dp[None, :], mask=hmask[:, None],
+                     other=0.0)
+        act = qv.dtype
+        if DOT_F32:
+            qv = qv.to(tl.float32)
+            pv = pv.to(tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, R], tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+        row_table = table + b * stride_tb
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            page = tl.load(row_table + offs // PAGE, mask=nmask, other=0)
+            slot = (page.to(tl.int64) * PAGE + offs % PAGE) * stride_kv
+            c = tl.load(kv + slot[:, None] + dr[None, :], mask=nmask[:, None], other=0)
+            kp = tl.load(kv + slot[:, None] + R + dp[None, :], mask=nmask[:, None], other=0)
+            if KV_FP8:  # unscaled e4m3 bytes, widened to q's dtype
+                c = c.to(tl.float8e4nv, bitcast=True).to(act)
+                kp = kp.to(tl.float8e4nv, bitcast=True).to(act)
+            if DOT_F32:
+                c = c.to(tl.float32)
+                kp = kp.to(tl.float32)
+            if IEEE:
+                sc = tl.dot(qv, tl.trans(c), input_precision="ieee")
+                sc += tl.dot(pv, tl.trans(kp), input_precision="ieee")
+            else:
+                sc = tl.dot(qv, tl.trans(c))
+                sc += tl.dot(pv, tl.trans(kp))
+            sc = tl.where(nmask[None, :], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            den = den * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            m = m_new
+        base = (b * SPLITS + s) * H + heads
+        tl.store(part_o + base[:, None] * R + dr[None, :], acc / den[:, None], mask=hmask[:, None])
+        tl.store(part_lse + base, m + tl.log2(den), mask=hmask)
+
+
+@triton.jit
+def _mla_reduce_kernel(
+    part_o, part_lse, lens, out, stride_ob, stride_oh, H,
+    R: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    length = tl.load(lens + b)
+    per = tl.cdiv(length, SPLITS)
+    split = tl.maximum(MIN_SPLIT, tl.cdiv(per, MIN_SPLIT) * MIN_SPLIT)
+    n = tl.cdiv(length, split)
+    si = tl.arange(0, SPLITS)
+    smask = si < n
+    base = (b * SPLITS + si) * H + h
+    lse = tl.load(part_lse + base, mask=smask, other=float("-inf"))
+    w = tl.where(smask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    w = w / tl.sum(w, 0)
+    dr = tl.arange(0, R)
+    o = tl.load(part_o + base[:, None] * R + dr[None, :], mask=smask[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], 0)
+    tl.store(out + b * stride_ob + h * stride_oh + dr, res.to(out.dtype.element_ty))
+
+
+def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table: torch.Tensor,
+           lens: torch.Tensor) -> None:
+    b, h, r = q_lat.shape
+    if q_pe.shape[:2] != (b, h) or latent.shape[-1] != r + q_pe.shape[2]:
+        raise ValueError(f"q_lat {tuple(q_lat.shape)} and q_pe {tuple(q_pe.shape)} do not match the latent "
+                         f"{tuple(latent.shape)}")
+    if latent.stride(-1) != 1:
+        raise ValueError("the latent pool needs a contiguous last dim")
+    if table.dtype != torch.int32 or lens.dtype != torch.int32 or table.shape[0] != b or lens.shape != (b,):
+        raise ValueError(f"page table int32 [B, W] and lengths int32 [B] expected for B={b}")
+    for n in (r, q_pe.shape[2]):
+        if n & (n - 1):
+            raise ValueError(f"latent dims must be powers of two (a triton arange), got {n}")
+
+
+def mla_decode(
+    q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, page_size: int, config: MLAKernelConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """Absorbed MLA decode: q_lat [B, H, R] and q_pe [B, H, P] (q's dtype) attend each row's
+    seq_lens[b] (int32 [B], >= 1) latents of `latent` (one layer's pool, [slots, 1, R + P] or
+    [slots, R + P], bf16/fp16/fp32 or fp8 e4m3) through page_table (int32 [B, W]; slot = page *
+    page_size + offset). Returns o_lat [B, H, R] in q's dtype (W_UV not applied)."""
+    _check(q_lat, q_pe, latent, page_table, seq_lens)
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    b, h, r = q_lat.shape
+    p = q_pe.shape[2]
+    kv = latent.reshape(latent.shape[0], r + p)
+    fp8 = kv.dtype == torch.float8_e4m3fn
+    if fp8:
+        kv = kv.view(torch.uint8)
+    out = torch.empty(b, h, r, dtype=q_lat.dtype, device=q_lat.device)
+    if b == 0:
+        return out
+    part_o = torch.empty(b, MAX_SPLITS, h, r, dtype=torch.float32, device=q_lat.device)
+    part_lse = torch.empty(b, MAX_SPLITS, h, dtype=torch.float32, device=q_lat.device)
+    lo = min_split(h)
+    f32 = q_lat.dtype == torch.float32
+    cfg = config
+    _mla_split_kernel[(triton.cdiv(h, cfg.block_h), b, MAX_SPLITS)](
+        q_lat, q_pe, kv, page_table, seq_lens, part_o, part_lse, float(scale),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,
+        R=r, P=p, PAGE=page_size, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        KV_FP8=fp8, DOT_F32=_interpreted() and not f32, IEEE=f32 and not _interpreted(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _mla_reduce_kernel[(h, b)](
+        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), h,
+        R=r, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, num_warps=4,
+    )
+    return out

@@ -1,0 +1,146 @@
+"""The triton MLA decode kernel (engine/layers/mla_kernels.py) against the torch absorbed path
+(engine/layers/mla_attention.py's `_absorbed` over gathered pages), run by triton's interpreter
+on the CPU with tiny shapes (few heads, a 32 + 16 latent). Skipped where triton is not installed
+(the CPU CI image); on a machine with triton: `TRITON_INTERPRET=1 pytest tests/run/test_mla_kernels.py`.
+The compiled kernel at DeepSeek-V3's shapes is tests/gpu/test_mla_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is first imported
+pytest.importorskip("triton")
+
+from engine.layers import mla_kernels  # noqa: E402
+from engine.layers.forward import ForwardBatch  # noqa: E402
+from engine.layers.kv_layout import KVLayout  # noqa: E402
+from engine.layers.kv_pool import KVPool  # noqa: E402
+from engine.layers.mla_attention import MLAPlan, MLAShapes, mla_attend  # noqa: E402
+
+R, P, NOPE, V = 32, 16, 8, 12  # latent rank, rope dims, q_nope and v head dims (tiny)
+FP8 = torch.float8_e4m3fn
+SMALL = mla_kernels.MLAKernelConfig(block_h=4, block_n=16)  # the interpreter takes any tile
+
+
+def _pool(dtype: torch.dtype, pages: int, page_size: int, seed: int) -> KVPool:
+    kv = KVPool.from_layout(KVLayout.latent(R, P), 1, pages, page_size, dtype, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    kv.latent[0].copy_(torch.randn(kv.latent[0].shape, generator=g).to(dtype))
+    return kv
+
+
+def _batch(lens: list[int], extend: list[int], page_size: int, pages: int, seed: int) -> ForwardBatch:
+    """Requests of KV lengths `lens` feeding `extend` new tokens each, through shuffled (so
+    non-contiguous) pages; one page shared by the first two (a cached prefix)."""
+    free = list(range(1, pages))
+    random.Random(seed).shuffle(free)
+    shared = free.pop()
+    reqs = []
+    for i, (n, e) in enumerate(zip(lens, extend, strict=True)):
+        need = -(-n // page_size)
+        table = ([shared] if i < 2 and n > page_size else []) + [free.pop() for _ in range(need)]
+        reqs.append(([3] * e, n - e, table[:need]))
+    return ForwardBatch.from_requests(reqs, page_size, "cpu")
+
+
+def _attend(batch: ForwardBatch, kv: KVPool, heads: int, dtype: torch.dtype, kernel: bool,
+            seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = batch.num_tokens
+    q_nope = torch.randn(t, heads, NOPE, generator=g).to(dtype)
+    q_pe = torch.randn(t, heads, P, generator=g).to(dtype)
+    w = (torch.randn(heads * (NOPE + V), R, generator=g) * 0.3).to(dtype)
+    s = MLAShapes(heads, R, NOPE, P, V, (NOPE + P) ** -0.5)
+    plan = MLAPlan.build(batch, kernel=kernel)
+    assert (plan.decode_table is not None) == (kernel and 1 in batch.extend_lens_cpu)
+    return mla_attend(q_nope, q_pe, plan, kv, 0, w, s)
+
+
+@pytest.mark.parametrize(("dtype", "page_size", "heads", "lens"), [
+    (torch.float32, 4, 4, [1, 7, 257, 530]),  # within a page, across splits, not page/split multiples
+    (torch.bfloat16, 16, 5, [33, 600, 2]),  # heads not a multiple of the head block
+    (FP8, 4, 3, [300, 5]),  # the fp8 pool: unscaled e4m3 widened in the kernel
+])
+def test_decode_kernel_matches_torch_absorbed(dtype: torch.dtype, page_size: int, heads: int, lens: list[int]) -> None:
+    pages = sum(-(-n // page_size) for n in lens) + 4
+    kv = _pool(dtype, pages, page_size, seed=len(lens))
+    batch = _batch(lens, [1] * len(lens), page_size, pages, seed=heads)
+    q_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    want = _attend(batch, kv, heads, q_dtype, kernel=False)
+    got = _attend(batch, kv, heads, q_dtype, kernel=True)
+    assert got.shape == want.shape == (len(lens), heads, V) and got.dtype == q_dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q_lat and the probabilities rounded alike
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_mixed_step_decode_rows_take_the_kernel() -> None:
+    """A prefill chunk beside decode rows: the decode rows through the kernel, the chunk through
+    the expanded torch path; the whole output equals the all-torch plan's."""
+    ps, lens, ext = 4, [40, 9, 300, 21], [1, 6, 1, 1]
+    pages = sum(-(-n // ps) for n in lens) + 4
+    kv = _pool(torch.float32, pages, ps, seed=7)
+    batch = _batch(lens, ext, ps, pages, seed=7)
+    want = _attend(batch, kv, 4, torch.float32, kernel=False)
+    got = _attend(batch, kv, 4, torch.float32, kernel=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_row_is_batch_invariant() -> None:
+    """A row's output is the same bits alone and beside rows of other lengths (split lengths
+    depend on the row only)."""
+    ps, heads = 4, 4
+    g = torch.Generator().manual_seed(3)
+    kv = _pool(torch.bfloat16, 200, ps, seed=3)
+    table = torch.randperm(199, generator=g)[:150].add(1).to(torch.int32).view(3, 50)
+    lens = torch.tensor([190, 3, 77], dtype=torch.int32)
+    q_lat = torch.randn(3, heads, R, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(3, heads, P, generator=g).to(torch.bfloat16)
+    args = (0.25, ps, SMALL)
+    full = mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], table, lens, *args)
+    for i in range(3):
+        one = mla_kernels.mla_decode(q_lat[i : i + 1], q_pe[i : i + 1], kv.latent[0], table[i : i + 1],
+                                     lens[i : i + 1], *args)
+        assert torch.equal(one[0], full[i])
+
+
+def test_split_lengths_depend_on_the_row_only() -> None:
+    for heads in (1, 16, 128):
+        lo = mla_kernels.min_split(heads)
+        assert lo % mla_kernels.MIN_SPLIT_TOKENS == 0 and lo >= 8 * heads
+        for n in (1, 255, 256, 1000, 4096, 32768, 131072):
+            s = mla_kernels.split_len(n, heads)
+            assert s % lo == 0 and -(-n // s) <= mla_kernels.MAX_SPLITS
+            assert s == lo or -(-n // (s - lo)) > mla_kernels.MAX_SPLITS  # the shortest that fits
+
+
+def test_v3_latent_width_one_row() -> None:
+    """DeepSeek-V3's latent (512 + 64) with 16 heads, one row over 3 splits: the kernel equals a
+    float32 softmax over the same bf16 values."""
+    ps, heads, n = 64, 16, 9 * 64 + 5
+    g = torch.Generator().manual_seed(5)
+    lat = torch.randn(12 * ps, 1, 576, generator=g).to(torch.bfloat16)
+    table = torch.tensor([[7, 2, 9, 1, 11, 4, 3, 10, 5, 8]], dtype=torch.int32)
+    q_lat = torch.randn(1, heads, 512, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(1, heads, 64, generator=g).to(torch.bfloat16)
+    got = mla_kernels.mla_decode(q_lat, q_pe, lat, table, torch.tensor([n], dtype=torch.int32), 0.07, ps,
+                                 mla_kernels.MLAKernelConfig(block_h=16, block_n=64))
+    pos = torch.arange(n)
+    kv = lat[table[0, pos // ps].long() * ps + pos % ps, 0].float()
+    probs = (torch.cat([q_lat[0], q_pe[0]], -1).float() @ kv.T * 0.07).softmax(-1)
+    want = probs.to(torch.bfloat16).float() @ kv[:, :512]
+    assert mla_kernels.split_len(n, heads) == 256
+    torch.testing.assert_close(got[0].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_bad_inputs_are_refused() -> None:
+    lat = torch.zeros(8, 1, R + P)
+    q, qp = torch.zeros(1, 2, R), torch.zeros(1, 2, P)
+    table, lens = torch.ones(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="latent"):
+        mla_kernels.mla_decode(q, torch.zeros(1, 2, P + 1), lat, table, lens, 1.0, 4)
+    with pytest.raises(ValueError, match="int32"):
+        mla_kernels.mla_decode(q, qp, lat, table.long(), lens, 1.0, 4)
