@@ -19,7 +19,8 @@ from torch import nn
 
 from engine.layers import ops
 from engine.layers.context import ForwardContext, RopeState
-from engine.layers.moe import MoE
+from engine.layers.kv_pool import PAD_PAGE
+from engine.layers.moe import MoE, PadRows
 from models.config import ModelConfig
 from models.llama import DecoderLayer, LlamaForCausalLM, norm_linear, rope_inv_freq
 
@@ -69,7 +70,9 @@ class MoeDecoderLayer(DecoderLayer):
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         x = self.self_attn(qkv, ctx)
         h, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(h), residual
+        # rows writing their K/V into the padding page are a CUDA graph's padding: not counted
+        pad = PadRows(ctx.batch.out_slots, (PAD_PAGE + 1) * ctx.batch.page_size) if PAD_PAGE == 0 else None
+        return self.mlp(h, pad), residual
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -87,5 +90,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @property
     def supports_cuda_graph(self) -> bool:
-        """MoE blocks read per-expert token counts on the host (engine/layers/moe.py)."""
-        return not any(isinstance(m, MoE) for m in self.modules())
+        """Capturable when every MoE block takes the fused kernels (CUDA outside deterministic
+        inference); the torch path reads per-expert token counts on the host (engine/layers/moe.py)."""
+        return all(m.supports_cuda_graph for m in self.modules() if isinstance(m, MoE))

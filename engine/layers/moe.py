@@ -35,19 +35,20 @@ GEMM over its rows (`parallel.matmul`: in fixed row blocks under deterministic i
 row's result does not depend on how many other rows the expert got); the outputs go back to
 their (token, slot) place, and a token's k outputs are summed in float32 in slot order (not in
 scatter order): out = sum_j w[t, j] * y[t, j]. With the shared experts' partial product added,
-one all-reduce per block at tp > 1. Plain torch ops, on CPU or GPU; the GPU path reads the
-per-expert counts on the host (a sync), so it is not CUDA-graph capturable
-(`MoE.supports_cuda_graph` is False; fused kernels come later).
+one all-reduce per block at tp > 1. Plain torch ops on the CPU and under deterministic
+inference on a GPU (they read the per-expert counts on the host: a sync, not capturable). On CUDA
+otherwise the fused triton kernels of engine/layers/moe_kernels.py (no host sync: an MoE block
+then says `supports_cuda_graph`), reading fp8 stacks as they are.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from engine.layers import ops
+from engine.layers import batch_invariant, ops
 from engine.layers.parallel import (
     ColumnParallelLinear,
     Piece,
@@ -78,6 +79,15 @@ class MoESpec(Protocol):
     topk_group: int  # groups a token may pick from
     routed_scaling_factor: float
     num_shared_experts: int  # 0 = none
+
+
+class PadRows(NamedTuple):
+    """A forward's padding rows: those t with keys[t] < below (a CUDA graph's rows past the batch
+    write their K/V into the padding page: keys = out_slots, below = page_size). They are computed
+    like any row (a graph runs a fixed row count) but not counted in `Experts.token_counts`."""
+
+    keys: torch.Tensor
+    below: int
 
 
 def _experts(p: nn.Parameter, n: int, first: int = 0, total: int | None = None) -> None:
@@ -174,16 +184,27 @@ class Experts(nn.Module):
         # one in-place add a forward, read by engine/run/expert_counts.py at its stats cadence
         self.register_buffer("token_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def fused(self) -> bool:
+        """Whether forward takes the fused kernels (CUDA outside deterministic inference, whose
+        fixed row blocks only the torch path keeps): no host sync, capturable."""
+        return self.w13.is_cuda and not batch_invariant.enabled()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                pad: PadRows | None = None) -> torch.Tensor:
         """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        if x.is_cuda and not batch_invariant.enabled():
+            return self._fused(x, weights, ids, pad)
         t, k = ids.shape
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the MoE torch path reads per-expert counts on the host and cannot be captured in a "
-                               "CUDA graph: serve MoE models with --disable-cuda-graph until its fused kernels land")
+            raise RuntimeError("the MoE torch path (deterministic inference) reads per-expert counts on the host "
+                               "and cannot be captured in a CUDA graph")
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         per_expert = torch.bincount(flat, minlength=self.num_experts)
-        self.token_counts += per_expert
+        counted = per_expert if pad is None else torch.bincount(
+            flat[(pad.keys >= pad.below).repeat_interleave(k)], minlength=self.num_experts)
+        self.token_counts += counted
         counts = per_expert.tolist()  # host sync on a GPU
         lo = sum(counts[: self.first])  # this rank's experts' pairs: order[lo:hi] (all of them at ep 1)
         hi = lo + sum(counts[self.first : self.first + self.local_experts])
@@ -204,6 +225,14 @@ class Experts(nn.Module):
         for j in range(1, k):  # slot order: a token's sum never depends on the batch
             out += y[:, j].float() * weights[:, j : j + 1]  # mul, add: no FMA in one path only
         return out.to(x.dtype)
+
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, pad: PadRows | None) -> torch.Tensor:
+        from engine.layers import moe_kernels as mk  # triton: imported on first use (CUDA)
+
+        w13, w2 = (mk.Stack(getattr(self, n), getattr(self, n + "_scale", None), self.quant) for n in ("w13", "w2"))
+        mk.warm(x, w13, w2, ids.shape[1], self.num_experts, pad is not None)  # every config compiled before ready
+        cfg = mk.config_for(x.device, ids.numel(), self.local_experts)
+        return mk.fused_experts(x, weights, ids, w13, w2, self.token_counts, self.first, cfg, pad)
 
     def _weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's w13 or w2; a quantized stack's (GPU) dequantized on the fly."""
@@ -237,8 +266,6 @@ class SharedMLP(nn.Module):
 class MoE(nn.Module):
     """An MoE layer's `mlp`: x [T, H] -> [T, H] (see the module docstring for the contract)."""
 
-    supports_cuda_graph = False  # the torch path reads per-expert counts on the host
-
     def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
         super().__init__()
         check_spec(spec)
@@ -248,9 +275,14 @@ class MoE(nn.Module):
         shared = spec.num_shared_experts * spec.intermediate_size
         self.shared_experts = SharedMLP(hidden_size, shared, dtype) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def supports_cuda_graph(self) -> bool:
+        """The fused kernels are capturable; the torch path reads per-expert counts on the host."""
+        return self.experts.fused
+
+    def forward(self, x: torch.Tensor, pad: PadRows | None = None) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
+        y = self.experts(x, weights, ids, pad)
         if self.shared_experts is not None:
             y = y + self.shared_experts.partial(x)
         return self.tp.all_reduce(y)

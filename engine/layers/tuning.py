@@ -45,6 +45,23 @@ class GemvRule:
 
 
 @dataclass(frozen=True)
+class MoeRule:
+    """Fused MoE GEMM blocks (block_m, block_n, block_k, group_m, warps, stages) where the experts
+    that got tokens get at most `max_rows` (token, expert) pairs each on average (None: any)."""
+
+    config: tuple[int, int, int, int, int, int]
+    max_rows: int | None = None
+
+
+# engine/layers/moe_kernels.py's blocks, unmeasured: a BLOCK_M near an expert's rows (decode: a
+# few pairs per expert, so 16), wider tiles where the experts get many rows (prefill)
+MOE_GEMM_DEFAULT = (
+    MoeRule((16, 64, 128, 1, 4, 4), 16), MoeRule((32, 64, 128, 8, 4, 3), 64),
+    MoeRule((64, 128, 64, 8, 4, 3), 256), MoeRule((128, 128, 64, 8, 8, 3)),
+)
+
+
+@dataclass(frozen=True)
 class KernelTuning:
     """Which kernel runs where. The defaults are the safe choice for a GPU nobody measured."""
 
@@ -72,6 +89,8 @@ class KernelTuning:
     # all-reduce over peer memory (torch symmetric memory: one kernel, capturable in a CUDA graph);
     # larger ones, and all of them at 0, take NCCL (engine/layers/parallel.py, SymmAllReduce)
     tp_symm_allreduce_max_bytes: int = 0
+    # fused MoE (engine/layers/moe_kernels.py): GEMM blocks by the mean rows an expert gets, first match wins
+    moe_gemm: tuple[MoeRule, ...] = MOE_GEMM_DEFAULT
 
     def decode_kernel(self, override: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
         """The decode kernel for a batch of this (padded) size: "fa2", "xqa" or "triton".
@@ -96,6 +115,13 @@ class KernelTuning:
         if not sizes:
             return 0
         return None if None in sizes else max(s for s in sizes if s is not None)
+
+    def moe_config(self, rows: int) -> tuple[int, int, int, int, int, int]:
+        """The fused MoE GEMM blocks for experts getting `rows` pairs each on average."""
+        for r in self.moe_gemm:
+            if r.max_rows is None or rows <= r.max_rows:
+                return r.config
+        return self.moe_gemm[-1].config
 
     def gemv_config(self, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int] | None:
         """(block_n, block_k, warps, stages) of the triton GEMV for weights [n, k] (e4m3 with `fp8`),
@@ -135,7 +161,11 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
     for key in ("gemv_looped", "gemv_fp8_looped"):
         if key in kw:
             kw[key] = tuple(GemvRule(**{**r, "config": tuple(r["config"])}) for r in kw[key])
+    if "moe_gemm" in kw:
+        kw["moe_gemm"] = tuple(MoeRule(**{**r, "config": tuple(r["config"])}) for r in kw["moe_gemm"])
     t = KernelTuning(**kw)
+    if not t.moe_gemm or any(len(r.config) != 6 or min(r.config) < 1 for r in t.moe_gemm):
+        raise ValueError(f"tuning for {gpu}: moe_gemm needs rules of 6 positive block values")
     if not 1 <= t.gemv_max_rows <= 8:  # the GEMV kernel's unrolled row loop takes at most 8
         raise ValueError(f"tuning for {gpu}: gemv_max_rows must be in 1..8, got {t.gemv_max_rows}")
     if t.tp_symm_allreduce_max_bytes < 0:

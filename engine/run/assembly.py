@@ -204,14 +204,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def cuda_graph_blocker(model: torch.nn.Module) -> str | None:
     """Why `model`'s decode cannot be captured in a CUDA graph (None: it can). The model's own
     `supports_cuda_graph` decides where it declares one (MoeForCausalLM: False with MoE layers);
-    otherwise a submodule class declaring it False does (engine/layers/moe.py's MoE reads
-    per-expert counts on the host), so a model that does not declare it (DeepSeek-V3) is still
-    served, uncaptured, instead of failing in capture."""
+    otherwise a submodule declaring it False does (engine/layers/moe.py's MoE on its torch path,
+    which reads per-expert counts on the host: on the CPU and under deterministic inference; its
+    fused CUDA kernels are capturable), so a model that does not declare it (DeepSeek-V3) is
+    still served, uncaptured, instead of failing in capture."""
     flag = getattr(model, "supports_cuda_graph", None)
     if flag is not None:
         return None if flag else f"{type(model).__name__}.supports_cuda_graph is False"
     for m in model.modules():
-        if getattr(type(m), "supports_cuda_graph", True) is False:
+        if getattr(m, "supports_cuda_graph", True) is False:  # the instance's: MoE's depends on its path
             return f"{type(m).__name__} layers are not capturable (torch path)"
     return None
 

@@ -1,0 +1,280 @@
+"""Fused MoE on CUDA in triton: the routed experts of engine/layers/moe.py's `Experts` without a
+host sync, so a decode step that holds MoE layers can be captured in a CUDA graph.
+
+Four launches a layer (`fused_experts`):
+
+1. `align_kernel`, one program per (global) expert: the T*k (token, slot) pairs routed to this
+   rank's experts grouped by expert into segments padded to BLOCK_M rows (`sorted_ids`: pair
+   index, or `numel` on a padding row; `block_expert`: the local expert of each BLOCK_M block;
+   `num_padded`: the rows in use). Within an expert the pairs keep their flat order (a stable
+   sort, as the torch path's argsort). Each program also adds its expert's pairs (padding rows
+   of a CUDA graph excluded) to the layer's `token_counts`. Everything lives in buffers of a
+   size fixed by the shapes: at most numel + min(numel, local experts) * (BLOCK_M - 1) rows.
+2. `gemm_kernel` over w13: each program one BLOCK_M block of one expert and BLOCK_N columns of
+   the intermediate dim; it accumulates the gate and the up tile side by side and stores
+   silu(gate) * up ([numel, I] in the activation dtype).
+3. `gemm_kernel` over w2: times the pair's routing weight (float32 accumulator), [numel, H].
+4. `combine_kernel`: a token's k rows summed in float32 in slot order (pairs routed to another
+   rank's experts add nothing), stored in x's dtype.
+
+Programs of blocks past `num_padded` return at once (the grid is sized for the worst case).
+fp8 stacks (engine/layers/moe_quant.py) are read as e4m3 and widened in registers (weight-only:
+the activations are not rounded): `fp8_row` scales each output column of the tile once at the
+end, `fp8_block` each k-step's product by its 128 x 128 block's scale (BLOCK_K divides 128).
+Block sizes: `KernelTuning.moe_gemm` (engine/layers/tuning.py), by the mean rows an expert with
+tokens gets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+QUANTS = {None: 0, "fp8_row": 1, "fp8_block": 2}
+# triton's interpreter multiplies bfloat16 tiles as raw bits: there (the CPU tests) dot in float32
+DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+CHUNK_SMALL = 128  # the align kernel reads pairs in chunks of this many (decode), else 1024
+
+
+@triton.jit(do_not_specialize=["numel", "first", "below"])
+def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
+                 TOP_K: tl.constexpr, LOCAL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+                 CHUNK: tl.constexpr, HAS_KEYS: tl.constexpr):
+    """Program e: expert e's pairs into its padded segment (module docstring, step 1)."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, E_P2)
+    hist = tl.zeros((E_P2,), tl.int32)
+    counted = 0
+    for c0 in range(0, numel, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        m = offs < numel
+        v = tl.load(ids + offs, mask=m, other=0).to(tl.int32)
+        # the masked tail lands in bin 0: taken off again (histogram's mask is not in every triton)
+        hist += tl.histogram(v, E_P2) - tl.where(bins == 0, CHUNK - tl.sum(m.to(tl.int32), 0), 0)
+        mine = m & (v == e)
+        if HAS_KEYS:  # rows whose key is below `below` are padding (a CUDA graph's): not counted
+            mine = mine & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
+        counted += tl.sum(mine.to(tl.int32), 0)
+    tl.store(counts + e, tl.load(counts + e) + counted)
+    local = (bins >= first) & (bins < first + LOCAL)
+    padded = tl.where(local, (hist + BM - 1) // BM * BM, 0)
+    if e == 0:
+        tl.store(num_padded, tl.sum(padded, 0))
+    le = e - first
+    if (le >= 0) & (le < LOCAL):
+        start = tl.sum(tl.where(bins < e, padded, 0), 0)
+        size = tl.sum(tl.where(bins == e, padded, 0), 0)
+        n = tl.sum(tl.where(bins == e, hist, 0), 0)
+        seen = 0
+        for c0 in range(0, numel, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            m = offs < numel
+            hit = (m & (tl.load(ids + offs, mask=m, other=-1) == e)).to(tl.int32)
+            rank = seen + tl.cumsum(hit, 0) - 1
+            tl.store(sorted_ids + start + rank, offs, mask=hit != 0)
+            seen += tl.sum(hit, 0)
+        for p0 in range(n, size, CHUNK):  # the segment's padding rows
+            p = p0 + tl.arange(0, CHUNK)
+            tl.store(sorted_ids + start + p, numel, mask=p < size)
+        for b0 in range(0, size // BM, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            tl.store(block_expert + start // BM + b, le, mask=b < size // BM)
+
+
+@triton.jit
+def _tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row blocks share each weight tile while it is in L2."""
+    per_group = GROUP_M * tiles_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(tiles_m - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _scaled(part, ws, rows, k0, nm, QUANT: tl.constexpr, stride_wsn):
+    """A k-step's product with fp8_block's scale of (rows // 128, k0 // 128) applied."""
+    if QUANT == 2:
+        part = part * tl.load(ws + (rows // 128) * stride_wsn + k0 // 128, mask=nm, other=0.0)[None, :]
+    return part
+
+
+@triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b.to(a.dtype))
+
+
+@triton.jit(do_not_specialize=["numel"])
+def gemm_kernel(a, w, ws, c, sorted_ids, block_expert, num_padded, weights, N, K, numel,
+                stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
+                A_DIV: tl.constexpr, SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """c[pair, n] for the pairs of one BM block of one expert (module docstring, steps 2-3).
+    A row of a is pair // A_DIV (x for w13: A_DIV = top_k; the intermediate for w2: 1).
+    SILU: w holds gate rows [0, N) and up rows [N, 2N); c = silu(gate) * up."""
+    tiles_n = tl.cdiv(N, BN)
+    pm, pn = _tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
+    if pm * BM >= tl.load(num_padded):
+        return
+    pair = tl.load(sorted_ids + pm * BM + tl.arange(0, BM))
+    rmask = pair < numel
+    arow = tl.where(rmask, pair // A_DIV, 0).to(tl.int64)
+    expert = tl.load(block_expert + pm).to(tl.int64)
+    rn = pn * BN + tl.arange(0, BN)
+    nm = rn < N
+    wb = w + expert * stride_we
+    sb = ws + expert * stride_wse
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc_up = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        km = rk < K
+        at = tl.load(a + arow[:, None] * stride_am + rk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        wt = tl.load(wb + rn[None, :] * stride_wn + rk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+        acc += _scaled(_dot(at, wt, DOT_F32), sb, rn, k0, nm, QUANT, stride_wsn)
+        if SILU:
+            ut = tl.load(wb + (N + rn)[None, :] * stride_wn + rk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+            acc_up += _scaled(_dot(at, ut, DOT_F32), sb, N + rn, k0, nm, QUANT, stride_wsn)
+    if QUANT == 1:
+        acc = acc * tl.load(sb + rn, mask=nm, other=0.0)[None, :]
+        if SILU:
+            acc_up = acc_up * tl.load(sb + N + rn, mask=nm, other=0.0)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights + pair, mask=rmask, other=0.0)[:, None]
+    crow = tl.where(rmask, pair, 0).to(tl.int64)
+    tl.store(c + crow[:, None] * stride_cm + rn[None, :], acc.to(c.dtype.element_ty),
+             mask=rmask[:, None] & nm[None, :])
+
+
+@triton.jit(do_not_specialize=["first"])
+def combine_kernel(y, ids, out, H, first, TOP_K: tl.constexpr, LOCAL: tl.constexpr, ALL_LOCAL: tl.constexpr,
+                   BH: tl.constexpr):
+    """out[t] = sum over slots j, in order, of y[t * TOP_K + j] (float32); rows of pairs routed to
+    another rank's experts were never written and count as zeros."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    acc = tl.zeros((BH,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        width = H
+        if not ALL_LOCAL:
+            le = tl.load(ids + t * TOP_K + j) - first
+            width = tl.where((le >= 0) & (le < LOCAL), H, 0)
+        acc += tl.load(y + (t * TOP_K + j) * H + cols, mask=cols < width, other=0.0).to(tl.float32)
+    tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+class Stack(NamedTuple):
+    """One expert stack as the GEMM reads it: weights [E_local, N, K] and the scales or None."""
+
+    w: torch.Tensor
+    scale: torch.Tensor | None
+    quant: str | None
+
+
+def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weights: torch.Tensor | None,
+          a_div: int, silu: bool, cfg: GemmConfig) -> None:
+    sorted_ids, block_expert, num_padded, blocks, numel = align
+    w, scale, q = s.w, s.scale, QUANTS[s.quant]
+    bk = min(cfg.block_k, 128) if q == 2 else cfg.block_k  # one block scale per k-step
+    sc = scale if scale is not None else w  # an unused pointer when plain
+    grid = (blocks * triton.cdiv(n, cfg.block_n),)
+    gemm_kernel[grid](
+        a, w, sc, c, sorted_ids, block_expert, num_padded, weights if weights is not None else sc,
+        n, w.shape[2], numel, a.stride(0), w.stride(0), w.stride(1),
+        sc.stride(0) if scale is not None else 0, sc.stride(1) if q == 2 else 0, c.stride(0),
+        A_DIV=a_div, SILU=silu, MUL_WEIGHT=weights is not None, QUANT=q,
+        BM=cfg.block_m, BN=cfg.block_n, BK=bk, GROUP_M=cfg.group_m, DOT_F32=DOT_F32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def align(ids: torch.Tensor, counts: torch.Tensor, first: int, local: int, block_m: int,
+          pad: tuple[torch.Tensor, int] | None = None) -> tuple:
+    """(sorted_ids, block_expert, num_padded, blocks, numel) for the flat pairs of `ids` [T, k]
+    (module docstring, step 1); adds the counted pairs to `counts` [E] (int64)."""
+    t, k = ids.shape
+    numel = t * k
+    blocks = triton.cdiv(numel + min(numel, local) * (block_m - 1), block_m)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    e = counts.numel()
+    keys, below = pad if pad is not None else (ids, 0)
+    align_kernel[(e,)](
+        ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
+        TOP_K=k, LOCAL=local, E_P2=triton.next_power_of_2(e), BM=block_m,
+        CHUNK=CHUNK_SMALL if numel <= CHUNK_SMALL else 1024, HAS_KEYS=pad is not None, num_warps=4,
+    )
+    return sorted_ids, block_expert, num_padded, blocks, numel
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Stack, w2: Stack,
+                  counts: torch.Tensor, first: int, cfg: GemmConfig,
+                  pad: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """This rank's partial sum [T, H] of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for its
+    experts first .. first + E_local - 1 (w13 [E_local, 2 I, H], w2 [E_local, H, I]); adds the
+    routed pairs (those of `pad`'s rows with key < bound excluded) to `counts` [E]."""
+    t, k = ids.shape
+    h, inter, local = x.shape[1], w2.w.shape[2], w13.w.shape[0]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    ids, weights, x = ids.contiguous(), weights.contiguous(), x.contiguous()
+    al = align(ids, counts, first, local, cfg.block_m, pad)
+    mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, mid, inter, al, None, k, True, cfg)
+    y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
+    _gemm(mid, w2, y, h, al, weights, 1, False, cfg)
+    bh = min(1024, triton.next_power_of_2(h))
+    combine_kernel[(t, triton.cdiv(h, bh))](y, ids, out, h, first, TOP_K=k, LOCAL=local,
+                                           ALL_LOCAL=local == counts.numel(), BH=bh, num_warps=4)
+    return out
+
+
+def config_for(device: torch.device, numel: int, local: int) -> GemmConfig:
+    """The GEMM blocks for `numel` pairs over `local` experts: by the mean rows of an expert with
+    tokens (at most min(numel, local) experts have any), from the GPU's tuning file."""
+    from engine.layers.tuning import kernel_tuning
+
+    return GemmConfig(*kernel_tuning(device).moe_config(-(-numel // max(1, min(numel, local)))))
+
+
+_WARMED: set[tuple] = set()
+
+
+def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: bool) -> None:
+    """Compile every kernel variant a forward of these shapes can take (each tuning rule's blocks,
+    both align chunk sizes) once per process, on a throwaway batch: the first eager forward
+    (the runner's warm-up) pays it, not a served step. Nothing under a CUDA graph capture."""
+    key = (x.device, x.dtype, w13.quant, tuple(w13.w.shape), tuple(w2.w.shape), top_k, experts, pad)
+    if key in _WARMED or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    _WARMED.add(key)
+    from engine.layers.tuning import kernel_tuning
+
+    local = w13.w.shape[0]
+    counts = torch.zeros(experts, dtype=torch.int64, device=x.device)
+    for rule in kernel_tuning(x.device).moe_gemm:
+        for t in (1, -(-(CHUNK_SMALL + 1) // top_k)):  # both align chunk sizes
+            ids = (torch.arange(t * top_k, device=x.device) % local).view(t, top_k)
+            xs = torch.zeros(t, x.shape[1], dtype=x.dtype, device=x.device)
+            weights = torch.ones(t, top_k, dtype=torch.float32, device=x.device)
+            keys = (torch.zeros(t, dtype=torch.int64, device=x.device), 0) if pad else None
+            fused_experts(xs, weights, ids, w13, w2, counts, 0, GemmConfig(*rule.config), keys)
