@@ -25,7 +25,7 @@ from engine.layers.attention import AttentionBackend
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
-from engine.layers.mla_attention import MLAPlan, MLAShapes, mla_attend
+from engine.layers.mla_attention import MLABackend, MLAPlan, MLAShapes, mla_attend
 from engine.layers.moe import MoE
 from engine.layers.parallel import (
     ColumnParallelLinear,
@@ -99,9 +99,13 @@ class LatentRope:
             assert s is None or isinstance(s, RopeScaling)
             self.inv_freq, self.factor = rope_inv_freq(dim, cfg.rope_theta, s), 1.0
         self.interleave = cfg.mla.rope_interleave
+        self._on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device: no copy inside a CUDA graph
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]  # [T, dim/2]
         return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,10 +185,13 @@ class MLAContext:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, moe: bool | None = None) -> None:
+        """`moe` None: as the config says for `layer_id`; the MTP layer (models/nextn.py) sets it."""
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_id, dtype)
-        moe = cfg.moe is not None and cfg.is_moe_layer(layer_id)
+        if moe is None:
+            moe = cfg.is_moe_layer(layer_id)
+        moe = moe and cfg.moe is not None
         self.mlp: nn.Module = MoE(cfg.hidden_size, cfg.moe, dtype) if moe else MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -237,9 +244,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend | None = None) -> torch.Tensor:
-        """`backend` is not used: MLA attends the latent pool itself (engine/layers/mla_attention.py)."""
+        """MLA attends the latent pool itself (engine/layers/mla_attention.py); of `backend` only an
+        MLABackend's static decode table is read (a CUDA graph's capture and replays)."""
         x = self.model.embed_tokens(batch.input_ids)
-        ctx = MLAContext(batch, kv, MLAPlan.build(batch, self.absorb_all, self.decode_kernel), self.rope, x.dtype)
+        graph = backend.graph if isinstance(backend, MLABackend) else None
+        plan = MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph)
+        ctx = MLAContext(batch, kv, plan, self.rope, x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)

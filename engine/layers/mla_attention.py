@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import batch_invariant, triton_ops
+from engine.layers.attention import AttentionBackend
 from engine.layers.forward import ForwardBatch
-from engine.layers.kv_pool import KVPool
+from engine.layers.kv_pool import PAD_PAGE, KVPool
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,12 @@ class MLAPlan:
     decode_lens: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None) -> MLAPlan:
+    def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None,
+              graph: tuple[torch.Tensor, torch.Tensor] | None = None) -> MLAPlan:
         """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one).
-        `kernel`: decode rows through the triton kernel (None: on CUDA where triton is)."""
+        `kernel`: decode rows through the triton kernel (None: on CUDA where triton is).
+        `graph`: a CUDA graph's static (page table, lengths) (MLABackend), read instead of the
+        batch's in a pure decode step."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
         if batch_invariant.enabled():
             inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
@@ -88,11 +92,9 @@ class MLAPlan:
         if kernel is None:
             kernel = decode_kernel_available(dev)
         if kernel and batch.is_decode and not absorb_all:
-            # a pure decode step: the batch's own device tensors, no host work per request (and
-            # nothing a CUDA graph would have to re-plan)
-            rows = torch.arange(len(lens), dtype=torch.int64, device=dev)
-            return cls(rows, None, None, [], all_decode=True, decode_table=batch.page_table,
-                       decode_lens=batch.seq_lens)
+            # a pure decode step: device tensors only, no host work per request (capturable)
+            table, seq = graph if graph is not None else (batch.page_table, batch.seq_lens)
+            return cls(None, None, None, [], all_decode=True, decode_table=table, decode_lens=seq)
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
@@ -130,6 +132,8 @@ def mla_attend(
     t = q_nope.shape[0]
     if plan.invariant is not None:
         return _invariant(q_nope, q_pe, plan.invariant, kv, layer, w_uk, w_uv, s)
+    if plan.all_decode and plan.decode_table is not None:
+        return _absorbed_kernel(q_nope, q_pe, plan, kv, layer, w_uk, w_uv, s)
     out = q_nope.new_empty(t, s.heads, s.v)
     if plan.decode_rows is not None:
         rows = None if plan.all_decode else plan.decode_rows
@@ -187,6 +191,53 @@ def _absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask:
     probs = (scores.float() * s.scale).masked_fill(~mask, float("-inf")).softmax(-1).to(lat.dtype)
     o_lat = torch.bmm(probs, lat[:, :, : s.kv_lora_rank])  # [b, H, kv_lora_rank]
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # through W_UV
+
+
+class MLABackend(AttentionBackend):
+    """The attention backend an MLA model gets on CUDA (engine/run/assembly.py). The model attends
+    its latent pool itself (`mla_attend`); this backend holds what a captured decode graph reads
+    instead of the batch's tensors: a static page table and lengths, filled before each replay
+    through engine/run/cuda_graph.py's dense-table protocol (`uses_table`, `set_graph_table`)."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.graph: tuple[torch.Tensor, torch.Tensor] | None = None  # set for capture/replay, cleared by prepare
+
+    def bind(
+        self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
+        q_dtype: torch.dtype | None = None, fp8_math: bool = False,
+    ) -> None:
+        self._g_seq = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        self._g_table = torch.full((max_batch, max_pages_per_req), PAD_PAGE, dtype=torch.int32, device=self.device)
+        # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
+        self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self.graph = None  # an eager step: the model reads the batch's page table
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        raise NotImplementedError("an MLA model attends its latent pool in mla_attention.mla_attend")
+
+    def uses_table(self, batch_size: int) -> bool:
+        return True
+
+    def graph_wrapper(self, bs: int) -> None:
+        """Before capturing size `bs`: every row padding (one token on the padding page)."""
+        empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
+        self.set_graph_table(bs, empty[:, 0], empty)
+
+    def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
+        """This step's seq_lens int32 [b] and page table int32 [b, w] (device) into the static
+        buffers the graph of size `bs` reads; rows b..bs become padding."""
+        b, w = table.shape
+        self._g_seq[:b].copy_(seq_lens)
+        self._g_table[:b, :w].copy_(table)
+        if b < bs:
+            self._g_seq[b:bs].fill_(1)
+            self._g_table[b:bs, 0].fill_(PAD_PAGE)
+        self.graph = (self._g_table[:bs], self._g_seq[:bs])
 
 
 def decode_kernel_available(device: torch.device) -> bool:

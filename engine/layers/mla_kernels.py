@@ -76,7 +76,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
+# the table's row stride is the step's widest page count in eager steps: not specialized on, so
+# that no eager step after warm-up compiles a variant of its own
+@triton.jit(do_not_specialize=["stride_tb"])
 def _mla_split_kernel(
     q, q_pe, kv, table, lens, part_o, part_lse, sm_scale,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb, H,

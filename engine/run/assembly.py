@@ -23,6 +23,7 @@ from engine.layers.attention import AttentionBackend, create_backend
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
+from engine.layers.mla_attention import MLABackend, decode_kernel_available
 from engine.layers.parallel import pack_for_cpu
 from engine.run import TORCH_PREIMPORTED
 from engine.run.dist import init_distributed, rank_config
@@ -91,7 +92,12 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         threads=torch.get_num_threads() if device.type == "cpu" else None,
     )
     kv = KVPool.from_layout(layout, mcfg.num_layers, pool.num_pages, cfg.page_size, kv_dtype, device)
-    backend = create_backend(backend_name(cfg, deterministic, layout), device)
+    if not layout.is_gqa and not deterministic and decode_kernel_available(device):
+        # MLA on CUDA: the model attends its latent pool itself (triton decode kernel); the
+        # backend holds the static page table its decode CUDA graphs read
+        backend: AttentionBackend = MLABackend(device)
+    else:
+        backend = create_backend(backend_name(cfg, deterministic, layout), device)
     set_decode_kernel(backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
     backend.bind(
         num_q_heads=shard.num_heads,

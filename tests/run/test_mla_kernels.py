@@ -6,8 +6,10 @@ The compiled kernel at DeepSeek-V3's shapes is tests/gpu/test_mla_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from engine.layers import mla_kernels  # noqa: E402
 from engine.layers.forward import ForwardBatch  # noqa: E402
 from engine.layers.kv_layout import KVLayout  # noqa: E402
 from engine.layers.kv_pool import KVPool  # noqa: E402
-from engine.layers.mla_attention import MLAPlan, MLAShapes, mla_attend  # noqa: E402
+from engine.layers.mla_attention import MLABackend, MLAPlan, MLAShapes, mla_attend  # noqa: E402
+from engine.run.cuda_graph import decode_table  # noqa: E402
+from models.registry import kv_layout, load_model  # noqa: E402
 
 R, P, NOPE, V = 32, 16, 8, 12  # latent rank, rope dims, q_nope and v head dims (tiny)
 FP8 = torch.float8_e4m3fn
@@ -144,3 +148,53 @@ def test_bad_inputs_are_refused() -> None:
         mla_kernels.mla_decode(q, torch.zeros(1, 2, P + 1), lat, table, lens, 1.0, 4)
     with pytest.raises(ValueError, match="int32"):
         mla_kernels.mla_decode(q, qp, lat, table.long(), lens, 1.0, 4)
+
+
+TINY_V3 = {  # all dense (no MoE block): the decode step a CUDA graph captures
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "first_k_dense_replace": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": R, "qk_nope_head_dim": NOPE,
+    "qk_rope_head_dim": P, "v_head_dim": V, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "rope_theta": 10000.0, "eos_token_id": 1, "bos_token_id": 0,
+}
+
+
+def test_graph_table_protocol_gives_the_eager_decode(tmp_path: Path) -> None:
+    """What a captured decode step runs, without the capture: MLABackend's static table and
+    lengths filled as engine/run/cuda_graph.py's run_decode fills them (a padded batch of 4 for 3
+    requests, the padding row on page 0), the model's forward over the graph runner's static
+    batch: the real rows' logits equal the eager step's."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_V3))
+    model, cfg = load_model(tmp_path, "dummy", torch.float32, progress=False)
+    model.decode_kernel = True
+    ps, lens = 4, [6, 13, 2]
+    kv = KVPool.from_layout(kv_layout(cfg), cfg.num_layers, 32, ps, torch.float32, "cpu")
+    backend = MLABackend("cpu")
+    backend.bind(num_q_heads=4, kv_pool=kv, max_batch=8, max_pages_per_req=8)
+    tables = [[5, 9], [2, 7, 11, 3], [30]]
+    prompts = [[7 + i] * n for i, n in enumerate(lens)]
+    prefill = ForwardBatch.from_requests([(p, 0, t) for p, t in zip(prompts, tables, strict=True)], ps, "cpu")
+    backend.prepare(prefill)
+    model(prefill, kv, backend)
+    step = ForwardBatch.from_requests([([40 + i], n, t) for i, (n, t) in enumerate(zip(lens, tables, strict=True))],
+                                      ps, "cpu")
+    backend.prepare(step)
+    want = model(step, kv, backend)
+    assert backend.graph is None
+    bs = 4
+    backend.graph_wrapper(bs)
+    out_slots, seq, table = decode_table(lens, tables, ps)
+    pad_seq = torch.ones(bs, dtype=torch.int32)
+    pad_seq[:3] = torch.from_numpy(seq)
+    pad_table = torch.zeros(bs, table.shape[1], dtype=torch.int32)
+    pad_table[:3] = torch.from_numpy(table)
+    backend.set_graph_table(bs, pad_seq, pad_table)
+    static = ForwardBatch(  # as CudaGraphRunner._static_batch: a [bs, 1] padding table, lengths 1
+        input_ids=torch.tensor([40, 41, 42, 0]), positions=torch.tensor([*lens, 0]),
+        out_slots=torch.tensor([*out_slots.tolist(), 0]), page_table=torch.zeros(bs, 1, dtype=torch.int32),
+        seq_lens=torch.ones(bs, dtype=torch.int32), extend_lens=torch.ones(bs, dtype=torch.int32),
+        logit_indices=torch.arange(bs), seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs, page_size=ps,
+        is_decode=True, page_table_cpu=torch.zeros(bs, 1, dtype=torch.int32))
+    got = model(static, kv, backend)
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
