@@ -36,6 +36,8 @@ HELP = {
     "NCCL on GPU",
     "ep_size": "expert parallelism for MoE models: 1 (every rank a slice of every expert) or --tp-size (whole "
     "experts per rank, E / --ep-size each; must divide the experts); attention stays tensor-parallel",
+    "cp_size": "context parallelism: each request's KV pages spread round robin over --cp-size rank groups "
+    "(1/cp of the KV per rank, attention merged by log-sum-exp); --tp-size x --cp-size workers, tp innermost",
     "nnodes": "nodes the --tp-size ranks are spread over, --tp-size/--nnodes workers each (as in SGLang); run "
     "bin/serve on every node with the same flags but --node-rank",
     "node_rank": "this node's index in 0..--nnodes-1 (node 0 runs the scheduler and tokenizer; others only workers)",

@@ -31,6 +31,7 @@ class ServerConfig:
     attention_fp8_math: bool = False  # fp8 KV: attend in fp8 tensor-core math (SM90 XQA), q/probs rounded
     tp_size: int = 1  # tensor-parallel ranks over all nodes, one worker process each
     ep_size: int = 1  # expert-parallel ranks: 1, or --tp-size (whole MoE experts per rank)
+    cp_size: int = 1  # context-parallel ranks: world = tp_size x cp_size workers (docs/architecture.md)
     nnodes: int = 1
     node_rank: int = 0
     # host:port of rank 0's torch.distributed store ("": 127.0.0.1, a free port); with nnodes > 1
@@ -97,7 +98,10 @@ class ServerConfig:
              f"{self.tp_size} (the MoE experts are spread over the tensor-parallel ranks)"),
             (self.nnodes >= 1, "--nnodes must be >= 1"),
             (0 <= self.node_rank < max(self.nnodes, 1), "--node-rank must be in 0..--nnodes-1"),
-            (self.tp_size % max(self.nnodes, 1) == 0, "--tp-size must be a multiple of --nnodes"),
+            (self.cp_size >= 1, "--cp-size must be >= 1"),
+            (self.world_size % max(self.nnodes, 1) == 0, "--tp-size x --cp-size must be a multiple of --nnodes"),
+            (self.cp_size == 1 or not self.speculative_algorithm,
+             "--cp-size > 1 with --speculative-algorithm: speculative decoding under context parallelism is not built"),
             (not self.dist_init_addr or _host_port(self.dist_init_addr), "--dist-init-addr must be HOST:PORT"),
         ]
         for ok, problem in problems:
@@ -173,7 +177,7 @@ class ServerConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
         from msgs.channels import TcpPlan
 
-        last = TcpPlan.beside_store(*hp).ports(self.tp_size)[-1]
+        last = TcpPlan.beside_store(*hp).ports(self.world_size)[-1]
         if last > 65535:
             raise ValueError(f"--dist-init-addr port {hp[1]}: the Step/done channels need ports {hp[1] + 1}..{last}, "
                              "past 65535; pick a lower port")
@@ -231,8 +235,13 @@ class ServerConfig:
             object.__setattr__(self, "chat_template", str(path.resolve()))  # frozen; set once here
 
     @property
+    def world_size(self) -> int:
+        """Worker processes: tp x cp (rank = cp_rank * tp_size + tp_rank, engine/run/dist.py)."""
+        return self.tp_size * self.cp_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
+        return self.world_size // self.nnodes
 
     def local_ranks(self) -> range:
         """The global ranks whose workers run on this node (LOCAL_RANK = rank - start)."""

@@ -88,7 +88,7 @@ def rank_env(cfg: ServerConfig, rank: int, master: tuple[str, int]) -> dict[str,
         "MASTER_ADDR": master[0],
         "MASTER_PORT": str(master[1]),
         "RANK": str(rank),
-        "WORLD_SIZE": str(cfg.tp_size),
+        "WORLD_SIZE": str(cfg.world_size),
         "LOCAL_RANK": str(rank - cfg.node_rank * cfg.ranks_per_node),
         "LOCAL_WORLD_SIZE": str(cfg.ranks_per_node),
     }

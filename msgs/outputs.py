@@ -41,6 +41,8 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     # an MoE model's cumulative routed (token, expert) pairs, {layer id: per expert}, when new
     # since the previous stats (engine/run/expert_counts.py)
     expert_tokens: dict[int, list[int]] | None = None
+    # context parallelism (--cp-size > 1): pages used in each cp rank's pool (the owner of a page)
+    kv_pages_used_by_cp_rank: list[int] | None = None
     # the host tier (L2), when on: cumulative counters and its pages
     l2_hit_tokens: int = 0  # prompt tokens loaded back from L2 instead of recomputed
     l2_pages_used: int = 0

@@ -29,9 +29,9 @@ def main() -> int:
     poller = zmq.Poller()
     poller.register(steps.sock, zmq.POLLIN)
     poller.register(backups.sock, zmq.POLLIN)
-    slab = SlabMapping(cfg.hicache_path, cfg.tp_size)
+    slab = SlabMapping(cfg.hicache_path, cfg.tp_size)  # one region per tp rank; cp ranks share it
     l3 = L3Tier(slab, cfg.l3_dir, int(cfg.l3_size * 2**30)) if cfg.l3_dir else None
-    controller = CacheController(cfg.tp_size, steps, backups, commits, [slab], l3=l3)
+    controller = CacheController(cfg.world_size, steps, backups, commits, [slab], l3=l3)
     control.send(Ready(proc=ROLE))
     try:
         controller.run(wait=poller.poll)

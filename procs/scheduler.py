@@ -27,7 +27,7 @@ def main() -> int:
         requests=open_receiver(ctx, REQUESTS, ROLE, run_dir),
         done=open_receiver(ctx, DONE, ROLE, run_dir, net=net),
         outputs=open_sender(ctx, OUTPUTS, ROLE, run_dir),
-        steps=[open_sender(ctx, STEPS, ROLE, run_dir, rank=r, net=net) for r in range(cfg.tp_size)],
+        steps=[open_sender(ctx, STEPS, ROLE, run_dir, rank=r, net=net) for r in range(cfg.world_size)],
         control=open_sender(ctx, CONTROL, ROLE, run_dir, linger_ms=1000),
     )
     poller = zmq.Poller()

@@ -222,7 +222,8 @@ def _sched_s(drv: Driver, n: int, batch: int, bar: tqdm) -> float:
 
 
 def summarize(res: BatchResult, context_len: int, weights: int, kv_per_token: int, bw: float) -> dict[str, Any]:
-    """Figures of one batch size: measured ms/step against the roofline ms/step."""
+    """Figures of one batch size: measured ms/step against the roofline ms/step (`weights`: the
+    bytes a step of this batch reads, roofline.weight_bytes)."""
     run = [t.run_ms for t in res.times]
     cuda = [t.cuda_ms for t in res.times if t.cuda_ms is not None]
     kv_read = statistics.fmean(t.kv_tokens for t in res.times) * kv_per_token
@@ -257,7 +258,8 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
     cfg = server_config(args, model_dir)
     eng = LocalEngine(cfg)
     runner = eng.runner
-    weights = roofline.weight_bytes(runner.model, runner.mcfg.tie_word_embeddings)
+    weights = roofline.weight_bytes(runner.model, runner.mcfg.tie_word_embeddings)  # all of them
+    moe = getattr(runner.mcfg, "moe", None) is not None
     kv_per_token = kv_bytes_per_token(runner.mcfg, runner.kv_dtype)
     copy_bytes = roofline.copy_size(runner.device, args.bandwidth_gib)
     bw = roofline.copy_bandwidth(runner.device, copy_bytes)
@@ -277,8 +279,11 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
         "bandwidth_gb_s": bw / 1e9,
         "bandwidth_copy_bytes": copy_bytes,
         "weight_bytes": weights,
+        "weight_bytes_rule": roofline.MOE_RULE if moe else "every parameter but the embedding gather",
         "kv_bytes_per_token": kv_per_token,
         "num_parameters": sum(p.numel() for p in runner.model.parameters()),
         "kv_pool_tokens": (runner.num_pages - 1) * runner.page_size,
     }
-    return engine, [summarize(r, args.context_len, weights, kv_per_token, bw) for r in results]
+    tied = runner.mcfg.tie_word_embeddings
+    step_weights = {b: roofline.weight_bytes(runner.model, tied, b) for b in args.batch_sizes}  # MoE: by batch
+    return engine, [summarize(r, args.context_len, step_weights[r.batch], kv_per_token, bw) for r in results]

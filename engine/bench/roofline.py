@@ -2,8 +2,12 @@
 
 bytes/step = weight bytes + KV bytes read. Weights count every parameter once, except the
 input embedding: a step gathers only `batch` of its rows, so embed_tokens counts zero
-unless it is tied to (and so read in full as) the lm_head. KV bytes = sum over the batch
-of the tokens attended to times the per-token K+V bytes of all layers.
+unless it is tied to (and so read in full as) the lm_head; and an MoE layer's routed expert
+stacks (engine/layers/moe.py: w13, w2 and their fp8 scales), of which a step reads only the
+experts its tokens are routed to: given the batch, the expected number of distinct experts
+that `batch` tokens touch with top-k routing, uniform over the E experts (MOE_RULE; exactly k
+at batch 1), times one expert's bytes. KV bytes = sum over the batch of the tokens attended to
+times the per-token K+V bytes of all layers.
 Bandwidth is measured in the same run by a large device-to-device copy (it reads and
 writes every byte: bandwidth = 2 * bytes / time).
 """
@@ -15,17 +19,36 @@ import time
 import torch
 from torch import nn
 
+from engine.layers.moe import MoE, experts_of
+
 GIB = 1 << 30
+MOE_RULE = "routed experts: E * (1 - (1 - k/E)^batch) expected distinct experts per MoE layer (uniform top-k)"
 
 
-def weight_bytes(model: nn.Module, tied_embeddings: bool) -> int:
-    """Bytes of parameters a decode step reads (shared parameters once, embedding gather excluded)."""
-    total = 0
+def experts_read(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts of `num_experts` that `batch` tokens, each routed to `top_k`
+    distinct experts uniformly at random, touch: top_k at batch 1, every expert as batch grows."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def weight_bytes(model: nn.Module, tied_embeddings: bool, batch: int | None = None) -> int:
+    """Bytes of parameters a decode step reads (shared parameters once, embedding gather excluded);
+    with `batch`, an MoE layer's expert stacks only for the experts `batch` tokens are expected to
+    read (module docstring), else in full."""
+    share = {}  # id of an expert stack -> the fraction of its experts a step reads
+    if batch is not None:
+        for m in model.modules():
+            if isinstance(m, MoE):
+                spec = m.gate.spec
+                for p in m.experts.parameters():
+                    if experts_of(p):
+                        share[id(p)] = experts_read(spec.num_experts, spec.top_k, batch) / spec.num_experts
+    total = 0.0
     for name, p in model.named_parameters():  # de-duplicates tied parameters
         if "embed_tokens" in name and not tied_embeddings:
             continue
-        total += p.nbytes
-    return total
+        total += p.nbytes * share.get(id(p), 1.0)
+    return int(total)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:

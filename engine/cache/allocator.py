@@ -6,6 +6,14 @@ call sequence: `alloc` always hands out the lowest free page indices, ascending.
 
 Page 0 is reserved as the padding page and is never handed out or accepted back:
 usable pages are ``1 .. num_pages - 1``.
+
+Under context parallelism (`--cp-size`) a request's page i lives in the pool of rank i % cp
+(engine/layers/cp_attention.page_owner). `OwnedPageAllocator` runs one `PageAllocator` per owner
+pool and names a page globally as ``local * cp + owner``: the owner is the id's residue, so a
+free, a digest, a host-tier copy or a replica read the owner from the id alone, and every place
+that stores page ids (page tables, the radix tree, the Step stream) is unchanged. Both take
+``alloc(n, first)``: pages for a request's page indices first .. first + n - 1 (the plain one
+ignores `first`).
 """
 
 from __future__ import annotations
@@ -50,7 +58,18 @@ class PageAllocator:
         """True when `page` is a usable page that is currently free."""
         return 0 < page < self._num_pages and self._free_flags[page] == 1
 
-    def alloc(self, n: int) -> list[int] | None:
+    def used_per_owner(self) -> list[int]:
+        return [self.num_used]
+
+    def is_used(self, page: int) -> bool:
+        """True when `page` is a usable page that is handed out."""
+        return 0 < page < self._num_pages and self._free_flags[page] == 0
+
+    def shortfall(self, n: int, first: int = 0) -> int:
+        """How many more pages must be freed before alloc(n) can succeed."""
+        return max(0, n - len(self._heap))
+
+    def alloc(self, n: int, first: int = 0) -> list[int] | None:
         """Take the `n` lowest free pages, ascending; None (and no change) if fewer are free."""
         if n < 0:
             raise ValueError(f"alloc of a negative page count: {n}")
@@ -98,3 +117,83 @@ class PageAllocator:
         h.update(self._num_pages.to_bytes(8, "little"))
         h.update(self._free_flags)
         return h.hexdigest()
+
+
+class OwnedPageAllocator:
+    """Pages of `owners` pools (context parallelism), `num_pages` each (page 0 of each is its
+    padding): the page for a request's page index i comes from pool i % owners, lowest free
+    first, and is named ``local * owners + owner`` (module doc). Same interface as
+    PageAllocator; a pure function of the call sequence, so every replica agrees."""
+
+    def __init__(self, num_pages: int, owners: int) -> None:
+        if owners < 2:
+            raise ValueError(f"OwnedPageAllocator needs >= 2 owners, got {owners} (use PageAllocator)")
+        self.owners = owners
+        self.parts = [PageAllocator(num_pages) for _ in range(owners)]
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.parts)
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.num_free for p in self.parts)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - self.num_free
+
+    def used_per_owner(self) -> list[int]:
+        return [p.num_used for p in self.parts]
+
+    def is_free(self, page: int) -> bool:
+        return page >= 0 and self.parts[page % self.owners].is_free(page // self.owners)
+
+    def is_used(self, page: int) -> bool:
+        return page >= 0 and self.parts[page % self.owners].is_used(page // self.owners)
+
+    def _need(self, n: int, first: int) -> list[int]:
+        """Pages each owner gives for the request page indices first .. first + n - 1."""
+        w = self.owners
+        return [len(range(first + (o - first) % w, first + n, w)) for o in range(w)]
+
+    def shortfall(self, n: int, first: int = 0) -> int:
+        return sum(max(0, k - p.num_free) for k, p in zip(self._need(n, first), self.parts, strict=True))
+
+    def alloc(self, n: int, first: int = 0) -> list[int] | None:
+        """Pages for a request's page indices first .. first + n - 1 (page i from owner i % owners),
+        in index order; None (and no change) if some owner has too few free."""
+        if n < 0:
+            raise ValueError(f"alloc of a negative page count: {n}")
+        need = self._need(n, first)
+        if any(k > p.num_free for k, p in zip(need, self.parts, strict=True)):
+            return None
+        taken = [iter(p.alloc(k) or []) for k, p in zip(need, self.parts, strict=True)]
+        w = self.owners
+        return [next(taken[i % w]) * w + i % w for i in range(first, first + n)]
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to their owners. Atomic (checked first): ValueError on a padding, unknown
+        or free page, or a duplicate."""
+        pages = list(pages)
+        bad = [p for p in pages if not self.is_used(p)]
+        if bad or len(set(pages)) != len(pages):
+            raise ValueError(f"free of pages not handed out (or duplicated): {sorted(bad) or sorted(pages)}")
+        by_owner: list[list[int]] = [[] for _ in range(self.owners)]
+        for p in pages:
+            by_owner[p % self.owners].append(p // self.owners)
+        for part, local in zip(self.parts, by_owner, strict=True):
+            if local:
+                part.free(local)
+
+    def digest(self) -> str:
+        h = hashlib.sha256(_DIGEST_TAG + b"/owned")
+        h.update(self.owners.to_bytes(8, "little"))
+        for p in self.parts:
+            h.update(bytes.fromhex(p.digest()))
+        return h.hexdigest()
+
+
+def make_allocator(num_pages: int, owners: int = 1) -> PageAllocator | OwnedPageAllocator:
+    """The scheduler's device page allocator: one pool, or one per context-parallel owner."""
+    return PageAllocator(num_pages) if owners == 1 else OwnedPageAllocator(num_pages, owners)

@@ -103,12 +103,10 @@ class TieredRadixCache(RadixCache):
         The caller holds a lock on `match.node`, so eviction cannot take the path."""
         ps, nodes = self.page_size, match.host_nodes
         need = sum(len(n.key) for n in nodes) // ps
-        short = need - self.allocator.num_free
-        if short > 0:
-            self.evict(short)
-        pages = self.allocator.alloc(need)
-        if pages is None:
-            return None
+        first = len(match.pages)  # the request page index of the first loaded page (its owner under cp)
+        while (pages := self.allocator.alloc(need, first)) is None:
+            if not self.evict(self.allocator.shortfall(need, first)):
+                return None
         at = l3_tokens = 0
         for node in nodes:
             k = len(node.key) // ps
@@ -134,7 +132,7 @@ class TieredRadixCache(RadixCache):
         ps = self.page_size
         if len(tokens) != len(pages) * ps:
             raise ValueError(f"insert: {len(tokens)} tokens do not fill {len(pages)} pages of {ps}")
-        bad = [p for p in pages if not 0 < p <= self.allocator.capacity or self.allocator.is_free(p)]
+        bad = [p for p in pages if not self.allocator.is_used(p)]
         if bad:
             raise ValueError(f"insert: pages {bad} are not allocated")
         path, _ = self._walk(tuple(map(int, tokens)))

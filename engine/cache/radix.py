@@ -184,7 +184,7 @@ class RadixCache:
         if len(tokens) != len(pages) * ps:
             raise ValueError(f"insert: {len(tokens)} tokens do not fill {len(pages)} pages of {ps}")
         alloc = self.allocator
-        bad = [p for p in pages if not 0 < p <= alloc.capacity or alloc.is_free(p)]
+        bad = [p for p in pages if not alloc.is_used(p)]
         if bad:
             raise ValueError(f"insert: pages {bad} are not allocated")
         toks = tuple(map(int, tokens))
@@ -309,7 +309,7 @@ class RadixCache:
                    f"node {node.id}: lock_ref below its children's")
             for p in node.pages:
                 _check(p not in seen, f"page {p} held twice in the tree")
-                _check(0 < p <= self.allocator.capacity and not self.allocator.is_free(p),
+                _check(self.allocator.is_used(p),
                        f"page {p} is in the tree but not allocated")
                 seen.add(p)
             total += len(node.pages)

@@ -4,8 +4,10 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
 * **Ownership** (`page_owner`): a request's i-th page (positions i*page_size ..) belongs to rank
   i % cp. A pure function of the page's index in its request, so every replica (and the scheduler)
   agrees without a message, and a cached prefix keeps its owners when another request reuses it
-  (a shared page has the same index in both). One page table serves every rank: entry i is a
-  page id in the pool of rank page_owner(i); a rank reads and writes only its own entries.
+  (a shared page has the same index in both). One page table serves every rank: entry i is the
+  global id `local * cp + owner` of a page in the pool of rank page_owner(i) (the scheduler's
+  engine/cache/allocator.OwnedPageAllocator); a rank reads and writes only its own entries, at
+  local id = global // cp.
 * **Writes**: a new token's K/V is stored by the owner of its page only.
 * **Attention** for request i with cached prefix [0, start) and new tokens [start, seq_len):
   - prefix part: every new query over this rank's own pages' cached keys (no mask: all of them
@@ -152,14 +154,15 @@ def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
         mine = [j for j in range(cached_pages) if page_owner(j, world) == rank]
         pages, keys = None, 0
         if mine:
-            pages = table[i, mine].to(torch.int64)[None].to(batch.page_table.device)
+            pages = (table[i, mine].to(torch.int64) // world)[None].to(batch.page_table.device)
             keys = len(mine) * ps
             if mine[-1] == cached_pages - 1:  # the last cached page may also hold new tokens
                 keys -= cached_pages * ps - start
         reqs.append(_ReqPlan(row, n, pages, keys, zigzag_rows(n, world, rank)))
         row += n
     dev = batch.out_slots.device
-    return _Plan(own.to(dev), batch.out_slots[own.to(dev)], reqs)
+    slots = batch.out_slots[own.to(dev)]
+    return _Plan(own.to(dev), slots // (ps * world) * ps + slots % ps, reqs)
 
 
 class ContextParallelAttention(AttentionBackend):

@@ -20,6 +20,7 @@ import torch
 from engine.config import ServerConfig
 from engine.layers import batch_invariant, triton_ops
 from engine.layers.attention import AttentionBackend, create_backend
+from engine.layers.cp_attention import context_parallel
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
@@ -107,6 +108,11 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         q_dtype=dtype,
         fp8_math=cfg.attention_fp8_math,
     )
+    if cfg.cp_size > 1:  # the pages of a request round robin over the cp ranks (cp_attention.py)
+        if not layout.is_gqa:
+            raise ValueError(f"--cp-size {cfg.cp_size}: context parallelism for the {layout.describe(kv_dtype)} "
+                             "layout (MLA) is not built; it needs K and V per head")
+        backend = context_parallel(backend)
     return Assembled(device, dtype, deterministic, model, mcfg, shard, layout, kv_dtype, kv, backend,
                      pool.num_pages, pool.max_context, startup)
 

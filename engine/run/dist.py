@@ -4,8 +4,8 @@ without ever waiting on a collective forever.
 The supervisor (engine/supervise.py) gives each worker MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE and LOCAL_RANK. A rank uses cuda:LOCAL_RANK and NCCL on GPU, gloo on CPU, and
 publishes its groups to the layers (`engine.layers.parallel.set_parallel_state`: tp; ep the same
-ranks with --ep-size, else world 1; cp and dp of world 1 until their flags exist) before the
-model is built.
+ranks with --ep-size, else world 1; cp with --cp-size, the ranks of the same tp rank; dp of
+world 1 until its flag exists) before the model is built.
 """
 
 from __future__ import annotations
@@ -48,20 +48,22 @@ DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
-    """The device of this rank; at tp > 1 also joins the process group (blocking until every
+    """The device of this rank; at world > 1 also joins the process group (blocking until every
     rank has joined, at most COLLECTIVE_TIMEOUT_S) and sets the layers' parallel state."""
     device = torch.device(cfg.resolved_device)
-    if cfg.tp_size == 1:
+    if cfg.world_size == 1:
         set_parallel_state(ParallelState())  # every group of world 1
         return device
     for key, value in DIST_ENV.items():
         os.environ[key] = value
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(f"--tp-size {cfg.tp_size}: {', '.join(missing)} not set (the supervisor sets them)")
-    world = int(os.environ.get("WORLD_SIZE", cfg.tp_size))
-    if world != cfg.tp_size or int(os.environ.get("RANK", rank)) != rank:
-        raise RuntimeError(f"environment RANK/WORLD_SIZE disagree with rank {rank} of --tp-size {cfg.tp_size}")
+        raise RuntimeError(f"--tp-size {cfg.tp_size} x --cp-size {cfg.cp_size}: {', '.join(missing)} not set "
+                           "(the supervisor sets them)")
+    world = int(os.environ.get("WORLD_SIZE", cfg.world_size))
+    if world != cfg.world_size or int(os.environ.get("RANK", rank)) != rank:
+        raise RuntimeError(f"environment RANK/WORLD_SIZE disagree with rank {rank} of --tp-size {cfg.tp_size} "
+                           f"x --cp-size {cfg.cp_size}")
     local = int(os.environ.get("LOCAL_RANK", rank))
     kwargs = {}
     if device.type == "cuda":
@@ -78,13 +80,35 @@ def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
     )
-    t = TPGroup(rank, world, dist.group.WORLD, _symm_all_reduce(device))
-    # --ep-size (1 or --tp-size, engine/config.py): the expert-parallel group is the same ranks
-    set_parallel_state(ParallelState(tp=t, ep=t if cfg.ep_size > 1 else TPGroup()))
-    log.info("tensor parallel group joined", backend=backend, world=world, device=str(device),
+    state = _groups(cfg, rank, device)
+    set_parallel_state(state)
+    log.info("process groups joined", backend=backend, world=world, tp=f"{state.tp.rank}/{state.tp.world}",
+             cp=f"{state.cp.rank}/{state.cp.world}", device=str(device),
              master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-             symm_allreduce_max_bytes=t.symm.max_bytes if t.symm is not None else 0)
+             symm_allreduce_max_bytes=state.tp.symm.max_bytes if state.tp.symm is not None else 0)
     return device
+
+
+def rank_layout(rank: int, tp_size: int) -> tuple[int, int]:
+    """(tp rank, cp rank) of a global rank: tp innermost, rank = cp_rank * tp_size + tp_rank, so a
+    tp group is consecutive ranks (GPUs of one NVLink island first) and a cp group strides by
+    tp_size, as SGLang lays out its attention groups inside the world."""
+    return rank % tp_size, rank // tp_size
+
+
+def _groups(cfg: ServerConfig, rank: int, device: torch.device) -> ParallelState:
+    """This rank's groups. Every rank creates every subgroup, in the same order (torch.distributed's
+    rule for new_group); at cp 1 the tp group is the whole world, as before."""
+    tp_rank, cp_rank = rank_layout(rank, cfg.tp_size)
+    if cfg.cp_size == 1:
+        t = TPGroup(rank, cfg.tp_size, dist.group.WORLD, _symm_all_reduce(device))
+        return ParallelState(tp=t, ep=t if cfg.ep_size > 1 else TPGroup())  # --ep-size: the same ranks
+    tp_groups = [dist.new_group([c * cfg.tp_size + t for t in range(cfg.tp_size)]) for c in range(cfg.cp_size)]
+    cp_groups = [dist.new_group([c * cfg.tp_size + t for c in range(cfg.cp_size)]) for t in range(cfg.tp_size)]
+    # the one-shot all-reduce is set up over the whole world only: under cp, NCCL for every size
+    t = TPGroup(tp_rank, cfg.tp_size, tp_groups[cp_rank], None) if cfg.tp_size > 1 else TPGroup()
+    c = TPGroup(cp_rank, cfg.cp_size, cp_groups[tp_rank], None)
+    return ParallelState(tp=t, ep=t if cfg.ep_size > 1 else TPGroup(), cp=c)
 
 
 def _symm_all_reduce(device: torch.device) -> SymmAllReduce | None:

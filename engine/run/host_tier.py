@@ -102,10 +102,14 @@ MAX_SEGMENTS = 8  # more pieces than this: the whole load-back is gathered (boun
 class HostCopies(Effect):
     ops = (HostInit, BackupPrepare, LoadBack)
 
-    def __init__(self, kv: KVPool, path: str, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, kv: KVPool, path: str, rank: int = 0, world: int = 1, cp_rank: int = 0,
+                 cp_world: int = 1) -> None:
         self.kv = kv
         self.path = path
-        self.rank, self.world = rank, world  # each rank owns one region of the slab: its KV heads
+        self.rank, self.world = rank, world  # each tp rank owns one region of the slab: its KV heads
+        # context parallelism: the cp ranks of a tp rank share its region, which holds each page once;
+        # a rank copies only the pages it owns (global id % cp_world == cp_rank; engine/cache/allocator.py)
+        self.cp_rank, self.cp_world = cp_rank, cp_world
         # the slab's rows are [layer][component] (K, V for GQA; the latent for MLA): one size
         self.layer_bytes = kv.layout.uniform_page_bytes(kv.page_size, kv.dtype)
         self.components = len(kv.layout.components)
@@ -121,11 +125,11 @@ class HostCopies(Effect):
         # GPU backups are launched by a copier thread (`_copier`), not the worker's: the batch
         # call costs the host ~0.7 us a copy (scripts/dma_probe.py), which the next step's
         # launch would wait for
-        self._jobs: queue.Queue[tuple[list[tuple[int, list[int], int]], torch.cuda.Event] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[list[tuple[int, list[int], list[int]]], torch.cuda.Event] | None] = queue.Queue()
         self.enqueued = threading.Event()  # set when the copier added in-flight copies (WithBackups waits)
         self._error: BaseException | None = None
         self._copier_started = False
-        self.queued: list[tuple[int, list[int], int]] = []  # (obj, device pages, host start)
+        self.queued: list[tuple[int, list[int], list[int]]] = []  # (obj, device pages, host pages)
         # copied or in flight: (objects, copied event or None on CPU, tensors kept alive until then)
         self.done: list[tuple[list[int], torch.cuda.Event | None, tuple[torch.Tensor, ...]]] = []
         # GPU copy timings not read yet: (key of seconds, start event, end event)
@@ -159,9 +163,21 @@ class HostCopies(Effect):
                         register_s=round(time.perf_counter() - t1, 2),
                     )
             case BackupPrepare(obj=obj, device_pages=pages, host_start=start):
-                self.queued.append((obj, unpack_ids(pages), start))
+                self.queued.append((obj, *self._owned(unpack_ids(pages), start)))  # reported even if none is ours
             case LoadBack(device_pages=pages, host_start=start):
-                self._load(unpack_ids(pages), start)
+                if self.cp_world == 1:
+                    self._load(unpack_ids(pages), start)
+                else:
+                    self._load_owned(*self._owned(unpack_ids(pages), start))
+
+    def _owned(self, pages: list[int], start: int) -> tuple[list[int], list[int]]:
+        """(this rank's device pages, their host pages) of an object at host page `start`: every
+        page at cp 1; under cp the pages it owns, at their local ids."""
+        if self.cp_world == 1:
+            return pages, list(range(start, start + len(pages)))
+        w, r = self.cp_world, self.cp_rank
+        mine = [(p // w, start + i) for i, p in enumerate(pages) if p % w == r]
+        return [d for d, _ in mine], [h for _, h in mine]
 
     def _start_copier(self) -> None:
         """At HostInit (start-up: only an engine with a host tier has the thread, and a missing
@@ -225,6 +241,32 @@ class HostCopies(Effect):
             else:
                 self.stats["load_back_s"] += time.perf_counter() - t0
 
+    def _load_owned(self, dev_pages: list[int], host_pages: list[int]) -> None:
+        """Host -> device of the pages this cp rank owns (every cp-th page of the object, so
+        never a straight stretch): a gather per component, one copy to the device, a scatter
+        per layer, on the compute stream."""
+        assert self.slab is not None
+        if not dev_pages:
+            return
+        t0 = time.perf_counter()
+        begin = self._timing_event() if self.cuda else None
+        host = torch.tensor(host_pages, dtype=torch.int64)
+        dev = torch.tensor(dev_pages, dtype=torch.int64)
+        if self.cuda:
+            dev = dev.pin_memory().to(self.kv.device, non_blocking=True)
+        for kv in range(len(self.dev)):
+            rows = self.slab[:, kv].index_select(1, host)  # [layers, pages, layer bytes]
+            rows = rows.pin_memory().to(self.kv.device, non_blocking=True) if self.cuda else rows
+            for layer, layer_dev in enumerate(self.dev_layers[kv]):
+                layer_dev.index_copy_(0, dev, rows[layer])
+        with self.lock:
+            self.stats["load_backs"] += 1
+            self.stats["bytes_in"] += len(dev_pages) * self.page_bytes
+            if begin is not None:
+                self._timings.append(("load_back_s", begin, self._timing_event()))
+            else:
+                self.stats["load_back_s"] += time.perf_counter() - t0
+
     def after_forward(self) -> None:
         """Copy the queued backups (their KV is written once this step's forward ran): at
         once on CPU; on a GPU enqueued on the side stream after the forward (module doc)."""
@@ -243,7 +285,7 @@ class HostCopies(Effect):
         forward_written.record()  # on the compute stream, after this step's forward
         self._jobs.put((queued, forward_written))
 
-    def _copy_job(self, queued: list[tuple[int, list[int], int]], forward_written: torch.cuda.Event) -> None:
+    def _copy_job(self, queued: list[tuple[int, list[int], list[int]]], forward_written: torch.cuda.Event) -> None:
         """The copier thread's part of a step's backups: on the side stream, after the forward
         that wrote them, one batch of DMAs (`batch_copies`); the objects are done once the
         copied event completes."""
@@ -261,7 +303,7 @@ class HostCopies(Effect):
 
     def _record_backups(
         self,
-        queued: list[tuple[int, list[int], int]],
+        queued: list[tuple[int, list[int], list[int]]],
         copied: torch.cuda.Event | None,
         keep: tuple[torch.Tensor, ...],
         seconds: float,
@@ -380,7 +422,7 @@ def _copier(ref: weakref.ref[HostCopies], jobs: queue.Queue, device: int) -> Non
 
 
 def batch_copies(
-    queued: list[tuple[int, list[int], int]], dev: tuple[torch.Tensor, ...], slab: torch.Tensor
+    queued: list[tuple[int, list[int], list[int]]], dev: tuple[torch.Tensor, ...], slab: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's backups as 1D copies (destination, source, bytes: int64 CPU tensors, the
     arguments of engine/run/dma.copy_batch): one per layer, component (K/V) and stretch, a
@@ -388,9 +430,9 @@ def batch_copies(
     another merge). `dev` is the pool's components as bytes [layers, device pages, layer bytes],
     `slab` this rank's region [layers, components, host pages, layer bytes]. Vectorized: the copier thread
     holds the GIL only for a few tensor ops, whatever the number of pages."""
-    queued = sorted(queued, key=lambda q: q[2])
+    queued = sorted((q for q in queued if q[1]), key=lambda q: q[2][0])  # by host page (an object's are ascending)
     dev_pages = torch.tensor([p for _, pages, _ in queued for p in pages], dtype=torch.int64)
-    host_pages = torch.tensor([start + i for _, pages, start in queued for i in range(len(pages))], dtype=torch.int64)
+    host_pages = torch.tensor([h for _, _, hosts in queued for h in hosts], dtype=torch.int64)
     n = dev_pages.numel()
     brk = torch.ones(n, dtype=torch.bool)
     brk[1:] = (dev_pages[1:] != dev_pages[:-1] + 1) | (host_pages[1:] != host_pages[:-1] + 1)

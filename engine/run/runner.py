@@ -21,6 +21,7 @@ from engine.config import ServerConfig
 from engine.env import env
 from engine.layers import triton_ops
 from engine.layers.forward import ForwardBatch
+from engine.layers.parallel import parallel_state
 from engine.replica import Effect, ReplicaError, StepOrderError, TokenChain, rank_replica
 from engine.run.assembly import assemble, make_ready, make_speculator
 from engine.run.expert_counts import ExpertCounts
@@ -100,7 +101,8 @@ class ModelRunner:
         self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.deferred: Launched | None = None  # the launched step whose sampling waits (grammar)
-        self.host_tier = HostCopies(self.kv, cfg.hicache_path, rank, cfg.tp_size)  # L2 copies: host_tier.py
+        ps = parallel_state()  # under cp the slab region is the tp rank's, shared by its cp ranks
+        self.host_tier = HostCopies(self.kv, cfg.hicache_path, ps.tp.rank, ps.tp.world, ps.cp.rank, ps.cp.world)
         self.replica.add_effect(self.host_tier)
         self.last_token = torch.zeros(cfg.max_running_requests, dtype=torch.int64, device=self.device)
         self.spec = make_speculator(cfg, a)

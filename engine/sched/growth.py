@@ -67,7 +67,7 @@ class DecodeGrowth:
         need = self.kv.pages_for(req, new_tokens)
         if need == 0:
             return True
-        while (pages := self.kv.alloc(need)) is None:
+        while (pages := self.kv.alloc(need, len(req.pages))) is None:
             victim = self._victim() if may_retract else None
             if victim is None:
                 return False

@@ -276,6 +276,7 @@ class SchedulerLoop:
             vocab_size=ready.vocab_size,
             kv_pages_total=core.alloc.capacity,
             kv_pages_used=core.alloc.num_used,
+            kv_pages_used_by_cp_rank=core.alloc.used_per_owner() if core.state.cfg.cp_size > 1 else None,
             cache_pages=core.cache.total_pages,
             running=len(core.running),
             waiting=len(core.waiting),

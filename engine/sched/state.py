@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from engine.cache.allocator import PageAllocator
+from engine.cache.allocator import OwnedPageAllocator, PageAllocator, make_allocator
 from engine.cache.hiradix import TieredRadixCache
 from engine.cache.radix import RadixCache
 from engine.cache.slab import available_memory
@@ -39,6 +39,7 @@ class SchedConfig:
     seed: int = 0
     digest_every: int = 64
     num_ranks: int = 1  # workers replaying the stream; each reports every DigestCheck
+    cp_size: int = 1  # context parallelism: page owners (a pool of num_pages per owner)
     host_pages: int = 0  # the host tier's (L2) pages; 0: no host tier
     write_policy: str = "write_through"  # when cached KV is copied to L2
     page_bytes: int = 0  # a worker's KV page across every layer: a host-tier page
@@ -69,7 +70,8 @@ class SchedConfig:
             seed=cfg.seed,
             digest_every=digest_every,
             num_ranks=num_ranks,
-            host_pages=host_pages(cfg, ready, num_ranks),
+            cp_size=cfg.cp_size,
+            host_pages=host_pages(cfg, ready, cfg.tp_size),  # the slab: one region per tp rank (cp shares it)
             write_policy=cfg.hicache_write_policy,
             page_bytes=ready.page_bytes,
             num_layers=ready.num_layers,
@@ -84,7 +86,7 @@ class SchedConfig:
 @dataclass
 class SchedState:
     cfg: SchedConfig
-    alloc: PageAllocator = field(init=False)
+    alloc: PageAllocator | OwnedPageAllocator = field(init=False)
     cache: RadixCache = field(init=False)
     tiers: Tiers | None = field(init=False)  # the host tier's part, when it is on
     reqs: dict[str, Req] = field(default_factory=dict)  # every unfinished request
@@ -101,7 +103,7 @@ class SchedState:
     retractions: int = 0
 
     def __post_init__(self) -> None:
-        self.alloc = PageAllocator(self.cfg.num_pages)
+        self.alloc = make_allocator(self.cfg.num_pages, self.cfg.cp_size)
         self.cache = make_cache(self.cfg, self.alloc)
         self.tiers = Tiers(self.cache, self.cfg.l3_dir) if isinstance(self.cache, TieredRadixCache) else None
         self.free_slots = list(range(self.cfg.max_running))
@@ -152,12 +154,13 @@ class RequestKV:
         total = -(-(req.kv_len + new_tokens) // self.s.cfg.page_size)
         return max(0, total - len(req.pages))
 
-    def alloc(self, n: int) -> list[int] | None:
-        """n free pages, evicting unlocked cache first if needed; None if they do not exist."""
-        short = n - self.s.alloc.num_free
-        if short > 0:
-            self.s.cache.evict(short)
-        return self.s.alloc.alloc(n)
+    def alloc(self, n: int, first: int = 0) -> list[int] | None:
+        """Pages for a request's page indices first .. first + n - 1 (their owners under cp),
+        evicting unlocked cache first if needed; None if they cannot be found."""
+        while (pages := self.s.alloc.alloc(n, first)) is None:
+            if not self.s.cache.evict(self.s.alloc.shortfall(n, first)):
+                return None
+        return pages
 
     def extend(self, req: Req, pages: list[int], ops: list[Op]) -> None:
         req.pages.extend(pages)

@@ -34,6 +34,9 @@ class Metrics:
         )
         self.kv_pages_used = Gauge("strata_kv_pages_used", "KV pages held by requests or the cache", registry=r)
         self.kv_pages_total = Gauge("strata_kv_pages_total", "KV pages in the device pool", registry=r)
+        self.kv_pages_used_by_cp_rank = Gauge(
+            "strata_kv_pages_used_by_cp_rank", "KV pages used in each context-parallel rank's pool", ["cp_rank"],
+            registry=r)
         self.kv_cache_pages = Gauge("strata_kv_cache_pages", "KV pages held by the prefix cache", registry=r)
         self.running = Gauge("strata_running_requests", "Requests being decoded or prefilled", registry=r)
         self.waiting = Gauge("strata_waiting_requests", "Requests queued in the scheduler", registry=r)
@@ -104,6 +107,8 @@ class Metrics:
         self.kv_pages_used.set(stats.kv_pages_used)
         self.kv_pages_total.set(stats.kv_pages_total)
         self.kv_cache_pages.set(stats.cache_pages)
+        for cp_rank, used in enumerate(stats.kv_pages_used_by_cp_rank or ()):
+            self.kv_pages_used_by_cp_rank.labels(cp_rank=str(cp_rank)).set(used)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.leak_free.set(1 if stats.leak_free else 0)

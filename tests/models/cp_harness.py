@@ -37,7 +37,7 @@ PAGE = 4
 @dataclass
 class Seq:
     tokens: list[int]
-    pages: list[int]  # page i: an id in rank page_owner(i)'s pool
+    pages: list[int]  # page i: global id local * cp + owner of a page in rank page_owner(i)'s pool
     cached: int = 0
     out: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -62,8 +62,9 @@ class CPGreedy:
         pages = share.pages[: shared_tokens // self.page_size] if share else []
         for i in range(len(pages), math.ceil((len(prompt) + max_new) / self.page_size)):
             owner = page_owner(i, self.cp.world)
-            pages.append(self.free[owner].pop())
-            self.used[owner].add(pages[-1])
+            local = self.free[owner].pop()
+            pages.append(local * self.cp.world + owner)  # the global id (engine/cache/allocator.py)
+            self.used[owner].add(local)
         return Seq(tokens=list(prompt), pages=list(pages), cached=shared_tokens)
 
     def step(self, seqs: list[Seq], chunk: int | None) -> None:

@@ -165,7 +165,8 @@ class _Alloc:
             random.Random(r).shuffle(f)
 
     def pages(self, n_tokens: int) -> list[int]:
-        return [self.free[page_owner(i, self.cp)].pop() for i in range(-(-n_tokens // 4))]
+        owners = [page_owner(i, self.cp) for i in range(-(-n_tokens // 4))]
+        return [self.free[o].pop() * self.cp + o for o in owners]  # global ids, local * cp + owner
 
 
 @pytest.mark.parametrize("flash", [True, False])

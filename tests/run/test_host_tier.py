@@ -44,7 +44,8 @@ def test_batch_copies_merge_stretches_across_objects_and_match_the_slab_layout()
     slab = torch.zeros(3, 2, 40, dev[0].shape[-1], dtype=torch.uint8)
     # (obj, device pages, host start): 5 and 6 continue each other on both sides; 7 is scattered
     queued = [(6, [13, 14], 12), (5, [10, 11, 12], 9), (7, [40, 2, 3], 30), (8, [20], 14)]
-    dsts, srcs, sizes = host_tier.batch_copies(queued, dev, slab)
+    hosts = [(obj, pages, list(range(start, start + len(pages)))) for obj, pages, start in queued]
+    dsts, srcs, sizes = host_tier.batch_copies(hosts + [(9, [], [])], dev, slab)  # 9: none of its pages here
     # stretches: 10-14 -> 9-13 (objects 5 and 6), 20 -> 14, 40 -> 30, 2-3 -> 31-32
     assert sorted(set(sizes.tolist())) == [dev[0].shape[-1], 2 * dev[0].shape[-1], 5 * dev[0].shape[-1]]
     assert len(sizes) == 2 * 3 * 4

@@ -60,9 +60,9 @@ def _routing(t: int, k: int, e: int, seed: int, hot: int | None = None) -> tuple
     return torch.rand(t, k, generator=g) + 0.05, ids
 
 
-def _fused(ex: Experts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, pad: PadRows | None = None) -> torch.Tensor:
+def _fused(ex: Experts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     stacks = [mk.Stack(getattr(ex, n), getattr(ex, n + "_scale", None), ex.quant) for n in ("w13", "w2")]
-    return mk.fused_experts(x, w, ids, *stacks, ex.token_counts, ex.first, CFG, pad)
+    return mk.fused_experts(x, w, ids, *stacks, ex.token_counts, ex.first, CFG)
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:

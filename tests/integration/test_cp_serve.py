@@ -1,0 +1,130 @@
+"""bin/serve --cp-size 2 on CPU (gloo): a request's KV pages round robin over two worker
+processes (docs/architecture.md, Context parallelism), each pool holding only the pages its rank
+owns. Greedy tokens equal cp=1's for long prompts (several pages per rank, lengths not multiples
+of cp x page) in chunks, batched (overlap on), behind a cached prefix, loaded back from the shared
+host tier (L2) and read from the disk tier (L3), which a cp=1 engine then serves from the same
+directory; each rank's pool holds about half the pages; a killed rank stops the engine.
+One cp=2 server start for the module (float32: cp merges partials by LSE, so logprobs differ
+from cp=1's in their last bits, and tokens are compared)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.conftest import Server, start_server, stop_server
+
+ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64", "--max-running-requests", "4",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2")
+CP_POOL = 384  # tokens per rank: 24 usable pages of 16 each, 48 over both ranks
+MAX_NEW = 6
+_rng = random.Random(11)
+LONG = [[_rng.randrange(200, 20000) for _ in range(n)] for n in (83, 150, 45)]  # 6, 10, 3 pages
+CONVS = [[_rng.randrange(200, 20000) for _ in range(150)] for _ in range(5)]  # 5 x 10 pages > L1 48
+SUFFIX = LONG[1][:96] + [_rng.randrange(200, 20000) for _ in range(37)]  # 6 cached pages, then new tokens
+
+
+@pytest.fixture(scope="module")
+def l3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("l3")
+
+
+@pytest.fixture(scope="module")
+def cp_server(tmp_path_factory: pytest.TempPathFactory, l3_dir: Path) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("cp-logs"), "--cp-size", "2", "--max-total-tokens", str(CP_POOL),
+                       *ARGS, "--l3-dir", str(l3_dir))
+    yield srv
+    if srv.proc.poll() is None:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir: Path) -> dict[tuple[int, ...], list[int]]:
+    """cp=1 greedy tokens of every prompt, in this process."""
+    from engine.config import ServerConfig
+    from engine.local import LocalEngine
+    from msgs.params import SamplingParams
+
+    eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
+    prompts = [*LONG, *CONVS, SUFFIX]
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    return {tuple(p): r.output_ids for p, r in zip(prompts, res, strict=True)}
+
+
+def _generate(srv: Server, ids: list[int]) -> tuple[list[int], int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
+
+
+def _workers(srv: Server) -> dict[int, psutil.Process]:
+    out = {}
+    for child in psutil.Process(srv.proc.pid).children(recursive=True):
+        cmd = child.cmdline()
+        if "procs.worker" in cmd:
+            out[int(cmd[cmd.index("--rank") + 1])] = child
+    return out
+
+
+def test_cp2_batched_chunked_long_prompts_give_cp1_tokens(cp_server: Server, reference: dict) -> None:
+    envs = {r: p.environ() for r, p in _workers(cp_server).items()}
+    assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
+    with ThreadPoolExecutor(3) as pool:  # together: one batch, prefilled in 64-token chunks, overlap on
+        outs = list(pool.map(lambda ids: _generate(cp_server, ids), LONG))
+    assert [o for o, _ in outs] == [reference[tuple(p)] for p in LONG]
+    got, cached = _generate(cp_server, SUFFIX)  # behind the cached prefix of LONG[1] (split as it was)
+    assert cached == 96 and got == reference[tuple(SUFFIX)]
+    m = cp_server.wait_idle()
+    used = [m[f'strata_kv_pages_used_by_cp_rank{{cp_rank="{r}"}}'] for r in (0, 1)]
+    assert sum(used) == m["strata_kv_pages_used"] > 0 and abs(used[0] - used[1]) <= 3  # each about half
+    assert m["strata_kv_pages_total"] == 2 * (CP_POOL // 16) and m["strata_kv_leak_free"] == 1
+
+
+def test_cp2_shared_host_tier_l2_reload_and_l3(cp_server: Server, reference: dict, l3_dir: Path,
+                                               tmp_path: Path) -> None:
+    for c in CONVS:  # computed; later ones push the earlier out of L1
+        assert _generate(cp_server, c)[0] == reference[tuple(c)]
+    for c in CONVS[:4]:  # loaded back from the one slab both ranks share: each rank its own pages
+        got, cached = _generate(cp_server, c)
+        assert got == reference[tuple(c)] and cached >= 144
+    m = cp_server.wait_idle()
+    assert m['strata_cache_hit_tokens_total{tier="l2"}'] > 0 and m["strata_l2_load_backs_total"] > 0
+    assert m["strata_kv_leak_free"] == 1
+    deadline = time.monotonic() + 30  # L3: written at commit, asynchronously
+    while cp_server.metrics()["strata_l3_writes_total"] < 9 * 5:
+        assert time.monotonic() < deadline, "L3 files not written"
+        time.sleep(0.2)
+    while (r := httpx.post(f"{cp_server.http}/flush_cache", timeout=30)).status_code == 409:  # commits in flight
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.status_code == 200
+    got, cached = _generate(cp_server, CONVS[0])  # L1 and L2 empty: from the files
+    assert got == reference[tuple(CONVS[0])] and cached == 144
+    # a cp=1 engine on the same directory serves what cp=2 wrote (the files do not depend on cp)
+    one = start_server(tmp_path, "--max-total-tokens", str(2 * CP_POOL), *ARGS, "--l3-dir", str(l3_dir))
+    try:
+        got, cached = _generate(one, CONVS[1])
+        assert got == reference[tuple(CONVS[1])] and cached == 144
+        assert one.wait_idle()['strata_cache_hit_tokens_total{tier="l3"}'] == 144
+    finally:
+        assert stop_server(one) == 0
+
+
+def test_cp2_killed_rank_stops_engine(cp_server: Server) -> None:
+    everyone = psutil.Process(cp_server.proc.pid).children(recursive=True)
+    _workers(cp_server)[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    assert cp_server.proc.wait(timeout=30) == 1
+    assert time.monotonic() - t0 < 15, "the supervisor stops the engine within seconds"
+    time.sleep(0.5)
+    left = [p for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"orphans: {[p.cmdline() for p in left]}"
