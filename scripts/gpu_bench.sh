@@ -23,9 +23,11 @@
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
+#   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
+#             CUDA graphs) and offline (256 x 500/250), then DeepSeek-V3-5L latency (batch 1 64; MLA: eager)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -108,6 +110,17 @@ for what in "$@"; do case $what in
           --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llamafp8" \
           --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math-h200.json" || fails=$((fails + 1))
           grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
+  moe) run gpu-moe 300 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
+         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-moe.log" | tail -20
+       run latency-qwen3-30b-a3b 200 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
+         --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-h200.json" || fails=$((fails + 1))
+       grep -A6 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b.log"; grep -h "cuda graphs\|runner ready" "$OUT/latency-qwen3-30b-a3b.log" | tail -3
+       run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy --num-requests 256 \
+         --input-len 500 --output-len 250 --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-moe" \
+         --out "$OUT/offline-qwen3-30b-a3b-500-250-h200.json" || fails=$((fails + 1))
+       run latency-deepseek-v3-5l 150 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 64 \
+         --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
+       grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
