@@ -20,8 +20,9 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   partials in rank order, so every rank ends with the same bytes.
   A decode row (one new token) is the same case: its prefix over every rank's own pages, its
   own key on rank 0.
-* Kernels: on CPU torch's flash kernel that returns the LSE (float32, O(L) memory); elsewhere the
-  exact float32 path (`partial_attention`, the tests' reference). cp = 1 never builds this
+* Kernels (`_sdpa_lse`): a flash kernel that returns the LSE (O(L) memory): on CPU torch's, in
+  float32; on CUDA FlashAttention-2 (bf16/fp16) or the memory-efficient kernel (float32). The exact
+  float32 path (`partial_attention`) is the tests' reference. cp = 1 never builds this
   backend (`context_parallel` returns the plain one).
 """
 
@@ -77,22 +78,43 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o, lse.view(hkv, g, lq).permute(2, 0, 1).reshape(lq, hq)
 
 
+def flash_available(device: torch.device) -> bool:
+    """A kernel that returns the LSE exists here: CUDA's flash / memory-efficient SDPA, or the CPU
+    flash kernel (not in every torch build)."""
+    return device.type == "cuda" or (device.type == "cpu" and _CPU_FLASH_LSE is not None)
+
+
+def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, H, Lq, D] over [1, H, Lk, D] (causal: Lq == Lk) -> (out [1, H, Lq, D], lse [1, H, Lq]),
+    both float32, O(L) memory. CPU: torch's flash kernel in float32. CUDA: FlashAttention-2 in
+    bf16/fp16 (its softmax LSE), the memory-efficient kernel for float32 (its LSE is padded to a
+    multiple of 32 rows: cut)."""
+    if q.device.type == "cpu":
+        return _CPU_FLASH_LSE(q.float(), k.float(), v.float(), is_causal=causal)[:2]
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    else:
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out[0].float(), out[1][..., : q.shape[2]].float()
+
+
 def _flash_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """partial_attention without a mask by the CPU flash kernel (float32, O(L) memory, the LSE
+    """partial_attention without a mask by a flash kernel (`_sdpa_lse`: O(L) memory, the LSE
     returned): a GQA group's query heads as rows of their K/V head, K/V read once."""
     lq, hq, d = q.shape
     hkv = k.shape[1]
-    qh = q.float().transpose(0, 1).reshape(hkv, hq // hkv * lq, d)
-    o, lse = _CPU_FLASH_LSE(qh[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None])
+    qh = q.transpose(0, 1).reshape(hkv, hq // hkv * lq, d)
+    o, lse = _sdpa_lse(qh[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     return o[0].reshape(hq, lq, d).transpose(0, 1), lse[0].reshape(hq, lq).T
 
 
 def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row i of q [L, Hq, D] over keys 0..i of k, v [L, Hkv, D] by the CPU flash kernel (float32);
+    """Row i of q [L, Hq, D] over keys 0..i of k, v [L, Hkv, D] by a flash kernel (`_sdpa_lse`);
     the causal mask differs per row, so K/V are repeated per query head here."""
     g = q.shape[1] // k.shape[1]
-    kr, vr = (x.float().transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
-    o, lse = _CPU_FLASH_LSE(q.float().transpose(0, 1)[None], kr[None], vr[None], is_causal=True)
+    kr, vr = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
+    o, lse = _sdpa_lse(q.transpose(0, 1)[None], kr[None], vr[None], causal=True)
     return o[0].transpose(0, 1), lse[0].T
 
 
@@ -178,8 +200,9 @@ class ContextParallelAttention(AttentionBackend):
         if self.cp.world < 2:
             raise ValueError("ContextParallelAttention needs a cp group of world >= 2 (use context_parallel())")
         self._plan: _Plan | None = None
-        # the CPU flash kernel returns the LSE: O(L) memory; elsewhere (and for tests) the exact path
-        self.flash = _CPU_FLASH_LSE is not None
+        # a flash kernel that returns the LSE (O(L) memory) where one exists (`flash_available`);
+        # else, and for tests, the exact float32 path
+        self.flash = True
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._plan = plan_step(batch, self.cp.rank, self.cp.world)
@@ -201,7 +224,7 @@ class ContextParallelAttention(AttentionBackend):
         t, hq, d = q.shape
         o_all = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
         lse_all = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
-        flash = self.flash and q.device.type == "cpu"
+        flash = self.flash and flash_available(q.device)
         if kv_pool.dtype != q.dtype:  # the self part reads what the pool would give back
             k, v = k.to(kv_pool.dtype).to(q.dtype), v.to(kv_pool.dtype).to(q.dtype)
         for r in self._plan.reqs:

@@ -1,0 +1,61 @@
+"""Context parallelism's kernels on the GPU (engine/layers/cp_attention.py): two simulated cp ranks,
+each with its own pool holding only its pages (round robin, global ids local * 2 + owner), attend
+their share by FlashAttention with its LSE; the partials merged by LSE equal full attention at a
+128k-token context: a whole 128k prefill, a 4096-token chunk after a cached 124k prefix, and a
+decode at 128k (whose LSE is also checked against the scores computed directly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.cp_attention import ContextParallelAttention, merge_partials
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import TPGroup
+
+L, HQ, HKV, D, PAGE, CP = 131072, 32, 8, 128, 16, 2
+
+
+def _global(i: int) -> int:
+    """The global id of request page i: local id i // CP + 1 (page 0 is padding) in rank i % CP's pool."""
+    return (i // CP + 1) * CP + i % CP
+
+
+@pytest.mark.parametrize("new", [L, 4096, 1])
+def test_cp2_flash_partials_merged_equal_full_attention_at_128k(new: int) -> None:
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(new)
+    k, v = (torch.randn(L, HKV, D, device=dev, generator=g, dtype=dtype) for _ in range(2))
+    q = (4 * torch.randn(new, HQ, D, device=dev, generator=g)).to(dtype)  # peaked: a few keys dominate
+    start = L - new
+    table = [_global(i) for i in range(L // PAGE)]
+    pools = [KVPool(1, L // PAGE // CP + 2, PAGE, HKV, D, dtype, dev) for _ in range(CP)]
+    pos = torch.arange(start, device=dev)
+    for r, pool in enumerate(pools):  # the cached prefix, each page in its owner's pool only
+        mine = pos[(pos // PAGE) % CP == r]
+        pool.store(0, (mine // PAGE // CP + 1) * PAGE + mine % PAGE, k[mine], v[mine])
+    batch = ForwardBatch.from_requests([([0] * new, start, table)], PAGE, dev)
+    parts = []
+    for r, pool in enumerate(pools):
+        be = ContextParallelAttention(TPGroup(r, CP))
+        be.prepare(batch)
+        be.store_owned(0, k[start:], v[start:], pool)
+        parts.append(be.partial(q, k[start:], v[start:], 0, pool))
+    got, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    # each rank's pool holds its own pages: together every token once
+    assert sum(int(p.k_all[0].abs().sum((-1, -2)).ne(0).sum()) for p in pools) == L
+    kr, vr = (x.transpose(0, 1).repeat_interleave(HQ // HKV, 0)[None] for x in (k, v))
+    mask = torch.ones(new, L, dtype=torch.bool, device=dev).tril(start)  # row i sees keys 0 .. start + i
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kr, vr, attn_mask=mask if new < L else None,
+                                          is_causal=new == L)[0].transpose(0, 1).float()
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"
+    if new < L:  # the cached prefix counts: attention over the new keys alone is far off
+        alone = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kr[:, :, start:], vr[:, :, start:],
+                                               is_causal=True)[0].transpose(0, 1).float()
+        assert (alone - want).norm() / want.norm() > 10 * err
+    if new == 1:  # the merged LSE is the log-sum-exp of the row's scores over all 128k keys
+        scores = torch.einsum("hd,hld->hl", q[0].float(), kr[0].float()) * D**-0.5
+        torch.testing.assert_close(lse[0], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
