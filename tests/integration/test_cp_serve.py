@@ -3,7 +3,8 @@ processes (docs/architecture.md, Context parallelism), each pool holding only th
 owns. Greedy tokens equal cp=1's for long prompts (several pages per rank, lengths not multiples
 of cp x page) in chunks, batched (overlap on), behind a cached prefix, loaded back from the shared
 host tier (L2) and read from the disk tier (L3), which a cp=1 engine then serves from the same
-directory; each rank's pool holds about half the pages; a killed rank stops the engine.
+directory; each rank's pool holds about half the pages; tp=2 x cp=2 on four workers gives the same
+tokens; a killed rank stops the engine.
 One cp=2 server start for the module (float32: cp merges partials by LSE, so logprobs differ
 from cp=1's in their last bits, and tokens are compared)."""
 
@@ -117,6 +118,21 @@ def test_cp2_shared_host_tier_l2_reload_and_l3(cp_server: Server, reference: dic
         assert one.wait_idle()['strata_cache_hit_tokens_total{tier="l3"}'] == 144
     finally:
         assert stop_server(one) == 0
+
+
+def test_tp2_cp2_on_four_workers_gives_cp1_tokens(reference: dict, tmp_path: Path) -> None:
+    """tp x cp = 4 workers (rank = cp_rank * 2 + tp_rank): each tp pair splits the heads, each cp
+    pair the pages."""
+    srv = start_server(tmp_path, "--tp-size", "2", "--cp-size", "2", "--max-total-tokens", str(CP_POOL), *ARGS[:8])
+    try:
+        envs = {r: p.environ() for r, p in _workers(srv).items()}
+        assert sorted(envs) == [0, 1, 2, 3] and {e["WORLD_SIZE"] for e in envs.values()} == {"4"}
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda ids: _generate(srv, ids), LONG))
+        assert [o for o, _ in outs] == [reference[tuple(p)] for p in LONG]
+        assert srv.wait_idle()["strata_kv_leak_free"] == 1
+    finally:
+        assert stop_server(srv) == 0
 
 
 def test_cp2_killed_rank_stops_engine(cp_server: Server) -> None:
