@@ -112,13 +112,19 @@ def copy_experts_mark(src: torch.Tensor, dst: nn.Parameter) -> None:
     _experts(dst, experts_of(src), first, total)
 
 
+def is_grouped(spec: MoESpec) -> bool:
+    """Whether routing first keeps the topk_group best of n_group expert groups (else every group
+    takes part: Qwen3-MoE, GLM-4.5 with n_group 1)."""
+    return spec.topk_method != "greedy" and spec.topk_group < spec.n_group
+
+
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], expert ids int64 [T, k]) from float32 router logits [T, E]."""
     # sigmoid as 1 / (1 + exp(-x)): torch's CPU sigmoid gives other bits in its vector body than
     # in its scalar tail, whose place moves with the row count; exp, add and divide do not
     scores = logits.softmax(-1) if spec.scoring_func == "softmax" else logits.neg().exp_().add_(1).reciprocal_()
     choice = scores if bias is None else scores + bias
-    if spec.topk_method != "greedy" and spec.topk_group < spec.n_group:  # else every group takes part
+    if is_grouped(spec):
         grouped = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)
         if spec.topk_method == "noaux_tc":
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
@@ -148,6 +154,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = matmul(x.float(), self.weight)  # fixed row blocks under deterministic inference
+        if logits.is_cuda and not batch_invariant.enabled() and not is_grouped(self.spec):
+            from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
+
+            return moe_kernels.route(logits, self.spec, self.e_score_correction_bias)  # one launch, not ~6
         return route(logits, self.spec, self.e_score_correction_bias)
 
 

@@ -40,6 +40,40 @@ DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK_SMALL = 128  # the align kernel reads pairs in chunks of this many (decode), else 1024
 
 
+@triton.jit
+def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr):
+    """Token t's routing from its float32 router logits, as moe.route computes it without expert
+    groups: scores (softmax or 1 / (1 + exp(-x))), the top_k of scores (+ bias), best first,
+    their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
+    t = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, E_P2)
+    em = bins < E
+    x = tl.load(logits + t * E + bins, mask=em, other=float("-inf"))
+    if SIGMOID:
+        scores = tl.where(em, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    else:
+        p = tl.exp(x - tl.max(x, 0))
+        scores = p / tl.sum(p, 0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias + bins, mask=em, other=0.0)
+    choice = tl.where(em, choice, float("-inf"))
+    slots = tl.arange(0, K_P2)
+    w = tl.zeros((K_P2,), tl.float32)
+    picked = tl.zeros((K_P2,), tl.int64)
+    for j in tl.static_range(TOP_K):  # the best left, the lowest index among equals
+        best = tl.min(tl.where(choice == tl.max(choice, 0), bins, E_P2), 0)
+        w = tl.where(slots == j, tl.sum(tl.where(bins == best, scores, 0.0), 0), w)
+        picked = tl.where(slots == j, best.to(tl.int64), picked)
+        choice = tl.where(bins == best, float("-inf"), choice)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    km = slots < TOP_K
+    tl.store(weights + t * TOP_K + slots, w * scale, mask=km)
+    tl.store(ids + t * TOP_K + slots, picked, mask=km)
+
+
 @triton.jit(do_not_specialize=["numel", "first", "below"])
 def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
                  TOP_K: tl.constexpr, LOCAL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
@@ -194,15 +228,31 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
     w, scale, q = s.w, s.scale, QUANTS[s.quant]
     bk = min(cfg.block_k, 128) if q == 2 else cfg.block_k  # one block scale per k-step
     sc = scale if scale is not None else w  # an unused pointer when plain
-    grid = (blocks * triton.cdiv(n, cfg.block_n),)
+    bn = max(16, cfg.block_n // 2) if silu else cfg.block_n  # block_n: the weight rows a program reads
+    grid = (blocks * triton.cdiv(n, bn),)
     gemm_kernel[grid](
         a, w, sc, c, sorted_ids, block_expert, num_padded, weights if weights is not None else sc,
         n, w.shape[2], numel, a.stride(0), w.stride(0), w.stride(1),
         sc.stride(0) if scale is not None else 0, sc.stride(1) if q == 2 else 0, c.stride(0),
         A_DIV=a_div, SILU=silu, MUL_WEIGHT=weights is not None, QUANT=q,
-        BM=cfg.block_m, BN=cfg.block_n, BK=bk, GROUP_M=cfg.group_m, DOT_F32=DOT_F32,
+        BM=cfg.block_m, BN=bn, BK=bk, GROUP_M=cfg.group_m, DOT_F32=DOT_F32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """moe.route in one launch for a spec without expert groups (not moe.is_grouped): (float32
+    weights [T, k], int64 ids [T, k]) from float32 logits [T, E]."""
+    t, e = logits.shape
+    k = spec.top_k
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    if t:
+        route_kernel[(t,)](logits.contiguous(), bias if bias is not None else logits, weights, ids, e,
+                           float(spec.routed_scaling_factor), SIGMOID=spec.scoring_func == "sigmoid",
+                           HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob, TOP_K=k,
+                           K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(e), num_warps=4)
+    return weights, ids
 
 
 def align(ids: torch.Tensor, counts: torch.Tensor, first: int, local: int, block_m: int,

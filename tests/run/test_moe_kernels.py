@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from engine.layers import moe_kernels as mk  # noqa: E402
 from engine.layers import moe_quant  # noqa: E402
-from engine.layers.moe import Experts, PadRows  # noqa: E402
+from engine.layers.moe import Experts, PadRows, is_grouped, route  # noqa: E402
 from engine.layers.parallel import ParallelState, TPGroup, set_parallel_state  # noqa: E402
 from engine.layers.tuning import KernelTuning, parse_tuning  # noqa: E402
 
@@ -123,6 +123,28 @@ def test_ep_ranks_sum_to_all_experts(ep_rank: None, quant: str | None) -> None:
         assert _rel(y, ex(x, w, ids)) < 1e-5
         parts.append(y)
     assert _rel(parts[0] + parts[1], whole(x, w, ids)) < 1e-5
+
+
+def _spec(e: int, k: int, scoring: str, method: str, norm: bool, scale: float, groups: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(num_experts=e, top_k=k, scoring_func=scoring, topk_method=method, norm_topk_prob=norm,
+                           n_group=groups, topk_group=groups, routed_scaling_factor=scale)
+
+
+@pytest.mark.parametrize("spec", [
+    _spec(5, 2, "softmax", "greedy", True, 1.0),  # Qwen3-MoE
+    _spec(16, 3, "softmax", "greedy", False, 1.0),
+    _spec(9, 4, "sigmoid", "noaux_tc", True, 2.5),  # GLM-4.5: one group, the correction bias steers
+    _spec(12, 2, "sigmoid", "noaux_tc", True, 2.5, groups=3),  # every group kept: no grouping
+], ids=["qwen3", "softmax-nonorm", "glm", "groups-all-kept"])
+def test_route_kernel_equals_route(spec: SimpleNamespace) -> None:
+    assert not is_grouped(spec)
+    g = torch.Generator().manual_seed(spec.num_experts)
+    logits = torch.randn(6, spec.num_experts, generator=g)
+    bias = 0.05 * torch.randn(spec.num_experts, generator=g) if spec.topk_method == "noaux_tc" else None
+    w_ref, ids_ref = route(logits, spec, bias)
+    w, ids = mk.route(logits, spec, bias)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
 def test_align_pads_segments_and_keeps_flat_order() -> None:
