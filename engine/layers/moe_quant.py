@@ -12,10 +12,11 @@ one scale parameter `{name}_scale` stacked over the experts like the weight:
 Each expert's [N, K] matrix is one Linear weight as far as the arithmetic goes: it is quantized
 by `engine.layers.quant.quantize` and dequantized by `quant.dequantize`, so an expert's values
 are bit for bit what a dense projection of the same checkpoint bits would get. On the CPU the
-stacks are dequantized once at load (`to_plain`); on CUDA `Experts.forward` dequantizes each
-expert that got tokens, every forward (`expert_weight`): correct, not fast (it reads the fp8
-bytes, then writes and reads a bf16 copy); grouped fp8 GEMMs are to come. NVFP4 experts are
-refused at load with a message.
+stacks are dequantized once at load (`to_plain`); on CUDA the fused kernels
+(engine/layers/moe_kernels.py) read the e4m3 stacks and their scales as they are, widening each
+weight tile in registers; only the torch path (deterministic inference) dequantizes each expert
+that got tokens, every forward (`expert_weight`). NVFP4 experts are refused at load with a
+message.
 """
 
 from __future__ import annotations
