@@ -74,7 +74,8 @@ def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HA
     tl.store(ids + t * TOP_K + slots, picked, mask=km)
 
 
-@triton.jit(do_not_specialize=["numel", "first", "below"])
+# keys: a view (a CUDA graph's out_slots) whose alignment must not pick another compiled variant
+@triton.jit(do_not_specialize=["keys", "numel", "first", "below"])
 def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
                  TOP_K: tl.constexpr, LOCAL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
                  CHUNK: tl.constexpr, HAS_KEYS: tl.constexpr):
