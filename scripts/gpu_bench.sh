@@ -26,9 +26,10 @@
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
 #             CUDA graphs) and offline (256 x 500/250), then DeepSeek-V3-5L latency (batch 1 64; MLA: eager)
+#   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe cp pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep cp pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -124,6 +125,9 @@ for what in "$@"; do case $what in
        run latency-deepseek-v3-5l 150 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 64 \
          --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
+  moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
+            run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
+              --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
