@@ -15,6 +15,8 @@ class ReqOutput(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
     logprobs: list[float] | None = None  # one per new id
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new id: (token, logprob)
+    # speculative decoding, cumulative for the request: (verify rows, drafts proposed, drafts accepted)
+    spec: tuple[int, int, int] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True, frozen=True):

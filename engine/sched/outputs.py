@@ -69,6 +69,8 @@ class OutputProcessor:
                 continue  # finished (or aborted) meanwhile: its tokens are discarded
             if k:
                 self.s.spec_stats.add(k, a)
+                v, d, acc = req.spec
+                req.spec = (v + 1, d + k, acc + a)
             if req.status == Status.RUNNING:
                 self.kv.trim(req, k - a)  # (a retracted request holds no KV to trim)
             outs.append(self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
@@ -94,6 +96,7 @@ class OutputProcessor:
             completion_tokens=len(req.output_ids),
             logprobs=lps[:n] if lps is not None and req.params.logprobs else None,
             top_logprobs=[t[: req.params.top_logprobs] for t in top[:n]] if top and req.params.top_logprobs else None,
+            spec=req.spec if req.spec[0] else None,
         )
         if reason:
             self.finish(req, reason)
@@ -133,6 +136,7 @@ class OutputProcessor:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens,
             completion_tokens=len(req.output_ids),
+            spec=req.spec if req.spec[0] else None,
         )
 
 

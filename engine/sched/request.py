@@ -36,6 +36,7 @@ class Req:
     l3_probed: bool = False  # its prompt was looked up in the disk tier (once per request)
     hit_l2: int = 0  # prompt tokens loaded back for it from L2 before its first admission (not L3)
     hit_l3: int = 0  # ... and from L3 files (read into L2 for it)
+    spec: tuple[int, int, int] = (0, 0, 0)  # speculative decoding: verify rows, drafts, accepted
     finish_reason: str | None = None
 
     @property

@@ -51,6 +51,21 @@ def usage_of(rows: Iterable[tuple[int, int, int, int]]) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
+def with_spec(use: dict[str, Any], specs: Iterable[tuple[int, int, int] | None]) -> dict[str, Any]:
+    """Usage plus speculative decoding's counts when any choice verified drafts: drafts accepted
+    and rejected (OpenAI's predicted-output fields) and the accept length, tokens answered per
+    verify row ((verify rows + accepted) / verify rows)."""
+    rows = drafted = accepted = 0
+    for s in specs:
+        if s:
+            rows, drafted, accepted = rows + s[0], drafted + s[1], accepted + s[2]
+    if rows:
+        use["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+        use["spec_accept_length"] = round((rows + accepted) / rows, 4)
+    return use
+
+
 def _lp(x: float) -> float:
     return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
 
@@ -167,14 +182,19 @@ def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, finish: str | None) -> dict[str, Any]:
-    return {
+def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, finish: str | None,
+                spec: tuple[int, int, int] | None = None) -> dict[str, Any]:
+    meta = {
         "id": rid,
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached,
         "finish_reason": finish,
     }
+    if spec and spec[0]:  # as SGLang's meta_info: verify rows, and tokens answered per verify row
+        meta["spec_verify_ct"] = spec[0]
+        meta["spec_accept_length"] = round((spec[0] + spec[2]) / spec[0], 4)
+    return meta
 
 
 def native_logprobs(

@@ -145,6 +145,7 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
         completion_tokens=last.completion_tokens,
         logprobs=lps,
         top_logprobs=tops,
+        spec=next((o.spec for o in reversed(outs) if o.spec is not None), None),  # cumulative: the latest
     )
 
 

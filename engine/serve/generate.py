@@ -42,6 +42,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec: tuple[int, int, int] | None = None  # speculative decoding: verify rows, drafts, accepted
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec: tuple[int, int, int] | None = None  # speculative decoding: verify rows, drafts, accepted
 
 
 _DONE = object()
@@ -145,11 +147,13 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
     params = sub.params
     detok = Detokenizer(tok, params.stop, params.skip_special_tokens, sub.ids)
     produced = cached = 0
+    spec: tuple[int, int, int] | None = None
     finish: str | None = None
     try:
         async for out in handle:
             produced += len(out.new_ids)
             cached = max(cached, out.cached_tokens)
+            spec = out.spec or spec
             text, finish = _text_and_finish(detok, out, params.stop_token_ids)
             if finish == "error":
                 raise GenerationFailed(f"generation failed: {out.error or 'the scheduler failed this request'}")
@@ -164,6 +168,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
                     prompt_tokens=len(sub.ids),
                     completion_tokens=produced,
                     cached_tokens=cached,
+                    spec=spec,
                 )
             if finish:
                 return
@@ -213,4 +218,5 @@ async def collect(gen: Generation) -> list[Choice]:
         c.finish_reason = delta.finish_reason or c.finish_reason
         c.prompt_tokens, c.completion_tokens = delta.prompt_tokens, delta.completion_tokens
         c.cached_tokens = delta.cached_tokens
+        c.spec = delta.spec or c.spec
     return [choices[i] for i in sorted(choices)]

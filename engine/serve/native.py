@@ -35,7 +35,7 @@ async def prepare(
 
 
 def _body(rid: str, text: str, ids: list[int], prompt: int, cached: int, finish: str | None, **lp: Any) -> dict:
-    meta = fmt.native_meta(rid, prompt, len(ids), cached, finish)
+    meta = fmt.native_meta(rid, prompt, len(ids), cached, finish, lp.get("spec"))
     fmt.native_logprobs(meta, ids, lp.get("logprobs"), lp.get("top_logprobs"))
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
@@ -65,6 +65,7 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
         c.finish_reason,
         logprobs=c.logprobs,
         top_logprobs=c.top_logprobs,
+        spec=c.spec,
     )
     return Reply(body=out, rid=rid)
 
@@ -83,7 +84,8 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
                 if d.top_logprobs is not None:
                     tops = (tops or []) + d.top_logprobs
                 yield fmt.sse(
-                    _body(rid, text, ids, prompt, d.cached_tokens, d.finish_reason, logprobs=lps, top_logprobs=tops)
+                    _body(rid, text, ids, prompt, d.cached_tokens, d.finish_reason, logprobs=lps, top_logprobs=tops,
+                          spec=d.spec)
                 )
         except GenerationFailed as exc:  # the error event, then [DONE] as after any stream
             log.warning("stream failed", status=exc.status, error=exc.message)

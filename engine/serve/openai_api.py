@@ -101,7 +101,8 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         output.finish()
         lp = fmt.chat_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
         out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp))
-    use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
+    use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+                                     for c in choices), (c.spec for c in choices))
     return Reply(body=fmt.chat_completion(rid, state.model_name, created, out, use))
 
 
@@ -148,12 +149,14 @@ async def _sse(
     finished answer. The generation is closed however the stream ends."""
     prompt_of = {s.index: s.prompt_index for s in gen.subs}
     counts: dict[int, tuple[int, int, int, int]] = {}
+    specs: dict[int, tuple[int, int, int] | None] = {}
     try:
         for event in first:
             yield event
         try:
             async for d in deltas:
                 counts[d.index] = (prompt_of[d.index], d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+                specs[d.index] = d.spec
                 choice = choice_of(d)
                 if choice is not None:
                     yield chunk([choice], None)
@@ -162,7 +165,7 @@ async def _sse(
             yield fmt.sse(api_error_body(exc))
         else:
             if include_usage:
-                yield chunk([], fmt.usage_of(counts.values()))
+                yield chunk([], fmt.with_spec(fmt.usage_of(counts.values()), specs.values()))
         yield fmt.SSE_DONE
     finally:
         gen.close()
@@ -232,7 +235,8 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     for c in choices:
         lp = fmt.completion_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs)[0] if want_lp else None
         out.append(fmt.completion_choice(c.index, c.text, c.finish_reason, lp))
-    use = fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens) for c in choices)
+    use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+                                     for c in choices), (c.spec for c in choices))
     return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
 
 

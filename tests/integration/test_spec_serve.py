@@ -42,7 +42,18 @@ def _complete(srv: Server, **body) -> dict:  # noqa: ANN003
 
 def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     full = _complete(spec_server, max_tokens=24, ignore_eos=True)
-    assert full["usage"]["completion_tokens"] == 24
+    use = full["usage"]
+    assert use["completion_tokens"] == 24
+    # the request's own accept length: its verify rows answered more than a token each
+    details = use["completion_tokens_details"]
+    assert use["spec_accept_length"] > 1.5 and details["accepted_prediction_tokens"] > 0
+    assert details["rejected_prediction_tokens"] >= 0
+    r = httpx.post(f"{spec_server.http}/generate", timeout=120, json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
+    meta = r.json()["meta_info"]
+    rows = meta["spec_verify_ct"]  # tokens = the prefill's first + (1 + accepted) per verify row + plain rows
+    assert 0 < rows and rows + details["accepted_prediction_tokens"] <= 23
+    assert meta["spec_accept_length"] == use["spec_accept_length"]  # the same greedy request, the same drafts
     text = full["choices"][0]["text"]
     for n in (3, 10):  # a multi-token step answers past max_tokens: cut exactly
         assert _complete(spec_server, max_tokens=n, ignore_eos=True)["usage"]["completion_tokens"] == n
@@ -64,5 +75,7 @@ def test_speculative_tp2_gives_the_plain_tp1_tokens(spec_server: Server, server:
     text: NGRAM verification at tp=2 changes neither the tokens nor where they stop."""
     for body in ({"max_tokens": 24, "ignore_eos": True}, {"max_tokens": 16, "stop": ["lazy"]}):
         spec = _complete(spec_server, **body)["choices"][0]
-        plain = _complete(server, **body)["choices"][0]
+        plain = _complete(server, **body)
+        assert "spec_accept_length" not in plain["usage"]  # no speculation, no such counts
+        plain = plain["choices"][0]
         assert (spec["text"], spec["finish_reason"]) == (plain["text"], plain["finish_reason"])
