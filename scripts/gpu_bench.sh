@@ -25,7 +25,7 @@
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
-#             CUDA graphs) and offline (256 x 500/250), then DeepSeek-V3-5L latency (batch 1 64; MLA: eager)
+#             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64; MLA: eager)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
@@ -114,15 +114,15 @@ for what in "$@"; do case $what in
           grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-cp.log" | tail -10 ;;
-  moe) run gpu-moe 300 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
+  moe) run gpu-moe 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-moe.log" | tail -20
-       run latency-qwen3-30b-a3b 200 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
+       run latency-qwen3-30b-a3b 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
          --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-h200.json" || fails=$((fails + 1))
        grep -A6 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b.log"; grep -h "cuda graphs\|runner ready" "$OUT/latency-qwen3-30b-a3b.log" | tail -3
-       run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy --num-requests 256 \
-         --input-len 500 --output-len 250 --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-moe" \
-         --out "$OUT/offline-qwen3-30b-a3b-500-250-h200.json" || fails=$((fails + 1))
-       run latency-deepseek-v3-5l 150 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 64 \
+       run offline-qwen3-30b-a3b 120 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy --num-requests 128 \
+         --input-len 500 --output-len 200 --server-args "--max-running-requests 128 --max-prefill-tokens 16384 --log-dir $OUT/logs-moe" \
+         --out "$OUT/offline-qwen3-30b-a3b-500-200-h200.json" || fails=$((fails + 1))
+       run latency-deepseek-v3-5l 100 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 64 \
          --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
   moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
