@@ -1,7 +1,8 @@
 """Fused MoE on CUDA in triton: the routed experts of engine/layers/moe.py's `Experts` without a
 host sync, so a decode step that holds MoE layers can be captured in a CUDA graph.
 
-Four launches a layer (`fused_experts`):
+Routing without expert groups (Qwen3-MoE, GLM-4.5) is one launch (`route`: `route_kernel`); then
+four launches a layer (`fused_experts`):
 
 1. `align_kernel`, one program per (global) expert: the T*k (token, slot) pairs routed to this
    rank's experts grouped by expert into segments padded to BLOCK_M rows (`sorted_ids`: pair
@@ -10,8 +11,9 @@ Four launches a layer (`fused_experts`):
    sort, as the torch path's argsort). Each program also adds its expert's pairs (padding rows
    of a CUDA graph excluded) to the layer's `token_counts`. Everything lives in buffers of a
    size fixed by the shapes: at most numel + min(numel, local experts) * (BLOCK_M - 1) rows.
-2. `gemm_kernel` over w13: each program one BLOCK_M block of one expert and BLOCK_N columns of
-   the intermediate dim; it accumulates the gate and the up tile side by side and stores
+2. `gemm_kernel` over w13: each program one BLOCK_M block of one expert and BLOCK_N / 2 columns
+   of the intermediate dim (BLOCK_N weight rows, as over w2); it accumulates the gate and the up
+   tile side by side and stores
    silu(gate) * up ([numel, I] in the activation dtype).
 3. `gemm_kernel` over w2: times the pair's routing weight (float32 accumulator), [numel, H].
 4. `combine_kernel`: a token's k rows summed in float32 in slot order (pairs routed to another
