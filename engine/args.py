@@ -79,13 +79,15 @@ HELP = {
     "reasoning_parser": "split <think>...</think> into reasoning_content: deepseek-r1 | qwen3 | glm45 "
     "(empty: the reasoning stays in content)",
     "speculative_algorithm": "speculative decoding (as SGLang's flag): NGRAM (drafts looked up in the request's own "
-    "tokens) | STANDALONE (a draft model: --speculative-draft-layers N or --speculative-draft-model-path) (empty: off)",
+    "tokens) | STANDALONE (a draft model: --speculative-draft-layers N or --speculative-draft-model-path) | EAGLE, "
+    "EAGLE3 (a head fed the model's hidden states: --speculative-draft-model-path) | NEXTN (DeepSeek-V3's own MTP "
+    "layer) (empty: off)",
     "speculative_num_steps": "draft tokens proposed per request and step (0: 3 when speculation is on)",
     "speculative_num_draft_tokens": "tokens verified per request and step; a chain: --speculative-num-steps + 1 "
     "(0: that)",
     "speculative_eagle_topk": "drafts per position; 1 (chains) only for now",
     "speculative_draft_model_path": "STANDALONE: a separate draft model's directory, with the target's tokenizer "
-    "(its own KV pool over the target's pages)",
+    "(its own KV pool over the target's pages); EAGLE, EAGLE3: the head's directory (HF EAGLE / EAGLE-3 format)",
     "speculative_draft_layers": "STANDALONE self-draft: the target's first N layers plus its final norm and head "
     "draft; their KV is the target's own (0: off)",
     "chat_template": "a Jinja chat template file to use instead of the model's own (e.g. "

@@ -65,11 +65,11 @@ class ServerConfig:
     l3_dir: str = ""  # "": off; needs --enable-hierarchical-cache
     l3_size: float = 16.0  # GB cap on the files in l3_dir (oldest removed first)
     # speculative decoding (docs/architecture.md, Speculative decoding), SGLang's flag names
-    speculative_algorithm: str = ""  # "" (off) | NGRAM | STANDALONE
+    speculative_algorithm: str = ""  # "" (off) | NGRAM | STANDALONE | EAGLE | EAGLE3 | NEXTN
     speculative_num_steps: int = 0  # drafts per row and step (0: 3 when speculation is on)
     speculative_num_draft_tokens: int = 0  # tokens verified per row: num_steps + 1 for chains (0: that)
     speculative_eagle_topk: int = 1  # drafts per position: 1 (chains) only for now
-    speculative_draft_model_path: str = ""  # STANDALONE: a separate draft model's directory (same tokenizer)
+    speculative_draft_model_path: str = ""  # STANDALONE: a draft model's directory; EAGLE, EAGLE3: the head's
     speculative_draft_layers: int = 0  # STANDALONE self-draft: the target's first N layers + norm + head
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -137,10 +137,9 @@ class ServerConfig:
                 raise ValueError("--speculative-num-steps / --speculative-num-draft-tokens / --speculative-eagle-topk "
                                  "/ --speculative-draft-* need --speculative-algorithm")
             return
-        if algo in ("EAGLE", "EAGLE3", "NEXTN"):
-            raise ValueError(f"--speculative-algorithm {algo} is not implemented yet (NGRAM, STANDALONE)")
-        if algo not in ("NGRAM", "STANDALONE"):
-            raise ValueError(f"bad --speculative-algorithm {algo} (NGRAM, STANDALONE)")
+        if algo not in ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN"):
+            raise ValueError(f"bad --speculative-algorithm {algo} (NGRAM, STANDALONE, EAGLE, EAGLE3, NEXTN)")
+        head = algo in ("EAGLE", "EAGLE3")
         steps = self.speculative_num_steps or 3
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
@@ -148,8 +147,13 @@ class ServerConfig:
             (self.speculative_eagle_topk == 1, "--speculative-eagle-topk must be 1 (chains; trees are not yet)"),
             (tokens == steps + 1, f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {steps + 1} "
              "with --speculative-eagle-topk 1 (a chain verifies its drafts and one bonus token)"),
-            (algo == "STANDALONE" or not (self.speculative_draft_layers or self.speculative_draft_model_path),
-             "--speculative-draft-layers / --speculative-draft-model-path need --speculative-algorithm STANDALONE"),
+            (algo == "STANDALONE" or not self.speculative_draft_layers,
+             "--speculative-draft-layers N: self-drafts need --speculative-algorithm STANDALONE"),
+            (algo == "STANDALONE" or head or not self.speculative_draft_model_path,
+             f"--speculative-draft-model-path needs --speculative-algorithm STANDALONE, EAGLE or EAGLE3 (not {algo}: "
+             "NGRAM has no draft model, NEXTN drafts with the model's own MTP layer)"),
+            (not head or self.speculative_draft_model_path,
+             f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the head's directory)"),
             (algo != "STANDALONE" or self.speculative_draft_layers > 0 or self.speculative_draft_model_path,
              "--speculative-algorithm STANDALONE needs --speculative-draft-layers N (a self-draft) or "
              "--speculative-draft-model-path"),
@@ -164,6 +168,9 @@ class ServerConfig:
             if not path.is_dir():
                 raise ValueError(f"--speculative-draft-model-path {path}: no such directory")
             object.__setattr__(self, "speculative_draft_model_path", str(path.resolve()))
+        problem = _spec_head_problem(algo, self.model, self.speculative_draft_model_path)
+        if problem:
+            raise ValueError(problem)
         object.__setattr__(self, "speculative_num_steps", steps)  # frozen; set once here
         object.__setattr__(self, "speculative_num_draft_tokens", tokens)
 
@@ -272,6 +279,33 @@ class ServerConfig:
     @classmethod
     def from_json(cls, text: str) -> ServerConfig:
         return msgspec.json.decode(text, type=cls)
+
+
+def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
+    """What makes a draft head unusable with the model, read from the config.json files where the
+    model is a local directory (otherwise the worker checks the same at start, naming the flag)."""
+    if algo not in ("EAGLE", "EAGLE3", "NEXTN") or not model or not (Path(model) / "config.json").is_file():
+        return None
+    import json
+
+    target = json.loads((Path(model) / "config.json").read_text())
+    if algo == "NEXTN":
+        arch = (target.get("architectures") or ["?"])[0]
+        if arch not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") or not target.get("num_nextn_predict_layers"):
+            return (f"--speculative-algorithm NEXTN: {model} ({arch}) has no MTP layer (a DeepSeek-V3 config with "
+                    "num_nextn_predict_layers >= 1)")
+        return None
+    if not (Path(head) / "config.json").is_file():
+        return f"--speculative-draft-model-path {head}: no config.json"
+    cfg = json.loads((Path(head) / "config.json").read_text())
+    width = cfg.get("target_hidden_size") or cfg.get("hidden_size") if algo == "EAGLE3" else cfg.get("hidden_size")
+    if width != target.get("hidden_size"):
+        return (f"--speculative-draft-model-path {head}: the {algo} head reads hidden states of {width} values, the "
+                f"model's are {target.get('hidden_size')}")
+    if cfg.get("vocab_size") != target.get("vocab_size"):
+        return (f"--speculative-draft-model-path {head}: the head's vocabulary has {cfg.get('vocab_size')} tokens, "
+                f"the model's {target.get('vocab_size')}")
+    return None
 
 
 def _host_port(addr: str) -> tuple[str, int] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,7 +81,7 @@ def is_nextn_layer(hf_name: str, cfg: ModelConfig) -> bool:
     after the last decoder layer (`model.layers.{num_hidden_layers + i}`): not part of the model
     we serve (transformers skips them too)."""
     m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
-    return cfg.moe is not None and m is not None and int(m.group(1)) >= cfg.num_layers
+    return (cfg.moe is not None or cfg.mla is not None) and m is not None and int(m.group(1)) >= cfg.num_layers
 
 
 def expert_pieces(p: nn.Parameter) -> list[str | ExpertShard | None]:
@@ -143,8 +143,11 @@ def _iter_handles(files: list[Path], progress: bool) -> Iterator[tuple[str, Any]
                     bar.update(1)
 
 
-def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progress: bool = True) -> None:
+def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progress: bool = True,
+                     keep: Callable[[str], bool] | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint in `path` (converting dtype/device).
+    `keep`: read just the tensors whose names it accepts (a speculative head's, or the MTP layer
+    of models/nextn.py, named as in the checkpoint); without it the MTP layers are skipped.
 
     A tensor-parallel rank reads only its slice of each sharded tensor (safetensors get_slice:
     no full copy in host memory). Raises ValueError for a quantized checkpoint, a shape
@@ -158,7 +161,7 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
     for hf_name, handle in _iter_handles(checkpoint_files(Path(path)), progress):
         if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # tied checkpoints sometimes store a copy of the embedding; we read the embedding
-        if is_nextn_layer(hf_name, cfg):
+        if (not keep(hf_name)) if keep is not None else is_nextn_layer(hf_name, cfg):
             continue
         if cfg.quant is not None and hf_name.endswith(_UNUSED_QUANT_SUFFIXES):
             continue  # activation and KV-cache scales: see models/quant.py

@@ -28,6 +28,9 @@ from engine.layers.mla_attention import MLABackend, decode_kernel_available
 from engine.layers.parallel import pack_for_cpu
 from engine.run import TORCH_PREIMPORTED
 from engine.run.dist import init_distributed, rank_config
+from engine.run.eagle import HeadDraft, make_head_draft
+from engine.run.eagle import HeadDraft, make_head_draft
+from engine.run.eagle import HeadDraft, make_head_draft
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.spec import DraftModel, SelfDraft, Speculator
 from engine.run.warmup import warm_up
@@ -132,8 +135,10 @@ def make_speculator(cfg: ServerConfig, a: Assembled) -> Speculator | None:
     if not cfg.speculative_algorithm:
         return None
     layers, path = cfg.speculative_draft_layers, cfg.speculative_draft_model_path
-    draft: SelfDraft | DraftModel | None = None
-    if layers:
+    draft: SelfDraft | DraftModel | HeadDraft | None = None
+    if cfg.speculative_algorithm in ("EAGLE", "EAGLE3", "NEXTN"):  # a head fed the target's hidden states
+        draft = make_head_draft(cfg, a.model, a.mcfg, a.num_pages, a.max_context, a.dtype, a.kv_dtype, a.device)
+    elif layers:
         draft = SelfDraft(a.model, layers, a.kv, a.backend)
     elif path:
         draft = DraftModel(path, a.mcfg.vocab_size, a.num_pages, cfg.page_size, cfg.max_running_requests,

@@ -135,7 +135,7 @@ class Speculator:
     """A rank's part of speculative decoding: fills worker drafts, lays out verify logits,
     decides acceptance. Stateless between steps: everything follows from the Step."""
 
-    def __init__(self, draft: SelfDraft | DraftModel | None, page_size: int, device: torch.device) -> None:
+    def __init__(self, draft: SelfDraft | DraftModel | Any, page_size: int, device: torch.device) -> None:
         self.draft = draft
         self.page_size = page_size
         self.device = device
@@ -155,7 +155,8 @@ class Speculator:
         if len(num) != len(lens) or any(k and (not s or k >= n) for k, s, n in zip(num, sample, lens, strict=True)):
             raise ReplicaError(f"bad Drafts: {num} drafts for rows of {lens} tokens (sample {sample})")
         ends = [sum(lens[: i + 1]) for i in range(len(lens))]
-        if fwd.drafts.on_worker:
+        # a head (EAGLE/EAGLE3/NEXTN, engine/run/eagle.py) fills the -1 drafts the scheduler sends for it
+        if fwd.drafts.on_worker or getattr(self.draft, "drafts_on_worker", False):
             self._fill(ids, num, ends, starts, lens, tables)
         elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
             raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")
@@ -173,6 +174,18 @@ class Speculator:
             first = ends[i] - num[i] - 1
             if ids[first] < 0 or any(t != -1 for t in ids[first + 1 : ends[i]]):
                 raise ReplicaError(f"row {i}: worker drafts need a known first token and -1 placeholders")
+        propose = getattr(self.draft, "propose", None)
+        if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
+            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
+            return
+        propose = getattr(self.draft, "propose", None)
+        if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
+            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
+            return
+        propose = getattr(self.draft, "propose", None)
+        if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
+            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
+            return
         for step in range(max((num[i] for i in rows), default=0)):
             act = [i for i in rows if num[i] > step]
             pos = [ends[i] - num[i] - 1 + step for i in act]  # index in ids of the token drafted from

@@ -140,7 +140,7 @@ def test_wire_plain_steps_unchanged_and_spec_messages_round_trip() -> None:
 
 @pytest.mark.parametrize(("kw", "flag"), [
     (dict(speculative_num_steps=2), "--speculative-algorithm"),
-    (dict(speculative_algorithm="EAGLE"), "not implemented yet"),
+    (dict(speculative_algorithm="EAGLE"), "--speculative-algorithm EAGLE needs --speculative-draft-model-path"),
     (dict(speculative_algorithm="MEDUSA"), "bad --speculative-algorithm"),
     (dict(speculative_algorithm="STANDALONE"), "--speculative-draft-layers"),
     (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=4), "--speculative-eagle-topk"),

@@ -1,0 +1,250 @@
+"""Speculative drafts from a head fed the target's hidden states: EAGLE, EAGLE3 (models/eagle.py)
+and NEXTN, DeepSeek-V3's MTP layer (models/nextn.py). docs/architecture.md, "Speculative
+decoding: EAGLE, EAGLE3, NEXTN".
+
+The head at position p reads (h_p, token p + 1) and predicts token p + 2. Two stores, both
+indexed by KV slot through the target's page tables (so trims, frees and prefix-cache hits apply
+to them as to the target's KV):
+- the hidden pool: h_p for every token the target ran (EAGLE, NEXTN: its final hidden state,
+  after its norm; EAGLE3: fc over three of its residual streams), written by `follow`;
+- the head's KV pool (its own layers), entry p = the head run on (h_p, token p + 1).
+`follow`, after every target forward over tokens s .. s+n-1, writes h_s .. h_{s+n-1}, then runs
+the head over entries s-1 .. s+n-2 (their next tokens are this forward's tokens; entry s-1
+reads h_{s-1} from the pool). Entry s+n-1 waits for its next token: the next forward of the
+request writes it, or the first draft step does. `propose` drafts a verify row [L at p0, -1 x k]
+greedily: step 0 runs the head on (h_{p0-1}, L) at entry p0-1, step j on (g, d_j) at p0-1+j,
+g the head's own output of step j-1. The draft steps' KV entries past p0-1 are rewritten by
+the `follow` of the verify forward with the target's hidden states, so after acceptance the
+head's KV holds (h_p, token p + 1) for every accepted token.
+
+The target's hidden states come from forward hooks on its decoder layers, registered only when
+this draft exists: a target without speculation runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.config import ServerConfig
+from engine.layers.attention import AttentionBackend, create_backend
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_layout import KVLayout
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import lm_logits
+from engine.run.dist import rank_config
+from models.config import ModelConfig
+from models.eagle import EagleHead, head_keeps, read_head, tensor_names
+from models.loader import init_dummy, load_safetensors
+from models.nextn import ARCHS, NextN, nextn_layers
+
+Rows = list[tuple[int, int, int, list[int]]]  # per drafting row: (index of its first token in ids, k, p0, pages)
+
+
+class HiddenTap:
+    """Forward hooks on some of the target's decoder layers: the residual stream after each
+    (x + residual, every token of the forward), summed at once because the next layer's fused
+    add-norm may reuse x's and residual's storage."""
+
+    def __init__(self, layers: nn.ModuleList, which: list[int]) -> None:
+        self.which = which
+        self.out: dict[int, torch.Tensor] = {}
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(which))]
+
+    def _hook(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+            x, residual = output
+            self.out[i] = x + residual
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        """The tapped layers' streams of the last target forward, in `which` order."""
+        out = [self.out[i] for i in self.which]
+        self.out.clear()
+        return out
+
+
+class HeadDraft:
+    """A rank's draft head: its module (EagleHead or NextN), KV pool and hidden pool."""
+
+    drafts_on_worker = True  # -1 drafts are this head's to fill (engine/run/spec.py Speculator.rows)
+
+    def __init__(self, head: EagleHead | NextN, tap: HiddenTap, feature: Callable[[list[torch.Tensor]], torch.Tensor],
+                 kv: KVPool, backend: AttentionBackend | None, hidden_size: int, num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.head, self.tap, self.feature = head, tap, feature
+        self.kv, self.backend = kv, backend
+        self.page_size, self.device = page_size, device
+        self.hidden = torch.zeros(num_pages * page_size, hidden_size, dtype=dtype, device=device)
+
+    def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.backend is not None:
+            self.backend.prepare(batch)
+        return self.head(batch.input_ids, hidden, batch, self.kv, self.backend)
+
+    @torch.inference_mode()
+    def follow(self, batch: ForwardBatch) -> None:
+        """After a target forward: its hidden states into the pool, the head's KV entries up to
+        the one before each row's last token."""
+        self.hidden[batch.out_slots] = self.feature(self.tap.take()).to(self.hidden.dtype)
+        shifted = shift(batch)
+        if shifted is not None:
+            self._run(shifted, self.hidden[shifted.out_slots])
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], rows: Rows) -> None:
+        """Fill each row's k drafts in `ids` (after its first token), greedily, one head step per
+        draft position for all rows at once (a host read per step)."""
+        prev: list[int] = []
+        g: torch.Tensor | None = None
+        module, vocab = self.head.head()
+        for step in range(max(k for _, k, _, _ in rows)):
+            act = [r for r, (_, k, _, _) in enumerate(rows) if k > step]
+            batch = ForwardBatch.build([ids[rows[r][0] + step] for r in act], [rows[r][2] - 1 + step for r in act],
+                                       [1] * len(act), [rows[r][3] for r in act], [1] * len(act), self.page_size,
+                                       self.device)
+            if g is None:
+                hidden = self.hidden[batch.out_slots]  # the target's h at p0 - 1
+            else:
+                keep = torch.tensor([prev.index(r) for r in act], dtype=torch.int64)
+                hidden = g[keep.to(self.device)]
+            out, g = self._run(batch, hidden)
+            logits = lm_logits(out, module.weight, vocab, module.packed)
+            for r, t in zip(act, self.head.to_target(logits.argmax(dim=-1)).tolist(), strict=True):
+                ids[rows[r][0] + step + 1] = int(t)
+            prev = act
+
+
+def shift(batch: ForwardBatch) -> ForwardBatch | None:
+    """The head's entries for `batch`: row (s, n) becomes entries s-1 .. s+n-2 whose next tokens
+    are the row's tokens (s = 0: entries 0 .. n-2); None when no row has any."""
+    assert batch.page_table_cpu is not None
+    ps = batch.page_size
+    idx: list[int] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    tables: list[list[int]] = []
+    off = 0
+    for i, (s, n) in enumerate(zip(batch.start_pos_cpu, batch.extend_lens_cpu, strict=True)):
+        skip = int(s == 0)
+        if n > skip:
+            idx.extend(range(off + skip, off + n))
+            starts.append(s - 1 + skip)
+            lens.append(n - skip)
+            tables.append(batch.page_table_cpu[i, : math.ceil((s + n - 1) / ps)].tolist())
+        off += n
+    if not lens:
+        return None
+    sel = torch.tensor(idx, dtype=torch.int64)
+    ids = batch.input_ids[sel if batch.input_ids.device.type == "cpu" else sel.to(batch.input_ids.device)]
+    return ForwardBatch.build(ids, starts, lens, tables, [0] * len(lens), ps, batch.input_ids.device)
+
+
+def make_head_draft(cfg: ServerConfig, model: nn.Module, mcfg: ModelConfig, num_pages: int, max_context: int,
+                    dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> HeadDraft:
+    """The draft head `--speculative-algorithm` names, loaded and bound to `model` (the target)."""
+    body = getattr(model, "model", None)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not hasattr(body, "norm") or not hasattr(body, "embed_tokens"):
+        raise ValueError(f"--speculative-algorithm {cfg.speculative_algorithm}: {type(model).__name__} exposes no "
+                         "decoder layers to read hidden states from")
+    embed = body.embed_tokens  # type: ignore[union-attr]
+    lm_head = model.lm_head if getattr(model, "lm_head", None) is not None else embed
+    final = len(layers) - 1
+
+    def final_hidden(taps: list[torch.Tensor]) -> torch.Tensor:  # EAGLE, NEXTN: after the target's norm
+        return body.norm(taps[0])  # type: ignore[union-attr, operator]
+
+    if cfg.speculative_algorithm == "NEXTN":
+        head: EagleHead | NextN = load_nextn(cfg, mcfg, dtype, device)
+        feature, tap = final_hidden, HiddenTap(layers, [final])
+        kv = KVPool.from_layout(type(model).kv_layout(rank_config(mcfg)), 1, num_pages, cfg.page_size,  # type: ignore[attr-defined]
+                                kv_dtype, device)
+        backend = None  # MLA attends its latent pool itself
+        hidden = mcfg.hidden_size
+    else:
+        head, aux = load_eagle(cfg, mcfg, dtype, max_context, device)
+        eagle3 = cfg.speculative_algorithm == "EAGLE3"
+        feature = head.feature if eagle3 else final_hidden
+        tap = HiddenTap(layers, aux if eagle3 else [final])
+        shard = rank_config(head.config)
+        kv = KVPool.from_layout(KVLayout.gqa(shard.num_kv_heads, shard.head_dim), head.config.num_layers, num_pages,
+                                cfg.page_size, kv_dtype, device)
+        backend = create_backend("torch", device)
+        backend.bind(num_q_heads=shard.num_heads, kv_pool=kv, max_batch=cfg.max_running_requests,
+                     max_pages_per_req=math.ceil(max_context / cfg.page_size) + 1, q_dtype=dtype)
+        hidden = head.config.hidden_size
+    head.share(embed, lm_head)
+    return HeadDraft(head, tap, feature, kv, backend, hidden, num_pages, cfg.page_size, dtype, device)
+
+
+def load_eagle(cfg: ServerConfig, target: ModelConfig, dtype: torch.dtype, max_context: int,
+               device: torch.device) -> tuple[EagleHead, list[int]]:
+    """The EAGLE / EAGLE3 head in --speculative-draft-model-path, checked against the target, and
+    (EAGLE3) the target layers whose outputs fc reads."""
+    algo, path = cfg.speculative_algorithm, cfg.speculative_draft_model_path
+    spec = read_head(path, algo)
+    flag = f"--speculative-draft-model-path {path}"
+    width = spec.target_hidden if algo == "EAGLE3" else spec.cfg.hidden_size
+    problems = [
+        (width == target.hidden_size, f"{flag}: the {algo} head reads hidden states of {width} values, the model's "
+         f"are {target.hidden_size}"),
+        (spec.cfg.vocab_size == target.vocab_size, f"{flag}: the head's vocabulary has {spec.cfg.vocab_size} tokens, "
+         f"the model's {target.vocab_size}"),
+        (spec.own_head or spec.draft_vocab == target.vocab_size,
+         f"{flag}: draft_vocab_size {spec.draft_vocab} but no lm_head in the checkpoint (the model's has "
+         f"{target.vocab_size} rows)"),
+        (algo == "EAGLE" or spec.cfg.num_layers == 1, f"{flag}: EAGLE3 heads of {spec.cfg.num_layers} layers "
+         "(only one midlayer is built)"),
+        (spec.cfg.quant is None, f"{flag}: quantized heads are not supported"),
+        (algo != "EAGLE" or "fc.weight" in spec.names and "layers.0.self_attn.q_proj.weight" in spec.names,
+         f"{flag}: not an EAGLE checkpoint (no fc.weight / layers.0.self_attn)"),
+        (algo != "EAGLE3" or "fc.weight" in spec.names and "midlayer.self_attn.q_proj.weight" in spec.names,
+         f"{flag}: not an EAGLE3 checkpoint (no fc.weight / midlayer.self_attn)"),
+    ]
+    for ok, problem in problems:
+        if not ok:
+            raise ValueError(problem)
+    n = target.num_layers
+    aux = list(spec.aux_layers) if spec.aux_layers else [1, n // 2 - 1, n - 4]  # SGLang: inputs of 2, n/2, n-3
+    if algo == "EAGLE3" and (len(aux) != 3 or not all(0 <= i < n for i in aux)):
+        raise ValueError(f"{flag}: EAGLE3 reads the outputs of target layers {aux}; the model has {n} layers "
+                         "(eagle_config.eagle_aux_hidden_state_layer_ids names three of them)")
+    with torch.device(device):
+        head = EagleHead(spec, dtype, max_context)
+    load_safetensors(head, spec.cfg, path, progress=False, keep=head_keeps(spec))
+    return head.eval(), aux
+
+
+def load_nextn(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> NextN:
+    """The model's first MTP layer (`model.layers.{num_hidden_layers}`), from its checkpoint
+    (random with --load-format dummy)."""
+    from models.quant_weights import dequantize_model, prepare_model
+
+    flag = "--speculative-algorithm NEXTN"
+    if mcfg.architecture not in ARCHS or not nextn_layers(cfg.model):
+        raise ValueError(f"{flag}: {mcfg.architecture} in {cfg.model} has no MTP layer (a DeepSeek-V3 config with "
+                         "num_nextn_predict_layers >= 1)")
+    index = mcfg.num_layers
+    prefix = f"model.layers.{index}."
+    names: set[str] = set()
+    if cfg.load_format != "dummy":
+        names = {n for n in tensor_names(cfg.model) if n.startswith(prefix)}
+        if prefix + "eh_proj.weight" not in names:
+            raise ValueError(f"{flag}: the checkpoint in {cfg.model} lacks the MTP layer's weights ({prefix}*)")
+    with torch.device(device):
+        mtp = NextN(mcfg, index, dtype, prefix + "embed_tokens.weight" in names,
+                    prefix + "shared_head.head.weight" in names)
+    if cfg.load_format == "dummy":
+        init_dummy(mtp, seed=1)
+    else:
+        if mcfg.quant is not None:
+            prepare_model(mtp, mcfg.quant)
+        load_safetensors(mtp, mcfg, cfg.model, progress=False, keep=lambda n: n.startswith(prefix))
+    if device.type == "cpu":
+        dequantize_model(mtp, dtype)
+    return mtp.eval()
+
