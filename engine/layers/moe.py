@@ -154,10 +154,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = matmul(x.float(), self.weight)  # fixed row blocks under deterministic inference
-        if logits.is_cuda and not batch_invariant.enabled() and not is_grouped(self.spec):
+        if logits.is_cuda and not batch_invariant.enabled():
             from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
 
-            return moe_kernels.route(logits, self.spec, self.e_score_correction_bias)  # one launch, not ~6
+            return moe_kernels.route(logits, self.spec, self.e_score_correction_bias)  # one launch, not 6-12
         return route(logits, self.spec, self.e_score_correction_bias)
 
 

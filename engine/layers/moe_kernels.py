@@ -1,8 +1,8 @@
 """Fused MoE on CUDA in triton: the routed experts of engine/layers/moe.py's `Experts` without a
 host sync, so a decode step that holds MoE layers can be captured in a CUDA graph.
 
-Routing without expert groups (Qwen3-MoE, GLM-4.5) is one launch (`route`: `route_kernel`); then
-four launches a layer (`fused_experts`):
+Routing is one launch (`route`: `route_kernel`, expert groups included); then four launches a
+layer (`fused_experts`):
 
 1. `align_kernel`, one program per (global) expert: the T*k (token, slot) pairs routed to this
    rank's experts grouped by expert into segments padded to BLOCK_M rows (`sorted_ids`: pair
@@ -43,11 +43,38 @@ CHUNK_SMALL = 128  # the align kernel reads pairs in chunks of this many (decode
 
 
 @triton.jit
+def _keep_groups(choice, bins, GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr):
+    """`choice` with every expert outside the TOPK_GROUP best of G groups (EG experts each) at -inf;
+    a group scored by the sum of its two best choices (GROUPED 1: noaux_tc) or its best (2)."""
+    grp = bins // EG
+    gslots = tl.arange(0, G_P2)
+    gs = tl.full((G_P2,), float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        mine = tl.where(grp == g, choice, float("-inf"))
+        m1 = tl.max(mine, 0)
+        score = m1
+        if GROUPED == 1:  # the second best: the best left once one copy of the first is taken out
+            first = tl.min(tl.where(mine == m1, bins, bins.shape[0]), 0)
+            score = m1 + tl.max(tl.where(bins == first, float("-inf"), mine), 0)
+        gs = tl.where(gslots == g, score, gs)
+    keep = tl.zeros_like(choice) != 0
+    for _ in tl.static_range(TOPK_GROUP):  # the best group left, the lowest index among equals
+        best = tl.min(tl.where(gs == tl.max(gs, 0), gslots, G_P2), 0)
+        keep = keep | (grp == best)
+        gs = tl.where(gslots == best, float("-inf"), gs)
+    return tl.where(keep, choice, float("-inf"))
+
+
+@triton.jit
 def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr):
-    """Token t's routing from its float32 router logits, as moe.route computes it without expert
-    groups: scores (softmax or 1 / (1 + exp(-x))), the top_k of scores (+ bias), best first,
-    their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
+                 NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                 GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr):
+    """Token t's routing from its float32 router logits, as moe.route computes it: scores
+    (softmax or 1 / (1 + exp(-x))), with GROUPED only the experts of the TOPK_GROUP best groups
+    (`_keep_groups`), the top_k of scores (+ bias), best first, their scores as weights (over
+    their sum + 1e-20 with NORM) times `scale`."""
     t = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, E_P2)
     em = bins < E
@@ -61,6 +88,8 @@ def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HA
     if HAS_BIAS:
         choice = scores + tl.load(bias + bins, mask=em, other=0.0)
     choice = tl.where(em, choice, float("-inf"))
+    if GROUPED != 0:
+        choice = _keep_groups(choice, bins, GROUPED, G, G_P2, EG, TOPK_GROUP)
     slots = tl.arange(0, K_P2)
     w = tl.zeros((K_P2,), tl.float32)
     picked = tl.zeros((K_P2,), tl.int64)
@@ -244,17 +273,20 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
 
 
 def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    """moe.route in one launch for a spec without expert groups (not moe.is_grouped): (float32
-    weights [T, k], int64 ids [T, k]) from float32 logits [T, E]."""
+    """moe.route in one launch: (float32 weights [T, k], int64 ids [T, k]) from float32 logits [T, E]."""
+    from engine.layers.moe import is_grouped
+
     t, e = logits.shape
-    k = spec.top_k
+    k, g = spec.top_k, spec.n_group
+    grouped = (1 if spec.topk_method == "noaux_tc" else 2) if is_grouped(spec) else 0
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t:
         route_kernel[(t,)](logits.contiguous(), bias if bias is not None else logits, weights, ids, e,
                            float(spec.routed_scaling_factor), SIGMOID=spec.scoring_func == "sigmoid",
                            HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob, TOP_K=k,
-                           K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(e), num_warps=4)
+                           K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(e), GROUPED=grouped,
+                           G=g, G_P2=triton.next_power_of_2(g), EG=e // g, TOPK_GROUP=spec.topk_group, num_warps=4)
     return weights, ids
 
 

@@ -176,16 +176,18 @@ def test_captured_layer_replays_equal_eager() -> None:
     assert torch.equal(ex.token_counts, want_counts)
 
 
-@pytest.mark.parametrize(("e", "k", "scoring", "method", "scale"), [
-    (128, 8, "softmax", "greedy", 1.0),  # Qwen3-30B-A3B
-    (160, 8, "sigmoid", "noaux_tc", 2.5),  # GLM-4.5: one group, the correction bias
+@pytest.mark.parametrize(("e", "k", "scoring", "method", "scale", "groups"), [
+    (128, 8, "softmax", "greedy", 1.0, (1, 1)),  # Qwen3-30B-A3B
+    (160, 8, "sigmoid", "noaux_tc", 2.5, (1, 1)),  # GLM-4.5: one group, the correction bias
+    (256, 8, "sigmoid", "noaux_tc", 2.5, (8, 4)),  # DeepSeek-V3: the 4 best of 8 groups
 ])
-def test_route_kernel_matches_route(e: int, k: int, scoring: str, method: str, scale: float) -> None:
+def test_route_kernel_matches_route(e: int, k: int, scoring: str, method: str, scale: float,
+                                    groups: tuple[int, int]) -> None:
     from engine.layers import moe_kernels
     from engine.layers.moe import route
 
     spec = SimpleNamespace(num_experts=e, top_k=k, scoring_func=scoring, topk_method=method, norm_topk_prob=True,
-                           n_group=1, topk_group=1, routed_scaling_factor=scale)
+                           n_group=groups[0], topk_group=groups[1], routed_scaling_factor=scale)
     logits = torch.randn(300, e, device="cuda")
     bias = 0.05 * torch.randn(e, device="cuda") if method == "noaux_tc" else None
     w_ref, ids_ref = route(logits, spec, bias)

@@ -125,9 +125,10 @@ def test_ep_ranks_sum_to_all_experts(ep_rank: None, quant: str | None) -> None:
     assert _rel(parts[0] + parts[1], whole(x, w, ids)) < 1e-5
 
 
-def _spec(e: int, k: int, scoring: str, method: str, norm: bool, scale: float, groups: int = 1) -> SimpleNamespace:
+def _spec(e: int, k: int, scoring: str, method: str, norm: bool, scale: float, groups: int = 1,
+          kept: int | None = None) -> SimpleNamespace:
     return SimpleNamespace(num_experts=e, top_k=k, scoring_func=scoring, topk_method=method, norm_topk_prob=norm,
-                           n_group=groups, topk_group=groups, routed_scaling_factor=scale)
+                           n_group=groups, topk_group=kept or groups, routed_scaling_factor=scale)
 
 
 @pytest.mark.parametrize("spec", [
@@ -135,15 +136,20 @@ def _spec(e: int, k: int, scoring: str, method: str, norm: bool, scale: float, g
     _spec(16, 3, "softmax", "greedy", False, 1.0),
     _spec(9, 4, "sigmoid", "noaux_tc", True, 2.5),  # GLM-4.5: one group, the correction bias steers
     _spec(12, 2, "sigmoid", "noaux_tc", True, 2.5, groups=3),  # every group kept: no grouping
-], ids=["qwen3", "softmax-nonorm", "glm", "groups-all-kept"])
+    _spec(16, 4, "sigmoid", "noaux_tc", True, 2.5, groups=4, kept=2),  # DeepSeek-V3
+    _spec(12, 3, "softmax", "group_limited_greedy", False, 1.0, groups=4, kept=1),  # V2, 3 experts a group
+], ids=["qwen3", "softmax-nonorm", "glm", "groups-all-kept", "v3-grouped", "v2-grouped"])
 def test_route_kernel_equals_route(spec: SimpleNamespace) -> None:
-    assert not is_grouped(spec)
+    assert is_grouped(spec) == (spec.topk_group < spec.n_group)
     g = torch.Generator().manual_seed(spec.num_experts)
     logits = torch.randn(6, spec.num_experts, generator=g)
     bias = 0.05 * torch.randn(spec.num_experts, generator=g) if spec.topk_method == "noaux_tc" else None
     w_ref, ids_ref = route(logits, spec, bias)
     w, ids = mk.route(logits, spec, bias)
     assert torch.equal(ids, ids_ref)
+    if is_grouped(spec):  # the groups change the choice of these tokens
+        assert not torch.equal(ids_ref, route(logits, SimpleNamespace(**{**vars(spec), "topk_group": spec.n_group}),
+                                              bias)[1])
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
