@@ -159,6 +159,36 @@ class RadixCache:
             pages.extend(node.pages)
         return MatchResult(pages, path[-1] if path else self.root, n)
 
+    def continuation(self, node: RadixNode, rest: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that follow `rest` in the tree below `node` (which holds what precedes
+        rest): the tokens another cached sequence with the same prefix went on with (speculative
+        decoding's NGRAM drafts). Where paths part, the most recently used wins (ties: the older
+        node), so the answer is a pure function of the tree. Reads only: no split, no touch."""
+        out: list[int] = []
+        i, ps = 0, self.page_size
+        while len(out) < k:
+            want = tuple(rest[i:])
+            if len(want) >= ps:  # a whole page left to match: the children are keyed by it
+                kid = node.children.get(want[:ps])
+                kids = [kid] if kid is not None and kid.key[: len(want)] == want[: len(kid.key)] else []
+            else:
+                kids = [c for c in node.children.values() if c.key[: len(want)] == want]
+            if not kids:
+                break
+            node = max(kids, key=lambda c: (c.last_access, -c.id))
+            m = min(len(want), len(node.key))
+            i += m
+            out.extend(node.key[m : m + k - len(out)])
+        return out
+
+    @staticmethod
+    def depth(node: RadixNode) -> int:
+        """Tokens on the path from the root to node."""
+        n = 0
+        while node.parent is not None:
+            n, node = n + len(node.key), node.parent
+        return n
+
     def touch(self, node: RadixNode) -> None:
         """Count a hit, now, on `node` and every node above it (a match that was used)."""
         for n in self._path_up(node):

@@ -1,5 +1,6 @@
 """Speculative decoding, the scheduler's part (docs/architecture.md, Speculative decoding):
-which requests speculate, their draft tokens (NGRAM: looked up in the request's own tokens;
+which requests speculate, their draft tokens (NGRAM: the prefix cache's continuation of the
+request's tokens, else a lookup in the request's own tokens;
 STANDALONE: -1 placeholders the workers' draft model fills), and the counters of what was
 accepted. Verification itself runs on every rank (engine/run/spec.py)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.cache.radix import RadixCache
 from engine.sched.request import Req
 
 NGRAM_MAX = 3  # longest suffix looked up (prompt-lookup decoding's usual 3..1)
@@ -56,6 +58,7 @@ class SpecStats:
 class SpecPolicy:
     algorithm: str  # NGRAM | STANDALONE
     num_steps: int  # drafts per row at most
+    cache: RadixCache | None = None  # NGRAM also looks up the prefix cache (None: radix cache off)
 
     def eligible(self, req: Req) -> bool:
         """Requests that speculate: all of them. Each verify row is penalized with the drafts
@@ -70,5 +73,14 @@ class SpecPolicy:
         if k <= 0:
             return []
         if self.algorithm == "NGRAM":
-            return ngram_drafts(req.all_ids, k)
+            return self.tree_drafts(req, k) or ngram_drafts(req.all_ids, k)
         return [-1] * k  # STANDALONE: proposed on every rank by the draft model
+
+    def tree_drafts(self, req: Req, k: int) -> list[int]:
+        """What another cached sequence sharing req's whole token history went on with (the same
+        prompt asked again, a conversation's earlier branch): the radix tree's continuation from
+        the deepest node req holds (its published pages), matched over its tokens past it."""
+        if self.cache is None:
+            return []
+        node = req.node if req.node is not None else self.cache.root
+        return self.cache.continuation(node, req.all_ids[self.cache.depth(node):], k)

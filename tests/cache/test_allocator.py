@@ -107,3 +107,27 @@ def test_million_pages_speed_sanity() -> None:
         a.free(h)
     assert a.num_free == n - 1
     assert a.digest() == PageAllocator(n).digest()
+
+
+def test_owned_allocator_gives_page_i_from_owner_i_mod_cp() -> None:
+    """Context parallelism: one pool per owner; a global id is local * owners + owner."""
+    from engine.cache.allocator import OwnedPageAllocator, make_allocator
+
+    assert isinstance(make_allocator(9, 1), PageAllocator)
+    a = make_allocator(5, 3)  # 4 usable pages per owner
+    assert isinstance(a, OwnedPageAllocator) and a.capacity == 12 and a.num_free == 12
+    pages = a.alloc(5, first=2)  # request pages 2..6: owners 2, 0, 1, 2, 0
+    assert pages is not None and [p % 3 for p in pages] == [2, 0, 1, 2, 0]
+    assert pages == [1 * 3 + 2, 1 * 3 + 0, 1 * 3 + 1, 2 * 3 + 2, 2 * 3 + 0]  # lowest first per owner
+    assert a.used_per_owner() == [2, 1, 2] and all(a.is_used(p) for p in pages)
+    # free per owner now 2, 3, 2: pages 0..5 need 2 each; 0..8 three each (owners 0 and 2 one short)
+    assert a.shortfall(6, first=0) == 0 and a.shortfall(9, first=0) == 2 and a.shortfall(12, first=0) == 5
+    assert a.alloc(12, first=0) is None and a.num_free == 7  # one owner short: nothing taken
+    before = a.digest()
+    with pytest.raises(ValueError):
+        a.free([pages[0], 0])  # a padding page: refused whole
+    with pytest.raises(ValueError):
+        a.free([pages[0], pages[0]])
+    assert a.digest() == before
+    a.free(pages)
+    assert a.num_free == 12 and a.digest() == make_allocator(5, 3).digest()

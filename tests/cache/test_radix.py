@@ -375,3 +375,20 @@ def test_untouched_match_counts_no_hit_until_touch() -> None:
     assert first.node.hits == 0
     cache.touch(first.node)
     assert first.node.hits == 1 and first.node.last_access == cache.clock
+
+
+def test_continuation_follows_the_most_recent_matching_path() -> None:
+    """NGRAM's tree drafts: what cached sequences went on with after a given token history."""
+    c = make()
+    base = list(range(100, 108))  # two pages
+    put(c, base + [1, 2, 3, 4, 5, 6, 7, 8])
+    c.tick()
+    put(c, base + [1, 2, 9, 9, 9, 9, 9, 9])  # parts from the first mid-page, used later
+    node = c.match_prefix(base, touch=False).node
+    assert c.depth(node) == 8
+    assert c.continuation(node, [1, 2], 4) == [9, 9, 9, 9]  # the later path wins
+    assert c.continuation(node, [1, 2, 3], 10) == [4, 5, 6, 7, 8]  # only one path goes on with 3
+    assert c.continuation(c.root, base + [1], 2) == [2, 9]  # from the root, rest spanning whole pages
+    assert c.continuation(node, [7], 3) == [] and c.continuation(node, [1, 2], 0) == []
+    assert c.total_pages == 6  # reads only: no split
+    assert_no_leak(c)

@@ -215,3 +215,18 @@ def test_retraction_and_abort_mid_speculation_leave_no_leak(model, plain: LocalE
     assert aborted and core.idle
     core.plan()  # publishes the last FreeReq
     assert core.leak_free()
+
+
+def test_ngram_drafts_from_the_prefix_cache(model, plain: LocalEngine, ngram: LocalEngine) -> None:  # noqa: ANN001
+    """A prompt asked again: its drafts are the cached continuation of its tokens in the radix tree
+    (the first answer's), not only its own n-grams: nearly every draft is accepted, tokens unchanged."""
+    prompt = model[1][3]  # "Once upon a time...": little to find in its own tokens
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    (want,) = _ids(plain.generate([prompt], params))
+    assert _ids(ngram.generate([prompt], params)) == [want]  # the first answer enters the tree at its end
+    st = ngram.core.state.spec_stats
+    rows, accepted = st.rows, st.accepted
+    assert _ids(ngram.generate([prompt], params)) == [want]
+    length = 1 + (st.accepted - accepted) / (st.rows - rows)
+    assert length > 3.5, f"accept length {length:.2f} with the answer cached (3 drafts: 4 at most)"
+    assert ngram.core.leak_free()
