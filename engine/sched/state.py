@@ -108,7 +108,8 @@ class SchedState:
         self.tiers = Tiers(self.cache, self.cfg.l3_dir) if isinstance(self.cache, TieredRadixCache) else None
         self.free_slots = list(range(self.cfg.max_running))
         self.rng = random.Random(self.cfg.seed)
-        self.spec = SpecPolicy(self.cfg.spec_algorithm, self.cfg.spec_steps) if self.cfg.spec_algorithm else None
+        self.spec = SpecPolicy(self.cfg.spec_algorithm, self.cfg.spec_steps,
+                               self.cache if self.cfg.enable_radix else None) if self.cfg.spec_algorithm else None
 
 
 def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:
