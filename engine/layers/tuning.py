@@ -53,11 +53,12 @@ class MoeRule:
     max_rows: int | None = None
 
 
-# engine/layers/moe_kernels.py's blocks, unmeasured: a BLOCK_M near an expert's rows (decode: a
-# few pairs per expert, so 16), wider tiles where the experts get many rows (prefill)
+# engine/layers/moe_kernels.py's blocks, not measured on our kernels yet: a BLOCK_M near an
+# expert's rows (decode: a few pairs per expert, so 16), wider tiles as the experts get more rows
+# (prefill); the steps follow where published H200 fused-MoE tunings move to the next BLOCK_M
 MOE_GEMM_DEFAULT = (
-    MoeRule((16, 64, 128, 1, 4, 4), 16), MoeRule((32, 64, 128, 8, 4, 3), 64),
-    MoeRule((64, 128, 64, 8, 4, 3), 256), MoeRule((128, 128, 64, 8, 8, 3)),
+    MoeRule((16, 64, 128, 1, 4, 4), 12), MoeRule((32, 128, 64, 1, 4, 3), 24),
+    MoeRule((64, 128, 64, 16, 8, 3), 64), MoeRule((128, 128, 64, 16, 8, 3)),
 )
 
 
