@@ -34,7 +34,8 @@ def candidates(rows: int) -> list[mk.GemmConfig]:
         if bm > max(16, 4 * rows):
             continue
         if bm <= 32:  # weight-bound: long k-steps, more stages, narrow to wide tiles
-            out += [mk.GemmConfig(bm, bn, 128, 1, 4, st) for bn, st in itertools.product((32, 64, 128), (3, 4))]
+            out += [mk.GemmConfig(bm, bn, bk, 1, 4, st)
+                    for bn, bk, st in itertools.product((32, 64, 128), (64, 128), (3, 4))]
         else:
             out += [mk.GemmConfig(bm, bn, 64, 8, 8 if bm == 128 else 4, 3) for bn in (64, 128)]
     return out
