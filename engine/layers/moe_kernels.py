@@ -172,6 +172,8 @@ def _scaled(part, ws, rows, k0, nm, QUANT: tl.constexpr, stride_wsn):
 def _dot(a, b, F32: tl.constexpr):
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if a.dtype == tl.float32:  # a float32 model (--dtype float32): full precision, not TF32
+        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b.to(a.dtype))
 
 
