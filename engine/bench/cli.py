@@ -7,6 +7,7 @@ bin/bench cpu        # served CPU path vs transformers: 16x64 throughput, 8k-pro
 bin/bench deterministic # distinct answers per prompt, SGLang's single/mixed/prefix (engine/bench/deterministic.py)
 bin/bench structured # N json_schema requests vs N unconstrained of the same lengths (engine/bench/structured.py)
 bin/bench cache      # TTFT of one long prompt: recompute vs L1 vs L2 (vs L3 with --l3-dir) (engine/bench/cache.py)
+bin/bench mla        # MLA decode attention at DeepSeek-V3 shapes vs HBM bandwidth, KV capacity (engine/bench/mla.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-MODES = ("offline", "serve", "latency", "cpu", "structured", "cache", "deterministic", "quant")
+MODES = ("offline", "serve", "latency", "cpu", "structured", "cache", "deterministic", "quant", "mla")
 TITLES = {"offline": "Offline Throughput Result", "serve": "Serving Benchmark Result"}
 
 
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     qu = sub.add_parser("quant", help="quantized GEMMs (fp8 row/block, NVFP4) against bf16 at real shapes (CUDA)")
     _common(qu)
     quant.add_arguments(qu)
+    from engine.bench import mla
+
+    ml = sub.add_parser("mla", help="MLA decode attention at DeepSeek-V3 shapes vs the HBM bandwidth (CUDA)")
+    _common(ml)
+    mla.add_arguments(ml)
     return parser
 
 
@@ -129,6 +135,10 @@ def check(args: argparse.Namespace) -> str | None:
         return None if args.samples >= 1 and args.max_batch >= 1 and args.max_new >= 1 else "--samples etc. >= 1"
     if args.mode == "quant":
         return None if args.rep_ms >= 1 else "--rep-ms must be >= 1"
+    if args.mode == "mla":
+        from engine.bench import mla
+
+        return mla.check(args)
     if args.mode == "structured":
         return None if args.num_requests >= 1 and args.max_tokens >= 1 else "--num-requests, --max-tokens >= 1"
     if args.mode == "latency":
@@ -166,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache": _cache,
         "deterministic": _deterministic,
         "quant": _quant,
+        "mla": _mla,
     }
     from engine.bench.launch import ServerUnavailable
 
@@ -187,6 +198,12 @@ def _quant(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import quant
 
     return quant.main(args)
+
+
+def _mla(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import mla
+
+    return mla.main(args)
 
 
 def _structured(args: argparse.Namespace) -> dict[str, Any]:
