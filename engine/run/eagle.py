@@ -197,6 +197,9 @@ def load_eagle(cfg: ServerConfig, target: ModelConfig, dtype: torch.dtype, max_c
         (spec.own_head or spec.draft_vocab == target.vocab_size,
          f"{flag}: draft_vocab_size {spec.draft_vocab} but no lm_head in the checkpoint (the model's has "
          f"{target.vocab_size} rows)"),
+        ((spec.own_head and spec.own_embed) or spec.cfg.hidden_size == target.hidden_size,
+         f"{flag}: a head of hidden size {spec.cfg.hidden_size} needs its own embed_tokens and lm_head (the model's "
+         f"are {target.hidden_size} wide)"),
         (algo == "EAGLE" or spec.cfg.num_layers == 1, f"{flag}: EAGLE3 heads of {spec.cfg.num_layers} layers "
          "(only one midlayer is built)"),
         (spec.cfg.quant is None, f"{flag}: quantized heads are not supported"),

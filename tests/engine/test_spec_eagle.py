@@ -9,6 +9,7 @@ leaks. High acceptance by construction is tests/models/test_draft_heads.py."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,17 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _engine(model: str, **kw: object) -> LocalEngine:
+    # one thread: a small batch on a busy CI host stalls in OpenMP barriers more than it gains
     return LocalEngine(ServerConfig(model=model, dtype="float32", max_total_tokens=4096, max_running_requests=8,
-                                    **kw))  # type: ignore[arg-type]
+                                    cpu_threads=1, **kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads_back() -> Iterator[None]:
+    """The engines set torch's thread count process-wide: give the next module the one it had."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def _ids(results: list[Result]) -> list[list[int]]:
@@ -74,7 +84,7 @@ def test_random_head_greedy_equals_plain_batched_chunked_cached(kind: str, plain
 
 @pytest.mark.parametrize(("kw", "flag"), [
     (dict(speculative_algorithm="EAGLE3"), "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_layers=4), "--speculative-draft-layers needs"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_layers=4), "--speculative-draft-layers N: self-drafts need"),
     (dict(speculative_algorithm="NEXTN", speculative_draft_model_path="/tmp"),
      "--speculative-draft-model-path needs --speculative-algorithm STANDALONE, EAGLE or EAGLE3"),
     (dict(speculative_algorithm="NEXTN"), "--speculative-algorithm NEXTN: .* has no MTP layer"),
