@@ -308,33 +308,6 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
     return None
 
 
-def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
-    """What makes a draft head unusable with the model, read from the config.json files where the
-    model is a local directory (otherwise the worker checks the same at start, naming the flag)."""
-    if algo not in ("EAGLE", "EAGLE3", "NEXTN") or not model or not (Path(model) / "config.json").is_file():
-        return None
-    import json
-
-    target = json.loads((Path(model) / "config.json").read_text())
-    if algo == "NEXTN":
-        arch = (target.get("architectures") or ["?"])[0]
-        if arch not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") or not target.get("num_nextn_predict_layers"):
-            return (f"--speculative-algorithm NEXTN: {model} ({arch}) has no MTP layer (a DeepSeek-V3 config with "
-                    "num_nextn_predict_layers >= 1)")
-        return None
-    if not (Path(head) / "config.json").is_file():
-        return f"--speculative-draft-model-path {head}: no config.json"
-    cfg = json.loads((Path(head) / "config.json").read_text())
-    width = cfg.get("target_hidden_size") or cfg.get("hidden_size") if algo == "EAGLE3" else cfg.get("hidden_size")
-    if width != target.get("hidden_size"):
-        return (f"--speculative-draft-model-path {head}: the {algo} head reads hidden states of {width} values, the "
-                f"model's are {target.get('hidden_size')}")
-    if cfg.get("vocab_size") != target.get("vocab_size"):
-        return (f"--speculative-draft-model-path {head}: the head's vocabulary has {cfg.get('vocab_size')} tokens, "
-                f"the model's {target.get('vocab_size')}")
-    return None
-
-
 def _host_port(addr: str) -> tuple[str, int] | None:
     """("host", port) from "host:port" ([v6]:port too), or None when malformed."""
     host, sep, port = addr.rpartition(":")

@@ -29,9 +29,6 @@ from engine.layers.parallel import pack_for_cpu
 from engine.run import TORCH_PREIMPORTED
 from engine.run.dist import init_distributed, rank_config
 from engine.run.eagle import HeadDraft, make_head_draft
-from engine.run.eagle import HeadDraft, make_head_draft
-from engine.run.eagle import HeadDraft, make_head_draft
-from engine.run.eagle import HeadDraft, make_head_draft
 from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token, plan_pool
 from engine.run.spec import DraftModel, SelfDraft, Speculator
 from engine.run.warmup import warm_up

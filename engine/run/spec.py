@@ -178,18 +178,6 @@ class Speculator:
         if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
             propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
             return
-        propose = getattr(self.draft, "propose", None)
-        if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
-            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
-            return
-        propose = getattr(self.draft, "propose", None)
-        if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
-            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
-            return
-        propose = getattr(self.draft, "propose", None)
-        if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
-            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
-            return
         for step in range(max((num[i] for i in rows), default=0)):
             act = [i for i in rows if num[i] > step]
             pos = [ends[i] - num[i] - 1 + step for i in act]  # index in ids of the token drafted from
