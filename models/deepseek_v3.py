@@ -26,7 +26,7 @@ from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.mla_attention import MLABackend, MLAPlan, MLAShapes, mla_attend
-from engine.layers.moe import MoE
+from engine.layers.moe import MoE, pad_rows
 from engine.layers.parallel import (
     ColumnParallelLinear,
     Linear,
@@ -209,7 +209,7 @@ class DecoderLayer(nn.Module):
             h, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
             return self.mlp.down(h), residual
         h, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, pad_rows(ctx.batch)), residual  # a CUDA graph's padding rows: not counted
 
 
 class DeepseekV3Model(nn.Module):

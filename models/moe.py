@@ -19,8 +19,7 @@ from torch import nn
 
 from engine.layers import ops
 from engine.layers.context import ForwardContext, RopeState
-from engine.layers.kv_pool import PAD_PAGE
-from engine.layers.moe import MoE, PadRows
+from engine.layers.moe import MoE, pad_rows
 from models.config import ModelConfig
 from models.llama import DecoderLayer, LlamaForCausalLM, norm_linear, rope_inv_freq
 
@@ -70,9 +69,7 @@ class MoeDecoderLayer(DecoderLayer):
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         x = self.self_attn(qkv, ctx)
         h, residual = self.post_attention_layernorm.add_forward(x, residual)
-        # rows writing their K/V into the padding page are a CUDA graph's padding: not counted
-        pad = PadRows(ctx.batch.out_slots, (PAD_PAGE + 1) * ctx.batch.page_size) if PAD_PAGE == 0 else None
-        return self.mlp(h, pad), residual
+        return self.mlp(h, pad_rows(ctx.batch)), residual  # a CUDA graph's padding rows: not counted
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -49,6 +49,8 @@ import torch
 from torch import nn
 
 from engine.layers import batch_invariant, ops
+from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import PAD_PAGE
 from engine.layers.parallel import (
     ColumnParallelLinear,
     Piece,
@@ -88,6 +90,13 @@ class PadRows(NamedTuple):
 
     keys: torch.Tensor
     below: int
+
+
+def pad_rows(batch: ForwardBatch) -> PadRows:
+    """A forward batch's padding rows: those writing their K/V into the padding page (a CUDA
+    graph's rows past the batch; an eager batch has none)."""
+    assert PAD_PAGE == 0, "padding rows are told by out_slots below one page"
+    return PadRows(batch.out_slots, batch.page_size)
 
 
 def _experts(p: nn.Parameter, n: int, first: int = 0, total: int | None = None) -> None:
