@@ -25,7 +25,7 @@
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
-#             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64; MLA: eager)
+#             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside) ~4-5 min
