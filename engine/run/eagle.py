@@ -186,8 +186,11 @@ def load_eagle(cfg: ServerConfig, target: ModelConfig, dtype: torch.dtype, max_c
     """The EAGLE / EAGLE3 head in --speculative-draft-model-path, checked against the target, and
     (EAGLE3) the target layers whose outputs fc reads."""
     algo, path = cfg.speculative_algorithm, cfg.speculative_draft_model_path
-    spec = read_head(path, algo)
     flag = f"--speculative-draft-model-path {path}"
+    try:
+        spec = read_head(path, algo)
+    except (ValueError, OSError) as e:  # no safetensors (a pytorch_model.bin head), a bad config.json
+        raise ValueError(f"{flag}: not an {algo} head in the HF format ({e})") from e
     width = spec.target_hidden if algo == "EAGLE3" else spec.cfg.hidden_size
     problems = [
         (width == target.hidden_size, f"{flag}: the {algo} head reads hidden states of {width} values, the model's "
