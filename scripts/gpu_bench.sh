@@ -29,9 +29,10 @@
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside) ~4-5 min
+#   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep cp mla pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep cp mla heads pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -135,6 +136,8 @@ for what in "$@"; do case $what in
        run mla-bench 360 bin/bench mla --sweep --rep-ms 30 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
+  heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
+           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done

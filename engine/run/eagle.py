@@ -101,7 +101,7 @@ class HeadDraft:
         prev: list[int] = []
         g: torch.Tensor | None = None
         module, vocab = self.head.head()
-        for step in range(max(k for _, k, _, _ in rows)):
+        for step in range(max((k for _, k, _, _ in rows), default=0)):
             act = [r for r, (_, k, _, _) in enumerate(rows) if k > step]
             batch = ForwardBatch.build([ids[rows[r][0] + step] for r in act], [rows[r][2] - 1 + step for r in act],
                                        [1] * len(act), [rows[r][3] for r in act], [1] * len(act), self.page_size,

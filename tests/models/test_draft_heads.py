@@ -45,9 +45,12 @@ def _prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[i
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+DEVICE = "cpu"  # tests/gpu/test_spec_heads_gpu.py runs the engine-level tests here on "cuda"
+
+
 def _engine(model: Path, **kw: object) -> LocalEngine:
     return LocalEngine(ServerConfig(model=str(model), dtype="float32", max_total_tokens=2048, max_running_requests=8,
-                                    page_size=4, cpu_threads=1, **kw))  # type: ignore[arg-type]
+                                    page_size=4, cpu_threads=1, device=DEVICE, **kw))  # type: ignore[arg-type]
 
 
 def _ids(results: list[Result]) -> list[list[int]]:
