@@ -28,8 +28,9 @@ class SpecDone(StepDone):
     """StepDone of a step that verified drafts (Forward.drafts): `token_ids` (and the logprob
     arrays) hold every answered token, request-major, and `accepted` (packed int32, one per
     sampled request) how many of its drafts were accepted: it answered accepted + 1 tokens
-    (the last one the bonus token, sampled from the target). A step without drafts answers a
-    plain StepDone (the same bytes as without speculation)."""
+    (the last one the bonus token, sampled from the target); -1 for a chained row whose
+    previous row did not accept every draft (Drafts.chained): it answered nothing. A step
+    without drafts answers a plain StepDone (the same bytes as without speculation)."""
 
     accepted: bytes = b""
 

@@ -154,11 +154,16 @@ class Drafts(msgspec.Struct, frozen=True):
     parents: per draft token, request-major, the index among its row's drafts of the token it
     follows (-1: the row's first token); empty: every row is a chain (i follows i - 1), the
     only shape verified so far. on_worker: draft ids given as -1 are proposed on every rank by
-    the draft model (`--speculative-algorithm STANDALONE`), not by the scheduler."""
+    the draft model (`--speculative-algorithm STANDALONE`), not by the scheduler.
+    chained: per request 1 when its row was planned before its previous verify row was answered,
+    assuming that row accepts every draft (overlapped speculation): its first token is that
+    row's bonus (a future reference) and its start follows the drafts. It counts only if they
+    were all accepted; otherwise it answers nothing (accepted -1 in SpecDone). Empty: none."""
 
     num_drafts: bytes
     parents: bytes = b""
     on_worker: bool = False
+    chained: bytes = b""
 
 
 class Forward(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sched.request import Req, Status
+from engine.sched.request import Req, Status, VerifyRow
 from engine.sched.state import RequestKV, SchedState
 from msgs.steps import Op
 
@@ -19,6 +19,8 @@ class Row:
     start: int
     sample: bool
     drafts: int = 0  # speculative decoding: the last `drafts` ids are drafts to verify
+    verify: bool = False  # a speculating request's decode row (its step carries Drafts)
+    chained: bool = False  # planned before its previous verify row answered (Drafts.chained)
 
 
 class DecodeGrowth:
@@ -47,16 +49,30 @@ class DecodeGrowth:
         return used
 
     def _plan_verify(self, req: Req, rows: list[Row], ops: list[Op]) -> int:
-        """A speculating request's row: its last token and its drafts. It waits for the step
-        in flight to answer (its drafts and start position follow from that step's accepted
-        tokens: docs/architecture.md, Speculative decoding, Overlap); tokens used."""
-        if req.inflight:
+        """A speculating request's row: its last token and its drafts; tokens used. With its
+        previous verify row still in flight, the row is chained on it: planned as if that row
+        accepted all its drafts (its first token that row's bonus, resolved on the worker; its
+        drafts looked up after the previous drafts), answering nothing if a draft was rejected
+        (docs/architecture.md, Speculative decoding, Overlap). Otherwise it waits."""
+        spec = self.s.spec
+        assert spec is not None
+        live = [v for v in req.verifies if not v.void]
+        if req.inflight > len(req.verifies) or len(live) > 1:
+            return 0  # a prefill's first token in flight, or already two rows ahead
+        chained = bool(live)
+        if chained and not spec.chains(req, live[0].drafts):
             return 0
-        room = min(req.max_new_tokens - len(req.output_ids), self.s.cfg.max_context - req.kv_len) - 1
-        drafts = self.s.spec.drafts(req, room)  # type: ignore[union-attr]
+        ahead = 1 + len(live[0].drafts) if chained else 0  # tokens the previous row answers at most
+        room = min(req.max_new_tokens - len(req.output_ids) - ahead, self.s.cfg.max_context - req.kv_len) - 1
+        if room < 0:
+            return 0  # the previous row may already end it
+        drafts = spec.drafts(req, room, live[0].drafts if chained else None)
         if not self.grow(req, 1 + len(drafts), ops, may_retract=True):
             return 0  # req itself was retracted
-        rows.append(Row(req, [req.last_token, *drafts], req.kv_len, True, len(drafts)))
+        first = -1 if chained else req.last_token  # -1: the previous row's bonus, on the worker
+        rows.append(Row(req, [first, *drafts], req.kv_len, True, len(drafts), verify=True, chained=chained))
+        req.verifies.append(VerifyRow(req.kv_len, drafts, chained))
+        self.s.spec_stats.chained += chained
         req.kv_len += 1 + len(drafts)
         req.inflight += 1
         return 1 + len(drafts)

@@ -317,7 +317,8 @@ class SchedulerLoop:
         if st.rows == self.spec_logged[0] or now - self.spec_logged[1] < OCCUPANCY_LOG_S:
             return
         log.info("speculative decoding", rows=st.rows, drafted=st.drafted, accepted=st.accepted,
-                 accept_length=round(st.accept_length, 3), accept_hist=list(st.hist))
+                 accept_length=round(st.accept_length, 3), accept_hist=list(st.hist), chained=st.chained,
+                 void=st.void)
         self.spec_logged = (st.rows, now)
 
 

@@ -61,21 +61,41 @@ class OutputProcessor:
         top = _top_rows(done)
         outs, off = [], 0
         for req, k, a in zip(reqs, drafts, accepted, strict=True):
-            if a > k:
+            if a > max(k, 0) or a < -1:
                 raise RuntimeError(f"step {done.seq}: {a} drafts accepted of {k}")
             lo, off = off, off + a + 1
             req.inflight -= 1
+            if k >= 0 and not self._verified(done.seq, req, a):
+                continue  # a chained row after a rejection: it answered nothing
             if req.status == Status.FINISHED:
                 continue  # finished (or aborted) meanwhile: its tokens are discarded
-            if k:
+            if k > 0:
                 self.s.spec_stats.add(k, a)
                 v, d, acc = req.spec
                 req.spec = (v + 1, d + k, acc + a)
-            if req.status == Status.RUNNING:
-                self.kv.trim(req, k - a)  # (a retracted request holds no KV to trim)
             outs.append(self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
                                    top[lo:off] if top else None))
         return outs
+
+    def _verified(self, seq: int, req: Req, accepted: int) -> bool:
+        """req's oldest verify row in flight answered `accepted` drafts (-1: none, it was void);
+        whether it answered tokens. A rejection voids the row chained on it (planned as if all
+        were accepted) and trims req's KV back to what was accepted, the chained row's included.
+        The worker decides voidness on its own (engine/run/spec.py); the two must agree."""
+        row = req.verifies.pop(0)
+        if row.void != (accepted < 0):
+            raise RuntimeError(f"step {seq}: request {req.rid}'s chained row answered {accepted}, "
+                               f"the scheduler expected {'nothing' if row.void else 'tokens'}")
+        if row.void:
+            self.s.spec_stats.void += 1
+            return False
+        req.full_streak = req.full_streak + 1 if accepted == len(row.drafts) else 0
+        if accepted < len(row.drafts):
+            for later in req.verifies:
+                later.void = True
+            if req.status == Status.RUNNING:  # (a retracted request holds no KV to trim)
+                self.kv.trim(req, req.kv_len - (row.start + 1 + accepted))
+        return True
 
     def _take(self, req: Req, toks: list[int], lps: list[float] | None,
               top: list[list[tuple[int, float]]] | None) -> ReqOutput:

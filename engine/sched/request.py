@@ -15,6 +15,16 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class VerifyRow:
+    """A speculating request's verify row in flight (engine/sched/growth.py)."""
+
+    start: int  # KV position of its first token
+    drafts: list[int]  # its draft tokens (-1: proposed on the workers)
+    chained: bool  # planned before the previous row answered, assuming all its drafts accepted
+    void: bool = False  # the previous row rejected a draft: this one answers nothing
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -37,6 +47,8 @@ class Req:
     hit_l2: int = 0  # prompt tokens loaded back for it from L2 before its first admission (not L3)
     hit_l3: int = 0  # ... and from L3 files (read into L2 for it)
     spec: tuple[int, int, int] = (0, 0, 0)  # speculative decoding: verify rows, drafts, accepted
+    verifies: list[VerifyRow] = field(default_factory=list)  # its verify rows in flight, oldest first
+    full_streak: int = 0  # its last verify rows in a row that accepted every draft
     finish_reason: str | None = None
 
     @property

@@ -45,7 +45,8 @@ class SchedulerCore:
         self.replica = rank_replica()  # the mirror of every rank's replica
         self.seq = 0
         self.sampled_by_step: dict[int, list[Req]] = {}  # seq -> requests that sample in it
-        self.drafts_by_step: dict[int, list[int]] = {}  # seq -> drafts of each sampled row (verify steps)
+        # seq -> drafts of each sampled row of a verify step (-1: a row that is not a verify row)
+        self.drafts_by_step: dict[int, list[int]] = {}
         self.done_ranks: dict[int, int] = {}  # seq -> ranks that finished it
 
     # the shared state, read-only from outside
@@ -131,7 +132,7 @@ class SchedulerCore:
                 s.tiers.expect(self.seq, digest)
         self.sampled_by_step[self.seq] = [r.req for r in rows if r.sample]
         if step.forward is not None and step.forward.drafts is not None:  # a verify step: drafts per sampled row
-            self.drafts_by_step[self.seq] = [r.drafts for r in rows if r.sample]
+            self.drafts_by_step[self.seq] = [r.drafts if r.verify else -1 for r in rows if r.sample]  # -1: not verify
         self.done_ranks[self.seq] = 0
         return step
 
@@ -218,8 +219,10 @@ def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
     for r in rows:
         ids.extend(r.ids)
     drafts = None  # only a step that verifies drafts carries them: otherwise the bytes of a plain step
-    if any(r.drafts for r in rows):
-        drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm == "STANDALONE")
+    if any(r.verify for r in rows):  # every verify row goes through the workers' verify path
+        chained = pack_ids(int(r.chained) for r in rows) if any(r.chained for r in rows) else b""
+        drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm == "STANDALONE",
+                        chained=chained)
     return Forward(
         slots=pack_ids(r.req.slot for r in rows),  # type: ignore[misc]
         input_ids=pack_ids(ids),

@@ -13,6 +13,7 @@ from engine.sched.request import Req
 
 NGRAM_MAX = 3  # longest suffix looked up (prompt-lookup decoding's usual 3..1)
 NGRAM_WINDOW = 4096  # tokens searched back from the end: bounds the host time per row
+CHAIN_STREAK = 4  # verify rows in a row accepting every draft before a row with drafts is chained on
 
 
 def ngram_drafts(ids: list[int], k: int, max_n: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> list[int]:
@@ -40,6 +41,8 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     hist: list[int] = field(default_factory=list)  # rows by accepted drafts (index = accepted)
+    chained: int = 0  # rows planned before the previous row of their request answered
+    void: int = 0  # ... of which the previous row rejected a draft: they answered nothing
 
     def add(self, drafted: int, accepted: int) -> None:
         self.rows += 1
@@ -66,21 +69,41 @@ class SpecPolicy:
         penalty history and its grammar matcher (engine/run/spec.py, grammar.py)."""
         return True
 
-    def drafts(self, req: Req, room: int) -> list[int]:
+    def chains(self, req: Req, pending: list[int]) -> bool:
+        """Whether req's next row may be planned before its previous verify row (with drafts
+        `pending`) answers, as if that row accepted them all (overlapped speculation). Only with
+        drafts the scheduler looks up (NGRAM) and no grammar (whose matcher must know what was
+        accepted before it can mask the next row); and only where the row will most likely
+        count: after a row with no drafts (it cannot reject), or after CHAIN_STREAK rows in a
+        row that accepted every draft. A void chained row costs a forward, the wait it hides
+        is the scheduler's round trip (a small part of a step): chaining pays only when a
+        rejection is rare (docs/architecture.md, Speculative decoding, Overlap)."""
+        if self.algorithm != "NGRAM" or req.params.grammar is not None:
+            return False
+        return not pending or req.full_streak >= CHAIN_STREAK
+
+    def drafts(self, req: Req, room: int, pending: list[int] | None = None) -> list[int]:
         """The draft tokens of req's next row (at most `room`: what max_new_tokens and the
-        context leave after the bonus token)."""
+        context leave after the bonus token). `pending`: the drafts of a verify row still in
+        flight that this row is chained on: looked up as if they were accepted, the token that
+        would follow them (a guess at that row's bonus) skipped."""
         k = min(self.num_steps, room)
         if k <= 0:
             return []
-        if self.algorithm == "NGRAM":
+        if self.algorithm != "NGRAM":
+            return [-1] * k  # STANDALONE: proposed on every rank by the draft model
+        if pending is None:
             return self.tree_drafts(req, k) or ngram_drafts(req.all_ids, k)
-        return [-1] * k  # STANDALONE: proposed on every rank by the draft model
+        tail = list(pending)
+        guess = self.tree_drafts(req, k + 1, tail) or ngram_drafts(req.all_ids + tail, k + 1)
+        return guess[1:]
 
-    def tree_drafts(self, req: Req, k: int) -> list[int]:
-        """What another cached sequence sharing req's whole token history went on with (the same
-        prompt asked again, a conversation's earlier branch): the radix tree's continuation from
-        the deepest node req holds (its published pages), matched over its tokens past it."""
+    def tree_drafts(self, req: Req, k: int, tail: list[int] | None = None) -> list[int]:
+        """What another cached sequence sharing req's whole token history (and `tail` after it)
+        went on with (the same prompt asked again, a conversation's earlier branch): the radix
+        tree's continuation from the deepest node req holds (its published pages), matched over
+        its tokens past it."""
         if self.cache is None:
             return []
         node = req.node if req.node is not None else self.cache.root
-        return self.cache.continuation(node, req.all_ids[self.cache.depth(node):], k)
+        return self.cache.continuation(node, req.all_ids[self.cache.depth(node):] + (tail or []), k)
