@@ -44,6 +44,7 @@ class VerifyRows:
     num_drafts: list[int]  # per sampled request
     drafts: list[list[int]]  # per sampled request, resolved (no -1 left)
     row_drafts: list[int]  # per row of the forward (Drafts.num_drafts)
+    chained: list[int] | None = None  # per sampled request (Drafts.chained), None: none chained
 
     @property
     def logit_rows(self) -> list[int]:
@@ -139,6 +140,8 @@ class Speculator:
         self.draft = draft
         self.page_size = page_size
         self.device = device
+        # per slot: its last verify row answered every draft (what a chained row counts on)
+        self.all_accepted: torch.Tensor | None = None
 
     def follow(self, batch: ForwardBatch) -> None:
         """After every target forward: a separate draft model writes its KV for the same batch."""
@@ -161,7 +164,12 @@ class Speculator:
         elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
             raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")
         drafts = [ids[e - k : e] for k, e, s in zip(num, ends, sample, strict=True) if s]
-        return VerifyRows([k for k, s in zip(num, sample, strict=True) if s], drafts, num)
+        chained = unpack_ids(fwd.drafts.chained) if fwd.drafts.chained else None
+        if chained is not None and (len(chained) != len(num) or any(c and not s for c, s in zip(chained, sample,
+                                                                                                  strict=True))):
+            raise ReplicaError(f"bad Drafts.chained {chained} for rows sampling {sample}")
+        return VerifyRows([k for k, s in zip(num, sample, strict=True) if s], drafts, num,
+                          [c for c, s in zip(chained, sample, strict=True) if s] if chained else None)
 
     def _fill(self, ids: list[int], num: list[int], ends: list[int], starts: list[int], lens: list[int],
               tables: list[list[int]]) -> None:
@@ -222,8 +230,14 @@ class Speculator:
                                           for s, d in zip(req_slots, v.drafts, strict=True)], v.row_drafts)
         grammar.mask(logits, row_slots, dict(zip(req_slots, v.drafts, strict=True)) if constrained else None)
         prior = [d[:i] for d, n in zip(v.drafts, v.logit_rows, strict=True) for i in range(n)]
-        res, bonus = self.accept(sampler.sample_verify(logits, row_slots, positions, prior), v)
         req_dev = _to_device(torch.tensor(req_slots, dtype=torch.int64), self.device)
+        valid = self._valid(v, req_dev, runner.last_token.shape[0])
+        res, bonus = self.accept(sampler.sample_verify(logits, row_slots, positions, prior), v, valid)
+        if valid is not None:  # a void row keeps the slot's last token (its previous row's bonus)
+            bonus = torch.where(valid, bonus, runner.last_token[req_dev])
+        assert self.all_accepted is not None and res.accepted is not None
+        nums = _to_device(torch.tensor(v.num_drafts, dtype=torch.int64), self.device)
+        self.all_accepted.index_copy_(0, req_dev, res.accepted == nums)
         runner.last_token.index_copy_(0, req_dev, bonus)
         answered = req_dev.repeat_interleave(res.accepted + 1)  # type: ignore[operator]
         sampler.record(answered, res.token_ids)
@@ -243,9 +257,22 @@ class Speculator:
                 j += 1
         return torch.tensor(out, dtype=torch.int64)
 
-    def accept(self, res: SampleResult, v: VerifyRows) -> tuple[VerifiedResult, torch.Tensor]:
+    def _valid(self, v: VerifyRows, req_dev: torch.Tensor, slots: int) -> torch.Tensor | None:
+        """Per sampled request: whether its row counts (a chained row only if its slot's previous
+        verify row, run just before it, accepted every draft); None when no row is chained.
+        On the device: the scheduler learns it from the answer (accepted -1), never waited for."""
+        if self.all_accepted is None:
+            self.all_accepted = torch.ones(slots, dtype=torch.bool, device=self.device)
+        if v.chained is None:
+            return None
+        chained = _to_device(torch.tensor(v.chained, dtype=torch.bool), self.device)
+        return ~chained | self.all_accepted[req_dev]
+
+    def accept(self, res: SampleResult, v: VerifyRows,
+               valid: torch.Tensor | None = None) -> tuple[VerifiedResult, torch.Tensor]:
         """The answered tokens (accepted drafts, then the bonus) of each row, and each row's
-        last answered token (the next step's input)."""
+        last answered token (the next step's input). A row not `valid` answers nothing
+        (accepted -1)."""
         rows = v.logit_rows
         dev = res.token_ids.device
         b, width = len(rows), max(rows)
@@ -258,8 +285,10 @@ class Speculator:
             drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
         match = target[:, :-1] == drafts[:, :-1].to(dev) if width > 1 else target[:, :0] == 0
         accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # the longest matching prefix
-        keep = col <= accepted[req]
         bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        if valid is not None:
+            accepted = torch.where(valid, accepted, -1)
+        keep = col <= accepted[req]
 
         def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[keep]
