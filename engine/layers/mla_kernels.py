@@ -51,6 +51,18 @@ class MLAKernelConfig:
 
 
 DEFAULT_CONFIG = MLAKernelConfig()
+# 64 heads a program: Hopper's warpgroup MMA (wgmma needs 64 rows; 16 and 32 take mma.sync) and a
+# latent tile read once for 64 heads, not 8 times for 16. What ptxas says for sm_90a (triton 3.9,
+# bf16 pool): 255 registers and no spills at 8 warps (147 KB shared memory, one program an SM);
+# (16, 32, 4, 2): 192 registers. Unmeasured on the H200 yet: `bin/bench mla --sweep` times both.
+WIDE_CONFIG = MLAKernelConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def default_config(heads: int) -> MLAKernelConfig:
+    """The tile config for a model with `heads` query heads a rank (fixed per model: a row's bits
+    must not depend on anything but the row). Many heads (V3 at tp 1: 128) are compute bound:
+    the wgmma tile; few (tp 8: 16) are memory bound and would leave most of its rows empty."""
+    return WIDE_CONFIG if heads >= 64 else DEFAULT_CONFIG
 
 
 def min_split(heads: int) -> int:
@@ -185,7 +197,7 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table:
 
 def mla_decode(
     q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, page_size: int, config: MLAKernelConfig = DEFAULT_CONFIG,
+    seq_lens: torch.Tensor, scale: float, page_size: int, config: MLAKernelConfig | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q_lat [B, H, R] and q_pe [B, H, P] (q's dtype) attend each row's
     seq_lens[b] (int32 [B], >= 1) latents of `latent` (one layer's pool, [slots, 1, R + P] or
@@ -207,7 +219,7 @@ def mla_decode(
     part_lse = torch.empty(b, MAX_SPLITS, h, dtype=torch.float32, device=q_lat.device)
     lo = min_split(h)
     f32 = q_lat.dtype == torch.float32
-    cfg = config
+    cfg = config or default_config(h)
     _mla_split_kernel[(triton.cdiv(h, cfg.block_h), b, MAX_SPLITS)](
         q_lat, q_pe, kv, page_table, seq_lens, part_o, part_lse, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,

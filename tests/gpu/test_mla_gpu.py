@@ -74,6 +74,27 @@ def test_kernel_rows_are_batch_invariant() -> None:
         assert torch.equal(one[0], full[i]), f"row {i}"
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_every_swept_tile_config_gives_the_default_output(kv_dtype: torch.dtype) -> None:
+    """The configs bin/bench mla --sweep times compile and agree (any may become the default)."""
+    from engine.bench.mla import SWEEP
+    from engine.layers import mla_kernels
+
+    h, r, p, ps = V3["heads"], V3["r"], V3["p"], 16
+    lens = [3000, 17, 1100]
+    pages = sum(-(-n // ps) for n in lens) + 2
+    g = torch.Generator(device=CUDA).manual_seed(6)
+    lat = torch.randn(pages * ps, 1, r + p, generator=g, device=CUDA).to(kv_dtype)
+    batch = _decode_batch(lens, ps, pages, seed=7)
+    q_lat = torch.randn(len(lens), h, r, generator=g, device=CUDA).to(torch.bfloat16)
+    q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(torch.bfloat16)
+    want = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps).float()
+    for c in SWEEP:
+        got = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps,
+                                     mla_kernels.MLAKernelConfig(*c)).float()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max(), c
+
+
 TINY = {  # a DeepSeek-V3 whose latent dims the compiled kernel takes (tl.dot: dims >= 16)
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 128,
     "intermediate_size": 192, "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1,
