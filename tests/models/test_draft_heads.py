@@ -248,3 +248,24 @@ def test_bad_heads_fail_at_start_naming_the_flag(tmp_path: Path) -> None:
     v3 = make_v3_dir(tmp_path / "v3", {**V3_MOE, "num_nextn_predict_layers": 1})  # config says 1, no weights
     with pytest.raises(ValueError, match="--speculative-algorithm NEXTN: the checkpoint .* lacks the MTP layer"):
         _engine(v3, speculative_algorithm="NEXTN")
+
+
+def test_heads_at_tp2_give_tp1_plain_tokens(tmp_path: Path) -> None:
+    """An EAGLE3 head over 2 ranks (gloo; every rank's replica digest checked every step), with its
+    own embedding and draft-vocabulary head (wide q/k/v column-parallel, o_proj row-parallel, the
+    draft logits gathered): tp=1's plain greedy tokens, prefill chunks and a cached prefix included.
+    (The MTP layer's MLA and MoE are the target's layer code, tested at tp=2 in test_mla.py.)"""
+    from tp_harness import run_tp
+
+    target = _llama(tmp_path / "t", TINY, attention_free=False)
+    head = write_head(tmp_path / "h", TINY, "EAGLE3", draft_vocab=64,
+                      tensors={"embed_tokens.weight": 0.1 * torch.randn(TINY["vocab_size"], TINY["hidden_size"])})
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    shared = _prompts([13], seed=7)[0]
+    waves = [([shared + p for p in _prompts([9, 4], seed=8)], params), ([shared + [5, 6]], params)]
+    plain = _engine(target, max_prefill_tokens=8)
+    want = [_ids(plain.generate(prompts, p)) for prompts, p in waves]
+    cfg = ServerConfig(model=str(target), device="cpu", dtype="float32", tp_size=2, cpu_threads=1, page_size=4,
+                       max_prefill_tokens=8, max_total_tokens=1024, max_running_requests=4,
+                       speculative_algorithm="EAGLE3", speculative_draft_model_path=str(head))
+    assert [[o.output_ids for o in w] for w in run_tp(cfg, waves)] == want
