@@ -202,22 +202,26 @@ def _prefill(eng: LocalEngine, prompt: list[int], pages: list[int], chunks: list
         start += n
 
 
-def test_hidden_pool_holds_the_targets_hidden_states(eagle3: tuple[Path, LocalEngine]) -> None:
-    """EAGLE3: fc over the outputs of layers 0, 1, 2 (transformers' hidden_states[1..3]); the
-    final hidden state (EAGLE, NEXTN) is the target's norm of the last layer's output."""
-    target, eng = eagle3
+def test_hidden_pool_holds_the_targets_hidden_states(eagle3: tuple[Path, LocalEngine], tmp_path: Path) -> None:
+    """EAGLE3: fc over the outputs of layers 0, 1, 2 (transformers' hidden_states[1..3], the tap
+    in the config's order); EAGLE (and NEXTN): the final hidden state, after the target's norm
+    (transformers' last hidden_states)."""
+    target, eng3 = eagle3
+    eagle = write_head(tmp_path / "h", TINY, "EAGLE")
+    eng = _engine(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(eagle))
     prompt = _prompts([13], seed=5)[0]
     pages = [7, 3, 9, 4]
-    _prefill(eng, prompt, pages, [13])
-    draft = eng.runner.spec.draft
     slots = torch.tensor([pages[p // 4] * 4 + p % 4 for p in range(13)])
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.inference_mode():
         hs = hf(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        draft = eng3.runner.spec.draft
+        assert draft.tap.which == [0, 1, 2]
+        _prefill(eng3, prompt, pages, [13])
         want = draft.head.fc(torch.cat([hs[1][0], hs[2][0], hs[3][0]], dim=-1))
         torch.testing.assert_close(draft.hidden[slots], want, atol=1e-4, rtol=0)
-        last = draft.tap.which  # the tap reads layers 0, 1, 2 in the config's order
-        assert last == [0, 1, 2]
+        _prefill(eng, prompt, pages, [5, 8])
+        torch.testing.assert_close(eng.runner.spec.draft.hidden[slots], hs[-1][0], atol=1e-4, rtol=0)
 
 
 def test_drafts_do_not_depend_on_chunks_or_pages(eagle3: tuple[Path, LocalEngine]) -> None:
