@@ -13,9 +13,9 @@ flashinfer's BatchMLAPagedAttentionWrapper is timed beside it where it imports (
 checked against ours: `fi_diff`), for the choice of the default. Also printed: the KV pool's
 capacity in tokens per GiB, V3's latent (bf16, fp8) against GQA models of configs/.
 
-`--sweep`: the split kernel's tile configs at two points (batch 1 and 64, context 4096, 128
-heads, bf16). `--device cpu` runs tiny points through triton's interpreter (a smoke test of
-this module, not a measurement).
+`--sweep`: the split kernel's tile configs and split lengths (min_split 256 / 1024 against the
+default 512) at two points (batch 1 and 64, context 4096, 128 heads, bf16). `--device cpu` runs
+tiny points through triton's interpreter (a smoke test of this module, not a measurement).
 """
 
 from __future__ import annotations
@@ -180,19 +180,24 @@ def _point(heads: int, kvd: str, b: int, ctx: int, args: argparse.Namespace, dev
 
 
 def sweep(args: argparse.Namespace, device: torch.device) -> dict[str, dict[str, float]]:
-    """The split kernel's tile configs at batch 1 and 64, context 4096, 128 heads, bf16: us each."""
-    from engine.layers.mla_kernels import MLAKernelConfig
+    """The split kernel's tile configs, and the default tile with shorter and longer splits, at
+    batch 1 and 64, context 4096, 128 heads, bf16: us each."""
+    from dataclasses import replace
+
+    from engine.layers.mla_kernels import MLAKernelConfig, default_config
 
     out: dict[str, dict[str, float]] = {}
+    wide = default_config(128)
+    configs = [MLAKernelConfig(*c) for c in SWEEP] + [replace(wide, min_split=m) for m in (256, 1024)]
     for b in (1, 64):
         pt = _Point(128, torch.bfloat16, b, 4096, args.page_size, device)
         res: dict[str, Any] = {}
-        for bh, bn, warps, stages in SWEEP:
-            cfg = MLAKernelConfig(bh, bn, warps, stages)
+        for cfg in configs:
+            name = f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} m{cfg.min_split or 'auto'}"
             try:
-                res[f"h{bh} n{bn} w{warps} s{stages}"] = _time(pt.ours(cfg), args.rep_ms, device) / pt.layers * 1e6
+                res[name] = _time(pt.ours(cfg), args.rep_ms, device) / pt.layers * 1e6
             except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-                res[f"h{bh} n{bn} w{warps} s{stages}"] = f"{type(e).__name__}"[:80]
+                res[name] = f"{type(e).__name__}"[:80]
         out[f"batch {b} ctx 4096"] = res
         del pt
     return out

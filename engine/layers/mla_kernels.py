@@ -9,16 +9,20 @@ through its page table: scores = (q_lat . c + q_pe . k_pe) * scale, output softm
 
 Split-KV (flash-decoding) in two launches:
 * `_mla_split_kernel`, grid (head blocks, B, MAX_SPLITS): program (hb, b, s) attends BLOCK_H heads
-  of row b over split s of its tokens, in tiles of BLOCK_N tokens with an online softmax, and
-  writes its normalized partial output and log2-sum-exp (fp32). Splits past the row's end exit.
+  of row b over split s of its tokens, in tiles of BLOCK_N tokens with an online softmax (fp32),
+  and writes its normalized partial output (in q's dtype, as flashinfer's split-KV decode keeps
+  its partials: half the bytes of fp32 at no more than the output's own rounding) and its
+  log2-sum-exp (fp32). Splits past the row's end exit.
 * `_mla_reduce_kernel`, grid (H, B): merges a row's splits in split order.
 
 The split length is a function of the row's own length and the head count only (at least
 `min_split(H)` tokens, at most MAX_SPLITS splits a row, a multiple of MIN_SPLIT_TOKENS), never of
 the batch: a row's output is the same bits whatever else is in the batch (tested), and the grid
 depends on B only, so a CUDA graph keeps one grid per batch size. `min_split` grows with the head
-count because each split writes H x (R + 1) fp32 partials: at 128 heads (DeepSeek-V3 at tp 1) a
-split of 1024 tokens reads 1.2 MB of latents and writes 0.26 MB of partials.
+count because each split writes H x R partials (and H LSEs): at 128 heads (DeepSeek-V3 at tp 1)
+a split of 512 tokens reads 0.59 MB of latents and writes 0.13 MB of bf16 partials. Shorter splits
+would help a small batch (more programs) and cost a large one (partials past the L2): the bench's
+sweep times `MLAKernelConfig.min_split` against it.
 
 The pool's dtype: bf16/fp16/fp32, or fp8 e4m3 stored unscaled (as KVPool stores it), read as
 bytes and widened to q's dtype in the kernel.
@@ -48,6 +52,7 @@ class MLAKernelConfig:
     block_n: int = 32  # tokens per tile
     num_warps: int = 4
     num_stages: int = 2
+    min_split: int = 0  # tokens a split covers at least (a multiple of MIN_SPLIT_TOKENS); 0: min_split(H)
 
 
 DEFAULT_CONFIG = MLAKernelConfig()
@@ -66,17 +71,18 @@ def default_config(heads: int) -> MLAKernelConfig:
 
 
 def min_split(heads: int) -> int:
-    """Fewest tokens a split covers: partial outputs (heads x (R + 1) fp32 a split) stay <= ~1/5
-    of the latent bytes the split reads (1.78 x heads tokens' worth at R = 512)."""
+    """Fewest tokens a split covers by default: a split's bf16 partial outputs (heads x R x 2
+    bytes, 0.9 x heads tokens' worth of latents at R = 512) stay <= ~1/4 of the latents it reads."""
     n = MIN_SPLIT_TOKENS
-    while n < 8 * heads:
+    while n < 4 * heads:
         n *= 2
     return n
 
 
-def split_len(length: int, heads: int) -> int:
-    """Tokens per split of a row of `length` (the kernel's formula, for tests and the bench)."""
-    lo = min_split(heads)
+def split_len(length: int, heads: int, lo: int = 0) -> int:
+    """Tokens per split of a row of `length` (the kernel's formula, for tests and the bench);
+    `lo`: the config's min_split (0: min_split(heads))."""
+    lo = lo or min_split(heads)
     per = -(-length // MAX_SPLITS)
     return max(lo, -(-per // lo) * lo)
 
@@ -153,7 +159,8 @@ def _mla_split_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
             m = m_new
         base = (b * SPLITS + s) * H + heads
-        tl.store(part_o + base[:, None] * R + dr[None, :], acc / den[:, None], mask=hmask[:, None])
+        o = (acc / den[:, None]).to(part_o.dtype.element_ty)
+        tl.store(part_o + base[:, None] * R + dr[None, :], o, mask=hmask[:, None])
         tl.store(part_lse + base, m + tl.log2(den), mask=hmask)
 
 
@@ -175,7 +182,7 @@ def _mla_reduce_kernel(
     w = tl.where(smask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     w = w / tl.sum(w, 0)
     dr = tl.arange(0, R)
-    o = tl.load(part_o + base[:, None] * R + dr[None, :], mask=smask[:, None], other=0.0)
+    o = tl.load(part_o + base[:, None] * R + dr[None, :], mask=smask[:, None], other=0.0).to(tl.float32)
     res = tl.sum(o * w[:, None], 0)
     tl.store(out + b * stride_ob + h * stride_oh + dr, res.to(out.dtype.element_ty))
 
@@ -215,11 +222,13 @@ def mla_decode(
     out = torch.empty(b, h, r, dtype=q_lat.dtype, device=q_lat.device)
     if b == 0:
         return out
-    part_o = torch.empty(b, MAX_SPLITS, h, r, dtype=torch.float32, device=q_lat.device)
+    part_o = torch.empty(b, MAX_SPLITS, h, r, dtype=q_lat.dtype, device=q_lat.device)
     part_lse = torch.empty(b, MAX_SPLITS, h, dtype=torch.float32, device=q_lat.device)
-    lo = min_split(h)
     f32 = q_lat.dtype == torch.float32
     cfg = config or default_config(h)
+    lo = cfg.min_split or min_split(h)
+    if lo % MIN_SPLIT_TOKENS:
+        raise ValueError(f"min_split {lo} is not a multiple of {MIN_SPLIT_TOKENS}")
     _mla_split_kernel[(triton.cdiv(h, cfg.block_h), b, MAX_SPLITS)](
         q_lat, q_pe, kv, page_table, seq_lens, part_o, part_lse, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,

@@ -114,7 +114,7 @@ def test_row_is_batch_invariant() -> None:
 def test_split_lengths_depend_on_the_row_only() -> None:
     for heads in (1, 16, 128):
         lo = mla_kernels.min_split(heads)
-        assert lo % mla_kernels.MIN_SPLIT_TOKENS == 0 and lo >= 8 * heads
+        assert lo % mla_kernels.MIN_SPLIT_TOKENS == 0 and lo >= 4 * heads
         for n in (1, 255, 256, 1000, 4096, 32768, 131072):
             s = mla_kernels.split_len(n, heads)
             assert s % lo == 0 and -(-n // s) <= mla_kernels.MAX_SPLITS
@@ -138,6 +138,10 @@ def test_v3_latent_width_one_row() -> None:
     want = probs.to(torch.bfloat16).float() @ kv[:, :512]
     assert mla_kernels.split_len(n, heads) == 256
     torch.testing.assert_close(got[0].float(), want, atol=2e-2, rtol=2e-2)
+    wide = mla_kernels.mla_decode(q_lat, q_pe, lat, table, torch.tensor([n], dtype=torch.int32), 0.07, ps,
+                                  mla_kernels.MLAKernelConfig(block_h=16, block_n=64, min_split=512))
+    assert mla_kernels.split_len(n, heads, 512) == 512  # 2 splits instead of 3: other bits, the same values
+    torch.testing.assert_close(wide[0].float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_bad_inputs_are_refused() -> None:
