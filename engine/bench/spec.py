@@ -1,0 +1,142 @@
+"""bin/bench spec: what speculative decoding's machinery costs on the served path, with an oracle
+draft (issue 24).
+
+    bin/bench spec                                      # CPU: the default model, k = 1 and 3
+    bin/bench spec --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 \\
+        --drafts 1 3 5 --prompt-len 512 --output-len 256
+
+For plain decoding and then NGRAM with each --drafts k, one `bin/serve` runs. Per batch size,
+`batch` random prompts are answered once (greedy, ignore_eos, --output-len tokens): the warm-up,
+which also leaves every prompt and its answer in the prefix cache. Then the same requests again,
+all at once, streamed and timed. The second time NGRAM drafts from the prefix cache
+(`SpecPolicy.tree_drafts`): the target's own greedy continuation, an oracle that has every draft
+accepted when the logits agree bit for bit (float32, or --server-args
+--enable-deterministic-inference; in bf16 a verify row's shape may flip a near tie, which shows
+as an accept length below k + 1). Reported per configuration and batch: decode tok/s per request
+(tokens after the first over the time since the first; median over the batch), its speed-up over
+plain decoding against the ideal k + 1, the accept length (/metrics strata_spec_accept_length
+over the timed run) and whether every answer equals plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from engine.bench.launch import launched_server
+
+TIMEOUT_S = 3600.0
+ACCEPT = "strata_spec_accept_length"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The mode's own flags (bin/bench adds --model, --load-format, --seed, --server-args, --out)."""
+    p.add_argument("--drafts", type=int, nargs="+", default=[1, 3], help="NGRAM drafts per row (k), one server each")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="requests decoded together")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens of each random prompt")
+    p.add_argument("--output-len", type=int, default=32, help="tokens each request decodes (ignore_eos)")
+
+
+def check(args: argparse.Namespace) -> str | None:
+    if any(k < 1 or k > 16 for k in args.drafts):
+        return "--drafts must be in 1..16"
+    if any(b < 1 for b in args.batch_sizes) or args.prompt_len < 1 or args.output_len < 2:
+        return "--batch-sizes and --prompt-len must be >= 1, --output-len >= 2"
+    return None
+
+
+def _stream(url: str, ids: list[int], n: int) -> dict[str, Any]:
+    """One streamed greedy request: its tokens and the times of its first and last ones."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    first = last = None
+    out: list[int] = []
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT_S) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            if "error" in data:
+                raise RuntimeError(f"/generate stream error: {str(data)[:300]}")
+            if len(data["output_ids"]) > len(out):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last, out = now, data["output_ids"]
+    if first is None or last is None or len(out) != n:
+        raise RuntimeError(f"/generate answered {len(out)} of {n} tokens")
+    return {"ids": out, "first": first, "last": last}
+
+
+def _accept(url: str) -> tuple[float, float]:
+    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row)."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(ACCEPT + "_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith(ACCEPT + "_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def _batch(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: _stream(url, ids, n), prompts))
+
+
+def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
+    """One server (plain when k is None, else NGRAM with k drafts): per batch size, the warm-up
+    answers, then the timed ones."""
+    extra = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", str(k)] if k else []
+    rows = []
+    with launched_server(args.model, args.load_format, shlex.split(args.server_args or "") + extra) as ep:
+        assert ep.http is not None
+        for b in args.batch_sizes:
+            warm = _batch(ep.http, prompts[b], args.output_len)  # every answer now in the prefix cache
+            before = _accept(ep.http)
+            timed = _batch(ep.http, prompts[b], args.output_len)
+            after = _accept(ep.http)
+            rates = [(args.output_len - 1) / (r["last"] - r["first"]) for r in timed]
+            rows_verified = after[1] - before[1]
+            rows.append({
+                "k": k or 0, "batch": b, "tok_s": statistics.median(rates),
+                "accept_length": (after[0] - before[0]) / rows_verified if rows_verified else None,
+                "answers": [r["ids"] for r in timed], "repeat_equal": [r["ids"] for r in warm] == [
+                    r["ids"] for r in timed],
+            })
+    return rows
+
+
+def run(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Every configuration's rows (printed as a table too)."""
+    rng = random.Random(args.seed)
+    hi = max(min(vocab, 32000) - 1, 4)
+    prompts = {b: [[rng.randrange(3, hi) for _ in range(args.prompt_len)] for _ in range(b)]
+               for b in args.batch_sizes}
+    plain = {r["batch"]: r for r in _config(args, None, prompts)}
+    results = list(plain.values())
+    for k in args.drafts:
+        for r in _config(args, k, prompts):
+            base = plain[r["batch"]]
+            r["speedup"] = r["tok_s"] / base["tok_s"]
+            r["of_ideal"] = r["speedup"] / (k + 1)
+            r["equal_to_plain"] = r["answers"] == base["answers"]
+            results.append(r)
+    print(f"\n{'k':>3} {'batch':>5} {'tok/s':>9} {'speedup':>8} {'of (k+1)':>9} {'accept':>7} {'= plain':>8}")
+    for r in results:
+        acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
+        print(f"{r['k']:>3} {r['batch']:>5} {r['tok_s']:>9.1f} {r.get('speedup', 1.0):>8.2f} "
+              f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {str(r.get('equal_to_plain', True)):>8}")
+    for r in results:
+        del r["answers"]
+    ok = all(r.get("equal_to_plain", True) and r["repeat_equal"] for r in results)
+    return {"prompt_len": args.prompt_len, "output_len": args.output_len, "results": results,
+            "completed": int(ok)}  # 0 (exit 1) when an answer differs from plain decoding's
