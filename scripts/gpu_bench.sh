@@ -23,6 +23,7 @@
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
+#   spec      speculative decoding's machinery: Llama-3.1-8B batch 1, plain vs NGRAM k = 1 3 5 with an oracle draft
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
 #             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64)
@@ -115,6 +116,9 @@ for what in "$@"; do case $what in
           --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llamafp8" \
           --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math-h200.json" || fails=$((fails + 1))
           grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
+  spec) run spec-llama-3.1-8b 500 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
+          --batch-sizes 1 --prompt-len 512 --output-len 256 --out "$OUT/spec-llama-3.1-8b-h200.json" \
+          || fails=$((fails + 1)); grep -A8 "k batch" "$OUT/spec-llama-3.1-8b.log" ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-cp.log" | tail -10 ;;
   moe) run gpu-moe 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     ml = sub.add_parser("mla", help="MLA decode attention at DeepSeek-V3 shapes vs the HBM bandwidth (CUDA)")
     _common(ml)
     mla.add_arguments(ml)
+    from engine.bench import spec
+
+    sp = sub.add_parser("spec", help="speculative decoding's cost: plain vs NGRAM with an oracle draft (served)")
+    _common(sp)
+    spec.add_arguments(sp)
     return parser
 
 
@@ -139,6 +144,10 @@ def check(args: argparse.Namespace) -> str | None:
         from engine.bench import mla
 
         return mla.check(args)
+    if args.mode == "spec":
+        from engine.bench import spec
+
+        return spec.check(args)
     if args.mode == "structured":
         return None if args.num_requests >= 1 and args.max_tokens >= 1 else "--num-requests, --max-tokens >= 1"
     if args.mode == "latency":
@@ -176,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache": _cache,
         "deterministic": _deterministic,
         "quant": _quant,
+        "spec": _spec,
         "mla": _mla,
     }
     from engine.bench.launch import ServerUnavailable
@@ -204,6 +214,19 @@ def _mla(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import mla
 
     return mla.main(args)
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.bench import report, spec, workload
+    from engine.bench.hardware import HardwareProbe
+
+    name = workload.model_name(args.model)
+    settings = _settings(args, model_name=name, drafts=args.drafts, batch_sizes=args.batch_sizes)
+    report.print_settings("spec", settings)
+    probe = HardwareProbe()  # in a child process, overlapping the first server's start-up
+    figures = spec.run(args, workload.vocab_size(workload.resolve_model_dir(args.model)))
+    report.write_record(report.make_record("spec", name, settings, probe.result(), figures), args.out)
+    return figures
 
 
 def _structured(args: argparse.Namespace) -> dict[str, Any]:

@@ -193,3 +193,18 @@ def test_structured_counts_stop_answers_that_are_not_valid() -> None:
     outs = [out(good, "stop"), out('{"items": [{"name": "a\\x08', "length"), out(short, "stop"),
             out(good[:-2] + '\x08"}', "stop")]
     assert _validity(outs) == (1, 2)
+
+
+def test_spec_oracle_accepts_every_draft_and_answers_as_plain(tiny_model: Path, tmp_path: Path) -> None:
+    """bin/bench spec: the second answer of a cached prompt drafts the target's own greedy
+    continuation from the prefix cache (float32: logits agree bit for bit), so every draft is
+    accepted (only the last rows, short of room, verify fewer), and the answers are plain decoding's."""
+    rec = bench(tmp_path / "spec.json", "spec", "--model", str(tiny_model), "--load-format", "dummy",
+                "--drafts", "3", "--output-len", "21", "--prompt-len", "24",
+                "--server-args", "--max-total-tokens 4096 --dtype float32")
+    check_record(rec, "spec")
+    plain, spec = rec["figures"]["results"]
+    assert plain["k"] == 0 and plain["accept_length"] is None and plain["repeat_equal"]
+    assert spec["k"] == 3 and spec["equal_to_plain"] and spec["repeat_equal"]
+    assert spec["accept_length"] == 4.0  # 20 tokens after the first: 5 rows of 3 drafts + a bonus
+    assert spec["tok_s"] > 0 and spec["speedup"] > 0
