@@ -100,17 +100,8 @@ class MLAPlan:
             starts.append(starts[-1] + n)
         dec = [i for i, n in enumerate(lens) if n == 1]
         plan = cls(None, None, None, [], all_decode=len(dec) == len(lens))
-        if dec and kernel:
-            req = torch.tensor(dec, dtype=torch.int64, device=dev)
-            plan.decode_table, plan.decode_lens = batch.page_table[req], batch.seq_lens[req]
-            plan.decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=dev)
-        elif dec:
-            req = torch.tensor(dec, dtype=torch.int64, device=dev)
-            n = -(-max(seqs[i] for i in dec) // ps)
-            plan.decode_pages = batch.page_table[req][:, :n].to(torch.int64)
-            pos = torch.arange(n * ps, device=dev)
-            plan.decode_mask = (pos[None, :] < batch.seq_lens[req].to(torch.int64)[:, None])[:, None, :]
-            plan.decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=dev)
+        if dec:
+            plan._plan_decode(batch, dec, starts, kernel)
         for i, n in enumerate(lens):
             if n > 1:
                 pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
@@ -118,6 +109,21 @@ class MLAPlan:
                 plan.extends.append(_Req(starts[i], n, seqs[i], pages, keys[None, :] <= queries[:, None]))
         plan.absorb_extends = absorb_all
         return plan
+
+
+    def _plan_decode(self, batch: ForwardBatch, dec: list[int], starts: list[int], kernel: bool) -> None:
+        """The decode rows `dec` of a step that also has longer rows: the kernel's table and
+        lengths, or (torch path) their pages and a length mask."""
+        dev = batch.page_table.device
+        req = torch.tensor(dec, dtype=torch.int64, device=dev)
+        self.decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=dev)
+        if kernel:
+            self.decode_table, self.decode_lens = batch.page_table[req], batch.seq_lens[req]
+            return
+        n = -(-max(batch.seq_lens_cpu[i] for i in dec) // batch.page_size)
+        self.decode_pages = batch.page_table[req][:, :n].to(torch.int64)
+        pos = torch.arange(n * batch.page_size, device=dev)
+        self.decode_mask = (pos[None, :] < batch.seq_lens[req].to(torch.int64)[:, None])[:, None, :]
 
 
 def mla_attend(
