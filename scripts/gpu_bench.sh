@@ -135,9 +135,9 @@ for what in "$@"; do case $what in
   moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
-  mla) run gpu-mla 200 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py -q -rA -p no:cacheprovider \
+  mla) run gpu-mla 240 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-mla.log" | tail -14
-       run mla-bench 360 bin/bench mla --sweep --rep-ms 30 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
+       run mla-bench 330 bin/bench mla --sweep --rep-ms 25 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \

@@ -74,9 +74,9 @@ def test_kernel_rows_are_batch_invariant() -> None:
         assert torch.equal(one[0], full[i]), f"row {i}"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_every_swept_tile_config_gives_the_default_output(kv_dtype: torch.dtype) -> None:
-    """The configs bin/bench mla --sweep times compile and agree (any may become the default)."""
+def test_every_swept_tile_config_gives_the_default_output() -> None:
+    """The configs bin/bench mla --sweep times compile and agree (any may become the default;
+    bf16: the fp8 pool differs only in its load, checked above)."""
     from engine.bench.mla import SWEEP
     from engine.layers import mla_kernels
 
@@ -84,7 +84,7 @@ def test_every_swept_tile_config_gives_the_default_output(kv_dtype: torch.dtype)
     lens = [3000, 17, 1100]
     pages = sum(-(-n // ps) for n in lens) + 2
     g = torch.Generator(device=CUDA).manual_seed(6)
-    lat = torch.randn(pages * ps, 1, r + p, generator=g, device=CUDA).to(kv_dtype)
+    lat = torch.randn(pages * ps, 1, r + p, generator=g, device=CUDA).to(torch.bfloat16)
     batch = _decode_batch(lens, ps, pages, seed=7)
     q_lat = torch.randn(len(lens), h, r, generator=g, device=CUDA).to(torch.bfloat16)
     q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(torch.bfloat16)
