@@ -29,7 +29,8 @@
 #             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
-#             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside) ~4-5 min
+#             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside at
+#             128 heads, last) ~5 min, more if flashinfer's MLA module JIT-compiles; 570 s at most
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
@@ -137,7 +138,7 @@ for what in "$@"; do case $what in
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
   mla) run gpu-mla 240 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-mla.log" | tail -14
-       run mla-bench 330 bin/bench mla --sweep --rep-ms 25 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
+       run mla-bench 330 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \

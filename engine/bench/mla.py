@@ -241,11 +241,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             ok = sorted((t, c) for c, t in res.items() if isinstance(t, float))
             print(f"sweep {where}: " + "  ".join(f"{c} {t:.1f}us" for t, c in ok[:5]), flush=True)
     report.write_record(record(), args.out)
-    if not args.no_flashinfer and device.type == "cuda":  # bf16 pools only: one JIT module
-        print("flashinfer BatchMLAPagedAttentionWrapper beside ours (bf16 latent pool):")
+    if not args.no_flashinfer and device.type == "cuda":  # bf16 pools only (one JIT module), first heads
+        print(f"flashinfer BatchMLAPagedAttentionWrapper beside ours ({args.heads[0]} heads, bf16 latent pool):")
         print(_HEADER)
         figures["flashinfer_points"] = []
-        for h, k, b, c in (p for p in points if p[1] == "bf16"):
+        for h, k, b, c in (p for p in points if p[1] == "bf16" and p[0] == args.heads[0]):
             figures["flashinfer_points"].append(_point(h, k, b, c, args, device, copy_gbs, with_flashinfer=True))
             print(_line(figures["flashinfer_points"][-1]), flush=True)
         report.write_record(record(), args.out)
