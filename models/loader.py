@@ -52,8 +52,9 @@ def map_name(hf_name: str) -> tuple[str, str | ExpertShard | None]:
 
 
 # ---- MoE experts: HF stores one tensor per expert, Strata one stack per layer (engine/layers/moe.py)
-# `.weight_scale`: a quantized expert's scale (fp8's `weight_scale_inv` arrives renamed, _scale_alias)
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
+# `.weight_scale`: a quantized expert's scale (fp8's `weight_scale_inv` arrives renamed, _scale_alias);
+# `.weight_scale_2`: NVFP4's per-tensor global scale (the stack's row scale `w13_scale_2` / `w2_scale_2`)
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale(?:_2)?)?$")
 _EXPERT_PARTS = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", None)}
 
 
@@ -68,7 +69,7 @@ class ExpertShard:
 
 def map_expert_name(hf_name: str) -> tuple[str, ExpertShard] | None:
     """`...mlp.experts.{e}.gate_proj.weight` -> (`...mlp.experts.w13`, ExpertShard(e, "gate")), or None
-    (`.weight_scale` -> the stack's `w13_scale`, engine/layers/moe_quant.py)."""
+    (`.weight_scale` / `.weight_scale_2` -> the stack's `w13_scale` / `w13_scale_2`, engine/layers/moe_quant.py)."""
     m = _EXPERT_NAME.match(hf_name)
     if m is None:
         return None

@@ -92,3 +92,16 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
     for x in stacks:
         moe_quant.to_plain(x, dtype)
     return len(mods) + len(stacks)
+
+
+@torch.inference_mode()
+def runtime_form(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """After loading (and any quantize_model): on the CPU every quantized weight back to `dtype`
+    (dequantize_model); on CUDA only the expert stacks the fused MoE kernels do not read (NVFP4:
+    `moe_quant.PLAIN_ONLY`, dequantized once here). How many were made plain."""
+    if device.type == "cpu":
+        return dequantize_model(model, dtype)
+    stacks = [m for m in model.modules() if isinstance(m, Experts) and m.quant in moe_quant.PLAIN_ONLY]
+    for x in stacks:
+        moe_quant.to_plain(x, dtype)
+    return len(stacks)

@@ -16,7 +16,7 @@ from engine.layers.kv_layout import KVLayout
 from models.config import ModelConfig
 from models.loader import LOAD_FORMATS, init_dummy, load_safetensors
 from models.quant import QUANTIZATION_CHOICES, QuantScheme, online_fp8
-from models.quant_weights import dequantize_model, prepare_model, quantize_model
+from models.quant_weights import prepare_model, quantize_model, runtime_form
 
 # architecture -> (module, class); the Llama family shares one implementation
 _ARCHS: dict[str, tuple[str, str]] = {
@@ -74,7 +74,8 @@ def load_model(
     Quantized weights (models/quant.py): a quantized checkpoint's projections are loaded as
     stored; `quantization="fp8"` quantizes a plain checkpoint per channel after loading; dummy
     weights are drawn plain and then quantized to the scheme. On the CPU every quantized
-    projection is then dequantized to `dtype` (the same values, run by the plain kernels).
+    projection is then dequantized to `dtype` (the same values, run by the plain kernels); on
+    CUDA, NVFP4 expert stacks are (the fused MoE kernels read bf16 and fp8 stacks only).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
@@ -93,8 +94,7 @@ def load_model(
         load_safetensors(model, cfg, path, progress=progress)
     if scheme is not None and (load_format == "dummy" or cfg.quant is None):
         quantize_model(model, scheme)
-    if device.type == "cpu":
-        dequantize_model(model, dtype)
+    runtime_form(model, dtype, device)  # CPU: all plain; CUDA: NVFP4 expert stacks plain
     return model.eval(), cfg
 
 

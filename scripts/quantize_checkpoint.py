@@ -14,6 +14,9 @@ Formats (what production checkpoints ship; models/quant.py reads them):
                   input_scale, k_scale / v_scale on k_proj / v_proj
   modelopt-nvfp4  hf_quant_config.json and config.json quant_algo NVFP4: uint8 pairs of e2m1
                   codes (even column low), e4m3 weight_scale per 16, scalar weight_scale_2
+                  (each routed expert's gate/up/down its own); an MLA model's attention stays
+                  as it is, listed per layer (`model.layers.{i}.self_attn*`) in exclude_modules
+                  (its q_lora_rank need not be a multiple of 16; the engine keeps kv_b_proj plain)
 
 Only the decoder's projections are quantized (q/k/v/o, gate/up/down, of the dense MLP, the
 shared experts and every routed expert: `mlp.experts.{e}.gate_proj` etc.); embeddings, norms,
@@ -103,8 +106,9 @@ def _quantize(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     return _nvfp4(w)
 
 
-def _config_keys(fmt: str) -> tuple[dict | None, dict | None]:
-    """(config.json quantization_config, hf_quant_config.json) for a format."""
+def _config_keys(fmt: str, exclude: list[str]) -> tuple[dict | None, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json) for a format; `exclude`: modules
+    left unquantized besides the LM head (ModelOpt's exclude_modules)."""
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "mlp.gate"]}, None
@@ -121,10 +125,19 @@ def _config_keys(fmt: str) -> tuple[dict | None, dict | None]:
                 "quantization_status": "compressed"}, None
     algo = "FP8" if fmt == "modelopt-fp8" else "NVFP4"
     hf_quant = {"producer": {"name": "modelopt", "version": "0.29.0"},
-                "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"],
+                "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
+                                 "exclude_modules": ["lm_head", *exclude],
                                  **({"group_size": 16} if algo == "NVFP4" else {})}}
     in_config = {"quant_method": "modelopt", "quant_algo": algo, **({"group_size": 16} if algo == "NVFP4" else {})}
     return (in_config if algo == "NVFP4" else None), hf_quant
+
+
+def _excluded(cfg: dict, fmt: str) -> list[str]:
+    """Module patterns (`prefix*`) that `fmt` leaves unquantized in the model of config.json `cfg`:
+    for NVFP4, an MLA model's attention."""
+    if fmt != "modelopt-nvfp4" or "kv_lora_rank" not in cfg:
+        return []
+    return [f"model.layers.{i}.self_attn*" for i in range(cfg["num_hidden_layers"])]
 
 
 def quantize_dir(src: Path, dst: Path, fmt: str) -> Path:
@@ -132,10 +145,12 @@ def quantize_dir(src: Path, dst: Path, fmt: str) -> Path:
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
     dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    exclude = _excluded(cfg, fmt)
     out: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(f).items():
-            if _PROJ.match(name):
+            if _PROJ.match(name) and not any(name.startswith(e[:-1]) for e in exclude):
                 base = name[: -len("weight")]
                 out.update({base + k: v.contiguous() for k, v in _quantize(name, t, fmt).items()})
             else:
@@ -144,8 +159,7 @@ def quantize_dir(src: Path, dst: Path, fmt: str) -> Path:
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, dst / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    in_config, hf_quant = _config_keys(fmt)
+    in_config, hf_quant = _config_keys(fmt, exclude)
     if in_config is not None:
         cfg["quantization_config"] = in_config
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -166,7 +180,8 @@ def dequantize_dir(src: Path, dst: Path) -> Path:
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         base = name[: -len("weight")] if name.endswith(".weight") else None
-        if base is None or not _PROJ.match(name):
+        stored_plain = t.is_floating_point() and t.dtype != F8  # a projection the format left as it was
+        if base is None or not _PROJ.match(name) or stored_plain:
             if not re.search(r"\.(weight_scale(_inv|_2)?|input_scale|[kv]_scale)$", name):
                 out[name] = t.float() if t.is_floating_point() else t
             continue

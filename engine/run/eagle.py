@@ -228,7 +228,7 @@ def load_eagle(cfg: ServerConfig, target: ModelConfig, dtype: torch.dtype, max_c
 def load_nextn(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> NextN:
     """The model's first MTP layer (`model.layers.{num_hidden_layers}`), from its checkpoint
     (random with --load-format dummy)."""
-    from models.quant_weights import dequantize_model, prepare_model
+    from models.quant_weights import prepare_model, runtime_form
 
     flag = "--speculative-algorithm NEXTN"
     if mcfg.architecture not in ARCHS or not nextn_layers(cfg.model):
@@ -250,7 +250,6 @@ def load_nextn(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dtype, device:
         if mcfg.quant is not None:
             prepare_model(mtp, mcfg.quant)
         load_safetensors(mtp, mcfg, cfg.model, progress=False, keep=lambda n: n.startswith(prefix))
-    if device.type == "cpu":
-        dequantize_model(mtp, dtype)
+    runtime_form(mtp, dtype, device)  # CPU: all plain; CUDA: NVFP4 expert stacks plain
     return mtp.eval()
 
