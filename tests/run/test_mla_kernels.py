@@ -202,3 +202,15 @@ def test_graph_table_protocol_gives_the_eager_decode(tmp_path: Path) -> None:
         is_decode=True, page_table_cpu=torch.zeros(bs, 1, dtype=torch.int32))
     got = model(static, kv, backend)
     torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+
+
+def test_bench_capacity_latent_vs_gqa() -> None:
+    """bin/bench mla's capacity table: V3's latent costs 61 x 1152 bytes a token in bf16 (half in
+    fp8), Llama-3.1-8B's K and V 32 x 2 x 8 x 128 x 2."""
+    from engine.bench.mla import capacity
+
+    rows = {r["model"]: r for r in capacity()}
+    v3, llama = rows["deepseek-v3"], rows["llama-3.1-8b"]
+    assert v3["layout"] == "mla" and v3["bytes_per_token"] == {"bf16": 61 * 1152, "fp8": 61 * 576}
+    assert llama["layout"] == "gqa" and llama["bytes_per_token"]["bf16"] == 32 * 2 * 8 * 128 * 2
+    assert llama["tokens_per_gib"]["bf16"] == 8192 and v3["tokens_per_gib"]["bf16"] == (1 << 30) // (61 * 1152)
