@@ -69,8 +69,10 @@ def test_kernel_rows_are_batch_invariant() -> None:
     q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(torch.bfloat16)
     full = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps)
     for i in range(len(lens)):
-        one = mla_kernels.mla_decode(q_lat[i : i + 1], q_pe[i : i + 1], lat, batch.page_table[i : i + 1],
-                                     batch.seq_lens[i : i + 1], 0.07, ps)
+        # fresh tensors, as a step's batch has (a slice's offset would change triton's alignment
+        # specialization: another compiled variant, not another batch)
+        one = mla_kernels.mla_decode(q_lat[i : i + 1].clone(), q_pe[i : i + 1].clone(), lat,
+                                     batch.page_table[i : i + 1].clone(), batch.seq_lens[i : i + 1].clone(), 0.07, ps)
         assert torch.equal(one[0], full[i]), f"row {i}"
 
 
