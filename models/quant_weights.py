@@ -1,5 +1,6 @@
 """A model's quantized projections: which `Linear`s a QuantScheme covers, and the three passes
-the registry runs over them (before loading, after dummy or online quantization, on the CPU).
+the registry runs over them (before loading, after dummy or online quantization, and
+`runtime_form` last: on the CPU everything plain, on CUDA the NVFP4 expert stacks).
 
 Names follow the checkpoint: our fused `qkv_proj` is HF's q/k/v_proj and `gate_up_proj` its
 gate/up_proj, so an `ignore` pattern written for the checkpoint means what it says. A fused
