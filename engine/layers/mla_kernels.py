@@ -40,13 +40,12 @@ import triton.language as tl
 
 MAX_SPLITS = 16  # splits of one row at most (the grid's third axis)
 MIN_SPLIT_TOKENS = 256  # split lengths are multiples of this (so every BLOCK_N <= 256 divides them)
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class MLAKernelConfig:
-    """Tile shape and launch options of the split kernel. It changes the order of the sums inside
-    a split (not the split boundaries), so it is fixed per model, never chosen per batch."""
+    """Tile shape, launch options and split length of the split kernel. They change the order of
+    a row's sums, so they are fixed per model, never chosen per batch."""
 
     block_h: int = 16  # query heads a program takes (a tensor-core tile's rows)
     block_n: int = 32  # tokens per tile
@@ -58,7 +57,7 @@ class MLAKernelConfig:
 DEFAULT_CONFIG = MLAKernelConfig()
 # 64 heads a program: Hopper's warpgroup MMA (wgmma needs 64 rows; 16 and 32 take mma.sync) and a
 # latent tile read once for 64 heads, not 8 times for 16. What ptxas says for sm_90a (triton 3.9,
-# bf16 pool): 255 registers and no spills at 8 warps (147 KB shared memory, one program an SM);
+# bf16 pool): 255 registers, 40 bytes of spills, 8 warps (147 KB shared memory, one program an SM);
 # (16, 32, 4, 2): 192 registers. Unmeasured on the H200 yet: `bin/bench mla --sweep` times both.
 WIDE_CONFIG = MLAKernelConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
 
