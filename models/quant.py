@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ class QuantScheme:
     keeps every weight bit-exact. `activations` is "dynamic" (per token at run time) or
     "static" (the checkpoint has `input_scale`s; read and checked, and the engine still
     quantizes per token: as fast, and never coarser). `ignore` lists module-name patterns
-    (exact names, suffixes, or `re:` regexes) that stay unquantized; the LM head and
+    (exact names, suffixes, `*` wildcards as ModelOpt writes them, or `re:` regexes) that stay
+    unquantized; the LM head and
     embeddings always do. `source` names where it came from, for logs and errors."""
 
     format: str
@@ -69,6 +71,8 @@ class QuantScheme:
                 if re.fullmatch(pat[3:], module):
                     return True
             elif module == pat or module.endswith("." + pat) or (pat.endswith("*") and module.startswith(pat[:-1])):
+                return True
+            elif "*" in pat and fnmatchcase(module, pat):  # ModelOpt's wildcards: model.layers.*.self_attn*
                 return True
         return False
 

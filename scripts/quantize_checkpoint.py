@@ -15,8 +15,8 @@ Formats (what production checkpoints ship; models/quant.py reads them):
   modelopt-nvfp4  hf_quant_config.json and config.json quant_algo NVFP4: uint8 pairs of e2m1
                   codes (even column low), e4m3 weight_scale per 16, scalar weight_scale_2
                   (each routed expert's gate/up/down its own); an MLA model's attention stays
-                  as it is, listed per layer (`model.layers.{i}.self_attn*`) in exclude_modules
-                  (its q_lora_rank need not be a multiple of 16; the engine keeps kv_b_proj plain)
+                  as it is, `model.layers.*.self_attn*` in exclude_modules (ModelOpt's wildcards;
+                  q_lora_rank need not be a multiple of 16, and the engine keeps kv_b_proj plain)
 
 Only the decoder's projections are quantized (q/k/v/o, gate/up/down, of the dense MLP, the
 shared experts and every routed expert: `mlp.experts.{e}.gate_proj` etc.); embeddings, norms,
@@ -32,6 +32,7 @@ import argparse
 import json
 import re
 import shutil
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
@@ -133,11 +134,9 @@ def _config_keys(fmt: str, exclude: list[str]) -> tuple[dict | None, dict | None
 
 
 def _excluded(cfg: dict, fmt: str) -> list[str]:
-    """Module patterns (`prefix*`) that `fmt` leaves unquantized in the model of config.json `cfg`:
-    for NVFP4, an MLA model's attention."""
-    if fmt != "modelopt-nvfp4" or "kv_lora_rank" not in cfg:
-        return []
-    return [f"model.layers.{i}.self_attn*" for i in range(cfg["num_hidden_layers"])]
+    """Module wildcards that `fmt` leaves unquantized in the model of config.json `cfg`: for NVFP4,
+    an MLA model's attention."""
+    return ["model.layers.*.self_attn*"] if fmt == "modelopt-nvfp4" and "kv_lora_rank" in cfg else []
 
 
 def quantize_dir(src: Path, dst: Path, fmt: str) -> Path:
@@ -150,7 +149,7 @@ def quantize_dir(src: Path, dst: Path, fmt: str) -> Path:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(f).items():
-            if _PROJ.match(name) and not any(name.startswith(e[:-1]) for e in exclude):
+            if _PROJ.match(name) and not any(fnmatchcase(name, e) for e in exclude):
                 base = name[: -len("weight")]
                 out.update({base + k: v.contiguous() for k, v in _quantize(name, t, fmt).items()})
             else:
