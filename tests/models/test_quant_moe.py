@@ -264,6 +264,17 @@ def test_nvfp4_tp_ranks_hold_their_slices(plain: dict[str, Path], tmp_path: Path
         assert torch.equal(x.w2, one.w2[:, :, a:b])
 
 
+def test_nvfp4_ep_ranks_hold_their_experts(tmp_path: Path, parallel: None) -> None:
+    """ep=2 (whole experts per rank, simulated in process): each rank's stacks are its experts of ep=1's."""
+    src = make_hf_dir(tmp_path / "plain", MODELS["glm4-moe"] | {"n_routed_experts": 6}, seed=3)
+    qdir = quantize_dir(src, tmp_path / "q", "modelopt-nvfp4")
+    one = _experts(load_model(qdir, progress=False)[0])[0]
+    for r in (0, 1):
+        set_parallel_state(ParallelState(ep=TPGroup(r, 2)))
+        x = _experts(load_model(qdir, progress=False)[0])[0]
+        assert torch.equal(x.w13, one.w13[3 * r : 3 * r + 3]) and torch.equal(x.w2, one.w2[3 * r : 3 * r + 3])
+
+
 def test_a_tp_split_that_cuts_an_nvfp4_group_is_named(plain: dict[str, Path], tmp_path: Path,
                                                        parallel: None) -> None:
     qdir = quantize_dir(plain["qwen3-moe"], tmp_path / "q", "modelopt-nvfp4")
