@@ -285,3 +285,7 @@ def test_a_tp_split_that_cuts_an_nvfp4_group_is_named(plain: dict[str, Path], tm
     set_parallel_state(ParallelState(tp=TPGroup(0, 2)))
     with pytest.raises(ValueError, match=r"16-wide blocks; choose a --tp-size .*, or --ep-size equal to --tp-size"):
         load_model(qdir, load_format="dummy", progress=False)
+    set_parallel_state(ParallelState())
+    (qdir / "config.json").write_text(json.dumps(cfg | {"moe_intermediate_size": 40}))  # not whole groups at all
+    with pytest.raises(ValueError, match=r"NVFP4 experts need in_features divisible by 16 .*moe_intermediate_size"):
+        load_model(qdir, load_format="dummy", progress=False)
