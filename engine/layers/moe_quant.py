@@ -7,7 +7,7 @@ A quantized stack keeps its Sharding (in packed or group units where it is coars
 parameters stacked over the experts like the weight:
 
 * `fp8_block`: e4m3 [E, N, K]; `{name}_scale` float32 [E, ceil(N/128), ceil(K/128)];
-* `fp8_row`: e4m3 [E, N]; `{name}_scale` float32 [E, N] (`quant.ROW_SCALE`: the loader
+* `fp8_row`: e4m3 [E, N, K]; `{name}_scale` float32 [E, N] (`quant.ROW_SCALE`: the loader
   broadcasts a per-tensor scalar over its piece's rows, so gate and up keep their own scales
   and every weight its checkpoint bits);
 * `nvfp4`: uint8 [E, N, K/2] (two e2m1 codes a byte); `{name}_scale` e4m3 [E, N, K/16];
