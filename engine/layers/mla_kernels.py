@@ -52,6 +52,7 @@ class MLAKernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_split: int = 0  # tokens a split covers at least (a multiple of MIN_SPLIT_TOKENS); 0: min_split(H)
+    v_split: int = 0  # programs a (row, head block, split) shares its output columns over; 0: v_split()
 
 
 DEFAULT_CONFIG = MLAKernelConfig()
@@ -67,6 +68,19 @@ def default_config(heads: int) -> MLAKernelConfig:
     must not depend on anything but the row). Many heads (V3 at tp 1: 128) are compute bound:
     the wgmma tile; few (tp 8: 16) are memory bound and would leave most of its rows empty."""
     return WIDE_CONFIG if heads >= 64 else DEFAULT_CONFIG
+
+
+def v_split(batch: int, head_blocks: int, rank: int) -> int:
+    """Programs that share a (row, head block, split)'s output columns, each computing the same
+    scores and summing 1/v of the columns: parallelism for a small batch (batch 1 at 128 heads has
+    2 head blocks x a few splits) that leaves every output's bits as they are (the same scores,
+    each column summed over the same tiles in the same order), so it may follow the batch size.
+    At least 64 columns a program."""
+    n = batch * head_blocks
+    v = 4 if n < 32 else 2 if n < 64 else 1
+    while v > 1 and rank // v < 64:
+        v //= 2
+    return v
 
 
 def min_split(heads: int) -> int:
@@ -101,9 +115,10 @@ def _mla_split_kernel(
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb, H,
     R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, VSPLIT: tl.constexpr,
 ):
-    hb = tl.program_id(0)
+    hb = tl.program_id(0) // VSPLIT
+    vs = tl.program_id(0) % VSPLIT  # which 1/VSPLIT of the output columns this program sums
     b = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(lens + b)
@@ -116,6 +131,8 @@ def _mla_split_kernel(
         hmask = heads < H
         dr = tl.arange(0, R)
         dp = tl.arange(0, P)
+        DV: tl.constexpr = R // VSPLIT
+        dv = vs * DV + tl.arange(0, DV)
         qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + dr[None, :], mask=hmask[:, None], other=0.0)
         pv = tl.load(q_pe + b * stride_pb + heads[:, None] * stride_ph + dp[None, :], mask=hmask[:, None],
                      other=0.0)
@@ -125,7 +142,7 @@ def _mla_split_kernel(
             pv = pv.to(tl.float32)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, R], tl.float32)
+        acc = tl.zeros([BLOCK_H, DV], tl.float32)
         qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
         row_table = table + b * stride_tb
         for n0 in range(start, end, BLOCK_N):
@@ -152,15 +169,24 @@ def _mla_split_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new[:, None])
             den = den * alpha + tl.sum(p, 1)
+            if VSPLIT == 1:
+                cv = c
+            else:  # this program's columns of the tile again (from L1/L2): the same values as c's
+                cv = tl.load(kv + slot[:, None] + dv[None, :], mask=nmask[:, None], other=0)
+                if KV_FP8:
+                    cv = cv.to(tl.float8e4nv, bitcast=True).to(act)
+                if DOT_F32:
+                    cv = cv.to(tl.float32)
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+                acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv)
             m = m_new
         base = (b * SPLITS + s) * H + heads
         o = (acc / den[:, None]).to(part_o.dtype.element_ty)
-        tl.store(part_o + base[:, None] * R + dr[None, :], o, mask=hmask[:, None])
-        tl.store(part_lse + base, m + tl.log2(den), mask=hmask)
+        tl.store(part_o + base[:, None] * R + dv[None, :], o, mask=hmask[:, None])
+        first = (tl.zeros([BLOCK_H], tl.int32) + vs) == 0  # one program of the VSPLIT writes the LSE
+        tl.store(part_lse + base, m + tl.log2(den), mask=hmask & first)
 
 
 @triton.jit
@@ -228,11 +254,15 @@ def mla_decode(
     lo = cfg.min_split or min_split(h)
     if lo % MIN_SPLIT_TOKENS:
         raise ValueError(f"min_split {lo} is not a multiple of {MIN_SPLIT_TOKENS}")
-    _mla_split_kernel[(triton.cdiv(h, cfg.block_h), b, MAX_SPLITS)](
+    blocks = triton.cdiv(h, cfg.block_h)
+    vsplit = cfg.v_split or v_split(b, blocks, r)
+    if r % vsplit:
+        raise ValueError(f"v_split {vsplit} does not divide the latent rank {r}")
+    _mla_split_kernel[(blocks * vsplit, b, MAX_SPLITS)](
         q_lat, q_pe, kv, page_table, seq_lens, part_o, part_lse, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,
         R=r, P=p, PAGE=page_size, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        KV_FP8=fp8, DOT_F32=_interpreted() and not f32, IEEE=f32 and not _interpreted(),
+        KV_FP8=fp8, DOT_F32=_interpreted() and not f32, IEEE=f32 and not _interpreted(), VSPLIT=vsplit,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _mla_reduce_kernel[(h, b)](

@@ -6,6 +6,7 @@ served tiny DeepSeek-V3 in float32 against transformers' greedy tokens."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,10 @@ def test_kernel_rows_are_batch_invariant() -> None:
     q_lat = torch.randn(len(lens), h, r, generator=g, device=CUDA).to(torch.bfloat16)
     q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(torch.bfloat16)
     full = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps)
+    for v in (1, 2):  # the batch size picks the column split (4 here): the bits do not move with it
+        cfg = replace(mla_kernels.default_config(h), v_split=v)
+        assert torch.equal(mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps,
+                                                  cfg), full), f"v_split {v}"
     for i in range(len(lens)):
         # fresh tensors, as a step's batch has (a slice's offset would change triton's alignment
         # specialization: another compiled variant, not another batch)

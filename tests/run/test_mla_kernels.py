@@ -111,6 +111,26 @@ def test_row_is_batch_invariant() -> None:
         assert torch.equal(one[0], full[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_v_split_keeps_every_bit(dtype: torch.dtype) -> None:
+    """Sharing a row's output columns over 2 or 4 programs (small batches) gives the same bits as
+    one program: the batch size may choose it without breaking batch invariance."""
+    from dataclasses import replace
+
+    ps, heads = 4, 4
+    g = torch.Generator().manual_seed(8)
+    kv = _pool(dtype, 100, ps, seed=8)
+    table = torch.randperm(99, generator=g)[:80].add(1).to(torch.int32).view(2, 40)
+    lens = torch.tensor([150, 3], dtype=torch.int32)
+    q_lat = torch.randn(2, heads, R, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(2, heads, P, generator=g).to(torch.bfloat16)
+    outs = [mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], table, lens, 0.25, ps, replace(SMALL, v_split=v))
+            for v in (1, 2, 4)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert [mla_kernels.v_split(b, 2, 512) for b in (1, 8, 16, 32)] == [4, 4, 2, 1]
+    assert mla_kernels.v_split(1, 1, 64) == 1  # at least 64 columns a program
+
+
 def test_split_lengths_depend_on_the_row_only() -> None:
     for heads in (1, 16, 128):
         lo = mla_kernels.min_split(heads)
