@@ -26,11 +26,21 @@ the rows are gathered by logits row and masked by xgrammar's C++ kernel. The bit
 vocabulary (the TokenizerInfo has the model's vocab size), so ids past the tokenizer's
 vocabulary are masked too. Requests without a grammar never wait.
 
+Speculative verify rows (docs/architecture.md, Speculative decoding): logit position j + 1 of
+a constrained row is masked with the matcher's state after drafts d1..d(j+1), up to a draft
+the grammar refuses (masked out one position earlier) or a stop token; the matcher is rolled
+back and advances by the answered tokens only. In process, `_mask_drafted` does it in `mask`.
+With helpers, `drafting` (called before the verify forward) starts a job, queued behind the
+one accepting the previous step's tokens, that has the helpers fill those positions' rows in
+their shared memory while the forward runs; `mask` joins it and masks the drafted positions
+too (on CUDA a second `mask_by_slot` launch over the drafted rows' region).
+
 Timing: every TIMING_WINDOW constrained steps one `grammar timing` log line gives the mean
 milliseconds per step of each part: the job's wait for the tokens, its accept and fill, the
 worker thread's wait in `mask` for the job, the rest of `mask` (late fills and the mask
 itself), and the period between two masks (what a constrained step costs the host). With
-grammar helpers, `accept` is the helpers' accept and fill together (IPC included) and `fill` 0.
+grammar helpers, `accept` is the helpers' accept and fill together (IPC included) and `fill` 0;
+`drafts` is the helpers' filling of verify rows' drafted positions (the job before the mask).
 
 A finished grammar (its stop token accepted) is terminated: the scheduler ends the request
 on that token, and a row of it still sampled by the overlap step is left unmasked (its
@@ -54,7 +64,7 @@ import xgrammar as xgr
 from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
 from engine.replica.components import GrammarKeys
-from engine.run.grammar_helper import GrammarHelpers, utf8_guard
+from engine.run.grammar_helper import MAX_DRAFTS, GrammarHelpers, utf8_guard
 from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
@@ -62,7 +72,7 @@ from msgs.steps import AddReq, Flush, FreeReq
 
 log = structlog.get_logger()
 TIMING_WINDOW = 100  # constrained steps per `grammar timing` line
-TIMING_KEYS = ("tokens_wait", "accept", "fill", "join_wait", "mask", "period")
+TIMING_KEYS = ("tokens_wait", "accept", "fill", "drafts", "join_wait", "mask", "period")
 
 
 class _Timing:
@@ -138,6 +148,14 @@ class GrammarSlots(Effect):
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
         self._ready: dict[int, Any] = {}  # slot -> the matcher whose next-token row is in _bitmask
+        # helpers, verify rows: the job filling drafted positions (or its rows, without a thread), and
+        # its answer, matcher id -> (drafts, positions filled), taken by this step's mask
+        self._draft_job: Future[dict[int, tuple[list[int], int]]] | None = None
+        self._draft_rows: list[tuple[Any, int, list[int]]] | None = None
+        self._filled: dict[int, tuple[list[int], int]] = {}
+        self._max_slots = max_slots
+        self._drafted_reg: weakref.finalize | None = None  # CUDA: the drafted rows registered, up to
+        self._registered = 0  # ... this many positions
         n = default_helpers(device) if helpers is None else helpers
         self._helpers = GrammarHelpers(n, model_dir, vocab_size, max_slots) if n > 0 else None
         self._next_id = 0  # a helper's matchers are named by id: a slot is reused
@@ -150,7 +168,9 @@ class GrammarSlots(Effect):
                 self._finalizer = register_host(self, self._bitmask, self._helpers, "the grammar bitmask")
             else:
                 self._bitmask = self._bitmask.pin_memory()
-            self._pairs = torch.zeros(2 * max_slots, dtype=torch.int32).pin_memory()
+            # (logits row, bitmask row) pairs: the slots' rows, then (helpers) drafted positions'
+            pair_rows = max_slots * (1 + (MAX_DRAFTS if self._helpers is not None else 0))
+            self._pairs = torch.zeros(2 * pair_rows, dtype=torch.int32).pin_memory()
             self._pairs_np = self._pairs.numpy()
             self._bitmask_ptr = triton_ops.HostPointer(self._bitmask)
             self._pairs_ptr = triton_ops.HostPointer(self._pairs)
@@ -250,9 +270,95 @@ class GrammarSlots(Effect):
 
     @property
     def verifies_drafts(self) -> bool:
-        """Speculative decoding: a constrained row's drafted positions get their own masks
-        (in-process matchers on CPU); else its drafts are all rejected (engine/run/spec.py)."""
-        return self._helpers is None and self.device.type == "cpu"
+        """Speculative decoding: a constrained row's drafted positions get their own masks (grammar
+        helpers, or in-process matchers on CPU); else (in process on CUDA: `--grammar-helpers 0`)
+        its drafts are all rejected (engine/run/spec.py)."""
+        return self._helpers is not None or self.device.type == "cpu"
+
+    def drafting(self, slots: list[int], drafts: list[list[int]]) -> None:
+        """A verify step's sampled slots and their drafts, before its forward. With helpers: start
+        the job that has them fill the drafted positions' rows, queued behind the job accepting
+        the previous step's tokens, while the forward runs; this step's `mask` joins it. In
+        process: nothing (`mask` calls `_mask_drafted`)."""
+        if self._helpers is None or not self.matchers:
+            return
+        rows = [(self.matchers[s], s, d) for s, d in zip(slots, drafts, strict=True) if d and s in self.matchers]
+        if not rows:
+            return
+        if self._pool is None:
+            self._draft_rows = rows
+        else:
+            self._draft_job = self._pool.submit(self._draft, rows)
+
+    def _draft(self, rows: list[tuple[Any, int, list[int]]]) -> dict[int, tuple[list[int], int]]:
+        """The helpers fill these rows' drafted positions (matchers not terminated by now: the
+        previous step's tokens are accepted); matcher id -> (drafts, positions filled)."""
+        assert self._helpers is not None
+        live = [(m, s, d) for m, s, d in rows if not m.is_terminated()]
+        if not live:
+            return {}
+        t0 = time.perf_counter()
+        filled = self._helpers.draft([(m.id, s, d) for m, s, d in live])
+        self.timing.sums["drafts"] += time.perf_counter() - t0
+        return {m.id: (d, f) for (m, _, d), f in zip(live, filled, strict=True)}
+
+    def _drafted(self, live: list[tuple[int, int, Any]], drafts: dict[int, list[int]]) -> dict[int, int]:
+        """Per live slot with drafts: how many drafted positions have their rows (1..f) in the
+        helpers' drafted region. From this step's job; rows it did not cover (no `drafting`
+        call, other drafts) are filled now."""
+        assert self._helpers is not None
+        got, self._filled = self._filled, {}
+        out: dict[int, int] = {}
+        missing: list[tuple[int, int, list[int]]] = []
+        for _, s, m in live:
+            d = drafts.get(s)
+            if not d:
+                continue
+            entry = got.get(m.id)
+            if entry is not None and entry[0] == d:
+                out[s] = entry[1]
+            else:
+                missing.append((m.id, s, list(d)))
+        if missing:
+            out.update(zip([s for _, s, _ in missing], self._helpers.draft(missing), strict=True))
+        return {s: f for s, f in out.items() if f}
+
+    def _drafted_pairs(self, live: list[tuple[int, int, Any]], filled: dict[int, int]) -> tuple[list[int], list[int]]:
+        """The logits rows of the filled drafted positions and their rows in the drafted region."""
+        dst: list[int] = []
+        src: list[int] = []
+        for i, s, _ in live:
+            for j in range(1, filled.get(s, 0) + 1):
+                dst.append(i + j)
+                src.append((j - 1) * self._max_slots + s)
+        return dst, src
+
+    def _mask_drafted_cuda(self, logits: torch.Tensor, live: list[tuple[int, int, Any]],
+                           filled: dict[int, int]) -> None:
+        """The drafted positions' masks: one more `mask_by_slot` over the drafted region, its
+        pairs after the slots' in the pinned buffer."""
+        assert self._helpers is not None
+        self._register_drafted(max(filled.values()))
+        dst, src = self._drafted_pairs(live, filled)
+        base, pairs = len(live), self._pairs_np
+        for n, (r, b) in enumerate(zip(dst, src, strict=True), base):
+            pairs[2 * n], pairs[2 * n + 1] = r, b
+        triton_ops.mask_by_slot(logits, self._drafted_ptr, self._bitmask.shape[1],
+                                triton_ops.HostPointer(self._pairs[2 * base:]), len(dst), self.vocab_size)
+
+    def _register_drafted(self, k: int) -> None:
+        """Register the drafted region's first k positions with CUDA (once, re-done when a row
+        has more drafts). Called after `_join`: the last kernel that read the region belongs to
+        a step whose tokens, which come after it, are on the host; so it is not in use."""
+        if k <= self._registered:
+            return
+        assert self._helpers is not None
+        if self._drafted_reg is not None:
+            self._drafted_reg()
+        rows = self._helpers.drafted[: k * self._max_slots]
+        self._drafted_reg = register_host(self, rows, self._helpers, "the grammar drafted bitmask")
+        self._drafted_ptr = triton_ops.HostPointer(rows)
+        self._registered = k
 
     def mask(self, logits: torch.Tensor, slots: list[int], drafts: dict[int, list[int]] | None = None) -> None:
         """Mask the rows of constrained slots in place (logits: one row per sampled slot; a
@@ -276,20 +382,29 @@ class GrammarSlots(Effect):
             self._helpers.fill([(m.id, s) for s, m in stale])
         elif stale:  # new matchers (AddReq), or rows the background job did not fill
             self._fill([m for _, m in stale], [s for s, _ in stale])
+        filled = self._drafted(live, drafts) if drafts and self._helpers is not None else {}
         if self.device.type == "cuda":
             pairs = self._pairs_np
             for j, (i, s, _) in enumerate(live):
                 pairs[2 * j], pairs[2 * j + 1] = i, s
             triton_ops.mask_by_slot(logits, self._bitmask_ptr, self._bitmask.shape[1], self._pairs_ptr, len(live),
                                     self.vocab_size)
+            if filled:
+                self._mask_drafted_cuda(logits, live, filled)
         else:  # the bitmask is by slot; xgrammar's kernel wants it by logits row
             if len(slots) > self._staging.shape[0]:  # verify rows: more logits rows than slots
                 self._staging = xgr.allocate_token_bitmask(len(slots), self.vocab_size)
             staging = self._staging[: len(slots)]
             torch.index_select(self._bitmask, 0, torch.tensor(slots, dtype=torch.int64), out=staging)
-            xgr.apply_token_bitmask_inplace(logits, staging, vocab_size=self.vocab_size,
-                                            indices=[i for i, _, _ in live], backend="cpu")
-        if drafts and self.verifies_drafts:
+            indices = [i for i, _, _ in live]
+            if filled:  # the helpers' drafted positions
+                assert self._helpers is not None
+                dst, src = self._drafted_pairs(live, filled)
+                staging[dst] = self._helpers.drafted[src]
+                indices += dst
+            xgr.apply_token_bitmask_inplace(logits, staging, vocab_size=self.vocab_size, indices=indices,
+                                            backend="cpu")
+        if drafts and self._helpers is None and self.verifies_drafts:
             self._mask_drafted(logits, live, drafts)
         t2 = time.perf_counter()
         self.timing.sums["join_wait"] += t1 - t0
@@ -369,21 +484,28 @@ class GrammarSlots(Effect):
         """Stop the helper processes (they also exit when this process goes)."""
         if self._helpers is not None:
             self._helpers.close()
+        if self._drafted_reg is not None:
+            self._drafted_reg()
         if self._finalizer is not None:
             self._finalizer()
 
     @property
     def busy(self) -> bool:
         """The job advancing the last constrained step is still running."""
-        return self._job is not None and not self._job.done()
+        return any(job is not None and not job.done() for job in (self._job, self._draft_job))
 
     def _join(self) -> None:
+        """The previous constrained step's accepts and fills, then this verify step's drafted
+        positions (`drafting`); their errors are raised here, on the worker's thread."""
         job, self._job = self._job, None
         if job is not None:
             job.result()  # re-raises the job's error here, on the worker's thread
         pending, self._pending = self._pending, None
         if pending is not None:
             self._advance(pending)
+        drafting, self._draft_job = self._draft_job, None  # after the accepts (the pool's order)
+        rows, self._draft_rows = self._draft_rows, None
+        self._filled = drafting.result() if drafting is not None else self._draft(rows) if rows else {}
 
     def _fill(self, matchers: list[Any], slots: list[int]) -> None:
         """The slots' next-token rows, with the tokens that would make ill-formed UTF-8 cleared

@@ -13,7 +13,19 @@ Matchers are named by an id the worker assigns on AddReq (a slot is reused by la
 requests; an accept for an id already freed is ignored and touches no bitmask row). The
 bitmask, by slot, is one anonymous shared-memory file (memfd) mapped by the worker and every
 helper (passed as an inherited fd: nothing to clean up after a kill -9). A helper fills a
-row only for a live matcher of its own. Requests and replies on one pipe are in order; the
+row only for a live matcher of its own.
+
+Speculative verify rows (HDraft): the memfd holds, past the slots' rows, a region of
+MAX_DRAFTS x max_slots rows (sparse: its pages exist once written); the mask of a verify
+row's drafted position j (1..k: the matcher's state after drafts d1..dj) goes to row
+(j - 1) * max_slots + slot of that region. The helper accepts the drafts one at a time,
+fills each position's row, stops at a draft the grammar refuses (the position before it,
+already filled, masks it out; the positions past it are never reached) or at a stop token,
+then rolls the matcher back: it advances only by the answered tokens (HAccept, in order,
+one fill after a slot's last). The region starts on a page boundary, so a CUDA worker
+registers it apart from the slots' rows.
+
+Requests and replies on one pipe are in order; the
 worker holds a helper's lock from a request to its reply, except for HAdd: a step's new
 matchers are sent to their helpers without waiting (64 new requests cost 64 round trips of
 ~0.8 ms each, serially, inside one step), and their replies are taken before the next reply
@@ -39,6 +51,7 @@ from typing import Any
 import msgspec
 
 FRAME = struct.Struct("<I")
+MAX_DRAFTS = 16  # drafted positions a verify row may have: ServerConfig's bound on --speculative-num-steps
 
 
 class HAdd(msgspec.Struct, tag=True):
@@ -76,16 +89,26 @@ class HFill(msgspec.Struct, tag=True):
     rows: list[tuple[int, int]]  # (id, slot)
 
 
+class HDraft(msgspec.Struct, tag=True):
+    """A verify step's drafts: fill the masks of each row's drafted positions, roll back."""
+
+    rows: list[tuple[int, int, list[int]]]  # (id, slot, drafts d1..dk)
+
+
 class HDone(msgspec.Struct, tag=True):
     rows: list[tuple[int, bool, bool]]  # (id, accepted, terminated), one per request row
+
+
+class HDrafted(msgspec.Struct, tag=True):
+    rows: list[tuple[int, int]]  # (id, drafted positions filled: 1..f), one per HDraft row
 
 
 class HError(msgspec.Struct, tag=True):
     reason: str
 
 
-Request = HAdd | HPrepare | HForget | HFree | HAccept | HFill
-Reply = HDone | HError
+Request = HAdd | HPrepare | HForget | HFree | HAccept | HFill | HDraft
+Reply = HDone | HDrafted | HError
 
 
 def _write(fd: int, payload: bytes) -> None:
@@ -140,22 +163,39 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def layout(vocab_size: int, max_slots: int) -> tuple[int, int]:
+    """The memfd's byte offset of the drafted positions' region (page-aligned) and its size."""
+    row = bitmask_words(vocab_size) * 4
+    start = -(-max_slots * row // mmap.PAGESIZE) * mmap.PAGESIZE
+    return start, start + MAX_DRAFTS * max_slots * row
+
+
+def _table(mapping: mmap.mmap, vocab_size: int, max_slots: int) -> tuple[Any, Any]:
+    """The slots' rows [max_slots, words] and the drafted positions' [MAX_DRAFTS * max_slots, words]."""
+    import torch
+
+    words, (start, _) = bitmask_words(vocab_size), layout(vocab_size, max_slots)
+    slots = torch.frombuffer(mapping, dtype=torch.int32, count=max_slots * words).view(max_slots, words)
+    drafted = torch.frombuffer(mapping, dtype=torch.int32, count=MAX_DRAFTS * max_slots * words, offset=start)
+    return slots, drafted.view(MAX_DRAFTS * max_slots, words)
+
+
 # ---- the worker's side --------------------------------------------------------------------
 
 
 class GrammarHelpers:
-    """n helper processes and the shared bitmask (`bitmask`: int32 [max_slots, words], by slot)."""
+    """n helper processes and the shared bitmask (`bitmask`: int32 [max_slots, words], by slot;
+    `drafted`: a verify row's drafted position j of a slot at row (j - 1) * max_slots + slot)."""
 
     def __init__(self, n: int, model_dir: str, vocab_size: int, max_slots: int) -> None:
-        import torch
-
         self.n = n
-        nbytes = max_slots * bitmask_words(vocab_size) * 4
+        self.max_slots = max_slots
+        nbytes = layout(vocab_size, max_slots)[1]  # sparse: the drafted rows cost memory once written
         fd = os.memfd_create("strata-grammar-bitmask")
         try:
             os.ftruncate(fd, nbytes)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self.bitmask = torch.frombuffer(self._map, dtype=torch.int32).view(max_slots, -1)
+            self.bitmask, self.drafted = _table(self._map, vocab_size, max_slots)
             cmd = [sys.executable, "-m", "engine.run.grammar_helper", model_dir, str(vocab_size), str(max_slots),
                    str(fd)]
             self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,))
@@ -195,7 +235,7 @@ class GrammarHelpers:
         except OSError as exc:
             raise RuntimeError(f"grammar helper {h} is gone ({exc}); exit code {self.procs[h].poll()}") from exc
 
-    def _reply(self, h: int) -> HDone:
+    def _reply(self, h: int) -> HDone | HDrafted:
         stdout = self.procs[h].stdout
         assert stdout is not None
         frame = _read(stdout.fileno())
@@ -279,6 +319,13 @@ class GrammarHelpers:
     def fill(self, rows: list[tuple[int, int]]) -> None:
         self._scatter(rows, HFill)
 
+    def draft(self, rows: list[tuple[int, int, list[int]]]) -> list[int]:
+        """(id, slot, drafts) rows: each row's drafted positions filled (1..f, in `drafted`), the
+        matchers rolled back. A freed or terminated matcher fills none."""
+        if any(len(d) > MAX_DRAFTS for _, _, d in rows):
+            raise ValueError(f"a verify row with more than {MAX_DRAFTS} drafts")
+        return [filled for _, filled in self._scatter(rows, HDraft)]
+
     def close(self) -> None:
         for p in self.procs:
             if p.stdin is not None:
@@ -294,14 +341,12 @@ class GrammarHelpers:
 
 
 def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd: int, wfd: int) -> None:
-    import torch
     import xgrammar as xgr
 
     from engine.tokenizer import load_tokenizer, tokenizer_info
 
-    nbytes = max_slots * bitmask_words(vocab_size) * 4
-    mapping = mmap.mmap(bitmask_fd, nbytes, mmap.MAP_SHARED)
-    bitmask = torch.frombuffer(mapping, dtype=torch.int32).view(max_slots, -1)
+    mapping = mmap.mmap(bitmask_fd, layout(vocab_size, max_slots)[1], mmap.MAP_SHARED)
+    bitmask, drafted = _table(mapping, vocab_size, max_slots)
     tok = load_tokenizer(model_dir)
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
     guard = utf8_guard(info) if info is not None else None  # as engine/run/grammar.py _fill
@@ -332,6 +377,27 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
             bitmask[slot] &= guard
         return done
 
+    def draft(id: int, slot: int, tokens: list[int]) -> int:
+        """Drafted position j's mask (after d1..dj) in row (j - 1) * max_slots + slot, up to a
+        refused draft or a stop token; rolled back. The positions filled (as GrammarSlots._mask_drafted)."""
+        entry = matchers.get(id)
+        if entry is None or entry[0].is_terminated():
+            return 0
+        m, taken, filled = entry[0], 0, 0
+        for j, tok in enumerate(tokens, 1):
+            if not m.accept_token(tok):
+                break
+            taken = j
+            if m.is_terminated():
+                break
+            row = (j - 1) * max_slots + slot
+            m.fill_next_token_bitmask(drafted, row)
+            drafted[row] &= guard
+            filled = j
+        if taken:
+            m.rollback(taken)
+        return filled
+
     while (frame := _read(rfd)) is not None:
         msg = dec.decode(frame)
         try:
@@ -352,14 +418,21 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                     reply: Reply = HDone([(msg.id, ok, step(m, msg.slot))])
                 case HAccept(rows=rows):
                     res = []
-                    for id, slot, token in rows:
+                    for n, (id, slot, token) in enumerate(rows):
                         entry = matchers.get(id)
                         if entry is None:  # freed meanwhile: its row may be another request's now
                             res.append((id, True, True))
                             continue
-                        ok = entry[0].accept_token(token)
-                        res.append((id, ok, step(entry[0], slot)))
+                        m = entry[0]
+                        # a verify step's answer may go past a stop token (the request ends there)
+                        ok = m.is_terminated() or m.accept_token(token)
+                        last = n + 1 == len(rows) or rows[n + 1][0] != id  # its answered tokens: one fill
+                        res.append((id, ok, step(m, slot) if last else m.is_terminated()))
                     reply = HDone(res)
+                case HDraft(rows=rows):
+                    if any(len(tokens) > MAX_DRAFTS for _, _, tokens in rows):
+                        raise ValueError(f"a verify row with more than {MAX_DRAFTS} drafts")
+                    reply = HDrafted([(id, draft(id, slot, tokens)) for id, slot, tokens in rows])
                 case HFill(rows=rows):
                     res = []
                     for id, slot in rows:

@@ -204,6 +204,8 @@ class Speculator:
         Returns the logits, each logit row's slot and sampled position, the rows, the sampled
         requests' slots (None when no row samples)."""
         v = self.rows(fwd, ids, tables)
+        # grammar helpers fill the drafted positions' masks while the forward runs
+        runner.grammar.drafting([s for s, smp in zip(slots, sample, strict=True) if smp], v.drafts)
         batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
                                    self.page_size, self.device)
         batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
@@ -225,7 +227,7 @@ class Speculator:
         bonus; only answered tokens enter the penalty history and the grammar matchers."""
         grammar, sampler = runner.grammar, runner.sampler
         constrained = grammar.constrained(req_slots)
-        if constrained and not grammar.verifies_drafts:  # (grammar helpers, GPU): drafts rejected
+        if constrained and not grammar.verifies_drafts:  # (in-process matchers on CUDA): drafts rejected
             v = VerifyRows(v.num_drafts, [[] if s in grammar.matchers else d
                                           for s, d in zip(req_slots, v.drafts, strict=True)], v.row_drafts)
         grammar.mask(logits, row_slots, dict(zip(req_slots, v.drafts, strict=True)) if constrained else None)
