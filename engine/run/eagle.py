@@ -62,6 +62,8 @@ class HiddenTap:
 
     def take(self) -> list[torch.Tensor]:
         """The tapped layers' streams of the last target forward, in `which` order."""
+        if any(i not in self.out for i in self.which):  # hooks do not run in a CUDA graph's replay
+            raise RuntimeError("a draft head follows a target forward that ran without its hidden-state hooks")
         out = [self.out[i] for i in self.which]
         self.out.clear()
         return out
