@@ -13,7 +13,8 @@
   after the prompt (one draft a step: its chain does not advance). A head misaligned by one
   position, or a wrong d2t, would fail these.
 - With random heads (and a random MTP layer on a DeepSeek-V3 with MoE), greedy tokens with
-  speculation equal those without, batched, chunked, from the prefix cache, without page leaks.
+  speculation equal those without, batched, chunked, from the prefix cache, without page leaks;
+  seeded sampled ones too.
 - Bad heads fail at start naming the flag.
 """
 
@@ -151,11 +152,15 @@ def test_nextn_random_mtp_greedy_equals_plain_batched_cached_chunked(tmp_path: P
     target = _v3_with_mtp(tmp_path / "v3", V3_MOE)
     prompts = _prompts([27, 7, 3], seed=2)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    want = _ids(_engine(target).generate(prompts, params))
+    plain = _engine(target)
+    want = _ids(plain.generate(prompts, params))
     eng = _engine(target, speculative_algorithm="NEXTN", speculative_num_steps=2, max_prefill_tokens=8)
     assert _ids(eng.generate(prompts, params)) == want
     again = eng.generate(prompts, params)
     assert _ids(again) == want and again[0].cached_tokens >= 24
+    # seeded sampling: each answered token drawn as a one-token step would (exact rejection sampling)
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+    assert _ids(eng.generate(prompts[:2], sampled)) == _ids(plain.generate(prompts[:2], sampled))
     st = eng.core.state.spec_stats
     assert st.rows > 0 and st.drafted >= st.rows and 0 <= st.accepted <= st.drafted
     assert eng.core.leak_free()
