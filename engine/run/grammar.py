@@ -26,14 +26,9 @@ the rows are gathered by logits row and masked by xgrammar's C++ kernel. The bit
 vocabulary (the TokenizerInfo has the model's vocab size), so ids past the tokenizer's
 vocabulary are masked too. Requests without a grammar never wait.
 
-Speculative verify rows (docs/architecture.md, Speculative decoding): logit position j + 1 of
-a constrained row is masked with the matcher's state after drafts d1..d(j+1), up to a draft
-the grammar refuses (masked out one position earlier) or a stop token; the matcher is rolled
-back and advances by the answered tokens only. In process, `_mask_drafted` does it in `mask`.
-With helpers, `drafting` (called before the verify forward) starts a job, queued behind the
-one accepting the previous step's tokens, that has the helpers fill those positions' rows in
-their shared memory while the forward runs; `mask` joins it and masks the drafted positions
-too (on CUDA a second `mask_by_slot` launch over the drafted rows' region).
+Speculative verify rows: each drafted position gets its own mask (engine/run/grammar_drafts.py:
+in process inside `mask`; with helpers filled by a job that `drafting` queues before the verify
+forward, joined by `mask`; on CUDA a second `mask_by_slot` launch over the drafted rows).
 
 Timing: every TIMING_WINDOW constrained steps one `grammar timing` log line gives the mean
 milliseconds per step of each part: the job's wait for the tokens, its accept and fill, the
@@ -64,6 +59,7 @@ import xgrammar as xgr
 from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
 from engine.replica.components import GrammarKeys
+from engine.run.grammar_drafts import DraftMasks
 from engine.run.grammar_helper import MAX_DRAFTS, GrammarHelpers, utf8_guard
 from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
@@ -126,7 +122,7 @@ def default_helpers(device: torch.device) -> int:
     return min(8, (os.cpu_count() or 1) // 2) if device.type == "cuda" else 0
 
 
-class GrammarSlots(Effect):
+class GrammarSlots(Effect, DraftMasks):
     ops = (AddReq, FreeReq, Flush)
 
     def __init__(
@@ -148,14 +144,7 @@ class GrammarSlots(Effect):
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
         self._ready: dict[int, Any] = {}  # slot -> the matcher whose next-token row is in _bitmask
-        # helpers, verify rows: the job filling drafted positions (or its rows, without a thread), and
-        # its answer, matcher id -> (drafts, positions filled), taken by this step's mask
-        self._draft_job: Future[dict[int, tuple[list[int], int]]] | None = None
-        self._draft_rows: list[tuple[Any, int, list[int]]] | None = None
-        self._filled: dict[int, tuple[list[int], int]] = {}
-        self._max_slots = max_slots
-        self._drafted_reg: weakref.finalize | None = None  # CUDA: the drafted rows registered, up to
-        self._registered = 0  # ... this many positions
+        self._init_drafts(max_slots)
         n = default_helpers(device) if helpers is None else helpers
         self._helpers = GrammarHelpers(n, model_dir, vocab_size, max_slots) if n > 0 else None
         self._next_id = 0  # a helper's matchers are named by id: a slot is reused
@@ -275,91 +264,6 @@ class GrammarSlots(Effect):
         its drafts are all rejected (engine/run/spec.py)."""
         return self._helpers is not None or self.device.type == "cpu"
 
-    def drafting(self, slots: list[int], drafts: list[list[int]]) -> None:
-        """A verify step's sampled slots and their drafts, before its forward. With helpers: start
-        the job that has them fill the drafted positions' rows, queued behind the job accepting
-        the previous step's tokens, while the forward runs; this step's `mask` joins it. In
-        process: nothing (`mask` calls `_mask_drafted`)."""
-        if self._helpers is None or not self.matchers:
-            return
-        rows = [(self.matchers[s], s, d) for s, d in zip(slots, drafts, strict=True) if d and s in self.matchers]
-        if not rows:
-            return
-        if self._pool is None:
-            self._draft_rows = rows
-        else:
-            self._draft_job = self._pool.submit(self._draft, rows)
-
-    def _draft(self, rows: list[tuple[Any, int, list[int]]]) -> dict[int, tuple[list[int], int]]:
-        """The helpers fill these rows' drafted positions (matchers not terminated by now: the
-        previous step's tokens are accepted); matcher id -> (drafts, positions filled)."""
-        assert self._helpers is not None
-        live = [(m, s, d) for m, s, d in rows if not m.is_terminated()]
-        if not live:
-            return {}
-        t0 = time.perf_counter()
-        filled = self._helpers.draft([(m.id, s, d) for m, s, d in live])
-        self.timing.sums["drafts"] += time.perf_counter() - t0
-        return {m.id: (d, f) for (m, _, d), f in zip(live, filled, strict=True)}
-
-    def _drafted(self, live: list[tuple[int, int, Any]], drafts: dict[int, list[int]]) -> dict[int, int]:
-        """Per live slot with drafts: how many drafted positions have their rows (1..f) in the
-        helpers' drafted region. From this step's job; rows it did not cover (no `drafting`
-        call, other drafts) are filled now."""
-        assert self._helpers is not None
-        got, self._filled = self._filled, {}
-        out: dict[int, int] = {}
-        missing: list[tuple[int, int, list[int]]] = []
-        for _, s, m in live:
-            d = drafts.get(s)
-            if not d:
-                continue
-            entry = got.get(m.id)
-            if entry is not None and entry[0] == d:
-                out[s] = entry[1]
-            else:
-                missing.append((m.id, s, list(d)))
-        if missing:
-            out.update(zip([s for _, s, _ in missing], self._helpers.draft(missing), strict=True))
-        return {s: f for s, f in out.items() if f}
-
-    def _drafted_pairs(self, live: list[tuple[int, int, Any]], filled: dict[int, int]) -> tuple[list[int], list[int]]:
-        """The logits rows of the filled drafted positions and their rows in the drafted region."""
-        dst: list[int] = []
-        src: list[int] = []
-        for i, s, _ in live:
-            for j in range(1, filled.get(s, 0) + 1):
-                dst.append(i + j)
-                src.append((j - 1) * self._max_slots + s)
-        return dst, src
-
-    def _mask_drafted_cuda(self, logits: torch.Tensor, live: list[tuple[int, int, Any]],
-                           filled: dict[int, int]) -> None:
-        """The drafted positions' masks: one more `mask_by_slot` over the drafted region, its
-        pairs after the slots' in the pinned buffer."""
-        assert self._helpers is not None
-        self._register_drafted(max(filled.values()))
-        dst, src = self._drafted_pairs(live, filled)
-        base, pairs = len(live), self._pairs_np
-        for n, (r, b) in enumerate(zip(dst, src, strict=True), base):
-            pairs[2 * n], pairs[2 * n + 1] = r, b
-        triton_ops.mask_by_slot(logits, self._drafted_ptr, self._bitmask.shape[1],
-                                triton_ops.HostPointer(self._pairs[2 * base:]), len(dst), self.vocab_size)
-
-    def _register_drafted(self, k: int) -> None:
-        """Register the drafted region's first k positions with CUDA (once, re-done when a row
-        has more drafts). Called after `_join`: the last kernel that read the region belongs to
-        a step whose tokens, which come after it, are on the host; so it is not in use."""
-        if k <= self._registered:
-            return
-        assert self._helpers is not None
-        if self._drafted_reg is not None:
-            self._drafted_reg()
-        rows = self._helpers.drafted[: k * self._max_slots]
-        self._drafted_reg = register_host(self, rows, self._helpers, "the grammar drafted bitmask")
-        self._drafted_ptr = triton_ops.HostPointer(rows)
-        self._registered = k
-
     def mask(self, logits: torch.Tensor, slots: list[int], drafts: dict[int, list[int]] | None = None) -> None:
         """Mask the rows of constrained slots in place (logits: one row per sampled slot; a
         speculative verify row has one per logit position, its slot repeated, its drafts in
@@ -410,32 +314,6 @@ class GrammarSlots(Effect):
         self.timing.sums["join_wait"] += t1 - t0
         self.timing.sums["mask"] += t2 - t1
         self.timing.step(len(live), t0)
-
-    def _mask_drafted(self, logits: torch.Tensor, live: list[tuple[int, int, Any]],
-                      drafts: dict[int, list[int]]) -> None:
-        """A verify row's logit position j + 1 is masked with its matcher's state after drafts
-        d1..d(j+1), then the matcher is rolled back. A draft the grammar refuses ends it: the
-        position before it masks it out, so it is never accepted, and the rows past it are
-        never reached; so are the rows past a stop token (the scheduler ends the request there)."""
-        bitmask = None
-        rows: list[int] = []
-        for i, s, m in live:
-            n = 0
-            for j, tok in enumerate(drafts.get(s, ())):
-                if not m.accept_token(int(tok)):
-                    break
-                n += 1
-                if m.is_terminated():
-                    break
-                if bitmask is None:
-                    bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-                m.fill_next_token_bitmask(bitmask, i + 1 + j)
-                rows.append(i + 1 + j)
-            if n:
-                m.rollback(n)
-        if bitmask is not None:
-            bitmask[rows] &= self._guard
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows, backend="cpu")
 
     def _settle(self) -> None:
         """Take the helpers' replies to this step's new matchers (their rows are filled then);
@@ -503,9 +381,7 @@ class GrammarSlots(Effect):
         pending, self._pending = self._pending, None
         if pending is not None:
             self._advance(pending)
-        drafting, self._draft_job = self._draft_job, None  # after the accepts (the pool's order)
-        rows, self._draft_rows = self._draft_rows, None
-        self._filled = drafting.result() if drafting is not None else self._draft(rows) if rows else {}
+        self._join_drafts()
 
     def _fill(self, matchers: list[Any], slots: list[int]) -> None:
         """The slots' next-token rows, with the tokens that would make ill-formed UTF-8 cleared
