@@ -33,9 +33,11 @@
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside at
 #             128 heads, last) ~5 min, more if flashinfer's MLA module JIT-compiles; 570 s at most
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
+#   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
+#             the structured mode with --speculative-algorithm NGRAM (64 json_schema answers valid, drafts masked)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specgrammar pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -146,6 +148,13 @@ for what in "$@"; do case $what in
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;
+  specgrammar) run gpu-specgrammar 240 python3 -m pytest -m gpu tests/gpu/test_spec_grammar_gpu.py -q -rA \
+           -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-specgrammar.log" | tail -8
+         run structured-spec-qwen3-0.6b 300 bin/bench structured --model configs/qwen3-0.6b --load-format dummy \
+          --tokenizer-from bench/tok-smollm2 --num-requests 64 --max-tokens 512 \
+          --server-args "--speculative-algorithm NGRAM --log-dir $OUT/logs-specgrammar" \
+          --out "$OUT/structured-spec-qwen3-0.6b-h200.json" || fails=$((fails + 1))
+         grep -h '"grammar timing"\|"speculative decoding"' $OUT/logs-specgrammar/*.log | tail -12 ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done
