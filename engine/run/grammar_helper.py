@@ -164,7 +164,7 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def layout(vocab_size: int, max_slots: int) -> tuple[int, int]:
-    """The memfd's byte offset of the drafted positions' region (page-aligned) and its size."""
+    """The byte offset of the drafted positions' region in the memfd (page-aligned), and the memfd's size."""
     row = bitmask_words(vocab_size) * 4
     start = -(-max_slots * row // mmap.PAGESIZE) * mmap.PAGESIZE
     return start, start + MAX_DRAFTS * max_slots * row

@@ -15,7 +15,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from engine.config import ServerConfig
 from engine.run.grammar import GrammarSlots
+from engine.run.grammar_helper import MAX_DRAFTS
 from engine.serve.grammar import json_format
 from engine.tokenizer import load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
@@ -85,3 +87,9 @@ def test_helpers_mask_drafted_positions_as_in_process_matchers(setup) -> None:  
     drafts = {0: ids[2:5], 1: ids[1:3], 2: ids[:2]}
     assert torch.equal(_verify(helped, drafts, vocab, True), _verify(ref, drafts, vocab, False))
     assert helped.rejected == ref.rejected == 0
+
+
+def test_the_drafted_region_holds_as_many_positions_as_the_flag_allows(default_model_dir: Path) -> None:
+    ServerConfig(model=str(default_model_dir), speculative_algorithm="NGRAM", speculative_num_steps=MAX_DRAFTS)
+    with pytest.raises(ValueError, match="--speculative-num-steps"):
+        ServerConfig(model=str(default_model_dir), speculative_algorithm="NGRAM", speculative_num_steps=MAX_DRAFTS + 1)
