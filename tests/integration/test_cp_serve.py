@@ -25,11 +25,11 @@ from tests.integration.conftest import Server, start_server, stop_server
 
 ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64", "--max-running-requests", "4",
         "--enable-hierarchical-cache", "--hicache-ratio", "2")
-CP_POOL = 384  # tokens per rank: 24 usable pages of 16 each, 48 over both ranks
+CP_POOL = 256  # tokens per rank: 16 usable pages of 16 each, 32 over both ranks
 MAX_NEW = 6
 _rng = random.Random(11)
 LONG = [[_rng.randrange(200, 20000) for _ in range(n)] for n in (83, 150, 45)]  # 6, 10, 3 pages
-CONVS = [[_rng.randrange(200, 20000) for _ in range(150)] for _ in range(5)]  # 5 x 10 pages > L1 48
+CONVS = [[_rng.randrange(200, 20000) for _ in range(150)] for _ in range(5)]  # 5 x 10 pages > L1 32
 SUFFIX = LONG[1][:96] + [_rng.randrange(200, 20000) for _ in range(37)]  # 6 cached pages, then new tokens
 
 
@@ -99,6 +99,7 @@ def test_cp2_shared_host_tier_l2_reload_and_l3(cp_server: Server, reference: dic
         assert got == reference[tuple(c)] and cached >= 144
     m = cp_server.wait_idle()
     assert m['strata_cache_hit_tokens_total{tier="l2"}'] > 0 and m["strata_l2_load_backs_total"] > 0
+    assert m["strata_l2_pages_total"] == 2 * m["strata_kv_pages_total"]  # --hicache-ratio 2 of both ranks' pools
     assert m["strata_kv_leak_free"] == 1
     deadline = time.monotonic() + 30  # L3: written at commit, asynchronously
     while cp_server.metrics()["strata_l3_writes_total"] < 9 * 5:
