@@ -126,7 +126,8 @@ def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int 
             raise ValueError("--hicache-size needs the workers' page size in bytes")
         want = max(1, int(cfg.hicache_size * 2**30) // ready.page_bytes)
     else:
-        want = max(1, int(cfg.hicache_ratio * (ready.num_pages - 1)))
+        # the device pool of every cp rank: the slab holds each of their pages once
+        want = max(1, int(cfg.hicache_ratio * (ready.num_pages - 1) * cfg.cp_size))
     if ready.page_bytes <= 0:  # no layout given (unit tests): nothing to size against
         return want
     if room is None:  # 80% of what is free; 60% with L3 on (its writer queue takes up to 20%)
