@@ -154,7 +154,7 @@ class Drafts(msgspec.Struct, frozen=True):
     parents: per draft token, request-major, the index among its row's drafts of the token it
     follows (-1: the row's first token); empty: every row is a chain (i follows i - 1), the
     only shape verified so far. on_worker: draft ids given as -1 are proposed on every rank by
-    the draft model (`--speculative-algorithm STANDALONE`), not by the scheduler.
+    the draft model or head (STANDALONE, EAGLE, EAGLE3, NEXTN), not by the scheduler.
     chained: per request 1 when its row was planned before its previous verify row was answered,
     assuming that row accepts every draft (overlapped speculation): its first token is that
     row's bonus (a future reference) and its start follows the drafts. It counts only if they

@@ -72,7 +72,6 @@ class HiddenTap:
 class HeadDraft:
     """A rank's draft head: its module (EagleHead or NextN), KV pool and hidden pool."""
 
-    drafts_on_worker = True  # -1 drafts are this head's to fill (engine/run/spec.py Speculator.rows)
 
     def __init__(self, head: EagleHead | NextN, tap: HiddenTap, feature: Callable[[list[torch.Tensor]], torch.Tensor],
                  kv: KVPool, backend: AttentionBackend | None, hidden_size: int, num_pages: int, page_size: int,

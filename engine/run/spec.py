@@ -159,7 +159,7 @@ class Speculator:
             raise ReplicaError(f"bad Drafts: {num} drafts for rows of {lens} tokens (sample {sample})")
         ends = [sum(lens[: i + 1]) for i in range(len(lens))]
         # a head (EAGLE/EAGLE3/NEXTN, engine/run/eagle.py) fills the -1 drafts the scheduler sends for it
-        if fwd.drafts.on_worker or getattr(self.draft, "drafts_on_worker", False):
+        if fwd.drafts.on_worker:
             self._fill(ids, num, ends, starts, lens, tables)
         elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
             raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")

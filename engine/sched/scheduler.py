@@ -221,7 +221,7 @@ def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
     drafts = None  # only a step that verifies drafts carries them: otherwise the bytes of a plain step
     if any(r.verify for r in rows):  # every verify row goes through the workers' verify path
         chained = pack_ids(int(r.chained) for r in rows) if any(r.chained for r in rows) else b""
-        drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm == "STANDALONE",
+        drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm != "NGRAM",
                         chained=chained)
     return Forward(
         slots=pack_ids(r.req.slot for r in rows),  # type: ignore[misc]
