@@ -233,13 +233,7 @@ class HostCopies(Effect):
                 else:
                     for layer, layer_dev in enumerate(self.dev_layers[kv]):
                         layer_dev.index_copy_(0, dev_pages, host[layer].to(self.kv.device, non_blocking=True))
-        with self.lock:
-            self.stats["load_backs"] += 1
-            self.stats["bytes_in"] += len(pages) * self.page_bytes
-            if begin is not None:
-                self._timings.append(("load_back_s", begin, self._timing_event()))
-            else:
-                self.stats["load_back_s"] += time.perf_counter() - t0
+        self._count_load(len(pages), begin, t0)
 
     def _load_owned(self, dev_pages: list[int], host_pages: list[int]) -> None:
         """Host -> device of the pages this cp rank owns (every cp-th page of the object, so
@@ -259,9 +253,13 @@ class HostCopies(Effect):
             rows = rows.pin_memory().to(self.kv.device, non_blocking=True) if self.cuda else rows
             for layer, layer_dev in enumerate(self.dev_layers[kv]):
                 layer_dev.index_copy_(0, dev, rows[layer])
+        self._count_load(len(dev_pages), begin, t0)
+
+    def _count_load(self, pages: int, begin: torch.cuda.Event | None, t0: float) -> None:
+        """A load-back's stats: on a GPU its time from events (read later), on CPU now."""
         with self.lock:
             self.stats["load_backs"] += 1
-            self.stats["bytes_in"] += len(dev_pages) * self.page_bytes
+            self.stats["bytes_in"] += pages * self.page_bytes
             if begin is not None:
                 self._timings.append(("load_back_s", begin, self._timing_event()))
             else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from msgs.channels import sdk_address
@@ -102,3 +103,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     )
     yield srv
     stop_server(srv)
+
+
+def worker_procs(srv: Server) -> dict[int, psutil.Process]:
+    """The server's worker processes by global rank (their --rank argument)."""
+    out = {}
+    for child in psutil.Process(srv.proc.pid).children(recursive=True):
+        cmd = child.cmdline()
+        if "procs.worker" in cmd:
+            out[int(cmd[cmd.index("--rank") + 1])] = child
+    return out

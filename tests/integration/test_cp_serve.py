@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import Server, start_server, stop_server
+from tests.integration.conftest import Server, start_server, stop_server, worker_procs
 
 ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64", "--max-running-requests", "4",
         "--enable-hierarchical-cache", "--hicache-ratio", "2")
@@ -67,17 +67,8 @@ def _generate(srv: Server, ids: list[int]) -> tuple[list[int], int]:
     return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
 
 
-def _workers(srv: Server) -> dict[int, psutil.Process]:
-    out = {}
-    for child in psutil.Process(srv.proc.pid).children(recursive=True):
-        cmd = child.cmdline()
-        if "procs.worker" in cmd:
-            out[int(cmd[cmd.index("--rank") + 1])] = child
-    return out
-
-
 def test_cp2_batched_chunked_long_prompts_give_cp1_tokens(cp_server: Server, reference: dict) -> None:
-    envs = {r: p.environ() for r, p in _workers(cp_server).items()}
+    envs = {r: p.environ() for r, p in worker_procs(cp_server).items()}
     assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
     with ThreadPoolExecutor(3) as pool:  # together: one batch, prefilled in 64-token chunks, overlap on
         outs = list(pool.map(lambda ids: _generate(cp_server, ids), LONG))
@@ -126,7 +117,7 @@ def test_tp2_cp2_on_four_workers_gives_cp1_tokens(reference: dict, tmp_path: Pat
     pair the pages."""
     srv = start_server(tmp_path, "--tp-size", "2", "--cp-size", "2", "--max-total-tokens", str(CP_POOL), *ARGS[:8])
     try:
-        envs = {r: p.environ() for r, p in _workers(srv).items()}
+        envs = {r: p.environ() for r, p in worker_procs(srv).items()}
         assert sorted(envs) == [0, 1, 2, 3] and {e["WORLD_SIZE"] for e in envs.values()} == {"4"}
         with ThreadPoolExecutor(3) as pool:
             outs = list(pool.map(lambda ids: _generate(srv, ids), LONG))
@@ -138,7 +129,7 @@ def test_tp2_cp2_on_four_workers_gives_cp1_tokens(reference: dict, tmp_path: Pat
 
 def test_cp2_killed_rank_stops_engine(cp_server: Server) -> None:
     everyone = psutil.Process(cp_server.proc.pid).children(recursive=True)
-    _workers(cp_server)[1].send_signal(signal.SIGKILL)
+    worker_procs(cp_server)[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     assert cp_server.proc.wait(timeout=30) == 1
     assert time.monotonic() - t0 < 15, "the supervisor stops the engine within seconds"

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import Server, start_server
+from tests.integration.conftest import Server, start_server, worker_procs
 
 PROMPTS = [[504, 3575, 282, 4649, 314], list(range(100, 160))]  # the second is chunked (budget 32)
 
@@ -31,15 +31,6 @@ def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv.proc.wait()
 
 
-def _workers(srv: Server) -> dict[int, psutil.Process]:
-    out = {}
-    for child in psutil.Process(srv.proc.pid).children(recursive=True):
-        cmd = child.cmdline()
-        if "procs.worker" in cmd:
-            out[int(cmd[cmd.index("--rank") + 1])] = child
-    return out
-
-
 def _reference(default_model_dir: Path) -> list[list[int]]:
     """tp=1 greedy tokens of the same prompts, in this process."""
     from engine.config import ServerConfig
@@ -52,7 +43,7 @@ def _reference(default_model_dir: Path) -> list[list[int]]:
 
 
 def test_tp2_serves_tp1_tokens(tp_server: Server, default_model_dir: Path) -> None:
-    workers = _workers(tp_server)
+    workers = worker_procs(tp_server)
     assert sorted(workers) == [0, 1]
     envs = {r: p.environ() for r, p in workers.items()}
     assert {envs[r]["RANK"] for r in envs} == {"0", "1"} and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
@@ -93,7 +84,7 @@ def test_tp2_is_deterministic(tp_server: Server) -> None:
 
 def test_killed_rank_stops_engine(tp_server: Server) -> None:
     everyone = psutil.Process(tp_server.proc.pid).children(recursive=True)
-    workers = _workers(tp_server)
+    workers = worker_procs(tp_server)
     workers[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     assert tp_server.proc.wait(timeout=30) == 1
