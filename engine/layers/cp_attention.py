@@ -20,7 +20,7 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   partials in rank order, so every rank ends with the same bytes.
   A decode row (one new token) is the same case: its prefix over every rank's own pages, its
   own key on rank 0.
-* Kernels (`_sdpa_lse`): a flash kernel that returns the LSE (O(L) memory): on CPU torch's, in
+* Kernels (`sdpa_lse`): a flash kernel that returns the LSE (O(L) memory): on CPU torch's, in
   float32; on CUDA FlashAttention-2 (bf16/fp16) or the memory-efficient kernel (float32). The exact
   float32 path (`partial_attention`) is the tests' reference. cp = 1 never builds this
   backend (`context_parallel` returns the plain one).
@@ -84,37 +84,37 @@ def flash_available(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and _CPU_FLASH_LSE is not None)
 
 
-def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, H, Lq, D] over [1, H, Lk, D] (causal: Lq == Lk) -> (out [1, H, Lq, D], lse [1, H, Lq]),
     both float32, O(L) memory. CPU: torch's flash kernel in float32. CUDA: FlashAttention-2 in
     bf16/fp16 (its softmax LSE), the memory-efficient kernel for float32 (its LSE is padded to a
-    multiple of 32 rows: cut)."""
+    multiple of 32 rows: cut). `scale`: of the scores (None: D^-0.5)."""
     if q.device.type == "cpu":
-        return _CPU_FLASH_LSE(q.float(), k.float(), v.float(), is_causal=causal)[:2]
+        return _CPU_FLASH_LSE(q.float(), k.float(), v.float(), is_causal=causal, scale=scale)[:2]
     if q.dtype in (torch.float16, torch.bfloat16):
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
     else:
-        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     return out[0].float(), out[1][..., : q.shape[2]].float()
 
 
 def _flash_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """partial_attention without a mask by a flash kernel (`_sdpa_lse`: O(L) memory, the LSE
+    """partial_attention without a mask by a flash kernel (`sdpa_lse`: O(L) memory, the LSE
     returned): a GQA group's query heads as rows of their K/V head, K/V read once."""
     lq, hq, d = q.shape
     hkv = k.shape[1]
     qh = q.transpose(0, 1).reshape(hkv, hq // hkv * lq, d)
-    o, lse = _sdpa_lse(qh[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    o, lse = sdpa_lse(qh[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     return o[0].reshape(hq, lq, d).transpose(0, 1), lse[0].reshape(hq, lq).T
 
 
 def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row i of q [L, Hq, D] over keys 0..i of k, v [L, Hkv, D] by a flash kernel (`_sdpa_lse`);
+    """Row i of q [L, Hq, D] over keys 0..i of k, v [L, Hkv, D] by a flash kernel (`sdpa_lse`);
     the causal mask differs per row, so K/V are repeated per query head here."""
     g = q.shape[1] // k.shape[1]
     kr, vr = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
-    o, lse = _sdpa_lse(q.transpose(0, 1)[None], kr[None], vr[None], causal=True)
+    o, lse = sdpa_lse(q.transpose(0, 1)[None], kr[None], vr[None], causal=True)
     return o[0].transpose(0, 1), lse[0].T
 
 

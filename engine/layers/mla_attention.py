@@ -35,8 +35,14 @@ import torch.nn.functional as F
 
 from engine.layers import batch_invariant, triton_ops
 from engine.layers.attention import AttentionBackend
+from engine.layers.cp_attention import flash_available, merge_partials, sdpa_lse
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
+
+# a prefill chunk after a cached prefix longer than this many tokens expands the prefix's latents
+# this many keys at a time (`_expanded_chunked`): at 128 heads a 32k prefix expanded whole took
+# 2.7 GB of K and V per layer; a chunk of 4096 takes 0.4 GB
+PREFIX_CHUNK = 4096
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,9 @@ class _Req:
     rows: int  # new tokens
     seq_len: int  # KV length after this step
     pages: torch.Tensor  # int64 [n]: the pages covering positions 0..seq_len-1
-    causal: torch.Tensor  # bool [rows, seq_len]: with a cached prefix the diagonal shifted right by it
+    # bool [rows, seq_len]: with a cached prefix the diagonal shifted right by it; None for a cached
+    # prefix longer than PREFIX_CHUNK (attended chunk by chunk, `_expanded_chunked`)
+    causal: torch.Tensor | None
 
 
 @dataclass
@@ -105,8 +113,11 @@ class MLAPlan:
         for i, n in enumerate(lens):
             if n > 1:
                 pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
-                keys, queries = torch.arange(seqs[i], device=dev), torch.arange(seqs[i] - n, seqs[i], device=dev)
-                plan.extends.append(_Req(starts[i], n, seqs[i], pages, keys[None, :] <= queries[:, None]))
+                causal = None
+                if seqs[i] - n <= PREFIX_CHUNK or absorb_all or not flash_available(dev):
+                    keys, queries = torch.arange(seqs[i], device=dev), torch.arange(seqs[i] - n, seqs[i], device=dev)
+                    causal = keys[None, :] <= queries[:, None]
+                plan.extends.append(_Req(starts[i], n, seqs[i], pages, causal))
         plan.absorb_extends = absorb_all
         return plan
 
@@ -163,9 +174,55 @@ def mla_attend(
                 _absorbed(qn[i : i + 1], qp[i : i + 1], lat[None], r.causal[i][None, None], w_uk, w_uv, s)
                 for i in range(r.rows)
             ])
+        elif r.causal is None:  # a long cached prefix: expanded a chunk at a time
+            out[sl] = _expanded_chunked(q_nope[sl], q_pe[sl], lat, r.seq_len - r.rows, w_uk, w_uv, s)
         else:  # no cached prefix: plain causal (SDPA's own mask)
             out[sl] = _expanded(q_nope[sl], q_pe[sl], lat, r.causal if r.seq_len > r.rows else None, w_uk, w_uv, s)
     return out
+
+
+def _expand(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes,
+            v_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents lat [Lk, latent] -> per-head K [H, Lk, qk_nope + rope] and V [H, Lk, v] (zero-padded
+    to `v_width` columns where given)."""
+    c, k_pe = lat[:, : s.kv_lora_rank], lat[:, s.kv_lora_rank :]
+    lk = lat.shape[0]
+    k = lat.new_empty(s.heads, lk, s.qk_nope + s.rope)
+    k[..., : s.qk_nope].copy_(torch.einsum("lr,hnr->hln", c, w_uk))
+    k[..., s.qk_nope :].copy_(k_pe[None].expand(s.heads, lk, s.rope))  # the rope key is shared by the heads
+    v = torch.einsum("lr,hvr->hlv", c, w_uv)  # [H, Lk, v]
+    if v_width is not None and v_width > s.v:
+        v = F.pad(v, (0, v_width - s.v))
+    return k, v
+
+
+def _heads_first(q_nope: torch.Tensor, q_pe: torch.Tensor, s: MLAShapes) -> torch.Tensor:
+    """q_nope [Lq, H, qk_nope] and q_pe [Lq, H, rope] -> q [H, Lq, qk_nope + rope]."""
+    q = q_nope.new_empty(s.heads, q_nope.shape[0], s.qk_nope + s.rope)
+    q[..., : s.qk_nope].copy_(q_nope.transpose(0, 1))
+    q[..., s.qk_nope :].copy_(q_pe.transpose(0, 1))
+    return q
+
+
+def _expanded_chunked(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, start: int,
+                      w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes, chunk: int | None = None) -> torch.Tensor:
+    """`_expanded` for new tokens at positions start.. after a long cached prefix, with memory
+    bounded by PREFIX_CHUNK: the prefix's latents are expanded PREFIX_CHUNK keys at a time, each
+    chunk attended unmasked (every cached key precedes every new token), the new tokens' own keys
+    causally, each part by a flash kernel that returns its log-sum-exp, and the parts merged by
+    it (cp_attention.merge_partials: exactly the attention over all keys). V is zero-padded to
+    K's width for the kernels that want equal widths."""
+    q = _heads_first(q_nope, q_pe, s)[None]
+    width, chunk = s.qk_nope + s.rope, chunk or PREFIX_CHUNK
+    outs, lses = [], []
+    for a in [*range(0, start, chunk), start]:
+        b, causal = (min(a + chunk, start), False) if a < start else (lat.shape[0], True)
+        k, v = _expand(lat[a:b], w_uk, w_uv, s, width)
+        o, lse = sdpa_lse(q, k[None], v[None], causal=causal, scale=s.scale)
+        outs.append(o[0, :, :, : s.v])
+        lses.append(lse[0])
+    o, _ = merge_partials(torch.stack(outs), torch.stack(lses))  # [H, Lq, v] float32
+    return o.transpose(0, 1).to(q_nope.dtype)
 
 
 def _expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, causal: torch.Tensor | None,
@@ -173,15 +230,8 @@ def _expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, causa
     """Non-absorbed: the latents lat [Lk, latent] expanded to per-head K [qk_nope + rope] and V [v],
     then SDPA (its flash kernels take a v width other than the qk one; no [H, Lq, Lk] scores kept).
     q [Lq, H, *], causal bool [Lq, Lk] (None: plain causal, no cached prefix) -> [Lq, H, v]."""
-    c, k_pe = lat[:, : s.kv_lora_rank], lat[:, s.kv_lora_rank :]
-    lk, lq = lat.shape[0], q_nope.shape[0]
-    k = lat.new_empty(s.heads, lk, s.qk_nope + s.rope)
-    k[..., : s.qk_nope].copy_(torch.einsum("lr,hnr->hln", c, w_uk))
-    k[..., s.qk_nope :].copy_(k_pe[None].expand(s.heads, lk, s.rope))  # the rope key is shared by the heads
-    v = torch.einsum("lr,hvr->hlv", c, w_uv)  # [H, Lk, v]
-    q = q_nope.new_empty(s.heads, lq, s.qk_nope + s.rope)
-    q[..., : s.qk_nope].copy_(q_nope.transpose(0, 1))
-    q[..., s.qk_nope :].copy_(q_pe.transpose(0, 1))
+    k, v = _expand(lat, w_uk, w_uv, s)
+    q = _heads_first(q_nope, q_pe, s)
     o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, is_causal=causal is None,
                                        scale=s.scale)
     return o[0].transpose(0, 1)

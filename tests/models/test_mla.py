@@ -152,6 +152,20 @@ def test_chunked_prefill_and_cached_prefix_match_hf(v3: tuple) -> None:
     _check(hf, [b], [prefix + suf_b], 16)
 
 
+def test_long_cached_prefix_attended_in_chunks_matches_hf(v3: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk after a cached prefix longer than PREFIX_CHUNK (here 4 tokens) expands the
+    prefix a chunk at a time and merges the parts by log-sum-exp: transformers' tokens and logits."""
+    from engine.layers import mla_attention
+
+    monkeypatch.setattr(mla_attention, "PREFIX_CHUNK", 4)
+    model, cfg, hf = v3
+    prompts = _prompts([3, 21], seed=4)
+    runner = PagedGreedy(model, cfg)
+    seqs = [runner.new_seq(p, MAX_NEW) for p in prompts]
+    runner.run(seqs, MAX_NEW, chunk=6)  # chunks after 6, 12 and 18 cached tokens: 2 to 5 parts
+    _check(hf, seqs, prompts, MAX_NEW)
+
+
 def test_absorbed_equals_expanded(v3: tuple) -> None:
     """Every row in the absorbed form (prefill too) against the expanded prefill + absorbed
     decode: the same greedy tokens and logits (fp32)."""
