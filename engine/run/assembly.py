@@ -86,7 +86,7 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
     kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
     shard = rank_config(mcfg)
     layout = kv_layout(shard)
-    pool = plan_pool(cfg, shard, kv_dtype, device)
+    pool = plan_pool(cfg, shard, kv_dtype, device, dtype)
     kv_gib = pool.num_pages * cfg.page_size * kv_bytes_per_token(shard, kv_dtype) / 2**30
     log.info(
         f"kv pool: {(pool.num_pages - 1) * cfg.page_size} tokens, {kv_gib:.2f} GiB on {device}",

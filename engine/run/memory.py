@@ -78,6 +78,32 @@ def mlp_params(mcfg, layer_id: int) -> int:  # noqa: ANN001
     return experts + moe.num_experts * h + (moe.num_experts if moe.topk_method == "noaux_tc" else 0)
 
 
+def draft_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes a token, fixed bytes) that this rank's speculative draft adds beside the target
+    (`mcfg`: the target's rank shard), so that the KV pool leaves room for it: a separate draft
+    model's KV pool (over the target's pages, in the model dtype) and weights; a head's (EAGLE,
+    EAGLE3, NEXTN) KV pool (in the KV dtype), its hidden-state pool and its weights; nothing for
+    NGRAM or a self-draft (the target's own layers and KV). Weights counted whole where a head
+    shares the target's embedding: a slight overestimate, on the safe side."""
+    from engine.run.dist import rank_config
+
+    algo, path = cfg.speculative_algorithm, cfg.speculative_draft_model_path
+    elem = torch.empty((), dtype=dtype).element_size()
+    if algo == "STANDALONE" and path:
+        d = rank_config(ModelConfig.from_dir(path))
+        return kv_bytes_per_token(d, dtype), weight_bytes(d, dtype)
+    if algo in ("EAGLE", "EAGLE3"):
+        from models.eagle import read_head
+
+        head = rank_config(read_head(path, algo).cfg)
+        return kv_bytes_per_token(head, kv_dtype) + head.hidden_size * elem, weight_bytes(head, dtype)
+    if algo == "NEXTN":  # one decoder layer of the target's (its MoE), eh_proj, norms, its latent pool
+        h = mcfg.hidden_size
+        layer = attention_params(mcfg) + mlp_params(mcfg, mcfg.num_layers - 1) + 2 * h * h + 4 * h
+        return kv_layout(mcfg).bytes_per_token(1, kv_dtype) + h * elem, layer * elem
+    return 0, 0
+
+
 def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> None:
     """On CUDA, refuse (OutOfMemory, with the numbers) a model whose weights (this rank's share
     of them at tp_size > 1, about 1/tp_size) exceed free memory."""
@@ -125,12 +151,18 @@ def cpu_pool_tokens(
     return min(want, max(cap, min(context, affordable)))
 
 
-def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.device) -> PoolPlan:  # noqa: ANN001
-    per_token = kv_bytes_per_token(mcfg, kv_dtype)
+def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.device,  # noqa: ANN001
+              dtype: torch.dtype = torch.bfloat16) -> PoolPlan:
+    """The KV pool's pages: --max-total-tokens, else what the device's memory holds beside the
+    runtime reserve and a speculative draft's KV and weights (`draft_bytes`), whose pools take
+    as many pages as the target's."""
+    draft_per_token, draft_fixed = draft_bytes(cfg, mcfg, dtype, kv_dtype)
+    per_token = kv_bytes_per_token(mcfg, kv_dtype) + draft_per_token
     if cfg.max_total_tokens:
         tokens, sized_by = cfg.max_total_tokens, "--max-total-tokens"
     elif device.type == "cuda":
-        tokens, sized_by = _cuda_pool_tokens(cfg, mcfg, per_token, device), f"--mem-fraction {cfg.mem_fraction}"
+        tokens = _cuda_pool_tokens(cfg, mcfg, per_token, device, draft_fixed)
+        sized_by = f"--mem-fraction {cfg.mem_fraction}" + (" (with the speculative draft's)" if draft_per_token else "")
     else:
         import psutil  # lazy: only the CPU path sizes from host memory
 
@@ -147,9 +179,11 @@ def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.devi
     return PoolPlan(num_pages=num_pages, max_context=min(max_model, (num_pages - 1) * cfg.page_size), sized_by=sized_by)
 
 
-def _cuda_pool_tokens(cfg: ServerConfig, mcfg, per_token: int, device: torch.device) -> int:  # noqa: ANN001
+def _cuda_pool_tokens(cfg: ServerConfig, mcfg, per_token: int, device: torch.device,  # noqa: ANN001
+                      draft_fixed: int = 0) -> int:
     free, total = torch.cuda.mem_get_info(device)
-    reserve = runtime_reserve_bytes(cfg, mcfg, torch.bfloat16)  # activations are never 8-bit
+    # activations are never 8-bit; a draft's weights are loaded after the pool is sized
+    reserve = runtime_reserve_bytes(cfg, mcfg, torch.bfloat16) + draft_fixed
     budget = int(free * cfg.mem_fraction) - reserve
     if budget < per_token * cfg.page_size * 16:
         raise OutOfMemory(
