@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from engine.bench.cache import wait_idle
 from engine.bench.launch import launched_server
 
 TIMEOUT_S = 3600.0
@@ -77,14 +78,10 @@ def _stream(url: str, ids: list[int], n: int) -> dict[str, Any]:
 
 
 def _accept(url: str) -> tuple[float, float]:
-    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row)."""
-    total = count = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(ACCEPT + "_sum"):
-            total = float(line.split()[-1])
-        elif line.startswith(ACCEPT + "_count"):
-            count = float(line.split()[-1])
-    return total, count
+    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row), once
+    the server is idle and the scheduler's last stats arrived."""
+    m = wait_idle(url, TIMEOUT_S)
+    return m.get(ACCEPT + "_sum", 0.0), m.get(ACCEPT + "_count", 0.0)
 
 
 def _batch(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
