@@ -67,8 +67,8 @@ class ServerConfig:
     # speculative decoding (docs/architecture.md, Speculative decoding), SGLang's flag names
     speculative_algorithm: str = ""  # "" (off) | NGRAM | STANDALONE | EAGLE | EAGLE3 | NEXTN
     speculative_num_steps: int = 0  # drafts per row and step (0: 3 when speculation is on)
-    speculative_num_draft_tokens: int = 0  # tokens verified per row: num_steps + 1 for chains (0: that)
-    speculative_eagle_topk: int = 1  # drafts per position: 1 (chains) only for now
+    speculative_num_draft_tokens: int = 0  # tokens verified per row: num_steps + 1 for chains (0: that); a tree's nodes
+    speculative_eagle_topk: int = 1  # drafts per position: 1 (chains); > 1: NGRAM draft trees (num_steps: their depth)
     speculative_draft_model_path: str = ""  # STANDALONE: a draft model's directory; EAGLE, EAGLE3: the head's
     speculative_draft_layers: int = 0  # STANDALONE self-draft: the target's first N layers + norm + head
     extra: dict[str, str] = field(default_factory=dict)
@@ -144,9 +144,8 @@ class ServerConfig:
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
             (1 <= steps <= 16, "--speculative-num-steps must be in 1..16"),
-            (self.speculative_eagle_topk == 1, "--speculative-eagle-topk must be 1 (chains; trees are not yet)"),
-            (tokens == steps + 1, f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {steps + 1} "
-             "with --speculative-eagle-topk 1 (a chain verifies its drafts and one bonus token)"),
+            *_tree_checks(algo, self.speculative_eagle_topk, steps, tokens, self.attention_backend,
+                          self.enable_deterministic_inference),
             (algo == "STANDALONE" or not self.speculative_draft_layers,
              "--speculative-draft-layers N: self-drafts need --speculative-algorithm STANDALONE"),
             (algo == "STANDALONE" or head or not self.speculative_draft_model_path,
@@ -279,6 +278,29 @@ class ServerConfig:
     @classmethod
     def from_json(cls, text: str) -> ServerConfig:
         return msgspec.json.decode(text, type=cls)
+
+
+MAX_TREE_NODES = 64  # --speculative-num-draft-tokens with a tree: the row's first token and 63 drafts at most
+
+
+def _tree_checks(algo: str, topk: int, steps: int, tokens: int, backend: str,
+                 deterministic: bool) -> list[tuple[bool, str]]:
+    """Draft trees (--speculative-eagle-topk > 1, docs/architecture.md, Speculative decoding,
+    Trees): NGRAM only, on the torch attention backend (the one that takes a tree mask), with
+    more nodes than the chain of --speculative-num-steps (which the tree always holds)."""
+    if topk == 1:
+        return [(tokens == steps + 1, f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = "
+                 f"{steps + 1} with --speculative-eagle-topk 1 (a chain verifies its drafts and one bonus token)")]
+    return [
+        (topk >= 1, "--speculative-eagle-topk must be >= 1"),
+        (algo == "NGRAM", f"--speculative-eagle-topk {topk}: draft trees are built for NGRAM only (not {algo}) yet"),
+        (steps + 1 < tokens <= MAX_TREE_NODES,
+         f"--speculative-eagle-topk {topk} needs --speculative-num-draft-tokens in {steps + 2}..{MAX_TREE_NODES} "
+         f"(the tree's nodes, its first token included: more than the chain of --speculative-num-steps {steps})"),
+        (backend in ("auto", "torch") and not deterministic,
+         f"--speculative-eagle-topk {topk}: draft trees need the torch attention backend (--attention-backend torch "
+         "or auto on CPU; it takes the tree mask) without --enable-deterministic-inference"),
+    ]
 
 
 def _spec_head_problem(algo: str, model: str, head: str) -> str | None:

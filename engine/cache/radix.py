@@ -181,6 +181,29 @@ class RadixCache:
             out.extend(node.key[m : m + k - len(out)])
         return out
 
+    def branches(self, node: RadixNode, rest: Sequence[int], k: int) -> list[int]:
+        """Up to k distinct tokens that follow `rest` below `node` in some cached sequence,
+        ranked as `continuation` chooses (most recently used first; ties: the older node), so
+        the first is the continuation's next token (speculative decoding's NGRAM draft trees).
+        Reads only."""
+        i, ps = 0, self.page_size
+        while True:
+            want = tuple(rest[i:])
+            if len(want) >= ps:  # a whole page left to match: the children are keyed by it
+                kid = node.children.get(want[:ps])
+                kids = [kid] if kid is not None and kid.key[: len(want)] == want[: len(kid.key)] else []
+            else:
+                kids = [c for c in node.children.values() if c.key[: len(want)] == want]
+            if len(kids) == 1 and len(kids[0].key) <= len(want):  # rest goes on past this node
+                node = kids[0]
+                i += len(node.key)
+                continue
+            out: list[int] = []
+            for c in sorted(kids, key=lambda c: (-c.last_access, c.id)):
+                if len(c.key) > len(want) and c.key[len(want)] not in out:
+                    out.append(c.key[len(want)])
+            return out[:k]
+
     @staticmethod
     def depth(node: RadixNode) -> int:
         """Tokens on the path from the root to node."""

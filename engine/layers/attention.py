@@ -185,6 +185,15 @@ class TorchAttention(AttentionBackend):
         self._all_decode = False
         self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
         self._kernel = False  # that path's CUDA kernel takes this model (bind)
+        self._tree_masks: dict[int, torch.Tensor] = {}  # the next prepare's draft trees (set_tree_masks)
+
+    def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
+        """Speculative decoding's draft trees, for the next `prepare` only: request i's new
+        tokens attend every cached token and, among themselves, what masks[i] allows (bool
+        [n, n]: row q may see new token k; its ancestors and itself), not causally."""
+        if masks and batch_invariant.enabled():
+            raise ValueError("draft trees need the torch attention backend without deterministic inference")
+        self._tree_masks = masks
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -195,6 +204,7 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
+        trees, self._tree_masks = self._tree_masks, {}
         if batch_invariant.enabled():
             self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel)
             return
@@ -207,7 +217,8 @@ class TorchAttention(AttentionBackend):
         extend_reqs = [[i] for i, n in enumerate(lens) if n > 1]
         if self.device.type == "cpu":  # fresh prefills of one length in a row: one batched SDPA call
             extend_reqs = self._fresh_runs(batch, extend_reqs)
-        self._extends = [self._extend_req(batch, reqs, row_starts[reqs[0]], seqs[reqs[0]]) for reqs in extend_reqs]
+        self._extends = [self._extend_req(batch, reqs, row_starts[reqs[0]], seqs[reqs[0]], trees.get(reqs[0]))
+                         for reqs in extend_reqs]
 
     @staticmethod
     def _fresh_runs(batch: ForwardBatch, reqs: list[list[int]]) -> list[list[int]]:
@@ -241,13 +252,17 @@ class TorchAttention(AttentionBackend):
         rows = torch.tensor([row_starts[i] for i in reqs], dtype=torch.int64, device=dev)
         return _DecodeGroup(rows=rows, pages=pages, mask=mask[:, None, None, :])
 
-    def _extend_req(self, batch: ForwardBatch, reqs: list[int], row_start: int, seq_len: int) -> _ExtendReq:
+    def _extend_req(self, batch: ForwardBatch, reqs: list[int], row_start: int, seq_len: int,
+                    tree: torch.Tensor | None = None) -> _ExtendReq:
         n = batch.extend_lens_cpu[reqs[0]]
         start = seq_len - n
         req_t = torch.tensor(reqs, dtype=torch.int64, device=batch.page_table.device)
         pages = self._pages(batch, req_t, seq_len)
         mask = None
-        if start > 0 and not self._split_prefix:
+        if tree is not None:  # a draft tree: the cached prefix, then the tree's own mask
+            tree = tree.to(pages.device)
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=pages.device), tree], dim=1)
+        elif start > 0 and not self._split_prefix:
             # with a cached prefix the causal diagonal is shifted right by `start`
             q_pos = torch.arange(start, seq_len, device=pages.device)
             mask = torch.arange(seq_len, device=pages.device)[None, :] <= q_pos[:, None]
@@ -296,12 +311,12 @@ class TorchAttention(AttentionBackend):
             qe = q[e.row_start : e.row_end].transpose(0, 1)  # [Hq, Lq, D]
             ke, ve = kv_pool.gather_pages(layer_id, e.pages, q.dtype)
             ke, ve = ke[0, : e.seq_len].transpose(0, 1), ve[0, : e.seq_len].transpose(0, 1)  # [Hkv, Lk, D]
-            if e.start == 0:
-                o = _sdpa4(qe, ke, ve, is_causal=True)
-            elif e.mask is None:
-                o = _prefix_then_causal(qe, ke, ve, e.start)
-            else:
+            if e.mask is not None:  # (a draft tree's, or a chunk's after a cached prefix)
                 o = _sdpa4(qe, ke, ve, attn_mask=e.mask)
+            elif e.start == 0:
+                o = _sdpa4(qe, ke, ve, is_causal=True)
+            else:
+                o = _prefix_then_causal(qe, ke, ve, e.start)
             out[e.row_start : e.row_end] = o.transpose(0, 1)
         return out
 

@@ -15,6 +15,7 @@ get without speculation whenever the logits are the same bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from engine.layers.forward import ForwardBatch
 from engine.layers.parallel import lm_logits
 from engine.replica import ReplicaError
 from engine.run.sampler import SampleResult
+from engine.run.spec_tree import accept_tree, compact, depths, paths, tree_batch, tree_parents
 from msgs.codec import unpack_ids
 from msgs.steps import Forward
 
@@ -45,6 +47,8 @@ class VerifyRows:
     drafts: list[list[int]]  # per sampled request, resolved (no -1 left)
     row_drafts: list[int]  # per row of the forward (Drafts.num_drafts)
     chained: list[int] | None = None  # per sampled request (Drafts.chained), None: none chained
+    parents: list[list[int]] | None = None  # per sampled request, a draft tree's (a chain's: i - 1); None: all chains
+    kv_slots: list[list[int]] | None = None  # with parents: each sampled row's KV slots, its first token's on
 
     @property
     def logit_rows(self) -> list[int]:
@@ -136,8 +140,10 @@ class Speculator:
     """A rank's part of speculative decoding: fills worker drafts, lays out verify logits,
     decides acceptance. Stateless between steps: everything follows from the Step."""
 
-    def __init__(self, draft: SelfDraft | DraftModel | Any, page_size: int, device: torch.device) -> None:
+    def __init__(self, draft: SelfDraft | DraftModel | Any, page_size: int, device: torch.device,
+                 trees: bool = False) -> None:
         self.draft = draft
+        self.trees = trees  # draft trees verified (--speculative-eagle-topk > 1: NGRAM, the torch backend)
         self.page_size = page_size
         self.device = device
         # per slot: its last verify row answered every draft (what a chained row counts on)
@@ -152,8 +158,6 @@ class Speculator:
         """The verify rows of `fwd` (its drafts resolved: the draft model's filled into `ids`)."""
         assert fwd.drafts is not None
         num = unpack_ids(fwd.drafts.num_drafts)
-        if fwd.drafts.parents:
-            raise ReplicaError("draft trees (Drafts.parents) are not verified yet: chains only")
         lens, starts, sample = unpack_ids(fwd.extend_lens), unpack_ids(fwd.start_pos), unpack_ids(fwd.sample)
         if len(num) != len(lens) or any(k and (not s or k >= n) for k, s, n in zip(num, sample, lens, strict=True)):
             raise ReplicaError(f"bad Drafts: {num} drafts for rows of {lens} tokens (sample {sample})")
@@ -169,7 +173,8 @@ class Speculator:
                                                                                                   strict=True))):
             raise ReplicaError(f"bad Drafts.chained {chained} for rows sampling {sample}")
         return VerifyRows([k for k, s in zip(num, sample, strict=True) if s], drafts, num,
-                          [c for c, s in zip(chained, sample, strict=True) if s] if chained else None)
+                          [c for c, s in zip(chained, sample, strict=True) if s] if chained else None,
+                          parents=tree_parents(fwd, num, sample, chained, self.trees))
 
     def _fill(self, ids: list[int], num: list[int], ends: list[int], starts: list[int], lens: list[int],
               tables: list[list[int]]) -> None:
@@ -209,6 +214,8 @@ class Speculator:
         batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
                                    self.page_size, self.device)
         batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
+        if v.parents is not None:  # depths as positions, the tree mask (engine/run/spec_tree.py)
+            v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size)
         runner.backend.prepare(batch)
         logits = runner.model(batch, runner.kv, runner.backend)
         self.follow(batch)
@@ -218,6 +225,8 @@ class Speculator:
             return None
         row_slots = [s for (s, _), n in zip(req, v.logit_rows, strict=True) for _ in range(n)]
         positions = [p + 1 + i for (_, p), n in zip(req, v.logit_rows, strict=True) for i in range(n)]
+        if v.parents is not None:  # a tree node's token is drawn at its depth's position
+            positions = [p + 1 + d for (_, p), par in zip(req, v.parents, strict=True) for d in depths(par)]
         return logits, row_slots, positions, v, [s for s, _ in req]
 
     def sample(self, runner: Any, logits: torch.Tensor, row_slots: list[int], positions: list[int], v: VerifyRows,
@@ -228,13 +237,21 @@ class Speculator:
         grammar, sampler = runner.grammar, runner.sampler
         constrained = grammar.constrained(req_slots)
         if constrained and not grammar.verifies_drafts:  # (in-process matchers on CUDA): drafts rejected
-            v = VerifyRows(v.num_drafts, [[] if s in grammar.matchers else d
-                                          for s, d in zip(req_slots, v.drafts, strict=True)], v.row_drafts)
+            v = dataclasses.replace(v, drafts=[[] if s in grammar.matchers else d
+                                               for s, d in zip(req_slots, v.drafts, strict=True)])
         grammar.mask(logits, row_slots, dict(zip(req_slots, v.drafts, strict=True)) if constrained else None)
         prior = [d[:i] for d, n in zip(v.drafts, v.logit_rows, strict=True) for i in range(n)]
+        if v.parents is not None:  # a tree node's history: the drafts on its path
+            prior = [p for d, par in zip(v.drafts, v.parents, strict=True) for p in paths(d, par)]
         req_dev = _to_device(torch.tensor(req_slots, dtype=torch.int64), self.device)
         valid = self._valid(v, req_dev, runner.last_token.shape[0])
-        res, bonus = self.accept(sampler.sample_verify(logits, row_slots, positions, prior), v, valid)
+        drawn = sampler.sample_verify(logits, row_slots, positions, prior)
+        if v.parents is not None:
+            keep, accepted, bonus, path = accept_tree(drawn, v, valid)
+            res = _answered(drawn, keep, accepted)
+            compact(runner.kv, v, path, accepted)
+        else:
+            res, bonus = self.accept(drawn, v, valid)
         if valid is not None:  # a void row keeps the slot's last token (its previous row's bonus)
             bonus = torch.where(valid, bonus, runner.last_token[req_dev])
         assert self.all_accepted is not None and res.accepted is not None
@@ -290,14 +307,17 @@ class Speculator:
         bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)
         if valid is not None:
             accepted = torch.where(valid, accepted, -1)
-        keep = col <= accepted[req]
+        return _answered(res, col <= accepted[req], accepted), bonus
 
-        def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[keep]
 
-        out = VerifiedResult(res.token_ids[keep], rows_of(res.logprobs), rows_of(res.top_ids),
-                             rows_of(res.top_logprobs), accepted=accepted)
-        return out, bonus
+def _answered(res: SampleResult, keep: torch.Tensor, accepted: torch.Tensor) -> VerifiedResult:
+    """The answered rows (`keep`, over the logit rows) of a verify step's draws."""
+
+    def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[keep]
+
+    return VerifiedResult(res.token_ids[keep], rows_of(res.logprobs), rows_of(res.top_ids),
+                          rows_of(res.top_logprobs), accepted=accepted)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ class Row:
     drafts: int = 0  # speculative decoding: the last `drafts` ids are drafts to verify
     verify: bool = False  # a speculating request's decode row (its step carries Drafts)
     chained: bool = False  # planned before its previous verify row answered (Drafts.chained)
+    parents: list[int] | None = None  # a draft tree: each draft's parent (-1: ids[0]); None: a chain
 
 
 class DecodeGrowth:
@@ -60,18 +61,19 @@ class DecodeGrowth:
         if req.inflight > len(req.verifies) or len(live) > 1:
             return 0  # a prefill's first token in flight, or already two rows ahead
         chained = bool(live)
-        if chained and not spec.chains(req, live[0].drafts):
-            return 0
+        if chained and (live[0].parents is not None or not spec.chains(req, live[0].drafts)):
+            return 0  # (never chained on a tree row: its accepted path is not known ahead)
         ahead = 1 + len(live[0].drafts) if chained else 0  # tokens the previous row answers at most
         room = min(req.max_new_tokens - len(req.output_ids) - ahead, self.s.cfg.max_context - req.kv_len) - 1
         if room < 0:
             return 0  # the previous row may already end it
-        drafts = spec.drafts(req, room, live[0].drafts if chained else None)
+        drafts, parents = spec.row(req, room, live[0].drafts if chained else None)
         if not self.grow(req, 1 + len(drafts), ops, may_retract=True):
             return 0  # req itself was retracted
         first = -1 if chained else req.last_token  # -1: the previous row's bonus, on the worker
-        rows.append(Row(req, [first, *drafts], req.kv_len, True, len(drafts), verify=True, chained=chained))
-        req.verifies.append(VerifyRow(req.kv_len, drafts, chained))
+        rows.append(Row(req, [first, *drafts], req.kv_len, True, len(drafts), verify=True, chained=chained,
+                        parents=parents))
+        req.verifies.append(VerifyRow(req.kv_len, drafts, chained, parents=parents))
         self.s.spec_stats.chained += chained
         req.kv_len += 1 + len(drafts)
         req.inflight += 1

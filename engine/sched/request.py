@@ -23,6 +23,7 @@ class VerifyRow:
     drafts: list[int]  # its draft tokens (-1: proposed on the workers)
     chained: bool  # planned before the previous row answered, assuming all its drafts accepted
     void: bool = False  # the previous row rejected a draft: this one answers nothing
+    parents: list[int] | None = None  # a draft tree's parents (Drafts.parents); None: a chain
 
 
 @dataclass(eq=False)

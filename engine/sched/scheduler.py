@@ -221,8 +221,11 @@ def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
     drafts = None  # only a step that verifies drafts carries them: otherwise the bytes of a plain step
     if any(r.verify for r in rows):  # every verify row goes through the workers' verify path
         chained = pack_ids(int(r.chained) for r in rows) if any(r.chained for r in rows) else b""
+        parents = b""  # a tree in the step: every row's parents (a chain's: i - 1), else none
+        if any(r.parents for r in rows):
+            parents = pack_ids(p for r in rows for p in (r.parents or range(-1, r.drafts - 1)))
         drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm != "NGRAM",
-                        chained=chained)
+                        chained=chained, parents=parents)
     return Forward(
         slots=pack_ids(r.req.slot for r in rows),  # type: ignore[misc]
         input_ids=pack_ids(ids),

@@ -13,6 +13,7 @@ from engine.sched.request import Req
 
 NGRAM_MAX = 3  # longest suffix looked up (prompt-lookup decoding's usual 3..1)
 NGRAM_WINDOW = 4096  # tokens searched back from the end: bounds the host time per row
+BRANCH_WINDOW = 1024  # tokens searched back for a tree's alternatives (one lookup per tree node)
 CHAIN_STREAK = 4  # verify rows in a row accepting every draft before a row with drafts is chained on
 
 
@@ -30,6 +31,24 @@ def ngram_drafts(ids: list[int], k: int, max_n: int = NGRAM_MAX, window: int = N
             if ids[i : i + n] == suffix:
                 return ids[i + n : i + n + k]
     return []
+
+
+def ngram_branches(ids: list[int], k: int, max_n: int = NGRAM_MAX, window: int = BRANCH_WINDOW) -> list[int]:
+    """Up to k distinct tokens that followed earlier occurrences of a suffix of `ids`: the
+    longest suffix first (max_n tokens down to 1), the latest occurrence first, so the first
+    is `ngram_drafts`' next token (within the window). A pure function of the tokens."""
+    out: list[int] = []
+    if k <= 0 or len(ids) < 2:
+        return out
+    lo = max(0, len(ids) - window)
+    for n in range(min(max_n, len(ids) - 1), 0, -1):
+        suffix, last = ids[-n:], ids[-1]
+        for i in range(len(ids) - n - 1, lo - 1, -1):
+            if ids[i + n - 1] == last and ids[i : i + n] == suffix and ids[i + n] not in out:
+                out.append(ids[i + n])
+                if len(out) == k:
+                    return out
+    return out
 
 
 @dataclass
@@ -62,6 +81,8 @@ class SpecPolicy:
     algorithm: str  # NGRAM | STANDALONE
     num_steps: int  # drafts per row at most
     cache: RadixCache | None = None  # NGRAM also looks up the prefix cache (None: radix cache off)
+    topk: int = 1  # > 1: NGRAM draft trees, up to topk alternatives a position (engine/sched/spec_tree.py)
+    nodes: int = 0  # a tree's drafts at most (--speculative-num-draft-tokens - 1)
 
     def eligible(self, req: Req) -> bool:
         """Requests that speculate: all of them. Each verify row is penalized with the drafts
@@ -97,6 +118,19 @@ class SpecPolicy:
         tail = list(pending)
         guess = self.tree_drafts(req, k + 1, tail) or ngram_drafts(req.all_ids + tail, k + 1)
         return guess[1:]
+
+    def row(self, req: Req, room: int, pending: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+        """req's next row's drafts and, for a tree, their parents (None: a chain). Trees with
+        --speculative-eagle-topk > 1, NGRAM only, never for a chained row (`pending`: it stays a
+        chain) nor a constrained one (its grammar masks one path)."""
+        drafts = self.drafts(req, room, pending)
+        if self.topk == 1 or pending is not None or req.params.grammar is not None or self.algorithm != "NGRAM":
+            return drafts, None
+        from engine.sched.spec_tree import build_tree, is_chain  # (it imports this module)
+
+        toks, parents = build_tree(self.cache, req, drafts, self.topk, min(self.nodes, room),
+                                   min(self.num_steps, room))
+        return (toks, None) if is_chain(parents) else (toks, parents)
 
     def tree_drafts(self, req: Req, k: int, tail: list[int] | None = None) -> list[int]:
         """What another cached sequence sharing req's whole token history (and `tail` after it)

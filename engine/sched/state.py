@@ -48,7 +48,9 @@ class SchedConfig:
     l3_dir: str = ""  # the disk tier's directory (--l3-dir); "": no disk tier
     l3_fingerprint: bytes = b""  # the workers' model fingerprint: the L3 key chain's start
     spec_algorithm: str = ""  # speculative decoding: "" (off) | NGRAM | STANDALONE (engine/sched/spec.py)
-    spec_steps: int = 0  # drafts per row at most
+    spec_steps: int = 0  # drafts per row at most (a tree's depth)
+    spec_topk: int = 1  # > 1: NGRAM draft trees, up to topk alternatives a position (engine/sched/spec_tree.py)
+    spec_tree_nodes: int = 0  # a tree's drafts at most (--speculative-num-draft-tokens - 1)
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -80,6 +82,8 @@ class SchedConfig:
             l3_fingerprint=ready.l3_fingerprint,
             spec_algorithm=cfg.speculative_algorithm,
             spec_steps=cfg.speculative_num_steps,
+            spec_topk=cfg.speculative_eagle_topk,
+            spec_tree_nodes=cfg.speculative_num_draft_tokens - 1,
         )
 
 
@@ -109,7 +113,8 @@ class SchedState:
         self.free_slots = list(range(self.cfg.max_running))
         self.rng = random.Random(self.cfg.seed)
         self.spec = SpecPolicy(self.cfg.spec_algorithm, self.cfg.spec_steps,
-                               self.cache if self.cfg.enable_radix else None) if self.cfg.spec_algorithm else None
+                               self.cache if self.cfg.enable_radix else None, self.cfg.spec_topk,
+                               self.cfg.spec_tree_nodes) if self.cfg.spec_algorithm else None
 
 
 def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:
