@@ -152,9 +152,11 @@ class Drafts(msgspec.Struct, frozen=True):
     plain row); its logits are taken at its last num_drafts + 1 tokens (the logit positions),
     and it answers between 1 and num_drafts + 1 tokens (the accepted drafts, then the bonus).
     parents: per draft token, request-major, the index among its row's drafts of the token it
-    follows (-1: the row's first token); empty: every row is a chain (i follows i - 1), the
-    only shape verified so far. on_worker: draft ids given as -1 are proposed on every rank by
-    the draft model or head (STANDALONE, EAGLE, EAGLE3, NEXTN), not by the scheduler.
+    follows (-1: the row's first token; always an earlier draft), a chain's i - 1; empty: every
+    row is a chain. A tree (NGRAM with --speculative-eagle-topk > 1) answers its longest
+    accepted root-to-leaf path, then the bonus; never chained, never on_worker. on_worker: draft
+    ids given as -1 are proposed on every rank by the draft model or head (STANDALONE, EAGLE,
+    EAGLE3, NEXTN), not by the scheduler.
     chained: per request 1 when its row was planned before its previous verify row was answered,
     assuming that row accepts every draft (overlapped speculation): its first token is that
     row's bonus (a future reference) and its start follows the drafts. It counts only if they

@@ -162,19 +162,20 @@ class Speculator:
         if len(num) != len(lens) or any(k and (not s or k >= n) for k, s, n in zip(num, sample, lens, strict=True)):
             raise ReplicaError(f"bad Drafts: {num} drafts for rows of {lens} tokens (sample {sample})")
         ends = [sum(lens[: i + 1]) for i in range(len(lens))]
+        chained = unpack_ids(fwd.drafts.chained) if fwd.drafts.chained else None
+        parents = tree_parents(fwd, num, sample, chained, self.trees)  # None: chains (engine/run/spec_tree.py)
         # a head (EAGLE/EAGLE3/NEXTN, engine/run/eagle.py) fills the -1 drafts the scheduler sends for it
         if fwd.drafts.on_worker:
             self._fill(ids, num, ends, starts, lens, tables)
         elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
             raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")
         drafts = [ids[e - k : e] for k, e, s in zip(num, ends, sample, strict=True) if s]
-        chained = unpack_ids(fwd.drafts.chained) if fwd.drafts.chained else None
         if chained is not None and (len(chained) != len(num) or any(c and not s for c, s in zip(chained, sample,
                                                                                                   strict=True))):
             raise ReplicaError(f"bad Drafts.chained {chained} for rows sampling {sample}")
         return VerifyRows([k for k, s in zip(num, sample, strict=True) if s], drafts, num,
                           [c for c, s in zip(chained, sample, strict=True) if s] if chained else None,
-                          parents=tree_parents(fwd, num, sample, chained, self.trees))
+                          parents=parents)
 
     def _fill(self, ids: list[int], num: list[int], ends: list[int], starts: list[int], lens: list[int],
               tables: list[list[int]]) -> None:
