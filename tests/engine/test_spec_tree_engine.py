@@ -14,8 +14,9 @@ from engine.config import ServerConfig
 from engine.local import LocalEngine, Result
 from engine.replica import rank_replica
 from engine.tokenizer import load_tokenizer
-from msgs.codec import unpack_ids
+from msgs.codec import pack_ids, unpack_ids
 from msgs.params import SamplingParams
+from msgs.requests import TokenizedRequest
 from msgs.steps import Step
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -120,3 +121,38 @@ def test_tree_accepts_at_least_the_chain_where_the_cache_branches(model, plain: 
     print(f"\naccept length: chain {1 + chain_acc / chain_rows:.2f}, tree {1 + tree_acc / tree_rows:.2f}")
     assert 1 + tree_acc / tree_rows > 1 + chain_acc / chain_rows  # the chain loses its first row, the tree not
     assert tree_rows <= chain_rows
+
+
+def test_tree_penalized_requests_keep_their_tokens(model, plain: LocalEngine, tree: LocalEngine) -> None:  # noqa: ANN001
+    """A node's penalty history is the drafts on its path; only the accepted path is recorded."""
+    prompts = [model[1][4], model[1][0]]
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.2,
+                            frequency_penalty=0.3)
+    assert _ids(tree.generate(prompts, params)) == _ids(plain.generate(prompts, params))
+
+
+def test_tree_retraction_and_abort_leave_no_leak(model, plain: LocalEngine) -> None:  # noqa: ANN001
+    """A pool too small for the batch: requests verifying trees are retracted (their worst-case
+    pages given back) and re-prefilled with the same tokens; then a request aborted while its
+    tree's verify step is in flight: every page comes back."""
+    path, prompts = model
+    batch = [prompts[4], prompts[0], prompts[4][:20], prompts[2]]
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    want = _ids(plain.generate(batch, params))
+    eng = _engine(path, max_total_tokens=12 * 16, **TREE)
+    assert _ids(eng.generate(batch, params)) == want
+    assert eng.core.retractions > 0 and eng.core.leak_free()
+    core, runner = eng.core, eng.runner
+    for i, ids in enumerate(batch[:2]):
+        assert core.submit(TokenizedRequest(rid=f"a{i}", input_ids=pack_ids(ids), params=params)) is None
+    aborted = False
+    while (step := core.plan()) is not None:  # one step at a time: abort between a tree's send and answer
+        victim = core.reqs.get("a0")
+        if not aborted and step.forward is not None and step.forward.drafts is not None \
+                and step.forward.drafts.parents and victim is not None and victim.inflight:
+            assert core.abort("a0") is not None
+            aborted = True
+        core.on_done(runner.run_step(step))
+    assert aborted and core.idle
+    core.plan()  # publishes the last FreeReq
+    assert core.leak_free()
