@@ -35,9 +35,11 @@
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
 #             the structured mode with --speculative-algorithm NGRAM (64 json_schema answers valid, drafts masked)
+#   spectree  NGRAM draft trees on CUDA (tests/gpu/test_spec_tree_gpu.py): acceptance and K/V compaction vs CPU,
+#             a tiny Llama's greedy tokens with trees (torch backend), the flashinfer default refused; ~1 min
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specgrammar pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -148,6 +150,8 @@ for what in "$@"; do case $what in
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;
+  spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider \
+           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spectree.log" | tail -8 ;;
   specgrammar) run gpu-specgrammar 240 python3 -m pytest -m gpu tests/gpu/test_spec_grammar_gpu.py -q -rA \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-specgrammar.log" | tail -8
          run structured-spec-qwen3-0.6b 300 bin/bench structured --model configs/qwen3-0.6b --load-format dummy \

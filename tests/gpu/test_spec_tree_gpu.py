@@ -1,0 +1,105 @@
+"""NGRAM draft trees on CUDA (float32): the tree's acceptance and its K/V compaction on the device
+equal the CPU's; a tiny random Llama on the GPU with the torch attention backend answers the plain
+engine's greedy tokens with trees, with no page left behind; a tree on CUDA's default backend
+(flashinfer) is refused at start naming the flag."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # model_harness, test_mla
+import test_draft_heads as heads  # noqa: E402
+
+from engine.config import ServerConfig  # noqa: E402
+from engine.layers.kv_pool import KVPool  # noqa: E402
+from engine.local import LocalEngine  # noqa: E402
+from engine.run.sampler import SampleParams, Sampler  # noqa: E402
+from engine.run.spec import VerifyRows  # noqa: E402
+from engine.run.spec_tree import accept_tree, compact, depths  # noqa: E402
+from msgs.codec import unpack_ids  # noqa: E402
+from msgs.params import SamplingParams  # noqa: E402
+from msgs.steps import Step  # noqa: E402
+
+DEVICE = "cuda"  # (the engine test's logic can be checked on "cpu")
+PARENTS = [[-1, -1, 0, 1, 1, 3], [-1, 0, 0, 1], [-1, 0, 1]]
+
+
+def _accept(device: str, logits: torch.Tensor, drafts: list[list[int]], temperature: float
+            ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    sampler = Sampler(logits.shape[1], 4, device)
+    for s in range(len(drafts)):
+        sampler.add(s, SampleParams(seed=s + 7, temperature=temperature))
+    row_slots = [s for s, p in enumerate(PARENTS) for _ in range(len(p) + 1)]
+    positions = [40 + 1 + d for p in PARENTS for d in depths(p)]
+    res = sampler.sample(logits.to(device), row_slots, positions)
+    v = VerifyRows([len(d) for d in drafts], drafts, [len(d) for d in drafts], parents=PARENTS)
+    keep, accepted, bonus, path = accept_tree(res, v, None)
+    return keep.tolist(), accepted.tolist(), bonus.tolist(), path.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_tree_acceptance_on_cuda_equals_cpu(temperature: float) -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(sum(len(p) + 1 for p in PARENTS), 50)
+    arg = logits.argmax(-1).tolist()  # drafts partly right (greedy), so paths of several lengths
+    drafts = [[arg[0], (arg[0] + 1) % 50, arg[1], arg[2], 3, arg[4]], [arg[7], arg[8], 5, arg[9]],
+              [arg[12], (arg[13] + 2) % 50, 9]]
+    cpu = _accept("cpu", logits, drafts, temperature)
+    assert _accept("cuda", logits, drafts, temperature) == cpu
+    if temperature == 0.0:
+        assert cpu[1] == [2, 3, 1]
+
+
+def test_tree_compaction_on_cuda_equals_cpu() -> None:
+    out = []
+    for device in ("cpu", "cuda"):
+        kv = KVPool(3, 8, 4, 2, 8, torch.bfloat16, device)
+        g = torch.Generator().manual_seed(0)
+        for t in kv.all.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        slots = [[13, 14, 15, 20, 21, 22, 23], [5, 6, 7, 8, 9]]
+        v = VerifyRows([6, 4], [[1] * 6, [2] * 4], [6, 4], parents=[PARENTS[0], PARENTS[1]], kv_slots=slots)
+        path = torch.tensor([[0, 2, 4, 6, -1, -1, -1], [0, 1, 3, -1, -1, -1, -1]], device=device)
+        compact(kv, v, path, torch.tensor([3, 2], device=device))
+        out.append([t.cpu() for t in kv.all.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
+
+
+def test_tree_engine_on_cuda_greedy_equals_plain(tmp_path: Path) -> None:
+    model = heads._llama(tmp_path / "target", heads.TINY, attention_free=False)
+    pattern = heads._prompts([9, 7, 11], seed=4)
+    prompts = [p * 4 for p in pattern] + [heads._prompts([30], seed=5)[0]]  # repeats: n-gram trees
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(model=str(model), dtype="float32", max_total_tokens=2048, max_running_requests=8, page_size=4,
+                  device=DEVICE, attention_backend="torch")
+    want = [r.output_ids for r in LocalEngine(ServerConfig(**common)).generate(prompts, params)]
+    eng = LocalEngine(ServerConfig(**common, speculative_algorithm="NGRAM", speculative_eagle_topk=3,
+                                   speculative_num_draft_tokens=8, max_prefill_tokens=16))
+    steps: list[Step] = []
+    plan = eng.core.plan
+
+    def record() -> Step | None:
+        step = plan()
+        if step is not None:
+            steps.append(step)
+        return step
+
+    eng.core.plan = record  # type: ignore[method-assign]
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want  # from the prefix cache
+    trees = [unpack_ids(s.forward.drafts.parents) for s in steps
+             if s.forward is not None and s.forward.drafts is not None and s.forward.drafts.parents]
+    assert any(any(p != i - 1 for i, p in enumerate(t)) for t in trees)
+    assert eng.core.state.spec_stats.accepted > 0 and eng.core.leak_free()
+
+
+def test_tree_on_the_default_cuda_backend_is_refused(tmp_path: Path, flashinfer_built: None) -> None:
+    model = heads._llama(tmp_path / "target", heads.TINY, attention_free=False)
+    with pytest.raises(Exception, match="--speculative-eagle-topk 3: draft trees need the torch attention backend"):
+        LocalEngine(ServerConfig(model=str(model), dtype="float32", max_total_tokens=2048, page_size=4,
+                                 device="cuda", speculative_algorithm="NGRAM", speculative_eagle_topk=3,
+                                 speculative_num_draft_tokens=8))
