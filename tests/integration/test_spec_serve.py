@@ -53,7 +53,8 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     meta = r.json()["meta_info"]
     rows = meta["spec_verify_ct"]  # tokens = the prefill's first + (1 + accepted) per verify row + plain rows
     assert 0 < rows and rows + details["accepted_prediction_tokens"] <= 23
-    assert meta["spec_accept_length"] == use["spec_accept_length"]  # the same greedy request, the same drafts
+    # asked again: it drafts the first answer from the prefix cache (NGRAM's tree drafts), accepting at least as much
+    assert meta["spec_accept_length"] >= use["spec_accept_length"]
     text = full["choices"][0]["text"]
     for n in (3, 10):  # a multi-token step answers past max_tokens: cut exactly
         assert _complete(spec_server, max_tokens=n, ignore_eos=True)["usage"]["completion_tokens"] == n
