@@ -51,10 +51,9 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     r = httpx.post(f"{spec_server.http}/generate", timeout=120, json={
         "text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
     meta = r.json()["meta_info"]
-    rows = meta["spec_verify_ct"]  # tokens = the prefill's first + (1 + accepted) per verify row + plain rows
-    assert 0 < rows and rows + details["accepted_prediction_tokens"] <= 23
-    # asked again: it drafts the first answer from the prefix cache (NGRAM's tree drafts), accepting at least as much
-    assert meta["spec_accept_length"] >= use["spec_accept_length"]
+    # its tokens: the prefill's first, then (1 + accepted) per verify row (accept length x rows), plain rows
+    rows = meta["spec_verify_ct"]
+    assert 0 < rows and meta["spec_accept_length"] > 1.5 and round(meta["spec_accept_length"] * rows) <= 23
     text = full["choices"][0]["text"]
     for n in (3, 10):  # a multi-token step answers past max_tokens: cut exactly
         assert _complete(spec_server, max_tokens=n, ignore_eos=True)["usage"]["completion_tokens"] == n
