@@ -144,7 +144,7 @@ class ServerConfig:
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
             (1 <= steps <= 16, "--speculative-num-steps must be in 1..16"),
-            *_tree_checks(algo, self.speculative_eagle_topk, steps, tokens, self.attention_backend,
+            *_tree_checks(self.speculative_eagle_topk, steps, tokens, self.attention_backend,
                           self.enable_deterministic_inference),
             (algo == "STANDALONE" or not self.speculative_draft_layers,
              "--speculative-draft-layers N: self-drafts need --speculative-algorithm STANDALONE"),
@@ -283,17 +283,16 @@ class ServerConfig:
 MAX_TREE_NODES = 64  # --speculative-num-draft-tokens with a tree: the row's first token and 63 drafts at most
 
 
-def _tree_checks(algo: str, topk: int, steps: int, tokens: int, backend: str,
+def _tree_checks(topk: int, steps: int, tokens: int, backend: str,
                  deterministic: bool) -> list[tuple[bool, str]]:
     """Draft trees (--speculative-eagle-topk > 1, docs/architecture.md, Speculative decoding,
-    Trees): NGRAM only, on the torch attention backend (the one that takes a tree mask), with
-    more nodes than the chain of --speculative-num-steps (which the tree always holds)."""
+    Trees): on the torch attention backend (the one that takes a tree mask), with more nodes
+    than the chain of --speculative-num-steps (which the tree always holds)."""
     if topk == 1:
         return [(tokens == steps + 1, f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = "
                  f"{steps + 1} with --speculative-eagle-topk 1 (a chain verifies its drafts and one bonus token)")]
     return [
         (topk >= 1, "--speculative-eagle-topk must be >= 1"),
-        (algo == "NGRAM", f"--speculative-eagle-topk {topk}: draft trees are built for NGRAM only (not {algo}) yet"),
         (steps + 1 < tokens <= MAX_TREE_NODES,
          f"--speculative-eagle-topk {topk} needs --speculative-num-draft-tokens in {steps + 2}..{MAX_TREE_NODES} "
          f"(the tree's nodes, its first token included: more than the chain of --speculative-num-steps {steps})"),

@@ -96,9 +96,11 @@ class HeadDraft:
             self._run(shifted, self.hidden[shifted.out_slots])
 
     @torch.inference_mode()
-    def propose(self, ids: list[int], rows: Rows) -> None:
+    def propose(self, ids: list[int], rows: Rows, alts: int = 1) -> list[list[list[int]]]:
         """Fill each row's k drafts in `ids` (after its first token), greedily, one head step per
-        draft position for all rows at once (a host read per step)."""
+        draft position for all rows at once (a host read per step). With alts > 1 (a draft tree's
+        leaves, engine/run/spec_tree.py), also each row's `alts` best tokens at every step."""
+        top: list[list[list[int]]] = [[] for _ in rows]
         prev: list[int] = []
         g: torch.Tensor | None = None
         module, vocab = self.head.head()
@@ -116,7 +118,12 @@ class HeadDraft:
             logits = lm_logits(out, module.weight, vocab, module.packed)
             for r, t in zip(act, self.head.to_target(logits.argmax(dim=-1)).tolist(), strict=True):
                 ids[rows[r][0] + step + 1] = int(t)
+            if alts > 1:
+                best = self.head.to_target(logits.topk(min(alts, logits.shape[-1]), dim=-1).indices).tolist()
+                for r, c in zip(act, best, strict=True):
+                    top[r].append(c)
             prev = act
+        return top
 
 
 def shift(batch: ForwardBatch) -> ForwardBatch | None:

@@ -23,10 +23,21 @@ import torch
 
 from engine.layers.context import ForwardContext
 from engine.layers.forward import ForwardBatch
+from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import lm_logits
 from engine.replica import ReplicaError
 from engine.run.sampler import SampleResult
-from engine.run.spec_tree import accept_tree, compact, depths, paths, tree_batch, tree_parents
+from engine.run.spec_tree import (
+    accept_tree,
+    chain_part,
+    compact,
+    depths,
+    fill_leaves,
+    leaf_alts,
+    paths,
+    tree_batch,
+    tree_parents,
+)
 from msgs.codec import unpack_ids
 from msgs.steps import Forward
 
@@ -163,10 +174,10 @@ class Speculator:
             raise ReplicaError(f"bad Drafts: {num} drafts for rows of {lens} tokens (sample {sample})")
         ends = [sum(lens[: i + 1]) for i in range(len(lens))]
         chained = unpack_ids(fwd.drafts.chained) if fwd.drafts.chained else None
-        parents = tree_parents(fwd, num, sample, chained, self.trees)  # None: chains (engine/run/spec_tree.py)
+        parents = tree_parents(fwd, num, chained, self.trees)  # None: chains (engine/run/spec_tree.py)
         # a head (EAGLE/EAGLE3/NEXTN, engine/run/eagle.py) fills the -1 drafts the scheduler sends for it
         if fwd.drafts.on_worker:
-            self._fill(ids, num, ends, starts, lens, tables)
+            self._fill(ids, num, ends, starts, lens, tables, parents)
         elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
             raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")
         drafts = [ids[e - k : e] for k, e, s in zip(num, ends, sample, strict=True) if s]
@@ -175,12 +186,14 @@ class Speculator:
             raise ReplicaError(f"bad Drafts.chained {chained} for rows sampling {sample}")
         return VerifyRows([k for k, s in zip(num, sample, strict=True) if s], drafts, num,
                           [c for c, s in zip(chained, sample, strict=True) if s] if chained else None,
-                          parents=parents)
+                          parents=[p for p, s in zip(parents, sample, strict=True) if s] if parents else None)
 
     def _fill(self, ids: list[int], num: list[int], ends: list[int], starts: list[int], lens: list[int],
-              tables: list[list[int]]) -> None:
+              tables: list[list[int]], parents: list[list[int]] | None = None) -> None:
         """The draft model proposes each -1 draft greedily, one position a forward for every
-        drafting row at once; the row's first token must be known (never a future reference)."""
+        drafting row at once; the row's first token must be known (never a future reference).
+        A tree row (a chain with leaves, `parents`): the chain so, each leaf the draft's next best
+        token at its position (engine/run/spec_tree.py: fill_leaves)."""
         if self.draft is None:
             raise ReplicaError("a Step asks for worker drafts, but this rank has no draft model")
         rows = [i for i, k in enumerate(num) if k]
@@ -188,19 +201,29 @@ class Speculator:
             first = ends[i] - num[i] - 1
             if ids[first] < 0 or any(t != -1 for t in ids[first + 1 : ends[i]]):
                 raise ReplicaError(f"row {i}: worker drafts need a known first token and -1 placeholders")
+        chain = [chain_part(parents[i]) if parents else k for i, k in enumerate(num)]  # drafts in the chain
+        alts = leaf_alts(parents) if parents else 1
         propose = getattr(self.draft, "propose", None)
         if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
-            propose(ids, [(ends[i] - num[i] - 1, num[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows])
-            return
-        for step in range(max((num[i] for i in rows), default=0)):
-            act = [i for i in rows if num[i] > step]
-            pos = [ends[i] - num[i] - 1 + step for i in act]  # index in ids of the token drafted from
-            batch = ForwardBatch.build([ids[p] for p in pos], [starts[i] + lens[i] - num[i] - 1 + step for i in act],
-                                       [1] * len(act), [tables[i] for i in act], [1] * len(act), self.page_size,
-                                       self.device)
-            nxt = self.draft(batch).argmax(dim=-1).tolist()  # (a host sync per draft step)
-            for p, t in zip(pos, nxt, strict=True):
-                ids[p + 1] = int(t)
+            spec = [(ends[i] - num[i] - 1, chain[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows]
+            top = propose(ids, spec, alts) if alts > 1 else propose(ids, spec)
+        else:
+            top = [[] for _ in rows]
+            for step in range(max((chain[i] for i in rows), default=0)):
+                act = [r for r, i in enumerate(rows) if chain[i] > step]
+                pos = [ends[rows[r]] - num[rows[r]] - 1 + step for r in act]  # index in ids of the token drafted from
+                batch = ForwardBatch.build([ids[p] for p in pos],
+                                           [starts[rows[r]] + lens[rows[r]] - num[rows[r]] - 1 + step for r in act],
+                                           [1] * len(act), [tables[rows[r]] for r in act], [1] * len(act),
+                                           self.page_size, self.device)
+                logits = self.draft(batch)
+                for p, t in zip(pos, logits.argmax(dim=-1).tolist(), strict=True):  # (a host sync per draft step)
+                    ids[p + 1] = int(t)
+                if alts > 1:
+                    for r, c in zip(act, logits.topk(alts, dim=-1).indices.tolist(), strict=True):
+                        top[r].append(c)
+        if parents:
+            fill_leaves(ids, [(ends[i] - num[i] - 1, parents[i], top[r]) for r, i in enumerate(rows)])
 
     def forward(self, runner: Any, fwd: Forward, ids: list[int], slots: list[int], starts: list[int],
                 lens: list[int], sample: list[int], tables: list[list[int]]
@@ -216,7 +239,8 @@ class Speculator:
                                    self.page_size, self.device)
         batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
         if v.parents is not None:  # depths as positions, the tree mask (engine/run/spec_tree.py)
-            v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size)
+            followers = (self.draft.backend,) if isinstance(self.draft, DraftModel) else ()
+            v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size, followers)
         runner.backend.prepare(batch)
         logits = runner.model(batch, runner.kv, runner.backend)
         self.follow(batch)
@@ -250,7 +274,8 @@ class Speculator:
         if v.parents is not None:
             keep, accepted, bonus, path = accept_tree(drawn, v, valid)
             res = _answered(drawn, keep, accepted)
-            compact(runner.kv, v, path, accepted)
+            pools, by_slot = self._stores(runner)
+            compact(pools, v, path, accepted, by_slot)
         else:
             res, bonus = self.accept(drawn, v, valid)
         if valid is not None:  # a void row keeps the slot's last token (its previous row's bonus)
@@ -264,6 +289,16 @@ class Speculator:
         if constrained:  # the matchers advance by the answered tokens only (a host read of the slots)
             grammar.sampled(answered.tolist(), res.token_ids)
         return res
+
+    def _stores(self, runner: Any) -> tuple[list[KVPool], tuple[torch.Tensor, ...]]:
+        """What a tree's accepted path is compacted in: the target's KV pool, a draft's own (a
+        separate draft model's, a head's) and a head's hidden pool (indexed by slot)."""
+        pools = [runner.kv]
+        own = getattr(self.draft, "kv", None)
+        if isinstance(own, KVPool) and own is not runner.kv:  # (a self-draft's is the target's)
+            pools.append(own)
+        hidden = getattr(self.draft, "hidden", None)
+        return pools, (hidden,) if isinstance(hidden, torch.Tensor) else ()
 
     @staticmethod
     def logit_indices(lens: list[int], sample: list[int], v: VerifyRows) -> torch.Tensor:

@@ -27,31 +27,63 @@ def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
-def tree_parents(fwd: Forward, num: list[int], sample: list[int], chained: list[int] | None,
-                 trees: bool) -> list[list[int]] | None:
-    """Each sampled row's parents (None: the Step has no tree); a malformed tree, or one this
-    rank cannot verify, is a ReplicaError."""
+def chain_part(parents: list[int]) -> int:
+    """How many of the first drafts form a chain from the row's first token."""
+    n = 0
+    while n < len(parents) and parents[n] == n - 1:
+        n += 1
+    return n
+
+
+def leaf_shaped(parents: list[int]) -> bool:
+    """A worker-drafted tree (on_worker): a chain, then leaves beside its nodes (each leaf's parent
+    the first token or a chain node that has a chain child)."""
+    s = chain_part(parents)
+    return all(-1 <= p <= s - 2 for p in parents[s:])
+
+
+def leaf_alts(parents: list[list[int]]) -> int:
+    """Candidates a worker draft needs at a position: its chain's and its leaves' beside it."""
+    return 1 + max((sum(p == q for p in par[chain_part(par):]) for par in parents for q in set(par)), default=0)
+
+
+def fill_leaves(ids: list[int], rows: list[tuple[int, list[int], list[list[int]]]]) -> None:
+    """Each leaf of a worker-drafted tree row (its index in ids of the first token, its parents,
+    the draft's best tokens at each chain step): the best token at its parent's next step that no
+    sibling has (its chain child's, earlier leaves'); the chain's own token when none is left."""
+    for first, par, top in rows:
+        s = chain_part(par)
+        taken: dict[int, list[int]] = {q: [ids[first + q + 2]] for q in range(-1, s - 1)}
+        for j in range(s, len(par)):
+            q = par[j]
+            free = [t for t in top[q + 1] if t not in taken[q]]
+            ids[first + 1 + j] = free[0] if free else taken[q][0]
+            taken[q].append(ids[first + 1 + j])
+
+
+def tree_parents(fwd: Forward, num: list[int], chained: list[int] | None, trees: bool) -> list[list[int]] | None:
+    """Each row's parents (None: the Step has no tree); a malformed tree, or one this rank cannot
+    verify, is a ReplicaError."""
     assert fwd.drafts is not None
     if not fwd.drafts.parents:
         return None
     if not trees:
         raise ReplicaError("a Step verifies a draft tree (Drafts.parents), but this rank verifies chains only "
                            "(--speculative-eagle-topk 1)")
-    if fwd.drafts.on_worker:
-        raise ReplicaError("draft trees are the scheduler's (NGRAM): not with drafts proposed on the workers")
     flat = unpack_ids(fwd.drafts.parents)
     if len(flat) != sum(num):
         raise ReplicaError(f"bad Drafts.parents: {len(flat)} parents for {sum(num)} drafts")
     out: list[list[int]] = []
     off = 0
-    for i, (k, s) in enumerate(zip(num, sample, strict=True)):
+    for i, k in enumerate(num):
         par, off = flat[off : off + k], off + k
         if any(not -1 <= p < j for j, p in enumerate(par)):
             raise ReplicaError(f"row {i}: bad draft tree {par} (a parent is -1 or an earlier draft)")
         if chained and chained[i] and not is_chain(par):
             raise ReplicaError(f"row {i}: a chained row must be a chain, not the tree {par}")
-        if s:
-            out.append(par)
+        if fwd.drafts.on_worker and not leaf_shaped(par):
+            raise ReplicaError(f"row {i}: a worker-drafted tree is a chain with leaves beside it, not {par}")
+        out.append(par)
     return out
 
 
@@ -83,9 +115,11 @@ def ancestors(parents: list[int]) -> torch.Tensor:
 
 
 def tree_batch(runner: Any, batch: ForwardBatch, v: VerifyRows, slots: list[int], starts: list[int],
-               lens: list[int], sample: list[int], tables: list[list[int]], page_size: int) -> list[list[int]]:
-    """Set a tree row's positions (its depths) and hand the backend its mask; each sampled
-    row's KV slots from its first token's on (where the forward writes rows 0, 1, ...)."""
+               lens: list[int], sample: list[int], tables: list[list[int]], page_size: int,
+               followers: tuple[Any, ...] = ()) -> list[list[int]]:
+    """Set a tree row's positions (its depths) and hand the backend (and those of `followers`,
+    a separate draft model's that runs over the same batch) its mask; each sampled row's KV
+    slots from its first token's on (where the forward writes rows 0, 1, ...)."""
     masks: dict[int, torch.Tensor] = {}
     positions: list[int] = []
     kv_slots: list[list[int]] = []
@@ -107,10 +141,11 @@ def tree_batch(runner: Any, batch: ForwardBatch, v: VerifyRows, slots: list[int]
                 m[first:, first:] = ancestors(par)
                 masks[i] = m
         positions.extend(row)
-    set_masks = getattr(runner.backend, "set_tree_masks", None)
-    if set_masks is None:
-        raise ReplicaError(f"draft trees need the torch attention backend, not {type(runner.backend).__name__}")
-    set_masks(masks)
+    for backend in (runner.backend, *followers):
+        set_masks = getattr(backend, "set_tree_masks", None)
+        if set_masks is None:
+            raise ReplicaError(f"draft trees need the torch attention backend, not {type(backend).__name__}")
+        set_masks(masks)
     pos = torch.tensor(positions, dtype=torch.int64)
     batch.positions = pos if batch.positions.device.type == "cpu" else pos.to(batch.positions.device,
                                                                                non_blocking=True)
@@ -168,9 +203,11 @@ def accept_tree(res: SampleResult, v: VerifyRows, valid: torch.Tensor | None
     return keep, accepted, bonus, path
 
 
-def compact(kv: KVPool, v: VerifyRows, path: torch.Tensor, accepted: torch.Tensor) -> None:
+def compact(pools: list[KVPool], v: VerifyRows, path: torch.Tensor, accepted: torch.Tensor,
+            by_slot: tuple[torch.Tensor, ...] = ()) -> None:
     """Copy each tree row's accepted path's K/V (written at the slots of rows path[1..a]) to the
-    slots of positions p0 + 1 .. p0 + a, on the device for every layer at once; the rest of the
+    slots of positions p0 + 1 .. p0 + a, on the device for every layer at once, in each pool (the
+    target's, a draft's) and each tensor indexed by slot (a head's hidden pool); the rest of the
     row is trimmed by the scheduler (TrimReq). Deterministic: a pure function of the Step and
     the draws, which every rank shares."""
     assert v.parents is not None and v.kv_slots is not None
@@ -191,6 +228,8 @@ def compact(kv: KVPool, v: VerifyRows, path: torch.Tensor, accepted: torch.Tenso
     sel = torch.where((idx <= accepted[:, None]) & (path >= 0), path, idx)  # past the path: itself
     src = table.gather(1, sel).reshape(-1)[torch.tensor(flat, dtype=torch.int64).to(dev)]
     dst_t = torch.tensor(dst, dtype=torch.int64).to(dev)
-    for t in kv.all.values():
+    for t in [t for kv in pools for t in kv.all.values()]:
         raw = t.view(torch.uint8) if t.element_size() == 1 else t  # (8-bit float KV: copied as bytes)
         raw.index_copy_(1, dst_t, raw.index_select(1, src))
+    for t in by_slot:
+        t.index_copy_(0, dst_t, t.index_select(0, src))

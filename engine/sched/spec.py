@@ -124,10 +124,13 @@ class SpecPolicy:
         --speculative-eagle-topk > 1, NGRAM only, never for a chained row (`pending`: it stays a
         chain) nor a constrained one (its grammar masks one path)."""
         drafts = self.drafts(req, room, pending)
-        if self.topk == 1 or pending is not None or req.params.grammar is not None or self.algorithm != "NGRAM":
+        if self.topk == 1 or pending is not None or req.params.grammar is not None:
             return drafts, None
-        from engine.sched.spec_tree import build_tree, is_chain  # (it imports this module)
+        from engine.sched.spec_tree import build_tree, is_chain, leaf_tree  # (it imports this module)
 
+        if self.algorithm != "NGRAM":  # a draft model's or head's chain and its leaves, filled on the workers
+            parents = leaf_tree(len(drafts), self.topk, min(self.nodes, room))
+            return [-1] * len(parents), None if is_chain(parents) else parents
         toks, parents = build_tree(self.cache, req, drafts, self.topk, min(self.nodes, room),
                                    min(self.num_steps, room))
         return (toks, None) if is_chain(parents) else (toks, parents)

@@ -71,5 +71,17 @@ def build_tree(cache: RadixCache | None, req: Req, chain: list[int], topk: int, 
     return toks, parents
 
 
+def leaf_tree(chain: int, topk: int, nodes: int) -> list[int]:
+    """The parents of a draft model's or head's tree (its drafts proposed on the workers): its
+    chain of `chain` drafts, then up to topk - 1 leaves beside each chain node (the draft's next
+    best tokens at that position), the shallowest first, `nodes` drafts at most."""
+    parents = list(range(-1, chain - 1))[:nodes]
+    for d in range(chain):
+        for _ in range(topk - 1):
+            if len(parents) < nodes:
+                parents.append(d - 1)
+    return parents
+
+
 def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))

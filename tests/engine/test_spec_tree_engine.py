@@ -6,6 +6,7 @@ leaks; the Step stream replayed into a fresh replica ends at the worker's digest
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from msgs.codec import pack_ids, unpack_ids
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 from msgs.steps import Step
+from tests.models.draft_heads import write_head
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
@@ -87,7 +89,7 @@ def test_tree_seeded_sampling_equals_plain(model, plain: LocalEngine, tree: Loca
     """Every node is drawn as a one-token step at its depth's position would draw it (the seeded
     Gumbel race), so a seeded request answers the same tokens (the logits agreeing in float32)."""
     prompts = [model[1][4], model[1][0]]
-    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
     assert _ids(tree.generate(prompts, params)) == _ids(plain.generate(prompts, params))
     assert tree.core.leak_free()
 
@@ -111,7 +113,7 @@ def test_tree_accepts_at_least_the_chain_where_the_cache_branches(model, plain: 
     that goes on differently): the chain drafts the most recent (wrong), the tree holds both."""
     path, prompts = model
     prompt = prompts[3]  # "Once upon a time...", then its first answer token and "The capital of France is"
-    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     (want,) = _ids(plain.generate([prompt], params))
     other = [want[0], *prompts[1]]
     assert want[1] != other[1]
@@ -126,7 +128,7 @@ def test_tree_accepts_at_least_the_chain_where_the_cache_branches(model, plain: 
 def test_tree_penalized_requests_keep_their_tokens(model, plain: LocalEngine, tree: LocalEngine) -> None:  # noqa: ANN001
     """A node's penalty history is the drafts on its path; only the accepted path is recorded."""
     prompts = [model[1][4], model[1][0]]
-    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.2,
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.2,
                             frequency_penalty=0.3)
     assert _ids(tree.generate(prompts, params)) == _ids(plain.generate(prompts, params))
 
@@ -137,7 +139,7 @@ def test_tree_retraction_and_abort_leave_no_leak(model, plain: LocalEngine) -> N
     tree's verify step is in flight: every page comes back."""
     path, prompts = model
     batch = [prompts[4], prompts[0], prompts[4][:20], prompts[2]]
-    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
     want = _ids(plain.generate(batch, params))
     eng = _engine(path, max_total_tokens=12 * 16, **TREE)
     assert _ids(eng.generate(batch, params)) == want
@@ -156,3 +158,39 @@ def test_tree_retraction_and_abort_leave_no_leak(model, plain: LocalEngine) -> N
     assert aborted and core.idle
     core.plan()  # publishes the last FreeReq
     assert core.leak_free()
+
+
+def test_worker_draft_trees_equal_plain_and_accept_at_least_the_chain(model, plain: LocalEngine) -> None:  # noqa: ANN001
+    """STANDALONE's self-draft (8 of 30 layers) proposes a chain and, beside each of its nodes, its
+    next best tokens (leaves): the tokens stay plain decoding's and, the chain being in the tree,
+    at least as many drafts are accepted as with the chain alone."""
+    path, prompts = model
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want = _ids(plain.generate(prompts[1:3], params))
+    draft = dict(speculative_algorithm="STANDALONE", speculative_draft_layers=8, speculative_num_steps=2)
+    stats = []
+    for kw in ({}, dict(speculative_eagle_topk=3, speculative_num_draft_tokens=7)):
+        eng = _engine(path, **draft, **kw)
+        assert _ids(eng.generate(prompts[1:3], params)) == want
+        assert eng.core.leak_free()
+        stats.append(eng.core.state.spec_stats)
+    chain, tree = stats
+    print(f"\nself-draft accept length: chain {chain.accept_length:.2f}, tree {tree.accept_length:.2f}")
+    assert tree.drafted > chain.drafted and tree.accept_length >= chain.accept_length
+
+
+def test_eagle_head_trees_equal_plain(model, plain: LocalEngine, tmp_path: Path) -> None:  # noqa: ANN001
+    """A random EAGLE head drafts a chain and its next best tokens beside it (`propose` with
+    alternatives); the accepted path is compacted in the target's KV, the head's KV and its hidden
+    pool: greedy tokens stay plain decoding's, fresh and from the prefix cache, no leak."""
+    path, prompts = model
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want = _ids(plain.generate(prompts[:3], params))
+    head = write_head(tmp_path / "eagle", json.loads((Path(path) / "config.json").read_text()), "EAGLE")
+    eng = _engine(path, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head), max_prefill_tokens=32,
+                  speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+    assert _ids(eng.generate(prompts[:3], params)) == want
+    assert _ids(eng.generate(prompts[:3], params)) == want
+    st = eng.core.state.spec_stats
+    assert st.drafted > 3 * st.rows and 0 <= st.accepted <= st.drafted  # leaves beside the 3-chains
+    assert eng.core.leak_free()

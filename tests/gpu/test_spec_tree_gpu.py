@@ -64,7 +64,7 @@ def test_tree_compaction_on_cuda_equals_cpu() -> None:
         slots = [[13, 14, 15, 20, 21, 22, 23], [5, 6, 7, 8, 9]]
         v = VerifyRows([6, 4], [[1] * 6, [2] * 4], [6, 4], parents=[PARENTS[0], PARENTS[1]], kv_slots=slots)
         path = torch.tensor([[0, 2, 4, 6, -1, -1, -1], [0, 1, 3, -1, -1, -1, -1]], device=device)
-        compact(kv, v, path, torch.tensor([3, 2], device=device))
+        compact([kv], v, path, torch.tensor([3, 2], device=device))
         out.append([t.cpu() for t in kv.all.values()])
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
 

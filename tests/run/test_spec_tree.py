@@ -16,10 +16,10 @@ from engine.layers.kv_pool import KVPool
 from engine.replica import ReplicaError
 from engine.run.sampler import SampleParams, Sampler
 from engine.run.spec import Speculator, VerifyRows, _answered
-from engine.run.spec_tree import accept_tree, compact, depths, paths
+from engine.run.spec_tree import accept_tree, compact, depths, fill_leaves, paths
 from engine.sched.request import Req
 from engine.sched.spec import ngram_branches
-from engine.sched.spec_tree import build_tree
+from engine.sched.spec_tree import build_tree, leaf_tree
 from msgs.codec import pack_ids
 from msgs.params import SamplingParams
 from msgs.steps import Drafts, Forward
@@ -87,7 +87,7 @@ def test_compaction_moves_the_accepted_path_into_consecutive_slots() -> None:
     slots = [table[q // ps] * ps + q % ps for q in range(p0, p0 + 6)]
     v = VerifyRows([5], [[1, 2, 3, 4, 5]], [5], parents=[[-1, -1, 0, 1, 1]], kv_slots=[slots])
     path = torch.tensor([[0, 2, 5, -1, -1, -1]])  # root, n1 (row 2), n4 (row 5)
-    compact(kv, v, path, torch.tensor([2]))
+    compact([kv], v, path, torch.tensor([2]))
     for n, t in kv.all.items():
         assert torch.equal(t[:, slots[1]], before[n][:, slots[2]])  # position p0 + 1 <- row 2
         assert torch.equal(t[:, slots[2]], before[n][:, slots[5]])  # position p0 + 2 <- row 5
@@ -107,7 +107,7 @@ def _fwd(drafts: list[int], parents: list[int], on_worker: bool = False, chained
     (_fwd([1, 2, 3], [-1, -2, 0]), True, "bad draft tree"),
     (_fwd([1, 2, 3], [-1, 0]), True, "parents for 3 drafts"),
     (_fwd([1, 2, 3], [-1, -1, 0]), False, "chains only"),
-    (_fwd([-1, -1, -1], [-1, -1, 0], on_worker=True), True, "scheduler's"),
+    (_fwd([-1, -1, -1], [-1, -1, 0], on_worker=True), True, "chain with leaves"),  # a leaf with a child
     (_fwd([1, 2, 3], [-1, -1, 0], chained=pack_ids([1])), True, "chained row must be a chain"),
 ])
 def test_malformed_trees_are_refused_on_the_worker(fwd: Forward, trees: bool, match: str) -> None:
@@ -169,8 +169,21 @@ def test_scheduler_tree_holds_the_chain_and_is_a_pure_function() -> None:
 def test_bad_tree_flags_fail_at_start(kw: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag.replace("-", r"\-").replace(".", r"\.")):
         ServerConfig(speculative_algorithm="NGRAM", **kw)
-    with pytest.raises(ValueError, match="NGRAM only"):
-        ServerConfig(speculative_algorithm="STANDALONE", speculative_draft_layers=4, speculative_eagle_topk=2,
-                     speculative_num_draft_tokens=8)
+    ServerConfig(speculative_algorithm="STANDALONE", speculative_draft_layers=4, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=8)  # a draft model's chain with leaves
     cfg = ServerConfig(speculative_algorithm="NGRAM", speculative_eagle_topk=3, speculative_num_draft_tokens=8)
     assert (cfg.speculative_num_steps, cfg.speculative_num_draft_tokens) == (3, 8)
+
+
+def test_worker_trees_are_a_chain_with_leaves_filled_by_rank() -> None:
+    assert leaf_tree(3, 3, 7) == [-1, 0, 1, -1, -1, 0, 0]  # the chain, then 2 leaves beside each node, shallow first
+    assert leaf_tree(2, 2, 8) == [-1, 0, -1, 0] and leaf_tree(3, 1, 8) == [-1, 0, 1]
+    ids = [7, 1, 2, 3, -1, -1, -1, -1]  # the first token, the chain 1 2 3, four leaves
+    par = [-1, 0, 1, -1, -1, 0, 1]
+    top = [[1, 4, 5], [2, 6, 2], [9, 3, 8]]  # the draft's best tokens at each step (the chain's first but once)
+    fill_leaves(ids, [(0, par, top)])
+    assert ids == [7, 1, 2, 3, 4, 5, 6, 9]
+    sp = Speculator(None, 16, torch.device("cpu"), trees=True)
+    fwd = _fwd([-1] * 7, par, on_worker=True)
+    with pytest.raises(ReplicaError, match="no draft model"):  # shape accepted; no draft here to fill it
+        sp.rows(fwd, [7] + [-1] * 7, [[1, 2]])
