@@ -36,7 +36,7 @@
 #   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
 #             the structured mode with --speculative-algorithm NGRAM (64 json_schema answers valid, drafts masked)
 #   spectree  NGRAM draft trees on CUDA (tests/gpu/test_spec_tree_gpu.py): acceptance and K/V compaction vs CPU,
-#             a tiny Llama's greedy tokens with trees (torch backend), the flashinfer default refused; ~1 min
+#             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
 MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specgrammar spectree pack"

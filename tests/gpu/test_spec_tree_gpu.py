@@ -1,7 +1,8 @@
 """NGRAM draft trees on CUDA (float32): the tree's acceptance and its K/V compaction on the device
 equal the CPU's; a tiny random Llama on the GPU with the torch attention backend answers the plain
-engine's greedy tokens with trees, with no page left behind; a tree on CUDA's default backend
-(flashinfer) is refused at start naming the flag."""
+engine's greedy tokens with trees, with no page left behind, and so does a random EAGLE head's
+chain with leaves; a tree on CUDA's default backend (flashinfer) is refused at start naming the
+flag."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.run.spec_tree import accept_tree, compact, depths  # noqa: E402
 from msgs.codec import unpack_ids  # noqa: E402
 from msgs.params import SamplingParams  # noqa: E402
 from msgs.steps import Step  # noqa: E402
+from tests.models.draft_heads import write_head  # noqa: E402
 
 DEVICE = "cuda"  # (the engine test's logic can be checked on "cpu")
 PARENTS = [[-1, -1, 0, 1, 1, 3], [-1, 0, 0, 1], [-1, 0, 1]]
@@ -103,3 +105,21 @@ def test_tree_on_the_default_cuda_backend_is_refused(tmp_path: Path, flashinfer_
         LocalEngine(ServerConfig(model=str(model), dtype="float32", max_total_tokens=2048, page_size=4,
                                  device="cuda", speculative_algorithm="NGRAM", speculative_eagle_topk=3,
                                  speculative_num_draft_tokens=8))
+
+
+def test_eagle_leaf_trees_on_cuda_greedy_equal_plain(tmp_path: Path) -> None:
+    """A random EAGLE head's chain with leaves (its next best tokens) on the GPU: the accepted path
+    compacted in the target's KV, the head's KV and its hidden pool on the device; plain tokens."""
+    target = heads._llama(tmp_path / "target", heads.TINY, attention_free=False)
+    head = write_head(tmp_path / "head", heads.TINY, "EAGLE", layers=1)
+    prompts = heads._prompts([9, 23, 4], seed=2)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    common = dict(model=str(target), dtype="float32", max_total_tokens=2048, max_running_requests=8, page_size=4,
+                  device=DEVICE, attention_backend="torch")
+    want = [r.output_ids for r in LocalEngine(ServerConfig(**common)).generate(prompts, params)]
+    eng = LocalEngine(ServerConfig(**common, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
+                                   speculative_eagle_topk=3, speculative_num_draft_tokens=8, max_prefill_tokens=8))
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want  # from the prefix cache
+    st = eng.core.state.spec_stats
+    assert st.drafted > 3 * st.rows and eng.core.leak_free()
