@@ -10,7 +10,8 @@ rows it is exact rejection sampling of a deterministic draft (a point mass q = 1
 the Gumbel race picks d with probability p(d) (accept), and given that it did not, its
 winner is distributed as p without d, renormalized: the residual (p - q)+ / (1 - p(d)).
 So the output distribution is the target's, and a request's tokens are the ones it would
-get without speculation whenever the logits are the same bit for bit.
+get without speculation whenever the logits are the same bit for bit. Draft trees (a node
+accepted iff it equals its parent's draw; the longest path) are in engine/run/spec_tree.py.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class Speculator:
     def __init__(self, draft: SelfDraft | DraftModel | Any, page_size: int, device: torch.device,
                  trees: bool = False) -> None:
         self.draft = draft
-        self.trees = trees  # draft trees verified (--speculative-eagle-topk > 1: NGRAM, the torch backend)
+        self.trees = trees  # draft trees verified (--speculative-eagle-topk > 1, the torch backend; spec_tree.py)
         self.page_size = page_size
         self.device = device
         # per slot: its last verify row answered every draft (what a chained row counts on)
