@@ -4,7 +4,9 @@
 
 In one process (LocalEngine: the served Step stream, no sockets), the default model: a
 code-editing chat prompt (rename three functions, keep the rest) decoded greedily without
-speculation, with NGRAM at 3 and 5 drafts, and with the self-draft (8 and 20 of 30 layers).
+speculation, with NGRAM at 3 and 5 drafts (the radix cache off: drafts from the request's own
+tokens; then on: the repeated prompt drafts its earlier answer from the prefix cache), and with the
+self-draft (8 and 20 of 30 layers).
 Prints output tok/s (best of 2 after a warm-up), steps and the accept length (tokens a verify
 row answered), and checks every run gives the tokens of the plain one.
 """
@@ -26,6 +28,10 @@ from msgs.params import SamplingParams  # noqa: E402
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 RUNS = [
     {},
+    # the radix cache off: NGRAM's own-token lookup only, what a prompt gets the first time
+    {"speculative_algorithm": "NGRAM", "disable_radix_cache": True},
+    {"speculative_algorithm": "NGRAM", "speculative_num_steps": 5, "disable_radix_cache": True},
+    # on: the timed runs repeat the prompt, so NGRAM drafts the earlier answer from the prefix cache
     {"speculative_algorithm": "NGRAM"},
     {"speculative_algorithm": "NGRAM", "speculative_num_steps": 5},
     {"speculative_algorithm": "STANDALONE", "speculative_draft_layers": 8, "speculative_num_steps": 2},
