@@ -4,7 +4,8 @@
 
 In one process (LocalEngine), the default model and scripts/spec_cpu.py's code-editing chat
 prompt, decoded greedily without speculation, with an NGRAM chain of 3 and 5 drafts and with
-NGRAM trees (--speculative-eagle-topk 3, 8 and 12 nodes). Each engine is warmed up on another
+NGRAM trees (--speculative-eagle-topk 3, 8 and 12 nodes), and the self-draft (8 of 30 layers, 2
+drafts) as a chain and with 2 leaves beside each node. Each engine is warmed up on another
 prompt, then answers the prompt once (fresh: the request's own n-grams) and once more (asked
 again: the radix tree's continuation). Prints output tok/s, verify rows, the accept length
 (tokens a verify row answered) and whether the tokens are the plain run's.
@@ -26,12 +27,15 @@ from msgs.params import SamplingParams  # noqa: E402
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 NGRAM = {"speculative_algorithm": "NGRAM"}
+SELF = {"speculative_algorithm": "STANDALONE", "speculative_draft_layers": 8, "speculative_num_steps": 2}
 RUNS = [
     {},
     NGRAM,
     {**NGRAM, "speculative_num_steps": 5},
     {**NGRAM, "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 8},
     {**NGRAM, "speculative_num_steps": 5, "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 12},
+    SELF,
+    {**SELF, "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 7},
 ]
 
 
