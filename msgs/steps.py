@@ -153,8 +153,9 @@ class Drafts(msgspec.Struct, frozen=True):
     and it answers between 1 and num_drafts + 1 tokens (the accepted drafts, then the bonus).
     parents: per draft token, request-major, the index among its row's drafts of the token it
     follows (-1: the row's first token; always an earlier draft), a chain's i - 1; empty: every
-    row is a chain. A tree (NGRAM with --speculative-eagle-topk > 1) answers its longest
-    accepted root-to-leaf path, then the bonus; never chained, never on_worker. on_worker: draft
+    row is a chain. A tree (--speculative-eagle-topk > 1) answers its longest accepted
+    root-to-leaf path, then the bonus; never chained; with on_worker, a chain with leaves beside
+    its nodes (the draft's next best tokens). on_worker: draft
     ids given as -1 are proposed on every rank by the draft model or head (STANDALONE, EAGLE,
     EAGLE3, NEXTN), not by the scheduler.
     chained: per request 1 when its row was planned before its previous verify row was answered,
