@@ -44,6 +44,8 @@ def _print_spec(rep: Report, w: Any) -> None:
     rate = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
     w(f"\nspeculative decoding: {s['rows']} verify rows, accept length {s['accept_length']:.2f} tokens a row, "
       f"{s['accepted']} of {s['drafted']} drafts accepted ({rate:.0%}); rows by drafts accepted {s['accept_hist']}")
+    if s.get("chained"):
+        w(f"  overlapped: {s['chained']} rows chained on a row in flight, {s['void']} of them void (a draft rejected)")
     if len(s["series"]) > 1:
         w("  accept length over time: " + ", ".join(f"{p['t']:.0f}s {p['accept_length']:.2f}" for p in s["series"]))
 

@@ -385,7 +385,9 @@ def spec_accept(records: list[Record], t0: float) -> dict[str, Any]:
                            "accept_length": round(1 + (r["accepted"] - acc) / (r["rows"] - rows), 3)})
         rows, acc = r["rows"], r["accepted"]
     return {"rows": last["rows"], "drafted": last["drafted"], "accepted": last["accepted"],
-            "accept_length": last["accept_length"], "accept_hist": last.get("accept_hist"), "series": series}
+            "accept_length": last["accept_length"], "accept_hist": last.get("accept_hist"), "series": series,
+            # overlap while speculating: rows planned before the previous one answered, and those voided
+            "chained": last.get("chained", 0), "void": last.get("void", 0)}
 
 
 MOE_EVENT = "moe expert tokens"  # engine/run/expert_counts.py: rank 0's cumulative counts, per layer
