@@ -39,7 +39,9 @@ RUNS = [
 ]
 
 
-def main() -> None:
+def setup() -> tuple[argparse.Namespace, str, list[int], SamplingParams]:
+    """The flags, the default model's directory, the code-editing chat prompt's ids and greedy params
+    (scripts/spec_tree_cpu.py runs the same workload)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
@@ -50,7 +52,11 @@ def main() -> None:
     chat = [{"role": "user", "content": "Rename the functions to plus, minus and times, keep the rest:\n\n" + CODE}]
     prompt = tok.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"]) if hasattr(prompt, "keys") else list(prompt)
-    params = SamplingParams(max_new_tokens=args.tokens, temperature=0, ignore_eos=True)
+    return args, model, prompt, SamplingParams(max_new_tokens=args.tokens, temperature=0, ignore_eos=True)
+
+
+def main() -> None:
+    args, model, prompt, params = setup()
     want = None
     for kw in RUNS:
         eng = LocalEngine(ServerConfig(model=model, dtype=args.dtype, max_total_tokens=4096, max_running_requests=4,

@@ -13,19 +13,18 @@ again: the radix tree's continuation). Prints output tok/s, verify rows, the acc
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the served worker (engine/run/__init__.py)
 
+from spec_cpu import setup  # noqa: E402  (scripts/: the same workload)
+
 from engine.config import ServerConfig  # noqa: E402
 from engine.local import LocalEngine  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
-from models.default_model import ensure_default_model  # noqa: E402
 from msgs.params import SamplingParams  # noqa: E402
 
-CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 NGRAM = {"speculative_algorithm": "NGRAM"}
 SELF = {"speculative_algorithm": "STANDALONE", "speculative_draft_layers": 8, "speculative_num_steps": 2}
 RUNS = [
@@ -40,17 +39,9 @@ RUNS = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
-    model = str(ensure_default_model())
+    args, model, prompt, params = setup()
     tok = load_tokenizer(model)
     assert tok is not None
-    chat = [{"role": "user", "content": "Rename the functions to plus, minus and times, keep the rest:\n\n" + CODE}]
-    prompt = tok.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"]) if hasattr(prompt, "keys") else list(prompt)
-    params = SamplingParams(max_new_tokens=args.tokens, temperature=0, ignore_eos=True)
     want = None
     for kw in RUNS:
         eng = LocalEngine(ServerConfig(model=model, dtype=args.dtype, max_total_tokens=4096, max_running_requests=4,
