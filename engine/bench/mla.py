@@ -34,10 +34,20 @@ H200_BF16_PEAK_TFLOPS = 989.0  # dense, data sheet
 WORKING_SET = 1 << 30  # bytes of latents a timed replay reads (layers rotate)
 CAPACITY_MODELS = ("deepseek-v3", "deepseek-v3-5l", "llama-3.1-8b", "qwen3-0.6b", "qwen3-30b-a3b", "llama-3.1-70b")
 # block_h, block_n, warps, stages: those ptxas compiles without (or with a few bytes of) spills for
-# sm_90a with triton 3.9 (engine/layers/mla_kernels.py: WIDE_CONFIG)
-SWEEP = [(16, 32, 4, 2), (16, 32, 4, 3), (16, 16, 4, 3), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2),
-         (64, 16, 8, 2), (64, 64, 8, 2)]
+# sm_90a with triton 3.9 (engine/layers/mla_kernels.py: WIDE_CONFIG), and deeper pipelines of the
+# 64-head tile; sweep_configs() keeps those whose shared memory fits Hopper at any v_split the batch picks
+# ((64, 64, 8, 2) asked 253,952 bytes on the first H200 run; (64, 32, 8, 3) 233,472 at v_split 2)
+_CANDIDATES = [(16, 32, 4, 2), (16, 32, 4, 3), (16, 16, 4, 3), (32, 32, 8, 2), (32, 32, 8, 3), (32, 64, 8, 2),
+               (64, 32, 8, 2), (64, 16, 8, 2), (64, 16, 8, 4), (64, 64, 8, 2), (64, 32, 8, 3)]
 REPO = Path(__file__).resolve().parents[2]
+
+
+def sweep_configs() -> list[tuple[int, int, int, int]]:
+    """The tile configs `--sweep` times (and tests/gpu compiles): those of _CANDIDATES that fit
+    Hopper's shared memory (imports triton: not at this module's import, which the CLI does)."""
+    from engine.layers.mla_kernels import HOPPER_SHARED, MLAKernelConfig
+
+    return [c for c in _CANDIDATES if MLAKernelConfig(*c).shared_bytes(R, P) <= HOPPER_SHARED]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +94,11 @@ def _time(fn: Any, rep_ms: int, device: torch.device) -> float:
     if device.type == "cuda":
         import triton.testing
 
+        # do_bench_cudagraph runs fn on a stream of its own, which does not wait for the default
+        # stream: without this, the first calls read a point's page table, lengths and pools while
+        # the default stream may still be writing them (garbage page indices: the first H200 run's
+        # illegal memory access at batch 8, the first point that did not compile a kernel first)
+        torch.cuda.synchronize()
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")) / 1e3
     fn()
     t0 = time.perf_counter()
@@ -126,6 +141,18 @@ class _Point:
             return out
 
         return run
+
+    def error(self, out: torch.Tensor) -> float:
+        """Relative max error of `out` (ours on the last layer) at rows 0 and B-1 against a float32
+        softmax over their latents gathered through the page table: a wrong kernel is not timed."""
+        lat, errs = self.pool[-1], []
+        pos = torch.arange(self.ctx, device=lat.device)
+        for i in sorted({0, self.batch - 1}):
+            kv = lat[self.table[i, pos // self.ps].long() * self.ps + pos % self.ps, 0].float()
+            q = torch.cat([self.q_lat[i], self.q_pe[i]], -1).float()
+            want = (q @ kv.T * self.scale).softmax(-1) @ kv[:, :R]
+            errs.append(float((out[i].float() - want).abs().max() / want.abs().max()))
+        return max(errs)
 
     def flashinfer(self) -> Any:
         import flashinfer.mla
@@ -173,6 +200,7 @@ def _point(heads: int, kvd: str, b: int, ctx: int, args: argparse.Namespace, dev
     row["ours"] = pt.figures(_time(ours, args.rep_ms, device) / pt.layers)
     row["ours"]["hbm_frac"] = row["ours"]["gbs"] / copy_gbs
     row["ours"]["peak_frac"] = row["ours"]["tflops"] / H200_BF16_PEAK_TFLOPS
+    row["ours"]["err"] = pt.error(ours())  # bf16 q, probabilities and output: ~1e-2 at most
     if with_flashinfer:
         try:
             fi = pt.flashinfer()
@@ -198,7 +226,7 @@ def sweep(args: argparse.Namespace, device: torch.device) -> dict[str, dict[str,
 
     out: dict[str, dict[str, float]] = {}
     wide = default_config(128)
-    configs = [MLAKernelConfig(*c) for c in SWEEP] + [replace(wide, min_split=m) for m in (256, 1024)]
+    configs = [MLAKernelConfig(*c) for c in sweep_configs()] + [replace(wide, min_split=m) for m in (256, 1024)]
     for b in (1, 64):
         pt = _Point(128, torch.bfloat16, b, 4096, args.page_size, device)
         res: dict[str, Any] = {}
@@ -253,13 +281,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _HEADER = (f"{'heads':>5} {'kv':>4} {'batch':>5} {'ctx':>6} {'layers':>6} | {'ours us':>9} {'GB/s':>6} "
-           f"{'%HBM':>5} {'TFLOPS':>6} {'%peak':>5} | {'flashinfer us':>13} {'GB/s':>6} {'diff':>7}")
+           f"{'%HBM':>5} {'TFLOPS':>6} {'%peak':>5} {'err':>6} | {'flashinfer us':>13} {'GB/s':>6} {'diff':>7}")
 
 
 def _line(r: dict[str, Any]) -> str:
     o = r["ours"]
     s = (f"{r['heads']:>5} {r['kv']:>4} {r['batch']:>5} {r['context']:>6} {r['layers']:>6} | {o['us']:>9.1f} "
-         f"{o['gbs']:>6.0f} {100 * o['hbm_frac']:>5.1f} {o['tflops']:>6.0f} {100 * o['peak_frac']:>5.1f} |")
+         f"{o['gbs']:>6.0f} {100 * o['hbm_frac']:>5.1f} {o['tflops']:>6.0f} {100 * o['peak_frac']:>5.1f} "
+         f"{o['err']:>6.4f} |")
     fi = r.get("flashinfer")
     if fi is None:
         return s

@@ -40,6 +40,7 @@ import triton.language as tl
 
 MAX_SPLITS = 16  # splits of one row at most (the grid's third axis)
 MIN_SPLIT_TOKENS = 256  # split lengths are multiples of this (so every BLOCK_N <= 256 divides them)
+HOPPER_SHARED = 232_448  # shared memory bytes a block may take on sm_90 (227 KiB, opted into)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,33 @@ class MLAKernelConfig:
     num_stages: int = 2
     min_split: int = 0  # tokens a split covers at least (a multiple of MIN_SPLIT_TOKENS); 0: min_split(H)
     v_split: int = 0  # programs a (row, head block, split) shares its output columns over; 0: v_split()
+
+    def __post_init__(self) -> None:
+        pow2 = lambda n: n >= 1 and not n & (n - 1)  # noqa: E731 - triton's tile dims
+        for name in ("block_h", "block_n", "num_warps"):
+            if not pow2(getattr(self, name)):
+                raise ValueError(f"MLAKernelConfig.{name} must be a power of two, got {getattr(self, name)}")
+        if not 16 <= self.block_n <= MIN_SPLIT_TOKENS:  # tl.dot's K (the p @ v product); divides a split
+            raise ValueError(f"MLAKernelConfig.block_n must be in [16, {MIN_SPLIT_TOKENS}], got {self.block_n}")
+        if self.num_stages < 1:
+            raise ValueError(f"MLAKernelConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.min_split < 0 or self.min_split % MIN_SPLIT_TOKENS:
+            raise ValueError(f"MLAKernelConfig.min_split must be 0 or a multiple of {MIN_SPLIT_TOKENS}, "
+                             f"got {self.min_split}")
+        if self.v_split and not pow2(self.v_split):
+            raise ValueError(f"MLAKernelConfig.v_split must be 0 or a power of two, got {self.v_split}")
+
+    def shared_bytes(self, rank: int = 512, rope: int = 64, itemsize: int = 2) -> int:
+        """Shared memory the split kernel takes (triton 3.9, sm_90a, a 16-bit pool) at the largest
+        of its v_splits (the config's, else 2: the batch picks 1, 2 or 4): num_stages buffers of
+        a tile's latents (BLOCK_N x (R + P)) and, with v_split > 1, of its value columns (BLOCK_N x
+        R / v_split), plus the queries (BLOCK_H x (R + P)). It gives what the compiler asked for on
+        the H200: 147,456 bytes for (64, 32, 8, 2) at v_split 1 (ptxas), 253,952 for (64, 64, 8, 2)
+        at v_split 4 (the OutOfResources of the first run)."""
+        rb, pb = padded(rank), padded(rope)
+        v = self.v_split or 2
+        cols = rb + pb + (rb // v if v > 1 else 0)
+        return (self.num_stages * self.block_n * cols + self.block_h * (rb + pb)) * itemsize
 
 
 DEFAULT_CONFIG = MLAKernelConfig()
@@ -100,11 +128,27 @@ def split_len(length: int, heads: int, lo: int = 0) -> int:
     return max(lo, -(-per // lo) * lo)
 
 
+def padded(n: int) -> int:
+    """A latent dim as the kernel's tiles take it: a power of two (triton's arange), >= 16
+    (tl.dot's K); the padding columns are masked."""
+    return max(16, triton.next_power_of_2(n))
+
+
 @functools.cache
 def _interpreted() -> bool:
     """Triton's CPU interpreter (the tests): its bf16 tl.dot is wrong, so the kernels multiply the
     same values in float32 there."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _cols(d, N: tl.constexpr, NB: tl.constexpr):
+    """The columns `d` (of 0..NB-1) that are real, < N: a constant all-true mask where nothing is
+    padded (so the loads' vector width is that of unmasked columns)."""
+    if N == NB:
+        return tl.full(d.shape, 1, tl.int1)
+    else:
+        return d < N
 
 
 # the table's row stride is the step's widest page count in eager steps: not specialized on, so
@@ -113,9 +157,9 @@ def _interpreted() -> bool:
 def _mla_split_kernel(
     q, q_pe, kv, table, lens, part_o, part_lse, sm_scale,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb, H,
-    R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr,
-    IEEE: tl.constexpr, VSPLIT: tl.constexpr,
+    R: tl.constexpr, P: tl.constexpr, RB: tl.constexpr, PB: tl.constexpr, PAGE: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, VSPLIT: tl.constexpr,
 ):
     hb = tl.program_id(0) // VSPLIT
     vs = tl.program_id(0) % VSPLIT  # which 1/VSPLIT of the output columns this program sums
@@ -129,13 +173,19 @@ def _mla_split_kernel(
         end = tl.minimum(start + split, length)
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
-        dr = tl.arange(0, R)
-        dp = tl.arange(0, P)
-        DV: tl.constexpr = R // VSPLIT
+        # RB, PB: R and P padded to a power of two >= 16 (tl.dot's K); the padding columns load as
+        # zeros, so they add nothing to the scores and are not stored
+        dr = tl.arange(0, RB)
+        dp = tl.arange(0, PB)
+        DV: tl.constexpr = RB // VSPLIT
         dv = vs * DV + tl.arange(0, DV)
-        qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + dr[None, :], mask=hmask[:, None], other=0.0)
-        pv = tl.load(q_pe + b * stride_pb + heads[:, None] * stride_ph + dp[None, :], mask=hmask[:, None],
-                     other=0.0)
+        rmask = _cols(dr, R, RB)
+        pmask = _cols(dp, P, PB)
+        vmask = _cols(dv, R, RB)
+        qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + dr[None, :],
+                     mask=hmask[:, None] & rmask[None, :], other=0.0)
+        pv = tl.load(q_pe + b * stride_pb + heads[:, None] * stride_ph + dp[None, :],
+                     mask=hmask[:, None] & pmask[None, :], other=0.0)
         act = qv.dtype
         if DOT_F32:
             qv = qv.to(tl.float32)
@@ -145,19 +195,33 @@ def _mla_split_kernel(
         acc = tl.zeros([BLOCK_H, DV], tl.float32)
         qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
         row_table = table + b * stride_tb
+        offs = start + tl.arange(0, BLOCK_N)
+        page = tl.load(row_table + offs // PAGE, mask=offs < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             nmask = offs < end
-            page = tl.load(row_table + offs // PAGE, mask=nmask, other=0)
             slot = (page.to(tl.int64) * PAGE + offs % PAGE) * stride_kv
-            c = tl.load(kv + slot[:, None] + dr[None, :], mask=nmask[:, None], other=0)
-            kp = tl.load(kv + slot[:, None] + R + dp[None, :], mask=nmask[:, None], other=0)
+            # every load of the tile issued before any math: one memory round trip a tile, not
+            # three (the page index, then the latents, then the value columns after the scores)
+            c = tl.load(kv + slot[:, None] + dr[None, :], mask=nmask[:, None] & rmask[None, :], other=0)
+            kp = tl.load(kv + slot[:, None] + R + dp[None, :], mask=nmask[:, None] & pmask[None, :], other=0)
+            if VSPLIT == 1:
+                cv = c
+            else:  # this program's columns of the tile again (from L1/L2): the same values as c's
+                cv = tl.load(kv + slot[:, None] + dv[None, :], mask=nmask[:, None] & vmask[None, :], other=0)
+            nxt = offs + BLOCK_N  # the next tile's page indices, in flight during this tile's math
+            page = tl.load(row_table + nxt // PAGE, mask=nxt < end, other=0)
             if KV_FP8:  # unscaled e4m3 bytes, widened to q's dtype
                 c = c.to(tl.float8e4nv, bitcast=True).to(act)
                 kp = kp.to(tl.float8e4nv, bitcast=True).to(act)
+                if VSPLIT == 1:
+                    cv = c
+                else:
+                    cv = cv.to(tl.float8e4nv, bitcast=True).to(act)
             if DOT_F32:
                 c = c.to(tl.float32)
                 kp = kp.to(tl.float32)
+                cv = cv.to(tl.float32)
             if IEEE:
                 sc = tl.dot(qv, tl.trans(c), input_precision="ieee")
                 sc += tl.dot(pv, tl.trans(kp), input_precision="ieee")
@@ -169,14 +233,6 @@ def _mla_split_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new[:, None])
             den = den * alpha + tl.sum(p, 1)
-            if VSPLIT == 1:
-                cv = c
-            else:  # this program's columns of the tile again (from L1/L2): the same values as c's
-                cv = tl.load(kv + slot[:, None] + dv[None, :], mask=nmask[:, None], other=0)
-                if KV_FP8:
-                    cv = cv.to(tl.float8e4nv, bitcast=True).to(act)
-                if DOT_F32:
-                    cv = cv.to(tl.float32)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(cv.dtype), cv, input_precision="ieee")
             else:
@@ -184,7 +240,7 @@ def _mla_split_kernel(
             m = m_new
         base = (b * SPLITS + s) * H + heads
         o = (acc / den[:, None]).to(part_o.dtype.element_ty)
-        tl.store(part_o + base[:, None] * R + dv[None, :], o, mask=hmask[:, None])
+        tl.store(part_o + base[:, None] * R + dv[None, :], o, mask=hmask[:, None] & vmask[None, :])
         first = (tl.zeros([BLOCK_H], tl.int32) + vs) == 0  # one program of the VSPLIT writes the LSE
         tl.store(part_lse + base, m + tl.log2(den), mask=hmask & first)
 
@@ -192,7 +248,7 @@ def _mla_split_kernel(
 @triton.jit
 def _mla_reduce_kernel(
     part_o, part_lse, lens, out, stride_ob, stride_oh, H,
-    R: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+    R: tl.constexpr, RB: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -206,10 +262,12 @@ def _mla_reduce_kernel(
     lse = tl.load(part_lse + base, mask=smask, other=float("-inf"))
     w = tl.where(smask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     w = w / tl.sum(w, 0)
-    dr = tl.arange(0, R)
-    o = tl.load(part_o + base[:, None] * R + dr[None, :], mask=smask[:, None], other=0.0).to(tl.float32)
+    dr = tl.arange(0, RB)
+    rmask = _cols(dr, R, RB)
+    o = tl.load(part_o + base[:, None] * R + dr[None, :], mask=smask[:, None] & rmask[None, :],
+                other=0.0).to(tl.float32)
     res = tl.sum(o * w[:, None], 0)
-    tl.store(out + b * stride_ob + h * stride_oh + dr, res.to(out.dtype.element_ty))
+    tl.store(out + b * stride_ob + h * stride_oh + dr, res.to(out.dtype.element_ty), mask=rmask)
 
 
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table: torch.Tensor,
@@ -222,9 +280,8 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table:
         raise ValueError("the latent pool needs a contiguous last dim")
     if table.dtype != torch.int32 or lens.dtype != torch.int32 or table.shape[0] != b or lens.shape != (b,):
         raise ValueError(f"page table int32 [B, W] and lengths int32 [B] expected for B={b}")
-    for n in (r, q_pe.shape[2]):
-        if n & (n - 1):
-            raise ValueError(f"latent dims must be powers of two (a triton arange), got {n}")
+    if r < 1 or q_pe.shape[2] < 1:
+        raise ValueError(f"latent dims must be >= 1, got {r} + {q_pe.shape[2]}")
 
 
 def mla_decode(
@@ -252,21 +309,21 @@ def mla_decode(
     f32 = q_lat.dtype == torch.float32
     cfg = config or default_config(h)
     lo = cfg.min_split or min_split(h)
-    if lo % MIN_SPLIT_TOKENS:
-        raise ValueError(f"min_split {lo} is not a multiple of {MIN_SPLIT_TOKENS}")
     blocks = triton.cdiv(h, cfg.block_h)
+    rb, pb = padded(r), padded(p)
     vsplit = cfg.v_split or v_split(b, blocks, r)
-    if r % vsplit:
-        raise ValueError(f"v_split {vsplit} does not divide the latent rank {r}")
+    if rb % vsplit:
+        raise ValueError(f"v_split {vsplit} does not divide the padded latent rank {rb}")
     _mla_split_kernel[(blocks * vsplit, b, MAX_SPLITS)](
         q_lat, q_pe, kv, page_table, seq_lens, part_o, part_lse, float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,
-        R=r, P=p, PAGE=page_size, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        R=r, P=p, RB=rb, PB=pb, PAGE=page_size, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
         KV_FP8=fp8, DOT_F32=_interpreted() and not f32, IEEE=f32 and not _interpreted(), VSPLIT=vsplit,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _mla_reduce_kernel[(h, b)](
         part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), h,
-        R=r, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, num_warps=4,
+        R=r, RB=rb, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, num_warps=4,
     )
     return out

@@ -84,7 +84,7 @@ def test_kernel_rows_are_batch_invariant() -> None:
 def test_every_swept_tile_config_gives_the_default_output() -> None:
     """The configs bin/bench mla --sweep times compile and agree (any may become the default;
     bf16: the fp8 pool differs only in its load, checked above)."""
-    from engine.bench.mla import SWEEP
+    from engine.bench.mla import sweep_configs
     from engine.layers import mla_kernels
 
     h, r, p, ps = V3["heads"], V3["r"], V3["p"], 16
@@ -96,7 +96,7 @@ def test_every_swept_tile_config_gives_the_default_output() -> None:
     q_lat = torch.randn(len(lens), h, r, generator=g, device=CUDA).to(torch.bfloat16)
     q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(torch.bfloat16)
     want = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps).float()
-    for c in SWEEP:
+    for c in sweep_configs():
         got = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps,
                                      mla_kernels.MLAKernelConfig(*c)).float()
         assert (got - want).abs().max() <= 0.01 * want.abs().max(), c

@@ -234,3 +234,82 @@ def test_bench_capacity_latent_vs_gqa() -> None:
     assert v3["layout"] == "mla" and v3["bytes_per_token"] == {"bf16": 61 * 1152, "fp8": 61 * 576}
     assert llama["layout"] == "gqa" and llama["bytes_per_token"]["bf16"] == 32 * 2 * 8 * 128 * 2
     assert llama["tokens_per_gib"]["bf16"] == 8192 and v3["tokens_per_gib"]["bf16"] == (1 << 30) // (61 * 1152)
+
+
+def _reference(q_lat: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, table: torch.Tensor,
+               lens: torch.Tensor, scale: float, ps: int) -> torch.Tensor:
+    """float32 softmax attention of each row over its latents gathered through its page table."""
+    r = q_lat.shape[-1]
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        kv = lat[table[i, pos // ps].long() * ps + pos % ps, 0].float()
+        probs = (torch.cat([q_lat[i], q_pe[i]], -1).float() @ kv.T * scale).softmax(-1)
+        out.append(probs @ kv[:, :r])
+    return torch.stack(out)
+
+
+def _rows(lens: list[int], heads: int, r: int, p: int, ps: int, dtype: torch.dtype, seed: int):  # noqa: ANN202
+    """Random queries, a pool with 3 spare pages and shuffled page tables for rows of `lens`."""
+    g = torch.Generator().manual_seed(seed)
+    per = max(-(-n // ps) for n in lens)
+    pages = len(lens) * per + 3
+    lat = torch.randn(pages * ps, 1, r + p, generator=g).to(dtype)
+    table = (torch.randperm(pages - 1, generator=g)[: len(lens) * per] + 1).to(torch.int32).view(len(lens), per)
+    q_lat = torch.randn(len(lens), heads, r, generator=g).to(dtype)
+    q_pe = torch.randn(len(lens), heads, p, generator=g).to(dtype)
+    return q_lat, q_pe, lat, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("r", "p"), [(32, 8), (8, 4), (24, 12)], ids=["tiny-v3", "both-small", "not-pow2"])
+def test_latent_dims_below_16_are_padded(r: int, p: int) -> None:
+    """tl.dot needs K >= 16: a kv_lora_rank or rope dim below 16 (the tiny DeepSeek-V3 of
+    tests/models: 32 + 8), or not a power of two, runs padded with masked columns."""
+    ps, lens = 4, [3, 40, 290]
+    q_lat, q_pe, lat, table, n = _rows(lens, 4, r, p, ps, torch.float32, seed=r + p)
+    got = mla_kernels.mla_decode(q_lat, q_pe, lat, table, n, 0.3, ps)
+    assert got.shape == (3, 4, r)
+    torch.testing.assert_close(got, _reference(q_lat, q_pe, lat, table, n, 0.3, ps), atol=1e-5, rtol=1e-5)
+    assert mla_kernels.padded(8) == 16 and mla_kernels.padded(24) == 32 and mla_kernels.padded(512) == 512
+
+
+def test_batch_8_wide_tile_v_split_several_splits() -> None:
+    """The point that crashed the first H200 bench (batch 8, 64-head tiles, v_split 4, two or more
+    splits a row, shuffled pages): every row against the float32 reference, and alone the same bits."""
+    heads, r, p, ps = 64, 256, 16, 16
+    lens = [520, 1, 300, 17, 260, 90, 256, 3]
+    q_lat, q_pe, lat, table, n = _rows(lens, heads, r, p, ps, torch.bfloat16, seed=9)
+    cfg = mla_kernels.default_config(heads)
+    assert cfg.block_h == 64 and mla_kernels.v_split(8, 1, r) == 4 and mla_kernels.split_len(520, heads) == 256
+    got = mla_kernels.mla_decode(q_lat, q_pe, lat, table, n, 0.1, ps)
+    want = _reference(q_lat, q_pe, lat, table, n, 0.1, ps)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    one = mla_kernels.mla_decode(q_lat[:1], q_pe[:1], lat, table[:1], n[:1], 0.1, ps)
+    assert torch.equal(one[0], got[0])
+
+
+def test_config_is_validated_and_sweep_fits_hopper() -> None:
+    """Bad tile configs fail on construction naming the field; every config bin/bench mla --sweep
+    times fits Hopper's shared memory (the first H200 run hit OutOfResources on (64, 64, 8, 2))."""
+    from engine.bench.mla import _CANDIDATES, sweep_configs
+
+    for bad, field in (({"block_n": 8}, "block_n"), ({"block_h": 48}, "block_h"), ({"min_split": 100}, "min_split"),
+                       ({"v_split": 3}, "v_split"), ({"num_stages": 0}, "num_stages")):
+        with pytest.raises(ValueError, match=field):
+            mla_kernels.MLAKernelConfig(**bad)
+    assert mla_kernels.MLAKernelConfig(64, 32, 8, 2, v_split=1).shared_bytes() == 147_456  # ptxas, sm_90a
+    assert mla_kernels.MLAKernelConfig(64, 64, 8, 2, v_split=4).shared_bytes() == 253_952  # the H200's refusal
+    fits = sweep_configs()
+    assert all(mla_kernels.MLAKernelConfig(*c).shared_bytes() <= mla_kernels.HOPPER_SHARED for c in fits)
+    assert (64, 64, 8, 2) not in fits and (64, 32, 8, 2) in fits and len(fits) >= len(_CANDIDATES) - 3
+    assert mla_kernels.default_config(128).shared_bytes() <= mla_kernels.HOPPER_SHARED
+
+
+def test_bench_point_is_checked_against_float32() -> None:
+    """bin/bench mla's setup (shuffled page tables over a pool of batch x pages + 1, V3's latent)
+    gives the kernel's rows their float32 reference on the CPU: what each timed point now checks."""
+    from engine.bench.mla import _Point
+
+    pt = _Point(16, torch.bfloat16, 2, 70, 16, torch.device("cpu"))
+    assert pt.table.shape == (2, 5) and int(pt.table.min()) >= 1 and int(pt.table.max()) < pt.pages
+    assert pt.error(pt.ours()()) < 0.02
