@@ -246,6 +246,23 @@ class ServerConfig:
         return self.tp_size * self.cp_size
 
     @property
+    def verify_in_graphs(self) -> bool:
+        """Verify steps replay the decode CUDA graphs (engine/run/spec.py: a chain's k + 1 tokens are
+        k + 1 decode rows): drafts that need nothing from the target's forward but its logits
+        (NGRAM, the self-draft), as chains. A separate draft model or a head follows every target
+        forward with its batch (its KV, the hidden states), so those steps stay eager."""
+        algo = self.speculative_algorithm
+        self_draft = algo == "STANDALONE" and self.speculative_draft_layers > 0
+        return (algo == "NGRAM" or self_draft) and self.speculative_eagle_topk == 1
+
+    @property
+    def decode_graph_rows(self) -> int:
+        """Rows of the largest decode CUDA graph: every running request's verify row (its
+        num_draft_tokens) when verify steps replay the graphs, else one row a request."""
+        tokens = self.speculative_num_draft_tokens if self.verify_in_graphs else 1
+        return self.max_running_requests * tokens
+
+    @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
 

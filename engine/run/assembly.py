@@ -99,12 +99,12 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         # backend holds the static page table its decode CUDA graphs read
         backend: AttentionBackend = MLABackend(device)
     else:
-        backend = create_backend(backend_name(cfg, deterministic, layout), device)
+        backend = create_backend(backend_name(cfg, deterministic, layout, dtype), device)
     set_decode_kernel(backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
     backend.bind(
         num_q_heads=shard.num_heads,
         kv_pool=kv,
-        max_batch=cfg.max_running_requests,
+        max_batch=cfg.decode_graph_rows,  # a decode graph's rows (verify rows replay them too)
         max_pages_per_req=math.ceil(pool.max_context / cfg.page_size) + 1,
         q_dtype=dtype,
         fp8_math=cfg.attention_fp8_math,
@@ -118,13 +118,20 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
                      pool.num_pages, pool.max_context, startup)
 
 
-def backend_name(cfg: ServerConfig, deterministic: bool, layout: KVLayout) -> str:
+def backend_name(cfg: ServerConfig, deterministic: bool, layout: KVLayout, dtype: torch.dtype) -> str:
     """Deterministic inference has one attention path: the torch backend's (config.py refuses
     another named backend with the mode on). A model whose KV layout is not K and V (MLA's
     latent) attends its pool itself (engine/layers/mla_attention.py): the GQA kernels are not
-    planned for it (the torch backend's per-step plan is cheap, and no CUDA graphs)."""
+    planned for it (the torch backend's per-step plan is cheap, and no CUDA graphs). flashinfer
+    has no float32 kernels: --dtype float32 with the auto backend is torch on a GPU too (an
+    explicit flashinfer is refused at start)."""
     if deterministic or not layout.is_gqa:
         return "torch"
+    if dtype == torch.float32 and cfg.attention_backend == "auto":
+        return "torch"
+    if dtype == torch.float32 and cfg.attention_backend == "flashinfer":
+        raise ValueError("--attention-backend flashinfer: flashinfer has no float32 kernels; use --dtype bfloat16 "
+                         "(or float16), or --attention-backend torch (or auto) for float32")
     return cfg.attention_backend
 
 
@@ -180,8 +187,9 @@ def capture_graphs(runner: ModelRunner):  # noqa: ANN201
     cfg = runner.cfg
     if runner.device.type != "cuda" or cfg.disable_cuda_graph:
         return None
-    if runner.spec is not None:  # verify rows are several tokens: no captured shape for them yet
-        log.info("cuda graphs off", reason="speculative decoding: verify and draft forwards run eagerly")
+    if runner.spec is not None and not cfg.verify_in_graphs:  # a draft model or head follows every forward
+        log.info("cuda graphs off", reason=f"speculative decoding with {cfg.speculative_algorithm}: its draft "
+                 "follows every target forward eagerly")
         return None
     if not runner.backend.supports_cuda_graph:
         log.info("cuda graphs off", reason=f"{type(runner.backend).__name__} is not capturable")
@@ -192,7 +200,7 @@ def capture_graphs(runner: ModelRunner):  # noqa: ANN201
         return None
     from engine.run.cuda_graph import CudaGraphRunner
 
-    graphs = CudaGraphRunner(runner.model, runner.kv, runner.backend, cfg.max_running_requests, runner.device)
+    graphs = CudaGraphRunner(runner.model, runner.kv, runner.backend, cfg.decode_graph_rows, runner.device)
     try:
         with torch.inference_mode():
             graphs.capture()

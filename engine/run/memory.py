@@ -136,7 +136,7 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     # float32 logits plus the sampler's int64 [B, V] noise temporaries (a few alive at once)
     logits = cfg.max_running_requests * mcfg.vocab_size * (4 + 4 * 8)
     workspace = 256 << 20  # flashinfer float workspace; plus int workspaces of the graph wrappers
-    graphs = 0 if cfg.disable_cuda_graph else (16 << 20) * 24 + cfg.max_running_requests * mcfg.vocab_size * 4
+    graphs = 0 if cfg.disable_cuda_graph else (16 << 20) * 24 + cfg.decode_graph_rows * mcfg.vocab_size * 4
     return activations + logits + workspace + graphs + (256 << 20)  # + CUDA context growth, cuBLAS
 
 

@@ -314,11 +314,13 @@ def _to_host(res: SampleResult) -> SampleResult:
 
     if isinstance(res, VerifiedResult):
         return VerifiedResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs),
-                              accepted=host(res.accepted))
+                              accepted=host(res.accepted), keep=host(res.keep))
     return SampleResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs))
 
 
 def _pack_result(seq: int, rank: int, res: SampleResult) -> StepDone:
+    if isinstance(res, VerifiedResult):  # the answered rows, selected here on the host
+        res = res.answered()
     tokens = res.token_ids.tolist()
     logprobs = pack_f32(res.logprobs.tolist()) if res.logprobs is not None else None
     top_ids = top_lps = None

@@ -269,12 +269,18 @@ class Sampler:
         tokens = self._choose(penalized, batch, self._as_device(positions))
         return self._with_logprobs(logits, tokens, batch.plan)
 
+    @property
+    def tracks_history(self) -> bool:
+        """Whether `record` has work: a registered request has a penalty."""
+        if self._active_plan is None:
+            self._active_plan = self._plan([p for p in self._params if p is not None])
+        return self._active_plan.any_penalty
+
     def record(self, slots: Tensor, tokens: Tensor) -> None:
         """Add answered tokens (int64 device tensors, one slot per token, repeats allowed) to their
         slots' penalty history."""
-        if self._active_plan is None:
-            self._active_plan = self._plan([p for p in self._params if p is not None])
-        if self._active_plan.any_penalty:
+        if self.tracks_history:
+            assert self._active_plan is not None
             self._record(_Batch(self._active_plan, slots, self._fp[:, slots], self._ip[:, slots]), tokens)
 
     def _prior(self, prior: Sequence[Sequence[int]], plan: _Plan) -> tuple[Tensor, Tensor]:

@@ -45,10 +45,26 @@ from msgs.steps import Forward
 
 @dataclass(frozen=True)
 class VerifiedResult(SampleResult):
-    """A verify step's answer: every answered token (request-major; the logprob tensors
-    the same rows) and, per sampled request, how many drafts it accepted."""
+    """A verify step's answer: every logit row's draw (request-major; the logprob tensors the
+    same rows), `keep` (int32, 1 for the answered rows: the accepted drafts, then the bonus) and,
+    per sampled request, how many drafts it accepted. Fixed shapes on the device: selecting
+    the answered rows there would sync the step (a boolean index), so the host does it
+    (`answered`) once the step's results are home."""
 
     accepted: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+    def answered(self) -> VerifiedResult:
+        """The answered rows only (a host sync when on the device)."""
+        if self.keep is None:
+            return self
+        keep = self.keep.bool()
+
+        def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[keep]
+
+        return VerifiedResult(self.token_ids[keep], rows_of(self.logprobs), rows_of(self.top_ids),
+                              rows_of(self.top_logprobs), accepted=self.accepted)
 
 
 @dataclass
@@ -160,6 +176,7 @@ class Speculator:
         self.device = device
         # per slot: its last verify row answered every draft (what a chained row counts on)
         self.all_accepted: torch.Tensor | None = None
+        self.replayed = 0  # verify steps that replayed the decode CUDA graphs
 
     def follow(self, batch: ForwardBatch) -> None:
         """After every target forward: a separate draft model writes its KV for the same batch."""
@@ -236,15 +253,9 @@ class Speculator:
         v = self.rows(fwd, ids, tables)
         # grammar helpers fill the drafted positions' masks while the forward runs
         runner.grammar.drafting([s for s, smp in zip(slots, sample, strict=True) if smp], v.drafts)
-        batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
-                                   self.page_size, self.device)
-        batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
-        if v.parents is not None:  # depths as positions, the tree mask (engine/run/spec_tree.py)
-            followers = (self.draft.backend,) if isinstance(self.draft, DraftModel) else ()
-            v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size, followers)
-        runner.backend.prepare(batch)
-        logits = runner.model(batch, runner.kv, runner.backend)
-        self.follow(batch)
+        logits = self._replay(runner, ids, slots, starts, lens, sample, tables, v)
+        if logits is None:
+            logits = self._eager(runner, ids, slots, starts, lens, sample, tables, v)
         req = [(s, st + n - k - 1) for s, st, n, smp, k in zip(slots, starts, lens, sample, v.row_drafts, strict=True)
                if smp]
         if not req:
@@ -254,6 +265,37 @@ class Speculator:
         if v.parents is not None:  # a tree node's token is drawn at its depth's position
             positions = [p + 1 + d for (_, p), par in zip(req, v.parents, strict=True) for d in depths(par)]
         return logits, row_slots, positions, v, [s for s, _ in req]
+
+    def _replay(self, runner: Any, ids: list[int], slots: list[int], starts: list[int], lens: list[int],
+                sample: list[int], tables: list[list[int]], v: VerifyRows) -> torch.Tensor | None:
+        """A chain verify step as one replay of the decode CUDA graphs (None: it cannot be): row
+        i's n tokens are n decode rows at positions starts[i] .. starts[i] + n - 1 over its page
+        table. Each layer writes every row's K/V before it attends, and a decode row attends up
+        to its own position, so the rows see exactly a chain's causal prefix; their logits are
+        all the row's logit rows (n = drafts + 1). The cost against a prefill-shaped verify: the
+        row's KV is read n times instead of once, small where speculation pays (batch 1-8)."""
+        g = runner.graphs
+        if g is None or v.parents is not None or not all(sample) or sum(lens) > g.max_batch:
+            return None
+        if any(n != k + 1 for n, k in zip(lens, v.row_drafts, strict=True)):
+            return None
+        rows = [(s, st + j, t) for s, st, n, t in zip(slots, starts, lens, tables, strict=True) for j in range(n)]
+        self.replayed += 1
+        return g.run_decode(ids, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], runner.last_token)
+
+    def _eager(self, runner: Any, ids: list[int], slots: list[int], starts: list[int], lens: list[int],
+               sample: list[int], tables: list[list[int]], v: VerifyRows) -> torch.Tensor:
+        """The verify forward as a prefill-shaped batch (trees, mixed steps, drafts that follow)."""
+        batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
+                                   self.page_size, self.device)
+        batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
+        if v.parents is not None:  # depths as positions, the tree mask (engine/run/spec_tree.py)
+            followers = (self.draft.backend,) if isinstance(self.draft, DraftModel) else ()
+            v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size, followers)
+        runner.backend.prepare(batch)
+        logits = runner.model(batch, runner.kv, runner.backend)
+        self.follow(batch)
+        return logits
 
     def sample(self, runner: Any, logits: torch.Tensor, row_slots: list[int], positions: list[int], v: VerifyRows,
                req_slots: list[int]) -> VerifiedResult:
@@ -285,10 +327,12 @@ class Speculator:
         nums = _to_device(torch.tensor(v.num_drafts, dtype=torch.int64), self.device)
         self.all_accepted.index_copy_(0, req_dev, res.accepted == nums)
         runner.last_token.index_copy_(0, req_dev, bonus)
-        answered = req_dev.repeat_interleave(res.accepted + 1)  # type: ignore[operator]
-        sampler.record(answered, res.token_ids)
-        if constrained:  # the matchers advance by the answered tokens only (a host read of the slots)
-            grammar.sampled(answered.tolist(), res.token_ids)
+        if sampler.tracks_history or constrained:  # (host syncs: answered rows are data-dependent)
+            answered = req_dev.repeat_interleave(res.accepted + 1)  # type: ignore[operator]
+            tokens = res.answered().token_ids
+            sampler.record(answered, tokens)
+            if constrained:  # the matchers advance by the answered tokens only
+                grammar.sampled(answered.tolist(), tokens)
         return res
 
     def _stores(self, runner: Any) -> tuple[list[KVPool], tuple[torch.Tensor, ...]]:
@@ -332,14 +376,14 @@ class Speculator:
         rows = v.logit_rows
         dev = res.token_ids.device
         b, width = len(rows), max(rows)
-        req = torch.repeat_interleave(torch.arange(b), torch.tensor(rows)).to(dev)
-        col = torch.cat([torch.arange(n) for n in rows]).to(dev)
+        req = _to_device(torch.repeat_interleave(torch.arange(b), torch.tensor(rows)), dev)
+        col = _to_device(torch.cat([torch.arange(n) for n in rows]), dev)
         target = torch.full((b, width), -1, dtype=torch.int64, device=dev)
         target[req, col] = res.token_ids
         drafts = torch.full((b, width), -2, dtype=torch.int64)  # -2 pads: never a token, never -1
         for i, d in enumerate(v.drafts):
             drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        match = target[:, :-1] == drafts[:, :-1].to(dev) if width > 1 else target[:, :0] == 0
+        match = target[:, :-1] == _to_device(drafts[:, :-1], dev) if width > 1 else target[:, :0] == 0
         accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # the longest matching prefix
         bonus = target.gather(1, accepted.unsqueeze(1)).squeeze(1)
         if valid is not None:
@@ -348,15 +392,11 @@ class Speculator:
 
 
 def _answered(res: SampleResult, keep: torch.Tensor, accepted: torch.Tensor) -> VerifiedResult:
-    """The answered rows (`keep`, over the logit rows) of a verify step's draws."""
-
-    def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[keep]
-
-    return VerifiedResult(res.token_ids[keep], rows_of(res.logprobs), rows_of(res.top_ids),
-                          rows_of(res.top_logprobs), accepted=accepted)
+    """A verify step's draws with the answered ones marked (`keep`, bool over the logit rows)."""
+    return VerifiedResult(res.token_ids, res.logprobs, res.top_ids, res.top_logprobs, accepted=accepted,
+                          keep=keep.to(torch.int32))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device without a stream sync (as the runner's)."""
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)

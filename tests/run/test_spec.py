@@ -34,7 +34,7 @@ def _verify(sampler: Sampler, logits: torch.Tensor, slots: list[int], starts: li
     v = VerifyRows([len(d) for d in drafts], drafts, [len(d) for d in drafts])
     out, bonus = Speculator(None, 16, torch.device("cpu")).accept(res, v)
     accepted = out.accepted.tolist()
-    toks, answered, off = out.token_ids.tolist(), [], 0
+    toks, answered, off = out.answered().token_ids.tolist(), [], 0
     for a in accepted:
         answered.append(toks[off : off + a + 1])
         off += a + 1

@@ -41,7 +41,7 @@ def _tree_verify(logits: torch.Tensor, starts: list[int], drafts: list[list[int]
     v = VerifyRows([len(d) for d in drafts], drafts, [len(d) for d in drafts], parents=parents)
     keep, accepted, bonus, path = accept_tree(res, v, None)
     out = _answered(res, keep, accepted)
-    toks, answered, off = out.token_ids.tolist(), [], 0
+    toks, answered, off = out.answered().token_ids.tolist(), [], 0
     for a in accepted.tolist():
         answered.append(toks[off : off + a + 1])
         off += a + 1
@@ -73,7 +73,7 @@ def test_tree_accepts_the_longest_accepted_path() -> None:
     s.add(0, SampleParams(seed=3, temperature=0.0))
     res = s.sample(logits[11:15], [0] * 4, [31, 32, 33, 34])
     out, b = sp.accept(res, VerifyRows([3], [d2], [3]))
-    assert out.accepted.tolist() == [2] and out.token_ids.tolist() == answered[2] and b.tolist() == [bonus[2]]
+    assert out.accepted.tolist() == [2] and out.answered().token_ids.tolist() == answered[2] and b.tolist() == [bonus[2]]
 
 
 def test_compaction_moves_the_accepted_path_into_consecutive_slots() -> None:
