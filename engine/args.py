@@ -88,6 +88,8 @@ HELP = {
     "speculative_eagle_topk": "drafts per position; 1 (chains) only for now",
     "speculative_draft_model_path": "STANDALONE: a separate draft model's directory, with the target's tokenizer "
     "(its own KV pool over the target's pages); EAGLE, EAGLE3: the head's directory (HF EAGLE / EAGLE-3 format)",
+    "speculative_corrupt_drafts": "NGRAM, for benchmarks (bin/bench spec --corrupt): each looked-up draft is "
+    "replaced by a wrong token with this chance, seeded by request and position (0: off)",
     "speculative_draft_layers": "STANDALONE self-draft: the target's first N layers plus its final norm and head "
     "draft; their KV is the target's own (0: off)",
     "chat_template": "a Jinja chat template file to use instead of the model's own (e.g. "

@@ -71,6 +71,7 @@ class ServerConfig:
     speculative_eagle_topk: int = 1  # drafts per position: 1 (chains); > 1: NGRAM draft trees (num_steps: their depth)
     speculative_draft_model_path: str = ""  # STANDALONE: a draft model's directory; EAGLE, EAGLE3: the head's
     speculative_draft_layers: int = 0  # STANDALONE self-draft: the target's first N layers + norm + head
+    speculative_corrupt_drafts: float = 0.0  # NGRAM, benchmarking: a draft made wrong with this chance (bin/bench spec)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,7 +133,8 @@ class ServerConfig:
         algo = self.speculative_algorithm
         if not algo:
             others = (self.speculative_num_steps, self.speculative_num_draft_tokens, self.speculative_draft_layers,
-                      self.speculative_draft_model_path, self.speculative_eagle_topk != 1)
+                      self.speculative_draft_model_path, self.speculative_eagle_topk != 1,
+                      self.speculative_corrupt_drafts)
             if any(others):
                 raise ValueError("--speculative-num-steps / --speculative-num-draft-tokens / --speculative-eagle-topk "
                                  "/ --speculative-draft-* need --speculative-algorithm")
@@ -159,6 +161,8 @@ class ServerConfig:
             (not (self.speculative_draft_model_path and self.speculative_draft_layers),
              "--speculative-draft-model-path and --speculative-draft-layers: choose one draft"),
             (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),
+            (0.0 <= self.speculative_corrupt_drafts < 1.0 and (algo == "NGRAM" or not self.speculative_corrupt_drafts),
+             "--speculative-corrupt-drafts must be in [0, 1), with --speculative-algorithm NGRAM"),
         ):
             if not ok:
                 raise ValueError(problem)

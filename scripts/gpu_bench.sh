@@ -23,7 +23,9 @@
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
-#   spec      speculative decoding's machinery: Llama-3.1-8B batch 1, plain vs NGRAM k = 1 3 5 with an oracle draft
+#   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
+#             machinery: Llama-3.1-8B batch 1 (SPEC_BATCHES="1 8 32"), plain vs NGRAM k = 1 3 5 with an oracle draft
+#   specsweep where speculation stops paying: batch 1 8 32 64, NGRAM k = 1 3 5, an oracle spoiling 30% of its drafts
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
 #             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64)
@@ -39,7 +41,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specsweep specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -122,9 +124,15 @@ for what in "$@"; do case $what in
           --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llamafp8" \
           --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math-h200.json" || fails=$((fails + 1))
           grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
-  spec) run spec-llama-3.1-8b 500 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
-          --batch-sizes 1 --prompt-len 512 --output-len 256 --out "$OUT/spec-llama-3.1-8b-h200.json" \
-          || fails=$((fails + 1)); grep -A8 "k batch" "$OUT/spec-llama-3.1-8b.log" ;;
+  spec) run gpu-spec-graphs 200 python3 -m pytest -m gpu tests/gpu/test_spec_graphs_gpu.py -q -rA -p no:cacheprovider \
+          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-graphs.log" | tail -6
+        run spec-llama-3.1-8b 500 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
+          --batch-sizes ${SPEC_BATCHES:-1} --prompt-len 512 --output-len 256 --server-args "--log-dir $OUT/logs-spec" \
+          --out "$OUT/spec-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A12 "k batch" "$OUT/spec-llama-3.1-8b.log"
+        grep -h '"gpu idle"\|cuda graphs' $OUT/logs-spec/worker-0.log | tail -4 ;;
+  specsweep) run spec-sweep-llama-3.1-8b 400 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
+          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
+          --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
   nvfp4moe) run gpu-nvfp4moe 300 python3 -m pytest -m gpu tests/gpu/test_moe_nvfp4_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-nvfp4moe.log" | tail -10 ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \

@@ -46,11 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="requests decoded together")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of each random prompt")
     p.add_argument("--output-len", type=int, default=32, help="tokens each request decodes (ignore_eos)")
+    p.add_argument("--corrupt", type=float, default=0.0,
+                   help="each oracle draft made wrong with this chance (--speculative-corrupt-drafts): a per-token "
+                        "acceptance of 1 - corrupt, to find where speculation stops paying")
 
 
 def check(args: argparse.Namespace) -> str | None:
     if any(k < 1 or k > 16 for k in args.drafts):
         return "--drafts must be in 1..16"
+    if not 0.0 <= args.corrupt < 1.0:
+        return "--corrupt must be in [0, 1)"
     if any(b < 1 for b in args.batch_sizes) or args.prompt_len < 1 or args.output_len < 2:
         return "--batch-sizes and --prompt-len must be >= 1, --output-len >= 2"
     return None
@@ -95,6 +100,8 @@ def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[lis
     """One server (plain when k is None, else NGRAM with k drafts): per batch size, the warm-up
     answers, then the timed ones."""
     extra = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", str(k)] if k else []
+    if k and args.corrupt:
+        extra += ["--speculative-corrupt-drafts", str(args.corrupt)]
     rows = []
     with launched_server(args.model, args.load_format, shlex.split(args.server_args or "") + extra) as ep:
         assert ep.http is not None
@@ -141,8 +148,11 @@ def run(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         per = f"{r['of_accept']:.2f}" if r.get("of_accept") else "-"
         print(f"{r['k']:>3} {r['batch']:>5} {r['tok_s']:>9.1f} {r.get('speedup', 1.0):>8.2f} "
               f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {per:>9} {str(r.get('equal_to_plain', True)):>8}")
+    best = {b: max((r for r in results if r["batch"] == b), key=lambda r: r["tok_s"])["k"] for b in plain}
+    print("fastest per batch size (k, 0: off): " + ", ".join(f"batch {b}: k={k}" for b, k in best.items()))
     for r in results:
         del r["answers"]
     ok = all(r.get("equal_to_plain", True) and r["repeat_equal"] for r in results)
-    return {"prompt_len": args.prompt_len, "output_len": args.output_len, "results": results,
+    return {"prompt_len": args.prompt_len, "output_len": args.output_len, "corrupt": args.corrupt,
+            "fastest_k": {str(b): k for b, k in best.items()}, "results": results,
             "completed": int(ok)}  # 0 (exit 1) when an answer differs from plain decoding's

@@ -6,6 +6,7 @@ accepted. Verification itself runs on every rank (engine/run/spec.py)."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from engine.cache.radix import RadixCache
@@ -83,6 +84,8 @@ class SpecPolicy:
     cache: RadixCache | None = None  # NGRAM also looks up the prefix cache (None: radix cache off)
     topk: int = 1  # > 1: NGRAM draft trees, up to topk alternatives a position (engine/sched/spec_tree.py)
     nodes: int = 0  # a tree's drafts at most (--speculative-num-draft-tokens - 1)
+    corrupt: float = 0.0  # --speculative-corrupt-drafts: the chance a looked-up draft is made wrong
+    vocab_size: int = 0  # (what a wrong token wraps around)
 
     def eligible(self, req: Req) -> bool:
         """Requests that speculate: all of them. Each verify row is penalized with the drafts
@@ -114,10 +117,20 @@ class SpecPolicy:
         if self.algorithm != "NGRAM":
             return [-1] * k  # STANDALONE: proposed on every rank by the draft model
         if pending is None:
-            return self.tree_drafts(req, k) or ngram_drafts(req.all_ids, k)
+            return self._corrupted(req, len(req.all_ids), self.tree_drafts(req, k) or ngram_drafts(req.all_ids, k))
         tail = list(pending)
         guess = self.tree_drafts(req, k + 1, tail) or ngram_drafts(req.all_ids + tail, k + 1)
-        return guess[1:]
+        return self._corrupted(req, len(req.all_ids) + len(tail) + 1, guess[1:])
+
+    def _corrupted(self, req: Req, at: int, drafts: list[int]) -> list[int]:
+        """`drafts` (the first one at token position `at`), each replaced by the next token id
+        with chance `corrupt`: bin/bench spec's oracle draft (the cached answer) with a per-token
+        acceptance of 1 - corrupt. A pure function of the request's seed and the position, so a
+        draft is the same whenever it is looked up (a chained row's guess and its later row)."""
+        if not self.corrupt or not drafts:
+            return drafts
+        return [(t + 1) % self.vocab_size if _chance(req.rid, req.seed, at + i) < self.corrupt else t
+                for i, t in enumerate(drafts)]
 
     def row(self, req: Req, room: int, pending: list[int] | None = None) -> tuple[list[int], list[int] | None]:
         """req's next row's drafts and, for a tree, their parents (None: a chain). Trees with
@@ -144,3 +157,8 @@ class SpecPolicy:
             return []
         node = req.node if req.node is not None else self.cache.root
         return self.cache.continuation(node, req.all_ids[self.cache.depth(node):] + (tail or []), k)
+
+
+def _chance(rid: str, seed: int, position: int) -> float:
+    """A uniform [0, 1) draw keyed by (request, seed, position), the same in every process."""
+    return zlib.crc32(f"{rid}/{seed}/{position}".encode()) / 2**32

@@ -51,6 +51,7 @@ class SchedConfig:
     spec_steps: int = 0  # drafts per row at most (a tree's depth)
     spec_topk: int = 1  # > 1: NGRAM draft trees, up to topk alternatives a position (engine/sched/spec_tree.py)
     spec_tree_nodes: int = 0  # a tree's drafts at most (--speculative-num-draft-tokens - 1)
+    spec_corrupt: float = 0.0  # bin/bench spec's oracle: a looked-up draft made wrong with this chance
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -84,6 +85,7 @@ class SchedConfig:
             spec_steps=cfg.speculative_num_steps,
             spec_topk=cfg.speculative_eagle_topk,
             spec_tree_nodes=cfg.speculative_num_draft_tokens - 1,
+            spec_corrupt=cfg.speculative_corrupt_drafts,
         )
 
 
@@ -114,7 +116,8 @@ class SchedState:
         self.rng = random.Random(self.cfg.seed)
         self.spec = SpecPolicy(self.cfg.spec_algorithm, self.cfg.spec_steps,
                                self.cache if self.cfg.enable_radix else None, self.cfg.spec_topk,
-                               self.cfg.spec_tree_nodes) if self.cfg.spec_algorithm else None
+                               self.cfg.spec_tree_nodes, self.cfg.spec_corrupt,
+                               self.cfg.vocab_size) if self.cfg.spec_algorithm else None
 
 
 def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:

@@ -233,6 +233,23 @@ def test_ngram_drafts_from_the_prefix_cache(model, plain: LocalEngine, ngram: Lo
     assert ngram.core.leak_free()
 
 
+def test_a_corrupting_oracle_lowers_acceptance_not_the_tokens(model, plain: LocalEngine) -> None:  # noqa: ANN001
+    """--speculative-corrupt-drafts 0.5 (bin/bench spec --corrupt): the cached answer's drafts,
+    each spoiled with chance 1/2, are accepted about 1 + 1/2 + 1/4 + 1/8 tokens a row (3 drafts),
+    and the answer is still plain decoding's."""
+    prompt = model[1][3]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    (want,) = _ids(plain.generate([prompt], params))
+    eng = _engine(model[0], speculative_algorithm="NGRAM", speculative_corrupt_drafts=0.5)
+    assert _ids(eng.generate([prompt], params)) == [want]
+    st = eng.core.state.spec_stats
+    rows, accepted = st.rows, st.accepted
+    assert _ids(eng.generate([prompt], params)) == [want]
+    length = 1 + (st.accepted - accepted) / (st.rows - rows)
+    assert 1.2 < length < 3.0, f"accept length {length:.2f} with half the oracle's drafts spoiled"
+    assert eng.core.leak_free()
+
+
 def test_overlapped_rows_chain_and_void_rows_answer_nothing(model, plain: LocalEngine,  # noqa: ANN001
                                                             ngram: LocalEngine) -> None:
     """Overlap while speculating: a request's next verify row is planned before its previous one

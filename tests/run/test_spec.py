@@ -15,9 +15,11 @@ from engine.config import ServerConfig
 from engine.replica import ReplicaError, rank_replica
 from engine.run.sampler import SampleParams, Sampler
 from engine.run.spec import Speculator, VerifyRows
-from engine.sched.spec import ngram_drafts
+from engine.sched.request import Req
+from engine.sched.spec import SpecPolicy, ngram_drafts
 from msgs.codec import pack_ids
 from msgs.done import FromWorker, SpecDone, StepDone
+from msgs.params import SamplingParams
 from msgs.steps import AddReq, Drafts, ExtendPages, Forward, Step, ToWorker, TrimReq, WorkerSampling
 
 V = 6
@@ -97,6 +99,28 @@ def test_ngram_drafts_follow_the_latest_match() -> None:
     assert ngram_drafts(ids, 0) == []
 
 
+def test_a_corrupting_oracle_spoils_drafts_at_its_rate_and_the_same_way_each_time() -> None:
+    """--speculative-corrupt-drafts (bin/bench spec's oracle with a per-token acceptance)."""
+    prompt = list(range(10, 40)) * 2  # "... 38 39 | 10 11 ...": the n-gram lookup's continuation
+    req = Req("r1", prompt, SamplingParams(), seed=7, max_new_tokens=64, arrival=0)
+    clean = SpecPolicy("NGRAM", 5)
+    spoiled = SpecPolicy("NGRAM", 5, corrupt=0.3, vocab_size=1000)
+    want = clean.drafts(req, 5)
+    assert want == ngram_drafts(prompt, 5) and len(want) == 5
+    assert spoiled.drafts(req, 5) == spoiled.drafts(req, 5)  # a pure function of request and position
+    wrong = total = 0
+    for n in range(30, 60):  # the same lookups at 30 positions
+        req.prompt_ids = prompt[:n]
+        good, got = clean.drafts(req, 5), spoiled.drafts(req, 5)
+        assert all(g == t or g == (t + 1) % 1000 for g, t in zip(got, good, strict=True))
+        wrong += sum(g != t for g, t in zip(got, good, strict=True))
+        total += len(good)
+    assert total >= 100 and 0.15 < wrong / total < 0.45
+    other = Req("r2", prompt, SamplingParams(), seed=7, max_new_tokens=64, arrival=1)
+    assert [spoiled.drafts(Req(f"r{i}", prompt, SamplingParams(), seed=7, max_new_tokens=64, arrival=i), 5)
+            for i in range(8)] != [spoiled.drafts(other, 5)] * 8  # another request, other spoils
+
+
 def _sampling() -> WorkerSampling:
     return WorkerSampling(0.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 1, False, 0)
 
@@ -151,6 +175,9 @@ def test_wire_plain_steps_unchanged_and_spec_messages_round_trip() -> None:
     (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/tmp", speculative_draft_layers=2),
      "choose one draft"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=40), "--speculative-num-steps"),
+    (dict(speculative_algorithm="NGRAM", speculative_corrupt_drafts=1.0), "--speculative-corrupt-drafts"),
+    (dict(speculative_algorithm="STANDALONE", speculative_draft_layers=2, speculative_corrupt_drafts=0.3),
+     "--speculative-corrupt-drafts"),
 ])
 def test_bad_speculative_flags_fail_at_start(kw: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag.replace("-", r"\-").replace("*", r"\*")):
