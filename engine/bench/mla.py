@@ -33,21 +33,22 @@ R, P = 512, 64  # DeepSeek-V3's kv_lora_rank and rope dims
 H200_BF16_PEAK_TFLOPS = 989.0  # dense, data sheet
 WORKING_SET = 1 << 30  # bytes of latents a timed replay reads (layers rotate)
 CAPACITY_MODELS = ("deepseek-v3", "deepseek-v3-5l", "llama-3.1-8b", "qwen3-0.6b", "qwen3-30b-a3b", "llama-3.1-70b")
-# block_h, block_n, warps, stages: those ptxas compiles without (or with a few bytes of) spills for
-# sm_90a with triton 3.9 (engine/layers/mla_kernels.py: WIDE_CONFIG), and deeper pipelines of the
-# 64-head tile; sweep_configs() keeps those whose shared memory fits Hopper at any v_split the batch picks
-# ((64, 64, 8, 2) asked 253,952 bytes on the first H200 run; (64, 32, 8, 3) 233,472 at v_split 2)
-_CANDIDATES = [(16, 32, 4, 2), (16, 32, 4, 3), (16, 16, 4, 3), (32, 32, 8, 2), (32, 32, 8, 3), (32, 64, 8, 2),
-               (64, 32, 8, 2), (64, 16, 8, 2), (64, 16, 8, 4), (64, 64, 8, 2), (64, 32, 8, 3)]
+# block_h, block_n, warps, stages: the defaults (engine/layers/mla_kernels.py: (64, 32, 8, 3) at
+# >= 64 heads, (16, 32, 4, 3) below), the first run's num_stages=2 defaults (no load/math overlap),
+# and deeper or wider pipelines; sweep_configs() keeps those that fit Hopper's shared memory at
+# v_split 1 (a larger v_split is halved until it fits: mla_kernels.fitting_v_split)
+_CANDIDATES = [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 4), (64, 16, 8, 3), (32, 32, 8, 3), (16, 32, 4, 3),
+               (16, 32, 4, 2), (16, 64, 4, 3), (64, 64, 8, 3)]
 REPO = Path(__file__).resolve().parents[2]
 
 
 def sweep_configs() -> list[tuple[int, int, int, int]]:
     """The tile configs `--sweep` times (and tests/gpu compiles): those of _CANDIDATES that fit
-    Hopper's shared memory (imports triton: not at this module's import, which the CLI does)."""
+    Hopper's shared memory at v_split 1 (imports triton: not at this module's import, which the
+    CLI does)."""
     from engine.layers.mla_kernels import HOPPER_SHARED, MLAKernelConfig
 
-    return [c for c in _CANDIDATES if MLAKernelConfig(*c).shared_bytes(R, P) <= HOPPER_SHARED]
+    return [c for c in _CANDIDATES if MLAKernelConfig(*c).shared_bytes(R, P, v_split=1) <= HOPPER_SHARED]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

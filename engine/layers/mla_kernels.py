@@ -51,7 +51,11 @@ class MLAKernelConfig:
     block_h: int = 16  # query heads a program takes (a tensor-core tile's rows)
     block_n: int = 32  # tokens per tile
     num_warps: int = 4
-    num_stages: int = 2
+    # 3: triton's pipeliner issues a tile's copies at the end of the iteration two tiles ahead and
+    # waits with one tile still in flight; at 2 it issues the next tile's copies after this tile's
+    # math and the next iteration starts by waiting for them (no overlap of load and math: the
+    # first H200 run's ~3.4 us a 32-token tile). Bits do not depend on it.
+    num_stages: int = 3
     min_split: int = 0  # tokens a split covers at least (a multiple of MIN_SPLIT_TOKENS); 0: min_split(H)
     v_split: int = 0  # programs a (row, head block, split) shares its output columns over; 0: v_split()
 
@@ -70,25 +74,32 @@ class MLAKernelConfig:
         if self.v_split and not pow2(self.v_split):
             raise ValueError(f"MLAKernelConfig.v_split must be 0 or a power of two, got {self.v_split}")
 
-    def shared_bytes(self, rank: int = 512, rope: int = 64, itemsize: int = 2) -> int:
-        """Shared memory the split kernel takes (triton 3.9, sm_90a, a 16-bit pool) at the largest
-        of its v_splits (the config's, else 2: the batch picks 1, 2 or 4): num_stages buffers of
-        a tile's latents (BLOCK_N x (R + P)) and, with v_split > 1, of its value columns (BLOCK_N x
-        R / v_split), plus the queries (BLOCK_H x (R + P)). It gives what the compiler asked for on
-        the H200: 147,456 bytes for (64, 32, 8, 2) at v_split 1 (ptxas), 253,952 for (64, 64, 8, 2)
-        at v_split 4 (the OutOfResources of the first run)."""
+    def shared_bytes(self, rank: int = 512, rope: int = 64, itemsize: int = 2, v_split: int = 0) -> int:
+        """Shared memory the split kernel takes (triton 3.9, sm_90a, a 16-bit pool) at `v_split`
+        (0: the config's, else 1): buffers of a tile's latents (BLOCK_N x (R + P)) and, with
+        v_split > 1, of its value columns (BLOCK_N x R / v_split), plus the queries (BLOCK_H x (R +
+        P)). Warpgroup MMA tiles (64+ heads, whole warpgroups) keep num_stages buffers; mma.sync
+        tiles num_stages - 1 and a BLOCK_H x BLOCK_N scratch for the probabilities. To the byte
+        what the compiler asks for (scripts/mla_aot.py) at (64, 32, 8, 2|3), (64, 64, 8, 2),
+        (16|32, 32|64, 4|8, 2|3) and v_split 1, 2, 4; 253,952 for (64, 64, 8, 2) at v_split 4 was
+        the first H200 run's OutOfResources."""
         rb, pb = padded(rank), padded(rope)
-        v = self.v_split or 2
+        v = v_split or self.v_split or 1
         cols = rb + pb + (rb // v if v > 1 else 0)
-        return (self.num_stages * self.block_n * cols + self.block_h * (rb + pb)) * itemsize
+        queries = self.block_h * (rb + pb)
+        if self.block_h >= 64 and self.num_warps % 4 == 0:  # wgmma
+            return (self.num_stages * self.block_n * cols + queries) * itemsize
+        return ((self.num_stages - 1) * self.block_n * cols + queries + self.block_h * self.block_n) * itemsize
 
 
 DEFAULT_CONFIG = MLAKernelConfig()
 # 64 heads a program: Hopper's warpgroup MMA (wgmma needs 64 rows; 16 and 32 take mma.sync) and a
-# latent tile read once for 64 heads, not 8 times for 16. What ptxas says for sm_90a (triton 3.9,
-# bf16 pool): 255 registers, 40 bytes of spills, 8 warps (147 KB shared memory, one program an SM);
-# (16, 32, 4, 2): 192 registers. Unmeasured on the H200 yet: `bin/bench mla --sweep` times both.
-WIDE_CONFIG = MLAKernelConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+# latent tile read once for 64 heads, not 8 times for 16. What triton 3.9 + ptxas 13.4 give for
+# sm_90a on a bf16 pool (scripts/mla_aot.py, no GPU needed): v_split 4: 174 registers, no spills,
+# 204 KiB shared memory; v_split 1: 255 registers, 188 bytes of spills, 180 KiB (one program an
+# SM); v_split 2 would take 228 KiB (over Hopper's 227), so the batch gets 1 instead
+# (`fitting_v_split`). (16, 32, 4, 3): 210 registers, no spills, 91 KiB at v_split 1.
+WIDE_CONFIG = MLAKernelConfig(block_h=64, block_n=32, num_warps=8, num_stages=3)
 
 
 def default_config(heads: int) -> MLAKernelConfig:
@@ -109,6 +120,22 @@ def v_split(batch: int, head_blocks: int, rank: int) -> int:
     while v > 1 and rank // v < 64:
         v //= 2
     return v
+
+
+def fitting_v_split(v: int, config: MLAKernelConfig, rank: int, rope: int, itemsize: int, limit: int) -> int:
+    """`v` halved until the config's shared memory at it fits `limit` bytes (a v_split > 1 stages
+    its value columns beside the latents): any v gives the same bits, so the fit may choose it."""
+    while v > 1 and config.shared_bytes(rank, rope, itemsize, v_split=v) > limit:
+        v //= 2
+    return v
+
+
+@functools.cache
+def _shared_limit(device: torch.device) -> int:
+    """Shared memory bytes a block may opt into on `device` (Hopper's on the CPU interpreter)."""
+    if device.type != "cuda":
+        return HOPPER_SHARED
+    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
 
 
 def min_split(heads: int) -> int:
@@ -311,7 +338,8 @@ def mla_decode(
     lo = cfg.min_split or min_split(h)
     blocks = triton.cdiv(h, cfg.block_h)
     rb, pb = padded(r), padded(p)
-    vsplit = cfg.v_split or v_split(b, blocks, r)
+    limit = _shared_limit(q_lat.device)
+    vsplit = cfg.v_split or fitting_v_split(v_split(b, blocks, r), cfg, r, p, q_lat.element_size(), limit)
     if rb % vsplit:
         raise ValueError(f"v_split {vsplit} does not divide the padded latent rank {rb}")
     _mla_split_kernel[(blocks * vsplit, b, MAX_SPLITS)](
