@@ -102,6 +102,55 @@ def test_every_swept_tile_config_gives_the_default_output() -> None:
         assert (got - want).abs().max() <= 0.01 * want.abs().max(), c
 
 
+@pytest.mark.parametrize(("r", "p", "dtype"),
+                         [(32, 8, torch.float32), (32, 8, torch.bfloat16), (24, 12, torch.float32)],
+                         ids=["tiny-v3-fp32", "tiny-v3-bf16", "not-pow2"])
+def test_latent_dims_below_16_compile_and_match(r: int, p: int, dtype: torch.dtype) -> None:
+    """The tiny DeepSeek-V3 of tests/models (32 + 8: tl.dot's K >= 16 failed to compile on the
+    first H200 run) and dims that are not powers of two: padded, masked, against float32."""
+    from engine.layers import mla_kernels
+
+    ps, lens, h = 16, [3, 40, 700, 17], 4
+    pages = sum(-(-n // ps) for n in lens) + 2
+    g = torch.Generator(device=CUDA).manual_seed(11)
+    lat = torch.randn(pages * ps, 1, r + p, generator=g, device=CUDA).to(dtype)
+    batch = _decode_batch(lens, ps, pages, seed=12)
+    q_lat = torch.randn(len(lens), h, r, generator=g, device=CUDA).to(dtype)
+    q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(dtype)
+    got = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.3, ps).float()
+    for i, n in enumerate(lens):
+        pos = torch.arange(n, device=CUDA)
+        kv = lat[batch.page_table[i, pos // ps].long() * ps + pos % ps, 0].float()
+        probs = (torch.cat([q_lat[i], q_pe[i]], -1).float() @ kv.T * 0.3).softmax(-1)
+        want = probs @ kv[:, :r]
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert (got[i] - want).abs().max() <= tol * max(1.0, want.abs().max().item()), (i, n)
+
+
+def test_bench_point_batch_8_in_a_cuda_graph() -> None:
+    """bin/bench mla's point that died with an illegal memory access on the first H200 run (128
+    heads, bf16, batch 8, context 1024, 61 layers' pools): the kernel's rows against float32, then
+    captured in a CUDA graph on a side stream (as do_bench_cudagraph does) and replayed: the same
+    output."""
+    from engine.bench.mla import _Point
+
+    pt = _Point(128, torch.bfloat16, 8, 1024, 16, CUDA)
+    run = pt.ours()
+    torch.cuda.synchronize()  # the point's setup ran on the default stream
+    eager = run()
+    assert pt.error(eager) < 0.02
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 TINY = {  # a DeepSeek-V3 whose latent dims the compiled kernel takes (tl.dot: dims >= 16)
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 128,
     "intermediate_size": 192, "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1,
