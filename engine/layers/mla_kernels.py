@@ -135,7 +135,8 @@ def _shared_limit(device: torch.device) -> int:
     """Shared memory bytes a block may opt into on `device` (Hopper's on the CPU interpreter)."""
     if device.type != "cuda":
         return HOPPER_SHARED
-    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED))
 
 
 def min_split(heads: int) -> int:
