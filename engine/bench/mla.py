@@ -147,9 +147,10 @@ class _Point:
         """Relative max error of `out` (ours on the last layer) at rows 0 and B-1 against a float32
         softmax over their latents gathered through the page table: a wrong kernel is not timed."""
         lat, errs = self.pool[-1], []
+        raw = lat.view(torch.uint8) if lat.element_size() == 1 else lat  # fp8 gathered as bytes
         pos = torch.arange(self.ctx, device=lat.device)
         for i in sorted({0, self.batch - 1}):
-            kv = lat[self.table[i, pos // self.ps].long() * self.ps + pos % self.ps, 0].float()
+            kv = raw[self.table[i, pos // self.ps].long() * self.ps + pos % self.ps, 0].view(lat.dtype).float()
             q = torch.cat([self.q_lat[i], self.q_pe[i]], -1).float()
             want = (q @ kv.T * self.scale).softmax(-1) @ kv[:, :R]
             errs.append(float((out[i].float() - want).abs().max() / want.abs().max()))
