@@ -25,7 +25,10 @@ would help a small batch (more programs) and cost a large one (partials past the
 sweep times `MLAKernelConfig.min_split` against it.
 
 The pool's dtype: bf16/fp16/fp32, or fp8 e4m3 stored unscaled (as KVPool stores it), read as
-bytes and widened to q's dtype in the kernel.
+bytes and widened to q's dtype in the kernel. R and P of any size: the tiles pad them to a power
+of two >= 16 (tl.dot's K) with masked columns. A tile's loads are pipelined (num_stages 3: one
+tile in flight during another's math; `scripts/mla_aot.py` shows it in the sm_90a code, with
+the shared memory that `MLAKernelConfig.shared_bytes` predicts).
 """
 
 from __future__ import annotations
