@@ -319,3 +319,30 @@ def test_bench_point_is_checked_against_float32() -> None:
     pt = _Point(16, torch.bfloat16, 2, 70, 16, torch.device("cpu"))
     assert pt.table.shape == (2, 5) and int(pt.table.min()) >= 1 and int(pt.table.max()) < pt.pages
     assert pt.error(pt.ours()()) < 0.02
+
+
+def test_compiles_for_hopper_without_a_gpu() -> None:
+    """The kernel compiled for sm_90a here (scripts/mla_aot.py: triton's nvidia backend and ptxas,
+    no device; a process of its own, as this one interprets the kernels): the tiny DeepSeek-V3's
+    32 + 8 latent in float32 (failed tl.dot's K >= 16 on the first H200 run) and the V3 default
+    tile at v_split 4: shared memory as `shared_bytes` predicts and within Hopper's, and a tile's
+    copies still pending while the previous tile's math runs (num_stages 2 had none)."""
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[2] / "scripts" / "mla_aot.py"
+
+    def aot(*args: str) -> list[tuple[int, int, int]]:
+        res = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        rows = re.findall(r"shared +(\d+) \(estimate +(\d+)\) fits +pending at the wait +(\d+)", res.stdout)
+        return [tuple(int(x) for x in r) for r in rows]
+
+    assert len(aot("--r", "32", "--p", "8", "--dtype", "fp32", "--config", "16", "32", "4", "3", "--v-split", "1")) == 1
+    wide = mla_kernels.default_config(128)
+    cfg = [str(x) for x in (wide.block_h, wide.block_n, wide.num_warps, wide.num_stages)]
+    ((shared, estimate, pending),) = aot("--config", *cfg, "--v-split", "4")
+    assert shared == estimate == wide.shared_bytes(v_split=4) and pending >= 3  # latents, rope keys, values
