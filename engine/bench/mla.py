@@ -266,6 +266,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         figures["points"].append(_point(h, k, b, c, args, device, copy_gbs, with_flashinfer=False))
         print(_line(figures["points"][-1]), flush=True)
     if args.sweep and device.type == "cuda":
+        report.write_record(record(), args.out)  # the points kept should the sweep run past a time limit
         figures["sweep"] = sweep(args, device)
         for where, res in figures["sweep"].items():
             ok = sorted((t, c) for c, t in res.items() if isinstance(t, float))
