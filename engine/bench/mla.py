@@ -270,7 +270,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         figures["sweep"] = sweep(args, device)
         for where, res in figures["sweep"].items():
             ok = sorted((t, c) for c, t in res.items() if isinstance(t, float))
-            print(f"sweep {where}: " + "  ".join(f"{c} {t:.1f}us" for t, c in ok[:5]), flush=True)
+            print(f"sweep {where}: " + "  ".join(f"{c} {t:.1f}us" for t, c in ok), flush=True)
     report.write_record(record(), args.out)
     if not args.no_flashinfer and device.type == "cuda":  # bf16 pools only (one JIT module), first heads
         print(f"flashinfer BatchMLAPagedAttentionWrapper beside ours ({args.heads[0]} heads, bf16 latent pool):")
