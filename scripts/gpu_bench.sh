@@ -26,9 +26,12 @@
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
 #             machinery: Llama-3.1-8B batch 1 (SPEC_BATCHES="1 8 32"), plain vs NGRAM k = 1 3 5 with an oracle draft
 #   specsweep where speculation stops paying: batch 1 8 32 64, NGRAM k = 1 3 5, an oracle spoiling 30% of its drafts
+#   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
+#             a plain step is 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
-#             CUDA graphs) and offline (128 x 500/200), then DeepSeek-V3-5L latency (batch 1 64)
+#             CUDA graphs) and moeoffline, then DeepSeek-V3-5L latency (batch 1 64)
+#   moeoffline Qwen3-30B-A3B offline, 256 x 1000/1000 (the issue's shape, beside llama8m's Llama-3.1-8B)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   nvfp4moe  NVFP4 MoE checkpoints on CUDA (tests/gpu/test_moe_nvfp4_gpu.py): experts dequantized at load, vs CPU
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
@@ -41,7 +44,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moesweep nvfp4moe cp mla heads spec specsweep specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moeoffline moesweep nvfp4moe cp mla heads spec specsweep specmla specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -58,6 +61,13 @@ run() {  # name, timeout, command...
   echo "rc=$rc in $(( $(date +%s) - t0 )) s"; grep -A14 "Result ==" "$OUT/$name.log" | head -24
   [ $rc = 0 ] || { tail -40 "$OUT/$name.log"; for f in /tmp/strata-bench-*/serve.log; do [ -f "$f" ] && tail -60 "$f"; done; }
   return $rc
+}
+moe_offline() {
+  run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy \
+    --num-requests 256 --input-len 1000 --output-len 1000 \
+    --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-moe" \
+    --out "$OUT/offline-qwen3-30b-a3b-1000-1000-h200.json" || fails=$((fails + 1))
+  grep -h '"gpu idle"' "$OUT"/logs-moe/worker-0.log | tail -2
 }
 fails=0
 for what in "$@"; do case $what in
@@ -133,6 +143,9 @@ for what in "$@"; do case $what in
   specsweep) run spec-sweep-llama-3.1-8b 400 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
           --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
+  specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
+          --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
+          || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log" ;;
   nvfp4moe) run gpu-nvfp4moe 300 python3 -m pytest -m gpu tests/gpu/test_moe_nvfp4_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-nvfp4moe.log" | tail -10 ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \
@@ -142,12 +155,11 @@ for what in "$@"; do case $what in
        run latency-qwen3-30b-a3b 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
          --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-h200.json" || fails=$((fails + 1))
        grep -A6 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b.log"; grep -h "cuda graphs\|runner ready" "$OUT/latency-qwen3-30b-a3b.log" | tail -3
-       run offline-qwen3-30b-a3b 120 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy --num-requests 128 \
-         --input-len 500 --output-len 200 --server-args "--max-running-requests 128 --max-prefill-tokens 16384 --log-dir $OUT/logs-moe" \
-         --out "$OUT/offline-qwen3-30b-a3b-500-200-h200.json" || fails=$((fails + 1))
+       moe_offline
        run latency-deepseek-v3-5l 100 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 64 \
          --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
+  moeoffline) moe_offline ;;
   moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
