@@ -343,7 +343,9 @@ def mla_decode(
     blocks = triton.cdiv(h, cfg.block_h)
     rb, pb = padded(r), padded(p)
     limit = _shared_limit(q_lat.device)
-    vsplit = cfg.v_split or fitting_v_split(v_split(b, blocks, r), cfg, r, p, q_lat.element_size(), limit)
+    # a v_split that does not fit the device's shared memory is halved, a config's own too (the
+    # first H200 run: (64, 32, 8, 3) asks 233,472 bytes at v_split 2, 1 KB over Hopper's limit)
+    vsplit = fitting_v_split(cfg.v_split or v_split(b, blocks, r), cfg, r, p, q_lat.element_size(), limit)
     if rb % vsplit:
         raise ValueError(f"v_split {vsplit} does not divide the padded latent rank {rb}")
     _mla_split_kernel[(blocks * vsplit, b, MAX_SPLITS)](

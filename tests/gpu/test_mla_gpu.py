@@ -69,8 +69,12 @@ def test_kernel_rows_are_batch_invariant() -> None:
     q_lat = torch.randn(len(lens), h, r, generator=g, device=CUDA).to(torch.bfloat16)
     q_pe = torch.randn(len(lens), h, p, generator=g, device=CUDA).to(torch.bfloat16)
     full = mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps)
-    for v in (1, 2):  # the batch size picks the column split (4 here): the bits do not move with it
-        cfg = replace(mla_kernels.default_config(h), v_split=v)
+    wide = mla_kernels.default_config(h)
+    limit = torch.cuda.get_device_properties(CUDA).shared_memory_per_block_optin
+    fits = [v for v in (1, 2, 4) if wide.shared_bytes(r, p, 2, v_split=v) <= limit]
+    assert len(fits) >= 2 and 1 in fits  # (v_split 2 of the 3-stage wide tile is 1 KB too big on an H200)
+    for v in fits:  # the batch size picks the column split (4 here): the bits do not move with it
+        cfg = replace(wide, v_split=v)
         assert torch.equal(mla_kernels.mla_decode(q_lat, q_pe, lat, batch.page_table, batch.seq_lens, 0.07, ps,
                                                   cfg), full), f"v_split {v}"
     for i in range(len(lens)):
