@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
-from engine.layers.kv_pool import KVPool
+from engine.layers.kv_pool import PAD_PAGE, KVPool
 
 log = structlog.get_logger()
 
@@ -186,6 +186,11 @@ class TorchAttention(AttentionBackend):
         self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
         self._kernel = False  # that path's CUDA kernel takes this model (bind)
         self._tree_masks: dict[int, torch.Tensor] = {}  # the next prepare's draft trees (set_tree_masks)
+        # deterministic decode in CUDA graphs (bind): (page table, KV lengths) of the graph's rows,
+        # set for capture / replay and cleared by prepare; the layer that rebuilds the blocks
+        self._graph: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._g_layer: int | None = None
+        self._g_now: tuple[torch.Tensor, ...] = ()
 
     def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
         """Speculative decoding's draft trees, for the next `prepare` only: request i's new
@@ -201,10 +206,57 @@ class TorchAttention(AttentionBackend):
     ) -> None:
         self._kernel = batch_invariant.kernel_fits(num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
                                                    self.device)
+        # deterministic inference on CUDA: decode is captured when the invariant kernel takes it,
+        # through engine/run/cuda_graph.py's dense-table protocol (as mla_attention.MLABackend)
+        self.supports_cuda_graph = batch_invariant.enabled() and self._kernel and kv_pool.layout.is_gqa
+        if self.supports_cuda_graph:
+            self.bind_graphs(max_batch, max_pages_per_req)
+
+    def bind_graphs(self, max_batch: int, max_pages_per_req: int) -> None:
+        """The static buffers a captured decode reads: lengths, a dense page table, the blocks."""
+        self._g_seq = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        self._g_table = torch.full((max_batch, max_pages_per_req), PAD_PAGE, dtype=torch.int32, device=self.device)
+        # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
+        self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
+        self._g_blocks = batch_invariant.DecodeBlocks(max_batch, self.device)
+
+    def uses_table(self, batch_size: int) -> bool:
+        return True
+
+    def graph_wrapper(self, bs: int) -> None:
+        """Before capturing size `bs`: every row padding (one token on the padding page)."""
+        empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
+        self.set_graph_table(bs, empty[:, 0], empty)
+        self._g_layer = None  # the first layer its forward attends rebuilds the blocks
+
+    def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
+        """This step's seq_lens int32 [b] and page table int32 [b, w] (device) into the static
+        buffers the graph of size `bs` reads; rows b..bs become padding. Columns past w hold the
+        padding page, as in an eager batch's table."""
+        b, w = table.shape
+        self._g_seq[:b].copy_(seq_lens)
+        self._g_table[:b, :w].copy_(table)
+        self._g_table[:b, w:].fill_(PAD_PAGE)
+        if b < bs:
+            self._g_seq[b:bs].fill_(1)
+            self._g_table[b:bs].fill_(PAD_PAGE)
+        self._graph = (self._g_table[:bs], self._g_seq[:bs])
+
+    def _graph_attend(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool) -> torch.Tensor:
+        """A decode step in a CUDA graph (its capture and warm-up): one kernel block per row, the
+        blocks rebuilt from the static lengths by device ops in the forward's first attention
+        layer, so that a replay rebuilds them; the same bits as the eager plan's blocks."""
+        table, seq = self._graph
+        if self._g_layer is None:
+            self._g_layer = layer_id
+        if layer_id == self._g_layer:
+            self._g_now = self._g_blocks.fill(seq, kv_pool.page_size)
+        return batch_invariant.attend_blocks(q, self._g_now, table, kv_pool, layer_id)
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
         trees, self._tree_masks = self._tree_masks, {}
+        self._graph = None  # an eager step: attention reads the batch's page table
         if batch_invariant.enabled():
             self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel)
             return
@@ -275,6 +327,8 @@ class TorchAttention(AttentionBackend):
         return self.device.type == "cpu" and _CPU_FLASH_LSE is not None
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
+        if self._graph is not None:
+            return self._graph_attend(q, layer_id, kv_pool)
         if self._invariant is not None:
             return batch_invariant.attend(q, self._invariant, kv_pool, layer_id)
         if self._decode is not None:

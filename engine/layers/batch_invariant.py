@@ -112,11 +112,16 @@ def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: to
             and kv_dtype.itemsize >= 2)
 
 
+def kv_chunk(page_size: int) -> int:
+    """KV positions per attention chunk: KV_CHUNK, or a whole page where pages are larger."""
+    return max(KV_CHUNK, page_size)
+
+
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
          kernel: bool = False) -> Plan:
     """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order);
     `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself."""
-    chunk = max(KV_CHUNK, page_size)
+    chunk = kv_chunk(page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
     row0 = 0
@@ -163,10 +168,7 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
     _, hq, d = q.shape
     nb = p.rows.shape[0]
     if p.kernel:  # one launch, the same structure
-        from engine.layers import triton_ops
-
-        return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], p.page_size,
-                                              p.page_table, p.blocks, TOKENS, p.chunk)
+        return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer)
     out = torch.empty_like(q)
     if nb == 0:
         return out
@@ -197,3 +199,40 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
     o = (acc[..., :d] / acc[..., d:]).view(nb, hkv, TOKENS, g, d).permute(0, 2, 1, 3, 4).reshape(nb * TOKENS, hq, d)
     out[p.rows.view(-1)[p.real]] = o[p.real].to(q.dtype)
     return out
+
+
+def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,
+                  layer: int) -> torch.Tensor:
+    """attend by the CUDA kernel over `blocks` (Plan.blocks' form, in any order: each block is
+    one program that reads only its own entries and writes only its own real rows)."""
+    from engine.layers import triton_ops
+
+    return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], kv_pool.page_size,
+                                          page_table, blocks, TOKENS, kv_chunk(kv_pool.page_size))
+
+
+class DecodeBlocks:
+    """A decode batch's kernel blocks in static device buffers, for CUDA graphs: row i is block
+    i (its token, then TOKENS - 1 pads repeating it), filled from the rows' KV lengths by device
+    ops of fixed shapes only (no host read), so a captured decode rebuilds them on every replay.
+    They equal `plan(...).blocks` of the same decode batch up to the blocks' order (plan puts
+    the most chunks first; the kernel's result does not depend on the order: attend_blocks)."""
+
+    def __init__(self, max_rows: int, device: torch.device | str) -> None:
+        idx = torch.arange(max_rows, dtype=torch.int64, device=device)
+        self.req = idx.to(torch.int32)
+        self.rows = idx[:, None].expand(max_rows, TOKENS).contiguous()
+        self.pos = torch.zeros(max_rows, TOKENS, dtype=torch.int64, device=device)
+        self.reads = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.real = torch.zeros(max_rows, TOKENS, dtype=torch.int8, device=device)
+        self.real[:, 0] = 1
+
+    def fill(self, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, ...]:
+        """The blocks of decode rows with KV lengths seq_lens (int32 [b], device; the new token
+        at position seq_len - 1): (request, rows, positions, chunks read, real) as plan's."""
+        b = seq_lens.shape[0]
+        pos, reads = self.pos[:b], self.reads[:b]
+        torch.sub(seq_lens[:, None].expand(b, TOKENS), 1, out=pos)
+        c = kv_chunk(page_size)
+        torch.floor_divide(seq_lens + (c - 1), c, out=reads)  # (pos // c) + 1 chunks from position 0
+        return self.req[:b], self.rows[:b], pos, reads, self.real[:b]
