@@ -166,17 +166,19 @@ class RadixCache:
         node), so the answer is a pure function of the tree. Reads only: no split, no touch."""
         out: list[int] = []
         i, ps = 0, self.page_size
-        while len(out) < k:
-            want = tuple(rest[i:])
-            if len(want) >= ps:  # a whole page left to match: the children are keyed by it
-                kid = node.children.get(want[:ps])
-                kids = [kid] if kid is not None and kid.key[: len(want)] == want[: len(kid.key)] else []
+        while len(out) < k:  # (slices of `rest` only as long as a node's key: O(len(rest)) a call)
+            left = len(rest) - i
+            if left >= ps:  # a whole page left to match: the children are keyed by it
+                kid = node.children.get(tuple(rest[i : i + ps]))
+                m = min(left, len(kid.key)) if kid is not None else 0
+                kids = [kid] if kid is not None and kid.key[:m] == tuple(rest[i : i + m]) else []
             else:
-                kids = [c for c in node.children.values() if c.key[: len(want)] == want]
+                want = tuple(rest[i:])
+                kids = [c for c in node.children.values() if c.key[:left] == want]
             if not kids:
                 break
             node = max(kids, key=lambda c: (c.last_access, -c.id))
-            m = min(len(want), len(node.key))
+            m = min(left, len(node.key))
             i += m
             out.extend(node.key[m : m + k - len(out)])
         return out

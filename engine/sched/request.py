@@ -50,6 +50,7 @@ class Req:
     spec: tuple[int, int, int] = (0, 0, 0)  # speculative decoding: verify rows, drafts, accepted
     verifies: list[VerifyRow] = field(default_factory=list)  # its verify rows in flight, oldest first
     full_streak: int = 0  # its last verify rows in a row that accepted every draft
+    ngram: Any = None  # NGRAM: its tokens' n-gram index (engine/sched/spec.py NgramIndex), made on first use
     finish_reason: str | None = None
 
     @property

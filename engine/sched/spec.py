@@ -52,6 +52,47 @@ def ngram_branches(ids: list[int], k: int, max_n: int = NGRAM_MAX, window: int =
     return out
 
 
+class NgramIndex:
+    """`ngram_drafts` in O(1) a call: for each n-gram (1..max_n tokens) of a request's tokens, the
+    latest position it starts at, among the n-grams that end before the last token (the suffix
+    itself is never its own match). Appended tokens are indexed on the next call (the tokens
+    only grow; a shorter list rebuilds). The scheduler called the scan per request and step:
+    with no match in a 640-token history that was ~0.6 ms, 38 ms a step at batch 64 on the H200
+    (decode there is 6 ms), so speculation ran at 0.37x of plain."""
+
+    def __init__(self, max_n: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> None:
+        self.max_n, self.window = max_n, window
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.length = 0  # tokens indexed: the n-grams ending at or before length - 2
+
+    def _index(self, ids: list[int], upto: int, into: dict[tuple[int, ...], int]) -> None:
+        """Add the n-grams of `ids` ending at positions self.length - 1 .. upto - 2."""
+        for end in range(max(self.length - 1, 0), upto - 1):
+            for n in range(1, self.max_n + 1):
+                if end - n + 1 >= 0:
+                    into[tuple(ids[end - n + 1 : end + 1])] = end - n + 1
+
+    def drafts(self, ids: list[int], k: int, tail: list[int] | None = None) -> list[int]:
+        """ngram_drafts(ids + tail, k, max_n, window), with ids indexed for the next call."""
+        if len(ids) < self.length:
+            self.latest, self.length = {}, 0
+        self._index(ids, len(ids), self.latest)
+        self.length = max(self.length, len(ids))
+        seq = ids + tail if tail else ids
+        newer: dict[tuple[int, ...], int] = {}  # the tail's n-grams, beside the index (a guess)
+        if tail:
+            self._index(seq, len(seq), newer)
+        if k <= 0 or len(seq) < 2:
+            return []
+        lo = max(0, len(seq) - self.window)
+        for n in range(min(self.max_n, len(seq) - 1), 0, -1):
+            gram = tuple(seq[-n:])
+            i = newer.get(gram, self.latest.get(gram))
+            if i is not None and i >= lo:
+                return seq[i + n : i + n + k]
+        return []
+
+
 @dataclass
 class SpecStats:
     """Cumulative: verify rows, drafts proposed, drafts accepted (accept length per row =
@@ -116,10 +157,12 @@ class SpecPolicy:
             return []
         if self.algorithm != "NGRAM":
             return [-1] * k  # STANDALONE: proposed on every rank by the draft model
+        if req.ngram is None:
+            req.ngram = NgramIndex()
         if pending is None:
-            return self._corrupted(req, len(req.all_ids), self.tree_drafts(req, k) or ngram_drafts(req.all_ids, k))
+            return self._corrupted(req, len(req.all_ids), self.tree_drafts(req, k) or req.ngram.drafts(req.all_ids, k))
         tail = list(pending)
-        guess = self.tree_drafts(req, k + 1, tail) or ngram_drafts(req.all_ids + tail, k + 1)
+        guess = self.tree_drafts(req, k + 1, tail) or req.ngram.drafts(req.all_ids, k + 1, tail)
         return self._corrupted(req, len(req.all_ids) + len(tail) + 1, guess[1:])
 
     def _corrupted(self, req: Req, at: int, drafts: list[int]) -> list[int]:

@@ -6,6 +6,7 @@ on every replica, the wire (a plain step's bytes unchanged) and the flags' check
 from __future__ import annotations
 
 import math
+import random
 
 import msgspec
 import pytest
@@ -16,7 +17,7 @@ from engine.replica import ReplicaError, rank_replica
 from engine.run.sampler import SampleParams, Sampler
 from engine.run.spec import Speculator, VerifyRows
 from engine.sched.request import Req
-from engine.sched.spec import SpecPolicy, ngram_drafts
+from engine.sched.spec import NgramIndex, SpecPolicy, ngram_drafts
 from msgs.codec import pack_ids
 from msgs.done import FromWorker, SpecDone, StepDone
 from msgs.params import SamplingParams
@@ -97,6 +98,24 @@ def test_ngram_drafts_follow_the_latest_match() -> None:
     assert ngram_drafts([1, 2, 1], 4) == [2, 1]  # a 1-gram match; fewer tokens than asked
     assert ngram_drafts([4, 4, 4, 4], 2) == [4]
     assert ngram_drafts(ids, 0) == []
+
+
+def test_the_ngram_index_drafts_as_the_scan_does() -> None:
+    """NgramIndex (the scheduler's O(1) lookup, fed a growing token list) answers what
+    ngram_drafts' scan answers, with and without a chained row's tail, window included."""
+    rng = random.Random(0)
+    for vocab, window in ((3, 4096), (6, 4096), (50, 4096), (4, 9)):
+        index, ids = NgramIndex(window=window), []
+        for _ in range(120):
+            ids = ids + [rng.randrange(vocab) for _ in range(rng.choice((1, 1, 2, 4)))]
+            k = rng.randrange(0, 5)
+            assert index.drafts(ids, k) == ngram_drafts(ids, k, window=window), (ids, k)
+            tail = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+            assert index.drafts(ids, k + 1, tail) == ngram_drafts(ids + tail, k + 1, window=window)
+    assert NgramIndex().drafts([1, 2, 1, 2], 3) == [1, 2] and NgramIndex().drafts([7], 2) == []
+    short = NgramIndex()
+    assert short.drafts([5, 6, 5, 6, 5], 2) == [6, 5]
+    assert short.drafts([5, 6], 2) == ngram_drafts([5, 6], 2)  # a shorter list: rebuilt
 
 
 def test_a_corrupting_oracle_spoils_drafts_at_its_rate_and_the_same_way_each_time() -> None:
