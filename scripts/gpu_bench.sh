@@ -18,7 +18,8 @@
 #   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
 #   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
 #   hostcopy  host-tier copy GB/s (python -m engine.bench.hostcopy cuda); its gpu tests are in quick
-#   det       deterministic inference: its gpu tests, then bin/bench deterministic (Qwen3-0.6B, bf16, mode on)
+#   det       deterministic inference: its gpu tests (decode in CUDA graphs = eager bits), then bin/bench deterministic
+#             (Qwen3-0.6B, bf16, mode on)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
@@ -111,7 +112,7 @@ for what in "$@"; do case $what in
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
               --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
-  det) run gpu-det 300 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py -q -rA -p no:cacheprovider \
+  det) run gpu-det 400 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py tests/gpu/test_deterministic_graphs_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-det.log" | tail -10
        run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
          --samples "${DET_SAMPLES:-300}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
