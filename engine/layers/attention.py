@@ -175,7 +175,9 @@ class TorchAttention(AttentionBackend):
     """Reference backend: gathers each request's KV slots and calls SDPA.
 
     Decode requests share one batched call (padded to the longest KV, masked); each
-    extend request gets its own call, so a long prefill never pads the decodes.
+    extend request gets its own call, so a long prefill never pads the decodes. With
+    deterministic inference every row takes batch_invariant's one path; on CUDA, where its
+    kernel fits, decode is captured in CUDA graphs (bind, `_graph_attend`).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
