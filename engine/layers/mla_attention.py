@@ -19,6 +19,10 @@ On CUDA (triton present) the decode rows' attention over the latents is one trit
 (engine/layers/mla_kernels.py: paged, split-KV, fp32 accumulation, bf16 or fp8 pool) reading
 the batch's page table and lengths on the device: no gather of the latents, no per-request work
 on the host. The torch path (`_absorbed` over gathered pages) stays the CPU path and the reference.
+Ranks with many heads (the GPU's tuning: KernelTuning.mla_flashinfer_min_heads, 64 on an H200)
+take flashinfer's MLA wrapper instead (engine/layers/flashinfer_mla.py), planned by MLABackend:
+per eager step in `prepare`, per replay through the graph runner's planned protocol
+(`graph_wrapper`, `plan_graph_arrays`); 3.0-3.6x faster than ours at 128 heads on an H200.
 
 With deterministic inference (engine/layers/batch_invariant.py) every row takes the absorbed
 form, in blocks of batch_invariant.TOKENS query tokens of one request and KV chunks aligned to
@@ -30,14 +34,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from engine.layers import batch_invariant, triton_ops
 from engine.layers.attention import AttentionBackend
 from engine.layers.cp_attention import flash_available, merge_partials, sdpa_lse
+from engine.layers.flashinfer_mla import FlashInferMLA, flashinfer_mla_supported
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
+from engine.layers.tuning import kernel_tuning
+
+log = structlog.get_logger()
 
 # a prefill chunk after a cached prefix longer than this many tokens expands the prefix's latents
 # this many keys at a time (`_expanded_chunked`): at 128 heads a 32k prefix expanded whole took
@@ -84,14 +93,16 @@ class MLAPlan:
     # the decode kernel's inputs (CUDA): int32 page table [b, W] and KV lengths [b] on the device
     decode_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    decode_fi: FlashInferMLA | None = None  # or flashinfer's MLA wrapper, planned for the decode rows
 
     @classmethod
     def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None,
-              graph: tuple[torch.Tensor, torch.Tensor] | None = None) -> MLAPlan:
+              graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None) -> MLAPlan:
         """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one).
-        `kernel`: decode rows through the triton kernel (None: on CUDA where triton is).
-        `graph`: a CUDA graph's static (page table, lengths) (MLABackend), read instead of the
-        batch's in a pure decode step."""
+        `kernel`: decode rows through a kernel (None: on CUDA where triton is).
+        `graph` (MLABackend.graph): a CUDA graph's static (page table, lengths), read instead of the
+        batch's in a pure decode step; or flashinfer's MLA wrapper planned for this step's decode
+        rows (a graph's or an eager step's), which then run on it."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
         if batch_invariant.enabled():
             inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
@@ -99,8 +110,12 @@ class MLAPlan:
         dev = batch.page_table.device
         if kernel is None:
             kernel = decode_kernel_available(dev)
+        fi = graph if isinstance(graph, FlashInferMLA) else None
         if kernel and batch.is_decode and not absorb_all:
             # a pure decode step: device tensors only, no host work per request (capturable)
+            if fi is not None:
+                fi.check_rows(batch.batch_size)
+                return cls(None, None, None, [], all_decode=True, decode_fi=fi)
             table, seq = graph if graph is not None else (batch.page_table, batch.seq_lens)
             return cls(None, None, None, [], all_decode=True, decode_table=table, decode_lens=seq)
         starts = [0]
@@ -109,7 +124,7 @@ class MLAPlan:
         dec = [i for i, n in enumerate(lens) if n == 1]
         plan = cls(None, None, None, [], all_decode=len(dec) == len(lens))
         if dec:
-            plan._plan_decode(batch, dec, starts, kernel)
+            plan._plan_decode(batch, dec, starts, kernel, fi)
         for i, n in enumerate(lens):
             if n > 1:
                 pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
@@ -122,12 +137,17 @@ class MLAPlan:
         return plan
 
 
-    def _plan_decode(self, batch: ForwardBatch, dec: list[int], starts: list[int], kernel: bool) -> None:
-        """The decode rows `dec` of a step that also has longer rows: the kernel's table and
-        lengths, or (torch path) their pages and a length mask."""
+    def _plan_decode(self, batch: ForwardBatch, dec: list[int], starts: list[int], kernel: bool,
+                     fi: FlashInferMLA | None) -> None:
+        """The decode rows `dec` of a step that also has longer rows: flashinfer's planned wrapper,
+        the kernel's table and lengths, or (torch path) their pages and a length mask."""
         dev = batch.page_table.device
         req = torch.tensor(dec, dtype=torch.int64, device=dev)
         self.decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=dev)
+        if kernel and fi is not None:
+            fi.check_rows(len(dec))
+            self.decode_fi = fi
+            return
         if kernel:
             self.decode_table, self.decode_lens = batch.page_table[req], batch.seq_lens[req]
             return
@@ -149,14 +169,15 @@ def mla_attend(
     t = q_nope.shape[0]
     if plan.invariant is not None:
         return _invariant(q_nope, q_pe, plan.invariant, kv, layer, w_uk, w_uv, s)
-    if plan.all_decode and plan.decode_table is not None:
+    kernel = plan.decode_table is not None or plan.decode_fi is not None
+    if plan.all_decode and kernel:
         return _absorbed_kernel(q_nope, q_pe, plan, kv, layer, w_uk, w_uv, s)
     out = q_nope.new_empty(t, s.heads, s.v)
     if plan.decode_rows is not None:
         rows = None if plan.all_decode else plan.decode_rows
         qn = q_nope if rows is None else q_nope[rows]
         qp = q_pe if rows is None else q_pe[rows]
-        if plan.decode_table is not None:
+        if kernel:
             o = _absorbed_kernel(qn, qp, plan, kv, layer, w_uk, w_uv, s)
         else:
             (lat,) = kv.gather_pages(layer, plan.decode_pages, q_nope.dtype)  # [b, Lk, 1, latent]
@@ -251,15 +272,23 @@ def _absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask:
 
 class MLABackend(AttentionBackend):
     """The attention backend an MLA model gets on CUDA (engine/run/assembly.py). The model attends
-    its latent pool itself (`mla_attend`); this backend holds what a captured decode graph reads
-    instead of the batch's tensors: a static page table and lengths, filled before each replay
-    through engine/run/cuda_graph.py's dense-table protocol (`uses_table`, `set_graph_table`)."""
+    its latent pool itself (`mla_attend`); this backend holds what the step's decode rows read
+    instead of the batch's tensors (`graph`, which the model hands MLAPlan.build). With our triton
+    kernel: a captured graph's static page table and lengths, filled before each replay through
+    engine/run/cuda_graph.py's dense-table protocol (`uses_table`, `set_graph_table`). With
+    flashinfer's MLA wrapper (`kernel` "flashinfer", the GPU's tuning): the wrapper, planned for
+    an eager step's decode rows in `prepare` and before each replay through the runner's planned
+    protocol (`uses_table` False, `graph_wrapper`, `plan_graph_arrays`: padded indptr and last page
+    lengths on the host, page indices on the device)."""
 
     supports_cuda_graph = True
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.graph: tuple[torch.Tensor, torch.Tensor] | None = None  # set for capture/replay, cleared by prepare
+        # set for capture/replay (and flashinfer's eager steps), cleared by prepare
+        self.graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None
+        self.kernel = "triton"
+        self.fi: FlashInferMLA | None = None
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -269,20 +298,49 @@ class MLABackend(AttentionBackend):
         self._g_table = torch.full((max_batch, max_pages_per_req), PAD_PAGE, dtype=torch.int32, device=self.device)
         # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
         self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
+        q_dtype = q_dtype or kv_pool.dtype
+        ok = flashinfer_mla_supported(self.device, q_dtype, kv_pool.dtype, kv_pool.head_dim)
+        self.kernel = kernel_tuning(self.device).mla_decode_kernel(num_q_heads, ok)
+        if self.kernel == "flashinfer":
+            self.fi = FlashInferMLA(self.device, num_q_heads, kv_pool, q_dtype, max_batch, max_pages_per_req)
+        if self.device.type == "cuda":
+            log.info("mla decode kernel", kernel=self.kernel, heads=num_q_heads, flashinfer_supported=ok)
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self.graph = None  # an eager step: the model reads the batch's page table
+        """An eager step: the model reads the batch's page table (triton), or flashinfer's wrapper
+        planned here for the step's decode rows (one new token each)."""
+        self.graph = None
+        if self.fi is None or batch_invariant.enabled():
+            return
+        dec = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1]
+        if not dec:
+            return
+        table = batch.page_table_cpu if batch.page_table_cpu is not None else batch.page_table.cpu()
+        if len(dec) < batch.batch_size:
+            table = table[dec]
+        self.graph = self.fi.eager([batch.seq_lens_cpu[i] for i in dec], table)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         raise NotImplementedError("an MLA model attends its latent pool in mla_attention.mla_attend")
 
     def uses_table(self, batch_size: int) -> bool:
-        return True
+        """Whether a replay is fed the dense table (our kernel) rather than planned (flashinfer)."""
+        return self.fi is None
 
     def graph_wrapper(self, bs: int) -> None:
         """Before capturing size `bs`: every row padding (one token on the padding page)."""
+        if self.fi is not None:
+            self.graph = self.fi.graph_wrapper(bs)
+            return
         empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
         self.set_graph_table(bs, empty[:, 0], empty)
+
+    def plan_graph_arrays(self, bs: int, indptr: torch.Tensor, last: torch.Tensor, indices: torch.Tensor) -> None:
+        """Before replaying size `bs` (flashinfer): indptr [bs + 1] and last page lengths [bs] on
+        the host (pinned int32), page indices [nnz] on the device; rows past the step's are padding
+        (one token on the padding page)."""
+        assert self.fi is not None, "plan_graph_arrays without flashinfer's MLA wrapper"
+        self.graph = self.fi.plan_graph(bs, indptr, last, indices)
 
     def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
         """This step's seq_lens int32 [b] and page table int32 [b, w] (device) into the static
@@ -297,19 +355,24 @@ class MLABackend(AttentionBackend):
 
 
 def decode_kernel_available(device: torch.device) -> bool:
-    """Whether decode rows on `device` take the triton kernel (CUDA with triton)."""
+    """Whether decode rows on `device` take a kernel (CUDA with triton): ours, or flashinfer's where
+    MLABackend chose it."""
     return device.type == "cuda" and triton_ops.available()
 
 
 def _absorbed_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, plan: MLAPlan, kv: KVPool, layer: int,
                      w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
-    """The absorbed form with the attention in engine/layers/mla_kernels.py: q [b, H, *] ->
-    [b, H, v]; the latents are read in place through plan.decode_table."""
-    from engine.layers import mla_kernels  # triton: imported on first use, on CUDA
-
+    """The absorbed form with the attention in engine/layers/mla_kernels.py (through
+    plan.decode_table) or flashinfer's planned wrapper (plan.decode_fi): q [b, H, *] -> [b, H, v];
+    the latents are read in place."""
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-    o_lat = mla_kernels.mla_decode(q_lat, q_pe, kv.latent[layer], plan.decode_table, plan.decode_lens, s.scale,
-                                   kv.page_size)
+    if plan.decode_fi is not None:
+        o_lat = plan.decode_fi.run(q_lat, q_pe, kv, layer, s)
+    else:
+        from engine.layers import mla_kernels  # triton: imported on first use, on CUDA
+
+        o_lat = mla_kernels.mla_decode(q_lat, q_pe, kv.latent[layer], plan.decode_table, plan.decode_lens,
+                                       s.scale, kv.page_size)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 

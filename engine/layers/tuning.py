@@ -92,6 +92,10 @@ class KernelTuning:
     tp_symm_allreduce_max_bytes: int = 0
     # fused MoE (engine/layers/moe_kernels.py): GEMM blocks by the mean rows an expert gets, first match wins
     moe_gemm: tuple[MoeRule, ...] = MOE_GEMM_DEFAULT
+    # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
+    # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
+    # (engine/layers/mla_kernels.py) below that, and on every rank at 0 (a GPU nobody measured)
+    mla_flashinfer_min_heads: int = 0
 
     def decode_kernel(self, override: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
         """The decode kernel for a batch of this (padded) size: "fa2", "xqa" or "triton".
@@ -116,6 +120,13 @@ class KernelTuning:
         if not sizes:
             return 0
         return None if None in sizes else max(s for s in sizes if s is not None)
+
+    def mla_decode_kernel(self, heads: int, flashinfer_ok: bool) -> str:
+        """The MLA decode kernel of a rank with `heads` query heads: "flashinfer" (where
+        `flashinfer_ok`: it takes the rank's dtypes and latent) or "triton"."""
+        if flashinfer_ok and 0 < self.mla_flashinfer_min_heads <= heads:
+            return "flashinfer"
+        return "triton"
 
     def moe_config(self, rows: int) -> tuple[int, int, int, int, int, int]:
         """The fused MoE GEMM blocks for experts getting `rows` pairs each on average."""
@@ -171,6 +182,9 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
         raise ValueError(f"tuning for {gpu}: gemv_max_rows must be in 1..8, got {t.gemv_max_rows}")
     if t.tp_symm_allreduce_max_bytes < 0:
         raise ValueError(f"tuning for {gpu}: tp_symm_allreduce_max_bytes must be >= 0")
+    if not isinstance(t.mla_flashinfer_min_heads, int) or t.mla_flashinfer_min_heads < 0:
+        raise ValueError(f"tuning for {gpu}: mla_flashinfer_min_heads must be an integer >= 0 (0: never), "
+                         f"got {t.mla_flashinfer_min_heads!r}")
     return t
 
 
