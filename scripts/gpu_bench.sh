@@ -38,6 +38,8 @@
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside at
 #             128 heads, last) ~5 min, more if flashinfer's MLA module JIT-compiles; 570 s at most
+#             and tests/gpu/test_mla_flashinfer_gpu.py (flashinfer's MLA wrapper served at >= 64 heads: eager, mixed
+#             and graph-replayed steps vs torch / the triton kernel, greedy tokens served; builds the MLA module first)
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
 #             the structured mode with --speculative-algorithm NGRAM (64 json_schema answers valid, drafts masked)
@@ -164,9 +166,9 @@ for what in "$@"; do case $what in
   moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
-  mla) run gpu-mla 240 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py -q -rA -p no:cacheprovider \
-         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-mla.log" | tail -14
-       run mla-bench 330 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
+  mla) run gpu-mla 330 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py tests/gpu/test_mla_flashinfer_gpu.py -q -rA \
+         -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-mla.log" | tail -24
+       run mla-bench 240 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
