@@ -299,7 +299,10 @@ class MLABackend(AttentionBackend):
         # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
         self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
         q_dtype = q_dtype or kv_pool.dtype
-        ok = flashinfer_mla_supported(self.device, q_dtype, kv_pool.dtype, kv_pool.head_dim)
+        # deterministic inference keeps our kernel: its rows are batch-invariant, flashinfer's
+        # split schedule depends on the batch
+        ok = not batch_invariant.enabled() and flashinfer_mla_supported(self.device, q_dtype, kv_pool.dtype,
+                                                                        kv_pool.head_dim)
         self.kernel = kernel_tuning(self.device).mla_decode_kernel(num_q_heads, ok)
         if self.kernel == "flashinfer":
             self.fi = FlashInferMLA(self.device, num_q_heads, kv_pool, q_dtype, max_batch, max_pages_per_req)
