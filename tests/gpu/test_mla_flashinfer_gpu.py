@@ -195,18 +195,20 @@ def test_tiny_v3_64_heads_logits_eager_and_graphs_match_triton(tiny64: Path, mla
         want = model(step, kv, tri)
         fi.prepare(step)
         _close(model(step, kv, fi), want)
-        runner = CudaGraphRunner(model, kv, fi, 8, CUDA)
-        runner.capture()
-        last = torch.zeros(8, dtype=torch.int64, device=CUDA)
-        ids = [7 + i for i in range(len(lens))]
-        got = runner.run_decode(ids, list(range(len(lens))), lens, tables, last).clone()
-        _close(got, want)
-        sub = [0, 2, 3]  # 3 rows: the size-4 graph, one padding row
-        step_sub = ForwardBatch.from_requests([([ids[i]], lens[i], tables[i]) for i in sub], 16, CUDA)
-        tri.prepare(step_sub)
-        want_sub = model(step_sub, kv, tri)
-        got_sub = runner.run_decode([ids[i] for i in sub], sub, [lens[i] for i in sub], [tables[i] for i in sub], last)
-        _close(got_sub, want_sub)
+        with torch.inference_mode():  # as the runner captures and replays
+            runner = CudaGraphRunner(model, kv, fi, 8, CUDA)
+            runner.capture()
+            last = torch.zeros(8, dtype=torch.int64, device=CUDA)
+            ids = [7 + i for i in range(len(lens))]
+            got = runner.run_decode(ids, list(range(len(lens))), lens, tables, last).clone()
+            _close(got, want)
+            sub = [0, 2, 3]  # 3 rows: the size-4 graph, one padding row
+            step_sub = ForwardBatch.from_requests([([ids[i]], lens[i], tables[i]) for i in sub], 16, CUDA)
+            tri.prepare(step_sub)
+            want_sub = model(step_sub, kv, tri)
+            got_sub = runner.run_decode([ids[i] for i in sub], sub, [lens[i] for i in sub],
+                                        [tables[i] for i in sub], last)
+            _close(got_sub, want_sub)
         assert runner.replays == 2
     finally:
         ops.set_fused(True)
