@@ -66,7 +66,8 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
     device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
     dtype = resolve_dtype(cfg.dtype, device)
     # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
-    # torch backend's chunked attention (no CUDA graphs: that backend is not captured); the
+    # torch backend's chunked attention (decode captured in CUDA graphs where the invariant kernel
+    # runs: attention.py); the
     # fused norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
     deterministic = cfg.enable_deterministic_inference
     batch_invariant.enable(deterministic, device.type)

@@ -15,7 +15,8 @@ buffers and sent with two host-to-device copies (ids/positions/slots, page indic
 ForwardBatch and no per-step torch CPU ops. Future references (-1 ids) resolve on the device.
 
 The size helpers and decode_metadata are pure Python (tested on CPU); CudaGraphRunner needs a
-CUDA device and a backend with `supports_cuda_graph` (flashinfer).
+CUDA device and a backend with `supports_cuda_graph` (flashinfer; MLABackend; the torch backend
+under deterministic inference where its invariant kernel runs).
 """
 
 from __future__ import annotations
