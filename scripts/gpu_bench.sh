@@ -26,6 +26,8 @@
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
 #             machinery: Llama-3.1-8B batch 1 (SPEC_BATCHES="1 8 32"), plain vs NGRAM k = 1 3 5 with an oracle draft
+#             SPEC_SERVER_ARGS="--enable-deterministic-inference": plain and spec servers batch-invariant, so that
+#             the bf16 oracle (the cached answer) holds at near ties (spec, specsweep)
 #   specsweep where speculation stops paying: batch 1 8 32 64, NGRAM k = 1 3 5, an oracle spoiling 30% of its drafts
 #   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
 #             a plain step is 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
@@ -140,11 +142,11 @@ for what in "$@"; do case $what in
   spec) run gpu-spec-graphs 200 python3 -m pytest -m gpu tests/gpu/test_spec_graphs_gpu.py -q -rA -p no:cacheprovider \
           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-graphs.log" | tail -6
         run spec-llama-3.1-8b 500 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
-          --batch-sizes ${SPEC_BATCHES:-1} --prompt-len 512 --output-len 256 --server-args "--log-dir $OUT/logs-spec" \
+          --batch-sizes ${SPEC_BATCHES:-1} --prompt-len 512 --output-len 256 --server-args "${SPEC_SERVER_ARGS:-} --log-dir $OUT/logs-spec" \
           --out "$OUT/spec-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A12 "k batch" "$OUT/spec-llama-3.1-8b.log"
         grep -h '"gpu idle"\|cuda graphs' $OUT/logs-spec/worker-0.log | tail -4 ;;
   specsweep) run spec-sweep-llama-3.1-8b 400 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
-          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
+          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args "${SPEC_SERVER_ARGS:-}" \
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
   specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
           --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
