@@ -286,7 +286,7 @@ def test_grammar_helper_processes_give_the_same_answers(srv: Server, client: Ope
         helpers = [p for p in procs if "engine.run.grammar_helper" in " ".join(p.cmdline())]
         assert len(helpers) == 2
         other = OpenAI(base_url=helped.base_url, api_key="none", max_retries=0, timeout=120)
-        for name, schema in SCHEMAS[:6]:
+        for name, schema in SCHEMAS[:3]:  # one at a time; the batch below takes all
             assert _ask_json(other, name, schema) == _ask_json(client, name, schema), name
         with ThreadPoolExecutor(len(SCHEMAS)) as pool:
             answers = list(pool.map(lambda ns: _ask_json(other, *ns), SCHEMAS))
