@@ -31,16 +31,20 @@ def _tables(starts: list[int], page_size: int) -> list[list[int]]:
     return out
 
 
-def _padded(starts: list[int], page_size: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def staged(starts: list[int], tables: list[list[int]], page_size: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(seq_lens int32 [bs], page table int32 [bs, w]) as the graph runner stages them: the real
     rows' dense table, then padding rows (one token on the padding page)."""
-    _, seq, table = decode_table(starts, _tables(starts, page_size), page_size)
+    _, seq, table = decode_table(starts, tables, page_size)
     b, w = table.shape
     seqs = torch.ones(bs, dtype=torch.int32)
     seqs[:b] = torch.from_numpy(seq)
     full = torch.full((bs, w), PAD_PAGE, dtype=torch.int32)
     full[:b] = torch.from_numpy(table)
     return seqs, full
+
+
+def _padded(starts: list[int], page_size: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return staged(starts, _tables(starts, page_size), page_size, bs)
 
 
 @pytest.mark.parametrize("page_size", [16, 128])

@@ -21,6 +21,7 @@ from engine.layers.attention import TorchAttention  # noqa: E402
 from engine.layers.forward import ForwardBatch  # noqa: E402
 from engine.layers.kv_pool import PAD_PAGE, KVPool  # noqa: E402
 from engine.run.cuda_graph import decode_table  # noqa: E402
+from tests.engine.test_deterministic_graph_blocks import staged  # noqa: E402
 
 PS, HQ, HKV, D = 16, 4, 2, 32
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -28,13 +29,7 @@ REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def _step(starts: list[int], tables: list[list[int]], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(seq_lens, dense table) of a decode step staged as the graph runner does, padded to bs."""
-    _, seq, table = decode_table(starts, tables, PS)
-    b, w = table.shape
-    seqs = torch.ones(bs, dtype=torch.int32)
-    seqs[:b] = torch.from_numpy(seq)
-    full = torch.full((bs, w), PAD_PAGE, dtype=torch.int32)
-    full[:b] = torch.from_numpy(table)
-    return seqs, full
+    return staged(starts, tables, PS, bs)
 
 
 def test_graph_decode_equals_the_eager_plan_bitwise() -> None:
