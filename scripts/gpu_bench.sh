@@ -42,6 +42,8 @@
 #             128 heads, last) ~5 min, more if flashinfer's MLA module JIT-compiles; 570 s at most
 #             and tests/gpu/test_mla_flashinfer_gpu.py (flashinfer's MLA wrapper served at >= 64 heads: eager, mixed
 #             and graph-replayed steps vs torch / the triton kernel, greedy tokens served; builds the MLA module first)
+#   mlatest   mla's gpu tests only (no bench)
+#   mlaserve  DeepSeek-V3-5L decode latency, batch 1 8 64 (flashinfer's MLA wrapper served at 128 heads)
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
 #             the structured mode with --speculative-algorithm NGRAM (64 json_schema answers valid, drafts masked)
@@ -49,7 +51,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moeoffline moesweep nvfp4moe cp mla heads spec specsweep specmla specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -165,11 +167,15 @@ for what in "$@"; do case $what in
          --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
   moeoffline) moe_offline ;;
+  mlaserve) run latency-deepseek-v3-5l 140 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 8 64 \
+         --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
+       grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log"; grep -h "cuda graphs\|runner ready\|mla" "$OUT/latency-deepseek-v3-5l.log" | tail -4 ;;
   moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
-  mla) run gpu-mla 330 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py tests/gpu/test_mla_flashinfer_gpu.py -q -rA \
+  mla|mlatest) run gpu-mla 330 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py tests/gpu/test_mla_flashinfer_gpu.py -q -rA \
          -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-mla.log" | tail -24
+       [ $what = mlatest ] && continue
        run mla-bench 240 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
