@@ -148,7 +148,7 @@ for what in "$@"; do case $what in
           --out "$OUT/spec-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A12 "k batch" "$OUT/spec-llama-3.1-8b.log"
         grep -h '"gpu idle"\|cuda graphs' $OUT/logs-spec/worker-0.log | tail -4 ;;
   specsweep) run spec-sweep-llama-3.1-8b 400 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
-          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args "${SPEC_SERVER_ARGS:-}" \
+          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args="${SPEC_SERVER_ARGS:-}" \
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
   specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
           --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
