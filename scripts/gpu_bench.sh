@@ -21,6 +21,8 @@
 #   det       deterministic inference: its gpu tests (decode in CUDA graphs = eager bits), then bin/bench deterministic
 #             (Qwen3-0.6B, bf16, mode on)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
+#   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
+#   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1)
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
@@ -51,7 +53,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -127,6 +129,14 @@ for what in "$@"; do case $what in
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
               --input-len 256 --output-len 128 --server-args "$([ $det = on ] && echo --enable-deterministic-inference) --max-running-requests 64" \
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
+  detprofile) for ma in qwen3-0.6b:64:256 llama-3.1-8b:1:1024; do IFS=: read -r m b c <<< "$ma"
+            run profile-$m-b$b-det 200 python3 scripts/profile_decode.py configs/$m $b $c det || fails=$((fails + 1))
+            grep -A26 "kernels per" "$OUT/profile-$m-b$b-det.log"; done ;;
+  detlat) for m in qwen3-0.6b llama-3.1-8b; do
+            run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
+              --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
+              --out "$OUT/latency-$m-det-h200.json" || fails=$((fails + 1))
+            grep -A6 "batch  *ctx" "$OUT/latency-$m-det.log"; done ;;
   quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "${QUANT_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
