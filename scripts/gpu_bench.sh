@@ -21,6 +21,8 @@
 #   det       deterministic inference: its gpu tests (decode in CUDA graphs = eager bits), then bin/bench deterministic
 #             (Qwen3-0.6B, bf16, mode on)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
+#   detgemm   deterministic inference's triton GEMM: bits across row counts (decode vs prefill tiles), time vs
+#             cuBLAS and vs the 64-row blocks (tests/gpu/test_invariant_gemm_gpu.py)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1)
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
@@ -53,7 +55,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -120,8 +122,8 @@ for what in "$@"; do case $what in
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
               --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
-  det) run gpu-det 400 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py tests/gpu/test_deterministic_graphs_gpu.py -q -rA -p no:cacheprovider \
-         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-det.log" | tail -10
+  det) run gpu-det 460 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_invariant_attention_gpu.py -q -rA -p no:cacheprovider \
+         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|timing:" "$OUT/gpu-det.log" | tail -16
        run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
          --samples "${DET_SAMPLES:-300}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
          --out "$OUT/deterministic-qwen3-0.6b-h200.json" || fails=$((fails + 1)); grep "distinct\|deterministic:" "$OUT/deterministic-qwen3-0.6b.log" ;;
@@ -129,6 +131,8 @@ for what in "$@"; do case $what in
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
               --input-len 256 --output-len 128 --server-args "$([ $det = on ] && echo --enable-deterministic-inference) --max-running-requests 64" \
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
+  detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
+            || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -30 ;;
   detprofile) for ma in qwen3-0.6b:64:256 llama-3.1-8b:1:1024; do IFS=: read -r m b c <<< "$ma"
             run profile-$m-b$b-det 200 python3 scripts/profile_decode.py configs/$m $b $c det || fails=$((fails + 1))
             grep -A26 "kernels per" "$OUT/profile-$m-b$b-det.log"; done ;;

@@ -431,11 +431,25 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) by the vendor kernel (oneDNN's packed weight where there is one: bias-free
-    layers only); with deterministic inference in fixed row blocks (batch_invariant.rows_of)."""
+    layers only). With deterministic inference: on CUDA one batch-invariant triton GEMM
+    (engine/layers/invariant_gemm.py), elsewhere the vendor kernel in fixed row blocks
+    (batch_invariant.rows_of)."""
     def gemm(a: torch.Tensor) -> torch.Tensor:
         return F.linear(a, weight, bias) if packed is None else packed_linear(a, packed)
 
-    return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)
+    if not batch_invariant.enabled():
+        return gemm(x)
+    if x.is_cuda and x.dim() == 2 and _invariant_gemm_fits(x, weight):  # one launch, any row count
+        from engine.layers import invariant_gemm
+
+        return invariant_gemm.gemm(x, weight, bias)
+    return batch_invariant.rows_of(x, gemm)
+
+
+def _invariant_gemm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether engine/layers/invariant_gemm.py takes this product (CUDA, triton, a plain
+    half/float weight of x's dtype); else cuBLAS in fixed row blocks."""
+    return x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_ops.available()
 
 
 def pack_for_cpu(model: nn.Module) -> int:

@@ -9,7 +9,9 @@ On a GPU, every projection's GEMM also runs at a ladder of row counts up to the 
 step (`warm_gemms`): cuBLAS picks its kernel by shape, and CUDA loads a kernel on its first
 launch (lazy loading), a load that waits for all the work queued on the device, the host
 tier's backups on the side stream included: a served prefill step stalled 23-43 ms on
-such loads, 8 of them in 40 steps (H200 profile, STRATA_PROFILE_STEPS).
+such loads, 8 of them in 40 steps (H200 profile, STRATA_PROFILE_STEPS). Under deterministic
+inference the projections are one triton GEMM (engine/layers/invariant_gemm.py), compiled
+once per tile regime: warmed at 1 and 65 rows.
 The KV written here lands in free pages: every page is written by its request's prefill
 before anything reads it, so the garbage is never seen.
 """
@@ -22,8 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
-from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding
+from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding, matmul
 from engine.run.sampler import SampleParams
 
 if TYPE_CHECKING:
@@ -90,9 +93,11 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int
             continue
         done.add(key)
         counts = range(1, most_sampled + 1) if head else gemm_rows(most_rows)
+        if batch_invariant.enabled():  # one triton GEMM, compiled once per tile regime (invariant_gemm.tiles)
+            counts = [n for n in (1, 65) if n <= counts[-1]]
         x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
         for n in counts:
-            F.linear(x[:n], w, bias)
+            matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)
             runs += 1
     return runs
 

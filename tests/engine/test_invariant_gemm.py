@@ -1,0 +1,51 @@
+"""Deterministic inference's CUDA GEMM (engine/layers/invariant_gemm.py) run by triton's
+interpreter on the CPU: tiles, masks (rows, columns, a K that is not a multiple of BLOCK_K),
+the grouped tile order and the bias give x W^T, and a row's values do not depend on how many
+rows are beside it, across the decode and prefill tile regimes. The compiled kernel's bits on
+the H200 are tests/gpu/test_invariant_gemm_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is first imported
+pytest.importorskip("triton")
+
+from engine.layers import invariant_gemm  # noqa: E402
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_equal_the_reference_whatever_their_count(bias: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 80  # 80: a masked K tail; 40 columns: masked column tiles
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(130, k, generator=g)
+    full = invariant_gemm.gemm(x, w, b)  # 130 rows: the prefill tiles, 3 row tiles in one group
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+    for m in (1, 3, 64, 65):  # decode tiles up to 64 rows
+        assert torch.equal(invariant_gemm.gemm(x[:m], w, b), full[:m]), m
+    assert torch.equal(invariant_gemm.gemm(x[60:61], w, b), full[60:61])
+
+
+def test_bf16_rows_are_float32_sums_rounded_once() -> None:
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 64, generator=g).bfloat16()
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    out = invariant_gemm.gemm(x, w)
+    assert out.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)  # one bf16 rounding, no more
+
+
+def test_tiles_depend_on_rows_only_through_the_regime() -> None:
+    assert invariant_gemm.tiles(1, 4096) == invariant_gemm.tiles(64, 4096)
+    assert invariant_gemm.tiles(65, 4096) == invariant_gemm.tiles(16384, 4096)
+    for m in (1, 65):
+        for n in (16, 1024, 4096, 151936):
+            bm = invariant_gemm.tiles(m, n)[0]
+            assert bm == 64  # one warp group per 64 rows in both regimes: the same dot instruction

@@ -1,0 +1,71 @@
+"""Deterministic inference's GEMM (engine/layers/invariant_gemm.py) on the GPU: a row's bits
+equal across row counts 1 .. 4096, i.e. across the decode tiles (<= 64 rows) and the prefill
+tiles, at the projections of Llama-3.1-8B and Qwen3-0.6B, bf16 and float32; close to cuBLAS.
+Prints (not asserts) each shape's time against cuBLAS and against the 64-row blocks it
+replaces, and which other prefill tiles would keep the bits (the data for changing them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from engine.layers import batch_invariant, invariant_gemm  # noqa: E402
+
+SHAPES = {  # (N, K): Llama-3.1-8B qkv, o, gate_up, down, LM head; Qwen3-0.6B qkv, o, gate_up, down
+    "llama-qkv": (6144, 4096), "llama-o": (4096, 4096), "llama-gate_up": (28672, 4096),
+    "llama-down": (4096, 14336), "llama-head": (128256, 4096), "qwen-qkv": (4096, 1024),
+    "qwen-o": (1024, 2048), "qwen-gate_up": (6144, 1024), "qwen-down": (1024, 3072),
+}
+CANDIDATES = [(64, 256, 8, 4, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]
+
+
+def _time(f, reps: int = 20) -> float:  # noqa: ANN001
+    f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        f()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3  # us
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_rows_keep_their_bits_across_row_counts(name: str, dtype: torch.dtype) -> None:
+    n, k = SHAPES[name]
+    if dtype == torch.float32 and n > 30000:
+        pytest.skip("float32 LM head: slow, same code path as the other float32 shapes")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(dtype)
+    x = torch.randn(4096 if n < 30000 else 512, k, generator=g, device="cuda").to(dtype)
+    full = invariant_gemm.gemm(x, w)
+    torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    for m in (1, 7, 64, 65, 300):
+        assert torch.equal(invariant_gemm.gemm(x[:m], w), full[:m]), (name, m)
+    assert torch.equal(invariant_gemm.gemm(x[100:101], w), full[100:101])
+    if dtype != torch.bfloat16:
+        return
+    keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=c), full) for c in CANDIDATES}
+    t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, x.shape[0])}
+    cub = {m: _time(lambda m=m: F.linear(x[:m], w)) for m in (1, 64, x.shape[0])}
+    batch_invariant.enable(True, "cuda")
+    try:
+        blocks = _time(lambda: batch_invariant.rows_of(x, lambda a: F.linear(a, w)))
+    finally:
+        batch_invariant.enable(False)
+    big = x.shape[0]
+    tflops = 2 * big * n * k / (t[big] * 1e-6) / 1e12
+    print(f"{name} N={n} K={k}: ours M=1 {t[1]:.1f} us (cuBLAS {cub[1]:.1f}), M=64 {t[64]:.1f} ({cub[64]:.1f}), "
+          f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}); "
+          f"prefill tiles keeping the bits: {keep}")
+    assert keep[invariant_gemm.tiles(big, n)]
