@@ -193,6 +193,10 @@ class TorchAttention(AttentionBackend):
         self._graph: tuple[torch.Tensor, torch.Tensor] | None = None
         self._g_layer: int | None = None
         self._g_now: tuple[torch.Tensor, ...] = ()
+        self._g_heads = (0, 0, 0)  # (q heads, KV heads, head dim) for the split-KV scratch (bind)
+        self._g_page, self._g_parts = 1, 1  # the pool's page size; a row's most KV partitions
+        self._g_splits = 1  # split-KV programs per row and KV head of the graph being captured
+        self._g_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
         """Speculative decoding's draft trees, for the next `prepare` only: request i's new
@@ -208,6 +212,8 @@ class TorchAttention(AttentionBackend):
     ) -> None:
         self._kernel = batch_invariant.kernel_fits(num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
                                                    self.device)
+        self._g_heads = (num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim)
+        self._g_page = kv_pool.page_size
         # deterministic inference on CUDA: decode is captured when the invariant kernel takes it,
         # through engine/run/cuda_graph.py's dense-table protocol (as mla_attention.MLABackend)
         self.supports_cuda_graph = batch_invariant.enabled() and self._kernel and kv_pool.layout.is_gqa
@@ -221,6 +227,13 @@ class TorchAttention(AttentionBackend):
         # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
         self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
         self._g_blocks = batch_invariant.DecodeBlocks(max_batch, self.device)
+        # split-KV decode: the partitions of a row of the longest context, for the graph sizes
+        # that split (split_rows: at most 32 rows with 8 KV heads)
+        hq, hkv, d = self._g_heads
+        self._g_parts = -(-max_pages_per_req * self._g_page // batch_invariant.kv_part(self._g_page))
+        rows = min(max_batch, batch_invariant.split_rows(hkv)) if hkv else 0
+        if rows and batch_invariant.splits(rows, hkv, self._g_parts) > 1:
+            self._g_scratch = batch_invariant.split_scratch(rows, self._g_parts, hq, d, self.device)
 
     def uses_table(self, batch_size: int) -> bool:
         return True
@@ -230,6 +243,9 @@ class TorchAttention(AttentionBackend):
         empty = torch.empty(0, 1, dtype=torch.int32, device=self.device)
         self.set_graph_table(bs, empty[:, 0], empty)
         self._g_layer = None  # the first layer its forward attends rebuilds the blocks
+        # the grid is fixed at capture: programs past a replay's partitions store nothing
+        fits = self._g_scratch is not None and bs <= self._g_scratch[0].shape[0]
+        self._g_splits = batch_invariant.splits(bs, self._g_heads[1], self._g_parts) if fits else 1
 
     def set_graph_table(self, bs: int, seq_lens: torch.Tensor, table: torch.Tensor) -> None:
         """This step's seq_lens int32 [b] and page table int32 [b, w] (device) into the static
@@ -253,7 +269,8 @@ class TorchAttention(AttentionBackend):
             self._g_layer = layer_id
         if layer_id == self._g_layer:
             self._g_now = self._g_blocks.fill(seq, kv_pool.page_size)
-        return batch_invariant.attend_blocks(q, self._g_now, table, kv_pool, layer_id)
+        return batch_invariant.attend_blocks(q, self._g_now, table, kv_pool, layer_id, self._g_splits,
+                                             self._g_scratch)
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu

@@ -13,7 +13,10 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
   (block of `TOKENS` query tokens, KV head). A fresh prompt, a cached prefix, a chunked
   prefill and a decode step all take this one path, so a token sees the same sums in the same
   order. A row with no visible key in a chunk is left exactly unchanged by it (exp(0) = 1,
-  p = 0), so visiting more chunks than a row needs changes nothing.
+  p = 0), so visiting more chunks than a row needs changes nothing. The CUDA kernel groups the
+  chunks in partitions of `KV_PART` positions, each from a fresh softmax state, merged in
+  partition order by one formula, serially (prefill) or by split-KV programs and a merge kernel
+  (decode): the same bits either way (docs/architecture.md, "Split-KV").
 
 Everything else a token meets is per row and elementwise (norms, RoPE, SiLU, sampling).
 The mode is set once per process (`enable`), before the model runs; engine/run/runner.py
@@ -40,6 +43,13 @@ BMM_GROUP_BY_DEVICE = {"cuda": 64}
 BMM_GROUP: int | None = None
 TOKENS = 16  # query tokens per attention block
 KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
+# CUDA kernel: KV positions per partition (a whole number of chunks, aligned to position 0): each
+# partition's softmax state starts fresh and the states merge in partition order, so a decode
+# can compute its partitions in parallel (split-KV) with the bits of the serial kernel
+KV_PART = 256
+# split a decode step's KV when its (blocks x KV heads) programs are fewer than half this (about
+# 4 programs per SM of an H200), into up to this many programs in all
+SPLIT_PROGRAMS = 512
 
 _enabled = False
 
@@ -101,6 +111,9 @@ class Plan:
     # chunks read int32, real int8 [nb, TOKENS])
     blocks: tuple[torch.Tensor, ...]
     kernel: bool  # attend by the CUDA kernel (then `chunks` is empty)
+    parts: int = 0  # the most KV partitions a block reads (kernel)
+    decode: bool = False  # every block is one token (the kernel may split its KV)
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # split-KV states, made by the first layer
 
 
 def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
@@ -115,6 +128,32 @@ def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: to
 def kv_chunk(page_size: int) -> int:
     """KV positions per attention chunk: KV_CHUNK, or a whole page where pages are larger."""
     return max(KV_CHUNK, page_size)
+
+
+def kv_part(page_size: int) -> int:
+    """KV positions per partition of the CUDA kernel: KV_PART rounded up to whole chunks."""
+    c = kv_chunk(page_size)
+    return -(-KV_PART // c) * c
+
+
+def splits(blocks: int, kv_heads: int, parts: int) -> int:
+    """Programs per (block, KV head) of a split decode: 1 (the serial kernel) where the blocks
+    alone fill the GPU or the KV is one partition; the bits do not depend on it."""
+    return max(1, min(parts, SPLIT_PROGRAMS // max(1, blocks * kv_heads)))
+
+
+def split_rows(kv_heads: int) -> int:
+    """The most decode rows that split (splits > 1): a CUDA graph's scratch covers these only."""
+    return SPLIT_PROGRAMS // (2 * kv_heads)
+
+
+def split_scratch(rows: int, parts: int, num_q_heads: int, head_dim: int,
+                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partition states of split decode: the token's output sums [rows, parts, Hq, D]
+    and (max, sum) [rows, parts, 2, Hq]; only a decode token's G rows per KV head are kept
+    (not the T * G rows of its kernel block)."""
+    return (torch.empty(rows, parts, num_q_heads, head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device))
 
 
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
@@ -152,7 +191,10 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
               real_mask.view(-1, TOKENS).to(dev))
     chunks: list[Chunk] = []
     if kernel:
-        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel)
+        per_part = kv_part(page_size) // chunk
+        parts = -(-reads[order[0]] // per_part) if order else 0
+        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel, parts,
+                    all(k == 1 for k in used))
     for j in range(reads[order[0]] if order else 0):
         nb = sum(1 for b in order if reads[b] > j)
         cols = torch.arange(j * per_chunk, (j + 1) * per_chunk, device=dev).clamp_(max=width - 1)
@@ -167,8 +209,11 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
     """Causal attention of q [T, Hq, D] over `layer`'s paged KV by the plan; [T, Hq, D] in q's dtype."""
     _, hq, d = q.shape
     nb = p.rows.shape[0]
-    if p.kernel:  # one launch, the same structure
-        return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer)
+    if p.kernel:  # one launch (two for split-KV), the same structure
+        s = splits(nb, kv_pool.num_kv_heads, p.parts) if p.decode else 1
+        if s > 1 and p.scratch is None:
+            p.scratch = split_scratch(nb, p.parts, hq, d, q.device)
+        return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer, s, p.scratch)
     out = torch.empty_like(q)
     if nb == 0:
         return out
@@ -202,13 +247,16 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
 
 
 def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,
-                  layer: int) -> torch.Tensor:
+                  layer: int, n_splits: int = 1,
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """attend by the CUDA kernel over `blocks` (Plan.blocks' form, in any order: each block is
-    one program that reads only its own entries and writes only its own real rows)."""
+    one program that reads only its own entries and writes only its own real rows); n_splits > 1:
+    split-KV (decode blocks only) with `scratch` (split_scratch), the same bits."""
     from engine.layers import triton_ops
 
-    return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], kv_pool.page_size,
-                                          page_table, blocks, TOKENS, kv_chunk(kv_pool.page_size))
+    ps = kv_pool.page_size
+    return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], ps, page_table, blocks,
+                                          TOKENS, kv_chunk(ps), kv_part(ps), n_splits, scratch)
 
 
 class DecodeBlocks:

@@ -321,17 +321,63 @@ def store_kernel(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 
 
+@triton.jit
+def _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, j0, j1, sm_scale,
+                  M: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, C: tl.constexpr):
+    """(m, l, acc) of the M query rows qv [M, D] (in the dot type, unscaled) over
+    KV chunks j0..j1-1 of KV head kvh, from a fresh state, online softmax in chunk order.
+    Shared by the serial and the split kernels: the same code, so the same bits. A row with no
+    visible key in the whole range keeps (-inf, 0, 0): its max is taken as 0 for the exps
+    (exp(-inf) = 0), where a plain exp(-inf - -inf) would be NaN."""
+    d = tl.arange(0, D)
+    n = tl.arange(0, C)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    for j in range(j0, j1):
+        kpos = j * C + n
+        col = kpos // PS
+        page = tl.load(trow + col, mask=col < table_width, other=0).to(tl.int64)
+        off = (page * PS + kpos % PS)[:, None] * (HKV * D) + kvh * D + d[None, :]
+        kt = tl.load(k_cache + off).to(qv.dtype)
+        vt = tl.load(v_cache + off).to(qv.dtype)
+        s = tl.dot(qv, tl.trans(kt)) * sm_scale
+        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vt)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge_state(m_acc, l_acc, o_acc, m_p, l_p, o_p):
+    """The running state (m_acc, l_acc, o_acc [R], [R], [R, D]) merged with the next partition's
+    (m_p, l_p, o_p): the one formula both kernels use. An empty partition (m = -inf, l = 0, o = 0)
+    leaves the state's bits unchanged: a = exp(0) = 1, b = exp(-inf) = 0."""
+    mx = tl.maximum(m_acc, m_p)
+    ms = tl.where(mx == float("-inf"), 0.0, mx)
+    a = tl.exp(m_acc - ms)
+    b = tl.exp(m_p - ms)
+    return mx, l_acc * a + l_p * b, o_acc * a[:, None] + o_p * b[:, None]
+
+
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width"])
 def invariant_attention_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
     blk_real, out, sm_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    CP: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """Deterministic inference's attention (engine/layers/batch_invariant.py) for one (block of
     T query tokens of one request, KV head): the group's T * G query rows against the KV in
-    chunks of C positions from position 0, online softmax in chunk order. A row's arithmetic
-    depends on nothing but its own q, its position and the KV: not on the batch."""
+    partitions of CP chunks of C positions from position 0, each partition's state from a
+    fresh one (_kv_partition), merged in partition order (_merge_state): serially here, by
+    invariant_split_kernel + invariant_merge_kernel for split decode, with the same bits. A
+    row's arithmetic depends on nothing but its own q, its position and the KV: not on the batch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV
@@ -347,26 +393,80 @@ def invariant_attention_kernel(
     d = tl.arange(0, D)
     head = kvh * G + r % G
     qv = tl.load(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :]).to(dot_t)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    n = tl.arange(0, C)
     trow = table + req * table_stride
-    for j in range(0, reads):
-        kpos = j * C + n
-        col = kpos // PS
-        page = tl.load(trow + col, mask=col < table_width, other=0).to(tl.int64)
-        off = (page * PS + kpos % PS)[:, None] * (HKV * D) + kvh * D + d[None, :]
-        kt = tl.load(k_cache + off).to(dot_t)
-        vt = tl.load(v_cache + off).to(dot_t)
-        s = tl.dot(qv, tl.trans(kt)) * sm_scale
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_t), vt)
-        m_i = m_new
-    o = (acc / l_i[:, None]).to(act)
+    m_acc = tl.full([M], float("-inf"), tl.float32)
+    l_acc = tl.zeros([M], tl.float32)
+    o_acc = tl.zeros([M, D], tl.float32)
+    for i in range(0, (reads + CP - 1) // CP):
+        mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,
+                                tl.minimum(i * CP + CP, reads), sm_scale, M, HKV, D, PS, C)
+        m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
+    o_out = (o_acc / l_acc[:, None]).to(act)  # as invariant_merge_kernel
     real = tl.load(blk_real + b * T + t) != 0
-    tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o, mask=real[:, None])
+    tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o_out, mask=real[:, None])
+
+
+@triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width", "parts_max"])
+def invariant_split_kernel(
+    q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
+    sm_scale, part_o, part_ml, parts_max,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
+    CP: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """Split decode, step 1: program (block, KV head, k) computes partitions k, k + splits, ...
+    of its block (decode blocks: T copies of one token, computed as invariant_attention_kernel
+    computes a block, so with its tile shapes and bits) and stores token 0's G rows' states in
+    float32: part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l).
+    Programs past a block's partitions store nothing (the merge reads only its partitions)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    k = tl.program_id(2)
+    G: tl.constexpr = HQ // HKV
+    M: tl.constexpr = T * G
+    dot_t = tl.float32 if F32_DOT else q.dtype.element_ty
+    r = tl.arange(0, M)
+    t = r // G
+    qrow = tl.load(blk_rows + b * T + t)
+    pos = tl.load(blk_pos + b * T + t)
+    req = tl.load(blk_req + b).to(tl.int64)
+    reads = tl.load(blk_reads + b)
+    d = tl.arange(0, D)
+    head = kvh * G + r % G
+    qv = tl.load(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :]).to(dot_t)
+    trow = table + req * table_stride
+    first = r < G  # token 0's rows
+    for i in range(k, (reads + CP - 1) // CP, tl.num_programs(2)):
+        mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,
+                                tl.minimum(i * CP + CP, reads), sm_scale, M, HKV, D, PS, C)
+        slot = b.to(tl.int64) * parts_max + i
+        tl.store(part_o + (slot * HQ + head)[:, None] * D + d[None, :], op, mask=first[:, None])
+        tl.store(part_ml + slot * 2 * HQ + head, mp, mask=first)
+        tl.store(part_ml + (slot * 2 + 1) * HQ + head, lp, mask=first)
+
+
+@triton.jit(do_not_specialize=["parts_max"])
+def invariant_merge_kernel(
+    blk_rows, blk_reads, part_o, part_ml, parts_max, out,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr,
+):
+    """Split decode, step 2: program (block, KV head) merges its token's partition states in
+    partition order from a fresh state by _merge_state, and stores the output as
+    invariant_attention_kernel does (o / l in the output dtype)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    G: tl.constexpr = HQ // HKV
+    head = kvh * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    reads = tl.load(blk_reads + b)
+    m_acc = tl.full([G], float("-inf"), tl.float32)
+    l_acc = tl.zeros([G], tl.float32)
+    o_acc = tl.zeros([G, D], tl.float32)
+    for i in range(0, (reads + CP - 1) // CP):
+        slot = b.to(tl.int64) * parts_max + i
+        op = tl.load(part_o + (slot * HQ + head)[:, None] * D + d[None, :])
+        mp = tl.load(part_ml + slot * 2 * HQ + head)
+        lp = tl.load(part_ml + (slot * 2 + 1) * HQ + head)
+        m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
+    row = tl.load(blk_rows + b * T)
+    o_out = (o_acc / l_acc[:, None]).to(out.dtype.element_ty)
+    tl.store(out + row * (HQ * D) + head[:, None] * D + d[None, :], o_out)

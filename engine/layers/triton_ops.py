@@ -320,20 +320,53 @@ def decode_attention(
 
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
-    blocks: tuple[torch.Tensor, ...], tokens: int, chunk: int,
+    blocks: tuple[torch.Tensor, ...], tokens: int, chunk: int, part: int | None = None, splits: int = 1,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Deterministic inference's attention in one launch (triton_kernels.invariant_attention_kernel):
-    q [T, Hq, D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64
-    [nb, tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan."""
+    """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
+    D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
+    tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan; the KV in
+    partitions of `part` positions (batch_invariant.kv_part) merged in order.
+
+    splits > 1 (decode blocks only: one token each) is split-KV: `splits` programs per (block,
+    KV head) store the partitions' float32 states in `scratch` (batch_invariant.split_scratch:
+    part_o [>= nb, parts, Hq, D], part_ml [>= nb, parts, 2, Hq]; `parts` at least any block's
+    partition count), then a second kernel merges them in order. Both kernel pairs are compiled
+    with floating-point fusion off: the serial kernel and the split pair share the partition and
+    merge code (@triton.jit helpers), and with no FMA contraction the compiler cannot fuse a
+    multiply-add in one and not in the other, so a token's output has the same bits on either."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     out = torch.empty_like(q)
     nb = blocks[0].shape[0]
-    if nb:
-        _k().invariant_attention_kernel[(nb, hkv)](
-            q, q.stride(0), k_cache, v_cache, table, table.stride(0), table.shape[1], *blocks, out, d**-0.5,
-            HQ=hq, HKV=hkv, D=d, PS=page_size, T=tokens, C=chunk, F32_DOT=_interpreted(), num_warps=4,
-        )
+    if not nb:
+        return out
+    if part is None:
+        from engine.layers.batch_invariant import kv_part
+
+        part = kv_part(page_size)
+    req, rows, pos, reads, real = blocks
+    head = (q, q.stride(0), k_cache, v_cache, table, table.stride(0), table.shape[1], req, rows, pos, reads)
+    geom = dict(HQ=hq, HKV=hkv, D=d, PS=page_size, T=tokens, C=chunk, CP=part // chunk)
+    # the serial kernel holds two [T * G, D] float32 states (the partition's and the merged one):
+    # 8 warps where 4 would need over 128 registers a thread for them. The split kernel must take
+    # the same warps (the same tl.dot lowering); the merge kernel is elementwise (any layout)
+    warps = 8 if tokens * (hq // hkv) * d >= 8192 else 4
+    opts = dict(enable_fp_fusion=False)
+    k = _k()
+    if splits <= 1:
+        k.invariant_attention_kernel[(nb, hkv)](*head, real, out, d**-0.5, **geom, F32_DOT=_interpreted(),
+                                                num_warps=warps, **opts)
+        return out
+    if scratch is None:
+        raise ValueError("invariant_attention: split-KV needs a scratch (batch_invariant.split_scratch)")
+    part_o, part_ml = scratch
+    if part_o.shape[0] < nb:
+        raise ValueError(f"invariant_attention: scratch for {part_o.shape[0]} blocks, {nb} given")
+    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], **geom,
+                                                F32_DOT=_interpreted(), num_warps=warps, **opts)
+    k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
+                                        T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out
 
 

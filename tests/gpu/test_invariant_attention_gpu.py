@@ -1,0 +1,151 @@
+"""Split-KV of deterministic inference's attention kernel, compiled (engine/layers/triton_kernels.py):
+in bfloat16 with Llama-3.1-8B (32 q / 8 KV heads) and Qwen3-0.6B (16 / 8) heads of dim 128, a
+token's output has the same bits decoded alone (split-KV), in a batch, replayed in CUDA graphs
+(split and serial sizes), with any split count, and computed by the serial kernel in a prefill or
+a chunked prefill, at contexts 1, 255, 256, 257, 1024 and 4097. Plus a timing print (not an
+assertion): the kernel at batch 1 / 8 / 32 / 64, context 1024, 32 q / 8 KV heads, serial vs split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import batch_invariant as bi
+from engine.layers import triton_ops
+from engine.layers.attention import TorchAttention
+from engine.layers.kv_pool import PAD_PAGE, KVPool
+from tests.engine.test_deterministic_graph_blocks import staged
+
+PS = 16
+CONTEXTS = [1, 255, 256, 257, 1024, 4097]
+BF = torch.bfloat16
+
+
+def _pool(hkv: int, d: int, tokens: int, seed: int) -> KVPool:
+    pool = KVPool(1, tokens // PS + 8, PS, hkv, d, BF, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for t in (pool.k[0], pool.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(BF))
+    return pool
+
+
+def _tables(lens: list[int], seed: int) -> list[list[int]]:
+    """Disjoint shuffled pages off the padding page, one list per request."""
+    need = [-(-n // PS) for n in lens]
+    perm = (torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    out, at = [], 0
+    for n in need:
+        out.append(perm[at : at + n])
+        at += n
+    return out
+
+
+def _dense(tables: list[list[int]]) -> torch.Tensor:
+    w = max(len(t) for t in tables)
+    return torch.tensor([t + [PAD_PAGE] * (w - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+
+
+def _graph_decode(backend: TorchAttention, pool: KVPool, bs: int, qd: torch.Tensor, tables: list[list[int]],
+                  ) -> torch.Tensor:
+    """The decode rows (KV lengths CONTEXTS) replayed in a CUDA graph of size bs captured on padding."""
+    hq, d = qd.shape[1:]
+    q = torch.zeros(bs, hq, d, dtype=BF, device="cuda")
+    backend.graph_wrapper(bs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.attend(q, 0, None, pool)  # warm-up: compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.attend(q, 0, None, pool)
+    seqs, dense = staged([n - 1 for n in CONTEXTS], tables, PS, bs)
+    backend.set_graph_table(bs, seqs.cuda(), dense.cuda())
+    q[: len(CONTEXTS)].copy_(qd)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out[: len(CONTEXTS)].clone()
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8)])
+def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
+    d = 128
+    bi.enable(True, "cuda")
+    pool = _pool(hkv, d, sum(CONTEXTS) + 64, seed=hq)
+    tables = _tables(CONTEXTS, seed=hq)
+    dense = _dense(tables)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    qs = [torch.randn(n, hq, d, generator=g, device="cuda").to(BF) for n in CONTEXTS]
+    last = []
+    for r, n in enumerate(CONTEXTS):  # the serial kernel: the whole prompt, then a chunk behind a prefix
+        p = bi.plan(dense[r : r + 1], [n], [n], PS, kernel=True)
+        full = bi.attend(qs[r], p, pool, 0)
+        cut = n // 2 + 3 if n > 8 else 0
+        chunk = bi.attend(qs[r][cut:], bi.plan(dense[r : r + 1], [n], [n - cut], PS, kernel=True), pool, 0)
+        assert torch.equal(chunk, full[cut:]), (n, "chunked prefill")
+        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True)
+        assert alone.decode and bi.splits(1, hkv, alone.parts) == alone.parts  # split wherever > 1 partition
+        assert torch.equal(bi.attend(qs[r][-1:], alone, pool, 0)[0], full[-1]), (n, "split decode alone")
+        last.append(full[-1])
+    want = torch.stack(last)
+    qd = torch.stack([q[-1] for q in qs])
+    batch = bi.plan(dense, CONTEXTS, [1] * len(CONTEXTS), PS, kernel=True)
+    assert torch.equal(bi.attend(qd, batch, pool, 0), want), "batched decode"
+    scratch = bi.split_scratch(len(CONTEXTS), batch.parts, hq, d, "cuda")
+    for n in (1, 2, 3, 8, 17):
+        got = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, dense, batch.blocks, bi.TOKENS,
+                                             batch.chunk, bi.kv_part(PS), n, scratch)
+        assert torch.equal(got, want), f"{n} splits"
+    backend = TorchAttention("cuda")
+    backend.bind(num_q_heads=hq, kv_pool=pool, max_batch=64, max_pages_per_req=dense.shape[1] + 1)
+    assert backend.supports_cuda_graph and backend._g_scratch is not None
+    for bs in (8, 64):  # 8: split-KV inside the graph; 64: the serial kernel
+        assert torch.equal(_graph_decode(backend, pool, bs, qd, tables), want), f"graph of {bs}"
+        assert (backend._g_splits > 1) == (bs == 8)
+
+
+def _time_us(f, n: int = 50) -> float:  # noqa: ANN001
+    """Mean device time of f() replayed from a CUDA graph of n calls (no launch overhead)."""
+    f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            f()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (5 * n)
+
+
+def test_timing_print() -> None:
+    hq, hkv, d, ctx = 32, 8, 128, 1024
+    bi.enable(True, "cuda")
+    pool = _pool(hkv, d, 64 * ctx, seed=3)
+    dense = _dense(_tables([ctx] * 64, seed=3))
+    q = torch.randn(64, hq, d, device="cuda").to(BF)
+    for b in (1, 8, 32, 64):
+        p = bi.plan(dense[:b], [ctx] * b, [1] * b, PS, kernel=True)
+        scratch = bi.split_scratch(b, p.parts, hq, d, "cuda")
+
+        def run(n: int, b: int = b, p: bi.Plan = p, scratch: tuple = scratch) -> torch.Tensor:
+            return triton_ops.invariant_attention(q[:b], pool.k[0], pool.v[0], PS, dense[:b], p.blocks, bi.TOKENS,
+                                                  p.chunk, bi.kv_part(PS), n, scratch)
+
+        auto = bi.splits(b, hkv, p.parts)
+        times = {n: _time_us(lambda n=n: run(n)) for n in sorted({1, 2, p.parts, auto})}
+        kv_mb = b * ctx * hkv * d * 2 * 2 / 1e6
+        print(f"invariant attention timing: batch {b} ctx {ctx} heads {hq}/{hkv}: "
+              + ", ".join(f"splits {n} {t:.1f} us" for n, t in times.items())
+              + f"; the engine picks {auto}; KV {kv_mb:.1f} MB = {kv_mb / 4.8e3 * 1e3:.1f} us at 4.8 TB/s")
+    # the static scratch a CUDA-graph decode holds: Llama-3.1-8B at 128k context, 64 graph rows
+    parts = -(-(-(-131072 // PS) + 1) * PS // bi.kv_part(PS))
+    rows = min(64, bi.split_rows(8))
+    mib = sum(t.numel() * 4 for t in bi.split_scratch(rows, parts, 32, 128, "meta")) / 2**20
+    print(f"invariant attention timing: graph scratch Llama-3.1-8B 128k x 64 rows: {rows} split rows x {parts} "
+          f"partitions = {mib:.1f} MiB")

@@ -1,0 +1,109 @@
+"""Split-KV of deterministic inference's CUDA attention kernel (engine/layers/triton_kernels.py:
+invariant_attention_kernel serial, invariant_split_kernel + invariant_merge_kernel split), run by
+triton's interpreter on the CPU: a token's output has the same bits decoded alone (split),
+decoded in a batch, through the CUDA-graph protocol and inside a prefill block or a chunked
+prefill (serial), for contexts across several 256-position partitions and their boundaries; and
+it equals the one-partition kernel (the pre-split arithmetic) and a float64 reference closely.
+The compiled kernels: tests/gpu/test_invariant_attention_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is first imported
+pytest.importorskip("triton")
+
+from engine.layers import batch_invariant as bi  # noqa: E402
+from engine.layers import triton_ops  # noqa: E402
+from engine.layers.attention import TorchAttention  # noqa: E402
+from engine.layers.kv_pool import KVPool  # noqa: E402
+from tests.engine.test_deterministic_graph_blocks import staged  # noqa: E402
+
+PS, HQ, HKV, D = 16, 4, 2, 32
+L = 600  # three partitions: 0-255, 256-511, 512-599
+POSITIONS = [0, 255, 256, 257, 511, 512, 599]  # decoded tokens: partition edges, the last
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pool holding one request's L positions on shuffled pages, its queries, and its full
+    prefill through the serial kernel (38 blocks of 16 tokens)."""
+    g = torch.Generator().manual_seed(11)
+    pool = KVPool(1, 48, PS, HKV, D, torch.float32, "cpu")
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    table = (torch.randperm(47, generator=g)[: -(-L // PS)] + 1).to(torch.int32)[None, :]
+    q = torch.randn(L, HQ, D, generator=g)
+    bi.enable(True, "cpu")
+    p = bi.plan(table, [L], [L], PS, kernel=True)
+    assert not p.decode and p.parts == 3
+    return pool, table, q, bi.attend(q, p, pool, 0)
+
+
+def _decode_plan(table: torch.Tensor, positions: list[int]) -> bi.Plan:
+    return bi.plan(table.expand(len(positions), -1), [p + 1 for p in positions], [1] * len(positions), PS, kernel=True)
+
+
+def test_chunked_prefill_and_split_decode_give_the_prefill_bits(setup) -> None:  # noqa: ANN001
+    pool, table, q, full = setup
+    chunked = bi.attend(q[300:], bi.plan(table, [L], [L - 300], PS, kernel=True), pool, 0)  # other block slots
+    assert torch.equal(chunked, full[300:])
+    for p in POSITIONS:  # alone: split wherever the token's KV spans more than one partition
+        plan = _decode_plan(table, [p])
+        assert plan.decode and plan.parts == p // 256 + 1
+        assert bi.splits(1, HKV, plan.parts) == plan.parts
+        assert torch.equal(bi.attend(q[p : p + 1], plan, pool, 0)[0], full[p]), p
+    batch = _decode_plan(table, POSITIONS)  # batched: one split launch for all
+    assert torch.equal(bi.attend(q[POSITIONS], batch, pool, 0), full[POSITIONS])
+
+
+def test_any_split_count_gives_the_serial_bits(setup) -> None:  # noqa: ANN001
+    pool, table, q, full = setup
+    plan = _decode_plan(table, POSITIONS)
+    qd = q[POSITIONS].contiguous()
+    scratch = bi.split_scratch(len(POSITIONS), plan.parts, HQ, D, "cpu")
+    for n in (1, 2, 3, 5):
+        got = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, plan.page_table, plan.blocks, bi.TOKENS,
+                                             plan.chunk, bi.kv_part(PS), n, scratch)
+        assert torch.equal(got, full[POSITIONS]), n
+
+
+def test_split_equals_one_partition_and_float64(setup) -> None:  # noqa: ANN001
+    """Partitions change the rounding, not the value: against the kernel with one partition
+    covering the whole context (the arithmetic before split-KV) and float64 softmax attention."""
+    pool, table, q, full = setup
+    plan = _decode_plan(table, POSITIONS)
+    qd = q[POSITIONS].contiguous()
+    one = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, plan.page_table, plan.blocks, bi.TOKENS,
+                                         plan.chunk, part=1024)
+    torch.testing.assert_close(full[POSITIONS], one, atol=2e-6, rtol=1e-5)
+    slots = (table[0].long()[:, None] * PS + torch.arange(PS)).view(-1)[:L]
+    k, v = pool.k[0][slots].double(), pool.v[0][slots].double()  # [L, Hkv, D]
+    for i, p in enumerate(POSITIONS):
+        kk, vv = (x[: p + 1].repeat_interleave(HQ // HKV, dim=1) for x in (k, v))  # [p + 1, Hq, D]
+        w = torch.softmax(torch.einsum("hd,khd->hk", qd[i].double(), kk) * D**-0.5, dim=-1)
+        want = torch.einsum("hk,khd->hd", w, vv)
+        torch.testing.assert_close(full[p].double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_graph_protocol_splits_with_the_prefill_bits(setup) -> None:  # noqa: ANN001
+    """The torch backend's captured decode (as engine/run/cuda_graph.py drives it): a static
+    scratch for the longest context, the grid's splits fixed at graph_wrapper, rows shorter
+    than it (and a padding row) storing fewer partitions; the bits of the prefill."""
+    pool, table, q, full = setup
+    backend = TorchAttention("cpu")
+    backend.bind(num_q_heads=HQ, kv_pool=pool, max_batch=4, max_pages_per_req=40)
+    backend.bind_graphs(4, 40)  # what bind does on CUDA, where the kernel fits
+    assert backend._g_scratch is not None and backend._g_scratch[0].shape == (4, 3, HQ, D)  # 640 positions
+    backend.graph_wrapper(4)
+    assert backend._g_splits == 3
+    starts = [599, 256, 40]
+    seqs, dense = staged(starts, [table[0].tolist()] * 3, PS, 4)
+    backend.set_graph_table(4, seqs, dense)
+    qg = torch.zeros(4, HQ, D)
+    qg[:3] = q[starts]
+    got = backend.attend(qg, 0, None, pool)
+    assert torch.equal(got[:3], full[starts]) and torch.isfinite(got).all()
