@@ -90,6 +90,10 @@ HELP = {
     "(its own KV pool over the target's pages); EAGLE, EAGLE3: the head's directory (HF EAGLE / EAGLE-3 format)",
     "speculative_corrupt_drafts": "NGRAM, for benchmarks (bin/bench spec --corrupt): each looked-up draft is "
     "replaced by a wrong token with this chance, seeded by request and position (0: off)",
+    "speculative_num_steps_by_batch_size": "drafts per row by the step's decode rows: ROWS:STEPS,... (ROWS "
+    "ascending): a step of more than ROWS decode rows gives each at most STEPS drafts (0: a plain decode step, no "
+    "speculation); the default is chosen from an H200 sweep (docs/PERF.md); empty: --speculative-num-steps at "
+    "every batch size (as vLLM's --speculative-disable-by-batch-size N is N:0)",
     "speculative_draft_layers": "STANDALONE self-draft: the target's first N layers plus its final norm and head "
     "draft; their KV is the target's own (0: off)",
     "chat_template": "a Jinja chat template file to use instead of the model's own (e.g. "

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from msgs.channels import TcpPlan
 
 
+# --speculative-num-steps-by-batch-size's default, from the H200 sweep in docs/PERF.md (Speculation by
+# batch size): more than 4 decode rows, at most 3 drafts a row; more than 16, no speculation
+SPEC_BY_BATCH_DEFAULT = "4:3,16:0"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: str = ""  # HF-style directory or hub id (engine/hub.py); "" = the default SmolLM2 model
@@ -72,6 +77,9 @@ class ServerConfig:
     speculative_draft_model_path: str = ""  # STANDALONE: a draft model's directory; EAGLE, EAGLE3: the head's
     speculative_draft_layers: int = 0  # STANDALONE self-draft: the target's first N layers + norm + head
     speculative_corrupt_drafts: float = 0.0  # NGRAM, benchmarking: a draft made wrong with this chance (bin/bench spec)
+    # drafts per row capped by the step's decode rows: "ROWS:STEPS,...", above ROWS rows at most STEPS
+    # (0: plain decode steps); "": every batch size gets --speculative-num-steps (docs/PERF.md, issue 24 item 3)
+    speculative_num_steps_by_batch_size: str = SPEC_BY_BATCH_DEFAULT
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,10 +142,12 @@ class ServerConfig:
         if not algo:
             others = (self.speculative_num_steps, self.speculative_num_draft_tokens, self.speculative_draft_layers,
                       self.speculative_draft_model_path, self.speculative_eagle_topk != 1,
-                      self.speculative_corrupt_drafts)
+                      self.speculative_corrupt_drafts,
+                      self.speculative_num_steps_by_batch_size != SPEC_BY_BATCH_DEFAULT)
             if any(others):
                 raise ValueError("--speculative-num-steps / --speculative-num-draft-tokens / --speculative-eagle-topk "
-                                 "/ --speculative-draft-* need --speculative-algorithm")
+                                 "/ --speculative-draft-* / --speculative-num-steps-by-batch-size need "
+                                 "--speculative-algorithm")
             return
         if algo not in ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN"):
             raise ValueError(f"bad --speculative-algorithm {algo} (NGRAM, STANDALONE, EAGLE, EAGLE3, NEXTN)")
@@ -171,7 +181,8 @@ class ServerConfig:
             if not path.is_dir():
                 raise ValueError(f"--speculative-draft-model-path {path}: no such directory")
             object.__setattr__(self, "speculative_draft_model_path", str(path.resolve()))
-        problem = _spec_head_problem(algo, self.model, self.speculative_draft_model_path)
+        problem = (_spec_head_problem(algo, self.model, self.speculative_draft_model_path)
+                   or _steps_by_batch_problem(self.speculative_num_steps_by_batch_size))
         if problem:
             raise ValueError(problem)
         object.__setattr__(self, "speculative_num_steps", steps)  # frozen; set once here
@@ -260,6 +271,11 @@ class ServerConfig:
         return (algo == "NGRAM" or self_draft) and self.speculative_eagle_topk == 1
 
     @property
+    def speculative_steps_by_batch(self) -> tuple[tuple[int, int], ...]:
+        """--speculative-num-steps-by-batch-size as (rows, steps) rules, rows ascending (validated)."""
+        return parse_steps_by_batch(self.speculative_num_steps_by_batch_size)
+
+    @property
     def decode_graph_rows(self) -> int:
         """Rows of the largest decode CUDA graph: every running request's verify row (its
         num_draft_tokens) when verify steps replay the graphs, else one row a request."""
@@ -321,6 +337,34 @@ def _tree_checks(topk: int, steps: int, tokens: int, backend: str,
          f"--speculative-eagle-topk {topk}: draft trees need the torch attention backend (--attention-backend torch "
          "or auto on CPU; it takes the tree mask) without --enable-deterministic-inference"),
     ]
+
+
+def parse_steps_by_batch(text: str) -> tuple[tuple[int, int], ...]:
+    """"ROWS:STEPS,..." -> ((rows, steps), ...); ValueError (naming no flag) when malformed."""
+    rules = []
+    for part in text.replace(" ", "").split(","):
+        if part:
+            rows, sep, steps = part.partition(":")
+            if not sep or not (rows + steps).isascii() or not rows.isdigit() or not steps.isdigit():
+                raise ValueError(f"{part!r} is not ROWS:STEPS")
+            rules.append((int(rows), int(steps)))
+    return tuple(rules)
+
+
+def _steps_by_batch_problem(text: str) -> str | None:
+    """What is wrong with --speculative-num-steps-by-batch-size: rules with rows ascending and
+    drafts that never grow with the batch (speculation pays less the larger it is)."""
+    flag = f"--speculative-num-steps-by-batch-size {text!r}"
+    try:
+        rules = parse_steps_by_batch(text)
+    except ValueError as e:
+        return f"{flag}: {e} (a comma-separated list of ROWS:STEPS, e.g. {SPEC_BY_BATCH_DEFAULT})"
+    rows, steps = [r for r, _ in rules], [s for _, s in rules]
+    if rows != sorted(set(rows)):
+        return f"{flag}: ROWS must be strictly ascending"
+    if steps != sorted(steps, reverse=True):
+        return f"{flag}: STEPS must not grow with ROWS (more decode rows, fewer drafts)"
+    return None
 
 
 def _spec_head_problem(algo: str, model: str, head: str) -> str | None:

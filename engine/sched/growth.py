@@ -30,31 +30,39 @@ class DecodeGrowth:
         self.kv = kv
 
     def plan_decodes(self, rows: list[Row], ops: list[Op]) -> int:
-        """A decode row for every running request whose prompt is done; tokens used."""
+        """A decode row for every running request whose prompt is done; tokens used. With
+        speculation, the batch-size rules cap every row's drafts by the step's decode rows; a cap
+        of 0 makes this an ordinary decode step (docs/architecture.md, Speculation by batch size)."""
         used = 0
-        for req in list(self.s.running):
-            if req.status != Status.RUNNING or req.in_prefill:
+        decoding = [r for r in self.s.running if r.status == Status.RUNNING and not r.in_prefill
+                    and r.pending_tokens < r.max_new_tokens]  # (its last token not already being sampled)
+        spec = self.s.spec
+        cap = spec.cap(len(decoding)) if spec is not None else 0
+        for req in decoding:
+            if req.status != Status.RUNNING:
+                continue  # retracted by an earlier row's growth
+            if spec is not None and cap > 0 and spec.eligible(req):
+                used += self._plan_verify(req, rows, ops, cap)
                 continue
-            if req.pending_tokens >= req.max_new_tokens:
-                continue  # its last token is already being sampled (max_new fits the context)
-            if self.s.spec is not None and self.s.spec.eligible(req):
-                used += self._plan_verify(req, rows, ops)
-                continue
+            if req.verifies:
+                continue  # a verify row in flight: its accepted length, so this row's position, is not known yet
             if req.kv_len % self.s.cfg.page_size == 0 and not self.grow(req, 1, ops, may_retract=True):
                 continue  # req itself was retracted
             token = -1 if req.inflight else req.last_token  # -1: sampled by the step in flight
             rows.append(Row(req, [token], req.kv_len, True))
+            self.s.spec_stats.plain += spec is not None
             req.kv_len += 1
             req.inflight += 1
             used += 1
         return used
 
-    def _plan_verify(self, req: Req, rows: list[Row], ops: list[Op]) -> int:
+    def _plan_verify(self, req: Req, rows: list[Row], ops: list[Op], cap: int) -> int:
         """A speculating request's row: its last token and its drafts; tokens used. With its
         previous verify row still in flight, the row is chained on it: planned as if that row
         accepted all its drafts (its first token that row's bonus, resolved on the worker; its
         drafts looked up after the previous drafts), answering nothing if a draft was rejected
-        (docs/architecture.md, Speculative decoding, Overlap). Otherwise it waits."""
+        (docs/architecture.md, Speculative decoding, Overlap). Otherwise it waits. `cap`: the
+        most drafts the step's batch size allows (SpecPolicy.cap)."""
         spec = self.s.spec
         assert spec is not None
         live = [v for v in req.verifies if not v.void]
@@ -67,7 +75,8 @@ class DecodeGrowth:
         room = min(req.max_new_tokens - len(req.output_ids) - ahead, self.s.cfg.max_context - req.kv_len) - 1
         if room < 0:
             return 0  # the previous row may already end it
-        drafts, parents = spec.row(req, room, live[0].drafts if chained else None)
+        drafts, parents = spec.row(req, min(room, cap), live[0].drafts if chained else None)
+        self.s.spec_stats.capped += cap < min(spec.num_steps, room)
         if not self.grow(req, 1 + len(drafts), ops, may_retract=True):
             return 0  # req itself was retracted
         first = -1 if chained else req.last_token  # -1: the previous row's bonus, on the worker

@@ -104,6 +104,8 @@ class SpecStats:
     hist: list[int] = field(default_factory=list)  # rows by accepted drafts (index = accepted)
     chained: int = 0  # rows planned before the previous row of their request answered
     void: int = 0  # ... of which the previous row rejected a draft: they answered nothing
+    plain: int = 0  # decode rows planned without drafts, in steps the batch-size rules turned off (by_batch)
+    capped: int = 0  # verify rows whose drafts the batch-size rules cut below --speculative-num-steps
 
     def add(self, drafted: int, accepted: int) -> None:
         self.rows += 1
@@ -127,6 +129,19 @@ class SpecPolicy:
     nodes: int = 0  # a tree's drafts at most (--speculative-num-draft-tokens - 1)
     corrupt: float = 0.0  # --speculative-corrupt-drafts: the chance a looked-up draft is made wrong
     vocab_size: int = 0  # (what a wrong token wraps around)
+    by_batch: tuple[tuple[int, int], ...] = ()  # --speculative-num-steps-by-batch-size: (rows, steps) ascending
+
+    def cap(self, rows: int) -> int:
+        """The most drafts a row gets in a step of `rows` decode rows: --speculative-num-steps, cut
+        to the steps of the last rule whose rows it exceeds (0: a plain decode step). Verifying k
+        drafts costs a row k + 1 tokens of compute; at small batch that is nearly free (decode
+        reads the weights once for every row), at large batch it is not, and a rejected draft
+        wastes it (docs/PERF.md, Speculation by batch size)."""
+        k = self.num_steps
+        for limit, steps in self.by_batch:
+            if rows > limit:
+                k = min(k, steps)
+        return k
 
     def eligible(self, req: Req) -> bool:
         """Requests that speculate: all of them. Each verify row is penalized with the drafts

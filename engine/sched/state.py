@@ -52,6 +52,8 @@ class SchedConfig:
     spec_topk: int = 1  # > 1: NGRAM draft trees, up to topk alternatives a position (engine/sched/spec_tree.py)
     spec_tree_nodes: int = 0  # a tree's drafts at most (--speculative-num-draft-tokens - 1)
     spec_corrupt: float = 0.0  # bin/bench spec's oracle: a looked-up draft made wrong with this chance
+    # drafts per row by the step's decode rows: (rows, steps), above rows at most steps (engine/sched/spec.py)
+    spec_by_batch: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_pages < 2 or self.max_context < 2 or self.max_prefill_tokens < 1 or self.vocab_size < 1:
@@ -86,6 +88,7 @@ class SchedConfig:
             spec_topk=cfg.speculative_eagle_topk,
             spec_tree_nodes=cfg.speculative_num_draft_tokens - 1,
             spec_corrupt=cfg.speculative_corrupt_drafts,
+            spec_by_batch=cfg.speculative_steps_by_batch,
         )
 
 
@@ -117,7 +120,7 @@ class SchedState:
         self.spec = SpecPolicy(self.cfg.spec_algorithm, self.cfg.spec_steps,
                                self.cache if self.cfg.enable_radix else None, self.cfg.spec_topk,
                                self.cfg.spec_tree_nodes, self.cfg.spec_corrupt,
-                               self.cfg.vocab_size) if self.cfg.spec_algorithm else None
+                               self.cfg.vocab_size, self.cfg.spec_by_batch) if self.cfg.spec_algorithm else None
 
 
 def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int | None = None) -> int:

@@ -1,0 +1,183 @@
+"""Speculation by batch size (--speculative-num-steps-by-batch-size, docs/architecture.md) on the
+default model in float32 (LocalEngine's parts driven step by step: the served Step stream,
+digests checked every step, overlap on). With tiny thresholds (more than 2 decode rows: 1 draft;
+more than 4: none) a batch that grows from 2 to 6 requests and then drains as they finish at
+different max_tokens passes through every regime, one way and back: greedy tokens equal those
+without speculation for each chain draft source and for NGRAM trees; a step above the cap carries
+no drafts (an ordinary decode step), a step below it no more drafts a row than the cap; the
+accept-length counters agree with the requests' own usage. Bad rule lists fail at start."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.args import parse_args
+from engine.config import SPEC_BY_BATCH_DEFAULT, ServerConfig
+from engine.local import LocalEngine
+from engine.sched.request import Status
+from engine.sched.spec import SpecPolicy
+from engine.tokenizer import load_tokenizer
+from msgs.codec import pack_ids, unpack_ids
+from msgs.params import SamplingParams
+from msgs.requests import TokenizedRequest
+from tests.models.draft_heads import write_head
+
+TEXTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+         "The quick brown fox jumps over the lazy dog. " * 3, "1, 2, 3, 4, 5, 6, 7, 8, 9,",
+         "The capital of France is", "Once upon a time, in a small village", "a b c a b c a b c a b"]
+MAX_NEW = [24, 20, 4, 8, 12, 16]  # the first two run from the start, the others arrive at step ARRIVE
+ARRIVE = 3
+RULES = "2:1,4:0"  # more than 2 decode rows: 1 draft a row; more than 4: no speculation
+STEPS = 3  # --speculative-num-steps
+
+
+def _cap(rows: int) -> int:
+    """RULES, written out: the most drafts a row may get in a step of `rows` decode rows."""
+    return 0 if rows > 4 else 1 if rows > 2 else STEPS
+
+
+def _engine(model: str, **kw: object) -> LocalEngine:
+    # one thread: a small batch on a busy CI host stalls in OpenMP barriers more than it gains
+    return LocalEngine(ServerConfig(model=model, dtype="float32", max_total_tokens=4096, max_running_requests=8,
+                                    cpu_threads=1, **kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads_back() -> Iterator[None]:
+    """The engines set torch's thread count process-wide: give the next module the one it had."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@dataclass
+class Run:
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # request index -> its output tokens
+    usage: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # -> its last usage `spec`
+    caps: list[int] = field(default_factory=list)  # per step with decode rows: the cap its rows implied
+    drafts: list[list[int] | None] = field(default_factory=list)  # ... and its rows' drafts (None: no verify)
+    ones: list[int] = field(default_factory=list)  # ... and its one-token rows (plain decode rows)
+
+
+def _drive(eng: LocalEngine, prompts: list[list[int]]) -> Run:
+    """Requests 0 and 1 first, the others submitted before step ARRIVE is planned; overlap on (two
+    steps in flight, as LocalEngine._drive). Each planned Step is checked against the rows that
+    were decoding when it was planned."""
+    run, inflight, planned = Run(), deque(), 0
+    core = eng.core
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
+    todo = deque(range(len(prompts)))
+    while True:
+        while todo and (todo[0] < 2 or planned >= ARRIVE):
+            i = todo.popleft()
+            assert core.submit(TokenizedRequest(rid=f"q{i}", input_ids=pack_ids(prompts[i]), params=params[i])) is None
+        while len(inflight) < 2:
+            rows = sum(r.status == Status.RUNNING and not r.in_prefill and r.pending_tokens < r.max_new_tokens
+                       for r in core.running)
+            if (step := core.plan()) is None:
+                break
+            planned += 1
+            inflight.append(step)
+            if rows and step.forward is not None:
+                d = step.forward.drafts
+                run.caps.append(_cap(rows))
+                run.drafts.append(None if d is None else unpack_ids(d.num_drafts))
+                run.ones.append(unpack_ids(step.forward.extend_lens).count(1))
+        if not inflight:
+            if not todo:
+                return run
+            planned += 1
+            continue
+        for out in core.on_done(eng.runner.run_step(inflight.popleft())):
+            i = int(out.rid[1:])
+            run.tokens.setdefault(i, []).extend(out.new_ids)
+            if out.spec is not None:
+                run.usage[i] = out.spec
+
+
+@pytest.fixture(scope="module")
+def setup(default_model_dir: Path) -> tuple[str, list[list[int]], list[list[int]]]:
+    """The model, the prompts and their greedy tokens without speculation."""
+    tok = load_tokenizer(str(default_model_dir))
+    assert tok is not None
+    prompts = [tok.encode(t) for t in TEXTS]
+    plain = _engine(str(default_model_dir)).generate(
+        prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW])
+    assert all(r.finish_reason == "length" for r in plain)
+    return str(default_model_dir), prompts, [r.output_ids for r in plain]
+
+
+def _source(kind: str, model: str, tmp: Path) -> dict[str, object]:
+    if kind == "NGRAM":
+        return {"speculative_algorithm": "NGRAM"}
+    if kind == "NGRAM-tree":
+        return {"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 8}
+    if kind == "self-draft":
+        return {"speculative_algorithm": "STANDALONE", "speculative_draft_layers": 20}
+    head = write_head(tmp / "EAGLE", json.loads((Path(model) / "config.json").read_text()), "EAGLE")
+    return {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(head)}
+
+
+@pytest.mark.parametrize("kind", ["NGRAM", "self-draft", "EAGLE", "NGRAM-tree"])
+def test_greedy_equals_plain_as_the_batch_crosses_the_thresholds(kind: str, setup, tmp_path: Path) -> None:  # noqa: ANN001
+    model, prompts, want = setup
+    eng = _engine(model, speculative_num_steps=STEPS, speculative_num_steps_by_batch_size=RULES,
+                  **_source(kind, model, tmp_path))
+    run = _drive(eng, prompts)
+    assert [run.tokens[i] for i in range(len(prompts))] == want
+    # every regime, and each way: 3 -> 0 as requests arrive, 0 -> 1 -> 3 as they finish
+    seen = iter(run.caps)
+    assert all(c in seen for c in (STEPS, 0, 1, STEPS)), run.caps
+    for cap, drafts in zip(run.caps, run.drafts, strict=True):
+        # above the cap an ordinary decode step; below it, no row drafts more (a step may have no
+        # verify row: every request waiting for its row in flight)
+        assert drafts is None if cap == 0 else drafts is None or max(drafts) <= cap, (cap, drafts)
+    assert max(n for c, n in zip(run.caps, run.ones, strict=True) if c == 0) >= 5  # plain decode rows
+    st = eng.core.state.spec_stats
+    assert st.plain > 0 and st.capped > 0 and st.rows > 0, st
+    # the counters are the sum of the requests' own usage (verify rows, drafts, accepted)
+    assert tuple(map(sum, zip(*run.usage.values(), strict=True))) == (st.rows, st.drafted, st.accepted)
+    assert sum(st.hist) == st.rows and len(st.hist) <= STEPS + 1 and st.accepted <= st.drafted
+    assert eng.core.leak_free() and eng.runner.replica.digest() == eng.core.replica.digest()
+    print(f"\n{kind}: accept length {st.accept_length:.2f}, plain rows {st.plain}, capped rows {st.capped}")
+
+
+def test_cap_by_decode_rows() -> None:
+    """The default rules: the configured drafts up to 4 decode rows, at most 3 up to 16, none above."""
+    rules = ServerConfig(speculative_algorithm="NGRAM", speculative_num_steps=5).speculative_steps_by_batch
+    assert rules == ((4, 3), (16, 0))
+    policy = SpecPolicy("NGRAM", 5, by_batch=rules)
+    assert [policy.cap(n) for n in (1, 4, 5, 16, 17, 64)] == [5, 5, 3, 3, 0, 0]
+    assert SpecPolicy("NGRAM", 2, by_batch=rules).cap(8) == 2  # a rule never raises --speculative-num-steps
+    assert SpecPolicy("NGRAM", 5).cap(1000) == 5  # no rules: every batch size speculates
+
+
+def test_flag_parses_and_empty_turns_the_rules_off() -> None:
+    cfg = parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-steps-by-batch-size", "8:2, 32:0"])
+    assert cfg.speculative_steps_by_batch == ((8, 2), (32, 0))
+    cfg = parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-steps-by-batch-size", ""])
+    assert cfg.speculative_steps_by_batch == ()
+    assert ServerConfig().speculative_num_steps_by_batch_size == SPEC_BY_BATCH_DEFAULT  # (no speculation: unused)
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("4", "'4' is not ROWS:STEPS"),
+    ("4:x", "'4:x' is not ROWS:STEPS"),
+    ("4:-1", "'4:-1' is not ROWS:STEPS"),
+    ("16:0,4:3", "ROWS must be strictly ascending"),
+    ("4:3,4:0", "ROWS must be strictly ascending"),
+    ("4:1,16:3", "STEPS must not grow with ROWS"),
+])
+def test_bad_rules_fail_at_start_naming_the_flag(value: str, problem: str) -> None:
+    with pytest.raises(ValueError, match="--speculative-num-steps-by-batch-size") as e:
+        ServerConfig(speculative_algorithm="NGRAM", speculative_num_steps_by_batch_size=value)
+    assert problem in str(e.value)
+    with pytest.raises(ValueError, match="--speculative-num-steps-by-batch-size need --speculative-algorithm"):
+        ServerConfig(speculative_num_steps_by_batch_size="8:0")
