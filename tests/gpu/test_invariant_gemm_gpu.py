@@ -47,25 +47,28 @@ def test_rows_keep_their_bits_across_row_counts(name: str, dtype: torch.dtype) -
         pytest.skip("float32 LM head: slow, same code path as the other float32 shapes")
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(dtype)
-    x = torch.randn(4096 if n < 30000 else 512, k, generator=g, device="cuda").to(dtype)
-    full = invariant_gemm.gemm(x, w)
+    big = 4096 if n < 30000 else 512
+    x = torch.randn(big, k, generator=g, device="cuda").to(dtype)
+    full = invariant_gemm.gemm(x, w)  # the prefill tiles
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    one = invariant_gemm.tiles(1, n)
+    decode_tiled = invariant_gemm.gemm(x, w, tile=one)  # every row as a decode step computes it
     for m in (1, 7, 64, 65, 300):
         assert torch.equal(invariant_gemm.gemm(x[:m], w), full[:m]), (name, m)
     assert torch.equal(invariant_gemm.gemm(x[100:101], w), full[100:101])
+    assert torch.equal(full, decode_tiled), name
     if dtype != torch.bfloat16:
         return
-    keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=c), full) for c in CANDIDATES}
-    t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, x.shape[0])}
-    cub = {m: _time(lambda m=m: F.linear(x[:m], w)) for m in (1, 64, x.shape[0])}
+    keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=c), decode_tiled) for c in CANDIDATES}
+    t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, big)}
+    t_one = _time(lambda: invariant_gemm.gemm(x, w, tile=one))
+    cub = {m: _time(lambda m=m: F.linear(x[:m], w)) for m in (1, 64, big)}
     batch_invariant.enable(True, "cuda")
     try:
         blocks = _time(lambda: batch_invariant.rows_of(x, lambda a: F.linear(a, w)))
     finally:
         batch_invariant.enable(False)
-    big = x.shape[0]
     tflops = 2 * big * n * k / (t[big] * 1e-6) / 1e12
     print(f"{name} N={n} K={k}: ours M=1 {t[1]:.1f} us (cuBLAS {cub[1]:.1f}), M=64 {t[64]:.1f} ({cub[64]:.1f}), "
-          f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}); "
-          f"prefill tiles keeping the bits: {keep}")
-    assert keep[invariant_gemm.tiles(big, n)]
+          f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}, "
+          f"decode tiles {t_one:.1f}); prefill tiles keeping the decode bits: {keep}")
