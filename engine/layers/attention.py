@@ -219,6 +219,21 @@ class TorchAttention(AttentionBackend):
         self.supports_cuda_graph = batch_invariant.enabled() and self._kernel and kv_pool.layout.is_gqa
         if self.supports_cuda_graph:
             self.bind_graphs(max_batch, max_pages_per_req)
+            if self.device.type == "cuda":
+                self._warm_split(kv_pool, q_dtype or kv_pool.dtype)
+
+    def _warm_split(self, kv_pool: KVPool, q_dtype: torch.dtype) -> None:
+        """Compile the split-KV kernel pair now (warm-up's short prompts take the serial kernel
+        only, and an eager decode past one partition would compile them mid-serving): a decode
+        row of two partitions on the padding page, output discarded."""
+        hq, _, d = self._g_heads
+        n = batch_invariant.kv_part(kv_pool.page_size) + 1
+        blocks = batch_invariant.DecodeBlocks(1, self.device).fill(
+            torch.tensor([n], dtype=torch.int32, device=self.device), kv_pool.page_size)
+        table = torch.full((1, -(-n // kv_pool.page_size)), PAD_PAGE, dtype=torch.int32, device=self.device)
+        scratch = batch_invariant.split_scratch(1, 2, hq, d, self.device)
+        q = torch.zeros(1, hq, d, dtype=q_dtype, device=self.device)
+        batch_invariant.attend_blocks(q, blocks, table, kv_pool, 0, 2, scratch)
 
     def bind_graphs(self, max_batch: int, max_pages_per_req: int) -> None:
         """The static buffers a captured decode reads: lengths, a dense page table, the blocks."""

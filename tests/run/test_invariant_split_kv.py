@@ -107,3 +107,4 @@ def test_graph_protocol_splits_with_the_prefill_bits(setup) -> None:  # noqa: AN
     qg[:3] = q[starts]
     got = backend.attend(qg, 0, None, pool)
     assert torch.equal(got[:3], full[starts]) and torch.isfinite(got).all()
+    backend._warm_split(pool, torch.float32)  # what bind runs on CUDA: the split pair on the padding page
