@@ -166,7 +166,8 @@ for what in "$@"; do case $what in
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
   specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
           --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
-          || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log" ;;
+          --server-args "--log-dir $OUT/logs-specmla" || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log"
+        grep -h '"verify step eager"\|cuda graphs' $OUT/logs-specmla/worker-0.log | tail -4 ;;
   nvfp4moe) run gpu-nvfp4moe 300 python3 -m pytest -m gpu tests/gpu/test_moe_nvfp4_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-nvfp4moe.log" | tail -10 ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
 from engine.layers.context import ForwardContext
@@ -41,6 +42,8 @@ from engine.run.spec_tree import (
 )
 from msgs.codec import unpack_ids
 from msgs.steps import Forward
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class Speculator:
         # per slot: its last verify row answered every draft (what a chained row counts on)
         self.all_accepted: torch.Tensor | None = None
         self.replayed = 0  # verify steps that replayed the decode CUDA graphs
+        self.eager_reasons: set[str] = set()  # why verify steps did not (logged once per kind)
 
     def follow(self, batch: ForwardBatch) -> None:
         """After every target forward: a separate draft model writes its KV for the same batch."""
@@ -275,9 +279,16 @@ class Speculator:
         all the row's logit rows (n = drafts + 1). The cost against a prefill-shaped verify: the
         row's KV is read n times instead of once, small where speculation pays (batch 1-8)."""
         g = runner.graphs
-        if g is None or v.parents is not None or not all(sample) or sum(lens) > g.max_batch:
+        if g is None or v.parents is not None:
             return None
-        if any(n != k + 1 for n, k in zip(lens, v.row_drafts, strict=True)):
+        why = ("a row that does not sample" if not all(sample) else
+               "more rows than the largest graph" if sum(lens) > g.max_batch else
+               "a row that is not its drafts + 1" if any(n != k + 1 for n, k in zip(lens, v.row_drafts, strict=True))
+               else "")
+        if why:
+            if why not in self.eager_reasons:  # once per kind: a diagnostic, not a hot-path log
+                self.eager_reasons.add(why)
+                log.info("verify step eager", reason=why, rows=sum(lens), graph_rows=g.max_batch)
             return None
         rows = [(s, st + j, t) for s, st, n, t in zip(slots, starts, lens, tables, strict=True) for j in range(n)]
         self.replayed += 1
