@@ -137,7 +137,21 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     logits = cfg.max_running_requests * mcfg.vocab_size * (4 + 4 * 8)
     workspace = 256 << 20  # flashinfer float workspace; plus int workspaces of the graph wrappers
     graphs = 0 if cfg.disable_cuda_graph else (16 << 20) * 24 + cfg.decode_graph_rows * mcfg.vocab_size * 4
-    return activations + logits + workspace + graphs + (256 << 20)  # + CUDA context growth, cuBLAS
+    return activations + logits + workspace + graphs + _split_scratch_bytes(cfg, mcfg) + (256 << 20)  # + cuBLAS etc.
+
+
+def _split_scratch_bytes(cfg: ServerConfig, mcfg) -> int:  # noqa: ANN001
+    """Deterministic inference's split-KV decode scratch for CUDA graphs (torch backend,
+    batch_invariant.split_scratch): float32 [rows, partitions of the longest context, Hq, D + 2],
+    e.g. 273 MB for Llama-3.1-8B at 128k. Zero with the mode off or without graphs."""
+    if not cfg.enable_deterministic_inference or cfg.disable_cuda_graph or getattr(mcfg, "mla", None) is not None:
+        return 0
+    from engine.layers import batch_invariant
+
+    rows = min(cfg.decode_graph_rows, batch_invariant.split_rows(mcfg.num_kv_heads))
+    context = cfg.context_length or mcfg.max_position_embeddings
+    parts = -(-context // batch_invariant.kv_part(cfg.page_size)) + 1
+    return rows * parts * mcfg.num_heads * (mcfg.head_dim + 2) * 4
 
 
 def cpu_pool_tokens(
