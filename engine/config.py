@@ -142,12 +142,14 @@ class ServerConfig:
         if not algo:
             others = (self.speculative_num_steps, self.speculative_num_draft_tokens, self.speculative_draft_layers,
                       self.speculative_draft_model_path, self.speculative_eagle_topk != 1,
-                      self.speculative_corrupt_drafts,
-                      self.speculative_num_steps_by_batch_size != SPEC_BY_BATCH_DEFAULT)
+                      self.speculative_corrupt_drafts)
             if any(others):
                 raise ValueError("--speculative-num-steps / --speculative-num-draft-tokens / --speculative-eagle-topk "
-                                 "/ --speculative-draft-* / --speculative-num-steps-by-batch-size need "
-                                 "--speculative-algorithm")
+                                 "/ --speculative-draft-* need --speculative-algorithm")
+            # checked, but allowed alone: bin/bench gives a plain server and a speculating one the same flags
+            problem = _steps_by_batch_problem(self.speculative_num_steps_by_batch_size)
+            if problem:
+                raise ValueError(problem)
             return
         if algo not in ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN"):
             raise ValueError(f"bad --speculative-algorithm {algo} (NGRAM, STANDALONE, EAGLE, EAGLE3, NEXTN)")

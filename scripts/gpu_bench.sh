@@ -33,6 +33,9 @@
 #             SPEC_SERVER_ARGS="--enable-deterministic-inference": plain and spec servers batch-invariant, so that
 #             the bf16 oracle (the cached answer) holds at near ties (spec, specsweep)
 #   specsweep where speculation stops paying: batch 1 8 32 64, NGRAM k = 1 3 5, an oracle spoiling 30% of its drafts
+#             (every batch size at its k: --speculative-num-steps-by-batch-size= turns the default rules off)
+#   specpolicy the default --speculative-num-steps-by-batch-size (4:3,16:0) on specsweep's workload, k = 5: expect
+#             ~2.4x at batch 1, ~1.6x at 8 (3 drafts), ~1.0x at 32 and 64 (plain decode steps)
 #   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
 #             a plain step is 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
@@ -55,7 +58,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specpolicy specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -162,8 +165,12 @@ for what in "$@"; do case $what in
           --out "$OUT/spec-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A12 "k batch" "$OUT/spec-llama-3.1-8b.log"
         grep -h '"gpu idle"\|cuda graphs' $OUT/logs-spec/worker-0.log | tail -4 ;;
   specsweep) run spec-sweep-llama-3.1-8b 400 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
-          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args="${SPEC_SERVER_ARGS:-}" \
+          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
+          --server-args="${SPEC_SERVER_ARGS:-} --speculative-num-steps-by-batch-size=" \
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
+  specpolicy) run spec-policy-llama-3.1-8b 300 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 5 \
+          --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args="${SPEC_SERVER_ARGS:-}" \
+          --out "$OUT/spec-policy-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A10 "k batch" "$OUT/spec-policy-llama-3.1-8b.log" ;;
   specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
           --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
           --server-args "--log-dir $OUT/logs-specmla" || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log"

@@ -38,9 +38,10 @@ RULES = "2:1,4:0"  # more than 2 decode rows: 1 draft a row; more than 4: no spe
 STEPS = 3  # --speculative-num-steps
 
 
-def _cap(rows: int) -> int:
-    """RULES, written out: the most drafts a row may get in a step of `rows` decode rows."""
-    return 0 if rows > 4 else 1 if rows > 2 else STEPS
+def _cap(rows: int, top: int = STEPS) -> int:
+    """RULES, written out: the most drafts a row may get in a step of `rows` decode rows (`top`:
+    without a rule, --speculative-num-steps; a tree's nodes)."""
+    return 0 if rows > 4 else 1 if rows > 2 else top
 
 
 def _engine(model: str, **kw: object) -> LocalEngine:
@@ -64,9 +65,10 @@ class Run:
     caps: list[int] = field(default_factory=list)  # per step with decode rows: the cap its rows implied
     drafts: list[list[int] | None] = field(default_factory=list)  # ... and its rows' drafts (None: no verify)
     ones: list[int] = field(default_factory=list)  # ... and its one-token rows (plain decode rows)
+    trees: int = 0  # steps that verified a draft tree
 
 
-def _drive(eng: LocalEngine, prompts: list[list[int]]) -> Run:
+def _drive(eng: LocalEngine, prompts: list[list[int]], top: int = STEPS) -> Run:
     """Requests 0 and 1 first, the others submitted before step ARRIVE is planned; overlap on (two
     steps in flight, as LocalEngine._drive). Each planned Step is checked against the rows that
     were decoding when it was planned."""
@@ -87,9 +89,10 @@ def _drive(eng: LocalEngine, prompts: list[list[int]]) -> Run:
             inflight.append(step)
             if rows and step.forward is not None:
                 d = step.forward.drafts
-                run.caps.append(_cap(rows))
+                run.caps.append(_cap(rows, top))
                 run.drafts.append(None if d is None else unpack_ids(d.num_drafts))
                 run.ones.append(unpack_ids(step.forward.extend_lens).count(1))
+                run.trees += d is not None and bool(d.parents)
         if not inflight:
             if not todo:
                 return run
@@ -130,21 +133,27 @@ def test_greedy_equals_plain_as_the_batch_crosses_the_thresholds(kind: str, setu
     model, prompts, want = setup
     eng = _engine(model, speculative_num_steps=STEPS, speculative_num_steps_by_batch_size=RULES,
                   **_source(kind, model, tmp_path))
-    run = _drive(eng, prompts)
-    assert [run.tokens[i] for i in range(len(prompts))] == want
-    # every regime, and each way: 3 -> 0 as requests arrive, 0 -> 1 -> 3 as they finish
+    top = eng.core.state.spec.cap(1)  # no rule: k drafts, a tree's nodes
+    assert top == (7 if kind == "NGRAM-tree" else STEPS)
+    st = eng.core.state.spec_stats
+    for _ in range(2 if kind == "NGRAM-tree" else 1):  # again: the radix tree's continuations make trees
+        before = (st.rows, st.drafted, st.accepted)
+        run = _drive(eng, prompts, top)
+        assert [run.tokens[i] for i in range(len(prompts))] == want
+    # every regime, and each way: k -> 0 as requests arrive, 0 -> 1 -> k as they finish
     seen = iter(run.caps)
-    assert all(c in seen for c in (STEPS, 0, 1, STEPS)), run.caps
+    assert all(c in seen for c in (top, 0, 1, top)), run.caps
+    assert (run.trees > 0) == (kind == "NGRAM-tree")  # (a tree of more than 1 node below the cap)
     for cap, drafts in zip(run.caps, run.drafts, strict=True):
         # above the cap an ordinary decode step; below it, no row drafts more (a step may have no
         # verify row: every request waiting for its row in flight)
         assert drafts is None if cap == 0 else drafts is None or max(drafts) <= cap, (cap, drafts)
     assert max(n for c, n in zip(run.caps, run.ones, strict=True) if c == 0) >= 5  # plain decode rows
-    st = eng.core.state.spec_stats
     assert st.plain > 0 and st.capped > 0 and st.rows > 0, st
-    # the counters are the sum of the requests' own usage (verify rows, drafts, accepted)
-    assert tuple(map(sum, zip(*run.usage.values(), strict=True))) == (st.rows, st.drafted, st.accepted)
-    assert sum(st.hist) == st.rows and len(st.hist) <= STEPS + 1 and st.accepted <= st.drafted
+    # the counters (of the last run) are the sum of the requests' own usage (verify rows, drafts, accepted)
+    counted = tuple(now - was for now, was in zip((st.rows, st.drafted, st.accepted), before, strict=True))
+    assert tuple(map(sum, zip(*run.usage.values(), strict=True))) == counted
+    assert sum(st.hist) == st.rows and len(st.hist) <= STEPS + 1 and st.accepted <= st.drafted  # (a tree's depth)
     assert eng.core.leak_free() and eng.runner.replica.digest() == eng.core.replica.digest()
     print(f"\n{kind}: accept length {st.accept_length:.2f}, plain rows {st.plain}, capped rows {st.capped}")
 
@@ -164,7 +173,9 @@ def test_flag_parses_and_empty_turns_the_rules_off() -> None:
     assert cfg.speculative_steps_by_batch == ((8, 2), (32, 0))
     cfg = parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-steps-by-batch-size", ""])
     assert cfg.speculative_steps_by_batch == ()
-    assert ServerConfig().speculative_num_steps_by_batch_size == SPEC_BY_BATCH_DEFAULT  # (no speculation: unused)
+    assert ServerConfig().speculative_num_steps_by_batch_size == SPEC_BY_BATCH_DEFAULT
+    # inert without speculation, but allowed (bin/bench gives its plain and spec servers the same flags)
+    assert parse_args(["--speculative-num-steps-by-batch-size="]).speculative_steps_by_batch == ()
 
 
 @pytest.mark.parametrize(("value", "problem"), [
@@ -179,5 +190,5 @@ def test_bad_rules_fail_at_start_naming_the_flag(value: str, problem: str) -> No
     with pytest.raises(ValueError, match="--speculative-num-steps-by-batch-size") as e:
         ServerConfig(speculative_algorithm="NGRAM", speculative_num_steps_by_batch_size=value)
     assert problem in str(e.value)
-    with pytest.raises(ValueError, match="--speculative-num-steps-by-batch-size need --speculative-algorithm"):
-        ServerConfig(speculative_num_steps_by_batch_size="8:0")
+    with pytest.raises(ValueError, match=f"--speculative-num-steps-by-batch-size '{value}': .*{problem}"):
+        ServerConfig(speculative_num_steps_by_batch_size=value)  # checked without speculation too
