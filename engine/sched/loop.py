@@ -318,7 +318,7 @@ class SchedulerLoop:
             return
         log.info("speculative decoding", rows=st.rows, drafted=st.drafted, accepted=st.accepted,
                  accept_length=round(st.accept_length, 3), accept_hist=list(st.hist), chained=st.chained,
-                 void=st.void)
+                 void=st.void, plain=st.plain, capped=st.capped)  # (the last two: the batch-size rules)
         self.spec_logged = (st.rows, now)
 
 
