@@ -47,9 +47,11 @@ KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 # partition's softmax state starts fresh and the states merge in partition order, so a decode
 # can compute its partitions in parallel (split-KV) with the bits of the serial kernel
 KV_PART = 256
-# split a decode step's KV when its (blocks x KV heads) programs are fewer than half this (about
-# 4 programs per SM of an H200), into up to this many programs in all
-SPLIT_PROGRAMS = 512
+# split a decode step's KV when its (blocks x KV heads) programs are fewer than half this, into up
+# to this many programs in all. H200, 32/8 heads, ctx 1024 (bench/results/invariant-attention-timing-
+# h200-86bc2c1.txt): batch 1 best at 4 splits (12.9 us, 1 split 34.9), batch 8 at 2 (23.5; 4: 25.2),
+# batch 32 and 64 unsplit (84.9 / 166.5; 2 splits 91.2 / 175.6): 128 picks each of those
+SPLIT_PROGRAMS = 128
 
 _enabled = False
 
