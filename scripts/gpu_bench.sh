@@ -34,8 +34,9 @@
 #             the bf16 oracle (the cached answer) holds at near ties (spec, specsweep)
 #   specsweep where speculation stops paying: batch 1 8 32 64, NGRAM k = 1 3 5, an oracle spoiling 30% of its drafts
 #             (every batch size at its k: --speculative-num-steps-by-batch-size= turns the default rules off)
-#   specpolicy the default --speculative-num-steps-by-batch-size (4:3,16:0) on specsweep's workload, k = 5: expect
-#             ~2.4x at batch 1, ~1.6x at 8 (3 drafts), ~1.0x at 32 and 64 (plain decode steps)
+#   specpolicy tests/gpu/test_spec_by_batch_gpu.py (plain and verify steps mixed in the graphs as the batch crosses
+#             the rules), then the default --speculative-num-steps-by-batch-size (4:3,16:0) on specsweep's workload,
+#             k = 5: expect ~2.4x at batch 1, ~1.6x at 8 (3 drafts), ~1.0x at 32 and 64 (plain decode steps)
 #   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
 #             a plain step is 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
@@ -168,7 +169,9 @@ for what in "$@"; do case $what in
           --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
           --server-args="${SPEC_SERVER_ARGS:-} --speculative-num-steps-by-batch-size=" \
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
-  specpolicy) run spec-policy-llama-3.1-8b 300 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 5 \
+  specpolicy) run gpu-spec-by-batch 200 python3 -m pytest -m gpu tests/gpu/test_spec_by_batch_gpu.py -q -rA -p no:cacheprovider \
+          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-by-batch.log" | tail -6
+        run spec-policy-llama-3.1-8b 300 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 5 \
           --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args="${SPEC_SERVER_ARGS:-}" \
           --out "$OUT/spec-policy-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A10 "k batch" "$OUT/spec-policy-llama-3.1-8b.log" ;;
   specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
