@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from engine.layers.attention import AttentionBackend
+from engine.layers.cp_attention import ContextParallelAttention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.mla_attention import MLABackend, MLAPlan, MLAShapes, mla_attend
+from engine.layers.mla_cp import mla_attend_cp
 from engine.layers.moe import MoE, pad_rows
 from engine.layers.parallel import (
     ColumnParallelLinear,
@@ -171,7 +173,13 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(ckv[:, : s.kv_lora_rank].contiguous())
         k_pe = ctx.rope(ckv[:, None, s.kv_lora_rank :], ctx.cos, ctx.sin)  # [T, 1, rope]
-        ctx.kv.store(self.layer_id, ctx.batch.out_slots, torch.cat([c, k_pe[:, 0]], dim=-1)[:, None])
+        lat = torch.cat([c, k_pe[:, 0]], dim=-1)
+        if ctx.cp is not None:  # context parallelism: owners store, partials merged (engine/layers/mla_cp.py)
+            o = mla_attend_cp(q_nope, q_pe, lat, ctx.cp, ctx.kv, self.layer_id, self.kv_b_proj.weight, s,
+                              ctx.absorb_all)
+            return self.o_proj(o.reshape(t, s.heads * s.v))
+        ctx.kv.store(self.layer_id, ctx.batch.out_slots, lat[:, None])
+        assert ctx.plan is not None
         o = mla_attend(q_nope, q_pe, ctx.plan, ctx.kv, self.layer_id, self.kv_b_proj.weight, s)
         return self.o_proj(o.reshape(t, s.heads * s.v))
 
@@ -179,9 +187,11 @@ class MLAttention(nn.Module):
 class MLAContext:
     """What every layer of one forward reads: the batch, the pool, the attention plan, cos/sin."""
 
-    def __init__(self, batch: ForwardBatch, kv: KVPool, plan: MLAPlan, rope: LatentRope, dtype: torch.dtype) -> None:
+    def __init__(self, batch: ForwardBatch, kv: KVPool, plan: MLAPlan | None, rope: LatentRope, dtype: torch.dtype,
+                 cp: ContextParallelAttention | None = None, absorb_all: bool = False) -> None:
         self.batch, self.kv, self.plan, self.rope = batch, kv, plan, rope
         self.cos, self.sin = rope.cos_sin(batch.positions, dtype)
+        self.cp, self.absorb_all = cp, absorb_all  # cp: the prepared cp backend (plan None then)
 
 
 class DecoderLayer(nn.Module):
@@ -248,8 +258,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         MLABackend's static decode table is read (a CUDA graph's capture and replays)."""
         x = self.model.embed_tokens(batch.input_ids)
         graph = backend.graph if isinstance(backend, MLABackend) else None
-        plan = MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph)
-        ctx = MLAContext(batch, kv, plan, self.rope, x.dtype)
+        cp = backend if isinstance(backend, ContextParallelAttention) else None
+        plan = None if cp is not None else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph)
+        ctx = MLAContext(batch, kv, plan, self.rope, x.dtype, cp, self.absorb_all)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)

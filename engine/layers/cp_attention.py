@@ -58,17 +58,19 @@ def zigzag_rows(n: int, cp_world: int, rank: int) -> list[tuple[int, int]]:
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None = None,
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [Lq, Hq, D] over k, v [Lk, Hkv, D] (GQA: Hq a multiple of Hkv), mask
     [Lq, Lk] bool (True: attend) or None, in float32: (out [Lq, Hq, D], lse [Lq, Hq]). A row with
-    no key gets out 0 and lse -inf, which the merge weighs by 0."""
+    no key gets out 0 and lse -inf, which the merge weighs by 0. `scale`: of the scores (None:
+    D^-0.5; MLA's differs)."""
     lq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     # a GQA group's query heads become rows of their K/V head: [Hkv, g * Lq, D], K read once
     qf = q.float().view(lq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * lq, d)
     kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)
-    s = torch.matmul(qf, kf.transpose(1, 2)) * d**-0.5
+    s = torch.matmul(qf, kf.transpose(1, 2)) * (d**-0.5 if scale is None else scale)
     if mask is not None:
         s = s.masked_fill(~mask.repeat(g, 1), float("-inf"))
     lse = torch.logsumexp(s, -1)
@@ -99,36 +101,45 @@ def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = F
     return out[0].float(), out[1][..., : q.shape[2]].float()
 
 
-def _flash_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """partial_attention without a mask by a flash kernel (`sdpa_lse`: O(L) memory, the LSE
     returned): a GQA group's query heads as rows of their K/V head, K/V read once."""
     lq, hq, d = q.shape
     hkv = k.shape[1]
     qh = q.transpose(0, 1).reshape(hkv, hq // hkv * lq, d)
-    o, lse = sdpa_lse(qh[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    o, lse = sdpa_lse(qh[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)
     return o[0].reshape(hq, lq, d).transpose(0, 1), lse[0].reshape(hq, lq).T
 
 
-def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row i of q [L, Hq, D] over keys 0..i of k, v [L, Hkv, D] by a flash kernel (`sdpa_lse`);
     the causal mask differs per row, so K/V are repeated per query head here."""
     g = q.shape[1] // k.shape[1]
     kr, vr = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
-    o, lse = sdpa_lse(q.transpose(0, 1)[None], kr[None], vr[None], causal=True)
+    o, lse = sdpa_lse(q.transpose(0, 1)[None], kr[None], vr[None], causal=True, scale=scale)
     return o[0].transpose(0, 1), lse[0].T
 
 
-def causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """partial_attention without a mask: by a flash kernel (`_flash_all`) or the exact path."""
+    return _flash_all(q, k, v, scale) if flash else partial_attention(q, k, v, scale=scale)
+
+
+def causal_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [Lq, Hq, D] being the last Lq of the L keys k, v [L, Hkv, D], causal: row i attends keys
     0..L-Lq+i. By flash: the keys before the rows unmasked, the square causal, merged by LSE."""
     a = k.shape[0] - q.shape[0]
     if not flash:
         pos = torch.arange(k.shape[0], device=q.device)
-        return partial_attention(q, k, v, pos[None, :] <= pos[a:, None])
-    o, lse = _flash_causal(q, k[a:], v[a:])
+        return partial_attention(q, k, v, pos[None, :] <= pos[a:, None], scale)
+    o, lse = _flash_causal(q, k[a:], v[a:], scale)
     if a == 0:
         return o, lse
-    o0, l0 = _flash_all(q, k[:a], v[:a])
+    o0, l0 = _flash_all(q, k[:a], v[:a], scale)
     return merge_partials(torch.stack([o0, o]), torch.stack([l0, lse]))
 
 
@@ -211,11 +222,22 @@ class ContextParallelAttention(AttentionBackend):
         raise RuntimeError("context parallelism attends through forward(q, k, v): the new K/V are needed and "
                            "only their pages' owners store them")
 
+    @property
+    def plan(self) -> _Plan:
+        """This step's plan (`prepare`): what this rank stores and attends."""
+        assert self._plan is not None, "prepare(batch) first"
+        return self._plan
+
     def store_owned(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool) -> None:
         """Store the rows of this step whose page this rank owns."""
+        self.store_rows(layer_id, kv_pool, k, v)
+
+    def store_rows(self, layer_id: int, kv_pool: KVPool, *values: torch.Tensor) -> None:
+        """Store the rows (of each of the layout's components, [T, heads, dim]: K and V, or MLA's
+        one latent) whose page this rank owns, at their local slots."""
         p = self._plan
         if p is not None and p.own_rows.numel():
-            kv_pool.store(layer_id, p.own_slots, k[p.own_rows], v[p.own_rows])
+            kv_pool.store(layer_id, p.own_slots, *(x[p.own_rows] for x in values))
 
     def partial(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
