@@ -2,11 +2,12 @@
 default model in float32 (LocalEngine's parts driven step by step: the served Step stream,
 digests checked every step, overlap on). With tiny thresholds (more than 2 decode rows: 1 draft;
 more than 4: none) a batch that grows from 2 to 6 requests and then drains as they finish at
-different max_tokens passes through every regime, one way and back: greedy tokens equal those
-without speculation for each chain draft source and for NGRAM trees (a separate draft model, whose
-KV must follow the plain steps, still has its drafts accepted); a step above the cap carries
-no drafts (an ordinary decode step), a step below it no more drafts a row than the cap; the
-accept-length counters agree with the requests' own usage. Bad rule lists fail at start."""
+different max_tokens (one a json_schema request) passes through every regime, one way and back:
+greedy tokens equal those without speculation for each chain draft source and for NGRAM trees (a
+separate draft model, whose KV must follow the plain steps, still has its drafts accepted); a step
+above the cap carries no drafts (an ordinary decode step), a step below it no more drafts a row
+than the cap; the accept-length counters agree with the requests' own usage. Bad rule lists fail
+at start."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ from engine.sched.request import Status
 from engine.sched.spec import SpecPolicy
 from engine.tokenizer import load_tokenizer
 from msgs.codec import pack_ids, unpack_ids
-from msgs.params import SamplingParams
+from msgs.params import Grammar, SamplingParams
 from msgs.requests import TokenizedRequest
+from tests.engine.test_spec_engine import _grammar
 from tests.models.draft_heads import write_head
 
 TEXTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
          "The quick brown fox jumps over the lazy dog. " * 3, "1, 2, 3, 4, 5, 6, 7, 8, 9,",
          "The capital of France is", "Once upon a time, in a small village", "a b c a b c a b c a b"]
-MAX_NEW = [24, 20, 4, 8, 12, 16]  # the first two run from the start, the others arrive at step ARRIVE
+MAX_NEW = [16, 14, 3, 6, 9, 12]  # the first two run from the start, the others arrive at step ARRIVE
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}  # request 1's json_schema
 ARRIVE = 3
 RULES = "2:1,4:0"  # more than 2 decode rows: 1 draft a row; more than 4: no speculation
 STEPS = 3  # --speculative-num-steps
@@ -69,13 +73,20 @@ class Run:
     trees: int = 0  # steps that verified a draft tree
 
 
-def _drive(eng: LocalEngine, prompts: list[list[int]], top: int = STEPS) -> Run:
+def greedy(grammar: Grammar | None = None) -> list[SamplingParams]:
+    """Greedy requests of MAX_NEW tokens; with `grammar`, request 1 is constrained by it."""
+    out = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
+    if grammar is not None:
+        out[1] = SamplingParams(max_new_tokens=40, temperature=0, grammar=grammar)
+    return out
+
+
+def _drive(eng: LocalEngine, prompts: list[list[int]], params: list[SamplingParams], top: int = STEPS) -> Run:
     """Requests 0 and 1 first, the others submitted before step ARRIVE is planned; overlap on (two
     steps in flight, as LocalEngine._drive). Each planned Step is checked against the rows that
     were decoding when it was planned."""
     run, inflight, planned = Run(), deque(), 0
     core = eng.core
-    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
     todo = deque(range(len(prompts)))
     while True:
         while todo and (todo[0] < 2 or planned >= ARRIVE):
@@ -107,15 +118,18 @@ def _drive(eng: LocalEngine, prompts: list[list[int]], top: int = STEPS) -> Run:
 
 
 @pytest.fixture(scope="module")
-def setup(default_model_dir: Path) -> tuple[str, list[list[int]], list[list[int]]]:
-    """The model, the prompts and their greedy tokens without speculation."""
-    tok = load_tokenizer(str(default_model_dir))
+def setup(default_model_dir: Path) -> tuple[str, list[list[int]], list[SamplingParams], list[list[int]]]:
+    """The model, the prompts, their parameters (request 1 a json_schema one) and their greedy
+    tokens without speculation."""
+    model = str(default_model_dir)
+    tok = load_tokenizer(model)
     assert tok is not None
     prompts = [tok.encode(t) for t in TEXTS]
-    plain = _engine(str(default_model_dir)).generate(
-        prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW])
-    assert all(r.finish_reason == "length" for r in plain)
-    return str(default_model_dir), prompts, [r.output_ids for r in plain]
+    eng = _engine(model)
+    params = greedy(_grammar(model, eng.runner.mcfg.vocab_size, PERSON, "by-batch-person"))
+    plain = eng.generate(prompts, params)
+    assert plain[1].finish_reason == "stop" and set(json.loads(tok.decode(plain[1].output_ids))) == {"name", "age"}
+    return model, prompts, params, [r.output_ids for r in plain]
 
 
 def _source(kind: str, model: str, tmp: Path) -> dict[str, object]:
@@ -133,7 +147,7 @@ def _source(kind: str, model: str, tmp: Path) -> dict[str, object]:
 
 @pytest.mark.parametrize("kind", ["NGRAM", "self-draft", "draft-model", "EAGLE", "NGRAM-tree"])
 def test_greedy_equals_plain_as_the_batch_crosses_the_thresholds(kind: str, setup, tmp_path: Path) -> None:  # noqa: ANN001
-    model, prompts, want = setup
+    model, prompts, params, want = setup
     eng = _engine(model, speculative_num_steps=STEPS, speculative_num_steps_by_batch_size=RULES,
                   **_source(kind, model, tmp_path))
     top = eng.core.state.spec.cap(1)  # no rule: k drafts, a tree's nodes
@@ -141,7 +155,7 @@ def test_greedy_equals_plain_as_the_batch_crosses_the_thresholds(kind: str, setu
     st = eng.core.state.spec_stats
     for _ in range(2 if kind == "NGRAM-tree" else 1):  # again: the radix tree's continuations make trees
         before = (st.rows, st.drafted, st.accepted)
-        run = _drive(eng, prompts, top)
+        run = _drive(eng, prompts, params, top)
         assert [run.tokens[i] for i in range(len(prompts))] == want
     # every regime, and each way: k -> 0 as requests arrive, 0 -> 1 -> k as they finish
     seen = iter(run.caps)
@@ -157,9 +171,11 @@ def test_greedy_equals_plain_as_the_batch_crosses_the_thresholds(kind: str, setu
     counted = tuple(now - was for now, was in zip((st.rows, st.drafted, st.accepted), before, strict=True))
     assert tuple(map(sum, zip(*run.usage.values(), strict=True))) == counted
     assert sum(st.hist) == st.rows and len(st.hist) <= STEPS + 1 and st.accepted <= st.drafted  # (a tree's depth)
+    assert eng.runner.grammar.rejected == 0  # the constrained request's drafts masked, none refused
     assert eng.core.leak_free() and eng.runner.replica.digest() == eng.core.replica.digest()
     if kind == "draft-model":  # a draft whose KV missed a plain step's tokens would propose wrong drafts
-        assert st.accepted >= 0.9 * st.drafted, st
+        drafted, accepted = (sum(u[j] for i, u in run.usage.items() if i != 1) for j in (1, 2))  # (1: masked)
+        assert accepted >= 0.9 * drafted, run.usage
     print(f"\n{kind}: accept length {st.accept_length:.2f}, plain rows {st.plain}, capped rows {st.capped}")
 
 

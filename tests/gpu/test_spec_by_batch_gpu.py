@@ -14,8 +14,7 @@ import torch
 
 from engine.config import ServerConfig
 from engine.local import LocalEngine
-from msgs.params import SamplingParams
-from tests.engine.test_spec_by_batch import MAX_NEW, RULES, STEPS, Run, _drive
+from tests.engine.test_spec_by_batch import MAX_NEW, RULES, STEPS, Run, _drive, greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +45,7 @@ def check_regimes(eng: LocalEngine, run: Run) -> None:
 def test_regimes_mix_in_the_decode_graphs(dummy_models: dict[str, Path], flashinfer_built: None) -> None:
     eng = _engine(dummy_models["llama-h128"], speculative_algorithm="NGRAM", speculative_num_steps=STEPS,
                   speculative_num_steps_by_batch_size=RULES)
-    run = _drive(eng, _prompts())
+    run = _drive(eng, _prompts(), greedy())
     check_regimes(eng, run)
     spec, graphs = eng.runner.spec, eng.runner.graphs
     assert spec is not None and graphs is not None
@@ -55,10 +54,9 @@ def test_regimes_mix_in_the_decode_graphs(dummy_models: dict[str, Path], flashin
 
 def test_deterministic_tokens_equal_plain_across_regimes(dummy_models: dict[str, Path]) -> None:
     model, prompts = dummy_models["llama-h128"], _prompts()
-    plain = _engine(model, enable_deterministic_inference=True).generate(
-        prompts, [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW])
+    plain = _engine(model, enable_deterministic_inference=True).generate(prompts, greedy())
     eng = _engine(model, enable_deterministic_inference=True, speculative_algorithm="NGRAM",
                   speculative_num_steps=STEPS, speculative_num_steps_by_batch_size=RULES)
-    run = _drive(eng, prompts)
+    run = _drive(eng, prompts, greedy())
     check_regimes(eng, run)
     assert [run.tokens[i] for i in range(len(prompts))] == [r.output_ids for r in plain]
