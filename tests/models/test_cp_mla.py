@@ -14,8 +14,13 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import torch
 from cp_harness import run_cp, run_reference
@@ -110,3 +115,81 @@ def test_rank_partials_merged_equal_mla_attend(dtype: torch.dtype, atol: float, 
     # each rank stored only its own pages' latents: together they hold cp = 1's tokens once
     stored = sum(int(p.page_view(0)[0].flatten(2).ne(0).any(-1).sum()) for p in pools)  # token slots written
     assert stored == sum(lengths.values())
+
+
+# ---- served: bin/serve --cp-size 2 on the tiny V3 (one server start for these tests) ----
+
+ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64", "--max-running-requests", "4",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2")
+CP_POOL = 256  # tokens per rank: 16 usable pages of 16 each, 32 over both ranks
+MAX_NEW = 6
+_rng = random.Random(12)
+LONG = [[_rng.randrange(3, 256) for _ in range(n)] for n in (83, 150, 45)]  # 6, 10, 3 pages of 16
+CONVS = [[_rng.randrange(3, 256) for _ in range(150)] for _ in range(5)]  # 5 x 10 pages > L1's 32
+SUFFIX = LONG[1][:96] + [_rng.randrange(3, 256) for _ in range(37)]  # 6 cached pages, then new tokens
+
+
+@pytest.fixture(scope="module")
+def served(v3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """(cp = 2 server with L2 and L3, cp = 1 greedy tokens of every prompt computed in this process)."""
+    from engine.config import ServerConfig
+    from engine.local import LocalEngine
+    from msgs.params import SamplingParams
+    from tests.integration.conftest import start_server, stop_server
+
+    eng = LocalEngine(ServerConfig(model=str(v3_moe_dir), device="cpu", dtype="float32", max_total_tokens=4096))
+    prompts = [*LONG, *CONVS, SUFFIX]
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    ref = {tuple(p): r.output_ids for p, r in zip(prompts, res, strict=True)}
+    srv = start_server(tmp_path_factory.mktemp("cp-v3-logs"), "--model", str(v3_moe_dir), "--cp-size", "2",
+                       "--max-total-tokens", str(CP_POOL), *ARGS, "--l3-dir", str(tmp_path_factory.mktemp("l3")))
+    yield srv, ref
+    if srv.proc.poll() is None:
+        assert stop_server(srv) == 0
+
+
+def _generate(srv: Any, ids: list[int]) -> tuple[list[int], int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
+
+
+def test_served_cp2_v3_batched_chunked_cached_prefix(served: tuple) -> None:
+    """Three long prompts batched in 64-token chunks (overlap on), then a suffix behind 96 cached
+    tokens: cp = 1's tokens; each rank's latent pool holds about half the pages in use."""
+    srv, ref = served
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda ids: _generate(srv, ids), LONG))
+    assert [o for o, _ in outs] == [ref[tuple(p)] for p in LONG]
+    got, cached = _generate(srv, SUFFIX)
+    assert cached == 96 and got == ref[tuple(SUFFIX)]
+    m = srv.wait_idle()
+    used = [m[f'strata_kv_pages_used_by_cp_rank{{cp_rank="{r}"}}'] for r in (0, 1)]
+    assert sum(used) == m["strata_kv_pages_used"] > 0 and abs(used[0] - used[1]) <= 3
+    assert m["strata_kv_pages_total"] == 2 * (CP_POOL // 16) and m["strata_kv_leak_free"] == 1
+
+
+def test_served_cp2_v3_host_tier_l2_reload_and_l3(served: tuple) -> None:
+    """Five 150-token conversations push each other out of the 32-page L1; four come back from
+    the slab both ranks share (each rank loads its own latent pages), one from L3 after a flush:
+    cp = 1's tokens."""
+    srv, ref = served
+    for c in CONVS:
+        assert _generate(srv, c)[0] == ref[tuple(c)]
+    for c in CONVS[:4]:
+        got, cached = _generate(srv, c)
+        assert got == ref[tuple(c)] and cached >= 144
+    m = srv.wait_idle()
+    assert m['strata_cache_hit_tokens_total{tier="l2"}'] > 0 and m["strata_l2_load_backs_total"] > 0
+    assert m["strata_kv_leak_free"] == 1
+    deadline = time.monotonic() + 30  # L3: written at commit, asynchronously
+    while srv.metrics()["strata_l3_writes_total"] < 9 * 5:
+        assert time.monotonic() < deadline, "L3 files not written"
+        time.sleep(0.2)
+    while (r := httpx.post(f"{srv.http}/flush_cache", timeout=30)).status_code == 409:  # commits in flight
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.status_code == 200
+    got, cached = _generate(srv, CONVS[0])  # L1 and L2 empty: from the files
+    assert got == ref[tuple(CONVS[0])] and cached == 144
