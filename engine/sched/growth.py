@@ -76,9 +76,9 @@ class DecodeGrowth:
         if room < 0:
             return 0  # the previous row may already end it
         drafts, parents = spec.row(req, min(room, cap), live[0].drafts if chained else None)
-        self.s.spec_stats.capped += cap < min(max(spec.num_steps, spec.nodes), room)
         if not self.grow(req, 1 + len(drafts), ops, may_retract=True):
             return 0  # req itself was retracted
+        self.s.spec_stats.capped += cap < min(max(spec.num_steps, spec.nodes), room)
         first = -1 if chained else req.last_token  # -1: the previous row's bonus, on the worker
         rows.append(Row(req, [first, *drafts], req.kv_len, True, len(drafts), verify=True, chained=chained,
                         parents=parents))

@@ -134,10 +134,10 @@ class SpecPolicy:
     def cap(self, rows: int) -> int:
         """The most drafts a row gets in a step of `rows` decode rows: --speculative-num-steps (a
         tree's nodes), cut to the steps of the last rule whose rows it exceeds (0: a plain decode
-        step; a tree is cut as a whole, its depth and its nodes). Verifying k
-        drafts costs a row k + 1 tokens of compute; at small batch that is nearly free (decode
-        reads the weights once for every row), at large batch it is not, and a rejected draft
-        wastes it (docs/PERF.md, Speculation by batch size)."""
+        step; a tree is cut as a whole, its depth and its nodes). Verifying k drafts costs a row
+        k + 1 tokens of compute; at small batch that is nearly free (decode reads the weights once
+        for every row), at large batch it is not, and a rejected draft wastes it (docs/PERF.md,
+        Speculation by batch size)."""
         k = max(self.num_steps, self.nodes)
         for limit, steps in self.by_batch:
             if rows > limit:
