@@ -40,6 +40,8 @@
 #   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
 #             a plain step is 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
+#   cpmla     MLA under context parallelism: two simulated cp ranks' latent partials merged vs mla_attend at 32k
+#             (tests/gpu/test_cp_mla_gpu.py; correctness only)
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
 #             CUDA graphs) and moeoffline, then DeepSeek-V3-5L latency (batch 1 64)
 #   moeoffline Qwen3-30B-A3B offline, 256 x 1000/1000 (the issue's shape, beside llama8m's Llama-3.1-8B)
@@ -59,7 +61,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp mla mlatest mlaserve heads spec specsweep specmla specpolicy specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specpolicy specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -182,6 +184,8 @@ for what in "$@"; do case $what in
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-nvfp4moe.log" | tail -10 ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-cp.log" | tail -10 ;;
+  cpmla) run gpu-cpmla 200 python3 -m pytest -m gpu tests/gpu/test_cp_mla_gpu.py -q -rA -p no:cacheprovider \
+        || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-cpmla.log" | tail -10 ;;
   moe) run gpu-moe 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-moe.log" | tail -20
        run latency-qwen3-30b-a3b 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
