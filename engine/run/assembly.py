@@ -111,14 +111,20 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         fp8_math=cfg.attention_fp8_math,
     )
     if cfg.cp_size > 1:  # the pages of a request round robin over the cp ranks (cp_attention.py)
-        if not layout.is_gqa and deterministic:
-            raise ValueError(f"--cp-size {cfg.cp_size} with --enable-deterministic-inference: MLA's batch-invariant "
-                             "attention under context parallelism is not built")
+        check_context_parallel(cfg.cp_size, layout, deterministic)
         # an MLA model attends its latents itself under cp too (engine/layers/mla_cp.py), eagerly:
         # the cp backend plans the step and carries the merge; no CUDA graphs (as for GQA)
         backend = context_parallel(backend)
     return Assembled(device, dtype, deterministic, model, mcfg, shard, layout, kv_dtype, kv, backend,
                      pool.num_pages, pool.max_context, startup)
+
+
+def check_context_parallel(cp_size: int, layout: KVLayout, deterministic: bool) -> None:
+    """Refuse at start what context parallelism does not build: MLA's batch-invariant attention
+    (deterministic inference) at cp > 1."""
+    if cp_size > 1 and not layout.is_gqa and deterministic:
+        raise ValueError(f"--cp-size {cp_size} with --enable-deterministic-inference: MLA's batch-invariant "
+                         "attention under context parallelism is not built")
 
 
 def backend_name(cfg: ServerConfig, deterministic: bool, layout: KVLayout, dtype: torch.dtype) -> str:

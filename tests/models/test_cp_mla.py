@@ -5,7 +5,12 @@
   per rank at page 4, none a multiple of cp x page; then a suffix over a cached 40-token prefix
   and a fresh 45-token prompt in chunks of 16) gives cp = 1's greedy tokens and logits (float32,
   1e-4); both ranks' logits are equal bit for bit; each rank's latent pool has 1/2 of cp = 1's
-  pages, the pages it never owned stay zero, the owners' pages add up to cp = 1's.
+  pages, the pages it never owned stay zero, the owners' pages add up to cp = 1's. tp = 2 x cp = 2
+  on 4 ranks gives the same tokens.
+* Served (bin/serve --cp-size 2, one start): batched chunked long prompts and a cached-prefix
+  suffix give cp = 1's tokens, each rank holding about half the latent pages; the shared host tier
+  reloads latent pages from L2 and reads them from L3 after a flush, cp = 1's tokens again.
+* Deterministic inference with MLA at cp > 1 is refused naming the flags.
 * The pieces alone: two simulated ranks (no collective) each with its own half-size latent pool,
   their partials merged by LSE equal cp = 1's mla_attend, in the expanded and the absorbed form,
   float32 and bf16, with the prefix attended in chunks too.
@@ -44,8 +49,14 @@ def v3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                           "first_k_dense_replace": 1})
 
 
-def test_cp2_tiny_deepseek_v3_equals_cp1(v3_moe_dir: Path) -> None:
-    ref = run_reference(v3_moe_dir, POOL)
+@pytest.fixture(scope="module")
+def cp1(v3_moe_dir: Path) -> dict:
+    """cp = 1's run of cp_harness's scenario, in this process: the reference."""
+    return run_reference(v3_moe_dir, POOL)
+
+
+def test_cp2_tiny_deepseek_v3_equals_cp1(v3_moe_dir: Path, cp1: dict) -> None:
+    ref = cp1
     (ranks,) = run_cp([v3_moe_dir], 2, 1 + (POOL - 1) // 2)
     for r, res in enumerate(ranks):
         assert res["tokens"] == ref["tokens"], f"rank {r}'s greedy tokens differ from cp = 1's"
@@ -58,6 +69,28 @@ def test_cp2_tiny_deepseek_v3_equals_cp1(v3_moe_dir: Path) -> None:
     used = ranks[0]["used"]  # pages in use per owner; every rank ran every owner's allocator alike
     assert ranks[1]["used"] == used and sum(used) == ref["used"][0]
     assert abs(used[0] - used[1]) <= 5 and max(used) <= (ref["used"][0] + 5) // 2
+
+
+def test_tp2_cp2_tiny_deepseek_v3_equals_cp1(v3_moe_dir: Path, cp1: dict) -> None:
+    """4 ranks: tp groups {0, 1}, {2, 3} (2 of the 4 heads each, the latent replicated), cp groups
+    {0, 2}, {1, 3}: cp = 1's tokens (logits to 1e-3: the tp all-reduces sum in another order)."""
+    ref = cp1
+    (ranks,) = run_cp([v3_moe_dir], 2, 1 + (POOL - 1) // 2, tp=2)
+    for r, res in enumerate(ranks):
+        assert res["tokens"] == ref["tokens"], f"rank {r}'s greedy tokens differ from cp = 1's"
+        for got, want in zip(res["logits"], ref["logits"], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+        assert res["untouched_zero"]
+
+
+def test_deterministic_mla_under_cp_is_refused_naming_the_flag() -> None:
+    from engine.run.assembly import check_context_parallel
+
+    latent, gqa = KVLayout.latent(32, 8), KVLayout.gqa(2, 16)
+    with pytest.raises(ValueError, match="--cp-size 2 with --enable-deterministic-inference"):
+        check_context_parallel(2, latent, deterministic=True)
+    for args in ((2, latent, False), (1, latent, True), (2, gqa, True)):
+        check_context_parallel(*args)  # MLA at cp 2, anything at cp 1, GQA: built
 
 
 class _Alloc:
