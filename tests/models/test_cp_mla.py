@@ -110,12 +110,15 @@ S = MLAShapes(heads=4, kv_lora_rank=32, qk_nope=16, rope=8, v=16, scale=24**-0.5
 
 
 @pytest.mark.parametrize("absorb", [False, True])
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_rank_partials_merged_equal_mla_attend(dtype: torch.dtype, atol: float, absorb: bool,
+@pytest.mark.parametrize(("dtype", "kv_dtype", "atol"), [(torch.float32, torch.float32, 1e-5),
+                                                         (torch.bfloat16, torch.bfloat16, 3e-2),
+                                                         (torch.float32, torch.float8_e4m3fn, 1e-5)])
+def test_rank_partials_merged_equal_mla_attend(dtype: torch.dtype, kv_dtype: torch.dtype, atol: float, absorb: bool,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 1 fresh prefills; step 2 a chunk over a cached 13-token prefix (its last page shared
     with new tokens), a decode, a fresh prefill. The prefix is attended 4 keys at a time (a
-    PREFIX_CHUNK of one page). Each rank's merged partials = mla_attend over cp = 1's pool."""
+    PREFIX_CHUNK of one page). Each rank's merged partials = mla_attend over cp = 1's pool (an fp8
+    pool too: the new latents' self part reads them rounded as cp = 1 reads them back)."""
     monkeypatch.setattr(mla_cp, "PREFIX_CHUNK", 4)
     g = torch.Generator().manual_seed(3)
     cp, latent = 2, S.kv_lora_rank + S.rope
@@ -124,8 +127,8 @@ def test_rank_partials_merged_equal_mla_attend(dtype: torch.dtype, atol: float, 
     tables = {n: (one.pages(t), two.pages(t)) for n, t in lengths.items()}
     steps = [[("a", 0, 13), ("b", 0, 9)], [("a", 13, 11), ("b", 9, 1), ("c", 0, 7)]]
     layout = KVLayout.latent(S.kv_lora_rank, S.rope)
-    ref_pool = KVPool.from_layout(layout, 1, 40, 4, dtype, "cpu")
-    pools = [KVPool.from_layout(layout, 1, 40, 4, dtype, "cpu") for _ in range(cp)]
+    ref_pool = KVPool.from_layout(layout, 1, 40, 4, kv_dtype, "cpu")
+    pools = [KVPool.from_layout(layout, 1, 40, 4, kv_dtype, "cpu") for _ in range(cp)]
     backends = [ContextParallelAttention(TPGroup(r, cp)) for r in range(cp)]
     w_kv_b = (0.2 * torch.randn(S.heads * (S.qk_nope + S.v), S.kv_lora_rank, generator=g)).to(dtype)
     for step in steps:
