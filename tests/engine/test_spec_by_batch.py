@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.args import parse_args
 from engine.config import SPEC_BY_BATCH_DEFAULT, ServerConfig
@@ -29,6 +27,7 @@ from engine.tokenizer import load_tokenizer
 from msgs.codec import pack_ids, unpack_ids
 from msgs.params import Grammar, SamplingParams
 from msgs.requests import TokenizedRequest
+from tests.engine.test_spec_eagle import float32_engine, threads_back  # noqa: F401 (threads_back: a fixture)
 from tests.engine.test_spec_engine import _grammar
 from tests.models.draft_heads import write_head
 
@@ -49,18 +48,6 @@ def _cap(rows: int, top: int = STEPS) -> int:
     return 0 if rows > 4 else 1 if rows > 2 else top
 
 
-def _engine(model: str, **kw: object) -> LocalEngine:
-    # one thread: a small batch on a busy CI host stalls in OpenMP barriers more than it gains
-    return LocalEngine(ServerConfig(model=model, dtype="float32", max_total_tokens=4096, max_running_requests=8,
-                                    cpu_threads=1, **kw))  # type: ignore[arg-type]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads_back() -> Iterator[None]:
-    """The engines set torch's thread count process-wide: give the next module the one it had."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass
@@ -125,7 +112,7 @@ def setup(default_model_dir: Path) -> tuple[str, list[list[int]], list[SamplingP
     tok = load_tokenizer(model)
     assert tok is not None
     prompts = [tok.encode(t) for t in TEXTS]
-    eng = _engine(model)
+    eng = float32_engine(model)
     params = greedy(_grammar(model, eng.runner.mcfg.vocab_size, PERSON, "by-batch-person"))
     plain = eng.generate(prompts, params)
     assert plain[1].finish_reason == "stop" and set(json.loads(tok.decode(plain[1].output_ids))) == {"name", "age"}
@@ -148,7 +135,7 @@ def _source(kind: str, model: str, tmp: Path) -> dict[str, object]:
 @pytest.mark.parametrize("kind", ["NGRAM", "self-draft", "draft-model", "EAGLE", "NGRAM-tree"])
 def test_greedy_equals_plain_as_the_batch_crosses_the_thresholds(kind: str, setup, tmp_path: Path) -> None:  # noqa: ANN001
     model, prompts, params, want = setup
-    eng = _engine(model, speculative_num_steps=STEPS, speculative_num_steps_by_batch_size=RULES,
+    eng = float32_engine(model, speculative_num_steps=STEPS, speculative_num_steps_by_batch_size=RULES,
                   **_source(kind, model, tmp_path))
     top = eng.core.state.spec.cap(1)  # no rule: k drafts, a tree's nodes
     assert top == (7 if kind == "NGRAM-tree" else STEPS)

@@ -26,14 +26,14 @@ TEXTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-def _engine(model: str, **kw: object) -> LocalEngine:
+def float32_engine(model: str, **kw: object) -> LocalEngine:
     # one thread: a small batch on a busy CI host stalls in OpenMP barriers more than it gains
     return LocalEngine(ServerConfig(model=model, dtype="float32", max_total_tokens=4096, max_running_requests=8,
                                     cpu_threads=1, **kw))  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _threads_back() -> Iterator[None]:
+def threads_back() -> Iterator[None]:
     """The engines set torch's thread count process-wide: give the next module the one it had."""
     before = torch.get_num_threads()
     yield
@@ -51,7 +51,7 @@ def plain(default_model_dir: Path) -> tuple[str, list[list[int]], list[list[int]
     tok = load_tokenizer(str(default_model_dir))
     assert tok is not None
     prompts = [tok.encode(t) for t in TEXTS]
-    return str(default_model_dir), prompts, _ids(_engine(str(default_model_dir)).generate(prompts, GREEDY))
+    return str(default_model_dir), prompts, _ids(float32_engine(str(default_model_dir)).generate(prompts, GREEDY))
 
 
 @pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
@@ -59,7 +59,8 @@ def test_random_head_greedy_equals_plain_batched_chunked_cached(kind: str, plain
     model, prompts, want = plain
     target = json.loads((Path(model) / "config.json").read_text())
     head = write_head(tmp_path / kind, target, kind, draft_vocab=4096 if kind == "EAGLE3" else 0)
-    eng = _engine(model, speculative_algorithm=kind, speculative_draft_model_path=str(head), max_prefill_tokens=32)
+    eng = float32_engine(model, speculative_algorithm=kind, speculative_draft_model_path=str(head),
+                         max_prefill_tokens=32)
     draft = eng.runner.spec.draft
     proposed: list[list[int]] = []
     propose = draft.propose

@@ -156,8 +156,8 @@ def test_flash_causal_tail_equals_the_exact_path(before: int) -> None:
     torch.testing.assert_close(o2, _full_causal(q, k, v, before), atol=1e-5, rtol=0)
 
 
-class _Alloc:
-    """Pages per owner (cp ranks), each pool's page 0 reserved."""
+class OwnedPages:
+    """Pages per owner (cp ranks), each pool's page 0 reserved, handed out shuffled (shared with test_cp_mla)."""
 
     def __init__(self, cp: int) -> None:
         self.cp, self.free = cp, [list(range(1, 40)) for _ in range(cp)]
@@ -178,7 +178,7 @@ def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol:
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, cp = 4, 2, 8, 2
     lengths = {"a": 24, "b": 10, "c": 7}
-    one, two = _Alloc(1), _Alloc(cp)
+    one, two = OwnedPages(1), OwnedPages(cp)
     tables = {n: (one.pages(t), two.pages(t)) for n, t in lengths.items()}
     steps = [[("a", 0, 13), ("b", 0, 9)], [("a", 13, 11), ("b", 9, 1), ("c", 0, 7)]]
     ref_pool = KVPool(1, 40, 4, hkv, d, dtype, "cpu")

@@ -29,10 +29,11 @@ import httpx
 import pytest
 import torch
 from cp_harness import run_cp, run_reference
+from test_cp import OwnedPages
 from test_mla import TINY_V3, make_v3_dir
 
 from engine.layers import mla_cp
-from engine.layers.cp_attention import ContextParallelAttention, merge_partials, page_owner
+from engine.layers.cp_attention import ContextParallelAttention, merge_partials
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
@@ -93,18 +94,6 @@ def test_deterministic_mla_under_cp_is_refused_naming_the_flag() -> None:
         check_context_parallel(*args)  # MLA at cp 2, anything at cp 1, GQA: built
 
 
-class _Alloc:
-    """Pages per owner (cp ranks), each pool's page 0 reserved, handed out shuffled."""
-
-    def __init__(self, cp: int) -> None:
-        self.cp, self.free = cp, [list(range(1, 40)) for _ in range(cp)]
-        for r, f in enumerate(self.free):
-            random.Random(r).shuffle(f)
-
-    def pages(self, n_tokens: int) -> list[int]:
-        owners = [page_owner(i, self.cp) for i in range(-(-n_tokens // 4))]
-        return [self.free[o].pop() * self.cp + o for o in owners]  # global ids, local * cp + owner
-
 
 S = MLAShapes(heads=4, kv_lora_rank=32, qk_nope=16, rope=8, v=16, scale=24**-0.5 * 1.1)
 
@@ -123,7 +112,7 @@ def test_rank_partials_merged_equal_mla_attend(dtype: torch.dtype, kv_dtype: tor
     g = torch.Generator().manual_seed(3)
     cp, latent = 2, S.kv_lora_rank + S.rope
     lengths = {"a": 24, "b": 10, "c": 7}
-    one, two = _Alloc(1), _Alloc(cp)
+    one, two = OwnedPages(1), OwnedPages(cp)
     tables = {n: (one.pages(t), two.pages(t)) for n, t in lengths.items()}
     steps = [[("a", 0, 13), ("b", 0, 9)], [("a", 13, 11), ("b", 9, 1), ("c", 0, 7)]]
     layout = KVLayout.latent(S.kv_lora_rank, S.rope)
