@@ -365,6 +365,23 @@ def _merge_state(m_acc, l_acc, o_acc, m_p, l_p, o_p):
     return mx, l_acc * a + l_p * b, o_acc * a[:, None] + o_p * b[:, None]
 
 
+@triton.jit
+def _block_rows(q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos, blk_reads, b, kvh,
+                G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, T: tl.constexpr, dot_t: tl.constexpr):
+    """A block's (KV head kvh) M = T * G query rows: row index r, token t, q row, position, the
+    block's chunks read, head, q (in the dot's dtype) and the request's page-table row."""
+    r = tl.arange(0, M)
+    t = r // G
+    qrow = tl.load(blk_rows + b * T + t)
+    pos = tl.load(blk_pos + b * T + t)
+    req = tl.load(blk_req + b).to(tl.int64)
+    reads = tl.load(blk_reads + b)
+    d = tl.arange(0, D)
+    head = kvh * G + r % G
+    qv = tl.load(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :]).to(dot_t)
+    return r, t, qrow, pos, reads, head, qv, table + req * table_stride
+
+
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width"])
 def invariant_attention_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
@@ -383,17 +400,10 @@ def invariant_attention_kernel(
     G: tl.constexpr = HQ // HKV
     M: tl.constexpr = T * G
     act = out.dtype.element_ty
-    dot_t = tl.float32 if F32_DOT else act
-    r = tl.arange(0, M)
-    t = r // G
-    qrow = tl.load(blk_rows + b * T + t)
-    pos = tl.load(blk_pos + b * T + t)
-    req = tl.load(blk_req + b).to(tl.int64)
-    reads = tl.load(blk_reads + b)
+    r, t, qrow, pos, reads, head, qv, trow = _block_rows(
+        q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos, blk_reads, b, kvh, G, M, D, T,
+        tl.float32 if F32_DOT else act)
     d = tl.arange(0, D)
-    head = kvh * G + r % G
-    qv = tl.load(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :]).to(dot_t)
-    trow = table + req * table_stride
     m_acc = tl.full([M], float("-inf"), tl.float32)
     l_acc = tl.zeros([M], tl.float32)
     o_acc = tl.zeros([M, D], tl.float32)
@@ -423,17 +433,10 @@ def invariant_split_kernel(
     k = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
     M: tl.constexpr = T * G
-    dot_t = tl.float32 if F32_DOT else q.dtype.element_ty
-    r = tl.arange(0, M)
-    t = r // G
-    qrow = tl.load(blk_rows + b * T + t)
-    pos = tl.load(blk_pos + b * T + t)
-    req = tl.load(blk_req + b).to(tl.int64)
-    reads = tl.load(blk_reads + b)
+    r, t, qrow, pos, reads, head, qv, trow = _block_rows(
+        q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos, blk_reads, b, kvh, G, M, D, T,
+        tl.float32 if F32_DOT else q.dtype.element_ty)
     d = tl.arange(0, D)
-    head = kvh * G + r % G
-    qv = tl.load(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :]).to(dot_t)
-    trow = table + req * table_stride
     first = r < G  # token 0's rows
     for i in range(k, (reads + CP - 1) // CP, tl.num_programs(2)):
         mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,
