@@ -9,6 +9,7 @@ The compiled kernels: tests/gpu/test_invariant_attention_gpu.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ POSITIONS = [0, 255, 256, 257, 511, 512, 599]  # decoded tokens: partition edges
 
 
 @pytest.fixture(scope="module")
-def setup() -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
+def setup() -> Iterator[tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A pool holding one request's L positions on shuffled pages, its queries, and its full
     prefill through the serial kernel (38 blocks of 16 tokens)."""
     g = torch.Generator().manual_seed(11)
@@ -37,10 +38,12 @@ def setup() -> tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]:
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
     table = (torch.randperm(47, generator=g)[: -(-L // PS)] + 1).to(torch.int32)[None, :]
     q = torch.randn(L, HQ, D, generator=g)
-    bi.enable(True, "cpu")
+    was = bi.enabled()
+    bi.enable(True, "cpu")  # module-wide: the per-test reset in conftest.py sees it as the starting state
     p = bi.plan(table, [L], [L], PS, kernel=True)
     assert not p.decode and p.parts == 3
-    return pool, table, q, bi.attend(q, p, pool, 0)
+    yield pool, table, q, bi.attend(q, p, pool, 0)
+    bi.enable(was)  # not left on for the modules after this one
 
 
 def _decode_plan(table: torch.Tensor, positions: list[int]) -> bi.Plan:
