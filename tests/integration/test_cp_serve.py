@@ -27,10 +27,18 @@ ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64"
         "--enable-hierarchical-cache", "--hicache-ratio", "2")
 CP_POOL = 256  # tokens per rank: 16 usable pages of 16 each, 32 over both ranks
 MAX_NEW = 6
-_rng = random.Random(11)
-LONG = [[_rng.randrange(200, 20000) for _ in range(n)] for n in (83, 150, 45)]  # 6, 10, 3 pages
-CONVS = [[_rng.randrange(200, 20000) for _ in range(150)] for _ in range(5)]  # 5 x 10 pages > L1 32
-SUFFIX = LONG[1][:96] + [_rng.randrange(200, 20000) for _ in range(37)]  # 6 cached pages, then new tokens
+
+
+def cp_prompts(seed: int, lo: int, hi: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """(long prompts of 6, 10 and 3 pages; 5 conversations of 10 pages, more than L1's 32 in all; a
+    suffix behind 6 cached pages of the second long prompt), token ids in [lo, hi)."""
+    rng = random.Random(seed)
+    long = [[rng.randrange(lo, hi) for _ in range(n)] for n in (83, 150, 45)]
+    convs = [[rng.randrange(lo, hi) for _ in range(150)] for _ in range(5)]
+    return long, convs, long[1][:96] + [rng.randrange(lo, hi) for _ in range(37)]
+
+
+LONG, CONVS, SUFFIX = cp_prompts(11, 200, 20000)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +68,34 @@ def reference(default_model_dir: Path) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): r.output_ids for p, r in zip(prompts, res, strict=True)}
 
 
-def _generate(srv: Server, ids: list[int]) -> tuple[list[int], int]:
+def generate(srv: Server, ids: list[int]) -> tuple[list[int], int]:
+    """(greedy output ids, cached prompt tokens) of one /generate request."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
     r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
 
 
+def flush_after_l3_writes(srv: Server, writes: int) -> None:
+    """Wait until L3 holds `writes` pages (written at commit, asynchronously), then empty L1 and
+    L2 (/flush_cache: 409 while commits are in flight), so the next hits come from the files."""
+    deadline = time.monotonic() + 30
+    while srv.metrics()["strata_l3_writes_total"] < writes:
+        assert time.monotonic() < deadline, "L3 files not written"
+        time.sleep(0.2)
+    while (r := httpx.post(f"{srv.http}/flush_cache", timeout=30)).status_code == 409:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.status_code == 200
+
+
 def test_cp2_batched_chunked_long_prompts_give_cp1_tokens(cp_server: Server, reference: dict) -> None:
     envs = {r: p.environ() for r, p in worker_procs(cp_server).items()}
     assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
     with ThreadPoolExecutor(3) as pool:  # together: one batch, prefilled in 64-token chunks, overlap on
-        outs = list(pool.map(lambda ids: _generate(cp_server, ids), LONG))
+        outs = list(pool.map(lambda ids: generate(cp_server, ids), LONG))
     assert [o for o, _ in outs] == [reference[tuple(p)] for p in LONG]
-    got, cached = _generate(cp_server, SUFFIX)  # behind the cached prefix of LONG[1] (split as it was)
+    got, cached = generate(cp_server, SUFFIX)  # behind the cached prefix of LONG[1] (split as it was)
     assert cached == 96 and got == reference[tuple(SUFFIX)]
     m = cp_server.wait_idle()
     used = [m[f'strata_kv_pages_used_by_cp_rank{{cp_rank="{r}"}}'] for r in (0, 1)]
@@ -84,28 +106,21 @@ def test_cp2_batched_chunked_long_prompts_give_cp1_tokens(cp_server: Server, ref
 def test_cp2_shared_host_tier_l2_reload_and_l3(cp_server: Server, reference: dict, l3_dir: Path,
                                                tmp_path: Path) -> None:
     for c in CONVS:  # computed; later ones push the earlier out of L1
-        assert _generate(cp_server, c)[0] == reference[tuple(c)]
+        assert generate(cp_server, c)[0] == reference[tuple(c)]
     for c in CONVS[:4]:  # loaded back from the one slab both ranks share: each rank its own pages
-        got, cached = _generate(cp_server, c)
+        got, cached = generate(cp_server, c)
         assert got == reference[tuple(c)] and cached >= 144
     m = cp_server.wait_idle()
     assert m['strata_cache_hit_tokens_total{tier="l2"}'] > 0 and m["strata_l2_load_backs_total"] > 0
     assert m["strata_l2_pages_total"] == 2 * m["strata_kv_pages_total"]  # --hicache-ratio 2 of both ranks' pools
     assert m["strata_kv_leak_free"] == 1
-    deadline = time.monotonic() + 30  # L3: written at commit, asynchronously
-    while cp_server.metrics()["strata_l3_writes_total"] < 9 * 5:
-        assert time.monotonic() < deadline, "L3 files not written"
-        time.sleep(0.2)
-    while (r := httpx.post(f"{cp_server.http}/flush_cache", timeout=30)).status_code == 409:  # commits in flight
-        assert time.monotonic() < deadline, r.text
-        time.sleep(0.2)
-    assert r.status_code == 200
-    got, cached = _generate(cp_server, CONVS[0])  # L1 and L2 empty: from the files
+    flush_after_l3_writes(cp_server, 9 * 5)
+    got, cached = generate(cp_server, CONVS[0])  # L1 and L2 empty: from the files
     assert got == reference[tuple(CONVS[0])] and cached == 144
     # a cp=1 engine on the same directory serves what cp=2 wrote (the files do not depend on cp)
     one = start_server(tmp_path, "--max-total-tokens", str(2 * CP_POOL), *ARGS, "--l3-dir", str(l3_dir))
     try:
-        got, cached = _generate(one, CONVS[1])
+        got, cached = generate(one, CONVS[1])
         assert got == reference[tuple(CONVS[1])] and cached == 144
         assert one.wait_idle()['strata_cache_hit_tokens_total{tier="l3"}'] == 144
     finally:
@@ -120,7 +135,7 @@ def test_tp2_cp2_on_four_workers_gives_cp1_tokens(reference: dict, tmp_path: Pat
         envs = {r: p.environ() for r, p in worker_procs(srv).items()}
         assert sorted(envs) == [0, 1, 2, 3] and {e["WORLD_SIZE"] for e in envs.values()} == {"4"}
         with ThreadPoolExecutor(2) as pool:  # two of the long prompts batched (4 CPU workers on 2 cores: few tokens)
-            outs = list(pool.map(lambda ids: _generate(srv, ids), LONG[:2]))
+            outs = list(pool.map(lambda ids: generate(srv, ids), LONG[:2]))
         assert [o for o, _ in outs] == [reference[tuple(p)] for p in LONG[:2]]
         assert srv.wait_idle()["strata_kv_leak_free"] == 1
     finally:

@@ -18,14 +18,10 @@
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import torch
 from cp_harness import run_cp, run_reference
@@ -39,6 +35,7 @@ from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.mla_attention import MLAPlan, MLAShapes, mla_attend
 from engine.layers.parallel import TPGroup
+from tests.integration.test_cp_serve import ARGS, CP_POOL, MAX_NEW, cp_prompts, flush_after_l3_writes, generate
 
 POOL = 81  # cp = 1's pages (page 0 padding); a cp = 2 rank gets 1 + 80 / 2
 
@@ -144,14 +141,7 @@ def test_rank_partials_merged_equal_mla_attend(dtype: torch.dtype, kv_dtype: tor
 
 # ---- served: bin/serve --cp-size 2 on the tiny V3 (one server start for these tests) ----
 
-ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64", "--max-running-requests", "4",
-        "--enable-hierarchical-cache", "--hicache-ratio", "2")
-CP_POOL = 256  # tokens per rank: 16 usable pages of 16 each, 32 over both ranks
-MAX_NEW = 6
-_rng = random.Random(12)
-LONG = [[_rng.randrange(3, 256) for _ in range(n)] for n in (83, 150, 45)]  # 6, 10, 3 pages of 16
-CONVS = [[_rng.randrange(3, 256) for _ in range(150)] for _ in range(5)]  # 5 x 10 pages > L1's 32
-SUFFIX = LONG[1][:96] + [_rng.randrange(3, 256) for _ in range(37)]  # 6 cached pages, then new tokens
+LONG, CONVS, SUFFIX = cp_prompts(12, 3, 256)  # the tiny V3's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -173,21 +163,15 @@ def served(v3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         assert stop_server(srv) == 0
 
 
-def _generate(srv: Any, ids: list[int]) -> tuple[list[int], int]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
-    r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens"]
-
 
 def test_served_cp2_v3_batched_chunked_cached_prefix(served: tuple) -> None:
     """Three long prompts batched in 64-token chunks (overlap on), then a suffix behind 96 cached
     tokens: cp = 1's tokens; each rank's latent pool holds about half the pages in use."""
     srv, ref = served
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda ids: _generate(srv, ids), LONG))
+        outs = list(pool.map(lambda ids: generate(srv, ids), LONG))
     assert [o for o, _ in outs] == [ref[tuple(p)] for p in LONG]
-    got, cached = _generate(srv, SUFFIX)
+    got, cached = generate(srv, SUFFIX)
     assert cached == 96 and got == ref[tuple(SUFFIX)]
     m = srv.wait_idle()
     used = [m[f'strata_kv_pages_used_by_cp_rank{{cp_rank="{r}"}}'] for r in (0, 1)]
@@ -201,20 +185,13 @@ def test_served_cp2_v3_host_tier_l2_reload_and_l3(served: tuple) -> None:
     cp = 1's tokens."""
     srv, ref = served
     for c in CONVS:
-        assert _generate(srv, c)[0] == ref[tuple(c)]
+        assert generate(srv, c)[0] == ref[tuple(c)]
     for c in CONVS[:4]:
-        got, cached = _generate(srv, c)
+        got, cached = generate(srv, c)
         assert got == ref[tuple(c)] and cached >= 144
     m = srv.wait_idle()
     assert m['strata_cache_hit_tokens_total{tier="l2"}'] > 0 and m["strata_l2_load_backs_total"] > 0
     assert m["strata_kv_leak_free"] == 1
-    deadline = time.monotonic() + 30  # L3: written at commit, asynchronously
-    while srv.metrics()["strata_l3_writes_total"] < 9 * 5:
-        assert time.monotonic() < deadline, "L3 files not written"
-        time.sleep(0.2)
-    while (r := httpx.post(f"{srv.http}/flush_cache", timeout=30)).status_code == 409:  # commits in flight
-        assert time.monotonic() < deadline, r.text
-        time.sleep(0.2)
-    assert r.status_code == 200
-    got, cached = _generate(srv, CONVS[0])  # L1 and L2 empty: from the files
+    flush_after_l3_writes(srv, 9 * 5)
+    got, cached = generate(srv, CONVS[0])  # L1 and L2 empty: from the files
     assert got == ref[tuple(CONVS[0])] and cached == 144
