@@ -18,11 +18,11 @@ sums an element. tests/gpu/test_invariant_gemm_gpu.py checks the bits across M o
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from engine.layers.triton_ops import interpreted
 
 BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
@@ -68,12 +68,6 @@ def invariant_gemm_kernel(x, w, bias, out, M, N, K, sx, sw, so,
     tl.store(op, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@functools.cache
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, GROUP_M, warps, stages) for m rows of an n-column weight. Decode (m <= 64): one
@@ -84,10 +78,6 @@ def tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
         return 64, bn, 1, 4, 4
     return 64, 256, 8, 4, 3
 
-
-def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.is_cuda or _interpreted()) and x.dtype == w.dtype and x.dtype in (
-        torch.bfloat16, torch.float16, torch.float32) and x.dim() == 2 and w.dim() == 2
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -105,8 +95,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         return out
     bm, bn, group, warps, stages = tile or tiles(m, n)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    f32 = x.dtype == torch.float32 or _interpreted()
-    xs, ws = (x.float(), w.float()) if _interpreted() and x.dtype != torch.float32 else (x, w)
+    f32 = x.dtype == torch.float32 or interpreted()
+    xs, ws = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     invariant_gemm_kernel[grid](
         xs, ws, bias if bias is not None else xs, res, m, n, k, xs.stride(0), ws.stride(0), res.stride(0),

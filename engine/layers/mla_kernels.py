@@ -34,12 +34,13 @@ the shared memory that `MLAKernelConfig.shared_bytes` predicts).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from engine.layers.triton_ops import interpreted
 
 MAX_SPLITS = 16  # splits of one row at most (the grid's third axis)
 MIN_SPLIT_TOKENS = 256  # split lengths are multiples of this (so every BLOCK_N <= 256 divides them)
@@ -164,12 +165,6 @@ def padded(n: int) -> int:
     (tl.dot's K); the padding columns are masked."""
     return max(16, triton.next_power_of_2(n))
 
-
-@functools.cache
-def _interpreted() -> bool:
-    """Triton's CPU interpreter (the tests): its bf16 tl.dot is wrong, so the kernels multiply the
-    same values in float32 there."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -353,7 +348,7 @@ def mla_decode(
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,
         R=r, P=p, RB=rb, PB=pb, PAGE=page_size, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, BLOCK_H=cfg.block_h,
         BLOCK_N=cfg.block_n,
-        KV_FP8=fp8, DOT_F32=_interpreted() and not f32, IEEE=f32 and not _interpreted(), VSPLIT=vsplit,
+        KV_FP8=fp8, DOT_F32=interpreted() and not f32, IEEE=f32 and not interpreted(), VSPLIT=vsplit,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _mla_reduce_kernel[(h, b)](

@@ -87,7 +87,7 @@ def supported(head_dim: int, q: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether triton runs kernels in its CPU interpreter (the tests), whose bf16 tl.dot is
     wrong: kernels then multiply the same bf16 values in float32. Triton's own switch, read once."""
     import os
@@ -312,7 +312,7 @@ def decode_attention(
         part_o, part_lse, counters, out, head_dim ** -0.5,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
         BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(num_q_heads // num_kv_heads), SPLIT_P2=_p2(splits),
-        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=_interpreted(),
+        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=interpreted(),
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return out
@@ -355,7 +355,7 @@ def invariant_attention(
     opts = dict(enable_fp_fusion=False)
     k = _k()
     if splits <= 1:
-        k.invariant_attention_kernel[(nb, hkv)](*head, real, out, d**-0.5, **geom, F32_DOT=_interpreted(),
+        k.invariant_attention_kernel[(nb, hkv)](*head, real, out, d**-0.5, **geom, F32_DOT=interpreted(),
                                                 num_warps=warps, **opts)
         return out
     if scratch is None:
@@ -364,7 +364,7 @@ def invariant_attention(
     if part_o.shape[0] < nb:
         raise ValueError(f"invariant_attention: scratch for {part_o.shape[0]} blocks, {nb} given")
     k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], **geom,
-                                                F32_DOT=_interpreted(), num_warps=warps, **opts)
+                                                F32_DOT=interpreted(), num_warps=warps, **opts)
     k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
                                         T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out
