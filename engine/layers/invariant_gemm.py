@@ -26,29 +26,19 @@ from engine.layers.triton_ops import interpreted
 
 BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
+DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
+WORKSPACE_FLOATS = 8 << 20  # split partials of one decode GEMM (32 MiB a device, allocated on first use)
 
 
-@triton.jit(do_not_specialize=["M"])
-def invariant_gemm_kernel(x, w, bias, out, M, N, K, sx, sw, so,
-                          HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for one (BM, BN) tile; tiles in groups of
-    GROUP_M row tiles per column tile, so that a weight tile is read by neighbours from L2."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    xp = x + rm[:, None].to(tl.int64) * sx + rk[None, :]
-    wp = w + rn[None, :].to(tl.int64) * sw + rk[:, None]
+@triton.jit
+def _slice(x, w, rm, rn, rk, M, N, K, sx, sw, k0, k1,
+           F32: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """x[rm, k] @ w[rn, k]^T over K tiles k0 .. k1 - 1, in order, from a zero accumulator."""
+    rkk = k0 * BK + rk
+    xp = x + rm[:, None].to(tl.int64) * sx + rkk[None, :]
+    wp = w + rn[None, :].to(tl.int64) * sw + rkk[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
+    for k in range(k0, k1):
         if EVEN_K:
             a = tl.load(xp, mask=rm[:, None] < M, other=0.0)
             b = tl.load(wp, mask=rn[None, :] < N, other=0.0)
@@ -62,6 +52,60 @@ def invariant_gemm_kernel(x, w, bias, out, M, N, K, sx, sw, so,
             acc = tl.dot(a, b, acc)
         xp += BK
         wp += BK
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
+                          HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for one (BM, BN) tile; tiles in groups of
+    GROUP_M row tiles per column tile, so that a weight tile is read by neighbours from L2.
+    K is summed in SPLIT slices of whole K tiles, each from zero, added in slice order: with
+    SPLIT_GRID (decode) each slice is a program (axis 1) that stores its partial to `ws` and
+    the last of a tile's programs to finish adds them; else one program adds them as it goes.
+    The two give the same bits: the same slices, the same float32 adds in the same order."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    kt = tl.cdiv(K, BK)
+    per = tl.cdiv(kt, SPLIT)
+    rows = rm[:, None] < M
+    if SPLIT_GRID:
+        s = tl.program_id(1)
+        part = _slice(x, w, rm, rn, rk, M, N, K, sx, sw, s * per, min((s + 1) * per, kt), F32, EVEN_K, BM, BN, BK)
+        tile = (pid * SPLIT) * BM * BN + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(ws + tile + s * BM * BN, part, mask=rows)
+        tl.debug_barrier()
+        done = tl.atomic_add(counters + pid, 1, sem="acq_rel")
+        if done == SPLIT - 1:  # the last slice of this tile to finish: add all, in slice order
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for j in range(SPLIT):
+                acc = acc + tl.load(ws + tile + j * BM * BN, mask=rows, other=0.0, cache_modifier=".cg")
+            _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS)
+            tl.store(counters + pid, 0)  # ready for the next launch
+    elif SPLIT == 1:
+        _store(_slice(x, w, rm, rn, rk, M, N, K, sx, sw, 0, kt, F32, EVEN_K, BM, BN, BK), bias, out, rm, rn, M, N, so,
+               HAS_BIAS)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for j in range(SPLIT):
+            acc = acc + _slice(x, w, rm, rn, rk, M, N, K, sx, sw, j * per, min((j + 1) * per, kt), F32, EVEN_K,
+                               BM, BN, BK)
+        _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     op = out + rm[:, None].to(tl.int64) * so + rn[None, :]
@@ -69,19 +113,34 @@ def invariant_gemm_kernel(x, w, bias, out, M, N, K, sx, sw, so,
 
 
 
-def tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, GROUP_M, warps, stages) for m rows of an n-column weight. Decode (m <= 64): one
-    row tile of 64 and column tiles narrow enough for ~132+ programs (an H200's SMs) to stream
-    the weight; prefill: 64 x 256 tiles (one warp group per 64 rows, as in decode)."""
+def split(n: int, k: int) -> int:
+    """K slices (a power of two) of an [n, k] weight, the same at every row count: enough that
+    a decode GEMM has ~DECODE_PROGRAMS programs, each slice at least 4 K tiles."""
+    cols = -(-n // decode_bn(n))
+    s = 1
+    while cols * s < DECODE_PROGRAMS and -(-k // BLOCK_K) // (2 * s) >= 4:
+        s *= 2
+    return s
+
+
+def decode_bn(n: int) -> int:
+    return 64 if n >= 16384 else 32 if n >= 4096 else 16
+
+
+def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight. Decode (m <=
+    64): one row tile of 64, narrow column tiles and K slices as programs, so that ~512
+    programs stream the weight; prefill: 64 x 256 tiles, 128 x 128 where the slices need a
+    second accumulator (one warp group per 64 rows in both, as in decode)."""
+    s = split(n, k)
     if m <= DECODE_MAX_ROWS:
-        bn = 64 if n >= 16384 else 32 if n >= 4096 else 16
-        return 64, bn, 1, 4, 4
-    return 64, 256, 8, 4, 3
+        return 64, decode_bn(n), 1, 4, 4, s
+    return (64, 256, 8, 4, 3, s) if s == 1 else (128, 128, 8, 8, 3, s)
 
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M
     (`tile`: `tiles`' answer forced, for the GPU test's candidates)."""
     m, k = x.shape
@@ -93,16 +152,33 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, group, warps, stages = tile or tiles(m, n)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    bm, bn, group, warps, stages, slices = tile or tiles(m, n, k)
+    grid_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split_grid = slices > 1 and m <= DECODE_MAX_ROWS
+    ws, counters = _workspace(x.device)
+    if split_grid and (grid_mn * slices * bm * bn > ws.numel() or grid_mn > counters.numel()):
+        raise ValueError(f"invariant GEMM [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
     f32 = x.dtype == torch.float32 or interpreted()
-    xs, ws = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
+    xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
-    invariant_gemm_kernel[grid](
-        xs, ws, bias if bias is not None else xs, res, m, n, k, xs.stride(0), ws.stride(0), res.stride(0),
-        HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K, GROUP_M=group,
-        num_warps=warps, num_stages=stages,
+    invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](
+        xs, ws_, bias if bias is not None else xs, res, ws, counters, m, n, k, xs.stride(0), ws_.stride(0),
+        res.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
+        GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, num_warps=warps, num_stages=stages,
     )
     if res is not out:
         out.copy_(res)
     return out
+
+
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 partials, int32 tile counters, zero between launches) of this device, made on
+    the first GEMM (warm-up, before any CUDA graph is captured). One stream runs the GEMMs, one
+    after another, so they share it."""
+    if device not in _WORKSPACES:
+        _WORKSPACES[device] = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                               torch.zeros(1 << 16, dtype=torch.int32, device=device))
+    return _WORKSPACES[device]

@@ -42,10 +42,30 @@ def test_bf16_rows_are_float32_sums_rounded_once() -> None:
     torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)  # one bf16 rounding, no more
 
 
+def test_split_k_programs_give_the_one_program_bits() -> None:
+    """K in slices: decode's slices as programs (partials in the workspace, the last program
+    adds them) equal prefill's slices added in one program, and the reference."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 64 * 16 + 24  # 17 K tiles, the last masked: 4 slices of 5, 5, 5, 2
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(70, k, generator=g)
+    for slices in (2, 4):
+        prefill = invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))  # 70 rows: one program a tile
+        decode = invariant_gemm.gemm(x[:5], w, b, tile=(64, 16, 1, 4, 4, slices))  # slices as programs
+        assert torch.equal(decode, prefill[:5]), slices
+        assert torch.equal(invariant_gemm.gemm(x[:5], w, b, tile=(64, 16, 1, 4, 4, slices)), decode)  # counters reset
+        torch.testing.assert_close(prefill.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-4)
+
+
 def test_tiles_depend_on_rows_only_through_the_regime() -> None:
-    assert invariant_gemm.tiles(1, 4096) == invariant_gemm.tiles(64, 4096)
-    assert invariant_gemm.tiles(65, 4096) == invariant_gemm.tiles(16384, 4096)
-    for m in (1, 65):
-        for n in (16, 1024, 4096, 151936):
-            bm = invariant_gemm.tiles(m, n)[0]
-            assert bm == 64  # one warp group per 64 rows in both regimes: the same dot instruction
+    shapes = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (151936, 1024), (1024, 2048), (16, 64)]
+    for n, k in shapes:
+        assert invariant_gemm.tiles(1, n, k) == invariant_gemm.tiles(64, n, k)
+        assert invariant_gemm.tiles(65, n, k) == invariant_gemm.tiles(16384, n, k)
+        decode, prefill = invariant_gemm.tiles(1, n, k), invariant_gemm.tiles(65, n, k)
+        assert decode[5] == prefill[5]  # the K slices, which decide the sums, follow the weight only
+        assert decode[0] == 64 and prefill[0] in (64, 128)  # one warp group per 64 rows: the same instruction
+        cols = -(-n // decode[1])
+        assert cols * decode[5] >= invariant_gemm.DECODE_PROGRAMS or decode[5] == 1 or k // 64 // decode[5] < 8
+    assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1

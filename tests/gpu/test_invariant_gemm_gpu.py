@@ -21,7 +21,7 @@ SHAPES = {  # (N, K): Llama-3.1-8B qkv, o, gate_up, down, LM head; Qwen3-0.6B qk
     "llama-down": (4096, 14336), "llama-head": (128256, 4096), "qwen-qkv": (4096, 1024),
     "qwen-o": (1024, 2048), "qwen-gate_up": (6144, 1024), "qwen-down": (1024, 3072),
 }
-CANDIDATES = [(64, 256, 8, 4, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]
+CANDIDATES = [(64, 256, 8, 4, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]  # + the K slices
 
 
 def _time(f, reps: int = 20) -> float:  # noqa: ANN001
@@ -51,7 +51,7 @@ def test_rows_keep_their_bits_across_row_counts(name: str, dtype: torch.dtype) -
     x = torch.randn(big, k, generator=g, device="cuda").to(dtype)
     full = invariant_gemm.gemm(x, w)  # the prefill tiles
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
-    one = invariant_gemm.tiles(1, n)
+    one = invariant_gemm.tiles(1, n, k)
     decode_tiled = invariant_gemm.gemm(x, w, tile=one)  # every row as a decode step computes it
     differ = [m for m in (1, 7, 64, 65, 300) if not torch.equal(invariant_gemm.gemm(x[:m], w), full[:m])]
     differ += [] if torch.equal(invariant_gemm.gemm(x[100:101], w), full[100:101]) else ["row 100 alone"]
@@ -62,8 +62,9 @@ def test_rows_keep_their_bits_across_row_counts(name: str, dtype: torch.dtype) -
 
 
 def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor) -> None:
-    (n, k), big, one = w.shape, x.shape[0], invariant_gemm.tiles(1, w.shape[0])
-    keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=c), decode_tiled) for c in CANDIDATES}
+    (n, k), big = w.shape, x.shape[0]
+    one = invariant_gemm.tiles(1, n, k)
+    keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=(*c, one[5])), decode_tiled) for c in CANDIDATES}
     t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, big)}
     t_one = _time(lambda: invariant_gemm.gemm(x, w, tile=one))
     cub = {m: _time(lambda m=m: F.linear(x[:m], w)) for m in (1, 64, big)}
@@ -73,6 +74,7 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
     finally:
         batch_invariant.enable(False)
     tflops = 2 * big * n * k / (t[big] * 1e-6) / 1e12
-    print(f"{name} N={n} K={k}: ours M=1 {t[1]:.1f} us (cuBLAS {cub[1]:.1f}), M=64 {t[64]:.1f} ({cub[64]:.1f}), "
+    print(f"{name} N={n} K={k} slices {one[5]}: ours M=1 {t[1]:.1f} us (cuBLAS {cub[1]:.1f}), "
+          f"M=64 {t[64]:.1f} ({cub[64]:.1f}), "
           f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}, "
           f"decode tiles {t_one:.1f}); prefill tiles keeping the decode bits: {keep}")
