@@ -85,7 +85,7 @@ def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
         chunk = bi.attend(qs[r][cut:], bi.plan(dense[r : r + 1], [n], [n - cut], PS, kernel=True), pool, 0)
         assert torch.equal(chunk, full[cut:]), (n, "chunked prefill")
         alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True)
-        assert alone.decode and bi.splits(1, hkv, alone.parts) == alone.parts  # split wherever > 1 partition
+        assert alone.decode and (alone.parts == 1 or bi.splits(1, hkv, alone.parts) > 1)  # split wherever > 1 partition
         assert torch.equal(bi.attend(qs[r][-1:], alone, pool, 0)[0], full[-1]), (n, "split decode alone")
         last.append(full[-1])
     want = torch.stack(last)
