@@ -61,7 +61,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specpolicy specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specpolicy specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -137,11 +137,20 @@ for what in "$@"; do case $what in
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
               --input-len 256 --output-len 128 --server-args "$([ $det = on ] && echo --enable-deterministic-inference) --max-running-requests 64" \
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
+  detoffline) for det in off on; do  # issue 21's cost: Qwen3-0.6B offline (256 req) and Llama-3.1-8B 1000/1000
+            flag=$([ $det = on ] && echo --enable-deterministic-inference)
+            run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
+              --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
+              --out "$OUT/offline-qwen3-0.6b-256-det$det-h200.json" || fails=$((fails + 1))
+            run offline-llama-3.1-8b-det$det 240 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+              --num-requests 256 --input-len 1000 --output-len 1000 \
+              --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
+              --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-h200.json" || fails=$((fails + 1)); done ;;
   detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
             || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -30 ;;
-  detprofile) for ma in qwen3-0.6b:64:256 llama-3.1-8b:1:1024; do IFS=: read -r m b c <<< "$ma"
-            run profile-$m-b$b-det 200 python3 scripts/profile_decode.py configs/$m $b $c det || fails=$((fails + 1))
-            grep -A26 "kernels per" "$OUT/profile-$m-b$b-det.log"; done ;;
+  detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
+            run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $d || fails=$((fails + 1))
+            grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;
   detlat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
