@@ -137,7 +137,7 @@ for what in "$@"; do case $what in
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
               --input-len 256 --output-len 128 --server-args "$([ $det = on ] && echo --enable-deterministic-inference) --max-running-requests 64" \
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
-  detoffline) for det in off on; do  # issue 21's cost: Qwen3-0.6B offline (256 req) and Llama-3.1-8B 1000/1000
+  detoffline) for det in ${DET_MODES:-off on}; do  # issue 21's cost: Qwen3-0.6B offline (256 req) and Llama-3.1-8B 1000/1000
             flag=$([ $det = on ] && echo --enable-deterministic-inference)
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \

@@ -27,6 +27,7 @@ from engine.layers.triton_ops import interpreted
 BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
+FULL_GRID = 264  # prefill tiles below this many (2 an H200 SM) leave SMs idle: the mid-rows split grid instead
 WORKSPACE_FLOATS = 8 << 20  # split partials of one decode GEMM (32 MiB a device, allocated on first use)
 
 
@@ -128,15 +129,31 @@ def decode_bn(n: int) -> int:
 
 
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight. Decode (m <=
-    64): one row tile of 64, narrow column tiles and K slices as programs, so that ~512
-    programs stream the weight; prefill: 64 x 256 tiles, 128 x 128 where the slices need a
-    second accumulator (one warp group per 64 rows in both, as in decode)."""
+    """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1
+    marks a split grid (K slices as programs). Decode (m <= 64): one row tile of 64, narrow
+    column tiles, so that ~512 programs stream the weight; prefill: 64 x 256 tiles, 128 x 128
+    where the slices need a second accumulator (one warp group per 64 rows in all). Between
+    them (a large decode batch), where the prefill tiles are too few to fill the GPU (Qwen3-
+    0.6B's o projection at 256 rows: 16 programs), 64 x 128 tiles on a split grid."""
     s = split(n, k)
     if m <= DECODE_MAX_ROWS:
         return 64, decode_bn(n), 1, 4, 4, s
-    return (64, 256, 8, 4, 3, s) if s == 1 else (128, 128, 8, 8, 3, s)
+    if s == 1:
+        return 64, 256, 8, 4, 3, s
+    mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) < FULL_GRID and mid_tiles * s * 64 * 128 <= WORKSPACE_FLOATS:
+        return 64, 128, 1, 4, 4, s
+    return 128, 128, 8, 8, 3, s
 
+
+
+def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
+    """The first of `rows` in each tile choice of an [n, k] weight: one triton compile each
+    (M is not specialized), so warming these warms every row count in `rows`."""
+    first: dict[tuple, int] = {}
+    for m in rows:
+        first.setdefault(tiles(m, n, k), m)
+    return sorted(first.values())
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -154,7 +171,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         return out
     bm, bn, group, warps, stages, slices = tile or tiles(m, n, k)
     grid_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split_grid = slices > 1 and m <= DECODE_MAX_ROWS
+    split_grid = slices > 1 and group == 1
     ws, counters = _workspace(x.device)
     if split_grid and (grid_mn * slices * bm * bn > ws.numel() or grid_mn > counters.numel()):
         raise ValueError(f"invariant GEMM [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")

@@ -11,7 +11,7 @@ launch (lazy loading), a load that waits for all the work queued on the device, 
 tier's backups on the side stream included: a served prefill step stalled 23-43 ms on
 such loads, 8 of them in 40 steps (H200 profile, STRATA_PROFILE_STEPS). Under deterministic
 inference the projections are one triton GEMM (engine/layers/invariant_gemm.py), compiled
-once per tile regime: warmed at 1 and 65 rows.
+once per tile choice: warmed at the first row count of each (decode, mid, prefill).
 The KV written here lands in free pages: every page is written by its request's prefill
 before anything reads it, so the garbage is never seen.
 """
@@ -93,8 +93,10 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int
             continue
         done.add(key)
         counts = range(1, most_sampled + 1) if head else gemm_rows(most_rows)
-        if batch_invariant.enabled():  # one triton GEMM, compiled once per tile regime (invariant_gemm.tiles)
-            counts = [n for n in (1, 65) if n <= counts[-1]]
+        if batch_invariant.enabled():  # one triton GEMM, compiled once per tile choice (invariant_gemm.tiles)
+            from engine.layers.invariant_gemm import regime_rows
+
+            counts = regime_rows(list(counts), *w.shape)
         x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
         for n in counts:
             matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)

@@ -62,10 +62,33 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
     shapes = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (151936, 1024), (1024, 2048), (16, 64)]
     for n, k in shapes:
         assert invariant_gemm.tiles(1, n, k) == invariant_gemm.tiles(64, n, k)
-        assert invariant_gemm.tiles(65, n, k) == invariant_gemm.tiles(16384, n, k)
-        decode, prefill = invariant_gemm.tiles(1, n, k), invariant_gemm.tiles(65, n, k)
-        assert decode[5] == prefill[5]  # the K slices, which decide the sums, follow the weight only
-        assert decode[0] == 64 and prefill[0] in (64, 128)  # one warp group per 64 rows: the same instruction
+        decode = invariant_gemm.tiles(1, n, k)
+        for m in (65, 256, 1024, 16384):
+            other = invariant_gemm.tiles(m, n, k)
+            assert decode[5] == other[5]  # the K slices, which decide the sums, follow the weight only
+            assert other[0] * 4 == 64 * other[3]  # one warp group per 64 rows: the same instruction
+        assert invariant_gemm.tiles(16384, n, k)[2] > 1 or decode[5] == 1  # a large prefill: one program a tile
         cols = -(-n // decode[1])
         assert cols * decode[5] >= invariant_gemm.DECODE_PROGRAMS or decode[5] == 1 or k // 64 // decode[5] < 8
     assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1
+    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at a decode batch of 256
+
+
+def test_mid_rows_split_grid_gives_the_prefill_bits() -> None:
+    """A large decode batch's split grid (several row tiles, K slices as programs) equals the
+    decode tiles and the one-program prefill tiles, row for row."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 40, 64 * 9
+    w, x = torch.randn(n, k, generator=g), torch.randn(150, k, generator=g)
+    prefill = invariant_gemm.gemm(x, w, tile=(64, 32, 8, 4, 3, 2))
+    mid = invariant_gemm.gemm(x[:130], w, tile=(64, 16, 1, 4, 4, 2))  # 3 row tiles x 3 column tiles x 2 slices
+    assert torch.equal(mid, prefill[:130])
+    assert torch.equal(invariant_gemm.gemm(x[:2], w, tile=(64, 16, 1, 4, 4, 2)), prefill[:2])
+
+
+def test_warm_up_compiles_each_tile_choice_once() -> None:
+    """Ready means warm: engine/run/warmup.py runs the first row count of each tile choice."""
+    rows = list(range(1, 2000))
+    firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: decode, mid split grid, prefill
+    assert firsts == [1, 65, 1025]
+    assert {invariant_gemm.tiles(m, 1024, 2048) for m in rows} == {invariant_gemm.tiles(m, 1024, 2048) for m in firsts}

@@ -53,7 +53,8 @@ def test_rows_keep_their_bits_across_row_counts(name: str, dtype: torch.dtype) -
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
     one = invariant_gemm.tiles(1, n, k)
     decode_tiled = invariant_gemm.gemm(x, w, tile=one)  # every row as a decode step computes it
-    differ = [m for m in (1, 7, 64, 65, 300) if not torch.equal(invariant_gemm.gemm(x[:m], w), full[:m])]
+    rows = (1, 7, 64, 65, 129, 256, 300, 1024)  # decode, mid (split grid) and prefill tiles
+    differ = [m for m in rows if not torch.equal(invariant_gemm.gemm(x[:m], w), full[:m])]
     differ += [] if torch.equal(invariant_gemm.gemm(x[100:101], w), full[100:101]) else ["row 100 alone"]
     differ += [] if torch.equal(full, decode_tiled) else ["all rows decode-tiled"]
     if dtype == torch.bfloat16:
@@ -65,9 +66,9 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
     (n, k), big = w.shape, x.shape[0]
     one = invariant_gemm.tiles(1, n, k)
     keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=(*c, one[5])), decode_tiled) for c in CANDIDATES}
-    t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, big)}
+    t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, 256, big)}
     t_one = _time(lambda: invariant_gemm.gemm(x, w, tile=one))
-    cub = {m: _time(lambda m=m: F.linear(x[:m], w)) for m in (1, 64, big)}
+    cub = {m: _time(lambda m=m: F.linear(x[:m], w)) for m in (1, 64, 256, big)}
     batch_invariant.enable(True, "cuda")
     try:
         blocks = _time(lambda: batch_invariant.rows_of(x, lambda a: F.linear(a, w)))
@@ -76,5 +77,6 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
     tflops = 2 * big * n * k / (t[big] * 1e-6) / 1e12
     print(f"{name} N={n} K={k} slices {one[5]}: ours M=1 {t[1]:.1f} us (cuBLAS {cub[1]:.1f}), "
           f"M=64 {t[64]:.1f} ({cub[64]:.1f}), "
+          f"M=256 {t[256]:.1f} ({cub[256]:.1f}) tiles {invariant_gemm.tiles(256, n, k)}, "
           f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}, "
           f"decode tiles {t_one:.1f}); prefill tiles keeping the decode bits: {keep}")
