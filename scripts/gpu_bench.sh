@@ -61,7 +61,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specpolicy specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -180,6 +180,8 @@ for what in "$@"; do case $what in
           --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
           --server-args="${SPEC_SERVER_ARGS:-} --speculative-num-steps-by-batch-size=" \
           --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
+  specpolicytest) run gpu-spec-by-batch 200 python3 -m pytest -m gpu tests/gpu/test_spec_by_batch_gpu.py -q -rA -p no:cacheprovider \
+          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-by-batch.log" | tail -6 ;;
   specpolicy) run gpu-spec-by-batch 200 python3 -m pytest -m gpu tests/gpu/test_spec_by_batch_gpu.py -q -rA -p no:cacheprovider \
           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-by-batch.log" | tail -6
         run spec-policy-llama-3.1-8b 300 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 5 \
