@@ -30,6 +30,9 @@ _PARTIAL_ROTARY_ARCHS = frozenset({"Glm4MoeForCausalLM"})
 # MoE families whose router scores by sigmoid with the score-correction bias (noaux_tc) when
 # the config does not say (GLM-4.5 has no scoring_func / topk_method keys)
 _SIGMOID_NOAUX_ARCHS = frozenset({"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"})
+# transformers' Qwen MoE routers compute their logits in the model's dtype (nn.Linear, then a
+# float32 softmax); DeepSeek's and GLM's in float32
+_MODEL_DTYPE_ROUTER_ARCHS = frozenset({"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
+    router_float32: bool = True  # router logits in float32 (else the model's dtype), as transformers
 
     def __post_init__(self) -> None:
         e, g, k = self.num_experts, self.n_group, self.top_k
@@ -407,4 +411,5 @@ def _moe(d: dict[str, Any], arch: str) -> MoEConfig | None:
         topk_group=int(d.get("topk_group") or 1),
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         num_shared_experts=int(d.get("n_shared_experts") or 0),
+        router_float32=arch not in _MODEL_DTYPE_ROUTER_ARCHS,
     )

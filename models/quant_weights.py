@@ -44,7 +44,7 @@ _EXPERT_HF = ("gate_proj", "up_proj", "down_proj")
 def covered_experts(model: nn.Module, scheme: QuantScheme) -> list[Experts]:
     """The MoE expert stacks that `scheme` quantizes (engine/layers/moe_quant.py): HF names each
     expert's projections `{...}.experts.{e}.gate_proj` etc.; a stack is quantized whole or not at
-    all. The router (`mlp.gate`) is never a Linear here: it stays float32, as checkpoints keep it."""
+    all. The router (`mlp.gate`) is never a Linear here: it stays unquantized, as checkpoints keep it."""
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, Experts):

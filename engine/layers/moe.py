@@ -8,8 +8,10 @@ Contract (what a model builds on; Qwen3-MoE, GLM-4.5 and DeepSeek-V2/V3 use it a
 `MoE` is the whole `mlp` of an MoE layer; its submodules carry the HF checkpoint names, so that
 `model.layers.{L}.mlp.` + the names below load through models/loader.py:
 
-* `gate` (`Router`): `weight` [E, hidden] (float32, like transformers keeps it) and, for
-  noaux_tc routing, `e_score_correction_bias` [E] (float32). Replicated on every rank.
+* `gate` (`Router`): `weight` [E, hidden] and, for noaux_tc routing, `e_score_correction_bias`
+  [E] (float32). Replicated on every rank. The weight and the logits are float32 where
+  transformers computes them so (DeepSeek, GLM: spec.router_float32), else in the model's
+  dtype (Qwen MoE's nn.Linear gate; then the float32 softmax, as there).
 * `experts` (`Experts`): `w13` [E, 2 * I_local, hidden] (gate rows then up rows: HF's
   `experts.{e}.gate_proj` / `up_proj`) and `w2` [E, hidden, I_local] (`experts.{e}.down_proj`).
   Tensor parallelism gives each rank a slice of every expert's intermediate dim (I_local of
@@ -20,7 +22,7 @@ Contract (what a model builds on; Qwen3-MoE, GLM-4.5 and DeepSeek-V2/V3 use it a
 * `shared_experts` (`SharedMLP`, when spec.num_shared_experts > 0): a dense SwiGLU MLP of
   intermediate `intermediate_size * num_shared_experts` (`gate_up_proj`, `down_proj`).
 
-Routing (`route`), as transformers computes it (fp32 logits = x @ gate.weight^T):
+Routing (`route`), as transformers computes it (logits = x @ gate.weight^T, taken to float32):
 * scores = softmax(logits) (Qwen3-MoE, DeepSeek-V2) or sigmoid(logits) (DeepSeek-V3, GLM-4.5);
 * topk_method "greedy": the top_k scores; "group_limited_greedy" (V2): experts in n_group
   groups, a group scored by its best expert, only the topk_group best groups take part;
@@ -81,6 +83,7 @@ class MoESpec(Protocol):
     topk_group: int  # groups a token may pick from
     routed_scaling_factor: float
     num_shared_experts: int  # 0 = none
+    router_float32: bool  # router weight and logits in float32, else in the model's dtype
 
 
 class PadRows(NamedTuple):
@@ -128,7 +131,9 @@ def is_grouped(spec: MoESpec) -> bool:
 
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, k], expert ids int64 [T, k]) from float32 router logits [T, E]."""
+    """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E] (any float
+    dtype, taken to float32 first)."""
+    logits = logits.float()
     # sigmoid as 1 / (1 + exp(-x)): torch's CPU sigmoid gives other bits in its vector body than
     # in its scalar tail, whose place moves with the row count; exp, add and divide do not
     scores = logits.softmax(-1) if spec.scoring_func == "softmax" else logits.neg().exp_().add_(1).reciprocal_()
@@ -152,17 +157,18 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tup
 
 
 class Router(nn.Module):
-    """The gate: float32 logits of every expert, then `route`."""
+    """The gate: logits of every expert (float32 or the model's dtype: spec.router_float32),
+    then `route` in float32."""
 
-    def __init__(self, hidden_size: int, spec: MoESpec) -> None:
+    def __init__(self, hidden_size: int, spec: MoESpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = spec
-        self.weight = _param(spec.num_experts, hidden_size, dtype=torch.float32)
+        self.weight = _param(spec.num_experts, hidden_size, dtype=torch.float32 if spec.router_float32 else dtype)
         noaux = spec.topk_method == "noaux_tc"
         self.e_score_correction_bias = _param(spec.num_experts, dtype=torch.float32) if noaux else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = matmul(x.float(), self.weight)  # fixed row blocks under deterministic inference
+        logits = matmul(x.to(self.weight.dtype), self.weight)  # batch-invariant under deterministic inference
         if logits.is_cuda and not batch_invariant.enabled():
             from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
 
@@ -289,7 +295,7 @@ class MoE(nn.Module):
         super().__init__()
         check_spec(spec)
         self.tp = parallel_state().tp
-        self.gate = Router(hidden_size, spec)
+        self.gate = Router(hidden_size, spec, dtype)
         self.experts = Experts(hidden_size, spec, dtype)
         shared = spec.num_shared_experts * spec.intermediate_size
         self.shared_experts = SharedMLP(hidden_size, shared, dtype) if shared else None

@@ -71,14 +71,14 @@ def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HA
                  NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
                  GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
                  TOPK_GROUP: tl.constexpr):
-    """Token t's routing from its float32 router logits, as moe.route computes it: scores
-    (softmax or 1 / (1 + exp(-x))), with GROUPED only the experts of the TOPK_GROUP best groups
-    (`_keep_groups`), the top_k of scores (+ bias), best first, their scores as weights (over
-    their sum + 1e-20 with NORM) times `scale`."""
+    """Token t's routing from its router logits (float32 or bf16, taken to float32), as
+    moe.route computes it: scores (softmax or 1 / (1 + exp(-x))), with GROUPED only the
+    experts of the TOPK_GROUP best groups (`_keep_groups`), the top_k of scores (+ bias), best
+    first, their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
     t = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, E_P2)
     em = bins < E
-    x = tl.load(logits + t * E + bins, mask=em, other=float("-inf"))
+    x = tl.load(logits + t * E + bins, mask=em, other=float("-inf")).to(tl.float32)
     if SIGMOID:
         scores = tl.where(em, 1.0 / (1.0 + tl.exp(-x)), 0.0)
     else:
@@ -275,7 +275,7 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
 
 
 def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    """moe.route in one launch: (float32 weights [T, k], int64 ids [T, k]) from float32 logits [T, E]."""
+    """moe.route in one launch: (float32 weights [T, k], int64 ids [T, k]) from logits [T, E]."""
     from engine.layers.moe import is_grouped
 
     t, e = logits.shape

@@ -301,7 +301,7 @@ def test_routing_matches_transformers(kind: str) -> None:
     from engine.layers.moe import Router
 
     hf, spec = _hf_router(kind)
-    ours = Router(64, spec)
+    ours = Router(64, spec, torch.float32)
     with torch.no_grad():
         ours.weight.copy_(hf.weight)
         if ours.e_score_correction_bias is not None:
@@ -312,3 +312,34 @@ def test_routing_matches_transformers(kind: str) -> None:
     order_w, order_g = want_ids.argsort(-1), got_ids.argsort(-1)
     assert torch.equal(want_ids.gather(1, order_w), got_ids.gather(1, order_g))
     torch.testing.assert_close(got_w.gather(1, order_g), want_w.float().gather(1, order_w), atol=1e-6, rtol=1e-5)
+
+
+def test_router_logits_in_the_dtype_transformers_uses() -> None:
+    """Qwen MoE's gate is an nn.Linear in the model's dtype (bf16 logits, then a float32
+    softmax); DeepSeek's and GLM's routers compute float32 logits. Ours follow each, read from
+    config.json: in a bf16 model Qwen3-MoE routes from transformers' very logits."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from engine.layers.moe import Router
+    from models.config import _moe
+
+    base = {"num_hidden_layers": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    assert not _moe({**base, "num_experts": 8, "decoder_sparse_step": 1}, "Qwen3MoeForCausalLM").router_float32
+    for arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM"):
+        assert _moe({**base, "n_routed_experts": 8}, arch).router_float32, arch
+    spec = _moe({**base, "num_experts": 7, "num_experts_per_tok": 3, "norm_topk_prob": True}, "Qwen3MoeForCausalLM")
+    hf = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=64, num_experts_per_tok=3, moe_intermediate_size=8,
+                                           num_experts=7, norm_topk_prob=True))
+    hf.weight.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    hf = hf.bfloat16()
+    ours = Router(64, spec, torch.bfloat16)
+    assert ours.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        ours.weight.copy_(hf.weight)
+        x = torch.randn(200, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+        want_logits, want_w, want_ids = hf(x)
+        got_w, got_ids = ours(x)
+    assert want_logits.dtype == torch.bfloat16
+    assert torch.equal(got_ids.sort(-1).values, want_ids.sort(-1).values)
+    torch.testing.assert_close(got_w.sort(-1).values, want_w.float().sort(-1).values, atol=4e-3, rtol=0)  # hf: bf16
