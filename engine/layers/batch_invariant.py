@@ -159,19 +159,23 @@ def split_scratch(rows: int, parts: int, num_q_heads: int, head_dim: int,
 
 
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
-         kernel: bool = False) -> Plan:
-    """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order);
-    `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself."""
+         kernel: bool = False, tokens: int = TOKENS) -> Plan:
+    """Blocks of `tokens` (TOKENS) consecutive new tokens of one request (the batch's rows in
+    order); `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and may
+    take other block sizes (tests/gpu/test_invariant_attention_gpu.py measures whether a decode
+    token keeps its bits in a smaller block)."""
+    if tokens != TOKENS and not kernel:
+        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {tokens}")
     chunk = kv_chunk(page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
     row0 = 0
     for i, (seq, n) in enumerate(zip(seq_lens, extend_lens, strict=True)):
         start = seq - n
-        for b in range(0, n, TOKENS):
-            k = min(TOKENS, n - b)
-            r = [row0 + b + t for t in range(k)] + [row0 + b + k - 1] * (TOKENS - k)
-            p = [start + b + t for t in range(k)] + [start + b + k - 1] * (TOKENS - k)
+        for b in range(0, n, tokens):
+            k = min(tokens, n - b)
+            r = [row0 + b + t for t in range(k)] + [row0 + b + k - 1] * (tokens - k)
+            p = [start + b + t for t in range(k)] + [start + b + k - 1] * (tokens - k)
             rows.append(r)
             pos.append(p)
             req.append(i)
@@ -181,16 +185,16 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     order = sorted(range(len(rows)), key=lambda b: -reads[b])  # stable: ties keep batch order
     dev = page_table.device
     rows_t = torch.tensor([rows[b] for b in order], dtype=torch.int64, device=dev)
-    real = [j * TOKENS + t for j, b in enumerate(order) for t in range(used[b])]
+    real = [j * tokens + t for j, b in enumerate(order) for t in range(used[b])]
     real_t = torch.tensor(real, dtype=torch.int64, device=dev)
     pos_t = torch.tensor([pos[b] for b in order], dtype=torch.int64, device=dev)
     req_t = torch.tensor([req[b] for b in order], dtype=torch.int64, device=dev)
     width = page_table.shape[1]
-    real_mask = torch.zeros(len(order) * TOKENS, dtype=torch.int8)
+    real_mask = torch.zeros(len(order) * tokens, dtype=torch.int8)
     real_mask[real] = 1
     blocks = (req_t.to(torch.int32), rows_t, pos_t,
               torch.tensor([reads[b] for b in order], dtype=torch.int32, device=dev),
-              real_mask.view(-1, TOKENS).to(dev))
+              real_mask.view(-1, tokens).to(dev))
     chunks: list[Chunk] = []
     if kernel:
         per_part = kv_part(page_size) // chunk
@@ -256,9 +260,9 @@ def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table:
     split-KV (decode blocks only) with `scratch` (split_scratch), the same bits."""
     from engine.layers import triton_ops
 
-    ps = kv_pool.page_size
+    ps, tokens = kv_pool.page_size, blocks[1].shape[1]
     return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], ps, page_table, blocks,
-                                          TOKENS, kv_chunk(ps), kv_part(ps), n_splits, scratch)
+                                          tokens, kv_chunk(ps), kv_part(ps), n_splits, scratch)
 
 
 class DecodeBlocks:

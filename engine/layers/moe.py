@@ -29,7 +29,8 @@ Routing (`route`), as transformers computes it (logits = x @ gate.weight^T, take
   "noaux_tc" (V3): choice = scores + e_score_correction_bias, a group scored by the sum of its
   two best choices, top_k of the choices in the topk_group best groups;
 * weights = the chosen experts' scores (not the biased choices), divided by their sum when
-  norm_topk_prob, times routed_scaling_factor. Slots are sorted by choice, best first.
+  norm_topk_prob, times routed_scaling_factor. Slots are sorted by choice, best first, the
+  lowest expert index first among equal choices (bf16 logits tie), on every path.
 
 Compute (`Experts.forward`): the T*k (token, slot) pairs are sorted by expert (a stable argsort
 of the flat top-k ids); for each expert with tokens one gate_up GEMM, SiLU-and-mul, one down
@@ -145,15 +146,21 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None) -> tup
         else:
             group_scores = grouped.amax(-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)
+        keep.scatter_(1, _best(group_scores, spec.topk_group), True)
         choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, spec.num_experts)
-    ids = choice.topk(spec.top_k, dim=-1, sorted=True).indices
+    ids = _best(choice, spec.top_k)
     weights = scores.gather(1, ids)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     return weights, ids
+
+
+def _best(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, best first, the lowest index among equals
+    (as moe_kernels' route_kernel picks; torch.topk leaves ties unspecified, and bf16 logits tie)."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 class Router(nn.Module):

@@ -3,7 +3,8 @@ in bfloat16 with Llama-3.1-8B (32 q / 8 KV heads) and Qwen3-0.6B (16 / 8) heads 
 token's output has the same bits decoded alone (split-KV), in a batch, replayed in CUDA graphs
 (split and serial sizes), with any split count, and computed by the serial kernel in a prefill or
 a chunked prefill, at contexts 1, 255, 256, 257, 1024 and 4097. Plus a timing print (not an
-assertion): the kernel at batch 1 / 8 / 32 / 64, context 1024, 32 q / 8 KV heads, serial vs split."""
+assertion): the kernel at batch 1 / 8 / 32 / 64, context 1024, 32 q / 8 KV heads, serial vs split; and
+the candidate of smaller decode blocks (bits and batch-256 time)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,36 @@ def test_timing_print() -> None:
     mib = sum(t.numel() * 4 for t in bi.split_scratch(rows, parts, 32, 128, "meta")) / 2**20
     print(f"invariant attention timing: graph scratch Llama-3.1-8B 128k x 64 rows: {rows} split rows x {parts} "
           f"partitions = {mib:.1f} MiB")
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8)])
+def test_decode_block_candidates_print(hq: int, hkv: int) -> None:
+    """The data for smaller decode blocks (printed, not asserted): a decode block of T tokens
+    computes T x G rows for its one token (16 x 4 = 64 for Llama), 63% of a batch-256 det step
+    on the H200 (docs/PERF.md, sixth session). With 16 // G tokens (16 rows, tl.dot's least) is
+    a decode token's output still the prefill's bits, and how much faster at batch 256?"""
+    d, ctx, batch = 128, 1024, 256
+    bi.enable(True, "cuda")
+    small = 16 // (hq // hkv)
+    pool = _pool(hkv, d, sum(CONTEXTS) + 64, seed=hq + 1)
+    tables = _tables(CONTEXTS, seed=hq + 1)
+    dense = _dense(tables)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    same = {}
+    for r, n in enumerate(CONTEXTS):
+        q = torch.randn(n, hq, d, generator=g, device="cuda").to(BF)
+        full = bi.attend(q, bi.plan(dense[r : r + 1], [n], [n], PS, kernel=True), pool, 0)
+        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True, tokens=small)
+        same[n] = torch.equal(bi.attend(q[-1:], alone, pool, 0)[0], full[-1])
+    big = _pool(hkv, d, batch * ctx, seed=5)
+    bdense = _dense(_tables([ctx] * batch, seed=5))
+    qb = torch.randn(batch, hq, d, device="cuda").to(BF)
+    times = {}
+    for t in (bi.TOKENS, small):
+        p = bi.plan(bdense, [ctx] * batch, [1] * batch, PS, kernel=True, tokens=t)
+        assert bi.splits(batch, hkv, p.parts) == 1
+        times[t] = _time_us(lambda p=p: bi.attend(qb, p, big, 0), n=10)
+    kv_us = batch * ctx * hkv * d * 2 * 2 / 4.8e12 * 1e6
+    print(f"invariant attention decode blocks: heads {hq}/{hkv}: {small} tokens keep the prefill bits at contexts "
+          f"{same}; batch {batch} ctx {ctx}: {bi.TOKENS} tokens {times[bi.TOKENS]:.1f} us, {small} tokens "
+          f"{times[small]:.1f} us (KV at 4.8 TB/s: {kv_us:.1f} us)")

@@ -63,6 +63,21 @@ def test_chunked_prefill_and_split_decode_give_the_prefill_bits(setup) -> None: 
     assert torch.equal(bi.attend(q[POSITIONS], batch, pool, 0), full[POSITIONS])
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_smaller_decode_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa: ANN001
+    """A decode plan of smaller blocks (the candidate tests/gpu/test_invariant_attention_gpu.py
+    times and bit-checks on the H200) runs, split and serial, close to the prefill (not its
+    bits here: the interpreter's float32 dots are numpy matmuls, which sum by the matrix's
+    shape); the torch path refuses any block size but TOKENS."""
+    pool, table, q, full = setup
+    plan = bi.plan(table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS], [1] * len(POSITIONS), PS,
+                   kernel=True, tokens=tokens)
+    assert plan.blocks[1].shape == (len(POSITIONS), tokens) and plan.decode
+    torch.testing.assert_close(bi.attend(q[POSITIONS], plan, pool, 0), full[POSITIONS], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="blocks of 16 tokens"):
+        bi.plan(table, [L], [1], PS, tokens=tokens)
+
+
 def test_any_split_count_gives_the_serial_bits(setup) -> None:  # noqa: ANN001
     pool, table, q, full = setup
     plan = _decode_plan(table, POSITIONS)

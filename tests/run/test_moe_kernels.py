@@ -151,6 +151,10 @@ def test_route_kernel_equals_route(spec: SimpleNamespace) -> None:
         assert not torch.equal(ids_ref, route(logits, SimpleNamespace(**{**vars(spec), "topk_group": spec.n_group}),
                                               bias)[1])
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+    w16, ids16 = mk.route(logits.bfloat16(), spec, bias)  # Qwen MoE's logits come in the model's dtype
+    w16_ref, ids16_ref = route(logits.bfloat16(), spec, bias)
+    assert torch.equal(ids16, ids16_ref)
+    torch.testing.assert_close(w16, w16_ref, rtol=1e-6, atol=1e-7)
 
 
 def test_align_pads_segments_and_keeps_flat_order() -> None:
