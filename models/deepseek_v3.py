@@ -255,11 +255,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend | None = None) -> torch.Tensor:
         """MLA attends the latent pool itself (engine/layers/mla_attention.py); of `backend` only an
-        MLABackend's static decode table is read (a CUDA graph's capture and replays)."""
+        MLABackend's static decode table (a CUDA graph's capture and replays) and the step's draft
+        trees are read."""
         x = self.model.embed_tokens(batch.input_ids)
         graph = backend.graph if isinstance(backend, MLABackend) else None
         cp = backend if isinstance(backend, ContextParallelAttention) else None
-        plan = None if cp is not None else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph)
+        trees = backend.step_trees if backend is not None else None
+        plan = None if cp is not None else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph, trees)
         ctx = MLAContext(batch, kv, plan, self.rope, x.dtype, cp, self.absorb_all)
         residual = None
         for layer in self.model.layers:

@@ -48,6 +48,9 @@ class AttentionBackend(ABC):
     # the backend decides which rows' K/V it stores (context parallelism: only its own pages'), so
     # the model must hand it q, k, v through `forward`, never store K/V itself (the fused prologue)
     owns_kv_writes: bool = False
+    # this step's draft-tree masks after `prepare` (TorchAttention.set_tree_masks; empty elsewhere),
+    # read by models that attend their own pool (MLA: engine/layers/mla_attention.py)
+    step_trees: dict[int, torch.Tensor] = {}  # noqa: RUF012 (replaced per step, never mutated)
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -290,6 +293,7 @@ class TorchAttention(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
         trees, self._tree_masks = self._tree_masks, {}
+        self.step_trees = trees
         self._graph = None  # an eager step: attention reads the batch's page table
         if batch_invariant.enabled():
             self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel)

@@ -97,8 +97,11 @@ class MLAPlan:
 
     @classmethod
     def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None,
-              graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None) -> MLAPlan:
+              graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None,
+              trees: dict[int, torch.Tensor] | None = None) -> MLAPlan:
         """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one).
+        `trees`: speculative draft trees (AttentionBackend.step_trees): request i's new tokens see
+        its whole cached prefix and, among themselves, what trees[i] (bool [n, n]) allows.
         `kernel`: decode rows through a kernel (None: on CUDA where triton is).
         `graph` (MLABackend.graph): a CUDA graph's static (page table, lengths), read instead of the
         batch's in a pure decode step; or flashinfer's MLA wrapper planned for this step's decode
@@ -129,7 +132,10 @@ class MLAPlan:
             if n > 1:
                 pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
                 causal = None
-                if seqs[i] - n <= PREFIX_CHUNK or absorb_all or not flash_available(dev):
+                tree = trees.get(i) if trees else None
+                if tree is not None:  # the prefix, then the tree's own mask (row order = KV order)
+                    causal = torch.cat([torch.ones(n, seqs[i] - n, dtype=torch.bool, device=dev), tree.to(dev)], 1)
+                elif seqs[i] - n <= PREFIX_CHUNK or absorb_all or not flash_available(dev):
                     keys, queries = torch.arange(seqs[i], device=dev), torch.arange(seqs[i] - n, seqs[i], device=dev)
                     causal = keys[None, :] <= queries[:, None]
                 plan.extends.append(_Req(starts[i], n, seqs[i], pages, causal))

@@ -166,6 +166,23 @@ def test_nextn_random_mtp_greedy_equals_plain_batched_cached_chunked(tmp_path: P
     assert eng.core.leak_free()
 
 
+@pytest.mark.parametrize("algo", ["NEXTN", "NGRAM"])
+def test_trees_on_an_mla_target_equal_plain(algo: str, tmp_path: Path) -> None:
+    """Draft trees (--speculative-eagle-topk 3) on a DeepSeek-V3 target: MTP leaves beside its
+    chain, or NGRAM's radix/n-gram branches; the MLA attention takes each tree's mask
+    (tests/models/test_tree_attention.py checks the logits node by node)."""
+    target = _v3_with_mtp(tmp_path / "v3", V3_MOE)
+    prompts = _prompts([27, 7, 3], seed=2)
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    want = _ids(_engine(target).generate(prompts, params))
+    steps = 2 if algo == "NEXTN" else 3
+    eng = _engine(target, speculative_algorithm=algo, speculative_num_steps=steps, speculative_eagle_topk=3,
+                  speculative_num_draft_tokens=steps + 4, max_prefill_tokens=8)
+    assert _ids(eng.generate(prompts, params)) == want
+    assert _ids(eng.generate(prompts, params)) == want  # cached
+    assert eng.core.state.spec_stats.drafted > 0 and eng.core.leak_free()
+
+
 def test_nextn_copying_an_attention_free_target_has_its_drafts_accepted(tmp_path: Path) -> None:
     cfg = {**TINY_V3, "num_hidden_layers": 1, "first_k_dense_replace": 0}  # one MoE layer
     path = make_v3_dir(tmp_path / "v3", {**cfg, "num_nextn_predict_layers": 1})
