@@ -7,13 +7,16 @@ H200, Qwen3-0.6B's 64 x 256-token prefill took 168 ms of kernels in 7,168 launch
 projection kind, against ~15 ms unchunked (scripts/profile_decode.py ... det).
 
 This kernel is batch-invariant by construction: an output element is the sum over K in tiles
-of BLOCK_K taken in order, each tile one tl.dot (the tensor cores' k16 steps), never split
-across programs; rows do not mix, masked rows load zeros, and the row count M is a plain
-runtime argument (not specialized). The tile's BLOCK_M / BLOCK_N only say which elements a
-program computes, not how one element is summed, so they may follow M: small tiles for decode
-(enough programs to stream the weight at M <= 64), large ones for prefill. BLOCK_K, the warp
-count per 64 rows and the dot's input precision stay fixed: those decide the instruction that
-sums an element. tests/gpu/test_invariant_gemm_gpu.py checks the bits across M on the H200.
+of BLOCK_K taken in order, each tile one tl.dot (the tensor cores' k16 steps), in a fixed
+number of K slices (`split`: from the weight's shape only), each slice summed from zero and the
+slices added in order, whether the slices are programs (a split grid) or one program's loop;
+rows do not mix, masked rows load zeros, and the row count M is a plain runtime argument (not
+specialized). The tile's BLOCK_M / BLOCK_N only say which elements a program computes, not how
+one element is summed, so they may follow M: narrow tiles on a split grid for decode (enough
+programs to stream the weight at M <= 64) and for mid-sized batches, large ones for prefill.
+BLOCK_K, the warp count per 64 rows and the dot's input precision stay fixed: those decide the
+instruction that sums an element. tests/gpu/test_invariant_gemm_gpu.py checks the bits across
+M on the H200.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_GRID = 264  # prefill tiles below this many (2 an H200 SM) leave SMs idle: the mid-rows split grid instead
-WORKSPACE_FLOATS = 8 << 20  # split partials of one decode GEMM (32 MiB a device, allocated on first use)
+WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, allocated on first use)
 
 
 @triton.jit
@@ -113,7 +116,6 @@ def _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS: tl.constexpr):
     tl.store(op, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-
 def split(n: int, k: int) -> int:
     """K slices (a power of two) of an [n, k] weight, the same at every row count: enough that
     a decode GEMM has ~DECODE_PROGRAMS programs, each slice at least 4 K tiles."""
@@ -144,7 +146,6 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     if triton.cdiv(m, 128) * triton.cdiv(n, 128) < FULL_GRID and mid_tiles * s * 64 * 128 <= WORKSPACE_FLOATS:
         return 64, 128, 1, 4, 4, s
     return 128, 128, 8, 8, 3, s
-
 
 
 def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
