@@ -67,7 +67,7 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     """out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for one (BM, BN) tile; tiles in groups of
     GROUP_M row tiles per column tile, so that a weight tile is read by neighbours from L2.
     K is summed in SPLIT slices of whole K tiles, each from zero, added in slice order: with
-    SPLIT_GRID (decode) each slice is a program (axis 1) that stores its partial to `ws` and
+    SPLIT_GRID (decode, mid rows) each slice is a program (axis 1) that stores its partial to `ws` and
     the last of a tile's programs to finish adds them; else one program adds them as it goes.
     The two give the same bits: the same slices, the same float32 adds in the same order."""
     pid = tl.program_id(0)
