@@ -183,6 +183,30 @@ def test_trees_on_an_mla_target_equal_plain(algo: str, tmp_path: Path) -> None:
     assert eng.core.state.spec_stats.drafted > 0 and eng.core.leak_free()
 
 
+@pytest.mark.parametrize("kind", ["llama-ngram", "v3-nextn"])
+def test_draft_trees_at_tp2_give_tp1_plain_tokens(kind: str, tmp_path: Path) -> None:
+    """Draft trees over 2 ranks (gloo, replica digests checked every step): NGRAM's branches on a
+    Llama target, MTP leaves beside the chain on a DeepSeek-V3 target (MLA's tree mask, MoE);
+    tp=1's plain greedy tokens, with a repetitive prompt so that the n-grams branch."""
+    from tp_harness import run_tp
+
+    if kind == "llama-ngram":
+        target = _llama(tmp_path / "t", TINY, attention_free=False)
+        spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_num_draft_tokens=8)
+    else:
+        target = _v3_with_mtp(tmp_path / "v3", V3_MOE)
+        spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_num_draft_tokens=6)
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    shared, loop = _prompts([13], seed=7)[0], [3, 4, 5] * 9
+    waves = [([shared + p for p in _prompts([9, 4], seed=8)] + [loop], params), ([shared + [5, 6], loop], params)]
+    plain = _engine(target, max_prefill_tokens=8)
+    want = [_ids(plain.generate(prompts, p)) for prompts, p in waves]
+    cfg = ServerConfig(model=str(target), device="cpu", dtype="float32", tp_size=2, cpu_threads=1, page_size=4,
+                       max_prefill_tokens=8, max_total_tokens=1024, max_running_requests=4,
+                       speculative_eagle_topk=3, **spec)  # type: ignore[arg-type]
+    assert [[o.output_ids for o in w] for w in run_tp(cfg, waves)] == want
+
+
 def test_nextn_copying_an_attention_free_target_has_its_drafts_accepted(tmp_path: Path) -> None:
     cfg = {**TINY_V3, "num_hidden_layers": 1, "first_k_dense_replace": 0}  # one MoE layer
     path = make_v3_dir(tmp_path / "v3", {**cfg, "num_nextn_predict_layers": 1})
