@@ -48,9 +48,15 @@ class AttentionBackend(ABC):
     # the backend decides which rows' K/V it stores (context parallelism: only its own pages'), so
     # the model must hand it q, k, v through `forward`, never store K/V itself (the fused prologue)
     owns_kv_writes: bool = False
-    # this step's draft-tree masks after `prepare` (TorchAttention.set_tree_masks; empty elsewhere),
-    # read by models that attend their own pool (MLA: engine/layers/mla_attention.py)
+    # speculative draft trees (docs/architecture.md, Trees): whether `set_tree_masks` is taken, and
+    # this step's masks after `prepare`, read by models that attend their own pool (MLA)
+    takes_tree_masks: bool = False
     step_trees: dict[int, torch.Tensor] = {}  # noqa: RUF012 (replaced per step, never mutated)
+
+    def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
+        """The next `prepare`'s draft trees: request i's new tokens see its cached prefix and,
+        among themselves, what masks[i] (bool [n, n]) allows. Only where `takes_tree_masks`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no draft-tree masks")
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -182,6 +188,8 @@ class TorchAttention(AttentionBackend):
     deterministic inference every row takes batch_invariant's one path; on CUDA, where its
     kernel fits, decode is captured in CUDA graphs (bind, `_graph_attend`).
     """
+
+    takes_tree_masks = True
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -19,7 +19,7 @@ import torch
 
 from engine.config import ServerConfig
 from engine.layers import batch_invariant, triton_ops
-from engine.layers.attention import AttentionBackend, TorchAttention, create_backend
+from engine.layers.attention import AttentionBackend, create_backend
 from engine.layers.cp_attention import context_parallel
 from engine.layers.flashinfer_attention import set_decode_kernel
 from engine.layers.kv_layout import KVLayout
@@ -161,7 +161,7 @@ def make_speculator(cfg: ServerConfig, a: Assembled) -> Speculator | None:
     log.info("speculative decoding", algorithm=cfg.speculative_algorithm,
              steps=cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
     trees = cfg.speculative_eagle_topk > 1
-    if trees and not isinstance(a.backend, TorchAttention):  # (the one backend that takes a tree mask)
+    if trees and not a.backend.takes_tree_masks:  # the torch backend, and MLA's (its own torch path)
         raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: draft trees need the torch "
                          f"attention backend, not {type(a.backend).__name__} (--attention-backend torch)")
     return Speculator(draft, cfg.page_size, a.device, trees)

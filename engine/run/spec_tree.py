@@ -142,10 +142,9 @@ def tree_batch(runner: Any, batch: ForwardBatch, v: VerifyRows, slots: list[int]
                 masks[i] = m
         positions.extend(row)
     for backend in (runner.backend, *followers):
-        set_masks = getattr(backend, "set_tree_masks", None)
-        if set_masks is None:
+        if not backend.takes_tree_masks:
             raise ReplicaError(f"draft trees need the torch attention backend, not {type(backend).__name__}")
-        set_masks(masks)
+        backend.set_tree_masks(masks)
     pos = torch.tensor(positions, dtype=torch.int64)
     batch.positions = pos if batch.positions.device.type == "cpu" else pos.to(batch.positions.device,
                                                                                non_blocking=True)

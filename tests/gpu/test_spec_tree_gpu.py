@@ -1,8 +1,8 @@
 """NGRAM draft trees on CUDA (float32): the tree's acceptance and its K/V compaction on the device
 equal the CPU's; a tiny random Llama on the GPU with the torch attention backend answers the plain
-engine's greedy tokens with trees, with no page left behind, and so does a random EAGLE head's
-chain with leaves; a tree on CUDA's default backend (flashinfer) is refused at start naming the
-flag."""
+engine's greedy tokens with trees, with no page left behind, and so do a random EAGLE head's
+chain with leaves and a random MTP layer's on a DeepSeek-V3 target (MLABackend); a tree on CUDA's
+default backend (flashinfer) is refused at start naming the flag."""
 
 from __future__ import annotations
 
@@ -123,3 +123,20 @@ def test_eagle_leaf_trees_on_cuda_greedy_equal_plain(tmp_path: Path) -> None:
     assert [r.output_ids for r in eng.generate(prompts, params)] == want  # from the prefix cache
     st = eng.core.state.spec_stats
     assert st.drafted > 3 * st.rows and eng.core.leak_free()
+
+
+def test_mtp_leaf_trees_on_cuda_mla_backend_greedy_equal_plain(tmp_path: Path) -> None:
+    """NEXTN's leaves on a DeepSeek-V3 target on the GPU: MLABackend (what CUDA binds for MLA)
+    takes the tree masks into the tree rows' expanded attention; the plain engine's tokens."""
+    target = heads._v3_with_mtp(tmp_path / "v3", heads.V3_MOE)
+    prompts = heads._prompts([27, 7, 3], seed=2)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    common = dict(model=str(target), dtype="float32", max_total_tokens=2048, max_running_requests=8, page_size=4,
+                  device=DEVICE)
+    want = [r.output_ids for r in LocalEngine(ServerConfig(**common)).generate(prompts, params)]
+    eng = LocalEngine(ServerConfig(**common, speculative_algorithm="NEXTN", speculative_num_steps=2,
+                                   speculative_eagle_topk=3, speculative_num_draft_tokens=6, max_prefill_tokens=8))
+    assert type(eng.runner.backend).__name__ == "MLABackend"
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want  # from the prefix cache
+    assert eng.core.state.spec_stats.drafted > 0 and eng.core.leak_free()
