@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
+from engine.layers.moe import Router
 from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding, matmul
 from engine.run.sampler import SampleParams
 
@@ -77,17 +78,18 @@ def gemm_rows(most: int) -> list[int]:
 
 
 def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int:
-    """Run every distinct projection (weight shape, dtype, bias) through cuBLAS at `gemm_rows(most_rows)`
-    and the LM head (or the tied embedding) at every sampled-row count: the kernels any step
-    will pick are loaded before ready (module docstring). Returns the GEMMs run."""
+    """Run every distinct projection and MoE router (weight shape, dtype, bias) through cuBLAS at
+    `gemm_rows(most_rows)` and the LM head (or the tied embedding) at every sampled-row count:
+    the kernels any step will pick are loaded before ready (module docstring). Returns the GEMMs
+    run."""
     done: set[tuple] = set()
     runs = 0
     for module in model.modules():
         head = isinstance(module, ParallelLMHead | VocabParallelEmbedding)
-        if not (isinstance(module, Linear) or head):
+        if not (isinstance(module, Linear | Router) or head):  # Router: an MoE gate's GEMM (float32 or bf16)
             continue
         w = module.weight
-        bias = None if head else module.bias
+        bias = None if head or isinstance(module, Router) else module.bias
         key = (tuple(w.shape), w.dtype, bias is not None, head)
         if w.is_meta or w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or key in done:
             continue

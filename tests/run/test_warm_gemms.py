@@ -3,9 +3,12 @@ GPU the same calls load the kernels cuBLAS picks, before ready)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
+from engine.layers.moe import Router
 from engine.layers.parallel import Linear, ParallelLMHead
 from engine.run.warmup import gemm_rows, warm_gemms
 
@@ -23,6 +26,8 @@ def test_gemm_rows_cover_every_small_count_then_a_ladder_up_to_the_largest_step(
 class _Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        spec = SimpleNamespace(num_experts=6, topk_method="greedy", router_float32=False)
+        self.gate = Router(8, spec, torch.float32)  # an MoE gate: a GEMM too, not a Linear
         self.q = Linear(8, 24, bias=False, dtype=torch.float32)
         self.k = Linear(8, 24, bias=False, dtype=torch.float32)  # the same shape as q: warmed once
         self.o = Linear(24, 8, bias=True, dtype=torch.float32)
@@ -31,7 +36,7 @@ class _Tiny(nn.Module):
             nn.init.normal_(p)
 
 
-def test_warm_gemms_runs_each_distinct_projection_at_every_count_and_the_head_at_every_batch(monkeypatch) -> None:
+def test_warm_gemms_runs_each_projection_and_router_at_every_count_and_the_head_at_every_batch(monkeypatch) -> None:
     model = _Tiny()
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     real = torch.nn.functional.linear
@@ -43,7 +48,8 @@ def test_warm_gemms_runs_each_distinct_projection_at_every_count_and_the_head_at
     monkeypatch.setattr(torch.nn.functional, "linear", spy)  # records, then runs the real GEMM
     runs = warm_gemms(model, most_rows=300, most_sampled=5)
     ladder = gemm_rows(300)
-    assert runs == len(calls) == 2 * len(ladder) + 5
+    assert runs == len(calls) == 3 * len(ladder) + 5
+    assert [x[0] for x, w in calls if w == (6, 8)] == ladder
     assert [x[0] for x, w in calls if w == (24, 8)] == ladder
     assert [x[0] for x, w in calls if w == (8, 24)] == ladder
     assert [x[0] for x, w in calls if w == (40, 8)] == [1, 2, 3, 4, 5]
