@@ -61,7 +61,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -191,6 +191,12 @@ for what in "$@"; do case $what in
           --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
           --server-args "--log-dir $OUT/logs-specmla" || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log"
         grep -h '"verify step eager"\|cuda graphs' $OUT/logs-specmla/worker-0.log | tail -4 ;;
+  specmlaprofile) STRATA_PROFILE_STEPS=${SPECMLA_PROFILE:-40:20} run spec-deepseek-v3-5l-profile 300 bin/bench spec \
+          --model configs/deepseek-v3-5l --load-format dummy --drafts 2 --batch-sizes 1 --prompt-len 512 --output-len 128 \
+          --out "$OUT/spec-deepseek-v3-5l-profiled-h200.json" --server-args "--log-dir $OUT/logs-specmlaprof" \
+          || fails=$((fails + 1))  # the last server's (k = 2) steps 40..59: where a verify step's time goes
+        grep -h '"verify step eager"\|cuda graphs' $OUT/logs-specmlaprof/worker-0.log | tail -4
+        head -40 $OUT/logs-specmlaprof/profile-rank0.txt ;;
   nvfp4moe) run gpu-nvfp4moe 300 python3 -m pytest -m gpu tests/gpu/test_moe_nvfp4_gpu.py -q -rA -p no:cacheprovider \
         || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-nvfp4moe.log" | tail -10 ;;
   cp) run gpu-cp 200 python3 -m pytest -m gpu tests/gpu/test_cp_gpu.py -q -rA -p no:cacheprovider \
