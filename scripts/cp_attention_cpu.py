@@ -63,7 +63,7 @@ def main() -> None:
             be.prepare(b2)
             mine = KVPool(1, max(owned), ps, HKV, D, torch.float32, "cpu")
             if name == "prefill":  # its pages' K/V (a decode's timing does not depend on the values)
-                be.store_owned(0, k, v, mine)
+                be.store_rows(0, mine, k, v)
             ms = best_ms(lambda be=be, mine=mine, rows=rows: be.partial(q[rows], k[rows], v[rows], 0, mine), reps)
             print(f", cp 2 rank {r} {ms:.2f} ms", end="")
         print()

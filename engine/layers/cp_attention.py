@@ -228,10 +228,6 @@ class ContextParallelAttention(AttentionBackend):
         assert self._plan is not None, "prepare(batch) first"
         return self._plan
 
-    def store_owned(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool) -> None:
-        """Store the rows of this step whose page this rank owns."""
-        self.store_rows(layer_id, kv_pool, k, v)
-
     def store_rows(self, layer_id: int, kv_pool: KVPool, *values: torch.Tensor) -> None:
         """Store the rows (of each of the layout's components, [T, heads, dim]: K and V, or MLA's
         one latent) whose page this rank owns, at their local slots."""
@@ -269,7 +265,7 @@ class ContextParallelAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
                 kv_pool: KVPool) -> torch.Tensor:
-        self.store_owned(layer_id, k, v, kv_pool)
+        self.store_rows(layer_id, kv_pool, k, v)
         return self.merge(*self.partial(q, k, v, layer_id, kv_pool)).to(q.dtype)
 
 

@@ -166,7 +166,6 @@ def padded(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-
 @triton.jit
 def _cols(d, N: tl.constexpr, NB: tl.constexpr):
     """The columns `d` (of 0..NB-1) that are real, < N: a constant all-true mask where nothing is

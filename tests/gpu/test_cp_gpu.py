@@ -41,7 +41,7 @@ def test_cp2_flash_partials_merged_equal_full_attention_at_128k(new: int) -> Non
     for r, pool in enumerate(pools):
         be = ContextParallelAttention(TPGroup(r, CP))
         be.prepare(batch)
-        be.store_owned(0, k[start:], v[start:], pool)
+        be.store_rows(0, pool, k[start:], v[start:])
         parts.append(be.partial(q, k[start:], v[start:], 0, pool))
     got, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     # each rank's pool holds its own pages: together every token once

@@ -199,7 +199,7 @@ def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol:
         parts = []
         for be, pool in zip(backends, pools, strict=True):
             be.prepare(batch(1))
-            be.store_owned(0, k, v, pool)
+            be.store_rows(0, pool, k, v)
             parts.append(be.partial(q, k, v, 0, pool))
         got, _ = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
         torch.testing.assert_close(got.to(dtype), want, atol=atol, rtol=0)  # bf16: the output's rounding
