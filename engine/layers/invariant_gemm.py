@@ -21,6 +21,8 @@ M on the H200.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -116,6 +118,7 @@ def _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS: tl.constexpr):
     tl.store(op, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@functools.cache  # per weight shape, asked on every GEMM call
 def split(n: int, k: int) -> int:
     """K slices (a power of two) of an [n, k] weight, the same at every row count: enough that
     a decode GEMM has ~DECODE_PROGRAMS programs, each slice at least 4 K tiles."""
