@@ -24,6 +24,7 @@
 #   detgemm   deterministic inference's triton GEMM: bits across row counts (decode vs prefill tiles), time vs
 #             cuBLAS and vs the 64-row blocks (tests/gpu/test_invariant_gemm_gpu.py)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
+#   detblocks the invariant attention's decode-block candidates (printed: bits and batch-256 time per block size)
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1)
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
@@ -44,6 +45,7 @@
 #             (tests/gpu/test_cp_mla_gpu.py; correctness only)
 #   moe       fused MoE: tests/gpu/test_moe_gpu.py, then Qwen3-30B-A3B decode latency (batch 1 8 32, ctx 1024,
 #             CUDA graphs) and moeoffline, then DeepSeek-V3-5L latency (batch 1 64)
+#   moelat    Qwen3-30B-A3B decode latency only (batch 1 8 32, ctx 1024)
 #   moeoffline Qwen3-30B-A3B offline, 256 x 1000/1000 (the issue's shape, beside llama8m's Llama-3.1-8B)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #   nvfp4moe  NVFP4 MoE checkpoints on CUDA (tests/gpu/test_moe_nvfp4_gpu.py): experts dequantized at load, vs CPU
@@ -61,7 +63,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat moe moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks moe moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -151,6 +153,8 @@ for what in "$@"; do case $what in
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $d || fails=$((fails + 1))
             grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;
+  detblocks) run gpu-detblocks 200 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py -q -rA -s \
+           -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|decode blocks" "$OUT/gpu-detblocks.log" | tail -16 ;;
   detlat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
@@ -213,6 +217,9 @@ for what in "$@"; do case $what in
          --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
   moeoffline) moe_offline ;;
+  moelat) run latency-qwen3-30b-a3b 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
+         --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-h200.json" || fails=$((fails + 1))
+       grep -A6 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b.log" ;;
   mlaserve) run latency-deepseek-v3-5l 140 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 8 64 \
          --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log"; grep -h "cuda graphs\|runner ready\|mla" "$OUT/latency-deepseek-v3-5l.log" | tail -4 ;;
