@@ -100,9 +100,11 @@ def test_tree_engine_on_cuda_greedy_equals_plain(tmp_path: Path) -> None:
 
 
 def test_tree_on_the_default_cuda_backend_is_refused(tmp_path: Path, flashinfer_built: None) -> None:
+    """In bf16 the auto backend on a GPU is flashinfer (no tree mask): refused at start. (float32's
+    auto is torch, which takes trees: the other tests here.)"""
     model = heads._llama(tmp_path / "target", heads.TINY, attention_free=False)
     with pytest.raises(Exception, match="--speculative-eagle-topk 3: draft trees need the torch attention backend"):
-        LocalEngine(ServerConfig(model=str(model), dtype="float32", max_total_tokens=2048, page_size=4,
+        LocalEngine(ServerConfig(model=str(model), dtype="bfloat16", max_total_tokens=2048, page_size=4,
                                  device="cuda", speculative_algorithm="NGRAM", speculative_eagle_topk=3,
                                  speculative_num_draft_tokens=8))
 
