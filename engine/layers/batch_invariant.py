@@ -10,7 +10,8 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
 * attention (`attend`) reduces over the KV in chunks of `kv_chunk` positions aligned to
   absolute position 0, with an online softmax whose running max, sum and output are merged
   chunk after chunk in order; each chunk is two batched GEMMs of one fixed shape per
-  (block of `TOKENS` query tokens, KV head). A fresh prompt, a cached prefix, a chunked
+  (block of `TOKENS` query tokens, KV head; the CUDA kernel's decode blocks are smaller, with
+  the same bits: decode_tokens). A fresh prompt, a cached prefix, a chunked
   prefill and a decode step all take this one path, so a token sees the same sums in the same
   order. A row with no visible key in a chunk is left exactly unchanged by it (exp(0) = 1,
   p = 0), so visiting more chunks than a row needs changes nothing. The CUDA kernel groups the
@@ -42,6 +43,11 @@ ROWS = 16
 BMM_GROUP_BY_DEVICE = {"cuda": 64}
 BMM_GROUP: int | None = None
 TOKENS = 16  # query tokens per attention block
+# the CUDA kernel's decode blocks: one token and its pads in DOT_ROWS rows (tl.dot's least M) of
+# T x G (G query heads per KV head) rather than TOKENS x G: a decode token's rows keep the prefill
+# block's bits (tests/gpu/test_invariant_attention_gpu.py). H200, batch 256 ctx 1024: Llama's 32/8
+# heads 654 -> 258 us a layer, Qwen3-0.6B's 16/8 376 -> 256 us (KV read at 4.8 TB/s: 224 us)
+DOT_ROWS = 16
 KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 # CUDA kernel: KV positions per partition (a whole number of chunks, aligned to position 0): each
 # partition's softmax state starts fresh and the states merge in partition order, so a decode
@@ -158,14 +164,20 @@ def split_scratch(rows: int, parts: int, num_q_heads: int, head_dim: int,
             torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device))
 
 
+def decode_tokens(group: int) -> int:
+    """Tokens per CUDA-kernel block of a decode batch, for `group` query heads per KV head."""
+    return max(1, min(TOKENS, DOT_ROWS // group))
+
+
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
-         kernel: bool = False, tokens: int = TOKENS) -> Plan:
-    """Blocks of `tokens` (TOKENS) consecutive new tokens of one request (the batch's rows in
-    order); `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and may
-    take other block sizes (tests/gpu/test_invariant_attention_gpu.py measures whether a decode
-    token keeps its bits in a smaller block)."""
-    if tokens != TOKENS and not kernel:
-        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {tokens}")
+         kernel: bool = False, decode_block: int = TOKENS) -> Plan:
+    """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order);
+    `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself, and where every
+    row is one decode token, takes blocks of `decode_block` tokens (decode_tokens: the same bits)."""
+    decode = all(n == 1 for n in extend_lens)
+    if decode_block != TOKENS and not kernel:
+        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {decode_block}")
+    tokens = decode_block if decode else TOKENS
     chunk = kv_chunk(page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
@@ -199,8 +211,7 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     if kernel:
         per_part = kv_part(page_size) // chunk
         parts = -(-reads[order[0]] // per_part) if order else 0
-        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel, parts,
-                    all(k == 1 for k in used))
+        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel, parts, decode)
     for j in range(reads[order[0]] if order else 0):
         nb = sum(1 for b in order if reads[b] > j)
         cols = torch.arange(j * per_chunk, (j + 1) * per_chunk, device=dev).clamp_(max=width - 1)
@@ -260,25 +271,25 @@ def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table:
     split-KV (decode blocks only) with `scratch` (split_scratch), the same bits."""
     from engine.layers import triton_ops
 
-    ps, tokens = kv_pool.page_size, blocks[1].shape[1]
+    ps = kv_pool.page_size
     return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], ps, page_table, blocks,
-                                          tokens, kv_chunk(ps), kv_part(ps), n_splits, scratch)
+                                          kv_chunk(ps), kv_part(ps), n_splits, scratch)
 
 
 class DecodeBlocks:
     """A decode batch's kernel blocks in static device buffers, for CUDA graphs: row i is block
-    i (its token, then TOKENS - 1 pads repeating it), filled from the rows' KV lengths by device
+    i (its token, then tokens - 1 pads repeating it), filled from the rows' KV lengths by device
     ops of fixed shapes only (no host read), so a captured decode rebuilds them on every replay.
-    They equal `plan(...).blocks` of the same decode batch up to the blocks' order (plan puts
-    the most chunks first; the kernel's result does not depend on the order: attend_blocks)."""
+    They equal `plan(..., decode_block=tokens).blocks` of the same decode batch up to the blocks'
+    order (plan puts the most chunks first; the kernel's result does not depend on the order)."""
 
-    def __init__(self, max_rows: int, device: torch.device | str) -> None:
+    def __init__(self, max_rows: int, device: torch.device | str, tokens: int = TOKENS) -> None:
         idx = torch.arange(max_rows, dtype=torch.int64, device=device)
         self.req = idx.to(torch.int32)
-        self.rows = idx[:, None].expand(max_rows, TOKENS).contiguous()
-        self.pos = torch.zeros(max_rows, TOKENS, dtype=torch.int64, device=device)
+        self.rows = idx[:, None].expand(max_rows, tokens).contiguous()
+        self.pos = torch.zeros(max_rows, tokens, dtype=torch.int64, device=device)
         self.reads = torch.ones(max_rows, dtype=torch.int32, device=device)
-        self.real = torch.zeros(max_rows, TOKENS, dtype=torch.int8, device=device)
+        self.real = torch.zeros(max_rows, tokens, dtype=torch.int8, device=device)
         self.real[:, 0] = 1
 
     def fill(self, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, ...]:
@@ -286,7 +297,7 @@ class DecodeBlocks:
         at position seq_len - 1): (request, rows, positions, chunks read, real) as plan's."""
         b = seq_lens.shape[0]
         pos, reads = self.pos[:b], self.reads[:b]
-        torch.sub(seq_lens[:, None].expand(b, TOKENS), 1, out=pos)
+        torch.sub(seq_lens[:, None].expand(b, pos.shape[1]), 1, out=pos)
         c = kv_chunk(page_size)
         torch.floor_divide(seq_lens + (c - 1), c, out=reads)  # (pos // c) + 1 chunks from position 0
         return self.req[:b], self.rows[:b], pos, reads, self.real[:b]

@@ -320,12 +320,13 @@ def decode_attention(
 
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
-    blocks: tuple[torch.Tensor, ...], tokens: int, chunk: int, part: int | None = None, splits: int = 1,
+    blocks: tuple[torch.Tensor, ...], chunk: int, part: int | None = None, splits: int = 1,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
     D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
-    tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan; the KV in
+    tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan (tokens per
+    block: TOKENS, or decode_tokens for decode blocks); the KV in
     partitions of `part` positions (batch_invariant.kv_part) merged in order.
 
     splits > 1 (decode blocks only: one token each) is split-KV: `splits` programs per (block,
@@ -346,6 +347,7 @@ def invariant_attention(
 
         part = kv_part(page_size)
     req, rows, pos, reads, real = blocks
+    tokens = rows.shape[1]
     head = (q, q.stride(0), k_cache, v_cache, table, table.stride(0), table.shape[1], req, rows, pos, reads)
     geom = dict(HQ=hq, HKV=hkv, D=d, PS=page_size, T=tokens, C=chunk, CP=part // chunk)
     # the serial kernel holds two [T * G, D] float32 states (the partition's and the merged one):

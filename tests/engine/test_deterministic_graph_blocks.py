@@ -50,11 +50,12 @@ def _padded(starts: list[int], page_size: int, bs: int) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("starts", BATCHES)
 @pytest.mark.parametrize("pad", [0, 3])
-def test_device_blocks_equal_the_plan(starts: list[int], page_size: int, pad: int) -> None:
+@pytest.mark.parametrize("tokens", [bi.TOKENS, 4, 1])
+def test_device_blocks_equal_the_plan(starts: list[int], page_size: int, pad: int, tokens: int) -> None:
     bs = len(starts) + pad
     seqs, table = _padded(starts, page_size, bs)
-    want = bi.plan(table, seqs.tolist(), [1] * bs, page_size, kernel=True)
-    got = bi.DecodeBlocks(64, "cpu").fill(seqs, page_size)
+    want = bi.plan(table, seqs.tolist(), [1] * bs, page_size, kernel=True, decode_block=tokens)
+    got = bi.DecodeBlocks(64, "cpu", tokens).fill(seqs, page_size)
     order = want.blocks[0].argsort(stable=True)  # plan: most chunks first; the graph: row order
     assert [t.dtype for t in got] == [t.dtype for t in want.blocks]
     for g, w in zip(got, want.blocks, strict=True):

@@ -69,9 +69,12 @@ def _graph_decode(backend: TorchAttention, pool: KVPool, bs: int, qd: torch.Tens
     return out[: len(CONTEXTS)].clone()
 
 
-@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8)])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8), (32, 4), (64, 4)])
 def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
+    """A decode token in its small block (decode_tokens: 16 // G tokens) keeps the bits of the
+    prefill's 16-token block: alone (split-KV), batched, at any split count, in CUDA graphs."""
     d = 128
+    small = bi.decode_tokens(hq // hkv)
     bi.enable(True, "cuda")
     pool = _pool(hkv, d, sum(CONTEXTS) + 64, seed=hq)
     tables = _tables(CONTEXTS, seed=hq)
@@ -85,22 +88,23 @@ def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
         cut = n // 2 + 3 if n > 8 else 0
         chunk = bi.attend(qs[r][cut:], bi.plan(dense[r : r + 1], [n], [n - cut], PS, kernel=True), pool, 0)
         assert torch.equal(chunk, full[cut:]), (n, "chunked prefill")
-        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True)
-        assert alone.decode and (alone.parts == 1 or bi.splits(1, hkv, alone.parts) > 1)  # split wherever > 1 partition
+        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True, decode_block=small)
+        assert alone.decode and alone.blocks[1].shape[1] == small
+        assert alone.parts == 1 or bi.splits(1, hkv, alone.parts) > 1  # split wherever > 1 partition
         assert torch.equal(bi.attend(qs[r][-1:], alone, pool, 0)[0], full[-1]), (n, "split decode alone")
         last.append(full[-1])
     want = torch.stack(last)
     qd = torch.stack([q[-1] for q in qs])
-    batch = bi.plan(dense, CONTEXTS, [1] * len(CONTEXTS), PS, kernel=True)
+    batch = bi.plan(dense, CONTEXTS, [1] * len(CONTEXTS), PS, kernel=True, decode_block=small)
     assert torch.equal(bi.attend(qd, batch, pool, 0), want), "batched decode"
     scratch = bi.split_scratch(len(CONTEXTS), batch.parts, hq, d, "cuda")
     for n in (1, 2, 3, 8, 17):
-        got = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, dense, batch.blocks, bi.TOKENS,
+        got = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, dense, batch.blocks,
                                              batch.chunk, bi.kv_part(PS), n, scratch)
         assert torch.equal(got, want), f"{n} splits"
     backend = TorchAttention("cuda")
     backend.bind(num_q_heads=hq, kv_pool=pool, max_batch=64, max_pages_per_req=dense.shape[1] + 1)
-    assert backend.supports_cuda_graph and backend._g_scratch is not None
+    assert backend.supports_cuda_graph and backend._g_scratch is not None and backend._decode_block == small
     for bs in (8, 64):  # 8: split-KV inside the graph; 64: the serial kernel
         assert torch.equal(_graph_decode(backend, pool, bs, qd, tables), want), f"graph of {bs}"
         assert (backend._g_splits > 1) == (bs == 8)
@@ -135,7 +139,7 @@ def test_timing_print() -> None:
         scratch = bi.split_scratch(b, p.parts, hq, d, "cuda")
 
         def run(n: int, b: int = b, p: bi.Plan = p, scratch: tuple = scratch) -> torch.Tensor:
-            return triton_ops.invariant_attention(q[:b], pool.k[0], pool.v[0], PS, dense[:b], p.blocks, bi.TOKENS,
+            return triton_ops.invariant_attention(q[:b], pool.k[0], pool.v[0], PS, dense[:b], p.blocks,
                                                   p.chunk, bi.kv_part(PS), n, scratch)
 
         auto = bi.splits(b, hkv, p.parts)
@@ -153,33 +157,19 @@ def test_timing_print() -> None:
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8)])
-def test_decode_block_candidates_print(hq: int, hkv: int) -> None:
-    """The data for smaller decode blocks (printed, not asserted): a decode block of T tokens
-    computes T x G rows for its one token (16 x 4 = 64 for Llama), 63% of a batch-256 det step
-    on the H200 (docs/PERF.md, sixth session). With 16 // G tokens (16 rows, tl.dot's least) is
-    a decode token's output still the prefill's bits, and how much faster at batch 256?"""
+def test_decode_block_timing_print(hq: int, hkv: int) -> None:
+    """Decode blocks of TOKENS against decode_tokens at batch 256, ctx 1024 (printed): the
+    16-token block computes 16 x G rows for its one token."""
     d, ctx, batch = 128, 1024, 256
     bi.enable(True, "cuda")
-    small = 16 // (hq // hkv)
-    pool = _pool(hkv, d, sum(CONTEXTS) + 64, seed=hq + 1)
-    tables = _tables(CONTEXTS, seed=hq + 1)
-    dense = _dense(tables)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    same = {}
-    for r, n in enumerate(CONTEXTS):
-        q = torch.randn(n, hq, d, generator=g, device="cuda").to(BF)
-        full = bi.attend(q, bi.plan(dense[r : r + 1], [n], [n], PS, kernel=True), pool, 0)
-        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True, tokens=small)
-        same[n] = torch.equal(bi.attend(q[-1:], alone, pool, 0)[0], full[-1])
     big = _pool(hkv, d, batch * ctx, seed=5)
     bdense = _dense(_tables([ctx] * batch, seed=5))
     qb = torch.randn(batch, hq, d, device="cuda").to(BF)
     times = {}
-    for t in (bi.TOKENS, small):
-        p = bi.plan(bdense, [ctx] * batch, [1] * batch, PS, kernel=True, tokens=t)
+    for t in (bi.TOKENS, bi.decode_tokens(hq // hkv)):
+        p = bi.plan(bdense, [ctx] * batch, [1] * batch, PS, kernel=True, decode_block=t)
         assert bi.splits(batch, hkv, p.parts) == 1
         times[t] = _time_us(lambda p=p: bi.attend(qb, p, big, 0), n=10)
     kv_us = batch * ctx * hkv * d * 2 * 2 / 4.8e12 * 1e6
-    print(f"invariant attention decode blocks: heads {hq}/{hkv}: {small} tokens keep the prefill bits at contexts "
-          f"{same}; batch {batch} ctx {ctx}: {bi.TOKENS} tokens {times[bi.TOKENS]:.1f} us, {small} tokens "
-          f"{times[small]:.1f} us (KV at 4.8 TB/s: {kv_us:.1f} us)")
+    print(f"invariant attention decode blocks: heads {hq}/{hkv}, batch {batch} ctx {ctx}: "
+          + ", ".join(f"{t} tokens {us:.1f} us" for t, us in times.items()) + f" (KV at 4.8 TB/s: {kv_us:.1f} us)")

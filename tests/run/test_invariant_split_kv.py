@@ -65,17 +65,24 @@ def test_chunked_prefill_and_split_decode_give_the_prefill_bits(setup) -> None: 
 
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_smaller_decode_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa: ANN001
-    """A decode plan of smaller blocks (the candidate tests/gpu/test_invariant_attention_gpu.py
-    times and bit-checks on the H200) runs, split and serial, close to the prefill (not its
-    bits here: the interpreter's float32 dots are numpy matmuls, which sum by the matrix's
-    shape); the torch path refuses any block size but TOKENS."""
+    """A decode plan of smaller blocks (the kernel's decode_tokens, bit-checked against the
+    prefill on the H200: tests/gpu/test_invariant_attention_gpu.py) runs, split and serial, close
+    to the prefill (not its bits here: the interpreter's float32 dots are numpy matmuls, which
+    sum by the matrix's shape); a prefill keeps TOKENS; the torch path refuses any other size."""
     pool, table, q, full = setup
     plan = bi.plan(table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS], [1] * len(POSITIONS), PS,
-                   kernel=True, tokens=tokens)
+                   kernel=True, decode_block=tokens)
     assert plan.blocks[1].shape == (len(POSITIONS), tokens) and plan.decode
     torch.testing.assert_close(bi.attend(q[POSITIONS], plan, pool, 0), full[POSITIONS], rtol=1e-5, atol=1e-6)
+    prefill = bi.plan(table, [L], [5], PS, kernel=True, decode_block=tokens)
+    assert prefill.blocks[1].shape[1] == bi.TOKENS and not prefill.decode
     with pytest.raises(ValueError, match="blocks of 16 tokens"):
-        bi.plan(table, [L], [1], PS, tokens=tokens)
+        bi.plan(table, [L], [1], PS, decode_block=tokens)
+
+
+def test_decode_tokens_fill_the_dot_rows() -> None:
+    """16 // G tokens (at least one, at most TOKENS): a block's T x G rows are tl.dot's 16."""
+    assert [bi.decode_tokens(g) for g in (1, 2, 4, 8, 16, 32)] == [16, 8, 4, 2, 1, 1]
 
 
 def test_any_split_count_gives_the_serial_bits(setup) -> None:  # noqa: ANN001
@@ -84,7 +91,7 @@ def test_any_split_count_gives_the_serial_bits(setup) -> None:  # noqa: ANN001
     qd = q[POSITIONS].contiguous()
     scratch = bi.split_scratch(len(POSITIONS), plan.parts, HQ, D, "cpu")
     for n in (1, 2, 3, 5):
-        got = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, plan.page_table, plan.blocks, bi.TOKENS,
+        got = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, plan.page_table, plan.blocks,
                                              plan.chunk, bi.kv_part(PS), n, scratch)
         assert torch.equal(got, full[POSITIONS]), n
 
@@ -95,7 +102,7 @@ def test_split_equals_one_partition_and_float64(setup) -> None:  # noqa: ANN001
     pool, table, q, full = setup
     plan = _decode_plan(table, POSITIONS)
     qd = q[POSITIONS].contiguous()
-    one = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, plan.page_table, plan.blocks, bi.TOKENS,
+    one = triton_ops.invariant_attention(qd, pool.k[0], pool.v[0], PS, plan.page_table, plan.blocks,
                                          plan.chunk, part=1024)
     torch.testing.assert_close(full[POSITIONS], one, atol=2e-6, rtol=1e-5)
     slots = (table[0].long()[:, None] * PS + torch.arange(PS)).view(-1)[:L]

@@ -298,9 +298,9 @@ def test_invariant_attention_kernel_matches_the_torch_path() -> None:
     q = torch.randn(sum(lens), hq, d, generator=g)
     want = bi.attend(q, bi.plan(table, seqs, lens, ps), pool, 0)
     blocks = bi.plan(table, seqs, lens, ps, kernel=True)
-    got = triton_ops.invariant_attention(q, pool.k[0], pool.v[0], ps, table, blocks.blocks, bi.TOKENS, blocks.chunk)
+    got = triton_ops.invariant_attention(q, pool.k[0], pool.v[0], ps, table, blocks.blocks, blocks.chunk)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     alone = bi.plan(table[1:2], seqs[1:2], lens[1:2], ps, kernel=True)
-    one = triton_ops.invariant_attention(q[40:70], pool.k[0], pool.v[0], ps, table[1:2], alone.blocks, bi.TOKENS,
+    one = triton_ops.invariant_attention(q[40:70], pool.k[0], pool.v[0], ps, table[1:2], alone.blocks,
                                          alone.chunk)
     assert torch.equal(one, got[40:70])
