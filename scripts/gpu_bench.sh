@@ -24,7 +24,7 @@
 #   detgemm   deterministic inference's triton GEMM: bits across row counts (decode vs prefill tiles), time vs
 #             cuBLAS and vs the 64-row blocks (tests/gpu/test_invariant_gemm_gpu.py)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
-#   detblocks the invariant attention's decode-block candidates (printed: bits and batch-256 time per block size)
+#   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1)
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
@@ -153,7 +153,7 @@ for what in "$@"; do case $what in
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $d || fails=$((fails + 1))
             grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;
-  detblocks) run gpu-detblocks 200 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py -q -rA -s \
+  detblocks) run gpu-detblocks 300 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py tests/gpu/test_deterministic_graphs_gpu.py -q -rA -s \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|decode blocks" "$OUT/gpu-detblocks.log" | tail -16 ;;
   detlat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
