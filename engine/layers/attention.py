@@ -198,7 +198,7 @@ class TorchAttention(AttentionBackend):
         self._all_decode = False
         self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
         self._kernel = False  # that path's CUDA kernel takes this model (bind)
-        self._decode_block = batch_invariant.TOKENS  # the kernel's tokens per decode block (bind)
+        self._block_tokens = batch_invariant.TOKENS  # tokens per block of that path (bind)
         self._tree_masks: dict[int, torch.Tensor] = {}  # the next prepare's draft trees (set_tree_masks)
         # deterministic decode in CUDA graphs (bind): (page table, KV lengths) of the graph's rows,
         # set for capture / replay and cleared by prepare; the layer that rebuilds the blocks
@@ -226,7 +226,7 @@ class TorchAttention(AttentionBackend):
                                                    self.device)
         self._g_heads = (num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim)
         if self._kernel:
-            self._decode_block = batch_invariant.decode_tokens(num_q_heads // kv_pool.num_kv_heads)
+            self._block_tokens = batch_invariant.kernel_tokens(num_q_heads // kv_pool.num_kv_heads)
         self._g_page = kv_pool.page_size
         # deterministic inference on CUDA: decode is captured when the invariant kernel takes it,
         # through engine/run/cuda_graph.py's dense-table protocol (as mla_attention.MLABackend)
@@ -237,18 +237,17 @@ class TorchAttention(AttentionBackend):
                 self._warm_split(kv_pool, q_dtype or kv_pool.dtype)
 
     def _warm_split(self, kv_pool: KVPool, q_dtype: torch.dtype) -> None:
-        """Compile the decode kernels now, serial and split-KV (warm-up's short prompts take the
-        prefill blocks, and an eager decode would compile them mid-serving): a decode row of two
-        partitions on the padding page, output discarded."""
+        """Compile the split-KV kernel pair now (warm-up's short prompts take the serial kernel
+        only, and an eager decode past one partition would compile them mid-serving): a decode
+        row of two partitions on the padding page, output discarded."""
         hq, _, d = self._g_heads
         n = batch_invariant.kv_part(kv_pool.page_size) + 1
-        blocks = batch_invariant.DecodeBlocks(1, self.device, self._decode_block).fill(
+        blocks = batch_invariant.DecodeBlocks(1, self.device, self._block_tokens).fill(
             torch.tensor([n], dtype=torch.int32, device=self.device), kv_pool.page_size)
         table = torch.full((1, -(-n // kv_pool.page_size)), PAD_PAGE, dtype=torch.int32, device=self.device)
         scratch = batch_invariant.split_scratch(1, 2, hq, d, self.device)
         q = torch.zeros(1, hq, d, dtype=q_dtype, device=self.device)
-        for splits in (1, 2):
-            batch_invariant.attend_blocks(q, blocks, table, kv_pool, 0, splits, scratch)
+        batch_invariant.attend_blocks(q, blocks, table, kv_pool, 0, 2, scratch)
 
     def bind_graphs(self, max_batch: int, max_pages_per_req: int) -> None:
         """The static buffers a captured decode reads: lengths, a dense page table, the blocks."""
@@ -256,7 +255,7 @@ class TorchAttention(AttentionBackend):
         self._g_table = torch.full((max_batch, max_pages_per_req), PAD_PAGE, dtype=torch.int32, device=self.device)
         # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
         self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
-        self._g_blocks = batch_invariant.DecodeBlocks(max_batch, self.device, self._decode_block)
+        self._g_blocks = batch_invariant.DecodeBlocks(max_batch, self.device, self._block_tokens)
         # split-KV decode: the partitions of a row of the longest context, for the graph sizes
         # that split (split_rows: at most 32 rows with 8 KV heads)
         hq, hkv, d = self._g_heads
@@ -309,7 +308,7 @@ class TorchAttention(AttentionBackend):
         self._graph = None  # an eager step: attention reads the batch's page table
         if batch_invariant.enabled():
             self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel,
-                                                   self._decode_block)
+                                                   self._block_tokens)
             return
         decode_reqs = [i for i, n in enumerate(lens) if n == 1]
         row_starts = [0]

@@ -10,8 +10,8 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
 * attention (`attend`) reduces over the KV in chunks of `kv_chunk` positions aligned to
   absolute position 0, with an online softmax whose running max, sum and output are merged
   chunk after chunk in order; each chunk is two batched GEMMs of one fixed shape per
-  (block of `TOKENS` query tokens, KV head; the CUDA kernel's decode blocks are smaller, with
-  the same bits: decode_tokens). A fresh prompt, a cached prefix, a chunked
+  (block of `TOKENS` query tokens, KV head; the CUDA kernel's blocks hold 16 rows of tokens x
+  query heads: kernel_tokens). A fresh prompt, a cached prefix, a chunked
   prefill and a decode step all take this one path, so a token sees the same sums in the same
   order. A row with no visible key in a chunk is left exactly unchanged by it (exp(0) = 1,
   p = 0), so visiting more chunks than a row needs changes nothing. The CUDA kernel groups the
@@ -42,11 +42,13 @@ ROWS = 16
 # n = 1 and every n > 1; scripts/det_probe.py). CPU (oneDNN) measured invariant: one call.
 BMM_GROUP_BY_DEVICE = {"cuda": 64}
 BMM_GROUP: int | None = None
-TOKENS = 16  # query tokens per attention block
-# the CUDA kernel's decode blocks: one token and its pads in DOT_ROWS rows (tl.dot's least M) of
-# T x G (G query heads per KV head) rather than TOKENS x G: a decode token's rows keep the prefill
-# block's bits (tests/gpu/test_invariant_attention_gpu.py). H200, batch 256 ctx 1024: Llama's 32/8
-# heads 654 -> 258 us a layer, Qwen3-0.6B's 16/8 376 -> 256 us (KV read at 4.8 TB/s: 224 us)
+TOKENS = 16  # query tokens per attention block (the torch path)
+# the CUDA kernel's blocks hold DOT_ROWS rows (tl.dot's least M) of T tokens x G query heads per KV
+# head, T = 16 // G (kernel_tokens): a decode row's block is its token and T - 1 pads, where 16
+# tokens would compute 16 x G rows for it. H200, batch 256 ctx 1024, a layer: Llama's 32/8 heads
+# 654 -> 258 us, Qwen3-0.6B's 16/8 376 -> 256 us (the KV read at 4.8 TB/s: 224 us). Prefill takes
+# the same blocks: a row's bits depend on the tl.dot's M (4 tokens of Llama heads differed from 16
+# in one of 24 bit checks on the H200), so every block of a model has one size.
 DOT_ROWS = 16
 KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 # CUDA kernel: KV positions per partition (a whole number of chunks, aligned to position 0): each
@@ -164,20 +166,19 @@ def split_scratch(rows: int, parts: int, num_q_heads: int, head_dim: int,
             torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device))
 
 
-def decode_tokens(group: int) -> int:
-    """Tokens per CUDA-kernel block of a decode batch, for `group` query heads per KV head."""
+def kernel_tokens(group: int) -> int:
+    """Tokens per CUDA-kernel block for `group` query heads per KV head (DOT_ROWS rows)."""
     return max(1, min(TOKENS, DOT_ROWS // group))
 
 
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
-         kernel: bool = False, decode_block: int = TOKENS) -> Plan:
-    """Blocks of TOKENS consecutive new tokens of one request (the batch's rows in order);
-    `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself, and where every
-    row is one decode token, takes blocks of `decode_block` tokens (decode_tokens: the same bits)."""
+         kernel: bool = False, tokens: int = TOKENS) -> Plan:
+    """Blocks of `tokens` consecutive new tokens of one request (the batch's rows in order);
+    `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and takes any
+    block size (kernel_tokens: one per model, the same for every step); the torch path TOKENS."""
+    if tokens != TOKENS and not kernel:
+        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {tokens}")
     decode = all(n == 1 for n in extend_lens)
-    if decode_block != TOKENS and not kernel:
-        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {decode_block}")
-    tokens = decode_block if decode else TOKENS
     chunk = kv_chunk(page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
@@ -280,7 +281,7 @@ class DecodeBlocks:
     """A decode batch's kernel blocks in static device buffers, for CUDA graphs: row i is block
     i (its token, then tokens - 1 pads repeating it), filled from the rows' KV lengths by device
     ops of fixed shapes only (no host read), so a captured decode rebuilds them on every replay.
-    They equal `plan(..., decode_block=tokens).blocks` of the same decode batch up to the blocks'
+    They equal `plan(..., tokens=tokens).blocks` of the same decode batch up to the blocks'
     order (plan puts the most chunks first; the kernel's result does not depend on the order)."""
 
     def __init__(self, max_rows: int, device: torch.device | str, tokens: int = TOKENS) -> None:

@@ -326,7 +326,7 @@ def invariant_attention(
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
     D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
     tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan (tokens per
-    block: TOKENS, or decode_tokens for decode blocks); the KV in
+    block: kernel_tokens); the KV in
     partitions of `part` positions (batch_invariant.kv_part) merged in order.
 
     splits > 1 (decode blocks only: one token each) is split-KV: `splits` programs per (block,

@@ -54,7 +54,7 @@ def _padded(starts: list[int], page_size: int, bs: int) -> tuple[torch.Tensor, t
 def test_device_blocks_equal_the_plan(starts: list[int], page_size: int, pad: int, tokens: int) -> None:
     bs = len(starts) + pad
     seqs, table = _padded(starts, page_size, bs)
-    want = bi.plan(table, seqs.tolist(), [1] * bs, page_size, kernel=True, decode_block=tokens)
+    want = bi.plan(table, seqs.tolist(), [1] * bs, page_size, kernel=True, tokens=tokens)
     got = bi.DecodeBlocks(64, "cpu", tokens).fill(seqs, page_size)
     order = want.blocks[0].argsort(stable=True)  # plan: most chunks first; the graph: row order
     assert [t.dtype for t in got] == [t.dtype for t in want.blocks]

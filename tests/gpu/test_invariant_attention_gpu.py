@@ -71,10 +71,10 @@ def _graph_decode(backend: TorchAttention, pool: KVPool, bs: int, qd: torch.Tens
 
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8), (32, 4), (64, 4)])
 def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
-    """A decode token in its small block (decode_tokens: 16 // G tokens) keeps the bits of the
-    prefill's 16-token block: alone (split-KV), batched, at any split count, in CUDA graphs."""
+    """In the model's kernel blocks (kernel_tokens: 16 // G tokens), a decode token's output has
+    its prefill's bits: alone (split-KV), batched, at any split count, in CUDA graphs."""
     d = 128
-    small = bi.decode_tokens(hq // hkv)
+    small = bi.kernel_tokens(hq // hkv)
     bi.enable(True, "cuda")
     pool = _pool(hkv, d, sum(CONTEXTS) + 64, seed=hq)
     tables = _tables(CONTEXTS, seed=hq)
@@ -83,19 +83,20 @@ def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
     qs = [torch.randn(n, hq, d, generator=g, device="cuda").to(BF) for n in CONTEXTS]
     last = []
     for r, n in enumerate(CONTEXTS):  # the serial kernel: the whole prompt, then a chunk behind a prefix
-        p = bi.plan(dense[r : r + 1], [n], [n], PS, kernel=True)
+        p = bi.plan(dense[r : r + 1], [n], [n], PS, kernel=True, tokens=small)
         full = bi.attend(qs[r], p, pool, 0)
         cut = n // 2 + 3 if n > 8 else 0
-        chunk = bi.attend(qs[r][cut:], bi.plan(dense[r : r + 1], [n], [n - cut], PS, kernel=True), pool, 0)
+        behind = bi.plan(dense[r : r + 1], [n], [n - cut], PS, kernel=True, tokens=small)
+        chunk = bi.attend(qs[r][cut:], behind, pool, 0)
         assert torch.equal(chunk, full[cut:]), (n, "chunked prefill")
-        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True, decode_block=small)
+        alone = bi.plan(dense[r : r + 1], [n], [1], PS, kernel=True, tokens=small)
         assert alone.decode and alone.blocks[1].shape[1] == small
         assert alone.parts == 1 or bi.splits(1, hkv, alone.parts) > 1  # split wherever > 1 partition
         assert torch.equal(bi.attend(qs[r][-1:], alone, pool, 0)[0], full[-1]), (n, "split decode alone")
         last.append(full[-1])
     want = torch.stack(last)
     qd = torch.stack([q[-1] for q in qs])
-    batch = bi.plan(dense, CONTEXTS, [1] * len(CONTEXTS), PS, kernel=True, decode_block=small)
+    batch = bi.plan(dense, CONTEXTS, [1] * len(CONTEXTS), PS, kernel=True, tokens=small)
     assert torch.equal(bi.attend(qd, batch, pool, 0), want), "batched decode"
     scratch = bi.split_scratch(len(CONTEXTS), batch.parts, hq, d, "cuda")
     for n in (1, 2, 3, 8, 17):
@@ -104,7 +105,7 @@ def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
         assert torch.equal(got, want), f"{n} splits"
     backend = TorchAttention("cuda")
     backend.bind(num_q_heads=hq, kv_pool=pool, max_batch=64, max_pages_per_req=dense.shape[1] + 1)
-    assert backend.supports_cuda_graph and backend._g_scratch is not None and backend._decode_block == small
+    assert backend.supports_cuda_graph and backend._g_scratch is not None and backend._block_tokens == small
     for bs in (8, 64):  # 8: split-KV inside the graph; 64: the serial kernel
         assert torch.equal(_graph_decode(backend, pool, bs, qd, tables), want), f"graph of {bs}"
         assert (backend._g_splits > 1) == (bs == 8)
@@ -157,19 +158,25 @@ def test_timing_print() -> None:
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 8)])
-def test_decode_block_timing_print(hq: int, hkv: int) -> None:
-    """Decode blocks of TOKENS against decode_tokens at batch 256, ctx 1024 (printed): the
-    16-token block computes 16 x G rows for its one token."""
+def test_block_size_timing_print(hq: int, hkv: int) -> None:
+    """Blocks of TOKENS against kernel_tokens (printed): a decode batch of 256 at ctx 1024 (a
+    16-token block computes 16 x G rows for its one token) and one 4096-token prefill."""
     d, ctx, batch = 128, 1024, 256
     bi.enable(True, "cuda")
     big = _pool(hkv, d, batch * ctx, seed=5)
     bdense = _dense(_tables([ctx] * batch, seed=5))
     qb = torch.randn(batch, hq, d, device="cuda").to(BF)
+    n = 4096
+    qp = torch.randn(n, hq, d, device="cuda").to(BF)
     times = {}
-    for t in (bi.TOKENS, bi.decode_tokens(hq // hkv)):
-        p = bi.plan(bdense, [ctx] * batch, [1] * batch, PS, kernel=True, decode_block=t)
+    for t in (bi.TOKENS, bi.kernel_tokens(hq // hkv)):
+        p = bi.plan(bdense, [ctx] * batch, [1] * batch, PS, kernel=True, tokens=t)
         assert bi.splits(batch, hkv, p.parts) == 1
-        times[t] = _time_us(lambda p=p: bi.attend(qb, p, big, 0), n=10)
+        pre = bi.plan(bdense[:1], [n], [n], PS, kernel=True, tokens=t)
+        times[t] = (_time_us(lambda p=p: bi.attend(qb, p, big, 0), n=10),
+                    _time_us(lambda pre=pre: bi.attend(qp, pre, big, 0), n=5))
     kv_us = batch * ctx * hkv * d * 2 * 2 / 4.8e12 * 1e6
-    print(f"invariant attention decode blocks: heads {hq}/{hkv}, batch {batch} ctx {ctx}: "
-          + ", ".join(f"{t} tokens {us:.1f} us" for t, us in times.items()) + f" (KV at 4.8 TB/s: {kv_us:.1f} us)")
+    print(f"invariant attention blocks: heads {hq}/{hkv}: " + ", ".join(
+        f"{t} tokens: decode b{batch} ctx {ctx} {dec:.1f} us, prefill {n} {pre:.1f} us"
+        for t, (dec, pre) in times.items())
+        + f" (decode KV at 4.8 TB/s: {kv_us:.1f} us)")

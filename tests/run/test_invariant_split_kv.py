@@ -64,25 +64,26 @@ def test_chunked_prefill_and_split_decode_give_the_prefill_bits(setup) -> None: 
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_smaller_decode_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa: ANN001
-    """A decode plan of smaller blocks (the kernel's decode_tokens, bit-checked against the
-    prefill on the H200: tests/gpu/test_invariant_attention_gpu.py) runs, split and serial, close
-    to the prefill (not its bits here: the interpreter's float32 dots are numpy matmuls, which
-    sum by the matrix's shape); a prefill keeps TOKENS; the torch path refuses any other size."""
+def test_smaller_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa: ANN001
+    """Plans of smaller blocks (the kernel's kernel_tokens, bit-checked on the H200:
+    tests/gpu/test_invariant_attention_gpu.py) run, decode split and serial and prefill, close to
+    the 16-token prefill (not its bits here: the interpreter's float32 dots are numpy matmuls,
+    which sum by the matrix's shape); the torch path refuses any size but TOKENS."""
     pool, table, q, full = setup
     plan = bi.plan(table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS], [1] * len(POSITIONS), PS,
-                   kernel=True, decode_block=tokens)
+                   kernel=True, tokens=tokens)
     assert plan.blocks[1].shape == (len(POSITIONS), tokens) and plan.decode
     torch.testing.assert_close(bi.attend(q[POSITIONS], plan, pool, 0), full[POSITIONS], rtol=1e-5, atol=1e-6)
-    prefill = bi.plan(table, [L], [5], PS, kernel=True, decode_block=tokens)
-    assert prefill.blocks[1].shape[1] == bi.TOKENS and not prefill.decode
+    prefill = bi.plan(table, [L], [L], PS, kernel=True, tokens=tokens)
+    assert prefill.blocks[1].shape[1] == tokens and not prefill.decode
+    torch.testing.assert_close(bi.attend(q, prefill, pool, 0), full, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="blocks of 16 tokens"):
-        bi.plan(table, [L], [1], PS, decode_block=tokens)
+        bi.plan(table, [L], [1], PS, tokens=tokens)
 
 
-def test_decode_tokens_fill_the_dot_rows() -> None:
+def test_kernel_tokens_fill_the_dot_rows() -> None:
     """16 // G tokens (at least one, at most TOKENS): a block's T x G rows are tl.dot's 16."""
-    assert [bi.decode_tokens(g) for g in (1, 2, 4, 8, 16, 32)] == [16, 8, 4, 2, 1, 1]
+    assert [bi.kernel_tokens(g) for g in (1, 2, 4, 8, 16, 32)] == [16, 8, 4, 2, 1, 1]
 
 
 def test_any_split_count_gives_the_serial_bits(setup) -> None:  # noqa: ANN001
