@@ -136,7 +136,7 @@ def test_timing_print() -> None:
     dense = _dense(_tables([ctx] * 64, seed=3))
     q = torch.randn(64, hq, d, device="cuda").to(BF)
     for b in (1, 8, 32, 64):
-        p = bi.plan(dense[:b], [ctx] * b, [1] * b, PS, kernel=True)
+        p = bi.plan(dense[:b], [ctx] * b, [1] * b, PS, kernel=True, tokens=bi.kernel_tokens(hq // hkv))
         scratch = bi.split_scratch(b, p.parts, hq, d, "cuda")
 
         def run(n: int, b: int = b, p: bi.Plan = p, scratch: tuple = scratch) -> torch.Tensor:
