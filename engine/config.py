@@ -158,8 +158,7 @@ class ServerConfig:
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
             (1 <= steps <= 16, "--speculative-num-steps must be in 1..16"),
-            *_tree_checks(self.speculative_eagle_topk, steps, tokens, self.attention_backend,
-                          self.enable_deterministic_inference),
+            *_tree_checks(self.speculative_eagle_topk, steps, tokens, self.enable_deterministic_inference),
             (algo == "STANDALONE" or not self.speculative_draft_layers,
              "--speculative-draft-layers N: self-drafts need --speculative-algorithm STANDALONE"),
             (algo == "STANDALONE" or head or not self.speculative_draft_model_path,
@@ -322,11 +321,10 @@ class ServerConfig:
 MAX_TREE_NODES = 64  # --speculative-num-draft-tokens with a tree: the row's first token and 63 drafts at most
 
 
-def _tree_checks(topk: int, steps: int, tokens: int, backend: str,
-                 deterministic: bool) -> list[tuple[bool, str]]:
+def _tree_checks(topk: int, steps: int, tokens: int, deterministic: bool) -> list[tuple[bool, str]]:
     """Draft trees (--speculative-eagle-topk > 1, docs/architecture.md, Speculative decoding,
-    Trees): on the torch attention backend (the one that takes a tree mask), with more nodes
-    than the chain of --speculative-num-steps (which the tree always holds)."""
+    Trees): with more nodes than the chain of --speculative-num-steps (which the tree always
+    holds), not under deterministic inference (its one attention path is causal)."""
     if topk == 1:
         return [(tokens == steps + 1, f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = "
                  f"{steps + 1} with --speculative-eagle-topk 1 (a chain verifies its drafts and one bonus token)")]
@@ -335,9 +333,9 @@ def _tree_checks(topk: int, steps: int, tokens: int, backend: str,
         (steps + 1 < tokens <= MAX_TREE_NODES,
          f"--speculative-eagle-topk {topk} needs --speculative-num-draft-tokens in {steps + 2}..{MAX_TREE_NODES} "
          f"(the tree's nodes, its first token included: more than the chain of --speculative-num-steps {steps})"),
-        (backend in ("auto", "torch") and not deterministic,
-         f"--speculative-eagle-topk {topk}: draft trees need the torch attention backend (--attention-backend torch "
-         "or auto on CPU; it takes the tree mask) without --enable-deterministic-inference"),
+        (not deterministic,
+         f"--speculative-eagle-topk {topk}: draft trees run without --enable-deterministic-inference (its "
+         "attention has one causal path)"),
     ]
 
 

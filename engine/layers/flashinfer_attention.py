@@ -11,7 +11,8 @@ and calls `plan()` once on the wrapper that fits the batch:
   tensor cores (the GQA-friendly kernel);
 * anything with an extend > 1 (prefill, chunked prefill with a cached prefix, mixed with
   decodes): BatchPrefillWithPagedKVCacheWrapper, causal (bottom-right aligned, so a chunk
-  attends to its whole prefix), ragged queries through qo_indptr.
+  attends to its whole prefix), ragged queries through qo_indptr. A step with speculative
+  draft trees (`set_tree_masks`) plans it with a custom mask instead (`packed_tree_mask`).
 
 `attend` per layer runs the planned kernel (the K/V are already in their slots).
 
@@ -43,6 +44,7 @@ behind its copy has completed (normally long since).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.layers import triton_ops
@@ -152,8 +154,31 @@ def pad_metadata(
     )
 
 
+def packed_tree_mask(extend_lens: list[int], seq_lens: list[int],
+                     trees: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashinfer's custom mask for a step with draft trees: request i's n new tokens (after its
+    seq_len - n cached ones) see, causally, their prefix, or for a tree request the whole cached
+    prefix and, among themselves, what trees[i] (bool [n, n]) allows. The kernel reads request
+    i's [n, seq_len] bits row-major, little-endian, from byte mask_indptr[i] (flashinfer's
+    attention/variants.cuh), so each request's bits start on a byte. Returns (the bytes uint8,
+    the byte offsets int32 [B + 1]), on the host."""
+    parts, offsets = [], [0]
+    for i, (n, kv) in enumerate(zip(extend_lens, seq_lens, strict=True)):
+        tree = trees.get(i)
+        if tree is None:
+            m = torch.arange(kv)[None, :] <= torch.arange(kv - n, kv)[:, None]
+        else:
+            m = torch.ones(n, kv, dtype=torch.bool)
+            m[:, kv - n:] = tree
+        bits = np.packbits(m.numpy().reshape(-1), bitorder="little")
+        parts.append(bits)
+        offsets.append(offsets[-1] + bits.size)
+    return torch.from_numpy(np.concatenate(parts)), torch.tensor(offsets, dtype=torch.int32)
+
+
 class FlashInferAttention(AttentionBackend):
     supports_cuda_graph = True
+    takes_tree_masks = True  # the prefill wrapper's custom mask (packed_tree_mask)
     decode_mode = "auto"  # --decode-kernel (set_decode_kernel): auto = the tuning's rules
 
     def __init__(self, device: torch.device | str) -> None:
@@ -180,6 +205,10 @@ class FlashInferAttention(AttentionBackend):
         self._table_kernel = "fa2"
         self._bound = False
         self._graph: dict[int, object] = {}
+        self._tree_masks: dict[int, torch.Tensor] = {}  # the next prepare's draft trees (set_tree_masks)
+
+    def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
+        self._tree_masks = masks
 
     # ---- geometry (once) ----
 
@@ -285,6 +314,8 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("FlashInferAttention.bind() must be called before prepare()")
         if batch.page_table_cpu is None:
             raise ValueError("flashinfer attention needs ForwardBatch.page_table_cpu (build the batch with build())")
+        trees, self._tree_masks = self._tree_masks, {}
+        self.step_trees = trees
         if batch.is_decode and self.uses_table(batch.batch_size):
             self._use_table(batch.page_table, batch.seq_lens)
             return
@@ -297,12 +328,18 @@ class FlashInferAttention(AttentionBackend):
         else:
             qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0)
+            mask: dict = {}
+            if trees:
+                packed, offsets = packed_tree_mask(batch.extend_lens_cpu, batch.seq_lens_cpu, trees)
+                mask = dict(packed_custom_mask=packed.to(self.device))
             # the longest new span, known here: flashinfer's own max() walks the tensor element by
             # element (1-2 ms of the worker's thread per 256-row mixed step in an H200 profile)
             self._plan(
-                self._prefill, qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal=True,
-                max_token_per_sequence=max(batch.extend_lens_cpu), **self._plan_kwargs(),
+                self._prefill, qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal=not trees,
+                max_token_per_sequence=max(batch.extend_lens_cpu), **mask, **self._plan_kwargs(),
             )
+            if trees:  # plan() takes a packed mask's offsets in bits; its kernel reads them in bytes
+                self._prefill._mask_indptr_buf = offsets.to(self.device)
             self._active = self._prefill
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:

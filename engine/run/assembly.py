@@ -161,9 +161,9 @@ def make_speculator(cfg: ServerConfig, a: Assembled) -> Speculator | None:
     log.info("speculative decoding", algorithm=cfg.speculative_algorithm,
              steps=cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
     trees = cfg.speculative_eagle_topk > 1
-    if trees and not a.backend.takes_tree_masks:  # the torch backend, and MLA's (its own torch path)
-        raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: draft trees need the torch "
-                         f"attention backend, not {type(a.backend).__name__} (--attention-backend torch)")
+    if trees and not a.backend.takes_tree_masks:  # torch, flashinfer and MLA's backends take them
+        raise ValueError(f"--speculative-eagle-topk {cfg.speculative_eagle_topk}: draft trees need an attention "
+                         f"backend that takes tree masks (torch, flashinfer, MLA), not {type(a.backend).__name__}")
     return Speculator(draft, cfg.page_size, a.device, trees)
 
 

@@ -143,7 +143,7 @@ def tree_batch(runner: Any, batch: ForwardBatch, v: VerifyRows, slots: list[int]
         positions.extend(row)
     for backend in (runner.backend, *followers):
         if not backend.takes_tree_masks:
-            raise ReplicaError(f"draft trees need the torch attention backend, not {type(backend).__name__}")
+            raise ReplicaError(f"draft trees need a backend that takes tree masks, not {type(backend).__name__}")
         backend.set_tree_masks(masks)
     pos = torch.tensor(positions, dtype=torch.int64)
     batch.positions = pos if batch.positions.device.type == "cpu" else pos.to(batch.positions.device,

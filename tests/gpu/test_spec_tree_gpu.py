@@ -1,8 +1,9 @@
 """NGRAM draft trees on CUDA (float32): the tree's acceptance and its K/V compaction on the device
 equal the CPU's; a tiny random Llama on the GPU with the torch attention backend answers the plain
 engine's greedy tokens with trees, with no page left behind, and so do a random EAGLE head's
-chain with leaves and a random MTP layer's on a DeepSeek-V3 target (MLABackend); a tree on CUDA's
-default backend (flashinfer) is refused at start naming the flag."""
+chain with leaves and a random MTP layer's on a DeepSeek-V3 target (MLABackend). On CUDA's default
+backend (flashinfer, bf16) a tree's custom mask attends as the torch backend does, and an engine
+with trees answers the plain tokens (an attention-free model, so bf16 kernels cannot move them)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from msgs.params import SamplingParams  # noqa: E402
 from msgs.steps import Step  # noqa: E402
 from tests.models.draft_heads import write_head  # noqa: E402
 
-DEVICE = "cuda"  # (the engine test's logic can be checked on "cpu")
+DEVICE = "cuda"  # (the engine tests' logic can be checked on "cpu")
 PARENTS = [[-1, -1, 0, 1, 1, 3], [-1, 0, 0, 1], [-1, 0, 1]]
 
 
@@ -99,14 +100,69 @@ def test_tree_engine_on_cuda_greedy_equals_plain(tmp_path: Path) -> None:
     assert eng.core.state.spec_stats.accepted > 0 and eng.core.leak_free()
 
 
-def test_tree_on_the_default_cuda_backend_is_refused(tmp_path: Path, flashinfer_built: None) -> None:
-    """In bf16 the auto backend on a GPU is flashinfer (no tree mask): refused at start. (float32's
-    auto is torch, which takes trees: the other tests here.)"""
-    model = heads._llama(tmp_path / "target", heads.TINY, attention_free=False)
-    with pytest.raises(Exception, match="--speculative-eagle-topk 3: draft trees need the torch attention backend"):
-        LocalEngine(ServerConfig(model=str(model), dtype="bfloat16", max_total_tokens=2048, page_size=4,
-                                 device="cuda", speculative_algorithm="NGRAM", speculative_eagle_topk=3,
-                                 speculative_num_draft_tokens=8))
+def test_flashinfer_tree_mask_equals_torch(flashinfer_built: None) -> None:
+    """Two tree requests beside a causal chunk and a decode (so each request's byte offset into
+    the packed mask matters), bf16, head dim 128: flashinfer's prefill with the custom mask
+    against the torch backend with the same trees; then a causal step on the same wrapper."""
+    import random
+
+    from engine.layers.attention import TorchAttention
+    from engine.layers.flashinfer_attention import FlashInferAttention
+    from engine.layers.forward import ForwardBatch
+
+    hq, hkv, d, ps = 8, 2, 128, 4
+    pools = [KVPool(1, 128, ps, hkv, d, torch.bfloat16, DEVICE) for _ in range(2)]
+    backends = [TorchAttention(DEVICE), FlashInferAttention(DEVICE)]
+    for be, pool in zip(backends, pools, strict=True):
+        be.bind(num_q_heads=hq, kv_pool=pool, max_batch=8, max_pages_per_req=32)
+    free = list(range(1, 128))
+    random.Random(3).shuffle(free)
+    pa, pb, pc = free[:12], free[12:24], free[24:36]
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+
+    def step(reqs: list, trees: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        batch = ForwardBatch.from_requests(reqs, ps, DEVICE)
+        t = batch.num_tokens
+        q, k, v = (torch.randn(t, h, d, generator=g, device=DEVICE).to(torch.bfloat16) for h in (hq, hkv, hkv))
+        outs = []
+        for be, pool in zip(backends, pools, strict=True):
+            if trees:
+                be.set_tree_masks(trees)
+            be.prepare(batch)
+            outs.append(be.forward(q, k, v, 0, batch, pool).float())
+        return outs
+
+    step([([1] * 37, 0, pa), ([2] * 21, 0, pb), ([3] * 29, 0, pc)], {})
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0],
+                         [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]], dtype=torch.bool, device=DEVICE)
+    ref, got = step([([4] * 6, 37, pa), ([5], 21, pb), ([6] * 4, 29, pc)], {0: tree, 2: tree[:4, :4]})
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    causal = step([([4] * 6, 37, pa), ([5], 21, pb), ([6] * 4, 29, pc)], {})[1]
+    assert (causal - got).abs().max() > 0.05  # the trees changed the answer (rows skip siblings)
+    ref, got = step([([7] * 9, 43, pa), ([8] * 3, 22, pb)], {})
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_tree_engine_on_flashinfer_equals_plain(tmp_path: Path, flashinfer_built: None,
+                                                 dummy_models: dict[str, Path]) -> None:
+    """NGRAM trees through CUDA's default backend in bf16: an attention-free Llama (head dim 128),
+    whose greedy tokens no attention kernel can move, answers the plain engine's tokens."""
+    import json
+
+    cfg = json.loads((dummy_models["llama-h128"] / "config.json").read_text())
+    model = heads._llama(tmp_path / "target", cfg, attention_free=True)
+    pattern = heads._prompts([9, 7, 11], seed=4)
+    prompts = [p * 4 for p in pattern] + [heads._prompts([30], seed=5)[0]]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(model=str(model), dtype="bfloat16", max_total_tokens=4096, max_running_requests=8, page_size=16,
+                  device=DEVICE)
+    want = [r.output_ids for r in LocalEngine(ServerConfig(**common)).generate(prompts, params)]
+    eng = LocalEngine(ServerConfig(**common, speculative_algorithm="NGRAM", speculative_eagle_topk=3,
+                                   speculative_num_draft_tokens=8))
+    assert type(eng.runner.backend).__name__ == "FlashInferAttention"
+    assert [r.output_ids for r in eng.generate(prompts, params)] == want
+    st = eng.core.state.spec_stats
+    assert st.accepted > 0 and eng.core.leak_free()
 
 
 def test_eagle_leaf_trees_on_cuda_greedy_equal_plain(tmp_path: Path) -> None:

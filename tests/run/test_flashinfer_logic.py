@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine.layers.attention import TorchAttention
 from engine.layers.flashinfer_attention import (
     FlashInferAttention,
+    packed_tree_mask,
     pad_metadata,
     paged_kv_metadata,
     set_decode_kernel,
@@ -36,7 +37,7 @@ class RefWrapper:
         self.plans = 0
 
     def plan(self, *args, causal=False, q_data_type=None, kv_data_type=None,  # noqa: ANN001
-             max_token_per_sequence=None) -> None:  # noqa: ANN001
+             max_token_per_sequence=None, packed_custom_mask=None) -> None:  # noqa: ANN001
         if len(args) == 8:  # prefill: qo_indptr first
             qo, args = args[0], args[1:]
             # what flashinfer computes itself when it is not given
@@ -54,6 +55,11 @@ class RefWrapper:
         self.meta = (indptr.clone(), indices.clone(), last.clone(), ps)
         self.causal = causal or qo is None
         self.plans += 1
+        self._custom_mask_buf = packed_custom_mask
+        if packed_custom_mask is not None:  # flashinfer's plan: offsets in bits (q_len * kv_len summed)
+            kv_lens = (indptr[1:] - indptr[:-1] - 1) * ps + last
+            self._mask_indptr_buf = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                               torch.cumsum((qo[1:] - qo[:-1]) * kv_lens, 0)])
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         k_cache, v_cache = kv
@@ -67,6 +73,11 @@ class RefWrapper:
             r0, r1 = int(self.qo[i]), int(self.qo[i + 1])
             qi = q[r0:r1].transpose(0, 1)
             mask = torch.arange(kv_len)[None, :] <= (kv_len - (r1 - r0) + torch.arange(r1 - r0))[:, None]
+            if self._custom_mask_buf is not None:  # as flashinfer's attention/variants.cuh reads it
+                base = int(self._mask_indptr_buf[i])
+                offs = torch.arange((r1 - r0) * kv_len)
+                byte = self._custom_mask_buf[base + offs // 8].to(torch.int64)
+                mask = ((byte >> (offs % 8)) & 1).bool().view(r1 - r0, kv_len)
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
             out[r0:r1] = o.transpose(0, 1)
         return out
@@ -88,6 +99,7 @@ def make_backend(pool: KVPool, hq: int, max_batch: int = 8) -> FlashInferAttenti
     be._staging = NoStaging()
     be._prefill, be._decode = RefWrapper(None), RefWrapper(None, use_tensor_cores=True)
     be._active, be._bound, be._graph, be._table_args, be._table_kernel = None, False, {}, None, "fa2"
+    be._tree_masks = {}
     be.bind(num_q_heads=hq, kv_pool=pool, max_batch=max_batch, max_pages_per_req=16)
     return be
 
@@ -140,6 +152,45 @@ def test_prefill_mixed_decode_and_cached_prefix_match_torch() -> None:
         batch, (ref, got) = run_step(reqs, pools, backends, hq, hkv, d, ps, gen)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         assert fi._active is (fi._decode if batch.is_decode else fi._prefill)
+
+
+def test_draft_trees_take_the_custom_mask_as_torch_does() -> None:
+    """A step with draft trees beside a causal chunk and a decode: the prefill wrapper planned
+    with packed_tree_mask (its bytes read as flashinfer's kernel reads them) attends as the
+    torch backend does with the same trees; the next step is causal again."""
+    hq, hkv, d, ps = 4, 2, 16, 4
+    pools = [KVPool(1, 64, ps, hkv, d, torch.float32, "cpu") for _ in range(2)]
+    fi = make_backend(pools[1], hq)
+    backends = [TorchAttention("cpu"), fi]
+    gen = torch.Generator().manual_seed(1)
+    free = list(range(1, 64))
+    random.Random(1).shuffle(free)
+    pa, pb, pc = free[:5], free[5:10], free[10:14]
+    run_step([([1] * 9, 0, pa), ([2] * 7, 0, pb), ([3] * 5, 0, pc)], pools, backends, hq, hkv, d, ps, gen)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)  # two branches under the first node
+    for be in backends:
+        be.set_tree_masks({0: tree, 2: tree[:3, :3]})
+    batch, (ref, got) = run_step([([4] * 5, 9, pa), ([5], 7, pb), ([6] * 3, 5, pc)], pools, backends,
+                                 hq, hkv, d, ps, gen)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert fi._active is fi._prefill and fi._prefill._custom_mask_buf is not None and fi.step_trees
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert not torch.equal(tree, causal)  # the trees change the answer: rows 2-4 skip a sibling
+    _, (ref, got) = run_step([([7] * 2, 14, pa)], pools, backends, hq, hkv, d, ps, gen)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert fi._prefill._custom_mask_buf is None and not fi.step_trees
+
+
+def test_packed_tree_mask_starts_each_request_on_a_byte() -> None:
+    trees = {1: torch.tensor([[1, 0], [0, 1]], dtype=torch.bool)}
+    packed, offsets = packed_tree_mask([3, 2], [5, 7], trees)
+    assert offsets.tolist() == [0, 2, 4]  # 15 bits -> 2 bytes, 14 bits -> 2 bytes
+    bits = torch.from_numpy(__import__("numpy").unpackbits(packed.numpy(), bitorder="little")).bool()
+    assert bits[:15].view(3, 5).tolist() == (torch.arange(5)[None] <= torch.arange(2, 5)[:, None]).tolist()
+    want = torch.ones(2, 7, dtype=torch.bool)
+    want[:, 5:] = trees[1]
+    assert bits[16:30].view(2, 7).tolist() == want.tolist()
 
 
 def test_graph_plan_pads_rows_onto_the_padding_page() -> None:
