@@ -153,7 +153,7 @@ for what in "$@"; do case $what in
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $d || fails=$((fails + 1))
             grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;
-  detblocks) run gpu-detblocks 300 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_deterministic_gpu.py -q -rA -s \
+  detblocks) run gpu-detblocks 300 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_deterministic_gpu.py -q -rA -s -k "${DET_TESTS:-.}" \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|decode blocks" "$OUT/gpu-detblocks.log" | tail -16 ;;
   detlat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
