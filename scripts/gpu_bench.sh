@@ -234,7 +234,7 @@ for what in "$@"; do case $what in
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;
-  spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider \
+  spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider -k "${SPECTREE_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spectree.log" | tail -8 ;;
   specgrammar) run gpu-specgrammar 240 python3 -m pytest -m gpu tests/gpu/test_spec_grammar_gpu.py -q -rA \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-specgrammar.log" | tail -8
