@@ -25,6 +25,7 @@
 #             cuBLAS and vs the 64-row blocks (tests/gpu/test_invariant_gemm_gpu.py)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
+#   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1)
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
@@ -63,7 +64,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks moe moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -132,7 +133,8 @@ for what in "$@"; do case $what in
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
   det) run gpu-det 460 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_invariant_attention_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|timing:" "$OUT/gpu-det.log" | tail -16
-       run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
+       ;&
+  detsglang) run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
          --samples "${DET_SAMPLES:-300}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
          --out "$OUT/deterministic-qwen3-0.6b-h200.json" || fails=$((fails + 1)); grep "distinct\|deterministic:" "$OUT/deterministic-qwen3-0.6b.log" ;;
   detcost) for det in off on; do
