@@ -257,7 +257,7 @@ class TorchAttention(AttentionBackend):
         self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
         self._g_blocks = batch_invariant.DecodeBlocks(max_batch, self.device, self._block_tokens)
         # split-KV decode: the partitions of a row of the longest context, for the graph sizes
-        # that split (split_rows: at most 32 rows with 8 KV heads)
+        # that split (split_rows: at most 16 rows with 8 KV heads)
         hq, hkv, d = self._g_heads
         self._g_parts = -(-max_pages_per_req * self._g_page // batch_invariant.kv_part(self._g_page))
         rows = min(max_batch, batch_invariant.split_rows(hkv)) if hkv else 0

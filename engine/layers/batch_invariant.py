@@ -56,10 +56,11 @@ KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 # can compute its partitions in parallel (split-KV) with the bits of the serial kernel
 KV_PART = 256
 # split a decode step's KV when its (blocks x KV heads) programs are fewer than half this, into up
-# to this many programs in all. H200, 32/8 heads, ctx 1024 (bench/results/invariant-attention-timing-
-# h200-86bc2c1.txt): batch 1 best at 4 splits (12.9 us, 1 split 34.9), batch 8 at 2 (23.5; 4: 25.2),
-# batch 32 and 64 unsplit (84.9 / 166.5; 2 splits 91.2 / 175.6): 128 picks each of those
-SPLIT_PROGRAMS = 128
+# to this many programs in all. H200, 32/8 heads, ctx 1024, the kernel's 4-token blocks (bench/results/
+# invariant-attention-timing-h200-9dfdee4.txt): batch 1 best at 4 splits (9.9 us; 1 split 24.3),
+# batch 8 at 4 (13.7; 2: 19.3), batch 32 even (1-4 splits 42.4-43.2), batch 64 unsplit (68.1; 2:
+# 76.4): 256 picks each of those (128, tuned on 16-token blocks, gave batch 8 two splits)
+SPLIT_PROGRAMS = 256
 
 _enabled = False
 

@@ -143,7 +143,7 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
 def _split_scratch_bytes(cfg: ServerConfig, mcfg) -> int:  # noqa: ANN001
     """Deterministic inference's split-KV decode scratch for CUDA graphs (torch backend,
     batch_invariant.split_scratch): float32 [rows, partitions of the longest context, Hq, D + 2],
-    e.g. 65 MiB for Llama-3.1-8B at 128k (8 split rows). Zero with the mode off or without graphs."""
+    e.g. 130 MiB for Llama-3.1-8B at 128k (16 split rows). Zero with the mode off or without graphs."""
     if not cfg.enable_deterministic_inference or cfg.disable_cuda_graph or getattr(mcfg, "mla", None) is not None:
         return 0
     from engine.layers import batch_invariant

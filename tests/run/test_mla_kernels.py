@@ -25,6 +25,9 @@ from engine.layers.mla_attention import MLABackend, MLAPlan, MLAShapes, mla_atte
 from engine.run.cuda_graph import decode_table  # noqa: E402
 from models.registry import kv_layout, load_model  # noqa: E402
 
+# the kernels' own paths: an earlier module's runner may have left deterministic inference on
+pytestmark = pytest.mark.usefixtures("vendor_kernels")
+
 R, P, NOPE, V = 32, 16, 8, 12  # latent rank, rope dims, q_nope and v head dims (tiny)
 FP8 = torch.float8_e4m3fn
 SMALL = mla_kernels.MLAKernelConfig(block_h=4, block_n=16)  # the interpreter takes any tile
