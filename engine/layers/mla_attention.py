@@ -208,7 +208,7 @@ def mla_attend(
     return out
 
 
-def _expand(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes,
+def expand_latents(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes,
             v_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Latents lat [Lk, latent] -> per-head K [H, Lk, qk_nope + rope] and V [H, Lk, v] (zero-padded
     to `v_width` columns where given)."""
@@ -244,7 +244,7 @@ def _expanded_chunked(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tenso
     outs, lses = [], []
     for a in [*range(0, start, chunk), start]:
         b, causal = (min(a + chunk, start), False) if a < start else (lat.shape[0], True)
-        k, v = _expand(lat[a:b], w_uk, w_uv, s, width)
+        k, v = expand_latents(lat[a:b], w_uk, w_uv, s, width)
         o, lse = sdpa_lse(q, k[None], v[None], causal=causal, scale=s.scale)
         outs.append(o[0, :, :, : s.v])
         lses.append(lse[0])
@@ -257,7 +257,7 @@ def _expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, causa
     """Non-absorbed: the latents lat [Lk, latent] expanded to per-head K [qk_nope + rope] and V [v],
     then SDPA (its flash kernels take a v width other than the qk one; no [H, Lq, Lk] scores kept).
     q [Lq, H, *], causal bool [Lq, Lk] (None: plain causal, no cached prefix) -> [Lq, H, v]."""
-    k, v = _expand(lat, w_uk, w_uv, s)
+    k, v = expand_latents(lat, w_uk, w_uv, s)
     q = _heads_first(q_nope, q_pe, s)
     o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, is_causal=causal is None,
                                        scale=s.scale)

@@ -37,7 +37,7 @@ from engine.layers.cp_attention import (
     merge_partials,
 )
 from engine.layers.kv_pool import KVPool
-from engine.layers.mla_attention import PREFIX_CHUNK, MLAShapes, _expand
+from engine.layers.mla_attention import PREFIX_CHUNK, MLAShapes, expand_latents
 
 
 def mla_attend_cp(
@@ -120,7 +120,7 @@ def _expanded_part(q_nope: torch.Tensor, q_pe: torch.Tensor, prefix: torch.Tenso
     width = s.qk_nope + s.rope
 
     def expand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = _expand(x, w_uk, w_uv, s, width)  # [H, L, width]
+        k, v = expand_latents(x, w_uk, w_uv, s, width)  # [H, L, width]
         return k.transpose(0, 1), v.transpose(0, 1)
 
     chunks = (expand(c) for c in _chunks(prefix))
