@@ -89,8 +89,9 @@ class MoESpec(Protocol):
 
 class PadRows(NamedTuple):
     """A forward's padding rows: those t with keys[t] < below (a CUDA graph's rows past the batch
-    write their K/V into the padding page: keys = out_slots, below = page_size). They are computed
-    like any row (a graph runs a fixed row count) but not counted in `Experts.token_counts`."""
+    write their K/V into the padding page: keys = out_slots, below = page_size). Never counted in
+    `Experts.token_counts`; the fused kernels leave their pairs out (no expert weights read for
+    them, zeros out), the torch path computes them like any row."""
 
     keys: torch.Tensor
     below: int

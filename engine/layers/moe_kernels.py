@@ -8,8 +8,9 @@ layer (`fused_experts`):
    rank's experts grouped by expert into segments padded to BLOCK_M rows (`sorted_ids`: pair
    index, or `numel` on a padding row; `block_expert`: the local expert of each BLOCK_M block;
    `num_padded`: the rows in use). Within an expert the pairs keep their flat order (a stable
-   sort, as the torch path's argsort). Each program also adds its expert's pairs (padding rows
-   of a CUDA graph excluded) to the layer's `token_counts`. Everything lives in buffers of a
+   sort, as the torch path's argsort). Each program also adds its expert's pairs to the layer's
+   `token_counts`. A CUDA graph's padding rows (`pad`) are left out: not counted, and not
+   computed (their experts' weights are not read for them; combine gives them zeros). Everything lives in buffers of a
    size fixed by the shapes: at most numel + min(numel, local experts) * (BLOCK_M - 1) rows.
 2. `gemm_kernel` over w13: each program one BLOCK_M block of one expert and BLOCK_N / 2 columns
    of the intermediate dim (BLOCK_N weight rows, as over w2); it accumulates the gate and the up
@@ -118,13 +119,12 @@ def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel,
     for c0 in range(0, numel, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         m = offs < numel
+        if HAS_KEYS:  # rows whose key is below `below` are padding (a CUDA graph's): left out
+            m = m & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
         v = tl.load(ids + offs, mask=m, other=0).to(tl.int32)
-        # the masked tail lands in bin 0: taken off again (histogram's mask is not in every triton)
+        # the masked pairs land in bin 0: taken off again (histogram's mask is not in every triton)
         hist += tl.histogram(v, E_P2) - tl.where(bins == 0, CHUNK - tl.sum(m.to(tl.int32), 0), 0)
-        mine = m & (v == e)
-        if HAS_KEYS:  # rows whose key is below `below` are padding (a CUDA graph's): not counted
-            mine = mine & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
-        counted += tl.sum(mine.to(tl.int32), 0)
+        counted += tl.sum((m & (v == e)).to(tl.int32), 0)
     tl.store(counts + e, tl.load(counts + e) + counted)
     local = (bins >= first) & (bins < first + LOCAL)
     padded = tl.where(local, (hist + BM - 1) // BM * BM, 0)
@@ -139,6 +139,8 @@ def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel,
         for c0 in range(0, numel, CHUNK):
             offs = c0 + tl.arange(0, CHUNK)
             m = offs < numel
+            if HAS_KEYS:
+                m = m & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
             hit = (m & (tl.load(ids + offs, mask=m, other=-1) == e)).to(tl.int32)
             rank = seen + tl.cumsum(hit, 0) - 1
             tl.store(sorted_ids + start + rank, offs, mask=hit != 0)
@@ -222,19 +224,23 @@ def gemm_kernel(a, w, ws, c, sorted_ids, block_expert, num_padded, weights, N, K
              mask=rmask[:, None] & nm[None, :])
 
 
-@triton.jit(do_not_specialize=["first"])
-def combine_kernel(y, ids, out, H, first, TOP_K: tl.constexpr, LOCAL: tl.constexpr, ALL_LOCAL: tl.constexpr,
-                   BH: tl.constexpr):
+@triton.jit(do_not_specialize=["keys", "first", "below"])
+def combine_kernel(y, ids, out, H, first, keys, below, TOP_K: tl.constexpr, LOCAL: tl.constexpr,
+                   ALL_LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr, BH: tl.constexpr):
     """out[t] = sum over slots j, in order, of y[t * TOP_K + j] (float32); rows of pairs routed to
-    another rank's experts were never written and count as zeros."""
+    another rank's experts, or of a padding row (HAS_KEYS: keys[t] < below), were never written
+    and count as zeros."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     acc = tl.zeros((BH,), tl.float32)
+    live = H
+    if HAS_KEYS:
+        live = tl.where(tl.load(keys + t) >= below, H, 0)
     for j in tl.static_range(TOP_K):
-        width = H
+        width = live
         if not ALL_LOCAL:
             le = tl.load(ids + t * TOP_K + j) - first
-            width = tl.where((le >= 0) & (le < LOCAL), H, 0)
+            width = tl.where((le >= 0) & (le < LOCAL), live, 0)
         acc += tl.load(y + (t * TOP_K + j) * H + cols, mask=cols < width, other=0.0).to(tl.float32)
     tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
 
@@ -317,7 +323,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
                   pad: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """This rank's partial sum [T, H] of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for its
     experts first .. first + E_local - 1 (w13 [E_local, 2 I, H], w2 [E_local, H, I]); adds the
-    routed pairs (those of `pad`'s rows with key < bound excluded) to `counts` [E]."""
+    routed pairs to `counts` [E]. `pad`'s rows (key < bound) are left out: zeros, not counted."""
     t, k = ids.shape
     h, inter, local = x.shape[1], w2.w.shape[2], w13.w.shape[0]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -330,8 +336,10 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
     _gemm(mid, w2, y, h, al, weights, 1, False, cfg)
     bh = min(1024, triton.next_power_of_2(h))
-    combine_kernel[(t, triton.cdiv(h, bh))](y, ids, out, h, first, TOP_K=k, LOCAL=local,
-                                           ALL_LOCAL=local == counts.numel(), BH=bh, num_warps=4)
+    keys, below = pad if pad is not None else (ids, 0)
+    combine_kernel[(t, triton.cdiv(h, bh))](y, ids, out, h, first, keys, below, TOP_K=k, LOCAL=local,
+                                           ALL_LOCAL=local == counts.numel(), HAS_KEYS=pad is not None, BH=bh,
+                                           num_warps=4)
     return out
 
 

@@ -160,7 +160,7 @@ def test_route_kernel_equals_route(spec: SimpleNamespace) -> None:
 def test_align_pads_segments_and_keeps_flat_order() -> None:
     """sorted_ids: each local expert's pairs in flat order, its segment padded to BLOCK_M with
     `numel`; block_expert names each block's expert; experts without pairs get no block. EP
-    rank 1 of 2 (experts 3..5 of 6) sees only its pairs. Padding rows (keys below) not counted."""
+    rank 1 of 2 (experts 3..5 of 6) sees only its pairs. Padding rows (keys below) left out."""
     ids = torch.tensor([[3, 1], [4, 3], [3, 5], [0, 4], [3, 2]])
     counts = torch.zeros(6, dtype=torch.int64)
     keys = torch.tensor([9, 9, 9, 9, 0])  # the last row is padding
@@ -168,7 +168,7 @@ def test_align_pads_segments_and_keeps_flat_order() -> None:
     assert numel == 10 and blocks == mk.triton.cdiv(10 + 3 * 3, 4)
     n = int(num_padded)
     flat = ids.flatten().tolist()
-    want = {3: [0, 3, 4, 8], 4: [2, 7], 5: [5]}  # flat positions, in order
+    want = {3: [0, 3, 4], 4: [2, 7], 5: [5]}  # flat positions, in order (the padding row's 8 left out)
     got: dict[int, list[int]] = {}
     for b in range(n // 4):
         rows = sorted_ids[4 * b : 4 * b + 4].tolist()
@@ -176,6 +176,27 @@ def test_align_pads_segments_and_keeps_flat_order() -> None:
         assert all(flat[r] == 3 + int(block_expert[b]) for r in rows if r < numel)
     assert got == want and n == 4 + 4 + 4
     assert counts.tolist() == [1, 1, 0, 3, 2, 1]  # the padding row's pairs (3, 2) left out
+
+
+def test_fused_leaves_padding_rows_out() -> None:
+    """A CUDA graph's padding rows: their pairs are not computed (segments hold only the real
+    rows', so a padding row alone on an expert costs that expert no block) and their output is
+    zeros; the real rows get the bits of a forward without them."""
+    ex = _experts(6, 48, 40, torch.float32, seed=2)
+    w, ids = _routing(5, 2, 6, seed=4)
+    ids[3:] = torch.tensor([[5, 4], [5, 4]])  # rows 3, 4 (padding) alone on experts 4 and 5
+    ids[:3] = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    x = torch.randn(5, 48)
+    want = _fused(ex, x[:3].contiguous(), w[:3].contiguous(), ids[:3].contiguous())
+    ex.token_counts.zero_()
+    stacks = [mk.Stack(ex.w13, None, None), mk.Stack(ex.w2, None, None)]
+    keys = torch.tensor([9, 9, 9, 0, 0])
+    y = mk.fused_experts(x, w, ids, *stacks, ex.token_counts, 0, CFG, (keys, 1))
+    assert torch.equal(y[:3], want) and not y[3:].any()
+    assert ex.token_counts.tolist() == [2, 2, 1, 1, 0, 0]
+    counts = torch.zeros(6, dtype=torch.int64)
+    *_, num_padded, _, _ = mk.align(ids, counts, 0, 6, CFG.block_m, (keys, 1))
+    assert int(num_padded) == 4 * CFG.block_m  # experts 0..3 only
 
 
 def test_torch_path_counts_skip_padding_rows() -> None:
