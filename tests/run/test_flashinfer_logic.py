@@ -133,14 +133,19 @@ def run_step(reqs, pools, backends, hq, hkv, d, ps, gen):  # noqa: ANN001, ANN20
     return batch, outs
 
 
+def _torch_and_flashinfer(seed: int) -> tuple[list[KVPool], FlashInferAttention, list, torch.Generator, list[int]]:
+    """Pools (4/2 heads of 16, pages of 4) for the torch backend and the reference-run flashinfer
+    one, a generator and the free pages shuffled."""
+    pools = [KVPool(1, 64, 4, 2, 16, torch.float32, "cpu") for _ in range(2)]
+    fi = make_backend(pools[1], 4)
+    free = list(range(1, 64))
+    random.Random(seed).shuffle(free)
+    return pools, fi, [TorchAttention("cpu"), fi], torch.Generator().manual_seed(seed), free
+
+
 def test_prefill_mixed_decode_and_cached_prefix_match_torch() -> None:
     hq, hkv, d, ps = 4, 2, 16, 4
-    pools = [KVPool(1, 64, ps, hkv, d, torch.float32, "cpu") for _ in range(2)]
-    fi = make_backend(pools[1], hq)
-    backends = [TorchAttention("cpu"), fi]
-    gen = torch.Generator().manual_seed(0)
-    free = list(range(1, 64))
-    random.Random(0).shuffle(free)
+    pools, fi, backends, gen, free = _torch_and_flashinfer(0)
     pa, pb, pc = free[:4], free[4:10], free[10:13]
     steps = [
         [([1] * 9, 0, pa), ([2] * 13, 0, pb)],  # prefill
@@ -159,12 +164,7 @@ def test_draft_trees_take_the_custom_mask_as_torch_does() -> None:
     with packed_tree_mask (its bytes read as flashinfer's kernel reads them) attends as the
     torch backend does with the same trees; the next step is causal again."""
     hq, hkv, d, ps = 4, 2, 16, 4
-    pools = [KVPool(1, 64, ps, hkv, d, torch.float32, "cpu") for _ in range(2)]
-    fi = make_backend(pools[1], hq)
-    backends = [TorchAttention("cpu"), fi]
-    gen = torch.Generator().manual_seed(1)
-    free = list(range(1, 64))
-    random.Random(1).shuffle(free)
+    pools, fi, backends, gen, free = _torch_and_flashinfer(1)
     pa, pb, pc = free[:5], free[5:10], free[10:14]
     run_step([([1] * 9, 0, pa), ([2] * 7, 0, pb), ([3] * 5, 0, pc)], pools, backends, hq, hkv, d, ps, gen)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
