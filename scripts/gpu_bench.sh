@@ -40,7 +40,7 @@
 #             the rules), then the default --speculative-num-steps-by-batch-size (4:3,16:0) on specsweep's workload,
 #             k = 5: expect ~2.4x at batch 1, ~1.6x at 8 (3 drafts), ~1.0x at 32 and 64 (plain decode steps)
 #   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
-#             a plain step is 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
+#             a plain step is "step x" = 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   cpmla     MLA under context parallelism: two simulated cp ranks' latent partials merged vs mla_attend at 32k
 #             (tests/gpu/test_cp_mla_gpu.py; correctness only)

@@ -139,15 +139,18 @@ def run(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             r["of_ideal"] = r["speedup"] / (k + 1)
             # the machinery's cost whatever the acceptance: speed-up per token a verify row answers
             r["of_accept"] = r["speedup"] / r["accept_length"] if r["accept_length"] else None
+            # a verify step's time against a plain step's (issue 24's MTP figure: <= 1.25 at k = 2)
+            r["step_cost"] = 1 / r["of_accept"] if r["of_accept"] else None
             r["equal_to_plain"] = r["answers"] == base["answers"]
             results.append(r)
     print(f"\n{'k':>3} {'batch':>5} {'tok/s':>9} {'speedup':>8} {'of (k+1)':>9} {'accept':>7} {'of accept':>9} "
-          f"{'= plain':>8}")
+          f"{'step x':>7} {'= plain':>8}")
     for r in results:
         acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
         per = f"{r['of_accept']:.2f}" if r.get("of_accept") else "-"
+        cost = f"{r['step_cost']:.2f}" if r.get("step_cost") else "-"
         print(f"{r['k']:>3} {r['batch']:>5} {r['tok_s']:>9.1f} {r.get('speedup', 1.0):>8.2f} "
-              f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {per:>9} {str(r.get('equal_to_plain', True)):>8}")
+              f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {per:>9} {cost:>7} {str(r.get('equal_to_plain', True)):>8}")
     best = {b: max((r for r in results if r["batch"] == b), key=lambda r: r["tok_s"])["k"] for b in plain}
     print("fastest per batch size (k, 0: off): " + ", ".join(f"batch {b}: k={k}" for b, k in best.items()))
     for r in results:

@@ -208,3 +208,4 @@ def test_spec_oracle_accepts_every_draft_and_answers_as_plain(tiny_model: Path, 
     assert spec["k"] == 3 and spec["equal_to_plain"] and spec["repeat_equal"]
     assert spec["accept_length"] == 4.0  # 20 tokens after the first: 5 rows of 3 drafts + a bonus
     assert spec["tok_s"] > 0 and spec["speedup"] > 0
+    assert spec["step_cost"] * spec["speedup"] == pytest.approx(spec["accept_length"])  # step time / plain step's
