@@ -254,6 +254,14 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
+# deterministic inference's one config for every batch: a row's tile shape (16 rows, tl.dot's
+# least M), K steps and warps, so its bits, do not depend on how many pairs the batch routes. The
+# route, align and combine kernels are per token / slot-ordered already. A candidate: the engine
+# keeps the torch expert path under the mode until tests/gpu/test_moe_gpu.py checks these bits
+# on the H200 (test_det_config_rows_keep_their_bits); then Experts.forward takes it (capturable).
+DET_CONFIG = GemmConfig(16, 64, 64, 1, 4, 3)
+
+
 class Stack(NamedTuple):
     """One expert stack as the GEMM reads it: weights [E_local, N, K] and the scales or None."""
 

@@ -176,6 +176,29 @@ def test_captured_layer_replays_equal_eager() -> None:
     assert torch.equal(ex.token_counts, want_counts)
 
 
+@pytest.mark.parametrize("quant", [None, "fp8_block"])
+def test_det_config_rows_keep_their_bits(quant: str | None) -> None:
+    """moe_kernels.DET_CONFIG, deterministic inference's candidate (the engine keeps the torch
+    expert path under the mode until this passes): Qwen3-30B-A3B shapes in bf16, a token's output
+    has the same bits alone and among 7, 64 and 300 tokens (skewed routing: crowded experts)."""
+    from engine.layers import moe_kernels as mk
+
+    ex = make_experts("qwen3-30b-a3b", quant)
+    stacks = [mk.Stack(getattr(ex, n), getattr(ex, n + "_scale", None), ex.quant) for n in ("w13", "w2")]
+    w, ids = routing(300, 128, 8, seed=4, skew=True)
+    x = torch.randn(300, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def run(n: int, t0: int = 0) -> torch.Tensor:
+        return mk.fused_experts(x[t0 : t0 + n].contiguous(), w[t0 : t0 + n].contiguous(),
+                                ids[t0 : t0 + n].contiguous(), *stacks, ex.token_counts, 0, mk.DET_CONFIG)
+
+    full = run(300)
+    for n in (7, 64):
+        assert torch.equal(run(n), full[:n]), n
+    for t in (0, 5, 299):
+        assert torch.equal(run(1, t), full[t : t + 1]), t
+
+
 @pytest.mark.parametrize(("e", "k", "scoring", "method", "scale", "groups"), [
     (128, 8, "softmax", "greedy", 1.0, (1, 1)),  # Qwen3-30B-A3B
     (160, 8, "sigmoid", "noaux_tc", 2.5, (1, 1)),  # GLM-4.5: one group, the correction bias

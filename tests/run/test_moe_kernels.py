@@ -199,6 +199,26 @@ def test_fused_leaves_padding_rows_out() -> None:
     assert int(num_padded) == 4 * CFG.block_m  # experts 0..3 only
 
 
+@pytest.mark.parametrize("quant", [None, "fp8_block"])
+def test_det_config_rows_keep_their_bits(quant: str | None) -> None:
+    """mk.DET_CONFIG (deterministic inference's candidate): a token's output has the same bits
+    alone, among 5 and among 23 tokens (other tokens on its experts or not). In float32, where
+    the interpreter's sums show a change of config (a BLOCK_K of 32 for one batch breaks it)."""
+    ex = _experts(6, 128, 128, torch.float32, seed=5, quant=quant)
+    w, ids = _routing(23, 2, 6, seed=6, hot=3)
+    x = torch.randn(23, 128)
+    stacks = [mk.Stack(getattr(ex, n), getattr(ex, n + "_scale", None), ex.quant) for n in ("w13", "w2")]
+
+    def run(rows: slice) -> torch.Tensor:
+        return mk.fused_experts(x[rows].contiguous(), w[rows].contiguous(), ids[rows].contiguous(), *stacks,
+                                ex.token_counts, 0, mk.DET_CONFIG)
+
+    full = run(slice(0, 23))
+    assert torch.equal(run(slice(0, 5)), full[:5])
+    for t in (0, 4, 22):
+        assert torch.equal(run(slice(t, t + 1)), full[t : t + 1])
+
+
 def test_torch_path_counts_skip_padding_rows() -> None:
     ex = _experts(5, 32, 16, torch.float32, seed=1)
     w, ids = _routing(4, 2, 5, seed=9)
