@@ -151,7 +151,7 @@ for what in "$@"; do case $what in
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
               --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-h200.json" || fails=$((fails + 1)); done ;;
   detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
-            || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -30 ;;
+            || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -60 ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $d || fails=$((fails + 1))
             grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;

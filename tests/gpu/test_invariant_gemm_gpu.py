@@ -22,6 +22,10 @@ SHAPES = {  # (N, K): Llama-3.1-8B qkv, o, gate_up, down, LM head; Qwen3-0.6B qk
     "qwen-o": (1024, 2048), "qwen-gate_up": (6144, 1024), "qwen-down": (1024, 3072),
 }
 CANDIDATES = [(64, 256, 8, 4, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]  # + the K slices
+# mid-sized batches (the deterministic mode's large decode steps, 2x cuBLAS at 256 rows): split grids
+# (GROUP_M 1) and in-loop slices (8), 4 warps per 64 rows as every tile (the bits' condition)
+MID_CANDIDATES = [(64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 8, 4),
+                  (64, 128, 8, 4, 4), (64, 256, 8, 4, 3), (128, 128, 8, 8, 3)]
 
 
 def _time(f, reps: int = 20) -> float:  # noqa: ANN001
@@ -86,3 +90,22 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
           f"M=256 {t[256]:.1f} ({cub[256]:.1f}) tiles {invariant_gemm.tiles(256, n, k)}, "
           f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}, "
           f"decode tiles {t_one:.1f}); prefill tiles keeping the decode bits: {keep}")
+    _report_mid(name, x, w, decode_tiled, one[5])
+
+
+def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor, slices: int) -> None:
+    """Mid-rows candidates at 128, 256 and 512 rows: time (us, cuBLAS beside), and '!' where a
+    candidate's rows would not keep the decode bits (printed, for choosing `tiles`' mid rule)."""
+    for m in (128, 256, 512):
+        row = []
+        for c in MID_CANDIDATES:
+            tile = (*c, slices)
+            try:
+                same = torch.equal(invariant_gemm.gemm(x[:m], w, tile=tile), decode_tiled[:m])
+            except ValueError:  # a split grid past the workspace
+                row.append(f"{c[:3]} -")
+                continue
+            row.append(f"{c[:3]} {_time(lambda tile=tile, m=m: invariant_gemm.gemm(x[:m], w, tile=tile)):.1f}"
+                       + ("" if same else "!"))
+        print(f"{name} mid M={m}: now {invariant_gemm.tiles(m, *w.shape)[:3]}, cuBLAS "
+              f"{_time(lambda m=m: F.linear(x[:m], w)):.1f} us; " + ", ".join(row))
