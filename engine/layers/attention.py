@@ -49,14 +49,23 @@ class AttentionBackend(ABC):
     # the model must hand it q, k, v through `forward`, never store K/V itself (the fused prologue)
     owns_kv_writes: bool = False
     # speculative draft trees (docs/architecture.md, Trees): whether `set_tree_masks` is taken, and
-    # this step's masks after `prepare`, read by models that attend their own pool (MLA)
+    # this step's masks after `prepare` (`take_trees`), read by models that attend their own pool (MLA)
     takes_tree_masks: bool = False
     step_trees: dict[int, torch.Tensor] = {}  # noqa: RUF012 (replaced per step, never mutated)
+    _next_trees: dict[int, torch.Tensor] = {}  # noqa: RUF012 (set_tree_masks' masks for the next prepare)
 
     def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
         """The next `prepare`'s draft trees: request i's new tokens see its cached prefix and,
         among themselves, what masks[i] (bool [n, n]) allows. Only where `takes_tree_masks`."""
-        raise NotImplementedError(f"{type(self).__name__} takes no draft-tree masks")
+        if not self.takes_tree_masks:
+            raise NotImplementedError(f"{type(self).__name__} takes no draft-tree masks")
+        self._next_trees = masks
+
+    def take_trees(self) -> dict[int, torch.Tensor]:
+        """In `prepare`: this step's trees (from set_tree_masks, else none), now `step_trees`;
+        the next step has none unless set again."""
+        self.step_trees, self._next_trees = self._next_trees, {}
+        return self.step_trees
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -199,7 +208,6 @@ class TorchAttention(AttentionBackend):
         self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
         self._kernel = False  # that path's CUDA kernel takes this model (bind)
         self._block_tokens = batch_invariant.TOKENS  # tokens per block of that path (bind)
-        self._tree_masks: dict[int, torch.Tensor] = {}  # the next prepare's draft trees (set_tree_masks)
         # deterministic decode in CUDA graphs (bind): (page table, KV lengths) of the graph's rows,
         # set for capture / replay and cleared by prepare; the layer that rebuilds the blocks
         self._graph: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -216,7 +224,7 @@ class TorchAttention(AttentionBackend):
         [n, n]: row q may see new token k; its ancestors and itself), not causally."""
         if masks and batch_invariant.enabled():
             raise ValueError("draft trees need the torch attention backend without deterministic inference")
-        self._tree_masks = masks
+        super().set_tree_masks(masks)
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -303,8 +311,7 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
-        trees, self._tree_masks = self._tree_masks, {}
-        self.step_trees = trees
+        trees = self.take_trees()
         self._graph = None  # an eager step: attention reads the batch's page table
         if batch_invariant.enabled():
             self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel,

@@ -205,10 +205,6 @@ class FlashInferAttention(AttentionBackend):
         self._table_kernel = "fa2"
         self._bound = False
         self._graph: dict[int, object] = {}
-        self._tree_masks: dict[int, torch.Tensor] = {}  # the next prepare's draft trees (set_tree_masks)
-
-    def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
-        self._tree_masks = masks
 
     # ---- geometry (once) ----
 
@@ -314,8 +310,7 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("FlashInferAttention.bind() must be called before prepare()")
         if batch.page_table_cpu is None:
             raise ValueError("flashinfer attention needs ForwardBatch.page_table_cpu (build the batch with build())")
-        trees, self._tree_masks = self._tree_masks, {}
-        self.step_trees = trees
+        trees = self.take_trees()
         if batch.is_decode and self.uses_table(batch.batch_size):
             self._use_table(batch.page_table, batch.seq_lens)
             return

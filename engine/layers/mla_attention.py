@@ -296,12 +296,6 @@ class MLABackend(AttentionBackend):
         self.graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None
         self.kernel = "triton"
         self.fi: FlashInferMLA | None = None
-        self._tree_masks: dict[int, torch.Tensor] = {}
-
-    def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
-        """Speculative draft trees for the next `prepare` only (as TorchAttention.set_tree_masks):
-        MLAPlan reads them from `step_trees` into the tree rows' expanded attention."""
-        self._tree_masks = masks
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -326,7 +320,7 @@ class MLABackend(AttentionBackend):
         """An eager step: the model reads the batch's page table (triton), or flashinfer's wrapper
         planned here for the step's decode rows (one new token each)."""
         self.graph = None
-        self.step_trees, self._tree_masks = self._tree_masks, {}
+        self.take_trees()  # MLAPlan reads step_trees into the tree rows' expanded attention
         if self.fi is None or batch_invariant.enabled():
             return
         dec = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1]

@@ -99,7 +99,6 @@ def make_backend(pool: KVPool, hq: int, max_batch: int = 8) -> FlashInferAttenti
     be._staging = NoStaging()
     be._prefill, be._decode = RefWrapper(None), RefWrapper(None, use_tensor_cores=True)
     be._active, be._bound, be._graph, be._table_args, be._table_kernel = None, False, {}, None, "fa2"
-    be._tree_masks = {}
     be.bind(num_q_heads=hq, kv_pool=pool, max_batch=max_batch, max_pages_per_req=16)
     return be
 
