@@ -10,8 +10,9 @@ layer (`fused_experts`):
    `num_padded`: the rows in use). Within an expert the pairs keep their flat order (a stable
    sort, as the torch path's argsort). Each program also adds its expert's pairs to the layer's
    `token_counts`. A CUDA graph's padding rows (`pad`) are left out: not counted, and not
-   computed (their experts' weights are not read for them; combine gives them zeros). Everything lives in buffers of a
-   size fixed by the shapes: at most numel + min(numel, local experts) * (BLOCK_M - 1) rows.
+   computed (their experts' weights are not read for them; combine gives them zeros).
+   Everything lives in buffers of a size fixed by the shapes: at most numel + min(numel,
+   local experts) * (BLOCK_M - 1) rows.
 2. `gemm_kernel` over w13: each program one BLOCK_M block of one expert and BLOCK_N / 2 columns
    of the intermediate dim (BLOCK_N weight rows, as over w2); it accumulates the gate and the up
    tile side by side and stores
@@ -106,6 +107,16 @@ def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HA
     tl.store(ids + t * TOP_K + slots, picked, mask=km)
 
 
+@triton.jit
+def _pairs(ids, keys, offs, numel, below, TOP_K: tl.constexpr, HAS_KEYS: tl.constexpr):
+    """(mask, expert ids as int32) of the pairs at `offs`: those past `numel`, and with HAS_KEYS
+    those of padding rows (a CUDA graph's: key below `below`), masked, their ids 0."""
+    m = offs < numel
+    if HAS_KEYS:
+        m = m & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
+    return m, tl.load(ids + offs, mask=m, other=0).to(tl.int32)
+
+
 # keys: a view (a CUDA graph's out_slots) whose alignment must not pick another compiled variant
 @triton.jit(do_not_specialize=["keys", "numel", "first", "below"])
 def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
@@ -117,11 +128,7 @@ def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel,
     hist = tl.zeros((E_P2,), tl.int32)
     counted = 0
     for c0 in range(0, numel, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        m = offs < numel
-        if HAS_KEYS:  # rows whose key is below `below` are padding (a CUDA graph's): left out
-            m = m & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
-        v = tl.load(ids + offs, mask=m, other=0).to(tl.int32)
+        m, v = _pairs(ids, keys, c0 + tl.arange(0, CHUNK), numel, below, TOP_K, HAS_KEYS)  # padding rows left out
         # the masked pairs land in bin 0: taken off again (histogram's mask is not in every triton)
         hist += tl.histogram(v, E_P2) - tl.where(bins == 0, CHUNK - tl.sum(m.to(tl.int32), 0), 0)
         counted += tl.sum((m & (v == e)).to(tl.int32), 0)
@@ -138,10 +145,8 @@ def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel,
         seen = 0
         for c0 in range(0, numel, CHUNK):
             offs = c0 + tl.arange(0, CHUNK)
-            m = offs < numel
-            if HAS_KEYS:
-                m = m & (tl.load(keys + offs // TOP_K, mask=m, other=0) >= below)
-            hit = (m & (tl.load(ids + offs, mask=m, other=-1) == e)).to(tl.int32)
+            m, v = _pairs(ids, keys, offs, numel, below, TOP_K, HAS_KEYS)
+            hit = (m & (v == e)).to(tl.int32)
             rank = seen + tl.cumsum(hit, 0) - 1
             tl.store(sorted_ids + start + rank, offs, mask=hit != 0)
             seen += tl.sum(hit, 0)
