@@ -26,7 +26,8 @@
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
-#   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1)
+#   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1);
+#             DETLAT_MODELS="qwen3-30b-a3b" for another
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
@@ -41,6 +42,8 @@
 #             k = 5: expect ~2.4x at batch 1, ~1.6x at 8 (3 drafts), ~1.0x at 32 and 64 (plain decode steps)
 #   specmla   a verify step of 2 drafts on DeepSeek-V3-5L (MLA + MoE) in the decode graphs, batch 1: its cost against
 #             a plain step is "step x" = 1 / "of accept" (issue 24's MTP figure, the verify part; NGRAM oracle drafts)
+#   specmladet specmla under --enable-deterministic-inference: a verify row's bits are a plain row's, so the
+#             oracle (the cached answer) holds in bf16 and every step verifies 2 drafts
 #   cp        context parallelism: the flash partials + LSE merge of two simulated cp ranks vs full attention at 128k
 #   cpmla     MLA under context parallelism: two simulated cp ranks' latent partials merged vs mla_attend at 32k
 #             (tests/gpu/test_cp_mla_gpu.py; correctness only)
@@ -65,7 +68,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -158,7 +161,7 @@ for what in "$@"; do case $what in
             grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;
   detblocks) run gpu-detblocks 300 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_deterministic_gpu.py -q -rA -s -k "${DET_TESTS:-.}" \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|decode blocks" "$OUT/gpu-detblocks.log" | tail -16 ;;
-  detlat) for m in qwen3-0.6b llama-3.1-8b; do
+  detlat) for m in ${DETLAT_MODELS:-qwen3-0.6b llama-3.1-8b}; do
             run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
               --out "$OUT/latency-$m-det-h200.json" || fails=$((fails + 1))
@@ -198,6 +201,10 @@ for what in "$@"; do case $what in
           --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
           --server-args "--log-dir $OUT/logs-specmla" || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log"
         grep -h '"verify step eager"\|cuda graphs' $OUT/logs-specmla/worker-0.log | tail -4 ;;
+  specmladet) run spec-deepseek-v3-5l-det 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
+          --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-det-h200.json" \
+          --server-args "--enable-deterministic-inference --log-dir $OUT/logs-specmladet" || fails=$((fails + 1))
+        grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l-det.log"; grep -h 'cuda graphs' $OUT/logs-specmladet/worker-0.log | tail -2 ;;
   specmlaprofile) STRATA_PROFILE_STEPS=${SPECMLA_PROFILE:-140:20} run spec-deepseek-v3-5l-profile 300 bin/bench spec \
           --model configs/deepseek-v3-5l --load-format dummy --drafts 2 --batch-sizes 1 --prompt-len 512 --output-len 128 \
           --out "$OUT/spec-deepseek-v3-5l-profiled-h200.json" --server-args "--log-dir $OUT/logs-specmlaprof" \

@@ -15,8 +15,11 @@ accepted when the logits agree bit for bit (float32, or --server-args
 as an accept length below k + 1). Reported per configuration and batch: decode tok/s per request
 (tokens after the first over the time since the first; median over the batch), its speed-up over
 plain decoding against the ideal k + 1, the accept length (/metrics strata_spec_accept_length
-over the timed run), the speed-up per accepted length (the machinery's cost when a near tie
-cut a chain) and whether every answer equals plain decoding's. The warm-up runs twice: the
+over the timed run's verify rows), the tokens a row gains per step (output tokens after the first
+over the scheduler's steps, /metrics strata_step_seconds_count: rows planned without drafts
+count here, not in the accept length), a step's time against a plain step's ("step x": per-step
+wall time, so it holds when a near tie cut the oracle's chain and later steps had no drafts)
+and whether every answer equals plain decoding's. The warm-up runs twice: the
 second time as the timed run goes (prompt cached), whose answer the drafts then follow.
 """
 
@@ -38,6 +41,7 @@ from engine.bench.launch import launched_server
 
 TIMEOUT_S = 3600.0
 ACCEPT = "strata_spec_accept_length"
+STEPS = "strata_step_seconds_count"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,11 +88,11 @@ def _stream(url: str, ids: list[int], n: int) -> dict[str, Any]:
     return {"ids": out, "first": first, "last": last}
 
 
-def _accept(url: str) -> tuple[float, float]:
-    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row), once
-    the server is idle and the scheduler's last stats arrived."""
+def _counters(url: str) -> tuple[float, float, float]:
+    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row) and the
+    scheduler's steps so far, once the server is idle and the scheduler's last stats arrived."""
     m = wait_idle(url, TIMEOUT_S)
-    return m.get(ACCEPT + "_sum", 0.0), m.get(ACCEPT + "_count", 0.0)
+    return m.get(ACCEPT + "_sum", 0.0), m.get(ACCEPT + "_count", 0.0), m.get(STEPS, 0.0)
 
 
 def _batch(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
@@ -110,13 +114,17 @@ def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[lis
             # again, now as the timed run will go (prompt cached): in bf16 a fresh prefill and a
             # cached one may part on a near tie, and the drafts follow the most recent answer
             warm = _batch(ep.http, prompts[b], args.output_len)
-            before = _accept(ep.http)
+            before = _counters(ep.http)
             timed = _batch(ep.http, prompts[b], args.output_len)
-            after = _accept(ep.http)
+            after = _counters(ep.http)
             rates = [(args.output_len - 1) / (r["last"] - r["first"]) for r in timed]
             rows_verified = after[1] - before[1]
+            # less the first token's step (the cached prompt's prefill); with overlap one more than
+            # the tokens need: the step planned before the last answer arrived
+            steps = after[2] - before[2] - 1
             rows.append({
-                "k": k or 0, "batch": b, "tok_s": statistics.median(rates),
+                "k": k or 0, "batch": b, "tok_s": statistics.median(rates), "steps": steps,
+                "tokens_per_step": (args.output_len - 1) / steps if steps > 0 else None,
                 "accept_length": (after[0] - before[0]) / rows_verified if rows_verified else None,
                 "answers": [r["ids"] for r in timed], "repeat_equal": [r["ids"] for r in warm] == [
                     r["ids"] for r in timed],
@@ -139,18 +147,21 @@ def run(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             r["of_ideal"] = r["speedup"] / (k + 1)
             # the machinery's cost whatever the acceptance: speed-up per token a verify row answers
             r["of_accept"] = r["speedup"] / r["accept_length"] if r["accept_length"] else None
-            # a verify step's time against a plain step's (issue 24's MTP figure: <= 1.25 at k = 2)
-            r["step_cost"] = 1 / r["of_accept"] if r["of_accept"] else None
+            # a step's wall time against a plain step's (issue 24's MTP figure: <= 1.25 at k = 2)
+            tps = r["tokens_per_step"], base["tokens_per_step"]
+            r["step_cost"] = tps[0] / tps[1] / r["speedup"] if tps[0] and tps[1] else None
             r["equal_to_plain"] = r["answers"] == base["answers"]
             results.append(r)
     print(f"\n{'k':>3} {'batch':>5} {'tok/s':>9} {'speedup':>8} {'of (k+1)':>9} {'accept':>7} {'of accept':>9} "
-          f"{'step x':>7} {'= plain':>8}")
+          f"{'tok/step':>8} {'step x':>7} {'= plain':>8}")
     for r in results:
         acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "-"
         per = f"{r['of_accept']:.2f}" if r.get("of_accept") else "-"
         cost = f"{r['step_cost']:.2f}" if r.get("step_cost") else "-"
+        tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] else "-"
         print(f"{r['k']:>3} {r['batch']:>5} {r['tok_s']:>9.1f} {r.get('speedup', 1.0):>8.2f} "
-              f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {per:>9} {cost:>7} {str(r.get('equal_to_plain', True)):>8}")
+              f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {per:>9} {tps:>8} {cost:>7} "
+              f"{str(r.get('equal_to_plain', True)):>8}")
     best = {b: max((r for r in results if r["batch"] == b), key=lambda r: r["tok_s"])["k"] for b in plain}
     print("fastest per batch size (k, 0: off): " + ", ".join(f"batch {b}: k={k}" for b, k in best.items()))
     for r in results:

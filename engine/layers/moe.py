@@ -38,10 +38,11 @@ GEMM over its rows (`parallel.matmul`: in fixed row blocks under deterministic i
 row's result does not depend on how many other rows the expert got); the outputs go back to
 their (token, slot) place, and a token's k outputs are summed in float32 in slot order (not in
 scatter order): out = sum_j w[t, j] * y[t, j]. With the shared experts' partial product added,
-one all-reduce per block at tp > 1. Plain torch ops on the CPU and under deterministic
-inference on a GPU (they read the per-expert counts on the host: a sync, not capturable). On CUDA
-otherwise the fused triton kernels of engine/layers/moe_kernels.py (no host sync: an MoE block
-then says `supports_cuda_graph`), reading fp8 stacks as they are.
+one all-reduce per block at tp > 1. Plain torch ops on the CPU (they read the per-expert counts
+on the host). On CUDA the fused triton kernels of engine/layers/moe_kernels.py (no host sync: an
+MoE block says `supports_cuda_graph`), reading fp8 stacks as they are; under deterministic
+inference with one GEMM config for every batch (`moe_kernels.DET_CONFIG`, its bits checked across
+row counts on an H200), so a token's experts sum in the same order whatever else is routed.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.layers import batch_invariant, ops
+from engine.layers import ops
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE
 from engine.layers.parallel import (
@@ -177,7 +178,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = matmul(x.to(self.weight.dtype), self.weight)  # batch-invariant under deterministic inference
-        if logits.is_cuda and not batch_invariant.enabled():
+        if logits.is_cuda:  # (one program per token: batch-invariant as it is)
             from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
 
             return moe_kernels.route(logits, self.spec, self.e_score_correction_bias)  # one launch, not 6-12
@@ -219,19 +220,15 @@ class Experts(nn.Module):
 
     @property
     def fused(self) -> bool:
-        """Whether forward takes the fused kernels (CUDA outside deterministic inference, whose
-        fixed row blocks only the torch path keeps): no host sync, capturable."""
-        return self.w13.is_cuda and not batch_invariant.enabled()
+        """Whether forward takes the fused kernels (CUDA): no host sync, capturable."""
+        return self.w13.is_cuda
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 pad: PadRows | None = None) -> torch.Tensor:
         """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
-        if x.is_cuda and not batch_invariant.enabled():
+        if x.is_cuda:
             return self._fused(x, weights, ids, pad)
         t, k = ids.shape
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the MoE torch path (deterministic inference) reads per-expert counts on the host "
-                               "and cannot be captured in a CUDA graph")
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         per_expert = torch.bincount(flat, minlength=self.num_experts)
@@ -310,7 +307,7 @@ class MoE(nn.Module):
 
     @property
     def supports_cuda_graph(self) -> bool:
-        """The fused kernels are capturable; the torch path reads per-expert counts on the host."""
+        """The fused kernels (CUDA) are capturable; the torch path reads per-expert counts on the host."""
         return self.experts.fused
 
     def forward(self, x: torch.Tensor, pad: PadRows | None = None) -> torch.Tensor:

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers import batch_invariant
+
 QUANTS = {None: 0, "fp8_row": 1, "fp8_block": 2}
 # triton's interpreter multiplies bfloat16 tiles as raw bits: there (the CPU tests) dot in float32
 DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -261,9 +263,8 @@ class GemmConfig(NamedTuple):
 
 # deterministic inference's one config for every batch: a row's tile shape (16 rows, tl.dot's
 # least M), K steps and warps, so its bits, do not depend on how many pairs the batch routes. The
-# route, align and combine kernels are per token / slot-ordered already. A candidate: the engine
-# keeps the torch expert path under the mode until tests/gpu/test_moe_gpu.py checks these bits
-# on the H200 (test_det_config_rows_keep_their_bits); then Experts.forward takes it (capturable).
+# route, align and combine kernels are per token / slot-ordered already. Checked on an H200 (bf16
+# and fp8-block stacks, 1 to 512 rows: tests/gpu/test_moe_gpu.py::test_det_config_rows_keep_their_bits).
 DET_CONFIG = GemmConfig(16, 64, 64, 1, 4, 3)
 
 
@@ -358,8 +359,12 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
 
 def config_for(device: torch.device, numel: int, local: int) -> GemmConfig:
     """The GEMM blocks for `numel` pairs over `local` experts: by the mean rows of an expert with
-    tokens (at most min(numel, local) experts have any), from the GPU's tuning file."""
+    tokens (at most min(numel, local) experts have any), from the GPU's tuning file; DET_CONFIG
+    for every batch under deterministic inference."""
     from engine.layers.tuning import kernel_tuning
+
+    if batch_invariant.enabled():
+        return DET_CONFIG
 
     return GemmConfig(*kernel_tuning(device).moe_config(-(-numel // max(1, min(numel, local)))))
 
@@ -371,7 +376,8 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
     """Compile every kernel variant a forward of these shapes can take (each tuning rule's blocks,
     both align chunk sizes) once per process, on a throwaway batch: the first eager forward
     (the runner's warm-up) pays it, not a served step. Nothing under a CUDA graph capture."""
-    key = (x.device, x.dtype, w13.quant, tuple(w13.w.shape), tuple(w2.w.shape), top_k, experts, pad)
+    det = batch_invariant.enabled()
+    key = (x.device, x.dtype, w13.quant, tuple(w13.w.shape), tuple(w2.w.shape), top_k, experts, pad, det)
     if key in _WARMED or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return
     _WARMED.add(key)
@@ -379,10 +385,11 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
 
     local = w13.w.shape[0]
     counts = torch.zeros(experts, dtype=torch.int64, device=x.device)
-    for rule in kernel_tuning(x.device).moe_gemm:
+    configs = [DET_CONFIG] if det else [GemmConfig(*r.config) for r in kernel_tuning(x.device).moe_gemm]
+    for cfg in configs:
         for t in (1, -(-(CHUNK_SMALL + 1) // top_k)):  # both align chunk sizes
             ids = (torch.arange(t * top_k, device=x.device) % local).view(t, top_k)
             xs = torch.zeros(t, x.shape[1], dtype=x.dtype, device=x.device)
             weights = torch.ones(t, top_k, dtype=torch.float32, device=x.device)
             keys = (torch.zeros(t, dtype=torch.int64, device=x.device), 0) if pad else None
-            fused_experts(xs, weights, ids, w13, w2, counts, 0, GemmConfig(*rule.config), keys)
+            fused_experts(xs, weights, ids, w13, w2, counts, 0, cfg, keys)

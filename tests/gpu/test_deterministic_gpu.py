@@ -1,11 +1,15 @@
 """Deterministic inference on CUDA (engine/layers/batch_invariant.py): Qwen3-0.6B shapes with
 random weights in bfloat16, in process: a prompt's tokens and logprobs are the same bits
 alone, in mixed batches, behind cached prefixes of several lengths, at several prefill chunk
-sizes and with overlap off."""
+sizes and with overlap off. Also mixtures of experts (the fused MoE kernels at their one
+config, moe_kernels.DET_CONFIG): Qwen3-30B-A3B and DeepSeek-V3 (MLA too) cut to a few layers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from engine.config import ServerConfig
 from engine.local import LocalEngine, Result
@@ -17,9 +21,26 @@ PROMPT = [(31 * i) % 30000 + 500 for i in range(300)]
 OTHERS = [[(17 * i + 7 * s) % 30000 + 500 for i in range(n)] for s, n in enumerate((1, 37, 130, 600, 5, 64), 1)]
 
 
-def _engine(det: bool, **kw) -> LocalEngine:  # noqa: ANN003
-    return LocalEngine(ServerConfig(model=str(REPO / "configs" / "qwen3-0.6b"), load_format="dummy", device="cuda",
-                                    dtype="bfloat16", enable_deterministic_inference=det, max_total_tokens=32768,
+# a few layers of each MoE model, fewer DeepSeek experts (each is 44M parameters): MoE layers
+# all but DeepSeek's first (dense)
+CUTS = {"qwen3-30b-a3b": {"num_hidden_layers": 3},
+        "deepseek-v3-5l": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 32}}
+
+
+@pytest.fixture(params=["qwen3-0.6b", *CUTS])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    name = request.param
+    if name not in CUTS:
+        return str(REPO / "configs" / name)
+    cfg = json.loads((REPO / "configs" / name / "config.json").read_text()) | CUTS[name]
+    path = tmp_path_factory.mktemp(name)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _engine(model: str, det: bool, **kw) -> LocalEngine:  # noqa: ANN003
+    return LocalEngine(ServerConfig(model=model, load_format="dummy", device="cuda", dtype="bfloat16",
+                                    enable_deterministic_inference=det, max_total_tokens=32768,
                                     max_running_requests=32, **kw))
 
 
@@ -27,8 +48,8 @@ def _key(r: Result) -> tuple[list[int], list[float]]:
     return r.output_ids, r.logprobs
 
 
-def test_one_request_one_answer_on_cuda() -> None:
-    eng = _engine(True)
+def test_one_request_one_answer_on_cuda(model: str) -> None:
+    eng = _engine(model, True)
     want = _key(eng.generate([PROMPT], SAMPLED)[0])
     answers = {str(want)}
     answers.add(str(_key(eng.generate([PROMPT], SAMPLED)[0])))  # cached
@@ -37,7 +58,7 @@ def test_one_request_one_answer_on_cuda() -> None:
     for k in range(2, 12, 3):  # copies of itself (bin/bench deterministic's single mode), with others
         answers |= {str(_key(r)) for r in eng.generate([PROMPT] * k + OTHERS[: k % 4], SAMPLED)[:k]}
     for cut in (16, 100, 256):
-        fresh = _engine(True, disable_overlap=cut == 100, max_prefill_tokens=64 if cut == 256 else 2048)
+        fresh = _engine(model, True, disable_overlap=cut == 100, max_prefill_tokens=64 if cut == 256 else 2048)
         fresh.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
         answers.add(str(_key(fresh.generate([OTHERS[2], PROMPT], SAMPLED)[-1])))
     assert answers == {str(want)}
