@@ -33,13 +33,13 @@ def compile_split(cfg: mk.MLAKernelConfig, v: int, r: int, p: int, dtype: str, p
     runtime's specialization sees them), compiled for sm_{arch}."""
     fn = mk._mla_split_kernel
     q = PTR[dtype]
-    sig = {"q": q, "q_pe": q, "kv": "*u8" if dtype == "fp8" else q, "table": "*i32", "lens": "*i32",
-           "part_o": q, "part_lse": "*fp32", "sm_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32",
+    sig = {"q": q, "q_pe": q, "kv": "*u8" if dtype == "fp8" else q, "table": "*i32", "table_rows": "*i32",
+           "lens": "*i32", "part_o": q, "part_lse": "*fp32", "sm_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32",
            "stride_pb": "i32", "stride_ph": "i32", "stride_kv": "i32", "stride_tb": "i32", "H": "i32"}
     lo = cfg.min_split or mk.min_split(cfg.block_h)
     cx = dict(R=r, P=p, RB=mk.padded(r), PB=mk.padded(p), PAGE=page, MIN_SPLIT=lo, SPLITS=mk.MAX_SPLITS,
               BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, KV_FP8=dtype == "fp8", DOT_F32=False,
-              IEEE=dtype == "fp32", VSPLIT=v)
+              IEEE=dtype == "fp32", VSPLIT=v, HAS_ROWS=False)
     sig |= dict.fromkeys(cx, "constexpr")
     aligned = ["q", "q_pe", "kv", "table", "lens", "part_o", "part_lse"]
     aligned += [n for n, d in (("stride_qb", r), ("stride_qh", r), ("stride_pb", p), ("stride_ph", p),

@@ -25,9 +25,12 @@ per eager step in `prepare`, per replay through the graph runner's planned proto
 (`graph_wrapper`, `plan_graph_arrays`); 3.0-3.6x faster than ours at 128 heads on an H200.
 
 With deterministic inference (engine/layers/batch_invariant.py) every row takes the absorbed
-form, in blocks of batch_invariant.TOKENS query tokens of one request and KV chunks aligned to
-position 0 merged by an online softmax in order, and the absorption GEMMs run in fixed row
-blocks: a token's bits do not depend on the batch, its prefill chunks or its cached prefix.
+form and the absorption GEMMs run in fixed row blocks, so a token's bits do not depend on the
+batch, its prefill chunks or its cached prefix. On CUDA every new token, prefill and decode alike,
+is a row of the triton kernel over its causal prefix (`MLAPlan.every_row`; a row's split lengths
+are a function of its own length only), so the decode and verify steps run in CUDA graphs. On
+the CPU (the torch path) in blocks of batch_invariant.TOKENS query tokens of one request and KV
+chunks aligned to position 0 merged by an online softmax in order (`_invariant`).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class MLAPlan:
     # the decode kernel's inputs (CUDA): int32 page table [b, W] and KV lengths [b] on the device
     decode_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    decode_table_rows: torch.Tensor | None = None  # int32 [b]: a row's table row (every_row's prefill)
     decode_fi: FlashInferMLA | None = None  # or flashinfer's MLA wrapper, planned for the decode rows
 
     @classmethod
@@ -107,12 +111,14 @@ class MLAPlan:
         batch's in a pure decode step; or flashinfer's MLA wrapper planned for this step's decode
         rows (a graph's or an eager step's), which then run on it."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
-        if batch_invariant.enabled():
-            inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
-            return cls(None, None, None, [], invariant=inv)
         dev = batch.page_table.device
         if kernel is None:
             kernel = decode_kernel_available(dev)
+        if batch_invariant.enabled():
+            if kernel:
+                return cls.every_row(batch, graph if isinstance(graph, tuple) else None)
+            inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
+            return cls(None, None, None, [], invariant=inv)
         fi = graph if isinstance(graph, FlashInferMLA) else None
         if kernel and batch.is_decode and not absorb_all:
             # a pure decode step: device tensors only, no host work per request (capturable)
@@ -142,6 +148,21 @@ class MLAPlan:
         plan.absorb_extends = absorb_all
         return plan
 
+
+    @classmethod
+    def every_row(cls, batch: ForwardBatch, graph: tuple[torch.Tensor, torch.Tensor] | None) -> MLAPlan:
+        """Deterministic inference through the kernel: each new token a row over its causal prefix,
+        reading its request's table row (a pure decode step: the batch's or a graph's table and
+        lengths as they are)."""
+        if batch.is_decode:
+            table, seq = graph if graph is not None else (batch.page_table, batch.seq_lens)
+            return cls(None, None, None, [], all_decode=True, decode_table=table, decode_lens=seq)
+        lens, seqs, dev = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_table.device
+        rows = [i for i, n in enumerate(lens) for _ in range(n)]
+        upto = [k for n, s in zip(lens, seqs, strict=True) for k in range(s - n + 1, s + 1)]
+        return cls(None, None, None, [], all_decode=True, decode_table=batch.page_table,
+                   decode_lens=torch.tensor(upto, dtype=torch.int32, device=dev),
+                   decode_table_rows=torch.tensor(rows, dtype=torch.int32, device=dev))
 
     def _plan_decode(self, batch: ForwardBatch, dec: list[int], starts: list[int], kernel: bool,
                      fi: FlashInferMLA | None) -> None:
@@ -376,15 +397,16 @@ def _absorbed_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, plan: MLAPlan, kv
     """The absorbed form with the attention in engine/layers/mla_kernels.py (through
     plan.decode_table) or flashinfer's planned wrapper (plan.decode_fi): q [b, H, *] -> [b, H, v];
     the latents are read in place."""
-    q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+    det = batch_invariant.enabled()  # the absorptions in fixed row blocks
+    q_lat = _absorb_rows(q_nope, w_uk, "bhn,hnr->bhr") if det else torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
     if plan.decode_fi is not None:
         o_lat = plan.decode_fi.run(q_lat, q_pe, kv, layer, s)
     else:
         from engine.layers import mla_kernels  # triton: imported on first use, on CUDA
 
         o_lat = mla_kernels.mla_decode(q_lat, q_pe, kv.latent[layer], plan.decode_table, plan.decode_lens,
-                                       s.scale, kv.page_size)
-    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+                                       s.scale, kv.page_size, table_rows=plan.decode_table_rows)
+    return _absorb_rows(o_lat, w_uv, "bhr,hvr->bhv") if det else torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
 def _absorb_rows(x: torch.Tensor, w: torch.Tensor, eq: str) -> torch.Tensor:

@@ -180,11 +180,12 @@ def _cols(d, N: tl.constexpr, NB: tl.constexpr):
 # that no eager step after warm-up compiles a variant of its own
 @triton.jit(do_not_specialize=["stride_tb"])
 def _mla_split_kernel(
-    q, q_pe, kv, table, lens, part_o, part_lse, sm_scale,
+    q, q_pe, kv, table, table_rows, lens, part_o, part_lse, sm_scale,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_kv, stride_tb, H,
     R: tl.constexpr, P: tl.constexpr, RB: tl.constexpr, PB: tl.constexpr, PAGE: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, VSPLIT: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     hb = tl.program_id(0) // VSPLIT
     vs = tl.program_id(0) % VSPLIT  # which 1/VSPLIT of the output columns this program sums
@@ -219,7 +220,10 @@ def _mla_split_kernel(
         den = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, DV], tl.float32)
         qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
-        row_table = table + b * stride_tb
+        if HAS_ROWS:  # several rows (a request's new tokens) read one table row
+            row_table = table + tl.load(table_rows + b).to(tl.int64) * stride_tb
+        else:
+            row_table = table + b * stride_tb
         offs = start + tl.arange(0, BLOCK_N)
         page = tl.load(row_table + offs // PAGE, mask=offs < end, other=0)
         for n0 in range(start, end, BLOCK_N):
@@ -296,15 +300,17 @@ def _mla_reduce_kernel(
 
 
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table: torch.Tensor,
-           lens: torch.Tensor) -> None:
+           rows: torch.Tensor | None, lens: torch.Tensor) -> None:
     b, h, r = q_lat.shape
     if q_pe.shape[:2] != (b, h) or latent.shape[-1] != r + q_pe.shape[2]:
         raise ValueError(f"q_lat {tuple(q_lat.shape)} and q_pe {tuple(q_pe.shape)} do not match the latent "
                          f"{tuple(latent.shape)}")
     if latent.stride(-1) != 1:
         raise ValueError("the latent pool needs a contiguous last dim")
-    if table.dtype != torch.int32 or lens.dtype != torch.int32 or table.shape[0] != b or lens.shape != (b,):
+    if table.dtype != torch.int32 or lens.dtype != torch.int32 or lens.shape != (b,):
         raise ValueError(f"page table int32 [B, W] and lengths int32 [B] expected for B={b}")
+    if (table.shape[0] != b) if rows is None else (rows.dtype != torch.int32 or rows.shape != (b,)):
+        raise ValueError(f"a table row per row, or table_rows int32 [B] naming one, expected for B={b}")
     if r < 1 or q_pe.shape[2] < 1:
         raise ValueError(f"latent dims must be >= 1, got {r} + {q_pe.shape[2]}")
 
@@ -312,12 +318,15 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table:
 def mla_decode(
     q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, page_size: int, config: MLAKernelConfig | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q_lat [B, H, R] and q_pe [B, H, P] (q's dtype) attend each row's
     seq_lens[b] (int32 [B], >= 1) latents of `latent` (one layer's pool, [slots, 1, R + P] or
     [slots, R + P], bf16/fp16/fp32 or fp8 e4m3) through page_table (int32 [B, W]; slot = page *
-    page_size + offset). Returns o_lat [B, H, R] in q's dtype (W_UV not applied)."""
-    _check(q_lat, q_pe, latent, page_table, seq_lens)
+    page_size + offset), row b through table row table_rows[b] where given (int32 [B]: a prefill's
+    tokens, each a row over its causal prefix, share their request's). Returns o_lat [B, H, R] in
+    q's dtype (W_UV not applied)."""
+    _check(q_lat, q_pe, latent, page_table, table_rows, seq_lens)
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     b, h, r = q_lat.shape
@@ -343,12 +352,13 @@ def mla_decode(
     if rb % vsplit:
         raise ValueError(f"v_split {vsplit} does not divide the padded latent rank {rb}")
     _mla_split_kernel[(blocks * vsplit, b, MAX_SPLITS)](
-        q_lat, q_pe, kv, page_table, seq_lens, part_o, part_lse, float(scale),
+        q_lat, q_pe, kv, page_table, table_rows if table_rows is not None else seq_lens, seq_lens, part_o, part_lse,
+        float(scale),
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), page_table.stride(0), h,
         R=r, P=p, RB=rb, PB=pb, PAGE=page_size, MIN_SPLIT=lo, SPLITS=MAX_SPLITS, BLOCK_H=cfg.block_h,
         BLOCK_N=cfg.block_n,
         KV_FP8=fp8, DOT_F32=interpreted() and not f32, IEEE=f32 and not interpreted(), VSPLIT=vsplit,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_ROWS=table_rows is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _mla_reduce_kernel[(h, b)](
         part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), h,

@@ -95,10 +95,10 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         threads=torch.get_num_threads() if device.type == "cpu" else None,
     )
     kv = KVPool.from_layout(layout, mcfg.num_layers, pool.num_pages, cfg.page_size, kv_dtype, device)
-    if not layout.is_gqa and not deterministic and decode_kernel_available(device) and cfg.cp_size == 1:
-        # MLA on CUDA: the model attends its latent pool itself (triton decode kernel); the
-        # backend holds the static page table its decode CUDA graphs read (not under cp: no graphs,
-        # the cp backend replaces it)
+    if not layout.is_gqa and decode_kernel_available(device) and cfg.cp_size == 1:
+        # MLA on CUDA: the model attends its latent pool itself (triton decode kernel; under
+        # deterministic inference every row through it); the backend holds the static page table
+        # its decode CUDA graphs read (not under cp: no graphs, the cp backend replaces it)
         backend: AttentionBackend = MLABackend(device)
     else:
         backend = create_backend(backend_name(cfg, deterministic, layout, dtype), device)

@@ -114,6 +114,46 @@ def test_row_is_batch_invariant() -> None:
         assert torch.equal(one[0], full[i])
 
 
+def test_deterministic_rows_through_the_kernel_keep_their_bits() -> None:
+    """Deterministic inference with the kernel (CUDA's path, MLAPlan.every_row): a token's output is
+    the same bits whether its request is prefilled whole, in chunks behind its cached prefix, or
+    decoded beside another request (each new token is a row over its causal prefix, reading its
+    request's table row), and close to the torch path's (`_invariant`)."""
+    from engine.layers import batch_invariant
+
+    ps, heads, n = 4, 4, 40
+    g = torch.Generator().manual_seed(11)
+    kv = _pool(torch.bfloat16, 40, ps, seed=11)
+    q_nope = torch.randn(n, heads, NOPE, generator=g).to(torch.bfloat16)  # position p's query
+    q_pe = torch.randn(n, heads, P, generator=g).to(torch.bfloat16)
+    w = (torch.randn(heads * (NOPE + V), R, generator=g) * 0.3).to(torch.bfloat16)
+    s = MLAShapes(heads, R, NOPE, P, V, (NOPE + P) ** -0.5)
+    table = list(range(30, 20, -1))  # 10 pages, not in order
+    other = list(range(1, 8))
+
+    def step(reqs: list[tuple[int, int, list[int]]], kernel: bool) -> list[torch.Tensor]:
+        """reqs: (cached prefix, new tokens, pages); our request first: its rows' outputs."""
+        batch = ForwardBatch.from_requests([([3] * e, c, t[: -(-(c + e) // ps)]) for c, e, t in reqs], ps, "cpu")
+        plan = MLAPlan.build(batch, kernel=kernel)
+        assert (plan.decode_table is not None) == kernel and plan.all_decode == kernel
+        c, e, _ = reqs[0]
+        qn = torch.cat([q_nope[c : c + e], q_nope[: sum(r[1] for r in reqs[1:])]])
+        qp = torch.cat([q_pe[c : c + e], q_pe[: sum(r[1] for r in reqs[1:])]])
+        return list(mla_attend(qn, qp, plan, kv, 0, w, s)[:e])
+
+    batch_invariant.enable(True, "cpu")
+    try:
+        whole = step([(0, n, table)], kernel=True)
+        chunked = step([(0, 17, table)], kernel=True) + step([(17, n - 17, table), (0, 9, other)], kernel=True)
+        decoded = step([(n - 1, 1, table), (20, 1, other)], kernel=True)
+        reference = step([(0, n, table)], kernel=False)
+    finally:
+        batch_invariant.enable(False)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
+    assert torch.equal(whole[-1], decoded[0])
+    torch.testing.assert_close(torch.stack(whole).float(), torch.stack(reference).float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 def test_v_split_keeps_every_bit(dtype: torch.dtype) -> None:
     """Sharing a row's output columns over 2 or 4 programs (small batches) gives the same bits as
