@@ -6,7 +6,7 @@ draft (issue 24).
         --drafts 1 3 5 --prompt-len 512 --output-len 256
 
 For plain decoding and then NGRAM with each --drafts k, one `bin/serve` runs. Per batch size,
-`batch` random prompts are answered once (greedy, ignore_eos, --output-len tokens): the warm-up,
+`batch` random prompts are answered once (greedy, ignore_eos, --output-len + 64 tokens): the warm-up,
 which also leaves every prompt and its answer in the prefix cache. Then the same requests again,
 all at once, streamed and timed. The second time NGRAM drafts from the prefix cache
 (`SpecPolicy.tree_drafts`): the target's own greedy continuation, an oracle that has every draft
@@ -42,6 +42,7 @@ from engine.bench.launch import launched_server
 TIMEOUT_S = 3600.0
 ACCEPT = "strata_spec_accept_length"
 STEPS = "strata_step_seconds_count"
+ORACLE_MARGIN = 64  # warm-up tokens past --output-len: a page of any size up to 64 tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,10 +111,14 @@ def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[lis
     with launched_server(args.model, args.load_format, shlex.split(args.server_args or "") + extra) as ep:
         assert ep.http is not None
         for b in args.batch_sizes:
-            _batch(ep.http, prompts[b], args.output_len)  # every answer now in the prefix cache
+            # every answer now in the prefix cache, ORACLE_MARGIN tokens longer than the timed
+            # ones: the cache holds full pages only, so an answer of exactly output_len tokens left
+            # its last partial page out and the timed run's last tokens without drafts
+            n = args.output_len + ORACLE_MARGIN
+            _batch(ep.http, prompts[b], n)
             # again, now as the timed run will go (prompt cached): in bf16 a fresh prefill and a
             # cached one may part on a near tie, and the drafts follow the most recent answer
-            warm = _batch(ep.http, prompts[b], args.output_len)
+            warm = _batch(ep.http, prompts[b], n)
             before = _counters(ep.http)
             timed = _batch(ep.http, prompts[b], args.output_len)
             after = _counters(ep.http)
@@ -126,7 +131,7 @@ def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[lis
                 "k": k or 0, "batch": b, "tok_s": statistics.median(rates), "steps": steps,
                 "tokens_per_step": (args.output_len - 1) / steps if steps > 0 else None,
                 "accept_length": (after[0] - before[0]) / rows_verified if rows_verified else None,
-                "answers": [r["ids"] for r in timed], "repeat_equal": [r["ids"] for r in warm] == [
+                "answers": [r["ids"] for r in timed], "repeat_equal": [r["ids"][: args.output_len] for r in warm] == [
                     r["ids"] for r in timed],
             })
     return rows
