@@ -32,7 +32,8 @@ from engine.layers.triton_ops import interpreted
 BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
-FULL_GRID = 264  # prefill tiles below this many (2 an H200 SM) leave SMs idle: the mid-rows split grid instead
+FULL_GRID = 264  # 128 x 128 tiles from this many (2 an H200 SM) fill the GPU
+MID_TILES = 96  # 64 x 128 tiles from this many (one program each, K slices in its loop) beat the split grid
 WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, allocated on first use)
 
 
@@ -136,19 +137,24 @@ def decode_bn(n: int) -> int:
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1
     marks a split grid (K slices as programs). Decode (m <= 64): one row tile of 64, narrow
-    column tiles, so that ~512 programs stream the weight; prefill: 64 x 256 tiles, 128 x 128
-    where the slices need a second accumulator (one warp group per 64 rows in all). Between
-    them (a large decode batch), where the prefill tiles are too few to fill the GPU (Qwen3-
-    0.6B's o projection at 256 rows: 16 programs), 64 x 128 tiles on a split grid."""
+    column tiles, so that ~512 programs stream the weight. Above, by the tiles there are (one
+    warp group per 64 rows in all): 128 x 128 where they fill the GPU (FULL_GRID); else 64 x
+    128 where there are MID_TILES of those; else (a large decode batch over a narrow weight:
+    Qwen3-0.6B's o projection at 256 rows has 32) 64 x 128 on a split grid. The LM head's weight
+    (one K slice): 64 x 256 below FULL_GRID. From the H200's timing of every candidate at 128,
+    256 and 512 rows of Llama-3.1-8B's and Qwen3-0.6B's projections (docs/PERF.md, eighth
+    session): e.g. Llama's gate_up at 128 rows 140.6 us on the split grid, 84.9 in 64 x 128 tiles."""
     s = split(n, k)
     if m <= DECODE_MAX_ROWS:
         return 64, decode_bn(n), 1, 4, 4, s
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= FULL_GRID:
+        return 128, 128, 8, 8, 3, s
     if s == 1:
         return 64, 256, 8, 4, 3, s
     mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
-    if triton.cdiv(m, 128) * triton.cdiv(n, 128) < FULL_GRID and mid_tiles * s * 64 * 128 <= WORKSPACE_FLOATS:
-        return 64, 128, 1, 4, 4, s
-    return 128, 128, 8, 8, 3, s
+    if mid_tiles >= MID_TILES or mid_tiles * s * 64 * 128 > WORKSPACE_FLOATS:
+        return 64, 128, 8, 4, 4, s
+    return 64, 128, 1, 4, 4, s
 
 
 def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
