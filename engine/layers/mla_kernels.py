@@ -348,7 +348,10 @@ def mla_decode(
     limit = _shared_limit(q_lat.device)
     # a v_split that does not fit the device's shared memory is halved, a config's own too (the
     # first H200 run: (64, 32, 8, 3) asks 233,472 bytes at v_split 2, 1 KB over Hopper's limit)
-    vsplit = fitting_v_split(cfg.v_split or v_split(b, blocks, r), cfg, r, p, q_lat.element_size(), limit)
+    # (rows through table_rows, a deterministic prefill: one v_split, so the warm-up's prefill
+    # compiles the only variant and no later step of a few rows compiles another)
+    v = cfg.v_split or (1 if table_rows is not None else v_split(b, blocks, r))
+    vsplit = fitting_v_split(v, cfg, r, p, q_lat.element_size(), limit)
     if rb % vsplit:
         raise ValueError(f"v_split {vsplit} does not divide the padded latent rank {rb}")
     _mla_split_kernel[(blocks * vsplit, b, MAX_SPLITS)](
