@@ -148,7 +148,6 @@ class MLAPlan:
         plan.absorb_extends = absorb_all
         return plan
 
-
     @classmethod
     def every_row(cls, batch: ForwardBatch, graph: tuple[torch.Tensor, torch.Tensor] | None) -> MLAPlan:
         """Deterministic inference through the kernel: each new token a row over its causal prefix,

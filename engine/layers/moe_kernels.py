@@ -361,10 +361,9 @@ def config_for(device: torch.device, numel: int, local: int) -> GemmConfig:
     """The GEMM blocks for `numel` pairs over `local` experts: by the mean rows of an expert with
     tokens (at most min(numel, local) experts have any), from the GPU's tuning file; DET_CONFIG
     for every batch under deterministic inference."""
-    from engine.layers.tuning import kernel_tuning
-
     if batch_invariant.enabled():
         return DET_CONFIG
+    from engine.layers.tuning import kernel_tuning
 
     return GemmConfig(*kernel_tuning(device).moe_config(-(-numel // max(1, min(numel, local)))))
 
