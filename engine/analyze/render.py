@@ -46,6 +46,8 @@ def _print_spec(rep: Report, w: Any) -> None:
       f"{s['accepted']} of {s['drafted']} drafts accepted ({rate:.0%}); rows by drafts accepted {s['accept_hist']}")
     if s.get("chained"):
         w(f"  overlapped: {s['chained']} rows chained on a row in flight, {s['void']} of them void (a draft rejected)")
+    if s.get("empty"):
+        w(f"  {s['empty']} more rows found nothing to draft (one token each, not in the accept length)")
     if len(s["series"]) > 1:
         w("  accept length over time: " + ", ".join(f"{p['t']:.0f}s {p['accept_length']:.2f}" for p in s["series"]))
 

@@ -73,6 +73,8 @@ class OutputProcessor:
                 self.s.spec_stats.add(k, a)
                 v, d, acc = req.spec
                 req.spec = (v + 1, d + k, acc + a)
+            elif k == 0:
+                self.s.spec_stats.empty += 1
             outs.append(self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
                                    top[lo:off] if top else None))
         return outs

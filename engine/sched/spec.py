@@ -106,6 +106,9 @@ class SpecStats:
     void: int = 0  # ... of which the previous row rejected a draft: they answered nothing
     plain: int = 0  # decode rows planned without drafts, in steps the batch-size rules turned off (by_batch)
     capped: int = 0  # verify rows whose drafts the batch-size rules cut below --speculative-num-steps
+    # verify rows answered with no draft (the lookup found none): one token a step, outside `rows`
+    # and the accept length, so a run whose drafts dried up shows here, not as a long accept length
+    empty: int = 0
 
     def add(self, drafted: int, accepted: int) -> None:
         self.rows += 1
