@@ -43,6 +43,7 @@ import triton.language as tl
 from engine.layers.triton_ops import interpreted
 
 MAX_SPLITS = 16  # splits of one row at most (the grid's third axis)
+MAX_ROWS = 65535  # rows a launch takes (the grid's second axis: CUDA's limit); more go in several
 MIN_SPLIT_TOKENS = 256  # split lengths are multiples of this (so every BLOCK_N <= 256 divides them)
 HOPPER_SHARED = 232_448  # shared memory bytes a block may take on sm_90 (227 KiB, opted into)
 
@@ -327,6 +328,13 @@ def mla_decode(
     tokens, each a row over its causal prefix, share their request's). Returns o_lat [B, H, R] in
     q's dtype (W_UV not applied)."""
     _check(q_lat, q_pe, latent, page_table, table_rows, seq_lens)
+    if q_lat.shape[0] > MAX_ROWS:  # (a deterministic prefill's tokens: rows are independent)
+        return torch.cat([
+            mla_decode(q_lat[i : i + MAX_ROWS], q_pe[i : i + MAX_ROWS], latent,
+                       page_table if table_rows is not None else page_table[i : i + MAX_ROWS],
+                       seq_lens[i : i + MAX_ROWS], scale, page_size, config,
+                       None if table_rows is None else table_rows[i : i + MAX_ROWS])
+            for i in range(0, q_lat.shape[0], MAX_ROWS)])
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     b, h, r = q_lat.shape

@@ -154,6 +154,27 @@ def test_deterministic_rows_through_the_kernel_keep_their_bits() -> None:
     torch.testing.assert_close(torch.stack(whole).float(), torch.stack(reference).float(), atol=2e-2, rtol=2e-2)
 
 
+def test_rows_past_the_grid_limit_go_in_several_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows than a launch's grid takes (CUDA: 65535; 3 here) are split into launches, with and
+    without table_rows: the same bits as one launch (rows are independent)."""
+    ps, heads = 4, 4
+    g = torch.Generator().manual_seed(5)
+    kv = _pool(torch.bfloat16, 40, ps, seed=5)
+    table = torch.randperm(39, generator=g)[:20].add(1).to(torch.int32).view(2, 10)
+    rows = torch.tensor([0, 1, 1, 0, 1, 0, 0], dtype=torch.int32)
+    lens = torch.tensor([5, 40, 13, 1, 27, 33, 8], dtype=torch.int32)
+    q_lat = torch.randn(7, heads, R, generator=g).to(torch.bfloat16)
+    q_pe = torch.randn(7, heads, P, generator=g).to(torch.bfloat16)
+    dense = table[rows.long()].contiguous()
+    one = [mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], t, lens, 0.25, ps, SMALL, table_rows=r)
+           for t, r in ((table, rows), (dense, None))]
+    monkeypatch.setattr(mla_kernels, "MAX_ROWS", 3)
+    for (t, r), want in zip(((table, rows), (dense, None)), one, strict=True):
+        assert torch.equal(mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], t, lens, 0.25, ps, SMALL, table_rows=r),
+                           want)
+    assert torch.equal(one[0], one[1])  # a row through table_rows = the same row in a dense table
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 def test_v_split_keeps_every_bit(dtype: torch.dtype) -> None:
     """Sharing a row's output columns over 2 or 4 programs (small batches) gives the same bits as
