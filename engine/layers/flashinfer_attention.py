@@ -166,14 +166,44 @@ def packed_tree_mask(extend_lens: list[int], seq_lens: list[int],
     for i, (n, kv) in enumerate(zip(extend_lens, seq_lens, strict=True)):
         tree = trees.get(i)
         if tree is None:
-            m = torch.arange(kv)[None, :] <= torch.arange(kv - n, kv)[:, None]
+            bits = causal_bits(n, kv)
         else:
             m = torch.ones(n, kv, dtype=torch.bool)
             m[:, kv - n:] = tree
-        bits = np.packbits(m.numpy().reshape(-1), bitorder="little")
+            bits = np.packbits(m.numpy().reshape(-1), bitorder="little")
         parts.append(bits)
         offsets.append(offsets[-1] + bits.size)
     return torch.from_numpy(np.concatenate(parts)), torch.tensor(offsets, dtype=torch.int32)
+
+
+def causal_bits(n: int, kv: int) -> np.ndarray:
+    """np.packbits (little-endian) of the causal [n, kv] mask of n new tokens after kv - n cached
+    ones, built a byte at a time: row r's ones are bits [r kv, r kv + kv - n + r + 1) of the flat
+    stream, so its whole bytes are one run of 0xFF (np.repeat of alternating runs) and its two
+    edge bytes are ORed in (an edge byte may hold two rows' bits; with kv >= 8 no two rows share
+    a head byte, nor a tail byte): ~10x faster than packing the [n, kv] bools, which took 81 ms
+    for an 8k-token chunk at 8k context beside a draft tree (docs/architecture.md, Speculative
+    decoding)."""
+    if kv < 8:  # rows share bytes: the plain way (a few bytes)
+        m = np.arange(kv)[None, :] <= np.arange(kv - n, kv)[:, None]
+        return np.packbits(m.reshape(-1), bitorder="little")
+    rows = np.arange(n, dtype=np.int64)
+    start = rows * kv
+    end = start + kv - n + rows + 1  # exclusive; every row holds at least one bit
+    first = (start + 7) // 8
+    past = np.maximum(end // 8, first)  # the row's whole bytes: first .. past - 1 (maybe none)
+    bounds = np.empty(2 * n + 2, dtype=np.int64)
+    bounds[0], bounds[1:-1:2], bounds[2:-1:2], bounds[-1] = 0, first, past, (n * kv + 7) // 8
+    runs = np.zeros(2 * n + 1, dtype=np.uint8)
+    runs[1::2] = 0xFF  # zeros before row 0's whole bytes, row 0's, zeros, row 1's, ...
+    out = np.repeat(runs, np.diff(bounds))
+    head, tail = start // 8, (end - 1) // 8
+    lo, hi = start % 8, (end - 1) % 8  # the row's first and last bit in those bytes
+    one = head == tail
+    span = np.where(one, hi - lo + 1, 8 - lo)
+    out[head] |= (((1 << span) - 1) << lo).astype(np.uint8)
+    out[tail[~one]] |= ((1 << (hi[~one] + 1)) - 1).astype(np.uint8)
+    return out
 
 
 class FlashInferAttention(AttentionBackend):

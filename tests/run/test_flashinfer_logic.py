@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine.layers.attention import TorchAttention
 from engine.layers.flashinfer_attention import (
     FlashInferAttention,
+    causal_bits,
     packed_tree_mask,
     pad_metadata,
     paged_kv_metadata,
@@ -190,6 +191,18 @@ def test_packed_tree_mask_starts_each_request_on_a_byte() -> None:
     want = torch.ones(2, 7, dtype=torch.bool)
     want[:, 5:] = trees[1]
     assert bits[16:30].view(2, 7).tolist() == want.tolist()
+
+
+def test_causal_bits_are_the_packed_causal_mask() -> None:
+    """causal_bits (runs of whole bytes, edge bytes ORed in) equals packing the [n, kv] bools, at
+    KV lengths on and off byte boundaries, below 8 (rows sharing bytes) and one row."""
+    import numpy as np
+
+    for n in [*range(1, 20), 31, 32, 33, 64, 100]:
+        for kv in {n, n + 1, n + 7, n + 8, n + 9, n + 15, n + 16, n + 100, 3 * n + 5}:
+            m = torch.arange(kv)[None, :] <= torch.arange(kv - n, kv)[:, None]
+            want = np.packbits(m.numpy().reshape(-1), bitorder="little")
+            assert np.array_equal(causal_bits(n, kv), want), (n, kv)
 
 
 def test_graph_plan_pads_rows_onto_the_padding_page() -> None:
