@@ -62,8 +62,10 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     l3_write_skips: int = 0  # writes skipped (writer queue over its byte bound)
     l3_files: int = 0  # files in the directory (as the controller sees it)
     l3_bytes: int = 0  # their bytes
-    # speculative decoding, when on: cumulative verify rows by drafts accepted (index 0: none)
+    # speculative decoding, when on: cumulative verify rows by drafts accepted (index 0: none), and
+    # verify rows answered with no draft at all (the lookup found none)
     spec_accept_hist: list[int] = []
+    spec_empty_rows: int = 0
 
 
 class FlushDone(msgspec.Struct, tag=True, frozen=True):

@@ -287,6 +287,7 @@ class SchedulerLoop:
             deterministic=ready.deterministic,
             dropped_frames=dict(DROPPED),
             spec_accept_hist=list(core.state.spec_stats.hist),
+            spec_empty_rows=core.state.spec_stats.empty,
             **(core.state.tiers.stats() if core.state.tiers is not None else {}),
         )
         self.ports.outputs.send(stats)

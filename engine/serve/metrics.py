@@ -96,6 +96,9 @@ class Metrics:
             buckets=ACCEPT_BUCKETS, registry=r,
         )
         self._spec_hist: list[int] = []
+        self.spec_empty = Counter(
+            "strata_spec_empty_rows", "Speculative verify rows answered with no draft (one token each)", registry=r)
+        self._spec_empty = 0
         self.dropped = _DroppedFrames()
         r.register(self.dropped)
 
@@ -124,6 +127,11 @@ class Metrics:
         self._device_hits = hits
         self._on_tier_stats(stats)
         self._on_spec_stats(stats.spec_accept_hist)
+        empty = stats.spec_empty_rows
+        delta = empty - self._spec_empty if empty >= self._spec_empty else empty  # smaller: a restart
+        if delta:
+            self.spec_empty.inc(delta)
+        self._spec_empty = empty
         if stats.expert_tokens is not None:
             self._on_expert_tokens(stats.expert_tokens)
 

@@ -68,6 +68,7 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     lines = [json.loads(line) for line in Path(spec_server.log_dir, "scheduler.log").read_text().splitlines()
              if '"speculative decoding"' in line]
     assert lines and lines[-1]["accept_length"] > 1.5
+    assert m["strata_spec_empty_rows_total"] >= lines[-1]["empty"] >= 0  # rows that found no draft
 
 
 def test_speculative_tp2_gives_the_plain_tp1_tokens(spec_server: Server, server: Server) -> None:
