@@ -18,8 +18,9 @@ plain decoding against the ideal k + 1, the accept length (/metrics strata_spec_
 over the timed run's verify rows), the tokens a row gains per step (output tokens after the first
 over the scheduler's steps, /metrics strata_step_seconds_count: rows planned without drafts
 count here, not in the accept length), a step's time against a plain step's ("step x": per-step
-wall time, so it holds when a near tie cut the oracle's chain and later steps had no drafts)
-and whether every answer equals plain decoding's. The warm-up runs twice: the
+wall time, so it holds when a near tie cut the oracle's chain and later steps had no drafts),
+the verify rows that had no draft (/metrics strata_spec_empty_rows_total) and whether every
+answer equals plain decoding's. The warm-up runs twice: the
 second time as the timed run goes (prompt cached), whose answer the drafts then follow.
 """
 
@@ -42,6 +43,7 @@ from engine.bench.launch import launched_server
 TIMEOUT_S = 3600.0
 ACCEPT = "strata_spec_accept_length"
 STEPS = "strata_step_seconds_count"
+EMPTY = "strata_spec_empty_rows_total"
 ORACLE_MARGIN = 64  # warm-up tokens past --output-len: a page of any size up to 64 tokens
 
 
@@ -89,11 +91,12 @@ def _stream(url: str, ids: list[int], n: int) -> dict[str, Any]:
     return {"ids": out, "first": first, "last": last}
 
 
-def _counters(url: str) -> tuple[float, float, float]:
-    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row) and the
-    scheduler's steps so far, once the server is idle and the scheduler's last stats arrived."""
+def _counters(url: str) -> tuple[float, float, float, float]:
+    """(sum, count) of the accept-length histogram in /metrics (0, 0 before any verify row), the
+    scheduler's steps and the verify rows answered with no draft so far, once the server is idle
+    and the scheduler's last stats arrived."""
     m = wait_idle(url, TIMEOUT_S)
-    return m.get(ACCEPT + "_sum", 0.0), m.get(ACCEPT + "_count", 0.0), m.get(STEPS, 0.0)
+    return m.get(ACCEPT + "_sum", 0.0), m.get(ACCEPT + "_count", 0.0), m.get(STEPS, 0.0), m.get(EMPTY, 0.0)
 
 
 def _batch(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
@@ -129,6 +132,7 @@ def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[lis
             steps = after[2] - before[2] - 1
             rows.append({
                 "k": k or 0, "batch": b, "tok_s": statistics.median(rates), "steps": steps,
+                "rows_without_drafts": after[3] - before[3],
                 "tokens_per_step": (args.output_len - 1) / steps if steps > 0 else None,
                 "accept_length": (after[0] - before[0]) / rows_verified if rows_verified else None,
                 "answers": [r["ids"] for r in timed], "repeat_equal": [r["ids"][: args.output_len] for r in warm] == [
@@ -167,6 +171,10 @@ def run(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         print(f"{r['k']:>3} {r['batch']:>5} {r['tok_s']:>9.1f} {r.get('speedup', 1.0):>8.2f} "
               f"{r.get('of_ideal', 1.0):>9.2f} {acc:>7} {per:>9} {tps:>8} {cost:>7} "
               f"{str(r.get('equal_to_plain', True)):>8}")
+    for r in results:
+        if r["rows_without_drafts"]:
+            print(f"k={r['k']} batch {r['batch']}: {r['rows_without_drafts']:.0f} verify rows had no draft (one token "
+                  "each: a broken oracle, or the cache's end)")
     best = {b: max((r for r in results if r["batch"] == b), key=lambda r: r["tok_s"])["k"] for b in plain}
     print("fastest per batch size (k, 0: off): " + ", ".join(f"batch {b}: k={k}" for b, k in best.items()))
     for r in results:

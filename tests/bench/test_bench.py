@@ -210,5 +210,6 @@ def test_spec_oracle_accepts_every_draft_and_answers_as_plain(tiny_model: Path, 
     assert spec["tok_s"] > 0 and spec["speedup"] > 0
     assert plain["steps"] == 21  # a step a token, and the step overlap planned before the last answer
     assert spec["steps"] == 6  # the 5 verify rows (the oracle covers the whole answer) and overlap's one
+    assert spec["rows_without_drafts"] == 0 == plain["rows_without_drafts"]
     ratio = spec["tokens_per_step"] / plain["tokens_per_step"]
     assert spec["step_cost"] * spec["speedup"] == pytest.approx(ratio)  # step time / plain step's
