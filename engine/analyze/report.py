@@ -388,7 +388,7 @@ def spec_accept(records: list[Record], t0: float) -> dict[str, Any]:
             "accept_length": last["accept_length"], "accept_hist": last.get("accept_hist"), "series": series,
             # overlap while speculating: rows planned before the previous one answered, and those voided
             "chained": last.get("chained", 0), "void": last.get("void", 0),
-            "empty": last.get("empty", 0)}  # verify rows planned with no draft: one token each
+            "empty": last.get("empty", 0)}  # verify rows answered with no draft: one token each
 
 
 MOE_EVENT = "moe expert tokens"  # engine/run/expert_counts.py: rank 0's cumulative counts, per layer

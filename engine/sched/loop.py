@@ -86,7 +86,7 @@ class SchedulerLoop:
         self.occupancy_logged: dict[str, int] = {}
         self.occupancy_logged_at = -OCCUPANCY_LOG_S
         self.setup_seq: int | None = None  # the set-up Step (host tier) that ready waits for
-        self.spec_logged: tuple[int, float] = (0, -OCCUPANCY_LOG_S)  # verify rows planned at the last line, when
+        self.spec_logged: tuple[int, float] = (0, -OCCUPANCY_LOG_S)  # verify rows answered at the last line, when
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -312,16 +312,16 @@ class SchedulerLoop:
     def _maybe_log_spec(self) -> None:
         """Speculative decoding: one `speculative decoding` line (cumulative verify rows,
         drafts proposed and accepted, the accept length, rows by drafts accepted, rows with none)
-        at most every OCCUPANCY_LOG_S, when rows were planned since the last one."""
+        at most every OCCUPANCY_LOG_S, when rows answered since the last one."""
         assert self.core is not None
         st, now = self.core.state.spec_stats, time.monotonic()
-        planned = st.rows + st.empty
-        if planned == self.spec_logged[0] or now - self.spec_logged[1] < OCCUPANCY_LOG_S:
+        answered = st.rows + st.empty
+        if answered == self.spec_logged[0] or now - self.spec_logged[1] < OCCUPANCY_LOG_S:
             return
         log.info("speculative decoding", rows=st.rows, drafted=st.drafted, accepted=st.accepted,
                  accept_length=round(st.accept_length, 3), accept_hist=list(st.hist), chained=st.chained,
                  void=st.void, empty=st.empty, plain=st.plain, capped=st.capped)  # (the last two: batch-size rules)
-        self.spec_logged = (planned, now)
+        self.spec_logged = (answered, now)
 
 
 def agree(readies: dict[int, WorkerReady]) -> WorkerReady:

@@ -73,7 +73,7 @@ class Metrics:
         )
         self.l3_files = Gauge("strata_l3_files", "Page files in the L3 directory", registry=r)
         self.l3_bytes = Gauge("strata_l3_bytes", "Bytes of the page files in the L3 directory", registry=r)
-        self._tier_totals: dict[str, int] = {}
+        self._totals: dict[str, int] = {}  # the scheduler's cumulative counts at the last stats (_advance)
         # MoE models (engine/run/expert_counts.py): routed (token, expert) pairs. Per expert summed
         # over the layers and per layer, not per (layer, expert): DeepSeek-V3's 58 x 256 would be
         # 14,848 series; bin/analyze shows the per-layer, per-expert table from the worker's log
@@ -90,7 +90,6 @@ class Metrics:
             ["layer"], registry=r,
         )
         self._expert_totals: dict[int, list[int]] = {}
-        self._device_hits = 0
         self.spec_accept = Histogram(  # speculative decoding: tokens each verify row answered
             "strata_spec_accept_length", "Tokens a speculative verify row answered (1 + drafts accepted)",
             buckets=ACCEPT_BUCKETS, registry=r,
@@ -98,7 +97,6 @@ class Metrics:
         self._spec_hist: list[int] = []
         self.spec_empty = Counter(
             "strata_spec_empty_rows", "Speculative verify rows answered with no draft (one token each)", registry=r)
-        self._spec_empty = 0
         self.dropped = _DroppedFrames()
         r.register(self.dropped)
 
@@ -121,17 +119,10 @@ class Metrics:
         # The scheduler reports cumulative counts (every tier's hits in cache_hit_tokens);
         # a smaller one means it restarted. L1 is what the host and disk tiers did not serve.
         hits = max(0, stats.cache_hit_tokens - stats.l2_hit_tokens - stats.l3_hit_tokens)
-        delta = hits - self._device_hits if hits >= self._device_hits else hits
-        if delta:
-            self.cache_hit_tokens.labels(tier="l1").inc(delta)
-        self._device_hits = hits
+        self._advance("l1_hit_tokens", hits, self.cache_hit_tokens.labels(tier="l1"))
         self._on_tier_stats(stats)
         self._on_spec_stats(stats.spec_accept_hist)
-        empty = stats.spec_empty_rows
-        delta = empty - self._spec_empty if empty >= self._spec_empty else empty  # smaller: a restart
-        if delta:
-            self.spec_empty.inc(delta)
-        self._spec_empty = empty
+        self._advance("spec_empty_rows", stats.spec_empty_rows, self.spec_empty)
         if stats.expert_tokens is not None:
             self._on_expert_tokens(stats.expert_tokens)
 
@@ -179,11 +170,16 @@ class Metrics:
             ("l3_corrupt", self.l3_corrupt),
             ("l3_write_skips", self.l3_write_skips),
         ):
-            now, before = getattr(stats, key), self._tier_totals.get(key, 0)
-            delta = now - before if now >= before else now  # smaller: the scheduler restarted
-            if delta:
-                counter.inc(delta)
-            self._tier_totals[key] = now
+            self._advance(key, getattr(stats, key), counter)
+
+    def _advance(self, key: str, now: int, counter: Counter) -> None:
+        """`counter` += what the scheduler's cumulative count `key` grew by since the last stats
+        (all of `now` when it is smaller: the scheduler restarted)."""
+        before = self._totals.get(key, 0)
+        delta = now - before if now >= before else now
+        if delta:
+            counter.inc(delta)
+        self._totals[key] = now
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
