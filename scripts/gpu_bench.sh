@@ -53,6 +53,7 @@
 #   moelat    Qwen3-30B-A3B decode latency only (batch 1 8 32, ctx 1024)
 #   moeoffline Qwen3-30B-A3B offline, 256 x 1000/1000 (the shape, beside llama8m's Llama-3.1-8B)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
+#             (MOESWEEP_SHAPES="qwen3-30b-a3b:none" for one)
 #   nvfp4moe  NVFP4 MoE checkpoints on CUDA (tests/gpu/test_moe_nvfp4_gpu.py): experts dequantized at load, vs CPU
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside at
@@ -235,7 +236,7 @@ for what in "$@"; do case $what in
   mlaserve) run latency-deepseek-v3-5l 140 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 8 64 \
          --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log"; grep -h "cuda graphs\|runner ready\|mla" "$OUT/latency-deepseek-v3-5l.log" | tail -4 ;;
-  moesweep) for sq in qwen3-30b-a3b:none deepseek-v3:fp8_block; do
+  moesweep) for sq in ${MOESWEEP_SHAPES:-qwen3-30b-a3b:none deepseek-v3:fp8_block}; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
   mla|mlatest) run gpu-mla 330 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py tests/gpu/test_mla_flashinfer_gpu.py -q -rA \

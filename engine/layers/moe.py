@@ -52,7 +52,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from engine.layers import ops
+from engine.layers import ops, triton_ops
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE
 from engine.layers.parallel import (
@@ -63,10 +63,12 @@ from engine.layers.parallel import (
     _param,
     _row_pieces,
     _shard,
+    gemv_for,
     matmul,
     parallel_state,
     range_split,
 )
+from engine.layers.tuning import kernel_tuning
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -175,9 +177,21 @@ class Router(nn.Module):
         self.weight = _param(spec.num_experts, hidden_size, dtype=torch.float32 if spec.router_float32 else dtype)
         noaux = spec.topk_method == "noaux_tc"
         self.e_score_correction_bias = _param(spec.num_experts, dtype=torch.float32) if noaux else None
+        self._gemv: tuple | None | bool = False  # a bf16 router's small-batch GEMV config; False: not decided
+        self._gemv_rows = 0
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.weight.dtype)
+        if self._gemv is False:  # decided once, on the weight's device (a float32 router keeps cuBLAS)
+            self._gemv = triton_ops.gemv_config(self.weight)
+            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
+        cfg = gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
+        # decode: the projections' triton GEMV (cuBLAS's M=1 GEMM took 4.9 us a layer for
+        # Qwen3-30B-A3B's 128 x 2048); else the batch-invariant matmul under deterministic inference
+        return triton_ops.gemv(x, self.weight, *cfg) if cfg is not None else matmul(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = matmul(x.to(self.weight.dtype), self.weight)  # batch-invariant under deterministic inference
+        logits = self.logits(x)
         if logits.is_cuda:  # (one program per token: batch-invariant as it is)
             from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
 

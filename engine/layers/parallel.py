@@ -265,6 +265,16 @@ def _row_pieces(parts: list[tuple[str | None, int, tuple[int, int]]]) -> tuple[d
 # ---- layers --------------------------------------------------------------------------------
 
 
+def gemv_for(cfg: tuple | None, max_rows: int, k: int, x: torch.Tensor) -> tuple | None:
+    """cfg (a weight's triton GEMV config over K = k, taking up to max_rows rows: decided once
+    per weight) when x takes the small-batch GEMV now, else None: few enough contiguous rows,
+    fused kernels on, and not deterministic inference (whose GEMMs are the batch-invariant ones)."""
+    rows = x.shape[0]
+    if cfg is None or rows > max_rows or not x.is_contiguous() or not ops.fused_enabled() or batch_invariant.enabled():
+        return None
+    return cfg if triton_ops.gemv_rows_ok(cfg, k, rows) else None
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), without nn.Linear's (slow, useless here) random init."""
 
@@ -285,11 +295,7 @@ class Linear(nn.Module):
             # quantized: only fp8 with row scales has a GEMV (weight-only, scaled per row)
             self._gemv = triton_ops.gemv_config(self.weight) if self.quant in (None, "fp8_row") else None
             self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
-        rows = x.shape[0]
-        if self._gemv is None or rows > self._gemv_rows or not x.is_contiguous() or not ops.fused_enabled() \
-                or batch_invariant.enabled():
-            return None
-        return self._gemv if triton_ops.gemv_rows_ok(self._gemv, self.weight.shape[1], rows) else None
+        return gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config when x has few enough rows for it (batch-1 decode; small decode

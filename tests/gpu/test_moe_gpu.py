@@ -220,6 +220,35 @@ def test_route_kernel_matches_route(e: int, k: int, scoring: str, method: str, s
     torch.testing.assert_close(w[same], w_ref[same], rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_router_takes_the_gemv_at_decode_rows() -> None:
+    """A bf16 router (Qwen3-30B-A3B's 128 x 2048) computes 1-4 rows' logits with the triton GEMV
+    (the kernel is counted), close to the float32 product; 5 rows, and deterministic inference
+    at any rows, keep the matmul."""
+    from engine.layers import triton_ops
+    from engine.layers.moe import Router
+
+    spec = SimpleNamespace(num_experts=128, top_k=8, scoring_func="softmax", topk_method="greedy", norm_topk_prob=True,
+                           n_group=1, topk_group=1, routed_scaling_factor=1.0, router_float32=False)
+    with torch.device("cuda"):
+        gate = Router(2048, spec, torch.bfloat16)
+    gate.weight.data.normal_(0, 0.02)
+    calls = []
+    real = triton_ops.gemv
+    triton_ops.gemv = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    try:
+        for rows in (1, 3, 4, 5):
+            x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ gate.weight.float().T
+            torch.testing.assert_close(gate.logits(x).float(), ref, rtol=1e-2, atol=1e-2)
+            w, ids = gate(x)
+            assert ids.shape == (rows, 8) and torch.allclose(w.sum(-1), torch.ones(rows, device="cuda"))
+        with torch_path():
+            gate(torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16))
+    finally:
+        triton_ops.gemv = real
+    assert calls == [1, 1, 3, 3, 4, 4], calls
+
+
 TINY_QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512, "intermediate_size": 1024,
     "moe_intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
