@@ -294,7 +294,8 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
     )
 
 
-def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+def route(logits: torch.Tensor, spec, bias: torch.Tensor | None,  # noqa: ANN001
+          num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """moe.route in one launch: (float32 weights [T, k], int64 ids [T, k]) from logits [T, E]."""
     from engine.layers.moe import is_grouped
 
@@ -308,12 +309,13 @@ def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.
                            float(spec.routed_scaling_factor), SIGMOID=spec.scoring_func == "sigmoid",
                            HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob, TOP_K=k,
                            K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(e), GROUPED=grouped,
-                           G=g, G_P2=triton.next_power_of_2(g), EG=e // g, TOPK_GROUP=spec.topk_group, num_warps=4)
+                           G=g, G_P2=triton.next_power_of_2(g), EG=e // g, TOPK_GROUP=spec.topk_group,
+                           num_warps=num_warps)
     return weights, ids
 
 
 def align(ids: torch.Tensor, counts: torch.Tensor, first: int, local: int, block_m: int,
-          pad: tuple[torch.Tensor, int] | None = None) -> tuple:
+          pad: tuple[torch.Tensor, int] | None = None, num_warps: int = 4) -> tuple:
     """(sorted_ids, block_expert, num_padded, blocks, numel) for the flat pairs of `ids` [T, k]
     (module docstring, step 1); adds the counted pairs to `counts` [E] (int64)."""
     t, k = ids.shape
@@ -327,7 +329,7 @@ def align(ids: torch.Tensor, counts: torch.Tensor, first: int, local: int, block
     align_kernel[(e,)](
         ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
         TOP_K=k, LOCAL=local, E_P2=triton.next_power_of_2(e), BM=block_m,
-        CHUNK=CHUNK_SMALL if numel <= CHUNK_SMALL else 1024, HAS_KEYS=pad is not None, num_warps=4,
+        CHUNK=CHUNK_SMALL if numel <= CHUNK_SMALL else 1024, HAS_KEYS=pad is not None, num_warps=num_warps,
     )
     return sorted_ids, block_expert, num_padded, blocks, numel
 
