@@ -62,6 +62,40 @@ def _slice(x, w, rm, rn, rk, M, N, K, sx, sw, k0, k1,
     return acc
 
 
+@triton.jit
+def _sliced(x, w, rm, rn, rk, M, N, K, sx, sw, kt, per, SPLIT: tl.constexpr,
+            F32: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The SPLIT slices of `per` K tiles, each summed from zero (as `_slice`) and added in order,
+    in one loop over K: one software pipeline, not a drain and refill per slice (a slice's end
+    resets its accumulator, the pattern triton's persistent matmul pipelines). The bits are the
+    separate slices': the same dots in the same order, the same float32 adds; a slice past the
+    end (there are none unless per * (SPLIT - 1) >= kt) adds its zeros as an empty `_slice` does."""
+    xp = x + rm[:, None].to(tl.int64) * sx + rk[None, :]
+    wp = w + rn[None, :].to(tl.int64) * sw + rk[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    part = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, kt):
+        if EVEN_K:
+            a = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(wp, mask=rn[None, :] < N, other=0.0)
+        else:
+            kk = k * BK + rk
+            a = tl.load(xp, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(wp, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if F32:
+            part = tl.dot(a, b, part, input_precision="ieee")
+        else:
+            part = tl.dot(a, b, part)
+        if ((k + 1) % per == 0) | (k == kt - 1):
+            acc = acc + part
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+        xp += BK
+        wp += BK
+    for _ in range(tl.cdiv(kt, per), SPLIT):
+        acc = acc + part  # an empty slice's zeros (part is zero here)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
                           HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
@@ -104,11 +138,8 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
         _store(_slice(x, w, rm, rn, rk, M, N, K, sx, sw, 0, kt, F32, EVEN_K, BM, BN, BK), bias, out, rm, rn, M, N, so,
                HAS_BIAS)
     else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for j in range(SPLIT):
-            acc = acc + _slice(x, w, rm, rn, rk, M, N, K, sx, sw, j * per, min((j + 1) * per, kt), F32, EVEN_K,
-                               BM, BN, BK)
-        _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS)
+        _store(_sliced(x, w, rm, rn, rk, M, N, K, sx, sw, kt, per, SPLIT, F32, EVEN_K, BM, BN, BK), bias, out,
+               rm, rn, M, N, so, HAS_BIAS)
 
 
 @triton.jit

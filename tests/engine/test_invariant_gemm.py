@@ -46,11 +46,11 @@ def test_split_k_programs_give_the_one_program_bits() -> None:
     """K in slices: decode's slices as programs (partials in the workspace, the last program
     adds them) equal prefill's slices added in one program, and the reference."""
     g = torch.Generator().manual_seed(5)
-    n, k = 48, 64 * 16 + 24  # 17 K tiles, the last masked: 4 slices of 5, 5, 5, 2
+    n, k = 48, 64 * 16 + 24  # 17 K tiles, the last masked: 4 slices of 5, 5, 5, 2; 8 of 3 (the last two empty)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
     x = torch.randn(70, k, generator=g)
-    for slices in (2, 4):
+    for slices in (2, 4, 8):
         prefill = invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))  # 70 rows: one program a tile
         decode = invariant_gemm.gemm(x[:5], w, b, tile=(64, 16, 1, 4, 4, slices))  # slices as programs
         assert torch.equal(decode, prefill[:5]), slices
