@@ -142,6 +142,36 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
                rm, rn, M, N, so, HAS_BIAS)
 
 
+@triton.jit(do_not_specialize=["M"])
+def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+    """invariant_gemm_kernel's one-program tiles (GROUP_M > 1) with the x and w tiles loaded by
+    the tensor memory accelerator (host descriptors; out-of-bounds rows and K columns read as
+    zeros, as the masked loads): the same K slices, dots and adds, so the same bits."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    kt = tl.cdiv(K, BK)
+    per = tl.cdiv(kt, SPLIT)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    part = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, kt):
+        a = x_desc.load([pid_m * BM, k * BK])
+        b = w_desc.load([pid_n * BN, k * BK])
+        part = tl.dot(a, b.T, part)
+        if ((k + 1) % per == 0) | (k == kt - 1):
+            acc = acc + part
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(tl.cdiv(kt, per), SPLIT):
+        acc = acc + part  # an empty slice's zeros
+    _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
+
+
 @triton.jit
 def _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
@@ -198,9 +228,10 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M
-    (`tile`: `tiles`' answer forced, for the GPU test's candidates)."""
+    (`tile`: `tiles`' answer forced, for the GPU test's candidates; `tma`: one-program tiles of
+    16-bit operands through invariant_gemm_tma_kernel, an experiment of the GPU test)."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
@@ -217,6 +248,15 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if split_grid and (grid_mn * slices * bm * bn > ws.numel() or grid_mn > counters.numel()):
         raise ValueError(f"invariant GEMM [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
     f32 = x.dtype == torch.float32 or interpreted()
+    if tma and not split_grid and not f32 and k % 8 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        invariant_gemm_tma_kernel[(grid_mn,)](
+            TensorDescriptor.from_tensor(x, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
+            bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
+            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, num_warps=warps, num_stages=stages,
+        )
+        return out
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](
