@@ -32,7 +32,7 @@ from engine.layers.triton_ops import interpreted
 BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
-FULL_GRID = 264  # 128 x 128 tiles from this many (2 an H200 SM) fill the GPU
+FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
 MID_TILES = 96  # 64 x 128 tiles from this many (one program each, K slices in its loop) beat the split grid
 WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, allocated on first use)
 
@@ -197,19 +197,21 @@ def decode_bn(n: int) -> int:
 
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1
-    marks a split grid (K slices as programs). Decode (m <= 64): one row tile of 64, narrow
-    column tiles, so that ~512 programs stream the weight. Above, by the tiles there are (one
-    warp group per 64 rows in all): 128 x 128 where they fill the GPU (FULL_GRID); else 64 x
-    128 where there are MID_TILES of those; else (a large decode batch over a narrow weight:
-    Qwen3-0.6B's o projection at 256 rows has 32) 64 x 128 on a split grid. The LM head's weight
-    (one K slice): 64 x 256 below FULL_GRID. From the H200's timing of every candidate at 128,
-    256 and 512 rows of Llama-3.1-8B's and Qwen3-0.6B's projections (docs/PERF.md, eighth
-    session): e.g. Llama's gate_up at 128 rows 140.6 us on the split grid, 84.9 in 64 x 128 tiles."""
+    marks a split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see
+    `gemm`). Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs
+    stream the weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x
+    256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows); else 64 x 128 where
+    there are MID_TILES of those; else (a large decode batch over a narrow weight: Qwen3-0.6B's
+    o projection at 256 rows has 32) 64 x 128 on a split grid. From the H200's timing of every
+    candidate (docs/PERF.md, ninth session): at 4096 rows 128 x 256 with TMA loads 702-758
+    TFLOPS on Llama-3.1-8B's projections (cuBLAS 777-804; 128 x 128 pointer loads, the rule
+    before, 417-448); at 128-512 rows, e.g. Llama's gate_up at 128 rows 140.6 us on the split
+    grid, 84.9 in 64 x 128 tiles (eighth session)."""
     s = split(n, k)
     if m <= DECODE_MAX_ROWS:
         return 64, decode_bn(n), 1, 4, 4, s
-    if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= FULL_GRID:
-        return 128, 128, 8, 8, 3, s
+    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_TILES:
+        return 128, 256, 8, 8, 3, s
     if s == 1:
         return 64, 256, 8, 4, 3, s
     mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
@@ -228,10 +230,13 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool = False) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M
-    (`tile`: `tiles`' answer forced, for the GPU test's candidates; `tma`: one-program tiles of
-    16-bit operands through invariant_gemm_tma_kernel, an experiment of the GPU test)."""
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M.
+    One-program tiles of 16-bit operands load through the tensor memory accelerator
+    (invariant_gemm_tma_kernel: 1.1-1.7x the pointer loads at 4096 rows on an H200, the same
+    bits) where the operands' layout allows it; float32, triton's interpreter and a misaligned
+    view take the pointer loads. `tile`: `tiles`' answer forced; `tma`: the loads forced (the
+    GPU test's candidates)."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
@@ -248,7 +253,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if split_grid and (grid_mn * slices * bm * bn > ws.numel() or grid_mn > counters.numel()):
         raise ValueError(f"invariant GEMM [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
     f32 = x.dtype == torch.float32 or interpreted()
-    if tma and not split_grid and not f32 and k % 8 == 0:
+    if tma is None:
+        tma = not split_grid and not f32 and _tma_layout(x) and _tma_layout(w)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         invariant_gemm_tma_kernel[(grid_mn,)](
@@ -267,6 +274,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if res is not out:
         out.copy_(res)
     return out
+
+
+def _tma_layout(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor takes t: 16-byte aligned base and row stride, unit column stride."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -73,7 +73,9 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
     assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1
     assert invariant_gemm.tiles(256, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at a decode batch of 256
     assert invariant_gemm.tiles(128, 28672, 4096) == (64, 128, 8, 4, 4, 2)  # Llama's gate_up: 448 tiles of 64 x 128
-    assert invariant_gemm.tiles(256, 128256, 4096) == (128, 128, 8, 8, 3, 1)  # the LM head: 2004 tiles
+    assert invariant_gemm.tiles(256, 128256, 4096) == (128, 256, 8, 8, 3, 1)  # the LM head: 1002 tiles
+    assert invariant_gemm.tiles(256, 28672, 4096) == (128, 256, 8, 8, 3, 2)  # Llama's gate_up: 224 tiles of 128 x 256
+    assert invariant_gemm.tiles(4096, 1024, 2048) == (128, 256, 8, 8, 3, 8)  # Qwen3-0.6B o, a prefill: 128 tiles
 
 
 def test_mid_rows_split_grid_gives_the_prefill_bits() -> None:
