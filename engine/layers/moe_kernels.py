@@ -252,6 +252,118 @@ def combine_kernel(y, ids, out, H, first, keys, below, TOP_K: tl.constexpr, LOCA
     tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
 
 
+@triton.jit(do_not_specialize=["keys", "first", "below"])
+def expert_gemv13_kernel(x, w, ids, counts, keys, below, mid, first, INTER, stride_x, stride_we, stride_wn,
+                         H: tl.constexpr, TOP_K: tl.constexpr, LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+    """Decode's w13 without align: program (pair p, block nb) multiplies token p // TOP_K's x by
+    BN gate and BN up rows of expert ids[p] (this rank's), mid[p] = silu(gate) * up (float32,
+    stored in mid's dtype, as gemm_kernel's SILU). Block 0 counts a real row's pair (every
+    expert, as align_kernel); a padding row's pairs and other ranks' experts compute nothing."""
+    p = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    t = p // TOP_K
+    e = tl.load(ids + p)
+    live = nb >= 0
+    if HAS_KEYS:
+        live = tl.load(keys + t) >= below
+    if live & (nb == 0):
+        tl.atomic_add(counts + e, 1)
+    le = e - first
+    if live & (le >= 0) & (le < LOCAL):
+        rn = nb * BN + tl.arange(0, BN)
+        nm = rn < INTER
+        wb = w + le * stride_we
+        gate = tl.zeros((BN,), tl.float32)
+        up = tl.zeros((BN,), tl.float32)
+        for k0 in tl.static_range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            km = rk < H
+            xv = tl.load(x + t * stride_x + rk, mask=km, other=0.0).to(tl.float32)[None, :]
+            m2 = nm[:, None] & km[None, :]
+            gate += tl.sum(tl.load(wb + rn[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+                           * xv, 1)
+            up += tl.sum(tl.load(wb + (INTER + rn)[:, None] * stride_wn + rk[None, :], mask=m2, other=0.0)
+                         .to(tl.float32) * xv, 1)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(mid + p * INTER + rn, out.to(mid.dtype.element_ty), mask=nm)
+
+
+@triton.jit(do_not_specialize=["keys", "first", "below"])
+def expert_gemv2_kernel(mid, w, ids, weights, keys, below, out, first, H, stride_we, stride_wn,
+                        INTER: tl.constexpr, TOP_K: tl.constexpr, LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
+    """Decode's w2 and combine in one: program (token t, block nb) sums over its slots, in slot
+    order, weight * (BN rows of expert ids[slot]'s w2 times mid[slot]), each term rounded to
+    out's dtype as gemm_kernel stores it and added in float32 as combine_kernel does. Other
+    ranks' experts and a padding row's slots add nothing (zeros)."""
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = rn < H
+    acc = tl.zeros((BN,), tl.float32)
+    live = t >= 0
+    if HAS_KEYS:
+        live = tl.load(keys + t) >= below
+    if live:
+        for j in tl.static_range(TOP_K):
+            p = t * TOP_K + j
+            le = tl.load(ids + p) - first
+            if (le >= 0) & (le < LOCAL):
+                wb = w + le * stride_we
+                y = tl.zeros((BN,), tl.float32)
+                for k0 in tl.static_range(0, INTER, BK):
+                    rk = k0 + tl.arange(0, BK)
+                    km = rk < INTER
+                    m = tl.load(mid + p * INTER + rk, mask=km, other=0.0).to(tl.float32)[None, :]
+                    y += tl.sum(tl.load(wb + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & km[None, :],
+                                        other=0.0).to(tl.float32) * m, 1)
+                y = y * tl.load(weights + p)
+                acc += y.to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + t * H + rn, acc.to(out.dtype.element_ty), mask=nm)
+
+
+def gemv_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 counts: torch.Tensor, first: int, pad: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """fused_experts for a few decode tokens of unquantized stacks, in two launches and no align
+    or combine: a GEMV per (token, slot) pair over w13 (`expert_gemv13_kernel`), then one per
+    token over its slots' w2 rows, weighted and summed in slot order (`expert_gemv2_kernel`).
+    An expert two tokens share is read twice, so this pays only while pairs are few."""
+    t, k = ids.shape
+    h, inter, local = x.shape[1], w2.shape[2], w13.shape[0]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    ids, weights, x = ids.contiguous(), weights.contiguous(), x.contiguous()
+    keys, below = pad if pad is not None else (ids, 0)
+    mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    bk13 = min(GEMV_K_TILE, triton.next_power_of_2(h))
+    expert_gemv13_kernel[(t * k, triton.cdiv(inter, GEMV_ROWS))](
+        x, w13, ids, counts, keys, below, mid, first, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        H=h, TOP_K=k, LOCAL=local, HAS_KEYS=pad is not None, BN=GEMV_ROWS, BK=bk13, num_warps=4,
+    )
+    bk2 = min(GEMV_K_TILE, triton.next_power_of_2(inter))
+    expert_gemv2_kernel[(t, triton.cdiv(h, GEMV_ROWS))](
+        mid, w2, ids, weights, keys, below, out, first, h, w2.stride(0), w2.stride(1),
+        INTER=inter, TOP_K=k, LOCAL=local, HAS_KEYS=pad is not None, BN=GEMV_ROWS, BK=bk2, num_warps=4,
+    )
+    return out
+
+
+def gemv_takes(device: torch.device, tokens: int, quant: str | None) -> bool:
+    """Whether `tokens` tokens' experts take gemv_experts: plain stacks, up to the GPU's tuning's
+    moe_gemv_max_tokens, not under deterministic inference (its one GEMM config serves every
+    batch, prefill and decode alike, so that a token's bits do not depend on it)."""
+    if quant is not None or batch_invariant.enabled():
+        return False
+    from engine.layers.tuning import kernel_tuning
+
+    return 0 < tokens <= kernel_tuning(device).moe_gemv_max_tokens
+
+
+GEMV_ROWS = 4  # weight rows a GEMV program takes (gate and up: 4 each)
+GEMV_K_TILE = 2048  # K per step of its loop: one step at Qwen3-30B-A3B's hidden (2048) and intermediate (768)
+
+
 class GemmConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -398,3 +510,5 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
             weights = torch.ones(t, top_k, dtype=torch.float32, device=x.device)
             keys = (torch.zeros(t, dtype=torch.int64, device=x.device), 0) if pad else None
             fused_experts(xs, weights, ids, w13, w2, counts, 0, cfg, keys)
+            if t == 1 and gemv_takes(x.device, 1, w13.quant):
+                gemv_experts(xs, weights, ids, w13.w, w2.w, counts, 0, keys)

@@ -91,28 +91,6 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
           f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}, "
           f"decode tiles {t_one:.1f}); prefill tiles keeping the decode bits: {keep}")
     _report_mid(name, x, w, decode_tiled, one[5])
-    _report_prefill(name, x, w, decode_tiled, one[5])
-
-
-def _report_prefill(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor, slices: int) -> None:
-    """The prefill candidates at the test's largest row count: TFLOPS with pointer loads and with
-    TMA loads (invariant_gemm_tma_kernel), '!' where a candidate's rows would not keep the decode
-    bits (printed, for choosing `tiles`' prefill rule and the loads)."""
-    (n, k), big = w.shape, x.shape[0]
-    row = []
-    for c in CANDIDATES:
-        tile = (*c, slices)
-        for tma in (False, True):
-            try:
-                same = torch.equal(invariant_gemm.gemm(x, w, tile=tile, tma=tma), decode_tiled)
-                us = _time(lambda tile=tile, tma=tma: invariant_gemm.gemm(x, w, tile=tile, tma=tma))
-            except Exception as e:  # noqa: BLE001  (a triton without host TMA descriptors: reported, not fatal)
-                row.append(f"{c[:2]}{' tma' if tma else ''} error {type(e).__name__}: {str(e)[:80]}")
-                continue
-            tflops = 2 * big * n * k / (us * 1e-6) / 1e12
-            row.append(f"{c[:2]}{' tma' if tma else ''} {tflops:.0f}" + ("" if same else "!"))
-    print(f"{name} prefill M={big} TFLOPS: now {invariant_gemm.tiles(big, n, k)[:3]}, cuBLAS "
-          f"{2 * big * n * k / (_time(lambda: F.linear(x, w)) * 1e-6) / 1e12:.0f}; " + ", ".join(row))
 
 
 def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor, slices: int) -> None:

@@ -233,3 +233,47 @@ def test_tuning_picks_blocks_by_rows_per_expert() -> None:
     assert KernelTuning().moe_config(4)[0] == 16 and KernelTuning().moe_config(4096)[0] == 128
     with pytest.raises(ValueError, match="moe_gemm"):
         parse_tuning({"moe_gemm": [{"config": [16, 32, 64]}]}, "gpu")
+
+
+@pytest.mark.parametrize(("t", "k", "e", "dtype", "tol", "k_tile"), [
+    (1, 2, 5, torch.float32, 1e-5, 2048),  # one token, K in one step
+    (3, 3, 6, torch.float32, 1e-5, 16),  # K in steps of 16, the last partial (48 = 3 x 16; 40 = 2.5 x 16)
+    (4, 4, 11, torch.bfloat16, 2e-2, 32),
+])
+def test_gemv_experts_equal_torch_path(t: int, k: int, e: int, dtype: torch.dtype, tol: float, k_tile: int,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's two-launch expert GEMVs (no align, no combine) against the torch path, and the
+    same per-expert counts."""
+    monkeypatch.setattr(mk, "GEMV_K_TILE", k_tile)
+    h, inter = 48, 40
+    ex = _experts(e, h, inter, dtype, seed=t + e)
+    w, ids = _routing(t, k, e, seed=t)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = ex(x, w, ids)
+    ref_counts = ex.token_counts.clone()
+    ex.token_counts.zero_()
+    y = mk.gemv_experts(x, w, ids, ex.w13, ex.w2, ex.token_counts, ex.first)
+    assert y.dtype == dtype and _rel(y, ref) < tol, _rel(y, ref)
+    assert torch.equal(ex.token_counts, ref_counts)
+
+
+def test_gemv_experts_ep_ranks_and_padding_rows(ep_rank: None) -> None:
+    """Two expert-parallel ranks' GEMV partial sums add up to all experts; a padding row (key
+    below the bound) gives zeros and is not counted, on each rank."""
+    t, k, e, h, inter = 3, 2, 6, 48, 40
+    full = _experts(e, h, inter, torch.float32, seed=1)
+    w, ids = _routing(t, k, e, seed=2)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4))
+    keys = torch.tensor([5, 0, 5])  # row 1 is a CUDA graph's padding row
+    ref = full(x, w, ids)
+    total = torch.zeros(t, h)
+    counts = torch.zeros(e, dtype=torch.int64)
+    for rank in range(2):
+        ex = _experts(e, h, inter, torch.float32, seed=1, ep=(rank, 2))
+        for n in ("w13", "w2"):  # the rank's rows of the whole stacks
+            getattr(ex, n).data = getattr(full, n).data[ex.first : ex.first + e // 2].clone()
+        ex.token_counts.zero_()
+        total += mk.gemv_experts(x, w, ids, ex.w13, ex.w2, ex.token_counts, ex.first, (keys, 1))
+        counts = ex.token_counts  # every rank counts every real row's pairs (as align does)
+    assert _rel(total[[0, 2]], ref[[0, 2]]) < 1e-5 and not total[1].any()
+    assert counts.tolist() == torch.bincount(ids[[0, 2]].flatten(), minlength=e).tolist()
