@@ -275,8 +275,6 @@ class Experts(nn.Module):
 
         w13, w2 = (mk.Stack(getattr(self, n), getattr(self, n + "_scale", None), self.quant) for n in ("w13", "w2"))
         mk.warm(x, w13, w2, ids.shape[1], self.num_experts, pad is not None)  # every config compiled before ready
-        if mk.gemv_takes(x.device, ids.shape[0], self.quant):
-            return mk.gemv_experts(x, weights, ids, self.w13, self.w2, self.token_counts, self.first, pad)
         cfg = mk.config_for(x.device, ids.numel(), self.local_experts)
         return mk.fused_experts(x, weights, ids, w13, w2, self.token_counts, self.first, cfg, pad)
 

@@ -92,9 +92,6 @@ class KernelTuning:
     tp_symm_allreduce_max_bytes: int = 0
     # fused MoE (engine/layers/moe_kernels.py): GEMM blocks by the mean rows an expert gets, first match wins
     moe_gemm: tuple[MoeRule, ...] = MOE_GEMM_DEFAULT
-    # up to this many tokens, plain (unquantized) experts take the two-launch expert GEMVs
-    # (moe_kernels.gemv_experts: no align, no combine) outside deterministic inference; 0: never
-    moe_gemv_max_tokens: int = 0
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
     # (engine/layers/mla_kernels.py) below that, and on every rank at 0 (a GPU nobody measured)
