@@ -33,7 +33,7 @@ BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
-MID_TILES = 96  # 64 x 128 tiles from this many (one program each, K slices in its loop) beat the split grid
+MID_TILES = 32  # 64 x 128 tiles (one program each, TMA loads) beat the split grid from this many, if not too few for K
 WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, allocated on first use)
 
 
@@ -201,12 +201,12 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     `gemm`). Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs
     stream the weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x
     256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows); else 64 x 128 where
-    there are MID_TILES of those; else (a large decode batch over a narrow weight: Qwen3-0.6B's
-    o projection at 256 rows has 32) 64 x 128 on a split grid. From the H200's timing of every
-    candidate (docs/PERF.md, ninth session): at 4096 rows 128 x 256 with TMA loads 702-758
-    TFLOPS on Llama-3.1-8B's projections (cuBLAS 777-804; 128 x 128 pointer loads, the rule
-    before, 417-448); at 128-512 rows, e.g. Llama's gate_up at 128 rows 140.6 us on the split
-    grid, 84.9 in 64 x 128 tiles (eighth session)."""
+    there are MID_TILES of those and at least half as many as K tiles; else (a large decode batch
+    over a narrow weight or a long K: Qwen3-0.6B's o projection at 128 rows has 16) 64 x 128 on
+    a split grid. From the H200's timing of every candidate (docs/PERF.md, ninth session): at 4096
+    rows 128 x 256 with TMA loads 702-758 TFLOPS on Llama-3.1-8B's projections (cuBLAS 777-804;
+    the 128 x 128 pointer tiles before, 417-448); at 128-512 rows 64 x 128 TMA tiles 1.1-1.9x the
+    split grid (Qwen's qkv at 128 rows 8.8 against 13.6 us) except with few tiles over a long K."""
     s = split(n, k)
     if m <= DECODE_MAX_ROWS:
         return 64, decode_bn(n), 1, 4, 4, s
@@ -215,7 +215,10 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     if s == 1:
         return 64, 256, 8, 4, 3, s
     mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
-    if mid_tiles >= MID_TILES or mid_tiles * s * 64 * 128 > WORKSPACE_FLOATS:
+    # one program a tile walks all of K: it pays from MID_TILES tiles and half a tile per K tile
+    # (Llama's down at 128 rows, 64 tiles over 224 K tiles: 78.7 us, against 55.8 split)
+    if (mid_tiles >= MID_TILES and 2 * mid_tiles >= triton.cdiv(k, BLOCK_K)) \
+            or mid_tiles * s * 64 * 128 > WORKSPACE_FLOATS:
         return 64, 128, 8, 4, 4, s
     return 64, 128, 1, 4, 4, s
 

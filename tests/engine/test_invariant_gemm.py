@@ -71,7 +71,9 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
         cols = -(-n // decode[1])
         assert cols * decode[5] >= invariant_gemm.DECODE_PROGRAMS or decode[5] == 1 or k // 64 // decode[5] < 8
     assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1
-    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at a decode batch of 256
+    assert invariant_gemm.tiles(128, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at 128 rows: 16 tiles
+    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 128, 8, 4, 4, 8)  # at 256: 32 tiles, 32 K tiles
+    assert invariant_gemm.tiles(128, 4096, 14336) == (64, 128, 1, 4, 4, 4)  # Llama's down: 64 tiles, 224 K tiles
     assert invariant_gemm.tiles(128, 28672, 4096) == (64, 128, 8, 4, 4, 2)  # Llama's gate_up: 448 tiles of 64 x 128
     assert invariant_gemm.tiles(256, 128256, 4096) == (128, 256, 8, 8, 3, 1)  # the LM head: 1002 tiles
     assert invariant_gemm.tiles(256, 28672, 4096) == (128, 256, 8, 8, 3, 2)  # Llama's gate_up: 224 tiles of 128 x 256
@@ -94,5 +96,5 @@ def test_warm_up_compiles_each_tile_choice_once() -> None:
     """Ready means warm: engine/run/warmup.py runs the first row count of each tile choice."""
     rows = list(range(1, 2000))
     firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: decode, mid split grid, 64 x 128 tiles
-    assert firsts == [1, 65, 705]
+    assert firsts == [1, 65, 193]
     assert {invariant_gemm.tiles(m, 1024, 2048) for m in rows} == {invariant_gemm.tiles(m, 1024, 2048) for m in firsts}
