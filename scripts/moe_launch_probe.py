@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.layers import moe_kernels as mk  # noqa: E402
 from engine.layers import triton_ops  # noqa: E402
+from scripts.moe_sweep import time_graph  # noqa: E402
 
 COPIES = 50
 MODELS = {  # hidden, experts, top_k, scoring, method, groups, router dtype
@@ -29,26 +30,9 @@ MODELS = {  # hidden, experts, top_k, scoring, method, groups, router dtype
 }
 
 
-def per_launch_us(fn, reps: int = 20) -> float:  # noqa: ANN001
+def per_launch_us(fn) -> float:  # noqa: ANN001
     """Microseconds a call of fn, COPIES calls captured in one CUDA graph and replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(COPIES):
-            fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * COPIES)
+    return time_graph(fn, copies=COPIES) * 1e3
 
 
 def main() -> None:

@@ -38,6 +38,24 @@ WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, 
 
 
 @triton.jit
+def _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr):
+    """acc + the product of K tile k's x tile (at xp) and w tile (at wp), rows past M, columns
+    past N and K past its end read as zeros."""
+    if EVEN_K:
+        a = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+        b = tl.load(wp, mask=rn[None, :] < N, other=0.0)
+    else:
+        kk = k * BK + rk
+        a = tl.load(xp, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(wp, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+    if F32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _slice(x, w, rm, rn, rk, M, N, K, sx, sw, k0, k1,
            F32: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """x[rm, k] @ w[rn, k]^T over K tiles k0 .. k1 - 1, in order, from a zero accumulator."""
@@ -46,17 +64,7 @@ def _slice(x, w, rm, rn, rk, M, N, K, sx, sw, k0, k1,
     wp = w + rn[None, :].to(tl.int64) * sw + rkk[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(k0, k1):
-        if EVEN_K:
-            a = tl.load(xp, mask=rm[:, None] < M, other=0.0)
-            b = tl.load(wp, mask=rn[None, :] < N, other=0.0)
-        else:
-            kk = k * BK + rk
-            a = tl.load(xp, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(wp, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if F32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32, EVEN_K, BK)
         xp += BK
         wp += BK
     return acc
@@ -75,17 +83,7 @@ def _sliced(x, w, rm, rn, rk, M, N, K, sx, sw, kt, per, SPLIT: tl.constexpr,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     part = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, kt):
-        if EVEN_K:
-            a = tl.load(xp, mask=rm[:, None] < M, other=0.0)
-            b = tl.load(wp, mask=rn[None, :] < N, other=0.0)
-        else:
-            kk = k * BK + rk
-            a = tl.load(xp, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(wp, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if F32:
-            part = tl.dot(a, b, part, input_precision="ieee")
-        else:
-            part = tl.dot(a, b, part)
+        part = _k_step(xp, wp, rm, rn, rk, k, M, N, K, part, F32, EVEN_K, BK)
         if ((k + 1) % per == 0) | (k == kt - 1):
             acc = acc + part
             part = tl.zeros((BM, BN), dtype=tl.float32)
