@@ -38,6 +38,17 @@ WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, 
 
 
 @triton.jit
+def _grouped(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid: GROUP_M row tiles per column tile in turn."""
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
 def _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr):
     """acc + the product of K tile k's x tile (at xp) and w tile (at wp), rows past M, columns
     past N and K past its end read as zeros."""
@@ -106,13 +117,7 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     the last of a tile's programs to finish adds them; else one program adds them as it goes.
     The two give the same bits: the same slices, the same float32 adds in the same order."""
     pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = _grouped(pid, M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -147,13 +152,7 @@ def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: 
     the tensor memory accelerator (host descriptors; out-of-bounds rows and K columns read as
     zeros, as the masked loads): the same K slices, dots and adds, so the same bits."""
     pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = _grouped(pid, M, N, BM, BN, GROUP_M)
     kt = tl.cdiv(K, BK)
     per = tl.cdiv(kt, SPLIT)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
