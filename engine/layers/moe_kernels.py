@@ -39,12 +39,8 @@ import triton
 import triton.language as tl
 
 from engine.layers import batch_invariant
-from engine.layers.triton_ops import pdl_supported
-
-try:  # grid-dependency control (programmatic dependent launch), where this triton has it
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_wait = gdc_launch_dependents = None
+from engine.layers.triton_kernels import pdl_start
+from engine.layers.triton_ops import pdl_launch
 
 QUANTS = {None: 0, "fp8_row": 1, "fp8_block": 2}
 # triton's interpreter multiplies bfloat16 tiles as raw bits: there (the CPU tests) dot in float32
@@ -85,9 +81,7 @@ def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HA
     moe.route computes it: scores (softmax or 1 / (1 + exp(-x))), with GROUPED only the
     experts of the TOPK_GROUP best groups (`_keep_groups`), the top_k of scores (+ bias), best
     first, their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
-    if PDL:  # everything a program reads comes from the previous launch: wait for it first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)  # everything a program reads comes from the previous launch
     t = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, E_P2)
     em = bins < E
@@ -134,9 +128,7 @@ def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel,
                  TOP_K: tl.constexpr, LOCAL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
                  CHUNK: tl.constexpr, HAS_KEYS: tl.constexpr, PDL: tl.constexpr):
     """Program e: expert e's pairs into its padded segment (module docstring, step 1)."""
-    if PDL:  # everything a program reads comes from the previous launch: wait for it first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)  # everything a program reads comes from the previous launch
     e = tl.program_id(0)
     bins = tl.arange(0, E_P2)
     hist = tl.zeros((E_P2,), tl.int32)
@@ -207,9 +199,7 @@ def gemm_kernel(a, w, ws, c, sorted_ids, block_expert, num_padded, weights, N, K
     """c[pair, n] for the pairs of one BM block of one expert (module docstring, steps 2-3).
     A row of a is pair // A_DIV (x for w13: A_DIV = top_k; the intermediate for w2: 1).
     SILU: w holds gate rows [0, N) and up rows [N, 2N); c = silu(gate) * up."""
-    if PDL:  # everything a program reads comes from the previous launch: wait for it first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)  # everything a program reads comes from the previous launch
     tiles_n = tl.cdiv(N, BN)
     pm, pn = _tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     if pm * BM >= tl.load(num_padded):
@@ -252,9 +242,7 @@ def combine_kernel(y, ids, out, H, first, keys, below, TOP_K: tl.constexpr, LOCA
     """out[t] = sum over slots j, in order, of y[t * TOP_K + j] (float32); rows of pairs routed to
     another rank's experts, or of a padding row (HAS_KEYS: keys[t] < below), were never written
     and count as zeros."""
-    if PDL:  # everything a program reads comes from the previous launch: wait for it first
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)  # everything a program reads comes from the previous launch
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     acc = tl.zeros((BH,), tl.float32)
@@ -271,13 +259,10 @@ def combine_kernel(y, ids, out, H, first, keys, below, TOP_K: tl.constexpr, LOCA
 
 
 def _pdl(device: torch.device) -> dict:
-    """The PDL constexpr and launch option of the MoE kernels on `device`: programmatic dependent
-    launch where the GPU's tuning turns it on (`moe_pdl`) and triton has it, so that a kernel is
-    launched while its predecessor drains and waits (gdc_wait) before its first read."""
+    """The MoE kernels' PDL (triton_ops.pdl_launch) where the GPU's tuning turns it on (`moe_pdl`)."""
     from engine.layers.tuning import kernel_tuning
 
-    on = device.type == "cuda" and kernel_tuning(device).moe_pdl and pdl_supported()
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return pdl_launch(device, device.type == "cuda" and kernel_tuning(device).moe_pdl)
 
 
 class GemmConfig(NamedTuple):
