@@ -41,8 +41,8 @@ def candidates(rows: int) -> list[mk.GemmConfig]:
     return out
 
 
-def time_graph(fn, reps: int = 20, copies: int = 1) -> float:  # noqa: ANN001
-    """ms per call of fn, `copies` calls captured in one CUDA graph and replayed."""
+def time_graph(fn, reps: int = 20) -> float:  # noqa: ANN001
+    """ms per call of fn, captured once in a CUDA graph and replayed."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -50,8 +50,7 @@ def time_graph(fn, reps: int = 20, copies: int = 1) -> float:  # noqa: ANN001
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(copies):
-            fn()
+        fn()
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -60,7 +59,7 @@ def time_graph(fn, reps: int = 20, copies: int = 1) -> float:  # noqa: ANN001
         g.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / (reps * copies)
+    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
