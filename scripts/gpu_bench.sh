@@ -26,6 +26,8 @@
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
+#   detpdl    A/B of the tuning file's invariant_gemm_pdl: detlat's latencies off, then the GEMM's GPU test (bits) and
+#             the latencies on (the file edited on the device only)
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1);
 #             DETLAT_MODELS="qwen3-30b-a3b" for another
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
@@ -54,6 +56,8 @@
 #   moeoffline Qwen3-30B-A3B offline, 256 x 1000/1000 (the issue's shape, beside llama8m's Llama-3.1-8B)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #             (MOESWEEP_SHAPES="qwen3-30b-a3b:none" for one)
+#   moepdl    A/B of the tuning file's moe_pdl (the MoE kernels with PDL): Qwen3-30B-A3B decode latency off, then
+#             tests/gpu/test_moe_gpu.py and the latency on (the file edited on the device only)
 #   nvfp4moe  NVFP4 MoE checkpoints on CUDA (tests/gpu/test_moe_nvfp4_gpu.py): experts dequantized at load, vs CPU
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside at
@@ -61,6 +65,8 @@
 #             and tests/gpu/test_mla_flashinfer_gpu.py (flashinfer's MLA wrapper served at >= 64 heads: eager, mixed
 #             and graph-replayed steps vs torch / the triton kernel, greedy tokens served; builds the MLA module first)
 #   mlatest   mla's gpu tests only (no bench)
+#   flashmla  bin/bench mla --flashmla: FlashMLA's dense SM90 decode (sgl-flash-mla, carried in .whl) beside ours at
+#             64-token pages, 128 and 16 heads, bf16 latents
 #   mlaserve  DeepSeek-V3-5L decode latency, batch 1 8 64 (flashinfer's MLA wrapper served at 128 heads)
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
@@ -69,7 +75,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detpdl detblocks detsglang moe moetest moelat moeoffline moesweep moepdl nvfp4moe cp cpmla mla mlatest flashmla mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -167,6 +173,16 @@ for what in "$@"; do case $what in
               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
               --out "$OUT/latency-$m-det-h200.json" || fails=$((fails + 1))
             grep -A6 "batch  *ctx" "$OUT/latency-$m-det.log"; done ;;
+  detpdl) for pdl in false true; do  # the tuning file's invariant_gemm_pdl A/B (one machine), the bits with it on
+           sed -i "s/\"invariant_gemm_pdl\": [a-z]*/\"invariant_gemm_pdl\": $pdl/" configs/tuning/NVIDIA_H200.json
+           [ $pdl = true ] && { run gpu-detgemm-pdl 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py \
+             -q -rA -p no:cacheprovider || fails=$((fails + 1)); grep -E "passed|failed" "$OUT/gpu-detgemm-pdl.log" | tail -3; }
+           for m in ${DETLAT_MODELS:-qwen3-0.6b llama-3.1-8b}; do
+             run latency-$m-det-pdl-$pdl 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
+               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
+               --out "$OUT/latency-$m-det-pdl-$pdl-h200.json" || fails=$((fails + 1))
+             grep -A6 "batch  *ctx" "$OUT/latency-$m-det-pdl-$pdl.log"; done; done
+         sed -i 's/"invariant_gemm_pdl": [a-z]*/"invariant_gemm_pdl": false/' configs/tuning/NVIDIA_H200.json ;;
   quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "${QUANT_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
@@ -236,6 +252,14 @@ for what in "$@"; do case $what in
   mlaserve) run latency-deepseek-v3-5l 140 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 8 64 \
          --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log"; grep -h "cuda graphs\|runner ready\|mla" "$OUT/latency-deepseek-v3-5l.log" | tail -4 ;;
+  moepdl) for pdl in false true; do  # the tuning file's moe_pdl A/B (one machine): latency, and the tests with it on
+           sed -i "s/\"moe_pdl\": [a-z]*/\"moe_pdl\": $pdl/" configs/tuning/NVIDIA_H200.json
+           [ $pdl = true ] && { run gpu-moe-pdl 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
+             || fails=$((fails + 1)); grep -E "passed|failed" "$OUT/gpu-moe-pdl.log" | tail -3; }
+           run latency-qwen3-30b-a3b-pdl-$pdl 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy \
+             --batch-sizes 1 8 32 --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-pdl-$pdl-h200.json" \
+             || fails=$((fails + 1)); grep -A5 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b-pdl-$pdl.log"; done
+         sed -i 's/"moe_pdl": [a-z]*/"moe_pdl": false/' configs/tuning/NVIDIA_H200.json ;;
   moesweep) for sq in ${MOESWEEP_SHAPES:-qwen3-30b-a3b:none deepseek-v3:fp8_block}; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
@@ -244,6 +268,9 @@ for what in "$@"; do case $what in
        [ $what = mlatest ] && continue
        run mla-bench 240 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
+  flashmla) run mla-flashmla 240 bin/bench mla --flashmla --no-flashinfer --heads 128 16 --kv-dtypes bf16 \
+             --batch-sizes 1 64 128 --contexts 4096 16384 --rep-ms 20 --out "$OUT/mla-flashmla-h200.json" || fails=$((fails + 1))
+           grep -v "^ *$" "$OUT/mla-flashmla.log" | tail -40 ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;

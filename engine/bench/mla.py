@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench_cudagraph repetition time per point")
     p.add_argument("--no-flashinfer", action="store_true", help="time our kernel only")
     p.add_argument("--sweep", action="store_true", help="also time the split kernel's tile configs")
+    p.add_argument("--flashmla", action="store_true", help="also time FlashMLA (sgl-flash-mla) at 64-token pages")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: interpreter smoke run")
 
 
@@ -185,6 +186,29 @@ class _Point:
 
         return run
 
+    def flashmla(self) -> Any:
+        """FlashMLA's dense SM90 decode (`sgl-flash-mla`, its legacy kernels) over the pool as
+        [pages, 64, 1, 576] (it takes 64-token pages only), queries [b, 1, H, 576]; its split
+        schedule made once, outside the graph, from the lengths."""
+        import flash_mla
+
+        if self.ps != 64:
+            raise ValueError(f"FlashMLA takes 64-token pages, the point has {self.ps}")
+        q = torch.cat([self.q_lat, self.q_pe], -1).unsqueeze(1)
+        meta, _ = flash_mla.get_mla_metadata()
+        meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
+            self.lens, self.heads, 1, use_legacy=True)
+        caches = [layer.view(self.pages, self.ps, 1, R + P) for layer in self.pool]
+
+        def run() -> torch.Tensor:
+            out = None
+            for k in caches:
+                out, _ = flash_mla.flash_mla_with_kvcache(q, k, self.table, self.lens, R, meta,
+                                                          softmax_scale=self.scale, causal=False, use_legacy=True)
+            return out.squeeze(1)
+
+        return run
+
     def figures(self, seconds: float) -> dict[str, Any]:
         b, h, n = self.batch, self.heads, self.ctx
         read = b * n * (R + P) * self.kv_dtype.itemsize + b * h * (R + P) * 2 + self.table.numel() * 4
@@ -216,6 +240,30 @@ def _point(heads: int, kvd: str, b: int, ctx: int, args: argparse.Namespace, dev
     del pt
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return row
+
+
+def _flashmla_point(heads: int, b: int, ctx: int, args: argparse.Namespace, device: torch.device,
+                    copy_gbs: float) -> dict[str, Any]:
+    """FlashMLA (bf16 latents, 64-token pages) against ours on the same 64-token-page point."""
+    pt = _Point(heads, torch.bfloat16, b, ctx, 64, device)
+    row: dict[str, Any] = {"heads": heads, "kv": "bf16", "batch": b, "context": ctx, "layers": pt.layers}
+    ours = pt.ours()
+    row["ours"] = pt.figures(_time(ours, args.rep_ms, device) / pt.layers)
+    row["ours"]["hbm_frac"] = row["ours"]["gbs"] / copy_gbs
+    row["ours"]["peak_frac"] = row["ours"]["tflops"] / H200_BF16_PEAK_TFLOPS
+    row["ours"]["err"] = pt.error(ours())
+    try:
+        fm = pt.flashmla()
+        ref = ours().float()
+        row["fi_diff"] = float((fm().float() - ref).abs().max() / ref.abs().max())
+        row["flashinfer"] = pt.figures(_time(fm, args.rep_ms, device) / pt.layers)  # the column beside ours
+        row["flashinfer"]["hbm_frac"] = row["flashinfer"]["gbs"] / copy_gbs
+        row["flashinfer"]["layout"] = "flashmla p64"
+    except Exception as e:  # noqa: BLE001 - recorded: the package may not load on this machine
+        row["flashinfer"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    del pt
+    torch.cuda.empty_cache()
     return row
 
 
@@ -279,6 +327,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for h, k, b, c in (p for p in points if p[1] == "bf16" and p[0] == args.heads[0]):
             figures["flashinfer_points"].append(_point(h, k, b, c, args, device, copy_gbs, with_flashinfer=True))
             print(_line(figures["flashinfer_points"][-1]), flush=True)
+        report.write_record(record(), args.out)
+    if args.flashmla and device.type == "cuda":  # bf16, 64-token pages (FlashMLA's only page size)
+        print("FlashMLA (sgl-flash-mla, dense SM90 decode) beside ours, bf16 latents, 64-token pages:")
+        print(_HEADER)
+        figures["flashmla_points"] = []
+        for h, b, c in ((h, b, c) for h in args.heads for b in args.batch_sizes for c in args.contexts):
+            figures["flashmla_points"].append(_flashmla_point(h, b, c, args, device, copy_gbs))
+            print(_line(figures["flashmla_points"][-1]), flush=True)
         report.write_record(record(), args.out)
     return figures
 

@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.triton_ops import interpreted
+from engine.layers.triton_kernels import pdl_start
+from engine.layers.triton_ops import interpreted, pdl_launch
+from engine.layers.tuning import kernel_tuning
 
 BLOCK_K = 64
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
@@ -109,13 +111,14 @@ def _sliced(x, w, rm, rn, rk, M, N, K, sx, sw, kt, per, SPLIT: tl.constexpr,
 def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
                           HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                          SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr):
+                          SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for one (BM, BN) tile; tiles in groups of
     GROUP_M row tiles per column tile, so that a weight tile is read by neighbours from L2.
     K is summed in SPLIT slices of whole K tiles, each from zero, added in slice order: with
     SPLIT_GRID (decode, mid rows) each slice is a program (axis 1) that stores its partial to `ws` and
     the last of a tile's programs to finish adds them; else one program adds them as it goes.
     The two give the same bits: the same slices, the same float32 adds in the same order."""
+    pdl_start(PDL)  # x, the workspace and the counters: the previous launches' (PDL: the tuning's)
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped(pid, M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -147,10 +150,12 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
 
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+                              PDL: tl.constexpr):
     """invariant_gemm_kernel's one-program tiles (GROUP_M > 1) with the x and w tiles loaded by
     the tensor memory accelerator (host descriptors; out-of-bounds rows and K columns read as
     zeros, as the masked loads): the same K slices, dots and adds, so the same bits."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped(pid, M, N, BM, BN, GROUP_M)
     kt = tl.cdiv(K, BK)
@@ -261,7 +266,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         invariant_gemm_tma_kernel[(grid_mn,)](
             TensorDescriptor.from_tensor(x, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
             bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
-            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, num_warps=warps, num_stages=stages,
+            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
         )
         return out
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
@@ -269,11 +274,16 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](
         xs, ws_, bias if bias is not None else xs, res, ws, counters, m, n, k, xs.stride(0), ws_.stride(0),
         res.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
-        GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, num_warps=warps, num_stages=stages,
+        GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device), num_warps=warps, num_stages=stages,
     )
     if res is not out:
         out.copy_(res)
     return out
+
+
+def _pdl(device: torch.device) -> dict:
+    """PDL (triton_ops.pdl_launch) where the GPU's tuning turns it on (`invariant_gemm_pdl`)."""
+    return pdl_launch(device, device.type == "cuda" and kernel_tuning(device).invariant_gemm_pdl)
 
 
 def _tma_layout(t: torch.Tensor) -> bool:

@@ -13,15 +13,22 @@ except ImportError:  # kernels are then compiled with PDL=False only
 
 
 @triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """With PDL: wait until the previous launch is done (what follows reads its output), then let
+    the next launch start (it waits the same way before its first read)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def qk_norm_rope_store_kernel(
     qkv, qkv_stride, q_out, positions, slots, cos_sin, cs_stride,
     q_w, k_w, eps, k_cache, v_cache,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # everything here reads the previous kernel's output
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(PDL)  # everything here reads the previous kernel's output
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
     act = q_out.dtype.element_ty

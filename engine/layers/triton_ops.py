@@ -66,6 +66,13 @@ def _launch_opts(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def pdl_launch(device: torch.device, on: bool) -> dict:
+    """A kernel's PDL constexpr (its `pdl_start`) and launch option: PDL where `on` (a tuning
+    file's choice for that kernel family), the device is CUDA and triton has it."""
+    pdl = on and device.type == "cuda" and pdl_supported()
+    return {"PDL": pdl, **_launch_opts(pdl)}
+
+
 def _k():  # noqa: ANN202 - the kernels module, imported on first use
     from engine.layers import triton_kernels
 

@@ -113,5 +113,5 @@ def test_tma_tiles_give_the_pointer_tiles_bits() -> None:
         grid = -(-m // 64) * -(-n // 32)
         invariant_gemm.invariant_gemm_tma_kernel[(grid,)](
             TensorDescriptor.from_tensor(x, [64, 64]), TensorDescriptor.from_tensor(w, [32, 64]), b, out, m, n, k,
-            out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices)
+            out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
         assert torch.equal(out, invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))), (m, n, k, slices)
