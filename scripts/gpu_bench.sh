@@ -56,8 +56,6 @@
 #   moeoffline Qwen3-30B-A3B offline, 256 x 1000/1000 (the shape, beside llama8m's Llama-3.1-8B)
 #   moesweep  fused MoE GEMM blocks per token count (scripts/moe_sweep.py), Qwen3-30B-A3B bf16, DeepSeek-V3 fp8-block
 #             (MOESWEEP_SHAPES="qwen3-30b-a3b:none" for one)
-#   moepdl    A/B of the tuning file's moe_pdl (the MoE kernels with PDL): Qwen3-30B-A3B decode latency off, then
-#             tests/gpu/test_moe_gpu.py and the latency on (the file edited on the device only)
 #   nvfp4moe  NVFP4 MoE checkpoints on CUDA (tests/gpu/test_moe_nvfp4_gpu.py): experts dequantized at load, vs CPU
 #   mla       MLA decode: tests/gpu/test_mla_gpu.py, then bin/bench mla (V3 shapes, heads 128/16, batch 1 8 64 128,
 #             ctx 1k-32k, bf16/fp8 latent vs the copy bandwidth; tile sweep; flashinfer's MLA wrapper beside at
@@ -75,7 +73,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detpdl detblocks detsglang moe moetest moelat moeoffline moesweep moepdl nvfp4moe cp cpmla mla mlatest flashmla mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detpdl detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -252,14 +250,6 @@ for what in "$@"; do case $what in
   mlaserve) run latency-deepseek-v3-5l 140 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 8 64 \
          --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
        grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log"; grep -h "cuda graphs\|runner ready\|mla" "$OUT/latency-deepseek-v3-5l.log" | tail -4 ;;
-  moepdl) for pdl in false true; do  # the tuning file's moe_pdl A/B (one machine): latency, and the tests with it on
-           sed -i "s/\"moe_pdl\": [a-z]*/\"moe_pdl\": $pdl/" configs/tuning/NVIDIA_H200.json
-           [ $pdl = true ] && { run gpu-moe-pdl 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
-             || fails=$((fails + 1)); grep -E "passed|failed" "$OUT/gpu-moe-pdl.log" | tail -3; }
-           run latency-qwen3-30b-a3b-pdl-$pdl 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy \
-             --batch-sizes 1 8 32 --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-pdl-$pdl-h200.json" \
-             || fails=$((fails + 1)); grep -A5 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b-pdl-$pdl.log"; done
-         sed -i 's/"moe_pdl": [a-z]*/"moe_pdl": false/' configs/tuning/NVIDIA_H200.json ;;
   moesweep) for sq in ${MOESWEEP_SHAPES:-qwen3-30b-a3b:none deepseek-v3:fp8_block}; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
               --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;

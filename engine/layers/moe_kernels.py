@@ -39,8 +39,6 @@ import triton
 import triton.language as tl
 
 from engine.layers import batch_invariant
-from engine.layers.triton_kernels import pdl_start
-from engine.layers.triton_ops import pdl_launch
 
 QUANTS = {None: 0, "fp8_row": 1, "fp8_block": 2}
 # triton's interpreter multiplies bfloat16 tiles as raw bits: there (the CPU tests) dot in float32
@@ -76,12 +74,11 @@ def _keep_groups(choice, bins, GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.
 def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                  NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
                  GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
-                 TOPK_GROUP: tl.constexpr, PDL: tl.constexpr):
+                 TOPK_GROUP: tl.constexpr):
     """Token t's routing from its router logits (float32 or bf16, taken to float32), as
     moe.route computes it: scores (softmax or 1 / (1 + exp(-x))), with GROUPED only the
     experts of the TOPK_GROUP best groups (`_keep_groups`), the top_k of scores (+ bias), best
     first, their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
-    pdl_start(PDL)  # everything a program reads comes from the previous launch
     t = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, E_P2)
     em = bins < E
@@ -126,9 +123,8 @@ def _pairs(ids, keys, offs, numel, below, TOP_K: tl.constexpr, HAS_KEYS: tl.cons
 @triton.jit(do_not_specialize=["keys", "numel", "first", "below"])
 def align_kernel(ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
                  TOP_K: tl.constexpr, LOCAL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
-                 CHUNK: tl.constexpr, HAS_KEYS: tl.constexpr, PDL: tl.constexpr):
+                 CHUNK: tl.constexpr, HAS_KEYS: tl.constexpr):
     """Program e: expert e's pairs into its padded segment (module docstring, step 1)."""
-    pdl_start(PDL)  # everything a program reads comes from the previous launch
     e = tl.program_id(0)
     bins = tl.arange(0, E_P2)
     hist = tl.zeros((E_P2,), tl.int32)
@@ -195,11 +191,10 @@ def gemm_kernel(a, w, ws, c, sorted_ids, block_expert, num_padded, weights, N, K
                 stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
                 A_DIV: tl.constexpr, SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, QUANT: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                DOT_F32: tl.constexpr):
     """c[pair, n] for the pairs of one BM block of one expert (module docstring, steps 2-3).
     A row of a is pair // A_DIV (x for w13: A_DIV = top_k; the intermediate for w2: 1).
     SILU: w holds gate rows [0, N) and up rows [N, 2N); c = silu(gate) * up."""
-    pdl_start(PDL)  # everything a program reads comes from the previous launch
     tiles_n = tl.cdiv(N, BN)
     pm, pn = _tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     if pm * BM >= tl.load(num_padded):
@@ -238,11 +233,10 @@ def gemm_kernel(a, w, ws, c, sorted_ids, block_expert, num_padded, weights, N, K
 
 @triton.jit(do_not_specialize=["keys", "first", "below"])
 def combine_kernel(y, ids, out, H, first, keys, below, TOP_K: tl.constexpr, LOCAL: tl.constexpr,
-                   ALL_LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+                   ALL_LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr, BH: tl.constexpr):
     """out[t] = sum over slots j, in order, of y[t * TOP_K + j] (float32); rows of pairs routed to
     another rank's experts, or of a padding row (HAS_KEYS: keys[t] < below), were never written
     and count as zeros."""
-    pdl_start(PDL)  # everything a program reads comes from the previous launch
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     acc = tl.zeros((BH,), tl.float32)
@@ -256,13 +250,6 @@ def combine_kernel(y, ids, out, H, first, keys, below, TOP_K: tl.constexpr, LOCA
             width = tl.where((le >= 0) & (le < LOCAL), live, 0)
         acc += tl.load(y + (t * TOP_K + j) * H + cols, mask=cols < width, other=0.0).to(tl.float32)
     tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
-
-
-def _pdl(device: torch.device) -> dict:
-    """The MoE kernels' PDL (triton_ops.pdl_launch) where the GPU's tuning turns it on (`moe_pdl`)."""
-    from engine.layers.tuning import kernel_tuning
-
-    return pdl_launch(device, device.type == "cuda" and kernel_tuning(device).moe_pdl)
 
 
 class GemmConfig(NamedTuple):
@@ -302,7 +289,7 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
         n, w.shape[2], numel, a.stride(0), w.stride(0), w.stride(1),
         sc.stride(0) if scale is not None else 0, sc.stride(1) if q == 2 else 0, c.stride(0),
         A_DIV=a_div, SILU=silu, MUL_WEIGHT=weights is not None, QUANT=q,
-        BM=cfg.block_m, BN=bn, BK=bk, GROUP_M=cfg.group_m, DOT_F32=DOT_F32, **_pdl(a.device),
+        BM=cfg.block_m, BN=bn, BK=bk, GROUP_M=cfg.group_m, DOT_F32=DOT_F32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -326,7 +313,7 @@ def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.
                            HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob, TOP_K=k,
                            K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(e), GROUPED=grouped,
                            G=g, G_P2=triton.next_power_of_2(g), EG=e // g, TOPK_GROUP=spec.topk_group,
-                           **_pdl(logits.device), num_warps=1)
+                           num_warps=1)
     return weights, ids
 
 
@@ -346,8 +333,7 @@ def align(ids: torch.Tensor, counts: torch.Tensor, first: int, local: int, block
     align_kernel[(e,)](
         ids, sorted_ids, block_expert, num_padded, counts, keys, numel, first, below,
         TOP_K=k, LOCAL=local, E_P2=triton.next_power_of_2(e), BM=block_m,
-        CHUNK=CHUNK_SMALL if numel <= CHUNK_SMALL else 1024, HAS_KEYS=pad is not None, **_pdl(ids.device),
-        num_warps=4,
+        CHUNK=CHUNK_SMALL if numel <= CHUNK_SMALL else 1024, HAS_KEYS=pad is not None, num_warps=4,
     )
     return sorted_ids, block_expert, num_padded, blocks, numel
 
@@ -373,7 +359,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     keys, below = pad if pad is not None else (ids, 0)
     combine_kernel[(t, triton.cdiv(h, bh))](y, ids, out, h, first, keys, below, TOP_K=k, LOCAL=local,
                                            ALL_LOCAL=local == counts.numel(), HAS_KEYS=pad is not None, BH=bh,
-                                           **_pdl(x.device), num_warps=4)
+                                           num_warps=4)
     return out
 
 
