@@ -44,7 +44,8 @@ HELP = {
     "dist_init_addr": "HOST:PORT of node 0: torch.distributed's rendezvous on PORT, and with --nnodes > 1 the "
     "Step stream and done channels on PORT+1..PORT+1+--tp-size, bound on HOST by node 0's scheduler (workers of "
     "every node connect); required with --nnodes > 1 (empty: 127.0.0.1 and a free port)",
-    "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2)",
+    "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2; 0: auto, 64 for MLA models "
+    "on CUDA, FlashMLA's page, else 16)",
     "max_total_tokens": "cap the KV pool at this many tokens (0: sized from free memory on GPU, from the model "
     "and the machine on CPU)",
     "mem_fraction": "share of free GPU memory, after the weights load, for the KV pool and runtime buffers",

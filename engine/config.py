@@ -42,7 +42,7 @@ class ServerConfig:
     # host:port of rank 0's torch.distributed store ("": 127.0.0.1, a free port); with nnodes > 1
     # required, and ports port+1 .. port+1+tp_size carry the Step stream and `done` (TcpPlan)
     dist_init_addr: str = ""
-    page_size: int = 16
+    page_size: int = 0  # tokens a KV page; 0 = auto (`_check_page_size`: 64 for MLA models on CUDA, else 16)
     max_total_tokens: int = 0  # KV pool capacity in tokens; 0 = size from free memory
     mem_fraction: float = 0.85
     max_running_requests: int = 64
@@ -92,11 +92,11 @@ class ServerConfig:
              "--enable-deterministic-inference needs the torch attention backend (--attention-backend auto or torch)"),
             (self.kv_cache_dtype in ("auto", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype}"),
             (0 < self.port < 65536 and 0 < self.sdk_port < 65536, "ports must be in 1..65535"),
-            (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page size: power of 2"),
+            (self.page_size >= 0 and self.page_size & (self.page_size - 1) == 0,
+             "--page-size must be a power of 2 (or 0: auto)"),
             (self.max_total_tokens >= 0, "--max-total-tokens must be >= 0"),
             (0 < self.mem_fraction <= 1, "--mem-fraction must be in (0, 1]"),
             (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
-            (self.max_prefill_tokens >= self.page_size, "--max-prefill-tokens must be >= page size"),
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
             (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
@@ -121,6 +121,25 @@ class ServerConfig:
         self._check_hicache()
         self._check_spec()
         self._check_model()
+        self._check_page_size()
+
+    def _check_page_size(self) -> None:
+        """--page-size 0 (auto) becomes 64 for an MLA model (config.json's kv_lora_rank) on CUDA:
+        FlashMLA's page (engine/layers/flash_mla.py), at 1/57 of the KV bytes of expanded heads a
+        64-token page is smaller than a Llama page of 16; else 16. Set once here (frozen)."""
+        if self.page_size == 0:
+            object.__setattr__(self, "page_size", 64 if self._mla_on_cuda() else 16)
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError(f"--max-prefill-tokens {self.max_prefill_tokens} must be >= page size {self.page_size}")
+
+    def _mla_on_cuda(self) -> bool:
+        """An MLA model (its config.json has kv_lora_rank) served on CUDA (torch asked only then)."""
+        import json
+
+        path = Path(self.model).expanduser() / "config.json" if self.model else None
+        if path is None or not path.is_file() or not json.loads(path.read_text()).get("kv_lora_rank"):
+            return False
+        return self.resolved_device == "cuda"
 
     def _check_model(self) -> None:
         """A hub id (`Qwen/Qwen3-30B-A3B`) becomes its snapshot directory here, once

@@ -259,9 +259,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         trees are read."""
         x = self.model.embed_tokens(batch.input_ids)
         graph = backend.graph if isinstance(backend, MLABackend) else None
+        flashmla = backend.fm if isinstance(backend, MLABackend) else None
         cp = backend if isinstance(backend, ContextParallelAttention) else None
         trees = backend.step_trees if backend is not None else None
-        plan = None if cp is not None else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph, trees)
+        plan = (None if cp is not None
+                else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph, trees, flashmla))
         ctx = MLAContext(batch, kv, plan, self.rope, x.dtype, cp, self.absorb_all)
         residual = None
         for layer in self.model.layers:

@@ -54,7 +54,8 @@ class BatchResult:
 
 def server_config(args: Any, model_dir: str) -> ServerConfig:
     """The engine config: --server-args parsed like bin/serve's flags, then sized for this run."""
-    cfg = parse_args(shlex.split(args.server_args or ""))
+    # the model and device first: the auto page size depends on them (ServerConfig._check_page_size)
+    cfg = parse_args(["--model", model_dir, "--device", args.device, *shlex.split(args.server_args or "")])
     biggest = max(args.batch_sizes)
     per_req = args.context_len + decode_budget(args) + cfg.page_size
     pages = math.ceil(per_req / cfg.page_size) + 1

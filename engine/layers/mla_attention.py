@@ -23,6 +23,9 @@ Ranks with many heads (the GPU's tuning: KernelTuning.mla_flashinfer_min_heads, 
 take flashinfer's MLA wrapper instead (engine/layers/flashinfer_mla.py), planned by MLABackend:
 per eager step in `prepare`, per replay through the graph runner's planned protocol
 (`graph_wrapper`, `plan_graph_arrays`); 3.0-3.6x faster than ours at 128 heads on an H200.
+Where the pool has 64-token pages (an MLA model's default on CUDA) and the tuning says so
+(KernelTuning.mla_flashmla), every rank takes FlashMLA (engine/layers/flash_mla.py) instead: the
+same table and lengths as ours, its split schedule made once a step by MLAPlan.build.
 
 With deterministic inference (engine/layers/batch_invariant.py) every row takes the absorbed
 form and the absorption GEMMs run in fixed row blocks, so a token's bits do not depend on the
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from engine.layers import batch_invariant, triton_ops
 from engine.layers.attention import AttentionBackend
 from engine.layers.cp_attention import flash_available, merge_partials, sdpa_lse
+from engine.layers.flash_mla import FlashMLA, flashmla_supported
 from engine.layers.flashinfer_mla import FlashInferMLA, flashinfer_mla_supported
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
@@ -98,18 +102,21 @@ class MLAPlan:
     decode_lens: torch.Tensor | None = None
     decode_table_rows: torch.Tensor | None = None  # int32 [b]: a row's table row (every_row's prefill)
     decode_fi: FlashInferMLA | None = None  # or flashinfer's MLA wrapper, planned for the decode rows
+    decode_fm: FlashMLA | None = None  # or FlashMLA over decode_table / decode_lens, with its schedule:
+    decode_sched: object = None  # made once a step from decode_lens (FlashMLA.schedule)
 
     @classmethod
     def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None,
               graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None,
-              trees: dict[int, torch.Tensor] | None = None) -> MLAPlan:
+              trees: dict[int, torch.Tensor] | None = None, flashmla: FlashMLA | None = None) -> MLAPlan:
         """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one).
         `trees`: speculative draft trees (AttentionBackend.step_trees): request i's new tokens see
         its whole cached prefix and, among themselves, what trees[i] (bool [n, n]) allows.
         `kernel`: decode rows through a kernel (None: on CUDA where triton is).
         `graph` (MLABackend.graph): a CUDA graph's static (page table, lengths), read instead of the
         batch's in a pure decode step; or flashinfer's MLA wrapper planned for this step's decode
-        rows (a graph's or an eager step's), which then run on it."""
+        rows (a graph's or an eager step's), which then run on it. `flashmla`: the kernel's decode
+        rows (table and lengths) go to FlashMLA (MLABackend.fm), its schedule made here once a step."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
         dev = batch.page_table.device
         if kernel is None:
@@ -126,7 +133,7 @@ class MLAPlan:
                 fi.check_rows(batch.batch_size)
                 return cls(None, None, None, [], all_decode=True, decode_fi=fi)
             table, seq = graph if graph is not None else (batch.page_table, batch.seq_lens)
-            return cls(None, None, None, [], all_decode=True, decode_table=table, decode_lens=seq)
+            return cls(None, None, None, [], all_decode=True, decode_table=table, decode_lens=seq)._on(flashmla)
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
@@ -134,6 +141,8 @@ class MLAPlan:
         plan = cls(None, None, None, [], all_decode=len(dec) == len(lens))
         if dec:
             plan._plan_decode(batch, dec, starts, kernel, fi)
+            if kernel and fi is None:
+                plan._on(flashmla)
         for i, n in enumerate(lens):
             if n > 1:
                 pages = batch.page_table[i, : -(-seqs[i] // ps)].to(torch.int64)
@@ -162,6 +171,12 @@ class MLAPlan:
         return cls(None, None, None, [], all_decode=True, decode_table=batch.page_table,
                    decode_lens=torch.tensor(upto, dtype=torch.int32, device=dev),
                    decode_table_rows=torch.tensor(rows, dtype=torch.int32, device=dev))
+
+    def _on(self, fm: FlashMLA | None) -> MLAPlan:
+        """The kernel's decode rows (decode_table, decode_lens) to FlashMLA where given."""
+        if fm is not None:
+            self.decode_fm, self.decode_sched = fm, fm.schedule(self.decode_lens)
+        return self
 
     def _plan_decode(self, batch: ForwardBatch, dec: list[int], starts: list[int], kernel: bool,
                      fi: FlashInferMLA | None) -> None:
@@ -305,7 +320,8 @@ class MLABackend(AttentionBackend):
     flashinfer's MLA wrapper (`kernel` "flashinfer", the GPU's tuning): the wrapper, planned for
     an eager step's decode rows in `prepare` and before each replay through the runner's planned
     protocol (`uses_table` False, `graph_wrapper`, `plan_graph_arrays`: padded indptr and last page
-    lengths on the host, page indices on the device)."""
+    lengths on the host, page indices on the device). With FlashMLA (`kernel` "flashmla", `fm`): the
+    dense-table protocol, as ours."""
 
     supports_cuda_graph = True
     takes_tree_masks = True  # a tree row is a prefill-shaped row: the expanded torch path masks it
@@ -316,6 +332,7 @@ class MLABackend(AttentionBackend):
         self.graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None
         self.kernel = "triton"
         self.fi: FlashInferMLA | None = None
+        self.fm: FlashMLA | None = None
 
     def bind(
         self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
@@ -326,15 +343,19 @@ class MLABackend(AttentionBackend):
         # the graph runner sizes its staging buffers by this (a dense table of every row): its size only
         self._g_indices = torch.empty(max_batch * max_pages_per_req, dtype=torch.int32, device="meta")
         q_dtype = q_dtype or kv_pool.dtype
-        # deterministic inference keeps our kernel: its rows are batch-invariant, flashinfer's
-        # split schedule depends on the batch
-        ok = not batch_invariant.enabled() and flashinfer_mla_supported(self.device, q_dtype, kv_pool.dtype,
-                                                                        kv_pool.head_dim)
-        self.kernel = kernel_tuning(self.device).mla_decode_kernel(num_q_heads, ok)
+        # deterministic inference keeps our kernel: its rows are batch-invariant, the others' split
+        # schedules depend on the batch
+        free = not batch_invariant.enabled()
+        ok = free and flashinfer_mla_supported(self.device, q_dtype, kv_pool.dtype, kv_pool.head_dim)
+        fm_ok = free and flashmla_supported(self.device, q_dtype, kv_pool.dtype, kv_pool.head_dim, kv_pool.page_size)
+        self.kernel = kernel_tuning(self.device).mla_decode_kernel(num_q_heads, ok, fm_ok)
         if self.kernel == "flashinfer":
             self.fi = FlashInferMLA(self.device, num_q_heads, kv_pool, q_dtype, max_batch, max_pages_per_req)
+        elif self.kernel == "flashmla":
+            self.fm = FlashMLA(num_q_heads)
         if self.device.type == "cuda":
-            log.info("mla decode kernel", kernel=self.kernel, heads=num_q_heads, flashinfer_supported=ok)
+            log.info("mla decode kernel", kernel=self.kernel, heads=num_q_heads, flashinfer_supported=ok,
+                     flashmla_supported=fm_ok, page_size=kv_pool.page_size)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """An eager step: the model reads the batch's page table (triton), or flashinfer's wrapper
@@ -400,6 +421,9 @@ def _absorbed_kernel(q_nope: torch.Tensor, q_pe: torch.Tensor, plan: MLAPlan, kv
     q_lat = _absorb_rows(q_nope, w_uk, "bhn,hnr->bhr") if det else torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
     if plan.decode_fi is not None:
         o_lat = plan.decode_fi.run(q_lat, q_pe, kv, layer, s)
+    elif plan.decode_fm is not None:
+        o_lat = plan.decode_fm.run(q_lat, q_pe, kv.latent[layer], plan.decode_table, plan.decode_lens,
+                                   plan.decode_sched, s.scale)
     else:
         from engine.layers import mla_kernels  # triton: imported on first use, on CUDA
 

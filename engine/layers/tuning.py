@@ -97,6 +97,9 @@ class KernelTuning:
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
     # (engine/layers/mla_kernels.py) below that, and on every rank at 0 (a GPU nobody measured)
     mla_flashinfer_min_heads: int = 0
+    # FlashMLA's dense SM90 decode (engine/layers/flash_mla.py) on every MLA rank it takes (bf16, 64-token
+    # pages), before the two above
+    mla_flashmla: bool = False
 
     def decode_kernel(self, override: str, xqa_ok: bool, triton_ok: bool, kv_dtype: torch.dtype, batch: int) -> str:
         """The decode kernel for a batch of this (padded) size: "fa2", "xqa" or "triton".
@@ -122,9 +125,12 @@ class KernelTuning:
             return 0
         return None if None in sizes else max(s for s in sizes if s is not None)
 
-    def mla_decode_kernel(self, heads: int, flashinfer_ok: bool) -> str:
-        """The MLA decode kernel of a rank with `heads` query heads: "flashinfer" (where
-        `flashinfer_ok`: it takes the rank's dtypes and latent) or "triton"."""
+    def mla_decode_kernel(self, heads: int, flashinfer_ok: bool, flashmla_ok: bool = False) -> str:
+        """The MLA decode kernel of a rank with `heads` query heads: "flashmla" (where `flashmla_ok`:
+        it takes the rank's dtypes, latent and page size), "flashinfer" (where `flashinfer_ok`) or
+        "triton"."""
+        if flashmla_ok and self.mla_flashmla:
+            return "flashmla"
         if flashinfer_ok and 0 < self.mla_flashinfer_min_heads <= heads:
             return "flashinfer"
         return "triton"
@@ -186,6 +192,8 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
     if not isinstance(t.mla_flashinfer_min_heads, int) or t.mla_flashinfer_min_heads < 0:
         raise ValueError(f"tuning for {gpu}: mla_flashinfer_min_heads must be an integer >= 0 (0: never), "
                          f"got {t.mla_flashinfer_min_heads!r}")
+    if not isinstance(t.mla_flashmla, bool):
+        raise ValueError(f"tuning for {gpu}: mla_flashmla must be true or false, got {t.mla_flashmla!r}")
     return t
 
 

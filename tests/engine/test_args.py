@@ -28,3 +28,24 @@ def test_flags_build_the_config() -> None:
 
     cfg = parse_args(["--cpu-threads", "2", "--disable-overlap", "--page-size", "32"])
     assert cfg.cpu_threads == 2 and cfg.disable_overlap and cfg.page_size == 32
+
+
+def test_auto_page_size_is_64_for_mla_models_on_cuda_only() -> None:
+    """--page-size 0 (the default): 16, but 64 (FlashMLA's page) for an MLA model on CUDA; an explicit
+    size stands; the resolved size survives the JSON every child process decodes."""
+    from pathlib import Path
+
+    import pytest
+
+    v3 = str(Path(__file__).resolve().parents[2] / "configs" / "deepseek-v3-5l")
+    llama = str(Path(__file__).resolve().parents[2] / "configs" / "llama-3.1-8b")
+    assert ServerConfig().page_size == 16
+    assert ServerConfig(model=v3, device="cpu").page_size == 16
+    assert ServerConfig(model=llama, device="cuda").page_size == 16
+    cfg = ServerConfig(model=v3, device="cuda")
+    assert cfg.page_size == 64 and ServerConfig.from_json(cfg.to_json()).page_size == 64
+    assert ServerConfig(model=v3, device="cuda", page_size=16).page_size == 16
+    with pytest.raises(ValueError, match="power of 2"):
+        ServerConfig(page_size=24)
+    with pytest.raises(ValueError, match="--max-prefill-tokens 32 must be >= page size 64"):
+        ServerConfig(model=v3, device="cuda", max_prefill_tokens=32)
