@@ -66,7 +66,8 @@
 #   flashmla  bin/bench mla --flashmla: FlashMLA's dense SM90 decode (sgl-flash-mla, carried in .whl) beside ours at
 #             64-token pages, 128 and 16 heads, bf16 latents
 #   flashmlaserve tests/gpu/test_flash_mla_gpu.py, then DeepSeek-V3-5L decode latency (batch 1 8 64) with FlashMLA
-#             (the auto page size, 64) and with flashinfer's MLA wrapper (--page-size 16) on one machine
+#             (the auto page size, 64) and with flashinfer's MLA wrapper (--page-size 16) on one machine;
+#             FLASHMLA_CTX (1024), FLASHMLA_BS ("1 8 64"), FLASHMLA_TESTS=0 skips the tests
 #   mlaserve  DeepSeek-V3-5L decode latency, batch 1 8 64 (flashinfer's MLA wrapper served at 128 heads)
 #   heads     speculative EAGLE / EAGLE3 / NEXTN heads on CUDA, float32 (tests/gpu/test_spec_heads_gpu.py)
 #   specgrammar constrained verify rows with grammar helpers on CUDA (tests/gpu/test_spec_grammar_gpu.py), then
@@ -263,11 +264,11 @@ for what in "$@"; do case $what in
   flashmla) run mla-flashmla 240 bin/bench mla --flashmla --no-flashinfer --heads 128 16 --kv-dtypes bf16 \
              --batch-sizes 1 64 128 --contexts 4096 16384 --rep-ms 20 --out "$OUT/mla-flashmla-h200.json" || fails=$((fails + 1))
            grep -v "^ *$" "$OUT/mla-flashmla.log" | tail -40 ;;
-  flashmlaserve) run gpu-flashmla 300 python3 -m pytest -m gpu tests/gpu/test_flash_mla_gpu.py -q -rA -p no:cacheprovider \
+  flashmlaserve) [ "${FLASHMLA_TESTS:-1}" = 0 ] || run gpu-flashmla 300 python3 -m pytest -m gpu tests/gpu/test_flash_mla_gpu.py -q -rA -p no:cacheprovider \
              || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-flashmla.log" | tail -14
            for ps in 0 16; do
              run latency-deepseek-v3-5l-ps$ps 160 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy \
-               --batch-sizes 1 8 64 --context-len 1024 --steps 30 --server-args="--page-size $ps" \
+               --batch-sizes ${FLASHMLA_BS:-1 8 64} --context-len ${FLASHMLA_CTX:-1024} --steps 30 --server-args="--page-size $ps" \
                --out "$OUT/latency-deepseek-v3-5l-ps$ps-h200.json" || fails=$((fails + 1))
              grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l-ps$ps.log"; grep -h "mla decode kernel" "$OUT/latency-deepseek-v3-5l-ps$ps.log" | tail -1; done ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
