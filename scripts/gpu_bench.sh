@@ -26,8 +26,6 @@
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
-#   detpdl    A/B of the tuning file's invariant_gemm_pdl: detlat's latencies off, then the GEMM's GPU test (bits) and
-#             the latencies on (the file edited on the device only)
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1);
 #             DETLAT_MODELS="qwen3-30b-a3b" for another
 #   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
@@ -64,7 +62,8 @@
 #             and graph-replayed steps vs torch / the triton kernel, greedy tokens served; builds the MLA module first)
 #   mlatest   mla's gpu tests only (no bench)
 #   flashmla  bin/bench mla --flashmla: FlashMLA's dense SM90 decode (sgl-flash-mla, carried in .whl) beside ours at
-#             64-token pages, 128 and 16 heads, bf16 latents
+#             64-token pages, and flashinfer's wrapper at --page-size (16); FLASHMLA_HEADS ("128 16"), FLASHMLA_BS
+#             ("1 64 128"), FLASHMLA_CTXS ("4096 16384"), FLASHMLA_NO_FI=1 without flashinfer
 #   flashmlaserve tests/gpu/test_flash_mla_gpu.py, then DeepSeek-V3-5L decode latency (batch 1 8 64) with FlashMLA
 #             (the auto page size, 64) and with flashinfer's MLA wrapper (--page-size 16) on one machine;
 #             FLASHMLA_CTX (1024), FLASHMLA_BS ("1 8 64"), FLASHMLA_TESTS=0 skips the tests
@@ -76,7 +75,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detpdl detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -174,16 +173,6 @@ for what in "$@"; do case $what in
               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
               --out "$OUT/latency-$m-det-h200.json" || fails=$((fails + 1))
             grep -A6 "batch  *ctx" "$OUT/latency-$m-det.log"; done ;;
-  detpdl) for pdl in false true; do  # the tuning file's invariant_gemm_pdl A/B (one machine), the bits with it on
-           sed -i "s/\"invariant_gemm_pdl\": [a-z]*/\"invariant_gemm_pdl\": $pdl/" configs/tuning/NVIDIA_H200.json
-           [ $pdl = true ] && { run gpu-detgemm-pdl 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py \
-             -q -rA -p no:cacheprovider || fails=$((fails + 1)); grep -E "passed|failed" "$OUT/gpu-detgemm-pdl.log" | tail -3; }
-           for m in ${DETLAT_MODELS:-qwen3-0.6b llama-3.1-8b}; do
-             run latency-$m-det-pdl-$pdl 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
-               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
-               --out "$OUT/latency-$m-det-pdl-$pdl-h200.json" || fails=$((fails + 1))
-             grep -A6 "batch  *ctx" "$OUT/latency-$m-det-pdl-$pdl.log"; done; done
-         sed -i 's/"invariant_gemm_pdl": [a-z]*/"invariant_gemm_pdl": false/' configs/tuning/NVIDIA_H200.json ;;
   quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "${QUANT_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
@@ -261,8 +250,9 @@ for what in "$@"; do case $what in
        [ $what = mlatest ] && continue
        run mla-bench 240 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
-  flashmla) run mla-flashmla 240 bin/bench mla --flashmla --no-flashinfer --heads 128 16 --kv-dtypes bf16 \
-             --batch-sizes 1 64 128 --contexts 4096 16384 --rep-ms 20 --out "$OUT/mla-flashmla-h200.json" || fails=$((fails + 1))
+  flashmla) run mla-flashmla 240 bin/bench mla --flashmla ${FLASHMLA_NO_FI:+--no-flashinfer} --heads ${FLASHMLA_HEADS:-128 16} \
+             --kv-dtypes bf16 --batch-sizes ${FLASHMLA_BS:-1 64 128} --contexts ${FLASHMLA_CTXS:-4096 16384} --rep-ms 20 \
+             --out "$OUT/mla-flashmla-h200.json" || fails=$((fails + 1))
            grep -v "^ *$" "$OUT/mla-flashmla.log" | tail -40 ;;
   flashmlaserve) [ "${FLASHMLA_TESTS:-1}" = 0 ] || run gpu-flashmla 300 python3 -m pytest -m gpu tests/gpu/test_flash_mla_gpu.py -q -rA -p no:cacheprovider \
              || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-flashmla.log" | tail -14
