@@ -44,6 +44,10 @@ from engine.layers.triton_ops import interpreted
 
 MAX_SPLITS = 16  # splits of one row at most (the grid's third axis)
 MAX_ROWS = 65535  # rows a launch takes (the grid's second axis: CUDA's limit); more go in several
+# bytes of split partials a launch may allocate (2 MB a row at 128 heads): a deterministic prefill of
+# 8 x 1024 tokens of DeepSeek-V3 asked 17 GB in one launch (and overflowed int32 offsets: an illegal
+# address on the H200), so its rows go 512 at a time
+PARTIAL_BYTES = 1 << 30
 MIN_SPLIT_TOKENS = 256  # split lengths are multiples of this (so every BLOCK_N <= 256 divides them)
 HOPPER_SHARED = 232_448  # shared memory bytes a block may take on sm_90 (227 KiB, opted into)
 
@@ -190,7 +194,7 @@ def _mla_split_kernel(
 ):
     hb = tl.program_id(0) // VSPLIT
     vs = tl.program_id(0) % VSPLIT  # which 1/VSPLIT of the output columns this program sums
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # partial offsets pass 2^31 at 128 heads from 2,048 rows
     s = tl.program_id(2)
     length = tl.load(lens + b)
     per = tl.cdiv(length, SPLITS)
@@ -281,7 +285,7 @@ def _mla_reduce_kernel(
     R: tl.constexpr, RB: tl.constexpr, MIN_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
 ):
     h = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)
     length = tl.load(lens + b)
     per = tl.cdiv(length, SPLITS)
     split = tl.maximum(MIN_SPLIT, tl.cdiv(per, MIN_SPLIT) * MIN_SPLIT)
@@ -316,6 +320,11 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, table:
         raise ValueError(f"latent dims must be >= 1, got {r} + {q_pe.shape[2]}")
 
 
+def launch_rows(heads: int, rank: int, itemsize: int) -> int:
+    """Rows one launch takes: CUDA's grid limit, and at most PARTIAL_BYTES of split partials."""
+    return max(1, min(MAX_ROWS, PARTIAL_BYTES // (MAX_SPLITS * heads * (rank * itemsize + 4))))
+
+
 def mla_decode(
     q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, page_size: int, config: MLAKernelConfig | None = None,
@@ -328,13 +337,14 @@ def mla_decode(
     tokens, each a row over its causal prefix, share their request's). Returns o_lat [B, H, R] in
     q's dtype (W_UV not applied)."""
     _check(q_lat, q_pe, latent, page_table, table_rows, seq_lens)
-    if q_lat.shape[0] > MAX_ROWS:  # (a deterministic prefill's tokens: rows are independent)
+    step = launch_rows(q_lat.shape[1], q_lat.shape[2], q_lat.element_size())
+    if q_lat.shape[0] > step:  # (a deterministic prefill's tokens: rows are independent)
         return torch.cat([
-            mla_decode(q_lat[i : i + MAX_ROWS], q_pe[i : i + MAX_ROWS], latent,
-                       page_table if table_rows is not None else page_table[i : i + MAX_ROWS],
-                       seq_lens[i : i + MAX_ROWS], scale, page_size, config,
-                       None if table_rows is None else table_rows[i : i + MAX_ROWS])
-            for i in range(0, q_lat.shape[0], MAX_ROWS)])
+            mla_decode(q_lat[i : i + step], q_pe[i : i + step], latent,
+                       page_table if table_rows is not None else page_table[i : i + step],
+                       seq_lens[i : i + step], scale, page_size, config,
+                       None if table_rows is None else table_rows[i : i + step])
+            for i in range(0, q_lat.shape[0], step)])
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     b, h, r = q_lat.shape

@@ -155,8 +155,9 @@ def test_deterministic_rows_through_the_kernel_keep_their_bits() -> None:
 
 
 def test_rows_past_the_grid_limit_go_in_several_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """More rows than a launch's grid takes (CUDA: 65535; 3 here) are split into launches, with and
-    without table_rows: the same bits as one launch (rows are independent)."""
+    """More rows than a launch's grid takes (CUDA: 65535; 3 here), or than PARTIAL_BYTES of split
+    partials hold (2 here), are split into launches, with and without table_rows: the same bits as
+    one launch (rows are independent)."""
     ps, heads = 4, 4
     g = torch.Generator().manual_seed(5)
     kv = _pool(torch.bfloat16, 40, ps, seed=5)
@@ -168,11 +169,16 @@ def test_rows_past_the_grid_limit_go_in_several_launches(monkeypatch: pytest.Mon
     dense = table[rows.long()].contiguous()
     one = [mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], t, lens, 0.25, ps, SMALL, table_rows=r)
            for t, r in ((table, rows), (dense, None))]
-    monkeypatch.setattr(mla_kernels, "MAX_ROWS", 3)
-    for (t, r), want in zip(((table, rows), (dense, None)), one, strict=True):
-        assert torch.equal(mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], t, lens, 0.25, ps, SMALL, table_rows=r),
-                           want)
+    for name, value in (("MAX_ROWS", 3), ("PARTIAL_BYTES", 2 * mla_kernels.MAX_SPLITS * heads * (R * 2 + 4))):
+        monkeypatch.setattr(mla_kernels, name, value)  # the grid's limit, then the partials' bytes (2 rows)
+        assert mla_kernels.launch_rows(heads, R, 2) == (3 if name == "MAX_ROWS" else 2)
+        for (t, r), want in zip(((table, rows), (dense, None)), one, strict=True):
+            got = mla_kernels.mla_decode(q_lat, q_pe, kv.latent[0], t, lens, 0.25, ps, SMALL, table_rows=r)
+            assert torch.equal(got, want)
     assert torch.equal(one[0], one[1])  # a row through table_rows = the same row in a dense table
+    monkeypatch.undo()
+    # DeepSeek-V3's 128 heads: at most ~1 GiB of bf16 partials a launch (8 x 1024 prefill rows asked 17 GB)
+    assert mla_kernels.launch_rows(128, 512, 2) == 510
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
