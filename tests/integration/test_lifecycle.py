@@ -57,4 +57,4 @@ def test_bad_flag_exits_2(tmp_path: Path) -> None:
     res = subprocess.run(
         [str(ROOT / "bin" / "serve"), "--page-size", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
-    assert res.returncode == 2 and "page size" in res.stderr
+    assert res.returncode == 2 and "--page-size must be a power of 2" in res.stderr
