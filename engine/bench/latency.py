@@ -32,6 +32,11 @@ from msgs.requests import TokenizedRequest
 from msgs.steps import Step
 
 MAX_PREFILL_STEPS = 100_000  # a guard against a scheduler that never reaches a full decode batch
+# prompt tokens a prefill step takes at most: the whole batch in one step up to 64 x 1024 (every
+# figure of docs/PERF.md's tables), chunks above (DeepSeek-V3-5L at 64 x 8192 spent over 160 s in
+# the warm-up of a 524k-token step: docs/PERF.md, tenth session); rows that finish first decode
+# meanwhile, within decode_budget, and timing starts at the first decode step of the whole batch
+PREFILL_CAP = 65536
 
 
 @dataclass
@@ -66,16 +71,17 @@ def server_config(args: Any, model_dir: str) -> ServerConfig:
         device=args.device,
         max_running_requests=max(cfg.max_running_requests, biggest),
         max_total_tokens=cfg.max_total_tokens or biggest * pages * cfg.page_size,
-        # one prefill step for the whole batch: chunks would let early rows start decoding
-        max_prefill_tokens=max(cfg.max_prefill_tokens, biggest * args.context_len),
+        max_prefill_tokens=max(cfg.max_prefill_tokens, min(biggest * args.context_len, PREFILL_CAP)),
         disable_radix_cache=True,
     )
 
 
 def decode_budget(args: Any) -> int:
     """Tokens each request must be able to generate: warm-up (serial and overlapped), timed
-    (serial and overlapped) and profiled steps, plus slack."""
-    return 2 * args.warmup + 2 * args.steps + (args.idle_steps if args.profile_idle else 0) + 6
+    (serial and overlapped) and profiled steps, plus slack, plus one token a prefill step of the
+    largest batch (a row prefilled early decodes while the others' chunks run)."""
+    chunks = math.ceil(max(args.batch_sizes) * args.context_len / PREFILL_CAP)
+    return 2 * args.warmup + 2 * args.steps + (args.idle_steps if args.profile_idle else 0) + 6 + chunks
 
 
 class Driver:

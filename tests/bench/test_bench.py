@@ -109,6 +109,29 @@ def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
         assert "skipped" in b["idle"]  # no GPU here
 
 
+def test_latency_prefills_a_large_batch_in_chunks(tiny_model: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PREFILL_CAP prompt tokens the batch is prefilled in chunks (rows done first decode
+    meanwhile, within the budget), and the timed steps are still whole-batch decodes."""
+    from types import SimpleNamespace
+
+    from engine.bench import latency
+
+    monkeypatch.setattr(latency, "PREFILL_CAP", 48)  # 3 x 40 prompt tokens: 3 prefill steps
+    server_args = "--dtype float32 --max-prefill-tokens 16"
+    args = SimpleNamespace(server_args=server_args, batch_sizes=[3], context_len=40, load_format="dummy",
+                           device="cpu", warmup=1, steps=3, idle_steps=20, profile_idle=False)
+    assert latency.server_config(args, str(tiny_model)).max_prefill_tokens == 48
+    assert latency.decode_budget(args) == 2 * 1 + 2 * 3 + 6 + 3
+    out = tmp_path / "lat.json"
+    assert cli.main(["latency", "--model", str(tiny_model), "--load-format", "dummy", "--device", "cpu",
+                     "--batch-sizes", "3", "--context-len", "40", "--steps", "3", "--warmup", "1",
+                     "--server-args", server_args, "--out", str(out)]) == 0
+    (b,) = json.loads(out.read_text())["figures"]["batches"]
+    assert b["batch_size"] == 3 and b["ms_per_step_median"] > 0
+    assert 40 < b["mean_kv_tokens_per_row"] < 40 + 3 + 2 * 4 + 2  # the early rows' tokens during the chunks
+
+
 # -- helpers ------------------------------------------------------------------------------
 
 
