@@ -210,20 +210,9 @@ def test_tiny_v3_decode_logits_kernel_vs_torch(tiny_v3_dense: Path, kv_dtype: to
 
 
 def _kernel_vs_torch(tiny_v3: Path, kv_dtype: torch.dtype) -> None:
-    from engine.layers.forward import ForwardBatch
-    from engine.layers.kv_pool import KVPool
-    from models.registry import kv_layout, load_model
+    from tests.gpu.mla_helpers import prefilled
 
-    model, cfg = load_model(tiny_v3, dtype=torch.bfloat16, device=CUDA, progress=False)
-    ps, lens = 16, [5, 40, 300, 129]
-    kv = KVPool.from_layout(kv_layout(cfg), cfg.num_layers, 64, ps, kv_dtype, CUDA)
-    free = list(range(1, 64))
-    random.Random(4).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(n + 1) // ps))] for n in lens]
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
-    model(ForwardBatch.from_requests([(p, 0, t) for p, t in zip(prompts, tables, strict=True)], ps, CUDA), kv)
-    step = ForwardBatch.from_requests([([7], n, t) for n, t in zip(lens, tables, strict=True)], ps, CUDA)
+    model, kv, _, step, _ = prefilled(tiny_v3, [5, 40, 300, 129], 16, 64, kv_dtype)
     out = {}
     for kernel in (False, True):
         model.decode_kernel = kernel
