@@ -1,7 +1,7 @@
 """Where does a CPU decode step go? (diagnostic, not in CI)
 
     .venv/bin/python scripts/cpu_decode_profile.py [--dtype bfloat16] [--batch 16] [--input-len 128]
-        [--steps 8] [--no-profile] [--prefill]
+        [--steps 8] [--no-profile] [--prefill] [--deterministic]
 
 In one process (LocalEngine: the served Step stream, no sockets), the default model on CPU:
 prefills `batch` seeded random prompts, then times decode steps (median of `steps`, and of a
@@ -47,13 +47,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--prefill", action="store_true", help="time and profile the prefill instead")
+    p.add_argument("--deterministic", action="store_true", help="with --enable-deterministic-inference")
     p.add_argument("--rows", type=int, default=28, help="operators to print")
     p.add_argument("--shapes", action="store_true", help="group operators by input shapes too")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     cfg = ServerConfig(model=str(ensure_default_model()), device="cpu", dtype=a.dtype, max_running_requests=a.batch,
                        max_prefill_tokens=a.batch * a.input_len, max_total_tokens=a.batch * (a.input_len + 256),
-                       disable_overlap=True)
+                       disable_overlap=True, enable_deterministic_inference=a.deterministic)
     eng = LocalEngine(cfg)
     core, runner = eng.core, eng.runner
     rng = np.random.default_rng(0)
