@@ -187,25 +187,20 @@ class _Point:
         return run
 
     def flashmla(self) -> Any:
-        """FlashMLA's dense SM90 decode (`sgl-flash-mla`, its legacy kernels) over the pool as
-        [pages, 64, 1, 576] (it takes 64-token pages only), queries [b, 1, H, 576]; its split
-        schedule made once, outside the graph, from the lengths."""
-        import flash_mla
+        """FlashMLA as served (engine/layers/flash_mla.py: its split schedule once, outside the
+        graph, from the lengths; then a run a layer); 64-token pages only."""
+        from engine.layers.flash_mla import PAGE, FlashMLA
 
-        if self.ps != 64:
-            raise ValueError(f"FlashMLA takes 64-token pages, the point has {self.ps}")
-        q = torch.cat([self.q_lat, self.q_pe], -1).unsqueeze(1)
-        meta, _ = flash_mla.get_mla_metadata()
-        meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
-            self.lens, self.heads, 1, use_legacy=True)
-        caches = [layer.view(self.pages, self.ps, 1, R + P) for layer in self.pool]
+        if self.ps != PAGE:
+            raise ValueError(f"FlashMLA takes {PAGE}-token pages, the point has {self.ps}")
+        fm = FlashMLA(self.heads)
+        meta = fm.schedule(self.lens)
 
         def run() -> torch.Tensor:
             out = None
-            for k in caches:
-                out, _ = flash_mla.flash_mla_with_kvcache(q, k, self.table, self.lens, R, meta,
-                                                          softmax_scale=self.scale, causal=False, use_legacy=True)
-            return out.squeeze(1)
+            for layer in self.pool:
+                out = fm.run(self.q_lat, self.q_pe, layer, self.table, self.lens, meta, self.scale)
+            return out
 
         return run
 
