@@ -283,12 +283,10 @@ class ServerConfig:
     @property
     def verify_in_graphs(self) -> bool:
         """Verify steps replay the decode CUDA graphs (engine/run/spec.py: a chain's k + 1 tokens are
-        k + 1 decode rows): drafts that need nothing from the target's forward but its logits
-        (NGRAM, the self-draft), as chains. A separate draft model or a head follows every target
-        forward with its batch (its KV, the hidden states), so those steps stay eager."""
-        algo = self.speculative_algorithm
-        self_draft = algo == "STANDALONE" and self.speculative_draft_layers > 0
-        return (algo == "NGRAM" or self_draft) and self.speculative_eagle_topk == 1
+        k + 1 decode rows): every draft source's chains. A separate draft model or a head then
+        follows the replay eagerly (its KV; a head's hidden states are graph outputs). Trees
+        (topk > 1) verify eagerly (the torch backend's masks)."""
+        return bool(self.speculative_algorithm) and self.speculative_eagle_topk == 1
 
     @property
     def speculative_steps_by_batch(self) -> tuple[tuple[int, int], ...]:

@@ -1,5 +1,5 @@
 """bin/bench spec: what speculative decoding's machinery costs on the served path, with an oracle
-draft (issue 24).
+draft (issue 24), or with the model's own MTP layer (`--algorithm NEXTN`).
 
     bin/bench spec                                      # CPU: the default model, k = 1 and 3
     bin/bench spec --model configs/llama-3.1-8b --load-format dummy --batch-sizes 1 \\
@@ -49,7 +49,11 @@ ORACLE_MARGIN = 64  # warm-up tokens past --output-len: a page of any size up to
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The mode's own flags (bin/bench adds --model, --load-format, --seed, --server-args, --out)."""
-    p.add_argument("--drafts", type=int, nargs="+", default=[1, 3], help="NGRAM drafts per row (k), one server each")
+    p.add_argument("--drafts", type=int, nargs="+", default=[1, 3], help="drafts per row (k), one server each")
+    p.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "NEXTN"],
+                   help="the draft source: NGRAM (the oracle above) or NEXTN, the model's own MTP layer (random "
+                        "with --load-format dummy: its drafts are rarely accepted, so 'step x', a step's cost "
+                        "against a plain one, is the figure)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="requests decoded together")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of each random prompt")
     p.add_argument("--output-len", type=int, default=32, help="tokens each request decodes (ignore_eos)")
@@ -63,6 +67,8 @@ def check(args: argparse.Namespace) -> str | None:
         return "--drafts must be in 1..16"
     if not 0.0 <= args.corrupt < 1.0:
         return "--corrupt must be in [0, 1)"
+    if args.corrupt and args.algorithm != "NGRAM":
+        return "--corrupt corrupts the NGRAM oracle's drafts: it needs --algorithm NGRAM"
     if any(b < 1 for b in args.batch_sizes) or args.prompt_len < 1 or args.output_len < 2:
         return "--batch-sizes and --prompt-len must be >= 1, --output-len >= 2"
     return None
@@ -105,9 +111,9 @@ def _batch(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
 
 
 def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
-    """One server (plain when k is None, else NGRAM with k drafts): per batch size, the warm-up
+    """One server (plain when k is None, else --algorithm with k drafts): per batch size, the warm-up
     answers, then the timed ones."""
-    extra = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", str(k)] if k else []
+    extra = ["--speculative-algorithm", args.algorithm, "--speculative-num-steps", str(k)] if k else []
     if k and args.corrupt:
         extra += ["--speculative-corrupt-drafts", str(args.corrupt)]
     rows = []
@@ -180,6 +186,7 @@ def run(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     for r in results:
         del r["answers"]
     ok = all(r.get("equal_to_plain", True) and r["repeat_equal"] for r in results)
-    return {"prompt_len": args.prompt_len, "output_len": args.output_len, "corrupt": args.corrupt,
+    return {"algorithm": args.algorithm, "prompt_len": args.prompt_len, "output_len": args.output_len,
+            "corrupt": args.corrupt,
             "fastest_k": {str(b): k for b, k in best.items()}, "results": results,
             "completed": int(ok)}  # 0 (exit 1) when an answer differs from plain decoding's

@@ -197,10 +197,6 @@ def capture_graphs(runner: ModelRunner):  # noqa: ANN201
     cfg = runner.cfg
     if runner.device.type != "cuda" or cfg.disable_cuda_graph:
         return None
-    if runner.spec is not None and not cfg.verify_in_graphs:  # a draft model or head follows every forward
-        log.info("cuda graphs off", reason=f"speculative decoding with {cfg.speculative_algorithm}: its draft "
-                 "follows every target forward eagerly")
-        return None
     if not runner.backend.supports_cuda_graph:
         log.info("cuda graphs off", reason=f"{type(runner.backend).__name__} is not capturable")
         return None
@@ -210,7 +206,10 @@ def capture_graphs(runner: ModelRunner):  # noqa: ANN201
         return None
     from engine.run.cuda_graph import CudaGraphRunner
 
-    graphs = CudaGraphRunner(runner.model, runner.kv, runner.backend, cfg.decode_graph_rows, runner.device)
+    # a draft head's hidden-state tap: the replayed graph hands out what its hooks computed at capture
+    tap = getattr(runner.spec.draft, "tap", None) if runner.spec is not None else None
+    graphs = CudaGraphRunner(runner.model, runner.kv, runner.backend, cfg.decode_graph_rows, runner.device,
+                             outputs_of=tap)
     try:
         with torch.inference_mode():
             graphs.capture()

@@ -25,6 +25,7 @@ import bisect
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import structlog
@@ -131,13 +132,26 @@ class _Pinned:
         self.events[self.i] = ev
 
 
+class GraphOutputs(Protocol):
+    """Tensors that forward hooks compute (engine/run/eagle.py: HiddenTap): a replay runs no
+    hook, so what the hooks computed while a graph was captured becomes that graph's output."""
+
+    def captured(self, bs: int) -> None:
+        """The graph of `bs` rows was just captured: keep what the hooks computed in it."""
+
+    def replayed(self, bs: int, rows: int) -> None:
+        """That graph was just replayed for its first `rows` rows: hand its outputs out."""
+
+
 class CudaGraphRunner:
     """Captures and replays the decode forward of `model` (see the module docstring)."""
 
-    def __init__(self, model, kv_pool, backend, max_batch: int, device: torch.device) -> None:  # noqa: ANN001
+    def __init__(self, model, kv_pool, backend, max_batch: int, device: torch.device,  # noqa: ANN001
+                 outputs_of: GraphOutputs | None = None) -> None:
         if not getattr(backend, "supports_cuda_graph", False):
             raise ValueError(f"{type(backend).__name__} cannot be captured in a CUDA graph")
         self.model, self.kv, self.backend = model, kv_pool, backend
+        self.outputs_of = outputs_of  # forward hooks' results, handed out after each replay
         self.device = torch.device(device)
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -200,6 +214,8 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs] = graph, out
+            if self.outputs_of is not None:
+                self.outputs_of.captured(bs)
         # ready means warm: a graph's first replay does work of its own (its upload); replay
         # each once now, on the padding rows it was captured with
         for bs in self.sizes:
@@ -269,6 +285,8 @@ class CudaGraphRunner:
         self._pinned.release()
         self.graphs[bs].replay()
         self.replays += 1
+        if self.outputs_of is not None:
+            self.outputs_of.replayed(bs, b)
         return self.outputs[bs][:b]
 
     def _resolve_future(self, bs: int, last_token: torch.Tensor) -> None:

@@ -18,7 +18,9 @@ the `follow` of the verify forward with the target's hidden states, so after acc
 head's KV holds (h_p, token p + 1) for every accepted token.
 
 The target's hidden states come from forward hooks on its decoder layers, registered only when
-this draft exists: a target without speculation runs exactly as before.
+this draft exists: a target without speculation runs exactly as before. A decode CUDA graph
+(plain decode and chain verify rows replay them) is captured with the hooks on, so what they
+compute is one of its outputs (`HiddenTap.captured` / `replayed`); `follow` then runs eagerly.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class HiddenTap:
     def __init__(self, layers: nn.ModuleList, which: list[int]) -> None:
         self.which = which
         self.out: dict[int, torch.Tensor] = {}
+        self.graph_out: dict[int, dict[int, torch.Tensor]] = {}  # per captured decode graph: its streams
         self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(which))]
 
     def _hook(self, i: int) -> Callable[..., None]:
@@ -60,9 +63,19 @@ class HiddenTap:
             self.out[i] = x + residual
         return hook
 
+    def captured(self, bs: int) -> None:
+        """The hooks ran inside the capture of the `bs`-row decode graph (engine/run/cuda_graph.py):
+        the streams they wrote are that graph's outputs, rewritten by each replay."""
+        self.graph_out[bs] = dict(self.out)
+        self.out.clear()
+
+    def replayed(self, bs: int, rows: int) -> None:
+        """The `bs`-row graph was replayed for its first `rows` rows: their streams, as a forward's."""
+        self.out = {i: t[:rows] for i, t in self.graph_out[bs].items()}
+
     def take(self) -> list[torch.Tensor]:
         """The tapped layers' streams of the last target forward, in `which` order."""
-        if any(i not in self.out for i in self.which):  # hooks do not run in a CUDA graph's replay
+        if any(i not in self.out for i in self.which):
             raise RuntimeError("a draft head follows a target forward that ran without its hidden-state hooks")
         out = [self.out[i] for i in self.which]
         self.out.clear()
@@ -72,6 +85,7 @@ class HiddenTap:
 class HeadDraft:
     """A rank's draft head: its module (EagleHead or NextN), KV pool and hidden pool."""
 
+    follows = True  # its KV and hidden pool follow every target forward
 
     def __init__(self, head: EagleHead | NextN, tap: HiddenTap, feature: Callable[[list[torch.Tensor]], torch.Tensor],
                  kv: KVPool, backend: AttentionBackend | None, hidden_size: int, num_pages: int, page_size: int,

@@ -235,6 +235,8 @@ class ModelRunner:
         if self.graphs is not None and len(slots) <= self.graphs.max_batch and all(n == 1 for n in lens):
             # decode: the captured graph, fed straight from the Step's lists
             logits = self.graphs.run_decode(ids, slots, starts, tables, self.last_token)
+            if self.spec is not None:  # a draft model or head follows the replayed rows
+                self.spec.follow_replay(self.graphs, starts, lens, tables, sample)
             if all(sample):
                 slots_dev = self.graphs.slots[: len(slots)]
             else:

@@ -93,6 +93,8 @@ class SelfDraft:
     write: it reads the target's KV pool and its own writes are overwritten by the verify
     forward (values equal up to the rounding of another batch shape)."""
 
+    follows = False  # the target's forward writes its KV: nothing to run after a replay
+
     def __init__(self, model: torch.nn.Module, layers: int, kv, backend) -> None:  # noqa: ANN001
         from models.llama import LlamaForCausalLM
 
@@ -133,6 +135,8 @@ class DraftModel:
     its own weights and its own KV pool, indexed by the target's pages (one page table serves
     both), written by every forward the target runs (`follow`: prefill chunks, decode and
     verify rows), so its KV covers every token the target's does."""
+
+    follows = True
 
     def __init__(self, path: str, target_vocab: int, num_pages: int, page_size: int, max_batch: int,
                  max_pages_per_req: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -185,6 +189,16 @@ class Speculator:
     def follow(self, batch: ForwardBatch) -> None:
         """After every target forward: a separate draft model writes its KV for the same batch."""
         if self.draft is not None:
+            self.draft.follow(batch)
+
+    def follow_replay(self, graphs: Any, starts: list[int], lens: list[int], tables: list[list[int]],
+                      sample: list[int]) -> None:
+        """After a replay of the decode graphs over these rows (their tokens, resolved, in
+        `graphs.input_ids`, request-major: plain decode rows or a chain's verify rows), a draft
+        that follows the target runs over the same tokens, eagerly, in stream order."""
+        if getattr(self.draft, "follows", False):
+            batch = ForwardBatch.build(graphs.input_ids[: sum(lens)], starts, lens, tables, sample, self.page_size,
+                                       self.device)
             self.draft.follow(batch)
 
     def rows(self, fwd: Forward, ids: list[int], tables: list[list[int]]) -> VerifyRows:
@@ -292,7 +306,9 @@ class Speculator:
             return None
         rows = [(s, st + j, t) for s, st, n, t in zip(slots, starts, lens, tables, strict=True) for j in range(n)]
         self.replayed += 1
-        return g.run_decode(ids, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], runner.last_token)
+        logits = g.run_decode(ids, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], runner.last_token)
+        self.follow_replay(g, starts, lens, tables, sample)
+        return logits
 
     def _eager(self, runner: Any, ids: list[int], slots: list[int], starts: list[int], lens: list[int],
                sample: list[int], tables: list[list[int]], v: VerifyRows) -> torch.Tensor:

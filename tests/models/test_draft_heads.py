@@ -82,10 +82,21 @@ def _greedy_map(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits[:, -1].argmax(-1), out.hidden_states[1][:, 0]
 
 
-def _spec_run(path: Path, prompts: list[list[int]], params: SamplingParams, **kw: object) -> tuple[list, object]:
+def _in_graphs(eng: LocalEngine, expected: bool) -> None:
+    """On CUDA (tests/gpu/test_spec_heads_gpu.py) a captured target verifies its chains by replaying
+    the decode graphs, the head following each replay; `expected`: the target must be captured."""
+    if DEVICE == "cuda" and expected:
+        assert eng.runner.graphs is not None, "the target was not captured"
+    if eng.runner.graphs is not None:
+        assert eng.runner.spec is not None and eng.runner.spec.replayed > 0, "no verify step replayed the graphs"
+
+
+def _spec_run(path: Path, prompts: list[list[int]], params: SamplingParams, graphs: bool = True,
+              **kw: object) -> tuple[list, object]:
     eng = _engine(path, **kw)
     got = _ids(eng.generate(prompts, params))
     assert eng.core.leak_free()
+    _in_graphs(eng, graphs)
     return got, eng.core.state.spec_stats
 
 
@@ -128,6 +139,19 @@ def test_eagle3_with_a_draft_vocabulary_and_d2t_proposes_token_p_plus_2(tmp_path
     assert st.drafted > len(prompts) and st.accepted >= st.drafted - len(prompts), st
 
 
+def test_the_target_as_its_own_separate_draft_model_has_its_drafts_accepted(tmp_path: Path) -> None:
+    """A separate draft model (STANDALONE) follows every target forward to keep its KV whole: as the
+    target itself, its drafts are the target's greedy tokens wherever its KV followed the prefill
+    chunks, the plain decode rows and the verify rows (on CUDA: replays of the decode graphs)."""
+    target = _llama(tmp_path / "t", TINY, attention_free=False)
+    prompts = _prompts([9, 23, 4], seed=3)
+    want = _ids(_engine(target).generate(prompts, GREEDY))
+    got, st = _spec_run(target, prompts, GREEDY, speculative_algorithm="STANDALONE", speculative_num_steps=3,
+                        speculative_draft_model_path=str(target), max_prefill_tokens=8)
+    assert got == want
+    assert st.drafted > 0 and st.accepted >= 0.9 * st.drafted, st
+
+
 def _v3_with_mtp(path: Path, config: dict, seed: int = 3) -> Path:
     """A tiny DeepSeek-V3 checkpoint with a random MTP layer (model.layers.{L}, in its own file):
     the shapes of its last decoder layer (an MoE one) plus enorm, hnorm, eh_proj, shared_head.norm."""
@@ -164,6 +188,7 @@ def test_nextn_random_mtp_greedy_equals_plain_batched_cached_chunked(tmp_path: P
     st = eng.core.state.spec_stats
     assert st.rows > 0 and st.drafted >= st.rows and 0 <= st.accepted <= st.drafted
     assert eng.core.leak_free()
+    _in_graphs(eng, False)
 
 
 @pytest.mark.parametrize("algo", ["NEXTN", "NGRAM"])
@@ -223,7 +248,7 @@ def test_nextn_copying_an_attention_free_target_has_its_drafts_accepted(tmp_path
     save_file(mtp, str(path / "mtp.safetensors"))
     prompts = _prompts([11, 5], seed=4)
     want = _ids(_engine(path).generate(prompts, GREEDY))
-    got, st = _spec_run(path, prompts, GREEDY, speculative_algorithm="NEXTN")
+    got, st = _spec_run(path, prompts, GREEDY, graphs=False, speculative_algorithm="NEXTN")
     assert got == want
     assert st.drafted > 0 and st.accepted >= 0.95 * st.drafted, st
 
