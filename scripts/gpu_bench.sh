@@ -75,7 +75,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -266,6 +266,13 @@ for what in "$@"; do case $what in
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;
+  specnextn) for g in graphs eager; do  # DeepSeek-V3-5L's own (random) MTP layer: a step's cost, graphs vs all eager
+            run spec-nextn-deepseek-v3-5l-$g 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy \
+              --algorithm NEXTN --drafts ${NEXTN_DRAFTS:-2} --batch-sizes ${NEXTN_BS:-1 8} --prompt-len 512 --output-len 128 \
+              --server-args "$([ $g = eager ] && echo --disable-cuda-graph) --log-dir $OUT/logs-nextn-$g" \
+              --out "$OUT/spec-nextn-deepseek-v3-5l-$g-h200.json"  # exit 1 when bf16 answers differ from plain: read the table
+            grep -A6 "k batch" "$OUT/spec-nextn-deepseek-v3-5l-$g.log"
+            grep -h '"verify step eager"\|cuda graphs' $OUT/logs-nextn-$g/worker-0.log | tail -3; done ;;
   spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider -k "${SPECTREE_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spectree.log" | tail -8 ;;
   specgrammar) run gpu-specgrammar 240 python3 -m pytest -m gpu tests/gpu/test_spec_grammar_gpu.py -q -rA \

@@ -32,3 +32,65 @@ def test_heads_on_cuda(test: Callable[[Path], None], tmp_path: Path, monkeypatch
                        flashinfer_built: None) -> None:
     monkeypatch.setattr(heads, "DEVICE", "cuda")
     test(tmp_path)
+
+
+# bf16 under deterministic inference: the target's decode and chain verify rows replay the decode
+# graphs (the torch backend's invariant kernel is capturable), and every bit is batch-invariant, so
+# graphs and eager give the same tokens and the same drafts; a head fed wrong hidden states by a
+# replay (stale or misplaced rows of the graph's outputs) would draft otherwise.
+MID = {**heads.TINY, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+       "intermediate_size": 512, "num_hidden_layers": 4, "vocab_size": 512}
+DET_GREEDY = heads.SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _det_engine(model: Path, graphs: bool, **kw: object) -> heads.LocalEngine:
+    return heads.LocalEngine(heads.ServerConfig(
+        model=str(model), dtype="bfloat16", enable_deterministic_inference=True, max_total_tokens=4096,
+        max_running_requests=4, page_size=16, max_prefill_tokens=32, disable_cuda_graph=not graphs,
+        device="cuda", **kw))  # type: ignore[arg-type]
+
+
+def _drafted(eng: heads.LocalEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
+    """Every verify step's rows as drafted (first token, then its drafts), recorded around the
+    Speculator's own fill."""
+    spec = eng.runner.spec
+    assert spec is not None
+    seen: list[list[list[int]]] = []
+    fill = spec._fill
+
+    def recorded(ids: list[int], num: list[int], ends: list[int], *rest: object) -> None:
+        fill(ids, num, ends, *rest)  # type: ignore[arg-type]
+        seen.append([ids[e - k - 1 : e] for k, e in zip(num, ends, strict=True) if k])
+
+    monkeypatch.setattr(spec, "_fill", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("draft", ["EAGLE3", "STANDALONE"])
+def test_bf16_deterministic_drafts_follow_graph_replays(draft: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    target = heads._llama(tmp_path / "t", MID, attention_free=False)
+    if draft == "EAGLE3":
+        path = heads.write_head(tmp_path / "h", MID, "EAGLE3", draft_vocab=128, std=0.2,
+                                eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    else:
+        path = target  # the target as its own draft: its drafts accepted where its KV followed every forward
+    spec = {"speculative_algorithm": draft, "speculative_num_steps": 3, "speculative_draft_model_path": str(path)}
+    prompts = heads._prompts([40, 17, 70], seed=5, vocab=MID["vocab_size"])
+    plain = heads._ids(_det_engine(target, True).generate(prompts, DET_GREEDY))
+    runs = {}
+    for graphs in (False, True):
+        eng = _det_engine(target, graphs, **spec)
+        drafted = _drafted(eng, monkeypatch)
+        got = heads._ids(eng.generate(prompts, DET_GREEDY))
+        assert eng.core.leak_free()
+        assert got == plain, f"graphs={graphs}: speculation changed the tokens"
+        assert (eng.runner.graphs is not None) == graphs
+        if graphs:
+            assert eng.runner.spec is not None and eng.runner.spec.replayed > 0, "no verify step replayed the graphs"
+        runs[graphs] = drafted, eng.core.state.spec_stats
+    (eager, st_eager), (replayed, st) = runs[False], runs[True]
+    assert replayed and replayed == eager, "the drafts depend on the CUDA graphs"
+    assert st.drafted == st_eager.drafted > 0 and st.accepted == st_eager.accepted
+    if draft == "STANDALONE":
+        assert st.accepted >= 0.9 * st.drafted, st
