@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
-from engine.layers.mla_attention import MLAPlan
+from engine.layers.mla_attention import MLABackend, MLAPlan
 from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding
 from models.config import ModelConfig
 from models.deepseek_v3 import DecoderLayer, LatentRope, MLAContext
@@ -100,7 +100,9 @@ class NextN(nn.Module):
         layer = self.layer
         e = self.embedding()(ids)
         x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden)], dim=-1))
-        ctx = MLAContext(batch, kv, MLAPlan.build(batch), self.rope, x.dtype)
+        mla = backend if isinstance(backend, MLABackend) else None  # on CUDA: its own (engine/run/eagle.py)
+        plan = MLAPlan.build(batch, graph=mla.graph if mla else None, flashmla=mla.fm if mla else None)
+        ctx = MLAContext(batch, kv, plan, self.rope, x.dtype)
         x, residual = layer(x, None, ctx)
         g = layer.shared_head.norm(x + residual)
         return g, g

@@ -266,7 +266,7 @@ for what in "$@"; do case $what in
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-heads.log" | tail -14 ;;
-  specnextn) for g in graphs eager; do  # DeepSeek-V3-5L's own (random) MTP layer: a step's cost, graphs vs all eager
+  specnextn) for g in ${NEXTN_RUNS:-graphs eager}; do  # DeepSeek-V3-5L's own (random) MTP layer: a step's cost, graphs vs all eager
             run spec-nextn-deepseek-v3-5l-$g 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy \
               --algorithm NEXTN --drafts ${NEXTN_DRAFTS:-2} --batch-sizes ${NEXTN_BS:-1 8} --prompt-len 512 --output-len 128 \
               --server-args "$([ $g = eager ] && echo --disable-cuda-graph) --log-dir $OUT/logs-nextn-$g" \

@@ -213,12 +213,28 @@ def capture_graphs(runner: ModelRunner):  # noqa: ANN201
     try:
         with torch.inference_mode():
             graphs.capture()
+            capture_draft(runner)
     except torch.OutOfMemoryError as e:
         raise OutOfMemory(
             f"out of GPU memory while capturing CUDA graphs ({e}); lower --mem-fraction or "
             "--max-running-requests, or pass --disable-cuda-graph"
         ) from e
     return graphs
+
+
+def capture_draft(runner: ModelRunner) -> None:
+    """A draft head's own decode graphs (engine/run/eagle.py: HeadDraft.capture), where its
+    backend and its layers can be captured: its draft steps and the rows it follows replay them."""
+    draft = runner.spec.draft if runner.spec is not None else None
+    capture = getattr(draft, "capture", None)
+    backend = getattr(draft, "backend", None)
+    if capture is None or backend is None or not backend.supports_cuda_graph:
+        return
+    blocker = cuda_graph_blocker(draft.head)  # type: ignore[union-attr]
+    if blocker is not None:
+        log.info("draft cuda graphs off", reason=blocker)
+        return
+    capture(runner.cfg.decode_graph_rows)
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -234,11 +234,14 @@ class CudaGraphRunner:
         slots: Sequence[int],
         starts: Sequence[int],
         tables: Sequence[Sequence[int]],
-        last_token: torch.Tensor,
+        last_token: torch.Tensor | None,
+        device_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replay a decode step given the Step's lists: request i (slot slots[i]) feeds token
-        ids[i] (-1: last_token[slots[i]]) at position starts[i]. Returns float32 logits [B, V]
-        for every request (a view into the graph's output, valid until the next replay)."""
+        ids[i] (-1: last_token[slots[i]]) at position starts[i]; `device_ids` [B], when given,
+        are the tokens instead (a draft head following the target: engine/run/eagle.py). Returns
+        the graph's output rows [B, ...] (the model's float32 logits; a view, valid until the
+        next replay)."""
         b = len(slots)
         bs = padded_batch_size(b, self.sizes)
         if bs is None:
@@ -276,7 +279,11 @@ class CudaGraphRunner:
             a[off + nnz : off + nnz + pad] = PAD_PAGE
             g_indices = self._dev_i32[off : off + nnz + pad]  # the plan copies them into the wrapper's buffer
             g_indices.copy_(h32[off : off + nnz + pad], non_blocking=True)
-        if min(ids) < 0:
+        if device_ids is not None:
+            self.input_ids[:b].copy_(device_ids)
+            self.input_ids[b:bs].zero_()
+        elif min(ids) < 0:
+            assert last_token is not None, "future references need the slots' last tokens"
             self._resolve_future(bs, last_token)
         else:
             self.input_ids[:bs].copy_(self.meta[0, :bs])

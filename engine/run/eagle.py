@@ -36,7 +36,9 @@ from engine.layers.attention import AttentionBackend, create_backend
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
+from engine.layers.mla_attention import MLABackend, decode_kernel_available
 from engine.layers.parallel import lm_logits
+from engine.run.cuda_graph import CudaGraphRunner
 from engine.run.dist import rank_config
 from models.config import ModelConfig
 from models.eagle import EagleHead, head_keeps, read_head, tensor_names
@@ -94,20 +96,54 @@ class HeadDraft:
         self.kv, self.backend = kv, backend
         self.page_size, self.device = page_size, device
         self.hidden = torch.zeros(num_pages * page_size, hidden_size, dtype=dtype, device=device)
+        self.graphs: CudaGraphRunner | None = None  # the head's decode graphs (capture_graphs), where capturable
+        self.step: HeadStep | None = None
+
+    def capture(self, rows: int) -> None:
+        """The head's decode CUDA graphs, up to `rows` rows (the target's): its draft steps and
+        the rows it follows replay them (a follow's tokens as decode rows, as a verify row's)."""
+        self.step = HeadStep(self, rows)
+        self.graphs = CudaGraphRunner(self.step, self.kv, self.backend, rows, self.device)
+        self.graphs.capture()
 
     def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.backend is not None:
             self.backend.prepare(batch)
         return self.head(batch.input_ids, hidden, batch, self.kv, self.backend)
 
+    def _replay(self, ids: torch.Tensor | list[int], positions: list[int], tables: list[list[int]],
+                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over decode rows (token ids[i] at positions[i] through tables[i], reading
+        hidden[i]) by a replay of its graphs: (rows for the LM head, the next step's hidden)."""
+        assert self.graphs is not None and self.step is not None
+        n = len(positions)
+        self.step.hidden_in[:n].copy_(hidden)
+        dev = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64).to(self.device,
+                                                                                               non_blocking=True)
+        out = self.graphs.run_decode([0] * n, [0] * n, positions, tables, None, device_ids=dev)
+        return out[:, : self.step.width], out[:, self.step.width :]
+
+    def _fits(self, rows: int) -> bool:
+        return self.graphs is not None and rows <= self.graphs.max_batch
+
     @torch.inference_mode()
-    def follow(self, batch: ForwardBatch) -> None:
+    def follow(self, batch: ForwardBatch, replayed: bool = False) -> None:
         """After a target forward: its hidden states into the pool, the head's KV entries up to
-        the one before each row's last token."""
+        the one before each row's last token. After a replay of the target's decode graphs (decode
+        or verify rows) the head replays its own, each entry a decode row."""
         self.hidden[batch.out_slots] = self.feature(self.tap.take()).to(self.hidden.dtype)
         shifted = shift(batch)
-        if shifted is not None:
-            self._run(shifted, self.hidden[shifted.out_slots])
+        if shifted is None:
+            return
+        hidden = self.hidden[shifted.out_slots]
+        if replayed and self._fits(len(shifted.positions)):
+            assert shifted.page_table_cpu is not None
+            starts, lens = shifted.start_pos_cpu, shifted.extend_lens_cpu
+            tables = [shifted.page_table_cpu[i].tolist() for i in range(len(lens))]
+            self._replay(shifted.input_ids, [s + j for s, n in zip(starts, lens, strict=True) for j in range(n)],
+                         [t for t, n in zip(tables, lens, strict=True) for _ in range(n)], hidden)
+        else:
+            self._run(shifted, hidden)
 
     @torch.inference_mode()
     def propose(self, ids: list[int], rows: Rows, alts: int = 1) -> list[list[list[int]]]:
@@ -118,17 +154,23 @@ class HeadDraft:
         prev: list[int] = []
         g: torch.Tensor | None = None
         module, vocab = self.head.head()
+        ps = self.page_size
         for step in range(max((k for _, k, _, _ in rows), default=0)):
             act = [r for r, (_, k, _, _) in enumerate(rows) if k > step]
-            batch = ForwardBatch.build([ids[rows[r][0] + step] for r in act], [rows[r][2] - 1 + step for r in act],
-                                       [1] * len(act), [rows[r][3] for r in act], [1] * len(act), self.page_size,
-                                       self.device)
-            if g is None:
-                hidden = self.hidden[batch.out_slots]  # the target's h at p0 - 1
+            tokens = [ids[rows[r][0] + step] for r in act]
+            positions = [rows[r][2] - 1 + step for r in act]
+            tables = [rows[r][3] for r in act]
+            if g is None:  # the target's h at p0 - 1
+                slots = [t[p // ps] * ps + p % ps for p, t in zip(positions, tables, strict=True)]
+                hidden = self.hidden[torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)]
             else:
                 keep = torch.tensor([prev.index(r) for r in act], dtype=torch.int64)
                 hidden = g[keep.to(self.device)]
-            out, g = self._run(batch, hidden)
+            if self._fits(len(act)):
+                out, g = self._replay(tokens, positions, tables, hidden)  # (views: read before the next replay)
+            else:
+                batch = ForwardBatch.build(tokens, positions, [1] * len(act), tables, [1] * len(act), ps, self.device)
+                out, g = self._run(batch, hidden)
             logits = lm_logits(out, module.weight, vocab, module.packed)
             for r, t in zip(act, self.head.to_target(logits.argmax(dim=-1)).tolist(), strict=True):
                 ids[rows[r][0] + step + 1] = int(t)
@@ -138,6 +180,22 @@ class HeadDraft:
                     top[r].append(c)
             prev = act
         return top
+
+
+class HeadStep(nn.Module):
+    """A draft head as a decode-graph model (engine/run/cuda_graph.py): its hidden input read from
+    a static buffer (filled before each replay), its two outputs (rows for the LM head, the next
+    step's hidden) side by side in one."""
+
+    def __init__(self, draft: HeadDraft, rows: int) -> None:
+        super().__init__()
+        self.run = draft.head.forward
+        self.width = draft.hidden.shape[1]
+        self.hidden_in = torch.zeros(rows, self.width, dtype=draft.hidden.dtype, device=draft.device)
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, backend: AttentionBackend | None) -> torch.Tensor:
+        out, g = self.run(batch.input_ids, self.hidden_in[: batch.input_ids.shape[0]], batch, kv, backend)
+        return torch.cat([out, g], dim=-1)
 
 
 def shift(batch: ForwardBatch) -> ForwardBatch | None:
@@ -185,7 +243,11 @@ def make_head_draft(cfg: ServerConfig, model: nn.Module, mcfg: ModelConfig, num_
         feature, tap = final_hidden, HiddenTap(layers, [final])
         kv = KVPool.from_layout(type(model).kv_layout(rank_config(mcfg)), 1, num_pages, cfg.page_size,  # type: ignore[attr-defined]
                                 kv_dtype, device)
-        backend = None  # MLA attends its latent pool itself
+        backend = None  # MLA attends its latent pool itself; on CUDA a backend of its own holds its graph state
+        if decode_kernel_available(device):
+            backend = MLABackend(device)
+            backend.bind(num_q_heads=rank_config(mcfg).num_heads, kv_pool=kv, max_batch=cfg.decode_graph_rows,
+                         max_pages_per_req=math.ceil(max_context / cfg.page_size) + 1, q_dtype=dtype)
         hidden = mcfg.hidden_size
     else:
         head, aux = load_eagle(cfg, mcfg, dtype, max_context, device)
@@ -196,7 +258,7 @@ def make_head_draft(cfg: ServerConfig, model: nn.Module, mcfg: ModelConfig, num_
         kv = KVPool.from_layout(KVLayout.gqa(shard.num_kv_heads, shard.head_dim), head.config.num_layers, num_pages,
                                 cfg.page_size, kv_dtype, device)
         backend = create_backend("torch", device)
-        backend.bind(num_q_heads=shard.num_heads, kv_pool=kv, max_batch=cfg.max_running_requests,
+        backend.bind(num_q_heads=shard.num_heads, kv_pool=kv, max_batch=cfg.decode_graph_rows,
                      max_pages_per_req=math.ceil(max_context / cfg.page_size) + 1, q_dtype=dtype)
         hidden = head.config.hidden_size
     head.share(embed, lm_head)

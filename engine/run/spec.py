@@ -156,8 +156,8 @@ class DraftModel:
                           max_pages_per_req=max_pages_per_req, q_dtype=dtype)
 
     @torch.inference_mode()
-    def follow(self, batch: ForwardBatch) -> None:
-        """Write this draft's KV for the target's batch (its logits are not needed)."""
+    def follow(self, batch: ForwardBatch, replayed: bool = False) -> None:
+        """Write this draft's KV for the target's batch (its logits are not needed), eagerly."""
         idx = batch.logit_indices
         batch.logit_indices = idx[:0]
         try:
@@ -199,7 +199,7 @@ class Speculator:
         if getattr(self.draft, "follows", False):
             batch = ForwardBatch.build(graphs.input_ids[: sum(lens)], starts, lens, tables, sample, self.page_size,
                                        self.device)
-            self.draft.follow(batch)
+            self.draft.follow(batch, replayed=True)
 
     def rows(self, fwd: Forward, ids: list[int], tables: list[list[int]]) -> VerifyRows:
         """The verify rows of `fwd` (its drafts resolved: the draft model's filled into `ids`)."""

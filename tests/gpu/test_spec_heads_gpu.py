@@ -88,6 +88,9 @@ def test_bf16_deterministic_drafts_follow_graph_replays(draft: str, tmp_path: Pa
         assert (eng.runner.graphs is not None) == graphs
         if graphs:
             assert eng.runner.spec is not None and eng.runner.spec.replayed > 0, "no verify step replayed the graphs"
+            if draft == "EAGLE3":  # the head's own graphs (its backend is capturable under the mode)
+                head_graphs = eng.runner.spec.draft.graphs
+                assert head_graphs is not None and head_graphs.replays > 0
         runs[graphs] = drafted, eng.core.state.spec_stats
     (eager, st_eager), (replayed, st) = runs[False], runs[True]
     assert replayed and replayed == eager, "the drafts depend on the CUDA graphs"

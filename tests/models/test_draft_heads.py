@@ -82,21 +82,24 @@ def _greedy_map(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits[:, -1].argmax(-1), out.hidden_states[1][:, 0]
 
 
-def _in_graphs(eng: LocalEngine, expected: bool) -> None:
-    """On CUDA (tests/gpu/test_spec_heads_gpu.py) a captured target verifies its chains by replaying
-    the decode graphs, the head following each replay; `expected`: the target must be captured."""
-    if DEVICE == "cuda" and expected:
-        assert eng.runner.graphs is not None, "the target was not captured"
+def _in_graphs(eng: LocalEngine) -> None:
+    """Where the target is captured (on CUDA: tests/gpu/test_spec_heads_gpu.py), its chains verify
+    by replaying the decode graphs; where a draft head is captured too, its draft steps and the
+    rows it follows replay its own."""
+    spec = eng.runner.spec
+    assert spec is not None
     if eng.runner.graphs is not None:
-        assert eng.runner.spec is not None and eng.runner.spec.replayed > 0, "no verify step replayed the graphs"
+        assert spec.replayed > 0, "no verify step replayed the graphs"
+    head_graphs = getattr(spec.draft, "graphs", None)
+    if head_graphs is not None:
+        assert head_graphs.replays > 0, "the head's graphs were captured, never replayed"
 
 
-def _spec_run(path: Path, prompts: list[list[int]], params: SamplingParams, graphs: bool = True,
-              **kw: object) -> tuple[list, object]:
+def _spec_run(path: Path, prompts: list[list[int]], params: SamplingParams, **kw: object) -> tuple[list, object]:
     eng = _engine(path, **kw)
     got = _ids(eng.generate(prompts, params))
     assert eng.core.leak_free()
-    _in_graphs(eng, graphs)
+    _in_graphs(eng)
     return got, eng.core.state.spec_stats
 
 
@@ -188,7 +191,7 @@ def test_nextn_random_mtp_greedy_equals_plain_batched_cached_chunked(tmp_path: P
     st = eng.core.state.spec_stats
     assert st.rows > 0 and st.drafted >= st.rows and 0 <= st.accepted <= st.drafted
     assert eng.core.leak_free()
-    _in_graphs(eng, False)
+    _in_graphs(eng)
 
 
 @pytest.mark.parametrize("algo", ["NEXTN", "NGRAM"])
@@ -248,7 +251,7 @@ def test_nextn_copying_an_attention_free_target_has_its_drafts_accepted(tmp_path
     save_file(mtp, str(path / "mtp.safetensors"))
     prompts = _prompts([11, 5], seed=4)
     want = _ids(_engine(path).generate(prompts, GREEDY))
-    got, st = _spec_run(path, prompts, GREEDY, graphs=False, speculative_algorithm="NEXTN")
+    got, st = _spec_run(path, prompts, GREEDY, speculative_algorithm="NEXTN")
     assert got == want
     assert st.drafted > 0 and st.accepted >= 0.95 * st.drafted, st
 
