@@ -75,7 +75,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -273,6 +273,11 @@ for what in "$@"; do case $what in
               --out "$OUT/spec-nextn-deepseek-v3-5l-$g-h200.json"  # exit 1 when bf16 answers differ from plain: read the table
             grep -A6 "k batch" "$OUT/spec-nextn-deepseek-v3-5l-$g.log"
             grep -h '"verify step eager"\|cuda graphs' $OUT/logs-nextn-$g/worker-0.log | tail -3; done ;;
+  specnextnprofile) STRATA_PROFILE_STEPS=${NEXTN_PROFILE:-200:20} run spec-nextn-deepseek-v3-5l-profile 300 bin/bench spec \
+            --model configs/deepseek-v3-5l --load-format dummy --algorithm NEXTN --drafts 2 --batch-sizes 1 --prompt-len 512 \
+            --output-len 128 --out "$OUT/spec-nextn-deepseek-v3-5l-profiled-h200.json" \
+            --server-args "--log-dir $OUT/logs-nextnprof"  # the NEXTN server's steps 200..219 (the second warm-up round)
+          head -45 $OUT/logs-nextnprof/profile-rank0.txt ;;
   spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider -k "${SPECTREE_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spectree.log" | tail -8 ;;
   specgrammar) run gpu-specgrammar 240 python3 -m pytest -m gpu tests/gpu/test_spec_grammar_gpu.py -q -rA \
