@@ -156,8 +156,9 @@ def make_speculator(cfg: ServerConfig, a: Assembled) -> Speculator | None:
     elif layers:
         draft = SelfDraft(a.model, layers, a.kv, a.backend)
     elif path:
-        draft = DraftModel(path, a.mcfg.vocab_size, a.num_pages, cfg.page_size, cfg.max_running_requests,
-                           math.ceil(a.max_context / cfg.page_size) + 1, a.dtype, a.device)
+        draft = DraftModel(path, a.mcfg.vocab_size, a.num_pages, cfg.page_size, cfg.decode_graph_rows,
+                           math.ceil(a.max_context / cfg.page_size) + 1, a.dtype, a.device,
+                           lambda layout: backend_name(cfg, a.deterministic, layout, a.dtype))
     log.info("speculative decoding", algorithm=cfg.speculative_algorithm,
              steps=cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
     trees = cfg.speculative_eagle_topk > 1
@@ -223,14 +224,15 @@ def capture_graphs(runner: ModelRunner):  # noqa: ANN201
 
 
 def capture_draft(runner: ModelRunner) -> None:
-    """A draft head's own decode graphs (engine/run/eagle.py: HeadDraft.capture), where its
-    backend and its layers can be captured: its draft steps and the rows it follows replay them."""
+    """A draft's own decode graphs (a head's, engine/run/eagle.py: HeadDraft.capture; a separate
+    draft model's, engine/run/spec.py: DraftModel.capture), where its backend and its layers can
+    be captured: its draft steps and the rows it follows replay them."""
     draft = runner.spec.draft if runner.spec is not None else None
     capture = getattr(draft, "capture", None)
     backend = getattr(draft, "backend", None)
     if capture is None or backend is None or not backend.supports_cuda_graph:
         return
-    blocker = cuda_graph_blocker(draft.head)  # type: ignore[union-attr]
+    blocker = cuda_graph_blocker(draft.head if isinstance(draft, HeadDraft) else draft.model)  # type: ignore[union-attr]
     if blocker is not None:
         log.info("draft cuda graphs off", reason=blocker)
         return

@@ -17,6 +17,7 @@ accepted iff it equals its parent's draw; the longest path) are in engine/run/sp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 
 from engine.layers.context import ForwardContext
 from engine.layers.forward import ForwardBatch
+from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import lm_logits
 from engine.replica import ReplicaError
@@ -113,6 +115,12 @@ class SelfDraft:
     def follow(self, batch: ForwardBatch) -> None:
         """Nothing: the target's forward wrote this draft's KV."""
 
+    def step(self, tokens: torch.Tensor | list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One draft step: float32 logits of each decode row (token at position through table)."""
+        n = len(positions)
+        return self(ForwardBatch.build(tokens, positions, [1] * n, tables, [1] * n, self.kv.page_size,
+                                       self.kv.device))
+
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """LlamaForCausalLM.forward over the first `layers` layers: float32 logits at
@@ -134,14 +142,17 @@ class DraftModel:
     """A separate draft model with the target's vocabulary (--speculative-draft-model-path):
     its own weights and its own KV pool, indexed by the target's pages (one page table serves
     both), written by every forward the target runs (`follow`: prefill chunks, decode and
-    verify rows), so its KV covers every token the target's does."""
+    verify rows), so its KV covers every token the target's does. Its attention backend is the
+    kind the target's would be for its layout; where that can be captured, the model gets decode
+    CUDA graphs of its own (`capture`): its draft steps and the rows it follows after a replay of
+    the target's graphs replay them."""
 
     follows = True
 
     def __init__(self, path: str, target_vocab: int, num_pages: int, page_size: int, max_batch: int,
-                 max_pages_per_req: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_pages_per_req: int, dtype: torch.dtype, device: torch.device,
+                 backend_name: Callable[[KVLayout], str] = lambda layout: "torch") -> None:
         from engine.layers.attention import create_backend
-        from engine.layers.kv_pool import KVPool
         from engine.run.dist import rank_config
         from models.registry import kv_layout, load_model
 
@@ -150,20 +161,53 @@ class DraftModel:
             raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has {mcfg.vocab_size} tokens, "
                              f"the model's {target_vocab}: a draft must share the tokenizer")
         shard = rank_config(mcfg)
-        self.kv = KVPool.from_layout(kv_layout(shard), mcfg.num_layers, num_pages, page_size, dtype, device)
-        self.backend = create_backend("torch", device)
+        layout = kv_layout(shard)
+        self.kv = KVPool.from_layout(layout, mcfg.num_layers, num_pages, page_size, dtype, device)
+        self.backend = create_backend(backend_name(layout), device)
         self.backend.bind(num_q_heads=shard.num_heads, kv_pool=self.kv, max_batch=max_batch,
                           max_pages_per_req=max_pages_per_req, q_dtype=dtype)
+        self.graphs: Any = None  # engine/run/cuda_graph.CudaGraphRunner once captured
+
+    def capture(self, rows: int) -> None:
+        """Decode CUDA graphs of this model, up to `rows` rows (the target's)."""
+        from engine.run.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.model, self.kv, self.backend, rows, self.kv.device)
+        self.graphs.capture()
+
+    def _fits(self, rows: int) -> bool:
+        return self.graphs is not None and rows <= self.graphs.max_batch
 
     @torch.inference_mode()
     def follow(self, batch: ForwardBatch, replayed: bool = False) -> None:
-        """Write this draft's KV for the target's batch (its logits are not needed), eagerly."""
+        """Write this draft's KV for the target's batch (its logits are not needed): after a
+        replay of the target's graphs by a replay of its own (every token a decode row, as a
+        verify row's), else eagerly."""
+        if replayed and self._fits(len(batch.positions)):
+            starts, lens = batch.start_pos_cpu, batch.extend_lens_cpu
+            assert batch.page_table_cpu is not None
+            tables = [batch.page_table_cpu[i].tolist() for i in range(len(lens))]
+            n = sum(lens)
+            positions = [s + j for s, m in zip(starts, lens, strict=True) for j in range(m)]
+            self.graphs.run_decode([0] * n, [0] * n, positions,
+                                   [t for t, m in zip(tables, lens, strict=True) for _ in range(m)], None,
+                                   device_ids=batch.input_ids)
+            return
         idx = batch.logit_indices
         batch.logit_indices = idx[:0]
         try:
             self(batch)
         finally:
             batch.logit_indices = idx
+
+    def step(self, tokens: torch.Tensor | list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One draft step: float32 logits of each decode row (token at position through table)."""
+        n = len(positions)
+        if self._fits(n):
+            dev = tokens if isinstance(tokens, torch.Tensor) else _to_device(torch.tensor(tokens, dtype=torch.int64),
+                                                                               self.kv.device)
+            return self.graphs.run_decode([0] * n, [0] * n, positions, tables, None, device_ids=dev)
+        return self(ForwardBatch.build(tokens, positions, [1] * n, tables, [1] * n, self.kv.page_size, self.kv.device))
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
@@ -243,20 +287,29 @@ class Speculator:
         if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
             spec = [(ends[i] - num[i] - 1, chain[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows]
             top = propose(ids, spec, alts) if alts > 1 else propose(ids, spec)
-        else:
-            top = [[] for _ in rows]
+        else:  # a draft model (separate, or the self-draft): each step's drafts feed the next on the device
+            steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows, drafts, alternatives)
+            prev: list[int] = []
+            drafted: torch.Tensor | None = None
             for step in range(max((chain[i] for i in rows), default=0)):
                 act = [r for r, i in enumerate(rows) if chain[i] > step]
-                pos = [ends[rows[r]] - num[rows[r]] - 1 + step for r in act]  # index in ids of the token drafted from
-                batch = ForwardBatch.build([ids[p] for p in pos],
-                                           [starts[rows[r]] + lens[rows[r]] - num[rows[r]] - 1 + step for r in act],
-                                           [1] * len(act), [tables[rows[r]] for r in act], [1] * len(act),
-                                           self.page_size, self.device)
-                logits = self.draft(batch)
-                for p, t in zip(pos, logits.argmax(dim=-1).tolist(), strict=True):  # (a host sync per draft step)
-                    ids[p + 1] = int(t)
-                if alts > 1:
-                    for r, c in zip(act, logits.topk(alts, dim=-1).indices.tolist(), strict=True):
+                tokens: torch.Tensor | list[int]
+                if drafted is None:  # the rows' first tokens
+                    tokens = [ids[ends[rows[r]] - num[rows[r]] - 1] for r in act]
+                else:
+                    tokens = drafted[_to_device(torch.tensor([prev.index(r) for r in act], dtype=torch.int64),
+                                                self.device)]
+                logits = self.draft.step(tokens, [starts[rows[r]] + lens[rows[r]] - num[rows[r]] - 1 + step
+                                                  for r in act], [tables[rows[r]] for r in act])
+                drafted = logits.argmax(dim=-1)
+                steps.append((act, drafted, logits.topk(alts, dim=-1).indices if alts > 1 else None))
+                prev = act
+            top = [[] for _ in rows]
+            for step, (act, got, alt) in enumerate(steps):  # the host reads: one sync for all steps
+                for r, t in zip(act, got.tolist(), strict=True):
+                    ids[ends[rows[r]] - num[rows[r]] + step] = int(t)
+                if alt is not None:
+                    for r, c in zip(act, alt.tolist(), strict=True):
                         top[r].append(c)
         if parents:
             fill_leaves(ids, [(ends[i] - num[i] - 1, parents[i], top[r]) for r, i in enumerate(rows)])

@@ -88,12 +88,35 @@ def test_bf16_deterministic_drafts_follow_graph_replays(draft: str, tmp_path: Pa
         assert (eng.runner.graphs is not None) == graphs
         if graphs:
             assert eng.runner.spec is not None and eng.runner.spec.replayed > 0, "no verify step replayed the graphs"
-            if draft == "EAGLE3":  # the head's own graphs (its backend is capturable under the mode)
-                head_graphs = eng.runner.spec.draft.graphs
-                assert head_graphs is not None and head_graphs.replays > 0
+            # the draft's own graphs (the head's, the draft model's: their torch backend is capturable
+            # under the mode)
+            own = eng.runner.spec.draft.graphs
+            assert own is not None and own.replays > 0
         runs[graphs] = drafted, eng.core.state.spec_stats
     (eager, st_eager), (replayed, st) = runs[False], runs[True]
     assert replayed and replayed == eager, "the drafts depend on the CUDA graphs"
     assert st.drafted == st_eager.drafted > 0 and st.accepted == st_eager.accepted
     if draft == "STANDALONE":
         assert st.accepted >= 0.9 * st.drafted, st
+
+
+def test_bf16_separate_draft_model_in_its_own_graphs(tmp_path: Path) -> None:
+    """bf16 without the mode: flashinfer for the target and for a separate draft model (the
+    target itself), each replaying its own decode graphs: the draft's KV follows the target's
+    replayed decode and verify rows, so its drafts are the target's greedy tokens nearly always (a
+    bf16 near tie may part them: the kernels see other batch shapes)."""
+    target = heads._llama(tmp_path / "t", MID, attention_free=False)
+    eng = heads.LocalEngine(heads.ServerConfig(
+        model=str(target), dtype="bfloat16", max_total_tokens=4096, max_running_requests=4, page_size=16,
+        max_prefill_tokens=32, device="cuda", speculative_algorithm="STANDALONE", speculative_num_steps=3,
+        speculative_draft_model_path=str(target)))
+    prompts = heads._prompts([40, 17, 70], seed=6, vocab=MID["vocab_size"])
+    out = eng.generate(prompts, DET_GREEDY)
+    assert all(len(r.output_ids) == DET_GREEDY.max_new_tokens for r in out)
+    assert eng.core.leak_free()
+    spec = eng.runner.spec
+    assert spec is not None and eng.runner.graphs is not None and spec.replayed > 0
+    draft_graphs = spec.draft.graphs
+    assert draft_graphs is not None and draft_graphs.replays > 0, "the draft model's graphs were not replayed"
+    st = eng.core.state.spec_stats
+    assert st.drafted > 0 and st.accepted >= 0.8 * st.drafted, st
