@@ -75,7 +75,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -278,6 +278,14 @@ for what in "$@"; do case $what in
             --output-len 128 --out "$OUT/spec-nextn-deepseek-v3-5l-profiled-h200.json" \
             --server-args "--log-dir $OUT/logs-nextnprof"  # the NEXTN server's steps 200..219 (the second warm-up round)
           head -45 $OUT/logs-nextnprof/profile-rank0.txt ;;
+  specdraft) for g in ${SPECDRAFT_RUNS:-graphs}; do  # Llama-3.1-8B with a random Llama-3.2-1B draft model: a step's cost
+            run spec-draft-llama-3.1-8b-$g 300 bin/bench spec --model configs/llama-3.1-8b --load-format dummy \
+              --algorithm STANDALONE --draft-model configs/llama-3.2-1b --drafts ${SPECDRAFT_K:-3} --batch-sizes 1 8 \
+              --prompt-len 512 --output-len 128 \
+              --server-args "$([ $g = eager ] && echo --disable-cuda-graph) --log-dir $OUT/logs-draft-$g" \
+              --out "$OUT/spec-draft-llama-3.1-8b-$g-h200.json"  # exit 1 when bf16 answers differ from plain: read the table
+            grep -A6 "k batch" "$OUT/spec-draft-llama-3.1-8b-$g.log"
+            grep -h '"verify step eager"\|cuda graphs' $OUT/logs-draft-$g/worker-0.log | tail -3; done ;;
   spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider -k "${SPECTREE_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spectree.log" | tail -8 ;;
   specgrammar) run gpu-specgrammar 240 python3 -m pytest -m gpu tests/gpu/test_spec_grammar_gpu.py -q -rA \

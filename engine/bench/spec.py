@@ -50,10 +50,12 @@ ORACLE_MARGIN = 64  # warm-up tokens past --output-len: a page of any size up to
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The mode's own flags (bin/bench adds --model, --load-format, --seed, --server-args, --out)."""
     p.add_argument("--drafts", type=int, nargs="+", default=[1, 3], help="drafts per row (k), one server each")
-    p.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "NEXTN"],
-                   help="the draft source: NGRAM (the oracle above) or NEXTN, the model's own MTP layer (random "
-                        "with --load-format dummy: its drafts are rarely accepted, so 'step x', a step's cost "
-                        "against a plain one, is the figure)")
+    p.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "NEXTN", "STANDALONE"],
+                   help="the draft source: NGRAM (the oracle above), NEXTN (the model's own MTP layer) or "
+                        "STANDALONE (--draft-model); with --load-format dummy a random draft is rarely accepted, "
+                        "so 'step x', a step's cost against a plain one, is the figure")
+    p.add_argument("--draft-model", default="", help="STANDALONE: the draft model's directory (with --load-format "
+                   "dummy its config.json only; the model's own directory drafts with the model's weights)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="requests decoded together")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens of each random prompt")
     p.add_argument("--output-len", type=int, default=32, help="tokens each request decodes (ignore_eos)")
@@ -67,6 +69,8 @@ def check(args: argparse.Namespace) -> str | None:
         return "--drafts must be in 1..16"
     if not 0.0 <= args.corrupt < 1.0:
         return "--corrupt must be in [0, 1)"
+    if (args.algorithm == "STANDALONE") != bool(args.draft_model):
+        return "--draft-model goes with --algorithm STANDALONE, and STANDALONE needs it"
     if args.corrupt and args.algorithm != "NGRAM":
         return "--corrupt corrupts the NGRAM oracle's drafts: it needs --algorithm NGRAM"
     if any(b < 1 for b in args.batch_sizes) or args.prompt_len < 1 or args.output_len < 2:
@@ -114,6 +118,8 @@ def _config(args: argparse.Namespace, k: int | None, prompts: dict[int, list[lis
     """One server (plain when k is None, else --algorithm with k drafts): per batch size, the warm-up
     answers, then the timed ones."""
     extra = ["--speculative-algorithm", args.algorithm, "--speculative-num-steps", str(k)] if k else []
+    if k and args.draft_model:
+        extra += ["--speculative-draft-model-path", args.draft_model]
     if k and args.corrupt:
         extra += ["--speculative-corrupt-drafts", str(args.corrupt)]
     rows = []

@@ -158,7 +158,7 @@ def make_speculator(cfg: ServerConfig, a: Assembled) -> Speculator | None:
     elif path:
         draft = DraftModel(path, a.mcfg.vocab_size, a.num_pages, cfg.page_size, cfg.decode_graph_rows,
                            math.ceil(a.max_context / cfg.page_size) + 1, a.dtype, a.device,
-                           lambda layout: backend_name(cfg, a.deterministic, layout, a.dtype))
+                           lambda layout: backend_name(cfg, a.deterministic, layout, a.dtype), cfg.load_format)
     log.info("speculative decoding", algorithm=cfg.speculative_algorithm,
              steps=cfg.speculative_num_steps, draft_layers=layers or None, draft_model=path or None)
     trees = cfg.speculative_eagle_topk > 1

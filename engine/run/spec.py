@@ -151,12 +151,12 @@ class DraftModel:
 
     def __init__(self, path: str, target_vocab: int, num_pages: int, page_size: int, max_batch: int,
                  max_pages_per_req: int, dtype: torch.dtype, device: torch.device,
-                 backend_name: Callable[[KVLayout], str] = lambda layout: "torch") -> None:
+                 backend_name: Callable[[KVLayout], str] = lambda layout: "torch", load_format: str = "auto") -> None:
         from engine.layers.attention import create_backend
         from engine.run.dist import rank_config
         from models.registry import kv_layout, load_model
 
-        self.model, mcfg = load_model(path, "auto", dtype, device)
+        self.model, mcfg = load_model(path, load_format, dtype, device, progress=False)  # dummy: as the target
         if mcfg.vocab_size != target_vocab:
             raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has {mcfg.vocab_size} tokens, "
                              f"the model's {target_vocab}: a draft must share the tokenizer")
