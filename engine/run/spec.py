@@ -239,7 +239,8 @@ class Speculator:
                       sample: list[int]) -> None:
         """After a replay of the decode graphs over these rows (their tokens, resolved, in
         `graphs.input_ids`, request-major: plain decode rows or a chain's verify rows), a draft
-        that follows the target runs over the same tokens, eagerly, in stream order."""
+        that follows the target runs over the same tokens, in stream order: by a replay of its
+        own graphs where it has them, else eagerly."""
         if getattr(self.draft, "follows", False):
             batch = ForwardBatch.build(graphs.input_ids[: sum(lens)], starts, lens, tables, sample, self.page_size,
                                        self.device)
