@@ -146,11 +146,13 @@ class HeadDraft:
             self._run(shifted, hidden)
 
     @torch.inference_mode()
-    def propose(self, ids: list[int], rows: Rows, alts: int = 1) -> list[list[list[int]]]:
-        """Fill each row's k drafts in `ids` (after its first token), greedily, one head step per
-        draft position for all rows at once; each step's drafts feed the next on the device, and
-        all are read on the host once, at the end. With alts > 1 (a draft tree's leaves,
-        engine/run/spec_tree.py), also each row's `alts` best tokens at every step."""
+    def propose(self, ids: list[int], rows: Rows, alts: int = 1,
+                first: torch.Tensor | None = None) -> list[list[list[int]]]:
+        """Fill each row's k drafts in `ids` (after its first token; `first`: every row's first
+        token on the device, where one is a chained row's future reference), greedily, one head
+        step per draft position for all rows at once; each step's drafts feed the next on the
+        device, and all are read on the host once, at the end. With alts > 1 (a draft tree's
+        leaves, engine/run/spec_tree.py), also each row's `alts` best tokens at every step."""
         prev: list[int] = []
         g: torch.Tensor | None = None
         drafted: torch.Tensor | None = None  # the last step's drafts (target ids), on the device
@@ -163,7 +165,8 @@ class HeadDraft:
             tables = [rows[r][3] for r in act]
             tokens: torch.Tensor | list[int]
             if g is None or drafted is None:  # the rows' first tokens, and the target's h at p0 - 1
-                tokens = [ids[rows[r][0]] for r in act]
+                tokens = ([ids[rows[r][0]] for r in act] if first is None
+                          else first[torch.tensor(act, dtype=torch.int64).to(self.device, non_blocking=True)])
                 slots = [t[p // ps] * ps + p % ps for p, t in zip(positions, tables, strict=True)]
                 hidden = self.hidden[torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)]
             else:

@@ -246,8 +246,10 @@ class Speculator:
                                        self.device)
             self.draft.follow(batch, replayed=True)
 
-    def rows(self, fwd: Forward, ids: list[int], tables: list[list[int]]) -> VerifyRows:
-        """The verify rows of `fwd` (its drafts resolved: the draft model's filled into `ids`)."""
+    def rows(self, fwd: Forward, ids: list[int], tables: list[list[int]],
+             last_token: torch.Tensor | None = None) -> VerifyRows:
+        """The verify rows of `fwd` (its drafts resolved: the draft model's filled into `ids`; a
+        chained row's first token, a future reference, read from `last_token` by its slot)."""
         assert fwd.drafts is not None
         num = unpack_ids(fwd.drafts.num_drafts)
         lens, starts, sample = unpack_ids(fwd.extend_lens), unpack_ids(fwd.start_pos), unpack_ids(fwd.sample)
@@ -258,7 +260,8 @@ class Speculator:
         parents = tree_parents(fwd, num, chained, self.trees)  # None: chains (engine/run/spec_tree.py)
         # a head (EAGLE/EAGLE3/NEXTN, engine/run/eagle.py) fills the -1 drafts the scheduler sends for it
         if fwd.drafts.on_worker:
-            self._fill(ids, num, ends, starts, lens, tables, parents)
+            first = self._first_tokens(ids, num, ends, unpack_ids(fwd.slots), chained, last_token)
+            self._fill(ids, num, ends, starts, lens, tables, parents, first)
         elif any(ids[e - k + j] < 0 for k, e in zip(num, ends, strict=True) for j in range(k)):
             raise ReplicaError("a scheduler's draft is a future reference (-1) without on_worker")
         drafts = [ids[e - k : e] for k, e, s in zip(num, ends, sample, strict=True) if s]
@@ -269,25 +272,43 @@ class Speculator:
                           [c for c, s in zip(chained, sample, strict=True) if s] if chained else None,
                           parents=[p for p, s in zip(parents, sample, strict=True) if s] if parents else None)
 
+    def _first_tokens(self, ids: list[int], num: list[int], ends: list[int], slots: list[int],
+                      chained: list[int] | None, last_token: torch.Tensor | None) -> torch.Tensor | None:
+        """The drafting rows' first tokens on the device where one is a future reference (a row
+        chained on the row in flight: its bonus, `last_token[slot]` once that row's sampling has
+        run, in stream order); None when all are known on the host."""
+        rows = [i for i, k in enumerate(num) if k]
+        first = [ids[ends[i] - num[i] - 1] for i in rows]
+        for i, t in zip(rows, first, strict=True):
+            if t < 0 and not (chained and chained[i]):
+                raise ReplicaError(f"row {i}: worker drafts need a known first token or a chained row")
+            if any(x != -1 for x in ids[ends[i] - num[i] : ends[i]]):
+                raise ReplicaError(f"row {i}: worker drafts need -1 placeholders")
+        if min(first, default=0) >= 0:
+            return None
+        if last_token is None:
+            raise ReplicaError("a chained row's first token is a future reference, but no last tokens were given")
+        host = _to_device(torch.tensor(first, dtype=torch.int64), self.device)
+        at = _to_device(torch.tensor([slots[i] for i in rows], dtype=torch.int64), self.device)
+        return torch.where(host < 0, last_token[at], host)
+
     def _fill(self, ids: list[int], num: list[int], ends: list[int], starts: list[int], lens: list[int],
-              tables: list[list[int]], parents: list[list[int]] | None = None) -> None:
+              tables: list[list[int]], parents: list[list[int]] | None = None,
+              first: torch.Tensor | None = None) -> None:
         """The draft model proposes each -1 draft greedily, one position a forward for every
-        drafting row at once; the row's first token must be known (never a future reference).
+        drafting row at once, from the row's first token (`first`: all drafting rows' on the
+        device, where a chained row's is a future reference; else read from `ids`).
         A tree row (a chain with leaves, `parents`): the chain so, each leaf the draft's next best
         token at its position (engine/run/spec_tree.py: fill_leaves)."""
         if self.draft is None:
             raise ReplicaError("a Step asks for worker drafts, but this rank has no draft model")
         rows = [i for i, k in enumerate(num) if k]
-        for i in rows:
-            first = ends[i] - num[i] - 1
-            if ids[first] < 0 or any(t != -1 for t in ids[first + 1 : ends[i]]):
-                raise ReplicaError(f"row {i}: worker drafts need a known first token and -1 placeholders")
         chain = [chain_part(parents[i]) if parents else k for i, k in enumerate(num)]  # drafts in the chain
         alts = leaf_alts(parents) if parents else 1
         propose = getattr(self.draft, "propose", None)
         if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
             spec = [(ends[i] - num[i] - 1, chain[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows]
-            top = propose(ids, spec, alts) if alts > 1 else propose(ids, spec)
+            top = propose(ids, spec, alts, first) if alts > 1 or first is not None else propose(ids, spec)
         else:  # a draft model (separate, or the self-draft): each step's drafts feed the next on the device
             steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows, drafts, alternatives)
             prev: list[int] = []
@@ -295,7 +316,9 @@ class Speculator:
             for step in range(max((chain[i] for i in rows), default=0)):
                 act = [r for r, i in enumerate(rows) if chain[i] > step]
                 tokens: torch.Tensor | list[int]
-                if drafted is None:  # the rows' first tokens
+                if drafted is None and first is not None:  # the rows' first tokens, on the device
+                    tokens = first[_to_device(torch.tensor(act, dtype=torch.int64), self.device)]
+                elif drafted is None:
                     tokens = [ids[ends[rows[r]] - num[rows[r]] - 1] for r in act]
                 else:
                     tokens = drafted[_to_device(torch.tensor([prev.index(r) for r in act], dtype=torch.int64),
@@ -322,7 +345,7 @@ class Speculator:
         filled in), one forward over every row, logits at each sampled row's last num_drafts + 1.
         Returns the logits, each logit row's slot and sampled position, the rows, the sampled
         requests' slots (None when no row samples)."""
-        v = self.rows(fwd, ids, tables)
+        v = self.rows(fwd, ids, tables, runner.last_token)
         # grammar helpers fill the drafted positions' masks while the forward runs
         runner.grammar.drafting([s for s, smp in zip(slots, sample, strict=True) if smp], v.drafts)
         logits = self._replay(runner, ids, slots, starts, lens, sample, tables, v)

@@ -156,13 +156,15 @@ class SpecPolicy:
     def chains(self, req: Req, pending: list[int]) -> bool:
         """Whether req's next row may be planned before its previous verify row (with drafts
         `pending`) answers, as if that row accepted them all (overlapped speculation). Only with
-        drafts the scheduler looks up (NGRAM) and no grammar (whose matcher must know what was
+        no grammar (whose matcher must know what was
         accepted before it can mask the next row); and only where the row will most likely
         count: after a row with no drafts (it cannot reject), or after CHAIN_STREAK rows in a
         row that accepted every draft. A void chained row costs a forward, the wait it hides
         is the scheduler's round trip (a small part of a step): chaining pays only when a
-        rejection is rare (docs/architecture.md, Speculative decoding, Overlap)."""
-        if self.algorithm != "NGRAM" or req.params.grammar is not None:
+        rejection is rare (docs/architecture.md, Speculative decoding, Overlap). Every draft
+        source chains: the scheduler's (NGRAM) and the workers' (a draft model or head drafts a
+        chained row from its first token on the device, the bonus of the row in flight)."""
+        if req.params.grammar is not None:
             return False
         return not pending or req.full_streak >= CHAIN_STREAK
 

@@ -39,6 +39,7 @@ from tests.models.draft_heads import write_head
 
 TINY = {**json.loads((CONFIGS / "tiny-llama" / "config.json").read_text()), "num_hidden_layers": 4}
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)  # long enough for streaks (chained rows)
 
 
 def _prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[int]]:
@@ -114,11 +115,14 @@ def test_eagle_reproducing_an_attention_free_target_has_every_draft_accepted(tmp
     head = write_head(tmp_path / "h", cfg, "EAGLE", layers=2, inter=cfg["intermediate_size"],
                       tensors={**copy, "fc.weight": fc, "fc.bias": torch.zeros(h)})
     prompts = _prompts([9, 23, 4])
-    want = _ids(_engine(target).generate(prompts, GREEDY))
-    got, st = _spec_run(target, prompts, GREEDY, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
+    want = _ids(_engine(target).generate(prompts, LONG))
+    got, st = _spec_run(target, prompts, LONG, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
                         max_prefill_tokens=8)
     assert got == want
     assert st.drafted > 0 and st.accepted == st.drafted, st  # 3 drafts a step, all the target's
+    # under overlap, after a streak of full acceptances the next row is chained on the row in
+    # flight: drafted on the worker from that row's bonus, still on the device
+    assert st.chained > 0 and st.void == 0, st
 
 
 def test_eagle3_with_a_draft_vocabulary_and_d2t_proposes_token_p_plus_2(tmp_path: Path) -> None:
@@ -148,11 +152,39 @@ def test_the_target_as_its_own_separate_draft_model_has_its_drafts_accepted(tmp_
     chunks, the plain decode rows and the verify rows (on CUDA: replays of the decode graphs)."""
     target = _llama(tmp_path / "t", TINY, attention_free=False)
     prompts = _prompts([9, 23, 4], seed=3)
-    want = _ids(_engine(target).generate(prompts, GREEDY))
-    got, st = _spec_run(target, prompts, GREEDY, speculative_algorithm="STANDALONE", speculative_num_steps=3,
+    want = _ids(_engine(target).generate(prompts, LONG))
+    got, st = _spec_run(target, prompts, LONG, speculative_algorithm="STANDALONE", speculative_num_steps=3,
                         speculative_draft_model_path=str(target), max_prefill_tokens=8)
     assert got == want
     assert st.drafted > 0 and st.accepted >= 0.9 * st.drafted, st
+    assert st.chained > 0, st  # rows chained on the row in flight, drafted from its bonus on the worker
+
+
+def test_a_separate_drafts_chained_rows_void_after_a_rejection(tmp_path: Path) -> None:
+    """Rows drafted on the worker chain under overlap too: after a streak of full acceptances a
+    row is planned before the one in flight answers, its first token that row's bonus (on the
+    device), and answers nothing where that row rejected a draft. A draft model that is the
+    target with a little noise in its MLPs agrees with it mostly, not always: both happen, and
+    the tokens are plain decoding's, with no page left behind."""
+    target = _llama(tmp_path / "t", TINY, attention_free=False)
+    prompts = _prompts([9, 23, 4, 30], seed=3)
+    want = _ids(_engine(target).generate(prompts, LONG))
+    chained = void = 0
+    for noise in (0.003, 0.005):
+        draft = tmp_path / f"d{noise}"
+        draft.mkdir()
+        for f in target.iterdir():
+            (draft / f.name).write_bytes(f.read_bytes())
+        g = torch.Generator().manual_seed(1)
+        sd = {k: v + noise * torch.randn(v.shape, generator=g) if k.endswith("down_proj.weight") else v
+              for k, v in load_file(str(target / "model.safetensors")).items()}
+        save_file(sd, str(draft / "model.safetensors"), metadata={"format": "pt"})
+        got, st = _spec_run(target, prompts, LONG, speculative_algorithm="STANDALONE", speculative_num_steps=3,
+                            speculative_draft_model_path=str(draft), max_prefill_tokens=8)
+        assert got == want
+        assert 0 < st.accepted < st.drafted, st
+        chained, void = chained + st.chained, void + st.void
+    assert chained > void > 0, (chained, void)
 
 
 def _v3_with_mtp(path: Path, config: dict, seed: int = 3) -> Path:
@@ -250,8 +282,8 @@ def test_nextn_copying_an_attention_free_target_has_its_drafts_accepted(tmp_path
             "model.layers.1.shared_head.norm.weight": sd["model.norm.weight"]}
     save_file(mtp, str(path / "mtp.safetensors"))
     prompts = _prompts([11, 5], seed=4)
-    want = _ids(_engine(path).generate(prompts, GREEDY))
-    got, st = _spec_run(path, prompts, GREEDY, speculative_algorithm="NEXTN")
+    want = _ids(_engine(path).generate(prompts, LONG))
+    got, st = _spec_run(path, prompts, LONG, speculative_algorithm="NEXTN")
     assert got == want
     assert st.drafted > 0 and st.accepted >= 0.95 * st.drafted, st
 
