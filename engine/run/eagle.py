@@ -40,6 +40,7 @@ from engine.layers.mla_attention import MLABackend, decode_kernel_available
 from engine.layers.parallel import lm_logits
 from engine.run.cuda_graph import CudaGraphRunner
 from engine.run.dist import rank_config
+from engine.run.spec import chain_drafts
 from models.config import ModelConfig
 from models.eagle import EagleHead, head_keeps, read_head, tensor_names
 from models.loader import init_dummy, load_safetensors
@@ -153,43 +154,30 @@ class HeadDraft:
         step per draft position for all rows at once; each step's drafts feed the next on the
         device, and all are read on the host once, at the end. With alts > 1 (a draft tree's
         leaves, engine/run/spec_tree.py), also each row's `alts` best tokens at every step."""
-        prev: list[int] = []
-        g: torch.Tensor | None = None
-        drafted: torch.Tensor | None = None  # the last step's drafts (target ids), on the device
-        steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows, drafts, alternatives)
         module, vocab = self.head.head()
         ps = self.page_size
-        for step in range(max((k for _, k, _, _ in rows), default=0)):
-            act = [r for r, (_, k, _, _) in enumerate(rows) if k > step]
-            positions = [rows[r][2] - 1 + step for r in act]
+        g: torch.Tensor | None = None  # the last step's hidden output, the next step's input
+
+        def step(j: int, act: list[int], tokens: torch.Tensor | list[int],
+                 keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            nonlocal g
+            positions = [rows[r][2] - 1 + j for r in act]
             tables = [rows[r][3] for r in act]
-            tokens: torch.Tensor | list[int]
-            if g is None or drafted is None:  # the rows' first tokens, and the target's h at p0 - 1
-                tokens = ([ids[rows[r][0]] for r in act] if first is None
-                          else first[torch.tensor(act, dtype=torch.int64).to(self.device, non_blocking=True)])
+            if keep is None or g is None:  # the target's h at p0 - 1
                 slots = [t[p // ps] * ps + p % ps for p, t in zip(positions, tables, strict=True)]
                 hidden = self.hidden[torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)]
             else:
-                keep = torch.tensor([prev.index(r) for r in act], dtype=torch.int64).to(self.device, non_blocking=True)
-                tokens, hidden = drafted[keep], g[keep]
+                hidden = g[keep]
             if self._fits(len(act)):
                 out, g = self._replay(tokens, positions, tables, hidden)  # (views: read before the next replay)
             else:
                 batch = ForwardBatch.build(tokens, positions, [1] * len(act), tables, [1] * len(act), ps, self.device)
                 out, g = self._run(batch, hidden)
             logits = lm_logits(out, module.weight, vocab, module.packed)
-            drafted = self.head.to_target(logits.argmax(dim=-1))
             alt = self.head.to_target(logits.topk(min(alts, logits.shape[-1]), dim=-1).indices) if alts > 1 else None
-            steps.append((act, drafted, alt))
-            prev = act
-        top: list[list[list[int]]] = [[] for _ in rows]
-        for step, (act, got, alt) in enumerate(steps):  # the host reads: one sync for all steps
-            for r, t in zip(act, got.tolist(), strict=True):
-                ids[rows[r][0] + step + 1] = int(t)
-            if alt is not None:
-                for r, c in zip(act, alt.tolist(), strict=True):
-                    top[r].append(c)
-        return top
+            return self.head.to_target(logits.argmax(dim=-1)), alt
+
+        return chain_drafts(ids, [r[0] for r in rows], [r[1] for r in rows], first, self.device, step)
 
 
 class HeadStep(nn.Module):

@@ -308,33 +308,16 @@ class Speculator:
         propose = getattr(self.draft, "propose", None)
         if propose is not None:  # a head fed the target's hidden states (engine/run/eagle.py)
             spec = [(ends[i] - num[i] - 1, chain[i], starts[i] + lens[i] - num[i] - 1, tables[i]) for i in rows]
-            top = propose(ids, spec, alts, first) if alts > 1 or first is not None else propose(ids, spec)
-        else:  # a draft model (separate, or the self-draft): each step's drafts feed the next on the device
-            steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows, drafts, alternatives)
-            prev: list[int] = []
-            drafted: torch.Tensor | None = None
-            for step in range(max((chain[i] for i in rows), default=0)):
-                act = [r for r, i in enumerate(rows) if chain[i] > step]
-                tokens: torch.Tensor | list[int]
-                if drafted is None and first is not None:  # the rows' first tokens, on the device
-                    tokens = first[_to_device(torch.tensor(act, dtype=torch.int64), self.device)]
-                elif drafted is None:
-                    tokens = [ids[ends[rows[r]] - num[rows[r]] - 1] for r in act]
-                else:
-                    tokens = drafted[_to_device(torch.tensor([prev.index(r) for r in act], dtype=torch.int64),
-                                                self.device)]
-                logits = self.draft.step(tokens, [starts[rows[r]] + lens[rows[r]] - num[rows[r]] - 1 + step
-                                                  for r in act], [tables[rows[r]] for r in act])
-                drafted = logits.argmax(dim=-1)
-                steps.append((act, drafted, logits.topk(alts, dim=-1).indices if alts > 1 else None))
-                prev = act
-            top = [[] for _ in rows]
-            for step, (act, got, alt) in enumerate(steps):  # the host reads: one sync for all steps
-                for r, t in zip(act, got.tolist(), strict=True):
-                    ids[ends[rows[r]] - num[rows[r]] + step] = int(t)
-                if alt is not None:
-                    for r, c in zip(act, alt.tolist(), strict=True):
-                        top[r].append(c)
+            top = propose(ids, spec, alts, first)
+        else:  # a draft model (separate, or the self-draft)
+            def step(j: int, act: list[int], tokens: torch.Tensor | list[int],
+                     keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits = self.draft.step(tokens, [starts[rows[r]] + lens[rows[r]] - num[rows[r]] - 1 + j for r in act],
+                                         [tables[rows[r]] for r in act])
+                return logits.argmax(dim=-1), logits.topk(alts, dim=-1).indices if alts > 1 else None
+
+            top = chain_drafts(ids, [ends[i] - num[i] - 1 for i in rows], [chain[i] for i in rows], first,
+                               self.device, step)
         if parents:
             fill_leaves(ids, [(ends[i] - num[i] - 1, parents[i], top[r]) for r, i in enumerate(rows)])
 
@@ -493,6 +476,46 @@ class Speculator:
         if valid is not None:
             accepted = torch.where(valid, accepted, -1)
         return _answered(res, col <= accepted[req], accepted), bonus
+
+
+DraftStep = Callable[[int, list[int], torch.Tensor | list[int], torch.Tensor | None],
+                     tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def chain_drafts(ids: list[int], firsts: list[int], lengths: list[int], first: torch.Tensor | None,
+                 device: torch.device, step: DraftStep) -> list[list[list[int]]]:
+    """Greedy chains of drafts, written into `ids` after each row's first token (ids[firsts[r]],
+    or first[r] on the device where given: a chained row's is a future reference), lengths[r]
+    drafts for row r. step(j, act, tokens, keep) runs the draft at chain position j for rows
+    `act` (keep: each one's index among the previous step's rows; None at j = 0) and returns their
+    drafts (target ids) and, for a tree's leaves, their alternatives. Each step's drafts feed the
+    next on the device; the host reads them all once, at the end. Returns, per row, the
+    alternatives of each step (empty without them)."""
+    prev: list[int] = []
+    drafted: torch.Tensor | None = None
+    steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (rows, drafts, alternatives)
+    for j in range(max(lengths, default=0)):
+        act = [r for r, n in enumerate(lengths) if n > j]
+        keep = None
+        tokens: torch.Tensor | list[int]
+        if drafted is not None:
+            keep = _to_device(torch.tensor([prev.index(r) for r in act], dtype=torch.int64), device)
+            tokens = drafted[keep]
+        elif first is not None:
+            tokens = first[_to_device(torch.tensor(act, dtype=torch.int64), device)]
+        else:
+            tokens = [ids[firsts[r]] for r in act]
+        drafted, alt = step(j, act, tokens, keep)
+        steps.append((act, drafted, alt))
+        prev = act
+    top: list[list[list[int]]] = [[] for _ in lengths]
+    for j, (act, got, alt) in enumerate(steps):  # the host reads: one sync for all steps
+        for r, t in zip(act, got.tolist(), strict=True):
+            ids[firsts[r] + j + 1] = int(t)
+        if alt is not None:
+            for r, c in zip(act, alt.tolist(), strict=True):
+                top[r].append(c)
+    return top
 
 
 def _answered(res: SampleResult, keep: torch.Tensor, accepted: torch.Tensor) -> VerifiedResult:

@@ -65,8 +65,8 @@ def test_random_head_greedy_equals_plain_batched_chunked_cached(kind: str, plain
     proposed: list[list[int]] = []
     propose = draft.propose
 
-    def record(ids: list[int], rows: list) -> None:  # noqa: ANN001
-        propose(ids, rows)
+    def record(ids: list[int], rows: list, *rest: object) -> None:  # noqa: ANN001
+        propose(ids, rows, *rest)
         proposed.extend(ids[first + 1 : first + 1 + k] for first, k, _, _ in rows)
 
     draft.propose = record
