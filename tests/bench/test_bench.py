@@ -175,6 +175,9 @@ def test_arrivals_and_arg_checks() -> None:
     assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
     assert cli.main(["offline", "--input-len-range", "10", "5"]) == 2
     assert cli.main(["latency", "--warmup", "0"]) == 2
+    assert cli.main(["spec", "--algorithm", "STANDALONE"]) == 2  # needs --draft-model
+    assert cli.main(["spec", "--draft-model", "x"]) == 2  # goes with STANDALONE
+    assert cli.main(["spec", "--algorithm", "NEXTN", "--corrupt", "0.5"]) == 2  # corrupts NGRAM's drafts only
 
 
 def test_generate_event_token_count() -> None:
@@ -236,3 +239,18 @@ def test_spec_oracle_accepts_every_draft_and_answers_as_plain(tiny_model: Path, 
     assert spec["rows_without_drafts"] == 0 == plain["rows_without_drafts"]
     ratio = spec["tokens_per_step"] / plain["tokens_per_step"]
     assert spec["step_cost"] * spec["speedup"] == pytest.approx(ratio)  # step time / plain step's
+
+
+def test_spec_standalone_draft_model_is_the_target_itself(tiny_model: Path, tmp_path: Path) -> None:
+    """bin/bench spec --algorithm STANDALONE --draft-model: the target's own directory with
+    --load-format dummy is a draft with the target's weights (the same seed), so in float32 every
+    draft is accepted and the answers are plain decoding's."""
+    rec = bench(tmp_path / "spec.json", "spec", "--model", str(tiny_model), "--load-format", "dummy",
+                "--algorithm", "STANDALONE", "--draft-model", str(tiny_model), "--drafts", "3",
+                "--output-len", "21", "--prompt-len", "24", "--server-args", "--max-total-tokens 4096 --dtype float32")
+    check_record(rec, "spec")
+    assert rec["figures"]["algorithm"] == "STANDALONE"
+    plain, spec = rec["figures"]["results"]
+    assert spec["k"] == 3 and spec["equal_to_plain"] and spec["repeat_equal"]
+    assert spec["accept_length"] > 3.5, spec  # at most 4 (3 drafts + the bonus)
+
