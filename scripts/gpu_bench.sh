@@ -13,7 +13,8 @@
 #   llama8m   Llama-3.1-8B offline 1000/1000, fp8 KV cache + --attention-fp8-math
 #   llama     Llama-3.1-8B offline 1000/1000, bf16 KV cache
 #   serve     Qwen3-0.6B online serving, 400 requests at 40 req/s
-#   profile1  kernels of one batch-1 decode step (scripts/profile_decode.py), both models
+#   profile1  kernels of decode steps (scripts/profile_decode.py): PROFILES="model:batch:ctx[:flag,flag]" entries
+#             (default both models at batch 1, eager), e.g. "llama-3.1-8b:1:1024:--graphs,--quantization=fp8"
 #   cache     Llama-3.1-8B TTFT of a 32k prompt: recompute vs L1 vs L2 vs L3 (bin/bench cache, L3 under /tmp)
 #   structured 64 json_schema vs 64 unconstrained requests, Qwen3-0.6B (needs bench/tok-smollm2: the tokenizer)
 #   l2decode  Qwen3-0.6B offline, 256 requests, L2 (host tier, write-through) off then on
@@ -125,9 +126,10 @@ for what in "$@"; do case $what in
   serve) run serve-qwen3-0.6b 150 bin/bench serve --model configs/qwen3-0.6b --load-format dummy \
           --num-requests 400 --request-rate 40 --server-args "--max-running-requests 256" \
           --out "$OUT/serve-qwen3-0.6b-h200.json" || fails=$((fails + 1)) ;;
-  profile1) for m in qwen3-0.6b llama-3.1-8b; do
-             run profile-$m-b1 150 python3 scripts/profile_decode.py configs/$m 1 1024 || fails=$((fails + 1))
-             grep -A26 "kernels per decode step" "$OUT/profile-$m-b1.log"; done ;;
+  profile1) for p in ${PROFILES:-qwen3-0.6b:1:1024 llama-3.1-8b:1:1024}; do IFS=: read -r m b c f <<< "$p"
+             tag=$(echo "$m-b$b-$c$f" | tr -c 'A-Za-z0-9.\n-' '-')
+             run profile-$tag 200 python3 scripts/profile_decode.py configs/$m $b $c ${f//,/ } || fails=$((fails + 1))
+             grep -A31 "per decode step" "$OUT/profile-$tag.log"; done ;;
   cache) rm -rf /tmp/strata-l3; run cache-llama-3.1-8b 580 bin/bench cache --model configs/llama-3.1-8b --load-format dummy \
           --prompt-len 32768 --repeat 3 --l3-dir /tmp/strata-l3 --server-args "--max-prefill-tokens 32832 --log-dir $OUT/logs-cache" \
           --out "$OUT/cache-llama-3.1-8b-32k-h200.json" || fails=$((fails + 1))
@@ -164,8 +166,8 @@ for what in "$@"; do case $what in
   detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
             || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -60 ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
-            run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $d || fails=$((fails + 1))
-            grep -A26 "kernels per" "$OUT/profile-$m-b$b-$d.log"; done ;;
+            run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $([ "$d" = det ] && echo --det) || fails=$((fails + 1))
+            grep -A31 "per decode step\|per run" "$OUT/profile-$m-b$b-$d.log"; done ;;
   detblocks) run gpu-detblocks 300 python3 -m pytest -m gpu tests/gpu/test_invariant_attention_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_deterministic_gpu.py -q -rA -s -k "${DET_TESTS:-.}" \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|decode blocks" "$OUT/gpu-detblocks.log" | tail -16 ;;
   detlat) for m in ${DETLAT_MODELS:-qwen3-0.6b llama-3.1-8b}; do
