@@ -1,0 +1,174 @@
+"""Batch-1 decode kernels as the served step runs them (device diagnostic, not in CI)
+
+    python3 scripts/kernel_sweep.py [gemv] [attention] > sweep.log
+
+Each measurement replays a CUDA graph of the kernel over `copies` distinct weights (or KV
+caches), launched back to back with programmatic dependent launch as in the decode graphs, so
+that nothing is read from the L2 that the served step would read from HBM (the layers' weights
+are read once a step); the figure is the median over replays of the graph's time / copies.
+
+* gemv: the triton GEMV (engine/layers/triton_kernels.gemv_kernel) at Llama-3.1-8B's projections,
+  fp8 (per-row scales) and bf16, over (block_n, block_k, warps, stages), beside `rowsum`: the same
+  loop reducing each tile to its rows at once (a [BLOCK_N] accumulator, fewer registers).
+* attention: triton_ops.decode_attention with its prologue, batch 1, ctx 1024, at the geometry of
+  Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.layers import triton_ops
+from engine.layers.triton_kernels import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def gemv_rowsum_kernel(x, w, ws, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_SCALE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    wrow = w + rows[:, None] * stride_w
+    cols = tl.arange(0, BLOCK_K)
+    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+    gdc_wait()
+    gdc_launch_dependents()
+    acc = tl.sum(wt.to(tl.float32) * tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :], 1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * tl.load(x + cols).to(tl.float32)[None, :], 1)
+    if HAS_SCALE:
+        acc = acc * tl.load(ws + rows, mask=rmask, other=0.0)
+    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rmask)
+
+
+def graph_us(calls: list[Callable[[], Any]], reps: int = 30) -> float:
+    """Median us per call of a CUDA graph running `calls` in order."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(nbytes: int, budget: int = 512 << 20) -> int:
+    return max(4, min(64, budget // nbytes))
+
+
+def gemv_calls(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | None, cfg: tuple,
+               rowsum: bool) -> list[Callable[[], Any]]:
+    """One GEMV a weight, with the served launcher or the rowsum kernel."""
+    if not rowsum:
+        return [functools.partial(triton_ops.gemv, x, w, *cfg, scale=scale) for w in ws]
+    n, k = ws[0].shape
+    bn, bk, warps, stages = cfg
+    ys = [torch.empty(1, n, device=x.device, dtype=torch.bfloat16) for _ in ws]
+    kern = gemv_rowsum_kernel[(-(-n // bn),)]
+    return [functools.partial(kern, x, w, w if scale is None else scale, y, n, w.stride(0), K=k, BLOCK_N=bn,
+                              BLOCK_K=bk, HAS_SCALE=scale is not None, num_warps=warps, num_stages=stages,
+                              launch_pdl=True) for w, y in zip(ws, ys, strict=True)]
+
+
+def gemv_shape(dtype: str, name: str, n: int, k: int) -> dict[str, float | str]:
+    dev = torch.device("cuda")
+    isz = 1 if dtype == "fp8" else 2
+    c = copies_for(n * k * isz)
+    wdt = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
+    ws = [(torch.randn(n, k, device=dev) * 0.02).to(wdt) for _ in range(c)]
+    scale = torch.rand(n, device=dev) + 0.5 if dtype == "fp8" else None
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    cur = triton_ops.gemv_config(ws[0])
+    res: dict[str, float | str] = {"current": str(cur)}
+    grid = [(bn, bk, wp, st) for bn in (4, 8, 16) for bk in (1024, 2048, 4096) for wp, st in ((4, 3), (8, 3))]
+    for cfg in grid if dtype == "fp8" else [cur]:
+        if k % cfg[1] or cfg[0] * cfg[1] * isz > 64 << 10:
+            continue
+        for rowsum in (False, True):
+            key = f"{'rowsum' if rowsum else 'plain'} {cfg}"
+            try:
+                res[key] = round(graph_us(gemv_calls(x, ws, scale, cfg, rowsum)), 2)
+            except Exception as e:  # noqa: BLE001 - a config that fails is a result
+                res[key] = f"{type(e).__name__}: {e}"[:160]
+    best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
+    gb = n * k * isz / 1e3
+    print(f"gemv {dtype} {name} [{n}, {k}] x{c} current {cur}: best "
+          + "  ".join(f"{kk} {v:.1f}us ({gb / v:.0f} GB/s)" for v, kk in best[:4]), flush=True)
+    if isinstance(res.get(f"plain {cur}"), float):
+        print(f"     current {res[f'plain {cur}']:.1f}us ({gb / res[f'plain {cur}']:.0f} GB/s)", flush=True)
+    return res
+
+
+def gemv_sweep() -> dict[str, Any]:
+    shapes = [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+    return {f"{dt} {name}": gemv_shape(dt, name, n, k) for dt in ("fp8", "bf16") for name, n, k in shapes}
+
+
+def attention_sweep() -> dict[str, Any]:
+    geoms = [("llama-3.1-8b", 32, 8, False), ("qwen3-30b-a3b", 32, 4, True), ("qwen3-0.6b", 16, 8, True)]
+    dev = torch.device("cuda")
+    d, ps, ctx, layers = 128, 16, 1024, 32
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    out: dict[str, Any] = {}
+    for name, hq, hkv, norm in geoms:
+        pages = ctx // ps + 1
+        caches = [(torch.randn(pages * ps, hkv, d, device=dev, dtype=torch.bfloat16),
+                   torch.randn(pages * ps, hkv, d, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
+        table = torch.arange(pages, device=dev, dtype=torch.int32)[None]
+        pos = torch.tensor([ctx - 1], device=dev)
+        x = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
+        cs = torch.randn(4096, d, device=dev)
+        nw = (torch.rand(d, device=dev) + 0.5).to(torch.bfloat16) if norm else None
+        ws = triton_ops.decode_workspace(1, hkv, d, sm, dev)
+        res: dict[str, float | str] = {"current_splits": triton_ops.decode_splits(1, hkv, sm)}
+        for splits in (8, 16, 32):
+            for bn in (32, 64):
+                for warps in (4, 8):
+                    try:
+                        us = graph_us([functools.partial(
+                            triton_ops.decode_attention, x, hq, hkv, d, pos, table, kc, vc, ps, ws, splits, cs, nw, nw,
+                            1e-6, bn, warps) for kc, vc in caches])
+                        res[f"splits {splits} block_n {bn} warps {warps}"] = round(us, 2)
+                    except Exception as e:  # noqa: BLE001
+                        res[f"splits {splits} block_n {bn} warps {warps}"] = f"{type(e).__name__}: {e}"[:160]
+        best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
+        cur = res.get(f"splits {res['current_splits']} block_n 64 warps 4")
+        print(f"attention {name} b1 ctx {ctx}: current {cur}us; best " +
+              "  ".join(f"[{kk}] {v:.2f}us" for v, kk in best[:5]), flush=True)
+        out[name] = res
+    return out
+
+
+def main() -> None:
+    what = sys.argv[1:] or ["gemv", "attention"]
+    figures: dict[str, Any] = {}
+    if "attention" in what:
+        figures["attention"] = attention_sweep()
+    if "gemv" in what:
+        figures["gemv"] = gemv_sweep()
+    print("JSON " + json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
