@@ -75,7 +75,7 @@
 #   spectree  NGRAM draft trees on CUDA (tests/gpu/test_spec_tree_gpu.py): acceptance and K/V compaction vs CPU,
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   sweep     batch-1 decode kernels as served (scripts/kernel_sweep.py: distinct weights / KV in a graph, PDL):
-#             GEMV configs (fp8, bf16) at Llama-3.1-8B shapes, decode attention splits / blocks; SWEEP="gemv attention"
+#             GEMV configs (fp8, bf16) at Llama-3.1-8B shapes, decode attention splits / blocks, MoE blocks at 1 token; SWEEP="attention gemv moe"
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
 MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep pack"
@@ -299,8 +299,8 @@ for what in "$@"; do case $what in
           --server-args "--speculative-algorithm NGRAM --log-dir $OUT/logs-specgrammar" \
           --out "$OUT/structured-spec-qwen3-0.6b-h200.json" || fails=$((fails + 1))
          grep -h '"grammar timing"\|"speculative decoding"' $OUT/logs-specgrammar/*.log | tail -12 ;;
-  sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-gemv attention} || fails=$((fails + 1))
-         grep -E "^gemv|^attention|^     current" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
+  sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
+         grep -E "^gemv|^attention|^moe|^     current" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
            > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;

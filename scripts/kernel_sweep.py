@@ -12,6 +12,7 @@ are read once a step); the figure is the median over replays of the graph's time
   loop reducing each tile to its rows at once (a [BLOCK_N] accumulator, fewer registers).
 * attention: triton_ops.decode_attention with its prologue, batch 1, ctx 1024, at the geometry of
   Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps, merge chunk).
+* moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config.
 """
 
 from __future__ import annotations
@@ -160,13 +161,48 @@ def attention_sweep() -> dict[str, Any]:
     return out
 
 
+def moe_sweep(layers: int = 16) -> dict[str, Any]:
+    """Qwen3-30B-A3B's routed experts at one token: `layers` distinct stacks (a layer's 8 experts
+    read from HBM, as served), fused_experts (align, w13, w2, combine) per GEMM config."""
+    from engine.layers import moe_kernels as mk
+
+    h, e, k, inter = 2048, 128, 8, 768
+    dev = torch.device("cuda")
+    stacks = [(mk.Stack(torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) * 0.02, None, None),
+               mk.Stack(torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) * 0.02, None, None))
+              for _ in range(layers)]
+    counts = torch.zeros(e, dtype=torch.int64, device=dev)
+    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
+    routes = [torch.randn(1, e, device=dev).softmax(-1).topk(k, dim=-1) for _ in range(layers)]
+    default = mk.config_for(dev, k, e)
+    grid = [default] + [mk.GemmConfig(16, bn, bk, 1, wp, st) for bn in (32, 64, 128) for bk in (128, 256)
+                        for wp, st in ((4, 4), (8, 4), (4, 6), (2, 4))]
+    res: dict[str, float | str] = {"current": str(tuple(default))}
+    layer_mb = k * 3 * h * inter * 2 / 1e6
+    for cfg in dict.fromkeys(grid):
+        try:
+            res[str(tuple(cfg))] = round(graph_us([functools.partial(
+                mk.fused_experts, x, w, ids, w13, w2, counts, 0, cfg) for (w13, w2), (w, ids) in
+                zip(stacks, routes, strict=True)]), 2)
+        except Exception as e:  # noqa: BLE001
+            res[str(tuple(cfg))] = f"{type(e).__name__}: {e}"[:160]
+    best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
+    cur = res.get(str(tuple(default)))
+    print(f"moe qwen3-30b-a3b 1 token ({layer_mb:.1f} MB of experts a layer): current {tuple(default)} {cur}us"
+          f" ({layer_mb * 1e3 / cur if isinstance(cur, float) else 0:.0f} GB/s); best "
+          + "  ".join(f"{kk} {v:.1f}us ({layer_mb * 1e3 / v:.0f} GB/s)" for v, kk in best[:5]), flush=True)
+    return res
+
+
 def main() -> None:
-    what = sys.argv[1:] or ["gemv", "attention"]
+    what = sys.argv[1:] or ["gemv", "attention", "moe"]
     figures: dict[str, Any] = {}
     if "attention" in what:
         figures["attention"] = attention_sweep()
     if "gemv" in what:
         figures["gemv"] = gemv_sweep()
+    if "moe" in what:
+        figures["moe"] = moe_sweep()
     print("JSON " + json.dumps(figures))
 
 
