@@ -76,12 +76,12 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   sweep     batch-1 decode kernels as served (scripts/kernel_sweep.py: distinct weights / KV in a graph, PDL):
 #             GEMV configs (fp8, bf16) at Llama-3.1-8B shapes, decode attention splits / blocks, MoE blocks at 1 token; SWEEP="attention gemv moe"
-#   fp8ab     Llama-3.1-8B fp8-weight decode latency (batch 1 8), the tuning file as is, then with each of
-#             TUNING_PATCHES (JSON objects separated by ";", each merged over configs/tuning/NVIDIA_H200.json
-#             for its run only): an A/B of tuning choices on one machine
+#   ab        decode latency of AB_MODEL (llama-3.1-8b) with AB_ARGS (--quantization fp8) at AB_BATCHES ("1 8"), the
+#             tuning file as is, then with each of TUNING_PATCHES (JSON objects separated by ";", each merged over
+#             configs/tuning/NVIDIA_H200.json for its run only): an A/B of tuning choices on one machine
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep fp8ab pack"
+MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -312,13 +312,13 @@ for what in "$@"; do case $what in
   sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
          grep -E "^gemv|^attention|^moe|^     current" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
            > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
-  fp8ab) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"
-         for p in "" "${patches[@]}"; do
-           echo "tuning patch $i: ${p:-none}"
-           tuned "$p" run latency-llama-3.1-8b-fp8-ab$i 200 bin/bench latency --model configs/llama-3.1-8b --load-format dummy \
-             --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args "--quantization fp8" \
-             --out "$OUT/latency-llama-3.1-8b-fp8w-ab$i-h200.json" || fails=$((fails + 1))
-           grep -A4 "batch  *ctx" "$OUT/latency-llama-3.1-8b-fp8-ab$i.log"; i=$((i + 1)); done ;;
+  ab) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"; m=${AB_MODEL:-llama-3.1-8b}
+      for p in "" "${patches[@]}"; do
+        echo "tuning patch $i: ${p:-none}"
+        tuned "$p" run latency-$m-ab$i 240 bin/bench latency --model configs/$m --load-format dummy \
+          --batch-sizes ${AB_BATCHES:-1 8} --context-len 1024 --steps 50 --server-args="${AB_ARGS---quantization fp8}" \
+          --out "$OUT/latency-$m-ab$i-h200.json" || fails=$((fails + 1))
+        grep -A4 "batch  *ctx" "$OUT/latency-$m-ab$i.log"; i=$((i + 1)); done ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done

@@ -345,7 +345,7 @@ class MoE(nn.Module):
         takes its triton GEMV (a few decode rows) and the experts are fused; else None."""
         xr = x.to(self.gate.weight.dtype)
         cfg = self.gate.gemv_config(xr) if self.experts.fused else None
-        if cfg is None:
+        if cfg is None or not kernel_tuning(x.device).moe_decode_front:
             return None
         from engine.layers import moe_decode, moe_kernels  # triton: imported on first use (CUDA)
 
