@@ -299,11 +299,8 @@ class FlashInferAttention(AttentionBackend):
         every batch when it is forced)."""
         top = self.tuning.max_decode_batch("triton", self.dtype) if self.decode_mode == "auto" else None
         top = self.max_batch if top is None else min(self.max_batch, top)
-        t = self.tuning
         self._triton_ws = triton_ops.decode_workspace(top, self.num_kv_heads, self.head_dim, self._sm_count,
-                                                      self.device, t.triton_decode_max_splits)
-        self._triton_kw = {"block_n": t.triton_decode_block_n, "num_warps": t.triton_decode_warps,
-                           "merge_chunk": t.triton_decode_merge_chunk}
+                                                      self.device)
         self._init_table()
 
     def _init_xqa(self, xqa_fn) -> None:  # noqa: ANN001 - flashinfer's compiled xqa op or a stand-in
@@ -392,7 +389,7 @@ class FlashInferAttention(AttentionBackend):
         return triton_ops.decode_attention(
             x, self.num_q_heads, self.num_kv_heads, self.head_dim, positions, self._table_args[0],
             self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_size, self._triton_ws,
-            self._triton_splits, *prologue, **self._triton_kw,
+            self._triton_splits, *prologue,
         )
 
     def _use_table(self, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -401,8 +398,7 @@ class FlashInferAttention(AttentionBackend):
         b = table.shape[0]
         self._table_args = (table, seq_lens)
         self._table_kernel = self.decode_kernel(b)
-        self._triton_splits = triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count,
-                                                       self.tuning.triton_decode_max_splits)
+        self._triton_splits = triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count)
 
     def _use_plan(self) -> None:
         """This step runs a planned flashinfer wrapper (self._active)."""

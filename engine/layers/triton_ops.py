@@ -241,17 +241,17 @@ def add_norm_gemv(
 DECODE_BLOCK_H = 16  # query rows per program: a GQA group padded to one tensor-core tile
 
 
-def decode_splits(batch: int, num_kv_heads: int, sm_count: int, max_splits: int = 32) -> int:
+def decode_splits(batch: int, num_kv_heads: int, sm_count: int) -> int:
     """Splits of each sequence so that batch * Hkv * splits programs about fill the GPU twice
-    over (1..max_splits; fixed per batch size, so a CUDA graph keeps one grid)."""
-    return max(1, min(max_splits, -(-2 * sm_count // (batch * num_kv_heads))))
+    over (1..32; fixed per batch size, so a CUDA graph keeps one grid)."""
+    return max(1, min(32, -(-2 * sm_count // (batch * num_kv_heads))))
 
 
 def decode_workspace(max_batch: int, num_kv_heads: int, head_dim: int, sm_count: int,
-                     device: torch.device, max_splits: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(partial outputs fp32, partial log-sum-exps fp32, zeroed merge counters int32) for
     decode_attention up to max_batch requests; the counters return to zero after each launch."""
-    rows = max(max_batch * num_kv_heads * decode_splits(b, num_kv_heads, sm_count, max_splits)
+    rows = max(max_batch * num_kv_heads * decode_splits(b, num_kv_heads, sm_count)
                for b in range(1, max_batch + 1))
     return (
         torch.empty(rows * DECODE_BLOCK_H * head_dim, dtype=torch.float32, device=device),

@@ -74,12 +74,6 @@ class KernelTuning:
     triton_pdl: bool = False  # triton kernels launch with programmatic dependent launch (SM90+)
     xqa_pdl: bool = False  # XQA launches with programmatic dependent launch
     fused_prologue: bool = False  # q/k norm + RoPE + K/V store as one triton launch per layer
-    # the triton decode kernel (triton_ops.decode_attention): tokens a K/V tile, warps, most splits of a
-    # sequence, and splits its merge takes at a time (0: all at once)
-    triton_decode_block_n: int = 64
-    triton_decode_warps: int = 4
-    triton_decode_max_splits: int = 32
-    triton_decode_merge_chunk: int = 0
     triton_gemv: bool = False  # small-batch projections as triton GEMVs instead of cuBLAS
     gemv_max_rows: int = 1  # most rows of x a one-tile GEMV takes (small decode batches)
     gemv_one_tile_below_k: int = 0  # K below which a GEMV program takes its rows' whole K as one tile
