@@ -11,7 +11,8 @@ are read once a step); the figure is the median over replays of the graph's time
   fp8 (per-row scales) and bf16, over (block_n, block_k, warps, stages), beside `rowsum`: the same
   loop reducing each tile to its rows at once (a [BLOCK_N] accumulator, fewer registers).
 * attention: triton_ops.decode_attention with its prologue, batch 1, ctx 1024, at the geometry of
-  Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps, merge chunk).
+  Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps). (ba2f4c9's run also
+  timed a merge of 8 splits at a time instead of all at once: slower everywhere, removed.)
 * moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config.
 """
 
@@ -143,18 +144,16 @@ def attention_sweep() -> dict[str, Any]:
         nw = (torch.rand(d, device=dev) + 0.5).to(torch.bfloat16) if norm else None
         ws = triton_ops.decode_workspace(1, hkv, d, sm, dev)
         res: dict[str, float | str] = {"current_splits": triton_ops.decode_splits(1, hkv, sm)}
-        grid = [(s, bn, wp, 0) for s in (8, 16, 32) for bn in (32, 64) for wp in (4, 8)]
-        grid += [(32, 64, 4, 8), (32, 64, 8, 8), (32, 32, 4, 8), (16, 64, 4, 8)]  # the merge 8 splits at a time
-        for splits, bn, warps, mc in grid:
-            key = f"splits {splits} block_n {bn} warps {warps} merge {mc}"
+        for splits, bn, warps in [(s, bn, wp) for s in (8, 16, 32) for bn in (32, 64) for wp in (4, 8)]:
+            key = f"splits {splits} block_n {bn} warps {warps}"
             try:
                 res[key] = round(graph_us([functools.partial(
                     triton_ops.decode_attention, x, hq, hkv, d, pos, table, kc, vc, ps, ws, splits, cs, nw, nw,
-                    1e-6, bn, warps, merge_chunk=mc) for kc, vc in caches]), 2)
+                    1e-6, bn, warps) for kc, vc in caches]), 2)
             except Exception as e:  # noqa: BLE001
                 res[key] = f"{type(e).__name__}: {e}"[:160]
         best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
-        cur = res.get(f"splits {res['current_splits']} block_n 64 warps 4 merge 0")
+        cur = res.get(f"splits {res['current_splits']} block_n 64 warps 4")
         print(f"attention {name} b1 ctx {ctx}: current {cur}us; best " +
               "  ".join(f"[{kk}] {v:.2f}us" for v, kk in best[:5]), flush=True)
         out[name] = res

@@ -194,7 +194,7 @@ def decode_attention_kernel(
     k_cache, v_cache, table, table_stride, part_o, part_lse, counters, out, sm_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NSPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, G_P2: tl.constexpr, SPLIT_P2: tl.constexpr,
-    PROLOGUE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, F32_DOT: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    PROLOGUE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """Split-KV decode attention of one (request, KV head, split), see triton_ops.decode_attention."""
     b = tl.program_id(0)
@@ -294,22 +294,10 @@ def decode_attention_kernel(
         lse_all = tl.load(part_lse + (part + si) * G + hg, mask=live, other=float("-inf"), cache_modifier=".cg")
         m_all = tl.max(lse_all, 0)
         w = tl.exp2(lse_all - m_all[None, :])  # [SPLIT_P2, G_P2]; dead entries weigh 0
-        if MERGE_CHUNK == 0:
-            w = w / tl.sum(w, 0)[None, :]
-            po = tl.load(part_o + ((part + si) * G + hg)[:, :, None] * D + d[None, None, :], mask=live[:, :, None],
-                         other=0.0, cache_modifier=".cg")
-            o = tl.sum(w[:, :, None] * po, 0)  # [G_P2, D]
-        else:  # MERGE_CHUNK splits at a time: [MERGE_CHUNK, G_P2, D] in registers, not [SPLIT_P2, G_P2, D]
-            tot = tl.sum(w, 0)
-            o = tl.zeros([G_P2, D], tl.float32)
-            for c in tl.static_range(SPLIT_P2 // MERGE_CHUNK):
-                sc = c * MERGE_CHUNK + tl.arange(0, MERGE_CHUNK)[:, None]
-                lc = (sc < n_act) & (hg < G)
-                lse_c = tl.load(part_lse + (part + sc) * G + hg, mask=lc, other=float("-inf"), cache_modifier=".cg")
-                wc = tl.exp2(lse_c - m_all[None, :]) / tot[None, :]
-                po = tl.load(part_o + ((part + sc) * G + hg)[:, :, None] * D + d[None, None, :], mask=lc[:, :, None],
-                             other=0.0, cache_modifier=".cg")
-                o += tl.sum(wc[:, :, None] * po, 0)
+        w = w / tl.sum(w, 0)[None, :]
+        po = tl.load(part_o + ((part + si) * G + hg)[:, :, None] * D + d[None, None, :], mask=live[:, :, None],
+                     other=0.0, cache_modifier=".cg")
+        o = tl.sum(w[:, :, None] * po, 0)  # [G_P2, D]
         hg1 = tl.arange(0, G_P2)
         tl.store(out + (b * HQ + kvh * G + hg1[:, None]) * D + d[None, :], o.to(act), mask=(hg1 < G)[:, None])
         tl.store(counters + b * HKV + kvh, 0)  # ready for the next launch

@@ -279,7 +279,6 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    merge_chunk: int = 0,
 ) -> torch.Tensor:
     """Decode attention of B requests, one new token each at `positions` (int64 [B]), over the
     pages in `table` (int32 [B, W]; row i holds positions 0..positions[i]), in one launch:
@@ -320,7 +319,7 @@ def decode_attention(
         part_o, part_lse, counters, out, head_dim ** -0.5,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
         BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(num_q_heads // num_kv_heads), SPLIT_P2=_p2(splits),
-        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=interpreted(), MERGE_CHUNK=min(merge_chunk, _p2(splits)),
+        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=interpreted(),
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return out
