@@ -179,18 +179,13 @@ class Router(nn.Module):
         self.e_score_correction_bias = _param(spec.num_experts, dtype=torch.float32) if noaux else None
         self._gemv: tuple | None | bool = False  # a bf16 router's small-batch GEMV config; False: not decided
         self._gemv_rows = 0
-        self.front_counter: torch.Tensor | None = None  # moe_decode's merge counter (int32, zero between launches)
-
-    def gemv_config(self, x: torch.Tensor) -> tuple | None:
-        """The triton GEMV config for the logits of x (in the router's dtype), or None."""
-        if self._gemv is False:  # decided once, on the weight's device (a float32 router keeps cuBLAS)
-            self._gemv = triton_ops.gemv_config(self.weight)
-            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
-        return gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
-        cfg = self.gemv_config(x)
+        if self._gemv is False:  # decided once, on the weight's device (a float32 router keeps cuBLAS)
+            self._gemv = triton_ops.gemv_config(self.weight)
+            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
+        cfg = gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
         # decode: the projections' triton GEMV (cuBLAS's M=1 GEMM took 4.9 us a layer for
         # Qwen3-30B-A3B's 128 x 2048); else the batch-invariant matmul under deterministic inference
         return triton_ops.gemv(x, self.weight, *cfg) if cfg is not None else matmul(x, self.weight)
@@ -243,11 +238,10 @@ class Experts(nn.Module):
         return self.w13.is_cuda
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                pad: PadRows | None = None, aligned: tuple | None = None) -> torch.Tensor:
-        """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]);
-        `aligned`: moe_kernels.align's outputs for these ids (and counted), made by the decode front."""
+                pad: PadRows | None = None) -> torch.Tensor:
+        """This rank's partial sum [T, H] (x.dtype) of sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
         if x.is_cuda:
-            return self._fused(x, weights, ids, pad, aligned)
+            return self._fused(x, weights, ids, pad)
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -276,14 +270,13 @@ class Experts(nn.Module):
             out += y[:, j].float() * weights[:, j : j + 1]  # mul, add: no FMA in one path only
         return out.to(x.dtype)
 
-    def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, pad: PadRows | None,
-               aligned: tuple | None) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, pad: PadRows | None) -> torch.Tensor:
         from engine.layers import moe_kernels as mk  # triton: imported on first use (CUDA)
 
         w13, w2 = (mk.Stack(getattr(self, n), getattr(self, n + "_scale", None), self.quant) for n in ("w13", "w2"))
         mk.warm(x, w13, w2, ids.shape[1], self.num_experts, pad is not None)  # every config compiled before ready
         cfg = mk.config_for(x.device, ids.numel(), self.local_experts)
-        return mk.fused_experts(x, weights, ids, w13, w2, self.token_counts, self.first, cfg, pad, aligned)
+        return mk.fused_experts(x, weights, ids, w13, w2, self.token_counts, self.first, cfg, pad)
 
     def _weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's w13 or w2; a quantized stack's (GPU) dequantized on the fly."""
@@ -332,29 +325,11 @@ class MoE(nn.Module):
         return self.experts.fused
 
     def forward(self, x: torch.Tensor, pad: PadRows | None = None) -> torch.Tensor:
-        front = self._decode_front(x, pad)
-        weights, ids, aligned = front if front is not None else (*self.gate(x), None)
-        y = self.experts(x, weights, ids, pad, aligned)
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids, pad)
         if self.shared_experts is not None:
             y = y + self.shared_experts.partial(x)
         return self.tp.all_reduce(y)
-
-
-    def _decode_front(self, x: torch.Tensor, pad: PadRows | None) -> tuple | None:
-        """(weights, ids, aligned) from engine/layers/moe_decode.py's one launch where the router
-        takes its triton GEMV (a few decode rows) and the experts are fused; else None."""
-        xr = x.to(self.gate.weight.dtype)
-        cfg = self.gate.gemv_config(xr) if self.experts.fused else None
-        if cfg is None or not kernel_tuning(x.device).moe_decode_front:
-            return None
-        from engine.layers import moe_decode, moe_kernels  # triton: imported on first use (CUDA)
-
-        gate, ex = self.gate, self.experts
-        if gate.front_counter is None:
-            gate.front_counter = torch.zeros(1, dtype=torch.int32, device=x.device)
-        bm = moe_kernels.config_for(x.device, x.shape[0] * gate.spec.top_k, ex.local_experts).block_m
-        return moe_decode.front(xr, gate.weight, cfg, gate.spec, gate.e_score_correction_bias, gate.front_counter,
-                                ex.token_counts, ex.first, ex.local_experts, bm, pad)
 
 
 def check_spec(spec: MoESpec) -> None:

@@ -71,18 +71,18 @@ def _keep_groups(choice, bins, GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.
 
 
 @triton.jit
-def route_row(logits, bias, t, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-              TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, GROUPED: tl.constexpr, G: tl.constexpr,
-              G_P2: tl.constexpr, EG: tl.constexpr, TOPK_GROUP: tl.constexpr, CACHE: tl.constexpr):
+def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                 GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr):
     """Token t's routing from its router logits (float32 or bf16, taken to float32), as
     moe.route computes it: scores (softmax or 1 / (1 + exp(-x))), with GROUPED only the
     experts of the TOPK_GROUP best groups (`_keep_groups`), the top_k of scores (+ bias), best
-    first, their scores as weights (over their sum + 1e-20 with NORM) times `scale`. Returns
-    (weights float32 [K_P2], ids int64 [K_P2]); slots from TOP_K on are padding. CACHE: the
-    logits' load cache modifier ("" or ".cg" where other programs of the launch wrote them)."""
+    first, their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
+    t = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, E_P2)
     em = bins < E
-    x = tl.load(logits + t * E + bins, mask=em, other=float("-inf"), cache_modifier=CACHE).to(tl.float32)
+    x = tl.load(logits + t * E + bins, mask=em, other=float("-inf")).to(tl.float32)
     if SIGMOID:
         scores = tl.where(em, 1.0 / (1.0 + tl.exp(-x)), 0.0)
     else:
@@ -104,21 +104,8 @@ def route_row(logits, bias, t, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.con
         choice = tl.where(bins == best, float("-inf"), choice)
     if NORM:
         w = w / (tl.sum(w, 0) + 1e-20)
-    return w * scale, picked
-
-
-@triton.jit
-def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-                 GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
-                 TOPK_GROUP: tl.constexpr):
-    """Program t: token t's weights and ids (`route_row`)."""
-    t = tl.program_id(0).to(tl.int64)
-    w, picked = route_row(logits, bias, t, E, scale, SIGMOID, HAS_BIAS, NORM, TOP_K, K_P2, E_P2, GROUPED, G, G_P2,
-                          EG, TOPK_GROUP, "")
-    slots = tl.arange(0, K_P2)
     km = slots < TOP_K
-    tl.store(weights + t * TOP_K + slots, w, mask=km)
+    tl.store(weights + t * TOP_K + slots, w * scale, mask=km)
     tl.store(ids + t * TOP_K + slots, picked, mask=km)
 
 
@@ -353,18 +340,17 @@ def align(ids: torch.Tensor, counts: torch.Tensor, first: int, local: int, block
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Stack, w2: Stack,
                   counts: torch.Tensor, first: int, cfg: GemmConfig,
-                  pad: tuple[torch.Tensor, int] | None = None, aligned: tuple | None = None) -> torch.Tensor:
+                  pad: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """This rank's partial sum [T, H] of sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for its
     experts first .. first + E_local - 1 (w13 [E_local, 2 I, H], w2 [E_local, H, I]); adds the
-    routed pairs to `counts` [E]. `pad`'s rows (key < bound) are left out: zeros, not counted.
-    `aligned`: `align`'s outputs at cfg.block_m, made (and counted) already (engine/layers/moe_decode.py)."""
+    routed pairs to `counts` [E]. `pad`'s rows (key < bound) are left out: zeros, not counted."""
     t, k = ids.shape
     h, inter, local = x.shape[1], w2.w.shape[2], w13.w.shape[0]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
     ids, weights, x = ids.contiguous(), weights.contiguous(), x.contiguous()
-    al = aligned if aligned is not None else align(ids, counts, first, local, cfg.block_m, pad)
+    al = align(ids, counts, first, local, cfg.block_m, pad)
     mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, mid, inter, al, None, k, True, cfg)
     y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)

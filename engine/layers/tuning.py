@@ -92,7 +92,6 @@ class KernelTuning:
     tp_symm_allreduce_max_bytes: int = 0
     # fused MoE (engine/layers/moe_kernels.py): GEMM blocks by the mean rows an expert gets, first match wins
     moe_gemm: tuple[MoeRule, ...] = MOE_GEMM_DEFAULT
-    moe_decode_front: bool = False  # router GEMV + route + align as one launch at decode (engine/layers/moe_decode.py)
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel

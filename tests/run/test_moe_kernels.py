@@ -233,36 +233,3 @@ def test_tuning_picks_blocks_by_rows_per_expert() -> None:
     assert KernelTuning().moe_config(4)[0] == 16 and KernelTuning().moe_config(4096)[0] == 128
     with pytest.raises(ValueError, match="moe_gemm"):
         parse_tuning({"moe_gemm": [{"config": [16, 32, 64]}]}, "gpu")
-
-
-@pytest.mark.parametrize(("spec", "m", "ep", "padded"), [
-    (_spec(16, 3, "softmax", "greedy", True, 1.0), 1, None, False),  # Qwen3-MoE, batch 1
-    (_spec(16, 3, "softmax", "greedy", True, 1.0), 4, None, True),  # a graph's padding row
-    (_spec(12, 2, "softmax", "greedy", False, 1.0), 3, (1, 2), False),  # EP rank 1 of 2
-    (_spec(16, 4, "sigmoid", "noaux_tc", True, 2.5, groups=4, kept=2), 2, None, False),  # DeepSeek-V3
-], ids=["qwen3-b1", "qwen3-b4-pad", "ep", "v3-grouped"])
-def test_decode_front_equals_gemv_route_align(spec: SimpleNamespace, m: int, ep: tuple[int, int] | None,
-                                              padded: bool) -> None:
-    """moe_decode.front (router GEMV + route + align in one launch) gives the three launches'
-    outputs bit for bit: weights, ids, the used segments and blocks, the rows in use, counts."""
-    from engine.layers import moe_decode, triton_ops
-
-    e, h, bm = spec.num_experts, 48, 4
-    g = torch.Generator().manual_seed(m + e)
-    weight = torch.randn(e, h, generator=g).bfloat16()
-    x = torch.randn(m, h, generator=g).bfloat16()
-    bias = 0.05 * torch.randn(e, generator=g) if spec.topk_method == "noaux_tc" else None
-    local = e // ep[1] if ep else e
-    first = ep[0] * local if ep else 0
-    pad = (torch.tensor([9] * (m - 1) + [0]), 1) if padded else None
-    gemv = (4, 64, 4, 1)  # one tile over h = 48
-    counts_ref = torch.zeros(e, dtype=torch.int64)
-    w_ref, ids_ref = mk.route(triton_ops.gemv(x, weight, *gemv), spec, bias)
-    al_ref = mk.align(ids_ref, counts_ref, first, local, bm, pad)
-    counts, counter = torch.zeros(e, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
-    w, ids, al = moe_decode.front(x, weight, gemv, spec, bias, counter, counts, first, local, bm, pad)
-    assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
-    assert torch.equal(counts, counts_ref) and counts.sum() > 0 and not counter.any()
-    n = int(al_ref[2])
-    assert int(al[2]) == n and al[3:] == al_ref[3:] and n > 0
-    assert torch.equal(al[0][:n], al_ref[0][:n]) and torch.equal(al[1][: n // bm], al_ref[1][: n // bm])
