@@ -20,7 +20,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("fmt", ["fp8_row", "fp8_block", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 3, 17, 300])
-@pytest.mark.parametrize(("n", "k"), [(384, 256), (1024, 4096), (200, 272)])
+@pytest.mark.parametrize(("n", "k"), [(384, 256), (1024, 4096), (200, 272), (16384, 4096)])
 def test_quantized_gemm_matches_dequantized(fmt: str, m: int, n: int, k: int) -> None:
     from engine.layers import quant
     from engine.layers.parallel import Linear
@@ -36,6 +36,8 @@ def test_quantized_gemm_matches_dequantized(fmt: str, m: int, n: int, k: int) ->
     y = lin(x)
     # weight-only kernels (GEMV, NVFP4) keep x in bf16; W8A8 adds e4m3 rounding of x (~2^-4 relative)
     weight_only = fmt == "nvfp4" or (fmt == "fp8_row" and lin._local_gemv(x) is not None)
+    if fmt == "fp8_row" and n == 16384 and m <= 3:  # the H200's one-tile fp8 rule (gate_up-wide) takes 1-4 rows
+        assert weight_only, "the H200 tuning sends this shape to the GEMV"
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert _rel(y, ref) < (0.01 if weight_only else 0.05), (fmt, m, n, k)
 
