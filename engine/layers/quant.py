@@ -200,7 +200,7 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
                 return quant_ops.fp8_weight_only_gemm(a, w, s)
             if fmt == "fp8_row":
                 return quant_ops.fp8_row_gemm(a, w, s)
-            if 0 < tuning.fp8_block_cublas_min_rows <= m:
+            if 0 < tuning.fp8_block_cublas_min_rows <= m and quant_ops.cublas_block_ok(*w.shape):
                 return quant_ops.fp8_block_cublas(a, w, s)
             return quant_ops.fp8_block_gemm(a, w, s)
     return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)

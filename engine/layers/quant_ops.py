@@ -91,6 +91,12 @@ def fp8_weight_only_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
     return out
 
 
+def cublas_block_ok(n: int, k: int) -> bool:
+    """Whether cuBLASLt's block-scaled GEMM takes weights [n, k]: 16-byte rows of e4m3 out and whole
+    128-column K blocks (tests/gpu/test_quant_gpu.py's [200, 272] failed there; the triton kernel takes any)."""
+    return n % 16 == 0 and k % 128 == 0
+
+
 def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The block-scaled GEMM by cuBLASLt (torch's scaled_mm, 1x128 activation and 128x128 weight
     scales): activation scales token-major with M padded to 4, weight K-blocks padded to 4."""
