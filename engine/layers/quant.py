@@ -196,11 +196,12 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
     else:
         def gemm(a: torch.Tensor) -> torch.Tensor:
             m = a.shape[0]
-            if m <= tuning.fp8_weight_only_max_rows:  # few rows: the weight bytes are the cost
+            # few rows: the weight bytes are the cost; and any shape cuBLASLt does not take
+            if m <= tuning.fp8_weight_only_max_rows or (fmt == "fp8_row" and not quant_ops.cublas_ok(*w.shape, False)):
                 return quant_ops.fp8_weight_only_gemm(a, w, s)
             if fmt == "fp8_row":
                 return quant_ops.fp8_row_gemm(a, w, s)
-            if 0 < tuning.fp8_block_cublas_min_rows <= m and quant_ops.cublas_block_ok(*w.shape):
+            if 0 < tuning.fp8_block_cublas_min_rows <= m and quant_ops.cublas_ok(*w.shape, True):
                 return quant_ops.fp8_block_cublas(a, w, s)
             return quant_ops.fp8_block_gemm(a, w, s)
     return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)

@@ -91,10 +91,11 @@ def fp8_weight_only_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
     return out
 
 
-def cublas_block_ok(n: int, k: int) -> bool:
-    """Whether cuBLASLt's block-scaled GEMM takes weights [n, k]: 16-byte rows of e4m3 out and whole
-    128-column K blocks (tests/gpu/test_quant_gpu.py's [200, 272] failed there; the triton kernel takes any)."""
-    return n % 16 == 0 and k % 128 == 0
+def cublas_ok(n: int, k: int, block: bool) -> bool:
+    """Whether cuBLASLt's FP8 GEMM takes weights [n, k]: N and K multiples of 16 (its e4m3 operands'
+    16-byte rows), and with block scales whole 128-column K blocks (tests/gpu/test_quant_gpu.py's
+    [200, 272] failed there); the triton kernels take any shape."""
+    return n % 16 == 0 and k % (128 if block else 16) == 0
 
 
 def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,6 @@ def test_quantized_gemm_matches_dequantized(fmt: str, m: int, n: int, k: int) ->
     from engine.layers import quant
     from engine.layers.parallel import Linear
 
-    if fmt == "fp8_row" and (n % 16 or k % 16):
-        pytest.skip("cuBLASLt's FP8 GEMM needs N and K multiples of 16")
     torch.manual_seed(m * 7 + n)
     lin = Linear(k, n, False, torch.bfloat16).cuda()
     lin.weight.data.normal_(0, 0.02)
