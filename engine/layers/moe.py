@@ -184,7 +184,7 @@ class Router(nn.Module):
         x = x.to(self.weight.dtype)
         if self._gemv is False:  # decided once, on the weight's device (a float32 router keeps cuBLAS)
             self._gemv = triton_ops.gemv_config(self.weight)
-            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
+            self._gemv_rows = kernel_tuning(self.weight.device).gemv_rows(self._gemv)
         cfg = gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
         # decode: the projections' triton GEMV (cuBLAS's M=1 GEMM took 4.9 us a layer for
         # Qwen3-30B-A3B's 128 x 2048); else the batch-invariant matmul under deterministic inference

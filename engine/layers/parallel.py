@@ -294,7 +294,7 @@ class Linear(nn.Module):
             # shape no tuning rule takes (or a GPU without rules) keeps the vendor kernel
             # quantized: only fp8 with row scales has a GEMV (weight-only, scaled per row)
             self._gemv = triton_ops.gemv_config(self.weight) if self.quant in (None, "fp8_row") else None
-            self._gemv_rows = kernel_tuning(self.weight.device).gemv_max_rows
+            self._gemv_rows = kernel_tuning(self.weight.device).gemv_rows(self._gemv)
         return gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:

@@ -155,18 +155,12 @@ def qk_norm_rope_store(
 # 1.49 -> 1.41, but batch 8 1.51 -> 2.20 (the per-row FMAs outgrow the weight read), so batch 8
 # stays on cuBLAS; latency-qwen3-0.6b-gemv-rows{1,8}-h200.json)
 GEMV_MAX_ROWS = 8
-# the largest one-tile weight tile (block_n x block_k elements) that takes several rows: the tuning's
-# one-tile configs hold 8192; a 4 x 4096 fp8 tile (Llama-3.1-8B's gate_up rule) made batch 4 slower,
-# 4.69 -> 5.59 ms, while batch 1 gained (bench/results/latency-llama-3.1-8b-fp8w-rows-*-h200-ee1ec3a.json)
-GEMV_MULTI_ROW_TILE = 8192
 
 
 def gemv_rows_ok(cfg: tuple[int, int, int, int] | None, k: int, rows: int) -> bool:
     """Whether a GEMV with config cfg over K takes `rows` rows of x: one always; up to
-    GEMV_MAX_ROWS with a one-tile config of at most GEMV_MULTI_ROW_TILE elements (each program holds
-    its weight tile and meets every row)."""
-    return cfg is not None and (rows == 1 or (1 < rows <= GEMV_MAX_ROWS and cfg[1] >= k
-                                              and cfg[0] * cfg[1] <= GEMV_MULTI_ROW_TILE))
+    GEMV_MAX_ROWS with a one-tile config (each program holds its weight tile and meets every row)."""
+    return cfg is not None and (rows == 1 or (1 < rows <= GEMV_MAX_ROWS and cfg[1] >= k))
 
 
 def _fits(k: int, block_k: int) -> bool:

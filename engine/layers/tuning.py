@@ -142,6 +142,13 @@ class KernelTuning:
                 return r.config
         return self.moe_gemm[-1].config
 
+    def gemv_rows(self, cfg: tuple[int, int, int, int] | None) -> int:
+        """The most rows of x a GEMV with config cfg takes: gemv_max_rows for tiles of at most
+        gemv_one_tile_elems (what the rows were measured with), one for wider ones (Llama-3.1-8B's fp8
+        gate_up as one 4 x 4096 tile: batch 1 2.82 -> 2.70 ms, but batch 4 4.69 -> 5.59 with 4 rows a
+        program; bench/results/latency-llama-3.1-8b-fp8w-rows-*-h200-ee1ec3a.json)."""
+        return self.gemv_max_rows if cfg is not None and cfg[0] * cfg[1] <= self.gemv_one_tile_elems else 1
+
     def gemv_config(self, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int] | None:
         """(block_n, block_k, warps, stages) of the triton GEMV for weights [n, k] (e4m3 with `fp8`),
         or None (cuBLAS)."""

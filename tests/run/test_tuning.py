@@ -62,6 +62,11 @@ def test_h200_values_are_the_measured_defaults() -> None:
         (28672, 4096): (16, 256, 4, 4), (4096, 14336): (8, 512, 4, 3), (4096, 1000): None,
     }
     assert {nk: t.gemv_config(*nk) for nk in want} == want
+    # rows a GEMV takes: the measured 8192-element one-tile configs up to 4; wider tiles (fp8 gate_up's
+    # 4 x 4096, bf16 K = 3072's padded 4 x 4096) and looped ones one
+    assert t.gemv_rows(t.gemv_config(1024, 1024)) == t.gemv_rows(t.gemv_config(1024, 2048)) == 4
+    assert t.gemv_rows(t.gemv_config(28672, 4096, fp8=True)) == 1 == t.gemv_rows(t.gemv_config(1024, 3072))
+    assert t.gemv_config(28672, 4096, fp8=True) == (4, 4096, 4, 3)
 
 
 def test_unknown_gpu_uses_only_vendor_kernels() -> None:
