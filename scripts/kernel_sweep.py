@@ -1,6 +1,6 @@
 """Batch-1 decode kernels as the served step runs them (device diagnostic, not in CI)
 
-    python3 scripts/kernel_sweep.py [gemv] [attention] > sweep.log
+    python3 scripts/kernel_sweep.py [attention] [gemv] [moe] > sweep.log
 
 Each measurement replays a CUDA graph of the kernel over `copies` distinct weights (or KV
 caches), launched back to back with programmatic dependent launch as in the decode graphs, so
@@ -8,8 +8,8 @@ that nothing is read from the L2 that the served step would read from HBM (the l
 are read once a step); the figure is the median over replays of the graph's time / copies.
 
 * gemv: the triton GEMV (engine/layers/triton_kernels.gemv_kernel) at Llama-3.1-8B's projections,
-  fp8 (per-row scales) and bf16, over (block_n, block_k, warps, stages), beside `rowsum`: the same
-  loop reducing each tile to its rows at once (a [BLOCK_N] accumulator, fewer registers).
+  fp8 (per-row scales) and bf16, over (block_n, block_k, warps, stages). (ba2f4c9's run also timed a
+  variant reducing each tile to its rows at once: slower except fp8 qkv, removed; docs/PERF.md.)
 * attention: triton_ops.decode_attention with its prologue, batch 1, ctx 1024, at the geometry of
   Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps). (ba2f4c9's run also
   timed a merge of 8 splits at a time instead of all at once: slower everywhere, removed.)
@@ -25,72 +25,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import triton.testing
 
 from engine.layers import triton_ops
-from engine.layers.triton_kernels import gdc_launch_dependents, gdc_wait
 
 
-@triton.jit
-def gemv_rowsum_kernel(x, w, ws, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_SCALE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    wrow = w + rows[:, None] * stride_w
-    cols = tl.arange(0, BLOCK_K)
-    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
-    gdc_wait()
-    gdc_launch_dependents()
-    acc = tl.sum(wt.to(tl.float32) * tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :], 1)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * tl.load(x + cols).to(tl.float32)[None, :], 1)
-    if HAS_SCALE:
-        acc = acc * tl.load(ws + rows, mask=rmask, other=0.0)
-    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=rmask)
-
-
-def graph_us(calls: list[Callable[[], Any]], reps: int = 30) -> float:
-    """Median us per call of a CUDA graph running `calls` in order."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
+def graph_us(calls: list[Callable[[], Any]], rep_ms: int = 40) -> float:
+    """Median us per call of a CUDA graph running `calls` in order (triton's do_bench_cudagraph)."""
+    return triton.testing.do_bench_cudagraph(lambda: [c() for c in calls], rep=rep_ms, return_mode="median") \
+        * 1e3 / len(calls)
 
 
 def copies_for(nbytes: int, budget: int = 512 << 20) -> int:
     return max(4, min(64, budget // nbytes))
-
-
-def gemv_calls(x: torch.Tensor, ws: list[torch.Tensor], scale: torch.Tensor | None, cfg: tuple,
-               rowsum: bool) -> list[Callable[[], Any]]:
-    """One GEMV a weight, with the served launcher or the rowsum kernel."""
-    if not rowsum:
-        return [functools.partial(triton_ops.gemv, x, w, *cfg, scale=scale) for w in ws]
-    n, k = ws[0].shape
-    bn, bk, warps, stages = cfg
-    ys = [torch.empty(1, n, device=x.device, dtype=torch.bfloat16) for _ in ws]
-    kern = gemv_rowsum_kernel[(-(-n // bn),)]
-    return [functools.partial(kern, x, w, w if scale is None else scale, y, n, w.stride(0), K=k, BLOCK_N=bn,
-                              BLOCK_K=bk, HAS_SCALE=scale is not None, num_warps=warps, num_stages=stages,
-                              launch_pdl=True) for w, y in zip(ws, ys, strict=True)]
 
 
 def gemv_shape(dtype: str, name: str, n: int, k: int) -> dict[str, float | str]:
@@ -107,12 +54,11 @@ def gemv_shape(dtype: str, name: str, n: int, k: int) -> dict[str, float | str]:
     for cfg in grid if dtype == "fp8" else [cur]:
         if k % cfg[1] or cfg[0] * cfg[1] * isz > 64 << 10:
             continue
-        for rowsum in (False, True):
-            key = f"{'rowsum' if rowsum else 'plain'} {cfg}"
-            try:
-                res[key] = round(graph_us(gemv_calls(x, ws, scale, cfg, rowsum)), 2)
-            except Exception as e:  # noqa: BLE001 - a config that fails is a result
-                res[key] = f"{type(e).__name__}: {e}"[:160]
+        key = f"plain {cfg}"
+        try:
+            res[key] = round(graph_us([functools.partial(triton_ops.gemv, x, w, *cfg, scale=scale) for w in ws]), 2)
+        except Exception as e:  # noqa: BLE001 - a config that fails is a result
+            res[key] = f"{type(e).__name__}: {e}"[:160]
     best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
     gb = n * k * isz / 1e3
     print(f"gemv {dtype} {name} [{n}, {k}] x{c} current {cur}: best "
