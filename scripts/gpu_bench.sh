@@ -29,7 +29,8 @@
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
 #   detlat    decode latency under deterministic inference, both models, batch 1 8 32 (issue 21: <= 5% at batch 1);
 #             DETLAT_MODELS="qwen3-30b-a3b" for another
-#   quant     quantized GEMMs: their gpu tests, then bin/bench quant (fp8 row/block, DeepGEMM, NVFP4 vs bf16)
+#   quant     quantized GEMMs: their gpu tests (QUANT_TESTS: a -k filter), then bin/bench quant (fp8 row/block,
+#             DeepGEMM, NVFP4 vs bf16; QUANT_BENCH=0 skips it)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
@@ -189,6 +190,7 @@ for what in "$@"; do case $what in
             grep -A6 "batch  *ctx" "$OUT/latency-$m-det.log"; done ;;
   quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "${QUANT_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
+         [ "${QUANT_BENCH:-1}" = 0 ] && continue
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
@@ -310,7 +312,7 @@ for what in "$@"; do case $what in
           --out "$OUT/structured-spec-qwen3-0.6b-h200.json" || fails=$((fails + 1))
          grep -h '"grammar timing"\|"speculative decoding"' $OUT/logs-specgrammar/*.log | tail -12 ;;
   sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
-         grep -E "^gemv|^attention|^moe|^     current" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
+         grep -E "^gemv|^attention|^moe|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
            > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
   ab) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"; m=${AB_MODEL:-llama-3.1-8b}
       for p in "" "${patches[@]}"; do

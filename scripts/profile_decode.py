@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--det", action="store_true", help="deterministic inference (and the prefill's table)")
     ap.add_argument("--graphs", action="store_true", help="replay the decode CUDA graphs, as served")
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (per-channel weights quantized at load)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8_e4m3: the offline benchmark's KV cache")
+    ap.add_argument("--attention-fp8-math", action="store_true", help="XQA's fp8 math over an fp8 KV cache")
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
     cfg = ServerConfig(
@@ -78,6 +80,8 @@ def main() -> None:
         disable_cuda_graph=not a.graphs,
         enable_deterministic_inference=a.det,
         quantization=a.quantization or "",
+        kv_cache_dtype=a.kv_cache_dtype,
+        attention_fp8_math=a.attention_fp8_math,
         max_total_tokens=a.batch * (a.ctx + 64),
     )
     eng = LocalEngine(cfg)
