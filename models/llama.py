@@ -33,6 +33,7 @@ from engine.layers.parallel import (
     parallel_state,
     range_split,
 )
+from engine.layers.triton_ops import PreNormed
 from engine.layers.tuning import kernel_tuning
 from models.config import ModelConfig, RopeScaling
 
@@ -91,6 +92,10 @@ class Attention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Attention output (after o_proj) from this layer's fused QKV projection."""
+        return self.o_proj(self.attend(qkv, ctx))
+
+    def attend(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention output before o_proj ([T, heads * head_dim]) from the fused QKV projection."""
         t = qkv.shape[0]
         rope, batch, kv, backend = ctx.rope, ctx.batch, ctx.kv, ctx.backend
         if rope.fused and rope.prologue and not backend.owns_kv_writes:  # one kernel: q/k norm, RoPE, K/V store
@@ -104,13 +109,13 @@ class Attention(nn.Module):
                     batch.out_slots, kv.k[self.layer_id], kv.v[self.layer_id], *norm,
                 )
                 o = backend.attend(q, self.layer_id, batch, kv)
-            return self.o_proj(o.reshape(t, self.q_size))
+            return o.reshape(t, self.q_size)
         if not rope.fused and self.q_norm is None and qkv.dtype in _HALF and qkv.device.type == "cpu":
             # CPU half precision: q and k rotated together (the torch ops cost more than their bytes)
             q, k = ctx.rotary.apply_qkv(qkv, self.num_heads, self.num_kv_heads, rope)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
             o = backend.forward(q, k, v, self.layer_id, batch, kv)
-            return self.o_proj(o.reshape(t, self.q_size))
+            return o.reshape(t, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -119,7 +124,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ctx.rotary.apply(q, k, rope)
         o = backend.forward(q, k, v, self.layer_id, batch, kv)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -142,11 +147,15 @@ class MLP(nn.Module):
 
 
 def norm_linear(
-    norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm, linear: Linear, x: torch.Tensor | PreNormed, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
     itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
-    norm and the GEMV."""
+    norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done."""
+    if isinstance(x, PreNormed):
+        assert residual is not None
+        w, scale, cfg = linear.gemv_weights(x.u) or _no_gemv(linear)
+        return triton_ops.gemv(x, w, *cfg, scale=scale), residual
     # folded only for models up to the tuning's norm_gemv_max_hidden: on an H200 at hidden 4096
     # every program re-reading the vector from L2 cost more than the launch it saves (Llama-3.1-8B
     # batch 1: 4.76 vs 4.52 ms; Qwen3-0.6B, hidden 1024: 1.31 vs 1.40)
@@ -160,6 +169,31 @@ def norm_linear(
     return linear(h), residual
 
 
+def residual_stream(x: torch.Tensor | PreNormed, residual: torch.Tensor) -> torch.Tensor:
+    """The residual stream after a layer that returned (x, residual): their sum, or the residual
+    itself where x is a PreNormed (its GEMV added into the residual in place)."""
+    return residual if isinstance(x, PreNormed) else x + residual
+
+
+def _no_gemv(linear: Linear) -> tuple:
+    raise RuntimeError(f"{linear}: a PreNormed input needs the GEMV that linear_add_norm checked")
+
+
+def linear_add_norm(
+    linear: Linear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, reader: Linear, silu_mul: bool = False,
+) -> tuple[torch.Tensor | PreNormed, torch.Tensor]:
+    """(linear(x), residual), or with silu_mul linear(silu(gate) * up): the caller then adds and
+    normalizes (norm_linear). Where `linear` and `reader` (the one reader of norm's output) both
+    run the triton GEMV (batch-1 decode, tp 1), linear's GEMV also adds the residual in place and
+    does half of the norm: (PreNormed, residual), one launch fewer (triton_ops.PreNormed)."""
+    mine = linear.gemv_weights(x) if kernel_tuning(x.device).gemv_split_norm else None
+    if mine is None or reader.gemv_weights(x) is None or not residual.is_contiguous():
+        return (linear.forward_silu_mul(x) if silu_mul else linear(x)), residual
+    w, scale, cfg = mine
+    return triton_ops.gemv(x, w, *cfg, silu_mul=silu_mul, scale=scale,
+                           norm_out=(residual, norm.weight, norm.eps)), residual
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -167,6 +201,10 @@ class DecoderLayer(nn.Module):
         self.mlp = self.make_mlp(cfg, layer_id, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # the next layer's (input norm, qkv_proj) where its forward starts with norm_linear over
+        # them (LlamaForCausalLM sets it): this layer's down GEMV may do half that norm. A tuple,
+        # so that nn.Module does not register the next layer's modules as this one's
+        self.next_input: tuple[RMSNorm, Linear] | None = None
 
     def make_mlp(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
         """This layer's MLP; a subclass picks per layer (models/moe.py: MoE blocks)."""
@@ -178,9 +216,13 @@ class DecoderLayer(nn.Module):
         """Residual stream h = residual + x (x: the previous sublayer's output; residual None at
         layer 0, where x is the embedding). Returns (this layer's MLP output, its residual)."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        x = self.self_attn(qkv, ctx)
-        h, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
-        return self.mlp.down(h), residual
+        o = self.self_attn.attend(qkv, ctx)
+        post, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        x, residual = linear_add_norm(self.self_attn.o_proj, o, residual, post, gate_up)
+        h, residual = norm_linear(post, gate_up, x, residual)
+        if self.next_input is None:
+            return self.mlp.down(h), residual
+        return linear_add_norm(self.mlp.down_proj, h, residual, *self.next_input, silu_mul=True)
 
 
 class LlamaModel(nn.Module):
@@ -189,6 +231,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(layer_cls(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        for layer, nxt in zip(self.layers, self.layers[1:], strict=False):
+            layer.next_input = (nxt.input_layernorm, nxt.self_attn.qkv_proj)
 
 
 class LlamaForCausalLM(nn.Module):

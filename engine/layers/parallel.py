@@ -304,6 +304,15 @@ class Linear(nn.Module):
         never for a quantized weight, whose scales only this layer applies."""
         return None if self.bias is not None or self.quant is not None else self._local_gemv(x)
 
+    def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple] | None:
+        """(weight, fp8 row scales or None, GEMV config) when x takes this layer's triton GEMV and
+        that GEMV is the whole layer (no bias, no communication), for a caller that runs it with
+        more work folded in (models/llama.py: linear_add_norm)."""
+        if self.bias is not None or self.quant not in (None, "fp8_row") or self.packed is not None:
+            return None
+        cfg = self._local_gemv(x)
+        return None if cfg is None else (self.weight, getattr(self, "weight_scale", None), cfg)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant_forward(self, x, self._local_gemv(x))
@@ -349,6 +358,9 @@ class RowParallelLinear(Linear):
         # at world > 1 a GEMV run by the caller would be this rank's partial sum only (no
         # all-reduce): callers get None and call forward / forward_silu_mul, which GEMV the shard
         return super().gemv_config(x) if self.tp.world == 1 else None
+
+    def gemv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple] | None:
+        return super().gemv_weights(x) if self.tp.world == 1 else None
 
     def partial(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """This rank's partial product x W_local^T (no bias), silu(gate) * up first with silu_mul:

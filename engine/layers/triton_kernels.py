@@ -83,13 +83,37 @@ def x_chunk(x, cols, cm, K: tl.constexpr, SILU_MUL: tl.constexpr):
     return tl.load(x + cols, mask=cm, other=0.0)
 
 @triton.jit
-def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                M: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+def gemv_store(v, y, rows, rmask, ss_in, p_in, eps, r, nw, ss_out, pid, K: tl.constexpr,
+               NORM_IN: tl.constexpr, P_IN: tl.constexpr, NORM_OUT: tl.constexpr):
+    """Store one row's outputs v [BLOCK_N] (float32, row-scaled); pointers are at that row.
+    NORM_IN: x was u = s * norm weight, so v is scaled by rsqrt(mean(s^2) + eps), the sum of s^2
+    being the p_in partial sums at ss_in. NORM_OUT: s = v (rounded) + r is the new residual (in
+    r, in place), u = s * nw is stored instead of v, and this program's sum of s^2 at ss_out."""
+    if NORM_IN:
+        pi = tl.arange(0, P_IN)
+        v = v * tl.rsqrt(tl.sum(tl.load(ss_in + pi, mask=pi < p_in, other=0.0), 0) / K + eps)
+    if NORM_OUT:
+        act = y.dtype.element_ty
+        s = (v.to(act).to(tl.float32) + tl.load(r + rows, mask=rmask, other=0.0).to(tl.float32)).to(act)
+        tl.store(r + rows, s, mask=rmask)
+        sf = tl.where(rmask, s.to(tl.float32), 0.0)
+        tl.store(ss_out + pid, tl.sum(sf * sf, 0))
+        v = sf * tl.load(nw + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(y + rows, v.to(y.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, ss_in, p_in, eps, r, nw, ss_out,
+                K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M: tl.constexpr,
+                SILU_MUL: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+                NORM_IN: tl.constexpr, P_IN: tl.constexpr, NORM_OUT: tl.constexpr):
     # BLOCK_K >= K: the whole row slice is one (column-masked) tile, every weight load issued
     # before the wait, and each of the M rows of x meets it; otherwise (M == 1) K % BLOCK_K == 0
     # and the first tile loads before the wait. HAS_SCALE: w is fp8 and row n's sum is
-    # multiplied by ws[n] (a weight-only FP8 GEMV: the activation is not quantized)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # multiplied by ws[n] (a weight-only FP8 GEMV: the activation is not quantized).
+    # NORM_IN / NORM_OUT: an RMSNorm split across two GEMVs (gemv_store; triton_ops.PreNormed)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     wrow = w + rows[:, None] * stride_w
     cols = tl.arange(0, BLOCK_K)
@@ -103,18 +127,21 @@ def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, K: tl.constexpr, BLOCK_N: tl
         scale = tl.load(ws + rows, mask=rmask, other=0.0)
     else:
         scale = 1.0
+    p_out = tl.num_programs(0)
     if BLOCK_K >= K:
         wf = wt.to(tl.float32)
         for m in tl.static_range(M):
             xm = x_chunk(x + m * stride_x, cols, cm, K, SILU_MUL).to(tl.float32)
-            tl.store(y + m * N + rows, (tl.sum(wf * xm[None, :], 1) * scale).to(y.dtype.element_ty), mask=rmask)
+            gemv_store(tl.sum(wf * xm[None, :], 1) * scale, y + m * N, rows, rmask, ss_in + m * p_in, p_in, eps,
+                       r + m * N, nw, ss_out + m * p_out, pid, K, NORM_IN, P_IN, NORM_OUT)
     else:
         acc = wt.to(tl.float32) * x_chunk(x, cols, cm, K, SILU_MUL).to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)
             acc += wt.to(tl.float32) * x_chunk(x, cols, cols < K, K, SILU_MUL).to(tl.float32)[None, :]
-        tl.store(y + rows, (tl.sum(acc, 1) * scale).to(y.dtype.element_ty), mask=rmask)
+        gemv_store(tl.sum(acc, 1) * scale, y, rows, rmask, ss_in, p_in, eps, r, nw, ss_out, pid, K,
+                   NORM_IN, P_IN, NORM_OUT)
 
 
 @triton.jit

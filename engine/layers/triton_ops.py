@@ -24,6 +24,7 @@ before RoPE, and k to the activation dtype before the pool's dtype.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -187,27 +188,50 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     return cfg if cfg is not None and _fits(w.shape[1], cfg[1]) else None
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-         num_stages: int = 3, silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+class PreNormed(NamedTuple):
+    """An RMSNorm split across two GEMVs (batch-1 decode, one launch fewer a norm): the GEMV that
+    produced s = x W^T + residual wrote s into the residual (in place), u = s * norm weight, and
+    ss [M, P], the sums of s^2 over its P programs' columns; the GEMV that reads u scales its
+    outputs by rsqrt(sum(ss) / hidden + eps). Equal to RMSNorm(s) up to where it rounds: u once,
+    after the weight, and the rsqrt applied in float32 after the products."""
+
+    u: torch.Tensor
+    ss: torch.Tensor
+    eps: float
+
+
+def gemv(x: torch.Tensor | PreNormed, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
+         num_stages: int = 3, silu_mul: bool = False, scale: torch.Tensor | None = None,
+         norm_out: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | PreNormed:
     """x [M, K] @ w[N, K]^T -> [M, N] (fp32 accumulation): one pass over the weights, no split-K
     reduce kernel. With silu_mul, x is [M, 2K] = [gate | up] and the product uses
     silu(gate) * up (the SwiGLU activation folded into the down projection: one launch fewer).
     Needs K % block_k == 0 (then M = 1), or one power-of-two block_k >= K (then M <=
     GEMV_MAX_ROWS), and contiguous rows. `scale` [N] float32: w is fp8 and row n is multiplied by
-    scale[n] (engine/layers/quant.py's fp8_row format)."""
+    scale[n] (engine/layers/quant.py's fp8_row format). x a PreNormed: the product of its norm.
+    norm_out (residual [M, N], the next RMSNorm's weight, its eps): returns a PreNormed for the
+    GEMV that reads that norm's output, and the residual holds x W^T + residual."""
     n, k = w.shape
-    m = x.shape[0]
-    if (x.shape[1] != (2 * k if silu_mul else k) or not _fits(k, block_k) or w.stride(1) != 1
-            or not x.is_contiguous() or not gemv_rows_ok((block_n, block_k, 0, 0), k, m)):
-        raise ValueError(f"gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k} silu_mul {silu_mul}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    pdl = _pdl(x.device)
-    _k().gemv_kernel[(-(-n // block_n),)](
-        x, w, w if scale is None else scale, y, n, w.stride(0), x.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-        M=m, SILU_MUL=silu_mul, HAS_SCALE=scale is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        **_launch_opts(pdl),
+    xt = x.u if isinstance(x, PreNormed) else x
+    m = xt.shape[0]
+    if (xt.shape[1] != (2 * k if silu_mul else k) or not _fits(k, block_k) or w.stride(1) != 1
+            or not xt.is_contiguous() or not gemv_rows_ok((block_n, block_k, 0, 0), k, m)
+            or (norm_out is not None and (norm_out[0].shape != (m, n) or not norm_out[0].is_contiguous()))):
+        raise ValueError(f"gemv: x {tuple(xt.shape)} w {tuple(w.shape)} block_k {block_k} silu_mul {silu_mul}")
+    y = torch.empty(m, n, dtype=xt.dtype, device=xt.device)
+    programs = -(-n // block_n)
+    pre = x if isinstance(x, PreNormed) else None
+    ss_out = torch.empty(m, programs, dtype=torch.float32, device=xt.device) if norm_out is not None else w
+    r, nw, eps_out = norm_out if norm_out is not None else (w, w, 0.0)  # w: pointers the kernel does not read
+    pdl = _pdl(xt.device)
+    _k().gemv_kernel[(programs,)](
+        xt, w, w if scale is None else scale, y, n, w.stride(0), xt.stride(0),
+        w if pre is None else pre.ss, 1 if pre is None else pre.ss.shape[1], 0.0 if pre is None else pre.eps,
+        r, nw, ss_out, K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, SILU_MUL=silu_mul,
+        HAS_SCALE=scale is not None, PDL=pdl, NORM_IN=pre is not None, P_IN=1 if pre is None else _p2(pre.ss.shape[1]),
+        NORM_OUT=norm_out is not None, num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
-    return y
+    return PreNormed(y, ss_out, eps_out) if norm_out is not None else y
 
 
 def add_norm_gemv(

@@ -38,6 +38,7 @@ from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.mla_attention import MLABackend, decode_kernel_available
 from engine.layers.parallel import lm_logits
+from engine.layers.triton_ops import PreNormed
 from engine.run.cuda_graph import CudaGraphRunner
 from engine.run.dist import rank_config
 from engine.run.spec import chain_drafts
@@ -63,7 +64,8 @@ class HiddenTap:
     def _hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             x, residual = output
-            self.out[i] = x + residual
+            # a copy: later layers add into the residual in place
+            self.out[i] = residual.clone() if isinstance(x, PreNormed) else x + residual
         return hook
 
     def captured(self, bs: int) -> None:

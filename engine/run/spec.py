@@ -42,6 +42,7 @@ from engine.run.spec_tree import (
     tree_batch,
     tree_parents,
 )
+from models.llama import residual_stream
 from msgs.codec import unpack_ids
 from msgs.steps import Forward
 
@@ -133,7 +134,7 @@ class SelfDraft:
         for layer in m.model.layers[: self.layers]:
             x, residual = layer(x, residual, ctx)
         idx = batch.logit_indices
-        h = m.model.norm(residual[idx] + x[idx])
+        h = m.model.norm(residual_stream(x, residual)[idx])  # the last layer run may have begun the next's norm
         head = m.model.embed_tokens if m.lm_head is None else m.lm_head
         return lm_logits(h, head.weight, m.config.vocab_size, head.packed)
 

@@ -109,6 +109,7 @@ def logits_diffs(mode_name: str, path: Path) -> tuple[tuple[str, float, float, f
         ("decode A,B,C", [([6], 38, pa), ([7], 120, pb), ([8], 50, pc)]),
         ("prefill D on A's cached pages", [(d_new, 32, pd)]),
         ("decode A,B,C,D", [([9], 39, pa), ([10], 121, pb), ([11], 51, pc), ([12], 42, pd)]),
+        ("decode A alone", [([13], 40, pa)]),  # batch 1: the GEMVs (with the norms split across them)
     ]
     out = []
     for label, reqs in steps:

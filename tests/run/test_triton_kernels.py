@@ -136,6 +136,39 @@ def test_add_norm_gemv_takes_several_rows(with_residual: bool) -> None:
         torch.testing.assert_close(r_out.float(), s.to(BF).float(), atol=1e-3, rtol=2**-7)
 
 
+@pytest.mark.parametrize(("m", "h", "producer_cfg", "consumer_cfg", "silu_mul"), [
+    (1, 1024, (8, 256, 4, 3), (4, 256, 4, 3), False),  # looped tiles on both sides
+    (1, 1000, (16, 256, 4, 3), (8, 1024, 4, 3), True),  # SwiGLU folded in; the last program column-masked
+    (3, 1000, (4, 1024, 4, 1), (8, 1024, 4, 1), False),  # one-tile configs: several rows
+])
+def test_rms_norm_split_across_two_gemvs(m: int, h: int, producer_cfg: tuple, consumer_cfg: tuple,
+                                         silu_mul: bool) -> None:
+    """o_proj -> add + RMSNorm -> gate_up in two launches: the first GEMV adds the residual and
+    leaves u = s * norm weight and its sums of squares, the second scales by the rsqrt; equal to
+    the three launches up to bf16 rounding, and the residual stream updated in place."""
+    g = torch.Generator().manual_seed(6)
+    k_in, n = 512 if producer_cfg[1] < 1024 else 768, 72
+    w1, w2 = torch.randn(h, k_in, generator=g).to(BF), torch.randn(n, h, generator=g).to(BF)
+    x = torch.randn(m, 2 * k_in if silu_mul else k_in, generator=g).to(BF)
+    r = torch.randn(m, h, generator=g).to(BF)
+    nw = torch.rand(h, generator=g).to(BF) + 0.5
+    xin = (F.silu(x[:, :k_in].float()) * x[:, k_in:].float()).to(BF) if silu_mul else x
+    s = ((xin.float() @ w1.float().T).to(BF).float() + r.float()).to(BF)
+    ref = _rms(s, nw).float() @ w2.float().T
+    residual = r.clone()
+    pre = triton_ops.gemv(x, w1, *producer_cfg, silu_mul=silu_mul, norm_out=(residual, nw, 1e-6))
+    assert isinstance(pre, triton_ops.PreNormed) and pre.ss.shape == (m, -(-h // producer_cfg[0]))
+    # the new residual, in place (the sum rounds to bf16 before the add, both summed in their own order)
+    torch.testing.assert_close(residual.float(), s.float(), atol=0.02 * s.abs().max().item(), rtol=0)
+    torch.testing.assert_close(pre.ss.sum(1), residual.float().square().sum(1), rtol=1e-4, atol=0)
+    torch.testing.assert_close(pre.u.float(), residual.float() * nw.float(), rtol=2**-7, atol=0)  # one rounding
+    y = triton_ops.gemv(pre, w2, *consumer_cfg)
+    assert isinstance(y, torch.Tensor) and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=0.01 * ref.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="gemv"):  # the residual must have the output's shape
+        triton_ops.gemv(x, w1, *producer_cfg, silu_mul=silu_mul, norm_out=(r[:, :-1].contiguous(), nw, 1e-6))
+
+
 def test_gemv_rows_rule() -> None:
     assert triton_ops.gemv_rows_ok((8, 512, 4, 3), 1024, 1)  # batch 1: any config
     assert not triton_ops.gemv_rows_ok((8, 512, 4, 3), 1024, 2)  # looped: one row only
