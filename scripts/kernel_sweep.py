@@ -9,7 +9,9 @@ are read once a step); the figure is the median over replays of the graph's time
 
 * gemv: the triton GEMV (engine/layers/triton_kernels.gemv_kernel) at Llama-3.1-8B's projections,
   fp8 (per-row scales) and bf16, over (block_n, block_k, warps, stages). (ba2f4c9's run also timed a
-  variant reducing each tile to its rows at once: slower except fp8 qkv, removed; docs/PERF.md.)
+  variant reducing each tile to its rows at once: slower except fp8 qkv, removed; 87933ea's a GEMV on
+  the tensor cores, weight rows as the dot's M side, bf16-widened or with per-tile e4m3 activations:
+  1.8-2.9x slower at one row, removed; docs/PERF.md.)
 * attention: triton_ops.decode_attention with its prologue, batch 1, ctx 1024, at the geometry of
   Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps). (ba2f4c9's run also
   timed a merge of 8 splits at a time instead of all at once: slower everywhere, removed.)
@@ -25,56 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 import triton.testing
 
-from engine.layers import quant_ops, triton_ops
-from engine.layers.triton_kernels import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _dot_step(acc, wt, x, mr, mm, cols, K: tl.constexpr, FP8_ACT: tl.constexpr):
-    xt = tl.load(x + mr[:, None] * K + cols[None, :], mask=mm[:, None], other=0.0)
-    if FP8_ACT:  # x quantized per (row, k tile): e4m3 x e4m3 on the tensor cores, product rescaled
-        xf = xt.to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(xf), 1), 1e-12) / 448.0
-        xq = (xf / s[:, None]).to(tl.float8e4nv)
-        return acc + tl.dot(wt, tl.trans(xq)) * s[None, :]
-    return tl.dot(wt.to(xt.dtype), tl.trans(xt), acc)
-
-
-@triton.jit
-def gemv_dot_kernel(x, w, ws, y, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    M: tl.constexpr, BLOCK_M: tl.constexpr, FP8_ACT: tl.constexpr):
-    """Experiment: a GEMV on the tensor cores, swapped (weight rows are the dot's M side, up to 16
-    rows of x its N side): y[:M] = x[:M] @ (w * ws)^T, w e4m3 [N, K] with row scales ws."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    mr = tl.arange(0, BLOCK_M)
-    mm = mr < M
-    cols = tl.arange(0, BLOCK_K)
-    wrow = w + rows[:, None] * K
-    wt = tl.load(wrow + cols[None, :], mask=rmask[:, None], other=0.0)  # before the wait
-    gdc_wait()
-    gdc_launch_dependents()
-    acc = _dot_step(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), wt, x, mr, mm, cols, K, FP8_ACT)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        wt = tl.load(wrow + (k0 + cols)[None, :], mask=rmask[:, None], other=0.0)
-        acc = _dot_step(acc, wt, x, mr, mm, k0 + cols, K, FP8_ACT)
-    acc = acc * tl.load(ws + rows, mask=rmask, other=0.0)[:, None]
-    tl.store(y + mr[None, :] * N + rows[:, None], acc.to(y.dtype.element_ty), mask=rmask[:, None] & mm[None, :])
-
-
-def gemv_dot(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, warps: int,
-             stages: int, fp8_act: bool) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    gemv_dot_kernel[(triton.cdiv(n, block_n),)](x, w, scale, y, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m,
-                                                BLOCK_M=16, FP8_ACT=fp8_act, num_warps=warps, num_stages=stages,
-                                                launch_pdl=True)
-    return y
+from engine.layers import triton_ops
 
 
 def graph_us(calls: list[Callable[[], Any]], rep_ms: int = 40) -> float:
@@ -97,8 +52,8 @@ def gemv_shape(dtype: str, name: str, n: int, k: int) -> dict[str, float | str]:
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     cur = triton_ops.gemv_config(ws[0])
     res: dict[str, float | str] = {"current": str(cur)}
-    grid = [(bn, bk, wp, st) for bn in (4, 8) for bk in (1024, 4096) for wp, st in ((4, 3),)]
-    for cfg in dict.fromkeys(([cur] if cur else []) + (grid if dtype == "fp8" else [])):
+    grid = [(bn, bk, wp, st) for bn in (4, 8, 16) for bk in (1024, 2048, 4096) for wp, st in ((4, 3), (8, 3))]
+    for cfg in grid if dtype == "fp8" else [cur]:
         if k % cfg[1] or cfg[0] * cfg[1] * isz > 64 << 10:
             continue
         key = f"plain {cfg}"
@@ -106,38 +61,7 @@ def gemv_shape(dtype: str, name: str, n: int, k: int) -> dict[str, float | str]:
             res[key] = round(graph_us([functools.partial(triton_ops.gemv, x, w, *cfg, scale=scale) for w in ws]), 2)
         except Exception as e:  # noqa: BLE001 - a config that fails is a result
             res[key] = f"{type(e).__name__}: {e}"[:160]
-    if dtype == "fp8":  # the tensor-core experiment, and today's path for 2-16 rows
-        dots = [(bn, bk, wp, st, act) for act in (False, True) for bn in (16, 32, 64) for bk in (128, 256, 512)
-                for wp, st in ((4, 3),)]
-        for cfg in dots:
-            key = f"dot{'-fp8act' if cfg[4] else '-bf16'} {cfg[:4]}"
-            try:
-                res[key] = round(graph_us([functools.partial(gemv_dot, x, w, scale, *cfg) for w in ws]), 2)
-            except Exception as e:  # noqa: BLE001
-                res[key] = f"{type(e).__name__}: {e}"[:160]
-        ref = (x.float() @ (ws[0].float() * scale[:, None]).T)
-        for act in (False, True):
-            name = f"dot{'-fp8act' if act else '-bf16'}"
-            cands = sorted((v, kk) for kk, v in res.items() if kk.startswith(name) and isinstance(v, float))
-            if cands:
-                cfg = tuple(int(v) for v in cands[0][1].split(" ", 1)[1].strip("()").split(", "))
-                err = ((gemv_dot(x, ws[0], scale, *cfg, act).float() - ref).abs().max() / ref.abs().max()).item()
-                res[f"best {name}"] = f"{cands[0][1]} {cands[0][0]}us rel err {err:.2e}"
-                print(f"     best {res[f'best {name}']}", flush=True)
-        for rows in (4, 16):
-            xr = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-            res[f"weight-only gemm x{rows}"] = round(graph_us(
-                [functools.partial(quant_ops.fp8_weight_only_gemm, xr, w, scale) for w in ws]), 2)
-            for act in (False, True):
-                cfg = next(tuple(int(v) for v in kk.split(" ", 1)[1].strip("()").split(", "))
-                           for _, kk in sorted((v, kk) for kk, v in res.items()
-                                               if kk.startswith(f"dot{'-fp8act' if act else '-bf16'}")
-                                               and " x" not in kk and isinstance(v, float)))
-                res[f"dot{'-fp8act' if act else '-bf16'} {cfg} x{rows}"] = round(graph_us(
-                    [functools.partial(gemv_dot, xr, w, scale, *cfg, act) for w in ws]), 2)
-            print("     rows " + str(rows) + ": " + "  ".join(f"{kk} {v}us" for kk, v in res.items()
-                                                            if kk.endswith(f"x{rows}")), flush=True)
-    best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float) and " x" not in kk)
+    best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
     gb = n * k * isz / 1e3
     print(f"gemv {dtype} {name} [{n}, {k}] x{c} current {cur}: best "
           + "  ".join(f"{kk} {v:.1f}us ({gb / v:.0f} GB/s)" for v, kk in best[:4]), flush=True)
