@@ -185,8 +185,11 @@ def linear_add_norm(
     """(linear(x), residual), or with silu_mul linear(silu(gate) * up): the caller then adds and
     normalizes (norm_linear). Where `linear` and `reader` (the one reader of norm's output) both
     run the triton GEMV (batch-1 decode, tp 1), linear's GEMV also adds the residual in place and
-    does half of the norm: (PreNormed, residual), one launch fewer (triton_ops.PreNormed)."""
-    mine = linear.gemv_weights(x) if kernel_tuning(x.device).gemv_split_norm else None
+    does half of the norm: (PreNormed, residual), one launch fewer (triton_ops.PreNormed; H200,
+    Llama-3.1-8B batch 1: bf16 4.32 -> 4.20 ms, fp8 weights 2.73 -> 2.66, docs/PERF.md)."""
+    # one row only: at 2-4 rows (one-tile GEMVs) norm_linear's fold measured faster (Qwen3-0.6B
+    # batch 4 1.33 vs 1.42 ms; the H200 tuning file's _norm_gemv)
+    mine = linear.gemv_weights(x) if x.shape[0] == 1 else None
     if mine is None or reader.gemv_weights(x) is None or not residual.is_contiguous():
         return (linear.forward_silu_mul(x) if silu_mul else linear(x)), residual
     w, scale, cfg = mine

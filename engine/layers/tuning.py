@@ -80,7 +80,6 @@ class KernelTuning:
     gemv_one_tile_elems: int = 8192  # elements of weight per one-tile program (block_n * padded K)
     gemv_looped: tuple[GemvRule, ...] = field(default=())  # configs for wider K, first match wins
     norm_gemv_max_hidden: int = 0  # fold residual add + RMSNorm into the next GEMV up to this hidden size
-    gemv_split_norm: bool = False  # an RMSNorm between two GEMVs done by them (triton_ops.PreNormed)
     # fp8 weights (engine/layers/quant.py): the GEMV's configs (empty: gemv_looped's), the most rows
     # the weight-only fp8 GEMM takes (0: none), and from how many rows block-scaled fp8 runs on
     # cuBLASLt instead of the triton kernel (0: never)
