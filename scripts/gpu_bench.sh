@@ -312,7 +312,7 @@ for what in "$@"; do case $what in
           --out "$OUT/structured-spec-qwen3-0.6b-h200.json" || fails=$((fails + 1))
          grep -h '"grammar timing"\|"speculative decoding"' $OUT/logs-specgrammar/*.log | tail -12 ;;
   sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
-         grep -E "^gemv|^attention|^moe|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
+         grep -E "^gemv|^gemm|^attention|^moe|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
            > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
   ab) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"; m=${AB_MODEL:-llama-3.1-8b}
       for p in "" "${patches[@]}"; do

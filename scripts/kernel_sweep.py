@@ -16,6 +16,10 @@ are read once a step); the figure is the median over replays of the graph's time
   Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps). (ba2f4c9's run also
   timed a merge of 8 splits at a time instead of all at once: slower everywhere, removed.)
 * moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config.
+* gemm: Llama-3.1-8B's fp8 row-scaled projections at decode batches of 128 and 256 (the offline
+  benchmark's): the served path (per-token quantization + cuBLASLt), cuBLASLt alone on quantized
+  x, and an experiment: a triton row-scaled GEMM over tile configs (cuBLASLt's 128 x 128 tiles
+  leave half the SMs idle on o and down at 256 rows: 64 tiles).
 """
 
 from __future__ import annotations
@@ -27,9 +31,43 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 import triton.testing
 
-from engine.layers import triton_ops
+from engine.layers import quant_ops, triton_ops
+from engine.layers.quant_kernels import _tile
+
+
+@triton.jit
+def fp8_row_gemm_kernel(a, b, c, a_s, b_s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    """Experiment: c = (a * a_s) @ (b * b_s)^T, a e4m3 [M, K] per-row scaled, b e4m3 [N, K] per-row
+    scaled, K a multiple of BK."""
+    pm, pn = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    ap = a + rm[:, None].to(tl.int64) * K + rk[None, :]
+    bp = b + rn[None, :].to(tl.int64) * K + rk[:, None]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for _ in range(0, K, BK):
+        acc = tl.dot(tl.load(ap, mask=rm[:, None] < M, other=0.0), tl.load(bp, mask=rn[None, :] < N, other=0.0), acc)
+        ap += BK
+        bp += BK
+    acc = acc * tl.load(a_s + rm, mask=rm < M, other=0.0)[:, None] * tl.load(b_s + rn, mask=rn < N, other=0.0)[None, :]
+    tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_row_gemm_triton(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                        cfg: tuple[int, int, int, int, int]) -> torch.Tensor:
+    m, k = q.shape
+    n = w.shape[0]
+    bm, bn, bk, warps, stages = cfg
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    fp8_row_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        q, w, out, qs, ws, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return out
 
 
 def graph_us(calls: list[Callable[[], Any]], rep_ms: int = 40) -> float:
@@ -141,6 +179,47 @@ def moe_sweep(layers: int = 16) -> dict[str, Any]:
     return res
 
 
+def gemm_sweep() -> dict[str, Any]:
+    dev = torch.device("cuda")
+    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+    cfgs = [(64, 128, 128, 4, 4), (64, 128, 128, 4, 5), (64, 256, 128, 8, 4), (128, 64, 128, 4, 4),
+            (128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (64, 64, 128, 4, 5), (128, 256, 128, 8, 3)]
+    out: dict[str, Any] = {}
+    for name, n, k in shapes:
+        c = max(2, min(8, (512 << 20) // (n * k)))
+        ws = [(torch.randn(n, k, device=dev) * 0.02).to(torch.float8_e4m3fn) for _ in range(c)]
+        scale = torch.rand(n, device=dev) * 0.01 + 0.005
+        for m in (128, 256):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            q, qs = quant_ops.per_token_quant(x)
+            ref = (q.float() * qs.view(-1, 1)) @ (ws[0].float() * scale[:, None]).T
+            res: dict[str, float | str] = {
+                "served (quant + cuBLASLt)": round(graph_us([functools.partial(quant_ops.fp8_row_gemm, x, w, scale)
+                                                              for w in ws]), 2),
+                "quant alone": round(graph_us([functools.partial(quant_ops.per_token_quant, x)] * c), 2),
+                "cuBLASLt alone": round(graph_us([functools.partial(
+                    torch._scaled_mm, q, w.t(), scale_a=qs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+                    for w in ws]), 2),
+            }
+            for cfg in cfgs:
+                try:
+                    y = fp8_row_gemm_triton(q, qs, ws[0], scale, cfg)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    t = graph_us([functools.partial(fp8_row_gemm_triton, q, qs, w, scale, cfg) for w in ws])
+                    res[f"triton {cfg}"] = round(t, 2)
+                    res[f"triton {cfg} err"] = f"{err:.1e}"
+                except Exception as e:  # noqa: BLE001
+                    res[f"triton {cfg}"] = f"{type(e).__name__}: {e}"[:160]
+            best = sorted((v, kk) for kk, v in res.items() if kk.startswith("triton") and isinstance(v, float))
+            tf = 2 * m * n * k / 1e6
+            print(f"gemm fp8 {name} [{n}, {k}] x {m} rows: served {res['served (quant + cuBLASLt)']}us, quant "
+                  f"{res['quant alone']}us, cuBLASLt {res['cuBLASLt alone']}us "
+                  f"({tf / res['cuBLASLt alone']:.0f} TFLOPS); triton best " + "  ".join(
+                      f"{kk} {v}us ({tf / v:.0f} TFLOPS, err {res[kk + ' err']})" for v, kk in best[:3]), flush=True)
+            out[f"{name} x{m}"] = res
+    return out
+
+
 def main() -> None:
     what = sys.argv[1:] or ["gemv", "attention", "moe"]
     figures: dict[str, Any] = {}
@@ -150,6 +229,8 @@ def main() -> None:
         figures["gemv"] = gemv_sweep()
     if "moe" in what:
         figures["moe"] = moe_sweep()
+    if "gemm" in what:
+        figures["gemm"] = gemm_sweep()
     print("JSON " + json.dumps(figures))
 
 
