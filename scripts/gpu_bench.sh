@@ -80,9 +80,11 @@
 #   ab        decode latency of AB_MODEL (llama-3.1-8b) with AB_ARGS (--quantization fp8) at AB_BATCHES ("1 8"), the
 #             tuning file as is, then with each of TUNING_PATCHES (JSON objects separated by ";", each merged over
 #             configs/tuning/NVIDIA_H200.json for its run only): an A/B of tuning choices on one machine
+#   aboffline llamafp8's offline run (Llama-3.1-8B fp8 weights + fp8 KV + fp8 math, 1000/1000, 256 requests) with the
+#             tuning file as is, then with each of TUNING_PATCHES (as in ab)
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab pack"
+MODES="aboffline quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -321,6 +323,13 @@ for what in "$@"; do case $what in
           --batch-sizes ${AB_BATCHES:-1 8} --context-len 1024 --steps 50 --server-args="${AB_ARGS---quantization fp8}" \
           --out "$OUT/latency-$m-ab$i-h200.json" || fails=$((fails + 1))
         grep -A4 "batch  *ctx" "$OUT/latency-$m-ab$i.log"; i=$((i + 1)); done ;;
+  aboffline) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"
+      for p in "" "${patches[@]}"; do
+        echo "tuning patch $i: ${p:-none}"
+        tuned "$p" run offline-llama-3.1-8b-fp8w-ab$i 300 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+          --num-requests 256 --input-len 1000 --output-len 1000 \
+          --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math" \
+          --out "$OUT/offline-llama-3.1-8b-fp8w-ab$i-h200.json" || fails=$((fails + 1)); i=$((i + 1)); done ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done

@@ -69,6 +69,26 @@ def fp8_block_gemm_kernel(a, b, c, a_s, b_s, M, N, K, G, stride_am, stride_bn, s
 
 
 @triton.jit
+def fp8_row_gemm_kernel(a, b, c, a_s, b_s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    """c = (a * a_s) @ (b * b_s)^T: a e4m3 [M, K] with a scale per row, b e4m3 [N, K] with a
+    scale per row, K a multiple of BK; the scales applied once, after the sum."""
+    pm, pn = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    ap = a + rm[:, None].to(tl.int64) * K + rk[None, :]
+    bp = b + rn[None, :].to(tl.int64) * K + rk[:, None]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for _ in range(0, K, BK):
+        acc = tl.dot(tl.load(ap, mask=rm[:, None] < M, other=0.0), tl.load(bp, mask=rn[None, :] < N, other=0.0), acc)
+        ap += BK
+        bp += BK
+    acc = acc * tl.load(a_s + rm, mask=rm < M, other=0.0)[:, None] * tl.load(b_s + rn, mask=rn < N, other=0.0)[None, :]
+    tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def _e2m1(code):
     """e2m1 4-bit codes -> float32 values: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
     mag = code & 7

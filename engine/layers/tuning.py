@@ -45,6 +45,17 @@ class GemvRule:
 
 
 @dataclass(frozen=True)
+class Fp8GemmRule:
+    """The triton row-scaled fp8 GEMM's tiles (block_m, block_n, block_k, warps, stages) for x of
+    at most `max_rows` rows times weights [N, K] with min_n <= N <= max_n (None: unbounded)."""
+
+    config: tuple[int, int, int, int, int]
+    max_rows: int
+    min_n: int | None = None
+    max_n: int | None = None
+
+
+@dataclass(frozen=True)
 class MoeRule:
     """Fused MoE GEMM blocks (block_m, block_n, block_k, group_m, warps, stages) where the experts
     that got tokens get at most `max_rows` (token, expert) pairs each on average (None: any)."""
@@ -86,6 +97,9 @@ class KernelTuning:
     gemv_fp8_looped: tuple[GemvRule, ...] = field(default=())
     fp8_weight_only_max_rows: int = 0
     fp8_block_cublas_min_rows: int = 0
+    # row-scaled fp8 above the weight-only rows: the triton GEMM where a rule takes (rows, N), first
+    # match wins; cuBLASLt otherwise
+    fp8_row_triton: tuple[Fp8GemmRule, ...] = field(default=())
     # tensor parallel: all-reduces of at most this many bytes (bf16/fp32, CUDA) take the one-shot
     # all-reduce over peer memory (torch symmetric memory: one kernel, capturable in a CUDA graph);
     # larger ones, and all of them at 0, take NCCL (engine/layers/parallel.py, SymmAllReduce)
@@ -164,6 +178,16 @@ class KernelTuning:
         return None
 
 
+    def fp8_row_config(self, rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+        """The triton row-scaled fp8 GEMM's tiles for x [rows, k] times weights [n, k], or None
+        (cuBLASLt)."""
+        for r in self.fp8_row_triton:
+            if (rows <= r.max_rows and (r.min_n is None or n >= r.min_n) and (r.max_n is None or n <= r.max_n)
+                    and k % r.config[2] == 0):
+                return r.config
+        return None
+
+
 def tuning_file(device_name: str) -> Path:
     """configs/tuning/<device name, non-alphanumerics as _>.json"""
     return TUNING_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
@@ -187,6 +211,10 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
     for key in ("gemv_looped", "gemv_fp8_looped"):
         if key in kw:
             kw[key] = tuple(GemvRule(**{**r, "config": tuple(r["config"])}) for r in kw[key])
+    if "fp8_row_triton" in kw:
+        kw["fp8_row_triton"] = tuple(Fp8GemmRule(**{**r, "config": tuple(r["config"])}) for r in kw["fp8_row_triton"])
+        if any(len(r.config) != 5 or min(r.config) < 1 for r in kw["fp8_row_triton"]):
+            raise ValueError(f"tuning for {gpu}: fp8_row_triton needs rules of 5 positive tile values")
     if "moe_gemm" in kw:
         kw["moe_gemm"] = tuple(MoeRule(**{**r, "config": tuple(r["config"])}) for r in kw["moe_gemm"])
     t = KernelTuning(**kw)

@@ -53,3 +53,18 @@ def test_fp8_weight_only_gemm_scales_rows_or_blocks(fmt: str, m: int) -> None:
     x = torch.randn(m, 384)
     y = quant_ops.fp8_weight_only_gemm(x, lin.weight, lin.weight_scale)
     assert _rel(y, x @ quant.dequantize(lin).t()) < 1e-5
+
+
+@pytest.mark.parametrize(("m", "n", "k", "config"),
+                         [(5, 70, 256, (16, 32, 64, 4, 1)), (40, 64, 128, (32, 64, 128, 4, 1))])
+def test_fp8_row_gemm_kernel_scales_rows_of_both(m: int, n: int, k: int, config: tuple) -> None:
+    """The triton row-scaled fp8 GEMM (the H200 tuning's choice at 17-256 rows for some shapes)
+    on already-quantized x: (q * s) @ (w * scale)^T, partial tiles at both edges."""
+    lin = _linear(n, k, "fp8_row", m)
+    q = (torch.randn(m, k) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(m, 1) * 0.01 + 1e-3
+    ref = (q.float() * s) @ quant.dequantize(lin).t()
+    assert _rel(quant_ops.fp8_row_mm(q, s, lin.weight, lin.weight_scale, torch.float32, config), ref) < 1e-5
+    with pytest.raises(ValueError, match="block_k"):
+        quant_ops.fp8_row_mm(q[:, :96].contiguous(), s, lin.weight[:, :96].contiguous(), lin.weight_scale,
+                             torch.float32, (16, 32, 64, 4, 1))

@@ -67,6 +67,12 @@ def test_h200_values_are_the_measured_defaults() -> None:
     assert t.gemv_rows(t.gemv_config(1024, 1024)) == t.gemv_rows(t.gemv_config(1024, 2048)) == 4
     assert t.gemv_rows(t.gemv_config(28672, 4096, fp8=True)) == 1 == t.gemv_rows(t.gemv_config(1024, 3072))
     assert t.gemv_config(28672, 4096, fp8=True) == (4, 4096, 4, 3)
+    # row-scaled fp8 GEMMs: triton where cuBLASLt's tiles leave SMs idle, cuBLASLt elsewhere
+    assert t.fp8_row_config(128, 6144, 4096) == (64, 64, 128, 4, 5) == t.fp8_row_config(64, 4096, 14336)
+    assert t.fp8_row_config(256, 4096, 14336) == (64, 128, 128, 4, 5)
+    assert t.fp8_row_config(256, 28672, 4096) == (128, 256, 128, 8, 3)
+    assert t.fp8_row_config(256, 6144, 4096) is None and t.fp8_row_config(257, 4096, 4096) is None
+    assert t.fp8_row_config(64, 4096, 4000) is None  # K not a multiple of block_k
 
 
 def test_unknown_gpu_uses_only_vendor_kernels() -> None:
@@ -85,6 +91,8 @@ def test_bad_files_are_errors() -> None:
         parse_tuning({"decode_bf16": [{"kernel": "fa3"}]}, "x")
     with pytest.raises(ValueError, match="gemv_max_rows"):
         parse_tuning({"gemv_max_rows": 9}, "x")
+    with pytest.raises(ValueError, match="fp8_row_triton"):
+        parse_tuning({"fp8_row_triton": [{"max_rows": 64, "config": [64, 64, 128, 4]}]}, "x")
     with pytest.raises(ValueError, match="--decode-kernel"):
         KernelTuning().decode_kernel("fast", True, True, BF, 1)
     t = parse_tuning({"_comment": "ignored", "decode_bf16": [{"kernel": "xqa", "max_batch": 4}]}, "x")
