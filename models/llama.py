@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from engine.layers import ops, triton_ops
+from engine.layers import ops, quant, triton_ops
 from engine.layers.attention import AttentionBackend
 from engine.layers.context import ForwardContext
 from engine.layers.forward import ForwardBatch
@@ -156,6 +156,8 @@ def norm_linear(
         assert residual is not None
         w, scale, cfg = linear.gemv_weights(x.u) or _no_gemv(linear)
         return triton_ops.gemv(x, w, *cfg, scale=scale), residual
+    if quant.token_quantized(linear, x):  # fp8 weights from 17 rows: the norm quantizes too
+        return quant.norm_forward(linear, x, residual, norm.weight, norm.eps)
     # folded only for models up to the tuning's norm_gemv_max_hidden: on an H200 at hidden 4096
     # every program re-reading the vector from L2 cost more than the launch it saves (Llama-3.1-8B
     # batch 1: 4.76 vs 4.52 ms; Qwen3-0.6B, hidden 1024: 1.31 vs 1.40)

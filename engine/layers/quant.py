@@ -186,6 +186,8 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
     fmt = linear.quant
     if fmt == "fp8_row" and gemv is not None:
         return quant_ops.gemv_fp8(x, linear.weight, linear.weight_scale, *gemv, silu_mul=silu_mul)
+    if silu_mul and token_quantized(linear, x):  # the activation and the quantization in one launch
+        return _row_mm(linear, *quant_ops.silu_mul_quant(x), x.dtype)
     if silu_mul:
         x = ops.silu_and_mul(x)
     tuning = kernel_tuning(x.device)
@@ -205,3 +207,38 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
                 return quant_ops.fp8_block_cublas(a, w, s)
             return quant_ops.fp8_block_gemm(a, w, s)
     return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)
+
+
+def token_quantized(linear: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `linear`'s forward quantizes x per token: fp8 row-scaled weights on CUDA, more rows
+    than the weight-only GEMM takes, a shape cuBLASLt takes (the row-scaled GEMMs' own rule), the
+    whole layer (no tensor-parallel reduce) and not deterministic inference (whose GEMMs run in row
+    blocks). Then the launch before it can quantize instead: norm_forward, and the SwiGLU in forward."""
+    if getattr(linear, "quant", None) != "fp8_row" or not x.is_cuda or batch_invariant.enabled():
+        return False
+    from engine.layers import quant_ops
+
+    tp = getattr(linear, "tp", None)
+    tuning = kernel_tuning(x.device)
+    return (tuning.fp8_fused_act_quant and (tp is None or tp.world == 1) and x.shape[0] > tuning.fp8_weight_only_max_rows
+            and quant_ops.cublas_ok(*linear.weight.shape, False))
+
+
+def norm_forward(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(RMSNorm(x + residual) * norm_weight), x + residual) for a linear that takes its input
+    quantized per token (token_quantized): the norm's launch also quantizes (one launch fewer and
+    no bf16 round trip of the normalized rows); the residual is updated in place as by the fused
+    add-norm, and residual None means x is the stream (layer 0)."""
+    from engine.layers import quant_ops
+
+    y = _row_mm(linear, *quant_ops.add_rms_norm_quant(x, residual, norm_weight, eps), x.dtype)
+    return (y if linear.bias is None else y + linear.bias), (x if residual is None else residual)
+
+
+def _row_mm(linear: nn.Module, q: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    from engine.layers import quant_ops
+
+    w = linear.weight
+    cfg = kernel_tuning(w.device).fp8_row_config(q.shape[0], *w.shape)
+    return quant_ops.fp8_row_mm(q, s, w, linear.weight_scale, out_dtype, cfg)

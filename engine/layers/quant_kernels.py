@@ -26,6 +26,50 @@ def per_token_quant_kernel(x, xq, xs, K, stride_x, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def add_rms_norm_quant_kernel(x, r, nw, xq, xs, eps, K, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """Row i: s = x + r (rounded to x's dtype; stored into r, in place), y = RMSNorm(s) * nw as
+    the unfused path rounds it (after the rsqrt, then after the weight), then y per token to e4m3:
+    xq[i] = y / xs[i], xs[i] = amax(y) / 448. One program a row, the row in registers."""
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    cm = cols < K
+    act = x.dtype.element_ty
+    v = tl.load(x + i * K + cols, mask=cm, other=0.0).to(tl.float32)
+    if HAS_RES:
+        v = (v + tl.load(r + i * K + cols, mask=cm, other=0.0).to(tl.float32)).to(act)
+        tl.store(r + i * K + cols, v, mask=cm)
+        v = v.to(tl.float32)
+    h = (v * tl.rsqrt(tl.sum(v * v, 0) / K + eps)).to(act).to(tl.float32)
+    y = (h * tl.load(nw + cols, mask=cm, other=0.0).to(tl.float32)).to(act).to(tl.float32)
+    sc = tl.maximum(tl.max(tl.abs(y), 0), 1e-12) / FP8_MAX
+    tl.store(xq + i * K + cols, tl.clamp(y / sc, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty), mask=cm)
+    tl.store(xs + i, sc)
+
+
+@triton.jit
+def silu_mul_quant_kernel(h, xq, xs, K, BLOCK: tl.constexpr):
+    """Row i of h = [gate | up] (2K wide): y = silu(gate) * up rounded to h's dtype, then per
+    token to e4m3 as per_token_quant_kernel (two passes, the second recomputing y)."""
+    i = tl.program_id(0).to(tl.int64)
+    row = h + i * 2 * K
+    act = h.dtype.element_ty
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        g = tl.load(row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * tl.load(row + K + cols, mask=cols < K, other=0.0).to(tl.float32)).to(act)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    sc = tl.maximum(tl.max(amax, 0), 1e-12) / FP8_MAX
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        g = tl.load(row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * tl.load(row + K + cols, mask=cols < K, other=0.0).to(tl.float32)).to(act)
+        tl.store(xq + i * K + cols, tl.clamp(y.to(tl.float32) / sc, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty),
+                 mask=cols < K)
+    tl.store(xs + i, sc)
+
+
+@triton.jit
 def group_quant_kernel(x, xq, xs, K, G, stride_x, GROUP: tl.constexpr):
     """Group g (GROUP columns) of row r -> e4m3, its scale at xs[r, g] (row-major [M, G])."""
     r, g = tl.program_id(0), tl.program_id(1)

@@ -40,6 +40,35 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_quant(RMSNorm(x + residual) * weight) in one launch, the residual stream (x +
+    residual) written into `residual` in place (as flashinfer's fused add-norm does); residual
+    None: RMSNorm(x) (layer 0, x the stream). The norm rounds as ops.rms_norm's torch path."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError(f"add_rms_norm_quant: residual {tuple(residual.shape)} for x {tuple(x.shape)}")
+    if m:
+        block = triton.next_power_of_2(k)
+        _k().add_rms_norm_quant_kernel[(m,)](x.contiguous(), x if residual is None else residual, weight, q, s, eps, k,
+                                             HAS_RES=residual is not None, BLOCK=block,
+                                             num_warps=8 if block >= 4096 else 4)
+    return q, s
+
+
+def silu_mul_quant(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_quant(silu(gate) * up) for h = [gate | up] [M, 2K] in one launch."""
+    m, k = h.shape[0], h.shape[1] // 2
+    q = torch.empty(m, k, dtype=FP8, device=h.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=h.device)
+    if m:
+        _k().silu_mul_quant_kernel[(m,)](h.contiguous(), q, s, k, BLOCK=min(4096, triton.next_power_of_2(k)),
+                                         num_warps=8)
+    return q, s
+
+
 def group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], float32 scales [M, ceil(K/group)]): one scale per row and `group` columns."""
     m, k = x.shape

@@ -54,6 +54,63 @@ def test_fp8_gemv_folds_silu_and_mul() -> None:
     assert _rel(lin.forward_silu_mul(h), ref) < 0.01
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_and_swiglu_quantize_as_the_separate_launches(with_residual: bool) -> None:
+    """The fused add + RMSNorm + per-token e4m3 quantization, and SwiGLU + quantization, against
+    the torch norm / activation followed by per_token_quant: the same e4m3 codes except where the
+    norm's float32 sum order moves a value across a rounding boundary (<= 1% of them, one code
+    apart), the same scales within that; the residual stream bit for bit."""
+    from engine.layers import ops, quant_ops
+
+    torch.manual_seed(3)
+    m, k, inter = 300, 4096, 14336
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    res = r.clone() if with_residual else None
+    q, s = quant_ops.add_rms_norm_quant(x, res, nw, 1e-5)
+    stream = x + r if with_residual else x
+    q_ref, s_ref = quant_ops.per_token_quant(ops._rms_norm_torch(stream, nw, 1e-5))
+    if with_residual:
+        assert torch.equal(res, stream)
+    torch.testing.assert_close(s, s_ref, rtol=1e-2, atol=0)
+    off = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+    assert (off > 0).float().mean() < 0.01 and off.max() <= 1, (off > 0).float().mean()
+    h = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    q, s = quant_ops.silu_mul_quant(h)
+    q_ref, s_ref = quant_ops.per_token_quant(ops.silu_and_mul(h))
+    torch.testing.assert_close(s, s_ref, rtol=1e-2, atol=0)
+    off = (q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs()
+    assert (off > 0).float().mean() < 0.01 and off.max() <= 1, (off > 0).float().mean()
+
+
+def test_fp8_linear_takes_its_input_quantized_by_the_norm() -> None:
+    """From 17 rows a row-scaled fp8 linear after a norm (qkv, gate_up) is fed by the norm's own
+    quantization (quant.norm_forward), and the down projection by the SwiGLU's: the outputs match
+    the unfused launches (norm, then the linear quantizing its input) to bf16 and e4m3 rounding."""
+    from engine.layers import ops, quant
+    from engine.layers.parallel import Linear
+
+    torch.manual_seed(4)
+    lin = Linear(4096, 6144, False, torch.bfloat16).cuda()
+    lin.weight.data.normal_(0, 0.02)
+    quant.quantize(lin, "fp8_row")
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    nw = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
+    assert quant.token_quantized(lin, x) and not quant.token_quantized(lin, x[:16])
+    res = r.clone()
+    y, res_out = quant.norm_forward(lin, x, res, nw, 1e-5)
+    ref = lin(ops._rms_norm_torch(x + r, nw, 1e-5))
+    assert res_out is res and torch.equal(res, x + r)
+    assert _rel(y, ref.float()) < 0.02
+    down = Linear(2048, 4096, False, torch.bfloat16).cuda()
+    down.weight.data.normal_(0, 0.02)
+    quant.quantize(down, "fp8_row")
+    h = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    assert _rel(down.forward_silu_mul(h), down(ops.silu_and_mul(h)).float()) < 0.02
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-channel", "modelopt-fp8", "modelopt-nvfp4"])
 def test_checkpoint_on_cuda_matches_cpu_dequantized(tmp_path: Path, fmt: str) -> None:
     from model_harness import make_hf_dir

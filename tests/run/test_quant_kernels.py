@@ -68,3 +68,35 @@ def test_fp8_row_gemm_kernel_scales_rows_of_both(m: int, n: int, k: int, config:
     with pytest.raises(ValueError, match="block_k"):
         quant_ops.fp8_row_mm(q[:, :96].contiguous(), s, lin.weight[:, :96].contiguous(), lin.weight_scale,
                              torch.float32, (16, 32, 64, 4, 1))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_quant_scales_and_residual(with_residual: bool) -> None:
+    """The norm that quantizes (fp8 row-scaled linears from 17 rows): its scale is amax / 448 of
+    RMSNorm(x + r) * w and the residual is updated in place. The e4m3 values themselves are
+    checked on the GPU (tests/gpu/test_quant_gpu.py): the interpreter's fp8 conversion is not the
+    hardware's."""
+    torch.manual_seed(8)
+    m, k = 5, 1000
+    x, r = torch.randn(m, k).to(torch.bfloat16), torch.randn(m, k).to(torch.bfloat16)
+    nw = (torch.rand(k) + 0.5).to(torch.bfloat16)
+    res = r.clone() if with_residual else None
+    q, s = quant_ops.add_rms_norm_quant(x, res, nw, 1e-6)
+    stream = (x.float() + r.float()).to(torch.bfloat16) if with_residual else x
+    ref = ops._rms_norm_torch(stream, nw, 1e-6).float()
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k) and s.shape == (m, 1)
+    torch.testing.assert_close(s, ref.abs().amax(1, keepdim=True) / 448, rtol=2e-2, atol=0)
+    if with_residual:  # within one bf16 rounding (the interpreter rounds bf16 its own way too)
+        torch.testing.assert_close(res.float(), stream.float(), rtol=2**-7, atol=0)
+    with pytest.raises(ValueError, match="residual"):
+        quant_ops.add_rms_norm_quant(x, r[:, :-1].contiguous(), nw, 1e-6)
+
+
+def test_silu_mul_quant_scales() -> None:
+    torch.manual_seed(9)
+    m, k = 3, 5000  # two column blocks of 4096, the second partial
+    h = torch.randn(m, 2 * k).to(torch.bfloat16)
+    q, s = quant_ops.silu_mul_quant(h)
+    ref = ops.silu_and_mul(h).float()
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k)
+    torch.testing.assert_close(s, ref.abs().amax(1, keepdim=True) / 448, rtol=2e-2, atol=0)
