@@ -220,8 +220,8 @@ def token_quantized(linear: nn.Module, x: torch.Tensor) -> bool:
 
     tp = getattr(linear, "tp", None)
     tuning = kernel_tuning(x.device)
-    return (tuning.fp8_fused_act_quant and (tp is None or tp.world == 1) and x.shape[0] > tuning.fp8_weight_only_max_rows
-            and quant_ops.cublas_ok(*linear.weight.shape, False))
+    return (tuning.fp8_fused_act_quant and (tp is None or tp.world == 1)
+            and x.shape[0] > tuning.fp8_weight_only_max_rows and quant_ops.cublas_ok(*linear.weight.shape, False))
 
 
 def norm_forward(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
