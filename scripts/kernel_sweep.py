@@ -18,8 +18,9 @@ are read once a step); the figure is the median over replays of the graph's time
 * moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config.
 * gemm: Llama-3.1-8B's fp8 row-scaled projections at decode batches of 128 and 256 (the offline
   benchmark's): the served path (per-token quantization + cuBLASLt), cuBLASLt alone on quantized
-  x, and an experiment: a triton row-scaled GEMM over tile configs (cuBLASLt's 128 x 128 tiles
-  leave half the SMs idle on o and down at 256 rows: 64 tiles).
+  x, and the triton row-scaled GEMM (quant_ops.fp8_row_mm) over tile configs (cuBLASLt's 128 x 128
+  tiles leave half the SMs idle on o and down at 256 rows: 64 tiles); the tuning file's
+  fp8_row_triton rules come from it.
 """
 
 from __future__ import annotations
@@ -31,43 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 import triton.testing
 
 from engine.layers import quant_ops, triton_ops
-from engine.layers.quant_kernels import _tile
-
-
-@triton.jit
-def fp8_row_gemm_kernel(a, b, c, a_s, b_s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr):
-    """Experiment: c = (a * a_s) @ (b * b_s)^T, a e4m3 [M, K] per-row scaled, b e4m3 [N, K] per-row
-    scaled, K a multiple of BK."""
-    pm, pn = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    ap = a + rm[:, None].to(tl.int64) * K + rk[None, :]
-    bp = b + rn[None, :].to(tl.int64) * K + rk[:, None]
-    acc = tl.zeros((BM, BN), tl.float32)
-    for _ in range(0, K, BK):
-        acc = tl.dot(tl.load(ap, mask=rm[:, None] < M, other=0.0), tl.load(bp, mask=rn[None, :] < N, other=0.0), acc)
-        ap += BK
-        bp += BK
-    acc = acc * tl.load(a_s + rm, mask=rm < M, other=0.0)[:, None] * tl.load(b_s + rn, mask=rn < N, other=0.0)[None, :]
-    tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-def fp8_row_gemm_triton(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                        cfg: tuple[int, int, int, int, int]) -> torch.Tensor:
-    m, k = q.shape
-    n = w.shape[0]
-    bm, bn, bk, warps, stages = cfg
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
-    fp8_row_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-        q, w, out, qs, ws, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-    return out
 
 
 def graph_us(calls: list[Callable[[], Any]], rep_ms: int = 40) -> float:
@@ -203,9 +170,10 @@ def gemm_sweep() -> dict[str, Any]:
             }
             for cfg in cfgs:
                 try:
-                    y = fp8_row_gemm_triton(q, qs, ws[0], scale, cfg)
+                    y = quant_ops.fp8_row_mm(q, qs, ws[0], scale, torch.bfloat16, cfg)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                    t = graph_us([functools.partial(fp8_row_gemm_triton, q, qs, w, scale, cfg) for w in ws])
+                    t = graph_us([functools.partial(quant_ops.fp8_row_mm, q, qs, w, scale, torch.bfloat16, cfg)
+                                  for w in ws])
                     res[f"triton {cfg}"] = round(t, 2)
                     res[f"triton {cfg} err"] = f"{err:.1e}"
                 except Exception as e:  # noqa: BLE001
