@@ -100,7 +100,6 @@ class KernelTuning:
     # row-scaled fp8 above the weight-only rows: the triton GEMM where a rule takes (rows, N), first
     # match wins; cuBLASLt otherwise
     fp8_row_triton: tuple[Fp8GemmRule, ...] = field(default=())
-    fp8_fused_act_quant: bool = False  # under A/B: the norm / SwiGLU quantizes a row-scaled fp8 linear's input
     # tensor parallel: all-reduces of at most this many bytes (bf16/fp32, CUDA) take the one-shot
     # all-reduce over peer memory (torch symmetric memory: one kernel, capturable in a CUDA graph);
     # larger ones, and all of them at 0, take NCCL (engine/layers/parallel.py, SymmAllReduce)
