@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.layers.triton_kernels import x_chunk
+
 FP8_MAX = tl.constexpr(448.0)  # globals a kernel reads must be constexpr
 
 
@@ -52,20 +54,15 @@ def silu_mul_quant_kernel(h, xq, xs, K, BLOCK: tl.constexpr):
     token to e4m3 as per_token_quant_kernel (two passes, the second recomputing y)."""
     i = tl.program_id(0).to(tl.int64)
     row = h + i * 2 * K
-    act = h.dtype.element_ty
     amax = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
-        g = tl.load(row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * tl.load(row + K + cols, mask=cols < K, other=0.0).to(tl.float32)).to(act)
-        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        amax = tl.maximum(amax, tl.abs(x_chunk(row, cols, cols < K, K, True).to(tl.float32)))
     sc = tl.maximum(tl.max(amax, 0), 1e-12) / FP8_MAX
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
-        g = tl.load(row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * tl.load(row + K + cols, mask=cols < K, other=0.0).to(tl.float32)).to(act)
-        tl.store(xq + i * K + cols, tl.clamp(y.to(tl.float32) / sc, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty),
-                 mask=cols < K)
+        y = x_chunk(row, cols, cols < K, K, True).to(tl.float32)
+        tl.store(xq + i * K + cols, tl.clamp(y / sc, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty), mask=cols < K)
     tl.store(xs + i, sc)
 
 
