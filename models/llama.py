@@ -151,12 +151,13 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
     itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
-    norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done."""
+    norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done; for
+    an fp8 row-scaled linear from 17 rows the norm's launch also quantizes (quant.norm_forward)."""
     if isinstance(x, PreNormed):
         assert residual is not None
         w, scale, cfg = linear.gemv_weights(x.u) or _no_gemv(linear)
         return triton_ops.gemv(x, w, *cfg, scale=scale), residual
-    if quant.token_quantized(linear, x):  # fp8 weights from 17 rows: the norm quantizes too
+    if quant.token_quantized(linear, x) and (residual is None or residual.is_contiguous()):
         return quant.norm_forward(linear, x, residual, norm.weight, norm.eps)
     # folded only for models up to the tuning's norm_gemv_max_hidden: on an H200 at hidden 4096
     # every program re-reading the vector from L2 cost more than the launch it saves (Llama-3.1-8B
