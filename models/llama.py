@@ -153,9 +153,10 @@ def norm_linear(
     itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
     norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done; for
     an fp8 row-scaled linear from 17 rows the norm's launch also quantizes (quant.norm_forward)."""
-    if isinstance(x, PreNormed):
-        assert residual is not None
-        w, scale, cfg = linear.gemv_weights(x.u) or _no_gemv(linear)
+    if isinstance(x, PreNormed):  # linear_add_norm checked that this linear runs the GEMV
+        spec = linear.gemv_weights(x.u)
+        assert spec is not None and residual is not None
+        w, scale, cfg = spec
         return triton_ops.gemv(x, w, *cfg, scale=scale), residual
     if quant.token_quantized(linear, x) and (residual is None or residual.is_contiguous()):
         return quant.norm_forward(linear, x, residual, norm.weight, norm.eps)
@@ -176,10 +177,6 @@ def residual_stream(x: torch.Tensor | PreNormed, residual: torch.Tensor) -> torc
     """The residual stream after a layer that returned (x, residual): their sum, or the residual
     itself where x is a PreNormed (its GEMV added into the residual in place)."""
     return residual if isinstance(x, PreNormed) else x + residual
-
-
-def _no_gemv(linear: Linear) -> tuple:
-    raise RuntimeError(f"{linear}: a PreNormed input needs the GEMV that linear_add_norm checked")
 
 
 def linear_add_norm(

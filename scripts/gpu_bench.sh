@@ -109,6 +109,23 @@ tuned() {  # PATCH, command...: run the command with PATCH (JSON) merged over th
   "$@"; local rc=$?
   cp /tmp/tuning.orig.json "$f"; return $rc
 }
+each_patch() {  # RUNNER: RUNNER 0 with the tuning file as is, then RUNNER i with TUNING_PATCHES' i-th merged over it
+  local i=0 p patches; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"
+  for p in "" "${patches[@]}"; do echo "tuning patch $i: ${p:-none}"; tuned "$p" "$1" $i; i=$((i + 1)); done
+}
+llama_fp8_offline() {  # NAME [extra server args]: Llama-3.1-8B fp8 weights + fp8 KV + fp8 math, 1000/1000, 256 requests
+  run "$1" 300 bin/bench offline --model configs/llama-3.1-8b --load-format dummy --num-requests 256 --input-len 1000 \
+    --output-len 1000 --out "$OUT/$1-h200.json" --server-args "--quantization fp8 --max-running-requests 256 \
+    --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math ${2:-}" || fails=$((fails + 1))
+}
+ab_latency() {  # I: one decode-latency run of the ab mode
+  local m=${AB_MODEL:-llama-3.1-8b}
+  run latency-$m-ab$1 240 bin/bench latency --model configs/$m --load-format dummy --batch-sizes ${AB_BATCHES:-1 8} \
+    --context-len 1024 --steps 50 --server-args="${AB_ARGS---quantization fp8}" --out "$OUT/latency-$m-ab$1-h200.json" \
+    || fails=$((fails + 1))
+  grep -A4 "batch  *ctx" "$OUT/latency-$m-ab$1.log"
+}
+ab_offline() { llama_fp8_offline offline-llama-3.1-8b-fp8w-ab$1; }
 moe_offline() {
   run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy \
     --num-requests 256 --input-len 1000 --output-len 1000 \
@@ -200,10 +217,7 @@ for what in "$@"; do case $what in
               --context-len 1024 --steps 50 --profile-idle --server-args "--quantization fp8" \
               --out "$OUT/latency-$m-fp8w-h200.json" || fails=$((fails + 1))
             grep -A6 "batch  *ctx" "$OUT/latency-$m-fp8.log"; done ;;
-  llamafp8) run offline-llama-3.1-8b-fp8w 300 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
-          --num-requests 256 --input-len 1000 --output-len 1000 \
-          --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llamafp8" \
-          --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math-h200.json" || fails=$((fails + 1))
+  llamafp8) llama_fp8_offline offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math "--log-dir $OUT/logs-llamafp8"
           grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
   spec) run gpu-spec-graphs 200 python3 -m pytest -m gpu tests/gpu/test_spec_graphs_gpu.py -q -rA -p no:cacheprovider \
           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-graphs.log" | tail -6
@@ -316,20 +330,8 @@ for what in "$@"; do case $what in
   sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
          grep -E "^gemv|^gemm|^attention|^moe|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
            > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
-  ab) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"; m=${AB_MODEL:-llama-3.1-8b}
-      for p in "" "${patches[@]}"; do
-        echo "tuning patch $i: ${p:-none}"
-        tuned "$p" run latency-$m-ab$i 240 bin/bench latency --model configs/$m --load-format dummy \
-          --batch-sizes ${AB_BATCHES:-1 8} --context-len 1024 --steps 50 --server-args="${AB_ARGS---quantization fp8}" \
-          --out "$OUT/latency-$m-ab$i-h200.json" || fails=$((fails + 1))
-        grep -A4 "batch  *ctx" "$OUT/latency-$m-ab$i.log"; i=$((i + 1)); done ;;
-  aboffline) i=0; IFS=';' read -ra patches <<< "${TUNING_PATCHES:-}"
-      for p in "" "${patches[@]}"; do
-        echo "tuning patch $i: ${p:-none}"
-        tuned "$p" run offline-llama-3.1-8b-fp8w-ab$i 300 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
-          --num-requests 256 --input-len 1000 --output-len 1000 \
-          --server-args "--quantization fp8 --max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math" \
-          --out "$OUT/offline-llama-3.1-8b-fp8w-ab$i-h200.json" || fails=$((fails + 1)); i=$((i + 1)); done ;;
+  ab) each_patch ab_latency ;;
+  aboffline) each_patch ab_offline ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done

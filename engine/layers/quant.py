@@ -202,7 +202,7 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
             if m <= tuning.fp8_weight_only_max_rows or (fmt == "fp8_row" and not quant_ops.cublas_ok(*w.shape, False)):
                 return quant_ops.fp8_weight_only_gemm(a, w, s)
             if fmt == "fp8_row":
-                return quant_ops.fp8_row_gemm(a, w, s, tuning.fp8_row_config(m, *w.shape))
+                return _row_mm(linear, *quant_ops.per_token_quant(a), a.dtype)
             if 0 < tuning.fp8_block_cublas_min_rows <= m and quant_ops.cublas_ok(*w.shape, True):
                 return quant_ops.fp8_block_cublas(a, w, s)
             return quant_ops.fp8_block_gemm(a, w, s)

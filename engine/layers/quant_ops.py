@@ -80,12 +80,11 @@ def group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.
     return q, s
 
 
-def fp8_row_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (bf16) @ (w [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype, x quantized per
-    token (fp8_row_mm)."""
+def fp8_row_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) @ (w [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype on cuBLASLt, x
+    quantized per token (the served choice of kernel is quant.py's, through fp8_row_mm)."""
     q, s = per_token_quant(x)
-    return fp8_row_mm(q, s, w, scale, x.dtype, config)
+    return fp8_row_mm(q, s, w, scale, x.dtype)
 
 
 def fp8_row_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,

@@ -177,7 +177,6 @@ class KernelTuning:
                 return r.config
         return None
 
-
     def fp8_row_config(self, rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
         """The triton row-scaled fp8 GEMM's tiles for x [rows, k] times weights [n, k], or None
         (cuBLASLt)."""
