@@ -3,7 +3,9 @@
 * `gemv_fp8`: the small-batch triton GEMV (engine/layers/triton_kernels.py) over fp8 weights,
   each row's sum scaled once: weight-only, the activation stays bf16.
 * `fp8_row_gemm`: per-token e4m3 activations (one triton launch) times row-scaled e4m3 weights
-  by cuBLASLt (`torch._scaled_mm` with row-wise scales, bf16 out).
+  by cuBLASLt (`torch._scaled_mm` with row-wise scales, bf16 out); `fp8_row_mm` the product of
+  already-quantized activations, on cuBLASLt or our triton kernel; `add_rms_norm_quant` and
+  `silu_mul_quant` quantize inside the launch before (the norm, the SwiGLU).
 * `fp8_block_gemm`: per-(token, 128 columns) activation scales, then the block-scaled triton GEMM.
 * `nvfp4_gemm`: the weight dequantized tile by tile inside a triton GEMM.
 """
