@@ -275,3 +275,41 @@ def test_a_long_prompt_alone_is_prefilled_in_chunks_that_sample_nothing(dummy_mo
     chunked = LocalEngine(cfg).generate([prompt], greedy)[0].output_ids
     whole = LocalEngine(dataclasses.replace(cfg, max_prefill_tokens=256)).generate([prompt], greedy)[0].output_ids
     assert len(chunked) == 6 and chunked == whole
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_decode_attention_l2_prefetch_is_only_a_hint(mode: int) -> None:
+    """The triton decode attention asking the L2 for the next weights (each prefetch mode, two
+    regions, budgets cutting a region short) gives the same bits, leaves the weights as they were
+    and its merge counters at zero."""
+    from engine.layers import triton_ops
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    hq, hkv, d, ps, n = 32, 8, 128, 16, 1000
+    pages = n // ps + 2
+    kc = torch.randn(pages * ps, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    vc = torch.randn(pages * ps, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    table = torch.randperm(pages, device=dev, generator=g).to(torch.int32)[None]
+    pos = torch.tensor([n - 1], device=dev)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=dev, generator=g).to(torch.bfloat16)
+    cache = torch.randn(4096, d, device=dev, generator=g)
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    ws = triton_ops.decode_workspace(1, hkv, d, sm, dev)
+    w_o = torch.randn(4096, 4096, device=dev, generator=g).to(torch.float8_e4m3fn)
+    w_gu = torch.randn(28672, 4096, device=dev, generator=g).to(torch.bfloat16)
+    before = (w_o.view(torch.uint8).clone(), w_gu.clone())
+
+    def attend(budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = kc.clone(), vc.clone()
+        out = triton_ops.decode_attention(qkv, hq, hkv, d, pos, table, k, v, ps, ws, 32, cache,
+                                          prefetch=(w_o, w_gu), prefetch_bytes=budget, prefetch_mode=mode)
+        return out, k
+
+    ref, k_ref = attend(0)
+    for budget in (1000, 16 << 20, 40 << 20, 1 << 40):
+        out, k = attend(budget)
+        assert torch.equal(out, ref) and torch.equal(k, k_ref), budget
+    torch.cuda.synchronize()
+    assert torch.equal(w_o.view(torch.uint8), before[0]) and torch.equal(w_gu, before[1])
+    assert not ws[2].any()
