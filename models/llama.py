@@ -90,23 +90,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(self, qkv: torch.Tensor, ctx: ForwardContext, after: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Attention output (after o_proj) from this layer's fused QKV projection."""
-        return self.o_proj(self.attend(qkv, ctx, after))
+        return self.o_proj(self.attend(qkv, ctx))
 
-    def attend(self, qkv: torch.Tensor, ctx: ForwardContext, after: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention output before o_proj ([T, heads * head_dim]) from the fused QKV projection.
-        `after`: the weight read after o_proj's (the MLP's first), which a latency-bound decode
-        kernel may ask into the L2 with o_proj's (AttentionBackend.attend_qkv's `prefetch`)."""
+    def attend(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention output before o_proj ([T, heads * head_dim]) from the fused QKV projection."""
         t = qkv.shape[0]
         rope, batch, kv, backend = ctx.rope, ctx.batch, ctx.kv, ctx.backend
         if rope.fused and rope.prologue and not backend.owns_kv_writes:  # one kernel: q/k norm, RoPE, K/V store
             qn, kn = self.q_norm, self.k_norm
             norm = (qn.weight, kn.weight, qn.eps) if qn is not None and kn is not None else (None, None, 0.0)
             # the backend's decode kernel may take the prologue too (one launch for all of attention)
-            nxt = (self.o_proj.weight,) if after is None else (self.o_proj.weight, after)
-            o = backend.attend_qkv(qkv, self.layer_id, batch, kv, rope.positions, rope.cos_sin_cache, *norm,
-                                   prefetch=nxt)
+            o = backend.attend_qkv(qkv, self.layer_id, batch, kv, rope.positions, rope.cos_sin_cache, *norm)
             if o is None:
                 q = triton_ops.qk_norm_rope_store(
                     qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions, rope.cos_sin_cache,
@@ -223,8 +219,8 @@ class DecoderLayer(nn.Module):
         """Residual stream h = residual + x (x: the previous sublayer's output; residual None at
         layer 0, where x is the embedding). Returns (this layer's MLP output, its residual)."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        o = self.self_attn.attend(qkv, ctx)
         post, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
-        o = self.self_attn.attend(qkv, ctx, gate_up.weight)
         x, residual = linear_add_norm(self.self_attn.o_proj, o, residual, post, gate_up)
         h, residual = norm_linear(post, gate_up, x, residual)
         if self.next_input is None:

@@ -67,7 +67,7 @@ class MoeDecoderLayer(DecoderLayer):
         if not isinstance(self.mlp, MoE):
             return super().forward(x, residual, ctx)
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        x = self.self_attn(qkv, ctx, self.mlp.gate.weight)  # the router reads after o_proj
+        x = self.self_attn(qkv, ctx)
         h, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(h, pad_rows(ctx.batch)), residual  # a CUDA graph's padding rows: not counted
 

@@ -21,10 +21,6 @@ are read once a step); the figure is the median over replays of the graph's time
   x, and the triton row-scaled GEMM (quant_ops.fp8_row_mm) over tile configs (cuBLASLt's 128 x 128
   tiles leave half the SMs idle on o and down at 256 rows: 64 tiles); the tuning file's
   fp8_row_triton rules come from it.
-* prefetch: a Llama-3.1-8B decoder layer's kernels at batch 1 (decode attention with its
-  prologue, then the o, gate_up, down and qkv GEMVs) over 32 layers' distinct weights, with the
-  attention kernel asking the L2 for the first N bytes of o_proj and gate_up's weights
-  (triton_kernels.l2_prefetch) against without; fp8 and bf16 weights, per prefetch mode.
 """
 
 from __future__ import annotations
@@ -192,59 +188,6 @@ def gemm_sweep() -> dict[str, Any]:
     return out
 
 
-def prefetch_sweep() -> dict[str, Any]:
-    out = {}
-    for dt in ("fp8", "bf16"):
-        out[dt] = prefetch_layers(dt)
-        torch.cuda.empty_cache()
-    return out
-
-
-def prefetch_layers(dt: str, layers: int = 32) -> dict[str, float | str]:
-    dev = torch.device("cuda")
-    hq, hkv, d, ps, ctx, h, inter = 32, 8, 128, 16, 1024, 4096, 14336
-    sm = torch.cuda.get_device_properties(dev).multi_processor_count
-    pages = ctx // ps + 1
-    table = torch.arange(pages, device=dev, dtype=torch.int32)[None]
-    pos = torch.tensor([ctx - 1], device=dev)
-    cs = torch.randn(4096, d, device=dev)
-    ws_attn = triton_ops.decode_workspace(1, hkv, d, sm, dev)
-    splits = triton_ops.decode_splits(1, hkv, sm)
-    wdt = torch.float8_e4m3fn if dt == "fp8" else torch.bfloat16
-    shapes = {"qkv": ((hq + 2 * hkv) * d, h), "o": (h, hq * d), "gu": (2 * inter, h), "down": (h, inter)}
-    lay = [{k: (torch.randn(*nk, device=dev) * 0.02).to(wdt) for k, nk in shapes.items()} for _ in range(layers)]
-    caches = [(torch.randn(pages * ps, hkv, d, device=dev, dtype=torch.bfloat16),
-               torch.randn(pages * ps, hkv, d, device=dev, dtype=torch.bfloat16)) for _ in range(layers)]
-    scales = {k: (torch.rand(nk[0], device=dev) + 0.5 if dt == "fp8" else None) for k, nk in shapes.items()}
-    cfg = {k: triton_ops.gemv_config(lay[0][k]) for k in shapes}
-    x = {k: torch.randn(1, nk[1], device=dev, dtype=torch.bfloat16) for k, nk in shapes.items()}
-    x_qkv = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
-    o_bytes = lay[0]["o"].numel() * lay[0]["o"].element_size()
-
-    def calls(budget: int, mode: int) -> list[Callable[[], Any]]:
-        seq: list[Callable[[], Any]] = []
-        for w, (kc, vc) in zip(lay, caches, strict=True):
-            seq.append(functools.partial(triton_ops.decode_attention, x_qkv, hq, hkv, d, pos, table, kc, vc, ps,
-                                         ws_attn, splits, cs, prefetch=(w["o"], w["gu"]), prefetch_bytes=budget,
-                                         prefetch_mode=mode))
-            seq += [functools.partial(triton_ops.gemv, x[k], w[k], *cfg[k], silu_mul=k == "down", scale=scales[k])
-                    for k in ("o", "gu", "down", "qkv")]
-        return seq
-
-    res: dict[str, float | str] = {}
-    for budget in [0, o_bytes // 2, o_bytes, o_bytes + (8 << 20), o_bytes + (16 << 20), o_bytes + (24 << 20)]:
-        for mode in (1, 2, 3) if budget else (1,):
-            key = f"{budget >> 20} MiB mode {mode}"
-            try:
-                res[key] = round(graph_us(calls(budget, mode), rep_ms=100) * 5, 2)  # us a layer (5 calls)
-            except Exception as e:  # noqa: BLE001
-                res[key] = f"{type(e).__name__}: {e}"[:200]
-    base = res["0 MiB mode 1"]
-    print(f"prefetch llama-3.1-8b {dt} b1 ctx {ctx}, us a layer: none {base}; " + "  ".join(
-        f"[{k}] {v}" for k, v in res.items() if k != "0 MiB mode 1"), flush=True)
-    return res
-
-
 def main() -> None:
     what = sys.argv[1:] or ["gemv", "attention", "moe"]
     figures: dict[str, Any] = {}
@@ -256,8 +199,6 @@ def main() -> None:
         figures["moe"] = moe_sweep()
     if "gemm" in what:
         figures["gemm"] = gemm_sweep()
-    if "prefetch" in what:
-        figures["prefetch"] = prefetch_sweep()
     print("JSON " + json.dumps(figures))
 
 

@@ -85,14 +85,12 @@ class AttentionBackend(ABC):
     def attend_qkv(
         self, qkv: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-        eps: float, prefetch: tuple[torch.Tensor, ...] = (),
+        eps: float,
     ) -> torch.Tensor | None:
         """Optional: attention straight from the layer's QKV projection [T, (Hq + 2 Hkv) * D], with
         the prologue (optional q/k RMSNorm, neox RoPE at `positions` from `cos_sin_cache`, the K/V
         store) in the backend's own kernel. Returns out [T, Hq, D], or None when this step's kernel
-        does not take QKV (the default): the model then runs the prologue and calls `attend`.
-        `prefetch`: the weights the layer reads next, in order, which the kernel may ask into the
-        L2 (a hint: the result is the same)."""
+        does not take QKV (the default): the model then runs the prologue and calls `attend`."""
         return None
 
     def forward(

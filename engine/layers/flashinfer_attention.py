@@ -377,23 +377,19 @@ class FlashInferAttention(AttentionBackend):
     def attend_qkv(
         self, qkv: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-        eps: float, prefetch: tuple[torch.Tensor, ...] = (),
+        eps: float,
     ) -> torch.Tensor | None:
         if self._table_kernel != "triton":
             return None
-        return self._triton(qkv, layer_id, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-                            prefetch=prefetch)
+        return self._triton(qkv, layer_id, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
 
-    def _triton(self, x: torch.Tensor, layer_id: int, positions: torch.Tensor, *prologue,  # noqa: ANN002
-                prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def _triton(self, x: torch.Tensor, layer_id: int, positions: torch.Tensor, *prologue) -> torch.Tensor:  # noqa: ANN002
         """The triton decode kernel over the dense table (triton_ops.decode_attention), with the
-        prologue when given (cos_sin_cache, q_norm_weight, k_norm_weight, eps), asking the L2 for
-        the tuning's share of `prefetch`."""
+        prologue when given (cos_sin_cache, q_norm_weight, k_norm_weight, eps)."""
         return triton_ops.decode_attention(
             x, self.num_q_heads, self.num_kv_heads, self.head_dim, positions, self._table_args[0],
             self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_size, self._triton_ws,
-            self._triton_splits, *prologue, prefetch=prefetch, prefetch_bytes=self._prefetch_bytes,
-            prefetch_mode=self.tuning.decode_prefetch_mode,
+            self._triton_splits, *prologue,
         )
 
     def _use_table(self, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -403,8 +399,6 @@ class FlashInferAttention(AttentionBackend):
         self._table_args = (table, seq_lens)
         self._table_kernel = self.decode_kernel(b)
         self._triton_splits = triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count)
-        t = self.tuning
-        self._prefetch_bytes = t.decode_prefetch_bytes if b <= t.decode_prefetch_max_batch else 0
 
     def _use_plan(self) -> None:
         """This step runs a planned flashinfer wrapper (self._active)."""

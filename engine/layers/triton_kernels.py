@@ -22,32 +22,6 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch(base, nbytes, part, parts, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Asks the L2 to fetch share `part` of `parts` of the nbytes at base, and returns at once
-    (a hint: nothing waits for it, nothing changes if it is dropped). MODE 1: one
-    prefetch.global.L2 per 128-byte line; 2: the same with evict_last; 3: Hopper's bulk
-    prefetch (cp.async.bulk.prefetch.L2, 4 KiB an instruction). Lines past the end clamp to the last."""
-    CH: tl.constexpr = 128 if MODE < 3 else 4096
-    chunks = tl.cdiv(nbytes, CH)
-    per = tl.cdiv(chunks, parts)
-    first = part * per
-    last = tl.minimum(first + per, chunks)
-    p = base.to(tl.pointer_type(tl.uint8), bitcast=True)
-    for c0 in range(first, last, BLOCK):
-        c = tl.minimum(c0 + tl.arange(0, BLOCK), last - 1).to(tl.int64)
-        if MODE == 1:
-            tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [p + c * CH],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        elif MODE == 2:
-            tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2::evict_last [$1];", "=r,l", [p + c * CH],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            size = tl.minimum(nbytes - c * CH, CH).to(tl.int32)
-            tl.inline_asm_elementwise("mov.u32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
-                                      [p + c * CH, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def qk_norm_rope_store_kernel(
     qkv, qkv_stride, q_out, positions, slots, cos_sin, cs_stride,
     q_w, k_w, eps, k_cache, v_cache,
@@ -242,24 +216,12 @@ def _attend_tile(q, kt, vt, tm, m_i, l_i, acc, scale, act, dot_t):
 
 
 @triton.jit
-def _prefetch_next(pf0, pf0_bytes, pf1, pf1_bytes, b, part, parts, PREFETCH: tl.constexpr):
-    """The next kernels' weights (two regions) into the L2, shared by the first request's
-    programs, while this latency-bound kernel leaves the HBM idle; issued after the program's
-    first K/V loads, so that those are not queued behind it."""
-    if PREFETCH > 0:
-        if b == 0:
-            l2_prefetch(pf0, pf0_bytes, part, parts, PREFETCH, 128)
-            l2_prefetch(pf1, pf1_bytes, part, parts, PREFETCH, 128)
-
-
-@triton.jit
 def decode_attention_kernel(
     qkv, qkv_stride, positions, cos_sin, cs_stride, q_w, k_w, eps,
     k_cache, v_cache, table, table_stride, part_o, part_lse, counters, out, sm_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NSPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, G_P2: tl.constexpr, SPLIT_P2: tl.constexpr,
     PROLOGUE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, F32_DOT: tl.constexpr,
-    pf0, pf0_bytes, pf1, pf1_bytes, PREFETCH: tl.constexpr,
 ):
     """Split-KV decode attention of one (request, KV head, split), see triton_ops.decode_attention."""
     b = tl.program_id(0)
@@ -277,7 +239,6 @@ def decode_attention_kernel(
     n_act = tl.cdiv(pos + 1, chunk)
     start = s * chunk
     if start > pos:
-        _prefetch_next(pf0, pf0_bytes, pf1, pf1_bytes, b, kvh * NSPLIT + s, HKV * NSPLIT, PREFETCH)
         return
     owner = (pos // chunk) == s
     end = tl.minimum(start + chunk, pos + 1)
@@ -291,7 +252,6 @@ def decode_attention_kernel(
     kv_off = kvh * D + d[None, :]
     # the cached K/V do not depend on the previous kernel: the first tile loads before the wait
     kt, vt, tm = _kv_tile(k_cache, v_cache, trow, start + n, end, kv_off, HKV, D, PS)
-    _prefetch_next(pf0, pf0_bytes, pf1, pf1_bytes, b, kvh * NSPLIT + s, HKV * NSPLIT, PREFETCH)
     if PDL:  # q (and the new K/V) are the previous kernel's output
         gdc_wait()
         gdc_launch_dependents()

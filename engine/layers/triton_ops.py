@@ -303,9 +303,6 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    prefetch: tuple[torch.Tensor, ...] = (),
-    prefetch_bytes: int = 0,
-    prefetch_mode: int = 1,
 ) -> torch.Tensor:
     """Decode attention of B requests, one new token each at `positions` (int64 [B]), over the
     pages in `table` (int32 [B, W]; row i holds positions 0..positions[i]), in one launch:
@@ -319,11 +316,7 @@ def decode_attention(
     neither), neox RoPE from cos_sin_cache (float32 [max_pos, D], cos | sin), and the new
     K/V written to their slot by the program whose split owns the new token (which attends
     them from registers: no program reads a slot written in this launch). Returns out
-    [B, Hq, D] in x's dtype.
-
-    `prefetch`: the weights the next kernels read (contiguous, in order), of which the first
-    `prefetch_bytes` are asked into the L2 while this latency-bound kernel leaves the HBM idle
-    (`prefetch_mode`: triton_kernels.l2_prefetch's MODE); a hint, so the result is the same."""
+    [B, Hq, D] in x's dtype."""
     bsz = x.shape[0]
     prologue = cos_sin_cache is not None
     width = (num_q_heads + 2 * num_kv_heads) * head_dim if prologue else num_q_heads * head_dim
@@ -344,8 +337,6 @@ def decode_attention(
         return out
     cs = cos_sin_cache if prologue else x
     pdl = _pdl(x.device)
-    regions = _prefetch_regions(prefetch, 0 if interpreted() else prefetch_bytes) or [(x, 0)]
-    (pf0, n0), (pf1, n1) = (regions + [(x, 0)])[:2]
     _k().decode_attention_kernel[(bsz, num_kv_heads, splits)](
         x, x.stride(0), positions, cs, cs.stride(0), q_norm_weight if norm else x,
         k_norm_weight if norm else x, eps, k_cache, v_cache, table, table.stride(0),
@@ -353,23 +344,9 @@ def decode_attention(
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
         BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(num_q_heads // num_kv_heads), SPLIT_P2=_p2(splits),
         PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=interpreted(),
-        pf0=pf0, pf0_bytes=n0, pf1=pf1, pf1_bytes=n1, PREFETCH=prefetch_mode if n0 else 0,
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return out
-
-
-def _prefetch_regions(weights: tuple[torch.Tensor, ...], budget: int) -> list[tuple[torch.Tensor, int]]:
-    """The first `budget` bytes of `weights` in order, as at most two (tensor, bytes) regions of
-    whole 16-byte units (the bulk prefetch's granule)."""
-    regions = []
-    for w in weights[:2]:
-        n = min(budget, w.numel() * w.element_size()) // 16 * 16
-        if n <= 0:
-            break
-        regions.append((w, n))
-        budget -= n
-    return regions
 
 
 def invariant_attention(

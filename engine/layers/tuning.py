@@ -91,11 +91,6 @@ class KernelTuning:
     gemv_one_tile_elems: int = 8192  # elements of weight per one-tile program (block_n * padded K)
     gemv_looped: tuple[GemvRule, ...] = field(default=())  # configs for wider K, first match wins
     norm_gemv_max_hidden: int = 0  # fold residual add + RMSNorm into the next GEMV up to this hidden size
-    # the triton decode attention asks the L2 for the first this-many bytes of the weights read after it
-    # (o_proj's, then the MLP's first) at decode batches up to decode_prefetch_max_batch (0 bytes: never)
-    decode_prefetch_bytes: int = 0
-    decode_prefetch_max_batch: int = 0
-    decode_prefetch_mode: int = 1
     # fp8 weights (engine/layers/quant.py): the GEMV's configs (empty: gemv_looped's), the most rows
     # the weight-only fp8 GEMM takes (0: none), and from how many rows block-scaled fp8 runs on
     # cuBLASLt instead of the triton kernel (0: never)
