@@ -374,6 +374,19 @@ def config_for(device: torch.device, numel: int, local: int) -> GemmConfig:
     return GemmConfig(*kernel_tuning(device).moe_config(-(-numel // max(1, min(numel, local)))))
 
 
+def one_token_config(x: torch.Tensor, w13: Stack):  # noqa: ANN201 - a moe_gemv.GemvConfig or None
+    """The tuning's one-token GEMV blocks where x (one token) and the stack take that path
+    (engine/layers/moe_gemv.py), else None; never under deterministic inference (one config for
+    every batch there)."""
+    if x.shape[0] != 1 or batch_invariant.enabled() or x.device.type != "cuda":
+        return None
+    from engine.layers import moe_gemv
+    from engine.layers.tuning import kernel_tuning
+
+    cfg = kernel_tuning(x.device).moe_gemv
+    return moe_gemv.GemvConfig(*cfg) if cfg is not None and moe_gemv.takes(x, w13) else None
+
+
 _WARMED: set[tuple] = set()
 
 
@@ -398,3 +411,8 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
             weights = torch.ones(t, top_k, dtype=torch.float32, device=x.device)
             keys = (torch.zeros(t, dtype=torch.int64, device=x.device), 0) if pad else None
             fused_experts(xs, weights, ids, w13, w2, counts, 0, cfg, keys)
+            gemv = one_token_config(xs, w13)
+            if gemv is not None:
+                from engine.layers.moe_gemv import one_token_experts
+
+                one_token_experts(xs, weights, ids, w13, w2, counts, 0, gemv, keys)

@@ -106,6 +106,9 @@ class KernelTuning:
     tp_symm_allreduce_max_bytes: int = 0
     # fused MoE (engine/layers/moe_kernels.py): GEMM blocks by the mean rows an expert gets, first match wins
     moe_gemm: tuple[MoeRule, ...] = MOE_GEMM_DEFAULT
+    # one token's routed experts as two GEMV launches (engine/layers/moe_gemv.py): (block_n over w13,
+    # block_k over w13, block_n over w2, block_k over w2, warps); None: the fused path at one token too
+    moe_gemv: tuple[int, int, int, int, int] | None = None
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
@@ -216,6 +219,10 @@ def parse_tuning(data: dict, gpu: str) -> KernelTuning:
             raise ValueError(f"tuning for {gpu}: fp8_row_triton needs rules of 5 positive tile values")
     if "moe_gemm" in kw:
         kw["moe_gemm"] = tuple(MoeRule(**{**r, "config": tuple(r["config"])}) for r in kw["moe_gemm"])
+    if kw.get("moe_gemv") is not None:
+        kw["moe_gemv"] = tuple(kw["moe_gemv"])
+        if len(kw["moe_gemv"]) != 5 or min(kw["moe_gemv"]) < 1:
+            raise ValueError(f"tuning for {gpu}: moe_gemv needs 5 positive values or null")
     t = KernelTuning(**kw)
     if not t.moe_gemm or any(len(r.config) != 6 or min(r.config) < 1 for r in t.moe_gemm):
         raise ValueError(f"tuning for {gpu}: moe_gemm needs rules of 6 positive block values")

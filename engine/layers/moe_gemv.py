@@ -1,0 +1,152 @@
+"""The routed experts of one token as two GEMV launches (CUDA, triton; batch-1 decode).
+
+At one token the fused MoE path (engine/layers/moe_kernels.py) pays four launches a layer
+(align, w13, w2, combine) and runs its GEMMs on 16-row tensor-core tiles of which one row is
+real: on an H200, Qwen3-30B-A3B's experts read at ~2.6-3.1 TB/s and the align and combine
+launches cost 0.22 ms a step (docs/PERF.md). One token needs no alignment: each of its k
+(slot, expert) pairs is a matrix-vector product, so
+
+1. `experts13_kernel`, programs (slot j, BLOCK_N columns of the intermediate dim): the gate and
+   up rows of expert ids[j] times x, summed in float32, stored as silu(gate) * up in x's dtype
+   (mid [k, I]); the program of the first columns adds the pair to `counts` (every pair, this
+   rank's experts or not, as `align_kernel` counts them);
+2. `experts2_kernel`, programs of BLOCK_N output columns: for each slot in order, w2's rows of
+   expert ids[j] times mid[j], times the routing weight, rounded to x's dtype (as the fused path
+   stores a pair's row), added in float32 in slot order (the combine), stored in x's dtype.
+
+Pairs routed to another rank's experts (expert parallelism) load nothing and add nothing; a CUDA
+graph's padding row (keys[0] < below) is not counted and its output is zeros. The products are the
+fused path's (bf16 x bf16 is exact in float32); only the order of the float32 sums differs, so the
+results agree to rounding (tests/run/test_moe_gemv.py; tests/gpu/test_moe_gpu.py at real shapes).
+Plain and fp8_row stacks (a per-row scale applied once per output); fp8_block stays on the fused
+path. Deterministic inference keeps the fused path's one config (its bits do not depend on the
+batch); this path is for one token only, so it would break that invariance.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.layers.moe_kernels import QUANTS, Stack
+
+
+@triton.jit
+def _slot(ids, j, first, keys, below, LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr):
+    """(local expert of slot j, 1 if the row is real (not a graph's padding) else 0, 1 if it is
+    also this rank's expert else 0): ints, not bools, so that masks stay vectors (triton's
+    interpreter rejects a broadcast scalar bool as a mask)."""
+    e = tl.load(ids + j) - first
+    real = 1
+    if HAS_KEYS:
+        real = tl.where(tl.load(keys) >= below, 1, 0)
+    return e, real, tl.where((e >= 0) & (e < LOCAL), real, 0)
+
+
+@triton.jit
+def _row_dot(wb, v, rn, nm, k0, kk, stride_wn, BK: tl.constexpr):
+    """sum over K tile k0 (columns below kk) of w[rn, k] * v[k] (float32), rows rn of the expert at wb."""
+    rk = k0 + tl.arange(0, BK)
+    wt = tl.load(wb + rn[:, None] * stride_wn + rk[None, :], mask=nm[:, None] & (rk < kk)[None, :], other=0.0)
+    return tl.sum(wt.to(tl.float32) * v[None, :], 1)
+
+
+@triton.jit
+def experts13_kernel(x, w, ws, ids, counts, mid, keys, below, first, N, K, stride_we, stride_wn, stride_wse,
+                     LOCAL: tl.constexpr, QUANT: tl.constexpr, HAS_KEYS: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr):
+    """mid[j, n] = silu(gate_n . x) * (up_n . x) of slot j's expert, for BN columns n (module docstring, 1)."""
+    j = tl.program_id(0)
+    pn = tl.program_id(1)
+    e, real, live = _slot(ids, j, first, keys, below, LOCAL, HAS_KEYS)
+    if (pn == 0) & (real > 0):
+        tl.atomic_add(counts + first + e, 1)
+    if live > 0:
+        rn = pn * BN + tl.arange(0, BN)
+        nm = rn < N
+        wb = w + e.to(tl.int64) * stride_we
+        g = tl.zeros((BN,), tl.float32)
+        u = tl.zeros((BN,), tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            xv = tl.load(x + rk, mask=rk < K, other=0.0).to(tl.float32)
+            g += _row_dot(wb, xv, rn, nm, k0, K, stride_wn, BK)
+            u += _row_dot(wb, xv, N + rn, nm, k0, K, stride_wn, BK)
+        if QUANT == 1:
+            sb = ws + e.to(tl.int64) * stride_wse
+            g = g * tl.load(sb + rn, mask=nm, other=0.0)
+            u = u * tl.load(sb + N + rn, mask=nm, other=0.0)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(mid + j * N + rn, h.to(mid.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def experts2_kernel(mid, w, ws, ids, weights, out, keys, below, first, N, K, stride_we, stride_wn, stride_wse,
+                    TOP_K: tl.constexpr, LOCAL: tl.constexpr, QUANT: tl.constexpr, HAS_KEYS: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr):
+    """out[n] = sum over slots j in order of round(weights[j] * (w2_n . mid[j])) for BN columns n
+    (module docstring, 2); a slot of another rank's expert (or a padding row) reads nothing (K
+    extent 0) and adds zero."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = rn < N
+    acc = tl.zeros((BN,), tl.float32)
+    for j in range(TOP_K):
+        e, _, live = _slot(ids, j, first, keys, below, LOCAL, HAS_KEYS)
+        e = tl.where(live > 0, e, 0).to(tl.int64)
+        kk = K * live
+        wb = w + e * stride_we
+        part = tl.zeros((BN,), tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            hv = tl.load(mid + j * K + rk, mask=rk < kk, other=0.0).to(tl.float32)
+            part += _row_dot(wb, hv, rn, nm, k0, kk, stride_wn, BK)
+        if QUANT == 1:
+            part = part * tl.load(ws + e * stride_wse + rn, mask=nm, other=0.0)
+        y = (part * tl.load(weights + j)).to(out.dtype.element_ty)
+        acc += y.to(tl.float32)  # zero for a slot that read nothing
+    tl.store(out + rn, acc.to(out.dtype.element_ty), mask=nm)
+
+
+class GemvConfig(NamedTuple):
+    """Programs' columns and K tile over w13 and over w2, and warps (the tuning file's `moe_gemv`)."""
+
+    block_n13: int
+    block_k13: int
+    block_n2: int
+    block_k2: int
+    num_warps: int
+
+
+def takes(x: torch.Tensor, w13: Stack) -> bool:
+    """Whether this path takes the forward: one token, a plain or fp8_row stack."""
+    return x.shape[0] == 1 and w13.quant in (None, "fp8_row")
+
+
+def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Stack, w2: Stack,
+                      counts: torch.Tensor, first: int, cfg: GemvConfig,
+                      pad: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """moe_kernels.fused_experts for one token (x [1, H], weights [1, k] float32, ids [1, k]):
+    this rank's partial sum [1, H]; adds the pairs to `counts` [E]; a padding row (pad's key
+    below its bound) gives zeros and is not counted."""
+    k, h, inter, local = ids.shape[1], x.shape[1], w2.w.shape[2], w13.w.shape[0]
+    q = QUANTS[w13.quant]
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    keys, below = pad if pad is not None else (ids, 0)
+    mid = torch.empty(k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, h, dtype=x.dtype, device=x.device)
+    s13 = w13.scale if w13.scale is not None else w13.w
+    s2 = w2.scale if w2.scale is not None else w2.w
+    experts13_kernel[(k, triton.cdiv(inter, cfg.block_n13))](
+        x, w13.w, s13, ids, counts, mid, keys, below, first, inter, h, w13.w.stride(0), w13.w.stride(1),
+        s13.stride(0), LOCAL=local, QUANT=q, HAS_KEYS=pad is not None, BN=cfg.block_n13, BK=cfg.block_k13,
+        num_warps=cfg.num_warps,
+    )
+    experts2_kernel[(triton.cdiv(h, cfg.block_n2),)](
+        mid, w2.w, s2, ids, weights, out, keys, below, first, h, inter, w2.w.stride(0), w2.w.stride(1),
+        s2.stride(0), TOP_K=k, LOCAL=local, QUANT=q, HAS_KEYS=pad is not None, BN=cfg.block_n2,
+        BK=cfg.block_k2, num_warps=cfg.num_warps,
+    )
+    return out
