@@ -15,7 +15,8 @@ are read once a step); the figure is the median over replays of the graph's time
 * attention: triton_ops.decode_attention with its prologue, batch 1, ctx 1024, at the geometry of
   Llama-3.1-8B, Qwen3-30B-A3B and Qwen3-0.6B, over (splits, block_n, warps). (ba2f4c9's run also
   timed a merge of 8 splits at a time instead of all at once: slower everywhere, removed.)
-* moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config.
+* moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config,
+  and the one-token GEMV path (engine/layers/moe_gemv.py) per config; `gemv_best` is the fastest.
 * gemm: Llama-3.1-8B's fp8 row-scaled projections at decode batches of 128 and 256 (the offline
   benchmark's): the served path (per-token quantization + cuBLASLt), cuBLASLt alone on quantized
   x, and the triton row-scaled GEMM (quant_ops.fp8_row_mm) over tile configs (cuBLASLt's 128 x 128
@@ -127,9 +128,8 @@ def moe_sweep(layers: int = 16) -> dict[str, Any]:
     x = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
     routes = [torch.randn(1, e, device=dev).softmax(-1).topk(k, dim=-1) for _ in range(layers)]
     default = mk.config_for(dev, k, e)
-    grid = [default] + [mk.GemmConfig(16, bn, bk, 1, wp, st) for bn in (32, 64, 128) for bk in (128, 256)
-                        for wp, st in ((4, 4), (8, 4), (4, 6), (2, 4))]
-    res: dict[str, float | str] = {"current": str(tuple(default))}
+    grid = [default]  # ba2f4c9's run swept 24 more block configs: none beat it by more than 1% (PERF.md)
+    res: dict[str, Any] = {"current": str(tuple(default))}
     layer_mb = k * 3 * h * inter * 2 / 1e6
     for cfg in dict.fromkeys(grid):
         try:
@@ -138,7 +138,23 @@ def moe_sweep(layers: int = 16) -> dict[str, Any]:
                 zip(stacks, routes, strict=True)]), 2)
         except Exception as e:  # noqa: BLE001
             res[str(tuple(cfg))] = f"{type(e).__name__}: {e}"[:160]
-    best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
+    from engine.layers.moe_gemv import GemvConfig, one_token_experts
+
+    w13s = ((2, 2048), (4, 2048), (4, 1024), (8, 1024), (8, 512))
+    w2s = ((2, 1024), (4, 1024), (8, 1024), (4, 256), (8, 256), (16, 256))
+    gemv = {f"gemv {(*a, *b, wp)}": GemvConfig(*a, *b, wp) for a in w13s for b in w2s for wp in (4, 8)}
+    for key, g in gemv.items():
+        try:
+            res[key] = round(graph_us([functools.partial(one_token_experts, x, w, ids, w13, w2, counts, 0, g)
+                                       for (w13, w2), (w, ids) in zip(stacks, routes, strict=True)]), 2)
+        except Exception as e:  # noqa: BLE001
+            res[key] = f"{type(e).__name__}: {e}"[:160]
+    timed = sorted((v, kk) for kk, v in res.items() if kk in gemv and isinstance(v, float))
+    if timed:
+        res["gemv_best"] = list(gemv[timed[0][1]])
+        print("moe one-token gemv best " + "  ".join(f"{kk} {v:.1f}us ({layer_mb * 1e3 / v:.0f} GB/s)"
+                                                     for v, kk in timed[:6]), flush=True)
+    best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float) and not kk.startswith("gemv"))
     cur = res.get(str(tuple(default)))
     print(f"moe qwen3-30b-a3b 1 token ({layer_mb:.1f} MB of experts a layer): current {tuple(default)} {cur}us"
           f" ({layer_mb * 1e3 / cur if isinstance(cur, float) else 0:.0f} GB/s); best "

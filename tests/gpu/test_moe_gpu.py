@@ -283,3 +283,36 @@ def test_served_moe_in_cuda_graphs_equals_eager(tmp_path: Path, flashinfer_built
     bad = token_mismatches(ref, prompts, runs[False][0], runs[True][0], 0.05)
     bad += token_mismatches(ref, prompts2, runs[False][1], runs[True][1], 0.05)
     assert not bad, bad
+
+
+@pytest.mark.parametrize(("shape", "quant", "ep"), [("qwen3-30b-a3b", None, None), ("qwen3-30b-a3b", "fp8_row", None),
+                                                    ("deepseek-v3", None, None), ("qwen3-30b-a3b", None, (1, 4))])
+def test_one_token_gemv_matches_reference_in_a_graph(shape: str, quant: str | None, ep: tuple | None) -> None:
+    """engine/layers/moe_gemv.py at real shapes, for every config of the sweep's grid corner:
+    within the fused path's error of the float32 reference, counts as routed; captured in a CUDA
+    graph with a padding key, replays equal eager, and a padding row gives zeros and counts nothing."""
+    from engine.layers import moe_kernels as mk
+    from engine.layers.moe_gemv import GemvConfig, one_token_experts
+
+    h, e, k, _ = SHAPES[shape]
+    ex = make_experts(shape, quant, ep)
+    stacks = [mk.Stack(getattr(ex, n), getattr(ex, n + "_scale", None), ex.quant) for n in ("w13", "w2")]
+    w, ids = routing(1, e, k, seed=9, skew=False)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    ref = reference(ex, x, w, ids)
+    fused = _rel(mk.fused_experts(x, w, ids, *stacks, ex.token_counts, ex.first, mk.config_for(x.device, k, e)), ref)
+    for cfg in (GemvConfig(4, 2048, 4, 1024, 4), GemvConfig(2, 1024, 8, 256, 8)):
+        ex.token_counts.zero_()
+        y = one_token_experts(x, w, ids, *stacks, ex.token_counts, ex.first, cfg)
+        assert _rel(y, ref) <= 1.2 * fused + 1e-3, (cfg, _rel(y, ref), fused)
+        assert torch.equal(ex.token_counts, torch.bincount(ids.flatten(), minlength=e))
+    keys = torch.full((1,), 5, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = one_token_experts(x, w, ids, *stacks, ex.token_counts, ex.first, cfg, (keys, 1))
+    ex.token_counts.zero_()
+    graph.replay()
+    assert torch.equal(out, one_token_experts(x, w, ids, *stacks, torch.zeros_like(ex.token_counts), ex.first, cfg))
+    keys.fill_(0)  # now a padding row
+    graph.replay()
+    assert not out.any() and torch.equal(ex.token_counts, torch.bincount(ids.flatten(), minlength=e))
