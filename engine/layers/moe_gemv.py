@@ -10,9 +10,10 @@ launches cost 0.22 ms a step (docs/PERF.md). One token needs no alignment: each 
    up rows of expert ids[j] times x, summed in float32, stored as silu(gate) * up in x's dtype
    (mid [k, I]); the program of the first columns adds the pair to `counts` (every pair, this
    rank's experts or not, as `align_kernel` counts them);
-2. `experts2_kernel`, programs of BLOCK_N output columns: for each slot in order, w2's rows of
-   expert ids[j] times mid[j], times the routing weight, rounded to x's dtype (as the fused path
-   stores a pair's row), added in float32 in slot order (the combine), stored in x's dtype.
+2. `experts2_kernel`, programs of BLOCK_N output columns: every slot's w2 rows of expert ids[j]
+   loaded at once (one [k, BLOCK_N, BLOCK_K] tile: a loop over the slots would wait for each
+   expert's rows in turn) times mid[j], times the routing weight, rounded to x's dtype (as the
+   fused path stores a pair's row), added in float32 in slot order (the combine), stored in x's dtype.
 
 Pairs routed to another rank's experts (expert parallelism) load nothing and add nothing; a CUDA
 graph's padding row (keys[0] < below) is not counted and its output is zeros. The products are the
@@ -85,28 +86,36 @@ def experts13_kernel(x, w, ws, ids, counts, mid, keys, below, first, N, K, strid
 
 @triton.jit
 def experts2_kernel(mid, w, ws, ids, weights, out, keys, below, first, N, K, stride_we, stride_wn, stride_wse,
-                    TOP_K: tl.constexpr, LOCAL: tl.constexpr, QUANT: tl.constexpr, HAS_KEYS: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
+                    TOP_K: tl.constexpr, K_P2: tl.constexpr, LOCAL: tl.constexpr, QUANT: tl.constexpr,
+                    HAS_KEYS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[n] = sum over slots j in order of round(weights[j] * (w2_n . mid[j])) for BN columns n
-    (module docstring, 2); a slot of another rank's expert (or a padding row) reads nothing (K
-    extent 0) and adds zero."""
+    (module docstring, 2). Every slot's tile is one [K_P2, BN, BK] load, so the k experts' rows are
+    in flight at once (a loop over slots waits for each in turn); a slot of another rank's expert
+    (or a padding row) loads nothing and adds zero."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = rn < N
+    j = tl.arange(0, K_P2)
+    e = tl.load(ids + j, mask=j < TOP_K, other=0) - first
+    live = (j < TOP_K) & (e >= 0) & (e < LOCAL)
+    if HAS_KEYS:
+        live = live & (tl.load(keys + j * 0) >= below)
+    wb = w + tl.where(live, e, 0).to(tl.int64)[:, None, None] * stride_we + rn[None, :, None] * stride_wn
+    part = tl.zeros((K_P2, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        km = rk < K
+        hv = tl.load(mid + j[:, None] * K + rk[None, :], mask=live[:, None] & km[None, :], other=0.0)
+        wt = tl.load(wb + rk[None, None, :], mask=live[:, None, None] & nm[None, :, None] & km[None, None, :],
+                     other=0.0)
+        part += tl.sum(wt.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
+    if QUANT == 1:
+        sc = ws + tl.where(live, e, 0).to(tl.int64)[:, None] * stride_wse + rn[None, :]
+        part = part * tl.load(sc, mask=live[:, None] & nm[None, :], other=0.0)
+    wj = tl.load(weights + j, mask=live, other=0.0)
+    y = (part * wj[:, None]).to(out.dtype.element_ty).to(tl.float32)  # a pair's row, rounded as stored
     acc = tl.zeros((BN,), tl.float32)
-    for j in range(TOP_K):
-        e, _, live = _slot(ids, j, first, keys, below, LOCAL, HAS_KEYS)
-        e = tl.where(live > 0, e, 0).to(tl.int64)
-        kk = K * live
-        wb = w + e * stride_we
-        part = tl.zeros((BN,), tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            hv = tl.load(mid + j * K + rk, mask=rk < kk, other=0.0).to(tl.float32)
-            part += _row_dot(wb, hv, rn, nm, k0, kk, stride_wn, BK)
-        if QUANT == 1:
-            part = part * tl.load(ws + e * stride_wse + rn, mask=nm, other=0.0)
-        y = (part * tl.load(weights + j)).to(out.dtype.element_ty)
-        acc += y.to(tl.float32)  # zero for a slot that read nothing
+    for s in tl.static_range(TOP_K):  # slot order, as combine_kernel (a masked sum adds exact zeros)
+        acc += tl.sum(tl.where((j == s)[:, None], y, 0.0), 0)
     tl.store(out + rn, acc.to(out.dtype.element_ty), mask=nm)
 
 
@@ -146,7 +155,8 @@ def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     )
     experts2_kernel[(triton.cdiv(h, cfg.block_n2),)](
         mid, w2.w, s2, ids, weights, out, keys, below, first, h, inter, w2.w.stride(0), w2.w.stride(1),
-        s2.stride(0), TOP_K=k, LOCAL=local, QUANT=q, HAS_KEYS=pad is not None, BN=cfg.block_n2,
+        s2.stride(0), TOP_K=k, K_P2=triton.next_power_of_2(k), LOCAL=local, QUANT=q, HAS_KEYS=pad is not None,
+        BN=cfg.block_n2,
         BK=cfg.block_k2, num_warps=cfg.num_warps,
     )
     return out
