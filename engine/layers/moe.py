@@ -279,7 +279,7 @@ class Experts(nn.Module):
         if gemv is not None:
             from engine.layers.moe_gemv import one_token_experts
 
-            return one_token_experts(x, weights, ids, w13, w2, self.token_counts, self.first, gemv, pad)
+            return one_token_experts(x, weights, ids, w13, w2, self.token_counts, self.first, gemv)
         cfg = mk.config_for(x.device, ids.numel(), self.local_experts)
         return mk.fused_experts(x, weights, ids, w13, w2, self.token_counts, self.first, cfg, pad)
 

@@ -15,8 +15,8 @@ launches cost 0.22 ms a step (docs/PERF.md). One token needs no alignment: each 
    expert's rows in turn) times mid[j], times the routing weight, rounded to x's dtype (as the
    fused path stores a pair's row), added in float32 in slot order (the combine), stored in x's dtype.
 
-Pairs routed to another rank's experts (expert parallelism) load nothing and add nothing; a CUDA
-graph's padding row (keys[0] < below) is not counted and its output is zeros. The products are the
+Pairs routed to another rank's experts (expert parallelism) load nothing and add nothing. There
+is no padding row to leave out: a forward's one row is real (a graph of one row serves batch 1). The products are the
 fused path's (bf16 x bf16 is exact in float32); only the order of the float32 sums differs, so the
 results agree to rounding (tests/run/test_moe_gemv.py; tests/gpu/test_moe_gpu.py at real shapes).
 Plain and fp8_row stacks (a per-row scale applied once per output); fp8_block stays on the fused
@@ -36,15 +36,11 @@ from engine.layers.moe_kernels import QUANTS, Stack
 
 
 @triton.jit
-def _slot(ids, j, first, keys, below, LOCAL: tl.constexpr, HAS_KEYS: tl.constexpr):
-    """(local expert of slot j, 1 if the row is real (not a graph's padding) else 0, 1 if it is
-    also this rank's expert else 0): ints, not bools, so that masks stay vectors (triton's
-    interpreter rejects a broadcast scalar bool as a mask)."""
+def _slot(ids, j, first, LOCAL: tl.constexpr):
+    """(local expert of slot j, 1 if it is this rank's else 0): an int, not a bool, so that masks
+    stay vectors (triton's interpreter rejects a broadcast scalar bool as a mask)."""
     e = tl.load(ids + j) - first
-    real = 1
-    if HAS_KEYS:
-        real = tl.where(tl.load(keys) >= below, 1, 0)
-    return e, real, tl.where((e >= 0) & (e < LOCAL), real, 0)
+    return e, tl.where((e >= 0) & (e < LOCAL), 1, 0)
 
 
 @triton.jit
@@ -56,14 +52,13 @@ def _row_dot(wb, v, rn, nm, k0, kk, stride_wn, BK: tl.constexpr):
 
 
 @triton.jit
-def experts13_kernel(x, w, ws, ids, counts, mid, keys, below, first, N, K, stride_we, stride_wn, stride_wse,
-                     LOCAL: tl.constexpr, QUANT: tl.constexpr, HAS_KEYS: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
+def experts13_kernel(x, w, ws, ids, counts, mid, first, N, K, stride_we, stride_wn, stride_wse,
+                     LOCAL: tl.constexpr, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """mid[j, n] = silu(gate_n . x) * (up_n . x) of slot j's expert, for BN columns n (module docstring, 1)."""
     j = tl.program_id(0)
     pn = tl.program_id(1)
-    e, real, live = _slot(ids, j, first, keys, below, LOCAL, HAS_KEYS)
-    if (pn == 0) & (real > 0):
+    e, live = _slot(ids, j, first, LOCAL)
+    if pn == 0:
         tl.atomic_add(counts + first + e, 1)
     if live > 0:
         rn = pn * BN + tl.arange(0, BN)
@@ -85,20 +80,18 @@ def experts13_kernel(x, w, ws, ids, counts, mid, keys, below, first, N, K, strid
 
 
 @triton.jit
-def experts2_kernel(mid, w, ws, ids, weights, out, keys, below, first, N, K, stride_we, stride_wn, stride_wse,
+def experts2_kernel(mid, w, ws, ids, weights, out, first, N, K, stride_we, stride_wn, stride_wse,
                     TOP_K: tl.constexpr, K_P2: tl.constexpr, LOCAL: tl.constexpr, QUANT: tl.constexpr,
-                    HAS_KEYS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr):
     """out[n] = sum over slots j in order of round(weights[j] * (w2_n . mid[j])) for BN columns n
     (module docstring, 2). Every slot's tile is one [K_P2, BN, BK] load, so the k experts' rows are
     in flight at once (a loop over slots waits for each in turn); a slot of another rank's expert
-    (or a padding row) loads nothing and adds zero."""
+    loads nothing and adds zero."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = rn < N
     j = tl.arange(0, K_P2)
     e = tl.load(ids + j, mask=j < TOP_K, other=0) - first
     live = (j < TOP_K) & (e >= 0) & (e < LOCAL)
-    if HAS_KEYS:
-        live = live & (tl.load(keys + j * 0) >= below)
     wb = w + tl.where(live, e, 0).to(tl.int64)[:, None, None] * stride_we + rn[None, :, None] * stride_wn
     part = tl.zeros((K_P2, BN), tl.float32)
     for k0 in range(0, K, BK):
@@ -135,28 +128,25 @@ def takes(x: torch.Tensor, w13: Stack) -> bool:
 
 
 def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Stack, w2: Stack,
-                      counts: torch.Tensor, first: int, cfg: GemvConfig,
-                      pad: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                      counts: torch.Tensor, first: int, cfg: GemvConfig) -> torch.Tensor:
     """moe_kernels.fused_experts for one token (x [1, H], weights [1, k] float32, ids [1, k]):
-    this rank's partial sum [1, H]; adds the pairs to `counts` [E]; a padding row (pad's key
-    below its bound) gives zeros and is not counted."""
+    this rank's partial sum [1, H]; adds the pairs to `counts` [E]. No padding rows: a forward's
+    one row is real (a CUDA graph of one row replays only for batch 1)."""
     k, h, inter, local = ids.shape[1], x.shape[1], w2.w.shape[2], w13.w.shape[0]
     q = QUANTS[w13.quant]
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    keys, below = pad if pad is not None else (ids, 0)
     mid = torch.empty(k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(1, h, dtype=x.dtype, device=x.device)
     s13 = w13.scale if w13.scale is not None else w13.w
     s2 = w2.scale if w2.scale is not None else w2.w
     experts13_kernel[(k, triton.cdiv(inter, cfg.block_n13))](
-        x, w13.w, s13, ids, counts, mid, keys, below, first, inter, h, w13.w.stride(0), w13.w.stride(1),
-        s13.stride(0), LOCAL=local, QUANT=q, HAS_KEYS=pad is not None, BN=cfg.block_n13, BK=cfg.block_k13,
+        x, w13.w, s13, ids, counts, mid, first, inter, h, w13.w.stride(0), w13.w.stride(1),
+        s13.stride(0), LOCAL=local, QUANT=q, BN=cfg.block_n13, BK=cfg.block_k13,
         num_warps=cfg.num_warps,
     )
     experts2_kernel[(triton.cdiv(h, cfg.block_n2),)](
-        mid, w2.w, s2, ids, weights, out, keys, below, first, h, inter, w2.w.stride(0), w2.w.stride(1),
-        s2.stride(0), TOP_K=k, K_P2=triton.next_power_of_2(k), LOCAL=local, QUANT=q, HAS_KEYS=pad is not None,
-        BN=cfg.block_n2,
+        mid, w2.w, s2, ids, weights, out, first, h, inter, w2.w.stride(0), w2.w.stride(1),
+        s2.stride(0), TOP_K=k, K_P2=triton.next_power_of_2(k), LOCAL=local, QUANT=q, BN=cfg.block_n2,
         BK=cfg.block_k2, num_warps=cfg.num_warps,
     )
     return out

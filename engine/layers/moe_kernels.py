@@ -415,4 +415,4 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
             if gemv is not None:
                 from engine.layers.moe_gemv import one_token_experts
 
-                one_token_experts(xs, weights, ids, w13, w2, counts, 0, gemv, keys)
+                one_token_experts(xs, weights, ids, w13, w2, counts, 0, gemv)
