@@ -1,8 +1,9 @@
 """Fused MoE on CUDA in triton: the routed experts of engine/layers/moe.py's `Experts` without a
 host sync, so a decode step that holds MoE layers can be captured in a CUDA graph.
 
-Routing is one launch (`route`: `route_kernel`, expert groups included); then four launches a
-layer (`fused_experts`):
+Routing is one launch (`route`: `route_kernel`, expert groups included); then, for one token,
+two GEMV launches where the tuning file has `moe_gemv` (engine/layers/moe_gemv.py:
+`one_token_config`), else four launches a layer (`fused_experts`):
 
 1. `align_kernel`, one program per (global) expert: the T*k (token, slot) pairs routed to this
    rank's experts grouped by expert into segments padded to BLOCK_M rows (`sorted_ids`: pair
