@@ -271,15 +271,14 @@ class Experts(nn.Module):
         return out.to(x.dtype)
 
     def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, pad: PadRows | None) -> torch.Tensor:
-        from engine.layers import moe_kernels as mk  # triton: imported on first use (CUDA)
+        from engine.layers import moe_gemv  # triton: imported on first use (CUDA)
+        from engine.layers import moe_kernels as mk
 
         w13, w2 = (mk.Stack(getattr(self, n), getattr(self, n + "_scale", None), self.quant) for n in ("w13", "w2"))
         mk.warm(x, w13, w2, ids.shape[1], self.num_experts, pad is not None)  # every config compiled before ready
-        gemv = mk.one_token_config(x, w13)
-        if gemv is not None:
-            from engine.layers.moe_gemv import one_token_experts
-
-            return one_token_experts(x, weights, ids, w13, w2, self.token_counts, self.first, gemv)
+        gemv = moe_gemv.config(x, w13)
+        if gemv is not None:  # one token: two GEMV launches, no align or combine
+            return moe_gemv.one_token_experts(x, weights, ids, w13, w2, self.token_counts, self.first, gemv)
         cfg = mk.config_for(x.device, ids.numel(), self.local_experts)
         return mk.fused_experts(x, weights, ids, w13, w2, self.token_counts, self.first, cfg, pad)
 

@@ -16,9 +16,9 @@ launches cost 0.22 ms a step (docs/PERF.md). One token needs no alignment: each 
    fused path stores a pair's row), added in float32 in slot order (the combine), stored in x's dtype.
 
 Pairs routed to another rank's experts (expert parallelism) load nothing and add nothing. There
-is no padding row to leave out: a forward's one row is real (a graph of one row serves batch 1). The products are the
-fused path's (bf16 x bf16 is exact in float32); only the order of the float32 sums differs, so the
-results agree to rounding (tests/run/test_moe_gemv.py; tests/gpu/test_moe_gpu.py at real shapes).
+is no padding row to leave out: a forward's one row is real (a graph of one row serves batch 1).
+The products are the fused path's (bf16 x bf16 is exact in float32); only the order of the float32
+sums differs, so the results agree to rounding (tests/run/test_moe_gemv.py; tests/gpu/test_moe_gpu.py at real shapes).
 Plain and fp8_row stacks (a per-row scale applied once per output); fp8_block stays on the fused
 path. Deterministic inference keeps the fused path's one config (its bits do not depend on the
 batch); this path is for one token only, so it would break that invariance. Blocks: the tuning
@@ -34,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers import batch_invariant
 from engine.layers.moe_kernels import QUANTS, Stack
+from engine.layers.tuning import kernel_tuning
 
 
 @triton.jit
@@ -124,9 +126,14 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
-def takes(x: torch.Tensor, w13: Stack) -> bool:
-    """Whether this path takes the forward: one token, a plain or fp8_row stack."""
-    return x.shape[0] == 1 and w13.quant in (None, "fp8_row")
+def config(x: torch.Tensor, w13: Stack) -> GemvConfig | None:
+    """The tuning file's blocks where this path takes the forward (one token, a plain or fp8_row
+    stack, a GPU whose file has `moe_gemv`), else None; never under deterministic inference
+    (the fused path's one config serves every batch there)."""
+    if x.shape[0] != 1 or w13.quant not in (None, "fp8_row") or batch_invariant.enabled():
+        return None
+    blocks = kernel_tuning(x.device).moe_gemv
+    return None if blocks is None else GemvConfig(*blocks)
 
 
 def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Stack, w2: Stack,

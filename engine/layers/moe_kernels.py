@@ -2,8 +2,8 @@
 host sync, so a decode step that holds MoE layers can be captured in a CUDA graph.
 
 Routing is one launch (`route`: `route_kernel`, expert groups included); then, for one token,
-two GEMV launches where the tuning file has `moe_gemv` (engine/layers/moe_gemv.py:
-`one_token_config`), else four launches a layer (`fused_experts`):
+two GEMV launches where the tuning file has `moe_gemv` (engine/layers/moe_gemv.py, `config`),
+else four launches a layer (`fused_experts`):
 
 1. `align_kernel`, one program per (global) expert: the T*k (token, slot) pairs routed to this
    rank's experts grouped by expert into segments padded to BLOCK_M rows (`sorted_ids`: pair
@@ -375,25 +375,12 @@ def config_for(device: torch.device, numel: int, local: int) -> GemmConfig:
     return GemmConfig(*kernel_tuning(device).moe_config(-(-numel // max(1, min(numel, local)))))
 
 
-def one_token_config(x: torch.Tensor, w13: Stack):  # noqa: ANN201 - a moe_gemv.GemvConfig or None
-    """The tuning's one-token GEMV blocks where x (one token) and the stack take that path
-    (engine/layers/moe_gemv.py), else None; never under deterministic inference (one config for
-    every batch there)."""
-    if x.shape[0] != 1 or batch_invariant.enabled() or x.device.type != "cuda":
-        return None
-    from engine.layers import moe_gemv
-    from engine.layers.tuning import kernel_tuning
-
-    cfg = kernel_tuning(x.device).moe_gemv
-    return moe_gemv.GemvConfig(*cfg) if cfg is not None and moe_gemv.takes(x, w13) else None
-
-
 _WARMED: set[tuple] = set()
 
 
 def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: bool) -> None:
     """Compile every kernel variant a forward of these shapes can take (each tuning rule's blocks,
-    both align chunk sizes) once per process, on a throwaway batch: the first eager forward
+    both align chunk sizes, the one-token GEMVs) once per process, on a throwaway batch: the first eager forward
     (the runner's warm-up) pays it, not a served step. Nothing under a CUDA graph capture."""
     det = batch_invariant.enabled()
     key = (x.device, x.dtype, w13.quant, tuple(w13.w.shape), tuple(w2.w.shape), top_k, experts, pad, det)
@@ -412,8 +399,11 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
             weights = torch.ones(t, top_k, dtype=torch.float32, device=x.device)
             keys = (torch.zeros(t, dtype=torch.int64, device=x.device), 0) if pad else None
             fused_experts(xs, weights, ids, w13, w2, counts, 0, cfg, keys)
-            gemv = one_token_config(xs, w13)
-            if gemv is not None:
-                from engine.layers.moe_gemv import one_token_experts
+    from engine.layers import moe_gemv  # it builds on this module
 
-                one_token_experts(xs, weights, ids, w13, w2, counts, 0, gemv)
+    xs = torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device)
+    gemv = moe_gemv.config(xs, w13)
+    if gemv is not None:  # one token's path
+        ids = (torch.arange(top_k, device=x.device) % local).view(1, top_k)
+        weights = torch.ones(1, top_k, dtype=torch.float32, device=x.device)
+        moe_gemv.one_token_experts(xs, weights, ids, w13, w2, counts, 0, gemv)
