@@ -174,6 +174,72 @@ def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: 
     _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
 
 
+@triton.jit(do_not_specialize=["M"])
+def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
+                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                          BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """invariant_gemm_kernel's split grid for M <= BR rows with the operands swapped: a program
+    computes out^T's [BN, BR] tile = w[BN, K slice] @ x[BR, K slice]^T, the weight as the dot's
+    64-row side (the warp group's operand) and the few rows of x as its narrow side, instead of
+    a 64-row x tile of which one row is real. Each element is the same products over the same
+    k16 steps, K tiles, slices and slice adds as invariant_gemm_kernel's."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BR)
+    rk = tl.arange(0, BK)
+    kt = tl.cdiv(K, BK)
+    per = tl.cdiv(kt, SPLIT)
+    k0 = s * per
+    k1 = min(k0 + per, kt)
+    wp = w + rn[:, None].to(tl.int64) * sw + (k0 * BK + rk)[None, :]
+    xp = x + rm[None, :].to(tl.int64) * sx + (k0 * BK + rk)[:, None]
+    acc = tl.zeros((BN, BR), dtype=tl.float32)
+    for k in range(k0, k1):
+        if EVEN_K:
+            a = tl.load(wp, mask=rn[:, None] < N, other=0.0)
+            b = tl.load(xp, mask=rm[None, :] < M, other=0.0)
+        else:
+            kk = k * BK + rk
+            a = tl.load(wp, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            b = tl.load(xp, mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc)
+        wp += BK
+        xp += BK
+    rows = rm[None, :] < M
+    tile = (pid * SPLIT) * BN * BR + tl.arange(0, BN)[:, None] * BR + tl.arange(0, BR)[None, :]
+    tl.store(ws + tile + s * BN * BR, acc, mask=rows)
+    tl.debug_barrier()
+    done = tl.atomic_add(counters + pid, 1, sem="acq_rel")
+    if done == SPLIT - 1:  # the last slice of this tile to finish: add all, in slice order
+        acc = tl.zeros((BN, BR), dtype=tl.float32)
+        for j in range(SPLIT):
+            acc = acc + tl.load(ws + tile + j * BN * BR, mask=rows, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        op = out + rm[None, :].to(tl.int64) * so + rn[:, None]
+        tl.store(op, acc.to(out.dtype.element_ty), mask=rows & (rn[:, None] < N))
+        tl.store(counters + pid, 0)  # ready for the next launch
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, bn: int = 64, stages: int = 4,
+         slices: int | None = None) -> torch.Tensor:
+    """invariant_gemv_kernel: x [M <= 16, K] @ w [N, K]^T (+ bias), 16-bit operands on CUDA."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    slices = slices or split(n, k)
+    ws, counters = _workspace(x.device)
+    grid_n = triton.cdiv(n, bn)
+    invariant_gemv_kernel[(grid_n, slices)](
+        x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=16, BK=BLOCK_K, SPLIT=slices,
+        **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
+    )
+    return out
+
+
 @triton.jit
 def _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:

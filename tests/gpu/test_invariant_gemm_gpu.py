@@ -109,3 +109,49 @@ def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch
                        + ("" if same else "!"))
         print(f"{name} mid M={m}: now {invariant_gemm.tiles(m, *w.shape)[:3]}, cuBLAS "
               f"{_time(lambda m=m: F.linear(x[:m], w)):.1f} us; " + ", ".join(row))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_decode_candidates_at_few_rows(name: str) -> None:
+    """Decode GEMMs at 1 and 16 rows, bf16: today's split grid (BM 64) at other column tiles and
+    stages, and the swapped-operand GEMV (`invariant_gemm.gemv`, the weight as the dot's 64-row
+    side) at its tiles, stages and K slices: time in us and TB/s of weight (printed), '!' where a
+    candidate's rows differ from the prefill tiles' at the same slices (asserted for the GEMV at
+    today's slices, the condition for serving it)."""
+    n, k = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+    big = 256
+    x = torch.randn(big, k, generator=g, device="cuda").to(torch.bfloat16)
+    s = invariant_gemm.split(n, k)
+    mb = n * k * 2 / 1e6  # the weight's MB: MB / us = TB/s
+
+    def full_at(slices: int) -> torch.Tensor:
+        return invariant_gemm.gemm(x, w, tile=(64, 128, 8, 4, 4, slices))
+
+    fulls = {sl: full_at(sl) for sl in {max(1, s // 2), s, 2 * s}}
+    cells, bad = [], []
+    for m in (1, 16):
+        t_now = _time(lambda m=m: invariant_gemm.gemm(x[:m], w))
+        t_cublas = _time(lambda m=m: F.linear(x[:m], w))
+        cells.append(f"M={m} now {t_now:.1f} us ({mb / t_now:.2f} TB/s) cuBLAS {t_cublas:.1f}")
+        for bn, st in ((16, 4), (32, 4), (64, 4), (128, 4), (invariant_gemm.decode_bn(n), 6)):
+            tile = (64, bn, 1, 4, st, s)
+            same = torch.equal(invariant_gemm.gemm(x[:m], w, tile=tile), fulls[s][:m])
+            t = _time(lambda m=m, tile=tile: invariant_gemm.gemm(x[:m], w, tile=tile))
+            cells.append(f"grid{bn}/{st} {t:.1f}" + ("" if same else "!"))
+        for sl in sorted(fulls):
+            for bn in (64, 128):
+                for st in (3, 4, 6, 8) if (sl, bn) == (s, 64) else (4, 6):
+                    try:
+                        out = invariant_gemm.gemv(x[:m], w, bn=bn, stages=st, slices=sl)
+                    except Exception as e:  # noqa: BLE001 - a config past shared memory: printed
+                        cells.append(f"gemv{bn}/{st}/s{sl} {type(e).__name__}")
+                        continue
+                    same = torch.equal(out, fulls[sl][:m])
+                    if not same and sl == s:
+                        bad.append((m, bn, st))
+                    t = _time(lambda m=m, bn=bn, st=st, sl=sl: invariant_gemm.gemv(x[:m], w, bn, st, sl))
+                    cells.append(f"gemv{bn}/{st}/s{sl} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
+    print(f"{name} N={n} K={k} slices {s}: " + ", ".join(cells))
+    assert not bad, (name, bad)
