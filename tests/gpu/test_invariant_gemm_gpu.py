@@ -151,7 +151,7 @@ def test_decode_candidates_at_few_rows(name: str) -> None:
                     same = torch.equal(out, fulls[sl][:m])
                     if not same and sl == s:
                         bad.append((m, bn, st))
-                    t = _time(lambda m=m, bn=bn, st=st, sl=sl: invariant_gemm.gemv(x[:m], w, bn, st, sl))
+                    t = _time(lambda m=m, bn=bn, st=st, sl=sl: invariant_gemm.gemv(x[:m], w, None, bn, st, sl))
                     cells.append(f"gemv{bn}/{st}/s{sl} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
     print(f"{name} N={n} K={k} slices {s}: " + ", ".join(cells))
     assert not bad, (name, bad)
