@@ -32,6 +32,7 @@ from engine.layers.triton_ops import interpreted, pdl_launch
 from engine.layers.tuning import kernel_tuning
 
 BLOCK_K = 64
+GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
@@ -176,13 +177,14 @@ def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: 
 
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
-                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                          BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr,
+                          BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """invariant_gemm_kernel's split grid for M <= BR rows with the operands swapped: a program
     computes out^T's [BN, BR] tile = w[BN, K slice] @ x[BR, K slice]^T, the weight as the dot's
     64-row side (the warp group's operand) and the few rows of x as its narrow side, instead of
     a 64-row x tile of which one row is real. Each element is the same products over the same
-    k16 steps, K tiles, slices and slice adds as invariant_gemm_kernel's."""
+    k16 steps, K tiles, slices and slice adds as invariant_gemm_kernel's (the H200 test checks
+    the bits in bf16 at every projection shape it times)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -204,7 +206,10 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
             kk = k * BK + rk
             a = tl.load(wp, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
             b = tl.load(xp, mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if F32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         wp += BK
         xp += BK
     rows = rm[None, :] < M
@@ -223,21 +228,20 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
         tl.store(counters + pid, 0)  # ready for the next launch
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, bn: int = 64, stages: int = 4,
-         slices: int | None = None) -> torch.Tensor:
-    """invariant_gemv_kernel: x [M <= 16, K] @ w [N, K]^T (+ bias), 16-bit operands on CUDA."""
+def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
+          slices: int, f32: bool) -> None:
+    """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices."""
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    slices = slices or split(n, k)
     ws, counters = _workspace(x.device)
     grid_n = triton.cdiv(n, bn)
+    if grid_n * slices * bn * GEMV_ROWS > ws.numel() or grid_n > counters.numel():
+        raise ValueError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
     invariant_gemv_kernel[(grid_n, slices)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=16, BK=BLOCK_K, SPLIT=slices,
-        **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
+        HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=GEMV_ROWS, BK=BLOCK_K,
+        SPLIT=slices, **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
     )
-    return out
 
 
 @triton.jit
@@ -271,11 +275,16 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows); else 64 x 128 where
     there are MID_TILES of those and at least half as many as K tiles; else (a large decode batch
     over a narrow weight or a long K: Qwen3-0.6B's o projection at 128 rows has 16) 64 x 128 on
-    a split grid. From the H200's timing of every candidate (docs/PERF.md, ninth session): at 4096
+    a split grid. Up to GEMV_ROWS rows (BM = GEMV_ROWS marks it): the swapped-operand GEMV, 64
+    weight rows a program, its K slices as programs (1.2-2x the 64-row decode tile at 1 and 16
+    rows on an H200, the same bits: docs/PERF.md, fifteenth session). From the H200's timing of
+    every candidate (docs/PERF.md, ninth session): at 4096
     rows 128 x 256 with TMA loads 702-758 TFLOPS on Llama-3.1-8B's projections (cuBLAS 777-804;
     the 128 x 128 pointer tiles before, 417-448); at 128-512 rows 64 x 128 TMA tiles 1.1-1.9x the
     split grid (Qwen's qkv at 128 rows 8.8 against 13.6 us) except with few tiles over a long K."""
     s = split(n, k)
+    if m <= GEMV_ROWS:
+        return GEMV_ROWS, 64, 1, 4, 4, s
     if m <= DECODE_MAX_ROWS:
         return 64, decode_bn(n), 1, 4, 4, s
     if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_TILES:
@@ -318,12 +327,32 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if m == 0:
         return out
     bm, bn, group, warps, stages, slices = tile or tiles(m, n, k)
+    f32 = x.dtype == torch.float32 or interpreted()
+    xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
+    res = out.float() if xs is not x else out
+    if bm == GEMV_ROWS and m > GEMV_ROWS:
+        raise ValueError(f"invariant GEMV: {m} rows, at most {GEMV_ROWS}")
+    if bm == GEMV_ROWS and x.dtype == torch.float32 and x.is_cuda:
+        bm, bn = 64, decode_bn(n)  # (CUDA float32's bits through the GEMV are untested: the decode tile)
+    if bm == GEMV_ROWS:
+        _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
+    else:
+        _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
+    if res is not out:
+        out.copy_(res)
+    return out
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+          tile: tuple[int, int, int, int, int, int], tma: bool | None, f32: bool) -> None:
+    """invariant_gemm_kernel (or its TMA twin) over out [M, N] at `tile`."""
+    (m, k), n = x.shape, w.shape[0]
+    bm, bn, group, warps, stages, slices = tile
     grid_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split_grid = slices > 1 and group == 1
     ws, counters = _workspace(x.device)
     if split_grid and (grid_mn * slices * bm * bn > ws.numel() or grid_mn > counters.numel()):
         raise ValueError(f"invariant GEMM [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
-    f32 = x.dtype == torch.float32 or interpreted()
     if tma is None:
         tma = not split_grid and not f32 and _tma_layout(x) and _tma_layout(w)
     if tma:
@@ -334,17 +363,12 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
             bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
             BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
         )
-        return out
-    xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
-    res = out.float() if xs is not x else out
+        return
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](
-        xs, ws_, bias if bias is not None else xs, res, ws, counters, m, n, k, xs.stride(0), ws_.stride(0),
-        res.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
+        x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
         GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device), num_warps=warps, num_stages=stages,
     )
-    if res is not out:
-        out.copy_(res)
-    return out
 
 
 def _pdl(device: torch.device) -> dict:

@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is fi
 pytest.importorskip("triton")
 
 from engine.layers import invariant_gemm  # noqa: E402
+from engine.layers.invariant_gemm import split  # noqa: E402
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -27,7 +28,7 @@ def test_rows_equal_the_reference_whatever_their_count(bias: bool) -> None:
     full = invariant_gemm.gemm(x, w, b)  # 130 rows: the prefill tiles, 3 row tiles in one group
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
-    for m in (1, 3, 64, 65):  # decode tiles up to 64 rows
+    for m in (1, 3, 16, 17, 64, 65):  # the GEMV up to 16 rows, decode tiles up to 64
         assert torch.equal(invariant_gemm.gemm(x[:m], w, b), full[:m]), m
     assert torch.equal(invariant_gemm.gemm(x[60:61], w, b), full[60:61])
 
@@ -61,8 +62,9 @@ def test_split_k_programs_give_the_one_program_bits() -> None:
 def test_tiles_depend_on_rows_only_through_the_regime() -> None:
     shapes = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (151936, 1024), (1024, 2048), (16, 64)]
     for n, k in shapes:
-        assert invariant_gemm.tiles(1, n, k) == invariant_gemm.tiles(64, n, k)
-        decode = invariant_gemm.tiles(1, n, k)
+        assert invariant_gemm.tiles(1, n, k) == invariant_gemm.tiles(16, n, k) == (16, 64, 1, 4, 4, split(n, k))
+        assert invariant_gemm.tiles(17, n, k) == invariant_gemm.tiles(64, n, k)
+        decode = invariant_gemm.tiles(17, n, k)
         for m in (65, 256, 1024, 16384):
             other = invariant_gemm.tiles(m, n, k)
             assert decode[5] == other[5]  # the K slices, which decide the sums, follow the weight only
@@ -96,7 +98,7 @@ def test_warm_up_compiles_each_tile_choice_once() -> None:
     """Ready means warm: engine/run/warmup.py runs the first row count of each tile choice."""
     rows = list(range(1, 2000))
     firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: decode, mid split grid, 64 x 128 tiles
-    assert firsts == [1, 65, 193]
+    assert firsts == [1, 17, 65, 193]
     assert {invariant_gemm.tiles(m, 1024, 2048) for m in rows} == {invariant_gemm.tiles(m, 1024, 2048) for m in firsts}
 
 
@@ -115,3 +117,20 @@ def test_tma_tiles_give_the_pointer_tiles_bits() -> None:
             TensorDescriptor.from_tensor(x, [64, 64]), TensorDescriptor.from_tensor(w, [32, 64]), b, out, m, n, k,
             out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
         assert torch.equal(out, invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))), (m, n, k, slices)
+
+
+def test_swapped_gemv_gives_the_tiles_bits() -> None:
+    """Up to 16 rows the weight is the dot's wide side (invariant_gemv_kernel): its K slices as
+    programs add to the prefill tiles' bits and the decode tile's, with a bias, masked columns
+    and a masked K tail, and its counters are reset for the next launch."""
+    g = torch.Generator().manual_seed(7)
+    for n, k, slices in [(48, 64 * 16 + 24, 4), (200, 320, 2), (130, 256, 1), (40, 80, 8)]:
+        w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(40, k, generator=g)
+        prefill = invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))
+        for m in (1, 5, 16):
+            gemv = invariant_gemm.gemm(x[:m], w, b, tile=(16, 64, 1, 4, 2, slices))
+            assert torch.equal(gemv, prefill[:m]), (n, k, slices, m)
+            assert torch.equal(gemv, invariant_gemm.gemm(x[:m], w, b, tile=(64, 16, 1, 4, 2, slices)))
+        assert torch.equal(invariant_gemm.gemm(x[:3], w, b, tile=(16, 64, 1, 4, 2, slices)), prefill[:3])
+    with pytest.raises(ValueError, match="at most 16"):
+        invariant_gemm.gemm(x[:17], w, tile=(16, 64, 1, 4, 2, 1))

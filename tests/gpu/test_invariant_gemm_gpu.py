@@ -55,9 +55,9 @@ def test_rows_keep_their_bits_across_row_counts(name: str, dtype: torch.dtype) -
     x = torch.randn(big, k, generator=g, device="cuda").to(dtype)
     full = invariant_gemm.gemm(x, w)  # the prefill tiles
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
-    one = _in_one_program(invariant_gemm.tiles(1, n, k))
+    one = _in_one_program(invariant_gemm.tiles(17, n, k))
     decode_tiled = invariant_gemm.gemm(x, w, tile=one)  # every row in decode's tile, its slices added in one program
-    rows = (1, 7, 64, 65, 129, 256, 300, 1024)  # decode, mid (split grid) and prefill tiles
+    rows = (1, 7, 16, 17, 64, 65, 129, 256, 300, 1024)  # the GEMV, decode, mid (split grid) and prefill tiles
     differ = [m for m in rows if not torch.equal(invariant_gemm.gemm(x[:m], w), full[:m])]
     differ += [] if torch.equal(invariant_gemm.gemm(x[100:101], w), full[100:101]) else ["row 100 alone"]
     differ += [] if torch.equal(full, decode_tiled) else ["all rows decode-tiled"]
@@ -74,7 +74,7 @@ def _in_one_program(tile: tuple[int, int, int, int, int, int]) -> tuple[int, int
 
 def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor) -> None:
     (n, k), big = w.shape, x.shape[0]
-    one = _in_one_program(invariant_gemm.tiles(1, n, k))
+    one = _in_one_program(invariant_gemm.tiles(17, n, k))
     keep = {c: torch.equal(invariant_gemm.gemm(x, w, tile=(*c, one[5])), decode_tiled) for c in CANDIDATES}
     t = {m: _time(lambda m=m: invariant_gemm.gemm(x[:m], w)) for m in (1, 64, 256, big)}
     t_one = _time(lambda: invariant_gemm.gemm(x, w, tile=one))
@@ -114,8 +114,8 @@ def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_decode_candidates_at_few_rows(name: str) -> None:
     """Decode GEMMs at 1 and 16 rows, bf16: today's split grid (BM 64) at other column tiles and
-    stages, and the swapped-operand GEMV (`invariant_gemm.gemv`, the weight as the dot's 64-row
-    side) at its tiles, stages and K slices: time in us and TB/s of weight (printed), '!' where a
+    stages, and the swapped-operand GEMV (BM 16: invariant_gemv_kernel, the weight as the dot's
+    64-row side) at its tiles, stages and K slices: time in us and TB/s of weight (printed), '!' where a
     candidate's rows differ from the prefill tiles' at the same slices (asserted for the GEMV at
     today's slices, the condition for serving it)."""
     n, k = SHAPES[name]
@@ -144,14 +144,15 @@ def test_decode_candidates_at_few_rows(name: str) -> None:
             for bn in (64, 128):
                 for st in (3, 4, 6, 8) if (sl, bn) == (s, 64) else (4, 6):
                     try:
-                        out = invariant_gemm.gemv(x[:m], w, bn=bn, stages=st, slices=sl)
+                        tile = (16, bn, 1, 4, st, sl)
+                        out = invariant_gemm.gemm(x[:m], w, tile=tile)
                     except Exception as e:  # noqa: BLE001 - a config past shared memory: printed
                         cells.append(f"gemv{bn}/{st}/s{sl} {type(e).__name__}")
                         continue
                     same = torch.equal(out, fulls[sl][:m])
                     if not same and sl == s:
                         bad.append((m, bn, st))
-                    t = _time(lambda m=m, bn=bn, st=st, sl=sl: invariant_gemm.gemv(x[:m], w, None, bn, st, sl))
+                    t = _time(lambda m=m, tile=tile: invariant_gemm.gemm(x[:m], w, tile=tile))
                     cells.append(f"gemv{bn}/{st}/s{sl} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
     print(f"{name} N={n} K={k} slices {s}: " + ", ".join(cells))
     assert not bad, (name, bad)
