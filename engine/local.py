@@ -47,6 +47,12 @@ class LocalEngine:
         self._drive(results)
         return list(results.values())
 
+    def flush(self) -> None:
+        """Empty the prefix cache (SchedulerCore.flush), settling in-flight steps first; the Flush
+        op reaches the runner's replica with the next Step."""
+        if (why := self.core.flush()) is not None:
+            raise RuntimeError(f"flush: {why}")
+
     def _drive(self, results: dict[str, Result]) -> None:
         ahead = 1 if self.cfg.disable_overlap else 2
         inflight: deque[Step] = deque()

@@ -47,18 +47,23 @@ def test_one_request_one_answer(default_model_dir: Path, dtype: str) -> None:
         assert again.cached_tokens >= 128 and _key(again) == want
         mixed = eng.generate([OTHERS[0], PROMPT[:50] + [5], PROMPT, *OTHERS[1:]], params)
         assert _key(mixed[2]) == want, "in a batch of mixed requests"
-    for cut in (16, 96, 144):  # a cached prefix of every length, in a fresh engine each
-        eng = _engine(default_model_dir, dtype)
+    for cut in (16, 96, 144):  # a cached prefix of every length, the cache emptied before each
+        eng.flush()
         eng.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
         (hit,) = eng.generate([PROMPT], SAMPLED)
         assert hit.cached_tokens == cut // 16 * 16 and _key(hit) == _key(eng.generate([PROMPT], SAMPLED)[0])
         assert _key(hit) == want, f"behind {hit.cached_tokens} cached tokens"
 
 
+@pytest.fixture(scope="module")
+def alone_bf16(default_model_dir: Path) -> Result:
+    """PROMPT's greedy answer in bfloat16, alone in a fresh engine: the chunked runs' reference."""
+    return _engine(default_model_dir, "bfloat16").generate([PROMPT], GREEDY)[0]
+
+
 @pytest.mark.parametrize(("chunk", "overlap"), [(64, True), (128, False), (2048, False)])
-def test_chunks_and_overlap(default_model_dir: Path, chunk: int, overlap: bool) -> None:
-    ref = _engine(default_model_dir, "bfloat16")
-    (want,) = ref.generate([PROMPT], GREEDY)
+def test_chunks_and_overlap(default_model_dir: Path, alone_bf16: Result, chunk: int, overlap: bool) -> None:
+    want = alone_bf16
     eng = _engine(default_model_dir, "bfloat16", max_prefill_tokens=chunk, disable_overlap=not overlap)
     got = eng.generate([*OTHERS[:3], PROMPT], GREEDY)[-1]
     assert _key(got) == _key(want)
