@@ -264,6 +264,8 @@ def split(n: int, k: int) -> int:
 
 
 def decode_bn(n: int) -> int:
+    """Columns a decode program of the slice rule (`split`) counts with; the 17-64-row tile is
+    twice as wide (the H200's timing at 16 rows, docs/PERF.md fifteenth session)."""
     return 64 if n >= 16384 else 32 if n >= 4096 else 16
 
 
@@ -285,8 +287,8 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     s = split(n, k)
     if m <= GEMV_ROWS:
         return GEMV_ROWS, 64, 1, 4, 4, s
-    if m <= DECODE_MAX_ROWS:
-        return 64, decode_bn(n), 1, 4, 4, s
+    if m <= DECODE_MAX_ROWS:  # twice the slice rule's columns: 1.05-1.5x at 16 rows (fifteenth session)
+        return 64, 2 * decode_bn(n), 1, 4, 4, s
     if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_TILES:
         return 128, 256, 8, 8, 3, s
     if s == 1:
@@ -333,7 +335,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if bm == GEMV_ROWS and m > GEMV_ROWS:
         raise ValueError(f"invariant GEMV: {m} rows, at most {GEMV_ROWS}")
     if bm == GEMV_ROWS and x.dtype == torch.float32 and x.is_cuda:
-        bm, bn = 64, decode_bn(n)  # (CUDA float32's bits through the GEMV are untested: the decode tile)
+        bm, bn = 64, 2 * decode_bn(n)  # (CUDA float32's bits through the GEMV are untested: the decode tile)
     if bm == GEMV_ROWS:
         _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:

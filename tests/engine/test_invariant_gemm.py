@@ -70,7 +70,8 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
             assert decode[5] == other[5]  # the K slices, which decide the sums, follow the weight only
             assert other[0] * 4 == 64 * other[3]  # one warp group per 64 rows: the same instruction
         assert invariant_gemm.tiles(16384, n, k)[2] > 1 or decode[5] == 1  # a large prefill: one program a tile
-        cols = -(-n // decode[1])
+        cols = -(-n // invariant_gemm.decode_bn(n))  # the slice rule's columns (the 17-64-row tile is twice as wide)
+        assert decode[1] == 2 * invariant_gemm.decode_bn(n)
         assert cols * decode[5] >= invariant_gemm.DECODE_PROGRAMS or decode[5] == 1 or k // 64 // decode[5] < 8
     assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1
     assert invariant_gemm.tiles(128, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at 128 rows: 16 tiles
