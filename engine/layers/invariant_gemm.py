@@ -193,25 +193,8 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     rk = tl.arange(0, BK)
     kt = tl.cdiv(K, BK)
     per = tl.cdiv(kt, SPLIT)
-    k0 = s * per
-    k1 = min(k0 + per, kt)
-    wp = w + rn[:, None].to(tl.int64) * sw + (k0 * BK + rk)[None, :]
-    xp = x + rm[None, :].to(tl.int64) * sx + (k0 * BK + rk)[:, None]
-    acc = tl.zeros((BN, BR), dtype=tl.float32)
-    for k in range(k0, k1):
-        if EVEN_K:
-            a = tl.load(wp, mask=rn[:, None] < N, other=0.0)
-            b = tl.load(xp, mask=rm[None, :] < M, other=0.0)
-        else:
-            kk = k * BK + rk
-            a = tl.load(wp, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-            b = tl.load(xp, mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
-        if F32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        wp += BK
-        xp += BK
+    # _slice with the operands' roles swapped: w's rows are the dot's first (64-row) side
+    acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK)
     rows = rm[None, :] < M
     tile = (pid * SPLIT) * BN * BR + tl.arange(0, BN)[:, None] * BR + tl.arange(0, BR)[None, :]
     tl.store(ws + tile + s * BN * BR, acc, mask=rows)
