@@ -213,7 +213,8 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
           slices: int, f32: bool) -> None:
-    """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices."""
+    """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices, one
+    warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x."""
     m, k = x.shape
     n = w.shape[0]
     ws, counters = _workspace(x.device)
@@ -312,13 +313,13 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if m == 0:
         return out
     bm, bn, group, warps, stages, slices = tile or tiles(m, n, k)
-    f32 = x.dtype == torch.float32 or interpreted()
-    xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
-    res = out.float() if xs is not x else out
     if bm == GEMV_ROWS and m > GEMV_ROWS:
         raise ValueError(f"invariant GEMV: {m} rows, at most {GEMV_ROWS}")
     if bm == GEMV_ROWS and x.dtype == torch.float32 and x.is_cuda:
         bm, bn = 64, 2 * decode_bn(n)  # (CUDA float32's bits through the GEMV are untested: the decode tile)
+    f32 = x.dtype == torch.float32 or interpreted()
+    xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
+    res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
         _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
