@@ -108,6 +108,23 @@ def _sliced(x, w, rm, rn, rk, M, N, K, sx, sw, kt, per, SPLIT: tl.constexpr,
     return acc
 
 
+@triton.jit
+def _slices_added(part, ws, counters, pid, s, mask, R: tl.constexpr, C: tl.constexpr, SPLIT: tl.constexpr):
+    """A split grid's epilogue: slice s of tile pid stores its [R, C] partial to `ws`; the last
+    of the tile's SPLIT programs to finish gets (True, the partials added in slice order) and
+    zeroes the tile's counter for the next launch; the others get (False, zeros)."""
+    tile = (pid * SPLIT) * R * C + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(ws + tile + s * R * C, part, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(counters + pid, 1, sem="acq_rel")
+    acc = tl.zeros((R, C), dtype=tl.float32)
+    if done == SPLIT - 1:
+        for j in range(SPLIT):
+            acc = acc + tl.load(ws + tile + j * R * C, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(counters + pid, 0)
+    return done == SPLIT - 1, acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
                           HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
@@ -131,16 +148,9 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     if SPLIT_GRID:
         s = tl.program_id(1)
         part = _slice(x, w, rm, rn, rk, M, N, K, sx, sw, s * per, min((s + 1) * per, kt), F32, EVEN_K, BM, BN, BK)
-        tile = (pid * SPLIT) * BM * BN + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-        tl.store(ws + tile + s * BM * BN, part, mask=rows)
-        tl.debug_barrier()
-        done = tl.atomic_add(counters + pid, 1, sem="acq_rel")
-        if done == SPLIT - 1:  # the last slice of this tile to finish: add all, in slice order
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for j in range(SPLIT):
-                acc = acc + tl.load(ws + tile + j * BM * BN, mask=rows, other=0.0, cache_modifier=".cg")
+        last, acc = _slices_added(part, ws, counters, pid, s, rows, BM, BN, SPLIT)
+        if last:
             _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS)
-            tl.store(counters + pid, 0)  # ready for the next launch
     elif SPLIT == 1:
         _store(_slice(x, w, rm, rn, rk, M, N, K, sx, sw, 0, kt, F32, EVEN_K, BM, BN, BK), bias, out, rm, rn, M, N, so,
                HAS_BIAS)
@@ -150,29 +160,39 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
 
 
 @triton.jit(do_not_specialize=["M"])
-def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-                              PDL: tl.constexpr):
-    """invariant_gemm_kernel's one-program tiles (GROUP_M > 1) with the x and w tiles loaded by
-    the tensor memory accelerator (host descriptors; out-of-bounds rows and K columns read as
-    zeros, as the masked loads): the same K slices, dots and adds, so the same bits."""
+def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, ws, counters, M, N, K, so, HAS_BIAS: tl.constexpr,
+                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                              SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, PDL: tl.constexpr):
+    """invariant_gemm_kernel with the x and w tiles loaded by the tensor memory accelerator
+    (host descriptors; out-of-bounds rows and K columns read as zeros, as the masked loads):
+    the same K slices, dots and adds, so the same bits, on a split grid or one program a tile."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped(pid, M, N, BM, BN, GROUP_M)
     kt = tl.cdiv(K, BK)
     per = tl.cdiv(kt, SPLIT)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    part = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, kt):
-        a = x_desc.load([pid_m * BM, k * BK])
-        b = w_desc.load([pid_n * BN, k * BK])
-        part = tl.dot(a, b.T, part)
-        if ((k + 1) % per == 0) | (k == kt - 1):
-            acc = acc + part
-            part = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(tl.cdiv(kt, per), SPLIT):
-        acc = acc + part  # an empty slice's zeros
-    _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
+    if SPLIT_GRID:
+        s = tl.program_id(1)
+        part = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(s * per, min((s + 1) * per, kt)):
+            part = tl.dot(x_desc.load([pid_m * BM, k * BK]), w_desc.load([pid_n * BN, k * BK]).T, part)
+        rm = pid_m * BM + tl.arange(0, BM)
+        last, acc = _slices_added(part, ws, counters, pid, s, rm[:, None] < M, BM, BN, SPLIT)
+        if last:
+            _store(acc, bias, out, rm, pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        part = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, kt):
+            a = x_desc.load([pid_m * BM, k * BK])
+            b = w_desc.load([pid_n * BN, k * BK])
+            part = tl.dot(a, b.T, part)
+            if ((k + 1) % per == 0) | (k == kt - 1):
+                acc = acc + part
+                part = tl.zeros((BM, BN), dtype=tl.float32)
+        for _ in range(tl.cdiv(kt, per), SPLIT):
+            acc = acc + part  # an empty slice's zeros
+        _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -196,19 +216,12 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     # _slice with the operands' roles swapped: w's rows are the dot's first (64-row) side
     acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK)
     rows = rm[None, :] < M
-    tile = (pid * SPLIT) * BN * BR + tl.arange(0, BN)[:, None] * BR + tl.arange(0, BR)[None, :]
-    tl.store(ws + tile + s * BN * BR, acc, mask=rows)
-    tl.debug_barrier()
-    done = tl.atomic_add(counters + pid, 1, sem="acq_rel")
-    if done == SPLIT - 1:  # the last slice of this tile to finish: add all, in slice order
-        acc = tl.zeros((BN, BR), dtype=tl.float32)
-        for j in range(SPLIT):
-            acc = acc + tl.load(ws + tile + j * BN * BR, mask=rows, other=0.0, cache_modifier=".cg")
+    last, acc = _slices_added(acc, ws, counters, pid, s, rows, BN, BR, SPLIT)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
         op = out + rm[None, :].to(tl.int64) * so + rn[:, None]
         tl.store(op, acc.to(out.dtype.element_ty), mask=rows & (rn[:, None] < N))
-        tl.store(counters + pid, 0)  # ready for the next launch
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
@@ -344,10 +357,11 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        invariant_gemm_tma_kernel[(grid_mn,)](
+        invariant_gemm_tma_kernel[(grid_mn, slices if split_grid else 1)](
             TensorDescriptor.from_tensor(x, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
-            bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
-            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
+            bias if bias is not None else x, out, ws, counters, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
+            BM=bm, BN=bn, BK=BLOCK_K, GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device),
+            num_warps=warps, num_stages=stages,
         )
         return
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](

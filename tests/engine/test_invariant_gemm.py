@@ -104,20 +104,26 @@ def test_warm_up_compiles_each_tile_choice_once() -> None:
 
 
 def test_tma_tiles_give_the_pointer_tiles_bits() -> None:
-    """The one-program tiles' TMA kernel (CUDA's path for 16-bit operands) sums as the pointer
-    kernel does: the same bits in float32 at 1, 4 and 8 K slices (two of them empty), masked
-    rows, columns and K; run here by triton's interpreter, on the H200 by the GPU test."""
+    """The TMA kernel (CUDA's path for 16-bit operands), one program a tile and on a split grid,
+    sums as the pointer kernel does: the same bits in float32 at 1, 4 and 8 K slices (two of
+    them empty), masked rows, columns and K; run here by triton's interpreter, on the H200 by the
+    GPU test."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     g = torch.Generator().manual_seed(9)
     for m, n, k, slices in [(70, 48, 64 * 16 + 24, 4), (130, 96, 512, 8), (5, 40, 256, 1)]:
         x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        out = torch.empty(m, n)
         grid = -(-m // 64) * -(-n // 32)
-        invariant_gemm.invariant_gemm_tma_kernel[(grid,)](
-            TensorDescriptor.from_tensor(x, [64, 64]), TensorDescriptor.from_tensor(w, [32, 64]), b, out, m, n, k,
-            out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
-        assert torch.equal(out, invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))), (m, n, k, slices)
+        ws, counters = invariant_gemm._workspace(x.device)
+        pointer = invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))
+        for group, split_grid in ((8, False), (1, True)):  # one program a tile; the K slices as programs
+            out = torch.empty(m, n)
+            invariant_gemm.invariant_gemm_tma_kernel[(grid, slices if split_grid else 1)](
+                TensorDescriptor.from_tensor(x, [64, 64]), TensorDescriptor.from_tensor(w, [32, 64]), b, out, ws,
+                counters, m, n, k, out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=group, SPLIT=slices,
+                SPLIT_GRID=split_grid, PDL=False)
+            assert torch.equal(out, pointer), (m, n, k, slices, split_grid)
+        assert not counters.any()  # the split grid left its counters ready for the next launch
 
 
 def test_swapped_gemv_gives_the_tiles_bits() -> None:

@@ -94,21 +94,29 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
 
 
 def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor, slices: int) -> None:
-    """Mid-rows candidates at 128, 256 and 512 rows: time (us, cuBLAS beside), and '!' where a
-    candidate's rows would not keep the decode bits (printed, for choosing `tiles`' mid rule)."""
-    for m in (128, 256, 512):
+    """Mid-rows candidates at 64, 128, 256 and 512 rows: time (us, cuBLAS beside), split grids
+    with pointer loads ('ptr') and TMA loads ('tma'), '!' where a candidate's rows would not
+    keep the decode bits (printed, for choosing `tiles`' mid rule; asserted for the TMA split
+    grid, the condition for serving it)."""
+    bad = []
+    for m in (64, 128, 256, 512):
         row = []
-        for c in MID_CANDIDATES:
-            tile = (*c, slices)
-            try:
-                same = torch.equal(invariant_gemm.gemm(x[:m], w, tile=tile), decode_tiled[:m])
-            except ValueError:  # a split grid past the workspace
-                row.append(f"{c[:3]} -")
-                continue
-            row.append(f"{c[:3]} {_time(lambda tile=tile, m=m: invariant_gemm.gemm(x[:m], w, tile=tile)):.1f}"
-                       + ("" if same else "!"))
+        for c in MID_CANDIDATES + [(128, 256, 1, 8, 3)]:
+            for tma in (False, True) if c[2] == 1 else (True,):
+                tile = (*c, slices)
+                label = f"{c[:3]}{'tma' if tma else 'ptr'}"
+                try:
+                    same = torch.equal(invariant_gemm.gemm(x[:m], w, tile=tile, tma=tma), decode_tiled[:m])
+                except ValueError:  # a split grid past the workspace
+                    row.append(f"{label} -")
+                    continue
+                if not same and tma and c[2] == 1:
+                    bad.append((m, c))
+                t = _time(lambda tile=tile, m=m, tma=tma: invariant_gemm.gemm(x[:m], w, tile=tile, tma=tma))
+                row.append(f"{label} {t:.1f}" + ("" if same else "!"))
         print(f"{name} mid M={m}: now {invariant_gemm.tiles(m, *w.shape)[:3]}, cuBLAS "
               f"{_time(lambda m=m: F.linear(x[:m], w)):.1f} us; " + ", ".join(row))
+    assert not bad, (name, bad)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
