@@ -141,3 +141,23 @@ def test_swapped_gemv_gives_the_tiles_bits() -> None:
         assert torch.equal(invariant_gemm.gemm(x[:3], w, b, tile=(16, 64, 1, 4, 2, slices)), prefill[:3])
     with pytest.raises(ValueError, match="at most 16"):
         invariant_gemm.gemm(x[:17], w, tile=(16, 64, 1, 4, 2, 1))
+
+
+def test_folded_swiglu_gives_the_kernels_bits() -> None:
+    """x = [gate | up]: up to 16 rows the GEMV computes silu(gate) * up as it loads x, above
+    silu_mul_kernel runs first; one formula, so a row's bits are the same either way (and
+    close to torch's SwiGLU), with a masked K tail and 1-4 slices."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(11)
+    for n, k, slices in [(48, 64 * 4 + 24, 4), (130, 256, 1)]:
+        w, x = torch.randn(n, k, generator=g), torch.randn(40, 2 * k, generator=g)
+        prefill = invariant_gemm.gemm(x, w, tile=(64, 32, 8, 4, 3, slices), silu_mul=True)
+        act = F.silu(x[:, :k]) * x[:, k:]
+        torch.testing.assert_close(invariant_gemm._silu_mul(x), act, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(prefill, act @ w.T, rtol=1e-4, atol=1e-4)
+        for m in (1, 5, 16):
+            assert torch.equal(invariant_gemm.gemm(x[:m], w, tile=(16, 64, 1, 4, 2, slices), silu_mul=True),
+                               prefill[:m]), (n, k, slices, m)
+    with pytest.raises(ValueError, match="silu_mul=True"):
+        invariant_gemm.gemm(x[:, :k], w, silu_mul=True)
