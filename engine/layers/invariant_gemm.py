@@ -37,6 +37,11 @@ DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
 MID_TILES = 32  # 64 x 128 tiles (one program each, TMA loads) beat the split grid from this many, if not too few for K
+# 128 x 256 tiles on a split grid where their programs make about one wave and each slice is long
+# (Llama-3.1-8B's down at 256 rows: 67.7 us against the 64 x 128 one-program tiles' 79.1;
+# Llama's o at 16 K tiles a slice lost: 34.6 against 23.2; docs/PERF.md sixteenth session)
+LONG_SLICE_PROGRAMS = 160
+LONG_SLICE_TILES = 32
 WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, allocated on first use)
 
 
@@ -52,41 +57,16 @@ def _grouped(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexp
 
 
 @triton.jit
-def silu_mul(g, u):
-    """silu(g) * u in float32, the one formula of the mode's SwiGLU (silu_mul_kernel and the
-    GEMV's folded loads), so that both round the same value."""
-    g = g.to(tl.float32)
-    return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
-
-
-@triton.jit
-def silu_mul_kernel(x, out, K, sx, so, BLOCK: tl.constexpr):
-    """out[r, :K] = silu(x[r, :K]) * x[r, K:2K], rounded to out's dtype: one row block a program."""
-    r = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < K
-    v = silu_mul(tl.load(x + r * sx + cols, mask=m, other=0.0), tl.load(x + r * sx + K + cols, mask=m, other=0.0))
-    tl.store(out + r * so + cols, v.to(out.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr,
-            SILU_B: tl.constexpr = False):
+def _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr):
     """acc + the product of K tile k's x tile (at xp) and w tile (at wp), rows past M, columns
-    past N and K past its end read as zeros. SILU_B: w's rows are [gate | up] of width 2K and
-    the tile is silu(gate) * up, rounded to w's dtype (the swapped GEMV's folded SwiGLU)."""
+    past N and K past its end read as zeros."""
     if EVEN_K:
         a = tl.load(xp, mask=rm[:, None] < M, other=0.0)
         b = tl.load(wp, mask=rn[None, :] < N, other=0.0)
-        if SILU_B:
-            b = silu_mul(b, tl.load(wp + K, mask=rn[None, :] < N, other=0.0)).to(wp.dtype.element_ty)
     else:
         kk = k * BK + rk
         a = tl.load(xp, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(wp, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if SILU_B:
-            b = silu_mul(b, tl.load(wp + K, mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)).to(
-                wp.dtype.element_ty)
     if F32:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
@@ -96,16 +76,14 @@ def _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32: tl.constexpr, EVEN_K: tl.c
 
 @triton.jit
 def _slice(x, w, rm, rn, rk, M, N, K, sx, sw, k0, k1,
-           F32: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-           SILU_B: tl.constexpr = False):
-    """x[rm, k] @ w[rn, k]^T over K tiles k0 .. k1 - 1, in order, from a zero accumulator
-    (SILU_B: w's tiles are silu(gate) * up, as `_k_step`)."""
+           F32: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """x[rm, k] @ w[rn, k]^T over K tiles k0 .. k1 - 1, in order, from a zero accumulator."""
     rkk = k0 * BK + rk
     xp = x + rm[:, None].to(tl.int64) * sx + rkk[None, :]
     wp = w + rn[None, :].to(tl.int64) * sw + rkk[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(k0, k1):
-        acc = _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32, EVEN_K, BK, SILU_B)
+        acc = _k_step(xp, wp, rm, rn, rk, k, M, N, K, acc, F32, EVEN_K, BK)
         xp += BK
         wp += BK
     return acc
@@ -187,54 +165,42 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
 
 
 @triton.jit(do_not_specialize=["M"])
-def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, ws, counters, M, N, K, so, HAS_BIAS: tl.constexpr,
-                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                              SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, PDL: tl.constexpr):
-    """invariant_gemm_kernel with the x and w tiles loaded by the tensor memory accelerator
-    (host descriptors; out-of-bounds rows and K columns read as zeros, as the masked loads):
-    the same K slices, dots and adds, so the same bits, on a split grid or one program a tile."""
+def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+                              PDL: tl.constexpr):
+    """invariant_gemm_kernel's one-program tiles (GROUP_M > 1) with the x and w tiles loaded by
+    the tensor memory accelerator (host descriptors; out-of-bounds rows and K columns read as
+    zeros, as the masked loads): the same K slices, dots and adds, so the same bits. (On a split
+    grid TMA loads measured no faster than the pointer loads: docs/PERF.md, sixteenth session.)"""
     pdl_start(PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped(pid, M, N, BM, BN, GROUP_M)
     kt = tl.cdiv(K, BK)
     per = tl.cdiv(kt, SPLIT)
-    if SPLIT_GRID:
-        s = tl.program_id(1)
-        part = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(s * per, min((s + 1) * per, kt)):
-            part = tl.dot(x_desc.load([pid_m * BM, k * BK]), w_desc.load([pid_n * BN, k * BK]).T, part)
-        rm = pid_m * BM + tl.arange(0, BM)
-        last, acc = _slices_added(part, ws, counters, pid, s, rm[:, None] < M, BM, BN, SPLIT)
-        if last:
-            _store(acc, bias, out, rm, pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        part = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, kt):
-            a = x_desc.load([pid_m * BM, k * BK])
-            b = w_desc.load([pid_n * BN, k * BK])
-            part = tl.dot(a, b.T, part)
-            if ((k + 1) % per == 0) | (k == kt - 1):
-                acc = acc + part
-                part = tl.zeros((BM, BN), dtype=tl.float32)
-        for _ in range(tl.cdiv(kt, per), SPLIT):
-            acc = acc + part  # an empty slice's zeros
-        _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    part = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, kt):
+        a = x_desc.load([pid_m * BM, k * BK])
+        b = w_desc.load([pid_n * BN, k * BK])
+        part = tl.dot(a, b.T, part)
+        if ((k + 1) % per == 0) | (k == kt - 1):
+            acc = acc + part
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(tl.cdiv(kt, per), SPLIT):
+        acc = acc + part  # an empty slice's zeros
+    _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
                           HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr,
-                          BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
-                          PDL: tl.constexpr):
+                          BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """invariant_gemm_kernel's split grid for M <= BR rows with the operands swapped: a program
     computes out^T's [BN, BR] tile = w[BN, K slice] @ x[BR, K slice]^T, the weight as the dot's
     64-row side (the warp group's operand) and the few rows of x as its narrow side, instead of
     a 64-row x tile of which one row is real. Each element is the same products over the same
     k16 steps, K tiles, slices and slice adds as invariant_gemm_kernel's (the H200 test checks
-    the bits in bf16 at every projection shape it times). SILU_MUL: x's rows are [gate | up]
-    ([M, 2K]) and each x tile is silu(gate) * up as it loads, rounded as silu_mul_kernel rounds
-    it: the bits of that kernel then the GEMM, one launch fewer."""
+    the bits in bf16 at every projection shape it times)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -244,8 +210,7 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     kt = tl.cdiv(K, BK)
     per = tl.cdiv(kt, SPLIT)
     # _slice with the operands' roles swapped: w's rows are the dot's first (64-row) side
-    acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK,
-                 SILU_MUL)
+    acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK)
     rows = rm[None, :] < M
     last, acc = _slices_added(acc, ws, counters, pid, s, rows, BN, BR, SPLIT)
     if last:
@@ -256,11 +221,11 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
-          slices: int, f32: bool, silu: bool) -> None:
+          slices: int, f32: bool) -> None:
     """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices, one
-    warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x (silu: x is
-    [gate | up])."""
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x."""
+    m, k = x.shape
+    n = w.shape[0]
     ws, counters = _workspace(x.device)
     grid_n = triton.cdiv(n, bn)
     if grid_n * slices * bn * GEMV_ROWS > ws.numel() or grid_n > counters.numel():
@@ -268,16 +233,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     invariant_gemv_kernel[(grid_n, slices)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=GEMV_ROWS, BK=BLOCK_K,
-        SPLIT=slices, SILU_MUL=silu, **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
+        SPLIT=slices, **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
     )
-
-
-def _silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of x = [gate | up] [M, 2K] by silu_mul_kernel (the GEMV folds the same formula)."""
-    m, k = x.shape[0], x.shape[1] // 2
-    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    silu_mul_kernel[(m, triton.cdiv(k, 1024))](x, out, k, x.stride(0), out.stride(0), BLOCK=1024, num_warps=4)
-    return out
 
 
 @triton.jit
@@ -325,8 +282,12 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
         return GEMV_ROWS, 64, 1, 4, 4, s
     if m <= DECODE_MAX_ROWS:  # twice the slice rule's columns: 1.05-1.5x at 16 rows (fifteenth session)
         return 64, 2 * decode_bn(n), 1, 4, 4, s
-    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_TILES:
+    full_tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
+    if full_tiles >= FULL_TILES:
         return 128, 256, 8, 8, 3, s
+    if full_tiles * s >= FULL_TILES and full_tiles * s <= LONG_SLICE_PROGRAMS \
+            and triton.cdiv(k, BLOCK_K) >= LONG_SLICE_TILES * s:
+        return 128, 256, 1, 8, 3, s  # a long K (Llama's down at 129-256 rows): 128 x 256 on a split grid
     if s == 1:
         return 64, 256, 8, 4, 3, s
     mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
@@ -348,19 +309,14 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None,
-         silu_mul: bool = False) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M.
     One-program tiles of 16-bit operands load through the tensor memory accelerator
     (invariant_gemm_tma_kernel: 1.1-1.7x the pointer loads at 4096 rows on an H200, the same
     bits) where the operands' layout allows it; float32, triton's interpreter and a misaligned
     view take the pointer loads. `tile`: `tiles`' answer forced; `tma`: the loads forced (the
-    GPU test's candidates). `silu_mul`: x is [gate | up] [M, 2K] and the product is of
-    silu(gate) * up, folded into the GEMV's loads up to GEMV_ROWS rows, else silu_mul_kernel
-    first: one formula, so the same bits at every row count."""
-    m, k = x.shape[0], w.shape[1]
-    if x.shape[1] != (2 * k if silu_mul else k):
-        raise ValueError(f"invariant GEMM: x {list(x.shape)} against w {list(w.shape)} (silu_mul={silu_mul})")
+    GPU test's candidates)."""
+    m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -378,9 +334,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
-        _gemv(xs, ws_, bias, res, bn, stages, slices, f32, silu_mul)
+        _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
-        _gemm(_silu_mul(xs) if silu_mul else xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
+        _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
     if res is not out:
         out.copy_(res)
     return out
@@ -396,16 +352,17 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     ws, counters = _workspace(x.device)
     if split_grid and (grid_mn * slices * bm * bn > ws.numel() or grid_mn > counters.numel()):
         raise ValueError(f"invariant GEMM [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
+    if split_grid and tma:
+        raise ValueError("invariant GEMM: a split grid takes pointer loads")
     if tma is None:
         tma = not split_grid and not f32 and _tma_layout(x) and _tma_layout(w)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        invariant_gemm_tma_kernel[(grid_mn, slices if split_grid else 1)](
+        invariant_gemm_tma_kernel[(grid_mn,)](
             TensorDescriptor.from_tensor(x, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
-            bias if bias is not None else x, out, ws, counters, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
-            BM=bm, BN=bn, BK=BLOCK_K, GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device),
-            num_warps=warps, num_stages=stages,
+            bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
+            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
         )
         return
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](

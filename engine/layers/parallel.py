@@ -330,8 +330,6 @@ class Linear(nn.Module):
         cfg = self.gemv_config(h)
         if cfg is not None:
             return triton_ops.gemv(h, self.weight, *cfg, silu_mul=True)
-        if batch_invariant.enabled():  # CUDA: the SwiGLU folded into the mode's few-row GEMV
-            return matmul(h, self.weight, self.bias, self.packed, silu_mul=True)
         return self(ops.silu_and_mul(h))
 
 
@@ -372,7 +370,7 @@ class RowParallelLinear(Linear):
         cfg = self._local_gemv(x)
         if cfg is not None:
             return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)
-        return matmul(x, self.weight, silu_mul=silu_mul)
+        return matmul(ops.silu_and_mul(x) if silu_mul else x, self.weight)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
@@ -449,22 +447,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) by the vendor kernel (oneDNN's packed weight where there is one: bias-free
-    layers only); with silu_mul, x = [gate | up] and the product is of silu(gate) * up. With
-    deterministic inference: on CUDA one batch-invariant triton GEMM (engine/layers/invariant_gemm.py,
-    which folds the SwiGLU into its few-row GEMV), elsewhere the vendor kernel in fixed row
-    blocks (batch_invariant.rows_of)."""
+    layers only). With deterministic inference: on CUDA one batch-invariant triton GEMM
+    (engine/layers/invariant_gemm.py), elsewhere the vendor kernel in fixed row blocks
+    (batch_invariant.rows_of)."""
     def gemm(a: torch.Tensor) -> torch.Tensor:
         return F.linear(a, weight, bias) if packed is None else packed_linear(a, packed)
 
-    if batch_invariant.enabled() and x.is_cuda and x.dim() == 2 and _invariant_gemm_fits(x, weight):
-        from engine.layers import invariant_gemm  # one launch, any row count
+    if not batch_invariant.enabled():
+        return gemm(x)
+    if x.is_cuda and x.dim() == 2 and _invariant_gemm_fits(x, weight):  # one launch, any row count
+        from engine.layers import invariant_gemm
 
-        return invariant_gemm.gemm(x, weight, bias, silu_mul=silu_mul)
-    if silu_mul:
-        x = ops.silu_and_mul(x)
-    return batch_invariant.rows_of(x, gemm) if batch_invariant.enabled() else gemm(x)
+        return invariant_gemm.gemm(x, weight, bias)
+    return batch_invariant.rows_of(x, gemm)
 
 
 def _invariant_gemm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

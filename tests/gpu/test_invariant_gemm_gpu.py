@@ -24,7 +24,7 @@ SHAPES = {  # (N, K): Llama-3.1-8B qkv, o, gate_up, down, LM head; Qwen3-0.6B qk
 CANDIDATES = [(64, 256, 8, 4, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]  # + the K slices
 # mid-sized batches (the deterministic mode's large decode steps, 2x cuBLAS at 256 rows): split grids
 # (GROUP_M 1) and in-loop slices (8), 4 warps per 64 rows as every tile (the bits' condition)
-MID_CANDIDATES = [(64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 8, 4),
+MID_CANDIDATES = [(64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 8, 4), (128, 256, 1, 8, 3),
                   (64, 128, 8, 4, 4), (64, 256, 8, 4, 3), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]  # GROUP_M 8: TMA
 
 
@@ -94,29 +94,21 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
 
 
 def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Tensor, slices: int) -> None:
-    """Mid-rows candidates at 64, 128, 256 and 512 rows: time (us, cuBLAS beside), split grids
-    with pointer loads ('ptr') and TMA loads ('tma'), '!' where a candidate's rows would not
-    keep the decode bits (printed, for choosing `tiles`' mid rule; asserted for the TMA split
-    grid, the condition for serving it)."""
-    bad = []
+    """Mid-rows candidates at 64, 128, 256 and 512 rows: time (us, cuBLAS beside), and '!' where a
+    candidate's rows would not keep the decode bits (printed, for choosing `tiles`' mid rule)."""
     for m in (64, 128, 256, 512):
         row = []
-        for c in MID_CANDIDATES + [(128, 256, 1, 8, 3)]:
-            for tma in (False, True) if c[2] == 1 else (True,):
-                tile = (*c, slices)
-                label = f"{c[:3]}{'tma' if tma else 'ptr'}"
-                try:
-                    same = torch.equal(invariant_gemm.gemm(x[:m], w, tile=tile, tma=tma), decode_tiled[:m])
-                except ValueError:  # a split grid past the workspace
-                    row.append(f"{label} -")
-                    continue
-                if not same and tma and c[2] == 1:
-                    bad.append((m, c))
-                t = _time(lambda tile=tile, m=m, tma=tma: invariant_gemm.gemm(x[:m], w, tile=tile, tma=tma))
-                row.append(f"{label} {t:.1f}" + ("" if same else "!"))
+        for c in MID_CANDIDATES:
+            tile = (*c, slices)
+            try:
+                same = torch.equal(invariant_gemm.gemm(x[:m], w, tile=tile), decode_tiled[:m])
+            except ValueError:  # a split grid past the workspace
+                row.append(f"{c[:3]} -")
+                continue
+            row.append(f"{c[:3]} {_time(lambda tile=tile, m=m: invariant_gemm.gemm(x[:m], w, tile=tile)):.1f}"
+                       + ("" if same else "!"))
         print(f"{name} mid M={m}: now {invariant_gemm.tiles(m, *w.shape)[:3]}, cuBLAS "
               f"{_time(lambda m=m: F.linear(x[:m], w)):.1f} us; " + ", ".join(row))
-    assert not bad, (name, bad)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -164,22 +156,3 @@ def test_decode_candidates_at_few_rows(name: str) -> None:
                     cells.append(f"gemv{bn}/{st}/s{sl} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
     print(f"{name} N={n} K={k} slices {s}: " + ", ".join(cells))
     assert not bad, (name, bad)
-
-
-@pytest.mark.parametrize("name", ["llama-down", "qwen-down"])
-def test_folded_swiglu_keeps_the_bits(name: str) -> None:
-    """x = [gate | up] (the down projection's input): the GEMV folds silu(gate) * up into its
-    loads up to 16 rows, above silu_mul_kernel runs first; a row's bits equal at 1 .. 1024 rows.
-    Prints the one-row time folded against the two launches."""
-    n, k = SHAPES[name]
-    g = torch.Generator(device="cuda").manual_seed(2)
-    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
-    x = torch.randn(1024, 2 * k, generator=g, device="cuda").to(torch.bfloat16)
-    full = invariant_gemm.gemm(x, w, silu_mul=True)
-    torch.testing.assert_close(full.float(), F.linear(F.silu(x[:, :k]) * x[:, k:], w).float(), rtol=3e-2, atol=3e-2)
-    differ = [m for m in (1, 7, 16, 17, 64, 256) if not torch.equal(invariant_gemm.gemm(x[:m], w, silu_mul=True),
-                                                                    full[:m])]
-    folded = _time(lambda: invariant_gemm.gemm(x[:1], w, silu_mul=True))
-    apart = _time(lambda: invariant_gemm.gemm(invariant_gemm._silu_mul(x[:1]), w))
-    print(f"{name} folded SwiGLU, one row: {folded:.1f} us, silu_mul_kernel + GEMV {apart:.1f} us")
-    assert not differ, (name, differ)
