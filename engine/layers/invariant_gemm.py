@@ -33,6 +33,8 @@ from engine.layers.tuning import kernel_tuning
 
 BLOCK_K = 64
 GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
+GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
+GEMV_WIDE_GRID = 640  # GEMV programs (~5 an H200 SM) above which it pipelines 3 stages deep
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
@@ -262,6 +264,17 @@ def decode_bn(n: int) -> int:
     return 64 if n >= 16384 else 32 if n >= 4096 else 16
 
 
+def gemv_stages(n: int, k: int, slices: int) -> int:
+    """Pipeline stages of the swapped GEMV (they decide no sums): 6 where a slice is long (at least
+    GEMV_LONG_SLICE K tiles: Llama's down and LM head, ~1 us faster), 3 where the grid has
+    GEMV_WIDE_GRID to 1024 programs (3 stages' shared memory keeps ~7 of them an H200 SM resident,
+    one wave: Llama's gate_up, 896 programs, 59.5-59.8 us against 63.2-63.6 at 4 on three
+    machines), else 4 (docs/PERF.md, sixteenth session)."""
+    if -(-k // BLOCK_K) >= GEMV_LONG_SLICE * slices:
+        return 6
+    return 3 if GEMV_WIDE_GRID < -(-n // 64) * slices <= 2 * DECODE_PROGRAMS else 4
+
+
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1
     marks a split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see
@@ -279,7 +292,7 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     split grid (Qwen's qkv at 128 rows 8.8 against 13.6 us) except with few tiles over a long K."""
     s = split(n, k)
     if m <= GEMV_ROWS:
-        return GEMV_ROWS, 64, 1, 4, 4, s
+        return GEMV_ROWS, 64, 1, 4, gemv_stages(n, k, s), s
     if m <= DECODE_MAX_ROWS:  # twice the slice rule's columns: 1.05-1.5x at 16 rows (fifteenth session)
         return 64, 2 * decode_bn(n), 1, 4, 4, s
     full_tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
