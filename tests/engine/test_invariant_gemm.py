@@ -133,6 +133,7 @@ def test_swapped_gemv_gives_the_tiles_bits() -> None:
             gemv = invariant_gemm.gemm(x[:m], w, b, tile=(16, 64, 1, 4, 2, slices))
             assert torch.equal(gemv, prefill[:m]), (n, k, slices, m)
             assert torch.equal(gemv, invariant_gemm.gemm(x[:m], w, b, tile=(64, 16, 1, 4, 2, slices)))
+            assert torch.equal(gemv, invariant_gemm.gemm(x[:m], w, b, tile=(16, 64, 1, 4, 2, slices), tma=True))
         assert torch.equal(invariant_gemm.gemm(x[:3], w, b, tile=(16, 64, 1, 4, 2, slices)), prefill[:3])
     with pytest.raises(ValueError, match="at most 16"):
         invariant_gemm.gemm(x[:17], w, tile=(16, 64, 1, 4, 2, 1))
