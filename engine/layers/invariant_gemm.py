@@ -33,7 +33,6 @@ from engine.layers.tuning import kernel_tuning
 
 BLOCK_K = 64
 GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
-GEMV_TMA = False  # the GEMV's tiles through the tensor memory accelerator (under measurement)
 GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
 GEMV_WIDE_GRID = 640  # GEMV programs (~5 an H200 SM) above which it pipelines 3 stages deep
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
@@ -260,7 +259,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     if grid_n * slices * bn * GEMV_ROWS > ws.numel() or grid_n > counters.numel():
         raise ValueError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
     if tma is None:
-        tma = GEMV_TMA and not f32 and _tma_layout(x) and _tma_layout(w)
+        tma = (not f32 and x.is_cuda and kernel_tuning(x.device).invariant_gemv_tma and _tma_layout(x)
+               and _tma_layout(w))
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
