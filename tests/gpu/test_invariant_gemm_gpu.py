@@ -25,7 +25,8 @@ CANDIDATES = [(64, 256, 8, 4, 3), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128,
 # mid-sized batches (the deterministic mode's large decode steps, 2x cuBLAS at 256 rows): split grids
 # (GROUP_M 1) and in-loop slices (8), 4 warps per 64 rows as every tile (the bits' condition)
 MID_CANDIDATES = [(64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 8, 4), (128, 256, 1, 8, 3),
-                  (64, 128, 8, 4, 4), (64, 256, 8, 4, 3), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3)]  # GROUP_M 8: TMA
+                  (64, 32, 8, 4, 4), (64, 64, 8, 4, 4), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3), (128, 128, 8, 8, 3),
+                  (128, 256, 8, 8, 3)]  # GROUP_M 8: TMA
 
 
 def _time(f, reps: int = 20) -> float:  # noqa: ANN001
