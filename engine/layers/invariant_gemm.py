@@ -213,32 +213,6 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     per = tl.cdiv(kt, SPLIT)
     # _slice with the operands' roles swapped: w's rows are the dot's first (64-row) side
     acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK)
-    _gemv_done(acc, bias, out, ws, counters, pid, s, rn, rm, M, N, so, HAS_BIAS, BN, BR, SPLIT)
-
-
-@triton.jit(do_not_specialize=["M"])
-def invariant_gemv_tma_kernel(x_desc, w_desc, bias, out, ws, counters, M, N, K, so, HAS_BIAS: tl.constexpr,
-                              BN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                              PDL: tl.constexpr):
-    """invariant_gemv_kernel with the weight and x tiles loaded by the tensor memory accelerator
-    (x's rows past M and K past its end read as zeros): the same dots in the same order."""
-    pdl_start(PDL)
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    kt = tl.cdiv(K, BK)
-    per = tl.cdiv(kt, SPLIT)
-    acc = tl.zeros((BN, BR), dtype=tl.float32)
-    for k in range(s * per, min((s + 1) * per, kt)):
-        acc = tl.dot(w_desc.load([pid * BN, k * BK]), x_desc.load([0, k * BK]).T, acc)
-    _gemv_done(acc, bias, out, ws, counters, pid, s, pid * BN + tl.arange(0, BN), tl.arange(0, BR), M, N, so,
-               HAS_BIAS, BN, BR, SPLIT)
-
-
-@triton.jit
-def _gemv_done(acc, bias, out, ws, counters, pid, s, rn, rm, M, N, so, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-               BR: tl.constexpr, SPLIT: tl.constexpr):
-    """A GEMV slice's end: its partial of out^T [BN, BR] to the workspace; the tile's last slice
-    adds them in order, the bias, and stores the rows < M."""
     rows = rm[None, :] < M
     last, acc = _slices_added(acc, ws, counters, pid, s, rows, BN, BR, SPLIT)
     if last:
@@ -249,28 +223,16 @@ def _gemv_done(acc, bias, out, ws, counters, pid, s, rn, rm, M, N, so, HAS_BIAS:
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
-          slices: int, f32: bool, tma: bool | None) -> None:
-    """invariant_gemv_kernel (or its TMA twin) over out [M <= GEMV_ROWS, N]: the column tiles x
-    the K slices, one warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x."""
+          slices: int, f32: bool) -> None:
+    """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices, one
+    warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x. (Its TMA twin
+    measured no faster on the H200: docs/PERF.md, sixteenth session.)"""
     m, k = x.shape
     n = w.shape[0]
     ws, counters = _workspace(x.device)
     grid_n = triton.cdiv(n, bn)
     if grid_n * slices * bn * GEMV_ROWS > ws.numel() or grid_n > counters.numel():
         raise ValueError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
-    if tma is None:
-        tma = (not f32 and x.is_cuda and kernel_tuning(x.device).invariant_gemv_tma and _tma_layout(x)
-               and _tma_layout(w))
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        invariant_gemv_tma_kernel[(grid_n, slices)](
-            TensorDescriptor.from_tensor(x, [GEMV_ROWS, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
-            bias if bias is not None else x, out, ws, counters, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
-            BN=bn, BR=GEMV_ROWS, BK=BLOCK_K, SPLIT=slices, **_pdl(x.device), num_warps=4 * (bn // 64),
-            num_stages=stages,
-        )
-        return
     invariant_gemv_kernel[(grid_n, slices)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=GEMV_ROWS, BK=BLOCK_K,
@@ -347,7 +309,9 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     # (Llama's down at 128 rows, 64 tiles over 224 K tiles: 78.7 us, against 55.8 split)
     if (mid_tiles >= MID_TILES and 2 * mid_tiles >= triton.cdiv(k, BLOCK_K)) \
             or mid_tiles * s * 64 * 128 > WORKSPACE_FLOATS:
-        return 64, 128, 8, 4, 4, s
+        # fewer 64 x 128 tiles than about one an SM: 64 x 64, twice the programs (Qwen3-0.6B's o and
+        # down at 256 rows 10.7 / 13.7 us against 13.0 / 16.7, Llama's o at 128 rows 17.3 against 20.3)
+        return 64, 64 if mid_tiles < FULL_TILES else 128, 8, 4, 4, s
     return 64, 128, 1, 4, 4, s
 
 
@@ -386,7 +350,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
-        _gemv(xs, ws_, bias, res, bn, stages, slices, f32, tma)
+        _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
         _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
     if res is not out:

@@ -76,7 +76,9 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
         assert cols * decode[5] >= invariant_gemm.DECODE_PROGRAMS or decode[5] == 1 or k // 64 // decode[5] < 8
     assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1
     assert invariant_gemm.tiles(128, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at 128 rows: 16 tiles
-    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 128, 8, 4, 4, 8)  # at 256: 32 tiles, 32 K tiles
+    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 64, 8, 4, 4, 8)  # at 256: 32 tiles, 32 K tiles: 64 wide
+    assert invariant_gemm.tiles(1024, 1024, 2048) == (64, 128, 8, 4, 4, 8)  # 128 tiles of 64 x 128
+    assert invariant_gemm.tiles(256, 4096, 14336) == (128, 256, 1, 8, 3, 4)  # Llama's down: a long K, split
     assert invariant_gemm.tiles(128, 4096, 14336) == (64, 128, 1, 4, 4, 4)  # Llama's down: 64 tiles, 224 K tiles
     assert invariant_gemm.tiles(128, 28672, 4096) == (64, 128, 8, 4, 4, 2)  # Llama's gate_up: 448 tiles of 64 x 128
     assert invariant_gemm.tiles(256, 128256, 4096) == (128, 256, 8, 8, 3, 1)  # the LM head: 1002 tiles
@@ -99,8 +101,8 @@ def test_mid_rows_split_grid_gives_the_prefill_bits() -> None:
 def test_warm_up_compiles_each_tile_choice_once() -> None:
     """Ready means warm: engine/run/warmup.py runs the first row count of each tile choice."""
     rows = list(range(1, 2000))
-    firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: decode, mid split grid, 64 x 128 tiles
-    assert firsts == [1, 17, 65, 193]
+    firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: GEMV, decode, mid split grid, 64 x 64
+    assert firsts == [1, 17, 65, 193, 961]  # and 64 x 128 tiles
     assert {invariant_gemm.tiles(m, 1024, 2048) for m in rows} == {invariant_gemm.tiles(m, 1024, 2048) for m in firsts}
 
 
@@ -133,7 +135,6 @@ def test_swapped_gemv_gives_the_tiles_bits() -> None:
             gemv = invariant_gemm.gemm(x[:m], w, b, tile=(16, 64, 1, 4, 2, slices))
             assert torch.equal(gemv, prefill[:m]), (n, k, slices, m)
             assert torch.equal(gemv, invariant_gemm.gemm(x[:m], w, b, tile=(64, 16, 1, 4, 2, slices)))
-            assert torch.equal(gemv, invariant_gemm.gemm(x[:m], w, b, tile=(16, 64, 1, 4, 2, slices), tma=True))
         assert torch.equal(invariant_gemm.gemm(x[:3], w, b, tile=(16, 64, 1, 4, 2, slices)), prefill[:3])
     with pytest.raises(ValueError, match="at most 16"):
         invariant_gemm.gemm(x[:17], w, tile=(16, 64, 1, 4, 2, 1))

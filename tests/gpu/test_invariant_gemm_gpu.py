@@ -116,7 +116,7 @@ def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch
 def test_decode_candidates_at_few_rows(name: str) -> None:
     """Decode GEMMs at 1 and 16 rows, bf16: today's split grid (BM 64) at other column tiles and
     stages, and the swapped-operand GEMV (BM 16: invariant_gemv_kernel, the weight as the dot's
-    64-row side; 'tma': its TMA twin) at its tiles, stages and K slices: time in us and TB/s of
+    64-row side) at its tiles, stages and K slices: time in us and TB/s of
     weight (printed), '!' where a candidate's rows differ from the prefill tiles' at the same
     slices (asserted for the GEMV at today's slices, the condition for serving it)."""
     n, k = SHAPES[name]
@@ -144,18 +144,16 @@ def test_decode_candidates_at_few_rows(name: str) -> None:
         for sl in sorted(fulls):
             for bn in (64, 128):
                 for st in (3, 4, 6, 8) if (sl, bn) == (s, 64) else (4, 6):
-                    for tma in (False, True) if (sl, bn) == (s, 64) else (False,):
-                        label = f"{'tma' if tma else 'gemv'}{bn}/{st}/s{sl}"
-                        try:
-                            tile = (16, bn, 1, 4, st, sl)
-                            out = invariant_gemm.gemm(x[:m], w, tile=tile, tma=tma)
-                        except Exception as e:  # noqa: BLE001 - a config past shared memory: printed
-                            cells.append(f"{label} {type(e).__name__}")
-                            continue
-                        same = torch.equal(out, fulls[sl][:m])
-                        if not same and sl == s:
-                            bad.append((m, bn, st, tma))
-                        t = _time(lambda m=m, tile=tile, tma=tma: invariant_gemm.gemm(x[:m], w, tile=tile, tma=tma))
-                        cells.append(f"{label} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
+                    try:
+                        tile = (16, bn, 1, 4, st, sl)
+                        out = invariant_gemm.gemm(x[:m], w, tile=tile)
+                    except Exception as e:  # noqa: BLE001 - a config past shared memory: printed
+                        cells.append(f"gemv{bn}/{st}/s{sl} {type(e).__name__}")
+                        continue
+                    same = torch.equal(out, fulls[sl][:m])
+                    if not same and sl == s:
+                        bad.append((m, bn, st))
+                    t = _time(lambda m=m, tile=tile: invariant_gemm.gemm(x[:m], w, tile=tile))
+                    cells.append(f"gemv{bn}/{st}/s{sl} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
     print(f"{name} N={n} K={k} slices {s}: " + ", ".join(cells))
     assert not bad, (name, bad)
