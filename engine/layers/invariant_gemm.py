@@ -34,7 +34,7 @@ from engine.layers.tuning import kernel_tuning
 BLOCK_K = 64
 GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
 GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
-GEMV_WIDE_GRID = 640  # GEMV programs (~5 an H200 SM) above which it pipelines 3 stages deep
+GEMV_WIDE_GRID = 640  # GEMV programs (~5 an H200 SM) above which (to 1024) it pipelines 3 stages deep
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
@@ -281,10 +281,11 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     marks a split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see
     `gemm`). Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs
     stream the weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x
-    256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows); else 64 x 128 where
-    there are MID_TILES of those and at least half as many as K tiles; else (a large decode batch
-    over a narrow weight or a long K: Qwen3-0.6B's o projection at 128 rows has 16) 64 x 128 on
-    a split grid. Up to GEMV_ROWS rows (BM = GEMV_ROWS marks it): the swapped-operand GEMV, 64
+    256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows), or on a split grid
+    where their slices make about one wave over a long K (LONG_SLICE_*); else 64 x 128 where
+    there are MID_TILES of those and at least half as many as K tiles (64 x 64 where they are
+    fewer than FULL_TILES); else (a large decode batch over a narrow weight or a long K: Qwen3-0.6B's
+    o projection at 128 rows has 16) 64 x 128 on a split grid. Up to GEMV_ROWS rows (BM = GEMV_ROWS marks it): the swapped-operand GEMV, 64
     weight rows a program, its K slices as programs (1.2-2x the 64-row decode tile at 1 and 16
     rows on an H200, the same bits: docs/PERF.md, fifteenth session). From the H200's timing of
     every candidate (docs/PERF.md, ninth session): at 4096
