@@ -284,8 +284,8 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows), or on a split grid
     where their slices make about one wave over a long K (LONG_SLICE_*); else 64 x 128 where
     there are MID_TILES of those and at least half as many as K tiles (64 x 64 where they are
-    fewer than FULL_TILES); else (a large decode batch over a narrow weight or a long K: Qwen3-0.6B's
-    o projection at 128 rows has 16) 64 x 128 on a split grid. Up to GEMV_ROWS rows (BM = GEMV_ROWS marks it): the swapped-operand GEMV, 64
+    fewer than FULL_TILES); else (a large decode batch over a narrow weight or a long K:
+    Qwen3-0.6B's o projection at 128 rows has 16) 64 x 128 on a split grid. Up to GEMV_ROWS rows (BM = GEMV_ROWS marks it): the swapped-operand GEMV, 64
     weight rows a program, its K slices as programs (1.2-2x the 64-row decode tile at 1 and 16
     rows on an H200, the same bits: docs/PERF.md, fifteenth session). From the H200's timing of
     every candidate (docs/PERF.md, ninth session): at 4096
