@@ -277,21 +277,22 @@ def gemv_stages(n: int, k: int, slices: int) -> int:
 
 
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1
-    marks a split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see
-    `gemm`). Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs
-    stream the weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x
-    256 where they about fill the GPU (FULL_TILES: the LM head from 65 rows), or on a split grid
-    where their slices make about one wave over a long K (LONG_SLICE_*); else 64 x 128 where
-    there are MID_TILES of those and at least half as many as K tiles (64 x 64 where they are
-    fewer than FULL_TILES); else (a large decode batch over a narrow weight or a long K:
-    Qwen3-0.6B's o projection at 128 rows has 16) 64 x 128 on a split grid. Up to GEMV_ROWS rows (BM = GEMV_ROWS marks it): the swapped-operand GEMV, 64
-    weight rows a program, its K slices as programs (1.2-2x the 64-row decode tile at 1 and 16
-    rows on an H200, the same bits: docs/PERF.md, fifteenth session). From the H200's timing of
-    every candidate (docs/PERF.md, ninth session): at 4096
-    rows 128 x 256 with TMA loads 702-758 TFLOPS on Llama-3.1-8B's projections (cuBLAS 777-804;
-    the 128 x 128 pointer tiles before, 417-448); at 128-512 rows 64 x 128 TMA tiles 1.1-1.9x the
-    split grid (Qwen's qkv at 128 rows 8.8 against 13.6 us) except with few tiles over a long K."""
+    """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1 marks a
+    split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see `gemm`).
+    Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs stream the
+    weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x 256 where
+    they about fill the GPU (FULL_TILES: the LM head from 65 rows), or on a split grid where
+    their slices make about one wave over a long K (LONG_SLICE_*); else 64 x 128 where there are
+    MID_TILES of those and at least half as many as K tiles (64 x 64 where they are fewer than
+    FULL_TILES); else (a large decode batch over a narrow weight or a long K: Qwen3-0.6B's o
+    projection at 128 rows has 16) 64 x 128 on a split grid. Up to GEMV_ROWS rows (BM =
+    GEMV_ROWS marks it): the swapped-operand GEMV, 64 weight rows a program, its K slices as
+    programs (1.2-2x the 64-row decode tile at 1 and 16 rows on an H200, the same bits:
+    docs/PERF.md, fifteenth session). From the H200's timing of every candidate (docs/PERF.md,
+    ninth session): at 4096 rows 128 x 256 with TMA loads 702-758 TFLOPS on Llama-3.1-8B's
+    projections (cuBLAS 777-804; the 128 x 128 pointer tiles before, 417-448); at 128-512 rows
+    64 x 128 TMA tiles 1.1-1.9x the split grid (Qwen's qkv at 128 rows 8.8 against 13.6 us)
+    except with few tiles over a long K."""
     s = split(n, k)
     if m <= GEMV_ROWS:
         return GEMV_ROWS, 64, 1, 4, gemv_stages(n, k, s), s
