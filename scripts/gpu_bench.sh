@@ -104,7 +104,7 @@ run() {  # name, timeout, command...
   [ $rc = 0 ] || { tail -40 "$OUT/$name.log"; for f in /tmp/strata-bench-*/serve.log; do [ -f "$f" ] && tail -60 "$f"; done; }
   return $rc
 }
-want() { case " ${DETOFF_MODELS:-qwen llama} " in *" $1 "*) return 0 ;; esac; return 1; }  # detoffline's models
+detoff_wants() { case " ${DETOFF_MODELS:-qwen llama} " in *" $1 "*) return 0 ;; esac; return 1; }  # detoffline's models
 tuned() {  # PATCH, command...: run the command with PATCH (JSON) merged over the H200 tuning file
   local f=configs/tuning/NVIDIA_H200.json patch=$1; shift
   cp "$f" /tmp/tuning.orig.json
@@ -191,10 +191,10 @@ for what in "$@"; do case $what in
               --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
   detoffline) for det in ${DET_MODES:-off on}; do  # issue 21's cost: Qwen3-0.6B offline (256 req) and Llama-3.1-8B 1000/1000
             flag=$([ $det = on ] && echo --enable-deterministic-inference)
-            ! want qwen || run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
+            ! detoff_wants qwen || run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
               --out "$OUT/offline-qwen3-0.6b-256-det$det-h200.json" || fails=$((fails + 1))
-            ! want llama || run offline-llama-3.1-8b-det$det 240 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
+            ! detoff_wants llama || run offline-llama-3.1-8b-det$det 240 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
               --num-requests 256 --input-len 1000 --output-len 1000 \
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
               --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-h200.json" || fails=$((fails + 1)); done ;;

@@ -34,7 +34,7 @@ from engine.layers.tuning import kernel_tuning
 BLOCK_K = 64
 GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
 GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
-GEMV_WIDE_GRID = 640  # GEMV programs (~5 an H200 SM) above which (to 1024) it pipelines 3 stages deep
+GEMV_WIDE_GRID = (640, 1024)  # GEMV programs (~5-8 an H200 SM) over which it pipelines 3 stages deep
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
@@ -267,13 +267,14 @@ def decode_bn(n: int) -> int:
 
 def gemv_stages(n: int, k: int, slices: int) -> int:
     """Pipeline stages of the swapped GEMV (they decide no sums): 6 where a slice is long (at least
-    GEMV_LONG_SLICE K tiles: Llama's down and LM head, ~1 us faster), 3 where the grid has
-    GEMV_WIDE_GRID to 1024 programs (3 stages' shared memory keeps ~7 of them an H200 SM resident,
+    GEMV_LONG_SLICE K tiles: Llama's down and LM head, ~1 us faster), 3 where the grid's programs
+    are in GEMV_WIDE_GRID (3 stages' shared memory keeps ~7 of them an H200 SM resident,
     one wave: Llama's gate_up, 896 programs, 59.5-59.8 us against 63.2-63.6 at 4 on three
     machines), else 4 (docs/PERF.md, sixteenth session)."""
-    if -(-k // BLOCK_K) >= GEMV_LONG_SLICE * slices:
+    if triton.cdiv(k, BLOCK_K) >= GEMV_LONG_SLICE * slices:
         return 6
-    return 3 if GEMV_WIDE_GRID < -(-n // 64) * slices <= 2 * DECODE_PROGRAMS else 4
+    low, high = GEMV_WIDE_GRID
+    return 3 if low < triton.cdiv(n, 64) * slices <= high else 4
 
 
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
@@ -301,8 +302,7 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     full_tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
     if full_tiles >= FULL_TILES:
         return 128, 256, 8, 8, 3, s
-    if full_tiles * s >= FULL_TILES and full_tiles * s <= LONG_SLICE_PROGRAMS \
-            and triton.cdiv(k, BLOCK_K) >= LONG_SLICE_TILES * s:
+    if FULL_TILES <= full_tiles * s <= LONG_SLICE_PROGRAMS and triton.cdiv(k, BLOCK_K) >= LONG_SLICE_TILES * s:
         return 128, 256, 1, 8, 3, s  # a long K (Llama's down at 129-256 rows): 128 x 256 on a split grid
     if s == 1:
         return 64, 256, 8, 4, 3, s

@@ -75,6 +75,9 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
         assert decode[1] == 2 * invariant_gemm.decode_bn(n)
         assert cols * decode[5] >= invariant_gemm.DECODE_PROGRAMS or decode[5] == 1 or k // 64 // decode[5] < 8
     assert invariant_gemm.split(4096, 14336) == 4 and invariant_gemm.split(128256, 4096) == 1
+    # the GEMV's depth: 6 for long slices (Llama's down, LM head), 3 for a one-wave wide grid (gate_up), else 4
+    assert [invariant_gemm.tiles(1, n, k)[4] for n, k in [(4096, 14336), (128256, 4096), (28672, 4096),
+                                                          (6144, 4096), (151936, 1024)]] == [6, 6, 3, 4, 4]
     assert invariant_gemm.tiles(128, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at 128 rows: 16 tiles
     assert invariant_gemm.tiles(256, 1024, 2048) == (64, 64, 8, 4, 4, 8)  # at 256: 32 tiles, 32 K tiles: 64 wide
     assert invariant_gemm.tiles(1024, 1024, 2048) == (64, 128, 8, 4, 4, 8)  # 128 tiles of 64 x 128

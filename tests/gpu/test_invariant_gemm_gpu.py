@@ -116,9 +116,9 @@ def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch
 def test_decode_candidates_at_few_rows(name: str) -> None:
     """Decode GEMMs at 1 and 16 rows, bf16: today's split grid (BM 64) at other column tiles and
     stages, and the swapped-operand GEMV (BM 16: invariant_gemv_kernel, the weight as the dot's
-    64-row side) at its tiles, stages and K slices: time in us and TB/s of
-    weight (printed), '!' where a candidate's rows differ from the prefill tiles' at the same
-    slices (asserted for the GEMV at today's slices, the condition for serving it)."""
+    64-row side) at its tiles, stages and K slices: time in us and TB/s of weight (printed), '!'
+    where a candidate's rows differ from the prefill tiles' at the same slices (asserted for the
+    GEMV at today's slices, the condition for serving it)."""
     n, k = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
