@@ -192,8 +192,9 @@ for what in "$@"; do case $what in
   detoffline) for det in ${DET_MODES:-off on}; do  # issue 21's cost: Qwen3-0.6B offline (256 req) and Llama-3.1-8B 1000/1000
             flag=$([ $det = on ] && echo --enable-deterministic-inference)
             ! detoff_wants qwen || run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
-              --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
+              --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-qwen-det$det" \
               --out "$OUT/offline-qwen3-0.6b-256-det$det-h200.json" || fails=$((fails + 1))
+            ! detoff_wants qwen || grep -h '"gpu idle"' $OUT/logs-qwen-det$det/worker-0.log | cut -c1-220
             ! detoff_wants llama || run offline-llama-3.1-8b-det$det 240 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
               --num-requests 256 --input-len 1000 --output-len 1000 \
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
