@@ -356,34 +356,41 @@ def store_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, m_i, l_i, acc,
+              HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, C: tl.constexpr):
+    """The online-softmax state (m_i, l_i, acc) of the query rows qv [M, D] (in the dot type,
+    unscaled) advanced by KV chunk j of KV head kvh: the one chunk step of every kernel here,
+    so the same bits. A row with no visible key so far keeps (-inf, 0, 0): its max is taken as 0
+    for the exps (exp(-inf) = 0), where a plain exp(-inf - -inf) would be NaN."""
+    d = tl.arange(0, D)
+    kpos = j * C + tl.arange(0, C)
+    col = kpos // PS
+    page = tl.load(trow + col, mask=col < table_width, other=0).to(tl.int64)
+    off = (page * PS + kpos % PS)[:, None] * (HKV * D) + kvh * D + d[None, :]
+    kt = tl.load(k_cache + off).to(qv.dtype)
+    vt = tl.load(v_cache + off).to(qv.dtype)
+    s = tl.dot(qv, tl.trans(kt)) * sm_scale
+    s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vt)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, j0, j1, sm_scale,
                   M: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, C: tl.constexpr):
-    """(m, l, acc) of the M query rows qv [M, D] (in the dot type, unscaled) over
-    KV chunks j0..j1-1 of KV head kvh, from a fresh state, online softmax in chunk order.
-    Shared by the serial and the split kernels: the same code, so the same bits. A row with no
-    visible key in the whole range keeps (-inf, 0, 0): its max is taken as 0 for the exps
-    (exp(-inf) = 0), where a plain exp(-inf - -inf) would be NaN."""
-    d = tl.arange(0, D)
-    n = tl.arange(0, C)
+    """(m, l, acc) of the M query rows qv over KV chunks j0..j1-1 of KV head kvh, from a fresh
+    state, chunk after chunk (_kv_chunk)."""
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     for j in range(j0, j1):
-        kpos = j * C + n
-        col = kpos // PS
-        page = tl.load(trow + col, mask=col < table_width, other=0).to(tl.int64)
-        off = (page * PS + kpos % PS)[:, None] * (HKV * D) + kvh * D + d[None, :]
-        kt = tl.load(k_cache + off).to(qv.dtype)
-        vt = tl.load(v_cache + off).to(qv.dtype)
-        s = tl.dot(qv, tl.trans(kt)) * sm_scale
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vt)
-        m_i = m_new
+        m_i, l_i, acc = _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, m_i, l_i, acc,
+                                  HKV, D, PS, C)
     return m_i, l_i, acc
 
 
@@ -426,7 +433,7 @@ def invariant_attention_kernel(
     """Deterministic inference's attention (engine/layers/batch_invariant.py) for one (block of
     T query tokens of one request, KV head): the group's T * G query rows against the KV in
     partitions of CP chunks of C positions from position 0, each partition's state from a
-    fresh one (_kv_partition), merged in partition order (_merge_state): serially here, by
+    fresh one (as _kv_partition), merged in partition order (_merge_state): serially here, by
     invariant_split_kernel + invariant_merge_kernel for split decode, with the same bits. A
     row's arithmetic depends on nothing but its own q, its position and the KV: not on the batch."""
     b = tl.program_id(0)
@@ -441,10 +448,20 @@ def invariant_attention_kernel(
     m_acc = tl.full([M], float("-inf"), tl.float32)
     l_acc = tl.zeros([M], tl.float32)
     o_acc = tl.zeros([M, D], tl.float32)
-    for i in range(0, (reads + CP - 1) // CP):
-        mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,
-                                tl.minimum(i * CP + CP, reads), sm_scale, M, HKV, D, PS, C)
-        m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
+    # the partitions in one loop over the chunks (one software pipeline, not a drain and refill per
+    # partition): a partition's state starts fresh and is merged at its last chunk, as a
+    # _kv_partition per partition would do it, so the bits are the split kernels'
+    mp = tl.full([M], float("-inf"), tl.float32)
+    lp = tl.zeros([M], tl.float32)
+    op = tl.zeros([M, D], tl.float32)
+    for j in range(0, reads):
+        mp, lp, op = _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, mp, lp, op,
+                               HKV, D, PS, C)
+        if ((j + 1) % CP == 0) | (j == reads - 1):
+            m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
+            mp = tl.full([M], float("-inf"), tl.float32)
+            lp = tl.zeros([M], tl.float32)
+            op = tl.zeros([M, D], tl.float32)
     o_out = (o_acc / l_acc[:, None]).to(act)  # as invariant_merge_kernel
     real = tl.load(blk_real + b * T + t) != 0
     tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o_out, mask=real[:, None])
