@@ -10,6 +10,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -31,8 +32,22 @@ def _generate(http: str, ids: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def logdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    d = tmp_path_factory.mktemp("logs")
+def real_logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both servers' logs: the two servers run side by side (each mostly waits on its own steps)."""
+    dirs = {"plain": tmp_path_factory.mktemp("logs"), "tiers": tmp_path_factory.mktemp("tier-logs")}
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(_plain_logs, dirs["plain"]), pool.submit(_tier_logs, dirs["tiers"])]
+    for f in done:
+        f.result()  # raises what the server's run raised
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def logdir(real_logs: dict[str, Path]) -> Iterator[Path]:
+    yield real_logs["plain"]
+
+
+def _plain_logs(d: Path) -> None:
     srv = start_server(d, "--max-total-tokens", "4096")
     try:
         cached = [_generate(srv.http, ids) for ids in (PREFIX + [5, 6], PREFIX + [7, 8], list(range(600, 640)))]
@@ -40,7 +55,6 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     finally:
         assert stop_server(srv) == 0
     assert cached[0] == 0 and cached[1] > 0
-    yield d
 
 
 def test_real_logs(logdir: Path) -> None:
@@ -81,11 +95,14 @@ def test_cli_json_and_plots(logdir: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tier_logdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def tier_logdir(real_logs: dict[str, Path]) -> Iterator[Path]:
+    yield real_logs["tiers"]
+
+
+def _tier_logs(d: Path) -> None:
     """A server with L2 and L3 and a pool just larger than one 128-token prompt: the prompt
     computed, hit in L1, loaded back from L2 after a filler evicted it, read from L3 after
     a flush (bin/bench cache's phases)."""
-    d = tmp_path_factory.mktemp("tier-logs")
     pool = 128 + 64
     srv = start_server(d, "--enable-hierarchical-cache", "--max-total-tokens", str(pool), "--l3-dir", str(d / "l3"))
     try:
@@ -103,7 +120,6 @@ def tier_logdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     finally:
         assert stop_server(srv) == 0
     assert cached[0] == 0 and all(c >= 112 for c in cached[1:]), cached
-    yield d
 
 
 def test_real_logs_with_tiers(tier_logdir: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -18,23 +19,29 @@ from tests.integration.conftest import Server, start_server, stop_server
 ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
         "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16",
         "--enable-deterministic-inference")
+PAGES = 3  # a prompt's full pages (of 16 tokens): files written, tokens served from them
+FULL = 16 * PAGES
+PROMPT = FULL + 4  # (of its tokens, all but the last are matched)
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Path]]:
     l3_dir = tmp_path_factory.mktemp("l3")
-    a = start_server(tmp_path_factory.mktemp("logs-a"), *ARGS, "--l3-dir", str(l3_dir))
-    try:
-        b = start_server(tmp_path_factory.mktemp("logs-b"), *ARGS, "--l3-dir", str(l3_dir))
-    except BaseException:
-        stop_server(a)
-        raise
+    with ThreadPoolExecutor(2) as pool:  # started side by side
+        futs = [pool.submit(start_server, tmp_path_factory.mktemp(f"logs-{n}"), *ARGS, "--l3-dir", str(l3_dir))
+                for n in "ab"]
+    if errors := [f.exception() for f in futs if f.exception() is not None]:
+        for f in futs:
+            if f.exception() is None:
+                stop_server(f.result())
+        raise errors[0]
+    a, b = (f.result() for f in futs)
     yield a, b, l3_dir
-    assert stop_server(a) == 0
-    assert stop_server(b) == 0
+    with ThreadPoolExecutor(2) as pool:  # stopped side by side
+        assert list(pool.map(stop_server, (a, b))) == [0, 0]
 
 
-def _generate(srv: Server, ids: list[int], max_new: int = 4) -> tuple[list, int, float]:
+def _generate(srv: Server, ids: list[int], max_new: int = 2) -> tuple[list, int, float]:
     """(output ids with their logprobs: equal bit for bit from any tier in bf16 with deterministic
     inference; cached prompt tokens; seconds)."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "logprobs": True}}
@@ -75,23 +82,23 @@ def _written(srv: Server, at_least: float) -> None:
 def test_what_one_engine_writes_the_other_serves(engines: tuple[Server, Server, Path]) -> None:
     a, b, l3_dir = engines
     rng = random.Random(7)
-    prompt = [rng.randrange(200, 20000) for _ in range(100)]  # 6 full pages of 16 (of the 99 matched)
+    prompt = [rng.randrange(200, 20000) for _ in range(PROMPT)]
     want, cached, t_compute = _generate(a, prompt)
     assert cached == 0
-    _written(a, 6)
+    _written(a, PAGES)
     got, cached, t_l3 = _generate(b, prompt)
-    assert got == want and cached == 96
-    m = _eventually(b, "strata_l3_reads_total", 6)
-    assert m['strata_cache_hit_tokens_total{tier="l3"}'] == 96 and m["strata_l3_read_bytes_total"] > 0
+    assert got == want and cached == FULL
+    m = _eventually(b, "strata_l3_reads_total", PAGES)
+    assert m['strata_cache_hit_tokens_total{tier="l3"}'] == FULL and m["strata_l3_read_bytes_total"] > 0
     assert m["strata_kv_leak_free"] == 1
     # TTFT (max_new_tokens=1) on engine B of a prompt it computes vs one engine A wrote to L3
-    _, _, recompute = _generate(b, [rng.randrange(200, 20000) for _ in range(100)], max_new=1)
-    _written(b, 6)  # B wrote that one: settled before the next test looks for A's new files
-    other = [rng.randrange(200, 20000) for _ in range(100)]
+    _, _, recompute = _generate(b, [rng.randrange(200, 20000) for _ in range(PROMPT)], max_new=1)
+    _written(b, PAGES)  # B wrote that one: settled before the next test looks for A's new files
+    other = [rng.randrange(200, 20000) for _ in range(PROMPT)]
     _generate(a, other, max_new=1)
-    _written(a, 12)
+    _written(a, 2 * PAGES)
     _, cached, from_l3 = _generate(b, other, max_new=1)
-    assert cached == 96
+    assert cached == FULL
     # /flush_cache empties L1 and L2, not L3: the prompt comes from the files again
     files = _files(l3_dir)
     deadline = time.monotonic() + 30
@@ -100,29 +107,29 @@ def test_what_one_engine_writes_the_other_serves(engines: tuple[Server, Server, 
         time.sleep(0.2)
     assert r.status_code == 200 and _files(l3_dir) == files
     again, cached, _ = _generate(b, prompt)
-    assert again == want and cached == 96
-    assert _eventually(b, 'strata_cache_hit_tokens_total{tier="l3"}', 2 * 96 + 96)[
-        'strata_cache_hit_tokens_total{tier="l3"}'] == 3 * 96
-    print(f"\nTTFT of a 100-token prompt on CPU: recomputed {recompute * 1e3:.0f} ms, 96 tokens from L3 "
-          f"{from_l3 * 1e3:.0f} ms (4 new tokens: computed {t_compute * 1e3:.0f} ms, from L3 {t_l3 * 1e3:.0f} ms)")
+    assert again == want and cached == FULL
+    assert _eventually(b, 'strata_cache_hit_tokens_total{tier="l3"}', 2 * FULL + FULL)[
+        'strata_cache_hit_tokens_total{tier="l3"}'] == 3 * FULL
+    print(f"\nTTFT of a {PROMPT}-token prompt on CPU: recomputed {recompute * 1e3:.0f} ms, {FULL} tokens from L3 "
+          f"{from_l3 * 1e3:.0f} ms (2 new tokens: computed {t_compute * 1e3:.0f} ms, from L3 {t_l3 * 1e3:.0f} ms)")
 
 
 def test_a_corrupt_file_is_detected_and_the_answer_is_unchanged(engines: tuple[Server, Server, Path]) -> None:
     a, b, l3_dir = engines
     rng = random.Random(8)
-    prompt = [rng.randrange(200, 20000) for _ in range(100)]
+    prompt = [rng.randrange(200, 20000) for _ in range(PROMPT)]
     before, writes = _files(l3_dir), _writes(a)
     want, _, _ = _generate(a, prompt)
-    _written(a, writes + 6)
+    _written(a, writes + PAGES)
     new = _files(l3_dir) - before
-    assert len(new) == 6
+    assert len(new) == PAGES
     victim = sorted(new)[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40  # a flipped bit in the payload
     victim.write_bytes(bytes(data))
     corrupt_before = b.metrics()["strata_l3_corrupt_files_total"]
     got, cached, _ = _generate(b, prompt)
-    assert got == want and cached < 96  # not served from the damaged files: recomputed
+    assert got == want and cached < FULL  # not served from the damaged files: recomputed
     m = _eventually(b, "strata_l3_corrupt_files_total", corrupt_before + 1)
     assert not victim.exists() or victim.read_bytes() != bytes(data)  # removed (then written anew, whole)
     assert m["strata_kv_leak_free"] == 1
