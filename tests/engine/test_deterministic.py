@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ServerConfig
+from engine.layers import batch_invariant
 from engine.local import LocalEngine, Result
 from msgs.params import SamplingParams
 
@@ -48,8 +49,6 @@ def fresh(default_model_dir: Path) -> Callable[[str], tuple[LocalEngine, Result]
         if dtype not in made:
             eng = _engine(default_model_dir, dtype)
             made[dtype] = eng, eng.generate([PROMPT], GREEDY)[0]
-        from engine.layers import batch_invariant
-
         # the mode is process-wide, set when a runner is built: on again for this engine's next steps
         batch_invariant.enable(True, made[dtype][0].runner.device.type)
         return made[dtype]
@@ -95,8 +94,7 @@ def test_grouped_bmm_and_row_blocks_keep_the_values(monkeypatch: pytest.MonkeyPa
     run on CPU, where a fixed shape keeps a row's bits: the same values as one call."""
     import torch
 
-    from engine.layers import batch_invariant as bi
-
+    bi = batch_invariant
     torch.manual_seed(0)
     a, b = torch.randn(70, 32, 64), torch.randn(70, 64, 65)
     monkeypatch.setattr(bi, "BMM_GROUP", 16)

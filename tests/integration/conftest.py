@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,19 @@ def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
         time.sleep(0.25)
     proc.kill()
     raise TimeoutError("bin/serve did not become healthy")
+
+
+def start_servers(*specs: tuple[Path, tuple[str, ...]]) -> list[Server]:
+    """start_server for each (log_dir, args), side by side (a start mostly waits on its children).
+    If one fails, the others are stopped and its error is raised."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = [pool.submit(start_server, d, *args) for d, args in specs]
+    started = [f.result() for f in futs if f.exception() is None]
+    if len(started) < len(futs):
+        for srv in started:
+            stop_server(srv)
+        raise next(e for f in futs if (e := f.exception()) is not None)
+    return started
 
 
 def stop_server(server: Server) -> int:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import random
 import signal
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import Server, start_server, stop_server
+from tests.integration.conftest import Server, start_server, start_servers, stop_server
 
 # a pool of 16 pages (L1: 15), L2 twice that
 POOL_ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "256", "--hicache-ratio", "2",
@@ -91,16 +90,14 @@ def test_fresh_l1_and_l2_give_the_same_tokens(tier_server: Server) -> None:
 def victims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     """One server with the tier for each kill test, started side by side (the tier in float32:
     no answers are compared)."""
-    victims = ("cache", "worker-0")
-    with ThreadPoolExecutor(len(victims)) as pool:
-        futs = {v: pool.submit(start_server, tmp_path_factory.mktemp(f"logs-{v}"), *POOL_ARGS) for v in victims}
-    try:
-        yield {v: f.result() for v, f in futs.items()}
-    finally:
-        for f in futs.values():
-            if f.exception() is None and f.result().proc.poll() is None:
-                f.result().proc.kill()
-                f.result().proc.wait(timeout=30)
+    names = ("cache", "worker-0")
+    servers = dict(zip(names, start_servers(*((tmp_path_factory.mktemp(f"logs-{v}"), POOL_ARGS) for v in names)),
+                       strict=True))
+    yield servers
+    for srv in servers.values():  # (each test kills its own; one left by a failure is killed here)
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("victim", ["cache", "worker-0"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import Server, start_server, stop_server
+from tests.integration.conftest import Server, start_servers, stop_server
 
 ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
         "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16",
@@ -27,15 +27,7 @@ PROMPT = FULL + 4  # (of its tokens, all but the last are matched)
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Path]]:
     l3_dir = tmp_path_factory.mktemp("l3")
-    with ThreadPoolExecutor(2) as pool:  # started side by side
-        futs = [pool.submit(start_server, tmp_path_factory.mktemp(f"logs-{n}"), *ARGS, "--l3-dir", str(l3_dir))
-                for n in "ab"]
-    if errors := [f.exception() for f in futs if f.exception() is not None]:
-        for f in futs:
-            if f.exception() is None:
-                stop_server(f.result())
-        raise errors[0]
-    a, b = (f.result() for f in futs)
+    a, b = start_servers(*((tmp_path_factory.mktemp(f"logs-{n}"), (*ARGS, "--l3-dir", str(l3_dir))) for n in "ab"))
     yield a, b, l3_dir
     with ThreadPoolExecutor(2) as pool:  # stopped side by side
         assert list(pool.map(stop_server, (a, b))) == [0, 0]
