@@ -34,8 +34,6 @@ from engine.layers.tuning import kernel_tuning
 BLOCK_K = 64
 GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
 GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
-GEMV_BK = 64  # the GEMV's K tile where its slices are whole tiles of it (gemv_bk_ok), else BLOCK_K
-GEMV_PREFETCH_TILES = 0  # with PDL: K tiles of its slice a GEMV program prefetches to L2 before it waits
 GEMV_WIDE_GRID = (640, 1024)  # GEMV programs (~5-8 an H200 SM) over which it pipelines 3 stages deep
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
@@ -195,24 +193,17 @@ def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: 
     _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
 
 
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """An L2 prefetch of each masked-in address (a hint: nothing waits for it)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])
 def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
                           HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr,
-                          BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                          PREFETCH: tl.constexpr):
+                          BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """invariant_gemm_kernel's split grid for M <= BR rows with the operands swapped: a program
     computes out^T's [BN, BR] tile = w[BN, K slice] @ x[BR, K slice]^T, the weight as the dot's
     64-row side (the warp group's operand) and the few rows of x as its narrow side, instead of
     a 64-row x tile of which one row is real. Each element is the same products over the same
     k16 steps, K tiles, slices and slice adds as invariant_gemm_kernel's (the H200 test checks
     the bits in bf16 at every projection shape it times)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     s = tl.program_id(1)
     rn = pid * BN + tl.arange(0, BN)
@@ -220,11 +211,6 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     rk = tl.arange(0, BK)
     kt = tl.cdiv(K, BK)
     per = tl.cdiv(kt, SPLIT)
-    if PREFETCH > 0:  # the slice's first weight tiles into L2 while the previous launch runs (no x read)
-        pk = s * per + tl.arange(0, PREFETCH)
-        pp = w + rn[:, None].to(tl.int64) * sw + pk[None, :] * BK
-        _prefetch_l2(pp, (rn[:, None] < N) & (pk[None, :] < tl.minimum((s + 1) * per, kt)))
-    pdl_start(PDL)
     # _slice with the operands' roles swapped: w's rows are the dot's first (64-row) side
     acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK)
     rows = rm[None, :] < M
@@ -236,15 +222,8 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
         tl.store(op, acc.to(out.dtype.element_ty), mask=rows & (rn[:, None] < N))
 
 
-def gemv_bk_ok(k: int, slices: int, bk: int) -> bool:
-    """Whether the GEMV may load K in tiles of bk (a multiple of BLOCK_K): every slice is whole
-    tiles of bk, so each element meets the same k16 steps in the same order into the same
-    accumulator as with BLOCK_K tiles (a wider tile is more dots chained, not another sum)."""
-    return bk % BLOCK_K == 0 and k % BLOCK_K == 0 and (k // BLOCK_K) % (slices * (bk // BLOCK_K)) == 0
-
-
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
-          slices: int, f32: bool, bk: int = BLOCK_K) -> None:
+          slices: int, f32: bool) -> None:
     """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices, one
     warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x. (Its TMA twin
     measured no faster on the H200: docs/PERF.md, sixteenth session.)"""
@@ -254,13 +233,10 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     grid_n = triton.cdiv(n, bn)
     if grid_n * slices * bn * GEMV_ROWS > ws.numel() or grid_n > counters.numel():
         raise ValueError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
-    if bk != BLOCK_K and not gemv_bk_ok(k, slices, bk):
-        raise ValueError(f"invariant GEMV: K {k} in {slices} slices is not whole tiles of {bk}")
     invariant_gemv_kernel[(grid_n, slices)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % bk == 0, BN=bn, BR=GEMV_ROWS, BK=bk,
-        SPLIT=slices, **_pdl(x.device), PREFETCH=GEMV_PREFETCH_TILES if _pdl(x.device).get("PDL") else 0,
-        num_warps=4 * (bn // 64), num_stages=stages,
+        HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=GEMV_ROWS, BK=BLOCK_K,
+        SPLIT=slices, **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
     )
 
 
@@ -351,8 +327,7 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None,
-         gemv_bk: int | None = None) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M.
     One-program tiles of 16-bit operands load through the tensor memory accelerator
     (invariant_gemm_tma_kernel: 1.1-1.7x the pointer loads at 4096 rows on an H200, the same
@@ -377,8 +352,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
-        bk = gemv_bk or (GEMV_BK if gemv_bk_ok(k, slices, GEMV_BK) else BLOCK_K)
-        _gemv(xs, ws_, bias, res, bn, stages, slices, f32, bk)
+        _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
         _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
     if res is not out:
