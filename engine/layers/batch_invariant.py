@@ -61,9 +61,6 @@ KV_PART = 256
 # batch 8 at 4 (13.7; 2: 19.3), batch 32 even (1-4 splits 42.4-43.2), batch 64 unsplit (68.1; 2:
 # 76.4): 256 picks each of those (128, tuned on 16-token blocks, gave batch 8 two splits)
 SPLIT_PROGRAMS = 256
-# a prompt's kernel blocks in groups of this many, one program a group: each KV chunk is read once
-# for the group (triton_kernels.invariant_group_kernel), the bits of each block alone
-GROUP_BLOCKS = 4
 
 _enabled = False
 
@@ -128,8 +125,6 @@ class Plan:
     parts: int = 0  # the most KV partitions a block reads (kernel)
     decode: bool = False  # every block is one token (the kernel may split its KV)
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # split-KV states, made by the first layer
-    groups: tuple[torch.Tensor, ...] | None = None  # (kernel) prompts' blocks in groups of `group`, as `blocks`
-    group: int = 1
 
 
 def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
@@ -178,89 +173,47 @@ def kernel_tokens(group: int) -> int:
 
 
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
-         kernel: bool = False, tokens: int = TOKENS, group: int | None = None) -> Plan:
+         kernel: bool = False, tokens: int = TOKENS) -> Plan:
     """Blocks of `tokens` consecutive new tokens of one request (the batch's rows in order);
     `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and takes any
-    block size (kernel_tokens: one per model, the same for every step); the torch path TOKENS.
-    The kernel's prompts of several blocks go in groups of `group` (GROUP_BLOCKS; the last
-    padded with copies of its last block that store nothing), one program a group
-    (triton_kernels.invariant_group_kernel: each KV chunk read once for the group, the bits of
-    its blocks alone); group 1 keeps every block on its own."""
+    block size (kernel_tokens: one per model, the same for every step); the torch path TOKENS."""
     if tokens != TOKENS and not kernel:
         raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {tokens}")
-    group = (GROUP_BLOCKS if group is None else group) if kernel else 1
     decode = all(n == 1 for n in extend_lens)
     chunk = kv_chunk(page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
-    singles: list[int] = []
-    groups: list[list[int]] = []
     row0 = 0
     for i, (seq, n) in enumerate(zip(seq_lens, extend_lens, strict=True)):
         start = seq - n
-        ids = []
         for b in range(0, n, tokens):
             k = min(tokens, n - b)
             r = [row0 + b + t for t in range(k)] + [row0 + b + k - 1] * (tokens - k)
             p = [start + b + t for t in range(k)] + [start + b + k - 1] * (tokens - k)
-            ids.append(len(rows))
             rows.append(r)
             pos.append(p)
             req.append(i)
             used.append(k)
             reads.append(p[k - 1] // chunk + 1)
         row0 += n
-        if group == 1 or len(ids) == 1:
-            singles += ids
-            continue
-        for g in range(0, len(ids), group):
-            members = ids[g : g + group]
-            last = members[-1]
-            for _ in range(group - len(members)):  # a pad: the last block again, nothing stored
-                members.append(len(rows))
-                rows.append(rows[last])
-                pos.append(pos[last])
-                req.append(i)
-                used.append(0)
-                reads.append(reads[last])
-            groups.append(members)
-    return _plan_of(page_table, page_size, chunk, per_chunk, tokens, kernel, decode, rows, pos, req, reads, used,
-                    singles, groups, group)
-
-
-def _plan_of(page_table: torch.Tensor, page_size: int, chunk: int, per_chunk: int, tokens: int, kernel: bool,
-             decode: bool, rows: list, pos: list, req: list, reads: list, used: list, singles: list[int],
-             groups: list[list[int]], group: int) -> Plan:
-    """plan's Plan from its blocks: the singles by chunks read (most first: ties keep batch order),
-    then (kernel) the groups likewise by their last block's."""
-    order = sorted(singles, key=lambda b: -reads[b])  # stable: ties keep batch order
+    order = sorted(range(len(rows)), key=lambda b: -reads[b])  # stable: ties keep batch order
     dev = page_table.device
-
-    def tensors(ids: list[int]) -> tuple[torch.Tensor, ...]:
-        real_mask = torch.zeros(len(ids), tokens, dtype=torch.int8)
-        for j, b in enumerate(ids):
-            real_mask[j, : used[b]] = 1
-        return (torch.tensor([req[b] for b in ids], dtype=torch.int32, device=dev),
-                torch.tensor([rows[b] for b in ids], dtype=torch.int64, device=dev).view(len(ids), tokens),
-                torch.tensor([pos[b] for b in ids], dtype=torch.int64, device=dev).view(len(ids), tokens),
-                torch.tensor([reads[b] for b in ids], dtype=torch.int32, device=dev), real_mask.to(dev))
-
-    blocks = tensors(order)
-    rows_t = blocks[1]
-    real_t = torch.tensor([j * tokens + t for j, b in enumerate(order) for t in range(used[b])], dtype=torch.int64,
-                          device=dev)
+    rows_t = torch.tensor([rows[b] for b in order], dtype=torch.int64, device=dev)
+    real = [j * tokens + t for j, b in enumerate(order) for t in range(used[b])]
+    real_t = torch.tensor(real, dtype=torch.int64, device=dev)
+    pos_t = torch.tensor([pos[b] for b in order], dtype=torch.int64, device=dev)
+    req_t = torch.tensor([req[b] for b in order], dtype=torch.int64, device=dev)
     width = page_table.shape[1]
-    if kernel:
-        grouped = None
-        if groups:
-            groups = sorted(groups, key=lambda g: -reads[g[-1]])
-            grouped = tensors([b for g in groups for b in g])
-        per_part = kv_part(page_size) // chunk
-        most = max(reads[b] for b in order + [b for g in groups for b in g]) if order or groups else 0
-        return Plan(rows_t, real_t, [], page_table, page_size, chunk, blocks, kernel, -(-most // per_part), decode,
-                    groups=grouped, group=group)
+    real_mask = torch.zeros(len(order) * tokens, dtype=torch.int8)
+    real_mask[real] = 1
+    blocks = (req_t.to(torch.int32), rows_t, pos_t,
+              torch.tensor([reads[b] for b in order], dtype=torch.int32, device=dev),
+              real_mask.view(-1, tokens).to(dev))
     chunks: list[Chunk] = []
-    req_t, pos_t = blocks[0], blocks[2]
+    if kernel:
+        per_part = kv_part(page_size) // chunk
+        parts = -(-reads[order[0]] // per_part) if order else 0
+        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel, parts, decode)
     for j in range(reads[order[0]] if order else 0):
         nb = sum(1 for b in order if reads[b] > j)
         cols = torch.arange(j * per_chunk, (j + 1) * per_chunk, device=dev).clamp_(max=width - 1)
@@ -279,10 +232,7 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
         s = splits(nb, kv_pool.num_kv_heads, p.parts) if p.decode else 1
         if s > 1 and p.scratch is None:
             p.scratch = split_scratch(nb, p.parts, hq, d, q.device)
-        out = attend_blocks(q, p.blocks, p.page_table, kv_pool, layer, s, p.scratch)
-        if p.groups is not None:
-            attend_blocks(q, p.groups, p.page_table, kv_pool, layer, group=p.group, out=out)
-        return out
+        return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer, s, p.scratch)
     out = torch.empty_like(q)
     if nb == 0:
         return out
@@ -316,17 +266,16 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
 
 
 def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,
-                  layer: int, n_splits: int = 1, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  group: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                  layer: int, n_splits: int = 1,
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """attend by the CUDA kernel over `blocks` (Plan.blocks' form, in any order: each block is
     one program that reads only its own entries and writes only its own real rows); n_splits > 1:
-    split-KV (decode blocks only) with `scratch` (split_scratch), the same bits; group > 1:
-    Plan.groups' blocks, a program a group. `out`: where the rows go (else a new tensor)."""
+    split-KV (decode blocks only) with `scratch` (split_scratch), the same bits."""
     from engine.layers import triton_ops
 
     ps = kv_pool.page_size
     return triton_ops.invariant_attention(q.contiguous(), kv_pool.k[layer], kv_pool.v[layer], ps, page_table, blocks,
-                                          kv_chunk(ps), kv_part(ps), n_splits, scratch, group, out)
+                                          kv_chunk(ps), kv_part(ps), n_splits, scratch)
 
 
 class DecodeBlocks:

@@ -362,25 +362,13 @@ def _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, m_
     unscaled) advanced by KV chunk j of KV head kvh: the one chunk step of every kernel here,
     so the same bits. A row with no visible key so far keeps (-inf, 0, 0): its max is taken as 0
     for the exps (exp(-inf) = 0), where a plain exp(-inf - -inf) would be NaN."""
-    kpos, kt, vt = _kv_load(k_cache, v_cache, trow, table_width, kvh, j, qv.dtype, HKV, D, PS, C)
-    return _kv_step(qv, kt, vt, kpos, pos, sm_scale, m_i, l_i, acc)
-
-
-@triton.jit
-def _kv_load(k_cache, v_cache, trow, table_width, kvh, j, dot_t: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-             PS: tl.constexpr, C: tl.constexpr):
-    """KV chunk j of KV head kvh from the pages of table row trow: (positions [C], K [C, D], V [C, D])."""
     d = tl.arange(0, D)
     kpos = j * C + tl.arange(0, C)
     col = kpos // PS
     page = tl.load(trow + col, mask=col < table_width, other=0).to(tl.int64)
     off = (page * PS + kpos % PS)[:, None] * (HKV * D) + kvh * D + d[None, :]
-    return kpos, tl.load(k_cache + off).to(dot_t), tl.load(v_cache + off).to(dot_t)
-
-
-@triton.jit
-def _kv_step(qv, kt, vt, kpos, pos, sm_scale, m_i, l_i, acc):
-    """_kv_chunk's arithmetic on a loaded chunk (_kv_load): every kernel's one update, so the same bits."""
+    kt = tl.load(k_cache + off).to(qv.dtype)
+    vt = tl.load(v_cache + off).to(qv.dtype)
     s = tl.dot(qv, tl.trans(kt)) * sm_scale
     s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -456,103 +444,27 @@ def invariant_attention_kernel(
     r, t, qrow, pos, reads, head, qv, trow = _block_rows(
         q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos, blk_reads, b, kvh, G, M, D, T,
         tl.float32 if F32_DOT else act)
-    m_acc, l_acc, o_acc = _fresh(M, D)
+    d = tl.arange(0, D)
+    m_acc = tl.full([M], float("-inf"), tl.float32)
+    l_acc = tl.zeros([M], tl.float32)
+    o_acc = tl.zeros([M, D], tl.float32)
     # the partitions in one loop over the chunks (one software pipeline, not a drain and refill per
     # partition): a partition's state starts fresh and is merged at its last chunk, as a
     # _kv_partition per partition would do it, so the bits are the split kernels'
-    mp, lp, op = _fresh(M, D)
+    mp = tl.full([M], float("-inf"), tl.float32)
+    lp = tl.zeros([M], tl.float32)
+    op = tl.zeros([M, D], tl.float32)
     for j in range(0, reads):
-        kpos, kt, vt = _kv_load(k_cache, v_cache, trow, table_width, kvh, j, qv.dtype, HKV, D, PS, C)
-        m_acc, l_acc, o_acc, mp, lp, op = _part_step(qv, kt, vt, kpos, pos, sm_scale,
-                                                     ((j + 1) % CP == 0) | (j == reads - 1),
-                                                     m_acc, l_acc, o_acc, mp, lp, op, M, D)
-    _block_store(out, blk_real, b, qrow, t, head, o_acc, l_acc, HQ, D, T)
-
-
-@triton.jit
-def _fresh(M: tl.constexpr, D: tl.constexpr):
-    """A fresh online-softmax state (m, l, o) of M rows: (-inf, 0, 0)."""
-    return tl.full([M], float("-inf"), tl.float32), tl.zeros([M], tl.float32), tl.zeros([M, D], tl.float32)
-
-
-@triton.jit
-def _part_step(qv, kt, vt, kpos, pos, sm_scale, close, m_acc, l_acc, o_acc, mp, lp, op,
-               M: tl.constexpr, D: tl.constexpr):
-    """The partition state (mp, lp, op) advanced by a loaded chunk; where `close` (the partition's
-    last chunk) merged into the running state (m_acc, l_acc, o_acc) and started fresh."""
-    mp, lp, op = _kv_step(qv, kt, vt, kpos, pos, sm_scale, mp, lp, op)
-    if close:
-        m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
-        mp, lp, op = _fresh(M, D)
-    return m_acc, l_acc, o_acc, mp, lp, op
-
-
-@triton.jit
-def _block_store(out, blk_real, b, qrow, t, head, o_acc, l_acc, HQ: tl.constexpr, D: tl.constexpr, T: tl.constexpr):
-    """Block b's real rows of o / l in the output dtype (as invariant_merge_kernel)."""
-    d = tl.arange(0, D)
-    o_out = (o_acc / l_acc[:, None]).to(out.dtype.element_ty)
+        mp, lp, op = _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, mp, lp, op,
+                               HKV, D, PS, C)
+        if ((j + 1) % CP == 0) | (j == reads - 1):
+            m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
+            mp = tl.full([M], float("-inf"), tl.float32)
+            lp = tl.zeros([M], tl.float32)
+            op = tl.zeros([M, D], tl.float32)
+    o_out = (o_acc / l_acc[:, None]).to(act)  # as invariant_merge_kernel
     real = tl.load(blk_real + b * T + t) != 0
     tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o_out, mask=real[:, None])
-
-
-@triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width"])
-def invariant_group_kernel(
-    q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
-    blk_real, out, sm_scale,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    CP: tl.constexpr, NB: tl.constexpr, F32_DOT: tl.constexpr,
-):
-    """invariant_attention_kernel for NB (2 or 4) consecutive blocks of one request, blocks
-    g * NB .. g * NB + NB - 1 (batch_invariant.plan's groups, in position order): each KV chunk
-    is loaded once for the NB blocks, and each block's rows take the serial kernel's dots and
-    updates (_part_step) on their own state, so its bits. The chunks run to the group's last
-    block's; an earlier block's chunks past its last position are masked for all its rows, which
-    leaves its state's bits unchanged (exp(0) = 1, p = 0), so a partition it closes later (at
-    the next partition boundary or the group's end) merges the same state, and the empty
-    partitions after it merge as no-ops (_merge_state)."""
-    g = tl.program_id(0)
-    kvh = tl.program_id(1)
-    G: tl.constexpr = HQ // HKV
-    M: tl.constexpr = T * G
-    dot_t = tl.float32 if F32_DOT else out.dtype.element_ty
-    b0 = g * NB
-    r, t, qr0, p0, n0, head, q0, trow = _block_rows(q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos,
-                                                    blk_reads, b0, kvh, G, M, D, T, dot_t)
-    _, _, qr1, p1, n1, _, q1, _ = _block_rows(q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos,
-                                              blk_reads, b0 + 1, kvh, G, M, D, T, dot_t)
-    reads = tl.maximum(n0, n1)
-    ma0, la0, oa0 = _fresh(M, D)
-    mp0, lp0, op0 = _fresh(M, D)
-    ma1, la1, oa1 = _fresh(M, D)
-    mp1, lp1, op1 = _fresh(M, D)
-    if NB == 4:
-        _, _, qr2, p2, n2, _, q2, _ = _block_rows(q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos,
-                                                  blk_reads, b0 + 2, kvh, G, M, D, T, dot_t)
-        _, _, qr3, p3, n3, _, q3, _ = _block_rows(q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos,
-                                                  blk_reads, b0 + 3, kvh, G, M, D, T, dot_t)
-        reads = tl.maximum(reads, tl.maximum(n2, n3))
-        ma2, la2, oa2 = _fresh(M, D)
-        mp2, lp2, op2 = _fresh(M, D)
-        ma3, la3, oa3 = _fresh(M, D)
-        mp3, lp3, op3 = _fresh(M, D)
-    for j in range(0, reads):
-        kpos, kt, vt = _kv_load(k_cache, v_cache, trow, table_width, kvh, j, dot_t, HKV, D, PS, C)
-        close = ((j + 1) % CP == 0) | (j == reads - 1)
-        ma0, la0, oa0, mp0, lp0, op0 = _part_step(q0, kt, vt, kpos, p0, sm_scale, close,
-                                                  ma0, la0, oa0, mp0, lp0, op0, M, D)
-        ma1, la1, oa1, mp1, lp1, op1 = _part_step(q1, kt, vt, kpos, p1, sm_scale, close,
-                                                  ma1, la1, oa1, mp1, lp1, op1, M, D)
-        if NB == 4:
-            ma2, la2, oa2, mp2, lp2, op2 = _part_step(q2, kt, vt, kpos, p2, sm_scale, close,
-                                                      ma2, la2, oa2, mp2, lp2, op2, M, D)
-            ma3, la3, oa3, mp3, lp3, op3 = _part_step(q3, kt, vt, kpos, p3, sm_scale, close,
-                                                      ma3, la3, oa3, mp3, lp3, op3, M, D)
-    _block_store(out, blk_real, b0, qr0, t, head, oa0, la0, HQ, D, T)
-    _block_store(out, blk_real, b0 + 1, qr1, t, head, oa1, la1, HQ, D, T)
-    if NB == 4:
-        _block_store(out, blk_real, b0 + 2, qr2, t, head, oa2, la2, HQ, D, T)
-        _block_store(out, blk_real, b0 + 3, qr3, t, head, oa3, la3, HQ, D, T)
 
 
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width", "parts_max"])

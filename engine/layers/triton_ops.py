@@ -352,7 +352,7 @@ def decode_attention(
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
     blocks: tuple[torch.Tensor, ...], chunk: int, part: int | None = None, splits: int = 1,
-    scratch: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1, out: torch.Tensor | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
     D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
@@ -366,14 +366,10 @@ def invariant_attention(
     partition count), then a second kernel merges them in order. Both kernel pairs are compiled
     with floating-point fusion off: the serial kernel and the split pair share the partition and
     merge code (@triton.jit helpers), and with no FMA contraction the compiler cannot fuse a
-    multiply-add in one and not in the other, so a token's output has the same bits on either.
-
-    group > 1 (Plan.groups: nb a multiple of it) runs triton_kernels.invariant_group_kernel, a
-    program per `group` consecutive blocks of one prompt, with the serial kernel's bits. `out`:
-    the output to write the blocks' rows into (the other launch of the same plan's), else new."""
+    multiply-add in one and not in the other, so a token's output has the same bits on either."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     nb = blocks[0].shape[0]
     if not nb:
         return out
@@ -391,12 +387,6 @@ def invariant_attention(
     warps = 8 if tokens * (hq // hkv) * d >= 8192 else 4
     opts = dict(enable_fp_fusion=False)
     k = _k()
-    if group > 1:  # Plan.groups: `group` consecutive blocks of one prompt a program
-        if nb % group or splits > 1:
-            raise ValueError(f"invariant_attention: {nb} blocks in groups of {group}, {splits} splits")
-        k.invariant_group_kernel[(nb // group, hkv)](*head, real, out, d**-0.5, **geom, NB=group,
-                                                     F32_DOT=interpreted(), num_warps=warps, **opts)
-        return out
     if splits <= 1:
         k.invariant_attention_kernel[(nb, hkv)](*head, real, out, d**-0.5, **geom, F32_DOT=interpreted(),
                                                 num_warps=warps, **opts)

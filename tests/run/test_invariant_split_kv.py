@@ -134,24 +134,3 @@ def test_graph_protocol_splits_with_the_prefill_bits(setup) -> None:  # noqa: AN
     got = backend.attend(qg, 0, None, pool)
     assert torch.equal(got[:3], full[starts]) and torch.isfinite(got).all()
     backend._warm_split(pool, torch.float32)  # what bind runs on CUDA: the split pair on the padding page
-
-
-def test_prompt_groups_give_each_block_its_own_bits(setup) -> None:  # noqa: ANN001
-    """A prompt's blocks in groups (invariant_group_kernel: each KV chunk read once for the group,
-    the last group padded) give the bits of every block alone (group 1), fresh or behind a cached
-    prefix, beside a decode row and a one-block prompt (those stay single blocks)."""
-    pool, table, q, full = setup
-    lens = ([L], [L])  # one fresh prompt of 38 blocks (9 groups of 4 and a padded one)
-    assert bi.plan(table, *lens, PS, kernel=True).groups[0].shape[0] == 40
-    for group in (1, 2, 4):
-        p = bi.plan(table, *lens, PS, kernel=True, group=group)
-        assert (p.groups is None) == (group == 1) and p.parts == 3
-        assert torch.equal(bi.attend(q, p, pool, 0), full), group
-    tables = table.expand(4, -1)
-    seqs, news = [L, 300, 599 + 1, 10], [L - 290, 45, 1, 10]  # behind a prefix, a chunk, a decode row, one block
-    rows = torch.cat([q[290:], q[255:300], q[599:600], q[:10]])
-    want = torch.cat([full[290:], full[255:300], full[599:600], full[:10]])
-    for group in (1, 2, 4):
-        p = bi.plan(tables, seqs, news, PS, kernel=True, group=group)
-        assert p.blocks[0].tolist() == [2, 3] if group > 1 else len(p.blocks[0]) == 20 + 3 + 1 + 1
-        assert torch.equal(bi.attend(rows, p, pool, 0), want), group
