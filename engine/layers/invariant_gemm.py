@@ -32,8 +32,6 @@ from engine.layers.triton_ops import interpreted, pdl_launch
 from engine.layers.tuning import kernel_tuning
 
 BLOCK_K = 64
-GEMM_BK = 64  # the K tile of the tiles above GEMV_ROWS where their slices are whole tiles of it (bk_ok)
-SMEM_BYTES = 220 * 1024  # an H200 SM's shared memory for a program's pipeline stages
 GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
 GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
 GEMV_WIDE_GRID = (640, 1024)  # GEMV programs (~5-8 an H200 SM) over which it pipelines 3 stages deep
@@ -329,8 +327,7 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None,
-         bk: int | None = None) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M.
     One-program tiles of 16-bit operands load through the tensor memory accelerator
     (invariant_gemm_tma_kernel: 1.1-1.7x the pointer loads at 4096 rows on an H200, the same
@@ -357,30 +354,17 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if bm == GEMV_ROWS:
         _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
-        if bk is None:  # GEMM_BK where the slices take it (bk_ok), pipelined as deep as shared memory allows
-            bk = GEMM_BK if GEMM_BK != BLOCK_K and not f32 and bk_ok(k, slices, GEMM_BK) else BLOCK_K
-            if bk != BLOCK_K:
-                stages = max(2, min(stages, SMEM_BYTES // ((bm + bn) * bk * x.element_size())))
-        _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32, bk)
+        _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
     if res is not out:
         out.copy_(res)
     return out
 
 
-def bk_ok(k: int, slices: int, bk: int) -> bool:
-    """Whether K may load in tiles of bk (a multiple of BLOCK_K): every slice whole tiles of bk, so
-    an element meets the same k16 steps in the same order into one accumulator (on the H200 the
-    GEMV's 128- and 256-wide K tiles kept the bits: docs/PERF.md, eighteenth session)."""
-    return bk % BLOCK_K == 0 and k % BLOCK_K == 0 and (k // BLOCK_K) % (slices * (bk // BLOCK_K)) == 0
-
-
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-          tile: tuple[int, int, int, int, int, int], tma: bool | None, f32: bool, bk: int = BLOCK_K) -> None:
-    """invariant_gemm_kernel (or its TMA twin) over out [M, N] at `tile`, K in tiles of bk."""
+          tile: tuple[int, int, int, int, int, int], tma: bool | None, f32: bool) -> None:
+    """invariant_gemm_kernel (or its TMA twin) over out [M, N] at `tile`."""
     (m, k), n = x.shape, w.shape[0]
     bm, bn, group, warps, stages, slices = tile
-    if bk != BLOCK_K and not bk_ok(k, slices, bk):
-        raise ValueError(f"invariant GEMM: K {k} in {slices} slices is not whole tiles of {bk}")
     grid_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split_grid = slices > 1 and group == 1
     ws, counters = _workspace(x.device)
@@ -394,14 +378,14 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         invariant_gemm_tma_kernel[(grid_mn,)](
-            TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+            TensorDescriptor.from_tensor(x, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
             bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
-            BK=bk, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
+            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
         )
         return
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk,
+        out.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
         GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device), num_warps=warps, num_stages=stages,
     )
 

@@ -91,18 +91,6 @@ def _report(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch.Ten
           f"M=256 {t[256]:.1f} ({cub[256]:.1f}) tiles {invariant_gemm.tiles(256, n, k)}, "
           f"M={big} {t[big]:.1f} us = {tflops:.0f} TFLOPS (cuBLAS {cub[big]:.1f}, 64-row blocks {blocks:.1f}, "
           f"decode tiles {t_one:.1f}); prefill tiles keeping the decode bits: {keep}")
-    big_bk = []
-    for c in ((128, 256, 8, 8, 2), (128, 128, 8, 8, 3), (64, 256, 8, 4, 2), (128, 256, 8, 8, 3)):
-        tile = (*c, one[5])
-        if not invariant_gemm.bk_ok(k, one[5], 128):
-            break
-        try:
-            same = torch.equal(invariant_gemm.gemm(x, w, tile=tile, bk=128), decode_tiled)
-            t_bk = _time(lambda tile=tile: invariant_gemm.gemm(x, w, tile=tile, bk=128))
-            big_bk.append(f"{c}k128 {t_bk:.1f}" + ("" if same else "!"))
-        except (ValueError, RuntimeError) as e:  # past shared memory
-            big_bk.append(f"{c}k128 {type(e).__name__}")
-    print(f"{name} M={big} now {invariant_gemm.tiles(big, n, k)} {t[big]:.1f} us; " + ", ".join(big_bk))
     _report_mid(name, x, w, decode_tiled, one[5])
 
 
@@ -120,20 +108,7 @@ def _report_mid(name: str, x: torch.Tensor, w: torch.Tensor, decode_tiled: torch
                 continue
             row.append(f"{c[:3]} {_time(lambda tile=tile, m=m: invariant_gemm.gemm(x[:m], w, tile=tile)):.1f}"
                        + ("" if same else "!"))
-        now = invariant_gemm.tiles(m, *w.shape)
-        for c in (now[:5], *MID_CANDIDATES):  # the same tiles with K tiles of 128 (stages as shared memory allows)
-            tile = (*c[:4], max(2, min(c[4], invariant_gemm.SMEM_BYTES // ((c[0] + c[1]) * 256))), slices)
-            if not invariant_gemm.bk_ok(w.shape[1], slices, 128):
-                break
-            try:
-                got = invariant_gemm.gemm(x[:m], w, tile=tile, bk=128)
-            except (ValueError, RuntimeError) as e:  # past the workspace or shared memory
-                row.append(f"{c[:3]}k128 {type(e).__name__}")
-                continue
-            same = torch.equal(got, decode_tiled[:m])
-            t = _time(lambda tile=tile, m=m: invariant_gemm.gemm(x[:m], w, tile=tile, bk=128))
-            row.append(f"{c[:3]}k128/{tile[4]} {t:.1f}" + ("" if same else "!"))
-        print(f"{name} mid M={m}: now {now[:3]} {_time(lambda m=m: invariant_gemm.gemm(x[:m], w)):.1f} us, cuBLAS "
+        print(f"{name} mid M={m}: now {invariant_gemm.tiles(m, *w.shape)[:3]}, cuBLAS "
               f"{_time(lambda m=m: F.linear(x[:m], w)):.1f} us; " + ", ".join(row))
 
 
