@@ -124,7 +124,7 @@ class Plan:
     kernel: bool  # attend by the CUDA kernel (then `chunks` is empty)
     parts: int = 0  # the most KV partitions a block reads (kernel)
     decode: bool = False  # every block is one token (the kernel may split its KV)
-    scratch: tuple[torch.Tensor, ...] | None = None  # split-KV states and counts, made by the first layer
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # split-KV states, made by the first layer
 
 
 def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
@@ -159,14 +159,12 @@ def split_rows(kv_heads: int) -> int:
 
 
 def split_scratch(rows: int, parts: int, num_q_heads: int, head_dim: int,
-                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 partition states of split decode: the token's output sums [rows, parts, Hq, D]
     and (max, sum) [rows, parts, 2, Hq]; only a decode token's G rows per KV head are kept
-    (not the T * G rows of its kernel block); and the int32 counts of finished programs per
-    (row, KV head) by which the last one merges (zero between launches: the merger resets them)."""
+    (not the T * G rows of its kernel block)."""
     return (torch.empty(rows, parts, num_q_heads, head_dim, dtype=torch.float32, device=device),
-            torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device),
-            torch.zeros(rows * num_q_heads, dtype=torch.int32, device=device))
+            torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device))
 
 
 def kernel_tokens(group: int) -> int:
@@ -268,7 +266,8 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
 
 
 def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,
-                  layer: int, n_splits: int = 1, scratch: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                  layer: int, n_splits: int = 1,
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """attend by the CUDA kernel over `blocks` (Plan.blocks' form, in any order: each block is
     one program that reads only its own entries and writes only its own real rows); n_splits > 1:
     split-KV (decode blocks only) with `scratch` (split_scratch), the same bits."""

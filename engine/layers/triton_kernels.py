@@ -434,7 +434,7 @@ def invariant_attention_kernel(
     T query tokens of one request, KV head): the group's T * G query rows against the KV in
     partitions of CP chunks of C positions from position 0, each partition's state from a
     fresh one (as _kv_partition), merged in partition order (_merge_state): serially here, by
-    invariant_split_kernel (its last program merging) for split decode, with the same bits. A
+    invariant_split_kernel + invariant_merge_kernel for split decode, with the same bits. A
     row's arithmetic depends on nothing but its own q, its position and the KV: not on the batch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -462,7 +462,7 @@ def invariant_attention_kernel(
             mp = tl.full([M], float("-inf"), tl.float32)
             lp = tl.zeros([M], tl.float32)
             op = tl.zeros([M, D], tl.float32)
-    o_out = (o_acc / l_acc[:, None]).to(act)  # as _merged_parts
+    o_out = (o_acc / l_acc[:, None]).to(act)  # as invariant_merge_kernel
     real = tl.load(blk_real + b * T + t) != 0
     tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o_out, mask=real[:, None])
 
@@ -470,17 +470,15 @@ def invariant_attention_kernel(
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width", "parts_max"])
 def invariant_split_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
-    sm_scale, part_o, part_ml, counters, parts_max, out,
+    sm_scale, part_o, part_ml, parts_max,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    """Split decode: program (block, KV head, k) computes partitions k, k + splits, ... of its
-    block (decode blocks: T copies of one token, computed as invariant_attention_kernel computes a
-    block, so with its tile shapes and bits) and stores token 0's G rows' states in float32:
-    part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l). The last of a
-    (block, KV head)'s programs to finish (an atomic count in `counters`, zero between launches)
-    merges the states in partition order (_merged_parts) and stores the output; programs past a
-    block's partitions store no state (the merge reads only its partitions)."""
+    """Split decode, step 1: program (block, KV head, k) computes partitions k, k + splits, ...
+    of its block (decode blocks: T copies of one token, computed as invariant_attention_kernel
+    computes a block, so with its tile shapes and bits) and stores token 0's G rows' states in
+    float32: part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l).
+    Programs past a block's partitions store nothing (the merge reads only its partitions)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     k = tl.program_id(2)
@@ -493,36 +491,35 @@ def invariant_split_kernel(
     first = r < G  # token 0's rows
     for i in range(k, (reads + CP - 1) // CP, tl.num_programs(2)):
         mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,
-                                   tl.minimum(i * CP + CP, reads), sm_scale, M, HKV, D, PS, C)
+                                tl.minimum(i * CP + CP, reads), sm_scale, M, HKV, D, PS, C)
         slot = b.to(tl.int64) * parts_max + i
         tl.store(part_o + (slot * HQ + head)[:, None] * D + d[None, :], op, mask=first[:, None])
         tl.store(part_ml + slot * 2 * HQ + head, mp, mask=first)
         tl.store(part_ml + (slot * 2 + 1) * HQ + head, lp, mask=first)
-    tl.debug_barrier()  # every thread's states stored before the count
-    done = tl.atomic_add(counters + b * HKV + kvh, 1, sem="acq_rel")
-    if done == tl.num_programs(2) - 1:
-        _merged_parts(b, kvh, reads, blk_rows, part_o, part_ml, parts_max, out, HQ, HKV, D, T, CP)
-        tl.store(counters + b * HKV + kvh, 0)  # ready for the next launch
 
 
-@triton.jit
-def _merged_parts(b, kvh, reads, blk_rows, part_o, part_ml, parts_max, out,
-                  HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr):
-    """Block b's token, KV head kvh: its partition states (part_o, part_ml, stored by the split
-    programs; read past L1) merged in partition order from a fresh state by _merge_state, the
-    output stored as invariant_attention_kernel stores it (o / l in the output dtype). Elementwise
-    on [G] / [G, D] states, so the layout decides no bits."""
+@triton.jit(do_not_specialize=["parts_max"])
+def invariant_merge_kernel(
+    blk_rows, blk_reads, part_o, part_ml, parts_max, out,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr,
+):
+    """Split decode, step 2: program (block, KV head) merges its token's partition states in
+    partition order from a fresh state by _merge_state, and stores the output as
+    invariant_attention_kernel does (o / l in the output dtype)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV
     head = kvh * G + tl.arange(0, G)
     d = tl.arange(0, D)
+    reads = tl.load(blk_reads + b)
     m_acc = tl.full([G], float("-inf"), tl.float32)
     l_acc = tl.zeros([G], tl.float32)
     o_acc = tl.zeros([G, D], tl.float32)
     for i in range(0, (reads + CP - 1) // CP):
         slot = b.to(tl.int64) * parts_max + i
-        op = tl.load(part_o + (slot * HQ + head)[:, None] * D + d[None, :], cache_modifier=".cg")
-        mp = tl.load(part_ml + slot * 2 * HQ + head, cache_modifier=".cg")
-        lp = tl.load(part_ml + (slot * 2 + 1) * HQ + head, cache_modifier=".cg")
+        op = tl.load(part_o + (slot * HQ + head)[:, None] * D + d[None, :])
+        mp = tl.load(part_ml + slot * 2 * HQ + head)
+        lp = tl.load(part_ml + (slot * 2 + 1) * HQ + head)
         m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
     row = tl.load(blk_rows + b * T)
     o_out = (o_acc / l_acc[:, None]).to(out.dtype.element_ty)

@@ -352,7 +352,7 @@ def decode_attention(
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
     blocks: tuple[torch.Tensor, ...], chunk: int, part: int | None = None, splits: int = 1,
-    scratch: tuple[torch.Tensor, ...] | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
     D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
@@ -363,11 +363,10 @@ def invariant_attention(
     splits > 1 (decode blocks only: one token each) is split-KV: `splits` programs per (block,
     KV head) store the partitions' float32 states in `scratch` (batch_invariant.split_scratch:
     part_o [>= nb, parts, Hq, D], part_ml [>= nb, parts, 2, Hq]; `parts` at least any block's
-    partition count; counters int32 [>= nb * Hkv], zero), and the last of a (block, KV head)'s
-    programs merges them in order. Both kernels are compiled with floating-point fusion off:
-    the serial and the split kernel share the partition and merge code (@triton.jit helpers),
-    and with no FMA contraction the compiler cannot fuse a multiply-add in one and not in the
-    other, so a token's output has the same bits on either."""
+    partition count), then a second kernel merges them in order. Both kernel pairs are compiled
+    with floating-point fusion off: the serial kernel and the split pair share the partition and
+    merge code (@triton.jit helpers), and with no FMA contraction the compiler cannot fuse a
+    multiply-add in one and not in the other, so a token's output has the same bits on either."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -394,11 +393,13 @@ def invariant_attention(
         return out
     if scratch is None:
         raise ValueError("invariant_attention: split-KV needs a scratch (batch_invariant.split_scratch)")
-    part_o, part_ml, counters = scratch
-    if part_o.shape[0] < nb or counters.numel() < nb * hkv:
+    part_o, part_ml = scratch
+    if part_o.shape[0] < nb:
         raise ValueError(f"invariant_attention: scratch for {part_o.shape[0]} blocks, {nb} given")
-    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, counters, part_o.shape[1], out,
-                                                **geom, F32_DOT=interpreted(), num_warps=warps, **opts)
+    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], **geom,
+                                                F32_DOT=interpreted(), num_warps=warps, **opts)
+    k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
+                                        T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out
 
 
