@@ -14,8 +14,10 @@ rows do not mix, masked rows load zeros, and the row count M is a plain runtime 
 specialized). The tile's BLOCK_M / BLOCK_N only say which elements a program computes, not how
 one element is summed, so they may follow M: narrow tiles on a split grid for decode (enough
 programs to stream the weight at M <= 64) and for mid-sized batches, large ones for prefill.
-BLOCK_K, the warp count per 64 rows and the dot's input precision stay fixed: those decide the
-instruction that sums an element. tests/gpu/test_invariant_gemm_gpu.py checks the bits across
+The warp count per 64 rows and the dot's input precision stay fixed: those decide the
+instruction that sums an element. BLOCK_K stays 64: wider K tiles are the same k16 steps chained
+in the same order (on the H200 128 and 256 kept the bits) but measured slower (docs/PERF.md,
+eighteenth session). tests/gpu/test_invariant_gemm_gpu.py checks the bits across
 M on the H200.
 """
 
