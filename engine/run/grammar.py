@@ -54,13 +54,12 @@ from typing import Any
 
 import structlog
 import torch
-import xgrammar as xgr
 
 from engine.layers import triton_ops
 from engine.replica import Effect, ReplicaError
 from engine.replica.components import GrammarKeys
 from engine.run.grammar_drafts import DraftMasks
-from engine.run.grammar_helper import MAX_DRAFTS, GrammarHelpers, utf8_guard
+from engine.run.grammar_helper import MAX_DRAFTS, GrammarHelpers, allocate_bitmask, utf8_guard, xgr
 from engine.run.pinning import register_host
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
@@ -149,7 +148,7 @@ class GrammarSlots(Effect, DraftMasks):
         self._helpers = GrammarHelpers(n, model_dir, vocab_size, max_slots) if n > 0 else None
         self._next_id = 0  # a helper's matchers are named by id: a slot is reused
         # by slot; with helpers, the shared memory they fill
-        self._bitmask = self._helpers.bitmask if self._helpers else xgr.allocate_token_bitmask(max_slots, vocab_size)
+        self._bitmask = self._helpers.bitmask if self._helpers else allocate_bitmask(max_slots, vocab_size)
         self._adding: dict[int, tuple[int, str, _Remote]] = {}  # helper matchers not settled: id -> slot, rid
         self._finalizer: weakref.finalize | None = None  # unregisters the helpers' bitmask (CUDA)
         if device.type == "cuda":  # the mask kernel reads the bitmask and the row pairs in host memory
@@ -164,9 +163,8 @@ class GrammarSlots(Effect, DraftMasks):
             self._bitmask_ptr = triton_ops.HostPointer(self._bitmask)
             self._pairs_ptr = triton_ops.HostPointer(self._pairs)
         else:
-            self._staging = xgr.allocate_token_bitmask(max_slots, vocab_size)  # by logits row, for the CPU kernel
-        # fills and accepts the rows of a step on xgrammar's thread pool (64 rows: ~1 ms serially)
-        self._batch = xgr.BatchGrammarMatcher("auto")
+            self._staging = allocate_bitmask(max_slots, vocab_size)  # by logits row, for the CPU kernel
+        self._batch_matcher: Any = None  # xgr.BatchGrammarMatcher, made on first use (_batch)
         self.rejected = 0  # sampled tokens a matcher refused (never expected: the mask forbids them)
         self.timing = _Timing()
         if device.type == "cuda":
@@ -179,6 +177,13 @@ class GrammarSlots(Effect, DraftMasks):
         self._pairs_np[:2] = (0, 0)
         triton_ops.mask_by_slot(logits, self._bitmask_ptr, self._bitmask.shape[1], self._pairs_ptr, 1, self.vocab_size)
         torch.cuda.synchronize(self.device)
+
+    @property
+    def _batch(self) -> Any:
+        """Fills and accepts the rows of a step on xgrammar's thread pool (64 rows: ~1 ms serially)."""
+        if self._batch_matcher is None:
+            self._batch_matcher = xgr.BatchGrammarMatcher("auto")
+        return self._batch_matcher
 
     # ---- replica ops ----
 
@@ -297,7 +302,7 @@ class GrammarSlots(Effect, DraftMasks):
                 self._mask_drafted_cuda(logits, live, filled)
         else:  # the bitmask is by slot; xgrammar's kernel wants it by logits row
             if len(slots) > self._staging.shape[0]:  # verify rows: more logits rows than slots
-                self._staging = xgr.allocate_token_bitmask(len(slots), self.vocab_size)
+                self._staging = allocate_bitmask(len(slots), self.vocab_size)
             staging = self._staging[: len(slots)]
             torch.index_select(self._bitmask, 0, torch.tensor(slots, dtype=torch.int64), out=staging)
             indices = [i for i, _, _ in live]

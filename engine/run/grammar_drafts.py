@@ -19,10 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from engine.layers import triton_ops
-from engine.run.grammar_helper import GrammarHelpers
+from engine.run.grammar_helper import GrammarHelpers, xgr
 from engine.run.pinning import register_host
 
 Live = list[tuple[int, int, Any]]  # (first logits row, slot, matcher) of each live constrained row

@@ -163,6 +163,30 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def allocate_bitmask(rows: int, vocab_size: int) -> Any:
+    """xgrammar's allocate_token_bitmask (int32 [rows, words], every token allowed) without
+    importing xgrammar."""
+    import torch
+
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+class LazyXgrammar:
+    """The xgrammar module, imported on first use: a worker imports it (and through it
+    transformers: ~1.4 s of its start on 2 cores) only once a grammar reaches it, as the
+    tokenizer process does (engine/serve/grammar.py); with helpers it never does."""
+
+    def __getattr__(self, name: str) -> Any:
+        import xgrammar
+
+        value = getattr(xgrammar, name)
+        setattr(self, name, value)  # found in the instance from now on
+        return value
+
+
+xgr = LazyXgrammar()
+
+
 def layout(vocab_size: int, max_slots: int) -> tuple[int, int]:
     """The byte offset of the drafted positions' region in the memfd (page-aligned), and the memfd's size."""
     row = bitmask_words(vocab_size) * 4
