@@ -51,7 +51,9 @@ class TPGroup:
     rank: int = 0
     world: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
-    symm: SymmAllReduce | None = None  # the small-message path (CUDA, set up before capture), or None
+    # the small-message path, or None: SymmAllReduce (CUDA, set up before capture) or ShmAllReduce
+    # (CPU ranks of one host, engine/layers/shm_allreduce.py)
+    symm: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over ranks: the returned tensor (x itself, reduced in place, on the NCCL/gloo
