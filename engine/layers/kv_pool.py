@@ -29,7 +29,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     The tensor holds the mapping; it is unmapped when the last view of it goes."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -75,3 +75,23 @@ def test_host_tier_needs_components_of_one_size() -> None:
     latent = KVPool.from_layout(KVLayout.latent(8, 4), 3, 6, 4, torch.bfloat16, "cpu")
     copies = HostCopies(latent, "/dev/shm/unused")
     assert copies.page_bytes == 3 * 4 * 12 * 2 and copies.components == 1
+
+
+def test_cpu_pool_is_zero_and_resident_only_where_written() -> None:
+    """A CPU pool is fresh anonymous memory (kv_pool.zeros): all zeros, writable, and its pages
+    cost no resident memory until written (torch.zeros wrote every byte at start)."""
+    import resource
+
+    from engine.layers import kv_pool
+
+    def rss_kib() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+    before = rss_kib()
+    t = kv_pool.zeros((4, 1 << 16, 8, 128), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert rss_kib() - before < 64 << 10  # < 64 MiB resident of 1 GiB
+    assert t.shape == (4, 1 << 16, 8, 128) and t.dtype == torch.float32
+    assert not t[0, :1000].any() and not t[3, -1000:].any()
+    t[2, 5] = 1.5
+    assert t[2, 5].eq(1.5).all() and t.sum().item() == 1.5 * 8 * 128

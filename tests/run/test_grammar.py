@@ -246,3 +246,14 @@ def test_a_flush_drops_the_held_grammars_everywhere(default_model_dir: Path, set
     logits = torch.zeros(2, vocab)
     g.mask(logits, [0, 2])  # slot 0's matcher predates the flush
     assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[0]).any())
+
+
+def test_the_worker_imports_xgrammar_only_for_a_grammar() -> None:
+    """engine/run/grammar.py does not import xgrammar (nor transformers through it) until a
+    grammar needs it: a worker without constrained requests starts without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import engine.run.grammar as g; assert 'xgrammar' not in sys.modules; "
+            "g.xgr.GrammarCompiler; assert 'xgrammar' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
