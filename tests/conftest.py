@@ -13,7 +13,22 @@ from pathlib import Path
 # when numpy loads it: before any test module imports numpy (pytest itself does not).
 os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
-import pytest
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (bin/test runs two workers), worker i keeps every n-th core of this
+    process's set, before torch is imported: the engine sizes its threads by the affinity mask
+    (engine/run/assembly.py: cpu_threads), so the workers' torch threads and their servers'
+    processes do not oversubscribe the cores (two unpinned workers on two cores spent 35% more
+    CPU time on the same suite)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker and count and len(cpus) >= int(count):
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % int(count)::int(count)])
+
+
+import pytest  # noqa: E402 - after OPENBLAS_CORETYPE (pytest does not import numpy)
+
+_pin_xdist_worker()
 
 
 @pytest.fixture(scope="session")
@@ -24,15 +39,27 @@ def default_model_dir() -> Path:
     return ensure_default_model()
 
 
-@pytest.fixture(autouse=True)
-def _batch_invariant_state():  # noqa: ANN202
-    """A ModelRunner turns deterministic inference on process-wide (the CPU default): give each
-    test back the state it started with, so tests of the default kernels are not left in it."""
+def _batch_invariant_restored():  # noqa: ANN202
     from engine.layers import batch_invariant
 
     was = batch_invariant.enabled(), batch_invariant.ROWS, batch_invariant.BMM_GROUP
     yield
     batch_invariant._enabled, batch_invariant.ROWS, batch_invariant.BMM_GROUP = was
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariant_state():  # noqa: ANN202
+    """A ModelRunner with deterministic inference turns the mode on process-wide: give each test
+    back the state it started with, so tests of the default kernels are not left in it."""
+    yield from _batch_invariant_restored()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _batch_invariant_module_state():  # noqa: ANN202
+    """The same per test file, for module-scoped fixtures that build such a runner (set up before
+    a test's own state is taken): otherwise the mode stays on into whichever file runs next, and
+    under pytest-xdist that is not the next file in order."""
+    yield from _batch_invariant_restored()
 
 
 @pytest.fixture
