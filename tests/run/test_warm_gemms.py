@@ -36,8 +36,7 @@ class _Tiny(nn.Module):
             nn.init.normal_(p)
 
 
-def test_warm_gemms_runs_each_projection_and_router_at_every_count_and_the_head_at_every_batch(
-        monkeypatch, vendor_kernels) -> None:  # noqa: ANN001 - the default kernels: the mode warms fewer shapes
+def test_warm_gemms_runs_each_projection_and_router_at_every_count_and_the_head_at_every_batch(monkeypatch) -> None:
     model = _Tiny()
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     real = torch.nn.functional.linear
