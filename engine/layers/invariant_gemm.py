@@ -40,12 +40,13 @@ GEMV_WIDE_GRID = (640, 1024)  # GEMV programs (~5-8 an H200 SM) over which it pi
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
 DECODE_PROGRAMS = 512  # a decode GEMM's programs (column tiles x K slices), ~4 an H200 SM
 FULL_TILES = 128  # 128 x 256 tiles from this many (about one an H200 SM) fill the GPU
-MID_TILES = 32  # 64 x 128 tiles (one program each, TMA loads) beat the split grid from this many, if not too few for K
-# 128 x 256 tiles on a split grid where their programs make about one wave and each slice is long
-# (Llama-3.1-8B's down at 256 rows: 67.7 us against the 64 x 128 one-program tiles' 79.1;
-# Llama's o at 16 K tiles a slice lost: 34.6 against 23.2; docs/PERF.md sixteenth session)
-LONG_SLICE_PROGRAMS = 160
-LONG_SLICE_TILES = 32
+MID_TILES = 32  # below this many 64 x 128 tiles with no one-wave tile (`one_wave`): the split grid
+# one-wave tiles (`one_wave`): BM x BN, programs between about half and all of an H200's 132 SMs,
+# each pipelined as deep as this much shared memory allows (up to WAVE_STAGES)
+WAVE_TILES = ((64, 32), (64, 64), (64, 128), (64, 256), (128, 256))
+WAVE_PROGRAMS = (64, 132)
+WAVE_SMEM = 200 << 10
+WAVE_STAGES = 6
 WORKSPACE_FLOATS = 8 << 20  # split-grid partials of one GEMM (32 MiB a device, allocated on first use)
 
 
@@ -284,11 +285,10 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see `gemm`).
     Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs stream the
     weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x 256 where
-    they about fill the GPU (FULL_TILES: the LM head from 65 rows), or on a split grid where
-    their slices make about one wave over a long K (LONG_SLICE_*); else 64 x 128 where there are
-    MID_TILES of those and at least half as many as K tiles (64 x 64 where they are fewer than
-    FULL_TILES); else (a large decode batch over a narrow weight or a long K: Qwen3-0.6B's o
-    projection at 128 rows has 16) 64 x 128 on a split grid. Up to GEMV_ROWS rows (BM =
+    they about fill the GPU (FULL_TILES: the LM head from 65 rows); 64 x 128 on a split grid
+    where those tiles are fewer than half the K tiles (a long K); else the one-wave tile
+    (`one_wave`); else 64 x 128 on a split grid below MID_TILES of them, one program a 64 x 64
+    or 64 x 128 tile above. Up to GEMV_ROWS rows (BM =
     GEMV_ROWS marks it): the swapped-operand GEMV, 64 weight rows a program, its K slices as
     programs (1.2-2x the 64-row decode tile at 1 and 16 rows on an H200, the same bits:
     docs/PERF.md, fifteenth session). From the H200's timing of every candidate (docs/PERF.md,
@@ -301,22 +301,46 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
         return GEMV_ROWS, 64, 1, 4, gemv_stages(n, k, s), s
     if m <= DECODE_MAX_ROWS:  # twice the slice rule's columns: 1.05-1.5x at 16 rows (fifteenth session)
         return 64, 2 * decode_bn(n), 1, 4, 4, s
-    full_tiles = triton.cdiv(m, 128) * triton.cdiv(n, 256)
-    if full_tiles >= FULL_TILES:
+    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= FULL_TILES:
         return 128, 256, 8, 8, 3, s
-    if FULL_TILES <= full_tiles * s <= LONG_SLICE_PROGRAMS and triton.cdiv(k, BLOCK_K) >= LONG_SLICE_TILES * s:
-        return 128, 256, 1, 8, 3, s  # a long K (Llama's down at 129-256 rows): 128 x 256 on a split grid
     if s == 1:
         return 64, 256, 8, 4, 3, s
     mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
-    # one program a tile walks all of K: it pays from MID_TILES tiles and half a tile per K tile
-    # (Llama's down at 128 rows, 64 tiles over 224 K tiles: 78.7 us, against 55.8 split)
-    if (mid_tiles >= MID_TILES and 2 * mid_tiles >= triton.cdiv(k, BLOCK_K)) \
-            or mid_tiles * s * 64 * 128 > WORKSPACE_FLOATS:
-        # fewer 64 x 128 tiles than about one an SM: 64 x 64, twice the programs (Qwen3-0.6B's o and
-        # down at 256 rows 10.7 / 13.7 us against 13.0 / 16.7, Llama's o at 128 rows 17.3 against 20.3)
-        return 64, 64 if mid_tiles < FULL_TILES else 128, 8, 4, 4, s
-    return 64, 128, 1, 4, 4, s
+    split_fits = mid_tiles * s * 64 * 128 <= WORKSPACE_FLOATS
+    # a long K over up to two row tiles: its slices as programs (Llama's down at 96 rows, 64 tiles
+    # over 224 K tiles: 49.8 us against 54.2 in one wave; Qwen3-0.6B's down 11.6 against 12.4; at
+    # 192 rows the wave wins, 60.6 against 81.4)
+    if m <= 128 and 2 * mid_tiles < triton.cdiv(k, BLOCK_K) and split_fits:
+        return 64, 128, 1, 4, 4, s
+    wave = one_wave(m, n)
+    if wave is not None:
+        bm, bn, stages = wave
+        return bm, bn, 8, 4 * bm // 64, stages, s
+    if mid_tiles < MID_TILES and split_fits:
+        return 64, 128, 1, 4, 4, s
+    return 64, 64 if mid_tiles < FULL_TILES else 128, 8, 4, 4, s
+
+
+def one_wave(m: int, n: int) -> tuple[int, int, int] | None:
+    """(BM, BN, stages) of the WAVE_TILES tile whose programs fill one wave of about half to all of
+    the SMs (WAVE_PROGRAMS), one program an SM, with the fewest bytes a program reads ((1/BN +
+    1/BM) of the operands' rows: the x and w tiles it loads a K tile), its pipeline as deep as
+    WAVE_SMEM allows; None if no tile's programs fall in that range. A mid-sized batch's GEMM is
+    bound by each SM's loads in flight, not by the HBM: one program a tile walks all of K, so
+    deeper stages are its speed (scripts/det_gemm_sweep.py on an H200, docs/PERF.md twentieth
+    session: Qwen3-0.6B's o at 256 rows 11.3 -> 9.2 us, Llama-3.1-8B's o 25.5 -> 20.3, its
+    gate_up at 96 rows 89.6 -> 67.7; stages and tiles decide no sums)."""
+    low, high = WAVE_PROGRAMS
+    best = None
+    for bm, bn in WAVE_TILES:
+        programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        reads = (bm + bn) / (bm * bn * programs)
+        if low <= programs <= high and (best is None or reads < best[0]):
+            best = (reads, bm, bn)
+    if best is None:
+        return None
+    _, bm, bn = best
+    return bm, bn, min(WAVE_STAGES, WAVE_SMEM // ((bm + bn) * BLOCK_K * 2))
 
 
 def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
@@ -351,6 +375,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if bm == GEMV_ROWS and x.dtype == torch.float32 and x.is_cuda:
         bm, bn = 64, 2 * decode_bn(n)  # (CUDA float32's bits through the GEMV are untested: the decode tile)
     f32 = x.dtype == torch.float32 or interpreted()
+    if f32 and bm != GEMV_ROWS:  # float32 tiles are twice the bytes: (stages - 1) buffers within WAVE_SMEM
+        stages = min(stages, 1 + WAVE_SMEM // ((bm + bn) * BLOCK_K * 4))
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:

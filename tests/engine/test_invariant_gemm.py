@@ -78,15 +78,32 @@ def test_tiles_depend_on_rows_only_through_the_regime() -> None:
     # the GEMV's depth: 6 for long slices (Llama's down, LM head), 3 for a one-wave wide grid (gate_up), else 4
     assert [invariant_gemm.tiles(1, n, k)[4] for n, k in [(4096, 14336), (128256, 4096), (28672, 4096),
                                                           (6144, 4096), (151936, 1024)]] == [6, 6, 3, 4, 4]
-    assert invariant_gemm.tiles(128, 1024, 2048) == (64, 128, 1, 4, 4, 8)  # Qwen3-0.6B o at 128 rows: 16 tiles
-    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 64, 8, 4, 4, 8)  # at 256: 32 tiles, 32 K tiles: 64 wide
-    assert invariant_gemm.tiles(1024, 1024, 2048) == (64, 128, 8, 4, 4, 8)  # 128 tiles of 64 x 128
-    assert invariant_gemm.tiles(256, 4096, 14336) == (128, 256, 1, 8, 3, 4)  # Llama's down: a long K, split
-    assert invariant_gemm.tiles(128, 4096, 14336) == (64, 128, 1, 4, 4, 4)  # Llama's down: 64 tiles, 224 K tiles
-    assert invariant_gemm.tiles(128, 28672, 4096) == (64, 128, 8, 4, 4, 2)  # Llama's gate_up: 448 tiles of 64 x 128
+    assert invariant_gemm.tiles(128, 1024, 2048) == (64, 32, 8, 4, 6, 8)  # Qwen3-0.6B o at 128 rows: one wave of 64
+    assert invariant_gemm.tiles(256, 1024, 2048) == (64, 32, 8, 4, 6, 8)  # at 256: 128 programs of 64 x 32
+    assert invariant_gemm.tiles(1024, 1024, 2048) == (64, 128, 8, 4, 6, 8)  # 128 programs of 64 x 128
+    assert invariant_gemm.tiles(256, 4096, 14336) == (64, 128, 8, 4, 6, 4)  # Llama's down: one wave of 128
+    assert invariant_gemm.tiles(128, 4096, 14336) == (64, 128, 1, 4, 4, 4)  # Llama's down: 224 K tiles, split
+    assert invariant_gemm.tiles(128, 28672, 4096) == (128, 256, 8, 8, 4, 2)  # Llama's gate_up: 112 programs
     assert invariant_gemm.tiles(256, 128256, 4096) == (128, 256, 8, 8, 3, 1)  # the LM head: 1002 tiles
     assert invariant_gemm.tiles(256, 28672, 4096) == (128, 256, 8, 8, 3, 2)  # Llama's gate_up: 224 tiles of 128 x 256
     assert invariant_gemm.tiles(4096, 1024, 2048) == (128, 256, 8, 8, 3, 8)  # Qwen3-0.6B o, a prefill: 128 tiles
+
+
+def test_one_wave_tiles_fill_the_sms_once_within_shared_memory() -> None:
+    """A mid-sized batch's one-wave tile: about half to all of the SMs, one program each, the
+    pipeline within WAVE_SMEM; the fewest bytes a program reads among those that qualify."""
+    low, high = invariant_gemm.WAVE_PROGRAMS
+    for m in range(65, 1025, 7):
+        for n in (1024, 2048, 4096, 6144, 14336, 28672):
+            wave = invariant_gemm.one_wave(m, n)
+            fits = [(bm, bn) for bm, bn in invariant_gemm.WAVE_TILES if low <= -(-m // bm) * -(-n // bn) <= high]
+            assert (wave is None) == (not fits), (m, n)
+            if wave is None:
+                continue
+            bm, bn, stages = wave
+            assert 3 <= stages <= invariant_gemm.WAVE_STAGES and stages * (bm + bn) * 64 * 2 <= invariant_gemm.WAVE_SMEM
+            reads = {t: (t[0] + t[1]) / (t[0] * t[1] * -(-m // t[0]) * -(-n // t[1])) for t in fits}
+            assert reads[(bm, bn)] == min(reads.values()), (m, n)
 
 
 def test_mid_rows_split_grid_gives_the_prefill_bits() -> None:
@@ -104,8 +121,8 @@ def test_mid_rows_split_grid_gives_the_prefill_bits() -> None:
 def test_warm_up_compiles_each_tile_choice_once() -> None:
     """Ready means warm: engine/run/warmup.py runs the first row count of each tile choice."""
     rows = list(range(1, 2000))
-    firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: GEMV, decode, mid split grid, 64 x 64
-    assert firsts == [1, 17, 65, 193, 961]  # and 64 x 128 tiles
+    firsts = invariant_gemm.regime_rows(rows, 1024, 2048)  # Qwen3-0.6B o: GEMV, decode, then one wave of
+    assert firsts == [1, 17, 65, 257, 513, 1025]  # 64 x 32, 64 x 64, 64 x 128 and 64 x 256 tiles
     assert {invariant_gemm.tiles(m, 1024, 2048) for m in rows} == {invariant_gemm.tiles(m, 1024, 2048) for m in firsts}
 
 
