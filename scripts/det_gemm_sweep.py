@@ -9,22 +9,21 @@ engine/layers/invariant_gemm.py over (BM, BN, pipeline stages), beside today's `
 and cuBLAS. Stages and tile sizes decide no sums (the K slices and the warps per 64 rows do), so
 every candidate must keep the prefill tiles' bits: '!' marks one that does not (asserted at the
 end). Each time is a CUDA graph's replay over distinct weight copies (more bytes than the L2
-holds, as a served step reads each layer's weight from HBM) divided by the copies; the median of
-five replays of 10.
+holds, as a served step reads each layer's weight from HBM) divided by the copies
+(kernel_sweep.graph_us; the results at 61976de took the median of five replays of 10 instead).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.layers import invariant_gemm
+from scripts.kernel_sweep import graph_us
 
 SHAPES = {  # (N, K)
     "qwen-qkv": (4096, 1024), "qwen-o": (1024, 2048), "qwen-gate_up": (6144, 1024), "qwen-down": (1024, 3072),
@@ -37,24 +36,6 @@ CANDIDATES = [(64, bn, 8, st) for bn in (32, 64, 128) for st in (3, 4, 5, 6, 8)]
     + [(128, 256, 8, st) for st in (3, 4)] + [(64, 64, 1, 4), (64, 128, 1, 4), (64, 128, 1, 6), (128, 256, 1, 3)]
 PREFILL_ROWS = (1024, 4096)  # the prefill tile (128 x 256, one program a tile) at its pipeline depths
 PREFILL_CANDIDATES = [(128, 256, 8, 3), (128, 256, 8, 4)]
-
-
-def _time(f: Callable[[], None], copies: int) -> float:
-    f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(10):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 10 * 1e3 / copies)
-    return statistics.median(times)
 
 
 def sweep_shape(name: str, n: int, k: int) -> tuple[list[dict], list[tuple]]:
@@ -71,14 +52,14 @@ def sweep_shape(name: str, n: int, k: int) -> tuple[list[dict], list[tuple]]:
         if not torch.equal(invariant_gemm.gemm(xm, ws[0]), full[:m]):
             bad.append((name, m, now))
         row = {"shape": name, "m": m, "now": list(now),
-               "now_us": _time(lambda xm=xm: [invariant_gemm.gemm(xm, w) for w in ws], copies),
-               "cublas_us": _time(lambda xm=xm: [F.linear(xm, w) for w in ws], copies), "candidates": {}}
+               "now_us": graph_us([lambda xm=xm, w=w: invariant_gemm.gemm(xm, w) for w in ws]),
+               "cublas_us": graph_us([lambda xm=xm, w=w: F.linear(xm, w) for w in ws]), "candidates": {}}
         for bm, bn, group, st in CANDIDATES if m in ROWS else PREFILL_CANDIDATES:
             tile = (bm, bn, group, 4 * bm // 64, st, slices)
             key = f"{bm}x{bn}{'' if group > 1 else 'split'}/{st}"
             try:
                 same = torch.equal(invariant_gemm.gemm(xm, ws[0], tile=tile), full[:m])
-                t = _time(lambda tile=tile, xm=xm: [invariant_gemm.gemm(xm, w, tile=tile) for w in ws], copies)
+                t = graph_us([lambda xm=xm, w=w, tile=tile: invariant_gemm.gemm(xm, w, tile=tile) for w in ws])
             except Exception as e:  # noqa: BLE001 - past shared memory or the workspace: recorded
                 row["candidates"][key] = type(e).__name__
                 continue
