@@ -62,6 +62,17 @@ def _batch_invariant_module_state():  # noqa: ANN202
     yield from _batch_invariant_restored()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored():  # noqa: ANN202
+    """An in-process ModelRunner sets torch's intra-op threads process-wide (--cpu-threads): give
+    the next file the count this one started with (a pinned xdist worker's: its share of the cores)."""
+    import torch
+
+    was = torch.get_num_threads()
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.fixture
 def vendor_kernels():  # noqa: ANN202
     """The default (not batch-invariant) kernels, whatever earlier tests' runners left on."""

@@ -112,7 +112,7 @@ def _cfg(model: Path, **kw) -> ServerConfig:
     # and logprobs of a fresh compute, whose KV of the earlier turns' outputs came from a prefill
     # where the tiers' came from decode steps (with the mode off, bf16 tokens differ)
     base = dict(model=str(model), device="cpu", dtype="bfloat16", enable_deterministic_inference=True,
-                max_total_tokens=8 * 16, max_running_requests=4, max_prefill_tokens=256, cpu_threads=2)
+                max_total_tokens=8 * 16, max_running_requests=4, max_prefill_tokens=256)
     return ServerConfig(**(base | kw))
 
 
