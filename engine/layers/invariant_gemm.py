@@ -286,7 +286,7 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     Decode (m <= 64): one row tile of 64, narrow column tiles, so that ~512 programs stream the
     weight. Above, by the tiles there are (one warp group per 64 rows in all): 128 x 256 where
     they about fill the GPU (FULL_TILES: the LM head from 65 rows); 64 x 128 on a split grid
-    where those tiles are fewer than half the K tiles (a long K); else the one-wave tile
+    where the K tiles are at least three times those tiles (a long K); else the one-wave tile
     (`one_wave`); else 64 x 128 on a split grid below MID_TILES of them, one program a 64 x 64
     or 64 x 128 tile above. Up to GEMV_ROWS rows (BM =
     GEMV_ROWS marks it): the swapped-operand GEMV, 64 weight rows a program, its K slices as
@@ -307,10 +307,11 @@ def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
         return 64, 256, 8, 4, 3, s
     mid_tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
     split_fits = mid_tiles * s * 64 * 128 <= WORKSPACE_FLOATS
-    # a long K over up to two row tiles: its slices as programs (Llama's down at 96 rows, 64 tiles
-    # over 224 K tiles: 49.8 us against 54.2 in one wave; Qwen3-0.6B's down 11.6 against 12.4; at
-    # 192 rows the wave wins, 60.6 against 81.4)
-    if m <= 128 and 2 * mid_tiles < triton.cdiv(k, BLOCK_K) and split_fits:
+    # a K of at least three K tiles a 64 x 128 tile: its slices as programs (Llama's down at 96 rows,
+    # 64 tiles over 224 K tiles: 49.8 us against 54.2 in one wave; Qwen3-0.6B's down, 16 over 48:
+    # 11.6 against 12.4; at 192 rows, 2.3 and 2 K tiles a tile, the wave wins: 60.6 against 81.4, 12.5
+    # against 15.5)
+    if 3 * mid_tiles <= triton.cdiv(k, BLOCK_K) and split_fits:
         return 64, 128, 1, 4, 4, s
     wave = one_wave(m, n)
     if wave is not None:
