@@ -280,6 +280,7 @@ def gemv_stages(n: int, k: int, slices: int) -> int:
     return 3 if low < triton.cdiv(n, 64) * slices <= high else 4
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every GEMM call (an eager prefill: every projection)
 def tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, GROUP_M, warps, stages, K slices) for m rows of an [n, k] weight; GROUP_M 1 marks a
     split grid (K slices as programs), GROUP_M > 1 one program a tile (TMA loads, see `gemm`).
