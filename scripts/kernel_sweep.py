@@ -17,6 +17,7 @@ are read once a step); the figure is the median over replays of the graph's time
   timed a merge of 8 splits at a time instead of all at once: slower everywhere, removed.)
 * moe: Qwen3-30B-A3B's fused experts at one token over 16 layers' stacks, per GEMM block config,
   and the one-token GEMV path (engine/layers/moe_gemv.py) per config; `gemv_best` is the fastest.
+* a3b: Qwen3-30B-A3B's batch-1 attention projections (o; qkv with the norm folded in) over GEMV configs.
 * gemm: Llama-3.1-8B's fp8 row-scaled projections at decode batches of 128 and 256 (the offline
   benchmark's): the served path (per-token quantization + cuBLASLt), cuBLASLt alone on quantized
   x, and the triton row-scaled GEMM (quant_ops.fp8_row_mm) over tile configs (cuBLASLt's 128 x 128
@@ -79,6 +80,40 @@ def gemv_shape(dtype: str, name: str, n: int, k: int) -> dict[str, float | str]:
 def gemv_sweep() -> dict[str, Any]:
     shapes = [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
     return {f"{dt} {name}": gemv_shape(dt, name, n, k) for dt in ("fp8", "bf16") for name, n, k in shapes}
+
+
+def a3b_sweep(layers: int = 32) -> dict[str, Any]:
+    """Qwen3-30B-A3B's batch-1 attention projections, bf16, over the GEMV configs: o (2048 x 4096,
+    the looped GEMV) and qkv with the residual add and RMSNorm folded in (5120 x 2048,
+    triton_ops.add_norm_gemv), each over `layers` distinct weights."""
+    dev = torch.device("cuda")
+    out: dict[str, Any] = {}
+    for name, n, k in (("o", 2048, 4096), ("qkv+norm", 5120, 2048)):
+        ws = [(torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16) for _ in range(layers)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        nw = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5
+        cur = triton_ops.gemv_config(ws[0])
+        res: dict[str, float | str] = {"current": str(cur)}
+        grid = [(bn, bk, wp, st) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096)
+                for wp, st in ((4, 3), (4, 4), (8, 3))]
+        for cfg in dict.fromkeys([tuple(cur), *grid]):
+            if k % cfg[1] and not (cfg[1] >= k) or cfg[0] * min(cfg[1], k) * 2 > 64 << 10:
+                continue
+            if name == "o":
+                calls = [functools.partial(triton_ops.gemv, x, w, *cfg) for w in ws]
+            else:
+                calls = [functools.partial(triton_ops.add_norm_gemv, x, r, nw, 1e-6, w, *cfg) for w in ws]
+            try:
+                res[str(cfg)] = round(graph_us(calls), 2)
+            except Exception as e:  # noqa: BLE001 - a config that fails is a result
+                res[str(cfg)] = f"{type(e).__name__}: {e}"[:160]
+        best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))
+        gb = n * k * 2 / 1e3
+        print(f"a3b {name} [{n}, {k}] x{layers} current {cur} {res.get(str(cur))}us: best "
+              + "  ".join(f"{kk} {v:.2f}us ({gb / v:.0f} GB/s)" for v, kk in best[:5]), flush=True)
+        out[name] = res
+    return out
 
 
 def attention_sweep() -> dict[str, Any]:
@@ -215,6 +250,8 @@ def main() -> None:
         figures["moe"] = moe_sweep()
     if "gemm" in what:
         figures["gemm"] = gemm_sweep()
+    if "a3b" in what:
+        figures["a3b"] = a3b_sweep()
     print("JSON " + json.dumps(figures))
 
 

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from engine.layers import batch_invariant
-from engine.layers.moe_kernels import QUANTS, Stack
+from engine.layers.moe_kernels import QUANTS, Stack, moe_pdl
+from engine.layers.triton_kernels import pdl_start
 from engine.layers.tuning import kernel_tuning
 
 
@@ -57,8 +58,10 @@ def _row_dot(wb, v, rn, nm, k0, kk, stride_wn, BK: tl.constexpr):
 
 @triton.jit
 def experts13_kernel(x, w, ws, ids, counts, mid, first, N, K, stride_we, stride_wn, stride_wse,
-                     LOCAL: tl.constexpr, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     LOCAL: tl.constexpr, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     PDL: tl.constexpr):
     """mid[j, n] = silu(gate_n . x) * (up_n . x) of slot j's expert, for BN columns n (module docstring, 1)."""
+    pdl_start(PDL)  # every load waits for the ids (the routing, the previous launch)
     j = tl.program_id(0)
     pn = tl.program_id(1)
     e, live = _slot(ids, j, first, LOCAL)
@@ -86,24 +89,31 @@ def experts13_kernel(x, w, ws, ids, counts, mid, first, N, K, stride_we, stride_
 @triton.jit
 def experts2_kernel(mid, w, ws, ids, weights, out, first, N, K, stride_we, stride_wn, stride_wse,
                     TOP_K: tl.constexpr, K_P2: tl.constexpr, LOCAL: tl.constexpr, QUANT: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """out[n] = sum over slots j in order of round(weights[j] * (w2_n . mid[j])) for BN columns n
     (module docstring, 2). Every slot's tile is one [K_P2, BN, BK] load, so the k experts' rows are
     in flight at once (a loop over slots waits for each in turn); a slot of another rank's expert
-    loads nothing and adds zero."""
+    loads nothing and adds zero. With PDL the ids and the first K tile of w2 load before the wait:
+    the routing (two launches back) is done once experts13_kernel has passed its own wait, which
+    every one of its programs has before this launch starts; only `mid` is the previous launch's."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = rn < N
     j = tl.arange(0, K_P2)
     e = tl.load(ids + j, mask=j < TOP_K, other=0) - first
     live = (j < TOP_K) & (e >= 0) & (e < LOCAL)
     wb = w + tl.where(live, e, 0).to(tl.int64)[:, None, None] * stride_we + rn[None, :, None] * stride_wn
-    part = tl.zeros((K_P2, BN), tl.float32)
-    for k0 in range(0, K, BK):
+    wm = live[:, None, None] & nm[None, :, None]
+    rk = tl.arange(0, BK)
+    km = rk < K
+    wt = tl.load(wb + rk[None, None, :], mask=wm & km[None, None, :], other=0.0)
+    pdl_start(PDL)
+    hv = tl.load(mid + j[:, None] * K + rk[None, :], mask=live[:, None] & km[None, :], other=0.0)
+    part = tl.sum(wt.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
+    for k0 in range(BK, K, BK):
         rk = k0 + tl.arange(0, BK)
         km = rk < K
+        wt = tl.load(wb + rk[None, None, :], mask=wm & km[None, None, :], other=0.0)
         hv = tl.load(mid + j[:, None] * K + rk[None, :], mask=live[:, None] & km[None, :], other=0.0)
-        wt = tl.load(wb + rk[None, None, :], mask=live[:, None, None] & nm[None, :, None] & km[None, None, :],
-                     other=0.0)
         part += tl.sum(wt.to(tl.float32) * hv.to(tl.float32)[:, None, :], 2)
     if QUANT == 1:
         sc = ws + tl.where(live, e, 0).to(tl.int64)[:, None] * stride_wse + rn[None, :]
@@ -148,14 +158,15 @@ def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     out = torch.empty(1, h, dtype=x.dtype, device=x.device)
     s13 = w13.scale if w13.scale is not None else w13.w
     s2 = w2.scale if w2.scale is not None else w2.w
+    pdl = moe_pdl(x.device, 1)
     experts13_kernel[(k, triton.cdiv(inter, cfg.block_n13))](
         x, w13.w, s13, ids, counts, mid, first, inter, h, w13.w.stride(0), w13.w.stride(1),
         s13.stride(0), LOCAL=local, QUANT=q, BN=cfg.block_n13, BK=cfg.block_k13,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **pdl,
     )
     experts2_kernel[(triton.cdiv(h, cfg.block_n2),)](
         mid, w2.w, s2, ids, weights, out, first, h, inter, w2.w.stride(0), w2.w.stride(1),
         s2.stride(0), TOP_K=k, K_P2=triton.next_power_of_2(k), LOCAL=local, QUANT=q, BN=cfg.block_n2,
-        BK=cfg.block_k2, num_warps=cfg.num_warps,
+        BK=cfg.block_k2, num_warps=cfg.num_warps, **pdl,
     )
     return out

@@ -40,6 +40,9 @@ import triton
 import triton.language as tl
 
 from engine.layers import batch_invariant
+from engine.layers.triton_kernels import pdl_start
+from engine.layers.triton_ops import pdl_launch
+from engine.layers.tuning import kernel_tuning
 
 QUANTS = {None: 0, "fp8_row": 1, "fp8_block": 2}
 # triton's interpreter multiplies bfloat16 tiles as raw bits: there (the CPU tests) dot in float32
@@ -75,11 +78,12 @@ def _keep_groups(choice, bins, GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.
 def route_kernel(logits, bias, weights, ids, E, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                  NORM: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
                  GROUPED: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr,
-                 TOPK_GROUP: tl.constexpr):
+                 TOPK_GROUP: tl.constexpr, PDL: tl.constexpr):
     """Token t's routing from its router logits (float32 or bf16, taken to float32), as
     moe.route computes it: scores (softmax or 1 / (1 + exp(-x))), with GROUPED only the
     experts of the TOPK_GROUP best groups (`_keep_groups`), the top_k of scores (+ bias), best
     first, their scores as weights (over their sum + 1e-20 with NORM) times `scale`."""
+    pdl_start(PDL)  # the logits are the previous launch's
     t = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, E_P2)
     em = bins < E
@@ -295,12 +299,19 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
     )
 
 
+def moe_pdl(device: torch.device, tokens: int) -> dict:
+    """PDL (triton_ops.pdl_launch) for one token's routing and expert GEMVs, where the GPU's tuning
+    turns it on (`moe_pdl`)."""
+    return pdl_launch(device, tokens == 1 and device.type == "cuda" and kernel_tuning(device).moe_pdl)
+
+
 def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """moe.route in one launch: (float32 weights [T, k], int64 ids [T, k]) from logits [T, E].
     One warp a token: its reductions over E are warp shuffles, no shared memory (H200, a launch
     in a CUDA graph, bench/results/moe-launch-probe-h200-029a204.json: Qwen3-30B-A3B 2.3 us
     against 4.2 with 4 warps, DeepSeek-V3's grouped routing 3.9 against 7.2, at 1-32 tokens; the probe
-    is in git at 96cf1db, scripts/moe_launch_probe.py)."""
+    is in git at 96cf1db, scripts/moe_launch_probe.py). One token launches with PDL where the
+    tuning says (`moe_pdl`): the expert GEMVs that follow it do too (moe_gemv.py)."""
     from engine.layers.moe import is_grouped
 
     t, e = logits.shape
@@ -314,7 +325,7 @@ def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.
                            HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob, TOP_K=k,
                            K_P2=triton.next_power_of_2(k), E_P2=triton.next_power_of_2(e), GROUPED=grouped,
                            G=g, G_P2=triton.next_power_of_2(g), EG=e // g, TOPK_GROUP=spec.topk_group,
-                           num_warps=1)
+                           num_warps=1, **moe_pdl(logits.device, t))
     return weights, ids
 
 
@@ -370,8 +381,6 @@ def config_for(device: torch.device, numel: int, local: int) -> GemmConfig:
     for every batch under deterministic inference."""
     if batch_invariant.enabled():
         return DET_CONFIG
-    from engine.layers.tuning import kernel_tuning
-
     return GemmConfig(*kernel_tuning(device).moe_config(-(-numel // max(1, min(numel, local)))))
 
 
@@ -387,8 +396,6 @@ def warm(x: torch.Tensor, w13: Stack, w2: Stack, top_k: int, experts: int, pad: 
     if key in _WARMED or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return
     _WARMED.add(key)
-    from engine.layers.tuning import kernel_tuning
-
     local = w13.w.shape[0]
     counts = torch.zeros(experts, dtype=torch.int64, device=x.device)
     configs = [DET_CONFIG] if det else [GemmConfig(*r.config) for r in kernel_tuning(x.device).moe_gemm]

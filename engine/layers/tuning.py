@@ -109,6 +109,9 @@ class KernelTuning:
     # one token's routed experts as two GEMV launches (engine/layers/moe_gemv.py): (block_n over w13,
     # block_k over w13, block_n over w2, block_k over w2, warps); None: the fused path at one token too
     moe_gemv: tuple[int, int, int, int, int] | None = None
+    # one token's routing and the two expert GEMVs launch with programmatic dependent launch
+    # (engine/layers/moe_gemv.py): the w2 GEMV's first weight tile loads while the w13 GEMV drains
+    moe_pdl: bool = False
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
