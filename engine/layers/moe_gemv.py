@@ -23,7 +23,8 @@ Plain and fp8_row stacks (a per-row scale applied once per output); fp8_block st
 path. Deterministic inference keeps the fused path's one config (its bits do not depend on the
 batch); this path is for one token only, so it would break that invariance. Blocks: the tuning
 file's `moe_gemv`, the fastest of scripts/kernel_sweep.py's grid. Served on an H200, Qwen3-30B-A3B
-batch 1: 2.93 ms a step against 3.12 with the fused kernels (docs/PERF.md, fourteenth session).
+batch 1: 2.93 ms a step against 3.12 with the fused kernels (docs/PERF.md, fourteenth session);
+2.83 with the routing and both launches under PDL (twenty-first session; moe_kernels.moe_pdl).
 """
 
 from __future__ import annotations

@@ -301,8 +301,10 @@ def _gemm(a: torch.Tensor, s: Stack, c: torch.Tensor, n: int, align: tuple, weig
 
 def moe_pdl(device: torch.device, tokens: int) -> dict:
     """PDL (triton_ops.pdl_launch) for one token's routing and expert GEMVs, where the GPU's tuning
-    turns it on (`moe_pdl`)."""
-    return pdl_launch(device, tokens == 1 and device.type == "cuda" and kernel_tuning(device).moe_pdl)
+    launches triton kernels with it (`triton_pdl`). Served on an H200, Qwen3-30B-A3B batch 1: 2.83
+    against 2.93 ms a step without (docs/PERF.md, twenty-first session). Not for more tokens: the
+    fused path's launches with PDL lost (3.44 against 3.13 ms at d27660d)."""
+    return pdl_launch(device, tokens == 1 and device.type == "cuda" and kernel_tuning(device).triton_pdl)
 
 
 def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
@@ -310,8 +312,8 @@ def route(logits: torch.Tensor, spec, bias: torch.Tensor | None) -> tuple[torch.
     One warp a token: its reductions over E are warp shuffles, no shared memory (H200, a launch
     in a CUDA graph, bench/results/moe-launch-probe-h200-029a204.json: Qwen3-30B-A3B 2.3 us
     against 4.2 with 4 warps, DeepSeek-V3's grouped routing 3.9 against 7.2, at 1-32 tokens; the probe
-    is in git at 96cf1db, scripts/moe_launch_probe.py). One token launches with PDL where the
-    tuning says (`moe_pdl`): the expert GEMVs that follow it do too (moe_gemv.py)."""
+    is in git at 96cf1db, scripts/moe_launch_probe.py). One token launches with PDL (`moe_pdl`),
+    as the expert GEMVs that follow it (moe_gemv.py)."""
     from engine.layers.moe import is_grouped
 
     t, e = logits.shape

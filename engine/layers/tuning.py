@@ -36,12 +36,18 @@ class DecodeRule:
 
 @dataclass(frozen=True)
 class GemvRule:
-    """A looped GEMV config (block_n, block_k, warps, stages) for weights [N, K] with
-    min_n <= N <= max_n (None: unbounded) and K a multiple of block_k."""
+    """A GEMV config (block_n, block_k, warps, stages) for weights [N, K] with min_n <= N <= max_n
+    (None: unbounded) and K a multiple of block_k; with `k`, for that K only, and then before the
+    one-tile rule (a shape measured on its own)."""
 
     config: tuple[int, int, int, int]
     min_n: int | None = None
     max_n: int | None = None
+    k: int | None = None
+
+    def takes(self, n: int, k: int) -> bool:
+        return ((self.min_n is None or n >= self.min_n) and (self.max_n is None or n <= self.max_n)
+                and (self.k is None or k == self.k) and (k % self.config[1] == 0 or self.config[1] >= k))
 
 
 @dataclass(frozen=True)
@@ -109,9 +115,6 @@ class KernelTuning:
     # one token's routed experts as two GEMV launches (engine/layers/moe_gemv.py): (block_n over w13,
     # block_k over w13, block_n over w2, block_k over w2, warps); None: the fused path at one token too
     moe_gemv: tuple[int, int, int, int, int] | None = None
-    # one token's routing and the two expert GEMVs launch with programmatic dependent launch
-    # (engine/layers/moe_gemv.py): the w2 GEMV's first weight tile loads while the w13 GEMV drains
-    moe_pdl: bool = False
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
@@ -174,12 +177,15 @@ class KernelTuning:
         or None (cuBLAS)."""
         if not self.triton_gemv:
             return None
+        rules = (self.gemv_fp8_looped or self.gemv_looped) if fp8 else self.gemv_looped
+        for r in rules:
+            if r.k is not None and r.takes(n, k):
+                return r.config
         if k < self.gemv_one_tile_below_k and k % 64 == 0:
             kp2 = 1 << (k - 1).bit_length()
             return (max(4, self.gemv_one_tile_elems // kp2), kp2, 4, 1)
-        for r in (self.gemv_fp8_looped or self.gemv_looped) if fp8 else self.gemv_looped:
-            if ((r.min_n is None or n >= r.min_n) and (r.max_n is None or n <= r.max_n)
-                    and k % r.config[1] == 0):
+        for r in rules:
+            if r.k is None and r.takes(n, k) and k % r.config[1] == 0:
                 return r.config
         return None
 
