@@ -68,7 +68,11 @@ class MoeDecoderLayer(DecoderLayer):
             return super().forward(x, residual, ctx)
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         x = self.self_attn(qkv, ctx)
-        h, residual = self.post_attention_layernorm.add_forward(x, residual)
+        norm = self.post_attention_layernorm
+        folded = self.mlp.add_norm_forward(x, residual, norm.weight, norm.eps)  # one token: no norm launch
+        if folded is not None:
+            return folded
+        h, residual = norm.add_forward(x, residual)
         return self.mlp(h, pad_rows(ctx.batch)), residual  # a CUDA graph's padding rows: not counted
 
 

@@ -313,3 +313,35 @@ def test_one_token_gemv_matches_reference_in_a_graph(shape: str, quant: str | No
     graph.replay()
     assert torch.equal(out, one_token_experts(x, w, ids, *stacks, torch.zeros_like(ex.token_counts), ex.first, cfg))
     assert torch.equal(ex.token_counts, torch.bincount(ids.flatten(), minlength=e))
+
+
+def test_norm_folded_into_the_one_token_gemvs() -> None:
+    """MoE.add_norm_forward (Qwen3-30B-A3B's block at one token: the residual add and the RMSNorm
+    in the router's GEMV and the w13 GEMV, no norm launch) against the norm's launch then forward:
+    outputs within rounding (the router's input is not rounded to bf16 in the fold: at this seed no
+    expert changes), the same new residual; captured, replays equal eager."""
+    from engine.layers import ops
+    from engine.layers.moe import MoE
+
+    h, e, k, inter = SHAPES["qwen3-30b-a3b"]
+    spec = SimpleNamespace(num_experts=e, top_k=k, intermediate_size=inter, scoring_func="softmax",
+                           topk_method="greedy", norm_topk_prob=True, n_group=1, topk_group=1,
+                           routed_scaling_factor=1.0, num_shared_experts=0, router_float32=False)
+    torch.manual_seed(3)
+    with torch.device("cuda"):
+        moe = MoE(h, spec, torch.bfloat16)
+    for p in (moe.gate.weight, moe.experts.w13, moe.experts.w2):
+        p.data.normal_(0, 0.02)
+    nw = (torch.rand(h, device="cuda") + 0.5).to(torch.bfloat16)
+    x, res = (torch.randn(1, h, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    got = moe.add_norm_forward(x, res, nw, 1e-6)
+    assert got is not None, "one token on one rank takes the fold"
+    hn, s = ops.fused_add_rms_norm(x.clone(), res.clone(), nw, 1e-6)
+    assert torch.equal(got[1], s)
+    want = moe(hn)
+    assert _rel(got[0], want) < 2e-2, _rel(got[0], want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = moe.add_norm_forward(x, res, nw, 1e-6)
+    graph.replay()
+    assert torch.equal(out, moe.add_norm_forward(x, res, nw, 1e-6)[0])
