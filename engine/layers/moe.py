@@ -274,35 +274,11 @@ class Experts(nn.Module):
             out += y[:, j].float() * weights[:, j : j + 1]  # mul, add: no FMA in one path only
         return out.to(x.dtype)
 
-    def _stacks(self) -> tuple:
-        from engine.layers import moe_kernels as mk  # triton: imported on first use (CUDA)
-
-        return tuple(mk.Stack(getattr(self, n), getattr(self, n + "_scale", None), self.quant) for n in ("w13", "w2"))
-
-    def one_token_config(self, x: torch.Tensor) -> tuple | None:
-        """moe_gemv's config where one token's experts take the two GEMV launches (CUDA), else None."""
-        if not x.is_cuda:
-            return None
-        from engine.layers import moe_gemv  # triton: imported on first use (CUDA)
-
-        return moe_gemv.config(x, self._stacks()[0])
-
-    def one_token_normed(self, s: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm_weight: torch.Tensor,
-                         eps: float, cfg: tuple) -> torch.Tensor:
-        """The one-token GEMVs on RMSNorm(s) * norm_weight, the norm done by the w13 GEMV (MoE.add_norm_forward)."""
-        from engine.layers import moe_gemv
-        from engine.layers import moe_kernels as mk
-
-        w13, w2 = self._stacks()
-        mk.warm(s, w13, w2, ids.shape[1], self.num_experts, False)
-        return moe_gemv.one_token_experts(s, weights, ids, w13, w2, self.token_counts, self.first, cfg,
-                                          norm=(norm_weight, eps))
-
     def _fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, pad: PadRows | None) -> torch.Tensor:
         from engine.layers import moe_gemv  # triton: imported on first use (CUDA)
         from engine.layers import moe_kernels as mk
 
-        w13, w2 = self._stacks()
+        w13, w2 = (mk.Stack(getattr(self, n), getattr(self, n + "_scale", None), self.quant) for n in ("w13", "w2"))
         mk.warm(x, w13, w2, ids.shape[1], self.num_experts, pad is not None)  # every config compiled before ready
         gemv = moe_gemv.config(x, w13)
         if gemv is not None:  # one token: two GEMV launches, no align or combine
@@ -366,21 +342,21 @@ class MoE(nn.Module):
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(forward(RMSNorm(x + residual) * norm_weight), x + residual) with the add and the norm in
-        the router's GEMV (triton_ops.add_norm_gemv) and the w13 GEMV (moe_gemv, NORM): one token
-        on one rank, no shared experts, a router and experts that take the GEMVs; else None (the
-        caller runs the norm's own launch, then forward). The norm's launch was 1.8 us a layer and
-        broke the chain of PDL launches (Qwen3-30B-A3B batch 1, docs/PERF.md twenty-first session)."""
+        the router's GEMV (triton_ops.add_norm_gemv, whose first program also stores the normalized
+        row for the experts): one token on one rank, no shared experts, a router GEMV of one tile;
+        else None (the caller runs the norm's own launch, then forward). The norm's launch was
+        1.8 us a layer and broke the chain of PDL launches (Qwen3-30B-A3B batch 1, docs/PERF.md
+        twenty-first session)."""
         if x.shape[0] != 1 or self.tp.world != 1 or self.shared_experts is not None or not residual.is_contiguous():
             return None
-        router = self.gate.gemv_config(x)
-        experts = self.experts.one_token_config(x) if router is not None else None
-        if experts is None:
+        cfg = self.gate.gemv_config(x)
+        if cfg is None or cfg[1] < x.shape[1] or not x.is_cuda:
             return None
-        logits, s = triton_ops.add_norm_gemv(x, residual, norm_weight, eps, self.gate.weight, *router)
+        logits, s, h = triton_ops.add_norm_gemv(x, residual, norm_weight, eps, self.gate.weight, *cfg, h_out=True)
         from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
 
         weights, ids = moe_kernels.route(logits, self.gate.spec, self.gate.e_score_correction_bias)
-        return self.experts.one_token_normed(s, weights, ids, norm_weight, eps, experts), s
+        return self.experts(h, weights, ids), s
 
 
 def check_spec(spec: MoESpec) -> None:

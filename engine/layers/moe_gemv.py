@@ -58,13 +58,10 @@ def _row_dot(wb, v, rn, nm, k0, kk, stride_wn, BK: tl.constexpr):
 
 
 @triton.jit
-def experts13_kernel(x, w, ws, ids, counts, mid, first, N, K, stride_we, stride_wn, stride_wse, nw, eps,
+def experts13_kernel(x, w, ws, ids, counts, mid, first, N, K, stride_we, stride_wn, stride_wse,
                      LOCAL: tl.constexpr, QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     PDL: tl.constexpr, NORM: tl.constexpr):
-    """mid[j, n] = silu(gate_n . x) * (up_n . x) of slot j's expert, for BN columns n (module docstring, 1).
-    NORM: x is the residual stream s and the expert's input is RMSNorm(s) * nw: the dots take s * nw
-    and the rsqrt of the mean of s^2 (summed in the same loop) scales them after, as
-    triton_ops.add_norm_gemv does (the normalized input is not rounded to x's dtype)."""
+                     PDL: tl.constexpr):
+    """mid[j, n] = silu(gate_n . x) * (up_n . x) of slot j's expert, for BN columns n (module docstring, 1)."""
     pdl_start(PDL)  # every load waits for the ids (the routing, the previous launch)
     j = tl.program_id(0)
     pn = tl.program_id(1)
@@ -75,21 +72,13 @@ def experts13_kernel(x, w, ws, ids, counts, mid, first, N, K, stride_we, stride_
         rn = pn * BN + tl.arange(0, BN)
         nm = rn < N
         wb = w + e.to(tl.int64) * stride_we
-        ss = tl.zeros((BK,), tl.float32)
         g = tl.zeros((BN,), tl.float32)
         u = tl.zeros((BN,), tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             xv = tl.load(x + rk, mask=rk < K, other=0.0).to(tl.float32)
-            if NORM:
-                ss += xv * xv
-                xv = xv * tl.load(nw + rk, mask=rk < K, other=0.0).to(tl.float32)
             g += _row_dot(wb, xv, rn, nm, k0, K, stride_wn, BK)
             u += _row_dot(wb, xv, N + rn, nm, k0, K, stride_wn, BK)
-        if NORM:
-            rrms = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-            g = g * rrms
-            u = u * rrms
         if QUANT == 1:
             sb = ws + e.to(tl.int64) * stride_wse
             g = g * tl.load(sb + rn, mask=nm, other=0.0)
@@ -159,12 +148,10 @@ def config(x: torch.Tensor, w13: Stack) -> GemvConfig | None:
 
 
 def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Stack, w2: Stack,
-                      counts: torch.Tensor, first: int, cfg: GemvConfig,
-                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                      counts: torch.Tensor, first: int, cfg: GemvConfig) -> torch.Tensor:
     """moe_kernels.fused_experts for one token (x [1, H], weights [1, k] float32, ids [1, k]):
     this rank's partial sum [1, H]; adds the pairs to `counts` [E]. No padding rows: a forward's
-    one row is real (a CUDA graph of one row replays only for batch 1). norm (weight [H], eps): x is
-    the residual stream and the experts' input is its RMSNorm (MoE.add_norm_forward)."""
+    one row is real (a CUDA graph of one row replays only for batch 1)."""
     k, h, inter, local = ids.shape[1], x.shape[1], w2.w.shape[2], w13.w.shape[0]
     q = QUANTS[w13.quant]
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
@@ -175,8 +162,8 @@ def one_token_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     pdl = moe_pdl(x.device, 1)
     experts13_kernel[(k, triton.cdiv(inter, cfg.block_n13))](
         x, w13.w, s13, ids, counts, mid, first, inter, h, w13.w.stride(0), w13.w.stride(1),
-        s13.stride(0), x if norm is None else norm[0], 0.0 if norm is None else norm[1], LOCAL=local, QUANT=q,
-        BN=cfg.block_n13, BK=cfg.block_k13, NORM=norm is not None, num_warps=cfg.num_warps, **pdl,
+        s13.stride(0), LOCAL=local, QUANT=q, BN=cfg.block_n13, BK=cfg.block_k13,
+        num_warps=cfg.num_warps, **pdl,
     )
     experts2_kernel[(triton.cdiv(h, cfg.block_n2),)](
         mid, w2.w, s2, ids, weights, out, first, h, inter, w2.w.stride(0), w2.w.stride(1),

@@ -155,10 +155,12 @@ def s_chunk(x, r, r_out, cols, cm, pid, HAS_RES: tl.constexpr):
     return s
 
 @triton.jit
-def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, h, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, M: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                         H_OUT: tl.constexpr):
     # one pass: y = rrms * W (s * nw) with s = x + r, so the sum of squares of s (every
-    # program re-reads the M x K input from L2) is applied after the dot products
+    # program re-reads the M x K input from L2) is applied after the dot products; H_OUT (one
+    # tile): program 0 also stores the normalized rows h = s * rrms * nw in x's dtype
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -177,6 +179,9 @@ def add_norm_gemv_kernel(x, r, r_out, nw, eps, w, y, N, stride_w, K: tl.constexp
             rrms = tl.rsqrt(tl.sum(s * s, 0) / K + eps)
             ym = tl.sum(wf * (s * nwf)[None, :], 1) * rrms
             tl.store(y + m * N + rows, ym.to(y.dtype.element_ty), mask=rmask)
+            if H_OUT:
+                if pid == 0:
+                    tl.store(h + m * K + cols, (s * rrms * nwf).to(x.dtype.element_ty), mask=cm)
     else:
         s = s_chunk(x, r, r_out, cols, cm, pid, HAS_RES)
         ss = s * s

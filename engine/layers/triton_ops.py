@@ -236,28 +236,31 @@ def gemv(x: torch.Tensor | PreNormed, w: torch.Tensor, block_n: int = 16, block_
 
 def add_norm_gemv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-    block_n: int, block_k: int, num_warps: int, num_stages: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    block_n: int, block_k: int, num_warps: int, num_stages: int, h_out: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(RMSNorm(x + residual) * norm_weight) @ w^T for M rows (1, or up to GEMV_MAX_ROWS with a
     one-tile config) in one launch and one pass, the residual add and the norm's sum of squares
     recomputed per program from L2 (M x hidden); the normalized input is not rounded to the
     activation dtype. Returns (y [M, N], the new residual x + residual, or x itself when
-    residual is None: the first layer)."""
+    residual is None: the first layer), and with h_out (a one-tile config) the normalized input
+    [M, K] in x's dtype as a third (the norm's output, for another reader)."""
     n, k = w.shape
     m = x.shape[0]
     if (x.shape[1] != k or not _fits(k, block_k) or w.stride(1) != 1 or not x.is_contiguous()
             or not gemv_rows_ok((block_n, block_k, 0, 0), k, m)
-            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous()))):
+            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous()))
+            or (h_out and block_k < k)):
         raise ValueError(f"add_norm_gemv: x {tuple(x.shape)} w {tuple(w.shape)} block_k {block_k}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
+    h = torch.empty_like(x) if h_out else y
     pdl = _pdl(x.device)
     _k().add_norm_gemv_kernel[(-(-n // block_n),)](
-        x, residual if residual is not None else x, r_out, norm_weight, eps, w, y, n, w.stride(0),
-        K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, HAS_RES=residual is not None, PDL=pdl,
+        x, residual if residual is not None else x, r_out, norm_weight, eps, w, y, h, n, w.stride(0),
+        K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, HAS_RES=residual is not None, PDL=pdl, H_OUT=h_out,
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
-    return y, r_out
+    return (y, r_out, h) if h_out else (y, r_out)
 
 
 # ---------------------------------------------------------------- small-batch decode attention

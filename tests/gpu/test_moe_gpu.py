@@ -317,9 +317,10 @@ def test_one_token_gemv_matches_reference_in_a_graph(shape: str, quant: str | No
 
 def test_norm_folded_into_the_one_token_gemvs() -> None:
     """MoE.add_norm_forward (Qwen3-30B-A3B's block at one token: the residual add and the RMSNorm
-    in the router's GEMV and the w13 GEMV, no norm launch) against the norm's launch then forward:
-    outputs within rounding (the router's input is not rounded to bf16 in the fold: at this seed no
-    expert changes), the same new residual; captured, replays equal eager."""
+    in the router's GEMV, which stores the normalized row for the experts; no norm launch) against
+    the norm's launch then forward: outputs within rounding (the router's input is not rounded to
+    bf16 in the fold: at this seed no expert changes), the same new residual; captured, replays
+    equal eager."""
     from engine.layers import ops
     from engine.layers.moe import MoE
 

@@ -55,20 +55,3 @@ def test_ep_rank(ep_rank: None) -> None:  # noqa: F811 - test_moe_kernels.ep_ran
     ex.token_counts.zero_()
     y = one_token_experts(x, w, ids, *_stacks(ex), ex.token_counts, ex.first, CFG)
     assert _rel(y, ref) < 1e-5 and ex.token_counts.tolist() == [0, 1, 1, 0, 0, 1, 0, 1]
-
-
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_norm_in_the_w13_gemv_equals_the_normed_input(dtype: torch.dtype, tol: float) -> None:
-    """norm=(weight, eps): x is the residual stream and the w13 GEMV applies the RMSNorm itself
-    (MoE.add_norm_forward): the same experts' sum as on the normalized input."""
-    e, k, h, inter = 9, 3, 72, 40
-    ex = _experts(e, h, inter, dtype, seed=5)
-    w, ids = _routing(1, k, e, seed=7)
-    g = torch.Generator().manual_seed(3)
-    s = (torch.randn(1, h, generator=g) * 3).to(dtype)
-    nw = (torch.rand(h, generator=g) + 0.5).to(dtype)
-    normed = (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()).to(dtype)
-    ref = one_token_experts(normed, w, ids, *_stacks(ex), ex.token_counts, ex.first, CFG)
-    y = one_token_experts(s, w, ids, *_stacks(ex), ex.token_counts, ex.first, CFG, norm=(nw, 1e-6))
-    assert _rel(y, ref) < tol
-    assert _rel(y, one_token_experts(s, w, ids, *_stacks(ex), ex.token_counts, ex.first, CFG)) > 10 * tol

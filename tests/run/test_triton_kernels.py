@@ -337,3 +337,19 @@ def test_invariant_attention_kernel_matches_the_torch_path() -> None:
     one = triton_ops.invariant_attention(q[40:70], pool.k[0], pool.v[0], ps, table[1:2], alone.blocks,
                                          alone.chunk)
     assert torch.equal(one, got[40:70])
+
+
+def test_add_norm_gemv_stores_the_normalized_rows() -> None:
+    """h_out (one tile): the first program also stores RMSNorm(x + residual) * weight for another
+    reader (MoE.add_norm_forward's experts); a looped config refuses it."""
+    g = torch.Generator().manual_seed(6)
+    m, n, k = 3, 24, 640
+    w = torch.randn(n, k, generator=g).to(BF)
+    x, r = torch.randn(m, k, generator=g).to(BF), torch.randn(m, k, generator=g).to(BF)
+    nw = torch.rand(k, generator=g).to(BF) + 0.5
+    y, r_out, h = triton_ops.add_norm_gemv(x, r, nw, 1e-6, w, 8, 1024, 4, 1, h_out=True)
+    want = _rms((x.float() + r.float()).to(BF), nw).float()
+    torch.testing.assert_close(h.float(), want, atol=1e-2, rtol=2**-7)  # <= 1 bf16 ulp
+    assert torch.equal(y, triton_ops.add_norm_gemv(x, r, nw, 1e-6, w, 8, 1024, 4, 1)[0])
+    with pytest.raises(ValueError, match="add_norm_gemv"):
+        triton_ops.add_norm_gemv(x[:1, :512], r[:1, :512], nw[:512], 1e-6, w[:, :512], 8, 256, 4, 3, h_out=True)
