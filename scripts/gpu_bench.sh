@@ -79,6 +79,7 @@
 #             a tiny Llama's greedy tokens with NGRAM trees and EAGLE leaf trees (torch backend), flashinfer refused
 #   sweep     batch-1 decode kernels as served (scripts/kernel_sweep.py: distinct weights / KV in a graph, PDL):
 #             GEMV configs (fp8, bf16) at Llama-3.1-8B shapes, decode attention splits / blocks, MoE blocks at 1 token; SWEEP="attention gemv moe"
+#             (also "a3b": Qwen3-30B-A3B's batch-1 o and qkv + norm GEMV configs; "gemm")
 #   ab        decode latency of AB_MODEL (llama-3.1-8b) with AB_ARGS (--quantization fp8) at AB_BATCHES ("1 8"), the
 #             tuning file as is, then with each of TUNING_PATCHES (JSON objects separated by ";", each merged over
 #             configs/tuning/NVIDIA_H200.json for its run only): an A/B of tuning choices on one machine
@@ -332,7 +333,7 @@ for what in "$@"; do case $what in
           --out "$OUT/structured-spec-qwen3-0.6b-h200.json" || fails=$((fails + 1))
          grep -h '"grammar timing"\|"speculative decoding"' $OUT/logs-specgrammar/*.log | tail -12 ;;
   sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
-         grep -E "^gemv|^gemm|^attention|^moe|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
+         grep -E "^gemv|^gemm|^attention|^moe|^a3b|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
            > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
   ab) each_patch ab_latency ;;
   aboffline) each_patch ab_offline ;;
