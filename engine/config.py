@@ -92,6 +92,7 @@ class ServerConfig:
              "--enable-deterministic-inference needs the torch attention backend (--attention-backend auto or torch)"),
             (self.kv_cache_dtype in ("auto", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype}"),
             (0 < self.port < 65536 and 0 < self.sdk_port < 65536, "ports must be in 1..65535"),
+            (self.port != self.sdk_port, f"--sdk-port must differ from --port (both {self.port})"),
             (self.page_size >= 0 and self.page_size & (self.page_size - 1) == 0,
              "--page-size must be a power of 2 (or 0: auto)"),
             (self.max_total_tokens >= 0, "--max-total-tokens must be >= 0"),

@@ -69,9 +69,21 @@ def announce_death(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports free now: the sockets are held open together while the OS picks them
+    (two calls of a one-socket helper can return the same port twice: a server started with
+    --port equal to --sdk-port hung a benchmark's client once)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def dist_master(cfg: ServerConfig) -> tuple[str, int]:

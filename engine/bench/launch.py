@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from engine.bench.hardware import ROOT
+from engine.supervise import free_ports
 from msgs.channels import sdk_address
 
 START_TIMEOUT_S = 900.0
@@ -30,12 +30,6 @@ class Endpoints:
     http: str | None  # e.g. http://127.0.0.1:8000
     sdk: str | None  # e.g. tcp://127.0.0.1:8001
     pid: int | None = None  # the supervisor's process id when the benchmark started the server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(model: str | None, load_format: str, server_args: list[str], port: int, sdk_port: int) -> list[str]:
@@ -82,7 +76,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
 @contextmanager
 def launched_server(model: str | None, load_format: str, server_args: list[str]) -> Iterator[Endpoints]:
     """bin/serve on free ports for the duration of the block; its output goes to a temp log."""
-    port, sdk_port = free_port(), free_port()
+    port, sdk_port = free_ports(2)
     cmd = serve_command(model, load_format, server_args, port, sdk_port)
     tmp = Path(tempfile.mkdtemp(prefix="strata-bench-"))
     log = tmp / "serve.log"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -44,14 +46,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def run_bench(argv: list[str], timeout: int = 180) -> str:
+    """bin/bench `argv`; its stdout, after asserting exit 0. On a timeout the whole process group
+    goes (bin/bench and the server it started: a killed bench alone left its server running)."""
+    proc = subprocess.Popen([str(ROOT / "bin" / "bench"), *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"bin/bench timed out:\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
+
+
 def bench(out: Path, *args: str) -> dict[str, Any]:
     """Run bin/bench with `args`, writing to `out`; return the JSON record."""
-    res = subprocess.run(
-        [str(ROOT / "bin" / "bench"), *args, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-        timeout=180,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "settings" in res.stdout and "result written to" in res.stdout
+    stdout = run_bench([*args, "--out", str(out)])
+    assert "settings" in stdout and "result written to" in stdout
     return json.loads(out.read_text())
 
 
@@ -192,13 +205,10 @@ def test_deterministic_modes_count_one_answer(tiny_model: Path, tmp_path: Path) 
     """bin/bench deterministic (SGLang's single/mixed/prefix tests) with the mode on: one answer
     per prompt, and the record says so (exit 0); its own logic is what fails it otherwise."""
     out = tmp_path / "det.json"
-    res = subprocess.run(
-        [str(ROOT / "bin" / "bench"), "deterministic", "--model", str(tiny_model), "--load-format", "dummy",
-         "--samples", "12", "--max-batch", "4", "--max-new", "3",
-         "--server-args", "--max-total-tokens 8192 --enable-deterministic-inference", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_bench(["deterministic", "--model", str(tiny_model), "--load-format", "dummy", "--samples", "12",
+               "--max-batch", "4", "--max-new", "3",
+               "--server-args", "--max-total-tokens 8192 --enable-deterministic-inference", "--out", str(out)],
+              timeout=300)
     rec = json.loads(out.read_text())
     assert rec["deterministic"] is True and rec["health"]["deterministic"] is True
     assert rec["single"] == {"prompt0": 1} and len(rec["prefix"]) == 4 and set(rec["mixed"].values()) == {1}

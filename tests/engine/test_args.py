@@ -49,3 +49,16 @@ def test_auto_page_size_is_64_for_mla_models_on_cuda_only() -> None:
         ServerConfig(page_size=24)
     with pytest.raises(ValueError, match="--max-prefill-tokens 32 must be >= page size 64"):
         ServerConfig(model=v3, device="cuda", max_prefill_tokens=32)
+
+
+def test_http_and_sdk_ports_differ() -> None:
+    """One port for both listeners is refused at start (a benchmark whose two free-port picks
+    came out equal hung its client); free_ports picks distinct ones."""
+    import pytest
+
+    from engine.supervise import free_ports
+
+    with pytest.raises(ValueError, match="--sdk-port must differ from --port"):
+        ServerConfig(port=8000, sdk_port=8000)
+    ports = free_ports(16)
+    assert len(set(ports)) == 16 and all(0 < p < 65536 for p in ports)

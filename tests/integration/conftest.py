@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,15 +15,12 @@ import httpx
 import psutil
 import pytest
 
+from engine.supervise import free_ports
 from msgs.channels import sdk_address
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -61,7 +57,7 @@ class Server:
 
 
 def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
-    port, sdk_port = free_port(), free_port()
+    port, sdk_port = free_ports(2)
     cmd = [
         str(ROOT / "bin" / "serve"),
         "--port",

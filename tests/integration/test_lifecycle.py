@@ -11,7 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.integration.conftest import ROOT, free_port, start_server
+from engine.supervise import free_ports
+from tests.integration.conftest import ROOT, start_server
 
 
 def test_sigterm_shuts_down_everything(tmp_path: Path) -> None:
@@ -37,6 +38,7 @@ def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     model = tmp_path / "bad-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 10}))
+    port, sdk_port = free_ports(2)
     cmd = [
         str(ROOT / "bin" / "serve"),
         "--model",
@@ -44,9 +46,9 @@ def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
         "--load-format",
         "dummy",
         "--port",
-        str(free_port()),
+        str(port),
         "--sdk-port",
-        str(free_port()),
+        str(sdk_port),
     ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
