@@ -195,7 +195,10 @@ class Router(nn.Module):
         return triton_ops.gemv(x, self.weight, *cfg) if cfg is not None else matmul(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.logits(x)
+        return self.route(self.logits(x))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) of the experts from the router's logits."""
         if logits.is_cuda:  # (one program per token: batch-invariant as it is)
             from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
 
@@ -349,14 +352,11 @@ class MoE(nn.Module):
         twenty-first session)."""
         if x.shape[0] != 1 or self.tp.world != 1 or self.shared_experts is not None or not residual.is_contiguous():
             return None
-        cfg = self.gate.gemv_config(x)
-        if cfg is None or cfg[1] < x.shape[1] or not x.is_cuda:
+        cfg = self.gate.gemv_config(x)  # None on CPU: no triton GEMV there
+        if cfg is None or cfg[1] < x.shape[1]:
             return None
         logits, s, h = triton_ops.add_norm_gemv(x, residual, norm_weight, eps, self.gate.weight, *cfg, h_out=True)
-        from engine.layers import moe_kernels  # triton: imported on first use (CUDA)
-
-        weights, ids = moe_kernels.route(logits, self.gate.spec, self.gate.e_score_correction_bias)
-        return self.experts(h, weights, ids), s
+        return self.experts(h, *self.gate.route(logits)), s
 
 
 def check_spec(spec: MoESpec) -> None:

@@ -46,8 +46,9 @@ class GemvRule:
     k: int | None = None
 
     def takes(self, n: int, k: int) -> bool:
-        return ((self.min_n is None or n >= self.min_n) and (self.max_n is None or n <= self.max_n)
-                and (self.k is None or k == self.k) and (k % self.config[1] == 0 or self.config[1] >= k))
+        """Whether the rule's N bounds and K take [n, k] (a rule without `k` also needs whole K tiles)."""
+        in_n = (self.min_n is None or n >= self.min_n) and (self.max_n is None or n <= self.max_n)
+        return in_n and (k == self.k if self.k is not None else k % self.config[1] == 0)
 
 
 @dataclass(frozen=True)
@@ -178,16 +179,13 @@ class KernelTuning:
         if not self.triton_gemv:
             return None
         rules = (self.gemv_fp8_looped or self.gemv_looped) if fp8 else self.gemv_looped
-        for r in rules:
+        for r in rules:  # a rule for this K first (triton_ops.gemv_config checks its tile fits K)
             if r.k is not None and r.takes(n, k):
                 return r.config
         if k < self.gemv_one_tile_below_k and k % 64 == 0:
             kp2 = 1 << (k - 1).bit_length()
             return (max(4, self.gemv_one_tile_elems // kp2), kp2, 4, 1)
-        for r in rules:
-            if r.k is None and r.takes(n, k) and k % r.config[1] == 0:
-                return r.config
-        return None
+        return next((r.config for r in rules if r.k is None and r.takes(n, k)), None)
 
     def fp8_row_config(self, rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
         """The triton row-scaled fp8 GEMM's tiles for x [rows, k] times weights [n, k], or None
