@@ -2,7 +2,7 @@
 reports ready, so no request pays a compile (flashinfer's JIT, triton, torch.compile).
 
 Covered: an eager prefill (a fresh prompt and one continuing after a cached page, so both
-attention paths run) and an eager decode batch, in the configured dtype, KV dtype and
+attention paths run) and an eager decode batch (and on a GPU a one-row decode), in the configured dtype, KV dtype and
 attention math; the sampler's greedy, temperature, top-k/top-p/min-p, penalty and logprob
 paths. Decode CUDA graphs are captured (and so run) separately, for every batch size.
 On a GPU, every projection's GEMM also runs at a ladder of row counts up to the largest
@@ -59,6 +59,10 @@ def warm_up(runner: ModelRunner) -> float:
         runner.sampler.sample(prefill, slots, [n] * len(slots))
         decode = _forward(runner, [n] * len(slots), [1] * len(slots), pages)
         runner.sampler.sample(decode, slots, [n + 1] * len(slots))
+        if runner.device.type == "cuda" and len(slots) > 1:
+            # one row has kernels of its own (a norm split across two GEMVs, MoE's one-token
+            # chain with the norm in the router's GEMV): eager decode, without graphs, meets them
+            _forward(runner, [n + 1], [1], pages)
     finally:
         for slot in slots:
             runner.sampler.remove(slot)
