@@ -1,0 +1,163 @@
+"""Compile triton kernels for an H200 (sm_90a) on a machine without a GPU, before they cost device time.
+
+Triton's interpreter (the CPU tests) runs a kernel's Python, not its compiler: a kernel that reads a
+module global which is not a `tl.constexpr`, or that the compiler otherwise refuses, passes every
+CPU test and fails at its first GPU launch (twenty-second session, docs/PERF.md). Here each case
+calls an op of engine/layers on CPU tensors at a model's shapes with the launches recorded instead
+of run, then compiles every recorded launch with `triton.compile` for the H200's target (PDL on,
+as the H200 tuning file launches them) and prints its registers and spilled bytes a thread
+(triton's bundled cuobjdump). The registers come from this machine's triton, which need not be
+the GPU machine's version.
+
+    python scripts/compile_check.py                  # every case
+    python scripts/compile_check.py decode-a3b moe-a3b
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels: the interpreter's are not JITFunctions
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.layers.tuning import load_tuning  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch kwargs that are compile options
+
+
+@contextmanager
+def recorded() -> Iterator[list[tuple[JITFunction, tuple, dict]]]:
+    """Every `kernel[grid](...)` launch in the block recorded as (kernel, args, kwargs), none run."""
+    launches: list[tuple[JITFunction, tuple, dict]] = []
+    launch = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda self, grid: lambda *a, **k: launches.append((self, a, k))  # type: ignore[method-assign]
+    try:
+        yield launches
+    finally:
+        JITFunction.__getitem__ = launch  # type: ignore[method-assign]
+
+
+def _arg_type(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no triton type for {type(value).__name__}")
+
+
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict,
+                   target: GPUTarget = H200) -> triton.compiler.CompiledKernel:
+    """The recorded launch compiled for `target`, with PDL on where the kernel has the constexpr."""
+    bound = dict(zip(fn.arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in fn.arg_names}
+    signature: dict[str, str] = {}
+    constexprs: dict[str, object] = {}
+    for p in fn.params:
+        value = bound.get(p.name, p.default)
+        if p.is_constexpr or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = True if p.name == "PDL" and target.backend == "cuda" else value
+        else:
+            signature[p.name] = _arg_type(value)
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
+
+
+def resources(kernel: triton.compiler.CompiledKernel) -> tuple[int, int]:
+    """(registers, stack bytes) a thread of a compiled kernel's cubin."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {out[:200]}")
+    return int(m[1]), int(m[2])
+
+
+def _decode(hq: int, hkv: int, norm: bool) -> Callable[[], None]:
+    """triton_ops.decode_attention at batch 1, ctx 1024, with its prologue (RoPE, optional q/k norm)."""
+
+    def case() -> None:
+        from engine.layers import triton_ops
+
+        d, ps, ctx = 128, 16, 1024
+        kc = torch.empty(ctx // ps * ps, hkv, d, dtype=torch.bfloat16)
+        ws = triton_ops.decode_workspace(1, hkv, d, 132, torch.device("cpu"))
+        w = torch.ones(d, dtype=torch.bfloat16) if norm else None
+        triton_ops.decode_attention(
+            torch.empty(1, (hq + 2 * hkv) * d, dtype=torch.bfloat16), hq, hkv, d, torch.tensor([ctx - 1]),
+            torch.zeros(1, ctx // ps, dtype=torch.int32), kc, kc, ps, ws, triton_ops.decode_splits(1, hkv, 132),
+            torch.empty(4096, d, dtype=torch.float32), w, w)
+
+    return case
+
+
+def _moe_one_token(h: int, e: int, k: int, inter: int) -> Callable[[], None]:
+    """moe_gemv.one_token_experts at the H200 tuning file's blocks (the weights untouched memory)."""
+
+    def case() -> None:
+        from engine.layers import moe_kernels as mk
+        from engine.layers.moe_gemv import GemvConfig, one_token_experts
+
+        w13 = mk.Stack(torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), None, None)
+        w2 = mk.Stack(torch.empty(e, h, inter, dtype=torch.bfloat16), None, None)
+        cfg = GemvConfig(*load_tuning("NVIDIA H200").moe_gemv)
+        one_token_experts(torch.empty(1, h, dtype=torch.bfloat16), torch.ones(1, k), torch.arange(k).view(1, k),
+                          w13, w2, torch.zeros(e, dtype=torch.int64), 0, cfg)
+
+    return case
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "decode-llama": _decode(32, 8, False),  # Llama-3.1-8B
+    "decode-a3b": _decode(32, 4, True),  # Qwen3-30B-A3B: a GQA group of 8, q/k norm
+    "moe-a3b": _moe_one_token(2048, 128, 8, 768),
+}
+
+
+def check(names: list[str]) -> list[tuple[str, str, int, int]]:
+    """(case, kernel, registers, stack bytes) of every launch of the named cases, compiled for the H200."""
+    rows = []
+    for name in names:
+        with recorded() as launches:
+            CASES[name]()
+        if not launches:
+            raise RuntimeError(f"case {name} launched no triton kernel")
+        for fn, args, kwargs in launches:
+            rows.append((name, fn.__name__, *resources(compile_launch(fn, args, kwargs))))
+    return rows
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        sys.exit(f"compile_check: unknown cases {unknown} (cases: {', '.join(CASES)})")
+    for case, kernel, regs, stack in check(names):
+        print(f"{case:14} {kernel:28} registers {regs:3}  spilled {stack:5} bytes a thread", flush=True)
+
+
+if __name__ == "__main__":
+    main()
