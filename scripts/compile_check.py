@@ -130,15 +130,40 @@ def _moe_one_token(h: int, e: int, k: int, inter: int) -> Callable[[], None]:
     return case
 
 
+def _gemvs(shapes: list[tuple[int, int]], fp8: bool = False, silu_last: bool = True) -> Callable[[], None]:
+    """triton_ops.gemv at batch 1 over weights [n, k] at the H200 file's config for each (the last one
+    with SiLU-and-mul folded in, as the down projection runs)."""
+
+    def case() -> None:
+        from engine.layers import triton_ops
+
+        tuning = load_tuning("NVIDIA H200")
+        for i, (n, k) in enumerate(shapes):
+            cfg = tuning.gemv_config(n, k, fp8=fp8)
+            if cfg is None:
+                raise RuntimeError(f"the H200 file takes no triton GEMV for [{n}, {k}]")
+            silu = silu_last and i == len(shapes) - 1
+            w = torch.empty(n, k, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            triton_ops.gemv(torch.empty(1, 2 * k if silu else k, dtype=torch.bfloat16), w, *cfg, silu_mul=silu,
+                            scale=torch.ones(n) if fp8 else None)
+
+    return case
+
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+
 CASES: dict[str, Callable[[], None]] = {
+    "gemv-llama": _gemvs(LLAMA_8B),
+    "gemv-llama-fp8": _gemvs(LLAMA_8B, fp8=True),
     "decode-llama": _decode(32, 8, False),  # Llama-3.1-8B
     "decode-a3b": _decode(32, 4, True),  # Qwen3-30B-A3B: a GQA group of 8, q/k norm
     "moe-a3b": _moe_one_token(2048, 128, 8, 768),
 }
 
 
-def check(names: list[str]) -> list[tuple[str, str, int, int]]:
-    """(case, kernel, registers, stack bytes) of every launch of the named cases, compiled for the H200."""
+def check(names: list[str]) -> list[tuple[str, str, int, int, str]]:
+    """(case, kernel, registers, stack bytes, its largest tensor's shape) of every launch of the named
+    cases, compiled for the H200."""
     rows = []
     for name in names:
         with recorded() as launches:
@@ -146,7 +171,8 @@ def check(names: list[str]) -> list[tuple[str, str, int, int]]:
         if not launches:
             raise RuntimeError(f"case {name} launched no triton kernel")
         for fn, args, kwargs in launches:
-            rows.append((name, fn.__name__, *resources(compile_launch(fn, args, kwargs))))
+            big = max((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), key=torch.Tensor.numel)
+            rows.append((name, fn.__name__, *resources(compile_launch(fn, args, kwargs)), str(list(big.shape))))
     return rows
 
 
@@ -155,8 +181,8 @@ def main() -> None:
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         sys.exit(f"compile_check: unknown cases {unknown} (cases: {', '.join(CASES)})")
-    for case, kernel, regs, stack in check(names):
-        print(f"{case:14} {kernel:28} registers {regs:3}  spilled {stack:5} bytes a thread", flush=True)
+    for case, kernel, regs, stack, shape in check(names):
+        print(f"{case:14} {kernel:28} registers {regs:3}  spilled {stack:5} bytes a thread  {shape}", flush=True)
 
 
 if __name__ == "__main__":
