@@ -31,6 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -57,6 +58,8 @@ def recorded() -> Iterator[list[tuple[JITFunction, tuple, dict]]]:
 def _arg_type(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + DTYPES[value.dtype]
+    if isinstance(value, TensorDescriptor):  # a TMA load's descriptor, as triton's launcher names it
+        return f"tensordesc<{DTYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -150,11 +153,28 @@ def _gemvs(shapes: list[tuple[int, int]], fp8: bool = False, silu_last: bool = T
     return case
 
 
+def _invariant(rows: int, shapes: list[tuple[int, int]]) -> Callable[[], None]:
+    """invariant_gemm.gemm (deterministic inference) at `rows` rows over weights [n, k], its tiles."""
+
+    def case() -> None:
+        from engine.layers import invariant_gemm
+
+        for n, k in shapes:
+            invariant_gemm.gemm(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16))
+
+    return case
+
+
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+QWEN3_06B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
 CASES: dict[str, Callable[[], None]] = {
     "gemv-llama": _gemvs(LLAMA_8B),
     "gemv-llama-fp8": _gemvs(LLAMA_8B, fp8=True),
+    "det-llama-b1": _invariant(1, LLAMA_8B),  # deterministic inference's batch-1 GEMV
+    "det-llama-b256": _invariant(256, LLAMA_8B),  # offline decode batches
+    "det-llama-prefill": _invariant(4096, LLAMA_8B),
+    "det-qwen-b256": _invariant(256, QWEN3_06B),
     "decode-llama": _decode(32, 8, False),  # Llama-3.1-8B
     "decode-a3b": _decode(32, 4, True),  # Qwen3-30B-A3B: a GQA group of 8, q/k norm
     "moe-a3b": _moe_one_token(2048, 128, 8, 768),
@@ -171,7 +191,8 @@ def check(names: list[str]) -> list[tuple[str, str, int, int, str]]:
         if not launches:
             raise RuntimeError(f"case {name} launched no triton kernel")
         for fn, args, kwargs in launches:
-            big = max((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), key=torch.Tensor.numel)
+            tensors = [a.base if isinstance(a, TensorDescriptor) else a for a in (*args, *kwargs.values())]
+            big = max((a for a in tensors if isinstance(a, torch.Tensor)), key=torch.Tensor.numel)
             rows.append((name, fn.__name__, *resources(compile_launch(fn, args, kwargs)), str(list(big.shape))))
     return rows
 
