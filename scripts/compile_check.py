@@ -28,7 +28,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels: the interpreter's 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
@@ -38,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.layers.tuning import load_tuning  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch kwargs that are compile options
 
 
@@ -55,35 +54,30 @@ def recorded() -> Iterator[list[tuple[JITFunction, tuple, dict]]]:
         JITFunction.__getitem__ = launch  # type: ignore[method-assign]
 
 
-def _arg_type(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + DTYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):  # a TMA load's descriptor, as triton's launcher names it
-        return f"tensordesc<{DTYPES[value.base.dtype]}{list(value.block_shape)}>"
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no triton type for {type(value).__name__}")
-
-
 def compile_launch(fn: JITFunction, args: tuple, kwargs: dict,
                    target: GPUTarget = H200) -> triton.compiler.CompiledKernel:
-    """The recorded launch compiled for `target`, with PDL on where the kernel has the constexpr."""
+    """The recorded launch compiled for `target` as triton's launcher would compile it (its own
+    argument specialization: 16-byte aligned pointers and multiples of 16 marked divisible, ints
+    equal to 1 made constants), with PDL on where the kernel has the constexpr."""
     bound = dict(zip(fn.arg_names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in fn.arg_names}
     signature: dict[str, str] = {}
-    constexprs: dict[str, object] = {}
-    for p in fn.params:
+    constexprs: dict[tuple[int], object] = {}
+    attrs: dict[tuple[int], list] = {}
+    for i, p in enumerate(fn.params):
         value = bound.get(p.name, p.default)
         if p.is_constexpr or value is None:
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = True if p.name == "PDL" and target.backend == "cuda" else value
+            ty = "constexpr"
+            value = True if p.name == "PDL" and target.backend == "cuda" else value
         else:
-            signature[p.name] = _arg_type(value)
+            ty, spec = native_specialize_impl(BaseBackend, value, p.is_const, not p.do_not_specialize,
+                                              not p.do_not_specialize_on_alignment)
+            if isinstance(spec, str):
+                attrs[(i,)] = BaseBackend.parse_attr(spec)
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = value
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    return triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
 
 
 def resources(kernel: triton.compiler.CompiledKernel) -> tuple[int, int]:
