@@ -127,6 +127,34 @@ def _moe_one_token(h: int, e: int, k: int, inter: int) -> Callable[[], None]:
     return case
 
 
+def _moe_fused(h: int, e: int, k: int, inter: int, tokens: int) -> Callable[[], None]:
+    """moe_kernels' routing and fused path (align, w13 and w2 GEMMs, combine) for `tokens` tokens at the
+    H200 file's GEMM blocks, and the router's add + norm GEMV of one token (MoE.add_norm_forward)."""
+
+    def case() -> None:
+        from types import SimpleNamespace
+
+        from engine.layers import moe_kernels as mk
+        from engine.layers import triton_ops
+
+        tuning = load_tuning("NVIDIA H200")
+        spec = SimpleNamespace(top_k=k, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+                               norm_topk_prob=True, routed_scaling_factor=1.0, num_experts=e)
+        weights, ids = mk.route(torch.empty(tokens, e, dtype=torch.bfloat16), spec, None)
+        ids = torch.arange(tokens * k).view(tokens, k) % e  # route's outputs are not computed here
+        cfg = mk.GemmConfig(*tuning.moe_config(-(-tokens * k // min(tokens * k, e))))
+        w13 = mk.Stack(torch.empty(e, 2 * inter, h, dtype=torch.bfloat16), None, None)
+        w2 = mk.Stack(torch.empty(e, h, inter, dtype=torch.bfloat16), None, None)
+        mk.fused_experts(torch.empty(tokens, h, dtype=torch.bfloat16), weights, ids, w13, w2,
+                         torch.zeros(e, dtype=torch.int64), 0, cfg)
+        router = torch.empty(e, h, dtype=torch.bfloat16)
+        x = torch.empty(1, h, dtype=torch.bfloat16)
+        triton_ops.add_norm_gemv(x, torch.empty_like(x), torch.ones(h, dtype=torch.bfloat16), 1e-6, router,
+                                 *tuning.gemv_config(e, h), h_out=True)
+
+    return case
+
+
 def _gemvs(shapes: list[tuple[int, int]], fp8: bool = False, silu_last: bool = True) -> Callable[[], None]:
     """triton_ops.gemv at batch 1 over weights [n, k] at the H200 file's config for each (the last one
     with SiLU-and-mul folded in, as the down projection runs)."""
@@ -172,6 +200,7 @@ CASES: dict[str, Callable[[], None]] = {
     "decode-llama": _decode(32, 8, False),  # Llama-3.1-8B
     "decode-a3b": _decode(32, 4, True),  # Qwen3-30B-A3B: a GQA group of 8, q/k norm
     "moe-a3b": _moe_one_token(2048, 128, 8, 768),
+    "moe-fused-a3b": _moe_fused(2048, 128, 8, 768, 8),  # batch 8's MoE launches
 }
 
 
