@@ -82,7 +82,8 @@ def check_length(prompt_len: int, max_new: int, limits: Limits, what: str = "pro
     if prompt_len >= ctx:
         raise ApiError(
             400,
-            f"This model's maximum context length is {ctx} tokens, but the {what} has {prompt_len} tokens. "
+            f"This model's maximum context length is {ctx} tokens, but the {what} "
+            f"{'have' if what == 'messages' else 'has'} {prompt_len} tokens. "
             f"Please reduce the length of the {what}.",
             param="messages" if what == "messages" else "prompt",
         )

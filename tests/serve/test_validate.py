@@ -201,8 +201,9 @@ def test_max_tokens_resolution() -> None:
 def test_context_length_checks() -> None:
     check_length(30, 70, LIMITS)
     err = _raises(400, check_length, 100, 1, LIMITS, param="prompt")
-    assert "maximum context length is 100" in err.message
-    _raises(400, check_length, 150, 0, LIMITS, "messages", param="messages")
+    assert "maximum context length is 100 tokens, but the prompt has 100 tokens" in err.message
+    err = _raises(400, check_length, 150, 0, LIMITS, "messages", param="messages")
+    assert "but the messages have 150 tokens" in err.message
     err = _raises(400, check_length, 10, 101, LIMITS, param="max_tokens")
     assert "larger than the maximum context length" in err.message
     err = _raises(400, check_length, 60, 50, LIMITS, "messages", param="max_tokens")
