@@ -4,10 +4,12 @@ Triton's interpreter (the CPU tests) runs a kernel's Python, not its compiler: a
 module global which is not a `tl.constexpr`, or that the compiler otherwise refuses, passes every
 CPU test and fails at its first GPU launch (twenty-second session, docs/PERF.md). Here each case
 calls an op of engine/layers on CPU tensors at a model's shapes with the launches recorded instead
-of run, then compiles every recorded launch with `triton.compile` for the H200's target (PDL on,
-as the H200 tuning file launches them) and prints its registers and spilled bytes a thread
-(triton's bundled cuobjdump). The registers come from this machine's triton, which need not be
-the GPU machine's version.
+of run, then compiles every recorded launch with `triton.compile` for the H200's target, its
+arguments specialized as triton's launcher does, and prints its registers and spilled bytes a
+thread (triton's bundled cuobjdump). A kernel's PDL switch is on wherever it has one (on CPU
+tensors the ops turn it off; on the H200 the batch-1 launches have it on, the fused MoE path's
+launches at more tokens off). The registers come from this machine's triton, which need not be
+the GPU machine's version (pass PYTHONPATH to another triton to compare).
 
     python scripts/compile_check.py                  # every case
     python scripts/compile_check.py decode-a3b moe-a3b
