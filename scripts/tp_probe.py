@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -41,12 +40,6 @@ GEMV_SHAPES = [
     ("tp1 qkv", 6144, 4096, False), ("tp1 o_proj", 4096, 4096, False), ("tp1 gate_up", 28672, 4096, False),
     ("tp1 down (silu fold)", 4096, 14336, True),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time_eager(fn, iters: int) -> float:  # noqa: ANN001
@@ -274,7 +267,9 @@ def _gemv_rows(dev) -> list[dict]:  # noqa: ANN001
 def micro(out: str, world: int) -> int:
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    from engine.supervise import free_port
+
+    port = free_port()
     mp.start_processes(_micro_rank, args=(world, port, out), nprocs=world, start_method="spawn", join=True)
     return 0 if Path(out).is_file() else 1
 

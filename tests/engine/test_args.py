@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from engine.args import HELP, HIDDEN, build_parser
 from engine.config import ServerConfig
+from engine.supervise import free_ports
 
 
 def test_every_flag_has_help_and_shows_its_default() -> None:
@@ -35,8 +38,6 @@ def test_auto_page_size_is_64_for_mla_models_on_cuda_only() -> None:
     size stands; the resolved size survives the JSON every child process decodes."""
     from pathlib import Path
 
-    import pytest
-
     v3 = str(Path(__file__).resolve().parents[2] / "configs" / "deepseek-v3-5l")
     llama = str(Path(__file__).resolve().parents[2] / "configs" / "llama-3.1-8b")
     assert ServerConfig().page_size == 16
@@ -54,10 +55,6 @@ def test_auto_page_size_is_64_for_mla_models_on_cuda_only() -> None:
 def test_http_and_sdk_ports_differ() -> None:
     """One port for both listeners is refused at start (a benchmark whose two free-port picks
     came out equal hung its client); free_ports picks distinct ones."""
-    import pytest
-
-    from engine.supervise import free_ports
-
     with pytest.raises(ValueError, match="--sdk-port must differ from --port"):
         ServerConfig(port=8000, sdk_port=8000)
     ports = free_ports(16)

@@ -21,8 +21,6 @@ from msgs.channels import sdk_address
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 @dataclass
 class Server:
     proc: subprocess.Popen

@@ -14,7 +14,6 @@ import math
 import multiprocessing as mp
 import queue
 import random
-import socket
 import time
 import traceback
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from engine.layers.cp_attention import page_owner
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import ParallelState, TPGroup, parallel_state, set_parallel_state
+from engine.supervise import free_port
 from models.registry import kv_layout, load_model
 
 PAGE = 4
@@ -120,12 +120,6 @@ def scenario(model_dir: Path, pages_per_rank: int, seed: int = 0) -> dict:
             "untouched_zero": g.untouched_pages_zero()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _groups(rank: int, cp: int, tp: int) -> ParallelState:
     """rank = cp_rank * tp + tp_rank (tp innermost: a tp group is consecutive ranks). Every rank
     creates every group, in one order (torch.distributed.new_group is collective)."""
@@ -189,7 +183,7 @@ def spawn_ranks(model_dirs: list[Path], cp: int, pages_per_rank: int, tp: int = 
     traceback), or ("died", exit code) for a rank that exited without a report. `die_at`: the last
     rank exits at its die_at-th attention merge."""
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
+    out, port = ctx.Queue(), free_port()
     dirs = [str(d) for d in model_dirs]
     procs = [ctx.Process(target=_rank_main, args=(dirs, r, cp, tp, port, pages_per_rank, out, die_at), daemon=True)
              for r in range(cp * tp)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections import deque
@@ -21,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import ServerConfig
+from engine.supervise import free_port
 
 
 @dataclass
@@ -30,12 +30,6 @@ class Out:
     finish_reason: str | None
     step_ms: list[float] | None = None  # wall ms of every pure-decode step of its wave (rank 0)
     step_rows: list[int] | None = None  # the batch size of each of those steps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(cfg_json: str, rank: int, port: int, peers: list[Connection], waves: list[Any], out: Any,
@@ -123,7 +117,7 @@ def run_tp(cfg: ServerConfig, waves: list[Any], timeout_s: float = 240.0,
     """Run `waves` ([(prompts, SamplingParams)]) on cfg.tp_size ranks; per wave, per prompt, the
     output. `tuning` as in _rank_main (every rank the same)."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     pipes = [ctx.Pipe() for _ in range(cfg.tp_size - 1)]
     out = ctx.Queue()
     procs = [
