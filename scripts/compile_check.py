@@ -105,10 +105,11 @@ def _decode(hq: int, hkv: int, norm: bool) -> Callable[[], None]:
         kc = torch.empty(ctx // ps * ps, hkv, d, dtype=torch.bfloat16)
         ws = triton_ops.decode_workspace(1, hkv, d, 132, torch.device("cpu"))
         w = torch.ones(d, dtype=torch.bfloat16) if norm else None
+        splits = triton_ops.decode_splits(1, hkv, 132)
         triton_ops.decode_attention(
             torch.empty(1, (hq + 2 * hkv) * d, dtype=torch.bfloat16), hq, hkv, d, torch.tensor([ctx - 1]),
-            torch.zeros(1, ctx // ps, dtype=torch.int32), kc, kc, ps, ws, triton_ops.decode_splits(1, hkv, 132),
-            torch.empty(4096, d, dtype=torch.float32), w, w)
+            torch.zeros(1, ctx // ps, dtype=torch.int32), kc, kc, ps, ws, splits,
+            torch.empty(4096, d, dtype=torch.float32), w, w, parts=triton_ops.decode_parts(1, hq, hkv, splits, 132))
 
     return case
 

@@ -138,7 +138,7 @@ def attention_sweep() -> dict[str, Any]:
             try:
                 res[key] = round(graph_us([functools.partial(
                     triton_ops.decode_attention, x, hq, hkv, d, pos, table, kc, vc, ps, ws, splits, cs, nw, nw,
-                    1e-6, bn, warps) for kc, vc in caches]), 2)
+                    1e-6, bn, warps, parts=triton_ops.decode_parts(1, hq, hkv, splits, sm)) for kc, vc in caches]), 2)
             except Exception as e:  # noqa: BLE001
                 res[key] = f"{type(e).__name__}: {e}"[:160]
         best = sorted((v, kk) for kk, v in res.items() if isinstance(v, float))

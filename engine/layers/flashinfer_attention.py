@@ -389,7 +389,7 @@ class FlashInferAttention(AttentionBackend):
         return triton_ops.decode_attention(
             x, self.num_q_heads, self.num_kv_heads, self.head_dim, positions, self._table_args[0],
             self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], self.page_size, self._triton_ws,
-            self._triton_splits, *prologue,
+            self._triton_splits, *prologue, parts=self._triton_parts,
         )
 
     def _use_table(self, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -399,6 +399,8 @@ class FlashInferAttention(AttentionBackend):
         self._table_args = (table, seq_lens)
         self._table_kernel = self.decode_kernel(b)
         self._triton_splits = triton_ops.decode_splits(b, self.num_kv_heads, self._sm_count)
+        self._triton_parts = triton_ops.decode_parts(b, self.num_q_heads, self.num_kv_heads, self._triton_splits,
+                                                     self._sm_count)
 
     def _use_plan(self) -> None:
         """This step runs a planned flashinfer wrapper (self._active)."""

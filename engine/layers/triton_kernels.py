@@ -227,12 +227,15 @@ def decode_attention_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, NSPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, G_P2: tl.constexpr, SPLIT_P2: tl.constexpr,
     PROLOGUE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, F32_DOT: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     """Split-KV decode attention of one (request, KV head, split), see triton_ops.decode_attention."""
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    vh = tl.program_id(1)  # a part of a KV head's query group (PARTS of them)
+    kvh = vh // PARTS
     s = tl.program_id(2)
-    G: tl.constexpr = HQ // HKV
+    G: tl.constexpr = HQ // HKV // PARTS  # query rows of this program
+    VH: tl.constexpr = HKV * PARTS
     half: tl.constexpr = D // 2
     act = out.dtype.element_ty
     dot_t = tl.float32 if F32_DOT else act  # the same bf16 values; triton's interpreter needs fp32 dots
@@ -268,7 +271,7 @@ def decode_attention_kernel(
         sign = tl.where(d < half, -1.0, 1.0)
         cos = tl.load(cos_sin + pos * cs_stride + d % half)
         sin = tl.load(cos_sin + pos * cs_stride + half + d % half)
-        qh = (kvh * G + h)[:, None] * D
+        qh = (vh * G + h)[:, None] * D
         x = tl.load(row + qh + d[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
         xs = tl.load(row + qh + dsw[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
         kb = row + HQ * D + kvh * D
@@ -287,11 +290,11 @@ def decode_attention_kernel(
         slot = tl.load(trow + pos // PS).to(tl.int64) * PS + pos % PS
         # only the owner split stores the new K/V (a [D] mask: triton's interpreter rejects a
         # broadcast scalar bool as a mask)
-        own = tl.full([D], 0, tl.int32) + s == pos // chunk
+        own = tl.full([D], 0, tl.int32) + s * PARTS + vh % PARTS == (pos // chunk) * PARTS  # part 0 of the owner
         tl.store(k_cache + slot * (HKV * D) + kvh * D + d, k_new, mask=own)
         tl.store(v_cache + slot * (HKV * D) + kvh * D + d, v_new, mask=own)
     else:
-        q = tl.load(row + (kvh * G + h)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
+        q = tl.load(row + (vh * G + h)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
     scale = sm_scale * 1.4426950408889634  # softmax in base 2
     m_i = tl.full([BLOCK_H], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -311,14 +314,14 @@ def decode_attention_kernel(
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(act).to(tl.float32)[None, :]
         m_i = m_new
     # this split's normalized partial output and log2-sum-exp ([split, G, D] rows of the workspace)
-    part = (b * HKV + kvh) * NSPLIT
+    part = (b * VH + vh) * NSPLIT
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     o_part = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(part_o + ((part + s) * G + h[:, None]) * D + d[None, :], o_part, mask=hm[:, None])
     tl.store(part_lse + (part + s) * G + h, lse, mask=hm)
     # the last active split of this (request, head) to finish merges them all (no merge kernel)
     tl.debug_barrier()
-    done = tl.atomic_add(counters + b * HKV + kvh, 1, sem="acq_rel")
+    done = tl.atomic_add(counters + b * VH + vh, 1, sem="acq_rel")
     if done == n_act - 1:
         si = tl.arange(0, SPLIT_P2)[:, None]
         hg = tl.arange(0, G_P2)[None, :]
@@ -331,8 +334,8 @@ def decode_attention_kernel(
                      other=0.0, cache_modifier=".cg")
         o = tl.sum(w[:, :, None] * po, 0)  # [G_P2, D]
         hg1 = tl.arange(0, G_P2)
-        tl.store(out + (b * HQ + kvh * G + hg1[:, None]) * D + d[None, :], o.to(act), mask=(hg1 < G)[:, None])
-        tl.store(counters + b * HKV + kvh, 0)  # ready for the next launch
+        tl.store(out + (b * HQ + vh * G + hg1[:, None]) * D + d[None, :], o.to(act), mask=(hg1 < G)[:, None])
+        tl.store(counters + b * VH + vh, 0)  # ready for the next launch
 
 
 @triton.jit(do_not_specialize=["logits_stride", "words", "vocab_size"])

@@ -266,12 +266,26 @@ def add_norm_gemv(
 # ---------------------------------------------------------------- small-batch decode attention
 
 DECODE_BLOCK_H = 16  # query rows per program: a GQA group padded to one tensor-core tile
+DECODE_MAX_PARTS = 2  # a GQA group's query rows in at most this many programs (decode_parts)
 
 
 def decode_splits(batch: int, num_kv_heads: int, sm_count: int) -> int:
     """Splits of each sequence so that batch * Hkv * splits programs about fill the GPU twice
     over (1..32; fixed per batch size, so a CUDA graph keeps one grid)."""
     return max(1, min(32, -(-2 * sm_count // (batch * num_kv_heads))))
+
+
+def decode_parts(batch: int, num_q_heads: int, num_kv_heads: int, splits: int, sm_count: int) -> int:
+    """Programs that share a KV head's query group (1 or 2; fixed per batch size, as the splits):
+    two, of half the rows each, for a group of 8 or more (an even one) where the grid would
+    otherwise fill at most one wave. A group of 8 in one program takes 255 registers and spills
+    (the merge tile is [splits, group, D] float32); in two it takes 200 and the K/V tiles load
+    twice, the second time from L2. Qwen3-30B-A3B (32 / 4 heads), batch 1, on an H200: 2.47
+    against 2.62 ms a step at ctx 1024, 2.85 against 3.01 at 8192; at batch 8 (a fuller grid)
+    8.66 against 8.56 (docs/PERF.md, twenty-third session)."""
+    group = num_q_heads // num_kv_heads
+    fits = batch * num_kv_heads * splits <= sm_count
+    return DECODE_MAX_PARTS if group >= 8 and group % DECODE_MAX_PARTS == 0 and fits else 1
 
 
 def decode_workspace(max_batch: int, num_kv_heads: int, head_dim: int, sm_count: int,
@@ -283,7 +297,7 @@ def decode_workspace(max_batch: int, num_kv_heads: int, head_dim: int, sm_count:
     return (
         torch.empty(rows * DECODE_BLOCK_H * head_dim, dtype=torch.float32, device=device),
         torch.empty(rows * DECODE_BLOCK_H, dtype=torch.float32, device=device),
-        torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device),
+        torch.zeros(DECODE_MAX_PARTS * max_batch * num_kv_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -306,12 +320,14 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    parts: int = 1,
 ) -> torch.Tensor:
     """Decode attention of B requests, one new token each at `positions` (int64 [B]), over the
     pages in `table` (int32 [B, W]; row i holds positions 0..positions[i]), in one launch:
     each (request, KV head, split) program attends its GQA group over one slice of the
     sequence and writes a partial result; the last program of a (request, head) to finish
-    (an atomic counter) merges them, so there is no separate merge kernel.
+    (an atomic counter) merges them, so there is no separate merge kernel. With `parts` 2
+    (decode_parts), two programs share a (request, KV head, split), each with half the group.
 
     Without cos_sin_cache, x is q [B, Hq * D] (row stride free) and the new K/V are already
     in the pool. With it, x is the layer's QKV projection [B, (Hq + 2 Hkv) * D] and the
@@ -326,27 +342,28 @@ def decode_attention(
     if x.stride(-1) != 1 or x.shape[1] != width or num_q_heads % num_kv_heads:
         raise ValueError(f"decode_attention: x {tuple(x.shape)} for Hq {num_q_heads} Hkv {num_kv_heads} "
                          f"D {head_dim} prologue {prologue}")
-    if num_q_heads // num_kv_heads > DECODE_BLOCK_H or table.dtype != torch.int32 or table.stride(-1) != 1:
-        raise ValueError(f"decode_attention: group {num_q_heads // num_kv_heads} > {DECODE_BLOCK_H} "
+    group = num_q_heads // num_kv_heads
+    if group > DECODE_BLOCK_H or group % parts or table.dtype != torch.int32 or table.stride(-1) != 1:
+        raise ValueError(f"decode_attention: group {group} > {DECODE_BLOCK_H} or not in {parts} parts, "
                          f"or table {table.dtype} not contiguous int32 rows")
     norm = q_norm_weight is not None
     if norm != (k_norm_weight is not None):
         raise ValueError("pass both q and k norm weights or neither")
     part_o, part_lse, counters = workspace
-    if bsz * num_kv_heads > counters.numel() or bsz * num_kv_heads * splits * DECODE_BLOCK_H > part_lse.numel():
+    if bsz * num_kv_heads * parts > counters.numel() or bsz * num_kv_heads * splits * DECODE_BLOCK_H > part_lse.numel():
         raise ValueError(f"decode_attention: batch {bsz} x {splits} splits exceeds the workspace")
     out = torch.empty(bsz, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     if bsz == 0:
         return out
     cs = cos_sin_cache if prologue else x
     pdl = _pdl(x.device)
-    _k().decode_attention_kernel[(bsz, num_kv_heads, splits)](
+    _k().decode_attention_kernel[(bsz, num_kv_heads * parts, splits)](
         x, x.stride(0), positions, cs, cs.stride(0), q_norm_weight if norm else x,
         k_norm_weight if norm else x, eps, k_cache, v_cache, table, table.stride(0),
         part_o, part_lse, counters, out, head_dim ** -0.5,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PS=page_size, NSPLIT=splits, BLOCK_N=block_n,
-        BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(num_q_heads // num_kv_heads), SPLIT_P2=_p2(splits),
-        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=interpreted(),
+        BLOCK_H=DECODE_BLOCK_H, G_P2=_p2(group // parts), SPLIT_P2=_p2(splits),
+        PROLOGUE=prologue, NORM=norm, PDL=pdl, F32_DOT=interpreted(), PARTS=parts,
         num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return out

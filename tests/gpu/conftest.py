@@ -57,7 +57,8 @@ def _write(root: Path, name: str, cfg: dict) -> Path:
 
 @pytest.fixture(scope="session")
 def dummy_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Qwen3-0.6B shapes with 4 layers, and a small Llama with llama3 RoPE scaling and head_dim 128."""
+    """Qwen3-0.6B shapes with 4 layers, a small Llama with llama3 RoPE scaling and head_dim 128, and a
+    3-layer Qwen3 with a GQA group of 8."""
     root = tmp_path_factory.mktemp("models")
     qwen = json.loads((REPO / "configs" / "qwen3-0.6b" / "config.json").read_text())
     qwen["num_hidden_layers"] = 4
@@ -69,4 +70,8 @@ def dummy_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                          "original_max_position_embeddings": 256, "rope_type": "llama3"},
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
     }
-    return {"qwen3-0.6b-4L": _write(root, "qwen3-4l", qwen), "llama-h128": _write(root, "llama-h128", llama)}
+    # Qwen3-30B-A3B's attention (32 query heads on 4 KV heads: the triton decode kernel's group of 8
+    # in two programs at batch 1, triton_ops.decode_parts) on a small dense Qwen3
+    g8 = {**qwen, "num_hidden_layers": 3, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}
+    return {"qwen3-0.6b-4L": _write(root, "qwen3-4l", qwen), "llama-h128": _write(root, "llama-h128", llama),
+            "qwen3-g8": _write(root, "qwen3-g8", g8)}

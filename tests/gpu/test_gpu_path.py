@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-MODELS = ("qwen3-0.6b-4L", "llama-h128")
+MODELS = ("qwen3-0.6b-4L", "llama-h128", "qwen3-g8")
 
 
 @dataclass(frozen=True)

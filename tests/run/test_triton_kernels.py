@@ -203,6 +203,8 @@ def _slots_of(table: torch.Tensor, ps: int, n: int, i: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "ps", "lens", "splits", "norm", "kv_dtype"), [
     (16, 8, 128, 16, [1080], 16, True, BF),  # Qwen3-0.6B's geometry, batch 1
+    (32, 4, 128, 16, [1080], 32, True, BF),  # Qwen3-30B-A3B's, batch 1: the group in two programs
+    (16, 2, 64, 16, [37, 300], 4, False, BF),  # two requests, a group of 8
     (8, 2, 64, 16, [1, 37, 300], 4, False, BF),  # a one-token request, splits left empty
     (4, 1, 32, 8, [5, 64], 3, True, BF),
     (4, 2, 64, 16, [33, 200], 5, True, torch.float8_e4m3fn),  # an fp8 pool: quantized new K/V
@@ -241,6 +243,20 @@ def test_decode_attention_matches_torch(hq: int, hkv: int, d: int, ps: int, lens
     # plain: q given, K/V already in the pool (the same kernel without the prologue)
     out2 = triton_ops.decode_attention(q.reshape(b, hq * d), hq, hkv, d, pos, table, kr, vr, ps, ws, splits)
     torch.testing.assert_close(out2.float(), ref, atol=0.01, rtol=0.01)
+    # a group of 8 or more in two programs: each row the one-program kernel's bits
+    if hq // hkv >= 8:
+        out3 = triton_ops.decode_attention(q.reshape(b, hq * d), hq, hkv, d, pos, table, kr, vr, ps, ws, splits,
+                                           parts=2)
+        assert torch.equal(out3, out2)
+        assert not ws[2].any()
+
+
+def test_decode_parts_split_only_large_groups_on_a_small_grid() -> None:
+    sms = 132
+    assert triton_ops.decode_parts(1, 32, 4, triton_ops.decode_splits(1, 4, sms), sms) == 2  # Qwen3-30B-A3B
+    assert triton_ops.decode_parts(8, 32, 4, triton_ops.decode_splits(8, 4, sms), sms) == 1  # a fuller grid
+    assert triton_ops.decode_parts(1, 32, 8, triton_ops.decode_splits(1, 8, sms), sms) == 1  # Llama's group of 4
+    assert triton_ops.decode_parts(1, 36, 4, 8, sms) == 1  # a group of 9 does not halve
 
 
 def test_decode_attention_rejects_bad_shapes() -> None:
@@ -251,8 +267,8 @@ def test_decode_attention_rejects_bad_shapes() -> None:
         triton_ops.decode_attention(torch.zeros(1, 5 * 64, dtype=BF), 4, 2, 64, torch.zeros(1, dtype=torch.int64),
                                     table, kc, kc, 16, ws, 2)
     with pytest.raises(ValueError, match="workspace"):
-        triton_ops.decode_attention(torch.zeros(2, 4 * 64, dtype=BF), 4, 2, 64, torch.zeros(2, dtype=torch.int64),
-                                    torch.zeros(2, 4, dtype=torch.int32), kc, kc, 16, ws, 2)
+        triton_ops.decode_attention(torch.zeros(3, 4 * 64, dtype=BF), 4, 2, 64, torch.zeros(3, dtype=torch.int64),
+                                    torch.zeros(3, 4, dtype=torch.int32), kc, kc, 16, ws, 2)
 
 
 def test_backend_runs_the_triton_decode_kernel_eager_and_in_graph_buffers() -> None:
