@@ -190,6 +190,27 @@ def _invariant(rows: int, shapes: list[tuple[int, int]]) -> Callable[[], None]:
     return case
 
 
+def _invariant_attention(hq: int, hkv: int, batch: int, ctx: int = 1024) -> Callable[[], None]:
+    """batch_invariant.attend's CUDA kernels for a decode step of `batch` rows at `ctx` (split-KV where
+    batch_invariant.splits splits it: the split and merge kernels), 16-token pages."""
+
+    def case() -> None:
+        from engine.layers import batch_invariant as bi
+        from engine.layers import triton_ops
+
+        d, ps = 128, 16
+        table = torch.arange(batch * (ctx // ps + 1), dtype=torch.int32).view(batch, -1)
+        p = bi.plan(table, [ctx] * batch, [1] * batch, ps, kernel=True, tokens=bi.kernel_tokens(hq // hkv))
+        nb = p.rows.shape[0]
+        s = bi.splits(nb, hkv, p.parts)
+        kc = torch.empty(table.numel() * ps, hkv, d, dtype=torch.bfloat16)
+        triton_ops.invariant_attention(torch.empty(batch, hq, d, dtype=torch.bfloat16), kc, kc, ps, table, p.blocks,
+                                       bi.kv_chunk(ps), bi.kv_part(ps), s,
+                                       bi.split_scratch(nb, p.parts, hq, d, "cpu") if s > 1 else None)
+
+    return case
+
+
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 QWEN3_06B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
@@ -200,6 +221,9 @@ CASES: dict[str, Callable[[], None]] = {
     "det-llama-b256": _invariant(256, LLAMA_8B),  # offline decode batches
     "det-llama-prefill": _invariant(4096, LLAMA_8B),
     "det-qwen-b256": _invariant(256, QWEN3_06B),
+    "det-attn-llama-b1": _invariant_attention(32, 8, 1),  # deterministic decode attention: split + merge
+    "det-attn-a3b-b1": _invariant_attention(32, 4, 1),  # a GQA group of 8
+    "det-attn-llama-b64": _invariant_attention(32, 8, 64),  # the serial kernel
     "decode-llama": _decode(32, 8, False),  # Llama-3.1-8B
     "decode-a3b": _decode(32, 4, True),  # Qwen3-30B-A3B: a GQA group of 8, q/k norm
     "moe-a3b": _moe_one_token(2048, 128, 8, 768),
