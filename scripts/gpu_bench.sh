@@ -86,10 +86,10 @@
 #   aboffline llamafp8's offline run (Llama-3.1-8B fp8 weights + fp8 KV + fp8 math, 1000/1000, 256 requests) with the
 #             tuning file as is, then with each of TUNING_PATCHES (as in ab)
 #   abcode    an A/B of code variants on one machine: decode latency of AB_MODEL with AB_ARGS at AB_BATCHES and
-#             AB_CTX (1024) with the tree as is ("base"), then with each of AB_VARIANTS in turn, AB_ROUNDS (2) times
+#             each of AB_CTX ("1024"; a list) with the tree as is ("base"), then with each of AB_VARIANTS in turn, AB_ROUNDS (2) times
 #             alternated; a variant is a directory abvar/NAME holding whole files at their repository paths, copied over
 #             the tree for its runs and restored after (leave abvar/ untracked; the device tree has no git). Prints a
-#             table of overlapped ms a step; the result files go into one abcode-<model>.tgz
+#             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
 MODES="aboffline quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
@@ -145,21 +145,21 @@ variant() {  # in|out NAME: copy abvar/NAME's files over the tree (originals kep
   done
 }
 ab_code() {  # every variant (base first) AB_ROUNDS times, alternated; then the table and one tarball of the results
-  local m=${AB_MODEL:-llama-3.1-8b} r v dir="$OUT/abcode"; mkdir -p "$dir"
-  for r in $(seq 1 "${AB_ROUNDS:-2}"); do for v in base ${AB_VARIANTS:?abcode needs AB_VARIANTS}; do
+  local m=${AB_MODEL:-llama-3.1-8b} r v c dir="$OUT/abcode"; mkdir -p "$dir"
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do for c in ${AB_CTX:-1024}; do for v in base ${AB_VARIANTS:?abcode needs AB_VARIANTS}; do
     variant in "$v" || { fails=$((fails + 1)); continue; }
     timeout 300 bin/bench latency --model "configs/$m" --load-format dummy --batch-sizes ${AB_BATCHES:-1 8} \
-      --context-len "${AB_CTX:-1024}" --steps 50 --server-args="${AB_ARGS:-}" --out "$dir/latency-$m-$v-$r-h200.json" \
-      > "$dir/$v-$r.log" 2>&1 || { fails=$((fails + 1)); tail -20 "$dir/$v-$r.log"; }
+      --context-len "$c" --steps 50 --server-args="${AB_ARGS:-}" --out "$dir/latency-$m-$v-ctx$c-$r-h200.json" \
+      > "$dir/$v-ctx$c-$r.log" 2>&1 || { fails=$((fails + 1)); tail -20 "$dir/$v-ctx$c-$r.log"; }
     variant out "$v"
-  done; done
+  done; done; done
   python3 - "$dir" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     rows = json.loads(f.read_text())["figures"]["batches"]
     print(f"{f.stem:60}", "  ".join(f"b{r['batch_size']} {r['pipelined_ms_per_step']:.3f} ms" for r in rows))
 PY
-  tar czf "$OUT/abcode-$m.tgz" -C "$dir" . && rm -rf "$dir"
+  tar czf "$OUT/abcode-$m-$(echo ${AB_VARIANTS} | tr ' ' '+').tgz" -C "$dir" . && rm -rf "$dir"
 }
 moe_offline() {
   run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy \
