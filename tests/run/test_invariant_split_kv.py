@@ -2,7 +2,7 @@
 invariant_attention_kernel serial, invariant_split_kernel + invariant_merge_kernel split), run by
 triton's interpreter on the CPU: a token's output has the same bits decoded alone (split),
 decoded in a batch, through the CUDA-graph protocol and inside a prefill block or a chunked
-prefill (serial), for contexts across several 256-position partitions and their boundaries; and
+prefill (serial), for contexts across several partitions (KV_PART positions) and their boundaries; and
 it equals the one-partition kernel (the pre-split arithmetic) and a float64 reference closely.
 The compiled kernels: tests/gpu/test_invariant_attention_gpu.py."""
 
@@ -24,8 +24,10 @@ from engine.layers.kv_pool import KVPool  # noqa: E402
 from tests.engine.test_deterministic_graph_blocks import staged  # noqa: E402
 
 PS, HQ, HKV, D = 16, 4, 2, 32
-L = 600  # three partitions: 0-255, 256-511, 512-599
-POSITIONS = [0, 255, 256, 257, 511, 512, 599]  # decoded tokens: partition edges, the last
+P = bi.kv_part(PS)  # positions a partition (256: three in L)
+L = 600
+PARTS = -(-L // P)
+POSITIONS = [0, P - 1, P, P + 1, 2 * P - 1, 2 * P, L - 1]  # decoded tokens: partition edges, the last
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def setup() -> Iterator[tuple[KVPool, torch.Tensor, torch.Tensor, torch.Tensor]]
     was = bi.enabled()
     bi.enable(True, "cpu")  # module-wide: the per-test reset in conftest.py sees it as the starting state
     p = bi.plan(table, [L], [L], PS, kernel=True)
-    assert not p.decode and p.parts == 3
+    assert not p.decode and p.parts == PARTS
     yield pool, table, q, bi.attend(q, p, pool, 0)
     bi.enable(was)  # not left on for the modules after this one
 
@@ -56,7 +58,7 @@ def test_chunked_prefill_and_split_decode_give_the_prefill_bits(setup) -> None: 
     assert torch.equal(chunked, full[300:])
     for p in POSITIONS:  # alone: split wherever the token's KV spans more than one partition
         plan = _decode_plan(table, [p])
-        assert plan.decode and plan.parts == p // 256 + 1
+        assert plan.decode and plan.parts == p // P + 1
         assert bi.splits(1, HKV, plan.parts) == plan.parts
         assert torch.equal(bi.attend(q[p : p + 1], plan, pool, 0)[0], full[p]), p
     batch = _decode_plan(table, POSITIONS)  # batched: one split launch for all
@@ -123,9 +125,10 @@ def test_graph_protocol_splits_with_the_prefill_bits(setup) -> None:  # noqa: AN
     backend = TorchAttention("cpu")
     backend.bind(num_q_heads=HQ, kv_pool=pool, max_batch=4, max_pages_per_req=40)
     backend.bind_graphs(4, 40)  # what bind does on CUDA, where the kernel fits
-    assert backend._g_scratch is not None and backend._g_scratch[0].shape == (4, 3, HQ, D)  # 640 positions
+    parts = -(-40 * PS // P)  # 640 positions
+    assert backend._g_scratch is not None and backend._g_scratch[0].shape == (4, parts, HQ, D)
     backend.graph_wrapper(4)
-    assert backend._g_splits == 3
+    assert backend._g_splits == parts
     starts = [599, 256, 40]
     seqs, dense = staged(starts, [table[0].tolist()] * 3, PS, 4)
     backend.set_graph_table(4, seqs, dense)
