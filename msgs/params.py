@@ -11,6 +11,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_BIAS = 100.0  # |bias| per token (OpenAI's range)
 MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf text; a bigger spec is a 400, not a slow compile
 
 
@@ -44,6 +46,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] = {}
     # Constrained decoding (SGLang's names): at most one; compiled by the tokenizer into `grammar`.
     json_schema: str | None = None  # a JSON Schema, as JSON text
     regex: str | None = None
@@ -73,6 +77,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
             (all(0 <= t < (vocab_size or INT32) for t in self.stop_token_ids), _ids_problem(vocab_size)),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens"),
+            (all(0 <= t < (vocab_size or INT32) for t in self.logit_bias),
+             f"logit_bias keys must be token ids in [0, {vocab_size or INT32})"),
+            (all(-MAX_BIAS <= v <= MAX_BIAS for v in self.logit_bias.values()),
+             f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
             (len(self.grammar_specs()) <= 1, "give at most one of json_schema, regex and ebnf"),
             (
                 all(len(v) <= MAX_GRAMMAR_CHARS for v in self.grammar_specs().values()),

@@ -24,6 +24,7 @@ class WorkerSampling(msgspec.Struct, frozen=True):
     seed: int  # always set: the scheduler draws one deterministically when the user gave none
     logprobs: bool
     top_logprobs: int
+    logit_bias: dict[int, float] = {}  # token id -> bias added to its logit (SamplingParams.logit_bias)
 
 
 class AddReq(msgspec.Struct, tag=True, frozen=True):

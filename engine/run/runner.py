@@ -302,7 +302,8 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _sample_params(op: AddReq) -> SampleParams:
     """The wire's sampling fields are SampleParams' fields; top_k -1 (off) is 0 here."""
     fields = msgspec.structs.asdict(op.sampling)
-    return SampleParams(**{**fields, "top_k": max(op.sampling.top_k, 0)})
+    bias = tuple(sorted(op.sampling.logit_bias.items()))
+    return SampleParams(**{**fields, "top_k": max(op.sampling.top_k, 0), "logit_bias": bias})
 
 
 def _to_host(res: SampleResult) -> SampleResult:

@@ -25,6 +25,7 @@ from torch import Tensor
 # Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
 GREEDY_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # logit_bias entries a request (msgs.params.MAX_LOGIT_BIAS)
 # When every sampled row has top_k <= this, filter on topk() candidates instead of a full sort.
 _TOPK_CANDIDATES_MAX = 4096
 # Bounded cache of batch compositions; cleared whenever a request is added or removed.
@@ -51,7 +52,8 @@ class SampleParams:
     frequency_penalty=presence_penalty=0 disable the respective feature. repetition_penalty
     follows HF (prompt + generated tokens); frequency/presence follow OpenAI (generated only).
     `seed` is required: the scheduler fills a deterministic one when the user gives none.
-    top_logprobs > 0 requires logprobs=True (as in the OpenAI API).
+    top_logprobs > 0 requires logprobs=True (as in the OpenAI API). logit_bias: (token id, bias)
+    pairs added to the logits before the penalties (vLLM's order); logprobs stay the model's.
     """
 
     seed: int
@@ -64,6 +66,7 @@ class SampleParams:
     presence_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seed), f"seed must be an int, got {self.seed!r}")
@@ -83,6 +86,9 @@ class SampleParams:
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=True")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+            _is_int(t) and t >= 0 and _finite(v) and -100 <= v <= 100 for t, v in self.logit_bias),
+            f"logit_bias: at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-100, 100]) pairs")
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +144,7 @@ class _Plan:
     any_greedy: bool
     any_repetition: bool
     any_freq_presence: bool
+    any_bias: bool
     mode: str  # candidates for filtering: "none" (full vocab), "topk", "sort"
     kmax: int  # candidate count in "topk" mode
     use_top_k: bool
@@ -152,7 +159,7 @@ class _Plan:
 
     @property
     def argmax_only(self) -> bool:
-        return self.all_greedy and not self.any_penalty and not self.want_logprobs
+        return self.all_greedy and not self.any_penalty and not self.any_bias and not self.want_logprobs
 
 
 class _Batch(NamedTuple):
@@ -184,6 +191,10 @@ class Sampler:
         # Penalty bookkeeping, allocated on first use: most deployments never pay for it.
         self._seen: Tensor | None = None  # bool[S, V]: prompt | generated (repetition penalty)
         self._counts: Tensor | None = None  # float32[S, V]: generated counts (freq/presence)
+        # logit_bias by slot, allocated on first use: token ids and biases, padded with (0, 0.0);
+        # every slot added after that writes its row (zeros without a bias)
+        self._bias_ids: Tensor | None = None  # int64[S, MAX_LOGIT_BIAS]
+        self._bias_vals: Tensor | None = None  # float32[S, MAX_LOGIT_BIAS]
         self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
         self._active_plan: _Plan | None = None  # plan over all registered slots
         if compile_noise:
@@ -207,6 +218,8 @@ class Sampler:
         self._params[slot] = params
         self._fp[:, slot] = self._upload(_float_row(params), torch.float32)
         self._ip[:, slot] = self._upload(self._int_row(params), torch.int64)
+        if params.logit_bias or self._bias_ids is not None:  # a reused slot's old bias row is cleared
+            self._set_bias(slot, params.logit_bias)
         if params.uses_repetition:
             self._init_seen(slot, prompt_ids)
             if len(output_ids):
@@ -343,6 +356,7 @@ class Sampler:
             any_greedy=len(sampled) < len(params),
             any_repetition=any(p.uses_repetition for p in params),
             any_freq_presence=any(p.uses_freq_presence for p in params),
+            any_bias=any(p.logit_bias for p in params),
             mode=mode,
             kmax=kmax,
             use_top_k=use_top_k,
@@ -357,6 +371,8 @@ class Sampler:
     def _penalize(self, logits: Tensor, batch: _Batch, prior: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """prior: per row, tokens (and their counts) of the history beyond the slot's (verify rows)."""
         plan, out = batch.plan, logits
+        if plan.any_bias and self._bias_ids is not None:  # rows of slots without a bias add zeros
+            out = out.scatter_add(1, self._bias_ids[batch.slots], self._bias_vals[batch.slots])
         if plan.any_repetition and self._seen is not None:
             rep = batch.fp[_F_REP].unsqueeze(1)
             # HF semantics: positive logits are divided, negative multiplied (both lower them).
@@ -463,6 +479,16 @@ class Sampler:
         ids = self._as_device(prompt_ids)
         if ids.numel():
             row.index_fill_(0, ids, True)
+
+    def _set_bias(self, slot: int, bias: tuple[tuple[int, float], ...]) -> None:
+        if any(t >= self.vocab_size for t, _ in bias):
+            raise ValueError(f"logit_bias token ids must be < {self.vocab_size}")
+        if self._bias_ids is None:
+            self._bias_ids = torch.zeros(self.max_slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=self.device)
+            self._bias_vals = torch.zeros(self.max_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=self.device)
+        pad = MAX_LOGIT_BIAS - len(bias)  # (0, 0.0) pads add an exact zero
+        self._bias_ids[slot] = self._upload([t for t, _ in bias] + [0] * pad, torch.int64)
+        self._bias_vals[slot] = self._upload([v for _, v in bias] + [0.0] * pad, torch.float32)
 
     def _init_counts(self, slot: int) -> None:
         if self._counts is None:

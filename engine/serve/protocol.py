@@ -134,8 +134,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 
 def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject OpenAI features this server does not implement, when asked for for real."""
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(req, CompletionRequest):

@@ -128,10 +128,24 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
     _set(kw, "frequency_penalty", req.frequency_penalty)
     _set(kw, "regex", req.regex)
     _set(kw, "ebnf", req.ebnf)
+    if req.logit_bias:
+        kw["logit_bias"] = _logit_bias(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         kw.update(response_format_spec(req.response_format))
     kw.update(_logprob_params(req))
     return kw
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) with int keys; SamplingParams.validate
+    checks the ids against the vocabulary and the values' range."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out
 
 
 def _set(kw: dict[str, Any], name: str, value: Any) -> None:
@@ -203,7 +217,7 @@ def _encode(text: str, tok: TextTokenizer | None) -> list[int]:
 def native_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, bool]:
     """SamplingParams from a /generate body, and whether max_new_tokens was given."""
     try:
-        params = msgspec.convert(raw or {}, SamplingParams)
+        params = msgspec.convert(raw or {}, SamplingParams, str_keys=True)  # JSON keys: logit_bias's ids
     except msgspec.ValidationError as exc:
         raise from_validation(exc, prefix="sampling_params") from None
     return params, "max_new_tokens" in (raw or {})

@@ -191,7 +191,9 @@ def test_penalized_requests_speculate_with_the_same_tokens(model, plain: LocalEn
     rows = ngram.core.state.spec_stats.rows
     for params in (SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.2,
                                   frequency_penalty=0.3),
-                   SamplingParams(max_new_tokens=16, temperature=0.7, seed=9, ignore_eos=True, presence_penalty=0.5)):
+                   SamplingParams(max_new_tokens=16, temperature=0.7, seed=9, ignore_eos=True, presence_penalty=0.5),
+                   SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True,  # logit_bias: verify rows too
+                                  logit_bias={model[1][4][1]: 5.0, model[1][4][2]: -5.0})):
         assert _ids(ngram.generate(prompts, params)) == _ids(plain.generate(prompts, params))
     assert ngram.core.state.spec_stats.rows > rows
 

@@ -148,6 +148,27 @@ def test_native_generate_with_ids(server: Server) -> None:
     assert len(body["output_ids"]) == 5 and body["meta_info"]["prompt_tokens"] == 5
 
 
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: Server) -> None:
+    """OpenAI's logit_bias through the whole stack: -100 bans the greedy first token (native
+    /generate, ids in and out), +100 forces a token at every step, and in a chat completion too."""
+    def gen(**sampling) -> list[int]:  # noqa: ANN003
+        r = httpx.post(f"{server.http}/generate", timeout=60, json={
+            "input_ids": [504, 3575, 282, 4649, 314], "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                                        "ignore_eos": True, **sampling}})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    plain = gen()
+    banned = gen(logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+    assert gen(logit_bias={"1234": 100}) == [1234] * 4
+    forced = chat(client, "What is the capital of Japan?", max_tokens=3, temperature=0.7, seed=1,
+                  logit_bias={"1234": 100})
+    again = chat(client, "What is the capital of Japan?", max_tokens=3, temperature=0, logit_bias={"1234": 100})
+    assert forced.choices[0].message.content == again.choices[0].message.content
+    assert forced.usage.completion_tokens == 3
+
+
 @pytest.mark.parametrize(
     "body,status",
     [

@@ -243,6 +243,39 @@ def test_penalties_change_greedy_choice_and_reset_on_reuse(device: torch.device)
     assert s.sample(logits, [0], _pos([0], device)).token_ids.item() == 1  # fresh counts
 
 
+def test_logit_bias_moves_greedy_and_sampled_rows_and_clears_on_reuse(device: torch.device) -> None:
+    vocab = 50
+    s = _sampler(device, vocab)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)).to(device)
+    top = int(logits.argmax())
+    s.add(0, SampleParams(seed=0, temperature=0.0, logit_bias=((7, 100.0),)))  # forces token 7
+    s.add(1, SampleParams(seed=1, temperature=0.0, logit_bias=((top, -100.0),)))  # bans the argmax
+    s.add(2, SampleParams(seed=2, temperature=0.0))  # no bias, in the same batch
+    s.add(3, SampleParams(seed=3, temperature=1.0, logit_bias=((9, 100.0),)))  # sampled: 9 every time
+    rows = logits.expand(4, -1).contiguous()
+    res = s.sample(rows, [0, 1, 2, 3], _pos([0, 0, 0, 0], device))
+    second = int(logits[0].topk(2).indices[1])
+    assert res.token_ids.tolist() == [7, second, top, 9]
+    assert torch.equal(_draw(s, logits, 3, 64, device), torch.full((64,), 9))
+    verify = s.sample_verify(rows[:2], [0, 1], [5, 5], [[], [3]])  # speculative verify rows too
+    assert verify.token_ids.tolist() == [7, second]
+    s.remove(0)
+    s.add(0, SampleParams(seed=0, temperature=0.0))  # the slot's old bias row is cleared
+    assert s.sample(logits, [0], _pos([0], device)).token_ids.item() == top
+    with pytest.raises(ValueError, match="logit_bias"):
+        s.add(4, SampleParams(seed=0, logit_bias=((vocab, 1.0),)))
+
+
+def test_logit_bias_leaves_logprobs_raw(device: torch.device) -> None:
+    vocab = 30
+    s = _sampler(device, vocab)
+    s.add(0, SampleParams(seed=0, temperature=0.0, logprobs=True, logit_bias=((4, 50.0),)))
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)).to(device)
+    res = s.sample(logits, [0], _pos([0], device))
+    assert res.token_ids.item() == 4
+    torch.testing.assert_close(res.logprobs.cpu(), torch.log_softmax(logits.float(), -1)[:, 4].cpu())
+
+
 # ---- logprobs ----
 
 
@@ -297,6 +330,10 @@ def test_logprobs_without_top_logprobs(device: torch.device) -> None:
         {"top_logprobs": 2},  # requires logprobs=True
         {"seed": 1.0},
         {"seed": True},
+        {"logit_bias": ((1, 101.0),)},
+        {"logit_bias": ((-1, 1.0),)},
+        {"logit_bias": ((1, float("nan")),)},
+        {"logit_bias": tuple((i, 1.0) for i in range(301))},
     ],
 )
 def test_param_validation(kwargs: dict) -> None:

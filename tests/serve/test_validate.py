@@ -100,7 +100,6 @@ def test_unknown_sampling_param_in_generate() -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ('"logit_bias": {"5": 1.0}', "logit_bias"),
         ('"stream_options": {"include_usage": true}', "stream_options"),
         ('"response_format": {"type": "xml"}', "response_format"),
         ('"modalities": ["audio"]', "modalities"),
@@ -111,6 +110,19 @@ def test_unsupported_chat_features_are_400(extra: str, param: str) -> None:
         b'{"messages": [{"role": "user", "content": "x"}], ' + extra.encode() + b"}", ChatCompletionRequest
     )
     _raises(400, check_unsupported, req, param=param)
+
+
+def test_logit_bias_keys_become_token_ids_checked_against_the_vocabulary() -> None:
+    def chat(bias: str) -> ChatCompletionRequest:
+        return decode_body(b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": ' + bias.encode() + b"}",
+                           ChatCompletionRequest)
+
+    kw = openai_params(chat('{"5": 1.5, "999": -100}'))
+    assert make_params(kw, 4, LIMITS.vocab_size).logit_bias == {5: 1.5, 999: -100.0}
+    _raises(400, openai_params, chat('{"five": 1}'), param="logit_bias")
+    _raises(400, chat, '{"5": "a lot"}')  # the body's type check
+    for bad in ('{"1000": 1}', '{"-1": 1}', '{"5": 100.5}', "{" + ", ".join(f'"{i}": 1' for i in range(301)) + "}"):
+        _raises(400, make_params, openai_params(chat(bad)), 4, LIMITS.vocab_size, param="logit_bias")
 
 
 def test_harmless_unimplemented_fields_pass() -> None:
