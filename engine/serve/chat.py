@@ -1,6 +1,7 @@
 """Chat prompts: OpenAI messages -> the model's chat template -> token ids.
 
-The template is rendered to text (add_generation_prompt=True) and then tokenized without
+The template is rendered to text (add_generation_prompt=True unless the request says otherwise,
+or continue_final_message) and then tokenized without
 adding special tokens: templates write their own BOS, so adding it again would double it
 (the same two steps as vLLM). Any failure to render is the request's fault (a template
 that raises on an unexpected role, content the template cannot handle): a 400, whatever
@@ -108,17 +109,27 @@ def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """The prompt text for a conversation, ending with the assistant's generation prompt."""
+    """The prompt text for a conversation, ending with the assistant's generation prompt, or
+    (continue_final_message, vLLM's extension) with the final message left open so that the
+    model continues it (transformers cuts the render after that message's content)."""
     if tok.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt false", "continue_final_message")
+    if continue_final_message and not messages[-1].get("content"):
+        raise ApiError(400, "continue_final_message needs a final message with text content", "continue_final_message")
     kwargs = dict(template_kwargs or {})
     clash = sorted(set(kwargs) & _reserved_kwargs())
     if clash:
         raise ApiError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
     try:
         text = tok.hf.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **kwargs
         )
     except Exception as exc:  # noqa: BLE001 - jinja raises anything; all of it is the input's fault
         raise ApiError(400, f"the chat template failed to render these messages: {exc}", "messages") from None
@@ -132,12 +143,16 @@ def chat_prompt(
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> tuple[str, list[int]]:
     """A chat request's prompt text and token ids (validation + rendering + tokenization).
     The text tells a reasoning parser whether the template pre-filled `<think>`."""
     if tok is None:
         raise ApiError(400, f"chat is not available: {IDS_ONLY}", param="messages")
-    text = render_chat(tok, message_dicts(messages), tools, template_kwargs)
+    text = render_chat(tok, message_dicts(messages), tools, template_kwargs,
+                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
     return text, tok.encode(text, add_special_tokens=False)
 
 

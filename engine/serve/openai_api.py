@@ -76,7 +76,9 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
     kw = openai_params(req)
     limits = await state.limits()
-    prompt, ids = chat_prompt(state.tok, req.messages, req.tools, req.chat_template_kwargs)
+    prompt, ids = chat_prompt(state.tok, req.messages, req.tools, req.chat_template_kwargs,
+                              add_generation_prompt=bool(req.add_generation_prompt),
+                              continue_final_message=bool(req.continue_final_message))
     new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")

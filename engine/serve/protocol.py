@@ -24,6 +24,8 @@ _NULL_MEANS_DEFAULT = {
     "ignore_eos": False,
     "skip_special_tokens": True,
     "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
 }
 
 
@@ -90,6 +92,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True  # vLLM's chat extensions
+    continue_final_message: bool | None = False
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None

@@ -169,6 +169,19 @@ def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: Server
     assert forced.usage.completion_tokens == 3
 
 
+def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
+    """vLLM's continue_final_message: the answer continues the assistant's open message."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    text = r.choices[0].message.content
+    assert "Paris" in text and not text.lstrip().startswith("The"), text  # not a new turn
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
 @pytest.mark.parametrize(
     "body,status",
     [

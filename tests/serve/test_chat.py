@@ -36,6 +36,22 @@ def test_text_parts_are_joined(text_tok) -> None:
     assert message_dicts(msgs)[0]["content"] == "a\nb"
 
 
+def test_generation_prompt_off_and_continue_final_message(text_tok) -> None:
+    """vLLM's chat extensions: no generation prompt, or the final (assistant) message left open."""
+    convo = _messages(b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]')
+    msgs = message_dicts(convo)
+    closed = render_chat(text_tok, msgs, add_generation_prompt=False)
+    assert closed.endswith("<|im_start|>assistant\nThe answer is<|im_end|>\n")
+    open_ = render_chat(text_tok, msgs, add_generation_prompt=False, continue_final_message=True)
+    assert open_.endswith("<|im_start|>assistant\nThe answer is") and closed.startswith(open_)
+    assert render_chat(text_tok, message_dicts(convo[:1]), add_generation_prompt=False).endswith("hi<|im_end|>\n")
+    with pytest.raises(ApiError, match="add_generation_prompt false"):
+        render_chat(text_tok, msgs, continue_final_message=True)  # both on
+    with pytest.raises(ApiError, match="text content"):
+        render_chat(text_tok, [*msgs[:1], {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                    continue_final_message=True)
+
+
 def test_template_kwargs_reach_the_template(text_tok) -> None:
     msgs = message_dicts(_messages(b'[{"role": "user", "content": "hi"}]'))
     assert render_chat(text_tok, msgs, template_kwargs={"greeting": "HEY"}).endswith("assistant\nHEY")
