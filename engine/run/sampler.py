@@ -22,10 +22,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from msgs.params import MAX_BIAS, MAX_LOGIT_BIAS
+
 # Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
 GREEDY_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300  # logit_bias entries a request (msgs.params.MAX_LOGIT_BIAS)
 # When every sampled row has top_k <= this, filter on topk() candidates instead of a full sort.
 _TOPK_CANDIDATES_MAX = 4096
 # Bounded cache of batch compositions; cleared whenever a request is added or removed.
@@ -87,8 +88,8 @@ class SampleParams:
                f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]")
         _check(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=True")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
-            _is_int(t) and t >= 0 and _finite(v) and -100 <= v <= 100 for t, v in self.logit_bias),
-            f"logit_bias: at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-100, 100]) pairs")
+            _is_int(t) and t >= 0 and _finite(v) and -MAX_BIAS <= v <= MAX_BIAS for t, v in self.logit_bias),
+            f"logit_bias: at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]) pairs")
 
     @property
     def greedy(self) -> bool:
