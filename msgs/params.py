@@ -32,6 +32,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     every other stop condition by the scheduler."""
 
     max_new_tokens: int = 128
+    # EOS, stop_token_ids and stop strings do not end the output before this many tokens
+    # (SGLang's min_new_tokens, vLLM's min_tokens): the sampler masks the stop tokens meanwhile
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -63,6 +66,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         every comparison below, so only infinities need the explicit isfinite."""
         checks = [
             (0 <= self.max_new_tokens < INT32, "max_tokens must be in [0, 2**31)"),
+            (0 <= self.min_new_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_tokens]"),
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k == -1 or 1 <= self.top_k < INT32, "top_k must be -1 or in [1, 2**31)"),

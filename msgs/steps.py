@@ -25,6 +25,8 @@ class WorkerSampling(msgspec.Struct, frozen=True):
     logprobs: bool
     top_logprobs: int
     logit_bias: dict[int, float] = {}  # token id -> bias added to its logit (SamplingParams.logit_bias)
+    min_new_tokens: int = 0  # SamplingParams.min_new_tokens: min_stop_ids are masked before that many outputs
+    min_stop_ids: list[int] = []  # what would stop it: EOS (unless ignore_eos) and stop_token_ids, not a grammar's
 
 
 class AddReq(msgspec.Struct, tag=True, frozen=True):

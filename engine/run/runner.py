@@ -303,7 +303,8 @@ def _sample_params(op: AddReq) -> SampleParams:
     """The wire's sampling fields are SampleParams' fields; top_k -1 (off) is 0 here."""
     fields = msgspec.structs.asdict(op.sampling)
     bias = tuple(sorted(op.sampling.logit_bias.items()))
-    return SampleParams(**{**fields, "top_k": max(op.sampling.top_k, 0), "logit_bias": bias})
+    return SampleParams(**{**fields, "top_k": max(op.sampling.top_k, 0), "logit_bias": bias,
+                           "min_stop_ids": tuple(op.sampling.min_stop_ids)})
 
 
 def _to_host(res: SampleResult) -> SampleResult:

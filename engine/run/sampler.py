@@ -55,6 +55,8 @@ class SampleParams:
     `seed` is required: the scheduler fills a deterministic one when the user gives none.
     top_logprobs > 0 requires logprobs=True (as in the OpenAI API). logit_bias: (token id, bias)
     pairs added to the logits before the penalties (vLLM's order); logprobs stay the model's.
+    min_new_tokens: min_stop_ids get -inf for the request's first that many output tokens
+    (vLLM's min_tokens: what would end the output cannot be drawn before then).
     """
 
     seed: int
@@ -68,6 +70,8 @@ class SampleParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_new_tokens: int = 0
+    min_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seed), f"seed must be an int, got {self.seed!r}")
@@ -90,6 +94,8 @@ class SampleParams:
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
             _is_int(t) and t >= 0 and _finite(v) and -MAX_BIAS <= v <= MAX_BIAS for t, v in self.logit_bias),
             f"logit_bias: at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]) pairs")
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an int >= 0")
+        _check(all(_is_int(t) and t >= 0 for t in self.min_stop_ids), "min_stop_ids must be token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -134,7 +140,7 @@ class SampleResult:
 
 # Rows of the per-slot parameter tables.
 _F_INV_TEMP, _F_TOP_P, _F_LOG_MIN_P, _F_REP, _F_FREQ, _F_PRES = range(6)
-_I_SEED, _I_TOP_K, _I_GREEDY = range(3)
+_I_SEED, _I_TOP_K, _I_GREEDY, _I_MIN_END = range(4)
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ class _Plan:
     any_repetition: bool
     any_freq_presence: bool
     any_bias: bool
+    any_min: bool  # a row's min_new_tokens may mask its stop tokens
     mode: str  # candidates for filtering: "none" (full vocab), "topk", "sort"
     kmax: int  # candidate count in "topk" mode
     use_top_k: bool
@@ -160,14 +167,14 @@ class _Plan:
 
     @property
     def argmax_only(self) -> bool:
-        return self.all_greedy and not self.any_penalty and not self.any_bias and not self.want_logprobs
+        return self.all_greedy and not (self.any_penalty or self.any_bias or self.any_min or self.want_logprobs)
 
 
 class _Batch(NamedTuple):
     plan: _Plan
     slots: Tensor  # int64[B] on device
     fp: Tensor  # float32[6, B] gathered parameter rows
-    ip: Tensor  # int64[3, B]
+    ip: Tensor  # int64[4, B]
 
 
 class Sampler:
@@ -186,7 +193,7 @@ class Sampler:
         self.device = torch.device(device)
         self._params: list[SampleParams | None] = [None] * max_slots
         self._fp = torch.zeros(6, max_slots, dtype=torch.float32, device=self.device)
-        self._ip = torch.zeros(3, max_slots, dtype=torch.int64, device=self.device)
+        self._ip = torch.zeros(4, max_slots, dtype=torch.int64, device=self.device)
         # (id + 1) * gamma for every token id: the per-token half of the noise counter.
         self._id_gamma = torch.arange(1, vocab_size + 1, device=self.device) * _GAMMA
         # Penalty bookkeeping, allocated on first use: most deployments never pay for it.
@@ -196,6 +203,10 @@ class Sampler:
         # every slot added after that writes its row (zeros without a bias)
         self._bias_ids: Tensor | None = None  # int64[S, MAX_LOGIT_BIAS]
         self._bias_vals: Tensor | None = None  # float32[S, MAX_LOGIT_BIAS]
+        # min_new_tokens' stop ids by slot, allocated on first use and widened as needed: ids and
+        # -inf, padded with (0, 0.0); masked while a row's position is below its _I_MIN_END
+        self._min_ids: Tensor | None = None  # int64[S, W]
+        self._min_vals: Tensor | None = None  # float32[S, W]
         self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
         self._active_plan: _Plan | None = None  # plan over all registered slots
         if compile_noise:
@@ -218,9 +229,11 @@ class Sampler:
             raise ValueError(f"slot {slot} is already in use")
         self._params[slot] = params
         self._fp[:, slot] = self._upload(_float_row(params), torch.float32)
-        self._ip[:, slot] = self._upload(self._int_row(params), torch.int64)
+        self._ip[:, slot] = self._upload(self._int_row(params, len(prompt_ids)), torch.int64)
         if params.logit_bias or self._bias_ids is not None:  # a reused slot's old bias row is cleared
             self._set_bias(slot, params.logit_bias)
+        if params.min_stop_ids or self._min_ids is not None:
+            self._set_min_stops(slot, params.min_stop_ids)
         if params.uses_repetition:
             self._init_seen(slot, prompt_ids)
             if len(output_ids):
@@ -263,9 +276,9 @@ class Sampler:
         batch = self._batch(slots)
         if batch.plan.argmax_only:
             return SampleResult(token_ids=logits.argmax(dim=-1))
-        logits = logits.float()
-        penalized = self._penalize(logits, batch)
-        tokens = self._choose(penalized, batch, self._as_device(positions))
+        logits, positions = logits.float(), self._as_device(positions)
+        penalized = self._penalize(logits, batch, positions)
+        tokens = self._choose(penalized, batch, positions)
         self._record(batch, tokens)
         return self._with_logprobs(logits, tokens, batch.plan)
 
@@ -278,9 +291,10 @@ class Sampler:
         batch = self._batch(slots)
         if batch.plan.argmax_only:
             return SampleResult(token_ids=logits.argmax(dim=-1))
-        logits = logits.float()
-        penalized = self._penalize(logits, batch, self._prior(prior, batch.plan) if batch.plan.any_penalty else None)
-        tokens = self._choose(penalized, batch, self._as_device(positions))
+        logits, at = logits.float(), self._as_device(positions)
+        history = self._prior(prior, batch.plan) if batch.plan.any_penalty else None
+        penalized = self._penalize(logits, batch, at, history)
+        tokens = self._choose(penalized, batch, at)
         return self._with_logprobs(logits, tokens, batch.plan)
 
     @property
@@ -309,7 +323,7 @@ class Sampler:
 
     def apply_penalties(self, logits: Tensor, slots: Sequence[int] | Tensor) -> Tensor:
         """Return logits with the slots' repetition/frequency/presence penalties applied."""
-        return self._penalize(logits.float(), self._batch(slots))
+        return self._penalize(logits.float(), self._batch(slots), None)
 
     # ---- batch plans ----
 
@@ -358,6 +372,7 @@ class Sampler:
             any_repetition=any(p.uses_repetition for p in params),
             any_freq_presence=any(p.uses_freq_presence for p in params),
             any_bias=any(p.logit_bias for p in params),
+            any_min=any(p.min_stop_ids for p in params),
             mode=mode,
             kmax=kmax,
             use_top_k=use_top_k,
@@ -369,11 +384,17 @@ class Sampler:
 
     # ---- logits processing ----
 
-    def _penalize(self, logits: Tensor, batch: _Batch, prior: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """prior: per row, tokens (and their counts) of the history beyond the slot's (verify rows)."""
+    def _penalize(self, logits: Tensor, batch: _Batch, positions: Tensor | None,
+                  prior: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """positions: the sampled tokens' (min_new_tokens; None skips it). prior: per row, tokens
+        (and their counts) of the history beyond the slot's (verify rows)."""
         plan, out = batch.plan, logits
         if plan.any_bias and self._bias_ids is not None:  # rows of slots without a bias add zeros
             out = out.scatter_add(1, self._bias_ids[batch.slots], self._bias_vals[batch.slots])
+        if plan.any_min and self._min_ids is not None and positions is not None:
+            under = (positions < batch.ip[_I_MIN_END]).unsqueeze(1)
+            vals = torch.where(under, self._min_vals[batch.slots], 0.0)
+            out = out.scatter_add(1, self._min_ids[batch.slots], vals)
         if plan.any_repetition and self._seen is not None:
             rep = batch.fp[_F_REP].unsqueeze(1)
             # HF semantics: positive logits are divided, negative multiplied (both lower them).
@@ -491,14 +512,32 @@ class Sampler:
         self._bias_ids[slot] = self._upload([t for t, _ in bias] + [0] * pad, torch.int64)
         self._bias_vals[slot] = self._upload([v for _, v in bias] + [0.0] * pad, torch.float32)
 
+    def _set_min_stops(self, slot: int, ids: tuple[int, ...]) -> None:
+        if any(t >= self.vocab_size for t in ids):
+            raise ValueError(f"min_stop_ids must be < {self.vocab_size}")
+        width = 0 if self._min_ids is None else self._min_ids.shape[1]
+        if len(ids) > width:  # widen to a power of two; old rows keep their entries, new pads add 0
+            w = max(16, 1 << (len(ids) - 1).bit_length())
+            grown = torch.zeros(self.max_slots, w, dtype=torch.int64, device=self.device)
+            vals = torch.zeros(self.max_slots, w, dtype=torch.float32, device=self.device)
+            if self._min_ids is not None and self._min_vals is not None:
+                grown[:, :width], vals[:, :width] = self._min_ids, self._min_vals
+            self._min_ids, self._min_vals, width = grown, vals, w
+        assert self._min_vals is not None
+        pad = width - len(ids)
+        self._min_ids[slot] = self._upload(list(ids) + [0] * pad, torch.int64)
+        self._min_vals[slot] = self._upload([-math.inf] * len(ids) + [0.0] * pad, torch.float32)
+
     def _init_counts(self, slot: int) -> None:
         if self._counts is None:
             self._counts = torch.zeros(self.max_slots, self.vocab_size, device=self.device)
         self._counts[slot].zero_()
 
-    def _int_row(self, p: SampleParams) -> list[int]:
+    def _int_row(self, p: SampleParams, prompt_len: int) -> list[int]:
         top_k = self.vocab_size if p.top_k <= 0 else min(p.top_k, self.vocab_size)
-        return [_mix64_int(p.seed), top_k, int(p.greedy)]
+        # the position of output token min_new_tokens: tokens sampled below it have their stops masked
+        min_end = prompt_len + p.min_new_tokens if p.min_stop_ids else 0
+        return [_mix64_int(p.seed), top_k, int(p.greedy), min_end]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import msgspec
 
@@ -126,7 +127,8 @@ class Admission:
         s.running.append(req)
         ops.append(
             AddReq(
-                req.slot, req.rid, worker_sampling(req), pack_ids(req.prompt_ids), pack_ids(req.output_ids),
+                req.slot, req.rid, worker_sampling(req, s.cfg.eos_token_ids),
+                pack_ids(req.prompt_ids), pack_ids(req.output_ids),
                 grammar=s.grammar_keys.strip(req.params.grammar),  # data only if no rank holds it
             )
         )
@@ -148,7 +150,14 @@ class Admission:
         return n
 
 
-def worker_sampling(req: Req) -> WorkerSampling:
-    """The request's sampling fields, with the seed the scheduler settled on."""
+def worker_sampling(req: Req, eos_ids: Sequence[int]) -> WorkerSampling:
+    """The request's sampling fields, with the seed the scheduler settled on and, under
+    min_new_tokens, the tokens the sampler masks until then: what would stop the request
+    (outputs._stop_reason) except a grammar's ending, which the grammar alone allows then."""
     p = req.params
-    return WorkerSampling(**{f: getattr(p, f) for f in WorkerSampling.__struct_fields__ if f != "seed"}, seed=req.seed)
+    fields = {f: getattr(p, f) for f in WorkerSampling.__struct_fields__ if f not in ("seed", "min_stop_ids")}
+    stops: list[int] = []
+    if p.min_new_tokens:
+        ends = set(p.grammar.stop_ids) if p.grammar is not None else set()
+        stops = sorted((({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids)) - ends)
+    return WorkerSampling(**fields, seed=req.seed, min_stop_ids=stops)

@@ -131,10 +131,11 @@ class OutputProcessor:
         # document is complete), so stopping on them is grammar termination, ignore_eos or not.
         if p.grammar is not None and tok in p.grammar.stop_ids:
             return "stop"
-        if not p.ignore_eos and tok in self.s.cfg.eos_token_ids:
-            return "stop"
-        if tok in p.stop_token_ids:
-            return "stop"
+        if len(req.output_ids) > p.min_new_tokens:  # the sampler masked them before (min_stop_ids)
+            if not p.ignore_eos and tok in self.s.cfg.eos_token_ids:
+                return "stop"
+            if tok in p.stop_token_ids:
+                return "stop"
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"
         return None

@@ -112,7 +112,10 @@ class StopMatcher:
 
 
 class Detokenizer:
-    """Per-request output text: UTF-8 safe, special tokens skipped on request, stop strings cut."""
+    """Per-request output text: UTF-8 safe, special tokens skipped on request, stop strings cut.
+
+    The text of the first `min_tokens` tokens (min_new_tokens) is never searched for a stop
+    string: a stop counts only in text decoded after them."""
 
     def __init__(
         self,
@@ -120,10 +123,12 @@ class Detokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         # decoder None: ids-only mode, the output text is always empty.
         self._dec = IncrementalDecoder(decoder, skip_special_tokens, prompt_ids) if decoder else None
         self._stop = StopMatcher(stop)
+        self._unsearched = min_tokens  # tokens left whose text bypasses the stop matcher
         self.text = ""  # everything emitted so far
 
     @property
@@ -133,7 +138,12 @@ class Detokenizer:
     def push(self, new_ids: Sequence[int]) -> str:
         if self._dec is None or self.stopped:
             return ""
-        return self._emit(self._stop.feed(self._dec.push(new_ids)))
+        k = min(self._unsearched, len(new_ids))
+        self._unsearched -= k
+        text = self._dec.push(new_ids[:k]) if k else ""
+        if k < len(new_ids):
+            text += self._stop.feed(self._dec.push(new_ids[k:]))
+        return self._emit(text)
 
     def finish(self) -> str:
         """The remaining text once the request has ended (call once, after the last push)."""

@@ -66,6 +66,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions (vLLM / SGLang names).
+    min_tokens: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

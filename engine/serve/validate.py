@@ -22,7 +22,7 @@ MAX_RID_LEN = 256
 MAX_SUBREQUESTS = 256  # prompts x n of one HTTP request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 IDS_ONLY = "this server has no tokenizer (the model directory has no tokenizer files); send token ids"
-_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"max_tokens"}
+_PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"max_tokens", "min_tokens"}
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         _set(kw, name, getattr(req, name))
+    _set(kw, "min_new_tokens", req.min_tokens)
     _set(kw, "presence_penalty", req.presence_penalty)
     _set(kw, "frequency_penalty", req.frequency_penalty)
     _set(kw, "regex", req.regex)

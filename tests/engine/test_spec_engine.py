@@ -198,6 +198,18 @@ def test_penalized_requests_speculate_with_the_same_tokens(model, plain: LocalEn
     assert ngram.core.state.spec_stats.rows > rows
 
 
+def test_min_new_tokens_masks_stops_in_verify_rows(model, plain: LocalEngine, ngram: LocalEngine) -> None:  # noqa: ANN001
+    """min_new_tokens under speculation: a stop token the greedy answer would draw at its 3rd
+    token is masked in the verify rows below the line as in plain decode, then ends it after."""
+    prompts = [model[1][4], model[1][0]]
+    free = _ids(plain.generate(prompts[:1], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)))[0]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, min_new_tokens=8,
+                            stop_token_ids=[free[2]])
+    want = plain.generate(prompts, params)
+    assert want[0].output_ids[:2] == free[:2] and free[2] not in want[0].output_ids[:8]
+    assert [r.output_ids for r in ngram.generate(prompts, params)] == [r.output_ids for r in want]
+
+
 def test_retraction_and_abort_mid_speculation_leave_no_leak(model, plain: LocalEngine) -> None:  # noqa: ANN001
     """A pool too small for the batch: speculating requests are retracted (their verify rows'
     worst-case pages given back) and re-prefilled, with the tokens they would get anyway; then a

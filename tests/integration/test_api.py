@@ -169,6 +169,24 @@ def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: Server
     assert forced.usage.completion_tokens == 3
 
 
+def test_min_tokens_holds_off_eos_and_stop_strings(client: openai.OpenAI) -> None:
+    """vLLM's min_tokens: the answer that ended with EOS goes on past it, its greedy text the
+    short answer's continuation; a stop string in the first min_tokens tokens does not end it."""
+    q = "What is the capital of Japan?"
+    short = chat(client, q, max_tokens=40, temperature=0)
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 30, short  # ended by EOS
+    long = chat(client, q, max_tokens=40, temperature=0, extra_body={"min_tokens": n + 5})
+    assert long.usage.completion_tokens >= n + 5
+    assert long.choices[0].message.content.startswith(short.choices[0].message.content)
+    held = chat(client, q, max_tokens=40, temperature=0, stop=["Tokyo"], extra_body={"min_tokens": n})
+    assert "Tokyo" in held.choices[0].message.content and held.usage.completion_tokens >= n
+    cut = chat(client, q, max_tokens=40, temperature=0, stop=["Tokyo"])
+    assert "Tokyo" not in cut.choices[0].message.content and cut.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        chat(client, q, max_tokens=3, extra_body={"min_tokens": 4})
+
+
 def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the answer continues the assistant's open message."""
     messages = [{"role": "user", "content": "What is the capital of France?"},

@@ -276,6 +276,45 @@ def test_logit_bias_leaves_logprobs_raw(device: torch.device) -> None:
     torch.testing.assert_close(res.logprobs.cpu(), torch.log_softmax(logits.float(), -1)[:, 4].cpu())
 
 
+def test_min_new_tokens_masks_stop_ids_below_its_position_only(device: torch.device) -> None:
+    """A row sampled below prompt length + min_new_tokens cannot draw its min_stop_ids (greedy,
+    sampled and verify rows); from that position on it can; other rows and logprobs are untouched."""
+    vocab = 40
+    s = _sampler(device, vocab)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)).to(device)
+    top, second = logits[0].topk(2).indices.tolist()
+    s.add(0, SampleParams(seed=0, temperature=0.0, logprobs=True, min_new_tokens=3, min_stop_ids=(top, 5)),
+          prompt_ids=[1, 2, 3, 4])  # outputs 0..2 sit at positions 4..6
+    s.add(1, SampleParams(seed=1, temperature=0.0))  # the same logits, no minimum
+    rows = logits.expand(2, -1).contiguous()
+    for pos, want in ((4, second), (6, second), (7, top), (90, top)):
+        res = s.sample(rows, [0, 1], _pos([pos, pos], device))
+        assert res.token_ids.tolist() == [want, top], pos
+        torch.testing.assert_close(res.logprobs[0].cpu(), torch.log_softmax(logits.float(), -1)[0, want].cpu())
+    verify = s.sample_verify(rows[:1].expand(3, -1), [0, 0, 0], [5, 6, 7], [[], [9], [9, 9]])
+    assert verify.token_ids.tolist() == [second, second, top]
+    hot = torch.full((1, vocab), -5.0, device=device)
+    hot[0, top] = 5.0  # sampled: the stop token holds ~all the mass, yet never drawn below the line
+    s.add(2, SampleParams(seed=2, temperature=1.0, min_new_tokens=2, min_stop_ids=(top,)), prompt_ids=[1])
+    drawn = [s.sample(hot, [2], _pos([p], device)).token_ids.item() for p in (1, 2, 3, 3)]
+    assert top not in drawn[:2] and drawn[2:] == [top, top]
+
+
+def test_min_stop_rows_widen_and_clear_on_reuse(device: torch.device) -> None:
+    vocab = 300
+    s = _sampler(device, vocab)
+    logits = torch.arange(vocab, dtype=torch.float32, device=device).unsqueeze(0)  # argmax: the last id
+    s.add(0, SampleParams(seed=0, temperature=0.0, min_new_tokens=5, min_stop_ids=(299,)))
+    s.add(1, SampleParams(seed=1, temperature=0.0, min_new_tokens=5, min_stop_ids=tuple(range(260, 300))))
+    res = s.sample(logits.expand(2, -1).contiguous(), [0, 1], _pos([0, 0], device))  # 40 ids: rows widened
+    assert res.token_ids.tolist() == [298, 259]
+    s.remove(1)
+    s.add(1, SampleParams(seed=1, temperature=0.0))  # the reused slot's old stop row is cleared
+    assert s.sample(logits, [1], _pos([0], device)).token_ids.item() == 299
+    with pytest.raises(ValueError, match="min_stop_ids"):
+        s.add(2, SampleParams(seed=0, min_new_tokens=1, min_stop_ids=(vocab,)))
+
+
 # ---- logprobs ----
 
 
@@ -334,6 +373,8 @@ def test_logprobs_without_top_logprobs(device: torch.device) -> None:
         {"logit_bias": ((-1, 1.0),)},
         {"logit_bias": ((1, float("nan")),)},
         {"logit_bias": tuple((i, 1.0) for i in range(301))},
+        {"min_new_tokens": -1},
+        {"min_stop_ids": (-2,)},
     ],
 )
 def test_param_validation(kwargs: dict) -> None:

@@ -149,6 +149,21 @@ def test_partial_stop_at_the_end_is_released_by_finish(small_tok) -> None:
     assert deltas[-1].endswith("ST")  # held until finish
 
 
+@pytest.mark.parametrize("sizes", [None, "ones"])
+def test_stop_strings_are_not_searched_in_the_first_min_tokens(small_tok, sizes) -> None:
+    """min_new_tokens: "b" in the first tokens' text does not stop; the next one after does,
+    whether the tokens come one by one or in a single push that straddles the line."""
+    text = "a b c b d"
+    ids = small_tok.encode(text).ids
+    first_b = next(i for i in range(1, len(ids) + 1) if "b" in small_tok.decode(ids[:i]))
+    det = Detokenizer(small_tok, stop=["b"], min_tokens=first_b)
+    deltas = _push_all(det, ids, [1] * len(ids) if sizes else [len(ids)])
+    assert det.stopped and det.text == "a b c " and "".join(deltas) == det.text
+    plain = Detokenizer(small_tok, stop=["b"])
+    plain.push(ids)
+    assert plain.text == "a "
+
+
 def test_ids_only_detokenizer_emits_nothing() -> None:
     det = Detokenizer(None, stop=[])
     assert det.push([1, 2, 3]) == "" and det.finish() == "" and det.text == ""

@@ -125,6 +125,20 @@ def test_logit_bias_keys_become_token_ids_checked_against_the_vocabulary() -> No
         _raises(400, make_params, openai_params(chat(bad)), 4, LIMITS.vocab_size, param="logit_bias")
 
 
+def test_min_tokens_is_vllms_name_for_min_new_tokens_and_at_most_max_tokens() -> None:
+    def chat(extra: str) -> ChatCompletionRequest:
+        return decode_body(b'{"messages": [{"role": "user", "content": "x"}], ' + extra.encode() + b"}",
+                           ChatCompletionRequest)
+
+    assert make_params(openai_params(chat('"min_tokens": 4')), 4).min_new_tokens == 4
+    assert make_params(openai_params(chat('"min_tokens": null')), 4).min_new_tokens == 0
+    for bad in ('"min_tokens": 5', '"min_tokens": -1'):
+        _raises(400, make_params, openai_params(chat(bad)), 4, param="min_tokens")
+    _raises(400, chat, '"min_tokens": 1.5')  # the body's type check
+    params, _ = native_params({"min_new_tokens": 3, "max_new_tokens": 8})
+    assert params.min_new_tokens == 3
+
+
 def test_harmless_unimplemented_fields_pass() -> None:
     body = (
         b'{"messages": [{"role": "user", "content": "x"}], "user": "u", "logit_bias": {}, "store": false,'
