@@ -31,6 +31,7 @@ from engine.serve.errors import ApiError, api_error_body, error_body
 from engine.serve.native import generate_http
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
+from engine.serve.tokenize_api import detokenize, tokenize
 from engine.serve.validate import check_rid
 
 log = structlog.get_logger()
@@ -163,6 +164,8 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/chat/completions", api_route(state, chat_completions), methods=["POST"]),
         Route("/v1/completions", api_route(state, completions), methods=["POST"]),
         Route("/generate", api_route(state, generate_http), methods=["POST"]),
+        Route("/tokenize", api_route(state, tokenize), methods=["POST"]),
+        Route("/detokenize", api_route(state, detokenize), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

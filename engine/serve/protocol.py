@@ -122,7 +122,29 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rid: str | None = None
 
 
-_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest, GenerateBody)}
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered as /v1/chat/completions would."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest, GenerateBody,
+                                                  TokenizeBody, DetokenizeBody)}
 
 
 def decode_body(body: bytes, kind: type[T]) -> T:

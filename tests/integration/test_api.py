@@ -187,6 +187,30 @@ def test_min_tokens_holds_off_eos_and_stop_strings(client: openai.OpenAI) -> Non
         chat(client, q, max_tokens=3, extra_body={"min_tokens": 4})
 
 
+def test_tokenize_and_detokenize_agree_with_generation(client: openai.OpenAI, server: Server) -> None:
+    """vLLM's /tokenize and /detokenize: chat messages count what the chat endpoint prompts with,
+    a prompt's ids are what /generate counts for its text, and detokenize inverts tokenize."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.http}{path}", timeout=60, json=body)
+
+    messages = [{"role": "user", "content": "What is the capital of Japan?"}]
+    tok = post("/tokenize", {"model": MODEL, "messages": messages}).json()
+    used = chat(client, messages[0]["content"], max_tokens=1, temperature=0).usage.prompt_tokens
+    assert tok["count"] == len(tok["tokens"]) == used and tok["max_model_len"] > used and tok["token_strs"] is None
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = post("/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert len(ids["token_strs"]) == ids["count"] and "".join(ids["token_strs"]).replace("\u0120", " ") == text
+    gen = post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert gen["meta_info"]["prompt_tokens"] == ids["count"]
+    assert post("/detokenize", {"tokens": ids["tokens"]}).json() == {"prompt": text}
+    for path, body, status in (("/tokenize", {}, 400), ("/tokenize", {"prompt": "a", "messages": messages}, 400),
+                               ("/tokenize", {"prompt": "a", "bogus": 1}, 400), ("/detokenize", {"tokens": [-1]}, 400),
+                               ("/detokenize", {"tokens": [10**9]}, 400), ("/detokenize", {"tokens": "ab"}, 400),
+                               ("/tokenize", {"model": "no-such-model", "prompt": "a"}, 404)):
+        r = post(path, body)
+        assert r.status_code == status and "error" in r.json(), (path, body, r.text)
+
+
 def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the answer continues the assistant's open message."""
     messages = [{"role": "user", "content": "What is the capital of France?"},

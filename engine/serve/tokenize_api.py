@@ -1,0 +1,45 @@
+"""vLLM's POST /tokenize and /detokenize: the front end's tokenizer, no scheduler step.
+
+/tokenize answers {"count", "max_model_len", "tokens", "token_strs"} for a `prompt` (special
+tokens added unless `add_special_tokens` is false) or chat `messages` (the chat endpoint's
+rendering and ids: the same template, kwargs and tools); /detokenize answers {"prompt"}.
+"""
+
+from __future__ import annotations
+
+from engine.serve.chat import chat_prompt
+from engine.serve.errors import ApiError
+from engine.serve.protocol import DetokenizeBody, TokenizeBody, decode_body
+from engine.serve.state import Call, Reply, ServeState
+from engine.serve.validate import IDS_ONLY, check_model
+
+
+async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
+    req = decode_body(body, TokenizeBody)
+    check_model(req.model, state.accepted_models)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+    if state.tok is None:
+        raise ApiError(400, f"tokenize is not available: {IDS_ONLY}", param="prompt")
+    limits = await state.limits()
+    if req.messages is not None:
+        text, _ = chat_prompt(state.tok, req.messages, req.tools, req.chat_template_kwargs,
+                              add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message)
+        ids = state.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    else:
+        ids = state.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens is not False)
+    strs = state.tok.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return Reply(body={"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(state: ServeState, body: bytes, call: Call) -> Reply:
+    req = decode_body(body, DetokenizeBody)
+    check_model(req.model, state.accepted_models)
+    if state.tok is None:
+        raise ApiError(400, f"detokenize is not available: {IDS_ONLY}", param="tokens")
+    limits = await state.limits()
+    bad = next((t for t in req.tokens if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is out of range for the vocabulary (size {limits.vocab_size})", "tokens")
+    return Reply(body={"prompt": state.tok.decode(req.tokens, skip_special_tokens=False)})
