@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from engine.run.slot_rows import SlotRows
 from msgs.params import MAX_BIAS, MAX_LOGIT_BIAS
 
 # Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
@@ -199,14 +200,9 @@ class Sampler:
         # Penalty bookkeeping, allocated on first use: most deployments never pay for it.
         self._seen: Tensor | None = None  # bool[S, V]: prompt | generated (repetition penalty)
         self._counts: Tensor | None = None  # float32[S, V]: generated counts (freq/presence)
-        # logit_bias by slot, allocated on first use: token ids and biases, padded with (0, 0.0);
-        # every slot added after that writes its row (zeros without a bias)
-        self._bias_ids: Tensor | None = None  # int64[S, MAX_LOGIT_BIAS]
-        self._bias_vals: Tensor | None = None  # float32[S, MAX_LOGIT_BIAS]
-        # min_new_tokens' stop ids by slot, allocated on first use and widened as needed: ids and
-        # -inf, padded with (0, 0.0); masked while a row's position is below its _I_MIN_END
-        self._min_ids: Tensor | None = None  # int64[S, W]
-        self._min_vals: Tensor | None = None  # float32[S, W]
+        self._bias = SlotRows(max_slots, vocab_size, self.device, self._upload)  # logit_bias
+        # min_new_tokens' stop ids with -inf, added while a row's position is below its _I_MIN_END
+        self._min_stops = SlotRows(max_slots, vocab_size, self.device, self._upload)
         self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
         self._active_plan: _Plan | None = None  # plan over all registered slots
         if compile_noise:
@@ -230,10 +226,8 @@ class Sampler:
         self._params[slot] = params
         self._fp[:, slot] = self._upload(_float_row(params), torch.float32)
         self._ip[:, slot] = self._upload(self._int_row(params, len(prompt_ids)), torch.int64)
-        if params.logit_bias or self._bias_ids is not None:  # a reused slot's old bias row is cleared
-            self._set_bias(slot, params.logit_bias)
-        if params.min_stop_ids or self._min_ids is not None:
-            self._set_min_stops(slot, params.min_stop_ids)
+        self._bias.set(slot, [t for t, _ in params.logit_bias], [v for _, v in params.logit_bias], "logit_bias")
+        self._min_stops.set(slot, params.min_stop_ids, [-math.inf] * len(params.min_stop_ids), "min_stop_ids")
         if params.uses_repetition:
             self._init_seen(slot, prompt_ids)
             if len(output_ids):
@@ -389,12 +383,10 @@ class Sampler:
         """positions: the sampled tokens' (min_new_tokens; None skips it). prior: per row, tokens
         (and their counts) of the history beyond the slot's (verify rows)."""
         plan, out = batch.plan, logits
-        if plan.any_bias and self._bias_ids is not None:  # rows of slots without a bias add zeros
-            out = out.scatter_add(1, self._bias_ids[batch.slots], self._bias_vals[batch.slots])
-        if plan.any_min and self._min_ids is not None and positions is not None:
-            under = (positions < batch.ip[_I_MIN_END]).unsqueeze(1)
-            vals = torch.where(under, self._min_vals[batch.slots], 0.0)
-            out = out.scatter_add(1, self._min_ids[batch.slots], vals)
+        if plan.any_bias:  # rows of slots without a bias add zeros
+            out = self._bias.add_to(out, batch.slots)
+        if plan.any_min and positions is not None:
+            out = self._min_stops.add_to(out, batch.slots, (positions < batch.ip[_I_MIN_END]).unsqueeze(1))
         if plan.any_repetition and self._seen is not None:
             rep = batch.fp[_F_REP].unsqueeze(1)
             # HF semantics: positive logits are divided, negative multiplied (both lower them).
@@ -501,32 +493,6 @@ class Sampler:
         ids = self._as_device(prompt_ids)
         if ids.numel():
             row.index_fill_(0, ids, True)
-
-    def _set_bias(self, slot: int, bias: tuple[tuple[int, float], ...]) -> None:
-        if any(t >= self.vocab_size for t, _ in bias):
-            raise ValueError(f"logit_bias token ids must be < {self.vocab_size}")
-        if self._bias_ids is None:
-            self._bias_ids = torch.zeros(self.max_slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=self.device)
-            self._bias_vals = torch.zeros(self.max_slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=self.device)
-        pad = MAX_LOGIT_BIAS - len(bias)  # (0, 0.0) pads add an exact zero
-        self._bias_ids[slot] = self._upload([t for t, _ in bias] + [0] * pad, torch.int64)
-        self._bias_vals[slot] = self._upload([v for _, v in bias] + [0.0] * pad, torch.float32)
-
-    def _set_min_stops(self, slot: int, ids: tuple[int, ...]) -> None:
-        if any(t >= self.vocab_size for t in ids):
-            raise ValueError(f"min_stop_ids must be < {self.vocab_size}")
-        width = 0 if self._min_ids is None else self._min_ids.shape[1]
-        if len(ids) > width:  # widen to a power of two; old rows keep their entries, new pads add 0
-            w = max(16, 1 << (len(ids) - 1).bit_length())
-            grown = torch.zeros(self.max_slots, w, dtype=torch.int64, device=self.device)
-            vals = torch.zeros(self.max_slots, w, dtype=torch.float32, device=self.device)
-            if self._min_ids is not None and self._min_vals is not None:
-                grown[:, :width], vals[:, :width] = self._min_ids, self._min_vals
-            self._min_ids, self._min_vals, width = grown, vals, w
-        assert self._min_vals is not None
-        pad = width - len(ids)
-        self._min_ids[slot] = self._upload(list(ids) + [0] * pad, torch.int64)
-        self._min_vals[slot] = self._upload([-math.inf] * len(ids) + [0.0] * pad, torch.float32)
 
     def _init_counts(self, slot: int) -> None:
         if self._counts is None:
