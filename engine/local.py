@@ -25,6 +25,8 @@ class Result:
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None  # SamplingParams.prompt_logprobs: prompt tokens 1..
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class LocalEngine:
@@ -74,5 +76,7 @@ class LocalEngine:
             res.cached_tokens = out.cached_tokens
             if out.logprobs:
                 res.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                res.prompt_logprobs, res.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
             if out.finish_reason:
                 res.finish_reason = out.finish_reason

@@ -34,6 +34,7 @@ class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None  # prompt_logprobs: prompt tokens 1.. (in the first chunk)
 
 
 class GenerateError(msgspec.Struct, tag=True, frozen=True):

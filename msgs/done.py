@@ -16,6 +16,11 @@ class StepDone(msgspec.Struct, tag=True, frozen=True):
     top_ids: bytes | None = None  # packed int32, [n, top_k] row-major
     top_logprobs: bytes | None = None  # packed f32
     top_k: int = 0
+    # Forward.prompt's rows, row after row: the logprob of each scored token ([n]), its top_k
+    prompt_logprobs: bytes | None = None  # packed f32
+    prompt_top_ids: bytes | None = None  # packed int32 [n, prompt_top_k]
+    prompt_top_logprobs: bytes | None = None  # packed f32
+    prompt_top_k: int = 0
     digest: str | None = None  # at a DigestCheck: the replica's digest after this step's ops
     tokens_hash: str | None = None  # at a DigestCheck: SHA-256 chain of every token sampled so far
     forward_s: float = 0.0

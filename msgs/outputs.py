@@ -15,6 +15,9 @@ class ReqOutput(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
     logprobs: list[float] | None = None  # one per new id
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new id: (token, logprob)
+    # with the first output, SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # speculative decoding, cumulative for the request: (verify rows, drafts proposed, drafts accepted)
     spec: tuple[int, int, int] | None = None
 

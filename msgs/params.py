@@ -48,6 +48,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # the logprob of every prompt token after the first (and this many top alternatives), returned
+    # with the first output: vLLM's prompt_logprobs; such a prompt is prefilled without the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] = {}
@@ -76,6 +79,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
             (self.top_logprobs == 0 or self.logprobs, "top_logprobs requires logprobs"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
             (len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings"),
             (all(0 < len(s) <= MAX_STOP_CHARS for s in self.stop), f"stop strings must be 1..{MAX_STOP_CHARS} chars"),
             (len(self.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),

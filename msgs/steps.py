@@ -172,6 +172,16 @@ class Drafts(msgspec.Struct, frozen=True):
     chained: bytes = b""
 
 
+class PromptRows(msgspec.Struct, frozen=True):
+    """Rows of a Forward whose every prompt token's logprob is wanted (SamplingParams.prompt_logprobs):
+    the logits of all their tokens; the target of a row's last token is `next_ids`' entry (the
+    prompt's next token; -1 when the row ends the prompt: that token is sampled, not scored)."""
+
+    rows: bytes  # packed int32: indices into the Forward's requests
+    next_ids: bytes  # packed int32, one per row
+    top_k: int = 0  # top alternatives a token (the most any of these rows asks for)
+
+
 class Forward(msgspec.Struct, frozen=True, omit_defaults=True):
     """One batch. Arrays are packed int32, one entry per request unless noted.
 
@@ -185,6 +195,7 @@ class Forward(msgspec.Struct, frozen=True, omit_defaults=True):
     extend_lens: bytes
     sample: bytes  # 1 when the request's last new token must be sampled
     drafts: Drafts | None = None  # speculative decoding: rows that verify draft tokens
+    prompt: PromptRows | None = None  # rows scoring their prompt tokens (omitted when none)
 
 
 class Step(msgspec.Struct, tag=True, frozen=True):

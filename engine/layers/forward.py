@@ -68,6 +68,7 @@ class ForwardBatch:
         sample: Sequence[int | bool],
         page_size: int,
         device: torch.device | str,
+        every_logit: Sequence[bool] | None = None,
     ) -> ForwardBatch:
         """Build a batch from flat per-step inputs (the worker's form).
 
@@ -75,7 +76,8 @@ class ForwardBatch:
         e.g. after future references were resolved there). Request i writes positions
         start_pos[i] .. start_pos[i]+extend_lens[i]-1 through page_tables[i], which must
         cover them and must not use page 0 there. `sample[i]` true asks for the logits of
-        request i's last new token (false for an intermediate prefill chunk).
+        request i's last new token (false for an intermediate prefill chunk); `every_logit[i]` true
+        asks for the logits of all its new tokens (a prompt scored, engine/run/prompt_scores.py).
         Raises ValueError on inconsistent inputs.
         """
         device = torch.device(device)
@@ -88,6 +90,9 @@ class ForwardBatch:
         out_slots = table[req_idx, positions // page_size].to(torch.int64) * page_size + positions % page_size
         ends = torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1
         logit_idx = ends[torch.tensor([bool(x) for x in sample], dtype=torch.bool)]
+        if every_logit is not None and any(every_logit):
+            logit_idx = torch.cat([torch.arange(e - n + 1, e + 1) if full else e.view(1)[:int(bool(smp))]
+                                   for e, n, full, smp in zip(ends, lens, every_logit, sample, strict=True)])
         ids = _ids_tensor(input_ids, sum(lens), device)
         return cls(
             input_ids=ids,

@@ -23,6 +23,7 @@ from engine.layers import triton_ops
 from engine.layers.forward import ForwardBatch
 from engine.layers.parallel import parallel_state
 from engine.replica import Effect, ReplicaError, StepOrderError, TokenChain, rank_replica
+from engine.run import prompt_scores
 from engine.run.assembly import assemble, make_ready, make_speculator
 from engine.run.expert_counts import ExpertCounts
 from engine.run.grammar import GrammarSlots
@@ -68,6 +69,7 @@ class Launched:
     to_sample: _ToSample | None = None  # sampling deferred until `complete` (grammar rows)
     start: torch.cuda.Event | None = None  # the idle meter's start event
     rows: int = 0
+    scores: prompt_scores.PromptScores | None = None  # Forward.prompt's rows (rank 0), host copies
 
 
 @dataclass
@@ -101,6 +103,7 @@ class ModelRunner:
         self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.deferred: Launched | None = None  # the launched step whose sampling waits (grammar)
+        self.scores: prompt_scores.PromptScores | None = None  # the last forward's prompt scores (rank 0)
         ps = parallel_state()  # under cp the slab region is the tp rank's, shared by its cp ranks
         self.host_tier = HostCopies(self.kv, cfg.hicache_path, ps.tp.rank, ps.tp.world, ps.cp.rank, ps.cp.world)
         self.replica.add_effect(self.host_tier)
@@ -151,6 +154,8 @@ class ModelRunner:
             launched.start = self.idle.start() if self.idle is not None else None
             launched.rows = len(step.forward.slots) // 4
             launched.to_sample = self._forward(step.forward)
+            if self.scores is not None:
+                launched.scores, self.scores = _scores_to_host(self.scores), None
         if launched.to_sample is not None and self.grammar.constrained(launched.to_sample.slots):
             self.deferred = launched
         else:
@@ -210,6 +215,7 @@ class ModelRunner:
             tokens_hash=self.tokens.hexdigest() if launched.digest is not None else None,
             forward_s=time.perf_counter() - launched.t0,
             expert_tokens=expert_tokens,
+            **_pack_scores(launched.scores),
         )
 
     def _event(self) -> torch.cuda.Event | None:
@@ -232,7 +238,8 @@ class ModelRunner:
         if fwd.drafts is not None:
             raise ReplicaError("a Step verifies drafts, but speculative decoding is off on this rank")
         slots_dev = None  # the sampled rows' slots on the device, when already there
-        if self.graphs is not None and len(slots) <= self.graphs.max_batch and all(n == 1 for n in lens):
+        graphed = fwd.prompt is None and all(n == 1 for n in lens)
+        if self.graphs is not None and len(slots) <= self.graphs.max_batch and graphed:
             # decode: the captured graph, fed straight from the Step's lists
             logits = self.graphs.run_decode(ids, slots, starts, tables, self.last_token)
             if self.spec is not None:  # a draft model or head follows the replayed rows
@@ -244,9 +251,18 @@ class ModelRunner:
                 logits = logits[_to_device(torch.tensor(rows, dtype=torch.int64), self.device)] if rows else None
         else:
             input_ids = self.resolve_ids(ids, slots, lens)
-            batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device)
+            rows = every = None
+            if fwd.prompt is not None:  # rows scoring their prompt: every token's logits (prompt_scores.py)
+                scored = unpack_ids(fwd.prompt.rows)
+                rows = prompt_scores.split(ids, lens, sample, scored, unpack_ids(fwd.prompt.next_ids))
+                every = [i in set(scored) for i in range(len(lens))]
+            batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device, every)
             self.backend.prepare(batch)
             logits = self.model(batch, self.kv, self.backend)
+            if rows is not None and fwd.prompt is not None:
+                if self.rank == 0:  # (only rank 0 answers; logits are the same on every rank)
+                    self.scores = prompt_scores.score(logits, rows, fwd.prompt.top_k)
+                logits = logits.index_select(0, torch.tensor(rows.sampled, dtype=torch.int64).to(self.device))
             if self.spec is not None:  # a separate draft model writes its KV for the same tokens
                 self.spec.follow(batch)
         sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]
@@ -320,6 +336,24 @@ def _to_host(res: SampleResult) -> SampleResult:
         return VerifiedResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs),
                               accepted=host(res.accepted), keep=host(res.keep))
     return SampleResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs))
+
+
+def _scores_to_host(s: prompt_scores.PromptScores) -> prompt_scores.PromptScores:
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else triton_ops.to_host(t) if t.is_cuda else t
+
+    return prompt_scores.PromptScores(host(s.logprobs), host(s.top_ids), host(s.top_logprobs))  # type: ignore[arg-type]
+
+
+def _pack_scores(s: prompt_scores.PromptScores | None) -> dict:
+    """StepDone's prompt_* fields (after the step's event: the host copies are done)."""
+    if s is None:
+        return {}
+    out: dict = {"prompt_logprobs": pack_f32(s.logprobs.tolist())}
+    if s.top_ids is not None and s.top_logprobs is not None:
+        out.update(prompt_top_ids=pack_ids(s.top_ids.flatten().tolist()),
+                   prompt_top_logprobs=pack_f32(s.top_logprobs.flatten().tolist()), prompt_top_k=s.top_ids.shape[1])
+    return out
 
 
 def _pack_result(seq: int, rank: int, res: SampleResult) -> StepDone:

@@ -94,7 +94,7 @@ class Admission:
     def _fits(self, req: Req, budget: int, decoding: int) -> bool:
         s = self.s
         ids = req.all_ids
-        if s.cfg.enable_radix:
+        if s.cfg.enable_radix and not req.scores_prompt:  # (a scored prompt needs every token's logits)
             # no hit counted until the request is admitted: a blocked head of the queue
             # re-matches every step and must not promote its prefix to the protected tier
             match = s.cache.match_prefix(ids[: len(ids) - 1], touch=False)
@@ -138,7 +138,7 @@ class Admission:
     def chunk(self, req: Req, rows: list[Row], ops: list[Op], budget: int) -> int:
         """Schedule up to `budget` prompt tokens of req; returns how many were scheduled."""
         ids = req.all_ids
-        n = min(len(ids) - req.kv_len, budget)
+        n = min(len(ids) - req.kv_len, budget, PROMPT_SCORE_CHUNK if req.scores_prompt else budget)
         if n <= 0 or not self.growth.grow(req, n, ops, may_retract=False):
             return 0
         final = req.kv_len + n == len(ids)  # decided now, from the live request
@@ -148,6 +148,11 @@ class Admission:
             req.inflight += 1
         self.kv.publish(req, req.kv_len)
         return n
+
+
+# prompt tokens a step of a request that scores its prompt (its chunk's logits are [n, vocab]
+# float32 on the worker: 512 x 152k = 311 MB)
+PROMPT_SCORE_CHUNK = 512
 
 
 def worker_sampling(req: Req, eos_ids: Sequence[int]) -> WorkerSampling:

@@ -43,12 +43,42 @@ class OutputProcessor:
                 logprobs=[logprobs[i]] if logprobs is not None and req.params.logprobs else None,
                 top_logprobs=[top[i][: req.params.top_logprobs]] if top and req.params.top_logprobs else None,
             )
+            out = self._with_prompt(req, out)
             reason = self._stop_reason(req, tok)
             if reason:
                 self.finish(req, reason)
                 out = msgspec.structs.replace(out, finish_reason=reason)
             outs.append(out)
         return outs
+
+    def on_prompt_scores(self, done: StepDone, scored: list[tuple[Req, int, int]]) -> None:
+        """Forward.prompt's rows: (req, start, n) scored prompt tokens start + 1 .. start + n."""
+        lps = unpack_f32(done.prompt_logprobs or b"")
+        k = done.prompt_top_k
+        ids, tops = unpack_ids(done.prompt_top_ids or b""), unpack_f32(done.prompt_top_logprobs or b"")
+        if len(lps) != sum(n for _, _, n in scored) or len(ids) != len(tops) or len(ids) != len(lps) * k:
+            raise RuntimeError(f"step {done.seq}: {len(lps)} prompt logprobs for {sum(n for _, _, n in scored)} tokens")
+        off = 0
+        for req, start, n in scored:
+            if req.status != Status.FINISHED:
+                if req.prompt_scores is None:
+                    req.prompt_scores = [None] * (len(req.prompt_ids) - 1)
+                want = req.params.prompt_logprobs or 0
+                for i in range(off, off + n):
+                    top = list(zip(ids[i * k : i * k + want], tops[i * k : i * k + want], strict=True))
+                    req.prompt_scores[start + i - off] = (lps[i], top)
+            off += n
+
+    def _with_prompt(self, req: Req, out: ReqOutput) -> ReqOutput:
+        """The first output of a request that scores its prompt carries the scores."""
+        if req.params.prompt_logprobs is None or len(req.output_ids) != 1:
+            return out
+        scores = req.prompt_scores or []
+        if len(scores) != len(req.prompt_ids) - 1 or any(s is None for s in scores):
+            raise RuntimeError(f"request {req.rid} answered before its prompt was scored")
+        return msgspec.structs.replace(out, prompt_logprobs=[s[0] for s in scores if s],
+                                       prompt_top_logprobs=[s[1] for s in scores if s] if req.params.prompt_logprobs
+                                       else None)
 
     def _on_verified(self, done: SpecDone, reqs: list[Req], drafts: list[int]) -> list[ReqOutput]:
         """A verify step: each request answered accepted + 1 tokens. Its KV is trimmed to

@@ -52,6 +52,14 @@ class Req:
     full_streak: int = 0  # its last verify rows in a row that accepted every draft
     ngram: Any = None  # NGRAM: its tokens' n-gram index (engine/sched/spec.py NgramIndex), made on first use
     finish_reason: str | None = None
+    # prompt_logprobs: entry i scores prompt token i + 1 as (logprob, top alternatives), by position
+    # (a re-prefill after a retraction overwrites); sent whole with the first output
+    prompt_scores: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill rows must score the prompt (not yet answered: after that a re-prefill need not)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def all_ids(self) -> list[int]:

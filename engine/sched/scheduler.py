@@ -29,7 +29,7 @@ from msgs.codec import pack_ids
 from msgs.done import Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
 from msgs.outputs import ReqOutput
 from msgs.requests import TokenizedRequest
-from msgs.steps import DigestCheck, Drafts, Flush, Forward, Step
+from msgs.steps import DigestCheck, Drafts, Flush, Forward, PromptRows, Step
 
 __all__ = ["DigestMismatch", "SchedConfig", "SchedulerCore"]
 
@@ -47,6 +47,7 @@ class SchedulerCore:
         self.sampled_by_step: dict[int, list[Req]] = {}  # seq -> requests that sample in it
         # seq -> drafts of each sampled row of a verify step (-1: a row that is not a verify row)
         self.drafts_by_step: dict[int, list[int]] = {}
+        self.scored_by_step: dict[int, list[tuple[Req, int, int]]] = {}  # seq -> (req, start, tokens scored)
         self.done_ranks: dict[int, int] = {}  # seq -> ranks that finished it
 
     # the shared state, read-only from outside
@@ -131,6 +132,9 @@ class SchedulerCore:
             if s.tiers is not None:  # the cache controller reports this step's digest too
                 s.tiers.expect(self.seq, digest)
         self.sampled_by_step[self.seq] = [r.req for r in rows if r.sample]
+        scored = [(r.req, r.start, len(r.ids) - r.sample) for r in rows if _scores(r)]
+        if scored:
+            self.scored_by_step[self.seq] = scored
         if step.forward is not None and step.forward.drafts is not None:  # a verify step: drafts per sampled row
             self.drafts_by_step[self.seq] = [r.drafts if r.verify else -1 for r in rows if r.sample]  # -1: not verify
         self.done_ranks[self.seq] = 0
@@ -166,6 +170,9 @@ class SchedulerCore:
             self.digests.forget_done(done.seq)
         if done.rank != 0:
             return []
+        scored = self.scored_by_step.pop(done.seq, None)
+        if scored:
+            self.outputs.on_prompt_scores(done, scored)
         return self.outputs.on_tokens(done, self.sampled_by_step.pop(done.seq), self.drafts_by_step.pop(done.seq, None))
 
     def on_committed(self, obj: int) -> None:
@@ -214,6 +221,12 @@ class SchedulerCore:
         )
 
 
+def _scores(row: Row) -> bool:
+    """A prefill row of a request that scores its prompt (its first decode row, planned before
+    the first token is known, is not one)."""
+    return row.req.scores_prompt and row.start < len(row.req.prompt_ids)
+
+
 def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
     ids: list[int] = []
     for r in rows:
@@ -226,6 +239,13 @@ def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
             parents = pack_ids(p for r in rows for p in (r.parents or range(-1, r.drafts - 1)))
         drafts = Drafts(num_drafts=pack_ids(r.drafts for r in rows), on_worker=spec_algorithm != "NGRAM",
                         chained=chained, parents=parents)
+    scored = [i for i, r in enumerate(rows) if _scores(r)]
+    prompt = None
+    if scored:  # the token after each scored row's chunk, when the prompt goes on
+        nxt = [rows[i].req.prompt_ids[e] if (e := rows[i].start + len(rows[i].ids)) < len(rows[i].req.prompt_ids)
+               else -1 for i in scored]
+        top = max(rows[i].req.params.prompt_logprobs or 0 for i in scored)
+        prompt = PromptRows(rows=pack_ids(scored), next_ids=pack_ids(nxt), top_k=top)
     return Forward(
         slots=pack_ids(r.req.slot for r in rows),  # type: ignore[misc]
         input_ids=pack_ids(ids),
@@ -233,4 +253,5 @@ def _forward(rows: list[Row], spec_algorithm: str = "") -> Forward:
         extend_lens=pack_ids(len(r.ids) for r in rows),
         sample=pack_ids(int(r.sample) for r in rows),
         drafts=drafts,
+        prompt=prompt,
     )

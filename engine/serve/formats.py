@@ -197,6 +197,22 @@ def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, fini
     return meta
 
 
+def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> dict[str, Any] | None:
+    """Legacy completions' logprobs with `echo`: the prompt's tokens first (the first token has
+    no logprob), then the completion's; c is a generate.Choice whose prompt was scored."""
+    if c.logprobs is None or c.prompt_logprobs is None:
+        return None
+    head, off = completion_logprobs(tok, prompt[:1], [0.0], None)
+    rest, off = completion_logprobs(tok, prompt[1:], c.prompt_logprobs, c.prompt_top_logprobs, off)
+    out, _ = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, off)
+    assert head is not None and rest is not None and out is not None
+    body = {k: head[k] + rest[k] + out[k] for k in ("tokens", "text_offset")}
+    body["token_logprobs"] = [None] + rest["token_logprobs"] + out["token_logprobs"]
+    tops = (rest["top_logprobs"], out["top_logprobs"])
+    body["top_logprobs"] = [None] + tops[0] + tops[1] if tops[0] is not None and tops[1] is not None else None
+    return body
+
+
 def native_logprobs(
     meta: dict[str, Any], ids: list[int], logprobs: list[float] | None, tops: list[list[tuple[int, float]]] | None
 ) -> None:
@@ -205,3 +221,14 @@ def native_logprobs(
         meta["output_token_logprobs"] = [[_lp(v), t, None] for v, t in zip(logprobs, ids, strict=False)]
     if tops is not None:
         meta["output_top_logprobs"] = [[[_lp(v), t, None] for t, v in alts] for alts in tops]
+
+
+def native_input_logprobs(meta: dict[str, Any], prompt: list[int], logprobs: list[float] | None,
+                          tops: list[list[tuple[int, float]]] | None) -> None:
+    """SGLang's input_token_logprobs (the first token's logprob null) and input_top_logprobs."""
+    if logprobs is None:
+        return
+    meta["input_token_logprobs"] = [[None, prompt[0], None]] + [
+        [_lp(v), t, None] for v, t in zip(logprobs, prompt[1:], strict=True)]
+    if tops is not None:
+        meta["input_top_logprobs"] = [None] + [[[_lp(v), t, None] for t, v in alts] for alts in tops]

@@ -43,6 +43,8 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec: tuple[int, int, int] | None = None  # speculative decoding: verify rows, drafts, accepted
+    prompt_logprobs: list[float] | None = None  # prompt tokens 1.. (with the first output)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec: tuple[int, int, int] | None = None  # speculative decoding: verify rows, drafts, accepted
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 _DONE = object()
@@ -169,6 +173,8 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
                     completion_tokens=produced,
                     cached_tokens=cached,
                     spec=spec,
+                    prompt_logprobs=out.prompt_logprobs,
+                    prompt_top_logprobs=out.prompt_top_logprobs,
                 )
             if finish:
                 return
@@ -219,4 +225,6 @@ async def collect(gen: Generation) -> list[Choice]:
         c.prompt_tokens, c.completion_tokens = delta.prompt_tokens, delta.completion_tokens
         c.cached_tokens = delta.cached_tokens
         c.spec = delta.spec or c.spec
+        if delta.prompt_logprobs is not None:
+            c.prompt_logprobs, c.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
     return [choices[i] for i in sorted(choices)]

@@ -21,6 +21,7 @@ from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Limits,
+    check_engine_support,
     check_ids,
     check_length,
     check_model,
@@ -82,6 +83,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")
+    check_engine_support(params, state.cfg)
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
     reasoning = _reasoning(state, prompt, req.chat_template_kwargs)
@@ -211,10 +213,13 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
     kw = openai_params(req)
+    if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
+        kw["prompt_logprobs"] = req.logprobs
     limits = await state.limits()
     prompts = completion_prompts(req.prompt, state.tok)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [_params_for(ids, kw, req.max_tokens, default, limits, state.tok, "prompt") for ids in prompts]
+    check_engine_support(params[0], state.cfg)
     params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]
     subs = fan_out(rid, prompts, params, req.n)
     log.info(
@@ -236,10 +241,23 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     out = []
     for c in choices:
         lp = fmt.completion_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs)[0] if want_lp else None
-        out.append(fmt.completion_choice(c.index, c.text, c.finish_reason, lp))
+        text = c.text
+        if req.echo:  # the prompt as given (a string) or decoded (ids), then the completion
+            text = _prompt_text(req.prompt, c.prompt_index, prompts[c.prompt_index], state.tok) + text
+            lp = fmt.echo_logprobs(state.tok, prompts[c.prompt_index], c) if want_lp else None
+        out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp))
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                                      for c in choices), (c.spec for c in choices))
     return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
+
+
+def _prompt_text(prompt: str | list[Any], i: int, ids: list[int], tok: TextTokenizer | None) -> str:
+    """Prompt i of a completions body as echo returns it: as given when text, else decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt[i], str):
+        return prompt[i]
+    return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
 
 
 def _completion_stream(

@@ -112,4 +112,5 @@ def _chunk(rid: str, d: Delta | Choice) -> GenerateChunk:
         completion_tokens=d.completion_tokens,
         cached_tokens=d.cached_tokens,
         logprobs=d.logprobs,
+        prompt_logprobs=d.prompt_logprobs,
     )

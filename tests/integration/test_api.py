@@ -211,6 +211,34 @@ def test_tokenize_and_detokenize_agree_with_generation(client: openai.OpenAI, se
         assert r.status_code == status and "error" in r.json(), (path, body, r.text)
 
 
+def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server: Server) -> None:
+    """lm-evaluation-harness's loglikelihood request (completions, token ids, echo, logprobs 1,
+    max_tokens 1): the prompt's tokens with logprobs (the first null), then the completion's;
+    the same scores as /generate's SGLang-style input_token_logprobs."""
+    ids = [504, 3575, 282, 4649, 314, 3575, 282]
+    r = httpx.post(f"{server.http}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert choice["text"].startswith("".join(lp["tokens"][: len(ids)]))
+    native = httpx.post(f"{server.http}/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "prompt_logprobs": 2}}).json()
+    scores = native["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in scores] == ids and scores[0][0] is None
+    assert [round(v, 4) for v, _, _ in scores[1:]] == [round(v, 4) for v in lp["token_logprobs"][1 : len(ids)]]
+    assert len(native["meta_info"]["input_top_logprobs"][1]) == 2
+    bad = httpx.post(f"{server.http}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "x", "echo": True,
+                                                                        "stream": True})
+    assert bad.status_code == 400 and "echo" in bad.text, bad.text
+    bad = httpx.post(f"{server.http}/generate", timeout=60, json={"input_ids": ids,
+                                                                  "sampling_params": {"prompt_logprobs": 21}})
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.text, bad.text
+
+
 def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the answer continues the assistant's open message."""
     messages = [{"role": "user", "content": "What is the capital of France?"},

@@ -23,7 +23,12 @@ def test_sdk_generate_and_stream(server: Server) -> None:
 def test_sdk_token_ids_and_errors(server: Server) -> None:
     with Client(server.sdk) as c:
         out = c.generate([504, 3575, 282, 4649, 314], max_new_tokens=4, temperature=0)
-        assert len(out.token_ids) == 4
+        assert len(out.token_ids) == 4 and out.prompt_logprobs is None
+        scored = c.generate([504, 3575, 282, 4649, 314], max_new_tokens=4, temperature=0, prompt_logprobs=0)
+        assert scored.token_ids == out.token_ids and len(scored.prompt_logprobs) == 4
+        assert all(x <= 0 for x in scored.prompt_logprobs)
+        first = next(iter(c.stream([504, 3575, 282, 4649, 314], max_new_tokens=2, prompt_logprobs=0)))
+        assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == 4
         with pytest.raises(StrataError) as err:
             c.generate("hi", max_new_tokens=4, temperature=-1)
         assert 400 <= err.value.status < 500

@@ -1,0 +1,59 @@
+"""prompt_logprobs (vLLM's; completions' echo + logprobs): every prompt token's logprob under the
+model, against transformers on the same weights in float32, through chunked prefill (scored
+chunks beside unscored requests in one step), behind a prompt already in the prefix cache
+(a scored prompt is prefilled whole), with the first output token unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine.config import ServerConfig
+from engine.local import LocalEngine
+from msgs.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=255, bos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def _hf_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_prompt_logprobs_equal_transformers_through_chunks_and_the_cache(tiny: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, 250, (45,), generator=g).tolist()
+    other = torch.randint(2, 250, (30,), generator=g).tolist()
+    eng = LocalEngine(ServerConfig(model=str(tiny), dtype="float32", page_size=4, max_prefill_tokens=16,
+                                   max_total_tokens=1024))
+    plain = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    first = eng.generate([prompt], plain)[0]  # the prompt now sits in the prefix cache
+    scored = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    res, beside = eng.generate([prompt, other], [scored, plain])  # 16-token chunks, mixed rows
+    ref = _hf_logprobs(tiny, prompt)
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    assert res.cached_tokens == 0 and res.prompt_logprobs is not None and len(res.prompt_logprobs) == 44
+    torch.testing.assert_close(torch.tensor(res.prompt_logprobs), want, atol=1e-4, rtol=1e-4)
+    assert res.prompt_top_logprobs is not None and all(len(t) == 3 for t in res.prompt_top_logprobs)
+    top_v, top_i = ref[:-1].topk(3, dim=-1)
+    assert [[t for t, _ in row] for row in res.prompt_top_logprobs] == top_i.tolist()
+    torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in res.prompt_top_logprobs]), top_v,
+                               atol=1e-4, rtol=1e-4)
+    assert res.output_ids == first.output_ids and beside.prompt_logprobs is None
+    only = eng.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    assert only.prompt_top_logprobs is None and only.prompt_logprobs is not None
+    torch.testing.assert_close(torch.tensor(only.prompt_logprobs), want, atol=1e-4, rtol=1e-4)
+    assert eng.core.leak_free()
