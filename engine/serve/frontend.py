@@ -146,6 +146,8 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
         logprobs=lps,
         top_logprobs=tops,
         spec=next((o.spec for o in reversed(outs) if o.spec is not None), None),  # cumulative: the latest
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),  # (the first's)
+        prompt_top_logprobs=next((o.prompt_top_logprobs for o in outs if o.prompt_top_logprobs is not None), None),
     )
 
 

@@ -104,13 +104,15 @@ def test_parent_and_sub_rids_are_all_taken() -> None:
 def test_merge_outputs_keeps_logprobs_aligned() -> None:
     merged = merge_outputs(
         [
-            ReqOutput("a", [1], logprobs=[-0.1], top_logprobs=[[(1, -0.1)]], cached_tokens=4),
+            ReqOutput("a", [1], logprobs=[-0.1], top_logprobs=[[(1, -0.1)]], cached_tokens=4,
+                      prompt_logprobs=[-1.5], prompt_top_logprobs=[[(7, -0.5)]]),
             ReqOutput("a", [2, 3], "stop", logprobs=[-0.2, -0.3], top_logprobs=[[(2, -0.2)], [(3, -0.3)]]),
         ]
     )
     assert merged.new_ids == [1, 2, 3] and merged.finish_reason == "stop"
     assert merged.logprobs == [-0.1, -0.2, -0.3] and len(merged.top_logprobs or []) == 3
     assert merged.cached_tokens == 4
+    assert merged.prompt_logprobs == [-1.5] and merged.prompt_top_logprobs == [[(7, -0.5)]]  # the first output's
 
 
 def test_stop_string_finishes_and_aborts(text_tok) -> None:
