@@ -13,6 +13,9 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BIAS = 100.0  # |bias| per token (OpenAI's range)
+# prompt tokens a step of a request that scores its prompt (prompt_logprobs): the worker holds that
+# chunk's logits as [n, vocab] float32 and their log_softmax (512 x 152k: 2 x 311 MB)
+PROMPT_SCORE_CHUNK = 512
 MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf text; a bigger spec is a 400, not a slow compile
 
 

@@ -21,6 +21,7 @@ import torch
 from engine.config import ServerConfig
 from models.config import ModelConfig
 from models.registry import kv_layout
+from msgs.params import PROMPT_SCORE_CHUNK
 
 CPU_POOL_RAM_FRACTION = 1 / 16  # of total RAM: 1.5 GiB (34k tokens of SmolLM2-135M) on a 24 GiB machine
 
@@ -133,8 +134,9 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     if moe is not None:  # the MoE torch path's [T * top_k, hidden] gathered inputs and outputs, gate_up rows
         per_token += moe.top_k * (3 * mcfg.hidden_size + 3 * moe.intermediate_size)
     activations = 2 * tokens * per_token * elem  # x2: allocator slack, live tensors across a layer
-    # float32 logits plus the sampler's int64 [B, V] noise temporaries (a few alive at once)
-    logits = cfg.max_running_requests * mcfg.vocab_size * (4 + 4 * 8)
+    # float32 logits plus the sampler's int64 [B, V] noise temporaries (a few alive at once), or a
+    # scored prompt chunk's float32 logits and their log_softmax (engine/run/prompt_scores.py)
+    logits = max(cfg.max_running_requests * (4 + 4 * 8), PROMPT_SCORE_CHUNK * 2 * 4) * mcfg.vocab_size
     workspace = 256 << 20  # flashinfer float workspace; plus int workspaces of the graph wrappers
     graphs = 0 if cfg.disable_cuda_graph else (16 << 20) * 24 + cfg.decode_graph_rows * mcfg.vocab_size * 4
     return activations + logits + workspace + graphs + _split_scratch_bytes(cfg, mcfg) + (256 << 20)  # + cuBLAS etc.

@@ -13,7 +13,7 @@ from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.request import Req, Status
 from engine.sched.state import RequestKV, SchedState
 from msgs.codec import pack_ids, unpack_ids
-from msgs.params import Grammar
+from msgs.params import PROMPT_SCORE_CHUNK, Grammar
 from msgs.requests import TokenizedRequest
 from msgs.steps import AddReq, ExtendPages, Op, WorkerSampling
 
@@ -148,11 +148,6 @@ class Admission:
             req.inflight += 1
         self.kv.publish(req, req.kv_len)
         return n
-
-
-# prompt tokens a step of a request that scores its prompt (its chunk's logits are [n, vocab]
-# float32 on the worker: 512 x 152k = 311 MB)
-PROMPT_SCORE_CHUNK = 512
 
 
 def worker_sampling(req: Req, eos_ids: Sequence[int]) -> WorkerSampling:

@@ -57,3 +57,19 @@ def test_prompt_logprobs_equal_transformers_through_chunks_and_the_cache(tiny: P
     assert only.prompt_top_logprobs is None and only.prompt_logprobs is not None
     torch.testing.assert_close(torch.tensor(only.prompt_logprobs), want, atol=1e-4, rtol=1e-4)
     assert eng.core.leak_free()
+
+
+def test_scores_survive_a_pool_too_small_for_the_batch(tiny: Path) -> None:
+    """Scored prompts under memory pressure: requests are retracted and re-prefilled (a scored
+    one overwrites what it filed); every prompt's scores still equal transformers', no leak."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (45, 38, 41, 30)]
+    eng = LocalEngine(ServerConfig(model=str(tiny), dtype="float32", page_size=4, max_prefill_tokens=32,
+                                   max_total_tokens=48 * 4))
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=0))
+    assert eng.core.retractions > 0 and eng.core.leak_free()
+    for ids, res in zip(prompts, got, strict=True):
+        ref = _hf_logprobs(tiny, ids)
+        want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+        assert res.prompt_logprobs is not None and len(res.output_ids) == 24
+        torch.testing.assert_close(torch.tensor(res.prompt_logprobs), want, atol=1e-4, rtol=1e-4)
