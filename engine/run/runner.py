@@ -255,7 +255,9 @@ class ModelRunner:
             if fwd.prompt is not None:  # rows scoring their prompt: every token's logits (prompt_scores.py)
                 scored = unpack_ids(fwd.prompt.rows)
                 rows = prompt_scores.split(ids, lens, sample, scored, unpack_ids(fwd.prompt.next_ids))
-                every = [i in set(scored) for i in range(len(lens))]
+                every = [False] * len(lens)
+                for i in scored:
+                    every[i] = True
             batch = ForwardBatch.build(input_ids, starts, lens, tables, sample, self.page_size, self.device, every)
             self.backend.prepare(batch)
             logits = self.model(batch, self.kv, self.backend)
