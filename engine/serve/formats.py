@@ -213,6 +213,24 @@ def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> dict[
     return body
 
 
+def vllm_prompt_logprobs(tok: TextTokenizer | None, prompt: list[int], logprobs: list[float] | None,
+                         tops: list[list[tuple[int, float]]] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: null for the first token, then per token {id: {logprob, rank,
+    decoded_token}} for the prompt's token and its top alternatives (rank 1..k; the prompt
+    token's rank is null unless it is among them)."""
+    if logprobs is None:
+        return None
+    out: list[dict[str, Any] | None] = [None]
+    for i, (t, v) in enumerate(zip(prompt[1:], logprobs, strict=True)):
+        alts = tops[i] if tops is not None else []
+        rank = next((r + 1 for r, (a, _) in enumerate(alts) if a == t), None)
+        entry = {str(t): {"logprob": _lp(v), "rank": rank, "decoded_token": token_text(tok, t)}}
+        for r, (a, av) in enumerate(alts):
+            entry.setdefault(str(a), {"logprob": _lp(av), "rank": r + 1, "decoded_token": token_text(tok, a)})
+        out.append(entry)
+    return out
+
+
 def native_logprobs(
     meta: dict[str, Any], ids: list[int], logprobs: list[float] | None, tops: list[list[tuple[int, float]]] | None
 ) -> None:

@@ -107,7 +107,10 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp))
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                                      for c in choices), (c.spec for c in choices))
-    return Reply(body=fmt.chat_completion(rid, state.model_name, created, out, use))
+    body = fmt.chat_completion(rid, state.model_name, created, out, use)
+    if req.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
+        body["prompt_logprobs"] = _vllm_scores(state, ids, choices[0], req.prompt_logprobs)
+    return Reply(body=body)
 
 
 def _reasoning(state: ServeState, prompt: str, template_kwargs: dict[str, Any] | None) -> Reasoning | None:
@@ -214,7 +217,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     check_unsupported(req)
     kw = openai_params(req)
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
-        kw["prompt_logprobs"] = req.logprobs
+        kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()
     prompts = completion_prompts(req.prompt, state.tok)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -246,9 +249,16 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
             text = _prompt_text(req.prompt, c.prompt_index, prompts[c.prompt_index], state.tok) + text
             lp = fmt.echo_logprobs(state.tok, prompts[c.prompt_index], c) if want_lp else None
         out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp))
+        if req.prompt_logprobs is not None:
+            out[-1]["prompt_logprobs"] = _vllm_scores(state, prompts[c.prompt_index], c, req.prompt_logprobs)
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                                      for c in choices), (c.spec for c in choices))
     return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
+
+
+def _vllm_scores(state: ServeState, prompt: list[int], c: Choice, k: int) -> list[dict[str, Any] | None] | None:
+    tops = [alts[:k] for alts in c.prompt_top_logprobs] if c.prompt_top_logprobs is not None and k else None
+    return fmt.vllm_prompt_logprobs(state.tok, prompt, c.prompt_logprobs, tops)
 
 
 def _prompt_text(prompt: str | list[Any], i: int, ids: list[int], tok: TextTokenizer | None) -> str:

@@ -67,6 +67,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     # Extensions (vLLM / SGLang names).
     min_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: not with stream
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -163,6 +164,8 @@ def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject OpenAI features this server does not implement, when asked for for real."""
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:  # (as vLLM)
+        raise ApiError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
     if isinstance(req, CompletionRequest):
         _check_completion_extras(req)
     else:

@@ -135,6 +135,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         _set(kw, name, getattr(req, name))
     _set(kw, "min_new_tokens", req.min_tokens)
+    _set(kw, "prompt_logprobs", req.prompt_logprobs)
     _set(kw, "presence_penalty", req.presence_penalty)
     _set(kw, "frequency_penalty", req.frequency_penalty)
     _set(kw, "regex", req.regex)

@@ -239,6 +239,28 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server: Server) -> None:
     assert bad.status_code == 400 and "prompt_logprobs" in bad.text, bad.text
 
 
+def test_vllm_prompt_logprobs_on_chat_and_completions(client: openai.OpenAI, server: Server) -> None:
+    """vLLM's prompt_logprobs: null, then per prompt token {id: {logprob, rank, decoded_token}}
+    with its top alternatives; the chat prompt's scores are /generate's for the same ids."""
+    messages = [{"role": "user", "content": "What is the capital of Japan?"}]
+    r = httpx.post(f"{server.http}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}).json()
+    ids = httpx.post(f"{server.http}/tokenize", timeout=60, json={"messages": messages}).json()["tokens"]
+    scores = r["prompt_logprobs"]
+    assert len(scores) == len(ids) == r["usage"]["prompt_tokens"] and scores[0] is None
+    native = httpx.post(f"{server.http}/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "prompt_logprobs": 2}}).json()
+    for entry, (v, t, _), top in zip(scores[1:], native["meta_info"]["input_token_logprobs"][1:],
+                                     native["meta_info"]["input_top_logprobs"][1:], strict=True):
+        assert round(entry[str(t)]["logprob"], 4) == round(v, 4)
+        assert [entry[str(a)]["rank"] for _, a, _ in top] == [1, 2] and len(entry) in (2, 3)
+    comp = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 0})
+    assert [list(e) for e in comp.choices[0].prompt_logprobs[1:]] == [[str(t)] for t in ids[1:]]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt="x", stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the answer continues the assistant's open message."""
     messages = [{"role": "user", "content": "What is the capital of France?"},
