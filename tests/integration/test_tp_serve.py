@@ -31,15 +31,17 @@ def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv.proc.wait()
 
 
-def _reference(default_model_dir: Path) -> list[list[int]]:
-    """tp=1 greedy tokens of the same prompts, in this process."""
+def _reference(default_model_dir: Path) -> tuple[list[list[int]], list[float]]:
+    """tp=1 greedy tokens of the same prompts, and the chunked prompt's logprobs, in this process."""
     from engine.config import ServerConfig
     from engine.local import LocalEngine
     from msgs.params import SamplingParams
 
     eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-    return [r.output_ids for r in res]
+    scored = eng.generate(PROMPTS[1:], SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    assert scored.prompt_logprobs is not None
+    return [r.output_ids for r in res], scored.prompt_logprobs
 
 
 def test_tp2_serves_tp1_tokens(tp_server: Server, default_model_dir: Path) -> None:
@@ -55,8 +57,13 @@ def test_tp2_serves_tp1_tokens(tp_server: Server, default_model_dir: Path) -> No
             "input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
         assert r.status_code == 200, r.text
         got.append(r.json()["output_ids"])
-    want = _reference(default_model_dir)
+    scored = httpx.post(f"{tp_server.http}/generate", timeout=120, json={  # prompt_logprobs at tp=2, chunked
+        "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 1, "temperature": 0, "prompt_logprobs": 0}})
+    assert scored.status_code == 200, scored.text
+    want, want_scores = _reference(default_model_dir)
     assert got == want * 2
+    tp_scores = [v for v, _, _ in scored.json()["meta_info"]["input_token_logprobs"][1:]]
+    assert max(abs(a - b) for a, b in zip(tp_scores, want_scores, strict=True)) < 1e-4
     assert tp_server.wait_idle()["strata_kv_leak_free"] == 1
 
 
