@@ -197,20 +197,21 @@ def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, fini
     return meta
 
 
-def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> dict[str, Any] | None:
+def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> tuple[dict[str, Any] | None, int]:
     """Legacy completions' logprobs with `echo`: the prompt's tokens first (the first token has
-    no logprob), then the completion's; c is a generate.Choice whose prompt was scored."""
+    no logprob), then the completion's; c is a generate.Choice (or the first Delta) whose prompt
+    was scored. Returns it and the text offset after it."""
     if c.logprobs is None or c.prompt_logprobs is None:
-        return None
+        return None, 0
     head, off = completion_logprobs(tok, prompt[:1], [0.0], None)
     rest, off = completion_logprobs(tok, prompt[1:], c.prompt_logprobs, c.prompt_top_logprobs, off)
-    out, _ = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, off)
+    out, off = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, off)
     assert head is not None and rest is not None and out is not None
     body = {k: head[k] + rest[k] + out[k] for k in ("tokens", "text_offset")}
     body["token_logprobs"] = [None] + rest["token_logprobs"] + out["token_logprobs"]
     tops = (rest["top_logprobs"], out["top_logprobs"])
     body["top_logprobs"] = [None] + tops[0] + tops[1] if tops[0] is not None and tops[1] is not None else None
-    return body
+    return body, off
 
 
 def vllm_prompt_logprobs(tok: TextTokenizer | None, prompt: list[int], logprobs: list[float] | None,

@@ -238,7 +238,9 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     want_lp = req.logprobs is not None
     if req.stream:
         deltas = await first_then_rest(gen)
-        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req))
+        echo = [(_prompt_text(req.prompt, i, ids, state.tok), ids) for i, ids in enumerate(prompts)]
+        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req),
+                                    echo if req.echo else None)
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
     out = []
@@ -247,7 +249,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         text = c.text
         if req.echo:  # the prompt as given (a string) or decoded (ids), then the completion
             text = _prompt_text(req.prompt, c.prompt_index, prompts[c.prompt_index], state.tok) + text
-            lp = fmt.echo_logprobs(state.tok, prompts[c.prompt_index], c) if want_lp else None
+            lp = fmt.echo_logprobs(state.tok, prompts[c.prompt_index], c)[0] if want_lp else None
         out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp))
         if req.prompt_logprobs is not None:
             out[-1]["prompt_logprobs"] = _vllm_scores(state, prompts[c.prompt_index], c, req.prompt_logprobs)
@@ -278,9 +280,13 @@ def _completion_stream(
     created: int,
     logprobs: bool,
     include_usage: bool,
+    echo: list[tuple[str, list[int]]] | None = None,
 ) -> AsyncIterator[bytes]:
+    """echo: each prompt's text and ids, sent (with their logprobs) before its choices' first text."""
     model, tok = state.model_name, state.tok
     offsets: dict[int, int] = {}
+    prompt_of = {s.index: s.prompt_index for s in gen.subs}
+    echoed: set[int] = set()
 
     def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None) -> bytes:
         body = fmt.completion(rid, model, created, choices, use)
@@ -290,6 +296,12 @@ def _completion_stream(
 
     def choice_of(d: Delta) -> dict[str, Any] | None:
         lp = None
+        if echo is not None and d.index not in echoed:  # the first delta: the prompt first
+            echoed.add(d.index)
+            text, ids = echo[prompt_of[d.index]]
+            if logprobs:
+                lp, offsets[d.index] = fmt.echo_logprobs(tok, ids, d)
+            return fmt.completion_choice(d.index, text + d.text, d.finish_reason, lp)
         if logprobs:
             lp, offsets[d.index] = fmt.completion_logprobs(
                 tok, d.token_ids, d.logprobs, d.top_logprobs, offsets.get(d.index, 0)

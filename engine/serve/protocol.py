@@ -173,8 +173,6 @@ def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _check_completion_extras(req: CompletionRequest) -> None:
-    if req.echo and req.stream:
-        raise ApiError(400, "echo is not supported with stream", param="echo")
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -231,9 +231,15 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server: Server) -> None:
     assert [t for _, t, _ in scores] == ids and scores[0][0] is None
     assert [round(v, 4) for v, _, _ in scores[1:]] == [round(v, 4) for v in lp["token_logprobs"][1 : len(ids)]]
     assert len(native["meta_info"]["input_top_logprobs"][1]) == 2
-    bad = httpx.post(f"{server.http}/v1/completions", timeout=60, json={"model": MODEL, "prompt": "x", "echo": True,
-                                                                        "stream": True})
-    assert bad.status_code == 400 and "echo" in bad.text, bad.text
+    chunks = [json.loads(line[6:]) for line in httpx.post(f"{server.http}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [ids], "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True,
+        "stream": True}).text.splitlines() if line.startswith("data: {")]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    whole = httpx.post(f"{server.http}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [ids], "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True}).json()
+    assert "".join(c["text"] for c in streamed) == whole["choices"][0]["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):  # the prompt's part arrives first, then each token's
+        assert [x for c in streamed for x in c["logprobs"][key]] == whole["choices"][0]["logprobs"][key], key
     bad = httpx.post(f"{server.http}/generate", timeout=60, json={"input_ids": ids,
                                                                   "sampling_params": {"prompt_logprobs": 21}})
     assert bad.status_code == 400 and "prompt_logprobs" in bad.text, bad.text

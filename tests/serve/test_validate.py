@@ -152,7 +152,8 @@ def test_harmless_unimplemented_fields_pass() -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [('"echo": true, "stream": true', "echo"), ('"suffix": "s"', "suffix"), ('"best_of": 3', "best_of")],
+    [('"prompt_logprobs": 1, "stream": true', "prompt_logprobs"), ('"suffix": "s"', "suffix"),
+     ('"best_of": 3', "best_of")],
 )
 def test_unsupported_completion_features_are_400(extra: str, param: str) -> None:
     req = decode_body(b'{"prompt": "x", ' + extra.encode() + b"}", CompletionRequest)
