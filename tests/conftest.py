@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 # Triton's interpreter runs tl.dot as numpy's matmul, and OpenBLAS's Haswell / Zen float32
@@ -29,6 +30,13 @@ def _pin_xdist_worker() -> None:
 import pytest  # noqa: E402 - after OPENBLAS_CORETYPE (pytest does not import numpy)
 
 _pin_xdist_worker()
+
+# Without a GPU every triton kernel a test runs is interpreted; triton decides at @triton.jit time,
+# so the switch must be on before any test module imports a kernel module (several set it at their
+# import, and a subset of the suite collected in another order imported the kernels before them:
+# "Cannot call @triton.jit'd outside of the scope of a kernel"). The GPU machine leaves it off.
+if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
