@@ -31,7 +31,7 @@ from engine.serve.errors import ApiError, api_error_body, error_body
 from engine.serve.native import generate_http
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
-from engine.serve.tokenize_api import detokenize, tokenize
+from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
 from engine.serve.validate import check_rid
 
 log = structlog.get_logger()
@@ -166,6 +166,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/generate", api_route(state, generate_http), methods=["POST"]),
         Route("/tokenize", api_route(state, tokenize), methods=["POST"]),
         Route("/detokenize", api_route(state, detokenize), methods=["POST"]),
+        Route("/tokenizer_info", api_route(state, tokenizer_info), methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -1,4 +1,5 @@
-"""vLLM's POST /tokenize and /detokenize: the front end's tokenizer, no scheduler step.
+"""vLLM's POST /tokenize and /detokenize and GET /tokenizer_info: the front end's tokenizer, no
+scheduler step (lm-evaluation-harness's remote tokenizer uses exactly these three).
 
 /tokenize answers {"count", "max_model_len", "tokens", "token_strs"} for a `prompt` (special
 tokens added unless `add_special_tokens` is false) or chat `messages` (the chat endpoint's
@@ -31,6 +32,18 @@ async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
         ids = state.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens is not False)
     strs = state.tok.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return Reply(body={"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": strs})
+
+
+async def tokenizer_info(state: ServeState, body: bytes, call: Call) -> Reply:
+    """The tokenizer's special tokens, chat template and class (vLLM's /tokenizer_info)."""
+    if state.tok is None:
+        raise ApiError(400, f"tokenizer_info is not available: {IDS_ONLY}")
+    hf = state.tok.hf
+    names = ("eos_token", "bos_token", "pad_token", "unk_token")
+    info = {name: getattr(hf, name, None) for name in names}
+    info.update(tokenizer_class=type(hf).__name__, chat_template=state.tok.chat_template,
+                model_max_length=(await state.limits()).max_context)
+    return Reply(body={k: v if v is None or isinstance(v, int | str) else str(v) for k, v in info.items()})
 
 
 async def detokenize(state: ServeState, body: bytes, call: Call) -> Reply:

@@ -203,6 +203,10 @@ def test_tokenize_and_detokenize_agree_with_generation(client: openai.OpenAI, se
     gen = post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}}).json()
     assert gen["meta_info"]["prompt_tokens"] == ids["count"]
     assert post("/detokenize", {"tokens": ids["tokens"]}).json() == {"prompt": text}
+    info = httpx.get(f"{server.http}/tokenizer_info", timeout=60).json()  # lm-eval's remote tokenizer check
+    assert info["eos_token"] and info["chat_template"] and info["model_max_length"] == tok["max_model_len"]
+    eos = post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1 and post("/detokenize", {"tokens": eos}).json()["prompt"] == info["eos_token"]
     for path, body, status in (("/tokenize", {}, 400), ("/tokenize", {"prompt": "a", "messages": messages}, 400),
                                ("/tokenize", {"prompt": "a", "bogus": 1}, 400), ("/detokenize", {"tokens": [-1]}, 400),
                                ("/detokenize", {"tokens": [10**9]}, 400), ("/detokenize", {"tokens": "ab"}, 400),
