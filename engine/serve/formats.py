@@ -233,21 +233,27 @@ def vllm_prompt_logprobs(tok: TextTokenizer | None, prompt: list[int], logprobs:
 
 
 def native_logprobs(
-    meta: dict[str, Any], ids: list[int], logprobs: list[float] | None, tops: list[list[tuple[int, float]]] | None
+    meta: dict[str, Any], ids: list[int], logprobs: list[float] | None, tops: list[list[tuple[int, float]]] | None,
+    tok: TextTokenizer | None = None,
 ) -> None:
-    """SGLang's shape: [[logprob, token_id, null], ...] and per-token lists of those."""
+    """SGLang's shape: [[logprob, token_id, null], ...] and per-token lists of those (with `tok`,
+    SGLang's return_text_in_logprobs: the token's text instead of null)."""
+    def entry(v: float | None, t: int) -> list[Any]:
+        return [None if v is None else _lp(v), t, token_text(tok, t) if tok is not None else None]
+
     if logprobs is not None:
-        meta["output_token_logprobs"] = [[_lp(v), t, None] for v, t in zip(logprobs, ids, strict=False)]
+        meta["output_token_logprobs"] = [entry(v, t) for v, t in zip(logprobs, ids, strict=False)]
     if tops is not None:
-        meta["output_top_logprobs"] = [[[_lp(v), t, None] for t, v in alts] for alts in tops]
+        meta["output_top_logprobs"] = [[entry(v, t) for t, v in alts] for alts in tops]
 
 
-def native_input_logprobs(meta: dict[str, Any], prompt: list[int], logprobs: list[float] | None,
-                          tops: list[list[tuple[int, float]]] | None) -> None:
-    """SGLang's input_token_logprobs (the first token's logprob null) and input_top_logprobs."""
-    if logprobs is None:
-        return
-    meta["input_token_logprobs"] = [[None, prompt[0], None]] + [
-        [_lp(v), t, None] for v, t in zip(logprobs, prompt[1:], strict=True)]
+def native_input_logprobs(meta: dict[str, Any], prompt: list[int], logprobs: list[float],
+                          tops: list[list[tuple[int, float]]] | None, start: int = 0,
+                          tok: TextTokenizer | None = None) -> None:
+    """SGLang's input_token_logprobs / input_top_logprobs from prompt token `start` (the first
+    token's logprob and alternatives null); `tok` as for native_logprobs."""
+    sub: dict[str, Any] = {}
+    native_logprobs(sub, prompt, [None, *logprobs], None if tops is None else [[], *tops], tok)  # type: ignore[list-item]
+    meta["input_token_logprobs"] = sub["output_token_logprobs"][start:]
     if tops is not None:
-        meta["input_top_logprobs"] = [None] + [[[_lp(v), t, None] for t, v in alts] for alts in tops]
+        meta["input_top_logprobs"] = ([None] + sub["output_top_logprobs"][1:])[start:]

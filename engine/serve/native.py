@@ -2,23 +2,30 @@
 
 /generate answers {"text", "output_ids", "meta_info": {id, prompt_tokens,
 completion_tokens, cached_tokens, finish_reason}}. Streamed events follow SGLang: each
-carries the text and output ids so far (cumulative), then `data: [DONE]`.
+carries the text and output ids so far (cumulative), then `data: [DONE]`. A batch (`text` a
+list of strings or `input_ids` a list of id lists) answers a list of those, not streamed.
+SGLang's top-level `return_logprob`, `top_logprobs_num` and `logprob_start_len` (>= 0: the
+prompt's tokens from there, `input_token_logprobs`) set the sampling params' logprobs,
+top_logprobs and prompt_logprobs; `return_text_in_logprobs` puts each token's text third.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 
 from engine.serve import formats as fmt
-from engine.serve.errors import api_error_body
-from engine.serve.generate import Delta, Generation, GenerationFailed, collect, first_then_rest
+from engine.serve.errors import ApiError, api_error_body
+from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
 from engine.serve.grammar import constrain, service_of
 from engine.serve.protocol import GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import (
+    MAX_SUBREQUESTS,
     SubRequest,
     check_engine_support,
     check_rid,
@@ -26,6 +33,7 @@ from engine.serve.validate import (
     native_prompt,
     native_request,
 )
+from engine.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
 
 log = structlog.get_logger()
@@ -42,12 +50,55 @@ async def prepare(
     return ids, await constrain(service_of(state), params, limits.vocab_size)
 
 
-def _body(rid: str, text: str, ids: list[int], prompt: int, cached: int, finish: str | None, **lp: Any) -> dict:
-    meta = fmt.native_meta(rid, prompt, len(ids), cached, finish, lp.get("spec"))
-    fmt.native_logprobs(meta, ids, lp.get("logprobs"), lp.get("top_logprobs"))
-    if lp.get("prompt_ids"):
-        fmt.native_input_logprobs(meta, lp["prompt_ids"], lp.get("prompt_logprobs"), lp.get("prompt_top_logprobs"))
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+@dataclass(frozen=True)
+class _Shape:
+    """How a /generate body wants its logprobs shaped (SGLang's top-level fields)."""
+
+    start: int = -1  # logprob_start_len: the prompt's logprobs from this token (-1: none)
+    tok: TextTokenizer | None = None  # return_text_in_logprobs: each entry's text third
+
+    def body(self, rid: str, c: Choice, prompt: list[int]) -> dict[str, Any]:
+        meta = fmt.native_meta(rid, len(prompt), len(c.token_ids), c.cached_tokens, c.finish_reason, c.spec)
+        fmt.native_logprobs(meta, c.token_ids, c.logprobs, c.top_logprobs, self.tok)
+        if c.prompt_logprobs is not None:
+            fmt.native_input_logprobs(meta, prompt, c.prompt_logprobs, c.prompt_top_logprobs, max(self.start, 0),
+                                      self.tok)
+        return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
+
+
+def _sglang_fields(req: GenerateBody, params: SamplingParams,
+                   tok: TextTokenizer | None) -> tuple[SamplingParams, _Shape]:
+    if not req.return_logprob:
+        return params, _Shape()
+    if req.logprob_start_len < -1:
+        raise ApiError(400, "logprob_start_len must be >= -1", param="logprob_start_len")
+    k = req.top_logprobs_num
+    extra: dict[str, Any] = {"logprobs": True, "top_logprobs": k}
+    if req.logprob_start_len >= 0:
+        extra["prompt_logprobs"] = k
+    try:
+        params = msgspec.structs.replace(params, **extra)
+    except (TypeError, ValueError) as exc:  # (replace does not validate: SamplingParams.validate does, later)
+        raise ApiError(400, str(exc), param="top_logprobs_num") from None
+    return params, _Shape(req.logprob_start_len, tok if req.return_text_in_logprobs else None)
+
+
+def _batch(req: GenerateBody) -> list[tuple[str | None, list[int] | None]] | None:
+    """A batch's (text, ids) items, or None for one prompt."""
+    if isinstance(req.text, list):
+        if req.input_ids is not None:
+            raise ApiError(400, "give exactly one of text and input_ids", param="text")
+        items: list[tuple[str | None, list[int] | None]] = [(t, None) for t in req.text]
+    elif req.input_ids and isinstance(req.input_ids[0], list):
+        if req.text is not None:
+            raise ApiError(400, "give exactly one of text and input_ids", param="text")
+        items = [(None, ids) for ids in req.input_ids]
+    else:
+        return None
+    if not items or len(items) > MAX_SUBREQUESTS:
+        raise ApiError(400, f"a batch holds 1..{MAX_SUBREQUESTS} prompts",
+                       param="input_ids" if req.input_ids else "text")
+    return items
 
 
 async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
@@ -56,54 +107,69 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     if req.rid is not None and not call.rid_given:  # the x-request-id header wins over the body
         rid = check_rid(req.rid)
     params, max_given = native_params(req.sampling_params)
-    ids, params = await prepare(state, req.text, req.input_ids, params, max_given)
+    params, shape = _sglang_fields(req, params, state.tok)
+    batch = _batch(req)
+    if batch is not None:
+        return await _generate_batch(state, req, call, rid, batch, params, max_given, shape)
+    ids_in = req.input_ids
+    if ids_in is not None and not all(type(t) is int for t in ids_in):
+        raise ApiError(400, "input_ids must be token ids, or a list of token id lists (a batch)", param="input_ids")
+    ids, params = await prepare(state, req.text if isinstance(req.text, str) else None, ids_in, params, max_given)
+    _check_start(shape, ids)
     log.info("generate request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens, stream=req.stream)
     gen = Generation(state.frontend, state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], call.t0, req.stream)
     if req.stream:
         deltas = await first_then_rest(gen)
-        return Reply(stream=_stream(gen, deltas, rid, ids), close=gen.close, rid=rid)
+        return Reply(stream=_stream(gen, deltas, rid, ids, shape), close=gen.close, rid=rid)
     try:
         (c,) = await collect(gen)  # GenerationFailed is an ApiError: a 5xx JSON error
     finally:
         gen.close()
-    out = _body(
-        rid,
-        c.text,
-        c.token_ids,
-        c.prompt_tokens,
-        c.cached_tokens,
-        c.finish_reason,
-        logprobs=c.logprobs,
-        top_logprobs=c.top_logprobs,
-        spec=c.spec,
-        prompt_ids=ids,
-        prompt_logprobs=c.prompt_logprobs,
-        prompt_top_logprobs=c.prompt_top_logprobs,
-    )
-    return Reply(body=out, rid=rid)
+    return Reply(body=shape.body(rid, c, ids), rid=rid)
 
 
-async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, prompt: list[int]) -> AsyncIterator[bytes]:
-    text, ids = "", []
-    lps: list[float] | None = None
-    tops: list[list[tuple[int, float]]] | None = None
-    scored: dict[str, Any] = {}  # the prompt's scores, in every event from the first (cumulative, as SGLang)
+async def _generate_batch(state: ServeState, req: GenerateBody, call: Call, rid: str,
+                          items: list[tuple[str | None, list[int] | None]], params: SamplingParams, max_given: bool,
+                          shape: _Shape) -> Reply:
+    if req.stream:
+        raise ApiError(400, "a batch of prompts is not streamed", param="stream")
+    subs = []
+    for i, (text, ids_in) in enumerate(items):
+        if ids_in is not None and not all(type(t) is int for t in ids_in):
+            raise ApiError(400, "input_ids must be a list of token id lists", param="input_ids")
+        ids, p = await prepare(state, text, ids_in, params, max_given)
+        _check_start(shape, ids)
+        subs.append(SubRequest(f"{rid}-{i}", i, i, ids, p))
+    log.info("generate batch", rid=rid, prompts=len(subs), prompt_tokens=sum(len(s.ids) for s in subs))
+    gen = Generation(state.frontend, state.tok, rid, subs, call.t0, False)
+    try:
+        choices = await collect(gen)
+    finally:
+        gen.close()
+    return Reply(body=[shape.body(s.rid, c, s.ids) for s, c in zip(subs, choices, strict=True)], rid=rid)
+
+
+def _check_start(shape: _Shape, ids: list[int]) -> None:
+    if shape.start >= len(ids):
+        raise ApiError(400, f"logprob_start_len must be below the prompt's {len(ids)} tokens", "logprob_start_len")
+
+
+async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, prompt: list[int],
+                  shape: _Shape) -> AsyncIterator[bytes]:
+    c = Choice(index=0, prompt_index=0)  # cumulative, as SGLang's events are
     try:
         try:
             async for d in deltas:
-                text += d.text
-                ids.extend(d.token_ids)
+                c.text += d.text
+                c.token_ids.extend(d.token_ids)
                 if d.logprobs is not None:
-                    lps = (lps or []) + d.logprobs
+                    c.logprobs = (c.logprobs or []) + d.logprobs
                 if d.top_logprobs is not None:
-                    tops = (tops or []) + d.top_logprobs
+                    c.top_logprobs = (c.top_logprobs or []) + d.top_logprobs
                 if d.prompt_logprobs is not None:
-                    scored = {"prompt_ids": prompt, "prompt_logprobs": d.prompt_logprobs,
-                              "prompt_top_logprobs": d.prompt_top_logprobs}
-                yield fmt.sse(
-                    _body(rid, text, ids, len(prompt), d.cached_tokens, d.finish_reason, logprobs=lps,
-                          top_logprobs=tops, spec=d.spec, **scored)
-                )
+                    c.prompt_logprobs, c.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
+                c.cached_tokens, c.finish_reason, c.spec = d.cached_tokens, d.finish_reason, d.spec
+                yield fmt.sse(shape.body(rid, c, prompt))
         except GenerationFailed as exc:  # the error event, then [DONE] as after any stream
             log.warning("stream failed", status=exc.status, error=exc.message)
             yield fmt.sse(api_error_body(exc))

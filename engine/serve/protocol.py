@@ -116,11 +116,16 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """SGLang-native /generate. sampling_params stays a dict until `native_params` so
     that the defaults the client did not set can be told apart."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
+    text: str | list[str] | None = None  # a list: a batch
+    input_ids: list[Any] | None = None  # token ids, or a list of them (a batch): checked in engine.serve.native
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     rid: str | None = None
+    # SGLang's logprob fields (engine.serve.native)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

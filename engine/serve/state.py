@@ -48,7 +48,7 @@ class Reply:
     """A handler's answer: a JSON body, or an SSE byte stream plus the cleanup that must
     run however the stream ends (the client may disconnect before it even starts)."""
 
-    body: dict[str, Any] | None = None
+    body: dict[str, Any] | list[dict[str, Any]] | None = None  # (a list: a /generate batch)
     stream: AsyncIterator[bytes] | None = None
     close: Callable[[], None] | None = None
     rid: str | None = None  # set when the handler chose the rid itself (/generate's body rid)

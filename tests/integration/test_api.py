@@ -271,6 +271,39 @@ def test_vllm_prompt_logprobs_on_chat_and_completions(client: openai.OpenAI, ser
         client.completions.create(model=MODEL, prompt="x", stream=True, extra_body={"prompt_logprobs": 1})
 
 
+def test_sglang_batch_and_logprob_fields_as_lm_eval_sends_them(server: Server) -> None:
+    """lm-evaluation-harness's sglang-generate loglikelihood request: a batch of input_ids with
+    SGLang's top-level return_logprob, logprob_start_len 0 and top_logprobs_num 1; a list of
+    answers whose input_token_logprobs equal the sampling_params form's, one at a time."""
+    ids = [[504, 3575, 282, 4649, 314], [3575, 282, 4649, 314, 3575, 282]]
+
+    def gen(body: dict) -> httpx.Response:
+        return httpx.post(f"{server.http}/generate", timeout=60, json=body)
+
+    r = gen({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+             "logprob_start_len": 0, "top_logprobs_num": 1, "return_logprob": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 2
+    for one, prompt in zip(out, ids, strict=True):
+        meta = one["meta_info"]
+        scores, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        assert [t for _, t, _ in scores] == prompt and scores[0][0] is None and tops[0] is None
+        assert all(len(t) == 1 for t in tops[1:]) and len(meta["output_token_logprobs"]) == 1
+        alone = gen({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0,
+                                                              "prompt_logprobs": 0}}).json()["meta_info"]
+        assert [round(v, 4) for v, _, _ in scores[1:]] == [round(v, 4) for v, _, _ in alone["input_token_logprobs"][1:]]
+    texts = gen({"text": ["The capital of France is", "Hello, how are you?"], "sampling_params": {"max_new_tokens": 2},
+                 "return_logprob": True, "logprob_start_len": 2, "return_text_in_logprobs": True}).json()
+    first = texts[0]["meta_info"]
+    assert len(first["input_token_logprobs"]) == first["prompt_tokens"] - 2
+    assert all(isinstance(e[2], str) for e in first["input_token_logprobs"] + first["output_token_logprobs"])
+    for body in ({"input_ids": ids, "stream": True}, {"input_ids": [1, [2]]}, {"text": ["a"], "input_ids": [[1]]},
+                 {"input_ids": ids[0], "return_logprob": True, "logprob_start_len": 5}, {"input_ids": []}):
+        bad = gen(body)
+        assert bad.status_code == 400 and "error" in bad.json(), (body, bad.text)
+
+
 def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the answer continues the assistant's open message."""
     messages = [{"role": "user", "content": "What is the capital of France?"},
