@@ -28,7 +28,7 @@ from starlette.types import Receive
 
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body, error_body
-from engine.serve.native import generate_http
+from engine.serve.native import generate_http, health_generate, model_info
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
@@ -169,6 +169,8 @@ def build_app(state: ServeState) -> Starlette:
         Route("/tokenizer_info", api_route(state, tokenizer_info), methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health_generate", api_route(state, health_generate), methods=["GET"]),
+        Route("/get_model_info", api_route(state, model_info), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
     ]

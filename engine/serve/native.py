@@ -176,3 +176,23 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
         yield fmt.SSE_DONE
     finally:
         gen.close()
+
+
+async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
+    """SGLang's GET /health_generate: one greedy token through every process (the probe that
+    /health's readiness alone cannot give); a failure is the generation's 5xx."""
+    await state.limits()  # 503 while not ready
+    probe = SubRequest(call.rid, 0, 0, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
+    gen = Generation(state.frontend, state.tok, call.rid, [probe], call.t0, False)
+    try:
+        (c,) = await collect(gen)
+    finally:
+        gen.close()
+    return Reply(body={"status": "ok", "output_ids": c.token_ids})
+
+
+async def model_info(state: ServeState, body: bytes, call: Call) -> Reply:
+    """SGLang's GET /get_model_info."""
+    path = state.cfg.model or state.model_name
+    return Reply(body={"model_path": path, "tokenizer_path": path, "is_generation": True,
+                       "served_model_name": state.model_name})

@@ -304,6 +304,14 @@ def test_sglang_batch_and_logprob_fields_as_lm_eval_sends_them(server: Server) -
         assert bad.status_code == 400 and "error" in bad.json(), (body, bad.text)
 
 
+def test_sglang_health_generate_and_model_info(server: Server) -> None:
+    """SGLang's probes: /health_generate answers one generated token; /get_model_info the model."""
+    r = httpx.get(f"{server.http}/health_generate", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "ok" and len(r.json()["output_ids"]) == 1, r.text
+    info = httpx.get(f"{server.http}/get_model_info", timeout=60).json()
+    assert info["is_generation"] is True and info["served_model_name"] == MODEL and info["model_path"]
+
+
 def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the answer continues the assistant's open message."""
     messages = [{"role": "user", "content": "What is the capital of France?"},
