@@ -325,26 +325,24 @@ def _sample_params(op: AddReq) -> SampleParams:
                            "min_stop_ids": tuple(op.sampling.min_stop_ids)})
 
 
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Start a device-to-host transfer without waiting for it (on CUDA stored by a kernel into
+    pinned memory: never behind the host tier's copies)."""
+    if t is None:
+        return None
+    return triton_ops.to_host(t) if t.is_cuda else t
+
+
 def _to_host(res: SampleResult) -> SampleResult:
-    """Start the device-to-host transfers of a step's results without waiting for them (on
-    CUDA stored by a kernel into pinned memory: never behind the host tier's copies)."""
-
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return triton_ops.to_host(t) if t.is_cuda else t
-
+    """A step's results on their way to the host (_host)."""
     if isinstance(res, VerifiedResult):
-        return VerifiedResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs),
-                              accepted=host(res.accepted), keep=host(res.keep))
-    return SampleResult(host(res.token_ids), host(res.logprobs), host(res.top_ids), host(res.top_logprobs))
+        return VerifiedResult(_host(res.token_ids), _host(res.logprobs), _host(res.top_ids), _host(res.top_logprobs),
+                              accepted=_host(res.accepted), keep=_host(res.keep))
+    return SampleResult(_host(res.token_ids), _host(res.logprobs), _host(res.top_ids), _host(res.top_logprobs))
 
 
 def _scores_to_host(s: prompt_scores.PromptScores) -> prompt_scores.PromptScores:
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else triton_ops.to_host(t) if t.is_cuda else t
-
-    return prompt_scores.PromptScores(host(s.logprobs), host(s.top_ids), host(s.top_logprobs))  # type: ignore[arg-type]
+    return prompt_scores.PromptScores(_host(s.logprobs), _host(s.top_ids), _host(s.top_logprobs))  # type: ignore[arg-type]
 
 
 def _pack_scores(s: prompt_scores.PromptScores | None) -> dict:

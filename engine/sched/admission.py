@@ -138,7 +138,9 @@ class Admission:
     def chunk(self, req: Req, rows: list[Row], ops: list[Op], budget: int) -> int:
         """Schedule up to `budget` prompt tokens of req; returns how many were scheduled."""
         ids = req.all_ids
-        n = min(len(ids) - req.kv_len, budget, PROMPT_SCORE_CHUNK if req.scores_prompt else budget)
+        if req.scores_prompt:  # its chunk's logits are all kept (msgs.params.PROMPT_SCORE_CHUNK)
+            budget = min(budget, PROMPT_SCORE_CHUNK)
+        n = min(len(ids) - req.kv_len, budget)
         if n <= 0 or not self.growth.grow(req, n, ops, may_retract=False):
             return 0
         final = req.kv_len + n == len(ids)  # decided now, from the live request

@@ -76,11 +76,9 @@ def _sglang_fields(req: GenerateBody, params: SamplingParams,
     extra: dict[str, Any] = {"logprobs": True, "top_logprobs": k}
     if req.logprob_start_len >= 0:
         extra["prompt_logprobs"] = k
-    try:
-        params = msgspec.structs.replace(params, **extra)
-    except (TypeError, ValueError) as exc:  # (replace does not validate: SamplingParams.validate does, later)
-        raise ApiError(400, str(exc), param="top_logprobs_num") from None
-    return params, _Shape(req.logprob_start_len, tok if req.return_text_in_logprobs else None)
+    # (replace does not validate: native_request's check_params does, a 400 naming top_logprobs)
+    shape = _Shape(req.logprob_start_len, tok if req.return_text_in_logprobs else None)
+    return msgspec.structs.replace(params, **extra), shape
 
 
 def _batch(req: GenerateBody) -> list[tuple[str | None, list[int] | None]] | None:

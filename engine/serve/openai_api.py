@@ -39,19 +39,20 @@ log = structlog.get_logger()
 
 
 def _params_for(
+    state: ServeState,
     ids: list[int],
     kw: dict[str, Any],
     requested: int | None,
     default: int | None,
     limits: Limits,
-    tok: TextTokenizer | None,
     what: str,
 ) -> SamplingParams:
     check_ids(ids, limits, param=what)
     max_new = resolve_max_tokens(requested, default, len(ids), limits)
     check_length(len(ids), max_new, limits, what)
     params = make_params(kw, max_new, limits.vocab_size)
-    check_text_features(params, tok)
+    check_text_features(params, state.tok)
+    check_engine_support(params, state.cfg)
     return params
 
 
@@ -82,8 +83,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
                               continue_final_message=bool(req.continue_final_message))
     new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _params_for(ids, kw, requested, None, limits, state.tok, "messages")
-    check_engine_support(params, state.cfg)
+    params = _params_for(state, ids, kw, requested, None, limits, "messages")
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
     reasoning = _reasoning(state, prompt, req.chat_template_kwargs)
@@ -221,8 +221,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     limits = await state.limits()
     prompts = completion_prompts(req.prompt, state.tok)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
-    params = [_params_for(ids, kw, req.max_tokens, default, limits, state.tok, "prompt") for ids in prompts]
-    check_engine_support(params[0], state.cfg)
+    params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
     params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]
     subs = fan_out(rid, prompts, params, req.n)
     log.info(
@@ -238,21 +237,23 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     want_lp = req.logprobs is not None
     if req.stream:
         deltas = await first_then_rest(gen)
-        echo = [(_prompt_text(req.prompt, i, ids, state.tok), ids) for i, ids in enumerate(prompts)]
-        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req),
-                                    echo if req.echo else None)
+        echo = [(_prompt_text(req.prompt, i, ids, state.tok), ids) for i, ids in enumerate(prompts)] if req.echo \
+            else None
+        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req), echo)
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
     out = []
     for c in choices:
-        lp = fmt.completion_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs)[0] if want_lp else None
-        text = c.text
+        prompt = prompts[c.prompt_index]
+        text, lp = c.text, None
         if req.echo:  # the prompt as given (a string) or decoded (ids), then the completion
-            text = _prompt_text(req.prompt, c.prompt_index, prompts[c.prompt_index], state.tok) + text
-            lp = fmt.echo_logprobs(state.tok, prompts[c.prompt_index], c)[0] if want_lp else None
+            text = _prompt_text(req.prompt, c.prompt_index, prompt, state.tok) + text
+            lp = fmt.echo_logprobs(state.tok, prompt, c)[0] if want_lp else None
+        elif want_lp:
+            lp = fmt.completion_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs)[0]
         out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp))
         if req.prompt_logprobs is not None:
-            out[-1]["prompt_logprobs"] = _vllm_scores(state, prompts[c.prompt_index], c, req.prompt_logprobs)
+            out[-1]["prompt_logprobs"] = _vllm_scores(state, prompt, c, req.prompt_logprobs)
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                                      for c in choices), (c.spec for c in choices))
     return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
