@@ -315,8 +315,12 @@ class TorchAttention(AttentionBackend):
         trees = self.take_trees()
         self._graph = None  # an eager step: attention reads the batch's page table
         if batch_invariant.enabled():
-            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel,
-                                                   self._block_tokens)
+            tokens = self._block_tokens
+            hq, hkv, d = self._g_heads
+            if not self._kernel and hkv:  # (a bare backend, not bound: TOKENS)
+                tokens = batch_invariant.torch_tokens(all(n == 1 for n in lens), hq // hkv, d, d,
+                                                      batch_invariant.kv_chunk(batch.page_size), self.device)
+            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel, tokens)
             return
         decode_reqs = [i for i, n in enumerate(lens) if n == 1]
         row_starts = [0]

@@ -6,18 +6,21 @@ rows (measured on CPU: oneDNN and MKL in float32 and bfloat16). What stays fixed
 kernel's work for one fixed shape: rows of one call do not mix. So with the mode on:
 
 * every projection and the LM head run on blocks of exactly `ROWS` rows (the last padded
-  with zeros): a row is computed by the same kernel whatever the batch, prefill or decode;
+  with zeros): a row is computed by the same kernel whatever the batch, prefill or decode. On
+  a CPU, larger blocks too where a probe at the GEMM's first call proved that they give each
+  row the bits of ROWS-row blocks (`block_sizes`: the vendor kernel's choice is the machine's);
 * attention (`attend`) reduces over the KV in chunks of `kv_chunk` positions aligned to
-  absolute position 0, with an online softmax whose running max, sum and output are merged
-  chunk after chunk in order; each chunk is two batched GEMMs of one fixed shape per
-  (block of `TOKENS` query tokens, KV head; the CUDA kernel's blocks hold 16 rows of tokens x
-  query heads: kernel_tokens). A fresh prompt, a cached prefix, a chunked
-  prefill and a decode step all take this one path, so a token sees the same sums in the same
-  order. A row with no visible key in a chunk is left exactly unchanged by it (exp(0) = 1,
-  p = 0), so visiting more chunks than a row needs changes nothing. The CUDA kernel groups the
-  chunks in partitions of `KV_PART` positions, each from a fresh softmax state, merged in
-  partition order by one formula, serially (prefill) or by split-KV programs and a merge kernel
-  (decode): the same bits either way (docs/architecture.md, "Split-KV").
+  absolute position 0. A fresh prompt, a cached prefix, a chunked prefill and a decode step
+  all take one path, so a token sees the same sums in the same order. The torch path
+  (`softmax_chunks`): per (block of `TOKENS` query tokens, KV head) and chunk, two batched
+  GEMMs of one fixed shape (scores, then exp-scores times the values and a column of ones);
+  the row's maximum over all its keys (exact); the chunks' sums added in chunk order. A chunk
+  a row does not see adds exact zeros, so a block attended with longer rows beside it, over
+  more chunks than it needs, keeps its bits. The CUDA kernel (blocks of 16 rows of tokens x
+  query heads: kernel_tokens) runs an online softmax over the chunks in partitions of
+  `KV_PART` positions, each from a fresh softmax state, merged in partition order by one
+  formula, serially (prefill) or by split-KV programs and a merge kernel (decode): the same
+  bits either way (docs/architecture.md, "Split-KV").
 
 Everything else a token meets is per row and elementwise (norms, RoPE, SiLU, sampling).
 The mode is set once per process (`enable`), before the model runs; engine/run/runner.py
@@ -37,12 +40,23 @@ from engine.layers.kv_pool import KVPool
 # to 16 a 16-row bf16 GEMM costs what a 1-row one does); on a GPU fewer, larger calls
 ROWS_BY_DEVICE = {"cpu": 16, "cuda": 64}
 ROWS = 16
+# CPU: larger row blocks tried for each GEMM at its first call (block_sizes), kept where they give
+# the bits of ROWS-row blocks. Measured (2 cores, Xeon with AMX, oneDNN's packed weights): float32
+# invariant at every count from 2 rows up; bfloat16 (AMX) at 16 and 32, not above. A 1024-token
+# float32 prefill of the default model: 2.9 s in 16-row blocks, 1.4 s in these (1.3 s with the mode off)
+LADDER = (1024, 512, 256, 128, 64, 32)
+PROBE_MACS = 1 << 32  # the largest probe block of a GEMM: 2 x rows x N x K at most this
+_sizes: dict[tuple, tuple[int, ...]] = {}  # GEMM key -> block_sizes
 # batched GEMMs in calls of exactly this many matrices: cuBLAS picks its kernel by the batch
 # count too (on the H200 entry 0 of a [n, 32, 128] x [n, 128, 64] bmm changed bits between
 # n = 1 and every n > 1; scripts/det_probe.py). CPU (oneDNN) measured invariant: one call.
 BMM_GROUP_BY_DEVICE = {"cuda": 64}
 BMM_GROUP: int | None = None
-TOKENS = 16  # query tokens per attention block (the torch path)
+TOKENS = 16  # query tokens per attention block (the torch path; fewer in decodes where torch_tokens allows)
+# the torch path attends a group of blocks at once, over the chunks of its first (longest) block:
+# at most this many (block, chunk) pairs a group (the scores: pairs x heads x rows x chunk floats)
+GROUP_CHUNKS = 512
+_few_tokens: dict[tuple, int] = {}  # torch_tokens' probes
 # the CUDA kernel's blocks hold DOT_ROWS rows (tl.dot's least M) of T tokens x G query heads per KV
 # head, T = 16 // G (kernel_tokens): a decode row's block is its token and T - 1 pads, where 16
 # tokens would compute 16 x G rows for it. H200, batch 256 ctx 1024, a layer: Llama's 32/8 heads
@@ -88,9 +102,44 @@ def in_blocks(f: Callable[..., torch.Tensor], size: int, *xs: torch.Tensor) -> t
     return torch.cat([f(*(x[i : i + size] for x in xs)) for i in range(0, m + pad, size)])[:m]
 
 
-def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """f(x) for a row-wise f (a GEMM), on blocks of exactly ROWS rows of x."""
-    return in_blocks(f, ROWS, x)
+def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor], key: tuple | None = None) -> torch.Tensor:
+    """f(x) for a row-wise f (a GEMM), on blocks of exactly ROWS rows of x; on a CPU with a `key`
+    naming the GEMM (its kind, weight shape and dtype), on blocks of the sizes `block_sizes` proved
+    to give each row the bits of ROWS-row blocks."""
+    if key is None or x.device.type != "cpu":
+        return in_blocks(f, ROWS, x)
+    sizes = _sizes.get(key)
+    if sizes is None:
+        sizes = _sizes[key] = block_sizes(f, x.shape[1], x.dtype)
+    return _in_sizes(f, sizes, x)
+
+
+def block_sizes(f: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The row counts of LADDER (within PROBE_MACS) at which f's rows have the bits of ROWS-row
+    blocks, on random rows of width k, and ROWS; largest first. A GEMM's arithmetic does not
+    depend on the values, so equal bits here mean equal bits on any rows of that count."""
+    n = f(torch.zeros(ROWS, k, dtype=dtype)).shape[1]
+    top = max([s for s in LADDER if 2 * s * n * k <= PROBE_MACS], default=ROWS)
+    x = torch.randn(top, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ref = torch.cat([f(x[i : i + ROWS]) for i in range(0, top, ROWS)])
+    return tuple(s for s in LADDER if s <= top and torch.equal(f(x[:s]), ref[:s])) + (ROWS,)
+
+
+def _in_sizes(f: Callable[[torch.Tensor], torch.Tensor], sizes: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """f(x) in blocks of the given row counts (largest first; the last one, ROWS, the least): a
+    remainder goes to the least size that holds it where that pads at most an eighth, else to the
+    largest size it fills."""
+    m, out, i = x.shape[0], [], 0
+    while i < m:
+        r = m - i
+        up = [s for s in sizes if s >= r]
+        s = up[-1] if up and (up[-1] - r) * 8 <= up[-1] else next((s for s in sizes if s <= r), ROWS)
+        xb = x[i : i + s]
+        if xb.shape[0] < s:
+            xb = torch.cat([xb, xb.new_zeros(s - xb.shape[0], *xb.shape[1:])])
+        out.append(f(xb)[: min(s, r)])
+        i += s
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -99,13 +148,15 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Chunk:
-    """The blocks that read KV chunk j (a prefix of the blocks, which are sorted by how many
-    chunks they read), their pages and which (token, key) pairs are visible."""
+class Group:
+    """Blocks start..end (sorted by how many chunks they read, most first) attended together over
+    their first block's `chunks` KV chunks: their pages, and which (token, key) pairs are hidden."""
 
-    blocks: int
-    pages: torch.Tensor  # int64 [blocks, kv_chunk / page_size]
-    hidden: torch.Tensor  # bool [blocks, 1, TOKENS, 1, kv_chunk]: key after the token (masked)
+    start: int
+    end: int
+    chunks: int
+    pages: torch.Tensor  # int64 [blocks, chunks * kv_chunk / page_size]
+    hidden: torch.Tensor  # bool [blocks, 1, chunks, tokens, 1, kv_chunk]: key after the token (masked)
 
 
 @dataclass
@@ -114,14 +165,15 @@ class Plan:
 
     rows: torch.Tensor  # int64 [nb, TOKENS]: the q row of each block token (pads repeat the last)
     real: torch.Tensor  # int64: the block tokens (flat index into nb * TOKENS) that are not pads
-    chunks: list[Chunk]
+    groups: list[Group]  # the torch path's
     page_table: torch.Tensor
     page_size: int
     chunk: int
     # the same blocks for the CUDA kernel: (request int32, rows, positions int64 [nb, TOKENS],
     # chunks read int32, real int8 [nb, TOKENS])
     blocks: tuple[torch.Tensor, ...]
-    kernel: bool  # attend by the CUDA kernel (then `chunks` is empty)
+    kernel: bool  # attend by the CUDA kernel (then `groups` is empty)
+    tokens: int = TOKENS  # per block
     parts: int = 0  # the most KV partitions a block reads (kernel)
     decode: bool = False  # every block is one token (the kernel may split its KV)
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # split-KV states, made by the first layer
@@ -176,10 +228,11 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
          kernel: bool = False, tokens: int = TOKENS) -> Plan:
     """Blocks of `tokens` consecutive new tokens of one request (the batch's rows in order);
     `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and takes any
-    block size (kernel_tokens: one per model, the same for every step); the torch path TOKENS."""
-    if tokens != TOKENS and not kernel:
-        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens, not {tokens}")
+    block size (kernel_tokens: one per model, the same for every step); the torch path takes
+    TOKENS, or fewer in a step of decodes (torch_tokens)."""
     decode = all(n == 1 for n in extend_lens)
+    if not kernel and tokens != TOKENS and not (decode and 0 < tokens < TOKENS):
+        raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens (fewer in decodes), not {tokens}")
     chunk = kv_chunk(page_size)
     per_chunk = chunk // page_size
     rows, pos, req, reads, used = [], [], [], [], []
@@ -209,19 +262,21 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     blocks = (req_t.to(torch.int32), rows_t, pos_t,
               torch.tensor([reads[b] for b in order], dtype=torch.int32, device=dev),
               real_mask.view(-1, tokens).to(dev))
-    chunks: list[Chunk] = []
     if kernel:
         per_part = kv_part(page_size) // chunk
         parts = -(-reads[order[0]] // per_part) if order else 0
-        return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel, parts, decode)
-    for j in range(reads[order[0]] if order else 0):
-        nb = sum(1 for b in order if reads[b] > j)
-        cols = torch.arange(j * per_chunk, (j + 1) * per_chunk, device=dev).clamp_(max=width - 1)
-        pages = page_table[req_t[:nb]][:, cols].to(torch.int64)
-        key = torch.arange(j * chunk, (j + 1) * chunk, device=dev)
-        hidden = key[None, None, :] > pos_t[:nb, :, None]
-        chunks.append(Chunk(nb, pages, hidden[:, None, :, None, :]))
-    return Plan(rows_t, real_t, chunks, page_table, page_size, chunk, blocks, kernel)
+        return Plan(rows_t, real_t, [], page_table, page_size, chunk, blocks, kernel, tokens, parts, decode)
+    groups: list[Group] = []
+    b, nb = 0, len(order)
+    while b < nb:
+        c = reads[order[b]]
+        e = min(nb, b + max(1, GROUP_CHUNKS // c))
+        cols = torch.arange(c * per_chunk, device=dev).clamp_(max=width - 1)
+        hidden = torch.arange(c * chunk, device=dev)[None, None, :] > pos_t[b:e, :, None]  # [blocks, tokens, keys]
+        hidden = hidden.view(e - b, tokens, c, chunk).transpose(1, 2)[:, None, :, :, None, :]
+        groups.append(Group(b, e, c, page_table[req_t[b:e]][:, cols].to(torch.int64), hidden))
+        b = e
+    return Plan(rows_t, real_t, groups, page_table, page_size, chunk, blocks, kernel, tokens, decode=decode)
 
 
 def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tensor:
@@ -236,33 +291,83 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
     out = torch.empty_like(q)
     if nb == 0:
         return out
-    hkv = kv_pool.num_kv_heads
+    hkv, t = kv_pool.num_kv_heads, p.tokens
     g = hq // hkv
-    qb = q[p.rows].float().view(nb, TOKENS, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(nb * hkv, TOKENS * g, d)
-    qb = qb * d**-0.5
-    m = torch.full((nb * hkv, TOKENS * g, 1), float("-inf"), device=q.device)
-    acc = torch.zeros(nb * hkv, TOKENS * g, d + 1, device=q.device)  # [.., :d] output, [.., d] the sum
-    for c in p.chunks:
-        n = c.blocks * hkv
-        k, v = kv_pool.gather_pages(layer, c.pages, kv_pool.dtype)  # [blocks, chunk, Hkv, D] as stored
-        chunk = k.shape[1]
-        # float32 and the GEMMs' layouts in one copy each; V gets a column of ones, so that the
-        # same GEMM sums the probabilities (no separate reduction)
-        kt = torch.empty(n, d, chunk, device=q.device)
-        kt.view(c.blocks, hkv, d, chunk).copy_(k.permute(0, 2, 3, 1))
-        v1 = torch.empty(n, chunk, d + 1, device=q.device)
-        v1.view(c.blocks, hkv, chunk, d + 1)[..., :d].copy_(v.permute(0, 2, 1, 3))
-        v1[..., d] = 1.0
-        s = bmm(qb[:n], kt)
-        s.view(c.blocks, hkv, TOKENS, g, chunk).masked_fill_(c.hidden, float("-inf"))
-        m_old = m[:n]
-        m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
-        pv = bmm(s.sub_(m_new).exp_(), v1)
-        acc[:n].mul_(m_old.sub_(m_new).exp_()).add_(pv)
-        m[:n] = m_new
-    o = (acc[..., :d] / acc[..., d:]).view(nb, hkv, TOKENS, g, d).permute(0, 2, 1, 3, 4).reshape(nb * TOKENS, hq, d)
+    qb = (q[p.rows].float() * d**-0.5).view(nb, t, hkv, g, d).transpose(1, 2).reshape(nb, hkv, t * g, d)
+    o = torch.empty(nb, hkv, t * g, d, device=q.device)
+    for gr in p.groups:
+        k, v = kv_pool.gather_pages(layer, gr.pages, kv_pool.dtype)  # [blocks, keys, Hkv, D] as stored
+        o[gr.start : gr.end] = softmax_chunks(qb[gr.start : gr.end], k, v, gr.hidden, gr.chunks)
+    o = o.view(nb, hkv, t, g, d).transpose(1, 2).reshape(nb * t, hq, d)
     out[p.rows.view(-1)[p.real]] = o[p.real].to(q.dtype)
     return out
+
+
+def softmax_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+                   chunks: int) -> torch.Tensor:
+    """Attention of scaled float32 query rows q [b, H, M, Dq] over `chunks` KV chunks of keys k
+    [b, keys, H, Dq] and values v [b, keys, H, Dv] (any dtype; `hidden` masks keys after each
+    of the M // tokens query heads' token): [b, H, M, Dv]. Each (row, chunk) is two GEMMs of one
+    shape whatever the batch (scores [M, Dq] x [Dq, chunk], then the chunk's exp-scores times
+    its values, with a column of ones that sums the probabilities); the chunks' sums are added
+    in chunk order after the row's maximum over all its keys (exact). A chunk that a row does not
+    see adds exact zeros, so a row's bits do not depend on how many chunks its group reads."""
+    b, h, m, dq = q.shape
+    dv, chunk = v.shape[-1], k.shape[1] // chunks
+    kt = torch.empty(b, h, chunks, dq, chunk, device=q.device)
+    kt.copy_(k.unflatten(1, (chunks, chunk)).permute(0, 3, 1, 4, 2))
+    qe = q[:, :, None].expand(b, h, chunks, m, dq).reshape(-1, m, dq)
+    s = bmm(qe, kt.view(-1, dq, chunk))
+    s.view(b, h, chunks, hidden.shape[3], -1, chunk).masked_fill_(hidden, float("-inf"))
+    s = s.view(b, h, chunks, m, chunk)
+    s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()
+    v1 = torch.empty(b, h, chunks, chunk, dv + 1, device=q.device)
+    v1[..., :dv].copy_(v.unflatten(1, (chunks, chunk)).permute(0, 3, 1, 2, 4))
+    v1[..., dv] = 1.0
+    part = bmm(s.view(-1, m, chunk), v1.view(-1, chunk, dv + 1)).view(b, h, chunks, m, dv + 1)
+    acc = _in_order(part, 2)
+    return acc[..., :dv] / acc[..., dv:]
+
+
+def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over `dim`, term after term from index 0: on a CPU by cumsum, a sequential scan
+    that accumulates in double (one call whatever the count); elsewhere by one add a term."""
+    if x.device.type == "cpu":
+        return x.cumsum(dim).select(dim, -1)
+    acc = x.select(dim, 0).clone()
+    for j in range(1, x.shape[dim]):
+        acc.add_(x.select(dim, j))
+    return acc
+
+
+def torch_tokens(decode: bool, rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> int:
+    """Tokens per block of the torch path for a step: TOKENS, or in a step of decodes the fewest
+    (1, 2, 4 or 8) at which the batched GEMMs give a token's `rows` query rows the bits of a
+    TOKENS-token block (probed once per geometry and device; a decode token's block is its token
+    and pads: 1 computes 16x fewer rows than TOKENS)."""
+    if not decode:
+        return TOKENS
+    key = (rows, dq, dv, chunk, device.type)
+    if key not in _few_tokens:
+        _few_tokens[key] = next((t for t in (1, 2, 4, 8) if _blocks_same(t, rows, dq, dv, chunk, device)), TOKENS)
+    return _few_tokens[key]
+
+
+def _blocks_same(tokens: int, rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> bool:
+    """Whether both GEMM shapes of softmax_chunks give each token's rows the same bits in a block
+    of `tokens` tokens as in one of TOKENS tokens, on random operands, in batches of 3 and 1."""
+    gen = torch.Generator().manual_seed(0)
+    m = tokens * rows
+    for k, n in ((dq, chunk), (chunk, dv + 1)):
+        a = torch.randn(3, TOKENS * rows, k, generator=gen).to(device)
+        w = torch.randn(3, k, n, generator=gen).to(device)
+        ref = bmm(a, w)
+        for r in range(0, TOKENS * rows, m):
+            part = slice(r, r + m)
+            if not (torch.equal(bmm(a[:, part].contiguous(), w), ref[:, part])
+                    and torch.equal(bmm(a[:1, part].contiguous(), w[:1]), ref[:1, part])):
+                return False
+    return True
 
 
 def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,

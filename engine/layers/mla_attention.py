@@ -441,31 +441,22 @@ def _absorb_rows(x: torch.Tensor, w: torch.Tensor, eq: str) -> torch.Tensor:
 def _invariant(q_nope: torch.Tensor, q_pe: torch.Tensor, p: batch_invariant.Plan, kv: KVPool, layer: int,
                w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
     """Deterministic inference: the absorbed form for every row, in batch_invariant's blocks of
-    TOKENS query tokens x KV chunks from position 0, online softmax merged chunk after chunk
-    (as batch_invariant.attend, with one latent 'KV head' and value = its first kv_lora_rank)."""
+    query tokens x KV chunks from position 0 (batch_invariant.softmax_chunks, with one latent
+    'KV head' and value = its first kv_lora_rank)."""
     t, h = q_nope.shape[:2]
-    r, tok = s.kv_lora_rank, batch_invariant.TOKENS
+    r, tok = s.kv_lora_rank, p.tokens
     out = q_nope.new_empty(t, h, s.v)
     nb = p.rows.shape[0]
     if nb == 0:
         return out
     q_lat = _absorb_rows(q_nope.float(), w_uk.float(), "thn,hnr->thr")
     q = torch.cat([q_lat, q_pe.float()], dim=-1) * s.scale  # [T, H, latent]
-    qb = q[p.rows].reshape(nb, tok * h, -1)  # [nb, TOKENS * H, latent]
-    m = torch.full((nb, tok * h, 1), float("-inf"), device=q.device)
-    acc = torch.zeros(nb, tok * h, r + 1, device=q.device)  # [.., :r] output, [.., r] the sum
-    for c in p.chunks:
-        (lat,) = kv.gather_pages(layer, c.pages, torch.float32)  # [blocks, chunk, 1, latent]
-        lat = lat[:, :, 0]
-        v1 = torch.cat([lat[:, :, :r], lat.new_ones(lat.shape[0], lat.shape[1], 1)], dim=-1)
-        sc = batch_invariant.bmm(qb[: c.blocks], lat.transpose(1, 2).contiguous())  # [blocks, TOKENS*H, chunk]
-        sc.view(c.blocks, tok, h, -1).masked_fill_(c.hidden.view(c.blocks, tok, 1, -1), float("-inf"))
-        m_old = m[: c.blocks]
-        m_new = torch.maximum(m_old, sc.amax(-1, keepdim=True))
-        pv = batch_invariant.bmm(sc.sub_(m_new).exp_(), v1)
-        acc[: c.blocks].mul_(m_old.sub_(m_new).exp_()).add_(pv)
-        m[: c.blocks] = m_new
-    o_lat = (acc[..., :r] / acc[..., r:]).view(nb * tok, h, r)
-    o = _absorb_rows(o_lat[p.real], w_uv.float(), "thr,hvr->thv")
+    qb = q[p.rows].reshape(nb, 1, tok * h, -1)  # [nb, 1, tokens * H, latent]
+    o_lat = q.new_empty(nb, 1, tok * h, r)
+    for g in p.groups:
+        (lat,) = kv.gather_pages(layer, g.pages, torch.float32)  # [blocks, keys, 1, latent]
+        o_lat[g.start : g.end] = batch_invariant.softmax_chunks(qb[g.start : g.end], lat, lat[..., :r], g.hidden,
+                                                                g.chunks)
+    o = _absorb_rows(o_lat.view(nb * tok, h, r)[p.real], w_uv.float(), "thr,hvr->thv")
     out[p.rows.view(-1)[p.real]] = o.to(out.dtype)
     return out

@@ -463,7 +463,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from engine.layers import invariant_gemm
 
         return invariant_gemm.gemm(x, weight, bias)
-    return batch_invariant.rows_of(x, gemm)
+    key = ("packed" if packed is not None else "plain", bias is not None, *weight.shape, x.dtype)
+    return batch_invariant.rows_of(x, gemm, key)
 
 
 def _invariant_gemm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -70,7 +70,8 @@ def test_smaller_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa:
     """Plans of smaller blocks (the kernel's kernel_tokens, bit-checked on the H200:
     tests/gpu/test_invariant_attention_gpu.py) run, decode split and serial and prefill, close to
     the 16-token prefill (not its bits here: the interpreter's float32 dots are numpy matmuls,
-    which sum by the matrix's shape); the torch path refuses any size but TOKENS."""
+    which sum by the matrix's shape); the torch path refuses any size but TOKENS (and 1 in a step of
+    decodes: batch_invariant.torch_tokens)."""
     pool, table, q, full = setup
     plan = bi.plan(table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS], [1] * len(POSITIONS), PS,
                    kernel=True, tokens=tokens)
@@ -80,7 +81,7 @@ def test_smaller_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa:
     assert prefill.blocks[1].shape[1] == tokens and not prefill.decode
     torch.testing.assert_close(bi.attend(q[L - 40 :], prefill, pool, 0), full[L - 40 :], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="blocks of 16 tokens"):
-        bi.plan(table, [L], [1], PS, tokens=tokens)
+        bi.plan(table, [L], [40], PS, tokens=tokens)
 
 
 def test_kernel_tokens_fill_the_dot_rows() -> None:

@@ -1,0 +1,96 @@
+"""Deterministic inference's CPU shortcuts (engine/layers/batch_invariant.py), each against the
+plain form it replaces, bit for bit: GEMMs in the larger row blocks that block_sizes proved on
+this machine equal 16-row blocks; the torch attention path's one-token decode blocks, its groups
+of blocks and its padding to the group's chunks give a token the bits of its prefill; and the
+attention is the attention (float64 reference)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.layers import batch_invariant as bi
+from engine.layers.kv_pool import KVPool
+from engine.layers.parallel import cpu_pack, packed_linear
+
+PS, HQ, HKV, D = 16, 6, 2, 32
+L = 300  # five 64-position chunks, the last partial
+POSITIONS = [0, 63, 64, 65, 200, L - 1]
+
+
+@pytest.fixture(autouse=True)
+def _mode_on() -> Iterator[None]:
+    was = bi.enabled()
+    bi.enable(True, "cpu")
+    yield
+    bi.enable(was)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [True, False])
+def test_gemm_in_proved_blocks_equals_16_row_blocks(dtype: torch.dtype, packed: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(192, 160, generator=g) / 13).to(dtype)
+    pw = cpu_pack(w) if packed else None
+    if packed and pw is None:
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(a, w) if pw is None else packed_linear(a, pw)
+
+    key = ("test", packed, *w.shape, dtype)
+    sizes = bi.block_sizes(f, w.shape[1], dtype)
+    assert sizes[-1] == bi.ROWS and list(sizes) == sorted(sizes, reverse=True)
+    x = torch.randn(1200, w.shape[1], generator=g).to(dtype)
+    for m in (1, 5, 16, 17, 40, 100, 300, 1100):
+        assert torch.equal(bi.rows_of(x[:m], f, key), bi.in_blocks(f, bi.ROWS, x[:m])), (m, sizes)
+    assert bi._sizes[key] == sizes
+
+
+@pytest.fixture(scope="module")
+def pool_q() -> tuple[KVPool, torch.Tensor, torch.Tensor]:
+    """One request's L positions on shuffled pages, float32, and its queries."""
+    g = torch.Generator().manual_seed(5)
+    pool = KVPool(1, 40, PS, HKV, D, torch.float32, "cpu")
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    table = (torch.randperm(39, generator=g)[: -(-L // PS)] + 1).to(torch.int32)[None, :]
+    return pool, table, torch.randn(L, HQ, D, generator=g)
+
+
+def _reference(q: torch.Tensor, pool: KVPool, table: torch.Tensor, pos: int) -> torch.Tensor:
+    """Token `pos` over keys 0..pos, float64: [HQ, D]."""
+    slots = (table[0].long()[:, None] * PS + torch.arange(PS)).flatten()[: pos + 1]
+    k = pool.k[0].view(-1, HKV, D)[slots].double().repeat_interleave(HQ // HKV, 1)
+    v = pool.v[0].view(-1, HKV, D)[slots].double().repeat_interleave(HQ // HKV, 1)
+    p = (torch.einsum("hd,khd->hk", q[pos].double(), k) / math.sqrt(D)).softmax(-1)
+    return torch.einsum("hk,khd->hd", p, v)
+
+
+def test_decode_blocks_groups_and_padding_give_the_prefill_bits(pool_q, monkeypatch) -> None:  # noqa: ANN001
+    pool, table, q = pool_q
+    full = bi.attend(q, bi.plan(table, [L], [L], PS), pool, 0)  # a fresh prefill, 16-token blocks
+    for pos in POSITIONS:
+        torch.testing.assert_close(full[pos].double(), _reference(q, pool, table, pos), rtol=1e-5, atol=1e-5)
+    chunked = bi.attend(q[130:], bi.plan(table, [L], [L - 130], PS), pool, 0)  # behind a cached prefix
+    assert torch.equal(chunked, full[130:])
+    tables, lens = table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS]
+    tokens = bi.torch_tokens(True, HQ // HKV, D, D, bi.kv_chunk(PS), torch.device("cpu"))
+    for t in {tokens, bi.TOKENS}:  # decode rows of mixed lengths in one group (padded to 5 chunks)
+        batch = bi.attend(q[POSITIONS], bi.plan(tables, lens, [1] * len(POSITIONS), PS, tokens=t), pool, 0)
+        assert torch.equal(batch, full[POSITIONS]), t
+    monkeypatch.setattr(bi, "GROUP_CHUNKS", 1)  # groups of one block, each over its own chunks only
+    plan = bi.plan(tables, lens, [1] * len(POSITIONS), PS, tokens=tokens)
+    assert len(plan.groups) == len(POSITIONS)
+    assert torch.equal(bi.attend(q[POSITIONS], plan, pool, 0), full[POSITIONS])
+    assert torch.equal(bi.attend(q, bi.plan(table, [L], [L], PS), pool, 0), full)
+
+
+def test_in_order_sum_ignores_trailing_zero_terms() -> None:
+    x = torch.randn(4, 7, 5, generator=torch.Generator().manual_seed(2)) * 1e3
+    padded = torch.cat([x, torch.zeros(4, 9, 5)], dim=1)
+    assert torch.equal(bi._in_order(x, 1), bi._in_order(padded, 1))
+    torch.testing.assert_close(bi._in_order(x, 1).double(), x.double().sum(1), rtol=1e-6, atol=1e-3)
