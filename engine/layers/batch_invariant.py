@@ -29,7 +29,9 @@ turns it on from --enable-deterministic-inference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -156,7 +158,7 @@ class Group:
     end: int
     chunks: int
     pages: torch.Tensor  # int64 [blocks, chunks * kv_chunk / page_size]
-    hidden: torch.Tensor  # bool [blocks, 1, chunks, tokens, 1, kv_chunk]: key after the token (masked)
+    hidden: torch.Tensor  # bool [blocks, chunks, tokens, 1, kv_chunk]: key after the token (masked)
 
 
 @dataclass
@@ -273,7 +275,7 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
         e = min(nb, b + max(1, GROUP_CHUNKS // c))
         cols = torch.arange(c * per_chunk, device=dev).clamp_(max=width - 1)
         hidden = torch.arange(c * chunk, device=dev)[None, None, :] > pos_t[b:e, :, None]  # [blocks, tokens, keys]
-        hidden = hidden.view(e - b, tokens, c, chunk).transpose(1, 2)[:, None, :, :, None, :]
+        hidden = hidden.view(e - b, tokens, c, chunk).transpose(1, 2)[:, :, :, None, :]
         groups.append(Group(b, e, c, page_table[req_t[b:e]][:, cols].to(torch.int64), hidden))
         b = e
     return Plan(rows_t, real_t, groups, page_table, page_size, chunk, blocks, kernel, tokens, decode=decode)
@@ -288,45 +290,61 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
         if s > 1 and p.scratch is None:
             p.scratch = split_scratch(nb, p.parts, hq, d, q.device)
         return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer, s, p.scratch)
+    if p.decode and p.tokens < TOKENS and q.device.type == "cpu":
+        with _one_thread():  # small ops: waking the other OpenMP threads costs more than they do
+            return _attend_groups(q, p, kv_pool, layer)
+    return _attend_groups(q, p, kv_pool, layer)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attend_groups(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tensor:
+    """attend by the torch path: each group of blocks through softmax_chunks."""
+    _, hq, d = q.shape
+    nb = p.rows.shape[0]
     out = torch.empty_like(q)
     if nb == 0:
         return out
     hkv, t = kv_pool.num_kv_heads, p.tokens
     g = hq // hkv
-    qb = (q[p.rows].float() * d**-0.5).view(nb, t, hkv, g, d).transpose(1, 2).reshape(nb, hkv, t * g, d)
-    o = torch.empty(nb, hkv, t * g, d, device=q.device)
+    qb = (q[p.rows].float() * d**-0.5).view(nb, t, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, nb, t * g, d)
+    o = torch.empty(hkv, nb, t * g, d, device=q.device)
     for gr in p.groups:
-        k, v = kv_pool.gather_pages(layer, gr.pages, kv_pool.dtype)  # [blocks, keys, Hkv, D] as stored
-        o[gr.start : gr.end] = softmax_chunks(qb[gr.start : gr.end], k, v, gr.hidden, gr.chunks)
-    o = o.view(nb, hkv, t, g, d).transpose(1, 2).reshape(nb * t, hq, d)
+        k, v = kv_pool.gather_heads(layer, gr.pages)  # [Hkv, blocks, keys, D] as stored
+        o[:, gr.start : gr.end] = softmax_chunks(qb[:, gr.start : gr.end], k, v, gr.hidden, gr.chunks)
+    o = o.view(hkv, nb, t, g, d).permute(1, 2, 0, 3, 4).reshape(nb * t, hq, d)
     out[p.rows.view(-1)[p.real]] = o[p.real].to(q.dtype)
     return out
 
 
 def softmax_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
                    chunks: int) -> torch.Tensor:
-    """Attention of scaled float32 query rows q [b, H, M, Dq] over `chunks` KV chunks of keys k
-    [b, keys, H, Dq] and values v [b, keys, H, Dv] (any dtype; `hidden` masks keys after each
-    of the M // tokens query heads' token): [b, H, M, Dv]. Each (row, chunk) is two GEMMs of one
-    shape whatever the batch (scores [M, Dq] x [Dq, chunk], then the chunk's exp-scores times
-    its values, with a column of ones that sums the probabilities); the chunks' sums are added
-    in chunk order after the row's maximum over all its keys (exact). A chunk that a row does not
-    see adds exact zeros, so a row's bits do not depend on how many chunks its group reads."""
-    b, h, m, dq = q.shape
-    dv, chunk = v.shape[-1], k.shape[1] // chunks
-    kt = torch.empty(b, h, chunks, dq, chunk, device=q.device)
-    kt.copy_(k.unflatten(1, (chunks, chunk)).permute(0, 3, 1, 4, 2))
-    qe = q[:, :, None].expand(b, h, chunks, m, dq).reshape(-1, m, dq)
-    s = bmm(qe, kt.view(-1, dq, chunk))
-    s.view(b, h, chunks, hidden.shape[3], -1, chunk).masked_fill_(hidden, float("-inf"))
-    s = s.view(b, h, chunks, m, chunk)
+    """Attention of scaled float32 query rows q [H, b, M, Dq] over `chunks` KV chunks of keys k
+    [H, b, keys, Dq] and values v [H, b, keys, Dv] (KVPool.gather_heads; `hidden` masks the keys
+    after each of the M // tokens query heads' token): [H, b, M, Dv]. Each (head, block, chunk) is
+    two batched GEMMs of one shape whatever the batch (scores [M, Dq] x [Dq, chunk], then
+    exp-scores [M, chunk] x values [chunk, Dv]) and a sequential sum of its exp-scores; the row's
+    maximum is over all its keys (exact); the chunks' sums are added in chunk order. A chunk that
+    a row does not see adds exact zeros, so a row's bits do not depend on how many chunks its
+    group reads."""
+    h, b, m, dq = q.shape
+    dv, chunk = v.shape[-1], k.shape[2] // chunks
+    n = h * b * chunks
+    qe = q[:, :, None].expand(h, b, chunks, m, dq).reshape(n, m, dq)
+    s = bmm(qe, k.float().reshape(n, chunk, dq).transpose(1, 2))
+    s.view(h, b, chunks, hidden.shape[2], -1, chunk).masked_fill_(hidden, float("-inf"))
+    s = s.view(h, b, chunks, m, chunk)
     s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()
-    v1 = torch.empty(b, h, chunks, chunk, dv + 1, device=q.device)
-    v1[..., :dv].copy_(v.unflatten(1, (chunks, chunk)).permute(0, 3, 1, 2, 4))
-    v1[..., dv] = 1.0
-    part = bmm(s.view(-1, m, chunk), v1.view(-1, chunk, dv + 1)).view(b, h, chunks, m, dv + 1)
-    acc = _in_order(part, 2)
-    return acc[..., :dv] / acc[..., dv:]
+    num = bmm(s.view(n, m, chunk), v.float().reshape(n, chunk, dv)).view(h, b, chunks, m, dv)
+    return _in_order(num, 2) / _in_order(_in_order(s, 4), 2)[..., None]
 
 
 def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -343,8 +361,10 @@ def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
 def torch_tokens(decode: bool, rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> int:
     """Tokens per block of the torch path for a step: TOKENS, or in a step of decodes the fewest
     (1, 2, 4 or 8) at which the batched GEMMs give a token's `rows` query rows the bits of a
-    TOKENS-token block (probed once per geometry and device; a decode token's block is its token
-    and pads: 1 computes 16x fewer rows than TOKENS)."""
+    TOKENS-token block, computed in one thread on a CPU (probed once per geometry and device; a
+    decode token's block is its token and pads: 1 computes 16x fewer rows than TOKENS; and one
+    thread spares a wake-up of the others for each small op: 2 passive cores, the default model's
+    16-row decode step 139 -> 120 ms)."""
     if not decode:
         return TOKENS
     key = (rows, dq, dv, chunk, device.type)
@@ -354,19 +374,22 @@ def torch_tokens(decode: bool, rows: int, dq: int, dv: int, chunk: int, device: 
 
 
 def _blocks_same(tokens: int, rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> bool:
-    """Whether both GEMM shapes of softmax_chunks give each token's rows the same bits in a block
-    of `tokens` tokens as in one of TOKENS tokens, on random operands, in batches of 3 and 1."""
+    """Whether both GEMMs of softmax_chunks (as it lays them out) give each token's rows the same
+    bits in a block of `tokens` tokens (in one thread on a CPU) as in one of TOKENS tokens (in the
+    process's threads), on random operands, in batches of 3 and 1."""
     gen = torch.Generator().manual_seed(0)
     m = tokens * rows
-    for k, n in ((dq, chunk), (chunk, dv + 1)):
+    for k, n, keys_major in ((dq, chunk, True), (chunk, dv, False)):
         a = torch.randn(3, TOKENS * rows, k, generator=gen).to(device)
-        w = torch.randn(3, k, n, generator=gen).to(device)
+        w = torch.randn(3, n, k, generator=gen).to(device).transpose(1, 2) if keys_major else \
+            torch.randn(3, k, n, generator=gen).to(device)
         ref = bmm(a, w)
-        for r in range(0, TOKENS * rows, m):
-            part = slice(r, r + m)
-            if not (torch.equal(bmm(a[:, part].contiguous(), w), ref[:, part])
-                    and torch.equal(bmm(a[:1, part].contiguous(), w[:1]), ref[:1, part])):
-                return False
+        with _one_thread() if device.type == "cpu" else contextlib.nullcontext():
+            for r in range(0, TOKENS * rows, m):
+                part = slice(r, r + m)
+                if not (torch.equal(bmm(a[:, part].contiguous(), w), ref[:, part])
+                        and torch.equal(bmm(a[:1, part].contiguous(), w[:1]), ref[:1, part])):
+                    return False
     return True
 
 

@@ -136,6 +136,22 @@ class KVPool:
             out.append((x.view(stored) if bytewise else x).to(dtype))
         return tuple(out)
 
+    def gather_heads(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """gather_pages head-major and as stored: each component of whole pages (int64 [b, n]) of
+        `layer` as [heads, b, n * page_size, dim], by one index_select a head (a page's rows of
+        that head): deterministic inference's torch path multiplies each (head, request) run of
+        keys as it comes, with no transposing copy."""
+        out = []
+        flat, b = pages.reshape(-1), pages.shape[0]
+        for raw, (heads, _), stored, bytewise in self._parts:
+            src = raw[layer].view(self.num_pages, self.page_size, heads, -1)
+            x = torch.empty(heads, flat.numel(), self.page_size, src.shape[-1], dtype=src.dtype, device=src.device)
+            for h in range(heads):
+                torch.index_select(src[:, :, h], 0, flat, out=x[h])
+            x = x.view(heads, b, -1, src.shape[-1])
+            out.append(x.view(stored) if bytewise else x)
+        return tuple(out)
+
     def page_bytes(self) -> tuple[torch.Tensor, ...]:
         """Each component (K and V for GQA) of every layer as raw bytes, uint8 [num_layers,
         num_pages, page bytes of a layer] views: `[:, pages]` is a page range (or gather) of all
