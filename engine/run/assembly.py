@@ -246,10 +246,11 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """--dtype auto: bfloat16 on a GPU, float32 on a CPU. On a CPU with native bf16, bfloat16 is
     ~1.6x float32's throughput, but its answers move with the batch and the cache (the README's
-    question answered two ways, fresh and cached), and deterministic bf16 costs 3.2x (16 x 64/128
-    on 2 cores: 75 vs 237 tok/s), so the CPU default is float32 (145 tok/s), whose texts agree
-    across paths; --dtype bfloat16, with or without --enable-deterministic-inference, is a flag
-    away (docs/architecture.md, "Deterministic inference")."""
+    question answered two ways, fresh and cached), and deterministic bf16 is no faster than
+    float32 on every CPU (16 x 64/128 on 2 cores with AMX: 150-156 vs 146 tok/s; deterministic
+    float32 115-119), so the CPU default is float32, whose texts agree across paths; --dtype
+    bfloat16, with or without --enable-deterministic-inference, is a flag away
+    (docs/architecture.md, "Deterministic inference")."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
