@@ -110,6 +110,7 @@ def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor], key: tup
     to give each row the bits of ROWS-row blocks."""
     if key is None or x.device.type != "cpu":
         return in_blocks(f, ROWS, x)
+    key = (*key, torch.get_num_threads())  # proved with the threads that run it
     sizes = _sizes.get(key)
     if sizes is None:
         sizes = _sizes[key] = block_sizes(f, x.shape[1], x.dtype)
@@ -367,7 +368,7 @@ def torch_tokens(decode: bool, rows: int, dq: int, dv: int, chunk: int, device: 
     16-row decode step 139 -> 120 ms)."""
     if not decode:
         return TOKENS
-    key = (rows, dq, dv, chunk, device.type)
+    key = (rows, dq, dv, chunk, device.type, torch.get_num_threads())
     if key not in _few_tokens:
         _few_tokens[key] = next((t for t in (1, 2, 4, 8) if _blocks_same(t, rows, dq, dv, chunk, device)), TOKENS)
     return _few_tokens[key]
