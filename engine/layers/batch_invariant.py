@@ -13,8 +13,8 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
   absolute position 0. A fresh prompt, a cached prefix, a chunked prefill and a decode step
   all take one path, so a token sees the same sums in the same order. The torch path
   (`softmax_chunks`): per (block of `TOKENS` query tokens, KV head) and chunk, two batched
-  GEMMs of one fixed shape (scores, then exp-scores times the values and a column of ones);
-  the row's maximum over all its keys (exact); the chunks' sums added in chunk order. A chunk
+  GEMMs of one fixed shape (scores, then exp-scores times the values); the row's maximum over
+  all its keys (exact); the chunks' sums (and the exp-scores') added in chunk order. A chunk
   a row does not see adds exact zeros, so a block attended with longer rows beside it, over
   more chunks than it needs, keeps its bits. The CUDA kernel (blocks of 16 rows of tokens x
   query heads: kernel_tokens) runs an online softmax over the chunks in partitions of
