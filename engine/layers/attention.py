@@ -317,10 +317,13 @@ class TorchAttention(AttentionBackend):
         if batch_invariant.enabled():
             tokens = self._block_tokens
             hq, hkv, d = self._g_heads
+            group = 512
             if not self._kernel and hkv:  # (a bare backend, not bound: TOKENS)
                 tokens = batch_invariant.torch_tokens(all(n == 1 for n in lens), hq // hkv, d, d,
                                                       batch_invariant.kv_chunk(batch.page_size), self.device)
-            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel, tokens)
+                group = batch_invariant.group_chunks(hq, tokens, d, batch.page_size)
+            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel, tokens,
+                                                   group)
             return
         decode_reqs = [i for i, n in enumerate(lens) if n == 1]
         row_starts = [0]

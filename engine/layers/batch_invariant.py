@@ -56,8 +56,9 @@ BMM_GROUP_BY_DEVICE = {"cuda": 64}
 BMM_GROUP: int | None = None
 TOKENS = 16  # query tokens per attention block (the torch path; fewer in decodes where torch_tokens allows)
 # the torch path attends a group of blocks at once, over the chunks of its first (longest) block:
-# at most this many (block, chunk) pairs a group (the scores: pairs x heads x rows x chunk floats)
-GROUP_CHUNKS = 512
+# about this many floats in each of its per-(block, chunk) tensors (scores, expanded queries,
+# chunk outputs: pairs x query rows x max(head dim, chunk)), so 32 MiB each
+GROUP_FLOATS = 1 << 23
 _few_tokens: dict[tuple, int] = {}  # torch_tokens' probes
 # the CUDA kernel's blocks hold DOT_ROWS rows (tl.dot's least M) of T tokens x G query heads per KV
 # head, T = 16 // G (kernel_tokens): a decode row's block is its token and T - 1 pads, where 16
@@ -227,12 +228,18 @@ def kernel_tokens(group: int) -> int:
     return max(1, min(TOKENS, DOT_ROWS // group))
 
 
+def group_chunks(q_heads: int, tokens: int, head_dim: int, page_size: int) -> int:
+    """(block, chunk) pairs a group of the torch path: GROUP_FLOATS over one pair's floats."""
+    return max(1, GROUP_FLOATS // (q_heads * tokens * max(head_dim, kv_chunk(page_size))))
+
+
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
-         kernel: bool = False, tokens: int = TOKENS) -> Plan:
+         kernel: bool = False, tokens: int = TOKENS, group_chunks: int = 512) -> Plan:
     """Blocks of `tokens` consecutive new tokens of one request (the batch's rows in order);
     `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and takes any
     block size (kernel_tokens: one per model, the same for every step); the torch path takes
-    TOKENS, or fewer in a step of decodes (torch_tokens)."""
+    TOKENS, or fewer in a step of decodes (torch_tokens), in groups of `group_chunks` (block,
+    chunk) pairs at most (a single block reading more is a group of its own)."""
     decode = all(n == 1 for n in extend_lens)
     if not kernel and tokens != TOKENS and not (decode and 0 < tokens < TOKENS):
         raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens (fewer in decodes), not {tokens}")
@@ -273,7 +280,7 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     b, nb = 0, len(order)
     while b < nb:
         c = reads[order[b]]
-        e = min(nb, b + max(1, GROUP_CHUNKS // c))
+        e = min(nb, b + max(1, group_chunks // c))
         cols = torch.arange(c * per_chunk, device=dev).clamp_(max=width - 1)
         hidden = torch.arange(c * chunk, device=dev)[None, None, :] > pos_t[b:e, :, None]  # [blocks, tokens, keys]
         hidden = hidden.view(e - b, tokens, c, chunk).transpose(1, 2)[:, :, :, None, :]

@@ -70,7 +70,7 @@ def _reference(q: torch.Tensor, pool: KVPool, table: torch.Tensor, pos: int) -> 
     return torch.einsum("hk,khd->hd", p, v)
 
 
-def test_decode_blocks_groups_and_padding_give_the_prefill_bits(pool_q, monkeypatch) -> None:  # noqa: ANN001
+def test_decode_blocks_groups_and_padding_give_the_prefill_bits(pool_q) -> None:  # noqa: ANN001
     pool, table, q = pool_q
     full = bi.attend(q, bi.plan(table, [L], [L], PS), pool, 0)  # a fresh prefill, 16-token blocks
     for pos in POSITIONS:
@@ -82,11 +82,12 @@ def test_decode_blocks_groups_and_padding_give_the_prefill_bits(pool_q, monkeypa
     for t in {tokens, bi.TOKENS}:  # decode rows of mixed lengths in one group (padded to 5 chunks)
         batch = bi.attend(q[POSITIONS], bi.plan(tables, lens, [1] * len(POSITIONS), PS, tokens=t), pool, 0)
         assert torch.equal(batch, full[POSITIONS]), t
-    monkeypatch.setattr(bi, "GROUP_CHUNKS", 1)  # groups of one block, each over its own chunks only
-    plan = bi.plan(tables, lens, [1] * len(POSITIONS), PS, tokens=tokens)
+    plan = bi.plan(tables, lens, [1] * len(POSITIONS), PS, tokens=tokens, group_chunks=1)  # a block a group
     assert len(plan.groups) == len(POSITIONS)
     assert torch.equal(bi.attend(q[POSITIONS], plan, pool, 0), full[POSITIONS])
-    assert torch.equal(bi.attend(q, bi.plan(table, [L], [L], PS), pool, 0), full)
+    small = bi.plan(table, [L], [L], PS, group_chunks=4)  # prefill blocks in groups of up to 4 pairs
+    assert len(small.groups) > 1
+    assert torch.equal(bi.attend(q, small, pool, 0), full)
 
 
 def test_in_order_sum_ignores_trailing_zero_terms() -> None:
