@@ -206,7 +206,8 @@ class TorchAttention(AttentionBackend):
         self._decode: _DecodeGroup | None = None
         self._extends: list[_ExtendReq] = []
         self._all_decode = False
-        self._invariant: batch_invariant.Plan | None = None  # deterministic inference: the one path
+        # deterministic inference: the one path (two plans in a step of decodes and prefills on the torch path)
+        self._invariant: list[batch_invariant.Plan] | None = None
         self._kernel = False  # that path's CUDA kernel takes this model (bind)
         self._block_tokens = batch_invariant.TOKENS  # tokens per block of that path (bind)
         # deterministic decode in CUDA graphs (bind): (page table, KV lengths) of the graph's rows,
@@ -315,15 +316,7 @@ class TorchAttention(AttentionBackend):
         trees = self.take_trees()
         self._graph = None  # an eager step: attention reads the batch's page table
         if batch_invariant.enabled():
-            tokens = self._block_tokens
-            hq, hkv, d = self._g_heads
-            group = 512
-            if not self._kernel and hkv:  # (a bare backend, not bound: TOKENS)
-                tokens = batch_invariant.torch_tokens(all(n == 1 for n in lens), hq // hkv, d, d,
-                                                      batch_invariant.kv_chunk(batch.page_size), self.device)
-                group = batch_invariant.group_chunks(hq, tokens, d, batch.page_size)
-            self._invariant = batch_invariant.plan(batch.page_table, seqs, lens, batch.page_size, self._kernel, tokens,
-                                                   group)
+            self._invariant = self._invariant_plans(batch)
             return
         decode_reqs = [i for i, n in enumerate(lens) if n == 1]
         row_starts = [0]
@@ -336,6 +329,24 @@ class TorchAttention(AttentionBackend):
             extend_reqs = self._fresh_runs(batch, extend_reqs)
         self._extends = [self._extend_req(batch, reqs, row_starts[reqs[0]], seqs[reqs[0]], trees.get(reqs[0]))
                          for reqs in extend_reqs]
+
+    def _invariant_plans(self, batch: ForwardBatch) -> list[batch_invariant.Plan]:
+        """The step's deterministic plans: one for the CUDA kernel; on the torch path, decode rows
+        in blocks of torch_tokens' few tokens and the others in blocks of TOKENS, two plans where a
+        step has both (a decode row then computes its own token's rows, not TOKENS' worth)."""
+        lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
+        hq, hkv, d = self._g_heads
+        if self._kernel or not hkv:  # (a bare backend, not bound: TOKENS)
+            return [batch_invariant.plan(batch.page_table, seqs, lens, ps, self._kernel, self._block_tokens)]
+        few = batch_invariant.torch_tokens(True, hq // hkv, d, d, batch_invariant.kv_chunk(ps), self.device)
+        kinds = sorted({n == 1 for n in lens}) if few < batch_invariant.TOKENS else []
+        if len(kinds) < 2:
+            tokens = few if lens and all(n == 1 for n in lens) else batch_invariant.TOKENS
+            return [batch_invariant.plan(batch.page_table, seqs, lens, ps, tokens=tokens,
+                                         group_chunks=batch_invariant.group_chunks(hq, tokens, d, ps))]
+        return [batch_invariant.plan(batch.page_table, seqs, lens, ps, tokens=tokens, decodes=dec,
+                                     group_chunks=batch_invariant.group_chunks(hq, tokens, d, ps))
+                for dec, tokens in ((False, batch_invariant.TOKENS), (True, few))]
 
     @staticmethod
     def _fresh_runs(batch: ForwardBatch, reqs: list[list[int]]) -> list[list[int]]:
@@ -395,7 +406,10 @@ class TorchAttention(AttentionBackend):
         if self._graph is not None:
             return self._graph_attend(q, layer_id, kv_pool)
         if self._invariant is not None:
-            return batch_invariant.attend(q, self._invariant, kv_pool, layer_id)
+            out = None
+            for p in self._invariant:
+                out = batch_invariant.attend(q, p, kv_pool, layer_id, out)
+            return out
         if self._decode is not None:
             g = self._decode
             qd = q if self._all_decode else q[g.rows]

@@ -234,13 +234,14 @@ def group_chunks(q_heads: int, tokens: int, head_dim: int, page_size: int) -> in
 
 
 def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], page_size: int,
-         kernel: bool = False, tokens: int = TOKENS, group_chunks: int = 512) -> Plan:
+         kernel: bool = False, tokens: int = TOKENS, group_chunks: int = 512, decodes: bool | None = None) -> Plan:
     """Blocks of `tokens` consecutive new tokens of one request (the batch's rows in order);
     `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and takes any
     block size (kernel_tokens: one per model, the same for every step); the torch path takes
-    TOKENS, or fewer in a step of decodes (torch_tokens), in groups of `group_chunks` (block,
-    chunk) pairs at most (a single block reading more is a group of its own)."""
-    decode = all(n == 1 for n in extend_lens)
+    TOKENS, or fewer for decode rows only (torch_tokens), in groups of `group_chunks` (block,
+    chunk) pairs at most (a single block reading more is a group of its own). `decodes`: the
+    requests with one new token only (True) or the others only (False); None: all."""
+    decode = all(n == 1 for n in extend_lens if decodes is None or (n == 1) == decodes)
     if not kernel and tokens != TOKENS and not (decode and 0 < tokens < TOKENS):
         raise ValueError(f"the torch attention path takes blocks of {TOKENS} tokens (fewer in decodes), not {tokens}")
     chunk = kv_chunk(page_size)
@@ -248,6 +249,9 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     rows, pos, req, reads, used = [], [], [], [], []
     row0 = 0
     for i, (seq, n) in enumerate(zip(seq_lens, extend_lens, strict=True)):
+        if decodes is not None and (n == 1) != decodes:
+            row0 += n
+            continue
         start = seq - n
         for b in range(0, n, tokens):
             k = min(tokens, n - b)
@@ -289,8 +293,9 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     return Plan(rows_t, real_t, groups, page_table, page_size, chunk, blocks, kernel, tokens, decode=decode)
 
 
-def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tensor:
-    """Causal attention of q [T, Hq, D] over `layer`'s paged KV by the plan; [T, Hq, D] in q's dtype."""
+def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over `layer`'s paged KV by the plan; [T, Hq, D] in q's dtype
+    (the torch path: the plan's rows of `out` where given, its other rows left as they are)."""
     _, hq, d = q.shape
     nb = p.rows.shape[0]
     if p.kernel:  # one launch (two for split-KV), the same structure
@@ -300,8 +305,8 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tenso
         return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer, s, p.scratch)
     if p.decode and p.tokens < TOKENS and q.device.type == "cpu":
         with _one_thread():  # small ops: waking the other OpenMP threads costs more than they do
-            return _attend_groups(q, p, kv_pool, layer)
-    return _attend_groups(q, p, kv_pool, layer)
+            return _attend_groups(q, p, kv_pool, layer, out)
+    return _attend_groups(q, p, kv_pool, layer, out)
 
 
 @contextmanager
@@ -314,11 +319,11 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _attend_groups(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int) -> torch.Tensor:
+def _attend_groups(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int, out: torch.Tensor | None) -> torch.Tensor:
     """attend by the torch path: each group of blocks through softmax_chunks."""
     _, hq, d = q.shape
     nb = p.rows.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if nb == 0:
         return out
     hkv, t = kv_pool.num_kv_heads, p.tokens

@@ -32,8 +32,8 @@ form and the absorption GEMMs run in fixed row blocks, so a token's bits do not 
 batch, its prefill chunks or its cached prefix. On CUDA every new token, prefill and decode alike,
 is a row of the triton kernel over its causal prefix (`MLAPlan.every_row`; a row's split lengths
 are a function of its own length only), so the decode and verify steps run in CUDA graphs. On
-the CPU (the torch path) in blocks of batch_invariant.TOKENS query tokens of one request and KV
-chunks aligned to position 0 merged by an online softmax in order (`_invariant`).
+the CPU (the torch path) in blocks of batch_invariant.TOKENS query tokens of one request over KV
+chunks aligned to position 0 (`_invariant`, through batch_invariant.softmax_chunks).
 """
 
 from __future__ import annotations

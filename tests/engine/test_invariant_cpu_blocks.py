@@ -95,3 +95,21 @@ def test_in_order_sum_ignores_trailing_zero_terms() -> None:
     padded = torch.cat([x, torch.zeros(4, 9, 5)], dim=1)
     assert torch.equal(bi._in_order(x, 1), bi._in_order(padded, 1))
     torch.testing.assert_close(bi._in_order(x, 1).double(), x.double().sum(1), rtol=1e-6, atol=1e-3)
+
+
+def test_a_step_of_decodes_and_prefills_takes_two_plans_with_the_same_bits(pool_q) -> None:  # noqa: ANN001
+    """A mixed step on the torch path: the decode rows in blocks of torch_tokens' few tokens, the
+    prefill chunk in 16-token blocks, into one output: each row has its fresh-prefill bits."""
+    pool, table, q = pool_q
+    full = bi.attend(q, bi.plan(table, [L], [L], PS), pool, 0)
+    seqs, lens = [201, L, 65], [1, 40, 1]  # a decode, a chunk behind a cached prefix, a decode
+    rows = torch.cat([q[200:201], q[L - 40 :], q[64:65]])
+    want = torch.cat([full[200:201], full[L - 40 :], full[64:65]])
+    tables = table.expand(3, -1)
+    tokens = bi.torch_tokens(True, HQ // HKV, D, D, bi.kv_chunk(PS), torch.device("cpu"))
+    prefill = bi.plan(tables, seqs, lens, PS, decodes=False)
+    decode = bi.plan(tables, seqs, lens, PS, tokens=tokens, decodes=True)
+    assert decode.decode and not prefill.decode and decode.rows.shape == (2, tokens)
+    out = bi.attend(rows, decode, pool, 0, bi.attend(rows, prefill, pool, 0))
+    assert torch.equal(out, want)
+    assert torch.equal(bi.attend(rows, bi.plan(tables, seqs, lens, PS), pool, 0), want)  # one plan of 16-token blocks
