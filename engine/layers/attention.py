@@ -332,21 +332,23 @@ class TorchAttention(AttentionBackend):
 
     def _invariant_plans(self, batch: ForwardBatch) -> list[batch_invariant.Plan]:
         """The step's deterministic plans: one for the CUDA kernel; on the torch path, decode rows
-        in blocks of torch_tokens' few tokens and the others in blocks of TOKENS, two plans where a
+        in blocks of decode_tokens' few tokens and the others in blocks of TOKENS, two plans where a
         step has both (a decode row then computes its own token's rows, not TOKENS' worth)."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
         hq, hkv, d = self._g_heads
         if self._kernel or not hkv:  # (a bare backend, not bound: TOKENS)
             return [batch_invariant.plan(batch.page_table, seqs, lens, ps, self._kernel, self._block_tokens)]
-        few = batch_invariant.torch_tokens(True, hq // hkv, d, d, batch_invariant.kv_chunk(ps), self.device)
-        kinds = sorted({n == 1 for n in lens}) if few < batch_invariant.TOKENS else []
-        if len(kinds) < 2:
-            tokens = few if lens and all(n == 1 for n in lens) else batch_invariant.TOKENS
-            return [batch_invariant.plan(batch.page_table, seqs, lens, ps, tokens=tokens,
-                                         group_chunks=batch_invariant.group_chunks(hq, tokens, d, ps))]
+        few = batch_invariant.decode_tokens(hq // hkv, d, d, batch_invariant.kv_chunk(ps), self.device)
+        decodes = sum(n == 1 for n in lens)
+        if decodes == len(lens) and lens:
+            kinds = [(None, few)]
+        elif decodes and few < batch_invariant.TOKENS:
+            kinds = [(False, batch_invariant.TOKENS), (True, few)]
+        else:
+            kinds = [(None, batch_invariant.TOKENS)]
         return [batch_invariant.plan(batch.page_table, seqs, lens, ps, tokens=tokens, decodes=dec,
                                      group_chunks=batch_invariant.group_chunks(hq, tokens, d, ps))
-                for dec, tokens in ((False, batch_invariant.TOKENS), (True, few))]
+                for dec, tokens in kinds]
 
     @staticmethod
     def _fresh_runs(batch: ForwardBatch, reqs: list[list[int]]) -> list[list[int]]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +53,12 @@ _sizes: dict[tuple, tuple[int, ...]] = {}  # GEMM key -> block_sizes
 # n = 1 and every n > 1; scripts/det_probe.py). CPU (oneDNN) measured invariant: one call.
 BMM_GROUP_BY_DEVICE = {"cuda": 64}
 BMM_GROUP: int | None = None
-TOKENS = 16  # query tokens per attention block (the torch path; fewer in decodes where torch_tokens allows)
+TOKENS = 16  # query tokens per attention block (the torch path; fewer in decodes where decode_tokens allows)
 # the torch path attends a group of blocks at once, over the chunks of its first (longest) block:
 # about this many floats in each of its per-(block, chunk) tensors (scores, expanded queries,
 # chunk outputs: pairs x query rows x max(head dim, chunk)), so 32 MiB each
 GROUP_FLOATS = 1 << 23
-_few_tokens: dict[tuple, int] = {}  # torch_tokens' probes
+_few_tokens: dict[tuple, int] = {}  # decode_tokens' probes
 # the CUDA kernel's blocks hold DOT_ROWS rows (tl.dot's least M) of T tokens x G query heads per KV
 # head, T = 16 // G (kernel_tokens): a decode row's block is its token and T - 1 pads, where 16
 # tokens would compute 16 x G rows for it. H200, batch 256 ctx 1024, a layer: Llama's 32/8 heads
@@ -238,7 +237,7 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     """Blocks of `tokens` consecutive new tokens of one request (the batch's rows in order);
     `kernel`: for the CUDA kernel (kernel_fits), which reads the pages itself and takes any
     block size (kernel_tokens: one per model, the same for every step); the torch path takes
-    TOKENS, or fewer for decode rows only (torch_tokens), in groups of `group_chunks` (block,
+    TOKENS, or fewer for decode rows only (decode_tokens), in groups of `group_chunks` (block,
     chunk) pairs at most (a single block reading more is a group of its own). `decodes`: the
     requests with one new token only (True) or the others only (False); None: all."""
     decode = all(n == 1 for n in extend_lens if decodes is None or (n == 1) == decodes)
@@ -309,7 +308,7 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int, out: torch.Ten
     return _attend_groups(q, p, kv_pool, layer, out)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -371,15 +370,13 @@ def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
     return acc
 
 
-def torch_tokens(decode: bool, rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> int:
-    """Tokens per block of the torch path for a step: TOKENS, or in a step of decodes the fewest
-    (1, 2, 4 or 8) at which the batched GEMMs give a token's `rows` query rows the bits of a
-    TOKENS-token block, computed in one thread on a CPU (probed once per geometry and device; a
-    decode token's block is its token and pads: 1 computes 16x fewer rows than TOKENS; and one
-    thread spares a wake-up of the others for each small op: 2 passive cores, the default model's
-    16-row decode step 139 -> 120 ms)."""
-    if not decode:
-        return TOKENS
+def decode_tokens(rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> int:
+    """Tokens per block of the torch path's decode rows: the fewest (1, 2, 4 or 8) at which the
+    batched GEMMs give a token's `rows` query rows the bits of a TOKENS-token block, computed in
+    one thread on a CPU, else TOKENS (probed once per geometry and device; a decode token's block
+    is its token and pads: 1 computes 16x fewer rows than TOKENS; and one thread spares a wake-up
+    of the others for each small op: 2 passive cores, the default model's 16-row decode step 139
+    -> 120 ms)."""
     key = (rows, dq, dv, chunk, device.type, torch.get_num_threads())
     if key not in _few_tokens:
         _few_tokens[key] = next((t for t in (1, 2, 4, 8) if _blocks_same(t, rows, dq, dv, chunk, device)), TOKENS)

@@ -78,7 +78,7 @@ def test_decode_blocks_groups_and_padding_give_the_prefill_bits(pool_q) -> None:
     chunked = bi.attend(q[130:], bi.plan(table, [L], [L - 130], PS), pool, 0)  # behind a cached prefix
     assert torch.equal(chunked, full[130:])
     tables, lens = table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS]
-    tokens = bi.torch_tokens(True, HQ // HKV, D, D, bi.kv_chunk(PS), torch.device("cpu"))
+    tokens = bi.decode_tokens(HQ // HKV, D, D, bi.kv_chunk(PS), torch.device("cpu"))
     for t in {tokens, bi.TOKENS}:  # decode rows of mixed lengths in one group (padded to 5 chunks)
         batch = bi.attend(q[POSITIONS], bi.plan(tables, lens, [1] * len(POSITIONS), PS, tokens=t), pool, 0)
         assert torch.equal(batch, full[POSITIONS]), t
@@ -98,7 +98,7 @@ def test_in_order_sum_ignores_trailing_zero_terms() -> None:
 
 
 def test_a_step_of_decodes_and_prefills_takes_two_plans_with_the_same_bits(pool_q) -> None:  # noqa: ANN001
-    """A mixed step on the torch path: the decode rows in blocks of torch_tokens' few tokens, the
+    """A mixed step on the torch path: the decode rows in blocks of decode_tokens' few tokens, the
     prefill chunk in 16-token blocks, into one output: each row has its fresh-prefill bits."""
     pool, table, q = pool_q
     full = bi.attend(q, bi.plan(table, [L], [L], PS), pool, 0)
@@ -106,7 +106,7 @@ def test_a_step_of_decodes_and_prefills_takes_two_plans_with_the_same_bits(pool_
     rows = torch.cat([q[200:201], q[L - 40 :], q[64:65]])
     want = torch.cat([full[200:201], full[L - 40 :], full[64:65]])
     tables = table.expand(3, -1)
-    tokens = bi.torch_tokens(True, HQ // HKV, D, D, bi.kv_chunk(PS), torch.device("cpu"))
+    tokens = bi.decode_tokens(HQ // HKV, D, D, bi.kv_chunk(PS), torch.device("cpu"))
     prefill = bi.plan(tables, seqs, lens, PS, decodes=False)
     decode = bi.plan(tables, seqs, lens, PS, tokens=tokens, decodes=True)
     assert decode.decode and not prefill.decode and decode.rows.shape == (2, tokens)

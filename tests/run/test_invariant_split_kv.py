@@ -71,7 +71,7 @@ def test_smaller_blocks_take_the_same_path(setup, tokens: int) -> None:  # noqa:
     tests/gpu/test_invariant_attention_gpu.py) run, decode split and serial and prefill, close to
     the 16-token prefill (not its bits here: the interpreter's float32 dots are numpy matmuls,
     which sum by the matrix's shape); the torch path refuses any size but TOKENS (and 1 in a step of
-    decodes: batch_invariant.torch_tokens)."""
+    decodes: batch_invariant.decode_tokens)."""
     pool, table, q, full = setup
     plan = bi.plan(table.expand(len(POSITIONS), -1), [p + 1 for p in POSITIONS], [1] * len(POSITIONS), PS,
                    kernel=True, tokens=tokens)
