@@ -172,8 +172,8 @@ class Plan:
     page_table: torch.Tensor
     page_size: int
     chunk: int
-    # the same blocks for the CUDA kernel: (request int32, rows, positions int64 [nb, TOKENS],
-    # chunks read int32, real int8 [nb, TOKENS])
+    # the same blocks for the CUDA kernel (empty on the torch path): (request int32, rows, positions
+    # int64 [nb, TOKENS], chunks read int32, real int8 [nb, TOKENS])
     blocks: tuple[torch.Tensor, ...]
     kernel: bool  # attend by the CUDA kernel (then `groups` is empty)
     tokens: int = TOKENS  # per block
@@ -270,12 +270,12 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     pos_t = torch.tensor([pos[b] for b in order], dtype=torch.int64, device=dev)
     req_t = torch.tensor([req[b] for b in order], dtype=torch.int64, device=dev)
     width = page_table.shape[1]
-    real_mask = torch.zeros(len(order) * tokens, dtype=torch.int8)
-    real_mask[real] = 1
-    blocks = (req_t.to(torch.int32), rows_t, pos_t,
-              torch.tensor([reads[b] for b in order], dtype=torch.int32, device=dev),
-              real_mask.view(-1, tokens).to(dev))
     if kernel:
+        real_mask = torch.zeros(len(order) * tokens, dtype=torch.int8)
+        real_mask[real] = 1
+        blocks = (req_t.to(torch.int32), rows_t, pos_t,
+                  torch.tensor([reads[b] for b in order], dtype=torch.int32, device=dev),
+                  real_mask.view(-1, tokens).to(dev))
         per_part = kv_part(page_size) // chunk
         parts = -(-reads[order[0]] // per_part) if order else 0
         return Plan(rows_t, real_t, [], page_table, page_size, chunk, blocks, kernel, tokens, parts, decode)
@@ -289,7 +289,7 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
         hidden = hidden.view(e - b, tokens, c, chunk).transpose(1, 2)[:, :, :, None, :]
         groups.append(Group(b, e, c, page_table[req_t[b:e]][:, cols].to(torch.int64), hidden))
         b = e
-    return Plan(rows_t, real_t, groups, page_table, page_size, chunk, blocks, kernel, tokens, decode=decode)
+    return Plan(rows_t, real_t, groups, page_table, page_size, chunk, (), kernel, tokens, decode=decode)
 
 
 def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
