@@ -15,7 +15,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from engine.layers import batch_invariant
+from engine.layers import batch_invariant, cpu_attention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
 
@@ -209,6 +209,8 @@ class TorchAttention(AttentionBackend):
         # deterministic inference: the one path (two plans in a step of decodes and prefills on the torch path)
         self._invariant: list[batch_invariant.Plan] | None = None
         self._kernel = False  # that path's CUDA kernel takes this model (bind)
+        self._cpu_kernel = False  # on a CPU: cpu_attention's kernel takes it (bind)
+        self._cpu_plan: cpu_attention.Plan | None = None
         self._block_tokens = batch_invariant.TOKENS  # tokens per block of that path (bind)
         # deterministic decode in CUDA graphs (bind): (page table, KV lengths) of the graph's rows,
         # set for capture / replay and cleared by prepare; the layer that rebuilds the blocks
@@ -235,6 +237,8 @@ class TorchAttention(AttentionBackend):
         self._kernel = batch_invariant.kernel_fits(num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype,
                                                    self.device)
         self._g_heads = (num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim)
+        self._cpu_kernel = (batch_invariant.enabled() and self.device.type == "cpu" and kv_pool.layout.is_gqa
+                            and cpu_attention.fits(kv_pool.dtype, kv_pool.head_dim))  # builds it: before ready
         if self._kernel:
             self._block_tokens = batch_invariant.kernel_tokens(num_q_heads // kv_pool.num_kv_heads)
         self._g_page = kv_pool.page_size
@@ -315,6 +319,10 @@ class TorchAttention(AttentionBackend):
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
         trees = self.take_trees()
         self._graph = None  # an eager step: attention reads the batch's page table
+        if self._cpu_kernel:
+            hq, hkv, _ = self._g_heads
+            self._cpu_plan = cpu_attention.plan(batch.page_table, seqs, lens, hq, hkv)
+            return
         if batch_invariant.enabled():
             self._invariant = self._invariant_plans(batch)
             return
@@ -407,6 +415,10 @@ class TorchAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         if self._graph is not None:
             return self._graph_attend(q, layer_id, kv_pool)
+        if self._cpu_plan is not None:
+            o = cpu_attention.attend(q, self._cpu_plan, kv_pool.k[layer_id], kv_pool.v[layer_id], kv_pool.page_size,
+                                     q.shape[-1] ** -0.5)
+            return o.to(q.dtype)
         if self._invariant is not None:
             out = None
             for p in self._invariant:

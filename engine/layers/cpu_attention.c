@@ -1,0 +1,174 @@
+/* Deterministic paged attention on the CPU (engine/layers/cpu_attention.py builds and calls it).
+
+   A query row (one token, one query head) is computed by the same sequence of float operations
+   whatever else is in its call: its keys' scores are dot products summed over the head dim in
+   order (explicit fmaf; the file is compiled with -ffp-contract=off), its maximum is exact over
+   the keys it sees, its exp-scores are summed in 16 lanes by key position (lane j % 16, then a
+   fixed tree), and its output sums the exp-scores times the values key after key from position
+   0. Nothing depends on the batch, on how the row's prompt was chunked, on which of its keys came
+   from a cache, on the block of tokens it was computed with, or on the thread that ran it. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 64   /* keys per tile: scores are vectorised over a tile's keys */
+#define LANES 16   /* partial sums of the exp-scores */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* row `src` (n values of dtype 0 = float32, 1 = bfloat16) as float32 into dst */
+static inline void load_row(const void *src, int dtype, int n, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    }
+}
+
+/* exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction and a degree-6
+   polynomial (about 1 ulp), branch-free so that it vectorises; below -87.3 it is 0 */
+static inline float exp_neg(float x) {
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    const float xc = x < -87.3f ? -87.3f : x;
+    const float n = floorf(fmaf(xc, log2e, 0.5f));
+    float r = fmaf(n, -ln2_hi, xc);
+    r = fmaf(n, -ln2_lo, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.3f ? 0.0f : p * two_n.f;
+}
+
+typedef struct {
+    const float *q;       /* [T, Hq, dq] float32, contiguous */
+    const void *k, *v;    /* this layer's KV: row (slot, head) at (slot * heads + head) * stride */
+    int64_t k_stride, v_stride;  /* elements between consecutive (slot, head) rows */
+    int kv_dtype, kv_heads, q_heads, dq, dv, page_size;
+    float scale;
+    const int64_t *page_table;  /* [requests, pt_width] */
+    int64_t pt_width;
+    float *out;           /* [T, Hq, dv] float32 */
+} Args;
+
+/* one item: `ntok` new tokens of request `req` (q rows row0.., positions pos0..) x one KV head */
+static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
+    const int g = a->q_heads / a->kv_heads, rows = ntok * g, dq = a->dq, dv = a->dv;
+    const int keys = pos0 + ntok, tiles = (keys + CHUNK - 1) / CHUNK, width = tiles * CHUNK;
+    const int esz = a->kv_dtype == 0 ? 4 : 2;
+    float *kt = scratch;                        /* [dq, CHUNK]: a tile's keys, transposed */
+    float *vt = kt + (size_t)dq * CHUNK;        /* [CHUNK, dv] */
+    float *s = vt + (size_t)CHUNK * dv;         /* [rows, width]: scores, then exp-scores */
+    float *o = s + (size_t)rows * width;        /* [rows, dv] */
+    float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
+    float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
+    const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
+    for (int t = 0; t < tiles; t++) {
+        for (int j = 0; j < CHUNK; j++) {
+            int pos = t * CHUNK + j;
+            if (pos >= keys) {
+                for (int d = 0; d < dq; d++) kt[(size_t)d * CHUNK + j] = 0.0f;
+                continue;
+            }
+            int64_t slot = pt[pos / a->page_size] * a->page_size + pos % a->page_size;
+            load_row((const char *)a->k + ((slot * a->kv_heads + h) * a->k_stride) * esz, a->kv_dtype, dq, krow);
+            for (int d = 0; d < dq; d++) kt[(size_t)d * CHUNK + j] = krow[d];
+        }
+        for (int i = 0; i < rows; i++) {
+            const float *qi = a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq;
+            float acc[CHUNK] = {0};
+            for (int d = 0; d < dq; d++) {
+                const float qd = qi[d];
+                const float *kd = kt + (size_t)d * CHUNK;
+                for (int j = 0; j < CHUNK; j++) acc[j] = fmaf(qd, kd[j], acc[j]);
+            }
+            float *si = s + (size_t)i * width + t * CHUNK;
+            for (int j = 0; j < CHUNK; j++) si[j] = acc[j] * a->scale;
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const int seen = pos0 + i / g + 1;  /* keys 0..pos */
+        float *si = s + (size_t)i * width;
+        const int padded = (seen + LANES - 1) / LANES * LANES;
+        for (int j = seen; j < padded; j++) si[j] = -INFINITY;
+        float lane[LANES];
+        for (int u = 0; u < LANES; u++) lane[u] = -INFINITY;
+        for (int j = 0; j < padded; j += LANES)  /* the maximum (exact in any order), in lanes */
+            for (int u = 0; u < LANES; u++) lane[u] = si[j + u] > lane[u] ? si[j + u] : lane[u];
+        float m = lane[0];
+        for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
+        for (int j = 0; j < padded; j++) si[j] = exp_neg(si[j] - m);  /* exp(-inf) = 0 */
+        for (int u = 0; u < LANES; u++) lane[u] = 0.0f;
+        for (int j = 0; j < padded; j += LANES)
+            for (int u = 0; u < LANES; u++) lane[u] += si[j + u];
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int u = 0; u < w; u++) lane[u] += lane[u + w];
+        l[i] = lane[0];
+        memset(o + (size_t)i * dv, 0, sizeof(float) * dv);
+    }
+    for (int t = 0; t < tiles; t++) {
+        const int n = keys - t * CHUNK < CHUNK ? keys - t * CHUNK : CHUNK;
+        for (int j = 0; j < n; j++) {
+            int pos = t * CHUNK + j;
+            int64_t slot = pt[pos / a->page_size] * a->page_size + pos % a->page_size;
+            load_row((const char *)a->v + ((slot * a->kv_heads + h) * a->v_stride) * esz, a->kv_dtype, dv,
+                     vt + (size_t)j * dv);
+        }
+        for (int i = 0; i < rows; i++) {
+            const int seen = pos0 + i / g + 1;
+            const int stop = seen - t * CHUNK < n ? seen - t * CHUNK : n;
+            const float *restrict si = s + (size_t)i * width + t * CHUNK;
+            float *restrict oi = o + (size_t)i * dv;
+            int d0 = 0;
+            for (; d0 + CHUNK <= dv; d0 += CHUNK) {  /* 64 sums held in registers over the keys */
+                float acc[CHUNK];
+                memcpy(acc, oi + d0, sizeof acc);
+                for (int j = 0; j < stop; j++) {
+                    const float p = si[j];
+                    const float *restrict vj = vt + (size_t)j * dv + d0;
+                    for (int d = 0; d < CHUNK; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+                }
+                memcpy(oi + d0, acc, sizeof acc);
+            }
+            for (; d0 < dv; d0++)
+                for (int j = 0; j < stop; j++) oi[d0] = fmaf(si[j], vt[(size_t)j * dv + d0], oi[d0]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float *dst = a->out + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dv;
+        const float *oi = o + (size_t)i * dv;
+        for (int d = 0; d < dv; d++) dst[d] = oi[d] / l[i];
+    }
+}
+
+/* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
+   first) x KV heads, item = block * kv_heads + head; returns 0, or -1 if scratch fails */
+int strata_attend(const float *q, const void *k, const void *v, int64_t k_stride, int64_t v_stride, int kv_dtype,
+                  int kv_heads, int q_heads, int dq, int dv, int page_size, float scale,
+                  const int64_t *page_table, int64_t pt_width, const int32_t *blocks, int first, int last,
+                  int max_rows, int max_keys, float *out) {
+    Args a = {q, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
+              page_table, pt_width, out};
+    const int width = (max_keys + CHUNK - 1) / CHUNK * CHUNK;
+    size_t need = (size_t)dq * CHUNK + (size_t)CHUNK * dv + (size_t)max_rows * width + (size_t)max_rows * dv + max_rows;
+    float *scratch = malloc(need * sizeof(float));
+    if (!scratch) return -1;
+    for (int it = first; it < last; it++) {
+        const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
+        attend_item(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
+    }
+    free(scratch);
+    return 0;
+}
