@@ -263,7 +263,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         cp = backend if isinstance(backend, ContextParallelAttention) else None
         trees = backend.step_trees if backend is not None else None
         plan = (None if cp is not None
-                else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph, trees, flashmla))
+                else MLAPlan.build(batch, self.absorb_all, self.decode_kernel, graph, trees, flashmla, kv))
         ctx = MLAContext(batch, kv, plan, self.rope, x.dtype, cp, self.absorb_all)
         residual = None
         for layer in self.model.layers:

@@ -101,7 +101,7 @@ class NextN(nn.Module):
         e = self.embedding()(ids)
         x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden)], dim=-1))
         mla = backend if isinstance(backend, MLABackend) else None  # on CUDA: its own (engine/run/eagle.py)
-        plan = MLAPlan.build(batch, graph=mla.graph if mla else None, flashmla=mla.fm if mla else None)
+        plan = MLAPlan.build(batch, graph=mla.graph if mla else None, flashmla=mla.fm if mla else None, kv=kv)
         ctx = MLAContext(batch, kv, plan, self.rope, x.dtype)
         x, residual = layer(x, None, ctx)
         g = layer.shared_head.norm(x + residual)

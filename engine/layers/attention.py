@@ -321,7 +321,8 @@ class TorchAttention(AttentionBackend):
         self._graph = None  # an eager step: attention reads the batch's page table
         if self._cpu_kernel:
             hq, hkv, _ = self._g_heads
-            self._cpu_plan = cpu_attention.plan(batch.page_table, seqs, lens, hq, hkv)
+            self._cpu_plan = cpu_attention.plan(batch.page_table, seqs, lens, cpu_attention.block_tokens(hq // hkv),
+                                                hkv)
             return
         if batch_invariant.enabled():
             self._invariant = self._invariant_plans(batch)

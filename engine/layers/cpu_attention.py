@@ -39,7 +39,7 @@ log = structlog.get_logger()
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
-ROWS = 64  # query rows (tokens x query heads of one KV head) a block holds, at most 16 tokens
+ROWS = 64  # query rows (tokens x query heads of one KV head) of a block, at most (block_tokens)
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -96,16 +96,19 @@ class Plan:
     blocks: torch.Tensor
     page_table: torch.Tensor  # int64 [requests, width], contiguous
     ranges: list[tuple[int, int]]  # items [first, last) per thread; item = block x KV heads + head
-    rows: int  # the most query rows of a block
+    tokens: int  # the most tokens of a block
     keys: int  # the most keys a block reads
 
 
-def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], q_heads: int,
-         kv_heads: int) -> Plan:
-    """Blocks of up to 16 consecutive new tokens of one request (ROWS query rows at most), and
-    the blocks' items split between torch's threads by their work (tokens x keys)."""
-    g = q_heads // kv_heads
-    tokens = max(1, min(16, ROWS // g))
+def block_tokens(group: int) -> int:
+    """Tokens per block for `group` query heads per KV head: up to 16, ROWS query rows at most (a
+    block's keys, converted and transposed once, serve all its rows)."""
+    return max(1, min(16, ROWS // group))
+
+
+def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], tokens: int, kv_heads: int) -> Plan:
+    """Blocks of up to `tokens` consecutive new tokens of one request, and the blocks' items split
+    between torch's threads by their work (tokens x keys)."""
     blocks, row0 = [], 0
     for i, (seq, n) in enumerate(zip(seq_lens, extend_lens, strict=True)):
         for b in range(0, n, tokens):
@@ -118,7 +121,7 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
     cuts = [0, *(int(np.searchsorted(cost, cost[-1] * k / threads)) + 1 for k in range(1, threads)), len(cost)]
     return Plan(torch.from_numpy(arr), page_table.to(torch.int64).contiguous(),
                 [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a],
-                tokens * g, int(ends.max(initial=0)))
+                tokens, int(ends.max(initial=0)))
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -144,7 +147,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     def run(first: int, last: int) -> None:
         rc = lib.strata_attend(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
                                KV_DTYPES[k.dtype], hkv, hq, dq, dv, page_size, scale, p.page_table.data_ptr(),
-                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, p.rows, p.keys,
+                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, p.tokens * (hq // hkv), p.keys,
                                out.data_ptr())
         if rc != 0:
             raise MemoryError("cpu_attention: no memory for the kernel's scratch")

@@ -32,8 +32,8 @@ form and the absorption GEMMs run in fixed row blocks, so a token's bits do not 
 batch, its prefill chunks or its cached prefix. On CUDA every new token, prefill and decode alike,
 is a row of the triton kernel over its causal prefix (`MLAPlan.every_row`; a row's split lengths
 are a function of its own length only), so the decode and verify steps run in CUDA graphs. On
-the CPU (the torch path) in blocks of batch_invariant.TOKENS query tokens of one request over KV
-chunks aligned to position 0 (`_invariant`, through batch_invariant.softmax_chunks).
+the CPU by cpu_attention's kernel over the pages in place (`_invariant`; the torch path,
+batch_invariant.softmax_chunks, where that kernel does not build or take the KV dtype).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from engine.layers import batch_invariant, triton_ops
+from engine.layers import batch_invariant, cpu_attention, triton_ops
 from engine.layers.attention import AttentionBackend
 from engine.layers.cp_attention import flash_available, merge_partials, sdpa_lse
 from engine.layers.flash_mla import FlashMLA, flashmla_supported
@@ -94,7 +94,7 @@ class MLAPlan:
     decode_pages: torch.Tensor | None  # int64 [b, n]
     decode_mask: torch.Tensor | None  # bool [b, 1, n * page_size]: position < seq_len
     extends: list[_Req]
-    invariant: batch_invariant.Plan | None = None
+    invariant: batch_invariant.Plan | cpu_attention.Plan | None = None
     all_decode: bool = False
     absorb_extends: bool = False  # prefill rows in the absorbed form too (one row at a time)
     # the decode kernel's inputs (CUDA): int32 page table [b, W] and KV lengths [b] on the device
@@ -108,7 +108,8 @@ class MLAPlan:
     @classmethod
     def build(cls, batch: ForwardBatch, absorb_all: bool = False, kernel: bool | None = None,
               graph: tuple[torch.Tensor, torch.Tensor] | FlashInferMLA | None = None,
-              trees: dict[int, torch.Tensor] | None = None, flashmla: FlashMLA | None = None) -> MLAPlan:
+              trees: dict[int, torch.Tensor] | None = None, flashmla: FlashMLA | None = None,
+              kv: KVPool | None = None) -> MLAPlan:
         """`absorb_all`: every row in the absorbed form (tests compare it with the expanded one).
         `trees`: speculative draft trees (AttentionBackend.step_trees): request i's new tokens see
         its whole cached prefix and, among themselves, what trees[i] (bool [n, n]) allows.
@@ -116,7 +117,9 @@ class MLAPlan:
         `graph` (MLABackend.graph): a CUDA graph's static (page table, lengths), read instead of the
         batch's in a pure decode step; or flashinfer's MLA wrapper planned for this step's decode
         rows (a graph's or an eager step's), which then run on it. `flashmla`: the kernel's decode
-        rows (table and lengths) go to FlashMLA (MLABackend.fm), its schedule made here once a step."""
+        rows (table and lengths) go to FlashMLA (MLABackend.fm), its schedule made here once a step.
+        `kv`: the latent pool, whose dtype decides whether deterministic inference on a CPU takes
+        cpu_attention's kernel (else the torch path)."""
         lens, seqs, ps = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.page_size
         dev = batch.page_table.device
         if kernel is None:
@@ -124,6 +127,9 @@ class MLAPlan:
         if batch_invariant.enabled():
             if kernel:
                 return cls.every_row(batch, graph if isinstance(graph, tuple) else None)
+            if dev.type == "cpu" and kv is not None and cpu_attention.fits(kv.dtype, kv.head_dim):
+                # one token a block: its rows are the query heads (many, in the models that use MLA)
+                return cls(None, None, None, [], invariant=cpu_attention.plan(batch.page_table, seqs, lens, 1, 1))
             inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
             return cls(None, None, None, [], invariant=inv)
         fi = graph if isinstance(graph, FlashInferMLA) else None
@@ -438,17 +444,33 @@ def _absorb_rows(x: torch.Tensor, w: torch.Tensor, eq: str) -> torch.Tensor:
     return batch_invariant.in_blocks(lambda xb: torch.einsum(eq, xb, w), batch_invariant.ROWS, x)
 
 
-def _invariant(q_nope: torch.Tensor, q_pe: torch.Tensor, p: batch_invariant.Plan, kv: KVPool, layer: int,
-               w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
-    """Deterministic inference: the absorbed form for every row, in batch_invariant's blocks of
-    query tokens x KV chunks from position 0 (batch_invariant.softmax_chunks, with one latent
-    'KV head' and value = its first kv_lora_rank)."""
+def _invariant(q_nope: torch.Tensor, q_pe: torch.Tensor, p: batch_invariant.Plan | cpu_attention.Plan, kv: KVPool,
+               layer: int, w_uk: torch.Tensor, w_uv: torch.Tensor, s: MLAShapes) -> torch.Tensor:
+    """Deterministic inference: the absorbed form for every row, with one latent 'KV head' and
+    value = its first kv_lora_rank: on a CPU by cpu_attention's kernel, else in batch_invariant's
+    blocks of query tokens x KV chunks from position 0 (batch_invariant.softmax_chunks)."""
     t, h = q_nope.shape[:2]
-    r, tok = s.kv_lora_rank, p.tokens
+    r = s.kv_lora_rank
+    q_lat = _absorb_rows(q_nope.float(), w_uk.float(), "thn,hnr->thr")
+    if isinstance(p, cpu_attention.Plan):
+        lat = kv.latent[layer]
+        o_lat = cpu_attention.attend(torch.cat([q_lat, q_pe.float()], dim=-1), p, lat, lat, kv.page_size, s.scale,
+                                     dv=r)
+        return _absorb_rows(o_lat, w_uv.float(), "thr,hvr->thv").to(q_nope.dtype)
     out = q_nope.new_empty(t, h, s.v)
-    nb = p.rows.shape[0]
+    nb, tok = p.rows.shape[0], p.tokens
     if nb == 0:
         return out
+    q = torch.cat([q_lat, q_pe.float()], dim=-1) * s.scale  # [T, H, latent]
+    qb = q[p.rows].reshape(1, nb, tok * h, -1)  # [1, nb, tokens * H, latent]
+    o_lat = q.new_empty(1, nb, tok * h, r)
+    for g in p.groups:
+        (lat,) = kv.gather_heads(layer, g.pages)  # [1, blocks, keys, latent]
+        o_lat[:, g.start : g.end] = batch_invariant.softmax_chunks(qb[:, g.start : g.end], lat, lat[..., :r],
+                                                                   g.hidden, g.chunks)
+    o = _absorb_rows(o_lat.view(nb * tok, h, r)[p.real], w_uv.float(), "thr,hvr->thv")
+    out[p.rows.view(-1)[p.real]] = o.to(out.dtype)
+    return out
     q_lat = _absorb_rows(q_nope.float(), w_uk.float(), "thn,hnr->thr")
     q = torch.cat([q_lat, q_pe.float()], dim=-1) * s.scale  # [T, H, latent]
     qb = q[p.rows].reshape(1, nb, tok * h, -1)  # [1, nb, tokens * H, latent]

@@ -1,0 +1,118 @@
+"""engine/layers/cpu_attention: the CPU's deterministic paged attention kernel (C, built here).
+
+Close to a float64 reference, and a row's bits the same whatever the batch beside it, however its
+prompt is split into prefill chunks and decode steps, the block size and the threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import cpu_attention
+
+pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler builds cpu_attention.c")
+
+PS = 16  # tokens a page
+
+
+def _pool(slots: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(slots, heads, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _table(requests: int, pages: int, total: int) -> torch.Tensor:
+    """Each request's pages: distinct, shuffled, never page 0."""
+    perm = torch.randperm(total - 1, generator=torch.Generator().manual_seed(7))[: requests * pages] + 1
+    return perm.view(requests, pages).to(torch.int32)
+
+
+def _attend(q: torch.Tensor, table: torch.Tensor, seqs: list[int], lens: list[int], k: torch.Tensor, v: torch.Tensor,
+            tokens: int = 16, threads: int | None = None, dv: int | None = None, scale: float | None = None,
+            ) -> torch.Tensor:
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        p = cpu_attention.plan(table, seqs, lens, tokens, k.shape[1])
+        return cpu_attention.attend(q, p, k, v, PS, q.shape[-1] ** -0.5 if scale is None else scale, dv)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(q: torch.Tensor, table: torch.Tensor, seqs: list[int], lens: list[int], k: torch.Tensor,
+               v: torch.Tensor, dv: int, scale: float) -> torch.Tensor:
+    """Causal attention in float64 over each request's gathered slots."""
+    out, row = [], 0
+    g = q.shape[1] // k.shape[1]
+    for r, (seq, n) in enumerate(zip(seqs, lens, strict=True)):
+        pos = torch.arange(seq)
+        slots = table[r, pos // PS].long() * PS + pos % PS
+        kk = k[slots].double().repeat_interleave(g, 1)
+        vv = v[slots][..., :dv].double().repeat_interleave(g, 1)
+        s = torch.einsum("thd,khd->htk", q[row : row + n].double(), kk) * scale
+        s.masked_fill_(pos[None, None, :] > torch.arange(seq - n, seq)[None, :, None], float("-inf"))
+        out.append(torch.einsum("htk,khd->thd", s.softmax(-1), vv))
+        row += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_close_to_float64(kv_dtype: torch.dtype) -> None:
+    seqs, lens = [150, 1, 70, 64], [150, 1, 23, 1]  # fresh, a one-token prompt, behind a prefix, a decode
+    k, v = _pool(64 * PS, 3, 64, kv_dtype, 1), _pool(64 * PS, 3, 64, kv_dtype, 2)
+    table = _table(4, 10, 64)
+    q = torch.randn(sum(lens), 9, 64, generator=torch.Generator().manual_seed(3))
+    got = _attend(q, table, seqs, lens, k, v)
+    want = _reference(q, table, seqs, lens, k, v, 64, 64**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (sum(lens), 9, 64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype) -> None:
+    """A 200-token prompt's rows: prefilled whole, in chunks of 37 behind its own prefix, a token
+    at a time (decode), beside other requests, in blocks of 1 or 16 tokens, on 1 or 2 threads."""
+    n, others = 200, [(90, 90), (300, 5), (17, 1)]
+    k, v = _pool(128 * PS, 2, 32, kv_dtype, 4), _pool(128 * PS, 2, 32, kv_dtype, 5)
+    table = _table(1 + len(others), 19, 128)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(n, 8, 32, generator=gen)
+    whole = _attend(q, table, [n], [n], k, v, threads=1)
+
+    chunks = [_attend(q[s : s + 37], table, [min(n, s + 37)], [min(37, n - s)], k, v) for s in range(0, n, 37)]
+    assert torch.equal(torch.cat(chunks), whole)
+
+    steps = [_attend(q[t : t + 1], table, [t + 1], [1], k, v, tokens=1) for t in range(150, n)]
+    assert torch.equal(torch.cat(steps), whole[150:])
+
+    extra = [torch.randn(m, 8, 32, generator=gen) for _, m in others]
+    q_mixed = torch.cat([extra[0], q[120:], *extra[1:]])
+    seqs = [others[0][0], n, *(s for s, _ in others[1:])]
+    lens = [others[0][1], n - 120, *(m for _, m in others[1:])]
+    order = [1, 0, 2, 3]  # the prompt is request 1 of the batch: its table row moves too
+    mixed = _attend(q_mixed, table[order], seqs, lens, k, v, threads=2)
+    assert torch.equal(mixed[90 : 90 + n - 120], whole[120:])
+    assert torch.equal(_attend(q, table, [n], [n], k, v, tokens=3, threads=2), whole)
+
+
+def test_latent_value_is_the_keys_first_dims() -> None:
+    """MLA's form: one KV 'head' (the latent), the value its first `dv` values, a given scale."""
+    seqs, lens = [40, 33], [40, 1]
+    lat = _pool(16 * PS, 1, 48, torch.float32, 8)
+    table = _table(2, 3, 16)
+    q = torch.randn(sum(lens), 4, 48, generator=torch.Generator().manual_seed(9))
+    got = _attend(q, table, seqs, lens, lat, lat, tokens=1, dv=32, scale=0.3)
+    torch.testing.assert_close(got.double(), _reference(q, table, seqs, lens, lat, lat, 32, 0.3), rtol=1e-5,
+                               atol=2e-6)
+
+
+def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a C compiler the library is None (and the torch path attends: fits is False)."""
+    cpu_attention.library.cache_clear()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    try:
+        assert cpu_attention.library() is None
+        assert not cpu_attention.fits(torch.float32, 64)
+    finally:
+        cpu_attention.library.cache_clear()
+        monkeypatch.delenv("CC")
+        assert cpu_attention.library() is not None
