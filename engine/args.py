@@ -26,8 +26,8 @@ HELP = {
     "sdk_port": "TCP port of the ZMQ client SDK",
     "log_dir": "write one JSON-lines log file per process here (empty: stderr only)",
     "device": "auto (cuda when available) | cpu | cuda",
-    "dtype": "weights and activations: auto (bfloat16 on GPU and on a CPU with native bf16, AVX512-BF16 or AMX; "
-    "float32 on other CPUs) | float32 | bfloat16 | float16",
+    "dtype": "weights and activations: auto (bfloat16 on GPU, and on a CPU with native bf16, AVX512-BF16 or AMX, "
+    "when deterministic; else float32) | float32 | bfloat16 | float16",
     "attention_backend": "auto (flashinfer on CUDA, torch on CPU) | torch | flashinfer",
     "kv_cache_dtype": "auto (the model dtype) | fp8_e4m3: KV stored in 8-bit floats, half the bytes (lossy)",
     "attention_fp8_math": "with an fp8 KV cache on SM90, decode attention in fp8 tensor-core math (queries and "
@@ -56,8 +56,10 @@ HELP = {
     "disable_radix_cache": "do not reuse KV pages of shared prompt prefixes across requests",
     "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",
     "enable_deterministic_inference": "one request, one answer: its logits bit for bit whatever its batch, cached "
-    "prefix (any tier), prefill chunks or overlap (fixed-shape GEMMs, attention summed in chunks aligned to "
-    "absolute positions; the torch attention backend, no CUDA graphs). Costs throughput: docs/PERF.md",
+    "prefix (any tier), prefill chunks or overlap (batch-invariant GEMMs and attention; the torch attention "
+    "backend). On by default on a CPU (a few percent there); on a GPU it costs throughput: docs/PERF.md",
+    "disable_deterministic_inference": "on a CPU, turn off its default deterministic inference (draft trees, "
+    "--speculative-eagle-topk > 1, turn it off too)",
     "seed": "seed for requests that give none (each gets a fresh seed drawn from this)",
     "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on; OpenMP threads wait "
     "passively unless OMP_WAIT_POLICY is set)",

@@ -51,8 +51,10 @@ class ServerConfig:
     disable_overlap: bool = False
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
-    # a request's logits independent of its batch, cache hits, chunks, overlap (engine/layers/batch_invariant.py)
+    # a request's logits independent of its batch, cache hits, chunks, overlap (engine/layers/batch_invariant.py):
+    # on a CPU by default (`deterministic`), on a GPU with the flag
     enable_deterministic_inference: bool = False
+    disable_deterministic_inference: bool = False  # the CPU's opt-out
     seed: int = 0
     cpu_threads: int = 0  # torch intra-op threads of a CPU worker; 0 = every core this process may use
     decode_kernel: str = "auto"  # auto (the GPU's tuning file) | fa2 | xqa | triton: override for debugging
@@ -88,6 +90,8 @@ class ServerConfig:
             (self.quantization in ("", "fp8"), f"bad --quantization {self.quantization!r} (choose fp8)"),
             (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
+            (not (self.enable_deterministic_inference and self.disable_deterministic_inference),
+             "--enable-deterministic-inference and --disable-deterministic-inference: choose one"),
             (not self.enable_deterministic_inference or self.attention_backend in ("auto", "torch"),
              "--enable-deterministic-inference needs the torch attention backend (--attention-backend auto or torch)"),
             (self.kv_cache_dtype in ("auto", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype}"),
@@ -226,6 +230,17 @@ class ServerConfig:
         if self.enable_hierarchical_cache:
             raise ValueError("--enable-hierarchical-cache with --nnodes > 1: the host tier's slab is node-local "
                              "shared memory (one cache controller per engine); use one node")
+
+    def deterministic(self, device_type: str) -> bool:
+        """Whether a worker on `device_type` runs deterministic inference: with the flag, and on a
+        CPU by default, where it costs at most ~4% (cpu_attention's kernel; docs/PERF.md), unless
+        --disable-deterministic-inference, a non-torch attention backend, draft trees (whose
+        attention is not causal: --speculative-eagle-topk > 1) or context parallelism (MLA's
+        invariant attention is not built under it; a GQA model takes the flag) are asked for."""
+        if self.enable_deterministic_inference:
+            return True
+        return (device_type == "cpu" and not self.disable_deterministic_inference and self.cp_size == 1
+                and self.attention_backend in ("auto", "torch") and self.speculative_eagle_topk <= 1)
 
     @property
     def net(self) -> TcpPlan | None:

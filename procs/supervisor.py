@@ -134,8 +134,8 @@ def ready_line(cfg: ServerConfig, ready: dict[str, Ready]) -> str:
                 f"following node 0's scheduler at {where}")
     info = ready["tokenizer"].info
     worker = ready.get("worker-0")
-    det = f"; deterministic inference {worker.info['deterministic']}" if worker and "deterministic" in worker.info \
-        else ""
+    det = (f"; {worker.info.get('dtype', '?')}, deterministic inference {worker.info['deterministic']}"
+           if worker and "deterministic" in worker.info else "")
     return f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}{det}"
 
 

@@ -44,6 +44,7 @@ def main() -> int:
         pipeline.start()
         info = {k: f"{v:.1f}" for k, v in runner.startup.items()}
         info["deterministic"] = "on" if runner.deterministic else "off"
+        info["dtype"] = str(runner.dtype).removeprefix("torch.")  # --dtype auto depends on the machine
         control.send(Ready(proc="worker", rank=rank, info=info))
         pipeline.run()
         code = 0

@@ -12,6 +12,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -64,12 +65,12 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
     """Load, size, bind: the device (joining the tp group at tp > 1), the model, the KV pool the
     model's declared layout needs, and the attention backend bound to it."""
     device = init_distributed(cfg, rank)  # tp > 1: joins the group; cuda:LOCAL_RANK on GPU
-    dtype = resolve_dtype(cfg.dtype, device)
-    # deterministic inference (engine/layers/batch_invariant.py): fixed-shape GEMMs and the
-    # torch backend's chunked attention (decode captured in CUDA graphs where the invariant kernel
-    # runs: attention.py); the
-    # fused norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
-    deterministic = cfg.enable_deterministic_inference
+    # deterministic inference (engine/layers/batch_invariant.py; the CPU's default): fixed-shape
+    # GEMMs and the torch backend's invariant attention (on a CPU cpu_attention's kernel; on CUDA
+    # decode captured in CUDA graphs where the invariant kernel runs: attention.py); the fused
+    # norm/RoPE/SiLU kernels stay (one program per row: invariant), the GEMVs go
+    deterministic = cfg.deterministic(device.type)
+    dtype = resolve_dtype(cfg.dtype, device, deterministic)
     batch_invariant.enable(deterministic, device.type)
     if device.type == "cuda":
         # the forward (and the replays of its graphs) runs on a high-priority stream, so
@@ -243,16 +244,26 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if name == "fp8_e4m3" else model_dtype
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype auto: bfloat16 on a GPU, float32 on a CPU. On a CPU with native bf16, bfloat16 is
-    ~1.6x float32's throughput, but its answers move with the batch and the cache (the README's
-    question answered two ways, fresh and cached), and deterministic bf16 is no faster than
-    float32 on every CPU (16 x 64/128 on 2 cores with AMX: 150-156 vs 146 tok/s; deterministic
-    float32 115-119), so the CPU default is float32, whose texts agree across paths; --dtype
-    bfloat16, with or without --enable-deterministic-inference, is a flag away
+def cpu_has_bf16() -> bool:
+    """Native bf16 arithmetic on this CPU (AVX512-BF16 or AMX; the Linux flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f" {flag}" in text for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(name: str, device: torch.device, deterministic: bool = False) -> torch.dtype:
+    """--dtype auto: bfloat16 on a GPU; on a CPU bfloat16 where it has native bf16 arithmetic and
+    the engine is deterministic (its default there), else float32. Deterministic bf16 is 1.4-1.6x
+    deterministic float32's throughput on 2 cores with AMX (16 x 64/128: 213 vs 149 tok/s; 32 x
+    128/64: 208-224 vs 139-143); without determinism bf16's answers move with the batch and the
+    cache (the README's question answered two ways, fresh and cached), float32's texts agree
     (docs/architecture.md, "Deterministic inference")."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if deterministic and cpu_has_bf16() else torch.float32
     return getattr(torch, name)
 
 

@@ -35,16 +35,17 @@ def test_chat_greedy_answers_and_counts_usage(client: openai.OpenAI) -> None:
 
 def test_the_readme_question_twice_gives_one_answer(client: openai.OpenAI, server: Server) -> None:
     """Issue 21: the README's question at temperature 0, fresh and then with its prompt from the
-    prefix cache, streamed and not, on the CPU default (float32; deterministic inference off,
-    as /health says): one answer. Bit-identical logprobs need the mode: tests/engine/
-    test_deterministic.py, test_tp_serve.py, test_hicache.py and test_l3.py check them."""
-    assert httpx.get(f"{server.http}/health").json() == {"status": "ok", "deterministic": False}
-    kw = dict(max_tokens=32, temperature=0)
+    prefix cache, streamed and not, on the CPU default (deterministic inference on, as /health
+    says; bf16 where the CPU has native bf16, else float32): one answer, and its first token's
+    logprobs bit for bit. tests/engine/test_deterministic.py checks batches, chunks and overlap."""
+    assert httpx.get(f"{server.http}/health").json() == {"status": "ok", "deterministic": True}
+    kw = dict(max_tokens=32, temperature=0, logprobs=True, top_logprobs=2)
     question = "What is the capital of France?"
     first, again = (chat(client, question, **kw) for _ in range(2))
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert "Paris" in first.choices[0].message.content
     assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.choices[0].logprobs.content[0] == first.choices[0].logprobs.content[0]
     streamed = list(chat(client, question, stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == first.choices[0].message.content
 

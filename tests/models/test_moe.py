@@ -250,7 +250,8 @@ def test_served_glm4_moe_matches_hf(tmp_path: Path) -> None:
     prompts = _prompts([7, 30, 19], 256, seed=8)
     hf = load_hf(path)
     want = [hf_greedy(hf, p, 16)[0] for p in prompts]
-    srv = start_server(tmp_path / "logs", "--model", str(path), "--max-total-tokens", "2048", "--page-size", "4")
+    srv = start_server(tmp_path / "logs", "--model", str(path), "--max-total-tokens", "2048", "--page-size", "4",
+                       "--dtype", "float32")  # transformers' float32 tokens (the CPU default may be bf16)
     try:
         def gen(ids: list[int]) -> dict:
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
