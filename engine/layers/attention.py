@@ -321,8 +321,7 @@ class TorchAttention(AttentionBackend):
         self._graph = None  # an eager step: attention reads the batch's page table
         if self._cpu_kernel and not self._kernel:  # (tests force the CUDA kernel's plan on a CPU)
             hq, hkv, _ = self._g_heads
-            self._cpu_plan = cpu_attention.plan(batch.page_table, seqs, lens, cpu_attention.block_tokens(hq // hkv),
-                                                hkv)
+            self._cpu_plan = cpu_attention.plan(batch.page_table, seqs, lens, hkv, hq // hkv)
             return
         if batch_invariant.enabled():
             self._invariant = self._invariant_plans(batch)

@@ -52,6 +52,60 @@ static inline float exp_neg(float x) {
     return x < -87.3f ? 0.0f : p * two_n.f;
 }
 
+/* Two rows' scores against a tile of keys kt [dq, CHUNK] (transposed): out[j] = scale * sum_d
+   q[d] kt[d][j], summed over d in order. Two rows at once for two independent chains of FMAs
+   (a row's arithmetic is the same either way); not inlined, so their sums stay in registers */
+static __attribute__((noinline)) void scores_tile(const float *restrict q0, const float *restrict q1,
+                                                  const float *restrict kt, int dq, float scale,
+                                                  float *restrict out0, float *restrict out1) {
+    float a0[CHUNK] = {0}, a1[CHUNK] = {0};
+    for (int d = 0; d < dq; d++) {
+        const float x0 = q0[d], x1 = q1[d];
+        const float *restrict kd = kt + (size_t)d * CHUNK;
+        for (int j = 0; j < CHUNK; j++) {
+            a0[j] = fmaf(x0, kd[j], a0[j]);
+            a1[j] = fmaf(x1, kd[j], a1[j]);
+        }
+    }
+    for (int j = 0; j < CHUNK; j++) {
+        out0[j] = a0[j] * scale;
+        out1[j] = a1[j] * scale;
+    }
+}
+
+/* o[0:dv] += sum over keys j < n, in order, of p[j] * vt[j][0:dv] (a tile of values [CHUNK, dv]),
+   for two rows: (p0, n0, o0) and (p1, n1, o1), n0 <= n1, the shared keys in one loop */
+static __attribute__((noinline)) void values_tile(const float *restrict p0, const float *restrict p1,
+                                                  const float *restrict vt, int n0, int n1, int dv,
+                                                  float *restrict o0, float *restrict o1) {
+    int d0 = 0;
+    for (; d0 + CHUNK <= dv; d0 += CHUNK) {  /* 64 sums a row, held in registers over the keys */
+        float a0[CHUNK], a1[CHUNK];
+        memcpy(a0, o0 + d0, sizeof a0);
+        memcpy(a1, o1 + d0, sizeof a1);
+        int j = 0;
+        for (; j < n0; j++) {
+            const float x0 = p0[j], x1 = p1[j];
+            const float *restrict vj = vt + (size_t)j * dv + d0;
+            for (int d = 0; d < CHUNK; d++) {
+                a0[d] = fmaf(x0, vj[d], a0[d]);
+                a1[d] = fmaf(x1, vj[d], a1[d]);
+            }
+        }
+        for (; j < n1; j++) {
+            const float x1 = p1[j];
+            const float *restrict vj = vt + (size_t)j * dv + d0;
+            for (int d = 0; d < CHUNK; d++) a1[d] = fmaf(x1, vj[d], a1[d]);
+        }
+        memcpy(o0 + d0, a0, sizeof a0);
+        memcpy(o1 + d0, a1, sizeof a1);
+    }
+    for (; d0 < dv; d0++) {
+        for (int j = 0; j < n0; j++) o0[d0] = fmaf(p0[j], vt[(size_t)j * dv + d0], o0[d0]);
+        for (int j = 0; j < n1; j++) o1[d0] = fmaf(p1[j], vt[(size_t)j * dv + d0], o1[d0]);
+    }
+}
+
 typedef struct {
     const float *q;       /* [T, Hq, dq] float32, contiguous */
     const void *k, *v;    /* this layer's KV: row (slot, head) at (slot * heads + head) * stride */
@@ -73,6 +127,7 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     float *s = vt + (size_t)CHUNK * dv;         /* [rows, width]: scores, then exp-scores */
     float *o = s + (size_t)rows * width;        /* [rows, dv] */
     float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
+    float *spare = l + rows;                    /* [max(CHUNK, dv)]: an odd last row's partner's output */
     float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
     for (int t = 0; t < tiles; t++) {
@@ -86,16 +141,11 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
             load_row((const char *)a->k + ((slot * a->kv_heads + h) * a->k_stride) * esz, a->kv_dtype, dq, krow);
             for (int d = 0; d < dq; d++) kt[(size_t)d * CHUNK + j] = krow[d];
         }
-        for (int i = 0; i < rows; i++) {
-            const float *qi = a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq;
-            float acc[CHUNK] = {0};
-            for (int d = 0; d < dq; d++) {
-                const float qd = qi[d];
-                const float *kd = kt + (size_t)d * CHUNK;
-                for (int j = 0; j < CHUNK; j++) acc[j] = fmaf(qd, kd[j], acc[j]);
-            }
-            float *si = s + (size_t)i * width + t * CHUNK;
-            for (int j = 0; j < CHUNK; j++) si[j] = acc[j] * a->scale;
+        for (int i = 0; i < rows; i += 2) {  /* an odd last row's partner: itself, into `spare` */
+            const int i1 = i + 1 < rows ? i + 1 : i;
+            scores_tile(a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq,
+                        a->q + ((size_t)(row0 + i1 / g) * a->q_heads + h * g + i1 % g) * dq, kt, dq, a->scale,
+                        s + (size_t)i * width + t * CHUNK, i1 > i ? s + (size_t)i1 * width + t * CHUNK : spare);
         }
     }
     for (int i = 0; i < rows; i++) {
@@ -126,24 +176,17 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
             load_row((const char *)a->v + ((slot * a->kv_heads + h) * a->v_stride) * esz, a->kv_dtype, dv,
                      vt + (size_t)j * dv);
         }
-        for (int i = 0; i < rows; i++) {
-            const int seen = pos0 + i / g + 1;
-            const int stop = seen - t * CHUNK < n ? seen - t * CHUNK : n;
-            const float *restrict si = s + (size_t)i * width + t * CHUNK;
-            float *restrict oi = o + (size_t)i * dv;
-            int d0 = 0;
-            for (; d0 + CHUNK <= dv; d0 += CHUNK) {  /* 64 sums held in registers over the keys */
-                float acc[CHUNK];
-                memcpy(acc, oi + d0, sizeof acc);
-                for (int j = 0; j < stop; j++) {
-                    const float p = si[j];
-                    const float *restrict vj = vt + (size_t)j * dv + d0;
-                    for (int d = 0; d < CHUNK; d++) acc[d] = fmaf(p, vj[d], acc[d]);
-                }
-                memcpy(oi + d0, acc, sizeof acc);
+        for (int i = 0; i < rows; i += 2) {  /* rows by position: a row stops no later than the next */
+            const int i1 = i + 1 < rows ? i + 1 : i;
+            const int stop0 = pos0 + i / g + 1 - t * CHUNK, stop1 = pos0 + i1 / g + 1 - t * CHUNK;
+            if (i1 > i)
+                values_tile(s + (size_t)i * width + t * CHUNK, s + (size_t)i1 * width + t * CHUNK, vt,
+                            stop0 < n ? stop0 : n, stop1 < n ? stop1 : n, dv, o + (size_t)i * dv, o + (size_t)i1 * dv);
+            else {
+                memset(spare, 0, sizeof(float) * dv);
+                values_tile(s + (size_t)i * width + t * CHUNK, s + (size_t)i * width + t * CHUNK, vt,
+                            stop0 < n ? stop0 : n, stop0 < n ? stop0 : n, dv, o + (size_t)i * dv, spare);
             }
-            for (; d0 < dv; d0++)
-                for (int j = 0; j < stop; j++) oi[d0] = fmaf(si[j], vt[(size_t)j * dv + d0], oi[d0]);
         }
     }
     for (int i = 0; i < rows; i++) {
@@ -158,11 +201,18 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
 int strata_attend(const float *q, const void *k, const void *v, int64_t k_stride, int64_t v_stride, int kv_dtype,
                   int kv_heads, int q_heads, int dq, int dv, int page_size, float scale,
                   const int64_t *page_table, int64_t pt_width, const int32_t *blocks, int first, int last,
-                  int max_rows, int max_keys, float *out) {
+                  float *out) {
     Args a = {q, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
               page_table, pt_width, out};
-    const int width = (max_keys + CHUNK - 1) / CHUNK * CHUNK;
-    size_t need = (size_t)dq * CHUNK + (size_t)CHUNK * dv + (size_t)max_rows * width + (size_t)max_rows * dv + max_rows;
+    const int g = q_heads / kv_heads;
+    size_t scores = 0, rows = 0;  /* the largest block's scores and rows */
+    for (int it = first; it < last; it += kv_heads) {
+        const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
+        const size_t r = (size_t)b[2] * g, width = (size_t)(b[3] + b[2] + CHUNK - 1) / CHUNK * CHUNK;
+        scores = r * width > scores ? r * width : scores;
+        rows = r > rows ? r : rows;
+    }
+    size_t need = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (dv > CHUNK ? dv : CHUNK);
     float *scratch = malloc(need * sizeof(float));
     if (!scratch) return -1;
     for (int it = first; it < last; it++) {

@@ -129,7 +129,8 @@ class MLAPlan:
                 return cls.every_row(batch, graph if isinstance(graph, tuple) else None)
             if dev.type == "cpu" and kv is not None and cpu_attention.fits(kv.dtype, kv.head_dim):
                 # one token a block: its rows are the query heads (many, in the models that use MLA)
-                return cls(None, None, None, [], invariant=cpu_attention.plan(batch.page_table, seqs, lens, 1, 1))
+                inv = cpu_attention.plan(batch.page_table, seqs, lens, 1, tokens=1)
+                return cls(None, None, None, [], invariant=inv)
             inv = batch_invariant.plan(batch.page_table, seqs, lens, ps, kernel=False)
             return cls(None, None, None, [], invariant=inv)
         fi = graph if isinstance(graph, FlashInferMLA) else None

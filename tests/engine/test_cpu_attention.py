@@ -26,13 +26,13 @@ def _table(requests: int, pages: int, total: int) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, table: torch.Tensor, seqs: list[int], lens: list[int], k: torch.Tensor, v: torch.Tensor,
-            tokens: int = 16, threads: int | None = None, dv: int | None = None, scale: float | None = None,
-            ) -> torch.Tensor:
+            tokens: int | None = None, threads: int | None = None, dv: int | None = None,
+            scale: float | None = None) -> torch.Tensor:
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        p = cpu_attention.plan(table, seqs, lens, tokens, k.shape[1])
+        p = cpu_attention.plan(table, seqs, lens, k.shape[1], q.shape[1] // k.shape[1], tokens)
         return cpu_attention.attend(q, p, k, v, PS, q.shape[-1] ** -0.5 if scale is None else scale, dv)
     finally:
         torch.set_num_threads(before)
@@ -68,14 +68,17 @@ def test_close_to_float64(kv_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
+def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype, heads: tuple[int, int]) -> None:
     """A 200-token prompt's rows: prefilled whole, in chunks of 37 behind its own prefix, a token
-    at a time (decode), beside other requests, in blocks of 1 or 16 tokens, on 1 or 2 threads."""
+    at a time (decode), beside other requests, in blocks of 1, 3 or 64 tokens (GQA groups of 4
+    and of 3: blocks of an odd number of rows too), on 1 or 2 threads."""
     n, others = 200, [(90, 90), (300, 5), (17, 1)]
-    k, v = _pool(128 * PS, 2, 32, kv_dtype, 4), _pool(128 * PS, 2, 32, kv_dtype, 5)
+    hq, hkv = heads
+    k, v = _pool(128 * PS, hkv, 32, kv_dtype, 4), _pool(128 * PS, hkv, 32, kv_dtype, 5)
     table = _table(1 + len(others), 19, 128)
     gen = torch.Generator().manual_seed(6)
-    q = torch.randn(n, 8, 32, generator=gen)
+    q = torch.randn(n, hq, 32, generator=gen)
     whole = _attend(q, table, [n], [n], k, v, threads=1)
 
     chunks = [_attend(q[s : s + 37], table, [min(n, s + 37)], [min(37, n - s)], k, v) for s in range(0, n, 37)]
@@ -84,7 +87,7 @@ def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype) -> None:
     steps = [_attend(q[t : t + 1], table, [t + 1], [1], k, v, tokens=1) for t in range(150, n)]
     assert torch.equal(torch.cat(steps), whole[150:])
 
-    extra = [torch.randn(m, 8, 32, generator=gen) for _, m in others]
+    extra = [torch.randn(m, hq, 32, generator=gen) for _, m in others]
     q_mixed = torch.cat([extra[0], q[120:], *extra[1:]])
     seqs = [others[0][0], n, *(s for s, _ in others[1:])]
     lens = [others[0][1], n - 120, *(m for _, m in others[1:])]
