@@ -47,14 +47,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--prefill", action="store_true", help="time and profile the prefill instead")
-    p.add_argument("--deterministic", action="store_true", help="with --enable-deterministic-inference")
+    p.add_argument("--deterministic", action="store_true", help="with deterministic inference (else --disable-deterministic-inference)")
     p.add_argument("--rows", type=int, default=28, help="operators to print")
     p.add_argument("--shapes", action="store_true", help="group operators by input shapes too")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     cfg = ServerConfig(model=str(ensure_default_model()), device="cpu", dtype=a.dtype, max_running_requests=a.batch,
                        max_prefill_tokens=a.batch * a.input_len, max_total_tokens=a.batch * (a.input_len + 256),
-                       disable_overlap=True, enable_deterministic_inference=a.deterministic)
+                       disable_overlap=True, enable_deterministic_inference=a.deterministic,
+                       disable_deterministic_inference=not a.deterministic)
     eng = LocalEngine(cfg)
     core, runner = eng.core, eng.runner
     rng = np.random.default_rng(0)

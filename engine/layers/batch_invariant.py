@@ -43,9 +43,10 @@ ROWS_BY_DEVICE = {"cpu": 16, "cuda": 64}
 ROWS = 16
 # CPU: larger row blocks tried for each GEMM at its first call (block_sizes), kept where they give
 # the bits of ROWS-row blocks. Measured (2 cores, Xeon with AMX, oneDNN's packed weights): float32
-# invariant at every count from 2 rows up; bfloat16 (AMX) at 16 and 32, not above. A 1024-token
-# float32 prefill of the default model: 2.9 s in 16-row blocks, 1.4 s in these (1.3 s with the mode off)
-LADDER = (1024, 512, 256, 128, 64, 32)
+# invariant at every count from 2 rows up; bfloat16 at 16 and 32 and, by shape, some of 768-2048
+# (AMX sums otherwise from 48 rows up). A 1024-token float32 prefill of the default model: 2.9 s in
+# 16-row blocks, 1.4 s in these (1.3 s with the mode off)
+LADDER = (2048, 1536, 1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32)
 PROBE_MACS = 1 << 32  # the largest probe block of a GEMM: 2 x rows x N x K at most this
 _sizes: dict[tuple, tuple[int, ...]] = {}  # GEMM key -> block_sizes
 # batched GEMMs in calls of exactly this many matrices: cuBLAS picks its kernel by the batch
@@ -120,12 +121,16 @@ def rows_of(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor], key: tup
 def block_sizes(f: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: torch.dtype) -> tuple[int, ...]:
     """The row counts of LADDER (within PROBE_MACS) at which f's rows have the bits of ROWS-row
     blocks, on random rows of width k, and ROWS; largest first. A GEMM's arithmetic does not
-    depend on the values, so equal bits here mean equal bits on any rows of that count."""
+    depend on the values, so equal bits here mean equal bits on any rows of that count. Each
+    count is checked on blocks over all the probe's rows, not one block: another summation order
+    flips a bf16 output's rounding rarely (1-7 of 37k-98k outputs at 64 rows, AMX), so one small
+    block could pass by chance."""
     n = f(torch.zeros(ROWS, k, dtype=dtype)).shape[1]
     top = max([s for s in LADDER if 2 * s * n * k <= PROBE_MACS], default=ROWS)
     x = torch.randn(top, k, generator=torch.Generator().manual_seed(0)).to(dtype)
     ref = torch.cat([f(x[i : i + ROWS]) for i in range(0, top, ROWS)])
-    return tuple(s for s in LADDER if s <= top and torch.equal(f(x[:s]), ref[:s])) + (ROWS,)
+    return tuple(s for s in LADDER if s <= top and all(torch.equal(f(x[i : i + s]), ref[i : i + s])
+                                                       for i in range(0, top - s + 1, s))) + (ROWS,)
 
 
 def _in_sizes(f: Callable[[torch.Tensor], torch.Tensor], sizes: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
