@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--prefill", action="store_true", help="time and profile the prefill instead")
-    p.add_argument("--deterministic", action="store_true", 
+    p.add_argument("--deterministic", action="store_true",
                    help="with deterministic inference (else --disable-deterministic-inference)")
     p.add_argument("--rows", type=int, default=28, help="operators to print")
     p.add_argument("--shapes", action="store_true", help="group operators by input shapes too")
