@@ -20,11 +20,12 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
   query heads: kernel_tokens) runs an online softmax over the chunks in partitions of
   `KV_PART` positions, each from a fresh softmax state, merged in partition order by one
   formula, serially (prefill) or by split-KV programs and a merge kernel (decode): the same
-  bits either way (docs/architecture.md, "Split-KV").
+  bits either way (docs/architecture.md, "Split-KV"). On a CPU attention takes neither: the C
+  kernel of engine/layers/cpu_attention.py (the torch path only where it does not build).
 
 Everything else a token meets is per row and elementwise (norms, RoPE, SiLU, sampling).
-The mode is set once per process (`enable`), before the model runs; engine/run/runner.py
-turns it on from --enable-deterministic-inference.
+The mode is set once per process (`enable`), before the model runs; engine/run/assembly.py
+turns it on from ServerConfig.deterministic (the flag; a CPU's default).
 """
 
 from __future__ import annotations

@@ -255,9 +255,9 @@ def cpu_has_bf16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device, deterministic: bool = False) -> torch.dtype:
     """--dtype auto: bfloat16 on a GPU; on a CPU bfloat16 where it has native bf16 arithmetic and
-    the engine is deterministic (its default there), else float32. Deterministic bf16 is 1.4-1.6x
-    deterministic float32's throughput on 2 cores with AMX (16 x 64/128: 213 vs 149 tok/s; 32 x
-    128/64: 208-224 vs 139-143); without determinism bf16's answers move with the batch and the
+    the engine is deterministic (its default there), else float32. Deterministic bf16 is 1.5-1.7x
+    deterministic float32's throughput on 2 cores with AMX (16 x 64/128: 219-225 vs 147-149 tok/s;
+    32 x 128/64: 248-258 vs 155-156); without determinism bf16's answers move with the batch and the
     cache (the README's question answered two ways, fresh and cached), float32's texts agree
     (docs/architecture.md, "Deterministic inference")."""
     if name == "auto":
