@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -60,32 +61,39 @@ def _cpu_id() -> str:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (logged) where no C compiler builds it."""
-    cc = os.environ.get("CC", "cc")
+    """The compiled kernel, or None (logged) where it does not build here: no C compiler (`CC`,
+    else cc), a compile error, or a cache directory it cannot write."""
+    cc = shlex.split(os.environ.get("CC", "cc"))
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
+        src = SOURCE.read_bytes()
+        key = hashlib.sha256(b"\0".join([src, " ".join(cc + list(FLAGS)).encode(), version.encode(),
+                                           _cpu_id().encode()]))
+        out = env().cache_dir / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+        if not out.exists():
+            _build(cc, out)
     except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("no C compiler: deterministic CPU attention takes the torch path", cc=cc, error=str(e))
+        err = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) and e.stderr else str(e)
+        log.warning("cpu_attention.c not built: deterministic CPU attention takes the torch path", cc=cc, error=err)
         return None
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()]))
-    out = env().cache_dir / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            log.warning("cpu_attention.c did not compile: deterministic CPU attention takes the torch path",
-                        cc=cc, error=r.stderr[-2000:])
-            return None
-        os.replace(tmp, out)  # atomic: ranks that build at once each install a whole file
     lib = ctypes.CDLL(str(out))
     lib.strata_attend.restype = _I
     lib.strata_attend.argtypes = [_P, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _L, _P, _I, _I,
                                   _P]
     return lib
+
+
+def _build(cc: list[str], out: Path) -> None:
+    """Compile SOURCE into `out`, atomically: ranks that build at once each install a whole file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def fits(kv_dtype: torch.dtype, dq: int) -> bool:

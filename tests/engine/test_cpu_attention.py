@@ -119,3 +119,22 @@ def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_attention.library.cache_clear()
         monkeypatch.delenv("CC")
         assert cpu_attention.library() is not None
+
+
+def test_unwritable_cache_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """A cache directory that cannot be made (here: a file in its way) is logged, not a crash."""
+    from engine.env import Env
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    fake = Env(cache_dir=blocker, log_level="info", log_json=None, digest_every=64, git_commit=None,
+               profile_steps=None)
+    cpu_attention.library.cache_clear()
+    monkeypatch.setattr(cpu_attention, "env", lambda: fake)
+    try:
+        assert cpu_attention.library() is None
+    finally:
+        monkeypatch.undo()
+        cpu_attention.library.cache_clear()
+        assert cpu_attention.library() is not None
+
