@@ -472,14 +472,3 @@ def _invariant(q_nope: torch.Tensor, q_pe: torch.Tensor, p: batch_invariant.Plan
     o = _absorb_rows(o_lat.view(nb * tok, h, r)[p.real], w_uv.float(), "thr,hvr->thv")
     out[p.rows.view(-1)[p.real]] = o.to(out.dtype)
     return out
-    q_lat = _absorb_rows(q_nope.float(), w_uk.float(), "thn,hnr->thr")
-    q = torch.cat([q_lat, q_pe.float()], dim=-1) * s.scale  # [T, H, latent]
-    qb = q[p.rows].reshape(1, nb, tok * h, -1)  # [1, nb, tokens * H, latent]
-    o_lat = q.new_empty(1, nb, tok * h, r)
-    for g in p.groups:
-        (lat,) = kv.gather_heads(layer, g.pages)  # [1, blocks, keys, latent]
-        o_lat[:, g.start : g.end] = batch_invariant.softmax_chunks(qb[:, g.start : g.end], lat, lat[..., :r],
-                                                                   g.hidden, g.chunks)
-    o = _absorb_rows(o_lat.view(nb * tok, h, r)[p.real], w_uv.float(), "thr,hvr->thv")
-    out[p.rows.view(-1)[p.real]] = o.to(out.dtype)
-    return out
