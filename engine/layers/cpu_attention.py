@@ -1,16 +1,18 @@
 """Deterministic paged attention on the CPU: cpu_attention.c, built here with the machine's C
 compiler and called through ctypes.
 
-With --enable-deterministic-inference a CPU attends every row (prefill, chunked prefill behind a
-cached prefix, decode) by this one kernel, which reads the KV pages in place. A query row's
+With deterministic inference (a CPU's default: ServerConfig.deterministic) a CPU attends every
+row (prefill, chunked prefill behind a cached prefix, decode) by this one kernel, which reads the
+KV pages in place. A query row's
 arithmetic is fixed by the C code alone (the file's header says how), so its bits do not depend
 on the batch, on the blocks of tokens the rows are computed in, or on which thread runs them:
 no probe is needed, unlike the vendor GEMMs of the torch path (batch_invariant.softmax_chunks),
 which stays for CUDA geometries without a kernel and for a machine without a C compiler.
 
 Measured on 2 cores (Xeon, AVX-512), the default model's 9 / 3 heads, a layer: a 32-row decode
-at 160 tokens 0.85 ms (the torch path 2.5 ms, the mode-off gathers and SDPA 1.2 ms), a 32 x 128
-prefill 15.5 ms (the torch path 100 ms, mode-off SDPA 10 ms).
+at 160 tokens 0.85 ms (the torch path 2.5 ms, the mode-off gathers and SDPA 1.2 ms); an 8,191-token
+prefill 540-575 ms (torch's CPU flash SDPA, not invariant: 128 ms in bf16 on the AMX tiles, 339 ms
+in float32; docs/PERF.md, "CPU attention kernel").
 
 The library is compiled once per source, compiler and CPU (-march=native) into the cache
 directory (STRATA_CACHE_DIR), at the backend's bind: before the engine says ready.
@@ -139,7 +141,8 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
                 [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a])
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: ThreadPoolExecutor | None = None  # the threads beside the caller's, made at the first split
+_pool_size = 0
 
 
 def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size: int, scale: float,
@@ -147,7 +150,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     """Causal attention of q [T, Hq, dq] over one layer's pages k [slots, Hkv, dq] and v [slots,
     Hkv, >= dv] (v's first dv values of each row; MLA: v is k, dv its latent rank): float32 [T, Hq,
     dv], each row's bits whatever the plan's blocks and threads."""
-    global _pool
+    global _pool, _pool_size
     lib = library()
     t, hq, dq = q.shape
     hkv = k.shape[1]
@@ -169,8 +172,9 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     if len(p.ranges) == 1:
         run(*p.ranges[0])
         return out
-    if _pool is None or _pool._max_workers < len(p.ranges) - 1:
-        _pool = ThreadPoolExecutor(len(p.ranges) - 1, thread_name_prefix="cpu-attention")
+    if _pool is None or _pool_size < len(p.ranges) - 1:
+        _pool_size = len(p.ranges) - 1
+        _pool = ThreadPoolExecutor(_pool_size, thread_name_prefix="cpu-attention")
     futures = [_pool.submit(run, *r) for r in p.ranges[1:]]
     run(*p.ranges[0])  # the caller takes the first share (ctypes releases the GIL)
     for f in futures:
