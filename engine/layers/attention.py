@@ -319,7 +319,7 @@ class TorchAttention(AttentionBackend):
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu
         trees = self.take_trees()
         self._graph = None  # an eager step: attention reads the batch's page table
-        if self._cpu_kernel and not self._kernel:  # (tests force the CUDA kernel's plan on a CPU)
+        if self._cpu_kernel:
             hq, hkv, _ = self._g_heads
             self._cpu_plan = cpu_attention.plan(batch.page_table, seqs, lens, hkv, hq // hkv)
             return

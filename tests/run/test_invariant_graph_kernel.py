@@ -77,6 +77,7 @@ def test_model_decode_through_the_graph_protocol_equals_eager() -> None:
     backend = TorchAttention("cpu")
     backend.bind(num_q_heads=cfg.num_heads, kv_pool=pool, max_batch=8, max_pages_per_req=12)
     backend._kernel = True  # the eager plan for the kernel, as on CUDA (bind's kernel_fits needs CUDA)
+    backend._cpu_kernel = False  # (which the CPU's own kernel would otherwise take)
     backend.bind_graphs(8, 12)
     lens = [70, 5, 130]
     tables = [list(range(1, 7)), list(range(7, 9)), list(range(9, 19))]
