@@ -30,8 +30,7 @@ turns it on from ServerConfig.deterministic (the flag; a CPU's default).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -308,20 +307,7 @@ def attend(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int, out: torch.Ten
         if s > 1 and p.scratch is None:
             p.scratch = split_scratch(nb, p.parts, hq, d, q.device)
         return attend_blocks(q, p.blocks, p.page_table, kv_pool, layer, s, p.scratch)
-    if p.decode and p.tokens < TOKENS and q.device.type == "cpu":
-        with _one_thread():  # small ops: waking the other OpenMP threads costs more than they do
-            return _attend_groups(q, p, kv_pool, layer, out)
     return _attend_groups(q, p, kv_pool, layer, out)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _attend_groups(q: torch.Tensor, p: Plan, kv_pool: KVPool, layer: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -378,11 +364,9 @@ def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def decode_tokens(rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> int:
     """Tokens per block of the torch path's decode rows: the fewest (1, 2, 4 or 8) at which the
-    batched GEMMs give a token's `rows` query rows the bits of a TOKENS-token block, computed in
-    one thread on a CPU, else TOKENS (probed once per geometry and device; a decode token's block
-    is its token and pads: 1 computes 16x fewer rows than TOKENS; and one thread spares a wake-up
-    of the others for each small op: 2 passive cores, the default model's 16-row decode step 139
-    -> 120 ms)."""
+    batched GEMMs give a token's `rows` query rows the bits of a TOKENS-token block, else TOKENS
+    (probed once per geometry and device; a decode token's block is its token and pads: 1
+    computes 16x fewer rows than TOKENS)."""
     key = (rows, dq, dv, chunk, device.type, torch.get_num_threads())
     if key not in _few_tokens:
         _few_tokens[key] = next((t for t in (1, 2, 4, 8) if _blocks_same(t, rows, dq, dv, chunk, device)), TOKENS)
@@ -391,8 +375,8 @@ def decode_tokens(rows: int, dq: int, dv: int, chunk: int, device: torch.device)
 
 def _blocks_same(tokens: int, rows: int, dq: int, dv: int, chunk: int, device: torch.device) -> bool:
     """Whether both GEMMs of softmax_chunks (as it lays them out) give each token's rows the same
-    bits in a block of `tokens` tokens (in one thread on a CPU) as in one of TOKENS tokens (in the
-    process's threads), on random operands, in batches of 3 and 1."""
+    bits in a block of `tokens` tokens as in one of TOKENS tokens, on random operands, in batches
+    of 3 and 1."""
     gen = torch.Generator().manual_seed(0)
     m = tokens * rows
     for k, n, keys_major in ((dq, chunk, True), (chunk, dv, False)):
@@ -400,12 +384,11 @@ def _blocks_same(tokens: int, rows: int, dq: int, dv: int, chunk: int, device: t
         w = torch.randn(3, n, k, generator=gen).to(device).transpose(1, 2) if keys_major else \
             torch.randn(3, k, n, generator=gen).to(device)
         ref = bmm(a, w)
-        with _one_thread() if device.type == "cpu" else contextlib.nullcontext():
-            for r in range(0, TOKENS * rows, m):
-                part = slice(r, r + m)
-                if not (torch.equal(bmm(a[:, part].contiguous(), w), ref[:, part])
-                        and torch.equal(bmm(a[:1, part].contiguous(), w[:1]), ref[:1, part])):
-                    return False
+        for r in range(0, TOKENS * rows, m):
+            part = slice(r, r + m)
+            if not (torch.equal(bmm(a[:, part].contiguous(), w), ref[:, part])
+                    and torch.equal(bmm(a[:1, part].contiguous(), w[:1]), ref[:1, part])):
+                return False
     return True
 
 
