@@ -196,6 +196,19 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     }
 }
 
+/* floats of scratch that items [first, last) need (attend_item's layout, for their largest block);
+   a range may start and end inside a block's KV heads */
+size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, int g, int dq, int dv) {
+    size_t scores = 0, rows = 0;
+    for (int blk = first / kv_heads; last > first && blk <= (last - 1) / kv_heads; blk++) {
+        const int32_t *b = blocks + (size_t)blk * 4;
+        const size_t r = (size_t)b[2] * g, width = (size_t)(b[3] + b[2] + CHUNK - 1) / CHUNK * CHUNK;
+        scores = r * width > scores ? r * width : scores;
+        rows = r > rows ? r : rows;
+    }
+    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (dv > CHUNK ? dv : CHUNK);
+}
+
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
    first) x KV heads, item = block * kv_heads + head; returns 0, or -1 if scratch fails */
 int strata_attend(const float *q, const void *k, const void *v, int64_t k_stride, int64_t v_stride, int kv_dtype,
@@ -204,16 +217,7 @@ int strata_attend(const float *q, const void *k, const void *v, int64_t k_stride
                   float *out) {
     Args a = {q, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
               page_table, pt_width, out};
-    const int g = q_heads / kv_heads;
-    size_t scores = 0, rows = 0;  /* the largest block's scores and rows */
-    for (int it = first; it < last; it += kv_heads) {
-        const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
-        const size_t r = (size_t)b[2] * g, width = (size_t)(b[3] + b[2] + CHUNK - 1) / CHUNK * CHUNK;
-        scores = r * width > scores ? r * width : scores;
-        rows = r > rows ? r : rows;
-    }
-    size_t need = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (dv > CHUNK ? dv : CHUNK);
-    float *scratch = malloc(need * sizeof(float));
+    float *scratch = malloc(strata_scratch(blocks, first, last, kv_heads, q_heads / kv_heads, dq, dv) * sizeof(float));
     if (!scratch) return -1;
     for (int it = first; it < last; it++) {
         const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;

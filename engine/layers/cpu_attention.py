@@ -79,6 +79,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("cpu_attention.c not built: deterministic CPU attention takes the torch path", cc=cc, error=err)
         return None
     lib = ctypes.CDLL(str(out))
+    lib.strata_scratch.restype = ctypes.c_size_t
+    lib.strata_scratch.argtypes = [_P, _I, _I, _I, _I, _I, _I]
     lib.strata_attend.restype = _I
     lib.strata_attend.argtypes = [_P, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _L, _P, _I, _I,
                                   _P]

@@ -138,3 +138,20 @@ def test_unwritable_cache_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_p
         cpu_attention.library.cache_clear()
         assert cpu_attention.library() is not None
 
+
+def test_scratch_covers_every_block_of_a_range() -> None:
+    """A thread's item range may start and end inside a block's KV heads (plan cuts items by
+    work): the scratch is sized for the largest block it touches, the last one included."""
+    blocks = torch.tensor([[0, 0, 1, 0], [0, 1, 1, 1], [0, 2, 1, 2], [1, 3, 64, 500]], dtype=torch.int32)
+    kv_heads, g, dq, dv, chunk = 3, 3, 64, 64, 64
+    fixed = dq * chunk + chunk * dv + max(chunk, dv)
+
+    def want(*used: int) -> int:
+        rows = max(int(blocks[b, 2]) * g for b in used)
+        scores = max(int(blocks[b, 2]) * g * -(-int(blocks[b, 3] + blocks[b, 2]) // chunk) * chunk for b in used)
+        return fixed + scores + rows * dv + rows
+
+    lib = cpu_attention.library()
+    assert lib.strata_scratch(blocks.data_ptr(), 5, 10, kv_heads, g, dq, dv) == want(1, 2, 3)  # items 5..9
+    assert lib.strata_scratch(blocks.data_ptr(), 0, 3, kv_heads, g, dq, dv) == want(0)
+
