@@ -1,7 +1,9 @@
 """Deterministic inference on CUDA (engine/layers/batch_invariant.py): Qwen3-0.6B shapes with
 random weights in bfloat16, in process: a prompt's tokens and logprobs are the same bits
 alone, in mixed batches, behind cached prefixes of several lengths, at several prefill chunk
-sizes and with overlap off. Also mixtures of experts (the fused MoE kernels at their one
+sizes and with overlap off. Also the default model's shapes (SmolLM2-135M, 9 query / 3 KV heads: a
+group of 3, which the triton kernel does not take, so the torch attention path's deterministic
+chunks and decode probe on CUDA), cut to 4 layers. Also mixtures of experts (the fused MoE kernels at their one
 config, moe_kernels.DET_CONFIG): Qwen3-30B-A3B and DeepSeek-V3 (MLA too) cut to a few layers."""
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ PROMPT = [(31 * i) % 30000 + 500 for i in range(300)]
 OTHERS = [[(17 * i + 7 * s) % 30000 + 500 for i in range(n)] for s, n in enumerate((1, 37, 130, 600, 5, 64), 1)]
 
 
-# a few layers of each MoE model, fewer DeepSeek experts (each is 44M parameters): MoE layers
-# all but DeepSeek's first (dense)
-CUTS = {"qwen3-30b-a3b": {"num_hidden_layers": 3},
+# the default model's shapes cut to 4 layers; a few layers of each MoE model, fewer DeepSeek experts
+# (each is 44M parameters): MoE layers all but DeepSeek's first (dense)
+CUTS = {"smollm2-135m": {"base": "llama-3.2-1b", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 4,
+                         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152},
+        "qwen3-30b-a3b": {"num_hidden_layers": 3},
         "deepseek-v3-5l": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 32}}
 
 
@@ -32,7 +36,8 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     name = request.param
     if name not in CUTS:
         return str(REPO / "configs" / name)
-    cfg = json.loads((REPO / "configs" / name / "config.json").read_text()) | CUTS[name]
+    cut = dict(CUTS[name])
+    cfg = json.loads((REPO / "configs" / cut.pop("base", name) / "config.json").read_text()) | cut
     path = tmp_path_factory.mktemp(name)
     (path / "config.json").write_text(json.dumps(cfg))
     return str(path)
