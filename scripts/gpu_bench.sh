@@ -4,7 +4,9 @@
 # Usage on the device (carry .whl): bash scripts/gpu_bench.sh MODE ...
 # .whl, made here once per checkout: ../shared/gpu/fetch-wheels.sh uvicorn==0.54.0 starlette==1.10.0
 #   h11==0.16.0 click==8.5.1 httptools==0.9.0 psutil==7.2.2 (the GPU machine lacks the HTTP server's
-#   packages since 2026-12-01: without them every served mode fails at start-up)
+#   packages since 2026-12-01: without them every served mode fails at start-up); the grammar tests' stop
+#   answers validate with jsonschema, which it lacks too: jsonschema==4.26.0 attrs==26.1.0
+#   jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 # A worker's steps can be torch-profiled: STRATA_PROFILE_STEPS=FIRST:COUNT (table + timeline in --log-dir)
 #   quick     the gpu tests of the grammar mask and the host tier's copies only
 #   check     the gpu tests (tests/gpu: bf16, fp8 KV, fp8 math, forced triton decode, transformers)
@@ -159,7 +161,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     rows = json.loads(f.read_text())["figures"]["batches"]
     print(f"{f.stem:60}", "  ".join(f"b{r['batch_size']} {r['pipelined_ms_per_step']:.3f} ms" for r in rows))
 PY
-  tar czf "$OUT/abcode-$m-$(echo ${AB_VARIANTS} | tr ' ' '+').tgz" -C "$dir" . && rm -rf "$dir"
+  tar czf "$OUT/abcode-$m-$(echo ${AB_VARIANTS} | tr ' ' '_').tgz" -C "$dir" . && rm -rf "$dir"
 }
 moe_offline() {
   run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy \
