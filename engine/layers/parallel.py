@@ -30,7 +30,6 @@ checkpoint tensor it holds) that the loader and the dummy initializer follow.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import batch_invariant, ops, triton_ops
+from engine.layers.cpu_gemm import cpu_pack, packed_linear
 from engine.layers.tuning import kernel_tuning
 
 
@@ -419,33 +419,6 @@ class ParallelLMHead(nn.Module):
         self.weight = _param(end - start, hidden, dtype=dtype)
         _shard(self.weight, Sharding(0, (vocab, hidden), {None: Piece((start, end), 0, vocab, 0)}))
         self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's layout
-
-
-@functools.cache
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """oneDNN can reorder a weight of this dtype for its CPU GEMM: float32 on the x86 CPUs it
-    supports; bf16 needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2-only CPU refuses)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-def cpu_pack(w: torch.Tensor) -> torch.Tensor | None:
-    """`w` [N, K] reordered into oneDNN's blocked layout for x @ w.T, or None where that does
-    not apply. Its GEMM reads that layout much faster than MKL reads the plain weight at
-    decode sizes and as fast at prefill sizes (2 cores, default model: the float32
-    projections and LM head of a 16-row step 77 -> 44 ms, AVX2; bf16 16-row decode step
-    61 -> 50 ms, AVX512-BF16)."""
-    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_packs(w.dtype):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)  # 16: the row count it is tuned for
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x @ w.T with `packed` = cpu_pack(w)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.layers import batch_invariant as bi
+from engine.layers.cpu_gemm import cpu_pack, packed_linear
 from engine.layers.kv_pool import KVPool
-from engine.layers.parallel import cpu_pack, packed_linear
 
 PS, HQ, HKV, D = 16, 6, 2, 32
 L = 300  # five 64-position chunks, the last partial

@@ -1,19 +1,22 @@
-"""CPU projections and LM heads on oneDNN-packed weights (engine/layers/parallel.py: cpu_pack,
-pack_for_cpu): the same products as the plain weight, for decode-sized and prefill-sized
+"""CPU projections and LM heads on oneDNN-packed weights (engine/layers/cpu_gemm.py: cpu_pack;
+engine/layers/parallel.py: pack_for_cpu): the same products as the plain weight, for decode-sized and prefill-sized
 inputs, in float32 and bf16, and only where they apply (no bias; bf16 only where the CPU can)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
+from engine.layers import cpu_gemm
+from engine.layers.cpu_gemm import onednn_packs
 from engine.layers.parallel import (
     Linear,
     ParallelLMHead,
     VocabParallelEmbedding,
     lm_logits,
-    onednn_packs,
     pack_for_cpu,
 )
 
@@ -110,3 +113,66 @@ def test_a_cpu_without_bf16_packing_keeps_the_plain_weight() -> None:
         plain = m(x)
         assert pack_for_cpu(m) == 0
         assert torch.equal(m(x), plain)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    cpu_gemm._one_thread_rows.clear()
+    yield
+    torch.set_num_threads(was)
+    cpu_gemm._one_thread_rows.clear()
+
+
+@_packs(torch.float32)
+def test_one_thread_products_have_all_threads_bits(two_threads: None) -> None:
+    """Whatever the measurement picks on this machine, a product's bits are all threads' at every
+    row count (the rule checks them before it takes one thread)."""
+    for n, k in ((960, 576), (3072, 576)):
+        w = cpu_gemm.cpu_pack(torch.randn(n, k))
+        for rows in (1, 7, 16, 100, 300):
+            x = torch.randn(rows, k)
+            assert torch.equal(cpu_gemm.packed_linear(x, w), cpu_gemm._gemm(x, w))
+        assert cpu_gemm._one_thread_rows[(n, k, torch.float32, 2)] in (0, *cpu_gemm.ROW_STEPS)
+
+
+@_packs(torch.float32)
+def test_one_thread_only_where_faster_and_bit_equal(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = cpu_gemm.cpu_pack(torch.randn(64, 32))
+    one_s = {"s": 1.0}
+    monkeypatch.setattr(cpu_gemm, "_seconds", lambda f: one_s["s"] if f.func is cpu_gemm._on_threads else 2.0)
+    assert cpu_gemm.one_thread_rows(w, 2) == cpu_gemm.ROW_STEPS[-1]  # faster at every count
+    one_s["s"] = 1.9  # within the margin: not worth it
+    assert cpu_gemm.one_thread_rows(w, 2) == 0
+    one_s["s"] = 1.0
+    on_threads = cpu_gemm._on_threads
+    monkeypatch.setattr(cpu_gemm, "_on_threads", lambda n, x, p: on_threads(n, x, p) + (x.shape[0] > 4))
+    monkeypatch.setattr(cpu_gemm, "_seconds", lambda f: 1.0 if f.func is cpu_gemm._on_threads else 2.0)
+    assert cpu_gemm.one_thread_rows(w, 2) == 4  # other bits from 8 rows: all threads there
+
+
+@_packs(torch.float32)
+def test_packed_linear_takes_one_thread_up_to_the_measured_rows(two_threads: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    w = cpu_gemm.cpu_pack(torch.randn(64, 32))
+    cpu_gemm._one_thread_rows[(64, 32, torch.float32, 2)] = 16
+    seen: list[int] = []
+    monkeypatch.setattr(cpu_gemm, "torch", _Spy(torch, seen))
+    for rows in (1, 16, 17):
+        cpu_gemm.packed_linear(torch.randn(rows, 32), w)
+    assert seen == [1, 2, 1, 2]  # set to one thread and back for 1 and 16 rows, untouched for 17
+
+
+class _Spy:
+    """torch, with set_num_threads recorded."""
+
+    def __init__(self, real: object, seen: list[int]) -> None:
+        self._real, self._seen = real, seen
+
+    def set_num_threads(self, n: int) -> None:
+        self._seen.append(n)
+        self._real.set_num_threads(n)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
