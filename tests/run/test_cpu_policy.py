@@ -1,4 +1,4 @@
-"""The CPU worker's policies: thread count, OpenMP wait policy, KV pool size, and the torch
+"""The CPU worker's policies: thread count, OpenMP wait policy, freed memory kept, KV pool size, and the torch
 backend's prefix + causal split (CPU flash attention merged by log-sum-exp) against a dense
 masked reference."""
 
@@ -41,6 +41,29 @@ def test_engine_run_sets_passive_waits_before_torch_loads() -> None:
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # an explicit choice wins
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == "ACTIVE"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_step_sized_tensor_reuses_freed_memory_without_page_faults() -> None:
+    """In a fresh process (malloc's settings are process-wide): before, every 64 MiB tensor is a
+    fresh mapping (16k page faults each); after keep_freed_memory, the second and later ones
+    reuse the first one's pages."""
+    code = """if True:
+        import resource, torch
+        from engine.run.assembly import keep_freed_memory
+        def faults():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        before = [faults() for _ in range(3)]
+        kept = keep_freed_memory()
+        print(kept, *before, *[faults() for _ in range(3)])"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    kept, *faults = out.stdout.split()
+    assert kept == "True"
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert all(f >= pages // 2 for f in map(int, faults[:3]))  # each a fresh mapping
+    assert all(int(f) < pages // 100 for f in faults[4:])  # the heap's pages again
 
 
 def test_cpu_pool_is_the_workload_capped_by_a_fraction_of_ram(tiny: ModelConfig) -> None:
