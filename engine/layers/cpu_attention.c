@@ -73,6 +73,36 @@ static __attribute__((noinline)) void scores_tile(const float *restrict q0, cons
     }
 }
 
+/* scores_tile for one row (an odd last row): the same sums */
+static __attribute__((noinline)) void score_tile(const float *restrict q0, const float *restrict kt, int dq,
+                                                 float scale, float *restrict out0) {
+    float a0[CHUNK] = {0};
+    for (int d = 0; d < dq; d++) {
+        const float x0 = q0[d];
+        const float *restrict kd = kt + (size_t)d * CHUNK;
+        for (int j = 0; j < CHUNK; j++) a0[j] = fmaf(x0, kd[j], a0[j]);
+    }
+    for (int j = 0; j < CHUNK; j++) out0[j] = a0[j] * scale;
+}
+
+/* values_tile for one row (an odd last row): the same sums */
+static __attribute__((noinline)) void value_tile(const float *restrict p0, const float *restrict vt, int n0, int dv,
+                                                 float *restrict o0) {
+    int d0 = 0;
+    for (; d0 + CHUNK <= dv; d0 += CHUNK) {
+        float a0[CHUNK];
+        memcpy(a0, o0 + d0, sizeof a0);
+        for (int j = 0; j < n0; j++) {
+            const float x0 = p0[j];
+            const float *restrict vj = vt + (size_t)j * dv + d0;
+            for (int d = 0; d < CHUNK; d++) a0[d] = fmaf(x0, vj[d], a0[d]);
+        }
+        memcpy(o0 + d0, a0, sizeof a0);
+    }
+    for (; d0 < dv; d0++)
+        for (int j = 0; j < n0; j++) o0[d0] = fmaf(p0[j], vt[(size_t)j * dv + d0], o0[d0]);
+}
+
 /* o[0:dv] += sum over keys j < n, in order, of p[j] * vt[j][0:dv] (a tile of values [CHUNK, dv]),
    for two rows: (p0, n0, o0) and (p1, n1, o1), n0 <= n1, the shared keys in one loop */
 static __attribute__((noinline)) void values_tile(const float *restrict p0, const float *restrict p1,
@@ -127,7 +157,6 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     float *s = vt + (size_t)CHUNK * dv;         /* [rows, width]: scores, then exp-scores */
     float *o = s + (size_t)rows * width;        /* [rows, dv] */
     float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
-    float *spare = l + rows;                    /* [max(CHUNK, dv)]: an odd last row's partner's output */
     float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
     for (int t = 0; t < tiles; t++) {
@@ -141,11 +170,13 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
             load_row((const char *)a->k + ((slot * a->kv_heads + h) * a->k_stride) * esz, a->kv_dtype, dq, krow);
             for (int d = 0; d < dq; d++) kt[(size_t)d * CHUNK + j] = krow[d];
         }
-        for (int i = 0; i < rows; i += 2) {  /* an odd last row's partner: itself, into `spare` */
-            const int i1 = i + 1 < rows ? i + 1 : i;
-            scores_tile(a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq,
-                        a->q + ((size_t)(row0 + i1 / g) * a->q_heads + h * g + i1 % g) * dq, kt, dq, a->scale,
-                        s + (size_t)i * width + t * CHUNK, i1 > i ? s + (size_t)i1 * width + t * CHUNK : spare);
+        for (int i = 0; i < rows; i += 2) {  /* two rows at a time; an odd last row alone */
+            const float *q0 = a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq;
+            if (i + 1 < rows)
+                scores_tile(q0, a->q + ((size_t)(row0 + (i + 1) / g) * a->q_heads + h * g + (i + 1) % g) * dq, kt,
+                            dq, a->scale, s + (size_t)i * width + t * CHUNK, s + (size_t)(i + 1) * width + t * CHUNK);
+            else
+                score_tile(q0, kt, dq, a->scale, s + (size_t)i * width + t * CHUNK);
         }
     }
     for (int i = 0; i < rows; i++) {
@@ -182,11 +213,8 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
             if (i1 > i)
                 values_tile(s + (size_t)i * width + t * CHUNK, s + (size_t)i1 * width + t * CHUNK, vt,
                             stop0 < n ? stop0 : n, stop1 < n ? stop1 : n, dv, o + (size_t)i * dv, o + (size_t)i1 * dv);
-            else {
-                memset(spare, 0, sizeof(float) * dv);
-                values_tile(s + (size_t)i * width + t * CHUNK, s + (size_t)i * width + t * CHUNK, vt,
-                            stop0 < n ? stop0 : n, stop0 < n ? stop0 : n, dv, o + (size_t)i * dv, spare);
-            }
+            else
+                value_tile(s + (size_t)i * width + t * CHUNK, vt, stop0 < n ? stop0 : n, dv, o + (size_t)i * dv);
         }
     }
     for (int i = 0; i < rows; i++) {
@@ -206,7 +234,7 @@ size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, 
         scores = r * width > scores ? r * width : scores;
         rows = r > rows ? r : rows;
     }
-    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (dv > CHUNK ? dv : CHUNK);
+    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows;
 }
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the

@@ -144,7 +144,7 @@ def test_scratch_covers_every_block_of_a_range() -> None:
     work): the scratch is sized for the largest block it touches, the last one included."""
     blocks = torch.tensor([[0, 0, 1, 0], [0, 1, 1, 1], [0, 2, 1, 2], [1, 3, 64, 500]], dtype=torch.int32)
     kv_heads, g, dq, dv, chunk = 3, 3, 64, 64, 64
-    fixed = dq * chunk + chunk * dv + max(chunk, dv)
+    fixed = dq * chunk + chunk * dv
 
     def want(*used: int) -> int:
         rows = max(int(blocks[b, 2]) * g for b in used)
