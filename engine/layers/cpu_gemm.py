@@ -13,13 +13,15 @@ changes an answer (deterministic inference's row blocks are proved on top of it)
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 
+import structlog
 import torch
 
+log = structlog.get_logger()
+
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64, 128)  # row counts measured, smallest first, while one thread wins
-REPS = 5  # timed calls per row count and thread count (medians)
+REPS = 7  # timed calls per row count and thread count (the least counts)
 MARGIN = 0.9  # one thread is taken only when at most this fraction of all threads' time
 
 _one_thread_rows: dict[tuple, int] = {}  # (N, K, dtype, threads) -> most rows run on one thread (0: none)
@@ -60,13 +62,16 @@ def _on_threads(n: int, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         torch.set_num_threads(was)
 
 
-def _seconds(f: functools.partial) -> float:
-    times = []
+def _seconds(one: functools.partial, all_: functools.partial) -> tuple[float, float]:
+    """The least time of REPS calls of each, alternated: the least is what the product costs,
+    whatever else the machine ran meanwhile (a worker measures while its server starts)."""
+    best = [float("inf"), float("inf")]
     for _ in range(REPS):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for i, f in enumerate((one, all_)):
+            t = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best[0], best[1]
 
 
 def one_thread_rows(packed: torch.Tensor, threads: int) -> int:
@@ -81,7 +86,8 @@ def one_thread_rows(packed: torch.Tensor, threads: int) -> int:
         one, all_ = functools.partial(_on_threads, 1, x, packed), functools.partial(_gemm, x, packed)
         if not torch.equal(one(), all_()):
             break
-        if _seconds(one) > MARGIN * _seconds(all_):
+        t_one, t_all = _seconds(one, all_)
+        if t_one > MARGIN * t_all:
             break
         rows = m
     return rows
@@ -97,4 +103,5 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rows = _one_thread_rows.get(key)
     if rows is None:
         rows = _one_thread_rows[key] = one_thread_rows(packed, threads)
+        log.info("cpu projection threads", shape=list(packed.shape), one_thread_up_to_rows=rows, threads=threads)
     return _on_threads(1, x, packed) if x.numel() // x.shape[-1] <= rows else _gemm(x, packed)

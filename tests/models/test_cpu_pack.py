@@ -141,14 +141,13 @@ def test_one_thread_products_have_all_threads_bits(two_threads: None) -> None:
 def test_one_thread_only_where_faster_and_bit_equal(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
     w = cpu_gemm.cpu_pack(torch.randn(64, 32))
     one_s = {"s": 1.0}
-    monkeypatch.setattr(cpu_gemm, "_seconds", lambda f: one_s["s"] if f.func is cpu_gemm._on_threads else 2.0)
+    monkeypatch.setattr(cpu_gemm, "_seconds", lambda one, all_: (one_s["s"], 2.0))
     assert cpu_gemm.one_thread_rows(w, 2) == cpu_gemm.ROW_STEPS[-1]  # faster at every count
     one_s["s"] = 1.9  # within the margin: not worth it
     assert cpu_gemm.one_thread_rows(w, 2) == 0
     one_s["s"] = 1.0
     on_threads = cpu_gemm._on_threads
     monkeypatch.setattr(cpu_gemm, "_on_threads", lambda n, x, p: on_threads(n, x, p) + (x.shape[0] > 4))
-    monkeypatch.setattr(cpu_gemm, "_seconds", lambda f: 1.0 if f.func is cpu_gemm._on_threads else 2.0)
     assert cpu_gemm.one_thread_rows(w, 2) == 4  # other bits from 8 rows: all threads there
 
 
