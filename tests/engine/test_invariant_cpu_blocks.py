@@ -113,3 +113,20 @@ def test_a_step_of_decodes_and_prefills_takes_two_plans_with_the_same_bits(pool_
     out = bi.attend(rows, decode, pool, 0, bi.attend(rows, prefill, pool, 0))
     assert torch.equal(out, want)
     assert torch.equal(bi.attend(rows, bi.plan(tables, seqs, lens, PS), pool, 0), want)  # one plan of 16-token blocks
+
+
+def test_block_rows_pads_a_remainder_where_that_costs_less_than_many_small_blocks() -> None:
+    """The rows split into the proved sizes only, each row once; a remainder is padded up to the next
+    proved size when that costs less (bi.CALL_ROWS a call, plus rows) than the small blocks it fills:
+    262 rows past 1024 of a sparse bf16 ladder as one padded 768, not eight 32s and a 16."""
+    ladder = (1024, 768, 32, 16)
+    for m in (1, 6, 16, 17, 100, 262, 1286, 2048, 8191):
+        split = bi.block_rows(ladder, m)
+        assert sum(r for _, r in split) == m and all(0 < r <= s and s in ladder for s, r in split)
+    assert bi.block_rows(ladder, 1286) == [(1024, 1024), (768, 262)]
+    assert bi.block_rows(ladder, 100) == [(32, 32), (32, 32), (32, 32), (16, 4)]  # 768 would cost more
+    assert bi.block_rows((2048, 512, 32, 16), 8191)[-1] == (2048, 2047)
+    seen: list[int] = []
+    x = torch.randn(1286, 8)
+    out = bi._in_sizes(lambda a: seen.append(a.shape[0]) or a * 2, ladder, x)  # row-wise: exact
+    assert seen == [1024, 768] and torch.equal(out, x * 2)  # the padding's rows cut off
