@@ -93,11 +93,18 @@ def one_thread_rows(packed: torch.Tensor, threads: int) -> int:
     return rows
 
 
+@functools.cache
+def _threads_switchable() -> bool:
+    """torch's intra-op threads are OpenMP's, whose count a thread may set per call; torch's native
+    pool refuses a new count once it has run (and warns each time)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x @ w.T with `packed` = cpu_pack(w): on one thread up to the rows one_thread_rows found for
     its shape (measured at the first call), else on all."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or not _threads_switchable():
         return _gemm(x, packed)
     key = (*packed.shape, packed.dtype, threads)
     rows = _one_thread_rows.get(key)
