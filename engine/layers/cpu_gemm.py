@@ -74,11 +74,11 @@ def _seconds(one: functools.partial, all_: functools.partial) -> tuple[float, fl
     return best[0], best[1]
 
 
-def one_thread_rows(packed: torch.Tensor, threads: int) -> int:
+def one_thread_rows(packed: torch.Tensor) -> int:
     """The most rows (of ROW_STEPS, counted from 1 up while one thread keeps winning) at which
-    this product runs on one thread: measured on random rows, and only where one thread's output
-    equals all threads' bit for bit."""
-    n, k = packed.shape
+    this product runs on one thread rather than on all the calling thread's: measured on random
+    rows, and only where one thread's output equals all threads' bit for bit."""
+    k = packed.shape[1]
     rows = 0
     gen = torch.Generator().manual_seed(0)
     for m in ROW_STEPS:
@@ -109,6 +109,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     key = (*packed.shape, packed.dtype, threads)
     rows = _one_thread_rows.get(key)
     if rows is None:
-        rows = _one_thread_rows[key] = one_thread_rows(packed, threads)
+        rows = _one_thread_rows[key] = one_thread_rows(packed)
         log.info("cpu projection threads", shape=list(packed.shape), one_thread_up_to_rows=rows, threads=threads)
     return _on_threads(1, x, packed) if x.numel() // x.shape[-1] <= rows else _gemm(x, packed)

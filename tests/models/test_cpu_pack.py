@@ -142,13 +142,13 @@ def test_one_thread_only_where_faster_and_bit_equal(two_threads: None, monkeypat
     w = cpu_gemm.cpu_pack(torch.randn(64, 32))
     one_s = {"s": 1.0}
     monkeypatch.setattr(cpu_gemm, "_seconds", lambda one, all_: (one_s["s"], 2.0))
-    assert cpu_gemm.one_thread_rows(w, 2) == cpu_gemm.ROW_STEPS[-1]  # faster at every count
+    assert cpu_gemm.one_thread_rows(w) == cpu_gemm.ROW_STEPS[-1]  # faster at every count
     one_s["s"] = 1.9  # within the margin: not worth it
-    assert cpu_gemm.one_thread_rows(w, 2) == 0
+    assert cpu_gemm.one_thread_rows(w) == 0
     one_s["s"] = 1.0
     on_threads = cpu_gemm._on_threads
     monkeypatch.setattr(cpu_gemm, "_on_threads", lambda n, x, p: on_threads(n, x, p) + (x.shape[0] > 4))
-    assert cpu_gemm.one_thread_rows(w, 2) == 4  # other bits from 8 rows: all threads there
+    assert cpu_gemm.one_thread_rows(w) == 4  # other bits from 8 rows: all threads there
 
 
 @_packs(torch.float32)
