@@ -53,13 +53,14 @@ def _gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def _on_threads(n: int, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    was = torch.get_num_threads()
+def _on_threads(n: int, x: torch.Tensor, packed: torch.Tensor, back: int | None = None) -> torch.Tensor:
+    """_gemm on n threads, then the calling thread's count set back (`back`: it, where known)."""
+    back = torch.get_num_threads() if back is None else back
     torch.set_num_threads(n)  # the calling thread's OpenMP setting: ~0.1 us
     try:
         return _gemm(x, packed)
     finally:
-        torch.set_num_threads(was)
+        torch.set_num_threads(back)
 
 
 def _seconds(one: functools.partial, all_: functools.partial) -> tuple[float, float]:
@@ -111,4 +112,4 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if rows is None:
         rows = _one_thread_rows[key] = one_thread_rows(packed)
         log.info("cpu projection threads", shape=list(packed.shape), one_thread_up_to_rows=rows, threads=threads)
-    return _on_threads(1, x, packed) if x.numel() // x.shape[-1] <= rows else _gemm(x, packed)
+    return _on_threads(1, x, packed, threads) if x.numel() // x.shape[-1] <= rows else _gemm(x, packed)

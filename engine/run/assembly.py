@@ -305,7 +305,7 @@ def keep_freed_memory() -> bool:
     serves an allocation of more than 32 MiB (its dynamic threshold's ceiling) by a fresh mmap and
     returns it, and trims the heap's free top, so every step's activations were first-touched
     again, a page fault a 4 KiB page (a 16 x 128-token bf16 prefill spent ~30% of its 850 ms in
-    them: 615 ms kept). The worker's memory stays at its peak step's instead of falling back
+    them: 595 ms kept). The worker's memory stays at its peak step's instead of falling back
     between steps. Whether glibc took both settings (no-op without glibc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")

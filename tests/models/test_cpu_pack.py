@@ -147,7 +147,8 @@ def test_one_thread_only_where_faster_and_bit_equal(two_threads: None, monkeypat
     assert cpu_gemm.one_thread_rows(w) == 0
     one_s["s"] = 1.0
     on_threads = cpu_gemm._on_threads
-    monkeypatch.setattr(cpu_gemm, "_on_threads", lambda n, x, p: on_threads(n, x, p) + (x.shape[0] > 4))
+    monkeypatch.setattr(cpu_gemm, "_on_threads",
+                        lambda n, x, p, back=None: on_threads(n, x, p, back) + (x.shape[0] > 4))
     assert cpu_gemm.one_thread_rows(w) == 4  # other bits from 8 rows: all threads there
 
 
