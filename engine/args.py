@@ -60,6 +60,9 @@ HELP = {
     "backend). On by default on a CPU (a few percent there); on a GPU it costs throughput: docs/PERF.md",
     "disable_deterministic_inference": "on a CPU, turn off its default deterministic inference (draft trees, "
     "--speculative-eagle-topk > 1, turn it off too)",
+    "batch_wait_ms": "when requests reach an idle engine, its first step waits until none has arrived for this "
+    "long (at most 10x in all), so that a burst sent at once is prefilled as one batch, not as what came first "
+    "and then the rest (-1: auto = 2 on CPU, where a prefill step takes 100s of ms; 0 on GPU: no wait)",
     "seed": "seed for requests that give none (each gets a fresh seed drawn from this)",
     "cpu_threads": "torch threads of a CPU worker (0: every core this process may run on; OpenMP threads wait "
     "passively unless OMP_WAIT_POLICY is set)",

@@ -47,6 +47,9 @@ class ServerConfig:
     mem_fraction: float = 0.85
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048  # token budget per step (chunked prefill splits above it)
+    # an idle engine's first step waits for a burst's stragglers: until no request came for this long
+    # (at most BURST_WAIT_CAP x it in all); -1 = auto (CPU 2 ms, where a step takes 100s of ms; GPU 0: none)
+    batch_wait_ms: float = -1.0
     context_length: int = 0  # 0 = the model's max_position_embeddings
     disable_overlap: bool = False
     disable_radix_cache: bool = False
@@ -88,6 +91,8 @@ class ServerConfig:
         problems = [
             (self.load_format in ("auto", "safetensors", "dummy"), f"bad --load-format {self.load_format}"),
             (self.quantization in ("", "fp8"), f"bad --quantization {self.quantization!r} (choose fp8)"),
+            (self.batch_wait_ms == -1 or 0 <= self.batch_wait_ms <= 100,
+             f"bad --batch-wait-ms {self.batch_wait_ms} (-1: auto, or 0 to 100)"),
             (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
             (not (self.enable_deterministic_inference and self.disable_deterministic_inference),
@@ -316,6 +321,12 @@ class ServerConfig:
         num_draft_tokens) when verify steps replay the graphs, else one row a request."""
         tokens = self.speculative_num_draft_tokens if self.verify_in_graphs else 1
         return self.max_running_requests * tokens
+
+    def batch_wait_s(self, device_type: str) -> float:
+        """--batch-wait-ms in seconds for workers on `device_type` (auto: CPU 2 ms, else 0)."""
+        if self.batch_wait_ms >= 0:
+            return self.batch_wait_ms / 1e3
+        return 0.002 if device_type == "cpu" else 0.0
 
     @property
     def ranks_per_node(self) -> int:

@@ -52,6 +52,7 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     l3_fingerprint: bytes = b""  # with --l3-dir: the model's L3 fingerprint (engine/cache/l3.py)
     deterministic: bool = False  # --enable-deterministic-inference (every rank must agree)
     kv_components: int = 2  # KV layout components a layer caches (K and V: 2; MLA's latent: 1)
+    device_type: str = ""  # cpu | cuda: the scheduler's device-dependent defaults (--batch-wait-ms)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):

@@ -127,6 +127,7 @@ class ModelRunner:
             eos_token_ids=list(self.mcfg.eos_token_ids),
             page_bytes=self.host_tier.page_bytes,
             deterministic=self.deterministic,
+            device_type=self.device.type,
         )
 
     def run_step(self, step: Step) -> StepDone:

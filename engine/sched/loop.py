@@ -11,6 +11,7 @@ scheduler works; at most one step runs ahead.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,6 +48,7 @@ OCCUPANCY_LOG_S = 1.0  # at most one `cache occupancy` line a second, and only a
 # the page counts of SchedulerStats that the `cache occupancy` line carries (bin/analyze reads them)
 OCCUPANCY_FIELDS = ("kv_pages_used", "kv_pages_total", "cache_pages", "running", "waiting")
 TIER_OCCUPANCY_FIELDS = ("l2_pages_used", "l2_pages_total", "l3_files", "l3_bytes")
+BURST_WAIT_CAP = 10  # an idle engine's first step waits at most this many --batch-wait-ms in all
 
 
 class WorkerFailure(RuntimeError):
@@ -65,8 +67,13 @@ class SchedulerPorts:
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S) -> None:
+    def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        self.clock = clock  # the burst wait's (tests step it by hand)
+        self.batch_wait_s = 0.0  # --batch-wait-ms, resolved for the workers' device at start
+        self.burst: tuple[float, float] | None = None  # first and last arrival at an idle engine, until a step
+        self.held_s = 0.0  # how much longer this pass's burst wait lasts (0: none)
         self.ports = ports
         self.num_ranks = len(ports.steps)
         self.max_ahead = 1 if cfg.disable_overlap else 2
@@ -106,6 +113,7 @@ class SchedulerLoop:
 
     def _start(self, first: WorkerReady) -> None:
         self.ready = first
+        self.batch_wait_s = self.cfg.batch_wait_s(first.device_type)
         self.core = SchedulerCore(SchedConfig.build(self.cfg, first, self.num_ranks, env().digest_every))
         log.info("workers ready", num_pages=first.num_pages, max_context=first.max_context, ranks=self.num_ranks)
         if self.core.state.cache.changes and self._send_next():
@@ -138,7 +146,8 @@ class SchedulerLoop:
         self._drain_commits()
         if self.flushes:
             self._flush()
-        while len(self.inflight) < self.max_ahead and self._send_next():
+        self.held_s = self._burst_wait_left()
+        while not self.held_s and len(self.inflight) < self.max_ahead and self._send_next():
             pass
         self._maybe_check_leaks()
         self._send_stats()
@@ -149,7 +158,25 @@ class SchedulerLoop:
         """The process loop: pump, then `wait(timeout_ms)` for input (a zmq poll)."""
         while True:
             self.pump()
-            wait(5 if self.inflight or self.core is None else 50)
+            if self.held_s:
+                wait(max(1, math.ceil(self.held_s * 1e3)))
+            else:
+                wait(5 if self.inflight or self.core is None else 50)
+
+    def _burst_wait_left(self) -> float:
+        """Seconds the first step of an idle engine still waits for more of a burst (0: plan now).
+
+        Requests sent together reach the scheduler spread over milliseconds (the tokenizer takes
+        them one by one). Planned at the first arrival, the first step would prefill what had come
+        and the next step the rest beside their decodes: on a CPU, where a prefill step takes
+        100s of ms, that is one more long step than one batch of all (docs/architecture.md,
+        Scheduling). So the step waits until no request has come for --batch-wait-ms, at most
+        BURST_WAIT_CAP times it from the first."""
+        if self.burst is None or not self.batch_wait_s:
+            return 0.0
+        first, last = self.burst
+        left = min(last + self.batch_wait_s, first + BURST_WAIT_CAP * self.batch_wait_s) - self.clock()
+        return max(left, 0.0)
 
     def _send_next(self) -> bool:
         assert self.core is not None
@@ -162,6 +189,7 @@ class SchedulerLoop:
             self.ports.cache_steps.send(step)
         self.inflight.append(step.seq)
         self.done_ranks[step.seq] = 0
+        self.burst = None
         return True
 
     def _drain_requests(self) -> None:
@@ -171,6 +199,9 @@ class SchedulerLoop:
             msg = self.ports.requests.recv()
             if isinstance(msg, TokenizedRequest):
                 err = self._submit(msg)
+                if err is None and self.batch_wait_s and not self.inflight and not self.core.state.running:
+                    now = self.clock()  # a burst at an idle engine: its first step waits for the rest
+                    self.burst = (self.burst[0] if self.burst else now, now)
                 log.info("request", rid=msg.rid, prompt_tokens=len(msg.input_ids) // 4, rejected=err is not None)
             elif isinstance(msg, AbortRequest):
                 err = self.core.abort(msg.rid)

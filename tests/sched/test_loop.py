@@ -12,7 +12,7 @@ from engine.config import ServerConfig
 from engine.replica import StepOrderError, TokenChain
 from engine.run.pipeline import WorkerPipeline
 from engine.sched.digests import DigestMismatch
-from engine.sched.loop import SchedulerLoop, SchedulerPorts, WorkerFailure
+from engine.sched.loop import BURST_WAIT_CAP, SchedulerLoop, SchedulerPorts, WorkerFailure
 from msgs import channels
 from msgs.codec import pack_ids, unpack_ids
 from msgs.control import Ready
@@ -385,3 +385,61 @@ def test_ready_waits_for_the_host_tier_set_up_step() -> None:
     run_until_idle(loop, wires, ranks)
     got, reasons, _ = wires.outputs_seen()
     assert sorted(reasons) == ["r0", "r1"] and all(len(v) == 5 for v in got.values())
+
+
+def _send(wires: Wires, rid: str, n: int = 5) -> None:
+    first = 1 + sum(map(ord, rid)) % 20  # prompts that share no page
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    wires.req_out.send(TokenizedRequest(rid=rid, input_ids=pack_ids(list(range(first, first + n))), params=params))
+
+
+def test_an_idle_engine_waits_for_a_bursts_stragglers_and_prefills_them_together() -> None:
+    """Requests sent at once reach the scheduler spread over milliseconds: an idle engine's first
+    step waits until none has come for --batch-wait-ms (at most BURST_WAIT_CAP times it), so it
+    prefills the whole burst; a request that comes while steps run is never held."""
+    ranks = [FakeRank(0)]
+    loop, wires = start(ranks, batch_wait_ms=2.0)
+    now = [100.0]
+    loop.clock = lambda: now[0]
+    _send(wires, "a")
+    loop.pump()
+    assert not list(wires.steps[0].drain()) and loop.held_s == pytest.approx(0.002)
+    now[0] += 0.0015
+    _send(wires, "b")
+    loop.pump()  # the wait restarts at each arrival
+    assert not list(wires.steps[0].drain()) and loop.held_s == pytest.approx(0.002)
+    now[0] += 0.0019
+    loop.pump()
+    assert not list(wires.steps[0].drain())
+    now[0] += 0.0002
+    loop.pump()  # quiet for 2 ms: both in one prefill
+    sent = list(wires.steps[0].drain())
+    assert sent[0].forward is not None and unpack_ids(sent[0].forward.extend_lens) == [5, 5]
+    _send(wires, "c")  # steps in flight: not a burst at an idle engine, never held
+    loop.pump()
+    assert loop.held_s == 0 and loop.burst is None
+    for step in sent:
+        wires.done_out.send(ranks[0].answer(step))
+    run_until_idle(loop, wires, ranks)
+    assert set(wires.outputs_seen()[1]) == {"a", "b", "c"}
+
+
+def test_a_steady_trickle_into_an_idle_engine_is_held_at_most_the_cap() -> None:
+    ranks = [FakeRank(0)]
+    loop, wires = start(ranks, batch_wait_ms=2.0)
+    now = [100.0]
+    loop.clock = lambda: now[0]
+    for i in range(12):  # one every 1.8 ms: never quiet for 2 ms
+        _send(wires, f"r{i}", n=1)
+        loop.pump()
+        if list(wires.steps[0].drain()):
+            break
+        now[0] += 0.0018
+    assert now[0] - 100.0 == pytest.approx(BURST_WAIT_CAP * 0.002, abs=0.002)
+
+
+def test_batch_wait_defaults_by_device_and_is_validated() -> None:
+    assert ServerConfig().batch_wait_s("cpu") == 0.002 and ServerConfig().batch_wait_s("cuda") == 0.0
+    assert ServerConfig(batch_wait_ms=0).batch_wait_s("cpu") == 0.0
+    with pytest.raises(ValueError, match="--batch-wait-ms"):
+        ServerConfig(batch_wait_ms=-3)
