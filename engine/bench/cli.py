@@ -17,6 +17,7 @@ import functools
 import math
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -223,9 +224,9 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     name = workload.model_name(args.model)
     settings = _settings(args, model_name=name, drafts=args.drafts, batch_sizes=args.batch_sizes)
     report.print_settings("spec", settings)
-    probe = HardwareProbe()  # in a child process, overlapping the first server's start-up
+    hardware = HardwareProbe().result()  # before the servers: its ~2 s of CPU never overlaps a timed run
     figures = spec.run(args, workload.vocab_size(workload.resolve_model_dir(args.model)))
-    report.write_record(report.make_record("spec", name, settings, probe.result(), figures), args.out)
+    report.write_record(report.make_record("spec", name, settings, hardware, figures), args.out)
     return figures
 
 
@@ -278,13 +279,15 @@ def _against_server(
     probe = HardwareProbe()  # in a child process, overlapping the server start-up
     server_args = shlex.split(args.server_args)
     with launch.endpoints(args.url, getattr(args, "sdk", None), args.model, args.load_format, server_args) as ep:
+        hardware = probe.result()  # awaited before the load (PROBE_BEFORE_LOAD)
+        settings["load_started_at"] = time.time()
         figures = measure(ep, reqs, settings)
     report.print_table(TITLES[args.mode], rows(figures))
     for problem in figures.get("errors", []):
         print(f"error: {problem}")
     for caveat in figures.get("warnings", []):
         print(f"warning: {caveat}")
-    report.write_record(report.make_record(args.mode, name, settings, probe.result(), figures), args.out)
+    report.write_record(report.make_record(args.mode, name, settings, hardware, figures), args.out)
     return figures
 
 
@@ -394,12 +397,13 @@ def _cache(args: argparse.Namespace) -> dict[str, Any]:
     vocab = workload.vocab_size(workload.resolve_model_dir(args.model))
     with launch.launched_server(args.model, args.load_format, server_args) as ep:
         assert ep.http is not None
+        hardware = probe.result()  # awaited before the load (PROBE_BEFORE_LOAD)
         figures = cache.measure(ep.http, args, vocab)
     print(f"Prompt cache TTFT: {args.prompt_len} tokens, median of {args.repeat}")
     report.print_grid(*cache.table(figures))
     for problem in figures["tier_errors"]:
         print(f"error: {problem}")
-    report.write_record(report.make_record("cache", name, settings, probe.result(), figures), args.out)
+    report.write_record(report.make_record("cache", name, settings, hardware, figures), args.out)
     return figures
 
 

@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,18 @@ def hardware_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "probed_at": time.time(),  # when it finished: a record shows that no timed load overlapped it
     }
 
 
 class HardwareProbe:
     """hardware_info() computed in a child process (no CUDA context here), started at once so
-    that it overlaps the server's start-up; `result()` waits for it."""
+    that it overlaps the server's start-up; `result()` waits for it.
+
+    PROBE_BEFORE_LOAD: callers await `result()` before the timed load, never after it. The probe
+    imports torch (~2 s of CPU): on a 2-core CPU, with a server that was already up (`--sdk`,
+    `--url`) or started in 2 s, it ran inside the timed window and took `bin/bench offline`'s
+    16 x 128/64 from 4.3 to 5.1-5.7 s (the worker's threads waited 0.8-1.0 s on the run queue)."""
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(

@@ -88,6 +88,8 @@ def test_offline_sdk(tiny_model: Path, tmp_path: Path) -> None:
     check_record(rec, "offline")
     assert rec["settings"]["backend_used"] == "sdk" and rec["settings"]["num_requests"] == 8
     check_throughput(rec["figures"])
+    # the hardware probe (~2 s of CPU) finished before the timed load began, never inside it
+    assert rec["hardware"]["probed_at"] <= rec["settings"]["load_started_at"]
 
 
 def test_serve_generate_stream(tiny_model: Path, tmp_path: Path) -> None:
