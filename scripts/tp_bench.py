@@ -35,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]
 
 from tp_harness import run_tp  # noqa: E402
 
+from engine.bench.workload import cut_model  # noqa: E402
 from engine.config import ServerConfig  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from msgs.params import SamplingParams  # noqa: E402
@@ -68,19 +69,6 @@ def tuning_of(run: Run, symm_max_bytes: int) -> dict | None:
     if run.allreduce == "symm":
         return {"tp_symm_allreduce_max_bytes": symm_max_bytes}
     return None
-
-
-def cut_model(model: str, layers: int, into: Path) -> str:
-    """A copy of the model directory's config with only its first `layers` layers (other files linked)."""
-    src = Path(model)
-    into.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (into / f.name).symlink_to(f.resolve())
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
-    (into / "config.json").write_text(json.dumps(cfg))
-    return str(into)
 
 
 def prompts(vocab: int, n: int, length: int) -> list[list[int]]:

@@ -82,15 +82,23 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def cp_size(args: argparse.Namespace) -> int:
+    """The server's --cp-size (its pages round robin over that many ranks, each a pool of its own)."""
+    flags = shlex.split(args.server_args)
+    return int(flags[flags.index("--cp-size") + 1]) if "--cp-size" in flags else 1
+
+
 def pool_tokens(args: argparse.Namespace) -> int:
-    """The device pool: the prompt and its output token fit, with a few pages to spare."""
-    n = args.prompt_len + args.slack_tokens
+    """A rank's device pool (--max-total-tokens): over the cp ranks the prompt and its output token
+    fit, with a few pages to spare."""
+    n = -(-(args.prompt_len + args.slack_tokens) // cp_size(args))
     return -(-n // args.page_size) * args.page_size
 
 
 def filler_len(args: argparse.Namespace) -> int:
-    """A prompt that needs all but one page of the pool: nothing else stays in L1."""
-    return pool_tokens(args) - args.page_size - 1
+    """A prompt that needs all but one page of every rank's pool: nothing else stays in L1."""
+    cp = cp_size(args)
+    return cp * (pool_tokens(args) - args.page_size) - 1
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -171,11 +179,11 @@ def flush(url: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def ttft(url: str, ids: list[int]) -> tuple[float, int | None]:
-    """Time to the first streamed token of one request (max_new_tokens 1) and the
-    cached_tokens its response reports."""
+def ttft(url: str, ids: list[int]) -> tuple[float, int | None, int | None]:
+    """Time to the first streamed token of one request (max_new_tokens 1), the cached_tokens its
+    response reports, and the token."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": True}
-    first, cached = None, None
+    first, cached, token = None, None, None
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT_S) as resp:
         if resp.status_code != 200:
@@ -190,9 +198,10 @@ def ttft(url: str, ids: list[int]) -> tuple[float, int | None]:
             if first is None and meta.get("completion_tokens", 0) >= 1:
                 first = time.perf_counter() - t0
             cached = meta.get("cached_tokens", cached)
+            token = (data.get("output_ids") or [token])[-1]
     if first is None:
         raise RuntimeError("/generate streamed no token")
-    return first, cached
+    return first, cached, token
 
 
 # ---------------------------------------------------------------- the measurement
@@ -210,10 +219,10 @@ class Run:
 
     def phase(self, name: str, ids: list[int]) -> dict[str, Any]:
         before = hits(wait_idle(self.url, self.timeout))
-        seconds, cached = ttft(self.url, ids)
+        seconds, cached, token = ttft(self.url, ids)
         after = hits(wait_idle(self.url, self.timeout))
         got = {t: int(after[t] - before[t]) for t in TIERS}
-        return {"phase": name, "ttft_s": seconds, "cached_tokens": cached, "hit_tokens": got,
+        return {"phase": name, "ttft_s": seconds, "cached_tokens": cached, "hit_tokens": got, "token": token,
                 "error": verdict(name, got)}  # fmt: skip
 
     def wait_l3(self, writes: float, files: int) -> None:
@@ -313,6 +322,7 @@ def figures(reps: list[list[dict[str, Any]]], args: argparse.Namespace) -> dict[
             "valid": len(ok),
             "hit_tokens": [p["hit_tokens"] for p in runs],
             "cached_tokens": [p["cached_tokens"] for p in runs],
+            "tokens": [p.get("token") for p in runs],
         }
     base = per["recompute"]["median_ttft_s"]
     for name in phases:
@@ -323,7 +333,11 @@ def figures(reps: list[list[dict[str, Any]]], args: argparse.Namespace) -> dict[
         "pool_tokens": pool_tokens(args),
         "filler_len": filler_len(args),
         "repeat": args.repeat,
+        "cp_size": cp_size(args),
         "phases": per,
+        # each phase's token is the fresh prompt's (recompute): bits equal only where the arithmetic
+        # allows (float32 or deterministic inference); in bf16 a near tie may legitimately flip
+        "tokens_equal_fresh": all(per[n]["tokens"] == per["recompute"]["tokens"] for n in phases),
         "tier_errors": errors,
         "completed": sum(per[n]["valid"] for n in phases),
     }

@@ -79,3 +79,16 @@ def random_requests(
 def token_totals(reqs: list[BenchRequest]) -> tuple[int, int]:
     """(total prompt tokens, total requested output tokens)."""
     return sum(len(r.prompt) for r in reqs), sum(r.output_len for r in reqs)
+
+
+def cut_model(model: str, layers: int, into: Path) -> str:
+    """A copy of the model directory's config with only its first `layers` layers (other files linked)."""
+    src = Path(model)
+    into.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (into / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (into / "config.json").write_text(json.dumps(cfg))
+    return str(into)

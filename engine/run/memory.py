@@ -192,7 +192,10 @@ def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.devi
     if num_pages < 2:
         raise OutOfMemory(f"KV pool of {tokens} tokens holds no page of {cfg.page_size}")
     max_model = cfg.context_length or mcfg.max_position_embeddings
-    return PoolPlan(num_pages=num_pages, max_context=min(max_model, (num_pages - 1) * cfg.page_size), sized_by=sized_by)
+    # under context parallelism a request's pages round robin over the cp ranks' pools (each of
+    # num_pages): one request may hold cp x one pool's pages (docs/architecture.md)
+    held = cfg.cp_size * (num_pages - 1) * cfg.page_size
+    return PoolPlan(num_pages=num_pages, max_context=min(max_model, held), sized_by=sized_by)
 
 
 def _cuda_pool_tokens(cfg: ServerConfig, mcfg, per_token: int, device: torch.device,  # noqa: ANN001

@@ -40,6 +40,7 @@ def cp_prompts(seed: int, lo: int, hi: int) -> tuple[list[list[int]], list[list[
 
 
 LONG, CONVS, SUFFIX = cp_prompts(11, 200, 20000)
+BEYOND = [random.Random(12).randrange(200, 20000) for _ in range(400)]  # 25 pages: more than one rank's 16
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def reference(default_model_dir: Path) -> dict[tuple[int, ...], list[int]]:
     from msgs.params import SamplingParams
 
     eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
-    prompts = [*LONG, *CONVS, SUFFIX]
+    prompts = [*LONG, *CONVS, SUFFIX, BEYOND]
     res = eng.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
     return {tuple(p): r.output_ids for p, r in zip(prompts, res, strict=True)}
 
@@ -102,6 +103,16 @@ def test_cp2_batched_chunked_long_prompts_give_cp1_tokens(cp_server: Server, ref
     used = [m[f'strata_kv_pages_used_by_cp_rank{{cp_rank="{r}"}}'] for r in (0, 1)]
     assert sum(used) == m["strata_kv_pages_used"] > 0 and abs(used[0] - used[1]) <= 3  # each about half
     assert m["strata_kv_pages_total"] == 2 * (CP_POOL // 16) and m["strata_kv_leak_free"] == 1
+
+
+def test_cp2_serves_a_context_longer_than_one_ranks_pool(cp_server: Server, reference: dict) -> None:
+    """A request's pages round robin over the ranks, so its context may reach cp x one rank's pool
+    (CP_POOL tokens): the engine admits it (max_model_len says so) and answers cp=1's tokens."""
+    models = httpx.get(f"{cp_server.http}/v1/models", timeout=10).json()["data"]
+    assert models[0]["max_model_len"] == 2 * CP_POOL
+    got, _ = generate(cp_server, BEYOND)
+    assert got == reference[tuple(BEYOND)]
+    assert cp_server.wait_idle()["strata_kv_leak_free"] == 1
 
 
 def test_cp2_shared_host_tier_l2_reload_and_l3(cp_server: Server, reference: dict, l3_dir: Path,
