@@ -6,7 +6,11 @@
    the keys it sees, its exp-scores are summed in 16 lanes by key position (lane j % 16, then a
    fixed tree), and its output sums the exp-scores times the values key after key from position
    0. Nothing depends on the batch, on how the row's prompt was chunked, on which of its keys came
-   from a cache, on the block of tokens it was computed with, or on the thread that ran it. */
+   from a cache, on the block of tokens it was computed with, or on the thread that ran it.
+
+   With bf16 queries and keys on a CPU with AMX (strata_amx), the scores are instead the tile
+   unit's dot products (TDPBF16PS over 32 head dims a step, steps in order): a key row's products
+   with a query row, exact in float32, summed in the unit's fixed order, again nothing else. */
 
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +18,11 @@
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define STRATA_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define CHUNK 64   /* keys per tile: scores are vectorised over a tile's keys */
@@ -202,7 +211,7 @@ static void fill_keys(const char *const *rows, int dtype, int dq, float *restric
 }
 
 typedef struct {
-    const float *q;       /* [T, Hq, dq] float32, contiguous */
+    const void *q;        /* [T, Hq, dq] float32 (or bf16: q_bf16), contiguous */
     const void *k, *v;    /* this layer's KV: row (slot, head) at (slot * heads + head) * stride */
     int64_t k_stride, v_stride;  /* elements between consecutive (slot, head) rows */
     int kv_dtype, kv_heads, q_heads, dq, dv, page_size;
@@ -210,7 +219,75 @@ typedef struct {
     const int64_t *page_table;  /* [requests, pt_width] */
     int64_t pt_width;
     float *out;           /* [T, Hq, dv] float32 */
+    int q_bf16;           /* q is bf16 [T, Hq, dq] (scores by the tile unit), else float32 */
 } Args;
+
+#ifdef STRATA_AMX
+static int amx_granted = -1;
+
+/* Whether the scores go through AMX here: bf16 keys and queries, head dims in steps of 32, pages of
+   whole 16-key tiles, and the kernel's permission for the tile state (Linux asks for it once) */
+int strata_amx(int dq, int page_size, int kv_dtype) {
+    if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    return amx_granted && kv_dtype == 1 && dq % 32 == 0 && dq <= 1024 && page_size % 16 == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static void amx_begin(void) {  /* tile 0: 16 x 16 float32 scores; 1: 16 keys x 32 bf16; 2: 16 pairs x 16 rows */
+    TileConfig c = {.palette = 1};
+    for (int t = 0; t < 3; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* The item's query rows (bf16) as the tile unit's B operands: for each 16-row column tile and each
+   32-dim step, [16 dim pairs][16 rows] of (q[2r], q[2r + 1]); rows past the item's are zeros */
+static void queries_amx(const Args *a, int row0, int h, int rows, uint32_t *qt) {
+    const int g = a->q_heads / a->kv_heads, steps = a->dq / 32;
+    for (int ct = 0; ct < (rows + 15) / 16; ct++)
+        for (int st = 0; st < steps; st++) {
+            uint32_t *b = qt + ((size_t)ct * steps + st) * 256;
+            for (int c = 0; c < 16; c++) {
+                const int i = ct * 16 + c;
+                const uint32_t *q = i < rows ? (const uint32_t *)((const uint16_t *)a->q +
+                    ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * a->dq) + st * 16 : NULL;
+                for (int r = 0; r < 16; r++) b[r * 16 + c] = q ? q[r] : 0;
+            }
+        }
+}
+
+/* Scores of the item's rows against keys p0 .. p0 + 15 (one page's rows: a fixed stride), by the
+   tile unit: s[i][p0 + j] = scale * (key j . query row i), each a sum over the steps in order */
+static void scores_amx(const Args *a, const char *k0, int64_t stride, int rows, const uint32_t *qt, float scale,
+                       float *s, int width, int p0) {
+    const int steps = a->dq / 32;
+    float c[256];
+    for (int ct = 0; ct < (rows + 15) / 16; ct++) {
+        _tile_zero(0);
+        for (int st = 0; st < steps; st++) {
+            _tile_loadd(1, k0 + st * 64, stride);
+            _tile_loadd(2, qt + ((size_t)ct * steps + st) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, c, 64);
+        __m512 r[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(c + j * 16);
+        transpose16(r);  /* [key][row] -> [row][key] */
+        const int n = rows - ct * 16 < 16 ? rows - ct * 16 : 16;
+        for (int i = 0; i < n; i++)
+            _mm512_storeu_ps(s + (size_t)(ct * 16 + i) * width + p0, _mm512_mul_ps(r[i], _mm512_set1_ps(scale)));
+    }
+}
+#else
+int strata_amx(int dq, int page_size, int kv_dtype) { (void)dq; (void)page_size; (void)kv_dtype; return 0; }
+#endif
 
 /* one item: `ntok` new tokens of request `req` (q rows row0.., positions pos0..) x one KV head */
 static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
@@ -224,7 +301,21 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
     float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
+#ifdef STRATA_AMX
+    if (a->q_bf16) {
+        uint32_t *qt = (uint32_t *)(l + rows);  /* the queries as B operands (strata_scratch counts them) */
+        queries_amx(a, row0, h, rows, qt);
+        const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
+        for (int p0 = 0; p0 < keys; p0 += 16) {
+            const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
+            scores_amx(a, (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2, stride, rows, qt,
+                       a->scale, s, width, p0);
+        }
+    }
+    for (int t = 0; t < tiles && !a->q_bf16; t++) {
+#else
     for (int t = 0; t < tiles; t++) {
+#endif
         const char *rows_k[CHUNK];
         for (int j = 0; j < CHUNK; j++) {
             const int pos = t * CHUNK + j;
@@ -235,9 +326,10 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
         }
         fill_keys(rows_k, a->kv_dtype, dq, kt, krow);
         for (int i = 0; i < rows; i += 2) {  /* two rows at a time; an odd last row alone */
-            const float *q0 = a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq;
+            const float *qf = (const float *)a->q;
+            const float *q0 = qf + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq;
             if (i + 1 < rows)
-                scores_tile(q0, a->q + ((size_t)(row0 + (i + 1) / g) * a->q_heads + h * g + (i + 1) % g) * dq, kt,
+                scores_tile(q0, qf + ((size_t)(row0 + (i + 1) / g) * a->q_heads + h * g + (i + 1) % g) * dq, kt,
                             dq, a->scale, s + (size_t)i * width + t * CHUNK, s + (size_t)(i + 1) * width + t * CHUNK);
             else
                 score_tile(q0, kt, dq, a->scale, s + (size_t)i * width + t * CHUNK);
@@ -298,23 +390,31 @@ size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, 
         scores = r * width > scores ? r * width : scores;
         rows = r > rows ? r : rows;
     }
-    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows;
+    /* + the AMX path's queries: [column tiles][dq / 32 steps][16 x 16] */
+    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (rows + 15) / 16 * (dq / 32) * 256;
 }
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
    first) x KV heads, item = block * kv_heads + head; returns 0, or -1 if scratch fails */
-int strata_attend(const float *q, const void *k, const void *v, int64_t k_stride, int64_t v_stride, int kv_dtype,
+int strata_attend(const void *q, const void *k, const void *v, int64_t k_stride, int64_t v_stride, int kv_dtype,
                   int kv_heads, int q_heads, int dq, int dv, int page_size, float scale,
                   const int64_t *page_table, int64_t pt_width, const int32_t *blocks, int first, int last,
-                  float *out) {
+                  float *out, int q_bf16) {
     Args a = {q, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
-              page_table, pt_width, out};
+              page_table, pt_width, out, q_bf16};
+    if (q_bf16 && !strata_amx(dq, page_size, kv_dtype)) return -2;
     float *scratch = malloc(strata_scratch(blocks, first, last, kv_heads, q_heads / kv_heads, dq, dv) * sizeof(float));
     if (!scratch) return -1;
+#ifdef STRATA_AMX
+    if (q_bf16) amx_begin();  /* the tile configuration is the calling thread's */
+#endif
     for (int it = first; it < last; it++) {
         const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
         attend_item(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
     }
+#ifdef STRATA_AMX
+    if (q_bf16) _tile_release();
+#endif
     free(scratch);
     return 0;
 }

@@ -83,7 +83,9 @@ def library() -> ctypes.CDLL | None:
     lib.strata_scratch.argtypes = [_P, _I, _I, _I, _I, _I, _I]
     lib.strata_attend.restype = _I
     lib.strata_attend.argtypes = [_P, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _L, _P, _I, _I,
-                                  _P]
+                                  _P, _I]
+    lib.strata_amx.restype = _I
+    lib.strata_amx.argtypes = [_I, _I, _I]
     return lib
 
 
@@ -159,15 +161,17 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     dv = v.shape[2] if dv is None else dv
     if k.stride(2) != 1 or k.stride(0) != hkv * k.stride(1) or v.stride(2) != 1 or v.stride(0) != hkv * v.stride(1):
         raise ValueError("cpu_attention: KV rows must be (slot, head)-major with contiguous head dims")
-    qf = q.float().contiguous()
+    # bf16 queries over bf16 keys: the scores on the AMX tiles where the CPU has them (the C file's header)
+    amx = q.dtype == torch.bfloat16 and bool(lib.strata_amx(dq, page_size, KV_DTYPES[k.dtype]))
+    qx = q.contiguous() if amx else q.float().contiguous()
     out = torch.empty(t, hq, dv, dtype=torch.float32)
     if t == 0:
         return out
 
     def run(first: int, last: int) -> None:
-        rc = lib.strata_attend(qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
+        rc = lib.strata_attend(qx.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
                                KV_DTYPES[k.dtype], hkv, hq, dq, dv, page_size, scale, p.page_table.data_ptr(),
-                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr())
+                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr(), int(amx))
         if rc != 0:
             raise MemoryError("cpu_attention: no memory for the kernel's scratch")
 
