@@ -227,9 +227,9 @@ static int amx_granted = -1;
 
 /* Whether the scores go through AMX here: bf16 keys and queries, head dims in steps of 32, pages of
    whole 16-key tiles, and the kernel's permission for the tile state (Linux asks for it once) */
-int strata_amx(int dq, int page_size, int kv_dtype) {
+int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
     if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
-    return amx_granted && kv_dtype == 1 && dq % 32 == 0 && dq <= 1024 && page_size % 16 == 0;
+    return amx_granted && kv_dtype == 1 && dq % 32 == 0 && dq <= 1024 && dv % 16 == 0 && page_size % 16 == 0;
 }
 
 typedef struct {
@@ -285,8 +285,72 @@ static void scores_amx(const Args *a, const char *k0, int64_t stride, int rows, 
             _mm512_storeu_ps(s + (size_t)(ct * 16 + i) * width + p0, _mm512_mul_ps(r[i], _mm512_set1_ps(scale)));
     }
 }
+static inline uint16_t bf16_rne(float x) {  /* x finite */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* o[i][0:dv] = sum over the item's keys, 32 a step in order, of P[i][key] v[key], by the tile unit.
+   P (row i of s: exp-scores, zero past the row's keys) is split into bf16 hi (its upper half) and lo
+   (the rest, rounded: P = hi + lo to 2^-16 of P) and each step adds hi . V, then lo . V. Rows are
+   independent in the unit, and a row's steps past its keys add exact zeros: its bits are its own.
+   s's rows are rewritten as [hi | lo] bf16; vv and tmp are scratch. */
+static void values_amx(const Args *a, const int64_t *pt, int h, int keys, int rows, int pos0, int g, float *s,
+                       int width, uint32_t *vv, float *tmp, float *o) {
+    const int dv = a->dv, steps = (keys + 31) / 32;
+    for (int pr = 0; pr < steps * 16; pr++) {  /* V as B operands: vv[pair][d] = (v[2 pair][d], v[2 pair + 1][d]) */
+        const uint16_t *v[2];
+        for (int e = 0; e < 2; e++) {
+            const int p = 2 * pr + e;
+            const int64_t slot = p < keys ? pt[p / a->page_size] * a->page_size + p % a->page_size : 0;
+            v[e] = p < keys ? (const uint16_t *)a->v + (slot * a->kv_heads + h) * a->v_stride : NULL;
+        }
+        for (int d0 = 0; d0 < dv; d0 += 16) {
+            __m512i x[2];
+            for (int e = 0; e < 2; e++)
+                x[e] = v[e] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v[e] + d0)))
+                            : _mm512_setzero_si512();
+            _mm512_storeu_si512(vv + (size_t)pr * dv + d0, _mm512_or_si512(x[0], _mm512_slli_epi32(x[1], 16)));
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const int seen = pos0 + i / g + 1;
+        float *si = s + (size_t)i * width;
+        memcpy(tmp, si, sizeof(float) * seen);
+        uint16_t *hi = (uint16_t *)si, *lo = hi + width;
+        for (int j = 0; j < steps * 32; j++) {
+            const float p = j < seen ? tmp[j] : 0.0f;
+            uint32_t u;
+            memcpy(&u, &p, 4);
+            u &= 0xFFFF0000u;
+            float ph;
+            memcpy(&ph, &u, 4);
+            hi[j] = (uint16_t)(u >> 16);
+            lo[j] = bf16_rne(p - ph);  /* p - ph is exact */
+        }
+    }
+    float c[256];
+    for (int r0 = 0; r0 < rows; r0 += 16)
+        for (int d0 = 0; d0 < dv; d0 += 16) {
+            _tile_zero(0);
+            const char *ar = (const char *)(s + (size_t)r0 * width);
+            for (int st = 0; st < steps; st++) {
+                _tile_loadd(2, vv + (size_t)st * 16 * dv + d0, dv * 4);
+                _tile_loadd(1, ar + st * 64, width * 4);              /* hi, keys st * 32 .. + 31 */
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_loadd(1, ar + 2 * (size_t)width + st * 64, width * 4);  /* lo */
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, c, 64);
+            for (int i = 0; i < 16 && r0 + i < rows; i++) memcpy(o + (size_t)(r0 + i) * dv + d0, c + i * 16, 64);
+        }
+}
 #else
-int strata_amx(int dq, int page_size, int kv_dtype) { (void)dq; (void)page_size; (void)kv_dtype; return 0; }
+int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
+    (void)dq; (void)dv; (void)page_size; (void)kv_dtype;
+    return 0;
+}
 #endif
 
 /* one item: `ntok` new tokens of request `req` (q rows row0.., positions pos0..) x one KV head */
@@ -296,8 +360,8 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     const int esz = a->kv_dtype == 0 ? 4 : 2;
     float *kt = scratch;                        /* [dq, CHUNK]: a tile's keys, transposed */
     float *vt = kt + (size_t)dq * CHUNK;        /* [CHUNK, dv] */
-    float *s = vt + (size_t)CHUNK * dv;         /* [rows, width]: scores, then exp-scores */
-    float *o = s + (size_t)rows * width;        /* [rows, dv] */
+    float *s = vt + (size_t)CHUNK * dv;         /* [rows rounded up to 16, width]: scores, then exp-scores */
+    float *o = s + (size_t)(rows + 15) / 16 * 16 * width;  /* [rows, dv] */
     float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
     float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
@@ -355,7 +419,15 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
         l[i] = lane[0];
         memset(o + (size_t)i * dv, 0, sizeof(float) * dv);
     }
+#ifdef STRATA_AMX
+    if (a->q_bf16) {  /* after the queries (qt): V as B operands, then one row of scratch */
+        uint32_t *vv = (uint32_t *)(l + rows) + (size_t)(rows + 15) / 16 * (dq / 32) * 256;
+        values_amx(a, pt, h, keys, rows, pos0, g, s, width, vv, (float *)(vv + (size_t)width / 2 * dv), o);
+    }
+    for (int t = 0; t < tiles && !a->q_bf16; t++) {
+#else
     for (int t = 0; t < tiles; t++) {
+#endif
         const int n = keys - t * CHUNK < CHUNK ? keys - t * CHUNK : CHUNK;
         for (int j = 0; j < n; j++) {
             int pos = t * CHUNK + j;
@@ -383,15 +455,18 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
 /* floats of scratch that items [first, last) need (attend_item's layout, for their largest block);
    a range may start and end inside a block's KV heads */
 size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, int g, int dq, int dv) {
-    size_t scores = 0, rows = 0;
+    size_t scores = 0, rows = 0, widest = 0;
     for (int blk = first / kv_heads; last > first && blk <= (last - 1) / kv_heads; blk++) {
         const int32_t *b = blocks + (size_t)blk * 4;
         const size_t r = (size_t)b[2] * g, width = (size_t)(b[3] + b[2] + CHUNK - 1) / CHUNK * CHUNK;
-        scores = r * width > scores ? r * width : scores;
+        const size_t r16 = (r + 15) / 16 * 16;  /* the AMX path reads whole 16-row tiles */
+        scores = r16 * width > scores ? r16 * width : scores;
         rows = r > rows ? r : rows;
+        widest = width > widest ? width : widest;
     }
-    /* + the AMX path's queries: [column tiles][dq / 32 steps][16 x 16] */
-    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (rows + 15) / 16 * (dq / 32) * 256;
+    /* + the AMX path's queries ([column tiles][dq / 32 steps][16 x 16]), V ([width / 2 pairs][dv]) and a row */
+    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (rows + 15) / 16 * (dq / 32) * 256 +
+           widest / 2 * dv + widest;
 }
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
@@ -402,7 +477,7 @@ int strata_attend(const void *q, const void *k, const void *v, int64_t k_stride,
                   float *out, int q_bf16) {
     Args a = {q, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
               page_table, pt_width, out, q_bf16};
-    if (q_bf16 && !strata_amx(dq, page_size, kv_dtype)) return -2;
+    if (q_bf16 && !strata_amx(dq, dv, page_size, kv_dtype)) return -2;
     float *scratch = malloc(strata_scratch(blocks, first, last, kv_heads, q_heads / kv_heads, dq, dv) * sizeof(float));
     if (!scratch) return -1;
 #ifdef STRATA_AMX

@@ -85,7 +85,7 @@ def library() -> ctypes.CDLL | None:
     lib.strata_attend.argtypes = [_P, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _L, _P, _I, _I,
                                   _P, _I]
     lib.strata_amx.restype = _I
-    lib.strata_amx.argtypes = [_I, _I, _I]
+    lib.strata_amx.argtypes = [_I, _I, _I, _I]
     return lib
 
 
@@ -162,7 +162,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     if k.stride(2) != 1 or k.stride(0) != hkv * k.stride(1) or v.stride(2) != 1 or v.stride(0) != hkv * v.stride(1):
         raise ValueError("cpu_attention: KV rows must be (slot, head)-major with contiguous head dims")
     # bf16 queries over bf16 keys: the scores on the AMX tiles where the CPU has them (the C file's header)
-    amx = q.dtype == torch.bfloat16 and bool(lib.strata_amx(dq, page_size, KV_DTYPES[k.dtype]))
+    amx = q.dtype == torch.bfloat16 and bool(lib.strata_amx(dq, dv, page_size, KV_DTYPES[k.dtype]))
     qx = q.contiguous() if amx else q.float().contiguous()
     out = torch.empty(t, hq, dv, dtype=torch.float32)
     if t == 0:
