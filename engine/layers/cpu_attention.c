@@ -238,68 +238,51 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) TileConfig;
 
-static void amx_begin(void) {  /* tile 0: 16 x 16 float32 scores; 1: 16 keys x 32 bf16; 2: 16 pairs x 16 rows */
+static void amx_begin(void) {  /* every tile 16 rows of 64 bytes: 16 x 16 float32 sums, or 16 x 32 bf16 */
     TileConfig c = {.palette = 1};
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < 8; t++) {
         c.colsb[t] = 64;
         c.rows[t] = 16;
     }
     _tile_loadconfig(&c);
 }
 
-/* The item's query rows (bf16) as the tile unit's B operands: for each 16-row column tile and each
-   32-dim step, [16 dim pairs][16 rows] of (q[2r], q[2r + 1]); rows past the item's are zeros */
-static void queries_amx(const Args *a, int row0, int h, int rows, uint32_t *qt) {
-    const int g = a->q_heads / a->kv_heads, steps = a->dq / 32;
-    for (int ct = 0; ct < (rows + 15) / 16; ct++)
-        for (int st = 0; st < steps; st++) {
-            uint32_t *b = qt + ((size_t)ct * steps + st) * 256;
-            for (int c = 0; c < 16; c++) {
-                const int i = ct * 16 + c;
-                const uint32_t *q = i < rows ? (const uint32_t *)((const uint16_t *)a->q +
-                    ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * a->dq) + st * 16 : NULL;
-                for (int r = 0; r < 16; r++) b[r * 16 + c] = q ? q[r] : 0;
-            }
-        }
-}
-
-/* Scores of the item's rows against keys p0 .. p0 + 15 (one page's rows: a fixed stride), by the
-   tile unit: s[i][p0 + j] = scale * (key j . query row i), each a sum over the steps in order */
-static void scores_amx(const Args *a, const char *k0, int64_t stride, int rows, const uint32_t *qt, float scale,
-                       float *s, int width, int p0) {
-    const int steps = a->dq / 32;
-    float c[256];
-    for (int ct = 0; ct < (rows + 15) / 16; ct++) {
-        _tile_zero(0);
-        for (int st = 0; st < steps; st++) {
-            _tile_loadd(1, k0 + st * 64, stride);
-            _tile_loadd(2, qt + ((size_t)ct * steps + st) * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, c, 64);
-        __m512 r[16];
-        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(c + j * 16);
-        transpose16(r);  /* [key][row] -> [row][key] */
-        const int n = rows - ct * 16 < 16 ? rows - ct * 16 : 16;
-        for (int i = 0; i < n; i++)
-            _mm512_storeu_ps(s + (size_t)(ct * 16 + i) * width + p0, _mm512_mul_ps(r[i], _mm512_set1_ps(scale)));
+/* The item's query rows (bf16) packed as the tile unit's A operands: qt [rows rounded up to 16][dq],
+   rows past the item's zeros */
+static void queries_amx(const Args *a, int row0, int h, int rows, uint16_t *qt) {
+    const int g = a->q_heads / a->kv_heads, dq = a->dq;
+    for (int i = 0; i < (rows + 15) / 16 * 16; i++) {
+        uint16_t *dst = qt + (size_t)i * dq;
+        if (i < rows)
+            memcpy(dst, (const uint16_t *)a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq,
+                   (size_t)dq * 2);
+        else
+            memset(dst, 0, (size_t)dq * 2);
     }
 }
-static inline uint16_t bf16_rne(float x) {  /* x finite */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+
+/* The item's keys as B operands: for each 16 keys (a page's rows: a fixed stride) and 32-dim step,
+   [16 dim pairs][16 keys] (a transpose of 32-bit pairs: bits moved only) */
+static void keys_amx(const Args *a, const int64_t *pt, int h, int keys, uint32_t *kt) {
+    const int steps = a->dq / 32;
+    const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
+    for (int p0 = 0; p0 < keys; p0 += 16) {
+        const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
+        const char *k0 = (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2;
+        for (int st = 0; st < steps; st++) {
+            __m512 r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps((const float *)(k0 + j * stride + st * 64));
+            transpose16(r);
+            uint32_t *b = kt + ((size_t)(p0 / 16) * steps + st) * 256;
+            for (int d = 0; d < 16; d++) _mm512_storeu_ps((float *)(b + d * 16), r[d]);
+        }
+    }
 }
 
-/* o[i][0:dv] = sum over the item's keys, 32 a step in order, of P[i][key] v[key], by the tile unit.
-   P (row i of s: exp-scores, zero past the row's keys) is split into bf16 hi (its upper half) and lo
-   (the rest, rounded: P = hi + lo to 2^-16 of P) and each step adds hi . V, then lo . V. Rows are
-   independent in the unit, and a row's steps past its keys add exact zeros: its bits are its own.
-   s's rows are rewritten as [hi | lo] bf16; vv and tmp are scratch. */
-static void values_amx(const Args *a, const int64_t *pt, int h, int keys, int rows, int pos0, int g, float *s,
-                       int width, uint32_t *vv, float *tmp, float *o) {
-    const int dv = a->dv, steps = (keys + 31) / 32;
-    for (int pr = 0; pr < steps * 16; pr++) {  /* V as B operands: vv[pair][d] = (v[2 pair][d], v[2 pair + 1][d]) */
+/* The item's values as B operands: vv[pair][d] = (v[2 pair][d], v[2 pair + 1][d]), zeros past the keys */
+static void values_vnni(const Args *a, const int64_t *pt, int h, int keys, uint32_t *vv) {
+    const int dv = a->dv;
+    for (int pr = 0; pr < (keys + 31) / 32 * 16; pr++) {
         const uint16_t *v[2];
         for (int e = 0; e < 2; e++) {
             const int p = 2 * pr + e;
@@ -314,37 +297,103 @@ static void values_amx(const Args *a, const int64_t *pt, int h, int keys, int ro
             _mm512_storeu_si512(vv + (size_t)pr * dv + d0, _mm512_or_si512(x[0], _mm512_slli_epi32(x[1], 16)));
         }
     }
-    for (int i = 0; i < rows; i++) {
-        const int seen = pos0 + i / g + 1;
-        float *si = s + (size_t)i * width;
-        memcpy(tmp, si, sizeof(float) * seen);
-        uint16_t *hi = (uint16_t *)si, *lo = hi + width;
-        for (int j = 0; j < steps * 32; j++) {
-            const float p = j < seen ? tmp[j] : 0.0f;
-            uint32_t u;
-            memcpy(&u, &p, 4);
-            u &= 0xFFFF0000u;
-            float ph;
-            memcpy(&ph, &u, 4);
-            hi[j] = (uint16_t)(u >> 16);
-            lo[j] = bf16_rne(p - ph);  /* p - ph is exact */
-        }
+}
+
+static inline uint16_t bf16_rne(float x) {  /* x finite */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Row si's probabilities (zero past `seen`, to n) rewritten in place as bf16 [hi | lo] (width each):
+   hi the upper half of each, lo the rest rounded (P = hi + lo to 2^-16 of P) */
+static void split_row(float *si, int seen, int n, int width, float *tmp) {
+    memcpy(tmp, si, sizeof(float) * seen);
+    uint16_t *hi = (uint16_t *)si, *lo = hi + width;
+    for (int j = 0; j < n; j++) {
+        const float p = j < seen ? tmp[j] : 0.0f;
+        uint32_t u;
+        memcpy(&u, &p, 4);
+        u &= 0xFFFF0000u;
+        float ph;
+        memcpy(&ph, &u, 4);
+        hi[j] = (uint16_t)(u >> 16);
+        lo[j] = bf16_rne(p - ph);  /* p - ph is exact */
     }
-    float c[256];
-    for (int r0 = 0; r0 < rows; r0 += 16)
-        for (int d0 = 0; d0 < dv; d0 += 16) {
+}
+
+static float softmax_row(float *si, int seen);
+
+/* One item on the tile unit, 16 query rows at a time, each tile over only the keys its last row
+   sees. Scores: query row . key, summed over the 32-dim steps in order (TDPBF16PS), then times scale.
+   Values: the probabilities split into bf16 hi + lo (split_row) and each 32-key step adds hi . V,
+   then lo . V. Tile rows are independent in the unit, a row's keys past its own add exact zeros,
+   so a row's bits are its own whatever the tile, block, batch or thread. */
+static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
+    const int g = a->q_heads / a->kv_heads, rows = ntok * g, dq = a->dq, dv = a->dv, steps = dq / 32;
+    const int keys = pos0 + ntok, width = (keys + CHUNK - 1) / CHUNK * CHUNK;
+    const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
+    float *s = scratch;                                     /* [16, width]: a row tile's scores */
+    float *o = s + (size_t)16 * width;                      /* [16, dv] */
+    float *tmp = o + (size_t)16 * dv;                       /* [width] */
+    uint16_t *qt = (uint16_t *)(tmp + width);               /* [rows rounded up to 16, dq] */
+    uint32_t *kt = (uint32_t *)(qt + (size_t)(rows + 15) / 16 * 16 * dq);  /* [width / 16][steps][256] */
+    uint32_t *vv = kt + (size_t)width / 16 * steps * 256;   /* [width / 2, dv] */
+    float l[16], c[256];
+    queries_amx(a, row0, h, rows, qt);
+    keys_amx(a, pt, h, keys, kt);
+    values_vnni(a, pt, h, keys, vv);
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = rows - r0 < 16 ? rows - r0 : 16, need = pos0 + (r0 + nr - 1) / g + 1;
+        const uint16_t *qa = qt + (size_t)r0 * dq;
+        for (int p0 = 0; p0 < need; p0 += 16) {
             _tile_zero(0);
-            const char *ar = (const char *)(s + (size_t)r0 * width);
             for (int st = 0; st < steps; st++) {
-                _tile_loadd(2, vv + (size_t)st * 16 * dv + d0, dv * 4);
-                _tile_loadd(1, ar + st * 64, width * 4);              /* hi, keys st * 32 .. + 31 */
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_loadd(1, ar + 2 * (size_t)width + st * 64, width * 4);  /* lo */
+                _tile_loadd(1, qa + st * 32, dq * 2);
+                _tile_loadd(2, kt + ((size_t)(p0 / 16) * steps + st) * 256, 64);
                 _tile_dpbf16ps(0, 1, 2);
             }
-            _tile_stored(0, c, 64);
-            for (int i = 0; i < 16 && r0 + i < rows; i++) memcpy(o + (size_t)(r0 + i) * dv + d0, c + i * 16, 64);
+            _tile_stored(0, s + p0, width * 4);
         }
+        const int vsteps = (need + 31) / 32;
+        for (int i = 0; i < nr; i++) {
+            const int seen = pos0 + (r0 + i) / g + 1;
+            float *si = s + (size_t)i * width;
+            for (int j = 0; j < seen; j++) si[j] *= a->scale;  /* as the float path: the sum, then times scale */
+            l[i] = softmax_row(si, seen);
+            split_row(si, seen, vsteps * 32, width, tmp);
+        }
+        for (int d0 = 0; d0 < dv; d0 += 64) {  /* 64 dims in four accumulators (tiles 0, 3, 4, 5) */
+            const int nd = dv - d0 < 64 ? (dv - d0) / 16 : 4;
+            _tile_zero(0);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int st = 0; st < vsteps; st++) {
+                _tile_loadd(1, (const char *)s + st * 64, width * 4);                      /* hi */
+                _tile_loadd(6, (const char *)s + 2 * (size_t)width + st * 64, width * 4);  /* lo */
+                const uint32_t *b = vv + (size_t)st * 16 * dv + d0;
+#define STRATA_PV(acc, k) if (nd > k) { _tile_loadd(2, b + 16 * k, dv * 4); _tile_dpbf16ps(acc, 1, 2); \
+                                        _tile_dpbf16ps(acc, 6, 2); }
+                STRATA_PV(0, 0) STRATA_PV(3, 1) STRATA_PV(4, 2) STRATA_PV(5, 3)
+#undef STRATA_PV
+            }
+#define STRATA_OUT(acc, k) if (nd > k) { _tile_stored(acc, c, 64); \
+                for (int i = 0; i < nr; i++) memcpy(o + (size_t)i * dv + d0 + 16 * k, c + i * 16, 64); }
+            STRATA_OUT(0, 0) STRATA_OUT(3, 1) STRATA_OUT(4, 2) STRATA_OUT(5, 3)
+#undef STRATA_OUT
+        }
+        for (int i = 0; i < nr; i++) {
+            float *dst = a->out + ((size_t)(row0 + (r0 + i) / g) * a->q_heads + h * g + (r0 + i) % g) * dv;
+            for (int d = 0; d < dv; d++) dst[d] = o[(size_t)i * dv + d] / l[i];
+        }
+    }
+}
+
+/* floats of scratch attend_item_amx needs for a block of r rows and `width` keys */
+static size_t scratch_amx(size_t r, size_t width, int dq, int dv) {
+    return 16 * width + 16 * (size_t)dv + width + (r + 15) / 16 * 16 * dq / 2 + width / 16 * (dq / 32) * 256 +
+           width / 2 * dv;
 }
 #else
 int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
@@ -353,6 +402,27 @@ int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
 }
 #endif
 
+/* Row si's scores (keys 0 .. seen - 1) as exp-scores, in place, zero to the next 16; returns their
+   sum. The maximum is exact in any order; the exp-scores are summed in LANES lanes by key position,
+   then a fixed tree */
+static float softmax_row(float *si, int seen) {
+    const int padded = (seen + LANES - 1) / LANES * LANES;
+    for (int j = seen; j < padded; j++) si[j] = -INFINITY;
+    float lane[LANES];
+    for (int u = 0; u < LANES; u++) lane[u] = -INFINITY;
+    for (int j = 0; j < padded; j += LANES)
+        for (int u = 0; u < LANES; u++) lane[u] = si[j + u] > lane[u] ? si[j + u] : lane[u];
+    float m = lane[0];
+    for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
+    for (int j = 0; j < padded; j++) si[j] = exp_neg(si[j] - m);  /* exp(-inf) = 0 */
+    for (int u = 0; u < LANES; u++) lane[u] = 0.0f;
+    for (int j = 0; j < padded; j += LANES)
+        for (int u = 0; u < LANES; u++) lane[u] += si[j + u];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) lane[u] += lane[u + w];
+    return lane[0];
+}
+
 /* one item: `ntok` new tokens of request `req` (q rows row0.., positions pos0..) x one KV head */
 static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
     const int g = a->q_heads / a->kv_heads, rows = ntok * g, dq = a->dq, dv = a->dv;
@@ -360,26 +430,12 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     const int esz = a->kv_dtype == 0 ? 4 : 2;
     float *kt = scratch;                        /* [dq, CHUNK]: a tile's keys, transposed */
     float *vt = kt + (size_t)dq * CHUNK;        /* [CHUNK, dv] */
-    float *s = vt + (size_t)CHUNK * dv;         /* [rows rounded up to 16, width]: scores, then exp-scores */
-    float *o = s + (size_t)(rows + 15) / 16 * 16 * width;  /* [rows, dv] */
+    float *s = vt + (size_t)CHUNK * dv;         /* [rows, width]: scores, then exp-scores */
+    float *o = s + (size_t)rows * width;        /* [rows, dv] */
     float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
     float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
-#ifdef STRATA_AMX
-    if (a->q_bf16) {
-        uint32_t *qt = (uint32_t *)(l + rows);  /* the queries as B operands (strata_scratch counts them) */
-        queries_amx(a, row0, h, rows, qt);
-        const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
-        for (int p0 = 0; p0 < keys; p0 += 16) {
-            const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
-            scores_amx(a, (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2, stride, rows, qt,
-                       a->scale, s, width, p0);
-        }
-    }
-    for (int t = 0; t < tiles && !a->q_bf16; t++) {
-#else
     for (int t = 0; t < tiles; t++) {
-#endif
         const char *rows_k[CHUNK];
         for (int j = 0; j < CHUNK; j++) {
             const int pos = t * CHUNK + j;
@@ -400,34 +456,10 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
         }
     }
     for (int i = 0; i < rows; i++) {
-        const int seen = pos0 + i / g + 1;  /* keys 0..pos */
-        float *si = s + (size_t)i * width;
-        const int padded = (seen + LANES - 1) / LANES * LANES;
-        for (int j = seen; j < padded; j++) si[j] = -INFINITY;
-        float lane[LANES];
-        for (int u = 0; u < LANES; u++) lane[u] = -INFINITY;
-        for (int j = 0; j < padded; j += LANES)  /* the maximum (exact in any order), in lanes */
-            for (int u = 0; u < LANES; u++) lane[u] = si[j + u] > lane[u] ? si[j + u] : lane[u];
-        float m = lane[0];
-        for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
-        for (int j = 0; j < padded; j++) si[j] = exp_neg(si[j] - m);  /* exp(-inf) = 0 */
-        for (int u = 0; u < LANES; u++) lane[u] = 0.0f;
-        for (int j = 0; j < padded; j += LANES)
-            for (int u = 0; u < LANES; u++) lane[u] += si[j + u];
-        for (int w = LANES / 2; w > 0; w /= 2)
-            for (int u = 0; u < w; u++) lane[u] += lane[u + w];
-        l[i] = lane[0];
+        l[i] = softmax_row(s + (size_t)i * width, pos0 + i / g + 1);  /* keys 0..pos */
         memset(o + (size_t)i * dv, 0, sizeof(float) * dv);
     }
-#ifdef STRATA_AMX
-    if (a->q_bf16) {  /* after the queries (qt): V as B operands, then one row of scratch */
-        uint32_t *vv = (uint32_t *)(l + rows) + (size_t)(rows + 15) / 16 * (dq / 32) * 256;
-        values_amx(a, pt, h, keys, rows, pos0, g, s, width, vv, (float *)(vv + (size_t)width / 2 * dv), o);
-    }
-    for (int t = 0; t < tiles && !a->q_bf16; t++) {
-#else
     for (int t = 0; t < tiles; t++) {
-#endif
         const int n = keys - t * CHUNK < CHUNK ? keys - t * CHUNK : CHUNK;
         for (int j = 0; j < n; j++) {
             int pos = t * CHUNK + j;
@@ -452,21 +484,30 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     }
 }
 
-/* floats of scratch that items [first, last) need (attend_item's layout, for their largest block);
-   a range may start and end inside a block's KV heads */
+/* 1 where this build has the AMX path (the CPU's compiler flags), else 0 */
+int strata_amx_built(void) {
+#ifdef STRATA_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* floats of scratch that items [first, last) need (attend_item's layout, or attend_item_amx's, for
+   their largest block); a range may start and end inside a block's KV heads */
 size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, int g, int dq, int dv) {
-    size_t scores = 0, rows = 0, widest = 0;
+    size_t scores = 0, rows = 0, amx = 0;
     for (int blk = first / kv_heads; last > first && blk <= (last - 1) / kv_heads; blk++) {
         const int32_t *b = blocks + (size_t)blk * 4;
         const size_t r = (size_t)b[2] * g, width = (size_t)(b[3] + b[2] + CHUNK - 1) / CHUNK * CHUNK;
-        const size_t r16 = (r + 15) / 16 * 16;  /* the AMX path reads whole 16-row tiles */
-        scores = r16 * width > scores ? r16 * width : scores;
+        scores = r * width > scores ? r * width : scores;
         rows = r > rows ? r : rows;
-        widest = width > widest ? width : widest;
+#ifdef STRATA_AMX
+        amx = scratch_amx(r, width, dq, dv) > amx ? scratch_amx(r, width, dq, dv) : amx;
+#endif
     }
-    /* + the AMX path's queries ([column tiles][dq / 32 steps][16 x 16]), V ([width / 2 pairs][dv]) and a row */
-    return (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows + (rows + 15) / 16 * (dq / 32) * 256 +
-           widest / 2 * dv + widest;
+    const size_t fma = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows;
+    return fma > amx ? fma : amx;
 }
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
@@ -485,6 +526,12 @@ int strata_attend(const void *q, const void *k, const void *v, int64_t k_stride,
 #endif
     for (int it = first; it < last; it++) {
         const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
+#ifdef STRATA_AMX
+        if (q_bf16) {
+            attend_item_amx(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
+            continue;
+        }
+#endif
         attend_item(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
     }
 #ifdef STRATA_AMX

@@ -86,6 +86,7 @@ def library() -> ctypes.CDLL | None:
                                   _P, _I]
     lib.strata_amx.restype = _I
     lib.strata_amx.argtypes = [_I, _I, _I, _I]
+    lib.strata_amx_built.restype = _I
     return lib
 
 
@@ -100,6 +101,12 @@ def _build(cc: list[str], out: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def amx_here() -> bool:
+    """Whether the built kernel has the AMX path (compiled for a CPU with AMX-BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.strata_amx_built())
 
 
 def fits(kv_dtype: torch.dtype, dq: int) -> bool:

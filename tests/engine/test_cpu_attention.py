@@ -155,10 +155,14 @@ def test_scratch_covers_every_block_of_a_range() -> None:
 
     def want(*used: int) -> int:
         rows = max(int(blocks[b, 2]) * g for b in used)
-        widths = [-(-int(blocks[b, 3] + blocks[b, 2]) // chunk) * chunk for b in used]
-        scores = max(-(-int(blocks[b, 2]) * g // 16) * 16 * w for b, w in zip(used, widths, strict=True))
-        amx = -(-rows // 16) * (dq // 32) * 256 + max(widths) // 2 * dv + max(widths)  # queries, V, a row
-        return fixed + scores + rows * dv + rows + amx
+        widths = {b: -(-int(blocks[b, 3] + blocks[b, 2]) // chunk) * chunk for b in used}
+        fma = fixed + max(int(blocks[b, 2]) * g * widths[b] for b in used) + rows * dv + rows
+
+        def amx(r: int, w: int) -> int:  # attend_item_amx: a row tile's scores and outputs, a row, Q, K, V
+            return 16 * w + 16 * dv + w + -(-r // 16) * 16 * dq // 2 + w // 16 * (dq // 32) * 256 + w // 2 * dv
+
+        amx_need = max(amx(int(blocks[b, 2]) * g, widths[b]) for b in used) if cpu_attention.amx_here() else 0
+        return max(fma, amx_need)
 
     lib = cpu_attention.library()
     assert lib.strata_scratch(blocks.data_ptr(), 5, 10, kv_heads, g, dq, dv) == want(1, 2, 3)  # items 5..9
