@@ -104,15 +104,18 @@ def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype, q_dtype: torch.d
     assert torch.equal(_attend(q, table, [n], [n], k, v, tokens=3, threads=2), whole)
 
 
-def test_latent_value_is_the_keys_first_dims() -> None:
-    """MLA's form: one KV 'head' (the latent), the value its first `dv` values, a given scale."""
+@pytest.mark.parametrize(("dtype", "dim", "tol"),
+                         [(torch.float32, 48, (1e-5, 2e-6)), (torch.bfloat16, 96, (1e-4, 2e-5))])
+def test_latent_value_is_the_keys_first_dims(dtype: torch.dtype, dim: int, tol: tuple[float, float]) -> None:
+    """MLA's form: one KV 'head' (the latent), the value its first `dv` values, a given scale (in
+    bf16 with a head dim of 32-dim steps: the AMX path where the CPU has it)."""
     seqs, lens = [40, 33], [40, 1]
-    lat = _pool(16 * PS, 1, 48, torch.float32, 8)
+    lat = _pool(16 * PS, 1, dim, dtype, 8)
     table = _table(2, 3, 16)
-    q = torch.randn(sum(lens), 4, 48, generator=torch.Generator().manual_seed(9))
+    q = torch.randn(sum(lens), 4, dim, generator=torch.Generator().manual_seed(9)).to(dtype)
     got = _attend(q, table, seqs, lens, lat, lat, tokens=1, dv=32, scale=0.3)
-    torch.testing.assert_close(got.double(), _reference(q, table, seqs, lens, lat, lat, 32, 0.3), rtol=1e-5,
-                               atol=2e-6)
+    torch.testing.assert_close(got.double(), _reference(q, table, seqs, lens, lat, lat, 32, 0.3), rtol=tol[0],
+                               atol=tol[1])
 
 
 def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
