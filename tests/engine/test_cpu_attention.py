@@ -171,3 +171,17 @@ def test_scratch_covers_every_block_of_a_range() -> None:
     assert lib.strata_scratch(blocks.data_ptr(), 5, 10, kv_heads, g, dq, dv) == want(1, 2, 3)  # items 5..9
     assert lib.strata_scratch(blocks.data_ptr(), 0, 3, kv_heads, g, dq, dv) == want(0)
 
+
+
+@pytest.mark.skipif(not cpu_attention.amx_here() or not cpu_attention.library().strata_amx(64, 64, PS, 1),
+                    reason="no AMX-BF16 here (or Linux does not grant the tile state)")
+def test_bf16_queries_take_the_tile_path_here() -> None:
+    """Where the CPU has AMX, bf16 queries over bf16 KV are the tile path: other last bits than the
+    float path's on the same values (the same queries as float32), close to them."""
+    seqs, lens = [150, 64], [150, 1]
+    k, v = _pool(64 * PS, 3, 64, torch.bfloat16, 1), _pool(64 * PS, 3, 64, torch.bfloat16, 2)
+    table = _table(2, 10, 64)
+    q = torch.randn(sum(lens), 9, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tiles, floats = _attend(q, table, seqs, lens, k, v), _attend(q.float(), table, seqs, lens, k, v)
+    assert not torch.equal(tiles, floats)
+    torch.testing.assert_close(tiles, floats, rtol=1e-4, atol=2e-5)
