@@ -50,23 +50,12 @@ def prompt(rng: random.Random, n: int) -> list[int]:
 
 def stream_times(url: str, ids: list[int], new: int) -> tuple[list[float], list[int]]:
     """(seconds from the send at which each streamed event brought tokens, token count then)."""
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
-            "stream": True}
     times, counts = [], []
-    t0 = time.perf_counter()
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT_S) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"/generate: HTTP {resp.status_code} {resp.read()[:200]!r}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            data = json.loads(line[5:])
-            if "error" in data:
-                raise RuntimeError(f"/generate stream error: {str(data)[:300]}")
-            n = data.get("meta_info", {}).get("completion_tokens", 0)
-            if n and (not counts or n > counts[-1]):
-                times.append(time.perf_counter() - t0)
-                counts.append(n)
+    for t, data in cache.stream_events(url, ids, new, ignore_eos=True):
+        n = data.get("meta_info", {}).get("completion_tokens", 0)
+        if n and (not counts or n > counts[-1]):
+            times.append(t)
+            counts.append(n)
     return times, counts
 
 

@@ -35,6 +35,7 @@ import random
 import shlex
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,13 +180,12 @@ def flush(url: str, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def ttft(url: str, ids: list[int]) -> tuple[float, int | None, int | None]:
-    """Time to the first streamed token of one request (max_new_tokens 1), the cached_tokens its
-    response reports, and the token."""
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "stream": True}
-    first, cached, token = None, None, None
+def stream_events(url: str, ids: list[int], new: int, ignore_eos: bool = False) -> Iterator[tuple[float, dict]]:
+    """(seconds since the send, event) for each event of one streamed greedy /generate request."""
+    params = {"max_new_tokens": new, "temperature": 0.0} | ({"ignore_eos": True} if ignore_eos else {})
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT_S) as resp:
+    with httpx.stream("POST", f"{url}/generate", json={"input_ids": ids, "sampling_params": params, "stream": True},
+                      timeout=TIMEOUT_S) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"/generate: HTTP {resp.status_code} {resp.read()[:200]!r}")
         for line in resp.iter_lines():
@@ -194,11 +194,19 @@ def ttft(url: str, ids: list[int]) -> tuple[float, int | None, int | None]:
             data = json.loads(line[5:])
             if "error" in data:
                 raise RuntimeError(f"/generate stream error: {str(data)[:300]}")
-            meta = data.get("meta_info", {})
-            if first is None and meta.get("completion_tokens", 0) >= 1:
-                first = time.perf_counter() - t0
-            cached = meta.get("cached_tokens", cached)
-            token = (data.get("output_ids") or [token])[-1]
+            yield time.perf_counter() - t0, data
+
+
+def ttft(url: str, ids: list[int]) -> tuple[float, int | None, int | None]:
+    """Time to the first streamed token of one request (max_new_tokens 1), the cached_tokens its
+    response reports, and the token."""
+    first, cached, token = None, None, None
+    for t, data in stream_events(url, ids, 1):
+        meta = data.get("meta_info", {})
+        if first is None and meta.get("completion_tokens", 0) >= 1:
+            first = t
+        cached = meta.get("cached_tokens", cached)
+        token = (data.get("output_ids") or [token])[-1]
     if first is None:
         raise RuntimeError("/generate streamed no token")
     return first, cached, token
