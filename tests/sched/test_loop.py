@@ -19,7 +19,7 @@ from msgs.control import Ready
 from msgs.done import StepDone, WorkerReady
 from msgs.outputs import SchedulerStats, TokenBatch
 from msgs.params import SamplingParams
-from msgs.requests import TokenizedRequest
+from msgs.requests import AbortRequest, TokenizedRequest
 from msgs.steps import Shutdown, Step
 from tests.sched.test_sched_stress import FakeWorker
 
@@ -422,6 +422,22 @@ def test_an_idle_engine_waits_for_a_bursts_stragglers_and_prefills_them_together
         wires.done_out.send(ranks[0].answer(step))
     run_until_idle(loop, wires, ranks)
     assert set(wires.outputs_seen()[1]) == {"a", "b", "c"}
+
+
+def test_a_request_aborted_while_held_is_answered_and_nothing_is_planned() -> None:
+    ranks = [FakeRank(0)]
+    loop, wires = start(ranks, batch_wait_ms=2.0)
+    now = [100.0]
+    loop.clock = lambda: now[0]
+    _send(wires, "a")
+    loop.pump()
+    wires.req_out.send(AbortRequest(rid="a"))
+    now[0] += 0.003
+    loop.pump()  # the wait is over, nothing is left to plan
+    assert not list(wires.steps[0].drain()) and not loop.inflight
+    assert wires.outputs_seen()[1] == {"a": "abort"}
+    run_until_idle(loop, wires, ranks)
+    assert loop.core.leak_free()
 
 
 def test_a_steady_trickle_into_an_idle_engine_is_held_at_most_the_cap() -> None:
