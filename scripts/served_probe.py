@@ -3,7 +3,7 @@ context, greedy tokens to compare with another engine's, and a killed worker (a 
 the two-GPU runs of context and expert parallelism, scripts/gpu_two.sh; not in CI).
 
     python3 scripts/served_probe.py --model configs/llama-3.1-8b --load-format dummy \\
-        --server-args "--cp-size 2" [--prompt-len 131072] [--decode-tokens 128] \\
+        --server-args "--cp-size 2" [--prompt-len 130816] [--decode-tokens 128] \\
         [--agree 4x2048+16] [--kill-rank 1] [--layers 4] --out FILE
     python3 scripts/served_probe.py --compare A.json B.json     # greedy agreement of two runs
 
