@@ -5,6 +5,8 @@ prompt is split into prefill chunks and decode steps, the block size and the thr
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -185,3 +187,22 @@ def test_bf16_queries_take_the_tile_path_here() -> None:
     tiles, floats = _attend(q, table, seqs, lens, k, v), _attend(q.float(), table, seqs, lens, k, v)
     assert not torch.equal(tiles, floats)
     torch.testing.assert_close(tiles, floats, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_pages_of_64_tokens(q_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--page-size 64 (the AMX path loads each page's keys 16 rows at a time): close to float64, and
+    a prompt's rows whole equal its rows in chunks of 37."""
+    monkeypatch.setattr(sys.modules[__name__], "PS", 64)  # the helpers' page size
+    pages = 4  # per request: 256 tokens
+    k, v = _pool(3 * pages * 64 + 64, 3, 64, torch.bfloat16, 1), _pool(3 * pages * 64 + 64, 3, 64, torch.bfloat16, 2)
+    table = _table(3, pages, 3 * pages + 1)
+    seqs, lens = [200, 130, 64], [200, 17, 1]
+    q = torch.randn(sum(lens), 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    got = _attend(q, table, seqs, lens, k, v)
+    torch.testing.assert_close(got.double(), _reference(q, table, seqs, lens, k, v, 64, 64**-0.5), rtol=1e-4,
+                               atol=2e-5)
+    whole = got[:200]
+    chunks = [_attend(q[s : min(200, s + 37)], table[:1], [min(200, s + 37)], [min(37, 200 - s)], k, v)
+              for s in range(0, 200, 37)]
+    assert torch.equal(torch.cat(chunks), whole)
