@@ -393,14 +393,20 @@ def _send(wires: Wires, rid: str, n: int = 5) -> None:
     wires.req_out.send(TokenizedRequest(rid=rid, input_ids=pack_ids(list(range(first, first + n))), params=params))
 
 
-def test_an_idle_engine_waits_for_a_bursts_stragglers_and_prefills_them_together() -> None:
-    """Requests sent at once reach the scheduler spread over milliseconds: an idle engine's first
-    step waits until none has come for --batch-wait-ms (at most BURST_WAIT_CAP times it), so it
-    prefills the whole burst; a request that comes while steps run is never held."""
+def held_start() -> tuple[list[FakeRank], SchedulerLoop, Wires, list[float]]:
+    """One rank, a 2 ms burst wait and a clock the test steps by hand (now[0], seconds)."""
     ranks = [FakeRank(0)]
     loop, wires = start(ranks, batch_wait_ms=2.0)
     now = [100.0]
     loop.clock = lambda: now[0]
+    return ranks, loop, wires, now
+
+
+def test_an_idle_engine_waits_for_a_bursts_stragglers_and_prefills_them_together() -> None:
+    """Requests sent at once reach the scheduler spread over milliseconds: an idle engine's first
+    step waits until none has come for --batch-wait-ms (at most BURST_WAIT_CAP times it), so it
+    prefills the whole burst; a request that comes while steps run is never held."""
+    ranks, loop, wires, now = held_start()
     _send(wires, "a")
     loop.pump()
     assert not list(wires.steps[0].drain()) and loop.held_s == pytest.approx(0.002)
@@ -425,10 +431,7 @@ def test_an_idle_engine_waits_for_a_bursts_stragglers_and_prefills_them_together
 
 
 def test_a_request_aborted_while_held_is_answered_and_nothing_is_planned() -> None:
-    ranks = [FakeRank(0)]
-    loop, wires = start(ranks, batch_wait_ms=2.0)
-    now = [100.0]
-    loop.clock = lambda: now[0]
+    ranks, loop, wires, now = held_start()
     _send(wires, "a")
     loop.pump()
     wires.req_out.send(AbortRequest(rid="a"))
@@ -441,10 +444,7 @@ def test_a_request_aborted_while_held_is_answered_and_nothing_is_planned() -> No
 
 
 def test_a_steady_trickle_into_an_idle_engine_is_held_at_most_the_cap() -> None:
-    ranks = [FakeRank(0)]
-    loop, wires = start(ranks, batch_wait_ms=2.0)
-    now = [100.0]
-    loop.clock = lambda: now[0]
+    ranks, loop, wires, now = held_start()
     for i in range(12):  # one every 1.8 ms: never quiet for 2 ms
         _send(wires, f"r{i}", n=1)
         loop.pump()
