@@ -222,6 +222,27 @@ typedef struct {
     int q_bf16;           /* q is bf16 [T, Hq, dq] (scores by the tile unit), else float32 */
 } Args;
 
+/* Row si's scores (keys 0 .. seen - 1) as exp-scores, in place, zero to the next 16; returns their
+   sum. The maximum is exact in any order; the exp-scores are summed in LANES lanes by key position,
+   then a fixed tree */
+static float softmax_row(float *si, int seen) {
+    const int padded = (seen + LANES - 1) / LANES * LANES;
+    for (int j = seen; j < padded; j++) si[j] = -INFINITY;
+    float lane[LANES];
+    for (int u = 0; u < LANES; u++) lane[u] = -INFINITY;
+    for (int j = 0; j < padded; j += LANES)
+        for (int u = 0; u < LANES; u++) lane[u] = si[j + u] > lane[u] ? si[j + u] : lane[u];
+    float m = lane[0];
+    for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
+    for (int j = 0; j < padded; j++) si[j] = exp_neg(si[j] - m);  /* exp(-inf) = 0 */
+    for (int u = 0; u < LANES; u++) lane[u] = 0.0f;
+    for (int j = 0; j < padded; j += LANES)
+        for (int u = 0; u < LANES; u++) lane[u] += si[j + u];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) lane[u] += lane[u + w];
+    return lane[0];
+}
+
 #ifdef STRATA_AMX
 static int amx_granted = -1;
 
@@ -322,8 +343,6 @@ static void split_row(float *si, int seen, int n, int width, float *tmp) {
     }
 }
 
-static float softmax_row(float *si, int seen);
-
 /* One item on the tile unit, 16 query rows at a time, each tile over only the keys its last row
    sees. Scores: query row . key, summed over the 32-dim steps in order (TDPBF16PS), then times scale.
    Values: the probabilities split into bf16 hi + lo (split_row) and each 32-key step adds hi . V,
@@ -402,26 +421,6 @@ int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
 }
 #endif
 
-/* Row si's scores (keys 0 .. seen - 1) as exp-scores, in place, zero to the next 16; returns their
-   sum. The maximum is exact in any order; the exp-scores are summed in LANES lanes by key position,
-   then a fixed tree */
-static float softmax_row(float *si, int seen) {
-    const int padded = (seen + LANES - 1) / LANES * LANES;
-    for (int j = seen; j < padded; j++) si[j] = -INFINITY;
-    float lane[LANES];
-    for (int u = 0; u < LANES; u++) lane[u] = -INFINITY;
-    for (int j = 0; j < padded; j += LANES)
-        for (int u = 0; u < LANES; u++) lane[u] = si[j + u] > lane[u] ? si[j + u] : lane[u];
-    float m = lane[0];
-    for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
-    for (int j = 0; j < padded; j++) si[j] = exp_neg(si[j] - m);  /* exp(-inf) = 0 */
-    for (int u = 0; u < LANES; u++) lane[u] = 0.0f;
-    for (int j = 0; j < padded; j += LANES)
-        for (int u = 0; u < LANES; u++) lane[u] += si[j + u];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int u = 0; u < w; u++) lane[u] += lane[u + w];
-    return lane[0];
-}
 
 /* one item: `ntok` new tokens of request `req` (q rows row0.., positions pos0..) x one KV head */
 static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
@@ -503,7 +502,8 @@ size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, 
         scores = r * width > scores ? r * width : scores;
         rows = r > rows ? r : rows;
 #ifdef STRATA_AMX
-        amx = scratch_amx(r, width, dq, dv) > amx ? scratch_amx(r, width, dq, dv) : amx;
+        const size_t need = scratch_amx(r, width, dq, dv);
+        amx = need > amx ? need : amx;
 #endif
     }
     const size_t fma = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows;

@@ -111,6 +111,14 @@ def amx_here() -> bool:
     return lib is not None and bool(lib.strata_amx_built())
 
 
+@functools.cache
+def amx_applies(dq: int, dv: int, page_size: int, kv_dtype: int) -> bool:
+    """Whether bf16 queries of this geometry take the AMX path (asked of the kernel once; fixed for
+    the process, so every row of an engine takes one path)."""
+    lib = library()
+    return lib is not None and bool(lib.strata_amx(dq, dv, page_size, kv_dtype))
+
+
 def fits(kv_dtype: torch.dtype, dq: int) -> bool:
     """Whether the kernel takes this KV cache (float32 or bf16, a head dim up to 1024) here."""
     return kv_dtype in KV_DTYPES and dq <= 1024 and library() is not None
@@ -171,7 +179,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     if k.stride(2) != 1 or k.stride(0) != hkv * k.stride(1) or v.stride(2) != 1 or v.stride(0) != hkv * v.stride(1):
         raise ValueError("cpu_attention: KV rows must be (slot, head)-major with contiguous head dims")
     # bf16 queries over bf16 keys: the scores on the AMX tiles where the CPU has them (the C file's header)
-    amx = q.dtype == torch.bfloat16 and bool(lib.strata_amx(dq, dv, page_size, KV_DTYPES[k.dtype]))
+    amx = q.dtype == torch.bfloat16 and amx_applies(dq, dv, page_size, KV_DTYPES[k.dtype])
     qx = q.contiguous() if amx else q.float().contiguous()
     out = torch.empty(t, hq, dv, dtype=torch.float32)
     if t == 0:

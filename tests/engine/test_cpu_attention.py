@@ -175,7 +175,7 @@ def test_scratch_covers_every_block_of_a_range() -> None:
 
 
 
-@pytest.mark.skipif(not cpu_attention.amx_here() or not cpu_attention.library().strata_amx(64, 64, PS, 1),
+@pytest.mark.skipif(not cpu_attention.amx_here() or not cpu_attention.amx_applies(64, 64, PS, 1),
                     reason="no AMX-BF16 here (or Linux does not grant the tile state)")
 def test_bf16_queries_take_the_tile_path_here() -> None:
     """Where the CPU has AMX, bf16 queries over bf16 KV are the tile path: other last bits than the
