@@ -67,10 +67,9 @@ class SchedulerPorts:
 
 
 class SchedulerLoop:
-    def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S) -> None:
         self.cfg = cfg
-        self.clock = clock  # the burst wait's (tests step it by hand)
+        self.clock: Callable[[], float] = time.monotonic  # the burst wait's (tests step it by hand)
         self.batch_wait_s = 0.0  # --batch-wait-ms, resolved for the workers' device at start
         self.burst: tuple[float, float] | None = None  # first and last arrival at an idle engine, until a step
         self.held_s = 0.0  # how much longer this pass's burst wait lasts (0: none)
