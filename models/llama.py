@@ -110,8 +110,8 @@ class Attention(nn.Module):
                 )
                 o = backend.attend(q, self.layer_id, batch, kv)
             return o.reshape(t, self.q_size)
-        if not rope.fused and self.q_norm is None and qkv.dtype in _HALF and qkv.device.type == "cpu":
-            # CPU half precision: q and k rotated together (the torch ops cost more than their bytes)
+        if not rope.fused and self.q_norm is None and qkv.device.type == "cpu":
+            # q and k rotated together, in place by the C kernel (the torch ops cost more than their bytes)
             q, k = ctx.rotary.apply_qkv(qkv, self.num_heads, self.num_kv_heads, rope)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
             o = backend.forward(q, k, v, self.layer_id, batch, kv)

@@ -1,4 +1,4 @@
-/* Deterministic paged attention on the CPU (engine/layers/cpu_attention.py builds and calls it).
+/* Deterministic paged attention on the CPU (engine/layers/cpu_kernels.py builds it, cpu_attention.py calls it).
 
    A query row (one token, one query head) is computed by the same sequence of float operations
    whatever else is in its call: its keys' scores are dot products summed over the head dim in

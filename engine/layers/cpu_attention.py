@@ -16,93 +16,24 @@ in float32; docs/PERF.md, "CPU attention kernel"). With bf16 queries and KV on a
 kernel's scores and values run on the tiles (the C file's header): a whole 8k-token prefill of the
 default model 17.7 -> 8.9 s (docs/PERF.md, "CPU attention on the AMX tiles").
 
-The library is compiled once per source, compiler and CPU (-march=native) into the cache
-directory (STRATA_CACHE_DIR), at the backend's bind: before the engine says ready.
+The library (engine/layers/cpu_kernels.py) is compiled once per source, compiler and CPU into the
+cache directory, at the backend's bind: before the engine says ready.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import structlog
 import torch
 
-from engine.env import env
+from engine.layers import cpu_kernels
+from engine.layers.cpu_kernels import library
 
-log = structlog.get_logger()
-
-SOURCE = Path(__file__).with_suffix(".c")
-# -ffp-contract=off: FMAs only where the code says fmaf; -fno-math-errno and -fno-trapping-math let
-# floorf and the float-int conversions of its exp vectorize (no result changes); 512-bit vectors where
-# the CPU has them (an 8k-token prefill, a layer: 853 -> 747 ms)
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
-         "-ffp-contract=off", "-shared", "-fPIC")
 ROWS = 192  # query rows (tokens x query heads of one KV head) of a block, at most (block_tokens)
 SCORES = 1 << 22  # and its scores (rows x keys) within this many floats: 16 MiB a thread
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        return "".join(line for line in info.splitlines() if line.startswith(("flags", "model name", "Features")))
-    except OSError:
-        return platform.processor()
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (logged) where it does not build here: no C compiler (`CC`,
-    else cc), a compile error, or a cache directory it cannot write."""
-    cc = shlex.split(os.environ.get("CC", "cc"))
-    try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
-        src = SOURCE.read_bytes()
-        key = hashlib.sha256(b"\0".join([src, " ".join(cc + list(FLAGS)).encode(), version.encode(),
-                                           _cpu_id().encode()]))
-        out = env().cache_dir / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
-        if not out.exists():
-            _build(cc, out)
-    except (OSError, subprocess.CalledProcessError) as e:
-        err = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) and e.stderr else str(e)
-        log.warning("cpu_attention.c not built: deterministic CPU attention takes the torch path", cc=cc, error=err)
-        return None
-    lib = ctypes.CDLL(str(out))
-    lib.strata_scratch.restype = ctypes.c_size_t
-    lib.strata_scratch.argtypes = [_P, _I, _I, _I, _I, _I, _I]
-    lib.strata_attend.restype = _I
-    lib.strata_attend.argtypes = [_P, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _L, _P, _I, _I,
-                                  _P, _I]
-    lib.strata_amx.restype = _I
-    lib.strata_amx.argtypes = [_I, _I, _I, _I]
-    lib.strata_amx_built.restype = _I
-    return lib
-
-
-def _build(cc: list[str], out: Path) -> None:
-    """Compile SOURCE into `out`, atomically: ranks that build at once each install a whole file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+KV_DTYPES = cpu_kernels.DTYPES
 
 
 def amx_here() -> bool:
@@ -162,16 +93,11 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
                 [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a])
 
 
-_pool: ThreadPoolExecutor | None = None  # the threads beside the caller's, made at the first split
-_pool_size = 0
-
-
 def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size: int, scale: float,
            dv: int | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, dq] over one layer's pages k [slots, Hkv, dq] and v [slots,
     Hkv, >= dv] (v's first dv values of each row; MLA: v is k, dv its latent rank): float32 [T, Hq,
     dv], each row's bits whatever the plan's blocks and threads."""
-    global _pool, _pool_size
     lib = library()
     t, hq, dq = q.shape
     hkv = k.shape[1]
@@ -192,14 +118,5 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
         if rc != 0:
             raise MemoryError("cpu_attention: no memory for the kernel's scratch")
 
-    if len(p.ranges) == 1:
-        run(*p.ranges[0])
-        return out
-    if _pool is None or _pool_size < len(p.ranges) - 1:
-        _pool_size = len(p.ranges) - 1
-        _pool = ThreadPoolExecutor(_pool_size, thread_name_prefix="cpu-attention")
-    futures = [_pool.submit(run, *r) for r in p.ranges[1:]]
-    run(*p.ranges[0])  # the caller takes the first share (ctypes releases the GIL)
-    for f in futures:
-        f.result()
+    cpu_kernels.run_split(run, p.ranges)
     return out

@@ -1,9 +1,10 @@
 """Fused elementwise kernels for the decoder, with exact torch fallbacks.
 
 On a CUDA device with fp16/bf16 tensors and flashinfer installed, these call flashinfer's
-fused kernels (RMSNorm, add+RMSNorm, SiLU-and-mul, in-place rotary from a cos/sin cache).
-Everywhere else (CPU, float32, no flashinfer) they run the plain torch code the CPU
-reference has always used, so CPU results are bit-for-bit what they were.
+fused kernels (RMSNorm, add+RMSNorm, SiLU-and-mul, in-place rotary from a cos/sin cache). On
+a CPU, float32 or bf16, they call our C kernels (engine/layers/cpu_kernels.py: each row read
+and written once, its bits its own). Everywhere else, and where the C kernels do not build,
+the plain torch code runs.
 
 flashinfer is imported lazily, on the first CUDA half-precision call: CPU installs never
 import it. `set_fused(False)` turns the fused path off (for A/B comparisons).
@@ -17,7 +18,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.layers import triton_ops
+from engine.layers import cpu_kernels, triton_ops
 from engine.layers.context import RopeState
 from engine.layers.tuning import kernel_tuning
 
@@ -79,6 +80,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x ([T, H] or [T, heads, D]); returns a new tensor."""
     if fused_ok(x) and x.dim() in (2, 3) and x.stride(-1) == 1:
         return flashinfer_module().norm.rmsnorm(x, weight, eps)
+    if cpu_kernels.norm_ok(x, weight):
+        return cpu_kernels.add_rms_norm(x, None, weight, eps)[0]
     return _rms_norm_torch(x, weight, eps)
 
 
@@ -93,6 +96,8 @@ def fused_add_rms_norm(
     if fused_ok(x) and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
         flashinfer_module().norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
+    if x.dim() == 2 and residual.dtype == x.dtype and residual.stride(-1) == 1 and cpu_kernels.norm_ok(x, weight):
+        return cpu_kernels.add_rms_norm(x, residual, weight, eps)
     total = x + residual
     return _rms_norm_torch(total, weight, eps), total
 
@@ -104,6 +109,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] for x [..., 2d] (the SwiGLU gate)."""
     if fused_ok(x) and x.is_contiguous() and (x.shape[-1] * x.element_size()) % 16 == 0:
         return flashinfer_module().activation.silu_and_mul(x)
+    if x.dim() == 2 and cpu_kernels.elementwise_ok(x):
+        return cpu_kernels.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     if x.device.type == "cpu" and x.dtype in _HALF:
         return F.silu(gate).mul_(up)  # in place: the same values, one allocation fewer
@@ -192,12 +199,21 @@ class Rotary:
     def apply_qkv(
         self, qkv: torch.Tensor, num_q: int, num_kv: int, state: RopeState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CPU, half precision, torch path (no q/k norm): q and k of the fused QKV projection
-        rotated together by apply_rope_signed. Returns views q [T, Hq, D], k [T, Hkv, D]."""
+        """CPU torch path (no q/k norm): q and k of the fused QKV projection [T, (Hq + 2 Hkv) D],
+        rotated together. Returns q [T, Hq, D], k [T, Hkv, D]: views of qkv, rotated in place by
+        the C kernel (float32, bf16), else new tensors (fp16: apply_rope_signed, one addcmul;
+        float32 without the kernel: apply_rope)."""
         assert not state.fused and state.cos is not None and state.sin is not None
-        if self._signed is None or self._signed[0] is not state.sin:  # once a forward
-            half = self.head_dim // 2
-            self._signed = (state.sin, torch.cat((-state.sin[:, :half], state.sin[:, half:]), dim=-1))
         t, d = qkv.shape[0], self.head_dim
-        qk = apply_rope_signed(qkv[:, : (num_q + num_kv) * d].view(t, num_q + num_kv, d), state.cos, self._signed[1])
+        if cpu_kernels.elementwise_ok(qkv) and state.cos.dtype == qkv.dtype and state.cos.is_contiguous():
+            cpu_kernels.rope_(qkv, num_q + num_kv, d, state.cos, state.sin)
+            qk = qkv[:, : (num_q + num_kv) * d].view(t, num_q + num_kv, d)
+        elif qkv.dtype in _HALF:
+            if self._signed is None or self._signed[0] is not state.sin:  # once a forward
+                half = self.head_dim // 2
+                self._signed = (state.sin, torch.cat((-state.sin[:, :half], state.sin[:, half:]), dim=-1))
+            qk = apply_rope_signed(qkv[:, : (num_q + num_kv) * d].view(t, num_q + num_kv, d), state.cos,
+                                   self._signed[1])
+        else:
+            qk = apply_rope(qkv[:, : (num_q + num_kv) * d].view(t, num_q + num_kv, d), state.cos, state.sin)
         return qk[:, :num_q], qk[:, num_q:]

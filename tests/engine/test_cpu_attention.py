@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from engine.layers import cpu_attention
+from engine.layers import cpu_attention, cpu_kernels
 
-pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler builds cpu_attention.c")
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler builds cpu_attention.c")
 
 PS = 16  # tokens a page
 
@@ -122,15 +122,15 @@ def test_latent_value_is_the_keys_first_dims(dtype: torch.dtype, dim: int, tol: 
 
 def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a C compiler the library is None (and the torch path attends: fits is False)."""
-    cpu_attention.library.cache_clear()
+    cpu_kernels.library.cache_clear()
     monkeypatch.setenv("CC", "/nonexistent/cc")
     try:
-        assert cpu_attention.library() is None
+        assert cpu_kernels.library() is None
         assert not cpu_attention.fits(torch.float32, 64)
     finally:
-        cpu_attention.library.cache_clear()
+        cpu_kernels.library.cache_clear()
         monkeypatch.delenv("CC")
-        assert cpu_attention.library() is not None
+        assert cpu_kernels.library() is not None
 
 
 def test_unwritable_cache_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
@@ -141,14 +141,14 @@ def test_unwritable_cache_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_p
     blocker.write_text("")
     fake = Env(cache_dir=blocker, log_level="info", log_json=None, digest_every=64, git_commit=None,
                profile_steps=None)
-    cpu_attention.library.cache_clear()
-    monkeypatch.setattr(cpu_attention, "env", lambda: fake)
+    cpu_kernels.library.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "env", lambda: fake)
     try:
-        assert cpu_attention.library() is None
+        assert cpu_kernels.library() is None
     finally:
         monkeypatch.undo()
-        cpu_attention.library.cache_clear()
-        assert cpu_attention.library() is not None
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None
 
 
 def test_scratch_covers_every_block_of_a_range() -> None:

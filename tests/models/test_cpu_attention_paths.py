@@ -91,8 +91,9 @@ def test_decode_rows_scatter_when_mixed_with_a_prefill() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_joint_qk_matches_separate_rotation(dtype: torch.dtype) -> None:
-    """Rotary.apply_qkv (CPU half: q and k in one pass, the sign folded into sin, one addcmul)
-    against apply_rope on q and k apart, and against float32: within one rounding."""
+    """Rotary.apply_qkv (CPU: q and k in one pass, in place by the C kernel in bf16, the sign folded
+    into sin and one addcmul in fp16) against apply_rope on q and k apart, and against float32:
+    within one rounding."""
     torch.manual_seed(3)
     t, hq, hkv, d = 5, 6, 2, 16
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
@@ -100,7 +101,7 @@ def test_rope_joint_qk_matches_separate_rotation(dtype: torch.dtype) -> None:
     state = rotary.prepare(torch.arange(t) + 7, dtype)
     q = qkv[:, : hq * d].reshape(t, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
-    qj, kj = rotary.apply_qkv(qkv, hq, hkv, state)
+    qj, kj = rotary.apply_qkv(qkv.clone(), hq, hkv, state)
     assert qj.shape == q.shape and kj.shape == k.shape and qj.dtype == dtype
     cos32, sin32 = ops.rope_cos_sin(torch.arange(t) + 7, rotary.inv_freq, torch.float32)
     for got, x in ((qj, q), (kj, k)):
@@ -108,7 +109,7 @@ def test_rope_joint_qk_matches_separate_rotation(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         exact = ops.apply_rope(x.float(), cos32, sin32)
         torch.testing.assert_close(got.float(), exact, atol=3e-2, rtol=1e-2)
-    assert rotary.apply_qkv(qkv, hq, hkv, state)[0].equal(qj)  # the signed sin is reused
+    assert rotary.apply_qkv(qkv.clone(), hq, hkv, state)[0].equal(qj)  # the signed sin is reused
 
 
 def _dense_causal(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int) -> torch.Tensor:

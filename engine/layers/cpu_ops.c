@@ -1,0 +1,132 @@
+/* The CPU decoder's elementwise kernels: add + RMSNorm, SiLU-and-mul, rotary, in float32 or
+   bfloat16 tensors (engine/layers/cpu_kernels.py builds this file with cpu_attention.c and calls it).
+
+   Why: torch runs each as several passes over memory (RMSNorm alone: add, float, square, mean,
+   scale, round, weight: 7 ops), which made the elementwise ops ~40% of a 2-core prefill step. Here
+   a row is read once and written once. A row's arithmetic is float32, fixed by this code alone
+   (the RMSNorm's sum of squares in 16 lanes by index, then a fixed tree), rounded to the tensor's
+   dtype where torch's ops round, so its bits do not depend on the rows beside it. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float x) {  /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+/* dtype 0: float32, 1: bfloat16; constant-folded where the callers pass a literal */
+static inline float ld(const void *p, int64_t i, int dt) {
+    return dt ? bf16_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void st(void *p, int64_t i, float v, int dt) {
+    if (dt) ((uint16_t *)p)[i] = f32_bf16(v);
+    else ((float *)p)[i] = v;
+}
+static inline float rd(float v, int dt) { return dt ? bf16_f32(f32_bf16(v)) : v; }  /* rounded to dtype */
+
+/* exp(x), Cody-Waite reduction and a degree-6 polynomial (about 1 ulp), branch-free; x clamped to
+   [-87.3, 88.7] (exp(-87.3) ~ 1e-38 stands for 0 where it is added to 1) */
+static inline float exp_clamped(float x) {
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    const float xc = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = floorf(fmaf(xc, log2e, 0.5f));
+    float r = fmaf(n, -ln2_hi, xc);
+    r = fmaf(n, -ln2_lo, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+static inline void add_rms_norm_rows(const void *x, const void *res, const void *w, void *out, void *sum,
+                                     int64_t r0, int64_t r1, int dim, int64_t xs, int64_t xh, int heads, int64_t rs,
+                                     float eps, int dt) {
+    float h[8192];
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t xi = (r / heads) * xs + (r % heads) * xh, ri = r * rs, oi = r * dim;
+        float acc[LANES] = {0};
+        if (res) {
+            for (int i = 0; i < dim; i++) h[i] = rd(ld(x, xi + i, dt) + ld(res, ri + i, dt), dt);
+            for (int i = 0; i < dim; i++) st(sum, oi + i, h[i], dt);
+        } else {
+            for (int i = 0; i < dim; i++) h[i] = ld(x, xi + i, dt);
+        }
+        int i = 0;
+        for (; i + LANES <= dim; i += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += h[i + j] * h[i + j];
+        for (; i < dim; i++) acc[i % LANES] += h[i] * h[i];
+        for (int s = LANES / 2; s > 0; s /= 2)
+            for (int j = 0; j < s; j++) acc[j] += acc[j + s];
+        const float k = 1.0f / sqrtf(acc[0] / (float)dim + eps);
+        for (int i = 0; i < dim; i++) st(out, oi + i, ld(w, i, dt) * rd(h[i] * k, dt), dt);
+    }
+}
+
+/* out = RMSNorm(x + res) * w (res NULL: of x), sum = x + res rounded to dtype; rows [r0, r1) of
+   x, row r at (r / heads) * xs + (r % heads) * xh (a [T, heads, dim] view; heads 1: [T, dim]), of
+   res (row stride rs), out and sum (contiguous, dim wide); dim <= 8192 */
+void strata_add_rms_norm(const void *x, const void *res, const void *w, void *out, void *sum, int64_t r0,
+                         int64_t r1, int dim, int64_t xs, int64_t xh, int heads, int64_t rs, float eps, int dt) {
+    if (dt) add_rms_norm_rows(x, res, w, out, sum, r0, r1, dim, xs, xh, heads, rs, eps, 1);
+    else add_rms_norm_rows(x, res, w, out, sum, r0, r1, dim, xs, xh, heads, rs, eps, 0);
+}
+
+static inline void silu_mul_rows(const void *x, void *out, int64_t r0, int64_t r1, int d, int64_t xs, int dt) {
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t xi = r * xs, oi = r * d;
+        for (int i = 0; i < d; i++) {
+            const float g = ld(x, xi + i, dt);
+            const float s = rd(g / (1.0f + exp_clamped(-g)), dt);
+            st(out, oi + i, s * ld(x, xi + d + i, dt), dt);
+        }
+    }
+}
+
+/* out [rows, d] = silu(x[:, :d]) * x[:, d:] (x's rows xs apart), silu rounded to dtype first (as
+   torch's two ops) */
+void strata_silu_mul(const void *x, void *out, int64_t r0, int64_t r1, int d, int64_t xs, int dt) {
+    if (dt) silu_mul_rows(x, out, r0, r1, d, xs, 1);
+    else silu_mul_rows(x, out, r0, r1, d, xs, 0);
+}
+
+static inline void rope_rows(void *x, const void *cos, const void *sin, int64_t r0, int64_t r1, int64_t xs,
+                             int heads, int d, int dt) {
+    const int half = d / 2;
+    for (int64_t r = r0; r < r1; r++) {
+        for (int hh = 0; hh < heads; hh++) {
+            const int64_t b = r * xs + (int64_t)hh * d, c = r * d;
+            for (int i = 0; i < half; i++) {
+                const float a = ld(x, b + i, dt), e = ld(x, b + half + i, dt);
+                const float o1 = a * ld(cos, c + i, dt) - e * ld(sin, c + i, dt);
+                const float o2 = e * ld(cos, c + half + i, dt) + a * ld(sin, c + half + i, dt);
+                st(x, b + i, o1, dt);
+                st(x, b + half + i, o2, dt);
+            }
+        }
+    }
+}
+
+/* the first `heads` heads (d values each) of rows [r0, r1) of x (row stride xs) rotated in place by
+   cos, sin [rows, d] (rotate-half: x1 cos - x2 sin, x2 cos + x1 sin, each rounded once) */
+void strata_rope(void *x, const void *cos, const void *sin, int64_t r0, int64_t r1, int64_t xs, int heads, int d,
+                 int dt) {
+    if (dt) rope_rows(x, cos, sin, r0, r1, xs, heads, d, 1);
+    else rope_rows(x, cos, sin, r0, r1, xs, heads, d, 0);
+}
