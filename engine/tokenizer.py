@@ -32,6 +32,10 @@ class TextTokenizer:
         self.hf = hf
         self._backend = getattr(hf, "backend_tokenizer", None)
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        # byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM): a piece's characters stand for bytes
+        self._byte_level = type(getattr(self._backend, "decoder", None)).__name__ == "ByteLevel"
+        self._added = set(getattr(hf, "added_tokens_encoder", {}) or {})
 
     @property
     def chat_template(self) -> str | None:
@@ -53,6 +57,47 @@ class TextTokenizer:
             text = self.decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for: a byte-level piece's bytes, a byte-fallback
+        piece's (`<0xE2>`) byte, else its text's (sentencepiece's `▁` as a space). A character
+        split over tokens has part of its bytes in each (OpenAI's logprobs `bytes`)."""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._bytes_of(token_id)
+            self._token_bytes[token_id] = data
+        return data
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece not in self._added:
+            if self._byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if "\u2581" in piece:
+                return piece.replace("\u2581", " ").encode()
+        return self.token_text(token_id).encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte -> the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def has_tokenizer_files(model_dir: str) -> bool:

@@ -126,8 +126,8 @@ class TcpPlan:
 
 def sdk_address(host: str, port: int) -> str:
     """The SDK's one ROUTER socket (SDK_IN and SDK_OUT), bound by the tokenizer on --host and
-    --sdk-port; what a client passes to msgs.sdk.Client."""
-    return f"tcp://{host}:{port}"
+    --sdk-port; what a client passes to msgs.sdk.Client (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 # tcp heartbeats on the sockets that cross nodes: a peer whose host vanished (no FIN) is

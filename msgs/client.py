@@ -35,6 +35,8 @@ class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
     cached_tokens: int = 0
     logprobs: list[float] | None = None
     prompt_logprobs: list[float] | None = None  # prompt_logprobs: prompt tokens 1.. (in the first chunk)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # top_logprobs: (id, logprob) per output token
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # per prompt token 1.., with prompt_logprobs
 
 
 class GenerateError(msgspec.Struct, tag=True, frozen=True):

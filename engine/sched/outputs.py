@@ -33,6 +33,9 @@ class OutputProcessor:
             req.inflight -= 1
             if req.status == Status.FINISHED:
                 continue  # finished at an earlier step; this overlap token is discarded
+            if req.max_new_tokens == 0:  # it only scored its prompt (max_tokens 0 with prompt logprobs)
+                outs.append(self._with_prompt(req, self.finish(req, "length")))
+                continue
             req.output_ids.append(tok)
             out = ReqOutput(
                 rid=req.rid,
@@ -70,8 +73,9 @@ class OutputProcessor:
             off += n
 
     def _with_prompt(self, req: Req, out: ReqOutput) -> ReqOutput:
-        """The first output of a request that scores its prompt carries the scores."""
-        if req.params.prompt_logprobs is None or len(req.output_ids) != 1:
+        """The first output of a request that scores its prompt carries the scores (its final
+        one where it asked for no tokens)."""
+        if req.params.prompt_logprobs is None or len(req.output_ids) != min(1, req.max_new_tokens):
             return out
         scores = req.prompt_scores or []
         if len(scores) != len(req.prompt_ids) - 1 or any(s is None for s in scores):

@@ -68,7 +68,7 @@ class SchedulerCore:
         req = self.admission.accept(msg)
         if isinstance(req, str):
             return ReqOutput(rid=msg.rid, new_ids=[], finish_reason="error", error=req)
-        if req.max_new_tokens == 0:
+        if req.max_new_tokens == 0 and req.params.prompt_logprobs is None:  # nothing to compute
             return self.outputs.finish(req, "length")
         self.state.waiting.append(req)
         return None

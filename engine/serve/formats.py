@@ -6,7 +6,9 @@ streaming and non-streaming paths.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -75,6 +77,27 @@ def token_text(tok: TextTokenizer | None, token_id: int) -> str:
     return tok.token_text(token_id) if tok is not None else f"token_id:{token_id}"
 
 
+def token_bytes(tok: TextTokenizer | None, token_id: int) -> list[int]:
+    """The token's UTF-8 bytes (part of a character split over tokens: OpenAI's logprobs `bytes`)."""
+    return list(tok.token_bytes(token_id)) if tok is not None else list(token_text(tok, token_id).encode())
+
+
+@dataclass(frozen=True)
+class TextOffset:
+    """Where the next token starts in a completion's text: `chars` characters in, after the
+    `pending` bytes of a character whose other bytes are still to come."""
+
+    chars: int = 0
+    pending: bytes = b""
+
+    def after(self, data: bytes) -> TextOffset:
+        """The offset after a token of these bytes (characters completed by them counted)."""
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        dec.setstate((self.pending, 0))
+        text = dec.decode(data)
+        return TextOffset(self.chars + len(text), dec.getstate()[0])
+
+
 def chat_logprobs(
     tok: TextTokenizer | None,
     ids: list[int],
@@ -92,7 +115,7 @@ def chat_logprobs(
             {
                 "token": text,
                 "logprob": _lp(lp),
-                "bytes": list(text.encode()),
+                "bytes": token_bytes(tok, tid),
                 "top_logprobs": [_alt(tok, t, v) for t, v in alts],
             }
         )
@@ -100,8 +123,7 @@ def chat_logprobs(
 
 
 def _alt(tok: TextTokenizer | None, tid: int, lp: float) -> dict[str, Any]:
-    text = token_text(tok, tid)
-    return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+    return {"token": token_text(tok, tid), "logprob": _lp(lp), "bytes": token_bytes(tok, tid)}
 
 
 def completion_logprobs(
@@ -109,17 +131,18 @@ def completion_logprobs(
     ids: list[int],
     logprobs: list[float] | None,
     tops: list[list[tuple[int, float]]] | None,
-    offset: int = 0,
-) -> tuple[dict[str, Any] | None, int]:
-    """Legacy completions format; returns it and the text offset after these tokens."""
+    offset: TextOffset = TextOffset(),
+) -> tuple[dict[str, Any] | None, TextOffset]:
+    """Legacy completions format; returns it and the text offset after these tokens (a token
+    that ends inside a character moves it only once the character is whole)."""
     if logprobs is None:
         return None, offset
     tokens, offsets = [], []
     for tid in ids[: len(logprobs)]:
-        text = token_text(tok, tid)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text) if tok is not None else 0  # ids-only: there is no text
+        tokens.append(token_text(tok, tid))
+        offsets.append(offset.chars)
+        if tok is not None:  # ids-only: there is no text
+            offset = offset.after(tok.token_bytes(tid))
     top = None
     if tops is not None:
         top = [{token_text(tok, t): _lp(v) for t, v in alts} for alts in tops[: len(tokens)]]
@@ -197,15 +220,16 @@ def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, fini
     return meta
 
 
-def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> tuple[dict[str, Any] | None, int]:
+def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> tuple[dict[str, Any] | None, TextOffset]:
     """Legacy completions' logprobs with `echo`: the prompt's tokens first (the first token has
     no logprob), then the completion's; c is a generate.Choice (or the first Delta) whose prompt
     was scored. Returns it and the text offset after it."""
-    if c.logprobs is None or c.prompt_logprobs is None:
-        return None, 0
+    if c.prompt_logprobs is None:
+        return None, TextOffset()
     head, off = completion_logprobs(tok, prompt[:1], [0.0], None)
     rest, off = completion_logprobs(tok, prompt[1:], c.prompt_logprobs, c.prompt_top_logprobs, off)
-    out, off = completion_logprobs(tok, c.token_ids, c.logprobs, c.top_logprobs, off)
+    tops = c.top_logprobs if c.logprobs is not None else []  # None: max_tokens 0, no output tokens
+    out, off = completion_logprobs(tok, c.token_ids, c.logprobs if c.logprobs is not None else [], tops, off)
     assert head is not None and rest is not None and out is not None
     body = {k: head[k] + rest[k] + out[k] for k in ("tokens", "text_offset")}
     body["token_logprobs"] = [None] + rest["token_logprobs"] + out["token_logprobs"]

@@ -100,11 +100,14 @@ class ReqHandle:
         return out
 
     def close(self) -> None:
-        """Stop this request; tells the scheduler to free it unless it already finished."""
+        """Stop this request; tells the scheduler to free it unless it already finished. Its rid
+        stays taken until the scheduler's final output for it comes (Frontend._closing)."""
         if self.finished:
             return
         self.finished = True
         self._frontend._release(self)
+        if not any(o.finish_reason is not None for o in self._pending):
+            self._frontend._closing.add(self.rid)
         self._frontend.send(AbortRequest(rid=self.rid))
 
     def _has_news(self) -> bool:
@@ -159,6 +162,10 @@ class Frontend:
         self.stats: SchedulerStats | None = None
         self._reqs: dict[str, ReqHandle] = {}
         self._parents: set[str] = set()
+        # rids closed before their final output came: the scheduler's answer to the abort (or the
+        # final output already on its way) is still to come, and must not reach a new request
+        # that reuses the rid, so the rid stays in flight until it does
+        self._closing: set[str] = set()
         self._outbox: asyncio.Queue[requests.ToScheduler] = asyncio.Queue()
         self._ready = asyncio.Event()
         self.died: tuple[str, str] | None = None  # (process, reason) once one has died
@@ -200,7 +207,15 @@ class Frontend:
         return handles
 
     def in_flight(self, rid: str) -> bool:
-        return rid in self._reqs or rid in self._parents
+        return rid in self._reqs or rid in self._parents or rid in self._closing
+
+    async def settled(self, rids: Sequence[str], timeout_s: float = 5.0) -> None:
+        """Wait (at most timeout_s) until none of rids is being aborted: a client that reuses a
+        request id right after closing its request waits for the scheduler's answer (a step or
+        two) rather than getting a 400."""
+        deadline = time.monotonic() + timeout_s
+        while any(r in self._closing for r in rids) and time.monotonic() < deadline and self.died is None:
+            await asyncio.sleep(0.002)
 
     def abort(self, rid: str) -> None:
         handle = self._reqs.get(rid)
@@ -230,6 +245,7 @@ class Frontend:
             self.died = (proc, reason)
             log.error("server process died: failing every request", proc=proc, reason=reason, requests=len(self._reqs))
         self._ready.set()  # wakes requests waiting for readiness: they find the server dead
+        self._closing.clear()  # no answer will come
         handles = list(self._reqs.values())
         for handle in handles:
             handle._fail(self.unavailable())
@@ -284,6 +300,8 @@ class Frontend:
                 handle = self._reqs.get(out.rid)
                 if handle is not None:
                     handle._put(out, now)
+                elif out.finish_reason is not None:
+                    self._closing.discard(out.rid)
             self.metrics.generation_tokens.inc(tokens)
         elif isinstance(msg, FlushDone):
             fut = self._flushes.get(msg.id)

@@ -88,6 +88,13 @@ class Generation:
         self._handles = frontend.submit_many(parent, [(s.rid, s.ids, s.params) for s in subs], t0, stream)
         self._tasks: list[asyncio.Task[None]] = []
 
+    @classmethod
+    async def start(cls, frontend: Frontend, tok: TextTokenizer | None, parent: str, subs: list[SubRequest],
+                    t0: float | None = None, stream: bool = True) -> Generation:
+        """A Generation, once the rids it reuses are settled (Frontend.settled): the way to start one."""
+        await frontend.settled([parent, *(s.rid for s in subs)])
+        return cls(frontend, tok, parent, subs, t0, stream)
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of every choice, interleaved in arrival order."""
         if len(self.subs) == 1:

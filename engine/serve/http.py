@@ -101,7 +101,7 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
             return error_response(exc)
         with structlog.contextvars.bound_contextvars(rid=rid):
             try:
-                body = await request.body()
+                body = await read_body(request)
                 reply = await until_disconnect(request, handler(state, body, Call(rid, t0, header is not None)))
             except ApiError as exc:
                 log.info("request rejected", status=exc.status, error=exc.message)
@@ -121,6 +121,23 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
         return json_response(reply.body, rid=rid)
 
     return endpoint
+
+
+MAX_BODY = 64 << 20  # bytes of a request body: larger is a 413 (1M-token prompts fit in a few MB)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, read at most MAX_BODY bytes far (a larger one is a 413 at once)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY:
+        raise ApiError(413, f"request body over {MAX_BODY >> 20} MiB", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"request body over {MAX_BODY >> 20} MiB", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def build_app(state: ServeState) -> Starlette:

@@ -32,6 +32,7 @@ from engine.serve.validate import (
     native_params,
     native_prompt,
     native_request,
+    off_loop,
 )
 from engine.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
@@ -44,7 +45,7 @@ async def prepare(
 ) -> tuple[list[int], SamplingParams]:
     """Prompt ids and final params of a native request (HTTP or SDK); ApiError if bad."""
     limits = await state.limits()
-    ids = native_prompt(text, input_ids, state.tok)
+    ids = await off_loop(len(text or ""), native_prompt, text, input_ids, state.tok)
     params = native_request(ids, params, max_given, limits, state.tok)
     check_engine_support(params, state.cfg)
     return ids, await constrain(service_of(state), params, limits.vocab_size)
@@ -115,7 +116,8 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     ids, params = await prepare(state, req.text if isinstance(req.text, str) else None, ids_in, params, max_given)
     _check_start(shape, ids)
     log.info("generate request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens, stream=req.stream)
-    gen = Generation(state.frontend, state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], call.t0, req.stream)
+    sub = SubRequest(rid, 0, 0, ids, params)
+    gen = await Generation.start(state.frontend, state.tok, rid, [sub], call.t0, req.stream)
     if req.stream:
         deltas = await first_then_rest(gen)
         return Reply(stream=_stream(gen, deltas, rid, ids, shape), close=gen.close, rid=rid)
@@ -133,13 +135,13 @@ async def _generate_batch(state: ServeState, req: GenerateBody, call: Call, rid:
         raise ApiError(400, "a batch of prompts is not streamed", param="stream")
     subs = []
     for i, (text, ids_in) in enumerate(items):
-        if ids_in is not None and not all(type(t) is int for t in ids_in):
+        if ids_in is not None and not (isinstance(ids_in, list) and all(type(t) is int for t in ids_in)):
             raise ApiError(400, "input_ids must be a list of token id lists", param="input_ids")
         ids, p = await prepare(state, text, ids_in, params, max_given)
         _check_start(shape, ids)
         subs.append(SubRequest(f"{rid}-{i}", i, i, ids, p))
     log.info("generate batch", rid=rid, prompts=len(subs), prompt_tokens=sum(len(s.ids) for s in subs))
-    gen = Generation(state.frontend, state.tok, rid, subs, call.t0, False)
+    gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, False)
     try:
         choices = await collect(gen)
     finally:
@@ -181,7 +183,7 @@ async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     /health's readiness alone cannot give); a failure is the generation's 5xx."""
     await state.limits()  # 503 while not ready
     probe = SubRequest(call.rid, 0, 0, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
-    gen = Generation(state.frontend, state.tok, call.rid, [probe], call.t0, False)
+    gen = await Generation.start(state.frontend, state.tok, call.rid, [probe], call.t0, False)
     try:
         (c,) = await collect(gen)
     finally:

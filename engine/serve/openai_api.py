@@ -29,6 +29,7 @@ from engine.serve.validate import (
     completion_prompts,
     fan_out,
     make_params,
+    off_loop,
     openai_params,
     resolve_max_tokens,
 )
@@ -78,9 +79,9 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
     kw = openai_params(req)
     limits = await state.limits()
-    prompt, ids = chat_prompt(state.tok, req.messages, req.tools, req.chat_template_kwargs,
-                              add_generation_prompt=bool(req.add_generation_prompt),
-                              continue_final_message=bool(req.continue_final_message))
+    prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, req.chat_template_kwargs,
+                                 add_generation_prompt=bool(req.add_generation_prompt),
+                                 continue_final_message=bool(req.continue_final_message))
     new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(state, ids, kw, requested, None, limits, "messages")
@@ -90,7 +91,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
-    gen = Generation(state.frontend, state.tok, rid, subs, call.t0, req.stream)
+    gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, req.stream)
     created = int(time.time())
     if req.stream:
         deltas = await first_then_rest(gen)
@@ -219,7 +220,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()
-    prompts = completion_prompts(req.prompt, state.tok)
+    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
     params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]
@@ -232,7 +233,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         max_tokens=params[0].max_new_tokens,
         stream=req.stream,
     )
-    gen = Generation(state.frontend, state.tok, rid, subs, call.t0, req.stream)
+    gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, req.stream)
     created = int(time.time())
     want_lp = req.logprobs is not None
     if req.stream:
@@ -285,7 +286,7 @@ def _completion_stream(
 ) -> AsyncIterator[bytes]:
     """echo: each prompt's text and ids, sent (with their logprobs) before its choices' first text."""
     model, tok = state.model_name, state.tok
-    offsets: dict[int, int] = {}
+    offsets: dict[int, fmt.TextOffset] = {}
     prompt_of = {s.index: s.prompt_index for s in gen.subs}
     echoed: set[int] = set()
 
@@ -305,7 +306,7 @@ def _completion_stream(
             return fmt.completion_choice(d.index, text + d.text, d.finish_reason, lp)
         if logprobs:
             lp, offsets[d.index] = fmt.completion_logprobs(
-                tok, d.token_ids, d.logprobs, d.top_logprobs, offsets.get(d.index, 0)
+                tok, d.token_ids, d.logprobs, d.top_logprobs, offsets.get(d.index, fmt.TextOffset())
             )
         if not (d.text or d.finish_reason or lp):
             return None

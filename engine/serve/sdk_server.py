@@ -4,14 +4,18 @@ Each GenerateRequest runs as a task that answers its client (by ROUTER identity)
 GenerateChunk deltas (stream) or one final chunk, or a GenerateError with the same status
 the HTTP API would give. AbortGenerate cancels the task, which aborts the scheduler
 request through Generation.close(). A request belongs to the connection (ROUTER identity)
-that sent it: only that connection can abort it.
+that sent it: only that connection can abort it. A connection that closes takes its requests
+with it: the ROUTER refuses a send to it (ROUTER_MANDATORY), and every request it owns is aborted.
+(A non-streamed request learns that only at its answer: it runs to its end or max_new_tokens.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import structlog
+import zmq
 
 from engine.serve.errors import ApiError
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect
@@ -22,6 +26,10 @@ from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest
 
 log = structlog.get_logger()
+
+
+class ClientGone(Exception):
+    """The connection a request came from is closed: nothing can reach its client any more."""
 
 
 class SdkServer:
@@ -56,14 +64,31 @@ class SdkServer:
 
     async def _start(self, ident: bytes, req: GenerateRequest) -> None:
         if req.rid in self._tasks:
-            await self._send(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"))
+            await self._error(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"))
             return
         task = asyncio.create_task(self._serve(ident, req))
         self._tasks[req.rid] = (ident, task)
         task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
 
     async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError) -> None:
-        await self._sock.send_multipart([ident, SDK_OUT.codec.encode(msg)])
+        try:
+            await self._sock.send_multipart([ident, SDK_OUT.codec.encode(msg)])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            raise ClientGone from None
+
+    async def _error(self, ident: bytes, msg: GenerateError) -> None:
+        """Answer an error; to a client that is gone, nothing (there is no one to tell)."""
+        with contextlib.suppress(ClientGone):
+            await self._send(ident, msg)
+
+    def _client_gone(self, ident: bytes, rid: str) -> None:
+        """Abort every other request of a connection that closed (this one's task is ending)."""
+        others = [task for r, (owner, task) in self._tasks.items() if owner == ident and r != rid]
+        log.info("sdk client gone: its requests aborted", rid=rid, requests=1 + len(others))
+        for task in others:
+            task.cancel()
 
     async def _serve(self, ident: bytes, req: GenerateRequest) -> None:
         rid = req.rid
@@ -71,7 +96,7 @@ class SdkServer:
             check_rid(rid)
             ids, params = await prepare(self._state, req.text, req.input_ids, req.params, max_given=True)
             log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens)
-            gen = Generation(
+            gen = await Generation.start(
                 self._state.frontend, self._state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], stream=req.stream
             )
             try:
@@ -81,15 +106,18 @@ class SdkServer:
                     await self._whole(ident, rid, gen)
             finally:
                 gen.close()
+        except ClientGone:
+            self._client_gone(ident, rid)
+            return
         except GenerationFailed as exc:  # the scheduler failed it (500), or a server process died (503)
             log.warning("sdk request failed", rid=rid, status=exc.status, message=exc.message)
-            await self._send(ident, GenerateError(rid, exc.status, exc.message))
+            await self._error(ident, GenerateError(rid, exc.status, exc.message))
         except ApiError as exc:
             log.info("sdk request rejected", rid=rid, status=exc.status, message=exc.message)
-            await self._send(ident, GenerateError(rid, exc.status, exc.message))
+            await self._error(ident, GenerateError(rid, exc.status, exc.message))
         except Exception:  # noqa: BLE001 - a bug must not take the SDK loop down
             log.exception("sdk request failed", rid=rid)
-            await self._send(ident, GenerateError(rid, 500, "internal server error"))
+            await self._error(ident, GenerateError(rid, 500, "internal server error"))
 
     async def _stream(self, ident: bytes, rid: str, gen: Generation) -> None:
         async for d in gen.deltas():  # raises GenerationFailed
@@ -113,4 +141,6 @@ def _chunk(rid: str, d: Delta | Choice) -> GenerateChunk:
         cached_tokens=d.cached_tokens,
         logprobs=d.logprobs,
         prompt_logprobs=d.prompt_logprobs,
+        top_logprobs=d.top_logprobs,
+        prompt_top_logprobs=d.prompt_top_logprobs,
     )

@@ -116,6 +116,11 @@ class TokenizerProcess:
         self.sdk = self.ctx.socket(zmq.ROUTER)
         self.sdk.setsockopt(zmq.RCVHWM, SDK_IN.hwm)
         self.sdk.setsockopt(zmq.SNDHWM, SDK_OUT.hwm)
+        # a send to a client that is gone fails (EHOSTUNREACH) instead of vanishing: its requests
+        # are aborted (engine/serve/sdk_server.py); one whose queue is full waits instead of losing chunks
+        self.sdk.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if ":" in cfg.host:
+            self.sdk.setsockopt(zmq.IPV6, 1)
         _bind(self.sdk, cfg.sdk_addr, "SDK")
         self.to_sched: AsyncSender[ToScheduler] = open_async_sender(self.ctx, REQUESTS, PROC, run_dir)
         try:

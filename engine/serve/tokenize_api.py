@@ -12,7 +12,7 @@ from engine.serve.chat import chat_prompt
 from engine.serve.errors import ApiError
 from engine.serve.protocol import DetokenizeBody, TokenizeBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
-from engine.serve.validate import IDS_ONLY, check_model
+from engine.serve.validate import IDS_ONLY, check_model, off_loop
 
 
 async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
@@ -24,12 +24,13 @@ async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
         raise ApiError(400, f"tokenize is not available: {IDS_ONLY}", param="prompt")
     limits = await state.limits()
     if req.messages is not None:
-        text, _ = chat_prompt(state.tok, req.messages, req.tools, req.chat_template_kwargs,
-                              add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message)
-        ids = state.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        text, _ = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, req.chat_template_kwargs,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
+        ids = await off_loop(len(body), state.tok.encode, text, add_special_tokens=bool(req.add_special_tokens))
     else:
-        ids = state.tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens is not False)
+        ids = await off_loop(len(body), state.tok.encode, req.prompt or "",
+                             add_special_tokens=req.add_special_tokens is not False)
     strs = state.tok.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return Reply(body={"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": strs})
 

@@ -6,8 +6,10 @@ same answer everywhere. Every function raises `ApiError` (4xx) on bad input.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -17,6 +19,18 @@ from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
+
+T = TypeVar("T")
+OFF_LOOP_BYTES = 1 << 16  # a request this large is tokenized on a thread
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs), on a worker thread when the request is `size` >= OFF_LOOP_BYTES bytes:
+    tokenizing a long prompt (~0.4 s a MB; tokenizers releases the GIL) must not stall every other
+    client of the one event loop. Small ones run inline: a thread hop costs more than they do."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 MAX_N = 16
 MAX_RID_LEN = 256

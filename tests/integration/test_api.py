@@ -245,6 +245,15 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server: Server) -> None:
     assert "".join(c["text"] for c in streamed) == whole["choices"][0]["text"]
     for key in ("tokens", "token_logprobs", "text_offset"):  # the prompt's part arrives first, then each token's
         assert [x for c in streamed for x in c["logprobs"][key]] == whole["choices"][0]["logprobs"][key], key
+    zero = httpx.post(f"{server.http}/v1/completions", timeout=60, json={  # the prompt scored, nothing generated
+        "model": MODEL, "prompt": [ids], "max_tokens": 0, "temperature": 0, "logprobs": 1, "echo": True}).json()
+    zc = zero["choices"][0]
+    assert zc["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0, zero
+    assert zc["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
+    assert zc["logprobs"]["tokens"] == lp["tokens"][: len(ids)] and zc["text"] == "".join(lp["tokens"][: len(ids)])
+    bare = httpx.post(f"{server.http}/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 0, "prompt_logprobs": 2}}).json()["meta_info"]
+    assert bare["input_token_logprobs"] == scores and bare["completion_tokens"] == 0
     bad = httpx.post(f"{server.http}/generate", timeout=60, json={"input_ids": ids,
                                                                   "sampling_params": {"prompt_logprobs": 21}})
     assert bad.status_code == 400 and "prompt_logprobs" in bad.text, bad.text
@@ -300,6 +309,7 @@ def test_sglang_batch_and_logprob_fields_as_lm_eval_sends_them(server: Server) -
     assert len(first["input_token_logprobs"]) == first["prompt_tokens"] - 2
     assert all(isinstance(e[2], str) for e in first["input_token_logprobs"] + first["output_token_logprobs"])
     for body in ({"input_ids": ids, "stream": True}, {"input_ids": [1, [2]]}, {"text": ["a"], "input_ids": [[1]]},
+                 {"input_ids": [[1, 2], 3]}, {"input_ids": [[1, 2], 3.5]}, {"input_ids": [[1], True]},
                  {"input_ids": ids[0], "return_logprob": True, "logprob_start_len": 5}, {"input_ids": []}):
         bad = gen(body)
         assert bad.status_code == 400 and "error" in bad.json(), (body, bad.text)

@@ -6,8 +6,10 @@ arbitrary bodies and parameters at the same server.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import socket
 import time
 
 import httpx
@@ -21,6 +23,7 @@ from msgs.sdk import AbortGenerate, Client, GenerateRequest, StrataError
 from tests.integration.conftest import Server
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
+MODEL = "SmolLM2-135M-Instruct"
 
 
 def greedy_ids(server: Server) -> list[int]:
@@ -170,3 +173,55 @@ def test_flush_cache_empties_the_prefix_cache_and_keeps_outputs(server: Server) 
     assert m["strata_kv_cache_pages"] == 0 and m["strata_kv_leak_free"] == 1
     with Client(server.sdk) as c:
         assert c.generate(long_prompt, **GREEDY).token_ids == before  # computed afresh, same tokens
+
+
+def test_a_reused_request_id_gets_its_own_answer(server: Server) -> None:
+    """A request ended by a stop string is aborted in the scheduler after its answer: the same
+    x-request-id sent at once gets its own full answer (it waits for the abort), not the old
+    request's end, and nothing is left running."""
+    url = f"{server.http}/v1/completions"
+    stop = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    with httpx.Client(timeout=60) as c:
+        first = c.post(url, json=stop | {"max_tokens": 3}).json()["choices"][0]["text"]
+        assert first.strip()
+        for i in range(6):
+            r = c.post(url, json=stop | {"stop": [first.strip().split()[0]]}, headers={"x-request-id": f"reuse-{i}"})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+            r = c.post(url, json=stop | {"max_tokens": 4, "ignore_eos": True}, headers={"x-request-id": f"reuse-{i}"})
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 4, r.text
+    m = server.wait_idle()
+    assert m["strata_kv_leak_free"] == 1
+
+
+def test_a_huge_prompt_does_not_stall_other_clients(server: Server) -> None:
+    """A 4 MB prompt is tokenized off the event loop (then refused: too long): a /health sent while
+    it is tokenized answers first. A body over the cap is a 413 before it is read."""
+    big = {"model": MODEL, "prompt": "hello world " * 350_000, "max_tokens": 1}
+
+    async def main() -> list[str]:
+        order: list[str] = []
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def post() -> None:
+                r = await c.post(f"{server.http}/v1/completions", json=big)
+                assert r.status_code == 400 and "error" in r.json(), r.text
+                order.append("big")
+
+            task = asyncio.create_task(post())
+            await asyncio.sleep(0.5)  # the body is in: tokenizing takes seconds
+            r = await c.get(f"{server.http}/health")
+            assert r.status_code == 200
+            order.append("health")
+            await task
+        return order
+
+    assert asyncio.run(main()) == ["health", "big"]
+    host, port = server.http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:  # a body declared over the cap
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n{" % (65 << 20))
+        head = ""
+        while "body_too_large" not in head and (part := sock.recv(65536)):  # headers and body may come apart
+            head += part.decode(errors="replace")
+    assert head.startswith("HTTP/1.1 413") and "body_too_large" in head, head
+    assert greedy_ids(server)

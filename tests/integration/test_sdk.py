@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import zmq
 
-from msgs.sdk import AsyncClient, Client, StrataError
+from msgs.channels import SDK_IN, SDK_OUT
+from msgs.params import SamplingParams
+from msgs.sdk import AsyncClient, Client, GenerateRequest, StrataError
 from tests.integration.conftest import Server
 
 
@@ -27,6 +30,12 @@ def test_sdk_token_ids_and_errors(server: Server) -> None:
         scored = c.generate([504, 3575, 282, 4649, 314], max_new_tokens=4, temperature=0, prompt_logprobs=0)
         assert scored.token_ids == out.token_ids and len(scored.prompt_logprobs) == 4
         assert all(x <= 0 for x in scored.prompt_logprobs)
+        tops = c.generate([504, 3575, 282, 4649, 314], max_new_tokens=4, temperature=0, logprobs=True,
+                          top_logprobs=3, prompt_logprobs=2)
+        assert len(tops.top_logprobs) == 4 and all(len(t) == 3 for t in tops.top_logprobs)
+        assert [t[0][0] for t in tops.top_logprobs] == out.token_ids  # greedy: the best is the one taken
+        assert [t[0][1] for t in tops.top_logprobs] == tops.logprobs
+        assert len(tops.prompt_top_logprobs) == 4 and all(len(t) == 2 for t in tops.prompt_top_logprobs)
         first = next(iter(c.stream([504, 3575, 282, 4649, 314], max_new_tokens=2, prompt_logprobs=0)))
         assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == 4
         with pytest.raises(StrataError) as err:
@@ -42,6 +51,25 @@ def test_sdk_abort_mid_stream_frees_pages(server: Server) -> None:
         it.close()  # aborts on the server
     m = server.wait_idle()
     assert m["strata_kv_leak_free"] == 1 and m["strata_kv_pages_used"] == m["strata_kv_cache_pages"]
+
+
+def test_a_closed_sdk_connection_aborts_its_streams(server: Server) -> None:
+    """A client that goes away mid-stream (its socket closed, as when its process dies) without
+    an abort: the server's next send to it fails, and its requests end there."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.connect(server.sdk)
+    params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+    for rid in ("gone-1", "gone-2"):
+        sock.send(SDK_IN.codec.encode(GenerateRequest(rid=rid, params=params, text="Count:", stream=True)))
+    for _ in range(4):
+        SDK_OUT.codec.decode(sock.recv())
+    sock.close(0)
+    before = server.metrics()["strata_generation_tokens_total"]
+    m = server.wait_idle(timeout=120)  # 2 x 3000 tokens take minutes on 2 cores: aborted long before
+    assert m["strata_generation_tokens_total"] - before < 2000
+    assert m["strata_kv_leak_free"] == 1
 
 
 def test_async_sdk_concurrent(server: Server) -> None:

@@ -80,8 +80,43 @@ def test_close_before_finish_aborts_and_frees_the_rid() -> None:
         sent(fe)
         handle.close()
         assert sent(fe) == [AbortRequest(rid="a")]
+        assert fe.in_flight("a")  # until the scheduler's answer to the abort comes
+        fe.dispatch(out("a", [], "abort"))
         assert not fe.in_flight("a")
         fe.submit("a", [1], SamplingParams())  # reusable once gone
+
+    run(main())
+
+
+def test_a_reused_rid_waits_for_the_abort_and_gets_only_its_own_outputs() -> None:
+    """A client closes a request (a stop string, a disconnect) and at once sends another with the
+    same id: the new one starts once the old one's final output is in, and never receives it."""
+
+    async def main() -> None:
+        fe = Frontend()
+        fe.submit("a", [1], SamplingParams()).close()
+        sent(fe)
+        task = asyncio.create_task(Generation.start(fe, None, "a", [SubRequest("a", 0, 0, [2], SamplingParams())]))
+        await asyncio.sleep(0.02)
+        assert not task.done() and sent(fe) == []  # held: the old request's abort is unanswered
+        fe.dispatch(out("a", [5], "abort"))  # the old request's last output
+        gen = await task
+        (req,) = sent(fe)
+        assert unpack_ids(req.input_ids) == [2]
+        fe.dispatch(out("a", [7, 8], "length"))
+        (choice,) = await collect(gen)
+        assert choice.token_ids == [7, 8] and choice.finish_reason == "length"
+
+    run(main())
+
+
+def test_a_closed_request_whose_final_output_was_in_frees_its_rid_at_once() -> None:
+    async def main() -> None:
+        fe = Frontend()
+        handle = fe.submit("a", [1], SamplingParams())
+        fe.dispatch(out("a", [7], "stop"))  # arrived, not yet consumed
+        handle.close()
+        assert not fe.in_flight("a")
 
     run(main())
 
@@ -254,8 +289,27 @@ def test_logprob_formats(text_tok) -> None:
     assert entry["top_logprobs"][1]["logprob"] == fmt.LOGPROB_FLOOR  # -inf is not JSON
     legacy, end = fmt.completion_logprobs(text_tok, ids, lps, tops)
     assert legacy is not None and "".join(legacy["tokens"]) == "hi there"
-    assert legacy["text_offset"][0] == 0 and end == len("hi there")
+    assert legacy["text_offset"][0] == 0 and end.chars == len("hi there") and end.pending == b""
     assert fmt.chat_logprobs(text_tok, ids, None, None) is None
+
+
+def test_logprobs_of_a_character_split_over_tokens(text_tok) -> None:
+    """An emoji is two tokens here: chat's `bytes` are each token's own (joined, the text's bytes),
+    and completions' text_offset counts characters of the text, not one per token's U+FFFD."""
+    text = "I love \U0001F600\U0001F600 ok"
+    ids = text_tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # the emojis are split
+    chat = fmt.chat_logprobs(text_tok, ids, [-0.1] * len(ids), None)
+    assert bytes(b for e in chat["content"] for b in e["bytes"]).decode() == text
+    half = len(ids) // 2  # streamed: the offset carried over two calls, mid-character or not
+    first, off = fmt.completion_logprobs(text_tok, ids[:half], [-0.1] * half, None)
+    rest, end = fmt.completion_logprobs(text_tok, ids[half:], [-0.1] * (len(ids) - half), None, off)
+    offsets = first["text_offset"] + rest["text_offset"]
+    assert end.chars == len(text)
+    parts = [text_tok.token_bytes(t) for t in ids]
+    # a token starts at the characters completed before it (one inside a character: at that character)
+    assert offsets == [len(b"".join(parts[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert offsets[-1] == len(text) - len(parts[-1].decode())
 
 
 class _FakeRequest:
