@@ -11,7 +11,7 @@ import sys
 
 from engine.config import ServerConfig
 
-HIDDEN = ("run_dir", "extra", "hicache_path")  # set by the supervisor, not by people
+HIDDEN = ("run_dir", "hicache_path")  # set by the supervisor, not by people
 
 HELP = {
     "model": "HF-style model directory, or a Hugging Face hub id (Org/Name: the HF cache first, then a download) "

@@ -3,11 +3,13 @@ child process as JSON (`to_json` / `from_json`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from engine.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from msgs.channels import TcpPlan
@@ -85,7 +87,6 @@ class ServerConfig:
     # drafts per row capped by the step's decode rows: "ROWS:STEPS,...", above ROWS rows at most STEPS
     # (0: plain decode steps); "": every batch size gets --speculative-num-steps (docs/PERF.md, issue 24 item 3)
     speculative_num_steps_by_batch_size: str = SPEC_BY_BATCH_DEFAULT
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = [
@@ -283,8 +284,6 @@ class ServerConfig:
     def _check_serving(self) -> None:
         """Parser names against their registries (no parser is imported), and the chat
         template file, made absolute so that every process finds it."""
-        from engine.serve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-
         for flag, value, table in (
             ("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS),
             ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),

@@ -22,10 +22,30 @@ class Env:
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
     profile_steps: str | None  # STRATA_PROFILE_STEPS=FIRST:COUNT: torch-profile a worker's forward steps
 
+    def __post_init__(self) -> None:
+        if self.digest_every < 0:
+            raise ValueError(f"STRATA_DIGEST_EVERY must be >= 0 (0 = never), got {self.digest_every}")
+        if self.log_level not in ("debug", "info", "warning", "warn", "error", "critical"):
+            raise ValueError(f"STRATA_LOG_LEVEL must be debug, info, warning, error or critical: {self.log_level!r}")
+
+
+# Set in every process we start and in every rank that joins a process group: NVLink multicast
+# stays off on the lent GPU machines, NVSHMEM's switch too should torch's symmetric memory ever
+# pick that backend (docs/architecture.md, "Tensor parallelism")
+DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def _flag(name: str) -> bool | None:
     val = os.environ.get(name)
     return None if val is None else val.lower() in ("1", "true", "yes")
+
+
+def _int(name: str, default: int) -> int:
+    val = os.environ.get(name)
+    try:
+        return default if val is None else int(val)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {val!r}") from None
 
 
 @cache
@@ -35,7 +55,7 @@ def env() -> Env:
         cache_dir=Path(base),
         log_level=os.environ.get("STRATA_LOG_LEVEL", "info").lower(),
         log_json=_flag("STRATA_LOG_JSON"),
-        digest_every=int(os.environ.get("STRATA_DIGEST_EVERY", "64")),
+        digest_every=_int("STRATA_DIGEST_EVERY", 64),
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
         profile_steps=os.environ.get("STRATA_PROFILE_STEPS") or None,
     )

@@ -20,13 +20,11 @@ from pathlib import Path
 import zmq
 
 from engine.config import ServerConfig
+from engine.env import DIST_ENV
 from msgs.channels import Receiver, Sender
 from msgs.control import Flushed, ProcessDied, ToSupervisor, ToTokenizerControl
 
 _PR_SET_PDEATHSIG = 1
-# NVLink multicast is off on the lent GPU machines and must stay off in every process we start
-# (issue 11); kept in sync with engine/run/dist.py, which also sets them for in-process ranks
-DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def _die_with_parent() -> None:

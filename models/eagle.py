@@ -47,8 +47,6 @@ from models.config import ModelConfig
 from models.llama import MLP, Attention, DecoderLayer, RMSNorm, norm_linear, rope_inv_freq
 from models.loader import checkpoint_files
 
-KINDS = ("EAGLE", "EAGLE3")
-
 
 @dataclass(frozen=True)
 class HeadSpec:

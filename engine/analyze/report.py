@@ -19,8 +19,6 @@ _SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
 _L2_RE = re.compile(r"back ?up|load.?back|l2|l3|host tier|hicache", re.IGNORECASE)
 COPIES_EVENT = "host copies"  # engine/run/host_tier.py: per worker, at most once a second
 COPY_KEYS = ("backups", "load_backs", "bytes_out", "bytes_in", "backup_s", "load_back_s")
-# engine/sched/loop.py: the scheduler's `cache occupancy` line, at most once a second after a change
-OCCUPANCY_EVENT = "cache occupancy"
 OCCUPANCY_KEYS = (
     "kv_pages_used", "kv_pages_total", "cache_pages", "l2_pages_used", "l2_pages_total", "l3_files", "l3_bytes",
 )  # fmt: skip

@@ -43,8 +43,6 @@ from msgs.steps import (
     LoadBack,
 )
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
 
 class TieredRadixCache(RadixCache):
     def __init__(

@@ -164,15 +164,6 @@ def header_ok(head: bytes, fingerprint: bytes, key: bytes, payload_len: int) -> 
     return check
 
 
-def decode_file(data: bytes, fingerprint: bytes, key: bytes, payload_len: int) -> bytes | None:
-    """The payload, or None when anything is off (header, model, key, length, checksum)."""
-    if len(data) != HEADER.size + payload_len:
-        return None
-    check = header_ok(data[: HEADER.size], fingerprint, key, payload_len)
-    payload = data[HEADER.size :]
-    return payload if check is not None and zlib.crc32(payload) == check else None
-
-
 # ---- the directory ------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ServerConfig
+from engine.env import DIST_ENV
 from engine.layers import shm_allreduce
 from engine.layers.parallel import (
     ParallelState,
@@ -42,11 +43,8 @@ log = structlog.get_logger()
 # hanging, the worker reports the failure and exits. Far above any step's time (a CPU prefill of the
 # largest budget takes seconds); the start-up rendezvous is bounded by it too.
 COLLECTIVE_TIMEOUT_S = 120.0
-DESTROY_WAIT_S = 5.0  # destroy_process_group hung at exit in the H200 probe (issue 11): bounded
+DESTROY_WAIT_S = 5.0  # destroy_process_group hung at exit in an H200 probe: bounded
 
-# NVLink multicast is off on the lent machines and must stay off in every process (issue 11);
-# NVSHMEM's switch too, should torch's symmetric memory ever pick that backend
-DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:

@@ -129,11 +129,16 @@ class Detokenizer:
         self._dec = IncrementalDecoder(decoder, skip_special_tokens, prompt_ids) if decoder else None
         self._stop = StopMatcher(stop)
         self._unsearched = min_tokens  # tokens left whose text bypasses the stop matcher
-        self.text = ""  # everything emitted so far
+        self._parts: list[str] = []  # everything emitted so far (a list: `+=` on a str is quadratic)
 
     @property
     def stopped(self) -> bool:
         return self._stop.stopped
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._parts)
 
     def push(self, new_ids: Sequence[int]) -> str:
         if self._dec is None or self.stopped:
@@ -155,5 +160,6 @@ class Detokenizer:
         return self._emit(out)
 
     def _emit(self, text: str) -> str:
-        self.text += text
+        if text:
+            self._parts.append(text)
         return text

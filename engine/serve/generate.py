@@ -218,9 +218,10 @@ def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[in
 async def collect(gen: Generation) -> list[Choice]:
     """Run to completion; the choices in index order. Raises GenerationFailed."""
     choices = {s.index: Choice(index=s.index, prompt_index=s.prompt_index) for s in gen.subs}
+    texts: dict[int, list[str]] = {i: [] for i in choices}  # joined once: `+=` on a str is quadratic
     async for delta in gen.deltas():
         c = choices[delta.index]
-        c.text += delta.text
+        texts[delta.index].append(delta.text)
         c.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             c.logprobs = c.logprobs or []
@@ -234,4 +235,6 @@ async def collect(gen: Generation) -> list[Choice]:
         c.spec = delta.spec or c.spec
         if delta.prompt_logprobs is not None:
             c.prompt_logprobs, c.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
+    for i, c in choices.items():
+        c.text = "".join(texts[i])
     return [choices[i] for i in sorted(choices)]

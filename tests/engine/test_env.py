@@ -35,6 +35,18 @@ def test_defaults_and_overrides(fresh_env, monkeypatch: pytest.MonkeyPatch, tmp_
     assert e.profile_steps == "5:40"
 
 
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("STRATA_DIGEST_EVERY", "abc", "STRATA_DIGEST_EVERY must be an integer"),
+    ("STRATA_DIGEST_EVERY", "-1", "STRATA_DIGEST_EVERY must be >= 0"),
+    ("STRATA_LOG_LEVEL", "loud", "STRATA_LOG_LEVEL must be"),
+])
+def test_bad_values_name_their_variable(fresh_env, monkeypatch: pytest.MonkeyPatch, name: str, value: str,  # noqa: ANN001
+                                        says: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=says):
+        fresh_env()
+
+
 def test_no_kernel_switches(fresh_env) -> None:  # noqa: ANN001
     """Kernel choices come from configs/tuning/ and --decode-kernel, not the environment
     (profile_steps only turns on a diagnostic profiler)."""

@@ -1,8 +1,8 @@
 """Output parsers of chat completions: tool calls (`--tool-call-parser`) and reasoning
 (`--reasoning-parser`).
 
-The registries map a flag value to "module:Class" and import on lookup, so that the names
-can be checked (engine/config.py) without importing the parsers, let alone torch.
+The registries (engine/parser_names.py) map a flag value to "module:Class", imported on lookup
+here; the names are checked by ServerConfig without importing the parsers, let alone torch.
 """
 
 from __future__ import annotations
@@ -10,25 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from engine.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 if TYPE_CHECKING:
     from engine.serve.parsers.base import ToolCallParser
     from engine.serve.parsers.reasoning import ReasoningParser
-
-TOOL_CALL_PARSERS = {
-    "hermes": "engine.serve.parsers.hermes:HermesParser",
-    "qwen25": "engine.serve.parsers.hermes:HermesParser",  # Qwen2.5/Qwen3 write the Hermes format
-    "llama3": "engine.serve.parsers.llama3:Llama3Parser",
-    "deepseek_v3": "engine.serve.parsers.deepseek_v3:DeepSeekV3Parser",
-    "deepseek_v31": "engine.serve.parsers.deepseek_v3:DeepSeekV31Parser",
-    "glm45": "engine.serve.parsers.glm45:Glm45Parser",
-}
-
-REASONING_PARSERS = {
-    "deepseek-r1": "engine.serve.parsers.reasoning:DeepSeekR1Reasoning",
-    "qwen3": "engine.serve.parsers.reasoning:Qwen3Reasoning",
-    "glm45": "engine.serve.parsers.reasoning:Glm45Reasoning",
-}
-
 
 def _load(table: dict[str, str], kind: str, name: str) -> type:
     if name not in table:
