@@ -143,6 +143,13 @@ def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     return torch.addcmul(x * cos[:, None, :], swapped, sin_signed[:, None, :])
 
 
+def _cpu_rope_ok(x: torch.Tensor, cos: torch.Tensor, head_dim: int) -> bool:
+    """Whether the C rotary takes x [T, H, D] in place: its heads adjacent in each row (strides
+    only, never contiguity, which can depend on T), cos of its dtype."""
+    return (x.dim() == 3 and x.shape[2] == head_dim and x.stride(1) == head_dim and cos.dtype == x.dtype
+            and cos.is_contiguous() and cpu_kernels.elementwise_ok(x))
+
+
 class Rotary:
     """Neox-style (rotate_half) rotary embedding for Llama/Qwen.
 
@@ -182,8 +189,8 @@ class Rotary:
         return RopeState(False, positions, cos=cos, sin=sin)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, state: RopeState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D]; the fused path works in place (last dim
-        contiguous views are fine) and returns the same tensors."""
+        """Rotate q [T, Hq, D] and k [T, Hkv, D]; the fused path and the CPU's C kernel work in
+        place (last dim contiguous views are fine) and return the same tensors."""
         if state.fused and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype in _HALF:
             t = q.shape[0]
             flashinfer_module().rope.apply_rope_with_cos_sin_cache_inplace(
@@ -194,6 +201,10 @@ class Rotary:
             cos, sin = rope_cos_sin(state.positions, self._inv_freq_on(state.positions.device), q.dtype)
         else:
             cos, sin = state.cos, state.sin
+            if all(_cpu_rope_ok(x, cos, self.head_dim) for x in (q, k)):  # in place (Qwen3: fresh q/k-norm outputs)
+                cpu_kernels.rope_(q, q.shape[1], self.head_dim, cos, sin)
+                cpu_kernels.rope_(k, k.shape[1], self.head_dim, cos, sin)
+                return q, k
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def apply_qkv(

@@ -103,3 +103,16 @@ def test_ops_take_the_kernels_on_cpu_and_torch_without_them(monkeypatch: pytest.
     plain = ops.fused_add_rms_norm(x, res, w, 1e-6)
     assert torch.equal(fused[1], plain[1])
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-2, atol=1e-2)
+
+
+def test_rotary_apply_rotates_fresh_heads_in_place() -> None:
+    """Rotary.apply on CPU (Qwen3's path: q and k fresh from their norms) takes the C kernel, in place."""
+    t, d = 7, 32
+    rotary = ops.Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), d, 64)
+    state = rotary.prepare(torch.arange(t) + 3, torch.bfloat16)
+    q, k = _rand(t, 4, d, dtype=torch.bfloat16, seed=14), _rand(t, 2, d, dtype=torch.bfloat16, seed=15)
+    qi, ki = q.clone(), k.clone()
+    qo, ko = rotary.apply(qi, ki, state)
+    assert qo.data_ptr() == qi.data_ptr() and ko.data_ptr() == ki.data_ptr()
+    for got, x in ((qo, q), (ko, k)):
+        torch.testing.assert_close(got, ops.apply_rope(x, state.cos, state.sin), rtol=2e-2, atol=2e-2)
