@@ -88,10 +88,12 @@ def _content(msg: ChatMessage, i: int) -> str | None:
         return None if msg.tool_calls else ""
     texts = []
     for part in msg.content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise ApiError(
                 400, f"content part type {part.type!r} is not supported (text only)", f"messages[{i}].content"
             )
+        if part.text is None:
+            raise ApiError(400, f"messages[{i}].content: a text part needs its text", f"messages[{i}].content")
         texts.append(part.text)
     return "\n".join(texts)
 

@@ -69,7 +69,7 @@ def check_rid(rid: str, param: str = "rid") -> str:
 def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
     problem = params.validate(vocab_size)
     if problem is not None:
-        first = problem.split()[0]
+        first = problem.split()[0].rstrip(",:")
         raise ApiError(400, problem, param=first if first in _PARAM_NAMES else None)
 
 

@@ -212,10 +212,16 @@ def test_openai_params_mapping() -> None:
         ("stop", [""], "stop"),
         ("seed", -1, "seed"),
         ("max_new_tokens", -1, "max_tokens"),
+        ("stop", ["x"] * 17, "stop"),
+        ("stop_token_ids", [1] * 257, "stop_token_ids"),
     ],
 )
 def test_sampling_params_problems_are_400(field: str, value: object, param: str) -> None:
     _raises(400, check_params, SamplingParams(**{field: value}), param=param)
+
+
+def test_two_constraints_name_the_first() -> None:
+    _raises(400, check_params, SamplingParams(json_schema="{}", regex="a+"), param="json_schema")
 
 
 def test_max_tokens_resolution() -> None:
