@@ -416,8 +416,9 @@ class TorchAttention(AttentionBackend):
         if self._graph is not None:
             return self._graph_attend(q, layer_id, kv_pool)
         if self._cpu_plan is not None:
+            out_dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
             o = cpu_attention.attend(q, self._cpu_plan, kv_pool.k[layer_id], kv_pool.v[layer_id], kv_pool.page_size,
-                                     q.shape[-1] ** -0.5)
+                                     q.shape[-1] ** -0.5, out_dtype=out_dtype)
             return o.to(q.dtype)
         if self._invariant is not None:
             out = None

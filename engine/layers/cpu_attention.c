@@ -211,16 +211,41 @@ static void fill_keys(const char *const *rows, int dtype, int dq, float *restric
 }
 
 typedef struct {
-    const void *q;        /* [T, Hq, dq] float32 (or bf16: q_bf16), contiguous */
+    const void *q;        /* [T, Hq, dq] float32 (or bf16: q_bf16), heads adjacent, tokens q_stride apart */
+    int64_t q_stride;     /* elements between consecutive tokens' queries */
     const void *k, *v;    /* this layer's KV: row (slot, head) at (slot * heads + head) * stride */
     int64_t k_stride, v_stride;  /* elements between consecutive (slot, head) rows */
     int kv_dtype, kv_heads, q_heads, dq, dv, page_size;
     float scale;
     const int64_t *page_table;  /* [requests, pt_width] */
     int64_t pt_width;
-    float *out;           /* [T, Hq, dv] float32 */
+    void *out;            /* [T, Hq, dv] float32, or bf16 (out_bf16: each value rounded once, as torch rounds) */
     int q_bf16;           /* q is bf16 [T, Hq, dq] (scores by the tile unit), else float32 */
+    int out_bf16;
 } Args;
+
+/* query row (token, query head) of q: q_bf16 ? uint16_t : float */
+static inline const char *q_row(const Args *a, int64_t token, int head) {
+    return (const char *)a->q + ((size_t)token * a->q_stride + (size_t)head * a->dq) * (a->q_bf16 ? 2 : 4);
+}
+
+/* out row (token, query head) = o / l, in the output's dtype (bf16: rounded to nearest even; NaN stays NaN) */
+static void store_row(const Args *a, int64_t token, int head, const float *o, float l) {
+    const size_t at = ((size_t)token * a->q_heads + head) * a->dv;
+    if (!a->out_bf16) {
+        float *dst = (float *)a->out + at;
+        for (int d = 0; d < a->dv; d++) dst[d] = o[d] / l;
+        return;
+    }
+    uint16_t *dst = (uint16_t *)a->out + at;
+    for (int d = 0; d < a->dv; d++) {
+        const float x = o[d] / l;
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+        dst[d] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+    }
+}
 
 /* Row si's scores (keys 0 .. seen - 1) as exp-scores, in place, zero to the next 16; returns their
    sum. The maximum is exact in any order; the exp-scores are summed in LANES lanes by key position,
@@ -275,8 +300,7 @@ static void queries_amx(const Args *a, int row0, int h, int rows, uint16_t *qt) 
     for (int i = 0; i < (rows + 15) / 16 * 16; i++) {
         uint16_t *dst = qt + (size_t)i * dq;
         if (i < rows)
-            memcpy(dst, (const uint16_t *)a->q + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq,
-                   (size_t)dq * 2);
+            memcpy(dst, q_row(a, row0 + i / g, h * g + i % g), (size_t)dq * 2);
         else
             memset(dst, 0, (size_t)dq * 2);
     }
@@ -402,10 +426,8 @@ static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0
             STRATA_OUT(0, 0) STRATA_OUT(3, 1) STRATA_OUT(4, 2) STRATA_OUT(5, 3)
 #undef STRATA_OUT
         }
-        for (int i = 0; i < nr; i++) {
-            float *dst = a->out + ((size_t)(row0 + (r0 + i) / g) * a->q_heads + h * g + (r0 + i) % g) * dv;
-            for (int d = 0; d < dv; d++) dst[d] = o[(size_t)i * dv + d] / l[i];
-        }
+        for (int i = 0; i < nr; i++)
+            store_row(a, row0 + (r0 + i) / g, h * g + (r0 + i) % g, o + (size_t)i * dv, l[i]);
     }
 }
 
@@ -445,10 +467,9 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
         }
         fill_keys(rows_k, a->kv_dtype, dq, kt, krow);
         for (int i = 0; i < rows; i += 2) {  /* two rows at a time; an odd last row alone */
-            const float *qf = (const float *)a->q;
-            const float *q0 = qf + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dq;
+            const float *q0 = (const float *)q_row(a, row0 + i / g, h * g + i % g);
             if (i + 1 < rows)
-                scores_tile(q0, qf + ((size_t)(row0 + (i + 1) / g) * a->q_heads + h * g + (i + 1) % g) * dq, kt,
+                scores_tile(q0, (const float *)q_row(a, row0 + (i + 1) / g, h * g + (i + 1) % g), kt,
                             dq, a->scale, s + (size_t)i * width + t * CHUNK, s + (size_t)(i + 1) * width + t * CHUNK);
             else
                 score_tile(q0, kt, dq, a->scale, s + (size_t)i * width + t * CHUNK);
@@ -476,11 +497,7 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
                 value_tile(s + (size_t)i * width + t * CHUNK, vt, stop0 < n ? stop0 : n, dv, o + (size_t)i * dv);
         }
     }
-    for (int i = 0; i < rows; i++) {
-        float *dst = a->out + ((size_t)(row0 + i / g) * a->q_heads + h * g + i % g) * dv;
-        const float *oi = o + (size_t)i * dv;
-        for (int d = 0; d < dv; d++) dst[d] = oi[d] / l[i];
-    }
+    for (int i = 0; i < rows; i++) store_row(a, row0 + i / g, h * g + i % g, o + (size_t)i * dv, l[i]);
 }
 
 /* 1 where this build has the AMX path (the CPU's compiler flags), else 0 */
@@ -512,12 +529,12 @@ size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, 
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
    first) x KV heads, item = block * kv_heads + head; returns 0, or -1 if scratch fails */
-int strata_attend(const void *q, const void *k, const void *v, int64_t k_stride, int64_t v_stride, int kv_dtype,
-                  int kv_heads, int q_heads, int dq, int dv, int page_size, float scale,
-                  const int64_t *page_table, int64_t pt_width, const int32_t *blocks, int first, int last,
-                  float *out, int q_bf16) {
-    Args a = {q, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
-              page_table, pt_width, out, q_bf16};
+int strata_attend(const void *q, int64_t q_stride, const void *k, const void *v, int64_t k_stride,
+                  int64_t v_stride, int kv_dtype, int kv_heads, int q_heads, int dq, int dv, int page_size,
+                  float scale, const int64_t *page_table, int64_t pt_width, const int32_t *blocks, int first,
+                  int last, void *out, int q_bf16, int out_bf16) {
+    Args a = {q, q_stride, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
+              page_table, pt_width, out, q_bf16, out_bf16};
     if (q_bf16 && !strata_amx(dq, dv, page_size, kv_dtype)) return -2;
     float *scratch = malloc(strata_scratch(blocks, first, last, kv_heads, q_heads / kv_heads, dq, dv) * sizeof(float));
     if (!scratch) return -1;

@@ -94,10 +94,12 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
 
 
 def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size: int, scale: float,
-           dv: int | None = None) -> torch.Tensor:
+           dv: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal attention of q [T, Hq, dq] over one layer's pages k [slots, Hkv, dq] and v [slots,
-    Hkv, >= dv] (v's first dv values of each row; MLA: v is k, dv its latent rank): float32 [T, Hq,
-    dv], each row's bits whatever the plan's blocks and threads."""
+    Hkv, >= dv] (v's first dv values of each row; MLA: v is k, dv its latent rank): [T, Hq, dv] in
+    out_dtype (float32, or bf16: each value rounded once, as .to() would), each row's bits whatever
+    the plan's blocks and threads. q is read in place where its heads are adjacent (a view of the
+    fused QKV projection's output: tokens a row stride apart)."""
     lib = library()
     t, hq, dq = q.shape
     hkv = k.shape[1]
@@ -106,15 +108,18 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
         raise ValueError("cpu_attention: KV rows must be (slot, head)-major with contiguous head dims")
     # bf16 queries over bf16 keys: the scores on the AMX tiles where the CPU has them (the C file's header)
     amx = q.dtype == torch.bfloat16 and amx_applies(dq, dv, page_size, KV_DTYPES[k.dtype])
-    qx = q.contiguous() if amx else q.float().contiguous()
-    out = torch.empty(t, hq, dv, dtype=torch.float32)
+    qx = q if amx else q.float()
+    if qx.stride(2) != 1 or (hq > 1 and qx.stride(1) != dq):
+        qx = qx.contiguous()
+    out = torch.empty(t, hq, dv, dtype=out_dtype)
     if t == 0:
         return out
 
     def run(first: int, last: int) -> None:
-        rc = lib.strata_attend(qx.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
+        rc = lib.strata_attend(qx.data_ptr(), qx.stride(0), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
                                KV_DTYPES[k.dtype], hkv, hq, dq, dv, page_size, scale, p.page_table.data_ptr(),
-                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr(), int(amx))
+                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr(), int(amx),
+                               int(out_dtype == torch.bfloat16))
         if rc != 0:
             raise MemoryError("cpu_attention: no memory for the kernel's scratch")
 

@@ -206,3 +206,19 @@ def test_pages_of_64_tokens(q_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatc
     chunks = [_attend(q[s : min(200, s + 37)], table[:1], [min(200, s + 37)], [min(37, 200 - s)], k, v)
               for s in range(0, 200, 37)]
     assert torch.equal(torch.cat(chunks), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_read_in_place_and_bf16_out_are_the_same_values(dtype: torch.dtype) -> None:
+    """q as a view of a wider projection output (tokens a row stride apart, as the fused QKV gives it)
+    and the output written as bf16 by the kernel: bit for bit the contiguous q's float32 output rounded."""
+    seqs, lens = [40, 23], [40, 7]
+    k, v = _pool(16 * PS, 2, 32, dtype, 1), _pool(16 * PS, 2, 32, dtype, 2)
+    table = _table(2, 3, 16)
+    wide = torch.randn(sum(lens), 10 * 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    q = wide[:, 32 : 32 + 4 * 32].view(sum(lens), 4, 32)  # heads adjacent, rows 320 apart
+    assert not q.is_contiguous()
+    p = cpu_attention.plan(table, seqs, lens, 2, 2)
+    want = cpu_attention.attend(q.contiguous(), p, k, v, PS, 0.2)
+    assert torch.equal(cpu_attention.attend(q, p, k, v, PS, 0.2), want)
+    assert torch.equal(cpu_attention.attend(q, p, k, v, PS, 0.2, out_dtype=torch.bfloat16), want.to(torch.bfloat16))
