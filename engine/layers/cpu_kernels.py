@@ -89,6 +89,8 @@ def library() -> ctypes.CDLL | None:
     lib.strata_silu_mul.argtypes = [_P, _P, _L, _L, _I, _L, _I]
     lib.strata_rope.restype = None
     lib.strata_rope.argtypes = [_P, _P, _P, _L, _L, _L, _I, _I, _I]
+    lib.strata_scatter_rows.restype = _L
+    lib.strata_scatter_rows.argtypes = [_P, _L, _P, _P, _L, _L, _L, _L]
     return lib
 
 
@@ -182,3 +184,21 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
     lib, dt = library(), DTYPES[x.dtype]
     run_split(lambda a, b: lib.strata_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), a, b, x.stride(0), heads,
                                            head_dim, dt), _row_ranges(rows, heads * head_dim))
+
+
+def scatter_rows_(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[slots[i]] = src[i] (dst.index_copy_(0, slots, src)) for dst [S, ...] contiguous and src
+    [T, ...] of its dtype, each row's inner dims contiguous (its rows may be a stride apart: a view
+    of the QKV projection); slots int64 [T]. IndexError (nothing else written wrong) for a slot
+    outside [0, S)."""
+    rows, row_bytes = src.shape[0], dst[0].numel() * dst.element_size()
+    slots = slots.contiguous()
+    lib, bad = library(), []  # one count a range (list.append is atomic across the threads)
+
+    def run(a: int, b: int) -> None:
+        bad.append(lib.strata_scatter_rows(src.data_ptr(), src.stride(0) * src.element_size(), slots.data_ptr(),
+                                           dst.data_ptr(), row_bytes, dst.shape[0], a, b))
+
+    run_split(run, _row_ranges(rows, dst[0].numel()))
+    if sum(bad):
+        raise IndexError(f"KV store: {sum(bad)} of {rows} slots outside the pool's {dst.shape[0]}")

@@ -130,3 +130,19 @@ void strata_rope(void *x, const void *cos, const void *sin, int64_t r0, int64_t 
     if (dt) rope_rows(x, cos, sin, r0, r1, xs, heads, d, 1);
     else rope_rows(x, cos, sin, r0, r1, xs, heads, d, 0);
 }
+
+/* dst row slots[i] = src row i, for i in [r0, r1): rows of `row_bytes`, src rows src_stride bytes
+   apart (a view of the QKV projection), dst rows row_bytes apart (a KV pool layer's num_slots slots).
+   Returns how many rows had a slot outside [0, num_slots) (those are not written) */
+int64_t strata_scatter_rows(const void *src, int64_t src_stride, const int64_t *slots, void *dst, int64_t row_bytes,
+                            int64_t num_slots, int64_t r0, int64_t r1) {
+    int64_t bad = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        if (slots[r] < 0 || slots[r] >= num_slots) {
+            bad++;
+            continue;
+        }
+        memcpy((char *)dst + slots[r] * row_bytes, (const char *)src + r * src_stride, (size_t)row_bytes);
+    }
+    return bad;
+}

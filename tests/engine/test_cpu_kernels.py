@@ -116,3 +116,17 @@ def test_rotary_apply_rotates_fresh_heads_in_place() -> None:
     assert qo.data_ptr() == qi.data_ptr() and ko.data_ptr() == ki.data_ptr()
     for got, x in ((qo, q), (ko, k)):
         torch.testing.assert_close(got, ops.apply_rope(x, state.cos, state.sin), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_rows_is_index_copy_from_a_strided_view(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    qkv = _rand(300, 5 * 16, dtype=dtype, seed=16)
+    k = qkv[:, 2 * 16 : 4 * 16].view(300, 2, 16)  # heads adjacent, rows 80 apart
+    slots = torch.randperm(700, generator=torch.Generator().manual_seed(17))[:300]
+    want = torch.zeros(700, 2, 16, dtype=dtype).index_copy_(0, slots, k)
+    monkeypatch.setattr(cpu_kernels, "SPLIT_VALUES", 1)  # split between threads too
+    got = torch.zeros(700, 2, 16, dtype=dtype)
+    cpu_kernels.scatter_rows_(got, slots, k)
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="1 of 300 slots"):
+        cpu_kernels.scatter_rows_(got, torch.cat([slots[:299], torch.tensor([700])]), k)
