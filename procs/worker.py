@@ -121,11 +121,11 @@ def l3_ready_fields(cfg: ServerConfig, runner: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers,
                               "kv_components": len(runner.kv_layout.components)}
     if cfg.l3_dir and cfg.enable_hierarchical_cache:
-        from engine.run.fingerprint import worker_fingerprint
+        from engine.run.fingerprint import arithmetic_identity, worker_fingerprint
 
         fields["l3_fingerprint"] = worker_fingerprint(
             cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers,
-            runner.kv_layout.describe(runner.kv_dtype),
+            runner.kv_layout.describe(runner.kv_dtype), arithmetic_identity(runner.deterministic, runner.device),
         )
     return fields
 

@@ -49,7 +49,7 @@ SPLIT_VALUES = 1 << 19  # a call splits its rows between threads from this many 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-def _cpu_id() -> str:
+def cpu_identity() -> str:
     """What -march=native compiles for: the CPU's model and flags."""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -66,7 +66,7 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
         key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), " ".join(cc + list(FLAGS)).encode(),
-                                         version.encode(), _cpu_id().encode()]))
+                                         version.encode(), cpu_identity().encode()]))
         out = env().cache_dir / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         if not out.exists():
             _build(cc, out)

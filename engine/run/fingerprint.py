@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.cache.l3 import model_fingerprint
+from engine.layers import cpu_kernels
 from models.loader import weights_identity
 
 
+def arithmetic_identity(deterministic: bool, device: torch.device) -> str:
+    """What decides a page's bits beyond the model: a deterministic engine's KV is a function of
+    its kernels, which the device picks (a CPU's ISA and whether our C kernels built; a GPU's
+    model), so it shares pages only with engines of the same; a non-deterministic engine's KV
+    moves with its batches anyway, and it shares with any other such engine."""
+    if not deterministic:
+        return "nondeterministic"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"deterministic/cuda/{torch.cuda.get_device_name(device)}/sm{major}{minor}"
+    cpu = hashlib.sha256(cpu_kernels.cpu_identity().encode()).hexdigest()[:16]
+    return f"deterministic/{device.type}/{cpu}/c-kernels:{cpu_kernels.library() is not None}"
+
+
 def worker_fingerprint(
-    cfg: Any, dtype: Any, kv_dtype: Any, page_bytes: int, num_layers: int, kv_layout: str = ""
+    cfg: Any, dtype: Any, kv_dtype: Any, page_bytes: int, num_layers: int, kv_layout: str = "", arithmetic: str = ""
 ) -> bytes:
     """config.json, the weights' identity (models/loader.py), dtypes and layout (the page's
-    bytes and layers, and the model's declared KV layout: `KVLayout.describe`)."""
+    bytes and layers, and the model's declared KV layout: `KVLayout.describe`), and the
+    arithmetic that wrote it (`arithmetic_identity`)."""
     config = Path(cfg.model, "config.json").read_bytes()
     weights = weights_identity(cfg.model, cfg.load_format) + b"\0quantization:" + cfg.quantization.encode()
     return model_fingerprint(config, weights, str(dtype), str(kv_dtype), cfg.page_size, cfg.tp_size,
-                             page_bytes, num_layers, kv_layout)
+                             page_bytes, num_layers, kv_layout + "\0" + arithmetic)

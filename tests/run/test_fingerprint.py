@@ -1,0 +1,22 @@
+"""engine/run/fingerprint.py: the L3 fingerprint names the arithmetic that wrote a page, so a
+deterministic engine never serves pages a non-deterministic one (or another CPU's kernels) wrote:
+its answers from L3 stay its recompute's, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ServerConfig
+from engine.run.fingerprint import arithmetic_identity, worker_fingerprint
+from models.default_model import ensure_default_model
+
+
+def test_the_arithmetic_is_part_of_the_fingerprint() -> None:
+    cpu = torch.device("cpu")
+    det, nondet = arithmetic_identity(True, cpu), arithmetic_identity(False, cpu)
+    assert det != nondet and det == arithmetic_identity(True, cpu)
+    assert nondet == "nondeterministic"  # shared by every non-deterministic engine
+    cfg = ServerConfig(model=str(ensure_default_model()), device="cpu")
+    args = (cfg, torch.bfloat16, torch.bfloat16, 3 * 64 * 16 * 2 * 2 * 30, 30, "k:3x64,v:3x64")
+    assert worker_fingerprint(*args, arithmetic=det) == worker_fingerprint(*args, arithmetic=det)
+    assert worker_fingerprint(*args, arithmetic=det) != worker_fingerprint(*args, arithmetic=nondet)
