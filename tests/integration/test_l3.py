@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import Server, start_servers, stop_server
+from tests.integration.conftest import Server, start_server, start_servers, stop_server
 
 ARGS = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "2",
         "--max-prefill-tokens", "256", "--max-running-requests", "4", "--dtype", "bfloat16",
@@ -125,3 +125,23 @@ def test_a_corrupt_file_is_detected_and_the_answer_is_unchanged(engines: tuple[S
     m = _eventually(b, "strata_l3_corrupt_files_total", corrupt_before + 1)
     assert not victim.exists() or victim.read_bytes() != bytes(data)  # removed (then written anew, whole)
     assert m["strata_kv_leak_free"] == 1
+
+
+def test_a_deterministic_engine_does_not_serve_another_arithmetics_pages(engines: tuple[Server, Server, Path],
+                                                                          tmp_path: Path) -> None:
+    """A non-deterministic engine on the same directory writes its pages under another fingerprint:
+    the deterministic engines neither serve them nor lose their own (an audit found a deterministic
+    engine answering from a non-deterministic one's pages, its logprobs off its own recompute's)."""
+    a, _, l3_dir = engines
+    other = start_server(tmp_path, *ARGS[:-1], "--disable-deterministic-inference", "--l3-dir", str(l3_dir))
+    try:
+        prompt = [random.Random(9).randrange(200, 20000) for _ in range(PROMPT)]
+        hits = a.wait_idle()['strata_cache_hit_tokens_total{tier="l3"}']
+        before = _writes(other)
+        _generate(other, prompt)
+        _written(other, before + PAGES)
+        _, cached, _ = _generate(a, prompt)
+        assert cached == 0  # not from the other engine's files: computed
+        assert a.wait_idle()['strata_cache_hit_tokens_total{tier="l3"}'] == hits
+    finally:
+        assert stop_server(other) == 0
