@@ -188,6 +188,8 @@ class L3Dir:
         }
         self.root.mkdir(parents=True, exist_ok=True)
         self.scan()
+        if self.stats["bytes"] > self.cap:  # a directory left larger than this engine's --l3-size
+            self.enforce_cap()
 
     def path(self, key: bytes) -> Path:
         return key_path(self.root, key)

@@ -131,6 +131,8 @@ def test_the_size_cap_removes_the_oldest_files(tmp_path: Path) -> None:
     left = {k for k in keys[:5] if d.path(k).exists()}
     assert left == {keys[0], keys[2], keys[3], keys[4]}
     assert d.stats["files"] == 4 and d.stats["bytes"] == 4 * size
+    smaller = _dir(tmp_path, cap=int(2.5 * size))  # an engine with a smaller cap: applied at start
+    assert smaller.stats["files"] == 2 and {k for k in keys[:5] if d.path(k).exists()} == {keys[0], keys[4]}
 
 
 def test_probe_counts_the_consecutive_files(tmp_path: Path) -> None:
