@@ -41,6 +41,7 @@ class Request:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     tier: str = "none"
+    tier_tokens: tuple[int, int] | None = None  # (l2, l3) of its cached tokens: the scheduler's `admitted`
 
 
 @dataclass
@@ -120,6 +121,8 @@ def _apply(req: Request, rec: Record, t: float) -> None:
         req.received = t
     elif proc == "scheduler" and event == "request" and req.queued is None:
         req.queued = t
+    elif proc == "scheduler" and event == "admitted" and req.tier_tokens is None:
+        req.tier_tokens = (int(rec.get("l2_tokens") or 0), int(rec.get("l3_tokens") or 0))
     elif proc == "tokenizer" and event == "request finished":
         req.done = t
         req.ttft = rec.get("ttft")
@@ -135,7 +138,11 @@ def _finish(req: Request, has_l2: bool) -> None:
         req.e2e = req.done - start
         if req.ttft is not None:
             req.first_token = start + req.ttft
-    if req.cached_tokens:
+    if req.cached_tokens and req.tier_tokens is not None:  # each tier its cached tokens came from
+        l2, l3 = req.tier_tokens
+        parts = (("l1", req.cached_tokens - l2 - l3), ("l2", l2), ("l3", l3))
+        req.tier = "+".join(name for name, n in parts if n > 0) or "l1"
+    elif req.cached_tokens:  # (logs of a server that did not say)
         req.tier = "l1+l2" if has_l2 else "l1"
 
 
@@ -453,8 +460,9 @@ def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str
     notes = []
     if any(r.ttft is None for r in reqs):
         notes.append("some 'request finished' lines carry no ttft (logs from an older server)")
+    if has_l2 and any(r.cached_tokens and r.tier_tokens is None for r in reqs):
+        notes.append("per-request L1/L2/L3 split not logged (older server): those cached requests show as tier 'l1+l2'")
     if has_l2:
-        notes.append("per-request L1/L2/L3 split is not logged: cached requests show as tier 'l1+l2'")
         if not copies(records):
             notes.append("no 'host copies' lines in the worker logs (older server or no worker log): no copy counts")
         if l3_activity(records).get("loads") and not _l3_writes([r for r in records if r["event"] == L3_WRITES_EVENT]):

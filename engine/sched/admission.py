@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
+import structlog
 
 from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.request import Req, Status
@@ -16,6 +17,8 @@ from msgs.codec import pack_ids, unpack_ids
 from msgs.params import PROMPT_SCORE_CHUNK, Grammar
 from msgs.requests import TokenizedRequest
 from msgs.steps import AddReq, ExtendPages, Op, WorkerSampling
+
+log = structlog.get_logger()
 
 INTERNED_GRAMMARS = 256  # distinct grammars whose data waiting requests share (by key)
 
@@ -119,9 +122,13 @@ class Admission:
         if not req.admitted_once:
             req.admitted_once, req.cached_tokens = True, req.kv_len
             s.cache_hit_tokens += req.kv_len
+            l2 = l3 = 0
             if s.tiers is not None:  # by tier: what L2/L3 loaded for it and it still uses
                 l3 = min(req.hit_l3, req.kv_len)
-                s.tiers.count_hits(min(req.hit_l2, req.kv_len - l3), l3)
+                l2 = min(req.hit_l2, req.kv_len - l3)
+                s.tiers.count_hits(l2, l3)
+            if req.kv_len:  # bin/analyze's TTFT by tier reads it
+                log.info("admitted", rid=req.rid, cached_tokens=req.kv_len, l2_tokens=l2, l3_tokens=l3)
         req.slot = heapq.heappop(s.free_slots)
         req.status = Status.RUNNING
         s.running.append(req)

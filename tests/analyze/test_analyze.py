@@ -125,7 +125,9 @@ def _tier_logs(d: Path) -> None:
 def test_real_logs_with_tiers(tier_logdir: Path, tmp_path: Path) -> None:
     rep = analyze(tier_logdir)
     assert rep.summary["count"] == 5 and rep.errors == []
-    assert [r.tier for r in rep.requests] == ["none", "l1+l2", "none", "l1+l2", "l1+l2"]
+    # the scheduler's `admitted` lines: each cached request's tokens by the tier they came from
+    assert [r.tier for r in rep.requests] == ["none", "l1", "none", "l2", "l3"]
+    assert set(rep.ttft_by_tier) == {"none", "l1", "l2", "l3"}
     total = rep.copies["total"]
     assert total["backups"] >= 2 and total["load_backs"] >= 2  # from L2, and from L3 through L2
     assert total["bytes_out"] > 0 and total["backup_gbps"] > 0 and total["load_back_gbps"] > 0
