@@ -228,6 +228,8 @@ class SchedulerLoop:
                 return
             self.flushes.popleft()
             log.info("flush cache", done=problem is None, problem=problem)
+            if problem is None:  # the emptied pool's gauges before the answer (same socket, in order)
+                self._send_stats(force=True)
             self.ports.outputs.send(FlushDone(id=fid, ok=problem is None, message=problem or ""))
             self.stats_dirty = True
 
