@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_math.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -28,13 +30,6 @@
 #define CHUNK 64   /* keys per tile: scores are vectorised over a tile's keys */
 #define LANES 16   /* partial sums of the exp-scores */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* row `src` (n values of dtype 0 = float32, 1 = bfloat16) as float32 into dst */
 static inline void load_row(const void *src, int dtype, int n, float *dst) {
     if (dtype == 0) {
@@ -45,23 +40,10 @@ static inline void load_row(const void *src, int dtype, int n, float *dst) {
     }
 }
 
-/* exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction and a degree-6
-   polynomial (about 1 ulp), branch-free so that it vectorises; below -87.3 it is 0 */
+/* exp(x) for x <= 0 (a score minus its row's maximum); below -87.3 it is 0 */
 static inline float exp_neg(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    const float xc = x < -87.3f ? -87.3f : x;
-    const float n = floorf(fmaf(xc, log2e, 0.5f));
-    float r = fmaf(n, -ln2_hi, xc);
-    r = fmaf(n, -ln2_lo, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r) + 1.0f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return x < -87.3f ? 0.0f : p * two_n.f;
+    const float e = exp_in_range(x < -87.3f ? -87.3f : x);
+    return x < -87.3f ? 0.0f : e;
 }
 
 /* Two rows' scores against a tile of keys kt [dq, CHUNK] (transposed): out[j] = scale * sum_d
@@ -238,13 +220,7 @@ static void store_row(const Args *a, int64_t token, int head, const float *o, fl
         return;
     }
     uint16_t *dst = (uint16_t *)a->out + at;
-    for (int d = 0; d < a->dv; d++) {
-        const float x = o[d] / l;
-        uint32_t u;
-        memcpy(&u, &x, 4);
-        const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-        dst[d] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
-    }
+    for (int d = 0; d < a->dv; d++) dst[d] = f32_to_bf16(o[d] / l);
 }
 
 /* Row si's scores (keys 0 .. seen - 1) as exp-scores, in place, zero to the next 16; returns their
@@ -344,12 +320,6 @@ static void values_vnni(const Args *a, const int64_t *pt, int h, int keys, uint3
     }
 }
 
-static inline uint16_t bf16_rne(float x) {  /* x finite */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Row si's probabilities (zero past `seen`, to n) rewritten in place as bf16 [hi | lo] (width each):
    hi the upper half of each, lo the rest rounded (P = hi + lo to 2^-16 of P) */
 static void split_row(float *si, int seen, int n, int width, float *tmp) {
@@ -363,7 +333,7 @@ static void split_row(float *si, int seen, int n, int width, float *tmp) {
         float ph;
         memcpy(&ph, &u, 4);
         hi[j] = (uint16_t)(u >> 16);
-        lo[j] = bf16_rne(p - ph);  /* p - ph is exact */
+        lo[j] = f32_to_bf16(p - ph);  /* p - ph is exact */
     }
 }
 

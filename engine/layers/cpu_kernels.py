@@ -37,6 +37,7 @@ from engine.env import env
 log = structlog.get_logger()
 
 SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_ops.c"))
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # part of the build's key too
 # -ffp-contract=off: FMAs only where the code says fmaf; -fno-math-errno and -fno-trapping-math let
 # floorf and the float-int conversions of its exp vectorize (no result changes); 512-bit vectors where
 # the CPU has them (an 8k-token prefill, a layer: 853 -> 747 ms)
@@ -65,7 +66,7 @@ def library() -> ctypes.CDLL | None:
     cc = shlex.split(os.environ.get("CC", "cc"))  # the build's compiler, read once (functools.cache)
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES), " ".join(cc + list(FLAGS)).encode(),
+        key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(cc + list(FLAGS)).encode(),
                                          version.encode(), cpu_identity().encode()]))
         out = env().cache_dir / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         if not out.exists():

@@ -10,49 +10,22 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define LANES 16
-
-static inline float bf16_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_bf16(float x) {  /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
 
 /* dtype 0: float32, 1: bfloat16; constant-folded where the callers pass a literal */
 static inline float ld(const void *p, int64_t i, int dt) {
-    return dt ? bf16_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return dt ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 static inline void st(void *p, int64_t i, float v, int dt) {
-    if (dt) ((uint16_t *)p)[i] = f32_bf16(v);
+    if (dt) ((uint16_t *)p)[i] = f32_to_bf16(v);
     else ((float *)p)[i] = v;
 }
-static inline float rd(float v, int dt) { return dt ? bf16_f32(f32_bf16(v)) : v; }  /* rounded to dtype */
+static inline float rd(float v, int dt) { return dt ? bf16_to_f32(f32_to_bf16(v)) : v; }  /* rounded to dtype */
 
-/* exp(x), Cody-Waite reduction and a degree-6 polynomial (about 1 ulp), branch-free; x clamped to
-   [-87.3, 88.7] (exp(-87.3) ~ 1e-38 stands for 0 where it is added to 1) */
-static inline float exp_clamped(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    const float xc = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    const float n = floorf(fmaf(xc, log2e, 0.5f));
-    float r = fmaf(n, -ln2_hi, xc);
-    r = fmaf(n, -ln2_lo, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r) + 1.0f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
+static inline float exp_clamped(float x) {  /* exp(-87.3) ~ 1e-38 stands for 0 where it is added to 1 */
+    return exp_in_range(x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x));
 }
 
 static inline void add_rms_norm_rows(const void *x, const void *res, const void *w, void *out, void *sum,
