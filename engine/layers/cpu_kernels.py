@@ -66,8 +66,9 @@ def library() -> ctypes.CDLL | None:
     cc = shlex.split(os.environ.get("CC", "cc"))  # the build's compiler, read once (functools.cache)
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(cc + list(FLAGS)).encode(),
-                                         version.encode(), cpu_identity().encode()]))
+        texts = [f.read_bytes() for f in SOURCES + HEADERS]
+        key = hashlib.sha256(b"\0".join([*texts, " ".join(cc + list(FLAGS)).encode(), version.encode(),
+                                         cpu_identity().encode()]))
         out = env().cache_dir / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         if not out.exists():
             _build(cc, out)
