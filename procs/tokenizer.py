@@ -2,21 +2,224 @@
 
     python -m procs.tokenizer --config PATH_TO_CONFIG_JSON
 
-A thin shell: parse arguments, set up logging, run engine.serve.server on uvloop.
+This file owns the process's sockets (the HTTP listener, the SDK's ROUTER, `requests` and
+`outputs` to the scheduler, `control` and `notices` with the supervisor) and its one event
+loop; what runs on them is engine/serve (Frontend, the HTTP app, the SDK loop). Startup
+problems (missing model dir, port in use, a socket that will not bind) are reported to the
+supervisor as Fatal with a message a person can act on; once HTTP listens, Ready carries the
+http and sdk addresses. SIGTERM/SIGINT stop uvicorn gracefully and return 0.
+
+When another process dies, the supervisor sends ProcessDied on the notices socket: every
+in-flight request is failed with a 503 naming that process, new ones are refused, and
+`Flushed` tells the supervisor it may tear down (uvicorn's graceful shutdown then lets the
+error responses finish).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
+import signal
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import structlog
+import uvicorn
 import uvloop
+import zmq
+import zmq.asyncio
 
 from engine.config import ServerConfig
 from engine.logs import setup_logging
-from engine.serve.server import run
+from engine.serve.frontend import Frontend
+from engine.serve.http import build_app
+from engine.serve.sdk_server import SdkServer
+from engine.serve.state import ServeState
+from engine.tokenizer import load_tokenizer
+from msgs.channels import (
+    CONTROL,
+    NOTICES,
+    OUTPUTS,
+    REQUESTS,
+    SDK_IN,
+    SDK_OUT,
+    AsyncReceiver,
+    AsyncSender,
+    open_async_receiver,
+    open_async_sender,
+)
+from msgs.control import Fatal, Flushed, ProcessDied, Ready, ToSupervisor, ToTokenizerControl
+from msgs.outputs import ToTokenizer
+from msgs.requests import ToScheduler
+
+log = structlog.get_logger()
+PROC = "tokenizer"
+GRACEFUL_SHUTDOWN_S = 5
+FLUSH_TIMEOUT_S = 0.8  # under the supervisor's 1 s wait, so Flushed arrives in time
+FLUSH_SETTLE_S = 0.05  # lets woken handlers write their error before we report Flushed
+
+
+class StartupError(Exception):
+    """A reason the process cannot start, worded for the person running the server."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: its handler re-raises the signal after
+    shutdown, which would kill us before our cleanup. We install our own instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port ourselves, so 'port in use' is a clear error, not a sys.exit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(
+            f"cannot listen on http://{host}:{port}: {exc.strerror or exc} (is the port in use?)"
+        ) from exc
+    sock.setblocking(False)
+    return sock
+
+
+def _bind(sock: zmq.asyncio.Socket, addr: str, what: str) -> None:
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot bind the {what} socket at {addr}: {exc} (is the port in use?)") from exc
+
+
+class TokenizerProcess:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context()
+        self.control: AsyncSender[ToSupervisor] | None = None
+
+    def start(self) -> tuple[ServeState, socket.socket]:
+        """Everything that can fail at startup, in order; raises StartupError."""
+        cfg = self.cfg
+        if not cfg.run_dir:
+            raise StartupError("run_dir is not set: the supervisor must give a private directory for ipc sockets")
+        run_dir = cfg.run_dir
+        # Ready/Fatal must get out before we exit
+        self.control = open_async_sender(self.ctx, CONTROL, PROC, run_dir, linger_ms=5000)
+        self.notices: AsyncReceiver[ToTokenizerControl] = open_async_receiver(self.ctx, NOTICES, PROC, run_dir)
+        try:
+            tok = load_tokenizer(cfg.model, cfg.chat_template)
+        except Exception as exc:  # noqa: BLE001 - any loading failure is fatal, with its reason
+            raise StartupError(f"cannot load the tokenizer from {cfg.model!r}: {exc}") from exc
+        if tok is None:
+            log.warning("no tokenizer files in the model directory: ids-only mode", model=cfg.model)
+        # TCP ports first: they are what another server may hold. Binding an ipc path
+        # replaces whoever had it, so that only happens once nothing else can fail.
+        http_sock = listen_socket(cfg.host, cfg.port)
+        self.sdk = self.ctx.socket(zmq.ROUTER)
+        self.sdk.setsockopt(zmq.RCVHWM, SDK_IN.hwm)
+        self.sdk.setsockopt(zmq.SNDHWM, SDK_OUT.hwm)
+        # a send to a client that is gone fails (EHOSTUNREACH) instead of vanishing: its requests
+        # are aborted (engine/serve/sdk_server.py); one whose queue is full waits instead of losing chunks
+        self.sdk.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if ":" in cfg.host:
+            self.sdk.setsockopt(zmq.IPV6, 1)
+        _bind(self.sdk, cfg.sdk_addr, "SDK")
+        self.to_sched: AsyncSender[ToScheduler] = open_async_sender(self.ctx, REQUESTS, PROC, run_dir)
+        try:
+            self.from_sched: AsyncReceiver[ToTokenizer] = open_async_receiver(self.ctx, OUTPUTS, PROC, run_dir)
+        except zmq.ZMQError as exc:
+            raise StartupError(f"cannot bind the scheduler output socket in {run_dir}: {exc}") from exc
+        return ServeState(cfg=cfg, tok=tok, frontend=Frontend()), http_sock
+
+    async def fatal(self, reason: str) -> None:
+        log.error("startup failed", reason=reason)
+        with contextlib.suppress(zmq.ZMQError, TimeoutError):  # no supervisor listening: still exit
+            if self.control is not None:
+                await asyncio.wait_for(self.control.send(Fatal(proc=PROC, reason=reason)), 5)
+
+    async def serve(self, state: ServeState, http_sock: socket.socket) -> int:
+        cfg = self.cfg
+        config = uvicorn.Config(
+            build_app(state),
+            log_config=None,  # keep our structlog setup
+            access_log=False,
+            lifespan="off",
+            ws="none",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        server = _Server(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        tasks = {
+            asyncio.create_task(state.frontend.run_sender(self.to_sched), name="sender"),
+            asyncio.create_task(state.frontend.run_receiver(self.from_sched), name="receiver"),
+            asyncio.create_task(SdkServer(state, self.sdk).run(), name="sdk"),
+            asyncio.create_task(self.watch_supervisor(state.frontend), name="notices"),
+        }
+        http = asyncio.create_task(server.serve(sockets=[http_sock]), name="http")
+        try:
+            while not server.started:
+                if http.done():
+                    await self.fatal(f"the HTTP server stopped during startup: {http.exception()!r}")
+                    return 1
+                await asyncio.sleep(0.01)
+            info = {"http": f"http://{cfg.host}:{cfg.port}", "sdk": cfg.sdk_addr}
+            await self.control.send(Ready(proc=PROC, info=info))
+            log.info("tokenizer ready", **info, model=cfg.model_name, ids_only=state.tok is None)
+            done, _ = await asyncio.wait({http, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+            return self._exit_code(done, http)
+        finally:
+            for task in (http, *tasks):
+                task.cancel()
+            await asyncio.gather(http, *tasks, return_exceptions=True)
+
+    async def watch_supervisor(self, frontend: Frontend) -> None:
+        """On ProcessDied: fail every request, wait until their consumers have seen it,
+        then report Flushed so the supervisor tears down only after clients were told."""
+        while True:
+            msg = await self.notices.recv()
+            if not isinstance(msg, ProcessDied):
+                continue
+            failed = frontend.process_died(msg.proc, msg.reason)
+            if not await frontend.drained(FLUSH_TIMEOUT_S):
+                log.warning("requests still in flight after a process died", left=frontend.num_in_flight)
+            await asyncio.sleep(FLUSH_SETTLE_S)
+            await self.control.send(Flushed(proc=PROC, requests=failed))
+
+    @staticmethod
+    def _exit_code(done: set[asyncio.Task[None]], http: asyncio.Task[None]) -> int:
+        for task in done:
+            if task is not http or task.exception() is not None:
+                log.error("task ended unexpectedly", task=task.get_name(), error=repr(task.exception()))
+                return 1
+        log.info("tokenizer stopped")
+        return 0
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=1000)
+
+
+async def run(cfg: ServerConfig) -> int:
+    """Run the tokenizer process until signalled; the exit status."""
+    proc = TokenizerProcess(cfg)
+    try:
+        try:
+            state, http_sock = proc.start()
+        except StartupError as exc:
+            await proc.fatal(str(exc))
+            return 1
+        return await proc.serve(state, http_sock)
+    finally:
+        proc.close()
 
 
 def main(argv: list[str] | None = None) -> int:
