@@ -12,14 +12,13 @@ import sys
 import time
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.config import ServerConfig
 from msgs.channels import BACKUPS, CONTROL, DONE, STEPS, Receiver, open_receiver, open_sender
 from msgs.control import Fatal, Ready
-from msgs.done import WorkerFailed, WorkerReady
+from msgs.done import WorkerFailed
 from procs.child import start_child
 
 
@@ -35,6 +34,7 @@ def main() -> int:
     done = open_sender(ctx, DONE, "worker", cfg.run_dir, linger_ms=1000, net=net)
     pipeline = None
     try:
+        from engine.run.fingerprint import WithL3Identity, l3_ready_fields
         from engine.run.pipeline import WorkerPipeline  # heavy imports after sockets: fail fast on bad config
         from engine.run.runner import ModelRunner
 
@@ -113,33 +113,6 @@ class WatchedSteps:
 
     def recv(self) -> Any:
         return self.inner.recv()
-
-
-def l3_ready_fields(cfg: ServerConfig, runner: Any) -> dict[str, Any]:
-    """What the scheduler needs of this rank for the disk tier: the page layout's layers and,
-    with --l3-dir, the model fingerprint (the worker knows the weights)."""
-    fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers,
-                              "kv_components": len(runner.kv_layout.components)}
-    if cfg.l3_dir and cfg.enable_hierarchical_cache:
-        from engine.run.fingerprint import arithmetic_identity, worker_fingerprint
-
-        fields["l3_fingerprint"] = worker_fingerprint(
-            cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers,
-            runner.kv_layout.describe(runner.kv_dtype), arithmetic_identity(runner.deterministic, runner.device),
-        )
-    return fields
-
-
-class WithL3Identity:
-    """The worker's `done` outbox, with the L3 fields filled into its WorkerReady."""
-
-    def __init__(self, done: Any, fields: dict[str, Any]) -> None:
-        self.done, self.fields = done, fields
-
-    def send(self, msg: Any) -> None:
-        if isinstance(msg, WorkerReady):
-            msg = msgspec.structs.replace(msg, **self.fields)
-        self.done.send(msg)
 
 
 def _with_backups(cfg: ServerConfig, ctx: zmq.Context, done: Any, runner: Any, rank: int) -> Any:

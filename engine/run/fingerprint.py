@@ -1,4 +1,5 @@
-"""The model fingerprint a worker reports for the L3 disk tier (it knows the weights)."""
+"""The model fingerprint a worker reports for the L3 disk tier (it knows the weights), and the
+WorkerReady fields that carry it."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from engine.cache.l3 import model_fingerprint
 from engine.layers import cpu_kernels
 from models.loader import weights_identity
+from msgs.done import WorkerReady
 
 
 def arithmetic_identity(deterministic: bool, device: torch.device) -> str:
@@ -37,3 +40,28 @@ def worker_fingerprint(
     weights = weights_identity(cfg.model, cfg.load_format) + b"\0quantization:" + cfg.quantization.encode()
     return model_fingerprint(config, weights, str(dtype), str(kv_dtype), cfg.page_size, cfg.tp_size,
                              page_bytes, num_layers, kv_layout + "\0" + arithmetic)
+
+
+def l3_ready_fields(cfg: Any, runner: Any) -> dict[str, Any]:
+    """What the scheduler needs of this rank for the disk tier: the page layout's layers and,
+    with --l3-dir, the model fingerprint (the worker knows the weights)."""
+    fields: dict[str, Any] = {"num_layers": runner.mcfg.num_layers,
+                              "kv_components": len(runner.kv_layout.components)}
+    if cfg.l3_dir and cfg.enable_hierarchical_cache:
+        fields["l3_fingerprint"] = worker_fingerprint(
+            cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers,
+            runner.kv_layout.describe(runner.kv_dtype), arithmetic_identity(runner.deterministic, runner.device),
+        )
+    return fields
+
+
+class WithL3Identity:
+    """The worker's `done` outbox, with the L3 fields filled into its WorkerReady."""
+
+    def __init__(self, done: Any, fields: dict[str, Any]) -> None:
+        self.done, self.fields = done, fields
+
+    def send(self, msg: Any) -> None:
+        if isinstance(msg, WorkerReady):
+            msg = msgspec.structs.replace(msg, **self.fields)
+        self.done.send(msg)

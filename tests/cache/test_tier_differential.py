@@ -45,7 +45,7 @@ class Engine:
     stepped like the served engine (two steps in flight), digests checked every step."""
 
     def __init__(self, cfg: ServerConfig) -> None:
-        from procs.worker import l3_ready_fields
+        from engine.run.fingerprint import l3_ready_fields
 
         self.runner = ModelRunner(cfg)
         ready = msgspec.structs.replace(self.runner.ready_msg(), **l3_ready_fields(cfg, self.runner))
