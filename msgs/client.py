@@ -39,6 +39,13 @@ class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None  # per prompt token 1.., with prompt_logprobs
 
 
+class KeepAlive(msgspec.Struct, tag=True, frozen=True):
+    """Sent about once a second while a non-streamed request runs: a send to a client that is gone
+    fails, so the server learns of it and aborts the request. Clients skip it."""
+
+    rid: str
+
+
 class GenerateError(msgspec.Struct, tag=True, frozen=True):
     rid: str
     status: int
@@ -46,4 +53,4 @@ class GenerateError(msgspec.Struct, tag=True, frozen=True):
 
 
 ToServer = GenerateRequest | AbortGenerate
-FromServer = GenerateChunk | GenerateError
+FromServer = GenerateChunk | GenerateError | KeepAlive

@@ -47,9 +47,10 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
 
 
 def _check(msg: FromServer | None) -> GenerateChunk | None:
+    """The chunk; None for a KeepAlive or a malformed frame (skipped); raises a GenerateError."""
     if isinstance(msg, GenerateError):
         raise StrataError(msg.status, msg.message)
-    return msg
+    return msg if isinstance(msg, GenerateChunk) else None
 
 
 class Client:
@@ -131,8 +132,8 @@ class AsyncClient:
         req = _request(prompt, False, rid, params)
         try:
             queue = await self._open(req)
-            chunk = _check(await queue.get())
-            assert chunk is not None
+            while (chunk := _check(await queue.get())) is None:  # keep-alives
+                pass
             return chunk
         except asyncio.CancelledError:
             self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=req.rid)))  # fire and forget
@@ -149,7 +150,8 @@ class AsyncClient:
             queue = await self._open(req)
             while not finished:
                 chunk = _check(await queue.get())
-                assert chunk is not None
+                if chunk is None:
+                    continue
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

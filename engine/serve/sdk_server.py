@@ -5,8 +5,8 @@ GenerateChunk deltas (stream) or one final chunk, or a GenerateError with the sa
 the HTTP API would give. AbortGenerate cancels the task, which aborts the scheduler
 request through Generation.close(). A request belongs to the connection (ROUTER identity)
 that sent it: only that connection can abort it. A connection that closes takes its requests
-with it: the ROUTER refuses a send to it (ROUTER_MANDATORY), and every request it owns is aborted.
-(A non-streamed request learns that only at its answer: it runs to its end or max_new_tokens.)
+with it: the ROUTER refuses a send to it (ROUTER_MANDATORY), and every request it owns is aborted
+(a streamed one at its next chunk, a non-streamed one at its next KeepAlive, about a second).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from engine.serve.native import prepare
 from engine.serve.state import ServeState
 from engine.serve.validate import SubRequest, check_rid
 from msgs.channels import SDK_IN, SDK_OUT
-from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest
+from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, KeepAlive
 
 log = structlog.get_logger()
+KEEPALIVE_S = 1.0  # a non-streamed request's keep-alive period: how soon a dead client is noticed
 
 
 class ClientGone(Exception):
@@ -125,7 +126,15 @@ class SdkServer:
                 await self._send(ident, _chunk(rid, d))
 
     async def _whole(self, ident: bytes, rid: str, gen: Generation) -> None:
-        (c,) = await collect(gen)
+        """The whole result in one chunk; a KeepAlive every KEEPALIVE_S meanwhile, whose send
+        fails (ClientGone) once the client's connection is closed."""
+        task = asyncio.ensure_future(collect(gen))
+        try:
+            while not (await asyncio.wait({task}, timeout=KEEPALIVE_S))[0]:
+                await self._send(ident, KeepAlive(rid))
+        finally:
+            task.cancel()  # (a no-op once it is done)
+        (c,) = task.result()
         await self._send(ident, _chunk(rid, c))
 
 

@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from msgs.channels import SDK_IN, SDK_OUT
+from msgs.client import KeepAlive
 from msgs.params import SamplingParams
 from msgs.sdk import AsyncClient, Client, GenerateRequest, StrataError
 from tests.integration.conftest import Server
@@ -63,13 +64,34 @@ def test_a_closed_sdk_connection_aborts_its_streams(server: Server) -> None:
     params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
     for rid in ("gone-1", "gone-2"):
         sock.send(SDK_IN.codec.encode(GenerateRequest(rid=rid, params=params, text="Count:", stream=True)))
-    for _ in range(4):
-        SDK_OUT.codec.decode(sock.recv())
+    sock.send(SDK_IN.codec.encode(GenerateRequest(rid="gone-3", params=params, text="Count:")))  # not streamed
+    for _ in range(3000):  # the streams' chunks, until the non-streamed request's first keep-alive (~1 s)
+        m = SDK_OUT.codec.decode(sock.recv())
+        if isinstance(m, KeepAlive) and m.rid == "gone-3":
+            break
+    else:
+        raise AssertionError("no keep-alive for the non-streamed request")
     sock.close(0)
     before = server.metrics()["strata_generation_tokens_total"]
-    m = server.wait_idle(timeout=120)  # 2 x 3000 tokens take minutes on 2 cores: aborted long before
+    m = server.wait_idle(timeout=120)  # 3 x 3000 tokens take minutes on 2 cores: aborted long before
     assert m["strata_generation_tokens_total"] - before < 2000
     assert m["strata_kv_leak_free"] == 1
+
+
+def test_keep_alives_are_skipped_by_both_clients(server: Server) -> None:
+    """A non-streamed request of more than a second gets keep-alives before its answer: the clients
+    return the answer."""
+    with Client(server.sdk) as c:
+        assert len(c.generate("Count:", max_new_tokens=120, ignore_eos=True).token_ids) == 120
+
+    async def main() -> int:
+        c = AsyncClient(server.sdk)
+        try:
+            return len((await c.generate("Count:", max_new_tokens=120, ignore_eos=True)).token_ids)
+        finally:
+            c.close()
+
+    assert asyncio.run(main()) == 120
 
 
 def test_async_sdk_concurrent(server: Server) -> None:
