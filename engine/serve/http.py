@@ -141,9 +141,9 @@ async def read_body(request: Request) -> bytes:
 
 
 def build_app(state: ServeState) -> Starlette:
-    async def models(_request: Request) -> Response:
+    def card() -> dict[str, Any]:
         limits = state.frontend.limits()
-        card = {
+        return {
             "id": state.model_name,
             "object": "model",
             "created": int(time.time()),
@@ -151,7 +151,17 @@ def build_app(state: ServeState) -> Starlette:
             "root": state.cfg.model or state.model_name,
             "max_model_len": limits.max_context if limits else None,
         }
-        return json_response({"object": "list", "data": [card]})
+
+    async def models(_request: Request) -> Response:
+        return json_response({"object": "list", "data": [card()]})
+
+    async def model(request: Request) -> Response:
+        """OpenAI's GET /v1/models/{model} (`client.models.retrieve`): the served model by any name
+        a request may use for it, else a 404."""
+        name = request.path_params["model"]
+        if name not in state.accepted_models:
+            return json_response(error_body(404, f"the model {name!r} does not exist", code="model_not_found"), 404)
+        return json_response(card())
 
     async def health(_request: Request) -> Response:
         if state.frontend.died is not None:
@@ -185,6 +195,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/detokenize", api_route(state, detokenize), methods=["POST"]),
         Route("/tokenizer_info", api_route(state, tokenizer_info), methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", api_route(state, health_generate), methods=["GET"]),
         Route("/get_model_info", api_route(state, model_info), methods=["GET"]),

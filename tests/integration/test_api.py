@@ -125,9 +125,12 @@ def test_seed_reproducible_and_n(client: openai.OpenAI) -> None:
     assert len({ch.text for ch in many.choices}) >= 2
 
 
-def test_models_health_and_request_id(server: Server) -> None:
+def test_models_health_and_request_id(server: Server, client: openai.OpenAI) -> None:
     models = httpx.get(f"{server.base_url}/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     assert httpx.get(f"{server.http}/health").status_code == 200
     r = httpx.post(
         f"{server.base_url}/completions",
