@@ -10,6 +10,7 @@ import dataclasses
 import sys
 
 from engine.config import ServerConfig
+from engine.env import env
 
 HIDDEN = ("run_dir", "hicache_path")  # set by the supervisor, not by people
 
@@ -24,6 +25,8 @@ HELP = {
     "host": "address HTTP and the SDK listen on (127.0.0.1: this machine only)",
     "port": "HTTP port (OpenAI API, /generate, /health, /metrics)",
     "sdk_port": "TCP port of the ZMQ client SDK",
+    "api_key": "require this key: HTTP requests as `Authorization: Bearer KEY` (all but /health and /metrics: "
+    "a 401 without it), SDK requests as Client(addr, api_key=KEY) (empty: STRATA_API_KEY, else no key)",
     "log_dir": "write one JSON-lines log file per process here (empty: stderr only)",
     "device": "auto (cuda when available) | cpu | cuda",
     "dtype": "weights and activations: auto (bfloat16 on GPU, and on a CPU with native bf16, AVX512-BF16 or AMX, "
@@ -130,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     ns = build_parser().parse_args(argv)
+    if not ns.api_key and env().api_key:  # the environment keeps it out of `ps`
+        ns.api_key = env().api_key
     try:
         return ServerConfig(**vars(ns))
     except ValueError as exc:

@@ -29,6 +29,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     sdk_port: int = 8001
+    api_key: str = ""  # every HTTP route but /health and /metrics, and every SDK request, must carry it
     run_dir: str = ""  # private dir for ipc sockets; chosen by the supervisor
     log_dir: str = ""
     device: str = "auto"  # auto | cpu | cuda

@@ -21,6 +21,7 @@ class Env:
     digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
     profile_steps: str | None  # STRATA_PROFILE_STEPS=FIRST:COUNT: torch-profile a worker's forward steps
+    api_key: str | None = None  # STRATA_API_KEY: bin/serve's --api-key when the flag is not given
 
     def __post_init__(self) -> None:
         if self.digest_every < 0:
@@ -58,4 +59,5 @@ def env() -> Env:
         digest_every=_int("STRATA_DIGEST_EVERY", 64),
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
         profile_steps=os.environ.get("STRATA_PROFILE_STEPS") or None,
+        api_key=os.environ.get("STRATA_API_KEY") or None,
     )

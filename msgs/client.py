@@ -17,6 +17,7 @@ class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     text: str | None = None
     input_ids: list[int] | None = None
     stream: bool = False
+    api_key: str = ""  # the server's --api-key, where it has one
 
 
 class AbortGenerate(msgspec.Struct, tag=True, frozen=True):

@@ -38,12 +38,13 @@ _TO_SERVER = SDK_IN.codec  # what the server decodes
 _FROM_SERVER = SDK_OUT.codec  # what the client decodes
 
 
-def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any]) -> GenerateRequest:
+def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any], api_key: str
+             ) -> GenerateRequest:
     params = SamplingParams(**kw)
     rid = rid or uuid.uuid4().hex
     if isinstance(prompt, str):
-        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream)
-    return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream)
+        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key)
+    return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream, api_key=api_key)
 
 
 def _check(msg: FromServer | None) -> GenerateChunk | None:
@@ -56,7 +57,8 @@ def _check(msg: FromServer | None) -> GenerateChunk | None:
 class Client:
     """Blocking client. One request at a time per client object (use AsyncClient for many)."""
 
-    def __init__(self, addr: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, addr: str, timeout_s: float = 300.0, api_key: str = "") -> None:
+        self._api_key = api_key  # the server's --api-key, where it has one
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -65,7 +67,7 @@ class Client:
 
     def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         """Run one request to completion; params are SamplingParams fields."""
-        req = _request(prompt, False, rid, params)
+        req = _request(prompt, False, rid, params, self._api_key)
         self._sock.send(_TO_SERVER.encode(req))
         while True:
             chunk = _check(_FROM_SERVER.decode(self._sock.recv()))
@@ -74,7 +76,7 @@ class Client:
 
     def stream(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> Iterator[GenerateChunk]:
         """Yield deltas until the request finishes. Closing the iterator early aborts it."""
-        req = _request(prompt, True, rid, params)
+        req = _request(prompt, True, rid, params, self._api_key)
         self._sock.send(_TO_SERVER.encode(req))
         finished = False
         try:
@@ -105,7 +107,8 @@ class AsyncClient:
     """asyncio client; many concurrent requests share one socket. One reader task routes
     replies to per-request queues by rid."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, api_key: str = "") -> None:
+        self._api_key = api_key  # the server's --api-key, where it has one
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -129,7 +132,7 @@ class AsyncClient:
         return queue
 
     async def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
-        req = _request(prompt, False, rid, params)
+        req = _request(prompt, False, rid, params, self._api_key)
         try:
             queue = await self._open(req)
             while (chunk := _check(await queue.get())) is None:  # keep-alives
@@ -144,7 +147,7 @@ class AsyncClient:
     async def stream(
         self, prompt: str | list[int], rid: str | None = None, **params: Any
     ) -> AsyncIterator[GenerateChunk]:
-        req = _request(prompt, True, rid, params)
+        req = _request(prompt, True, rid, params, self._api_key)
         finished = False
         try:
             queue = await self._open(req)

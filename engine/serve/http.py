@@ -12,6 +12,7 @@ Handlers (openai_api, native) return a `Reply`; this module owns everything HTTP
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -21,10 +22,11 @@ import structlog
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body, error_body
@@ -203,7 +205,29 @@ def build_app(state: ServeState) -> Starlette:
         Route("/flush_cache", flush_cache, methods=["POST"]),
     ]
     handlers = {HTTPException: _http_exception, Exception: _unhandled}
-    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    middleware = [Middleware(RequireKey, key=state.cfg.api_key)] if state.cfg.api_key else []
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
+
+
+OPEN_PATHS = ("/health", "/metrics")  # what a load balancer and Prometheus read without the key
+
+
+class RequireKey:
+    """--api-key: every request but OPEN_PATHS carries `Authorization: Bearer KEY` (vLLM's and
+    SGLang's form), else a 401 in OpenAI's error shape; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body(401, "a valid API key is required: Authorization: Bearer <key>",
+                                  code="invalid_api_key")
+                await json_response(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _http_exception(_request: Request, exc: HTTPException) -> Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 
 import structlog
 import zmq
@@ -64,6 +65,10 @@ class SdkServer:
             task.cancel()
 
     async def _start(self, ident: bytes, req: GenerateRequest) -> None:
+        key = self._state.cfg.api_key
+        if key and not hmac.compare_digest(req.api_key.encode(), key.encode()):
+            await self._error(ident, GenerateError(req.rid, 401, "a valid API key is required: Client(api_key=...)"))
+            return
         if req.rid in self._tasks:
             await self._error(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"))
             return

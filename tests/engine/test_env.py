@@ -51,7 +51,7 @@ def test_no_kernel_switches(fresh_env) -> None:  # noqa: ANN001
     """Kernel choices come from configs/tuning/ and --decode-kernel, not the environment
     (profile_steps only turns on a diagnostic profiler)."""
     fields = {f.name for f in dataclasses.fields(fresh_env())}
-    assert fields == {"cache_dir", "log_level", "log_json", "digest_every", "git_commit", "profile_steps"}
+    assert fields == {"cache_dir", "log_level", "log_json", "digest_every", "git_commit", "profile_steps", "api_key"}
 
 
 @pytest.mark.parametrize("spec", ["0:10", "3:0", "x:2"])

@@ -11,6 +11,7 @@ import json
 import math
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -20,7 +21,7 @@ import zmq
 from msgs.channels import SDK_IN, SDK_OUT
 from msgs.params import SamplingParams
 from msgs.sdk import AbortGenerate, Client, GenerateRequest, StrataError
-from tests.integration.conftest import Server
+from tests.integration.conftest import Server, start_server, stop_server
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 MODEL = "SmolLM2-135M-Instruct"
@@ -224,3 +225,30 @@ def test_a_huge_prompt_does_not_stall_other_clients(server: Server) -> None:
             head += part.decode(errors="replace")
     assert head.startswith("HTTP/1.1 413") and "body_too_large" in head, head
     assert greedy_ids(server)
+
+
+def test_api_key_is_required_where_set(tmp_path: Path) -> None:
+    """--api-key: HTTP routes but /health and /metrics need `Authorization: Bearer KEY` (a 401 in
+    OpenAI's shape otherwise); SDK requests need Client(api_key=KEY)."""
+    import openai
+
+    srv = start_server(tmp_path, "--api-key", "sekrit-1", "--max-total-tokens", "2048")
+    try:
+        assert httpx.get(f"{srv.http}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{srv.http}/metrics", timeout=30).status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit-1"}):
+            r = httpx.get(f"{srv.base_url}/models", headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = httpx.post(f"{srv.http}/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
+                       timeout=30)
+        assert r.status_code == 401
+        client = openai.OpenAI(base_url=srv.base_url, api_key="sekrit-1", max_retries=0)
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        with Client(srv.sdk) as c, pytest.raises(StrataError) as err:
+            c.generate("Hi", max_new_tokens=2)
+        assert err.value.status == 401
+        with Client(srv.sdk, api_key="sekrit-1") as c:
+            assert len(c.generate("Hi", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
+        assert stop_server(srv) == 0
