@@ -24,6 +24,11 @@ def pack_ids(ids: Iterable[int]) -> bytes:
     return array("i", ids).tobytes()
 
 
+def id_count(data: bytes) -> int:
+    """How many ids pack_ids packed into `data` (4 bytes each)."""
+    return len(data) // 4
+
+
 def unpack_ids(data: bytes) -> list[int]:
     out = array("i")
     out.frombytes(data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 import structlog
 
@@ -20,7 +21,7 @@ def start_child(role: str, with_rank: bool = False) -> tuple[ServerConfig, struc
     if with_rank:
         ap.add_argument("--rank", type=int, default=0, help="this worker's rank")
     args = ap.parse_args()
-    cfg = ServerConfig.from_json(open(args.config).read())
+    cfg = ServerConfig.from_json(Path(args.config).read_text())
     rank = args.rank if with_rank else None
     log = setup_logging(role, cfg.log_dir, rank=rank)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

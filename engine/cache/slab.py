@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -18,7 +19,7 @@ SHM_DIR = Path("/dev/shm")
 
 def create_slab(tag: str = "strata") -> str:
     """An empty file, mode 0600, under /dev/shm (a temp dir where there is none)."""
-    base = SHM_DIR if SHM_DIR.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    base = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
     path = base / f"{tag}-{os.getpid()}-{secrets.token_hex(4)}-l2"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.close(fd)

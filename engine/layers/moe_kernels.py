@@ -32,7 +32,6 @@ tokens gets.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -41,12 +40,12 @@ import triton.language as tl
 
 from engine.layers import batch_invariant
 from engine.layers.triton_kernels import pdl_start
-from engine.layers.triton_ops import pdl_launch
+from engine.layers.triton_ops import interpreted, pdl_launch
 from engine.layers.tuning import kernel_tuning
 
 QUANTS = {None: 0, "fp8_row": 1, "fp8_block": 2}
 # triton's interpreter multiplies bfloat16 tiles as raw bits: there (the CPU tests) dot in float32
-DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+DOT_F32 = interpreted()
 CHUNK_SMALL = 128  # the align kernel reads pairs in chunks of this many (decode), else 1024
 
 

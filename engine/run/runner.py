@@ -32,7 +32,7 @@ from engine.run.idle import IdleMeter, StepEvents
 from engine.run.sampler import SampleParams, Sampler, SampleResult
 from engine.run.spec import VerifiedResult, VerifyRows
 from engine.run.step_profile import StepProfiler
-from msgs.codec import pack_f32, pack_ids, unpack_ids
+from msgs.codec import id_count, pack_f32, pack_ids, unpack_ids
 from msgs.done import SpecDone, StepDone, WorkerReady
 from msgs.steps import AddReq, Forward, FreeReq, Step
 
@@ -153,7 +153,7 @@ class ModelRunner:
             if self.profiler is not None:
                 self.profiler.tick()
             launched.start = self.idle.start() if self.idle is not None else None
-            launched.rows = len(step.forward.slots) // 4
+            launched.rows = id_count(step.forward.slots)
             launched.to_sample = self._forward(step.forward)
             if self.scores is not None:
                 launched.scores, self.scores = _scores_to_host(self.scores), None

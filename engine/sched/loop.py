@@ -25,7 +25,7 @@ from engine.config import ServerConfig
 from engine.env import env
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import Inbox, Outbox
-from msgs.codec import DROPPED
+from msgs.codec import DROPPED, id_count
 from msgs.control import Ready, ToSupervisor
 from msgs.done import (
     ControllerDigest,
@@ -201,7 +201,7 @@ class SchedulerLoop:
                 if err is None and self.batch_wait_s and not self.inflight and not self.core.state.running:
                     now = self.clock()  # a burst at an idle engine: its first step waits for the rest
                     self.burst = (self.burst[0] if self.burst else now, now)
-                log.info("request", rid=msg.rid, prompt_tokens=len(msg.input_ids) // 4, rejected=err is not None)
+                log.info("request", rid=msg.rid, prompt_tokens=id_count(msg.input_ids), rejected=err is not None)
             elif isinstance(msg, AbortRequest):
                 err = self.core.abort(msg.rid)
                 log.info("abort", rid=msg.rid, found=err is not None)
