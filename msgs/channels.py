@@ -160,11 +160,18 @@ ALL: tuple[Channel[Any], ...] = (
 
 
 class Inbox(Protocol[T_co]):
+    """What a driver (scheduler loop, worker pipeline) reads a channel through: a Receiver over
+    a socket or a `pipe` end in tests. `poll` waits up to timeout_ms for a message; `recv`
+    returns the next one, or None for a frame the codec dropped (malformed: counted, logged)."""
+
     def poll(self, timeout_ms: int = 0) -> bool: ...
     def recv(self) -> T_co | None: ...
 
 
 class Outbox(Protocol[T]):
+    """What a driver writes a channel through: `send` queues a message of the channel's types
+    (another type is a bug at the source: refused), never dropping it."""
+
     def send(self, msg: T) -> None: ...
 
 
