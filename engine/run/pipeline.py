@@ -12,19 +12,38 @@ Owns no socket: procs/worker.py hands it zmq ends, tests hand it in-memory pipes
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 from msgs.channels import Inbox, Outbox
-from msgs.done import FromWorker
+from msgs.done import FromWorker, WorkerReady
 from msgs.steps import Shutdown, Step, ToWorker
 
 MAX_IN_FLIGHT = 2
 HOST_WAIT_MS = 1  # the Step socket's wait while a runner's host thread works (GIL-free)
 
 
+class StepRunner(Protocol):
+    """What the pipeline drives (engine/run/runner.py's ModelRunner; fakes in tests).
+
+    `launch` applies a Step's ops and starts its forward, returning a handle without waiting;
+    `ready(handle)` says whether its results can be read without blocking; `finish(handle)`
+    waits for them and answers the Step (StepDone, or SpecDone). `deferred`, where not None, is
+    a launched step whose sampling waits for the step answered just before (its grammar masks),
+    which `complete` samples. `host_busy` says a host thread of the runner is working."""
+
+    deferred: Any
+
+    def ready_msg(self) -> WorkerReady: ...
+    def launch(self, step: Step) -> Any: ...
+    def ready(self, handle: Any) -> bool: ...
+    def finish(self, handle: Any) -> FromWorker: ...
+    def complete(self, handle: Any) -> None: ...
+    def host_busy(self) -> bool: ...
+
+
 class WorkerPipeline:
-    def __init__(self, runner: Any, steps: Inbox[ToWorker], done: Outbox[FromWorker]) -> None:
-        self.runner = runner  # a ModelRunner: launch / ready / finish / complete / ready_msg / host_busy
+    def __init__(self, runner: StepRunner, steps: Inbox[ToWorker], done: Outbox[FromWorker]) -> None:
+        self.runner = runner
         self.steps = steps
         self.done = done
         self.pending: deque[Any] = deque()
