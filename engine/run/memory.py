@@ -37,13 +37,13 @@ class OutOfMemory(RuntimeError):
     pass
 
 
-def kv_bytes_per_token(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
+def kv_bytes_per_token(mcfg: ModelConfig, dtype: torch.dtype) -> int:
     """KV bytes a token costs across every layer, by the layout the model declares (K and V per
     KV head, or MLA's latent) for this config (a rank's shard at tp > 1)."""
     return kv_layout(mcfg).bytes_per_token(mcfg.num_layers, dtype)
 
 
-def weight_bytes(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
+def weight_bytes(mcfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of the model's parameters in `dtype` (unquantized), from its config."""
     elem = torch.empty((), dtype=dtype).element_size()
     h, v = mcfg.hidden_size, mcfg.vocab_size
@@ -53,7 +53,7 @@ def weight_bytes(mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
     return elem * (mcfg.num_layers * layer + mlps + embed + h)
 
 
-def attention_params(mcfg) -> int:  # noqa: ANN001
+def attention_params(mcfg: ModelConfig) -> int:
     """Parameters of one layer's attention: GQA's q/k/v/o projections (q/k norms, biases), or MLA's
     (q_a_proj, q_a_layernorm, q_b_proj or a plain q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
     kv_b_proj, o_proj)."""
@@ -69,7 +69,7 @@ def attention_params(mcfg) -> int:  # noqa: ANN001
     return params + (q + 2 * kv if mcfg.attention_bias else 0) + (h if mcfg.o_proj_bias else 0)
 
 
-def mlp_params(mcfg, layer_id: int) -> int:  # noqa: ANN001
+def mlp_params(mcfg: ModelConfig, layer_id: int) -> int:
     """Parameters of one layer's MLP: the dense SwiGLU, or an MoE block (every routed expert, not
     only the active ones, the shared experts, the router and its score-correction bias)."""
     h, moe = mcfg.hidden_size, getattr(mcfg, "moe", None)
@@ -79,7 +79,7 @@ def mlp_params(mcfg, layer_id: int) -> int:  # noqa: ANN001
     return experts + moe.num_experts * h + (moe.num_experts if moe.topk_method == "noaux_tc" else 0)
 
 
-def draft_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:  # noqa: ANN001
+def draft_bytes(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[int, int]:
     """(bytes a token, fixed bytes) that this rank's speculative draft adds beside the target
     (`mcfg`: the target's rank shard), so that the KV pool leaves room for it: a separate draft
     model's KV pool (over the target's pages, in the model dtype) and weights; a head's (EAGLE,
@@ -120,7 +120,7 @@ def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device, 
         )
 
 
-def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  # noqa: ANN001
+def runtime_reserve_bytes(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
     """GPU bytes to leave free after the KV pool: activations of the largest step, logits and
     sampler temporaries of the largest batch, the attention workspace and CUDA graphs."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -142,7 +142,7 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg, dtype: torch.dtype) -> int:  
     return activations + logits + workspace + graphs + _split_scratch_bytes(cfg, mcfg) + (256 << 20)  # + cuBLAS etc.
 
 
-def _split_scratch_bytes(cfg: ServerConfig, mcfg) -> int:  # noqa: ANN001
+def _split_scratch_bytes(cfg: ServerConfig, mcfg: ModelConfig) -> int:
     """Deterministic inference's split-KV decode scratch for CUDA graphs (torch backend,
     batch_invariant.split_scratch): float32 [rows, partitions of the longest context, Hq, D + 2],
     e.g. 130 MiB for Llama-3.1-8B at 128k (16 split rows). Zero with the mode off or without graphs."""
@@ -157,7 +157,7 @@ def _split_scratch_bytes(cfg: ServerConfig, mcfg) -> int:  # noqa: ANN001
 
 
 def cpu_pool_tokens(
-    cfg: ServerConfig, mcfg, per_token: int, total_ram: int, available_ram: int  # noqa: ANN001
+    cfg: ServerConfig, mcfg: ModelConfig, per_token: int, total_ram: int, available_ram: int
 ) -> int:
     """Default CPU pool size in tokens (see the module docstring); RAM figures in bytes."""
     context = cfg.context_length or mcfg.max_position_embeddings
@@ -167,7 +167,7 @@ def cpu_pool_tokens(
     return min(want, max(cap, min(context, affordable)))
 
 
-def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.device,  # noqa: ANN001
+def plan_pool(cfg: ServerConfig, mcfg: ModelConfig, kv_dtype: torch.dtype, device: torch.device,
               dtype: torch.dtype = torch.bfloat16) -> PoolPlan:
     """The KV pool's pages: --max-total-tokens, else what the device's memory holds beside the
     runtime reserve and a speculative draft's KV and weights (`draft_bytes`), whose pools take
@@ -198,7 +198,7 @@ def plan_pool(cfg: ServerConfig, mcfg, kv_dtype: torch.dtype, device: torch.devi
     return PoolPlan(num_pages=num_pages, max_context=min(max_model, held), sized_by=sized_by)
 
 
-def _cuda_pool_tokens(cfg: ServerConfig, mcfg, per_token: int, device: torch.device,  # noqa: ANN001
+def _cuda_pool_tokens(cfg: ServerConfig, mcfg: ModelConfig, per_token: int, device: torch.device,
                       draft_fixed: int = 0) -> int:
     free, total = torch.cuda.mem_get_info(device)
     # activations are never 8-bit; a draft's weights are loaded after the pool is sized
