@@ -172,7 +172,9 @@ class GrammarService:
         """The Grammar of one structural-tag format; 400 naming `param` if it does not
         compile or takes longer than the time limit."""
         tag = {"type": "structural_tag", "format": fmt}
-        text = json.dumps(tag, sort_keys=True, separators=(",", ":"))
+        # keys in the request's order: a JSON schema's properties are generated in the order declared
+        # (a "reasoning then answer" schema must not answer first); sorted, they came out alphabetical
+        text = json.dumps(tag, separators=(",", ":"))
         key = hashlib.sha256(f"{vocab_size}\0{text}".encode()).hexdigest()
         hit = self._cache.get(key)
         if hit is not None:
