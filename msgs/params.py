@@ -94,7 +94,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"logit_bias keys must be token ids in [0, {vocab_size or INT32})"),
             (all(-MAX_BIAS <= v <= MAX_BIAS for v in self.logit_bias.values()),
              f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
-            (len(self.grammar_specs()) <= 1, "json_schema, regex and ebnf: give at most one of them"),
+            (len(self.grammar_specs()) <= 1,
+             f"{' and '.join(self.grammar_specs())}: give at most one of json_schema, regex and ebnf"),
             (
                 all(len(v) <= MAX_GRAMMAR_CHARS for v in self.grammar_specs().values()),
                 f"json_schema, regex and ebnf must be at most {MAX_GRAMMAR_CHARS} characters",

@@ -220,8 +220,9 @@ def test_sampling_params_problems_are_400(field: str, value: object, param: str)
     _raises(400, check_params, SamplingParams(**{field: value}), param=param)
 
 
-def test_two_constraints_name_the_first() -> None:
+def test_two_constraints_name_the_first_given() -> None:
     _raises(400, check_params, SamplingParams(json_schema="{}", regex="a+"), param="json_schema")
+    _raises(400, check_params, SamplingParams(regex="a+", ebnf='root ::= "a"'), param="regex")
 
 
 def test_max_tokens_resolution() -> None:
