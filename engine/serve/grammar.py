@@ -38,6 +38,7 @@ import structlog
 from engine.serve.errors import ApiError
 from engine.serve.metrics import Metrics
 from engine.serve.parsers.base import ToolStructure
+from engine.serve.parsers.reasoning import GAP_CHARS
 from engine.tokenizer import tokenizer_info
 from msgs.params import Grammar
 
@@ -150,7 +151,8 @@ def with_reasoning(fmt: dict[str, Any], reasoning: Reasoning | None) -> dict[str
         "content": {"type": "any_text"},
         "end": reasoning.end,
     }
-    gap = {"type": "regex", "pattern": r"[ \t\n]{0,4}"}  # models put a newline or two after the marker
+    # models put a newline or two after the marker; the reasoning parser drops it from the content
+    gap = {"type": "regex", "pattern": rf"[ \t\n]{{0,{GAP_CHARS}}}"}
     return {"type": "sequence", "elements": [think, gap, fmt]}
 
 

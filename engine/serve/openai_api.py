@@ -82,13 +82,14 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, req.chat_template_kwargs,
                                  add_generation_prompt=bool(req.add_generation_prompt),
                                  continue_final_message=bool(req.continue_final_message))
-    new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(state, ids, kw, requested, None, limits, "messages")
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
     reasoning = _reasoning(state, prompt, req.chat_template_kwargs)
     params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
+    new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs,
+                              constrained=reasoning is not None and params.grammar is not None)
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
     gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, req.stream)

@@ -65,6 +65,21 @@ def test_parse_and_stream_at_every_split(
     assert "".join(p.content for p in parts) == content
 
 
+@pytest.mark.parametrize(("text", "content"), [
+    ("<think>hm</think>\n\n22", "22"),  # the grammar's gap (at most GAP_CHARS whitespace) is not content
+    ("<think>hm</think>22", "22"),
+    ("<think>hm</think>\n \t\n 7", " 7"),  # past the gap: the constraint's own text (its pattern allowed it)
+])
+def test_under_a_grammar_the_gap_after_the_reasoning_is_dropped(text: str, content: str) -> None:
+    for k in range(len(text) + 1):  # the chat endpoint's per-choice pipeline, streamed at every split
+        out = chat_outputs("qwen3", None, QWEN3_PROMPT, None, constrained=True)()
+        parts = [out.feed(text[:k]), out.feed(text[k:]), out.finish()]
+        assert "".join(p.content for p in parts) == content, f"split at {k}"
+        assert "".join(p.reasoning for p in parts) == "hm"
+    unconstrained = reasoning_parser("qwen3")(QWEN3_PROMPT)
+    assert unconstrained.parse(text)[1] == text.split("</think>")[1]  # without a grammar, kept
+
+
 def test_enable_thinking_false_means_no_reasoning() -> None:
     for name in ("qwen3", "glm45"):
         parser = reasoning_parser(name)(QWEN3_PROMPT, {"enable_thinking": False})

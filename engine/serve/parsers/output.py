@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.serve.parsers import reasoning_parser
 from engine.serve.parsers.base import ToolCall, ToolCallDelta, ToolDelta, ToolStream
-from engine.serve.parsers.reasoning import ReasoningParser, ReasoningStream
+from engine.serve.parsers.reasoning import GAP_CHARS, ReasoningParser, ReasoningStream
 from engine.serve.parsers.tool_request import ToolRequest
 
 
@@ -99,10 +99,14 @@ class ChatOutput:
 
 
 def chat_outputs(
-    reasoning: str, tools: ToolRequest | None, prompt: str, template_kwargs: dict[str, Any] | None
+    reasoning: str, tools: ToolRequest | None, prompt: str, template_kwargs: dict[str, Any] | None,
+    constrained: bool = False,
 ) -> Callable[[], ChatOutput]:
     """A maker of one ChatOutput per choice of a request: `reasoning` is the server's
     --reasoning-parser ("" for none), `prompt` the rendered prompt text (a pre-filled
-    `<think>` at its end means the output starts inside the reasoning)."""
+    `<think>` at its end means the output starts inside the reasoning); `constrained`: a grammar
+    follows the reasoning (the whitespace gap it allows is not content)."""
     parser = reasoning_parser(reasoning)(prompt, template_kwargs) if reasoning else None
+    if parser is not None and constrained:
+        parser.gap = GAP_CHARS
     return lambda: ChatOutput(parser, tools)

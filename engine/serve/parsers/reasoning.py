@@ -13,6 +13,10 @@ Rules (each a bug some production parser had):
   take it (qwen3, glm45), or a prompt that ends with the end marker (those templates
   close an empty think block when thinking is off): the whole output is content.
 * An output that ends inside the reasoning (no end marker) is all reasoning.
+* Under a grammar (json_schema, regex, ebnf, a forced tool call) the constraint starts after the
+  end marker and a gap of at most GAP_CHARS whitespace characters the grammar allows there
+  (engine/serve/grammar.py, `with_reasoning`): that gap is dropped from the content, which is then
+  exactly what the constraint matched (a `[0-9]+` regex's content began "\n\n" before).
 
 The stream holds back only text that could still be a marker, so a marker split across
 chunks works and nothing is taken back; `parse` runs the same stream over the whole text.
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from engine.serve.parsers.base import partial_marker, skip_ws
+
+GAP_CHARS = 4  # whitespace a grammar allows between the end marker and its constraint
 
 
 @dataclass
@@ -47,6 +53,7 @@ class ReasoningParser:
         off = self.thinking_kwarg is not None and kwargs.get(self.thinking_kwarg) is False
         self.enabled = not off and not tail.endswith(self.end)
         self.starts_inside = self.always_reasons or tail.endswith(self.start)
+        self.gap = 0  # GAP_CHARS where a grammar constrains the content (its whitespace gap is dropped)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
@@ -81,6 +88,7 @@ class ReasoningStream:
         self._pos = 0
         self._phase = "start" if parser.enabled else "content"
         self.reasoned = False  # a reasoning phase happened (reasoning_content is not None)
+        self._gap = 0  # gap whitespace still to drop (after the end marker, under a grammar)
 
     def feed(self, text: str) -> ReasoningDelta:
         self._buf += text
@@ -96,6 +104,10 @@ class ReasoningStream:
         if self._phase == "reasoning":
             self._reasoning(out, final)
         if self._phase == "content":
+            while self._gap and self._pos < len(self._buf) and self._buf[self._pos] in " \t\n":
+                self._pos, self._gap = self._pos + 1, self._gap - 1
+            if self._pos < len(self._buf):
+                self._gap = 0  # the constraint's own text has begun
             out.content += self._buf[self._pos :]
             self._pos = len(self._buf)
         return out
@@ -118,7 +130,7 @@ class ReasoningStream:
         at = self._buf.find(end, self._pos)
         if at >= 0:
             out.reasoning += self._buf[self._pos : at]
-            self._pos, self._phase = at + len(end), "content"
+            self._pos, self._phase, self._gap = at + len(end), "content", self._p.gap
             return
         upto = len(self._buf) if final else len(self._buf) - partial_marker(self._buf, self._pos, (end,))
         out.reasoning += self._buf[self._pos : upto]
