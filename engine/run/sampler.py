@@ -128,8 +128,10 @@ def _finite(x: object) -> bool:
 class SampleResult:
     """Output of `Sampler.sample`; every tensor stays on the sampler's device.
 
-    token_ids: int64[B]. logprobs: float32[B], log_softmax of the RAW logits at the chosen token,
-    present when any batch row asked for logprobs. top_ids/top_logprobs: [B, K] sorted descending,
+    token_ids: int64[B]. logprobs: float32[B], log_softmax of the RAW logits at the chosen token
+    (before temperature, penalties and logit_bias; after a grammar's mask where the row has one, as
+    vLLM reports them: a forced token's logprob is 0 and a masked one's -inf), present when any
+    batch row asked for logprobs. top_ids/top_logprobs: [B, K] sorted descending,
     K = max top_logprobs over the batch (rows that asked for fewer slice their own prefix).
     """
 
