@@ -76,7 +76,7 @@ class SdkServer:
         self._tasks[req.rid] = (ident, task)
         task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
 
-    async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError) -> None:
+    async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError | KeepAlive) -> None:
         try:
             await self._sock.send_multipart([ident, SDK_OUT.codec.encode(msg)])
         except zmq.ZMQError as exc:
