@@ -10,6 +10,7 @@ transformers wrapper and the incremental detokenizer calls it twice per output b
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,8 +72,9 @@ class TextTokenizer:
     def _bytes_of(self, token_id: int) -> bytes:
         piece = self.hf.convert_ids_to_tokens(token_id)
         if isinstance(piece, str) and piece not in self._added:
-            if self._byte_level and all(c in _BYTE_OF for c in piece):
-                return bytes(_BYTE_OF[c] for c in piece)
+            byte_of = _byte_level_bytes() if self._byte_level else {}
+            if byte_of and all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 try:
                     return bytes([int(piece[3:5], 16)])
@@ -83,21 +85,14 @@ class TextTokenizer:
         return self.token_text(token_id).encode()
 
 
-def _byte_level_alphabet() -> dict[str, int]:
+
+
+@functools.cache
+def _byte_level_bytes() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character that stands for each byte -> the byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-
-_BYTE_OF = _byte_level_alphabet()
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def has_tokenizer_files(model_dir: str) -> bool:
