@@ -106,7 +106,6 @@ def chat_outputs(
     --reasoning-parser ("" for none), `prompt` the rendered prompt text (a pre-filled
     `<think>` at its end means the output starts inside the reasoning); `constrained`: a grammar
     follows the reasoning (the whitespace gap it allows is not content)."""
-    parser = reasoning_parser(reasoning)(prompt, template_kwargs) if reasoning else None
-    if parser is not None and constrained:
-        parser.gap = GAP_CHARS
+    gap = GAP_CHARS if constrained else 0
+    parser = reasoning_parser(reasoning)(prompt, template_kwargs, gap) if reasoning else None
     return lambda: ChatOutput(parser, tools)

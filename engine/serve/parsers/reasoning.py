@@ -47,13 +47,13 @@ class ReasoningParser:
     always_reasons: ClassVar[bool] = False  # the output starts inside reasoning, marker or not
     thinking_kwarg: ClassVar[str | None] = "enable_thinking"  # the template kwarg that turns it off
 
-    def __init__(self, prompt: str = "", template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, prompt: str = "", template_kwargs: dict[str, Any] | None = None, gap: int = 0) -> None:
         tail = prompt.rstrip()
         kwargs = template_kwargs or {}
         off = self.thinking_kwarg is not None and kwargs.get(self.thinking_kwarg) is False
         self.enabled = not off and not tail.endswith(self.end)
         self.starts_inside = self.always_reasons or tail.endswith(self.start)
-        self.gap = 0  # GAP_CHARS where a grammar constrains the content (its whitespace gap is dropped)
+        self.gap = gap  # GAP_CHARS where a grammar constrains the content (its whitespace gap is dropped)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
