@@ -109,7 +109,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     # bf16 queries over bf16 keys: the scores on the AMX tiles where the CPU has them (the C file's header)
     amx = q.dtype == torch.bfloat16 and amx_applies(dq, dv, page_size, KV_DTYPES[k.dtype])
     qx = q if amx else q.float()
-    if qx.stride(2) != 1 or (hq > 1 and qx.stride(1) != dq):
+    if not cpu_kernels.heads_packed(qx):
         qx = qx.contiguous()
     out = torch.empty(t, hq, dv, dtype=out_dtype)
     if t == 0:

@@ -144,6 +144,13 @@ def elementwise_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and library() is not None
 
 
+def heads_packed(x: torch.Tensor) -> bool:
+    """Whether each row of x [T, heads, dim] is one run of memory (dims contiguous, heads adjacent;
+    its rows may be any stride apart): how the kernels read a view of the QKV projection. Strides
+    only, so the answer never depends on T."""
+    return x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+
+
 def norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """elementwise_ok, for add_rms_norm: 2-D or 3-D, at most MAX_NORM_DIM wide, a weight of x's dtype."""
     return x.dim() in (2, 3) and x.shape[-1] <= MAX_NORM_DIM and weight.dtype == x.dtype and elementwise_ok(x)

@@ -123,7 +123,7 @@ class KVPool:
         `slots` (int64 [T]) of `layer`."""
         for (raw, _, stored, bytewise), x in zip(self._parts, values, strict=True):
             x = x.to(stored)
-            if self._cpu_scatter and _rows_packed(x):  # a memcpy a row, from where x lies (no gather)
+            if self._cpu_scatter and cpu_kernels.heads_packed(x):  # a memcpy a row, from where x lies
                 cpu_kernels.scatter_rows_(raw[layer], slots, x)
                 continue
             raw[layer].index_copy_(0, slots, x.view(torch.uint8) if bytewise else x)
@@ -200,8 +200,3 @@ class KVPool:
 
 def _bytewise(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 1 and dtype.is_floating_point
-
-
-def _rows_packed(x: torch.Tensor) -> bool:
-    """Whether each row of x [T, heads, dim] is one run of memory (heads adjacent, dims contiguous)."""
-    return x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])

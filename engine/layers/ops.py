@@ -146,8 +146,8 @@ def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
 def _cpu_rope_ok(x: torch.Tensor, cos: torch.Tensor, head_dim: int) -> bool:
     """Whether the C rotary takes x [T, H, D] in place: its heads adjacent in each row (strides
     only, never contiguity, which can depend on T), cos of its dtype."""
-    return (x.dim() == 3 and x.shape[2] == head_dim and x.stride(1) == head_dim and cos.dtype == x.dtype
-            and cos.is_contiguous() and cpu_kernels.elementwise_ok(x))
+    return (x.shape[-1] == head_dim and cpu_kernels.heads_packed(x) and cos.dtype == x.dtype and cos.is_contiguous()
+            and cpu_kernels.elementwise_ok(x))
 
 
 class Rotary:
