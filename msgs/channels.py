@@ -116,18 +116,22 @@ class TcpPlan:
         return cls(host=host, base_port=store_port + 1)
 
     def address(self, slot: int) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.base_port + slot}"
+        return tcp_address(self.host, self.base_port + slot)
 
     def ports(self, tp_size: int) -> range:
         """Every port the plan uses: done, then steps of ranks 0..tp_size-1."""
         return range(self.base_port, self.base_port + 1 + tp_size)
 
 
+def tcp_address(host: str, port: int) -> str:
+    """A zmq tcp endpoint; an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def sdk_address(host: str, port: int) -> str:
     """The SDK's one ROUTER socket (SDK_IN and SDK_OUT), bound by the tokenizer on --host and
-    --sdk-port; what a client passes to msgs.sdk.Client (an IPv6 host in brackets)."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    --sdk-port; what a client passes to msgs.sdk.Client."""
+    return tcp_address(host, port)
 
 
 # tcp heartbeats on the sockets that cross nodes: a peer whose host vanished (no FIN) is
