@@ -128,16 +128,20 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
 MAX_BODY = 64 << 20  # bytes of a request body: larger is a 413 (1M-token prompts fit in a few MB)
 
 
+def _too_large() -> ApiError:
+    return ApiError(413, f"request body over {MAX_BODY >> 20} MiB", code="body_too_large")
+
+
 async def read_body(request: Request) -> bytes:
     """The request's body, read at most MAX_BODY bytes far (a larger one is a 413 at once)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY:
-        raise ApiError(413, f"request body over {MAX_BODY >> 20} MiB", code="body_too_large")
+        raise _too_large()
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY:
-            raise ApiError(413, f"request body over {MAX_BODY >> 20} MiB", code="body_too_large")
+            raise _too_large()
         chunks.append(chunk)
     return b"".join(chunks)
 
