@@ -182,9 +182,9 @@ class SpecPolicy:
             req.ngram = NgramIndex()
         ids = req.all_ids  # (a new list of the whole history: made once a row)
         if pending is None:
-            return self._corrupted(req, len(ids), self.tree_drafts(req, k, ids=ids) or req.ngram.drafts(ids, k))
+            return self._corrupted(req, len(ids), self.tree_drafts(req, ids, k) or req.ngram.drafts(ids, k))
         tail = list(pending)
-        guess = self.tree_drafts(req, k + 1, tail, ids) or req.ngram.drafts(ids, k + 1, tail)
+        guess = self.tree_drafts(req, ids, k + 1, tail) or req.ngram.drafts(ids, k + 1, tail)
         return self._corrupted(req, len(ids) + len(tail) + 1, guess[1:])
 
     def _corrupted(self, req: Req, at: int, drafts: list[int]) -> list[int]:
@@ -213,15 +213,14 @@ class SpecPolicy:
                                    min(self.num_steps, room))
         return (toks, None) if is_chain(parents) else (toks, parents)
 
-    def tree_drafts(self, req: Req, k: int, tail: list[int] | None = None, ids: list[int] | None = None) -> list[int]:
+    def tree_drafts(self, req: Req, ids: list[int], k: int, tail: list[int] | None = None) -> list[int]:
         """What another cached sequence sharing req's whole token history (and `tail` after it)
         went on with (the same prompt asked again, a conversation's earlier branch): the radix
         tree's continuation from the deepest node req holds (its published pages), matched over
-        its tokens past it (`ids`: req.all_ids, where the caller has it)."""
+        its tokens past it (`ids`: req.all_ids)."""
         if self.cache is None:
             return []
         node = req.node if req.node is not None else self.cache.root
-        ids = req.all_ids if ids is None else ids
         return self.cache.continuation(node, ids[self.cache.depth(node):] + (tail or []), k)
 
 
