@@ -59,7 +59,7 @@ class WorkerPipeline:
         if pending and (len(pending) == MAX_IN_FLIGHT or self.runner.ready(pending[0])):
             self.done.send(self.runner.finish(pending.popleft()))
             return True
-        deferred = getattr(self.runner, "deferred", None)
+        deferred = self.runner.deferred
         if deferred is not None:  # its mask waited for the step just answered: sample it now
             self.runner.complete(deferred)
             return True
