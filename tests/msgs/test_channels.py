@@ -102,6 +102,9 @@ def test_cross_node_channels_get_tcp_addresses_bound_by_the_scheduler() -> None:
     assert channels.STEPS.address("/run", follower="cache", net=net) == "ipc:///run/steps-cache"
     assert channels.STEPS.binds("cache", follower="cache", net=net)
     assert channels.TcpPlan(host="::1", base_port=5000).address(1) == "tcp://[::1]:5001"
+    # the SDK's address too (an IPv6 --host bound it as "tcp://::1:8001", which zmq refuses)
+    assert channels.sdk_address("::1", 8001) == "tcp://[::1]:8001"
+    assert channels.sdk_address("127.0.0.1", 8001) == "tcp://127.0.0.1:8001"
     with pytest.raises(ValueError):
         channels.STEPS.address("/run", net=net)  # per rank: a rank is needed
     assert sum(bool(ch.tcp_binder) for ch in channels.ALL) == 2
