@@ -19,7 +19,9 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   the cp group per layer carries [T, Hq, D + 1] (output | LSE) and every rank merges the cp
   partials in rank order, so every rank ends with the same bytes.
   A decode row (one new token) is the same case: its prefix over every rank's own pages, its
-  own key on rank 0.
+  own key on rank 0. On CPU the step's one-token rows instead go in one kernel call (`_Decode`):
+  the owner has stored the new key first, so each rank attends its own pages, the new key among
+  them, as one paged decode over a local page table, with the kernel's LSE.
 * Kernels (`sdpa_lse`): a flash kernel that returns the LSE (O(L) memory): on CPU torch's, in
   float32; on CUDA FlashAttention-2 (bf16/fp16) or the memory-efficient kernel (float32). The exact
   float32 path (`partial_attention`) is the tests' reference. cp = 1 never builds this
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.layers import cpu_attention
 from engine.layers.attention import _CPU_FLASH_LSE, AttentionBackend
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
@@ -167,10 +170,24 @@ class _ReqPlan:
 
 
 @dataclass
+class _Decode:
+    """The step's one-token rows that have keys on this rank, as one paged decode over this rank's
+    pool: request j's own pages in order (local ids) hold its lens[j] keys, the new one among them
+    where this rank owns its page (stored before attention)."""
+
+    reqs: list[int]  # their indices in the batch
+    rows: torch.Tensor  # int64: their rows of T
+    table: torch.Tensor  # int64 [len(reqs), width]: local page ids
+    lens: list[int]  # keys on this rank
+    kernel: cpu_attention.Plan | None = None  # built on first use (it needs the KV heads)
+
+
+@dataclass
 class _Plan:
     own_rows: torch.Tensor  # int64: rows of T whose K/V this rank stores (their page is its own)
     own_slots: torch.Tensor  # int64: where (this rank's pool)
     reqs: list[_ReqPlan]
+    decode: _Decode | None = None  # the one-token rows, where one kernel call attends them (CPU)
 
 
 def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
@@ -195,7 +212,33 @@ def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
         row += n
     dev = batch.out_slots.device
     slots = batch.out_slots[own.to(dev)]
-    return _Plan(own.to(dev), slots // (ps * world) * ps + slots % ps, reqs)
+    decode = _decode_rows(batch, table, reqs, rank, world) if dev.type == "cpu" else None
+    return _Plan(own.to(dev), slots // (ps * world) * ps + slots % ps, reqs, decode)
+
+
+def _decode_rows(batch: ForwardBatch, table: torch.Tensor, reqs: list[_ReqPlan], rank: int,
+                 world: int) -> _Decode | None:
+    """The one-token rows' paged decode on this rank (`_Decode`), or None where there is none."""
+    ps = batch.page_size
+    picked, lens, pages = [], [], []
+    for i, (seq, r) in enumerate(zip(batch.seq_lens_cpu, reqs, strict=True)):
+        if r.n != 1:
+            continue
+        used = -(-seq // ps)
+        mine = list(range(rank, used, world))
+        if not mine:
+            continue
+        keys = len(mine) * ps - (ps * used - seq if mine[-1] == used - 1 else 0)  # the last page may be part full
+        picked.append(i)
+        lens.append(keys)
+        pages.append(table[i, mine].to(torch.int64) // world)
+    if not picked:
+        return None
+    width = max(len(p) for p in pages)
+    local = torch.zeros(len(picked), width, dtype=torch.int64)
+    for j, p in enumerate(pages):
+        local[j, : len(p)] = p
+    return _Decode(picked, torch.tensor([reqs[i].row for i in picked], dtype=torch.int64), local, lens)
 
 
 class ContextParallelAttention(AttentionBackend):
@@ -245,7 +288,10 @@ class ContextParallelAttention(AttentionBackend):
         flash = self.flash and flash_available(q.device)
         if kv_pool.dtype != q.dtype:  # the self part reads what the pool would give back
             k, v = k.to(kv_pool.dtype).to(q.dtype), v.to(kv_pool.dtype).to(q.dtype)
-        for r in self._plan.reqs:
+        done = self._decode(q, layer_id, kv_pool, o_all, lse_all) if flash else set()
+        for i, r in enumerate(self._plan.reqs):
+            if i in done:
+                continue
             rows = slice(r.row, r.row + r.n)
             if r.prefix_pages is not None and r.prefix_keys > 0:
                 kp, vp = kv_pool.gather_pages(layer_id, r.prefix_pages, q.dtype)
@@ -256,6 +302,23 @@ class ContextParallelAttention(AttentionBackend):
                 sl = slice(r.row + a, r.row + b)
                 o_all[sl], lse_all[sl] = merge_partials(torch.stack([o_all[sl], o_s]), torch.stack([lse_all[sl], l_s]))
         return o_all, lse_all
+
+    def _decode(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool, o_all: torch.Tensor,
+                lse_all: torch.Tensor) -> set[int]:
+        """The plan's one-token rows in one CPU kernel call (`_Decode`), into o_all / lse_all;
+        returns the requests it attended (none where the kernel does not take this cache)."""
+        dec = self._plan.decode if self._plan is not None else None
+        k_pages, v_pages = kv_pool.k[layer_id], kv_pool.v[layer_id]
+        if dec is None or not cpu_attention.fits(k_pages.dtype, q.shape[-1]):
+            return set()
+        if dec.kernel is None:
+            hkv = k_pages.shape[1]
+            dec.kernel = cpu_attention.plan(dec.table, dec.lens, [1] * len(dec.lens), hkv, q.shape[1] // hkv)
+        lse = torch.empty(len(dec.reqs), q.shape[1], dtype=torch.float32)
+        o = cpu_attention.attend(q[dec.rows], dec.kernel, k_pages, v_pages, kv_pool.page_size, q.shape[-1] ** -0.5,
+                                 lse=lse)
+        o_all[dec.rows], lse_all[dec.rows] = o, lse
+        return set(dec.reqs)
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's (out | lse) over the cp group, merge in rank order: [T, Hq, D]."""

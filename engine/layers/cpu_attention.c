@@ -204,6 +204,7 @@ typedef struct {
     void *out;            /* [T, Hq, dv] float32, or bf16 (out_bf16: each value rounded once, as torch rounds) */
     int q_bf16;           /* q is bf16 [T, Hq, dq] (scores by the tile unit), else float32 */
     int out_bf16;
+    float *lse;           /* [T, Hq] float32: each row's log-sum-exp of its scaled scores, or NULL */
 } Args;
 
 /* query row (token, query head) of q: q_bf16 ? uint16_t : float */
@@ -211,9 +212,11 @@ static inline const char *q_row(const Args *a, int64_t token, int head) {
     return (const char *)a->q + ((size_t)token * a->q_stride + (size_t)head * a->dq) * (a->q_bf16 ? 2 : 4);
 }
 
-/* out row (token, query head) = o / l, in the output's dtype (bf16: rounded to nearest even; NaN stays NaN) */
-static void store_row(const Args *a, int64_t token, int head, const float *o, float l) {
+/* out row (token, query head) = o / l, in the output's dtype (bf16: rounded to nearest even; NaN stays NaN);
+   its LSE m + log(l) where asked (m: the row's maximum score, l: its exp-scores' sum) */
+static void store_row(const Args *a, int64_t token, int head, const float *o, float l, float m) {
     const size_t at = ((size_t)token * a->q_heads + head) * a->dv;
+    if (a->lse) a->lse[(size_t)token * a->q_heads + head] = m + logf(l);
     if (!a->out_bf16) {
         float *dst = (float *)a->out + at;
         for (int d = 0; d < a->dv; d++) dst[d] = o[d] / l;
@@ -224,9 +227,9 @@ static void store_row(const Args *a, int64_t token, int head, const float *o, fl
 }
 
 /* Row si's scores (keys 0 .. seen - 1) as exp-scores, in place, zero to the next 16; returns their
-   sum. The maximum is exact in any order; the exp-scores are summed in LANES lanes by key position,
-   then a fixed tree */
-static float softmax_row(float *si, int seen) {
+   sum and the maximum in *max. The maximum is exact in any order; the exp-scores are summed in LANES
+   lanes by key position, then a fixed tree */
+static float softmax_row(float *si, int seen, float *max) {
     const int padded = (seen + LANES - 1) / LANES * LANES;
     for (int j = seen; j < padded; j++) si[j] = -INFINITY;
     float lane[LANES];
@@ -235,6 +238,7 @@ static float softmax_row(float *si, int seen) {
         for (int u = 0; u < LANES; u++) lane[u] = si[j + u] > lane[u] ? si[j + u] : lane[u];
     float m = lane[0];
     for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
+    *max = m;
     for (int j = 0; j < padded; j++) si[j] = exp_neg(si[j] - m);  /* exp(-inf) = 0 */
     for (int u = 0; u < LANES; u++) lane[u] = 0.0f;
     for (int j = 0; j < padded; j += LANES)
@@ -352,7 +356,7 @@ static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0
     uint16_t *qt = (uint16_t *)(tmp + width);               /* [rows rounded up to 16, dq] */
     uint32_t *kt = (uint32_t *)(qt + (size_t)(rows + 15) / 16 * 16 * dq);  /* [width / 16][steps][256] */
     uint32_t *vv = kt + (size_t)width / 16 * steps * 256;   /* [width / 2, dv] */
-    float l[16], c[256];
+    float l[16], mx[16], c[256];
     queries_amx(a, row0, h, rows, qt);
     keys_amx(a, pt, h, keys, kt);
     values_vnni(a, pt, h, keys, vv);
@@ -373,7 +377,7 @@ static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0
             const int seen = pos0 + (r0 + i) / g + 1;
             float *si = s + (size_t)i * width;
             for (int j = 0; j < seen; j++) si[j] *= a->scale;  /* as the float path: the sum, then times scale */
-            l[i] = softmax_row(si, seen);
+            l[i] = softmax_row(si, seen, &mx[i]);
             split_row(si, seen, vsteps * 32, width, tmp);
         }
         for (int d0 = 0; d0 < dv; d0 += 64) {  /* 64 dims in four accumulators (tiles 0, 3, 4, 5) */
@@ -397,7 +401,7 @@ static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0
 #undef STRATA_OUT
         }
         for (int i = 0; i < nr; i++)
-            store_row(a, row0 + (r0 + i) / g, h * g + (r0 + i) % g, o + (size_t)i * dv, l[i]);
+            store_row(a, row0 + (r0 + i) / g, h * g + (r0 + i) % g, o + (size_t)i * dv, l[i], mx[i]);
     }
 }
 
@@ -424,6 +428,7 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     float *s = vt + (size_t)CHUNK * dv;         /* [rows, width]: scores, then exp-scores */
     float *o = s + (size_t)rows * width;        /* [rows, dv] */
     float *l = o + (size_t)rows * dv;           /* [rows]: the exp-scores' sums */
+    float *mx = l + rows;                       /* [rows]: the maximum scores */
     float krow[1024];                           /* one key (dq <= 1024, checked by the caller) */
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
     for (int t = 0; t < tiles; t++) {
@@ -446,7 +451,7 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
         }
     }
     for (int i = 0; i < rows; i++) {
-        l[i] = softmax_row(s + (size_t)i * width, pos0 + i / g + 1);  /* keys 0..pos */
+        l[i] = softmax_row(s + (size_t)i * width, pos0 + i / g + 1, &mx[i]);  /* keys 0..pos */
         memset(o + (size_t)i * dv, 0, sizeof(float) * dv);
     }
     for (int t = 0; t < tiles; t++) {
@@ -467,7 +472,7 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
                 value_tile(s + (size_t)i * width + t * CHUNK, vt, stop0 < n ? stop0 : n, dv, o + (size_t)i * dv);
         }
     }
-    for (int i = 0; i < rows; i++) store_row(a, row0 + i / g, h * g + i % g, o + (size_t)i * dv, l[i]);
+    for (int i = 0; i < rows; i++) store_row(a, row0 + i / g, h * g + i % g, o + (size_t)i * dv, l[i], mx[i]);
 }
 
 /* 1 where this build has the AMX path (the CPU's compiler flags), else 0 */
@@ -493,18 +498,19 @@ size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, 
         amx = need > amx ? need : amx;
 #endif
     }
-    const size_t fma = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + rows;
+    const size_t fma = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + 2 * rows;
     return fma > amx ? fma : amx;
 }
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
-   first) x KV heads, item = block * kv_heads + head; returns 0, or -1 if scratch fails */
+   first) x KV heads, item = block * kv_heads + head, each row's LSE into lse where not NULL;
+   returns 0, or -1 if scratch fails */
 int strata_attend(const void *q, int64_t q_stride, const void *k, const void *v, int64_t k_stride,
                   int64_t v_stride, int kv_dtype, int kv_heads, int q_heads, int dq, int dv, int page_size,
                   float scale, const int64_t *page_table, int64_t pt_width, const int32_t *blocks, int first,
-                  int last, void *out, int q_bf16, int out_bf16) {
+                  int last, void *out, int q_bf16, int out_bf16, float *lse) {
     Args a = {q, q_stride, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
-              page_table, pt_width, out, q_bf16, out_bf16};
+              page_table, pt_width, out, q_bf16, out_bf16, lse};
     if (q_bf16 && !strata_amx(dq, dv, page_size, kv_dtype)) return -2;
     float *scratch = malloc(strata_scratch(blocks, first, last, kv_heads, q_heads / kv_heads, dq, dv) * sizeof(float));
     if (!scratch) return -1;

@@ -94,12 +94,14 @@ def plan(page_table: torch.Tensor, seq_lens: list[int], extend_lens: list[int], 
 
 
 def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size: int, scale: float,
-           dv: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           dv: int | None = None, out_dtype: torch.dtype = torch.float32,
+           lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, dq] over one layer's pages k [slots, Hkv, dq] and v [slots,
     Hkv, >= dv] (v's first dv values of each row; MLA: v is k, dv its latent rank): [T, Hq, dv] in
     out_dtype (float32, or bf16: each value rounded once, as .to() would), each row's bits whatever
     the plan's blocks and threads. q is read in place where its heads are adjacent (a view of the
-    fused QKV projection's output: tokens a row stride apart)."""
+    fused QKV projection's output: tokens a row stride apart). `lse` (float32 [T, Hq], contiguous), where
+    given, receives each row's log-sum-exp of its scaled scores (context parallelism merges by it)."""
     lib = library()
     t, hq, dq = q.shape
     hkv = k.shape[1]
@@ -112,6 +114,9 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     if not cpu_kernels.heads_packed(qx):
         qx = qx.contiguous()
     out = torch.empty(t, hq, dv, dtype=out_dtype)
+    if lse is not None and (lse.shape != (t, hq) or lse.dtype != torch.float32 or not lse.is_contiguous()):
+        raise ValueError(f"cpu_attention: lse must be float32 [{t}, {hq}] contiguous, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
     if t == 0:
         return out
 
@@ -119,7 +124,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
         rc = lib.strata_attend(qx.data_ptr(), qx.stride(0), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
                                KV_DTYPES[k.dtype], hkv, hq, dq, dv, page_size, scale, p.page_table.data_ptr(),
                                p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr(), int(amx),
-                               int(out_dtype == torch.bfloat16))
+                               int(out_dtype == torch.bfloat16), None if lse is None else lse.data_ptr())
         if rc != 0:
             raise MemoryError("cpu_attention: no memory for the kernel's scratch")
 

@@ -81,7 +81,8 @@ def library() -> ctypes.CDLL | None:
     lib.strata_scratch.restype = ctypes.c_size_t
     lib.strata_scratch.argtypes = [_P, _I, _I, _I, _I, _I, _I]
     lib.strata_attend.restype = _I
-    lib.strata_attend.argtypes = [_P, _L, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, _F, _P, _L, _P, _I, _I, _P, _I, _I]
+    lib.strata_attend.argtypes = [_P, _L, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, _F, _P, _L, _P, _I, _I, _P, _I, _I,
+                                  _P]
     lib.strata_amx.restype = _I
     lib.strata_amx.argtypes = [_I, _I, _I, _I]
     lib.strata_amx_built.restype = _I

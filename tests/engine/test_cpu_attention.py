@@ -77,6 +77,31 @@ def test_close_to_float64(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("kv_dtype", "q_dtype"), DTYPES)
+def test_lse_is_each_rows_logsumexp(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
+    """The kernel's LSE output (context parallelism merges partials by it): each row's log-sum-exp
+    of its scaled causal scores, close to float64, and asking for it leaves the output's bits alone."""
+    seqs, lens = [150, 70, 64], [150, 23, 1]
+    k, v = _pool(64 * PS, 3, 64, kv_dtype, 1), _pool(64 * PS, 3, 64, kv_dtype, 2)
+    table = _table(3, 10, 64)
+    q = torch.randn(sum(lens), 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    p = cpu_attention.plan(table, seqs, lens, 3, 3)
+    lse = torch.full((sum(lens), 9), float("nan"))
+    got = cpu_attention.attend(q, p, k, v, PS, 0.125, lse=lse)
+    assert torch.equal(got, cpu_attention.attend(q, p, k, v, PS, 0.125))
+    want, row = [], 0
+    for r, (seq, n) in enumerate(zip(seqs, lens, strict=True)):
+        pos = torch.arange(seq)
+        kk = k[table[r, pos // PS].long() * PS + pos % PS].double().repeat_interleave(3, 1)
+        sc = torch.einsum("thd,khd->thk", q[row : row + n].double(), kk) * 0.125
+        sc.masked_fill_(pos[None, None, :] > torch.arange(seq - n, seq)[:, None, None], float("-inf"))
+        want.append(sc.logsumexp(-1))
+        row += n
+    torch.testing.assert_close(lse.double(), torch.cat(want), rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        cpu_attention.attend(q, p, k, v, PS, 0.125, lse=torch.empty(sum(lens), 8))
+
+
+@pytest.mark.parametrize(("kv_dtype", "q_dtype"), DTYPES)
 @pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
 def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype, q_dtype: torch.dtype, heads: tuple[int, int]) -> None:
     """A 200-token prompt's rows: prefilled whole, in chunks of 37 behind its own prefix, a token
@@ -161,7 +186,7 @@ def test_scratch_covers_every_block_of_a_range() -> None:
     def want(*used: int) -> int:
         rows = max(int(blocks[b, 2]) * g for b in used)
         widths = {b: -(-int(blocks[b, 3] + blocks[b, 2]) // chunk) * chunk for b in used}
-        fma = fixed + max(int(blocks[b, 2]) * g * widths[b] for b in used) + rows * dv + rows
+        fma = fixed + max(int(blocks[b, 2]) * g * widths[b] for b in used) + rows * dv + 2 * rows  # sums, maxima
 
         def amx(r: int, w: int) -> int:  # attend_item_amx: a row tile's scores and outputs, a row, Q, K, V
             return 16 * w + 16 * dv + w + -(-r // 16) * 16 * dq // 2 + w // 16 * (dq // 32) * 256 + w // 2 * dv

@@ -173,14 +173,16 @@ class OwnedPages:
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol: float, flash: bool) -> None:
     """Two simulated ranks, each with its own pool of 1/2 the pages: step 1 fresh prefills, step 2
-    a chunk over a cached prefix (13 tokens: the last cached page shared with new tokens), a decode,
-    a fresh prefill. Each rank's partials merged = TorchAttention over cp = 1's pool."""
+    a chunk over a cached prefix (13 tokens: the last cached page shared with new tokens), two decodes
+    (one with keys on both ranks, one whose 3 keys are all rank 0's), a fresh prefill. Each rank's
+    partials merged = TorchAttention over cp = 1's pool. With flash, the one-token rows go through
+    the CPU kernel's batched decode (`_Decode`), its LSE merged as the flash parts' are."""
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, cp = 4, 2, 8, 2
-    lengths = {"a": 24, "b": 10, "c": 7}
+    lengths = {"a": 24, "b": 10, "c": 7, "d": 3}
     one, two = OwnedPages(1), OwnedPages(cp)
     tables = {n: (one.pages(t), two.pages(t)) for n, t in lengths.items()}
-    steps = [[("a", 0, 13), ("b", 0, 9)], [("a", 13, 11), ("b", 9, 1), ("c", 0, 7)]]
+    steps = [[("a", 0, 13), ("b", 0, 9), ("d", 0, 2)], [("a", 13, 11), ("b", 9, 1), ("c", 0, 7), ("d", 2, 1)]]
     ref_pool = KVPool(1, 40, 4, hkv, d, dtype, "cpu")
     pools = [KVPool(1, 40, 4, hkv, d, dtype, "cpu") for _ in range(cp)]
     backends = [ContextParallelAttention(TPGroup(r, cp)) for r in range(cp)]
@@ -199,6 +201,10 @@ def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol:
         parts = []
         for be, pool in zip(backends, pools, strict=True):
             be.prepare(batch(1))
+            dec = be.plan.decode
+            if step is steps[1]:  # the decode rows (b: 6 keys on rank 0, 4 on rank 1; d: 3 on rank 0 only)
+                assert dec is not None and dec.reqs == ([1, 3] if be.cp.rank == 0 else [1])
+                assert dec.lens == ([6, 3] if be.cp.rank == 0 else [4])
             be.store_rows(0, pool, k, v)
             parts.append(be.partial(q, k, v, 0, pool))
         got, _ = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
