@@ -44,7 +44,9 @@ class SdkBatchClient:
     async def _read(self) -> None:
         while True:
             msg = SDK_OUT.codec.decode(await self._sock.recv())
-            fut = self._waiting.pop(msg.rid, None) if msg is not None else None
+            if not isinstance(msg, GenerateChunk | GenerateError):  # a KeepAlive (a long request) or malformed
+                continue
+            fut = self._waiting.pop(msg.rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 

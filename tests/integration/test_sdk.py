@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import zmq
 
+from engine.bench.sdk_client import SdkBatchClient
 from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import KeepAlive
 from msgs.params import SamplingParams
@@ -78,9 +79,9 @@ def test_a_closed_sdk_connection_aborts_its_streams(server: Server) -> None:
     assert m["strata_kv_leak_free"] == 1
 
 
-def test_keep_alives_are_skipped_by_both_clients(server: Server) -> None:
+def test_keep_alives_are_skipped_by_every_client(server: Server) -> None:
     """A non-streamed request of more than a second gets keep-alives before its answer: the clients
-    return the answer."""
+    (the SDK's two and bin/bench's batch client) return the answer."""
     with Client(server.sdk) as c:
         assert len(c.generate("Count:", max_new_tokens=120, ignore_eos=True).token_ids) == 120
 
@@ -92,6 +93,12 @@ def test_keep_alives_are_skipped_by_both_clients(server: Server) -> None:
             c.close()
 
     assert asyncio.run(main()) == 120
+
+    async def bench_client() -> int:
+        async with SdkBatchClient(server.sdk) as c:
+            return len((await c.generate([504, 3575, 282], max_new_tokens=120, ignore_eos=True)).token_ids)
+
+    assert asyncio.run(bench_client()) == 120
 
 
 def test_async_sdk_concurrent(server: Server) -> None:
