@@ -33,6 +33,24 @@ _SIGMOID_NOAUX_ARCHS = frozenset({"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"}
 # transformers' Qwen MoE routers compute their logits in the model's dtype (nn.Linear, then a
 # float32 softmax); DeepSeek's and GLM's in float32
 _MODEL_DTYPE_ROUTER_ARCHS = frozenset({"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"})
+# transformers' config defaults where they differ from the generic ones below: a key a config.json
+# leaves out means what it means to transformers (a stripped GLM-4.5 config rotates half of each
+# head, a DeepSeek-V3 one routes in 8 groups), never silently something else
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Glm4MoeForCausalLM": {"rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1},
+    "DeepseekV3ForCausalLM": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_shared_experts": 1,
+                              "first_k_dense_replace": 3},
+    "DeepseekV2ForCausalLM": {"n_shared_experts": 2},
+    "MistralForCausalLM": {"sliding_window": 4096},
+}
+# the routing each MoE family's reference code implements: (scoring_func, topk_methods) the config
+# may name; a Qwen MoE config's DeepSeek-style routing keys are not read (transformers ignores them)
+_ROUTING: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Glm4MoeForCausalLM": ("sigmoid", ("noaux_tc",)),
+    "DeepseekV3ForCausalLM": ("sigmoid", ("noaux_tc",)),
+    "DeepseekV2ForCausalLM": ("softmax", ("greedy", "group_limited_greedy")),
+}
 
 
 @dataclass(frozen=True)
@@ -236,6 +254,7 @@ class ModelConfig:
                   model_dir: Path | None = None) -> ModelConfig:
         """Build from a config.json dict; raises ValueError on missing keys or unsupported features."""
         arch = _architecture(d)
+        d = {**_ARCH_DEFAULTS.get(arch, {}), **d}
         _reject_unsupported(d, arch)
         hidden, heads = _req(d, "hidden_size"), _req(d, "num_attention_heads")
         mla = _mla(d) if arch in _MLA_ARCHS else None
@@ -338,8 +357,8 @@ def _rope(d: dict[str, Any], yarn_ok: bool = False) -> tuple[float, RopeScaling 
     """(theta, scaling) from either `rope_parameters` (transformers 5) or the legacy keys; `yarn_ok`:
     the architecture's plug-in implements YaRN (MLA models)."""
     params = d.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta, scaling = params["rope_theta"], params
+    if isinstance(params, dict):  # its theta, else the top-level one (transformers merges them so)
+        theta, scaling = params.get("rope_theta", d.get("rope_theta", 10000.0)), params
     else:
         theta, scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
     if not scaling:
@@ -399,17 +418,28 @@ def _moe(d: dict[str, Any], arch: str) -> MoEConfig | None:
             raise ValueError(f"moe_layer_freq must be >= 1, got {freq}")
         moe_layers = tuple(i for i in range(layers) if i >= first and i % freq == 0)
     noaux = arch in _SIGMOID_NOAUX_ARCHS
+    scoring, methods = _ROUTING.get(arch, ("softmax", ("greedy",)))
+    deepseek_style = arch in _ROUTING
+    scoring_func = str(d.get("scoring_func") or scoring) if deepseek_style else scoring
+    topk_method = str(d.get("topk_method") or methods[0]) if deepseek_style else methods[0]
+    if scoring_func != scoring or topk_method not in methods:
+        raise ValueError(f"unsupported MoE routing for {arch}: scoring_func {scoring_func!r} with topk_method "
+                         f"{topk_method!r} (its reference code scores by {scoring!r} with {' or '.join(methods)})")
+    norm = bool(d.get("norm_topk_prob", noaux))  # transformers' defaults: on for GLM/DeepSeek-V3
+    if arch == "DeepseekV2ForCausalLM" and norm:  # V2's own code normalizes instead of scaling; transformers never
+        raise ValueError("unsupported norm_topk_prob=true for DeepseekV2ForCausalLM (its implementations disagree "
+                         "on it: transformers ignores it, DeepSeek's code skips routed_scaling_factor)")
     return MoEConfig(
         num_experts=int(experts),
         top_k=int(_req(d, "num_experts_per_tok")),
         intermediate_size=int(_req(d, "moe_intermediate_size")),
         layers=moe_layers,
-        scoring_func=str(d.get("scoring_func") or ("sigmoid" if noaux else "softmax")),
-        topk_method=str(d.get("topk_method") or ("noaux_tc" if noaux else "greedy")),
-        norm_topk_prob=bool(d.get("norm_topk_prob", noaux)),  # transformers' defaults: on for GLM/DeepSeek-V3
-        n_group=int(d.get("n_group") or 1),
-        topk_group=int(d.get("topk_group") or 1),
-        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        scoring_func=scoring_func,
+        topk_method=topk_method,
+        norm_topk_prob=norm,
+        n_group=int(d.get("n_group") or 1) if deepseek_style else 1,
+        topk_group=int(d.get("topk_group") or 1) if deepseek_style else 1,
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0) if deepseek_style else 1.0,
         num_shared_experts=int(d.get("n_shared_experts") or 0),
         router_float32=arch not in _MODEL_DTYPE_ROUTER_ARCHS,
     )
