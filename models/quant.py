@@ -158,12 +158,15 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantScheme:
         fmt_, block = "fp8_row", (128, 128)
     elif strategy == "block":
         fmt_, block = "fp8_block", tuple(w.get("block_structure") or (128, 128))
+        if block != (128, 128):
+            raise ValueError(f"{where}.weights.block_structure {list(block)} is not supported (only [128, 128])")
     else:
         raise ValueError(f"{where}.weights.strategy {strategy!r} is not supported (channel, tensor, block)")
     acts = "dynamic"
     if a is not None:
         if a.get("num_bits") != 8 or a.get("type") != "float":
-            raise ValueError(f"{where}.input_activations num_bits {a.get('num_bits')!r} is not supported")
+            raise ValueError(f"{where}.input_activations (type {a.get('type')!r}, num_bits {a.get('num_bits')!r}) "
+                             "is not supported (only 8-bit float)")
         acts = "dynamic" if a.get("dynamic", True) else "static"
     return QuantScheme(fmt_, "compressed-tensors", acts, block=block, ignore=tuple(q.get("ignore") or ()))
 

@@ -59,6 +59,9 @@ def _scaled_sharding(sh: Sharding | None, dim_units: dict[int, int], shape: tupl
     for name, p in sh.pieces.items():
         if (p.src[0] % unit or p.dst % unit or p.full_offset % unit or (p.src[1] % unit and p.src[1] != p.full_len)
                 or (len(sh.pieces) > 1 and p.full_len % unit)):
+            if len(sh.pieces) > 1 and p.full_len % unit:  # no tp size helps: the checkpoint's fused piece
+                raise ValueError(f"a fused projection's piece {name!r} of {p.full_len} rows is not a whole number of "
+                                 f"the quantization's {unit}-wide blocks (block-quantized checkpoints need it)")
             raise ValueError(f"a weight shard [{p.src[0]}, {p.src[1]}) of {p.full_len} is not aligned to the "
                              f"quantization's {unit}-wide blocks; choose a --tp-size that splits on block boundaries")
         pieces[name] = Piece((p.src[0] // unit, -(-p.src[1] // unit)), p.dst // unit, -(-p.full_len // unit),

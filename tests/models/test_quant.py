@@ -111,6 +111,16 @@ def test_unsupported_compressed_tensors_and_modelopt_are_named(plain: dict[str, 
         num_bits=4, type="int"))
     with pytest.raises(ValueError, match=r"config_groups\.group_0\.weights num_bits 4 type 'int'"):
         load_model(ct, progress=False)
+    ct_act = quantize_dir(plain["llama"], tmp_path / "ct_act", "ct-channel")
+    _config(ct_act, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "dynamic": True}))
+    with pytest.raises(ValueError, match=r"input_activations \(type 'int', num_bits 8\) is not supported"):
+        load_model(ct_act, progress=False)
+    ct_block = quantize_dir(plain["llama"], tmp_path / "ct_block", "ct-channel")
+    _config(ct_block, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+        strategy="block", block_structure=[64, 64]))
+    with pytest.raises(ValueError, match=r"weights\.block_structure \[64, 64\] is not supported"):
+        load_model(ct_block, progress=False)
     mo = quantize_dir(plain["llama"], tmp_path / "mo", "modelopt-fp8")
     q = json.loads((mo / "hf_quant_config.json").read_text())
     q["quantization"]["quant_algo"] = "W4A8_AWQ"
