@@ -1,7 +1,8 @@
 """The components of a rank's replica (and of the scheduler's mirror of it).
 
 * PageTables: slot -> (rid, page table); AddReq / ExtendPages / FreeReq / TrimReq.
-* SlotSampling: slot -> the sampling parameters the worker's sampler holds for it.
+* SlotSampling: slot -> the sampling parameters the worker's sampler holds for it, and its token
+  history (prompt and earlier output: the penalties, min_new_tokens and grammar replay read it).
 * PrefixCachePages: the device pages the prefix cache holds; CachePages / EvictPages / Flush.
 * HostTier (host.py): the host tier's (L2) allocator; the host ops and Flush.
 * GrammarKeys: the compiled grammars every rank holds, by key (AddReq); the matchers
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import OrderedDict
 
@@ -70,13 +72,16 @@ class SlotSampling(Component):
     ops = (AddReq, FreeReq)
 
     def __init__(self) -> None:
-        self.params: dict[int, bytes] = {}  # slot -> canonical msgpack of its WorkerSampling
+        # slot -> canonical msgpack of its WorkerSampling, its history's lengths and their hash
+        self.params: dict[int, bytes] = {}
 
     def apply(self, op: AddReq | FreeReq) -> None:
         if isinstance(op, AddReq):
             if op.slot in self.params:
                 raise ReplicaError(f"AddReq for busy sampling slot {op.slot}")
-            self.params[op.slot] = _ENCODER.encode(op.sampling)
+            history = array("i", [len(op.prompt_ids), len(op.output_ids)]).tobytes()
+            history += hashlib.blake2b(op.prompt_ids + op.output_ids, digest_size=16).digest()
+            self.params[op.slot] = _ENCODER.encode(op.sampling) + history
         elif self.params.pop(op.slot, None) is None:
             raise ReplicaError(f"FreeReq for unknown sampling slot {op.slot}")
 

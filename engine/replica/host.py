@@ -9,6 +9,8 @@ fills them from disk; workers copy nothing). Without HostInit the tier does not 
 
 from __future__ import annotations
 
+import msgspec
+
 from engine.cache.host_alloc import HostAllocator, HostAllocError
 from engine.replica.base import Component, ReplicaError
 from msgs.codec import unpack_ids
@@ -16,6 +18,7 @@ from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, H
 
 HostOp = HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | Flush | L3Load
 L3_KEY_BYTES = 16  # engine/cache/l3.py: KEY_BYTES
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 class HostTier(Component):
@@ -24,6 +27,7 @@ class HostTier(Component):
 
     def __init__(self) -> None:
         self.alloc = HostAllocator()
+        self.layout = b""  # the HostInit's fields (page bytes, layers, components, fingerprint), in the digest
 
     def apply(self, op: HostOp) -> None:
         if not isinstance(op, (HostInit, Flush)) and not self.alloc.capacity:
@@ -38,6 +42,7 @@ class HostTier(Component):
         match op:
             case HostInit(num_pages=n):
                 a.init(n)
+                self.layout = _ENCODER.encode(op)
             case BackupPrepare(obj=obj, device_pages=pages, host_start=want):
                 got = a.reserve(obj, len(unpack_ids(pages)))
                 if got != want:  # the scheduler placed it elsewhere: this replica diverged
@@ -63,4 +68,4 @@ class HostTier(Component):
                 a.reset()
 
     def encode(self) -> bytes:
-        return self.alloc.encode() if self.alloc.capacity else b""
+        return self.layout + self.alloc.encode() if self.alloc.capacity else b""
