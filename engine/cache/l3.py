@@ -126,10 +126,14 @@ def key_path(root: str | Path, key: bytes) -> Path:
 
 
 def probe(root: str | Path, keys: Sequence[bytes]) -> int:
-    """How many of `keys`, from the first, have a file (a stat each; the read verifies)."""
+    """How many of `keys`, from the first, have a file (a stat each; the read verifies). A stat
+    that fails (permissions, I/O) is a miss: a lookup never stops the scheduler that asks it."""
     n = 0
     for key in keys:
-        if not key_path(root, key).is_file():
+        try:
+            if not key_path(root, key).is_file():
+                break
+        except OSError:
             break
         n += 1
     return n
