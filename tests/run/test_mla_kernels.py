@@ -248,7 +248,8 @@ TINY_V3 = {  # all dense (no MoE block): the decode step a CUDA graph captures
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
     "intermediate_size": 96, "num_hidden_layers": 2, "first_k_dense_replace": 2, "num_attention_heads": 4,
     "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": R, "qk_nope_head_dim": NOPE,
-    "qk_rope_head_dim": P, "v_head_dim": V, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "qk_rope_head_dim": P, "v_head_dim": V, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+    "topk_group": 1,
     "moe_intermediate_size": 16, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False, "rope_theta": 10000.0, "eos_token_id": 1, "bos_token_id": 0,
 }
