@@ -1,4 +1,5 @@
-"""All-reduce through shared memory for CPU ranks on one host (tp on CPU, one node).
+"""All-reduce (and all-gather) through shared memory for CPU ranks on one host (tp and cp on CPU,
+one node).
 
 Why: gloo's all-reduce of a decode step's activations took ~2 ms on a 2-core host (a tcp round
 trip through its I/O threads) against ~50 us here, and a Llama-family step does two per layer:
@@ -117,6 +118,18 @@ class ShmAllReduce:
         for r in range(1, self.world):
             flat.add_(slots[r].view(x.dtype))
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world, *x.shape]: every rank's x in rank order, the same bytes on every rank (the
+        context-parallel merge's exchange, gloo's ~2 ms a layer otherwise); the slots and the
+        sequence as all_reduce's."""
+        self.seq += 1
+        n = x.numel() * x.element_size()
+        slots = self._slots[self.seq & 1, :, :n]
+        slots[self.rank].view(x.dtype).copy_(x.view(-1))
+        self._words[self._seq_at[self.rank]] = self.seq
+        self._wait()
+        return slots.view(x.dtype).view(self.world, *x.shape).clone()
 
     def _wait(self) -> None:
         words, seq = self._words, self.seq

@@ -101,16 +101,19 @@ def _groups(cfg: ServerConfig, rank: int, device: torch.device) -> ParallelState
     rule for new_group); at cp 1 the tp group is the whole world, as before."""
     tp_rank, cp_rank = rank_layout(rank, cfg.tp_size)
     if cfg.cp_size == 1:
-        symm = _symm_all_reduce(device) or _shm_all_reduce(cfg, dist.group.WORLD, rank, device)
+        symm = _symm_all_reduce(device) or _shm_all_reduce(cfg, dist.group.WORLD, rank, cfg.tp_size, device)
         t = TPGroup(rank, cfg.tp_size, dist.group.WORLD, symm)
         return ParallelState(tp=t, ep=t if cfg.ep_size > 1 else TPGroup())  # --ep-size: the same ranks
     tp_groups = [dist.new_group([c * cfg.tp_size + t for t in range(cfg.tp_size)]) for c in range(cfg.cp_size)]
     cp_groups = [dist.new_group([c * cfg.tp_size + t for c in range(cfg.cp_size)]) for t in range(cfg.tp_size)]
     # the one-shot all-reduce is set up over the whole world only: under cp, NCCL for every size
-    # (on CPU each tp group gets its shared-memory one)
-    t = TPGroup(tp_rank, cfg.tp_size, tp_groups[cp_rank], _shm_all_reduce(cfg, tp_groups[cp_rank], tp_rank, device)) \
-        if cfg.tp_size > 1 else TPGroup()
-    c = TPGroup(cp_rank, cfg.cp_size, cp_groups[tp_rank], None)
+    # (on CPU each tp group gets its shared-memory one, and each cp group one for the merge's all-gather)
+    t = TPGroup()
+    if cfg.tp_size > 1:
+        t = TPGroup(tp_rank, cfg.tp_size, tp_groups[cp_rank],
+                    _shm_all_reduce(cfg, tp_groups[cp_rank], tp_rank, cfg.tp_size, device))
+    c = TPGroup(cp_rank, cfg.cp_size, cp_groups[tp_rank],
+                _shm_all_reduce(cfg, cp_groups[tp_rank], cp_rank, cfg.cp_size, device))
     return ParallelState(tp=t, ep=t if cfg.ep_size > 1 else TPGroup(), cp=c)
 
 
@@ -136,12 +139,13 @@ def _symm_all_reduce(device: torch.device) -> SymmAllReduce | None:
     return None
 
 
-def _shm_all_reduce(cfg: ServerConfig, group: object, group_rank: int, device: torch.device) -> ShmAllReduce | None:
-    """CPU ranks on one node: the tp group's all-reduce through shared memory
+def _shm_all_reduce(cfg: ServerConfig, group: object, group_rank: int, world: int,
+                    device: torch.device) -> ShmAllReduce | None:
+    """CPU ranks on one node: the group's all-reduce (and all-gather) through shared memory
     (engine/layers/shm_allreduce.py; ~50 us against gloo's ~2 ms on a 2-core host), or None (gloo)."""
     if cfg.nnodes > 1 or not shm_allreduce.available(device):
         return None
-    shm = shm_allreduce.setup(group, group_rank, cfg.tp_size, COLLECTIVE_TIMEOUT_S)
+    shm = shm_allreduce.setup(group, group_rank, world, COLLECTIVE_TIMEOUT_S)
     if shm is None:
         log.warning("shared-memory all-reduce not set up: gloo for every size")
     return shm

@@ -1,6 +1,7 @@
 """The CPU ranks' shared-memory all-reduce (engine/layers/shm_allreduce.py), two real ranks in
-spawned processes over gloo: sums in rank order, the same bytes on both ranks, messages over its
-size left to gloo, the file gone once mapped, and a rank whose peer died raises instead of spinning."""
+spawned processes over gloo: sums in rank order, the same bytes on both ranks, an all-gather in rank
+order, messages over its size left to gloo, the file gone once mapped, and a rank whose peer died
+raises instead of spinning."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
             assert shm.takes(x)
             y = shm.all_reduce(x.clone())
             got.append((dtype, _bytes(x), _bytes(y)))  # raw bytes: no tensor travels through the queue
+        x = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank
+        g = shm.all_gather(x)  # every rank's, in rank order
+        got.append((torch.float32, _bytes(x), _bytes(g)))
         assert not shm.takes(torch.zeros(shm_allreduce.MAX_BYTES // 4 + 1))  # gloo's
         left = sorted(p.name for p in Path("/dev/shm").glob(f"strata-allreduce-{os.getpid()}-*"))  # rank 0 made it
         out.put((rank, (got, left)))
@@ -81,8 +85,11 @@ def test_two_ranks_sum_in_rank_order_and_a_dead_peer_raises() -> None:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    for (dtype, a, ya), (_, b, yb) in zip(reports[0][0], reports[1][0], strict=True):
+    *sums, gather = zip(reports[0][0], reports[1][0], strict=True)
+    for (dtype, a, ya), (_, b, yb) in sums:
         assert ya == yb  # the same bytes on both ranks
         assert torch.equal(_tensor(ya, dtype), _tensor(a, dtype) + _tensor(b, dtype))  # rank 0's then rank 1's
+    (_, a, ga), (_, b, gb) = gather  # the all-gather: rank 0's x, then rank 1's, on both ranks
+    assert ga == gb and ga == a + b
     assert reports[0][1] == [] and reports[1][1] == []  # unlinked once both mapped it
     assert "is gone" in reports["late"], reports["late"]
