@@ -31,9 +31,10 @@ class Flushed(msgspec.Struct, tag=True, frozen=True):
 
 
 class ProcessDied(msgspec.Struct, tag=True, frozen=True):
-    """A child died or reported Fatal; the server is about to shut down."""
+    """A child died or reported Fatal, or (proc "") the supervisor was signalled: the server is
+    about to shut down, and every request in flight fails with a 503."""
 
-    proc: str  # e.g. "worker-0", "scheduler"
+    proc: str  # e.g. "worker-0", "scheduler"; "" for a shutdown
     reason: str  # e.g. "killed by SIGKILL", "exit status 1", a Fatal's reason
 
 

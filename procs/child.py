@@ -1,5 +1,6 @@
 """What every child process the supervisor starts does first: read `--config` (and
-`--rank` for workers), set up its JSON log, exit cleanly on SIGTERM."""
+`--rank` for workers), set up its JSON log, exit cleanly on SIGTERM, ignore SIGINT (a Ctrl-C in a
+terminal reaches the whole process group: the supervisor alone decides the shutdown)."""
 
 from __future__ import annotations
 
@@ -25,4 +26,5 @@ def start_child(role: str, with_rank: bool = False) -> tuple[ServerConfig, struc
     rank = args.rank if with_rank else None
     log = setup_logging(role, cfg.log_dir, rank=rank)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return cfg, log, rank

@@ -115,6 +115,8 @@ def _run(
                 if set(ready) == set(expected):
                     print(ready_line(cfg, ready), flush=True)
                     print(f"strata: {time_to_ready(time.monotonic() - t_start, ready)}", flush=True)
+        if stop["signal"]:  # a Ctrl-C reaches the children too: their exit is the shutdown, not a crash
+            break
         dead = children.first_dead()
         if dead:
             name, how = dead
@@ -122,7 +124,11 @@ def _run(
         if len(ready) < len(expected) and time.monotonic() > deadline:
             print(f"strata: start timed out; not ready: {sorted(set(expected) - set(ready))}", file=sys.stderr)
             return 1
-    log.info("shutting down", signal=stop["signal"])
+    how = signal.Signals(stop["signal"]).name
+    log.info("shutting down", signal=how)
+    if "tokenizer" in ready:  # clients in flight get a 503 (an error event on a stream), not a cut connection
+        failed = announce_death(notices, control, "", f"stopped by {how}", FLUSH_TIMEOUT_S)
+        log.info("tokenizer flushed" if failed is not None else "tokenizer did not flush", requests=failed)
     return 0
 
 

@@ -7,7 +7,9 @@ This file owns the process's sockets (the HTTP listener, the SDK's ROUTER, `requ
 loop; what runs on them is engine/serve (Frontend, the HTTP app, the SDK loop). Startup
 problems (missing model dir, port in use, a socket that will not bind) are reported to the
 supervisor as Fatal with a message a person can act on; once HTTP listens, Ready carries the
-http and sdk addresses. SIGTERM/SIGINT stop uvicorn gracefully and return 0.
+http and sdk addresses. SIGTERM (the supervisor's, after its ProcessDied of a shutdown has failed
+every request) stops uvicorn gracefully and returns 0; SIGINT is ignored (a Ctrl-C reaches the
+whole process group: the supervisor alone orders the shutdown).
 
 When another process dies, the supervisor sends ProcessDied on the notices socket: every
 in-flight request is failed with a 503 naming that process, new ones are refused, and
@@ -58,7 +60,7 @@ from msgs.requests import ToScheduler
 
 log = structlog.get_logger()
 PROC = "tokenizer"
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = 3  # under the supervisor's 5 s grace: the tokenizer ends on its own
 FLUSH_TIMEOUT_S = 0.8  # under the supervisor's 1 s wait, so Flushed arrives in time
 FLUSH_SETTLE_S = 0.05  # lets woken handlers write their error before we report Flushed
 
@@ -157,8 +159,8 @@ class TokenizerProcess:
         )
         server = _Server(config)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
         tasks = {
             asyncio.create_task(state.frontend.run_sender(self.to_sched), name="sender"),
             asyncio.create_task(state.frontend.run_receiver(self.from_sched), name="receiver"),

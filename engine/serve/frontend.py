@@ -240,7 +240,8 @@ class Frontend:
     # -- a dead server process --------------------------------------------------------
 
     def process_died(self, proc: str, reason: str) -> int:
-        """Fail every in-flight request and refuse new ones; how many were failed."""
+        """Fail every in-flight request and refuse new ones; how many were failed. proc "": no
+        process died, the server is being stopped (a signal to the supervisor)."""
         if self.died is None:
             self.died = (proc, reason)
             log.error("server process died: failing every request", proc=proc, reason=reason, requests=len(self._reqs))
@@ -253,10 +254,16 @@ class Frontend:
 
     def unavailable(self) -> GenerationFailed:
         """A fresh 503 naming the dead process (one per request: tracebacks are per raise)."""
+        message, code = self.down_reason()
+        return GenerationFailed(message, 503, code)
+
+    def down_reason(self) -> tuple[str, str]:
+        """(message, error code) of a server that a process death or a shutdown took down."""
         assert self.died is not None
         proc, reason = self.died
-        message = f"server process {proc} died ({reason}); the server is shutting down"
-        return GenerationFailed(message, 503, "process_died")
+        if not proc:
+            return f"the server is shutting down ({reason})", "server_shutdown"
+        return f"server process {proc} died ({reason}); the server is shutting down", "process_died"
 
     async def drained(self, timeout: float) -> bool:
         """Wait until every in-flight request has been released (its consumer saw the

@@ -171,8 +171,8 @@ def build_app(state: ServeState) -> Starlette:
 
     async def health(_request: Request) -> Response:
         if state.frontend.died is not None:
-            proc, reason = state.frontend.died
-            return json_response(error_body(503, f"server process {proc} died ({reason})", code="process_died"), 503)
+            message, code = state.frontend.down_reason()
+            return json_response(error_body(503, message, code=code), 503)
         if state.frontend.ready:
             stats = state.frontend.stats
             return json_response({"status": "ok", "deterministic": bool(stats and stats.deterministic)})

@@ -54,7 +54,7 @@ class Server:
             time.sleep(0.1)
 
 
-def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
+def start_server(log_dir: Path, *args: str, timeout: float = 600, new_session: bool = False) -> Server:
     port, sdk_port = free_ports(2)
     cmd = [
         str(ROOT / "bin" / "serve"),
@@ -66,7 +66,8 @@ def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
         str(log_dir),
         *args,
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "STRATA_LOG_JSON": "1"})
+    # new_session: its own process group, which a test may signal whole (as a terminal's Ctrl-C does)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "STRATA_LOG_JSON": "1"}, start_new_session=new_session)
     http = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

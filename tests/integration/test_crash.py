@@ -6,6 +6,7 @@ bin/serve and kills one child (kill -9) or makes one report Fatal."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -233,3 +234,42 @@ def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFi
     assert "digest mismatch at step 7" in events[-2]["error"]["message"]
     assert all("error" not in e for e in events[:-2] if isinstance(e, dict))
     _assert_orderly_exit(srv, children, leftovers, capfd, "scheduler failed: digest mismatch at step 7 (test)")
+
+
+def test_ctrl_c_fails_requests_in_flight_and_exits_0(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the children ignore it,
+    the supervisor has the tokenizer fail every request in flight (an SSE error event, a JSON 503,
+    an SDK 503: "the server is shutting down"), then stops them all and exits 0, with no
+    traceback and no "exited unexpectedly"."""
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", new_session=True)
+    children = _children(srv)
+    leftovers = (_run_dir(children), _shm(children))
+    sdk = Background(_sdk_stream(srv.sdk))
+    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
+                                                                   **LONG}))
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, "stream": True}
+    first = threading.Event()
+    with httpx.stream("POST", f"{srv.base_url}/chat/completions", json={**chat, **LONG}, timeout=30) as resp:
+        assert resp.status_code == 200
+        stream = Background(lambda _started: _sse_events(resp, first))
+        assert first.wait(30) and sdk.started.wait(30)
+        _wait_running(srv, 3)
+        t_int = time.monotonic()
+        os.killpg(srv.proc.pid, signal.SIGINT)
+        events = stream.join()
+    assert not isinstance(events, BaseException), events
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", events[-3:]
+    assert "stopped by SIGINT" in events[-2]["error"]["message"]
+    assert stream.done_at - t_int < TOLD_WITHIN_S
+    resp = whole.join()
+    assert isinstance(resp, httpx.Response) and resp.status_code == 503, resp
+    assert resp.json()["error"]["code"] == "server_shutdown"
+    result = sdk.join()
+    assert isinstance(result, StrataError) and result.status == 503 and "shutting down" in result.message, result
+    assert srv.proc.wait(timeout=20) == 0
+    _, alive = psutil.wait_procs(list(children.values()), timeout=5)
+    assert not alive, f"orphans: {alive}"
+    run_dir, shm = leftovers
+    assert not run_dir.exists() and not any(p.exists() for p in shm)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "unexpectedly" not in err, err[-2000:]
