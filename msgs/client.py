@@ -41,8 +41,10 @@ class GenerateChunk(msgspec.Struct, tag=True, frozen=True):
 
 
 class KeepAlive(msgspec.Struct, tag=True, frozen=True):
-    """Sent about once a second while a non-streamed request runs: a send to a client that is gone
-    fails, so the server learns of it and aborts the request. Clients skip it."""
+    """Sent about once a second while a request runs and nothing else was sent to it (a non-streamed
+    one, a stream in a long prefill): a send to a client that is gone fails, so the server learns of
+    it and aborts the request; a client that hears nothing at all for a while knows the server is
+    gone (msgs/sdk.py: SILENCE_S). Clients skip it otherwise."""
 
     rid: str
 

@@ -8,11 +8,16 @@
 
 `AsyncClient` offers the same calls as coroutines / async iterators. A request that is
 abandoned (an iterator closed early, a cancelled task) is aborted on the server.
+
+Time limits: `timeout_s` bounds a whole request (StrataError 504 past it, the request aborted). The
+server sends a keep-alive about once a second to every request it is working on, so a client that
+hears nothing for SILENCE_S knows the server is gone (StrataError 503) long before that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -36,6 +41,15 @@ class StrataError(RuntimeError):
 
 _TO_SERVER = SDK_IN.codec  # what the server decodes
 _FROM_SERVER = SDK_OUT.codec  # what the client decodes
+SILENCE_S = 10.0  # no frame at all for this long (keep-alives come every second): the server is gone
+
+
+def _gone() -> StrataError:
+    return StrataError(503, f"no word from the server in {SILENCE_S:.0f} s: it is down or unreachable")
+
+
+def _timed_out(timeout_s: float) -> StrataError:
+    return StrataError(504, f"the request did not finish within the client's timeout_s ({timeout_s:g} s)")
 
 
 def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any], api_key: str
@@ -59,31 +73,47 @@ class Client:
 
     def __init__(self, addr: str, timeout_s: float = 300.0, api_key: str = "") -> None:
         self._api_key = api_key  # the server's --api-key, where it has one
+        self._timeout_s = timeout_s  # a whole request's limit
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         self._sock.connect(addr)
+
+    def _next(self, rid: str, deadline: float) -> GenerateChunk:
+        """The next chunk of request rid (keep-alives and other rids' frames skipped); StrataError
+        when the server says so, is silent for SILENCE_S, or the deadline passes."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _timed_out(self._timeout_s)
+            if not self._sock.poll(int(min(left, SILENCE_S) * 1000) + 1):
+                if left > SILENCE_S:
+                    raise _gone()
+                continue  # (the deadline is checked above)
+            chunk = _check(_FROM_SERVER.decode(self._sock.recv()))
+            if chunk is not None and chunk.rid == rid:
+                return chunk
 
     def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         """Run one request to completion; params are SamplingParams fields."""
         req = _request(prompt, False, rid, params, self._api_key)
         self._sock.send(_TO_SERVER.encode(req))
-        while True:
-            chunk = _check(_FROM_SERVER.decode(self._sock.recv()))
-            if chunk is not None and chunk.rid == req.rid:
-                return chunk
+        try:
+            return self._next(req.rid, time.monotonic() + self._timeout_s)
+        except StrataError as exc:
+            if exc.status in (503, 504):  # ours, not the server's: it may still be running it
+                self.abort(req.rid)
+            raise
 
     def stream(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> Iterator[GenerateChunk]:
         """Yield deltas until the request finishes. Closing the iterator early aborts it."""
         req = _request(prompt, True, rid, params, self._api_key)
         self._sock.send(_TO_SERVER.encode(req))
+        deadline = time.monotonic() + self._timeout_s
         finished = False
         try:
             while not finished:
-                chunk = _check(_FROM_SERVER.decode(self._sock.recv()))
-                if chunk is None or chunk.rid != req.rid:
-                    continue
+                chunk = self._next(req.rid, deadline)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -107,8 +137,9 @@ class AsyncClient:
     """asyncio client; many concurrent requests share one socket. One reader task routes
     replies to per-request queues by rid."""
 
-    def __init__(self, addr: str, api_key: str = "") -> None:
+    def __init__(self, addr: str, api_key: str = "", timeout_s: float = 300.0) -> None:
         self._api_key = api_key  # the server's --api-key, where it has one
+        self._timeout_s = timeout_s  # a whole request's limit (Client's)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -131,13 +162,30 @@ class AsyncClient:
         await self._sock.send(_TO_SERVER.encode(req))
         return queue
 
+    async def _next(self, queue: asyncio.Queue[FromServer], deadline: float) -> GenerateChunk:
+        """The next chunk (keep-alives skipped); StrataError as Client._next's."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _timed_out(self._timeout_s)
+            try:
+                msg = await asyncio.wait_for(queue.get(), min(left, SILENCE_S))
+            except TimeoutError:
+                if left > SILENCE_S:
+                    raise _gone() from None
+                continue
+            if (chunk := _check(msg)) is not None:
+                return chunk
+
     async def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         req = _request(prompt, False, rid, params, self._api_key)
         try:
             queue = await self._open(req)
-            while (chunk := _check(await queue.get())) is None:  # keep-alives
-                pass
-            return chunk
+            return await self._next(queue, time.monotonic() + self._timeout_s)
+        except StrataError as exc:
+            if exc.status in (503, 504):  # ours, not the server's: it may still be running it
+                self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=req.rid)))  # fire and forget
+            raise
         except asyncio.CancelledError:
             self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=req.rid)))  # fire and forget
             raise
@@ -151,10 +199,9 @@ class AsyncClient:
         finished = False
         try:
             queue = await self._open(req)
+            deadline = time.monotonic() + self._timeout_s
             while not finished:
-                chunk = _check(await queue.get())
-                if chunk is None:
-                    continue
+                chunk = await self._next(queue, deadline)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

@@ -27,7 +27,7 @@ from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, KeepAlive
 
 log = structlog.get_logger()
-KEEPALIVE_S = 1.0  # a non-streamed request's keep-alive period: how soon a dead client is noticed
+KEEPALIVE_S = 1.0  # a request's keep-alive period (while nothing else is sent): how soon a dead client is noticed
 
 
 class ClientGone(Exception):
@@ -126,7 +126,19 @@ class SdkServer:
             await self._error(ident, GenerateError(rid, 500, "internal server error"))
 
     async def _stream(self, ident: bytes, rid: str, gen: Generation) -> None:
-        async for d in gen.deltas():  # raises GenerationFailed
+        """The deltas as chunks; a KeepAlive after each KEEPALIVE_S without one (a long prefill)."""
+        deltas = gen.deltas()  # raises GenerationFailed
+        while True:
+            step = asyncio.ensure_future(anext(deltas))
+            try:
+                while not (await asyncio.wait({step}, timeout=KEEPALIVE_S))[0]:
+                    await self._send(ident, KeepAlive(rid))
+            finally:
+                step.cancel()  # (a no-op once it is done)
+            try:
+                d = step.result()
+            except StopAsyncIteration:
+                return
             if d.text or d.token_ids or d.finish_reason:
                 await self._send(ident, _chunk(rid, d))
 

@@ -273,3 +273,28 @@ def test_ctrl_c_fails_requests_in_flight_and_exits_0(tmp_path: Path, capfd: pyte
     assert not run_dir.exists() and not any(p.exists() for p in shm)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "unexpectedly" not in err, err[-2000:]
+
+
+def test_tokenizer_killed_sdk_clients_hear_silence(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Nobody is left to answer an SDK client when the tokenizer dies: the client's own liveness
+    check (no keep-alive for SILENCE_S) raises a 503 for a stream and a whole request alike."""
+    from msgs.sdk import SILENCE_S
+
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
+    children = _children(srv)
+    sdk = Background(_sdk_stream(srv.sdk))
+
+    def whole(started: threading.Event) -> Any:
+        started.set()
+        with Client(srv.sdk, timeout_s=120) as c:
+            return c.generate("Count to a thousand:", max_new_tokens=MAX, **LONG)
+
+    plain = Background(whole)
+    assert sdk.started.wait(30) and plain.started.wait(30)
+    _wait_running(srv, 2)
+    t_kill = time.monotonic()
+    children["tokenizer"].send_signal(signal.SIGKILL)
+    for result in (sdk.join(SILENCE_S + 10), plain.join(SILENCE_S + 10)):
+        assert isinstance(result, StrataError) and result.status == 503 and "no word" in result.message, result
+    assert max(sdk.done_at, plain.done_at) - t_kill < SILENCE_S + 5
+    assert srv.proc.wait(timeout=20) == 1

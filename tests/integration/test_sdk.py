@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import zmq
@@ -99,6 +100,35 @@ def test_keep_alives_are_skipped_by_every_client(server: Server) -> None:
             return len((await c.generate([504, 3575, 282], max_new_tokens=120, ignore_eos=True)).token_ids)
 
     assert asyncio.run(bench_client()) == 120
+
+
+def test_a_requests_timeout_is_a_504_and_aborts_it(server: Server) -> None:
+    """timeout_s bounds a whole request, keep-alives or not: a StrataError 504 once it passes (not
+    zmq's raw Again), and the server aborts the request (its pages come back)."""
+    for stream in (False, True):
+        with Client(server.sdk, timeout_s=1.5) as c:
+            t0 = time.monotonic()
+            with pytest.raises(StrataError) as err:
+                if stream:
+                    list(c.stream("Count:", max_new_tokens=3000, ignore_eos=True))
+                else:
+                    c.generate("Count:", max_new_tokens=3000, ignore_eos=True)
+            assert err.value.status == 504 and "timeout_s" in err.value.message
+            assert time.monotonic() - t0 < 5
+    m = server.wait_idle(timeout=60)
+    assert m["strata_kv_leak_free"] == 1
+
+    async def main() -> int:
+        c = AsyncClient(server.sdk, timeout_s=1.5)
+        try:
+            with pytest.raises(StrataError) as err:
+                await c.generate("Count:", max_new_tokens=3000, ignore_eos=True)
+            return err.value.status
+        finally:
+            c.close()
+
+    assert asyncio.run(main()) == 504
+    assert server.wait_idle(timeout=60)["strata_kv_leak_free"] == 1
 
 
 def test_async_sdk_concurrent(server: Server) -> None:
