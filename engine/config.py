@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 SPEC_BY_BATCH_DEFAULT = "4:3,16:0"
 
 
+MAX_RUNNING_REQUESTS = 4096  # --max-running-requests' bound: 100,000 slots of a 49k vocabulary took 24 GB
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: str = ""  # HF-style directory or hub id (engine/hub.py); "" = the default SmolLM2 model
@@ -54,6 +56,8 @@ class ServerConfig:
     # (at most BURST_WAIT_CAP x it in all); -1 = auto (CPU 2 ms, where a step takes 100s of ms; GPU 0: none)
     batch_wait_ms: float = -1.0
     context_length: int = 0  # 0 = the model's max_position_embeddings
+    # a step no rank has finished for this long: the scheduler stops the server (as SGLang's), never hangs
+    watchdog_timeout: float = 300.0
     disable_overlap: bool = False
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
@@ -108,7 +112,11 @@ class ServerConfig:
              "--page-size must be a power of 2 (or 0: auto)"),
             (self.max_total_tokens >= 0, "--max-total-tokens must be >= 0"),
             (0 < self.mem_fraction <= 1, "--mem-fraction must be in (0, 1]"),
-            (self.max_running_requests >= 1, "--max-running-requests must be >= 1"),
+            (1 <= self.max_running_requests <= MAX_RUNNING_REQUESTS,
+             f"--max-running-requests must be in 1..{MAX_RUNNING_REQUESTS} (the sampler's per-slot rows of the "
+             "vocabulary and the largest CUDA graph are sized by it)"),
+            (self.context_length >= 0, f"bad --context-length {self.context_length} (0: the model's)"),
+            (self.watchdog_timeout > 0, f"bad --watchdog-timeout {self.watchdog_timeout} (seconds, > 0)"),
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
             (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
@@ -133,7 +141,21 @@ class ServerConfig:
         self._check_hicache()
         self._check_spec()
         self._check_model()
+        self._check_context_length()
         self._check_page_size()
+
+    def _check_context_length(self) -> None:
+        """--context-length no longer than the model's max_position_embeddings (read from its
+        config.json here, before any process starts): positions past it were never trained."""
+        import json
+
+        path = Path(self.model).expanduser() / "config.json" if self.model else None
+        if not self.context_length or path is None or not path.is_file():
+            return
+        most = json.loads(path.read_text()).get("max_position_embeddings")
+        if isinstance(most, int) and self.context_length > most:
+            raise ValueError(f"--context-length {self.context_length} exceeds the model's max_position_embeddings "
+                             f"({most})")
 
     def _check_page_size(self) -> None:
         """--page-size 0 (auto) becomes 64 for an MLA model (config.json's kv_lora_rank) on CUDA:

@@ -50,7 +50,11 @@ def prepare_model(cfg: ServerConfig) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     log = setup_logging("supervisor", cfg.log_dir)
-    cfg = prepare_model(cfg)
+    try:  # the default model's checks (its config.json) run here: a bad flag is exit 2, not a traceback
+        cfg = prepare_model(cfg)
+    except ValueError as exc:
+        print(f"strata: {exc}", file=sys.stderr)
+        return 2
     run_dir = tempfile.mkdtemp(prefix="strata-")  # mode 0700: ipc sockets stay private
     # the host tier's slab: created here, removed below whatever happens to the children
     cfg = replace(cfg, run_dir=run_dir, hicache_path=create_slab() if cfg.enable_hierarchical_cache else "")

@@ -83,6 +83,7 @@ class SchedulerLoop:
         self.inflight: deque[int] = deque()
         self.flushes: deque[tuple[int, float]] = deque()  # flush ids waiting for steps to settle, deadline
         self.done_ranks: dict[int, int] = {}
+        self.progress_at = 0.0  # when a StepDone last came in, or a step went out to idle workers
         self.step_seconds: list[float] = []
         self.expert_tokens: dict[int, list[int]] | None = None  # rank 0's latest, until the next stats
         self.last_stats = -stats_interval_s
@@ -142,6 +143,7 @@ class SchedulerLoop:
         # the following StepDone and leave the worker one step ahead instead of two)
         self._drain_requests()
         self._drain_done()
+        self._watchdog()
         self._drain_commits()
         if self.flushes:
             self._flush()
@@ -182,6 +184,8 @@ class SchedulerLoop:
         step = self.core.plan()
         if step is None:
             return False
+        if not self.inflight:  # the workers were idle: the watchdog counts from here
+            self.progress_at = self.clock()
         for out in self.ports.steps:
             out.send(step)
         if self.ports.cache_steps is not None:
@@ -250,6 +254,7 @@ class SchedulerLoop:
                 raise WorkerFailure(f"worker {msg.rank} failed at step {msg.seq}: {msg.reason}")
             if not isinstance(msg, StepDone):
                 continue
+            self.progress_at = self.clock()
             outs.extend(self.core.on_done(msg))
             if msg.rank == 0:
                 self.step_seconds.append(msg.forward_s)
@@ -263,6 +268,16 @@ class SchedulerLoop:
                     self.setup_seq = None
                     self._announce()
         self._emit(outs)
+
+    def _watchdog(self) -> None:
+        """--watchdog-timeout: a step in flight with no StepDone from any rank for that long (a worker
+        stuck in a kernel or a collective, stopped, swapping) stops the server with the stuck ranks
+        named: its clients get a 503 (the supervisor's ProcessDied) instead of waiting forever."""
+        if not self.inflight or self.clock() - self.progress_at <= self.cfg.watchdog_timeout:
+            return
+        seq = self.inflight[0]
+        raise WorkerFailure(f"no step finished for {self.cfg.watchdog_timeout:g} s (--watchdog-timeout): step {seq} "
+                            f"has {self.done_ranks[seq]} of {self.num_ranks} ranks' results")
 
     def _drain_commits(self) -> None:
         """The cache controller's messages: commits become ApplyCommit ops in the next Step."""

@@ -298,3 +298,26 @@ def test_tokenizer_killed_sdk_clients_hear_silence(tmp_path: Path, capfd: pytest
         assert isinstance(result, StrataError) and result.status == 503 and "no word" in result.message, result
     assert max(sdk.done_at, plain.done_at) - t_kill < SILENCE_S + 5
     assert srv.proc.wait(timeout=20) == 1
+
+
+def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker that stops making progress (SIGSTOP: stuck in a kernel, a collective, swap) does not
+    hang its clients: after --watchdog-timeout the scheduler fails, naming the step, and every client
+    in flight gets its 503."""
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", "--watchdog-timeout", "3")
+    children = _children(srv)
+    leftovers = (_run_dir(children), _shm(children))
+    sdk = Background(_sdk_stream(srv.sdk))
+    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
+                                                                   **LONG}))
+    assert sdk.started.wait(30) and whole.started.wait(30)
+    _wait_running(srv, 2)
+    t_stop = time.monotonic()
+    children["worker-0"].send_signal(signal.SIGSTOP)
+    try:
+        _assert_503(whole.join(20), "scheduler")
+        _assert_sdk_503(sdk.join(20), "scheduler")
+        assert max(sdk.done_at, whole.done_at) - t_stop < 3 + 5
+    finally:
+        children["worker-0"].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
+    _assert_orderly_exit(srv, children, leftovers, capfd, "--watchdog-timeout")

@@ -1,0 +1,41 @@
+"""Start-up flags that once got through: each now fails at start with one message naming it (and
+bin/serve exits 2, with no traceback), before any process or weight is loaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.config import MAX_RUNNING_REQUESTS, ServerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny-llama"
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"max_running_requests": 0}, "--max-running-requests must be in 1"),
+    ({"max_running_requests": MAX_RUNNING_REQUESTS + 1}, "--max-running-requests must be in 1"),
+    ({"context_length": -5}, "bad --context-length -5"),
+    ({"watchdog_timeout": 0}, "bad --watchdog-timeout"),
+])
+def test_bad_values_are_refused(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**kw)
+
+
+def test_context_length_beyond_the_models_positions_is_refused() -> None:
+    most = json.loads((TINY / "config.json").read_text())["max_position_embeddings"]
+    assert ServerConfig(model=str(TINY), context_length=most).context_length == most
+    with pytest.raises(ValueError, match=f"exceeds the model's max_position_embeddings \\({most}\\)"):
+        ServerConfig(model=str(TINY), context_length=most + 1)
+
+
+def test_a_check_against_the_default_model_exits_2_without_a_traceback() -> None:
+    """The default model is filled in after the flags are parsed; its checks still end in exit 2."""
+    run = subprocess.run([str(ROOT / "bin" / "serve"), "--speculative-algorithm", "NEXTN"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "has no MTP layer" in run.stderr and "Traceback" not in run.stderr
