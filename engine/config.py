@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 SPEC_BY_BATCH_DEFAULT = "4:3,16:0"
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # engine/layers/attention.py's _BACKENDS, and auto
 MAX_RUNNING_REQUESTS = 4096  # --max-running-requests' bound: 100,000 slots of a 49k vocabulary took 24 GB
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ class ServerConfig:
              f"--max-running-requests must be in 1..{MAX_RUNNING_REQUESTS} (the sampler's per-slot rows of the "
              "vocabulary and the largest CUDA graph are sized by it)"),
             (self.context_length >= 0, f"bad --context-length {self.context_length} (0: the model's)"),
+            (self.attention_backend in ATTENTION_BACKENDS,
+             f"bad --attention-backend {self.attention_backend!r} (choose from {', '.join(ATTENTION_BACKENDS)})"),
             (self.watchdog_timeout > 0, f"bad --watchdog-timeout {self.watchdog_timeout} (seconds, > 0)"),
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
@@ -147,12 +150,11 @@ class ServerConfig:
     def _check_context_length(self) -> None:
         """--context-length no longer than the model's max_position_embeddings (read from its
         config.json here, before any process starts): positions past it were never trained."""
-        import json
 
         path = Path(self.model).expanduser() / "config.json" if self.model else None
         if not self.context_length or path is None or not path.is_file():
             return
-        most = json.loads(path.read_text()).get("max_position_embeddings")
+        most = _read_json(path).get("max_position_embeddings")
         if isinstance(most, int) and self.context_length > most:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's max_position_embeddings "
                              f"({most})")
@@ -165,13 +167,14 @@ class ServerConfig:
             object.__setattr__(self, "page_size", 64 if self._mla_on_cuda() else 16)
         if self.max_prefill_tokens < self.page_size:
             raise ValueError(f"--max-prefill-tokens {self.max_prefill_tokens} must be >= page size {self.page_size}")
+        if 0 < self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens {self.max_total_tokens} holds no KV page of {self.page_size} tokens")
 
     def _mla_on_cuda(self) -> bool:
         """An MLA model (its config.json has kv_lora_rank) served on CUDA (torch asked only then)."""
-        import json
 
         path = Path(self.model).expanduser() / "config.json" if self.model else None
-        if path is None or not path.is_file() or not json.loads(path.read_text()).get("kv_lora_rank"):
+        if path is None or not path.is_file() or not _read_json(path).get("kv_lora_rank"):
             return False
         return self.resolved_device == "cuda"
 
@@ -439,9 +442,7 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
     model is a local directory (otherwise the worker checks the same at start, naming the flag)."""
     if algo not in ("EAGLE", "EAGLE3", "NEXTN") or not model or not (Path(model) / "config.json").is_file():
         return None
-    import json
-
-    target = json.loads((Path(model) / "config.json").read_text())
+    target = _read_json(Path(model) / "config.json")
     if algo == "NEXTN":
         arch = (target.get("architectures") or ["?"])[0]
         if arch not in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM") or not target.get("num_nextn_predict_layers"):
@@ -450,7 +451,7 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
         return None
     if not (Path(head) / "config.json").is_file():
         return f"--speculative-draft-model-path {head}: no config.json"
-    cfg = json.loads((Path(head) / "config.json").read_text())
+    cfg = _read_json(Path(head) / "config.json")
     width = cfg.get("target_hidden_size") or cfg.get("hidden_size") if algo == "EAGLE3" else cfg.get("hidden_size")
     if width != target.get("hidden_size"):
         return (f"--speculative-draft-model-path {head}: the {algo} head reads hidden states of {width} values, the "
@@ -467,3 +468,13 @@ def _host_port(addr: str) -> tuple[str, int] | None:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         return None
     return host.strip("[]"), int(port)
+
+
+def _read_json(path: Path) -> dict:
+    """A model's config.json, or a ValueError that names the file."""
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None

@@ -40,7 +40,7 @@ FLUSH_TIMEOUT_S = 1.0  # how long the tokenizer may take to fail in-flight reque
 def prepare_model(cfg: ServerConfig) -> ServerConfig:
     if cfg.model:
         if not Path(cfg.model, "config.json").is_file():
-            sys.exit(f"strata: --model {cfg.model}: no config.json there")
+            raise ValueError(f"--model {cfg.model}: no config.json there")
         return cfg
     from models.default_model import ensure_default_model
 
@@ -49,7 +49,11 @@ def prepare_model(cfg: ServerConfig) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    log = setup_logging("supervisor", cfg.log_dir)
+    try:
+        log = setup_logging("supervisor", cfg.log_dir)
+    except OSError as exc:
+        print(f"strata: --log-dir {cfg.log_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     try:  # the default model's checks (its config.json) run here: a bad flag is exit 2, not a traceback
         cfg = prepare_model(cfg)
     except ValueError as exc:

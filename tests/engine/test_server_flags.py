@@ -20,6 +20,8 @@ TINY = ROOT / "configs" / "tiny-llama"
     ({"max_running_requests": MAX_RUNNING_REQUESTS + 1}, "--max-running-requests must be in 1"),
     ({"context_length": -5}, "bad --context-length -5"),
     ({"watchdog_timeout": 0}, "bad --watchdog-timeout"),
+    ({"attention_backend": "foo"}, "bad --attention-backend 'foo'"),
+    ({"max_total_tokens": 1}, "--max-total-tokens 1 holds no KV page of 16"),
 ])
 def test_bad_values_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -39,3 +41,18 @@ def test_a_check_against_the_default_model_exits_2_without_a_traceback() -> None
                          text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "has no MTP layer" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_broken_config_json_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not a readable JSON file"):
+        ServerConfig(model=str(tmp_path), context_length=100)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--log-dir", "/proc/strata-no-such-dir"], "--log-dir /proc/strata-no-such-dir"),
+    (["--model", "/"], "no config.json there"),
+])
+def test_bad_paths_exit_2(args: list[str], says: str) -> None:
+    run = subprocess.run([str(ROOT / "bin" / "serve"), *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
