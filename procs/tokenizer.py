@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import signal
 import socket
 import sys
@@ -87,9 +88,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise StartupError(
-            f"cannot listen on http://{host}:{port}: {exc.strerror or exc} (is the port in use?)"
-        ) from exc
+        raise StartupError(f"cannot listen on http://{host}:{port}: {exc.strerror or exc}{_hint(exc.errno)}") from exc
     sock.setblocking(False)
     return sock
 
@@ -98,7 +97,16 @@ def _bind(sock: zmq.asyncio.Socket, addr: str, what: str) -> None:
     try:
         sock.bind(addr)
     except zmq.ZMQError as exc:
-        raise StartupError(f"cannot bind the {what} socket at {addr}: {exc} (is the port in use?)") from exc
+        raise StartupError(f"cannot bind the {what} socket at {addr}: {exc}{_hint(exc.errno)}") from exc
+
+
+def _hint(errno_: int | None) -> str:
+    """What to check for a bind that failed: the port (in use), or --host (not this machine's)."""
+    if errno_ == errno.EADDRINUSE:
+        return " (is the port in use?)"
+    if errno_ == errno.EADDRNOTAVAIL:
+        return " (--host is not an address of this machine)"
+    return ""
 
 
 class TokenizerProcess:

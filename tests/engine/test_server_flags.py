@@ -56,3 +56,19 @@ def test_a_broken_config_json_is_named(tmp_path: Path) -> None:
 def test_bad_paths_exit_2(args: list[str], says: str) -> None:
     run = subprocess.run([str(ROOT / "bin" / "serve"), *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_a_failed_bind_says_what_to_check() -> None:
+    """The HTTP listener's bind error hints at the port when it is taken, at --host when this
+    machine has no such address (not at the port, as it once did)."""
+    import socket
+
+    from procs.tokenizer import StartupError, listen_socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(StartupError, match="is the port in use"):
+            listen_socket("127.0.0.1", taken.getsockname()[1])
+    with pytest.raises(StartupError, match="--host is not an address of this machine"):
+        listen_socket("192.0.2.1", 0)  # TEST-NET-1: never a local address
