@@ -244,7 +244,11 @@ class Frontend:
         process died, the server is being stopped (a signal to the supervisor)."""
         if self.died is None:
             self.died = (proc, reason)
-            log.error("server process died: failing every request", proc=proc, reason=reason, requests=len(self._reqs))
+            if proc:
+                log.error("server process died: failing every request", proc=proc, reason=reason,
+                          requests=len(self._reqs))
+            else:  # an ordered shutdown, not an error
+                log.info("server shutting down: failing every request", reason=reason, requests=len(self._reqs))
         self._ready.set()  # wakes requests waiting for readiness: they find the server dead
         self._closing.clear()  # no answer will come
         handles = list(self._reqs.values())
