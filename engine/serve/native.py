@@ -181,7 +181,10 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
 async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     """SGLang's GET /health_generate: one greedy token through every process (the probe that
     /health's readiness alone cannot give); a failure is the generation's 5xx."""
-    await state.limits()  # 503 while not ready
+    if state.frontend.died is not None:
+        raise state.frontend.unavailable()
+    if not state.frontend.ready:  # a probe answers at once (requests wait for ready instead)
+        raise ApiError(503, "the server is not ready yet (the scheduler has not reported ready)")
     probe = SubRequest(call.rid, 0, 0, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
     gen = await Generation.start(state.frontend, state.tok, call.rid, [probe], call.t0, False)
     try:

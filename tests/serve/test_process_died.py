@@ -204,3 +204,23 @@ def test_health_names_the_dead_process() -> None:
     assert r.status_code == 503
     err = r.json()["error"]
     assert err["code"] == "process_died" and "worker-0" in err["message"] and "SIGKILL" in err["message"]
+
+
+def test_health_generate_answers_503_at_once_before_ready() -> None:
+    """The probe never waits for readiness (a request does): before the scheduler is ready it is a
+    503 right away, and once a process died the dead process's 503."""
+    from engine.serve.native import health_generate
+
+    async def main() -> None:
+        state = ServeState(cfg=ServerConfig(), tok=None, frontend=Frontend(), ready_timeout_s=30)
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as err:
+            await health_generate(state, b"", Call("probe", t0))
+        assert err.value.status == 503 and "not ready" in err.value.message
+        assert time.monotonic() - t0 < 1
+        state.frontend.process_died("worker-0", "killed by SIGKILL")
+        with pytest.raises(ApiError) as err:
+            await health_generate(state, b"", Call("probe2", time.monotonic()))
+        assert err.value.status == 503 and "worker-0" in err.value.message
+
+    run(main())
