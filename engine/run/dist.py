@@ -51,6 +51,8 @@ def init_distributed(cfg: ServerConfig, rank: int) -> torch.device:
     """The device of this rank; at world > 1 also joins the process group (blocking until every
     rank has joined, at most COLLECTIVE_TIMEOUT_S) and sets the layers' parallel state."""
     device = torch.device(cfg.resolved_device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
     if cfg.world_size == 1:
         set_parallel_state(ParallelState())  # every group of world 1
         return device

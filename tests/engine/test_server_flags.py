@@ -72,3 +72,16 @@ def test_a_failed_bind_says_what_to_check() -> None:
             listen_socket("127.0.0.1", taken.getsockname()[1])
     with pytest.raises(StartupError, match="--host is not an address of this machine"):
         listen_socket("192.0.2.1", 0)  # TEST-NET-1: never a local address
+
+
+def test_device_cuda_without_cuda_names_the_flag() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from engine.supervise import free_ports
+
+    port, sdk_port = free_ports(2)
+    run = subprocess.run([str(ROOT / "bin" / "serve"), "--device", "cuda", "--port", str(port), "--sdk-port",
+                          str(sdk_port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "--device cuda: this torch sees no CUDA device" in run.stderr, run.stderr[-2000:]
