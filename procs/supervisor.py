@@ -121,6 +121,10 @@ def _run(
                 ready[name] = msg
                 log.info("child ready", child=name, **msg.info)
                 if set(ready) == set(expected):
+                    # every process that maps the host slab has mapped it (workers at the set-up step
+                    # ready waits for, the controller at start): its name goes now, so that nothing is
+                    # left in /dev/shm even if this process is SIGKILLed
+                    remove_slab(cfg.hicache_path)
                     print(ready_line(cfg, ready), flush=True)
                     print(f"strata: {time_to_ready(time.monotonic() - t_start, ready)}", flush=True)
         if stop["signal"]:  # a Ctrl-C reaches the children too: their exit is the shutdown, not a crash

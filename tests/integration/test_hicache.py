@@ -35,8 +35,9 @@ def _children(srv: Server) -> dict[str, psutil.Process]:
 
 
 def _slabs(srv: Server) -> set[Path]:
-    """The host slabs the server's processes map (engine/cache/slab.py names them)."""
-    maps = {m.path for c in _children(srv).values() for m in c.memory_maps()}
+    """The host slabs the server's processes map (engine/cache/slab.py names them; the supervisor
+    unlinks the name once every process is ready, so the maps say "(deleted)")."""
+    maps = {m.path.removesuffix(" (deleted)") for c in _children(srv).values() for m in c.memory_maps()}
     return {Path(p) for p in maps if p.startswith("/dev/shm/strata-") and p.endswith("-l2")}
 
 
@@ -66,7 +67,8 @@ def test_every_process_maps_the_slab(tier_server: Server) -> None:
     assert {"worker-0", "scheduler", "tokenizer", "cache"} <= set(kids)
     (slab,) = _slabs(tier_server)
     for role in ("worker-0", "cache"):
-        assert slab in {Path(m.path) for m in kids[role].memory_maps()}, role
+        assert slab in {Path(m.path.removesuffix(" (deleted)")) for m in kids[role].memory_maps()}, role
+    assert not slab.exists()  # its name went once all were ready: a SIGKILLed supervisor leaves nothing behind
 
 
 def test_fresh_l1_and_l2_give_the_same_tokens(tier_server: Server) -> None:
