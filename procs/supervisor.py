@@ -35,6 +35,7 @@ from msgs.control import Fatal, Ready, ToSupervisor, ToTokenizerControl
 START_TIMEOUT_S = 900.0
 POLL_MS = 100  # how often children are checked: a crash reaches clients within ~this
 FLUSH_TIMEOUT_S = 1.0  # how long the tokenizer may take to fail in-flight requests
+SMALL_CONTEXT = 512  # a longest request below this many tokens is worth a warning at ready
 
 
 def prepare_model(cfg: ServerConfig) -> ServerConfig:
@@ -154,7 +155,14 @@ def ready_line(cfg: ServerConfig, ready: dict[str, Ready]) -> str:
     worker = ready.get("worker-0")
     det = (f"; {worker.info.get('dtype', '?')}, deterministic inference {worker.info['deterministic']}"
            if worker and "deterministic" in worker.info else "")
-    return f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}{det}"
+    line = f"strata: ready. model {cfg.model_name}; HTTP {info.get('http')}; SDK {info.get('sdk')}{det}"
+    context = int(ready["scheduler"].info.get("max_context", 0)) if "scheduler" in ready else 0
+    if context:
+        line += f"; context {context} tokens"
+        if context < SMALL_CONTEXT:  # (a prompt and its answer longer than this get a 400)
+            line += (f"\nstrata: warning: requests are limited to {context} tokens "
+                     "(--max-total-tokens / --context-length)")
+    return line
 
 
 def time_to_ready(total_s: float, ready: dict[str, Ready]) -> str:

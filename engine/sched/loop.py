@@ -126,7 +126,8 @@ class SchedulerLoop:
 
     def _announce(self) -> None:
         assert self.ready is not None
-        self.ports.control.send(Ready(proc="scheduler", info={"pages": str(self.ready.num_pages)}))
+        self.ports.control.send(Ready(proc="scheduler", info={"pages": str(self.ready.num_pages),
+                                                              "max_context": str(self.ready.max_context)}))
         self._send_stats(force=True)
 
     # ---- one pass ----------------------------------------------------------------------

@@ -85,3 +85,18 @@ def test_device_cuda_without_cuda_names_the_flag() -> None:
     run = subprocess.run([str(ROOT / "bin" / "serve"), "--device", "cuda", "--port", str(port), "--sdk-port",
                           str(sdk_port)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "--device cuda: this torch sees no CUDA device" in run.stderr, run.stderr[-2000:]
+
+
+def test_the_ready_line_gives_the_context_and_warns_when_it_is_small() -> None:
+    """A pool or --context-length that leaves requests a few dozen tokens starts, but says so (every
+    longer request is a 400 after that)."""
+    from msgs.control import Ready
+    from procs.supervisor import ready_line
+
+    def line(context: int) -> str:
+        ready = {"tokenizer": Ready(proc="tokenizer", info={"http": "h", "sdk": "s"}),
+                 "scheduler": Ready(proc="scheduler", info={"pages": "4", "max_context": str(context)})}
+        return ready_line(ServerConfig(), ready)
+
+    assert line(8192).endswith("; context 8192 tokens") and "warning" not in line(8192)
+    assert "strata: warning: requests are limited to 64 tokens" in line(64)
