@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.cache.host_alloc import HostAllocator
 from engine.cache.l3 import WRITE_QUEUE_BYTES, L3Dir, L3Store, unpack_keys
-from engine.cache.slab import available_memory, map_slab
+from engine.cache.slab import available_memory, map_slab, open_slab
 from engine.replica import Effect, ReplicaError, rank_replica
 from msgs.channels import Inbox, Outbox
 from msgs.done import BackupDone, Committed, ControllerDigest, FromController, L3Loaded, L3Stats, ToController
@@ -55,10 +55,13 @@ class SlabMapping(Effect):
     def __init__(self, path: str, world: int = 1) -> None:
         self.path, self.world = path, world
         self.map: mmap.mmap | None = None
+        # opened now, mapped at HostInit: the supervisor unlinks the name once every process is
+        # ready, which can come before this process has read HostInit off the Step stream
+        self.fd = open_slab(path) if path else -1
 
     def apply(self, op: HostInit) -> None:
         if self.path and op.page_bytes:
-            self.map = map_slab(self.path, op.num_pages * op.page_bytes * self.world)
+            self.map = map_slab(self.path, op.num_pages * op.page_bytes * self.world, fd=self.fd)
 
 
 class L3Tier(Effect):

@@ -31,11 +31,22 @@ def remove_slab(path: str) -> None:
         Path(path).unlink(missing_ok=True)
 
 
-def map_slab(path: str, nbytes: int) -> mmap.mmap:
-    """Map `nbytes` of the slab, growing the file to that size if it is smaller."""
+def open_slab(path: str) -> int:
+    """A descriptor of the slab, for a process that maps it only later (`map_slab(fd=)`): the
+    supervisor unlinks the name once every process is ready."""
     if not path:
         raise RuntimeError("the host tier is on but no slab file was given (hicache_path)")
-    fd = os.open(path, os.O_RDWR)
+    return os.open(path, os.O_RDWR)
+
+
+def map_slab(path: str, nbytes: int, fd: int = -1) -> mmap.mmap:
+    """Map `nbytes` of the slab (by its name, or by `fd` from open_slab, which stays open),
+    growing the file to that size if it is smaller."""
+    if fd >= 0:
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    fd = open_slab(path)
     try:
         if os.fstat(fd).st_size < nbytes:
             os.ftruncate(fd, nbytes)

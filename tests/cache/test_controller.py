@@ -58,3 +58,27 @@ def test_the_controller_follows_the_step_stream_at_its_own_address() -> None:
     assert STEPS.address("/run", follower="cache") == "ipc:///run/steps-cache"
     with pytest.raises(ValueError):
         STEPS.address("/run", follower="tokenizer")
+
+
+def test_the_controller_maps_the_slab_after_its_name_is_gone() -> None:
+    """The supervisor unlinks the slab's name once every process is ready; the cache controller may
+    read HostInit off the Step stream only after that. It opened the file at start, so it still maps
+    the slab the workers write (the same pages, not a new file)."""
+    import mmap as _mmap
+
+    from engine.cache.controller import SlabMapping
+    from engine.cache.slab import create_slab, map_slab, remove_slab
+    from msgs.steps import HostInit
+
+    path = create_slab("test-unlinked")
+    try:
+        worker = map_slab(path, 4 * 4096)
+        slab = SlabMapping(path)
+    finally:
+        remove_slab(path)  # the name goes, as at ready
+    slab.apply(HostInit(num_pages=4, page_bytes=4096))
+    assert isinstance(slab.map, _mmap.mmap)
+    worker[:5] = b"hello"
+    assert slab.map[:5] == b"hello"  # the worker's slab, shared
+    slab.map.close()
+    worker.close()

@@ -84,7 +84,8 @@ def start(ranks: list[FakeRank], **kw) -> tuple[SchedulerLoop, Wires]:
         wires.done_out.send(r.ready())
     loop.pump()
     assert loop.core is not None
-    assert list(wires.control.drain()) == [Ready(proc="scheduler", info={"pages": str(min(r.pages for r in ranks))})]
+    want = Ready(proc="scheduler", info={"pages": str(min(r.pages for r in ranks)), "max_context": "96"})
+    assert list(wires.control.drain()) == [want]
     loop.core.state.cfg = dataclasses.replace(loop.core.cfg, digest_every=1)
     return loop, wires
 
@@ -379,7 +380,7 @@ def test_ready_waits_for_the_host_tier_set_up_step() -> None:
     assert list(wires.control.drain()) == [] and wires.outputs_seen()[2] == []  # one rank is not enough
     wires.done_out.send(ranks[1].answer(setup[1][0]))
     loop.pump()
-    assert list(wires.control.drain()) == [Ready(proc="scheduler", info={"pages": "64"})]
+    assert list(wires.control.drain()) == [Ready(proc="scheduler", info={"pages": "64", "max_context": "96"})]
     assert [s.ready for s in wires.outputs_seen()[2]] == [True]
     submit(wires, n=2)
     run_until_idle(loop, wires, ranks)
