@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import structlog
 import zmq
@@ -27,6 +29,7 @@ from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, KeepAlive
 
 log = structlog.get_logger()
+T = TypeVar("T")
 KEEPALIVE_S = 1.0  # a request's keep-alive period (while nothing else is sent): how soon a dead client is noticed
 
 
@@ -129,30 +132,28 @@ class SdkServer:
         """The deltas as chunks; a KeepAlive after each KEEPALIVE_S without one (a long prefill)."""
         deltas = gen.deltas()  # raises GenerationFailed
         while True:
-            step = asyncio.ensure_future(anext(deltas))
             try:
-                while not (await asyncio.wait({step}, timeout=KEEPALIVE_S))[0]:
-                    await self._send(ident, KeepAlive(rid))
-            finally:
-                step.cancel()  # (a no-op once it is done)
-            try:
-                d = step.result()
+                d = await self._keeping_alive(ident, rid, anext(deltas))
             except StopAsyncIteration:
                 return
             if d.text or d.token_ids or d.finish_reason:
                 await self._send(ident, _chunk(rid, d))
 
     async def _whole(self, ident: bytes, rid: str, gen: Generation) -> None:
-        """The whole result in one chunk; a KeepAlive every KEEPALIVE_S meanwhile, whose send
-        fails (ClientGone) once the client's connection is closed."""
-        task = asyncio.ensure_future(collect(gen))
+        """The whole result in one chunk; a KeepAlive every KEEPALIVE_S meanwhile."""
+        (c,) = await self._keeping_alive(ident, rid, collect(gen))
+        await self._send(ident, _chunk(rid, c))
+
+    async def _keeping_alive(self, ident: bytes, rid: str, work: Awaitable[T]) -> T:
+        """work's result, with a KeepAlive to the client each KEEPALIVE_S it takes: the client
+        knows the server is alive, and a send fails (ClientGone) once its connection is closed."""
+        task = asyncio.ensure_future(work)
         try:
             while not (await asyncio.wait({task}, timeout=KEEPALIVE_S))[0]:
                 await self._send(ident, KeepAlive(rid))
         finally:
             task.cancel()  # (a no-op once it is done)
-        (c,) = task.result()
-        await self._send(ident, _chunk(rid, c))
+        return task.result()
 
 
 def _chunk(rid: str, d: Delta | Choice) -> GenerateChunk:

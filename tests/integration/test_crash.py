@@ -109,6 +109,27 @@ def _sse_events(resp: httpx.Response, first: threading.Event) -> list[Any]:
     return events
 
 
+def _three_in_flight(srv: Server, act: Callable[[], None]) -> tuple[list[Any], Background, Background, Background,
+                                                                     float]:
+    """An SDK stream, a whole /completions and a streamed chat running, then act() (a kill, a
+    signal): the chat's SSE events, the chat's, SDK's and whole request's clients, and when act ran."""
+    sdk = Background(_sdk_stream(srv.sdk))
+    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
+                                                                   **LONG}))
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, "stream": True}
+    first = threading.Event()
+    with httpx.stream("POST", f"{srv.base_url}/chat/completions", json={**chat, **LONG}, timeout=30) as resp:
+        assert resp.status_code == 200
+        stream = Background(lambda _started: _sse_events(resp, first))
+        assert first.wait(30) and sdk.started.wait(30)
+        _wait_running(srv, 3)
+        t_act = time.monotonic()
+        act()
+        events = stream.join()
+    assert not isinstance(events, BaseException), events
+    return events, stream, sdk, whole, t_act
+
+
 def _wait_running(srv: Server, n: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while srv.metrics().get("strata_running_requests", 0) < n:
@@ -168,20 +189,7 @@ def test_worker_killed_mid_stream(tmp_path: Path, capfd: pytest.CaptureFixture[s
     children = _children(srv)
     run_dir = _run_dir(children)
     leftovers = (run_dir, _shm(children))
-    sdk = Background(_sdk_stream(srv.sdk))
-    body = {"prompt": "Once upon a time", "max_tokens": MAX, **LONG}
-    whole = Background(_http_post(f"{srv.base_url}/completions", body))
-    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, "stream": True}
-    first = threading.Event()
-    with httpx.stream("POST", f"{srv.base_url}/chat/completions", json={**chat, **LONG}, timeout=30) as resp:
-        assert resp.status_code == 200
-        stream = Background(lambda _started: _sse_events(resp, first))
-        assert first.wait(30) and sdk.started.wait(30)
-        _wait_running(srv, 3)
-        t_kill = time.monotonic()
-        children["worker-0"].send_signal(signal.SIGKILL)
-        events = stream.join()
-    assert not isinstance(events, BaseException), events
+    events, stream, sdk, whole, t_kill = _three_in_flight(srv, lambda: children["worker-0"].send_signal(signal.SIGKILL))
     _assert_error_event(events, "worker-0")
     assert stream.done_at - t_kill < TOLD_WITHIN_S
     _assert_refused_or_down(srv)
@@ -244,20 +252,7 @@ def test_ctrl_c_fails_requests_in_flight_and_exits_0(tmp_path: Path, capfd: pyte
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", new_session=True)
     children = _children(srv)
     leftovers = (_run_dir(children), _shm(children))
-    sdk = Background(_sdk_stream(srv.sdk))
-    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
-                                                                   **LONG}))
-    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, "stream": True}
-    first = threading.Event()
-    with httpx.stream("POST", f"{srv.base_url}/chat/completions", json={**chat, **LONG}, timeout=30) as resp:
-        assert resp.status_code == 200
-        stream = Background(lambda _started: _sse_events(resp, first))
-        assert first.wait(30) and sdk.started.wait(30)
-        _wait_running(srv, 3)
-        t_int = time.monotonic()
-        os.killpg(srv.proc.pid, signal.SIGINT)
-        events = stream.join()
-    assert not isinstance(events, BaseException), events
+    events, stream, sdk, whole, t_int = _three_in_flight(srv, lambda: os.killpg(srv.proc.pid, signal.SIGINT))
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", events[-3:]
     assert "stopped by SIGINT" in events[-2]["error"]["message"]
     assert stream.done_at - t_int < TOLD_WITHIN_S
