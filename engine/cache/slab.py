@@ -42,17 +42,16 @@ def open_slab(path: str) -> int:
 def map_slab(path: str, nbytes: int, fd: int = -1) -> mmap.mmap:
     """Map `nbytes` of the slab (by its name, or by `fd` from open_slab, which stays open),
     growing the file to that size if it is smaller."""
-    if fd >= 0:
-        if os.fstat(fd).st_size < nbytes:
-            os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    fd = open_slab(path)
+    own = fd < 0
+    if own:
+        fd = open_slab(path)
     try:
         if os.fstat(fd).st_size < nbytes:
             os.ftruncate(fd, nbytes)
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
-        os.close(fd)  # the mapping keeps the memory; the file name is the supervisor's
+        if own:
+            os.close(fd)  # the mapping keeps the memory; the file name is the supervisor's
 
 
 def available_memory() -> int:

@@ -107,12 +107,7 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the group's ranks in rank order, in place (as gloo's path); returns x."""
-        self.seq += 1
-        n = x.numel() * x.element_size()
-        slots = self._slots[self.seq & 1, :, :n]
-        slots[self.rank].view(x.dtype).copy_(x.view(-1))
-        self._words[self._seq_at[self.rank]] = self.seq  # after the slot's bytes (x86 keeps store order)
-        self._wait()
+        slots = self._exchange(x)
         flat = x.view(-1)
         flat.copy_(slots[0].view(x.dtype))
         for r in range(1, self.world):
@@ -123,13 +118,17 @@ class ShmAllReduce:
         """[world, *x.shape]: every rank's x in rank order, the same bytes on every rank (the
         context-parallel merge's exchange, gloo's ~2 ms a layer otherwise); the slots and the
         sequence as all_reduce's."""
+        return self._exchange(x).view(x.dtype).view(self.world, *x.shape).clone()
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """This call's half of the slots [world, x's bytes] once every rank has written x's bytes
+        to its own slot there."""
         self.seq += 1
-        n = x.numel() * x.element_size()
-        slots = self._slots[self.seq & 1, :, :n]
+        slots = self._slots[self.seq & 1, :, : x.numel() * x.element_size()]
         slots[self.rank].view(x.dtype).copy_(x.view(-1))
-        self._words[self._seq_at[self.rank]] = self.seq
+        self._words[self._seq_at[self.rank]] = self.seq  # after the slot's bytes (x86 keeps store order)
         self._wait()
-        return slots.view(x.dtype).view(self.world, *x.shape).clone()
+        return slots
 
     def _wait(self) -> None:
         words, seq = self._words, self.seq
