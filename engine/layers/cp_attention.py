@@ -19,9 +19,10 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   the cp group per layer carries [T, Hq, D + 1] (output | LSE) and every rank merges the cp
   partials in rank order, so every rank ends with the same bytes.
   A decode row (one new token) is the same case: its prefix over every rank's own pages, its
-  own key on rank 0. On CPU the step's one-token rows instead go in one kernel call (`_Decode`):
-  the owner has stored the new key first, so each rank attends its own pages, the new key among
-  them, as one paged decode over a local page table, with the kernel's LSE.
+  own key on rank 0. The step's one-token rows instead go in one kernel call (`_Decode`): the
+  owner has stored the new key first, so each rank attends its own pages, the new key among them,
+  as one paged decode over a local page table, with the kernel's LSE (CPU: cpu_attention.c; CUDA:
+  flashinfer's paged decode, whose LSE is base 2).
 * Kernels (`sdpa_lse`): a flash kernel that returns the LSE (O(L) memory): on CPU torch's, in
   float32; on CUDA FlashAttention-2 (bf16/fp16) or the memory-efficient kernel (float32). The exact
   float32 path (`partial_attention`) is the tests' reference. cp = 1 never builds this
@@ -30,6 +31,7 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -177,9 +179,25 @@ class _Decode:
 
     reqs: list[int]  # their indices in the batch
     rows: torch.Tensor  # int64: their rows of T
-    table: torch.Tensor  # int64 [len(reqs), width]: local page ids
+    pages: list[torch.Tensor]  # int64: each one's local page ids, in order
     lens: list[int]  # keys on this rank
-    kernel: cpu_attention.Plan | None = None  # built on first use (it needs the KV heads)
+    kernel: cpu_attention.Plan | None = None  # CPU: built on first use (it needs the KV heads)
+    planned: bool = False  # CUDA: flashinfer's decode wrapper planned for this step
+
+    def table(self) -> torch.Tensor:
+        """int64 [len(reqs), width]: the local page table (rows padded with page 0)."""
+        out = torch.zeros(len(self.pages), max(len(p) for p in self.pages), dtype=torch.int64)
+        for j, p in enumerate(self.pages):
+            out[j, : len(p)] = p
+        return out
+
+    def paged_metadata(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """flashinfer's (kv_indptr, kv_indices, kv_last_page_len), int32 on the CPU."""
+        counts = torch.tensor([len(p) for p in self.pages], dtype=torch.int32)
+        indptr = torch.zeros(len(self.pages) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(counts, 0)
+        last = torch.tensor(self.lens, dtype=torch.int32) - (counts - 1) * page_size
+        return indptr, torch.cat(self.pages).to(torch.int32), last
 
 
 @dataclass
@@ -212,8 +230,8 @@ def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
         row += n
     dev = batch.out_slots.device
     slots = batch.out_slots[own.to(dev)]
-    decode = _decode_rows(batch, table, reqs, rank, world) if dev.type == "cpu" else None
-    return _Plan(own.to(dev), slots // (ps * world) * ps + slots % ps, reqs, decode)
+    local_slots = slots // (ps * world) * ps + slots % ps
+    return _Plan(own.to(dev), local_slots, reqs, _decode_rows(batch, table, reqs, rank, world))
 
 
 def _decode_rows(batch: ForwardBatch, table: torch.Tensor, reqs: list[_ReqPlan], rank: int,
@@ -234,11 +252,8 @@ def _decode_rows(batch: ForwardBatch, table: torch.Tensor, reqs: list[_ReqPlan],
         pages.append(table[i, mine].to(torch.int64) // world)
     if not picked:
         return None
-    width = max(len(p) for p in pages)
-    local = torch.zeros(len(picked), width, dtype=torch.int64)
-    for j, p in enumerate(pages):
-        local[j, : len(p)] = p
-    return _Decode(picked, torch.tensor([reqs[i].row for i in picked], dtype=torch.int64), local, lens)
+    rows = torch.tensor([reqs[i].row for i in picked], dtype=torch.int64, device=batch.out_slots.device)
+    return _Decode(picked, rows, pages, lens)
 
 
 class ContextParallelAttention(AttentionBackend):
@@ -249,11 +264,13 @@ class ContextParallelAttention(AttentionBackend):
 
     owns_kv_writes = True
 
-    def __init__(self, group: TPGroup | None = None) -> None:
+    def __init__(self, group: TPGroup | None = None, workspace: torch.Tensor | None = None) -> None:
         self.cp = group if group is not None else parallel_state().cp
+        self._workspace = workspace  # CUDA: the replaced backend's flashinfer workspace, reused (else made on use)
         if self.cp.world < 2:
             raise ValueError("ContextParallelAttention needs a cp group of world >= 2 (use context_parallel())")
         self._plan: _Plan | None = None
+        self._fi_decode = None  # CUDA: flashinfer's paged decode wrapper (`_decode_cuda`), made on first use
         # a flash kernel that returns the LSE (O(L) memory) where one exists (`flash_available`);
         # else, and for tests, the exact float32 path
         self.flash = True
@@ -305,20 +322,55 @@ class ContextParallelAttention(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool, o_all: torch.Tensor,
                 lse_all: torch.Tensor) -> set[int]:
-        """The plan's one-token rows in one CPU kernel call (`_Decode`), into o_all / lse_all;
-        returns the requests it attended (none where the kernel does not take this cache)."""
+        """The plan's one-token rows in one kernel call (`_Decode`), into o_all / lse_all; returns
+        the requests it attended (none where the kernel does not take this cache)."""
         dec = self._plan.decode if self._plan is not None else None
-        k_pages, v_pages = kv_pool.k[layer_id], kv_pool.v[layer_id]
-        if dec is None or not cpu_attention.fits(k_pages.dtype, q.shape[-1]):
+        if dec is None:
             return set()
+        if q.device.type == "cuda":
+            got = self._decode_cuda(dec, q, layer_id, kv_pool)
+        else:
+            got = self._decode_cpu(dec, q, layer_id, kv_pool)
+        if got is None:
+            return set()
+        o_all[dec.rows], lse_all[dec.rows] = got
+        return set(dec.reqs)
+
+    @staticmethod
+    def _decode_cpu(dec: _Decode, q: torch.Tensor, layer_id: int,
+                    kv_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        k_pages, v_pages = kv_pool.k[layer_id], kv_pool.v[layer_id]
+        if not cpu_attention.fits(k_pages.dtype, q.shape[-1]):
+            return None
         if dec.kernel is None:
             hkv = k_pages.shape[1]
-            dec.kernel = cpu_attention.plan(dec.table, dec.lens, [1] * len(dec.lens), hkv, q.shape[1] // hkv)
+            dec.kernel = cpu_attention.plan(dec.table(), dec.lens, [1] * len(dec.lens), hkv, q.shape[1] // hkv)
         lse = torch.empty(len(dec.reqs), q.shape[1], dtype=torch.float32)
         o = cpu_attention.attend(q[dec.rows], dec.kernel, k_pages, v_pages, kv_pool.page_size, q.shape[-1] ** -0.5,
                                  lse=lse)
-        o_all[dec.rows], lse_all[dec.rows] = o, lse
-        return set(dec.reqs)
+        return o, lse
+
+    def _decode_cuda(self, dec: _Decode, q: torch.Tensor, layer_id: int,
+                     kv_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """flashinfer's paged decode over the local table, planned once a step; None where it is
+        not installed or the pool's dtype is not q's (the per-request path then attends)."""
+        if kv_pool.dtype != q.dtype or q.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if self._fi_decode is None:
+            try:
+                import flashinfer
+            except ImportError:
+                return None
+            if self._workspace is None:
+                self._workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
+            self._fi_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                                            use_tensor_cores=True)
+        if not dec.planned:
+            self._fi_decode.plan(*dec.paged_metadata(kv_pool.page_size), q.shape[1], kv_pool.num_kv_heads,
+                                 q.shape[-1], kv_pool.page_size, q_data_type=q.dtype, kv_data_type=kv_pool.dtype)
+            dec.planned = True
+        o, lse = self._fi_decode.run(q[dec.rows], kv_pool.page_view(layer_id), return_lse=True)
+        return o.float(), lse * math.log(2.0)  # flashinfer's LSE is base 2
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's (out | lse) over the cp group, merge in rank order: [T, Hq, D]."""
@@ -349,4 +401,6 @@ def _all_gather(group: TPGroup, x: torch.Tensor) -> torch.Tensor:
 def context_parallel(backend: AttentionBackend) -> AttentionBackend:
     """The attention backend for this rank: `backend` itself at cp world 1 (every existing path
     unchanged, no overhead), else a ContextParallelAttention over `parallel_state().cp`."""
-    return backend if parallel_state().cp.world == 1 else ContextParallelAttention()
+    if parallel_state().cp.world == 1:
+        return backend
+    return ContextParallelAttention(workspace=getattr(backend, "workspace", None))
