@@ -341,6 +341,10 @@ class ContextParallelAttention(AttentionBackend):
             self._g_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
             self._g_last = torch.ones(max_batch, dtype=torch.int32, device=dev)
             self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=dev)
+            # a step's local page ids reach the plan from the device: from the host, flashinfer's copy of
+            # them would block until the step in flight is done (pinned staging in turn, as the plan's)
+            self._idx_staging = _Staging(4 * self._g_indices.numel())
+            self._idx_dev = torch.zeros_like(self._g_indices)
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._graph_bs = None
@@ -481,7 +485,12 @@ class ContextParallelAttention(AttentionBackend):
 
     def _plan_graph(self, bs: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
         hq, hkv, d, ps = self._geometry
-        self._fi_plan(self._graph[bs], torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+        host = self._idx_staging.take().view(torch.int32)[: len(indices)]
+        host.numpy()[:] = indices
+        dev = self._idx_dev[: len(indices)]
+        dev.copy_(host, non_blocking=True)
+        self._idx_staging.release()
+        self._fi_plan(self._graph[bs], torch.from_numpy(indptr), dev, torch.from_numpy(last),
                       hq, hkv, d, ps, q_data_type=self._q_dtype, kv_data_type=self._q_dtype)
         self._graph_bs = bs
 
