@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +34,50 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: teardown still happens on clean exits
         pass
+
+
+_RUN_NAME = re.compile(r"strata-(\d+)-")  # a supervisor's run dir and slab: strata-<its pid>-...
+
+
+def run_prefix() -> str:
+    """The name prefix of this supervisor's run dir and host-tier slab (`remove_stale_runs`)."""
+    return f"strata-{os.getpid()}-"
+
+
+def remove_stale_runs(*bases: Path) -> list[Path]:
+    """Remove what a supervisor killed by SIGKILL left in these dirs (its children die with it, its
+    `finally` never runs): run dirs and slabs named `run_prefix()` by a pid that no longer runs,
+    owned by this user. A slab of a supervisor killed before ready is RAM under /dev/shm. Returns
+    what was removed."""
+    removed = []
+    for base in bases:
+        try:
+            entries = list(base.iterdir())
+        except OSError:
+            continue
+        for path in entries:
+            m = _RUN_NAME.match(path.name)
+            try:
+                if m is None or path.lstat().st_uid != os.getuid() or _alive(int(m.group(1))):
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            except OSError:  # gone meanwhile, or not ours to remove
+                continue
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def describe_exit(returncode: int) -> str:

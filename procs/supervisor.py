@@ -25,10 +25,10 @@ from pathlib import Path
 import zmq
 
 from engine.args import parse_args
-from engine.cache.slab import create_slab, remove_slab
+from engine.cache.slab import create_slab, remove_slab, slab_dir
 from engine.config import ServerConfig
 from engine.logs import setup_logging
-from engine.supervise import ChildSet, announce_death, child_name
+from engine.supervise import ChildSet, announce_death, child_name, remove_stale_runs, run_prefix
 from msgs.channels import CONTROL, NOTICES, Receiver, Sender, open_receiver, open_sender
 from msgs.control import Fatal, Ready, ToSupervisor, ToTokenizerControl
 
@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
         return 2
-    run_dir = tempfile.mkdtemp(prefix="strata-")  # mode 0700: ipc sockets stay private
+    stale = remove_stale_runs(Path(tempfile.gettempdir()), slab_dir())  # what a kill -9 left
+    if stale:
+        log.info("removed the run dirs and slabs of killed servers", paths=[str(p) for p in stale])
+    run_dir = tempfile.mkdtemp(prefix=run_prefix())  # mode 0700: ipc sockets stay private
     # the host tier's slab: created here, removed below whatever happens to the children
     cfg = replace(cfg, run_dir=run_dir, hicache_path=create_slab() if cfg.enable_hierarchical_cache else "")
     stop = {"signal": 0}

@@ -17,10 +17,15 @@ from pathlib import Path
 SHM_DIR = Path("/dev/shm")
 
 
+def slab_dir() -> Path:
+    """Where slabs live: /dev/shm, or the temp dir where there is none."""
+    return SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+
+
 def create_slab(tag: str = "strata") -> str:
-    """An empty file, mode 0600, under /dev/shm (a temp dir where there is none)."""
-    base = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
-    path = base / f"{tag}-{os.getpid()}-{secrets.token_hex(4)}-l2"
+    """An empty file, mode 0600, under `slab_dir()`, named by this process's pid (engine/supervise.py:
+    remove_stale_runs finds those of a killed supervisor)."""
+    path = slab_dir() / f"{tag}-{os.getpid()}-{secrets.token_hex(4)}-l2"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.close(fd)
     return str(path)
