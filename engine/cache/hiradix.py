@@ -66,8 +66,10 @@ class TieredRadixCache(RadixCache):
         self.objects: dict[int, RadixNode] = {}  # host object id -> its node
         self.pieces: dict[int, list[int]] = {}  # pending object -> objects split off it since
         self.origin: dict[int, int] = {}  # a split-off pending piece -> the object that commits it
-        self.stats = {"backups": 0, "skipped": 0, "committed": 0, "load_backs": 0, "l2_hit_tokens": 0,
-                      "host_evicted": 0, "l3_loads": 0, "l3_loaded": 0, "l3_failed": 0, "l3_hit_tokens": 0}
+        # (hit tokens by tier are counted per admitted request, by engine/sched/tiers.py: a load-back
+        # here may serve a request that then waits and loads again)
+        self.stats = {"backups": 0, "skipped": 0, "committed": 0, "load_backs": 0,
+                      "host_evicted": 0, "l3_loads": 0, "l3_loaded": 0, "l3_failed": 0}
         # the disk tier (L3): on when the model has a fingerprint (--l3-dir)
         self.fingerprint = l3_fingerprint
         self.loading: dict[int, RadixNode] = {}  # loading object -> the parent the tree keeps locked
@@ -117,8 +119,6 @@ class TieredRadixCache(RadixCache):
             start = self.host.ranges[node.host][0]
             self.changes += [CachePages(pack_ids(node.pages)), LoadBack(node.host, pack_ids(node.pages), start)]
         self.stats["load_backs"] += len(nodes)
-        self.stats["l2_hit_tokens"] += need * ps - l3_tokens
-        self.stats["l3_hit_tokens"] += l3_tokens
         self.last_load = (need * ps - l3_tokens, l3_tokens)
         return MatchResult(match.pages + pages, nodes[-1], match.num_tokens + need * ps)
 

@@ -66,7 +66,7 @@ def test_backup_commit_evict_to_host_and_load_back() -> None:
     loaded = cache.load_back(match)
     assert loaded is not None and loaded.num_tokens == 6 and len(loaded.pages) == 3
     assert any(isinstance(c, LoadBack) for c in cache.changes)
-    assert cache.stats["l2_hit_tokens"] == 6
+    assert cache.last_load == (6, 0)  # tokens loaded from (L2, L3)
     f.sync(cache)
 
 
