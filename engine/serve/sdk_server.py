@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -129,28 +130,34 @@ class SdkServer:
             await self._error(ident, GenerateError(rid, 500, "internal server error"))
 
     async def _stream(self, ident: bytes, rid: str, gen: Generation) -> None:
-        """The deltas as chunks; a KeepAlive after each KEEPALIVE_S without one (a long prefill)."""
+        """The deltas as chunks, sent by one task for the whole stream; a KeepAlive where a
+        KEEPALIVE_S passed without a chunk (a long prefill)."""
         deltas = gen.deltas()  # raises GenerationFailed
-        while True:
-            try:
-                d = await self._keeping_alive(ident, rid, anext(deltas))
-            except StopAsyncIteration:
-                return
-            if d.text or d.token_ids or d.finish_reason:
-                await self._send(ident, _chunk(rid, d))
+        last_sent = [time.monotonic()]
+
+        async def send_all() -> None:
+            async for d in deltas:
+                if d.text or d.token_ids or d.finish_reason:
+                    await self._send(ident, _chunk(rid, d))
+                    last_sent[0] = time.monotonic()
+
+        await self._keeping_alive(ident, rid, send_all(), last_sent)
 
     async def _whole(self, ident: bytes, rid: str, gen: Generation) -> None:
         """The whole result in one chunk; a KeepAlive every KEEPALIVE_S meanwhile."""
         (c,) = await self._keeping_alive(ident, rid, collect(gen))
         await self._send(ident, _chunk(rid, c))
 
-    async def _keeping_alive(self, ident: bytes, rid: str, work: Awaitable[T]) -> T:
-        """work's result, with a KeepAlive to the client each KEEPALIVE_S it takes: the client
-        knows the server is alive, and a send fails (ClientGone) once its connection is closed."""
+    async def _keeping_alive(self, ident: bytes, rid: str, work: Awaitable[T],
+                             last_sent: list[float] | None = None) -> T:
+        """work's result, with a KeepAlive to the client each KEEPALIVE_S it takes (where `work`
+        sends frames itself: each KEEPALIVE_S after its last, `last_sent`): the client knows the
+        server is alive, and a send fails (ClientGone) once its connection is closed."""
         task = asyncio.ensure_future(work)
         try:
             while not (await asyncio.wait({task}, timeout=KEEPALIVE_S))[0]:
-                await self._send(ident, KeepAlive(rid))
+                if last_sent is None or time.monotonic() - last_sent[0] >= KEEPALIVE_S:
+                    await self._send(ident, KeepAlive(rid))
         finally:
             task.cancel()  # (a no-op once it is done)
         return task.result()
