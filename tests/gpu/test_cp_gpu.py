@@ -61,53 +61,6 @@ def test_cp2_flash_partials_merged_equal_full_attention_at_128k(new: int) -> Non
         torch.testing.assert_close(lse[0], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
 
 
-def test_cp2_batched_decode_rows_by_flashinfer() -> None:
-    """A decode step of requests at contexts of 1 (no key on rank 1), 17, 1000 and 5000 tokens: each
-    rank attends its one-token rows in one flashinfer paged decode over its local pages (its LSE,
-    base 2, turned to natural log); the merged rows equal attention over every key, and the merged
-    LSE is each row's log-sum-exp."""
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(5)
-    contexts = [1, 17, 1000, 5000]
-    pools = [KVPool(1, 4096, PAGE, HKV, D, dtype, dev) for _ in range(CP)]
-    next_local = [1] * CP  # page 0 is padding
-    reqs, keys = [], []
-    for n in contexts:
-        table = []
-        for i in range(-(-n // PAGE)):
-            owner = i % CP
-            table.append(next_local[owner] * CP + owner)
-            next_local[owner] += 1
-        k, v = (torch.randn(n, HKV, D, device=dev, generator=g, dtype=dtype) for _ in range(2))
-        pos = torch.arange(n - 1, device=dev)
-        for r, pool in enumerate(pools):  # the cached prefix, each page in its owner's pool only
-            mine = pos[(pos // PAGE) % CP == r]
-            if mine.numel():
-                glob = torch.tensor(table, device=dev)[mine // PAGE]
-                pool.store(0, glob // CP * PAGE + mine % PAGE, k[mine], v[mine])
-        reqs.append(([0], n - 1, table))
-        keys.append((k, v))
-    batch = ForwardBatch.from_requests(reqs, PAGE, dev)
-    q = (4 * torch.randn(len(contexts), HQ, D, device=dev, generator=g)).to(dtype)
-    k_new = torch.stack([k[-1] for k, _ in keys])
-    v_new = torch.stack([v[-1] for _, v in keys])
-    parts = []
-    for r, pool in enumerate(pools):
-        be = ContextParallelAttention(TPGroup(r, CP))
-        be.prepare(batch)
-        assert be.plan.decode is not None and be.plan.decode.reqs == ([0, 1, 2, 3] if r == 0 else [1, 2, 3])
-        be.store_rows(0, pool, k_new, v_new)
-        parts.append(be.partial(q, k_new, v_new, 0, pool))
-    got, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
-    for i, (k, v) in enumerate(keys):
-        kr, vr = (x.float().transpose(0, 1).repeat_interleave(HQ // HKV, 0) for x in (k, v))
-        scores = torch.einsum("hd,hld->hl", q[i].float(), kr) * D**-0.5
-        want = torch.einsum("hl,hld->hd", scores.softmax(-1), vr)
-        err = (got[i] - want).norm() / want.norm()
-        assert err < 1e-2, f"request {i} (context {contexts[i]}): relative error {err:.2e}"
-        torch.testing.assert_close(lse[i], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
-
-
 def _decode_setup(contexts: list[int], pools: list[KVPool], next_local: list[int], g: torch.Generator):
     """Requests at these contexts (keys 0..n-2 cached in their owners' pools, key n-1 new): their
     global page tables, their keys and values."""
@@ -121,7 +74,7 @@ def _decode_setup(contexts: list[int], pools: list[KVPool], next_local: list[int
             next_local[owner] += 1
         k, v = (torch.randn(n, HKV, D, device=dev, generator=g, dtype=dtype) for _ in range(2))
         pos = torch.arange(n - 1, device=dev)
-        for r, pool in enumerate(pools):
+        for r, pool in enumerate(pools):  # the cached prefix, each page in its owner's pool only
             mine = pos[(pos // PAGE) % CP == r]
             if mine.numel():
                 glob = torch.tensor(table, device=dev)[mine // PAGE]
@@ -129,6 +82,43 @@ def _decode_setup(contexts: list[int], pools: list[KVPool], next_local: list[int
         tables.append(table)
         keys.append((k, v))
     return tables, keys
+
+
+def test_cp2_batched_decode_rows_by_flashinfer() -> None:
+    """A decode step of requests at contexts of 1 (no key on rank 1), 17, 1000 and 5000 tokens: each
+    rank attends its one-token rows in one flashinfer paged decode over its local pages (its LSE,
+    base 2, turned to natural log); the merged rows equal attention over every key, and the merged
+    LSE is each row's log-sum-exp."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5)
+    contexts = [1, 17, 1000, 5000]
+    pools = [KVPool(1, 4096, PAGE, HKV, D, dtype, dev) for _ in range(CP)]
+    tables, keys = _decode_setup(contexts, pools, [1] * CP, g)
+    batch = ForwardBatch.from_requests([([0], n - 1, t) for n, t in zip(contexts, tables, strict=True)], PAGE, dev)
+    q = (4 * torch.randn(len(contexts), HQ, D, device=dev, generator=g)).to(dtype)
+    k_new = torch.stack([k[-1] for k, _ in keys])
+    v_new = torch.stack([v[-1] for _, v in keys])
+    parts = []
+    for r, pool in enumerate(pools):
+        be = ContextParallelAttention(TPGroup(r, CP))
+        be.prepare(batch)
+        assert be.plan.decode is not None and be.plan.decode.reqs == ([0, 1, 2, 3] if r == 0 else [1, 2, 3])
+        be.store_rows(0, pool, k_new, v_new)
+        parts.append(be.partial(q, k_new, v_new, 0, pool))
+    _assert_attends_every_key(keys, q, *merge_partials(torch.stack([p[0] for p in parts]),
+                                                       torch.stack([p[1] for p in parts])))
+
+
+def _assert_attends_every_key(keys: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, got: torch.Tensor,
+                              lse: torch.Tensor) -> None:
+    """Row i of the merged output and LSE is request i's attention over all its keys."""
+    for i, (k, v) in enumerate(keys):
+        kr, vr = (x.float().transpose(0, 1).repeat_interleave(HQ // HKV, 0) for x in (k, v))
+        scores = torch.einsum("hd,hld->hl", q[i].float(), kr) * D**-0.5
+        want = torch.einsum("hl,hld->hd", scores.softmax(-1), vr)
+        err = (got[i] - want).norm() / want.norm()
+        assert err < 1e-2, f"request {i} (context {k.shape[0]}): relative error {err:.2e}"
+        torch.testing.assert_close(lse[i], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
 
 
 def test_cp2_decode_partials_in_a_cuda_graph_replanned_each_step() -> None:
@@ -182,14 +172,8 @@ def test_cp2_decode_partials_in_a_cuda_graph_replanned_each_step() -> None:
         for be, graph in zip(backends, graphs, strict=True):
             be.plan_graph_lists(bs, starts, tables)
             graph.replay()
-        got, lse = merge_partials(torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs]))
         assert torch.isneginf(outs[1][1][b:]).all()  # padding rows (position 0: page 0 is rank 0's)
         if contexts[0] == 1:  # request 0's one key is rank 0's: rank 1's row weighs 0
             assert torch.isneginf(outs[1][1][0]).all()
-        for i, (k, v) in enumerate(keys):
-            kr, vr = (x.float().transpose(0, 1).repeat_interleave(HQ // HKV, 0) for x in (k, v))
-            scores = torch.einsum("hd,hld->hl", q[i].float(), kr) * D**-0.5
-            want = torch.einsum("hl,hld->hd", scores.softmax(-1), vr)
-            err = (got[i] - want).norm() / want.norm()
-            assert err < 1e-2, f"contexts {contexts}, request {i}: relative error {err:.2e}"
-            torch.testing.assert_close(lse[i], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
+        _assert_attends_every_key(keys, q, *merge_partials(torch.stack([o[0] for o in outs]),
+                                                           torch.stack([o[1] for o in outs])))
