@@ -9,6 +9,7 @@ connection.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import re
 import shutil
@@ -19,12 +20,15 @@ import sys
 import time
 from pathlib import Path
 
+import structlog
 import zmq
 
 from engine.config import ServerConfig
 from engine.env import DIST_ENV
 from msgs.channels import Receiver, Sender
 from msgs.control import Flushed, ProcessDied, ToSupervisor, ToTokenizerControl
+
+log = structlog.get_logger()
 
 _PR_SET_PDEATHSIG = 1
 
@@ -36,19 +40,33 @@ def _die_with_parent() -> None:
         pass
 
 
-_RUN_NAME = re.compile(r"strata-(\d+)-")  # a supervisor's run dir and slab: strata-<its pid>-...
+# a supervisor's run dir and host-tier slab: named by its pid, each holding a lock for its life
+_STALE_NAMES = (re.compile(r"strata-run-(\d+)-[^/]+$"), re.compile(r"strata-slab-(\d+)-[^/]+$"))
+RUN_LOCK = "lock"  # in the run dir
 
 
 def run_prefix() -> str:
-    """The name prefix of this supervisor's run dir and host-tier slab (`remove_stale_runs`)."""
-    return f"strata-{os.getpid()}-"
+    """The name prefix of this supervisor's run dir (`remove_stale_runs`)."""
+    return f"strata-run-{os.getpid()}-"
+
+
+SLAB_TAG = "strata-slab"  # create_slab(SLAB_TAG): the supervisor's slab, strata-slab-<pid>-...
+
+
+def hold_lock(path: Path) -> int:
+    """An exclusive flock on `path` (created if missing), held until this process exits: the mark
+    `remove_stale_runs` reads as "in use", across pid namespaces (containers sharing /dev/shm) too."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 def remove_stale_runs(*bases: Path) -> list[Path]:
     """Remove what a supervisor killed by SIGKILL left in these dirs (its children die with it, its
-    `finally` never runs): run dirs and slabs named `run_prefix()` by a pid that no longer runs,
-    owned by this user. A slab of a supervisor killed before ready is RAM under /dev/shm. Returns
-    what was removed."""
+    `finally` never runs): run dirs `strata-run-<pid>-*` and slabs `strata-slab-<pid>-*` of this user
+    whose pid no longer runs here and whose lock nobody holds (`hold_lock`: a run dir's `lock` file, a
+    slab itself). A slab of a supervisor killed before ready is RAM under /dev/shm. Returns what was
+    removed."""
     removed = []
     for base in bases:
         try:
@@ -56,15 +74,19 @@ def remove_stale_runs(*bases: Path) -> list[Path]:
         except OSError:
             continue
         for path in entries:
-            m = _RUN_NAME.match(path.name)
+            m = next((m for p in _STALE_NAMES if (m := p.match(path.name))), None)
             try:
                 if m is None or path.lstat().st_uid != os.getuid() or _alive(int(m.group(1))):
                     continue
-                if path.is_dir() and not path.is_symlink():
+                is_dir = path.is_dir() and not path.is_symlink()
+                if not _unlocked(path / RUN_LOCK if is_dir else path):
+                    continue
+                if is_dir:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
-            except OSError:  # gone meanwhile, or not ours to remove
+            except OSError as exc:  # gone meanwhile, or not ours to remove
+                log.debug("stale run not removed", path=str(path), error=str(exc))
                 continue
             removed.append(path)
     return removed
@@ -73,11 +95,26 @@ def remove_stale_runs(*bases: Path) -> list[Path]:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):  # gone, or no pid at all
         return False
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def _unlocked(path: Path) -> bool:
+    """Whether `path` is a regular file (not a link) on which nobody holds a `hold_lock`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # missing (a run dir without its lock is not one of ours, or not yet)
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def describe_exit(returncode: int) -> str:

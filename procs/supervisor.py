@@ -14,6 +14,7 @@ other ranks and exits 1 naming it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -28,7 +29,16 @@ from engine.args import parse_args
 from engine.cache.slab import create_slab, remove_slab, slab_dir
 from engine.config import ServerConfig
 from engine.logs import setup_logging
-from engine.supervise import ChildSet, announce_death, child_name, remove_stale_runs, run_prefix
+from engine.supervise import (
+    RUN_LOCK,
+    SLAB_TAG,
+    ChildSet,
+    announce_death,
+    child_name,
+    hold_lock,
+    remove_stale_runs,
+    run_prefix,
+)
 from msgs.channels import CONTROL, NOTICES, Receiver, Sender, open_receiver, open_sender
 from msgs.control import Fatal, Ready, ToSupervisor, ToTokenizerControl
 
@@ -64,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     if stale:
         log.info("removed the run dirs and slabs of killed servers", paths=[str(p) for p in stale])
     run_dir = tempfile.mkdtemp(prefix=run_prefix())  # mode 0700: ipc sockets stay private
+    locks = [hold_lock(Path(run_dir, RUN_LOCK))]  # "in use" to another supervisor's remove_stale_runs
     # the host tier's slab: created here, removed below whatever happens to the children
-    cfg = replace(cfg, run_dir=run_dir, hicache_path=create_slab() if cfg.enable_hierarchical_cache else "")
+    cfg = replace(cfg, run_dir=run_dir, hicache_path=create_slab(SLAB_TAG) if cfg.enable_hierarchical_cache else "")
+    if cfg.hicache_path:
+        locks.append(hold_lock(Path(cfg.hicache_path)))
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -89,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx.term()
         shutil.rmtree(run_dir, ignore_errors=True)
         remove_slab(cfg.hicache_path)
+        for fd in locks:
+            os.close(fd)
     return code
 
 

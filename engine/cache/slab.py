@@ -23,8 +23,8 @@ def slab_dir() -> Path:
 
 
 def create_slab(tag: str = "strata") -> str:
-    """An empty file, mode 0600, under `slab_dir()`, named by this process's pid (engine/supervise.py:
-    remove_stale_runs finds those of a killed supervisor)."""
+    """An empty file, mode 0600, under `slab_dir()`, named `<tag>-<pid>-...` (the supervisor's tag
+    lets engine/supervise.py: remove_stale_runs find a killed supervisor's)."""
     path = slab_dir() / f"{tag}-{os.getpid()}-{secrets.token_hex(4)}-l2"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.close(fd)

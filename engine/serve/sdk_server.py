@@ -136,10 +136,11 @@ class SdkServer:
         last_sent = [time.monotonic()]
 
         async def send_all() -> None:
-            async for d in deltas:
-                if d.text or d.token_ids or d.finish_reason:
-                    await self._send(ident, _chunk(rid, d))
-                    last_sent[0] = time.monotonic()
+            async with contextlib.aclosing(deltas):  # closed at once when a send fails or the task is cancelled
+                async for d in deltas:
+                    if d.text or d.token_ids or d.finish_reason:
+                        await self._send(ident, _chunk(rid, d))
+                        last_sent[0] = time.monotonic()
 
         await self._keeping_alive(ident, rid, send_all(), last_sent)
 
@@ -159,7 +160,10 @@ class SdkServer:
                 if last_sent is None or time.monotonic() - last_sent[0] >= KEEPALIVE_S:
                     await self._send(ident, KeepAlive(rid))
         finally:
-            task.cancel()  # (a no-op once it is done)
+            if not task.done():  # the client is gone, or this request was cancelled: end the work now
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         return task.result()
 
 
