@@ -77,15 +77,16 @@ def salvage_arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _content(msg: ChatMessage, i: int) -> str | None:
+def _content(msg: ChatMessage, i: int) -> str:
     if isinstance(msg.content, str):
         return msg.content
     if msg.content is None or msg.content is msgspec.UNSET:
-        # OpenAI: content is required, except on an assistant turn (which may only call
-        # tools: templates test for None there).
+        # OpenAI: content is required, except on an assistant turn (which may only call tools).
+        # "" as vLLM renders it: templates that print message['content'] (SmolLM2's) fail on None,
+        # and those that test it (`if message.content`) read "" the same way
         if msg.role != "assistant":
             raise ApiError(400, f"messages[{i}].content is required for role {msg.role!r}", f"messages[{i}].content")
-        return None if msg.tool_calls else ""
+        return ""
     texts = []
     for part in msg.content:
         if part.type != "text":

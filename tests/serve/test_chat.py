@@ -36,6 +36,22 @@ def test_text_parts_are_joined(text_tok) -> None:
     assert message_dicts(msgs)[0]["content"] == "a\nb"
 
 
+@pytest.mark.parametrize("content", [b'"content": null, ', b""])
+def test_a_tool_calling_turn_without_content_renders(default_model_dir, content: bytes) -> None:
+    """The OpenAI agent loop's shape: an assistant turn with tool_calls and null (or no) content,
+    then the tool's answer. The default model's template prints message['content']: "" there."""
+    msgs = _messages(b'[{"role": "user", "content": "weather?"}, {"role": "assistant", ' + content
+                     + b'"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", '
+                     b'"arguments": "{\\"city\\": \\"Paris\\"}"}}]}, '
+                     b'{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]')
+    dicts = message_dicts(msgs)
+    assert dicts[1]["content"] == "" and dicts[1]["tool_calls"]
+    tok = load_tokenizer(str(default_model_dir))
+    assert tok is not None
+    text = render_chat(tok, dicts)
+    assert "weather?" in text and "sunny" in text
+
+
 def test_generation_prompt_off_and_continue_final_message(text_tok) -> None:
     """vLLM's chat extensions: no generation prompt, or the final (assistant) message left open."""
     convo = _messages(b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]')
