@@ -241,7 +241,10 @@ def _encode(text: str, tok: TextTokenizer | None) -> list[int]:
 
 
 def native_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, bool]:
-    """SamplingParams from a /generate body, and whether max_new_tokens was given."""
+    """SamplingParams from a /generate body, and whether max_new_tokens was given. `stop` may be one
+    string, as SGLang's and OpenAI's take it."""
+    if isinstance(raw, dict) and isinstance(raw.get("stop"), str):
+        raw = {**raw, "stop": [raw["stop"]]}
     try:
         params = msgspec.convert(raw or {}, SamplingParams, str_keys=True)  # JSON keys: logit_bias's ids
     except msgspec.ValidationError as exc:

@@ -289,6 +289,8 @@ def test_native_requests(text_tok) -> None:
     params, given = native_params({"temperature": 0})
     assert not given and params.max_new_tokens == 128
     assert native_params({"max_new_tokens": 5})[1]
+    assert native_params({"stop": "x"})[0].stop == native_params({"stop": ["x"]})[0].stop == ["x"]  # SGLang's str
+    _raises(400, native_params, {"stop": 3}, param="sampling_params.stop")
     _raises(400, native_prompt, None, None, text_tok, param="text")
     _raises(400, native_prompt, "x", [1], text_tok, param="text")
     _raises(400, native_prompt, "x", None, None, param="text")  # ids-only mode
