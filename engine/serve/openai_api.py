@@ -79,16 +79,19 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
     kw = openai_params(req)
     limits = await state.limits()
-    prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, req.chat_template_kwargs,
+    template_kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:  # chat_template_kwargs, where it names one, wins
+        template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
+    prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, template_kwargs,
                                  add_generation_prompt=bool(req.add_generation_prompt),
                                  continue_final_message=bool(req.continue_final_message))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params_for(state, ids, kw, requested, None, limits, "messages")
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
-    reasoning = _reasoning(state, prompt, req.chat_template_kwargs)
+    reasoning = _reasoning(state, prompt, template_kwargs)
     params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
-    new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, req.chat_template_kwargs,
+    new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, template_kwargs,
                               constrained=reasoning is not None and params.grammar is not None)
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)

@@ -9,7 +9,7 @@ like `refusal` or `annotations`.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -94,6 +94,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, for reasoning models: handed to the chat template (as vLLM does; gpt-oss's reads it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool | None = True  # vLLM's chat extensions
     continue_final_message: bool | None = False
     metadata: dict[str, Any] | None = None

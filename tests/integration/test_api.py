@@ -352,6 +352,7 @@ def test_chat_continues_the_final_assistant_message(client: openai.OpenAI) -> No
         (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -2}), 400),
         (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 20000}]}), 400),
         (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}), 400),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"}), 400),
     ],
 )
 def test_bad_input_gets_4xx_with_openai_error(server: Server, body: str, status: int) -> None:
@@ -361,6 +362,23 @@ def test_bad_input_gets_4xx_with_openai_error(server: Server, body: str, status:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
+
+
+def test_an_agent_loop_turn_and_openai_fields_vllm_takes(client: openai.OpenAI, server: Server) -> None:
+    """What agent frameworks send: an assistant turn that only called a tool (content null), the
+    tool's answer, and OpenAI's reasoning_effort (to the template, which may ignore it); SGLang's
+    /generate with stop as one string."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21C"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       reasoning_effort="low")
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens > 20
+    g = httpx.post(f"{server.http}/generate", timeout=60,
+                   json={"text": "1, 2, 3,", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "stop": ","}})
+    assert g.status_code == 200 and "," not in g.json()["text"], g.text
 
 
 def test_chat_template_failure_is_400(server: Server) -> None:
