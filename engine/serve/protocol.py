@@ -76,6 +76,11 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = True
     regex: str | None = None  # constrained decoding (engine/serve/grammar.py)
     ebnf: str | None = None
+    # vLLM's names for the same (validate.guided_spec): a JSON Schema, a regex, one of some strings, EBNF
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Some clients send every field, unset ones as null: null means the default.

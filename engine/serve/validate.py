@@ -7,6 +7,7 @@ same answer everywhere. Every function raises `ApiError` (4xx) on bad input.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -158,8 +159,37 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         kw["logit_bias"] = _logit_bias(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         kw.update(response_format_spec(req.response_format))
+    guided = guided_spec(req)
+    if guided is not None:
+        field, name, spec = guided
+        if any(kw.get(k) for k in ("json_schema", "regex", "ebnf")):
+            raise ApiError(400, f"{field} with regex, ebnf or response_format: give one constraint", param=field)
+        kw[name] = spec
     kw.update(_logprob_params(req))
     return kw
+
+
+def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str, str] | None:
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar, where one is given: (its
+    name, our field, the spec): json_schema, regex or ebnf (a choice: an EBNF alternation of its
+    strings as JSON literals). 400 where two are given."""
+    given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"give at most one of {', '.join(given)}", param=given[1])
+    if not given:
+        return None
+    field = given[0]
+    value = getattr(req, field)
+    if field == "guided_json":
+        return field, "json_schema", value if isinstance(value, str) else json.dumps(value)
+    if field == "guided_regex":
+        return field, "regex", value
+    if field == "guided_grammar":
+        return field, "ebnf", value
+    if not value or not all(value):
+        raise ApiError(400, "guided_choice must be a list of non-empty strings", param=field)
+    return field, "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

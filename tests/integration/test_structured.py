@@ -216,6 +216,20 @@ def test_regex_and_ebnf_on_completions_and_generate(client: OpenAI, srv: Server)
     assert metrics["strata_grammar_cache_hits_total"] >= 0
 
 
+def test_vllm_guided_fields(client: OpenAI) -> None:
+    """vLLM's guided_choice / guided_regex / guided_json, on the same constraints as ours."""
+    ask = [{"role": "user", "content": "Is the sky blue?"}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["yes, \"blue\"", "no"]})
+    assert r.choices[0].message.content in ('yes, "blue"', "no")
+    r = client.completions.create(model=MODEL, prompt="The year was", max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": r" (19|20)[0-9]{2}\."})
+    assert len(r.choices[0].text) == 6 and r.choices[0].text[1:5].isdigit(), r.choices[0].text
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=48, temperature=0,
+                                       extra_body={"guided_json": SCHEMAS[1][1]})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[1][1])
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, ""),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, ""),
@@ -229,6 +243,10 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
       "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, ""),
     ({"tools": [WEATHER], "tool_choice": "required", "regex": "a"}, ""),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, ""),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, ""),
+    ({"guided_choice": []}, ""),
+    ({"guided_regex": "(unclosed"}, ""),
 ]  # fmt: skip
 
 
