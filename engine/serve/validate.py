@@ -19,7 +19,7 @@ from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
-from msgs.params import SamplingParams
+from msgs.params import INT32, SamplingParams
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 1 << 16  # a request this large is tokenized on a thread
@@ -271,15 +271,22 @@ def _encode(text: str, tok: TextTokenizer | None) -> list[int]:
 
 
 def native_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, bool]:
-    """SamplingParams from a /generate body, and whether max_new_tokens was given. `stop` may be one
-    string, as SGLang's and OpenAI's take it."""
-    if isinstance(raw, dict) and isinstance(raw.get("stop"), str):
-        raw = {**raw, "stop": [raw["stop"]]}
+    """SamplingParams from a /generate body, and whether max_new_tokens was given. As SGLang takes
+    them: `stop` may be one string, and max_new_tokens null means up to the context's end (not given,
+    and no default: `native_request` clips it to the room left)."""
+    raw = dict(raw or {})
+    if isinstance(raw.get("stop"), str):
+        raw["stop"] = [raw["stop"]]
+    if "max_new_tokens" in raw and raw["max_new_tokens"] is None:
+        raw["max_new_tokens"] = INT32 - 1
+        given = False
+    else:
+        given = "max_new_tokens" in raw
     try:
-        params = msgspec.convert(raw or {}, SamplingParams, str_keys=True)  # JSON keys: logit_bias's ids
+        params = msgspec.convert(raw, SamplingParams, str_keys=True)  # JSON keys: logit_bias's ids
     except msgspec.ValidationError as exc:
         raise from_validation(exc, prefix="sampling_params") from None
-    return params, "max_new_tokens" in (raw or {})
+    return params, given
 
 
 def native_prompt(text: str | None, input_ids: list[int] | None, tok: TextTokenizer | None) -> list[int]:

@@ -291,12 +291,15 @@ def test_native_requests(text_tok) -> None:
     assert native_params({"max_new_tokens": 5})[1]
     assert native_params({"stop": "x"})[0].stop == native_params({"stop": ["x"]})[0].stop == ["x"]  # SGLang's str
     _raises(400, native_params, {"stop": 3}, param="sampling_params.stop")
+    params, given = native_params({"max_new_tokens": None})  # SGLang's "up to the context's end"
+    assert not given and params.max_new_tokens > 2**30
     _raises(400, native_prompt, None, None, text_tok, param="text")
     _raises(400, native_prompt, "x", [1], text_tok, param="text")
     _raises(400, native_prompt, "x", None, None, param="text")  # ids-only mode
     assert native_prompt(None, [4, 5], None) == [4, 5]
     clipped = native_request([1] * 90, params, False, LIMITS, text_tok)
     assert clipped.max_new_tokens == 10  # an unset default is clipped to the context left
+    assert native_request([1] * 30, *native_params({"max_new_tokens": None}), LIMITS, text_tok).max_new_tokens == 70
     _raises(400, native_request, [1] * 90, SamplingParams(max_new_tokens=20), True, LIMITS, text_tok)
     _raises(400, native_request, [1], SamplingParams(stop=["x"]), True, LIMITS, None, param="stop")
 
