@@ -47,6 +47,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = []
+    # keep the stop string that ended the output in its text (vLLM's name; SGLang's no_stop_trim)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False

@@ -76,8 +76,9 @@ class IncrementalDecoder:
 class StopMatcher:
     """Finds the earliest stop string in a text stream; releases text that cannot start one."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         self._stops = [s for s in stops if s]
+        self._keep = keep  # the output keeps the stop string that ended it
         self._held = ""
         self.stopped = False
 
@@ -87,10 +88,11 @@ class StopMatcher:
         if self.stopped or not self._stops:
             return "" if self.stopped else text
         buf = self._held + text
-        hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if hit >= 0:
+        hits = [(i, -len(s)) for s in self._stops if (i := buf.find(s)) >= 0]
+        if hits:  # the earliest; of those starting there, the longest
+            hit, neg_len = min(hits)
             self.stopped, self._held = True, ""
-            return buf[:hit]
+            return buf[: hit - neg_len] if self._keep else buf[:hit]
         keep = self._partial_len(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
@@ -124,10 +126,11 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
         min_tokens: int = 0,
+        keep_stop: bool = False,
     ) -> None:
         # decoder None: ids-only mode, the output text is always empty.
         self._dec = IncrementalDecoder(decoder, skip_special_tokens, prompt_ids) if decoder else None
-        self._stop = StopMatcher(stop)
+        self._stop = StopMatcher(stop, keep_stop)
         self._unsearched = min_tokens  # tokens left whose text bypasses the stop matcher
         self._parts: list[str] = []  # everything emitted so far (a list: `+=` on a str is quadratic)
 

@@ -156,7 +156,8 @@ async def _pump(gen: AsyncIterator[Delta], queue: asyncio.Queue[object]) -> None
 
 async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHandle) -> AsyncIterator[Delta]:
     params = sub.params
-    detok = Detokenizer(tok, params.stop, params.skip_special_tokens, sub.ids, params.min_new_tokens)
+    detok = Detokenizer(tok, params.stop, params.skip_special_tokens, sub.ids, params.min_new_tokens,
+                        params.include_stop_str_in_output)
     produced = cached = 0
     spec: tuple[int, int, int] | None = None
     finish: str | None = None

@@ -73,6 +73,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     regex: str | None = None  # constrained decoding (engine/serve/grammar.py)
     ebnf: str | None = None

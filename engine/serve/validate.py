@@ -144,6 +144,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": req.ignore_eos,
+        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         "skip_special_tokens": req.skip_special_tokens,
         "seed": req.seed,
     }
@@ -277,6 +278,8 @@ def native_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, bool]:
     raw = dict(raw or {})
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
+    if "no_stop_trim" in raw:  # SGLang's name
+        raw["include_stop_str_in_output"] = raw.pop("no_stop_trim")
     if "max_new_tokens" in raw and raw["max_new_tokens"] is None:
         raw["max_new_tokens"] = INT32 - 1
         given = False

@@ -77,6 +77,9 @@ def test_stop_string_trims_text(client: openai.OpenAI) -> None:
         model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","], stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    kept = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[","],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[: text.index(",") + 1] and kept.choices[0].finish_reason == "stop"
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:

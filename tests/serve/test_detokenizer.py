@@ -116,6 +116,17 @@ def test_earliest_stop_string_wins() -> None:
     assert m.stopped
 
 
+def test_include_stop_str_in_output_keeps_the_stop_that_ended_it() -> None:
+    """vLLM's include_stop_str_in_output: the earliest stop, and of two starting there the longer."""
+    m = StopMatcher(["world"], keep=True)
+    assert m.feed("hello wor") == "hello "  # "wor" may start the stop string: held back
+    assert m.feed("ld and more") == "world" and m.stopped
+    assert StopMatcher(["world", "lo w"], keep=True).feed("hello world") == "hello w"  # the earliest
+    m = StopMatcher(["ab", "abc"], keep=True)
+    assert m.feed("xabcd") == "xabc"
+    assert StopMatcher(["ab", "abc"]).feed("xabcd") == "x"  # trimmed, whichever matched
+
+
 def test_no_stop_strings_passes_everything() -> None:
     m = StopMatcher([])
     assert m.feed("abc") == "abc" and m.flush() == ""

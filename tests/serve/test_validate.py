@@ -291,6 +291,7 @@ def test_native_requests(text_tok) -> None:
     assert native_params({"max_new_tokens": 5})[1]
     assert native_params({"stop": "x"})[0].stop == native_params({"stop": ["x"]})[0].stop == ["x"]  # SGLang's str
     _raises(400, native_params, {"stop": 3}, param="sampling_params.stop")
+    assert native_params({"stop": ",", "no_stop_trim": True})[0].include_stop_str_in_output  # SGLang's name
     params, given = native_params({"max_new_tokens": None})  # SGLang's "up to the context's end"
     assert not given and params.max_new_tokens > 2**30
     _raises(400, native_prompt, None, None, text_tok, param="text")
