@@ -372,8 +372,9 @@ class ContextParallelAttention(AttentionBackend):
             if self._fi_decode is None:
                 return None
         if not dec.planned:
-            self._fi_plan(self._fi_decode, *dec.paged_metadata(kv_pool.page_size), q.shape[1], kv_pool.num_kv_heads,
-                          q.shape[-1], kv_pool.page_size, q_data_type=q.dtype, kv_data_type=kv_pool.dtype)
+            self._staging.plan(self._fi_decode, *dec.paged_metadata(kv_pool.page_size), q.shape[1],
+                               kv_pool.num_kv_heads, q.shape[-1], kv_pool.page_size, q_data_type=q.dtype,
+                               kv_data_type=kv_pool.dtype)
             dec.planned = True
         o, lse = self._fi_decode.run(q[dec.rows], kv_pool.page_view(layer_id), return_lse=True)
         return o.float(), lse * _LN2  # flashinfer's LSE is base 2
@@ -388,12 +389,6 @@ class ContextParallelAttention(AttentionBackend):
             self._workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
         self._staging = _Staging(_INT_WORKSPACE_BYTES)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=True)
-
-    def _fi_plan(self, wrapper, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
-        """wrapper.plan through alternating pinned staging: a step in flight may not have copied the last plan yet."""
-        wrapper._pin_memory_int_workspace_buffer = self._staging.take()
-        wrapper.plan(*args, **kwargs)
-        self._staging.release()
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's (out | lse) over the cp group, merge in rank order: [T, Hq, D]."""

@@ -124,6 +124,13 @@ class _Staging:
         ev.record()
         self.events[self.i] = ev
 
+    def plan(self, wrapper, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        """wrapper.plan(*args, **kwargs) staged through the next buffer (a wrapper of flashinfer's
+        GQA kind, whose int workspace these buffers mirror)."""
+        wrapper._pin_memory_int_workspace_buffer = self.take()
+        wrapper.plan(*args, **kwargs)
+        self.release()
+
 
 def paged_kv_metadata(
     seq_lens: list[int], page_table: torch.Tensor, page_size: int
@@ -329,9 +336,7 @@ class FlashInferAttention(AttentionBackend):
         return dict(q_data_type=self.q_dtype, kv_data_type=self.dtype)
 
     def _plan(self, wrapper, *args, **kwargs) -> None:  # noqa: ANN001
-        wrapper._pin_memory_int_workspace_buffer = self._staging.take()
-        wrapper.plan(*args, **kwargs)
-        self._staging.release()
+        self._staging.plan(wrapper, *args, **kwargs)
 
     # ---- per step ----
 
