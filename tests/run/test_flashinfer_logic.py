@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine.layers.attention import TorchAttention
 from engine.layers.flashinfer_attention import (
     FlashInferAttention,
+    _Staging,
     causal_bits,
     packed_tree_mask,
     pad_metadata,
@@ -84,7 +85,12 @@ class RefWrapper:
         return out
 
 
-class NoStaging:
+class NoStaging(_Staging):
+    """The staging without pinned buffers or CUDA events (its `plan` is the real one)."""
+
+    def __init__(self) -> None:
+        pass
+
     def take(self) -> torch.Tensor:
         return torch.empty(0)
 
