@@ -24,6 +24,12 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   as one paged decode over a local page table, with the kernel's LSE (CPU: cpu_attention.c; CUDA:
   flashinfer's paged decode, whose LSE is base 2; not under deterministic inference, whose rows
   keep the per-request path).
+* **CUDA graphs** (decode steps, engine/run/cuda_graph.py): the graph runner hands the step's lists
+  to `plan_graph_lists`, which plans a fixed-size flashinfer decode over this rank's pages
+  (`local_decode_metadata`: a row with no key here, or a padding row, reads the padding page and
+  its LSE is set to -inf); inside the graph the owner test and the local slots are computed on the
+  device from the static positions and slots (a row this rank does not own writes the padding
+  page), and the all-gather (NCCL) is captured with the rest of the layer.
 * Kernels (`sdpa_lse`): a flash kernel that returns the LSE (O(L) memory): on CPU torch's, in
   float32; on CUDA FlashAttention-2 (bf16/fp16) or the memory-efficient kernel (float32). The exact
   float32 path (`partial_attention`) is the tests' reference. cp = 1 never builds this
@@ -32,8 +38,10 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,7 +49,7 @@ from engine.layers import batch_invariant, cpu_attention
 from engine.layers.attention import _CPU_FLASH_LSE, AttentionBackend
 from engine.layers.flashinfer_attention import _INT_WORKSPACE_BYTES, _Staging
 from engine.layers.forward import ForwardBatch
-from engine.layers.kv_pool import KVPool
+from engine.layers.kv_pool import PAD_PAGE, KVPool
 from engine.layers.parallel import TPGroup, parallel_state, range_split
 
 _LN2 = 0.6931471805599453  # flashinfer's LSE is base 2
@@ -72,6 +80,33 @@ def own_decode_pages(seq: int, page_size: int, rank: int, world: int) -> tuple[r
     mine = range(rank, used, world)
     keys = len(mine) * page_size - (page_size * used - seq if mine and mine[-1] == used - 1 else 0)
     return mine, keys
+
+
+def local_decode_metadata(starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int, rank: int,
+                          world: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """flashinfer's paged-decode metadata (kv_indptr int32 [rows + 1], kv_indices int32, kv_last_page_len
+    int32 [rows]) of a decode batch over this rank's pages: request i (new token at starts[i], global
+    page table tables[i]) attends its own pages at their local ids (global // world). A request with
+    no page here, and the padding rows len(starts) .. rows, read one key of the padding page instead
+    (their LSE is set to -inf after the kernel)."""
+    counts = np.ones(rows, dtype=np.int32)
+    last = np.ones(rows, dtype=np.int32)
+    parts: list[Sequence[int]] = []
+    for i, (s, t) in enumerate(zip(starts, tables, strict=True)):
+        mine, keys = own_decode_pages(s + 1, page_size, rank, world)
+        if not mine:
+            parts.append((PAD_PAGE,))
+            continue
+        parts.append(t[mine.start : mine.stop : world])
+        counts[i] = len(mine)
+        last[i] = keys - (len(mine) - 1) * page_size
+    indptr = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.full(int(indptr[-1]), PAD_PAGE, dtype=np.int32)
+    if parts:
+        glob = np.fromiter((p for part in parts for p in part), dtype=np.int64, count=int(indptr[len(parts)]))
+        indices[: len(glob)] = glob // world
+    return indptr, indices, last
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -282,11 +317,37 @@ class ContextParallelAttention(AttentionBackend):
         self._plan: _Plan | None = None
         self._fi_decode = None  # CUDA: flashinfer's paged decode wrapper (`_decode_cuda`), made on first use
         self._staging: _Staging | None = None  # CUDA: flashinfer's plan staging (two pinned buffers in turn)
+        self._graph: dict[int, object] = {}  # CUDA graphs: the fixed-size decode wrapper of each batch size
+        self._graph_bs: int | None = None  # set while a graph's step is captured or planned (`graph_wrapper`)
         # a flash kernel that returns the LSE (O(L) memory) where one exists (`flash_available`);
         # else, and for tests, the exact float32 path
         self.flash = True
 
+    def bind(self, *, num_q_heads: int, kv_pool: KVPool, max_batch: int, max_pages_per_req: int,
+             q_dtype: torch.dtype | None = None, fp8_math: bool = False) -> None:
+        """CUDA graphs for decode steps where the one-token rows go through flashinfer (`_fi_wrapper`):
+        a CUDA pool of K and V in q's half dtype, outside deterministic inference. The graph buffers
+        are sized as FlashInferAttention's (a rank's local table is never wider than the global one)."""
+        q_dtype = q_dtype or kv_pool.dtype
+        self.supports_cuda_graph = (
+            kv_pool.device.type == "cuda" and kv_pool.layout.is_gqa and kv_pool.dtype == q_dtype
+            and q_dtype in (torch.float16, torch.bfloat16) and not batch_invariant.enabled()
+            and self._fi_wrapper(kv_pool.device) is not None
+        )
+        if self.supports_cuda_graph:
+            dev = kv_pool.device
+            self._geometry = (num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.page_size)
+            self._q_dtype = q_dtype
+            self._g_indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+            self._g_last = torch.ones(max_batch, dtype=torch.int32, device=dev)
+            self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=dev)
+            # a step's local page ids reach the plan from the device: from the host, flashinfer's copy of
+            # them would block until the step in flight is done (pinned staging in turn, as the plan's)
+            self._idx_staging = _Staging(4 * self._g_indices.numel())
+            self._idx_dev = torch.zeros_like(self._g_indices)
+
     def prepare(self, batch: ForwardBatch) -> None:
+        self._graph_bs = None
         self._plan = plan_step(batch, self.cp.rank, self.cp.world)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
@@ -379,16 +440,69 @@ class ContextParallelAttention(AttentionBackend):
         o, lse = self._fi_decode.run(q[dec.rows], kv_pool.page_view(layer_id), return_lse=True)
         return o.float(), lse * _LN2  # flashinfer's LSE is base 2
 
-    def _fi_wrapper(self, device: torch.device):  # noqa: ANN202
-        """A flashinfer paged-decode wrapper on the workspace, or None where flashinfer is not installed."""
+    def _fi_wrapper(self, device: torch.device, **graph_buffers: torch.Tensor):  # noqa: ANN202
+        """A flashinfer paged-decode wrapper on the workspace (with `graph_buffers`: a CUDA-graph
+        one over them), or None where flashinfer is not installed."""
         try:
             import flashinfer
         except ImportError:
             return None
         if self._workspace is None:
             self._workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
-        self._staging = _Staging(_INT_WORKSPACE_BYTES)
-        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=True)
+        if self._staging is None:
+            self._staging = _Staging(_INT_WORKSPACE_BYTES)
+        graph = dict(use_cuda_graph=True, paged_kv_indptr_buffer=graph_buffers["indptr"],
+                     paged_kv_indices_buffer=graph_buffers["indices"],
+                     paged_kv_last_page_len_buffer=graph_buffers["last"]) if graph_buffers else {}
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=True, **graph)
+
+    # ---- CUDA graphs (decode steps; engine/run/cuda_graph.py) ----
+
+    plans_from_lists = True  # the graph runner calls plan_graph_lists with the step's lists
+
+    def uses_table(self, batch_size: int) -> bool:
+        return False
+
+    def graph_wrapper(self, bs: int) -> None:
+        """The fixed-size decode wrapper of padded batch `bs` (made once), planned with every row on
+        the padding page, and the graph path on for the capture that follows."""
+        if bs not in self._graph:
+            self._graph[bs] = self._fi_wrapper(self._g_indices.device, indptr=self._g_indptr[: bs + 1],
+                                               indices=self._g_indices, last=self._g_last[:bs])
+        self._plan_graph(bs, np.arange(bs + 1, dtype=np.int32), np.zeros(bs, dtype=np.int32),
+                         np.ones(bs, dtype=np.int32))
+
+    def plan_graph_lists(self, bs: int, starts: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+        """Before a replay: the graph of size `bs` planned over this rank's pages of the step's
+        requests (request i: new token at starts[i], global page table tables[i])."""
+        ps, rank, world = self._geometry[3], self.cp.rank, self.cp.world
+        self._plan_graph(bs, *local_decode_metadata(starts, tables, ps, rank, world, bs))
+
+    def _plan_graph(self, bs: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
+        hq, hkv, d, ps = self._geometry
+        host = self._idx_staging.take().view(torch.int32)[: len(indices)]
+        host.numpy()[:] = indices
+        dev = self._idx_dev[: len(indices)]
+        dev.copy_(host, non_blocking=True)
+        self._idx_staging.release()
+        self._staging.plan(self._graph[bs], torch.from_numpy(indptr), dev, torch.from_numpy(last),
+                           hq, hkv, d, ps, q_data_type=self._q_dtype, kv_data_type=self._q_dtype)
+        self._graph_bs = bs
+
+    def graph_partial(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                      batch: ForwardBatch, kv_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's partial as the graph captures it (`graph_wrapper` first): every row's K/V
+        stored (a row of another rank's page into the padding page), then the planned wrapper over this
+        rank's pages: (out [bs, Hq, D], lse [bs, Hq]) float32, as `partial`."""
+        if layer_id == 0:  # once a step, from the static positions and global slots (device ops only)
+            ps, rank, world = self._geometry[3], self.cp.rank, self.cp.world
+            page = batch.positions // ps
+            slots = batch.out_slots
+            self._g_slots = torch.where(page % world == rank, slots // (ps * world) * ps + slots % ps, PAD_PAGE * ps)
+            self._g_empty = (page < rank)[:, None]  # no page of this row on this rank
+        kv_pool.store(layer_id, self._g_slots, k, v)
+        o, lse = self._graph[self._graph_bs].run(q, kv_pool.page_view(layer_id), return_lse=True)
+        return o.float(), torch.where(self._g_empty, float("-inf"), lse * _LN2)
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's (out | lse) over the cp group, merge in rank order: [T, Hq, D]."""
@@ -398,6 +512,8 @@ class ContextParallelAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
                 kv_pool: KVPool) -> torch.Tensor:
+        if self._graph_bs is not None:
+            return self.merge(*self.graph_partial(q, k, v, layer_id, batch, kv_pool)).to(q.dtype)
         self.store_rows(layer_id, kv_pool, k, v)
         return self.merge(*self.partial(q, k, v, layer_id, kv_pool)).to(q.dtype)
 

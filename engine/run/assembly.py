@@ -106,6 +106,11 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
     else:
         backend = create_backend(backend_name(cfg, deterministic, layout, dtype), device)
     set_decode_kernel(backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
+    if cfg.cp_size > 1:  # the pages of a request round robin over the cp ranks (cp_attention.py)
+        check_context_parallel(cfg.cp_size, layout, deterministic)
+        # the cp backend replaces this one (its flashinfer workspace reused), so only the cp backend is
+        # bound; an MLA model attends its latents itself under cp too (engine/layers/mla_cp.py), eagerly
+        backend = context_parallel(backend)
     backend.bind(
         num_q_heads=shard.num_heads,
         kv_pool=kv,
@@ -114,11 +119,6 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         q_dtype=dtype,
         fp8_math=cfg.attention_fp8_math,
     )
-    if cfg.cp_size > 1:  # the pages of a request round robin over the cp ranks (cp_attention.py)
-        check_context_parallel(cfg.cp_size, layout, deterministic)
-        # an MLA model attends its latents itself under cp too (engine/layers/mla_cp.py), eagerly:
-        # the cp backend plans the step and carries the merge; no CUDA graphs (as for GQA)
-        backend = context_parallel(backend)
     return Assembled(device, dtype, deterministic, model, mcfg, shard, layout, kv_dtype, kv, backend,
                      pool.num_pages, pool.max_context, startup)
 

@@ -16,7 +16,8 @@ ForwardBatch and no per-step torch CPU ops. Future references (-1 ids) resolve o
 
 The size helpers and decode_metadata are pure Python (tested on CPU); CudaGraphRunner needs a
 CUDA device and a backend with `supports_cuda_graph` (flashinfer; MLABackend; the torch backend
-under deterministic inference where its invariant kernel runs).
+under deterministic inference where its invariant kernel runs; context parallelism's, which plans
+its rank's own pages from the step's lists: `plans_from_lists`).
 """
 
 from __future__ import annotations
@@ -249,6 +250,7 @@ class CudaGraphRunner:
         ps = self.kv.page_size
         h64, h32 = self._pinned.take()
         dense = self.backend.uses_table(bs)
+        by_lists = getattr(self.backend, "plans_from_lists", False)  # context parallelism: its own pages' table
         if dense:
             out_slots, seq, table = decode_table(starts, tables, ps)
         else:
@@ -268,7 +270,7 @@ class CudaGraphRunner:
             dev = self._dev_i32[: n + bs * w]
             dev.copy_(h32[: n + bs * w], non_blocking=True)
             self.backend.set_graph_table(bs, dev[:bs], dev[n:].view(bs, w))
-        else:  # [0, bs+1): kv_indptr; [n+1, n+1+bs): last page lengths; [2n+1, ...): page indices
+        elif not by_lists:  # [0, bs+1): kv_indptr; [n+1, n+1+bs): last page lengths; [2n+1, ...): page indices
             nnz, pad = int(indptr[-1]), bs - b
             a[: b + 1] = indptr
             a[b + 1 : bs + 1] = nnz + np.arange(1, pad + 1, dtype=np.int32)
@@ -287,7 +289,9 @@ class CudaGraphRunner:
             self._resolve_future(bs, last_token)
         else:
             self.input_ids[:bs].copy_(self.meta[0, :bs])
-        if not dense:
+        if by_lists:
+            self.backend.plan_graph_lists(bs, starts, tables)
+        elif not dense:
             self.backend.plan_graph_arrays(bs, h32[: bs + 1], h32[n + 1 : n + 1 + bs], g_indices)
         self._pinned.release()
         self.graphs[bs].replay()

@@ -61,17 +61,11 @@ def test_cp2_flash_partials_merged_equal_full_attention_at_128k(new: int) -> Non
         torch.testing.assert_close(lse[0], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
 
 
-def test_cp2_batched_decode_rows_by_flashinfer() -> None:
-    """A decode step of requests at contexts of 1 (no key on rank 1), 17, 1000 and 5000 tokens: each
-    rank attends its one-token rows in one flashinfer paged decode over its local pages (its LSE,
-    base 2, turned to natural log); the merged rows equal attention over every key, and the merged
-    LSE is each row's log-sum-exp."""
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(5)
-    contexts = [1, 17, 1000, 5000]
-    pools = [KVPool(1, 4096, PAGE, HKV, D, dtype, dev) for _ in range(CP)]
-    next_local = [1] * CP  # page 0 is padding
-    reqs, keys = [], []
+def _decode_setup(contexts: list[int], pools: list[KVPool], next_local: list[int], g: torch.Generator):
+    """Requests at these contexts (keys 0..n-2 cached in their owners' pools, key n-1 new): their
+    global page tables, their keys and values."""
+    dev, dtype = pools[0].device, pools[0].dtype
+    tables, keys = [], []
     for n in contexts:
         table = []
         for i in range(-(-n // PAGE)):
@@ -85,9 +79,22 @@ def test_cp2_batched_decode_rows_by_flashinfer() -> None:
             if mine.numel():
                 glob = torch.tensor(table, device=dev)[mine // PAGE]
                 pool.store(0, glob // CP * PAGE + mine % PAGE, k[mine], v[mine])
-        reqs.append(([0], n - 1, table))
+        tables.append(table)
         keys.append((k, v))
-    batch = ForwardBatch.from_requests(reqs, PAGE, dev)
+    return tables, keys
+
+
+def test_cp2_batched_decode_rows_by_flashinfer() -> None:
+    """A decode step of requests at contexts of 1 (no key on rank 1), 17, 1000 and 5000 tokens: each
+    rank attends its one-token rows in one flashinfer paged decode over its local pages (its LSE,
+    base 2, turned to natural log); the merged rows equal attention over every key, and the merged
+    LSE is each row's log-sum-exp."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5)
+    contexts = [1, 17, 1000, 5000]
+    pools = [KVPool(1, 4096, PAGE, HKV, D, dtype, dev) for _ in range(CP)]
+    tables, keys = _decode_setup(contexts, pools, [1] * CP, g)
+    batch = ForwardBatch.from_requests([([0], n - 1, t) for n, t in zip(contexts, tables, strict=True)], PAGE, dev)
     q = (4 * torch.randn(len(contexts), HQ, D, device=dev, generator=g)).to(dtype)
     k_new = torch.stack([k[-1] for k, _ in keys])
     v_new = torch.stack([v[-1] for _, v in keys])
@@ -98,11 +105,75 @@ def test_cp2_batched_decode_rows_by_flashinfer() -> None:
         assert be.plan.decode is not None and be.plan.decode.reqs == ([0, 1, 2, 3] if r == 0 else [1, 2, 3])
         be.store_rows(0, pool, k_new, v_new)
         parts.append(be.partial(q, k_new, v_new, 0, pool))
-    got, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    _assert_attends_every_key(keys, q, *merge_partials(torch.stack([p[0] for p in parts]),
+                                                       torch.stack([p[1] for p in parts])))
+
+
+def _assert_attends_every_key(keys: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, got: torch.Tensor,
+                              lse: torch.Tensor) -> None:
+    """Row i of the merged output and LSE is request i's attention over all its keys."""
     for i, (k, v) in enumerate(keys):
         kr, vr = (x.float().transpose(0, 1).repeat_interleave(HQ // HKV, 0) for x in (k, v))
         scores = torch.einsum("hd,hld->hl", q[i].float(), kr) * D**-0.5
         want = torch.einsum("hl,hld->hd", scores.softmax(-1), vr)
         err = (got[i] - want).norm() / want.norm()
-        assert err < 1e-2, f"request {i} (context {contexts[i]}): relative error {err:.2e}"
+        assert err < 1e-2, f"request {i} (context {k.shape[0]}): relative error {err:.2e}"
         torch.testing.assert_close(lse[i], torch.logsumexp(scores, -1), atol=2e-2, rtol=1e-3)
+
+
+def test_cp2_decode_partials_in_a_cuda_graph_replanned_each_step() -> None:
+    """Each simulated rank captures its decode partial (`graph_partial`: the owner test and local
+    slots on the device, flashinfer's fixed-size decode over its own pages) once at batch 8, then
+    replays it for two different steps, re-planned from the steps' lists (`plan_graph_lists`): the
+    merged rows equal attention over every key (the new key stored only by its page's owner,
+    requests with no page on rank 1 and the padding rows weighed 0)."""
+    dev, dtype, bs = torch.device("cuda"), torch.bfloat16, 8
+    g = torch.Generator(device=dev).manual_seed(7)
+    pools = [KVPool(1, 4096, PAGE, HKV, D, dtype, dev) for _ in range(CP)]
+    next_local = [1] * CP
+    backends = [ContextParallelAttention(TPGroup(r, CP)) for r in range(CP)]
+    q_s = torch.zeros(bs, HQ, D, device=dev, dtype=dtype)
+    k_s, v_s = (torch.zeros(bs, HKV, D, device=dev, dtype=dtype) for _ in range(2))
+    pos_s, slot_s = (torch.zeros(bs, dtype=torch.int64, device=dev) for _ in range(2))
+    pad = torch.zeros(bs, 1, dtype=torch.int32)
+    batch = ForwardBatch(input_ids=pos_s, positions=pos_s, out_slots=slot_s, page_table=pad.to(dev),
+                         seq_lens=torch.ones(bs, dtype=torch.int32, device=dev),
+                         extend_lens=torch.ones(bs, dtype=torch.int32, device=dev),
+                         logit_indices=torch.arange(bs, device=dev), seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
+                         page_size=PAGE, is_decode=True, page_table_cpu=pad)
+    graphs, outs = [], []
+    for be, pool in zip(backends, pools, strict=True):
+        be.bind(num_q_heads=HQ, kv_pool=pool, max_batch=bs, max_pages_per_req=400)
+        assert be.supports_cuda_graph
+        be.graph_wrapper(bs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                be.graph_partial(q_s, k_s, v_s, 0, batch, pool)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs.append(be.graph_partial(q_s, k_s, v_s, 0, batch, pool))
+        graphs.append(graph)
+    # owners of the new keys' pages: 0, 1, 0, 1 and 0, 1, 0
+    for contexts in ([1, 17, 1000, 4990], [5, 300, 2000]):
+        tables, keys = _decode_setup(contexts, pools, next_local, g)
+        b = len(contexts)
+        starts = [n - 1 for n in contexts]
+        q = (4 * torch.randn(b, HQ, D, device=dev, generator=g)).to(dtype)
+        q_s.zero_(), k_s.zero_(), v_s.zero_(), pos_s.zero_(), slot_s.zero_()
+        q_s[:b] = q
+        k_s[:b] = torch.stack([k[-1] for k, _ in keys])
+        v_s[:b] = torch.stack([v[-1] for _, v in keys])
+        pos_s[:b] = torch.tensor(starts, device=dev)
+        slot_s[:b] = torch.tensor([t[s // PAGE] * PAGE + s % PAGE for t, s in zip(tables, starts, strict=True)],
+                                  device=dev)
+        for be, graph in zip(backends, graphs, strict=True):
+            be.plan_graph_lists(bs, starts, tables)
+            graph.replay()
+        assert torch.isneginf(outs[1][1][b:]).all()  # padding rows (position 0: page 0 is rank 0's)
+        if contexts[0] == 1:  # request 0's one key is rank 0's: rank 1's row weighs 0
+            assert torch.isneginf(outs[1][1][0]).all()
+        _assert_attends_every_key(keys, q, *merge_partials(torch.stack([o[0] for o in outs]),
+                                                           torch.stack([o[1] for o in outs])))

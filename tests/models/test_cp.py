@@ -29,6 +29,7 @@ from engine.layers.cp_attention import (
     ContextParallelAttention,
     causal_tail,
     context_parallel,
+    local_decode_metadata,
     merge_partials,
     page_owner,
     partial_attention,
@@ -211,6 +212,40 @@ def test_backend_partials_merged_equal_torch_attention(dtype: torch.dtype, atol:
         torch.testing.assert_close(got.to(dtype), want, atol=atol, rtol=0)  # bf16: the output's rounding
     # each rank stored only its own pages: together they hold cp = 1's tokens once
     assert sum(int(p.k_all.abs().sum(-1).sum(-1).ne(0).sum()) for p in pools) == sum(lengths.values())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_graph_decode_metadata_lists_each_ranks_own_pages(world: int) -> None:
+    """The CUDA graphs' per-rank decode metadata (`local_decode_metadata`, from the Step's lists)
+    names, for each request with keys on the rank, the pages and key counts of the eager plan's
+    batched decode (`_Decode`); a request with no page there and the padding rows read one key of
+    the padding page; the pages are the rank's own, at local ids."""
+    ps, starts, rows = 4, [0, 3, 4, 9, 30], 8
+    alloc = OwnedPages(world)
+    tables = [alloc.pages(s + 1) for s in starts]
+    batch = ForwardBatch.from_requests([([5], s, t) for s, t in zip(starts, tables, strict=True)], ps, "cpu")
+    for rank in range(world):
+        indptr, indices, last = local_decode_metadata(starts, tables, ps, rank, world, rows)
+        assert indptr.shape == (rows + 1,) and last.shape == (rows,) and len(indices) == indptr[-1]
+        dec = ContextParallelAttention(TPGroup(rank, world))
+        dec.prepare(batch)
+        plan = dec.plan.decode
+        want_ptr, want_idx, want_last = plan.paged_metadata(ps) if plan is not None else (None, None, None)
+        for i in range(rows):
+            got = (indices[indptr[i] : indptr[i + 1]].tolist(), int(last[i]))
+            if plan is not None and i in plan.reqs:
+                j = plan.reqs.index(i)
+                assert got == (want_idx[want_ptr[j] : want_ptr[j + 1]].tolist(), int(want_last[j]))
+                assert [x * world + rank for x in got[0]] == tables[i][rank::world]  # its own, at local ids
+            else:  # no key on this rank (a request of one page, on rank > 0), or padding
+                assert got == ([0], 1) and (i >= len(starts) or starts[i] // ps < rank)
+
+
+def test_cp_graphs_need_cuda_flashinfer_and_not_the_invariant_mode() -> None:
+    """On the CPU the cp backend offers no CUDA graphs (its decode steps run eagerly)."""
+    be = ContextParallelAttention(TPGroup(0, 2))
+    be.bind(num_q_heads=4, kv_pool=KVPool(1, 8, 4, 2, 8, torch.bfloat16, "cpu"), max_batch=4, max_pages_per_req=4)
+    assert not be.supports_cuda_graph
 
 
 def test_cp1_keeps_the_plain_backend() -> None:
