@@ -38,6 +38,7 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,9 +104,8 @@ def local_decode_metadata(starts: Sequence[int], tables: Sequence[Sequence[int]]
     indptr = np.zeros(rows + 1, dtype=np.int32)
     np.cumsum(counts, out=indptr[1:])
     indices = np.full(int(indptr[-1]), PAD_PAGE, dtype=np.int32)
-    if parts:
-        glob = np.fromiter((p for part in parts for p in part), dtype=np.int64, count=int(indptr[len(parts)]))
-        indices[: len(glob)] = glob // world
+    n = int(indptr[len(parts)])
+    indices[:n] = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=n) // world
     return indptr, indices, last
 
 
@@ -342,8 +342,10 @@ class ContextParallelAttention(AttentionBackend):
             self._g_last = torch.ones(max_batch, dtype=torch.int32, device=dev)
             self._g_indices = torch.zeros(max(1, max_batch * max_pages_per_req), dtype=torch.int32, device=dev)
             # a step's local page ids reach the plan from the device: from the host, flashinfer's copy of
-            # them would block until the step in flight is done (pinned staging in turn, as the plan's)
-            self._idx_staging = _Staging(4 * self._g_indices.numel())
+            # them would block until the step in flight is done; indptr and the last page lengths from
+            # pinned memory (a pageable source may synchronize too). Pinned staging in turn, as the plan's:
+            # [page ids | indptr | last page lengths]
+            self._idx_staging = _Staging(4 * (self._g_indices.numel() + 2 * max_batch + 1))
             self._idx_dev = torch.zeros_like(self._g_indices)
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -480,13 +482,15 @@ class ContextParallelAttention(AttentionBackend):
 
     def _plan_graph(self, bs: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
         hq, hkv, d, ps = self._geometry
-        host = self._idx_staging.take().view(torch.int32)[: len(indices)]
-        host.numpy()[:] = indices
-        dev = self._idx_dev[: len(indices)]
-        dev.copy_(host, non_blocking=True)
-        self._idx_staging.release()
-        self._staging.plan(self._graph[bs], torch.from_numpy(indptr), dev, torch.from_numpy(last),
+        n, cap = len(indices), self._g_indices.numel()
+        host = self._idx_staging.take().view(torch.int32)
+        a = host.numpy()
+        a[:n], a[cap : cap + bs + 1], a[cap + bs + 1 : cap + 2 * bs + 1] = indices, indptr, last
+        dev = self._idx_dev[:n]
+        dev.copy_(host[:n], non_blocking=True)
+        self._staging.plan(self._graph[bs], host[cap : cap + bs + 1], dev, host[cap + bs + 1 : cap + 2 * bs + 1],
                            hq, hkv, d, ps, q_data_type=self._q_dtype, kv_data_type=self._q_dtype)
+        self._idx_staging.release()
         self._graph_bs = bs
 
     def graph_partial(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -84,6 +84,18 @@ def _decode_pages(
     return seq, npages, indices, last_page * page_size + st % page_size
 
 
+def decode_out_slots(starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int) -> np.ndarray:
+    """The out_slots of decode_metadata alone (int64 [B]), reading each table's last page only;
+    raises ValueError when a table is too short or that page is the padding page."""
+    pages = [s // page_size for s in starts]
+    for i, (t, p) in enumerate(zip(tables, pages, strict=True)):
+        if len(t) <= p or t[p] == PAD_PAGE:
+            raise ValueError(f"request {i}: page table {list(t[: p + 1])} cannot hold {starts[i] + 1} tokens "
+                             f"off the padding page")
+    last = np.fromiter((t[p] for t, p in zip(tables, pages, strict=True)), dtype=np.int64, count=len(pages))
+    return last * page_size + np.asarray(starts, dtype=np.int64) % page_size
+
+
 def decode_metadata(
     starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -253,6 +265,8 @@ class CudaGraphRunner:
         by_lists = getattr(self.backend, "plans_from_lists", False)  # context parallelism: its own pages' table
         if dense:
             out_slots, seq, table = decode_table(starts, tables, ps)
+        elif by_lists:  # the backend reads the lists itself (plan_graph_lists)
+            out_slots = decode_out_slots(starts, tables, ps)
         else:
             out_slots, indptr, indices, last = decode_metadata(starts, tables, ps)
         m = h64.numpy()

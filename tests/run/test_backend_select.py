@@ -98,7 +98,7 @@ def test_forward_batch_keeps_cpu_page_table() -> None:
 
 
 def test_decode_metadata_matches_forward_batch() -> None:
-    from engine.run.cuda_graph import decode_metadata
+    from engine.run.cuda_graph import decode_metadata, decode_out_slots
 
     rng = random.Random(3)
     ps = 4
@@ -112,6 +112,7 @@ def test_decode_metadata_matches_forward_batch() -> None:
     out_slots, indptr, indices, last = decode_metadata(starts, tables, ps)
     want = paged_kv_metadata(batch.seq_lens_cpu, batch.page_table_cpu, ps)
     assert out_slots.tolist() == batch.out_slots.tolist()
+    assert decode_out_slots(starts, tables, ps).tolist() == out_slots.tolist()  # context parallelism's runner
     assert indptr.tolist() == want[0].tolist()
     assert indices.tolist() == want[1].tolist()
     assert last.tolist() == want[2].tolist()
@@ -119,6 +120,9 @@ def test_decode_metadata_matches_forward_batch() -> None:
         decode_metadata([5], [[3, 0]], ps)
     with pytest.raises(ValueError, match="cannot hold"):
         decode_metadata([5], [[3]], ps)
+    for bad in ([[3, 0]], [[3]]):
+        with pytest.raises(ValueError, match="padding page"):
+            decode_out_slots([5], bad, ps)
 
 
 def test_attention_fp8_math_needs_an_fp8_kv_cache() -> None:
