@@ -10,6 +10,7 @@ naming the tensors.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -321,6 +322,9 @@ def _head(names: list[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + more
 
 
+DUMMY_DRAW_ELEMS = 1 << 28  # a dummy draw's float32 chunk: at most 1 GiB (DeepSeek-V3's w13 stack is 30 GB)
+
+
 def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic random weights: N(0, std) for matrices, 1 for norms, 0 for biases.
 
@@ -328,7 +332,9 @@ def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     (seed, parameter index) on the parameter's device, and a tensor-parallel rank keeps its
     slice of it: the same shards a real checkpoint would give, so tp=N runs the same model as
     tp=1 (the parameter names, hence the indices, do not depend on the rank). Results depend
-    only on the seed, the config and the device type.
+    only on the seed, the config and the device type. A tensor of more than DUMMY_DRAW_ELEMS
+    elements is drawn in chunks of rows (dim 0), in order, so the float32 draw never holds more
+    than one chunk: a model that fits the device in bf16 loads there.
     """
     for i, (name, p) in enumerate(sorted(model.named_parameters())):
         if name.endswith("norm.weight"):
@@ -339,18 +345,46 @@ def init_dummy(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             sh = sharding_of(p)
             full = tuple(p.shape) if sh is None else sh.full_shape
             gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-            # draw in float32 then cast, so bf16 and fp32 dummy models share one distribution
-            buf = torch.empty(full, dtype=torch.float32, device=p.device).normal_(0.0, std, generator=gen)
-            first, total = expert_range(p)
-            if experts_of(p) != total:  # an expert-parallel rank keeps its experts of the whole draw
-                buf = buf.narrow(0, first, experts_of(p))
-            if full == tuple(p.shape):  # tp 1 (or a replicated tensor): the whole draw
-                p.data.copy_(buf)
+            fill_from_rows(p, full, _dummy_rows(full, std, gen, p.device))
+
+
+def _dummy_rows(full: tuple[int, ...], std: float, gen: torch.Generator,
+                device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+    """N(0, std) draws of a tensor of shape `full` as (first row, rows) chunks: one chunk when it is
+    small. Drawn in float32 then cast by the copy, so bf16 and fp32 dummy models share one distribution."""
+    n = math.prod(full)
+    if not full or n <= DUMMY_DRAW_ELEMS:
+        yield 0, torch.empty(full, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+        return
+    step = max(1, DUMMY_DRAW_ELEMS // (n // full[0]))
+    for r0 in range(0, full[0], step):
+        rows = torch.empty((min(step, full[0] - r0), *full[1:]), dtype=torch.float32, device=device)
+        yield r0, rows.normal_(0.0, std, generator=gen)
+
+
+def fill_from_rows(p: nn.Parameter, full: tuple[int, ...], chunks: Iterator[tuple[int, torch.Tensor]]) -> None:
+    """Copy parameter p's share of a tensor of shape `full` given as (first row, rows) chunks along
+    dim 0: an expert-parallel rank keeps its experts' rows, a tensor-parallel rank its pieces."""
+    sh = sharding_of(p)
+    first, total = expert_range(p)
+    for r0, buf in chunks:
+        if experts_of(p) != total:  # an expert-parallel rank keeps its experts of the whole draw
+            lo, hi = max(r0, first), min(r0 + buf.shape[0], first + experts_of(p))
+            if lo >= hi:
                 continue
-            for piece in sh.pieces.values():
-                a, b = piece.src
-                p.data.narrow(sh.dim, piece.dst, b - a).copy_(buf.narrow(sh.dim, piece.full_offset + a, b - a))
-            del buf
+            buf, r0 = buf[lo - r0 : hi - r0], lo - first
+        if full == tuple(p.shape):  # tp 1 (or a replicated tensor): the whole draw
+            (p.data if buf.dim() == 0 else p.data[r0 : r0 + buf.shape[0]]).copy_(buf)
+            continue
+        for piece in sh.pieces.values():
+            a, b = piece.src
+            src = piece.full_offset + a
+            if sh.dim != 0:
+                p.data[r0 : r0 + buf.shape[0]].narrow(sh.dim, piece.dst, b - a).copy_(buf.narrow(sh.dim, src, b - a))
+                continue
+            lo, hi = max(src, r0), min(src + b - a, r0 + buf.shape[0])
+            if lo < hi:
+                p.data.narrow(0, piece.dst + lo - src, hi - lo).copy_(buf[lo - r0 : hi - r0])
 
 
 def weights_identity(path: str | Path, load_format: str = "auto", seed: int = 0) -> bytes:

@@ -100,3 +100,40 @@ def test_sizes_that_do_not_divide_are_named(tmp_path: Path, ep_state: None) -> N
     set_parallel_state(ParallelState(ep=TPGroup(0, 2)))
     with pytest.raises(ValueError, match=r"--ep-size 2 does not divide the model's 9 routed experts"):
         load_model(path, load_format="dummy", progress=False)
+
+
+@pytest.mark.parametrize("state", ["ep", "tp"])
+def test_dummy_draws_in_row_chunks_fill_a_rank_as_one_draw(tmp_path: Path, ep_state: None, state: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big dummy tensor is drawn in chunks of rows (models/loader.py, DUMMY_DRAW_ELEMS): every
+    parameter of an ep rank and of a tp rank (shards along dim 0 and dim 1, fused pieces) gets from
+    chunks of 1-3 rows what it gets from the whole tensor at once; and an ep rank's dummy experts,
+    drawn in chunks, are the ep=1 model's rows drawn in the same chunks."""
+    from engine.layers.parallel import sharding_of
+    from models import loader
+
+    path = make_moe_dir(tmp_path / "m", CONFIG)
+    monkeypatch.setattr(loader, "DUMMY_DRAW_ELEMS", 3000)
+    group = ParallelState(ep=TPGroup(1, 2)) if state == "ep" else ParallelState(tp=TPGroup(1, 2))
+    set_parallel_state(group)
+    model, _ = load_model(path, progress=False, load_format="dummy")
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        sh = sharding_of(p)
+        full = tuple(p.shape) if sh is None else sh.full_shape
+        if not full:
+            continue
+        x = torch.randn(full, generator=gen)
+        whole, chunked = torch.zeros_like(p), torch.zeros_like(p)
+        for dst in (whole, chunked):  # the parameter's marks, which fill_from_rows reads
+            for attr in ("tp_sharding", "moe_experts", "moe_expert_range"):
+                if hasattr(p, attr):
+                    setattr(dst, attr, getattr(p, attr))
+        loader.fill_from_rows(whole, full, iter([(0, x)]))
+        step = 1 + len(name) % 3
+        loader.fill_from_rows(chunked, full, ((r, x[r : r + step]) for r in range(0, full[0], step)))
+        assert torch.equal(whole, chunked), name
+    if state == "ep":
+        one = _load(path, None, load_format="dummy")
+        mine = model.model.layers[1].mlp.experts
+        assert torch.equal(mine.w13, one.w13[3:6]) and torch.equal(mine.w2, one.w2[3:6])
