@@ -216,3 +216,9 @@ class AsyncClient:
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -87,11 +87,8 @@ def test_keep_alives_are_skipped_by_every_client(server: Server) -> None:
         assert len(c.generate("Count:", max_new_tokens=120, ignore_eos=True).token_ids) == 120
 
     async def main() -> int:
-        c = AsyncClient(server.sdk)
-        try:
+        async with AsyncClient(server.sdk) as c:  # closed on the way out, as Client in a with
             return len((await c.generate("Count:", max_new_tokens=120, ignore_eos=True)).token_ids)
-        finally:
-            c.close()
 
     assert asyncio.run(main()) == 120
 
