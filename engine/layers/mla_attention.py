@@ -46,11 +46,11 @@ import torch.nn.functional as F
 
 from engine.layers import batch_invariant, cpu_attention, triton_ops
 from engine.layers.attention import AttentionBackend
-from engine.layers.cp_attention import flash_available, merge_partials, sdpa_lse
 from engine.layers.flash_mla import FlashMLA, flashmla_supported
 from engine.layers.flashinfer_mla import FlashInferMLA, flashinfer_mla_supported
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
+from engine.layers.lse_attention import flash_available, merge_partials, sdpa_lse
 from engine.layers.tuning import kernel_tuning
 
 log = structlog.get_logger()
@@ -279,7 +279,7 @@ def _expanded_chunked(q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tenso
     bounded by PREFIX_CHUNK: the prefix's latents are expanded PREFIX_CHUNK keys at a time, each
     chunk attended unmasked (every cached key precedes every new token), the new tokens' own keys
     causally, each part by a flash kernel that returns its log-sum-exp, and the parts merged by
-    it (cp_attention.merge_partials: exactly the attention over all keys). V is zero-padded to
+    it (lse_attention.merge_partials: exactly the attention over all keys). V is zero-padded to
     K's width for the kernels that want equal widths."""
     q = _heads_first(q_nope, q_pe, s)[None]
     width, chunk = s.qk_nope + s.rope, chunk or PREFIX_CHUNK

@@ -29,14 +29,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.layers.cp_attention import (
-    ContextParallelAttention,
-    attend_all,
-    causal_tail,
-    flash_available,
-    merge_partials,
-)
+from engine.layers.cp_attention import ContextParallelAttention
 from engine.layers.kv_pool import KVPool
+from engine.layers.lse_attention import attend_all, causal_tail, flash_available, merge_partials
 from engine.layers.mla_attention import PREFIX_CHUNK, MLAShapes, expand_latents
 
 

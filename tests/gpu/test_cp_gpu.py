@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.cp_attention import ContextParallelAttention, merge_partials
+from engine.layers.cp_attention import ContextParallelAttention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
+from engine.layers.lse_attention import merge_partials
 from engine.layers.parallel import TPGroup
 
 L, HQ, HKV, D, PAGE, CP = 131072, 32, 8, 128, 16, 2

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.cp_attention import ContextParallelAttention, merge_partials
+from engine.layers.cp_attention import ContextParallelAttention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
+from engine.layers.lse_attention import merge_partials
 from engine.layers.mla_attention import MLAPlan, MLAShapes, mla_attend
 from engine.layers.mla_cp import mla_partial_cp
 from engine.layers.parallel import TPGroup

@@ -27,16 +27,14 @@ from model_harness import make_hf_dir, tiny_config
 from engine.layers.attention import TorchAttention
 from engine.layers.cp_attention import (
     ContextParallelAttention,
-    causal_tail,
     context_parallel,
     local_decode_metadata,
-    merge_partials,
     page_owner,
-    partial_attention,
     zigzag_rows,
 )
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
+from engine.layers.lse_attention import causal_tail, merge_partials, partial_attention
 from engine.layers.parallel import ParallelState, TPGroup, set_parallel_state
 
 POOL = 81  # cp = 1's pages (page 0 padding); a cp = 2 rank gets 1 + 80 / 2

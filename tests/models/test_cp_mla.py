@@ -29,10 +29,11 @@ from test_cp import OwnedPages
 from test_mla import TINY_V3, make_v3_dir
 
 from engine.layers import mla_cp
-from engine.layers.cp_attention import ContextParallelAttention, merge_partials
+from engine.layers.cp_attention import ContextParallelAttention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
+from engine.layers.lse_attention import merge_partials
 from engine.layers.mla_attention import MLAPlan, MLAShapes, mla_attend
 from engine.layers.parallel import TPGroup
 from tests.integration.test_cp_serve import ARGS, CP_POOL, MAX_NEW, cp_prompts, flush_after_l3_writes, generate
