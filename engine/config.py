@@ -3,7 +3,9 @@ child process as JSON (`to_json` / `from_json`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,19 +97,27 @@ class ServerConfig:
     speculative_num_steps_by_batch_size: str = SPEC_BY_BATCH_DEFAULT
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # inf would reach the children as JSON null
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         problems = [
-            (self.load_format in ("auto", "safetensors", "dummy"), f"bad --load-format {self.load_format}"),
+            (self.load_format in ("auto", "safetensors", "dummy"),
+             f"bad --load-format {self.load_format} (auto, safetensors, dummy)"),
             (self.quantization in ("", "fp8"), f"bad --quantization {self.quantization!r} (choose fp8)"),
             (self.batch_wait_ms == -1 or 0 <= self.batch_wait_ms <= 100,
              f"bad --batch-wait-ms {self.batch_wait_ms} (-1: auto, or 0 to 100)"),
-            (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device}"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"), f"bad --dtype {self.dtype}"),
+            (self.device in ("auto", "cpu", "cuda"), f"bad --device {self.device} (auto, cpu, cuda)"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"bad --dtype {self.dtype} (auto, float32, bfloat16, float16)"),
             (not (self.enable_deterministic_inference and self.disable_deterministic_inference),
              "--enable-deterministic-inference and --disable-deterministic-inference: choose one"),
             (not self.enable_deterministic_inference or self.attention_backend in ("auto", "torch"),
              "--enable-deterministic-inference needs the torch attention backend (--attention-backend auto or torch)"),
-            (self.kv_cache_dtype in ("auto", "fp8_e4m3"), f"bad --kv-cache-dtype {self.kv_cache_dtype}"),
-            (0 < self.port < 65536 and 0 < self.sdk_port < 65536, "ports must be in 1..65535"),
+            (self.kv_cache_dtype in ("auto", "fp8_e4m3"),
+             f"bad --kv-cache-dtype {self.kv_cache_dtype} (auto, fp8_e4m3)"),
+            (0 < self.port < 65536, f"bad --port {self.port} (1..65535)"),
+            (0 < self.sdk_port < 65536, f"bad --sdk-port {self.sdk_port} (1..65535)"),
             (self.port != self.sdk_port, f"--sdk-port must differ from --port (both {self.port})"),
             (self.page_size >= 0 and self.page_size & (self.page_size - 1) == 0,
              "--page-size must be a power of 2 (or 0: auto)"),
@@ -116,15 +126,19 @@ class ServerConfig:
             (1 <= self.max_running_requests <= MAX_RUNNING_REQUESTS,
              f"--max-running-requests must be in 1..{MAX_RUNNING_REQUESTS} (the sampler's per-slot rows of the "
              "vocabulary and the largest CUDA graph are sized by it)"),
-            (self.context_length >= 0, f"bad --context-length {self.context_length} (0: the model's)"),
+            (self.context_length == 0 or self.context_length >= 2,
+             f"bad --context-length {self.context_length} (0: the model's, else at least 2 tokens)"),
             (self.attention_backend in ATTENTION_BACKENDS,
              f"bad --attention-backend {self.attention_backend!r} (choose from {', '.join(ATTENTION_BACKENDS)})"),
-            (self.watchdog_timeout > 0, f"bad --watchdog-timeout {self.watchdog_timeout} (seconds, > 0)"),
+            (self.watchdog_timeout >= 1, f"bad --watchdog-timeout {self.watchdog_timeout} (seconds, at least 1)"),
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
-            (self.cpu_threads >= 0, "--cpu-threads must be >= 0"),
+            (0 <= self.cpu_threads <= (os.cpu_count() or 1),
+             f"--cpu-threads must be in 0..{os.cpu_count() or 1} (this machine's cores; 0: every core this process "
+             "may use)"),
             (-1 <= self.grammar_helpers <= 64, "--grammar-helpers must be -1 (auto) or 0..64"),
-            (self.decode_kernel in ("auto", "fa2", "xqa", "triton"), f"bad --decode-kernel {self.decode_kernel}"),
+            (self.decode_kernel in ("auto", "fa2", "xqa", "triton"),
+             f"bad --decode-kernel {self.decode_kernel} (auto, fa2, xqa, triton)"),
             (self.tp_size >= 1, "--tp-size must be >= 1"),
             (self.ep_size in (1, self.tp_size), f"--ep-size {self.ep_size} must be 1 or equal to --tp-size "
              f"{self.tp_size} (the MoE experts are spread over the tensor-parallel ranks)"),
@@ -290,7 +304,7 @@ class ServerConfig:
             (self.hicache_ratio > 0, "--hicache-ratio must be > 0"),
             (self.hicache_size >= 0, "--hicache-size must be >= 0 (GB; 0: use --hicache-ratio)"),
             (self.hicache_write_policy in ("write_through", "write_through_selective", "write_back"),
-             f"bad --hicache-write-policy {self.hicache_write_policy}"),
+             f"bad --hicache-write-policy {self.hicache_write_policy} (write_through, write_through_selective)"),
             (self.hicache_write_policy != "write_back" or not self.enable_hierarchical_cache,
              "--hicache-write-policy write_back is not implemented yet (write_through, write_through_selective)"),
             (not (self.enable_hierarchical_cache and self.disable_radix_cache),
@@ -460,6 +474,28 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
         return (f"--speculative-draft-model-path {head}: the head's vocabulary has {cfg.get('vocab_size')} tokens, "
                 f"the model's {target.get('vocab_size')}")
     return None
+
+
+def check_before_start(cfg: ServerConfig) -> None:
+    """What the supervisor checks once the model directory is known (the default model is filled in
+    after the flags are parsed), before any process starts; a ValueError names the flag:
+    * --tp-size against the model's heads (engine/layers/parallel.head_shard's rule: K/V heads split
+      over the ranks, or, with fewer K/V heads than ranks, q heads divisible by the ranks and the
+      ranks by the K/V heads);
+    * --l3-dir created (with its parents) and writable, so the cache controller does not fail after ready."""
+    model = _read_json(Path(cfg.model) / "config.json")
+    heads, kv = model.get("num_attention_heads"), model.get("num_key_value_heads") or model.get("num_attention_heads")
+    tp = cfg.tp_size
+    if isinstance(heads, int) and isinstance(kv, int) and kv < tp and (heads % tp or tp % kv):
+        raise ValueError(f"--tp-size {tp}: the model has {heads} attention heads and {kv} K/V heads; with fewer K/V "
+                         "heads than ranks the heads must divide by --tp-size and --tp-size by the K/V heads")
+    if cfg.l3_dir:
+        try:
+            Path(cfg.l3_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--l3-dir {cfg.l3_dir}: cannot create it ({exc.strerror or exc})") from None
+        if not os.access(cfg.l3_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"--l3-dir {cfg.l3_dir}: not writable")
 
 
 def _host_port(addr: str) -> tuple[str, int] | None:

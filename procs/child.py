@@ -5,6 +5,7 @@ terminal reaches the whole process group: the supervisor alone decides the shutd
 from __future__ import annotations
 
 import argparse
+import atexit
 import signal
 import sys
 from pathlib import Path
@@ -27,4 +28,7 @@ def start_child(role: str, with_rank: bool = False) -> tuple[ServerConfig, struc
     log = setup_logging(role, cfg.log_dir, rank=rank)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # once the process exits anyway, a SIGTERM must not raise SystemExit inside a finalizer (zmq's
+    # Context.__del__ printed "Exception ignored ... SystemExit" after a failed start)
+    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
     return cfg, log, rank

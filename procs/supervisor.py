@@ -27,7 +27,7 @@ import zmq
 
 from engine.args import parse_args
 from engine.cache.slab import create_slab, remove_slab, slab_dir
-from engine.config import ServerConfig
+from engine.config import ServerConfig, check_before_start
 from engine.logs import setup_logging
 from engine.supervise import (
     RUN_LOCK,
@@ -52,10 +52,12 @@ def prepare_model(cfg: ServerConfig) -> ServerConfig:
     if cfg.model:
         if not Path(cfg.model, "config.json").is_file():
             raise ValueError(f"--model {cfg.model}: no config.json there")
-        return cfg
-    from models.default_model import ensure_default_model
+    else:
+        from models.default_model import ensure_default_model
 
-    return replace(cfg, model=str(ensure_default_model()))
+        cfg = replace(cfg, model=str(ensure_default_model()))
+    check_before_start(cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,6 +176,7 @@ def plan_pool(cfg: ServerConfig, mcfg: ModelConfig, kv_dtype: torch.dtype, devic
     per_token = kv_bytes_per_token(mcfg, kv_dtype) + draft_per_token
     if cfg.max_total_tokens:
         tokens, sized_by = cfg.max_total_tokens, "--max-total-tokens"
+        _check_fits(tokens * per_token, device)
     elif device.type == "cuda":
         tokens = _cuda_pool_tokens(cfg, mcfg, per_token, device, draft_fixed)
         sized_by = f"--mem-fraction {cfg.mem_fraction}" + (" (with the speculative draft's)" if draft_per_token else "")
@@ -190,12 +191,26 @@ def plan_pool(cfg: ServerConfig, mcfg: ModelConfig, kv_dtype: torch.dtype, devic
         )
     num_pages = tokens // cfg.page_size + 1
     if num_pages < 2:
-        raise OutOfMemory(f"KV pool of {tokens} tokens holds no page of {cfg.page_size}")
+        raise OutOfMemory(f"KV pool of {tokens} tokens holds no page of {cfg.page_size} (--page-size)")
     max_model = cfg.context_length or mcfg.max_position_embeddings
     # under context parallelism a request's pages round robin over the cp ranks' pools (each of
     # num_pages): one request may hold cp x one pool's pages (docs/architecture.md)
     held = cfg.cp_size * (num_pages - 1) * cfg.page_size
     return PoolPlan(num_pages=num_pages, max_context=min(max_model, held), sized_by=sized_by)
+
+
+def _check_fits(pool_bytes: int, device: torch.device) -> None:
+    """--max-total-tokens's KV pool against the memory free now (host RAM on CPU): an OutOfMemory
+    naming the flag, not a failed allocation or an OOM kill under load later."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if pool_bytes > free:
+        raise OutOfMemory(f"--max-total-tokens: its KV cache needs {pool_bytes / 2**30:.1f} GiB, and "
+                          f"{free / 2**30:.1f} GiB of {device.type} memory is free")
 
 
 def _cuda_pool_tokens(cfg: ServerConfig, mcfg: ModelConfig, per_token: int, device: torch.device,

@@ -22,6 +22,14 @@ TINY = ROOT / "configs" / "tiny-llama"
     ({"watchdog_timeout": 0}, "bad --watchdog-timeout"),
     ({"attention_backend": "foo"}, "bad --attention-backend 'foo'"),
     ({"max_total_tokens": 1}, "--max-total-tokens 1 holds no KV page of 16"),
+    ({"context_length": 1}, "bad --context-length 1"),
+    ({"watchdog_timeout": 1e-9}, "bad --watchdog-timeout"),
+    ({"watchdog_timeout": float("inf")}, "--watchdog-timeout must be a finite number"),
+    ({"hicache_ratio": float("inf")}, "--hicache-ratio must be a finite number"),
+    ({"cpu_threads": 10**6}, "--cpu-threads must be in 0.."),
+    ({"port": 70000}, "bad --port 70000"),
+    ({"sdk_port": 0}, "bad --sdk-port 0"),
+    ({"dtype": "int8"}, r"bad --dtype int8 \(auto, float32, bfloat16, float16\)"),
 ])
 def test_bad_values_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -52,6 +60,9 @@ def test_a_broken_config_json_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "says"), [
     (["--log-dir", "/proc/strata-no-such-dir"], "--log-dir /proc/strata-no-such-dir"),
     (["--model", "/"], "no config.json there"),
+    # the default model (9 heads, 3 K/V heads): checked before any worker starts
+    (["--tp-size", "4"], "--tp-size 4: the model has 9 attention heads and 3 K/V heads"),
+    (["--enable-hierarchical-cache", "--l3-dir", "/proc/strata-l3"], "--l3-dir /proc/strata-l3: cannot create it"),
 ])
 def test_bad_paths_exit_2(args: list[str], says: str) -> None:
     run = subprocess.run([str(ROOT / "bin" / "serve"), *args], capture_output=True, text=True, timeout=120)
@@ -100,3 +111,21 @@ def test_the_ready_line_gives_the_context_and_warns_when_it_is_small() -> None:
 
     assert line(8192).endswith("; context 8192 tokens") and "warning" not in line(8192)
     assert "strata: warning: requests are limited to 64 tokens" in line(64)
+
+
+def test_checks_before_start_read_the_model_and_make_the_l3_dir(tmp_path: Path) -> None:
+    from engine.config import check_before_start
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    for tp in (1, 2, 3):  # K/V heads split over the ranks (unevenly at 2)
+        check_before_start(ServerConfig(model=str(tmp_path / "m"), tp_size=tp))
+    with pytest.raises(ValueError, match="--tp-size 6: the model has 9 attention heads"):
+        check_before_start(ServerConfig(model=str(tmp_path / "m"), tp_size=6))
+    l3 = tmp_path / "a" / "b" / "l3"
+    check_before_start(ServerConfig(model=str(tmp_path / "m"), enable_hierarchical_cache=True, l3_dir=str(l3)))
+    assert l3.is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--l3-dir .*: cannot create it"):
+        check_before_start(ServerConfig(model=str(tmp_path / "m"), enable_hierarchical_cache=True,
+                                        l3_dir=str(tmp_path / "file" / "l3")))

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from engine.config import ServerConfig
 from engine.layers.attention import _CPU_FLASH_LSE, _prefix_then_causal
 from engine.run.assembly import cpu_threads
-from engine.run.memory import CPU_POOL_RAM_FRACTION, cpu_pool_tokens, kv_bytes_per_token, plan_pool
+from engine.run.memory import (
+    CPU_POOL_RAM_FRACTION,
+    OutOfMemory,
+    cpu_pool_tokens,
+    kv_bytes_per_token,
+    plan_pool,
+)
 from models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +104,9 @@ def test_plan_pool_on_cpu(tiny: ModelConfig) -> None:
     assert (cp2.num_pages, cp2.max_context) == (plan.num_pages, min(2 * 992, tiny.max_position_embeddings))
     plan = plan_pool(ServerConfig(max_running_requests=2), tiny, torch.float32, torch.device("cpu"))
     assert plan.num_pages - 1 <= 2 * 2048 // 16 and plan.sized_by.startswith("cpu:")
+    # an explicit pool larger than the free RAM is refused, naming the flag (not an OOM kill under load)
+    with pytest.raises(OutOfMemory, match="--max-total-tokens: its KV cache needs"):
+        plan_pool(ServerConfig(max_total_tokens=10**12), tiny, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.skipif(_CPU_FLASH_LSE is None, reason="this torch has no CPU flash attention with LSE")
