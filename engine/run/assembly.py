@@ -138,6 +138,8 @@ def backend_name(cfg: ServerConfig, deterministic: bool, layout: KVLayout, dtype
     planned for it (the torch backend's per-step plan is cheap, and no CUDA graphs). flashinfer
     has no float32 kernels: --dtype float32 with the auto backend is torch on a GPU too (an
     explicit flashinfer is refused at start)."""
+    if cfg.attention_backend == "flashinfer" and cfg.resolved_device != "cuda":  # the first thing to fix
+        raise ValueError("--attention-backend flashinfer needs a CUDA device; use --attention-backend torch (or auto)")
     if deterministic or not layout.is_gqa:
         return "torch"
     if dtype == torch.float32 and cfg.attention_backend == "auto":

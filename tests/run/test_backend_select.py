@@ -28,6 +28,14 @@ def test_flashinfer_on_cpu_is_a_clear_error() -> None:
         create_backend("flashinfer", "cpu")
     with pytest.raises(RuntimeError, match="CUDA"):
         resolve_backend_name("flashinfer", "cpu")
+    # the worker's choice names the device before the dtype (flashinfer's float32 gap is the second problem)
+    from engine.config import ServerConfig
+    from engine.layers.kv_layout import KVLayout
+    from engine.run.assembly import backend_name
+
+    with pytest.raises(ValueError, match="flashinfer needs a CUDA device"):
+        backend_name(ServerConfig(attention_backend="flashinfer", device="cpu"), False, KVLayout.gqa(2, 8),
+                     torch.float32)
 
 
 def test_unknown_backend() -> None:
