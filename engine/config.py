@@ -333,7 +333,8 @@ class ServerConfig:
         if self.chat_template:
             path = Path(self.chat_template).expanduser()
             if not path.is_file():
-                raise ValueError(f"--chat-template {self.chat_template}: no such file")
+                raise ValueError(f"--chat-template {self.chat_template}: "
+                                 + ("a directory, not a file" if path.is_dir() else "no such file"))
             object.__setattr__(self, "chat_template", str(path.resolve()))  # frozen; set once here
 
     @property

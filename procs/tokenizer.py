@@ -182,7 +182,8 @@ class TokenizerProcess:
                     await self.fatal(f"the HTTP server stopped during startup: {http.exception()!r}")
                     return 1
                 await asyncio.sleep(0.01)
-            info = {"http": f"http://{cfg.host}:{cfg.port}", "sdk": cfg.sdk_addr}
+            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # an IPv6 address in brackets, as in a URL
+            info = {"http": f"http://{host}:{cfg.port}", "sdk": cfg.sdk_addr}
             await self.control.send(Ready(proc=PROC, info=info))
             log.info("tokenizer ready", **info, model=cfg.model_name, ids_only=state.tok is None)
             done, _ = await asyncio.wait({http, *tasks}, return_when=asyncio.FIRST_COMPLETED)
