@@ -120,6 +120,9 @@ def _run(
     expected = children.names() + (["cache"] if cfg.enable_hierarchical_cache else [])
     ready: dict[str, Ready] = {}
     t_start = time.monotonic()
+    if cfg.node_rank > 0:  # its workers wait in torch.distributed's rendezvous until node 0 is up
+        print(f"strata: node {cfg.node_rank}/{cfg.nnodes}: waiting for node 0 at {cfg.dist_init_addr} "
+              "(--dist-init-addr)", flush=True)
     deadline = t_start + START_TIMEOUT_S
 
     def crashed(name: str, message: str, reason: str) -> int:

@@ -93,6 +93,7 @@ def test_two_nodes_serve_tp1_tokens_and_node1_stops_when_node0_goes(pair: Pair, 
     assert time.monotonic() - t0 < STOP_S, "node 1 stops within seconds of node 0 going"
     out = pair.out1.read_text()
     assert "worker-1 failed: lost the Step stream" in out, out[-2000:]
+    assert "strata: node 1/2: waiting for node 0 at 127.0.0.1:" in out  # printed at its start
     _assert_gone(node1_procs)
 
 
