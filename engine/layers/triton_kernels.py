@@ -354,6 +354,42 @@ def mask_by_slot_kernel(logits, logits_stride, bitmask, words, pairs, vocab_size
     tl.store(logits + row * logits_stride + t, float("-inf"), mask=(t < vocab_size) & banned)
 
 
+@triton.jit
+def _splitmix64(z):
+    """splitmix64's finaliser on uint64 (logical shifts, wrapping products)."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+# every argument unspecialized (values and pointer alignment): one compile per HAS_IDS, whatever
+# the batch, candidate count or slicing of a step, so no request meets a compile after ready
+_RACE_ARGS = ["cand", "cand_stride", "seeds", "positions", "ids", "ids_stride", "cols"]
+
+
+@triton.jit(do_not_specialize=_RACE_ARGS, do_not_specialize_on_alignment=_RACE_ARGS)
+def race_noise_kernel(cand, cand_stride, seeds, positions, ids, ids_stride, cols, HAS_IDS: tl.constexpr,
+                      BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The sampler's exponential race, in place: cand[b, c] -= log(-log(u)), u uniform from
+    splitmix64(splitmix64(seed_b + (position_b + 1) * G) + (token + 1) * G), token = ids[b, c] (or
+    c), u = (low BITS bits + 0.5) / 2**BITS (engine/run/sampler.py `_log_exp_noise`, its torch twin)."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < cols
+    gamma = 0x9E3779B97F4A7C15
+    seed = tl.load(seeds + b).to(tl.uint64, bitcast=True)
+    pos = tl.load(positions + b).to(tl.uint64, bitcast=True)
+    row = _splitmix64(seed + (pos + 1) * gamma)
+    if HAS_IDS:
+        token = tl.load(ids + b * ids_stride + c, mask=inside, other=0).to(tl.uint64, bitcast=True)
+    else:
+        token = c.to(tl.uint64)
+    bits = _splitmix64(row + (token + 1) * gamma) & ((1 << BITS) - 1)
+    u = bits.to(tl.float32) * (1.0 / (1 << BITS)) + 0.5 / (1 << BITS)
+    x = tl.load(cand + b * cand_stride + c, mask=inside)
+    tl.store(cand + b * cand_stride + c, x - tl.log(-tl.log(u)), mask=inside)
+
+
 @triton.jit(do_not_specialize=["n"])
 def store_kernel(src, dst, n, BLOCK: tl.constexpr):
     """dst[:n] = src[:n], dst being host memory the device can write (pinned): the SMs store

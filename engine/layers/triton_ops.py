@@ -456,6 +456,25 @@ def mask_by_slot(
                                    num_warps=4)
 
 
+RACE_BLOCK = 1024
+
+
+def race_noise_(cand: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None,
+                bits: int) -> torch.Tensor:
+    """The sampler's race noise subtracted from cand [B, C] float32 in place, in one launch
+    (race_noise_kernel): seeds, positions int64 [B]; ids int64 [B, C] (the candidates' token
+    ids) or None (column c is token c). Bit for bit the same for a row whatever the batch."""
+    b, c = cand.shape
+    if cand.dtype != torch.float32 or cand.stride(1) != 1 or (ids is not None and ids.stride(1) != 1):
+        raise ValueError("race_noise_: float32 candidates and ids with contiguous rows")
+    if b and c:
+        grid = (b, (c + RACE_BLOCK - 1) // RACE_BLOCK)
+        _k().race_noise_kernel[grid](cand, cand.stride(0), seeds, positions, seeds if ids is None else ids,
+                                     0 if ids is None else ids.stride(0), c, HAS_IDS=ids is not None, BITS=bits,
+                                     BLOCK=RACE_BLOCK, num_warps=4)
+    return cand
+
+
 STORE_BLOCK = 1024
 STORE_DTYPES = (torch.int64, torch.int32, torch.float32)  # what a step's results are (warmed at start)
 

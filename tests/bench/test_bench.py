@@ -110,9 +110,11 @@ def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
     rec = bench(
         tmp_path / "lat.json", "latency", "--model", str(tiny_model), "--load-format", "dummy", "--device", "cpu",
         "--batch-sizes", "1", "3", "--context-len", "40", "--steps", "4", "--warmup", "2", "--profile-idle",
+        "--temperature", "0.8",  # sampled steps (the race), not an argmax
         "--server-args", "--dtype float32",  # the KV bytes below are float32's (auto may be bf16 on this CPU)
     )
     check_record(rec, "latency")
+    assert rec["settings"]["temperature"] == 0.8
     f = rec["figures"]
     assert f["device"] == "cpu" and f["bandwidth_gb_s"] > 0 and f["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert [b["batch_size"] for b in f["batches"]] == [1, 3]

@@ -369,3 +369,22 @@ def test_add_norm_gemv_stores_the_normalized_rows() -> None:
     assert torch.equal(y, triton_ops.add_norm_gemv(x, r, nw, 1e-6, w, 8, 1024, 4, 1)[0])
     with pytest.raises(ValueError, match="add_norm_gemv"):
         triton_ops.add_norm_gemv(x[:1, :512], r[:1, :512], nw[:512], 1e-6, w[:, :512], 8, 256, 4, 3, h_out=True)
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_race_noise_is_the_samplers_hash(with_ids: bool) -> None:
+    """race_noise_ subtracts the sampler's noise (engine/run/sampler.py `_log_exp_noise`: the
+    splitmix64 hash of seed, position and token id, then log(-log(u))); a wrong bit of the hash
+    would move a value far off, so closeness checks the hash exactly."""
+    from engine.run.sampler import _UNIFORM_BITS, Sampler
+
+    g = torch.Generator().manual_seed(11)
+    b, v = 5, 3000
+    sampler = Sampler(v, 4, "cpu")
+    seeds = torch.tensor([1, -7, 2**62 + 5, 0, 123456789], dtype=torch.int64)
+    positions = torch.tensor([0, 1, 4096, 70000, 3], dtype=torch.int64)
+    ids = torch.stack([torch.randperm(v, generator=g)[:700] for _ in range(b)]) if with_ids else None
+    cand = torch.randn(b, v if ids is None else 700, generator=g)
+    want = cand - sampler._log_exp_noise(seeds, positions, ids)
+    got = triton_ops.race_noise_(cand.clone(), seeds, positions, ids, _UNIFORM_BITS)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
