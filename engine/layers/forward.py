@@ -8,10 +8,11 @@ backends never have to sync to read lengths or page tables.
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.layers.kv_pool import PAD_PAGE
@@ -152,17 +153,20 @@ def _check_lengths(
 
 
 def _page_table(page_tables: Sequence[Sequence[int]], seq_lens: list[int], page_size: int) -> torch.Tensor:
-    """int32 [B, max_pages]: the pages covering each seq_len, padded with PAD_PAGE."""
-    needed = [math.ceil(n / page_size) for n in seq_lens]
+    """int32 [B, max_pages]: the pages covering each seq_len, padded with PAD_PAGE. The pages are
+    gathered by numpy (a mixed step of 64 rows and a long chunk: ~6k pages in a 64 x 1.9k table,
+    10.8 ms as per-row Python lists before)."""
+    needed = [-(-n // page_size) for n in seq_lens]
     width = max(needed)
-    rows = []
-    for i, (pages, k) in enumerate(zip(page_tables, needed, strict=True)):
-        row = [int(p) for p in pages[:k]]
-        if PAD_PAGE in row:
-            # page 0 is the shared padding page; writing real KV there corrupts other requests
-            raise ValueError(f"request {i}: page table uses the reserved padding page {PAD_PAGE}")
-        rows.append(row + [PAD_PAGE] * (width - k))
-    return torch.tensor(rows, dtype=torch.int32)
+    pages = np.fromiter(itertools.chain.from_iterable(t[:k] for t, k in zip(page_tables, needed, strict=True)),
+                        dtype=np.int32, count=sum(needed))
+    if (pages == PAD_PAGE).any():
+        # page 0 is the shared padding page; writing real KV there corrupts other requests
+        i = next(i for i, (t, k) in enumerate(zip(page_tables, needed, strict=True)) if PAD_PAGE in t[:k])
+        raise ValueError(f"request {i}: page table uses the reserved padding page {PAD_PAGE}")
+    table = np.full((len(needed), width), PAD_PAGE, dtype=np.int32)
+    table[np.arange(width)[None, :] < np.asarray(needed)[:, None]] = pages  # row-major: request order
+    return torch.from_numpy(table)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

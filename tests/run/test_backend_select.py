@@ -98,11 +98,11 @@ def test_pad_metadata_points_padding_rows_at_page_zero() -> None:
 
 
 def test_forward_batch_keeps_cpu_page_table() -> None:
-    batch = ForwardBatch.from_requests([([1, 2, 3], 0, [2]), ([4], 5, [3, 6])], 4, "cpu")
-    assert batch.page_table_cpu.tolist() == [[2, 0], [3, 6]]
+    batch = ForwardBatch.from_requests([([1, 2, 3], 0, [2, 8]), ([4], 5, [3, 6, 9])], 4, "cpu")
+    assert batch.page_table_cpu.tolist() == [[2, 0], [3, 6]]  # the pages each length needs, padded
     assert batch.page_table is batch.page_table_cpu  # on CPU no copy is made
-    with pytest.raises(ValueError, match="padding page"):
-        ForwardBatch.from_requests([([1], 0, [0])], 4, "cpu")
+    with pytest.raises(ValueError, match="request 1: page table uses the reserved padding page"):
+        ForwardBatch.from_requests([([1], 0, [5]), ([1], 4, [7, 0])], 4, "cpu")
 
 
 def test_decode_metadata_matches_forward_batch() -> None:
