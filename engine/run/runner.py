@@ -146,9 +146,9 @@ class ModelRunner:
             self.complete(self.deferred)
         t0 = time.perf_counter()
         # a gap means a lost Step: StepOrderError, never continue silently
-        digest = self.replica.digest() if self.replica.apply_step(step) else None
+        digest_due = self.replica.apply_step(step)
         self.seq = step.seq
-        launched = Launched(step.seq, digest, t0, None, None)
+        launched = Launched(step.seq, None, t0, None, None)
         if step.forward is not None:
             if self.profiler is not None:
                 self.profiler.tick()
@@ -157,6 +157,9 @@ class ModelRunner:
             launched.to_sample = self._forward(step.forward)
             if self.scores is not None:
                 launched.scores, self.scores = _scores_to_host(self.scores), None
+        # the replica's state after this step's ops, hashed while the device runs the forward
+        # (nothing changes it before the next step's ops: a millisecond or more with a full tree)
+        launched.digest = self.replica.digest() if digest_due else None
         if launched.to_sample is not None and self.grammar.constrained(launched.to_sample.slots):
             self.deferred = launched
         else:
