@@ -103,13 +103,16 @@ class StopMatcher:
         return "" if self.stopped else held
 
     def _partial_len(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        best = 0
+        """Length of the longest suffix of buf that is a proper prefix of some stop string: the
+        suffixes tried start where the stop's first character is (leftmost first: the longest)."""
+        best, n = 0, len(buf)
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
-                    best = k
+            j = buf.find(stop[0], max(0, n - len(stop) + 1))
+            while 0 <= j and n - j > best:
+                if stop.startswith(buf[j:]):
+                    best = n - j
                     break
+                j = buf.find(stop[0], j + 1)
         return best
 
 

@@ -192,3 +192,14 @@ def test_real_default_model_tokenizer_utf8(default_model_dir) -> None:
     assert det.stopped
     assert "".join(deltas) == TEXT[: TEXT.find("done")]
     assert all(REPLACEMENT not in d for d in deltas)
+
+
+def test_held_back_text_is_the_longest_suffix_that_may_start_a_stop() -> None:
+    """StopMatcher holds back exactly the longest suffix of its text that is a proper prefix of a
+    stop string (brute force over random stops and texts of a 3-letter alphabet)."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab ") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        buf = "".join(rng.choice("ab ") for _ in range(rng.randint(0, 8)))
+        want = max((k for s in stops for k in range(min(len(s) - 1, len(buf)) + 1) if buf.endswith(s[:k])), default=0)
+        assert StopMatcher(stops)._partial_len(buf) == want, (stops, buf)
