@@ -392,3 +392,23 @@ def test_continuation_follows_the_most_recent_matching_path() -> None:
     assert c.continuation(node, [7], 3) == [] and c.continuation(node, [1, 2], 0) == []
     assert c.total_pages == 6  # reads only: no split
     assert_no_leak(c)
+
+
+def test_an_eviction_frees_a_batch_of_a_large_pool() -> None:
+    """RequestKV.alloc: with the pool full of cached leaves, one page wanted evicts at least
+    1/EVICT_BATCH_DIVISOR of the pool (the coldest leaves), so a decode batch does not rebuild
+    the eviction heap at every page it allocates; a small pool evicts what it needs."""
+    from engine.sched.scheduler import SchedConfig
+    from engine.sched.state import EVICT_BATCH_DIVISOR, RequestKV, SchedState
+
+    for num_pages, batch in ((4 * EVICT_BATCH_DIVISOR + 1, 4), (65, 1)):
+        state = SchedState(SchedConfig(num_pages=num_pages, page_size=4, max_running=4, max_prefill_tokens=64,
+                                       max_context=400, eos_token_ids=(1,), vocab_size=1000))
+        kv = RequestKV(state)
+        assert kv.evict_batch == batch
+        leaves = 0
+        while (pages := state.alloc.alloc(1)) is not None:  # one-page leaves, distinct keys
+            state.cache.insert([leaves // 1000 + 2, leaves % 1000 + 2, 5, 6], pages)
+            leaves += 1
+        assert kv.alloc(1) is not None
+        assert state.alloc.num_free == batch - 1  # freed `batch`, took one
