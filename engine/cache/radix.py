@@ -344,7 +344,14 @@ class RadixCache:
             stack.extend((depth + 1, c) for _, c in sorted(node.children.items(), reverse=True))
 
     def pages_in_tree(self) -> set[int]:
-        return {p for _, node in self._dfs() for p in node.pages}
+        """Every device page the tree holds (a set: no order needed, so no sorted walk)."""
+        pages: set[int] = set()
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            pages.update(node.pages)
+            stack.extend(node.children.values())
+        return pages
 
     def digest(self) -> str:
         """SHA-256 hex over a canonical pre-order encoding of (depth, key, pages, lock_ref)."""
