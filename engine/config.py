@@ -133,9 +133,9 @@ class ServerConfig:
             (self.watchdog_timeout >= 1, f"bad --watchdog-timeout {self.watchdog_timeout} (seconds, at least 1)"),
             (not self.attention_fp8_math or self.kv_cache_dtype == "fp8_e4m3",
              "--attention-fp8-math needs --kv-cache-dtype fp8_e4m3"),
-            (0 <= self.cpu_threads <= (os.cpu_count() or 1),
-             f"--cpu-threads must be in 0..{os.cpu_count() or 1} (this machine's cores; 0: every core this process "
-             "may use)"),
+            (0 <= self.cpu_threads <= 4 * (os.cpu_count() or 1),
+             f"--cpu-threads must be in 0..{4 * (os.cpu_count() or 1)} (at most 4 a core of this machine; 0: every "
+             "core this process may use)"),
             (-1 <= self.grammar_helpers <= 64, "--grammar-helpers must be -1 (auto) or 0..64"),
             (self.decode_kernel in ("auto", "fa2", "xqa", "triton"),
              f"bad --decode-kernel {self.decode_kernel} (auto, fa2, xqa, triton)"),

@@ -465,8 +465,10 @@ def race_noise_(cand: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
     (race_noise_kernel): seeds, positions int64 [B]; ids int64 [B, C] (the candidates' token
     ids) or None (column c is token c). Bit for bit the same for a row whatever the batch."""
     b, c = cand.shape
-    if cand.dtype != torch.float32 or cand.stride(1) != 1 or (ids is not None and ids.stride(1) != 1):
-        raise ValueError("race_noise_: float32 candidates and ids with contiguous rows")
+    if (cand.dtype != torch.float32 or cand.stride(1) != 1 or (ids is not None and ids.stride(1) != 1)
+            or seeds.shape != (b,) or positions.shape != (b,)):
+        raise ValueError("race_noise_: float32 candidates and ids with contiguous rows, a seed and a position a row")
+    seeds, positions = seeds.contiguous(), positions.contiguous()  # the kernel reads element b at offset b
     if b and c:
         grid = (b, (c + RACE_BLOCK - 1) // RACE_BLOCK)
         _k().race_noise_kernel[grid](cand, cand.stride(0), seeds, positions, seeds if ids is None else ids,

@@ -202,8 +202,9 @@ def plan_pool(cfg: ServerConfig, mcfg: ModelConfig, kv_dtype: torch.dtype, devic
 def _check_fits(pool_bytes: int, device: torch.device) -> None:
     """--max-total-tokens's KV pool against the memory free now (host RAM on CPU): an OutOfMemory
     naming the flag, not a failed allocation or an OOM kill under load later."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # what torch's caching allocator holds unused is free to the pool too
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free = torch.cuda.mem_get_info(device)[0] + cached
     else:
         import psutil
 

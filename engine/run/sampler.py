@@ -209,6 +209,14 @@ class Sampler:
         self._active_plan: _Plan | None = None  # plan over all registered slots
         self._fused_noise = self.device.type == "cuda" and triton_ops.available()
 
+    def warm(self) -> None:
+        """Compile the race's kernel in both modes (over candidate ids, over the whole vocabulary)
+        before ready, whatever the warm-up batch happens to sample (engine/run/warmup.py)."""
+        if self._fused_noise:
+            z = torch.zeros(1, dtype=torch.int64, device=self.device)
+            for ids in (None, torch.zeros(1, 8, dtype=torch.int64, device=self.device)):
+                triton_ops.race_noise_(torch.zeros(1, 8, device=self.device), z, z, ids, _UNIFORM_BITS)
+
     # ---- request lifecycle (once per request) ----
 
     def add(

@@ -59,8 +59,7 @@ def warm_up(runner: ModelRunner) -> float:
         runner.sampler.sample(prefill, slots, [n] * len(slots))
         decode = _forward(runner, [n] * len(slots), [1] * len(slots), pages)
         runner.sampler.sample(decode, slots, [n + 1] * len(slots))
-        if len(slots) == len(_PARAMS):  # plain temperature alone: the race over every token, no candidate ids
-            runner.sampler.sample(decode[2:], slots[2:], [n + 2])
+        runner.sampler.warm()  # the race's kernel in both modes, whatever the slots above sampled
         if runner.device.type == "cuda" and len(slots) > 1:
             # one row has kernels of its own (a norm split across two GEMVs, MoE's one-token
             # chain with the norm in the router's GEMV): eager decode, without graphs, meets them

@@ -388,3 +388,19 @@ def test_race_noise_is_the_samplers_hash(with_ids: bool) -> None:
     want = cand - sampler._log_exp_noise(seeds, positions, ids)
     got = triton_ops.race_noise_(cand.clone(), seeds, positions, ids, _UNIFORM_BITS)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_sampler_warms_both_race_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampler.warm (engine/run/warmup.py calls it before ready) runs the race's kernel over the
+    whole vocabulary and over candidate ids, whatever --max-running-requests lets the warm-up
+    batch sample; here on the CPU through triton's interpreter."""
+    from engine.run.sampler import Sampler
+
+    modes: list[bool] = []
+    real = triton_ops.race_noise_
+    monkeypatch.setattr(triton_ops, "race_noise_", lambda cand, s, p, ids, bits: (modes.append(ids is not None),
+                                                                                   real(cand, s, p, ids, bits))[1])
+    sampler = Sampler(100, 1, "cpu")
+    sampler._fused_noise = True  # as on CUDA
+    sampler.warm()
+    assert sorted(modes) == [False, True]
