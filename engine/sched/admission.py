@@ -83,6 +83,8 @@ class Admission:
         """Admit waiting requests in arrival order while the budget, a slot and pages last
         (pages for the first chunk only when every running decode can also get one)."""
         s = self.s
+        if not (s.waiting and budget > 0 and s.free_slots):  # the usual decode step: a pass over running spared
+            return
         decoding = sum(1 for r in s.running if not r.in_prefill)  # each may need a page soon
         while s.waiting and budget > 0 and s.free_slots:
             req = s.waiting[0]
