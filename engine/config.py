@@ -480,16 +480,20 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
 def check_before_start(cfg: ServerConfig) -> None:
     """What the supervisor checks once the model directory is known (the default model is filled in
     after the flags are parsed), before any process starts; a ValueError names the flag:
-    * --tp-size against the model's heads (engine/layers/parallel.head_shard's rule: K/V heads split
-      over the ranks, or, with fewer K/V heads than ranks, q heads divisible by the ranks and the
-      ranks by the K/V heads);
+    * --tp-size against the model's heads (engine/layers/shards.head_shard, the rule the layers split by);
     * --l3-dir created (with its parents) and writable, so the cache controller does not fail after ready."""
+    from engine.layers.shards import head_shard  # (torch-free)
+
     model = _read_json(Path(cfg.model) / "config.json")
     heads, kv = model.get("num_attention_heads"), model.get("num_key_value_heads") or model.get("num_attention_heads")
     tp = cfg.tp_size
-    if isinstance(heads, int) and isinstance(kv, int) and kv < tp and (heads % tp or tp % kv):
-        raise ValueError(f"--tp-size {tp}: the model has {heads} attention heads and {kv} K/V heads; with fewer K/V "
-                         "heads than ranks the heads must divide by --tp-size and --tp-size by the K/V heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0:
+        try:
+            head_shard(heads, kv, 0, tp)
+        except ValueError:
+            raise ValueError(f"--tp-size {tp}: the model has {heads} attention heads and {kv} K/V heads; with fewer "
+                             "K/V heads than ranks the heads must divide by --tp-size and --tp-size by the K/V heads"
+                             ) from None
     if cfg.l3_dir:
         try:
             Path(cfg.l3_dir).mkdir(parents=True, exist_ok=True)
