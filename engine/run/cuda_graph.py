@@ -23,7 +23,6 @@ its rank's own pages from the step's lists: `plans_from_lists`).
 from __future__ import annotations
 
 import bisect
-import itertools
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -32,7 +31,7 @@ import numpy as np
 import structlog
 import torch
 
-from engine.layers.forward import ForwardBatch
+from engine.layers.forward import ForwardBatch, gather_pages
 from engine.layers.kv_pool import PAD_PAGE
 
 log = structlog.get_logger()
@@ -72,18 +71,16 @@ def _decode_pages(
     seq = st + 1
     npages = (seq + (page_size - 1)) // page_size
     counts = npages.tolist()
-    short = next((i for i, (t, n) in enumerate(zip(tables, counts, strict=True)) if len(t) < n), None)
-    indices = None if short is not None else np.fromiter(
-        itertools.chain.from_iterable(t[:n] for t, n in zip(tables, counts, strict=True)), dtype=np.int32,
-        count=sum(counts),
-    )
-    if indices is None or (indices == PAD_PAGE).any():  # the offending request named (rare: a bug upstream)
-        i = short if short is not None else next(i for i, (t, n) in enumerate(zip(tables, counts, strict=True))
-                                                  if PAD_PAGE in t[:n])
-        raise ValueError(f"request {i}: page table {list(tables[i][:counts[i]])} cannot hold {int(seq[i])} tokens "
-                         f"off the padding page")
+    for i, (t, n) in enumerate(zip(tables, counts, strict=True)):
+        if len(t) < n:
+            raise _no_room(i, t, n)
+    indices = gather_pages(tables, counts)
     last_page = indices[np.cumsum(npages) - 1].astype(np.int64)
     return seq, npages, indices, last_page * page_size + st % page_size
+
+
+def _no_room(i: int, table: Sequence[int], pages: int) -> ValueError:
+    return ValueError(f"request {i}: page table {list(table[:pages])} cannot hold {pages} pages off the padding page")
 
 
 def decode_out_slots(starts: Sequence[int], tables: Sequence[Sequence[int]], page_size: int) -> np.ndarray:
@@ -92,8 +89,7 @@ def decode_out_slots(starts: Sequence[int], tables: Sequence[Sequence[int]], pag
     pages = [s // page_size for s in starts]
     for i, (t, p) in enumerate(zip(tables, pages, strict=True)):
         if len(t) <= p or t[p] == PAD_PAGE:
-            raise ValueError(f"request {i}: page table {list(t[: p + 1])} cannot hold {starts[i] + 1} tokens "
-                             f"off the padding page")
+            raise _no_room(i, t, p + 1)
     last = np.fromiter((t[p] for t, p in zip(tables, pages, strict=True)), dtype=np.int64, count=len(pages))
     return last * page_size + np.asarray(starts, dtype=np.int64) % page_size
 
