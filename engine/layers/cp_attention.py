@@ -230,11 +230,11 @@ class ContextParallelAttention(AttentionBackend):
         a CUDA pool of K and V in q's half dtype, outside deterministic inference. The graph buffers
         are sized as FlashInferAttention's (a rank's local table is never wider than the global one)."""
         q_dtype = q_dtype or kv_pool.dtype
-        self.supports_cuda_graph = (
-            kv_pool.device.type == "cuda" and kv_pool.layout.is_gqa and kv_pool.dtype == q_dtype
-            and q_dtype in (torch.float16, torch.bfloat16) and not batch_invariant.enabled()
-            and self._fi_wrapper(kv_pool.device) is not None
-        )
+        eligible = (kv_pool.device.type == "cuda" and kv_pool.layout.is_gqa and kv_pool.dtype == q_dtype
+                    and q_dtype in (torch.float16, torch.bfloat16) and not batch_invariant.enabled())
+        if eligible and self._fi_decode is None:  # the eager decode's wrapper, made here (None: no flashinfer)
+            self._fi_decode = self._fi_wrapper(kv_pool.device)
+        self.supports_cuda_graph = eligible and self._fi_decode is not None
         if self.supports_cuda_graph:
             dev = kv_pool.device
             self._geometry = (num_q_heads, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.page_size)
