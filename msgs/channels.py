@@ -125,7 +125,16 @@ class TcpPlan:
 
 def tcp_address(host: str, port: int) -> str:
     """A zmq tcp endpoint; an IPv6 host in brackets."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return f"tcp://{_bracketed(host)}:{port}"
+
+
+def http_address(host: str, port: int) -> str:
+    """The HTTP API's URL (the ready line's); an IPv6 host in brackets."""
+    return f"http://{_bracketed(host)}:{port}"
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def sdk_address(host: str, port: int) -> str:

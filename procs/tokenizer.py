@@ -52,6 +52,7 @@ from msgs.channels import (
     SDK_OUT,
     AsyncReceiver,
     AsyncSender,
+    http_address,
     open_async_receiver,
     open_async_sender,
 )
@@ -88,7 +89,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise StartupError(f"cannot listen on http://{host}:{port}: {exc.strerror or exc}{_hint(exc.errno)}") from exc
+        where = http_address(host, port)
+        raise StartupError(f"cannot listen on {where}: {exc.strerror or exc}{_hint(exc.errno)}") from exc
     sock.setblocking(False)
     return sock
 
@@ -182,8 +184,7 @@ class TokenizerProcess:
                     await self.fatal(f"the HTTP server stopped during startup: {http.exception()!r}")
                     return 1
                 await asyncio.sleep(0.01)
-            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # an IPv6 address in brackets, as in a URL
-            info = {"http": f"http://{host}:{cfg.port}", "sdk": cfg.sdk_addr}
+            info = {"http": http_address(cfg.host, cfg.port), "sdk": cfg.sdk_addr}
             await self.control.send(Ready(proc=PROC, info=info))
             log.info("tokenizer ready", **info, model=cfg.model_name, ids_only=state.tok is None)
             done, _ = await asyncio.wait({http, *tasks}, return_when=asyncio.FIRST_COMPLETED)

@@ -30,6 +30,7 @@ TINY = ROOT / "configs" / "tiny-llama"
     ({"port": 70000}, "bad --port 70000"),
     ({"sdk_port": 0}, "bad --sdk-port 0"),
     ({"dtype": "int8"}, r"bad --dtype int8 \(auto, float32, bfloat16, float16\)"),
+    ({"chat_template": "/"}, "--chat-template /: a directory, not a file"),
 ])
 def test_bad_values_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

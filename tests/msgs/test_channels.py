@@ -136,3 +136,12 @@ def test_zmq_ends_over_tcp(tmp_path) -> None:
             end.sock.close(0)
     finally:
         ctx.term()
+
+
+def test_addresses_put_an_ipv6_host_in_brackets() -> None:
+    """The ready line's URL and the SDK's endpoint are usable as printed, IPv6 hosts too."""
+    from msgs.channels import http_address, tcp_address
+
+    assert http_address("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert http_address("::1", 8000) == "http://[::1]:8000"
+    assert tcp_address("::1", 8001) == "tcp://[::1]:8001"
