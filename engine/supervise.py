@@ -149,8 +149,13 @@ def announce_death(
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
+def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
+    """A port free now and not in `avoid` (ports promised to others but not bound yet)."""
+    for _ in range(100):
+        port = free_ports(1, host)[0]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"no free port on {host} outside {avoid}")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -172,7 +177,8 @@ def dist_master(cfg: ServerConfig) -> tuple[str, int]:
     if cfg.dist_init_addr:
         host, _, port = cfg.dist_init_addr.rpartition(":")
         return host.strip("[]"), int(port)
-    return "127.0.0.1", free_port()
+    # not the http or sdk port: the tokenizer binds those after this pick (a test's ephemeral --port was taken once)
+    return "127.0.0.1", free_port(avoid=(cfg.port, cfg.sdk_port))
 
 
 def rank_env(cfg: ServerConfig, rank: int, master: tuple[str, int]) -> dict[str, str]:

@@ -53,6 +53,18 @@ def test_rank_env_and_children(tmp_path: Path) -> None:
     assert DIST_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def test_dist_master_port_is_never_the_http_or_sdk_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer binds --port and --sdk-port after the workers' rendezvous port is picked: a pick
+    equal to either (free now, taken a moment later) failed a CI run with EADDRINUSE."""
+    import engine.supervise as supervise
+
+    cfg = ServerConfig(port=41001, sdk_port=41002)
+    picks = iter([[41001], [41002], [41003]])  # what the OS would hand out, in order
+    monkeypatch.setattr(supervise, "free_ports", lambda n, host="127.0.0.1": next(picks))
+    assert dist_master(cfg) == ("127.0.0.1", 41003)
+    assert dist_master(replace(cfg, dist_init_addr="[::1]:29500")) == ("::1", 29500)
+
+
 def test_second_node_starts_its_workers_only(tmp_path: Path) -> None:
     cfg = parse_args(["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:29500"])
     assert list(cfg.local_ranks()) == [2, 3]

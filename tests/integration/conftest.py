@@ -54,8 +54,10 @@ class Server:
             time.sleep(0.1)
 
 
-def start_server(log_dir: Path, *args: str, timeout: float = 600, new_session: bool = False) -> Server:
-    port, sdk_port = free_ports(2)
+def start_server(log_dir: Path, *args: str, timeout: float = 600, new_session: bool = False,
+                 ports: tuple[int, int] | None = None) -> Server:
+    """ports: (http, sdk), for a test that reserved other ports beside them (free_ports picks them otherwise)."""
+    port, sdk_port = ports or free_ports(2)
     cmd = [
         str(ROOT / "bin" / "serve"),
         "--port",

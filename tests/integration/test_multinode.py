@@ -35,13 +35,17 @@ class Pair:
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[Pair]:
-    addr = f"127.0.0.1:{free_port_range(4)}"  # rendezvous, done, steps-0, steps-1
+    # one range for everything node 0 and node 1 bind: picked separately, node 0's http port could land on the
+    # rendezvous port before node 0's worker binds it (CI saw EADDRINUSE)
+    base = free_port_range(6)
+    addr = f"127.0.0.1:{base}"  # rendezvous, done, steps-0, steps-1; then node 0's http and sdk
     log1 = tmp_path / "node1"
     out1 = open(tmp_path / "node1.out", "w")  # noqa: SIM115 - the process's, closed below
     node1 = subprocess.Popen([str(ROOT / "bin" / "serve"), *FLAGS, "--node-rank", "1", "--dist-init-addr", addr,
                               "--log-dir", str(log1)], cwd=ROOT, stdout=out1, stderr=subprocess.STDOUT)
     try:
-        node0 = start_server(tmp_path / "node0", *FLAGS, "--node-rank", "0", "--dist-init-addr", addr, timeout=120)
+        node0 = start_server(tmp_path / "node0", *FLAGS, "--node-rank", "0", "--dist-init-addr", addr, timeout=120,
+                             ports=(base + 4, base + 5))
     except BaseException:
         node1.kill()
         node1.wait()
