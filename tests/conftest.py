@@ -24,7 +24,8 @@ def _pin_xdist_worker() -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     cpus = sorted(os.sched_getaffinity(0))
     if worker and count and len(cpus) >= int(count):
-        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw"))::int(count)])
+        # (% count: a worker xdist restarts after a crash gets the next id, gw2 of 2)
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) % int(count)::int(count)])
 
 
 import pytest  # noqa: E402 - after OPENBLAS_CORETYPE (pytest does not import numpy)

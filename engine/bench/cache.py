@@ -140,17 +140,22 @@ def hits(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def wait_idle(url: str, timeout: float) -> dict[str, float]:
-    """Nothing running or waiting, and the scheduler's last stats arrived; the metrics then."""
+def wait_idle(url: str, timeout: float, every_s: float = 0.3) -> dict[str, float]:
+    """The metrics once nothing runs or waits and two reads every_s apart agree on every strata_
+    metric: the scheduler's last stats (sent at most every 0.1 s) and the idle leak check have
+    arrived (one fixed sleep after idle could read them early on a busy core)."""
     deadline = time.monotonic() + timeout
+    last: dict[str, float] | None = None
     while True:
         m = metrics(url)
-        if m.get("strata_running_requests") == 0 and m.get("strata_waiting_requests") == 0:
-            time.sleep(0.3)  # the stats of the last step (sent at most every 0.1 s)
-            return metrics(url)
+        now = {k: v for k, v in m.items() if k.startswith("strata_")}
+        idle = m.get("strata_running_requests") == 0 and m.get("strata_waiting_requests") == 0
+        if idle and now == last:
+            return m
+        last = now if idle else None
         if time.monotonic() > deadline:
-            raise TimeoutError(f"server not idle after {timeout:.0f} s")
-        time.sleep(0.05)
+            raise TimeoutError(f"server not idle and settled after {timeout:.0f} s")
+        time.sleep(every_s if idle else 0.05)
 
 
 def wait_metric(url: str, name: str, above: float, timeout: float, settle_s: float = 0.0) -> float:

@@ -116,7 +116,9 @@ def _tier_logs(d: Path) -> None:
         bench_cache.flush(srv.http, 60)
         cached.append(_generate(srv.http, prompt))
         srv.wait_idle()
-        time.sleep(1.5)  # the workers' 'host copies' line: at most one a second
+        deadline = time.monotonic() + 30  # the workers' 'host copies' line: at most one a second
+        while analyze(d).copies.get("total", {}).get("load_backs", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         assert stop_server(srv) == 0
     assert cached[0] == 0 and all(c >= 112 for c in cached[1:]), cached

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import MAX_RUNNING_REQUESTS, ServerConfig
+from tests.ports import reserve_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-llama"
@@ -91,9 +92,8 @@ def test_device_cuda_without_cuda_names_the_flag() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from engine.supervise import free_ports
-
-    port, sdk_port = free_ports(2)
+    port = reserve_ports(2)
+    sdk_port = port + 1
     run = subprocess.run([str(ROOT / "bin" / "serve"), "--device", "cuda", "--port", str(port), "--sdk-port",
                           str(sdk_port)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "--device cuda: this torch sees no CUDA device" in run.stderr, run.stderr[-2000:]

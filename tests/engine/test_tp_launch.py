@@ -13,9 +13,10 @@ import zmq
 
 from engine.args import parse_args
 from engine.config import ServerConfig
-from engine.supervise import DIST_ENV, ChildSet, dist_master, free_port, rank_env
+from engine.supervise import DIST_ENV, ChildSet, dist_master, rank_env
 from msgs.channels import STEPS, TcpPlan, open_receiver, open_sender
 from msgs.steps import Shutdown
+from tests.ports import reserve_ports
 
 
 def test_tp_flags() -> None:
@@ -84,7 +85,7 @@ def test_watched_steps_delivers_then_fails_when_the_scheduler_goes() -> None:
     closes, frames already sent still arrive, then poll raises within lost_s."""
     from procs.worker import StreamLost, WatchedSteps
 
-    net = TcpPlan(host="127.0.0.1", base_port=free_port())
+    net = TcpPlan(host="127.0.0.1", base_port=reserve_ports(2))  # the store (unused), then steps-0
     ctx = zmq.Context()
     try:
         inner = open_receiver(ctx, STEPS, "worker", "/nonexistent", rank=0, net=net)

@@ -15,8 +15,9 @@ import httpx
 import psutil
 import pytest
 
-from engine.supervise import free_ports
+from engine.bench import cache as bench_cache
 from msgs.channels import sdk_address
+from tests.ports import reserve_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,31 +34,23 @@ class Server:
         return f"{self.http}/v1"
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.http}/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return bench_cache.metrics(self.http)
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:
-        """Wait until nothing runs or waits; return the metrics then."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m.get("strata_running_requests") == 0 and m.get("strata_waiting_requests") == 0:
-                time.sleep(0.3)  # let the idle leak check and the last stats arrive
-                return self.metrics()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not idle: {m}")
-            time.sleep(0.1)
+        """Wait until nothing runs or waits and the metrics hold still; return them then."""
+        return bench_cache.wait_idle(self.http, timeout)
 
 
 def start_server(log_dir: Path, *args: str, timeout: float = 600, new_session: bool = False,
                  ports: tuple[int, int] | None = None) -> Server:
-    """ports: (http, sdk), for a test that reserved other ports beside them (free_ports picks them otherwise)."""
-    port, sdk_port = ports or free_ports(2)
+    """ports: (http, sdk), for a test that reserved other ports beside them (reserved here otherwise, with
+    the workers' rendezvous port unless args name one: tests/ports.py says why none comes from bind(0))."""
+    if ports is None:
+        base = reserve_ports(3)
+        ports = (base, base + 1)
+        if "--dist-init-addr" not in args:
+            args = (*args, "--dist-init-addr", f"127.0.0.1:{base + 2}")
+    port, sdk_port = ports
     cmd = [
         str(ROOT / "bin" / "serve"),
         "--port",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from engine.supervise import free_ports
 from tests.integration.conftest import ROOT, start_server
+from tests.ports import reserve_ports
 
 
 def test_sigterm_shuts_down_everything(tmp_path: Path) -> None:
@@ -38,7 +38,8 @@ def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     model = tmp_path / "bad-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 10}))
-    port, sdk_port = free_ports(2)
+    port = reserve_ports(2)
+    sdk_port = port + 1
     cmd = [
         str(ROOT / "bin" / "serve"),
         "--model",

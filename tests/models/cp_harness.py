@@ -28,8 +28,8 @@ from engine.layers.cp_attention import page_owner
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import ParallelState, TPGroup, parallel_state, set_parallel_state
-from engine.supervise import free_port
 from models.registry import kv_layout, load_model
+from tests.ports import reserve_ports
 
 PAGE = 4
 
@@ -183,7 +183,7 @@ def spawn_ranks(model_dirs: list[Path], cp: int, pages_per_rank: int, tp: int = 
     traceback), or ("died", exit code) for a rank that exited without a report. `die_at`: the last
     rank exits at its die_at-th attention merge."""
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
+    out, port = ctx.Queue(), reserve_ports(1)
     dirs = [str(d) for d in model_dirs]
     procs = [ctx.Process(target=_rank_main, args=(dirs, r, cp, tp, port, pages_per_rank, out, die_at), daemon=True)
              for r in range(cp * tp)]

@@ -270,4 +270,4 @@ def test_dead_cp_rank_fails_the_peer_fast(qwen3_dir: Path) -> None:
     assert reports[1] == ("died", 3)
     kind, msg = reports[0]
     assert kind == "error" and "all_gather" in msg and "gloo" in msg.lower(), msg
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 90  # not the collective's timeout (a loaded 2-core machine starts 2 ranks slowly)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from engine.layers import shm_allreduce
+from tests.ports import reserve_ports
 
 pytestmark = pytest.mark.skipif(not shm_allreduce.available(torch.device("cpu")), reason="x86-64 only")
 
@@ -70,9 +70,7 @@ def _flush(out: mp.Queue) -> None:
 
 
 def test_two_ranks_sum_in_rank_order_and_a_dead_peer_raises() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_ports(1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]

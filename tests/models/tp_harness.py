@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import ServerConfig
-from engine.supervise import free_port
+from tests.ports import reserve_ports
 
 
 @dataclass
@@ -117,7 +117,7 @@ def run_tp(cfg: ServerConfig, waves: list[Any], timeout_s: float = 240.0,
     """Run `waves` ([(prompts, SamplingParams)]) on cfg.tp_size ranks; per wave, per prompt, the
     output. `tuning` as in _rank_main (every rank the same)."""
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = reserve_ports(1)
     pipes = [ctx.Pipe() for _ in range(cfg.tp_size - 1)]
     out = ctx.Queue()
     procs = [

@@ -12,7 +12,7 @@ import zmq
 from msgs import channels, client, control, done, outputs, requests, steps
 from msgs.codec import DROPPED
 from msgs.steps import Shutdown
-from tests.ports import free_port_range
+from tests.ports import reserve_ports
 
 
 def _tagged_structs() -> set[type]:
@@ -120,7 +120,7 @@ def test_sdk_address_is_formed_by_the_table() -> None:
 
 def test_zmq_ends_over_tcp(tmp_path) -> None:
     """The scheduler binds, a worker connects (on loopback here), both directions."""
-    net = channels.TcpPlan(host="127.0.0.1", base_port=free_port_range(3))
+    net = channels.TcpPlan(host="127.0.0.1", base_port=reserve_ports(3))
     ctx = zmq.Context()
     try:
         w_steps = channels.open_receiver(ctx, channels.STEPS, "worker", str(tmp_path), rank=1, net=net)

@@ -21,7 +21,8 @@ INTS = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from([-1, 0, 1, 20, 21
 PARAMS = sampling_params(FLOATS, INTS, max_new=INTS, top_logprobs=INTS)
 
 
-@settings(max_examples=400, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(PARAMS)
 def test_what_validate_accepts_the_sampler_accepts(p: SamplingParams) -> None:
     if p.validate(vocab_size=1000) is not None:
