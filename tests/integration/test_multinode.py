@@ -22,7 +22,9 @@ from tests.integration.conftest import ROOT, Server, start_server
 from tests.ports import reserve_ports
 
 PROMPT = [504, 3575, 282, 4649, 314]
-FLAGS = ("--tp-size", "2", "--nnodes", "2", "--cpu-threads", "1", "--max-total-tokens", "4096")
+# float32: the tokens are compared with a tp=1 engine's, and --dtype auto is bf16 on a CPU with native bf16,
+# where tp=2's partial sums may round apart from tp=1's
+FLAGS = ("--tp-size", "2", "--nnodes", "2", "--cpu-threads", "1", "--max-total-tokens", "4096", "--dtype", "float32")
 STOP_S = 30  # a node stops within this of the other going away (lost stream: 5 s, teardown <= 5 s)
 
 
@@ -72,7 +74,7 @@ def _reference(default_model_dir: Path, n: int) -> list[int]:
     from engine.local import LocalEngine
     from msgs.params import SamplingParams
 
-    eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", max_total_tokens=4096))
+    eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
     return eng.generate([PROMPT], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0].output_ids
 
 
