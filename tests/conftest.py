@@ -48,6 +48,17 @@ def default_model_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test():  # noqa: ANN202
+    """Servers a test started itself (not its module's or session's fixtures, set up before this)
+    are killed after it, however it ended."""
+    from tests.integration import conftest as servers
+
+    before = len(servers.STARTED)
+    yield
+    servers.kill_started_since(before)
+
+
 def _batch_invariant_restored():  # noqa: ANN202
     from engine.layers import batch_invariant
 

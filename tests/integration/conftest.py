@@ -20,6 +20,18 @@ from msgs.channels import sdk_address
 from tests.ports import reserve_ports
 
 ROOT = Path(__file__).resolve().parents[2]
+STARTED: list[subprocess.Popen] = []  # every bin/serve start_server made, for kill_started_since
+
+
+def kill_started_since(count: int) -> None:
+    """Kill the servers started after the first `count` that still run (their children die with
+    them): a test that failed or timed out before stopping its server must not leave it to load
+    the cores under every later test."""
+    for proc in STARTED[count:]:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    del STARTED[count:]
 
 
 @dataclass
@@ -63,6 +75,7 @@ def start_server(log_dir: Path, *args: str, timeout: float = 600, new_session: b
     ]
     # new_session: its own process group, which a test may signal whole (as a terminal's Ctrl-C does)
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "STRATA_LOG_JSON": "1"}, start_new_session=new_session)
+    STARTED.append(proc)
     http = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
