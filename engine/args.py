@@ -41,18 +41,19 @@ HELP = {
     "experts per rank, E / --ep-size each; must divide the experts); attention stays tensor-parallel",
     "cp_size": "context parallelism: each request's KV pages spread round robin over --cp-size rank groups "
     "(1/cp of the KV per rank, attention merged by log-sum-exp); --tp-size x --cp-size workers, tp innermost",
-    "nnodes": "nodes the --tp-size ranks are spread over, --tp-size/--nnodes workers each (as in SGLang); run "
-    "bin/serve on every node with the same flags but --node-rank",
+    "nnodes": "nodes the --tp-size x --cp-size ranks are spread over, (tp x cp)/--nnodes workers each (as in "
+    "SGLang); run bin/serve on every node with the same flags but --node-rank",
     "node_rank": "this node's index in 0..--nnodes-1 (node 0 runs the scheduler and tokenizer; others only workers)",
     "dist_init_addr": "HOST:PORT of node 0: torch.distributed's rendezvous on PORT, and with --nnodes > 1 the "
-    "Step stream and done channels on PORT+1..PORT+1+--tp-size, bound on HOST by node 0's scheduler (workers of "
-    "every node connect); required with --nnodes > 1 (empty: 127.0.0.1 and a free port)",
+    "Step stream and done channels on PORT+1..PORT+1+world (world: --tp-size x --cp-size), bound on HOST by node "
+    "0's scheduler (workers of every node connect); required with --nnodes > 1 (empty: 127.0.0.1 and a free port)",
     "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2; 0: auto, 64 for MLA models "
     "on CUDA, FlashMLA's page, else 16)",
     "max_total_tokens": "cap the KV pool at this many tokens (0: sized from free memory on GPU, from the model "
     "and the machine on CPU)",
     "mem_fraction": "share of free GPU memory, after the weights load, for the KV pool and runtime buffers",
-    "max_running_requests": "most requests in the running batch at once (also the largest CUDA graph)",
+    "max_running_requests": "most requests in the running batch at once (also the largest CUDA graph's rows; times "
+    "--speculative-num-draft-tokens with speculative chains)",
     "max_prefill_tokens": "token budget per step; longer prompts are prefilled in chunks",
     "context_length": "max prompt + output tokens per request (0: the model's max_position_embeddings; no more "
     "than it)",
@@ -63,7 +64,8 @@ HELP = {
     "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",
     "enable_deterministic_inference": "one request, one answer: its logits bit for bit whatever its batch, cached "
     "prefix (any tier), prefill chunks or overlap (batch-invariant GEMMs and attention; the torch attention "
-    "backend). On by default on a CPU (a few percent there); on a GPU it costs throughput: docs/PERF.md",
+    "backend). On by default on a CPU (no measurable cost there, float32 or bf16); on a GPU it costs throughput "
+    "(H200: ~8-10%% offline, Llama-3.1-8B's batch-1 step 1.14x): docs/PERF.md",
     "disable_deterministic_inference": "on a CPU, turn off its default deterministic inference (draft trees, "
     "--speculative-eagle-topk > 1, turn it off too)",
     "batch_wait_ms": "when requests reach an idle engine, its first step waits until none has arrived for this "
@@ -90,14 +92,16 @@ HELP = {
     "or a named function is refused)",
     "reasoning_parser": "split <think>...</think> into reasoning_content: deepseek-r1 | qwen3 | glm45 "
     "(empty: the reasoning stays in content)",
-    "speculative_algorithm": "speculative decoding (as SGLang's flag): NGRAM (drafts looked up in the request's own "
-    "tokens) | STANDALONE (a draft model: --speculative-draft-layers N or --speculative-draft-model-path) | EAGLE, "
-    "EAGLE3 (a head fed the model's hidden states: --speculative-draft-model-path) | NEXTN (DeepSeek-V3's own MTP "
-    "layer) (empty: off)",
+    "speculative_algorithm": "speculative decoding (as SGLang's flag): NGRAM (drafts from the prefix cache's "
+    "continuation of the request's tokens, else looked up in the request's own tokens) | STANDALONE (a draft "
+    "model: --speculative-draft-layers N or --speculative-draft-model-path) | EAGLE, EAGLE3 (a head fed the "
+    "model's hidden states: --speculative-draft-model-path) | NEXTN (DeepSeek-V3's own MTP layer) (empty: off)",
     "speculative_num_steps": "draft tokens proposed per request and step (0: 3 when speculation is on)",
     "speculative_num_draft_tokens": "tokens verified per request and step; a chain: --speculative-num-steps + 1 "
     "(0: that)",
-    "speculative_eagle_topk": "drafts per position; 1 (chains) only for now",
+    "speculative_eagle_topk": "drafts per position: 1: chains; K > 1: draft trees of --speculative-num-draft-tokens "
+    "nodes (more than --speculative-num-steps + 1, at most 64), not with --enable-deterministic-inference (on a "
+    "CPU they turn its default off)",
     "speculative_draft_model_path": "STANDALONE: a separate draft model's directory, with the target's tokenizer "
     "(its own KV pool over the target's pages); EAGLE, EAGLE3: the head's directory (HF EAGLE / EAGLE-3 format)",
     "speculative_corrupt_drafts": "NGRAM, for benchmarks (bin/bench spec --corrupt): each looked-up draft is "

@@ -279,8 +279,8 @@ class ServerConfig:
 
     def deterministic(self, device_type: str) -> bool:
         """Whether a worker on `device_type` runs deterministic inference: with the flag, and on a
-        CPU by default, where it costs 0% (float32) to 0-10% (bf16; cpu_attention's kernel,
-        docs/PERF.md), unless
+        CPU by default, where it costs nothing measurable in float32 or bf16 (cpu_attention's
+        kernel; docs/PERF.md, "Deterministic inference, cost on CPU"), unless
         --disable-deterministic-inference, a non-torch attention backend, draft trees (whose
         attention is not causal: --speculative-eagle-topk > 1) or context parallelism (MLA's
         invariant attention is not built under it; a GQA model takes the flag) are asked for."""

@@ -2,19 +2,21 @@
 
 | channel  | pattern      | sender -> receiver           | binds      | messages                              |
 |----------|--------------|------------------------------|------------|---------------------------------------|
-| requests | PUSH/PULL    | tokenizer -> scheduler       | scheduler  | TokenizedRequest, AbortRequest        |
-| outputs  | PUSH/PULL    | scheduler -> tokenizer       | tokenizer  | TokenBatch, SchedulerStats            |
+| requests | PUSH/PULL    | tokenizer -> scheduler       | scheduler  | TokenizedRequest, AbortRequest,       |
+|          |              |                              |            | FlushCache                            |
+| outputs  | PUSH/PULL    | scheduler -> tokenizer       | tokenizer  | TokenBatch, SchedulerStats, FlushDone |
 | steps    | PUSH/PULL    | scheduler -> worker (1/rank) | worker [1] | Step, Shutdown                        |
 |          |              | and -> cache (a follower)    | cache      |                                       |
-| done     | PUSH/PULL    | workers -> scheduler         | scheduler  | StepDone, WorkerReady, WorkerFailed   |
-|          |              |                              | [1]        |                                       |
+| done     | PUSH/PULL    | workers -> scheduler         | scheduler  | StepDone, SpecDone, WorkerReady,      |
+|          |              |                              | [1]        | WorkerFailed                          |
 | backups  | PUSH/PULL    | workers -> cache             | cache      | BackupDone                            |
 | commits  | PUSH/PULL    | cache -> scheduler           | scheduler  | Committed, ControllerDigest,          |
 |          |              |                              |            | ControllerFailed, L3Loaded, L3Stats   |
 | control  | PUSH/PULL    | children -> supervisor       | supervisor | Ready, Fatal, Flushed                 |
 | notices  | PUSH/PULL    | supervisor -> tokenizer      | supervisor | ProcessDied                           |
 | sdk      | DEALER/ROUTER| client <-> tokenizer (tcp)   | tokenizer  | GenerateRequest, AbortGenerate /      |
-|          |              |                              |            | GenerateChunk, GenerateError          |
+|          |              |                              |            | GenerateChunk, GenerateError,         |
+|          |              |                              |            | KeepAlive                             |
 
 [1] with --nnodes > 1 these two cross nodes: tcp (TcpPlan), bound by node 0's scheduler.
 

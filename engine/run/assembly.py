@@ -259,11 +259,11 @@ def cpu_has_bf16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device, deterministic: bool = False) -> torch.dtype:
     """--dtype auto: bfloat16 on a GPU; on a CPU bfloat16 where it has native bf16 arithmetic and
-    the engine is deterministic (its default there), else float32. Deterministic bf16 is 1.5-1.7x
-    deterministic float32's throughput on 2 cores with AMX (16 x 64/128: 219-225 vs 147-149 tok/s;
-    32 x 128/64: 248-258 vs 155-156); without determinism bf16's answers move with the batch and the
-    cache (the README's question answered two ways, fresh and cached), float32's texts agree
-    (docs/architecture.md, "Deterministic inference")."""
+    the engine is deterministic (its default there), else float32. Deterministic bf16 is 1.5-1.8x
+    deterministic float32's throughput on 2 cores with AMX (16 x 64/128: 300-305 vs 179-198 tok/s;
+    32 x 128/64: 365-367 vs 206-218; docs/PERF.md, f65bf6d); without determinism bf16's answers move
+    with the batch and the cache (the README's question answered two ways, fresh and cached),
+    float32's texts agree (docs/architecture.md, "Deterministic inference")."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
@@ -275,8 +275,8 @@ def cuda_graph_blocker(model: torch.nn.Module) -> str | None:
     """Why `model`'s decode cannot be captured in a CUDA graph (None: it can). The model's own
     `supports_cuda_graph` decides where it declares one (MoeForCausalLM: False with MoE layers);
     otherwise a submodule declaring it False does (engine/layers/moe.py's MoE on its torch path,
-    which reads per-expert counts on the host: on the CPU and under deterministic inference; its
-    fused CUDA kernels are capturable), so a model that does not declare it (DeepSeek-V3) is
+    which reads per-expert counts on the host: on the CPU; on CUDA it takes the fused kernels,
+    capturable, under deterministic inference too), so a model that does not declare it (DeepSeek-V3) is
     still served, uncaptured, instead of failing in capture."""
     flag = getattr(model, "supports_cuda_graph", None)
     if flag is not None:
