@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -54,7 +55,15 @@ def _timed_out(timeout_s: float) -> StrataError:
 
 def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any], api_key: str
              ) -> GenerateRequest:
-    params = SamplingParams(**kw)
+    unknown = sorted(set(kw) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise StrataError(400, f"unknown sampling parameter(s): {', '.join(unknown)}")
+    if isinstance(kw.get("stop"), str):  # as the HTTP API takes it
+        kw = {**kw, "stop": [kw["stop"]]}
+    try:  # typed here: a wrong type would otherwise reach the server as a frame it cannot decode
+        params = msgspec.convert(kw, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise StrataError(400, f"bad sampling parameter: {exc}") from None
     rid = rid or uuid.uuid4().hex
     if isinstance(prompt, str):
         return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key)

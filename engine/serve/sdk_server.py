@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
+import msgspec
 import structlog
 import zmq
 
@@ -51,9 +52,31 @@ class SdkServer:
                 continue
             ident, msg = frames[0], SDK_IN.codec.decode(frames[-1])
             try:
+                if msg is None:  # dropped (counted, logged): a request's sender still gets its answer
+                    await self._malformed(ident, frames[-1])
+                    continue
                 await self._handle(ident, msg)
             except Exception:  # one bad message must not stop the SDK front
                 log.exception("sdk message failed", kind=type(msg).__name__)
+
+    async def _malformed(self, ident: bytes, frame: bytes) -> None:
+        """A frame that does not decode as an SDK message: if it is a GenerateRequest whose rid can
+        be read, a 400 naming what is wrong (a client of another language, or one that skipped the
+        Python client's typing), instead of a silence the client reads as a dead server."""
+        try:
+            loose = msgspec.msgpack.decode(frame)
+        except (msgspec.DecodeError, RecursionError):
+            return
+        rid = loose.get("rid") if isinstance(loose, dict) and loose.get("type") == "GenerateRequest" else None
+        if not isinstance(rid, str):
+            return
+        try:
+            check_rid(rid)
+            msgspec.msgpack.decode(frame, type=GenerateRequest)
+        except ApiError:  # no rid to answer by
+            return
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            await self._error(ident, GenerateError(rid, 400, f"malformed GenerateRequest: {str(exc)[:300]}"))
 
     async def _handle(self, ident: bytes, msg: GenerateRequest | AbortGenerate | None) -> None:
         if isinstance(msg, GenerateRequest):
@@ -83,6 +106,8 @@ class SdkServer:
     async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError | KeepAlive) -> None:
         try:
             await self._sock.send_multipart([ident, SDK_OUT.codec.encode(msg)])
+        except zmq.Again:  # the client's queue is full: it does not read what it asked for
+            raise ClientGone from None
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise

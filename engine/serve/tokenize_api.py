@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.serve.chat import chat_prompt
 from engine.serve.errors import ApiError
+from engine.serve.parsers.tool_request import check_tools
 from engine.serve.protocol import DetokenizeBody, TokenizeBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import IDS_ONLY, check_model, off_loop
@@ -24,6 +25,7 @@ async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
         raise ApiError(400, f"tokenize is not available: {IDS_ONLY}", param="prompt")
     limits = await state.limits()
     if req.messages is not None:
+        check_tools(req.tools, None, None, state.cfg.tool_call_parser)  # the chat endpoint's checks: same render
         text, _ = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, req.chat_template_kwargs,
                                  add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message)

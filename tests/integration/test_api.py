@@ -217,7 +217,8 @@ def test_tokenize_and_detokenize_agree_with_generation(client: openai.OpenAI, se
     for path, body, status in (("/tokenize", {}, 400), ("/tokenize", {"prompt": "a", "messages": messages}, 400),
                                ("/tokenize", {"prompt": "a", "bogus": 1}, 400), ("/detokenize", {"tokens": [-1]}, 400),
                                ("/detokenize", {"tokens": [10**9]}, 400), ("/detokenize", {"tokens": "ab"}, 400),
-                               ("/tokenize", {"model": "no-such-model", "prompt": "a"}, 404)):
+                               ("/tokenize", {"model": "no-such-model", "prompt": "a"}, 404),
+                               ("/tokenize", {"messages": messages, "tools": [{"bad": 1}]}, 400)):  # as chat checks
         r = post(path, body)
         assert r.status_code == status and "error" in r.json(), (path, body, r.text)
 

@@ -154,3 +154,30 @@ def test_malformed_frames_do_not_hurt_the_server(server: Server) -> None:
     sock.close(0)
     with Client(server.sdk) as c:
         assert c.generate("Hello", max_new_tokens=2, temperature=0).completion_tokens == 2
+
+
+def test_a_wrongly_typed_request_is_a_400_not_a_silence(server: Server) -> None:
+    """The client types its parameters before sending (a wrong type is its StrataError 400 at once),
+    and a frame that skipped that (another language's client) is answered 400 by its rid: before,
+    the server dropped it and the client waited 10 s to be told the server was down."""
+    with Client(server.sdk) as c:
+        t0 = time.monotonic()
+        for bad in ({"max_new_tokens": "4"}, {"seed": 1.5}, {"temperature": None}, {"no_such": 1}):
+            with pytest.raises(StrataError) as err:
+                c.generate("Hello", **bad)
+            assert err.value.status == 400, err.value
+        assert c.generate("Hello", max_new_tokens=2, temperature=0, stop=".").completion_tokens <= 2  # stop: str
+        assert time.monotonic() - t0 < 5
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.sdk)
+    try:
+        frame = SDK_IN.codec.encode(GenerateRequest(rid="typed-wrong", params=SamplingParams(max_new_tokens=2),
+                                                    text="Hello"))
+        sock.send(frame.replace(b"\xaemax_new_tokens\x02", b"\xaemax_new_tokens\xa14"))  # the int 2 as "4"
+        assert sock.poll(5000), "no answer to a malformed request"
+        reply = SDK_OUT.codec.decode(sock.recv())
+        assert (reply.rid, reply.status) == ("typed-wrong", 400) and "max_new_tokens" in reply.message, reply
+    finally:
+        sock.close(0)
