@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+MAX_MESSAGE = 1000  # characters of an error message: one quoting a 5 MB field answered (and logged) 5 MB
 _PATH = re.compile(r"at `\$\.([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
@@ -21,6 +22,8 @@ class ApiError(Exception):
     """A request that cannot be served, with the HTTP status to answer it with."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        if len(message) > MAX_MESSAGE:  # a message quoting the client's input is not its input back, in full
+            message = f"{message[:MAX_MESSAGE]}... ({len(message)} characters)"
         super().__init__(message)
         self.status = status
         self.message = message

@@ -99,7 +99,10 @@ def compilable(tag_text: str) -> str:
 
 
 def spec_format(name: str, text: str) -> dict[str, Any]:
-    """The structural-tag format of a json_schema / regex / ebnf field (400 on bad JSON)."""
+    """The structural-tag format of a json_schema / regex / ebnf field (400 on bad JSON, an empty
+    pattern or grammar, or a $ref outside the schema, which xgrammar would drop, unenforced)."""
+    if name in ("regex", "ebnf") and not text:
+        raise ApiError(400, f"{name} must not be empty", param=name)
     if name == "regex":
         return {"type": "regex", "pattern": text}
     if name == "ebnf":
@@ -110,7 +113,26 @@ def spec_format(name: str, text: str) -> dict[str, Any]:
         raise ApiError(400, f"json_schema is not valid JSON: {exc}", param="json_schema") from None
     if not isinstance(schema, dict | bool):
         raise ApiError(400, "json_schema must be a JSON object (a JSON Schema)", param="json_schema")
+    ref = _outside_ref(schema)
+    if ref is not None:
+        raise ApiError(400, f"json_schema: $ref {ref[:100]!r} points outside the schema (only '#...' refs are "
+                       "resolved)", param="json_schema")
     return json_format(schema)
+
+
+def _outside_ref(schema: Any) -> str | None:
+    """The first $ref of the schema that does not point inside it, if any (iterative: no depth limit)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def tools_format(structure: ToolStructure, parallel: bool) -> dict[str, Any]:

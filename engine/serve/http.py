@@ -133,7 +133,17 @@ def _too_large() -> ApiError:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request's body, read at most MAX_BODY bytes far (a larger one is a 413 at once)."""
+    """The request's body, read at most MAX_BODY bytes far (a larger one is a 413 at once). A body
+    declared as something other than JSON, or compressed, is a 415: a form or text/plain POST is
+    what a browser sends another site without asking (FastAPI, vLLM's server, refuses it too)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"content-type {media[:100]!r} is not JSON: send the body as application/json",
+                       code="unsupported_media_type")
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"content-encoding {encoding[:100]!r} is not supported: send the body uncompressed",
+                       code="unsupported_media_type")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY:
         raise _too_large()

@@ -148,7 +148,7 @@ class SdkServer:
             log.warning("sdk request failed", rid=rid, status=exc.status, message=exc.message)
             await self._error(ident, GenerateError(rid, exc.status, exc.message))
         except ApiError as exc:
-            log.info("sdk request rejected", rid=rid, status=exc.status, message=exc.message)
+            log.info("sdk request rejected", rid=rid[:300], status=exc.status, message=exc.message)
             await self._error(ident, GenerateError(rid, exc.status, exc.message))
         except Exception:  # noqa: BLE001 - a bug must not take the SDK loop down
             log.exception("sdk request failed", rid=rid)

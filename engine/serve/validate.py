@@ -198,10 +198,11 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     checks the ids against the vocabulary and the values' range."""
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            out[int(key)] = float(value)
-        except ValueError:
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        # decimal digits only: int() would take " 5 ", "1_0" and other scripts' digits, and "05" would merge with "5"
+        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal digits), got {key[:50]!r}",
+                           param="logit_bias")
+        out[int(key)] = float(value)
     return out
 
 

@@ -61,6 +61,46 @@ def test_sdk_rejects_params_the_sampler_would_refuse(server: Server, bad: dict) 
     assert greedy_ids(server) == before
 
 
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"content-type": "text/plain"}, 415),  # what a browser may POST to another site unasked
+    ({"content-type": "application/x-www-form-urlencoded"}, 415),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, 415),  # not decompressed: refused
+    ({"content-type": "application/json; charset=utf-8"}, 200),
+    ({}, 200),
+])
+def test_a_body_must_be_declared_json(server: Server, headers: dict, status: int) -> None:
+    body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+    r = httpx.post(f"{server.base_url}/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 415:
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"logit_bias": {" 5 ": 1}}, "decimal digits"),
+    ({"logit_bias": {"05": 1}}, "decimal digits"),  # would merge with "5"
+    ({"logit_bias": {"\u0663": 1}}, "decimal digits"),  # an Arabic-Indic 3, which int() reads as 3
+    ({"regex": ""}, "must not be empty"),
+    ({"ebnf": ""}, "must not be empty"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}},
+     "points outside"),
+])
+def test_what_would_be_misread_or_dropped_is_a_400(server: Server, extra: dict, message: str) -> None:
+    body = json.loads(json.dumps({"prompt": "a", "max_tokens": 1, **extra}))
+    r = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_an_error_quotes_a_huge_field_briefly(server: Server) -> None:
+    """A 2 MB model name or logit_bias key is named in the error, not sent back whole (the error
+    body and the log line were each as large as the field)."""
+    huge = "x" * 2_000_000
+    for body, status in (({"model": huge, "prompt": "a", "max_tokens": 1}, 404),
+                         ({"prompt": "a", "max_tokens": 1, "logit_bias": {huge: 1}}, 400)):
+        r = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert r.status_code == status and len(r.content) < 5000, (r.status_code, len(r.content))
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
 @pytest.mark.parametrize("depth", [1000, 100_000])
 def test_deeply_nested_json_is_400(server: Server, path: str, depth: int) -> None:
