@@ -209,12 +209,18 @@ class Frontend:
     def in_flight(self, rid: str) -> bool:
         return rid in self._reqs or rid in self._parents or rid in self._closing
 
-    async def settled(self, rids: Sequence[str], timeout_s: float = 5.0) -> None:
-        """Wait (at most timeout_s) until none of rids is being aborted: a client that reuses a
-        request id right after closing its request waits for the scheduler's answer (a step or
-        two) rather than getting a 400."""
-        deadline = time.monotonic() + timeout_s
-        while any(r in self._closing for r in rids) and time.monotonic() < deadline and self.died is None:
+    async def settled(self, rids: Sequence[str], timeout_s: float = 5.0, grace_s: float = 0.5) -> None:
+        """Wait until none of rids is being aborted (at most timeout_s), nor still running (at most
+        grace_s): a client that reuses a request id right after closing its request waits for the
+        scheduler's answer (a step or two), and for its own disconnect to be noticed (a stream's
+        handler sees it a moment after the client is gone), rather than getting a 400."""
+        t0 = time.monotonic()
+        while self.died is None:
+            waited = time.monotonic() - t0
+            closing = waited < timeout_s and any(r in self._closing for r in rids)
+            running = waited < grace_s and any(r in self._reqs or r in self._parents for r in rids)
+            if not (closing or running):
+                return
             await asyncio.sleep(0.002)
 
     def abort(self, rid: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -349,3 +350,26 @@ def test_disconnect_cancels_a_pending_handler() -> None:
         return events
 
     assert run(main()) == ["cleaned up", "{'ok': True}"]
+
+
+def test_a_reused_rid_waits_briefly_for_its_old_request_to_be_closed() -> None:
+    """The old request's handler notices its client's disconnect a moment after the new request
+    with the same id arrives: the new one waits for that (within grace_s) instead of a 400; a
+    request that stays in flight is still a 400 after the grace."""
+
+    async def main() -> None:
+        fe = Frontend()
+        old = fe.submit("a", [1], SamplingParams())
+        task = asyncio.create_task(Generation.start(fe, None, "a", [SubRequest("a", 0, 0, [2], SamplingParams())]))
+        await asyncio.sleep(0.02)
+        assert not task.done()  # waiting: "a" still runs
+        old.close()  # the disconnect, noticed
+        fe.dispatch(out("a", [], "abort"))
+        await task
+        fe.submit("b", [1], SamplingParams())
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as info:
+            await Generation.start(fe, None, "b", [SubRequest("b", 0, 0, [2], SamplingParams())])
+        assert info.value.code == "duplicate_request_id" and 0.4 < time.monotonic() - t0 < 5
+
+    run(main())
