@@ -61,7 +61,7 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
     if isinstance(kw.get("stop"), str):  # as the HTTP API takes it
         kw = {**kw, "stop": [kw["stop"]]}
     try:  # typed here: a wrong type would otherwise reach the server as a frame it cannot decode
-        params = msgspec.convert(kw, SamplingParams)
+        params = msgspec.convert(kw, SamplingParams, str_keys=True)  # logit_bias={"5": 1.0} too
     except msgspec.ValidationError as exc:
         raise StrataError(400, f"bad sampling parameter: {exc}") from None
     rid = rid or uuid.uuid4().hex

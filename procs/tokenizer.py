@@ -140,7 +140,7 @@ class TokenizerProcess:
         self.sdk.setsockopt(zmq.SNDHWM, SDK_OUT.hwm)
         # a send to a client that is gone fails (EHOSTUNREACH) instead of vanishing: its requests
         # are aborted (engine/serve/sdk_server.py), and so are those of a client whose queue stays full
-        # (SNDHWM frames it does not read): the send's retry fails with EAGAIN, never losing chunks silently
+        # (SNDHWM frames it does not read) for seconds: a send waits that long, never losing chunks silently
         self.sdk.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if ":" in cfg.host:
             self.sdk.setsockopt(zmq.IPV6, 1)

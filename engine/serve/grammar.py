@@ -120,6 +120,9 @@ def spec_format(name: str, text: str) -> dict[str, Any]:
     return json_format(schema)
 
 
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # their values are data, not schemas
+
+
 def _outside_ref(schema: Any) -> str | None:
     """The first $ref of the schema that does not point inside it, if any (iterative: no depth limit)."""
     stack = [schema]
@@ -129,7 +132,7 @@ def _outside_ref(schema: Any) -> str | None:
             ref = node.get("$ref")
             if isinstance(ref, str) and not ref.startswith("#"):
                 return ref
-            stack.extend(node.values())
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
         elif isinstance(node, list):
             stack.extend(node)
     return None

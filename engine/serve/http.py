@@ -136,6 +136,8 @@ async def read_body(request: Request) -> bytes:
     """The request's body, read at most MAX_BODY bytes far (a larger one is a 413 at once). A body
     declared as something other than JSON, or compressed, is a 415: a form or text/plain POST is
     what a browser sends another site without asking (FastAPI, vLLM's server, refuses it too)."""
+    if request.method != "POST":  # a GET route has no body to declare
+        return b""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
         raise ApiError(415, f"content-type {media[:100]!r} is not JSON: send the body as application/json",

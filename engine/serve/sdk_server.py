@@ -32,6 +32,7 @@ from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateReq
 
 log = structlog.get_logger()
 T = TypeVar("T")
+QUEUE_FULL_S = 5.0  # a client's send queue full this long: it stopped reading, its requests are aborted
 KEEPALIVE_S = 1.0  # a request's keep-alive period (while nothing else is sent): how soon a dead client is noticed
 
 
@@ -70,6 +71,10 @@ class SdkServer:
         rid = loose.get("rid") if isinstance(loose, dict) and loose.get("type") == "GenerateRequest" else None
         if not isinstance(rid, str):
             return
+        key = self._state.cfg.api_key
+        if key and not (isinstance(loose.get("api_key"), str) and hmac.compare_digest(loose["api_key"].encode(),
+                                                                                       key.encode())):
+            return  # an unauthenticated sender learns nothing of the schema
         try:
             check_rid(rid)
             msgspec.msgpack.decode(frame, type=GenerateRequest)
@@ -104,14 +109,27 @@ class SdkServer:
         task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
 
     async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError | KeepAlive) -> None:
-        try:
-            await self._sock.send_multipart([ident, SDK_OUT.codec.encode(msg)])
-        except zmq.Again:  # the client's queue is full: it does not read what it asked for
-            raise ClientGone from None
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            raise ClientGone from None
+        """Queue msg for the client; ClientGone when its connection is closed, or when its queue
+        (SNDHWM frames) stays full for QUEUE_FULL_S: a client that stopped reading. (An asyncio
+        send retries once any peer can take a frame, so a full queue beside other clients is an
+        EAGAIN: waited out here in short sleeps.)"""
+        frames = [ident, SDK_OUT.codec.encode(msg)]
+        deadline = None
+        while True:
+            try:
+                await self._sock.send_multipart(frames, flags=zmq.DONTWAIT)
+                return
+            except zmq.Again:
+                now = time.monotonic()
+                deadline = deadline or now + QUEUE_FULL_S
+                if now > deadline:
+                    log.warning("sdk client's queue full: its requests aborted", full_s=QUEUE_FULL_S)
+                    raise ClientGone from None
+                await asyncio.sleep(0.01)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                raise ClientGone from None
 
     async def _error(self, ident: bytes, msg: GenerateError) -> None:
         """Answer an error; to a client that is gone, nothing (there is no one to tell)."""

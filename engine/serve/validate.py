@@ -199,7 +199,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in bias.items():
         # decimal digits only: int() would take " 5 ", "1_0" and other scripts' digits, and "05" would merge with "5"
-        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
+        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0") or len(key) > 10:
             raise ApiError(400, f"logit_bias keys must be token ids (decimal digits), got {key[:50]!r}",
                            param="logit_bias")
         out[int(key)] = float(value)

@@ -85,7 +85,7 @@ def test_watched_steps_delivers_then_fails_when_the_scheduler_goes() -> None:
     closes, frames already sent still arrive, then poll raises within lost_s."""
     from procs.worker import StreamLost, WatchedSteps
 
-    net = TcpPlan(host="127.0.0.1", base_port=reserve_ports(2))  # the store (unused), then steps-0
+    net = TcpPlan(host="127.0.0.1", base_port=reserve_ports(2))  # done, then steps-0
     ctx = zmq.Context()
     try:
         inner = open_receiver(ctx, STEPS, "worker", "/nonexistent", rank=0, net=net)

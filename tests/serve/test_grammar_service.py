@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.serve.errors import ApiError
-from engine.serve.grammar import GrammarService, constrain, response_format_spec
+from engine.serve.grammar import GrammarService, constrain, response_format_spec, spec_format
 from engine.serve.metrics import Metrics
 from engine.tokenizer import load_tokenizer
 from msgs.params import Grammar, SamplingParams
@@ -80,3 +80,18 @@ def test_response_format() -> None:
         with pytest.raises(ApiError):
             response_format_spec(bad)
     assert SamplingParams(regex="a", ebnf="b").validate() is not None  # at most one constraint
+
+
+def test_a_ref_outside_the_schema_is_a_400_and_data_is_not_schema() -> None:
+    """xgrammar drops a $ref it cannot resolve (the field then goes unenforced): one that does not
+    point inside the schema is refused; pydantic's '#/$defs/...' and '$ref' inside data are not."""
+    inside = {"$defs": {"A": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/A"}, "$ref": {"type": "string"}},
+              "default": {"$ref": "http://example.com/data-not-schema"}, "enum": [{"$ref": "x"}]}
+    spec_format("json_schema", json.dumps(inside))
+    for ref in ("http://example.com/a.json", "other.json#/x", ""):
+        with pytest.raises(ApiError, match="points outside"):
+            spec_format("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": ref}}}))
+    for name in ("regex", "ebnf"):
+        with pytest.raises(ApiError, match="must not be empty"):
+            spec_format(name, "")
