@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.run.sampler import ranked_topk
+
 
 @dataclass
 class PromptScores:
@@ -63,5 +65,5 @@ def score(logits: Tensor, rows: LogitRows, top_k: int) -> PromptScores:
     chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
     if top_k <= 0:
         return PromptScores(chosen)
-    top_lp, top_ids = logp.topk(top_k, dim=-1)
+    top_lp, top_ids = ranked_topk(logp, top_k)  # equal logprobs by id, whatever the step's largest k
     return PromptScores(chosen, top_ids, top_lp)

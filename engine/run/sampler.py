@@ -35,6 +35,19 @@ _TOPK_CANDIDATES_MAX = 4096
 _PLAN_CACHE_MAX = 16
 
 
+def ranked_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """x.topk(k) (last dim) with equal values ordered by the lower id: a prefix of one total
+    order, so a row's top k do not depend on k. torch.topk orders equal values arbitrarily, and
+    differently for different k, which made a request's top_logprobs (and, under deterministic
+    inference, its top_k candidates) depend on the largest k of its batch. Ranks an int64 key:
+    the value's bits made monotonic, then the id reversed."""
+    bits = x.float().contiguous().view(torch.int32)  # (bf16 and fp16 values convert exactly)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    idx = (order * (1 << 32) + (0xFFFFFFFF - ids)).topk(k, dim=-1).indices
+    return x.gather(-1, idx), idx
+
+
 def _s64(x: int) -> int:
     """Reinterpret an unsigned 64-bit constant as the signed int64 torch stores."""
     x &= (1 << 64) - 1
@@ -190,8 +203,12 @@ class Sampler:
     ops of `_log_exp_noise`.
     """
 
-    def __init__(self, vocab_size: int, max_slots: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, max_slots: int, device: torch.device | str,
+                 deterministic: bool = False) -> None:
         self.vocab_size = vocab_size
+        # top_k / top_p candidates in one total order (equal logits by id), whatever the batch's
+        # largest top_k or mode: what deterministic inference needs; off, the faster float topk
+        self.deterministic = deterministic
         self.max_slots = max_slots
         self.device = torch.device(device)
         self._params: list[SampleParams | None] = [None] * max_slots
@@ -424,9 +441,9 @@ class Sampler:
         ids: Tensor | None = None
         # Temperature does not change order, so pick candidates before scaling (fewer elements).
         if plan.mode == "topk":
-            cand, ids = penalized.topk(plan.kmax, dim=-1)
-        elif plan.mode == "sort":
-            cand, ids = penalized.sort(dim=-1, descending=True)
+            cand, ids = ranked_topk(penalized, plan.kmax) if self.deterministic else penalized.topk(plan.kmax, dim=-1)
+        elif plan.mode == "sort":  # stable: equal logits by id, the order ranked_topk gives
+            cand, ids = penalized.sort(dim=-1, descending=True, stable=self.deterministic)
         else:
             cand = penalized
         cand = cand * inv_temp
@@ -493,7 +510,7 @@ class Sampler:
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if plan.num_top == 0:
             return SampleResult(token_ids=tokens, logprobs=chosen)
-        top_lp, top_ids = logp.topk(plan.num_top, dim=-1)
+        top_lp, top_ids = ranked_topk(logp, plan.num_top)  # equal logprobs by id, whatever the batch's largest k
         return SampleResult(token_ids=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
 
     # ---- helpers ----

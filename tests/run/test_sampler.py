@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
-from engine.run.sampler import SampleParams, Sampler, _mix64, _mix64_int
+from engine.run.sampler import SampleParams, Sampler, _mix64, _mix64_int, ranked_topk
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -462,3 +463,45 @@ def test_cuda_fused_noise_gives_the_torch_ops_tokens() -> None:
         positions = torch.arange(b, device=dev)
         assert torch.equal(fused.sample(logits[:b], slots, positions).token_ids,
                            ops.sample(logits[:b], slots, positions).token_ids)
+
+def test_ranked_topk_orders_equal_values_by_id_whatever_k() -> None:
+    """torch.topk orders equal values arbitrarily and differently for each k (a request's
+    top_logprobs changed with the largest top_logprobs of its batch); ranked_topk's top k are the
+    first k of one order: value descending, then id ascending."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 300).bfloat16().float()  # bf16 values: many exact ties
+    x[1, :] = 0.5
+    x[2, 7] = -math.inf
+    for r in range(4):
+        want = sorted(range(300), key=lambda i: (-x[r, i].item(), i))
+        for k in (1, 3, 20, 64):
+            vals, ids = ranked_topk(x[r : r + 1], k)
+            assert ids[0].tolist() == want[:k]
+            assert torch.equal(vals, x[r : r + 1].gather(1, ids))
+
+
+def test_top_logprobs_and_top_k_do_not_depend_on_the_batch_on_ties(device: torch.device) -> None:
+    """A row of tied logits alone and beside rows that ask for more top_logprobs, a larger top_k
+    or top_p (another candidate mode): the same top ids, and under deterministic inference the same
+    sampled tokens."""
+    vocab = 64
+    row = torch.zeros(1, vocab)
+    row[0, 40:] = 1.0  # 24 tied best tokens: top_k 3 keeps 40, 41, 42
+    own = SampleParams(seed=5, temperature=1.0, top_k=3, logprobs=True, top_logprobs=3)
+    outs = []
+    for other in (None, SampleParams(seed=6, logprobs=True, top_logprobs=20, top_k=50),
+                  SampleParams(seed=7, top_p=0.9)):
+        s = Sampler(vocab, 4, device, deterministic=True)
+        s.add(0, own)
+        slots = [0] if other is None else [0, 1]
+        if other is not None:
+            s.add(1, other)
+        logits = row.expand(len(slots), -1).contiguous().to(device)
+        tokens, tops = [], []
+        for pos in range(8):
+            res = s.sample(logits, slots, _pos([pos] * len(slots), device))
+            tokens.append(int(res.token_ids[0]))
+            tops.append(res.top_ids[0, :3].tolist())
+        assert all(t in (40, 41, 42) for t in tokens) and all(t == [40, 41, 42] for t in tops)
+        outs.append(tokens)
+    assert outs[0] == outs[1] == outs[2]
