@@ -164,11 +164,17 @@ class AsyncClient:
                 queue.put_nowait(msg)
 
     async def _open(self, req: GenerateRequest) -> asyncio.Queue[FromServer]:
+        if req.rid in self._queues:  # replies are routed by rid: a second one would take the first's
+            raise StrataError(400, f"request id {req.rid!r} is already in flight on this client")
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_forever())
         queue: asyncio.Queue[FromServer] = asyncio.Queue()
         self._queues[req.rid] = queue
-        await self._sock.send(_TO_SERVER.encode(req))
+        try:
+            await self._sock.send(_TO_SERVER.encode(req))
+        except BaseException:
+            self._queues.pop(req.rid, None)
+            raise
         return queue
 
     async def _next(self, queue: asyncio.Queue[FromServer], deadline: float) -> GenerateChunk:
@@ -188,8 +194,8 @@ class AsyncClient:
 
     async def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         req = _request(prompt, False, rid, params, self._api_key)
+        queue = await self._open(req)
         try:
-            queue = await self._open(req)
             return await self._next(queue, time.monotonic() + self._timeout_s)
         except StrataError as exc:
             if exc.status in (503, 504):  # ours, not the server's: it may still be running it
@@ -206,8 +212,8 @@ class AsyncClient:
     ) -> AsyncIterator[GenerateChunk]:
         req = _request(prompt, True, rid, params, self._api_key)
         finished = False
+        queue = await self._open(req)
         try:
-            queue = await self._open(req)
             deadline = time.monotonic() + self._timeout_s
             while not finished:
                 chunk = await self._next(queue, deadline)
@@ -219,6 +225,11 @@ class AsyncClient:
                 await self.abort(req.rid)
 
     async def abort(self, rid: str) -> None:
+        """Abort request rid; its waiting generate() or stream() raises StrataError(499) at once
+        (the server sends nothing more for an aborted request)."""
+        queue = self._queues.get(rid)
+        if queue is not None:
+            queue.put_nowait(GenerateError(rid=rid, status=499, message="aborted by the client (AsyncClient.abort)"))
         await self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
 
     def close(self) -> None:

@@ -127,8 +127,8 @@ def check_engine_support(params: SamplingParams, cfg: ServerConfig) -> None:
     (a rank holds a share of a prompt's tokens) or speculative decoding (draft models follow the
     target's logits rows)."""
     if params.prompt_logprobs is not None and (cfg.cp_size > 1 or cfg.speculative_algorithm):
-        raise ApiError(400, "prompt_logprobs is not available with --cp-size > 1 or speculative decoding",
-                       param="prompt_logprobs")
+        raise ApiError(400, "prompt logprobs (prompt_logprobs, or completions' echo with logprobs) are not "
+                       "available with --cp-size > 1 or speculative decoding", param="prompt_logprobs")
 
 
 def check_model(model: str | None, accepted: tuple[str, ...]) -> None:

@@ -181,3 +181,30 @@ def test_a_wrongly_typed_request_is_a_400_not_a_silence(server: Server) -> None:
         assert (reply.rid, reply.status) == ("typed-wrong", 400) and "max_new_tokens" in reply.message, reply
     finally:
         sock.close(0)
+
+
+def test_async_client_same_rid_twice_and_abort_answer_at_once(server: Server) -> None:
+    """Replies are routed by rid: a second request with a rid in flight on this client is a 400 at
+    once and the first still gets its answer (the second's cleanup dropped the first's route, and
+    the first waited 10 s for a 503); abort() ends the waiting call with a 499 at once (the server
+    sends nothing more for an aborted request: it waited 10 s for a 503 too)."""
+
+    async def main() -> None:
+        async with AsyncClient(server.sdk) as ac:
+            first = asyncio.ensure_future(ac.generate("Hello", rid="twice", max_new_tokens=12, temperature=0,
+                                                      ignore_eos=True))
+            await asyncio.sleep(0.05)
+            with pytest.raises(StrataError) as err:
+                await ac.generate("Hello", rid="twice", max_new_tokens=2)
+            assert err.value.status == 400
+            assert (await first).completion_tokens == 12
+            waiting = asyncio.ensure_future(ac.generate("Hello", rid="cut", max_new_tokens=64, ignore_eos=True))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            await ac.abort("cut")
+            with pytest.raises(StrataError) as err:
+                await waiting
+            assert err.value.status == 499 and time.monotonic() - t0 < 5
+
+    asyncio.run(main())
+    assert server.wait_idle()["strata_kv_leak_free"] == 1
