@@ -81,7 +81,8 @@ class SdkServer:
         except ApiError:  # no rid to answer by
             return
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            await self._error(ident, GenerateError(rid, 400, f"malformed GenerateRequest: {str(exc)[:300]}"))
+            await self._error(ident, GenerateError(rid, 400, f"malformed GenerateRequest: {str(exc)[:300]}"),
+                              patient=False)
 
     async def _handle(self, ident: bytes, msg: GenerateRequest | AbortGenerate | None) -> None:
         if isinstance(msg, GenerateRequest):
@@ -99,20 +100,23 @@ class SdkServer:
     async def _start(self, ident: bytes, req: GenerateRequest) -> None:
         key = self._state.cfg.api_key
         if key and not hmac.compare_digest(req.api_key.encode(), key.encode()):
-            await self._error(ident, GenerateError(req.rid, 401, "a valid API key is required: Client(api_key=...)"))
+            await self._error(ident, GenerateError(req.rid, 401, "a valid API key is required: Client(api_key=...)"),
+                              patient=False)
             return
         if req.rid in self._tasks:
-            await self._error(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"))
+            await self._error(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"),
+                              patient=False)
             return
         task = asyncio.create_task(self._serve(ident, req))
         self._tasks[req.rid] = (ident, task)
         task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
 
-    async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError | KeepAlive) -> None:
+    async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError | KeepAlive, patient: bool = True) -> None:
         """Queue msg for the client; ClientGone when its connection is closed, or when its queue
         (SNDHWM frames) stays full for QUEUE_FULL_S: a client that stopped reading. (An asyncio
         send retries once any peer can take a frame, so a full queue beside other clients is an
-        EAGAIN: waited out here in short sleeps.)"""
+        EAGAIN: waited out here in short sleeps.) patient=False: not waited out, for the answers the
+        receiving loop sends itself (a wait there would hold up every client's messages)."""
         frames = [ident, SDK_OUT.codec.encode(msg)]
         deadline = None
         while True:
@@ -120,6 +124,8 @@ class SdkServer:
                 await self._sock.send_multipart(frames, flags=zmq.DONTWAIT)
                 return
             except zmq.Again:
+                if not patient:
+                    raise ClientGone from None
                 now = time.monotonic()
                 deadline = deadline or now + QUEUE_FULL_S
                 if now > deadline:
@@ -131,10 +137,10 @@ class SdkServer:
                     raise
                 raise ClientGone from None
 
-    async def _error(self, ident: bytes, msg: GenerateError) -> None:
+    async def _error(self, ident: bytes, msg: GenerateError, patient: bool = True) -> None:
         """Answer an error; to a client that is gone, nothing (there is no one to tell)."""
         with contextlib.suppress(ClientGone):
-            await self._send(ident, msg)
+            await self._send(ident, msg, patient)
 
     def _client_gone(self, ident: bytes, rid: str) -> None:
         """Abort every other request of a connection that closed (this one's task is ending)."""
