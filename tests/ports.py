@@ -58,7 +58,3 @@ def reserve_ports(n: int) -> int:
             return base
     raise AssertionError(f"no {n} free ports in [{_LO}, {_HI})")
 
-
-def free_port_range(n: int) -> int:
-    """(The name older tests use.)"""
-    return reserve_ports(n)

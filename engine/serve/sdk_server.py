@@ -71,9 +71,7 @@ class SdkServer:
         rid = loose.get("rid") if isinstance(loose, dict) and loose.get("type") == "GenerateRequest" else None
         if not isinstance(rid, str):
             return
-        key = self._state.cfg.api_key
-        if key and not (isinstance(loose.get("api_key"), str) and hmac.compare_digest(loose["api_key"].encode(),
-                                                                                       key.encode())):
+        if not self._authorized(loose.get("api_key")):
             return  # an unauthenticated sender learns nothing of the schema
         try:
             check_rid(rid)
@@ -83,6 +81,11 @@ class SdkServer:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             await self._error(ident, GenerateError(rid, 400, f"malformed GenerateRequest: {str(exc)[:300]}"),
                               patient=False)
+
+    def _authorized(self, given: object) -> bool:
+        """The server has no --api-key, or `given` is it (compared in constant time)."""
+        key = self._state.cfg.api_key
+        return not key or (isinstance(given, str) and hmac.compare_digest(given.encode(), key.encode()))
 
     async def _handle(self, ident: bytes, msg: GenerateRequest | AbortGenerate | None) -> None:
         if isinstance(msg, GenerateRequest):
@@ -98,8 +101,7 @@ class SdkServer:
             task.cancel()
 
     async def _start(self, ident: bytes, req: GenerateRequest) -> None:
-        key = self._state.cfg.api_key
-        if key and not hmac.compare_digest(req.api_key.encode(), key.encode()):
+        if not self._authorized(req.api_key):
             await self._error(ident, GenerateError(req.rid, 401, "a valid API key is required: Client(api_key=...)"),
                               patient=False)
             return
