@@ -96,7 +96,7 @@ class ModelRunner:
         self.kv_dtype, self.kv, self.backend = a.kv_dtype, a.kv, a.backend
         self.page_size, self.num_pages, self.max_context = cfg.page_size, a.num_pages, a.max_context
         self.startup = a.startup  # time to ready, by phase (Ready's info)
-        self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device)
+        self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device, self.deterministic)
         # grammar matchers per slot (engine/run/grammar.py): an effect, like the sampler's state
         self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device,
                                     helpers=None if cfg.grammar_helpers < 0 else cfg.grammar_helpers)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.run.sampler import SampleParams, Sampler, _mix64, _mix64_int, ranked_topk
+from engine.run.sampler import SampleParams, Sampler, _mix64, _mix64_int, canonical_topk, ranked_topk
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -497,3 +497,49 @@ def test_top_logprobs_do_not_depend_on_the_batch_on_ties(device: torch.device) -
         logits = row.expand(len(slots), -1).contiguous().to(device)
         res = s.sample(logits, slots, _pos([0] * len(slots), device))
         assert res.top_ids[0, :3].tolist() == [40, 41, 42]
+
+
+def test_canonical_topk_gives_ranked_topk_s_first_row_k() -> None:
+    """canonical_topk's float topk, put in ranked order and ranked in full only where the row's
+    own k-th value ties past the cut, agrees with ranked_topk on each row's first row_k."""
+    torch.manual_seed(1)
+    x = (torch.randn(64, 500) * 0.3).bfloat16().float()  # bf16 values: many exact ties
+    x[3, :] = 0.25  # every value tied: every cut ties
+    x[4, 10:400] = 2.0
+    for k in (1, 2, 7, 50, 499, 500):
+        row_k = torch.randint(1, k + 1, (64,))
+        row_k[::5] = k
+        vals, ids = canonical_topk(x, k, row_k)
+        want_vals, want_ids = ranked_topk(x, k)
+        assert vals.shape == ids.shape == (64, k)
+        for r in range(64):
+            n = int(row_k[r])
+            assert ids[r, :n].tolist() == want_ids[r, :n].tolist(), (k, r)
+            assert torch.equal(vals[r, :n], want_vals[r, :n])
+
+
+def test_sampled_top_k_does_not_depend_on_the_batch_on_ties(device: torch.device) -> None:
+    """Under deterministic inference a top_k row of tied logits draws the same tokens alone and
+    beside rows that ask for a larger top_k (a cut through its tie), a top_p alone (full sort) or
+    top_logprobs; it keeps its lowest ids among equals, as top_logprobs lists them."""
+    vocab = 64
+    row = torch.zeros(1, vocab)
+    row[0, 40:] = 1.0  # 24 tied best tokens: top_k 3 keeps 40, 41, 42
+    own = SampleParams(seed=5, temperature=1.0, top_k=3, top_p=0.9, logprobs=True, top_logprobs=3)
+    outs = []
+    for other in (None, SampleParams(seed=6, top_k=5), SampleParams(seed=6, top_k=50, logprobs=True, top_logprobs=20),
+                  SampleParams(seed=7, top_p=0.9), SampleParams(seed=8, temperature=0.0)):
+        s = Sampler(vocab, 4, device, deterministic=True)
+        s.add(0, own)
+        slots = [0] if other is None else [0, 1]
+        if other is not None:
+            s.add(1, other)
+        logits = row.expand(len(slots), -1).contiguous().to(device)
+        tokens = []
+        for pos in range(16):
+            res = s.sample(logits, slots, _pos([pos] * len(slots), device))
+            tokens.append(int(res.token_ids[0]))
+            assert res.top_ids[0, :3].tolist() == [40, 41, 42]
+        assert set(tokens) <= {40, 41, 42} and len(set(tokens)) > 1
+        outs.append(tokens)
+    assert all(o == outs[0] for o in outs)
