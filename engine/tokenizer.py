@@ -11,6 +11,7 @@ transformers wrapper and the incremental detokenizer calls it twice per output b
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,6 +46,22 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from its length alone: no token stands for more
+        characters than `max_piece_chars`. 0 where no bound holds."""
+        longest = self.max_piece_chars
+        return -(-len(text) // longest) if longest else 0
+
+    @functools.cached_property
+    def max_piece_chars(self) -> int:
+        """The most characters of text one token stands for: its longest vocabulary piece (a
+        byte-level piece's characters are bytes, no fewer than the text's characters; `▁` is one
+        space; `<0xE2>` less than one character). 0 (no bound) where the tokenizer normalizes text
+        in a way that can delete characters, or is not a fast tokenizer."""
+        if self._backend is None or not _keeps_characters(json.loads(self._backend.to_str()).get("normalizer")):
+            return 0
+        return max((len(piece) for piece in self.hf.get_vocab()), default=0)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
@@ -85,6 +102,20 @@ class TextTokenizer:
         return self.token_text(token_id).encode()
 
 
+
+
+def _keeps_characters(normalizer: dict[str, Any] | None) -> bool:
+    """Whether a tokenizers normalizer never removes characters: none, or only Prepend,
+    Lowercase and one-character replacements (sentencepiece's space to `▁`)."""
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(n) for n in normalizer.get("normalizers", []))
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {})
+        return len(pattern.get("String") or "") == 1 and bool(normalizer.get("content"))
+    return kind in ("Prepend", "Lowercase")
 
 
 @functools.cache

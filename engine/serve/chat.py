@@ -25,7 +25,7 @@ import msgspec
 
 from engine.serve.errors import ApiError
 from engine.serve.protocol import ChatMessage
-from engine.serve.validate import IDS_ONLY
+from engine.serve.validate import IDS_ONLY, Limits, encode_within
 from engine.tokenizer import TextTokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -141,7 +141,7 @@ def render_chat(
     return text
 
 
-def chat_prompt(
+def chat_text(
     tok: TextTokenizer | None,
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None = None,
@@ -149,14 +149,33 @@ def chat_prompt(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-) -> tuple[str, list[int]]:
-    """A chat request's prompt text and token ids (validation + rendering + tokenization).
-    The text tells a reasoning parser whether the template pre-filled `<think>`."""
+) -> str:
+    """A chat request's prompt text (validation + rendering)."""
     if tok is None:
         raise ApiError(400, f"chat is not available: {IDS_ONLY}", param="messages")
-    text = render_chat(tok, message_dicts(messages), tools, template_kwargs,
+    return render_chat(tok, message_dicts(messages), tools, template_kwargs,
                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-    return text, tok.encode(text, add_special_tokens=False)
+
+
+def chat_prompt(
+    tok: TextTokenizer | None,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    limits: Limits | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> tuple[str, list[int]]:
+    """A chat request's prompt text and token ids; with `limits`, a text too long to fit the
+    context is refused before it is tokenized. The text tells a reasoning parser whether the
+    template pre-filled `<think>`."""
+    text = chat_text(tok, messages, tools, template_kwargs,
+                     add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    assert tok is not None  # chat_text refused it
+    if limits is None:
+        return text, tok.encode(text, add_special_tokens=False)
+    return text, encode_within(tok, text, limits, "messages", add_special_tokens=False)
 
 
 def chat_prompt_ids(

@@ -45,7 +45,7 @@ async def prepare(
 ) -> tuple[list[int], SamplingParams]:
     """Prompt ids and final params of a native request (HTTP or SDK); ApiError if bad."""
     limits = await state.limits()
-    ids = await off_loop(len(text or ""), native_prompt, text, input_ids, state.tok)
+    ids = await off_loop(len(text or ""), native_prompt, text, input_ids, state.tok, limits)
     params = native_request(ids, params, max_given, limits, state.tok)
     check_engine_support(params, state.cfg)
     return ids, await constrain(service_of(state), params, limits.vocab_size)

@@ -82,7 +82,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     template_kwargs = req.chat_template_kwargs
     if req.reasoning_effort is not None:  # chat_template_kwargs, where it names one, wins
         template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
-    prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, template_kwargs,
+    prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, template_kwargs, limits,
                                  add_generation_prompt=bool(req.add_generation_prompt),
                                  continue_final_message=bool(req.continue_final_message))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -224,7 +224,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()
-    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok)
+    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok, limits)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
     params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]

@@ -7,14 +7,28 @@ from pathlib import Path
 import pytest
 from serve_fixtures import write_model_dir
 
-from engine.serve.chat import chat_prompt_ids, message_dicts, render_chat
+from engine.serve.chat import chat_prompt, chat_prompt_ids, message_dicts, render_chat
 from engine.serve.errors import ApiError
 from engine.serve.protocol import ChatCompletionRequest, decode_body
+from engine.serve.validate import Limits
 from engine.tokenizer import has_tokenizer_files, load_tokenizer
 
 
 def _messages(body: bytes):  # noqa: ANN202
     return decode_body(b'{"messages": ' + body + b"}", ChatCompletionRequest).messages
+
+
+def test_messages_too_long_for_the_context_are_refused_untokenized(text_tok) -> None:
+    """The rendered text's length alone proves it cannot fit: a 400 on `messages`, as its count's."""
+    limits = Limits(max_context=64, vocab_size=49152)
+    content = "a" * (64 * text_tok.max_piece_chars)
+    msgs = _messages(b'[{"role": "user", "content": "%s"}]' % content.encode())
+    with pytest.raises(ApiError) as info:
+        chat_prompt(text_tok, msgs, None, None, limits)
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "the messages have at least" in info.value.message
+    text, ids = chat_prompt(text_tok, msgs)  # without limits: tokenized as before
+    assert len(ids) > 64 and content in text
 
 
 def test_renders_with_generation_prompt(text_tok) -> None:

@@ -259,14 +259,35 @@ def test_token_id_checks() -> None:
 
 
 def test_completion_prompt_shapes(text_tok) -> None:
-    assert completion_prompts([1, 2, 3], None) == [[1, 2, 3]]
-    assert completion_prompts([[1], [2, 3]], None) == [[1], [2, 3]]
-    assert completion_prompts("hello", text_tok) == [text_tok.encode("hello")]
-    assert len(completion_prompts(["a", "b"], text_tok)) == 2
-    _raises(400, completion_prompts, [], text_tok, param="prompt")
-    _raises(400, completion_prompts, [1, "a"], text_tok, param="prompt")
-    _raises(400, completion_prompts, [True, 2], text_tok, param="prompt")
-    _raises(400, completion_prompts, "text", None, param="prompt")  # ids-only mode
+    assert completion_prompts([1, 2, 3], None, LIMITS) == [[1, 2, 3]]
+    assert completion_prompts([[1], [2, 3]], None, LIMITS) == [[1], [2, 3]]
+    assert completion_prompts("hello", text_tok, LIMITS) == [text_tok.encode("hello")]
+    assert len(completion_prompts(["a", "b"], text_tok, LIMITS)) == 2
+    _raises(400, completion_prompts, [], text_tok, LIMITS, param="prompt")
+    _raises(400, completion_prompts, [1, "a"], text_tok, LIMITS, param="prompt")
+    _raises(400, completion_prompts, [True, 2], text_tok, LIMITS, param="prompt")
+    _raises(400, completion_prompts, "text", None, LIMITS, param="prompt")  # ids-only mode
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(text_tok, monkeypatch) -> None:
+    """No token of the default model stands for more than its longest piece's characters, so a
+    text longer than max_context times that cannot fit: a 400 without tokenizing it. A text just
+    under the bound is tokenized and counted as before."""
+    longest = text_tok.max_piece_chars
+    assert longest == max(len(p) for p in text_tok.hf.get_vocab()) > 1
+    assert text_tok.fewest_tokens("x" * (3 * longest + 1)) == 4
+    worst = max(text_tok.hf.get_vocab(), key=len)  # the longest piece, as text
+    text = text_tok.decode(text_tok.encode(worst * 3, add_special_tokens=False))
+    assert len(text_tok.encode(text, add_special_tokens=False)) >= text_tok.fewest_tokens(text)
+    huge = "a" * (LIMITS.max_context * longest)
+    calls = []
+    monkeypatch.setattr(text_tok, "encode", lambda *a, **k: calls.append(a) or [1])
+    for call, param in (((completion_prompts, huge, text_tok, LIMITS), "prompt"),
+                        ((native_prompt, huge, None, text_tok, LIMITS), "prompt")):
+        err = _raises(400, *call, param=param)
+        assert f"has at least {LIMITS.max_context} tokens ({len(huge)} characters)" in err.message
+    assert calls == []
+    assert completion_prompts(huge[:-longest], text_tok, LIMITS) == [[1]] and len(calls) == 1
 
 
 def test_fan_out_n_and_seeds() -> None:
@@ -296,10 +317,10 @@ def test_native_requests(text_tok) -> None:
     assert native_params({"stop": ",", "no_stop_trim": True})[0].include_stop_str_in_output  # SGLang's name
     params, given = native_params({"max_new_tokens": None})  # SGLang's "up to the context's end"
     assert not given and params.max_new_tokens > 2**30
-    _raises(400, native_prompt, None, None, text_tok, param="text")
-    _raises(400, native_prompt, "x", [1], text_tok, param="text")
-    _raises(400, native_prompt, "x", None, None, param="text")  # ids-only mode
-    assert native_prompt(None, [4, 5], None) == [4, 5]
+    _raises(400, native_prompt, None, None, text_tok, LIMITS, param="text")
+    _raises(400, native_prompt, "x", [1], text_tok, LIMITS, param="text")
+    _raises(400, native_prompt, "x", None, None, LIMITS, param="text")  # ids-only mode
+    assert native_prompt(None, [4, 5], None, LIMITS) == [4, 5]
     clipped = native_request([1] * 90, params, False, LIMITS, text_tok)
     assert clipped.max_new_tokens == 10  # an unset default is clipped to the context left
     assert native_request([1] * 30, *native_params({"max_new_tokens": None}), LIMITS, text_tok).max_new_tokens == 70
