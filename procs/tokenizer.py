@@ -132,6 +132,8 @@ class TokenizerProcess:
             raise StartupError(f"cannot load the tokenizer from {cfg.model!r}: {exc}") from exc
         if tok is None:
             log.warning("no tokenizer files in the model directory: ids-only mode", model=cfg.model)
+        else:
+            log.info("tokenizer loaded", max_piece_chars=tok.max_piece_chars)  # the length bound's scan, once
         # TCP ports first: they are what another server may hold. Binding an ipc path
         # replaces whoever had it, so that only happens once nothing else can fail.
         http_sock = listen_socket(cfg.host, cfg.port)
