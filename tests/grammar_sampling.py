@@ -16,7 +16,8 @@ import torch
 import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
-from engine.run.sampler import SampleParams, Sampler
+from engine.run.sample_params import SampleParams
+from engine.run.sampler import Sampler
 from engine.serve.grammar import compilable, json_format
 from engine.tokenizer import load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.run.sampler import ranked_topk
+from engine.run.ranking import ranked_topk
 
 
 @dataclass

@@ -29,7 +29,8 @@ from engine.run.expert_counts import ExpertCounts
 from engine.run.grammar import GrammarSlots
 from engine.run.host_tier import HostCopies
 from engine.run.idle import IdleMeter, StepEvents
-from engine.run.sampler import SampleParams, Sampler, SampleResult
+from engine.run.sample_params import SampleParams
+from engine.run.sampler import Sampler, SampleResult
 from engine.run.spec import VerifiedResult, VerifyRows
 from engine.run.step_profile import StepProfiler
 from msgs.codec import id_count, pack_f32, pack_ids, unpack_ids

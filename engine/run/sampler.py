@@ -23,54 +23,14 @@ import torch
 from torch import Tensor
 
 from engine.layers import triton_ops
+from engine.run.ranking import canonical_topk, ranked_topk
+from engine.run.sample_params import SampleParams
 from engine.run.slot_rows import SlotRows
-from msgs.params import MAX_BIAS, MAX_LOGIT_BIAS
 
-# Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
-GREEDY_EPS = 1e-5
-MAX_TOP_LOGPROBS = 20
 # When every sampled row has top_k <= this, filter on topk() candidates instead of a full sort.
 _TOPK_CANDIDATES_MAX = 4096
 # Bounded cache of batch compositions; cleared whenever a request is added or removed.
 _PLAN_CACHE_MAX = 16
-# canonical_topk takes this many candidates past k, so that a tie at k rarely reaches the last one
-_TIE_MARGIN = 8
-
-
-def ranked_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """x.topk(k) (last dim) with equal values ordered by the lower id: a prefix of one total
-    order, so a row's top k do not depend on k. torch.topk orders equal values arbitrarily, and
-    differently for different k, which made a request's top_logprobs depend on the largest k of
-    its batch. Ranks an int64 key: the value's bits made monotonic, then the id reversed (about 6x a
-    float topk on a CPU, where `canonical_topk` serves top_k's candidates)."""
-    bits = x.float().contiguous().view(torch.int32)  # (bf16 and fp16 values convert exactly)
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
-    idx = (order * (1 << 32) + (0xFFFFFFFF - ids)).topk(k, dim=-1).indices
-    return x.gather(-1, idx), idx
-
-
-def canonical_topk(x: Tensor, k: int, row_k: Tensor) -> tuple[Tensor, Tensor]:
-    """[B, k] candidates whose first row_k[b] equal ranked_topk's, at about a float topk's cost.
-
-    A float topk of k + _TIE_MARGIN is put in ranked order (value descending, equal values by id).
-    Its first row_k are ranked_topk's unless the row's row_k-th value t ties the last candidate: the
-    float topk may have cut that tie at other ids than the lowest. Every value above t is then
-    among the candidates, so such a row's tail is refilled with the lowest ids of value t. Reads
-    the host (which rows), so it is for the CPU: sampling 16 rows x 49k costs 1.2x a plain topk's
-    (the ranked order and the refills; 64 rows 1.15x), against ~5x for ranked_topk."""
-    n = min(k + _TIE_MARGIN, x.shape[-1])
-    vals, ids = x.topk(n, dim=-1)
-    ids, perm = ids.sort(dim=-1)
-    vals, perm = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, perm)
-    if n < x.shape[-1]:  # the topk cut the row
-        kth = vals.gather(1, (row_k.clamp(1, k) - 1).unsqueeze(1)).squeeze(1)
-        for r in (kth == vals[:, -1]).nonzero().squeeze(1).tolist():
-            t = vals[r, -1]
-            above = int((vals[r, :k] > t).sum())
-            ids[r, above:k] = (x[r] == t).nonzero().squeeze(1)[: k - above]
-    return vals[:, :k], ids[:, :k]
 
 
 def _s64(x: int) -> int:
@@ -83,84 +43,6 @@ _GAMMA = _s64(0x9E3779B97F4A7C15)
 _MIX1 = _s64(0xBF58476D1CE4E5B9)
 _MIX2 = _s64(0x94D049BB133111EB)
 _UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and strictly inside (0, 1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SampleParams:
-    """Per-request sampling parameters; validated once at construction (ValueError).
-
-    temperature < GREEDY_EPS means greedy. top_p=1, top_k<=0, min_p=0, repetition_penalty=1,
-    frequency_penalty=presence_penalty=0 disable the respective feature. repetition_penalty
-    follows HF (prompt + generated tokens); frequency/presence follow OpenAI (generated only).
-    `seed` is required: the scheduler fills a deterministic one when the user gives none.
-    top_logprobs > 0 requires logprobs=True (as in the OpenAI API). logit_bias: (token id, bias)
-    pairs added to the logits before the penalties (vLLM's order); logprobs stay the model's.
-    min_new_tokens: min_stop_ids get -inf for the request's first that many output tokens
-    (vLLM's min_tokens: what would end the output cannot be drawn before then).
-    """
-
-    seed: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_new_tokens: int = 0
-    min_stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        _check(_is_int(self.seed), f"seed must be an int, got {self.seed!r}")
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature must be finite and >= 0")
-        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(_is_int(self.top_k), "top_k must be an int (<= 0 disables it)")
-        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
-        _check(
-            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty must be finite and > 0",
-        )
-        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-               "frequency_penalty must be in [-2, 2]")
-        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-               "presence_penalty must be in [-2, 2]")
-        _check(isinstance(self.logprobs, bool), "logprobs must be a bool")
-        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-               f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]")
-        _check(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=True")
-        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
-            _is_int(t) and t >= 0 and _finite(v) and -MAX_BIAS <= v <= MAX_BIAS for t, v in self.logit_bias),
-            f"logit_bias: at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]) pairs")
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an int >= 0")
-        _check(all(_is_int(t) and t >= 0 for t in self.min_stop_ids), "min_stop_ids must be token ids >= 0")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    @property
-    def uses_repetition(self) -> bool:
-        return self.repetition_penalty != 1.0
-
-    @property
-    def uses_freq_presence(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
 from engine.layers.moe import Router
 from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding, matmul
-from engine.run.sampler import SampleParams
+from engine.run.sample_params import SampleParams
 
 if TYPE_CHECKING:
     from engine.run.runner import ModelRunner

@@ -19,7 +19,8 @@ import test_draft_heads as heads  # noqa: E402
 from engine.config import ServerConfig  # noqa: E402
 from engine.layers.kv_pool import KVPool  # noqa: E402
 from engine.local import LocalEngine  # noqa: E402
-from engine.run.sampler import SampleParams, Sampler  # noqa: E402
+from engine.run.sample_params import SampleParams  # noqa: E402
+from engine.run.sampler import Sampler  # noqa: E402
 from engine.run.spec import VerifyRows  # noqa: E402
 from engine.run.spec_tree import accept_tree, compact, depths  # noqa: E402
 from msgs.codec import unpack_ids  # noqa: E402

@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 
-from engine.run.sampler import SampleParams, Sampler, _mix64, _mix64_int, canonical_topk, ranked_topk
+from engine.run.ranking import canonical_topk, ranked_topk
+from engine.run.sample_params import SampleParams
+from engine.run.sampler import Sampler, _mix64, _mix64_int
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

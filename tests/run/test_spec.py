@@ -14,7 +14,8 @@ import torch
 
 from engine.config import ServerConfig
 from engine.replica import ReplicaError, rank_replica
-from engine.run.sampler import SampleParams, Sampler
+from engine.run.sample_params import SampleParams
+from engine.run.sampler import Sampler
 from engine.run.spec import Speculator, VerifyRows
 from engine.sched.request import Req
 from engine.sched.spec import NgramIndex, SpecPolicy, ngram_drafts

@@ -14,7 +14,8 @@ from engine.cache.radix import RadixCache
 from engine.config import ServerConfig
 from engine.layers.kv_pool import KVPool
 from engine.replica import ReplicaError
-from engine.run.sampler import SampleParams, Sampler
+from engine.run.sample_params import SampleParams
+from engine.run.sampler import Sampler
 from engine.run.spec import Speculator, VerifyRows, _answered
 from engine.run.spec_tree import accept_tree, compact, depths, fill_leaves, paths
 from engine.sched.request import Req
