@@ -112,6 +112,8 @@ HELP = {
     "every batch size (as vLLM's --speculative-disable-by-batch-size N is N:0)",
     "speculative_draft_layers": "STANDALONE self-draft: the target's first N layers plus its final norm and head "
     "draft; their KV is the target's own (0: off)",
+    "sampling_defaults": "model: a request's unset temperature, top_p, top_k, min_p and repetition_penalty are "
+    "those the model's generation_config.json sets (as SGLang and vLLM do) | openai: always OpenAI's (1, 1, off, 0, 1)",
     "chat_template": "a Jinja chat template file to use instead of the model's own (e.g. "
     "configs/templates/smollm2-hermes-tools.jinja: the default model with Hermes-style tools)",
 }

@@ -75,6 +75,9 @@ class ServerConfig:
     tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
     reasoning_parser: str = ""  # "" = <think> blocks stay in the content
     chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
+    # what a request's unset temperature / top_p / top_k / min_p / repetition_penalty are: "model" (its
+    # generation_config.json's, where it sets them; else OpenAI's) | "openai" (SGLang's flag)
+    sampling_defaults: str = "model"
     # the host tier (L2, docs/architecture.md: Tiers): opt-in, as SGLang's --enable-hierarchical-cache
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # L2 pages = this x the device pool's pages
@@ -330,6 +333,8 @@ class ServerConfig:
         ):
             if value and value not in table:
                 raise ValueError(f"bad {flag} {value} (known: {', '.join(sorted(table))})")
+        if self.sampling_defaults not in ("model", "openai"):
+            raise ValueError(f"bad --sampling-defaults {self.sampling_defaults} (model | openai)")
         if self.chat_template:
             path = Path(self.chat_template).expanduser()
             if not path.is_file():

@@ -18,6 +18,9 @@ class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     input_ids: list[int] | None = None
     stream: bool = False
     api_key: str = ""  # the server's --api-key, where it has one
+    # of params.MODEL_DEFAULT_FIELDS, those the caller left unset: the server's model defaults apply
+    # (--sampling-defaults model). A client that sends none gets exactly the params it sent.
+    unset: list[str] = []
 
 
 class AbortGenerate(msgspec.Struct, tag=True, frozen=True):

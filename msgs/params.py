@@ -30,6 +30,10 @@ class Grammar(msgspec.Struct, frozen=True):
     stop_ids: list[int]  # tokens that end the grammar: the scheduler stops the request on them
 
 
+# the fields a model's generation_config.json may give defaults for (ServerConfig.sampling_defaults)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the user asked for. Stop strings are enforced by the tokenizer (it owns text);
     every other stop condition by the scheduler."""

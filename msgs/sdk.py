@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import AbortGenerate, FromServer, GenerateChunk, GenerateError, GenerateRequest
-from msgs.params import SamplingParams
+from msgs.params import MODEL_DEFAULT_FIELDS, SamplingParams
 
 __all__ = ["AbortGenerate", "AsyncClient", "Client", "GenerateChunk", "GenerateError", "GenerateRequest", "StrataError"]
 
@@ -65,9 +65,11 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
     except msgspec.ValidationError as exc:
         raise StrataError(400, f"bad sampling parameter: {exc}") from None
     rid = rid or uuid.uuid4().hex
+    unset = [name for name in MODEL_DEFAULT_FIELDS if name not in kw]  # the model's defaults fill these
     if isinstance(prompt, str):
-        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key)
-    return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream, api_key=api_key)
+        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key, unset=unset)
+    return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream, api_key=api_key,
+                           unset=unset)
 
 
 def _check(msg: FromServer | None) -> GenerateChunk | None:

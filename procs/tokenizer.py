@@ -29,6 +29,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import structlog
 import uvicorn
@@ -40,6 +41,7 @@ from engine.config import ServerConfig
 from engine.logs import setup_logging
 from engine.serve.frontend import Frontend
 from engine.serve.http import build_app
+from engine.serve.sampling_defaults import model_sampling_defaults
 from engine.serve.sdk_server import SdkServer
 from engine.serve.state import ServeState
 from engine.tokenizer import load_tokenizer
@@ -134,6 +136,7 @@ class TokenizerProcess:
             log.warning("no tokenizer files in the model directory: ids-only mode", model=cfg.model)
         else:
             log.info("tokenizer loaded", max_piece_chars=tok.max_piece_chars)  # the length bound's scan, once
+        defaults = self._sampling_defaults()
         # TCP ports first: they are what another server may hold. Binding an ipc path
         # replaces whoever had it, so that only happens once nothing else can fail.
         http_sock = listen_socket(cfg.host, cfg.port)
@@ -152,7 +155,19 @@ class TokenizerProcess:
             self.from_sched: AsyncReceiver[ToTokenizer] = open_async_receiver(self.ctx, OUTPUTS, PROC, run_dir)
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind the scheduler output socket in {run_dir}: {exc}") from exc
-        return ServeState(cfg=cfg, tok=tok, frontend=Frontend()), http_sock
+        return ServeState(cfg=cfg, tok=tok, frontend=Frontend(), sampling_defaults=defaults), http_sock
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        """The model's recommended sampling parameters, where --sampling-defaults model (the default)."""
+        if self.cfg.sampling_defaults != "model":
+            return {}
+        try:
+            defaults = model_sampling_defaults(self.cfg.model)
+        except ValueError as exc:
+            raise StartupError(f"{exc} (--sampling-defaults openai ignores the file)") from None
+        if defaults:  # as vLLM says it: requests that leave these unset get the model's values
+            log.info("sampling defaults from the model's generation_config.json", **defaults)
+        return defaults
 
     async def fatal(self, reason: str) -> None:
         log.error("startup failed", reason=reason)

@@ -105,7 +105,7 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     rid = call.rid
     if req.rid is not None and not call.rid_given:  # the x-request-id header wins over the body
         rid = check_rid(req.rid)
-    params, max_given = native_params(req.sampling_params)
+    params, max_given = native_params(req.sampling_params, state.sampling_defaults)
     params, shape = _sglang_fields(req, params, state.tok)
     batch = _batch(req)
     if batch is not None:

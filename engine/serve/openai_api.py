@@ -77,7 +77,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
-    kw = openai_params(req)
+    kw = openai_params(req, state.sampling_defaults)
     limits = await state.limits()
     template_kwargs = req.chat_template_kwargs
     if req.reasoning_effort is not None:  # chat_template_kwargs, where it names one, wins
@@ -220,7 +220,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     req = decode_body(body, CompletionRequest)
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
-    kw = openai_params(req)
+    kw = openai_params(req, state.sampling_defaults)
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()

@@ -155,7 +155,11 @@ class SdkServer:
         rid = req.rid
         try:
             check_rid(rid)
-            ids, params = await prepare(self._state, req.text, req.input_ids, req.params, max_given=True)
+            defaults = self._state.sampling_defaults
+            params = req.params
+            if req.unset and defaults:  # the fields the caller left unset: the model's defaults
+                params = msgspec.structs.replace(params, **{k: defaults[k] for k in req.unset if k in defaults})
+            ids, params = await prepare(self._state, req.text, req.input_ids, params, max_given=True)
             log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens)
             gen = await Generation.start(
                 self._state.frontend, self._state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], stream=req.stream

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import ServerConfig
@@ -24,6 +24,8 @@ class ServeState:
     frontend: Frontend
     ready_timeout_s: float = READY_TIMEOUT_S
     grammar: Any = None  # engine.serve.grammar.GrammarService, made on the first constrained request
+    # what a request's unset sampling fields default to (engine/serve/sampling_defaults.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:

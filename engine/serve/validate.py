@@ -19,7 +19,7 @@ from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
-from msgs.params import INT32, SamplingParams
+from msgs.params import INT32, MODEL_DEFAULT_FIELDS, SamplingParams
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 1 << 16  # a request this large is tokenized on a thread
@@ -139,8 +139,10 @@ def check_model(model: str | None, accepted: tuple[str, ...]) -> None:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    """SamplingParams fields from an OpenAI body (max_new_tokens is added per prompt)."""
+def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """SamplingParams fields from an OpenAI body (max_new_tokens is added per prompt); `defaults`
+    (the model's) fill the sampling fields it leaves unset."""
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
     kw: dict[str, Any] = {
@@ -151,8 +153,10 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, A
         "skip_special_tokens": req.skip_special_tokens,
         "seed": req.seed,
     }
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+    for name in MODEL_DEFAULT_FIELDS:
         _set(kw, name, getattr(req, name))
+        if name not in kw and defaults and name in defaults:
+            kw[name] = defaults[name]
     _set(kw, "min_new_tokens", req.min_tokens)
     _set(kw, "prompt_logprobs", req.prompt_logprobs)
     _set(kw, "presence_penalty", req.presence_penalty)
@@ -285,11 +289,13 @@ def _encode(text: str, tok: TextTokenizer | None, limits: Limits) -> list[int]:
     return encode_within(tok, text, limits)
 
 
-def native_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, bool]:
+def native_params(raw: dict[str, Any] | None, defaults: dict[str, Any] | None = None
+                  ) -> tuple[SamplingParams, bool]:
     """SamplingParams from a /generate body, and whether max_new_tokens was given. As SGLang takes
     them: `stop` may be one string, and max_new_tokens null means up to the context's end (not given,
-    and no default: `native_request` clips it to the room left)."""
-    raw = dict(raw or {})
+    and no default: `native_request` clips it to the room left). `defaults` (the model's) fill the
+    sampling keys it does not have."""
+    raw = {**(defaults or {}), **(raw or {})}
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
     if "no_stop_trim" in raw:  # SGLang's name
