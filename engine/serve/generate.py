@@ -163,19 +163,24 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
     finish: str | None = None
     try:
         async for out in handle:
-            produced += len(out.new_ids)
             cached = max(cached, out.cached_tokens)
             spec = out.spec or spec
-            text, finish = _text_and_finish(detok, out, params.stop_token_ids)
+            text, finish, kept = _text_and_finish(detok, out, params.stop_token_ids, by_token=bool(params.stop))
             if finish == "error":
                 raise GenerationFailed(f"generation failed: {out.error or 'the scheduler failed this request'}")
-            if text or out.new_ids or finish:
+            ids, logprobs, tops = out.new_ids, out.logprobs, out.top_logprobs
+            if kept < len(ids):  # a stop string ended the output before these ids' last
+                ids = ids[:kept]
+                logprobs = None if logprobs is None else logprobs[:kept]
+                tops = None if tops is None else tops[:kept]
+            produced += kept
+            if text or ids or finish:
                 yield Delta(
                     index=sub.index,
                     text=text,
-                    token_ids=out.new_ids,
-                    logprobs=out.logprobs,
-                    top_logprobs=out.top_logprobs,
+                    token_ids=ids,
+                    logprobs=logprobs,
+                    top_logprobs=tops,
                     finish_reason=finish,
                     prompt_tokens=len(sub.ids),
                     completion_tokens=produced,
@@ -202,18 +207,31 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         )
 
 
-def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int]) -> tuple[str, str | None]:
-    """Text for one output and the finish reason (a stop string overrides the scheduler's)."""
+def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int],
+                     by_token: bool) -> tuple[str, str | None, int]:
+    """Text for one output, the finish reason (a stop string overrides the scheduler's) and how
+    many of its ids the answer keeps. An output may carry several ids (a speculative step's
+    accepted drafts, outputs merged while the consumer was busy); with stop strings (`by_token`)
+    they are read one by one, so that a stop string ends the answer at the id that completed it,
+    ids, logprobs and usage alike, as one id a step would."""
     ids = out.new_ids
     if out.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:
         ids = ids[:-1]  # a user stop token ends the text but is not part of it (as in vLLM)
-    text = detok.push(ids)
-    if detok.stopped:
-        return text, "stop"
+    if by_token and len(ids) > 1:
+        parts = []
+        for i in range(len(ids)):
+            parts.append(detok.push(ids[i : i + 1]))
+            if detok.stopped:
+                return "".join(parts), "stop", i + 1
+        text = "".join(parts)
+    else:
+        text = detok.push(ids)
+        if detok.stopped:
+            return text, "stop", len(ids)
     if out.finish_reason is None:
-        return text, None
+        return text, None, len(out.new_ids)
     text += detok.finish()
-    return text, "stop" if detok.stopped else out.finish_reason
+    return text, "stop" if detok.stopped else out.finish_reason, len(out.new_ids)
 
 
 async def collect(gen: Generation) -> list[Choice]:

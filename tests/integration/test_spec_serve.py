@@ -59,8 +59,13 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
         assert _complete(spec_server, max_tokens=n, ignore_eos=True)["usage"]["completion_tokens"] == n
     stop = "lazy"
     assert stop in text
-    cut = _complete(spec_server, max_tokens=24, ignore_eos=True, stop=[stop])["choices"][0]
+    tokens = _complete(spec_server, max_tokens=24, ignore_eos=True, logprobs=0)["choices"][0]["logprobs"]["tokens"]
+    done = next(i for i in range(len(tokens)) if stop in "".join(tokens[: i + 1])) + 1
+    answer = _complete(spec_server, max_tokens=24, ignore_eos=True, stop=[stop], logprobs=0)
+    cut = answer["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+    # tokens and usage end at the token that completed the stop, within a multi-token step too
+    assert cut["logprobs"]["tokens"] == tokens[:done] and answer["usage"]["completion_tokens"] == done
     m = spec_server.wait_idle()
     assert m["strata_kv_leak_free"] == 1
     count, total = m["strata_spec_accept_length_count"], m["strata_spec_accept_length_sum"]

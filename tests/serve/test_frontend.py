@@ -177,6 +177,34 @@ def test_stop_string_finishes_and_aborts(text_tok) -> None:
     run(main())
 
 
+def test_a_stop_string_inside_a_multi_token_output_ends_the_answer_at_its_token(text_tok) -> None:
+    """A speculative step answers several ids at once (outputs merged while the consumer was busy
+    do too): a stop string completed by one of them ends the answer there, its ids, logprobs, top
+    logprobs and usage, as one id a step would (the audit saw 2-4 ids past the stop)."""
+    ids = text_tok.encode("one two STOP three four five")
+    done = next(i for i in range(len(ids)) if "STOP" in text_tok.decode(ids[: i + 1])) + 1
+    assert done < len(ids) - 1
+
+    async def answer(chunks: list[list[int]]) -> Any:
+        fe = Frontend()
+        params = SamplingParams(stop=["STOP"], max_new_tokens=50, logprobs=True, top_logprobs=1)
+        gen = Generation(fe, text_tok, "m", [SubRequest("m", 0, 0, [1], params)])
+        at = 0
+        for chunk in chunks:
+            lps = [-float(at + j) for j in range(len(chunk))]
+            fe.dispatch(out("m", chunk, logprobs=lps, top_logprobs=[[(t, lp)] for t, lp in zip(chunk, lps)]))
+            at += len(chunk)
+        (choice,) = await collect(gen)
+        return choice
+
+    one_a_step = run(answer([[t] for t in ids]))
+    at_once = run(answer([ids[:2], ids[2:]]))
+    for c in (one_a_step, at_once):
+        assert c.text == "one two " and c.finish_reason == "stop"
+        assert c.token_ids == ids[:done] and c.completion_tokens == done
+        assert c.logprobs == [-float(j) for j in range(done)] and len(c.top_logprobs) == done
+
+
 def test_user_stop_token_is_not_in_the_text(text_tok) -> None:
     async def main() -> None:
         fe = Frontend()
