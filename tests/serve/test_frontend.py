@@ -192,7 +192,8 @@ def test_a_stop_string_inside_a_multi_token_output_ends_the_answer_at_its_token(
         at = 0
         for chunk in chunks:
             lps = [-float(at + j) for j in range(len(chunk))]
-            fe.dispatch(out("m", chunk, logprobs=lps, top_logprobs=[[(t, lp)] for t, lp in zip(chunk, lps, strict=True)]))
+            tops = [[(t, lp)] for t, lp in zip(chunk, lps, strict=True)]
+            fe.dispatch(out("m", chunk, logprobs=lps, top_logprobs=tops))
             at += len(chunk)
         (choice,) = await collect(gen)
         return choice
