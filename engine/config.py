@@ -285,8 +285,8 @@ class ServerConfig:
         CPU by default, where it costs nothing measurable in float32 or bf16 (cpu_attention's
         kernel; docs/PERF.md, "Deterministic inference, cost on CPU"), unless
         --disable-deterministic-inference, a non-torch attention backend, draft trees (whose
-        attention is not causal: --speculative-eagle-topk > 1) or context parallelism (MLA's
-        invariant attention is not built under it; a GQA model takes the flag) are asked for."""
+        attention is not causal: --speculative-eagle-topk > 1) or context parallelism (whose
+        invariant attention reads K/V once a row: a GQA model on a CPU takes the flag) are asked for."""
         if self.enable_deterministic_inference:
             return True
         return (device_type == "cpu" and not self.disable_deterministic_inference and self.cp_size == 1

@@ -125,7 +125,7 @@ class _Decode:
     pool: request j's own pages in order (local ids) hold its lens[j] keys, the new one among them
     where this rank owns its page (stored before attention)."""
 
-    reqs: list[int]  # their indices in the batch
+    reqs: list[int]  # their indices in the batch (`_every_row`: their rows)
     rows: torch.Tensor  # int64: their rows of T
     pages: list[torch.Tensor]  # int64: each one's local page ids, in order
     lens: list[int]  # keys on this rank
@@ -154,10 +154,16 @@ class _Plan:
     own_slots: torch.Tensor  # int64: where (this rank's pool)
     reqs: list[_ReqPlan]
     decode: _Decode | None = None  # the one-token rows, where one kernel call attends them (CPU)
+    # deterministic inference: `decode` holds every row, each attending its own keys as a decode row
+    per_row: bool = False
 
 
-def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
-    """This rank's share of a step: which new K/V it writes, which cached pages and new rows it attends."""
+def plan_step(batch: ForwardBatch, rank: int, world: int, per_row: bool = False) -> _Plan:
+    """This rank's share of a step: which new K/V it writes, which cached pages and new rows it
+    attends. per_row (deterministic inference): every new row attends, as one decode row, this
+    rank's keys up to its own position, read back from the pool (its page's owner stored it first):
+    a row's partial is then a function of its position and the pages alone, whatever part of the
+    prompt was cached, how it was chunked, or what else the step holds (`_every_row`)."""
     ps = batch.page_size
     # positions from the host lists (no device sync): request i's new tokens are at start..seq-1
     pos = torch.cat([torch.arange(s - n, s) for s, n in zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)])
@@ -179,7 +185,32 @@ def plan_step(batch: ForwardBatch, rank: int, world: int) -> _Plan:
     dev = batch.out_slots.device
     slots = batch.out_slots[own.to(dev)]
     local_slots = slots // (ps * world) * ps + slots % ps
+    if per_row:
+        return _Plan(own.to(dev), local_slots, reqs, _every_row(batch, table, reqs, rank, world), per_row=True)
     return _Plan(own.to(dev), local_slots, reqs, _decode_rows(batch, table, reqs, rank, world))
+
+
+def _every_row(batch: ForwardBatch, table: torch.Tensor, reqs: list[_ReqPlan], rank: int,
+               world: int) -> _Decode | None:
+    """Every new row with keys on this rank as a decode row of its own (`_Decode`, one entry a row):
+    the request's pages here, in order, of which it reads the keys at positions up to its own."""
+    ps = batch.page_size
+    picked, lens, pages = [], [], []
+    for i, (seq, r) in enumerate(zip(batch.seq_lens_cpu, reqs, strict=True)):
+        mine, _ = own_decode_pages(seq, ps, rank, world)
+        if not mine:
+            continue
+        local = table[i, list(mine)].to(torch.int64) // world
+        for pos in range(seq - r.n, seq):
+            keys = own_decode_pages(pos + 1, ps, rank, world)[1]
+            if keys:
+                picked.append(r.row + pos - (seq - r.n))
+                lens.append(keys)
+                pages.append(local)
+    if not picked:
+        return None
+    rows = torch.tensor(picked, dtype=torch.int64, device=batch.out_slots.device)
+    return _Decode(picked, rows, pages, lens)
 
 
 def _decode_rows(batch: ForwardBatch, table: torch.Tensor, reqs: list[_ReqPlan], rank: int,
@@ -251,7 +282,7 @@ class ContextParallelAttention(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._graph_bs = None
-        self._plan = plan_step(batch, self.cp.rank, self.cp.world)
+        self._plan = plan_step(batch, self.cp.rank, self.cp.world, per_row=batch_invariant.enabled())
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
         raise RuntimeError("context parallelism attends through forward(q, k, v): the new K/V are needed and "
@@ -280,6 +311,10 @@ class ContextParallelAttention(AttentionBackend):
         flash = self.flash and flash_available(q.device)
         if kv_pool.dtype != q.dtype:  # the self part reads what the pool would give back
             k, v = k.to(kv_pool.dtype).to(q.dtype), v.to(kv_pool.dtype).to(q.dtype)
+        if self._plan.per_row:  # every row in `decode`; a row without keys here keeps (0, -inf)
+            if not self._decode(q, layer_id, kv_pool, o_all, lse_all) and self._plan.decode is not None:
+                raise RuntimeError("deterministic context parallelism needs the CPU attention kernel")
+            return o_all, lse_all
         done = self._decode(q, layer_id, kv_pool, o_all, lse_all) if flash else set()
         for i, r in enumerate(self._plan.reqs):
             if i in done:

@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from engine.config import ServerConfig
-from engine.layers import batch_invariant, triton_ops
+from engine.layers import batch_invariant, cpu_attention, triton_ops
 from engine.layers.attention import AttentionBackend, create_backend
 from engine.layers.cp_attention import context_parallel
 from engine.layers.flashinfer_attention import set_decode_kernel
@@ -107,7 +107,7 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         backend = create_backend(backend_name(cfg, deterministic, layout, dtype), device)
     set_decode_kernel(backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
     if cfg.cp_size > 1:  # the pages of a request round robin over the cp ranks (cp_attention.py)
-        check_context_parallel(cfg.cp_size, layout, deterministic)
+        check_context_parallel(cfg.cp_size, layout, deterministic, device, kv_dtype)
         # the cp backend replaces this one (its flashinfer workspace reused), so only the cp backend is
         # bound; an MLA model attends its latents itself under cp too (engine/layers/mla_cp.py), eagerly
         backend = context_parallel(backend)
@@ -123,12 +123,19 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
                      pool.num_pages, pool.max_context, startup)
 
 
-def check_context_parallel(cp_size: int, layout: KVLayout, deterministic: bool) -> None:
-    """Refuse at start what context parallelism does not build: MLA's batch-invariant attention
-    (deterministic inference) at cp > 1."""
-    if cp_size > 1 and not layout.is_gqa and deterministic:
+def check_context_parallel(cp_size: int, layout: KVLayout, deterministic: bool, device: torch.device,
+                           kv_dtype: torch.dtype) -> None:
+    """Refuse at start what context parallelism does not build under deterministic inference: MLA's
+    invariant attention, and any but the CPU kernel's (every row a decode row of its own pages:
+    cp_attention.plan_step's per_row)."""
+    if cp_size <= 1 or not deterministic:
+        return
+    if not layout.is_gqa:
         raise ValueError(f"--cp-size {cp_size} with --enable-deterministic-inference: MLA's batch-invariant "
                          "attention under context parallelism is not built")
+    if device.type != "cpu" or not cpu_attention.fits(kv_dtype, layout.components[0].dim):
+        raise ValueError(f"--cp-size {cp_size} with --enable-deterministic-inference: its invariant attention is "
+                         "built on the CPU attention kernel only (a CPU, float32 or bf16 KV, the kernel compiled)")
 
 
 def backend_name(cfg: ServerConfig, deterministic: bool, layout: KVLayout, dtype: torch.dtype) -> str:

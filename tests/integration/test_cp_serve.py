@@ -157,6 +157,41 @@ def test_tp2_cp2_on_four_workers_gives_cp1_tokens(reference: dict, tmp_path: Pat
         assert stop_server(srv) == 0
 
 
+def test_cp2_deterministic_is_one_answer_whatever_the_cache_chunks_and_batch(tmp_path: Path) -> None:
+    """--enable-deterministic-inference at cp=2: a prompt's greedy tokens and logprobs are the same
+    bits fresh, behind a cached prefix (other chunks: 64-token prefill chunks from another start)
+    and batched beside others: every row attends this rank's keys as a decode row of its own
+    (cp_attention.plan_step's per_row). An audit found the answer moving with the cached prefix."""
+    srv = start_server(tmp_path, "--cp-size", "2", "--max-total-tokens", str(CP_POOL), *ARGS[:8],
+                       "--enable-deterministic-inference")
+
+    def run(ids: list[int]) -> tuple[list[int], list]:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
+                                                      "ignore_eos": True, "logprobs": True}}
+        r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]["output_token_logprobs"]
+
+    def flush() -> None:
+        assert httpx.post(f"{srv.http}/flush_cache", timeout=30).status_code == 200
+
+    try:
+        assert httpx.get(f"{srv.http}/health").json()["deterministic"] is True
+        suffix_fresh = run(SUFFIX)
+        long_behind_suffix = run(LONG[1])  # its first 96 tokens cached by SUFFIX
+        flush()
+        long_fresh = run(LONG[1])
+        suffix_behind_long = run(SUFFIX)
+        flush()
+        with ThreadPoolExecutor(3) as pool:  # one batch, chunks of 64 shared between the three
+            batched = list(pool.map(run, LONG))
+        assert long_fresh == long_behind_suffix == batched[1]
+        assert suffix_fresh == suffix_behind_long
+        assert srv.wait_idle()["strata_kv_leak_free"] == 1
+    finally:
+        assert stop_server(srv) == 0
+
+
 def test_cp2_killed_rank_stops_engine(cp_server: Server) -> None:
     everyone = psutil.Process(cp_server.proc.pid).children(recursive=True)
     worker_procs(cp_server)[1].send_signal(signal.SIGKILL)

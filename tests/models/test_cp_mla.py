@@ -83,13 +83,20 @@ def test_tp2_cp2_tiny_deepseek_v3_equals_cp1(v3_moe_dir: Path, cp1: dict) -> Non
 
 
 def test_deterministic_mla_under_cp_is_refused_naming_the_flag() -> None:
+    """Deterministic inference at cp > 1 is built for GQA on the CPU kernel only: MLA, a GPU or a
+    KV dtype the kernel does not take are refused at start."""
+    from engine.layers import cpu_attention
     from engine.run.assembly import check_context_parallel
 
     latent, gqa = KVLayout.latent(32, 8), KVLayout.gqa(2, 16)
-    with pytest.raises(ValueError, match="--cp-size 2 with --enable-deterministic-inference"):
-        check_context_parallel(2, latent, deterministic=True)
-    for args in ((2, latent, False), (1, latent, True), (2, gqa, True)):
-        check_context_parallel(*args)  # MLA at cp 2, anything at cp 1, GQA: built
+    cpu, cuda, f32 = torch.device("cpu"), torch.device("cuda"), torch.float32
+    for layout, device, dtype in ((latent, cpu, f32), (gqa, cuda, f32), (gqa, cpu, torch.float8_e4m3fn)):
+        with pytest.raises(ValueError, match="--cp-size 2 with --enable-deterministic-inference"):
+            check_context_parallel(2, layout, True, device, dtype)
+    for args in ((2, latent, False, cuda, f32), (1, latent, True, cpu, f32), (2, gqa, False, cuda, f32)):
+        check_context_parallel(*args)  # not deterministic, or cp 1: built
+    if cpu_attention.library() is not None:
+        check_context_parallel(2, gqa, True, cpu, f32)  # GQA on the CPU kernel: built
 
 
 
