@@ -326,7 +326,7 @@ def keep_freed_memory() -> bool:
 
 def load_checked(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN201
     """load_model with a clear error when the weights cannot fit the device."""
-    check_weights_fit(cfg.model, dtype, device, cfg.tp_size)
+    check_weights_fit(cfg.model, dtype, device, cfg.tp_size, cfg.tp_size * cfg.cp_size // cfg.nnodes)
     try:
         model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device, quantization=cfg.quantization or None)
     except torch.OutOfMemoryError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from engine.config import ServerConfig
@@ -105,13 +106,25 @@ def draft_bytes(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dtype, kv_dty
     return 0, 0
 
 
-def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> None:
-    """On CUDA, refuse (OutOfMemory, with the numbers) a model whose weights (this rank's share
-    of them at tp_size > 1, about 1/tp_size) exceed free memory."""
-    if device.type != "cuda" or not model_dir:
+def check_weights_fit(model_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1,
+                      host_ranks: int = 1) -> None:
+    """Refuse (OutOfMemory, with the numbers) a model whose weights (this rank's share of them at
+    tp_size > 1, about 1/tp_size) exceed free GPU memory; on a CPU, whose `host_ranks` workers'
+    shares together exceed the host's memory (the kernel's OOM killer would end the start after
+    minutes of loading, with nothing said; the total, not what is free now: this host's other
+    ranks are loading at the same time)."""
+    if device.type not in ("cuda", "cpu") or not model_dir:
         return
     mcfg = ModelConfig.from_dir(model_dir)
     need = weight_bytes(mcfg, dtype) // tp_size
+    if device.type == "cpu":
+        total = psutil.virtual_memory().total
+        if need * host_ranks > total:
+            raise OutOfMemory(
+                f"the model does not fit: its weights need {need * host_ranks / 2**30:.1f} GiB in {dtype} on this "
+                f"host ({host_ranks} worker(s) of {need / 2**30:.1f} GiB), which has {total / 2**30:.1f} GiB of memory"
+            )
+        return
     free, total = torch.cuda.mem_get_info(device)
     if need > free:
         raise OutOfMemory(
@@ -181,8 +194,6 @@ def plan_pool(cfg: ServerConfig, mcfg: ModelConfig, kv_dtype: torch.dtype, devic
         tokens = _cuda_pool_tokens(cfg, mcfg, per_token, device, draft_fixed)
         sized_by = f"--mem-fraction {cfg.mem_fraction}" + (" (with the speculative draft's)" if draft_per_token else "")
     else:
-        import psutil  # lazy: only the CPU path sizes from host memory
-
         mem = psutil.virtual_memory()
         tokens = cpu_pool_tokens(cfg, mcfg, per_token, mem.total, mem.available)
         sized_by = (

@@ -146,3 +146,19 @@ def test_cpu_default_is_deterministic_and_bf16_where_native() -> None:
         assert not ServerConfig(**off).deterministic("cpu"), off
     with pytest.raises(ValueError, match="choose one"):
         ServerConfig(enable_deterministic_inference=True, disable_deterministic_inference=True)
+
+
+def test_weights_a_cpu_host_cannot_hold_are_refused_at_start() -> None:
+    """The workers' shares of the weights together beyond the host's memory: a clear error before
+    loading, not minutes of loading and then the kernel's OOM killer (an audit: a 30B MoE at 24 GB)."""
+    import psutil
+
+    from engine.run.memory import check_weights_fit, weight_bytes
+
+    cpu, total = torch.device("cpu"), psutil.virtual_memory().total
+    check_weights_fit(str(ROOT / "configs" / "tiny-llama"), torch.float32, cpu)
+    big = ROOT / "configs" / "llama-3.1-70b"
+    need = weight_bytes(ModelConfig.from_dir(big), torch.float32)
+    ranks = -(-total // need) + 1  # this many workers' shares do not fit, at any host size
+    with pytest.raises(OutOfMemory, match="the model does not fit: its weights need .* on this host"):
+        check_weights_fit(str(big), torch.float32, cpu, tp_size=1, host_ranks=ranks)
