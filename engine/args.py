@@ -50,7 +50,7 @@ HELP = {
     "page_size": "tokens per KV page, the prefix cache's granularity (a power of 2; 0: auto, 64 for MLA models "
     "on CUDA, FlashMLA's page, else 16)",
     "max_total_tokens": "cap the KV pool at this many tokens (0: sized from free memory on GPU, from the model "
-    "and the machine on CPU)",
+    "and the machine on CPU); per cp rank at --cp-size > 1, so the engine holds cp x N",
     "mem_fraction": "share of free GPU memory, after the weights load, for the KV pool and runtime buffers",
     "max_running_requests": "most requests in the running batch at once (also the largest CUDA graph's rows; times "
     "--speculative-num-draft-tokens with speculative chains)",

@@ -231,6 +231,7 @@ class ServerConfig:
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
             (1 <= steps <= 16, "--speculative-num-steps must be in 1..16"),
+            (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),  # before what it means
             *_tree_checks(self.speculative_eagle_topk, steps, tokens, self.enable_deterministic_inference),
             (algo == "STANDALONE" or not self.speculative_draft_layers,
              "--speculative-draft-layers N: self-drafts need --speculative-algorithm STANDALONE"),
@@ -244,7 +245,6 @@ class ServerConfig:
              "--speculative-draft-model-path"),
             (not (self.speculative_draft_model_path and self.speculative_draft_layers),
              "--speculative-draft-model-path and --speculative-draft-layers: choose one draft"),
-            (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),
             (0.0 <= self.speculative_corrupt_drafts < 1.0 and (algo == "NGRAM" or not self.speculative_corrupt_drafts),
              "--speculative-corrupt-drafts must be in [0, 1), with --speculative-algorithm NGRAM"),
         ):

@@ -102,6 +102,9 @@ def quant_scheme(cfg: ModelConfig, quantization: str | None) -> QuantScheme | No
     """The weight quantization the model runs with: the checkpoint's, else `--quantization`'s."""
     if quantization is not None and quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown --quantization {quantization!r}; choose from {QUANTIZATION_CHOICES}")
-    if cfg.quant is not None:
-        return cfg.quant  # already quantized: the checkpoint's own scheme wins (as in vLLM and SGLang)
+    if cfg.quant is not None:  # already quantized: the checkpoint's own FP8 scheme wins (as in vLLM and SGLang)
+        if quantization == "fp8" and not cfg.quant.format.startswith("fp8"):  # vLLM refuses a mismatch too
+            raise ValueError(f"--quantization fp8: the checkpoint is already quantized ({cfg.quant.format}, "
+                             f"{cfg.quant.source}); drop the flag")
+        return cfg.quant
     return online_fp8() if quantization == "fp8" else None

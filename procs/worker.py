@@ -8,6 +8,7 @@ forever."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Any
@@ -55,6 +56,9 @@ def main() -> int:
         control.send(Fatal(proc="worker", rank=rank, reason=str(exc)))
         code = 1
     finally:
+        # exiting now: the supervisor's SIGTERM (sent on a failed start) must not raise SystemExit
+        # inside zmq's Context.__del__ while its bounded linger runs ("Exception ignored ...")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if "engine.run.dist" in sys.modules:  # tp > 1: leave the group, never waiting on it forever
             sys.modules["engine.run.dist"].shutdown_distributed(1)
     return code

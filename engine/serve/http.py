@@ -199,7 +199,9 @@ def build_app(state: ServeState) -> Starlette:
             return error_response(exc)
         if not done.ok:
             return json_response(error_body(409, f"cache not flushed: {done.message}", code="busy"), 409)
-        return json_response({"status": "ok", "message": "L1 and L2 are empty (L3 files are kept)"})
+        emptied = "L1 and L2 are" if state.cfg.enable_hierarchical_cache else "L1 is"
+        kept = " (L3 files are kept)" if state.cfg.l3_dir else ""
+        return json_response({"status": "ok", "message": f"{emptied} empty{kept}"})
 
     async def metrics(_request: Request) -> Response:
         body, content_type = state.frontend.metrics.render()

@@ -92,13 +92,13 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
+    response_format: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's, for reasoning models: handed to the chat template (as vLLM does; gpt-oss's reads it)
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -115,6 +115,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     # union, so the array shapes are checked by `completion_prompts`.
     prompt: str | list[Any]
     logprobs: int | None = None
+    response_format: dict[str, Any] | None = None  # not OpenAI's here; vLLM's and SGLang's
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
@@ -179,6 +180,9 @@ def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if req.prompt_logprobs is not None and req.stream:  # (as vLLM)
         raise ApiError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt not in ("text", "json_object", "json_schema"):  # the rest: engine.serve.grammar.response_format_spec
+        raise ApiError(400, f"response_format type {fmt!r} is not supported", param="response_format")
     if isinstance(req, CompletionRequest):
         _check_completion_extras(req)
     else:
@@ -193,9 +197,6 @@ def _check_completion_extras(req: CompletionRequest) -> None:
 
 
 def _check_chat_extras(req: ChatCompletionRequest) -> None:
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt not in ("text", "json_object", "json_schema"):  # the rest: engine.serve.grammar.response_format_spec
-        raise ApiError(400, f"response_format type {fmt!r} is not supported", param="response_format")
     if req.modalities not in (None, ["text"]):
         raise ApiError(400, "only the text modality is supported", param="modalities")
     # tools / tool_choice / parallel_tool_calls: engine.serve.parsers.tool_request.check_tools,

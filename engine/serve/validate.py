@@ -165,8 +165,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     _set(kw, "ebnf", req.ebnf)
     if req.logit_bias:
         kw["logit_bias"] = _logit_bias(req.logit_bias)
-    if isinstance(req, ChatCompletionRequest):
-        kw.update(response_format_spec(req.response_format))
+    kw.update(response_format_spec(req.response_format))
     guided = guided_spec(req)
     if guided is not None:
         field, name, spec = guided

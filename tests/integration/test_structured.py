@@ -228,6 +228,11 @@ def test_vllm_guided_fields(client: OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=48, temperature=0,
                                        extra_body={"guided_json": SCHEMAS[1][1]})
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[1][1])
+    # response_format on /v1/completions (vLLM and SGLang take it there; OpenAI has it on chat only)
+    fmt = {"type": "json_schema", "json_schema": {"name": "colors", "schema": SCHEMAS[1][1]}}
+    r = client.completions.create(model=MODEL, prompt="Colors:", max_tokens=64, temperature=0,
+                                  extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[1][1])
 
 
 BAD = [

@@ -102,6 +102,14 @@ def test_sizes_that_do_not_divide_are_named(tmp_path: Path, ep_state: None) -> N
         load_model(path, load_format="dummy", progress=False)
 
 
+def test_expert_parallelism_of_a_dense_model_is_refused(default_model_dir: Path) -> None:
+    from engine.run.assembly import load_checked
+
+    cfg = ServerConfig(model=str(default_model_dir), device="cpu", tp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match="--ep-size 2: the model has no experts"):
+        load_checked(cfg, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("state", ["ep", "tp"])
 def test_dummy_draws_in_row_chunks_fill_a_rank_as_one_draw(tmp_path: Path, ep_state: None, state: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:

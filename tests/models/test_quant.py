@@ -74,6 +74,20 @@ def test_online_fp8_is_per_channel_e4m3(plain: dict[str, Path]) -> None:
         load_model(plain["llama"], progress=False, quantization="int4")
 
 
+def test_fp8_flag_on_a_quantized_checkpoint(plain: dict[str, Path], tmp_path: Path) -> None:
+    """--quantization fp8 on an FP8 checkpoint: its own scheme wins; on an NVFP4 one: refused."""
+    from models.config import ModelConfig
+    from models.registry import quant_scheme
+
+    fp8 = quantize_dir(plain["llama"], tmp_path / "fp8", "fp8-block")
+    cfg = ModelConfig.from_dir(fp8)
+    assert quant_scheme(cfg, "fp8") == cfg.quant and cfg.quant.format == "fp8_block"
+    nvfp4 = ModelConfig.from_dir(quantize_dir(plain["llama"], tmp_path / "nv", "modelopt-nvfp4"))
+    with pytest.raises(ValueError, match=r"--quantization fp8: the checkpoint is already quantized \(nvfp4"):
+        quant_scheme(nvfp4, "fp8")
+    assert quant_scheme(nvfp4, None) == nvfp4.quant
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "modelopt-nvfp4"])
 def test_dummy_weights_follow_the_quantized_config(plain: dict[str, Path], tmp_path: Path, fmt: str) -> None:
     qdir = quantize_dir(plain["qwen3"], tmp_path / "q", fmt)

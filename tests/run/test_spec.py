@@ -195,6 +195,7 @@ def test_wire_plain_steps_unchanged_and_spec_messages_round_trip() -> None:
     (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/tmp", speculative_draft_layers=2),
      "choose one draft"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=40), "--speculative-num-steps"),
+    (dict(speculative_algorithm="STANDALONE", speculative_draft_layers=-1), "--speculative-draft-layers must be >= 0"),
     (dict(speculative_algorithm="NGRAM", speculative_corrupt_drafts=1.0), "--speculative-corrupt-drafts"),
     (dict(speculative_algorithm="STANDALONE", speculative_draft_layers=2, speculative_corrupt_drafts=0.3),
      "--speculative-corrupt-drafts"),
