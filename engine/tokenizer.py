@@ -57,9 +57,9 @@ class TextTokenizer:
     def max_piece_chars(self) -> int:
         """The most characters of text one token stands for: its longest vocabulary piece (a
         byte-level piece's characters are bytes, no fewer than the text's characters; `▁` is one
-        space; `<0xE2>` less than one character). 0 (no bound) where the tokenizer normalizes text
-        in a way that can delete characters, or is not a fast tokenizer."""
-        if self._backend is None or not _keeps_characters(json.loads(self._backend.to_str()).get("normalizer")):
+        space; `<0xE2>` less than one character). 0 (no bound) where one token can stand for any
+        amount of text (`_bounded`), or the tokenizer is not a fast one."""
+        if self._backend is None or not _bounded(json.loads(self._backend.to_str())):
             return 0
         return max((len(piece) for piece in self.hf.get_vocab()), default=0)
 
@@ -102,6 +102,34 @@ class TextTokenizer:
         return self.token_text(token_id).encode()
 
 
+
+
+def _bounded(spec: dict[str, Any]) -> bool:
+    """Whether no token of a tokenizer.json can stand for more text than its piece's characters:
+    no normalizer or pre-tokenizer step that deletes characters, no added token that swallows the
+    whitespace beside it (lstrip / rstrip), and no model that turns a run of unknown text into one
+    token (WordPiece, WordLevel, a Unigram without byte fallback, a BPE that fuses unknowns)."""
+    model = spec.get("model") or {}
+    kind = model.get("type")
+    if kind not in ("BPE", "Unigram") or (kind == "Unigram" and not model.get("byte_fallback")):
+        return False
+    if kind == "BPE" and model.get("fuse_unk") and not model.get("byte_fallback"):
+        return False
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()):
+        return False
+    return _keeps_characters(spec.get("normalizer")) and _splits_only(spec.get("pre_tokenizer"))
+
+
+def _splits_only(pre: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer only splits text (or marks spaces), never removing any of it."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_splits_only(p) for p in pre.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return pre.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
 
 
 def _keeps_characters(normalizer: dict[str, Any] | None) -> bool:

@@ -22,8 +22,11 @@ by log-sum-exp (docs/architecture.md, "Context parallelism").
   own key on rank 0. The step's one-token rows instead go in one kernel call (`_Decode`): the
   owner has stored the new key first, so each rank attends its own pages, the new key among them,
   as one paged decode over a local page table, with the kernel's LSE (CPU: cpu_attention.c; CUDA:
-  flashinfer's paged decode, whose LSE is base 2; not under deterministic inference, whose rows
-  keep the per-request path).
+  flashinfer's paged decode, whose LSE is base 2).
+* **Deterministic inference** (`plan_step(per_row=True)`, CPU only: assembly.check_context_parallel
+  refuses the rest): every new row, prefill rows too, is such a decode row of its own over this
+  rank's keys up to its position, so its bits do not depend on what was cached, the chunks or
+  the batch.
 * **CUDA graphs** (decode steps, engine/run/cuda_graph.py): the graph runner hands the step's lists
   to `plan_graph_lists`, which plans a fixed-size flashinfer decode over this rank's pages
   (`local_decode_metadata`: a row with no key here, or a padding row, reads the padding page and

@@ -84,10 +84,13 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         keep_freed_memory()
         if TORCH_PREIMPORTED:  # in-process users (tests, LocalEngine) keep torch's spinning default
             log.debug("torch was imported before engine.run: OMP_WAIT_POLICY left as torch found it")
+    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
+    if cfg.cp_size > 1 and cfg.model:  # before the weights load: a refusal should not take minutes
+        check_context_parallel(cfg.cp_size, kv_layout(ModelConfig.from_dir(cfg.model)), deterministic, device,
+                               kv_dtype)
     t0 = time.perf_counter()
     model, mcfg = load_checked(cfg, dtype, device)
     startup = {"load_s": time.perf_counter() - t0}
-    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
     shard = rank_config(mcfg)
     layout = kv_layout(shard)
     pool = plan_pool(cfg, shard, kv_dtype, device, dtype)
@@ -107,7 +110,6 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         backend = create_backend(backend_name(cfg, deterministic, layout, dtype), device)
     set_decode_kernel(backend, cfg.decode_kernel)  # --decode-kernel; auto: the GPU's tuning file
     if cfg.cp_size > 1:  # the pages of a request round robin over the cp ranks (cp_attention.py)
-        check_context_parallel(cfg.cp_size, layout, deterministic, device, kv_dtype)
         # the cp backend replaces this one (its flashinfer workspace reused), so only the cp backend is
         # bound; an MLA model attends its latents itself under cp too (engine/layers/mla_cp.py), eagerly
         backend = context_parallel(backend)

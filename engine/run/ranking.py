@@ -21,7 +21,10 @@ def ranked_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     differently for different k, which made a request's top_logprobs depend on the largest k of
     its batch. Ranks an int64 key: the value's bits made monotonic, then the id reversed (about 6x a
     float topk on a CPU, where `canonical_topk` serves top_k's candidates)."""
-    bits = x.float().contiguous().view(torch.int32)  # (bf16 and fp16 values convert exactly)
+    y = x.float()  # (bf16 and fp16 values convert exactly)
+    # as topk and sort see them: -0.0 equal to +0.0 (adding +0.0 makes it +0.0), every NaN the largest
+    y = torch.where(torch.isnan(y), float("nan"), y + 0.0)
+    bits = y.contiguous().view(torch.int32)
     order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
     idx = (order * (1 << 32) + (0xFFFFFFFF - ids)).topk(k, dim=-1).indices
@@ -46,6 +49,6 @@ def canonical_topk(x: Tensor, k: int, row_k: Tensor) -> tuple[Tensor, Tensor]:
         kth = vals.gather(1, (row_k.clamp(1, k) - 1).unsqueeze(1)).squeeze(1)
         for r in (kth == vals[:, -1]).nonzero().squeeze(1).tolist():
             t = vals[r, -1]
-            above = int((vals[r, :k] > t).sum())
+            above = int((vals[r, :k] != t).sum())  # above t (NaN included: sorted first)
             ids[r, above:k] = (x[r] == t).nonzero().squeeze(1)[: k - above]
     return vals[:, :k], ids[:, :k]

@@ -294,7 +294,9 @@ def native_params(raw: dict[str, Any] | None, defaults: dict[str, Any] | None = 
     them: `stop` may be one string, and max_new_tokens null means up to the context's end (not given,
     and no default: `native_request` clips it to the room left). `defaults` (the model's) fill the
     sampling keys it does not have."""
-    raw = {**(defaults or {}), **(raw or {})}
+    raw = dict(raw or {})
+    if defaults:  # a null sampling field is unset, as on the OpenAI routes: the model's value
+        raw = {**defaults, **{k: v for k, v in raw.items() if not (v is None and k in defaults)}}
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
     if "no_stop_trim" in raw:  # SGLang's name

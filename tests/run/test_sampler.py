@@ -520,6 +520,25 @@ def test_canonical_topk_gives_ranked_topk_s_first_row_k() -> None:
             assert torch.equal(vals[r, :n], want_vals[r, :n])
 
 
+def test_ranked_and_canonical_topk_agree_on_nan_and_signed_zeros() -> None:
+    """NaN first (as topk and sort put it), -0.0 equal to +0.0 (ordered by id): ranked_topk (a GPU's
+    candidates) and canonical_topk (a CPU's) and the stable sort ("sort" mode) agree; a review
+    found a NaN misaligning canonical_topk's refill and ranked_topk putting +0.0 before -0.0."""
+    x = torch.full((3, 40), 0.5)
+    x[0, 30], x[0, 35] = math.nan, 2.0
+    x[1] = torch.tensor([-0.0, 0.0, -1.0, -2.0] * 10)
+    x[2, ::3] = -math.inf
+    for k in (1, 2, 3, 5):
+        row_k = torch.full((3,), k)
+        vals, ids = canonical_topk(x, k, row_k)
+        r_vals, r_ids = ranked_topk(x, k)
+        s_vals, s_ids = x.sort(dim=-1, descending=True, stable=True)
+        assert ids.tolist() == r_ids.tolist() == s_ids[:, :k].tolist(), k
+        for got in (vals, r_vals):
+            assert torch.equal(got.nan_to_num(9.0), x.gather(1, ids).nan_to_num(9.0))
+    assert ids[0, :2].tolist() == [30, 35] and ids[1, :2].tolist() == [0, 1]
+
+
 def test_sampled_top_k_does_not_depend_on_the_batch_on_ties(device: torch.device) -> None:
     """Under deterministic inference a top_k row of tied logits draws the same tokens alone and
     beside rows that ask for a larger top_k (a cut through its tie), a top_p alone (full sort) or

@@ -56,4 +56,5 @@ def test_defaults_fill_only_what_a_request_leaves_unset() -> None:
     params, _ = native_params({"temperature": 1.0, "max_new_tokens": 3}, defaults)
     assert (params.temperature, params.top_k, params.top_p, params.max_new_tokens) == (1.0, 20, 0.95, 3)
     assert native_params(None, defaults)[0].temperature == 0.6
+    assert native_params({"temperature": None}, defaults)[0].temperature == 0.6  # null is unset, as over OpenAI
     assert native_params(None)[0].temperature == 1.0

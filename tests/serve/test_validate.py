@@ -269,6 +269,33 @@ def test_completion_prompt_shapes(text_tok) -> None:
     _raises(400, completion_prompts, "text", None, LIMITS, param="prompt")  # ids-only mode
 
 
+def test_no_length_bound_where_one_token_can_stand_for_any_text(text_tok) -> None:
+    """The bound holds only where no step can swallow text (a review's counterexamples: an added
+    token with rstrip took 8,007 characters of whitespace as 1 token; a fused unknown, 10,000)."""
+    import copy
+    import json
+
+    from engine.tokenizer import _bounded
+
+    spec = json.loads(text_tok.hf.backend_tokenizer.to_str())
+    assert _bounded(spec)
+    changes = [("added_tokens", lambda s: s["added_tokens"][0].update(rstrip=True)),
+               ("pre_tokenizer", lambda s: s.update(pre_tokenizer={"type": "WhitespaceSplit"})),
+               ("pre_tokenizer", lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+                   {"type": "ByteLevel"}, {"type": "Split", "behavior": "Removed"}]})),
+               ("normalizer", lambda s: s.update(normalizer={"type": "Strip", "left": True, "right": True})),
+               ("model", lambda s: s["model"].update(type="WordPiece")),
+               ("model", lambda s: s["model"].update(fuse_unk=True))]
+    for _, change in changes:
+        broken = copy.deepcopy(spec)
+        change(broken)
+        assert not _bounded(broken)
+    kept = copy.deepcopy(spec)
+    kept["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Isolated"},
+                                                                    {"type": "ByteLevel"}]}  # Llama 3's shape
+    assert _bounded(kept)
+
+
 def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(text_tok, monkeypatch) -> None:
     """No token of the default model stands for more than its longest piece's characters, so a
     text longer than max_context times that cannot fit: a 400 without tokenizing it. A text just
