@@ -372,7 +372,8 @@ def race_noise_kernel(cand, cand_stride, seeds, positions, ids, ids_stride, cols
                       BITS: tl.constexpr, BLOCK: tl.constexpr):
     """The sampler's exponential race, in place: cand[b, c] -= log(-log(u)), u uniform from
     splitmix64(splitmix64(seed_b + (position_b + 1) * G) + (token + 1) * G), token = ids[b, c] (or
-    c), u = (low BITS bits + 0.5) / 2**BITS (engine/run/sampler.py `_log_exp_noise`, its torch twin)."""
+    c), u = (low BITS bits + 0.5) / 2**BITS (engine/run/sampler.py `_log_exp_noise`, its torch twin:
+    engine/run/noise.py)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = c < cols

@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
+from engine.run.noise import _mix64, _mix64_int
 from engine.run.ranking import canonical_topk, ranked_topk
 from engine.run.sample_params import SampleParams
-from engine.run.sampler import Sampler, _mix64, _mix64_int
+from engine.run.sampler import Sampler
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -564,3 +565,57 @@ def test_sampled_top_k_does_not_depend_on_the_batch_on_ties(device: torch.device
         assert set(tokens) <= {40, 41, 42} and len(set(tokens)) > 1
         outs.append(tokens)
     assert all(o == outs[0] for o in outs)
+
+
+def test_a_cpu_sort_mode_batch_draws_what_the_full_sort_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU, "sort" mode races a row over its first _SORT_FIRST candidates where its survivors
+    lie there, over its whole row unsorted where nothing is filtered, and sorts only the rest: the
+    same tokens, bit for bit, as sorting every row (rows of each kind, ties, min_p, greedy)."""
+    from engine.run import sampler as sampler_mod
+
+    vocab = 5000
+    torch.manual_seed(3)
+    logits = (torch.randn(9, vocab) * 4).bfloat16().float()
+    logits[1] = 0.0  # flat: top_p 0.9 needs 4,500 tokens, past the first 1,024: sorted whole
+    logits[4, :50] = 30.0  # 50 tied best
+    params = [SampleParams(seed=1, temperature=0.8, top_p=0.9),
+              SampleParams(seed=2, temperature=1.0, top_p=0.9),
+              SampleParams(seed=3, temperature=0.7),  # nothing filtered: the whole row
+              SampleParams(seed=4, temperature=1.0, top_k=2000, top_p=0.95),  # top_k past 1,024
+              SampleParams(seed=5, temperature=1.3, top_k=20, top_p=0.5),
+              SampleParams(seed=6, temperature=1.0, min_p=0.05, top_p=0.99),
+              SampleParams(seed=7, temperature=0.0),
+              SampleParams(seed=8, temperature=1.0, top_k=vocab + 10, top_p=0.8),  # top_k past the vocab
+              SampleParams(seed=9, temperature=2.0, top_k=-1, top_p=0.3, logprobs=True, top_logprobs=2)]
+
+    def draws() -> list[list[int]]:
+        s = Sampler(vocab, 16, "cpu", deterministic=True)
+        for slot, p in enumerate(params):
+            s.add(slot, p)
+        slots = list(range(len(params)))
+        return [s.sample(logits, slots, torch.full((len(slots),), pos)).token_ids.tolist() for pos in range(12)]
+
+    by_rows = draws()
+    monkeypatch.setattr(sampler_mod, "_SORT_FIRST", 10**9)  # every row sorted whole
+    assert draws() == by_rows
+    assert len({d[1] for d in by_rows}) > 1 and all(d[6] == int(logits[6].argmax()) for d in by_rows)
+
+
+def test_a_top_p_row_draws_the_same_beside_any_neighbour_on_a_cpu() -> None:
+    """A top_k + top_p row alone ("topk" mode) and beside a top_p-only row ("sort" mode, raced by
+    rows) and a plain row: the same draws under deterministic inference."""
+    vocab = 3000
+    torch.manual_seed(4)
+    row = (torch.randn(1, vocab) * 3).bfloat16().float()
+    own = SampleParams(seed=11, temperature=0.9, top_k=40, top_p=0.8)
+    outs = []
+    for other in (None, SampleParams(seed=12, top_p=0.7), SampleParams(seed=13, temperature=0.5)):
+        s = Sampler(vocab, 4, "cpu", deterministic=True)
+        s.add(0, own)
+        slots = [0] if other is None else [0, 1]
+        if other is not None:
+            s.add(1, other)
+        logits = row.expand(len(slots), -1).contiguous()
+        outs.append([int(s.sample(logits, slots, _pos([p] * len(slots), torch.device("cpu"))).token_ids[0])
+                     for p in range(16)])
+    assert outs[0] == outs[1] == outs[2] and len(set(outs[0])) > 1

@@ -376,7 +376,8 @@ def test_race_noise_is_the_samplers_hash(with_ids: bool) -> None:
     """race_noise_ subtracts the sampler's noise (engine/run/sampler.py `_log_exp_noise`: the
     splitmix64 hash of seed, position and token id, then log(-log(u))); a wrong bit of the hash
     would move a value far off, so closeness checks the hash exactly."""
-    from engine.run.sampler import _UNIFORM_BITS, Sampler
+    from engine.run.noise import _UNIFORM_BITS
+    from engine.run.sampler import Sampler
 
     g = torch.Generator().manual_seed(11)
     b, v = 5, 3000
