@@ -55,6 +55,8 @@ def _timed_out(timeout_s: float) -> StrataError:
 
 def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[str, Any], api_key: str
              ) -> GenerateRequest:
+    # a null sampling field is unset, as over HTTP: the server's model defaults fill it
+    kw = {k: v for k, v in kw.items() if not (v is None and k in MODEL_DEFAULT_FIELDS)}
     unknown = sorted(set(kw) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise StrataError(400, f"unknown sampling parameter(s): {', '.join(unknown)}")

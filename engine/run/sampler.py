@@ -356,7 +356,7 @@ class Sampler:
     def _race_by_rows(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
         """"sort" mode on a CPU, where sorting the vocabulary is most of sampling (16 rows x 128k:
         ~80 ms on 2 cores). A row whose survivors lie among its first _SORT_FIRST candidates (a
-        top_k up to that, or a top_p reached by then: nearly every real row) races over those; a
+        top_k up to that, or without top_k a top_p reached by then: nearly every real row) races over those; a
         row with nothing to filter over its whole row unsorted; only the rest are sorted. Each
         row's candidates, masses and draw are bit for bit those of the full sort's first entries
         (`_filter_sorted`), so which group a row falls in changes nothing but the time."""
@@ -365,8 +365,10 @@ class Sampler:
         cand = self._filter_sorted(cand, batch, self._full_mass(penalized, cand, batch))
         k, top_p, greedy = batch.ip[_I_TOP_K], batch.fp[_F_TOP_P], batch.ip[_I_GREEDY].bool()
         whole = ~greedy & (k >= self.vocab_size) & (top_p >= 1.0)
-        # the last candidate dropped (or -inf, as all after it): every survivor is a candidate
-        first = ~whole & (greedy | (k <= _SORT_FIRST) | (cand[:, -1] == -math.inf))
+        # every survivor is a candidate: a top_k within them, or top_p over the whole row dropped
+        # the last one (or it is -inf, as all after it). A top_k between them and the vocabulary
+        # measures top_p against its first k's sum, which these candidates do not hold: sorted.
+        first = ~whole & (greedy | (k <= _SORT_FIRST) | ((k >= self.vocab_size) & (cand[:, -1] == -math.inf)))
         sort = ~(whole | first)
         tokens = torch.empty(len(k), dtype=torch.int64, device=penalized.device)
         for rows, how in ((first, "first"), (whole, "whole"), (sort, "sort")):

@@ -54,6 +54,7 @@ def test_an_unset_temperature_is_the_model_s(greedy_model: Server) -> None:
     assert httpx.post(f"{srv.http}/generate", json=gen, timeout=120).json()["text"] == sampled[0]
     with Client(srv.sdk) as c:
         assert c.generate(PROMPT, max_new_tokens=12, seed=3).text == greedy[0]
+        assert c.generate(PROMPT, max_new_tokens=12, seed=3, temperature=None).text == greedy[0]  # null: unset
         assert c.generate(PROMPT, max_new_tokens=12, seed=3, temperature=1.0).text == sampled[0]
     chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "seed": 3}
     unset = httpx.post(f"{srv.http}/v1/chat/completions", json=chat, timeout=120).json()

@@ -575,7 +575,7 @@ def test_a_cpu_sort_mode_batch_draws_what_the_full_sort_draws(monkeypatch: pytes
 
     vocab = 5000
     torch.manual_seed(3)
-    logits = (torch.randn(9, vocab) * 4).bfloat16().float()
+    logits = (torch.randn(10, vocab) * 4).bfloat16().float()
     logits[1] = 0.0  # flat: top_p 0.9 needs 4,500 tokens, past the first 1,024: sorted whole
     logits[4, :50] = 30.0  # 50 tied best
     params = [SampleParams(seed=1, temperature=0.8, top_p=0.9),
@@ -586,7 +586,10 @@ def test_a_cpu_sort_mode_batch_draws_what_the_full_sort_draws(monkeypatch: pytes
               SampleParams(seed=6, temperature=1.0, min_p=0.05, top_p=0.99),
               SampleParams(seed=7, temperature=0.0),
               SampleParams(seed=8, temperature=1.0, top_k=vocab + 10, top_p=0.8),  # top_k past the vocab
-              SampleParams(seed=9, temperature=2.0, top_k=-1, top_p=0.3, logprobs=True, top_logprobs=2)]
+              SampleParams(seed=9, temperature=2.0, top_k=-1, top_p=0.3, logprobs=True, top_logprobs=2),
+              # top_k past the first 1,024 with top_p: its mass is of its first 2,000, so it is sorted
+              # (an audit: raced over 1,024 against their own total, it drew from too few)
+              SampleParams(seed=10, temperature=4.0, top_k=2000, top_p=0.6)]
 
     def draws() -> list[list[int]]:
         s = Sampler(vocab, 16, "cpu", deterministic=True)
@@ -601,15 +604,18 @@ def test_a_cpu_sort_mode_batch_draws_what_the_full_sort_draws(monkeypatch: pytes
     assert len({d[1] for d in by_rows}) > 1 and all(d[6] == int(logits[6].argmax()) for d in by_rows)
 
 
-def test_a_top_p_row_draws_the_same_beside_any_neighbour_on_a_cpu() -> None:
-    """A top_k + top_p row alone ("topk" mode) and beside a top_p-only row ("sort" mode, raced by
-    rows) and a plain row: the same draws under deterministic inference."""
-    vocab = 3000
+@pytest.mark.parametrize("top_k", [40, 2000])
+def test_a_top_p_row_draws_the_same_beside_any_neighbour_on_a_cpu(top_k: int) -> None:
+    """A top_k + top_p row alone ("topk" mode) and beside a top_p-only row, a top_k beyond 4,096 or
+    a plain row ("sort" mode, raced by rows): the same draws under deterministic inference (an
+    audit: a top_k of 1,025-4,096 with top_p drew otherwise beside such neighbours)."""
+    vocab = 5000
     torch.manual_seed(4)
     row = (torch.randn(1, vocab) * 3).bfloat16().float()
-    own = SampleParams(seed=11, temperature=0.9, top_k=40, top_p=0.8)
+    own = SampleParams(seed=11, temperature=4.0, top_k=top_k, top_p=0.6)
     outs = []
-    for other in (None, SampleParams(seed=12, top_p=0.7), SampleParams(seed=13, temperature=0.5)):
+    for other in (None, SampleParams(seed=12, top_p=0.7), SampleParams(seed=13, temperature=0.5),
+                  SampleParams(seed=14, top_k=4500)):
         s = Sampler(vocab, 4, "cpu", deterministic=True)
         s.add(0, own)
         slots = [0] if other is None else [0, 1]
