@@ -2,9 +2,9 @@
 
 Model makers put them in generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20).
 SGLang (`--sampling-defaults model`) and vLLM (`--generation-config auto`) apply them to every
-request that leaves them unset, and so do we: the OpenAI routes (a field absent or null),
-/generate (a key absent from sampling_params) and the SDK (`GenerateRequest.unset`, filled by
-the client). `do_sample` is not read, as neither reads it. Read once at start; a value the
+request that leaves them unset, and so do we: the OpenAI routes and /generate (a field absent or
+null) and the SDK (`GenerateRequest.unset`, filled by the client from what its caller left out or
+gave as None). `do_sample` is not read, as neither reads it. Read once at start; a value the
 engine would refuse fails the start, naming the file and the field.
 """
 
