@@ -36,8 +36,6 @@ _SORT_FIRST = 1024
 _PLAN_CACHE_MAX = 16
 
 
-
-
 @dataclass(frozen=True)
 class SampleResult:
     """Output of `Sampler.sample`; every tensor stays on the sampler's device.
@@ -341,17 +339,21 @@ class Sampler:
         plan = batch.plan
         if plan.mode == "sort" and self.device.type == "cpu" and self.vocab_size > _SORT_FIRST:
             return self._race_by_rows(penalized, batch, positions)
-        ids: Tensor | None = None
-        # Temperature does not change order, so pick candidates before scaling (fewer elements).
-        if plan.mode != "none":
-            cand, ids = self._candidates(penalized, batch, plan.mode, plan.kmax)
-        else:
-            cand = penalized
-        cand = cand * batch.fp[_F_INV_TEMP].unsqueeze(1)
-        if ids is not None:
-            full = self._full_mass(penalized, cand, batch) if plan.mode == "sort" else None
-            cand = self._filter_sorted(cand, batch, full)
+        if plan.mode == "none":
+            return self._draw(penalized * batch.fp[_F_INV_TEMP].unsqueeze(1), None, batch, positions)
+        cand, ids, _ = self._survivors(penalized, batch, plan.mode, plan.kmax)
         return self._draw(cand, ids, batch, positions)
+
+    def _survivors(self, penalized: Tensor, batch: _Batch, mode: str, width: int,
+                   full: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(candidates sorted descending at temperature, top_k / top_p masked to -inf; their ids;
+        the whole-row mass used, `_full_mass`, computed here unless given)."""
+        # Temperature does not change order, so pick candidates before scaling (fewer elements).
+        cand, ids = self._candidates(penalized, batch, mode, width)
+        cand = cand * batch.fp[_F_INV_TEMP].unsqueeze(1)
+        if full is None:
+            full = self._full_mass(penalized, cand, batch)
+        return self._filter_sorted(cand, batch, full), ids, full
 
     def _race_by_rows(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
         """"sort" mode on a CPU, where sorting the vocabulary is most of sampling (16 rows x 128k:
@@ -360,9 +362,7 @@ class Sampler:
         row with nothing to filter over its whole row unsorted; only the rest are sorted. Each
         row's candidates, masses and draw are bit for bit those of the full sort's first entries
         (`_filter_sorted`), so which group a row falls in changes nothing but the time."""
-        cand, ids = self._candidates(penalized, batch, "topk", _SORT_FIRST)
-        cand = cand * batch.fp[_F_INV_TEMP].unsqueeze(1)
-        cand = self._filter_sorted(cand, batch, self._full_mass(penalized, cand, batch))
+        cand, ids, full = self._survivors(penalized, batch, "topk", _SORT_FIRST)
         k, top_p, greedy = batch.ip[_I_TOP_K], batch.fp[_F_TOP_P], batch.ip[_I_GREEDY].bool()
         whole = ~greedy & (k >= self.vocab_size) & (top_p >= 1.0)
         # every survivor is a candidate: a top_k within them, or top_p over the whole row dropped
@@ -381,9 +381,7 @@ class Sampler:
             elif how == "whole":
                 tokens[r] = self._draw(penalized[r] * sub.fp[_F_INV_TEMP].unsqueeze(1), None, sub, positions[r])
             else:
-                s_cand, s_ids = self._candidates(penalized[r], sub, "sort", 0)
-                s_cand = s_cand * sub.fp[_F_INV_TEMP].unsqueeze(1)
-                s_cand = self._filter_sorted(s_cand, sub, self._full_mass(penalized[r], s_cand, sub))
+                s_cand, s_ids, _ = self._survivors(penalized[r], sub, "sort", 0, None if full is None else full[r])
                 tokens[r] = self._draw(s_cand, s_ids, sub, positions[r])
         return tokens
 
