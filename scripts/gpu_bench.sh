@@ -23,6 +23,9 @@
 #   hostcopy  host-tier copy GB/s (python -m engine.bench.hostcopy cuda); its gpu tests are in quick
 #   det       deterministic inference: its gpu tests (decode in CUDA graphs = eager bits), then bin/bench deterministic
 #             (Qwen3-0.6B, bf16, mode on)
+#             (DET_SAMPLING=filtered: top_k/top_p under test, neighbours filtering otherwise)
+#   sampler   the sampler's tests on CUDA (tests/run/test_sampler.py), then scripts/sampler_cost.py: what sampling
+#             costs a step, deterministic inference off and on (ranked top_k candidates, cumsum top_p mass)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
 #   detoffline Qwen3-0.6B 256 requests and Llama-3.1-8B 1000/1000, the mode off then on (DET_MODES, and
 #             DETOFF_MODELS="llama" for one model)
@@ -94,7 +97,7 @@
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="aboffline quick check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="aboffline quick sampler check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -109,6 +112,7 @@ run() {  # name, timeout, command...
   echo "=== $name"; local t0=$(date +%s)
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "rc=$rc in $(( $(date +%s) - t0 )) s"; grep -A14 "Result ==" "$OUT/$name.log" | head -24
+  grep -A3 "compiled after ready" "$OUT/$name.log"
   [ $rc = 0 ] || { tail -40 "$OUT/$name.log"; for f in /tmp/strata-bench-*/serve.log; do [ -f "$f" ] && tail -60 "$f"; done; }
   return $rc
 }
@@ -174,6 +178,10 @@ fails=0
 for what in "$@"; do case $what in
   quick) run gpu-quick 300 python3 -m pytest -m gpu tests/gpu/test_grammar_gpu.py tests/cache/test_tier_gpu.py -q -rA \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quick.log" | tail -30 ;;
+  sampler) run gpu-sampler 200 python3 -m pytest tests/run/test_sampler.py -q -rA -p no:cacheprovider -k cuda \
+             || fails=$((fails + 1)); grep -E "passed|failed|FAILED|Error" "$OUT/gpu-sampler.log" | tail -12
+           run sampler-cost 200 python3 scripts/sampler_cost.py "$OUT/sampler-cost.json" || fails=$((fails + 1))
+           cat "$OUT/sampler-cost.log" ;;
   check) run gpu-tests 540 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do
@@ -217,7 +225,7 @@ for what in "$@"; do case $what in
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|timing:" "$OUT/gpu-det.log" | tail -16
        ;&
   detsglang) run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
-         --samples "${DET_SAMPLES:-300}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
+         --samples "${DET_SAMPLES:-300}" --sampling "${DET_SAMPLING:-temperature}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
          --out "$OUT/deterministic-qwen3-0.6b-h200.json" || fails=$((fails + 1)); grep "distinct\|deterministic:" "$OUT/deterministic-qwen3-0.6b.log" ;;
   detcost) for det in off on; do
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \

@@ -10,6 +10,10 @@ inference on, every count must be 1, and the bench exits 1 when one is not.
   different part of it cached), in random batches, the cache warm or flushed at random.
 
 Sampling at temperature 1 with a fixed seed: a changed logit flips a draw, not only an argmax.
+`--sampling filtered` also filters: the prompts under test ask top_k 20 with top_p 0.95, and
+mixed mode's other prompts each ask one of `NEIGHBOURS` (top_p alone puts the batch in the
+sampler's sort mode, a larger top_k cuts through other ties): the candidates' order must not
+depend on them (engine/run/ranking.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import httpx
 from engine.bench.launch import launched_server
 
 MODES = ("single", "mixed", "prefix")
+PLAIN = {"temperature": 1.0, "seed": 42}
+FILTERED = {**PLAIN, "top_k": 20, "top_p": 0.95}
+NEIGHBOURS = (PLAIN, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0, "top_k": 1000},
+              {"temperature": 0.0}, {"temperature": 1.0, "min_p": 0.05, "top_logprobs": 5})
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -35,18 +43,19 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab // 8, vocab) for _ in range(n)]
 
 
-async def _ask(client: httpx.AsyncClient, url: str, ids: list[int], max_new: int) -> str:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0, "seed": 42,
-                                                  "ignore_eos": True, "logprobs": True}}
+async def _ask(client: httpx.AsyncClient, url: str, ids: list[int], max_new: int, sampling: dict[str, Any]) -> str:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "logprobs": True,
+                                                  **sampling}}
     r = await client.post(f"{url}/generate", json=body)
     r.raise_for_status()
     return json.dumps(r.json()["meta_info"]["output_token_logprobs"])  # ids with their logprobs, exactly
 
 
 async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int, seed: int,
-                vocab: int) -> dict[str, int]:
+                vocab: int, filtered: bool) -> dict[str, int]:
     """Distinct answers per prompt of this mode."""
     rng = random.Random(seed)
+    own = FILTERED if filtered else PLAIN
     base = _ids(rng, 600, vocab)
     if mode == "single":
         targets = [_ids(rng, 40, vocab)]
@@ -58,14 +67,16 @@ async def _mode(url: str, mode: str, samples: int, max_batch: int, max_new: int,
     sent = 0
     async with httpx.AsyncClient(timeout=600) as client:
         while sent < samples:
-            batch = [(i, targets[i]) for i in (rng.randrange(len(targets)) for _ in range(rng.randint(1, max_batch)))]
+            batch = [(i, targets[i], own)
+                     for i in (rng.randrange(len(targets)) for _ in range(rng.randint(1, max_batch)))]
             if mode == "mixed":
-                batch += [(-1, _ids(rng, rng.randint(1, 200), vocab)) for _ in range(rng.randint(0, max_batch))]
+                batch += [(-1, _ids(rng, rng.randint(1, 200), vocab), rng.choice(NEIGHBOURS) if filtered else own)
+                          for _ in range(rng.randint(0, max_batch))]
             if mode == "prefix" and rng.random() < 0.2:
                 await client.post(f"{url}/flush_cache")  # refused (409) while others run: fine
             rng.shuffle(batch)
-            answers = await asyncio.gather(*(_ask(client, url, ids, max_new) for _, ids in batch))
-            for (i, _), a in zip(batch, answers, strict=True):
+            answers = await asyncio.gather(*(_ask(client, url, ids, max_new, p) for _, ids, p in batch))
+            for (i, _, _), a in zip(batch, answers, strict=True):
                 if i >= 0:
                     seen[i].setdefault(a, [0, len(batch)])[0] += 1
                     sent += 1
@@ -79,14 +90,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import workload
 
     vocab = workload.vocab_size(workload.resolve_model_dir(args.model))
-    result: dict[str, Any] = {"model": args.model, "samples": args.samples, "server_args": args.server_args}
+    result: dict[str, Any] = {"model": args.model, "samples": args.samples, "server_args": args.server_args,
+                              "sampling": args.sampling}
     with launched_server(args.model, args.load_format, shlex.split(args.server_args)) as ep:
         assert ep.http is not None
         result["health"] = httpx.get(f"{ep.http}/health", timeout=10).json()
         for mode in args.modes:
             t0 = time.perf_counter()
             result[mode] = asyncio.run(_mode(ep.http, mode, args.samples, args.max_batch, args.max_new, args.seed,
-                                             vocab))
+                                             vocab, args.sampling == "filtered"))
             print(f"{mode:8s} distinct answers per prompt: {result[mode]}  ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
     result["deterministic"] = all(v == 1 for m in args.modes for v in result[m].values())
@@ -98,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="which tests to run")
     p.add_argument("--max-batch", type=int, default=8, help="largest batch of the prompt under test")
     p.add_argument("--max-new", type=int, default=8, help="tokens per answer")
+    p.add_argument("--sampling", choices=("temperature", "filtered"), default="temperature",
+                   help="temperature 1 alone (SGLang's test), or top_k/top_p beside neighbours that filter otherwise")
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -62,6 +63,28 @@ def _tail(log: Path | None, lines: int = 30) -> str:
     return "server log tail:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
+def kernel_caches() -> list[Path]:
+    """Where compiled kernels land on disk: triton's, flashinfer's JIT and torch inductor's."""
+    home = Path.home()
+    return [Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+            Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or home) / ".cache" / "flashinfer",
+            Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or f"/tmp/torchinductor_{os.environ.get('USER', '')}")]
+
+
+def cached_kernels() -> set[Path]:
+    """Every file in the kernel caches now."""
+    return {f for d in kernel_caches() if d.is_dir() for f in d.rglob("*") if f.is_file()}
+
+
+def report_compiles(at_ready: set[Path]) -> list[str]:
+    """Files the kernel caches gained since ready, printed: a compile a request met (ready means
+    warm, docs/architecture.md). Empty when everything served was compiled before /health said ready."""
+    new = sorted(str(f) for f in cached_kernels() - at_ready)
+    print(f"compiled after ready: {len(new)} new kernel-cache files" + "".join(f"\n  {f}" for f in new[:12]),
+          flush=True)
+    return new
+
+
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     """SIGTERM the supervisor (it stops its children); SIGKILL if it does not exit in time."""
     if proc.poll() is None:
@@ -88,7 +111,9 @@ def launched_server(model: str | None, load_format: str, server_args: list[str])
             url = f"http://127.0.0.1:{port}"
             waited = wait_healthy(url, proc, log, START_TIMEOUT_S)
             print(f"server ready in {waited:.1f} s", flush=True)
+            at_ready = cached_kernels()
             yield Endpoints(http=url, sdk=sdk_address("127.0.0.1", sdk_port), pid=proc.pid)
+            report_compiles(at_ready)
             ok = True
         finally:
             code = stop(proc)

@@ -420,9 +420,11 @@ def test_batch_plan_cached_until_membership_changes() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_sample_does_not_sync() -> None:
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_sample_does_not_sync(deterministic: bool) -> None:
+    """No host read in a step, deterministic inference's ranked top_k candidates included."""
     dev = torch.device("cuda")
-    s = Sampler(5000, 8, dev)
+    s = Sampler(5000, 8, dev, deterministic=deterministic)
     s.add(0, SampleParams(seed=1, temperature=0.7, top_p=0.9, min_p=0.01, logprobs=True, top_logprobs=4))
     penalised = SampleParams(seed=2, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5)
     s.add(1, penalised, [1, 2, 3])
