@@ -94,6 +94,8 @@ def library() -> ctypes.CDLL | None:
     lib.strata_rope.argtypes = [_P, _P, _P, _L, _L, _L, _I, _I, _I]
     lib.strata_scatter_rows.restype = _L
     lib.strata_scatter_rows.argtypes = [_P, _L, _P, _P, _L, _L, _L, _L]
+    lib.strata_race_noise.restype = None
+    lib.strata_race_noise.argtypes = [_P, _L, _P, _P, _P, _L, _L, _L, _L, _I]
     return lib
 
 
@@ -194,6 +196,31 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
     lib, dt = library(), DTYPES[x.dtype]
     run_split(lambda a, b: lib.strata_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), a, b, x.stride(0), heads,
                                            head_dim, dt), _row_ranges(rows, heads * head_dim))
+
+
+def race_noise_(cand: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor | None,
+                bits: int) -> torch.Tensor:
+    """The sampler's race noise subtracted from cand [B, C] float32 in place (the CPU's twin of
+    triton_ops.race_noise_, same arguments): one pass instead of torch's ~20 over [B, C] int64.
+    Raises ValueError where the C library does not take these tensors (`race_noise_ok`)."""
+    if not race_noise_ok(cand, ids):
+        raise ValueError("race_noise_: float32 CPU candidates and int64 ids with contiguous rows, and the C library")
+    rows, cols = cand.shape
+    seeds, positions = seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+    ids_ptr, ids_stride = (None, 0) if ids is None else (ids.data_ptr(), ids.stride(0))
+    lib = library()
+    run_split(lambda a, b: lib.strata_race_noise(cand.data_ptr(), cand.stride(0), seeds.data_ptr(),
+                                                 positions.data_ptr(), ids_ptr, ids_stride, a, b, cols, bits),
+              _row_ranges(rows, cols))
+    return cand
+
+
+def race_noise_ok(cand: torch.Tensor, ids: torch.Tensor | None) -> bool:
+    """Whether race_noise_ takes these: float32 CPU candidates [B, C] and int64 ids [B, C] (or None)
+    with contiguous rows, the library built. Strides only, never the row count (elementwise_ok)."""
+    return (cand.device.type == "cpu" and cand.dtype == torch.float32 and cand.dim() == 2 and cand.stride(1) == 1
+            and (ids is None or (ids.dtype == torch.int64 and ids.shape == cand.shape and ids.stride(1) == 1))
+            and library() is not None)
 
 
 def scatter_rows_(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:

@@ -119,3 +119,56 @@ int64_t strata_scatter_rows(const void *src, int64_t src_stride, const int64_t *
     }
     return bad;
 }
+
+/* ---- the sampler's race noise (engine/run/sampler.py `_draw`; its torch twin `_log_exp_noise`) ---- */
+
+static inline uint64_t mix64(uint64_t z) {  /* splitmix64's finaliser (engine/run/noise.py) */
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* log(x) for a normal float x > 0, branch-free so that it vectorises (about 1 ulp): x = m 2^k with m in
+   [sqrt(1/2), sqrt(2)) (musl's split), log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172 */
+static inline float log_normal(float x) {
+    int32_t i;
+    memcpy(&i, &x, 4);
+    i += 0x3F800000 - 0x3F3504F3;
+    const float k = (float)((i >> 23) - 0x7F);
+    const int32_t mi = (i & 0x007FFFFF) + 0x3F3504F3;
+    float m;
+    memcpy(&m, &mi, 4);
+    const float s = (m - 1.0f) / (m + 1.0f), s2 = s * s;
+    float p = fmaf(s2, 1.0f / 11.0f, 1.0f / 9.0f);
+    p = fmaf(p, s2, 1.0f / 7.0f);
+    p = fmaf(p, s2, 1.0f / 5.0f);
+    p = fmaf(p, s2, 1.0f / 3.0f);
+    const float two_s = s + s, log_m = fmaf(two_s * s2, p, two_s);
+    return fmaf(k, 0.693359375f, fmaf(k, -2.12194440e-4f, log_m));  /* k ln2, split as exp_in_range's */
+}
+
+/* cand[r, c] -= log(-log(u)) for rows [r0, r1), in place: u = (low `bits` bits of
+   splitmix64(splitmix64(seed_r + (pos_r + 1) G) + (token + 1) G) + 0.5) / 2^bits, token = ids[r, c]
+   (ids NULL: c). Each value is a pure function of (seed, position, token): no row's bits depend on its
+   batch or on the split between threads */
+void strata_race_noise(float *cand, int64_t cand_stride, const int64_t *seeds, const int64_t *positions,
+                       const int64_t *ids, int64_t ids_stride, int64_t r0, int64_t r1, int64_t cols, int bits) {
+    const uint64_t gamma = 0x9E3779B97F4A7C15ull, mask = (1ull << bits) - 1;
+    const float scale = 1.0f / (float)(1 << bits), half = 0.5f / (float)(1 << bits);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint64_t row = mix64((uint64_t)seeds[r] + ((uint64_t)positions[r] + 1) * gamma);
+        float *x = cand + r * cand_stride;
+        const int64_t *tok = ids ? ids + r * ids_stride : NULL;
+        if (tok) {
+            for (int64_t c = 0; c < cols; c++) {
+                const float u = (float)(mix64(row + ((uint64_t)tok[c] + 1) * gamma) & mask) * scale + half;
+                x[c] -= log_normal(-log_normal(u));
+            }
+        } else {
+            for (int64_t c = 0; c < cols; c++) {
+                const float u = (float)(mix64(row + ((uint64_t)c + 1) * gamma) & mask) * scale + half;
+                x[c] -= log_normal(-log_normal(u));
+            }
+        }
+    }
+}

@@ -130,3 +130,31 @@ def test_scatter_rows_is_index_copy_from_a_strided_view(dtype: torch.dtype, monk
     assert torch.equal(got, want)
     with pytest.raises(IndexError, match="1 of 300 slots"):
         cpu_kernels.scatter_rows_(got, torch.cat([slots[:299], torch.tensor([700])]), k)
+
+
+def test_race_noise_is_the_torch_noise_within_rounding_and_a_rows_bits_its_own(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """The sampler's race noise in C: the torch ops' log(-log u) within a few ulps, over whole rows
+    and over candidate ids (an id's noise is the same in both), each row's bits the same alone as
+    in a batch split between threads, and the candidates' strided rows read as such."""
+    from engine.run.noise import _UNIFORM_BITS
+    from engine.run.sampler import Sampler
+
+    vocab, rows = 5003, 9
+    seeds = torch.tensor([3, -7, 2**62, 0, 11, 12, 13, 99, -(2**63)], dtype=torch.int64)
+    positions = torch.arange(rows, dtype=torch.int64) * 1000
+    ref = -Sampler(vocab, 1, "cpu")._log_exp_noise(seeds, positions, None)
+    monkeypatch.setattr(cpu_kernels, "SPLIT_VALUES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    whole = cpu_kernels.race_noise_(torch.zeros(rows, vocab), seeds, positions, None, _UNIFORM_BITS)
+    torch.testing.assert_close(whole, ref, rtol=2e-6, atol=2e-6)
+    ids = torch.randint(0, vocab, (rows, 64 + 3), generator=torch.Generator().manual_seed(1))[:, :64]
+    wide = torch.zeros(rows, 80)
+    picked = cpu_kernels.race_noise_(wide[:, :64], seeds, positions, ids, _UNIFORM_BITS)
+    assert torch.equal(picked, whole.gather(1, ids)) and not wide[:, 64:].any()
+    for i in (0, 4, 8):
+        alone = cpu_kernels.race_noise_(torch.zeros(1, vocab), seeds[i : i + 1], positions[i : i + 1], None,
+                                        _UNIFORM_BITS)
+        assert torch.equal(alone[0], whole[i])
+    assert not cpu_kernels.race_noise_ok(torch.zeros(2, 4, dtype=torch.float64), None)
+    assert not cpu_kernels.race_noise_ok(torch.zeros(4, 2).t(), None)
