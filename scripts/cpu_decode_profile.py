@@ -1,7 +1,7 @@
 """Where does a CPU decode step go? (diagnostic, not in CI)
 
     .venv/bin/python scripts/cpu_decode_profile.py [--dtype bfloat16] [--batch 16] [--input-len 128]
-        [--steps 8] [--no-profile] [--prefill] [--deterministic]
+        [--steps 8] [--no-profile] [--prefill] [--deterministic] [--temperature 1]
 
 In one process (LocalEngine: the served Step stream, no sockets), the default model on CPU:
 prefills `batch` seeded random prompts, then times decode steps (median of `steps`, and of a
@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="time and profile the prefill instead")
     p.add_argument("--deterministic", action="store_true",
                    help="with deterministic inference (else --disable-deterministic-inference)")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: every step samples (the race's noise)")
     p.add_argument("--rows", type=int, default=28, help="operators to print")
     p.add_argument("--shapes", action="store_true", help="group operators by input shapes too")
     a = p.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
     core, runner = eng.core, eng.runner
     rng = np.random.default_rng(0)
     vocab = 49152
-    params = SamplingParams(max_new_tokens=1 if a.prefill else 200, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=1 if a.prefill else 200, temperature=a.temperature, ignore_eos=True)
 
     def submit(tag: str) -> None:
         for i in range(a.batch):
