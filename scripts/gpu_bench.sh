@@ -26,6 +26,9 @@
 #             (DET_SAMPLING=filtered: top_k/top_p under test, neighbours filtering otherwise)
 #   sampler   the sampler's tests on CUDA (tests/run/test_sampler.py), then scripts/sampler_cost.py: what sampling
 #             costs a step, deterministic inference off and on (ranked top_k candidates, cumsum top_p mass)
+#   samplinglat decode latency with sampled requests (SAMPLING_MODELS, "qwen3-0.6b llama-3.1-8b"; batch 1 8 64, ctx
+#             1024): greedy, Qwen3's generation_config (temperature 0.6, top_k 20, top_p 0.95), top_p 0.95 alone, and
+#             greedy / Qwen3's under --enable-deterministic-inference (SAMPLING_DET=0 skips those)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
 #   detoffline Qwen3-0.6B 256 requests and Llama-3.1-8B 1000/1000, the mode off then on (DET_MODES, and
 #             DETOFF_MODELS="llama" for one model)
@@ -97,7 +100,7 @@
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="aboffline quick sampler check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -182,6 +185,16 @@ for what in "$@"; do case $what in
              || fails=$((fails + 1)); grep -E "passed|failed|FAILED|Error" "$OUT/gpu-sampler.log" | tail -12
            run sampler-cost 200 python3 scripts/sampler_cost.py "$OUT/sampler-cost.json" || fails=$((fails + 1))
            cat "$OUT/sampler-cost.log" ;;
+  samplinglat) for m in ${SAMPLING_MODELS:-qwen3-0.6b llama-3.1-8b}; do
+             for cfg in "greedy:--temperature 0:" "qwen:--temperature 0.6 --top-k 20 --top-p 0.95:" \
+                        "topp:--temperature 1 --top-p 0.95:" "detgreedy:--temperature 0:--enable-deterministic-inference" \
+                        "detqwen:--temperature 0.6 --top-k 20 --top-p 0.95:--enable-deterministic-inference"; do
+               IFS=: read -r tag flags sargs <<< "$cfg"
+               [ "${SAMPLING_DET:-1}" = 0 ] && [ -n "$sargs" ] && continue
+               run latency-$m-$tag 240 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 64 \
+                 --context-len 1024 --steps 50 $flags --server-args="$sargs" --out "$OUT/latency-$m-sampling-$tag-h200.json" \
+                 || fails=$((fails + 1))
+               grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | tail -3; done; done ;;
   check) run gpu-tests 540 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--warmup", type=int, default=5, help="untimed decode steps first (>= 1)")
     lat.add_argument("--temperature", type=float, default=0.0,
                      help="sampling temperature of the requests (0: greedy; > 0 times the sampler's race too)")
+    lat.add_argument("--top-k", type=int, default=-1, help="the requests' top_k (with --temperature > 0)")
+    lat.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p (with --temperature > 0)")
     lat.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
     lat.add_argument("--bandwidth-gib", type=float, default=None, help="copy size for the bandwidth probe")
     lat.add_argument("--profile-idle", action="store_true", help="also measure GPU idle time between steps")

@@ -87,14 +87,15 @@ def decode_budget(args: Any) -> int:
 class Driver:
     """Runs SchedulerCore's Steps on the ModelRunner one at a time, timing each."""
 
-    def __init__(self, eng: LocalEngine, temperature: float = 0.0) -> None:
+    def __init__(self, eng: LocalEngine, temperature: float = 0.0, top_k: int = -1, top_p: float = 1.0) -> None:
         self.eng = eng
-        self.temperature = temperature  # > 0: every step samples (the race's noise) instead of an argmax
+        # temperature > 0: every step samples (the race's noise, top_k / top_p's candidates) instead of an argmax
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         self.core, self.runner = eng.core, eng.runner
         self.cuda = self.runner.device.type == "cuda"
 
     def submit(self, prompts: list[list[int]], max_new: int, tag: str) -> list[str]:
-        params = SamplingParams(max_new_tokens=max_new, temperature=self.temperature, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True, **self.sampling)
         rids = [f"{tag}-{i}" for i in range(len(prompts))]
         for rid, ids in zip(rids, prompts, strict=True):
             err = self.core.submit(TokenizedRequest(rid=rid, input_ids=pack_ids(ids), params=params))
@@ -277,7 +278,7 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
             f"bench: context {args.context_len} + {decode_budget(args)} decode tokens exceeds the "
             f"engine's max context {runner.max_context}"
         )
-    drv = Driver(eng, args.temperature)
+    drv = Driver(eng, args.temperature, args.top_k, args.top_p)
     per_step = args.warmup + args.steps + (args.idle_steps if profiles_idle(args, runner.device) else 0)
     with tqdm(total=per_step * len(args.batch_sizes), desc="latency", unit="step") as bar:
         results = [measure_batch(drv, args, b, vocab, bar) for b in args.batch_sizes]
