@@ -627,3 +627,45 @@ def test_a_top_p_row_draws_the_same_beside_any_neighbour_on_a_cpu(top_k: int) ->
         outs.append([int(s.sample(logits, slots, _pos([p] * len(slots), torch.device("cpu"))).token_ids[0])
                      for p in range(16)])
     assert outs[0] == outs[1] == outs[2] and len(set(outs[0])) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sort_free_masks_keep_the_sorts_survivors() -> None:
+    """The GPU's "sort" mode without deterministic inference masks top_k / top_p with flashinfer's
+    sort-free kernels: per row the same survivors as the sorted cumulative mass (one token apart at
+    most, at the nucleus' edge, where rounding decides), and the race draws only among them."""
+    from engine.layers import sampling_masks
+    from engine.run import sampler as sampler_mod
+
+    dev, vocab = torch.device("cuda"), 5000
+    params = [SampleParams(seed=1, temperature=1.0, top_p=0.9), SampleParams(seed=2, temperature=0.7, top_p=0.5),
+              SampleParams(seed=3, temperature=1.0, top_k=4500, top_p=0.8),  # past the candidates: sort mode
+              SampleParams(seed=4, temperature=1.2, top_k=4200), SampleParams(seed=5, temperature=1.0),
+              SampleParams(seed=6, temperature=2.0, top_p=0.3, min_p=0.05)]
+    s = Sampler(vocab, 8, dev)
+    assert s._masks
+    for slot, p in enumerate(params):
+        s.add(slot, p)
+    slots = list(range(len(params)))
+    torch.manual_seed(0)
+    logits = torch.randn(len(params), vocab, device=dev) * 3
+    batch = s._batch(slots)
+    assert batch.plan.mode == "sort"
+    cand, ids, _ = s._survivors(logits, batch, "sort", 0)
+    z = logits * batch.fp[sampler_mod._F_INV_TEMP].unsqueeze(1)
+    z = sampling_masks.top_p_mask(sampling_masks.top_k_mask(z, batch.ip[sampler_mod._I_TOP_K]),
+                                  batch.fp[sampler_mod._F_TOP_P])
+    for r in range(len(params) - 1):  # the last row's min_p is applied later, in the race
+        by_sort = set(ids[r][cand[r] > -math.inf].tolist())
+        by_mask = set((z[r] > -math.inf).nonzero().squeeze(1).tolist())
+        assert len(by_sort ^ by_mask) <= 1, (r, len(by_sort), len(by_mask))
+        if r == 3:  # top_k alone: exactly its k (random floats do not tie)
+            assert len(by_mask) == 4200
+        elif r == 4:  # nothing to filter
+            assert len(by_mask) == vocab
+        else:
+            assert 0 < len(by_mask) < vocab
+    for pos in range(20):
+        tokens = s.sample(logits, slots, torch.full((len(params),), pos, device=dev)).token_ids.tolist()
+        for r, t in enumerate(tokens[:3]):
+            assert float(z[r, t]) > -math.inf
