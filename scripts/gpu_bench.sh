@@ -28,7 +28,8 @@
 #             costs a step, deterministic inference off and on (ranked top_k candidates, cumsum top_p mass)
 #   samplinglat decode latency with sampled requests (SAMPLING_MODELS, "qwen3-0.6b llama-3.1-8b"; batch 1 8 64, ctx
 #             1024): greedy, Qwen3's generation_config (temperature 0.6, top_k 20, top_p 0.95), top_p 0.95 alone, and
-#             greedy / Qwen3's under --enable-deterministic-inference (SAMPLING_DET=0 skips those)
+#             greedy / Qwen3's under --enable-deterministic-inference (SAMPLING_DET=0 skips those; SAMPLING_TAGS="greedy
+#             topp" runs only those: greedy qwen topp detgreedy detqwen)
 #   detcost   Qwen3-0.6B offline, 64 x 256/128 tokens, deterministic inference off then on
 #   detoffline Qwen3-0.6B 256 requests and Llama-3.1-8B 1000/1000, the mode off then on (DET_MODES, and
 #             DETOFF_MODELS="llama" for one model)
@@ -191,10 +192,11 @@ for what in "$@"; do case $what in
                         "detqwen:--temperature 0.6 --top-k 20 --top-p 0.95:--enable-deterministic-inference"; do
                IFS=: read -r tag flags sargs <<< "$cfg"
                [ "${SAMPLING_DET:-1}" = 0 ] && [ -n "$sargs" ] && continue
+               case " ${SAMPLING_TAGS:-$tag} " in *" $tag "*) ;; *) continue ;; esac
                run latency-$m-$tag 240 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 64 \
                  --context-len 1024 --steps 50 $flags --server-args="$sargs" --out "$OUT/latency-$m-sampling-$tag-h200.json" \
                  || fails=$((fails + 1))
-               grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | tail -3; done; done ;;
+               grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | sed -n 3,5p; done; done ;;
   check) run gpu-tests 540 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do
