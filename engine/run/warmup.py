@@ -54,12 +54,12 @@ def warm_up(runner: ModelRunner) -> float:
     slots = list(range(min(len(_PARAMS), runner.cfg.max_running_requests)))
     for slot, params in zip(slots, _PARAMS, strict=False):
         runner.sampler.add(slot, params, prompt_ids=[1, 2, 3])
+    runner.sampler.warm()  # the race's kernel in both modes and the masks' module, before any sample below
     try:
         prefill = _forward(runner, [0, ps, 0][: len(slots)], [n, n - ps if n > ps else 1, n][: len(slots)], pages)
         runner.sampler.sample(prefill, slots, [n] * len(slots))
         decode = _forward(runner, [n] * len(slots), [1] * len(slots), pages)
         runner.sampler.sample(decode, slots, [n + 1] * len(slots))
-        runner.sampler.warm()  # the race's kernel in both modes, whatever the slots above sampled
         if runner.device.type == "cuda" and len(slots) > 1:
             # one row has kernels of its own (a norm split across two GEMVs, MoE's one-token
             # chain with the norm in the router's GEMV): eager decode, without graphs, meets them
