@@ -139,6 +139,8 @@ class Sampler:
             z = torch.zeros(1, dtype=torch.int64, device=self.device)
             for ids in (None, torch.zeros(1, 8, dtype=torch.int64, device=self.device)):
                 triton_ops.race_noise_(torch.zeros(1, 8, device=self.device), z, z, ids, _UNIFORM_BITS)
+            if self.deterministic:  # the ranked candidates' key kernel
+                ranked_topk(torch.zeros(1, 8, device=self.device), 2)
         if self._masks:
             try:
                 sampling_masks.warm(self.device)
