@@ -669,3 +669,17 @@ def test_cuda_sort_free_masks_keep_the_sorts_survivors() -> None:
         tokens = s.sample(logits, slots, torch.full((len(params),), pos, device=dev)).token_ids.tolist()
         for r, t in enumerate(tokens[:3]):
             assert float(z[r, t]) > -math.inf
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rank_keys_kernel_is_the_torch_keys() -> None:
+    """ranked_topk's keys on CUDA come from one triton launch: the torch ops' keys bit for bit
+    (ties, signed zeros, NaNs, infinities), so the GPU's deterministic candidates keep their order."""
+    from engine.layers import triton_ops
+    from engine.run.ranking import rank_keys
+
+    dev = torch.device("cuda")
+    torch.manual_seed(5)
+    x = (torch.randn(9, 151936, device=dev) * 4).bfloat16().float()
+    x[0, :6] = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf")], device=dev)
+    assert torch.equal(triton_ops.rank_keys(x), rank_keys(x))
