@@ -211,6 +211,22 @@ def _invariant_attention(hq: int, hkv: int, batch: int, ctx: int = 1024) -> Call
     return case
 
 
+def _sampler(vocab: int, rows: int) -> Callable[[], None]:
+    """The sampler's kernels: the race's noise over a whole row and over candidate ids, and the
+    deterministic candidates' rank keys."""
+
+    def case() -> None:
+        from engine.layers import triton_ops
+        from engine.run.noise import _UNIFORM_BITS
+
+        seeds = torch.zeros(rows, dtype=torch.int64)
+        for ids in (None, torch.zeros(rows, 20, dtype=torch.int64)):
+            triton_ops.race_noise_(torch.zeros(rows, vocab if ids is None else 20), seeds, seeds, ids, _UNIFORM_BITS)
+        triton_ops.rank_keys(torch.zeros(rows, vocab))
+
+    return case
+
+
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 QWEN3_06B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
@@ -228,6 +244,7 @@ CASES: dict[str, Callable[[], None]] = {
     "decode-a3b": _decode(32, 4, True),  # Qwen3-30B-A3B: a GQA group of 8, q/k norm
     "moe-a3b": _moe_one_token(2048, 128, 8, 768),
     "moe-fused-a3b": _moe_fused(2048, 128, 8, 768, 8),  # batch 8's MoE launches
+    "sampler-llama-b64": _sampler(128256, 64),
 }
 
 
