@@ -35,7 +35,8 @@ def top_k_mask(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     import flashinfer.sampling
 
     vocab = z.shape[1]
-    masked = flashinfer.sampling.top_k_mask_logits(z, top_k.clamp(1, vocab).to(torch.int32))
+    # the kernel asks 0 < k < V: a row without top_k (k = V) is masked at V - 1 and then not used
+    masked = flashinfer.sampling.top_k_mask_logits(z, top_k.clamp(1, vocab - 1).to(torch.int32))
     return torch.where((top_k < vocab).unsqueeze(1), masked, z)
 
 
