@@ -206,6 +206,8 @@ def race_noise_(cand: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
     if not race_noise_ok(cand, ids):
         raise ValueError("race_noise_: float32 CPU candidates and int64 ids with contiguous rows, and the C library")
     rows, cols = cand.shape
+    if seeds.shape != (rows,) or positions.shape != (rows,):
+        raise ValueError("race_noise_: a seed and a position a row")
     seeds, positions = seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
     ids_ptr, ids_stride = (None, 0) if ids is None else (ids.data_ptr(), ids.stride(0))
     lib = library()

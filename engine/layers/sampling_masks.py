@@ -45,12 +45,14 @@ def top_p_mask(z: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     softmax(z) at -inf (top_p >= 1: the row as is)."""
     import flashinfer.sampling
 
-    kept = flashinfer.sampling.top_p_renorm_probs(torch.softmax(z, dim=-1), top_p.float()) > 0
+    # integer histograms: the nucleus' edge the same every run (float atomics would move it)
+    kept = flashinfer.sampling.top_p_renorm_probs(torch.softmax(z, dim=-1), top_p.float(), is_deterministic=True) > 0
     return z.masked_fill(~kept & (top_p < 1.0).unsqueeze(1), -math.inf)
 
 
-def warm(device: torch.device) -> None:
-    """Build / load flashinfer's sampling module now (its JIT compiles at first use): before ready."""
-    z = torch.randn(2, 64, device=device)
-    top_p_mask(top_k_mask(z, torch.tensor([3, 64], device=device)), torch.tensor([0.5, 1.0], device=device))
+def warm(device: torch.device, vocab: int) -> None:
+    """Build / load flashinfer's sampling module now (its JIT compiles at first use), at the model's
+    vocabulary (its kernels differ with the row's length): before ready."""
+    z = torch.randn(2, vocab, device=device)
+    top_p_mask(top_k_mask(z, torch.tensor([3, vocab], device=device)), torch.tensor([0.5, 1.0], device=device))
     torch.cuda.synchronize(device)

@@ -139,11 +139,10 @@ class Sampler:
             z = torch.zeros(1, dtype=torch.int64, device=self.device)
             for ids in (None, torch.zeros(1, 8, dtype=torch.int64, device=self.device)):
                 triton_ops.race_noise_(torch.zeros(1, 8, device=self.device), z, z, ids, _UNIFORM_BITS)
-            if self.deterministic:  # the ranked candidates' key kernel
-                ranked_topk(torch.zeros(1, 8, device=self.device), 2)
+            ranked_topk(torch.zeros(1, 8, device=self.device), 2)  # the key kernel: top_logprobs in every mode
         if self._masks:
             try:
-                sampling_masks.warm(self.device)
+                sampling_masks.warm(self.device, self.vocab_size)
             except Exception as e:  # noqa: BLE001 - a module that does not build here: the sort, logged
                 log.warning("flashinfer's top_k / top_p masks do not load: sort mode sorts", error=str(e)[-2000:])
                 self._masks = False

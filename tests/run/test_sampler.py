@@ -630,14 +630,15 @@ def test_a_top_p_row_draws_the_same_beside_any_neighbour_on_a_cpu(top_k: int) ->
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_sort_free_masks_keep_the_sorts_survivors() -> None:
+@pytest.mark.parametrize("vocab", [5000, 128256])  # flashinfer's single- and multi-block kernels
+def test_cuda_sort_free_masks_keep_the_sorts_survivors(vocab: int) -> None:
     """The GPU's "sort" mode without deterministic inference masks top_k / top_p with flashinfer's
-    sort-free kernels: per row the same survivors as the sorted cumulative mass (one token apart at
-    most, at the nucleus' edge, where rounding decides), and the race draws only among them."""
-    from engine.layers import sampling_masks
+    sort-free kernels: per row the same survivors as the sorted cumulative mass with min_p (one
+    token apart at most, at the nucleus' edge, where rounding decides), and every draw of the
+    served path (`Sampler.sample`) among them."""
     from engine.run import sampler as sampler_mod
 
-    dev, vocab = torch.device("cuda"), 5000
+    dev = torch.device("cuda")
     params = [SampleParams(seed=1, temperature=1.0, top_p=0.9), SampleParams(seed=2, temperature=0.7, top_p=0.5),
               SampleParams(seed=3, temperature=1.0, top_k=4500, top_p=0.8),  # past the candidates: sort mode
               SampleParams(seed=4, temperature=1.2, top_k=4200), SampleParams(seed=5, temperature=1.0),
@@ -652,12 +653,19 @@ def test_cuda_sort_free_masks_keep_the_sorts_survivors() -> None:
     batch = s._batch(slots)
     assert batch.plan.mode == "sort"
     cand, ids, _ = s._survivors(logits, batch, "sort", 0)
-    z = logits * batch.fp[sampler_mod._F_INV_TEMP].unsqueeze(1)
-    z = sampling_masks.top_p_mask(sampling_masks.top_k_mask(z, batch.ip[sampler_mod._I_TOP_K]),
-                                  batch.fp[sampler_mod._F_TOP_P])
-    for r in range(len(params) - 1):  # the last row's min_p is applied later, in the race
-        by_sort = set(ids[r][cand[r] > -math.inf].tolist())
-        by_mask = set((z[r] > -math.inf).nonzero().squeeze(1).tolist())
+    cand = sampler_mod._min_p_mask(cand, batch.fp[sampler_mod._F_LOG_MIN_P], is_sorted=True)
+    masked: list[set[int]] = []
+    real_draw = s._draw
+    s._draw = lambda z, i, b, p: (masked.extend(set((r > -math.inf).nonzero().squeeze(1).tolist()) for r in
+                                                 sampler_mod._min_p_mask(z, b.fp[sampler_mod._F_LOG_MIN_P], False)),
+                                  real_draw(z, i, b, p))[1]
+    draws = [s.sample(logits, slots, torch.full((len(params),), pos, device=dev)).token_ids.tolist()
+             for pos in range(20)]
+    n = len(params)
+    assert len(masked) == 20 * n
+    assert all(m == masked[i % n] for i, m in enumerate(masked))  # the same nucleus every step
+    for r in range(len(params)):
+        by_sort, by_mask = set(ids[r][cand[r] > -math.inf].tolist()), masked[r]
         assert len(by_sort ^ by_mask) <= 1, (r, len(by_sort), len(by_mask))
         if r == 3:  # top_k alone: exactly its k (random floats do not tie)
             assert len(by_mask) == 4200
@@ -665,10 +673,7 @@ def test_cuda_sort_free_masks_keep_the_sorts_survivors() -> None:
             assert len(by_mask) == vocab
         else:
             assert 0 < len(by_mask) < vocab
-    for pos in range(20):
-        tokens = s.sample(logits, slots, torch.full((len(params),), pos, device=dev)).token_ids.tolist()
-        for r, t in enumerate(tokens[:3]):
-            assert float(z[r, t]) > -math.inf
+        assert {d[r] for d in draws} <= by_mask
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
