@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -68,7 +69,15 @@ def kernel_caches() -> list[Path]:
     home = Path.home()
     return [Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
             Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or home) / ".cache" / "flashinfer",
-            Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or f"/tmp/torchinductor_{os.environ.get('USER', '')}")]
+            Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{_user()}")]
+
+
+def _user() -> str:
+    """The user name in torch inductor's default cache folder (getpass, as torch names it)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
 
 
 def cached_kernels() -> set[Path]:
