@@ -196,7 +196,9 @@ for what in "$@"; do case $what in
                run latency-$m-$tag 240 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 64 \
                  --context-len 1024 --steps 50 $flags --server-args="$sargs" --out "$OUT/latency-$m-sampling-$tag-h200.json" \
                  || fails=$((fails + 1))
-               grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | sed -n 3,5p; done; done ;;
+               grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | sed -n 3,5p; done; done
+             # one file back for all of them ($OUT returns 8 files at most)
+             (cd "$OUT" && tar czf samplinglat.tgz latency-*-sampling-*.json latency-*.log && rm -f latency-*-sampling-*.json latency-*.log) ;;
   check) run gpu-tests 540 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do
