@@ -51,10 +51,10 @@ def warm_up(runner: ModelRunner) -> float:
     n = min(2 * ps, len(pages) * ps - ps)  # a short prompt; the second request starts after one page
     if n < 1:
         return 0.0
+    runner.sampler.warm()  # the race's kernel in both modes, whatever the slots below sample
     slots = list(range(min(len(_PARAMS), runner.cfg.max_running_requests)))
     for slot, params in zip(slots, _PARAMS, strict=False):
         runner.sampler.add(slot, params, prompt_ids=[1, 2, 3])
-    runner.sampler.warm()  # the race's kernel in both modes and the masks' module, before any sample below
     try:
         prefill = _forward(runner, [0, ps, 0][: len(slots)], [n, n - ps if n > ps else 1, n][: len(slots)], pages)
         runner.sampler.sample(prefill, slots, [n] * len(slots))
