@@ -1,5 +1,6 @@
 """The CPU's C kernels: cpu_attention.c (paged attention) and cpu_ops.c (add + RMSNorm, SiLU-and-mul,
-rotary), built here into one library with the machine's C compiler and called through ctypes.
+rotary, the sampler's race noise), built here into one library with the machine's C compiler and
+called through ctypes.
 
 The library is compiled once per source, compiler and CPU (-march=native) into the cache directory
 (STRATA_CACHE_DIR), at the first forward or the attention backend's bind: before the engine says
