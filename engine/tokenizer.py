@@ -102,8 +102,6 @@ class TextTokenizer:
         return self.token_text(token_id).encode()
 
 
-
-
 def _bounded(spec: dict[str, Any]) -> bool:
     """Whether no token of a tokenizer.json can stand for more text than its piece's characters:
     no normalizer or pre-tokenizer step that deletes characters, no added token that swallows the

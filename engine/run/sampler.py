@@ -125,6 +125,7 @@ class Sampler:
         self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
         self._active_plan: _Plan | None = None  # plan over all registered slots
         self._fused_noise = self.device.type == "cuda" and triton_ops.available()
+        self._c_noise = self.device.type == "cpu" and cpu_kernels.library() is not None  # built once, here
 
     def warm(self) -> None:
         """Compile the race's kernel in both modes (over candidate ids, over the whole vocabulary)
@@ -394,7 +395,7 @@ class Sampler:
         seeds = batch.ip[_I_SEED]
         if self._fused_noise:
             cand = triton_ops.race_noise_(cand, seeds, positions, ids, _UNIFORM_BITS)
-        elif cpu_kernels.race_noise_ok(cand, ids):
+        elif self._c_noise:  # cand and ids are always fresh float32 / int64 rows here (race_noise_ checks)
             cand = cpu_kernels.race_noise_(cand, seeds, positions, ids, _UNIFORM_BITS)
         else:
             cand = cand.sub_(self._log_exp_noise(seeds, positions, ids))
