@@ -110,11 +110,12 @@ def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
     rec = bench(
         tmp_path / "lat.json", "latency", "--model", str(tiny_model), "--load-format", "dummy", "--device", "cpu",
         "--batch-sizes", "1", "3", "--context-len", "40", "--steps", "4", "--warmup", "2", "--profile-idle",
-        "--temperature", "0.8",  # sampled steps (the race), not an argmax
+        "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9",  # sampled steps (the race), not an argmax
         "--server-args", "--dtype float32",  # the KV bytes below are float32's (auto may be bf16 on this CPU)
     )
     check_record(rec, "latency")
     assert rec["settings"]["temperature"] == 0.8
+    assert rec["settings"]["top_k"] == 5 and rec["settings"]["top_p"] == 0.9
     f = rec["figures"]
     assert f["device"] == "cpu" and f["bandwidth_gb_s"] > 0 and f["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert [b["batch_size"] for b in f["batches"]] == [1, 3]
@@ -207,14 +208,15 @@ def test_generate_event_token_count() -> None:
 
 def test_deterministic_modes_count_one_answer(tiny_model: Path, tmp_path: Path) -> None:
     """bin/bench deterministic (SGLang's single/mixed/prefix tests) with the mode on: one answer
-    per prompt, and the record says so (exit 0); its own logic is what fails it otherwise."""
+    per prompt, and the record says so (exit 0); its own logic is what fails it otherwise. The
+    prompts under test filter (top_k / top_p) beside neighbours that filter otherwise."""
     out = tmp_path / "det.json"
     run_bench(["deterministic", "--model", str(tiny_model), "--load-format", "dummy", "--samples", "12",
-               "--max-batch", "4", "--max-new", "3",
+               "--max-batch", "4", "--max-new", "3", "--sampling", "filtered",
                "--server-args", "--max-total-tokens 8192 --enable-deterministic-inference", "--out", str(out)],
               timeout=300)
     rec = json.loads(out.read_text())
-    assert rec["deterministic"] is True and rec["health"]["deterministic"] is True
+    assert rec["deterministic"] is True and rec["health"]["deterministic"] is True and rec["sampling"] == "filtered"
     assert rec["single"] == {"prompt0": 1} and len(rec["prefix"]) == 4 and set(rec["mixed"].values()) == {1}
 
 
@@ -268,3 +270,25 @@ def test_spec_standalone_draft_model_is_the_target_itself(tiny_model: Path, tmp_
     assert spec["k"] == 3 and spec["equal_to_plain"] and spec["repeat_equal"]
     assert spec["accept_length"] > 3.5, spec  # at most 4 (3 drafts + the bonus)
 
+
+
+def test_report_compiles_lists_what_the_kernel_caches_gained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmarks' "compiled after ready" line: files the triton, flashinfer and inductor caches
+    gained since the snapshot, and none where nothing was written."""
+    from engine.bench import launch
+
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "fi"),
+                     ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    (tmp_path / "triton" / "old").mkdir(parents=True)
+    (tmp_path / "triton" / "old" / "k.cubin").write_bytes(b"x")
+    at_ready = launch.cached_kernels()
+    assert launch.report_compiles(at_ready) == []
+    new = [tmp_path / "triton" / "new" / "k.cubin", tmp_path / "fi" / ".cache" / "flashinfer" / "m.so",
+           tmp_path / "inductor" / "g.py"]
+    for f in new:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x")
+    assert launch.report_compiles(at_ready) == sorted(map(str, new))
+    assert "compiled after ready: 3 new kernel-cache files" in capsys.readouterr().out
