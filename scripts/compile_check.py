@@ -212,7 +212,8 @@ def _invariant_attention(hq: int, hkv: int, batch: int, ctx: int = 1024) -> Call
 
 
 def _sampler(vocab: int, rows: int) -> Callable[[], None]:
-    """The sampler's kernel: the race's noise over a whole row and over candidate ids."""
+    """The sampler's kernels: the race's noise over a whole row and over candidate ids, and the
+    deterministic candidates' rank keys."""
 
     def case() -> None:
         from engine.layers import triton_ops
@@ -221,6 +222,7 @@ def _sampler(vocab: int, rows: int) -> Callable[[], None]:
         seeds = torch.zeros(rows, dtype=torch.int64)
         for ids in (None, torch.zeros(rows, 20, dtype=torch.int64)):
             triton_ops.race_noise_(torch.zeros(rows, vocab if ids is None else 20), seeds, seeds, ids, _UNIFORM_BITS)
+        triton_ops.rank_keys(torch.zeros(rows, vocab))
 
     return case
 

@@ -391,6 +391,24 @@ def race_noise_kernel(cand, cand_stride, seeds, positions, ids, ids_stride, cols
     tl.store(cand + b * cand_stride + c, x - tl.log(-tl.log(u)), mask=inside)
 
 
+_RANK_ARGS = ["x", "x_stride", "keys", "cols"]  # unspecialized, as the race's: no compile after ready
+
+
+@triton.jit(do_not_specialize=_RANK_ARGS, do_not_specialize_on_alignment=_RANK_ARGS)
+def rank_key_kernel(x, x_stride, keys, cols, BLOCK: tl.constexpr):
+    """keys[b, c] = int64 whose order is (value descending, id ascending) of x[b, c] float32: the
+    value's bits made monotonic (-0.0 as +0.0, every NaN as the one largest) in the high word,
+    0xFFFFFFFF - c in the low (engine/run/ranking.py `ranked_topk`, its torch twin)."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < cols
+    v = tl.load(x + b * x_stride + c, mask=inside, other=0.0)
+    bits = tl.where(v == 0.0, 0, v.to(tl.int32, bitcast=True))  # -0.0 as +0.0
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    order = tl.where(v != v, 0x7FC00000, order).to(tl.int64)
+    tl.store(keys + b * cols + c, order * 4294967296 + (4294967295 - c.to(tl.int64)), mask=inside)
+
+
 @triton.jit(do_not_specialize=["n"])
 def store_kernel(src, dst, n, BLOCK: tl.constexpr):
     """dst[:n] = src[:n], dst being host memory the device can write (pinned): the SMs store

@@ -477,6 +477,22 @@ def race_noise_(cand: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
     return cand
 
 
+RANK_BLOCK = 1024
+
+
+def rank_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 [B, V] keys of x [B, V] float32 (contiguous rows) in one launch (rank_key_kernel):
+    their topk is x's in the order value descending, id ascending (ranking.ranked_topk)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("rank_keys: float32 [B, V] with contiguous rows")
+    b, v = x.shape
+    keys = torch.empty(b, v, dtype=torch.int64, device=x.device)
+    if b and v:
+        _k().rank_key_kernel[(b, (v + RANK_BLOCK - 1) // RANK_BLOCK)](x, x.stride(0), keys, v, BLOCK=RANK_BLOCK,
+                                                                       num_warps=4)
+    return keys
+
+
 STORE_BLOCK = 1024
 STORE_DTYPES = (torch.int64, torch.int32, torch.float32)  # what a step's results are (warmed at start)
 

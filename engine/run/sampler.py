@@ -19,14 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import structlog
 import torch
 from torch import Tensor
 
-from engine.layers import cpu_kernels, triton_ops
+from engine.layers import cpu_kernels, sampling_masks, triton_ops
 from engine.run.noise import _GAMMA, _UNIFORM_BITS, _mix64, _mix64_int
 from engine.run.ranking import canonical_topk, ranked_topk
 from engine.run.sample_params import SampleParams
 from engine.run.slot_rows import SlotRows
+
+log = structlog.get_logger()
 
 # When every sampled row has top_k <= this, filter on topk() candidates instead of a full sort.
 _TOPK_CANDIDATES_MAX = 4096
@@ -126,14 +129,24 @@ class Sampler:
         self._active_plan: _Plan | None = None  # plan over all registered slots
         self._fused_noise = self.device.type == "cuda" and triton_ops.available()
         self._c_noise = self.device.type == "cpu" and cpu_kernels.library() is not None  # built once, here
+        # "sort" mode by flashinfer's sort-free masks where no bit is promised (`_race_masked`)
+        self._masks = not deterministic and sampling_masks.available(self.device)
 
     def warm(self) -> None:
-        """Compile the race's kernel in both modes (over candidate ids, over the whole vocabulary)
-        before ready, whatever the warm-up batch happens to sample (engine/run/warmup.py)."""
+        """Compile the race's kernel in both modes (over candidate ids, over the whole vocabulary),
+        and load the sort-free masks' module, before ready, whatever the warm-up batch happens to
+        sample (engine/run/warmup.py)."""
         if self._fused_noise:
             z = torch.zeros(1, dtype=torch.int64, device=self.device)
             for ids in (None, torch.zeros(1, 8, dtype=torch.int64, device=self.device)):
                 triton_ops.race_noise_(torch.zeros(1, 8, device=self.device), z, z, ids, _UNIFORM_BITS)
+            ranked_topk(torch.zeros(1, 8, device=self.device), 2)  # the key kernel: top_logprobs in every mode
+        if self._masks:
+            try:
+                sampling_masks.warm(self.device, self.vocab_size)
+            except Exception as e:  # noqa: BLE001 - a module that does not build here: the sort, logged
+                log.warning("flashinfer's top_k / top_p masks do not load: sort mode sorts", error=str(e)[-2000:])
+                self._masks = False
 
     # ---- request lifecycle (once per request) ----
 
@@ -339,6 +352,8 @@ class Sampler:
     def _race(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
         """Temperature, top_k, top_p, min_p, then the Gumbel-max race over what is left."""
         plan = batch.plan
+        if plan.mode == "sort" and self._masks:
+            return self._race_masked(penalized, batch, positions)
         if plan.mode == "sort" and self.device.type == "cpu" and self.vocab_size > _SORT_FIRST:
             return self._race_by_rows(penalized, batch, positions)
         if plan.mode == "none":
@@ -356,6 +371,20 @@ class Sampler:
         if full is None:
             full = self._full_mass(penalized, cand, batch)
         return self._filter_sorted(cand, batch, full), ids, full
+
+    def _race_masked(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
+        """"sort" mode on a GPU without deterministic inference: top_k and top_p as flashinfer's
+        sort-free masks over the whole row (engine/layers/sampling_masks.py; sorting 64 rows x 128k
+        cost 1.5 ms a step on an H100), then min_p and the race. The same nucleus as the sort's
+        cumulative mass up to rounding and ties at its edge, which only deterministic inference,
+        which keeps the sort, promises anything about."""
+        plan = batch.plan
+        z = penalized * batch.fp[_F_INV_TEMP].unsqueeze(1)
+        if plan.use_top_k:
+            z = sampling_masks.top_k_mask(z, batch.ip[_I_TOP_K])
+        if plan.use_top_p:
+            z = sampling_masks.top_p_mask(z, batch.fp[_F_TOP_P])
+        return self._draw(z, None, batch, positions)
 
     def _race_by_rows(self, penalized: Tensor, batch: _Batch, positions: Tensor) -> Tensor:
         """"sort" mode on a CPU, where sorting the vocabulary is most of sampling (16 rows x 128k:

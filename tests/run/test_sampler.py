@@ -627,3 +627,64 @@ def test_a_top_p_row_draws_the_same_beside_any_neighbour_on_a_cpu(top_k: int) ->
         outs.append([int(s.sample(logits, slots, _pos([p] * len(slots), torch.device("cpu"))).token_ids[0])
                      for p in range(16)])
     assert outs[0] == outs[1] == outs[2] and len(set(outs[0])) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("vocab", [5000, 128256])  # flashinfer's single- and multi-block kernels
+def test_cuda_sort_free_masks_keep_the_sorts_survivors(vocab: int) -> None:
+    """The GPU's "sort" mode without deterministic inference masks top_k / top_p with flashinfer's
+    sort-free kernels: per row the same survivors as the sorted cumulative mass with min_p (one
+    token apart at most, at the nucleus' edge, where rounding decides), and every draw of the
+    served path (`Sampler.sample`) among them."""
+    from engine.run import sampler as sampler_mod
+
+    dev = torch.device("cuda")
+    params = [SampleParams(seed=1, temperature=1.0, top_p=0.9), SampleParams(seed=2, temperature=0.7, top_p=0.5),
+              SampleParams(seed=3, temperature=1.0, top_k=4500, top_p=0.8),  # past the candidates: sort mode
+              SampleParams(seed=4, temperature=1.2, top_k=4200), SampleParams(seed=5, temperature=1.0),
+              SampleParams(seed=6, temperature=2.0, top_p=0.3, min_p=0.05)]
+    s = Sampler(vocab, 8, dev)
+    assert s._masks
+    for slot, p in enumerate(params):
+        s.add(slot, p)
+    slots = list(range(len(params)))
+    torch.manual_seed(0)
+    logits = torch.randn(len(params), vocab, device=dev) * 3
+    batch = s._batch(slots)
+    assert batch.plan.mode == "sort"
+    cand, ids, _ = s._survivors(logits, batch, "sort", 0)
+    cand = sampler_mod._min_p_mask(cand, batch.fp[sampler_mod._F_LOG_MIN_P], is_sorted=True)
+    masked: list[set[int]] = []
+    real_draw = s._draw
+    s._draw = lambda z, i, b, p: (masked.extend(set((r > -math.inf).nonzero().squeeze(1).tolist()) for r in
+                                                 sampler_mod._min_p_mask(z, b.fp[sampler_mod._F_LOG_MIN_P], False)),
+                                  real_draw(z, i, b, p))[1]
+    draws = [s.sample(logits, slots, torch.full((len(params),), pos, device=dev)).token_ids.tolist()
+             for pos in range(20)]
+    n = len(params)
+    assert len(masked) == 20 * n
+    assert all(m == masked[i % n] for i, m in enumerate(masked))  # the same nucleus every step
+    for r in range(len(params)):
+        by_sort, by_mask = set(ids[r][cand[r] > -math.inf].tolist()), masked[r]
+        assert len(by_sort ^ by_mask) <= 1, (r, len(by_sort), len(by_mask))
+        if r == 3:  # top_k alone: exactly its k (random floats do not tie)
+            assert len(by_mask) == 4200
+        elif r == 4:  # nothing to filter
+            assert len(by_mask) == vocab
+        else:
+            assert 0 < len(by_mask) < vocab
+        assert {d[r] for d in draws} <= by_mask
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rank_keys_kernel_is_the_torch_keys() -> None:
+    """ranked_topk's keys on CUDA come from one triton launch: the torch ops' keys bit for bit
+    (ties, signed zeros, NaNs, infinities), so the GPU's deterministic candidates keep their order."""
+    from engine.layers import triton_ops
+    from engine.run.ranking import rank_keys
+
+    dev = torch.device("cuda")
+    torch.manual_seed(5)
+    x = (torch.randn(9, 151936, device=dev) * 4).bfloat16().float()
+    x[0, :6] = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf")], device=dev)
+    assert torch.equal(triton_ops.rank_keys(x), rank_keys(x))

@@ -405,3 +405,18 @@ def test_the_sampler_warms_both_race_modes(monkeypatch: pytest.MonkeyPatch) -> N
     sampler._fused_noise = True  # as on CUDA
     sampler.warm()
     assert sorted(modes) == [False, True]
+
+
+def test_rank_keys_are_the_torch_keys() -> None:
+    """triton_ops.rank_keys (one launch) gives ranking.rank_keys' int64 keys bit for bit: signed
+    values, ties, -0.0 beside +0.0, NaNs of either sign, infinities, a row longer than a block."""
+    from engine.run.ranking import rank_keys
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2500, generator=g).bfloat16().float()  # bf16 values: many ties
+    x[0, :6] = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf")])
+    x[2, 100:200] = 1.5
+    wide = torch.zeros(3, 2600)
+    wide[:, :2500] = x
+    for src in (x, wide[:, :2500]):  # a row stride past its width
+        assert torch.equal(triton_ops.rank_keys(src), rank_keys(src))
