@@ -97,7 +97,8 @@
 #   abcode    an A/B of code variants on one machine: decode latency of AB_MODEL with AB_ARGS at AB_BATCHES and
 #             each of AB_CTX ("1024"; a list) with the tree as is ("base"), then with each of AB_VARIANTS in turn, AB_ROUNDS (2) times
 #             alternated; a variant is a directory abvar/NAME holding whole files at their repository paths, copied over
-#             the tree for its runs and restored after (leave abvar/ untracked; the device tree has no git). Prints a
+#             the tree for its runs and restored after (leave abvar/ untracked; the device tree has no git); AB_BENCH_ARGS
+#             go to bin/bench latency (e.g. "--temperature 1 --top-p 0.95"), AB_TAG names the tarball. Prints a
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
@@ -159,7 +160,7 @@ ab_code() {  # every variant (base first) AB_ROUNDS times, alternated; then the 
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do for c in ${AB_CTX:-1024}; do for v in base ${AB_VARIANTS:?abcode needs AB_VARIANTS}; do
     variant in "$v" || { fails=$((fails + 1)); continue; }
     timeout 300 bin/bench latency --model "configs/$m" --load-format dummy --batch-sizes ${AB_BATCHES:-1 8} \
-      --context-len "$c" --steps 50 --server-args="${AB_ARGS:-}" --out "$dir/latency-$m-$v-ctx$c-$r-h200.json" \
+      --context-len "$c" --steps 50 ${AB_BENCH_ARGS:-} --server-args="${AB_ARGS:-}" --out "$dir/latency-$m-$v-ctx$c-$r-h200.json" \
       > "$dir/$v-ctx$c-$r.log" 2>&1 || { fails=$((fails + 1)); tail -20 "$dir/$v-ctx$c-$r.log"; }
     variant out "$v"
   done; done; done
@@ -169,7 +170,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     rows = json.loads(f.read_text())["figures"]["batches"]
     print(f"{f.stem:60}", "  ".join(f"b{r['batch_size']} {r['pipelined_ms_per_step']:.3f} ms" for r in rows))
 PY
-  tar czf "$OUT/abcode-$m-$(echo ${AB_VARIANTS} | tr ' ' '_').tgz" -C "$dir" . && rm -rf "$dir"
+  tar czf "$OUT/abcode-$m-$(echo ${AB_VARIANTS} | tr ' ' '_')${AB_TAG:+-$AB_TAG}.tgz" -C "$dir" . && rm -rf "$dir"
 }
 moe_offline() {
   run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy \
