@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -213,3 +214,23 @@ def tokenizer_info(hf_tokenizer: Any, vocab_size: int) -> Any:
     import xgrammar as xgr
 
     return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+
+
+def grammar_data(source: str) -> bytes:
+    """`msgs.params.Grammar.data` of a structural tag's JSON (as engine/serve/grammar.py
+    `compilable` makes it): the source every rank compiles, never a compiled form."""
+    return zlib.compress(source.encode(), 6)
+
+
+def grammar_compiler(info: Any, threads: int) -> Any:
+    """The xgrammar GrammarCompiler a rank compiles its grammars with (cached by key by the
+    caller, so none in xgrammar)."""
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+
+def compile_grammar(compiler: Any, data: bytes) -> Any:
+    """The CompiledGrammar of a Grammar's data: the same on every rank (the same xgrammar, the
+    same TokenizerInfo from the same tokenizer files, the same source)."""
+    return compiler.compile_structural_tag(zlib.decompress(data).decode())

@@ -20,13 +20,13 @@ MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf text; a bigger spec is a
 
 
 class Grammar(msgspec.Struct, frozen=True):
-    """A compiled grammar as it travels tokenizer -> scheduler -> every rank (never pickled).
+    """A checked grammar as it travels tokenizer -> scheduler -> every rank (never pickled).
 
     Set only by the tokenizer, from the request's json_schema / regex / ebnf /
     response_format / forced tool_choice (whatever a client sends here is overwritten)."""
 
     key: str  # SHA-256 of what was compiled: the worker's cache key and the replica's digest entry
-    data: bytes  # zlib of xgrammar's CompiledGrammar.serialize_json()
+    data: bytes  # zlib of the structural tag's JSON that every rank compiles (engine/tokenizer.py compile_grammar)
     stop_ids: list[int]  # tokens that end the grammar: the scheduler stops the request on them
 
 

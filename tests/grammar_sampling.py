@@ -7,19 +7,17 @@ test (tests/run/test_grammar_json.py) and the CUDA one (tests/gpu/test_grammar_g
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
 from engine.run.sample_params import SampleParams
 from engine.run.sampler import Sampler
 from engine.serve.grammar import compilable, json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, FreeReq, WorkerSampling
@@ -43,9 +41,8 @@ def sample_json(tokenizer_dir: Path, schema: dict[str, Any], device: torch.devic
     vocab = len(tok.hf) + TAIL
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(schema)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(compilable(json.dumps(tag)))
     stops = [int(t) for t in info.stop_token_ids]
-    grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), stops)
+    grammar = Grammar("k", grammar_data(compilable(json.dumps(tag))), stops)
     bias = torch.zeros(vocab)
     bias[len(tok.hf):] = BIAS
     for t, piece in enumerate(tok.hf.convert_ids_to_tokens(list(range(len(tok.hf))))):

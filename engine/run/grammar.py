@@ -47,7 +47,6 @@ from __future__ import annotations
 import os
 import time
 import weakref
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,12 +60,14 @@ from engine.replica.components import GrammarKeys
 from engine.run.grammar_drafts import DraftMasks
 from engine.run.grammar_helper import MAX_DRAFTS, GrammarHelpers, allocate_bitmask, utf8_guard, xgr
 from engine.run.pinning import register_host
+from engine.tokenizer import compile_grammar, grammar_compiler, load_tokenizer, tokenizer_info
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, Flush, FreeReq
 
 log = structlog.get_logger()
 TIMING_WINDOW = 100  # constrained steps per `grammar timing` line
+COMPILE_THREADS = 2  # xgrammar's threads for one compile in the worker (a CPU worker's cores are the forward's)
 TIMING_KEYS = ("tokens_wait", "accept", "fill", "drafts", "join_wait", "mask", "period")
 
 
@@ -135,10 +136,11 @@ class GrammarSlots(Effect, DraftMasks):
         self._info: Any = None  # xgr.TokenizerInfo, built on the first grammar
         self._guard: torch.Tensor | None = None  # its utf8_guard row
         # the grammars this rank holds, by the replica's rule (GrammarKeys: an AddReq carries a
-        # grammar's data only when its key comes in); in process: data, deserialized on first use
+        # grammar's data only when its key comes in); in process: data, compiled on first use
         self._keys = GrammarKeys()
         self._data: dict[str, bytes] = {}
         self._compiled: dict[str, Any] = {}
+        self._compiler: Any = None  # xgr.GrammarCompiler, made with the TokenizerInfo
         self._pending: _Pending | None = None  # without a background thread: advanced by the next mask
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
@@ -241,14 +243,13 @@ class GrammarSlots(Effect, DraftMasks):
     def _compiled_grammar(self, key: str) -> Any:
         compiled = self._compiled.get(key)
         if compiled is None:
-            text = zlib.decompress(self._data[key]).decode()
-            compiled = self._compiled[key] = xgr.CompiledGrammar.deserialize_json(text, self._tokenizer_info())
+            if self._compiler is None:
+                self._compiler = grammar_compiler(self._tokenizer_info(), COMPILE_THREADS)
+            compiled = self._compiled[key] = compile_grammar(self._compiler, self._data[key])
         return compiled
 
     def _tokenizer_info(self) -> Any:
         if self._info is None:  # once, on the first constrained request: the tokenizer process's twin
-            from engine.tokenizer import load_tokenizer, tokenizer_info
-
             tok = load_tokenizer(self.model_dir)
             if tok is None:
                 raise ReplicaError(f"a grammar arrived, but {self.model_dir!r} has no tokenizer files")

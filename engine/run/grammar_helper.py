@@ -44,7 +44,6 @@ import struct
 import subprocess
 import sys
 import threading
-import zlib
 from collections import deque
 from typing import Any
 
@@ -68,7 +67,7 @@ class HPrepare(msgspec.Struct, tag=True):
     each pipe once, not with every request."""
 
     key: str
-    data: bytes  # the serialized compiled grammar, zlib-compressed (msgs.params.Grammar.data)
+    data: bytes  # the grammar's source, zlib-compressed (msgs.params.Grammar.data)
 
 
 class HForget(msgspec.Struct, tag=True):
@@ -271,7 +270,7 @@ class GrammarHelpers:
         return reply
 
     def prepare(self, key: str, data: bytes) -> None:
-        """Every helper deserializes this grammar now, in parallel, and keeps it until `forget`."""
+        """Every helper compiles this grammar now, in parallel, and keeps it until `forget`."""
         for h in range(self.n):
             with self.locks[h]:
                 self._send(h, HPrepare(key, data))
@@ -367,14 +366,15 @@ class GrammarHelpers:
 def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd: int, wfd: int) -> None:
     import xgrammar as xgr
 
-    from engine.tokenizer import load_tokenizer, tokenizer_info
+    from engine.tokenizer import compile_grammar, grammar_compiler, load_tokenizer, tokenizer_info
 
     mapping = mmap.mmap(bitmask_fd, layout(vocab_size, max_slots)[1], mmap.MAP_SHARED)
     bitmask, drafted = _table(mapping, vocab_size, max_slots)
     tok = load_tokenizer(model_dir)
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
     guard = utf8_guard(info) if info is not None else None  # as engine/run/grammar.py _fill
-    compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not deserialize), HPrepare to HForget
+    compiler = grammar_compiler(info, 1) if info is not None else None  # one thread: the helpers run side by side
+    compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not compile), HPrepare to HForget
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
     _write(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
@@ -383,14 +383,14 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
         if info is None:
             return None  # no tokenizer: the HAdd reports it
         try:
-            return xgr.CompiledGrammar.deserialize_json(zlib.decompress(data).decode(), info)
+            return compile_grammar(compiler, data)
         except Exception:  # noqa: BLE001 - reported by the HAdd that uses it
             return None
 
     def grammar_of(key: str) -> Any:
         grammar = compiled.get(key)
         if grammar is None:
-            why = "has no tokenizer files" if info is None else "did not deserialize, or was never sent"
+            why = "has no tokenizer files" if info is None else "did not compile, or was never sent"
             raise RuntimeError(f"grammar {key[:12]}: {model_dir!r} {why}")
         return grammar
 

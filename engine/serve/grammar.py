@@ -1,18 +1,24 @@
 """Grammar compilation in the tokenizer process: one xgrammar GrammarCompiler per model.
 
 What a request constrains (json_schema / regex / ebnf, response_format, a forced
-tool_choice) becomes one xgrammar structural tag, compiled here and shipped to every rank
-serialized (`msgs.params.Grammar`: zlib of CompiledGrammar.serialize_json, never a pickle).
+tool_choice) becomes one xgrammar structural tag. It is compiled here, to refuse what does
+not compile, takes too long or is too large, and shipped to every rank as its source
+(`msgs.params.Grammar`: zlib of the structural tag's JSON), which each rank compiles again,
+as each of SGLang's ranks does. Shipping xgrammar's serialized CompiledGrammar instead cost
+more than compiling: its JSON grows with the grammar's rules, not only its masks (50 tool
+schemas: 37 ms to compile, 93 MB of JSON in 3.4 s; 300 optional-or-union properties: the
+tokenizer process past 22 GB while serializing, killed).
 
 * Compilation runs in a small thread pool, never on the event loop, under a time limit: a
-  grammar that fails to compile or takes longer is a 400; the server keeps serving.
-* One compiler and one cache of serialized grammars (by the SHA-256 of what is compiled)
-  are shared by every request: 64 requests with one schema compile it once.
+  grammar that fails to compile, takes longer, or whose compiled form passes
+  MAX_COMPILED_BYTES (what every rank would hold) is a 400; the server keeps serving.
+* One compiler and one cache of checked grammars (by the SHA-256 of what is compiled)
+  are shared by every request: 64 requests with one schema compile it once here.
 * xgrammar imports torch, which this process otherwise never loads, so it is imported on the
   first constrained request (in the pool, not on the loop), together with the TokenizerInfo.
 * The TokenizerInfo has the MODEL's vocabulary size (logits may be wider than the
   tokenizer's vocabulary: those ids are never allowed). Workers build the same TokenizerInfo
-  from the same tokenizer files (`tokenizer_info`), which deserialization needs.
+  from the same tokenizer files (`tokenizer_info`), so every rank compiles the same grammar.
 * Whitespace between JSON tokens is capped (`JSON_MAX_WHITESPACE` per run), so JSON mode
   cannot loop on spaces or newlines until max_tokens.
 * With a reasoning parser on, the constraint starts after the end-of-reasoning marker: the
@@ -27,7 +33,6 @@ import json
 import re
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,14 +44,15 @@ from engine.serve.errors import ApiError
 from engine.serve.metrics import Metrics
 from engine.serve.parsers.base import ToolStructure
 from engine.serve.parsers.reasoning import GAP_CHARS
-from engine.tokenizer import tokenizer_info
+from engine.tokenizer import grammar_data, tokenizer_info
 from msgs.params import Grammar
 
 log = structlog.get_logger()
 
 COMPILE_TIMEOUT_S = 10.0
 JSON_MAX_WHITESPACE = 8  # per whitespace run: room for a newline and an indent, never a loop
-CACHE_ENTRIES = 256  # serialized grammars kept (each ~0.2-3 MB depending on the vocabulary)
+CACHE_ENTRIES = 256  # checked grammars kept (their source: a few KB each)
+MAX_COMPILED_BYTES = 64 << 20  # a compiled grammar's masks and automata, held by every rank (x GrammarKeys.CAPACITY)
 COMPILE_THREADS = 2  # pool threads; xgrammar itself may use more inside one compile
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 _ARGS_STYLE = {"json": "json", "glm45_xml": "glm_xml"}  # ToolStructure.args_format -> xgrammar style
@@ -184,10 +190,12 @@ def with_reasoning(fmt: dict[str, Any], reasoning: Reasoning | None) -> dict[str
 class GrammarService:
     """Compiles constraints to `Grammar`s for requests; see the module docstring."""
 
-    def __init__(self, hf_tokenizer: Any, metrics: Metrics, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, hf_tokenizer: Any, metrics: Metrics, timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_compiled_bytes: int = MAX_COMPILED_BYTES) -> None:
         self._hf = hf_tokenizer
         self._metrics = metrics
         self.timeout_s = timeout_s
+        self.max_compiled_bytes = max_compiled_bytes
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._init_lock = threading.Lock()
         self._compiler: Any = None
@@ -216,7 +224,7 @@ class GrammarService:
         fut: asyncio.Future[Grammar] = loop.create_future()
         self._inflight[key] = fut
         try:
-            work = loop.run_in_executor(self._pool, self._compile_sync, text, key, vocab_size)
+            work = loop.run_in_executor(self._pool, self._compile_sync, text, key, vocab_size, param)
             try:
                 grammar = await asyncio.wait_for(work, self.timeout_s)
             except TimeoutError:
@@ -243,14 +251,18 @@ class GrammarService:
         finally:
             del self._inflight[key]
 
-    def _compile_sync(self, text: str, key: str, vocab_size: int) -> Grammar:
+    def _compile_sync(self, text: str, key: str, vocab_size: int, param: str) -> Grammar:
         compiler, stop_ids = self._ensure(vocab_size)
         t0 = time.perf_counter()
-        compiled = compiler.compile_structural_tag(compilable(text))
-        data = zlib.compress(compiled.serialize_json().encode(), 1)
+        source = compilable(text)
+        size = compiler.compile_structural_tag(source).memory_size_bytes
         seconds = time.perf_counter() - t0
         self._metrics.grammar_compile.observe(seconds)
-        log.info("grammar compiled", key=key[:12], seconds=round(seconds, 4), bytes=len(data))
+        if size > self.max_compiled_bytes:
+            raise ApiError(400, f"{param}: the grammar compiles to {size / 2**20:.1f} MiB, more than the "
+                           f"{self.max_compiled_bytes / 2**20:.1f} MiB a grammar may take; simplify it", param)
+        data = grammar_data(source)
+        log.info("grammar compiled", key=key[:12], seconds=round(seconds, 4), compiled_bytes=size, bytes=len(data))
         return Grammar(key=key, data=data, stop_ids=stop_ids)
 
     def _ensure(self, vocab_size: int) -> tuple[Any, list[int]]:
@@ -260,7 +272,8 @@ class GrammarService:
 
                 t0 = time.perf_counter()
                 info = tokenizer_info(self._hf, vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=True)
+                # no xgrammar cache: what passed is kept by key (`_cache`), its compiled form by no one here
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
                 self._stop_ids = [int(t) for t in info.stop_token_ids]
                 log.info("grammar compiler ready", seconds=round(time.perf_counter() - t0, 3), stop_ids=self._stop_ids)
             return self._compiler, self._stop_ids

@@ -8,17 +8,15 @@ json_schema request stays valid; no page leaks."""
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import pytest
-import xgrammar as xgr
 
 from engine.config import ServerConfig
 from engine.local import LocalEngine, Result
 from engine.replica import rank_replica
 from engine.serve.grammar import compilable, json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar, SamplingParams
 from msgs.requests import TokenizedRequest
@@ -144,8 +142,7 @@ def _grammar(path: str, vocab: int, schema: dict, key: str) -> Grammar:
     tok = load_tokenizer(path)
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(schema)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(compilable(json.dumps(tag)))
-    return Grammar(key, zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    return Grammar(key, grammar_data(compilable(json.dumps(tag))), [int(t) for t in info.stop_token_ids])
 
 
 def test_json_schema_speculates_and_stays_valid(model, plain: LocalEngine, ngram: LocalEngine) -> None:  # noqa: ANN001

@@ -6,18 +6,16 @@ JSON, with drafts accepted, and no page left behind."""
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from engine.config import ServerConfig
 from engine.local import LocalEngine
 from engine.serve.grammar import compilable, json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.params import Grammar, SamplingParams
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
@@ -45,8 +43,7 @@ def _grammar(path: str, vocab: int, schema: dict, key: str) -> Grammar:
     assert tok is not None
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(schema)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(compilable(json.dumps(tag)))
-    return Grammar(key, zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    return Grammar(key, grammar_data(compilable(json.dumps(tag))), [int(t) for t in info.stop_token_ids])
 
 
 def test_json_schema_speculates_with_grammar_helpers(default_model_dir: Path) -> None:

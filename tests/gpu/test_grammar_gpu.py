@@ -5,16 +5,14 @@ registered with cudaHostRegister) masks exactly what the CPU path masks."""
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
 from engine.serve.grammar import json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, FreeReq, WorkerSampling
@@ -54,8 +52,7 @@ def test_cuda_mask_by_slot_equals_the_cpu_mask(tokenizer_dir: Path, helpers: int
     vocab = len(tok.hf) + 64  # logits wider than the tokenizer: the tail must be masked too
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
-    grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    grammar = Grammar("k", grammar_data(json.dumps(tag)), [int(t) for t in info.stop_token_ids])
     dev = torch.device("cuda")
     gpu = GrammarSlots(str(default_model_dir), vocab, 8, dev, helpers=helpers)
     cpu = GrammarSlots(str(default_model_dir), vocab, 8, torch.device("cpu"), background=False, helpers=0)

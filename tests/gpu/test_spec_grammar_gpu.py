@@ -7,16 +7,14 @@ for the same drafts (a refused draft, a stop token, the matchers rolled back).""
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
 from engine.serve.grammar import json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, WorkerSampling
@@ -53,8 +51,7 @@ def test_cuda_drafted_masks_equal_the_cpu_in_process_masks(tokenizer_dir: Path) 
     vocab = len(tok.hf) + 64
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
-    grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    grammar = Grammar("k", grammar_data(json.dumps(tag)), [int(t) for t in info.stop_token_ids])
     dev = torch.device("cuda")
     gpu = GrammarSlots(str(tokenizer_dir), vocab, 4, dev, helpers=2)
     cpu = GrammarSlots(str(tokenizer_dir), vocab, 4, torch.device("cpu"), background=False, helpers=0)

@@ -5,7 +5,6 @@ process compiles them (engine/serve/grammar.py)."""
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import xgrammar as xgr
 from engine.replica import ReplicaError, rank_replica
 from engine.run.grammar import GrammarSlots
 from engine.serve.grammar import json_format, with_reasoning
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, Flush, FreeReq, Step, WorkerSampling
@@ -31,10 +30,8 @@ def setup(default_model_dir: Path) -> tuple[object, int, Grammar]:
     assert tok is not None
     vocab = len(tok.hf) + EXTRA
     info = tokenizer_info(tok.hf, vocab)
-    compiler = xgr.GrammarCompiler(info, max_threads=1)
     tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
-    compiled = compiler.compile_structural_tag(json.dumps(tag))
-    grammar = Grammar("k1", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    grammar = Grammar("k1", grammar_data(json.dumps(tag)), [int(t) for t in info.stop_token_ids])
     return tok, vocab, grammar
 
 

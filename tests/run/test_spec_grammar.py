@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from pathlib import Path
 
 import torch
-import xgrammar as xgr
 
 from engine.run.grammar import GrammarSlots
 from engine.serve.grammar import json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, WorkerSampling
@@ -31,8 +29,7 @@ def test_drafted_positions_are_masked_after_their_drafts(default_model_dir: Path
     vocab = len(tok.hf)
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
-    grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    grammar = Grammar("k", grammar_data(json.dumps(tag)), [int(t) for t in info.stop_token_ids])
     ids = tok.encode('{"n": 12}', add_special_tokens=False)
     slots = [GrammarSlots(str(default_model_dir), vocab, 2, torch.device("cpu"), background=False, helpers=0)
              for _ in range(2)]

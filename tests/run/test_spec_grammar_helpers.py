@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from engine.config import ServerConfig
 from engine.run.grammar import GrammarSlots
 from engine.run.grammar_helper import MAX_DRAFTS
 from engine.serve.grammar import json_format
-from engine.tokenizer import load_tokenizer, tokenizer_info
+from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, WorkerSampling
@@ -36,8 +34,7 @@ def setup(default_model_dir: Path):  # noqa: ANN201
     vocab = len(tok.hf) + EXTRA
     info = tokenizer_info(tok.hf, vocab)
     tag = {"type": "structural_tag", "format": json_format(SCHEMA)}
-    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(json.dumps(tag))
-    grammar = Grammar("k", zlib.compress(compiled.serialize_json().encode()), [int(t) for t in info.stop_token_ids])
+    grammar = Grammar("k", grammar_data(json.dumps(tag)), [int(t) for t in info.stop_token_ids])
     ref = GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"), background=False, helpers=0)
     helped = GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"), helpers=2)
     yield tok.encode('{"n": 12}', add_special_tokens=False), vocab, grammar, ref, helped

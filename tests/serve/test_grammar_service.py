@@ -12,7 +12,7 @@ import pytest
 from engine.serve.errors import ApiError
 from engine.serve.grammar import GrammarService, constrain, response_format_spec, spec_format
 from engine.serve.metrics import Metrics
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import compile_grammar, grammar_compiler, load_tokenizer, tokenizer_info
 from msgs.params import Grammar, SamplingParams
 
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
@@ -56,6 +56,25 @@ def test_what_does_not_compile_or_takes_too_long_is_a_400(hf) -> None:  # noqa: 
     with pytest.raises(ApiError) as info:
         asyncio.run(constrain(slow, SamplingParams(regex="[a-z]{3}"), 49152))
     assert info.value.status == 400 and "longer than" in info.value.message
+
+
+def test_a_grammar_travels_as_its_source_and_one_too_large_compiled_is_a_400(hf) -> None:  # noqa: ANN001
+    import xgrammar as xgr
+
+    # 200 optional properties: 50 KB of rules whose serialized CompiledGrammar was 18 MB of JSON
+    many = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(200)}})
+    grammar = asyncio.run(constrain(GrammarService(hf, Metrics()), SamplingParams(json_schema=many), 49152)).grammar
+    assert grammar is not None and len(grammar.data) < 64 << 10
+    matcher = xgr.GrammarMatcher(compile_grammar(grammar_compiler(tokenizer_info(hf, 49152), 1), grammar.data))
+    assert matcher.accept_string('{"k7": "x", "k150": "y"}') and not matcher.accept_string("]")
+    # what every rank would hold compiled is bounded: a 400 naming the field, and the service serves on
+    union = {"anyOf": [{"type": "string", "maxLength": 200}, {"type": "array", "items": {"type": "integer"}}]}
+    wide = json.dumps({"type": "object", "properties": {f"k{i}": union for i in range(10)}})
+    small = GrammarService(hf, Metrics(), max_compiled_bytes=1 << 20)
+    with pytest.raises(ApiError) as info:
+        asyncio.run(constrain(small, SamplingParams(json_schema=wide), 49152))
+    assert info.value.status == 400 and info.value.param == "json_schema" and "MiB" in info.value.message
+    assert asyncio.run(constrain(small, SamplingParams(json_schema=SCHEMA), 49152)).grammar is not None
 
 
 def test_a_client_grammar_is_always_replaced(hf) -> None:  # noqa: ANN001
