@@ -224,7 +224,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()
-    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok, limits)
+    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok, limits, req.n)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
     params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]

@@ -14,6 +14,7 @@ from engine.serve.parsers.tool_request import check_tools
 from engine.serve.protocol import DetokenizeBody, TokenizeBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import IDS_ONLY, check_model, off_loop
+from engine.tokenizer import TextTokenizer
 
 
 async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
@@ -33,7 +34,7 @@ async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
     else:
         ids = await off_loop(len(body), state.tok.encode, req.prompt or "",
                              add_special_tokens=req.add_special_tokens is not False)
-    strs = state.tok.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    strs = await off_loop(len(body), state.tok.hf.convert_ids_to_tokens, ids) if req.return_token_strs else None
     return Reply(body={"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": strs})
 
 
@@ -54,8 +55,13 @@ async def detokenize(state: ServeState, body: bytes, call: Call) -> Reply:
     check_model(req.model, state.accepted_models)
     if state.tok is None:
         raise ApiError(400, f"detokenize is not available: {IDS_ONLY}", param="tokens")
-    limits = await state.limits()
-    bad = next((t for t in req.tokens if not 0 <= t < limits.vocab_size), None)
+    vocab = (await state.limits()).vocab_size
+    # off the loop when long: a 30M-id body checked and decoded inline stalled every client ~7 s
+    return Reply(body={"prompt": await off_loop(len(body), _detokenize, state.tok, req.tokens, vocab)})
+
+
+def _detokenize(tok: TextTokenizer, ids: list[int], vocab: int) -> str:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is out of range for the vocabulary (size {limits.vocab_size})", "tokens")
-    return Reply(body={"prompt": state.tok.decode(req.tokens, skip_special_tokens=False)})
+        raise ApiError(400, f"token id {bad} is out of range for the vocabulary (size {vocab})", "tokens")
+    return tok.decode(ids, skip_special_tokens=False)

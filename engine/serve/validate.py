@@ -238,12 +238,17 @@ def make_params(kw: dict[str, Any], max_new: int, vocab_size: int | None = None)
     return params
 
 
+def check_subrequests(prompts: int, n: int) -> None:
+    if prompts * n > MAX_SUBREQUESTS:
+        raise ApiError(400, f"at most {MAX_SUBREQUESTS} prompts x n per request (got {prompts} x {n})",
+                       param="prompt" if n == 1 else "n")
+
+
 def fan_out(rid: str, prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[SubRequest]:
     """One SubRequest per (prompt, sample). A single one keeps the rid; otherwise rid-k.
 
     Seeded samples get seed+i so that n samples differ yet stay reproducible."""
-    if len(prompts) * n > MAX_SUBREQUESTS:
-        raise ApiError(400, f"at most {MAX_SUBREQUESTS} prompts x n per request", param="n")
+    check_subrequests(len(prompts), n)
     if len(prompts) * n == 1:
         return [SubRequest(rid, 0, 0, prompts[0], params[0])]
     subs = []
@@ -265,14 +270,17 @@ def encode_within(tok: TextTokenizer, text: str, limits: Limits, what: str = "pr
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def completion_prompts(prompt: str | list[Any], tok: TextTokenizer | None, limits: Limits) -> list[list[int]]:
-    """The token ids of each prompt of a /v1/completions body."""
+def completion_prompts(prompt: str | list[Any], tok: TextTokenizer | None, limits: Limits,
+                       n: int = 1) -> list[list[int]]:
+    """The token ids of each prompt of a /v1/completions body (n samples each: their count is
+    checked before any prompt is tokenized)."""
     if isinstance(prompt, str):
         return [_encode(prompt, tok, limits)]
     if not prompt:
         raise ApiError(400, "prompt must not be an empty array", param="prompt")
     if all(type(t) is int for t in prompt):
         return [list(prompt)]
+    check_subrequests(len(prompt), n)
     if all(isinstance(t, str) for t in prompt):
         return [_encode(t, tok, limits) for t in prompt]
     if all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):

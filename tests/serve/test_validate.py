@@ -269,6 +269,25 @@ def test_completion_prompt_shapes(text_tok) -> None:
     _raises(400, completion_prompts, "text", None, LIMITS, param="prompt")  # ids-only mode
 
 
+class _Untouchable:
+    """A tokenizer that fails the test if anything is encoded with it."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"tokenized before the prompt count was checked ({name})")
+
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized() -> None:
+    """An audit's 1M one-character prompts were all tokenized (and given params on the event loop)
+    before fan_out refused them: 10 s to 5 min of a stalled server for a 400."""
+    with pytest.raises(ApiError, match="at most 256 prompts x n") as info:
+        completion_prompts(["a"] * 257, _Untouchable(), LIMITS)
+    assert info.value.status == 400 and info.value.param == "prompt"
+    with pytest.raises(ApiError, match="got 64 x 5") as info:
+        completion_prompts([[1]] * 64, _Untouchable(), LIMITS, n=5)
+    assert info.value.param == "n"
+    assert len(completion_prompts([[1]] * 64, _Untouchable(), LIMITS, n=4)) == 64
+
+
 def test_no_length_bound_where_one_token_can_stand_for_any_text(text_tok) -> None:
     """The bound holds only where no step can swallow text (a review's counterexamples: an added
     token with rstrip took 8,007 characters of whitespace as 1 token; a fused unknown, 10,000)."""
