@@ -211,6 +211,8 @@ class TokenizerProcess:
             for task in (http, *tasks):
                 task.cancel()
             await asyncio.gather(http, *tasks, return_exceptions=True)
+            if state.grammar is not None:  # its grammar checker processes
+                state.grammar.close()
 
     async def watch_supervisor(self, frontend: Frontend) -> None:
         """On ProcessDied: fail every request, wait until their consumers have seen it,

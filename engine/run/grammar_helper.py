@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -49,7 +48,8 @@ from typing import Any
 
 import msgspec
 
-FRAME = struct.Struct("<I")
+from msgs.frames import read_frame, write_frame
+
 MAX_DRAFTS = 16  # drafted positions a verify row may have: ServerConfig's bound on --speculative-num-steps
 
 
@@ -108,29 +108,6 @@ class HError(msgspec.Struct, tag=True):
 
 Request = HAdd | HPrepare | HForget | HFree | HAccept | HFill | HDraft
 Reply = HDone | HDrafted | HError
-
-
-def _write(fd: int, payload: bytes) -> None:
-    data = FRAME.pack(len(payload)) + payload
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _read(fd: int) -> bytes | None:
-    """One frame, or None at end of stream."""
-    head = _read_exact(fd, FRAME.size)
-    return None if head is None else _read_exact(fd, FRAME.unpack(head)[0])
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    parts, left = [], n
-    while left:
-        chunk = os.read(fd, left)
-        if not chunk:
-            return None
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
 
 
 _LEAD_FOLLOWERS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
@@ -254,14 +231,14 @@ class GrammarHelpers:
         stdin = self.procs[h].stdin
         assert stdin is not None
         try:
-            _write(stdin.fileno(), self._enc.encode(msg))
+            write_frame(stdin.fileno(), self._enc.encode(msg))
         except OSError as exc:
             raise RuntimeError(f"grammar helper {h} is gone ({exc}); exit code {self.procs[h].poll()}") from exc
 
     def _reply(self, h: int) -> HDone | HDrafted:
         stdout = self.procs[h].stdout
         assert stdout is not None
-        frame = _read(stdout.fileno())
+        frame = read_frame(stdout.fileno())
         if frame is None:
             raise RuntimeError(f"grammar helper {h} died (exit code {self.procs[h].wait()})")
         reply = self._dec.decode(frame)
@@ -377,7 +354,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not compile), HPrepare to HForget
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
-    _write(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
+    write_frame(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
 
     def prepare(data: bytes) -> Any:
         if info is None:
@@ -422,7 +399,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
             m.rollback(taken)
         return filled
 
-    while (frame := _read(rfd)) is not None:
+    while (frame := read_frame(rfd)) is not None:
         msg = dec.decode(frame)
         try:
             match msg:
@@ -465,7 +442,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                     reply = HDone(res)
         except Exception as exc:  # noqa: BLE001 - reported to the worker, which fails loudly
             reply = HError(f"{type(exc).__name__}: {exc}")
-        _write(wfd, enc.encode(reply))
+        write_frame(wfd, enc.encode(reply))
 
 
 def main() -> None:

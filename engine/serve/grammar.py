@@ -9,13 +9,15 @@ more than compiling: its JSON grows with the grammar's rules, not only its masks
 schemas: 37 ms to compile, 93 MB of JSON in 3.4 s; 300 optional-or-union properties: the
 tokenizer process past 22 GB while serializing, killed).
 
-* Compilation runs in a small thread pool, never on the event loop, under a time limit: a
-  grammar that fails to compile, takes longer, or whose compiled form passes
-  MAX_COMPILED_BYTES (what every rank would hold) is a 400; the server keeps serving.
+* Compilation runs in two child processes (engine/serve/grammar_checker.py), each driven by
+  a pool thread, never on the event loop, under a time limit: a grammar that fails to
+  compile, takes longer (its child is killed, and another started for the next request), or
+  whose compiled form passes MAX_COMPILED_BYTES (what every rank would hold) is a 400; the
+  server keeps serving.
 * One compiler and one cache of checked grammars (by the SHA-256 of what is compiled)
   are shared by every request: 64 requests with one schema compile it once here.
-* xgrammar imports torch, which this process otherwise never loads, so it is imported on the
-  first constrained request (in the pool, not on the loop), together with the TokenizerInfo.
+* xgrammar imports torch, which this process never loads: the children import it, started on
+  the first constrained request, and build the TokenizerInfo.
 * The TokenizerInfo has the MODEL's vocabulary size (logits may be wider than the
   tokenizer's vocabulary: those ids are never allowed). Workers build the same TokenizerInfo
   from the same tokenizer files (`tokenizer_info`), so every rank compiles the same grammar.
@@ -32,7 +34,6 @@ import hashlib
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,10 +42,11 @@ from typing import Any
 import structlog
 
 from engine.serve.errors import ApiError
+from engine.serve.grammar_checker import Checker, CheckerStartError
 from engine.serve.metrics import Metrics
 from engine.serve.parsers.base import ToolStructure
 from engine.serve.parsers.reasoning import GAP_CHARS
-from engine.tokenizer import grammar_data, tokenizer_info
+from engine.tokenizer import grammar_data
 from msgs.params import Grammar
 
 log = structlog.get_logger()
@@ -53,7 +55,7 @@ COMPILE_TIMEOUT_S = 10.0
 JSON_MAX_WHITESPACE = 8  # per whitespace run: room for a newline and an indent, never a loop
 CACHE_ENTRIES = 256  # checked grammars kept (their source: a few KB each)
 MAX_COMPILED_BYTES = 64 << 20  # a compiled grammar's masks and automata, held by every rank (x GrammarKeys.CAPACITY)
-COMPILE_THREADS = 2  # pool threads; xgrammar itself may use more inside one compile
+CHECKERS = 2  # child processes compiling, one pool thread each
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 _ARGS_STYLE = {"json": "json", "glm45_xml": "glm_xml"}  # ToolStructure.args_format -> xgrammar style
 
@@ -190,22 +192,21 @@ def with_reasoning(fmt: dict[str, Any], reasoning: Reasoning | None) -> dict[str
 class GrammarService:
     """Compiles constraints to `Grammar`s for requests; see the module docstring."""
 
-    def __init__(self, hf_tokenizer: Any, metrics: Metrics, timeout_s: float = COMPILE_TIMEOUT_S,
+    def __init__(self, model_dir: str, metrics: Metrics, timeout_s: float = COMPILE_TIMEOUT_S,
                  max_compiled_bytes: int = MAX_COMPILED_BYTES) -> None:
-        self._hf = hf_tokenizer
+        self._model_dir = model_dir
         self._metrics = metrics
         self.timeout_s = timeout_s
         self.max_compiled_bytes = max_compiled_bytes
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-        self._init_lock = threading.Lock()
-        self._compiler: Any = None
-        self._stop_ids: list[int] = []
+        self._pool = ThreadPoolExecutor(CHECKERS, thread_name_prefix="grammar")
+        self._local = threading.local()  # each pool thread's Checker
+        self.checkers: list[Checker] = []
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._inflight: dict[str, asyncio.Future[Grammar]] = {}
 
     async def compile(self, fmt: dict[str, Any], vocab_size: int, param: str) -> Grammar:
         """The Grammar of one structural-tag format; 400 naming `param` if it does not
-        compile or takes longer than the time limit."""
+        compile, takes longer than the time limit or is too large."""
         tag = {"type": "structural_tag", "format": fmt}
         # keys in the request's order: a JSON schema's properties are generated in the order declared
         # (a "reasoning then answer" schema must not answer first); sorted, they came out alphabetical
@@ -224,21 +225,12 @@ class GrammarService:
         fut: asyncio.Future[Grammar] = loop.create_future()
         self._inflight[key] = fut
         try:
-            work = loop.run_in_executor(self._pool, self._compile_sync, text, key, vocab_size, param)
             try:
-                grammar = await asyncio.wait_for(work, self.timeout_s)
-            except TimeoutError:
-                # the thread cannot be stopped; it finishes in the background and is dropped
-                self._metrics.grammar_failures.inc()
-                raise ApiError(
-                    400, f"{param}: grammar compilation took longer than {self.timeout_s:g} s", param
-                ) from None
-            except ApiError:
-                self._metrics.grammar_failures.inc()
+                grammar = await loop.run_in_executor(self._pool, self._compile_sync, text, key, vocab_size, param)
+            except ApiError as exc:
+                if exc.status == 400:
+                    self._metrics.grammar_failures.inc()
                 raise
-            except Exception as exc:  # xgrammar's errors: a schema/regex/grammar it cannot compile
-                self._metrics.grammar_failures.inc()
-                raise ApiError(400, f"{param} does not compile: {_first_line(exc)}", param) from None
             self._cache[key] = grammar
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -252,34 +244,47 @@ class GrammarService:
             del self._inflight[key]
 
     def _compile_sync(self, text: str, key: str, vocab_size: int, param: str) -> Grammar:
-        compiler, stop_ids = self._ensure(vocab_size)
-        t0 = time.perf_counter()
-        source = compilable(text)
-        size = compiler.compile_structural_tag(source).memory_size_bytes
-        seconds = time.perf_counter() - t0
-        self._metrics.grammar_compile.observe(seconds)
-        if size > self.max_compiled_bytes:
-            raise ApiError(400, f"{param}: the grammar compiles to {size / 2**20:.1f} MiB, more than the "
-                           f"{self.max_compiled_bytes / 2**20:.1f} MiB a grammar may take; simplify it", param)
-        data = grammar_data(source)
-        log.info("grammar compiled", key=key[:12], seconds=round(seconds, 4), compiled_bytes=size, bytes=len(data))
-        return Grammar(key=key, data=data, stop_ids=stop_ids)
+        checker = self._checker(vocab_size)
+        try:
+            reply = checker.check(text, self.timeout_s)
+        except TimeoutError:
+            raise ApiError(400, f"{param}: grammar compilation took longer than {self.timeout_s:g} s", param) from None
+        except ChildProcessError as exc:  # it died compiling this grammar (out of memory, ...)
+            raise ApiError(400, f"{param} could not be compiled: {exc}", param) from None
+        except CheckerStartError as exc:
+            raise ApiError(503, f"constrained decoding is unavailable: {exc}", param) from None
+        self._metrics.grammar_compile.observe(reply.seconds)
+        if reply.error:
+            raise ApiError(400, f"{param} does not compile: {reply.error}", param)
+        if reply.compiled_bytes > self.max_compiled_bytes:
+            raise ApiError(400, f"{param}: the grammar compiles to {reply.compiled_bytes / 2**20:.1f} MiB, more "
+                           f"than the {self.max_compiled_bytes / 2**20:.1f} MiB a grammar may take; simplify it", param)
+        data = grammar_data(reply.source)
+        log.info("grammar compiled", key=key[:12], seconds=round(reply.seconds, 4), compiled_bytes=reply.compiled_bytes,
+                 bytes=len(data))
+        return Grammar(key=key, data=data, stop_ids=checker.stop_ids)
 
-    def _ensure(self, vocab_size: int) -> tuple[Any, list[int]]:
-        with self._init_lock:  # first use: import xgrammar, build the tokenizer info once
-            if self._compiler is None:
-                import xgrammar as xgr
+    def _checker(self, vocab_size: int) -> Checker:
+        """This pool thread's checker (one child process), for this vocabulary."""
+        checker = getattr(self._local, "checker", None)
+        if checker is None or checker.vocab_size != vocab_size:
+            if checker is not None:
+                checker.kill()
+                self.checkers.remove(checker)
+            checker = self._local.checker = Checker(self._model_dir, vocab_size)
+            self.checkers.append(checker)
+        return checker
 
-                t0 = time.perf_counter()
-                info = tokenizer_info(self._hf, vocab_size)
-                # no xgrammar cache: what passed is kept by key (`_cache`), its compiled form by no one here
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-                self._stop_ids = [int(t) for t in info.stop_token_ids]
-                log.info("grammar compiler ready", seconds=round(time.perf_counter() - t0, 3), stop_ids=self._stop_ids)
-            return self._compiler, self._stop_ids
+    def close(self) -> None:
+        """Stop the children (they also exit when this process does, at the end of their stdin,
+        but maybe only after a long compile). A thread waiting on one sees its end: no wait here."""
+        for checker in list(self.checkers):
+            if checker.proc is not None:
+                checker.proc.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     lines = [ln for ln in text.splitlines() if ln.strip()]
     # xgrammar's errors start with a '[time] file.cc:line:' prefix: keep the message after it
@@ -347,5 +352,5 @@ def service_of(state: Any) -> GrammarService | None:
     if state.tok is None:
         return None
     if state.grammar is None:
-        state.grammar = GrammarService(state.tok.hf, state.frontend.metrics)
+        state.grammar = GrammarService(state.cfg.model, state.frontend.metrics)
     return state.grammar

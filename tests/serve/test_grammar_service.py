@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.serve.errors import ApiError
-from engine.serve.grammar import GrammarService, constrain, response_format_spec, spec_format
+from engine.serve.grammar import MAX_COMPILED_BYTES, GrammarService, constrain, response_format_spec, spec_format
 from engine.serve.metrics import Metrics
 from engine.tokenizer import compile_grammar, grammar_compiler, load_tokenizer, tokenizer_info
 from msgs.params import Grammar, SamplingParams
@@ -25,15 +26,24 @@ def hf(default_model_dir: Path):  # noqa: ANN201
     return tok.hf
 
 
-def test_compiles_once_for_concurrent_requests_and_counts_hits(hf) -> None:  # noqa: ANN001
+@pytest.fixture(scope="module")
+def service(default_model_dir: Path) -> Iterator[GrammarService]:
+    """One service (its two checker processes) for the tests that need no settings of their own."""
+    svc = GrammarService(str(default_model_dir), Metrics())
+    yield svc
+    svc.close()
+
+
+def test_compiles_once_for_concurrent_requests_and_counts_hits(default_model_dir: Path) -> None:
     metrics = Metrics()
-    service = GrammarService(hf, metrics)
+    service = GrammarService(str(default_model_dir), metrics)
     params = SamplingParams(json_schema=SCHEMA)
 
     async def main() -> list[SamplingParams]:
         return await asyncio.gather(*(constrain(service, params, 49152) for _ in range(4)))
 
     out = asyncio.run(main())
+    service.close()
     assert all(isinstance(p.grammar, Grammar) for p in out)
     assert len({p.grammar.key for p in out}) == 1
     assert out[0].grammar.stop_ids == [2]
@@ -41,8 +51,7 @@ def test_compiles_once_for_concurrent_requests_and_counts_hits(hf) -> None:  # n
     assert metrics.grammar_cache_hits._value.get() == 3
 
 
-def test_what_does_not_compile_or_takes_too_long_is_a_400(hf) -> None:  # noqa: ANN001
-    service = GrammarService(hf, Metrics())
+def test_what_does_not_compile_is_a_400(service: GrammarService) -> None:
     for params in (
         SamplingParams(json_schema="{not json"),
         SamplingParams(json_schema='{"type": "nonsense"}'),
@@ -52,35 +61,52 @@ def test_what_does_not_compile_or_takes_too_long_is_a_400(hf) -> None:  # noqa: 
         with pytest.raises(ApiError) as info:
             asyncio.run(constrain(service, params, 49152))
         assert info.value.status == 400
-    slow = GrammarService(hf, Metrics(), timeout_s=1e-9)
-    with pytest.raises(ApiError) as info:
-        asyncio.run(constrain(slow, SamplingParams(regex="[a-z]{3}"), 49152))
-    assert info.value.status == 400 and "longer than" in info.value.message
 
 
-def test_a_grammar_travels_as_its_source_and_one_too_large_compiled_is_a_400(hf) -> None:  # noqa: ANN001
+def _union_properties(n: int) -> str:
+    union = {"anyOf": [{"type": "string", "maxLength": 200}, {"type": "integer"},
+                       {"type": "array", "items": {"type": "string", "pattern": "[a-z]{1,50}"}}]}
+    return json.dumps({"type": "object", "properties": {f"k{i}": union for i in range(n)}})
+
+
+def test_a_compile_past_the_time_limit_is_a_400_and_its_process_is_killed(service: GrammarService) -> None:
+    """In a thread, such a compile ran on for minutes after its 400 (an audit's 300 union-typed
+    properties), holding one of the two compile threads."""
+    service.timeout_s = 0.2  # 60 of these properties take ~1 s to compile on this CPU
+    try:
+        with pytest.raises(ApiError) as info:
+            asyncio.run(constrain(service, SamplingParams(json_schema=_union_properties(60)), 49152))
+    finally:
+        service.timeout_s = 10.0
+    assert info.value.status == 400 and "longer than 0.2 s" in info.value.message
+    assert any(c.proc is None for c in service.checkers)  # killed (another starts on that thread's next use)
+    for regex in ("[a-z]{3}", "[0-9]{4}", "x+", "y+"):  # both threads serve again
+        assert asyncio.run(constrain(service, SamplingParams(regex=regex), 49152)).grammar is not None
+
+
+def test_a_grammar_travels_as_its_source_and_one_too_large_compiled_is_a_400(hf, service: GrammarService) -> None:  # noqa: ANN001
     import xgrammar as xgr
 
     # 200 optional properties: 50 KB of rules whose serialized CompiledGrammar was 18 MB of JSON
     many = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(200)}})
-    grammar = asyncio.run(constrain(GrammarService(hf, Metrics()), SamplingParams(json_schema=many), 49152)).grammar
+    grammar = asyncio.run(constrain(service, SamplingParams(json_schema=many), 49152)).grammar
     assert grammar is not None and len(grammar.data) < 64 << 10
     matcher = xgr.GrammarMatcher(compile_grammar(grammar_compiler(tokenizer_info(hf, 49152), 1), grammar.data))
     assert matcher.accept_string('{"k7": "x", "k150": "y"}') and not matcher.accept_string("]")
     # what every rank would hold compiled is bounded: a 400 naming the field, and the service serves on
-    union = {"anyOf": [{"type": "string", "maxLength": 200}, {"type": "array", "items": {"type": "integer"}}]}
-    wide = json.dumps({"type": "object", "properties": {f"k{i}": union for i in range(10)}})
-    small = GrammarService(hf, Metrics(), max_compiled_bytes=1 << 20)
-    with pytest.raises(ApiError) as info:
-        asyncio.run(constrain(small, SamplingParams(json_schema=wide), 49152))
-    assert info.value.status == 400 and info.value.param == "json_schema" and "MiB" in info.value.message
-    assert asyncio.run(constrain(small, SamplingParams(json_schema=SCHEMA), 49152)).grammar is not None
+    service.max_compiled_bytes = 1 << 20
+    try:
+        with pytest.raises(ApiError) as info:
+            asyncio.run(constrain(service, SamplingParams(json_schema=_union_properties(10)), 49152))
+        assert info.value.status == 400 and info.value.param == "json_schema" and "MiB" in info.value.message
+        assert asyncio.run(constrain(service, SamplingParams(json_schema=SCHEMA), 49152)).grammar is not None
+    finally:
+        service.max_compiled_bytes = MAX_COMPILED_BYTES
 
 
-def test_a_client_grammar_is_always_replaced(hf) -> None:  # noqa: ANN001
+def test_a_client_grammar_is_always_replaced(service: GrammarService) -> None:
     forged = Grammar("k", b"not a grammar", [1])
     assert asyncio.run(constrain(None, SamplingParams(grammar=forged), 49152)).grammar is None
-    service = GrammarService(hf, Metrics())
     got = asyncio.run(constrain(service, SamplingParams(regex="a+", grammar=forged), 49152)).grammar
     assert got is not None and got.key != "k"
     with pytest.raises(ApiError):  # a constraint on a server without a tokenizer
