@@ -90,6 +90,18 @@ class TextOffset:
     chars: int = 0
     pending: bytes = b""
 
+    def start_of(self, data: bytes) -> int:
+        """Where a token of these bytes starts: inside the pending character if its first byte
+        carries that character on (the character's offset), else after the U+FFFDs the pending
+        bytes become (an invalid lead byte, then " world": the space starts at 1, not 0)."""
+        if not self.pending or not data:
+            return self.chars
+        try:
+            codecs.getincrementaldecoder("utf-8")("strict").decode(self.pending + data[:1])
+        except UnicodeDecodeError:
+            return self.chars + len(self.pending.decode("utf-8", "replace"))
+        return self.chars
+
     def after(self, data: bytes) -> TextOffset:
         """The offset after a token of these bytes (characters completed by them counted)."""
         dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -140,9 +152,12 @@ def completion_logprobs(
     tokens, offsets = [], []
     for tid in ids[: len(logprobs)]:
         tokens.append(token_text(tok, tid))
-        offsets.append(offset.chars)
-        if tok is not None:  # ids-only: there is no text
-            offset = offset.after(tok.token_bytes(tid))
+        if tok is None:  # ids-only: there is no text
+            offsets.append(offset.chars)
+            continue
+        data = tok.token_bytes(tid)
+        offsets.append(offset.start_of(data))
+        offset = offset.after(data)
     top = None
     if tops is not None:
         top = [{token_text(tok, t): _lp(v) for t, v in alts} for alts in tops[: len(tokens)]]

@@ -68,6 +68,11 @@ def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
+def _usage_every_chunk(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far in every chunk."""
+    return _include_usage(req) and bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
 # -- chat -------------------------------------------------------------------------------
 
 
@@ -100,7 +105,8 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     if req.stream:
         deltas = await first_then_rest(gen)
         parsed = _Parsed(new_output, tools)
-        stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req), parsed)
+        stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req), parsed,
+                              _usage_every_chunk(req))
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
     out = []
@@ -153,9 +159,11 @@ async def _sse(
     chunk: Callable[[list[dict[str, Any]], dict[str, Any] | None], bytes],
     choice_of: Callable[[Delta], dict[str, Any] | None],
     first: list[bytes],
+    usage_every: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE body both endpoints share: `first` events, one chunk per delta that carries
-    anything (`choice_of` returns None otherwise), the usage chunk when asked, [DONE]. A
+    anything (`choice_of` returns None otherwise; with `usage_every`, the usage so far in it), the
+    usage chunk when asked, [DONE]. A
     failed generation (the scheduler failed it, or a server process died) ends the stream
     with an OpenAI-style error event then [DONE], so a client never takes a crash for a
     finished answer. The generation is closed however the stream ends."""
@@ -171,7 +179,7 @@ async def _sse(
                 specs[d.index] = d.spec
                 choice = choice_of(d)
                 if choice is not None:
-                    yield chunk([choice], None)
+                    yield chunk([choice], fmt.usage_of(counts.values()) if usage_every else None)
         except GenerationFailed as exc:
             log.warning("stream failed", status=exc.status, error=exc.message)
             yield fmt.sse(api_error_body(exc))
@@ -192,6 +200,7 @@ def _chat_stream(
     logprobs: bool,
     include_usage: bool,
     parsed: _Parsed,
+    usage_every: bool = False,
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
 
@@ -209,7 +218,7 @@ def _chat_stream(
         chunk([fmt.chat_chunk_choice(s.index, {"role": "assistant", "content": ""}, None, None)], None)
         for s in gen.subs
     ]
-    return _sse(gen, deltas, include_usage, chunk, choice_of, roles)
+    return _sse(gen, deltas, include_usage, chunk, choice_of, roles, usage_every)
 
 
 # -- completions ------------------------------------------------------------------------
@@ -244,7 +253,8 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         deltas = await first_then_rest(gen)
         echo = [(_prompt_text(req.prompt, i, ids, state.tok), ids) for i, ids in enumerate(prompts)] if req.echo \
             else None
-        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req), echo)
+        stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req), echo,
+                                    _usage_every_chunk(req))
         return Reply(stream=stream, close=gen.close)
     choices = await _finish(gen)
     out = []
@@ -287,6 +297,7 @@ def _completion_stream(
     logprobs: bool,
     include_usage: bool,
     echo: list[tuple[str, list[int]]] | None = None,
+    usage_every: bool = False,
 ) -> AsyncIterator[bytes]:
     """echo: each prompt's text and ids, sent (with their logprobs) before its choices' first text."""
     model, tok = state.model_name, state.tok
@@ -316,4 +327,4 @@ def _completion_stream(
             return None
         return fmt.completion_choice(d.index, d.text, d.finish_reason, lp)
 
-    return _sse(gen, deltas, include_usage, chunk, choice_of, [])
+    return _sse(gen, deltas, include_usage, chunk, choice_of, [], usage_every)

@@ -19,7 +19,7 @@ from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
-from msgs.params import INT32, MODEL_DEFAULT_FIELDS, SamplingParams
+from msgs.params import INT32, MAX_TOP_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 1 << 16  # a request this large is tokenized on a thread
@@ -145,6 +145,10 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     (the model's) fill the sampling fields it leaves unset."""
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must be in 1..{MAX_N}, got {req.n}", param="n")
+    for name in ("max_tokens", "max_completion_tokens"):  # by the name the client used
+        value = getattr(req, name, None)
+        if value is not None and value < 0:
+            raise ApiError(400, f"{name} must be >= 0, got {value}", param=name)
     kw: dict[str, Any] = {
         "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         "stop_token_ids": list(req.stop_token_ids or []),
@@ -219,8 +223,8 @@ def _set(kw: dict[str, Any], name: str, value: Any) -> None:
 
 def _logprob_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     if isinstance(req, CompletionRequest):  # legacy: logprobs is the number of top tokens
-        if req.logprobs is not None and req.logprobs < 0:
-            raise ApiError(400, "logprobs must be >= 0", param="logprobs")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
         return {"logprobs": req.logprobs is not None, "top_logprobs": req.logprobs or 0}
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")

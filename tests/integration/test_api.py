@@ -57,6 +57,12 @@ def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text and text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # vLLM's continuous_usage_stats: the usage so far in every chunk, its completion count growing to the total
+    every = list(client.completions.create(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    counts = [c.usage.completion_tokens for c in every if c.choices]
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens and counts[0] < counts[-1]
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in every)
 
 
 def test_chat_stream_finishes(client: openai.OpenAI) -> None:

@@ -342,6 +342,18 @@ def test_logprobs_of_a_character_split_over_tokens(text_tok) -> None:
     assert offsets[-1] == len(text) - len(parts[-1].decode())
 
 
+def test_a_token_after_an_invalid_lead_byte_starts_after_its_replacement(text_tok) -> None:
+    """An audit's echo of [10813, 905] gave text_offset [0, 0, ...]: the lone byte is a U+FFFD
+    of its own in the text, so the next token starts at 1 (the decoded text shows where)."""
+    lead = next(t for t in range(len(text_tok.hf)) if text_tok.token_bytes(t) in (b"\xe0", b"\xf0", b"\xc3"))
+    ids = [lead] + text_tok.encode(" world", add_special_tokens=False)
+    body, end = fmt.completion_logprobs(text_tok, ids, [-0.1] * len(ids), None)
+    text = b"".join(text_tok.token_bytes(t) for t in ids).decode("utf-8", "replace")
+    assert text.startswith("\ufffd world") and end.chars == len(text)
+    assert body["text_offset"][:2] == [0, 1]
+    assert fmt.TextOffset(3, b"\xc3").start_of(b"\xa9 ok") == 3  # a byte that completes it: inside it
+
+
 class _FakeRequest:
     """Just the ASGI receive channel of a Starlette Request."""
 

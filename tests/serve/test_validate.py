@@ -183,6 +183,18 @@ def test_top_logprobs_needs_logprobs() -> None:
     _raises(400, openai_params, req, param="top_logprobs")
 
 
+@pytest.mark.parametrize("body, kind, param", [
+    (b'{"prompt": "x", "logprobs": 21}', CompletionRequest, "logprobs"),  # was "top_logprobs", absent here
+    (b'{"prompt": "x", "logprobs": -1}', CompletionRequest, "logprobs"),
+    (b'{"prompt": "x", "max_tokens": -1}', CompletionRequest, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}', ChatCompletionRequest,
+     "max_completion_tokens"),  # was reported as max_tokens
+])
+def test_an_error_names_the_field_the_client_sent(body: bytes, kind: type, param: str) -> None:
+    err = _raises(400, openai_params, decode_body(body, kind), param=param)
+    assert param in err.message
+
+
 def test_openai_params_mapping() -> None:
     req = decode_body(
         b'{"messages": [{"role": "user", "content": "x"}], "stop": "END", "temperature": 0, "seed": 7,'
