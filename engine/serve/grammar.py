@@ -1,4 +1,4 @@
-"""Grammar compilation in the tokenizer process: one xgrammar GrammarCompiler per model.
+"""Grammar checks in the tokenizer process, and the structural tags requests constrain with.
 
 What a request constrains (json_schema / regex / ebnf, response_format, a forced
 tool_choice) becomes one xgrammar structural tag. It is compiled here, to refuse what does

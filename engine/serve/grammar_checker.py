@@ -79,7 +79,10 @@ class Checker:
 
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "engine.serve.grammar_checker", self.model_dir, str(self.vocab_size)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as exc:  # out of processes or file descriptors
+            raise CheckerStartError(f"the grammar checker did not start: {exc}") from None
         try:
             ready = self._reply(START_TIMEOUT_S)
         except TimeoutError:
