@@ -214,8 +214,10 @@ def _chat_stream(
             return None  # nothing to send (maybe text held back by a parser)
         return fmt.chat_chunk_choice(d.index, delta, finish, lp)
 
+    # with usage in every chunk, the role chunks' too: the prompt's tokens, none generated yet
+    start = fmt.usage_of((s.prompt_index, len(s.ids), 0, 0) for s in gen.subs) if usage_every else None
     roles = [
-        chunk([fmt.chat_chunk_choice(s.index, {"role": "assistant", "content": ""}, None, None)], None)
+        chunk([fmt.chat_chunk_choice(s.index, {"role": "assistant", "content": ""}, None, None)], start)
         for s in gen.subs
     ]
     return _sse(gen, deltas, include_usage, chunk, choice_of, roles, usage_every)

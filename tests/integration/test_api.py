@@ -121,6 +121,11 @@ def test_streamed_logprobs_and_usage_match_non_stream(client: openai.OpenAI) -> 
     assert got == [item.token for item in whole.choices[0].logprobs.content]
     assert parts[0].choices[0].delta.role == "assistant"
     assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == whole.usage.completion_tokens
+    every = list(chat(client, "Name a fruit.", stream=True,
+                      stream_options={"include_usage": True, "continuous_usage_stats": True}, **chat_kw))
+    assert every[0].choices[0].delta.role == "assistant" and every[0].usage.completion_tokens == 0
+    assert all(p.usage.prompt_tokens == whole.usage.prompt_tokens for p in every)
+    assert every[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_seed_reproducible_and_n(client: openai.OpenAI) -> None:
