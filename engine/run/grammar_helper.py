@@ -61,10 +61,9 @@ class HAdd(msgspec.Struct, tag=True):
 
 
 class HPrepare(msgspec.Struct, tag=True):
-    """Deserialize a grammar now and keep it until HForget (no reply): sent to every helper
-    when a key comes into the rank's GrammarKeys, so that they do it at once, in parallel,
-    not each in a later step (~0.4 s each on the H200 host), and its data (~0.5 MB) crosses
-    each pipe once, not with every request."""
+    """Compile a grammar now and keep it until HForget (no reply): sent to every helper when
+    a key comes into the rank's GrammarKeys, so that they do it at once, in parallel, not each
+    in a later step, and its data crosses each pipe once, not with every request."""
 
     key: str
     data: bytes  # the grammar's source, zlib-compressed (msgs.params.Grammar.data)

@@ -202,7 +202,7 @@ class GrammarService:
         self._local = threading.local()  # each pool thread's Checker
         self.checkers: list[Checker] = []
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
-        self._inflight: dict[str, asyncio.Future[Grammar]] = {}
+        self._inflight: dict[str, asyncio.Task[Grammar]] = {}
 
     async def compile(self, fmt: dict[str, Any], vocab_size: int, param: str) -> Grammar:
         """The Grammar of one structural-tag format; 400 naming `param` if it does not
@@ -217,31 +217,28 @@ class GrammarService:
             self._cache.move_to_end(key)
             self._metrics.grammar_cache_hits.inc()
             return hit
-        pending = self._inflight.get(key)
-        if pending is not None:  # the same grammar is compiling for another request: share it
+        task = self._inflight.get(key)
+        if task is not None:  # the same grammar is compiling for another request: share it
             self._metrics.grammar_cache_hits.inc()
-            return await asyncio.shield(pending)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Grammar] = loop.create_future()
-        self._inflight[key] = fut
+        else:  # a task of its own: a client that leaves cancels its wait, not the others' compile
+            task = self._inflight[key] = asyncio.ensure_future(self._compile(text, key, vocab_size, param))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
+        return await asyncio.shield(task)
+
+    async def _compile(self, text: str, key: str, vocab_size: int, param: str) -> Grammar:
         try:
-            try:
-                grammar = await loop.run_in_executor(self._pool, self._compile_sync, text, key, vocab_size, param)
-            except ApiError as exc:
-                if exc.status == 400:
-                    self._metrics.grammar_failures.inc()
-                raise
-            self._cache[key] = grammar
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-            fut.set_result(grammar)
-            return grammar
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: waiters re-raise it, nobody logs "never retrieved"
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._compile_sync, text, key, vocab_size, param)
+        except ApiError as exc:
+            if exc.status == 400:
+                self._metrics.grammar_failures.inc()
             raise
         finally:
             del self._inflight[key]
+        self._cache[key] = grammar
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return grammar
 
     def _compile_sync(self, text: str, key: str, vocab_size: int, param: str) -> Grammar:
         checker = self._checker(vocab_size)
@@ -249,8 +246,8 @@ class GrammarService:
             reply = checker.check(text, self.timeout_s)
         except TimeoutError:
             raise ApiError(400, f"{param}: grammar compilation took longer than {self.timeout_s:g} s", param) from None
-        except ChildProcessError as exc:  # it died compiling this grammar (out of memory, ...)
-            raise ApiError(400, f"{param} could not be compiled: {exc}", param) from None
+        except ChildProcessError as exc:  # it died compiling this grammar (out of memory, or killed)
+            raise ApiError(400, f"{param}: the grammar checker died while compiling it ({exc})", param) from None
         except CheckerStartError as exc:
             raise ApiError(503, f"constrained decoding is unavailable: {exc}", param) from None
         self._metrics.grammar_compile.observe(reply.seconds)
@@ -279,8 +276,9 @@ class GrammarService:
         """Stop the children (they also exit when this process does, at the end of their stdin,
         but maybe only after a long compile). A thread waiting on one sees its end: no wait here."""
         for checker in list(self.checkers):
-            if checker.proc is not None:
-                checker.proc.kill()
+            proc = checker.proc  # read once: its pool thread may set it to None meanwhile
+            if proc is not None:
+                proc.kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -84,6 +84,22 @@ def test_a_compile_past_the_time_limit_is_a_400_and_its_process_is_killed(servic
         assert asyncio.run(constrain(service, SamplingParams(regex=regex), 49152)).grammar is not None
 
 
+def test_a_client_leaving_does_not_fail_the_others_waiting_on_its_grammar(service: GrammarService) -> None:
+    """An audit: the first request's disconnect cancelled the shared compile, and the request
+    waiting on the same schema got a bare 500 (CancelledError)."""
+    params = SamplingParams(json_schema=_union_properties(20))  # ~0.5 s to compile
+
+    async def main() -> SamplingParams:
+        first = asyncio.ensure_future(constrain(service, params, 49152))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(constrain(service, params, 49152))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        return await second
+
+    assert asyncio.run(main()).grammar is not None
+
+
 def test_a_grammar_travels_as_its_source_and_one_too_large_compiled_is_a_400(hf, service: GrammarService) -> None:  # noqa: ANN001
     import xgrammar as xgr
 
