@@ -28,6 +28,7 @@ class Grammar(msgspec.Struct, frozen=True):
     key: str  # SHA-256 of what was compiled: the worker's cache key and the replica's digest entry
     data: bytes  # zlib of the structural tag's JSON that every rank compiles (engine/tokenizer.py compile_grammar)
     stop_ids: list[int]  # tokens that end the grammar: the scheduler stops the request on them
+    compiled_bytes: int = 0  # its compiled size as the tokenizer measured it: GrammarKeys' byte budget
 
 
 # the fields a model's generation_config.json may give defaults for (ServerConfig.sampling_defaults)

@@ -116,8 +116,10 @@ class PrefixCachePages(Component):
 
 
 class GrammarKeys(Component):
-    """The compiled grammars a rank holds: the last CAPACITY keys used by an AddReq, least
-    recently used first. A grammar's data (hundreds of KB for a JSON schema over a 152k
+    """The compiled grammars a rank holds: the last keys used by an AddReq, least recently
+    used first, at most CAPACITY of them and BYTES of compiled grammars (`Grammar.compiled_bytes`,
+    measured by the tokenizer's check: each grammar helper holds every one; the most recent
+    stays whatever its size). A grammar's data (hundreds of KB for a JSON schema over a 152k
     vocabulary) travels in the Step stream only in the AddReq that brings its key in; later
     AddReqs carry the key alone (`strip`). An AddReq without data for a key not held is a
     missing descriptor: fatal. The scheduler keeps one more instance, updated as it emits
@@ -128,13 +130,16 @@ class GrammarKeys(Component):
     name = "grammar_keys"
     ops = (AddReq, Flush)
     CAPACITY = 64
+    BYTES = 512 << 20
 
     def __init__(self) -> None:
-        self.keys: OrderedDict[str, None] = OrderedDict()
+        self.keys: OrderedDict[str, int] = OrderedDict()  # key -> its compiled bytes
+        self.bytes = 0
 
     def apply(self, op: AddReq | Flush) -> None:
         if isinstance(op, Flush):  # every replica back to its freshly built state
             self.keys.clear()
+            self.bytes = 0
         elif op.grammar is not None:
             self.use(op.grammar)
 
@@ -145,10 +150,13 @@ class GrammarKeys(Component):
             return []
         if not grammar.data:
             raise ReplicaError(f"AddReq names grammar {grammar.key[:12]} without its data, and it is not held")
-        self.keys[grammar.key] = None
+        self.keys[grammar.key] = grammar.compiled_bytes
+        self.bytes += grammar.compiled_bytes
         evicted = []
-        while len(self.keys) > self.CAPACITY:
-            evicted.append(self.keys.popitem(last=False)[0])
+        while len(self.keys) > self.CAPACITY or (self.bytes > self.BYTES and len(self.keys) > 1):
+            key, size = self.keys.popitem(last=False)
+            self.bytes -= size
+            evicted.append(key)
         return evicted
 
     def strip(self, grammar: Grammar | None) -> Grammar | None:
@@ -157,7 +165,7 @@ class GrammarKeys(Component):
             return None
         held = grammar.key in self.keys
         self.use(grammar)
-        return Grammar(grammar.key, b"", grammar.stop_ids) if held else grammar
+        return Grammar(grammar.key, b"", grammar.stop_ids, grammar.compiled_bytes) if held else grammar
 
     def encode(self) -> bytes:
         return "\n".join(self.keys).encode()

@@ -54,7 +54,7 @@ log = structlog.get_logger()
 COMPILE_TIMEOUT_S = 10.0
 JSON_MAX_WHITESPACE = 8  # per whitespace run: room for a newline and an indent, never a loop
 CACHE_ENTRIES = 256  # checked grammars kept (their source: a few KB each)
-MAX_COMPILED_BYTES = 64 << 20  # a compiled grammar's masks and automata, held by every rank (x GrammarKeys.CAPACITY)
+MAX_COMPILED_BYTES = 64 << 20  # a compiled grammar's masks and automata, held by every rank (GrammarKeys.BYTES in all)
 CHECKERS = 2  # child processes compiling, one pool thread each
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 _ARGS_STYLE = {"json": "json", "glm45_xml": "glm_xml"}  # ToolStructure.args_format -> xgrammar style
@@ -259,7 +259,7 @@ class GrammarService:
         data = grammar_data(reply.source)
         log.info("grammar compiled", key=key[:12], seconds=round(reply.seconds, 4), compiled_bytes=reply.compiled_bytes,
                  bytes=len(data))
-        return Grammar(key=key, data=data, stop_ids=checker.stop_ids)
+        return Grammar(key=key, data=data, stop_ids=checker.stop_ids, compiled_bytes=reply.compiled_bytes)
 
     def _checker(self, vocab_size: int) -> Checker:
         """This pool thread's checker (one child process), for this vocabulary."""

@@ -210,6 +210,23 @@ def test_grammar_keys_strip_what_is_held_and_evict_the_least_recent() -> None:
         mirror.use(Grammar("b", b"", [0]))
 
 
+def test_grammar_keys_hold_at_most_their_bytes_and_always_the_newest() -> None:
+    """64 keys alone bound no memory: every grammar helper holds every grammar, and one may take
+    up to 64 MiB compiled (an audit: +48 MB a helper per 150-property schema)."""
+    from engine.replica.components import GrammarKeys
+
+    live, mirror = GrammarKeys(), GrammarKeys()
+    live.BYTES = mirror.BYTES = 100
+    sizes = {"a": 40, "b": 40, "c": 40, "d": 500}
+    sent = [live.strip(Grammar(k, b"x", [0], sizes[k])) for k in "abcd"]
+    for s in sent:
+        mirror.apply(AddReq(0, "r", SAMPLING, pack_ids([1]), pack_ids([]), grammar=s))
+    assert list(live.keys) == list(mirror.keys) == ["d"] and mirror.bytes == live.bytes == 500  # the newest stays
+    live.apply(Flush())
+    assert live.bytes == 0 and live.encode() == GrammarKeys().encode()
+    assert [live.use(Grammar(k, b"x", [0], sizes[k])) for k in "abc"] == [[], [], ["a"]]  # 120 > 100
+
+
 @pytest.mark.parametrize("helpers", [0, 2])
 def test_a_stripped_grammar_is_served_from_what_the_rank_holds(default_model_dir: Path, setup, helpers: int) -> None:
     tok, vocab, grammar = setup
