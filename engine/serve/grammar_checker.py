@@ -95,13 +95,15 @@ class Checker:
     def _reply(self, timeout_s: float) -> CheckReady | CheckReply:
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        if not select.select([fd], [], [], timeout_s)[0]:  # nothing yet: the whole frame follows at once
+        poll = select.poll()  # not select(): this process may hold more than 1,024 fds (connections)
+        poll.register(fd, select.POLLIN)
+        if not poll.poll(timeout_s * 1000):  # nothing yet: the whole frame follows at once
             self.kill()
             raise TimeoutError
         frame = read_frame(fd)
         if frame is None:
             code = self.proc.wait()
-            self.proc = None
+            self.kill()  # its pipes closed
             raise ChildProcessError(f"the grammar checker exited (code {code})")
         return self._dec.decode(frame)
 

@@ -100,6 +100,29 @@ def test_a_client_leaving_does_not_fail_the_others_waiting_on_its_grammar(servic
     assert asyncio.run(main()).grammar is not None
 
 
+def test_the_checker_is_read_whatever_its_pipe_s_fd_number(service: GrammarService) -> None:
+    """A server holding many connections gives the checker's pipes fd numbers past 1,024, which
+    select() refuses (poll does not)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2200:
+        pytest.skip(f"the fd limit ({hard}) leaves no room past 1,024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2200) if hard == resource.RLIM_INFINITY else hard, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        for checker in service.checkers:
+            checker.kill()  # restarted now: their pipes get fds past the 1,100 held
+        got = asyncio.run(constrain(service, SamplingParams(regex="[fd]{2}[0-9]+"), 49152)).grammar
+        assert got is not None
+        assert any(c.proc is not None and c.proc.stdout.fileno() > 1024 for c in service.checkers)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_grammar_travels_as_its_source_and_one_too_large_compiled_is_a_400(hf, service: GrammarService) -> None:  # noqa: ANN001
     import xgrammar as xgr
 
