@@ -48,7 +48,7 @@ import time
 import zlib
 from array import array
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
 WRITE_QUEUE_BYTES = 512 << 20
 LOG_INTERVAL_S = 1.0
+NOTE_INTERVAL_S = 10.0  # at most one `l3 i/o error` warning per interval (a full disk fails every page)
 # the `l3 writes` line's counters (deltas; bin/analyze sums them): the writer's, by batch
 WRITER_KEYS = ("pages", "bytes", "existed", "write_s")
 DIR_KEYS = {"write_skips": "skips", "corrupt": "corrupt"}  # L3Dir.stats' (skips: also at queueing)
@@ -366,6 +367,8 @@ class L3Store:
         self._log_lock = threading.Lock()
         self._logged: dict[str, float] = {}  # the counters at the last `l3 writes` line
         self._logged_at = -LOG_INTERVAL_S
+        self._noted_at = -NOTE_INTERVAL_S  # the last `l3 i/o error` line, and the notes since
+        self._notes_held = 0
         self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="l3-io")
         # each with the log context (proc) of the thread that made the store
         self._threads = [
@@ -446,7 +449,7 @@ class L3Store:
             begin = time.perf_counter()
             done: list[bool | None] = []
             try:
-                done = list(self.pool.map(self._write_page, pages))
+                done = [f.result() for f in self._each(self._write_page, [(p,) for p in pages])]
             except RuntimeError:  # the interpreter is exiting: queued writes are dropped (a cache)
                 return
             finally:
@@ -470,17 +473,36 @@ class L3Store:
             obj, start, keys = self.reads.get()
             ok = False
             try:
-                ok = all(list(self.pool.map(self._read_page, range(start, start + len(keys)), keys)))
-            except Exception as exc:  # noqa: BLE001 - a read error fails this load only
-                self._note(f"read of object {obj}: {exc}", fatal=False)
+                reads = self._each(self._read_page, list(zip(range(start, start + len(keys)), keys, strict=True)))
+                # every read done before the load is reported, failed or not: the scheduler frees a
+                # failed load's host pages, and a read still running would write into their next use
+                wait(reads)
+                errors = [f.exception() for f in reads if f.exception() is not None]
+                for exc in errors[:1]:  # a read error fails this load only
+                    self._note(f"read of object {obj}: {exc}", fatal=False)
+                ok = not errors and all(f.result() for f in reads)
+            except RuntimeError:  # the interpreter is exiting
+                return
             finally:
                 self.loaded.put((obj, ok))
                 self.reads.task_done()
 
+    def _each(self, fn: Any, calls: Sequence[tuple[Any, ...]]) -> list[Future[Any]]:
+        """fn(*args) for each args on the pool, each in a copy of this thread's log context (proc)."""
+        return [self.pool.submit(contextvars.copy_context().run, fn, *args) for args in calls]
+
     def _note(self, msg: str, fatal: bool) -> None:
+        """A warning, at most one per NOTE_INTERVAL_S with the count of those not logged (a full
+        disk fails every page of every request); a fatal one is always logged, and kept."""
         import structlog
 
-        structlog.get_logger().warning("l3 i/o error", error=msg)
+        with self._log_lock:
+            now = time.monotonic()
+            self._notes_held += 1
+            if not fatal and now - self._noted_at < NOTE_INTERVAL_S:
+                return
+            held, self._notes_held, self._noted_at = self._notes_held - 1, 0, now
+        structlog.get_logger().warning("l3 i/o error", error=msg, **({"not_logged": held} if held else {}))
         if fatal:
             self.errors.append(msg)
 

@@ -367,6 +367,51 @@ def test_a_full_write_queue_writes_a_prefix_and_counts_the_rest(slab: str, tmp_p
     assert [tier.store.files.exists(k) for k in keys] == [True, True, False]
 
 
+def test_a_disk_refusing_every_write_logs_once_an_interval_and_counts_every_page(slab: str, tmp_path: Path) -> None:
+    """An audit's full disk logged one warning per page of every request, without limit."""
+    from structlog.testing import capture_logs
+
+    ctrl, mapping, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
+    keys = l3.page_keys(FP, list(range(8)), PS)  # 4 pages
+    steps.send(Step(seq=1, ops=[HostInit(4, 32, 2, FP), BackupPrepare(3, pack_ids([1, 2, 3, 4]), 0,
+                                                                      l3.pack_keys(keys))]))
+    ctrl.pump()
+    for k in keys:  # a file where each page's directory goes: every write fails with an OSError
+        parent = tier.store.files.path(k).parent
+        parent.parent.mkdir(parents=True, exist_ok=True)
+        parent.touch()
+    with capture_logs() as logs:
+        backups.send(BackupDone(obj=3, rank=0))
+        ctrl.pump()
+        tier.store.drain()
+    assert tier.store.stats()["write_skips"] == 4 and not any(tier.store.files.exists(k) for k in keys)
+    assert [e["event"] for e in logs].count("l3 i/o error") == 1
+    assert not tier.store.errors  # not fatal: the engine serves on
+
+
+def test_a_failed_load_is_reported_after_every_read_of_it_ended(slab: str, tmp_path: Path) -> None:
+    """A read that raises fails the load, but the report waits for the object's other reads: the
+    scheduler frees a failed load's host pages, and a read still running would write into them."""
+    ctrl, mapping, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
+    keys = l3.page_keys(FP, list(range(8)), PS)  # 4 pages
+    steps.send(Step(seq=1, ops=[HostInit(8, 32, 2, FP), BackupPrepare(3, pack_ids([1, 2, 3, 4]), 0,
+                                                                      l3.pack_keys(keys))]))
+    ctrl.pump()
+    view = np.frombuffer(mapping.map, dtype=np.uint8).reshape(1, 4, 8, 8)
+    view[:, :, 0:4, :] = np.random.default_rng(1).integers(0, 256, (1, 4, 4, 8), dtype=np.uint8)
+    want = view[:, :, 0:4, :].copy()
+    backups.send(BackupDone(obj=3, rank=0))
+    ctrl.pump()
+    tier.store.drain()
+    first = tier.store.files.path(keys[0])
+    first.unlink()
+    first.mkdir()  # its read raises (EISDIR), the other three read
+    view[:, :, 0:4, :] = 0
+    steps.send(Step(seq=2, ops=[ApplyCommit(3), HostEvict(3), L3Load(4, 0, l3.pack_keys(keys))]))
+    assert L3Loaded(obj=4, ok=False) in _wait(ctrl, commits, L3Loaded)
+    assert np.array_equal(view[:, :, 1:4, :], want[:, :, 1:4, :])  # done before the failure was reported
+
+
 def test_a_writer_killed_mid_write_leaves_no_page_file(tmp_path: Path) -> None:
     """A temporary file is never a page file (a reader never sees it); a stale one (its
     writer died) is removed by the next scan, a young one (a live writer) is left alone."""
