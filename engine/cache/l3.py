@@ -63,6 +63,7 @@ STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
 WRITE_QUEUE_BYTES = 512 << 20
 LOG_INTERVAL_S = 1.0
 NOTE_INTERVAL_S = 10.0  # at most one `l3 i/o error` warning per interval (a full disk fails every page)
+WRITE_BACKOFF_S = 10.0  # after a write fails (a full or read-only disk), no page is copied for the disk this long
 # the `l3 writes` line's counters (deltas; bin/analyze sums them): the writer's, by batch
 WRITER_KEYS = ("pages", "bytes", "existed", "write_s")
 DIR_KEYS = {"write_skips": "skips", "corrupt": "corrupt"}  # L3Dir.stats' (skips: also at queueing)
@@ -369,6 +370,7 @@ class L3Store:
         self._logged_at = -LOG_INTERVAL_S
         self._noted_at = -NOTE_INTERVAL_S  # the last `l3 i/o error` line, and the notes since
         self._notes_held = 0
+        self._refused_until = 0.0  # monotonic time until which write_object queues nothing
         self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="l3-io")
         # each with the log context (proc) of the thread that made the store
         self._threads = [
@@ -386,6 +388,10 @@ class L3Store:
         leaves room for (a prefix keeps the key chain whole); the rest are skipped, counted."""
         todo = [(i, k) for i, k in enumerate(keys) if not self.files.exists(k)]
         if not todo:
+            return 0
+        if time.monotonic() < self._refused_until:  # the disk refused a write just now: no copies for it
+            with self.files.lock:
+                self.files.stats["write_skips"] += len(todo)
             return 0
         with self.lock:
             room = max(0, self.queue_bytes - self.queued_bytes) // self.page_payload
@@ -435,7 +441,8 @@ class L3Store:
         key, payload = page
         try:
             return self.files.write(key, payload)
-        except OSError as exc:  # a full or read-only disk: count it, keep serving
+        except OSError as exc:  # a full or read-only disk: count it, keep serving, back off
+            self._refused_until = time.monotonic() + WRITE_BACKOFF_S
             with self.files.lock:
                 self.files.stats["write_skips"] += 1
             self._note(f"write of {key.hex()}: {exc}", fatal=False)

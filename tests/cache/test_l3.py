@@ -387,6 +387,9 @@ def test_a_disk_refusing_every_write_logs_once_an_interval_and_counts_every_page
     assert tier.store.stats()["write_skips"] == 4 and not any(tier.store.files.exists(k) for k in keys)
     assert [e["event"] for e in logs].count("l3 i/o error") == 1
     assert not tier.store.errors  # not fatal: the engine serves on
+    # for a while after, nothing is copied for the disk: the next object's pages are skipped at once
+    assert tier.store.write_object(0, keys) == 0 and tier.store.stats()["write_skips"] == 8
+    assert tier.store.writes.empty()
 
 
 def test_a_failed_load_is_reported_after_every_read_of_it_ended(slab: str, tmp_path: Path) -> None:
