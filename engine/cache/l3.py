@@ -484,9 +484,9 @@ class L3Store:
                 # every read done before the load is reported, failed or not: the scheduler frees a
                 # failed load's host pages, and a read still running would write into their next use
                 wait(reads)
-                errors = [f.exception() for f in reads if f.exception() is not None]
-                for exc in errors[:1]:  # a read error fails this load only
-                    self._note(f"read of object {obj}: {exc}", fatal=False)
+                errors = [exc for f in reads if (exc := f.exception()) is not None]
+                if errors:  # a read error fails this load only
+                    self._note(f"read of object {obj}: {errors[0]}", fatal=False)
                 ok = not errors and all(f.result() for f in reads)
             except RuntimeError:  # the interpreter is exiting
                 return

@@ -165,7 +165,7 @@ class GrammarKeys(Component):
             return None
         held = grammar.key in self.keys
         self.use(grammar)
-        return Grammar(grammar.key, b"", grammar.stop_ids, grammar.compiled_bytes) if held else grammar
+        return msgspec.structs.replace(grammar, data=b"") if held else grammar
 
     def encode(self) -> bytes:
         return "\n".join(self.keys).encode()

@@ -162,11 +162,11 @@ async def _sse(
     usage_every: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE body both endpoints share: `first` events, one chunk per delta that carries
-    anything (`choice_of` returns None otherwise; with `usage_every`, the usage so far in it), the
-    usage chunk when asked, [DONE]. A
-    failed generation (the scheduler failed it, or a server process died) ends the stream
-    with an OpenAI-style error event then [DONE], so a client never takes a crash for a
-    finished answer. The generation is closed however the stream ends."""
+    anything (`choice_of` returns None otherwise; with `usage_every`, the usage so far in it),
+    the usage chunk when asked, [DONE]. A failed generation (the scheduler failed it, or a
+    server process died) ends the stream with an OpenAI-style error event then [DONE], so a
+    client never takes a crash for a finished answer. The generation is closed however the
+    stream ends."""
     prompt_of = {s.index: s.prompt_index for s in gen.subs}
     counts: dict[int, tuple[int, int, int, int]] = {}
     specs: dict[int, tuple[int, int, int] | None] = {}
