@@ -77,13 +77,9 @@ def main() -> None:
                     for slot in range(batch):
                         s.add(slot, SampleParams(seed=slot + 1, **kw))
                     row["det_us" if det else "off_us"] = round(_median_us(s, logits, slots), 1)
-                    if s._masks:  # the same sampler with the sort it replaced, for the A/B
-                        s._masks = False
-                        row["off_sort_us"] = round(_median_us(s, logits, slots), 1)
                 rows.append(row)
-                sort = f"  (sort {row['off_sort_us']:8.1f} us)" if "off_sort_us" in row else ""
                 print(f"{name:13s} b{batch:<3d} {mix:22s} off {row['off_us']:8.1f} us  det {row['det_us']:8.1f} us"
-                      f"  ({row['det_us'] / row['off_us']:.2f}x){sort}", flush=True)
+                      f"  ({row['det_us'] / row['off_us']:.2f}x)", flush=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     result = {"device": name, "repeats": REPEATS, "rows": rows}
     if args.out:
