@@ -13,6 +13,7 @@ from engine.run.runner import ModelRunner
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.codec import pack_ids
 from msgs.done import StepDone
+from msgs.outputs import ReqOutput
 from msgs.params import SamplingParams
 from msgs.requests import TokenizedRequest
 from msgs.steps import Step
@@ -59,16 +60,23 @@ class LocalEngine:
         ahead = 1 if self.cfg.disable_overlap else 2
         inflight: deque[Step] = deque()
         while True:
+            for report in self.runner.grammar_reports(wait=not inflight and self.core.busy):
+                self._emit(self.core.on_grammar_ready(report), results)
             while len(inflight) < ahead and (step := self.core.plan()) is not None:
                 inflight.append(step)
             if not inflight:
+                if self.runner.compiling:  # requests wait for their grammar
+                    continue
                 break
             step = inflight.popleft()
             self._collect(self.runner.run_step(step), results)
             self.steps_run += 1
 
     def _collect(self, done: StepDone, results: dict[str, Result]) -> None:
-        for out in self.core.on_done(done):
+        self._emit(self.core.on_done(done), results)
+
+    def _emit(self, outs: list[ReqOutput], results: dict[str, Result]) -> None:
+        for out in outs:
             res = results.get(out.rid)
             if res is None:
                 continue

@@ -40,6 +40,17 @@ class SpecDone(StepDone):
     accepted: bytes = b""
 
 
+class GrammarReady(msgspec.Struct, tag=True, frozen=True):
+    """Rank `rank` compiled the grammar of PrepareGrammar number `generation` (GrammarKeys.prepared
+    after it: a count every replica agrees on, so a report on a grammar prepared again is told
+    apart); `error` when it did not compile (every request waiting on it fails)."""
+
+    rank: int
+    key: str
+    generation: int
+    error: str = ""
+
+
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     rank: int
     num_pages: int
@@ -61,7 +72,7 @@ class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
-FromWorker = StepDone | SpecDone | WorkerReady | WorkerFailed
+FromWorker = StepDone | SpecDone | GrammarReady | WorkerReady | WorkerFailed
 
 
 # ---- the cache controller (host tier) ---------------------------------------------------

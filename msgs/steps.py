@@ -35,8 +35,18 @@ class AddReq(msgspec.Struct, tag=True, frozen=True):
     sampling: WorkerSampling
     prompt_ids: bytes  # packed int32, for the repetition penalty
     output_ids: bytes = b""  # packed int32: tokens generated before a retraction (penalty history)
-    # The request's compiled grammar (a matcher per rank; re-advanced over output_ids), or None.
+    # The request's grammar (a matcher per rank; re-advanced over output_ids), or None: named by
+    # its key, which every rank holds and compiled (PrepareGrammar); its data is not sent again.
     grammar: Grammar | None = None
+
+
+class PrepareGrammar(msgspec.Struct, tag=True, frozen=True):
+    """Every rank holds this grammar from now on (GrammarKeys, least recently used out) and
+    compiles it in the background, then reports GrammarReady; the scheduler admits requests that
+    use it only once every rank did, so no step waits for a compile (docs/architecture.md,
+    Structured output: the grammar gate)."""
+
+    grammar: Grammar  # with its data (the source every rank compiles)
 
 
 class ExtendPages(msgspec.Struct, tag=True, frozen=True):
@@ -142,7 +152,7 @@ class HostEvict(msgspec.Struct, tag=True, frozen=True):
 
 
 Op = (
-    AddReq | ExtendPages | FreeReq | TrimReq | CachePages | EvictPages | Flush | DigestCheck
+    AddReq | PrepareGrammar | ExtendPages | FreeReq | TrimReq | CachePages | EvictPages | Flush | DigestCheck
     | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | L3Load
 )
 

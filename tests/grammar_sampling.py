@@ -20,7 +20,7 @@ from engine.serve.grammar import compilable, json_format
 from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, FreeReq, WorkerSampling
+from msgs.steps import AddReq, FreeReq, PrepareGrammar, WorkerSampling
 
 TAIL = 1024  # logits past the tokenizer's vocabulary
 BIAS = 6.0  # added to the logits of byte tokens and of the tail: most draws pick one unless masked
@@ -32,6 +32,13 @@ class Answers:
     stopped: list[tuple[str, list[int]]]  # (text, token ids) of the answers that ended with a stop token
     unfinished: int  # answers that ran out of steps
     rejected: int  # sampled tokens a matcher refused (the mask let them through)
+
+
+def prepare(g: GrammarSlots, grammar: Grammar) -> None:
+    """What the scheduler's gate waits for before an AddReq: the grammar prepared on the rank and
+    compiled (in process, or in every helper)."""
+    g.apply(PrepareGrammar(grammar))
+    assert g.compiled(wait=True) == [(grammar.key, g._keys.prepared, "")]
 
 
 def sample_json(tokenizer_dir: Path, schema: dict[str, Any], device: torch.device, requests: int,
@@ -56,6 +63,7 @@ def sample_json(tokenizer_dir: Path, schema: dict[str, Any], device: torch.devic
     stopped: list[tuple[str, list[int]]] = []
     try:
         slots_g.wait_ready()
+        prepare(slots_g, grammar)
         for s in range(requests):
             slots_g.apply(AddReq(s, f"r{s}", WORKER_SAMPLING, pack_ids([1]), pack_ids([]), grammar=grammar))
             sampler.add(s, SampleParams(seed=1000 + s, temperature=1.0))

@@ -5,7 +5,7 @@
   history (prompt and earlier output: the penalties, min_new_tokens and grammar replay read it).
 * PrefixCachePages: the device pages the prefix cache holds; CachePages / EvictPages / Flush.
 * HostTier (host.py): the host tier's (L2) allocator; the host ops and Flush.
-* GrammarKeys: the compiled grammars every rank holds, by key (AddReq); the matchers
+* GrammarKeys: the grammars every rank holds, by key (PrepareGrammar, AddReq); the matchers
   themselves are an effect (engine/run/grammar.py).
 """
 
@@ -21,7 +21,7 @@ from engine.replica.base import Component, Effect, Replica, ReplicaError
 from engine.replica.host import HostTier
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, CachePages, EvictPages, ExtendPages, Flush, FreeReq, TrimReq
+from msgs.steps import AddReq, CachePages, EvictPages, ExtendPages, Flush, FreeReq, PrepareGrammar, TrimReq
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -116,40 +116,43 @@ class PrefixCachePages(Component):
 
 
 class GrammarKeys(Component):
-    """The compiled grammars a rank holds: the last keys used by an AddReq, least recently
-    used first, at most CAPACITY of them and BYTES of compiled grammars (`Grammar.compiled_bytes`,
-    measured by the tokenizer's check: each grammar helper holds every one; the most recent
-    stays whatever its size). A grammar's data (hundreds of KB for a JSON schema over a 152k
-    vocabulary) travels in the Step stream only in the AddReq that brings its key in; later
-    AddReqs carry the key alone (`strip`). An AddReq without data for a key not held is a
-    missing descriptor: fatal. The scheduler keeps one more instance, updated as it emits
-    AddReqs, to decide what to strip; each rank's GrammarSlots runs one to know what it may
-    drop (the same code on the same ops: the same keys everywhere, checked by the digest).
-    A Flush empties it, as every replica."""
+    """The grammars a rank holds: the keys PrepareGrammar brought in, least recently prepared or
+    used by an AddReq first out, at most CAPACITY of them and BYTES of compiled grammars
+    (`Grammar.compiled_bytes`, measured by the tokenizer's check: each grammar helper holds
+    every one; the newest stays whatever its size). A grammar's data travels in the Step stream
+    once, in its PrepareGrammar; an AddReq names a held key (its data is not read), and a key
+    not held is a missing descriptor: fatal. `prepared` counts the PrepareGrammar ops: a rank's
+    GrammarReady names the one it answers. The scheduler keeps one more instance, updated as
+    it emits ops, to know what every rank holds; each rank's GrammarSlots runs one to know what
+    it may drop (the same code on the same ops: the same keys everywhere, checked by the digest).
+    A Flush drops every key (the count goes on: a late report on a key flushed is told apart)."""
 
     name = "grammar_keys"
-    ops = (AddReq, Flush)
+    ops = (PrepareGrammar, AddReq, Flush)
     CAPACITY = 64
     BYTES = 512 << 20
 
     def __init__(self) -> None:
         self.keys: OrderedDict[str, int] = OrderedDict()  # key -> its compiled bytes
         self.bytes = 0
+        self.prepared = 0
 
-    def apply(self, op: AddReq | Flush) -> None:
-        if isinstance(op, Flush):  # every replica back to its freshly built state
+    def apply(self, op: PrepareGrammar | AddReq | Flush) -> None:
+        if isinstance(op, Flush):
             self.keys.clear()
             self.bytes = 0
+        elif isinstance(op, PrepareGrammar):
+            self.prepare(op.grammar)
         elif op.grammar is not None:
-            self.use(op.grammar)
+            self.use(op.grammar.key)
 
-    def use(self, grammar: Grammar) -> list[str]:
-        """Take one AddReq's grammar: the keys it evicts, oldest first."""
-        if grammar.key in self.keys:
-            self.keys.move_to_end(grammar.key)
-            return []
+    def prepare(self, grammar: Grammar) -> list[str]:
+        """Take one PrepareGrammar (a held key is prepared again: its compile failed on some
+        rank): the keys it evicts, oldest first."""
         if not grammar.data:
-            raise ReplicaError(f"AddReq names grammar {grammar.key[:12]} without its data, and it is not held")
+            raise ReplicaError(f"PrepareGrammar of {grammar.key[:12]} without its data")
+        self.prepared += 1
+        self.bytes -= self.keys.pop(grammar.key, 0)
         self.keys[grammar.key] = grammar.compiled_bytes
         self.bytes += grammar.compiled_bytes
         evicted = []
@@ -159,16 +162,14 @@ class GrammarKeys(Component):
             evicted.append(key)
         return evicted
 
-    def strip(self, grammar: Grammar | None) -> Grammar | None:
-        """The grammar as the next AddReq carries it (without data when held), and take it."""
-        if grammar is None:
-            return None
-        held = grammar.key in self.keys
-        self.use(grammar)
-        return msgspec.structs.replace(grammar, data=b"") if held else grammar
+    def use(self, key: str) -> None:
+        """An AddReq names this key: it must be held; it becomes the most recent."""
+        if key not in self.keys:
+            raise ReplicaError(f"AddReq names grammar {key[:12]}, which this rank does not hold")
+        self.keys.move_to_end(key)
 
     def encode(self) -> bytes:
-        return "\n".join(self.keys).encode()
+        return "\n".join([str(self.prepared), *self.keys]).encode()
 
 
 def rank_replica(effects: list[Effect] | None = None) -> Replica:

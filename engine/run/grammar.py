@@ -1,9 +1,12 @@
 """Grammar matchers on a rank: replicated per-slot state, and the logits mask they make.
 
-`GrammarSlots` is an Effect of the rank's replica: AddReq with a grammar creates the slot's
-xgrammar GrammarMatcher (re-advanced over `output_ids` after a retraction), FreeReq drops
-it. Every rank advances its own matchers with the tokens it sampled, so no round trip to
-the scheduler is needed; the matcher's state is a function of the Step stream and the
+`GrammarSlots` is an Effect of the rank's replica: PrepareGrammar starts compiling a grammar
+on a background thread (or in every grammar helper), and `compiled` reports it done (the worker
+sends GrammarReady: the scheduler admits its requests only then, engine/sched/grammars.py);
+AddReq with a grammar creates the slot's xgrammar GrammarMatcher from the compiled grammar
+(re-advanced over `output_ids` after a retraction), FreeReq drops it. Every rank advances its
+own matchers with the tokens it sampled, so no round trip to the scheduler is needed; the
+matcher's state is a function of the Step stream and the
 sampled tokens, which the digest's token chain already covers. Where the matchers live:
 in this process (CPU), or in grammar helper processes (GPU; engine/run/grammar_helper.py),
 which accept and fill a step's rows in parallel; the interface below is the same.
@@ -63,7 +66,7 @@ from engine.run.pinning import register_host
 from engine.tokenizer import compile_grammar, grammar_compiler, load_tokenizer, tokenizer_info
 from msgs.codec import unpack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, Flush, FreeReq
+from msgs.steps import AddReq, Flush, FreeReq, PrepareGrammar
 
 log = structlog.get_logger()
 TIMING_WINDOW = 100  # constrained steps per `grammar timing` line
@@ -123,7 +126,7 @@ def default_helpers(device: torch.device) -> int:
 
 
 class GrammarSlots(Effect, DraftMasks):
-    ops = (AddReq, FreeReq, Flush)
+    ops = (PrepareGrammar, AddReq, FreeReq, Flush)
 
     def __init__(
         self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device, background: bool = True,
@@ -135,12 +138,14 @@ class GrammarSlots(Effect, DraftMasks):
         self.matchers: dict[int, Any] = {}  # slot -> xgr.GrammarMatcher
         self._info: Any = None  # xgr.TokenizerInfo, built on the first grammar
         self._guard: torch.Tensor | None = None  # its utf8_guard row
-        # the grammars this rank holds, by the replica's rule (GrammarKeys: an AddReq carries a
-        # grammar's data only when its key comes in); in process: data, compiled on first use
+        # the grammars this rank holds, by the replica's rule (GrammarKeys: PrepareGrammar brings
+        # a key in with its data); in process: compiled on a thread, by key
         self._keys = GrammarKeys()
-        self._data: dict[str, bytes] = {}
         self._compiled: dict[str, Any] = {}
-        self._compiler: Any = None  # xgr.GrammarCompiler, made with the TokenizerInfo
+        # key -> (its PrepareGrammar's generation, the compile job; None: the helpers compile it)
+        self._compiling: dict[str, tuple[int, Future[Any] | None]] = {}
+        self._compiler: Any = None  # xgr.GrammarCompiler, made with the TokenizerInfo (compile thread)
+        self._compiler_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._pending: _Pending | None = None  # without a background thread: advanced by the next mask
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
@@ -189,14 +194,17 @@ class GrammarSlots(Effect, DraftMasks):
 
     # ---- replica ops ----
 
-    def apply(self, op: AddReq | FreeReq | Flush) -> None:
+    def apply(self, op: PrepareGrammar | AddReq | FreeReq | Flush) -> None:
         if isinstance(op, Flush):  # GrammarKeys empties: drop every grammar (live matchers keep theirs)
             if self._helpers is not None:
                 for key in self._keys.keys:
                     self._helpers.forget(key)
             self._keys.apply(op)
-            self._data.clear()
+            self._compiling.clear()
             self._compiled.clear()
+            return
+        if isinstance(op, PrepareGrammar):
+            self._prepare(op.grammar)
             return
         if isinstance(op, FreeReq):
             gone = self.matchers.pop(op.slot, None)
@@ -209,7 +217,7 @@ class GrammarSlots(Effect, DraftMasks):
             raise ReplicaError(f"AddReq for busy grammar slot {op.slot}")
         if op.grammar is None:
             return
-        self._hold(op.grammar)
+        self._keys.apply(op)  # a key not held: ReplicaError
         if self._helpers is not None:  # the helper re-advances it and fills its row; settled in mask
             self._next_id += 1
             ids = [int(t) for t in unpack_ids(op.output_ids)]
@@ -224,28 +232,62 @@ class GrammarSlots(Effect, DraftMasks):
                 raise ReplicaError(f"slot {op.slot} ({op.rid}): its grammar refuses its own output token {tok}")
         self.matchers[op.slot] = matcher
 
-    def _hold(self, grammar: Grammar) -> None:
-        """Follow GrammarKeys: a key coming in brings its data (to the helpers at once, all in
-        parallel); keys it evicts are dropped (matchers using them keep their grammar)."""
-        new = grammar.key not in self._keys.keys
-        for key in self._keys.use(grammar):  # a key not held and no data: ReplicaError
-            self._data.pop(key, None)
+    def _prepare(self, grammar: Grammar) -> None:
+        """Follow GrammarKeys: the key comes in (keys it evicts are dropped; matchers using them
+        keep their grammar) and compiles in the background, in this process or in every helper
+        at once; `compiled` reports it."""
+        for key in self._keys.prepare(grammar):  # no data: ReplicaError
+            self._compiling.pop(key, None)
             self._compiled.pop(key, None)
             if self._helpers is not None:
                 self._helpers.forget(key)
-        if not new:
-            return
+        generation = self._keys.prepared
+        self._compiled.pop(grammar.key, None)
         if self._helpers is not None:
-            self._helpers.prepare(grammar.key, grammar.data)
+            self._helpers.prepare(grammar.key, grammar.data, generation)
+            self._compiling[grammar.key] = (generation, None)
         else:
-            self._data[grammar.key] = grammar.data
+            self._compiling[grammar.key] = (generation, self._compiler_pool.submit(self._compile, grammar.data))
+
+    def _compile(self, data: bytes) -> Any:
+        """On the compile thread (xgrammar releases the GIL while it compiles)."""
+        if self._compiler is None:
+            self._compiler = grammar_compiler(self._tokenizer_info(), COMPILE_THREADS)
+        return compile_grammar(self._compiler, data)
+
+    @property
+    def compiling(self) -> bool:
+        """Grammars prepared and not reported yet (`compiled`)."""
+        return bool(self._compiling)
+
+    def compiled(self, wait: bool = False) -> list[tuple[str, int, str]]:
+        """(key, generation, error: "" when it compiled) of the grammars this rank finished
+        compiling since the last call (on every helper). wait: block until one is, unless
+        nothing compiles (the in-process engine's idle loop; tests)."""
+        while True:
+            done: list[tuple[str, int, str]] = []
+            if self._helpers is not None:
+                for key, generation, error in self._helpers.prepared():
+                    if self._compiling.get(key, (None,))[0] == generation:
+                        del self._compiling[key]
+                        done.append((key, generation, error))
+            else:
+                for key, (generation, job) in list(self._compiling.items()):
+                    if job is None or not job.done():
+                        continue
+                    del self._compiling[key]
+                    error = "" if job.exception() is None else f"{type(job.exception()).__name__}: {job.exception()}"
+                    if not error:
+                        self._compiled[key] = job.result()
+                    done.append((key, generation, error))
+            if done or not wait or not self._compiling:
+                return done
+            time.sleep(0.001)
 
     def _compiled_grammar(self, key: str) -> Any:
         compiled = self._compiled.get(key)
-        if compiled is None:
-            if self._compiler is None:
-                self._compiler = grammar_compiler(self._tokenizer_info(), COMPILE_THREADS)
-            compiled = self._compiled[key] = compile_grammar(self._compiler, self._data[key])
+        if compiled is None:  # the scheduler admits only after this rank reported it compiled
+            raise ReplicaError(f"AddReq names grammar {key[:12]}, which this rank has not compiled")
         return compiled
 
     def _tokenizer_info(self) -> Any:
@@ -366,6 +408,7 @@ class GrammarSlots(Effect, DraftMasks):
 
     def close(self) -> None:
         """Stop the helper processes (they also exit when this process goes)."""
+        self._compiler_pool.shutdown(wait=False, cancel_futures=True)
         if self._helpers is not None:
             self._helpers.close()
         if self._drafted_reg is not None:

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -61,12 +62,18 @@ class HAdd(msgspec.Struct, tag=True):
 
 
 class HPrepare(msgspec.Struct, tag=True):
-    """Compile a grammar now and keep it until HForget (no reply): sent to every helper when
-    a key comes into the rank's GrammarKeys, so that they do it at once, in parallel, not each
-    in a later step, and its data crosses each pipe once, not with every request."""
+    """Compile a grammar on the helper's compile thread and keep it until HForget (no reply;
+    HPoll says when it is done): sent to every helper when PrepareGrammar brings a key into the
+    rank's GrammarKeys, so that they compile at once, in parallel, while their main thread goes
+    on accepting and filling rows; its data crosses each pipe once, not with every request."""
 
     key: str
     data: bytes  # the grammar's source, zlib-compressed (msgs.params.Grammar.data)
+    generation: int  # GrammarKeys.prepared after it: HPrepared names it
+
+
+class HPoll(msgspec.Struct, tag=True):
+    """Which prepares finished since the last HPoll (reply: HPrepared)."""
 
 
 class HForget(msgspec.Struct, tag=True):
@@ -101,12 +108,16 @@ class HDrafted(msgspec.Struct, tag=True):
     rows: list[tuple[int, int]]  # (id, drafted positions filled: 1..f), one per HDraft row
 
 
+class HPrepared(msgspec.Struct, tag=True):
+    rows: list[tuple[str, int, str]]  # (key, generation, error: "" when it compiled)
+
+
 class HError(msgspec.Struct, tag=True):
     reason: str
 
 
-Request = HAdd | HPrepare | HForget | HFree | HAccept | HFill | HDraft
-Reply = HDone | HDrafted | HError
+Request = HAdd | HPrepare | HPoll | HForget | HFree | HAccept | HFill | HDraft
+Reply = HDone | HDrafted | HPrepared | HError
 
 
 _LEAD_FOLLOWERS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
@@ -206,6 +217,7 @@ class GrammarHelpers:
         self.unsettled: list[deque[int]] = [deque() for _ in range(n)]  # HAdd ids whose reply is not read
         self._settled: dict[int, tuple[bool, bool]] = {}  # id -> (accepted, terminated), read, not taken
         self._settled_lock = threading.Lock()
+        self._prepares: dict[tuple[str, int], list[Any]] = {}  # (key, generation) -> [helpers done, an error]
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
 
@@ -234,7 +246,7 @@ class GrammarHelpers:
         except OSError as exc:
             raise RuntimeError(f"grammar helper {h} is gone ({exc}); exit code {self.procs[h].poll()}") from exc
 
-    def _reply(self, h: int) -> HDone | HDrafted:
+    def _reply(self, h: int) -> Any:
         stdout = self.procs[h].stdout
         assert stdout is not None
         frame = read_frame(stdout.fileno())
@@ -245,13 +257,34 @@ class GrammarHelpers:
             raise RuntimeError(f"grammar helper {h}: {reply.reason}")
         return reply
 
-    def prepare(self, key: str, data: bytes) -> None:
-        """Every helper compiles this grammar now, in parallel, and keeps it until `forget`."""
+    def prepare(self, key: str, data: bytes, generation: int) -> None:
+        """Every helper compiles this grammar now, in parallel, and keeps it until `forget`;
+        `prepared` says when all of them did."""
         for h in range(self.n):
             with self.locks[h]:
-                self._send(h, HPrepare(key, data))
+                self._send(h, HPrepare(key, data, generation))
+
+    def prepared(self) -> list[tuple[str, int, str]]:
+        """(key, generation, error: the first helper's, "" when every one compiled it) of the
+        prepares that the last of the helpers finished since the last call."""
+        done = []
+        for h in range(self.n):
+            with self.locks[h]:
+                self._send(h, HPoll())
+                self._drain(h)
+                rows = self._reply(h).rows
+            for key, generation, error in rows:
+                count = self._prepares.setdefault((key, generation), [0, ""])
+                count[0] += 1
+                count[1] = count[1] or error
+                if count[0] == self.n:
+                    del self._prepares[key, generation]
+                    done.append((key, generation, count[1]))
+        return done
 
     def forget(self, key: str) -> None:
+        for k in [k for k in self._prepares if k[0] == key]:  # some helpers may never report it now
+            del self._prepares[k]
         for h in range(self.n):
             with self.locks[h]:
                 self._send(h, HForget(key))
@@ -350,25 +383,35 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     info = tokenizer_info(tok.hf, vocab_size) if tok is not None else None
     guard = utf8_guard(info) if info is not None else None  # as engine/run/grammar.py _fill
     compiler = grammar_compiler(info, 1) if info is not None else None  # one thread: the helpers run side by side
-    compiled: dict[str, Any] = {}  # key -> CompiledGrammar (None: it did not compile), HPrepare to HForget
+    compiling = ThreadPoolExecutor(1, thread_name_prefix="compile")  # xgrammar compiles without the GIL
+    compiled: dict[str, tuple[int, Future[Any]]] = {}  # key -> (generation, its compile), HPrepare to HForget
+    unreported: list[tuple[str, int]] = []  # prepares HPoll has not reported
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
     write_frame(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
 
     def prepare(data: bytes) -> Any:
         if info is None:
-            return None  # no tokenizer: the HAdd reports it
-        try:
-            return compile_grammar(compiler, data)
-        except Exception:  # noqa: BLE001 - reported by the HAdd that uses it
-            return None
+            raise RuntimeError(f"{model_dir!r} has no tokenizer files")
+        return compile_grammar(compiler, data)
+
+    def poll() -> list[tuple[str, int, str]]:
+        rows = []
+        for key, generation in list(unreported):
+            entry = compiled.get(key)
+            if entry is not None and entry[0] == generation and not entry[1].done():
+                continue
+            unreported.remove((key, generation))
+            if entry is not None and entry[0] == generation:  # (else forgotten or prepared again)
+                exc = entry[1].exception()
+                rows.append((key, generation, "" if exc is None else f"{type(exc).__name__}: {exc}"))
+        return rows
 
     def grammar_of(key: str) -> Any:
-        grammar = compiled.get(key)
-        if grammar is None:
-            why = "has no tokenizer files" if info is None else "did not compile, or was never sent"
-            raise RuntimeError(f"grammar {key[:12]}: {model_dir!r} {why}")
-        return grammar
+        entry = compiled.get(key)
+        if entry is None:
+            raise RuntimeError(f"grammar {key[:12]} was never prepared, or was forgotten")
+        return entry[1].result()  # done: the worker adds only after every helper reported it
 
     def step(m: Any, slot: int) -> bool:
         done = m.is_terminated()
@@ -405,9 +448,12 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                 case HFree(id=id):
                     matchers.pop(id, None)
                     continue
-                case HPrepare(key=key, data=data):
-                    compiled[key] = prepare(data)
+                case HPrepare(key=key, data=data, generation=generation):
+                    compiled[key] = (generation, compiling.submit(prepare, data))
+                    unreported.append((key, generation))
                     continue
+                case HPoll():
+                    reply = HPrepared(poll())
                 case HForget(key=key):
                     compiled.pop(key, None)
                     continue

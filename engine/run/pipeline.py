@@ -5,21 +5,25 @@ before the first's results are awaited (at most two in flight), so the device ne
 on the host between steps. A step with grammar rows is launched without its sampling (the
 mask needs the previous step's tokens): the previous step is answered first, then the
 runner `complete`s it, so the scheduler plans the next step while the masks are filled.
+While the runner compiles grammars in the background (PrepareGrammar), the loop asks it every
+POLL_S which are done and sends their GrammarReady.
 Owns no socket: procs/worker.py hands it zmq ends, tests hand it in-memory pipes
 (msgs/channels.py) and call `pump()`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Protocol
 
 from msgs.channels import Inbox, Outbox
-from msgs.done import FromWorker, WorkerReady
+from msgs.done import FromWorker, GrammarReady, WorkerReady
 from msgs.steps import Shutdown, Step, ToWorker
 
 MAX_IN_FLIGHT = 2
 HOST_WAIT_MS = 1  # the Step socket's wait while a runner's host thread works (GIL-free)
+POLL_S = 0.002  # how often compiles are asked about (with grammar helpers: a round trip to each)
 
 
 class StepRunner(Protocol):
@@ -29,9 +33,11 @@ class StepRunner(Protocol):
     `ready(handle)` says whether its results can be read without blocking; `finish(handle)`
     waits for them and answers the Step (StepDone, or SpecDone). `deferred`, where not None, is
     a launched step whose sampling waits for the step answered just before (its grammar masks),
-    which `complete` samples. `host_busy` says a host thread of the runner is working."""
+    which `complete` samples. `host_busy` says a host thread of the runner is working.
+    `compiling` says grammars compile in the background; `grammar_reports` those done since."""
 
     deferred: Any
+    compiling: bool
 
     def ready_msg(self) -> WorkerReady: ...
     def launch(self, step: Step) -> Any: ...
@@ -39,6 +45,7 @@ class StepRunner(Protocol):
     def finish(self, handle: Any) -> FromWorker: ...
     def complete(self, handle: Any) -> None: ...
     def host_busy(self) -> bool: ...
+    def grammar_reports(self) -> list[GrammarReady]: ...
 
 
 class WorkerPipeline:
@@ -49,12 +56,21 @@ class WorkerPipeline:
         self.pending: deque[Any] = deque()
         self.stopped = False
         self.last_seq = 0  # the last Step received
+        self.next_poll = 0.0  # when compiles are asked about next
 
     def start(self) -> None:
         self.done.send(self.runner.ready_msg())
 
     def pump(self) -> bool:
-        """One non-blocking move: finish a step, or launch one. False when nothing moved."""
+        """One non-blocking move: report compiled grammars, finish a step, or launch one. False
+        when nothing moved."""
+        if self.runner.compiling and (now := time.monotonic()) >= self.next_poll:
+            self.next_poll = now + POLL_S
+            reports = self.runner.grammar_reports()
+            for msg in reports:
+                self.done.send(msg)
+            if reports:
+                return True
         pending = self.pending
         if pending and (len(pending) == MAX_IN_FLIGHT or self.runner.ready(pending[0])):
             self.done.send(self.runner.finish(pending.popleft()))
@@ -83,6 +99,6 @@ class WorkerPipeline:
             if self.pump():
                 continue
             if not self.pending:
-                self.steps.poll(-1)
+                self.steps.poll(int(POLL_S * 1000) if self.runner.compiling else -1)
             elif self.runner.host_busy():
                 self.steps.poll(HOST_WAIT_MS)

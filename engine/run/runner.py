@@ -34,7 +34,7 @@ from engine.run.sampler import Sampler, SampleResult
 from engine.run.spec import VerifiedResult, VerifyRows
 from engine.run.step_profile import StepProfiler
 from msgs.codec import id_count, pack_f32, pack_ids, unpack_ids
-from msgs.done import SpecDone, StepDone, WorkerReady
+from msgs.done import GrammarReady, SpecDone, StepDone, WorkerReady
 from msgs.steps import AddReq, Forward, FreeReq, Step
 
 log = structlog.get_logger()
@@ -169,6 +169,17 @@ class ModelRunner:
         # an event behind both and a hand-over to the host tier's copier thread
         self.host_tier.after_forward()
         return launched
+
+    @property
+    def compiling(self) -> bool:
+        """Grammars this rank compiles in the background (PrepareGrammar), not reported yet."""
+        return self.grammar.compiling
+
+    def grammar_reports(self, wait: bool = False) -> list[GrammarReady]:
+        """The grammars this rank finished compiling since the last call (wait: block until
+        one did, unless none compiles): the scheduler admits their requests once every rank did."""
+        return [GrammarReady(self.rank, key, generation, error)
+                for key, generation, error in self.grammar.compiled(wait)]
 
     def host_busy(self) -> bool:
         """A host thread of this runner is working (the grammar job): the worker's loop

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import msgspec
 import structlog
 
+from engine.sched.grammars import GrammarGate
 from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.request import Req, Status
 from engine.sched.state import RequestKV, SchedState
@@ -24,11 +25,13 @@ INTERNED_GRAMMARS = 256  # distinct grammars whose data waiting requests share (
 
 
 class Admission:
-    def __init__(self, state: SchedState, kv: RequestKV, growth: DecodeGrowth) -> None:
+    def __init__(self, state: SchedState, kv: RequestKV, growth: DecodeGrowth, gate: GrammarGate) -> None:
         self.s = state
         self.kv = kv
         self.growth = growth
+        self.gate = gate
         self.grammars: OrderedDict[str, Grammar] = OrderedDict()  # key -> the one copy requests hold
+        self.named: dict[str, Grammar] = {}  # key -> the grammar as AddReqs name it (no data)
 
     def accept(self, msg: TokenizedRequest) -> Req | str:
         """A new request, or why it can never run (the edge checked it; this is defence
@@ -55,7 +58,7 @@ class Admission:
         held = self.grammars.setdefault(grammar.key, grammar)
         self.grammars.move_to_end(grammar.key)
         while len(self.grammars) > INTERNED_GRAMMARS:
-            self.grammars.popitem(last=False)
+            self.named.pop(self.grammars.popitem(last=False)[0], None)
         return held
 
     def _reject_reason(self, rid: str, ids: list[int]) -> str | None:
@@ -90,6 +93,9 @@ class Admission:
             req = s.waiting[0]
             if req.inflight:  # retracted while a step with its token is in flight
                 break
+            if not self.gate.passes(req):  # its grammar left the ranks since (evicted, flushed)
+                self.gate.hold(s.waiting.popleft())
+                continue
             if not self._fits(req, budget, decoding):
                 break
             s.waiting.popleft()
@@ -138,11 +144,22 @@ class Admission:
             AddReq(
                 req.slot, req.rid, worker_sampling(req, s.cfg.eos_token_ids),
                 pack_ids(req.prompt_ids), pack_ids(req.output_ids),
-                grammar=s.grammar_keys.strip(req.params.grammar),  # data only if no rank holds it
+                grammar=self._named(req.params.grammar),
             )
         )
         if req.pages:
             ops.append(ExtendPages(req.slot, pack_ids(req.pages)))
+
+    def _named(self, grammar: Grammar | None) -> Grammar | None:
+        """The grammar as an AddReq names it: its key, held by every rank (the gate let it
+        through), without the data PrepareGrammar brought; it becomes the most recent key."""
+        if grammar is None:
+            return None
+        self.s.grammar_keys.use(grammar.key)
+        named = self.named.get(grammar.key)
+        if named is None:
+            named = self.named[grammar.key] = msgspec.structs.replace(grammar, data=b"")
+        return named
 
     def chunk(self, req: Req, rows: list[Row], ops: list[Op], budget: int) -> int:
         """Schedule up to `budget` prompt tokens of req; returns how many were scheduled."""

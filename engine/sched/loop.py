@@ -32,6 +32,7 @@ from msgs.done import (
     ControllerFailed,
     FromController,
     FromWorker,
+    GrammarReady,
     L3Loaded,
     StepDone,
     WorkerFailed,
@@ -253,6 +254,9 @@ class SchedulerLoop:
         for msg in _drain(self.ports.done):
             if isinstance(msg, WorkerFailed):
                 raise WorkerFailure(f"worker {msg.rank} failed at step {msg.seq}: {msg.reason}")
+            if isinstance(msg, GrammarReady):
+                outs.extend(self.core.on_grammar_ready(msg))
+                continue
             if not isinstance(msg, StepDone):
                 continue
             self.progress_at = self.clock()
@@ -327,7 +331,7 @@ class SchedulerLoop:
             kv_pages_used_by_cp_rank=core.alloc.used_per_owner() if core.state.cfg.cp_size > 1 else None,
             cache_pages=core.cache.total_pages,
             running=len(core.running),
-            waiting=len(core.waiting),
+            waiting=len(core.waiting) + len(core.grammars),
             cache_hit_tokens=core.cache_hit_tokens,
             step_seconds=self.step_seconds,
             expert_tokens=self.expert_tokens,

@@ -7,7 +7,8 @@ It is made of parts with one job each, sharing one SchedState (engine/sched/stat
 * Admission (admission.py): requests in, waiting requests admitted, chunked prefill;
 * DecodeGrowth (growth.py): one decode token per running request, pages, retraction;
 * OutputProcessor (outputs.py): sampled tokens -> outputs, stop conditions, finishing;
-* DigestTracker (digests.py): every rank's replica digest and token chain.
+* DigestTracker (digests.py): every rank's replica digest and token chain;
+* GrammarGate (grammars.py): requests wait there until every rank compiled their grammar.
 
 Replicated state changes only through the ops of the Steps it returns; it applies each
 op to its own mirror (engine/replica, the same code the workers run) so DigestCheck can
@@ -16,17 +17,20 @@ compare replicas (docs/architecture.md: The Step stream and the replica; Replica
 
 from __future__ import annotations
 
+import msgspec
+
 from engine.cache.allocator import PageAllocator
 from engine.cache.radix import RadixCache
 from engine.replica import rank_replica
 from engine.sched.admission import Admission
 from engine.sched.digests import DigestMismatch, DigestTracker
+from engine.sched.grammars import GrammarGate
 from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.outputs import OutputProcessor
 from engine.sched.request import Req, Status
 from engine.sched.state import RequestKV, SchedConfig, SchedState
 from msgs.codec import pack_ids
-from msgs.done import Committed, ControllerDigest, L3Loaded, L3Stats, StepDone
+from msgs.done import Committed, ControllerDigest, GrammarReady, L3Loaded, L3Stats, StepDone
 from msgs.outputs import ReqOutput
 from msgs.requests import TokenizedRequest
 from msgs.steps import DigestCheck, Drafts, Flush, Forward, PromptRows, Step
@@ -39,7 +43,8 @@ class SchedulerCore:
         self.state = SchedState(cfg)
         kv = RequestKV(self.state)
         self.growth = DecodeGrowth(self.state, kv)
-        self.admission = Admission(self.state, kv, self.growth)
+        self.grammars = GrammarGate(self.state.grammar_keys, cfg.num_ranks)
+        self.admission = Admission(self.state, kv, self.growth, self.grammars)
         self.outputs = OutputProcessor(self.state, kv)
         self.digests = DigestTracker(cfg.num_ranks)
         self.replica = rank_replica()  # the mirror of every rank's replica
@@ -70,7 +75,10 @@ class SchedulerCore:
             return ReqOutput(rid=msg.rid, new_ids=[], finish_reason="error", error=req)
         if req.max_new_tokens == 0 and req.params.prompt_logprobs is None:  # nothing to compute
             return self.outputs.finish(req, "length")
-        self.state.waiting.append(req)
+        if self.grammars.passes(req):
+            self.state.waiting.append(req)
+        else:
+            self.grammars.hold(req)
         return None
 
     def abort(self, rid: str) -> ReqOutput | None:
@@ -93,8 +101,8 @@ class SchedulerCore:
 
     @property
     def busy(self) -> bool:
-        """Requests run or wait."""
-        return bool(self.state.running or self.state.waiting)
+        """Requests run or wait (for a slot, or for their grammar)."""
+        return bool(self.state.running or self.state.waiting or len(self.grammars))
 
     @property
     def settling(self) -> bool:
@@ -115,12 +123,13 @@ class SchedulerCore:
         budget -= self.growth.plan_decodes(rows, ops)
         budget = self.admission.plan_prefill_chunks(rows, ops, budget)
         self.admission.admit(rows, ops, budget)
+        self.grammars.plan(ops, self.seq + 1)  # after admission: a request it sent back to the gate is prepared now
         if not ops and not rows and not s.cache.changes:  # (changes: e.g. commits to publish)
             return None
         self.seq += 1
         changes = s.cache.take_changes()
         if any(isinstance(op, Flush) for op in changes):  # after this step's AddReqs, as replicas apply it
-            s.grammar_keys.apply(Flush())
+            self.grammars.apply(Flush())
         ops.extend(changes)
         if s.cfg.digest_every and self.seq % s.cfg.digest_every == 0:
             ops.append(DigestCheck())
@@ -175,6 +184,13 @@ class SchedulerCore:
             self.outputs.on_prompt_scores(done, scored)
         return self.outputs.on_tokens(done, self.sampled_by_step.pop(done.seq), self.drafts_by_step.pop(done.seq, None))
 
+    def on_grammar_ready(self, msg: GrammarReady) -> list[ReqOutput]:
+        """A rank compiled (or failed) a prepared grammar: once every rank did, its requests join
+        the waiting queue; a failure ends them (error outputs)."""
+        admissible, failed = self.grammars.on_ready(msg, self.seq)
+        self.state.waiting.extend(admissible)
+        return [msgspec.structs.replace(self.outputs.finish(r, "error"), error=why) for r, why in failed]
+
     def on_committed(self, obj: int) -> None:
         """The cache controller's Committed: ApplyCommit ops go out with the next Step."""
         if self.state.tiers is None:
@@ -206,7 +222,7 @@ class SchedulerCore:
 
     @property
     def idle(self) -> bool:
-        return not self.state.running and not self.state.waiting and not self.sampled_by_step
+        return not self.busy and not self.sampled_by_step
 
     def leak_free(self) -> bool:
         """When idle and every FreeReq is published, every page is either free or held by the

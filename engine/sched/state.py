@@ -105,7 +105,7 @@ class SchedState:
     running: list[Req] = field(default_factory=list)
     free_slots: list[int] = field(init=False)  # a heap: lowest free slot first
     pending_ops: list[Op] = field(default_factory=list)  # ops decided between plans (FreeReq)
-    grammar_keys: GrammarKeys = field(default_factory=GrammarKeys)  # what every rank holds (strips AddReqs)
+    grammar_keys: GrammarKeys = field(default_factory=GrammarKeys)  # what every rank holds (engine/sched/grammars.py)
     rng: random.Random = field(init=False)  # seeds for requests that gave none
     spec: SpecPolicy | None = field(init=False)  # speculative decoding, when on
     spec_stats: SpecStats = field(default_factory=SpecStats)

@@ -16,6 +16,7 @@ from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, FreeReq, WorkerSampling
+from tests.grammar_sampling import prepare
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["ab", "cd"]}},
           "required": ["n", "s"], "additionalProperties": False}
@@ -61,6 +62,7 @@ def test_cuda_mask_by_slot_equals_the_cpu_mask(tokenizer_dir: Path, helpers: int
         a = tok.encode('{"n": 42, "s": "cd"}', add_special_tokens=False)
         b = tok.encode('{"n": 7', add_special_tokens=False)
         for g in (gpu, cpu):
+            prepare(g, grammar)
             g.apply(_add(5, grammar))
             g.apply(_add(2, grammar))
         slots = [5, 3, 2]  # slot 3 is unconstrained: its row is never touched

@@ -18,6 +18,7 @@ from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, WorkerSampling
+from tests.grammar_sampling import prepare
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 SAMPLING = WorkerSampling(1.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 7, False, 0)
@@ -60,6 +61,7 @@ def test_cuda_drafted_masks_equal_the_cpu_in_process_masks(tokenizer_dir: Path) 
         gpu.wait_ready()
         assert gpu.verifies_drafts
         for g in (gpu, cpu):
+            prepare(g, grammar)
             for slot in range(3):
                 g.apply(AddReq(slot, f"r{slot}", SAMPLING, pack_ids([1]), grammar=grammar))
 

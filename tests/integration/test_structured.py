@@ -289,6 +289,29 @@ def test_unconstrained_greedy_unchanged_next_to_constrained(client: OpenAI, srv:
     assert m["strata_kv_leak_free"] == 1
 
 
+def test_a_slow_grammar_compiles_on_the_ranks_while_others_decode(client: OpenAI, srv: Server) -> None:
+    """A schema that takes a large part of a second to compile: the ranks compile it beside the
+    steps (the scheduler's grammar gate, engine/sched/grammars.py), so a request decoding
+    meanwhile goes on. The scheduler's `grammar ready` line counts the steps that went out while
+    the ranks compiled; before the gate, the compile ran inside one step."""
+    props = {f"f{i}": {"type": "string", "pattern": f"[a-z]{{2,{20 + i}}}"} for i in range(16)}
+    log = srv.log_dir / "scheduler.log"
+    before = len(log.read_text().splitlines())
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)  # decoding
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(_ask_json, client, "record", _obj(props))
+        assert sum(1 for _ in chunks) > 0
+        text, finish = slow.result()
+    assert finish in ("stop", "length") and text.startswith("{")
+    lines = [json.loads(x) for x in log.read_text().splitlines()[before:]]
+    (ready,) = [x for x in lines if x.get("event") == "grammar ready"]
+    assert ready["steps_meanwhile"] >= 1 and ready["requests"] == 1, ready
+    assert srv.wait_idle()["strata_kv_leak_free"] == 1
+
+
 def test_grammar_metrics_exported(srv: Server) -> None:
     text = httpx.get(f"{srv.http}/metrics", timeout=10).text
     assert "strata_grammar_compile_seconds_bucket" in text

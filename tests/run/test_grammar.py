@@ -17,7 +17,7 @@ from engine.serve.grammar import json_format, with_reasoning
 from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
-from msgs.steps import AddReq, Flush, FreeReq, Step, WorkerSampling
+from msgs.steps import AddReq, Flush, FreeReq, PrepareGrammar, Step, WorkerSampling
 
 EXTRA = 64  # the model's logits are wider than the tokenizer's vocabulary by this much
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
@@ -45,11 +45,21 @@ def _close_helpers():  # noqa: ANN202
         OPEN.pop().close()
 
 
-def _slots(default_model_dir: Path, vocab: int, background: bool = True, helpers: int = 0) -> GrammarSlots:
-    """Matchers in process (helpers=0, the CPU default) or in helper processes (the GPU's)."""
+def _slots(default_model_dir: Path, vocab: int, grammar: Grammar | None, background: bool = True,
+           helpers: int = 0) -> GrammarSlots:
+    """Matchers in process (helpers=0, the CPU default) or in helper processes (the GPU's), with
+    `grammar` prepared and compiled (as the scheduler's gate waits for before an AddReq)."""
     g = GrammarSlots(str(default_model_dir), vocab, 4, torch.device("cpu"), background=background, helpers=helpers)
     OPEN.append(g)
+    if grammar is not None:
+        _prepare(g, grammar)
     return g
+
+
+def _prepare(g: GrammarSlots, grammar: Grammar) -> None:
+    g.apply(PrepareGrammar(grammar))
+    assert g.compiled(wait=True) == [(grammar.key, g._keys.prepared, "")]
+    assert not g.compiling
 
 
 def _add(slot: int, grammar: Grammar | None, output: list[int] = ()) -> AddReq:
@@ -72,7 +82,7 @@ def test_mask_follows_the_tokens_until_the_grammar_terminates(
     default_model_dir: Path, setup, background: bool, helpers: int
 ) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab, background, helpers)
+    g = _slots(default_model_dir, vocab, grammar, background, helpers)
     g.apply(_add(0, grammar))
     ids = tok.encode('{"n": 42}', add_special_tokens=False)
     _drive(g, 0, ids, vocab)
@@ -89,7 +99,7 @@ def test_mask_follows_the_tokens_until_the_grammar_terminates(
 
 def test_the_vocabulary_tail_is_masked(default_model_dir: Path, setup) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab)
+    g = _slots(default_model_dir, vocab, grammar)
     g.apply(_add(1, grammar))
     logits = torch.zeros(2, vocab)
     g.mask(logits, [3, 1])  # slot 3 is not constrained: its row stays as it was
@@ -102,12 +112,12 @@ def test_the_vocabulary_tail_is_masked(default_model_dir: Path, setup) -> None:
 def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, setup, helpers: int) -> None:
     tok, vocab, grammar = setup
     ids = tok.encode('{"n": 12', add_special_tokens=False)
-    live = _slots(default_model_dir, vocab, helpers=helpers)
+    live = _slots(default_model_dir, vocab, grammar, helpers=helpers)
     live.apply(_add(0, grammar))
     expected = _drive(live, 0, ids, vocab)
     expected = torch.zeros(1, vocab)
     live.mask(expected, [0])
-    readded = _slots(default_model_dir, vocab, helpers=helpers)
+    readded = _slots(default_model_dir, vocab, grammar, helpers=helpers)
     readded.apply(_add(2, grammar, ids))  # what the scheduler sends after a retraction
     got = torch.zeros(1, vocab)
     readded.mask(got, [2])
@@ -119,21 +129,25 @@ def test_retraction_re_advances_over_the_output_so_far(default_model_dir: Path, 
 @pytest.mark.parametrize("helpers", [0, 1])
 def test_an_output_the_grammar_refuses_is_fatal(default_model_dir: Path, setup, helpers: int) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab, helpers=helpers)
+    g = _slots(default_model_dir, vocab, grammar, helpers=helpers)
     with pytest.raises(ReplicaError, match="refuses its own output"):  # helpers: at the step's mask
         g.apply(_add(0, grammar, tok.encode("hello", add_special_tokens=False)))
         g.mask(torch.zeros(1, vocab), [0])
 
 
 def test_the_replica_drives_the_matchers(default_model_dir: Path, setup) -> None:
-    """AddReq / FreeReq through a rank's replica; a free slot is reused by a new grammar."""
+    """PrepareGrammar / AddReq / FreeReq through a rank's replica; a free slot is reused by a new
+    grammar; the replica's GrammarKeys and the matchers' agree."""
     _tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab)
+    g = _slots(default_model_dir, vocab, None)
     replica = rank_replica([g])
-    replica.apply_step(Step(1, [_add(0, grammar), _add(1, None)]))
+    replica.apply_step(Step(1, [PrepareGrammar(grammar)]))
+    assert g.compiled(wait=True) == [(grammar.key, 1, "")]
+    replica.apply_step(Step(2, [_add(0, grammar), _add(1, None)]))
     assert set(g.matchers) == {0}
-    replica.apply_step(Step(2, [FreeReq(0), _add(0, grammar)]))
+    replica.apply_step(Step(3, [FreeReq(0), _add(0, grammar)]))
     assert set(g.matchers) == {0}
+    assert replica["grammar_keys"].encode() == g._keys.encode()
 
 
 def test_reasoning_comes_before_the_constraint(default_model_dir: Path, setup) -> None:
@@ -155,8 +169,8 @@ def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, se
     between them, and a slot freed and reused by a new grammar while a job is in flight:
     each row gets its own slot's mask (with 2 helpers, slots 0 and 2 share one)."""
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab, helpers=helpers)
-    ref = _slots(default_model_dir, vocab, background=False)
+    g = _slots(default_model_dir, vocab, grammar, helpers=helpers)
+    ref = _slots(default_model_dir, vocab, grammar, background=False)
     a = tok.encode('{"n": 4', add_special_tokens=False)
     g.apply(_add(0, grammar))
     g.apply(_add(2, grammar))
@@ -171,7 +185,7 @@ def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, se
     g.mask(logits, [0, 1, 2])
     expected0 = torch.zeros(1, vocab)
     ref.mask(expected0, [0])
-    fresh = _slots(default_model_dir, vocab, background=False)
+    fresh = _slots(default_model_dir, vocab, grammar, background=False)
     fresh.apply(_add(0, grammar))
     expected2 = torch.zeros(1, vocab)
     fresh.mask(expected2, [0])
@@ -182,7 +196,7 @@ def test_rows_by_slot_with_requests_coming_and_going(default_model_dir: Path, se
 
 def test_a_dead_helper_fails_loudly_and_close_leaves_no_process(default_model_dir: Path, setup) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab, helpers=2)
+    g = _slots(default_model_dir, vocab, grammar, helpers=2)
     g.wait_ready()
     g.apply(_add(1, grammar))
     procs = list(g._helpers.procs)
@@ -194,20 +208,21 @@ def test_a_dead_helper_fails_loudly_and_close_leaves_no_process(default_model_di
     assert all(p.poll() is not None for p in procs)
 
 
-def test_grammar_keys_strip_what_is_held_and_evict_the_least_recent() -> None:
+def test_grammar_keys_hold_what_was_prepared_and_evict_the_least_recent() -> None:
     from engine.replica.components import GrammarKeys
 
-    live, mirror = GrammarKeys(), GrammarKeys()
-    live.CAPACITY = mirror.CAPACITY = 2
+    keys = GrammarKeys()
+    keys.CAPACITY = 2
     g = {k: Grammar(k, b"data-" + k.encode(), [0]) for k in "abc"}
-    sent = [live.strip(g[k]) for k in "abac"]  # what four AddReqs carry
-    assert [s.data for s in sent] == [b"data-a", b"data-b", b"", b"data-c"]  # a: held the second time
-    for s in sent:
-        mirror.apply(AddReq(0, "r", SAMPLING, pack_ids([1]), pack_ids([]), grammar=s))
-    assert list(live.keys) == list(mirror.keys) == ["a", "c"]  # b was the least recent
-    assert mirror.encode() == live.encode()
+    assert keys.prepare(g["a"]) == [] and keys.prepare(g["b"]) == []
+    keys.apply(AddReq(0, "r", SAMPLING, pack_ids([1]), pack_ids([]), grammar=Grammar("a", b"", [0])))  # a: recent
+    assert keys.prepare(g["c"]) == ["b"] and list(keys.keys) == ["a", "c"] and keys.prepared == 3
+    with pytest.raises(ReplicaError, match="does not hold"):
+        keys.use("b")
     with pytest.raises(ReplicaError, match="without its data"):
-        mirror.use(Grammar("b", b"", [0]))
+        keys.prepare(Grammar("d", b"", [0]))
+    keys.apply(Flush())
+    assert not keys.keys and keys.prepared == 3  # the count goes on: a late report is told apart
 
 
 def test_grammar_keys_hold_at_most_their_bytes_and_always_the_newest() -> None:
@@ -215,48 +230,67 @@ def test_grammar_keys_hold_at_most_their_bytes_and_always_the_newest() -> None:
     up to 64 MiB compiled (an audit: +48 MB a helper per 150-property schema)."""
     from engine.replica.components import GrammarKeys
 
-    live, mirror = GrammarKeys(), GrammarKeys()
-    live.BYTES = mirror.BYTES = 100
+    keys = GrammarKeys()
+    keys.BYTES = 100
     sizes = {"a": 40, "b": 40, "c": 40, "d": 500}
-    sent = [live.strip(Grammar(k, b"x", [0], sizes[k])) for k in "abcd"]
-    for s in sent:
-        mirror.apply(AddReq(0, "r", SAMPLING, pack_ids([1]), pack_ids([]), grammar=s))
-    assert list(live.keys) == list(mirror.keys) == ["d"] and mirror.bytes == live.bytes == 500  # the newest stays
-    live.apply(Flush())
-    assert live.bytes == 0 and live.encode() == GrammarKeys().encode()
-    assert [live.use(Grammar(k, b"x", [0], sizes[k])) for k in "abc"] == [[], [], ["a"]]  # 120 > 100
+    assert [keys.prepare(Grammar(k, b"x", [0], sizes[k])) for k in "abcd"] == [[], [], ["a"], ["b", "c"]]
+    assert list(keys.keys) == ["d"] and keys.bytes == 500  # the newest stays
+    assert keys.prepare(Grammar("d", b"x", [0], 30)) == [] and keys.bytes == 30  # prepared again: its new size
 
 
 @pytest.mark.parametrize("helpers", [0, 2])
-def test_a_stripped_grammar_is_served_from_what_the_rank_holds(default_model_dir: Path, setup, helpers: int) -> None:
+def test_an_addreq_names_a_compiled_key_and_a_key_not_held_is_fatal(
+    default_model_dir: Path, setup, helpers: int
+) -> None:
     tok, vocab, grammar = setup
-    g = _slots(default_model_dir, vocab, helpers=helpers)
-    g.apply(_add(0, grammar))
-    g.apply(_add(1, Grammar(grammar.key, b"", grammar.stop_ids)))  # the scheduler strips a held key
+    g = _slots(default_model_dir, vocab, grammar, helpers=helpers)
+    g.apply(_add(0, Grammar(grammar.key, b"", grammar.stop_ids)))  # as the scheduler names it
+    g.apply(_add(1, Grammar(grammar.key, b"", grammar.stop_ids)))
     logits = torch.zeros(2, vocab)
     g.mask(logits, [0, 1])
     assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[1]).any())
-    with pytest.raises(ReplicaError, match="without its data"):
+    with pytest.raises(ReplicaError, match="does not hold"):
         g.apply(_add(2, Grammar("other", b"", grammar.stop_ids)))
 
 
 @pytest.mark.parametrize("helpers", [0, 2])
-def test_a_flush_drops_the_held_grammars_everywhere(default_model_dir: Path, setup, helpers: int) -> None:
-    """After Flush (every replica back to its fresh state) a key is no longer held: an AddReq
-    must bring its data again; a matcher made before keeps working."""
-    from engine.replica.components import GrammarKeys
-
+def test_a_compile_runs_beside_the_steps_and_a_failed_one_is_reported(
+    default_model_dir: Path, setup, helpers: int
+) -> None:
+    """A grammar that takes most of a second to compile (20 patterned strings) compiles while
+    another slot's mask and accept go on; `compiled` reports it only when every helper has it.
+    A source xgrammar refuses is reported with its error, not raised."""
     tok, vocab, grammar = setup
-    keys = GrammarKeys()
-    keys.apply(_add(0, grammar))
-    keys.apply(Flush())
-    assert not keys.keys and keys.encode() == GrammarKeys().encode()
-    g = _slots(default_model_dir, vocab, helpers=helpers)
+    g = _slots(default_model_dir, vocab, grammar, helpers=helpers)
+    g.apply(_add(0, grammar))
+    props = {f"p{i}": {"type": "string", "pattern": f"[a-z]{{2,{20 + i}}}"} for i in range(20)}
+    slow_schema = {"type": "object", "properties": props, "required": list(props)}
+    slow = Grammar("slow", grammar_data(json.dumps({"type": "structural_tag", "format": json_format(slow_schema)})),
+                   grammar.stop_ids)
+    g.apply(PrepareGrammar(slow))
+    ids = tok.encode('{"n": 4', add_special_tokens=False)
+    _drive(g, 0, ids, vocab)  # slot 0's steps while `slow` compiles
+    assert g.compiling and g.compiled() == []
+    assert g.compiled(wait=True) == [("slow", g._keys.prepared, "")]
+    g.apply(_add(1, slow))
+    broken = Grammar("broken", grammar_data('{"type": "structural_tag", "format": {"type": "nonsense"}}'), [0])
+    g.apply(PrepareGrammar(broken))
+    ((key, generation, error),) = g.compiled(wait=True)
+    assert (key, generation) == ("broken", g._keys.prepared) and error
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_a_flush_drops_the_held_grammars_everywhere(default_model_dir: Path, setup, helpers: int) -> None:
+    """After Flush (every replica back to its fresh state) no key is held: an AddReq naming one
+    is fatal until it is prepared again; a matcher made before keeps working."""
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab, grammar, helpers=helpers)
     g.apply(_add(0, grammar))
     g.apply(Flush())
-    with pytest.raises(ReplicaError, match="without its data"):
-        g.apply(_add(1, Grammar(grammar.key, b"", grammar.stop_ids)))
-    g.apply(_add(2, grammar))  # with its data: held again
+    with pytest.raises(ReplicaError, match="does not hold"):
+        g.apply(_add(1, grammar))
+    _prepare(g, grammar)
+    g.apply(_add(2, grammar))
     logits = torch.zeros(2, vocab)
     g.mask(logits, [0, 2])  # slot 0's matcher predates the flush
     assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[0]).any())

@@ -18,6 +18,7 @@ from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, WorkerSampling
+from tests.grammar_sampling import prepare
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 SAMPLING = WorkerSampling(1.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 7, False, 0)
@@ -36,6 +37,7 @@ def test_drafted_positions_are_masked_after_their_drafts(default_model_dir: Path
     ref, g = slots
     try:
         for s in slots:
+            prepare(s, grammar)
             s.apply(AddReq(0, "r", SAMPLING, pack_ids([1]), grammar=grammar))
         masks = []  # one-token steps: the mask before each of ids[:4]
         for t in ids[:4]:

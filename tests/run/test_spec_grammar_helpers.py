@@ -21,6 +21,7 @@ from engine.tokenizer import grammar_data, load_tokenizer, tokenizer_info
 from msgs.codec import pack_ids
 from msgs.params import Grammar
 from msgs.steps import AddReq, WorkerSampling
+from tests.grammar_sampling import prepare
 
 EXTRA = 64  # the model's logits are wider than the tokenizer's vocabulary: those ids are masked too
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
@@ -58,6 +59,7 @@ def test_helpers_mask_drafted_positions_as_in_process_matchers(setup) -> None:  
     stop = grammar.stop_ids[0]
     assert helped.verifies_drafts and helped._helpers is not None and helped._helpers.n == 2
     for g in (ref, helped):
+        prepare(g, grammar)
         for slot in range(3):  # slots 0 and 2 in helper 0, slot 1 in helper 1
             g.apply(AddReq(slot, f"r{slot}", SAMPLING, pack_ids([1]), grammar=grammar))
     first = torch.zeros(1, vocab)

@@ -1,0 +1,122 @@
+"""The grammar gate: a request whose grammar no rank holds compiled waits here, not in a step.
+
+A new grammar can take seconds to compile (the tokenizer's check allows 10 s). Compiled inside
+a step (an AddReq's matcher), it stalled every running request on every rank for that long. So
+a grammar goes to the ranks first, in a PrepareGrammar op; each rank compiles it on a
+background thread (in process or in each grammar helper) and answers GrammarReady; the requests
+that use it join the waiting queue once every rank did (SGLang's grammar queue). The decision
+is the scheduler's, made once and published: when the reports arrive does not change what any
+replica computes.
+
+What every rank holds is GrammarKeys (the scheduler's own instance, `SchedState.grammar_keys`,
+updated by the same ops): a key it evicts or a Flush drops is not ready any more, and a request
+that reaches the head of the queue with such a key comes back here (prepared again). At most
+MAX_PREPARING keys compile at once and at most half of GrammarKeys' byte budget, so the
+prepares of waiting requests never evict each other's keys before they are used. A report names
+its PrepareGrammar by GrammarKeys.prepared (`generation`): a late report on a key prepared again
+is ignored. A grammar that fails on any rank (it compiled in the tokenizer's check: a rank's
+resources) fails the requests waiting on it, nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import structlog
+
+from engine.replica.components import GrammarKeys
+from engine.sched.request import Req, Status
+from msgs.done import GrammarReady
+from msgs.params import Grammar
+from msgs.steps import Flush, Op, PrepareGrammar
+
+log = structlog.get_logger()
+
+MAX_PREPARING = 8  # keys compiling on the ranks at once
+
+
+@dataclass
+class _Preparing:
+    generation: int
+    grammar: Grammar
+    seq: int  # the step that carried its PrepareGrammar
+    at: float  # when it was planned (time.monotonic)
+    ranks: set[int] = field(default_factory=set)  # ranks that reported it compiled
+
+
+class GrammarGate:
+    def __init__(self, keys: GrammarKeys, num_ranks: int) -> None:
+        self.keys = keys
+        self.num_ranks = num_ranks
+        self.held: OrderedDict[str, list[Req]] = OrderedDict()  # key -> requests waiting, first arrival first
+        self.preparing: dict[str, _Preparing] = {}
+        self.ready: set[str] = set()  # compiled on every rank and still held
+
+    def __len__(self) -> int:
+        return sum(1 for reqs in self.held.values() for r in reqs if r.status != Status.FINISHED)
+
+    def passes(self, req: Req) -> bool:
+        """The request may be admitted now (no grammar, or its grammar is ready everywhere)."""
+        g = req.params.grammar
+        return g is None or (g.key in self.ready and g.key in self.keys.keys)
+
+    def hold(self, req: Req) -> None:
+        """Wait until every rank compiled the request's grammar (`plan` prepares it)."""
+        assert req.params.grammar is not None
+        self.ready.discard(req.params.grammar.key)  # not held any more, if it was
+        self.held.setdefault(req.params.grammar.key, []).append(req)
+
+    def plan(self, ops: list[Op], seq: int) -> None:
+        """PrepareGrammar ops for waiting keys, within MAX_PREPARING and half the byte budget
+        (seq: the step they go out in)."""
+        for key in list(self.held):
+            reqs = [r for r in self.held[key] if r.status != Status.FINISHED]  # aborted meanwhile: gone
+            if not reqs:
+                del self.held[key]
+                continue
+            self.held[key] = reqs
+            if key in self.preparing:
+                continue
+            grammar = reqs[0].params.grammar
+            assert grammar is not None
+            busy = sum(p.grammar.compiled_bytes for p in self.preparing.values())
+            if self.preparing and (len(self.preparing) >= MAX_PREPARING
+                                   or busy + grammar.compiled_bytes > self.keys.BYTES // 2):
+                break  # in arrival order: a later key does not overtake this one
+            op = PrepareGrammar(grammar)
+            ops.append(op)
+            for gone in self.keys.prepare(grammar):
+                self.ready.discard(gone)
+                self.preparing.pop(gone, None)  # (never a key prepared within the budget above)
+            self.preparing[key] = _Preparing(self.keys.prepared, grammar, seq, time.monotonic())
+
+    def on_ready(self, msg: GrammarReady, seq: int) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """A rank's report: the requests now admissible (in arrival order), and those that fail
+        (with why); both empty until every rank reported, or for a stale report. seq: the last
+        step planned (the `grammar ready` line says how many went out while the ranks compiled)."""
+        p = self.preparing.get(msg.key)
+        if p is None or p.generation != msg.generation:
+            return [], []
+        if msg.error:  # one rank failed: the requests fail, the key is prepared anew by the next one
+            del self.preparing[msg.key]
+            log.warning("grammar failed on a rank", key=msg.key[:12], rank=msg.rank, error=msg.error)
+            why = f"the grammar did not compile on rank {msg.rank}: {msg.error}"
+            return [], [(r, why) for r in self.held.pop(msg.key, []) if r.status != Status.FINISHED]
+        p.ranks.add(msg.rank)
+        if len(p.ranks) < self.num_ranks:
+            return [], []
+        del self.preparing[msg.key]
+        if msg.key not in self.keys.keys:  # evicted meanwhile (a byte budget's newest): again
+            return [], []
+        log.info("grammar ready", key=msg.key[:12], compile_ms=round((time.monotonic() - p.at) * 1e3, 1),
+                 steps_meanwhile=seq - p.seq, requests=len(self.held.get(msg.key, ())))
+        self.ready.add(msg.key)
+        return [r for r in self.held.pop(msg.key, []) if r.status != Status.FINISHED], []
+
+    def apply(self, op: Flush) -> None:
+        """A Flush (GrammarKeys empties on every replica): nothing is ready or compiling."""
+        self.keys.apply(op)
+        self.ready.clear()
+        self.preparing.clear()
