@@ -76,6 +76,8 @@ def _drive(eng: LocalEngine, prompts: list[list[int]], params: list[SamplingPara
     core = eng.core
     todo = deque(range(len(prompts)))
     while True:
+        for report in eng.runner.grammar_reports(wait=not inflight and core.busy):  # request 1's grammar
+            assert core.on_grammar_ready(report) == []
         while todo and (todo[0] < 2 or planned >= ARRIVE):
             i = todo.popleft()
             assert core.submit(TokenizedRequest(rid=f"q{i}", input_ids=pack_ids(prompts[i]), params=params[i])) is None
@@ -93,7 +95,7 @@ def _drive(eng: LocalEngine, prompts: list[list[int]], params: list[SamplingPara
                 run.ones.append(unpack_ids(step.forward.extend_lens).count(1))
                 run.trees += d is not None and bool(d.parents)
         if not inflight:
-            if not todo:
+            if not todo and not eng.runner.compiling:
                 return run
             planned += 1
             continue
