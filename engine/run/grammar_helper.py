@@ -33,13 +33,14 @@ on that pipe or by `settle()`, which the worker calls before it reads the bitmas
 exits when its stdin closes (the worker is gone); a helper that dies makes the worker's next
 call raise.
 
-`python -m engine.run.grammar_helper MODEL_DIR VOCAB_SIZE MAX_SLOTS BITMASK_FD` runs one.
+`python -m engine.run.grammar_helper MODEL_DIR VOCAB_SIZE MAX_SLOTS BITMASK_FD NOTICE_FD` runs one.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -62,18 +63,15 @@ class HAdd(msgspec.Struct, tag=True):
 
 
 class HPrepare(msgspec.Struct, tag=True):
-    """Compile a grammar on the helper's compile thread and keep it until HForget (no reply;
-    HPoll says when it is done): sent to every helper when PrepareGrammar brings a key into the
-    rank's GrammarKeys, so that they compile at once, in parallel, while their main thread goes
-    on accepting and filling rows; its data crosses each pipe once, not with every request."""
+    """Compile a grammar on the helper's compile thread and keep it until HForget (no reply; the
+    compile thread writes HPrepared to the notice pipe when done): sent to every helper when
+    PrepareGrammar brings a key into the rank's GrammarKeys, so that they compile at once, in
+    parallel, while their main thread goes on accepting and filling rows; its data crosses each
+    pipe once, not with every request."""
 
     key: str
     data: bytes  # the grammar's source, zlib-compressed (msgs.params.Grammar.data)
     generation: int  # GrammarKeys.prepared after it: HPrepared names it
-
-
-class HPoll(msgspec.Struct, tag=True):
-    """Which prepares finished since the last HPoll (reply: HPrepared)."""
 
 
 class HForget(msgspec.Struct, tag=True):
@@ -109,15 +107,19 @@ class HDrafted(msgspec.Struct, tag=True):
 
 
 class HPrepared(msgspec.Struct, tag=True):
-    rows: list[tuple[str, int, str]]  # (key, generation, error: "" when it compiled)
+    """On the notice pipe, not a reply: an HPrepare's compile finished."""
+
+    key: str
+    generation: int
+    error: str = ""  # "" when it compiled
 
 
 class HError(msgspec.Struct, tag=True):
     reason: str
 
 
-Request = HAdd | HPrepare | HPoll | HForget | HFree | HAccept | HFill | HDraft
-Reply = HDone | HDrafted | HPrepared | HError
+Request = HAdd | HPrepare | HForget | HFree | HAccept | HFill | HDraft
+Reply = HDone | HDrafted | HError
 
 
 _LEAD_FOLLOWERS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
@@ -208,10 +210,20 @@ class GrammarHelpers:
             self.bitmask, self.drafted = _table(self._map, vocab_size, max_slots)
             cmd = [sys.executable, "-m", "engine.run.grammar_helper", model_dir, str(vocab_size), str(max_slots),
                    str(fd)]
-            self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,))
-                          for _ in range(n)]
+            notices = [os.pipe() for _ in range(n)]  # each helper's compile thread -> HPrepared
+            try:
+                self.procs = [subprocess.Popen([*cmd, str(w)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               pass_fds=(fd, w)) for _, w in notices]
+            finally:
+                for _, w in notices:
+                    os.close(w)
         finally:
             os.close(fd)
+        self._notices = {r: h for h, (r, _) in enumerate(notices)}
+        self._poller = select.poll()
+        for r in self._notices:
+            self._poller.register(r, select.POLLIN)
+        self._notice_dec = msgspec.msgpack.Decoder(HPrepared)
         self.locks = [threading.Lock() for _ in range(n)]
         self.ready = [False] * n  # each helper's ready frame taken
         self.unsettled: list[deque[int]] = [deque() for _ in range(n)]  # HAdd ids whose reply is not read
@@ -260,30 +272,35 @@ class GrammarHelpers:
     def prepare(self, key: str, data: bytes, generation: int) -> None:
         """Every helper compiles this grammar now, in parallel, and keeps it until `forget`;
         `prepared` says when all of them did."""
+        self._prepares[key, generation] = [0, ""]
         for h in range(self.n):
             with self.locks[h]:
                 self._send(h, HPrepare(key, data, generation))
 
     def prepared(self) -> list[tuple[str, int, str]]:
         """(key, generation, error: the first helper's, "" when every one compiled it) of the
-        prepares that the last of the helpers finished since the last call."""
+        prepares that the last of the helpers finished since the last call. Reads only the notice
+        pipes that have something (one poll() call): no round trip, no helper's lock."""
         done = []
-        for h in range(self.n):
-            with self.locks[h]:
-                self._send(h, HPoll())
-                self._drain(h)
-                rows = self._reply(h).rows
-            for key, generation, error in rows:
-                count = self._prepares.setdefault((key, generation), [0, ""])
+        while ready := self._poller.poll(0):
+            for fd, _ in ready:
+                frame = read_frame(fd)  # one whole frame: written at once, shorter than PIPE_BUF
+                if frame is None:
+                    h = self._notices[fd]
+                    raise RuntimeError(f"grammar helper {h} died (exit code {self.procs[h].wait()})")
+                notice = self._notice_dec.decode(frame)
+                count = self._prepares.get((notice.key, notice.generation))
+                if count is None:  # forgotten meanwhile
+                    continue
                 count[0] += 1
-                count[1] = count[1] or error
+                count[1] = count[1] or notice.error
                 if count[0] == self.n:
-                    del self._prepares[key, generation]
-                    done.append((key, generation, count[1]))
+                    del self._prepares[notice.key, notice.generation]
+                    done.append((notice.key, notice.generation, count[1]))
         return done
 
     def forget(self, key: str) -> None:
-        for k in [k for k in self._prepares if k[0] == key]:  # some helpers may never report it now
+        for k in [k for k in self._prepares if k[0] == key]:  # its notices are ignored from now on
             del self._prepares[k]
         for h in range(self.n):
             with self.locks[h]:
@@ -359,6 +376,10 @@ class GrammarHelpers:
         return [filled for _, filled in self._scatter(rows, HDraft)]
 
     def close(self) -> None:
+        for r in self._notices:
+            self._poller.unregister(r)
+            os.close(r)
+        self._notices = {}
         for p in self.procs:
             if p.stdin is not None:
                 p.stdin.close()  # the helper sees the end of its stream and exits
@@ -372,7 +393,7 @@ class GrammarHelpers:
 # ---- the helper process -------------------------------------------------------------------
 
 
-def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd: int, wfd: int) -> None:
+def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd: int, wfd: int, notice_fd: int) -> None:
     import xgrammar as xgr
 
     from engine.tokenizer import compile_grammar, grammar_compiler, load_tokenizer, tokenizer_info
@@ -385,7 +406,7 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
     compiler = grammar_compiler(info, 1) if info is not None else None  # one thread: the helpers run side by side
     compiling = ThreadPoolExecutor(1, thread_name_prefix="compile")  # xgrammar compiles without the GIL
     compiled: dict[str, tuple[int, Future[Any]]] = {}  # key -> (generation, its compile), HPrepare to HForget
-    unreported: list[tuple[str, int]] = []  # prepares HPoll has not reported
+    notice_enc, notice_lock = msgspec.msgpack.Encoder(), threading.Lock()
     matchers: dict[int, tuple[Any, int]] = {}  # id -> (matcher, slot)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Request)
     write_frame(wfd, enc.encode(HDone([])))  # ready (GrammarHelpers.wait_ready)
@@ -395,17 +416,12 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
             raise RuntimeError(f"{model_dir!r} has no tokenizer files")
         return compile_grammar(compiler, data)
 
-    def poll() -> list[tuple[str, int, str]]:
-        rows = []
-        for key, generation in list(unreported):
-            entry = compiled.get(key)
-            if entry is not None and entry[0] == generation and not entry[1].done():
-                continue
-            unreported.remove((key, generation))
-            if entry is not None and entry[0] == generation:  # (else forgotten or prepared again)
-                exc = entry[1].exception()
-                rows.append((key, generation, "" if exc is None else f"{type(exc).__name__}: {exc}"))
-        return rows
+    def notify(key: str, generation: int, job: Future[Any]) -> None:
+        """On the compile thread (or this one, if already done): HPrepared to the notice pipe."""
+        exc = job.exception()
+        error = "" if exc is None else f"{type(exc).__name__}: {exc}"[:1000]  # a frame under PIPE_BUF
+        with notice_lock:
+            write_frame(notice_fd, notice_enc.encode(HPrepared(key, generation, error)))
 
     def grammar_of(key: str) -> Any:
         entry = compiled.get(key)
@@ -449,11 +465,10 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                     matchers.pop(id, None)
                     continue
                 case HPrepare(key=key, data=data, generation=generation):
-                    compiled[key] = (generation, compiling.submit(prepare, data))
-                    unreported.append((key, generation))
+                    job = compiling.submit(prepare, data)
+                    compiled[key] = (generation, job)
+                    job.add_done_callback(lambda job, key=key, generation=generation: notify(key, generation, job))
                     continue
-                case HPoll():
-                    reply = HPrepared(poll())
                 case HForget(key=key):
                     compiled.pop(key, None)
                     continue
@@ -491,10 +506,11 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
 
 
 def main() -> None:
-    model_dir, vocab, slots, fd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    model_dir = sys.argv[1]
+    vocab, slots, fd, notice = (int(a) for a in sys.argv[2:6])
     wfd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream
-    serve(model_dir, vocab, slots, fd, 0, wfd)
+    serve(model_dir, vocab, slots, fd, 0, wfd, notice)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from msgs.steps import Shutdown, Step, ToWorker
 
 MAX_IN_FLIGHT = 2
 HOST_WAIT_MS = 1  # the Step socket's wait while a runner's host thread works (GIL-free)
-POLL_S = 0.002  # how often compiles are asked about (with grammar helpers: a round trip to each)
+POLL_S = 0.002  # how often compiles are asked about (a look at futures, or one poll() of the helpers' notice pipes)
 
 
 class StepRunner(Protocol):
