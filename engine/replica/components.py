@@ -151,16 +151,29 @@ class GrammarKeys(Component):
         rank): the keys it evicts, oldest first."""
         if not grammar.data:
             raise ReplicaError(f"PrepareGrammar of {grammar.key[:12]} without its data")
+        evicted = self.evicts(grammar)
         self.prepared += 1
         self.bytes -= self.keys.pop(grammar.key, 0)
+        for key in evicted:
+            self.bytes -= self.keys.pop(key)
         self.keys[grammar.key] = grammar.compiled_bytes
         self.bytes += grammar.compiled_bytes
-        evicted = []
-        while len(self.keys) > self.CAPACITY or (self.bytes > self.BYTES and len(self.keys) > 1):
-            key, size = self.keys.popitem(last=False)
-            self.bytes -= size
-            evicted.append(key)
         return evicted
+
+    def evicts(self, grammar: Grammar) -> list[str]:
+        """The keys preparing this grammar would evict, oldest first (nothing changes)."""
+        count = len(self.keys) + (grammar.key not in self.keys)
+        size = self.bytes - self.keys.get(grammar.key, 0) + grammar.compiled_bytes
+        out = []
+        for key, held in self.keys.items():
+            if count <= 1 or (count <= self.CAPACITY and size <= self.BYTES):
+                break
+            if key == grammar.key:
+                continue
+            out.append(key)
+            count -= 1
+            size -= held
+        return out
 
     def use(self, key: str) -> None:
         """An AddReq names this key: it must be held; it becomes the most recent."""

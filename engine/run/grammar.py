@@ -200,7 +200,8 @@ class GrammarSlots(Effect, DraftMasks):
                 for key in self._keys.keys:
                     self._helpers.forget(key)
             self._keys.apply(op)
-            self._compiling.clear()
+            for key in list(self._compiling):
+                self._drop_compile(key)
             self._compiled.clear()
             return
         if isinstance(op, PrepareGrammar):
@@ -237,17 +238,24 @@ class GrammarSlots(Effect, DraftMasks):
         keep their grammar) and compiles in the background, in this process or in every helper
         at once; `compiled` reports it."""
         for key in self._keys.prepare(grammar):  # no data: ReplicaError
-            self._compiling.pop(key, None)
+            self._drop_compile(key)
             self._compiled.pop(key, None)
             if self._helpers is not None:
                 self._helpers.forget(key)
         generation = self._keys.prepared
+        self._drop_compile(grammar.key)  # prepared again (it failed on some rank)
         self._compiled.pop(grammar.key, None)
         if self._helpers is not None:
             self._helpers.prepare(grammar.key, grammar.data, generation)
             self._compiling[grammar.key] = (generation, None)
         else:
             self._compiling[grammar.key] = (generation, self._compiler_pool.submit(self._compile, grammar.data))
+
+    def _drop_compile(self, key: str) -> None:
+        """Forget a compile; one not started yet is cancelled (it would hold up the next ones)."""
+        _, job = self._compiling.pop(key, (0, None))
+        if job is not None:
+            job.cancel()
 
     def _compile(self, data: bytes) -> Any:
         """On the compile thread (xgrammar releases the GIL while it compiles)."""

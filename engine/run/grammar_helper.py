@@ -272,6 +272,8 @@ class GrammarHelpers:
     def prepare(self, key: str, data: bytes, generation: int) -> None:
         """Every helper compiles this grammar now, in parallel, and keeps it until `forget`;
         `prepared` says when all of them did."""
+        for k in [k for k in self._prepares if k[0] == key]:  # prepared again: the earlier one is void
+            del self._prepares[k]
         self._prepares[key, generation] = [0, ""]
         for h in range(self.n):
             with self.locks[h]:
@@ -418,6 +420,8 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
 
     def notify(key: str, generation: int, job: Future[Any]) -> None:
         """On the compile thread (or this one, if already done): HPrepared to the notice pipe."""
+        if job.cancelled():  # forgotten before it started
+            return
         exc = job.exception()
         error = "" if exc is None else f"{type(exc).__name__}: {exc}"[:1000]  # a frame under PIPE_BUF
         with notice_lock:
@@ -465,12 +469,16 @@ def serve(model_dir: str, vocab_size: int, max_slots: int, bitmask_fd: int, rfd:
                     matchers.pop(id, None)
                     continue
                 case HPrepare(key=key, data=data, generation=generation):
+                    if key in compiled:  # prepared again: the earlier compile is void
+                        compiled[key][1].cancel()
                     job = compiling.submit(prepare, data)
                     compiled[key] = (generation, job)
                     job.add_done_callback(lambda job, key=key, generation=generation: notify(key, generation, job))
                     continue
                 case HForget(key=key):
-                    compiled.pop(key, None)
+                    entry = compiled.pop(key, None)
+                    if entry is not None:
+                        entry[1].cancel()  # not started yet: it would hold up the next compiles
                     continue
                 case HAdd():
                     m = xgr.GrammarMatcher(grammar_of(msg.key))

@@ -3,6 +3,7 @@ arrival order with their cached prefix, prompts prefilled in chunks within the b
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -139,7 +140,9 @@ class Admission:
                 log.info("admitted", rid=req.rid, cached_tokens=req.kv_len, l2_tokens=l2, l3_tokens=l3)
         req.slot = heapq.heappop(s.free_slots)
         req.status = Status.RUNNING
-        s.running.append(req)
+        # by arrival, as DecodeGrowth's victim rule needs (the newest is planned last): a request
+        # the grammar gate held, or re-admitted after a retraction, may start after newer ones
+        bisect.insort(s.running, req, key=_arrival)
         ops.append(
             AddReq(
                 req.slot, req.rid, worker_sampling(req, s.cfg.eos_token_ids),
@@ -176,6 +179,10 @@ class Admission:
             req.inflight += 1
         self.kv.publish(req, req.kv_len)
         return n
+
+
+def _arrival(req: Req) -> int:
+    return req.arrival
 
 
 def worker_sampling(req: Req, eos_ids: Sequence[int]) -> WorkerSampling:

@@ -105,6 +105,8 @@ class DecodeGrowth:
         return True
 
     def _victim(self) -> Req | None:
+        """The newest running request. `running` is in arrival order (Admission._start), so a
+        victim other than the request growing has no row planned in this step yet."""
         live = [r for r in self.s.running if r.status == Status.RUNNING]
         return max(live, key=lambda r: r.arrival) if live else None
 

@@ -17,6 +17,8 @@ compare replicas (docs/architecture.md: The Step stream and the replica; Replica
 
 from __future__ import annotations
 
+from collections import deque
+
 import msgspec
 
 from engine.cache.allocator import PageAllocator
@@ -43,7 +45,7 @@ class SchedulerCore:
         self.state = SchedState(cfg)
         kv = RequestKV(self.state)
         self.growth = DecodeGrowth(self.state, kv)
-        self.grammars = GrammarGate(self.state.grammar_keys, cfg.num_ranks)
+        self.grammars = GrammarGate(self.state)
         self.admission = Admission(self.state, kv, self.growth, self.grammars)
         self.outputs = OutputProcessor(self.state, kv)
         self.digests = DigestTracker(cfg.num_ranks)
@@ -188,7 +190,8 @@ class SchedulerCore:
         """A rank compiled (or failed) a prepared grammar: once every rank did, its requests join
         the waiting queue; a failure ends them (error outputs)."""
         admissible, failed = self.grammars.on_ready(msg, self.seq)
-        self.state.waiting.extend(admissible)
+        for req in admissible:  # at their place by arrival: one sent back from the head goes back there
+            insort_waiting(self.state.waiting, req)
         return [msgspec.structs.replace(self.outputs.finish(r, "error"), error=why) for r, why in failed]
 
     def on_committed(self, obj: int) -> None:
@@ -235,6 +238,12 @@ class SchedulerCore:
             and not self.replica["page_tables"].tables
             and (s.tiers is None or s.tiers.leak_free())
         )
+
+
+def insort_waiting(waiting: deque[Req], req: Req) -> None:
+    """Put req in the waiting queue before the first request that arrived after it."""
+    at = next((i for i, r in enumerate(waiting) if r.arrival > req.arrival), len(waiting))
+    waiting.insert(at, req)
 
 
 def _scores(row: Row) -> bool:

@@ -66,6 +66,10 @@ def _add(slot: int, grammar: Grammar | None, output: list[int] = ()) -> AddReq:
     return AddReq(slot, f"r{slot}", SAMPLING, pack_ids([1]), pack_ids(list(output)), grammar=grammar)
 
 
+def _object(props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
 def _drive(g: GrammarSlots, slot: int, tokens: list[int], vocab: int) -> torch.Tensor:
     """Sample `tokens` for `slot` step by step through mask/sampled; return the last mask."""
     logits = torch.zeros(1, vocab)
@@ -264,8 +268,7 @@ def test_a_compile_runs_beside_the_steps_and_a_failed_one_is_reported(
     g = _slots(default_model_dir, vocab, grammar, helpers=helpers)
     g.apply(_add(0, grammar))
     props = {f"p{i}": {"type": "string", "pattern": f"[a-z]{{2,{20 + i}}}"} for i in range(20)}
-    slow_schema = {"type": "object", "properties": props, "required": list(props)}
-    slow = Grammar("slow", grammar_data(json.dumps({"type": "structural_tag", "format": json_format(slow_schema)})),
+    slow = Grammar("slow", grammar_data(json.dumps({"type": "structural_tag", "format": json_format(_object(props))})),
                    grammar.stop_ids)
     g.apply(PrepareGrammar(slow))
     ids = tok.encode('{"n": 4', add_special_tokens=False)
@@ -277,6 +280,22 @@ def test_a_compile_runs_beside_the_steps_and_a_failed_one_is_reported(
     g.apply(PrepareGrammar(broken))
     ((key, generation, error),) = g.compiled(wait=True)
     assert (key, generation) == ("broken", g._keys.prepared) and error
+
+
+def test_a_compile_not_started_is_cancelled_when_its_key_goes(default_model_dir: Path, setup) -> None:
+    """Flushed or evicted keys' compiles that have not started are cancelled: one compile thread
+    a rank, and they would hold up the next grammars (an audit: a 10 ms schema waited 10 s
+    behind ten slow ones whose clients had left)."""
+    tok, vocab, grammar = setup
+    g = _slots(default_model_dir, vocab, None)
+    props = {f"p{i}": {"type": "string", "pattern": f"[a-z]{{2,{20 + i}}}"} for i in range(20)}
+    slow = grammar_data(json.dumps({"type": "structural_tag", "format": json_format(_object(props))}))
+    g.apply(PrepareGrammar(Grammar("s1", slow, grammar.stop_ids)))
+    g.apply(PrepareGrammar(Grammar("s2", slow, grammar.stop_ids)))
+    queued = g._compiling["s2"][1]
+    g.apply(Flush())
+    assert queued is not None and queued.cancelled() and not g.compiling and g.compiled() == []
+    _prepare(g, grammar)  # after s1's compile, which had started: nothing reports the flushed keys
 
 
 @pytest.mark.parametrize("helpers", [0, 2])

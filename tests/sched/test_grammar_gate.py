@@ -128,9 +128,10 @@ def test_after_a_flush_a_grammar_is_prepared_again() -> None:
     assert len(of(s, PrepareGrammar)) == 1 and not of(s, AddReq)
 
 
-def test_a_key_evicted_before_its_request_is_admitted_is_prepared_again() -> None:
-    """One slot: b's key is ready but b waits for the slot; two more grammars push it out of
-    GrammarKeys (capacity 2) meanwhile; at the head of the queue b goes back to the gate."""
+def test_no_prepare_evicts_a_key_that_a_waiting_request_needs() -> None:
+    """Capacity 2, one slot: b's key is ready but b waits for the slot; c's grammar is prepared,
+    d's would evict b's key, so it waits (an audit's 200 schemas on 4 slots had compiled some
+    keys 13 times, each evicted before its request started)."""
     core = make(max_running=1)
     core.state.grammar_keys.CAPACITY = core.replica["grammar_keys"].CAPACITY = 2
     g2, g3 = (Grammar(k * 64, b"x", [0]) for k in "23")
@@ -142,16 +143,54 @@ def test_a_key_evicted_before_its_request_is_admitted_is_prepared_again() -> Non
     submit(core, "c", grammar=g2)
     submit(core, "d", grammar=g3)
     s = step(core)
-    assert [op.grammar.key for op in of(s, PrepareGrammar)] == [g2.key, g3.key]
-    assert list(core.state.grammar_keys.keys) == [g2.key, g3.key]  # G, the least recent, left
-    core.abort("c")
-    core.abort("d")
-    while "a" in core.reqs:
-        s = step(core)
-    s = step(core)  # b at the head: not held any more, back to the gate, prepared again
-    assert [op.grammar.key for op in of(s, PrepareGrammar)] == [G.key] and not of(s, AddReq)
+    assert [op.grammar.key for op in of(s, PrepareGrammar)] == [g2.key]
+    assert list(core.state.grammar_keys.keys) == [G.key, g2.key]
+    ready(core, g2, generation=2)
+    assert [r.rid for r in core.waiting] == ["b", "c"]
+    assert not of(step(core), PrepareGrammar)  # g3 would evict a waiting request's key
+
+
+def test_a_request_whose_key_left_while_it_ran_is_prepared_again_after_a_retraction() -> None:
+    core = make(max_running=2)
+    core.state.grammar_keys.CAPACITY = core.replica["grammar_keys"].CAPACITY = 1
+    g2 = Grammar("2" * 64, b"x", [0])
+    submit(core, "a", max_new=30)
+    step(core)
     ready(core)
-    assert [op.rid for op in of(step(core), AddReq)] == ["b"]
+    assert [op.rid for op in of(step(core), AddReq)] == ["a"]
+    submit(core, "c", grammar=g2, max_new=30)
+    s = step(core)  # a runs: its key may go
+    assert [op.grammar.key for op in of(s, PrepareGrammar)] == [g2.key]
+    assert list(core.state.grammar_keys.keys) == [g2.key]
+    core.growth.retract(core.reqs["a"], core.state.pending_ops)  # as when pages run out
+    s = step(core)  # a at the head: its key left, back to the gate; G would evict c's key, compiling
+    assert not of(s, PrepareGrammar) and not of(s, AddReq) and len(core.grammars) == 2  # a and c
+    ready(core, g2, generation=2)
+    s = step(core)  # c starts; then nothing needs g2 any more: G is prepared again
+    assert [op.rid for op in of(s, AddReq)] == ["c"] and [op.grammar.key for op in of(s, PrepareGrammar)] == [G.key]
+    ready(core)
+    assert [op.rid for op in of(step(core), AddReq)] == ["a"]
+    while core.busy or core.settling:
+        step(core)
+    assert core.leak_free()
+
+
+def test_running_stays_in_arrival_order_so_a_victim_has_no_row_yet() -> None:
+    """An audit's crash: a grammar request that waited in the gate started after newer requests;
+    when its row needed a page, the newest request (the victim) had its row planned already,
+    and the step went out with a retracted request's row (TypeError in the scheduler)."""
+    cfg = SchedConfig(num_pages=64, page_size=4, max_running=8, max_prefill_tokens=64, max_context=256,
+                      eos_token_ids=(0,), vocab_size=1000, digest_every=1, num_ranks=RANKS)
+    core = SchedulerCore(cfg)
+    core.chain = TokenChain()  # type: ignore[attr-defined]
+    submit(core, "A", max_new=200)
+    submit(core, "B", grammar=None, max_new=200)
+    submit(core, "C", grammar=None, max_new=200)
+    step(core)
+    ready(core)
+    while core.busy or core.settling:
+        step(core)
+    assert core.state.retractions > 0 and core.leak_free()
 
 
 def test_at_most_max_preparing_keys_compile_at_once(monkeypatch) -> None:
