@@ -9,6 +9,11 @@ copies a tokenizer's files next to the config in a temp dir (the model's vocabul
 larger: the grammar masks the ids past the tokenizer's). The constrained pass runs first;
 each unconstrained request then asks for exactly the tokens its twin produced
 (ignore_eos), so both passes generate the same number of tokens.
+
+`--cold-schemas K` adds a third pass: the unconstrained requests again, while K requests with
+new, distinct schemas that are slow to compile (patterned strings) arrive at once. Ranks compile
+those beside the steps (the grammar gate, docs/architecture.md), so the unconstrained requests'
+wall time should stay near the second pass's; before the gate each compile stalled every step.
 """
 
 from __future__ import annotations
@@ -51,6 +56,27 @@ SCHEMA = {
     "required": ["items"],
     "additionalProperties": False,
 }
+
+
+def cold_schema(i: int) -> dict[str, Any]:
+    """A schema no cache holds (its own lengths), slow to compile: 12 strings with patterns."""
+    props = {f"f{j}": {"type": "string", "pattern": f"[a-z]{{2,{20 + j + 16 * i}}}"} for j in range(12)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+async def _beside(url: str, plain: list[dict[str, Any]], cold: list[dict[str, Any]]) -> tuple[float, float]:
+    """The plain requests and the cold ones at once: seconds until every plain one finished, and
+    until every cold one did."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        cold_tasks = [asyncio.ensure_future(client.post(f"{url}/generate", json=b)) for b in cold]
+        replies = await asyncio.gather(*(client.post(f"{url}/generate", json=b) for b in plain))
+        plain_s = time.perf_counter() - t0
+        replies += await asyncio.gather(*cold_tasks)
+        cold_s = time.perf_counter() - t0
+    for r in replies:
+        r.raise_for_status()
+    return plain_s, cold_s
 
 
 def model_with_tokenizer(model: str, tokenizer_from: str) -> str:
@@ -144,6 +170,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for i, n in enumerate(lengths)
         ]  # fmt: skip
         p_wall, p_out, p_pass = _measured(url, plain)
+        beside = None
+        if args.cold_schemas:
+            cold = [{"text": prompt, "sampling_params": {"max_new_tokens": 16,
+                                                          "json_schema": json.dumps(cold_schema(i))}}
+                    for i in range(args.cold_schemas)]
+            plain_s, cold_s = asyncio.run(_beside(url, plain, cold))
+            beside = {"cold_schemas": args.cold_schemas, "plain_s": plain_s, "plain_alone_s": p_wall,
+                      "plain_ratio": p_wall / plain_s, "cold_done_s": cold_s}
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     tokens = sum(lengths)
     assert sum(o["meta_info"]["completion_tokens"] for o in p_out) == tokens
@@ -165,11 +199,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "constrained_pass": c_pass,
         "unconstrained_pass": p_pass,
         "grammar_metrics": [ln for ln in metrics.splitlines() if ln.startswith("strata_grammar")],
+        "cold_pass": beside,
     }
     print("============ Structured Output Result ============")
     for k in ("num_requests", "output_tokens", "mean_output_len", "json_valid", "finish_stop", "invalid_stop",
               "constrained_tok_s",
-              "unconstrained_tok_s", "ratio", "constrained_pass", "unconstrained_pass"):  # fmt: skip
+              "unconstrained_tok_s", "ratio", "constrained_pass", "unconstrained_pass", "cold_pass"):  # fmt: skip
         print(f"{k:24s} {result[k]}")
     return result
 
@@ -179,6 +214,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-from", default=None, help="copy this directory's tokenizer files next to the config")
     p.add_argument("--num-requests", type=int, default=64, help="concurrent requests in each pass")
     p.add_argument("--max-tokens", type=int, default=512, help="max_new_tokens of the constrained requests")
+    p.add_argument("--cold-schemas", type=int, default=0,
+                   help="a third pass: the unconstrained requests while this many new slow schemas arrive")
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
