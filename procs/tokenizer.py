@@ -193,7 +193,7 @@ class TokenizerProcess:
             asyncio.create_task(state.frontend.run_sender(self.to_sched), name="sender"),
             asyncio.create_task(state.frontend.run_receiver(self.from_sched), name="receiver"),
             asyncio.create_task(SdkServer(state, self.sdk).run(), name="sdk"),
-            asyncio.create_task(self.watch_supervisor(state.frontend), name="notices"),
+            asyncio.create_task(self.watch_supervisor(state), name="notices"),
         }
         http = asyncio.create_task(server.serve(sockets=[http_sock]), name="http")
         try:
@@ -214,14 +214,17 @@ class TokenizerProcess:
             if state.grammar is not None:  # its grammar checker processes
                 state.grammar.close()
 
-    async def watch_supervisor(self, frontend: Frontend) -> None:
+    async def watch_supervisor(self, state: ServeState) -> None:
         """On ProcessDied: fail every request, wait until their consumers have seen it,
         then report Flushed so the supervisor tears down only after clients were told."""
         while True:
             msg = await self.notices.recv()
             if not isinstance(msg, ProcessDied):
                 continue
+            frontend = state.frontend
             failed = frontend.process_died(msg.proc, msg.reason)
+            if state.grammar is not None:  # requests still waiting on their grammar's compile: 503 too
+                state.grammar.down(frontend.down_reason()[0])
             if not await frontend.drained(FLUSH_TIMEOUT_S):
                 log.warning("requests still in flight after a process died", left=frontend.num_in_flight)
             await asyncio.sleep(FLUSH_SETTLE_S)

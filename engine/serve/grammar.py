@@ -203,6 +203,8 @@ class GrammarService:
         self.checkers: list[Checker] = []
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._inflight: dict[str, asyncio.Task[Grammar]] = {}
+        self._down: str | None = None  # why the server went down (`down`)
+        self._waiters: set[asyncio.Future[None]] = set()  # requests' waits on a compile, resolved by `down`
 
     async def compile(self, fmt: dict[str, Any], vocab_size: int, param: str) -> Grammar:
         """The Grammar of one structural-tag format; 400 naming `param` if it does not
@@ -223,7 +225,29 @@ class GrammarService:
         else:  # a task of its own: a client that leaves cancels its wait, not the others' compile
             task = self._inflight[key] = asyncio.ensure_future(self._compile(text, key, vocab_size, param))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody waits
-        return await asyncio.shield(task)
+        if self._down is not None:
+            raise self._down_error(param)
+        stop = asyncio.get_running_loop().create_future()  # resolved by `down`
+        self._waiters.add(stop)
+        try:  # whichever comes first: the compile, or the server going down (a 503, not a dropped connection)
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._waiters.discard(stop)
+        if not task.done():
+            raise self._down_error(param)
+        return task.result()
+
+    def _down_error(self, param: str) -> ApiError:
+        return ApiError(503, f"the server is going down ({self._down}); the grammar was not compiled", param)
+
+    def down(self, why: str) -> None:
+        """The server is going down (a process died, or a shutdown): every request waiting on a
+        compile, now or later, gets a 503 at once instead of waiting for a compile that no one
+        will serve (and a dropped connection once the HTTP server stops). On the event loop."""
+        self._down = why
+        for stop in self._waiters:
+            if not stop.done():
+                stop.set_result(None)
 
     async def _compile(self, text: str, key: str, vocab_size: int, param: str) -> Grammar:
         try:

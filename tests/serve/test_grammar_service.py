@@ -179,3 +179,26 @@ def test_a_ref_outside_the_schema_is_a_400_and_data_is_not_schema() -> None:
     for name in ("regex", "ebnf"):
         with pytest.raises(ApiError, match="must not be empty"):
             spec_format(name, "")
+
+
+def test_when_the_server_goes_down_a_request_waiting_on_a_compile_gets_a_503(default_model_dir: Path) -> None:
+    """Before, such a request waited for its compile through the shutdown and got a dropped
+    connection (or a bare 500) when the HTTP server stopped; the others were already 503s."""
+    service = GrammarService(str(default_model_dir), Metrics())
+
+    async def main() -> tuple[ApiError, ApiError, bool]:
+        waiting = asyncio.ensure_future(constrain(service, SamplingParams(json_schema=_union_properties(40)), 49152))
+        await asyncio.sleep(0.1)  # compiling (~1 s)
+        service.down("the server is shutting down")
+        with pytest.raises(ApiError) as first:
+            await waiting
+        still_compiling = bool(service._inflight)  # the 503 came at once, not after the compile
+        with pytest.raises(ApiError) as later:  # a new one too, whether compiled or not
+            await constrain(service, SamplingParams(regex="[a-z]{5}"), 49152)
+        return first.value, later.value, still_compiling
+
+    try:
+        first, later, still_compiling = asyncio.run(main())
+    finally:
+        service.close()
+    assert first.status == later.status == 503 and "shutting down" in first.message and still_compiling
