@@ -32,6 +32,7 @@ def print_text(rep: Report, timelines: bool = True, out: Any = sys.stdout) -> No
     _print_summary(rep, w)
     _print_moe(rep, w)
     _print_spec(rep, w)
+    _print_grammars(rep, w)
     _print_errors(rep, w)
     for n in rep.notes:
         w(f"note: {n}")
@@ -50,6 +51,22 @@ def _print_spec(rep: Report, w: Any) -> None:
         w(f"  {s['empty']} more rows found nothing to draft (one token each, not in the accept length)")
     if len(s["series"]) > 1:
         w("  accept length over time: " + ", ".join(f"{p['t']:.0f}s {p['accept_length']:.2f}" for p in s["series"]))
+
+
+def _print_grammars(rep: Report, w: Any) -> None:
+    g = rep.grammars
+    if not g:
+        return
+    w(f"\ngrammars: {g['checked']} checked by the tokenizer (ms {_fmt_dist(g['check_ms'])}); "
+      f"{g['ready']} compiled on every rank ({g['distinct_keys']} keys; ms from PrepareGrammar "
+      f"{_fmt_dist(g['ready_ms'])}; {g['steps_meanwhile']} steps went out meanwhile)")
+    if g["ready"] > g["distinct_keys"]:
+        again = g["ready"] - g["distinct_keys"]
+        w(f"  {again} compiles of keys compiled before (evicted or flushed, then needed again)")
+
+
+def _fmt_dist(d: dict[str, Any]) -> str:
+    return " ".join(f"{k} {v:.0f}" for k, v in d.items() if isinstance(v, (int, float)) and k != "count") or "-"
 
 
 def _print_timelines(reqs: list[Request], w: Any) -> None:

@@ -63,6 +63,7 @@ class Report:
     kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker: its KV pool and layout
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker and MoE layer: expert load
     spec: dict[str, Any] = field(default_factory=dict)  # speculative decoding: accept length, overall and per line
+    grammars: dict[str, Any] = field(default_factory=dict)  # grammars: the tokenizer's checks, the ranks' compiles
 
 
 # ---------------------------------------------------------------- reading
@@ -367,7 +368,26 @@ def analyze(logdir: Path) -> Report:
         kv_pools=kv_pools(records),
         moe=moe_load(records),
         spec=spec_accept(records, t0),
+        grammars=grammar_compiles(records),
     )
+
+
+GRAMMAR_CHECKED = "grammar compiled"  # engine/serve/grammar.py: the tokenizer's check of a new grammar
+GRAMMAR_READY = "grammar ready"  # engine/sched/grammars.py: every rank compiled a PrepareGrammar
+
+
+def grammar_compiles(records: list[Record]) -> dict[str, Any]:
+    """New grammars: the tokenizer's checks (seconds each) and the ranks' compiles (the grammar
+    gate: ms from PrepareGrammar to the last rank's report, steps that went out meanwhile)."""
+    checked = [float(r["seconds"]) * 1e3 for r in records
+               if r["event"] == GRAMMAR_CHECKED and isinstance(r.get("seconds"), (int, float))]
+    ready = [r for r in records if r["event"] == GRAMMAR_READY and isinstance(r.get("ready_ms"), (int, float))]
+    if not checked and not ready:
+        return {}
+    return {"checked": len(checked), "check_ms": _dist(checked),
+            "ready": len(ready), "ready_ms": _dist([float(r["ready_ms"]) for r in ready]),
+            "distinct_keys": len({r.get("key") for r in ready}),
+            "steps_meanwhile": sum(int(r.get("steps_meanwhile", 0)) for r in ready)}
 
 
 SPEC_EVENT = "speculative decoding"  # engine/sched/loop.py: cumulative verify rows, at most once a second
