@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sched.request import Req, Status, VerifyRow
+from engine.sched.request import Req, Status, VerifyRow, insort_by_arrival
 from engine.sched.state import RequestKV, SchedState
 from msgs.steps import Op
 
@@ -117,4 +117,4 @@ class DecodeGrowth:
         self.kv.release_slot(req, ops)
         req.status = Status.WAITING
         self.s.running.remove(req)
-        self.s.waiting.appendleft(req)
+        insort_by_arrival(self.s.waiting, req)  # (the newest running: usually the head)

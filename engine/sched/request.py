@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,3 +87,10 @@ class Req:
     def pending_tokens(self) -> int:
         """Output tokens already sampled or being sampled."""
         return len(self.output_ids) + self.inflight
+
+
+def insort_by_arrival(queue: deque[Req], req: Req) -> None:
+    """Put req in a waiting queue before the first request that arrived after it (the queue is
+    in arrival order: requests released by the grammar gate and retracted ones keep their place)."""
+    at = next((i for i, r in enumerate(queue) if r.arrival > req.arrival), len(queue))
+    queue.insert(at, req)

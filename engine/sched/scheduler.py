@@ -17,8 +17,6 @@ compare replicas (docs/architecture.md: The Step stream and the replica; Replica
 
 from __future__ import annotations
 
-from collections import deque
-
 import msgspec
 
 from engine.cache.allocator import PageAllocator
@@ -29,7 +27,7 @@ from engine.sched.digests import DigestMismatch, DigestTracker
 from engine.sched.grammars import GrammarGate
 from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.outputs import OutputProcessor
-from engine.sched.request import Req, Status
+from engine.sched.request import Req, Status, insort_by_arrival
 from engine.sched.state import RequestKV, SchedConfig, SchedState
 from msgs.codec import pack_ids
 from msgs.done import Committed, ControllerDigest, GrammarReady, L3Loaded, L3Stats, StepDone
@@ -191,7 +189,7 @@ class SchedulerCore:
         the waiting queue; a failure ends them (error outputs)."""
         admissible, failed = self.grammars.on_ready(msg, self.seq)
         for req in admissible:  # at their place by arrival: one sent back from the head goes back there
-            insort_waiting(self.state.waiting, req)
+            insort_by_arrival(self.state.waiting, req)
         return [msgspec.structs.replace(self.outputs.finish(r, "error"), error=why) for r, why in failed]
 
     def on_committed(self, obj: int) -> None:
@@ -238,12 +236,6 @@ class SchedulerCore:
             and not self.replica["page_tables"].tables
             and (s.tiers is None or s.tiers.leak_free())
         )
-
-
-def insort_waiting(waiting: deque[Req], req: Req) -> None:
-    """Put req in the waiting queue before the first request that arrived after it."""
-    at = next((i for i, r in enumerate(waiting) if r.arrival > req.arrival), len(waiting))
-    waiting.insert(at, req)
 
 
 def _scores(row: Row) -> bool:

@@ -205,3 +205,32 @@ def test_at_most_max_preparing_keys_compile_at_once(monkeypatch) -> None:
     s = step(core)
     assert [op.grammar.key for op in of(s, PrepareGrammar)] == [gs[2].key]
     assert [op.rid for op in of(s, AddReq)] == ["r0"]
+
+
+def test_a_new_schema_is_not_held_back_forever_by_newer_requests_with_hot_keys() -> None:
+    """A re-audit: capacity 2, one slot, keys A and B held; C brings a new key while requests
+    with A and B keep waiting for the slot. Protecting every waiting request's key kept C in the
+    gate for 3,000 steps while 749 later requests ran; only requests older than C protect theirs."""
+    core = make(max_running=1)
+    core.state.grammar_keys.CAPACITY = core.replica["grammar_keys"].CAPACITY = 2
+    ga, gb, gc = (Grammar(k * 64, b"x", [0]) for k in "abc")
+    for i, g in enumerate((ga, gb)):
+        submit(core, f"warm{i}", grammar=g, max_new=4)
+        step(core)
+        ready(core, g)
+    n = 0
+    while core.busy or core.settling:
+        step(core)
+    submit(core, "C", grammar=gc, max_new=4)
+    for n in range(400):
+        if len(core.waiting) < 2:  # a request with A and one with B always wait for the slot
+            submit(core, f"hot{n}a", grammar=ga, max_new=4)
+            submit(core, f"hot{n}b", grammar=gb, max_new=4)
+        s = step(core)
+        if of(s, PrepareGrammar) and of(s, PrepareGrammar)[0].grammar.key == gc.key:
+            ready(core, gc)
+        if "C" in [op.rid for op in of(s, AddReq)]:
+            break
+    else:
+        raise AssertionError("C never started")
+    assert n < 100, n
