@@ -121,7 +121,7 @@ class GrammarGate:
         if len(p.ranks) < self.num_ranks:
             return [], []
         del self.preparing[msg.key]
-        if msg.key not in self.keys.keys:  # evicted meanwhile (a byte budget's newest): again
+        if msg.key not in self.keys.keys:  # (defence: no prepare evicts a key compiling) again
             return [], []
         # from its PrepareGrammar to the last rank's report: queued behind other compiles included
         log.info("grammar ready", key=msg.key[:12], ready_ms=round((time.monotonic() - p.at) * 1e3, 1),
