@@ -6,10 +6,10 @@ sends GrammarReady: the scheduler admits its requests only then, engine/sched/gr
 AddReq with a grammar creates the slot's xgrammar GrammarMatcher from the compiled grammar
 (re-advanced over `output_ids` after a retraction), FreeReq drops it. Every rank advances its
 own matchers with the tokens it sampled, so no round trip to the scheduler is needed; the
-matcher's state is a function of the Step stream and the
-sampled tokens, which the digest's token chain already covers. Where the matchers live:
-in this process (CPU), or in grammar helper processes (GPU; engine/run/grammar_helper.py),
-which accept and fill a step's rows in parallel; the interface below is the same.
+matcher's state is a function of the Step stream and the sampled tokens, which the digest's
+token chain already covers. Where the matchers live: in this process (CPU), or in grammar
+helper processes (GPU; engine/run/grammar_helper.py), which accept and fill a step's rows in
+parallel; the interface below is the same.
 
 Overlap: step N+1's forward is launched before the matchers have seen step N's tokens;
 only its sampling waits for the mask. When step N samples, `sampled` starts a job on one
