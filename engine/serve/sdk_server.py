@@ -219,6 +219,8 @@ class SdkServer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            elif not task.cancelled():  # retrieved even when a keep-alive's failure ends this first
+                task.exception()  # (else asyncio logs "Task exception was never retrieved" at error level)
         return task.result()
 
 
