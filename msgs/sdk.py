@@ -70,6 +70,9 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
     unset = [name for name in MODEL_DEFAULT_FIELDS if name not in kw]  # the model's defaults fill these
     if isinstance(prompt, str):
         return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key, unset=unset)
+    # token ids: a list or tuple of ints in int64 (bytes would pass as ids; None or 5 was a TypeError)
+    if not isinstance(prompt, (list, tuple)) or not all(type(t) is int and -2**63 <= t < 2**63 for t in prompt):
+        raise StrataError(400, "prompt: a string, or a list of token ids (ints)")
     return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream, api_key=api_key,
                            unset=unset)
 
