@@ -105,13 +105,22 @@ class SdkServer:
             await self._error(ident, GenerateError(req.rid, 401, "a valid API key is required: Client(api_key=...)"),
                               patient=False)
             return
-        if req.rid in self._tasks:
+        owner, earlier = self._tasks.get(req.rid, (None, None))
+        if earlier is not None and (owner != ident or not earlier.cancelling()):
             await self._error(ident, GenerateError(req.rid, 400, f"request id {req.rid!r} is already in flight"),
                               patient=False)
             return
-        task = asyncio.create_task(self._serve(ident, req))
+        # its own request of that rid, aborted and still winding down: the new one starts once it
+        # has (as HTTP waits for an aborted rid), not a 400 to a client that reuses rids
+        work = self._serve(ident, req) if earlier is None else self._serve_after(earlier, ident, req)
+        task = asyncio.create_task(work)
         self._tasks[req.rid] = (ident, task)
-        task.add_done_callback(lambda _t, rid=req.rid: self._tasks.pop(rid, None))
+        task.add_done_callback(lambda t, rid=req.rid: self._tasks.get(rid, (None, None))[1] is t
+                               and self._tasks.pop(rid))
+
+    async def _serve_after(self, earlier: asyncio.Task[None], ident: bytes, req: GenerateRequest) -> None:
+        await asyncio.wait({earlier})  # its end, however it ended (this task's own abort goes through)
+        await self._serve(ident, req)
 
     async def _send(self, ident: bytes, msg: GenerateChunk | GenerateError | KeepAlive, patient: bool = True) -> None:
         """Queue msg for the client; ClientGone when its connection is closed, or when its queue

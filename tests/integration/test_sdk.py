@@ -191,6 +191,25 @@ def test_a_frame_past_the_body_limit_is_refused_before_it_is_read(server: Server
     assert dropped() == before + 1
 
 
+def test_a_rid_reused_right_after_its_abort_is_served(server: Server) -> None:
+    """An audit: breaking out of a stream (its abort) then asking again with the same rid was a
+    400 "already in flight" while the aborted request wound down; HTTP waits for it, so does the
+    SDK now. Another connection's request with a rid in flight is still a 400."""
+    with Client(server.sdk) as c:
+        for i, _ in enumerate(c.stream("Tell me a long story.", rid="reused", max_new_tokens=64, ignore_eos=True)):
+            if i == 3:
+                break
+        out = c.generate("Hello", rid="reused", max_new_tokens=3, temperature=0)
+        assert out.completion_tokens == 3
+        with Client(server.sdk) as other:
+            chunks = iter(c.stream("Tell me a long story.", rid="busy", max_new_tokens=64, ignore_eos=True))
+            next(chunks)
+            with pytest.raises(StrataError) as err:
+                other.generate("Hello", rid="busy", max_new_tokens=2)
+            assert err.value.status == 400 and "already in flight" in str(err.value)
+            chunks.close()
+
+
 def test_a_wrongly_typed_request_is_a_400_not_a_silence(server: Server) -> None:
     """The client types its parameters before sending (a wrong type is its StrataError 400 at once),
     and a frame that skipped that (another language's client) is answered 400 by its rid: before,
