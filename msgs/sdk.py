@@ -237,7 +237,8 @@ class AsyncClient:
         queue = self._queues.get(rid)
         if queue is not None:
             queue.put_nowait(GenerateError(rid=rid, status=499, message="aborted by the client (AsyncClient.abort)"))
-        await self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
+        if not self._sock.closed:  # (closed: the server aborts what the connection owned when it goes)
+            await self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
 
     def close(self) -> None:
         if self._reader is not None:

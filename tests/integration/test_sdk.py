@@ -264,3 +264,19 @@ def test_async_client_same_rid_twice_and_abort_answer_at_once(server: Server) ->
 
     asyncio.run(main())
     assert server.wait_idle()["strata_kv_leak_free"] == 1
+
+
+def test_closing_an_async_client_mid_stream_ends_the_stream_quietly(server: Server) -> None:
+    """An audit: closing the AsyncClient while iterating its stream raised ZMQError ENOTSOCK from
+    the stream's abort (sent on the closed socket); the server aborts what the connection owned."""
+
+    async def main() -> None:
+        ac = AsyncClient(server.sdk)
+        stream = ac.stream("Tell me a long story.", max_new_tokens=64, ignore_eos=True)
+        first = await stream.__anext__()
+        assert first.token_ids
+        ac.close()
+        await stream.aclose()  # its abort: nothing to send it on, no error
+
+    asyncio.run(main())
+    assert server.wait_idle()["strata_kv_leak_free"] == 1
