@@ -35,6 +35,9 @@
 #             DETOFF_MODELS="llama" for one model)
 #   detgemm   deterministic inference's triton GEMM: bits across row counts (decode vs prefill tiles), time vs
 #             cuBLAS and vs the 64-row blocks (tests/gpu/test_invariant_gemm_gpu.py)
+#   detgemv   deterministic inference's CUDA GEMV (scripts/det_gemv_probe.py: bits against the prefill tiles at 1-16
+#             rows, time beside the triton GEMV), then decode latency with the mode on, the CUDA GEMV off / on / off / on
+#             (tuning patches), and with the mode off (DETGEMV_MODELS: "llama-3.1-8b qwen3-0.6b"; batch 1 8, ctx 1024)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
@@ -102,7 +105,7 @@
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="detgemv aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -122,8 +125,9 @@ run() {  # name, timeout, command...
   return $rc
 }
 detoff_wants() { case " ${DETOFF_MODELS:-qwen llama} " in *" $1 "*) return 0 ;; esac; return 1; }  # detoffline's models
-tuned() {  # PATCH, command...: run the command with PATCH (JSON) merged over the H200 tuning file
-  local f=configs/tuning/NVIDIA_H200.json patch=$1; shift
+tuned() {  # PATCH, command...: run the command with PATCH (JSON) merged over this GPU's tuning file
+  local f patch=$1; shift
+  f=$(python3 -c "import torch; from engine.layers.tuning import tuning_file; print(tuning_file(torch.cuda.get_device_name()))")
   cp "$f" /tmp/tuning.orig.json
   [ -n "$patch" ] && python3 -c "import json,sys; d=json.load(open('$f')); d.update(json.loads(sys.argv[1])); json.dump(d, open('$f','w'))" "$patch"
   "$@"; local rc=$?
@@ -261,6 +265,18 @@ for what in "$@"; do case $what in
               --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-h200.json" || fails=$((fails + 1)); done ;;
   detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
             || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -60 ;;
+  detgemv) run det-gemv-probe 300 python3 scripts/det_gemv_probe.py --out "$OUT/det-gemv-probe.json" || fails=$((fails + 1))
+           grep -E "TB/s|BITS|bits equal" "$OUT/det-gemv-probe.log" | grep -v " bits: " | tail -30
+           for m in ${DETGEMV_MODELS:-llama-3.1-8b qwen3-0.6b}; do i=0
+             for p in '{"invariant_gemv_cuda": false}' '{"invariant_gemv_cuda": true}' '{"invariant_gemv_cuda": false}' \
+                      '{"invariant_gemv_cuda": true}'; do
+               tuned "$p" run latency-$m-detgemv$i 200 bin/bench latency --model configs/$m --load-format dummy \
+                 --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
+                 --out "$OUT/latency-$m-detgemv$i-h200.json" || fails=$((fails + 1))
+               echo "$p"; grep -A4 "batch  *ctx" "$OUT/latency-$m-detgemv$i.log" | sed -n 3,4p; i=$((i + 1)); done
+             run latency-$m-detoff 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 \
+               --context-len 1024 --steps 50 --out "$OUT/latency-$m-detoff-h200.json" || fails=$((fails + 1))
+             grep -A4 "batch  *ctx" "$OUT/latency-$m-detoff.log" | sed -n 3,4p; done ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $([ "$d" = det ] && echo --det) || fails=$((fails + 1))
             grep -A31 "per decode step\|per run" "$OUT/profile-$m-b$b-$d.log"; done ;;

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers import invariant_gemv
 from engine.layers.triton_kernels import pdl_start
 from engine.layers.triton_ops import interpreted, pdl_launch
 from engine.layers.tuning import kernel_tuning
@@ -382,7 +383,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
-        _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
+        if not (_cuda_gemv_takes(xs, ws_, bias)
+                and invariant_gemv.gemv(xs, ws_, bias, res, slices, invariant_gemv.stages_for(m, slices, k),
+                                        _pdl(x.device)["PDL"])):
+            _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
         _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
     if res is not out:
@@ -418,6 +422,13 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
         out.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
         GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device), num_warps=warps, num_stages=stages,
     )
+
+
+def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the GEMV runs as CUDA C++ (invariant_gemv.cu: the GPU's tuning turns it on where it
+    measured faster with the same bits) rather than invariant_gemv_kernel."""
+    return (x.is_cuda and not interpreted() and kernel_tuning(x.device).invariant_gemv_cuda
+            and invariant_gemv.takes(x, w) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def _pdl(device: torch.device) -> dict:

@@ -157,3 +157,33 @@ def test_decode_candidates_at_few_rows(name: str) -> None:
                     cells.append(f"gemv{bn}/{st}/s{sl} {t:.1f} ({mb / t:.2f})" + ("" if same else "!"))
     print(f"{name} N={n} K={k} slices {s}: " + ", ".join(cells))
     assert not bad, (name, bad)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_cuda_gemv_keeps_the_prefill_bits(name: str) -> None:
+    """The CUDA C++ GEMV (engine/layers/invariant_gemv.cu) at 1-16 rows and every ring depth it takes:
+    each row's bits equal the prefill tiles' (the condition for the tuning file to turn it on), with
+    and without PDL, and with a bias."""
+    from engine.layers import invariant_gemv
+
+    if invariant_gemv.library(invariant_gemv.arch(torch.device("cuda"))) is None:
+        pytest.skip("the CUDA GEMV does not build here (no nvcc)")
+    n, k = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
+    s = invariant_gemm.split(n, k)
+    bad = []
+    for b in (None, bias):
+        full = invariant_gemm.gemm(x, w, b, tile=(64, 128, 8, 4, 4, s))
+        for m in (1, 2, 5, 8, 9, 16):
+            for st in invariant_gemv.STAGES:
+                for pdl in (False, True):
+                    if invariant_gemv.stages_for(m, s, k, st) != st:
+                        continue
+                    out = torch.empty(m, n, dtype=x.dtype, device="cuda")
+                    assert invariant_gemv.gemv(x[:m], w, b, out, s, st, pdl)
+                    if not torch.equal(out, full[:m]):
+                        bad.append((m, st, pdl, b is not None))
+    assert not bad, (name, bad)

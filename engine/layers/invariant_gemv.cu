@@ -1,0 +1,232 @@
+// Deterministic inference's GEMV (1-16 rows of x) on the tensor cores, as CUDA C++: out[M, N] =
+// x[M, K] @ w[N, K]^T (+ bias), bf16, each output element summed exactly as invariant_gemm.py's
+// triton tiles sum it: K in tiles of 64 taken in order, each tile four k16 tensor-core steps
+// chained on one float32 accumulator, in `split` slices of `per` K tiles each summed from zero,
+// the slices then added in order to a zero, then the bias, then one rounding to bf16.
+//
+// Why not triton: triton's tensor-core GEMV stages the weight through shared memory for wgmma and
+// streams it at ~3.2 TB/s on an H200, against ~3.9 for the mode-off FMA GEMV (docs/PERF.md). Here a
+// warp owns 16 weight rows of one K slice with its own cp.async ring (no block barrier in the loop)
+// and the legacy mma.sync m16n8k16 (operands in registers by ldmatrix), so each warp streams on its
+// own and the K slices of a row block meet in shared memory, not in a global workspace with atomics.
+// Whether mma.sync's k16 step gives wgmma's bits is the hardware's to say: the GPU test
+// (tests/gpu/test_invariant_gemm_gpu.py) checks every projection shape against the prefill tiles.
+//
+// Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
+// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's COLS rows (COLS * 128
+// bytes), 16-byte chunks XOR-swizzled by row so ldmatrix reads are conflict-free.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int BK = 64;                    // K tile (invariant_gemm.BLOCK_K)
+constexpr int ROWS = 16;                  // weight rows a warp: the mma's 16-row side
+constexpr int W_BYTES = ROWS * BK * 2;    // a stage's weight tile
+constexpr int MAX_THREADS = 1024;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; bytes < 16 zero-fill the rest (0: all zeros, src not read)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// d = a b + d, a 16 x 16 (row), b 16 x 8 (col), float32 accumulators
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// the 16-byte chunk c (0..7) of a 128-byte smem row r, swizzled
+__device__ __forceinline__ uint32_t chunk_at(uint32_t base, int r, int c) {
+  return base + r * 128 + ((c ^ (r & 7)) << 4);
+}
+
+template <int STAGES, int COLS>
+__global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
+    __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
+    int per, int groups) {
+  constexpr int X_BYTES = COLS * BK * 2;
+  constexpr int STAGE = W_BYTES + X_BYTES;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warps = groups * split;
+  const int group = warp / split, slice = warp % split;
+  const int row0 = (blockIdx.x * groups + group) * ROWS;
+  const int kt = (K + BK - 1) / BK;
+  const int t0 = slice * per;
+  const int t1 = min(t0 + per, kt);
+  const int count = max(t1 - t0, 0);
+  const uint32_t ring = smem_addr(smem + warp * STAGES * STAGE);
+  float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
+
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+
+  // x's rows past M stay zero in every stage: written once, never loaded
+  for (int i = lane; i < STAGES * COLS * 8; i += 32) {
+    const int s = i / (COLS * 8), r = (i / 8) % COLS, c = i % 8;
+    if (r >= M) {
+      const uint32_t a = chunk_at(ring + s * STAGE + W_BYTES, r, c);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0));
+    }
+  }
+
+  auto load = [&](int i) {  // K tile t0 + i into stage i % STAGES
+    const uint32_t base = ring + (i % STAGES) * STAGE;
+    const int k0 = (t0 + i) * BK;
+#pragma unroll
+    for (int j = 0; j < ROWS * 8 / 32; ++j) {
+      const int c = lane + 32 * j, r = c >> 3, k = k0 + (c & 7) * 8;
+      const int row = row0 + r;
+      const int bytes = (row < N && k < K) ? min(16, (K - k) * 2) : 0;
+      cp_async16(chunk_at(base, r, c & 7), bytes ? w + row * sw + k : w, bytes);
+    }
+#pragma unroll
+    for (int j = 0; j < COLS * 8 / 32; ++j) {
+      const int c = lane + 32 * j, r = c >> 3, k = k0 + (c & 7) * 8;
+      if (r < M) {
+        const int bytes = k < K ? min(16, (K - k) * 2) : 0;
+        cp_async16(chunk_at(base + W_BYTES, r, c & 7), bytes ? x + r * sx + k : x, bytes);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < count) load(i);
+    cp_commit();
+  }
+
+  float acc[COLS / 8][4] = {};
+  const int m = lane >> 3, rr = lane & 7;  // ldmatrix: lane's matrix and row in it
+  for (int i = 0; i < count; ++i) {
+    cp_wait<STAGES - 2>();
+    __syncwarp();
+    const uint32_t wt = ring + (i % STAGES) * STAGE, xt = wt + W_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {  // the k16 steps, in order
+      uint32_t a[4];
+      // matrices: rows 0-7 / 8-15 (m & 1) x k 0-7 / 8-15 (m >> 1): a0..a3 of mma's A fragment
+      ldmatrix_x4(chunk_at(wt, rr + ((m & 1) << 3), kk * 2 + (m >> 1)), a);
+#pragma unroll
+      for (int n = 0; n < COLS / 8; ++n) {
+        uint32_t b[2];  // x rows n*8 .. n*8+7 x k 0-7 / 8-15 (lanes 0-15 address them)
+        ldmatrix_x2(chunk_at(xt, n * 8 + rr, kk * 2 + ((lane >> 3) & 1)), b);
+        mma_bf16(acc[n], a, b);
+      }
+    }
+    __syncwarp();  // every lane has read stage i % STAGES before it is loaded again
+    if (i + STAGES - 1 < count) load(i + STAGES - 1);
+    cp_commit();
+  }
+  cp_wait<0>();
+
+  // this slice's [16, COLS] partial: c0, c1 at (row g, cols 2q, 2q+1), c2, c3 at row g + 8
+  const int g = lane >> 2, q = lane & 3;
+  float* part = parts + warp * ROWS * COLS;
+#pragma unroll
+  for (int n = 0; n < COLS / 8; ++n) {
+    const int col = n * 8 + 2 * q;
+    part[g * COLS + col] = acc[n][0];
+    part[g * COLS + col + 1] = acc[n][1];
+    part[(g + 8) * COLS + col] = acc[n][2];
+    part[(g + 8) * COLS + col + 1] = acc[n][3];
+  }
+  __syncthreads();
+  // the slices added in order to a zero (as the triton split grid's epilogue), then the bias
+  for (int e = threadIdx.x; e < groups * ROWS * M; e += warps * 32) {
+    const int gr = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
+    const int row = (blockIdx.x * groups + gr) * ROWS + r;
+    if (row >= N) continue;
+    float total = 0.0f;
+    for (int s = 0; s < split; ++s) total += parts[((gr * split + s) * ROWS + r) * COLS + col];
+    if (bias != nullptr) total += __bfloat162float(bias[row]);
+    out[col * so + row] = __float2bfloat16_rn(total);
+  }
+}
+
+template <int STAGES, int COLS>
+cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
+                   long long sw, long long so, int split, int pdl, cudaStream_t stream) {
+  const int groups = split >= 4 ? 1 : 4 / split;
+  const int warps = groups * split;
+  const int kt = (K + BK - 1) / BK;
+  const int per = (kt + split - 1) / split;
+  const size_t smem = size_t(warps) * STAGES * (W_BYTES + COLS * BK * 2) + size_t(warps) * ROWS * COLS * 4;
+  auto kernel = invariant_gemv_kernel<STAGES, COLS>;
+  static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
+  if (smem > smem_allowed) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+    smem_allowed = smem;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((N + ROWS * groups - 1) / (ROWS * groups));
+  config.blockDim = dim3(warps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<const __nv_bfloat16*>(x),
+                            static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
+                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups);
+}
+
+template <int COLS>
+cudaError_t launch_cols(int stages, const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
+                        long long sx, long long sw, long long so, int split, int pdl, cudaStream_t stream) {
+  switch (stages) {
+    case 2: return launch<2, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 3: return launch<3, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 4: return launch<4, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 6: return launch<6, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 8: return launch<8, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 16, bf16, 16-byte aligned rows; split K slices
+// (a power of two, at most 32); stages 2, 3, 4, 6 or 8. Returns the launch's cudaError_t.
+extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
+                                     long long sx, long long sw, long long so, int split, int stages, int pdl,
+                                     void* stream) {
+  if (M < 1 || M > 16 || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = M <= 8 ? launch_cols<8>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s)
+                           : launch_cols<16>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s);
+  return int(err);
+}

@@ -1,0 +1,123 @@
+"""Deterministic inference's GEMV of 1-16 rows as CUDA C++ (invariant_gemv.cu): the same sums as
+invariant_gemm.py's triton tiles, each warp streaming its own 16 weight rows of one K slice
+through a cp.async ring into mma.sync (the why is at the top of the .cu file).
+
+Built once per source, nvcc and GPU architecture into the cache directory (STRATA_CACHE_DIR) by
+the machine's nvcc, at the first deterministic GEMM (the warm-up, before the engine says ready),
+and called through ctypes on torch's current stream. Where it does not build (no nvcc, a compile
+error) the triton GEMV runs instead, with the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.env import env
+
+log = structlog.get_logger()
+
+SOURCE = Path(__file__).with_name("invariant_gemv.cu")
+MAX_ROWS = 16
+STAGES = (2, 3, 4, 6, 8)  # the kernel's instantiations
+SMEM_BUDGET = 96 << 10  # a block's rings: two blocks an SM fit
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+
+
+def nvcc() -> str | None:
+    """The CUDA compiler: on PATH, else the default toolkit's."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")  # 9.0a: griddepcontrol (PDL)
+
+
+@functools.cache
+def library(target: str) -> ctypes.CDLL | None:
+    """The kernel built for GPU architecture `target`, or None (logged) where it does not build."""
+    compiler = nvcc()
+    if compiler is None:
+        log.warning("no nvcc: deterministic inference's GEMV takes the triton kernel")
+        return None
+    flags = ["-O3", "-std=c++17", f"-arch={target}", "-shared", "-Xcompiler", "-fPIC"]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()]))
+        out = env().cache_dir / "kernels" / f"invariant_gemv-{key.hexdigest()[:16]}.so"
+        if not out.exists():
+            _build(compiler, flags, out)
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) and e.stderr else str(e)
+        log.warning("deterministic inference's CUDA GEMV not built: the triton kernel runs", error=err)
+        return None
+    lib = ctypes.CDLL(str(out))
+    lib.strata_invariant_gemv.restype = _I
+    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _P]
+    return lib
+
+
+def _build(compiler: str, flags: list[str], out: Path) -> None:
+    """Compile SOURCE into `out`, atomically (ranks that build at once each install a whole file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the kernel takes this product: CUDA bf16, 1-16 rows, unit column strides and
+    16-byte aligned rows (its 16-byte cp.async chunks)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.stride(1) == 1 and w.stride(1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stages_for(m: int, slices: int, k: int, want: int = 4) -> int:
+    """The ring depth: `want`, at most the slice's K tiles plus one, and within SMEM_BUDGET for the
+    block's warps (4 row blocks x slices below 4 slices, else one row block's slices)."""
+    warps = max(slices, 4)
+    stage = 2048 + (8 if m <= 8 else 16) * 128
+    per = -(-_cdiv(k, 64) // slices)
+    fits = [s for s in STAGES if s <= max(2, per + 1) and warps * s * stage <= SMEM_BUDGET]
+    return max((s for s in fits if s <= want), default=2)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
+         stages: int, pdl: bool) -> bool:
+    """out = x w^T (+ bias) on torch's current stream; False where the kernel is not built here."""
+    lib = library(arch(x.device))
+    if lib is None:
+        return False
+    m, k = x.shape
+    n = w.shape[0]
+    err = lib.strata_invariant_gemv(
+        x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), m, n, k,
+        x.stride(0), w.stride(0), out.stride(0), slices, stages, int(pdl),
+        torch.cuda.current_stream(x.device).cuda_stream)
+    if err != 0:
+        raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: CUDA error {err}")
+    return True
