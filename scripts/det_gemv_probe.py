@@ -1,5 +1,6 @@
 """Deterministic inference's CUDA GEMV (engine/layers/invariant_gemv.cu) against the triton GEMV it
-would replace, on the GPU: bits equal to the prefill tiles' at 1-16 rows, and time (CUDA graph
+would replace, on the GPU: bits equal to the prefill tiles' at 1-8 rows (and with the
+activation folded in: flashinfer's silu_and_mul then the prefill tiles), and time (CUDA graph
 replays) at each ring depth, beside the triton GEMV, the mode-off FMA GEMV and cuBLAS.
 
     python3 scripts/det_gemv_probe.py [--out FILE.json]
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.layers import invariant_gemm, invariant_gemv, triton_ops  # noqa: E402
+from engine.layers import invariant_gemm, invariant_gemv, ops, triton_ops  # noqa: E402
 
 SHAPES = {  # (N, K)
     "llama-qkv": (6144, 4096), "llama-o": (4096, 4096), "llama-gate_up": (28672, 4096),
@@ -46,9 +47,9 @@ def time_us(f, reps: int = 50) -> float:  # noqa: ANN001
 
 
 def cuda_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, slices: int, stages: int,
-              pdl: bool = False) -> torch.Tensor:
+              pdl: bool = False, silu: bool = False) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    assert invariant_gemv.gemv(x, w, bias, out, slices, stages, pdl)
+    assert invariant_gemv.gemv(x, w, bias, out, slices, stages, pdl, silu)
     return out
 
 
@@ -61,9 +62,9 @@ def probe_shape(name: str, n: int, k: int, bad: list) -> dict:
     s = invariant_gemm.split(n, k)
     full = invariant_gemm.gemm(x, w, bias, tile=(64, 128, 8, 4, 4, s))  # the prefill tiles, one program a tile
     rec: dict = {"name": name, "n": n, "k": k, "slices": s, "bits": {}, "us": {}}
-    for m in (1, 2, 3, 8, 9, 16):
+    for m in (1, 2, 3, 8):
         for st in invariant_gemv.STAGES:
-            if invariant_gemv.stages_for(m, s, k, st) != st:
+            if invariant_gemv.stages_for(s, k, st) != st:
                 continue
             same = torch.equal(cuda_gemv(x[:m], w, bias, s, st), full[:m])
             same_pdl = torch.equal(cuda_gemv(x[:m], w, bias, s, st, pdl=True), full[:m])
@@ -72,15 +73,22 @@ def probe_shape(name: str, n: int, k: int, bad: list) -> dict:
                 diff = (cuda_gemv(x[:m], w, bias, s, st).float() - full[:m].float()).abs()
                 bad.append((name, m, st, int((diff > 0).sum()), float(diff.max())))
         rec["bits"][f"m{m}/triton"] = torch.equal(invariant_gemm.gemm(x[:m], w, bias), full[:m])
+    h = (torch.randn(8, 2 * k, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    act = invariant_gemm.gemm(ops.silu_and_mul(h), w, tile=(64, 128, 8, 4, 4, s))
+    for m in (1, 8):
+        same = torch.equal(cuda_gemv(h[:m], w, None, s, invariant_gemv.stages_for(s, k), True, True), act[:m])
+        rec["bits"][f"m{m}/silu"] = same
+        if not same:
+            bad.append((name, m, "silu"))
     mb = n * k * 2 / 1e6
     cfg = triton_ops.gemv_config(w)
-    for m in (1, 16):
+    for m in (1, 8):
         cells = {"triton": time_us(lambda m=m: invariant_gemm.gemm(x[:m], w, bias)),
                  "cublas": time_us(lambda m=m: F.linear(x[:m], w, bias))}
         if m == 1 and bias is None and cfg is not None and triton_ops.gemv_rows_ok(cfg, k, 1):
             cells["off_fma"] = time_us(lambda: triton_ops.gemv(x[:1], w, *cfg))
         for st in invariant_gemv.STAGES:
-            if invariant_gemv.stages_for(m, s, k, st) == st:
+            if invariant_gemv.stages_for(s, k, st) == st:
                 cells[f"cuda{st}"] = time_us(lambda m=m, st=st: cuda_gemv(x[:m], w, bias, s, st))
         rec["us"][f"m{m}"] = cells
         print(f"{name} N={n} K={k} s={s} M={m}: " + ", ".join(

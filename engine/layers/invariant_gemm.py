@@ -384,7 +384,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
         if not (_cuda_gemv_takes(xs, ws_, bias)
-                and invariant_gemv.gemv(xs, ws_, bias, res, slices, invariant_gemv.stages_for(m, slices, k),
+                and invariant_gemv.gemv(xs, ws_, bias, res, slices, invariant_gemv.stages_for(slices, k),
                                         _pdl(x.device)["PDL"])):
             _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
@@ -424,11 +424,24 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     )
 
 
-def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def silu_mul_gemv(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up, then times w^T, for h = [gate | up] of 1-8 rows, as one launch of the CUDA
+    GEMV where it runs, else None. Its activation rounds as flashinfer's silu_and_mul kernel does:
+    the caller folds it only where that kernel is the unfused path (so the bits are that path's)."""
+    if not _cuda_gemv_takes(h, w, None, silu=True):
+        return None
+    n, k = w.shape
+    out = torch.empty(h.shape[0], n, dtype=h.dtype, device=h.device)
+    s = split(n, k)
+    ok = invariant_gemv.gemv(h, w, None, out, s, invariant_gemv.stages_for(s, k), _pdl(h.device)["PDL"], silu=True)
+    return out if ok else None
+
+
+def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu: bool = False) -> bool:
     """Whether the GEMV runs as CUDA C++ (invariant_gemv.cu: the GPU's tuning turns it on where it
     measured faster with the same bits) rather than invariant_gemv_kernel."""
     return (x.is_cuda and not interpreted() and kernel_tuning(x.device).invariant_gemv_cuda
-            and invariant_gemv.takes(x, w) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+            and invariant_gemv.takes(x, w, silu) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def _pdl(device: torch.device) -> dict:

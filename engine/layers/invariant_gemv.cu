@@ -7,14 +7,17 @@
 // Why not triton: triton's tensor-core GEMV stages the weight through shared memory for wgmma and
 // streams it at ~3.2 TB/s on an H200, against ~3.9 for the mode-off FMA GEMV (docs/PERF.md). Here a
 // warp owns 16 weight rows of one K slice with its own cp.async ring (no block barrier in the loop)
-// and the legacy mma.sync m16n8k16 (operands in registers by ldmatrix), so each warp streams on its
-// own and the K slices of a row block meet in shared memory, not in a global workspace with atomics.
-// Whether mma.sync's k16 step gives wgmma's bits is the hardware's to say: the GPU test
+// and the legacy mma.sync m16n8k16 (operands in registers), so each warp streams on its own and the
+// K slices of a row block meet in shared memory, not in a global workspace with atomics. mma.sync's
+// k16 step gives wgmma's bits on an H100 (docs/PERF.md, thirty-eighth session); the GPU test
 // (tests/gpu/test_invariant_gemm_gpu.py) checks every projection shape against the prefill tiles.
 //
 // Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
-// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's COLS rows (COLS * 128
-// bytes), 16-byte chunks XOR-swizzled by row so ldmatrix reads are conflict-free.
+// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB), 16-byte chunks XOR-swizzled by
+// row so ldmatrix reads are conflict-free, the first ones loaded before the PDL wait (the weights are
+// no launch's output). x (1-8 rows) goes straight to the mma's B fragments in registers, one K tile
+// ahead; for the down projection it can be silu(gate) * up, computed as flashinfer's kernel computes
+// it, so that the deterministic mode's batch-1 MLP needs no activation launch.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -24,7 +27,8 @@ namespace {
 
 constexpr int BK = 64;                    // K tile (invariant_gemm.BLOCK_K)
 constexpr int ROWS = 16;                  // weight rows a warp: the mma's 16-row side
-constexpr int W_BYTES = ROWS * BK * 2;    // a stage's weight tile
+constexpr int COLS = 8;                   // rows of x: the mma's 8-column side
+constexpr int W_BYTES = ROWS * BK * 2;    // a stage: one K tile of the warp's weight rows
 constexpr int MAX_THREADS = 1024;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -49,10 +53,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "r"(addr));
 }
 
-__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&r)[2]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
-
 // d = a b + d, a 16 x 16 (row), b 16 x 8 (col), float32 accumulators
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -67,13 +67,59 @@ __device__ __forceinline__ uint32_t chunk_at(uint32_t base, int r, int c) {
   return base + r * 128 + ((c ^ (r & 7)) << 4);
 }
 
-template <int STAGES, int COLS>
+// silu(gate) * up for two bf16 pairs, rounded to bf16 as flashinfer's act_and_mul kernel rounds it:
+// that kernel is built with -use_fast_math, so its silu is these PTX instructions (val / (1 +
+// __expf(-val)) under fast math); the values, so the GEMV's bits, are the unfused path's
+__device__ __forceinline__ float silu_times(float g, float u) {
+  float t, e, d, s, r;
+  asm("mul.ftz.f32 %0, %1, 0fBFB8AA3B;" : "=f"(t) : "f"(g));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+  asm("add.ftz.f32 %0, %1, 0f3F800000;" : "=f"(d) : "f"(e));
+  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(s) : "f"(g), "f"(d));
+  asm("mul.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(u), "f"(s));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t silu_mul2(uint32_t gate, uint32_t up) {
+  const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&gate);
+  const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&up);
+  const __nv_bfloat162 r = __floats2bfloat162_rn(silu_times(__low2float(g), __low2float(u)),
+                                                 silu_times(__high2float(g), __high2float(u)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+__device__ __forceinline__ uint32_t ld_cg32(const __nv_bfloat16* p) {  // L2, not a stale L1 line (PDL)
+  uint32_t v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// mma's B fragments of x for K tile `tile`: lane (g, q) holds row g's k 2q, 2q+1 and 8+2q, 9+2q of
+// each k16 step (zeros for rows past M and K past its end); with SILU x is [gate | up], K wide each
+template <bool SILU>
+__device__ __forceinline__ void load_b(const __nv_bfloat16* x, long long sx, int M, int K, int tile, int lane,
+                                       uint32_t (&b)[BK / 16][2]) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = tile * BK + kk * 16 + h * 8 + 2 * q;
+      uint32_t v = 0;
+      if (g < M && k < K) {
+        const __nv_bfloat16* p = x + g * sx + k;
+        v = SILU ? silu_mul2(ld_cg32(p), ld_cg32(p + K)) : ld_cg32(p);
+      }
+      b[kk][h] = v;
+    }
+  }
+}
+
+template <int STAGES, bool SILU>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
     int per, int groups) {
-  constexpr int X_BYTES = COLS * BK * 2;
-  constexpr int STAGE = W_BYTES + X_BYTES;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -81,27 +127,12 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   const int row0 = (blockIdx.x * groups + group) * ROWS;
   const int kt = (K + BK - 1) / BK;
   const int t0 = slice * per;
-  const int t1 = min(t0 + per, kt);
-  const int count = max(t1 - t0, 0);
-  const uint32_t ring = smem_addr(smem + warp * STAGES * STAGE);
-  float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
+  const int count = max(min(t0 + per, kt) - t0, 0);
+  const uint32_t ring = smem_addr(smem + warp * STAGES * W_BYTES);
+  float* parts = reinterpret_cast<float*>(smem + warps * STAGES * W_BYTES);  // [warps][ROWS][COLS]
 
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-
-  // x's rows past M stay zero in every stage: written once, never loaded
-  for (int i = lane; i < STAGES * COLS * 8; i += 32) {
-    const int s = i / (COLS * 8), r = (i / 8) % COLS, c = i % 8;
-    if (r >= M) {
-      const uint32_t a = chunk_at(ring + s * STAGE + W_BYTES, r, c);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0));
-    }
-  }
-
-  auto load = [&](int i) {  // K tile t0 + i into stage i % STAGES
-    const uint32_t base = ring + (i % STAGES) * STAGE;
+  auto load_w = [&](int i) {  // K tile t0 + i of the warp's 16 weight rows into stage i % STAGES
+    const uint32_t base = ring + (i % STAGES) * W_BYTES;
     const int k0 = (t0 + i) * BK;
 #pragma unroll
     for (int j = 0; j < ROWS * 8 / 32; ++j) {
@@ -110,57 +141,50 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
       const int bytes = (row < N && k < K) ? min(16, (K - k) * 2) : 0;
       cp_async16(chunk_at(base, r, c & 7), bytes ? w + row * sw + k : w, bytes);
     }
-#pragma unroll
-    for (int j = 0; j < COLS * 8 / 32; ++j) {
-      const int c = lane + 32 * j, r = c >> 3, k = k0 + (c & 7) * 8;
-      if (r < M) {
-        const int bytes = k < K ? min(16, (K - k) * 2) : 0;
-        cp_async16(chunk_at(base + W_BYTES, r, c & 7), bytes ? x + r * sx + k : x, bytes);
-      }
-    }
   };
 
+  // the weights are no launch's output: their first tiles stream in before the PDL wait
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) load(i);
+    if (i < count) load_w(i);
     cp_commit();
   }
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
 
-  float acc[COLS / 8][4] = {};
+  float acc[4] = {};
+  uint32_t b[BK / 16][2], b_next[BK / 16][2];
+  if (count > 0) load_b<SILU>(x, sx, M, K, t0, lane, b);
   const int m = lane >> 3, rr = lane & 7;  // ldmatrix: lane's matrix and row in it
   for (int i = 0; i < count; ++i) {
+    if (i + 1 < count) load_b<SILU>(x, sx, M, K, t0 + i + 1, lane, b_next);  // in flight during this tile
     cp_wait<STAGES - 2>();
     __syncwarp();
-    const uint32_t wt = ring + (i % STAGES) * STAGE, xt = wt + W_BYTES;
+    const uint32_t wt = ring + (i % STAGES) * W_BYTES;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the k16 steps, in order
       uint32_t a[4];
       // matrices: rows 0-7 / 8-15 (m & 1) x k 0-7 / 8-15 (m >> 1): a0..a3 of mma's A fragment
       ldmatrix_x4(chunk_at(wt, rr + ((m & 1) << 3), kk * 2 + (m >> 1)), a);
-#pragma unroll
-      for (int n = 0; n < COLS / 8; ++n) {
-        uint32_t b[2];  // x rows n*8 .. n*8+7 x k 0-7 / 8-15 (lanes 0-15 address them)
-        ldmatrix_x2(chunk_at(xt, n * 8 + rr, kk * 2 + ((lane >> 3) & 1)), b);
-        mma_bf16(acc[n], a, b);
-      }
+      mma_bf16(acc, a, b[kk]);
     }
     __syncwarp();  // every lane has read stage i % STAGES before it is loaded again
-    if (i + STAGES - 1 < count) load(i + STAGES - 1);
+    if (i + STAGES - 1 < count) load_w(i + STAGES - 1);
     cp_commit();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) b[kk][0] = b_next[kk][0], b[kk][1] = b_next[kk][1];
   }
   cp_wait<0>();
 
   // this slice's [16, COLS] partial: c0, c1 at (row g, cols 2q, 2q+1), c2, c3 at row g + 8
   const int g = lane >> 2, q = lane & 3;
   float* part = parts + warp * ROWS * COLS;
-#pragma unroll
-  for (int n = 0; n < COLS / 8; ++n) {
-    const int col = n * 8 + 2 * q;
-    part[g * COLS + col] = acc[n][0];
-    part[g * COLS + col + 1] = acc[n][1];
-    part[(g + 8) * COLS + col] = acc[n][2];
-    part[(g + 8) * COLS + col + 1] = acc[n][3];
-  }
+  part[g * COLS + 2 * q] = acc[0];
+  part[g * COLS + 2 * q + 1] = acc[1];
+  part[(g + 8) * COLS + 2 * q] = acc[2];
+  part[(g + 8) * COLS + 2 * q + 1] = acc[3];
   __syncthreads();
   // the slices added in order to a zero (as the triton split grid's epilogue), then the bias
   for (int e = threadIdx.x; e < groups * ROWS * M; e += warps * 32) {
@@ -174,15 +198,15 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   }
 }
 
-template <int STAGES, int COLS>
+template <int STAGES, bool SILU>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
                    long long sw, long long so, int split, int pdl, cudaStream_t stream) {
   const int groups = split >= 4 ? 1 : 4 / split;
   const int warps = groups * split;
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
-  const size_t smem = size_t(warps) * STAGES * (W_BYTES + COLS * BK * 2) + size_t(warps) * ROWS * COLS * 4;
-  auto kernel = invariant_gemv_kernel<STAGES, COLS>;
+  const size_t smem = size_t(warps) * STAGES * W_BYTES + size_t(warps) * ROWS * COLS * 4;
+  auto kernel = invariant_gemv_kernel<STAGES, SILU>;
   static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
   if (smem > smem_allowed) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -204,29 +228,28 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
                             static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups);
 }
 
-template <int COLS>
-cudaError_t launch_cols(int stages, const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
-                        long long sx, long long sw, long long so, int split, int pdl, cudaStream_t stream) {
+template <bool SILU>
+cudaError_t launch_stages(int stages, const void* x, const void* w, const void* bias, void* out, int M, int N,
+                          int K, long long sx, long long sw, long long so, int split, int pdl, cudaStream_t stream) {
   switch (stages) {
-    case 2: return launch<2, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 3: return launch<3, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 4: return launch<4, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 6: return launch<6, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 8: return launch<8, COLS>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 2: return launch<2, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 3: return launch<3, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 4: return launch<4, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
+    case 6: return launch<6, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 }  // namespace
 
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 16, bf16, 16-byte aligned rows; split K slices
-// (a power of two, at most 32); stages 2, 3, 4, 6 or 8. Returns the launch's cudaError_t.
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias), or with silu x[M, 2K] = [gate | up] and silu(gate) * up
+// for x: M <= 8, bf16, 16-byte aligned rows; split K slices (a power of two, at most 32); stages 2, 3,
+// 4 or 6. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
-                                     long long sx, long long sw, long long so, int split, int stages, int pdl,
-                                     void* stream) {
-  if (M < 1 || M > 16 || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
+                                     long long sx, long long sw, long long so, int split, int stages, int silu,
+                                     int pdl, void* stream) {
+  if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = M <= 8 ? launch_cols<8>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s)
-                           : launch_cols<16>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s);
-  return int(err);
+  return int(silu ? launch_stages<true>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s)
+                  : launch_stages<false>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
 }
