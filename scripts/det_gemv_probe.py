@@ -76,7 +76,8 @@ def probe_shape(name: str, n: int, k: int, bad: list) -> dict:
     h = (torch.randn(8, 2 * k, generator=g, device="cuda") * 2).to(torch.bfloat16)
     act = invariant_gemm.gemm(ops.silu_and_mul(h), w, tile=(64, 128, 8, 4, 4, s))
     for m in (1, 8):
-        same = torch.equal(cuda_gemv(h[:m], w, None, s, invariant_gemv.stages_for(s, k), True, True), act[:m])
+        st = invariant_gemv.stages_for(s, k, silu=True)
+        same = torch.equal(cuda_gemv(h[:m], w, None, s, st, True, True), act[:m])
         rec["bits"][f"m{m}/silu"] = same
         if not same:
             bad.append((name, m, "silu"))

@@ -433,7 +433,8 @@ def silu_mul_gemv(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     n, k = w.shape
     out = torch.empty(h.shape[0], n, dtype=h.dtype, device=h.device)
     s = split(n, k)
-    ok = invariant_gemv.gemv(h, w, None, out, s, invariant_gemv.stages_for(s, k), _pdl(h.device)["PDL"], silu=True)
+    ok = invariant_gemv.gemv(h, w, None, out, s, invariant_gemv.stages_for(s, k, silu=True), _pdl(h.device)["PDL"],
+                            silu=True)
     return out if ok else None
 
 

@@ -13,11 +13,12 @@
 // (tests/gpu/test_invariant_gemm_gpu.py) checks every projection shape against the prefill tiles.
 //
 // Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
-// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB), 16-byte chunks XOR-swizzled by
-// row so ldmatrix reads are conflict-free, the first ones loaded before the PDL wait (the weights are
-// no launch's output). x (1-8 rows) goes straight to the mma's B fragments in registers, one K tile
-// ahead; for the down projection it can be silu(gate) * up, computed as flashinfer's kernel computes
-// it, so that the deterministic mode's batch-1 MLP needs no activation launch.
+// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's 1-8 rows (1 KB; with
+// the activation folded in, of its gate and up rows, 2 KB), 16-byte chunks XOR-swizzled by row so
+// ldmatrix reads are conflict-free; the first weight tiles load before the PDL wait (the weights are
+// no launch's output). For the down projection x can be [gate | up]: silu(gate) * up is computed on
+// the mma's B fragments as flashinfer's kernel computes it, so the deterministic mode's small-batch
+// MLP needs no activation launch.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -51,6 +52,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
 // d = a b + d, a 16 x 16 (row), b 16 x 8 (col), float32 accumulators
@@ -88,38 +93,13 @@ __device__ __forceinline__ uint32_t silu_mul2(uint32_t gate, uint32_t up) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-__device__ __forceinline__ uint32_t ld_cg32(const __nv_bfloat16* p) {  // L2, not a stale L1 line (PDL)
-  uint32_t v;
-  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// mma's B fragments of x for K tile `tile`: lane (g, q) holds row g's k 2q, 2q+1 and 8+2q, 9+2q of
-// each k16 step (zeros for rows past M and K past its end); with SILU x is [gate | up], K wide each
-template <bool SILU>
-__device__ __forceinline__ void load_b(const __nv_bfloat16* x, long long sx, int M, int K, int tile, int lane,
-                                       uint32_t (&b)[BK / 16][2]) {
-  const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < BK / 16; ++kk) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int k = tile * BK + kk * 16 + h * 8 + 2 * q;
-      uint32_t v = 0;
-      if (g < M && k < K) {
-        const __nv_bfloat16* p = x + g * sx + k;
-        v = SILU ? silu_mul2(ld_cg32(p), ld_cg32(p + K)) : ld_cg32(p);
-      }
-      b[kk][h] = v;
-    }
-  }
-}
-
 template <int STAGES, bool SILU>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
     int per, int groups) {
+  constexpr int X_ROWS = SILU ? 2 * COLS : COLS;  // x's rows, or its gate rows then its up rows
+  constexpr int STAGE = W_BYTES + X_ROWS * BK * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -128,11 +108,11 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   const int kt = (K + BK - 1) / BK;
   const int t0 = slice * per;
   const int count = max(min(t0 + per, kt) - t0, 0);
-  const uint32_t ring = smem_addr(smem + warp * STAGES * W_BYTES);
-  float* parts = reinterpret_cast<float*>(smem + warps * STAGES * W_BYTES);  // [warps][ROWS][COLS]
+  const uint32_t ring = smem_addr(smem + warp * STAGES * STAGE);
+  float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
 
   auto load_w = [&](int i) {  // K tile t0 + i of the warp's 16 weight rows into stage i % STAGES
-    const uint32_t base = ring + (i % STAGES) * W_BYTES;
+    const uint32_t base = ring + (i % STAGES) * STAGE;
     const int k0 = (t0 + i) * BK;
 #pragma unroll
     for (int j = 0; j < ROWS * 8 / 32; ++j) {
@@ -142,8 +122,31 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
       cp_async16(chunk_at(base, r, c & 7), bytes ? w + row * sw + k : w, bytes);
     }
   };
+  auto load_x = [&](int i) {  // the same K tile of x's M rows (of gate and of up with SILU)
+    const uint32_t base = ring + (i % STAGES) * STAGE + W_BYTES;
+    const int k0 = (t0 + i) * BK;
+#pragma unroll
+    for (int j = 0; j < X_ROWS * 8 / 32; ++j) {
+      const int c = lane + 32 * j, r = c >> 3, k = k0 + (c & 7) * 8;
+      if (r % COLS < M) {
+        const int bytes = k < K ? min(16, (K - k) * 2) : 0;
+        const __nv_bfloat16* src = x + (r % COLS) * sx + (r / COLS) * K + k;
+        cp_async16(chunk_at(base, r, c & 7), bytes ? src : x, bytes);
+      }
+    }
+  };
 
-  // the weights are no launch's output: their first tiles stream in before the PDL wait
+  // x's rows past M stay zero in every stage: written once, never loaded
+  for (int i = lane; i < STAGES * X_ROWS * 8; i += 32) {
+    const int s = i / (X_ROWS * 8), r = (i / 8) % X_ROWS, c = i % 8;
+    if (r % COLS >= M) {
+      const uint32_t a = chunk_at(ring + s * STAGE + W_BYTES, r, c);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0));
+    }
+  }
+  // the weights are no launch's output: their first tiles stream in before the PDL wait, one
+  // cp.async group each, then x's, one group each: tile i's weight and x are then always done
+  // once at most STAGES - 2 groups are pending, as in the loop
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < count) load_w(i);
@@ -153,28 +156,39 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
 #endif
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < count) load_x(i);
+    cp_commit();
+  }
 
   float acc[4] = {};
-  uint32_t b[BK / 16][2], b_next[BK / 16][2];
-  if (count > 0) load_b<SILU>(x, sx, M, K, t0, lane, b);
   const int m = lane >> 3, rr = lane & 7;  // ldmatrix: lane's matrix and row in it
   for (int i = 0; i < count; ++i) {
-    if (i + 1 < count) load_b<SILU>(x, sx, M, K, t0 + i + 1, lane, b_next);  // in flight during this tile
     cp_wait<STAGES - 2>();
     __syncwarp();
-    const uint32_t wt = ring + (i % STAGES) * W_BYTES;
+    const uint32_t wt = ring + (i % STAGES) * STAGE, xt = wt + W_BYTES;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the k16 steps, in order
-      uint32_t a[4];
+      uint32_t a[4], b[2];
       // matrices: rows 0-7 / 8-15 (m & 1) x k 0-7 / 8-15 (m >> 1): a0..a3 of mma's A fragment
       ldmatrix_x4(chunk_at(wt, rr + ((m & 1) << 3), kk * 2 + (m >> 1)), a);
-      mma_bf16(acc, a, b[kk]);
+      // x rows 0-7 x k 0-7 / 8-15 (lanes 0-15 address them): b0, b1 of its B fragment
+      ldmatrix_x2(chunk_at(xt, rr, kk * 2 + ((lane >> 3) & 1)), b);
+      if constexpr (SILU) {
+        uint32_t u[2];
+        ldmatrix_x2(chunk_at(xt, COLS + rr, kk * 2 + ((lane >> 3) & 1)), u);
+        b[0] = silu_mul2(b[0], u[0]);
+        b[1] = silu_mul2(b[1], u[1]);
+      }
+      mma_bf16(acc, a, b);
     }
     __syncwarp();  // every lane has read stage i % STAGES before it is loaded again
-    if (i + STAGES - 1 < count) load_w(i + STAGES - 1);
+    if (i + STAGES - 1 < count) {
+      load_w(i + STAGES - 1);
+      load_x(i + STAGES - 1);
+    }
     cp_commit();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) b[kk][0] = b_next[kk][0], b[kk][1] = b_next[kk][1];
   }
   cp_wait<0>();
 
@@ -205,7 +219,8 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   const int warps = groups * split;
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
-  const size_t smem = size_t(warps) * STAGES * W_BYTES + size_t(warps) * ROWS * COLS * 4;
+  const size_t stage = W_BYTES + (SILU ? 2 : 1) * COLS * BK * 2;
+  const size_t smem = size_t(warps) * STAGES * stage + size_t(warps) * ROWS * COLS * 4;
   auto kernel = invariant_gemv_kernel<STAGES, SILU>;
   static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
   if (smem > smem_allowed) {

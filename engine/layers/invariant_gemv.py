@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("invariant_gemv.cu")
 MAX_ROWS = 8
 STAGES = (2, 3, 4, 6)  # the kernel's instantiations
 RING = 4  # K tiles in flight a warp, at most (the H100's probe, docs/PERF.md)
-SMEM_BUDGET = 96 << 10  # a block's rings: two blocks an SM fit
+SMEM_BUDGET = 128 << 10  # a block's rings (an H100 / H200 SM has 227 KB)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
 
@@ -93,12 +93,14 @@ def takes(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
             and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
-def stages_for(slices: int, k: int, want: int = RING) -> int:
+def stages_for(slices: int, k: int, want: int = RING, silu: bool = False) -> int:
     """The ring depth: `want`, at most the slice's K tiles plus one, within SMEM_BUDGET for the
-    block's warps (4 row blocks x slices below 4 slices, else one row block's slices)."""
+    block's warps (4 row blocks x slices below 4 slices, else one row block's slices), a stage
+    a K tile of 16 weight rows and of 8 rows of x (16 with silu: gate and up)."""
     k_tiles = -(-k // 64)
     per = -(-k_tiles // slices)
-    fits = [s for s in STAGES if s <= max(2, per + 1) and max(slices, 4) * s * 2048 <= SMEM_BUDGET]
+    stage = 2048 + (2048 if silu else 1024)
+    fits = [s for s in STAGES if s <= max(2, per + 1) and max(slices, 4) * s * stage <= SMEM_BUDGET]
     return max((s for s in fits if s <= want), default=2)
 
 

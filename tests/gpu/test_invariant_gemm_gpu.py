@@ -191,7 +191,7 @@ def test_cuda_gemv_keeps_the_prefill_bits(name: str) -> None:
     full = invariant_gemm.gemm(ops.silu_and_mul(h), w, tile=(64, 128, 8, 4, 4, s))
     for m in (1, 3, 8):
         out = torch.empty(m, n, dtype=x.dtype, device="cuda")
-        assert invariant_gemv.gemv(h[:m], w, None, out, s, invariant_gemv.stages_for(s, k), True, silu=True)
+        assert invariant_gemv.gemv(h[:m], w, None, out, s, invariant_gemv.stages_for(s, k, silu=True), True, silu=True)
         if not torch.equal(out, full[:m]):
             bad.append((m, "silu"))
     assert not bad, (name, bad)
