@@ -35,7 +35,7 @@ from engine.layers.triton_ops import interpreted, pdl_launch
 from engine.layers.tuning import kernel_tuning
 
 BLOCK_K = 64
-GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel)
+GEMV_ROWS = 16  # up to this many rows: the swapped-operand GEMV (invariant_gemv_kernel; 1-8 rows: invariant_gemv.cu)
 GEMV_LONG_SLICE = 48  # K tiles a slice from which the GEMV pipelines 6 stages deep (gemv_stages)
 GEMV_WIDE_GRID = (640, 1024)  # GEMV programs (~5-8 an H200 SM) over which it pipelines 3 stages deep
 DECODE_MAX_ROWS = 64  # up to this many rows: one row tile, narrow column tiles
@@ -424,25 +424,11 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     )
 
 
-def silu_mul_gemv(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up, then times w^T, for h = [gate | up] of 1-8 rows, as one launch of the CUDA
-    GEMV where it runs, else None. Its activation rounds as flashinfer's silu_and_mul kernel does:
-    the caller folds it only where that kernel is the unfused path (so the bits are that path's)."""
-    if not _cuda_gemv_takes(h, w, None, silu=True):
-        return None
-    n, k = w.shape
-    out = torch.empty(h.shape[0], n, dtype=h.dtype, device=h.device)
-    s = split(n, k)
-    ok = invariant_gemv.gemv(h, w, None, out, s, invariant_gemv.stages_for(s, k, silu=True), _pdl(h.device)["PDL"],
-                            silu=True)
-    return out if ok else None
-
-
-def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu: bool = False) -> bool:
+def _cuda_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the GEMV runs as CUDA C++ (invariant_gemv.cu: the GPU's tuning turns it on where it
     measured faster with the same bits) rather than invariant_gemv_kernel."""
     return (x.is_cuda and not interpreted() and kernel_tuning(x.device).invariant_gemv_cuda
-            and invariant_gemv.takes(x, w, silu) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+            and invariant_gemv.takes(x, w) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def _pdl(device: torch.device) -> dict:

@@ -1,4 +1,4 @@
-// Deterministic inference's GEMV (1-16 rows of x) on the tensor cores, as CUDA C++: out[M, N] =
+// Deterministic inference's GEMV (1-8 rows of x) on the tensor cores, as CUDA C++: out[M, N] =
 // x[M, K] @ w[N, K]^T (+ bias), bf16, each output element summed exactly as invariant_gemm.py's
 // triton tiles sum it: K in tiles of 64 taken in order, each tile four k16 tensor-core steps
 // chained on one float32 accumulator, in `split` slices of `per` K tiles each summed from zero,
@@ -7,18 +7,19 @@
 // Why not triton: triton's tensor-core GEMV stages the weight through shared memory for wgmma and
 // streams it at ~3.2 TB/s on an H200, against ~3.9 for the mode-off FMA GEMV (docs/PERF.md). Here a
 // warp owns 16 weight rows of one K slice with its own cp.async ring (no block barrier in the loop)
-// and the legacy mma.sync m16n8k16 (operands in registers), so each warp streams on its own and the
-// K slices of a row block meet in shared memory, not in a global workspace with atomics. mma.sync's
-// k16 step gives wgmma's bits on an H100 (docs/PERF.md, thirty-eighth session); the GPU test
-// (tests/gpu/test_invariant_gemm_gpu.py) checks every projection shape against the prefill tiles.
+// and the legacy mma.sync m16n8k16 (operands in registers by ldmatrix), so each warp streams on its
+// own and the K slices of a row block meet in shared memory, not in a global workspace with atomics.
+// mma.sync's k16 step gives wgmma's bits on an H100 (docs/PERF.md, thirty-eighth session); the GPU
+// test (tests/gpu/test_invariant_gemm_gpu.py) checks every projection shape against the prefill tiles.
 //
 // Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
-// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's 1-8 rows (1 KB; with
-// the activation folded in, of its gate and up rows, 2 KB), 16-byte chunks XOR-swizzled by row so
-// ldmatrix reads are conflict-free; the first weight tiles load before the PDL wait (the weights are
-// no launch's output). For the down projection x can be [gate | up]: silu(gate) * up is computed on
-// the mma's B fragments as flashinfer's kernel computes it, so the deterministic mode's small-batch
-// MLP needs no activation launch.
+// each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's 8 rows (1 KB),
+// 16-byte chunks XOR-swizzled by row so ldmatrix reads are conflict-free.
+//
+// Tried on an H100 and dropped (docs/PERF.md, thirty-eighth session): x straight to the B fragments
+// in registers (each tile waited on its loads: Llama-3.1-8B batch 1 11.7 ms against 6.4); the first
+// weight tiles before the PDL wait (even on Llama, Qwen3-0.6B 1.32 against 1.28 ms); silu(gate) * up
+// on the B fragments, the down projection's activation launch saved (Llama 6.35 against 6.10 ms).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -28,8 +29,10 @@ namespace {
 
 constexpr int BK = 64;                    // K tile (invariant_gemm.BLOCK_K)
 constexpr int ROWS = 16;                  // weight rows a warp: the mma's 16-row side
-constexpr int COLS = 8;                   // rows of x: the mma's 8-column side
-constexpr int W_BYTES = ROWS * BK * 2;    // a stage: one K tile of the warp's weight rows
+constexpr int COLS = 8;                   // rows of x: the mma's 8-column side (1-8 rows)
+constexpr int W_BYTES = ROWS * BK * 2;    // a stage's weight tile
+constexpr int X_BYTES = COLS * BK * 2;    // a stage's x tile
+constexpr int STAGE = W_BYTES + X_BYTES;
 constexpr int MAX_THREADS = 1024;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -72,34 +75,11 @@ __device__ __forceinline__ uint32_t chunk_at(uint32_t base, int r, int c) {
   return base + r * 128 + ((c ^ (r & 7)) << 4);
 }
 
-// silu(gate) * up for two bf16 pairs, rounded to bf16 as flashinfer's act_and_mul kernel rounds it:
-// that kernel is built with -use_fast_math, so its silu is these PTX instructions (val / (1 +
-// __expf(-val)) under fast math); the values, so the GEMV's bits, are the unfused path's
-__device__ __forceinline__ float silu_times(float g, float u) {
-  float t, e, d, s, r;
-  asm("mul.ftz.f32 %0, %1, 0fBFB8AA3B;" : "=f"(t) : "f"(g));
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
-  asm("add.ftz.f32 %0, %1, 0f3F800000;" : "=f"(d) : "f"(e));
-  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(s) : "f"(g), "f"(d));
-  asm("mul.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(u), "f"(s));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t silu_mul2(uint32_t gate, uint32_t up) {
-  const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&gate);
-  const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(&up);
-  const __nv_bfloat162 r = __floats2bfloat162_rn(silu_times(__low2float(g), __low2float(u)),
-                                                 silu_times(__high2float(g), __high2float(u)));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-template <int STAGES, bool SILU>
+template <int STAGES>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
     int per, int groups) {
-  constexpr int X_ROWS = SILU ? 2 * COLS : COLS;  // x's rows, or its gate rows then its up rows
-  constexpr int STAGE = W_BYTES + X_ROWS * BK * 2;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -107,11 +87,26 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   const int row0 = (blockIdx.x * groups + group) * ROWS;
   const int kt = (K + BK - 1) / BK;
   const int t0 = slice * per;
-  const int count = max(min(t0 + per, kt) - t0, 0);
+  const int t1 = min(t0 + per, kt);
+  const int count = max(t1 - t0, 0);
   const uint32_t ring = smem_addr(smem + warp * STAGES * STAGE);
   float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
 
-  auto load_w = [&](int i) {  // K tile t0 + i of the warp's 16 weight rows into stage i % STAGES
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+
+  // x's rows past M stay zero in every stage: written once, never loaded
+  for (int i = lane; i < STAGES * COLS * 8; i += 32) {
+    const int s = i / (COLS * 8), r = (i / 8) % COLS, c = i % 8;
+    if (r >= M) {
+      const uint32_t a = chunk_at(ring + s * STAGE + W_BYTES, r, c);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0));
+    }
+  }
+
+  auto load = [&](int i) {  // K tile t0 + i into stage i % STAGES
     const uint32_t base = ring + (i % STAGES) * STAGE;
     const int k0 = (t0 + i) * BK;
 #pragma unroll
@@ -121,44 +116,19 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
       const int bytes = (row < N && k < K) ? min(16, (K - k) * 2) : 0;
       cp_async16(chunk_at(base, r, c & 7), bytes ? w + row * sw + k : w, bytes);
     }
-  };
-  auto load_x = [&](int i) {  // the same K tile of x's M rows (of gate and of up with SILU)
-    const uint32_t base = ring + (i % STAGES) * STAGE + W_BYTES;
-    const int k0 = (t0 + i) * BK;
 #pragma unroll
-    for (int j = 0; j < X_ROWS * 8 / 32; ++j) {
+    for (int j = 0; j < COLS * 8 / 32; ++j) {
       const int c = lane + 32 * j, r = c >> 3, k = k0 + (c & 7) * 8;
-      if (r % COLS < M) {
+      if (r < M) {
         const int bytes = k < K ? min(16, (K - k) * 2) : 0;
-        const __nv_bfloat16* src = x + (r % COLS) * sx + (r / COLS) * K + k;
-        cp_async16(chunk_at(base, r, c & 7), bytes ? src : x, bytes);
+        cp_async16(chunk_at(base + W_BYTES, r, c & 7), bytes ? x + r * sx + k : x, bytes);
       }
     }
   };
 
-  // x's rows past M stay zero in every stage: written once, never loaded
-  for (int i = lane; i < STAGES * X_ROWS * 8; i += 32) {
-    const int s = i / (X_ROWS * 8), r = (i / 8) % X_ROWS, c = i % 8;
-    if (r % COLS >= M) {
-      const uint32_t a = chunk_at(ring + s * STAGE + W_BYTES, r, c);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0));
-    }
-  }
-  // the weights are no launch's output: their first tiles stream in before the PDL wait, one
-  // cp.async group each, then x's, one group each: tile i's weight and x are then always done
-  // once at most STAGES - 2 groups are pending, as in the loop
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) load_w(i);
-    cp_commit();
-  }
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < count) load_x(i);
+    if (i < count) load(i);
     cp_commit();
   }
 
@@ -170,24 +140,15 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const uint32_t wt = ring + (i % STAGES) * STAGE, xt = wt + W_BYTES;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the k16 steps, in order
-      uint32_t a[4], b[2];
+      uint32_t a[4];
       // matrices: rows 0-7 / 8-15 (m & 1) x k 0-7 / 8-15 (m >> 1): a0..a3 of mma's A fragment
       ldmatrix_x4(chunk_at(wt, rr + ((m & 1) << 3), kk * 2 + (m >> 1)), a);
-      // x rows 0-7 x k 0-7 / 8-15 (lanes 0-15 address them): b0, b1 of its B fragment
+      uint32_t b[2];  // x rows 0-7 x k 0-7 / 8-15 (lanes 0-15 address them): b0, b1 of mma's B fragment
       ldmatrix_x2(chunk_at(xt, rr, kk * 2 + ((lane >> 3) & 1)), b);
-      if constexpr (SILU) {
-        uint32_t u[2];
-        ldmatrix_x2(chunk_at(xt, COLS + rr, kk * 2 + ((lane >> 3) & 1)), u);
-        b[0] = silu_mul2(b[0], u[0]);
-        b[1] = silu_mul2(b[1], u[1]);
-      }
       mma_bf16(acc, a, b);
     }
     __syncwarp();  // every lane has read stage i % STAGES before it is loaded again
-    if (i + STAGES - 1 < count) {
-      load_w(i + STAGES - 1);
-      load_x(i + STAGES - 1);
-    }
+    if (i + STAGES - 1 < count) load(i + STAGES - 1);
     cp_commit();
   }
   cp_wait<0>();
@@ -212,16 +173,15 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   }
 }
 
-template <int STAGES, bool SILU>
+template <int STAGES>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
                    long long sw, long long so, int split, int pdl, cudaStream_t stream) {
   const int groups = split >= 4 ? 1 : 4 / split;
   const int warps = groups * split;
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
-  const size_t stage = W_BYTES + (SILU ? 2 : 1) * COLS * BK * 2;
-  const size_t smem = size_t(warps) * STAGES * stage + size_t(warps) * ROWS * COLS * 4;
-  auto kernel = invariant_gemv_kernel<STAGES, SILU>;
+  const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4;
+  auto kernel = invariant_gemv_kernel<STAGES>;
   static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
   if (smem > smem_allowed) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -243,28 +203,19 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
                             static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups);
 }
 
-template <bool SILU>
-cudaError_t launch_stages(int stages, const void* x, const void* w, const void* bias, void* out, int M, int N,
-                          int K, long long sx, long long sw, long long so, int split, int pdl, cudaStream_t stream) {
-  switch (stages) {
-    case 2: return launch<2, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 3: return launch<3, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 4: return launch<4, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    case 6: return launch<6, SILU>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias), or with silu x[M, 2K] = [gate | up] and silu(gate) * up
-// for x: M <= 8, bf16, 16-byte aligned rows; split K slices (a power of two, at most 32); stages 2, 3,
-// 4 or 6. Returns the launch's cudaError_t.
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 8, bf16, 16-byte aligned rows; split K slices (a
+// power of two, at most 32); stages 2, 3 or 4. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
-                                     long long sx, long long sw, long long so, int split, int stages, int silu,
-                                     int pdl, void* stream) {
+                                     long long sx, long long sw, long long so, int split, int stages, int pdl,
+                                     void* stream) {
   if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
-  return int(silu ? launch_stages<true>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s)
-                  : launch_stages<false>(stages, x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
+  switch (stages) {
+    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
+    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
+    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
+    default: return int(cudaErrorInvalidValue);
+  }
 }

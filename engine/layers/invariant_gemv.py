@@ -28,9 +28,9 @@ log = structlog.get_logger()
 
 SOURCE = Path(__file__).with_name("invariant_gemv.cu")
 MAX_ROWS = 8
-STAGES = (2, 3, 4, 6)  # the kernel's instantiations
-RING = 4  # K tiles in flight a warp, at most (the H100's probe, docs/PERF.md)
-SMEM_BUDGET = 128 << 10  # a block's rings (an H100 / H200 SM has 227 KB)
+STAGES = (2, 3, 4)  # the kernel's instantiations
+RING = 4  # K tiles in flight a warp, at most (4 beat 2, 3, 6 and 8 on an H100: docs/PERF.md)
+SMEM_BUDGET = 96 << 10  # a block's rings: two blocks an SM fit
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
 
@@ -68,7 +68,7 @@ def library(target: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = _I
-    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P]
+    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _P]
     return lib
 
 
@@ -85,36 +85,35 @@ def _build(compiler: str, flags: list[str], out: Path) -> None:
             os.unlink(tmp)
 
 
-def takes(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernel takes this product: CUDA bf16, 1-8 rows, unit column strides and 16-byte
-    aligned rows (its 16-byte cp.async chunks); with silu x is [gate | up], twice w's K."""
+    aligned rows (its 16-byte cp.async chunks)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_ROWS
-            and x.shape[1] == w.shape[1] * (2 if silu else 1) and x.stride(1) == 1 and w.stride(1) == 1
-            and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+            and x.stride(1) == 1 and w.stride(1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
-def stages_for(slices: int, k: int, want: int = RING, silu: bool = False) -> int:
+def stages_for(slices: int, k: int, want: int = RING) -> int:
     """The ring depth: `want`, at most the slice's K tiles plus one, within SMEM_BUDGET for the
-    block's warps (4 row blocks x slices below 4 slices, else one row block's slices), a stage
-    a K tile of 16 weight rows and of 8 rows of x (16 with silu: gate and up)."""
+    block's warps (4 row blocks x slices below 4 slices, else one row block's slices), a stage a
+    K tile of 16 weight rows and 8 rows of x (3 KB)."""
     k_tiles = -(-k // 64)
     per = -(-k_tiles // slices)
-    stage = 2048 + (2048 if silu else 1024)
-    fits = [s for s in STAGES if s <= max(2, per + 1) and max(slices, 4) * s * stage <= SMEM_BUDGET]
+    fits = [s for s in STAGES if s <= max(2, per + 1) and max(slices, 4) * s * 3072 <= SMEM_BUDGET]
     return max((s for s in fits if s <= want), default=2)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-         stages: int, pdl: bool, silu: bool = False) -> bool:
-    """out = x w^T (+ bias), or silu(gate) * up for x = [gate | up] first, on torch's current
-    stream; False where the kernel is not built here."""
+         stages: int, pdl: bool) -> bool:
+    """out = x w^T (+ bias) on torch's current stream; False where the kernel is not built here."""
     lib = library(arch(x.device))
     if lib is None:
         return False
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    m, k = x.shape
+    n = w.shape[0]
     err = lib.strata_invariant_gemv(
         x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), m, n, k,
-        x.stride(0), w.stride(0), out.stride(0), slices, stages, int(silu), int(pdl),
+        x.stride(0), w.stride(0), out.stride(0), slices, stages, int(pdl),
         torch.cuda.current_stream(x.device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: CUDA error {err}")

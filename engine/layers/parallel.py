@@ -297,12 +297,6 @@ class Linear(nn.Module):
         cfg = self.gemv_config(h)
         if cfg is not None:
             return triton_ops.gemv(h, self.weight, *cfg, silu_mul=True)
-        if batch_invariant.enabled() and self.bias is None and ops.fused_ok(h) and h.is_contiguous():
-            from engine.layers import invariant_gemm  # deterministic decode: the activation in the GEMV's x loads
-
-            y = invariant_gemm.silu_mul_gemv(h, self.weight)
-            if y is not None:
-                return y
         return self(ops.silu_and_mul(h))
 
 
