@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.bench.roofline import graph_us  # noqa: E402
 from engine.layers import invariant_gemm, invariant_gemv, triton_ops  # noqa: E402
 
 SHAPES = {  # (N, K)
@@ -28,21 +29,7 @@ SHAPES = {  # (N, K)
 
 
 def time_us(f, reps: int = 50) -> float:  # noqa: ANN001
-    f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(5):
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / 5 * 1e3
+    return graph_us(f, ops=5, replays=reps)
 
 
 def cuda_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, slices: int, stages: int,

@@ -58,27 +58,9 @@ def _time_eager(fn, iters: int) -> float:  # noqa: ANN001
 
 def _time_graph(fn, ops: int, replays: int) -> float:  # noqa: ANN001
     """us per call inside a CUDA graph of `ops` calls, over `replays` replays."""
-    import torch
+    from engine.bench.roofline import graph_us
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(ops):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / (ops * replays)
+    return graph_us(fn, ops, replays)
 
 
 def _two_shot(symm, x):  # noqa: ANN001, ANN202 - torch's two-shot all-reduce through the same buffer

@@ -15,6 +15,7 @@ writes every byte: bandwidth = 2 * bytes / time).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -96,3 +97,28 @@ def copy_size(device: torch.device, requested_gib: float | None) -> int:
         return GIB // 4
     free, _ = torch.cuda.mem_get_info(device)
     return max(64 << 20, min(GIB, int(free * 0.4) // 2))
+
+
+def graph_us(fn: Callable[[], object], ops: int = 1, replays: int = 20) -> float:
+    """us per call of fn inside a CUDA graph of `ops` calls, over `replays` replays (after one
+    untimed call on the capture stream and one untimed replay): the kernels' time without the
+    host's launch cost, as a decode step's graph runs them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(ops):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (ops * replays)
