@@ -44,7 +44,13 @@ def nvcc() -> str | None:
 
 
 def arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+    """nvcc's -arch for the GPU (asked on every GEMV call: cached per device)."""
+    return _arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}" + ("a" if major == 9 else "")  # 9.0a: griddepcontrol (PDL)
 
 
