@@ -235,6 +235,43 @@ def test_truncated_call_keeps_what_was_streamed() -> None:
     assert tool_call_parser("hermes")(TOOLS).parse('<tool_call>{"na')[0] == '<tool_call>{"na'
 
 
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
+def test_forced_choice_drops_a_call_cut_before_its_name(name: str) -> None:
+    """Under tool_choice required / named (the grammar allows calls only) an output that ends
+    (max_tokens) inside a block whose name is not complete drops that block: no markup reaches
+    the content, streamed at every split or not; the calls before it stay. Without a forced
+    choice the unfinished block is content, as before."""
+    parser = tool_call_parser(name)
+    whole = parser.structure([WEATHER]).tags[0]
+    text = whole.begin + '{"city": "Paris"}' + whole.end
+    at = whole.begin.index("get_weather")
+    trigger = parser.structure([WEATHER]).triggers[0]
+    for cut in (trigger, trigger[: max(1, len(trigger) // 2)], whole.begin[:at], whole.begin[: at + 3]):
+        out = text + cut
+        content, calls = parser(TOOLS, forced=True).parse(out)
+        assert content == "" and [c.name for c in calls] == ["get_weather"], (name, out, content)
+        for i in range(len(out) + 1):
+            stream = parser(TOOLS, forced=True).stream()
+            parts = [stream.feed(out[:i]), stream.feed(out[i:]), stream.finish()]
+            assert "".join(p.content for p in parts) == "", (name, out, i)
+
+
+def test_named_tool_choice_forces_one_call() -> None:
+    """A named tool_choice means one call of that function (OpenAI's and vLLM's meaning): its
+    grammar stops after the first call and its parser keeps only that one, whatever
+    parallel_tool_calls says (the model used to repeat the call until max_tokens)."""
+    from engine.serve.grammar import tools_format
+    from engine.serve.parsers.tool_request import check_tools
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for parallel in (None, True):
+        req = check_tools(TOOLS, named, parallel, "hermes")
+        assert req is not None and not req.parallel and req.make_parser().max_calls == 1
+        assert tools_format(req.structure(), req.parallel)["stop_after_first"] is True
+    required = check_tools(TOOLS, "required", None, "hermes")
+    assert required is not None and required.parallel and required.make_parser().max_calls is None
+
+
 def test_ids_differ_across_responses() -> None:
     text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     a = tool_call_parser("hermes")(TOOLS).parse(text)[1][0].id

@@ -170,9 +170,10 @@ class ToolCallParser:
     begins: ClassVar[tuple[str, ...]] = ()
     drops: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, tools: list[dict[str, Any]], max_calls: int | None = None) -> None:
+    def __init__(self, tools: list[dict[str, Any]], max_calls: int | None = None, forced: bool = False) -> None:
         self.tools = tool_functions(tools)
         self.max_calls = max_calls  # parallel_tool_calls=false: 1; later calls are dropped
+        self.forced = forced  # tool_choice required / named: the grammar lets the output hold calls only
 
     def find_begin(self, buf: str, pos: int, final: bool, fresh: bool) -> tuple[int, int, bool] | int:
         """The next marker at or after `pos`: (start, end, opens_a_call), or, when there is
@@ -237,7 +238,8 @@ class ToolStream:
         return out
 
     def _step_content(self, out: ToolDelta, final: bool) -> bool:
-        found = self._p.find_begin(self._buf, self._pos, final, self._fresh)
+        # under a forced choice a marker's prefix the output ends in is a call cut short: held, so dropped
+        found = self._p.find_begin(self._buf, self._pos, final and not self._p.forced, self._fresh)
         if isinstance(found, int):
             self._content(out, self._buf[self._pos : found])
             self._pos = max(self._pos, found)
@@ -279,6 +281,11 @@ class ToolStream:
         return True
 
     def _decide(self, b: Block, final: bool) -> str:
+        if self._p.forced and final and b.end is None and (b.invalid or b.name not in self._p.tools):
+            # under a forced choice the grammar allows nothing but calls: a block the output ends in
+            # before its name is complete (max_tokens) is an unfinished call, dropped, not content
+            # (`b.name not in tools` covers None and a name cut short)
+            return "skip"
         if b.invalid or (b.name is not None and b.name not in self._p.tools):
             return "content"
         if b.name is None:

@@ -42,7 +42,8 @@ class ToolRequest:
         return self.tools
 
     def make_parser(self) -> ToolCallParser:
-        return tool_call_parser(self.parser)(self.allowed, max_calls=None if self.parallel else 1)
+        return tool_call_parser(self.parser)(self.allowed, max_calls=None if self.parallel else 1,
+                                             forced=self.choice in ("required", "named"))
 
     def structure(self) -> ToolStructure | None:
         """For grammar enforcement: the format's triggers, begin/end strings and the
@@ -77,7 +78,9 @@ def check_tools(
             "start the server with --tool-call-parser",
             param="tool_choice",
         )
-    return ToolRequest(tools, choice, function, parallel is not False, parser)
+    # a named tool_choice forces one call of that function (OpenAI's and vLLM's meaning): its grammar
+    # stops after the first call and its parser keeps one, whatever parallel_tool_calls says
+    return ToolRequest(tools, choice, function, parallel is not False and choice != "named", parser)
 
 
 def _choice(tool_choice: Any) -> tuple[str, str | None]:
