@@ -486,7 +486,9 @@ def check_before_start(cfg: ServerConfig) -> None:
     """What the supervisor checks once the model directory is known (the default model is filled in
     after the flags are parsed), before any process starts; a ValueError names the flag:
     * --tp-size against the model's heads (engine/layers/shards.head_shard, the rule the layers split by);
-    * --l3-dir created (with its parents) and writable, so the cache controller does not fail after ready."""
+    * --l3-dir created (with its parents) and writable, so the cache controller does not fail after ready;
+    * STANDALONE drafts: --speculative-draft-layers below the model's layers, a draft model directory with
+      a config.json (the worker checks the same, but only after every process has started)."""
     from engine.layers.shards import head_shard  # (torch-free)
 
     model = _read_json(Path(cfg.model) / "config.json")
@@ -499,6 +501,7 @@ def check_before_start(cfg: ServerConfig) -> None:
             raise ValueError(f"--tp-size {tp}: the model has {heads} attention heads and {kv} K/V heads; with fewer "
                              "K/V heads than ranks the heads must divide by --tp-size and --tp-size by the K/V heads"
                              ) from None
+    _check_standalone_draft(cfg, model)
     if cfg.l3_dir:
         try:
             Path(cfg.l3_dir).mkdir(parents=True, exist_ok=True)
@@ -506,6 +509,19 @@ def check_before_start(cfg: ServerConfig) -> None:
             raise ValueError(f"--l3-dir {cfg.l3_dir}: cannot create it ({exc.strerror or exc})") from None
         if not os.access(cfg.l3_dir, os.W_OK | os.X_OK):
             raise ValueError(f"--l3-dir {cfg.l3_dir}: not writable")
+
+
+def _check_standalone_draft(cfg: ServerConfig, model: dict) -> None:
+    """A STANDALONE draft that cannot be built from the model (engine/run/spec.py's rules, before start)."""
+    if cfg.speculative_algorithm != "STANDALONE":
+        return
+    layers = model.get("num_hidden_layers")
+    n = cfg.speculative_draft_layers
+    if n and isinstance(layers, int) and not 1 <= n < layers:
+        raise ValueError(f"--speculative-draft-layers {n}: must be in 1..{layers - 1} (the model has {layers} layers)")
+    path = cfg.speculative_draft_model_path
+    if path and not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--speculative-draft-model-path {path}: no config.json (a draft model's directory)")
 
 
 def _host_port(addr: str) -> tuple[str, int] | None:

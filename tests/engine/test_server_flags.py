@@ -130,3 +130,22 @@ def test_checks_before_start_read_the_model_and_make_the_l3_dir(tmp_path: Path) 
     with pytest.raises(ValueError, match="--l3-dir .*: cannot create it"):
         check_before_start(ServerConfig(model=str(tmp_path / "m"), enable_hierarchical_cache=True,
                                         l3_dir=str(tmp_path / "file" / "l3")))
+
+
+def test_checks_before_start_refuse_a_standalone_draft_the_model_cannot_give(tmp_path: Path) -> None:
+    """A self-draft of as many layers as the model, or a draft model directory without a config.json,
+    fails before any process starts (it used to exit 1 from the worker ~3 s later)."""
+    from engine.config import check_before_start
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_hidden_layers": 30}))
+    m = str(tmp_path / "m")
+    check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE", speculative_draft_layers=29))
+    for n in (30, 31):
+        with pytest.raises(ValueError, match=f"--speculative-draft-layers {n}: must be in 1..29"):
+            check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE", speculative_draft_layers=n))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="--speculative-draft-model-path .*empty: no config.json"):
+        check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE",
+                                        speculative_draft_model_path=str(tmp_path / "empty")))
+    check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE", speculative_draft_model_path=m))
