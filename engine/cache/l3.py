@@ -201,20 +201,30 @@ class L3Dir:
         return key_path(self.root, key)
 
     def _files(self) -> list[tuple[float, int, Path]]:
-        """(mtime, size, path) of every page file; stale temporary files are removed."""
+        """(mtime, size, path) of every page file (regular files only: a directory or link named
+        like one is not ours to count or remove); stale temporary files are removed. An entry
+        that cannot be listed or stat'ed (removed meanwhile, unreadable) is skipped."""
         out, now = [], time.time()
-        for sub in self.root.iterdir() if self.root.is_dir() else ():
-            if not sub.is_dir() or len(sub.name) != 2:
+        try:
+            subs = [sub for sub in self.root.iterdir() if len(sub.name) == 2 and sub.is_dir()]
+        except OSError:  # the directory removed or unreadable meanwhile: nothing to count
+            return out
+        for sub in subs:
+            try:
+                entries = list(os.scandir(sub))
+            except OSError:
                 continue
-            for entry in os.scandir(sub):
+            for entry in entries:
                 try:
-                    st = entry.stat()
-                except FileNotFoundError:  # removed meanwhile (another engine)
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                    if entry.name.endswith(SUFFIX):
+                        out.append((st.st_mtime, st.st_size, Path(entry.path)))
+                    elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_S:
+                        Path(entry.path).unlink(missing_ok=True)
+                except OSError:  # removed meanwhile (another engine), or not ours
                     continue
-                if entry.name.endswith(SUFFIX):
-                    out.append((st.st_mtime, st.st_size, Path(entry.path)))
-                elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_S:
-                    Path(entry.path).unlink(missing_ok=True)
         return out
 
     def scan(self) -> None:
@@ -233,7 +243,9 @@ class L3Dir:
         if dst.is_file():
             _touch(dst)
             return False
-        dst.parent.mkdir(exist_ok=True)
+        if dst.exists():  # something not a page file squats the page's path: this page stays off disk
+            return False
+        dst.parent.mkdir(parents=True, exist_ok=True)  # (the root too, should it have been removed)
         head = header(self.fingerprint, key, [payload], len(payload))
         tmp = dst.parent / f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
@@ -311,7 +323,10 @@ class L3Dir:
         for _, size, path in files:
             if total <= target:
                 break
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # not ours to remove (permissions): the next oldest goes instead
+                continue
             total -= size
             removed += 1
         with self.lock:

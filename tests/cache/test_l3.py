@@ -135,6 +135,32 @@ def test_the_size_cap_removes_the_oldest_files(tmp_path: Path) -> None:
     assert smaller.stats["files"] == 2 and {k for k in keys[:5] if d.path(k).exists()} == {keys[0], keys[4]}
 
 
+def test_entries_named_like_page_files_but_not_files_are_left_alone(tmp_path: Path) -> None:
+    """A directory at a page file's path (one of its kind, or at the path of a page being written)
+    neither stops the engine at start (the cap used to unlink it: IsADirectoryError, a dead cache
+    controller on every restart) nor stops the cap or the writes later; a removed root comes back."""
+    size = l3.HEADER.size + 1000
+    keys = l3.page_keys(FP, list(range(20)), PS)
+    d = _dir(tmp_path, cap=100 * size)
+    for i, key in enumerate(keys[:4]):
+        d.write(key, bytes(1000))
+        os.utime(d.path(key), (1000 + i, 1000 + i))
+    squat = d.path(bytes(l3.KEY_BYTES))  # a directory named like a page file, older than every file
+    squat.mkdir(parents=True)
+    os.utime(squat, (10, 10))
+    smaller = _dir(tmp_path, cap=int(2.5 * size))  # over the cap at start: the oldest files go
+    assert smaller.stats["files"] == 2 and squat.is_dir()
+    assert {k for k in keys[:4] if d.path(k).exists()} == {keys[2], keys[3]}
+    d.path(keys[5]).mkdir(parents=True)  # the path of a page about to be written
+    assert smaller.write(keys[5], bytes(1000)) is False and d.path(keys[5]).is_dir()
+    assert smaller.write(keys[6], bytes(1000)) is True  # the next page is written as ever
+    assert smaller.read(keys[5], 1000) is None  # a miss, not an error
+    import shutil
+
+    shutil.rmtree(tmp_path / "l3")  # the directory removed under a running engine: re-created
+    assert smaller.write(keys[7], bytes(1000)) is True and smaller.read(keys[7], 1000) == bytes(1000)
+
+
 def test_probe_counts_the_consecutive_files(tmp_path: Path) -> None:
     d = _dir(tmp_path)
     keys = l3.page_keys(FP, list(range(10)), PS)
