@@ -192,6 +192,7 @@ class L3Dir:
             "files": 0,
             "bytes": 0,
         }
+        self.last_corrupt: str | None = None  # the last rejected file and why (the `l3 writes` log line)
         self.root.mkdir(parents=True, exist_ok=True)
         self.scan()
         if self.stats["bytes"] > self.cap:  # a directory left larger than this engine's --l3-size
@@ -294,8 +295,11 @@ class L3Dir:
         finally:
             os.close(fd)
         if not ok:
+            why = (f"{size} bytes, a page file holds {HEADER.size + payload_len}" if size != HEADER.size + payload_len
+                   else "header (magic, model fingerprint, key or length)" if check is None else "checksum")
             with self.lock:
                 self.stats["corrupt"] += 1
+                self.last_corrupt = f"{path.name}: {why}"
             self._remove(path, size)
             return False
         _touch(path)
@@ -551,6 +555,8 @@ class L3Store:
             self._logged, self._logged_at = counters, now
         out: dict[str, Any] = {DIR_KEYS.get(k, k): int(v) for k, v in delta.items() if k != "write_s"}
         out["write_s"] = round(delta["write_s"], 6)
+        if delta.get("corrupt") and self.files.last_corrupt:
+            out["last_corrupt"] = self.files.last_corrupt
         import structlog
 
         structlog.get_logger().info("l3 writes", **out, files=files, dir_bytes=size)

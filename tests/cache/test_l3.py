@@ -117,6 +117,9 @@ def test_a_bad_file_is_rejected_counted_and_removed(tmp_path: Path, damage: str)
     path.write_bytes(bytes(data))
     assert d.read(key, 64 if damage != "length" else 65) is None
     assert d.stats["corrupt"] == 1 and not path.exists()
+    why = {"truncate": "bytes, a page file holds", "length": "bytes, a page file holds", "flip": "checksum",
+           "foreign": "header"}[damage]
+    assert d.last_corrupt is not None and d.last_corrupt.startswith(path.name) and why in d.last_corrupt
 
 
 def test_the_size_cap_removes_the_oldest_files(tmp_path: Path) -> None:
