@@ -117,7 +117,7 @@ class KernelTuning:
     # block_k over w13, block_n over w2, block_k over w2, warps); None: the fused path at one token too
     moe_gemv: tuple[int, int, int, int, int] | None = None
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
-    # deterministic inference's GEMV (1-16 rows) as CUDA C++ (invariant_gemv.cu) instead of the triton one
+    # deterministic inference's GEMV (1-8 rows) as CUDA C++ (invariant_gemv.cu) instead of the triton one
     invariant_gemv_cuda: bool = False
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.bench.roofline import graph_us
 from engine.layers import batch_invariant as bi
 from engine.layers import triton_ops
 from engine.layers.attention import TorchAttention
@@ -113,20 +114,7 @@ def test_split_batched_graph_and_prefill_bits(hq: int, hkv: int) -> None:
 
 def _time_us(f, n: int = 50) -> float:  # noqa: ANN001
     """Mean device time of f() replayed from a CUDA graph of n calls (no launch overhead)."""
-    f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            f()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (5 * n)
+    return graph_us(f, ops=n, replays=5)
 
 
 def test_timing_print() -> None:

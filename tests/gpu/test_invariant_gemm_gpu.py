@@ -14,6 +14,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from engine.bench.roofline import graph_us  # noqa: E402
 from engine.layers import batch_invariant, invariant_gemm  # noqa: E402
 
 SHAPES = {  # (N, K): Llama-3.1-8B qkv, o, gate_up, down, LM head; Qwen3-0.6B qkv, o, gate_up, down
@@ -30,18 +31,7 @@ MID_CANDIDATES = [(64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (12
 
 
 def _time(f, reps: int = 20) -> float:  # noqa: ANN001
-    f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # us
+    return graph_us(f, ops=1, replays=reps)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
