@@ -10,6 +10,7 @@ loader fills every one of them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -137,22 +138,35 @@ class MLP(nn.Module):
                                                  False, dtype)
         self.down_proj = RowParallelLinear(inter, mine, cfg.hidden_size, False, dtype)
 
-    def down(self, h: torch.Tensor) -> torch.Tensor:
+    def down(self, h: torch.Tensor | Activated) -> torch.Tensor:
         """The down projection of the gate_up output h ([B, 2 * intermediate]): silu(gate) * up,
-        then down_proj (for small batches folded into its GEMV, on each shard at tp > 1)."""
+        then down_proj (for small batches folded into its GEMV, on each shard at tp > 1); of an
+        Activated h, down_proj alone."""
+        if isinstance(h, Activated):
+            return self.down_proj(h.act)
         return self.down_proj.forward_silu_mul(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
 
 
+@dataclass(frozen=True)
+class Activated:
+    """silu(gate) * up [B, intermediate], computed by the gate_up projection's own launch
+    (Linear.forward_act): the down projection takes it as it is."""
+
+    act: torch.Tensor
+
+
 def norm_linear(
-    norm: RMSNorm, linear: Linear, x: torch.Tensor | PreNormed, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    norm: RMSNorm, linear: Linear, x: torch.Tensor | PreNormed, residual: torch.Tensor | None, act: bool = False,
+) -> tuple[torch.Tensor | Activated, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
     itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
     norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done; for
-    an fp8 row-scaled linear from 17 rows the norm's launch also quantizes (quant.norm_forward)."""
+    an fp8 row-scaled linear from 17 rows the norm's launch also quantizes (quant.norm_forward).
+    `act` (linear a SwiGLU gate_up): an Activated where the projection applies the activation
+    itself (deterministic inference's GEMV at 1-8 rows)."""
     if isinstance(x, PreNormed):  # linear_add_norm checked that this linear runs the GEMV
         spec = linear.gemv_weights(x.u)
         assert spec is not None and residual is not None
@@ -167,9 +181,9 @@ def norm_linear(
     cfg = linear.gemv_config(x) if fold else None
     if cfg is not None and (residual is None or residual.is_contiguous()):
         return triton_ops.add_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, *cfg)
-    if residual is None:
-        return linear(norm(x)), x
-    h, residual = norm.add_forward(x, residual)
+    h, residual = (norm(x), x) if residual is None else norm.add_forward(x, residual)
+    if act and (a := linear.forward_act(h)) is not None:
+        return Activated(a), residual
     return linear(h), residual
 
 
@@ -180,13 +194,16 @@ def residual_stream(x: torch.Tensor | PreNormed, residual: torch.Tensor) -> torc
 
 
 def linear_add_norm(
-    linear: Linear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, reader: Linear, silu_mul: bool = False,
+    linear: Linear, x: torch.Tensor | Activated, residual: torch.Tensor, norm: RMSNorm, reader: Linear,
+    silu_mul: bool = False,
 ) -> tuple[torch.Tensor | PreNormed, torch.Tensor]:
     """(linear(x), residual), or with silu_mul linear(silu(gate) * up): the caller then adds and
     normalizes (norm_linear). Where `linear` and `reader` (the one reader of norm's output) both
     run the triton GEMV (batch-1 decode, tp 1), linear's GEMV also adds the residual in place and
     does half of the norm: (PreNormed, residual), one launch fewer (triton_ops.PreNormed; H200,
     Llama-3.1-8B batch 1: bf16 4.32 -> 4.20 ms, fp8 weights 2.73 -> 2.66, docs/PERF.md)."""
+    if isinstance(x, Activated):  # silu_mul done by the gate_up launch
+        return linear(x.act), residual
     # one row only: at 2-4 rows (one-tile GEMVs) norm_linear's fold measured faster (Qwen3-0.6B
     # batch 4 1.33 vs 1.42 ms; the H200 tuning file's _norm_gemv)
     mine = linear.gemv_weights(x) if x.shape[0] == 1 else None
@@ -222,7 +239,7 @@ class DecoderLayer(nn.Module):
         o = self.self_attn.attend(qkv, ctx)
         post, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
         x, residual = linear_add_norm(self.self_attn.o_proj, o, residual, post, gate_up)
-        h, residual = norm_linear(post, gate_up, x, residual)
+        h, residual = norm_linear(post, gate_up, x, residual, act=True)
         if self.next_input is None:
             return self.mlp.down(h), residual
         return linear_add_norm(self.mlp.down_proj, h, residual, *self.next_input, silu_mul=True)

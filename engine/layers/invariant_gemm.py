@@ -394,6 +394,24 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return out
 
 
+def gemm_act(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """silu(x gate^T) * (x up^T) [M, N / 2] for w = [gate | up] in one launch: the CUDA GEMV's
+    epilogue applies flashinfer's act_and_mul to the bf16-rounded products, so the bits are
+    `gemm` then ops.silu_and_mul's (tests/gpu/test_invariant_gemm_gpu.py); None where that
+    kernel does not take the product (the caller runs the two)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if not (1 <= m <= invariant_gemv.MAX_ROWS and _cuda_gemv_takes(x, w, None)):
+        return None
+    slices = split(n, k)
+    if not invariant_gemv.act_takes(x, w, slices):
+        return None
+    out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
+    ok = invariant_gemv.gemv(x, w, None, out, slices, invariant_gemv.stages_for(slices, k), _pdl(x.device)["PDL"],
+                             act=True)
+    return out if ok else None
+
+
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
           tile: tuple[int, int, int, int, int, int], tma: bool | None, f32: bool) -> None:
     """invariant_gemm_kernel (or its TMA twin) over out [M, N] at `tile`."""

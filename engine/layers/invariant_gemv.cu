@@ -12,6 +12,12 @@
 // mma.sync's k16 step gives wgmma's bits on an H100 (docs/PERF.md, thirty-eighth session); the GPU
 // test (tests/gpu/test_invariant_gemm_gpu.py) checks every projection shape against the prefill tiles.
 //
+// SwiGLU's gate_up (`half` > 0: w = [gate | up], `half` rows each): a block's row blocks come in pairs,
+// gate rows i..i+15 and up rows half+i..half+i+15, and the epilogue stores silu(gate) * up [M, half]
+// from the two bf16-rounded sums, as flashinfer's act_and_mul kernel computes it from the GEMM's bf16
+// output (silu_times): the unfused path's bits, one launch (the activation's) fewer a layer. Its PDL
+// trigger follows the waves (launch): H100, Llama-3.1-8B batch 1 6.05 against 6.17 ms unfused.
+//
 // Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
 // each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's 8 rows (1 KB),
 // 16-byte chunks XOR-swizzled by row so ldmatrix reads are conflict-free.
@@ -19,7 +25,8 @@
 // Tried on an H100 and dropped (docs/PERF.md, thirty-eighth session): x straight to the B fragments
 // in registers (each tile waited on its loads: Llama-3.1-8B batch 1 11.7 ms against 6.4); the first
 // weight tiles before the PDL wait (even on Llama, Qwen3-0.6B 1.32 against 1.28 ms); silu(gate) * up
-// on the B fragments, the down projection's activation launch saved (Llama 6.35 against 6.10 ms).
+// on the down projection's B fragments (every block recomputed its K slice's activations: Llama 6.35
+// against 6.10 ms), which the gate_up epilogue now does once per element.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -77,16 +84,31 @@ __device__ __forceinline__ uint32_t chunk_at(uint32_t base, int r, int c) {
   return base + r * 128 + ((c ^ (r & 7)) << 4);
 }
 
+// silu(g) * u as flashinfer's act_and_mul kernel computes it: built with -use_fast_math, its silu is
+// these PTX instructions (val / (1 + __expf(-val))); bit-equal to it on an H100 (thirty-eighth session)
+__device__ __forceinline__ float silu_times(float g, float u) {
+  float t, e, d, s, r;
+  asm("mul.ftz.f32 %0, %1, 0fBFB8AA3B;" : "=f"(t) : "f"(g));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+  asm("add.ftz.f32 %0, %1, 0f3F800000;" : "=f"(d) : "f"(e));
+  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(s) : "f"(g), "f"(d));
+  asm("mul.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(u), "f"(s));
+  return r;
+}
+
 template <int STAGES>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
-    int per, int groups) {
+    int per, int groups, int half, int late) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
   const int group = warp / split, slice = warp % split;
-  const int row0 = (blockIdx.x * groups + group) * ROWS;
+  // the row block's first weight row and the end of its rows (a pair's gate block, then its up block)
+  const int pair = blockIdx.x * (groups / 2) + group / 2;
+  const int row0 = half ? (group & 1) * half + pair * ROWS : (blockIdx.x * groups + group) * ROWS;
+  const int row_end = half ? (group & 1) * half + half : N;
   const int kt = (K + BK - 1) / BK;
   const int t0 = slice * per;
   const int t1 = min(t0 + per, kt);
@@ -96,7 +118,8 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
 
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+  // the dependents may start now, unless `late` (see the launch)
+  if (!late) asm volatile("griddepcontrol.launch_dependents;\n" ::);
 #endif
 
   // x's rows past M stay zero in every stage: written once, never loaded
@@ -115,7 +138,7 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     for (int j = 0; j < ROWS * 8 / 32; ++j) {
       const int c = lane + 32 * j, r = c >> 3, k = k0 + (c & 7) * 8;
       const int row = row0 + r;
-      const int bytes = (row < N && k < K) ? min(16, (K - k) * 2) : 0;
+      const int bytes = (row < row_end && k < K) ? min(16, (K - k) * 2) : 0;
       cp_async16(chunk_at(base, r, c & 7), bytes ? w + row * sw + k : w, bytes);
     }
 #pragma unroll
@@ -154,6 +177,9 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     cp_commit();
   }
   cp_wait<0>();
+#if __CUDA_ARCH__ >= 900
+  if (late) asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
 
   // this slice's [16, COLS] partial: c0, c1 at (row g, cols 2q, 2q+1), c2, c3 at row g + 8
   const int g = lane >> 2, q = lane & 3;
@@ -164,34 +190,72 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   part[(g + 8) * COLS + 2 * q + 1] = acc[3];
   __syncthreads();
   // the slices added in order to a zero (as the triton split grid's epilogue), then the bias
+  auto total = [&](int gr, int r, int col) {
+    float sum = 0.0f;
+    for (int s = 0; s < split; ++s) sum += parts[((gr * split + s) * ROWS + r) * COLS + col];
+    return sum;
+  };
+  if (half) {  // silu(gate) * up from the bf16-rounded sums (no bias)
+    for (int e = threadIdx.x; e < groups / 2 * ROWS * M; e += warps * 32) {
+      const int p = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
+      const int i = (blockIdx.x * (groups / 2) + p) * ROWS + r;
+      if (i >= half) continue;
+      const float g = __bfloat162float(__float2bfloat16_rn(total(2 * p, r, col)));
+      const float u = __bfloat162float(__float2bfloat16_rn(total(2 * p + 1, r, col)));
+      out[col * so + i] = __float2bfloat16_rn(silu_times(g, u));
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < groups * ROWS * M; e += warps * 32) {
     const int gr = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
     const int row = (blockIdx.x * groups + gr) * ROWS + r;
     if (row >= N) continue;
-    float total = 0.0f;
-    for (int s = 0; s < split; ++s) total += parts[((gr * split + s) * ROWS + r) * COLS + col];
-    if (bias != nullptr) total += __bfloat162float(bias[row]);
-    out[col * so + row] = __float2bfloat16_rn(total);
+    float sum = total(gr, r, col);
+    if (bias != nullptr) sum += __bfloat162float(bias[row]);
+    out[col * so + row] = __float2bfloat16_rn(sum);
   }
 }
 
 template <int STAGES>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
-                   long long sw, long long so, int split, int pdl, cudaStream_t stream) {
-  const int groups = split >= 4 ? 1 : 4 / split;
+                   long long sw, long long so, int split, int half, int pdl, cudaStream_t stream) {
+  // row blocks a block: four warps at least; with `half` a gate and an up block per pair
+  const int plain = split >= 4 ? 1 : 4 / split;
+  const int groups = half ? (plain > 2 ? plain : 2) : plain;
   const int warps = groups * split;
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
   const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4;
   auto kernel = invariant_gemv_kernel<STAGES>;
+  const int rows = ROWS * (half ? groups / 2 : groups);  // output rows a block
+  const int blocks = ((half ? half : N) + rows - 1) / rows;
   static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
   if (smem > smem_allowed) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
     smem_allowed = smem;
   }
+  // PDL: a dependent's blocks may be resident (waiting) from the trigger on. Where this grid takes
+  // more than one wave and the dependent is the down GEMV (the SwiGLU form), they would take the
+  // slots of this grid's later waves: the trigger waits for the end of the K loop there (H100,
+  // Llama-3.1-8B batch 1 6.06 against 6.21 ms early; Qwen3-0.6B, one wave, 1.28 against 1.31 late)
+  int late = 0;
+  if (half && pdl) {
+    static int sms = 0, resident[MAX_THREADS / 32 + 1] = {};  // per instantiation, by warps
+    if (sms == 0) {
+      int device = 0;
+      cudaError_t err = cudaGetDevice(&device);
+      if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      if (err != cudaSuccess) return err;
+    }
+    if (resident[warps] == 0) {
+      cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident[warps], kernel, warps * 32, smem);
+      if (err != cudaSuccess) return err;
+    }
+    late = blocks > sms * resident[warps];
+  }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((N + ROWS * groups - 1) / (ROWS * groups));
+  config.gridDim = dim3(blocks);
   config.blockDim = dim3(warps * 32);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
@@ -202,22 +266,25 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<const __nv_bfloat16*>(x),
                             static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
-                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups);
+                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late);
 }
 
 }  // namespace
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 8, bf16, 16-byte aligned rows; split K slices (a
-// power of two, at most 32); stages 2, 3 or 4. Returns the launch's cudaError_t.
+// power of two, at most 32); stages 2, 3 or 4. half > 0: w is [gate | up] (N = 2 half, half a multiple
+// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
-                                     long long sx, long long sw, long long so, int split, int stages, int pdl,
-                                     void* stream) {
+                                     long long sx, long long sw, long long so, int split, int stages, int half,
+                                     int pdl, void* stream) {
   if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
+  if (half && (half < 0 || N != 2 * half || half % ROWS != 0 || bias != nullptr || split > 16))
+    return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   switch (stages) {
-    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
-    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
-    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, pdl, s));
+    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
     default: return int(cudaErrorInvalidValue);
   }
 }

@@ -74,7 +74,7 @@ def library(target: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = _I
-    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _P]
+    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P]
     return lib
 
 
@@ -102,16 +102,27 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 def stages_for(slices: int, k: int, want: int = RING) -> int:
     """The ring depth: `want`, at most the slice's K tiles plus one, within SMEM_BUDGET for the
     block's warps (4 row blocks x slices below 4 slices, else one row block's slices), a stage a
-    K tile of 16 weight rows and 8 rows of x (3 KB)."""
+    K tile of 16 weight rows and 8 rows of x (3 KB). gemv's `act` takes the same depth: from 4
+    slices up it doubles a block's warps (a gate and an up block), so one such block holds what
+    two plain ones do (at most 208 KB with the partials, 16 slices)."""
     k_tiles = -(-k // 64)
     per = -(-k_tiles // slices)
     fits = [s for s in STAGES if s <= max(2, per + 1) and max(slices, 4) * s * 3072 <= SMEM_BUDGET]
     return max((s for s in fits if s <= want), default=2)
 
 
+def act_takes(x: torch.Tensor, w: torch.Tensor, slices: int) -> bool:
+    """Whether the kernel takes silu(gate) * up of x [gate | up]^T (gemv's `act`): `takes`, gate and
+    up of whole 16-row blocks, and at most 16 K slices (a block's 2 x slices warps)."""
+    half = w.shape[0] // 2
+    return takes(x, w) and w.shape[0] == 2 * half and half % 16 == 0 and slices <= 16
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-         stages: int, pdl: bool) -> bool:
-    """out = x w^T (+ bias) on torch's current stream; False where the kernel is not built here."""
+         stages: int, pdl: bool, act: bool = False) -> bool:
+    """out = x w^T (+ bias) on torch's current stream, or with `act` (w = [gate | up], act_takes,
+    no bias) out [M, N / 2] = silu(x gate^T) * (x up^T) with the products rounded to bf16 first;
+    False where the kernel is not built here."""
     lib = library(arch(x.device))
     if lib is None:
         return False
@@ -119,8 +130,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
     n = w.shape[0]
     err = lib.strata_invariant_gemv(
         x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), m, n, k,
-        x.stride(0), w.stride(0), out.stride(0), slices, stages, int(pdl),
+        x.stride(0), w.stride(0), out.stride(0), slices, stages, n // 2 if act else 0, int(pdl),
         torch.cuda.current_stream(x.device).cuda_stream)
     if err != 0:
-        raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: CUDA error {err}")
+        raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T{' (act)' if act else ''}: CUDA error {err}")
     return True

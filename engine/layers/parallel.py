@@ -289,6 +289,18 @@ class Linear(nn.Module):
             return triton_ops.gemv(x, self.weight, *cfg)
         return matmul(x, self.weight, self.bias, self.packed)
 
+    def forward_act(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate | up] layer's output (bias-free) in one launch where
+        deterministic inference's CUDA GEMV takes x (1-8 rows, invariant_gemm.gemm_act: the bits
+        of this layer then ops.silu_and_mul's flashinfer kernel), else None."""
+        if (self.bias is not None or self.quant is not None or self.packed is not None
+                or not batch_invariant.enabled() or not ops.fused_ok(x) or x.dim() != 2
+                or not _invariant_gemm_fits(x, self.weight)):
+            return None
+        from engine.layers import invariant_gemm
+
+        return invariant_gemm.gemm_act(x, self.weight)
+
     def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for h = [gate | up] ([T, 2 * in_features]): for small batches
         the activation is folded into the GEMV (one launch fewer)."""

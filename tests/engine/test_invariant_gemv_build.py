@@ -24,16 +24,22 @@ def test_builds_and_refuses_what_it_does_not_take(tmp_path: Path) -> None:
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = ctypes.c_int
     lib.strata_invariant_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 3 + [
-        ctypes.c_int] * 3 + [ctypes.c_void_p]
+        ctypes.c_int] * 4 + [ctypes.c_void_p]
 
-    def call(m: int, split: int, stages: int = 4) -> int:
-        return lib.strata_invariant_gemv(None, None, None, None, m, 64, 64, 64, 64, 64, split, stages, 0, None)
+    def call(m: int, split: int, stages: int = 4, n: int = 64, half: int = 0, bias: int | None = None) -> int:
+        return lib.strata_invariant_gemv(None, None, bias, None, m, n, 64, 64, 64, 64, split, stages, half, 0, None)
 
     assert call(0, 4) == INVALID_VALUE  # no rows
     assert call(invariant_gemv.MAX_ROWS + 1, 4) == INVALID_VALUE  # more rows than the mma's 8 columns
     assert call(1, 3) == INVALID_VALUE  # K slices not a power of two
     assert call(1, 64) == INVALID_VALUE  # more slices than a block's warps
     assert call(1, 4, stages=5) == INVALID_VALUE  # a ring depth not built
+    # the SwiGLU epilogue: [gate | up] of whole 16-row blocks, no bias, a block's 2 x split warps
+    assert call(1, 4, n=64, half=24) == INVALID_VALUE  # N is not 2 x half
+    assert call(1, 4, n=48, half=24) == INVALID_VALUE  # half not a multiple of 16
+    assert call(1, 4, n=64, half=32, bias=16) == INVALID_VALUE  # a bias
+    assert call(1, 32, n=64, half=32) == INVALID_VALUE  # 64 warps a block
+    assert call(1, 4, n=64, half=-32) == INVALID_VALUE
 
 
 def test_ring_depth_fits_the_slice_and_shared_memory() -> None:

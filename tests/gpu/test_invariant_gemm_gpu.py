@@ -177,3 +177,33 @@ def test_cuda_gemv_keeps_the_prefill_bits(name: str) -> None:
                     if not torch.equal(out, full[:m]):
                         bad.append((m, st, pdl, b is not None))
     assert not bad, (name, bad)
+
+
+@pytest.mark.parametrize(("n", "k"), [SHAPES["llama-gate_up"], SHAPES["qwen-gate_up"], (2016, 1000), (96, 4096)])
+def test_cuda_gemv_act_keeps_the_unfused_bits(n: int, k: int) -> None:
+    """The CUDA GEMV's SwiGLU epilogue (invariant_gemm.gemm_act: gate_up and silu(gate) * up in one
+    launch) at 1-8 rows, every ring depth, with and without PDL: the bits of the prefill tiles'
+    gate_up followed by flashinfer's silu_and_mul (ops.silu_and_mul, the unfused path)."""
+    from engine.layers import invariant_gemv, ops
+
+    if invariant_gemv.library(invariant_gemv.arch(torch.device("cuda"))) is None:
+        pytest.skip("the CUDA GEMV does not build here (no nvcc)")
+    if not ops.fused_ok(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("no flashinfer: the unfused path's activation is not the epilogue's")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5 * 4).to(torch.bfloat16)
+    x = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
+    s = invariant_gemm.split(n, k)
+    assert invariant_gemv.act_takes(x[:1], w, s), (n, k, s)
+    want = ops.silu_and_mul(invariant_gemm.gemm(x, w, tile=(64, 128, 8, 4, 4, s)))
+    bad = []
+    for m in (1, 2, 5, 8):
+        for st in invariant_gemv.STAGES:
+            for pdl in (False, True):
+                if invariant_gemv.stages_for(s, k, st) != st:
+                    continue
+                out = torch.full((m, n // 2), float("nan"), dtype=x.dtype, device="cuda")
+                assert invariant_gemv.gemv(x[:m], w, None, out, s, st, pdl, act=True)
+                if not torch.equal(out, want[:m]):
+                    bad.append((m, st, pdl, (out.float() - want[:m].float()).abs().max().item()))
+    assert not bad, (n, k, bad)
