@@ -491,7 +491,7 @@ def invariant_attention_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
     blk_real, out, sm_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    CP: tl.constexpr, F32_DOT: tl.constexpr,
+    CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Deterministic inference's attention (engine/layers/batch_invariant.py) for one (block of
     T query tokens of one request, KV head): the group's T * G query rows against the KV in
@@ -499,6 +499,7 @@ def invariant_attention_kernel(
     fresh one (as _kv_partition), merged in partition order (_merge_state): serially here, by
     invariant_split_kernel + invariant_merge_kernel for split decode, with the same bits. A
     row's arithmetic depends on nothing but its own q, its position and the KV: not on the batch."""
+    pdl_start(PDL)  # q and the new token's KV are the previous launch's
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV
@@ -535,13 +536,14 @@ def invariant_split_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
     sm_scale, part_o, part_ml, parts_max,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    CP: tl.constexpr, F32_DOT: tl.constexpr,
+    CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Split decode, step 1: program (block, KV head, k) computes partitions k, k + splits, ...
     of its block (decode blocks: T copies of one token, computed as invariant_attention_kernel
     computes a block, so with its tile shapes and bits) and stores token 0's G rows' states in
     float32: part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l).
     Programs past a block's partitions store nothing (the merge reads only its partitions)."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     k = tl.program_id(2)
@@ -564,11 +566,12 @@ def invariant_split_kernel(
 @triton.jit(do_not_specialize=["parts_max"])
 def invariant_merge_kernel(
     blk_rows, blk_reads, part_o, part_ml, parts_max, out,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Split decode, step 2: program (block, KV head) merges its token's partition states in
     partition order from a fresh state by _merge_state, and stores the output as
     invariant_attention_kernel does (o / l in the output dtype)."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV

@@ -405,7 +405,8 @@ def invariant_attention(
     # 8 warps where 4 would need over 128 registers a thread for them. The split kernel must take
     # the same warps (the same tl.dot lowering); the merge kernel is elementwise (any layout)
     warps = 8 if tokens * (hq // hkv) * d >= 8192 else 4
-    opts = dict(enable_fp_fusion=False)
+    pdl = _pdl(q.device)  # a sync only: no bits move
+    opts = dict(enable_fp_fusion=False, PDL=pdl, **_launch_opts(pdl))
     k = _k()
     if splits <= 1:
         k.invariant_attention_kernel[(nb, hkv)](*head, real, out, d**-0.5, **geom, F32_DOT=interpreted(),
