@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from msgs.channels import TcpPlan
 
 
+MAX_SPEC_STEPS = 16  # drafts a row and step, at most
 # --speculative-num-steps-by-batch-size's default, from the H200 sweep in docs/PERF.md (Speculation by
 # batch size): more than 4 decode rows, at most 3 drafts a row; more than 16, no speculation
 SPEC_BY_BATCH_DEFAULT = "4:3,16:0"
@@ -230,7 +231,7 @@ class ServerConfig:
         steps = self.speculative_num_steps or 3
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
-            (1 <= steps <= 16, "--speculative-num-steps must be in 1..16"),
+            (1 <= steps <= MAX_SPEC_STEPS, f"--speculative-num-steps must be in 1..{MAX_SPEC_STEPS}"),
             (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),  # before what it means
             *_tree_checks(self.speculative_eagle_topk, steps, tokens, self.enable_deterministic_inference),
             (algo == "STANDALONE" or not self.speculative_draft_layers,
@@ -454,6 +455,8 @@ def _steps_by_batch_problem(text: str) -> str | None:
         return f"{flag}: ROWS must be strictly ascending"
     if steps != sorted(steps, reverse=True):
         return f"{flag}: STEPS must not grow with ROWS (more decode rows, fewer drafts)"
+    if steps and steps[0] > MAX_SPEC_STEPS:  # a cap above any --speculative-num-steps is a typo, not a rule
+        return f"{flag}: STEPS must be in 0..{MAX_SPEC_STEPS} (--speculative-num-steps' range)"
     return None
 
 

@@ -195,6 +195,7 @@ def test_flag_parses_and_empty_turns_the_rules_off() -> None:
     ("16:0,4:3", "ROWS must be strictly ascending"),
     ("4:3,4:0", "ROWS must be strictly ascending"),
     ("4:1,16:3", "STEPS must not grow with ROWS"),
+    ("4:99", "STEPS must be in 0..16"),
 ])
 def test_bad_rules_fail_at_start_naming_the_flag(value: str, problem: str) -> None:
     with pytest.raises(ValueError, match="--speculative-num-steps-by-batch-size") as e:
