@@ -22,13 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.logdir.is_dir():
         p.error(f"{args.logdir} is not a directory")
+    if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
+        p.error(f"--plot {args.plot}: a file, not a directory")
     rep = analyze(args.logdir)
     if args.json:
         print(to_json(rep))
     else:
         print_text(rep, timelines=not args.no_timelines)
     if args.plot is not None:
-        for path in plot(rep, args.plot):
+        try:
+            written = plot(rep, args.plot)
+        except ImportError as e:  # matplotlib is a dependency; a broken install gets one line
+            print(f"bin/analyze: --plot needs matplotlib ({e})", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"bin/analyze: --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        for path in written:
             print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

@@ -94,6 +94,22 @@ def test_cli_json_and_plots(logdir: Path, tmp_path: Path) -> None:
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
 
 
+def test_cli_paths_are_the_callers_and_plot_errors_are_one_line(logdir: Path, tmp_path: Path) -> None:
+    """bin/analyze resolves relative paths in the caller's directory (it used to change into the
+    repository); a --plot that cannot be written is one line and exit 1, a file is a usage error."""
+    tool = str(ROOT / "bin" / "analyze")
+    (tmp_path / "logs").symlink_to(logdir)
+    ok = subprocess.run([tool, "logs", "--json", "--plot", "plots"], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["summary"]["count"] == 3 and sorted((tmp_path / "plots").glob("*.png"))
+    (tmp_path / "afile").write_text("")
+    for where, code, said in (("afile", 2, "a file, not a directory"), ("afile/sub", 1, "--plot afile/sub: ")):
+        bad = subprocess.run([tool, "logs", "--plot", where], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == code and said in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 @pytest.fixture(scope="module")
 def tier_logdir(real_logs: dict[str, Path]) -> Iterator[Path]:
     yield real_logs["tiers"]
