@@ -11,6 +11,7 @@ top_logprobs and prompt_logprobs; `return_text_in_logprobs` puts each token's te
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -178,9 +179,14 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
         gen.close()
 
 
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+
+
 async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     """SGLang's GET /health_generate: one greedy token through every process (the probe that
-    /health's readiness alone cannot give); a failure is the generation's 5xx."""
+    /health's readiness alone cannot give); a failure is the generation's 5xx, and no token within
+    HEALTH_GENERATE_TIMEOUT_S a 503 (a stuck process: the probe answers, it does not wait for the
+    watchdog)."""
     if state.frontend.died is not None:
         raise state.frontend.unavailable()
     if not state.frontend.ready:  # a probe answers at once (requests wait for ready instead)
@@ -188,7 +194,10 @@ async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     probe = SubRequest(call.rid, 0, 0, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
     gen = await Generation.start(state.frontend, state.tok, call.rid, [probe], call.t0, False)
     try:
-        (c,) = await collect(gen)
+        (c,) = await asyncio.wait_for(collect(gen), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        raise ApiError(503, f"health_generate: no token within {HEALTH_GENERATE_TIMEOUT_S:g} s (a process is stuck "
+                            "or the server is overloaded)") from None
     finally:
         gen.close()
     return Reply(body={"status": "ok", "output_ids": c.token_ids})

@@ -21,6 +21,7 @@ from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import SubRequest
 from msgs.outputs import ReqOutput, SchedulerStats, TokenBatch
 from msgs.params import SamplingParams
+from msgs.requests import AbortRequest
 
 STATS = SchedulerStats(
     ready=True,
@@ -204,6 +205,28 @@ def test_health_names_the_dead_process() -> None:
     assert r.status_code == 503
     err = r.json()["error"]
     assert err["code"] == "process_died" and "worker-0" in err["message"] and "SIGKILL" in err["message"]
+
+
+def test_health_generate_answers_503_when_no_token_comes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ready server whose scheduler never answers (a stuck process): the probe is a 503 after
+    its time limit, not a wait for the watchdog, and its request is closed."""
+    from engine.serve import native
+
+    monkeypatch.setattr(native, "HEALTH_GENERATE_TIMEOUT_S", 0.3)
+
+    async def main() -> None:
+        state = ready_state()
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as err:
+            await native.health_generate(state, b"", Call("probe", t0))
+        assert err.value.status == 503 and "no token within 0.3 s" in err.value.message
+        assert 0.3 <= time.monotonic() - t0 < 3
+        sent = []
+        while not state.frontend._outbox.empty():
+            sent.append(state.frontend._outbox.get_nowait())
+        assert any(isinstance(m, AbortRequest) and m.rid == "probe" for m in sent), "the probe's request is aborted"
+
+    run(main())
 
 
 def test_health_generate_answers_503_at_once_before_ready() -> None:
