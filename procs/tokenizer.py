@@ -190,7 +190,8 @@ class TokenizerProcess:
         )
         server = _Server(config)
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
+        stopping: list[asyncio.Task[None]] = []  # holds the task (the loop keeps weak references only)
+        loop.add_signal_handler(signal.SIGTERM, lambda: stopping.append(asyncio.create_task(self.stop(state, server))))
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         tasks = {
             asyncio.create_task(state.frontend.run_sender(self.to_sched), name="sender"),
@@ -232,6 +233,19 @@ class TokenizerProcess:
                 log.warning("requests still in flight after a process died", left=frontend.num_in_flight)
             await asyncio.sleep(FLUSH_SETTLE_S)
             await self.control.send(Flushed(proc=PROC, requests=failed))
+
+    async def stop(self, state: ServeState, server: uvicorn.Server) -> None:
+        """SIGTERM: fail every request in flight with the ordered shutdown's 503 (as the supervisor's
+        notice does; a SIGTERM to this process alone used to cut streams without a word), wait
+        briefly until their consumers saw it, then stop the HTTP server."""
+        frontend = state.frontend
+        if frontend.died is None:
+            frontend.process_died("", "stopped by SIGTERM")
+            if state.grammar is not None:
+                state.grammar.down(frontend.down_reason()[0])
+            await frontend.drained(FLUSH_TIMEOUT_S)
+            await asyncio.sleep(FLUSH_SETTLE_S)
+        server.should_exit = True
 
     @staticmethod
     def _exit_code(done: set[asyncio.Task[None]], http: asyncio.Task[None]) -> int:

@@ -270,6 +270,29 @@ def test_ctrl_c_fails_requests_in_flight_and_exits_0(tmp_path: Path, capfd: pyte
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "unexpectedly" not in err, err[-2000:]
 
 
+def test_sigterm_to_the_front_end_alone_tells_its_clients(tmp_path: Path,
+                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM to the tokenizer process only (not the group): it fails every request in flight with
+    the ordered shutdown's 503 before its HTTP server stops (it used to close streams after its
+    graceful wait with no error event and no [DONE]); bin/serve then stops, naming it."""
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
+    children = _children(srv)
+    term = children["tokenizer"]
+    events, stream, sdk, whole, t_term = _three_in_flight(srv, lambda: term.send_signal(signal.SIGTERM))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", events[-3:]
+    assert "stopped by SIGTERM" in events[-2]["error"]["message"]
+    assert stream.done_at - t_term < TOLD_WITHIN_S
+    resp = whole.join()
+    assert isinstance(resp, httpx.Response) and resp.status_code == 503, resp
+    assert resp.json()["error"]["code"] == "server_shutdown"
+    result = sdk.join()
+    assert isinstance(result, StrataError) and result.status == 503 and "shutting down" in result.message, result
+    assert srv.proc.wait(timeout=20) == 1
+    _, alive = psutil.wait_procs(list(children.values()), timeout=5)
+    assert not alive, f"orphans: {alive}"
+    assert "tokenizer" in capfd.readouterr().err
+
+
 def test_tokenizer_killed_sdk_clients_hear_silence(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Nobody is left to answer an SDK client when the tokenizer dies: the client's own liveness
     check (no keep-alive for SILENCE_S) raises a 503 for a stream and a whole request alike."""
