@@ -117,6 +117,21 @@ class Checker:
             self.proc = None
 
 
+NOTHING_MATCHES = "it matches no text (no token can begin an answer)"
+
+
+def can_begin(compiled: object, vocab_size: int) -> bool:
+    """Whether some token (an end token included) can begin text the compiled grammar matches: a
+    grammar that compiles but matches nothing (`root ::= root`, an empty character class) would
+    give a request nothing to sample, every logit masked."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return bool(mask.any())
+
+
 def main() -> None:
     from engine.serve.grammar import compilable, first_line
     from engine.tokenizer import grammar_compiler, load_tokenizer, tokenizer_info
@@ -136,8 +151,9 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             source = compilable(text)
-            reply = CheckReply(source, compiler.compile_structural_tag(source).memory_size_bytes,
-                               time.perf_counter() - t0)
+            compiled = compiler.compile_structural_tag(source)
+            reply = CheckReply(source, compiled.memory_size_bytes, time.perf_counter() - t0,
+                               "" if can_begin(compiled, info.vocab_size) else NOTHING_MATCHES)
         except Exception as exc:  # noqa: BLE001 - xgrammar's errors: a grammar it cannot compile
             reply = CheckReply("", 0, time.perf_counter() - t0, first_line(exc))
         write_frame(wfd, msgspec.msgpack.encode(reply))

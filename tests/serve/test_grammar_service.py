@@ -63,6 +63,18 @@ def test_what_does_not_compile_is_a_400(service: GrammarService) -> None:
         assert info.value.status == 400
 
 
+def test_a_grammar_that_matches_nothing_is_a_400(service: GrammarService) -> None:
+    """It compiles, but no token can begin an answer: every logit would be masked (an audit got a
+    200 of token 0 at logprob -9999 per step)."""
+    for param, params in (("ebnf", SamplingParams(ebnf="root ::= root")),
+                          ("regex", SamplingParams(regex="[^\\s\\S]"))):
+        with pytest.raises(ApiError) as info:
+            asyncio.run(constrain(service, params, 49152))
+        assert info.value.status == 400 and info.value.param == param and "matches no text" in info.value.message
+    ok = asyncio.run(constrain(service, SamplingParams(regex="[ab]"), 49152))  # a one-character language is fine
+    assert isinstance(ok.grammar, Grammar)
+
+
 def _union_properties(n: int) -> str:
     union = {"anyOf": [{"type": "string", "maxLength": 200}, {"type": "integer"},
                        {"type": "array", "items": {"type": "string", "pattern": "[a-z]{1,50}"}}]}
