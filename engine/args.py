@@ -57,8 +57,8 @@ HELP = {
     "max_prefill_tokens": "token budget per step; longer prompts are prefilled in chunks",
     "context_length": "max prompt + output tokens per request (0: the model's max_position_embeddings; no more "
     "than it)",
-    "watchdog_timeout": "seconds a step may go unfinished on every rank before the scheduler stops the server "
-    "(every request in flight then fails with a 503), instead of hanging",
+    "watchdog_timeout": "seconds a step may go unfinished on every rank, or the scheduler's or tokenizer's loop "
+    "may go silent, before the server stops (every request in flight then fails with a 503), instead of hanging",
     "disable_overlap": "run each step to completion before planning the next (no one-step-ahead scheduling)",
     "disable_radix_cache": "do not reuse KV pages of shared prompt prefixes across requests",
     "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",

@@ -1,7 +1,8 @@
 """Control channels between the supervisor and its children.
 
-* children PUSH -> supervisor PULL (channel `control`): readiness, fatal errors, and the tokenizer's
-  `Flushed` once it has answered every in-flight request after a `ProcessDied`.
+* children PUSH -> supervisor PULL (channel `control`): readiness, fatal errors, the tokenizer's
+  `Flushed` once it has answered every in-flight request after a `ProcessDied`, and `Alive` from the
+  scheduler's and the tokenizer's loops (ALIVE_EVERY_S) so that a stuck one is found.
 * supervisor PUSH -> tokenizer PULL (channel `notices`): `ProcessDied`, so
   in-flight clients get an explicit error before everything is torn down.
 """
@@ -30,6 +31,16 @@ class Flushed(msgspec.Struct, tag=True, frozen=True):
     requests: int  # how many in-flight requests were failed
 
 
+ALIVE_EVERY_S = 1.0  # a loop's heartbeat period; the supervisor allows --watchdog-timeout without one
+
+
+class Alive(msgspec.Struct, tag=True, frozen=True):
+    """A heartbeat from a process's main loop: sent only while the loop turns, so a process that is
+    stuck (a deadlock, an endless loop, SIGSTOP) stops sending it."""
+
+    proc: str
+
+
 class ProcessDied(msgspec.Struct, tag=True, frozen=True):
     """A child died or reported Fatal, or (proc "") the supervisor was signalled: the server is
     about to shut down, and every request in flight fails with a 503."""
@@ -38,5 +49,5 @@ class ProcessDied(msgspec.Struct, tag=True, frozen=True):
     reason: str  # e.g. "killed by SIGKILL", "exit status 1", a Fatal's reason
 
 
-ToSupervisor = Ready | Fatal | Flushed
+ToSupervisor = Ready | Fatal | Flushed | Alive
 ToTokenizerControl = ProcessDied

@@ -40,7 +40,7 @@ from engine.supervise import (
     run_prefix,
 )
 from msgs.channels import CONTROL, NOTICES, Receiver, Sender, open_receiver, open_sender
-from msgs.control import Fatal, Ready, ToSupervisor, ToTokenizerControl
+from msgs.control import Alive, Fatal, Ready, ToSupervisor, ToTokenizerControl
 
 START_TIMEOUT_S = 900.0
 POLL_MS = 100  # how often children are checked: a crash reaches clients within ~this
@@ -133,16 +133,22 @@ def _run(
             log.info("tokenizer flushed" if failed is not None else "tokenizer did not flush", requests=failed)
         return 1
 
+    alive: dict[str, float] = {}  # the loops that beat (Alive): when each was last heard from
     while not stop["signal"]:
         # Messages first: a child that sent Fatal and exited is reported with its reason.
         if control.poll(POLL_MS):
             msg = control.recv()
+            if isinstance(msg, Alive):
+                alive[msg.proc] = time.monotonic()
+                continue
             if isinstance(msg, Fatal):
                 name = child_name(msg.proc, msg.rank)
                 return crashed(name, f"{name} failed: {msg.reason}", msg.reason)
             if isinstance(msg, Ready):
                 name = child_name(msg.proc, msg.rank)
                 ready[name] = msg
+                if name in BEATING:
+                    alive[name] = time.monotonic()
                 log.info("child ready", child=name, **msg.info)
                 if set(ready) == set(expected):
                     # every process that maps the host slab has mapped it (workers at the set-up step
@@ -157,6 +163,10 @@ def _run(
         if dead:
             name, how = dead
             return crashed(name, f"process {name} ({how}) exited unexpectedly", how)
+        stuck = silent(alive, time.monotonic(), cfg.watchdog_timeout)
+        if stuck:
+            how = f"stuck: no sign of life for {cfg.watchdog_timeout:g} s (--watchdog-timeout)"
+            return crashed(stuck, f"process {stuck} is {how}", how)
         if len(ready) < len(expected) and time.monotonic() > deadline:
             print(f"strata: start timed out; not ready: {sorted(set(expected) - set(ready))}", file=sys.stderr)
             return 1
@@ -166,6 +176,14 @@ def _run(
         failed = announce_death(notices, control, "", f"stopped by {how}", FLUSH_TIMEOUT_S)
         log.info("tokenizer flushed" if failed is not None else "tokenizer did not flush", requests=failed)
     return 0
+
+
+BEATING = ("scheduler", "tokenizer")  # the processes whose loops send Alive (workers: the scheduler's watchdog)
+
+
+def silent(alive: dict[str, float], now: float, timeout_s: float) -> str | None:
+    """The first process (of those that beat and were ready) not heard from for timeout_s, or None."""
+    return next((name for name, at in sorted(alive.items()) if now - at > timeout_s), None)
 
 
 def ready_line(cfg: ServerConfig, ready: dict[str, Ready]) -> str:

@@ -58,7 +58,7 @@ from msgs.channels import (
     open_async_receiver,
     open_async_sender,
 )
-from msgs.control import Fatal, Flushed, ProcessDied, Ready, ToSupervisor, ToTokenizerControl
+from msgs.control import ALIVE_EVERY_S, Alive, Fatal, Flushed, ProcessDied, Ready, ToSupervisor, ToTokenizerControl
 from msgs.outputs import ToTokenizer
 from msgs.requests import ToScheduler
 
@@ -198,6 +198,7 @@ class TokenizerProcess:
             asyncio.create_task(state.frontend.run_receiver(self.from_sched), name="receiver"),
             asyncio.create_task(SdkServer(state, self.sdk).run(), name="sdk"),
             asyncio.create_task(self.watch_supervisor(state), name="notices"),
+            asyncio.create_task(self.beat(), name="alive"),
         }
         http = asyncio.create_task(server.serve(sockets=[http_sock]), name="http")
         try:
@@ -233,6 +234,13 @@ class TokenizerProcess:
                 log.warning("requests still in flight after a process died", left=frontend.num_in_flight)
             await asyncio.sleep(FLUSH_SETTLE_S)
             await self.control.send(Flushed(proc=PROC, requests=failed))
+
+    async def beat(self) -> None:
+        """Alive to the supervisor every ALIVE_EVERY_S while the event loop turns: a front end stuck
+        in a callback is found by its silence (procs/supervisor.py)."""
+        while True:
+            await asyncio.sleep(ALIVE_EVERY_S)
+            await self.control.send(Alive(proc=PROC))
 
     async def stop(self, state: ServeState, server: uvicorn.Server) -> None:
         """SIGTERM: fail every request in flight with the ordered shutdown's 503 (as the supervisor's

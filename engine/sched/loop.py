@@ -26,7 +26,7 @@ from engine.env import env
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import Inbox, Outbox
 from msgs.codec import DROPPED, id_count
-from msgs.control import Ready, ToSupervisor
+from msgs.control import ALIVE_EVERY_S, Alive, Ready, ToSupervisor
 from msgs.done import (
     ControllerDigest,
     ControllerFailed,
@@ -71,6 +71,7 @@ class SchedulerLoop:
     def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S) -> None:
         self.cfg = cfg
         self.clock: Callable[[], float] = time.monotonic  # the burst wait's (tests step it by hand)
+        self.beat_at: float | None = None  # when the last Alive went to the supervisor (None: not ready yet)
         self.batch_wait_s = 0.0  # --batch-wait-ms, resolved for the workers' device at start
         self.burst: tuple[float, float] | None = None  # first and last arrival at an idle engine, until a step
         self.held_s = 0.0  # how much longer this pass's burst wait lasts (0: none)
@@ -127,6 +128,7 @@ class SchedulerLoop:
 
     def _announce(self) -> None:
         assert self.ready is not None
+        self.beat_at = self.clock()  # Ready counts as the first sign of life
         self.ports.control.send(Ready(proc="scheduler", info={"pages": str(self.ready.num_pages),
                                                               "max_context": str(self.ready.max_context)}))
         self._send_stats(force=True)
@@ -153,6 +155,7 @@ class SchedulerLoop:
         while not self.held_s and len(self.inflight) < self.max_ahead and self._send_next():
             pass
         self._maybe_check_leaks()
+        self._beat()
         self._send_stats()
         self._maybe_log_occupancy()
         self._maybe_log_spec()
@@ -273,6 +276,14 @@ class SchedulerLoop:
                     self.setup_seq = None
                     self._announce()
         self._emit(outs)
+
+    def _beat(self) -> None:
+        """Alive to the supervisor every ALIVE_EVERY_S from this loop: a scheduler stuck between
+        passes is found by its silence (procs/supervisor.py), and its clients are told."""
+        now = self.clock()
+        if self.beat_at is not None and now - self.beat_at >= ALIVE_EVERY_S:
+            self.beat_at = now
+            self.ports.control.send(Alive(proc="scheduler"))
 
     def _watchdog(self) -> None:
         """--watchdog-timeout: a step in flight with no StepDone from any rank for that long (a worker

@@ -339,3 +339,26 @@ def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.Capture
     finally:
         children["worker-0"].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
     _assert_orderly_exit(srv, children, leftovers, capfd, "--watchdog-timeout")
+
+
+def test_a_stuck_scheduler_is_found_by_its_silence(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A scheduler that stops between passes (SIGSTOP: a deadlock, an endless loop) sends no Alive:
+    after --watchdog-timeout the supervisor names it and every client in flight gets its 503 (the
+    front end keeps SDK clients' keep-alives going, so they never noticed; /health said 200)."""
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", "--watchdog-timeout", "3")
+    children = _children(srv)
+    leftovers = (_run_dir(children), _shm(children))
+    sdk = Background(_sdk_stream(srv.sdk))
+    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
+                                                                   **LONG}))
+    assert sdk.started.wait(30) and whole.started.wait(30)
+    _wait_running(srv, 2)
+    t_stop = time.monotonic()
+    children["scheduler"].send_signal(signal.SIGSTOP)
+    try:
+        _assert_503(whole.join(20), "scheduler")
+        _assert_sdk_503(sdk.join(20), "scheduler")
+        assert max(sdk.done_at, whole.done_at) - t_stop < 3 + 5
+    finally:
+        children["scheduler"].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
+    _assert_orderly_exit(srv, children, leftovers, capfd, "stuck: no sign of life for 3 s")
