@@ -234,9 +234,10 @@ class ChildSet:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
+        for name, proc in self.procs.items():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("child did not stop on SIGTERM: killed", child=name, grace_s=grace_s)
                 proc.kill()
                 proc.wait()

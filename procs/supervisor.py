@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     control = open_receiver(ctx, CONTROL, "supervisor", run_dir)
     notices = open_sender(ctx, NOTICES, "supervisor", run_dir)  # -> tokenizer: ProcessDied
     children = ChildSet(cfg, Path(run_dir))
+    code = 1  # what an exception out of the loop below leaves
     try:
         children.start_all()
         if cfg.enable_hierarchical_cache:
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         remove_slab(cfg.hicache_path)
         for fd in locks:
             os.close(fd)
+        log.info("supervisor exiting", code=code)
     return code
 
 

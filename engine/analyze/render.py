@@ -34,6 +34,7 @@ def print_text(rep: Report, timelines: bool = True, out: Any = sys.stdout) -> No
     _print_spec(rep, w)
     _print_grammars(rep, w)
     _print_errors(rep, w)
+    _print_unfinished(rep, w)
     for n in rep.notes:
         w(f"note: {n}")
 
@@ -149,6 +150,17 @@ def _print_errors(rep: Report, w: Any) -> None:
     for e in rep.errors:
         seq = "" if e["seq"] is None else f" seq={e['seq']}"
         w(f"  {e['timestamp']} {e['file']}{seq}: {e['detail']}")
+
+
+def _print_unfinished(rep: Report, w: Any, most: int = 20) -> None:
+    if not rep.unfinished:
+        return
+    w(f"unfinished requests: {len(rep.unfinished)} (no 'request finished' line: in flight when the logs end)")
+    for u in rep.unfinished[:most]:
+        w(f"  {u['rid']}: first seen {u['first_seen']:.3f} s, last {u['last_seen']:.3f} s "
+          f"({u['last_proc']}: {u['last_event']})")
+    if len(rep.unfinished) > most:
+        w(f"  ... and {len(rep.unfinished) - most} more (--json lists them all)")
 
 
 def _print_moe(rep: Report, w: Any) -> None:

@@ -60,6 +60,8 @@ class Report:
     errors: list[dict[str, Any]]
     first_error_seq: int | None
     notes: list[str] = field(default_factory=list)
+    # requests with no 'request finished' line: in flight when the logs end (a crash, a kill)
+    unfinished: list[dict[str, Any]] = field(default_factory=list)
     kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker: its KV pool and layout
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker and MoE layer: expert load
     spec: dict[str, Any] = field(default_factory=dict)  # speculative decoding: accept length, overall and per line
@@ -114,6 +116,24 @@ def build_requests(records: list[Record], t0: float, has_l2: bool) -> list[Reque
     for r in done:
         _finish(r, has_l2)
     return sorted(done, key=lambda r: r.received if r.received is not None else r.done or 0.0)
+
+
+def unfinished(records: list[Record], t0: float) -> list[dict[str, Any]]:
+    """The requests that a process logged but the tokenizer never finished: each with when it was
+    first and last seen (seconds since t0) and its last event, in order of arrival."""
+    seen: dict[str, dict[str, Any]] = {}
+    finished: set[str] = set()
+    for rec in records:
+        rid = rec.get("rid")
+        if not isinstance(rid, str):
+            continue
+        if rec.get("proc") == "tokenizer" and rec["event"] == "request finished":
+            finished.add(rid)
+            continue
+        t = round(rec["t"] - t0, 3)
+        entry = seen.setdefault(rid, {"rid": rid, "first_seen": t})
+        entry.update(last_seen=t, last_event=rec["event"], last_proc=rec.get("proc"))
+    return [e for rid, e in seen.items() if rid not in finished]
 
 
 def _apply(req: Request, rec: Record, t: float) -> None:
@@ -365,6 +385,7 @@ def analyze(logdir: Path) -> Report:
         errors=errs,
         first_error_seq=min(seqs) if seqs else None,
         notes=_notes(reqs, has_l2, records),
+        unfinished=unfinished(records, t0),
         kv_pools=kv_pools(records),
         moe=moe_load(records),
         spec=spec_accept(records, t0),
@@ -478,7 +499,10 @@ def _layout_bytes(layout: str) -> int | None:
 
 def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str]:
     notes = []
-    if any(r.ttft is None for r in reqs):
+    if not records:
+        notes.append("no log lines here: is this a --log-dir of bin/serve?")
+        return notes
+    if any(r.ttft is None and r.completion_tokens for r in reqs):
         notes.append("some 'request finished' lines carry no ttft (logs from an older server)")
     if has_l2 and any(r.cached_tokens and r.tier_tokens is None for r in reqs):
         notes.append("per-request L1/L2/L3 split not logged (older server): those cached requests show as tier 'l1+l2'")

@@ -221,11 +221,19 @@ def test_digest_mismatch_reported_with_its_seq(tmp_path: Path) -> None:
     assert [e["event"] for e in rep.errors] == ["scheduler failed", "child died"]
     assert rep.errors[0]["seq"] == 17 and rep.first_error_seq == 17
     assert "DigestMismatch" in rep.errors[0]["detail"]
-    assert rep.summary["count"] == 0  # queued, never finished
+    assert rep.summary["count"] == 0  # queued, never finished: listed as unfinished, not hidden
+    assert rep.unfinished == [{"rid": "r1", "first_seen": 0.1, "last_seen": 0.1, "last_event": "request",
+                               "last_proc": "scheduler"}]
     buf = io.StringIO()
     print_text(rep, out=buf)
     assert "errors: 2 (first seq mentioned: 17)" in buf.getvalue() and "seq=17" in buf.getvalue()
+    assert "unfinished requests: 1" in buf.getvalue() and "r1: first seen 0.100 s" in buf.getvalue()
     assert main([str(tmp_path), "--json"]) == 0
+
+
+def test_an_empty_log_dir_says_so(tmp_path: Path) -> None:
+    rep = analyze(tmp_path)
+    assert rep.notes == ["no log lines here: is this a --log-dir of bin/serve?"] and rep.unfinished == []
 
 
 def test_cache_occupancy_plot(tmp_path: Path) -> None:
