@@ -67,6 +67,8 @@ def foldable(producer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
     norm takes our kernel, both layers are plain local products (Linear.plain_weight) the CUDA
     GEMV takes at these rows (the consumer with `act`: SwiGLU's epilogue too), hidden a multiple
     of 16."""
+    if not batch_invariant.enabled() or not x.is_cuda:  # the mode-off path pays one call, not the checks
+        return False
     mine, theirs = producer.plain_weight(), consumer.plain_weight()
     if mine is None or theirs is None or not residual.is_contiguous() or residual.shape[0] != x.shape[0]:
         return False
