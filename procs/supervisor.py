@@ -145,6 +145,12 @@ def _run(
                 continue
             if isinstance(msg, Fatal):
                 name = child_name(msg.proc, msg.rank)
+                cause = children.cause(name, CAUSE_GRACE_S)
+                if cause is not None:  # a rank was killed and a survivor or the scheduler reported it first
+                    dead, how = cause
+                    log.info("failure reported after a child ended", reporter=name, reason=msg.reason)
+                    return crashed(dead, f"process {dead} ({how}) exited unexpectedly; {name} then failed: "
+                                   f"{msg.reason[:300]}", how)
                 return crashed(name, f"{name} failed: {msg.reason}", msg.reason)
             if isinstance(msg, Ready):
                 name = child_name(msg.proc, msg.rank)
@@ -180,6 +186,7 @@ def _run(
     return 0
 
 
+CAUSE_GRACE_S = 0.5  # after a Fatal: how long another child's exit may take to be seen (it is the cause)
 BEATING = ("scheduler", "tokenizer")  # the processes whose loops send Alive (workers: the scheduler's watchdog)
 
 

@@ -103,3 +103,31 @@ def test_watched_steps_delivers_then_fails_when_the_scheduler_goes() -> None:
         steps.monitor.close(0)
     finally:
         ctx.term()
+
+
+def test_the_cause_of_a_failure_is_the_child_that_was_killed(tmp_path: Path) -> None:
+    """A Fatal from a survivor (its gloo collective broken) or from the scheduler often comes before
+    the killed rank's exit is seen: ChildSet.cause names the child that ended, a signal's victim
+    before one that exited on its own, never the reporter; None when nobody else ended in time."""
+    import signal
+    import subprocess
+    import sys
+
+    cs = ChildSet(ServerConfig(tp_size=2), tmp_path)
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    cs.procs = {name: subprocess.Popen(sleep) for name in ("worker-0", "worker-1", "scheduler")}
+    cs.procs["quitter"] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    try:
+        cs.procs["quitter"].wait()
+        assert cs.cause("scheduler", 0.1) == ("quitter", "exit status 1")
+        cs.procs["worker-1"].send_signal(signal.SIGKILL)
+        cs.procs["worker-1"].wait()
+        assert cs.cause("worker-0", 0.1) == ("worker-1", "killed by SIGKILL")  # the victim first
+        assert cs.cause("scheduler", 0.1) == ("worker-1", "killed by SIGKILL")
+        del cs.procs["quitter"], cs.procs["worker-1"]
+        t0 = time.monotonic()
+        assert cs.cause("scheduler", 0.2) is None and time.monotonic() - t0 >= 0.2
+    finally:
+        for proc in cs.procs.values():
+            proc.kill()
+            proc.wait()

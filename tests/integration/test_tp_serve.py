@@ -100,4 +100,5 @@ def test_killed_rank_stops_engine(tp_server: Server) -> None:
     left = [p for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"orphans: {[p.cmdline() for p in left]}"
     lines = [json.loads(x) for x in (tp_server.log_dir / "supervisor.log").read_text().splitlines()]
-    assert any(rec.get("event") == "child died" and rec.get("child") == "worker-1" for rec in lines), lines
+    died = [rec for rec in lines if rec.get("event") == "child died"]
+    assert [(rec["child"], "SIGKILL" in rec["reason"]) for rec in died] == [("worker-1", True)], died
