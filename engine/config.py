@@ -488,7 +488,8 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
 def check_before_start(cfg: ServerConfig) -> None:
     """What the supervisor checks once the model directory is known (the default model is filled in
     after the flags are parsed), before any process starts; a ValueError names the flag:
-    * --tp-size against the model's heads (engine/layers/shards.head_shard, the rule the layers split by);
+    * --tp-size against the model's heads (engine/layers/shards.head_shard, the rule the layers split by),
+      and with the host tier, K/V heads that split evenly (its pages are one size on every rank);
     * --l3-dir created (with its parents) and writable, so the cache controller does not fail after ready;
     * STANDALONE drafts: --speculative-draft-layers below the model's layers, a draft model directory with
       a config.json (the worker checks the same, but only after every process has started)."""
@@ -504,6 +505,12 @@ def check_before_start(cfg: ServerConfig) -> None:
             raise ValueError(f"--tp-size {tp}: the model has {heads} attention heads and {kv} K/V heads; with fewer "
                              "K/V heads than ranks the heads must divide by --tp-size and --tp-size by the K/V heads"
                              ) from None
+        mla = model.get("kv_lora_rank") is not None  # one latent a token: the same on every rank
+        if cfg.enable_hierarchical_cache and not mla and kv >= tp and kv % tp:
+            split = " + ".join(str(head_shard(heads, kv, r, tp).num_kv) for r in range(tp))
+            raise ValueError(f"--enable-hierarchical-cache with --tp-size {tp}: the model's {kv} K/V heads split "
+                             f"{split} over the ranks, and the host tier needs equal KV pages on every rank (a "
+                             f"--tp-size that divides {kv}, or no host tier)")
     _check_standalone_draft(cfg, model)
     if cfg.l3_dir:
         try:

@@ -109,7 +109,8 @@ class SchedulerLoop:
             return False
         if self.cfg.enable_hierarchical_cache and len({r.page_bytes for r in self.readies.values()}) > 1:
             # one slab, one region per rank, one page size in HostInit: ranks must agree
-            raise WorkerFailure(f"the host tier needs equal KV pages on every rank: {sorted(self.readies.items())}")
+            sizes = {rank: r.page_bytes for rank, r in sorted(self.readies.items())}
+            raise WorkerFailure(f"the host tier needs KV pages of one size on every rank; bytes a page: {sizes}")
         self._start(agree(self.readies))
         return True
 

@@ -123,6 +123,13 @@ def test_checks_before_start_read_the_model_and_make_the_l3_dir(tmp_path: Path) 
         check_before_start(ServerConfig(model=str(tmp_path / "m"), tp_size=tp))
     with pytest.raises(ValueError, match="--tp-size 6: the model has 9 attention heads"):
         check_before_start(ServerConfig(model=str(tmp_path / "m"), tp_size=6))
+    # the host tier's pages are one size on every rank: K/V heads split 2 + 1 cannot take it (it failed
+    # after every worker had loaded, with a dump of the ranks' records), 3 + 3 or one each can
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache with --tp-size 2: the model's 3 K/V heads "
+                                         "split 2 \\+ 1"):
+        check_before_start(ServerConfig(model=str(tmp_path / "m"), tp_size=2, enable_hierarchical_cache=True))
+    for tp in (1, 3):
+        check_before_start(ServerConfig(model=str(tmp_path / "m"), tp_size=tp, enable_hierarchical_cache=True))
     l3 = tmp_path / "a" / "b" / "l3"
     check_before_start(ServerConfig(model=str(tmp_path / "m"), enable_hierarchical_cache=True, l3_dir=str(l3)))
     assert l3.is_dir()
