@@ -7,12 +7,13 @@ Committed/digests to the scheduler) and runs engine.cache.controller.CacheContro
 from __future__ import annotations
 
 import sys
+import time
 
 import zmq
 
 from engine.cache.controller import CacheController, L3Tier, SlabMapping
 from msgs.channels import BACKUPS, COMMITS, CONTROL, STEPS, open_receiver, open_sender
-from msgs.control import Fatal, Ready
+from msgs.control import ALIVE_EVERY_S, Alive, Fatal, Ready
 from msgs.done import ControllerFailed
 from procs.child import start_child
 
@@ -33,8 +34,15 @@ def main() -> int:
     l3 = L3Tier(slab, cfg.l3_dir, int(cfg.l3_size * 2**30)) if cfg.l3_dir else None
     controller = CacheController(cfg.world_size, steps, backups, commits, [slab], l3=l3)
     control.send(Ready(proc=ROLE))
+    beat_at = [time.monotonic()]
+
+    def beat() -> None:  # Alive each ALIVE_EVERY_S while the loop turns (a stuck controller is found)
+        if time.monotonic() - beat_at[0] >= ALIVE_EVERY_S:
+            beat_at[0] = time.monotonic()
+            control.send(Alive(proc=ROLE))
+
     try:
-        controller.run(wait=poller.poll)
+        controller.run(wait=poller.poll, beat=beat)
     except Exception as exc:  # fatal by design: tell the scheduler and the supervisor, exit non-zero
         log.exception("cache controller failed", error=str(exc))
         commits.send(ControllerFailed(reason=str(exc)))

@@ -187,7 +187,7 @@ def _run(
 
 
 CAUSE_GRACE_S = 0.5  # after a Fatal: how long another child's exit may take to be seen (it is the cause)
-BEATING = ("scheduler", "tokenizer")  # the processes whose loops send Alive (workers: the scheduler's watchdog)
+BEATING = ("scheduler", "tokenizer", "cache")  # the loops that send Alive (workers: the scheduler's watchdog)
 
 
 def silent(alive: dict[str, float], now: float, timeout_s: float) -> str | None:

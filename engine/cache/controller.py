@@ -205,9 +205,12 @@ class CacheController:
                 self.out.send(Committed(obj=obj))
                 self.committed += 1
 
-    def run(self, wait: Any) -> None:
-        """The process loop: pump, then `wait(timeout_ms)` (a zmq poll) for input."""
+    def run(self, wait: Any, beat: Any = None) -> None:
+        """The process loop: pump, then `wait(timeout_ms)` (a zmq poll) for input; `beat()` once a
+        pass (the process's heartbeat to the supervisor, which rate-limits itself)."""
         while not self.stopped:
+            if beat is not None:
+                beat()
             if not self.pump():
                 busy = self.l3 is not None and self.l3.store is not None and self.l3.store.busy
                 wait(2 if busy else 50)  # L3 reads finish on a thread: look again soon

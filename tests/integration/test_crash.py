@@ -341,6 +341,25 @@ def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.Capture
     _assert_orderly_exit(srv, children, leftovers, capfd, "--watchdog-timeout")
 
 
+def test_a_stuck_cache_controller_is_found_by_its_silence(tmp_path: Path) -> None:
+    """The host tier's controller stopped (SIGSTOP): backups never commit, but nothing else waits on
+    it, so only its silence tells: the supervisor names it within --watchdog-timeout and stops."""
+    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", "--watchdog-timeout", "2",
+                       "--enable-hierarchical-cache", "--hicache-ratio", "2")
+    (cache,) = [c for c in psutil.Process(srv.proc.pid).children(recursive=True) if "procs.cache" in c.cmdline()]
+    t_stop = time.monotonic()
+    cache.send_signal(signal.SIGSTOP)
+    try:
+        assert srv.proc.wait(timeout=20) == 1
+        assert time.monotonic() - t_stop < 2 + 5
+    finally:
+        if cache.is_running():
+            cache.send_signal(signal.SIGCONT)
+    lines = [json.loads(x) for x in (srv.log_dir / "supervisor.log").read_text().splitlines()]
+    died = [rec for rec in lines if rec.get("event") == "child died"]
+    assert [rec["child"] for rec in died] == ["cache"] and "stuck" in died[0]["reason"], died
+
+
 def test_a_stuck_scheduler_is_found_by_its_silence(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A scheduler that stops between passes (SIGSTOP: a deadlock, an endless loop) sends no Alive:
     after --watchdog-timeout the supervisor names it and every client in flight gets its 503 (the
