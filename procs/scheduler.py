@@ -42,7 +42,9 @@ def main() -> int:
         loop.run(wait=poller.poll)
     except Exception as exc:  # fatal by design: report it, then exit non-zero
         log.exception("scheduler failed", error=str(exc))
-        ports.control.send(Fatal(proc=ROLE, reason=str(exc)))
+        rank = getattr(exc, "rank", None)  # a WorkerFailure that knows the one rank at fault: name that worker
+        proc = ROLE if rank is None else "worker"
+        ports.control.send(Fatal(proc=proc, rank=rank, reason=str(exc)))
         return 1
     return 0
 

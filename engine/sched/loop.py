@@ -53,7 +53,13 @@ BURST_WAIT_CAP = 10  # an idle engine's first step waits at most this many --bat
 
 
 class WorkerFailure(RuntimeError):
-    """A worker reported failure (or never became ready): fatal for the engine."""
+    """A worker reported failure (or never became ready): fatal for the engine. `rank`: the one
+    rank known to be at fault (the watchdog's, where only it has not answered), so the supervisor
+    names that worker, not the scheduler."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 @dataclass
@@ -84,7 +90,7 @@ class SchedulerLoop:
         self.readies: dict[int, WorkerReady] = {}
         self.inflight: deque[int] = deque()
         self.flushes: deque[tuple[int, float]] = deque()  # flush ids waiting for steps to settle, deadline
-        self.done_ranks: dict[int, int] = {}
+        self.done_ranks: dict[int, set[int]] = {}  # per step in flight: the ranks whose StepDone came
         self.progress_at = 0.0  # when a StepDone last came in, or a step went out to idle workers
         self.step_seconds: list[float] = []
         self.expert_tokens: dict[int, list[int]] | None = None  # rank 0's latest, until the next stats
@@ -197,7 +203,7 @@ class SchedulerLoop:
         if self.ports.cache_steps is not None:
             self.ports.cache_steps.send(step)
         self.inflight.append(step.seq)
-        self.done_ranks[step.seq] = 0
+        self.done_ranks[step.seq] = set()
         self.burst = None
         return True
 
@@ -269,8 +275,8 @@ class SchedulerLoop:
                 self.step_seconds.append(msg.forward_s)
                 if msg.expert_tokens is not None:
                     self.expert_tokens, self.stats_dirty = msg.expert_tokens, True
-            self.done_ranks[msg.seq] += 1
-            while self.inflight and self.done_ranks[self.inflight[0]] == self.num_ranks:
+            self.done_ranks[msg.seq].add(msg.rank)
+            while self.inflight and len(self.done_ranks[self.inflight[0]]) == self.num_ranks:
                 seq = self.inflight.popleft()
                 del self.done_ranks[seq]
                 if seq == self.setup_seq:
@@ -289,12 +295,17 @@ class SchedulerLoop:
     def _watchdog(self) -> None:
         """--watchdog-timeout: a step in flight with no StepDone from any rank for that long (a worker
         stuck in a kernel or a collective, stopped, swapping) stops the server with the stuck ranks
-        named: its clients get a 503 (the supervisor's ProcessDied) instead of waiting forever."""
+        named: its clients get a 503 (the supervisor's ProcessDied) instead of waiting forever. Where
+        some ranks answered, the others are the stuck ones (one alone is blamed as that worker);
+        where none did, a stuck rank may be holding the rest in a collective."""
         if not self.inflight or self.clock() - self.progress_at <= self.cfg.watchdog_timeout:
             return
         seq = self.inflight[0]
-        raise WorkerFailure(f"no step finished for {self.cfg.watchdog_timeout:g} s (--watchdog-timeout): step {seq} "
-                            f"has {self.done_ranks[seq]} of {self.num_ranks} ranks' results")
+        missing = sorted(set(range(self.num_ranks)) - self.done_ranks[seq])
+        waits = (f"ranks {missing} have not answered (the others have)" if len(missing) < self.num_ranks
+                 else f"no rank of {self.num_ranks} has answered")
+        raise WorkerFailure(f"no step finished for {self.cfg.watchdog_timeout:g} s (--watchdog-timeout): step {seq}: "
+                            f"{waits}", rank=missing[0] if len(missing) == 1 and self.num_ranks > 1 else None)
 
     def _drain_commits(self) -> None:
         """The cache controller's messages: commits become ApplyCommit ops in the next Step."""

@@ -460,3 +460,29 @@ def test_batch_wait_defaults_by_device_and_is_validated() -> None:
     assert ServerConfig(batch_wait_ms=0).batch_wait_s("cpu") == 0.0
     with pytest.raises(ValueError, match="--batch-wait-ms"):
         ServerConfig(batch_wait_ms=-3)
+
+
+def test_the_watchdog_names_the_rank_that_has_not_answered() -> None:
+    """A step that rank 1 never answers (rank 0 did) past --watchdog-timeout: the failure names
+    rank 1 (the supervisor then names worker-1, not the scheduler); a step no rank answered names
+    none, since a stuck rank may be holding the others in a collective."""
+    from engine.sched.loop import WorkerFailure
+
+    ranks = [FakeRank(0), FakeRank(1)]
+    now = [0.0]
+    for answering, rank, says in ((ranks[:1], 1, r"ranks \[1\] have not answered"),
+                                  ([], None, "no rank of 2 has answered")):
+        loop, wires = start(ranks, watchdog_timeout=5.0)
+        loop.clock = lambda: now[0]
+        loop.progress_at = now[0]
+        submit(wires, n=1)
+        loop.pump()
+        for r in answering:
+            for step in wires.steps[r.rank].drain():
+                wires.done_out.send(r.answer(step))
+        loop.pump()
+        assert loop.inflight
+        now[0] += 6.0
+        with pytest.raises(WorkerFailure, match=says) as failure:
+            loop.pump()
+        assert failure.value.rank == rank
