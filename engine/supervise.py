@@ -245,6 +245,7 @@ class ChildSet:
         """SIGTERM everyone, wait up to grace_s, then SIGKILL what is left."""
         for proc in self.procs.values():
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) handles the SIGTERM now, not at the kill
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for name, proc in self.procs.items():

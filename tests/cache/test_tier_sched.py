@@ -181,7 +181,7 @@ def test_ranks_with_different_host_pages_cannot_start_the_tier() -> None:
 
     loop = SchedulerLoop(ServerConfig(enable_hierarchical_cache=True), ports())
     loop.on_worker_ready(WorkerReady(0, 50, 16, 512, 1000, [1], page_bytes=4096))
-    with pytest.raises(WorkerFailure, match="equal KV pages"):
+    with pytest.raises(WorkerFailure, match="KV pages of one size on every rank"):
         loop.on_worker_ready(WorkerReady(1, 50, 16, 512, 1000, [1], page_bytes=2048))
 
 

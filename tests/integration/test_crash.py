@@ -244,6 +244,19 @@ def test_fatal_after_ready_fails_streams(tmp_path: Path, capfd: pytest.CaptureFi
     _assert_orderly_exit(srv, children, leftovers, capfd, "scheduler failed: digest mismatch at step 7 (test)")
 
 
+def _told_shutdown(three: tuple[list[Any], Background, Background, Background, float], how: str) -> None:
+    """_three_in_flight's clients each got the ordered shutdown's 503 ("stopped by `how`") in time."""
+    events, stream, sdk, whole, t_signal = three
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", events[-3:]
+    assert f"stopped by {how}" in events[-2]["error"]["message"]
+    assert stream.done_at - t_signal < TOLD_WITHIN_S
+    resp = whole.join()
+    assert isinstance(resp, httpx.Response) and resp.status_code == 503, resp
+    assert resp.json()["error"]["code"] == "server_shutdown"
+    result = sdk.join()
+    assert isinstance(result, StrataError) and result.status == 503 and "shutting down" in result.message, result
+
+
 def test_ctrl_c_fails_requests_in_flight_and_exits_0(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it: the children ignore it,
     the supervisor has the tokenizer fail every request in flight (an SSE error event, a JSON 503,
@@ -252,15 +265,7 @@ def test_ctrl_c_fails_requests_in_flight_and_exits_0(tmp_path: Path, capfd: pyte
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", new_session=True)
     children = _children(srv)
     leftovers = (_run_dir(children), _shm(children))
-    events, stream, sdk, whole, t_int = _three_in_flight(srv, lambda: os.killpg(srv.proc.pid, signal.SIGINT))
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", events[-3:]
-    assert "stopped by SIGINT" in events[-2]["error"]["message"]
-    assert stream.done_at - t_int < TOLD_WITHIN_S
-    resp = whole.join()
-    assert isinstance(resp, httpx.Response) and resp.status_code == 503, resp
-    assert resp.json()["error"]["code"] == "server_shutdown"
-    result = sdk.join()
-    assert isinstance(result, StrataError) and result.status == 503 and "shutting down" in result.message, result
+    _told_shutdown(_three_in_flight(srv, lambda: os.killpg(srv.proc.pid, signal.SIGINT)), "SIGINT")
     assert srv.proc.wait(timeout=20) == 0
     _, alive = psutil.wait_procs(list(children.values()), timeout=5)
     assert not alive, f"orphans: {alive}"
@@ -278,15 +283,7 @@ def test_sigterm_to_the_front_end_alone_tells_its_clients(tmp_path: Path,
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096")
     children = _children(srv)
     term = children["tokenizer"]
-    events, stream, sdk, whole, t_term = _three_in_flight(srv, lambda: term.send_signal(signal.SIGTERM))
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutdown", events[-3:]
-    assert "stopped by SIGTERM" in events[-2]["error"]["message"]
-    assert stream.done_at - t_term < TOLD_WITHIN_S
-    resp = whole.join()
-    assert isinstance(resp, httpx.Response) and resp.status_code == 503, resp
-    assert resp.json()["error"]["code"] == "server_shutdown"
-    result = sdk.join()
-    assert isinstance(result, StrataError) and result.status == 503 and "shutting down" in result.message, result
+    _told_shutdown(_three_in_flight(srv, lambda: term.send_signal(signal.SIGTERM)), "SIGTERM")
     assert srv.proc.wait(timeout=20) == 1
     _, alive = psutil.wait_procs(list(children.values()), timeout=5)
     assert not alive, f"orphans: {alive}"
@@ -318,10 +315,10 @@ def test_tokenizer_killed_sdk_clients_hear_silence(tmp_path: Path, capfd: pytest
     assert srv.proc.wait(timeout=20) == 1
 
 
-def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """A worker that stops making progress (SIGSTOP: stuck in a kernel, a collective, swap) does not
-    hang its clients: after --watchdog-timeout the scheduler fails, naming the step, and every client
-    in flight gets its 503."""
+def _stop_one_mid_requests(tmp_path: Path, capfd: pytest.CaptureFixture[str], child: str, says: str) -> None:
+    """An SDK stream and a whole /completions running, then `child` SIGSTOPped with a 3 s
+    --watchdog-timeout: both clients get the 503 naming the scheduler within the timeout and a few
+    seconds, and bin/serve exits 1 saying `says`, with nothing left behind."""
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", "--watchdog-timeout", "3")
     children = _children(srv)
     leftovers = (_run_dir(children), _shm(children))
@@ -331,14 +328,21 @@ def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.Capture
     assert sdk.started.wait(30) and whole.started.wait(30)
     _wait_running(srv, 2)
     t_stop = time.monotonic()
-    children["worker-0"].send_signal(signal.SIGSTOP)
+    children[child].send_signal(signal.SIGSTOP)
     try:
         _assert_503(whole.join(20), "scheduler")
         _assert_sdk_503(sdk.join(20), "scheduler")
         assert max(sdk.done_at, whole.done_at) - t_stop < 3 + 5
     finally:
-        children["worker-0"].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
-    _assert_orderly_exit(srv, children, leftovers, capfd, "--watchdog-timeout")
+        children[child].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
+    _assert_orderly_exit(srv, children, leftovers, capfd, says)
+
+
+def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker that stops making progress (SIGSTOP: stuck in a kernel, a collective, swap) does not
+    hang its clients: after --watchdog-timeout the scheduler fails, naming the step, and every client
+    in flight gets its 503."""
+    _stop_one_mid_requests(tmp_path, capfd, "worker-0", "--watchdog-timeout")
 
 
 def test_a_stuck_cache_controller_is_found_by_its_silence(tmp_path: Path) -> None:
@@ -351,7 +355,7 @@ def test_a_stuck_cache_controller_is_found_by_its_silence(tmp_path: Path) -> Non
     cache.send_signal(signal.SIGSTOP)
     try:
         assert srv.proc.wait(timeout=20) == 1
-        assert time.monotonic() - t_stop < 2 + 5
+        assert time.monotonic() - t_stop < 2 + 5 + 5  # the watchdog, the teardown's grace, a loaded machine
     finally:
         if cache.is_running():
             cache.send_signal(signal.SIGCONT)
@@ -364,20 +368,4 @@ def test_a_stuck_scheduler_is_found_by_its_silence(tmp_path: Path, capfd: pytest
     """A scheduler that stops between passes (SIGSTOP: a deadlock, an endless loop) sends no Alive:
     after --watchdog-timeout the supervisor names it and every client in flight gets its 503 (the
     front end keeps SDK clients' keep-alives going, so they never noticed; /health said 200)."""
-    srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", "--watchdog-timeout", "3")
-    children = _children(srv)
-    leftovers = (_run_dir(children), _shm(children))
-    sdk = Background(_sdk_stream(srv.sdk))
-    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
-                                                                   **LONG}))
-    assert sdk.started.wait(30) and whole.started.wait(30)
-    _wait_running(srv, 2)
-    t_stop = time.monotonic()
-    children["scheduler"].send_signal(signal.SIGSTOP)
-    try:
-        _assert_503(whole.join(20), "scheduler")
-        _assert_sdk_503(sdk.join(20), "scheduler")
-        assert max(sdk.done_at, whole.done_at) - t_stop < 3 + 5
-    finally:
-        children["scheduler"].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
-    _assert_orderly_exit(srv, children, leftovers, capfd, "stuck: no sign of life for 3 s")
+    _stop_one_mid_requests(tmp_path, capfd, "scheduler", "stuck: no sign of life for 3 s")
