@@ -32,6 +32,8 @@ def test_sigterm_shuts_down_everything(tmp_path: Path) -> None:
     assert {"supervisor.log", "scheduler.log", "tokenizer.log", "worker-0.log"} <= logs
     line = json.loads((tmp_path / "logs" / "scheduler.log").read_text().splitlines()[0])
     assert line["proc"] == "scheduler"
+    last = json.loads((tmp_path / "logs" / "supervisor.log").read_text().splitlines()[-1])
+    assert last["event"] == "supervisor exiting" and last["code"] == 0, last  # the exit code is in the log
 
 
 def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
