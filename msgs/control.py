@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 
@@ -39,6 +41,19 @@ class Alive(msgspec.Struct, tag=True, frozen=True):
     stuck (a deadlock, an endless loop, SIGSTOP) stops sending it."""
 
     proc: str
+
+
+class Heartbeat:
+    """A loop's Alive, at most every ALIVE_EVERY_S: `tick(now)` once a pass of the loop it vouches
+    for (`send` is the control channel's send; `now` the loop's clock)."""
+
+    def __init__(self, proc: str, send: Callable[[Alive], object], now: float) -> None:
+        self.proc, self.send, self.last = proc, send, now
+
+    def tick(self, now: float) -> None:
+        if now - self.last >= ALIVE_EVERY_S:
+            self.last = now
+            self.send(Alive(proc=self.proc))
 
 
 class ProcessDied(msgspec.Struct, tag=True, frozen=True):

@@ -13,7 +13,7 @@ import zmq
 
 from engine.cache.controller import CacheController, L3Tier, SlabMapping
 from msgs.channels import BACKUPS, COMMITS, CONTROL, STEPS, open_receiver, open_sender
-from msgs.control import ALIVE_EVERY_S, Alive, Fatal, Ready
+from msgs.control import Fatal, Heartbeat, Ready
 from msgs.done import ControllerFailed
 from procs.child import start_child
 
@@ -34,15 +34,9 @@ def main() -> int:
     l3 = L3Tier(slab, cfg.l3_dir, int(cfg.l3_size * 2**30)) if cfg.l3_dir else None
     controller = CacheController(cfg.world_size, steps, backups, commits, [slab], l3=l3)
     control.send(Ready(proc=ROLE))
-    beat_at = [time.monotonic()]
-
-    def beat() -> None:  # Alive each ALIVE_EVERY_S while the loop turns (a stuck controller is found)
-        if time.monotonic() - beat_at[0] >= ALIVE_EVERY_S:
-            beat_at[0] = time.monotonic()
-            control.send(Alive(proc=ROLE))
-
+    heartbeat = Heartbeat(ROLE, control.send, time.monotonic())  # a stuck controller is found by its silence
     try:
-        controller.run(wait=poller.poll, beat=beat)
+        controller.run(wait=poller.poll, beat=lambda: heartbeat.tick(time.monotonic()))
     except Exception as exc:  # fatal by design: tell the scheduler and the supervisor, exit non-zero
         log.exception("cache controller failed", error=str(exc))
         commits.send(ControllerFailed(reason=str(exc)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.cache.host_alloc import HostAllocator
@@ -205,7 +206,7 @@ class CacheController:
                 self.out.send(Committed(obj=obj))
                 self.committed += 1
 
-    def run(self, wait: Any, beat: Any = None) -> None:
+    def run(self, wait: Any, beat: Callable[[], None] | None = None) -> None:
         """The process loop: pump, then `wait(timeout_ms)` (a zmq poll) for input; `beat()` once a
         pass (the process's heartbeat to the supervisor, which rate-limits itself)."""
         while not self.stopped:

@@ -26,7 +26,7 @@ from engine.env import env
 from engine.sched.scheduler import SchedConfig, SchedulerCore
 from msgs.channels import Inbox, Outbox
 from msgs.codec import DROPPED, id_count
-from msgs.control import ALIVE_EVERY_S, Alive, Ready, ToSupervisor
+from msgs.control import Heartbeat, Ready, ToSupervisor
 from msgs.done import (
     ControllerDigest,
     ControllerFailed,
@@ -77,7 +77,7 @@ class SchedulerLoop:
     def __init__(self, cfg: ServerConfig, ports: SchedulerPorts, stats_interval_s: float = STATS_INTERVAL_S) -> None:
         self.cfg = cfg
         self.clock: Callable[[], float] = time.monotonic  # the burst wait's (tests step it by hand)
-        self.beat_at: float | None = None  # when the last Alive went to the supervisor (None: not ready yet)
+        self.heartbeat: Heartbeat | None = None  # Alive to the supervisor, from ready on
         self.batch_wait_s = 0.0  # --batch-wait-ms, resolved for the workers' device at start
         self.burst: tuple[float, float] | None = None  # first and last arrival at an idle engine, until a step
         self.held_s = 0.0  # how much longer this pass's burst wait lasts (0: none)
@@ -135,7 +135,7 @@ class SchedulerLoop:
 
     def _announce(self) -> None:
         assert self.ready is not None
-        self.beat_at = self.clock()  # Ready counts as the first sign of life
+        self.heartbeat = Heartbeat("scheduler", self.ports.control.send, self.clock())  # Ready: the first sign
         self.ports.control.send(Ready(proc="scheduler", info={"pages": str(self.ready.num_pages),
                                                               "max_context": str(self.ready.max_context)}))
         self._send_stats(force=True)
@@ -285,12 +285,10 @@ class SchedulerLoop:
         self._emit(outs)
 
     def _beat(self) -> None:
-        """Alive to the supervisor every ALIVE_EVERY_S from this loop: a scheduler stuck between
-        passes is found by its silence (procs/supervisor.py), and its clients are told."""
-        now = self.clock()
-        if self.beat_at is not None and now - self.beat_at >= ALIVE_EVERY_S:
-            self.beat_at = now
-            self.ports.control.send(Alive(proc="scheduler"))
+        """Alive to the supervisor from this loop: a scheduler stuck between passes is found by its
+        silence (procs/supervisor.py), and its clients are told."""
+        if self.heartbeat is not None:
+            self.heartbeat.tick(self.clock())
 
     def _watchdog(self) -> None:
         """--watchdog-timeout: a step in flight with no StepDone from any rank for that long (a worker
