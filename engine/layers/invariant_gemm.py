@@ -383,9 +383,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
-        if not (_cuda_gemv_takes(xs, ws_, bias)
-                and invariant_gemv.gemv(xs, ws_, bias, res, slices, invariant_gemv.stages_for(slices, k),
-                                        _pdl(x.device)["PDL"])):
+        if not (_cuda_gemv_takes(xs, ws_, bias) and _cuda_gemv(xs, ws_, bias, res, slices)):
             _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
         _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
@@ -407,9 +405,14 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not invariant_gemv.act_takes(x, w, slices):
         return None
     out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
-    ok = invariant_gemv.gemv(x, w, None, out, slices, invariant_gemv.stages_for(slices, k), _pdl(x.device)["PDL"],
-                             act=True)
-    return out if ok else None
+    return out if _cuda_gemv(x, w, None, out, slices, act=True) else None
+
+
+def _cuda_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
+               act: bool = False) -> bool:
+    """invariant_gemv.gemv at its ring depth for the slices, with the GEMMs' PDL choice."""
+    return invariant_gemv.gemv(x, w, bias, out, slices, invariant_gemv.stages_for(slices, x.shape[1]),
+                               _pdl(x.device)["PDL"], act=act)
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import batch_invariant, ops, triton_ops
+from engine.layers import batch_invariant, invariant_gemv, ops, triton_ops
 from engine.layers.cpu_gemm import cpu_pack, packed_linear
 from engine.layers.shards import HeadShard, head_shard, range_split  # noqa: F401 - re-exported for the layers
 from engine.layers.tuning import kernel_tuning
@@ -293,9 +293,9 @@ class Linear(nn.Module):
         """silu(gate) * up of this [gate | up] layer's output (bias-free) in one launch where
         deterministic inference's CUDA GEMV takes x (1-8 rows, invariant_gemm.gemm_act: the bits
         of this layer then ops.silu_and_mul's flashinfer kernel), else None."""
-        if (self.bias is not None or self.quant is not None or self.packed is not None
-                or not batch_invariant.enabled() or not ops.fused_ok(x) or x.dim() != 2
-                or not _invariant_gemm_fits(x, self.weight)):
+        if (not batch_invariant.enabled() or x.dim() != 2 or x.shape[0] > invariant_gemv.MAX_ROWS
+                or self.bias is not None or self.quant is not None or self.packed is not None
+                or not ops.fused_ok(x) or not _invariant_gemm_fits(x, self.weight)):
             return None
         from engine.layers import invariant_gemm
 
