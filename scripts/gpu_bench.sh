@@ -284,9 +284,11 @@ for what in "$@"; do case $what in
              -k "norm or cuda_gemv" -q -rA -p no:cacheprovider || fails=$((fails + 1))
            grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detnorm.log" | tail -24
            for m in ${DETGEMV_MODELS:-llama-3.1-8b qwen3-0.6b}; do i=0
-             for on in false true false true; do p="{\"invariant_gemv_cuda\": true, \"invariant_norm_fold\": $on}"
+             for on in ${DETNORM_ORDER:-false true false true}; do  # "off": the mode off, for the ratio
+               p="{\"invariant_gemv_cuda\": true, \"invariant_norm_fold\": $on}"; a=--enable-deterministic-inference
+               [ "$on" = off ] && { p=""; a=""; }
                tuned "$p" run latency-$m-detnorm$i 200 bin/bench latency --model configs/$m --load-format dummy \
-                 --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
+                 --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args="$a" \
                  --out "$OUT/latency-$m-detnorm$i-h200.json" || fails=$((fails + 1))
                echo "$p"; grep -A4 "batch  *ctx" "$OUT/latency-$m-detnorm$i.log" | sed -n 3,4p; i=$((i + 1)); done; done ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
