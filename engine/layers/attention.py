@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.layers import batch_invariant, cpu_attention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
+from engine.layers.tuning import kernel_tuning
 
 log = structlog.get_logger()
 
@@ -303,17 +304,37 @@ class TorchAttention(AttentionBackend):
             self._g_table[b:bs].fill_(PAD_PAGE)
         self._graph = (self._g_table[:bs], self._g_seq[:bs])
 
+    def attend_qkv(
+        self, qkv: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor | None:
+        """Deterministic inference's captured split-KV decode (the tuning's invariant_rope_fold) takes
+        the prologue in its split kernel, with qk_norm_rope_store's bits (RoPE only: a q/k norm's
+        sum would reduce in another order in the split kernel's tile)."""
+        if (self._graph is None or self._g_splits <= 1 or q_norm_weight is not None
+                or not kernel_tuning(qkv.device).invariant_rope_fold):
+            return None
+        hq, hkv, d = self._g_heads
+        return batch_invariant.attend_blocks(qkv.view(qkv.shape[0], hq + 2 * hkv, d), self._graph_blocks(layer_id),
+                                             self._graph[0], kv_pool, layer_id, self._g_splits, self._g_scratch,
+                                             cos_sin_cache)
+
     def _graph_attend(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool) -> torch.Tensor:
         """A decode step in a CUDA graph (its capture and warm-up): one kernel block per row, the
         blocks rebuilt from the static lengths by device ops in the forward's first attention
         layer, so that a replay rebuilds them; the same bits as the eager plan's blocks."""
-        table, seq = self._graph
+        return batch_invariant.attend_blocks(q, self._graph_blocks(layer_id), self._graph[0], kv_pool, layer_id,
+                                             self._g_splits, self._g_scratch)
+
+    def _graph_blocks(self, layer_id: int) -> tuple[torch.Tensor, ...]:
+        """The captured step's kernel blocks, rebuilt from the static lengths in the forward's first
+        attention layer (so that a replay rebuilds them)."""
         if self._g_layer is None:
             self._g_layer = layer_id
         if layer_id == self._g_layer:
-            self._g_now = self._g_blocks.fill(seq, kv_pool.page_size)
-        return batch_invariant.attend_blocks(q, self._g_now, table, kv_pool, layer_id, self._g_splits,
-                                             self._g_scratch)
+            self._g_now = self._g_blocks.fill(self._graph[1], self._g_page)
+        return self._g_now
 
     def prepare(self, batch: ForwardBatch) -> None:
         lens, seqs = batch.extend_lens_cpu, batch.seq_lens_cpu

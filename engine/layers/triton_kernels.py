@@ -531,28 +531,60 @@ def invariant_attention_kernel(
     tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o_out, mask=real[:, None])
 
 
+@triton.jit
+def _rope_rows(x_ptr, pos, cos_sin, cs_stride, D: tl.constexpr):
+    """Neox RoPE of the [R, D] rows at x_ptr ([R, D] pointers) at positions pos [R], in float32:
+    qk_norm_rope_store_kernel's products and sums (x1 cos - x2 sin | x2 cos + x1 sin) on
+    full-width loads; with floating-point fusion off in both, the same bits (a sign times a
+    product is exact)."""
+    half: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    cs = cos_sin + pos[:, None] * cs_stride + (d % half)[None, :]
+    x = tl.load(x_ptr).to(tl.float32)
+    xs = tl.load(x_ptr + tl.where(d < half, half, -half)[None, :]).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)[None, :]
+    return x * tl.load(cs) + sign * xs * tl.load(cs + half)
+
+
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width", "parts_max"])
 def invariant_split_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
-    sm_scale, part_o, part_ml, parts_max,
+    sm_scale, part_o, part_ml, parts_max, cos_sin, cs_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
 ):
     """Split decode, step 1: program (block, KV head, k) computes partitions k, k + splits, ...
     of its block (decode blocks: T copies of one token, computed as invariant_attention_kernel
     computes a block, so with its tile shapes and bits) and stores token 0's G rows' states in
     float32: part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l).
-    Programs past a block's partitions store nothing (the merge reads only its partitions)."""
+    Programs past a block's partitions store nothing (the merge reads only its partitions).
+    ROPE: q is the layer's QKV projection [T, (HQ + 2 HKV) * D] before RoPE (no q/k norm):
+    every program rotates its q rows, and the program of the token's last partition (the one
+    that reads its position) first stores the rotated K and the V, as qk_norm_rope_store would."""
     pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     k = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
     M: tl.constexpr = T * G
+    dot_t = tl.float32 if F32_DOT else q.dtype.element_ty
     r, t, qrow, pos, reads, head, qv, trow = _block_rows(
-        q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos, blk_reads, b, kvh, G, M, D, T,
-        tl.float32 if F32_DOT else q.dtype.element_ty)
+        q, q_stride, table, table_stride, blk_req, blk_rows, blk_pos, blk_reads, b, kvh, G, M, D, T, dot_t)
     d = tl.arange(0, D)
+    if ROPE:
+        act = q.dtype.element_ty
+        qv = _rope_rows(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :], pos, cos_sin, cs_stride,
+                        D).to(act).to(dot_t)
+        if k == ((reads + CP - 1) // CP - 1) % tl.num_programs(2):
+            row0 = tl.load(blk_rows + b * T)
+            p0 = tl.load(blk_pos + b * T + tl.arange(0, 1))  # [1]: _rope_rows' row positions
+            kb = q + row0 * q_stride + HQ * D + kvh * D
+            cache_t = k_cache.dtype.element_ty
+            k_new = _rope_rows(kb + d[None, :], p0, cos_sin, cs_stride, D).to(act).to(cache_t)
+            slot = (tl.load(trow + p0 // PS).to(tl.int64) * PS + p0 % PS)[:, None] * (HKV * D) + kvh * D
+            tl.store(k_cache + slot + d[None, :], k_new)
+            tl.store(v_cache + slot + d[None, :], tl.load(kb + HKV * D + d[None, :]).to(cache_t))
+            tl.debug_barrier()  # the partition below reads the new position back from the pool
     first = r < G  # token 0's rows
     for i in range(k, (reads + CP - 1) // CP, tl.num_programs(2)):
         mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.layers import batch_invariant
 from engine.layers.tuning import kernel_tuning
 
 
@@ -142,6 +143,9 @@ def qk_norm_rope_store(
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim,
         HQ_P2=_p2(num_q_heads), HKV_P2=_p2(num_kv_heads), NORM=norm, PDL=pdl,
         num_warps=4 if num_q_heads * head_dim >= 2048 else 2, **_launch_opts(pdl),
+        # deterministic inference: no FMA contraction, so the split kernel's RoPE prologue
+        # (invariant_attention with cos_sin_cache) gives a token's K and q these bits
+        enable_fp_fusion=not batch_invariant.enabled(),
     )
     return q
 
@@ -372,10 +376,12 @@ def decode_attention(
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
     blocks: tuple[torch.Tensor, ...], chunk: int, part: int | None = None, splits: int = 1,
-    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None, cos_sin_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
-    D] contiguous; blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
+    D] contiguous (with `cos_sin_cache`: the layer's QKV projection [T, Hq + 2 Hkv, D] before
+    RoPE, as qk_norm_rope_store takes it without q/k norms; split-KV only: the split kernel
+    rotates q and stores the new K/V itself); blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
     tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan (tokens per
     block: kernel_tokens); the KV in
     partitions of `part` positions (batch_invariant.kv_part) merged in order.
@@ -389,7 +395,12 @@ def invariant_attention(
     multiply-add in one and not in the other, so a token's output has the same bits on either."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
-    out = torch.empty_like(q)
+    rope = cos_sin_cache is not None
+    if rope:
+        if splits <= 1 or q.stride(1) != d or q.stride(2) != 1:
+            raise ValueError("invariant_attention: the RoPE prologue is split-KV's, on a [T, Hq + 2 Hkv, D] QKV")
+        hq -= 2 * hkv
+    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     nb = blocks[0].shape[0]
     if not nb:
         return out
@@ -417,8 +428,9 @@ def invariant_attention(
     part_o, part_ml = scratch
     if part_o.shape[0] < nb:
         raise ValueError(f"invariant_attention: scratch for {part_o.shape[0]} blocks, {nb} given")
-    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], **geom,
-                                                F32_DOT=interpreted(), num_warps=warps, **opts)
+    cs = (cos_sin_cache, cos_sin_cache.stride(0)) if rope else (q, 0)
+    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], *cs, **geom,
+                                                F32_DOT=interpreted(), ROPE=rope, num_warps=warps, **opts)
     k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
                                         T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out

@@ -1,14 +1,21 @@
 """Deterministic inference's decode in CUDA graphs (engine/layers/attention.py's torch backend,
-batch_invariant.DecodeBlocks): Qwen3-0.6B shapes with random weights in bfloat16, in process. With
-graphs a request's greedy tokens and logprobs are the bits of the same engine without them, in a
-batch of several prompts (padded to a captured size) and alone; decode positions cross the
-attention's 64-position chunks."""
+batch_invariant.DecodeBlocks): Qwen3-0.6B and Llama-3.2-1B shapes with random weights in bfloat16,
+in process. With graphs a request's greedy tokens and logprobs are the bits of the same engine
+without them, in a batch of several prompts (padded to a captured size) and alone; decode
+positions cross the attention's 64-position chunks and its 256-position partitions. The graphs'
+split-KV decode takes the RoPE prologue in its split kernel where the tuning turns
+invariant_rope_fold on (Llama: no q/k norm), eager decode the separate launch."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import pytest
+import torch
+
 from engine.config import ServerConfig
+from engine.layers import attention
 from engine.layers.attention import TorchAttention
 from engine.local import LocalEngine, Result
 from msgs.params import SamplingParams
@@ -18,8 +25,8 @@ GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, logpr
 PROMPTS = [[(29 * i + 11 * s) % 30000 + 500 for i in range(n)] for s, n in enumerate((1, 50, 63, 64, 130, 230, 7), 1)]
 
 
-def _engine(graphs: bool) -> LocalEngine:
-    return LocalEngine(ServerConfig(model=str(REPO / "configs" / "qwen3-0.6b"), load_format="dummy", device="cuda",
+def _engine(model: str, graphs: bool) -> LocalEngine:
+    return LocalEngine(ServerConfig(model=str(REPO / "configs" / model), load_format="dummy", device="cuda",
                                     dtype="bfloat16", enable_deterministic_inference=True, max_total_tokens=32768,
                                     max_running_requests=32, disable_cuda_graph=not graphs))
 
@@ -30,13 +37,20 @@ def _keys(results: list[Result]) -> list[tuple[list[int], list[float]]]:
     return [(r.output_ids, r.logprobs) for r in results]
 
 
-def test_graphs_give_the_eager_bits() -> None:
-    eager = _engine(False)
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_graphs_give_the_eager_bits(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tuned = dataclasses.replace(attention.kernel_tuning(torch.device("cuda")), invariant_rope_fold=True)
+    monkeypatch.setattr(attention, "kernel_tuning", lambda device: tuned)
+    folded = []
+    attend_qkv = TorchAttention.attend_qkv
+    monkeypatch.setattr(TorchAttention, "attend_qkv", lambda *a: folded.append(attend_qkv(*a)) or folded[-1])
+    eager = _engine(model, False)
     assert eager.runner.graphs is None
     want = _keys(eager.generate(PROMPTS, GREEDY))
     want_alone = [_keys(eager.generate([p], GREEDY))[0] for p in PROMPTS]
+    assert not any(o is not None for o in folded), "eager decode: the separate RoPE launch"
     del eager
-    eng = _engine(True)
+    eng = _engine(model, True)
     backend = eng.runner.backend
     assert isinstance(backend, TorchAttention) and backend.supports_cuda_graph
     graphs = eng.runner.graphs
@@ -46,6 +60,8 @@ def test_graphs_give_the_eager_bits() -> None:
     assert replays >= GREEDY.max_new_tokens - 2, "the batch's decode steps replayed the graphs"
     alone = [_keys(eng.generate([p], GREEDY))[0] for p in PROMPTS]
     assert graphs.replays >= replays + len(PROMPTS) * (GREEDY.max_new_tokens - 2)
+    # captured split-KV decode folds the RoPE where the model has no q/k norm
+    assert any(o is not None for o in folded) == (model == "llama-3.2-1b")
     assert want_alone == want, "eager: alone = batched"
     for i, (b, a, w) in enumerate(zip(batched, alone, want, strict=True)):
         assert b == w, f"prompt {i} batched: graphs vs eager"
