@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers import invariant_norm, ops, quant, triton_ops
+from engine.layers import ops, quant, triton_ops
 from engine.layers.attention import AttentionBackend
 from engine.layers.context import ForwardContext
 from engine.layers.forward import ForwardBatch
@@ -50,14 +50,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if invariant_norm.applies(x, self.weight):  # deterministic inference's own kernel (its folds' bits)
-            return invariant_norm.rms_norm(x, None, self.weight, self.eps)[0]
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); may reuse x and residual's storage (fused)."""
-        if invariant_norm.applies(x, self.weight) and residual.shape == x.shape and residual.stride(1) == 1:
-            return invariant_norm.rms_norm(x, residual, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -167,14 +163,10 @@ def norm_linear(
 ) -> tuple[torch.Tensor | Activated, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream
     itself (layer 0). For a few rows (small decode batches) one triton launch does the add, the
-    norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done (x a
-    NormPartials: the add and the sums of squares, deterministic inference's fold); for
+    norm and the GEMV; x a PreNormed (linear_add_norm): the add and half the norm are done; for
     an fp8 row-scaled linear from 17 rows the norm's launch also quantizes (quant.norm_forward).
     `act` (linear a SwiGLU gate_up): an Activated where the projection applies the activation
     itself (deterministic inference's GEMV at 1-8 rows)."""
-    if isinstance(x, invariant_norm.NormPartials):  # linear_add_norm checked that this fold is taken
-        out = invariant_norm.normed(linear, x, norm.weight, norm.eps, act)
-        return (Activated(out) if act else out), x.residual
     if isinstance(x, PreNormed):  # linear_add_norm checked that this linear runs the GEMV
         spec = linear.gemv_weights(x.u)
         assert spec is not None and residual is not None
@@ -195,27 +187,23 @@ def norm_linear(
     return linear(h), residual
 
 
-def residual_stream(x: torch.Tensor | PreNormed | invariant_norm.NormPartials, residual: torch.Tensor) -> torch.Tensor:
+def residual_stream(x: torch.Tensor | PreNormed, residual: torch.Tensor) -> torch.Tensor:
     """The residual stream after a layer that returned (x, residual): their sum, or the residual
-    itself where x is a PreNormed or a NormPartials (its GEMV added into the residual in place)."""
-    return residual if isinstance(x, (PreNormed, invariant_norm.NormPartials)) else x + residual
+    itself where x is a PreNormed (its GEMV added into the residual in place)."""
+    return residual if isinstance(x, PreNormed) else x + residual
 
 
 def linear_add_norm(
     linear: Linear, x: torch.Tensor | Activated, residual: torch.Tensor, norm: RMSNorm, reader: Linear,
-    silu_mul: bool = False, act: bool = False,
-) -> tuple[torch.Tensor | PreNormed | invariant_norm.NormPartials, torch.Tensor]:
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor | PreNormed, torch.Tensor]:
     """(linear(x), residual), or with silu_mul linear(silu(gate) * up): the caller then adds and
     normalizes (norm_linear). Where `linear` and `reader` (the one reader of norm's output) both
     run the triton GEMV (batch-1 decode, tp 1), linear's GEMV also adds the residual in place and
     does half of the norm: (PreNormed, residual), one launch fewer (triton_ops.PreNormed; H200,
     Llama-3.1-8B batch 1: bf16 4.32 -> 4.20 ms, fp8 weights 2.73 -> 2.66, docs/PERF.md)."""
     if isinstance(x, Activated):  # silu_mul done by the gate_up launch
-        x, silu_mul = x.act, False
-    # deterministic inference (1-8 rows, the tuning's invariant_norm_fold): linear's GEMV adds into the
-    # residual and stores its sums of squares, reader's GEMV (SwiGLU's gate_up with `act`) normalizes
-    if not silu_mul and invariant_norm.foldable(linear, x, residual, norm.weight, reader, act):
-        return invariant_norm.add_into(linear, x, residual), residual
+        return linear(x.act), residual
     # one row only: at 2-4 rows (one-tile GEMVs) norm_linear's fold measured faster (Qwen3-0.6B
     # batch 4 1.33 vs 1.42 ms; the H200 tuning file's _norm_gemv)
     mine = linear.gemv_weights(x) if x.shape[0] == 1 else None
@@ -250,7 +238,7 @@ class DecoderLayer(nn.Module):
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         o = self.self_attn.attend(qkv, ctx)
         post, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
-        x, residual = linear_add_norm(self.self_attn.o_proj, o, residual, post, gate_up, act=True)
+        x, residual = linear_add_norm(self.self_attn.o_proj, o, residual, post, gate_up)
         h, residual = norm_linear(post, gate_up, x, residual, act=True)
         if self.next_input is None:
             return self.mlp.down(h), residual

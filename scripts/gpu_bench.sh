@@ -38,10 +38,6 @@
 #   detgemv   deterministic inference's CUDA GEMV (scripts/det_gemv_probe.py: bits against the prefill tiles at 1-16
 #             rows, time beside the triton GEMV), then decode latency with the mode on, the CUDA GEMV off / on / off / on
 #             (tuning patches), and with the mode off (DETGEMV_MODELS: "llama-3.1-8b qwen3-0.6b"; batch 1 8, ctx 1024)
-#   detfold   deterministic inference's folds: the residual-stream norm into the CUDA GEMVs (invariant_norm_fold) and
-#             the RoPE + K/V store into the split decode kernel (invariant_rope_fold): their GPU tests (bits; skipped with
-#             DETFOLD_SKIP_TESTS=1), then decode latency of DETGEMV_MODELS ("llama-3.1-8b"; batch 1 8, ctx 1024) for
-#             DETFOLD_ORDER ("off none norm rope both" twice: off is the mode off, the others the mode on)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
@@ -109,7 +105,7 @@
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="detgemv aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -281,20 +277,6 @@ for what in "$@"; do case $what in
              run latency-$m-detoff 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 \
                --context-len 1024 --steps 50 --out "$OUT/latency-$m-detoff-h200.json" || fails=$((fails + 1))
              grep -A4 "batch  *ctx" "$OUT/latency-$m-detoff.log" | sed -n 3,4p; done ;;
-  detfold) [ -n "${DETFOLD_SKIP_TESTS:-}" ] || { run gpu-detfold 440 python3 -m pytest -m gpu \
-             tests/gpu/test_invariant_norm_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_invariant_attention_gpu.py \
-             tests/gpu/test_invariant_gemm_gpu.py -k "norm or graphs or rope or cuda_gemv" -q -rA -s -p no:cacheprovider \
-             || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|rope prologue" "$OUT/gpu-detfold.log" | tail -30; }
-           for m in ${DETGEMV_MODELS:-llama-3.1-8b}; do i=0
-             for v in ${DETFOLD_ORDER:-off none norm rope both none norm rope both off}; do  # off: the mode off
-               n=false; r=false; a=--enable-deterministic-inference
-               case $v in norm) n=true ;; rope) r=true ;; both) n=true; r=true ;; off) a="" ;; esac
-               p="{\"invariant_gemv_cuda\": true, \"invariant_norm_fold\": $n, \"invariant_rope_fold\": $r}"
-               [ "$v" = off ] && p=""
-               tuned "$p" run latency-$m-detfold$i-$v 200 bin/bench latency --model configs/$m --load-format dummy \
-                 --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args="$a" \
-                 --out "$OUT/latency-$m-detfold$i-$v-h200.json" || fails=$((fails + 1))
-               echo "$v"; grep -A4 "batch  *ctx" "$OUT/latency-$m-detfold$i-$v.log" | sed -n 3,4p; i=$((i + 1)); done; done ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $([ "$d" = det ] && echo --det) || fails=$((fails + 1))
             grep -A31 "per decode step\|per run" "$OUT/profile-$m-b$b-$d.log"; done ;;

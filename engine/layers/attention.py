@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from engine.layers import batch_invariant, cpu_attention
 from engine.layers.forward import ForwardBatch
 from engine.layers.kv_pool import PAD_PAGE, KVPool
-from engine.layers.tuning import kernel_tuning
 
 log = structlog.get_logger()
 
@@ -309,11 +308,10 @@ class TorchAttention(AttentionBackend):
         cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
         eps: float,
     ) -> torch.Tensor | None:
-        """Deterministic inference's captured split-KV decode (the tuning's invariant_rope_fold) takes
-        the prologue in its split kernel, with qk_norm_rope_store's bits (RoPE only: a q/k norm's
-        sum would reduce in another order in the split kernel's tile)."""
-        if (self._graph is None or self._g_splits <= 1 or q_norm_weight is not None
-                or not kernel_tuning(qkv.device).invariant_rope_fold):
+        """Deterministic inference's captured split-KV decode takes the prologue in its split kernel,
+        with qk_norm_rope_store's bits (RoPE only: a q/k norm's sum would reduce in another order in
+        the split kernel's tile): a launch a layer fewer (H100, docs/PERF.md, fortieth session)."""
+        if self._graph is None or self._g_splits <= 1 or q_norm_weight is not None:
             return None
         hq, hkv, d = self._g_heads
         return batch_invariant.attend_blocks(qkv.view(qkv.shape[0], hq + 2 * hkv, d), self._graph_blocks(layer_id),

@@ -96,62 +96,11 @@ __device__ __forceinline__ float silu_times(float g, float u) {
   return r;
 }
 
-// The residual stream's RMSNorm under deterministic inference, as one arithmetic for the norm kernel
-// below (any row count) and for the GEMVs that fold it (1-8 rows): r' = bf16(y + r); a row's sum of
-// squares is the sum of per-16-element partials (each r'[16b] .. r'[16b + 15] squared and added in
-// order by fma), the partials added by one warp (lane l takes partials l, l + 32, ... in order, then
-// a xor tree: every lane ends with the same bits); rstd = rsqrt(sum / K + eps); the output is
-// bf16(bf16(r' rstd) w), HF Llama's rounding. The producer GEMV (o_proj, down) writes r' and the
-// partials in its epilogue; the consumer (qkv, gate_up) sums them and normalizes x's tiles in shared
-// memory: the norm's launch is gone and the bits are the norm kernel's.
-constexpr int NORM_BLOCK = 16;  // elements a partial
-
-__device__ __forceinline__ float partial_of(const float (&v)[NORM_BLOCK]) {
-  float s = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NORM_BLOCK; ++j) s = __fmaf_rn(v[j], v[j], s);
-  return s;
-}
-
-__device__ __forceinline__ float warp_total(const float* partials, int count, int lane) {
-  float s = 0.0f;
-  for (int i = lane; i < count; i += 32) s = __fadd_rn(s, partials[i]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-  return s;
-}
-
-__device__ __forceinline__ float rstd_of(float total, int K, float eps) {
-  return rsqrtf(__fadd_rn(__fdiv_rn(total, float(K)), eps));
-}
-
-__device__ __forceinline__ __nv_bfloat16 normed(float r, float rstd, float w) {
-  return __float2bfloat16_rn(__fmul_rn(__bfloat162float(__float2bfloat16_rn(__fmul_rn(r, rstd))), w));
-}
-
-// 8 bf16 (16 bytes) normalized in place
-__device__ __forceinline__ void normed8(uint4& v, const uint4& w, float rstd) {
-  uint32_t* vv = reinterpret_cast<uint32_t*>(&v);
-  const uint32_t* ww = reinterpret_cast<const uint32_t*>(&w);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 r = *reinterpret_cast<const __nv_bfloat162*>(&vv[j]);
-    const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(&ww[j]);
-    const __nv_bfloat162 o = __halves2bfloat162(normed(__low2float(r), rstd, __low2float(g)),
-                                                normed(__high2float(r), rstd, __high2float(g)));
-    vv[j] = *reinterpret_cast<const uint32_t*>(&o);
-  }
-}
-
-enum Mode { PLAIN = 0, ADD = 1, NORM = 2 };  // ADD: out is the residual, += x w^T, partials out; NORM: x is r'
-
-template <int STAGES, int MODE>
+template <int STAGES>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
-    int per, int groups, int half, int late, float* __restrict__ partials, const __nv_bfloat16* __restrict__ norm_w,
-    float eps) {
-  __shared__ float norm_s[MODE == PLAIN ? 1 : 4 * ROWS * COLS];  // NORM: x's rows' rstd; ADD: r' of the block's rows
+    int per, int groups, int half, int late) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -207,13 +156,6 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     if (i < count) load(i);
     cp_commit();
   }
-  if constexpr (MODE == NORM) {  // while the first tiles fly: each row's rstd from the producer's partials
-    for (int m = warp; m < M; m += warps) {
-      const float total = warp_total(partials + m * (K / NORM_BLOCK), K / NORM_BLOCK, lane);
-      if (lane == 0) norm_s[m] = rstd_of(total, K, eps);
-    }
-    __syncthreads();
-  }
 
   float acc[4] = {};
   const int m = lane >> 3, rr = lane & 7;  // ldmatrix: lane's matrix and row in it
@@ -221,20 +163,6 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     cp_wait<STAGES - 2>();
     __syncwarp();
     const uint32_t wt = ring + (i % STAGES) * STAGE, xt = wt + W_BYTES;
-    if constexpr (MODE == NORM) {  // x's tile is r': normalized in place (rows past M and K past its end stay zero)
-#pragma unroll
-      for (int j = 0; j < COLS * 8 / 32; ++j) {
-        const int c = lane + 32 * j, r = c >> 3, k = (t0 + i) * BK + (c & 7) * 8;
-        if (r < M && k < K) {
-          const uint32_t a = chunk_at(xt, r, c & 7);
-          uint4 v;
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-          normed8(v, __ldg(reinterpret_cast<const uint4*>(norm_w + k)), norm_s[r]);
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-        }
-      }
-      __syncwarp();
-    }
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the k16 steps, in order
       uint32_t a[4];
@@ -284,72 +212,13 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     if (row >= N) continue;
     float sum = total(gr, r, col);
     if (bias != nullptr) sum += __bfloat162float(bias[row]);
-    if constexpr (MODE == ADD) {  // r' = bf16(y + r), as the norm kernel adds the GEMM's bf16 output
-      const float y = __bfloat162float(__float2bfloat16_rn(sum));
-      const __nv_bfloat16 rn = __float2bfloat16_rn(__fadd_rn(y, __bfloat162float(out[col * so + row])));
-      out[col * so + row] = rn;
-      norm_s[(gr * ROWS + r) * COLS + col] = __bfloat162float(rn);
-    } else {
-      out[col * so + row] = __float2bfloat16_rn(sum);
-    }
-  }
-  if constexpr (MODE == ADD) {  // a partial a (row block, row of x): its 16 r' squared in order
-    __syncthreads();
-    for (int e = threadIdx.x; e < groups * M; e += warps * 32) {
-      const int gr = e / M, col = e % M, rb = blockIdx.x * groups + gr;
-      if (rb * ROWS >= N) continue;
-      float v[NORM_BLOCK];
-#pragma unroll
-      for (int j = 0; j < NORM_BLOCK; ++j) v[j] = norm_s[(gr * ROWS + j) * COLS + col];
-      partials[col * (N / NORM_BLOCK) + rb] = partial_of(v);
-    }
+    out[col * so + row] = __float2bfloat16_rn(sum);
   }
 }
 
-// The norm of the residual stream for any row count (one warp a row, 4 rows a block): residual
-// non-null: residual = bf16(x + residual) in place, else r' = x; out = the norm of r' (the helpers'
-// arithmetic, so a folded GEMV's bits). K a multiple of 16, at most MAX_NORM_K.
-constexpr int MAX_NORM_K = 16384;
-__global__ void __launch_bounds__(128) det_rms_norm_kernel(
-    const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ residual, const __nv_bfloat16* __restrict__ w,
-    __nv_bfloat16* __restrict__ out, int M, int K, long long sx, long long sr, long long so, float eps) {
-  __shared__ float parts[4][MAX_NORM_K / NORM_BLOCK];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * 4 + warp;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-  if (row >= M) return;
-  const int nb = K / NORM_BLOCK;
-  const __nv_bfloat16* xr = x + row * sx;
-  __nv_bfloat16* rr = residual != nullptr ? residual + row * sr : nullptr;
-  for (int b = lane; b < nb; b += 32) {
-    float v[NORM_BLOCK];
-#pragma unroll
-    for (int j = 0; j < NORM_BLOCK; ++j) {
-      const int k = b * NORM_BLOCK + j;
-      float r = __bfloat162float(xr[k]);
-      if (rr != nullptr) {
-        const __nv_bfloat16 rn = __float2bfloat16_rn(__fadd_rn(r, __bfloat162float(rr[k])));
-        rr[k] = rn;
-        r = __bfloat162float(rn);
-      }
-      v[j] = r;
-    }
-    parts[warp][b] = partial_of(v);
-  }
-  __syncwarp();
-  const float rstd = rstd_of(warp_total(parts[warp], nb, lane), K, eps);
-  const __nv_bfloat16* src = rr != nullptr ? rr : xr;
-  for (int k = lane; k < K; k += 32)
-    out[row * so + k] = normed(__bfloat162float(src[k]), rstd, __bfloat162float(w[k]));
-}
-
-template <int STAGES, int MODE>
+template <int STAGES>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
-                   long long sw, long long so, int split, int half, int pdl, cudaStream_t stream,
-                   float* partials, const void* norm_w, float eps) {
+                   long long sw, long long so, int split, int half, int pdl, cudaStream_t stream) {
   // row blocks a block: four warps at least; with `half` a gate and an up block per pair
   const int plain = split >= 4 ? 1 : 4 / split;
   const int groups = half ? (plain > 2 ? plain : 2) : plain;
@@ -357,7 +226,7 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
   const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4;
-  auto kernel = invariant_gemv_kernel<STAGES, MODE>;
+  auto kernel = invariant_gemv_kernel<STAGES>;
   const int rows = ROWS * (half ? groups / 2 : groups);  // output rows a block
   const int blocks = ((half ? half : N) + rows - 1) / rows;
   static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
@@ -397,55 +266,25 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<const __nv_bfloat16*>(x),
                             static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
-                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late,
-                            partials, static_cast<const __nv_bfloat16*>(norm_w), eps);
+                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late);
 }
 
 }  // namespace
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 8, bf16, 16-byte aligned rows; split K slices (a
 // power of two, at most 32); stages 2, 3 or 4. half > 0: w is [gate | up] (N = 2 half, half a multiple
-// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. mode ADD (no half; N a multiple
-// of 16): out is the residual r [M, N], set to bf16(x w^T + r), and partials [M, N / 16] get its sums
-// of squares; mode NORM: x is such an r', normalized by partials [M, K / 16], norm_w [K] and eps before
-// the product (K a multiple of 16). Returns the launch's cudaError_t.
+// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
                                      long long sx, long long sw, long long so, int split, int stages, int half,
-                                     int pdl, void* stream, int mode, float* partials, const void* norm_w,
-                                     float eps) {
+                                     int pdl, void* stream) {
   if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
   if (half && (half < 0 || N != 2 * half || half % ROWS != 0 || bias != nullptr || split > 16))
     return int(cudaErrorInvalidValue);
-  if (mode < PLAIN || mode > NORM || (mode != PLAIN && partials == nullptr) || (mode == ADD && (half || N % ROWS))
-      || (mode == NORM && (norm_w == nullptr || K % NORM_BLOCK)))
-    return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
-  const int key = stages * 3 + mode;
-#define STRATA_GEMV(ST, MO) \
-  case ST * 3 + MO: return int(launch<ST, MO>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s, partials, norm_w, eps));
-  switch (key) {
-    STRATA_GEMV(2, PLAIN) STRATA_GEMV(2, ADD) STRATA_GEMV(2, NORM)
-    STRATA_GEMV(3, PLAIN) STRATA_GEMV(3, ADD) STRATA_GEMV(3, NORM)
-    STRATA_GEMV(4, PLAIN) STRATA_GEMV(4, ADD) STRATA_GEMV(4, NORM)
+  switch (stages) {
+    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
     default: return int(cudaErrorInvalidValue);
   }
-#undef STRATA_GEMV
-}
-
-// out[M, K] = the residual stream's norm (det_rms_norm_kernel), residual updated in place where given.
-extern "C" int strata_det_rms_norm(const void* x, void* residual, const void* w, void* out, int M, int K,
-                                   long long sx, long long sr, long long so, float eps, int pdl, void* stream) {
-  if (M < 1 || K < NORM_BLOCK || K % NORM_BLOCK || K > MAX_NORM_K) return int(cudaErrorInvalidValue);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((M + 3) / 4);
-  config.blockDim = dim3(128);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return int(cudaLaunchKernelEx(&config, det_rms_norm_kernel, static_cast<const __nv_bfloat16*>(x),
-                                static_cast<__nv_bfloat16*>(residual), static_cast<const __nv_bfloat16*>(w),
-                                static_cast<__nv_bfloat16*>(out), M, K, sx, sr, so, eps));
 }

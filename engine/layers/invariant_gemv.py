@@ -31,10 +31,7 @@ MAX_ROWS = 8
 STAGES = (2, 3, 4)  # the kernel's instantiations
 RING = 4  # K tiles in flight a warp, at most (4 beat 2, 3, 6 and 8 on an H100: docs/PERF.md)
 SMEM_BUDGET = 96 << 10  # a block's rings: two blocks an SM fit
-_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-PLAIN, ADD, NORM = 0, 1, 2  # the kernel's modes (invariant_gemv.cu)
-NORM_BLOCK = 16  # elements of a sum-of-squares partial
-MAX_NORM_K = 16384  # the norm kernel's widest row
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
 
 def nvcc() -> str | None:
@@ -77,9 +74,7 @@ def library(target: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = _I
-    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P, _I, _P, _P, _F]
-    lib.strata_det_rms_norm.restype = _I
-    lib.strata_det_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _L, _L, _L, _F, _I, _P]
+    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P]
     return lib
 
 
@@ -124,57 +119,19 @@ def act_takes(x: torch.Tensor, w: torch.Tensor, slices: int) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-         stages: int, pdl: bool, act: bool = False, partials: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> bool:
+         stages: int, pdl: bool, act: bool = False) -> bool:
     """out = x w^T (+ bias) on torch's current stream, or with `act` (w = [gate | up], act_takes,
     no bias) out [M, N / 2] = silu(x gate^T) * (x up^T) with the products rounded to bf16 first;
-    with `partials` (float32 [M, N / 16]) and no `norm`: out is the residual stream, set to
-    bf16(x w^T + out), and partials get its sums of squares (norm_fold_takes); with `norm` (weight,
-    eps) too: x is such a residual, normalized as rms_norm does before the product. False where
-    the kernel is not built here."""
+    False where the kernel is not built here."""
     lib = library(arch(x.device))
     if lib is None:
         return False
     m, k = x.shape
     n = w.shape[0]
-    mode = PLAIN if partials is None else ADD if norm is None else NORM
     err = lib.strata_invariant_gemv(
         x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), m, n, k,
         x.stride(0), w.stride(0), out.stride(0), slices, stages, n // 2 if act else 0, int(pdl),
-        torch.cuda.current_stream(x.device).cuda_stream, mode, partials.data_ptr() if partials is not None else None,
-        norm[0].data_ptr() if norm is not None else None, norm[1] if norm is not None else 0.0)
+        torch.cuda.current_stream(x.device).cuda_stream)
     if err != 0:
-        raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T{' (act)' if act else ''} mode {mode}: "
-                           f"CUDA error {err}")
+        raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T{' (act)' if act else ''}: CUDA error {err}")
     return True
-
-
-def norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether rms_norm takes x: CUDA bf16 [T, K] rows of unit stride, K a multiple of 16 up to
-    MAX_NORM_K, a bf16 weight [K]."""
-    return (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
-            and weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape == (x.shape[1],)
-            and x.shape[1] % NORM_BLOCK == 0 and x.shape[1] <= MAX_NORM_K)
-
-
-def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-             pdl: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The residual stream's norm under deterministic inference (det_rms_norm_kernel, norm_takes):
-    (norm(r'), r') with r' = bf16(x + residual) written into residual, or r' = x where residual is
-    None; the arithmetic a folding GEMV reproduces. None where the kernel is not built here."""
-    lib = library(arch(x.device))
-    if lib is None:
-        return None
-    m, k = x.shape
-    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out, (x if residual is None else residual)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} for x {tuple(x.shape)}")
-    err = lib.strata_det_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                                  weight.data_ptr(), out.data_ptr(), m, k, x.stride(0),
-                                  residual.stride(0) if residual is not None else 0, out.stride(0), eps, int(pdl),
-                                  torch.cuda.current_stream(x.device).cuda_stream)
-    if err != 0:
-        raise RuntimeError(f"invariant rms_norm [{m}, {k}]: CUDA error {err}")
-    return out, (x if residual is None else residual)

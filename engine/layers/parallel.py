@@ -289,14 +289,6 @@ class Linear(nn.Module):
             return triton_ops.gemv(x, self.weight, *cfg)
         return matmul(x, self.weight, self.bias, self.packed)
 
-    def plain_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, bias) where this layer is one plain local product with no communication
-        (not quantized, not packed, one rank), for a caller that runs it with more folded in
-        (engine/layers/invariant_norm.py), else None."""
-        if self.quant is not None or self.packed is not None or parallel_state().tp.world != 1:
-            return None
-        return self.weight, self.bias
-
     def forward_act(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate | up] layer's output (bias-free) in one launch where
         deterministic inference's CUDA GEMV takes x (1-8 rows, invariant_gemm.gemm_act: the bits

@@ -119,12 +119,6 @@ class KernelTuning:
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # deterministic inference's GEMV (1-8 rows) as CUDA C++ (invariant_gemv.cu) instead of the triton one
     invariant_gemv_cuda: bool = False
-    # deterministic inference's residual-stream RMSNorm as our own kernel, folded into the CUDA GEMVs
-    # around it at 1-8 rows (engine/layers/invariant_norm.py); needs invariant_gemv_cuda for the fold
-    invariant_norm_fold: bool = False
-    # deterministic inference's captured split-KV decode rotates q and stores the new K/V in its split
-    # kernel (TorchAttention.attend_qkv) instead of a qk_norm_rope_store launch before it
-    invariant_rope_fold: bool = False
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
     # (engine/layers/mla_kernels.py) below that, and on every rank at 0 (a GPU nobody measured)

@@ -34,7 +34,6 @@ from torch import nn
 from engine.config import ServerConfig
 from engine.layers.attention import AttentionBackend, create_backend
 from engine.layers.forward import ForwardBatch
-from engine.layers.invariant_norm import NormPartials
 from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.mla_attention import MLABackend, decode_kernel_available
@@ -66,7 +65,7 @@ class HiddenTap:
         def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             x, residual = output
             # a copy: later layers add into the residual in place
-            self.out[i] = residual.clone() if isinstance(x, (PreNormed, NormPartials)) else x + residual
+            self.out[i] = residual.clone() if isinstance(x, PreNormed) else x + residual
         return hook
 
     def captured(self, bs: int) -> None:

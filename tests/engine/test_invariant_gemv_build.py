@@ -24,15 +24,10 @@ def test_builds_and_refuses_what_it_does_not_take(tmp_path: Path) -> None:
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = ctypes.c_int
     lib.strata_invariant_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 3 + [
-        ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
-    lib.strata_det_rms_norm.restype = ctypes.c_int
-    lib.strata_det_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_longlong] * 3 + [
-        ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+        ctypes.c_int] * 4 + [ctypes.c_void_p]
 
-    def call(m: int, split: int, stages: int = 4, n: int = 64, half: int = 0, bias: int | None = None, k: int = 64,
-             mode: int = 0, partials: int | None = None, norm_w: int | None = None) -> int:
-        return lib.strata_invariant_gemv(None, None, bias, None, m, n, k, 64, 64, 64, split, stages, half, 0, None,
-                                         mode, partials, norm_w, 1e-6)
+    def call(m: int, split: int, stages: int = 4, n: int = 64, half: int = 0, bias: int | None = None) -> int:
+        return lib.strata_invariant_gemv(None, None, bias, None, m, n, 64, 64, 64, 64, split, stages, half, 0, None)
 
     assert call(0, 4) == INVALID_VALUE  # no rows
     assert call(invariant_gemv.MAX_ROWS + 1, 4) == INVALID_VALUE  # more rows than the mma's 8 columns
@@ -45,21 +40,6 @@ def test_builds_and_refuses_what_it_does_not_take(tmp_path: Path) -> None:
     assert call(1, 4, n=64, half=32, bias=16) == INVALID_VALUE  # a bias
     assert call(1, 32, n=64, half=32) == INVALID_VALUE  # 64 warps a block
     assert call(1, 4, n=64, half=-32) == INVALID_VALUE
-    # the residual-stream norm's folds (engine/layers/invariant_norm.py)
-    assert call(1, 4, mode=3, partials=16) == INVALID_VALUE  # no such mode
-    assert call(1, 4, mode=1) == INVALID_VALUE  # ADD without partials
-    assert call(1, 4, n=72, mode=1, partials=16) == INVALID_VALUE  # ADD: hidden not whole 16-element partials
-    assert call(1, 4, n=64, half=32, mode=1, partials=16) == INVALID_VALUE  # ADD into a SwiGLU output
-    assert call(1, 4, mode=2, partials=16) == INVALID_VALUE  # NORM without the norm's weight
-    assert call(1, 4, k=72, mode=2, partials=16, norm_w=16) == INVALID_VALUE  # NORM: K not whole partials
-
-    def norm(m: int, k: int) -> int:
-        return lib.strata_det_rms_norm(None, None, None, None, m, k, k, k, k, 1e-6, 0, None)
-
-    assert norm(0, 64) == INVALID_VALUE
-    assert norm(1, 8) == INVALID_VALUE  # less than one partial
-    assert norm(1, 72) == INVALID_VALUE  # not whole partials
-    assert norm(1, invariant_gemv.MAX_NORM_K + 16) == INVALID_VALUE  # wider than its shared memory
 
 
 def test_ring_depth_fits_the_slice_and_shared_memory() -> None:

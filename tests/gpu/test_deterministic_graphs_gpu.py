@@ -3,19 +3,16 @@ batch_invariant.DecodeBlocks): Qwen3-0.6B and Llama-3.2-1B shapes with random we
 in process. With graphs a request's greedy tokens and logprobs are the bits of the same engine
 without them, in a batch of several prompts (padded to a captured size) and alone; decode
 positions cross the attention's 64-position chunks and its 256-position partitions. The graphs'
-split-KV decode takes the RoPE prologue in its split kernel where the tuning turns
-invariant_rope_fold on (Llama: no q/k norm), eager decode the separate launch."""
+split-KV decode takes the RoPE prologue in its split kernel where the model has no q/k norm
+(Llama), eager decode the separate launch."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import ServerConfig
-from engine.layers import attention
 from engine.layers.attention import TorchAttention
 from engine.local import LocalEngine, Result
 from msgs.params import SamplingParams
@@ -39,8 +36,6 @@ def _keys(results: list[Result]) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.2-1b"])
 def test_graphs_give_the_eager_bits(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    tuned = dataclasses.replace(attention.kernel_tuning(torch.device("cuda")), invariant_rope_fold=True)
-    monkeypatch.setattr(attention, "kernel_tuning", lambda device: tuned)
     folded = []
     attend_qkv = TorchAttention.attend_qkv
     monkeypatch.setattr(TorchAttention, "attend_qkv", lambda *a: folded.append(attend_qkv(*a)) or folded[-1])
