@@ -67,3 +67,24 @@ def test_one_request_one_answer_on_cuda(model: str) -> None:
         fresh.generate([PROMPT[:cut]], SamplingParams(max_new_tokens=1))
         answers.add(str(_key(fresh.generate([OTHERS[2], PROMPT], SAMPLED)[-1])))
     assert answers == {str(want)}
+
+
+def test_decoded_and_prefilled_tokens_agree(tmp_path: Path) -> None:
+    """A token's K/V written by the captured split decode (its RoPE prologue: Llama has no q/k
+    norm) and by a prefill (qk_norm_rope_store) carry the same bits: a prompt extended by its own
+    greedy continuation and prefilled by a fresh engine continues with the same tokens and
+    logprobs. Llama-3.2-1B shapes cut to 4 layers; decode positions cross a 256-position partition."""
+    cfg = json.loads((REPO / "configs" / "llama-3.2-1b" / "config.json").read_text()) | {"num_hidden_layers": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    prompt = PROMPT[:250]
+    eng = _engine(str(tmp_path), True)
+    assert eng.runner.graphs is not None
+    first = eng.generate([prompt], greedy)[0]
+    assert eng.runner.graphs.replays >= greedy.max_new_tokens - 2, "decoded in the graphs"
+    del eng
+    fresh = _engine(str(tmp_path), True)  # nothing cached: the continuation's K/V come from a prefill
+    rest = fresh.generate([prompt + first.output_ids[:6]], SamplingParams(
+        max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True))[0]
+    assert rest.output_ids == first.output_ids[6:]
+    assert rest.logprobs == first.logprobs[6:]
