@@ -444,20 +444,6 @@ def _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, m_
 
 
 @triton.jit
-def _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, j0, j1, sm_scale,
-                  M: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, C: tl.constexpr):
-    """(m, l, acc) of the M query rows qv over KV chunks j0..j1-1 of KV head kvh, from a fresh
-    state, chunk after chunk (_kv_chunk)."""
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    for j in range(j0, j1):
-        m_i, l_i, acc = _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, j, sm_scale, m_i, l_i, acc,
-                                  HKV, D, PS, C)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _merge_state(m_acc, l_acc, o_acc, m_p, l_p, o_p):
     """The running state (m_acc, l_acc, o_acc [R], [R], [R, D]) merged with the next partition's
     (m_p, l_p, o_p): the one formula both kernels use. An empty partition (m = -inf, l = 0, o = 0)
@@ -496,7 +482,7 @@ def invariant_attention_kernel(
     """Deterministic inference's attention (engine/layers/batch_invariant.py) for one (block of
     T query tokens of one request, KV head): the group's T * G query rows against the KV in
     partitions of CP chunks of C positions from position 0, each partition's state from a
-    fresh one (as _kv_partition), merged in partition order (_merge_state): serially here, by
+    fresh one, chunk after chunk (_kv_chunk), merged in partition order (_merge_state): serially here, by
     invariant_split_kernel + invariant_merge_kernel for split decode, with the same bits. A
     row's arithmetic depends on nothing but its own q, its position and the KV: not on the batch."""
     pdl_start(PDL)  # q and the new token's KV are the previous launch's
@@ -514,7 +500,7 @@ def invariant_attention_kernel(
     o_acc = tl.zeros([M, D], tl.float32)
     # the partitions in one loop over the chunks (one software pipeline, not a drain and refill per
     # partition): a partition's state starts fresh and is merged at its last chunk, as a
-    # _kv_partition per partition would do it, so the bits are the split kernels'
+    # loop per partition would do it, so the bits are the split kernels'
     mp = tl.full([M], float("-inf"), tl.float32)
     lp = tl.zeros([M], tl.float32)
     op = tl.zeros([M, D], tl.float32)
@@ -586,13 +572,29 @@ def invariant_split_kernel(
             tl.store(v_cache + slot + d[None, :], tl.load(kb + HKV * D + d[None, :]).to(cache_t))
             tl.debug_barrier()  # the partition below reads the new position back from the pool
     first = r < G  # token 0's rows
-    for i in range(k, (reads + CP - 1) // CP, tl.num_programs(2)):
-        mp, lp, op = _kv_partition(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP,
-                                tl.minimum(i * CP + CP, reads), sm_scale, M, HKV, D, PS, C)
-        slot = b.to(tl.int64) * parts_max + i
-        tl.store(part_o + (slot * HQ + head)[:, None] * D + d[None, :], op, mask=first[:, None])
-        tl.store(part_ml + slot * 2 * HQ + head, mp, mask=first)
-        tl.store(part_ml + (slot * 2 + 1) * HQ + head, lp, mask=first)
+    # this program's partitions k, k + S, ... in one loop over their chunks (one software pipeline,
+    # as the serial kernel runs its partitions): a partition's state starts fresh and is stored at
+    # its last chunk, as a loop per partition would compute it, so the serial kernel's bits
+    nparts = (reads + CP - 1) // CP
+    S = tl.num_programs(2)
+    mine = tl.maximum(nparts - k + S - 1, 0) // S
+    short = tl.where((mine > 0) & (k + (mine - 1) * S == nparts - 1), nparts * CP - reads, 0)  # its last's
+    mp = tl.full([M], float("-inf"), tl.float32)
+    lp = tl.zeros([M], tl.float32)
+    op = tl.zeros([M, D], tl.float32)
+    n_chunks = mine * CP - short
+    for v in range(0, n_chunks):
+        i = k + (v // CP) * S
+        mp, lp, op = _kv_chunk(qv, k_cache, v_cache, trow, table_width, pos, kvh, i * CP + v % CP, sm_scale,
+                               mp, lp, op, HKV, D, PS, C)
+        if ((v + 1) % CP == 0) | (v == n_chunks - 1):
+            slot = b.to(tl.int64) * parts_max + i
+            tl.store(part_o + (slot * HQ + head)[:, None] * D + d[None, :], op, mask=first[:, None])
+            tl.store(part_ml + slot * 2 * HQ + head, mp, mask=first)
+            tl.store(part_ml + (slot * 2 + 1) * HQ + head, lp, mask=first)
+            mp = tl.full([M], float("-inf"), tl.float32)
+            lp = tl.zeros([M], tl.float32)
+            op = tl.zeros([M, D], tl.float32)
 
 
 @triton.jit(do_not_specialize=["parts_max"])
