@@ -73,8 +73,10 @@ DOT_ROWS = 16
 KV_CHUNK = 64  # KV positions per attention chunk (at least a page)
 # CUDA kernel: KV positions per partition (a whole number of chunks, aligned to position 0): each
 # partition's softmax state starts fresh and the states merge in partition order, so a decode
-# can compute its partitions in parallel (split-KV) with the bits of the serial kernel
-KV_PART = 256
+# can compute its partitions in parallel (split-KV) with the bits of the serial kernel. 128 against
+# 256 (H100, Llama-3.1-8B, mode on, ctx 1024, alternated; docs/PERF.md, fortieth session): batch 1
+# 5.964 against 6.022 ms (8 splits), batch 8 6.481 against 6.421 (4 splits of two partitions each)
+KV_PART = 128
 # split a decode step's KV when its (blocks x KV heads) programs are fewer than half this, into up
 # to this many programs in all. H200, 32/8 heads, ctx 1024, the kernel's 4-token blocks (bench/results/
 # invariant-attention-timing-h200-9dfdee4.txt): batch 1 best at 4 splits (9.9 us; 1 split 24.3),

@@ -24,7 +24,7 @@ from engine.layers.kv_pool import KVPool  # noqa: E402
 from tests.engine.test_deterministic_graph_blocks import staged  # noqa: E402
 
 PS, HQ, HKV, D = 16, 4, 2, 32
-P = bi.kv_part(PS)  # positions a partition (256: three in L)
+P = bi.kv_part(PS)  # positions a partition (128: five in L)
 L = 600
 PARTS = -(-L // P)
 POSITIONS = [0, P - 1, P, P + 1, 2 * P - 1, 2 * P, L - 1]  # decoded tokens: partition edges, the last
