@@ -26,7 +26,7 @@ from engine.serve.errors import ApiError
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect
 from engine.serve.native import prepare
 from engine.serve.state import ServeState
-from engine.serve.validate import SubRequest, check_rid
+from engine.serve.validate import SubRequest, check_rid, check_unset
 from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import AbortGenerate, GenerateChunk, GenerateError, GenerateRequest, KeepAlive
 
@@ -164,6 +164,7 @@ class SdkServer:
         rid = req.rid
         try:
             check_rid(rid)
+            check_unset(req.unset, req.params)
             defaults = self._state.sampling_defaults
             params = req.params
             if req.unset and defaults:  # the fields the caller left unset: the model's defaults

@@ -39,6 +39,7 @@ MAX_SUBREQUESTS = 256  # prompts x n of one HTTP request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 IDS_ONLY = "this server has no tokenizer (the model directory has no tokenizer files); send token ids"
 _PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"max_tokens", "min_tokens"}
+_DEFAULT_PARAMS_VALUES = {name: getattr(SamplingParams(), name) for name in MODEL_DEFAULT_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,17 @@ def check_rid(rid: str, param: str = "rid") -> str:
     if not 0 < len(rid) <= MAX_RID_LEN or not rid.isprintable() or any(c.isspace() for c in rid):
         raise ApiError(400, f"{param} must be 1..{MAX_RID_LEN} printable characters without spaces", param)
     return rid
+
+
+def check_unset(unset: list[str], params: SamplingParams) -> None:
+    """An SDK request's `unset` (GenerateRequest): fields of MODEL_DEFAULT_FIELDS its caller left
+    out, so each still holds SamplingParams' own default (the client sends them so); a name
+    outside those fields, or a field the params set, is the frame's error, not a silent override."""
+    for name in unset:
+        if name not in MODEL_DEFAULT_FIELDS:
+            raise ApiError(400, f"unset: {name[:50]!r} is not one of {', '.join(MODEL_DEFAULT_FIELDS)}", "unset")
+        if getattr(params, name) != _DEFAULT_PARAMS_VALUES[name]:
+            raise ApiError(400, f"unset lists {name}, which the params set", "unset")
 
 
 def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:

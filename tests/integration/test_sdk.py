@@ -239,6 +239,13 @@ def test_a_wrongly_typed_request_is_a_400_not_a_silence(server: Server) -> None:
         assert sock.poll(5000), "no answer to a malformed request"
         reply = SDK_OUT.codec.decode(sock.recv())
         assert (reply.rid, reply.status) == ("typed-wrong", 400) and "max_new_tokens" in reply.message, reply
+        # `unset` names only model-default fields the params left at their default: else a 400, not an override
+        for rid, unset, params in (("unset-unknown", ["no_such"], SamplingParams(max_new_tokens=2)),
+                                   ("unset-set", ["temperature"], SamplingParams(max_new_tokens=2, temperature=0.0))):
+            sock.send(SDK_IN.codec.encode(GenerateRequest(rid=rid, params=params, text="Hello", unset=unset)))
+            assert sock.poll(5000), f"no answer to {rid}"
+            reply = SDK_OUT.codec.decode(sock.recv())
+            assert (reply.rid, reply.status) == (rid, 400) and "unset" in reply.message, reply
     finally:
         sock.close(0)
 
