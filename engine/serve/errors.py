@@ -16,6 +16,7 @@ MAX_MESSAGE = 1000  # characters of an error message: one quoting a 5 MB field a
 _PATH = re.compile(r"at `\$\.([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
+_KEY_IN = re.compile(r"at `key` in `\$\.([^`]*)`")  # a dict's key of the wrong type (logit_bias)
 
 
 class ApiError(Exception):
@@ -48,13 +49,13 @@ def from_validation(exc: msgspec.DecodeError | msgspec.ValidationError, prefix: 
         param = _field(text)
         if param is not None and prefix:
             param = f"{prefix}.{param}"
-            text = text.replace("at `$.", f"at `$.{prefix}.")
+            text = text.replace("at `$.", f"at `$.{prefix}.").replace("in `$.", f"in `$.{prefix}.")
         return ApiError(400, f"invalid request body: {text}", param=param)
     return ApiError(400, f"invalid JSON: {text}")
 
 
 def _field(text: str) -> str | None:
-    for pattern in (_PATH, _UNKNOWN, _MISSING):
+    for pattern in (_PATH, _UNKNOWN, _MISSING, _KEY_IN):
         found = pattern.search(text)
         if found:
             return found.group(1)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from engine.serve.errors import ApiError, api_error_body, error_body
+from engine.serve.errors import ApiError, api_error_body, error_body, from_validation
 from engine.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,6 +20,7 @@ from engine.serve.validate import (
     check_model,
     check_params,
     check_rid,
+    check_unset,
     completion_prompts,
     fan_out,
     make_params,
@@ -397,3 +399,21 @@ def test_error_body_shape() -> None:
         "error": {"message": "nope", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
     }
     assert error_body(500, "boom")["error"]["type"] == "server_error"
+
+
+def test_a_wrongly_typed_dict_key_names_its_field() -> None:
+    """msgspec reports a dict key of the wrong type as "at `key` in `$.field`": the 400 names the
+    field (under the native route's sampling_params prefix too), as for any other field."""
+    with pytest.raises(msgspec.ValidationError) as exc:
+        msgspec.convert({"logit_bias": {"abc": 1.0}}, SamplingParams, str_keys=True)
+    assert from_validation(exc.value).param == "logit_bias"
+    err = from_validation(exc.value, "sampling_params")
+    assert err.param == "sampling_params.logit_bias" and "$.sampling_params.logit_bias" in err.message
+
+
+def test_an_sdk_frames_unset_names_only_defaults_it_left() -> None:
+    check_unset(["temperature", "top_p"], SamplingParams())  # what the client sends
+    for unset, params in ((["no_such"], SamplingParams()), (["temperature"], SamplingParams(temperature=0.0))):
+        with pytest.raises(ApiError) as err:
+            check_unset(unset, params)
+        assert err.value.status == 400 and err.value.param == "unset"
