@@ -138,6 +138,13 @@ CASES: list[tuple[str, str, str, Calls]] = [
         "",
         [("search", {"query": 'line one\nline "two"', "filters": {"site": "x.org", "n": 2}})],
     ),
+    (  # padding the grammar allows around a value (xgrammar's glm45_xml) is not the value's
+        "glm45",
+        "<tool_call>get_weather\n<arg_key> city </arg_key>\n<arg_value>  Paris \n\n</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>\n3\n</arg_value>\n</tool_call>",
+        "",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
     (
         "glm45",
         "<tool_call>rm_rf\n<arg_key>path</arg_key>\n<arg_value>/</arg_value>\n</tool_call>",

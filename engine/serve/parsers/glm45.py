@@ -55,7 +55,9 @@ class Glm45Parser(ToolCallParser):
         name = (scope[start:] if cut < 0 else scope[start:cut]).strip()
         if not name:
             return Block(end=end, invalid=True)
-        pairs = [f"{dumps(k.strip())}: {self._value(name, k.strip(), v)}" for k, v in _PAIR.findall(scope)]
+        # a value without its surrounding whitespace, which the tool grammar lets the model add (and
+        # GLM's template never writes): vLLM's and SGLang's glm45 parsers strip it too
+        pairs = [f"{dumps(k.strip())}: {self._value(name, k.strip(), v.strip())}" for k, v in _PAIR.findall(scope)]
         args = "{" + ", ".join(pairs) + ("}" if closed else "")
         return Block(name=name, args=args, end=end)
 
