@@ -141,3 +141,11 @@ def test_finish_reason_and_message_shapes() -> None:
     assert total.content == call and output.message()["content"] == call and not output.calls
     delta = OutputDelta(reasoning="r", content="c").openai_delta()
     assert delta == {"reasoning_content": "r", "content": "c"}
+    # a call a stop string or max_tokens cut short: its arguments as far as they went (none: "", not a
+    # made-up "{}"), and a stop string's finish is "stop", not "tool_calls"
+    auto = check_tools([WEATHER], "auto", None, "hermes")
+    for cut, args in (('<tool_call>{"name": "get_weather", "arguments": {"city": "Be', '{"city": "Be'),
+                      ('<tool_call>{"name": "get_weather", "arguments"', "")):
+        _, output = _pipeline_run([cut], "")
+        assert [c.arguments for c in output.calls] == [args]
+        assert output.finish_reason("stop", auto) == "stop" and output.finish_reason("length", auto) == "length"

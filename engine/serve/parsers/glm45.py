@@ -58,7 +58,7 @@ class Glm45Parser(ToolCallParser):
         # a value without its surrounding whitespace, which the tool grammar lets the model add (and
         # GLM's template never writes): vLLM's and SGLang's glm45 parsers strip it too
         pairs = [f"{dumps(k.strip())}: {self._value(name, k.strip(), v.strip())}" for k, v in _PAIR.findall(scope)]
-        args = "{" + ", ".join(pairs) + ("}" if closed else "")
+        args = "{" + ", ".join(pairs) + ("}" if end is not None else "")  # a call cut short stays open
         return Block(name=name, args=args, end=end)
 
     def _value(self, name: str, key: str, text: str) -> str:

@@ -100,16 +100,17 @@ def call_block(scope: str, end: int | None, final: bool, ends_at_close: bool = F
     name = json.loads(scope[span[0] : span[1]])
     if not isinstance(name, str):
         return Block(end=end, invalid=True)
-    return Block(name=name, args=_arguments(scope, scan, closed), end=end)
+    return Block(name=name, args=_arguments(scope, scan, scan.end is not None or end is not None), end=end)
 
 
-def _arguments(scope: str, scan: ObjectScan, closed: bool) -> str:
+def _arguments(scope: str, scan: ObjectScan, complete: bool) -> str:
     """The arguments text so far. An object is streamed as the model writes it; any other
     value is sent whole once complete (a JSON string holding the arguments is unwrapped,
-    as some models double-encode them)."""
+    as some models double-encode them). A complete call without arguments has {}; one the
+    output cut short (max_tokens, a stop string) keeps what it had, not a made-up {}."""
     span = next((scan.fields[k] for k in ARG_KEYS if k in scan.fields), None)
     if span is None:
-        return "{}" if closed else ""
+        return "{}" if complete else ""
     v, e = span
     if scope[v] == "{":
         return scope[v:e] if e is not None else scope[v:]

@@ -6,6 +6,7 @@ drafts a call while thinking has not made it).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,14 @@ class OutputDelta:
         if self.calls:
             out["tool_calls"] = [c.to_openai() for c in self.calls]
         return out
+
+
+def _an_object(text: str) -> bool:
+    """Whether a call's arguments are a whole JSON object (a finished call's always are)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 class ChatOutput:
@@ -83,8 +92,10 @@ class ChatOutput:
 
     def finish_reason(self, reason: str | None, tools: ToolRequest | None) -> str | None:
         """OpenAI's: "tool_calls" when the model stopped after calling tools, except for
-        a named tool_choice ("stop", as OpenAI answers it)."""
-        if reason == "stop" and self.calls and not (tools and tools.choice == "named"):
+        a named tool_choice ("stop", as OpenAI answers it), and except where a stop string cut
+        a call short (its arguments are not a JSON object: "stop", what ended it)."""
+        if (reason == "stop" and self.calls and not (tools and tools.choice == "named")
+                and all(_an_object(c.arguments) for c in self.calls)):
             return "tool_calls"
         return reason
 
