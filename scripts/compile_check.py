@@ -192,7 +192,7 @@ def _invariant(rows: int, shapes: list[tuple[int, int]]) -> Callable[[], None]:
 
 def _invariant_attention(hq: int, hkv: int, batch: int, ctx: int = 1024) -> Callable[[], None]:
     """batch_invariant.attend's CUDA kernels for a decode step of `batch` rows at `ctx` (split-KV where
-    batch_invariant.splits splits it: the split kernel, its last program merging), 16-token pages."""
+    batch_invariant.splits splits it: the split and merge kernels), 16-token pages."""
 
     def case() -> None:
         from engine.layers import batch_invariant as bi

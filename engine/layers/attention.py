@@ -220,7 +220,7 @@ class TorchAttention(AttentionBackend):
         self._g_heads = (0, 0, 0)  # (q heads, KV heads, head dim) for the split-KV scratch (bind)
         self._g_page, self._g_parts = 1, 1  # the pool's page size; a row's most KV partitions
         self._g_splits = 1  # split-KV programs per row and KV head of the graph being captured
-        self._g_scratch: tuple[torch.Tensor, ...] | None = None
+        self._g_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_tree_masks(self, masks: dict[int, torch.Tensor]) -> None:
         """Speculative decoding's draft trees, for the next `prepare` only: request i's new

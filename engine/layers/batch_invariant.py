@@ -19,7 +19,7 @@ kernel's work for one fixed shape: rows of one call do not mix. So with the mode
   more chunks than it needs, keeps its bits. The CUDA kernel (blocks of 16 rows of tokens x
   query heads: kernel_tokens) runs an online softmax over the chunks in partitions of
   `KV_PART` positions, each from a fresh softmax state, merged in partition order by one
-  formula, serially (prefill) or by split-KV programs, the last of which merges (decode): the same
+  formula, serially (prefill) or by split-KV programs and a merge kernel (decode): the same
   bits either way (docs/architecture.md, "Split-KV"). On a CPU attention takes neither: the C
   kernel of engine/layers/cpu_attention.py (the torch path only where it does not build).
 
@@ -217,7 +217,7 @@ class Plan:
     tokens: int = TOKENS  # per block
     parts: int = 0  # the most KV partitions a block reads (kernel)
     decode: bool = False  # every block is one token (the kernel may split its KV)
-    scratch: tuple[torch.Tensor, ...] | None = None  # split-KV states, made by the first layer
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # split-KV states, made by the first layer
 
 
 def kernel_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
@@ -252,14 +252,12 @@ def split_rows(kv_heads: int) -> int:
 
 
 def split_scratch(rows: int, parts: int, num_q_heads: int, head_dim: int,
-                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 partition states of split decode: the token's output sums [rows, parts, Hq, D]
     and (max, sum) [rows, parts, 2, Hq]; only a decode token's G rows per KV head are kept
-    (not the T * G rows of its kernel block). And the split programs' arrival counters, int32
-    [rows, Hq] (one per row and KV head; Hq bounds the KV heads), zero between launches."""
+    (not the T * G rows of its kernel block)."""
     return (torch.empty(rows, parts, num_q_heads, head_dim, dtype=torch.float32, device=device),
-            torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device),
-            torch.zeros(rows, num_q_heads, dtype=torch.int32, device=device))
+            torch.empty(rows, parts, 2, num_q_heads, dtype=torch.float32, device=device))
 
 
 def kernel_tokens(group: int) -> int:
@@ -429,7 +427,7 @@ def _blocks_same(tokens: int, rows: int, dq: int, dv: int, chunk: int, device: t
 
 def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,
                   layer: int, n_splits: int = 1,
-                  scratch: tuple[torch.Tensor, ...] | None = None,
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                   cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
     """attend by the CUDA kernel over `blocks` (Plan.blocks' form, in any order: each block is
     one program that reads only its own entries and writes only its own real rows); n_splits > 1:

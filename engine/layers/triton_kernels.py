@@ -483,7 +483,7 @@ def invariant_attention_kernel(
     T query tokens of one request, KV head): the group's T * G query rows against the KV in
     partitions of CP chunks of C positions from position 0, each partition's state from a
     fresh one, chunk after chunk (_kv_chunk), merged in partition order (_merge_state): serially here, by
-    invariant_split_kernel (its last program merging) for split decode, with the same bits. A
+    invariant_split_kernel + invariant_merge_kernel for split decode, with the same bits. A
     row's arithmetic depends on nothing but its own q, its position and the KV: not on the batch."""
     pdl_start(PDL)  # q and the new token's KV are the previous launch's
     b = tl.program_id(0)
@@ -512,7 +512,7 @@ def invariant_attention_kernel(
             mp = tl.full([M], float("-inf"), tl.float32)
             lp = tl.zeros([M], tl.float32)
             op = tl.zeros([M, D], tl.float32)
-    o_out = (o_acc / l_acc[:, None]).to(act)  # as _merge_parts
+    o_out = (o_acc / l_acc[:, None]).to(act)  # as invariant_merge_kernel
     real = tl.load(blk_real + b * T + t) != 0
     tl.store(out + qrow[:, None] * (HQ * D) + head[:, None] * D + d[None, :], o_out, mask=real[:, None])
 
@@ -535,7 +535,7 @@ def _rope_rows(x_ptr, pos, cos_sin, cs_stride, D: tl.constexpr):
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width", "parts_max"])
 def invariant_split_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
-    sm_scale, part_o, part_ml, arrivals, parts_max, out, cos_sin, cs_stride,
+    sm_scale, part_o, part_ml, parts_max, cos_sin, cs_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
     CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
 ):
@@ -544,9 +544,6 @@ def invariant_split_kernel(
     computes a block, so with its tile shapes and bits) and stores token 0's G rows' states in
     float32: part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l).
     Programs past a block's partitions store nothing (the merge reads only its partitions).
-    Then each program counts itself in `arrivals` [>= blocks * HKV] int32 (zero before the launch),
-    and the last to arrive merges the token's states (_merge_parts) and zeroes its counter for
-    the next launch: the merge needs no launch of its own.
     ROPE: q is the layer's QKV projection [T, (HQ + 2 HKV) * D] before RoPE (no q/k norm):
     every program rotates its q rows, and the program of the token's last partition (the one
     that reads its position) first stores the rotated K and the V, as qk_norm_rope_store would."""
@@ -598,34 +595,31 @@ def invariant_split_kernel(
             mp = tl.full([M], float("-inf"), tl.float32)
             lp = tl.zeros([M], tl.float32)
             op = tl.zeros([M, D], tl.float32)
-    # a bar.sync orders every thread's stores before the count (PTX: it synchronizes the CTA's
-    # threads), whose release at GPU scope publishes them to the acquiring last program
-    tl.debug_barrier()
-    count = arrivals + b * HKV + kvh
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == S - 1:
-        tl.store(count, 0)
-        _merge_parts(blk_rows, reads, part_o, part_ml, parts_max, out, b, kvh, HQ, HKV, D, T, CP)
 
 
-@triton.jit
-def _merge_parts(blk_rows, reads, part_o, part_ml, parts_max, out, b, kvh,
-                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr):
-    """Split decode, step 2 (the last split program of (block, KV head) to finish): the token's
-    partition states merged in partition order from a fresh state by _merge_state, the output
-    stored as invariant_attention_kernel stores it (o / l in the output dtype). Elementwise, so
-    the bits do not depend on which program runs it."""
+@triton.jit(do_not_specialize=["parts_max"])
+def invariant_merge_kernel(
+    blk_rows, blk_reads, part_o, part_ml, parts_max, out,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr,
+):
+    """Split decode, step 2: program (block, KV head) merges its token's partition states in
+    partition order from a fresh state by _merge_state, and stores the output as
+    invariant_attention_kernel does (o / l in the output dtype)."""
+    pdl_start(PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV
     head = kvh * G + tl.arange(0, G)
     d = tl.arange(0, D)
+    reads = tl.load(blk_reads + b)
     m_acc = tl.full([G], float("-inf"), tl.float32)
     l_acc = tl.zeros([G], tl.float32)
     o_acc = tl.zeros([G, D], tl.float32)
     for i in range(0, (reads + CP - 1) // CP):
         slot = b.to(tl.int64) * parts_max + i
-        # .cg: the other programs' stores, read from L2 (never from this SM's L1)
-        op = tl.load(part_o + (slot * HQ + head)[:, None] * D + d[None, :], cache_modifier=".cg")
-        mp = tl.load(part_ml + slot * 2 * HQ + head, cache_modifier=".cg")
-        lp = tl.load(part_ml + (slot * 2 + 1) * HQ + head, cache_modifier=".cg")
+        op = tl.load(part_o + (slot * HQ + head)[:, None] * D + d[None, :])
+        mp = tl.load(part_ml + slot * 2 * HQ + head)
+        lp = tl.load(part_ml + (slot * 2 + 1) * HQ + head)
         m_acc, l_acc, o_acc = _merge_state(m_acc, l_acc, o_acc, mp, lp, op)
     row = tl.load(blk_rows + b * T)
     o_out = (o_acc / l_acc[:, None]).to(out.dtype.element_ty)

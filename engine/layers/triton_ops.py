@@ -376,7 +376,7 @@ def decode_attention(
 def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
     blocks: tuple[torch.Tensor, ...], chunk: int, part: int | None = None, splits: int = 1,
-    scratch: tuple[torch.Tensor, ...] | None = None, cos_sin_cache: torch.Tensor | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None, cos_sin_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
     D] contiguous (with `cos_sin_cache`: the layer's QKV projection [T, Hq + 2 Hkv, D] before
@@ -389,8 +389,7 @@ def invariant_attention(
     splits > 1 (decode blocks only: one token each) is split-KV: `splits` programs per (block,
     KV head) store the partitions' float32 states in `scratch` (batch_invariant.split_scratch:
     part_o [>= nb, parts, Hq, D], part_ml [>= nb, parts, 2, Hq]; `parts` at least any block's
-    partition count), and the last program of each (block, KV head) merges them in order
-    (counted in scratch's `arrivals`). Both kernels are compiled
+    partition count), then a second kernel merges them in order. Both kernel pairs are compiled
     with floating-point fusion off: the serial kernel and the split pair share the partition and
     merge code (@triton.jit helpers), and with no FMA contraction the compiler cannot fuse a
     multiply-add in one and not in the other, so a token's output has the same bits on either."""
@@ -415,7 +414,7 @@ def invariant_attention(
     geom = dict(HQ=hq, HKV=hkv, D=d, PS=page_size, T=tokens, C=chunk, CP=part // chunk)
     # the serial kernel holds two [T * G, D] float32 states (the partition's and the merged one):
     # 8 warps where 4 would need over 128 registers a thread for them. The split kernel must take
-    # the same warps (the same tl.dot lowering); the merge (its last program) is elementwise
+    # the same warps (the same tl.dot lowering); the merge kernel is elementwise (any layout)
     warps = 8 if tokens * (hq // hkv) * d >= 8192 else 4
     pdl = _pdl(q.device)  # a sync only: no bits move
     opts = dict(enable_fp_fusion=False, PDL=pdl, **_launch_opts(pdl))
@@ -426,12 +425,14 @@ def invariant_attention(
         return out
     if scratch is None:
         raise ValueError("invariant_attention: split-KV needs a scratch (batch_invariant.split_scratch)")
-    part_o, part_ml, arrivals = scratch
-    if part_o.shape[0] < nb or arrivals.numel() < nb * hkv:
+    part_o, part_ml = scratch
+    if part_o.shape[0] < nb:
         raise ValueError(f"invariant_attention: scratch for {part_o.shape[0]} blocks, {nb} given")
     cs = (cos_sin_cache, cos_sin_cache.stride(0)) if rope else (q, 0)
-    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, arrivals, part_o.shape[1], out, *cs,
-                                                **geom, F32_DOT=interpreted(), ROPE=rope, num_warps=warps, **opts)
+    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], *cs, **geom,
+                                                F32_DOT=interpreted(), ROPE=rope, num_warps=warps, **opts)
+    k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
+                                        T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out
 
 

@@ -157,9 +157,8 @@ def runtime_reserve_bytes(cfg: ServerConfig, mcfg: ModelConfig, dtype: torch.dty
 
 def _split_scratch_bytes(cfg: ServerConfig, mcfg: ModelConfig) -> int:
     """Deterministic inference's split-KV decode scratch for CUDA graphs (torch backend,
-    batch_invariant.split_scratch): float32 [rows, partitions of the longest context, Hq, D + 2] and
-    int32 [rows, Hq], e.g. 260 MiB for Llama-3.1-8B at 128k (16 split rows). Zero with the mode off or
-    without graphs."""
+    batch_invariant.split_scratch): float32 [rows, partitions of the longest context, Hq, D + 2],
+    e.g. 130 MiB for Llama-3.1-8B at 128k (16 split rows). Zero with the mode off or without graphs."""
     if not cfg.enable_deterministic_inference or cfg.disable_cuda_graph or getattr(mcfg, "mla", None) is not None:
         return 0
     from engine.layers import batch_invariant
@@ -167,7 +166,7 @@ def _split_scratch_bytes(cfg: ServerConfig, mcfg: ModelConfig) -> int:
     rows = min(cfg.decode_graph_rows, batch_invariant.split_rows(mcfg.num_kv_heads))
     context = cfg.context_length or mcfg.max_position_embeddings
     parts = -(-context // batch_invariant.kv_part(cfg.page_size)) + 1
-    return rows * (parts * (mcfg.head_dim + 2) + 1) * mcfg.num_heads * 4  # + the int32 arrival counters
+    return rows * parts * mcfg.num_heads * (mcfg.head_dim + 2) * 4
 
 
 def cpu_pool_tokens(

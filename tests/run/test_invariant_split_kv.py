@@ -1,5 +1,5 @@
 """Split-KV of deterministic inference's CUDA attention kernel (engine/layers/triton_kernels.py:
-invariant_attention_kernel serial, invariant_split_kernel split, its last program merging), run by
+invariant_attention_kernel serial, invariant_split_kernel + invariant_merge_kernel split), run by
 triton's interpreter on the CPU: a token's output has the same bits decoded alone (split),
 decoded in a batch, through the CUDA-graph protocol and inside a prefill block or a chunked
 prefill (serial), for contexts across several partitions (KV_PART positions) and their boundaries; and
