@@ -33,6 +33,7 @@ class Grammar(msgspec.Struct, frozen=True):
 
 # the fields a model's generation_config.json may give defaults for (ServerConfig.sampling_defaults)
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+MIN_REPETITION_PENALTY = 1e-30  # float32's normal range starts near 1.2e-38: its reciprocal stays finite
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -79,12 +80,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         every comparison below, so only infinities need the explicit isfinite."""
         checks = [
             (0 <= self.max_new_tokens < INT32, "max_tokens must be in [0, 2**31)"),
-            (0 <= self.min_new_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_tokens]"),
+            (0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_tokens must be in [0, max_tokens], and max_tokens is {self.max_new_tokens}"),
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be a finite number >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k == -1 or 1 <= self.top_k < INT32, "top_k must be -1 or in [1, 2**31)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
+            # from 1e-30: the sampler divides logits by it in float32, where a smaller value is 0 or subnormal
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
@@ -103,11 +107,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
             (len(self.grammar_specs()) <= 1,
              f"{' and '.join(self.grammar_specs())}: give at most one of json_schema, regex and ebnf"),
-            (
-                all(len(v) <= MAX_GRAMMAR_CHARS for v in self.grammar_specs().values()),
-                f"json_schema, regex and ebnf must be at most {MAX_GRAMMAR_CHARS} characters",
-            ),
         ]
+        long = next((k for k, v in self.grammar_specs().items() if len(v) > MAX_GRAMMAR_CHARS), None)
+        checks.append((long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"))
         for ok, problem in checks:
             if not ok:
                 return problem

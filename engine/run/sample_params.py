@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from msgs.params import MAX_BIAS, MAX_LOGIT_BIAS
+from msgs.params import MAX_BIAS, MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
 
 # Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
 GREEDY_EPS = 1e-5
@@ -47,8 +47,8 @@ class SampleParams:
         _check(_is_int(self.top_k), "top_k must be an int (<= 0 disables it)")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         _check(
-            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty must be finite and > 0",
+            _finite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty,
+            f"repetition_penalty must be finite and >= {MIN_REPETITION_PENALTY:g}",
         )
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                "frequency_penalty must be in [-2, 2]")

@@ -191,9 +191,12 @@ class Frontend:
         if self.died is not None:
             raise self.unavailable()
         rids = [rid for rid, _, _ in subs]
-        taken = self.in_flight(parent) or any(self.in_flight(r) for r in rids) or len(set(rids)) < len(rids)
-        if taken:
-            raise ApiError(400, f"request id {parent!r} is already in flight", "x-request-id", "duplicate_request_id")
+        # the parent's id, or one of its fan-out ids (rid-k), may be another request's
+        taken = next((r for r in (parent, *rids) if self.in_flight(r)), None)
+        if taken is not None or len(set(rids)) < len(rids):
+            what = f"request id {parent!r}" if taken in (None, parent) else \
+                f"request id {parent!r}: its sub-request id {taken!r}"
+            raise ApiError(400, f"{what} is already in flight", "x-request-id", "duplicate_request_id")
         t0 = time.monotonic() if t0 is None else t0
         group = _Group(parent, len(subs))
         self._parents.add(parent)

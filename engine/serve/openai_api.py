@@ -21,6 +21,7 @@ from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Limits,
+    as_sent,
     check_engine_support,
     check_ids,
     check_length,
@@ -82,7 +83,8 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
-    kw = openai_params(req, state.sampling_defaults)
+    with as_sent(req):
+        kw = openai_params(req, state.sampling_defaults)
     limits = await state.limits()
     template_kwargs = req.chat_template_kwargs
     if req.reasoning_effort is not None:  # chat_template_kwargs, where it names one, wins
@@ -91,11 +93,12 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
                                  add_generation_prompt=bool(req.add_generation_prompt),
                                  continue_final_message=bool(req.continue_final_message))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _params_for(state, ids, kw, requested, None, limits, "messages")
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
     reasoning = _reasoning(state, prompt, template_kwargs)
-    params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
+    with as_sent(req):
+        params = _params_for(state, ids, kw, requested, None, limits, "messages")
+        params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
     new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, template_kwargs,
                               constrained=reasoning is not None and params.grammar is not None)
     subs = fan_out(rid, [ids], [params], req.n)
@@ -231,14 +234,16 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     req = decode_body(body, CompletionRequest)
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
-    kw = openai_params(req, state.sampling_defaults)
+    with as_sent(req):
+        kw = openai_params(req, state.sampling_defaults)
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()
     prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok, limits, req.n)
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
-    params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
-    params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]
+    with as_sent(req):
+        params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
+        params = [await constrain(service_of(state), p, limits.vocab_size) for p in params]
     subs = fan_out(rid, prompts, params, req.n)
     log.info(
         "completion request",

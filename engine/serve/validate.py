@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -192,6 +193,35 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     return kw
 
 
+@contextmanager
+def as_sent(req: ChatCompletionRequest | CompletionRequest) -> Iterator[None]:
+    """An ApiError raised inside names the field as this OpenAI body sent it: the checks after
+    openai_params see SamplingParams' names (json_schema, regex, ebnf, max_tokens), which a client
+    that sent response_format, guided_choice or max_completion_tokens never used."""
+    try:
+        yield
+    except ApiError as exc:
+        names = _names_sent(req)
+        if exc.param not in names:
+            raise
+        sent = names[exc.param]
+        message = sent + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+        raise ApiError(exc.status, message, sent, exc.code) from None
+
+
+def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """SamplingParams' name -> the field this body set it by, where the two differ."""
+    names = {}
+    if getattr(req, "max_completion_tokens", None) is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    if (req.response_format or {}).get("type", "text") != "text":
+        names["json_schema"] = "response_format"
+    guided = guided_spec(req)
+    if guided is not None:
+        names[guided[1]] = guided[0]
+    return names
+
+
 def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str, str] | None:
     """vLLM's guided_json / guided_regex / guided_choice / guided_grammar, where one is given: (its
     name, our field, the spec): json_schema, regex or ebnf (a choice: an EBNF alternation of its
@@ -318,9 +348,11 @@ def native_params(raw: dict[str, Any] | None, defaults: dict[str, Any] | None = 
     them: `stop` may be one string, and max_new_tokens null means up to the context's end (not given,
     and no default: `native_request` clips it to the room left). `defaults` (the model's) fill the
     sampling keys it does not have."""
-    raw = dict(raw or {})
-    if defaults:  # a null sampling field is unset, as on the OpenAI routes: the model's value
-        raw = {**defaults, **{k: v for k, v in raw.items() if not (v is None and k in defaults)}}
+    # a null field is unset, as on the OpenAI routes (SamplingParams' default, or the model's);
+    # max_new_tokens null has its own meaning (below)
+    raw = {k: v for k, v in (raw or {}).items() if v is not None or k == "max_new_tokens"}
+    if defaults:
+        raw = {**defaults, **raw}
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
     if "no_stop_trim" in raw:  # SGLang's name

@@ -89,6 +89,22 @@ def test_close_before_finish_aborts_and_frees_the_rid() -> None:
     run(main())
 
 
+def test_a_fan_out_id_in_flight_is_named() -> None:
+    """n = 2 under rid "abc" makes abc-0 and abc-1: where abc-0 is another request's, the 400 says
+    so, not that "abc" is in flight."""
+    async def main() -> None:
+        fe = Frontend()
+        fe.submit("abc-0", [1], SamplingParams())
+        with pytest.raises(ApiError) as info:
+            fe.submit_many("abc", [("abc-0", [1], SamplingParams()), ("abc-1", [1], SamplingParams())])
+        assert info.value.code == "duplicate_request_id" and "sub-request id 'abc-0'" in info.value.message
+        with pytest.raises(ApiError) as info:
+            fe.submit("abc-0", [1], SamplingParams())
+        assert info.value.message == "request id 'abc-0' is already in flight"
+
+    run(main())
+
+
 def test_a_reused_rid_waits_for_the_abort_and_gets_only_its_own_outputs() -> None:
     """A client closes a request (a stop string, a disconnect) and at once sends another with the
     same id: the new one starts once the old one's final output is in, and never receives it."""

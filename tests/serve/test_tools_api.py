@@ -38,6 +38,7 @@ TOOL = {"type": "function", "function": FN}
             "tools[1].function.descripton",
         ),
         ([TOOL, TOOL], None, "tools[1].function.name"),
+        ([{"type": "function", "function": {"name": "f\n"}}], None, "tools[0].function.name"),  # '$' took it
         ([TOOL], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
         ([TOOL], "sometimes", "tool_choice"),
         ([TOOL], {"type": "function"}, "tool_choice"),

@@ -15,6 +15,7 @@ from engine.serve.protocol import (
 )
 from engine.serve.validate import (
     Limits,
+    as_sent,
     check_ids,
     check_length,
     check_model,
@@ -89,6 +90,60 @@ def test_null_fields_mean_the_default() -> None:
     assert req.n == 1 and req.stream is False and req.ignore_eos is False and req.skip_special_tokens is True
     params = make_params(openai_params(req), 5)
     assert params.logprobs is False and params.temperature == 1.0 and params.stop == []
+
+
+def test_generate_null_fields_mean_the_default() -> None:
+    """/generate's sampling_params: null is unset, as the README says, with or without model defaults
+    (it was so only for the fields the model's generation_config sets)."""
+    raw = decode_body(b'{"text": "x", "sampling_params": {"temperature": null, "stop": null, "top_k": null,'
+                      b' "seed": null, "max_new_tokens": 3}}', GenerateBody).sampling_params
+    params, given = native_params(raw)
+    assert params.temperature == 1.0 and params.stop == [] and params.top_k == -1 and params.seed is None and given
+    params, _ = native_params(raw, {"temperature": 0.6, "top_k": 20})
+    assert params.temperature == 0.6 and params.top_k == 20 and params.stop == []
+    params, given = native_params({"max_new_tokens": None})  # null max_new_tokens: to the context's end
+    assert not given and params.max_new_tokens > 10**9
+
+
+def _chat(extra: str) -> ChatCompletionRequest:
+    return decode_body(b'{"messages": [{"role": "user", "content": "x"}], ' + extra.encode() + b"}",
+                       ChatCompletionRequest)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ('"max_completion_tokens": 200', "max_completion_tokens"),
+        ('"max_tokens": 200', "max_tokens"),
+        ('"guided_choice": ["' + "y" * 70000 + '"]', "guided_choice"),
+        ('"response_format": {"type": "json_schema", "json_schema": {"schema": {"description": "' + "d" * 70000
+         + '"}}}', "response_format"),
+        ('"response_format": {"type": "json_object"}, "regex": "a+"', "response_format"),
+        ('"guided_regex": "' + "a" * 70000 + '"', "guided_regex"),
+    ],
+)
+def test_errors_name_the_field_the_client_sent(extra: str, param: str) -> None:
+    """Checks after openai_params see SamplingParams' names (json_schema, regex, ebnf, max_tokens);
+    as_sent turns them back into the body's (response_format, guided_*, max_completion_tokens)."""
+    req = _chat(extra)
+
+    def build() -> SamplingParams:
+        with as_sent(req):
+            kw = openai_params(req)
+            want = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            max_new = resolve_max_tokens(want, None, 10, LIMITS)
+            check_length(10, max_new, LIMITS)
+            return make_params(kw, max_new, LIMITS.vocab_size)
+
+    err = _raises(400, build, param=param)
+    assert err.message.startswith(param) or "maximum context length" in err.message, err.message
+
+
+def test_repetition_penalty_keeps_its_reciprocal_finite() -> None:
+    """Below float32's normal range the sampler's logits / penalty overflowed (1e-45 passed as > 0)."""
+    for bad in (1e-45, 1e-31, 0.0):
+        assert "repetition_penalty" in (SamplingParams(repetition_penalty=bad).validate() or "")
+    assert SamplingParams(repetition_penalty=1e-30).validate() is None
 
 
 def test_unknown_sampling_param_in_generate() -> None:

@@ -115,7 +115,7 @@ def _check_tool(tool: Any, where: str) -> str:
     if extra:
         raise ApiError(400, f"{where} has unknown fields: {', '.join(extra)}", param=f"{where}.{extra[0]}")
     name = fn.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):  # fullmatch: '$' would take a final newline
         raise ApiError(400, f"{where}.name must be 1-64 characters of a-z, A-Z, 0-9, _ . : -", param=f"{where}.name")
     if not isinstance(fn.get("description", ""), str | None):
         raise ApiError(400, f"{where}.description must be a string", param=f"{where}.description")
