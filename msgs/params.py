@@ -78,6 +78,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         all call it, and it is at least as strict as the worker's sampler (finite floats,
         bounded integers), so a request that passes can never fail a replica. NaN fails
         every comparison below, so only infinities need the explicit isfinite."""
+        specs = self.grammar_specs()
+        long = next((k for k, v in specs.items() if len(v) > MAX_GRAMMAR_CHARS), None)
         checks = [
             (0 <= self.max_new_tokens < INT32, "max_tokens must be in [0, 2**31)"),
             (0 <= self.min_new_tokens <= self.max_new_tokens,
@@ -105,11 +107,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"logit_bias keys must be token ids in [0, {vocab_size or INT32})"),
             (all(-MAX_BIAS <= v <= MAX_BIAS for v in self.logit_bias.values()),
              f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
-            (len(self.grammar_specs()) <= 1,
-             f"{' and '.join(self.grammar_specs())}: give at most one of json_schema, regex and ebnf"),
+            (len(specs) <= 1, f"{' and '.join(specs)}: give at most one of json_schema, regex and ebnf"),
+            (long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"),
         ]
-        long = next((k for k, v in self.grammar_specs().items() if len(v) > MAX_GRAMMAR_CHARS), None)
-        checks.append((long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"))
         for ok, problem in checks:
             if not ok:
                 return problem

@@ -40,6 +40,7 @@ MAX_SUBREQUESTS = 256  # prompts x n of one HTTP request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 IDS_ONLY = "this server has no tokenizer (the model directory has no tokenizer files); send token ids"
 _PARAM_NAMES = set(SamplingParams.__struct_fields__) | {"max_tokens", "min_tokens"}
+_UNSETTABLE = set(SamplingParams.__struct_fields__) - {"max_new_tokens"}  # /generate: null = unset
 _DEFAULT_PARAMS_VALUES = {name: getattr(SamplingParams(), name) for name in MODEL_DEFAULT_FIELDS}
 
 
@@ -350,7 +351,8 @@ def native_params(raw: dict[str, Any] | None, defaults: dict[str, Any] | None = 
     sampling keys it does not have."""
     # a null field is unset, as on the OpenAI routes (SamplingParams' default, or the model's);
     # max_new_tokens null has its own meaning (below)
-    raw = {k: v for k, v in (raw or {}).items() if v is not None or k == "max_new_tokens"}
+    # (an unknown key stays, null or not, for the 400 that names it)
+    raw = {k: v for k, v in (raw or {}).items() if v is not None or k not in _UNSETTABLE}
     if defaults:
         raw = {**defaults, **raw}
     if isinstance(raw.get("stop"), str):

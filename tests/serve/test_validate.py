@@ -103,6 +103,7 @@ def test_generate_null_fields_mean_the_default() -> None:
     assert params.temperature == 0.6 and params.top_k == 20 and params.stop == []
     params, given = native_params({"max_new_tokens": None})  # null max_new_tokens: to the context's end
     assert not given and params.max_new_tokens > 10**9
+    _raises(400, native_params, {"bogus": None}, param="sampling_params.bogus")  # unknown, null or not
 
 
 def _chat(extra: str) -> ChatCompletionRequest:
