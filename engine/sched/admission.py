@@ -177,7 +177,11 @@ class Admission:
         req.kv_len += n
         if final:
             req.inflight += 1
-        self.kv.publish(req, req.kv_len)
+        # a scored prompt was prefilled whole, beside the tree's copy of its prefix: publishing
+        # would lock that copy as well as its own, 2x the prompt, and a pool under 2x would stall
+        # its next chunk for good; its pages enter the tree when it finishes (outputs.finish)
+        if not req.scores_prompt:
+            self.kv.publish(req, req.kv_len)
         return n
 
 

@@ -49,6 +49,7 @@ OCCUPANCY_LOG_S = 1.0  # at most one `cache occupancy` line a second, and only a
 # the page counts of SchedulerStats that the `cache occupancy` line carries (bin/analyze reads them)
 OCCUPANCY_FIELDS = ("kv_pages_used", "kv_pages_total", "cache_pages", "running", "waiting")
 TIER_OCCUPANCY_FIELDS = ("l2_pages_used", "l2_pages_total", "l3_files", "l3_bytes")
+STALL_LOG_S = 10.0  # running requests with no step in flight or plannable this long: an error line, one per period
 BURST_WAIT_CAP = 10  # an idle engine's first step waits at most this many --batch-wait-ms in all
 
 
@@ -102,6 +103,8 @@ class SchedulerLoop:
         self.occupancy_logged_at = -OCCUPANCY_LOG_S
         self.setup_seq: int | None = None  # the set-up Step (host tier) that ready waits for
         self.spec_logged: tuple[int, float] = (0, -OCCUPANCY_LOG_S)  # verify rows answered at the last line, when
+        self.stalled_at: float | None = None  # since when running requests got no step (None: they do)
+        self.stall_logged_at = 0.0
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -162,6 +165,7 @@ class SchedulerLoop:
         while not self.held_s and len(self.inflight) < self.max_ahead and self._send_next():
             pass
         self._maybe_check_leaks()
+        self._check_stall()
         self._beat()
         self._send_stats()
         self._maybe_log_occupancy()
@@ -212,6 +216,7 @@ class SchedulerLoop:
         outs: list[ReqOutput] = []
         while self.ports.requests.poll(0):
             msg = self.ports.requests.recv()
+            self.stats_dirty = True  # running / waiting change (a request that gets no step shows in /metrics)
             if isinstance(msg, TokenizedRequest):
                 err = self._submit(msg)
                 if err is None and self.batch_wait_s and not self.inflight and not self.core.state.running:
@@ -225,8 +230,7 @@ class SchedulerLoop:
                 self.flushes.append((msg.id, time.monotonic() + FLUSH_SETTLE_S))
                 self._flush()
                 continue
-            else:
-                self.stats_dirty = True  # a dropped frame: the count goes out with the stats
+            else:  # a dropped frame: the count goes out with the stats
                 continue
             if err is not None:
                 outs.append(err)
@@ -304,6 +308,24 @@ class SchedulerLoop:
                  else f"no rank of {self.num_ranks} has answered")
         raise WorkerFailure(f"no step finished for {self.cfg.watchdog_timeout:g} s (--watchdog-timeout): step {seq}: "
                             f"{waits}", rank=missing[0] if len(missing) == 1 and self.num_ranks > 1 else None)
+
+    def _check_stall(self) -> None:
+        """A running request always has a row to plan (a prefill chunk or a decode), so running
+        requests with no step in flight and none plannable are a scheduling bug that would
+        otherwise hang every client in silence: an error line names it, every STALL_LOG_S."""
+        assert self.core is not None
+        if self.inflight or self.held_s or not self.core.state.running:
+            self.stalled_at = None
+            return
+        now = self.clock()
+        if self.stalled_at is None:
+            self.stalled_at = now
+        elif now - self.stalled_at >= STALL_LOG_S and now - self.stall_logged_at >= STALL_LOG_S:
+            self.stall_logged_at = now
+            s = self.core.state
+            log.error("scheduler stalled: running requests but no step can be planned",
+                      seconds=round(now - self.stalled_at, 1), running=[r.rid for r in s.running][:8],
+                      waiting=len(s.waiting), free_pages=s.alloc.num_free, evictable_pages=s.cache.evictable_pages)
 
     def _drain_commits(self) -> None:
         """The cache controller's messages: commits become ApplyCommit ops in the next Step."""

@@ -73,3 +73,19 @@ def test_scores_survive_a_pool_too_small_for_the_batch(tiny: Path) -> None:
         want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
         assert res.prompt_logprobs is not None and len(res.output_ids) == 24
         torch.testing.assert_close(torch.tensor(res.prompt_logprobs), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cached_prompt_scored_again_in_a_pool_under_twice_its_size(tiny: Path) -> None:
+    """A scored prompt is prefilled whole beside the tree's copy of it: it must not also lock that
+    copy (2x the prompt), or a pool under 2x stalls its next chunk and every request after it."""
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(2, 250, (100,), generator=g).tolist()
+    eng = LocalEngine(ServerConfig(model=str(tiny), dtype="float32", page_size=4, max_prefill_tokens=16,
+                                   max_total_tokens=160, context_length=150))
+    scored = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=0)
+    first = eng.generate([prompt], scored)[0]
+    again = eng.generate([prompt], scored)[0]
+    plain = eng.generate([prompt[:60]], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert first.finish_reason and again.finish_reason and plain.finish_reason == "length"
+    assert again.prompt_logprobs == first.prompt_logprobs and plain.cached_tokens >= 56
+    assert eng.core.leak_free()

@@ -486,3 +486,39 @@ def test_the_watchdog_names_the_rank_that_has_not_answered() -> None:
         with pytest.raises(WorkerFailure, match=says) as failure:
             loop.pump()
         assert failure.value.rank == rank
+
+
+def test_arrivals_reach_the_stats_and_running_requests_without_a_step_are_logged() -> None:
+    """A request that comes to an idle engine moves /metrics' running / waiting even when no step
+    follows; and running requests that get no step (a scheduling bug: one always has a row to plan)
+    are an error line, not a silent hang. The bug is injected: the planner stops planning."""
+    from structlog.testing import capture_logs
+
+    from engine.sched.loop import STALL_LOG_S
+
+    ranks, loop, wires, now = held_start()
+    run_until_idle(loop, wires, ranks)
+    wires.outputs_seen()
+    _send(wires, "a", n=9)
+    loop.pump()  # held for the rest of a burst
+    assert wires.outputs_seen()[2][-1].waiting == 1
+    now[0] += 0.003
+    loop.pump()  # planned: its first chunk in flight
+    assert loop.inflight and wires.outputs_seen()[2][-1].running == 1
+    real_plan, loop.core.plan = loop.core.plan, lambda: None
+    for step in wires.steps[0].drain():
+        wires.done_out.send(ranks[0].answer(step))
+    _send(wires, "b")
+    with capture_logs() as logs:
+        loop.pump()  # "a" runs, "b" waits, nothing in flight and nothing planned
+        assert not loop.inflight and wires.outputs_seen()[2][-1].waiting == 1
+        now[0] += STALL_LOG_S / 2
+        loop.pump()
+        assert not [e for e in logs if e["event"].startswith("scheduler stalled")]
+        now[0] += STALL_LOG_S / 2
+        loop.pump()
+    stalls = [e for e in logs if e["event"].startswith("scheduler stalled")]
+    assert len(stalls) == 1 and stalls[0]["running"] == ["a"] and stalls[0]["waiting"] == 1
+    loop.core.plan = real_plan
+    run_until_idle(loop, wires, ranks)
+    assert set(wires.outputs_seen()[1]) == {"a", "b"} and loop.stalled_at is None
