@@ -164,7 +164,7 @@ class TieredRadixCache(RadixCache):
     def backup(self, node: RadixNode) -> bool:
         """Reserve host pages for node (evicting colder host objects to fit) and emit
         BackupPrepare; the workers copy after this step's forward. False: skipped."""
-        start = self._reserve(node.id, len(node.pages))
+        start = self._reserve(node.id, len(node.pages), node.parent)
         if start is None:
             self.stats["skipped"] += 1
             self.warn(f"host tier full: backup of {len(node.pages)} pages skipped")
@@ -176,19 +176,31 @@ class TieredRadixCache(RadixCache):
         self.changes.append(BackupPrepare(node.id, pack_ids(node.pages), start, keys))
         return True
 
-    def _reserve(self, obj: int, n: int) -> int | None:
-        """First fit; on a miss evict the coldest unpinned committed host leaf and retry."""
+    def _reserve(self, obj: int, n: int, above: RadixNode | None) -> int | None:
+        """First fit; on a miss evict the coldest unpinned committed host copy (`_host_victim`),
+        never one on the path to `above` (the new object's parent: its copy would be useless
+        without theirs), and retry. A reservation that even every such copy gone could not hold
+        fails before it evicts any (one that fails on fragmentation alone may have evicted some)."""
         if n > self.host.capacity:
             return None
+        if self.host.find(n) is None:
+            freeable = sum(self.host.ranges[o][1] for o, d in self.objects.items() if d.committed and not d.lock_ref)
+            if n > self.host.capacity - self.host.num_used + freeable:
+                return None
+        keep = {id(a) for a in self._path_up(above)} if above is not None else set()
         while (start := self.host.reserve(obj, n)) is None:
-            victim = self._host_victim()
+            victim = self._host_victim(keep)
             if victim is None:
                 return None
             self._drop_host(victim)
         return start
 
-    def _host_victim(self) -> RadixNode | None:
-        cands = [n for n in self.objects.values() if n.committed and not n.children and n.lock_ref == 0]
+    def _host_victim(self, keep: set[int]) -> RadixNode | None:
+        """The coldest committed, unlocked host copy with no host copy below it (host copies stay
+        an upper subtree). Device-only children do not pin it: a prompt whose decode tail was not
+        backed up would otherwise hold its L2 pages for as long as it stays on the device."""
+        cands = [n for n in self.objects.values() if n.committed and n.lock_ref == 0 and id(n) not in keep
+                 and all(c.host < 0 for c in n.children.values())]
         return min(cands, key=self._evict_key) if cands else None
 
     def _drop_host(self, node: RadixNode) -> None:
@@ -258,7 +270,7 @@ class TieredRadixCache(RadixCache):
         if n < 1 or len(toks) != n * ps or toks[:ps] in parent.children:
             raise ValueError(f"L3 load of {n} pages under node {parent.id}: bad tokens or occupied")
         obj = self._next_id  # the node made below takes this id (reserving creates no node)
-        start = self._reserve(obj, n)
+        start = self._reserve(obj, n, parent)
         if start is None:
             return False
         node = self._new_node(toks, [], parent)

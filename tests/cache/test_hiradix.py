@@ -161,3 +161,49 @@ def test_write_through_selective_backs_up_on_the_second_hit() -> None:
         cache.touch(m.node)
     assert len(cache.objects) == 1  # the second hit backed it up
     f.sync(cache)
+
+
+def test_a_host_copy_with_only_device_children_can_make_room() -> None:
+    """A prompt whose decode tail was not backed up (device-only child) is still an L2 victim, and
+    an object's own ancestors never are (its copy needs theirs). Before: the prompt was pinned in
+    L2 for as long as its tail stayed on the device, and a backup with a locked other copy failed."""
+    cache = TieredRadixCache(PS, PageAllocator(17), 4, policy="write_through_selective")
+    f = Follower()
+
+    def hot(tokens: list[int]) -> None:  # two hits: backed up (selective), then committed
+        for _ in range(2):
+            cache.tick()
+            cache.touch(cache.match_prefix(tokens, touch=False).node)
+        _commit_all(cache)
+
+    _insert(cache, [10, 0, 1, 1])
+    hot([10, 0, 1, 1])
+    _insert(cache, [20, 0, 1, 1])
+    hot([20, 0, 1, 1])
+    _insert(cache, [10, 0, 1, 1, 5, 5])  # a device-only tail under 10...
+    busy = cache.match_prefix([20, 0, 1, 1], touch=False).node
+    cache.lock(busy)  # ...and 20 in use
+    f.sync(cache)
+    _insert(cache, [30, 0, 0, 0])
+    hot([30, 0, 0, 0])  # needs 2 host pages: 10's copy goes, its device pages and tail stay
+    evicted = [c.obj for c in cache.changes if isinstance(c, HostEvict)]
+    ten = cache.match_prefix([10, 0, 1, 1], touch=False).node
+    assert evicted == [ten.id] and ten.host == -1 and ten.pages and cache.stats["skipped"] == 0
+    assert cache.match_prefix([10, 0, 1, 1, 5, 5], touch=False).num_tokens == 6
+    cache.unlock(busy)
+    f.sync(cache)
+
+
+def test_a_backup_never_evicts_its_own_parents_copy() -> None:
+    cache, _ = _cache(device_pages=16, host_pages=4)
+    f = Follower()
+    _insert(cache, [10, 0, 1, 1])
+    _insert(cache, [20, 0, 1, 1])
+    _commit_all(cache)
+    cache.tick()
+    cache.touch(cache.match_prefix([20, 0, 1, 1], touch=False).node)  # 10 is the colder
+    f.sync(cache)
+    _insert(cache, [10, 0, 1, 1, 5, 5])  # the tail's backup needs a page: 20's copy goes, not 10's
+    assert cache.match_prefix([10, 0, 1, 1], touch=False).node.host >= 0
+    assert cache.match_prefix([20, 0, 1, 1], touch=False).node.host == -1
+    f.sync(cache)

@@ -22,10 +22,10 @@ PS = 4
 
 
 class Driver:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host_pages: int = 40) -> None:
         self.core = SchedulerCore(SchedConfig(
             num_pages=40, page_size=PS, max_running=4, max_prefill_tokens=64, max_context=200,
-            eos_token_ids=(1,), vocab_size=1000, digest_every=0, host_pages=40,
+            eos_token_ids=(1,), vocab_size=1000, digest_every=0, host_pages=host_pages,
             l3_dir=str(root), l3_fingerprint=FP))
         self.replica = rank_replica()
         self.n = 0
@@ -131,3 +131,21 @@ def test_a_second_request_behind_a_load_waits_for_it(tmp_path: Path) -> None:
     d.core.on_l3_loaded(load.obj, ok=True)
     d.until_idle()
     assert d.core.state.tiers.stats()["l3_hit_tokens"] == 16 and d.core.leak_free()
+
+
+def test_l3_loads_go_on_when_l2_is_full_of_earlier_prompts(tmp_path: Path) -> None:
+    """After a restart, prompts one after another load from L3 into an L2 that holds two of them:
+    the earlier prompts' copies make room (their decode tails once gone, nothing pins them), so
+    every prompt is an L3 hit. Before, only the tails were L2 victims and the third prompt
+    computed its 20 tokens."""
+    prompts = [[500 + 40 * i + k for k in range(21)] for i in range(4)]  # 5 full pages each
+    for p in prompts:
+        _files(tmp_path, p[:20])
+    d = Driver(tmp_path, host_pages=12)
+    for i, p in enumerate(prompts):
+        d.submit(p, max_new=8)  # a decode tail past the prompt's pages, backed up too
+        (load,) = _ops([d.step()], L3Load)
+        d.core.on_l3_loaded(load.obj, ok=True)
+        d.until_idle()
+        assert d.core.state.tiers.stats()["l3_hit_tokens"] == 20 * (i + 1)
+    assert d.core.leak_free() and d.replica.digest() == d.core.replica.digest()
