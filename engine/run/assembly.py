@@ -100,6 +100,9 @@ def assemble(cfg: ServerConfig, rank: int) -> Assembled:
         sized_by=pool.sized_by, layout=layout.describe(kv_dtype),
         threads=torch.get_num_threads() if device.type == "cpu" else None,
     )
+    if pool.context_capped:  # a prompt past it is a 400 naming the context: say why it is not the model's
+        log.warning(f"context capped to {pool.max_context} tokens: the KV pool holds no more for one request",
+                    wanted=pool.wanted_context, hint="a larger pool (--max-total-tokens, --mem-fraction)")
     kv = KVPool.from_layout(layout, mcfg.num_layers, pool.num_pages, cfg.page_size, kv_dtype, device)
     if not layout.is_gqa and decode_kernel_available(device) and cfg.cp_size == 1:
         # MLA on CUDA: the model attends its latent pool itself (triton decode kernel; under

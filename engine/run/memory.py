@@ -32,6 +32,11 @@ class PoolPlan:
     num_pages: int  # including the reserved padding page 0
     max_context: int
     sized_by: str = ""  # how the size was chosen, for the start-up log line
+    wanted_context: int = 0  # --context-length, else the model's: more than max_context when the pool caps it
+
+    @property
+    def context_capped(self) -> bool:
+        return self.max_context < self.wanted_context
 
 
 class OutOfMemory(RuntimeError):
@@ -207,7 +212,7 @@ def plan_pool(cfg: ServerConfig, mcfg: ModelConfig, kv_dtype: torch.dtype, devic
     # under context parallelism a request's pages round robin over the cp ranks' pools (each of
     # num_pages): one request may hold cp x one pool's pages (docs/architecture.md)
     held = cfg.cp_size * (num_pages - 1) * cfg.page_size
-    return PoolPlan(num_pages=num_pages, max_context=min(max_model, held), sized_by=sized_by)
+    return PoolPlan(num_pages=num_pages, max_context=min(max_model, held), sized_by=sized_by, wanted_context=max_model)
 
 
 def _check_fits(pool_bytes: int, device: torch.device) -> None:

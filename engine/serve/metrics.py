@@ -97,6 +97,9 @@ class Metrics:
         self._spec_hist: list[int] = []
         self.spec_empty = Counter(
             "strata_spec_empty_rows", "Speculative verify rows answered with no draft (one token each)", registry=r)
+        self.retractions = Counter(
+            "strata_retractions", "Running requests whose KV was given back for lack of pages (prefilled again)",
+            registry=r)
         self.dropped = _DroppedFrames()
         r.register(self.dropped)
 
@@ -123,6 +126,7 @@ class Metrics:
         self._on_tier_stats(stats)
         self._on_spec_stats(stats.spec_accept_hist)
         self._advance("spec_empty_rows", stats.spec_empty_rows, self.spec_empty)
+        self._advance("retractions", stats.retractions, self.retractions)
         if stats.expert_tokens is not None:
             self._on_expert_tokens(stats.expert_tokens)
 

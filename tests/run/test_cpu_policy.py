@@ -98,10 +98,13 @@ def test_cpu_pool_is_the_workload_capped_by_a_fraction_of_ram(tiny: ModelConfig)
 def test_plan_pool_on_cpu(tiny: ModelConfig) -> None:
     plan = plan_pool(ServerConfig(max_total_tokens=1000, page_size=16), tiny, torch.float32, torch.device("cpu"))
     assert (plan.num_pages, plan.max_context, plan.sized_by) == (1000 // 16 + 1, 992, "--max-total-tokens")
+    assert plan.context_capped and plan.wanted_context == tiny.max_position_embeddings  # the start-up warns
     # cp ranks: a request's pages round robin over every rank's pool, so its context may span them all
     cp2 = plan_pool(ServerConfig(max_total_tokens=1000, page_size=16, cp_size=2), tiny, torch.float32,
                     torch.device("cpu"))
     assert (cp2.num_pages, cp2.max_context) == (plan.num_pages, min(2 * 992, tiny.max_position_embeddings))
+    assert not plan_pool(ServerConfig(max_total_tokens=1000, page_size=16, context_length=500), tiny, torch.float32,
+                         torch.device("cpu")).context_capped
     plan = plan_pool(ServerConfig(max_running_requests=2), tiny, torch.float32, torch.device("cpu"))
     assert plan.num_pages - 1 <= 2 * 2048 // 16 and plan.sized_by.startswith("cpu:")
     # an explicit pool larger than the free RAM is refused, naming the flag (not an OOM kill under load)

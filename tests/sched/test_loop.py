@@ -522,3 +522,20 @@ def test_arrivals_reach_the_stats_and_running_requests_without_a_step_are_logged
     loop.core.plan = real_plan
     run_until_idle(loop, wires, ranks)
     assert set(wires.outputs_seen()[1]) == {"a", "b"} and loop.stalled_at is None
+
+
+def test_retractions_reach_metrics() -> None:
+    """A pool too small for the batch retracts running requests; /metrics counts them."""
+    from engine.serve.metrics import Metrics
+
+    ranks = [FakeRank(0, pages=9)]
+    loop, wires = start(ranks)
+    submit(wires, n=6, max_new=8)
+    run_until_idle(loop, wires, ranks)
+    _, reasons, stats = wires.outputs_seen()
+    assert set(reasons.values()) == {"length"} and len(reasons) == 6
+    assert loop.core.retractions > 0 and stats[-1].retractions == loop.core.retractions
+    m = Metrics()
+    for s in stats:
+        m.on_stats(s)
+    assert m.registry.get_sample_value("strata_retractions_total") == loop.core.retractions
