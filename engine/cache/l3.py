@@ -21,7 +21,10 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
   detects a damaged file; the header's fingerprint and key detect a foreign one.
 * **Size cap.** `L3Dir` knows the bytes in the directory (a scan at start, then its own
   writes); over the cap it rescans and removes the oldest files (mtime: a read refreshes
-  it) down to 90% of the cap.
+  it) down to 90% of the cap. An object's pages, written or read together, are stamped in
+  order, each AGE_STEP_NS older than the one before it, so the cap takes a chain's tail before
+  its head: a page is useless without the pages before it, and files written or read at once
+  by a pool of threads would otherwise go in no particular order.
 * **Threads.** `L3Store` (the controller's) writes snapshots of committed objects on a
   writer thread (a queue bounded in bytes: over it a write is skipped and counted) and
   reads objects into the host slab on a reader thread; results come back through
@@ -62,6 +65,7 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
 WRITE_QUEUE_BYTES = 512 << 20
 LOG_INTERVAL_S = 1.0
+AGE_STEP_NS = 1000  # an object's page i is stamped i microseconds older than its first (the cap's order)
 NOTE_INTERVAL_S = 10.0  # at most one `l3 i/o error` warning per interval (a full disk fails every page)
 WRITE_BACKOFF_S = 10.0  # after a write fails (a full or read-only disk), no page is copied for the disk this long
 # the `l3 writes` line's counters (deltas; bin/analyze sums them): the writer's, by batch
@@ -273,10 +277,11 @@ class L3Dir:
         buf = bytearray(payload_len)
         return bytes(buf) if self.read_into(key, [memoryview(buf)]) else None
 
-    def read_into(self, key: bytes, parts: Sequence[memoryview]) -> bool:
+    def read_into(self, key: bytes, parts: Sequence[memoryview], touch: bool = True) -> bool:
         """Read `key`'s verified payload into the writable buffers `parts`, in order (their
         sizes sum to the payload's length); False when missing, or corrupt: then unlinked and
-        counted, and `parts` hold garbage."""
+        counted, and `parts` hold garbage. `touch`: refresh its mtime (an object's reader
+        stamps its pages in order instead, `stamp`)."""
         path = self.path(key)
         payload_len = sum(p.nbytes for p in parts)
         try:
@@ -302,11 +307,16 @@ class L3Dir:
                 self.last_corrupt = f"{path.name}: {why}"
             self._remove(path, size)
             return False
-        _touch(path)
+        if touch:
+            _touch(path)
         with self.lock:
             self.stats["reads"] += 1
             self.stats["bytes_read"] += size
         return True
+
+    def stamp(self, keys: Sequence[bytes]) -> None:
+        """An object's page files (in page order) used now, each older than the one before."""
+        _stamp([self.path(k) for k in keys])
 
     def _remove(self, path: Path, size: int) -> None:
         try:
@@ -350,6 +360,16 @@ def _preadv(fd: int, parts: Sequence[memoryview], offset: int) -> int:
         if got != want:  # short: the file shrank under us (another engine) or an odd filesystem
             return done
     return done
+
+
+def _stamp(paths: Sequence[Path]) -> None:
+    """Used now, in order: page i of an object i x AGE_STEP_NS older than its first page."""
+    now = time.time_ns()
+    for i, path in enumerate(paths):
+        try:
+            os.utime(path, ns=(now - i * AGE_STEP_NS,) * 2)
+        except OSError:  # removed meanwhile (another engine's cap): nothing to age
+            pass
 
 
 def _touch(path: Path) -> None:
@@ -476,6 +496,7 @@ class L3Store:
             done: list[bool | None] = []
             try:
                 done = [f.result() for f in self._each(self._write_page, [(p,) for p in pages])]
+                self.files.stamp([key for (key, _), d in zip(pages, done, strict=True) if d is not None])
             except RuntimeError:  # the interpreter is exiting: queued writes are dropped (a cache)
                 return
             finally:
@@ -492,7 +513,8 @@ class L3Store:
     def _read_page(self, at: int, key: bytes) -> bool:
         """Read and verify one page's file straight into host page `at` (every rank's part)."""
         ranks, rows = self.slab.shape[0], self.slab.shape[1]
-        return self.files.read_into(key, [memoryview(self.slab[r, j, at]) for r in range(ranks) for j in range(rows)])
+        return self.files.read_into(key, [memoryview(self.slab[r, j, at]) for r in range(ranks) for j in range(rows)],
+                                    touch=False)
 
     def _reader(self) -> None:
         while True:
@@ -507,6 +529,8 @@ class L3Store:
                 if errors:  # a read error fails this load only
                     self._note(f"read of object {obj}: {errors[0]}", fatal=False)
                 ok = not errors and all(f.result() for f in reads)
+                if ok:
+                    self.files.stamp(keys)
             except RuntimeError:  # the interpreter is exiting
                 return
             finally:

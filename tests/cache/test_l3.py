@@ -138,6 +138,31 @@ def test_the_size_cap_removes_the_oldest_files(tmp_path: Path) -> None:
     assert smaller.stats["files"] == 2 and {k for k in keys[:5] if d.path(k).exists()} == {keys[0], keys[4]}
 
 
+def test_the_cap_takes_an_objects_tail_before_its_head(tmp_path: Path) -> None:
+    """An object's pages are written (and read back) by a pool of threads at once; their files are
+    stamped in page order, so the size cap removes a chain's last pages first and what is left is
+    still a usable prefix. Before, the cap took them in no particular order: often the first page,
+    and with it the whole chain."""
+    d = _dir(tmp_path)
+    slab = np.random.default_rng(1).integers(0, 256, (1, 2, 8, 500), dtype=np.uint8)
+    store = l3.L3Store(d, slab)
+    keys = l3.page_keys(FP, list(range(16)), PS)  # one object of 8 pages
+    assert store.write_object(0, keys) == 8
+    store.drain()
+    ages = [d.path(k).stat().st_mtime_ns for k in keys]
+    assert ages == sorted(ages, reverse=True) and len(set(ages)) == 8
+    size = d.path(keys[0]).stat().st_size
+    d.cap = int(5.5 * size)
+    d.enforce_cap()  # down to 90% of the cap: 4 files
+    assert [d.path(k).exists() for k in keys] == [True] * 4 + [False] * 4
+    assert l3.probe(d.root, keys) == 4
+    store.load_object(1, 0, keys[:4])  # a read stamps them in order too
+    store.drain()
+    assert store.take_loaded() == [(1, True)]
+    ages = [d.path(k).stat().st_mtime_ns for k in keys[:4]]
+    assert ages == sorted(ages, reverse=True) and len(set(ages)) == 4
+
+
 def test_entries_named_like_page_files_but_not_files_are_left_alone(tmp_path: Path) -> None:
     """A directory at a page file's path (one of its kind, or at the path of a page being written)
     neither stops the engine at start (the cap used to unlink it: IsADirectoryError, a dead cache
