@@ -110,6 +110,7 @@ class BackupPrepare(msgspec.Struct, tag=True, frozen=True):
     device_pages: bytes  # packed int32, n pages, in the object's token order
     host_start: int
     keys: bytes = b""  # the pages' L3 keys, 16 bytes each (empty when the disk tier is off)
+    parent: int = -1  # the host object of the node above, whose pages come before these in the L3 key chain
 
 
 class ApplyCommit(msgspec.Struct, tag=True, frozen=True):
@@ -143,6 +144,7 @@ class L3Load(msgspec.Struct, tag=True, frozen=True):
     obj: int
     host_start: int
     keys: bytes  # the pages' L3 keys, 16 bytes each
+    parent: int = -1  # as BackupPrepare's
 
 
 class HostEvict(msgspec.Struct, tag=True, frozen=True):

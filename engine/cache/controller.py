@@ -14,7 +14,9 @@ procs/cache.py hands it zmq ends, tests hand it in-memory pipes and call `pump()
   it first snapshots the bytes of obj and of the pieces split off it (every rank) out of
   the slab and queues them for the writer thread, then sends Committed: a later HostEvict
   and reuse of those host pages can never reach the disk. On L3Load it reads the files
-  into the slab on a reader thread and reports L3Loaded(obj, ok). L3Stats at most once a
+  into the slab on a reader thread and reports L3Loaded(obj, ok). It also keeps every L2
+  object's keys and parent object (`L3Tier.chain`): a write or read stamps the files of the
+  chain above the object too (l3.py: the cap's order). L3Stats at most once a
   second, when they changed; an `l3 writes` log line likewise (`L3Store.maybe_log`: pages
   written, bytes, writer seconds, skips, corrupt files), and a last one at shutdown.
 """
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.cache.host_alloc import HostAllocator
-from engine.cache.l3 import WRITE_QUEUE_BYTES, L3Dir, L3Store, unpack_keys
+from engine.cache.l3 import KEY_BYTES, WRITE_QUEUE_BYTES, L3Dir, L3Store, unpack_keys
 from engine.cache.slab import available_memory, map_slab, open_slab
 from engine.replica import Effect, ReplicaError, rank_replica
 from msgs.channels import Inbox, Outbox
@@ -46,6 +48,8 @@ from msgs.steps import (
 )
 
 STATS_EVERY_S = 1.0
+STAMP_EVERY_S = 10.0  # an object's L3 files are stamped as an ancestor's at most this often (wall time: ages only)
+MAX_CHAIN_DEPTH = 4096  # objects walked up a chain at most (a defence: the tree has no cycles)
 
 
 class SlabMapping(Effect):
@@ -77,6 +81,10 @@ class L3Tier(Effect):
         self.keys: dict[int, list[bytes]] = {}  # pending backup -> its pages' keys
         self.pieces: dict[int, list[int]] = {}  # pending backup -> pieces split off it since
         self.origin: dict[int, int] = {}  # a piece -> the object whose commit covers it
+        # every host object with keys, pending or not: its packed keys (16 bytes a page) and the
+        # object above it, so a write or read can stamp the whole chain (L3Store.write_object)
+        self.chain: dict[int, tuple[bytes, int]] = {}
+        self.stamped: dict[int, float] = {}  # object -> when its files were last stamped as an ancestor's
 
     def apply(self, op: Any) -> None:
         match op:
@@ -96,24 +104,39 @@ class L3Tier(Effect):
                 slab_bytes = n * page_bytes * self.slab.world
                 queue = max(self.queue_bytes, min(slab_bytes, available_memory() // 5))
                 self.store = L3Store(L3Dir(self.root, fp, self.cap), view, queue)
-            case BackupPrepare(obj=obj, keys=keys) if keys:
+            case BackupPrepare(obj=obj, keys=keys, parent=parent) if keys:
                 self.keys[obj] = unpack_keys(keys)
-            case HostSplit(obj=obj, cut=cut, new_obj=new) if obj in self.keys:
-                keys = self.keys[obj]
-                self.keys[new], self.keys[obj] = keys[:cut], keys[cut:]
-                root = self.origin.get(obj, obj)
-                self.origin[new] = root
-                self.pieces.setdefault(root, []).append(new)
-            case HostEvict(obj=obj) | ApplyCommit(obj=obj):
+                self.chain[obj] = (keys, parent)
+            case HostSplit(obj=obj, cut=cut, new_obj=new):
+                if obj in self.chain:  # the prefix piece takes the node's place under its parent
+                    packed, parent = self.chain[obj]
+                    at = cut * KEY_BYTES
+                    self.chain[new], self.chain[obj] = (packed[:at], parent), (packed[at:], new)
+                if obj in self.keys:
+                    keys = self.keys[obj]
+                    self.keys[new], self.keys[obj] = keys[:cut], keys[cut:]
+                    root = self.origin.get(obj, obj)
+                    self.origin[new] = root
+                    self.pieces.setdefault(root, []).append(new)
+            case ApplyCommit(obj=obj):
                 self.keys.pop(obj, None)
                 self.pieces.pop(obj, None)
                 self.origin.pop(obj, None)
+            case HostEvict(obj=obj):
+                self.keys.pop(obj, None)
+                self.pieces.pop(obj, None)
+                self.origin.pop(obj, None)
+                self.chain.pop(obj, None)
+                self.stamped.pop(obj, None)
             case Flush():
                 self.keys.clear()
                 self.pieces.clear()
                 self.origin.clear()
-            case L3Load(obj=obj, host_start=start, keys=keys) if self.store is not None:
-                self.store.load_object(obj, start, unpack_keys(keys))
+                self.chain.clear()
+                self.stamped.clear()
+            case L3Load(obj=obj, host_start=start, keys=keys, parent=parent) if self.store is not None:
+                self.chain[obj] = (keys, parent)
+                self.store.load_object(obj, start, unpack_keys(keys), self._above(parent))
 
     def write(self, obj: int, alloc: HostAllocator) -> None:
         """obj is about to be Committed: queue its pages and its pieces' for the disk."""
@@ -122,8 +145,22 @@ class L3Tier(Effect):
         # in host order, which is token order (splits cut a contiguous range): should the
         # writer's queue fill up, the pages left out are the chain's last ones
         objs = [o for o in [obj, *self.pieces.pop(obj, [])] if o in alloc.ranges and self.keys.get(o)]
-        for o in sorted(objs, key=lambda o: alloc.ranges[o][0]):
-            self.store.write_object(alloc.ranges[o][0], self.keys[o])
+        objs.sort(key=lambda o: alloc.ranges[o][0])
+        for i, o in enumerate(objs):  # the first piece's chain above it is stamped with it
+            self.store.write_object(alloc.ranges[o][0], self.keys[o], self._above(self.chain[o][1]) if i == 0 else ())
+
+    def _above(self, parent: int) -> list[bytes]:
+        """The keys of the chain above an object whose parent object is `parent`, first page first:
+        its ancestors' objects this controller knows (the walk stops at one it does not), less those
+        stamped in the last STAMP_EVERY_S (their files are young already)."""
+        now, path = time.monotonic(), []
+        while parent in self.chain and len(path) < MAX_CHAIN_DEPTH:
+            packed, up = self.chain[parent]
+            if now - self.stamped.get(parent, -STAMP_EVERY_S) >= STAMP_EVERY_S:
+                path.append(packed)
+                self.stamped[parent] = now
+            parent = up
+        return [k for packed in reversed(path) for k in unpack_keys(packed)]
 
 
 class CacheController:

@@ -173,8 +173,12 @@ class TieredRadixCache(RadixCache):
         self.objects[node.id] = node
         self.stats["backups"] += 1
         keys = l3.pack_keys(self.node_keys(node)) if self.fingerprint else b""
-        self.changes.append(BackupPrepare(node.id, pack_ids(node.pages), start, keys))
+        self.changes.append(BackupPrepare(node.id, pack_ids(node.pages), start, keys, self._host_of(node.parent)))
         return True
+
+    def _host_of(self, node: RadixNode | None) -> int:
+        """node's host object (-1: none, or the root): an L3 chain's pages before a new object's."""
+        return node.host if node is not None and node is not self.root else -1
 
     def _reserve(self, obj: int, n: int, above: RadixNode | None) -> int | None:
         """First fit; on a miss evict the coldest unpinned committed host copy (`_host_victim`),
@@ -283,7 +287,7 @@ class TieredRadixCache(RadixCache):
         self.loading[obj] = parent
         self.lock(parent)  # the path above stays while the controller reads (whatever the request does)
         self._l3_end[obj] = keys[-1]
-        self.changes.append(L3Load(obj, start, l3.pack_keys(keys)))
+        self.changes.append(L3Load(obj, start, l3.pack_keys(keys), self._host_of(parent)))
         self.stats["l3_loads"] += 1
         return True
 

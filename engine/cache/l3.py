@@ -24,7 +24,10 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
   it) down to 90% of the cap. An object's pages, written or read together, are stamped in
   order, each AGE_STEP_NS older than the one before it, so the cap takes a chain's tail before
   its head: a page is useless without the pages before it, and files written or read at once
-  by a pool of threads would otherwise go in no particular order.
+  by a pool of threads would otherwise go in no particular order. The chain's pages above the
+  object (its ancestors' objects, which the controller knows from BackupPrepare / L3Load's
+  `parent`) are stamped with it, newer still: a prefix every new conversation extends stays as
+  young as its newest child, though hits on it in L1 / L2 never read its files.
 * **Threads.** `L3Store` (the controller's) writes snapshots of committed objects on a
   writer thread (a queue bounded in bytes: over it a write is skipped and counted) and
   reads objects into the host slab on a reader thread; results come back through
@@ -421,12 +424,16 @@ class L3Store:
 
     # -- the controller's side (one thread)
 
-    def write_object(self, start: int, keys: Sequence[bytes]) -> int:
+    def write_object(self, start: int, keys: Sequence[bytes], before: Sequence[bytes] = ()) -> int:
         """Snapshot the object's pages at host page `start` (those not on disk yet) and queue
-        them for the writer. Returns the pages queued: as many leading pages as the byte bound
-        leaves room for (a prefix keeps the key chain whole); the rest are skipped, counted."""
+        them for the writer, which then stamps `before` (the chain's pages above the object,
+        first page first) and the object's pages in order (`stamp`). Returns the pages queued:
+        as many leading pages as the byte bound leaves room for (a prefix keeps the key chain
+        whole); the rest are skipped, counted."""
+        chain = [*before, *keys]
         todo = [(i, k) for i, k in enumerate(keys) if not self.files.exists(k)]
         if not todo:
+            self.writes.put(([], chain))  # on disk already: only used again
             return 0
         if time.monotonic() < self._refused_until:  # the disk refused a write just now: no copies for it
             with self.files.lock:
@@ -444,12 +451,14 @@ class L3Store:
         # the copy happens now, before Committed goes out: a later HostEvict and reuse of
         # these host pages can never reach the disk
         pages = [(k, self.slab[:, :, start + i, :].tobytes()) for i, k in todo]
-        self.writes.put(pages)
+        self.writes.put((pages, chain))
         return len(pages)
 
-    def load_object(self, obj: int, start: int, keys: Sequence[bytes]) -> None:
+    def load_object(self, obj: int, start: int, keys: Sequence[bytes], before: Sequence[bytes] = ()) -> None:
+        """Read the object's pages into host pages from `start` (on a thread; `take_loaded`), then
+        stamp `before` (the chain's pages above it) and its pages in order."""
         self.reading += 1
-        self.reads.put((obj, start, list(keys)))
+        self.reads.put((obj, start, list(keys), list(before)))
 
     def take_loaded(self) -> list[tuple[int, bool]]:
         out = []
@@ -491,12 +500,12 @@ class L3Store:
 
     def _writer(self) -> None:
         while True:
-            pages = self.writes.get()
+            pages, chain = self.writes.get()
             begin = time.perf_counter()
             done: list[bool | None] = []
             try:
                 done = [f.result() for f in self._each(self._write_page, [(p,) for p in pages])]
-                self.files.stamp([key for (key, _), d in zip(pages, done, strict=True) if d is not None])
+                self.files.stamp(chain)  # (a page that failed is not there to stamp)
             except RuntimeError:  # the interpreter is exiting: queued writes are dropped (a cache)
                 return
             finally:
@@ -518,7 +527,7 @@ class L3Store:
 
     def _reader(self) -> None:
         while True:
-            obj, start, keys = self.reads.get()
+            obj, start, keys, before = self.reads.get()
             ok = False
             try:
                 reads = self._each(self._read_page, list(zip(range(start, start + len(keys)), keys, strict=True)))
@@ -530,7 +539,7 @@ class L3Store:
                     self._note(f"read of object {obj}: {errors[0]}", fatal=False)
                 ok = not errors and all(f.result() for f in reads)
                 if ok:
-                    self.files.stamp(keys)
+                    self.files.stamp([*before, *keys])
             except RuntimeError:  # the interpreter is exiting
                 return
             finally:

@@ -276,6 +276,7 @@ def test_backups_carry_their_page_keys() -> None:
         l3.page_keys(FP, toks, PS),
         l3.page_keys(FP, toks + [5, 6], PS)[2:],
     ]
+    assert [b.parent for b in backups] == [-1, backups[0].obj]  # the chain above each, for the controller
 
 
 def test_replicas_agree_across_l3_loads() -> None:
@@ -508,3 +509,43 @@ def test_a_pending_object_split_before_its_commit_is_written_whole(slab: str, tm
     steps.send(Step(seq=2, ops=[ApplyCommit(7), ApplyCommit(9), ApplyCommit(11)]))
     ctrl.pump()
     assert not tier.keys and not tier.pieces and not tier.origin  # nothing kept once committed
+
+
+def test_a_childs_write_and_read_stamp_its_chain_above_it(slab: str, tmp_path: Path) -> None:
+    """A prefix hit in L1 / L2 never reads its L3 files, so they age while every conversation that
+    extends it writes newer ones: the cap would take the shared prefix first, and every chain with
+    it. The controller knows each object's parent (BackupPrepare / L3Load `parent`): a child's write
+    stamps the chain above it too, newer than the child, in order (split objects included)."""
+    ctrl, mapping, tier, steps, backups, commits = _controller(slab, tmp_path / "l3", ranks=1)
+    keys = l3.page_keys(FP, list(range(20)), PS)  # a chain of 10 pages: prefix 0-5 (split 0-2 | 3-5), child 6-9
+    d = l3.L3Dir(tmp_path / "l3", FP, 1 << 30)
+
+    def commit(obj: int) -> None:
+        backups.send(BackupDone(obj=obj, rank=0))
+        _wait(ctrl, commits, Committed)
+        tier.store.drain()
+
+    steps.send(Step(seq=1, ops=[HostInit(16, 32, 2, FP), BackupPrepare(1, pack_ids(list(range(6))), 0,
+                                                                       l3.pack_keys(keys[:6]))]))
+    ctrl.pump()
+    commit(1)
+    steps.send(Step(seq=2, ops=[ApplyCommit(1), HostSplit(1, 3, 2)]))  # a later request split the prefix
+    ctrl.pump()
+    for k in keys[:6]:
+        os.utime(d.path(k), (1000, 1000))  # written long ago, only hit in L1 since
+    steps.send(Step(seq=3, ops=[BackupPrepare(3, pack_ids([6, 7, 8, 9]), 6, l3.pack_keys(keys[6:]), parent=1)]))
+    ctrl.pump()
+    commit(3)
+    ages = [d.path(k).stat().st_mtime_ns for k in keys]
+    assert ages == sorted(ages, reverse=True) and len(set(ages)) == 10  # the prefix newer than its child, in order
+    size = d.path(keys[0]).stat().st_size
+    d.cap = int(9.5 * size)
+    d.enforce_cap()
+    assert l3.probe(d.root, keys) == 8  # the child's tail went first
+    for k in keys[:6]:
+        os.utime(d.path(k), (1000, 1000))
+    tier.stamped.clear()  # (ancestors are stamped at most every STAMP_EVERY_S)
+    steps.send(Step(seq=4, ops=[HostEvict(3), L3Load(4, 6, l3.pack_keys(keys[6:8]), parent=1)]))
+    assert L3Loaded(obj=4, ok=True) in _wait(ctrl, commits, L3Loaded)  # a read stamps the chain too
+    ages = [d.path(k).stat().st_mtime_ns for k in keys[:8]]
+    assert ages == sorted(ages, reverse=True) and ages[5] > 10**18
