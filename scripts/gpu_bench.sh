@@ -9,7 +9,9 @@
 #   jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 # A worker's steps can be torch-profiled: STRATA_PROFILE_STEPS=FIRST:COUNT (table + timeline in --log-dir)
 #   quick     the gpu tests of the grammar mask and the host tier's copies only
-#   check     the gpu tests (tests/gpu: bf16, fp8 KV, fp8 math, forced triton decode, transformers)
+#   check     the gpu tests (tests/gpu: bf16, fp8 KV, fp8 math, forced triton decode, transformers), one line a test
+#             (a cut run still says which passed); ~200 tests no longer fit one call: CHECK_PART=k/n runs the k-th of n
+#             parts, whole files dealt by their test counts (e.g. 1/3, 2/3, 3/3 in three calls)
 #   latency   decode latency, Qwen3-0.6B and Llama-3.1-8B, batch 1 8 32, ctx 1024 (docs/PERF.md)
 #   qwen      Qwen3-0.6B offline throughput, 256 requests (docs/PERF.md)
 #   llama8m   Llama-3.1-8B offline 1000/1000, fp8 KV cache + --attention-fp8-math
@@ -124,6 +126,21 @@ run() {  # name, timeout, command...
   [ $rc = 0 ] || { tail -40 "$OUT/$name.log"; for f in /tmp/strata-bench-*/serve.log; do [ -f "$f" ] && tail -60 "$f"; done; }
   return $rc
 }
+check_part() {  # K/N: tests/gpu's files in N parts of about equal test counts (greedy, largest first); the K-th
+  python3 - "$1" <<'PY'
+import collections, subprocess, sys
+k, n = map(int, sys.argv[1].split("/"))
+out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/gpu", "-p",
+                      "no:cacheprovider"], capture_output=True, text=True).stdout
+count = collections.Counter(line.split("::")[0] for line in out.splitlines() if "::" in line)
+parts = [[0, []] for _ in range(n)]
+for f, c in sorted(count.items(), key=lambda fc: (-fc[1], fc[0])):
+    part = min(parts, key=lambda p: p[0])
+    part[0] += c
+    part[1].append(f)
+print(" ".join(sorted(parts[k - 1][1])))
+PY
+}
 detoff_wants() { case " ${DETOFF_MODELS:-qwen llama} " in *" $1 "*) return 0 ;; esac; return 1; }  # detoffline's models
 tuned() {  # PATCH, command...: run the command with PATCH (JSON) merged over this GPU's tuning file
   local f patch=$1; shift
@@ -204,7 +221,9 @@ for what in "$@"; do case $what in
                grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | sed -n 3,5p; done; done
              # one file back for all of them ($OUT returns 8 files at most)
              (cd "$OUT" && tar czf samplinglat.tgz latency-*-sampling-*.json latency-*.log && rm -f latency-*-sampling-*.json latency-*.log) ;;
-  check) run gpu-tests 540 python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+  check) files=$(check_part "${CHECK_PART:-1/1}") || { fails=$((fails + 1)); continue; }
+         echo "check part ${CHECK_PART:-1/1}: $files"
+         run gpu-tests 540 python3 -m pytest -m gpu $files -v -rA -p no:cacheprovider \
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
