@@ -147,6 +147,14 @@ class L3Load(msgspec.Struct, tag=True, frozen=True):
     parent: int = -1  # as BackupPrepare's
 
 
+class L3Touch(msgspec.Struct, tag=True, frozen=True):
+    """Committed object `obj` was used again (a request's prefix hit in L1 / L2, which reads no L3
+    file): the cache controller stamps its L3 files and those of the chain above it as just used,
+    so the disk tier's size cap keeps them. Changes no replicated state."""
+
+    obj: int
+
+
 class HostEvict(msgspec.Struct, tag=True, frozen=True):
     """Object `obj` leaves the host tier; its pages return to the free list."""
 
@@ -155,7 +163,7 @@ class HostEvict(msgspec.Struct, tag=True, frozen=True):
 
 Op = (
     AddReq | PrepareGrammar | ExtendPages | FreeReq | TrimReq | CachePages | EvictPages | Flush | DigestCheck
-    | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | L3Load
+    | HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | L3Load | L3Touch
 )
 
 

@@ -42,6 +42,7 @@ from msgs.steps import (
     HostInit,
     HostSplit,
     L3Load,
+    L3Touch,
     Shutdown,
     Step,
     ToWorker,
@@ -73,7 +74,7 @@ class L3Tier(Effect):
     """The controller's side of the disk tier: page keys of pending objects, the writes at
     commit, the reads of L3Load. Created with the tier (HostInit with a fingerprint)."""
 
-    ops = (HostInit, BackupPrepare, HostSplit, HostEvict, ApplyCommit, Flush, L3Load)
+    ops = (HostInit, BackupPrepare, HostSplit, HostEvict, ApplyCommit, Flush, L3Load, L3Touch)
 
     def __init__(self, slab: SlabMapping, root: str, cap_bytes: int, queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
         self.slab, self.root, self.cap, self.queue_bytes = slab, root, cap_bytes, queue_bytes
@@ -137,6 +138,8 @@ class L3Tier(Effect):
             case L3Load(obj=obj, host_start=start, keys=keys, parent=parent) if self.store is not None:
                 self.chain[obj] = (keys, parent)
                 self.store.load_object(obj, start, unpack_keys(keys), self._above(parent))
+            case L3Touch(obj=obj) if self.store is not None:
+                self.store.stamp_later(self._above(obj))
 
     def write(self, obj: int, alloc: HostAllocator) -> None:
         """obj is about to be Committed: queue its pages and its pieces' for the disk."""

@@ -40,8 +40,11 @@ from msgs.steps import (
     HostInit,
     HostSplit,
     L3Load,
+    L3Touch,
     LoadBack,
 )
+
+L3_TOUCH_STEPS = 4096  # an object's L3 files are marked used again (L3Touch) at most once in this many steps
 
 
 class TieredRadixCache(RadixCache):
@@ -76,6 +79,7 @@ class TieredRadixCache(RadixCache):
         self.from_l3: set[int] = set()  # committed nodes read from L3, not yet loaded back by a match
         self._l3_end: dict[int, bytes] = {}  # node id -> the L3 key of its last page (a cache)
         self.last_load = (0, 0)  # tokens the last load_back took from (L2, L3)
+        self._l3_touched: dict[int, int] = {}  # host object -> the clock of its last L3Touch
         self.changes.append(HostInit(host_pages, page_bytes, num_layers, l3_fingerprint, kv_components))
 
     # ---- matching and inserting -----------------------------------------------------
@@ -152,12 +156,20 @@ class TieredRadixCache(RadixCache):
         return kept, node
 
     def touch(self, node: RadixNode) -> None:
-        """A used match; with write_through_selective a node is backed up on its second hit."""
+        """A used match; with write_through_selective a node is backed up on its second hit. With
+        the disk tier, the deepest committed host copy on the path is marked used in L3 too
+        (L3Touch, at most every L3_TOUCH_STEPS steps an object): a hit in L1 / L2 reads no L3
+        file, and the size cap would otherwise take a hot prefix's files first."""
         super().touch(node)
         if self.policy == "write_through_selective":
             for n in reversed(list(self._path_up(node))):  # top-down: parents are placed first
                 if n.host < 0 and n.hits >= PROTECT_HITS and n.pages:
                     self.backup(n)
+        if self.fingerprint:
+            held = next((n for n in self._path_up(node) if n.host >= 0 and n.committed), None)
+            if held is not None and self.clock - self._l3_touched.get(held.host, -L3_TOUCH_STEPS) >= L3_TOUCH_STEPS:
+                self._l3_touched[held.host] = self.clock
+                self.changes.append(L3Touch(held.host))
 
     # ---- backup and commit -------------------------------------------------------------
 
@@ -210,6 +222,7 @@ class TieredRadixCache(RadixCache):
     def _drop_host(self, node: RadixNode) -> None:
         """node's host copy goes; a host-only node leaves the tree with it."""
         self.host.release(node.host)
+        self._l3_touched.pop(node.host, None)
         self.changes.append(HostEvict(node.host))
         del self.objects[node.host]
         node.host, node.committed = -1, False
@@ -439,6 +452,7 @@ class TieredRadixCache(RadixCache):
         self.origin.clear()
         self.from_l3.clear()
         self._l3_end.clear()
+        self._l3_touched.clear()
 
     def _shape_ok(self, node: RadixNode) -> bool:
         if not node.pages:  # host-only: committed (or a loading leaf), unlocked, only host-only below

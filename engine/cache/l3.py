@@ -27,7 +27,8 @@ No torch here: the scheduler (probing) and the cache controller (reads and write
   by a pool of threads would otherwise go in no particular order. The chain's pages above the
   object (its ancestors' objects, which the controller knows from BackupPrepare / L3Load's
   `parent`) are stamped with it, newer still: a prefix every new conversation extends stays as
-  young as its newest child, though hits on it in L1 / L2 never read its files.
+  young as its newest child, though hits on it in L1 / L2 never read its files; such a hit also
+  sends L3Touch, which stamps the chain alone.
 * **Threads.** `L3Store` (the controller's) writes snapshots of committed objects on a
   writer thread (a queue bounded in bytes: over it a write is skipped and counted) and
   reads objects into the host slab on a reader thread; results come back through
@@ -453,6 +454,11 @@ class L3Store:
         pages = [(k, self.slab[:, :, start + i, :].tobytes()) for i, k in todo]
         self.writes.put((pages, chain))
         return len(pages)
+
+    def stamp_later(self, keys: Sequence[bytes]) -> None:
+        """Stamp these page files (a chain's, first page first) as used, on the writer thread."""
+        if keys:
+            self.writes.put(([], list(keys)))
 
     def load_object(self, obj: int, start: int, keys: Sequence[bytes], before: Sequence[bytes] = ()) -> None:
         """Read the object's pages into host pages from `start` (on a thread; `take_loaded`), then

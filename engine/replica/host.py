@@ -4,7 +4,8 @@ Every replica applies the same ops, so the placement of each object is identical
 everywhere; BackupPrepare carries the scheduler's placement and a replica that computes
 another one stops (ReplicaError) instead of copying to the wrong pages. `Flush` empties
 the tier. L3Load reserves host pages exactly as BackupPrepare does (the cache controller
-fills them from disk; workers copy nothing). Without HostInit the tier does not exist: every host op is then refused.
+fills them from disk; workers copy nothing). L3Touch changes nothing here, but names a committed object
+(checked). Without HostInit the tier does not exist: every host op is then refused.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import msgspec
 from engine.cache.host_alloc import HostAllocator, HostAllocError
 from engine.replica.base import Component, ReplicaError
 from msgs.codec import unpack_ids
-from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, L3Load, LoadBack
+from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, L3Load, L3Touch, LoadBack
 
-HostOp = HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | Flush | L3Load
+HostOp = HostInit | BackupPrepare | ApplyCommit | HostSplit | LoadBack | HostEvict | Flush | L3Load | L3Touch
 L3_KEY_BYTES = 16  # engine/cache/l3.py: KEY_BYTES
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 class HostTier(Component):
     name = "host_tier"
-    ops = (HostInit, BackupPrepare, ApplyCommit, HostSplit, LoadBack, HostEvict, Flush, L3Load)
+    ops = (HostInit, BackupPrepare, ApplyCommit, HostSplit, LoadBack, HostEvict, Flush, L3Load, L3Touch)
 
     def __init__(self) -> None:
         self.alloc = HostAllocator()
@@ -62,6 +63,8 @@ class HostTier(Component):
                 n = len(unpack_ids(pages))
                 if obj not in a.committed or a.ranges[obj] != (start, n):
                     raise ReplicaError(f"LoadBack of object {obj} ({n} pages at {start}): not a committed object there")
+            case L3Touch(obj=obj) if obj not in a.committed:
+                raise ReplicaError(f"L3Touch of object {obj}: not a committed object")
             case HostEvict(obj=obj):
                 a.release(obj)
             case Flush():

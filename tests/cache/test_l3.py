@@ -21,7 +21,7 @@ from engine.replica import ReplicaError, rank_replica
 from msgs.channels import BACKUPS, COMMITS, STEPS, pipe
 from msgs.codec import pack_ids
 from msgs.done import BackupDone, Committed, L3Loaded, L3Stats
-from msgs.steps import ApplyCommit, BackupPrepare, DigestCheck, HostEvict, HostInit, HostSplit, L3Load, Step
+from msgs.steps import ApplyCommit, BackupPrepare, DigestCheck, HostEvict, HostInit, HostSplit, L3Load, L3Touch, Step
 
 FP = bytes(range(16))
 PS = 2
@@ -325,6 +325,14 @@ def test_a_replica_refuses_a_misplaced_load() -> None:
         r.apply_step(Step(seq=2, ops=[L3Load(2, 5, bytes(16))]))
 
 
+def test_a_replica_refuses_l3_touch_of_an_object_not_committed() -> None:
+    r = rank_replica()
+    r.apply_step(Step(seq=1, ops=[HostInit(8), L3Load(1, 0, bytes(32))]))
+    with pytest.raises(ReplicaError, match="L3Touch of object 1: not a committed object"):
+        r.apply_step(Step(seq=2, ops=[L3Touch(1)]))
+    r.apply_step(Step(seq=3, ops=[ApplyCommit(1), L3Touch(1)]))
+
+
 def test_flags() -> None:
     with pytest.raises(ValueError, match="needs --enable-hierarchical-cache"):
         ServerConfig(l3_dir="/tmp/x")
@@ -549,3 +557,40 @@ def test_a_childs_write_and_read_stamp_its_chain_above_it(slab: str, tmp_path: P
     assert L3Loaded(obj=4, ok=True) in _wait(ctrl, commits, L3Loaded)  # a read stamps the chain too
     ages = [d.path(k).stat().st_mtime_ns for k in keys[:8]]
     assert ages == sorted(ages, reverse=True) and ages[5] > 10**18
+    for k in keys[:8]:
+        os.utime(d.path(k), (1000, 1000))
+    tier.stamped.clear()
+    steps.send(Step(seq=5, ops=[ApplyCommit(4), L3Touch(4)]))  # a hit in L1 / L2 on the chain's end
+    ctrl.pump()
+    tier.store.drain()
+    ages = [d.path(k).stat().st_mtime_ns for k in keys[:8]]
+    assert ages == sorted(ages, reverse=True) and ages[7] > 10**18
+
+
+def _l3_touches(cache: TieredRadixCache, tokens: list[int]) -> list[int]:
+    """The objects a used match of tokens marks used in L3 (the L3Touch ops of its touch)."""
+    cache.touch(cache.match_prefix(tokens, touch=False).node)
+    return [op.obj for op in cache.take_changes() if isinstance(op, L3Touch)]
+
+
+def test_a_used_match_marks_its_l3_chain_used_at_most_once_a_window() -> None:
+    """touch (a match a request uses) sends L3Touch for the deepest committed host copy on its path,
+    once per L3_TOUCH_STEPS steps an object, and only with the disk tier on."""
+    from engine.cache.hiradix import L3_TOUCH_STEPS
+
+    for fingerprint in (FP, b""):
+        cache = TieredRadixCache(PS, PageAllocator(33), 16, l3_fingerprint=fingerprint, num_layers=1)
+        toks = [1, 2, 3, 4, 5, 6]
+        cache.insert_node(toks, cache.allocator.alloc(3))
+        cache.insert_node(toks + [7, 8], cache.allocator.alloc(4))  # a child not committed yet
+        (first, _) = [op.obj for op in cache.changes if isinstance(op, BackupPrepare)]
+        cache.commit(first)
+        cache.take_changes()
+        want = [first] if fingerprint else []
+        cache.tick()
+        assert _l3_touches(cache, toks + [7, 8, 9]) == want  # the committed one, above the pending child
+        cache.tick()
+        assert _l3_touches(cache, toks + [7, 8, 9]) == []
+        for _ in range(L3_TOUCH_STEPS):
+            cache.tick()
+        assert _l3_touches(cache, toks + [7, 8, 9]) == want
