@@ -72,7 +72,8 @@ class SlabMapping(Effect):
 
 class L3Tier(Effect):
     """The controller's side of the disk tier: page keys of pending objects, the writes at
-    commit, the reads of L3Load. Created with the tier (HostInit with a fingerprint)."""
+    commit, the reads of L3Load, and every L2 object's place in its key chain (`chain`) for the
+    stamps that order the size cap. Created with the tier (HostInit with a fingerprint)."""
 
     ops = (HostInit, BackupPrepare, HostSplit, HostEvict, ApplyCommit, Flush, L3Load, L3Touch)
 
@@ -119,16 +120,13 @@ class L3Tier(Effect):
                     root = self.origin.get(obj, obj)
                     self.origin[new] = root
                     self.pieces.setdefault(root, []).append(new)
-            case ApplyCommit(obj=obj):
-                self.keys.pop(obj, None)
+            case HostEvict(obj=obj) | ApplyCommit(obj=obj):
+                self.keys.pop(obj, None)  # (a committed object keeps its chain entry until evicted)
                 self.pieces.pop(obj, None)
                 self.origin.pop(obj, None)
-            case HostEvict(obj=obj):
-                self.keys.pop(obj, None)
-                self.pieces.pop(obj, None)
-                self.origin.pop(obj, None)
-                self.chain.pop(obj, None)
-                self.stamped.pop(obj, None)
+                if isinstance(op, HostEvict):
+                    self.chain.pop(obj, None)
+                    self.stamped.pop(obj, None)
             case Flush():
                 self.keys.clear()
                 self.pieces.clear()
