@@ -228,14 +228,15 @@ class ChildSet:
                 return name, describe_exit(proc.returncode)
         return None
 
-    def cause(self, reporter: str, grace_s: float) -> tuple[str, str] | None:
-        """The child other than `reporter` that ended within grace_s, a signal's victim first: when
-        one rank is killed, a survivor (its collective broken) or the scheduler often reports a
-        failure before the dead child's exit is seen, and the dead one is the cause to name."""
+    def cause(self, reporter: str, grace_s: float, sender: str = "") -> tuple[str, str] | None:
+        """The child other than `reporter` (and `sender`, who reported for it and exits next) that
+        ended within grace_s, a signal's victim first: when one rank is killed, a survivor (its
+        collective broken) or the scheduler often reports a failure before the dead child's exit is
+        seen, and the dead one is the cause to name."""
         deadline = time.monotonic() + grace_s
         while True:
             dead = [(name, describe_exit(proc.returncode)) for name, proc in self.procs.items()
-                    if name != reporter and proc.poll() is not None]
+                    if name not in (reporter, sender) and proc.poll() is not None]
             if dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)

@@ -24,6 +24,7 @@ class Fatal(msgspec.Struct, tag=True, frozen=True):
     proc: str
     reason: str
     rank: int | None = None
+    by: str = ""  # the process that reports it, when not proc itself (the scheduler's watchdog names a worker)
 
 
 class Flushed(msgspec.Struct, tag=True, frozen=True):

@@ -44,7 +44,7 @@ def main() -> int:
         log.exception("scheduler failed", error=str(exc))
         rank = getattr(exc, "rank", None)  # a WorkerFailure that knows the one rank at fault: name that worker
         proc = ROLE if rank is None else "worker"
-        ports.control.send(Fatal(proc=proc, rank=rank, reason=str(exc)))
+        ports.control.send(Fatal(proc=proc, rank=rank, reason=str(exc), by=ROLE if proc != ROLE else ""))
         return 1
     return 0
 

@@ -145,7 +145,7 @@ def _run(
                 continue
             if isinstance(msg, Fatal):
                 name = child_name(msg.proc, msg.rank)
-                cause = children.cause(name, CAUSE_GRACE_S)
+                cause = children.cause(name, CAUSE_GRACE_S, msg.by)
                 if cause is not None:  # a rank was killed and a survivor or the scheduler reported it first
                     dead, how = cause
                     log.info("failure reported after a child ended", reporter=name, reason=msg.reason)

@@ -299,7 +299,9 @@ class SchedulerLoop:
         stuck in a kernel or a collective, stopped, swapping) stops the server with the stuck ranks
         named: its clients get a 503 (the supervisor's ProcessDied) instead of waiting forever. Where
         some ranks answered, the others are the stuck ones (one alone is blamed as that worker);
-        where none did, a stuck rank may be holding the rest in a collective."""
+        where none of several did, a stuck rank may be holding the rest in a collective; a lone
+        rank that did not answer is the one at fault (the supervisor names worker-0, not the
+        scheduler)."""
         if not self.inflight or self.clock() - self.progress_at <= self.cfg.watchdog_timeout:
             return
         seq = self.inflight[0]
@@ -307,7 +309,7 @@ class SchedulerLoop:
         waits = (f"ranks {missing} have not answered (the others have)" if len(missing) < self.num_ranks
                  else f"no rank of {self.num_ranks} has answered")
         raise WorkerFailure(f"no step finished for {self.cfg.watchdog_timeout:g} s (--watchdog-timeout): step {seq}: "
-                            f"{waits}", rank=missing[0] if len(missing) == 1 and self.num_ranks > 1 else None)
+                            f"{waits}", rank=missing[0] if len(missing) == 1 else None)
 
     def _check_stall(self) -> None:
         """A running request always has a row to plan (a prefill chunk or a decode), so running

@@ -317,8 +317,9 @@ def test_tokenizer_killed_sdk_clients_hear_silence(tmp_path: Path, capfd: pytest
 
 def _stop_one_mid_requests(tmp_path: Path, capfd: pytest.CaptureFixture[str], child: str, says: str) -> None:
     """An SDK stream and a whole /completions running, then `child` SIGSTOPped with a 3 s
-    --watchdog-timeout: both clients get the 503 naming the scheduler within the timeout and a few
-    seconds, and bin/serve exits 1 saying `says`, with nothing left behind."""
+    --watchdog-timeout: both clients get the 503 naming `child` (a lone worker that stops answering
+    is the one at fault: the scheduler's watchdog names it) within the timeout and a few seconds,
+    and bin/serve exits 1 saying `says`, with nothing left behind."""
     srv = start_server(tmp_path / "logs", "--max-total-tokens", "4096", "--watchdog-timeout", "3")
     children = _children(srv)
     leftovers = (_run_dir(children), _shm(children))
@@ -330,8 +331,8 @@ def _stop_one_mid_requests(tmp_path: Path, capfd: pytest.CaptureFixture[str], ch
     t_stop = time.monotonic()
     children[child].send_signal(signal.SIGSTOP)
     try:
-        _assert_503(whole.join(20), "scheduler")
-        _assert_sdk_503(sdk.join(20), "scheduler")
+        _assert_503(whole.join(20), child)
+        _assert_sdk_503(sdk.join(20), child)
         assert max(sdk.done_at, whole.done_at) - t_stop < 3 + 5
     finally:
         children[child].send_signal(signal.SIGCONT)  # so that the teardown's SIGTERM can end it
@@ -340,8 +341,8 @@ def _stop_one_mid_requests(tmp_path: Path, capfd: pytest.CaptureFixture[str], ch
 
 def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A worker that stops making progress (SIGSTOP: stuck in a kernel, a collective, swap) does not
-    hang its clients: after --watchdog-timeout the scheduler fails, naming the step, and every client
-    in flight gets its 503."""
+    hang its clients: after --watchdog-timeout the scheduler fails, naming the step and the worker, and
+    every client in flight gets its 503."""
     _stop_one_mid_requests(tmp_path, capfd, "worker-0", "--watchdog-timeout")
 
 

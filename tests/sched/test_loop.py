@@ -465,19 +465,19 @@ def test_batch_wait_defaults_by_device_and_is_validated() -> None:
 def test_the_watchdog_names_the_rank_that_has_not_answered() -> None:
     """A step that rank 1 never answers (rank 0 did) past --watchdog-timeout: the failure names
     rank 1 (the supervisor then names worker-1, not the scheduler); a step no rank answered names
-    none, since a stuck rank may be holding the others in a collective."""
+    none, since a stuck rank may be holding the others in a collective; a lone rank is named."""
     from engine.sched.loop import WorkerFailure
 
-    ranks = [FakeRank(0), FakeRank(1)]
     now = [0.0]
-    for answering, rank, says in ((ranks[:1], 1, r"ranks \[1\] have not answered"),
-                                  ([], None, "no rank of 2 has answered")):
+    for ranks, answering, rank, says in (([FakeRank(0), FakeRank(1)], [0], 1, r"ranks \[1\] have not answered"),
+                                         ([FakeRank(0), FakeRank(1)], [], None, "no rank of 2 has answered"),
+                                         ([FakeRank(0)], [], 0, "no rank of 1 has answered")):
         loop, wires = start(ranks, watchdog_timeout=5.0)
         loop.clock = lambda: now[0]
         loop.progress_at = now[0]
         submit(wires, n=1)
         loop.pump()
-        for r in answering:
+        for r in (ranks[i] for i in answering):
             for step in wires.steps[r.rank].drain():
                 wires.done_out.send(r.answer(step))
         loop.pump()
