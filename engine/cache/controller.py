@@ -71,16 +71,16 @@ class SlabMapping(Effect):
 
 
 class L3Tier(Effect):
-    """The controller's side of the disk tier: page keys of pending objects, the writes at
-    commit, the reads of L3Load, and every L2 object's place in its key chain (`chain`) for the
-    stamps that order the size cap. Created with the tier (HostInit with a fingerprint)."""
+    """The controller's side of the disk tier: every L2 object's page keys and place in its key
+    chain (`chain`, for the stamps that order the size cap), the writes of pending backups at
+    their commit, the reads of L3Load. Created with the tier (HostInit with a fingerprint)."""
 
     ops = (HostInit, BackupPrepare, HostSplit, HostEvict, ApplyCommit, Flush, L3Load, L3Touch)
 
     def __init__(self, slab: SlabMapping, root: str, cap_bytes: int, queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
         self.slab, self.root, self.cap, self.queue_bytes = slab, root, cap_bytes, queue_bytes
         self.store: L3Store | None = None
-        self.keys: dict[int, list[bytes]] = {}  # pending backup -> its pages' keys
+        self.pending: set[int] = set()  # backups with keys, not committed yet (written at their commit)
         self.pieces: dict[int, list[int]] = {}  # pending backup -> pieces split off it since
         self.origin: dict[int, int] = {}  # a piece -> the object whose commit covers it
         # every host object with keys, pending or not: its packed keys (16 bytes a page) and the
@@ -107,28 +107,27 @@ class L3Tier(Effect):
                 queue = max(self.queue_bytes, min(slab_bytes, available_memory() // 5))
                 self.store = L3Store(L3Dir(self.root, fp, self.cap), view, queue)
             case BackupPrepare(obj=obj, keys=keys, parent=parent) if keys:
-                self.keys[obj] = unpack_keys(keys)
+                self.pending.add(obj)
                 self.chain[obj] = (keys, parent)
-            case HostSplit(obj=obj, cut=cut, new_obj=new):
-                if obj in self.chain:  # the prefix piece takes the node's place under its parent
-                    packed, parent = self.chain[obj]
-                    at = cut * KEY_BYTES
-                    self.chain[new], self.chain[obj] = (packed[:at], parent), (packed[at:], new)
-                if obj in self.keys:
-                    keys = self.keys[obj]
-                    self.keys[new], self.keys[obj] = keys[:cut], keys[cut:]
+            case HostSplit(obj=obj, cut=cut, new_obj=new) if obj in self.chain:
+                # the prefix piece takes the node's place under its parent
+                packed, parent = self.chain[obj]
+                at = cut * KEY_BYTES
+                self.chain[new], self.chain[obj] = (packed[:at], parent), (packed[at:], new)
+                if obj in self.pending:  # the piece is written at the commit of the object it came from
+                    self.pending.add(new)
                     root = self.origin.get(obj, obj)
                     self.origin[new] = root
                     self.pieces.setdefault(root, []).append(new)
             case HostEvict(obj=obj) | ApplyCommit(obj=obj):
-                self.keys.pop(obj, None)  # (a committed object keeps its chain entry until evicted)
+                self.pending.discard(obj)  # (a committed object keeps its chain entry until evicted)
                 self.pieces.pop(obj, None)
                 self.origin.pop(obj, None)
                 if isinstance(op, HostEvict):
                     self.chain.pop(obj, None)
                     self.stamped.pop(obj, None)
             case Flush():
-                self.keys.clear()
+                self.pending.clear()
                 self.pieces.clear()
                 self.origin.clear()
                 self.chain.clear()
@@ -145,10 +144,11 @@ class L3Tier(Effect):
             return
         # in host order, which is token order (splits cut a contiguous range): should the
         # writer's queue fill up, the pages left out are the chain's last ones
-        objs = [o for o in [obj, *self.pieces.pop(obj, [])] if o in alloc.ranges and self.keys.get(o)]
+        objs = [o for o in [obj, *self.pieces.pop(obj, [])] if o in alloc.ranges and o in self.pending]
         objs.sort(key=lambda o: alloc.ranges[o][0])
         for i, o in enumerate(objs):  # the first piece's chain above it is stamped with it
-            self.store.write_object(alloc.ranges[o][0], self.keys[o], self._above(self.chain[o][1]) if i == 0 else ())
+            packed, parent = self.chain[o]
+            self.store.write_object(alloc.ranges[o][0], unpack_keys(packed), self._above(parent) if i == 0 else ())
 
     def _above(self, parent: int) -> list[bytes]:
         """The keys of the chain above an object whose parent object is `parent`, first page first:

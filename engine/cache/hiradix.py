@@ -203,8 +203,10 @@ class TieredRadixCache(RadixCache):
             freeable = sum(self.host.ranges[o][1] for o, d in self.objects.items() if d.committed and not d.lock_ref)
             if n > self.host.capacity - self.host.num_used + freeable:
                 return None
-        keep = {id(a) for a in self._path_up(above)} if above is not None else set()
+        keep: set[int] | None = None  # the path to `above`, made at the first miss
         while (start := self.host.reserve(obj, n)) is None:
+            if keep is None:
+                keep = {id(a) for a in self._path_up(above)} if above is not None else set()
             victim = self._host_victim(keep)
             if victim is None:
                 return None

@@ -250,7 +250,7 @@ class L3Dir:
         refreshed: it was just wanted again)."""
         dst = self.path(key)
         if dst.is_file():
-            _touch(dst)
+            _stamp([dst])
             return False
         if dst.exists():  # something not a page file squats the page's path: this page stays off disk
             return False
@@ -312,7 +312,7 @@ class L3Dir:
             self._remove(path, size)
             return False
         if touch:
-            _touch(path)
+            _stamp([path])
         with self.lock:
             self.stats["reads"] += 1
             self.stats["bytes_read"] += size
@@ -376,13 +376,6 @@ def _stamp(paths: Sequence[Path]) -> None:
             pass
 
 
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
 # ---- the controller's threads -------------------------------------------------------------
 
 
@@ -434,7 +427,7 @@ class L3Store:
         chain = [*before, *keys]
         todo = [(i, k) for i, k in enumerate(keys) if not self.files.exists(k)]
         if not todo:
-            self.writes.put(([], chain))  # on disk already: only used again
+            self.stamp_later(chain)  # on disk already: only used again
             return 0
         if time.monotonic() < self._refused_until:  # the disk refused a write just now: no copies for it
             with self.files.lock:

@@ -516,7 +516,7 @@ def test_a_pending_object_split_before_its_commit_is_written_whole(slab: str, tm
     assert all(tier.store.files.exists(k) for k in keys)
     steps.send(Step(seq=2, ops=[ApplyCommit(7), ApplyCommit(9), ApplyCommit(11)]))
     ctrl.pump()
-    assert not tier.keys and not tier.pieces and not tier.origin  # nothing kept once committed
+    assert not tier.pending and not tier.pieces and not tier.origin  # nothing kept once committed
 
 
 def test_a_childs_write_and_read_stamp_its_chain_above_it(slab: str, tmp_path: Path) -> None:
