@@ -39,7 +39,8 @@
 #             cuBLAS and vs the 64-row blocks (tests/gpu/test_invariant_gemm_gpu.py)
 #   detgemv   deterministic inference's CUDA GEMV (scripts/det_gemv_probe.py: bits against the prefill tiles at 1-16
 #             rows, time beside the triton GEMV), then decode latency with the mode on, the CUDA GEMV off / on / off / on
-#             (tuning patches), and with the mode off (DETGEMV_MODELS: "llama-3.1-8b qwen3-0.6b"; batch 1 8, ctx 1024)
+#             (tuning patches), and with the mode off (DETGEMV_MODELS: "llama-3.1-8b qwen3-0.6b"; batch 1 8, ctx 1024;
+#             DETGEMV_PROBE=0 skips the probe)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
@@ -284,8 +285,9 @@ for what in "$@"; do case $what in
               --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-h200.json" || fails=$((fails + 1)); done ;;
   detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
             || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -60 ;;
-  detgemv) run det-gemv-probe 300 python3 scripts/det_gemv_probe.py --out "$OUT/det-gemv-probe.json" || fails=$((fails + 1))
-           grep -E "TB/s|BITS|bits equal" "$OUT/det-gemv-probe.log" | grep -v " bits: " | tail -30
+  detgemv) if [ "${DETGEMV_PROBE:-1}" = 1 ]; then
+             run det-gemv-probe 300 python3 scripts/det_gemv_probe.py --out "$OUT/det-gemv-probe.json" || fails=$((fails + 1))
+             grep -E "TB/s|BITS|bits equal" "$OUT/det-gemv-probe.log" | grep -v " bits: " | tail -30; fi
            for m in ${DETGEMV_MODELS:-llama-3.1-8b qwen3-0.6b}; do i=0
              for p in '{"invariant_gemv_cuda": false}' '{"invariant_gemv_cuda": true}' '{"invariant_gemv_cuda": false}' \
                       '{"invariant_gemv_cuda": true}'; do
