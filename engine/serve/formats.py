@@ -159,8 +159,9 @@ def completion_logprobs(
         offsets.append(offset.start_of(data))
         offset = offset.after(data)
     top = None
-    if tops is not None:
-        top = [{token_text(tok, t): _lp(v) for t, v in alts} for alts in tops[: len(tokens)]]
+    if tops is not None:  # the chosen token first, then its alternatives: "up to logprobs+1 elements" (OpenAI)
+        top = [{token_text(tok, tid): _lp(lp), **{token_text(tok, t): _lp(v) for t, v in alts}}
+               for tid, lp, alts in zip(ids, logprobs, tops[: len(tokens)], strict=False)]
     body = {"tokens": tokens, "token_logprobs": [_lp(x) for x in logprobs], "top_logprobs": top, "text_offset": offsets}
     return body, offset
 

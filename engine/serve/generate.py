@@ -165,7 +165,8 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         async for out in handle:
             cached = max(cached, out.cached_tokens)
             spec = out.spec or spec
-            text, finish, kept = _text_and_finish(detok, out, params.stop_token_ids, by_token=bool(params.stop))
+            text, finish, kept = _text_and_finish(detok, out, params.include_stop_str_in_output,
+                                                  by_token=bool(params.stop))
             if finish == "error":
                 raise GenerationFailed(f"generation failed: {out.error or 'the scheduler failed this request'}")
             ids, logprobs, tops = out.new_ids, out.logprobs, out.top_logprobs
@@ -207,7 +208,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         )
 
 
-def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[int],
+def _text_and_finish(detok: Detokenizer, out: ReqOutput, keep_stop_token: bool,
                      by_token: bool) -> tuple[str, str | None, int]:
     """Text for one output, the finish reason (a stop string overrides the scheduler's) and how
     many of its ids the answer keeps. An output may carry several ids (a speculative step's
@@ -215,8 +216,11 @@ def _text_and_finish(detok: Detokenizer, out: ReqOutput, stop_token_ids: list[in
     they are read one by one, so that a stop string ends the answer at the id that completed it,
     ids, logprobs and usage alike, as one id a step would."""
     ids = out.new_ids
-    if out.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:
-        ids = ids[:-1]  # a user stop token ends the text but is not part of it (as in vLLM)
+    # The scheduler's "stop" is always a token's (EOS, a user stop token, a grammar's end): it ends
+    # the text but is not part of it, unless include_stop_str_in_output (vLLM's rule; the token
+    # stays in token_ids, logprobs and usage)
+    if out.finish_reason == "stop" and ids and not keep_stop_token:
+        ids = ids[:-1]
     if by_token and len(ids) > 1:
         parts = []
         for i in range(len(ids)):

@@ -103,7 +103,8 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    # the chosen token always, then the top 2: "up to logprobs+1 elements" (OpenAI's legacy completions)
+    assert all(len(t) <= 3 and tok in t for t, tok in zip(lp.top_logprobs, lp.tokens, strict=True))
 
 
 def test_streamed_logprobs_and_usage_match_non_stream(client: openai.OpenAI) -> None:
@@ -246,7 +247,9 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server: Server) -> None:
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+    assert all(x <= 0 for x in lp["token_logprobs"][1:])
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+        assert top[tok] == v and len(top) in (1, 2)  # the prompt's own token, and the top 1 where it is not it
     assert choice["text"].startswith("".join(lp["tokens"][: len(ids)]))
     native = httpx.post(f"{server.http}/generate", timeout=60, json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0, "prompt_logprobs": 2}}).json()

@@ -222,15 +222,24 @@ def test_a_stop_string_inside_a_multi_token_output_ends_the_answer_at_its_token(
         assert c.logprobs == [-float(j) for j in range(done)] and len(c.top_logprobs) == done
 
 
-def test_user_stop_token_is_not_in_the_text(text_tok) -> None:
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("stop", ["user", "eos"])
+def test_the_stop_token_is_not_in_the_text_unless_asked(text_tok, stop: str, keep: bool) -> None:
+    """A user stop token, and EOS where special tokens are kept in the text, end the text without
+    being part of it (vLLM); include_stop_str_in_output keeps them. Either way token_ids hold them."""
     async def main() -> None:
         fe = Frontend()
-        stop_id = text_tok.encode("!")[0]
-        params = SamplingParams(stop_token_ids=[stop_id])
+        if stop == "user":
+            stop_id, shown = text_tok.encode("!")[0], "!"
+            params = SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=keep)
+        else:
+            stop_id, shown = text_tok.encode("<|im_end|>")[0], "<|im_end|>"
+            params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=keep)
+        assert text_tok.decode([stop_id], skip_special_tokens=False) == shown
         gen = Generation(fe, text_tok, "t", [SubRequest("t", 0, 0, [1], params)])
         fe.dispatch(out("t", [*text_tok.encode("hello"), stop_id], "stop"))
         (choice,) = await collect(gen)
-        assert choice.text == "hello" and choice.finish_reason == "stop"
+        assert choice.text == ("hello" + shown if keep else "hello") and choice.finish_reason == "stop"
         assert choice.token_ids[-1] == stop_id
 
     run(main())
@@ -335,6 +344,10 @@ def test_logprob_formats(text_tok) -> None:
     assert entry["top_logprobs"][1]["logprob"] == fmt.LOGPROB_FLOOR  # -inf is not JSON
     legacy, end = fmt.completion_logprobs(text_tok, ids, lps, tops)
     assert legacy is not None and "".join(legacy["tokens"]) == "hi there"
+    other = [[(0, -0.25)] for _ in ids]  # the chosen token is not among the alternatives: it comes first
+    shown, _ = fmt.completion_logprobs(text_tok, ids, lps, other)
+    assert shown is not None and [list(t.items()) for t in shown["top_logprobs"]] == [
+        [(fmt.token_text(text_tok, t), -0.5), (fmt.token_text(text_tok, 0), -0.25)] for t in ids]
     assert legacy["text_offset"][0] == 0 and end.chars == len("hi there") and end.pending == b""
     assert fmt.chat_logprobs(text_tok, ids, None, None) is None
 
