@@ -141,10 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    """The command line (and the STRATA_* environment, read once here: a bad value is an exit 2
+    naming the variable, as a bad flag is)."""
     ns = build_parser().parse_args(argv)
-    if not ns.api_key and env().api_key:  # the environment keeps it out of `ps`
-        ns.api_key = env().api_key
     try:
+        variables = env()
+        if not ns.api_key and variables.api_key:  # the environment keeps it out of `ps`
+            ns.api_key = variables.api_key
         return ServerConfig(**vars(ns))
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)

@@ -547,6 +547,9 @@ def _read_json(path: Path) -> dict:
     import json
 
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON object expected, found {type(data).__name__}")
+    return data

@@ -38,7 +38,13 @@ DIST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 def _flag(name: str) -> bool | None:
     val = os.environ.get(name)
-    return None if val is None else val.lower() in ("1", "true", "yes")
+    if val is None or val == "":
+        return None
+    if val.lower() in ("1", "true", "yes"):
+        return True
+    if val.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be 1/true/yes or 0/false/no, got {val!r}")
 
 
 def _int(name: str, default: int) -> int:

@@ -230,16 +230,21 @@ class ChildSet:
 
     def cause(self, reporter: str, grace_s: float, sender: str = "") -> tuple[str, str] | None:
         """The child other than `reporter` (and `sender`, who reported for it and exits next) that
-        ended within grace_s, a signal's victim first: when one rank is killed, a survivor (its
-        collective broken) or the scheduler often reports a failure before the dead child's exit is
-        seen, and the dead one is the cause to name."""
+        ended before the report, a signal's victim first, or that a signal ends within grace_s: when
+        one rank is killed, a survivor (its collective broken) or the scheduler often reports a
+        failure before the dead child's exit is seen, and the dead one is the cause to name. A child
+        that exits by itself after the report is its consequence (the scheduler leaving on a
+        worker's failure), not its cause: each reports its own failure (Fatal) before it exits."""
+        def ended(signalled: bool) -> list[tuple[str, str]]:
+            return [(name, describe_exit(proc.returncode)) for name, proc in self.procs.items()
+                    if name not in (reporter, sender) and proc.poll() is not None
+                    and (proc.returncode < 0 or not signalled)]
+
+        dead = ended(signalled=False)
         deadline = time.monotonic() + grace_s
-        while True:
-            dead = [(name, describe_exit(proc.returncode)) for name, proc in self.procs.items()
-                    if name not in (reporter, sender) and proc.poll() is not None]
-            if dead or time.monotonic() >= deadline:
-                break
+        while not dead and time.monotonic() < deadline:
             time.sleep(0.02)
+            dead = ended(signalled=True)
         return min(dead, key=lambda d: "killed by" not in d[1]) if dead else None
 
     def stop_all(self, grace_s: float = 5.0) -> None:

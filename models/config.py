@@ -259,6 +259,9 @@ class ModelConfig:
         hidden, heads = _req(d, "hidden_size"), _req(d, "num_attention_heads")
         mla = _mla(d) if arch in _MLA_ARCHS else None
         # MLA: RoPE covers the qk_rope_head_dim part of each head (transformers sets head_dim so too)
+        for key in ("num_key_value_heads", "head_dim"):  # optional sizes: checked where given
+            if d.get(key) is not None:
+                _positive(d, key)
         head_dim = mla.qk_rope_head_dim if mla else d.get("head_dim") or _derived_head_dim(hidden, heads)
         rope_theta, scaling = _rope(d, yarn_ok=mla is not None)
         bias = bool(d.get("attention_bias", False))
@@ -290,10 +293,18 @@ class ModelConfig:
         )
 
 
-def _req(d: dict[str, Any], key: str) -> Any:
+def _req(d: dict[str, Any], key: str) -> int:
+    """A required size: a positive integer (a bool or a string is named, not divided by)."""
     if d.get(key) is None:
         raise ValueError(f"config.json lacks required key {key!r}")
-    return d[key]
+    return _positive(d, key)
+
+
+def _positive(d: dict[str, Any], key: str) -> int:
+    val = d[key]
+    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        raise ValueError(f"config.json: {key} must be a positive integer, got {val!r}")
+    return val
 
 
 def _architecture(d: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ import zmq
 from engine.args import parse_args
 from engine.cache.slab import create_slab, remove_slab, slab_dir
 from engine.config import ServerConfig, check_before_start
+from engine.env import env
 from engine.logs import setup_logging
 from engine.supervise import (
     RUN_LOCK,
@@ -39,6 +40,7 @@ from engine.supervise import (
     remove_stale_runs,
     run_prefix,
 )
+from models.config import ModelConfig
 from msgs.channels import CONTROL, NOTICES, Receiver, Sender, open_receiver, open_sender
 from msgs.control import Alive, Fatal, Ready, ToSupervisor, ToTokenizerControl
 
@@ -57,6 +59,7 @@ def prepare_model(cfg: ServerConfig) -> ServerConfig:
 
         cfg = replace(cfg, model=str(ensure_default_model()))
     check_before_start(cfg)
+    ModelConfig.from_dir(cfg.model)  # its keys, sizes and features: a ValueError here, not a worker's failure
     return cfg
 
 
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = prepare_model(cfg)
     except ValueError as exc:
         print(f"strata: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the default model's conversion under STRATA_CACHE_DIR
+        print(f"strata: the default model cannot be prepared under STRATA_CACHE_DIR ({env().cache_dir}): {exc}",
+              file=sys.stderr)
         return 2
     stale = remove_stale_runs(Path(tempfile.gettempdir()), slab_dir())  # what a kill -9 left
     if stale:

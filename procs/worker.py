@@ -52,8 +52,10 @@ def main() -> int:
     except Exception as exc:  # fatal by design: report, exit non-zero
         log.exception("worker failed", error=str(exc))
         seq = pipeline.last_seq if pipeline is not None else -1
-        done.send(WorkerFailed(rank=rank, seq=seq, reason=str(exc)))
+        # the supervisor hears it first: the scheduler exits on WorkerFailed, and an exit seen
+        # before this report would be taken for its cause (ChildSet.cause)
         control.send(Fatal(proc="worker", rank=rank, reason=str(exc)))
+        done.send(WorkerFailed(rank=rank, seq=seq, reason=str(exc)))
         code = 1
     finally:
         # exiting now: the supervisor's SIGTERM (sent on a failed start) must not raise SystemExit

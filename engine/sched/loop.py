@@ -111,7 +111,7 @@ class SchedulerLoop:
     def on_worker_ready(self, msg: FromWorker) -> bool:
         """Collect WorkerReady from every rank; True once all are in and the core exists."""
         if isinstance(msg, WorkerFailed):
-            raise WorkerFailure(f"worker {msg.rank}: {msg.reason}")
+            raise WorkerFailure(f"worker {msg.rank}: {msg.reason}", msg.rank)
         if isinstance(msg, WorkerReady):
             self.readies[msg.rank] = msg
         if len(self.readies) < self.num_ranks:
@@ -267,7 +267,7 @@ class SchedulerLoop:
         outs: list[ReqOutput] = []
         for msg in _drain(self.ports.done):
             if isinstance(msg, WorkerFailed):
-                raise WorkerFailure(f"worker {msg.rank} failed at step {msg.seq}: {msg.reason}")
+                raise WorkerFailure(f"worker {msg.rank} failed at step {msg.seq}: {msg.reason}", msg.rank)
             if isinstance(msg, GrammarReady):
                 outs.extend(self.core.on_grammar_ready(msg))
                 continue

@@ -39,6 +39,7 @@ def test_defaults_and_overrides(fresh_env, monkeypatch: pytest.MonkeyPatch, tmp_
     ("STRATA_DIGEST_EVERY", "abc", "STRATA_DIGEST_EVERY must be an integer"),
     ("STRATA_DIGEST_EVERY", "-1", "STRATA_DIGEST_EVERY must be >= 0"),
     ("STRATA_LOG_LEVEL", "loud", "STRATA_LOG_LEVEL must be"),
+    ("STRATA_LOG_JSON", "maybe", "STRATA_LOG_JSON must be 1/true/yes or 0/false/no"),
 ])
 def test_bad_values_name_their_variable(fresh_env, monkeypatch: pytest.MonkeyPatch, name: str, value: str,  # noqa: ANN001
                                         says: str) -> None:

@@ -71,6 +71,35 @@ def test_bad_paths_exit_2(args: list[str], says: str) -> None:
     assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("case", ["digest_every", "log_json", "cache_dir_a_file", "config_a_list", "heads_0",
+                                  "heads_a_string"])
+def test_bad_environment_and_model_configs_exit_2(tmp_path: Path, case: str) -> None:
+    """A bad STRATA_* variable (with --api-key, which once skipped reading them before logging set
+    up), a cache dir that is a file, and a config.json that is not an object or has a size that
+    is not a positive integer: exit 2 naming it, before any process starts, no traceback."""
+    import os
+
+    env, args = {**os.environ}, ["--port", "1", "--sdk-port", "2"]  # never bound: refused before any start
+    config = json.loads((TINY / "config.json").read_text())
+    model = tmp_path / "model"
+    model.mkdir()
+    if case == "digest_every":
+        env["STRATA_DIGEST_EVERY"], args, says = "abc", [*args, "--api-key", "k"], "STRATA_DIGEST_EVERY must be"
+    elif case == "log_json":
+        env["STRATA_LOG_JSON"], says = "maybe", "STRATA_LOG_JSON must be"
+    elif case == "cache_dir_a_file":
+        (tmp_path / "file").write_text("")
+        env["STRATA_CACHE_DIR"], says = str(tmp_path / "file"), "cannot be prepared under STRATA_CACHE_DIR"
+    else:
+        body: object = [1, 2] if case == "config_a_list" else {**config, "num_attention_heads": 0 if case == "heads_0"
+                                                                   else "4"}
+        (model / "config.json").write_text(json.dumps(body))
+        args = [*args, "--model", str(model), "--load-format", "dummy"]
+        says = "a JSON object expected" if case == "config_a_list" else "num_attention_heads must be a positive integer"
+    run = subprocess.run([str(ROOT / "bin" / "serve"), *args], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 def test_a_failed_bind_says_what_to_check() -> None:
     """The HTTP listener's bind error hints at the port when it is taken, at --host when this
     machine has no such address (not at the port, as it once did)."""

@@ -4,6 +4,7 @@ worker's Step stream (no process is started here)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -127,6 +128,14 @@ def test_the_cause_of_a_failure_is_the_child_that_was_killed(tmp_path: Path) -> 
         del cs.procs["quitter"], cs.procs["worker-1"]
         t0 = time.monotonic()
         assert cs.cause("scheduler", 0.2) is None and time.monotonic() - t0 >= 0.2
+        # after the report: an own exit is its consequence (the scheduler leaving on a worker's
+        # failure), a signal's victim still its cause
+        later = "import time; time.sleep(0.3); raise SystemExit(1)"
+        cs.procs["later"] = subprocess.Popen([sys.executable, "-c", later])
+        assert cs.cause("worker-0", 1.0) is None and cs.procs["later"].poll() == 1
+        del cs.procs["later"]
+        threading.Timer(0.3, cs.procs["scheduler"].kill).start()
+        assert cs.cause("worker-0", 2.0) == ("scheduler", "killed by SIGKILL")
     finally:
         for proc in cs.procs.values():
             proc.kill()

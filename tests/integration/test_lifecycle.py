@@ -39,7 +39,9 @@ def test_sigterm_shuts_down_everything(tmp_path: Path) -> None:
 def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     model = tmp_path / "bad-model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 10}))
+    # a whole config (its checks before start pass) of an architecture no plug-in serves: the worker fails
+    config = json.loads((ROOT / "configs" / "tiny-llama" / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
     port = reserve_ports(2)
     sdk_port = port + 1
     cmd = [
@@ -55,7 +57,8 @@ def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
-    assert "worker" in res.stderr and "failed" in res.stderr
+    # the worker is named, not the scheduler that leaves on its report (ChildSet.cause)
+    assert "strata: worker-0 failed: unsupported model architecture 'NoSuchForCausalLM'" in res.stderr, res.stderr
 
 
 def test_bad_flag_exits_2(tmp_path: Path) -> None:
