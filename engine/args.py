@@ -127,7 +127,9 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bin/serve", description="Strata LLM server", formatter_class=_Formatter)
+    # no abbreviations: `--tp 2` once started a tp=2 server quietly (the flag is --tp-size)
+    parser = argparse.ArgumentParser(prog="bin/serve", description="Strata LLM server", formatter_class=_Formatter,
+                                     allow_abbrev=False)
     for f in dataclasses.fields(ServerConfig):
         if f.name in HIDDEN:
             continue
