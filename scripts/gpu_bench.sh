@@ -40,7 +40,7 @@
 #   detgemv   deterministic inference's CUDA GEMV (scripts/det_gemv_probe.py: bits against the prefill tiles at 1-16
 #             rows, time beside the triton GEMV), then decode latency with the mode on, the CUDA GEMV off / on / off / on
 #             (tuning patches), and with the mode off (DETGEMV_MODELS: "llama-3.1-8b qwen3-0.6b"; batch 1 8, ctx 1024;
-#             DETGEMV_PROBE=0 skips the probe)
+#             DETGEMV_PROBE=0 skips the probe; DETGEMV_ROUNDS, default 2, the off / on pairs)
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
@@ -289,8 +289,8 @@ for what in "$@"; do case $what in
              run det-gemv-probe 300 python3 scripts/det_gemv_probe.py --out "$OUT/det-gemv-probe.json" || fails=$((fails + 1))
              grep -E "TB/s|BITS|bits equal" "$OUT/det-gemv-probe.log" | grep -v " bits: " | tail -30; fi
            for m in ${DETGEMV_MODELS:-llama-3.1-8b qwen3-0.6b}; do i=0
-             for p in '{"invariant_gemv_cuda": false}' '{"invariant_gemv_cuda": true}' '{"invariant_gemv_cuda": false}' \
-                      '{"invariant_gemv_cuda": true}'; do
+             for p in $(for r in $(seq "${DETGEMV_ROUNDS:-2}"); do echo '{"invariant_gemv_cuda":false}' \
+                        '{"invariant_gemv_cuda":true}'; done); do
                tuned "$p" run latency-$m-detgemv$i 200 bin/bench latency --model configs/$m --load-format dummy \
                  --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
                  --out "$OUT/latency-$m-detgemv$i-h200.json" || fails=$((fails + 1))
