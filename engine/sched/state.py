@@ -150,7 +150,7 @@ def host_pages(cfg: ServerConfig, ready: WorkerReady, ranks: int = 1, room: int 
         return want
     need_gib = want * ready.page_bytes * ranks / 2**30
     if cfg.hicache_size > 0:
-        raise ValueError(f"--hicache-size {cfg.hicache_size} GB needs {need_gib:.1f} GiB of host memory for "
+        raise ValueError(f"--hicache-size {cfg.hicache_size:g} needs {need_gib:.1f} GiB of host memory for "
                          f"{ranks} rank(s); {room / 2**30:.1f} GiB are available")
     if fits < 1:
         raise ValueError(f"no host memory for the host tier: {room / 2**30:.2f} GiB available")

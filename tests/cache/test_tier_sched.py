@@ -158,7 +158,7 @@ def test_host_tier_size_and_flags() -> None:
     # within the host memory there is: the ratio is capped to fit, an explicit size is an error
     on = ServerConfig(enable_hierarchical_cache=True)
     assert host_pages(on, ready, ranks=2, room=100 << 20) == 50  # 100 MiB over 2 ranks of 1 MiB pages
-    with pytest.raises(ValueError, match="--hicache-size 0.5 GB needs 1.0 GiB"):
+    with pytest.raises(ValueError, match="--hicache-size 0.5 needs 1.0 GiB"):
         host_pages(ServerConfig(enable_hierarchical_cache=True, hicache_size=0.5), ready, ranks=2, room=100 << 20)
     with pytest.raises(ValueError, match="no host memory"):
         host_pages(on, ready, room=1 << 10)
