@@ -10,6 +10,10 @@ import msgspec
 
 from msgs.params import SamplingParams
 
+# the largest frame the server reads (its zmq.MAXMSGSIZE; HTTP's body limit too): a larger one is
+# refused by zmq and its connection dropped, so the SDK answers 413 before sending it
+MAX_FRAME_BYTES = 64 << 20
+
 
 class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     rid: str

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from msgs.channels import SDK_IN, SDK_OUT
-from msgs.client import AbortGenerate, FromServer, GenerateChunk, GenerateError, GenerateRequest
+from msgs.client import MAX_FRAME_BYTES, AbortGenerate, FromServer, GenerateChunk, GenerateError, GenerateRequest
 from msgs.params import MODEL_DEFAULT_FIELDS, SamplingParams
 
 __all__ = ["AbortGenerate", "AsyncClient", "Client", "GenerateChunk", "GenerateError", "GenerateRequest", "StrataError"]
@@ -47,6 +47,15 @@ SILENCE_S = 10.0  # no frame at all for this long (keep-alives come every second
 
 def _gone() -> StrataError:
     return StrataError(503, f"no word from the server in {SILENCE_S:.0f} s: it is down or unreachable")
+
+
+def _frame(req: GenerateRequest) -> bytes:
+    """The request's frame, or StrataError 413 where the server would refuse it (and drop the
+    connection, every other request on it with it)."""
+    frame = _TO_SERVER.encode(req)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise StrataError(413, f"request of {len(frame)} bytes is over the server's {MAX_FRAME_BYTES >> 20} MiB limit")
+    return frame
 
 
 def _timed_out(timeout_s: float) -> StrataError:
@@ -113,7 +122,7 @@ class Client:
     def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         """Run one request to completion; params are SamplingParams fields."""
         req = _request(prompt, False, rid, params, self._api_key)
-        self._sock.send(_TO_SERVER.encode(req))
+        self._sock.send(_frame(req))
         try:
             return self._next(req.rid, time.monotonic() + self._timeout_s)
         except StrataError as exc:
@@ -124,7 +133,7 @@ class Client:
     def stream(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> Iterator[GenerateChunk]:
         """Yield deltas until the request finishes. Closing the iterator early aborts it."""
         req = _request(prompt, True, rid, params, self._api_key)
-        self._sock.send(_TO_SERVER.encode(req))
+        self._sock.send(_frame(req))
         deadline = time.monotonic() + self._timeout_s
         finished = False
         try:
@@ -178,7 +187,7 @@ class AsyncClient:
         queue: asyncio.Queue[FromServer] = asyncio.Queue()
         self._queues[req.rid] = queue
         try:
-            await self._sock.send(_TO_SERVER.encode(req))
+            await self._sock.send(_frame(req))
         except BaseException:
             self._queues.pop(req.rid, None)
             raise

@@ -35,6 +35,7 @@ from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
 from engine.serve.validate import check_rid
+from msgs.client import MAX_FRAME_BYTES
 
 log = structlog.get_logger()
 Handler = Callable[[ServeState, bytes, Call], Awaitable[Reply]]
@@ -125,7 +126,7 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
     return endpoint
 
 
-MAX_BODY = 64 << 20  # bytes of a request body: larger is a 413 (1M-token prompts fit in a few MB)
+MAX_BODY = MAX_FRAME_BYTES  # bytes of a request body: larger is a 413 (1M-token prompts fit in a few MB)
 
 
 def _too_large() -> ApiError:

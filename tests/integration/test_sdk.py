@@ -195,6 +195,38 @@ def test_a_frame_past_the_body_limit_is_refused_before_it_is_read(server: Server
     assert dropped() == before + 1
 
 
+def test_a_request_past_the_frame_limit_is_a_413_and_spares_the_connection(server: Server) -> None:
+    """An audit: the client sent it, the server's zmq dropped the frame and the connection, and
+    every request on that client waited 10 s for a false "server down" 503. Now the client knows
+    the limit (msgs.client.MAX_FRAME_BYTES) and refuses the request before sending it."""
+    from msgs.client import MAX_FRAME_BYTES
+
+
+    huge = "a" * (MAX_FRAME_BYTES + 1)
+    with Client(server.sdk) as c:
+        t0 = time.monotonic()
+        with pytest.raises(StrataError) as err:
+            c.generate(huge, max_new_tokens=2)
+        assert err.value.status == 413 and "limit" in err.value.message and time.monotonic() - t0 < 5
+        assert c.generate("Hello", max_new_tokens=2, temperature=0).completion_tokens == 2
+
+    async def both() -> tuple[int, int]:
+        async with AsyncClient(server.sdk) as c:
+            async def streamed() -> int:
+                ids = [t async for chunk in c.stream("Hello", max_new_tokens=6, temperature=0, ignore_eos=True)
+                       for t in chunk.token_ids]
+                return len(ids)
+            task = asyncio.create_task(streamed())
+            await asyncio.sleep(0.05)
+            try:
+                await c.generate(huge, max_new_tokens=2)
+            except StrataError as exc:
+                status = exc.status
+            return status, await task
+
+    assert asyncio.run(both()) == (413, 6)
+
+
 def test_a_rid_reused_right_after_its_abort_is_served(server: Server) -> None:
     """An audit: breaking out of a stream (its abort) then asking again with the same rid was a
     400 "already in flight" while the aborted request wound down; HTTP waits for it, so does the
