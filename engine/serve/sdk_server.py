@@ -169,11 +169,16 @@ class SdkServer:
             params = req.params
             if req.unset and defaults:  # the fields the caller left unset: the model's defaults
                 params = msgspec.structs.replace(params, **{k: defaults[k] for k in req.unset if k in defaults})
-            ids, params = await prepare(self._state, req.text, req.input_ids, params, max_given=True)
-            log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=params.max_new_tokens)
-            gen = await Generation.start(
-                self._state.frontend, self._state.tok, rid, [SubRequest(rid, 0, 0, ids, params)], stream=req.stream
-            )
+
+            async def begin() -> Generation:  # (nothing reaches the scheduler before Generation.start returns)
+                ids, checked = await prepare(self._state, req.text, req.input_ids, params, max_given=True)
+                log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=checked.max_new_tokens)
+                return await Generation.start(self._state.frontend, self._state.tok, rid,
+                                              [SubRequest(rid, 0, 0, ids, checked)], stream=req.stream)
+
+            # kept alive from the start: readiness, tokenizing and a grammar's compile may take more than
+            # the client's SILENCE_S, which it would read as a dead server (an audit)
+            gen = await self._keeping_alive(ident, rid, begin())
             try:
                 if req.stream:
                     await self._stream(ident, rid, gen)

@@ -40,3 +40,44 @@ def test_a_stuck_send_and_a_stuck_keep_alive_leave_no_unretrieved_exception(monk
     asyncio.run(main())
     gc.collect()
     assert not [c for c in unhandled if "never retrieved" in str(c.get("message"))], unhandled
+
+
+def test_a_request_waiting_for_readiness_is_kept_alive(monkeypatch) -> None:  # noqa: ANN001
+    """An audit: keep-alives began only once the request reached the scheduler, so a request that
+    waited longer than the client's SILENCE_S before that (the scheduler not ready yet, a long
+    tokenization, a grammar's compile) was read as a dead server. Over a real ROUTER / DEALER
+    pair, a request waiting on a scheduler that never gets ready hears keep-alives, then the 503."""
+    import zmq.asyncio
+
+    from engine.config import ServerConfig
+    from engine.serve.frontend import Frontend
+    from engine.serve.state import ServeState
+    from msgs.channels import SDK_IN, SDK_OUT
+    from msgs.client import GenerateError, GenerateRequest
+    from msgs.params import SamplingParams
+
+    monkeypatch.setattr(sdk_server, "KEEPALIVE_S", 0.2)
+    state = ServeState(cfg=ServerConfig(), tok=None, frontend=Frontend(), ready_timeout_s=1.5)
+
+    async def main() -> list[object]:
+        ctx = zmq.asyncio.Context()
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.bind("inproc://sdk-ready")
+        dealer.connect("inproc://sdk-ready")
+        serving = asyncio.create_task(SdkServer(state, router).run())
+        req = GenerateRequest(rid="r", params=SamplingParams(max_new_tokens=2), input_ids=[1, 2, 3])
+        await dealer.send(SDK_IN.codec.encode(req))
+        got: list[object] = []
+        while not got or not isinstance(got[-1], GenerateError):
+            got.append(SDK_OUT.codec.decode(await asyncio.wait_for(dealer.recv(), 5)))
+        serving.cancel()
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+        return got
+
+    got = asyncio.run(main())
+    error = got[-1]
+    assert isinstance(error, GenerateError) and error.status == 503 and "not ready" in error.message
+    assert sum(isinstance(m, KeepAlive) for m in got[:-1]) >= 4, got  # 1.5 s at one a 0.2 s
