@@ -128,7 +128,7 @@ def _measured(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[dict[
 
 
 def _stopped(out: dict[str, Any]) -> bool:
-    return out["meta_info"]["finish_reason"] == "stop"
+    return (out["meta_info"]["finish_reason"] or {}).get("type") == "stop"  # SGLang's {"type", "matched"}
 
 
 def _validity(outs: list[dict[str, Any]]) -> tuple[int, int]:

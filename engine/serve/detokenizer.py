@@ -81,6 +81,7 @@ class StopMatcher:
         self._keep = keep  # the output keeps the stop string that ended it
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
 
     def feed(self, text: str) -> str:
         """Add text; return what is safe to emit. After a hit, returns the text before the
@@ -92,6 +93,7 @@ class StopMatcher:
         if hits:  # the earliest; of those starting there, the longest
             hit, neg_len = min(hits)
             self.stopped, self._held = True, ""
+            self.matched = buf[hit : hit - neg_len]
             return buf[: hit - neg_len] if self._keep else buf[:hit]
         keep = self._partial_len(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
@@ -140,6 +142,11 @@ class Detokenizer:
     @property
     def stopped(self) -> bool:
         return self._stop.stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the output (None: none did)."""
+        return self._stop.matched
 
     @property
     def text(self) -> str:

@@ -221,14 +221,26 @@ def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
+def native_finish(finish: str | None, matched: int | str | None, completion_tokens: int) -> dict[str, Any] | None:
+    """SGLang's meta_info.finish_reason: {"type": "stop", "matched": token id or stop string},
+    {"type": "length", "length": tokens}, or {"type": <reason>}; None while running."""
+    if finish is None:
+        return None
+    if finish == "stop":
+        return {"type": "stop", "matched": matched}
+    if finish == "length":
+        return {"type": "length", "length": completion_tokens}
+    return {"type": finish}
+
+
 def native_meta(rid: str, prompt: int, completion_tokens: int, cached: int, finish: str | None,
-                spec: tuple[int, int, int] | None = None) -> dict[str, Any]:
+                spec: tuple[int, int, int] | None = None, matched: int | str | None = None) -> dict[str, Any]:
     meta = {
         "id": rid,
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached,
-        "finish_reason": finish,
+        "finish_reason": native_finish(finish, matched, completion_tokens),
     }
     if spec and spec[0]:  # as SGLang's meta_info: verify rows, and tokens answered per verify row
         meta["spec_verify_ct"] = spec[0]

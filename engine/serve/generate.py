@@ -39,6 +39,7 @@ class Delta:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
+    matched: int | str | None = None  # what a "stop" matched: the token id, or the stop string
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -58,6 +59,7 @@ class Choice:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
+    matched: int | str | None = None  # what a "stop" matched: the token id, or the stop string
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -183,6 +185,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
                     logprobs=logprobs,
                     top_logprobs=tops,
                     finish_reason=finish,
+                    matched=_matched(detok, out) if finish == "stop" else None,
                     prompt_tokens=len(sub.ids),
                     completion_tokens=produced,
                     cached_tokens=cached,
@@ -238,6 +241,13 @@ def _text_and_finish(detok: Detokenizer, out: ReqOutput, keep_stop_token: bool,
     return text, "stop" if detok.stopped else out.finish_reason, len(out.new_ids)
 
 
+def _matched(detok: Detokenizer, out: ReqOutput) -> int | str | None:
+    """What ended a "stop": the stop string, else the token the scheduler stopped on."""
+    if detok.matched is not None:
+        return detok.matched
+    return out.new_ids[-1] if out.finish_reason == "stop" and out.new_ids else None
+
+
 async def collect(gen: Generation) -> list[Choice]:
     """Run to completion; the choices in index order. Raises GenerationFailed."""
     choices = {s.index: Choice(index=s.index, prompt_index=s.prompt_index) for s in gen.subs}
@@ -253,6 +263,7 @@ async def collect(gen: Generation) -> list[Choice]:
             c.top_logprobs = c.top_logprobs or []
             c.top_logprobs.extend(delta.top_logprobs)
         c.finish_reason = delta.finish_reason or c.finish_reason
+        c.matched = delta.matched if delta.finish_reason else c.matched
         c.prompt_tokens, c.completion_tokens = delta.prompt_tokens, delta.completion_tokens
         c.cached_tokens = delta.cached_tokens
         c.spec = delta.spec or c.spec

@@ -1,7 +1,8 @@
 """SGLang-native /generate, and the request preparation it shares with the ZMQ SDK.
 
 /generate answers {"text", "output_ids", "meta_info": {id, prompt_tokens,
-completion_tokens, cached_tokens, finish_reason}}. Streamed events follow SGLang: each
+completion_tokens, cached_tokens, finish_reason}}, finish_reason as SGLang's object ({"type": "stop",
+"matched": token id or stop string} / {"type": "length", "length": n}). Streamed events follow SGLang: each
 carries the text and output ids so far (cumulative), then `data: [DONE]`. A batch (`text` a
 list of strings or `input_ids` a list of id lists) answers a list of those, not streamed.
 SGLang's top-level `return_logprob`, `top_logprobs_num` and `logprob_start_len` (>= 0: the
@@ -60,7 +61,8 @@ class _Shape:
     tok: TextTokenizer | None = None  # return_text_in_logprobs: each entry's text third
 
     def body(self, rid: str, c: Choice, prompt: list[int]) -> dict[str, Any]:
-        meta = fmt.native_meta(rid, len(prompt), len(c.token_ids), c.cached_tokens, c.finish_reason, c.spec)
+        meta = fmt.native_meta(rid, len(prompt), len(c.token_ids), c.cached_tokens, c.finish_reason, c.spec,
+                               c.matched)
         fmt.native_logprobs(meta, c.token_ids, c.logprobs, c.top_logprobs, self.tok)
         if c.prompt_logprobs is not None:
             fmt.native_input_logprobs(meta, prompt, c.prompt_logprobs, c.prompt_top_logprobs, max(self.start, 0),
@@ -170,6 +172,7 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
                 if d.prompt_logprobs is not None:
                     c.prompt_logprobs, c.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
                 c.cached_tokens, c.finish_reason, c.spec = d.cached_tokens, d.finish_reason, d.spec
+                c.matched = d.matched
                 yield fmt.sse(shape.body(rid, c, prompt))
         except GenerationFailed as exc:  # the error event, then [DONE] as after any stream
             log.warning("stream failed", status=exc.status, error=exc.message)

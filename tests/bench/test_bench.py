@@ -230,7 +230,7 @@ def test_structured_counts_stop_answers_that_are_not_valid() -> None:
     short = json.dumps({"items": [item]})  # JSON, but minItems is 8
 
     def out(text: str, reason: str) -> dict[str, Any]:
-        return {"text": text, "meta_info": {"finish_reason": reason}}
+        return {"text": text, "meta_info": {"finish_reason": {"type": reason}}}
 
     outs = [out(good, "stop"), out('{"items": [{"name": "a\\x08', "length"), out(short, "stop"),
             out(good[:-2] + '\x08"}', "stop")]

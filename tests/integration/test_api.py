@@ -397,6 +397,18 @@ def test_an_agent_loop_turn_and_openai_fields_vllm_takes(client: openai.OpenAI, 
     g = httpx.post(f"{server.http}/generate", timeout=60,
                    json={"text": "1, 2, 3,", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "stop": ","}})
     assert g.status_code == 200 and "," not in g.json()["text"], g.text
+    # SGLang's meta_info.finish_reason: an object saying what matched, or how long it ran
+    assert g.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": ","}, g.text
+
+    def finish(params: dict) -> tuple[dict, list[int]]:
+        out = httpx.post(f"{server.http}/generate", timeout=60,
+                         json={"text": "1, 2, 3,", "sampling_params": {"temperature": 0, **params}}).json()
+        return out["meta_info"]["finish_reason"], out["output_ids"]
+
+    reason, ids = finish({"max_new_tokens": 3, "ignore_eos": True})
+    assert reason == {"type": "length", "length": 3} and len(ids) == 3
+    reason, ids = finish({"max_new_tokens": 8, "stop_token_ids": [ids[1]]})  # the second token, as an id
+    assert reason == {"type": "stop", "matched": ids[-1]} and len(ids) == 2
 
 
 def test_chat_template_failure_is_400(server: Server) -> None:
