@@ -153,11 +153,14 @@ def _print_errors(rep: Report, w: Any) -> None:
 
 
 def _print_unfinished(rep: Report, w: Any, most: int = 20) -> None:
+    if rep.rejected:
+        by = ", ".join(f"{status}: {n}" for status, n in rep.rejected.items())
+        w(f"rejected requests: {sum(rep.rejected.values())} (by HTTP status: {by})")
     if not rep.unfinished:
         return
     w(f"unfinished requests: {len(rep.unfinished)} (no 'request finished' line: in flight when the logs end)")
     for u in rep.unfinished[:most]:
-        w(f"  {u['rid']}: first seen {u['first_seen']:.3f} s, last {u['last_seen']:.3f} s "
+        w(f"  {u['rid'][:64]}: first seen {u['first_seen']:.3f} s, last {u['last_seen']:.3f} s "
           f"({u['last_proc']}: {u['last_event']})")
     if len(rep.unfinished) > most:
         w(f"  ... and {len(rep.unfinished) - most} more (--json lists them all)")

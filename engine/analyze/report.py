@@ -14,6 +14,12 @@ from typing import Any
 Record = dict[str, Any]
 
 RECEIVED_EVENTS = ("generate request", "chat request", "completion request", "sdk request")
+REJECTED_EVENTS = ("request rejected", "sdk request rejected")  # a 4xx before the request ran: its end
+FINISHED_EVENT = "request finished"  # the tokenizer's, one per request that ran
+# the other ends of a request at the tokenizer: failed before it ran (a server process died) or its
+# client gone before the response
+FAILED_EVENTS = ("sdk request failed", "client disconnected before the response")
+CONTAINER_EVENTS = ("generate batch",)  # a batch's own rid: its prompts run (and finish) as rid-0, rid-1, ...
 ERROR_LEVELS = ("error", "critical", "exception")
 _SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
 _L2_RE = re.compile(r"back ?up|load.?back|l2|l3|host tier|hicache", re.IGNORECASE)
@@ -62,6 +68,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     # requests with no 'request finished' line: in flight when the logs end (a crash, a kill)
     unfinished: list[dict[str, Any]] = field(default_factory=list)
+    rejected: dict[str, int] = field(default_factory=dict)  # requests refused before they ran, by HTTP status
     kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker: its KV pool and layout
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)  # per worker and MoE layer: expert load
     spec: dict[str, Any] = field(default_factory=dict)  # speculative decoding: accept length, overall and per line
@@ -105,35 +112,68 @@ def _parse(line: str) -> Record | None:
 # ---------------------------------------------------------------- requests
 
 
+def _reopens(rec: Record) -> bool:
+    """A request's arrival at the tokenizer: with a rid already finished, a new request (a rid
+    reused after its abort or its client's disconnect, as HTTP and the SDK allow)."""
+    return rec.get("proc") == "tokenizer" and rec["event"] in RECEIVED_EVENTS
+
+
 def build_requests(records: list[Record], t0: float, has_l2: bool) -> list[Request]:
-    reqs: dict[str, Request] = {}
+    current: dict[str, Request] = {}
+    done: list[Request] = []
     for rec in records:
         rid = rec.get("rid")
         if not isinstance(rid, str):
             continue
-        _apply(reqs.setdefault(rid, Request(rid=rid)), rec, rec["t"] - t0)
-    done = [r for r in reqs.values() if r.done is not None]
+        req = current.get(rid)
+        if req is None or (req.done is not None and _reopens(rec)):
+            req = current[rid] = Request(rid=rid)
+        finished = req.done is not None
+        _apply(req, rec, rec["t"] - t0)
+        if not finished and req.done is not None:
+            done.append(req)
     for r in done:
         _finish(r, has_l2)
     return sorted(done, key=lambda r: r.received if r.received is not None else r.done or 0.0)
 
 
+def _ends(rec: Record) -> bool:
+    return rec.get("proc") == "tokenizer" and rec["event"] in (FINISHED_EVENT, *REJECTED_EVENTS, *FAILED_EVENTS)
+
+
 def unfinished(records: list[Record], t0: float) -> list[dict[str, Any]]:
-    """The requests that a process logged but the tokenizer never finished: each with when it was
-    first and last seen (seconds since t0) and its last event, in order of arrival."""
+    """The requests that a process logged but the tokenizer never finished nor rejected: each with
+    when it was first and last seen (seconds since t0) and its last event, in order of arrival. A
+    batch's own rid is not one (its prompts are); a finished rid counts again only when it is
+    received again."""
     seen: dict[str, dict[str, Any]] = {}
-    finished: set[str] = set()
+    ended: set[str] = set()
     for rec in records:
         rid = rec.get("rid")
-        if not isinstance(rid, str):
+        if not isinstance(rid, str) or rec["event"] in CONTAINER_EVENTS:
             continue
-        if rec.get("proc") == "tokenizer" and rec["event"] == "request finished":
-            finished.add(rid)
+        if _ends(rec):
+            ended.add(rid)
+            seen.pop(rid, None)
             continue
+        if rid in ended:
+            if not _reopens(rec):
+                continue  # a late line of the request that ended
+            ended.discard(rid)
         t = round(rec["t"] - t0, 3)
         entry = seen.setdefault(rid, {"rid": rid, "first_seen": t})
         entry.update(last_seen=t, last_event=rec["event"], last_proc=rec.get("proc"))
-    return [e for rid, e in seen.items() if rid not in finished]
+    return list(seen.values())
+
+
+def rejected(records: list[Record]) -> dict[str, int]:
+    """Requests the tokenizer refused before they ran (a 4xx; a 413, 503...), by HTTP status."""
+    counts: dict[str, int] = {}
+    for rec in records:
+        if rec.get("proc") == "tokenizer" and rec["event"] in REJECTED_EVENTS:
+            status = str(rec.get("status", "?"))
+            counts[status] = counts.get(status, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _apply(req: Request, rec: Record, t: float) -> None:
@@ -144,7 +184,7 @@ def _apply(req: Request, rec: Record, t: float) -> None:
         req.queued = t
     elif proc == "scheduler" and event == "admitted" and req.tier_tokens is None:
         req.tier_tokens = (int(rec.get("l2_tokens") or 0), int(rec.get("l3_tokens") or 0))
-    elif proc == "tokenizer" and event == "request finished":
+    elif proc == "tokenizer" and event == FINISHED_EVENT:
         req.done = t
         req.ttft = rec.get("ttft")
         req.prompt_tokens = rec.get("prompt_tokens")
@@ -386,6 +426,7 @@ def analyze(logdir: Path) -> Report:
         first_error_seq=min(seqs) if seqs else None,
         notes=_notes(reqs, has_l2, records),
         unfinished=unfinished(records, t0),
+        rejected=rejected(records),
         kv_pools=kv_pools(records),
         moe=moe_load(records),
         spec=spec_accept(records, t0),

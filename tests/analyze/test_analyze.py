@@ -279,3 +279,41 @@ def test_percentile() -> None:
     vals = [float(v) for v in range(1, 101)]
     assert (percentile(vals, 50), percentile(vals, 90), percentile(vals, 99)) == (50.0, 90.0, 99.0)
     assert percentile([3.0], 99) == 3.0
+
+
+def test_a_reused_rid_is_two_requests_and_rejections_are_not_in_flight(tmp_path: Path) -> None:
+    """An audit: requests were keyed by rid, so a rid reused after its abort (as HTTP and the SDK
+    allow) merged two requests into one row; and requests rejected with a 4xx, a batch's own rid
+    and a request failed by a server's death were listed as in flight when the logs ended."""
+    def at(ms: int) -> str:
+        return f"2026-01-01T00:00:{ms // 1000:02d}.{ms % 1000:03d}000Z"
+
+    tok = [
+        _line(event="sdk request", rid="a", prompt_tokens=8, proc="tokenizer", timestamp=at(0)),
+        _line(event="request finished", rid="a", finish_reason="cancelled", prompt_tokens=8, completion_tokens=3,
+              cached_tokens=0, ttft=0.05, proc="tokenizer", timestamp=at(100)),
+        _line(event="sdk request", rid="a", prompt_tokens=2, proc="tokenizer", timestamp=at(200)),
+        _line(event="request finished", rid="a", finish_reason="stop", prompt_tokens=2, completion_tokens=2,
+              cached_tokens=0, ttft=0.02, proc="tokenizer", timestamp=at(300)),
+        _line(event="request rejected", rid="b", status=400, proc="tokenizer", timestamp=at(400)),
+        _line(event="sdk request rejected", rid="c", status=413, proc="tokenizer", timestamp=at(410)),
+        _line(event="generate batch", rid="d", prompts=1, proc="tokenizer", timestamp=at(500)),
+        _line(event="generate request", rid="d-0", prompt_tokens=4, proc="tokenizer", timestamp=at(501)),
+        _line(event="request finished", rid="d-0", finish_reason="length", prompt_tokens=4, completion_tokens=1,
+              cached_tokens=0, ttft=0.01, proc="tokenizer", timestamp=at(600)),
+        _line(event="sdk request failed", rid="e", status=503, proc="tokenizer", timestamp=at(700)),
+        _line(event="chat request", rid="f", prompt_tokens=5, proc="tokenizer", timestamp=at(800)),
+    ]
+    sched = [_line(event="request", rid="a", prompt_tokens=2, proc="scheduler", timestamp=at(210)),
+             _line(event="request", rid="a", prompt_tokens=2, proc="scheduler", timestamp=at(310))]  # a late line
+    (tmp_path / "tokenizer.log").write_text("\n".join(tok) + "\n")
+    (tmp_path / "scheduler.log").write_text("\n".join(sched) + "\n")
+    rep = analyze(tmp_path)
+    assert [(r.rid, r.prompt_tokens, r.completion_tokens) for r in rep.requests] == [
+        ("a", 8, 3), ("a", 2, 2), ("d-0", 4, 1)]
+    assert [r.queued for r in rep.requests][:2] == [None, pytest.approx(0.21)]
+    assert rep.rejected == {"400": 1, "413": 1}
+    assert [u["rid"] for u in rep.unfinished] == ["f"]  # the one request in flight
+    buf = io.StringIO()
+    print_text(rep, out=buf)
+    assert "rejected requests: 2 (by HTTP status: 400: 1, 413: 1)" in buf.getvalue()
