@@ -99,6 +99,10 @@ class ReqHandle:
             self._frontend._release(self)
         return out
 
+    def ended(self, reason: str) -> None:
+        """Count how the request ended (strata_requests_finished_total)."""
+        self._frontend.metrics.finished.labels(reason).inc()
+
     def close(self) -> None:
         """Stop this request; tells the scheduler to free it unless it already finished. Its rid
         stays taken until the scheduler's final output for it comes (Frontend._closing)."""

@@ -200,6 +200,7 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         raise
     finally:
         handle.close()  # after a stop string this aborts the request in the scheduler
+        handle.ended(finish or "cancelled")
         log.info(
             "request finished",
             rid=sub.rid,

@@ -108,6 +108,7 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
                 reply = await until_disconnect(request, handler(state, body, Call(rid, t0, header is not None)))
             except ApiError as exc:
                 log.info("request rejected", status=exc.status, error=exc.message)
+                state.frontend.metrics.rejected.labels(str(exc.status)).inc()
                 return error_response(exc, rid)
             except (ClientGone, ClientDisconnect):
                 log.info("client disconnected before the response")

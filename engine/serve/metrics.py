@@ -29,6 +29,10 @@ class Metrics:
         self.requests = Counter("strata_requests", "Requests sent to the scheduler (n > 1 counts n)", registry=r)
         self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens sent to the scheduler", registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("strata_requests_finished", "Requests (choices) ended, by finish reason "
+                                "(stop, length, cancelled: the client left or aborted, error)", ["reason"], registry=r)
+        self.rejected = Counter("strata_requests_rejected", "Requests refused before they ran, by HTTP status",
+                                ["status"], registry=r)
         self.cache_hit_tokens = Counter(
             "strata_cache_hit_tokens", "Prompt tokens served from the prefix cache", ["tier"], registry=r
         )

@@ -194,6 +194,7 @@ class SdkServer:
             await self._error(ident, GenerateError(rid, exc.status, exc.message))
         except ApiError as exc:
             log.info("sdk request rejected", rid=rid[:300], status=exc.status, message=exc.message)
+            self._state.frontend.metrics.rejected.labels(str(exc.status)).inc()
             await self._error(ident, GenerateError(rid, exc.status, exc.message))
         except Exception:  # noqa: BLE001 - a bug must not take the SDK loop down
             log.exception("sdk request failed", rid=rid)

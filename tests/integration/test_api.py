@@ -478,3 +478,19 @@ def test_metrics_exposed(server: Server) -> None:
     m = httpx.get(f"{server.http}/metrics").text
     hits = [line for line in m.splitlines() if line.startswith('strata_cache_hit_tokens_total{tier="l1"}')]
     assert float(hits[0].split()[-1]) > 0  # repeated chat prefixes hit the radix cache
+
+
+def test_metrics_count_rejections_by_status_and_ends_by_reason(server: Server) -> None:
+    """An audit: /metrics had no count of refused requests nor of how requests ended."""
+    def value(name: str) -> float:
+        line = [x for x in httpx.get(f"{server.http}/metrics").text.splitlines() if x.startswith(name + " ")]
+        return float(line[0].split()[-1]) if line else 0.0
+
+    rejected, length = 'strata_requests_rejected_total{status="400"}', 'strata_requests_finished_total{reason="length"}'
+    before = (value(rejected), value(length))
+    bad = httpx.post(f"{server.http}/generate", timeout=60, json={"input_ids": [1, 2], "sampling_params": {"top_p": 7}})
+    assert bad.status_code == 400, bad.text
+    ok = httpx.post(f"{server.http}/generate", timeout=60,
+                    json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    assert ok.status_code == 200, ok.text
+    assert (value(rejected), value(length)) == (before[0] + 1, before[1] + 1)
