@@ -120,6 +120,7 @@ class ServerConfig:
              "--enable-deterministic-inference needs the torch attention backend (--attention-backend auto or torch)"),
             (self.kv_cache_dtype in ("auto", "fp8_e4m3"),
              f"bad --kv-cache-dtype {self.kv_cache_dtype} (auto, fp8_e4m3)"),
+            (self.host.strip() != "", "--host must name an address (127.0.0.1, 0.0.0.0, ::, a hostname)"),
             (0 < self.port < 65536, f"bad --port {self.port} (1..65535)"),
             (0 < self.sdk_port < 65536, f"bad --sdk-port {self.sdk_port} (1..65535)"),
             (self.port != self.sdk_port, f"--sdk-port must differ from --port (both {self.port})"),

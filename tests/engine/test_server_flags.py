@@ -29,6 +29,7 @@ TINY = ROOT / "configs" / "tiny-llama"
     ({"hicache_ratio": float("inf")}, "--hicache-ratio must be a finite number"),
     ({"cpu_threads": 10**6}, "--cpu-threads must be in 0.."),
     ({"port": 70000}, "bad --port 70000"),
+    ({"host": ""}, "--host must name an address"),
     ({"sdk_port": 0}, "bad --sdk-port 0"),
     ({"dtype": "int8"}, r"bad --dtype int8 \(auto, float32, bfloat16, float16\)"),
     ({"chat_template": "/"}, "--chat-template /: a directory, not a file"),
