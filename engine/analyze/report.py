@@ -21,6 +21,7 @@ FINISHED_EVENT = "request finished"  # the tokenizer's, one per request that ran
 FAILED_EVENTS = ("sdk request failed", "client disconnected before the response")
 CONTAINER_EVENTS = ("generate batch",)  # a batch's own rid: its prompts run (and finish) as rid-0, rid-1, ...
 ERROR_LEVELS = ("error", "critical", "exception")
+_CHOICE_RE = re.compile(r"^(.+)-\d+$")  # a choice's rid: its request's, then -index
 _SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
 _L2_RE = re.compile(r"back ?up|load.?back|l2|l3|host tier|hicache", re.IGNORECASE)
 COPIES_EVENT = "host copies"  # engine/run/host_tier.py: per worker, at most once a second
@@ -163,7 +164,10 @@ def unfinished(records: list[Record], t0: float) -> list[dict[str, Any]]:
         t = round(rec["t"] - t0, 3)
         entry = seen.setdefault(rid, {"rid": rid, "first_seen": t})
         entry.update(last_seen=t, last_event=rec["event"], last_proc=rec.get("proc"))
-    return list(seen.values())
+    # n > 1: the request's own rid is only received; its choices run (and end) as rid-0, rid-1, ...
+    parents = {m.group(1) for rid in ended if (m := _CHOICE_RE.match(rid))}
+    return [e for rid, e in seen.items()
+            if not (rid in parents and e["last_proc"] == "tokenizer" and e["last_event"] in RECEIVED_EVENTS)]
 
 
 def rejected(records: list[Record]) -> dict[str, int]:

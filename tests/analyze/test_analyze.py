@@ -302,6 +302,9 @@ def test_a_reused_rid_is_two_requests_and_rejections_are_not_in_flight(tmp_path:
         _line(event="request finished", rid="d-0", finish_reason="length", prompt_tokens=4, completion_tokens=1,
               cached_tokens=0, ttft=0.01, proc="tokenizer", timestamp=at(600)),
         _line(event="sdk request failed", rid="e", status=503, proc="tokenizer", timestamp=at(700)),
+        _line(event="chat request", rid="g", n=2, proc="tokenizer", timestamp=at(710)),  # n = 2: g-0 and g-1 run
+        *[_line(event="request finished", rid=f"g-{i}", finish_reason="length", prompt_tokens=4, completion_tokens=1,
+                cached_tokens=0, ttft=0.01, proc="tokenizer", timestamp=at(720 + i)) for i in range(2)],
         _line(event="chat request", rid="f", prompt_tokens=5, proc="tokenizer", timestamp=at(800)),
     ]
     sched = [_line(event="request", rid="a", prompt_tokens=2, proc="scheduler", timestamp=at(210)),
@@ -310,7 +313,7 @@ def test_a_reused_rid_is_two_requests_and_rejections_are_not_in_flight(tmp_path:
     (tmp_path / "scheduler.log").write_text("\n".join(sched) + "\n")
     rep = analyze(tmp_path)
     assert [(r.rid, r.prompt_tokens, r.completion_tokens) for r in rep.requests] == [
-        ("a", 8, 3), ("a", 2, 2), ("d-0", 4, 1)]
+        ("a", 8, 3), ("a", 2, 2), ("d-0", 4, 1), ("g-0", 4, 1), ("g-1", 4, 1)]
     assert [r.queued for r in rep.requests][:2] == [None, pytest.approx(0.21)]
     assert rep.rejected == {"400": 1, "413": 1}
     assert [u["rid"] for u in rep.unfinished] == ["f"]  # the one request in flight
