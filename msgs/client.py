@@ -25,6 +25,9 @@ class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     # of params.MODEL_DEFAULT_FIELDS, those the caller left unset: the server's model defaults apply
     # (--sampling-defaults model). A client that sends none gets exactly the params it sent.
     unset: list[str] = []
+    # False: the caller set no max_new_tokens (or None: up to the context's end), so the server clips
+    # it to the context left, as /generate does; a client that sends none asks for params' exactly
+    max_given: bool = True
 
 
 class AbortGenerate(msgspec.Struct, tag=True, frozen=True):

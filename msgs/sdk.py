@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from msgs.channels import SDK_IN, SDK_OUT
 from msgs.client import MAX_FRAME_BYTES, AbortGenerate, FromServer, GenerateChunk, GenerateError, GenerateRequest
-from msgs.params import MODEL_DEFAULT_FIELDS, SamplingParams
+from msgs.params import INT32, MODEL_DEFAULT_FIELDS, SamplingParams
 
 __all__ = ["AbortGenerate", "AsyncClient", "Client", "GenerateChunk", "GenerateError", "GenerateRequest", "StrataError"]
 
@@ -66,6 +66,11 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
              ) -> GenerateRequest:
     # a null sampling field is unset, as over HTTP: the server's model defaults fill it
     kw = {k: v for k, v in kw.items() if not (v is None and k in MODEL_DEFAULT_FIELDS)}
+    # as /generate: max_new_tokens left out is 128 at most, None up to the context's end; both are
+    # clipped to the context left on the server (max_given=False), a number given is not
+    max_given = kw.get("max_new_tokens") is not None
+    if "max_new_tokens" in kw and kw["max_new_tokens"] is None:
+        kw = {**kw, "max_new_tokens": INT32 - 1}
     unknown = sorted(set(kw) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise StrataError(400, f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -78,12 +83,13 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
     rid = rid or uuid.uuid4().hex
     unset = [name for name in MODEL_DEFAULT_FIELDS if name not in kw]  # the model's defaults fill these
     if isinstance(prompt, str):
-        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key, unset=unset)
+        return GenerateRequest(rid=rid, params=params, text=prompt, stream=stream, api_key=api_key, unset=unset,
+                               max_given=max_given)
     # token ids: a list or tuple of ints in int64 (bytes would pass as ids; None or 5 was a TypeError)
     if not isinstance(prompt, (list, tuple)) or not all(type(t) is int and -2**63 <= t < 2**63 for t in prompt):
         raise StrataError(400, "prompt: a string, or a list of token ids (ints)")
     return GenerateRequest(rid=rid, params=params, input_ids=list(prompt), stream=stream, api_key=api_key,
-                           unset=unset)
+                           unset=unset, max_given=max_given)
 
 
 def _check(msg: FromServer | None) -> GenerateChunk | None:

@@ -171,7 +171,7 @@ class SdkServer:
                 params = msgspec.structs.replace(params, **{k: defaults[k] for k in req.unset if k in defaults})
 
             async def begin() -> Generation:  # (nothing reaches the scheduler before Generation.start returns)
-                ids, checked = await prepare(self._state, req.text, req.input_ids, params, max_given=True)
+                ids, checked = await prepare(self._state, req.text, req.input_ids, params, max_given=req.max_given)
                 log.info("sdk request", rid=rid, prompt_tokens=len(ids), max_tokens=checked.max_new_tokens)
                 return await Generation.start(self._state.frontend, self._state.tok, rid,
                                               [SubRequest(rid, 0, 0, ids, checked)], stream=req.stream)

@@ -20,3 +20,15 @@ def test_text_and_token_ids_are_requests() -> None:
     assert _request("hi", False, "r", {}, "").text == "hi"
     req = _request((5, 6), True, "r", {"max_new_tokens": 2}, "")
     assert isinstance(req, GenerateRequest) and req.input_ids == [5, 6] and req.params.max_new_tokens == 2
+
+
+def test_max_new_tokens_left_out_or_none_is_clipped_by_the_server_as_over_http() -> None:
+    """An audit: the SDK always sent max_new_tokens as given, so a prompt near the context's end was
+    a 400 where /generate clips the default (and None, up to the context's end) to the room left."""
+    from msgs.params import INT32
+
+    left_out, unbounded, given = (_request("hi", False, "r", kw, "") for kw in
+                                  ({}, {"max_new_tokens": None}, {"max_new_tokens": 5}))
+    assert (left_out.max_given, left_out.params.max_new_tokens) == (False, 128)
+    assert (unbounded.max_given, unbounded.params.max_new_tokens) == (False, INT32 - 1)
+    assert (given.max_given, given.params.max_new_tokens) == (True, 5)
