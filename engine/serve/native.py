@@ -37,9 +37,12 @@ from engine.serve.validate import (
     off_loop,
 )
 from engine.tokenizer import TextTokenizer
-from msgs.params import SamplingParams
+from msgs.params import MAX_TOP_LOGPROBS, SamplingParams
 
 log = structlog.get_logger()
+
+
+_NATIVE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}  # OpenAI's -> SamplingParams'
 
 
 async def prepare(
@@ -48,7 +51,14 @@ async def prepare(
     """Prompt ids and final params of a native request (HTTP or SDK); ApiError if bad."""
     limits = await state.limits()
     ids = await off_loop(len(text or ""), native_prompt, text, input_ids, state.tok, limits)
-    params = native_request(ids, params, max_given, limits, state.tok)
+    try:
+        params = native_request(ids, params, max_given, limits, state.tok)
+    except ApiError as exc:  # the shared checks name OpenAI's fields; a native request sent SamplingParams'
+        sent = _NATIVE_NAMES.get(exc.param or "")
+        if exc.param is None or sent is None:
+            raise
+        message = sent + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
+        raise ApiError(exc.status, message, sent, exc.code) from None
     check_engine_support(params, state.cfg)
     return ids, await constrain(service_of(state), params, limits.vocab_size)
 
@@ -77,6 +87,8 @@ def _sglang_fields(req: GenerateBody, params: SamplingParams,
     if req.logprob_start_len < -1:
         raise ApiError(400, "logprob_start_len must be >= -1", param="logprob_start_len")
     k = req.top_logprobs_num
+    if not 0 <= k <= MAX_TOP_LOGPROBS:  # (the shared check would name top_logprobs, a field not sent)
+        raise ApiError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
     extra: dict[str, Any] = {"logprobs": True, "top_logprobs": k}
     if req.logprob_start_len >= 0:
         extra["prompt_logprobs"] = k

@@ -494,3 +494,17 @@ def test_metrics_count_rejections_by_status_and_ends_by_reason(server: Server) -
                     json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
     assert ok.status_code == 200, ok.text
     assert (value(rejected), value(length)) == (before[0] + 1, before[1] + 1)
+
+
+def test_native_errors_name_the_fields_sent(server: Server) -> None:
+    """An audit: /generate's 400s named OpenAI's fields (max_tokens, top_logprobs) for SGLang's
+    max_new_tokens and top_logprobs_num."""
+    def error(body: dict) -> dict:
+        r = httpx.post(f"{server.http}/generate", timeout=60, json={"input_ids": [1, 2], **body})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    too_long = error({"sampling_params": {"max_new_tokens": 10**6}})
+    assert too_long["param"] == "max_new_tokens" and too_long["message"].startswith("max_new_tokens"), too_long
+    tops = error({"return_logprob": True, "top_logprobs_num": 21})
+    assert tops["param"] == "top_logprobs_num" and "top_logprobs_num must be in [0, 20]" in tops["message"], tops
