@@ -28,6 +28,7 @@ from engine.serve.protocol import GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import (
     MAX_SUBREQUESTS,
+    NATIVE_NAMES,
     SubRequest,
     check_engine_support,
     check_rid,
@@ -35,14 +36,12 @@ from engine.serve.validate import (
     native_prompt,
     native_request,
     off_loop,
+    renamed,
 )
 from engine.tokenizer import TextTokenizer
 from msgs.params import MAX_TOP_LOGPROBS, SamplingParams
 
 log = structlog.get_logger()
-
-
-_NATIVE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}  # OpenAI's -> SamplingParams'
 
 
 async def prepare(
@@ -51,14 +50,8 @@ async def prepare(
     """Prompt ids and final params of a native request (HTTP or SDK); ApiError if bad."""
     limits = await state.limits()
     ids = await off_loop(len(text or ""), native_prompt, text, input_ids, state.tok, limits)
-    try:
+    with renamed(NATIVE_NAMES):
         params = native_request(ids, params, max_given, limits, state.tok)
-    except ApiError as exc:  # the shared checks name OpenAI's fields; a native request sent SamplingParams'
-        sent = _NATIVE_NAMES.get(exc.param or "")
-        if exc.param is None or sent is None:
-            raise
-        message = sent + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
-        raise ApiError(exc.status, message, sent, exc.code) from None
     check_engine_support(params, state.cfg)
     return ids, await constrain(service_of(state), params, limits.vocab_size)
 

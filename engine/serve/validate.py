@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -195,19 +195,28 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
 
 
 @contextmanager
-def as_sent(req: ChatCompletionRequest | CompletionRequest) -> Iterator[None]:
-    """An ApiError raised inside names the field as this OpenAI body sent it: the checks after
-    openai_params see SamplingParams' names (json_schema, regex, ebnf, max_tokens), which a client
-    that sent response_format, guided_choice or max_completion_tokens never used."""
+def renamed(names: dict[str, str]) -> Iterator[None]:
+    """An ApiError raised inside whose field is a key of `names` names that key's value instead
+    (its param, and its message where the message starts with the field)."""
     try:
         yield
     except ApiError as exc:
-        names = _names_sent(req)
         if exc.param not in names:
             raise
         sent = names[exc.param]
         message = sent + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
         raise ApiError(exc.status, message, sent, exc.code) from None
+
+
+def as_sent(req: ChatCompletionRequest | CompletionRequest) -> AbstractContextManager[None]:
+    """An ApiError raised inside names the field as this OpenAI body sent it: the checks after
+    openai_params see SamplingParams' names (json_schema, regex, ebnf, max_tokens), which a client
+    that sent response_format, guided_choice or max_completion_tokens never used."""
+    return renamed(_names_sent(req))
+
+
+# the shared checks name OpenAI's fields; /generate and the SDK send SamplingParams' (max_new_tokens)
+NATIVE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
 
 def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
