@@ -19,7 +19,8 @@ FINISHED_EVENT = "request finished"  # the tokenizer's, one per request that ran
 # the other ends of a request at the tokenizer: failed before it ran (a server process died) or its
 # client gone before the response
 FAILED_EVENTS = ("sdk request failed", "client disconnected before the response")
-CONTAINER_EVENTS = ("generate batch",)  # a batch's own rid: its prompts run (and finish) as rid-0, rid-1, ...
+# a request's own rid where its prompts or choices run (and end) as rid-0, rid-1, ...: a batch's, or n > 1's
+PARENT_EVENTS = (*RECEIVED_EVENTS, "generate batch")
 ERROR_LEVELS = ("error", "critical", "exception")
 _CHOICE_RE = re.compile(r"^(.+)-\d+$")  # a choice's rid: its request's, then -index
 _SEQ_RE = re.compile(r"\b(?:step|seq)[ =:]+(\d+)")
@@ -145,13 +146,13 @@ def _ends(rec: Record) -> bool:
 def unfinished(records: list[Record], t0: float) -> list[dict[str, Any]]:
     """The requests that a process logged but the tokenizer never finished nor rejected: each with
     when it was first and last seen (seconds since t0) and its last event, in order of arrival. A
-    batch's own rid is not one (its prompts are); a finished rid counts again only when it is
-    received again."""
+    batch's or an n > 1 request's own rid is not one once its children ended; a finished rid counts
+    again only when it is received again."""
     seen: dict[str, dict[str, Any]] = {}
     ended: set[str] = set()
     for rec in records:
         rid = rec.get("rid")
-        if not isinstance(rid, str) or rec["event"] in CONTAINER_EVENTS:
+        if not isinstance(rid, str):
             continue
         if _ends(rec):
             ended.add(rid)
@@ -164,10 +165,9 @@ def unfinished(records: list[Record], t0: float) -> list[dict[str, Any]]:
         t = round(rec["t"] - t0, 3)
         entry = seen.setdefault(rid, {"rid": rid, "first_seen": t})
         entry.update(last_seen=t, last_event=rec["event"], last_proc=rec.get("proc"))
-    # n > 1: the request's own rid is only received; its choices run (and end) as rid-0, rid-1, ...
-    parents = {m.group(1) for rid in ended if (m := _CHOICE_RE.match(rid))}
+    parents = {m.group(1) for rid in ended if (m := _CHOICE_RE.match(rid))}  # whose children ended
     return [e for rid, e in seen.items()
-            if not (rid in parents and e["last_proc"] == "tokenizer" and e["last_event"] in RECEIVED_EVENTS)]
+            if not (rid in parents and e["last_proc"] == "tokenizer" and e["last_event"] in PARENT_EVENTS)]
 
 
 def rejected(records: list[Record]) -> dict[str, int]:
