@@ -119,13 +119,12 @@ class L3Tier(Effect):
                     root = self.origin.get(obj, obj)
                     self.origin[new] = root
                     self.pieces.setdefault(root, []).append(new)
-            case HostEvict(obj=obj) | ApplyCommit(obj=obj):
-                self.pending.discard(obj)  # (a committed object keeps its chain entry until evicted)
-                self.pieces.pop(obj, None)
-                self.origin.pop(obj, None)
-                if isinstance(op, HostEvict):
-                    self.chain.pop(obj, None)
-                    self.stamped.pop(obj, None)
+            case ApplyCommit(obj=obj):  # (a committed object keeps its chain entry until evicted)
+                self._settled(obj)
+            case HostEvict(obj=obj):
+                self._settled(obj)
+                self.chain.pop(obj, None)
+                self.stamped.pop(obj, None)
             case Flush():
                 self.pending.clear()
                 self.pieces.clear()
@@ -137,6 +136,12 @@ class L3Tier(Effect):
                 self.store.load_object(obj, start, unpack_keys(keys), self._above(parent))
             case L3Touch(obj=obj) if self.store is not None:
                 self.store.stamp_later(self._above(obj))
+
+    def _settled(self, obj: int) -> None:
+        """obj is no longer a pending backup (committed, or gone)."""
+        self.pending.discard(obj)
+        self.pieces.pop(obj, None)
+        self.origin.pop(obj, None)
 
     def write(self, obj: int, alloc: HostAllocator) -> None:
         """obj is about to be Committed: queue its pages and its pieces' for the disk."""
