@@ -230,10 +230,15 @@ class Frontend:
                 return
             await asyncio.sleep(0.002)
 
-    def abort(self, rid: str) -> None:
-        handle = self._reqs.get(rid)
-        if handle is not None:
-            handle.close()
+    def abort(self, rid: str, everything: bool = False) -> int:
+        """SGLang's /abort_request: ask the scheduler to end the request `rid` (an n > 1 or batch
+        request's own rid: all its sub-requests), or every request in flight. Their consumers are
+        left running, so each gets the scheduler's final output (finish_reason "abort", with what
+        was generated) as from any other end; how many were asked."""
+        hits = [h for h in self._reqs.values() if everything or rid in (h.rid, h._group.parent)]
+        for handle in hits:
+            self.send(AbortRequest(rid=handle.rid))
+        return len(hits)
 
     @property
     def num_in_flight(self) -> int:

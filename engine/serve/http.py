@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body, error_body
-from engine.serve.native import generate_http, health_generate, model_info
+from engine.serve.native import abort_request, generate_http, health_generate, model_info
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
@@ -223,6 +223,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/get_model_info", api_route(state, model_info), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/abort_request", api_route(state, abort_request), methods=["POST"]),
     ]
     handlers = {HTTPException: _http_exception, Exception: _unhandled}
     middleware = [Middleware(RequireKey, key=state.cfg.api_key)] if state.cfg.api_key else []

@@ -30,7 +30,8 @@ class Metrics:
         self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens sent to the scheduler", registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("strata_requests_finished", "Requests (choices) ended, by finish reason "
-                                "(stop, length, cancelled: the client left or aborted, error)", ["reason"], registry=r)
+                                "(stop, length, abort: /abort_request, cancelled: the client left, error)",
+                                ["reason"], registry=r)
         self.rejected = Counter("strata_requests_rejected", "Requests refused before they ran, by HTTP status",
                                 ["status"], registry=r)
         self.cache_hit_tokens = Counter(

@@ -24,7 +24,7 @@ from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
 from engine.serve.grammar import constrain, service_of
-from engine.serve.protocol import GenerateBody, decode_body
+from engine.serve.protocol import AbortBody, GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import (
     MAX_SUBREQUESTS,
@@ -209,6 +209,19 @@ async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     finally:
         gen.close()
     return Reply(body={"status": "ok", "output_ids": c.token_ids})
+
+
+async def abort_request(state: ServeState, body: bytes, call: Call) -> Reply:
+    """SGLang's POST /abort_request {"rid": ..., "abort_all": false}: the request (an n > 1 or batch
+    request's rid: all its parts) ends as soon as the scheduler sees the abort, and its client gets
+    what was generated with finish_reason "abort" ({"type": "abort"} on /generate). A rid not in
+    flight aborts nothing (200, as SGLang)."""
+    req = decode_body(body, AbortBody)
+    if not req.abort_all:
+        check_rid(req.rid)
+    aborted = state.frontend.abort(req.rid, everything=req.abort_all)
+    log.info("abort asked", target=req.rid or None, abort_all=req.abort_all, aborted=aborted)
+    return Reply(body={"status": "ok", "aborted": aborted})
 
 
 async def model_info(state: ServeState, body: bytes, call: Call) -> Reply:

@@ -137,6 +137,13 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_text_in_logprobs: bool = False
 
 
+class AbortBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """SGLang's POST /abort_request: one request by its id, or every request (`abort_all`)."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered as /v1/chat/completions would."""
 
@@ -159,7 +166,7 @@ class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 _DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest, GenerateBody,
-                                                  TokenizeBody, DetokenizeBody)}
+                                                  TokenizeBody, DetokenizeBody, AbortBody)}
 
 
 def decode_body(body: bytes, kind: type[T]) -> T:

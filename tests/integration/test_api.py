@@ -508,3 +508,53 @@ def test_native_errors_name_the_fields_sent(server: Server) -> None:
     assert too_long["param"] == "max_new_tokens" and too_long["message"].startswith("max_new_tokens"), too_long
     tops = error({"return_logprob": True, "top_logprobs_num": 21})
     assert tops["param"] == "top_logprobs_num" and "top_logprobs_num must be in [0, 20]" in tops["message"], tops
+
+
+def test_sglang_abort_request_ends_requests_with_what_they_generated(server: Server) -> None:
+    """SGLang's POST /abort_request: by rid (a stream, and an n > 1 chat by its own rid: both
+    choices), or abort_all; each client gets its partial answer with finish_reason "abort", the
+    others run on, and no page leaks."""
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    abort = f"{server.http}/abort_request"
+    with httpx.stream("POST", f"{server.http}/generate", timeout=120,
+                      json={"text": "Tell me a story.", "sampling_params": long, "stream": True, "rid": "ab-1"}) as r:
+        events = r.iter_lines()
+        first = next(e for e in events if e.startswith("data:"))
+        assert httpx.post(abort, json={"rid": "ab-1"}, timeout=30).json() == {"status": "ok", "aborted": 1}
+        last = [e for e in events if e.startswith("data:") and e != "data: [DONE]"][-1]
+    meta = json.loads(last[5:])["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort"}, meta
+    assert len(json.loads(first[5:])["output_ids"]) <= meta["completion_tokens"] < 400
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as ac:
+            chat = ac.post(f"{server.base_url}/chat/completions", headers={"x-request-id": "ab-2"},
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                 "max_tokens": 400, "temperature": 0.8, "ignore_eos": True})
+            other = ac.post(f"{server.http}/generate", json={"text": "Hello", "sampling_params": {
+                "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+            rest = [asyncio.ensure_future(c) for c in (chat, other)]
+            while (await ac.post(abort, json={"rid": "ab-2"})).json()["aborted"] < 2:
+                await asyncio.sleep(0.05)  # (until both choices are in flight)
+            return [await f for f in rest]
+
+    chat, other = asyncio.run(main())
+    assert [c["finish_reason"] for c in chat.json()["choices"]] == ["abort", "abort"], chat.text
+    assert chat.json()["usage"]["completion_tokens"] < 800
+    assert other.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 12}, other.text
+
+    async def everything() -> list[dict]:
+        async with httpx.AsyncClient(timeout=120) as ac:
+            reqs = [asyncio.ensure_future(ac.post(f"{server.http}/generate", json={
+                "text": f"Story {i}:", "sampling_params": long})) for i in range(2)]
+            while (await ac.post(abort, json={"abort_all": True})).json()["aborted"] < 2:
+                await asyncio.sleep(0.05)
+            return [(await f).json() for f in reqs]
+
+    assert [b["meta_info"]["finish_reason"] for b in asyncio.run(everything())] == [{"type": "abort"}] * 2
+    for bad in ({"rid": ""}, {"rid": 5}, {"rid": "x", "why": 1}, {}):
+        r = httpx.post(abort, json=bad, timeout=30)
+        assert r.status_code == 400, (bad, r.text)
+    assert httpx.post(abort, json={"rid": "nobody"}, timeout=30).json() == {"status": "ok", "aborted": 0}
+    m = server.wait_idle()
+    assert m["strata_kv_leak_free"] == 1 and m["strata_kv_pages_used"] == m["strata_kv_cache_pages"]
