@@ -9,6 +9,7 @@ naming the tensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -387,10 +388,17 @@ def fill_from_rows(p: nn.Parameter, full: tuple[int, ...], chunks: Iterator[tupl
                 p.data.narrow(0, piece.dst + lo - src, hi - lo).copy_(buf[lo - r0 : hi - r0])
 
 
+WEIGHT_SAMPLES = 8  # 64-byte pieces of each tensor's data in weights_identity
+
+
 def weights_identity(path: str | Path, load_format: str = "auto", seed: int = 0) -> bytes:
-    """Bytes that change when the weights do, without reading them (the L3 fingerprint,
-    engine/cache/l3.py): for dummy weights "dummy" and the seed; for a checkpoint each
-    safetensors file's name, size and header (tensor names, shapes, dtypes, offsets)."""
+    """Bytes that change when the weights do (the L3 fingerprint, engine/cache/l3.py): for dummy
+    weights "dummy" and the seed; for a checkpoint each safetensors file's name, size and header
+    (tensor names, shapes, dtypes, offsets), and WEIGHT_SAMPLES evenly spaced 64-byte pieces of
+    every tensor's data. The header alone is the same for two checkpoints of one architecture (a
+    fine-tune, an edited tensor), whose KV differs; reading every byte would cost a start seconds
+    a GB, where the samples are ~0.5 KB a tensor (a fine-tune moves them all; an edit that misses
+    every sample goes unseen)."""
     if load_format == "dummy":
         return b"dummy:%d" % seed
     parts = []
@@ -398,5 +406,12 @@ def weights_identity(path: str | Path, load_format: str = "auto", seed: int = 0)
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = fh.read(min(n, 100 << 20))
-        parts.append(b"%s\0%d\0" % (f.name.encode(), f.stat().st_size) + header)
+            samples = hashlib.sha256()
+            for entry in json.loads(header).values():
+                if "data_offsets" in entry:  # (not "__metadata__")
+                    lo, hi = entry["data_offsets"]
+                    for at in sorted({max(hi - lo - 64, 0) * k // (WEIGHT_SAMPLES - 1) for k in range(WEIGHT_SAMPLES)}):
+                        fh.seek(8 + n + lo + at)
+                        samples.update(fh.read(min(64, hi - lo)))
+        parts.append(b"%s\0%d\0" % (f.name.encode(), f.stat().st_size) + header + samples.digest())
     return b"\0\0".join(parts)

@@ -65,17 +65,25 @@ def test_keys_chain_over_the_prefix_and_the_fingerprint() -> None:
 
 
 def test_weights_identity_follows_the_checkpoint(tmp_path: Path) -> None:
+    """An audit: two checkpoints with one header (a fine-tune, an edited tensor) had one identity,
+    so L3 served one's KV to the other; each tensor's data is sampled now."""
     from models.loader import weights_identity
 
     assert weights_identity(tmp_path, "dummy") == b"dummy:0" != weights_identity(tmp_path, "dummy", seed=1)
-    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    header = b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},' \
+             b'"b":{"dtype":"F32","shape":[4096],"data_offsets":[4,16388]}}'
     f = tmp_path / "model.safetensors"
-    f.write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\0")
+    data = bytearray(range(256)) * 64 + bytearray(4)
+    f.write_bytes(len(header).to_bytes(8, "little") + header + data)
     one = weights_identity(tmp_path)
-    f.write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\1")  # same size and header
     assert weights_identity(tmp_path) == one
+    for flip in (0, 5, 4 + 4096 * 4 - 1, 4 + (4096 * 4 - 64) * 3 // 7 + 10):  # a; b's first, last, 4th sample
+        edited = bytearray(data)
+        edited[flip] ^= 0x80  # one sign bit: same size and header
+        f.write_bytes(len(header).to_bytes(8, "little") + header + edited)
+        assert weights_identity(tmp_path) != one, flip
     header2 = header.replace(b"F32", b"I32")
-    f.write_bytes(len(header2).to_bytes(8, "little") + header2 + b"\0\0\0\0")
+    f.write_bytes(len(header2).to_bytes(8, "little") + header2 + data)
     assert weights_identity(tmp_path) != one
 
 
