@@ -192,11 +192,20 @@ def build_app(state: ServeState) -> Starlette:
             return json_response({"status": "ok", "deterministic": bool(stats and stats.deterministic)})
         return json_response(error_body(503, "the scheduler is not ready"), 503)
 
-    async def flush_cache(_request: Request) -> Response:
-        """SGLang's POST /flush_cache: empty L1 and L2 (the L3 files stay: a store that engines
-        share), only while nothing runs (409 else)."""
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's GET or POST /flush_cache[?timeout=S]: empty L1 and L2 (the L3 files stay: a store
+        that engines share), only while nothing runs: a 409 at once, or once `timeout` seconds
+        (SGLang's query parameter, default 0) went by without the engine going idle."""
         try:
-            done = await state.frontend.flush_cache()
+            timeout_s = float(request.query_params.get("timeout", "0"))
+        except ValueError:
+            timeout_s = -1.0
+        if not 0 <= timeout_s <= 3600:  # (also NaN)
+            return error_response(ApiError(400, "timeout must be a number of seconds in [0, 3600]", "timeout"))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not (done := await state.frontend.flush_cache()).ok and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         except ApiError as exc:
             return error_response(exc)
         if not done.ok:
@@ -222,7 +231,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/health_generate", api_route(state, health_generate), methods=["GET"]),
         Route("/get_model_info", api_route(state, model_info), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", api_route(state, abort_request), methods=["POST"]),
     ]
     handlers = {HTTPException: _http_exception, Exception: _unhandled}

@@ -215,6 +215,32 @@ def test_flush_cache_empties_the_prefix_cache_and_keeps_outputs(server: Server) 
         assert c.generate(long_prompt, **GREEDY).token_ids == before  # computed afresh, same tokens
 
 
+def test_flush_cache_as_sglang_takes_it_get_and_timeout(server: Server) -> None:
+    """An audit: SGLang's /flush_cache takes GET too, and ?timeout=S waits that long for the engine
+    to go idle rather than refusing a busy one at once."""
+    url = f"{server.http}/flush_cache"
+    assert httpx.get(url, timeout=30).status_code == 200
+    for bad in ("-1", "nan", "x", "1e9"):
+        assert httpx.post(url, params={"timeout": bad}, timeout=30).status_code == 400, bad
+
+    async def busy() -> tuple[int, int, float, float]:
+        async with httpx.AsyncClient(timeout=120) as ac:
+            run = asyncio.ensure_future(ac.post(f"{server.http}/generate", json={
+                "text": "Count to ten.", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}))
+            while server.metrics()["strata_running_requests"] == 0:
+                await asyncio.sleep(0.02)
+            at_once = (await ac.post(url)).status_code
+            waited = (await ac.get(url, params={"timeout": 120})).status_code
+            done_at, flushed_at = (await run).elapsed.total_seconds(), time.monotonic()
+            return at_once, waited, done_at, flushed_at
+
+    t0 = time.monotonic()
+    at_once, waited, done_after, flushed_at = asyncio.run(busy())
+    assert (at_once, waited) == (409, 200)
+    assert flushed_at - t0 >= done_after * 0.9  # it waited for the request to end
+    assert server.wait_idle()["strata_kv_cache_pages"] == 0
+
+
 def test_a_reused_request_id_gets_its_own_answer(server: Server) -> None:
     """A request ended by a stop string is aborted in the scheduler after its answer: the same
     x-request-id sent at once gets its own full answer (it waits for the abort), not the old
