@@ -164,6 +164,14 @@ def header(fingerprint: bytes, key: bytes, payload: Sequence[Any], payload_len: 
     return HEADER.pack(MAGIC, VERSION, fingerprint, key, payload_len, crc32(payload))
 
 
+def check_cap(cap_gb: float, page_payload: int) -> None:
+    """--l3-size must hold one page file (else every file written is removed at once: disk
+    traffic for nothing, and no hit ever)."""
+    need = HEADER.size + page_payload
+    if page_payload > 0 and cap_gb * 2**30 < need:
+        raise ValueError(f"--l3-size {cap_gb:g} GB holds no page file: one takes {need:,} bytes here")
+
+
 def encode_file(fingerprint: bytes, key: bytes, payload: bytes) -> bytes:
     return header(fingerprint, key, [payload], len(payload)) + payload
 

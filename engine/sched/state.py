@@ -12,6 +12,7 @@ import structlog
 
 from engine.cache.allocator import OwnedPageAllocator, PageAllocator, make_allocator
 from engine.cache.hiradix import TieredRadixCache
+from engine.cache.l3 import check_cap
 from engine.cache.radix import RadixCache
 from engine.cache.slab import available_memory
 from engine.config import ServerConfig
@@ -65,6 +66,9 @@ class SchedConfig:
     def build(cls, cfg: ServerConfig, ready: WorkerReady, num_ranks: int, digest_every: int) -> SchedConfig:
         """The one place a SchedConfig is made: the server's flags plus what the workers
         agreed on (the smallest pool, the model's context, vocabulary and EOS ids)."""
+        l3_dir = cfg.l3_dir if cfg.enable_hierarchical_cache else ""
+        if l3_dir:
+            check_cap(cfg.l3_size, ready.page_bytes * cfg.tp_size)  # a page file: every tp rank's part
         return cls(
             num_pages=ready.num_pages,
             page_size=ready.page_size,
@@ -83,7 +87,7 @@ class SchedConfig:
             page_bytes=ready.page_bytes,
             num_layers=ready.num_layers,
             kv_components=ready.kv_components,
-            l3_dir=cfg.l3_dir if cfg.enable_hierarchical_cache else "",
+            l3_dir=l3_dir,
             l3_fingerprint=ready.l3_fingerprint,
             spec_algorithm=cfg.speculative_algorithm,
             spec_steps=cfg.speculative_num_steps,

@@ -162,6 +162,13 @@ def test_host_tier_size_and_flags() -> None:
         host_pages(ServerConfig(enable_hierarchical_cache=True, hicache_size=0.5), ready, ranks=2, room=100 << 20)
     with pytest.raises(ValueError, match="no host memory"):
         host_pages(on, ready, room=1 << 10)
+    # an audit: an --l3-size below one page file started, and every file it wrote was removed at once
+    from engine.sched.state import SchedConfig
+    small = ServerConfig(enable_hierarchical_cache=True, l3_dir="/tmp/unused", l3_size=0.0001)
+    with pytest.raises(ValueError, match=r"--l3-size 0.0001 GB holds no page file: one takes 1,048,632 bytes"):
+        SchedConfig.build(small, ready, 1, 0)
+    assert SchedConfig.build(ServerConfig(enable_hierarchical_cache=True, l3_dir="/tmp/unused", l3_size=0.001),
+                             ready, 1, 0).l3_dir
     for bad in ({"hicache_write_policy": "write_back"}, {"disable_radix_cache": True}, {"hicache_ratio": 0.0}):
         with pytest.raises(ValueError):
             ServerConfig(enable_hierarchical_cache=True, **bad)
