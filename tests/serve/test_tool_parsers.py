@@ -151,6 +151,21 @@ CASES: list[tuple[str, str, str, Calls]] = [
         "<tool_call>rm_rf\n<arg_key>path</arg_key>\n<arg_value>/</arg_value>\n</tool_call>",
         [],
     ),
+    # an audit: raw control characters inside a call's strings (models write them; the client's
+    # json.loads, as in test_parse_and_stream_at_every_split, refuses them unescaped)
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\nris\t", "zip": "a\\"\x01"}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Pa\nris\t", "zip": 'a"\x01'})],
+    ),
+    (
+        "deepseek_v3",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Ca\nIro"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "",
+        [("get_weather", {"city": "Ca\nIro"})],
+    ),
 ]
 
 
@@ -305,3 +320,25 @@ def test_structure_renders_calls_the_parser_reads(name: str) -> None:
     content, calls = cls([WEATHER, TIME]).parse(text)
     assert content == ""
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", args[0]), ("get_time", {})]
+
+
+def test_arguments_that_are_not_an_object_are_their_json() -> None:
+    """An audit: "arguments": "Paris" gave the bare text Paris and null gave "null" with finish "stop";
+    any value is its JSON (vLLM's json.dumps), a string holding an object is that object, and each
+    such finished call is a tool call."""
+    from engine.serve.parsers.output import _whole_json
+
+    for value, args in (('"Paris"', '"Paris"'), ("null", "null"), ("[1, 2]", "[1, 2]"),
+                        ('"{\\"city\\": \\"Oslo\\"}"', '{"city": "Oslo"}')):
+        text = '<tool_call>{"name": "get_weather", "arguments": ' + value + "}</tool_call>"
+        _, calls = tool_call_parser("hermes")(TOOLS).parse(text)
+        assert [c.arguments for c in calls] == [args] and _whole_json(args), value
+
+
+def test_glm45_call_the_output_ended_after_a_whole_pair_is_closed() -> None:
+    """An audit: EOS after a whole pair with no </tool_call> left the arguments open ({"city": "Paris")."""
+    text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+    _, calls = tool_call_parser("glm45")(TOOLS).parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    _, cut = tool_call_parser("glm45")(TOOLS).parse(text + "<arg_key>da")  # cut inside a pair: open
+    assert cut[0].arguments == '{"city": "Paris"'

@@ -161,6 +161,30 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def strict_json(text: str) -> str:
+    """JSON text (maybe unfinished) with the raw control characters inside its strings escaped:
+    DECODER reads them, as models write them, but a client's json.loads refuses them. Each
+    character's escape depends only on the text before it, so a streamed prefix's result is a
+    prefix of the whole's (deltas stay append-only)."""
+    if not any(c < " " for c in text):
+        return text
+    out, in_string, escaped = [], False, False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+            elif c < " ":
+                c = json.dumps(c)[1:-1]  # \n, \t, \u0000 ...
+        elif c == '"':
+            in_string = True
+        out.append(c)
+    return "".join(out)
+
+
 class ToolCallParser:
     """A tool-call format. Construct one per request with the request's tools (the names
     a call may use). Subclasses set `begins` (and `drops`: wrapper markers removed from

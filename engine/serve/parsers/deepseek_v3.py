@@ -22,6 +22,7 @@ from engine.serve.parsers.base import (
     ToolTag,
     arguments_schema,
     skip_ws,
+    strict_json,
 )
 from engine.serve.parsers.base import tool_functions as _functions
 
@@ -38,8 +39,8 @@ def json_args(text: str, v: int) -> str:
     try:
         _, e = DECODER.raw_decode(text, v)
     except ValueError:
-        return text[v:]
-    return text[v:e]
+        return strict_json(text[v:])
+    return strict_json(text[v:e])
 
 
 class DeepSeekV3Parser(ToolCallParser):

@@ -58,7 +58,9 @@ class Glm45Parser(ToolCallParser):
         # a value without its surrounding whitespace, which the tool grammar lets the model add (and
         # GLM's template never writes): vLLM's and SGLang's glm45 parsers strip it too
         pairs = [f"{dumps(k.strip())}: {self._value(name, k.strip(), v.strip())}" for k, v in _PAIR.findall(scope)]
-        args = "{" + ", ".join(pairs) + ("}" if end is not None else "")  # a call cut short stays open
+        # a call cut short stays open; one the output ended after a whole pair (EOS, no end marker) closes
+        shut = end is not None or (final and scope.rstrip().endswith("</arg_value>"))
+        args = "{" + ", ".join(pairs) + ("}" if shut else "")
         return Block(name=name, args=args, end=end)
 
     def _value(self, name: str, key: str, text: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engine.serve.parsers.base import DECODER, Block, dumps, skip_ws
+from engine.serve.parsers.base import DECODER, Block, dumps, skip_ws, strict_json
 
 ARG_KEYS = ("arguments", "parameters")  # Llama-3 templates say "parameters"
 
@@ -104,17 +104,24 @@ def call_block(scope: str, end: int | None, final: bool, ends_at_close: bool = F
 
 
 def _arguments(scope: str, scan: ObjectScan, complete: bool) -> str:
-    """The arguments text so far. An object is streamed as the model writes it; any other
-    value is sent whole once complete (a JSON string holding the arguments is unwrapped,
-    as some models double-encode them). A complete call without arguments has {}; one the
-    output cut short (max_tokens, a stop string) keeps what it had, not a made-up {}."""
+    """The arguments text so far. An object is streamed as the model writes it (raw control
+    characters in its strings escaped); any other value is sent whole once complete: a JSON
+    string holding an object is unwrapped (some models double-encode the arguments), anything
+    else is its JSON, as vLLM's json.dumps gives. A complete call without arguments has {}; one
+    the output cut short (max_tokens, a stop string) keeps what it had, not a made-up {}."""
     span = next((scan.fields[k] for k in ARG_KEYS if k in scan.fields), None)
     if span is None:
         return "{}" if complete else ""
     v, e = span
     if scope[v] == "{":
-        return scope[v:e] if e is not None else scope[v:]
+        return strict_json(scope[v:e] if e is not None else scope[v:])
     if e is None:
         return ""
-    value = json.loads(scope[v:e])
-    return value if isinstance(value, str) else dumps(value)
+    value = DECODER.decode(scope[v:e])
+    if isinstance(value, str):  # double-encoded arguments: the object inside, else the string's JSON
+        try:
+            if isinstance(DECODER.decode(value), dict):
+                return strict_json(value.strip())
+        except ValueError:
+            pass
+    return dumps(value)

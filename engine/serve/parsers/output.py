@@ -42,12 +42,14 @@ class OutputDelta:
         return out
 
 
-def _an_object(text: str) -> bool:
-    """Whether a call's arguments are a whole JSON object (a finished call's always are)."""
+def _whole_json(text: str) -> bool:
+    """Whether a call's arguments are whole JSON (a finished call's always are; one a stop string
+    cut short is not)."""
     try:
-        return isinstance(json.loads(text), dict)
+        json.loads(text)
     except ValueError:
         return False
+    return True
 
 
 class ChatOutput:
@@ -93,9 +95,9 @@ class ChatOutput:
     def finish_reason(self, reason: str | None, tools: ToolRequest | None) -> str | None:
         """OpenAI's: "tool_calls" when the model stopped after calling tools, except for
         a named tool_choice ("stop", as OpenAI answers it), and except where a stop string cut
-        a call short (its arguments are not a JSON object: "stop", what ended it)."""
+        a call short (its arguments are not whole JSON: "stop", what ended it)."""
         if (reason == "stop" and self.calls and not (tools and tools.choice == "named")
-                and all(_an_object(c.arguments) for c in self.calls)):
+                and all(_whole_json(c.arguments) for c in self.calls)):
             return "tool_calls"
         return reason
 
