@@ -493,7 +493,9 @@ def check_before_start(cfg: ServerConfig) -> None:
       and with the host tier, K/V heads that split evenly (its pages are one size on every rank);
     * --l3-dir created (with its parents) and writable, so the cache controller does not fail after ready;
     * STANDALONE drafts: --speculative-draft-layers below the model's layers, a draft model directory with
-      a config.json (the worker checks the same, but only after every process has started)."""
+      a config.json, the model's vocabulary and weights (the worker checks the same, but only after every
+      process has started);
+    * --chat-template compiles."""
     from engine.layers.shards import head_shard  # (torch-free)
 
     model = _read_json(Path(cfg.model) / "config.json")
@@ -513,6 +515,10 @@ def check_before_start(cfg: ServerConfig) -> None:
                              f"{split} over the ranks, and the host tier needs equal KV pages on every rank (a "
                              f"--tp-size that divides {kv}, or no host tier)")
     _check_standalone_draft(cfg, model)
+    if cfg.chat_template:
+        from engine.tokenizer import read_chat_template
+
+        read_chat_template(cfg.chat_template)
     if cfg.l3_dir:
         try:
             Path(cfg.l3_dir).mkdir(parents=True, exist_ok=True)
@@ -531,8 +537,16 @@ def _check_standalone_draft(cfg: ServerConfig, model: dict) -> None:
     if n and isinstance(layers, int) and not 1 <= n < layers:
         raise ValueError(f"--speculative-draft-layers {n}: must be in 1..{layers - 1} (the model has {layers} layers)")
     path = cfg.speculative_draft_model_path
-    if path and not (Path(path) / "config.json").is_file():
+    if not path:
+        return
+    if not (Path(path) / "config.json").is_file():
         raise ValueError(f"--speculative-draft-model-path {path}: no config.json (a draft model's directory)")
+    vocab, draft_vocab = model.get("vocab_size"), _read_json(Path(path) / "config.json").get("vocab_size")
+    if isinstance(vocab, int) and isinstance(draft_vocab, int) and vocab != draft_vocab:
+        raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has {draft_vocab} tokens, the "
+                         f"model's {vocab}: a draft must share the tokenizer")
+    if cfg.load_format != "dummy" and not any(Path(path).glob("*.safetensors")):
+        raise ValueError(f"--speculative-draft-model-path {path}: no safetensors weights there")
 
 
 def _host_port(addr: str) -> tuple[str, int] | None:

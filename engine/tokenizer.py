@@ -174,15 +174,22 @@ def load_tokenizer(model_dir: str, chat_template: str = "") -> TextTokenizer | N
 
 
 def read_chat_template(path: str) -> str:
-    """The template text of a --chat-template file, compiled once to fail at startup."""
-    text = Path(path).read_text()
+    """The template text of a --chat-template file, compiled: the supervisor calls this before any
+    process starts (engine/config.check_before_start), so a bad file is exit 2, not a failure after
+    the weights have loaded; a ValueError names the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: not a readable UTF-8 file ({exc})") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as exc:
-        raise ValueError(f"chat template {path} does not compile: {exc} (line {exc.lineno})") from None
+        raise ValueError(f"--chat-template {path} does not compile: {exc} (line {exc.lineno})") from None
     return text
 
 

@@ -186,4 +186,29 @@ def test_checks_before_start_refuse_a_standalone_draft_the_model_cannot_give(tmp
     with pytest.raises(ValueError, match="--speculative-draft-model-path .*empty: no config.json"):
         check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE",
                                         speculative_draft_model_path=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="--speculative-draft-model-path .*m: no safetensors weights there"):
+        check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE", speculative_draft_model_path=m))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
     check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE", speculative_draft_model_path=m))
+    # an audit: a draft of another vocabulary failed in the worker after the model had loaded (exit 1)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "vocab_size": 49152}))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 1000}))
+    with pytest.raises(ValueError, match="d: its vocabulary has 1000 tokens, the model's 49152"):
+        check_before_start(ServerConfig(model=m, speculative_algorithm="STANDALONE",
+                                        speculative_draft_model_path=str(tmp_path / "d"), load_format="dummy"))
+
+
+def test_checks_before_start_compile_the_chat_template(tmp_path: Path) -> None:
+    """An audit: a --chat-template that does not compile (or is not UTF-8) exited 1 from the tokenizer
+    after the weights had loaded, and an empty one started a server whose every chat was a 400."""
+    from engine.config import check_before_start
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9}))
+    for text, why in ((b"{% for m in messages %}{{ m.content }", "does not compile: unexpected '}'"),
+                      (b"\xff\xfe{{ x }}", "not a readable UTF-8 file"), (b" \n", "the file is empty")):
+        (tmp_path / "t.jinja").write_bytes(text)
+        with pytest.raises(ValueError, match=f"--chat-template .*t.jinja.*{why}"):
+            check_before_start(ServerConfig(model=str(tmp_path), chat_template=str(tmp_path / "t.jinja")))
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    check_before_start(ServerConfig(model=str(tmp_path), chat_template=str(tmp_path / "t.jinja")))
