@@ -104,13 +104,16 @@ class OutputProcessor:
             if req.status == Status.FINISHED:
                 continue  # finished (or aborted) meanwhile: its tokens are discarded
             if k > 0:
-                self.s.spec_stats.add(k, a)
-                v, d, acc = req.spec
-                req.spec = (v + 1, d + k, acc + a)
+                self.s.spec_stats.add(k, a)  # the drafter's acceptance, whatever a stop then cut
             elif k == 0:
                 self.s.spec_stats.empty += 1
-            outs.append(self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
-                                   top[lo:off] if top else None))
+            out = self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
+                             top[lo:off] if top else None)
+            if k > 0:  # the request's own count: accepted drafts that are in its answer (OpenAI's
+                v, d, acc = req.spec  # accepted_prediction_tokens), not those after a stop
+                req.spec = (v + 1, d + k, acc + min(a, len(out.new_ids)))
+                out = msgspec.structs.replace(out, spec=req.spec)
+            outs.append(out)
         return outs
 
     def _verified(self, seq: int, req: Req, accepted: int) -> bool:

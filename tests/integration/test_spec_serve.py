@@ -76,6 +76,24 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     assert m["strata_spec_empty_rows_total"] >= lines[-1]["empty"] >= 0  # rows that found no draft
 
 
+def test_a_stop_token_inside_a_verify_row_counts_only_the_drafts_kept(spec_server: Server) -> None:
+    """An audit: accepted drafts after a stop token were counted in accepted_prediction_tokens (OpenAI's:
+    prediction tokens that appear in the completion), which could pass completion_tokens."""
+    def generate(**params) -> dict:  # noqa: ANN003
+        r = httpx.post(f"{spec_server.http}/generate", timeout=120, json={"text": PROMPT, "sampling_params": {
+            "max_new_tokens": 24, "temperature": 0, "ignore_eos": True, **params}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ids = generate()["output_ids"]
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # inside the first verify row's answer
+    meta = generate(stop_token_ids=[ids[i]])["meta_info"]
+    assert meta["completion_tokens"] == i + 1
+    use = _complete(spec_server, max_tokens=24, ignore_eos=True, stop_token_ids=[ids[i]])["usage"]
+    assert use["completion_tokens"] == i + 1
+    assert 0 < use["completion_tokens_details"]["accepted_prediction_tokens"] <= i  # (the first is the prefill's)
+
+
 def test_speculative_tp2_gives_the_plain_tp1_tokens(spec_server: Server, server: Server,
                                                    default_model_dir: Path) -> None:
     """Greedy tokens equal a plain float32 engine's (tp=1, speculation off, in process: the session's
