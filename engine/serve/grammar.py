@@ -43,6 +43,7 @@ import structlog
 
 from engine.serve.errors import ApiError
 from engine.serve.grammar_checker import Checker, CheckerStartError
+from engine.serve.json_schema import check_pattern, enforceable
 from engine.serve.metrics import Metrics
 from engine.serve.parsers.base import ToolStructure
 from engine.serve.parsers.reasoning import GAP_CHARS
@@ -70,7 +71,13 @@ class Reasoning:
     starts_inside: bool
 
 
-def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
+def json_format(schema: dict[str, Any] | bool, param: str = "json_schema") -> dict[str, Any]:
+    """A JSON-schema part, its allOfs fused (engine/serve/json_schema.py: xgrammar would enforce
+    nothing of them); a 400 naming `param` where it cannot be enforced."""
+    try:
+        schema = enforceable(schema)
+    except ValueError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param) from None
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
 
 
@@ -112,6 +119,10 @@ def spec_format(name: str, text: str) -> dict[str, Any]:
     if name in ("regex", "ebnf") and not text:
         raise ApiError(400, f"{name} must not be empty", param=name)
     if name == "regex":
+        try:
+            check_pattern(text, "regex")
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=name) from None
         return {"type": "regex", "pattern": text}
     if name == "ebnf":
         return {"type": "grammar", "grammar": text, "syntax": "ebnf"}
@@ -156,7 +167,7 @@ def tools_format(structure: ToolStructure, parallel: bool) -> dict[str, Any]:
         {
             "type": "tag",
             "begin": t.begin,
-            "content": {**json_format(t.schema), "style": style},
+            "content": {**json_format(t.schema, f"tools: {t.name}'s parameters"), "style": style},
             "end": t.end,
         }
         for t in structure.tags
