@@ -327,8 +327,13 @@ def first_line(exc: BaseException) -> str:
 
 def response_format_spec(response_format: dict[str, Any] | None) -> dict[str, str]:
     """OpenAI `response_format` -> the SamplingParams field it sets ({} for text)."""
-    rf = response_format or {}
-    kind = rf.get("type", "text")
+    if response_format is None:
+        return {}
+    kind = response_format.get("type")
+    rf = response_format
+    if not isinstance(kind, str):
+        raise ApiError(400, "response_format.type is required: text, json_object or json_schema",
+                       param="response_format.type")
     if kind == "text":
         return {}
     if kind == "json_object":
@@ -342,8 +347,8 @@ def response_format_spec(response_format: dict[str, Any] | None) -> dict[str, st
     if extra:
         raise ApiError(400, f"response_format.json_schema has unknown fields: {', '.join(extra)}",
                        param=f"response_format.json_schema.{extra[0]}")
-    if not isinstance(js.get("name", ""), str) or not isinstance(js.get("strict", False), bool | None):
-        raise ApiError(400, "response_format.json_schema: name must be a string, strict a boolean",
+    if not isinstance(js.get("name"), str) or not isinstance(js.get("strict", False), bool | None):
+        raise ApiError(400, "response_format.json_schema: name (a string) is required, strict is a boolean",
                        param="response_format.json_schema")
     schema = js.get("schema", {"type": "object"})
     if not isinstance(schema, dict):

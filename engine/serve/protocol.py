@@ -49,6 +49,16 @@ class ChatMessage(msgspec.Struct):
     reasoning_content: str | None = None
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs` (which replaced its guided_* fields in v0.12): one constraint."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -82,6 +92,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM >= 0.12's name for the four above
 
     def __post_init__(self) -> None:
         # Some clients send every field, unset ones as null: null means the default.

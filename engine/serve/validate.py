@@ -232,26 +232,36 @@ def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str
     return names
 
 
+_GUIDED = {"json": "json_schema", "regex": "regex", "choice": "ebnf", "grammar": "ebnf", "json_object": "json_schema"}
+
+
 def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str, str] | None:
-    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar, where one is given: (its
-    name, our field, the spec): json_schema, regex or ebnf (a choice: an EBNF alternation of its
-    strings as JSON literals). 400 where two are given."""
-    given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    """vLLM's constraint, where one is given: guided_json / guided_regex / guided_choice /
+    guided_grammar, or (vLLM >= 0.12) structured_outputs' json / regex / choice / grammar /
+    json_object. (The field's name, our field, the spec): json_schema, regex or ebnf (a choice:
+    an EBNF alternation of its strings as JSON literals). 400 where two are given."""
+    so = req.structured_outputs
+    given = [(name, getattr(req, name)) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
              if getattr(req, name) is not None]
+    if so is not None:
+        given += [(f"structured_outputs.{k}", getattr(so, k)) for k in _GUIDED
+                  if getattr(so, k) not in (None, False)]
     if len(given) > 1:
-        raise ApiError(400, f"give at most one of {', '.join(given)}", param=given[1])
+        raise ApiError(400, f"give at most one of {', '.join(f for f, _ in given)}", param=given[1][0])
     if not given:
         return None
-    field = given[0]
-    value = getattr(req, field)
-    if field == "guided_json":
+    field, value = given[0]
+    kind = field.removeprefix("guided_").removeprefix("structured_outputs.")
+    if kind == "json":
         return field, "json_schema", value if isinstance(value, str) else json.dumps(value)
-    if field == "guided_regex":
+    if kind == "json_object":
+        return field, "json_schema", '{"type": "object"}'
+    if kind == "regex":
         return field, "regex", value
-    if field == "guided_grammar":
+    if kind == "grammar":
         return field, "ebnf", value
     if not value or not all(value):
-        raise ApiError(400, "guided_choice must be a list of non-empty strings", param=field)
+        raise ApiError(400, f"{field} must be a list of non-empty strings", param=field)
     return field, "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
 
 

@@ -233,6 +233,19 @@ def test_vllm_guided_fields(client: OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="Colors:", max_tokens=64, temperature=0,
                                   extra_body={"response_format": fmt})
     jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[1][1])
+    # vLLM >= 0.12 removed the guided_* fields for structured_outputs (an audit: a 400 here)
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=48, temperature=0,
+                                       extra_body={"structured_outputs": {"json": SCHEMAS[1][1]}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[1][1])
+    r = client.completions.create(model=MODEL, prompt="The year was", max_tokens=16, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": r" (19|20)[0-9]{2}\."}})
+    assert len(r.choices[0].text) == 6 and r.choices[0].text[1:5].isdigit(), r.choices[0].text
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert r.choices[0].message.content in ("red", "blue")
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=32, temperature=0,
+                                       extra_body={"structured_outputs": {"json_object": True}})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 BAD = [
@@ -252,6 +265,11 @@ BAD = [
     ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, ""),
     ({"guided_choice": []}, ""),
     ({"guided_regex": "(unclosed"}, ""),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, ""),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, ""),
+    ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, ""),
+    ({"response_format": {}}, ""),  # OpenAI's type is required
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, ""),  # and json_schema's name
 ]  # fmt: skip
 
 
