@@ -263,7 +263,7 @@ class ModelConfig:
             if d.get(key) is not None:
                 _positive(d, key)
         head_dim = mla.qk_rope_head_dim if mla else d.get("head_dim") or _derived_head_dim(hidden, heads)
-        rope_theta, scaling = _rope(d, yarn_ok=mla is not None)
+        rope_theta, scaling = _rope(d)
         bias = bool(d.get("attention_bias", False))
         qkv_bias_only = arch in _QKV_BIAS_ONLY_ARCHS
         return cls(
@@ -364,9 +364,8 @@ def _yarn(s: dict[str, Any], max_positions: int) -> YarnScaling:
     )
 
 
-def _rope(d: dict[str, Any], yarn_ok: bool = False) -> tuple[float, RopeScaling | YarnScaling | None]:
-    """(theta, scaling) from either `rope_parameters` (transformers 5) or the legacy keys; `yarn_ok`:
-    the architecture's plug-in implements YaRN (MLA models)."""
+def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(theta, scaling) from either `rope_parameters` (transformers 5) or the legacy keys."""
     params = d.get("rope_parameters")
     if isinstance(params, dict):  # its theta, else the top-level one (transformers merges them so)
         theta, scaling = params.get("rope_theta", d.get("rope_theta", 10000.0)), params
@@ -377,12 +376,11 @@ def _rope(d: dict[str, Any], yarn_ok: bool = False) -> tuple[float, RopeScaling 
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return float(theta), None
-    if kind == "yarn" and yarn_ok:
+    if kind == "yarn":
         return float(theta), _yarn(scaling, int(d.get("max_position_embeddings") or 0))
     if kind != "llama3":
-        supported = "none, llama3, yarn" if yarn_ok else "none, llama3"
         raise ValueError(f"unsupported rope scaling type {kind!r} in rope_scaling/rope_parameters "
-                         f"(supported for {_architecture(d)}: {supported})")
+                         f"(supported for {_architecture(d)}: none, llama3, yarn)")
     try:
         return float(theta), RopeScaling(
             factor=float(scaling["factor"]),

@@ -16,8 +16,6 @@ prefill and in the absorbed form for decode.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -43,39 +41,8 @@ from engine.layers.parallel import (
     parallel_state,
     range_split,
 )
-from models.config import ModelConfig, RopeScaling, YarnScaling
-from models.llama import MLP, RMSNorm, norm_linear, rope_inv_freq
-
-
-def _mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inv_freq(dim: int, theta: float, y: YarnScaling) -> tuple[torch.Tensor, float]:
-    """(float32 [dim/2] inverse frequencies, cos/sin factor) of YaRN, as transformers'
-    _compute_yarn_parameters: per dimension a ramp between the extrapolated (original) and the
-    interpolated (/ factor) frequency, from the beta_fast/beta_slow rotation counts."""
-    attention_factor = y.attention_factor
-    if attention_factor is None:
-        if y.mscale and y.mscale_all_dim:
-            attention_factor = _mscale(y.factor, y.mscale) / _mscale(y.factor, y.mscale_all_dim)
-        else:
-            attention_factor = _mscale(y.factor)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
-    if y.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp
-    inv = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv, float(attention_factor)
+from models.config import ModelConfig, YarnScaling
+from models.llama import MLP, RMSNorm, mscale, norm_linear, rope_frequencies
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -83,7 +50,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
     scale = cfg.mla.qk_head_dim**-0.5
     y = cfg.rope_scaling
     if isinstance(y, YarnScaling) and y.mscale_all_dim:  # transformers' yarn_apply_mscale
-        scale *= _mscale(y.factor, y.mscale_all_dim) ** 2
+        scale *= mscale(y.factor, y.mscale_all_dim) ** 2
     return scale
 
 
@@ -95,11 +62,7 @@ class LatentRope:
     def __init__(self, cfg: ModelConfig) -> None:
         assert cfg.mla is not None
         dim, s = cfg.mla.qk_rope_head_dim, cfg.rope_scaling
-        if isinstance(s, YarnScaling):
-            self.inv_freq, self.factor = yarn_inv_freq(dim, cfg.rope_theta, s)
-        else:
-            assert s is None or isinstance(s, RopeScaling)
-            self.inv_freq, self.factor = rope_inv_freq(dim, cfg.rope_theta, s), 1.0
+        self.inv_freq, self.factor = rope_frequencies(dim, cfg.rope_theta, s)
         self.interleave = cfg.mla.rope_interleave
         self._on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device: no copy inside a CUDA graph
 

@@ -44,7 +44,7 @@ from engine.layers.parallel import (
     parallel_state,
 )
 from models.config import ModelConfig
-from models.llama import MLP, Attention, DecoderLayer, RMSNorm, norm_linear, rope_inv_freq
+from models.llama import MLP, Attention, DecoderLayer, RMSNorm, norm_linear, rope_frequencies
 from models.loader import checkpoint_files
 
 
@@ -169,8 +169,8 @@ class EagleHead(nn.Module):
             self.fc = Linear(2 * h, h, "fc.bias" in spec.names, dtype)
             self.layers = nn.ModuleList((_NoInputNormLayer if i == 0 else DecoderLayer)(cfg, i, dtype)
                                         for i in range(cfg.num_layers))
-        self.rotary = ops.Rotary(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), cfg.head_dim,
-                                 max(max_positions, cfg.max_position_embeddings))
+        inv_freq, factor = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = ops.Rotary(inv_freq, cfg.head_dim, max(max_positions, cfg.max_position_embeddings), factor)
         self.shared: tuple[nn.Module, nn.Module] | None = None  # (embedding, LM head) of the target
 
     def share(self, embed: nn.Module, lm_head: nn.Module) -> None:

@@ -36,7 +36,7 @@ from engine.layers.parallel import (
 )
 from engine.layers.triton_ops import PreNormed
 from engine.layers.tuning import kernel_tuning
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig, RopeScaling, YarnScaling
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -57,6 +57,14 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def rope_frequencies(dim: int, theta: float, scaling: RopeScaling | YarnScaling | None) -> tuple[torch.Tensor, float]:
+    """(float32 [dim/2] inverse frequencies, the factor cos and sin are scaled by): plain, Llama-3.1's
+    smoothing, or YaRN (Qwen's long-context recipe, DeepSeek-V3's MLA), as transformers computes each."""
+    if isinstance(scaling, YarnScaling):
+        return yarn_inv_freq(dim, theta, scaling)
+    return rope_inv_freq(dim, theta, scaling), 1.0
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """float32 [head_dim/2] inverse frequencies, with Llama-3.1 smoothing when `scaling` is set."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -71,6 +79,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention scale for a context `scale` times the original (transformers' get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, y: YarnScaling) -> tuple[torch.Tensor, float]:
+    """(float32 [dim/2] inverse frequencies, cos/sin factor) of YaRN, as transformers'
+    _compute_yarn_parameters: per dimension a ramp between the extrapolated (original) and the
+    interpolated (/ factor) frequency, from the beta_fast/beta_slow rotation counts."""
+    attention_factor = y.attention_factor
+    if attention_factor is None:
+        if y.mscale and y.mscale_all_dim:
+            attention_factor = mscale(y.factor, y.mscale) / mscale(y.factor, y.mscale_all_dim)
+        else:
+            attention_factor = mscale(y.factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
 
 
 class Attention(nn.Module):
@@ -267,9 +307,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, dtype, self.layer_cls)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         # a plain attribute, not a buffer: module.to(dtype) must not cast RoPE frequencies
-        self.rotary = ops.Rotary(
-            rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), cfg.head_dim, cfg.max_position_embeddings
-        )
+        inv_freq, factor = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = ops.Rotary(inv_freq, cfg.head_dim, cfg.max_position_embeddings, factor)
 
     @staticmethod
     def kv_layout(cfg: ModelConfig) -> KVLayout:

@@ -21,7 +21,7 @@ from engine.layers import ops
 from engine.layers.context import ForwardContext, RopeState
 from engine.layers.moe import MoE, pad_rows
 from models.config import ModelConfig
-from models.llama import DecoderLayer, LlamaForCausalLM, norm_linear, rope_inv_freq
+from models.llama import DecoderLayer, LlamaForCausalLM, norm_linear, rope_frequencies
 
 
 class PartialRotary(ops.Rotary):
@@ -30,12 +30,13 @@ class PartialRotary(ops.Rotary):
     (flashinfer's rope, the triton q/k-norm + RoPE + store prologue) rotate whole heads, so
     `prepare` never asks for them."""
 
-    def __init__(self, inv_freq: torch.Tensor, rotary_dim: int, head_dim: int, max_positions: int) -> None:
-        super().__init__(inv_freq, rotary_dim, max_positions)
+    def __init__(self, inv_freq: torch.Tensor, rotary_dim: int, head_dim: int, max_positions: int,
+                 factor: float = 1.0) -> None:
+        super().__init__(inv_freq, rotary_dim, max_positions, factor)
         self.full_dim = head_dim
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeState:
-        cos, sin = ops.rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype)
+        cos, sin = ops.rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype, self.factor)
         return RopeState(False, positions, cos=cos, sin=sin)
 
     def _rotate(self, x: torch.Tensor, state: RopeState) -> torch.Tensor:
@@ -84,10 +85,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(cfg, dtype)
         if cfg.rotary_dim < cfg.head_dim:
-            self.rotary = PartialRotary(
-                rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling),
-                cfg.rotary_dim, cfg.head_dim, cfg.max_position_embeddings,
-            )
+            inv_freq, factor = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+            self.rotary = PartialRotary(inv_freq, cfg.rotary_dim, cfg.head_dim, cfg.max_position_embeddings, factor)
 
     @property
     def supports_cuda_graph(self) -> bool:

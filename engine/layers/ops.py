@@ -120,11 +120,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- rotary
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, head_dim] in `dtype`, computed in float32 (rotate-half layout)."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 factor: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, head_dim] in `dtype`, computed in float32 (rotate-half layout), times `factor`
+    (YaRN's attention factor; 1 otherwise)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if factor == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,8 +163,9 @@ class Rotary:
     and rotates q and k in place. The torch path computes cos/sin per forward, as HF does.
     """
 
-    def __init__(self, inv_freq: torch.Tensor, head_dim: int, max_positions: int) -> None:
+    def __init__(self, inv_freq: torch.Tensor, head_dim: int, max_positions: int, factor: float = 1.0) -> None:
         self.inv_freq = inv_freq  # float32 [head_dim/2]
+        self.factor = factor  # cos and sin scaled by it (YaRN's attention factor; else 1)
         self.head_dim = head_dim
         self.max_positions = max_positions
         self._cache: torch.Tensor | None = None
@@ -175,7 +180,7 @@ class Rotary:
         if self._cache is None or self._cache.device != device:
             pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = pos[:, None] * self._inv_freq_on(device)[None, :]
-            self._cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            self._cache = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.factor).contiguous()
         return self._cache
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeState:
@@ -185,7 +190,7 @@ class Rotary:
         if fused_ok(probe):
             prologue = kernel_tuning(probe.device).fused_prologue and triton_ops.supported(self.head_dim, probe)
             return RopeState(True, positions, cos_sin_cache=self.cos_sin_cache(positions.device), prologue=prologue)
-        cos, sin = rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype)
+        cos, sin = rope_cos_sin(positions, self._inv_freq_on(positions.device), dtype, self.factor)
         return RopeState(False, positions, cos=cos, sin=sin)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, state: RopeState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +203,8 @@ class Rotary:
             )
             return q, k
         if state.fused:  # a layout the kernel cannot take: exact torch math instead
-            cos, sin = rope_cos_sin(state.positions, self._inv_freq_on(state.positions.device), q.dtype)
+            cos, sin = rope_cos_sin(state.positions, self._inv_freq_on(state.positions.device), q.dtype,
+                                    self.factor)
         else:
             cos, sin = state.cos, state.sin
             if all(_cpu_rope_ok(x, cos, self.head_dim) for x in (q, k)):  # in place (Qwen3: fresh q/k-norm outputs)

@@ -259,11 +259,28 @@ def test_bad_mla_configs_fail_naming_the_field(change: dict, field: str) -> None
         ModelConfig.from_dict({**TINY_V3, **change})
 
 
-def test_yarn_is_refused_where_the_plug_in_lacks_it() -> None:
-    d = json.loads((CONFIGS / "tiny-llama" / "config.json").read_text())
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_yarn_on_dense_models_matches_transformers(name: str, tmp_path: Path) -> None:
+    """An audit: YaRN (Qwen's model cards add it for long context; vLLM and SGLang serve it) was
+    refused for dense models. Frequencies blended and cos/sin scaled as transformers does, over
+    prompts past the original context (64) where the interpolation shows."""
+    from model_harness import make_hf_dir, tiny_config
+
+    d = tiny_config(name)
     d["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="'yarn'.*LlamaForCausalLM"):
-        ModelConfig.from_dict(d)
+    path = make_hf_dir(tmp_path / name, d)
+    model, cfg = load_model(path, progress=False)
+    assert cfg.rope_scaling is not None and model.rotary.factor > 1
+    hf = load_hf(path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (5, 90)]
+    runner = PagedGreedy(model, cfg)
+    seqs = [runner.new_seq(p, 12) for p in prompts]
+    runner.run(seqs, 12)
+    for s, prompt in zip(seqs, prompts, strict=True):
+        want_toks, want_logits = hf_greedy(hf, prompt, 12)
+        assert s.out == want_toks
+        torch.testing.assert_close(torch.stack(s.logits), want_logits, atol=1e-3, rtol=0)
 
 
 def test_weight_bytes_count_mla_parameters(v3: tuple) -> None:

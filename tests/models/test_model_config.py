@@ -140,7 +140,8 @@ def test_head_dim_derived() -> None:
     [
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn rope scaling lacks 'original_max"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
         ({"vocab_size": None}, "vocab_size"),
         ({"architectures": []}, "exactly one architecture"),

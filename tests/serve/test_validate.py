@@ -117,7 +117,8 @@ def _chat(extra: str) -> ChatCompletionRequest:
         ('"max_completion_tokens": 200', "max_completion_tokens"),
         ('"max_tokens": 200', "max_tokens"),
         ('"guided_choice": ["' + "y" * 70000 + '"]', "guided_choice"),
-        ('"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"description": "' + "d" * 70000
+        ('"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"description": "'
+         + "d" * 70000
          + '"}}}', "response_format"),
         ('"response_format": {"type": "json_object"}, "regex": "a+"', "response_format"),
         ('"guided_regex": "' + "a" * 70000 + '"', "guided_regex"),
