@@ -307,10 +307,26 @@ def _positive(d: dict[str, Any], key: str) -> int:
     return val
 
 
+# architecture -> (module, class) of its plug-in (models/registry.py imports it lazily); the
+# Llama family shares one implementation
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "Glm4MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),  # V2's attention and routing: config
+    "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),  # also Kimi-K2's config
+}
+
+
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+    if archs[0] not in ARCHITECTURES:  # here, so the supervisor refuses it before any process starts
+        raise ValueError(f"unsupported model architecture {archs[0]!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
     return str(archs[0])
 
 

@@ -13,22 +13,11 @@ import torch
 from torch import nn
 
 from engine.layers.kv_layout import KVLayout
+from models.config import ARCHITECTURES as _ARCHS
 from models.config import ModelConfig
 from models.loader import LOAD_FORMATS, init_dummy, load_safetensors
 from models.quant import QUANTIZATION_CHOICES, QuantScheme, online_fp8
 from models.quant_weights import prepare_model, quantize_model, runtime_form
-
-# architecture -> (module, class); the Llama family shares one implementation
-_ARCHS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("models.llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("models.llama", "LlamaForCausalLM"),
-    "Qwen3MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
-    "Glm4MoeForCausalLM": ("models.moe", "MoeForCausalLM"),
-    "DeepseekV2ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),  # V2's attention and routing: config
-    "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),  # also Kimi-K2's config
-}
 
 
 def supported_architectures() -> list[str]:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
 from tests.integration.conftest import ROOT, start_server
 from tests.ports import reserve_ports
@@ -39,17 +40,19 @@ def test_sigterm_shuts_down_everything(tmp_path: Path) -> None:
 def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     model = tmp_path / "bad-model"
     model.mkdir()
-    # a whole config (its checks before start pass) of an architecture no plug-in serves: the worker fails
+    # a whole config (its checks before start pass) whose weights lack a tensor: the worker fails loading
     config = json.loads((ROOT / "configs" / "tiny-llama" / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    (model / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(config["vocab_size"], config["hidden_size"])},
+              str(model / "model.safetensors"))
     port = reserve_ports(2)
     sdk_port = port + 1
     cmd = [
         str(ROOT / "bin" / "serve"),
         "--model",
         str(model),
-        "--load-format",
-        "dummy",
         "--port",
         str(port),
         "--sdk-port",
@@ -58,7 +61,19 @@ def test_child_start_failure_exits_nonzero_with_message(tmp_path: Path) -> None:
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     # the worker is named, not the scheduler that leaves on its report (ChildSet.cause)
-    assert "strata: worker-0 failed: unsupported model architecture 'NoSuchForCausalLM'" in res.stderr, res.stderr
+    assert "strata: worker-0 failed: " in res.stderr and "lacks" in res.stderr, res.stderr
+
+
+def test_an_unsupported_architecture_or_expert_split_exits_2(tmp_path: Path) -> None:
+    """An audit: these failed in the worker after every process had started (exit 1); the
+    supervisor reads config.json first."""
+    config = json.loads((ROOT / "configs" / "tiny-llama" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    for args, why in ((["--model", str(tmp_path)], "unsupported model architecture 'NoSuchForCausalLM'; supported: "),
+                      (["--tp-size", "2", "--ep-size", "2"], "--ep-size 2: the model has no experts")):
+        res = subprocess.run([str(ROOT / "bin" / "serve"), *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 2 and why in res.stderr, res.stderr
 
 
 def test_bad_flag_exits_2(tmp_path: Path) -> None:
