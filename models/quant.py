@@ -132,9 +132,12 @@ def _fp8(q: dict[str, Any]) -> QuantScheme:
     block = q.get("weight_block_size")
     if block is None:
         return QuantScheme("fp8_row", "fp8", acts, ignore=ignore)
-    if not (isinstance(block, list) and len(block) == 2):
-        raise ValueError(f"quantization_config.weight_block_size must be [n, k], got {block!r}")
-    return QuantScheme("fp8_block", "fp8", acts, block=(int(block[0]), int(block[1])), ignore=ignore,
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be [n, k] (integers), got {block!r}")
+    if acts != "dynamic":  # (vLLM's Fp8Config refuses it too: a block checkpoint has no activation scales)
+        raise ValueError(f"quantization_config.activation_scheme {acts!r} with weight_block_size: block-wise "
+                         "fp8 takes dynamic activations only")
+    return QuantScheme("fp8_block", "fp8", acts, block=(block[0], block[1]), ignore=ignore,
                        checkpoint_scale="weight_scale_inv")
 
 

@@ -110,6 +110,9 @@ def _config(path: Path, edit: callable) -> None:
     (lambda q: q.update(quant_method="gptq"), r"quantization_config\.quant_method 'gptq' is not supported"),
     (lambda q: q.update(weight_block_size=[64, 64]), r"weight_block_size \[64, 64\] is not supported"),
     (lambda q: q.update(fmt="e5m2"), r"quantization_config\.fmt 'e5m2'"),
+    # an audit: these two were served (vLLM refuses the first; the second's strings were int()-ed)
+    (lambda q: q.update(activation_scheme="static"), r"activation_scheme 'static' with weight_block_size"),
+    (lambda q: q.update(weight_block_size=["128", "128"]), r"weight_block_size must be \[n, k\] \(integers\)"),
 ])
 def test_unsupported_fp8_fields_are_named(plain: dict[str, Path], tmp_path: Path, edit: callable,
                                            message: str) -> None:
