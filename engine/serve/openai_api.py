@@ -99,8 +99,11 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     with as_sent(req):
         params = _params_for(state, ids, kw, requested, None, limits, "messages")
         params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
-    new_output = chat_outputs(state.cfg.reasoning_parser, tools, prompt, template_kwargs,
-                              constrained=reasoning is not None and params.grammar is not None)
+    # SGLang's separate_reasoning false: the reasoning stays in the content; vLLM's include_reasoning
+    # false: it is left out of the answer
+    new_output = chat_outputs(state.cfg.reasoning_parser if req.separate_reasoning else "", tools, prompt,
+                              template_kwargs, constrained=reasoning is not None and params.grammar is not None,
+                              shown=bool(req.include_reasoning))
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
     gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, req.stream)

@@ -26,6 +26,8 @@ _NULL_MEANS_DEFAULT = {
     "echo": False,
     "add_generation_prompt": True,
     "continue_final_message": False,
+    "separate_reasoning": True,
+    "include_reasoning": True,
 }
 
 
@@ -113,6 +115,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's, for reasoning models: handed to the chat template (as vLLM does; gpt-oss's reads it)
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    separate_reasoning: bool | None = True  # SGLang's: false leaves the reasoning in the content
+    include_reasoning: bool | None = True  # vLLM's: false leaves it out of the answer
     add_generation_prompt: bool | None = True  # vLLM's chat extensions
     continue_final_message: bool | None = False
     metadata: dict[str, Any] | None = None

@@ -149,3 +149,28 @@ def test_finish_reason_and_message_shapes() -> None:
         _, output = _pipeline_run([cut], "")
         assert [c.arguments for c in output.calls] == [args]
         assert output.finish_reason("stop", auto) == "stop" and output.finish_reason("length", auto) == "length"
+
+
+def test_separate_reasoning_and_include_reasoning_as_sglang_and_vllm_take_them() -> None:
+    """An audit: SGLang's separate_reasoning and vLLM's include_reasoning were 400s (unknown fields).
+    separate_reasoning false: the reasoning parser is off for the request (chat_completions passes
+    no parser), the text stays content; include_reasoning false: parsed out and left out."""
+    from engine.serve.protocol import ChatCompletionRequest, decode_body
+
+    text = "<think>Let me think.</think>\nIt is 4."
+    body = b'{"messages": [], "separate_reasoning": false, "include_reasoning": null}'
+    req = decode_body(body, ChatCompletionRequest)
+    assert (req.separate_reasoning, req.include_reasoning) == (False, True)
+    kept = chat_outputs("", None, QWEN3_PROMPT, None)()
+    kept.feed(text)
+    kept.finish()
+    assert kept.message() == {"role": "assistant", "content": text}
+    shown = chat_outputs("qwen3", None, QWEN3_PROMPT, None)()
+    shown.feed(text)
+    shown.finish()
+    assert shown.message()["reasoning_content"] == "Let me think."
+    dropped = chat_outputs("qwen3", None, QWEN3_PROMPT, None, shown=False)()
+    deltas = [dropped.feed(text[:9]), dropped.feed(text[9:]), dropped.finish()]
+    assert "".join(d.content for d in deltas) == shown.content and not any(d.reasoning for d in deltas)
+    assert all("reasoning_content" not in d.openai_delta() for d in deltas)
+    assert dropped.message() == {"role": "assistant", "content": shown.content}

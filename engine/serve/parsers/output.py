@@ -55,8 +55,9 @@ def _whole_json(text: str) -> bool:
 class ChatOutput:
     """Incremental parse of one choice: `feed` text deltas, `finish` once at the end."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolRequest | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolRequest | None, shown: bool = True) -> None:
         self._reasoning: ReasoningStream | None = reasoning.stream() if reasoning else None
+        self._shown = shown  # False: the reasoning is parsed out and dropped (vLLM's include_reasoning false)
         self._tools: ToolStream | None = tools.make_parser().stream() if tools and tools.parses else None
         self.reasoning_text = ""
         self.content = ""
@@ -90,6 +91,8 @@ class ChatOutput:
             out.content = content
         self.reasoning_text += out.reasoning
         self.content += out.content
+        if not self._shown:
+            out.reasoning = ""
         return out
 
     def finish_reason(self, reason: str | None, tools: ToolRequest | None) -> str | None:
@@ -104,7 +107,7 @@ class ChatOutput:
     def message(self) -> dict[str, Any]:
         """The non-streaming `message` of this choice (call after `finish`)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content or (None if self.calls else "")}
-        if self._reasoning is not None:
+        if self._reasoning is not None and self._shown:
             msg["reasoning_content"] = self.reasoning_text if self.reasoned else None
         if self.calls:
             msg["tool_calls"] = [c.to_openai() for c in self.calls]
@@ -113,12 +116,13 @@ class ChatOutput:
 
 def chat_outputs(
     reasoning: str, tools: ToolRequest | None, prompt: str, template_kwargs: dict[str, Any] | None,
-    constrained: bool = False,
+    constrained: bool = False, shown: bool = True,
 ) -> Callable[[], ChatOutput]:
     """A maker of one ChatOutput per choice of a request: `reasoning` is the server's
-    --reasoning-parser ("" for none), `prompt` the rendered prompt text (a pre-filled
-    `<think>` at its end means the output starts inside the reasoning); `constrained`: a grammar
-    follows the reasoning (the whitespace gap it allows is not content)."""
+    --reasoning-parser ("" for none: the reasoning stays in the content), `prompt` the rendered
+    prompt text (a pre-filled `<think>` at its end means the output starts inside the reasoning);
+    `constrained`: a grammar follows the reasoning (the whitespace gap it allows is not content);
+    `shown` False: the reasoning is dropped from the answer."""
     gap = GAP_CHARS if constrained else 0
     parser = reasoning_parser(reasoning)(prompt, template_kwargs, gap) if reasoning else None
-    return lambda: ChatOutput(parser, tools)
+    return lambda: ChatOutput(parser, tools, shown)
