@@ -375,6 +375,7 @@ class SchedulerLoop:
             kv_pages_used=core.alloc.num_used,
             kv_pages_used_by_cp_rank=core.alloc.used_per_owner() if core.state.cfg.cp_size > 1 else None,
             cache_pages=core.cache.total_pages,
+            evictable_pages=core.cache.total_pages - core.cache.locked_pages,  # O(1), not the host tier's walk
             running=len(core.running),
             waiting=len(core.waiting) + len(core.grammars),
             cache_hit_tokens=core.cache_hit_tokens,

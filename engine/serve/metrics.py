@@ -43,6 +43,8 @@ class Metrics:
             "strata_kv_pages_used_by_cp_rank", "KV pages used in each context-parallel rank's pool", ["cp_rank"],
             registry=r)
         self.kv_cache_pages = Gauge("strata_kv_cache_pages", "KV pages held by the prefix cache", registry=r)
+        self.kv_usage = Gauge("strata_kv_usage", "Fraction of the KV pool that requests hold: the prefix cache's "
+                              "evictable pages count as free (SGLang's token_usage)", registry=r)
         self.running = Gauge("strata_running_requests", "Requests being decoded or prefilled", registry=r)
         self.waiting = Gauge("strata_waiting_requests", "Requests queued in the scheduler", registry=r)
         self.leak_free = Gauge("strata_kv_leak_free", "1 when the last idle leak check passed", registry=r)
@@ -116,6 +118,7 @@ class Metrics:
         self.kv_pages_used.set(stats.kv_pages_used)
         self.kv_pages_total.set(stats.kv_pages_total)
         self.kv_cache_pages.set(stats.cache_pages)
+        self.kv_usage.set((stats.kv_pages_used - stats.evictable_pages) / max(stats.kv_pages_total, 1))
         for cp_rank, used in enumerate(stats.kv_pages_used_by_cp_rank or ()):
             self.kv_pages_used_by_cp_rank.labels(cp_rank=str(cp_rank)).set(used)
         self.running.set(stats.running)

@@ -438,6 +438,10 @@ def test_client_disconnect_frees_pages(server: Server) -> None:
     assert m["strata_running_requests"] == 0 and m["strata_waiting_requests"] == 0
     assert m["strata_kv_leak_free"] == 1
     assert m["strata_kv_pages_used"] == m["strata_kv_cache_pages"]  # only the prefix cache holds pages
+    cached = {"model": MODEL, "prompt": "Tell me a long story about dragons. " * 8, "max_tokens": 2}
+    assert httpx.post(f"{server.base_url}/completions", json=cached, timeout=60).status_code == 200
+    m = server.wait_idle()  # an audit: an idle server's pool is all prefix cache, free at need (SGLang's token_usage)
+    assert m["strata_kv_cache_pages"] > 0 and m["strata_kv_usage"] == 0
 
 
 def test_64_concurrent_streams_all_complete(server: Server) -> None:
