@@ -69,6 +69,21 @@ class ExpertShard:
     piece: str | None
 
 
+def checkpoint_name(name: str, shard: str | ExpertShard | None, cfg: ModelConfig) -> str:
+    """The checkpoint's name of a parameter piece (map_name and _scale_alias undone): what a
+    missing-tensor error names, since that is what the user can look for in the files."""
+    if isinstance(shard, ExpertShard):
+        stack, _, kind = name.rpartition(".")
+        param, suffix = kind.split("_", 1) if "_" in kind else (kind, "")
+        proj = {("w13", "gate"): "gate_proj", ("w13", "up"): "up_proj", ("w2", None): "down_proj"}[(param, shard.piece)]
+        name = f"{stack}.{shard.expert}.{proj}.weight{'_' + suffix if suffix else ''}"
+    else:
+        name = next((name.replace(fused, part) for part, fused, s in _FUSED if s == shard and fused in name), name)
+    if cfg.quant is not None and cfg.quant.checkpoint_scale == "weight_scale_inv" and name.endswith(".weight_scale"):
+        name += "_inv"
+    return name
+
+
 def map_expert_name(hf_name: str) -> tuple[str, ExpertShard] | None:
     """`...mlp.experts.{e}.gate_proj.weight` -> (`...mlp.experts.w13`, ExpertShard(e, "gate")), or None
     (`.weight_scale` / `.weight_scale_2` -> the stack's `w13_scale` / `w13_scale_2`, engine/layers/moe_quant.py)."""
@@ -183,8 +198,8 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
     if unexpected:
         raise ValueError(f"checkpoint {path} has {len(unexpected)} unexpected tensors: {_head(unexpected)}")
     if pending:
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in pending)
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors: {_head(missing)}")
+        missing = sorted(checkpoint_name(n, s, cfg) for n, s in pending)
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s): {_head(missing)}")
 
 
 def _pieces_of(p: nn.Parameter) -> list[str | ExpertShard | None]:

@@ -59,8 +59,24 @@ def test_fused_slices_land_in_place(llama_dir: Path) -> None:
 def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
     path = _copy(llama_dir, tmp_path / "m")
     _rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
-    with pytest.raises(ValueError, match=r"lacks 1 tensors: model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
+    # an audit: the message named the engine's fused piece (qkv_proj.weight[k]), not the checkpoint's tensor
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight$"):
         load_model(path, progress=False)
+
+
+def test_checkpoint_names_undo_the_engine_names() -> None:
+    from types import SimpleNamespace
+
+    from models.loader import checkpoint_name, map_name
+
+    block = SimpleNamespace(quant=SimpleNamespace(checkpoint_scale="weight_scale_inv"))
+    plain = SimpleNamespace(quant=None)
+    for hf in ("model.layers.3.mlp.experts.5.up_proj.weight", "model.layers.3.mlp.experts.0.gate_proj.weight_scale",
+               "model.layers.3.mlp.experts.7.down_proj.weight_scale_2", "model.layers.0.self_attn.v_proj.weight",
+               "model.layers.0.mlp.gate_proj.weight", "model.norm.weight"):
+        assert checkpoint_name(*map_name(hf), plain) == hf
+    assert checkpoint_name("model.layers.0.mlp.down_proj.weight_scale", None, block) == \
+        "model.layers.0.mlp.down_proj.weight_scale_inv"
 
 
 def test_unexpected_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
