@@ -90,7 +90,7 @@ class ServerConfig:
     l3_size: float = 16.0  # GB cap on the files in l3_dir (oldest removed first)
     # speculative decoding (docs/architecture.md, Speculative decoding), SGLang's flag names
     speculative_algorithm: str = ""  # "" (off) | NGRAM | STANDALONE | EAGLE | EAGLE3 | NEXTN
-    speculative_num_steps: int = 0  # drafts per row and step (0: 3 when speculation is on)
+    speculative_num_steps: int = 0  # drafts per row and step (0: a chain's draft tokens - 1, else 3)
     speculative_num_draft_tokens: int = 0  # tokens verified per row: num_steps + 1 for chains (0: that); a tree's nodes
     speculative_eagle_topk: int = 1  # drafts per position: 1 (chains); > 1: NGRAM draft trees (num_steps: their depth)
     speculative_draft_model_path: str = ""  # STANDALONE: a draft model's directory; EAGLE, EAGLE3: the head's
@@ -229,7 +229,9 @@ class ServerConfig:
         if algo not in ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN"):
             raise ValueError(f"bad --speculative-algorithm {algo} (NGRAM, STANDALONE, EAGLE, EAGLE3, NEXTN)")
         head = algo in ("EAGLE", "EAGLE3")
-        steps = self.speculative_num_steps or 3
+        # a chain of only --speculative-num-draft-tokens N (SGLang's NGRAM command lines) drafts N - 1
+        chain_of = self.speculative_num_draft_tokens - 1 if self.speculative_eagle_topk <= 1 else 0
+        steps = self.speculative_num_steps or (chain_of if chain_of > 0 else 3)
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
             (1 <= steps <= MAX_SPEC_STEPS, f"--speculative-num-steps must be in 1..{MAX_SPEC_STEPS}"),

@@ -209,6 +209,11 @@ def test_speculative_defaults() -> None:
     cfg = ServerConfig(speculative_algorithm="NGRAM")
     assert (cfg.speculative_num_steps, cfg.speculative_num_draft_tokens) == (3, 4)
     assert ServerConfig.from_json(cfg.to_json()) == cfg
+    # an audit: SGLang's NGRAM command lines give only --speculative-num-draft-tokens (a chain of N - 1 drafts)
+    cfg = ServerConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
+    assert (cfg.speculative_num_steps, cfg.speculative_num_draft_tokens) == (7, 8)
+    with pytest.raises(ValueError, match="--speculative-num-steps must be in"):
+        ServerConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=40)
 
 
 def test_verify_rows_see_the_drafts_before_them_in_their_penalty_history() -> None:
