@@ -16,6 +16,7 @@ import argparse
 import functools
 import math
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -167,7 +168,8 @@ def check(args: argparse.Namespace) -> str | None:
         checks = [
             (args.num_requests >= 1, "--num-requests must be >= 1"),
             (1 <= lo_in <= hi_in and 1 <= lo_out <= hi_out, "length ranges need 1 <= MIN <= MAX"),
-            ((args.input_len or 1) >= 1 and (args.output_len or 1) >= 1, "--input-len/--output-len must be >= 1"),
+            (all(n is None or n >= 1 for n in (args.input_len, args.output_len)),
+             "--input-len/--output-len must be >= 1"),
         ]
         if args.mode == "serve":
             checks.append((args.request_rate > 0, "--request-rate must be > 0"))
@@ -195,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     from engine.bench.launch import ServerUnavailable
 
+    # SIGTERM as SystemExit, so the `finally` that stops a server this run started runs (an audit
+    # found it left running otherwise); Ctrl-C likewise, without a traceback
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         figures = modes[args.mode](args)
     except ServerUnavailable as exc:
         print(f"bin/bench: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("bin/bench: interrupted", file=sys.stderr)
+        return 130
     return 1 if figures.get("completed", 1) == 0 or figures.get("tier_errors") else 0
 
 

@@ -196,6 +196,33 @@ def test_arrivals_and_arg_checks() -> None:
     assert cli.main(["spec", "--algorithm", "STANDALONE"]) == 2  # needs --draft-model
     assert cli.main(["spec", "--draft-model", "x"]) == 2  # goes with STANDALONE
     assert cli.main(["spec", "--algorithm", "NEXTN", "--corrupt", "0.5"]) == 2  # corrupts NGRAM's drafts only
+    # an audit: 0 read as "unset" ran a bench of 0-token outputs (and 0-token prompts, all 400s)
+    assert cli.main(["offline", "--output-len", "0"]) == 2 and cli.main(["serve", "--input-len", "0"]) == 2
+
+
+def test_sigterm_stops_the_server_the_bench_started(tiny_model: Path) -> None:
+    """An audit: a SIGTERM to bin/bench skipped the `finally` that stops its server, left running."""
+    import psutil
+
+    proc = subprocess.Popen([str(ROOT / "bin" / "bench"), "offline", "--model", str(tiny_model), "--load-format",
+                             "dummy", "--num-requests", "2", "--input-len", "8", "--output-len", "1000",
+                             "--server-args=--max-total-tokens 8192"],
+                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        lines = []
+        while not any("server ready" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        port = next(line for line in lines if line.startswith("starting:")).split("--port ")[1].split()[0]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        left = [p for p in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(p.info["cmdline"] or [])]
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_generate_event_token_count() -> None:
