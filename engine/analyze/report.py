@@ -19,6 +19,7 @@ FINISHED_EVENT = "request finished"  # the tokenizer's, one per request that ran
 # the other ends of a request at the tokenizer: failed before it ran (a server process died) or its
 # client gone before the response
 FAILED_EVENTS = ("sdk request failed", "client disconnected before the response")
+ADMIN_EVENTS = ("abort asked",)  # an API call that generates nothing (/abort_request): its line is its end
 # a request's own rid where its prompts or choices run (and end) as rid-0, rid-1, ...: a batch's, or n > 1's
 PARENT_EVENTS = (*RECEIVED_EVENTS, "generate batch")
 ERROR_LEVELS = ("error", "critical", "exception")
@@ -140,7 +141,8 @@ def build_requests(records: list[Record], t0: float, has_l2: bool) -> list[Reque
 
 
 def _ends(rec: Record) -> bool:
-    return rec.get("proc") == "tokenizer" and rec["event"] in (FINISHED_EVENT, *REJECTED_EVENTS, *FAILED_EVENTS)
+    return rec.get("proc") == "tokenizer" and rec["event"] in (FINISHED_EVENT, *REJECTED_EVENTS, *FAILED_EVENTS,
+                                                              *ADMIN_EVENTS)
 
 
 def unfinished(records: list[Record], t0: float) -> list[dict[str, Any]]:

@@ -306,6 +306,9 @@ def test_a_reused_rid_is_two_requests_and_rejections_are_not_in_flight(tmp_path:
         *[_line(event="request finished", rid=f"g-{i}", finish_reason="length", prompt_tokens=4, completion_tokens=1,
                 cached_tokens=0, ttft=0.01, proc="tokenizer", timestamp=at(720 + i)) for i in range(2)],
         _line(event="chat request", rid="f", prompt_tokens=5, proc="tokenizer", timestamp=at(800)),
+        # an audit: an /abort_request call's own line listed it as an unfinished request
+        _line(event="abort asked", rid="h", target="f", abort_all=False, aborted=1, proc="tokenizer",
+              timestamp=at(810)),
     ]
     sched = [_line(event="request", rid="a", prompt_tokens=2, proc="scheduler", timestamp=at(210)),
              _line(event="request", rid="a", prompt_tokens=2, proc="scheduler", timestamp=at(310))]  # a late line
