@@ -52,7 +52,10 @@ def _gone() -> StrataError:
 def _frame(req: GenerateRequest) -> bytes:
     """The request's frame, or StrataError 413 where the server would refuse it (and drop the
     connection, every other request on it with it)."""
-    frame = _TO_SERVER.encode(req)
+    try:
+        frame = _TO_SERVER.encode(req)
+    except (OverflowError, msgspec.EncodeError) as exc:  # e.g. a seed past 64 bits: a 400, as over HTTP
+        raise StrataError(400, f"bad request: {exc}") from None
     if len(frame) > MAX_FRAME_BYTES:
         raise StrataError(413, f"request of {len(frame)} bytes is over the server's {MAX_FRAME_BYTES >> 20} MiB limit")
     return frame
@@ -80,6 +83,8 @@ def _request(prompt: str | list[int], stream: bool, rid: str | None, kw: dict[st
         params = msgspec.convert(kw, SamplingParams, str_keys=True)  # logit_bias={"5": 1.0} too
     except msgspec.ValidationError as exc:
         raise StrataError(400, f"bad sampling parameter: {exc}") from None
+    if rid is not None and not isinstance(rid, str):  # the server could not even decode the frame
+        raise StrataError(400, f"rid must be a string, got {type(rid).__name__}")
     rid = rid or uuid.uuid4().hex
     unset = [name for name in MODEL_DEFAULT_FIELDS if name not in kw]  # the model's defaults fill these
     if isinstance(prompt, str):
@@ -100,11 +105,13 @@ def _check(msg: FromServer | None) -> GenerateChunk | None:
 
 
 class Client:
-    """Blocking client. One request at a time per client object (use AsyncClient for many)."""
+    """Blocking client. One request at a time per client object (use AsyncClient for many): a
+    second one while a stream is open is a StrataError 409, not replies lost between the two."""
 
-    def __init__(self, addr: str, timeout_s: float = 300.0, api_key: str = "") -> None:
+    def __init__(self, addr: str, *, timeout_s: float = 300.0, api_key: str = "") -> None:
         self._api_key = api_key  # the server's --api-key, where it has one
         self._timeout_s = timeout_s  # a whole request's limit
+        self._active: str | None = None  # the rid of the request in flight
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -125,21 +132,30 @@ class Client:
             if chunk is not None and chunk.rid == rid:
                 return chunk
 
+    def _send(self, req: GenerateRequest) -> None:
+        if self._active is not None:
+            raise StrataError(409, f"this Client has request {self._active!r} in flight: one at a time (finish or "
+                                   "close its stream first, or use AsyncClient for many)")
+        self._sock.send(_frame(req))
+        self._active = req.rid
+
     def generate(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> GenerateChunk:
         """Run one request to completion; params are SamplingParams fields."""
         req = _request(prompt, False, rid, params, self._api_key)
-        self._sock.send(_frame(req))
+        self._send(req)
         try:
             return self._next(req.rid, time.monotonic() + self._timeout_s)
         except StrataError as exc:
             if exc.status in (503, 504):  # ours, not the server's: it may still be running it
                 self.abort(req.rid)
             raise
+        finally:
+            self._active = None
 
     def stream(self, prompt: str | list[int], rid: str | None = None, **params: Any) -> Iterator[GenerateChunk]:
         """Yield deltas until the request finishes. Closing the iterator early aborts it."""
         req = _request(prompt, True, rid, params, self._api_key)
-        self._sock.send(_frame(req))
+        self._send(req)
         deadline = time.monotonic() + self._timeout_s
         finished = False
         try:
@@ -148,6 +164,7 @@ class Client:
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
+            self._active = None
             if not finished:
                 self.abort(req.rid)
 
@@ -168,7 +185,7 @@ class AsyncClient:
     """asyncio client; many concurrent requests share one socket. One reader task routes
     replies to per-request queues by rid."""
 
-    def __init__(self, addr: str, api_key: str = "", timeout_s: float = 300.0) -> None:
+    def __init__(self, addr: str, *, api_key: str = "", timeout_s: float = 300.0) -> None:
         self._api_key = api_key  # the server's --api-key, where it has one
         self._timeout_s = timeout_s  # a whole request's limit (Client's)
         self._ctx = zmq.asyncio.Context.instance()

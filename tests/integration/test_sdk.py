@@ -323,3 +323,19 @@ def test_closing_an_async_client_mid_stream_ends_the_stream_quietly(server: Serv
 
     asyncio.run(main())
     assert server.wait_idle()["strata_kv_leak_free"] == 1
+
+
+def test_a_second_request_on_a_busy_sync_client_is_refused(server: Server) -> None:
+    """An audit: two interleaved streams on one Client lost each other's chunks with no error (7 and 5
+    tokens of 10); the second request is a 409 now, and the client serves again once the first ends."""
+    with Client(server.sdk) as c:
+        a = c.stream("Count:", max_new_tokens=10, ignore_eos=True, temperature=0)
+        first = next(a)
+        with pytest.raises(StrataError) as err:
+            next(c.stream("Other:", max_new_tokens=10))
+        assert err.value.status == 409
+        with pytest.raises(StrataError):
+            c.generate("Other:", max_new_tokens=2)
+        chunks = [first, *a]
+        assert sum(len(ch.token_ids) for ch in chunks) == 10 and chunks[-1].finish_reason == "length"
+        assert len(c.generate("Other:", max_new_tokens=3, ignore_eos=True).token_ids) == 3

@@ -32,3 +32,17 @@ def test_max_new_tokens_left_out_or_none_is_clipped_by_the_server_as_over_http()
     assert (left_out.max_given, left_out.params.max_new_tokens) == (False, 128)
     assert (unbounded.max_given, unbounded.params.max_new_tokens) == (False, INT32 - 1)
     assert (given.max_given, given.params.max_new_tokens) == (True, 5)
+
+
+def test_a_rid_or_value_the_frame_cannot_carry_is_a_400_before_sending() -> None:
+    """An audit: rid=5 reached the server as a frame it dropped (the client heard nothing for 10 s: a
+    503), and seed=2**70 raised a raw OverflowError."""
+    from msgs.sdk import _frame
+
+    with pytest.raises(StrataError, match="rid must be a string") as err:
+        _request("hi", False, 5, {}, "")  # type: ignore[arg-type]
+    assert err.value.status == 400
+    with pytest.raises(StrataError, match="bad request") as err:
+        _frame(_request("hi", False, "r", {"seed": 2**70}, ""))
+    assert err.value.status == 400
+
