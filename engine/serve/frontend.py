@@ -99,6 +99,11 @@ class ReqHandle:
             self._frontend._release(self)
         return out
 
+    def undelivered_tokens(self) -> int:
+        """Tokens that came but the consumer never took: a non-streamed request is woken only by its
+        final output, so one cancelled before it still generated these."""
+        return sum(len(o.new_ids) for o in self._pending)
+
     def ended(self, reason: str) -> None:
         """Count how the request ended (strata_requests_finished_total)."""
         self._frontend.metrics.finished.labels(reason).inc()

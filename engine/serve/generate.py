@@ -199,6 +199,8 @@ async def _sub_deltas(tok: TextTokenizer | None, sub: SubRequest, handle: ReqHan
         finish = "error"
         raise
     finally:
+        if finish is None:  # cancelled: what it generated counts, taken or not (an audit logged 0)
+            produced += handle.undelivered_tokens()
         handle.close()  # after a stop string this aborts the request in the scheduler
         handle.ended(finish or "cancelled")
         log.info(

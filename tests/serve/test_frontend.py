@@ -296,6 +296,36 @@ def test_cancelled_consumer_aborts() -> None:
     run(main())
 
 
+def test_a_cancelled_non_streamed_request_counts_what_it_generated() -> None:
+    """An audit: a non-streamed request (woken only by its final output) cancelled mid-way was
+    logged with completion_tokens 0, though it had generated tokens; bin/analyze undercounted."""
+    from structlog.testing import capture_logs
+
+    async def main() -> list[dict]:
+        fe = Frontend()
+        gen = Generation(fe, None, "q", fan_out("q", [[1]], [SamplingParams()], 1), stream=False)
+        sent(fe)
+
+        async def consume() -> None:
+            try:
+                await collect(gen)
+            finally:
+                gen.close()
+
+        with capture_logs() as logs:
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.01)
+            fe.dispatch(out("q", [5, 6]))
+            fe.dispatch(out("q", [7]))
+            await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return logs
+
+    done = [e for e in run(main()) if e["event"] == "request finished"]
+    assert [(e["finish_reason"], e["completion_tokens"]) for e in done] == [("cancelled", 3)]
+
+
 def test_readiness_and_limits() -> None:
     async def main() -> None:
         fe = Frontend()
