@@ -55,6 +55,8 @@ def _workload(p: argparse.ArgumentParser, num: int) -> None:
     p.add_argument("--output-len", type=int, default=None, help="fixed output length (overrides the range)")
     p.add_argument("--vocab-size", type=int, default=None, help="token id range (default: the model's)")
     p.add_argument("--url", default=None, help="use the running server at this HTTP URL instead of starting one")
+    p.add_argument("--api-key", default=None,
+                   help="the server's --api-key (default: STRATA_API_KEY, which a server started here reads too)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,7 +251,7 @@ def _structured(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
-    out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"}
+    out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k not in ("out", "api_key")}
     out.update(extra)
     return out
 
@@ -290,6 +292,8 @@ def _against_server(
     report.print_settings(args.mode, settings)
     probe = HardwareProbe()  # in a child process, overlapping the server start-up
     server_args = shlex.split(args.server_args)
+    if args.api_key and "--api-key" not in server_args:  # a server started here takes the same key
+        server_args += ["--api-key", args.api_key]
     with launch.endpoints(args.url, getattr(args, "sdk", None), args.model, args.load_format, server_args) as ep:
         hardware = probe.result()  # awaited before the load (PROBE_BEFORE_LOAD)
         settings["load_started_at"] = time.time()
@@ -303,13 +307,19 @@ def _against_server(
     return figures
 
 
+def _api_key(args: argparse.Namespace) -> str:
+    from engine.env import env
+
+    return args.api_key if args.api_key is not None else (env().api_key or "")
+
+
 def _offline(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import offline
 
     def measure(ep: Any, reqs: list[Any], settings: dict[str, Any]) -> dict[str, Any]:
         backend = "sdk" if ep.sdk and (args.backend == "sdk" or not ep.http) else "http"
         settings["backend_used"] = backend
-        outcomes, duration = offline.run(backend, ep.sdk if backend == "sdk" else ep.http, reqs)
+        outcomes, duration = offline.run(backend, ep.sdk if backend == "sdk" else ep.http, reqs, _api_key(args))
         return offline.figures(outcomes, duration)
 
     return _against_server(args, measure, offline.table_rows)
@@ -319,7 +329,8 @@ def _serve(args: argparse.Namespace) -> dict[str, Any]:
     from engine.bench import online
 
     def measure(ep: Any, reqs: list[Any], settings: dict[str, Any]) -> dict[str, Any]:
-        traces, duration = online.run(ep.http, args.backend, reqs, args.request_rate, args.max_concurrency, args.seed)
+        traces, duration = online.run(ep.http, args.backend, reqs, args.request_rate, args.max_concurrency, args.seed,
+                                      _api_key(args))
         return online.figures(traces, duration, args.backend)
 
     return _against_server(args, measure, online.table_rows)

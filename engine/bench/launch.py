@@ -105,6 +105,11 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     return proc.wait()
 
 
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The HTTP header of the server's --api-key, where one is given."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 @contextmanager
 def launched_server(model: str | None, load_format: str, server_args: list[str]) -> Iterator[Endpoints]:
     """bin/serve on free ports for the duration of the block; its output goes to a temp log."""

@@ -15,6 +15,7 @@ import httpx
 from tqdm import tqdm
 
 from engine.bench import report
+from engine.bench.launch import auth_headers
 from engine.bench.workload import BenchRequest
 
 OFFLINE_TIMEOUT_S = 3600.0
@@ -46,11 +47,11 @@ async def _timed(coro_fn: Any, req: BenchRequest, bar: tqdm) -> Outcome:
     return out
 
 
-async def run_sdk(addr: str, reqs: list[BenchRequest], bar: tqdm) -> list[Outcome]:
+async def run_sdk(addr: str, reqs: list[BenchRequest], bar: tqdm, api_key: str = "") -> list[Outcome]:
     """All requests at once over the SDK socket; returns per-request outcomes."""
     from engine.bench.sdk_client import SdkBatchClient
 
-    async with SdkBatchClient(addr) as client:
+    async with SdkBatchClient(addr, api_key) as client:
 
         async def one(req: BenchRequest) -> int:
             chunk = await client.generate(req.prompt, **sampling(req))
@@ -59,10 +60,11 @@ async def run_sdk(addr: str, reqs: list[BenchRequest], bar: tqdm) -> list[Outcom
         return await asyncio.gather(*(_timed(one, r, bar) for r in reqs))
 
 
-async def run_http(url: str, reqs: list[BenchRequest], bar: tqdm) -> list[Outcome]:
+async def run_http(url: str, reqs: list[BenchRequest], bar: tqdm, api_key: str = "") -> list[Outcome]:
     """All requests at once as non-streaming POST /generate."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=OFFLINE_TIMEOUT_S, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=OFFLINE_TIMEOUT_S, limits=limits,
+                                 headers=auth_headers(api_key)) as client:
 
         async def one(req: BenchRequest) -> int:
             body = {"input_ids": req.prompt, "sampling_params": sampling(req), "stream": False}
@@ -74,12 +76,12 @@ async def run_http(url: str, reqs: list[BenchRequest], bar: tqdm) -> list[Outcom
         return await asyncio.gather(*(_timed(one, r, bar) for r in reqs))
 
 
-def run(backend: str, address: str, reqs: list[BenchRequest]) -> tuple[list[Outcome], float]:
+def run(backend: str, address: str, reqs: list[BenchRequest], api_key: str = "") -> tuple[list[Outcome], float]:
     """Send every request; return (outcomes, wall seconds from first send to last reply)."""
     runner = run_sdk if backend == "sdk" else run_http
     with tqdm(total=len(reqs), desc="offline", unit="req") as bar:
         t0 = time.perf_counter()
-        outcomes = asyncio.run(runner(address, reqs, bar))
+        outcomes = asyncio.run(runner(address, reqs, bar, api_key))
         duration = time.perf_counter() - t0
     return list(outcomes), duration
 

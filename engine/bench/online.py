@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.bench import report
+from engine.bench.launch import auth_headers
 from engine.bench.report import summary
 from engine.bench.workload import BenchRequest
 
@@ -156,11 +157,13 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
 
 
 async def _load(
-    url: str, backend: str, reqs: list[BenchRequest], gaps: list[float], max_conc: int | None, bar: tqdm
+    url: str, backend: str, reqs: list[BenchRequest], gaps: list[float], max_conc: int | None, bar: tqdm,
+    api_key: str = "",
 ) -> list[Trace]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     gate = asyncio.Semaphore(max_conc) if max_conc else None
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         tasks = []
         for req, gap in zip(reqs, gaps, strict=True):
             if gap > 0:
@@ -172,13 +175,13 @@ async def _load(
 
 
 def run(
-    url: str, backend: str, reqs: list[BenchRequest], rate: float, max_conc: int | None, seed: int
+    url: str, backend: str, reqs: list[BenchRequest], rate: float, max_conc: int | None, seed: int, api_key: str = ""
 ) -> tuple[list[Trace], float]:
     """Replay `reqs` against `url`; return (traces, wall seconds)."""
     gaps = arrival_gaps(len(reqs), rate, seed)
     with tqdm(total=len(reqs), desc="serve", unit="req") as bar:
         t0 = time.perf_counter()
-        traces = asyncio.run(_load(url, backend, reqs, gaps, max_conc, bar))
+        traces = asyncio.run(_load(url, backend, reqs, gaps, max_conc, bar, api_key))
         duration = time.perf_counter() - t0
     return traces, duration
 

@@ -90,6 +90,15 @@ def default_out(mode: str, model: str) -> Path:
     return RESULTS_DIR / f"{mode}-{safe}-{stamp}.json"
 
 
+def _redacted(argv: list[str]) -> list[str]:
+    """argv with --api-key's value hidden: a result file is shared, the key is not."""
+    out = []
+    for i, a in enumerate(argv):
+        hide = i > 0 and argv[i - 1] == "--api-key"
+        out.append("***" if hide else "--api-key=***" if a.startswith("--api-key=") else a)
+    return out
+
+
 def make_record(
     mode: str, model: str, settings: dict[str, Any], hardware: dict[str, Any], figures: dict[str, Any]
 ) -> dict[str, Any]:
@@ -97,7 +106,7 @@ def make_record(
     return {
         "mode": mode,
         "model": model,
-        "command": shlex.join(["bin/bench", *sys.argv[1:]]),
+        "command": shlex.join(["bin/bench", *_redacted(sys.argv[1:])]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "settings": settings,

@@ -8,6 +8,7 @@ benchmark's CPU. Here one reader task routes each reply to its request's future.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -16,13 +17,15 @@ import zmq.asyncio
 
 from msgs.channels import SDK_IN, SDK_OUT
 from msgs.params import SamplingParams
-from msgs.sdk import GenerateChunk, GenerateError, GenerateRequest, StrataError
+from msgs.sdk import SILENCE_S, GenerateChunk, GenerateError, GenerateRequest, StrataError
 
 
 class SdkBatchClient:
     """Non-streaming generate calls over one DEALER socket; use as `async with`."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, api_key: str = "") -> None:
+        self._api_key = api_key
+        self._heard = time.monotonic()  # the last frame from the server (keep-alives come every second)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -44,6 +47,7 @@ class SdkBatchClient:
     async def _read(self) -> None:
         while True:
             msg = SDK_OUT.codec.decode(await self._sock.recv())
+            self._heard = time.monotonic()
             if not isinstance(msg, GenerateChunk | GenerateError):  # a KeepAlive (a long request) or malformed
                 continue
             fut = self._waiting.pop(msg.rid, None)
@@ -55,10 +59,15 @@ class SdkBatchClient:
         rid = uuid.uuid4().hex
         fut: asyncio.Future[GenerateChunk | GenerateError] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        req = GenerateRequest(rid=rid, params=SamplingParams(**params), input_ids=input_ids)
+        req = GenerateRequest(rid=rid, params=SamplingParams(**params), input_ids=input_ids, api_key=self._api_key)
         try:
             await self._sock.send(SDK_IN.codec.encode(req))
-            msg = await fut
+            sent = time.monotonic()
+            # a server that is gone (or never was) says nothing: a 503 as the SDK's, not a wait forever
+            while not (await asyncio.wait({fut}, timeout=1.0))[0]:
+                if time.monotonic() - max(self._heard, sent) > SILENCE_S:
+                    raise StrataError(503, f"no word from the server in {SILENCE_S:g} s: it is down or unreachable")
+            msg = fut.result()
         finally:
             self._waiting.pop(rid, None)
         if isinstance(msg, GenerateError):

@@ -200,6 +200,38 @@ def test_arrivals_and_arg_checks() -> None:
     assert cli.main(["offline", "--output-len", "0"]) == 2 and cli.main(["serve", "--input-len", "0"]) == 2
 
 
+def test_a_server_with_an_api_key_is_benched_with_it(tiny_model: Path, tmp_path: Path) -> None:
+    """An audit: bin/bench had no way to send a key (every request a 401); --api-key goes to the
+    server it starts and with every request (SDK and HTTP), and stays out of the result file."""
+    for backend in ("offline", "serve"):
+        out = tmp_path / f"{backend}.json"
+        run_bench([backend, "--model", str(tiny_model), "--load-format", "dummy", "--num-requests", "3",
+                   "--input-len", "8", "--output-len", "4", "--api-key", "sekrit",
+                   "--server-args", "--max-total-tokens 8192", "--out", str(out)])
+        rec = json.loads(out.read_text())
+        assert rec["figures"]["completed"] == 3 and "sekrit" not in out.read_text(), rec
+
+
+def test_the_sdk_bench_client_tells_a_silent_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audit: bin/bench offline --sdk at an address with no server waited forever (0/4); it is the
+    SDK's 503 once nothing was heard for SILENCE_S (shortened here)."""
+    import asyncio
+
+    from engine.bench import sdk_client
+    from engine.supervise import free_ports
+    from msgs.sdk import StrataError
+
+    monkeypatch.setattr(sdk_client, "SILENCE_S", 1.5)
+
+    async def one() -> None:
+        async with sdk_client.SdkBatchClient(f"tcp://127.0.0.1:{free_ports(1)[0]}") as client:
+            await client.generate([1, 2], max_new_tokens=2)
+
+    with pytest.raises(StrataError) as err:
+        asyncio.run(one())
+    assert err.value.status == 503
+
+
 def test_sigterm_stops_the_server_the_bench_started(tiny_model: Path) -> None:
     """An audit: a SIGTERM to bin/bench skipped the `finally` that stops its server, left running."""
     import psutil
