@@ -274,22 +274,29 @@ def test_scheduler_error_raises() -> None:
     run(main())
 
 
+async def _cancel_a_consumer(fe: Frontend, gen: Generation, outputs: tuple[TokenBatch, ...] = ()) -> None:
+    """Collect gen in a task (closing it at the end, as the HTTP handlers do), let `outputs` come, cancel it."""
+    async def consume() -> None:
+        try:
+            await collect(gen)
+        finally:
+            gen.close()
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.01)
+    for o in outputs:
+        fe.dispatch(o)
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def test_cancelled_consumer_aborts() -> None:
     async def main() -> None:
         fe = Frontend()
         gen = Generation(fe, None, "c", fan_out("c", [[1]], [SamplingParams()], 2))
         sent(fe)
-
-        async def consume() -> None:
-            try:
-                await collect(gen)
-            finally:
-                gen.close()
-
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await _cancel_a_consumer(fe, gen)
         assert {m.rid for m in sent(fe)} == {"c-0", "c-1"}
         assert fe.num_in_flight == 0
 
@@ -305,21 +312,8 @@ def test_a_cancelled_non_streamed_request_counts_what_it_generated() -> None:
         fe = Frontend()
         gen = Generation(fe, None, "q", fan_out("q", [[1]], [SamplingParams()], 1), stream=False)
         sent(fe)
-
-        async def consume() -> None:
-            try:
-                await collect(gen)
-            finally:
-                gen.close()
-
         with capture_logs() as logs:
-            task = asyncio.create_task(consume())
-            await asyncio.sleep(0.01)
-            fe.dispatch(out("q", [5, 6]))
-            fe.dispatch(out("q", [7]))
-            await asyncio.sleep(0.01)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await _cancel_a_consumer(fe, gen, (out("q", [5, 6]), out("q", [7])))
         return logs
 
     done = [e for e in run(main()) if e["event"] == "request finished"]
