@@ -30,6 +30,8 @@ def enforceable(schema: Any) -> Any:
         return _Fuser(schema).walk(schema)
     except RecursionError:
         raise ValueError("json_schema is nested too deeply") from None
+    except (TypeError, AttributeError) as exc:  # a keyword of the wrong type where parts are combined
+        raise ValueError(f"allOf: its parts cannot be combined ({exc})") from None
 
 
 def check_pattern(pattern: str, where: str = "pattern") -> None:
@@ -102,9 +104,10 @@ class _Fuser:
                 raise ValueError("allOf: the parts' enums share no value")
             return both
         if key == "properties" and isinstance(a, dict) and isinstance(b, dict):
-            return {n: self.fuse([a[n], b[n]]) if n in a and n in b else a.get(n, b.get(n)) for n in {**a, **b}}
+            return {n: self.fuse([self.inline(a[n]), self.inline(b[n])]) if n in a and n in b
+                    else a.get(n, b.get(n)) for n in {**a, **b}}
         if key in ("items", "additionalProperties") and isinstance(a, dict) and isinstance(b, dict):
-            return self.fuse([a, b])
+            return self.fuse([self.inline(a), self.inline(b)])
         if key == "additionalProperties" and (a is False or b is False):
             return False
         if key == "additionalProperties" and (a is True or b is True):

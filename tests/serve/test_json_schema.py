@@ -35,6 +35,12 @@ CASES = [
     ({"type": "object", "properties": {"p": {"allOf": [{"type": "string", "minLength": 2}, {"maxLength": 3}]}},
       "required": ["p"]},
      [{"p": "ab"}, {"p": "abc"}, {"p": "a"}, {"p": "abcd"}]),
+    # a property in two parts, one a boolean schema, one a $ref
+    ({"$defs": {"S": S}, "allOf": [{"type": "object", "properties": {"a": True, "s": {"$ref": "#/$defs/S"}},
+                                    "required": ["a", "s"]},
+                                   {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                     "s": {"properties": {"y": {"type": "string"}}}}}]},
+     [{"a": 1, "s": {"x": 1}}, {"a": 1, "s": {"x": 1, "y": "z"}}, {"a": "1", "s": {"x": 1}}, {"a": 1, "s": {}}]),
 ]
 
 
@@ -58,6 +64,7 @@ def test_a_fused_allof_admits_what_the_schema_admits(schema: dict, instances: li
     ({"allOf": [{"properties": {"a": {}}, "additionalProperties": False}, {"required": ["b"]}]}, "'b' is required"),
     ({"allOf": [{"enum": [1]}, {"enum": [2]}]}, "share no value"),
     ({"allOf": [False, {"type": "string"}]}, "false or not a schema"),
+    ({"allOf": [{"minimum": "a"}, {"minimum": 1}]}, "cannot be combined"),  # (a TypeError inside: not a 500)
     ({"type": "string", "pattern": "^(?=a)ab+$"}, "lookaround"),
     ({"type": "object", "patternProperties": {"^(?!x)": {}}}, "lookaround"),
 ])
