@@ -230,6 +230,14 @@ class ModelConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
 
+    def check_ep_size(self, ep_size: int) -> None:
+        """--ep-size > 1 needs routed experts it divides (a ValueError naming the flag)."""
+        if ep_size > 1 and self.moe is None:
+            raise ValueError(f"--ep-size {ep_size}: the model has no experts (a dense model); leave it at 1")
+        if ep_size > 1 and self.moe is not None and self.moe.num_experts % ep_size:
+            raise ValueError(f"--ep-size {ep_size} does not divide the model's {self.moe.num_experts} routed "
+                             "experts (config.json num_experts / n_routed_experts)")
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -321,13 +329,18 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 
 
+def check_architecture(name: str) -> str:
+    """`name` if a plug-in serves it, else a ValueError that lists the ones that do."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unsupported model architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    return name
+
+
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
-    if archs[0] not in ARCHITECTURES:  # here, so the supervisor refuses it before any process starts
-        raise ValueError(f"unsupported model architecture {archs[0]!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-    return str(archs[0])
+    return check_architecture(str(archs[0]))  # here, so the supervisor refuses it before any process starts
 
 
 def _derived_head_dim(hidden: int, heads: int) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.layers.kv_layout import KVLayout
 from models.config import ARCHITECTURES as _ARCHS
-from models.config import ModelConfig
+from models.config import ModelConfig, check_architecture
 from models.loader import LOAD_FORMATS, init_dummy, load_safetensors
 from models.quant import QUANTIZATION_CHOICES, QuantScheme, online_fp8
 from models.quant_weights import prepare_model, quantize_model, runtime_form
@@ -26,11 +26,7 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     """The class implementing `architecture`; ValueError if it is not supported."""
-    if architecture not in _ARCHS:
-        raise ValueError(
-            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
-        )
-    module, cls = _ARCHS[architecture]
+    module, cls = _ARCHS[check_architecture(architecture)]
     return getattr(importlib.import_module(module), cls)
 
 

@@ -59,12 +59,8 @@ def prepare_model(cfg: ServerConfig) -> ServerConfig:
 
         cfg = replace(cfg, model=str(ensure_default_model()))
     check_before_start(cfg)
-    model = ModelConfig.from_dir(cfg.model)  # its keys, sizes and features: a ValueError here, not a worker's failure
-    if cfg.ep_size > 1 and model.moe is None:
-        raise ValueError(f"--ep-size {cfg.ep_size}: the model has no experts (a dense model); leave it at 1")
-    if cfg.ep_size > 1 and model.moe is not None and model.moe.num_experts % cfg.ep_size:
-        raise ValueError(f"--ep-size {cfg.ep_size} does not divide the model's {model.moe.num_experts} routed "
-                         "experts (config.json num_experts / n_routed_experts)")
+    # its keys, sizes and features, and what --ep-size asks of them: a ValueError here, not a worker's failure
+    ModelConfig.from_dir(cfg.model).check_ep_size(cfg.ep_size)
     return cfg
 
 

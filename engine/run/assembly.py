@@ -332,8 +332,8 @@ def keep_freed_memory() -> bool:
 def load_checked(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  # noqa: ANN201
     """load_model with a clear error when the weights cannot fit the device, or when --ep-size
     asks for expert parallelism of a model without experts."""
-    if cfg.ep_size > 1 and cfg.model and getattr(ModelConfig.from_dir(cfg.model), "moe", None) is None:
-        raise ValueError(f"--ep-size {cfg.ep_size}: the model has no experts (a dense model); leave it at 1")
+    if cfg.ep_size > 1 and cfg.model:
+        ModelConfig.from_dir(cfg.model).check_ep_size(cfg.ep_size)
     check_weights_fit(cfg.model, dtype, device, cfg.tp_size, cfg.tp_size * cfg.cp_size // cfg.nnodes)
     try:
         model, mcfg = load_model(cfg.model, cfg.load_format, dtype, device, quantization=cfg.quantization or None)

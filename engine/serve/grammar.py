@@ -329,8 +329,8 @@ def response_format_spec(response_format: dict[str, Any] | None) -> dict[str, st
     """OpenAI `response_format` -> the SamplingParams field it sets ({} for text)."""
     if response_format is None:
         return {}
-    kind = response_format.get("type")
     rf = response_format
+    kind = rf.get("type")
     if not isinstance(kind, str):
         raise ApiError(400, "response_format.type is required: text, json_object or json_schema",
                        param="response_format.type")

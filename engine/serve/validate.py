@@ -232,7 +232,7 @@ def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str
     return names
 
 
-_GUIDED = {"json": "json_schema", "regex": "regex", "choice": "ebnf", "grammar": "ebnf", "json_object": "json_schema"}
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputs' fields
 
 
 def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str, str] | None:
@@ -244,7 +244,7 @@ def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, st
     given = [(name, getattr(req, name)) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
              if getattr(req, name) is not None]
     if so is not None:
-        given += [(f"structured_outputs.{k}", getattr(so, k)) for k in _GUIDED
+        given += [(f"structured_outputs.{k}", getattr(so, k)) for k in _STRUCTURED_OUTPUTS
                   if getattr(so, k) not in (None, False)]
     if len(given) > 1:
         raise ApiError(400, f"give at most one of {', '.join(f for f, _ in given)}", param=given[1][0])

@@ -22,6 +22,7 @@ function name once it is complete, the arguments text so far, where the call end
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -161,12 +162,15 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
 def strict_json(text: str) -> str:
     """JSON text (maybe unfinished) with the raw control characters inside its strings escaped:
     DECODER reads them, as models write them, but a client's json.loads refuses them. Each
     character's escape depends only on the text before it, so a streamed prefix's result is a
     prefix of the whole's (deltas stay append-only)."""
-    if not any(c < " " for c in text):
+    if not _CONTROL.search(text):  # (C speed: this runs on the whole arguments text every delta)
         return text
     out, in_string, escaped = [], False, False
     for c in text:
