@@ -61,6 +61,10 @@ def _frame(req: GenerateRequest) -> bytes:
     return frame
 
 
+def _closed() -> StrataError:  # (zmq's own error, "Socket operation on non-socket", says nothing useful)
+    return StrataError(400, "this client is closed: make a new one")
+
+
 def _timed_out(timeout_s: float) -> StrataError:
     return StrataError(504, f"the request did not finish within the client's timeout_s ({timeout_s:g} s)")
 
@@ -133,6 +137,8 @@ class Client:
                 return chunk
 
     def _send(self, req: GenerateRequest) -> None:
+        if self._sock.closed:
+            raise _closed()
         if self._active is not None:
             raise StrataError(409, f"this Client has request {self._active!r} in flight: one at a time (finish or "
                                    "close its stream first, or use AsyncClient for many)")
@@ -169,7 +175,8 @@ class Client:
                 self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
-        self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
+        if not self._sock.closed:  # (closed: the server aborts what the connection owned when it goes)
+            self._sock.send(_TO_SERVER.encode(AbortGenerate(rid=rid)))
 
     def close(self) -> None:
         self._sock.close(0)
@@ -203,6 +210,8 @@ class AsyncClient:
                 queue.put_nowait(msg)
 
     async def _open(self, req: GenerateRequest) -> asyncio.Queue[FromServer]:
+        if self._sock.closed:
+            raise _closed()
         if req.rid in self._queues:  # replies are routed by rid: a second one would take the first's
             raise StrataError(400, f"request id {req.rid!r} is already in flight on this client")
         if self._reader is None or self._reader.done():

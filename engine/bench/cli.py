@@ -179,8 +179,18 @@ def check(args: argparse.Namespace) -> str | None:
     return next((problem for ok, problem in checks if not ok), None)
 
 
+def _glued(argv: list[str]) -> list[str]:
+    """`--server-args "--flag v"` as `--server-args=--flag v`: argparse reads a value that starts with
+    "--" as the next option, and a user who types the flags bin/serve takes means them as the value."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        out.append(f"{arg}={next(it, '')}" if arg == "--server-args" else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_glued(sys.argv[1:] if argv is None else argv))
     problem = check(args)
     if problem:
         print(f"bin/bench: {problem}", file=sys.stderr)

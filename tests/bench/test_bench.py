@@ -198,6 +198,9 @@ def test_arrivals_and_arg_checks() -> None:
     assert cli.main(["spec", "--algorithm", "NEXTN", "--corrupt", "0.5"]) == 2  # corrupts NGRAM's drafts only
     # an audit: 0 read as "unset" ran a bench of 0-token outputs (and 0-token prompts, all 400s)
     assert cli.main(["offline", "--output-len", "0"]) == 2 and cli.main(["serve", "--input-len", "0"]) == 2
+    # one bin/serve flag as --server-args' value: argparse alone reads it as an unknown bin/bench option
+    args = cli.build_parser().parse_args(cli._glued(["latency", "--server-args", "--enable-deterministic-inference"]))
+    assert args.server_args == "--enable-deterministic-inference"
 
 
 def test_a_server_with_an_api_key_is_benched_with_it(tiny_model: Path, tmp_path: Path) -> None:

@@ -4,9 +4,11 @@ were a TypeError, a huge int an OverflowError at encoding, and bytes passed as t
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from msgs.sdk import GenerateRequest, StrataError, _request
+from msgs.sdk import AsyncClient, Client, GenerateRequest, StrataError, _request
 
 
 @pytest.mark.parametrize("prompt", [None, 5, b"abc", [1, "2"], [1.0], [True], [-(2**70)], {1, 2}])
@@ -46,3 +48,24 @@ def test_a_rid_or_value_the_frame_cannot_carry_is_a_400_before_sending() -> None
         _frame(_request("hi", False, "r", {"seed": 2**70}, ""))
     assert err.value.status == 400
 
+
+
+def test_a_closed_client_says_so() -> None:
+    """An audit: a request on a closed client raised zmq's ENOTSOCK ("Socket operation on non-socket")."""
+    c = Client("tcp://127.0.0.1:9")
+    c.close()
+    with pytest.raises(StrataError, match="closed") as err:
+        c.generate("Hi", max_new_tokens=2)
+    assert err.value.status == 400
+    with pytest.raises(StrataError, match="closed"):
+        next(c.stream("Hi", max_new_tokens=2))
+    c.abort("any")  # nothing to send it on: no error
+
+    async def main() -> None:
+        ac = AsyncClient("tcp://127.0.0.1:9")
+        ac.close()
+        with pytest.raises(StrataError, match="closed"):
+            await ac.generate("Hi", max_new_tokens=2)
+        await ac.abort("any")
+
+    asyncio.run(main())
