@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.logdir.is_dir():
         p.error(f"{args.logdir} is not a directory")
+    if not any(args.logdir.glob("*.log")):  # (a summary of nothing read as "no requests, no errors")
+        p.error(f"{args.logdir} holds no *.log files: give the --log-dir of a bin/serve run")
     if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
         p.error(f"--plot {args.plot}: a file, not a directory")
     rep = analyze(args.logdir)

@@ -72,13 +72,14 @@ def _fmt_dist(d: dict[str, Any]) -> str:
 
 def _print_timelines(reqs: list[Request], w: Any) -> None:
     w("\nrequest timelines (seconds since the first log line; ttft/e2e in ms)")
+    width = min(48, max((len(r.rid) for r in reqs), default=3))  # (12 cut "chatcmpl-..." ids to one prefix)
     w(
-        f"{'rid':<12} {'received':>9} {'queued':>9} {'first':>9} {'done':>9} {'ttft':>8} {'e2e':>8} "
+        f"{'rid':<{width}} {'received':>9} {'queued':>9} {'first':>9} {'done':>9} {'ttft':>8} {'e2e':>8} "
         f"{'prompt':>6} {'compl':>5} {'cached':>6} {'tier':<11} finish"
     )
     for r in reqs:
         w(
-            f"{r.rid[:12]:<12} {_s(r.received):>9} {_s(r.queued):>9} {_s(r.first_token):>9} {_s(r.done):>9} "
+            f"{r.rid[:width]:<{width}} {_s(r.received):>9} {_s(r.queued):>9} {_s(r.first_token):>9} {_s(r.done):>9} "
             f"{_ms(r.ttft):>8} {_ms(r.e2e):>8} {r.prompt_tokens or 0:>6} {r.completion_tokens or 0:>5} "
             f"{r.cached_tokens or 0:>6} {r.tier:<11} {r.finish_reason}"
         )
@@ -87,6 +88,8 @@ def _print_timelines(reqs: list[Request], w: Any) -> None:
 def _print_summary(rep: Report, w: Any) -> None:
     s = rep.summary
     w(f"\nrequests: {s['count']}  finish reasons: {s['finish_reasons']}")
+    t = s["tokens"]
+    w(f"tokens: prompt {t['prompt']} ({t['cached']} cached), completion {t['completion']}")
     w(f"{'':<22} {'count':>5} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     rows = [("TTFT", s["ttft"]), ("E2E", s["e2e"])] + [(f"TTFT tier={t}", d) for t, d in rep.ttft_by_tier.items()]
     for name, d in rows:

@@ -235,7 +235,8 @@ def summarize(reqs: list[Request]) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     for r in reqs:
         reasons[r.finish_reason or "?"] = reasons.get(r.finish_reason or "?", 0) + 1
-    return {"count": len(reqs), "ttft": _dist(ttft), "e2e": _dist(e2e), "finish_reasons": reasons}
+    tokens = {name: sum(getattr(r, f"{name}_tokens") or 0 for r in reqs) for name in ("prompt", "cached", "completion")}
+    return {"count": len(reqs), "ttft": _dist(ttft), "e2e": _dist(e2e), "finish_reasons": reasons, "tokens": tokens}
 
 
 def ttft_by_tier(reqs: list[Request]) -> dict[str, dict[str, Any]]:

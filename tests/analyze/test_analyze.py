@@ -76,6 +76,14 @@ def test_real_logs(logdir: Path) -> None:
     assert rep.occupancy_summary["kv_pages_used"]["total"] == lines[0]["kv_pages_total"]
     assert rep.hit_rates["request_hit_rate"] == pytest.approx(1 / 3)
     assert rep.summary["ttft"]["p50"] > 0 and rep.errors == []
+    tokens = rep.summary["tokens"]  # the totals of the three requests' usage
+    assert tokens["prompt"] == sum(r.prompt_tokens or 0 for r in rep.requests) == 2 * (len(PREFIX) + 2) + 40
+    assert tokens["completion"] == sum(r.completion_tokens or 0 for r in rep.requests) > 0
+    assert tokens["cached"] == rep.requests[1].cached_tokens
+    buf = io.StringIO()
+    print_text(rep, out=buf)
+    assert f"tokens: prompt {tokens['prompt']} ({tokens['cached']} cached)" in buf.getvalue()
+    assert all(len(r.rid) > 12 and r.rid in buf.getvalue() for r in rep.requests)  # whole ids (were cut to 12)
 
 
 def test_cli_json_and_plots(logdir: Path, tmp_path: Path) -> None:
@@ -234,6 +242,9 @@ def test_digest_mismatch_reported_with_its_seq(tmp_path: Path) -> None:
 def test_an_empty_log_dir_says_so(tmp_path: Path) -> None:
     rep = analyze(tmp_path)
     assert rep.notes == ["no log lines here: is this a --log-dir of bin/serve?"] and rep.unfinished == []
+    with pytest.raises(SystemExit) as exit_:  # the command line: a usage error, not an empty summary and 0
+        main([str(tmp_path)])
+    assert exit_.value.code == 2
 
 
 def test_cache_occupancy_plot(tmp_path: Path) -> None:
