@@ -196,7 +196,11 @@ def load_safetensors(model: nn.Module, cfg: ModelConfig, path: str | Path, progr
     for name in _fill_kept_plain(params, stash, path):
         pending -= {(name, s) for s in _pieces_of(params[name])}
     if unexpected:
-        raise ValueError(f"checkpoint {path} has {len(unexpected)} unexpected tensors: {_head(unexpected)}")
+        hint = ""
+        if any(n.endswith(".weight_scale_inv") for n in unexpected):  # block scales the config does not declare
+            hint = (" (weight_scale_inv are block-fp8 scales: the config's quantization_config needs "
+                    "quant_method fp8 with weight_block_size, e.g. [128, 128])")
+        raise ValueError(f"checkpoint {path} has {len(unexpected)} unexpected tensors: {_head(unexpected)}{hint}")
     if pending:
         missing = sorted(checkpoint_name(n, s, cfg) for n, s in pending)
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s): {_head(missing)}")
@@ -258,8 +262,13 @@ def _scale_alias(hf_name: str, cfg: ModelConfig) -> str:
 
 def _check_stored_dtype(param: nn.Parameter, stored: str, src: str) -> None:
     """A quantized parameter takes only its own bits: a bf16 tensor where e4m3 is expected means
-    the config's quantization does not describe this tensor (casting would drop its scale)."""
+    the config's quantization does not describe this tensor (casting would drop its scale). An
+    integer tensor never casts to a float weight (it would load as numbers of the wrong scale)."""
     want = _STORED.get(param.dtype)
+    if want is None and param.dtype.is_floating_point and stored[0] in "IUB":  # I8..I64, U8..U64, BOOL
+        raise ValueError(f"tensor {src} is stored as {stored}, an integer type, where the model expects float "
+                         "weights (an integer-quantized checkpoint whose quantization config is missing or not "
+                         "supported?)")
     if want is not None and stored != want:
         raise ValueError(f"tensor {src} is stored as {stored}, but the checkpoint's quantization config makes it "
                          f"{want} (is the module missing from the config's ignore list?)")

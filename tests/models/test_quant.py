@@ -7,6 +7,7 @@ weights, and the errors that name the field."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,8 @@ def _config(path: Path, edit: callable) -> None:
     # an audit: these two were served (vLLM refuses the first; the second's strings were int()-ed)
     (lambda q: q.update(activation_scheme="static"), r"activation_scheme 'static' with weight_block_size"),
     (lambda q: q.update(weight_block_size=["128", "128"]), r"weight_block_size must be \[n, k\] \(integers\)"),
+    # per-channel fp8 then, and the block scales were only "unexpected tensors"
+    (lambda q: q.update(weight_block_size=None), r"unexpected tensors: .*fp8 with weight_block_size"),
 ])
 def test_unsupported_fp8_fields_are_named(plain: dict[str, Path], tmp_path: Path, edit: callable,
                                            message: str) -> None:
@@ -154,6 +157,20 @@ def test_a_plain_tensor_where_the_config_says_fp8_is_named(plain: dict[str, Path
     tensors[name] = torch.randn(tensors[name].shape, dtype=torch.bfloat16)
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name} is stored as BF16"):
+        load_model(qdir, progress=False)
+
+
+def test_an_integer_tensor_where_a_float_weight_goes_is_named(plain: dict[str, Path], tmp_path: Path) -> None:
+    """An audit: an int8 tensor (a GPTQ/AWQ-style checkpoint without its quantization config) was cast
+    to float and served: numbers of the wrong scale, no error."""
+    qdir = tmp_path / "int"
+    shutil.copytree(plain["llama"], qdir)
+    f = next(qdir.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = torch.randint(-127, 127, tensors[name].shape, dtype=torch.int8)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name} is stored as I8, an integer type"):
         load_model(qdir, progress=False)
 
 
