@@ -174,3 +174,7 @@ def test_separate_reasoning_and_include_reasoning_as_sglang_and_vllm_take_them()
     assert "".join(d.content for d in deltas) == shown.content and not any(d.reasoning for d in deltas)
     assert all("reasoning_content" not in d.openai_delta() for d in deltas)
     assert dropped.message() == {"role": "assistant", "content": shown.content}
+    cut = chat_outputs("qwen3", None, QWEN3_PROMPT, None)()  # max_tokens inside the thinking: content null
+    cut.feed("<think>Let me")
+    cut.finish()
+    assert cut.message() == {"role": "assistant", "content": None, "reasoning_content": "Let me"}

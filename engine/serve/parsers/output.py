@@ -106,7 +106,10 @@ class ChatOutput:
 
     def message(self) -> dict[str, Any]:
         """The non-streaming `message` of this choice (call after `finish`)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content or (None if self.calls else "")}
+        # no content: null beside tool calls or reasoning (an answer cut inside its thinking), as vLLM
+        # and SGLang give it; "" only for an answer that is really empty
+        empty = None if self.calls or self.reasoned else ""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or empty}
         if self._reasoning is not None and self._shown:
             msg["reasoning_content"] = self.reasoning_text if self.reasoned else None
         if self.calls:
