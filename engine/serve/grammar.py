@@ -377,7 +377,7 @@ async def constrain(
     if service is None:
         raise ApiError(400, "constrained decoding needs the model's tokenizer, and this server has none")
     if tools is not None:
-        fmt, param = tools_format(*tools), "tool_choice"
+        fmt, param = tools_format(*tools), "tools"  # (what fails to compile is a tool's parameters schema)
     else:
         (param, text), = specs.items()
         fmt = spec_format(param, text)

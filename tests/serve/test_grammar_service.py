@@ -214,3 +214,16 @@ def test_when_the_server_goes_down_a_request_waiting_on_a_compile_gets_a_503(def
     finally:
         service.close()
     assert first.status == later.status == 503 and "shutting down" in first.message and still_compiling
+
+
+def test_a_forced_tool_whose_parameters_do_not_compile_names_tools(service: GrammarService) -> None:
+    """An audit: the 400 of a tool schema xgrammar cannot compile named tool_choice, which was fine."""
+    from engine.serve.parsers.tool_request import check_tools
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}, "required": ["a"]}}}
+    tools = check_tools([tool], "required", None, "hermes")
+    assert tools is not None and (structure := tools.structure()) is not None
+    with pytest.raises(ApiError) as info:
+        asyncio.run(constrain(service, SamplingParams(), 49152, (structure, tools.parallel)))
+    assert info.value.status == 400 and info.value.param == "tools", info.value.message
