@@ -166,16 +166,19 @@ def chat_prompt(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    keep_last: int | None = None,
 ) -> tuple[str, list[int]]:
     """A chat request's prompt text and token ids; with `limits`, a text too long to fit the
     context is refused before it is tokenized. The text tells a reasoning parser whether the
-    template pre-filled `<think>`."""
+    template pre-filled `<think>`. add_special_tokens: the tokenizer's own (BOS) on top of the
+    template's (vLLM's default, false, as the template writes them); keep_last: prompt_limit's."""
     text = chat_text(tok, messages, tools, template_kwargs,
                      add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
     assert tok is not None  # chat_text refused it
     if limits is None:
-        return text, tok.encode(text, add_special_tokens=False)
-    return text, encode_within(tok, text, limits, "messages", add_special_tokens=False)
+        return text, tok.encode(text, add_special_tokens=add_special_tokens)
+    return text, encode_within(tok, text, limits, "messages", add_special_tokens, keep_last)
 
 
 def chat_prompt_ids(

@@ -158,10 +158,11 @@ def completion_logprobs(
         data = tok.token_bytes(tid)
         offsets.append(offset.start_of(data))
         offset = offset.after(data)
-    top = None
-    if tops is not None:  # the chosen token first, then its alternatives: "up to logprobs+1 elements" (OpenAI)
-        top = [{token_text(tok, tid): _lp(lp), **{token_text(tok, t): _lp(v) for t, v in alts}}
-               for tid, lp, alts in zip(ids, logprobs, tops[: len(tokens)], strict=False)]
+    # the chosen token first, then its alternatives: "up to logprobs+1 elements" (OpenAI); logprobs 0
+    # (no alternatives asked for) still gives the chosen token's, as vLLM does
+    alternatives = tops[: len(tokens)] if tops is not None else [[]] * len(tokens)
+    top = [{token_text(tok, tid): _lp(lp), **{token_text(tok, t): _lp(v) for t, v in alts}}
+           for tid, lp, alts in zip(ids, logprobs, alternatives, strict=False)]
     body = {"tokens": tokens, "token_logprobs": [_lp(x) for x in logprobs], "top_logprobs": top, "text_offset": offsets}
     return body, offset
 
@@ -180,11 +181,14 @@ def chat_completion(
 
 
 def chat_choice(
-    index: int, message: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None
+    index: int, message: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """`message`: {"role": "assistant", "content": ...} plus `reasoning_content` and
-    `tool_calls` when the server parses them (engine.serve.parsers.output.ChatOutput)."""
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    `tool_calls` when the server parses them (engine.serve.parsers.output.ChatOutput).
+    stop_reason (vLLM's): the stop string or stop_token_ids entry that ended it, else null."""
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason}
 
 
 def chat_chunk(
@@ -203,9 +207,10 @@ def chat_chunk(
 
 
 def chat_chunk_choice(
-    index: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None
+    index: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 
 def completion(
@@ -217,8 +222,9 @@ def completion(
     return body
 
 
-def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 
 def native_finish(finish: str | None, matched: int | str | None, completion_tokens: int) -> dict[str, Any] | None:
@@ -262,7 +268,7 @@ def echo_logprobs(tok: TextTokenizer | None, prompt: list[int], c: Any) -> tuple
     body = {k: head[k] + rest[k] + out[k] for k in ("tokens", "text_offset")}
     body["token_logprobs"] = [None] + rest["token_logprobs"] + out["token_logprobs"]
     tops = (rest["top_logprobs"], out["top_logprobs"])
-    body["top_logprobs"] = [None] + tops[0] + tops[1] if tops[0] is not None and tops[1] is not None else None
+    body["top_logprobs"] = [None] + tops[0] + tops[1]
     return body, off
 
 

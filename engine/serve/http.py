@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -127,6 +128,10 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
     return endpoint
 
 
+try:
+    VERSION = importlib.metadata.version("strata")
+except importlib.metadata.PackageNotFoundError:  # run from a tree on PYTHONPATH, not installed
+    VERSION = "unknown"
 MAX_BODY = MAX_FRAME_BYTES  # bytes of a request body: larger is a 413 (1M-token prompts fit in a few MB)
 
 
@@ -214,6 +219,9 @@ def build_app(state: ServeState) -> Starlette:
         kept = " (L3 files are kept)" if state.cfg.l3_dir else ""
         return json_response({"status": "ok", "message": f"{emptied} empty{kept}"})
 
+    async def version(_request: Request) -> Response:  # vLLM's and SGLang's GET /version
+        return json_response({"version": VERSION})
+
     async def metrics(_request: Request) -> Response:
         body, content_type = state.frontend.metrics.render()
         return Response(body, media_type=content_type)
@@ -231,6 +239,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/health_generate", api_route(state, health_generate), methods=["GET"]),
         Route("/get_model_info", api_route(state, model_info), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/abort_request", api_route(state, abort_request), methods=["POST"]),
     ]

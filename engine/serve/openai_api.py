@@ -32,6 +32,8 @@ from engine.serve.validate import (
     make_params,
     off_loop,
     openai_params,
+    prompt_limit,
+    request_rid,
     resolve_max_tokens,
 )
 from engine.tokenizer import TextTokenizer
@@ -58,6 +60,12 @@ def _params_for(
     return params
 
 
+def stop_reason(c: Choice | Delta, stop_ids: frozenset[int]) -> int | str | None:
+    """vLLM's stop_reason: the stop string or stop_token_ids entry that ended the choice; null
+    for EOS (SGLang's matched_stop would name it) or any other end."""
+    return c.matched if isinstance(c.matched, str) or c.matched in stop_ids else None
+
+
 async def _finish(gen: Generation) -> list[Choice]:
     try:
         return await collect(gen)  # GenerationFailed is an ApiError: a 5xx JSON error
@@ -78,20 +86,22 @@ def _usage_every_chunk(req: ChatCompletionRequest | CompletionRequest) -> bool:
 
 
 async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
-    rid = call.rid
     req = decode_body(body, ChatCompletionRequest)
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
+    rid = request_rid(req, call.rid, call.rid_given)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
     with as_sent(req):
         kw = openai_params(req, state.sampling_defaults)
+    stop_ids = frozenset(kw["stop_token_ids"])  # (stop_reason's)
     limits = await state.limits()
     template_kwargs = req.chat_template_kwargs
     if req.reasoning_effort is not None:  # chat_template_kwargs, where it names one, wins
         template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
     prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, template_kwargs, limits,
                                  add_generation_prompt=bool(req.add_generation_prompt),
-                                 continue_final_message=bool(req.continue_final_message))
+                                 continue_final_message=bool(req.continue_final_message),
+                                 add_special_tokens=bool(req.add_special_tokens), keep_last=prompt_limit(req, limits))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
@@ -112,8 +122,8 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         deltas = await first_then_rest(gen)
         parsed = _Parsed(new_output, tools)
         stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req), parsed,
-                              _usage_every_chunk(req))
-        return Reply(stream=stream, close=gen.close)
+                              _usage_every_chunk(req), stop_ids)
+        return Reply(stream=stream, close=gen.close, rid=rid)
     choices = await _finish(gen)
     out = []
     for c in choices:
@@ -121,13 +131,14 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         output.feed(c.text)
         output.finish()
         lp = fmt.chat_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
-        out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp))
+        out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp,
+                                   stop_reason(c, stop_ids)))
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                                      for c in choices), (c.spec for c in choices))
     body = fmt.chat_completion(rid, state.model_name, created, out, use)
     if req.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
         body["prompt_logprobs"] = _vllm_scores(state, ids, choices[0], req.prompt_logprobs)
-    return Reply(body=body)
+    return Reply(body=body, rid=rid)
 
 
 def _reasoning(state: ServeState, prompt: str, template_kwargs: dict[str, Any] | None) -> Reasoning | None:
@@ -207,6 +218,7 @@ def _chat_stream(
     include_usage: bool,
     parsed: _Parsed,
     usage_every: bool = False,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> AsyncIterator[bytes]:
     model, tok = state.model_name, state.tok
 
@@ -218,7 +230,7 @@ def _chat_stream(
         delta, finish = parsed.delta(d)
         if not (delta or finish or lp):
             return None  # nothing to send (maybe text held back by a parser)
-        return fmt.chat_chunk_choice(d.index, delta, finish, lp)
+        return fmt.chat_chunk_choice(d.index, delta, finish, lp, stop_reason(d, stop_ids))
 
     # with usage in every chunk, the role chunks' too: the prompt's tokens, none generated yet
     start = fmt.usage_of((s.prompt_index, len(s.ids), 0, 0) for s in gen.subs) if usage_every else None
@@ -233,16 +245,18 @@ def _chat_stream(
 
 
 async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
-    rid = call.rid
     req = decode_body(body, CompletionRequest)
     check_model(req.model, state.accepted_models)
     check_unsupported(req)
+    rid = request_rid(req, call.rid, call.rid_given)
     with as_sent(req):
         kw = openai_params(req, state.sampling_defaults)
+    stop_ids = frozenset(kw["stop_token_ids"])  # (stop_reason's)
     if req.echo and req.logprobs is not None:  # the prompt's logprobs too (lm-eval's loglikelihood)
         kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     limits = await state.limits()
-    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok, limits, req.n)
+    prompts = await off_loop(len(body), completion_prompts, req.prompt, state.tok, limits, req.n,
+                             req.add_special_tokens is not False, prompt_limit(req, limits))
     default = COMPLETIONS_DEFAULT_MAX_TOKENS
     with as_sent(req):
         params = [_params_for(state, ids, kw, req.max_tokens, default, limits, "prompt") for ids in prompts]
@@ -264,8 +278,8 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         echo = [(_prompt_text(req.prompt, i, ids, state.tok), ids) for i, ids in enumerate(prompts)] if req.echo \
             else None
         stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req), echo,
-                                    _usage_every_chunk(req))
-        return Reply(stream=stream, close=gen.close)
+                                    _usage_every_chunk(req), stop_ids)
+        return Reply(stream=stream, close=gen.close, rid=rid)
     choices = await _finish(gen)
     out = []
     for c in choices:
@@ -276,12 +290,12 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
             lp = fmt.echo_logprobs(state.tok, prompt, c)[0] if want_lp else None
         elif want_lp:
             lp = fmt.completion_logprobs(state.tok, c.token_ids, c.logprobs, c.top_logprobs)[0]
-        out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp))
+        out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp, stop_reason(c, stop_ids)))
         if req.prompt_logprobs is not None:
             out[-1]["prompt_logprobs"] = _vllm_scores(state, prompt, c, req.prompt_logprobs)
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
                                      for c in choices), (c.spec for c in choices))
-    return Reply(body=fmt.completion(rid, state.model_name, created, out, use))
+    return Reply(body=fmt.completion(rid, state.model_name, created, out, use), rid=rid)
 
 
 def _vllm_scores(state: ServeState, prompt: list[int], c: Choice, k: int) -> list[dict[str, Any] | None] | None:
@@ -308,6 +322,7 @@ def _completion_stream(
     include_usage: bool,
     echo: list[tuple[str, list[int]]] | None = None,
     usage_every: bool = False,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> AsyncIterator[bytes]:
     """echo: each prompt's text and ids, sent (with their logprobs) before its choices' first text."""
     model, tok = state.model_name, state.tok
@@ -328,13 +343,13 @@ def _completion_stream(
             text, ids = echo[prompt_of[d.index]]
             if logprobs:
                 lp, offsets[d.index] = fmt.echo_logprobs(tok, ids, d)
-            return fmt.completion_choice(d.index, text + d.text, d.finish_reason, lp)
+            return fmt.completion_choice(d.index, text + d.text, d.finish_reason, lp, stop_reason(d, stop_ids))
         if logprobs:
             lp, offsets[d.index] = fmt.completion_logprobs(
                 tok, d.token_ids, d.logprobs, d.top_logprobs, offsets.get(d.index, fmt.TextOffset())
             )
         if not (d.text or d.finish_reason or lp):
             return None
-        return fmt.completion_choice(d.index, d.text, d.finish_reason, lp)
+        return fmt.completion_choice(d.index, d.text, d.finish_reason, lp, stop_reason(d, stop_ids))
 
     return _sse(gen, deltas, include_usage, chunk, choice_of, [], usage_every)

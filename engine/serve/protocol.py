@@ -1,8 +1,10 @@
 """Request bodies of the HTTP API as msgspec Structs, decoded strictly.
 
-Unknown top-level fields are rejected (a typo must not be silently ignored). Common
-OpenAI fields this server does not implement are declared so that their harmless values
-(None, false, "text", an empty map) pass, and `check_unsupported` rejects the rest.
+Unknown top-level fields are rejected (a typo must not be silently ignored). OpenAI's fields
+and vLLM's and SGLang's extensions are declared: those this server implements are honoured,
+pure hints (prompt_cache_key, safety_identifier, verbosity, user) are accepted and ignored, and
+the rest pass with their harmless values (None, false, the default) while `check_unsupported`
+names them otherwise (REFUSED).
 Messages are lenient on extra keys: clients echo back assistant messages with fields
 like `refusal` or `annotations`.
 """
@@ -95,6 +97,21 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM >= 0.12's name for the four above
+    request_id: str | None = None  # vLLM's: the request's id (an x-request-id header wins)
+    rid: str | None = None  # SGLang's name for it
+    no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
+    add_special_tokens: bool | None = None  # vLLM's: None is true for a prompt, false for chat messages
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens (-1: the context's)
+    # declared for REFUSED: accepted at their harmless values only
+    priority: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    length_penalty: Any = None
+    use_beam_search: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    lora_path: Any = None
+    return_hidden_states: Any = None
 
     def __post_init__(self) -> None:
         # Some clients send every field, unset ones as null: null means the default.
@@ -123,6 +140,19 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     store: bool | None = None
     service_tier: str | None = None
     modalities: list[str] | None = None
+    prompt_cache_key: str | None = None  # OpenAI's cache-routing hint: one server's prefix cache needs none
+    safety_identifier: str | None = None  # OpenAI's end-user id (as `user`): accepted, not used
+    verbosity: Literal["low", "medium", "high"] | None = None  # OpenAI's hint to its own models
+    # declared for REFUSED
+    prediction: Any = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    web_search_options: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    echo: Any = None
+    stream_reasoning: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -196,8 +226,41 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise ApiError(400, "invalid JSON: nested too deeply") from None
 
 
+# field -> (its harmless values, why the rest are refused): features this server does not have (both
+# endpoints', then chat's)
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "priority": ((None, 0), "priority scheduling is not supported (requests are served first come, first served)"),
+    "allowed_token_ids": ((None, []), "allowed_token_ids is not supported (use logit_bias, or a regex constraint)"),
+    "bad_words": ((None, []), "bad_words is not supported (use logit_bias)"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
+    "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens false is not supported"),
+    "lora_path": ((None,), "LoRA adapters are not supported"),
+    "return_hidden_states": ((None, False), "return_hidden_states is not supported"),
+}
+REFUSED_IN_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "prediction": ((None,), "predicted outputs are not supported (--speculative-algorithm NGRAM drafts from the "
+                            "prompt)"),
+    "audio": ((None,), "audio output is not supported (text only)"),
+    "functions": ((None,), "functions is deprecated and not supported: use tools"),
+    "function_call": ((None,), "function_call is deprecated and not supported: use tool_choice"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "chat_template": ((None,), "a per-request chat template is not accepted: start the server with --chat-template"),
+    "documents": ((None,), "documents is not supported"),
+    "echo": ((None, False), "echo is a /v1/completions feature; chat does not echo"),
+    "stream_reasoning": ((None, True), "stream_reasoning false is not supported"),
+}
+_REFUSED_IN_CHAT = REFUSED | REFUSED_IN_CHAT
+
+
 def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject OpenAI features this server does not implement, when asked for for real."""
+    refused = REFUSED if isinstance(req, CompletionRequest) else _REFUSED_IN_CHAT
+    for name, (harmless, why) in refused.items():
+        value = getattr(req, name)
+        if not any(value == h and type(value) is type(h) for h in harmless):  # (0 == False: not the same here)
+            raise ApiError(400, why, param=name)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if req.prompt_logprobs is not None and req.stream:  # (as vLLM)

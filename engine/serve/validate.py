@@ -167,14 +167,16 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
         "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": req.ignore_eos,
-        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
+        "include_stop_str_in_output": bool(req.include_stop_str_in_output or req.no_stop_trim),
         "skip_special_tokens": req.skip_special_tokens,
-        "seed": req.seed,
+        "seed": _seed(req.seed),
     }
     for name in MODEL_DEFAULT_FIELDS:
         _set(kw, name, getattr(req, name))
         if name not in kw and defaults and name in defaults:
             kw[name] = defaults[name]
+    if kw.get("top_k") == 0:  # current vLLM's "disabled" (its default); -1 is ours and SGLang's
+        kw["top_k"] = -1
     _set(kw, "min_new_tokens", req.min_tokens)
     _set(kw, "prompt_logprobs", req.prompt_logprobs)
     _set(kw, "presence_penalty", req.presence_penalty)
@@ -278,6 +280,35 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
+def _seed(seed: int | None) -> int | None:
+    """Any int64, as vLLM takes it (some clients send -1): a negative one folded into [0, 2**63)."""
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise ApiError(400, f"seed must be a 64-bit integer, got {seed}", param="seed")
+    return None if seed is None else seed % 2**63
+
+
+def request_rid(req: ChatCompletionRequest | CompletionRequest, call_rid: str, header_given: bool) -> str:
+    """The request's id: an x-request-id header's, else the body's request_id (vLLM) or rid
+    (SGLang), else the one the server made."""
+    for name in ("request_id", "rid"):
+        value = getattr(req, name)
+        if value is not None and not header_given:
+            return check_rid(value, name)
+    return call_rid
+
+
+def prompt_limit(req: ChatCompletionRequest | CompletionRequest, limits: Limits) -> int | None:
+    """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens (-1: the context's
+    length); None: no truncation."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return None
+    if k != -1 and not 1 <= k <= limits.max_context:
+        raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, {limits.max_context}] (the context), "
+                       f"got {k}", param="truncate_prompt_tokens")
+    return limits.max_context if k == -1 else k
+
+
 def _set(kw: dict[str, Any], name: str, value: Any) -> None:
     if value is not None:
         kw[name] = value
@@ -327,39 +358,42 @@ def fan_out(rid: str, prompts: list[list[int]], params: list[SamplingParams], n:
 
 
 def encode_within(tok: TextTokenizer, text: str, limits: Limits, what: str = "prompt",
-                  add_special_tokens: bool = True) -> list[int]:
+                  add_special_tokens: bool = True, keep_last: int | None = None) -> list[int]:
     """tok.encode(text), refused unread when its length alone shows that it cannot fit the
-    context: tokenizing a 60 MB body costs about a minute of CPU before its count's 400."""
+    context: tokenizing a 60 MB body costs about a minute of CPU before its count's 400.
+    keep_last (prompt_limit): the last tokens only, the text's length then no reason to refuse."""
+    if keep_last is not None:
+        return tok.encode(text, add_special_tokens=add_special_tokens)[-keep_last:]
     fewest = tok.fewest_tokens(text)
     if fewest >= limits.max_context:
         raise _too_long(limits.max_context, what, f"at least {fewest} tokens ({len(text)} characters)")
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def completion_prompts(prompt: str | list[Any], tok: TextTokenizer | None, limits: Limits,
-                       n: int = 1) -> list[list[int]]:
+def completion_prompts(prompt: str | list[Any], tok: TextTokenizer | None, limits: Limits, n: int = 1,
+                       add_special_tokens: bool = True, keep_last: int | None = None) -> list[list[int]]:
     """The token ids of each prompt of a /v1/completions body (n samples each: their count is
-    checked before any prompt is tokenized)."""
+    checked before any prompt is tokenized); keep_last: prompt_limit's."""
+    def encode(text: str) -> list[int]:
+        if tok is None:
+            raise ApiError(400, f"text prompts are not available: {IDS_ONLY}", param="prompt")
+        return encode_within(tok, text, limits, add_special_tokens=add_special_tokens, keep_last=keep_last)
+
+    cut = slice(-keep_last if keep_last is not None else None, None)
     if isinstance(prompt, str):
-        return [_encode(prompt, tok, limits)]
+        return [encode(prompt)]
     if not prompt:
         raise ApiError(400, "prompt must not be an empty array", param="prompt")
     if all(type(t) is int for t in prompt):
-        return [list(prompt)]
+        return [list(prompt[cut])]
     check_subrequests(len(prompt), n)
     if all(isinstance(t, str) for t in prompt):
-        return [_encode(t, tok, limits) for t in prompt]
+        return [encode(t) for t in prompt]
     if all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
-        return [list(p) for p in prompt]
+        return [list(p[cut]) for p in prompt]
     raise ApiError(
         400, "prompt must be a string, an array of strings, an array of token ids or an array of those", "prompt"
     )
-
-
-def _encode(text: str, tok: TextTokenizer | None, limits: Limits) -> list[int]:
-    if tok is None:
-        raise ApiError(400, f"text prompts are not available: {IDS_ONLY}", param="prompt")
-    return encode_within(tok, text, limits)
 
 
 def native_params(raw: dict[str, Any] | None, defaults: dict[str, Any] | None = None

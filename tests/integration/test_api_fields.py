@@ -1,0 +1,132 @@
+"""OpenAI's newer fields and vLLM's / SGLang's extensions on the OpenAI endpoints (an audit: every
+one was a 400 "unknown field", which breaks clients written for vLLM): hints accepted, the ones
+this server can serve honoured, the rest named in a 400 unless they carry their harmless value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.serve.protocol import REFUSED, REFUSED_IN_CHAT
+from tests.integration.conftest import Server
+
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+def _post(server: Server, path: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/{path}", json=body, timeout=120)
+
+
+def _chat(server: Server, **body: Any) -> httpx.Response:
+    return _post(server, "chat/completions", messages=MESSAGES, max_tokens=4, temperature=0, **body)
+
+
+def test_hints_are_accepted_and_a_body_request_id_is_the_requests_id(server: Server) -> None:
+    r = _chat(server, prompt_cache_key="k1", safety_identifier="u-1", verbosity="low", user="me",
+              request_id="my-chat-1")
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "chatcmpl-my-chat-1" and r.headers["x-request-id"] == "my-chat-1"
+    r = _post(server, "completions", prompt="Hello", max_tokens=2, rid="my-cmpl-1")  # SGLang's name
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-my-cmpl-1", r.text
+    r = httpx.post(f"{server.base_url}/completions", json={"prompt": "Hello", "max_tokens": 2, "rid": "body"},
+                   headers={"x-request-id": "header-1"}, timeout=120)
+    assert r.json()["id"] == "cmpl-header-1"  # the header wins, as on /generate
+    assert _chat(server, request_id="has space").status_code == 400
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED | REFUSED_IN_CHAT))
+def test_what_is_not_served_is_named_and_its_harmless_value_passes(server: Server, name: str) -> None:
+    harmless, why = (REFUSED | REFUSED_IN_CHAT)[name]
+    real = {"priority": 5, "allowed_token_ids": [1, 2], "bad_words": ["x"], "length_penalty": 0.5,
+            "spaces_between_special_tokens": False, "lora_path": "a", "prediction": {"type": "content",
+            "content": "x"}, "audio": {"voice": "x"}, "functions": [{"name": "f"}], "function_call": "auto",
+            "web_search_options": {}, "chat_template": "{{ x }}", "documents": [{"text": "x"}],
+            "stream_reasoning": False}.get(name, True)
+    r = _chat(server, **{name: real})
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    assert r.json()["error"]["message"] == why
+    for value in harmless:
+        assert _chat(server, **{name: value}).status_code == 200, (name, value)
+    if name in REFUSED:  # the completions endpoint takes the shared ones alike
+        assert _post(server, "completions", prompt="Hi", max_tokens=1, **{name: real}).status_code == 400
+
+
+def test_top_k_zero_is_disabled_and_a_negative_seed_is_a_seed(server: Server) -> None:
+    """Current vLLM's top_k 0 means "no top-k" (-1 here, as SGLang); vLLM takes any int64 seed."""
+    def text(**kw: Any) -> str:
+        r = _post(server, "completions", prompt="Once upon a time", max_tokens=8, temperature=1.0, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text(top_k=0, seed=7) == text(top_k=-1, seed=7) == text(seed=7)
+    assert text(seed=-1) == text(seed=-1)
+    assert _post(server, "completions", prompt="Hi", max_tokens=1, seed=2**64).status_code == 400
+
+
+def test_no_stop_trim_keeps_the_stop_string(server: Server) -> None:
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0, "stop": [" 7"]}
+    trimmed = _post(server, "completions", **body).json()["choices"][0]["text"]
+    kept = _post(server, "completions", **body, no_stop_trim=True).json()["choices"][0]["text"]
+    assert kept == trimmed + " 7" and kept == _post(server, "completions", **body,
+                                                    include_stop_str_in_output=True).json()["choices"][0]["text"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server) -> None:
+    ids = list(range(1000, 1050))
+    r = _post(server, "completions", prompt=ids, max_tokens=3, temperature=0, truncate_prompt_tokens=10, echo=True,
+              logprobs=0)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 10
+    same = _post(server, "completions", prompt=ids[-10:], max_tokens=3, temperature=0, echo=True, logprobs=0)
+    assert r.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]
+    long_text = "word " * 20000  # far past the context: refused unread without truncation
+    assert _post(server, "completions", prompt=long_text, max_tokens=2).status_code == 400
+    r = _post(server, "completions", prompt=long_text, max_tokens=2, truncate_prompt_tokens=64)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 64, r.text
+    r = _chat(server, truncate_prompt_tokens=5)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+    for bad in (0, -2, 10**6):
+        r = _chat(server, truncate_prompt_tokens=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_add_special_tokens_is_taken(server: Server) -> None:
+    """vLLM's default is false for chat (the template writes them) and true for a prompt."""
+    plain = _chat(server).json()["usage"]["prompt_tokens"]
+    assert _chat(server, add_special_tokens=False).json()["usage"]["prompt_tokens"] == plain
+    assert _chat(server, add_special_tokens=True).status_code == 200
+    r = _post(server, "completions", prompt="Hello there", max_tokens=1, add_special_tokens=False)
+    assert r.status_code == 200, r.text
+
+
+def test_logprobs_zero_gives_the_chosen_tokens_logprob(server: Server) -> None:
+    """An audit: completions' logprobs 0 had top_logprobs null; vLLM gives each token's own."""
+    r = _post(server, "completions", prompt="The capital", max_tokens=3, temperature=0, logprobs=0)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert [list(d.items()) for d in lp["top_logprobs"]] == [[(t, v)] for t, v in
+                                                             zip(lp["tokens"], lp["token_logprobs"], strict=True)]
+    r = _post(server, "completions", prompt="The capital", max_tokens=2, temperature=0, logprobs=0, echo=True)
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(d) == 1 for d in tops[1:])
+
+
+def test_stop_reason_names_what_stopped_it(server: Server) -> None:
+    """vLLM's stop_reason: the stop string or stop_token_ids entry; null for EOS or length."""
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0}
+    assert _post(server, "completions", **body, stop=[" 7"]).json()["choices"][0]["stop_reason"] == " 7"
+    assert _post(server, "completions", **body).json()["choices"][0]["stop_reason"] is None
+    six = httpx.post(f"{server.http}/tokenize", json={"prompt": " 6"}, timeout=30).json()["tokens"][-1]
+    got = _post(server, "completions", **body, stop_token_ids=[six]).json()["choices"][0]
+    assert got["finish_reason"] == "stop" and got["stop_reason"] == six
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "stream": True, "stop": ["e"]}, timeout=120) as r:
+        chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert '"stop_reason":"e"' in chunks[-1].replace(" ", "")
+    assert _chat(server).json()["choices"][0]["stop_reason"] is None
+
+
+def test_version(server: Server) -> None:
+    r = httpx.get(f"{server.http}/version", timeout=30)
+    assert r.status_code == 200 and r.json()["version"]
