@@ -488,6 +488,20 @@ def _spec_head_problem(algo: str, model: str, head: str) -> str | None:
     return None
 
 
+def _check_deterministic_cp(cfg: ServerConfig, mla: bool) -> None:
+    """What --cp-size > 1 does not build under deterministic inference (engine/run/assembly.py
+    check_context_parallel, which also checks the kernel compiled): refused here before any process
+    starts (an audit: exit 1 from a worker)."""
+    if cfg.cp_size <= 1 or not cfg.enable_deterministic_inference:
+        return
+    flags = f"--cp-size {cfg.cp_size} with --enable-deterministic-inference"
+    if mla:
+        raise ValueError(f"{flags}: MLA's batch-invariant attention under context parallelism is not built")
+    if cfg.resolved_device != "cpu" or cfg.kv_cache_dtype != "auto":
+        raise ValueError(f"{flags}: its invariant attention is built on the CPU attention kernel only (a CPU, "
+                         "float32 or bf16 KV, the kernel compiled)")
+
+
 def check_before_start(cfg: ServerConfig) -> None:
     """What the supervisor checks once the model directory is known (the default model is filled in
     after the flags are parsed), before any process starts; a ValueError names the flag:
@@ -497,7 +511,8 @@ def check_before_start(cfg: ServerConfig) -> None:
     * STANDALONE drafts: --speculative-draft-layers below the model's layers, a draft model directory with
       a config.json, the model's vocabulary and weights (the worker checks the same, but only after every
       process has started);
-    * --chat-template compiles."""
+    * --chat-template compiles;
+    * --cp-size > 1 under deterministic inference: a GQA model, on a CPU, without an fp8 KV cache."""
     from engine.layers.shards import head_shard  # (torch-free)
 
     model = _read_json(Path(cfg.model) / "config.json")
@@ -517,6 +532,7 @@ def check_before_start(cfg: ServerConfig) -> None:
                              f"{split} over the ranks, and the host tier needs equal KV pages on every rank (a "
                              f"--tp-size that divides {kv}, or no host tier)")
     _check_standalone_draft(cfg, model)
+    _check_deterministic_cp(cfg, mla=model.get("kv_lora_rank") is not None)
     if cfg.chat_template:
         from engine.tokenizer import read_chat_template
 

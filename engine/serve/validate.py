@@ -231,6 +231,8 @@ def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str
     guided = guided_spec(req)
     if guided is not None:
         names[guided[1]] = guided[0]
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+        names["prompt_logprobs"] = "echo"  # (echo with logprobs scores the prompt)
     return names
 
 

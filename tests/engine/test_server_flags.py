@@ -170,6 +170,24 @@ def test_checks_before_start_read_the_model_and_make_the_l3_dir(tmp_path: Path) 
                                         l3_dir=str(tmp_path / "file" / "l3")))
 
 
+def test_checks_before_start_refuse_deterministic_cp_where_it_is_not_built(tmp_path: Path) -> None:
+    """An audit: --cp-size 2 --enable-deterministic-inference --kv-cache-dtype fp8_e4m3 exited 1 from a
+    worker after every process had started; it is the supervisor's exit 2 now."""
+    from engine.config import check_before_start
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2}))
+    m = str(tmp_path / "m")
+    check_before_start(ServerConfig(model=m, cp_size=2, enable_deterministic_inference=True, device="cpu"))
+    check_before_start(ServerConfig(model=m, cp_size=2, kv_cache_dtype="fp8_e4m3", device="cpu"))  # mode off
+    with pytest.raises(ValueError, match="--cp-size 2 with --enable-deterministic-inference: its invariant"):
+        check_before_start(ServerConfig(model=m, cp_size=2, enable_deterministic_inference=True, device="cpu",
+                                        kv_cache_dtype="fp8_e4m3"))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"num_attention_heads": 4, "kv_lora_rank": 64}))
+    with pytest.raises(ValueError, match="MLA's batch-invariant attention under context parallelism"):
+        check_before_start(ServerConfig(model=m, cp_size=2, enable_deterministic_inference=True, device="cpu"))
+
+
 def test_checks_before_start_refuse_a_standalone_draft_the_model_cannot_give(tmp_path: Path) -> None:
     """A self-draft of as many layers as the model, or a draft model directory without a config.json,
     fails before any process starts (it used to exit 1 from the worker ~3 s later)."""

@@ -16,6 +16,10 @@ def test_the_arithmetic_is_part_of_the_fingerprint() -> None:
     det, nondet = arithmetic_identity(True, cpu), arithmetic_identity(False, cpu)
     assert det != nondet and det == arithmetic_identity(True, cpu)
     assert nondet == "nondeterministic"  # shared by every non-deterministic engine
+    # an audit: a deterministic cp=1 engine served a deterministic cp=2 engine's L3 pages, whose
+    # bits are not its own (attention merged over ranks), and its answers changed
+    assert arithmetic_identity(True, cpu, cp_size=2) != det == arithmetic_identity(True, cpu, cp_size=1)
+    assert arithmetic_identity(False, cpu, cp_size=2) == nondet
     cfg = ServerConfig(model=str(ensure_default_model()), device="cpu")
     args = (cfg, torch.bfloat16, torch.bfloat16, 3 * 64 * 16 * 2 * 2 * 30, 30, "k:3x64,v:3x64")
     assert worker_fingerprint(*args, arithmetic=det) == worker_fingerprint(*args, arithmetic=det)
