@@ -180,6 +180,7 @@ class Frontend:
         self.died: tuple[str, str] | None = None  # (process, reason) once one has died
         self._flushes: dict[int, asyncio.Future[FlushDone]] = {}  # FlushCache id -> its answer
         self._next_flush = 0
+        self.last_output = 0.0  # monotonic time of the last TokenBatch: the engine makes progress
 
     # -- requests ---------------------------------------------------------------------
 
@@ -327,7 +328,7 @@ class Frontend:
     def dispatch(self, msg: outputs.ToTokenizer) -> None:
         """Route one message from the scheduler."""
         if isinstance(msg, TokenBatch):
-            now = time.monotonic()
+            now = self.last_output = time.monotonic()
             tokens = 0
             for out in msg.outs:
                 tokens += len(out.new_ids)

@@ -13,6 +13,7 @@ top_logprobs and prompt_logprobs; `return_text_in_logprobs` puts each token's te
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -188,11 +189,15 @@ async def _stream(gen: Generation, deltas: AsyncIterator[Delta], rid: str, promp
 
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+HEALTH_POLL_S = 0.05  # how often a waiting probe looks at the engine's last output
 
 
 async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     """SGLang's GET /health_generate: one greedy token through every process (the probe that
-    /health's readiness alone cannot give); a failure is the generation's 5xx, and no token within
+    /health's readiness alone cannot give). As SGLang's, any request's output after the probe
+    started proves the engine alive (a busy server's probe waits behind its queue: an audit got a
+    503 from a healthy server with a 30-s queue); then `output_ids` is empty and the probe is
+    dropped. A failure is the generation's 5xx, and no output at all within
     HEALTH_GENERATE_TIMEOUT_S a 503 (a stuck process: the probe answers, it does not wait for the
     watchdog)."""
     if state.frontend.died is not None:
@@ -200,15 +205,20 @@ async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
     if not state.frontend.ready:  # a probe answers at once (requests wait for ready instead)
         raise ApiError(503, "the server is not ready yet (the scheduler has not reported ready)")
     probe = SubRequest(call.rid, 0, 0, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
+    started = time.monotonic()
     gen = await Generation.start(state.frontend, state.tok, call.rid, [probe], call.t0, False)
+    answer = asyncio.ensure_future(collect(gen))
     try:
-        (c,) = await asyncio.wait_for(collect(gen), HEALTH_GENERATE_TIMEOUT_S)
-    except TimeoutError:
-        raise ApiError(503, f"health_generate: no token within {HEALTH_GENERATE_TIMEOUT_S:g} s (a process is stuck "
-                            "or the server is overloaded)") from None
+        while not answer.done() and state.frontend.last_output <= started:
+            if time.monotonic() - started > HEALTH_GENERATE_TIMEOUT_S:
+                raise ApiError(503, f"health_generate: no output within {HEALTH_GENERATE_TIMEOUT_S:g} s (a process is "
+                                    "stuck)")
+            await asyncio.wait({answer}, timeout=HEALTH_POLL_S)
+        ids = answer.result()[0].token_ids if answer.done() else []
     finally:
+        answer.cancel()
         gen.close()
-    return Reply(body={"status": "ok", "output_ids": c.token_ids})
+    return Reply(body={"status": "ok", "output_ids": ids})
 
 
 async def abort_request(state: ServeState, body: bytes, call: Call) -> Reply:

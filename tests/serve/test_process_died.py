@@ -219,12 +219,34 @@ def test_health_generate_answers_503_when_no_token_comes(monkeypatch: pytest.Mon
         t0 = time.monotonic()
         with pytest.raises(ApiError) as err:
             await native.health_generate(state, b"", Call("probe", t0))
-        assert err.value.status == 503 and "no token within 0.3 s" in err.value.message
+        assert err.value.status == 503 and "no output within 0.3 s" in err.value.message
         assert 0.3 <= time.monotonic() - t0 < 3
         sent = []
         while not state.frontend._outbox.empty():
             sent.append(state.frontend._outbox.get_nowait())
         assert any(isinstance(m, AbortRequest) and m.rid == "probe" for m in sent), "the probe's request is aborted"
+
+    run(main())
+
+
+def test_health_generate_of_a_busy_server_answers_on_any_output() -> None:
+    """An audit: a healthy server whose queue held the probe for 20 s answered 503. As SGLang's, any
+    request's output after the probe started answers 200 (the probe's own token not needed)."""
+    from engine.serve import native
+
+    async def main() -> None:
+        state = ready_state()
+        t0 = time.monotonic()
+        probe = asyncio.ensure_future(native.health_generate(state, b"", Call("probe", t0)))
+        await asyncio.sleep(0.2)
+        assert not probe.done()  # no output yet: it waits
+        state.frontend.dispatch(tokens("someone-else", [5]))
+        reply = await asyncio.wait_for(probe, 2)
+        assert reply.body == {"status": "ok", "output_ids": []}
+        sent = []
+        while not state.frontend._outbox.empty():
+            sent.append(state.frontend._outbox.get_nowait())
+        assert any(isinstance(m, AbortRequest) and m.rid == "probe" for m in sent), "the probe is dropped"
 
     run(main())
 
