@@ -28,11 +28,13 @@ from engine.serve.grammar import constrain, service_of
 from engine.serve.protocol import AbortBody, GenerateBody, decode_body
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import (
+    MAX_N,
     MAX_SUBREQUESTS,
     NATIVE_NAMES,
     SubRequest,
     check_engine_support,
     check_rid,
+    check_subrequests,
     native_params,
     native_prompt,
     native_request,
@@ -114,11 +116,16 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     rid = call.rid
     if req.rid is not None and not call.rid_given:  # the x-request-id header wins over the body
         rid = check_rid(req.rid)
-    params, max_given = native_params(req.sampling_params, state.sampling_defaults)
+    raw, n = _samples(req.sampling_params)
+    params, max_given = native_params(raw, state.sampling_defaults)
     params, shape = _sglang_fields(req, params, state.tok)
     batch = _batch(req)
+    if batch is None and n > 1:  # one prompt, n samples: a batch of it
+        if not isinstance(req.text, str) and not (req.input_ids and all(type(t) is int for t in req.input_ids)):
+            raise ApiError(400, "give exactly one of text and input_ids", param="text")
+        batch = [(req.text, None)] if isinstance(req.text, str) else [(None, req.input_ids)]
     if batch is not None:
-        return await _generate_batch(state, req, call, rid, batch, params, max_given, shape)
+        return await _generate_batch(state, req, call, rid, batch, params, max_given, shape, n)
     ids_in = req.input_ids
     if ids_in is not None and not all(type(t) is int for t in ids_in):
         raise ApiError(400, "input_ids must be token ids, or a list of token id lists (a batch)", param="input_ids")
@@ -137,18 +144,36 @@ async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     return Reply(body=shape.body(rid, c, ids), rid=rid)
 
 
+def _samples(raw: dict[str, Any] | None) -> tuple[dict[str, Any] | None, int]:
+    """SGLang's sampling_params.n: the samples of each prompt (taken out of the params)."""
+    if raw is None or "n" not in raw:
+        return raw, 1
+    raw = dict(raw)
+    n = raw.pop("n")
+    n = 1 if n is None else n
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"sampling_params.n must be in 1..{MAX_N}, got {n!r}", param="n")
+    return raw, n
+
+
 async def _generate_batch(state: ServeState, req: GenerateBody, call: Call, rid: str,
                           items: list[tuple[str | None, list[int] | None]], params: SamplingParams, max_given: bool,
-                          shape: _Shape) -> Reply:
+                          shape: _Shape, n: int = 1) -> Reply:
+    """A batch of prompts, or of n samples of each (prompt-major, as SGLang lists them; a seeded
+    request's sample j has seed + j, as the OpenAI routes' n)."""
     if req.stream:
-        raise ApiError(400, "a batch of prompts is not streamed", param="stream")
+        raise ApiError(400, "a batch of prompts (or n > 1) is not streamed", param="stream" if n == 1 else "n")
+    check_subrequests(len(items), n)
     subs = []
     for i, (text, ids_in) in enumerate(items):
         if ids_in is not None and not (isinstance(ids_in, list) and all(type(t) is int for t in ids_in)):
             raise ApiError(400, "input_ids must be a list of token id lists", param="input_ids")
         ids, p = await prepare(state, text, ids_in, params, max_given)
         _check_start(shape, ids)
-        subs.append(SubRequest(f"{rid}-{i}", i, i, ids, p))
+        for j in range(n):
+            pj = p if p.seed is None or j == 0 else msgspec.structs.replace(p, seed=(p.seed + j) % 2**63)
+            k = i * n + j
+            subs.append(SubRequest(f"{rid}-{k}", k, i, ids, pj))
     log.info("generate batch", rid=rid, prompts=len(subs), prompt_tokens=sum(len(s.ids) for s in subs))
     gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, False)
     try:

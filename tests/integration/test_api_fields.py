@@ -130,3 +130,28 @@ def test_stop_reason_names_what_stopped_it(server: Server) -> None:
 def test_version(server: Server) -> None:
     r = httpx.get(f"{server.http}/version", timeout=30)
     assert r.status_code == 200 and r.json()["version"]
+
+
+def test_generate_takes_sglangs_n(server: Server) -> None:
+    """An audit: /generate refused sampling_params.n (SGLang's SamplingParams has it): n answers of
+    one prompt, prompt-major for a batch; a seeded request's samples are seed + j, reproducible."""
+    def gen(**body: Any) -> httpx.Response:
+        return httpx.post(f"{server.http}/generate", json=body, timeout=120)
+
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3}
+    r = gen(text="Once upon a time", sampling_params=sp)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 3 and len({o["text"] for o in out}) > 1
+    assert [o["text"] for o in gen(text="Once upon a time", sampling_params=sp).json()] == [o["text"] for o in out]
+    one = gen(text="Once upon a time", sampling_params={**sp, "n": 1, "seed": 12}).json()
+    assert one["text"] == out[1]["text"]  # sample 1 is seed + 1
+    batch = gen(input_ids=[[504, 3575], [282, 4649, 314]], sampling_params={"max_new_tokens": 2, "temperature": 0,
+                                                                            "n": 2}).json()
+    assert len(batch) == 4 and batch[0]["output_ids"] == batch[1]["output_ids"]
+    assert [b["meta_info"]["prompt_tokens"] for b in batch] == [2, 2, 3, 3]
+    for bad in ({"n": 0}, {"n": 17}, {"n": "2"}):
+        r = gen(text="x", sampling_params=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert gen(text="x", sampling_params={"n": 2}, stream=True).status_code == 400
+    assert gen(text="x", sampling_params={"n": 1, "max_new_tokens": 1}).status_code == 200
