@@ -18,7 +18,7 @@ REJECTED_EVENTS = ("request rejected", "sdk request rejected")  # a 4xx before t
 FINISHED_EVENT = "request finished"  # the tokenizer's, one per request that ran
 # the other ends of a request at the tokenizer: failed before it ran (a server process died) or its
 # client gone before the response
-FAILED_EVENTS = ("sdk request failed", "client disconnected before the response")
+FAILED_EVENTS = ("request failed", "sdk request failed", "client disconnected before the response")
 ADMIN_EVENTS = ("abort asked",)  # an API call that generates nothing (/abort_request): its line is its end
 # a request's own rid where its prompts or choices run (and end) as rid-0, rid-1, ...: a batch's, or n > 1's
 PARENT_EVENTS = (*RECEIVED_EVENTS, "generate batch")
@@ -389,7 +389,9 @@ def errors(records: list[Record]) -> list[dict[str, Any]]:
 
 
 def _error_text(rec: Record) -> str:
-    parts = [str(rec["event"]), str(rec.get("error", "")), str(rec.get("reason", ""))]
+    # the supervisor's `child died` names the process in `child` (an audit: every death read alike)
+    child = f"process {rec['child']}" if rec.get("child") else ""
+    parts = [str(rec["event"]), child, str(rec.get("error", "")), str(rec.get("reason", ""))]
     exc = rec.get("exception")
     if isinstance(exc, list):
         parts += [f"{e.get('exc_type', '')}: {e.get('exc_value', '')}" for e in exc if isinstance(e, dict)]
@@ -563,4 +565,9 @@ def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str
         notes.append("no cache.log: host tier (L2) off, every cached token came from the device tier (L1)")
     if not occupancy(records, 0.0):
         notes.append("no 'cache occupancy' lines in scheduler.log (older server): occupancy over time is not known")
+    t0 = records[0]["t"]
+    for r in records:  # a stop is no error line, yet it ends what is in flight (their finish: "error")
+        if r.get("proc") == "supervisor" and r["event"] == "shutting down":
+            notes.append(f"the server was stopped by {r.get('signal', 'a signal')} at {r['t'] - t0:.3f} s: requests "
+                         "still in flight then ended with an error")
     return notes

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body, error_body
+from engine.serve.frontend import GenerationFailed
 from engine.serve.native import abort_request, generate_http, health_generate, model_info
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
@@ -107,6 +108,9 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
             try:
                 body = await read_body(request)
                 reply = await until_disconnect(request, handler(state, body, Call(rid, t0, header is not None)))
+            except GenerationFailed as exc:  # it ran (or was due to) and failed: not a refusal
+                log.warning("request failed", status=exc.status, error=exc.message)
+                return error_response(exc, rid)
             except ApiError as exc:
                 log.info("request rejected", status=exc.status, error=exc.message)
                 state.frontend.metrics.rejected.labels(str(exc.status)).inc()

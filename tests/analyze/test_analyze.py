@@ -84,6 +84,7 @@ def test_real_logs(logdir: Path) -> None:
     print_text(rep, out=buf)
     assert f"tokens: prompt {tokens['prompt']} ({tokens['cached']} cached)" in buf.getvalue()
     assert all(len(r.rid) > 12 and r.rid in buf.getvalue() for r in rep.requests)  # whole ids (were cut to 12)
+    assert any(n.startswith("the server was stopped by SIGTERM at ") for n in rep.notes), rep.notes
 
 
 def test_cli_json_and_plots(logdir: Path, tmp_path: Path) -> None:
@@ -229,6 +230,7 @@ def test_digest_mismatch_reported_with_its_seq(tmp_path: Path) -> None:
     assert [e["event"] for e in rep.errors] == ["scheduler failed", "child died"]
     assert rep.errors[0]["seq"] == 17 and rep.first_error_seq == 17
     assert "DigestMismatch" in rep.errors[0]["detail"]
+    assert rep.errors[1]["detail"] == "child died | process scheduler | exit code 1"  # which process died
     assert rep.summary["count"] == 0  # queued, never finished: listed as unfinished, not hidden
     assert rep.unfinished == [{"rid": "r1", "first_seen": 0.1, "last_seen": 0.1, "last_event": "request",
                                "last_proc": "scheduler"}]

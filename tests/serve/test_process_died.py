@@ -269,3 +269,28 @@ def test_health_generate_answers_503_at_once_before_ready() -> None:
         assert err.value.status == 503 and "worker-0" in err.value.message
 
     run(main())
+
+
+def test_a_request_that_ran_and_failed_is_not_counted_rejected() -> None:
+    """An audit: the 503 of a request a process death ended counted in strata_requests_rejected
+    ("refused before they ran"), beside its "error" end; only refusals count now."""
+    import httpx
+
+    from engine.serve.http import build_app
+
+    async def main() -> None:
+        state = ready_state()
+        rejected = state.frontend.metrics.rejected
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            running = asyncio.create_task(client.post("/generate", content=body(False),
+                                                      headers={"content-type": "application/json"}))
+            while not state.frontend.num_in_flight:
+                await asyncio.sleep(0.01)
+            state.frontend.process_died("worker-0", "killed by SIGKILL")
+            assert (await running).status_code == 503
+            assert rejected.labels("503")._value.get() == 0
+            bad = await client.post("/generate", content=b"{", headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and rejected.labels("400")._value.get() == 1
+
+    run(main())
