@@ -124,6 +124,8 @@ def describe_exit(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
+    if returncode == 128 + signal.SIGTERM:  # procs/child.py's SIGTERM handler (an audit read "exit status 0")
+        return f"stopped by SIGTERM (exit status {returncode})"
     return f"exit status {returncode}"
 
 

@@ -26,7 +26,8 @@ def start_child(role: str, with_rank: bool = False) -> tuple[ServerConfig, struc
     cfg = ServerConfig.from_json(Path(args.config).read_text())
     rank = args.rank if with_rank else None
     log = setup_logging(role, cfg.log_dir, rank=rank)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # 128 + 15, a shell's status for it: the supervisor tells "stopped by SIGTERM" from a clean exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # once the process exits anyway, a SIGTERM must not raise SystemExit inside a finalizer (zmq's
     # Context.__del__ printed "Exception ignored ... SystemExit" after a failed start)

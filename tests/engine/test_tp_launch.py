@@ -140,3 +140,22 @@ def test_the_cause_of_a_failure_is_the_child_that_was_killed(tmp_path: Path) -> 
         for proc in cs.procs.values():
             proc.kill()
             proc.wait()
+
+
+def test_a_child_stopped_by_sigterm_says_so(tmp_path: Path) -> None:
+    """An audit: a worker sent SIGTERM was reported 'died (exit status 0)'. procs/child.py's handler
+    exits 128 + SIGTERM, which describe_exit names."""
+    import signal
+    import subprocess
+    import sys
+
+    from engine.supervise import describe_exit
+
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM)); "
+            "print('up', flush=True); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    proc.send_signal(signal.SIGTERM)
+    assert describe_exit(proc.wait(timeout=10)) == "stopped by SIGTERM (exit status 143)"
+    assert describe_exit(0) == "exit status 0" and describe_exit(-9) == "killed by SIGKILL"
+    assert "sys.exit(128 + signal.SIGTERM)" in (Path(__file__).parents[2] / "procs" / "child.py").read_text()
