@@ -36,7 +36,7 @@ from engine.serve.native import abort_request, generate_http, health_generate, m
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
-from engine.serve.validate import check_rid
+from engine.serve.validate import check_model, check_rid
 from msgs.client import MAX_FRAME_BYTES
 
 log = structlog.get_logger()
@@ -187,9 +187,10 @@ def build_app(state: ServeState) -> Starlette:
     async def model(request: Request) -> Response:
         """OpenAI's GET /v1/models/{model} (`client.models.retrieve`): the served model by any name
         a request may use for it, else a 404."""
-        name = request.path_params["model"]
-        if name not in state.accepted_models:
-            return json_response(error_body(404, f"the model {name!r} does not exist", code="model_not_found"), 404)
+        try:
+            check_model(request.path_params["model"], state.accepted_models)  # (one wording: vLLM's)
+        except ApiError as exc:
+            return error_response(exc)
         return json_response(card())
 
     async def health(_request: Request) -> Response:

@@ -144,8 +144,8 @@ def test_models_health_and_request_id(server: Server, client: openai.OpenAI) -> 
     models = httpx.get(f"{server.base_url}/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("no-such-model")
+    with pytest.raises(openai.NotFoundError, match="The model `no-such-model` does not exist."):
+        client.models.retrieve("no-such-model")  # the wording of a request's unknown model, vLLM's
     assert httpx.get(f"{server.http}/health").status_code == 200
     r = httpx.post(
         f"{server.base_url}/completions",
