@@ -319,7 +319,6 @@ class FlashInferAttention(AttentionBackend):
         # probabilities to fp8 (2x faster); otherwise the generic kernel widens fp8 K/V to q's dtype
         self._xqa_fp8_gmma = self.fp8_math and self.dtype.itemsize == 1 and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device)[0] == 9
-        self._xqa_pdl = self.tuning.xqa_pdl
         # semaphores must start at zero (the kernel leaves them so): never shared with FA2
         self._xqa_ws = torch.zeros(_XQA_SEMAPHORE_BYTES + _XQA_SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
         self._init_table()
@@ -361,7 +360,8 @@ class FlashInferAttention(AttentionBackend):
             mask: dict = {}
             if trees:
                 packed, offsets = packed_tree_mask(batch.extend_lens_cpu, batch.seq_lens_cpu, trees)
-                mask = dict(packed_custom_mask=packed.to(self.device))
+                # (non_blocking: a blocking copy waits for the steps queued on the device)
+                mask = dict(packed_custom_mask=packed.to(self.device, non_blocking=True))
             # the longest new span, known here: flashinfer's own max() walks the tensor element by
             # element (1-2 ms of the worker's thread per 256-row mixed step in an H200 profile)
             self._plan(
@@ -369,7 +369,7 @@ class FlashInferAttention(AttentionBackend):
                 max_token_per_sequence=max(batch.extend_lens_cpu), **mask, **self._plan_kwargs(),
             )
             if trees:  # plan() takes a packed mask's offsets in bits; its kernel reads them in bytes
-                self._prefill._mask_indptr_buf = offsets.to(self.device)
+                self._prefill._mask_indptr_buf = offsets.to(self.device, non_blocking=True)
             self._active = self._prefill
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:
@@ -423,7 +423,7 @@ class FlashInferAttention(AttentionBackend):
             self._xqa_fp8_gmma, self._sm_count, self.num_kv_heads, 0, 1.0,
             out.view(b, 1, self.num_q_heads, self.head_dim), 1.0, q.view(b, 1, self.num_q_heads, self.head_dim),
             None, k, v, None, None, table, table.shape[1] * self.page_size, seq_lens.view(b, 1), b, 1.0,
-            ws[:_XQA_SEMAPHORE_BYTES], ws[_XQA_SEMAPHORE_BYTES:], self._xqa_pdl, 1, None,
+            ws[:_XQA_SEMAPHORE_BYTES], ws[_XQA_SEMAPHORE_BYTES:], False, 1, None,
         )
         return out
 

@@ -43,8 +43,9 @@ def flashinfer_module() -> ModuleType | None:
     global _fi
     if _fi is False:
         # the CUDA-JIT norm kernels: one known module to compile (the CuTe-DSL variants need
-        # nvidia-cutlass-dsl and compile per shape)
-        os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
+        # nvidia-cutlass-dsl and compile per shape); set, not defaulted: a kernel choice is ours
+        # (configs/tuning), not a user's environment's
+        os.environ["FLASHINFER_USE_CUDA_NORM"] = "1"
         try:
             import flashinfer
             import flashinfer.activation  # noqa: F401

@@ -90,7 +90,6 @@ class KernelTuning:
     decode_bf16: tuple[DecodeRule, ...] = (DecodeRule("fa2"),)
     decode_fp8: tuple[DecodeRule, ...] = (DecodeRule("xqa"), DecodeRule("fa2"))
     triton_pdl: bool = False  # triton kernels launch with programmatic dependent launch (SM90+)
-    xqa_pdl: bool = False  # XQA launches with programmatic dependent launch
     fused_prologue: bool = False  # q/k norm + RoPE + K/V store as one triton launch per layer
     triton_gemv: bool = False  # small-batch projections as triton GEMVs instead of cuBLAS
     gemv_max_rows: int = 1  # most rows of x a one-tile GEMV takes (small decode batches)

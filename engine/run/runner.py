@@ -280,7 +280,7 @@ class ModelRunner:
             if rows is not None and fwd.prompt is not None:
                 if self.rank == 0:  # (only rank 0 answers; logits are the same on every rank)
                     self.scores = prompt_scores.score(logits, rows, fwd.prompt.top_k)
-                logits = logits.index_select(0, torch.tensor(rows.sampled, dtype=torch.int64).to(self.device))
+                logits = logits.index_select(0, _to_device(torch.tensor(rows.sampled, dtype=torch.int64), self.device))
             if self.spec is not None:  # a separate draft model writes its KV for the same tokens
                 self.spec.follow(batch)
         sampled_slots = [s for s, smp in zip(slots, sample, strict=True) if smp]

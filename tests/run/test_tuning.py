@@ -41,7 +41,7 @@ def test_every_checked_in_file_parses() -> None:
 def test_h200_values_are_the_measured_defaults() -> None:
     """The values docs/PERF.md measured as the defaults before they moved into the file."""
     t = H200
-    assert t.triton_pdl and not t.xqa_pdl and t.fused_prologue and t.triton_gemv
+    assert t.triton_pdl and t.fused_prologue and t.triton_gemv
     assert t.gemv_max_rows == 4 and t.norm_gemv_max_hidden == 2048
     # decode: triton up to batch 16 with bf16 KV, FA2 above; XQA for fp8 KV; forced names win
     assert [t.decode_kernel("auto", True, True, BF, b) for b in (1, 16, 17, 256)] == ["triton", "triton", "fa2", "fa2"]
@@ -79,7 +79,7 @@ def test_h200_values_are_the_measured_defaults() -> None:
 
 def test_unknown_gpu_uses_only_vendor_kernels() -> None:
     t = DEFAULT
-    assert not (t.triton_pdl or t.xqa_pdl or t.fused_prologue or t.triton_gemv or t.norm_gemv_max_hidden)
+    assert not (t.triton_pdl or t.fused_prologue or t.triton_gemv or t.norm_gemv_max_hidden)
     assert t.gemv_config(1024, 1024) is None
     assert t.decode_kernel("auto", True, True, BF, 1) == "fa2"
     assert t.decode_kernel("auto", True, True, F8, 1) == "xqa"
