@@ -47,7 +47,11 @@ def test_speculative_server_answers_exactly(spec_server: Server) -> None:
     # the request's own accept length: its verify rows answered more than a token each
     details = use["completion_tokens_details"]
     assert use["spec_accept_length"] > 1.5 and details["accepted_prediction_tokens"] > 0
-    assert details["rejected_prediction_tokens"] >= 0
+    # drafts are accepted or rejected, at most --speculative-num-steps (4) a verify row: rows from the
+    # accept length ((rows + accepted) / rows)
+    rows = round(details["accepted_prediction_tokens"] / (use["spec_accept_length"] - 1))
+    drafted = details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+    assert 0 < rows and details["rejected_prediction_tokens"] >= 0 and drafted <= 4 * rows, (rows, details)
     r = httpx.post(f"{spec_server.http}/generate", timeout=120, json={
         "text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
     meta = r.json()["meta_info"]

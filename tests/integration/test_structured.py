@@ -213,7 +213,11 @@ def test_regex_and_ebnf_on_completions_and_generate(client: OpenAI, srv: Server)
     jsonschema.validate(json.loads(out["text"]), SCHEMAS[1][1])
     metrics = srv.metrics()
     assert metrics["strata_grammar_compile_seconds_count"] >= 1
-    assert metrics["strata_grammar_cache_hits_total"] >= 0
+    again = httpx.post(f"{srv.http}/generate", json=body, timeout=120).json()  # the same schema: a cache hit
+    assert again["text"] == out["text"]
+    after = srv.metrics()
+    assert after["strata_grammar_cache_hits_total"] == metrics["strata_grammar_cache_hits_total"] + 1
+    assert after["strata_grammar_compile_seconds_count"] == metrics["strata_grammar_compile_seconds_count"]
 
 
 def test_vllm_guided_fields(client: OpenAI) -> None:
