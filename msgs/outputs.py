@@ -70,6 +70,7 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     # verify rows answered with no draft at all (the lookup found none)
     spec_accept_hist: list[int] = []
     spec_empty_rows: int = 0
+    spec_drafted: int = 0  # cumulative draft tokens proposed to verify rows (accepted: spec_accept_hist)
     retractions: int = 0  # cumulative: running requests whose KV was given back for lack of pages (re-prefilled)
 
 

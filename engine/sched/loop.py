@@ -386,6 +386,7 @@ class SchedulerLoop:
             dropped_frames=dict(DROPPED),
             spec_accept_hist=list(core.state.spec_stats.hist),
             spec_empty_rows=core.state.spec_stats.empty,
+            spec_drafted=core.state.spec_stats.drafted,
             retractions=core.retractions,
             **(core.state.tiers.stats() if core.state.tiers is not None else {}),
         )

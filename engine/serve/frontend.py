@@ -63,7 +63,8 @@ class ReqHandle:
     non-streaming request without stop strings has nothing to do before then, and
     skipping a task switch per token is most of the per-token cost here."""
 
-    def __init__(self, frontend: Frontend, rid: str, group: _Group, t0: float, wake_each: bool = True) -> None:
+    def __init__(self, frontend: Frontend, rid: str, group: _Group, t0: float, wake_each: bool = True,
+                 prompt_tokens: int = 0) -> None:
         self.rid = rid
         self.finished = False  # the scheduler sent the final output, or we closed it
         self._frontend = frontend
@@ -72,6 +73,9 @@ class ReqHandle:
         self._pending: list[ReqOutput] = []
         self._waiter: asyncio.Future[None] | None = None
         self._t0: float | None = t0
+        self._arrival = t0
+        self._prompt_tokens = prompt_tokens
+        self._generated = 0
         self.ttft: float | None = None  # seconds from arrival to the first token (logged when it finishes)
         self._failure: GenerationFailed | None = None  # raised once _pending is delivered
 
@@ -135,6 +139,10 @@ class ReqHandle:
             self.ttft = now - self._t0
             self._frontend.metrics.ttft.observe(self.ttft)
             self._t0 = None
+        self._generated += len(out.new_ids)
+        if out.finish_reason is not None and self.ttft is not None:
+            e2e = now - self._arrival
+            self._frontend.metrics.on_finish(e2e, e2e - self.ttft, self._prompt_tokens, self._generated)
         self._pending.append(out)
         waiter = self._waiter
         if waiter is not None and not waiter.done() and (self._wake_each or out.finish_reason is not None):
@@ -212,7 +220,7 @@ class Frontend:
         self._parents.add(parent)
         handles = []
         for rid, ids, params in subs:
-            handle = ReqHandle(self, rid, group, t0, wake_each=stream or bool(params.stop))
+            handle = ReqHandle(self, rid, group, t0, wake_each=stream or bool(params.stop), prompt_tokens=len(ids))
             self._reqs[rid] = handle
             handles.append(handle)
             self.metrics.on_submit(len(ids))

@@ -19,7 +19,12 @@ from msgs.outputs import SchedulerStats
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ACCEPT_BUCKETS = tuple(float(n) for n in range(1, 18))  # tokens a verify row answers: 1 + drafts accepted
-STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# up to 30 s: a CPU's 2k-token prefill chunk takes seconds (an audit saw 6.4 s land in +Inf)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                5, 10, 30)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 
 
 class Metrics:
@@ -27,7 +32,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("strata_requests", "Requests sent to the scheduler (n > 1 counts n)", registry=r)
-        self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens sent to the scheduler", registry=r)
+        self.prompt_tokens = Counter("strata_prompt_tokens", "Prompt tokens sent to the scheduler (n > 1 counts "
+                                     "the prompt n times, as vLLM)", registry=r)
         self.generation_tokens = Counter("strata_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("strata_requests_finished", "Requests (choices) ended, by finish reason "
                                 "(stop, length, abort: /abort_request, cancelled: the client left, error)",
@@ -50,6 +56,16 @@ class Metrics:
         self.leak_free = Gauge("strata_kv_leak_free", "1 when the last idle leak check passed", registry=r)
         self.ttft = Histogram("strata_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
         self.step = Histogram("strata_step_seconds", "Scheduler step duration", buckets=STEP_BUCKETS, registry=r)
+        # per request (choice) that finished with an output: vLLM's e2e_request_latency_seconds,
+        # request_time_per_output_token_seconds, request_prompt_tokens and request_generation_tokens
+        self.e2e = Histogram("strata_e2e_request_latency_seconds", "Time from arrival to the last output",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.tpot = Histogram("strata_time_per_output_token_seconds", "A request's mean time between its output "
+                              "tokens after the first (requests of 2+ tokens)", buckets=TPOT_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("strata_request_prompt_tokens", "Prompt tokens of a finished request",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("strata_request_generation_tokens", "Tokens a finished request "
+                                                   "generated", buckets=TOKEN_BUCKETS, registry=r)
         self.grammar_compile = Histogram(
             "strata_grammar_compile_seconds", "Grammar compile time (cache misses)", buckets=GRAMMAR_BUCKETS, registry=r
         )
@@ -102,6 +118,10 @@ class Metrics:
             buckets=ACCEPT_BUCKETS, registry=r,
         )
         self._spec_hist: list[int] = []
+        self.spec_drafted = Counter(  # accepted / drafted: vLLM's acceptance rate
+            "strata_spec_draft_tokens", "Draft tokens proposed to speculative verify rows", registry=r)
+        self.spec_accepted = Counter(
+            "strata_spec_accepted_tokens", "Draft tokens the target accepted", registry=r)
         self.spec_empty = Counter(
             "strata_spec_empty_rows", "Speculative verify rows answered with no draft (one token each)", registry=r)
         self.retractions = Counter(
@@ -113,6 +133,14 @@ class Metrics:
     def on_submit(self, prompt_tokens: int) -> None:
         self.requests.inc()
         self.prompt_tokens.inc(prompt_tokens)
+
+    def on_finish(self, e2e: float, between: float, prompt_tokens: int, generated: int) -> None:
+        """A request's final output: `between` the time from its first output token to its last."""
+        self.e2e.observe(e2e)
+        if generated > 1:
+            self.tpot.observe(between / (generated - 1))
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated)
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.kv_pages_used.set(stats.kv_pages_used)
@@ -134,6 +162,9 @@ class Metrics:
         self._on_tier_stats(stats)
         self._on_spec_stats(stats.spec_accept_hist)
         self._advance("spec_empty_rows", stats.spec_empty_rows, self.spec_empty)
+        self._advance("spec_drafted", stats.spec_drafted, self.spec_drafted)
+        accepted = sum(n * count for n, count in enumerate(stats.spec_accept_hist))
+        self._advance("spec_accepted", accepted, self.spec_accepted)
         self._advance("retractions", stats.retractions, self.retractions)
         if stats.expert_tokens is not None:
             self._on_expert_tokens(stats.expert_tokens)

@@ -357,6 +357,37 @@ def test_metrics_from_stats_and_requests() -> None:
     assert float(lines["strata_running_requests"]) == 1
 
 
+def test_request_latency_token_and_speculation_metrics() -> None:
+    """An audit: no E2E, time-per-output-token or per-request token histograms (vLLM's and SGLang's
+    dashboards plot them), and no drafted-token count to make an acceptance rate of."""
+    async def main() -> str:
+        m = Metrics()
+        fe = Frontend(m)
+        t0 = time.monotonic() - 1.0  # arrived a second ago
+        handle = fe.submit("m", [1, 2, 3, 4, 5], SamplingParams(), t0=t0)
+        fe.dispatch(out("m", [6]))
+        await asyncio.sleep(0.05)
+        fe.dispatch(out("m", [7, 8]))
+        fe.dispatch(out("m", [9], "length"))
+        _ = [o async for o in handle]
+        # cumulative: 3 verify rows accepting 0, 2, 2 drafts of 3 each; then 1 more of 1 accepting 1
+        fe.dispatch(stats(spec_accept_hist=[1, 0, 2], spec_drafted=9))
+        fe.dispatch(stats(spec_accept_hist=[1, 1, 2], spec_drafted=10))
+        return m.render()[0].decode()
+
+    lines = dict(line.rsplit(" ", 1) for line in run(main()).splitlines() if line and not line.startswith("#"))
+    assert float(lines["strata_e2e_request_latency_seconds_count"]) == 1
+    e2e = float(lines["strata_e2e_request_latency_seconds_sum"])
+    assert 1.0 < e2e < 5
+    tpot = float(lines["strata_time_per_output_token_seconds_sum"])  # 3 gaps after the first token
+    assert 0.05 / 3 <= tpot < e2e and float(lines["strata_time_per_output_token_seconds_count"]) == 1
+    assert float(lines["strata_request_prompt_tokens_sum"]) == 5
+    assert float(lines["strata_request_generation_tokens_sum"]) == 4
+    assert float(lines['strata_request_generation_tokens_bucket{le="5.0"}']) == 1
+    assert float(lines["strata_spec_draft_tokens_total"]) == 10
+    assert float(lines["strata_spec_accepted_tokens_total"]) == 5
+
+
 def test_logprob_formats(text_tok) -> None:
     ids = text_tok.encode("hi there")
     lps = [-0.5] * len(ids)
