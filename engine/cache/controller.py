@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.cache.host_alloc import HostAllocator
 from engine.cache.l3 import KEY_BYTES, WRITE_QUEUE_BYTES, L3Dir, L3Store, unpack_keys
 from engine.cache.slab import available_memory, map_slab, open_slab
 from engine.replica import Effect, ReplicaError, rank_replica
+from engine.replica.host_alloc import HostAllocator
 from msgs.channels import Inbox, Outbox
 from msgs.done import BackupDone, Committed, ControllerDigest, FromController, L3Loaded, L3Stats, ToController
 from msgs.steps import (

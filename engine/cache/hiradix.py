@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from engine.cache import l3
 from engine.cache.allocator import PageAllocator
-from engine.cache.host_alloc import HostAllocator
 from engine.cache.radix import PROTECT_HITS, MatchResult, RadixCache, RadixNode
+from engine.replica.host_alloc import HostAllocator
 from msgs.codec import pack_ids
 from msgs.steps import (
     ApplyCommit,

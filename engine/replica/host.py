@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.cache.host_alloc import HostAllocator, HostAllocError
 from engine.replica.base import Component, ReplicaError
+from engine.replica.host_alloc import HostAllocator, HostAllocError
 from msgs.codec import unpack_ids
 from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, L3Load, L3Touch, LoadBack
 

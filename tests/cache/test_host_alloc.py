@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.cache.host_alloc import HostAllocator, HostAllocError
 from engine.replica import ReplicaError, rank_replica
+from engine.replica.host_alloc import HostAllocator, HostAllocError
 from msgs.codec import pack_ids
 from msgs.steps import ApplyCommit, BackupPrepare, Flush, HostEvict, HostInit, HostSplit, LoadBack, Op, Step
 

@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # package -> module prefixes it must never import
 FORBIDDEN = {
     "msgs": ("torch", "engine", "models", "procs"),
-    "engine/layers": ("models", "engine.run", "engine.sched", "engine.serve", "procs"),
+    "engine/layers": ("models", "engine.run", "engine.sched", "engine.serve", "engine.cache", "engine.replica",
+                      "engine.config", "engine.local", "engine.supervise", "engine.tokenizer", "engine.bench",
+                      "engine.analyze", "procs"),
     "models": ("engine.run", "engine.sched", "engine.serve", "procs"),
-    "engine/replica": ("torch", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
+    "engine/replica": ("torch", "engine.cache", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
     "engine/sched": ("torch", "engine.run", "engine.serve", "models", "procs"),
     "engine/cache": ("torch", "engine.run", "engine.sched", "engine.serve", "models", "procs"),
     "engine/serve": ("torch", "engine.run", "engine.sched", "models", "procs"),
@@ -25,6 +27,14 @@ FORBIDDEN = {
     # read by every process: the config and the tables it checks names against
     "engine/config.py": ("engine.serve", "engine.run", "engine.sched", "engine.cache", "models", "procs"),
     "engine/parser_names.py": ("torch", "engine", "models", "procs"),
+    # the bottom of engine/: read by every layer (an audit found these unchecked)
+    "engine/env.py": ("torch", "engine", "models", "procs", "msgs"),
+    "engine/hub.py": ("torch", "engine", "models", "procs"),
+    "engine/tokenizer.py": ("torch", "engine", "models", "procs"),
+    "engine/logs.py": ("torch", "engine.run", "engine.sched", "engine.serve", "engine.layers", "models", "procs"),
+    # the supervisor's helpers start processes; they never load a model or run a step
+    "engine/supervise.py": ("torch", "engine.run", "engine.sched", "engine.serve", "engine.layers", "models",
+                            "procs"),
 }
 
 
