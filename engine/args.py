@@ -119,6 +119,55 @@ HELP = {
 }
 
 
+# SGLang's and vLLM's names for the same flags: accepted as they are (whole names only: no abbreviations)
+ALIASES = {
+    "model": ("--model-path",),
+    "tp_size": ("--tp", "--tensor-parallel-size"),
+    "context_length": ("--max-model-len",),
+    "max_running_requests": ("--max-num-seqs",),
+    "max_prefill_tokens": ("--chunked-prefill-size", "--max-num-batched-tokens"),
+    "seed": ("--random-seed",),
+    "disable_cuda_graph": ("--enforce-eager",),
+}
+# their flags with no twin here: what to use instead (an exit 2 that says so, not "unrecognized arguments")
+FOREIGN = {
+    "--mem-fraction-static": "--mem-fraction (the share of free GPU memory after the weights load)",
+    "--gpu-memory-utilization": "--mem-fraction (the share of free GPU memory after the weights load)",
+    "--log-level": "the STRATA_LOG_LEVEL environment variable",
+    "--trust-remote-code": "nothing: no model code from a checkpoint runs here (drop the flag)",
+    "--enable-metrics": "nothing: /metrics is always served (drop the flag)",
+    "--enable-prefix-caching": "nothing: the prefix cache is on by default (--disable-radix-cache turns it off)",
+    "--tokenizer-path": "the tokenizer in the --model directory",
+    "--tokenizer": "the tokenizer in the --model directory",
+    "--dp": "one engine per data-parallel replica (data parallelism is not built in)",
+    "--dp-size": "one engine per data-parallel replica (data parallelism is not built in)",
+    "--data-parallel-size": "one engine per data-parallel replica (data parallelism is not built in)",
+    "--schedule-policy": "nothing: requests are scheduled first come, first served",
+}
+
+
+# value spellings SGLang and vLLM take for ours
+SPELLINGS = {
+    "dtype": {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"},
+    "kv_cache_dtype": {"fp8": "fp8_e4m3"},
+}
+
+
+def _canonical(ns: argparse.Namespace) -> None:
+    for name, spellings in SPELLINGS.items():
+        setattr(ns, name, spellings.get(getattr(ns, name), getattr(ns, name)))
+    ns.speculative_algorithm = ns.speculative_algorithm.upper()  # (SGLang's are upper case; `ngram` is the same)
+
+
+def _refuse_foreign(argv: list[str]) -> None:
+    """Exit 2 naming the Strata way for another server's flag (it would be "unrecognized")."""
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name in FOREIGN:
+            print(f"bin/serve: error: {name} is another server's flag; here use {FOREIGN[name]}", file=sys.stderr)
+            raise SystemExit(2)
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default == "":
@@ -127,25 +176,27 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # no abbreviations: `--tp 2` once started a tp=2 server quietly (the flag is --tp-size)
+    # no abbreviations (`--tp` once matched --tp-size by prefix: only whole names, ALIASES, count)
     parser = argparse.ArgumentParser(prog="bin/serve", description="Strata LLM server", formatter_class=_Formatter,
                                      allow_abbrev=False)
     for f in dataclasses.fields(ServerConfig):
         if f.name in HIDDEN:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         default = f.default
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=HELP[f.name])
+            parser.add_argument(*flags, action="store_true", help=HELP[f.name])
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=HELP[f.name])
+            parser.add_argument(*flags, type=type(default), default=default, help=HELP[f.name])
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     """The command line (and the STRATA_* environment, read once here: a bad value is an exit 2
     naming the variable, as a bad flag is)."""
+    _refuse_foreign(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
+    _canonical(ns)
     try:
         variables = env()
         if not ns.api_key and variables.api_key:  # the environment keeps it out of `ps`

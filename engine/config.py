@@ -388,7 +388,13 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or (Path(self.model).name if self.model else "SmolLM2-135M-Instruct")
+        if self.served_model_name:
+            return self.served_model_name
+        if not self.model:
+            return "SmolLM2-135M-Instruct"
+        # "." or "..": the directory's own name (an audit: --model . served the model as "", which no request
+        # could name)
+        return Path(self.model).name or Path(self.model).resolve().name
 
     @property
     def resolved_device(self) -> str:
@@ -502,6 +508,20 @@ def _check_deterministic_cp(cfg: ServerConfig, mla: bool) -> None:
                          "float32 or bf16 KV, the kernel compiled)")
 
 
+def _check_device(cfg: ServerConfig) -> None:
+    """What asks for CUDA on a machine without it (the worker checks the same, after every process
+    started: an audit saw exit 1 after 3 s). torch is imported only where a flag names CUDA."""
+    if cfg.device != "cuda" and cfg.attention_backend != "flashinfer":
+        return
+    if cfg.device == "cuda" or cfg.resolved_device != "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            flag = "--device cuda" if cfg.device == "cuda" else "--attention-backend flashinfer"
+            raise ValueError(f"{flag}: this torch sees no CUDA device (torch.cuda.is_available() is False)"
+                             + ("" if cfg.device == "cuda" else "; use --attention-backend torch (or auto)"))
+
+
 def check_before_start(cfg: ServerConfig) -> None:
     """What the supervisor checks once the model directory is known (the default model is filled in
     after the flags are parsed), before any process starts; a ValueError names the flag:
@@ -512,7 +532,8 @@ def check_before_start(cfg: ServerConfig) -> None:
       a config.json, the model's vocabulary and weights (the worker checks the same, but only after every
       process has started);
     * --chat-template compiles;
-    * --cp-size > 1 under deterministic inference: a GQA model, on a CPU, without an fp8 KV cache."""
+    * --cp-size > 1 under deterministic inference: a GQA model, on a CPU, without an fp8 KV cache;
+    * --device cuda or --attention-backend flashinfer on a machine without CUDA."""
     from engine.layers.shards import head_shard  # (torch-free)
 
     model = _read_json(Path(cfg.model) / "config.json")
@@ -533,6 +554,7 @@ def check_before_start(cfg: ServerConfig) -> None:
                              f"--tp-size that divides {kv}, or no host tier)")
     _check_standalone_draft(cfg, model)
     _check_deterministic_cp(cfg, mla=model.get("kv_lora_rank") is not None)
+    _check_device(cfg)
     if cfg.chat_template:
         from engine.tokenizer import read_chat_template
 

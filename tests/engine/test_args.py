@@ -33,6 +33,30 @@ def test_flags_build_the_config() -> None:
     assert cfg.cpu_threads == 2 and cfg.disable_overlap and cfg.page_size == 32
 
 
+def test_sglang_and_vllm_flag_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """An audit: `--tp 2`, `--model-path`, `--max-model-len` ... were "unrecognized arguments". Their
+    twins are aliases; flags with none here are an exit 2 that names what to use."""
+    from engine.args import parse_args
+
+    cfg = parse_args(["--tp", "2", "--max-model-len", "512", "--max-num-seqs", "8", "--random-seed", "3",
+                      "--chunked-prefill-size", "256", "--enforce-eager", "--cpu-threads", "1"])
+    assert (cfg.tp_size, cfg.context_length, cfg.max_running_requests, cfg.seed, cfg.max_prefill_tokens) == \
+        (2, 512, 8, 3, 256) and cfg.disable_cuda_graph
+    assert parse_args(["--tensor-parallel-size=2", "--max-num-batched-tokens", "128"]).tp_size == 2
+    for argv, says in ((["--mem-fraction-static", "0.8"], "here use --mem-fraction"),
+                       (["--trust-remote-code"], "no model code from a checkpoint runs here"),
+                       (["--log-level=debug"], "STRATA_LOG_LEVEL")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # still no abbreviations
+        parse_args(["--max-running", "4"])
+    cfg = parse_args(["--dtype", "half", "--kv-cache-dtype", "fp8", "--tool-call-parser", "deepseekv3",
+                      "--reasoning-parser", "deepseek_r1"])
+    assert (cfg.dtype, cfg.kv_cache_dtype) == ("float16", "fp8_e4m3")
+    assert parse_args(["--speculative-algorithm", "ngram"]).speculative_algorithm == "NGRAM"
+
+
 def test_auto_page_size_is_64_for_mla_models_on_cuda_only() -> None:
     """--page-size 0 (the default): 16, but 64 (FlashMLA's page) for an MLA model on CUDA; an explicit
     size stands; the resolved size survives the JSON every child process decodes."""

@@ -127,7 +127,12 @@ def test_device_cuda_without_cuda_names_the_flag() -> None:
     sdk_port = port + 1
     run = subprocess.run([str(ROOT / "bin" / "serve"), "--device", "cuda", "--port", str(port), "--sdk-port",
                           str(sdk_port)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and "--device cuda: this torch sees no CUDA device" in run.stderr, run.stderr[-2000:]
+    # before any process starts (an audit: exit 1 from the worker after ~3 s)
+    assert run.returncode == 2 and "--device cuda: this torch sees no CUDA device" in run.stderr, run.stderr[-2000:]
+    run = subprocess.run([str(ROOT / "bin" / "serve"), "--attention-backend", "flashinfer", "--port", str(port),
+                          "--sdk-port", str(sdk_port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--attention-backend flashinfer: this torch sees no CUDA" in run.stderr, \
+        run.stderr[-2000:]
 
 
 def test_the_ready_line_gives_the_context_and_warns_when_it_is_small() -> None:
