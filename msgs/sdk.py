@@ -61,6 +61,16 @@ def _frame(req: GenerateRequest) -> bytes:
     return frame
 
 
+def _key(api_key: str | None) -> str:
+    """None is no key (`api_key=os.environ.get(...)`): a frame with a null key would not decode, and a
+    keyed server answers no undecodable frame, so the client heard nothing for SILENCE_S (an audit)."""
+    if api_key is None:
+        return ""
+    if not isinstance(api_key, str):
+        raise TypeError(f"api_key must be a string or None, got {type(api_key).__name__}")
+    return api_key
+
+
 def _closed() -> StrataError:  # (zmq's own error, "Socket operation on non-socket", says nothing useful)
     return StrataError(400, "this client is closed: make a new one")
 
@@ -112,8 +122,8 @@ class Client:
     """Blocking client. One request at a time per client object (use AsyncClient for many): a
     second one while a stream is open is a StrataError 409, not replies lost between the two."""
 
-    def __init__(self, addr: str, *, timeout_s: float = 300.0, api_key: str = "") -> None:
-        self._api_key = api_key  # the server's --api-key, where it has one
+    def __init__(self, addr: str, *, timeout_s: float = 300.0, api_key: str | None = "") -> None:
+        self._api_key = _key(api_key)  # the server's --api-key, where it has one
         self._timeout_s = timeout_s  # a whole request's limit
         self._active: str | None = None  # the rid of the request in flight
         self._ctx = zmq.Context.instance()
@@ -192,8 +202,8 @@ class AsyncClient:
     """asyncio client; many concurrent requests share one socket. One reader task routes
     replies to per-request queues by rid."""
 
-    def __init__(self, addr: str, *, api_key: str = "", timeout_s: float = 300.0) -> None:
-        self._api_key = api_key  # the server's --api-key, where it has one
+    def __init__(self, addr: str, *, api_key: str | None = "", timeout_s: float = 300.0) -> None:
+        self._api_key = _key(api_key)  # the server's --api-key, where it has one
         self._timeout_s = timeout_s  # a whole request's limit (Client's)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)

@@ -253,7 +253,9 @@ def build_app(state: ServeState) -> Starlette:
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
-OPEN_PATHS = ("/health", "/metrics")  # what a load balancer and Prometheus read without the key
+# what a load balancer and Prometheus read without the key (SGLang's middleware opens /health* and /metrics:
+# its liveness probes call /health_generate)
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 
 
 class RequireKey:

@@ -83,3 +83,11 @@ def test_http_and_sdk_ports_differ() -> None:
         ServerConfig(port=8000, sdk_port=8000)
     ports = free_ports(16)
     assert len(set(ports)) == 16 and all(0 < p < 65536 for p in ports)
+
+
+def test_a_model_given_as_dot_is_named_by_its_directory(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """An audit: `--model .` served the model as "" (Path(".").name), a name no request could use."""
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path / "my-model")
+    assert ServerConfig(model=".").model_name == "my-model"
+    assert ServerConfig(model=str(tmp_path / "my-model")).model_name == "my-model"

@@ -301,7 +301,7 @@ def test_a_huge_prompt_does_not_stall_other_clients(server: Server) -> None:
 
 
 def test_api_key_is_required_where_set(tmp_path: Path) -> None:
-    """--api-key: HTTP routes but /health and /metrics need `Authorization: Bearer KEY` (a 401 in
+    """--api-key: HTTP routes but /health, /health_generate and /metrics need `Authorization: Bearer KEY` (a 401 in
     OpenAI's shape otherwise); SDK requests need Client(api_key=KEY)."""
     import openai
 
@@ -309,6 +309,7 @@ def test_api_key_is_required_where_set(tmp_path: Path) -> None:
     try:
         assert httpx.get(f"{srv.http}/health", timeout=30).status_code == 200
         assert httpx.get(f"{srv.http}/metrics", timeout=30).status_code == 200
+        assert httpx.get(f"{srv.http}/health_generate", timeout=60).status_code == 200  # SGLang's probe: open too
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit-1"}):
             r = httpx.get(f"{srv.base_url}/models", headers=headers, timeout=30)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
@@ -318,9 +319,10 @@ def test_api_key_is_required_where_set(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=srv.base_url, api_key="sekrit-1", max_retries=0)
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         assert out.choices[0].finish_reason in ("stop", "length")
-        with Client(srv.sdk) as c, pytest.raises(StrataError) as err:
-            c.generate("Hi", max_new_tokens=2)
-        assert err.value.status == 401
+        for key in ("", None):  # (None: an audit's client heard nothing for 10 s, then "the server is down")
+            with Client(srv.sdk, api_key=key) as c, pytest.raises(StrataError) as err:
+                c.generate("Hi", max_new_tokens=2)
+            assert err.value.status == 401
         with Client(srv.sdk, api_key="sekrit-1") as c:
             assert len(c.generate("Hi", max_new_tokens=2, ignore_eos=True).token_ids) == 2
     finally:

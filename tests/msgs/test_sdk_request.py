@@ -69,3 +69,12 @@ def test_a_closed_client_says_so() -> None:
         await ac.abort("any")
 
     asyncio.run(main())
+
+
+def test_an_api_key_of_none_is_no_key() -> None:
+    """An audit: api_key=None made frames a keyed server cannot decode (and answers silently)."""
+    c = Client("tcp://127.0.0.1:9", api_key=None)
+    assert c._api_key == ""
+    c.close()
+    with pytest.raises(TypeError, match="api_key must be a string"):
+        Client("tcp://127.0.0.1:9", api_key=5)  # type: ignore[arg-type]
