@@ -63,11 +63,13 @@ HELP = {
     "disable_radix_cache": "do not reuse KV pages of shared prompt prefixes across requests",
     "disable_cuda_graph": "decode without CUDA graphs (eager kernels every step)",
     "enable_deterministic_inference": "one request, one answer: its logits bit for bit whatever its batch, cached "
-    "prefix (any tier), prefill chunks or overlap (batch-invariant GEMMs and attention; the torch attention "
-    "backend). On by default on a CPU (no measurable cost there, float32 or bf16); on a GPU it costs throughput "
-    "(H200: ~8-10%% offline, Llama-3.1-8B's batch-1 step 1.14x): docs/PERF.md",
+    "prefix (any tier), prefill chunks or overlap (batch-invariant GEMMs; attention by one path: a C kernel on a "
+    "CPU, our triton kernel on CUDA, under the torch attention backend). The flag's default shows False, but on a "
+    "CPU the mode is on unless --disable-deterministic-inference, draft trees, --cp-size > 1 or another attention "
+    "backend (no measurable cost there, float32 or bf16); on a GPU it costs throughput (H200: ~8-10%% offline; "
+    "Llama-3.1-8B's batch-1 step 1.06x on an H100, 1.14x on an H200): docs/PERF.md",
     "disable_deterministic_inference": "on a CPU, turn off its default deterministic inference (draft trees, "
-    "--speculative-eagle-topk > 1, turn it off too)",
+    "--speculative-eagle-topk > 1, --cp-size > 1 and another attention backend turn it off too)",
     "batch_wait_ms": "when requests reach an idle engine, its first step waits until none has arrived for this "
     "long (at most 10x in all), so that a burst sent at once is prefilled as one batch, not as what came first "
     "and then the rest (-1: auto = 2 on CPU, where a prefill step takes 100s of ms; 0 on GPU: no wait)",

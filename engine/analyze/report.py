@@ -568,6 +568,7 @@ def _notes(reqs: list[Request], has_l2: bool, records: list[Record]) -> list[str
     t0 = records[0]["t"]
     for r in records:  # a stop is no error line, yet it ends what is in flight (their finish: "error")
         if r.get("proc") == "supervisor" and r["event"] == "shutting down":
-            notes.append(f"the server was stopped by {r.get('signal', 'a signal')} at {r['t'] - t0:.3f} s: requests "
-                         "still in flight then ended with an error")
+            cut = sum(1 for q in reqs if q.finish_reason == "error" and q.done is not None and q.done >= r["t"] - t0)
+            notes.append(f"the server was stopped by {r.get('signal', 'a signal')} at {r['t'] - t0:.3f} s"
+                         + (f": {cut} requests in flight then ended with an error" if cut else ""))
     return notes

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from engine.bench.launch import launched_server
+from engine.bench.report import RESULTS_DIR
 
 MODES = ("single", "mixed", "prefix")
 PLAIN = {"temperature": 1.0, "seed": 42}
@@ -118,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     result = run(args)
     name = Path(args.model).name if args.model else "default"
-    out = Path(args.out or Path("bench/results") / f"deterministic-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(args.out or RESULTS_DIR / f"deterministic-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"result: {out}\ndeterministic: {result['deterministic']}")
     return {**result, "completed": int(result["deterministic"])}

@@ -120,7 +120,7 @@ def launched_server(model: str | None, load_format: str, server_args: list[str])
     print(f"starting: {' '.join(cmd)}  (log: {log})", flush=True)
     ok = False
     with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
             waited = wait_healthy(url, proc, log, START_TIMEOUT_S)

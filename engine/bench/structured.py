@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from engine.bench.launch import launched_server
+from engine.bench.report import RESULTS_DIR
 from engine.tokenizer import TOKENIZER_FILES
 
 SCHEMA = {
@@ -227,7 +228,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"bin/bench structured: {result['invalid_stop']} answers finished with 'stop' but are not "
               "valid under the schema")
     name = Path(args.model).name if args.model else "default"
-    out = Path(args.out or Path("bench/results") / f"structured-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = Path(args.out or RESULTS_DIR / f"structured-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"result: {out}")
     if result["invalid_stop"]:

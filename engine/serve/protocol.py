@@ -97,6 +97,10 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM >= 0.12's name for the four above
+    # OpenAI's hints, accepted and not used (on completions too, as vLLM ignores them there)
+    prompt_cache_key: str | None = None  # cache routing: one server's prefix cache needs none
+    safety_identifier: str | None = None  # an end-user id (as `user`)
+    verbosity: Literal["low", "medium", "high"] | None = None  # for OpenAI's own models
     request_id: str | None = None  # vLLM's: the request's id (an x-request-id header wins)
     rid: str | None = None  # SGLang's name for it
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
@@ -140,9 +144,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     store: bool | None = None
     service_tier: str | None = None
     modalities: list[str] | None = None
-    prompt_cache_key: str | None = None  # OpenAI's cache-routing hint: one server's prefix cache needs none
-    safety_identifier: str | None = None  # OpenAI's end-user id (as `user`): accepted, not used
-    verbosity: Literal["low", "medium", "high"] | None = None  # OpenAI's hint to its own models
     # declared for REFUSED
     prediction: Any = None
     audio: Any = None

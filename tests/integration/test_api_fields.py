@@ -28,7 +28,8 @@ def test_hints_are_accepted_and_a_body_request_id_is_the_requests_id(server: Ser
               request_id="my-chat-1")
     assert r.status_code == 200, r.text
     assert r.json()["id"] == "chatcmpl-my-chat-1" and r.headers["x-request-id"] == "my-chat-1"
-    r = _post(server, "completions", prompt="Hello", max_tokens=2, rid="my-cmpl-1")  # SGLang's name
+    r = _post(server, "completions", prompt="Hello", max_tokens=2, rid="my-cmpl-1", prompt_cache_key="k1",
+              safety_identifier="u-1", verbosity="low")  # SGLang's name for the id; OpenAI's hints here too
     assert r.status_code == 200 and r.json()["id"] == "cmpl-my-cmpl-1", r.text
     r = httpx.post(f"{server.base_url}/completions", json={"prompt": "Hello", "max_tokens": 2, "rid": "body"},
                    headers={"x-request-id": "header-1"}, timeout=120)
