@@ -20,7 +20,8 @@ class Env:
     log_json: bool | None  # STRATA_LOG_JSON: force JSON (1) or console (0) on stderr
     digest_every: int  # STRATA_DIGEST_EVERY: steps between DigestCheck ops (0 = never)
     git_commit: str | None  # STRATA_GIT_COMMIT: recorded in benchmark results run outside a checkout
-    profile_steps: str | None  # STRATA_PROFILE_STEPS=FIRST:COUNT: torch-profile a worker's forward steps
+    # STRATA_PROFILE_STEPS=FIRST[:COUNT] (COUNT 100 if left out): torch-profile a worker's forward steps
+    profile_steps: tuple[int, int] | None
     api_key: str | None = None  # STRATA_API_KEY: bin/serve's --api-key when the flag is not given
 
     def __post_init__(self) -> None:
@@ -47,6 +48,21 @@ def _flag(name: str) -> bool | None:
     raise ValueError(f"{name} must be 1/true/yes or 0/false/no, got {val!r}")
 
 
+def _steps(name: str) -> tuple[int, int] | None:
+    """FIRST[:COUNT], both >= 1 (checked here, at start: a bad one failed in a worker after it loaded)."""
+    val = os.environ.get(name)
+    if not val:
+        return None
+    first, _, count = val.partition(":")
+    try:
+        window = int(first), int(count or 100)
+    except ValueError:
+        window = (0, 0)
+    if min(window) < 1:
+        raise ValueError(f"{name} must be FIRST:COUNT, both integers >= 1, got {val!r}")
+    return window
+
+
 def _int(name: str, default: int) -> int:
     val = os.environ.get(name)
     try:
@@ -64,6 +80,6 @@ def env() -> Env:
         log_json=_flag("STRATA_LOG_JSON"),
         digest_every=_int("STRATA_DIGEST_EVERY", 64),
         git_commit=os.environ.get("STRATA_GIT_COMMIT") or None,
-        profile_steps=os.environ.get("STRATA_PROFILE_STEPS") or None,
+        profile_steps=_steps("STRATA_PROFILE_STEPS"),
         api_key=os.environ.get("STRATA_API_KEY") or None,
     )

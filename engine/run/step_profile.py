@@ -17,11 +17,8 @@ log = structlog.get_logger()
 
 
 class StepProfiler:
-    def __init__(self, spec: str, out_dir: str, rank: int) -> None:
-        first, _, count = spec.partition(":")
-        self.first, self.count = int(first), int(count or 100)
-        if self.first < 1 or self.count < 1:
-            raise ValueError(f"STRATA_PROFILE_STEPS={spec!r}: want FIRST:COUNT, both >= 1")
+    def __init__(self, window: tuple[int, int], out_dir: str, rank: int) -> None:
+        self.first, self.count = window  # (engine/env.py checked them)
         self.path = Path(out_dir or ".") / f"profile-rank{rank}.txt"
         self.steps = 0
         self.prof: torch.profiler.profile | None = None
