@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     try:
         log = setup_logging("supervisor", cfg.log_dir)
-    except OSError as exc:
-        print(f"strata: --log-dir {cfg.log_dir}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # ("File exists" alone, for a file in the way, read as nonsense)
+        why = "a file is in the way of the directory" if isinstance(exc, FileExistsError) else exc.strerror or exc
+        print(f"strata: --log-dir {cfg.log_dir}: {why}", file=sys.stderr)
         return 2
     try:  # the default model's checks (its config.json) run here: a bad flag is exit 2, not a traceback
         cfg = prepare_model(cfg)
