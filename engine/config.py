@@ -312,8 +312,12 @@ class ServerConfig:
             (self.hicache_size >= 0, "--hicache-size must be >= 0 (GB; 0: use --hicache-ratio)"),
             (self.hicache_write_policy in ("write_through", "write_through_selective", "write_back"),
              f"bad --hicache-write-policy {self.hicache_write_policy} (write_through, write_through_selective)"),
-            (self.hicache_write_policy != "write_back" or not self.enable_hierarchical_cache,
+            (self.hicache_write_policy != "write_back",
              "--hicache-write-policy write_back is not implemented yet (write_through, write_through_selective)"),
+            # (an audit: --hicache-size and a policy were taken silently without the tier, --l3-dir refused)
+            (self.enable_hierarchical_cache
+             or (self.hicache_size == 0 and self.hicache_write_policy == "write_through"),
+             "--hicache-size and --hicache-write-policy need --enable-hierarchical-cache"),
             (not (self.enable_hierarchical_cache and self.disable_radix_cache),
              "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"),
             (not self.l3_dir or self.enable_hierarchical_cache,

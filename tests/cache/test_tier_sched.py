@@ -172,6 +172,10 @@ def test_host_tier_size_and_flags() -> None:
     for bad in ({"hicache_write_policy": "write_back"}, {"disable_radix_cache": True}, {"hicache_ratio": 0.0}):
         with pytest.raises(ValueError):
             ServerConfig(enable_hierarchical_cache=True, **bad)
+    for without_the_tier in ({"hicache_size": 1.0}, {"hicache_write_policy": "write_through_selective"},
+                             {"hicache_write_policy": "write_back"}):
+        with pytest.raises(ValueError, match="--hicache-|write_back is not implemented"):
+            ServerConfig(**without_the_tier)
 
 
 def test_ranks_with_different_host_pages_cannot_start_the_tier() -> None:
