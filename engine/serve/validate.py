@@ -64,9 +64,12 @@ class SubRequest:
 
 
 def check_rid(rid: str, param: str = "rid") -> str:
-    """A client-chosen request id: 1..256 printable characters, no whitespace."""
-    if not 0 < len(rid) <= MAX_RID_LEN or not rid.isprintable() or any(c.isspace() for c in rid):
-        raise ApiError(400, f"{param} must be 1..{MAX_RID_LEN} printable characters without spaces", param)
+    """A client-chosen request id: 1..256 printable ASCII characters, no whitespace (it is echoed in
+    the x-request-id header, which holds Latin-1 at most: an audit's "✓" was a 500 after the whole
+    generation had run)."""
+    if (not 0 < len(rid) <= MAX_RID_LEN or not rid.isascii() or not rid.isprintable()
+            or any(c.isspace() for c in rid)):
+        raise ApiError(400, f"{param} must be 1..{MAX_RID_LEN} printable ASCII characters without spaces", param)
     return rid
 
 

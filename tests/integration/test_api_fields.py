@@ -35,6 +35,13 @@ def test_hints_are_accepted_and_a_body_request_id_is_the_requests_id(server: Ser
                    headers={"x-request-id": "header-1"}, timeout=120)
     assert r.json()["id"] == "cmpl-header-1"  # the header wins, as on /generate
     assert _chat(server, request_id="has space").status_code == 400
+    # an audit: a non-Latin-1 id passed, ran, and was a 500 when echoed in the x-request-id header
+    for path, body in (("completions", {"prompt": "Hi", "max_tokens": 1, "request_id": "✓"}),
+                       ("chat/completions", {"messages": MESSAGES, "max_tokens": 1, "rid": "Āx"})):
+        r = _post(server, path, **body)
+        assert r.status_code == 400 and "ASCII" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.http}/generate", json={"text": "hi", "rid": "😀", "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED | REFUSED_IN_CHAT))
