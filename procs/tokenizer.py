@@ -40,7 +40,7 @@ import zmq.asyncio
 from engine.config import ServerConfig
 from engine.logs import setup_logging
 from engine.serve.frontend import Frontend
-from engine.serve.http import MAX_BODY, build_app
+from engine.serve.http import MAX_BODY, BoundedHeadProtocol, build_app
 from engine.serve.sampling_defaults import model_sampling_defaults
 from engine.serve.sdk_server import SdkServer
 from engine.serve.state import ServeState
@@ -186,6 +186,7 @@ class TokenizerProcess:
             access_log=False,
             lifespan="off",
             ws="none",
+            http=BoundedHeadProtocol,  # httptools, with a bound on a request's head
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
         server = _Server(config)

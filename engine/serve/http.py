@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body, error_body
@@ -130,6 +131,38 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
         return json_response(reply.body, rid=rid)
 
     return endpoint
+
+
+MAX_HEAD_BYTES = 4 << 20  # a request's line and headers (vLLM's h11 bound; uvicorn's httptools parser has none)
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on a request's head: an audit's 256 MB header held
+    the event loop for 73 s (parsing grows with its square), no API key needed. Past MAX_HEAD_BYTES
+    before the headers end: a 431 and the connection closed."""
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self._head_bytes, self._in_head = 0, True
+        super().connection_made(transport)
+
+    def on_message_begin(self) -> None:
+        self._head_bytes, self._in_head = 0, True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                msg = b"request header fields too large"
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
+                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(msg), msg))
+                self.transport.close()
+                return
+        super().data_received(data)
 
 
 try:

@@ -327,3 +327,27 @@ def test_api_key_is_required_where_set(tmp_path: Path) -> None:
             assert len(c.generate("Hi", max_new_tokens=2, ignore_eos=True).token_ids) == 2
     finally:
         assert stop_server(srv) == 0
+
+
+def test_a_huge_request_head_is_a_431_at_once(server: Server) -> None:
+    """An audit: uvicorn's httptools parser took any header size, its time growing with the square
+    (a 256 MB header held the event loop 73 s, no API key needed). Past 4 MiB: a 431, closed."""
+    host, port = server.http.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ")
+        reply = b""
+        try:
+            for _ in range(40):  # 5 MiB in 128 KiB pieces: the server answers and closes past 4 MiB
+                s.sendall(b"a" * (128 << 10))
+        except OSError:  # (it closed while we were still sending)
+            pass
+        try:
+            while chunk := s.recv(4096):
+                reply += chunk
+        except ConnectionResetError:  # closed with our bytes unread: the kernel may reset the connection
+            pass
+    # without the bound the server would read on, waiting for the head's end: a timeout here, not an answer
+    assert reply.startswith(b"HTTP/1.1 431 ") or reply == b"", reply[:200]
+    assert time.monotonic() - t0 < 20
+    assert httpx.get(f"{server.http}/health", timeout=30).status_code == 200
