@@ -65,11 +65,15 @@ class _Shape:
 
     start: int = -1  # logprob_start_len: the prompt's logprobs from this token (-1: none)
     tok: TextTokenizer | None = None  # return_text_in_logprobs: each entry's text third
+    logprobs: bool = False  # return_logprob: the output's lists always there (empty: no token came)
 
     def body(self, rid: str, c: Choice, prompt: list[int]) -> dict[str, Any]:
         meta = fmt.native_meta(rid, len(prompt), len(c.token_ids), c.cached_tokens, c.finish_reason, c.spec,
                                c.matched)
         fmt.native_logprobs(meta, c.token_ids, c.logprobs, c.top_logprobs, self.tok)
+        if self.logprobs:  # (an audit: an answer aborted before its first token lacked the keys)
+            meta.setdefault("output_token_logprobs", [])
+            meta.setdefault("output_top_logprobs", [])
         if c.prompt_logprobs is not None:
             fmt.native_input_logprobs(meta, prompt, c.prompt_logprobs, c.prompt_top_logprobs, max(self.start, 0),
                                       self.tok)
@@ -89,7 +93,7 @@ def _sglang_fields(req: GenerateBody, params: SamplingParams,
     if req.logprob_start_len >= 0:
         extra["prompt_logprobs"] = k
     # (replace does not validate: native_request's check_params does, a 400 naming top_logprobs)
-    shape = _Shape(req.logprob_start_len, tok if req.return_text_in_logprobs else None)
+    shape = _Shape(req.logprob_start_len, tok if req.return_text_in_logprobs else None, logprobs=True)
     return msgspec.structs.replace(params, **extra), shape
 
 

@@ -163,3 +163,12 @@ def test_generate_takes_sglangs_n(server: Server) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     assert gen(text="x", sampling_params={"n": 2}, stream=True).status_code == 400
     assert gen(text="x", sampling_params={"n": 1, "max_new_tokens": 1}).status_code == 200
+
+
+def test_sglang_logprob_lists_are_there_when_no_token_came(server: Server) -> None:
+    """An audit: with return_logprob, an answer of no tokens (max_new_tokens 0, or aborted while
+    queued) lacked meta_info.output_token_logprobs, and clients indexing it broke."""
+    r = httpx.post(f"{server.http}/generate", timeout=60, json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 0}, "return_logprob": True})
+    meta = r.json()["meta_info"]
+    assert r.status_code == 200 and meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == []
