@@ -25,6 +25,9 @@ HELP = {
     "host": "address HTTP and the SDK listen on (127.0.0.1: this machine only)",
     "port": "HTTP port (OpenAI API, /generate, /health, /metrics)",
     "sdk_port": "TCP port of the ZMQ client SDK",
+    "allowed_origins": "CORS for browser clients: origins allowed to call the HTTP API, comma-separated, or * for "
+    "any (vLLM's --allowed-origins; its preflights pass --api-key, their requests do not) (empty: no CORS "
+    "headers, browsers on other origins are refused)",
     "api_key": "require this key: HTTP requests as `Authorization: Bearer KEY` (all but /health and /metrics: "
     "a 401 without it), SDK requests as Client(addr, api_key=KEY) (empty: STRATA_API_KEY, else no key)",
     "log_dir": "write one JSON-lines log file per process here (empty: stderr only)",

@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -283,6 +284,10 @@ def build_app(state: ServeState) -> Starlette:
     ]
     handlers = {HTTPException: _http_exception, Exception: _unhandled}
     middleware = [Middleware(RequireKey, key=state.cfg.api_key)] if state.cfg.api_key else []
+    if state.cfg.allowed_origins:  # outermost: a preflight (OPTIONS, never with a key) is answered here
+        origins = [o.strip() for o in state.cfg.allowed_origins.split(",") if o.strip()]
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                                        allow_headers=["*"], expose_headers=["x-request-id"]))
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
@@ -300,7 +305,8 @@ class RequireKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            # the first Authorization header, as Starlette's request.headers reads it (a proxy may add one)
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 body = error_body(401, "a valid API key is required: Authorization: Bearer <key>",
                                   code="invalid_api_key")
@@ -310,8 +316,11 @@ class RequireKey:
 
 
 async def _http_exception(_request: Request, exc: HTTPException) -> Response:
-    # Unknown routes (404) and wrong methods (405) in the OpenAI error shape.
-    return json_response(error_body(exc.status_code, exc.detail or "error"), exc.status_code)
+    # Unknown routes (404) and wrong methods (405, with the Allow header the router gives) in the
+    # OpenAI error shape.
+    response = json_response(error_body(exc.status_code, exc.detail or "error"), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _unhandled(_request: Request, exc: Exception) -> Response:

@@ -305,8 +305,24 @@ def test_api_key_is_required_where_set(tmp_path: Path) -> None:
     OpenAI's shape otherwise); SDK requests need Client(api_key=KEY)."""
     import openai
 
-    srv = start_server(tmp_path, "--api-key", "sekrit-1", "--max-total-tokens", "2048")
+    srv = start_server(tmp_path, "--api-key", "sekrit-1", "--max-total-tokens", "2048",
+                       "--allowed-origins", "http://ui.example")
     try:
+        # CORS, opted in: a preflight passes without the key (browsers never send it there); the
+        # request itself needs it and carries the allow-origin header; another origin gets none
+        pre = {"origin": "http://ui.example", "access-control-request-method": "POST",
+               "access-control-request-headers": "authorization, content-type"}
+        r = httpx.options(f"{srv.base_url}/chat/completions", headers=pre, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example", r.text
+        assert httpx.options(f"{srv.base_url}/chat/completions", headers={**pre, "origin": "http://evil.example"},
+                             timeout=30).status_code == 400
+        r = httpx.get(f"{srv.base_url}/models", headers={"origin": "http://ui.example",
+                                                         "authorization": "Bearer sekrit-1"}, timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        # two Authorization headers: the first counts (an audit: the last one did)
+        two = [("authorization", "Bearer wrong"), ("authorization", "Bearer sekrit-1")]
+        assert httpx.get(f"{srv.base_url}/models", headers=two, timeout=30).status_code == 401
+        assert httpx.get(f"{srv.base_url}/models", headers=two[::-1], timeout=30).status_code == 200
         assert httpx.get(f"{srv.http}/health", timeout=30).status_code == 200
         assert httpx.get(f"{srv.http}/metrics", timeout=30).status_code == 200
         assert httpx.get(f"{srv.http}/health_generate", timeout=60).status_code == 200  # SGLang's probe: open too
@@ -351,3 +367,8 @@ def test_a_huge_request_head_is_a_431_at_once(server: Server) -> None:
     assert reply.startswith(b"HTTP/1.1 431 ") or reply == b"", reply[:200]
     assert time.monotonic() - t0 < 20
     assert httpx.get(f"{server.http}/health", timeout=30).status_code == 200
+
+
+def test_a_wrong_method_is_a_405_with_its_allow_header(server: Server) -> None:
+    r = httpx.get(f"{server.base_url}/chat/completions", timeout=30)
+    assert r.status_code == 405 and "POST" in r.headers["allow"] and r.json()["error"]["message"]
