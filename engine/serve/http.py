@@ -135,24 +135,44 @@ def api_route(state: ServeState, handler: Handler) -> Callable[[Request], Awaita
 
 
 MAX_HEAD_BYTES = 4 << 20  # a request's line and headers (vLLM's h11 bound; uvicorn's httptools parser has none)
+HEAD_TIMEOUT_S = 60.0  # from a connection (or a request's first byte) to its headers' end (nginx's default)
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on a request's head: an audit's 256 MB header held
-    the event loop for 73 s (parsing grows with its square), no API key needed. Past MAX_HEAD_BYTES
-    before the headers end: a 431 and the connection closed."""
+    """uvicorn's httptools protocol with bounds on a request's head: an audit's 256 MB header held
+    the event loop for 73 s (parsing grows with its square), and 20,000 connections that never sent
+    a whole head held every file descriptor; neither needs an API key. Past MAX_HEAD_BYTES before
+    the headers end: a 431 and the connection closed; no headers' end within HEAD_TIMEOUT_S: closed."""
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         self._head_bytes, self._in_head = 0, True
         super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         self._head_bytes, self._in_head = 0, True
+        if self._head_timer is None:  # (the next request on a kept-alive connection)
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._stop_head_timer()
         super().on_headers_complete()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
