@@ -35,7 +35,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     sdk_port: int = 8001
-    api_key: str = ""  # every HTTP route but /health and /metrics, and every SDK request, must carry it
+    api_key: str = ""  # every SDK request and HTTP route but /health, /health_generate and /metrics must carry it
     allowed_origins: str = ""  # CORS: browser origins allowed to call the HTTP API, comma-separated ("*": any)
     run_dir: str = ""  # private dir for ipc sockets; chosen by the supervisor
     log_dir: str = ""
