@@ -235,7 +235,13 @@ class ServerConfig:
         steps = self.speculative_num_steps or (chain_of if chain_of > 0 else 3)
         tokens = self.speculative_num_draft_tokens or steps + 1
         for ok, problem in (
-            (1 <= steps <= MAX_SPEC_STEPS, f"--speculative-num-steps must be in 1..{MAX_SPEC_STEPS}"),
+            (self.speculative_num_draft_tokens == 0 or self.speculative_num_draft_tokens >= 2,
+             "--speculative-num-draft-tokens must be >= 2 (a draft and the bonus token; 0: --speculative-num-steps "
+             "+ 1)"),
+            (1 <= steps <= MAX_SPEC_STEPS, f"--speculative-num-steps must be in 1..{MAX_SPEC_STEPS}"
+             if self.speculative_num_steps else  # (derived: an audit read a flag it never gave)
+             f"--speculative-num-draft-tokens {tokens} makes a chain of {steps} drafts: at most {MAX_SPEC_STEPS} "
+             f"(--speculative-num-draft-tokens at most {MAX_SPEC_STEPS + 1})"),
             (self.speculative_draft_layers >= 0, "--speculative-draft-layers must be >= 0"),  # before what it means
             *_tree_checks(self.speculative_eagle_topk, steps, tokens, self.enable_deterministic_inference),
             (algo == "STANDALONE" or not self.speculative_draft_layers,

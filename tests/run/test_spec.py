@@ -212,8 +212,14 @@ def test_speculative_defaults() -> None:
     # an audit: SGLang's NGRAM command lines give only --speculative-num-draft-tokens (a chain of N - 1 drafts)
     cfg = ServerConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
     assert (cfg.speculative_num_steps, cfg.speculative_num_draft_tokens) == (7, 8)
-    with pytest.raises(ValueError, match="--speculative-num-steps must be in"):
+    # the message names the flag given (an audit: it named --speculative-num-steps, derived here)
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens 40 makes a chain of 39 drafts: at most 16"):
         ServerConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=40)
+    with pytest.raises(ValueError, match="--speculative-num-steps must be in"):
+        ServerConfig(speculative_algorithm="NGRAM", speculative_num_steps=40)
+    for n in (1, -3):  # (was "--speculative-num-draft-tokens must be --speculative-num-steps + 1 = 4")
+        with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be >= 2"):
+            ServerConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=n)
 
 
 def test_verify_rows_see_the_drafts_before_them_in_their_penalty_history() -> None:
