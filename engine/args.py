@@ -199,12 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     """The command line (and the STRATA_* environment, read once here: a bad value is an exit 2
     naming the variable, as a bad flag is)."""
-    _refuse_foreign(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
+    _refuse_foreign(given)
     ns = build_parser().parse_args(argv)
     _canonical(ns)
+    # `--api-key ""` given: no key, whatever STRATA_API_KEY says (an audit could not turn it off)
+    key_given = any(a == "--api-key" or a.startswith("--api-key=") for a in given)
     try:
         variables = env()
-        if not ns.api_key and variables.api_key:  # the environment keeps it out of `ps`
+        if not key_given and variables.api_key:  # the environment keeps it out of `ps`
             ns.api_key = variables.api_key
         return ServerConfig(**vars(ns))
     except ValueError as exc:

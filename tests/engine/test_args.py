@@ -91,3 +91,18 @@ def test_a_model_given_as_dot_is_named_by_its_directory(tmp_path, monkeypatch) -
     monkeypatch.chdir(tmp_path / "my-model")
     assert ServerConfig(model=".").model_name == "my-model"
     assert ServerConfig(model=str(tmp_path / "my-model")).model_name == "my-model"
+
+
+def test_an_empty_api_key_flag_clears_the_environments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_API_KEY fills --api-key when the flag is not given; `--api-key ""` means no key."""
+    from engine import env as env_mod
+    from engine.args import parse_args
+
+    monkeypatch.setenv("STRATA_API_KEY", "from-env")
+    env_mod.env.cache_clear()
+    try:
+        assert parse_args([]).api_key == "from-env"
+        assert parse_args(["--api-key", ""]).api_key == "" and parse_args(["--api-key="]).api_key == ""
+        assert parse_args(["--api-key", "flag"]).api_key == "flag"
+    finally:
+        env_mod.env.cache_clear()
