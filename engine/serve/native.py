@@ -35,11 +35,13 @@ from engine.serve.validate import (
     check_engine_support,
     check_rid,
     check_subrequests,
+    fan_out,
     native_params,
     native_prompt,
     native_request,
     off_loop,
     renamed,
+    request_rid,
 )
 from engine.tokenizer import TextTokenizer
 from msgs.params import MAX_TOP_LOGPROBS, SamplingParams
@@ -117,17 +119,13 @@ def _batch(req: GenerateBody) -> list[tuple[str | None, list[int] | None]] | Non
 
 async def generate_http(state: ServeState, body: bytes, call: Call) -> Reply:
     req = decode_body(body, GenerateBody)
-    rid = call.rid
-    if req.rid is not None and not call.rid_given:  # the x-request-id header wins over the body
-        rid = check_rid(req.rid)
+    rid = request_rid(req, call.rid, call.rid_given)  # the x-request-id header wins over the body
     raw, n = _samples(req.sampling_params)
     params, max_given = native_params(raw, state.sampling_defaults)
     params, shape = _sglang_fields(req, params, state.tok)
     batch = _batch(req)
-    if batch is None and n > 1:  # one prompt, n samples: a batch of it
-        if not isinstance(req.text, str) and not (req.input_ids and all(type(t) is int for t in req.input_ids)):
-            raise ApiError(400, "give exactly one of text and input_ids", param="text")
-        batch = [(req.text, None)] if isinstance(req.text, str) else [(None, req.input_ids)]
+    if batch is None and n > 1:  # one prompt, n samples: a batch of it (prepare checks it as any prompt)
+        batch = [(req.text if isinstance(req.text, str) else None, req.input_ids)]
     if batch is not None:
         return await _generate_batch(state, req, call, rid, batch, params, max_given, shape, n)
     ids_in = req.input_ids
@@ -167,17 +165,16 @@ async def _generate_batch(state: ServeState, req: GenerateBody, call: Call, rid:
     request's sample j has seed + j, as the OpenAI routes' n)."""
     if req.stream:
         raise ApiError(400, "a batch of prompts (or n > 1) is not streamed", param="stream" if n == 1 else "n")
-    check_subrequests(len(items), n)
-    subs = []
-    for i, (text, ids_in) in enumerate(items):
+    check_subrequests(len(items), n)  # (before any prompt is tokenized)
+    prompts, prompt_params = [], []
+    for text, ids_in in items:
         if ids_in is not None and not (isinstance(ids_in, list) and all(type(t) is int for t in ids_in)):
             raise ApiError(400, "input_ids must be a list of token id lists", param="input_ids")
         ids, p = await prepare(state, text, ids_in, params, max_given)
         _check_start(shape, ids)
-        for j in range(n):
-            pj = p if p.seed is None or j == 0 else msgspec.structs.replace(p, seed=(p.seed + j) % 2**63)
-            k = i * n + j
-            subs.append(SubRequest(f"{rid}-{k}", k, i, ids, pj))
+        prompts.append(ids)
+        prompt_params.append(p)
+    subs = fan_out(rid, prompts, prompt_params, n)
     log.info("generate batch", rid=rid, prompts=len(subs), prompt_tokens=sum(len(s.ids) for s in subs))
     gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, False)
     try:

@@ -292,11 +292,11 @@ def _seed(seed: int | None) -> int | None:
     return None if seed is None else seed % 2**63
 
 
-def request_rid(req: ChatCompletionRequest | CompletionRequest, call_rid: str, header_given: bool) -> str:
-    """The request's id: an x-request-id header's, else the body's request_id (vLLM) or rid
-    (SGLang), else the one the server made."""
+def request_rid(req: Any, call_rid: str, header_given: bool) -> str:
+    """The request's id: an x-request-id header's, else the body's request_id (vLLM's, the OpenAI
+    routes) or rid (SGLang's, every route), else the one the server made."""
     for name in ("request_id", "rid"):
-        value = getattr(req, name)
+        value = getattr(req, name, None)
         if value is not None and not header_given:
             return check_rid(value, name)
     return call_rid
