@@ -29,7 +29,8 @@ HELP = {
     "any (vLLM's --allowed-origins; its preflights pass --api-key, their requests do not) (empty: no CORS "
     "headers, browsers on other origins are refused)",
     "api_key": "require this key: HTTP requests as `Authorization: Bearer KEY` (all but /health, /health_generate "
-    "and /metrics: a 401 without it), SDK requests as Client(addr, api_key=KEY) (empty: STRATA_API_KEY, else no key)",
+    "and /metrics: a 401 without it), SDK requests as Client(addr, api_key=KEY) (not given: STRATA_API_KEY, "
+    "else no key; an empty one: no key)",
     "log_dir": "write one JSON-lines log file per process here (empty: stderr only)",
     "device": "auto (cuda when available) | cpu | cuda",
     "dtype": "weights and activations: auto (bfloat16 on GPU, and on a CPU with native bf16, AVX512-BF16 or AMX, "
