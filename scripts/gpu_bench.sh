@@ -43,8 +43,8 @@
 #             DETGEMV_PROBE=0 skips the probe; DETGEMV_ROUNDS, default 2, the off / on pairs)
 #   detfold   deterministic inference's RMSNorms folded into the GEMMs (models/llama.py fold_norms): its gpu tests
 #             (tests/gpu/test_norm_fold_gpu.py; DETFOLD_TESTS=0 skips them, DETFOLD_K a -k filter), then decode
-#             latency with the mode on, det_norm_fold off / on (tuning patches; DETFOLD_ROUNDS pairs, default 1), and the
-#             mode off (DETFOLD_OFF=0 skips it); DETFOLD_MODELS (default llama-3.1-8b), DETFOLD_BATCHES (default "1 8")
+#             latency with the mode on, det_norm_fold off / on with the CUDA GEMV on (tuning patches; DETFOLD_ROUNDS pairs,
+#             default 1; DETFOLD_BASE=1 first runs the tuning file as it is: an H200's triton GEMV), and the mode off (DETFOLD_OFF=0 skips it); DETFOLD_MODELS (default llama-3.1-8b), DETFOLD_BATCHES (default "1 8")
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
@@ -307,8 +307,9 @@ for what in "$@"; do case $what in
                -k "${DETFOLD_K:-.}" || fails=$((fails + 1))
              grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detfold.log" | tail -16; fi
            for m in ${DETFOLD_MODELS:-llama-3.1-8b}; do i=0
-             for p in $(for r in $(seq "${DETFOLD_ROUNDS:-1}"); do echo '{"det_norm_fold":false}' \
-                        '{"det_norm_fold":true}'; done); do
+             for p in $([ "${DETFOLD_BASE:-0}" = 1 ] && echo '{}'; for r in $(seq "${DETFOLD_ROUNDS:-1}"); do
+                        echo '{"det_norm_fold":false,"invariant_gemv_cuda":true}' \
+                        '{"det_norm_fold":true,"invariant_gemv_cuda":true}'; done); do
                tuned "$p" run latency-$m-detfold$i 200 bin/bench latency --model configs/$m --load-format dummy \
                  --batch-sizes ${DETFOLD_BATCHES:-1 8} --context-len 1024 --steps 50 \
                  --server-args=--enable-deterministic-inference --out "$OUT/latency-$m-detfold$i-h200.json" \
