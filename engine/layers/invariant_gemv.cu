@@ -18,13 +18,6 @@
 // output (silu_times): the unfused path's bits, one launch (the activation's) fewer a layer. Its PDL
 // trigger follows the waves (launch): H100, Llama-3.1-8B batch 1 6.05 against 6.17 ms unfused.
 //
-// The residual-stream RMSNorm folded (deterministic inference on the GPUs whose tuning says so:
-// models/llama.py's fold_norms): with `eps` >= 0 each output is scaled by rsqrt(mean(x_row^2) + eps)
-// of its x row before the one rounding (the norm's weight is folded into w at load), the sum of squares
-// summed as `row_sumsq` sums it, the scale as `norm_scale` computes it: strata_row_scale gives the
-// prefill tiles the same scales. With `res` the output is bf16(bf16(sum) + res): the residual add
-// after o_proj / down. So a layer runs without a norm launch (docs/architecture.md, "Norms folded").
-//
 // Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
 // each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's 8 rows (1 KB),
 // 16-byte chunks XOR-swizzled by row so ldmatrix reads are conflict-free.
@@ -33,7 +26,11 @@
 // in registers (each tile waited on its loads: Llama-3.1-8B batch 1 11.7 ms against 6.4); the first
 // weight tiles before the PDL wait (even on Llama, Qwen3-0.6B 1.32 against 1.28 ms); silu(gate) * up
 // on the down projection's B fragments (every block recomputed its K slice's activations: Llama 6.35
-// against 6.10 ms), which the gate_up epilogue now does once per element.
+// against 6.10 ms), which the gate_up epilogue now does once per element. Also (forty-sixth session) the
+// residual-stream RMSNorms folded (the norm's weight in qkv / gate_up, each block summing its x rows'
+// squares in its prologue and scaling its sums; o_proj / down adding the residual in their epilogue): bits
+// held, but Llama-3.1-8B batch 1 5.88 against 5.84 ms, batch 8 6.54 against 6.34 (every block re-reads
+// and sums x before its K loop, on the critical path), so the two norm launches a layer stay.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -103,45 +100,11 @@ __device__ __forceinline__ float silu_times(float g, float u) {
   return r;
 }
 
-// The sum of squares of one row x[0, K) as every folded norm sums it (the GEMV's prologue and
-// strata_row_scale; K a multiple of 8, 16-byte aligned): lane l adds, for each 256-element chunk in
-// order, the squares of its 8 elements in order to a zero and that to its total; the 32 totals meet by
-// an xor butterfly (x + y = y + x bit for bit, so every lane ends with the same sum). Explicit _rn
-// intrinsics: no contraction to FMA, so both callers compile to the same arithmetic.
-__device__ __forceinline__ float row_sumsq(const __nv_bfloat16* __restrict__ x, int K, int lane) {
-  float acc = 0.0f;
-#pragma unroll 4
-  for (int k = lane * 8; k < K; k += 256) {
-    const uint4 v = *reinterpret_cast<const uint4*>(x + k);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    float p = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      p = __fadd_rn(p, __fmul_rn(f.x, f.x));
-      p = __fadd_rn(p, __fmul_rn(f.y, f.y));
-    }
-    acc = __fadd_rn(acc, p);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-  return acc;
-}
-
-// rsqrt(ss / K + eps), the folded norm's row scale
-__device__ __forceinline__ float norm_scale(float ss, int K, float eps) {
-  float r;
-  asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(__fadd_rn(__fdiv_rn(ss, float(K)), eps)));
-  return r;
-}
-
-constexpr int RES_REGS = 4;  // residual values a thread prefetches: (4 / split) x 16 x 8 rows / (4 x 32) at most
-
 template <int STAGES>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
-    int per, int groups, int half, int late, float eps, const __nv_bfloat16* __restrict__ res, long long sr) {
+    int per, int groups, int half, int late) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -156,7 +119,6 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   const int count = max(t1 - t0, 0);
   const uint32_t ring = smem_addr(smem + warp * STAGES * STAGE);
   float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
-  float* scales = parts + warps * ROWS * COLS;                               // [COLS]: the folded norm's
 
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
@@ -197,24 +159,6 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < count) load(i);
     cp_commit();
-  }
-  // while the first tiles fly: the folded norm's row scales (each block its own: a 16 KB read of x at
-  // most, from L2) and the residual this thread adds in the epilogue (written two launches ago)
-  if (eps >= 0.0f) {
-    for (int r = warp; r < M; r += warps) {
-      const float ss = row_sumsq(x + r * sx, K, lane);
-      if (lane == 0) scales[r] = norm_scale(ss, K, eps);
-    }
-  }
-  float resv[RES_REGS];
-  if (res != nullptr) {
-#pragma unroll
-    for (int j = 0; j < RES_REGS; ++j) {
-      const int e = threadIdx.x + j * warps * 32;
-      const int gr = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
-      const int row = (blockIdx.x * groups + gr) * ROWS + r;
-      resv[j] = (e < groups * ROWS * M && row < N) ? __bfloat162float(res[col * sr + row]) : 0.0f;
-    }
   }
 
   float acc[4] = {};
@@ -260,39 +204,32 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
       const int p = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
       const int i = (blockIdx.x * (groups / 2) + p) * ROWS + r;
       if (i >= half) continue;
-      float gs = total(2 * p, r, col), us = total(2 * p + 1, r, col);
-      if (eps >= 0.0f) gs = __fmul_rn(gs, scales[col]), us = __fmul_rn(us, scales[col]);
-      const float g = __bfloat162float(__float2bfloat16_rn(gs));
-      const float u = __bfloat162float(__float2bfloat16_rn(us));
+      const float g = __bfloat162float(__float2bfloat16_rn(total(2 * p, r, col)));
+      const float u = __bfloat162float(__float2bfloat16_rn(total(2 * p + 1, r, col)));
       out[col * so + i] = __float2bfloat16_rn(silu_times(g, u));
     }
     return;
   }
-#pragma unroll
-  for (int j = 0; j < RES_REGS; ++j) {  // e < groups x ROWS x M <= RES_REGS x the block's threads
-    const int e = threadIdx.x + j * warps * 32;
+  for (int e = threadIdx.x; e < groups * ROWS * M; e += warps * 32) {
     const int gr = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
     const int row = (blockIdx.x * groups + gr) * ROWS + r;
-    if (e >= groups * ROWS * M || row >= N) continue;
+    if (row >= N) continue;
     float sum = total(gr, r, col);
-    if (eps >= 0.0f) sum = __fmul_rn(sum, scales[col]);  // (no bias with the norm: the launch refuses it)
     if (bias != nullptr) sum += __bfloat162float(bias[row]);
-    if (res != nullptr) sum = __fadd_rn(__bfloat162float(__float2bfloat16_rn(sum)), resv[j]);
     out[col * so + row] = __float2bfloat16_rn(sum);
   }
 }
 
 template <int STAGES>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
-                   long long sw, long long so, int split, int half, int pdl, float eps, const void* res, long long sr,
-                   cudaStream_t stream) {
+                   long long sw, long long so, int split, int half, int pdl, cudaStream_t stream) {
   // row blocks a block: four warps at least; with `half` a gate and an up block per pair
   const int plain = split >= 4 ? 1 : 4 / split;
   const int groups = half ? (plain > 2 ? plain : 2) : plain;
   const int warps = groups * split;
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
-  const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4 + COLS * 4;
+  const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4;
   auto kernel = invariant_gemv_kernel<STAGES>;
   const int rows = ROWS * (half ? groups / 2 : groups);  // output rows a block
   const int blocks = ((half ? half : N) + rows - 1) / rows;
@@ -333,63 +270,25 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<const __nv_bfloat16*>(x),
                             static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
-                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late, eps,
-                            static_cast<const __nv_bfloat16*>(res), sr);
-}
-
-// out[r] = norm_scale(row_sumsq(x row r)) for M rows, a warp a row: the folded norm's scales for the
-// prefill tiles (invariant_gemm.py multiplies its sums by them), the GEMV prologue's arithmetic
-__global__ void row_scale_kernel(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int M, int K,
-                                 long long sx, float eps) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (row >= M) return;
-  const float ss = row_sumsq(x + row * sx, K, lane);
-  if (lane == 0) out[row] = norm_scale(ss, K, eps);
+                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late);
 }
 
 }  // namespace
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 8, bf16, 16-byte aligned rows; split K slices (a
 // power of two, at most 32); stages 2, 3 or 4. half > 0: w is [gate | up] (N = 2 half, half a multiple
-// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. eps >= 0: each sum scaled by its
-// x row's norm scale first (no bias); res (not with half): out = bf16(bf16(sum) + res[M, N] (row stride
-// sr)), out not res. Returns the launch's cudaError_t.
+// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
                                      long long sx, long long sw, long long so, int split, int stages, int half,
-                                     int pdl, float eps, const void* res, long long sr, void* stream) {
+                                     int pdl, void* stream) {
   if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
   if (half && (half < 0 || N != 2 * half || half % ROWS != 0 || bias != nullptr || split > 16))
     return int(cudaErrorInvalidValue);
-  if ((eps >= 0.0f && (bias != nullptr || K % 8 != 0 || sx % 8 != 0)) || (res != nullptr && (half || res == out)))
-    return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   switch (stages) {
-    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
-    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
-    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
+    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
     default: return int(cudaErrorInvalidValue);
   }
-}
-
-// out[M] (float32) = the folded norm's scale of each row of x[M, K] (bf16, K and the row stride sx
-// multiples of 8, 16-byte aligned), as the GEMV's prologue computes it. Returns the launch's cudaError_t.
-extern "C" int strata_row_scale(const void* x, void* out, int M, int K, long long sx, float eps, int pdl,
-                                void* stream) {
-  if (M < 1 || K < 8 || K % 8 != 0 || sx % 8 != 0 || eps < 0.0f) return int(cudaErrorInvalidValue);
-  constexpr int WARPS = 4;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((M + WARPS - 1) / WARPS);
-  config.blockDim = dim3(WARPS * 32);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return int(cudaLaunchKernelEx(&config, row_scale_kernel, static_cast<const __nv_bfloat16*>(x),
-                                static_cast<float*>(out), M, K, sx, eps));
 }

@@ -139,7 +139,7 @@ def test_tma_tiles_give_the_pointer_tiles_bits() -> None:
         grid = -(-m // 64) * -(-n // 32)
         invariant_gemm.invariant_gemm_tma_kernel[(grid,)](
             TensorDescriptor.from_tensor(x, [64, 64]), TensorDescriptor.from_tensor(w, [32, 64]), b, out, m, n, k,
-            out.stride(0), x, x, 0, HAS_BIAS=True, FOLD=0, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
+            out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
         assert torch.equal(out, invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))), (m, n, k, slices)
 
 
@@ -158,55 +158,3 @@ def test_swapped_gemv_gives_the_tiles_bits() -> None:
         assert torch.equal(invariant_gemm.gemm(x[:3], w, b, tile=(16, 64, 1, 4, 2, slices)), prefill[:3])
     with pytest.raises(ValueError, match="at most 16"):
         invariant_gemm.gemm(x[:17], w, tile=(16, 64, 1, 4, 2, 1))
-
-
-def test_folded_norm_and_residual_epilogues_at_every_tile() -> None:
-    """The folded RMSNorm (each row's sums times its rsqrt(mean(x^2) + eps), the norm's weight in w)
-    and the residual add in the epilogue give the unfused products at every tile kind (the swapped
-    GEMV, the decode tile's split grid, the one-program prefill tiles) and keep a row's bits across
-    row counts; in the interpreter the scales are the reference's (on CUDA the kernel's, the GPU test)."""
-    from engine.layers import invariant_gemv
-
-    g = torch.Generator().manual_seed(11)
-    n, k, eps = 48, 512, 1e-5
-    w, x, r = torch.randn(n, k, generator=g), torch.randn(70, k, generator=g) * 3, torch.randn(70, n, generator=g)
-    s = invariant_gemv.row_scale_reference(x, eps)
-    torch.testing.assert_close(s.double(), torch.rsqrt(x.double().pow(2).mean(-1) + eps), rtol=1e-6, atol=0)
-    normed = invariant_gemm.gemm(x, w, norm_eps=eps)
-    torch.testing.assert_close(normed.double(), (x.double() * s.double()[:, None]) @ w.double().T, rtol=1e-5,
-                               atol=1e-5)
-    added = invariant_gemm.gemm(x, w, residual=r)
-    torch.testing.assert_close(added.double(), x.double() @ w.double().T + r.double(), rtol=1e-5, atol=1e-4)
-    assert torch.equal(added, invariant_gemm.gemm(x, w) + r)  # float32: bf16(sum) is the sum itself here
-    for m in (1, 5, 16, 17, 64):  # the swapped GEMV, the decode tile, then one program a tile
-        assert torch.equal(invariant_gemm.gemm(x[:m], w, norm_eps=eps), normed[:m]), m
-        assert torch.equal(invariant_gemm.gemm(x[:m], w, residual=r[:m]), added[:m]), m
-    with pytest.raises(ValueError, match="folded norm"):
-        invariant_gemm.gemm(x, w, torch.zeros(n), norm_eps=eps)
-    with pytest.raises(ValueError, match="one GEMM"):
-        invariant_gemm.gemm(x, w, norm_eps=eps, residual=r)
-
-
-def test_row_scale_reference_sums_in_the_kernels_order() -> None:
-    """row_scale_reference's order is the CUDA kernel's (lane l's 8 elements of each 256-wide chunk,
-    chunks in order, then the xor butterfly): a row whose float32 sum depends on the order (a large
-    value beside small ones) gets that order's bits, and a K past the last whole chunk adds nothing."""
-    from engine.layers import invariant_gemv
-
-    x = torch.full((1, 520), 2.0**-12)
-    x[0, 0] = 2.0**12  # lane 0's first element: the small squares of lane 0 vanish beside it, others not
-    lanes = []
-    for lane in range(32):
-        acc = torch.tensor(0.0)
-        for c in range(3):  # 520 = 2 chunks of 256 and 8 elements
-            p = torch.tensor(0.0)
-            for j in range(8):
-                kk = 256 * c + 8 * lane + j
-                if kk < 520:
-                    p = p + x[0, kk] * x[0, kk]
-            acc = acc + p
-        lanes.append(acc)
-    for o in (16, 8, 4, 2, 1):
-        lanes = [lanes[i] + lanes[i ^ o] for i in range(32)]
-    want = torch.rsqrt(lanes[0] / 520 + 1e-6)
-    assert torch.equal(invariant_gemv.row_scale_reference(x, 1e-6)[0], want)
