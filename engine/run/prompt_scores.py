@@ -36,8 +36,10 @@ class LogitRows:
 
 
 def split(ids: list[int], lens: list[int], sample: list[int], scored_rows: list[int],
-          next_ids: list[int]) -> LogitRows:
-    """The logits rows of a batch whose requests `scored_rows` return every token's logits."""
+          next_ids: list[int], widths: list[int] | None = None) -> LogitRows:
+    """The logits rows of a batch whose requests `scored_rows` return every token's logits;
+    `widths` (a verify step's, engine/run/spec.py): the logit rows of each row that samples and
+    does not score (its drafts + 1; one without), all of them `sampled`, in order."""
     nxt = dict(zip(scored_rows, next_ids, strict=True))
     sampled, scored, targets = [], [], []
     row = tok = 0
@@ -48,12 +50,27 @@ def split(ids: list[int], lens: list[int], sample: list[int], scored_rows: list[
             scored.append((row, n - (not follow)))
             targets.extend(chunk[1:] + follow)
             row += n
-        else:
-            row += int(bool(smp))
-        if smp:
-            sampled.append(row - 1)
+            if smp:
+                sampled.append(row - 1)
+        elif smp:
+            w = widths[i] if widths is not None else 1
+            sampled.extend(range(row, row + w))
+            row += w
         tok += n
     return LogitRows(sampled, scored, targets)
+
+
+def token_rows(lens: list[int], sample: list[int], scored_rows: list[int], widths: list[int]) -> list[int]:
+    """The token rows whose logits a verify forward takes when rows score their prompt, in `split`'s
+    layout: every token of a scored row, the last widths[i] tokens of another row that samples."""
+    scored, out, end = set(scored_rows), [], 0
+    for i, (n, smp) in enumerate(zip(lens, sample, strict=True)):
+        end += n
+        if i in scored:
+            out.extend(range(end - n, end))
+        elif smp:
+            out.extend(range(end - widths[i], end))
+    return out
 
 
 def score(logits: Tensor, rows: LogitRows, top_k: int) -> PromptScores:

@@ -30,6 +30,7 @@ from engine.layers.kv_layout import KVLayout
 from engine.layers.kv_pool import KVPool
 from engine.layers.parallel import lm_logits
 from engine.replica import ReplicaError
+from engine.run import prompt_scores
 from engine.run.sampler import SampleResult
 from engine.run.spec_tree import (
     accept_tree,
@@ -44,7 +45,7 @@ from engine.run.spec_tree import (
 )
 from models.llama import residual_stream
 from msgs.codec import unpack_ids
-from msgs.steps import Forward
+from msgs.steps import Forward, PromptRows
 
 log = structlog.get_logger()
 
@@ -332,9 +333,10 @@ class Speculator:
         v = self.rows(fwd, ids, tables, runner.last_token)
         # grammar helpers fill the drafted positions' masks while the forward runs
         runner.grammar.drafting([s for s, smp in zip(slots, sample, strict=True) if smp], v.drafts)
-        logits = self._replay(runner, ids, slots, starts, lens, sample, tables, v)
+        # rows scoring their prompt (prompt_scores.py) take every token's logits: a prefill-shaped forward
+        logits = None if fwd.prompt is not None else self._replay(runner, ids, slots, starts, lens, sample, tables, v)
         if logits is None:
-            logits = self._eager(runner, ids, slots, starts, lens, sample, tables, v)
+            logits = self._eager(runner, ids, slots, starts, lens, sample, tables, v, fwd.prompt)
         req = [(s, st + n - k - 1) for s, st, n, smp, k in zip(slots, starts, lens, sample, v.row_drafts, strict=True)
                if smp]
         if not req:
@@ -372,17 +374,30 @@ class Speculator:
         return logits
 
     def _eager(self, runner: Any, ids: list[int], slots: list[int], starts: list[int], lens: list[int],
-               sample: list[int], tables: list[list[int]], v: VerifyRows) -> torch.Tensor:
-        """The verify forward as a prefill-shaped batch (trees, mixed steps, drafts that follow)."""
+               sample: list[int], tables: list[list[int]], v: VerifyRows, prompt: PromptRows | None = None
+               ) -> torch.Tensor:
+        """The verify forward as a prefill-shaped batch (trees, mixed steps, drafts that follow, rows
+        scoring their prompt: their scores into runner.scores, as ModelRunner._forward's)."""
         batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
                                    self.page_size, self.device)
-        batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
+        scoring = None
+        if prompt is None:
+            batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
+        else:
+            scored, widths = unpack_ids(prompt.rows), self.widths(sample, v)
+            scoring = prompt_scores.split(ids, lens, sample, scored, unpack_ids(prompt.next_ids), widths)
+            rows = prompt_scores.token_rows(lens, sample, scored, widths)
+            batch.logit_indices = _to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         if v.parents is not None:  # depths as positions, the tree mask (engine/run/spec_tree.py)
             followers = (self.draft.backend,) if isinstance(self.draft, DraftModel) else ()
             v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size, followers)
         runner.backend.prepare(batch)
         logits = runner.model(batch, runner.kv, runner.backend)
         self.follow(batch)
+        if prompt is not None and scoring is not None:
+            if runner.rank == 0:  # (only rank 0 answers; logits are the same on every rank)
+                runner.scores = prompt_scores.score(logits, scoring, prompt.top_k)
+            logits = logits.index_select(0, _to_device(torch.tensor(scoring.sampled, dtype=torch.int64), self.device))
         return logits
 
     def sample(self, runner: Any, logits: torch.Tensor, row_slots: list[int], positions: list[int], v: VerifyRows,
@@ -432,6 +447,12 @@ class Speculator:
             pools.append(own)
         hidden = getattr(self.draft, "hidden", None)
         return pools, (hidden,) if isinstance(hidden, torch.Tensor) else ()
+
+    @staticmethod
+    def widths(sample: list[int], v: VerifyRows) -> list[int]:
+        """Each row's logit rows in a verify step: a sampled row's num_drafts + 1, else none."""
+        drafts = iter(v.num_drafts)
+        return [next(drafts) + 1 if s else 0 for s in sample]
 
     @staticmethod
     def logit_indices(lens: list[int], sample: list[int], v: VerifyRows) -> torch.Tensor:

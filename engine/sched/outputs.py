@@ -103,12 +103,15 @@ class OutputProcessor:
                 continue  # a chained row after a rejection: it answered nothing
             if req.status == Status.FINISHED:
                 continue  # finished (or aborted) meanwhile: its tokens are discarded
+            if req.max_new_tokens == 0:  # it only scored its prompt (as on_tokens)
+                outs.append(self._with_prompt(req, self.finish(req, "length")))
+                continue
             if k > 0:
                 self.s.spec_stats.add(k, a)  # the drafter's acceptance, whatever a stop then cut
             elif k == 0:
                 self.s.spec_stats.empty += 1
-            out = self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None else None,
-                             top[lo:off] if top else None)
+            out = self._with_prompt(req, self._take(req, tokens[lo:off], logprobs[lo:off] if logprobs is not None
+                                                    else None, top[lo:off] if top else None))
             if k > 0:  # the request's own count: accepted drafts that are in its answer (OpenAI's
                 v, d, acc = req.spec  # accepted_prediction_tokens), not those after a stop
                 req.spec = (v + 1, d + k, acc + min(a, len(out.new_ids)))

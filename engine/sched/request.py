@@ -81,7 +81,10 @@ class Req:
 
     @property
     def in_prefill(self) -> bool:
-        return self.kv_len < self.seq_len - 1
+        """Prompt tokens left to prefill, but the last: a decode row feeds it. A request that asks
+        for no token (max_tokens 0: it only scores its prompt) has no decode row, so it prefills
+        that one too (a chunk ending one token short left it waiting for good)."""
+        return self.kv_len < self.seq_len - (self.max_new_tokens > 0)
 
     @property
     def pending_tokens(self) -> int:

@@ -144,11 +144,10 @@ def check_text_features(params: SamplingParams, tok: TextTokenizer | None) -> No
 
 def check_engine_support(params: SamplingParams, cfg: ServerConfig) -> None:
     """What this engine's configuration cannot serve: prompt_logprobs under context parallelism
-    (a rank holds a share of a prompt's tokens) or speculative decoding (draft models follow the
-    target's logits rows)."""
-    if params.prompt_logprobs is not None and (cfg.cp_size > 1 or cfg.speculative_algorithm):
+    (a rank holds a share of a prompt's tokens)."""
+    if params.prompt_logprobs is not None and cfg.cp_size > 1:
         raise ApiError(400, "prompt logprobs (prompt_logprobs, or completions' echo with logprobs) are not "
-                       "available with --cp-size > 1 or speculative decoding", param="prompt_logprobs")
+                       "available with --cp-size > 1", param="prompt_logprobs")
 
 
 def check_model(model: str | None, accepted: tuple[str, ...]) -> None:

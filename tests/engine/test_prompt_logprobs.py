@@ -89,3 +89,73 @@ def test_a_cached_prompt_scored_again_in_a_pool_under_twice_its_size(tiny: Path)
     assert first.finish_reason and again.finish_reason and plain.finish_reason == "length"
     assert again.prompt_logprobs == first.prompt_logprobs and plain.cached_tokens >= 56
     assert eng.core.leak_free()
+
+
+def test_prompt_logprobs_with_speculative_decoding(tiny: Path) -> None:
+    """With NGRAM speculation a scored prompt's chunks share steps with another request's verify rows
+    (drafts of its repetitive prompt): the scores are still transformers', the sampled rows still
+    verify, and the tokens are the plain engine's; a max_tokens 0 request answers its scores alone.
+    (Refused with a 400 until the forty-sixth session.)"""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(2, 250, (45,), generator=g).tolist()
+    loop = [7, 8, 9, 10, 11] * 3  # NGRAM finds its continuation in its own tokens
+    cfg = dict(model=str(tiny), dtype="float32", page_size=4, max_prefill_tokens=16, max_total_tokens=1024)
+    plain = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    want = LocalEngine(ServerConfig(**cfg)).generate([loop, prompt], [plain, scored])
+    eng = LocalEngine(ServerConfig(**cfg, speculative_algorithm="NGRAM"))
+    steps = []
+    plan = eng.core.plan
+
+    def record():  # noqa: ANN202
+        step = plan()
+        steps.append(step)
+        return step
+
+    eng.core.plan = record  # type: ignore[method-assign]
+    looped, res = eng.generate([loop, prompt], [plain, scored])
+    assert _verified_last_chunk(steps), "a verify step scored the prompt's last chunk and sampled it"
+    assert [looped.output_ids, res.output_ids] == [w.output_ids for w in want]
+    ref = _hf_logprobs(tiny, prompt)
+    expect = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    assert res.prompt_logprobs is not None and len(res.prompt_logprobs) == 44
+    torch.testing.assert_close(torch.tensor(res.prompt_logprobs), expect, atol=1e-4, rtol=1e-4)
+    assert res.prompt_top_logprobs is not None
+    assert [[t for t, _ in row] for row in res.prompt_top_logprobs] == ref[:-1].topk(2, dim=-1).indices.tolist()
+    steps.clear()  # max_tokens 0: the prompt scored, no token, its last chunk beside verify rows again
+    other = torch.randint(2, 250, (30,), generator=torch.Generator().manual_seed(30)).tolist()
+    _, only = eng.generate([[10, 11, 12] * 5, other], [plain, SamplingParams(max_new_tokens=0, prompt_logprobs=1)])
+    assert _verified_last_chunk(steps)
+    assert only.output_ids == [] and only.finish_reason == "length" and only.prompt_logprobs is not None
+    ref = _hf_logprobs(tiny, other)
+    torch.testing.assert_close(torch.tensor(only.prompt_logprobs),
+                               ref[:-1].gather(1, torch.tensor(other[1:])[:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+    assert eng.core.leak_free()
+
+
+def test_prompt_scored_alone_when_a_chunk_ends_one_token_short(tiny: Path) -> None:
+    """max_tokens 0 (echo + logprobs): a 17-token prompt in 16-token chunks leaves one prompt token,
+    which a decode row would feed; such a request has none, so its prefill takes it (it waited for
+    good, its pages held, until the forty-sixth session)."""
+    prompt = list(range(20, 37))
+    eng = LocalEngine(ServerConfig(model=str(tiny), dtype="float32", page_size=4, max_prefill_tokens=16,
+                                   max_total_tokens=1024))
+    res = eng.generate([prompt], SamplingParams(max_new_tokens=0, prompt_logprobs=1))[0]
+    assert res.finish_reason == "length" and res.output_ids == []
+    ref = _hf_logprobs(tiny, prompt)
+    torch.testing.assert_close(torch.tensor(res.prompt_logprobs),
+                               ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+    assert eng.core.leak_free()
+
+
+def _verified_last_chunk(steps: list) -> bool:
+    """Whether a step verified drafts and, in the same forward, scored a prompt chunk that samples."""
+    from msgs.codec import unpack_ids
+
+    for step in steps:
+        f = step.forward if step is not None else None
+        if f is not None and f.drafts is not None and f.prompt is not None:
+            sample = unpack_ids(f.sample)
+            if any(sample[i] for i in unpack_ids(f.prompt.rows)):
+                return True
+    return False
