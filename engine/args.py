@@ -12,12 +12,13 @@ import sys
 from engine.config import ServerConfig
 from engine.env import env
 
-HIDDEN = ("run_dir", "hicache_path")  # set by the supervisor, not by people
+HIDDEN = ("run_dir", "hicache_path", "served_model_aliases")  # set by the supervisor / parse_args, not by people
 
 HELP = {
     "model": "HF-style model directory, or a Hugging Face hub id (Org/Name: the HF cache first, then a download) "
     "(empty: SmolLM2-135M-Instruct, converted on first run)",
-    "served_model_name": "the model name the API reports and accepts (empty: the model directory's name)",
+    "served_model_name": "the model name the API reports and accepts (empty: the model directory's name); more "
+    "names after it are accepted too and listed by /v1/models (vLLM's `--served-model-name a b`)",
     "load_format": "auto | safetensors | dummy (random weights from config.json; quantized as the config says)",
     "quantization": "fp8: quantize a bf16 checkpoint's projections to e4m3 per output channel at load (dynamic "
     "per-token activations), as vLLM/SGLang's --quantization fp8. Quantized checkpoints (fp8 block, "
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         default = f.default
         if isinstance(default, bool):
             parser.add_argument(*flags, action="store_true", help=HELP[f.name])
+        elif f.name == "served_model_name":  # one name or more (vLLM's)
+            parser.add_argument(*flags, nargs="+", default=[default], metavar="NAME", help=HELP[f.name])
         else:
             parser.add_argument(*flags, type=type(default), default=default, help=HELP[f.name])
     return parser
@@ -204,6 +207,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     _refuse_foreign(given)
     ns = build_parser().parse_args(argv)
     _canonical(ns)
+    ns.served_model_name, *aliases = ns.served_model_name
+    ns.served_model_aliases = tuple(aliases)
     # `--api-key ""` given: no key, whatever STRATA_API_KEY says (an audit could not turn it off)
     key_given = any(a == "--api-key" or a.startswith("--api-key=") for a in given)
     try:

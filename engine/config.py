@@ -30,6 +30,9 @@ MAX_RUNNING_REQUESTS = 4096  # --max-running-requests' bound: 100,000 slots of a
 class ServerConfig:
     model: str = ""  # HF-style directory or hub id (engine/hub.py); "" = the default SmolLM2 model
     served_model_name: str = ""
+    # more names requests may use for the model (vLLM's `--served-model-name a b`: the first reported, all
+    # accepted and listed by /v1/models); set from --served-model-name's names after its first
+    served_model_aliases: tuple[str, ...] = ()
     load_format: str = "auto"  # auto | safetensors | dummy
     quantization: str = ""  # "" (the checkpoint's own) | fp8 (a plain checkpoint quantized per channel at load)
     host: str = "127.0.0.1"
@@ -122,6 +125,9 @@ class ServerConfig:
             (self.kv_cache_dtype in ("auto", "fp8_e4m3"),
              f"bad --kv-cache-dtype {self.kv_cache_dtype} (auto, fp8_e4m3)"),
             (self.host.strip() != "", "--host must name an address (127.0.0.1, 0.0.0.0, ::, a hostname)"),
+            (all(a.strip() for a in self.served_model_aliases) and len(set(self.served_model_aliases)) ==
+             len(self.served_model_aliases), f"bad --served-model-name names {list(self.served_model_aliases)} "
+             "(each one non-empty, none twice)"),
             (0 < self.port < 65536, f"bad --port {self.port} (1..65535)"),
             (0 < self.sdk_port < 65536, f"bad --sdk-port {self.sdk_port} (1..65535)"),
             (self.port != self.sdk_port, f"--sdk-port must differ from --port (both {self.port})"),

@@ -224,10 +224,10 @@ async def read_body(request: Request) -> bytes:
 
 
 def build_app(state: ServeState) -> Starlette:
-    def card() -> dict[str, Any]:
+    def card(name: str) -> dict[str, Any]:
         limits = state.frontend.limits()
         return {
-            "id": state.model_name,
+            "id": name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "strata",
@@ -236,7 +236,7 @@ def build_app(state: ServeState) -> Starlette:
         }
 
     async def models(_request: Request) -> Response:
-        return json_response({"object": "list", "data": [card()]})
+        return json_response({"object": "list", "data": [card(n) for n in state.served_names]})
 
     async def model(request: Request) -> Response:
         """OpenAI's GET /v1/models/{model} (`client.models.retrieve`): the served model by any name
@@ -245,7 +245,8 @@ def build_app(state: ServeState) -> Starlette:
             check_model(request.path_params["model"], state.accepted_models)  # (one wording: vLLM's)
         except ApiError as exc:
             return error_response(exc)
-        return json_response(card())
+        name = request.path_params["model"]
+        return json_response(card(name if name in state.served_names else state.model_name))
 
     async def health(_request: Request) -> Response:
         if state.frontend.died is not None:

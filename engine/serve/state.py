@@ -32,9 +32,14 @@ class ServeState:
         return self.cfg.model_name
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """The served name, then --served-model-name's others: what /v1/models lists."""
+        return (self.cfg.model_name, *self.cfg.served_model_aliases)
+
+    @property
     def accepted_models(self) -> tuple[str, ...]:
-        """Names a request may use for this model: the served name or the path."""
-        return tuple(n for n in (self.cfg.model_name, self.cfg.model) if n)
+        """Names a request may use for this model: a served name or the path."""
+        return tuple(n for n in (*self.served_names, self.cfg.model) if n)
 
     async def limits(self) -> Limits:
         """The scheduler's limits, waiting for it to be ready; 503 if it does not come up."""

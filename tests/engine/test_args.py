@@ -106,3 +106,19 @@ def test_an_empty_api_key_flag_clears_the_environments(monkeypatch: pytest.Monke
         assert parse_args(["--api-key", "flag"]).api_key == "flag"
     finally:
         env_mod.env.cache_clear()
+
+
+def test_several_served_model_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's `--served-model-name a b`: the first is the name the API reports, the others are accepted
+    too (engine/serve/state.py); a name given twice is an exit 2 naming the flag."""
+    from engine.args import parse_args
+
+    cfg = parse_args(["--served-model-name", "main", "alias-1", "alias-2"])
+    assert cfg.model_name == "main" and cfg.served_model_aliases == ("alias-1", "alias-2")
+    assert ServerConfig.from_json(cfg.to_json()) == cfg  # (as the children get it)
+    one = parse_args(["--served-model-name", "main"])
+    assert one.model_name == "main" and one.served_model_aliases == ()
+    assert parse_args([]).served_model_aliases == ()
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--served-model-name", "main", "x", "x"])
+    assert exit_.value.code == 2 and "--served-model-name" in capsys.readouterr().err

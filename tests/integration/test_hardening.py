@@ -302,11 +302,12 @@ def test_a_huge_prompt_does_not_stall_other_clients(server: Server) -> None:
 
 def test_api_key_is_required_where_set(tmp_path: Path) -> None:
     """--api-key: HTTP routes but /health, /health_generate and /metrics need `Authorization: Bearer KEY` (a 401 in
-    OpenAI's shape otherwise); SDK requests need Client(api_key=KEY)."""
+    OpenAI's shape otherwise); SDK requests need Client(api_key=KEY). This server also has a second served
+    name (vLLM's `--served-model-name a b`): listed, accepted, the first one reported."""
     import openai
 
     srv = start_server(tmp_path, "--api-key", "sekrit-1", "--max-total-tokens", "2048",
-                       "--allowed-origins", "http://ui.example")
+                       "--allowed-origins", "http://ui.example", "--served-model-name", MODEL, "strata-alias")
     try:
         # CORS, opted in: a preflight passes without the key (browsers never send it there); the
         # request itself needs it and carries the allow-origin header; another origin gets none
@@ -335,6 +336,12 @@ def test_api_key_is_required_where_set(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=srv.base_url, api_key="sekrit-1", max_retries=0)
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         assert out.choices[0].finish_reason in ("stop", "length")
+        assert [m.id for m in client.models.list().data] == [MODEL, "strata-alias"]
+        assert client.models.retrieve("strata-alias").id == "strata-alias"
+        out = client.completions.create(model="strata-alias", prompt="Hi", max_tokens=2)
+        assert out.model == MODEL and out.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("strata-other")
         for key in ("", None):  # (None: an audit's client heard nothing for 10 s, then "the server is down")
             with Client(srv.sdk, api_key=key) as c, pytest.raises(StrataError) as err:
                 c.generate("Hi", max_new_tokens=2)
