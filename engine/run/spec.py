@@ -380,21 +380,18 @@ class Speculator:
         scoring their prompt: their scores into runner.scores, as ModelRunner._forward's)."""
         batch = ForwardBatch.build(runner.resolve_ids(ids, slots, lens), starts, lens, tables, sample,
                                    self.page_size, self.device)
-        scoring = None
-        if prompt is None:
-            batch.logit_indices = _to_device(self.logit_indices(lens, sample, v), self.device)
-        else:
-            scored, widths = unpack_ids(prompt.rows), self.widths(sample, v)
-            scoring = prompt_scores.split(ids, lens, sample, scored, unpack_ids(prompt.next_ids), widths)
-            rows = prompt_scores.token_rows(lens, sample, scored, widths)
-            batch.logit_indices = _to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        # each sampled row's last num_drafts + 1 tokens, every token of a row scoring its prompt
+        scored, widths = unpack_ids(prompt.rows) if prompt is not None else [], self.widths(sample, v)
+        rows = prompt_scores.token_rows(lens, sample, scored, widths)
+        batch.logit_indices = _to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         if v.parents is not None:  # depths as positions, the tree mask (engine/run/spec_tree.py)
             followers = (self.draft.backend,) if isinstance(self.draft, DraftModel) else ()
             v.kv_slots = tree_batch(runner, batch, v, slots, starts, lens, sample, tables, self.page_size, followers)
         runner.backend.prepare(batch)
         logits = runner.model(batch, runner.kv, runner.backend)
         self.follow(batch)
-        if prompt is not None and scoring is not None:
+        if prompt is not None:
+            scoring = prompt_scores.split(ids, lens, sample, scored, unpack_ids(prompt.next_ids), widths)
             if runner.rank == 0:  # (only rank 0 answers; logits are the same on every rank)
                 runner.scores = prompt_scores.score(logits, scoring, prompt.top_k)
             logits = logits.index_select(0, _to_device(torch.tensor(scoring.sampled, dtype=torch.int64), self.device))
@@ -453,18 +450,6 @@ class Speculator:
         """Each row's logit rows in a verify step: a sampled row's num_drafts + 1, else none."""
         drafts = iter(v.num_drafts)
         return [next(drafts) + 1 if s else 0 for s in sample]
-
-    @staticmethod
-    def logit_indices(lens: list[int], sample: list[int], v: VerifyRows) -> torch.Tensor:
-        """Token rows whose logits are taken: each sampled row's last num_drafts + 1."""
-        out: list[int] = []
-        end, j = 0, 0
-        for n, s in zip(lens, sample, strict=True):
-            end += n
-            if s:
-                out.extend(range(end - v.num_drafts[j] - 1, end))
-                j += 1
-        return torch.tensor(out, dtype=torch.int64)
 
     def _valid(self, v: VerifyRows, req_dev: torch.Tensor, slots: int) -> torch.Tensor | None:
         """Per sampled request: whether its row counts (a chained row only if its slot's previous

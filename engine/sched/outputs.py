@@ -33,8 +33,8 @@ class OutputProcessor:
             req.inflight -= 1
             if req.status == Status.FINISHED:
                 continue  # finished at an earlier step; this overlap token is discarded
-            if req.max_new_tokens == 0:  # it only scored its prompt (max_tokens 0 with prompt logprobs)
-                outs.append(self._with_prompt(req, self.finish(req, "length")))
+            if req.max_new_tokens == 0:
+                outs.append(self._scored_only(req))
                 continue
             req.output_ids.append(tok)
             out = ReqOutput(
@@ -72,6 +72,11 @@ class OutputProcessor:
                     req.prompt_scores[start + i - off] = (lps[i], top)
             off += n
 
+    def _scored_only(self, req: Req) -> ReqOutput:
+        """The answer of a request that only scored its prompt (max_tokens 0 with prompt logprobs): no
+        token, its scores, finished."""
+        return self._with_prompt(req, self.finish(req, "length"))
+
     def _with_prompt(self, req: Req, out: ReqOutput) -> ReqOutput:
         """The first output of a request that scores its prompt carries the scores (its final
         one where it asked for no tokens)."""
@@ -103,8 +108,8 @@ class OutputProcessor:
                 continue  # a chained row after a rejection: it answered nothing
             if req.status == Status.FINISHED:
                 continue  # finished (or aborted) meanwhile: its tokens are discarded
-            if req.max_new_tokens == 0:  # it only scored its prompt (as on_tokens)
-                outs.append(self._with_prompt(req, self.finish(req, "length")))
+            if req.max_new_tokens == 0:
+                outs.append(self._scored_only(req))
                 continue
             if k > 0:
                 self.s.spec_stats.add(k, a)  # the drafter's acceptance, whatever a stop then cut
