@@ -22,7 +22,6 @@ from engine.serve.validate import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Limits,
     as_sent,
-    check_engine_support,
     check_ids,
     check_length,
     check_model,
@@ -56,7 +55,6 @@ def _params_for(
     check_length(len(ids), max_new, limits, what)
     params = make_params(kw, max_new, limits.vocab_size)
     check_text_features(params, state.tok)
-    check_engine_support(params, state.cfg)
     return params
 
 

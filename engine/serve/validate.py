@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine.config import ServerConfig
 from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -140,14 +139,6 @@ def check_length(prompt_len: int, max_new: int, limits: Limits, what: str = "pro
 def check_text_features(params: SamplingParams, tok: TextTokenizer | None) -> None:
     if tok is None and params.stop:
         raise ApiError(400, f"stop strings need text: {IDS_ONLY}", param="stop")
-
-
-def check_engine_support(params: SamplingParams, cfg: ServerConfig) -> None:
-    """What this engine's configuration cannot serve: prompt_logprobs under context parallelism
-    (a rank holds a share of a prompt's tokens)."""
-    if params.prompt_logprobs is not None and cfg.cp_size > 1:
-        raise ApiError(400, "prompt logprobs (prompt_logprobs, or completions' echo with logprobs) are not "
-                       "available with --cp-size > 1", param="prompt_logprobs")
 
 
 def check_model(model: str | None, accepted: tuple[str, ...]) -> None:

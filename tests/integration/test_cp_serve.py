@@ -16,12 +16,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
 import pytest
 
 from tests.integration.conftest import Server, start_server, stop_server, worker_procs
+
+if TYPE_CHECKING:
+    from engine.local import LocalEngine
 
 ARGS = ("--cpu-threads", "1", "--dtype", "float32", "--max-prefill-tokens", "64", "--max-running-requests", "4",
         "--enable-hierarchical-cache", "--hicache-ratio", "2")
@@ -58,15 +62,20 @@ def cp_server(tmp_path_factory: pytest.TempPathFactory, l3_dir: Path) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_dir: Path) -> dict[tuple[int, ...], list[int]]:
-    """cp=1 greedy tokens of every prompt, in this process."""
+def cp1(default_model_dir: Path) -> LocalEngine:
     from engine.config import ServerConfig
     from engine.local import LocalEngine
+
+    return LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
+
+
+@pytest.fixture(scope="module")
+def reference(cp1: LocalEngine) -> dict[tuple[int, ...], list[int]]:
+    """cp=1 greedy tokens of every prompt, in this process."""
     from msgs.params import SamplingParams
 
-    eng = LocalEngine(ServerConfig(model=str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096))
     prompts = [*LONG, *CONVS, SUFFIX, BEYOND]
-    res = eng.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    res = cp1.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
     return {tuple(p): r.output_ids for p, r in zip(prompts, res, strict=True)}
 
 
@@ -103,6 +112,39 @@ def test_cp2_batched_chunked_long_prompts_give_cp1_tokens(cp_server: Server, ref
     used = [m[f'strata_kv_pages_used_by_cp_rank{{cp_rank="{r}"}}'] for r in (0, 1)]
     assert sum(used) == m["strata_kv_pages_used"] > 0 and abs(used[0] - used[1]) <= 3  # each about half
     assert m["strata_kv_pages_total"] == 2 * (CP_POOL // 16) and m["strata_kv_leak_free"] == 1
+
+
+def scored(srv: Server, ids: list[int], new: int = FEW_NEW) -> dict:
+    """/generate with prompt_logprobs 2: (output ids, [(logprob, id)] of the prompt after its first token,
+    the top-2 ids of each)."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True,
+                                                  "prompt_logprobs": 2}}
+    r = httpx.post(f"{srv.http}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == len(ids)
+    return {"ids": r.json()["output_ids"], "scores": [(v, t) for v, t, _ in meta["input_token_logprobs"][1:]],
+            "top": [[t for _, t, _ in top] for top in meta["input_top_logprobs"][1:]]}
+
+
+def test_cp2_prompt_logprobs_equal_cp1s(cp_server: Server, cp1: LocalEngine, reference: dict) -> None:
+    """prompt_logprobs at cp=2 (a 400 once): every rank ends a layer with every row's hidden state, so
+    the scored prompts, chunked (64 tokens) and batched beside an unscored one, score as at cp=1 (in
+    float32, up to the last bits of the LSE merge)."""
+    from msgs.params import SamplingParams
+
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda ids: scored(cp_server, ids), LONG[:2]))
+        plain = pool.submit(generate, cp_server, LONG[2], FEW_NEW)
+    assert plain.result()[0] == reference[tuple(LONG[2])][:FEW_NEW]
+    want = cp1.generate(LONG[:2], SamplingParams(max_new_tokens=FEW_NEW, temperature=0, ignore_eos=True,
+                                                 prompt_logprobs=2))
+    for got, ref, ids in zip(outs, want, LONG[:2], strict=True):
+        assert got["ids"] == ref.output_ids == reference[tuple(ids)][:FEW_NEW]
+        assert [t for _, t in got["scores"]] == ids[1:]
+        assert max(abs(v - w) for (v, _), w in zip(got["scores"], ref.prompt_logprobs, strict=True)) < 1e-4
+        assert got["top"] == [[t for t, _ in row] for row in ref.prompt_top_logprobs]
+    assert cp_server.wait_idle()["strata_kv_leak_free"] == 1
 
 
 def test_cp2_serves_a_context_longer_than_one_ranks_pool(cp_server: Server, reference: dict) -> None:
@@ -187,6 +229,10 @@ def test_cp2_deterministic_is_one_answer_whatever_the_cache_chunks_and_batch(tmp
             batched = list(pool.map(run, LONG))
         assert long_fresh == long_behind_suffix == batched[1]
         assert suffix_fresh == suffix_behind_long
+        alone = scored(srv, LONG[1])  # prompt scores: the same bits alone and beside others, in other chunks
+        with ThreadPoolExecutor(3) as pool:
+            beside = list(pool.map(lambda ids: scored(srv, ids), [LONG[0], LONG[1], LONG[2]]))
+        assert alone == beside[1] and alone["ids"] == long_fresh[0][:FEW_NEW]
         assert srv.wait_idle()["strata_kv_leak_free"] == 1
     finally:
         assert stop_server(srv) == 0

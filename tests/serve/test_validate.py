@@ -141,21 +141,6 @@ def test_errors_name_the_field_the_client_sent(extra: str, param: str) -> None:
     assert err.message.startswith(param) or "maximum context length" in err.message, err.message
 
 
-def test_echo_with_logprobs_refused_under_cp_names_echo() -> None:
-    """An audit: the refusal of echo + logprobs at --cp-size 2 named prompt_logprobs, a field the
-    request did not send."""
-    from engine.config import ServerConfig
-    from engine.serve.validate import check_engine_support
-
-    req = decode_body(b'{"prompt": "x", "echo": true, "logprobs": 1}', CompletionRequest)
-
-    def build() -> None:
-        with as_sent(req):
-            check_engine_support(SamplingParams(prompt_logprobs=1), ServerConfig(cp_size=2))
-
-    _raises(400, build, param="echo")
-
-
 def test_repetition_penalty_keeps_its_reciprocal_finite() -> None:
     """Below float32's normal range the sampler's logits / penalty overflowed (1e-45 passed as > 0)."""
     for bad in (1e-45, 1e-31, 0.0):
