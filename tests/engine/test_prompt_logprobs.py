@@ -133,6 +133,41 @@ def test_prompt_logprobs_with_speculative_decoding(tiny: Path) -> None:
     assert eng.core.leak_free()
 
 
+def test_prompt_logprobs_beside_a_draft_tree(tiny: Path) -> None:
+    """NGRAM draft trees (--speculative-eagle-topk 3): a scored prompt's last chunk shares its step with
+    another request's tree verify row (three continuations of its prompt in the radix tree, so three
+    branches at its first verify): the scores are transformers', both answers the plain engine's."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(2, 250, (34,), generator=g).tolist()  # chunks 14 + 16 + 4: the last beside the tree
+    head = list(range(100, 114))
+    cfg = dict(model=str(tiny), dtype="float32", page_size=4, max_prefill_tokens=16, max_total_tokens=1024)
+    plain = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    want = LocalEngine(ServerConfig(**cfg)).generate([head, prompt], [plain, scored])
+    eng = LocalEngine(ServerConfig(**cfg, speculative_algorithm="NGRAM", speculative_eagle_topk=3,
+                                   speculative_num_draft_tokens=8))
+    first = want[0].output_ids[0]
+    eng.generate([head + [first, b, b + 1] for b in (20, 30, 40)], SamplingParams(max_new_tokens=1, temperature=0))
+    steps = []
+    plan = eng.core.plan
+
+    def record():  # noqa: ANN202
+        step = plan()
+        steps.append(step)
+        return step
+
+    eng.core.plan = record  # type: ignore[method-assign]
+    got = eng.generate([head, prompt], [plain, scored])
+    assert _verified_last_chunk(steps, trees=True), "a tree verify step scored the prompt's last chunk"
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    ref = _hf_logprobs(tiny, prompt)
+    res = got[1]
+    torch.testing.assert_close(torch.tensor(res.prompt_logprobs),
+                               ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
+    assert [[t for t, _ in row] for row in res.prompt_top_logprobs] == ref[:-1].topk(2, dim=-1).indices.tolist()
+    assert eng.core.leak_free()
+
+
 def test_prompt_scored_alone_when_a_chunk_ends_one_token_short(tiny: Path) -> None:
     """max_tokens 0 (echo + logprobs): a 17-token prompt in 16-token chunks leaves one prompt token,
     which a decode row would feed; such a request has none, so its prefill takes it (it waited for
@@ -148,13 +183,16 @@ def test_prompt_scored_alone_when_a_chunk_ends_one_token_short(tiny: Path) -> No
     assert eng.core.leak_free()
 
 
-def _verified_last_chunk(steps: list) -> bool:
-    """Whether a step verified drafts and, in the same forward, scored a prompt chunk that samples."""
+def _verified_last_chunk(steps: list, trees: bool = False) -> bool:
+    """Whether a step verified drafts (a branching tree, with `trees`) and, in the same forward,
+    scored a prompt chunk that samples."""
     from msgs.codec import unpack_ids
 
     for step in steps:
         f = step.forward if step is not None else None
         if f is not None and f.drafts is not None and f.prompt is not None:
+            if trees and not any(p != i - 1 for i, p in enumerate(unpack_ids(f.drafts.parents))):
+                continue
             sample = unpack_ids(f.sample)
             if any(sample[i] for i in unpack_ids(f.prompt.rows)):
                 return True
