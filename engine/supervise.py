@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import structlog
 import zmq
 
@@ -248,6 +249,20 @@ class ChildSet:
             time.sleep(0.02)
             dead = ended(signalled=True)
         return min(dead, key=lambda d: "killed by" not in d[1]) if dead else None
+
+    def stopped(self, *besides: str) -> str | None:
+        """A child other than `besides` that is held stopped (SIGSTOP, a debugger): it neither ends
+        nor answers, so what the others report (the scheduler's watchdog, a rank waiting in a
+        collective) names only their wait, not it."""
+        for name, proc in self.procs.items():
+            if name in besides or proc.poll() is not None:
+                continue
+            try:
+                if psutil.Process(proc.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                    return name
+            except psutil.Error:  # ended meanwhile: first_dead's to report
+                continue
+        return None
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM everyone, wait up to grace_s, then SIGKILL what is left."""

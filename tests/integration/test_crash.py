@@ -29,15 +29,15 @@ MAX = 1500
 TOLD_WITHIN_S = 5.0  # from the kill to the client's error (the goal is ~1 s; margin for a loaded 2-core machine)
 
 
-def _children(srv: Server) -> dict[str, psutil.Process]:
-    """The server's processes by role: worker-0, scheduler, tokenizer."""
+def _children(srv: Server, workers: int = 1) -> dict[str, psutil.Process]:
+    """The server's processes by role: worker-0 (.. worker-N), scheduler, tokenizer."""
     out = {}
     for child in psutil.Process(srv.proc.pid).children(recursive=True):
         cmd = child.cmdline()
         for role in ("worker", "scheduler", "tokenizer"):
             if f"procs.{role}" in cmd:
                 out[f"{role}-{cmd[cmd.index('--rank') + 1]}" if role == "worker" else role] = child
-    assert set(out) == {"worker-0", "scheduler", "tokenizer"}, out
+    assert set(out) == {*(f"worker-{r}" for r in range(workers)), "scheduler", "tokenizer"}, out
     return out
 
 
@@ -344,6 +344,27 @@ def test_a_stuck_worker_trips_the_watchdog(tmp_path: Path, capfd: pytest.Capture
     hang its clients: after --watchdog-timeout the scheduler fails, naming the step and the worker, and
     every client in flight gets its 503."""
     _stop_one_mid_requests(tmp_path, capfd, "worker-0", "--watchdog-timeout")
+
+
+def test_a_stopped_rank_of_two_is_named(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """tp=2 with worker-1 SIGSTOPped: worker-0 waits in its all-reduce, so no rank answers and the
+    scheduler's watchdog cannot tell which is at fault; the supervisor finds the stopped process and
+    names it, to the client in flight (503) and on exit (it named the scheduler before)."""
+    srv = start_server(tmp_path / "logs", "--tp-size", "2", "--max-total-tokens", "4096", "--watchdog-timeout", "3")
+    children = _children(srv, workers=2)
+    leftovers = (_run_dir(children), _shm(children))
+    whole = Background(_http_post(f"{srv.base_url}/completions", {"prompt": "Once upon a time", "max_tokens": MAX,
+                                                                   **LONG}))
+    assert whole.started.wait(30)
+    _wait_running(srv, 1)
+    children["worker-1"].send_signal(signal.SIGSTOP)
+    try:
+        _assert_503(whole.join(20), "worker-1")
+    finally:
+        children["worker-1"].send_signal(signal.SIGCONT)
+    _assert_orderly_exit(srv, children, leftovers, capfd, "process worker-1 is stopped (SIGSTOP)")
+    lines = [json.loads(x) for x in (srv.log_dir / "supervisor.log").read_text().splitlines()]
+    assert [rec["child"] for rec in lines if rec.get("event") == "child died"] == ["worker-1"]
 
 
 def test_a_stuck_cache_controller_is_found_by_its_silence(tmp_path: Path) -> None:
