@@ -19,7 +19,7 @@ import torch
 
 from engine.config import ServerConfig
 from engine.env import env
-from engine.layers import triton_ops
+from engine.layers import batch_invariant, triton_ops
 from engine.layers.forward import ForwardBatch
 from engine.layers.parallel import parallel_state
 from engine.replica import Effect, ReplicaError, StepOrderError, TokenChain, rank_replica
@@ -151,6 +151,8 @@ class ModelRunner:
         self.seq = step.seq
         launched = Launched(step.seq, None, t0, None, None)
         if step.forward is not None:
+            if batch_invariant.enabled() != self.deterministic:  # another engine in this process set it
+                batch_invariant.enable(self.deterministic, self.device.type)
             if self.profiler is not None:
                 self.profiler.tick()
             launched.start = self.idle.start() if self.idle is not None else None

@@ -49,8 +49,6 @@ def fresh(default_model_dir: Path) -> Callable[[str], tuple[LocalEngine, Result]
         if dtype not in made:
             eng = _engine(default_model_dir, dtype)
             made[dtype] = eng, eng.generate([PROMPT], GREEDY)[0]
-        # the mode is process-wide, set when a runner is built: on again for this engine's next steps
-        batch_invariant.enable(True, made[dtype][0].runner.device.type)
         return made[dtype]
 
     return get
@@ -73,6 +71,21 @@ def test_one_request_one_answer(fresh: Callable[[str], tuple[LocalEngine, Result
         (hit,) = eng.generate([PROMPT], SAMPLED)
         assert hit.cached_tokens == cut // 16 * 16 and _key(hit) == _key(eng.generate([PROMPT], SAMPLED)[0])
         assert _key(hit) == want, f"behind {hit.cached_tokens} cached tokens"
+
+
+def test_engines_of_both_modes_in_one_process(default_model_dir: Path,
+                                              fresh: Callable[[str], tuple[LocalEngine, Result]]) -> None:
+    """The layers read the mode from one process-wide switch; each runner sets it to its own at a
+    step, so an engine built later with the mode off (which turned the switch off) leaves this
+    engine's answers as they were, and runs with the mode off itself."""
+    eng, first = fresh("bfloat16")
+    off = LocalEngine(ServerConfig(model=str(default_model_dir), dtype="bfloat16", max_total_tokens=4096,
+                                   disable_deterministic_inference=True))
+    assert not off.runner.deterministic and not batch_invariant.enabled()
+    mixed = eng.generate([OTHERS[0], PROMPT, *OTHERS[1:]], GREEDY)
+    assert _key(mixed[1]) == _key(first) and batch_invariant.enabled()
+    off.generate([PROMPT], GREEDY)
+    assert not batch_invariant.enabled()
 
 
 @pytest.fixture(scope="module")
