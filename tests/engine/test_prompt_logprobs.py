@@ -104,15 +104,7 @@ def test_prompt_logprobs_with_speculative_decoding(tiny: Path) -> None:
     scored = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
     want = LocalEngine(ServerConfig(**cfg)).generate([loop, prompt], [plain, scored])
     eng = LocalEngine(ServerConfig(**cfg, speculative_algorithm="NGRAM"))
-    steps = []
-    plan = eng.core.plan
-
-    def record():  # noqa: ANN202
-        step = plan()
-        steps.append(step)
-        return step
-
-    eng.core.plan = record  # type: ignore[method-assign]
+    steps = _record_steps(eng)
     looped, res = eng.generate([loop, prompt], [plain, scored])
     assert _verified_last_chunk(steps), "a verify step scored the prompt's last chunk and sampled it"
     assert [looped.output_ids, res.output_ids] == [w.output_ids for w in want]
@@ -148,15 +140,7 @@ def test_prompt_logprobs_beside_a_draft_tree(tiny: Path) -> None:
                                    speculative_num_draft_tokens=8))
     first = want[0].output_ids[0]
     eng.generate([head + [first, b, b + 1] for b in (20, 30, 40)], SamplingParams(max_new_tokens=1, temperature=0))
-    steps = []
-    plan = eng.core.plan
-
-    def record():  # noqa: ANN202
-        step = plan()
-        steps.append(step)
-        return step
-
-    eng.core.plan = record  # type: ignore[method-assign]
+    steps = _record_steps(eng)
     got = eng.generate([head, prompt], [plain, scored])
     assert _verified_last_chunk(steps, trees=True), "a tree verify step scored the prompt's last chunk"
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
@@ -181,6 +165,20 @@ def test_prompt_scored_alone_when_a_chunk_ends_one_token_short(tiny: Path) -> No
     torch.testing.assert_close(torch.tensor(res.prompt_logprobs),
                                ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1), atol=1e-4, rtol=1e-4)
     assert eng.core.leak_free()
+
+
+def _record_steps(eng: LocalEngine) -> list:
+    """The Steps the engine's scheduler plans from now on (appended as planned)."""
+    steps: list = []
+    plan = eng.core.plan
+
+    def record():  # noqa: ANN202
+        step = plan()
+        steps.append(step)
+        return step
+
+    eng.core.plan = record  # type: ignore[method-assign]
+    return steps
 
 
 def _verified_last_chunk(steps: list, trees: bool = False) -> bool:
