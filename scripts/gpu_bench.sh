@@ -118,6 +118,9 @@ export PYTHONPATH=/tmp/site:$PWD FLASHINFER_NO_DOWNLOAD=1 PYTHONUNBUFFERED=1 STR
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # the device tree has no .git: pass STRATA_GIT_COMMIT=<commit> in the command to record it
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+# result files are named by the card that ran them (h100, h200, ...; "gpu" for another)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
+GPU=${GPU:-gpu}
 run() {  # name, timeout, command...
   local name=$1 t=$2; shift 2
   echo "=== $name"; local t0=$(date +%s)
@@ -157,13 +160,13 @@ each_patch() {  # RUNNER: RUNNER 0 with the tuning file as is, then RUNNER i wit
 }
 llama_fp8_offline() {  # NAME [extra server args]: Llama-3.1-8B fp8 weights + fp8 KV + fp8 math, 1000/1000, 256 requests
   run "$1" 300 bin/bench offline --model configs/llama-3.1-8b --load-format dummy --num-requests 256 --input-len 1000 \
-    --output-len 1000 --out "$OUT/$1-h200.json" --server-args "--quantization fp8 --max-running-requests 256 \
+    --output-len 1000 --out "$OUT/$1-$GPU.json" --server-args "--quantization fp8 --max-running-requests 256 \
     --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math ${2:-}" || fails=$((fails + 1))
 }
 ab_latency() {  # I: one decode-latency run of the ab mode
   local m=${AB_MODEL:-llama-3.1-8b}
   run latency-$m-ab$1 240 bin/bench latency --model configs/$m --load-format dummy --batch-sizes ${AB_BATCHES:-1 8} \
-    --context-len 1024 --steps 50 --server-args="${AB_ARGS---quantization fp8}" --out "$OUT/latency-$m-ab$1-h200.json" \
+    --context-len 1024 --steps 50 --server-args="${AB_ARGS---quantization fp8}" --out "$OUT/latency-$m-ab$1-$GPU.json" \
     || fails=$((fails + 1))
   grep -A4 "batch  *ctx" "$OUT/latency-$m-ab$1.log"
 }
@@ -182,7 +185,7 @@ ab_code() {  # every variant (base first) AB_ROUNDS times, alternated; then the 
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do for c in ${AB_CTX:-1024}; do for v in base ${AB_VARIANTS:?abcode needs AB_VARIANTS}; do
     variant in "$v" || { fails=$((fails + 1)); continue; }
     timeout 300 bin/bench latency --model "configs/$m" --load-format dummy --batch-sizes ${AB_BATCHES:-1 8} \
-      --context-len "$c" --steps 50 ${AB_BENCH_ARGS:-} --server-args="${AB_ARGS:-}" --out "$dir/latency-$m-$v-ctx$c-$r-h200.json" \
+      --context-len "$c" --steps 50 ${AB_BENCH_ARGS:-} --server-args="${AB_ARGS:-}" --out "$dir/latency-$m-$v-ctx$c-$r-$GPU.json" \
       > "$dir/$v-ctx$c-$r.log" 2>&1 || { fails=$((fails + 1)); tail -20 "$dir/$v-ctx$c-$r.log"; }
     variant out "$v"
   done; done; done
@@ -198,7 +201,7 @@ moe_offline() {
   run offline-qwen3-30b-a3b 200 bin/bench offline --model configs/qwen3-30b-a3b --load-format dummy \
     --num-requests 256 --input-len 1000 --output-len 1000 \
     --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-moe" \
-    --out "$OUT/offline-qwen3-30b-a3b-1000-1000-h200.json" || fails=$((fails + 1))
+    --out "$OUT/offline-qwen3-30b-a3b-1000-1000-$GPU.json" || fails=$((fails + 1))
   grep -h '"gpu idle"' "$OUT"/logs-moe/worker-0.log | tail -2
 }
 fails=0
@@ -217,7 +220,7 @@ for what in "$@"; do case $what in
                [ "${SAMPLING_DET:-1}" = 0 ] && [ -n "$sargs" ] && continue
                case " ${SAMPLING_TAGS:-$tag} " in *" $tag "*) ;; *) continue ;; esac
                run latency-$m-$tag 240 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 64 \
-                 --context-len 1024 --steps 50 $flags --server-args="$sargs" --out "$OUT/latency-$m-sampling-$tag-h200.json" \
+                 --context-len 1024 --steps 50 $flags --server-args="$sargs" --out "$OUT/latency-$m-sampling-$tag-$GPU.json" \
                  || fails=$((fails + 1))
                grep -A5 "batch  *ctx" "$OUT/latency-$m-$tag.log" | sed -n 3,5p; done; done
              # one file back for all of them ($OUT returns 8 files at most)
@@ -228,61 +231,61 @@ for what in "$@"; do case $what in
            --junitxml "$OUT/gpu-tests.xml" || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -40 ;;
   latency) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
-              --context-len 1024 --steps 50 --profile-idle --out "$OUT/latency-$m-h200.json" || fails=$((fails + 1))
+              --context-len 1024 --steps 50 --profile-idle --out "$OUT/latency-$m-$GPU.json" || fails=$((fails + 1))
             grep -A6 "batch  *ctx" "$OUT/latency-$m.log"; done ;;
   qwen) run offline-qwen3-0.6b 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy \
           --num-requests 256 --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-qwen" \
-          --out "$OUT/offline-qwen3-0.6b-h200.json" || fails=$((fails + 1)); grep -h '"gpu idle"' $OUT/logs-qwen/worker-0.log | tail -3 ;;
+          --out "$OUT/offline-qwen3-0.6b-$GPU.json" || fails=$((fails + 1)); grep -h '"gpu idle"' $OUT/logs-qwen/worker-0.log | tail -3 ;;
   llama8m) run offline-llama-3.1-8b-fp8math 260 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
           --num-requests 256 --input-len 1000 --output-len 1000 \
           --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --kv-cache-dtype fp8_e4m3 --attention-fp8-math --log-dir $OUT/logs-llama8m" \
-          --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-fp8math-h200.json" || fails=$((fails + 1))
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-fp8kv-fp8math-$GPU.json" || fails=$((fails + 1))
           grep -h '"gpu idle"' $OUT/logs-llama8m/worker-0.log | tail -2 ;;
   llama) run offline-llama-3.1-8b 260 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
           --num-requests 256 --input-len 1000 --output-len 1000 \
           --server-args "--max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-llama" \
-          --out "$OUT/offline-llama-3.1-8b-1000-1000-h200.json" || fails=$((fails + 1)) ;;
+          --out "$OUT/offline-llama-3.1-8b-1000-1000-$GPU.json" || fails=$((fails + 1)) ;;
   serve) run serve-qwen3-0.6b 150 bin/bench serve --model configs/qwen3-0.6b --load-format dummy \
           --num-requests 400 --request-rate 40 --server-args "--max-running-requests 256" \
-          --out "$OUT/serve-qwen3-0.6b-h200.json" || fails=$((fails + 1)) ;;
+          --out "$OUT/serve-qwen3-0.6b-$GPU.json" || fails=$((fails + 1)) ;;
   profile1) for p in ${PROFILES:-qwen3-0.6b:1:1024 llama-3.1-8b:1:1024}; do IFS=: read -r m b c f <<< "$p"
              tag=$(echo "$m-b$b-$c$f" | tr -c 'A-Za-z0-9.\n-' '-')
              run profile-$tag 200 python3 scripts/profile_decode.py configs/$m $b $c ${f//,/ } || fails=$((fails + 1))
              grep -A31 "per decode step" "$OUT/profile-$tag.log"; done ;;
   cache) rm -rf /tmp/strata-l3; run cache-llama-3.1-8b 580 bin/bench cache --model configs/llama-3.1-8b --load-format dummy \
           --prompt-len 32768 --repeat 3 --l3-dir /tmp/strata-l3 --server-args "--max-prefill-tokens 32832 --log-dir $OUT/logs-cache" \
-          --out "$OUT/cache-llama-3.1-8b-32k-h200.json" || fails=$((fails + 1))
+          --out "$OUT/cache-llama-3.1-8b-32k-$GPU.json" || fails=$((fails + 1))
           grep -A8 "served by" "$OUT/cache-llama-3.1-8b.log"; grep -h '"host copies"' $OUT/logs-cache/worker-0.log | tail -3 ;;
   structured) run structured-qwen3-0.6b 300 bin/bench structured --model configs/qwen3-0.6b --load-format dummy \
           --tokenizer-from bench/tok-smollm2 --num-requests 64 --max-tokens 512 --server-args "--log-dir $OUT/logs-structured" \
-          --out "$OUT/structured-qwen3-0.6b-h200.json" || fails=$((fails + 1))
+          --out "$OUT/structured-qwen3-0.6b-$GPU.json" || fails=$((fails + 1))
           grep -h '"grammar timing"\|"gpu idle"' $OUT/logs-structured/worker-0.log | tail -12 ;;
   l2decode) for l2 in off on; do
             extra=""; [ $l2 = on ] && extra="--enable-hierarchical-cache"
             run offline-qwen3-0.6b-l2$l2 240 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
               --server-args "--max-running-requests 256 --max-prefill-tokens 16384 $extra --log-dir $OUT/logs-l2$l2" \
-              --out "$OUT/offline-qwen3-0.6b-l2$l2-h200.json" || fails=$((fails + 1))
+              --out "$OUT/offline-qwen3-0.6b-l2$l2-$GPU.json" || fails=$((fails + 1))
             grep -h '"gpu idle"' $OUT/logs-l2$l2/worker-0.log | tail -2; grep -h '"host copies"' $OUT/logs-l2$l2/worker-0.log | tail -2; done ;;
   det) run gpu-det 460 python3 -m pytest -m gpu tests/gpu/test_deterministic_gpu.py tests/gpu/test_deterministic_graphs_gpu.py tests/gpu/test_invariant_attention_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error|timing:" "$OUT/gpu-det.log" | tail -16
        ;&
   detsglang) run deterministic-qwen3-0.6b 280 bin/bench deterministic --model configs/qwen3-0.6b --load-format dummy \
          --samples "${DET_SAMPLES:-300}" --sampling "${DET_SAMPLING:-temperature}" --server-args "--enable-deterministic-inference --dtype bfloat16 --log-dir $OUT/logs-det" \
-         --out "$OUT/deterministic-qwen3-0.6b-h200.json" || fails=$((fails + 1)); grep "distinct\|deterministic:" "$OUT/deterministic-qwen3-0.6b.log" ;;
+         --out "$OUT/deterministic-qwen3-0.6b-$GPU.json" || fails=$((fails + 1)); grep "distinct\|deterministic:" "$OUT/deterministic-qwen3-0.6b.log" ;;
   detcost) for det in off on; do
             run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 64 \
               --input-len 256 --output-len 128 --server-args "$([ $det = on ] && echo --enable-deterministic-inference) --max-running-requests 64" \
-              --out "$OUT/offline-qwen3-0.6b-det$det-h200.json" || fails=$((fails + 1)); done ;;
+              --out "$OUT/offline-qwen3-0.6b-det$det-$GPU.json" || fails=$((fails + 1)); done ;;
   detoffline) for det in ${DET_MODES:-off on}; do  # issue 21's cost: Qwen3-0.6B offline (256 req) and Llama-3.1-8B 1000/1000
             flag=$([ $det = on ] && echo --enable-deterministic-inference)
             ! detoff_wants qwen || run offline-qwen3-0.6b-det$det 200 bin/bench offline --model configs/qwen3-0.6b --load-format dummy --num-requests 256 \
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384 --log-dir $OUT/logs-qwen-det$det" \
-              --out "$OUT/offline-qwen3-0.6b-256-det$det-h200.json" || fails=$((fails + 1))
+              --out "$OUT/offline-qwen3-0.6b-256-det$det-$GPU.json" || fails=$((fails + 1))
             ! detoff_wants qwen || grep -h '"gpu idle"' $OUT/logs-qwen-det$det/worker-0.log | cut -c1-220
             ! detoff_wants llama || run offline-llama-3.1-8b-det$det 240 bin/bench offline --model configs/llama-3.1-8b --load-format dummy \
               --num-requests 256 --input-len 1000 --output-len 1000 \
               --server-args "$flag --max-running-requests 256 --max-prefill-tokens 16384" \
-              --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-h200.json" || fails=$((fails + 1)); done ;;
+              --out "$OUT/offline-llama-3.1-8b-1000-1000-det$det-$GPU.json" || fails=$((fails + 1)); done ;;
   detgemm) run gpu-detgemm 300 python3 -m pytest -m gpu tests/gpu/test_invariant_gemm_gpu.py -q -rA -p no:cacheprovider \
             || fails=$((fails + 1)); grep -E "^llama|^qwen|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detgemm.log" | tail -60 ;;
   detgemv) if [ "${DETGEMV_PROBE:-1}" = 1 ]; then
@@ -293,10 +296,10 @@ for what in "$@"; do case $what in
                         '{"invariant_gemv_cuda":true}'; done); do
                tuned "$p" run latency-$m-detgemv$i 200 bin/bench latency --model configs/$m --load-format dummy \
                  --batch-sizes 1 8 --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
-                 --out "$OUT/latency-$m-detgemv$i-h200.json" || fails=$((fails + 1))
+                 --out "$OUT/latency-$m-detgemv$i-$GPU.json" || fails=$((fails + 1))
                echo "$p"; grep -A4 "batch  *ctx" "$OUT/latency-$m-detgemv$i.log" | sed -n 3,4p; i=$((i + 1)); done
              run latency-$m-detoff 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 \
-               --context-len 1024 --steps 50 --out "$OUT/latency-$m-detoff-h200.json" || fails=$((fails + 1))
+               --context-len 1024 --steps 50 --out "$OUT/latency-$m-detoff-$GPU.json" || fails=$((fails + 1))
              grep -A4 "batch  *ctx" "$OUT/latency-$m-detoff.log" | sed -n 3,4p; done ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $([ "$d" = det ] && echo --det) || fails=$((fails + 1))
@@ -306,17 +309,17 @@ for what in "$@"; do case $what in
   detlat) for m in ${DETLAT_MODELS:-qwen3-0.6b llama-3.1-8b}; do
             run latency-$m-det 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --server-args=--enable-deterministic-inference \
-              --out "$OUT/latency-$m-det-h200.json" || fails=$((fails + 1))
+              --out "$OUT/latency-$m-det-$GPU.json" || fails=$((fails + 1))
             grep -A6 "batch  *ctx" "$OUT/latency-$m-det.log"; done ;;
   quant) run gpu-quant 300 python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "${QUANT_TESTS:-.}" \
            || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quant.log" | tail -12
          [ "${QUANT_BENCH:-1}" = 0 ] && continue
-         run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-h200.json" || fails=$((fails + 1))
+         run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-$GPU.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-fp8 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --profile-idle --server-args "--quantization fp8" \
-              --out "$OUT/latency-$m-fp8w-h200.json" || fails=$((fails + 1))
+              --out "$OUT/latency-$m-fp8w-$GPU.json" || fails=$((fails + 1))
             grep -A6 "batch  *ctx" "$OUT/latency-$m-fp8.log"; done ;;
   llamafp8) llama_fp8_offline offline-llama-3.1-8b-1000-1000-fp8w-fp8kv-fp8math "--log-dir $OUT/logs-llamafp8"
           grep -h '"gpu idle"' $OUT/logs-llamafp8/worker-0.log | tail -2 ;;
@@ -324,30 +327,30 @@ for what in "$@"; do case $what in
           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-graphs.log" | tail -6
         run spec-llama-3.1-8b 500 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
           --batch-sizes ${SPEC_BATCHES:-1} --prompt-len 512 --output-len 256 --server-args "${SPEC_SERVER_ARGS:-} --log-dir $OUT/logs-spec" \
-          --out "$OUT/spec-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A12 "k batch" "$OUT/spec-llama-3.1-8b.log"
+          --out "$OUT/spec-llama-3.1-8b-$GPU.json" || fails=$((fails + 1)); grep -A12 "k batch" "$OUT/spec-llama-3.1-8b.log"
         grep -h '"gpu idle"\|cuda graphs' $OUT/logs-spec/worker-0.log | tail -4 ;;
   specsweep) run spec-sweep-llama-3.1-8b 400 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 1 3 5 \
           --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 \
           --server-args="${SPEC_SERVER_ARGS:-} --speculative-num-steps-by-batch-size=" \
-          --out "$OUT/spec-sweep-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
+          --out "$OUT/spec-sweep-llama-3.1-8b-$GPU.json" || fails=$((fails + 1)); grep -A20 "k batch" "$OUT/spec-sweep-llama-3.1-8b.log" ;;
   specpolicytest) run gpu-spec-by-batch 200 python3 -m pytest -m gpu tests/gpu/test_spec_by_batch_gpu.py -q -rA -p no:cacheprovider \
           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-by-batch.log" | tail -6 ;;
   specpolicy) run gpu-spec-by-batch 200 python3 -m pytest -m gpu tests/gpu/test_spec_by_batch_gpu.py -q -rA -p no:cacheprovider \
           || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-spec-by-batch.log" | tail -6
         run spec-policy-llama-3.1-8b 300 bin/bench spec --model configs/llama-3.1-8b --load-format dummy --drafts 5 \
           --batch-sizes 1 8 32 64 --prompt-len 512 --output-len 128 --corrupt 0.3 --server-args="${SPEC_SERVER_ARGS:-}" \
-          --out "$OUT/spec-policy-llama-3.1-8b-h200.json" || fails=$((fails + 1)); grep -A10 "k batch" "$OUT/spec-policy-llama-3.1-8b.log" ;;
+          --out "$OUT/spec-policy-llama-3.1-8b-$GPU.json" || fails=$((fails + 1)); grep -A10 "k batch" "$OUT/spec-policy-llama-3.1-8b.log" ;;
   specmla) run spec-deepseek-v3-5l 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
-          --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-h200.json" \
+          --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-$GPU.json" \
           --server-args "--log-dir $OUT/logs-specmla" || fails=$((fails + 1)); grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l.log"
         grep -h '"verify step eager"\|cuda graphs' $OUT/logs-specmla/worker-0.log | tail -4 ;;
   specmladet) run spec-deepseek-v3-5l-det 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy --drafts 2 \
-          --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-det-h200.json" \
+          --batch-sizes 1 --prompt-len 512 --output-len 128 --out "$OUT/spec-deepseek-v3-5l-det-$GPU.json" \
           --server-args "--enable-deterministic-inference --log-dir $OUT/logs-specmladet" || fails=$((fails + 1))
         grep -A6 "k batch" "$OUT/spec-deepseek-v3-5l-det.log"; grep -h 'cuda graphs' $OUT/logs-specmladet/worker-0.log | tail -2 ;;
   specmlaprofile) STRATA_PROFILE_STEPS=${SPECMLA_PROFILE:-140:20} run spec-deepseek-v3-5l-profile 300 bin/bench spec \
           --model configs/deepseek-v3-5l --load-format dummy --drafts 2 --batch-sizes 1 --prompt-len 512 --output-len 128 \
-          --out "$OUT/spec-deepseek-v3-5l-profiled-h200.json" --server-args "--log-dir $OUT/logs-specmlaprof" \
+          --out "$OUT/spec-deepseek-v3-5l-profiled-$GPU.json" --server-args "--log-dir $OUT/logs-specmlaprof" \
           || fails=$((fails + 1))  # the k = 2 server's steps 140..159 (its warm run, verify steps; 40..59 were the first run's plain ones)
         grep -h '"verify step eager"\|cuda graphs' $OUT/logs-specmlaprof/worker-0.log | tail -4
         head -40 $OUT/logs-specmlaprof/profile-rank0.txt ;;
@@ -360,32 +363,32 @@ for what in "$@"; do case $what in
   moe) run gpu-moe 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-moe.log" | tail -20
        run latency-qwen3-30b-a3b 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
-         --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-h200.json" || fails=$((fails + 1))
+         --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-$GPU.json" || fails=$((fails + 1))
        grep -A6 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b.log"; grep -h "cuda graphs\|runner ready" "$OUT/latency-qwen3-30b-a3b.log" | tail -3
        moe_offline
        run latency-deepseek-v3-5l 100 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 64 \
-         --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
+         --context-len 1024 --steps 20 --out "$OUT/latency-deepseek-v3-5l-$GPU.json" || fails=$((fails + 1))
        grep -A4 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log" ;;
   moeoffline) moe_offline ;;
   moetest) run gpu-moe 200 python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py -q -rA -p no:cacheprovider \
          || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-moe.log" | tail -20 ;;
   moelat) run latency-qwen3-30b-a3b 140 bin/bench latency --model configs/qwen3-30b-a3b --load-format dummy --batch-sizes 1 8 32 \
-         --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-h200.json" || fails=$((fails + 1))
+         --context-len 1024 --steps 30 --out "$OUT/latency-qwen3-30b-a3b-$GPU.json" || fails=$((fails + 1))
        grep -A6 "batch  *ctx" "$OUT/latency-qwen3-30b-a3b.log" ;;
   mlaserve) run latency-deepseek-v3-5l 140 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy --batch-sizes 1 8 64 \
-         --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-h200.json" || fails=$((fails + 1))
+         --context-len 1024 --steps 30 --out "$OUT/latency-deepseek-v3-5l-$GPU.json" || fails=$((fails + 1))
        grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l.log"; grep -h "cuda graphs\|runner ready\|mla" "$OUT/latency-deepseek-v3-5l.log" | tail -4 ;;
   moesweep) for sq in ${MOESWEEP_SHAPES:-qwen3-30b-a3b:none deepseek-v3:fp8_block}; do
             run moe-sweep-${sq/:/-} 280 python3 scripts/moe_sweep.py --shape ${sq%:*} --quant ${sq#*:} \
-              --out "$OUT/moe-sweep-${sq/:/-}-h200.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
+              --out "$OUT/moe-sweep-${sq/:/-}-$GPU.json" || fails=$((fails + 1)); grep -E "^tokens|rules" "$OUT/moe-sweep-${sq/:/-}.log"; done ;;
   mla|mlatest) run gpu-mla 330 python3 -m pytest -m gpu tests/gpu/test_mla_gpu.py tests/gpu/test_mla_flashinfer_gpu.py -q -rA \
          -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-mla.log" | tail -24
        [ $what = mlatest ] && continue
-       run mla-bench 240 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-h200.json" || fails=$((fails + 1))
+       run mla-bench 240 bin/bench mla --sweep --rep-ms 20 --out "$OUT/mla-decode-$GPU.json" || fails=$((fails + 1))
        grep -v "^ *$" "$OUT/mla-bench.log" | tail -120 ;;
   flashmla) run mla-flashmla 240 bin/bench mla --flashmla ${FLASHMLA_NO_FI:+--no-flashinfer} --heads ${FLASHMLA_HEADS:-128 16} \
              --kv-dtypes bf16 --batch-sizes ${FLASHMLA_BS:-1 64 128} --contexts ${FLASHMLA_CTXS:-4096 16384} --rep-ms 20 \
-             --out "$OUT/mla-flashmla-h200.json" || fails=$((fails + 1))
+             --out "$OUT/mla-flashmla-$GPU.json" || fails=$((fails + 1))
            grep -v "^ *$" "$OUT/mla-flashmla.log" | tail -40 ;;
   flashmlaserve) if [ "${FLASHMLA_TESTS:-1}" != 0 ]; then
              run gpu-flashmla 300 python3 -m pytest -m gpu tests/gpu/test_flash_mla_gpu.py -q -rA -p no:cacheprovider \
@@ -394,7 +397,7 @@ for what in "$@"; do case $what in
            for ps in 0 16; do
              run latency-deepseek-v3-5l-ps$ps 160 bin/bench latency --model configs/deepseek-v3-5l --load-format dummy \
                --batch-sizes ${FLASHMLA_BS:-1 8 64} --context-len ${FLASHMLA_CTX:-1024} --steps 30 --server-args="--page-size $ps" \
-               --out "$OUT/latency-deepseek-v3-5l-ps$ps-h200.json" || fails=$((fails + 1))
+               --out "$OUT/latency-deepseek-v3-5l-ps$ps-$GPU.json" || fails=$((fails + 1))
              grep -A5 "batch  *ctx" "$OUT/latency-deepseek-v3-5l-ps$ps.log"; grep -h "mla decode kernel" "$OUT/latency-deepseek-v3-5l-ps$ps.log" | tail -1; done ;;
   hostcopy) run hostcopy 120 python3 -m engine.bench.hostcopy cuda || fails=$((fails + 1)); cat "$OUT/hostcopy.log" ;;
   heads) run gpu-heads 300 python3 -m pytest -m gpu tests/gpu/test_spec_heads_gpu.py -q -rA -p no:cacheprovider \
@@ -403,12 +406,12 @@ for what in "$@"; do case $what in
             run spec-nextn-deepseek-v3-5l-$g 300 bin/bench spec --model configs/deepseek-v3-5l --load-format dummy \
               --algorithm NEXTN --drafts ${NEXTN_DRAFTS:-2} --batch-sizes ${NEXTN_BS:-1 8} --prompt-len 512 --output-len 128 \
               --server-args "$([ $g = eager ] && echo --disable-cuda-graph) --log-dir $OUT/logs-nextn-$g" \
-              --out "$OUT/spec-nextn-deepseek-v3-5l-$g-h200.json"  # exit 1 when bf16 answers differ from plain: read the table
+              --out "$OUT/spec-nextn-deepseek-v3-5l-$g-$GPU.json"  # exit 1 when bf16 answers differ from plain: read the table
             grep -A6 "k batch" "$OUT/spec-nextn-deepseek-v3-5l-$g.log"
             grep -h '"verify step eager"\|cuda graphs' $OUT/logs-nextn-$g/worker-0.log | tail -3; done ;;
   specnextnprofile) STRATA_PROFILE_STEPS=${NEXTN_PROFILE:-200:20} run spec-nextn-deepseek-v3-5l-profile 300 bin/bench spec \
             --model configs/deepseek-v3-5l --load-format dummy --algorithm NEXTN --drafts 2 --batch-sizes 1 --prompt-len 512 \
-            --output-len 128 --out "$OUT/spec-nextn-deepseek-v3-5l-profiled-h200.json" \
+            --output-len 128 --out "$OUT/spec-nextn-deepseek-v3-5l-profiled-$GPU.json" \
             --server-args "--log-dir $OUT/logs-nextnprof"  # the NEXTN server's steps 200..219 (the second warm-up round)
           head -45 $OUT/logs-nextnprof/profile-rank0.txt ;;
   specdraft) for g in ${SPECDRAFT_RUNS:-graphs}; do  # Llama-3.1-8B with a random Llama-3.2-1B draft model: a step's cost
@@ -416,7 +419,7 @@ for what in "$@"; do case $what in
               --algorithm STANDALONE --draft-model configs/llama-3.2-1b --drafts ${SPECDRAFT_K:-3} --batch-sizes 1 8 \
               --prompt-len 512 --output-len 128 \
               --server-args "$([ $g = eager ] && echo --disable-cuda-graph) --log-dir $OUT/logs-draft-$g" \
-              --out "$OUT/spec-draft-llama-3.1-8b-$g-h200.json"  # exit 1 when bf16 answers differ from plain: read the table
+              --out "$OUT/spec-draft-llama-3.1-8b-$g-$GPU.json"  # exit 1 when bf16 answers differ from plain: read the table
             grep -A6 "k batch" "$OUT/spec-draft-llama-3.1-8b-$g.log"
             grep -h '"verify step eager"\|cuda graphs' $OUT/logs-draft-$g/worker-0.log | tail -3; done ;;
   spectree) run gpu-spectree 300 python3 -m pytest -m gpu tests/gpu/test_spec_tree_gpu.py -q -rA -p no:cacheprovider -k "${SPECTREE_TESTS:-.}" \
@@ -426,11 +429,11 @@ for what in "$@"; do case $what in
          run structured-spec-qwen3-0.6b 300 bin/bench structured --model configs/qwen3-0.6b --load-format dummy \
           --tokenizer-from bench/tok-smollm2 --num-requests 64 --max-tokens 512 \
           --server-args "--speculative-algorithm NGRAM --log-dir $OUT/logs-specgrammar" \
-          --out "$OUT/structured-spec-qwen3-0.6b-h200.json" || fails=$((fails + 1))
+          --out "$OUT/structured-spec-qwen3-0.6b-$GPU.json" || fails=$((fails + 1))
          grep -h '"grammar timing"\|"speculative decoding"' $OUT/logs-specgrammar/*.log | tail -12 ;;
   sweep) run kernel-sweep 560 python3 scripts/kernel_sweep.py ${SWEEP:-attention gemv moe} || fails=$((fails + 1))
          grep -E "^gemv|^gemm|^attention|^moe|^a3b|^     (current|best|rows)" "$OUT/kernel-sweep.log"; grep "^JSON " "$OUT/kernel-sweep.log" | cut -c6- \
-           > "$OUT/kernel-sweep-h200-${STRATA_GIT_COMMIT:-unknown}.json" ;;
+           > "$OUT/kernel-sweep-$GPU-${STRATA_GIT_COMMIT:-unknown}.json" ;;
   ab) each_patch ab_latency ;;
   abcode) ab_code ;;
   aboffline) each_patch ab_offline ;;
