@@ -13,6 +13,9 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BIAS = 100.0  # |bias| per token (OpenAI's range)
+# allowed_token_ids' entries: each rank's sampler keeps a [slots, width] table of them (a width of
+# 4096 is 8 MB at 256 slots); a larger set is better said by a regex or grammar constraint
+MAX_ALLOWED_TOKEN_IDS = 4096
 # prompt tokens a step of a request that scores its prompt (prompt_logprobs): the worker holds that
 # chunk's logits as [n, vocab] float32 and their log_softmax (512 x 152k: 2 x 311 MB)
 PROMPT_SCORE_CHUNK = 512
@@ -65,6 +68,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] = {}
+    # vLLM's allowed_token_ids: only these tokens can be sampled (every other logit is -inf before the
+    # penalties; logprobs stay the model's own, as with logit_bias); None: every token
+    allowed_token_ids: list[int] | None = None
     # Constrained decoding (SGLang's names): at most one; compiled by the tokenizer into `grammar`.
     json_schema: str | None = None  # a JSON Schema, as JSON text
     regex: str | None = None
@@ -107,6 +113,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"logit_bias keys must be token ids in [0, {vocab_size or INT32})"),
             (all(-MAX_BIAS <= v <= MAX_BIAS for v in self.logit_bias.values()),
              f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
+            (self.allowed_token_ids is None or 1 <= len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+             f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (a larger set: a regex or grammar)"),
+            (all(0 <= t < (vocab_size or INT32) for t in self.allowed_token_ids or ()),
+             f"allowed_token_ids must be token ids in [0, {vocab_size or INT32})"),
             (len(specs) <= 1, f"{' and '.join(specs)}: give at most one of json_schema, regex and ebnf"),
             (long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"),
         ]

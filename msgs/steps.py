@@ -27,6 +27,7 @@ class WorkerSampling(msgspec.Struct, frozen=True):
     logit_bias: dict[int, float] = {}  # token id -> bias added to its logit (SamplingParams.logit_bias)
     min_new_tokens: int = 0  # SamplingParams.min_new_tokens: min_stop_ids are masked before that many outputs
     min_stop_ids: list[int] = []  # what would stop it: EOS (unless ignore_eos) and stop_token_ids, not a grammar's
+    allowed_token_ids: list[int] = []  # SamplingParams.allowed_token_ids, sorted, without repeats; empty: every token
 
 
 class AddReq(msgspec.Struct, tag=True, frozen=True):

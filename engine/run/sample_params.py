@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from msgs.params import MAX_BIAS, MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
+from msgs.params import MAX_ALLOWED_TOKEN_IDS, MAX_BIAS, MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
 
 # Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
 GREEDY_EPS = 1e-5
@@ -23,7 +23,8 @@ class SampleParams:
     top_logprobs > 0 requires logprobs=True (as in the OpenAI API). logit_bias: (token id, bias)
     pairs added to the logits before the penalties (vLLM's order); logprobs stay the model's.
     min_new_tokens: min_stop_ids get -inf for the request's first that many output tokens
-    (vLLM's min_tokens: what would end the output cannot be drawn before then).
+    (vLLM's min_tokens: what would end the output cannot be drawn before then). allowed_token_ids
+    (vLLM's): every other token's logit is -inf before the bias and penalties; empty: every token.
     """
 
     seed: int
@@ -39,6 +40,7 @@ class SampleParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_new_tokens: int = 0
     min_stop_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seed), f"seed must be an int, got {self.seed!r}")
@@ -63,6 +65,9 @@ class SampleParams:
             f"logit_bias: at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]) pairs")
         _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an int >= 0")
         _check(all(_is_int(t) and t >= 0 for t in self.min_stop_ids), "min_stop_ids must be token ids >= 0")
+        _check(len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS and all(
+            _is_int(t) and t >= 0 for t in self.allowed_token_ids),
+            f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
 
     @property
     def greedy(self) -> bool:

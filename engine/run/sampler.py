@@ -71,6 +71,7 @@ class _Plan:
     any_freq_presence: bool
     any_bias: bool
     any_min: bool  # a row's min_new_tokens may mask its stop tokens
+    any_allowed: bool  # a row samples among its allowed_token_ids only
     mode: str  # candidates for filtering: "none" (full vocab), "topk", "sort"
     kmax: int  # candidate count in "topk" mode
     use_top_k: bool
@@ -86,7 +87,8 @@ class _Plan:
 
     @property
     def argmax_only(self) -> bool:
-        return self.all_greedy and not (self.any_penalty or self.any_bias or self.any_min or self.want_logprobs)
+        return self.all_greedy and not (self.any_penalty or self.any_bias or self.any_min or self.any_allowed
+                                        or self.want_logprobs)
 
 
 class _Batch(NamedTuple):
@@ -125,6 +127,7 @@ class Sampler:
         self._bias = SlotRows(max_slots, vocab_size, self.device, self._upload)  # logit_bias
         # min_new_tokens' stop ids with -inf, added while a row's position is below its _I_MIN_END
         self._min_stops = SlotRows(max_slots, vocab_size, self.device, self._upload)
+        self._allowed = SlotRows(max_slots, vocab_size, self.device, self._upload)  # allowed_token_ids (1s)
         self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
         self._active_plan: _Plan | None = None  # plan over all registered slots
         self._fused_noise = self.device.type == "cuda" and triton_ops.available()
@@ -167,6 +170,7 @@ class Sampler:
         self._ip[:, slot] = self._upload(self._int_row(params, len(prompt_ids)), torch.int64)
         self._bias.set(slot, [t for t, _ in params.logit_bias], [v for _, v in params.logit_bias], "logit_bias")
         self._min_stops.set(slot, params.min_stop_ids, [-math.inf] * len(params.min_stop_ids), "min_stop_ids")
+        self._allowed.set(slot, params.allowed_token_ids, [1.0] * len(params.allowed_token_ids), "allowed_token_ids")
         if params.uses_repetition:
             self._init_seen(slot, prompt_ids)
             if len(output_ids):
@@ -306,6 +310,7 @@ class Sampler:
             any_freq_presence=any(p.uses_freq_presence for p in params),
             any_bias=any(p.logit_bias for p in params),
             any_min=any(p.min_stop_ids for p in params),
+            any_allowed=any(p.allowed_token_ids for p in params),
             mode=mode,
             kmax=kmax,
             use_top_k=use_top_k,
@@ -323,6 +328,8 @@ class Sampler:
         """positions: the sampled tokens' (min_new_tokens; None skips it). prior: per row, tokens
         (and their counts) of the history beyond the slot's (verify rows)."""
         plan, out = batch.plan, logits
+        if plan.any_allowed:  # first: a bias or penalty of a masked token leaves it at -inf
+            out = self._allowed.keep_only(out, batch.slots)
         if plan.any_bias:  # rows of slots without a bias add zeros
             out = self._bias.add_to(out, batch.slots)
         if plan.any_min and positions is not None:

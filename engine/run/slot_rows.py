@@ -1,5 +1,6 @@
 """Per-slot (token id, value) rows that the sampler scatters onto a row's logits (logit_bias,
-min_new_tokens' stop ids): small and sparse, so not a [slots, vocab] table."""
+min_new_tokens' stop ids) or keeps of them (allowed_token_ids): small and sparse, so not a
+[slots, vocab] table."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ class SlotRows:
             return logits
         vals = self.vals[slots]
         return logits.scatter_add(1, self.ids[slots], vals if where is None else torch.where(where, vals, 0.0))
+
+    def keep_only(self, logits: Tensor, slots: Tensor) -> Tensor:
+        """logits [B, V] with every token but each row's entries at -inf, for the rows whose slot was
+        set with entries (of value 1: the padding's 0 marks no entry); other rows as they are. The
+        entries are scattered by max, so a padding id that is also an entry keeps its logit in any order."""
+        if self.ids is None or self.vals is None:
+            return logits
+        ids, real = self.ids[slots], self.vals[slots] > 0
+        kept = torch.full_like(logits, float("-inf")).scatter_reduce(
+            1, ids, torch.where(real, logits.gather(1, ids), float("-inf")), reduce="amax")
+        return torch.where(real[:, :1], kept, logits)

@@ -194,9 +194,11 @@ def worker_sampling(req: Req, eos_ids: Sequence[int]) -> WorkerSampling:
     min_new_tokens, the tokens the sampler masks until then: what would stop the request
     (outputs._stop_reason) except a grammar's ending, which the grammar alone allows then."""
     p = req.params
-    fields = {f: getattr(p, f) for f in WorkerSampling.__struct_fields__ if f not in ("seed", "min_stop_ids")}
+    fields = {f: getattr(p, f) for f in WorkerSampling.__struct_fields__
+              if f not in ("seed", "min_stop_ids", "allowed_token_ids")}
     stops: list[int] = []
     if p.min_new_tokens:
         ends = set(p.grammar.stop_ids) if p.grammar is not None else set()
         stops = sorted((({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids)) - ends)
-    return WorkerSampling(**fields, seed=req.seed, min_stop_ids=stops)
+    return WorkerSampling(**fields, seed=req.seed, min_stop_ids=stops,
+                          allowed_token_ids=sorted(set(p.allowed_token_ids or ())))

@@ -106,9 +106,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
     add_special_tokens: bool | None = None  # vLLM's: None is true for a prompt, false for chat messages
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens (-1: the context's)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
     # declared for REFUSED: accepted at their harmless values only
     priority: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     length_penalty: Any = None
     use_beam_search: Any = None
@@ -231,7 +231,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 # endpoints', then chat's)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "priority": ((None, 0), "priority scheduling is not supported (requests are served first come, first served)"),
-    "allowed_token_ids": ((None, []), "allowed_token_ids is not supported (use logit_bias, or a regex constraint)"),
     "bad_words": ((None, []), "bad_words is not supported (use logit_bias)"),
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),

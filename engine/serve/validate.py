@@ -172,6 +172,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
         kw["top_k"] = -1
     _set(kw, "min_new_tokens", req.min_tokens)
     _set(kw, "prompt_logprobs", req.prompt_logprobs)
+    _set(kw, "allowed_token_ids", req.allowed_token_ids)
     _set(kw, "presence_penalty", req.presence_penalty)
     _set(kw, "frequency_penalty", req.frequency_penalty)
     _set(kw, "regex", req.regex)

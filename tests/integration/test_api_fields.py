@@ -47,7 +47,7 @@ def test_hints_are_accepted_and_a_body_request_id_is_the_requests_id(server: Ser
 @pytest.mark.parametrize("name", sorted(REFUSED | REFUSED_IN_CHAT))
 def test_what_is_not_served_is_named_and_its_harmless_value_passes(server: Server, name: str) -> None:
     harmless, why = (REFUSED | REFUSED_IN_CHAT)[name]
-    real = {"priority": 5, "allowed_token_ids": [1, 2], "bad_words": ["x"], "length_penalty": 0.5,
+    real = {"priority": 5, "bad_words": ["x"], "length_penalty": 0.5,
             "spaces_between_special_tokens": False, "lora_path": "a", "prediction": {"type": "content",
             "content": "x"}, "audio": {"voice": "x"}, "functions": [{"name": "f"}], "function_call": "auto",
             "web_search_options": {}, "chat_template": "{{ x }}", "documents": [{"text": "x"}],
@@ -59,6 +59,32 @@ def test_what_is_not_served_is_named_and_its_harmless_value_passes(server: Serve
         assert _chat(server, **{name: value}).status_code == 200, (name, value)
     if name in REFUSED:  # the completions endpoint takes the shared ones alike
         assert _post(server, "completions", prompt="Hi", max_tokens=1, **{name: real}).status_code == 400
+
+
+def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
+    """vLLM's allowed_token_ids (a 400 until the forty-seventh session): completions, chat and
+    /generate draw only those tokens, greedy and sampled; an empty, out-of-vocabulary or too large
+    set is a 400 naming the field."""
+    words = [" cat", " dog", " bird"]
+    ids = [httpx.post(f"{server.http}/tokenize", json={"prompt": w, "add_special_tokens": False},
+                      timeout=30).json()["tokens"] for w in words]
+    assert all(len(t) == 1 for t in ids), ids
+    allowed = [t[0] for t in ids]
+    r = _post(server, "completions", prompt="My favourite animals:", max_tokens=6, temperature=0,
+              allowed_token_ids=allowed)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert text and text.replace(" cat", "").replace(" dog", "").replace(" bird", "") == "", text
+    r = _chat(server, allowed_token_ids=allowed[:1])
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == " cat" * 4, r.text
+    for temperature in (0, 1.0):
+        g = httpx.post(f"{server.http}/generate", timeout=60, json={"text": "Pets:", "sampling_params": {
+            "max_new_tokens": 8, "temperature": temperature, "seed": 3, "allowed_token_ids": allowed}}).json()
+        assert len(g["output_ids"]) == 8 and set(g["output_ids"]) <= set(allowed), g
+    vocab = httpx.get(f"{server.http}/tokenizer_info", timeout=30).json().get("vocab_size", 49152)
+    for bad in ([], [vocab], list(range(5000))):
+        r = _post(server, "completions", prompt="Hi", max_tokens=1, allowed_token_ids=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
 def test_top_k_zero_is_disabled_and_a_negative_seed_is_a_seed(server: Server) -> None:

@@ -319,6 +319,41 @@ def test_min_stop_rows_widen_and_clear_on_reuse(device: torch.device) -> None:
         s.add(2, SampleParams(seed=0, min_new_tokens=1, min_stop_ids=(vocab,)))
 
 
+def test_allowed_token_ids_restrict_greedy_sampled_and_verify_rows(device: torch.device) -> None:
+    """vLLM's allowed_token_ids: a row draws among its set only (greedy: the best of it; sampled:
+    never outside it, with top_k / top_p over what is left), a bias or penalty cannot bring a masked
+    token back, rows without a set and logprobs are untouched, a set containing the padding's id 0
+    keeps it, and a reused slot forgets its set."""
+    vocab = 64
+    s = _sampler(device, vocab)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)).to(device)
+    order = logits[0].argsort(descending=True).tolist()
+    top = order[0]
+    allowed = tuple(sorted(order[5:9]))  # four tokens, none of the best five
+    best_allowed = max(allowed, key=lambda t: logits[0, t].item())
+    s.add(0, SampleParams(seed=0, temperature=0.0, logprobs=True, allowed_token_ids=allowed))
+    s.add(1, SampleParams(seed=1, temperature=0.0))  # no set, the same batch
+    s.add(2, SampleParams(seed=2, temperature=0.0, allowed_token_ids=allowed, logit_bias=((top, 100.0),)))
+    s.add(3, SampleParams(seed=3, temperature=0.0, allowed_token_ids=(0, order[-1])))  # id 0 is also padding
+    rows = logits.expand(4, -1).contiguous()
+    res = s.sample(rows, [0, 1, 2, 3], _pos([0, 0, 0, 0], device))
+    worst_two = max((0, order[-1]), key=lambda t: logits[0, t].item())
+    assert res.token_ids.tolist() == [best_allowed, top, best_allowed, worst_two]
+    torch.testing.assert_close(res.logprobs[0].cpu(), torch.log_softmax(logits.float(), -1)[0, best_allowed].cpu())
+    verify = s.sample_verify(rows[:2], [0, 1], [5, 5], [[], [3]])
+    assert verify.token_ids.tolist() == [best_allowed, top]
+    s.add(4, SampleParams(seed=4, temperature=1.0, allowed_token_ids=allowed))
+    s.add(5, SampleParams(seed=5, temperature=1.0, top_k=2, allowed_token_ids=allowed))
+    drawn, two = _draw(s, logits, 4, 200, device).tolist(), _draw(s, logits, 5, 200, device).tolist()
+    assert set(drawn) <= set(allowed) and len(set(drawn)) > 1
+    assert set(two) <= set(sorted(allowed, key=lambda t: -logits[0, t].item())[:2])
+    s.remove(0)
+    s.add(0, SampleParams(seed=0, temperature=0.0))  # the slot's old set is cleared
+    assert s.sample(logits, [0], _pos([0], device)).token_ids.item() == top
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        s.add(6, SampleParams(seed=0, allowed_token_ids=(vocab,)))
+
+
 # ---- logprobs ----
 
 
