@@ -117,6 +117,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (a larger set: a regex or grammar)"),
             (all(0 <= t < (vocab_size or INT32) for t in self.allowed_token_ids or ()),
              f"allowed_token_ids must be token ids in [0, {vocab_size or INT32})"),
+            (self.allowed_token_ids is None or (not specs and self.grammar is None),
+             "allowed_token_ids cannot be combined with a grammar constraint"),
             (len(specs) <= 1, f"{' and '.join(specs)}: give at most one of json_schema, regex and ebnf"),
             (long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"),
         ]

@@ -64,7 +64,7 @@ def test_what_is_not_served_is_named_and_its_harmless_value_passes(server: Serve
 def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
     """vLLM's allowed_token_ids (a 400 until the forty-seventh session): completions, chat and
     /generate draw only those tokens, greedy and sampled; an empty, out-of-vocabulary or too large
-    set is a 400 naming the field."""
+    set, or one beside a grammar (whose next tokens could all lie outside it), is a 400 naming the field."""
     words = [" cat", " dog", " bird"]
     ids = [httpx.post(f"{server.http}/tokenize", json={"prompt": w, "add_special_tokens": False},
                       timeout=30).json()["tokens"] for w in words]
@@ -85,6 +85,8 @@ def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
     for bad in ([], [vocab], list(range(5000))):
         r = _post(server, "completions", prompt="Hi", max_tokens=1, allowed_token_ids=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    r = _post(server, "completions", prompt="Hi", max_tokens=1, allowed_token_ids=allowed, regex="[0-9]+")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text  # nothing left
 
 
 def test_top_k_zero_is_disabled_and_a_negative_seed_is_a_seed(server: Server) -> None:
