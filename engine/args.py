@@ -60,6 +60,8 @@ HELP = {
     "max_running_requests": "most requests in the running batch at once (also the largest CUDA graph's rows; times "
     "--speculative-num-draft-tokens with speculative chains)",
     "max_prefill_tokens": "token budget per step; longer prompts are prefilled in chunks",
+    "scheduling_policy": "fcfs: requests admitted in arrival order | priority (vLLM's): by each request's "
+    "`priority` (lower first; ties by arrival), and the last of that order retracted first when KV runs out",
     "context_length": "max prompt + output tokens per request (0: the model's max_position_embeddings; no more "
     "than it)",
     "watchdog_timeout": "seconds a step may go unfinished on every rank, or the scheduler's or tokenizer's loop "

@@ -60,6 +60,8 @@ class ServerConfig:
     mem_fraction: float = 0.85
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048  # token budget per step (chunked prefill splits above it)
+    # fcfs: requests in arrival order; priority (vLLM's): by their `priority` (lower first), then arrival
+    scheduling_policy: str = "fcfs"
     # an idle engine's first step waits for a burst's stragglers: until no request came for this long
     # (at most BURST_WAIT_CAP x it in all); -1 = auto (CPU 2 ms, where a step takes 100s of ms; GPU 0: none)
     batch_wait_ms: float = -1.0
@@ -134,6 +136,8 @@ class ServerConfig:
             (self.page_size >= 0 and self.page_size & (self.page_size - 1) == 0,
              "--page-size must be a power of 2 (or 0: auto)"),
             (self.max_total_tokens >= 0, "--max-total-tokens must be >= 0"),
+            (self.scheduling_policy in ("fcfs", "priority"),
+             f"bad --scheduling-policy {self.scheduling_policy!r} (fcfs, priority)"),
             (0 < self.mem_fraction <= 1, "--mem-fraction must be in (0, 1]"),
             (1 <= self.max_running_requests <= MAX_RUNNING_REQUESTS,
              f"--max-running-requests must be in 1..{MAX_RUNNING_REQUESTS} (the sampler's per-slot rows of the "

@@ -71,6 +71,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # vLLM's allowed_token_ids: only these tokens can be sampled (every other logit is -inf before the
     # penalties; logprobs stay the model's own, as with logit_bias); None: every token
     allowed_token_ids: list[int] | None = None
+    # vLLM's request priority, under --scheduling-policy priority: lower values are admitted first and
+    # retracted last (ties by arrival); 0 for every request otherwise
+    priority: int = 0
     # Constrained decoding (SGLang's names): at most one; compiled by the tokenizer into `grammar`.
     json_schema: str | None = None  # a JSON Schema, as JSON text
     regex: str | None = None
@@ -117,6 +120,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (a larger set: a regex or grammar)"),
             (all(0 <= t < (vocab_size or INT32) for t in self.allowed_token_ids or ()),
              f"allowed_token_ids must be token ids in [0, {vocab_size or INT32})"),
+            (-INT32 <= self.priority < INT32, "priority must be in [-2**31, 2**31)"),
             (self.allowed_token_ids is None or (not specs and self.grammar is None),
              "allowed_token_ids cannot be combined with a grammar constraint"),
             (len(specs) <= 1, f"{' and '.join(specs)}: give at most one of json_schema, regex and ebnf"),

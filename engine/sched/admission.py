@@ -84,8 +84,9 @@ class Admission:
         return budget
 
     def admit(self, rows: list[Row], ops: list[Op], budget: int) -> None:
-        """Admit waiting requests in arrival order while the budget, a slot and pages last
-        (pages for the first chunk only when every running decode can also get one)."""
+        """Admit waiting requests in their order (Req.order: arrival, or priority first) while the
+        budget, a slot and pages last (pages for the first chunk only when every running decode can
+        also get one)."""
         s = self.s
         if not (s.waiting and budget > 0 and s.free_slots):  # the usual decode step: a pass over running spared
             return
@@ -140,9 +141,9 @@ class Admission:
                 log.info("admitted", rid=req.rid, cached_tokens=req.kv_len, l2_tokens=l2, l3_tokens=l3)
         req.slot = heapq.heappop(s.free_slots)
         req.status = Status.RUNNING
-        # by arrival, as DecodeGrowth's victim rule needs (the newest is planned last): a request
-        # the grammar gate held, or re-admitted after a retraction, may start after newer ones
-        bisect.insort(s.running, req, key=_arrival)
+        # in Req.order, as DecodeGrowth's victim rule needs (the last is planned last): a request the
+        # grammar gate held, or re-admitted after a retraction, may start after later ones
+        bisect.insort(s.running, req, key=_order)
         ops.append(
             AddReq(
                 req.slot, req.rid, worker_sampling(req, s.cfg.eos_token_ids),
@@ -185,8 +186,8 @@ class Admission:
         return n
 
 
-def _arrival(req: Req) -> int:
-    return req.arrival
+def _order(req: Req) -> tuple[int, int]:
+    return req.order
 
 
 def worker_sampling(req: Req, eos_ids: Sequence[int]) -> WorkerSampling:

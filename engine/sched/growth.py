@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sched.request import Req, Status, VerifyRow, insort_by_arrival
+from engine.sched.request import Req, Status, VerifyRow, insort_by_order
 from engine.sched.state import RequestKV, SchedState
 from msgs.steps import Op
 
@@ -105,10 +105,11 @@ class DecodeGrowth:
         return True
 
     def _victim(self) -> Req | None:
-        """The newest running request. `running` is in arrival order (Admission._start), so a
-        victim other than the request growing has no row planned in this step yet."""
+        """The last running request in `Req.order` (the newest of the lowest priority). `running` is
+        in that order (Admission._start), so a victim other than the request growing has no row
+        planned in this step yet."""
         live = [r for r in self.s.running if r.status == Status.RUNNING]
-        return max(live, key=lambda r: r.arrival) if live else None
+        return max(live, key=lambda r: r.order) if live else None
 
     def retract(self, req: Req, ops: list[Op]) -> None:
         """Free req's KV and queue it again; it re-prefills prompt + output when readmitted."""
@@ -117,4 +118,4 @@ class DecodeGrowth:
         self.kv.release_slot(req, ops)
         req.status = Status.WAITING
         self.s.running.remove(req)
-        insort_by_arrival(self.s.waiting, req)  # (the newest running: usually the head)
+        insort_by_order(self.s.waiting, req)  # (the last running: usually the head)

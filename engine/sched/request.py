@@ -87,13 +87,23 @@ class Req:
         return self.kv_len < self.seq_len - (self.max_new_tokens > 0)
 
     @property
+    def order(self) -> tuple[int, int]:
+        """The scheduling order, a total one: (priority, arrival). Lower first: admitted first,
+        retracted last (the priority is 0 for every request unless --scheduling-policy priority)."""
+        return self.params.priority, self.arrival
+
+    @property
     def pending_tokens(self) -> int:
         """Output tokens already sampled or being sampled."""
         return len(self.output_ids) + self.inflight
 
 
-def insort_by_arrival(queue: deque[Req], req: Req) -> None:
-    """Put req in a waiting queue before the first request that arrived after it (the queue is
-    in arrival order: requests released by the grammar gate and retracted ones keep their place)."""
-    at = next((i for i, r in enumerate(queue) if r.arrival > req.arrival), len(queue))
+def insort_by_order(queue: deque[Req], req: Req) -> None:
+    """Put req in a waiting queue before the first request after it in `Req.order` (the queue is
+    in that order: new arrivals, requests released by the grammar gate and retracted ones take
+    their place; a new arrival of the lowest priority goes last without a scan)."""
+    if not queue or queue[-1].order <= req.order:
+        queue.append(req)
+        return
+    at = next((i for i, r in enumerate(queue) if r.order > req.order), len(queue))
     queue.insert(at, req)

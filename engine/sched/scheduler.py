@@ -27,7 +27,7 @@ from engine.sched.digests import DigestMismatch, DigestTracker
 from engine.sched.grammars import GrammarGate
 from engine.sched.growth import DecodeGrowth, Row
 from engine.sched.outputs import OutputProcessor
-from engine.sched.request import Req, Status, insort_by_arrival
+from engine.sched.request import Req, Status, insort_by_order
 from engine.sched.state import RequestKV, SchedConfig, SchedState
 from msgs.codec import pack_ids
 from msgs.done import Committed, ControllerDigest, GrammarReady, L3Loaded, L3Stats, StepDone
@@ -76,7 +76,7 @@ class SchedulerCore:
         if req.max_new_tokens == 0 and req.params.prompt_logprobs is None:  # nothing to compute
             return self.outputs.finish(req, "length")
         if self.grammars.passes(req):
-            self.state.waiting.append(req)
+            insort_by_order(self.state.waiting, req)
         else:
             self.grammars.hold(req)
         return None
@@ -188,8 +188,8 @@ class SchedulerCore:
         """A rank compiled (or failed) a prepared grammar: once every rank did, its requests join
         the waiting queue; a failure ends them (error outputs)."""
         admissible, failed = self.grammars.on_ready(msg, self.seq)
-        for req in admissible:  # at their place by arrival: one sent back from the head goes back there
-            insort_by_arrival(self.state.waiting, req)
+        for req in admissible:  # at their place in order: one sent back from the head goes back there
+            insort_by_order(self.state.waiting, req)
         return [msgspec.structs.replace(self.outputs.finish(r, "error"), error=why) for r, why in failed]
 
     def on_committed(self, obj: int) -> None:

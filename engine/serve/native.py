@@ -32,6 +32,7 @@ from engine.serve.validate import (
     MAX_SUBREQUESTS,
     NATIVE_NAMES,
     SubRequest,
+    check_policy,
     check_rid,
     check_subrequests,
     fan_out,
@@ -56,6 +57,7 @@ async def prepare(
     ids = await off_loop(len(text or ""), native_prompt, text, input_ids, state.tok, limits)
     with renamed(NATIVE_NAMES):
         params = native_request(ids, params, max_given, limits, state.tok)
+    check_policy(params, state.cfg)
     return ids, await constrain(service_of(state), params, limits.vocab_size)
 
 

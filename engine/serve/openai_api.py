@@ -25,6 +25,7 @@ from engine.serve.validate import (
     check_ids,
     check_length,
     check_model,
+    check_policy,
     check_text_features,
     completion_prompts,
     fan_out,
@@ -55,6 +56,7 @@ def _params_for(
     check_length(len(ids), max_new, limits, what)
     params = make_params(kw, max_new, limits.vocab_size)
     check_text_features(params, state.tok)
+    check_policy(params, state.cfg)
     return params
 
 

@@ -107,8 +107,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_special_tokens: bool | None = None  # vLLM's: None is true for a prompt, false for chat messages
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens (-1: the context's)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
+    priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower first
     # declared for REFUSED: accepted at their harmless values only
-    priority: Any = None
     bad_words: Any = None
     length_penalty: Any = None
     use_beam_search: Any = None
@@ -230,7 +230,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 # field -> (its harmless values, why the rest are refused): features this server does not have (both
 # endpoints', then chat's)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "priority": ((None, 0), "priority scheduling is not supported (requests are served first come, first served)"),
     "bad_words": ((None, []), "bad_words is not supported (use logit_bias)"),
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),

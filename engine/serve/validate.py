@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from engine.config import ServerConfig
 from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -141,6 +142,13 @@ def check_text_features(params: SamplingParams, tok: TextTokenizer | None) -> No
         raise ApiError(400, f"stop strings need text: {IDS_ONLY}", param="stop")
 
 
+def check_policy(params: SamplingParams, cfg: ServerConfig) -> None:
+    """A request priority needs the priority policy (vLLM refuses it under fcfs too)."""
+    if params.priority != 0 and cfg.scheduling_policy != "priority":
+        raise ApiError(400, "priority needs --scheduling-policy priority (this server serves requests first come, "
+                       "first served)", param="priority")
+
+
 def check_model(model: str | None, accepted: tuple[str, ...]) -> None:
     if model is not None and model not in accepted:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
@@ -173,6 +181,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     _set(kw, "min_new_tokens", req.min_tokens)
     _set(kw, "prompt_logprobs", req.prompt_logprobs)
     _set(kw, "allowed_token_ids", req.allowed_token_ids)
+    _set(kw, "priority", req.priority)
     _set(kw, "presence_penalty", req.presence_penalty)
     _set(kw, "frequency_penalty", req.frequency_penalty)
     _set(kw, "regex", req.regex)

@@ -122,3 +122,13 @@ def test_several_served_model_names(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--served-model-name", "main", "x", "x"])
     assert exit_.value.code == 2 and "--served-model-name" in capsys.readouterr().err
+
+
+def test_scheduling_policy_flag() -> None:
+    """vLLM's --scheduling-policy: fcfs (the default) or priority; anything else exits at start."""
+    from engine.args import parse_args
+
+    assert parse_args([]).scheduling_policy == "fcfs"
+    assert parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        parse_args(["--scheduling-policy", "lifo"])

@@ -89,6 +89,17 @@ def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text  # nothing left
 
 
+def test_priority_needs_the_priority_policy(server: Server) -> None:
+    """vLLM's request priority: this server runs --scheduling-policy fcfs, so a non-zero priority is
+    a 400 naming the field (vLLM refuses it so too), on chat, completions and /generate; 0 passes."""
+    assert _chat(server, priority=0).status_code == 200
+    for r in (_chat(server, priority=-3), _post(server, "completions", prompt="Hi", max_tokens=1, priority=2),
+              httpx.post(f"{server.http}/generate", timeout=60,
+                         json={"text": "Hi", "sampling_params": {"max_new_tokens": 1, "priority": 1}})):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        assert "--scheduling-policy priority" in r.json()["error"]["message"]
+
+
 def test_top_k_zero_is_disabled_and_a_negative_seed_is_a_seed(server: Server) -> None:
     """Current vLLM's top_k 0 means "no top-k" (-1 here, as SGLang); vLLM takes any int64 seed."""
     def text(**kw: Any) -> str:

@@ -166,6 +166,38 @@ def test_retraction_when_pages_run_out_then_readmission():
     assert core.leak_free()
 
 
+def test_priority_orders_admission_and_the_retraction_victim():
+    """--scheduling-policy priority (vLLM's): waiting requests are admitted by (priority, arrival),
+    lower first, and when pages run out the last of that order is retracted, not the newest; a
+    retracted request goes back to its place by that order. (fcfs sends every priority as 0.)"""
+    core = make(max_running=1)
+    for rid, prio in (("a", 5), ("b", 0), ("c", 1), ("d", 0)):
+        submit(core, rid, [10 + len(rid)] * 6, max_new=1, priority=prio)
+    admitted = []
+    for _ in range(40):
+        step = core.plan()
+        if step is None and core.idle:
+            break
+        if step is not None:
+            admitted += [op.rid for op in step.ops if isinstance(op, AddReq)]
+            finish_step(core, step, token=3)
+    assert admitted == ["b", "d", "c", "a"]
+    flush(core)
+    assert core.leak_free()
+
+    core = make(num_pages=7, budget=64)  # 6 usable pages: one of the two must go back
+    submit(core, "old", list(range(1, 9)), max_new=12, priority=3)  # lower priority, older
+    submit(core, "new", list(range(20, 28)), max_new=12, priority=1)
+    for _ in range(12):
+        step = core.plan()
+        if step is None:
+            break
+        finish_step(core, step, token=3)
+        if core.waiting:
+            break
+    assert [r.rid for r in core.waiting] == ["old"], "the lowest priority is retracted, though older"
+
+
 def test_abort_frees_everything_and_unknown_rid_is_ignored():
     core = make()
     submit(core, "a", list(range(1, 30)), max_new=50)
