@@ -48,6 +48,7 @@ class SchedulerStats(msgspec.Struct, tag=True, frozen=True):
     expert_tokens: dict[int, list[int]] | None = None
     # context parallelism (--cp-size > 1): pages used in each cp rank's pool (the owner of a page)
     kv_pages_used_by_cp_rank: list[int] | None = None
+    eos_token_ids: list[int] = []  # the model's end tokens (the edge's min_tokens x allowed_token_ids check)
     evictable_pages: int = 0  # of cache_pages, those no running request holds (free at need)
     # the host tier (L2), when on: cumulative counters and its pages
     l2_hit_tokens: int = 0  # prompt tokens loaded back from L2 instead of recomputed

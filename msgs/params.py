@@ -80,14 +80,16 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ebnf: str | None = None
     grammar: Grammar | None = None
 
-    def validate(self, vocab_size: int | None = None) -> str | None:
-        """Return a human-readable problem, or None when the params are acceptable.
+    def validate(self, vocab_size: int | None = None, eos_ids: tuple[int, ...] | list[int] = ()) -> str | None:
+        """Return a human-readable problem, or None when the params are acceptable (`eos_ids`: the
+        model's end tokens, where the caller knows them).
 
         The one check of sampling parameters: HTTP, /generate, the SDK and the scheduler
         all call it, and it is at least as strict as the worker's sampler (finite floats,
         bounded integers), so a request that passes can never fail a replica. NaN fails
         every comparison below, so only infinities need the explicit isfinite."""
         specs = self.grammar_specs()
+        ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
         long = next((k for k, v in specs.items() if len(v) > MAX_GRAMMAR_CHARS), None)
         checks = [
             (0 <= self.max_new_tokens < INT32, "max_tokens must be in [0, 2**31)"),
@@ -123,6 +125,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (-INT32 <= self.priority < INT32, "priority must be in [-2**31, 2**31)"),
             (self.allowed_token_ids is None or (not specs and self.grammar is None),
              "allowed_token_ids cannot be combined with a grammar constraint"),
+            # every allowed token ends the output and min_tokens masks them all: nothing left to draw
+            (not (self.allowed_token_ids and self.min_new_tokens and set(self.allowed_token_ids) <= ends),
+             "allowed_token_ids holds only tokens that end the output (EOS, stop_token_ids), which min_tokens "
+             "forbids"),
             (len(specs) <= 1, f"{' and '.join(specs)}: give at most one of json_schema, regex and ebnf"),
             (long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"),
         ]

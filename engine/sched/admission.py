@@ -40,7 +40,8 @@ class Admission:
         if len(msg.input_ids) % 4:
             return "input_ids: not packed int32"
         ids = unpack_ids(msg.input_ids)
-        problem = self._reject_reason(msg.rid, ids) or msg.params.validate(self.s.cfg.vocab_size)
+        problem = self._reject_reason(msg.rid, ids) or msg.params.validate(self.s.cfg.vocab_size,
+                                                                            self.s.cfg.eos_token_ids)
         if problem:
             return problem
         p, s = msg.params, self.s

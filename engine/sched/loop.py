@@ -371,6 +371,7 @@ class SchedulerLoop:
             ready=True,
             max_context=ready.max_context,
             vocab_size=ready.vocab_size,
+            eos_token_ids=list(core.state.cfg.eos_token_ids),
             kv_pages_total=core.alloc.capacity,
             kv_pages_used=core.alloc.num_used,
             kv_pages_used_by_cp_rank=core.alloc.used_per_owner() if core.state.cfg.cp_size > 1 else None,

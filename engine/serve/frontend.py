@@ -331,7 +331,8 @@ class Frontend:
     def limits(self) -> Limits | None:
         if self.stats is None:
             return None
-        return Limits(max_context=self.stats.max_context, vocab_size=self.stats.vocab_size)
+        return Limits(max_context=self.stats.max_context, vocab_size=self.stats.vocab_size,
+                      eos_ids=tuple(self.stats.eos_token_ids))
 
     def dispatch(self, msg: outputs.ToTokenizer) -> None:
         """Route one message from the scheduler."""

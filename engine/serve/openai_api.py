@@ -54,7 +54,7 @@ def _params_for(
     check_ids(ids, limits, param=what)
     max_new = resolve_max_tokens(requested, default, len(ids), limits)
     check_length(len(ids), max_new, limits, what)
-    params = make_params(kw, max_new, limits.vocab_size)
+    params = make_params(kw, max_new, limits.vocab_size, limits.eos_ids)
     check_text_features(params, state.tok)
     check_policy(params, state.cfg)
     return params

@@ -50,6 +50,7 @@ class Limits:
 
     max_context: int
     vocab_size: int
+    eos_ids: tuple[int, ...] = ()  # the model's end tokens
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ def check_unset(unset: list[str], params: SamplingParams) -> None:
             raise ApiError(400, f"unset lists {name}, which the params set", "unset")
 
 
-def check_params(params: SamplingParams, vocab_size: int | None = None) -> None:
-    problem = params.validate(vocab_size)
+def check_params(params: SamplingParams, vocab_size: int | None = None, eos_ids: tuple[int, ...] = ()) -> None:
+    problem = params.validate(vocab_size, eos_ids)
     if problem is not None:
         first = problem.split()[0].rstrip(",:")
         raise ApiError(400, problem, param=first if first in _PARAM_NAMES else None)
@@ -329,14 +330,15 @@ def _logprob_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str,
     return {"logprobs": bool(req.logprobs), "top_logprobs": req.top_logprobs or 0}
 
 
-def make_params(kw: dict[str, Any], max_new: int, vocab_size: int | None = None) -> SamplingParams:
+def make_params(kw: dict[str, Any], max_new: int, vocab_size: int | None = None,
+                eos_ids: tuple[int, ...] = ()) -> SamplingParams:
     # convert (not the constructor) type-checks every field: a mistyped value would
     # otherwise be encoded, fail to decode in the scheduler, and hang the request.
     try:
         params = msgspec.convert({**kw, "max_new_tokens": max_new}, SamplingParams)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from None
-    check_params(params, vocab_size)
+    check_params(params, vocab_size, eos_ids)
     return params
 
 
@@ -449,7 +451,7 @@ def native_request(
     if not max_given:
         room = max(0, limits.max_context - len(ids))
         params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-    check_params(params, limits.vocab_size)
+    check_params(params, limits.vocab_size, limits.eos_ids)
     check_text_features(params, tok)
     check_length(len(ids), params.max_new_tokens, limits)
     return params

@@ -87,6 +87,16 @@ def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
     r = _post(server, "completions", prompt="Hi", max_tokens=1, allowed_token_ids=allowed, regex="[0-9]+")
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text  # nothing left
+    r = _post(server, "completions", prompt="Hi", max_tokens=4, min_tokens=2, allowed_token_ids=allowed[:1],
+              stop_token_ids=allowed[:1])  # every allowed token ends the output, and min_tokens forbids it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    eos = httpx.get(f"{server.http}/tokenizer_info", timeout=30).json()["eos_token"]
+    eos_id = httpx.post(f"{server.http}/tokenize", json={"prompt": eos, "add_special_tokens": False},
+                        timeout=30).json()["tokens"]
+    r = _post(server, "completions", prompt="Hi", max_tokens=4, min_tokens=2, allowed_token_ids=eos_id)
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"], (r.text, eos, eos_id)
+    r = _post(server, "completions", prompt="Hi", max_tokens=4, min_tokens=2, allowed_token_ids=eos_id, ignore_eos=True)
+    assert r.status_code == 200, r.text  # EOS ends nothing then
 
 
 def test_priority_needs_the_priority_policy(server: Server) -> None:
