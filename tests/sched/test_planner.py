@@ -138,17 +138,22 @@ def test_prefix_cache_reuse_and_hit_accounting():
     assert len(ext[0]) == 4  # the cached pages come first
 
 
-def test_retraction_when_pages_run_out_then_readmission():
-    core = make(num_pages=7, budget=64)  # 6 usable pages of 4 tokens
-    submit(core, "a", list(range(1, 9)), max_new=12)  # 8 tokens: 2 pages
-    submit(core, "b", list(range(20, 28)), max_new=12)
-    for _ in range(12):
+def run_until_retraction(core: SchedulerCore, steps: int = 12) -> None:
+    """Plan and finish steps (token 3) until a request is back in the waiting queue."""
+    for _ in range(steps):
         step = core.plan()
         if step is None:
             break
         finish_step(core, step, token=3)
         if core.waiting:
             break
+
+
+def test_retraction_when_pages_run_out_then_readmission():
+    core = make(num_pages=7, budget=64)  # 6 usable pages of 4 tokens
+    submit(core, "a", list(range(1, 9)), max_new=12)  # 8 tokens: 2 pages
+    submit(core, "b", list(range(20, 28)), max_new=12)
+    run_until_retraction(core)
     assert [r.rid for r in core.waiting] == ["b"], "the newest request is retracted"
     assert core.reqs["b"].output_ids, "its generated tokens are kept for re-prefill"
     # drain: a finishes, b re-prefills prompt + output and finishes
@@ -188,13 +193,7 @@ def test_priority_orders_admission_and_the_retraction_victim():
     core = make(num_pages=7, budget=64)  # 6 usable pages: one of the two must go back
     submit(core, "old", list(range(1, 9)), max_new=12, priority=3)  # lower priority, older
     submit(core, "new", list(range(20, 28)), max_new=12, priority=1)
-    for _ in range(12):
-        step = core.plan()
-        if step is None:
-            break
-        finish_step(core, step, token=3)
-        if core.waiting:
-            break
+    run_until_retraction(core)
     assert [r.rid for r in core.waiting] == ["old"], "the lowest priority is retracted, though older"
 
 
