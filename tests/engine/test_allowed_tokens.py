@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from engine.config import ServerConfig
 from engine.local import LocalEngine
@@ -16,17 +16,6 @@ from msgs.params import SamplingParams
 
 ALLOWED = [7, 8, 9, 10, 11, 12, 40, 41]
 LOOP = [7, 8, 9, 10, 11] * 4  # NGRAM finds drafts in its own tokens
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=255, bos_token_id=1, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
 
 
 def _engine(path: Path, **kw) -> LocalEngine:  # noqa: ANN003
