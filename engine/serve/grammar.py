@@ -372,10 +372,9 @@ async def constrain(
     specs = params.grammar_specs()
     if tools is not None and specs:
         raise ApiError(400, f"{next(iter(specs))} cannot be combined with a forced tool_choice", param="tool_choice")
-    if params.allowed_token_ids is not None and (specs or tools is not None):
-        # a grammar whose next tokens all lie outside the set would leave nothing to sample
-        raise ApiError(400, "allowed_token_ids cannot be combined with a grammar constraint (json_schema, regex, "
-                       "ebnf, response_format or a forced tool_choice)", param="allowed_token_ids")
+    if params.allowed_token_ids is not None and tools is not None:  # (beside a spec: SamplingParams.validate's)
+        raise ApiError(400, "allowed_token_ids cannot be combined with a forced tool_choice (its grammar's next "
+                       "tokens could all lie outside the set)", param="allowed_token_ids")
     if not specs and tools is None:
         return msgspec.structs.replace(params, grammar=None) if params.grammar is not None else params
     if service is None:

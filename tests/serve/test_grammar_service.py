@@ -227,3 +227,13 @@ def test_a_forced_tool_whose_parameters_do_not_compile_names_tools(service: Gram
     with pytest.raises(ApiError) as info:
         asyncio.run(constrain(service, SamplingParams(), 49152, (structure, tools.parallel)))
     assert info.value.status == 400 and info.value.param == "tools", info.value.message
+
+
+def test_allowed_token_ids_are_refused_beside_a_constraint() -> None:
+    """A grammar's next tokens could all lie outside allowed_token_ids: a forced tool_choice is
+    refused by constrain (before any compile), a json_schema / regex / ebnf by SamplingParams.validate."""
+    with pytest.raises(ApiError) as err:
+        asyncio.run(constrain(None, SamplingParams(allowed_token_ids=[1, 2]), 49152, tools=(None, False)))  # type: ignore[arg-type]
+    assert err.value.status == 400 and err.value.param == "allowed_token_ids"
+    problem = SamplingParams(allowed_token_ids=[1], regex="[ab]").validate(49152)
+    assert problem is not None and problem.startswith("allowed_token_ids")
