@@ -253,6 +253,10 @@ class Linear(nn.Module):
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
         self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout (pack_for_cpu)
         self.quant: str | None = None  # a quantized weight format (engine/layers/quant.py), CUDA only
+        # the projection right after attention (o_proj): its GEMV may prefetch its weight into L2
+        # while attention runs (the tuning's l2_prefetch_after_attention); set by the model
+        self.after_attention = False
+        self.l2_prefetch = False  # decided with the GEMV config, on the weight's device
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
@@ -261,7 +265,9 @@ class Linear(nn.Module):
             # shape no tuning rule takes (or a GPU without rules) keeps the vendor kernel
             # quantized: only fp8 with row scales has a GEMV (weight-only, scaled per row)
             self._gemv = triton_ops.gemv_config(self.weight) if self.quant in (None, "fp8_row") else None
-            self._gemv_rows = kernel_tuning(self.weight.device).gemv_rows(self._gemv)
+            tuning = kernel_tuning(self.weight.device)
+            self._gemv_rows = tuning.gemv_rows(self._gemv)
+            self.l2_prefetch = self.after_attention and tuning.l2_prefetch_after_attention
         return gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
@@ -286,7 +292,7 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         cfg = self.gemv_config(x) if self.packed is None else None
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
-            return triton_ops.gemv(x, self.weight, *cfg)
+            return triton_ops.gemv(x, self.weight, *cfg, prefetch=self.l2_prefetch)
         return matmul(x, self.weight, self.bias, self.packed)
 
     def forward_act(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -348,7 +354,7 @@ class RowParallelLinear(Linear):
             return self.quant_forward(self, x, self._local_gemv(x), silu_mul=silu_mul)
         cfg = self._local_gemv(x)
         if cfg is not None:
-            return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)
+            return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul, prefetch=self.l2_prefetch)
         return matmul(ops.silu_and_mul(x) if silu_mul else x, self.weight)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
