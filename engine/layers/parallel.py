@@ -293,7 +293,7 @@ class Linear(nn.Module):
         cfg = self.gemv_config(x) if self.packed is None else None
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
             return triton_ops.gemv(x, self.weight, *cfg, prefetch=self.l2_prefetch)
-        return matmul(x, self.weight, self.bias, self.packed)
+        return matmul(x, self.weight, self.bias, self.packed, prefetch=self.l2_prefetch)
 
     def forward_act(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate | up] layer's output (bias-free) in one launch where
@@ -405,11 +405,11 @@ class ParallelLMHead(nn.Module):
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, prefetch: bool = False) -> torch.Tensor:
     """x W^T (+ b) by the vendor kernel (oneDNN's packed weight where there is one: bias-free
     layers only). With deterministic inference: on CUDA one batch-invariant triton GEMM
     (engine/layers/invariant_gemm.py), elsewhere the vendor kernel in fixed row blocks
-    (batch_invariant.rows_of)."""
+    (batch_invariant.rows_of); `prefetch`: its CUDA GEMV asks the L2 for the weight early."""
     def gemm(a: torch.Tensor) -> torch.Tensor:
         return F.linear(a, weight, bias) if packed is None else packed_linear(a, packed)
 
@@ -418,7 +418,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda and x.dim() == 2 and _invariant_gemm_fits(x, weight):  # one launch, any row count
         from engine.layers import invariant_gemm
 
-        return invariant_gemm.gemm(x, weight, bias)
+        return invariant_gemm.gemm(x, weight, bias, prefetch=prefetch)
     key = ("packed" if packed is not None else "plain", bias is not None, *weight.shape, x.dtype)
     return batch_invariant.rows_of(x, gemm, key)
 

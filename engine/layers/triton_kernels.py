@@ -620,11 +620,17 @@ def invariant_split_kernel(
 def invariant_merge_kernel(
     blk_rows, blk_reads, part_o, part_ml, parts_max, out,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Split decode, step 2: program (block, KV head) merges its token's partition states in
     partition order from a fresh state by _merge_state, and stores the output as
-    invariant_attention_kernel does (o / l in the output dtype)."""
-    pdl_start(PDL)
+    invariant_attention_kernel does (o / l in the output dtype). EARLY (PDL): the next launch may
+    start before the wait, while the split kernel still runs (it waits for this grid's end)."""
+    if EARLY and PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    else:
+        pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV

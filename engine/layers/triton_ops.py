@@ -447,7 +447,8 @@ def invariant_attention(
     k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], *cs, **geom,
                                                 F32_DOT=interpreted(), ROPE=rope, num_warps=warps, **opts)
     k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
-                                        T=tokens, CP=part // chunk, num_warps=4, **opts)
+                                        T=tokens, CP=part // chunk, num_warps=4,
+                                        EARLY=kernel_tuning(q.device).l2_prefetch_after_attention, **opts)
     return out
 
 

@@ -41,3 +41,29 @@ def test_prefetch_keeps_the_bits(shape: tuple[int, int], fp8: bool) -> None:
         outs.append((pre.u, pre.ss, r))
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (2048, 4096)])
+def test_cuda_gemv_prefetch_keeps_the_bits(shape: tuple[int, int]) -> None:
+    """Deterministic inference's CUDA GEMV (invariant_gemv.cu) with its first blocks' bulk prefetch:
+    the same bits as without, 1 and 8 rows, PDL on."""
+    from engine.layers import invariant_gemm, invariant_gemv
+
+    n, k = shape
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(torch.bfloat16)
+    if invariant_gemv.library(invariant_gemv.arch(dev)) is None:
+        pytest.skip("the CUDA GEMV is not built here")
+    slices = invariant_gemm.split(n, k)
+    for m in (1, 8):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        outs = []
+        for prefetch in (False, True):
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            assert invariant_gemv.gemv(x, w, None, out, slices, invariant_gemv.stages_for(slices, k), True,
+                                       prefetch=prefetch)
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.equal(*outs)
+        torch.testing.assert_close(outs[1].float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
