@@ -16,6 +16,12 @@ MAX_BIAS = 100.0  # |bias| per token (OpenAI's range)
 # allowed_token_ids' entries: each rank's sampler keeps a [slots, width] table of them (a width of
 # 4096 is 8 MB at 256 slots); a larger set is better said by a regex or grammar constraint
 MAX_ALLOWED_TOKEN_IDS = 4096
+# vLLM's bad_words: each word is banned as one or two token sequences (engine/serve/validate.py
+# bad_words_ids), each at most MAX_BAD_WORD_TOKENS tokens: the sampler keeps a slot's last
+# MAX_BAD_WORD_TOKENS - 1 output tokens to match their prefixes (engine/run/bad_words.py)
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 16
 # prompt tokens a step of a request that scores its prompt (prompt_logprobs): the worker holds that
 # chunk's logits as [n, vocab] float32 and their log_softmax (512 x 152k: 2 x 311 MB)
 PROMPT_SCORE_CHUNK = 512
@@ -71,6 +77,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # vLLM's allowed_token_ids: only these tokens can be sampled (every other logit is -inf before the
     # penalties; logprobs stay the model's own, as with logit_bias); None: every token
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: a word's tokens are never generated in a row (its last token is masked where the
+    # output so far ends with the rest); tokenized by the front end into bad_words_ids, which it always
+    # sets (whatever a client sends there is replaced)
+    bad_words: list[str] = []
+    bad_words_ids: list[list[int]] = []
     # vLLM's request priority, under --scheduling-policy priority: lower values are admitted first and
     # retracted last (ties by arrival); 0 for every request otherwise
     priority: int = 0
@@ -123,6 +134,18 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (all(0 <= t < (vocab_size or INT32) for t in self.allowed_token_ids or ()),
              f"allowed_token_ids must be token ids in [0, {vocab_size or INT32})"),
             (-INT32 <= self.priority < INT32, "priority must be in [-2**31, 2**31)"),
+            (len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words takes at most {MAX_BAD_WORDS} words"),
+            (all(0 < len(w) <= MAX_BAD_WORD_CHARS and not w.isspace() for w in self.bad_words),
+             f"bad_words must be words of 1..{MAX_BAD_WORD_CHARS} characters, not only whitespace"),
+            (len(self.bad_words_ids) <= 2 * MAX_BAD_WORDS
+             and all(1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words_ids),
+             f"bad_words_ids takes at most {2 * MAX_BAD_WORDS} sequences of 1..{MAX_BAD_WORD_TOKENS} token ids"),
+            (all(0 <= t < (vocab_size or INT32) for w in self.bad_words_ids for t in w),
+             f"bad_words_ids must be token ids in [0, {vocab_size or INT32})"),
+            (not (self.bad_words or self.bad_words_ids) or (not specs and self.grammar is None),
+             "bad_words cannot be combined with a grammar constraint (its next tokens could all be banned)"),
+            (not (self.bad_words or self.bad_words_ids) or self.allowed_token_ids is None,
+             "bad_words cannot be combined with allowed_token_ids (the words could ban the whole set)"),
             (self.allowed_token_ids is None or (not specs and self.grammar is None),
              "allowed_token_ids cannot be combined with a grammar constraint"),
             # every allowed token ends the output and min_tokens masks them all: nothing left to draw

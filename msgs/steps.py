@@ -28,6 +28,7 @@ class WorkerSampling(msgspec.Struct, frozen=True):
     min_new_tokens: int = 0  # SamplingParams.min_new_tokens: min_stop_ids are masked before that many outputs
     min_stop_ids: list[int] = []  # what would stop it: EOS (unless ignore_eos) and stop_token_ids, not a grammar's
     allowed_token_ids: list[int] = []  # SamplingParams.allowed_token_ids, sorted, without repeats; empty: every token
+    bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words_ids: a sequence masks its last token after the rest
 
 
 class AddReq(msgspec.Struct, tag=True, frozen=True):

@@ -341,7 +341,8 @@ def _sample_params(op: AddReq) -> SampleParams:
     bias = tuple(sorted(op.sampling.logit_bias.items()))
     return SampleParams(**{**fields, "top_k": max(op.sampling.top_k, 0), "logit_bias": bias,
                            "min_stop_ids": tuple(op.sampling.min_stop_ids),
-                           "allowed_token_ids": tuple(op.sampling.allowed_token_ids)})
+                           "allowed_token_ids": tuple(op.sampling.allowed_token_ids),
+                           "bad_words_ids": tuple(tuple(w) for w in op.sampling.bad_words_ids)})
 
 
 def _host(t: torch.Tensor | None) -> torch.Tensor | None:

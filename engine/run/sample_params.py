@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from msgs.params import MAX_ALLOWED_TOKEN_IDS, MAX_BIAS, MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
+from msgs.params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MIN_REPETITION_PENALTY,
+)
 
 # Temperatures below this are treated as greedy (as vLLM does): 1/T would blow up the logits.
 GREEDY_EPS = 1e-5
@@ -25,6 +32,8 @@ class SampleParams:
     min_new_tokens: min_stop_ids get -inf for the request's first that many output tokens
     (vLLM's min_tokens: what would end the output cannot be drawn before then). allowed_token_ids
     (vLLM's): every other token's logit is -inf before the bias and penalties; empty: every token.
+    bad_words_ids (vLLM's bad_words as token sequences): a sequence's last token gets -inf where the request's
+    output so far ends with the rest of it (engine/run/bad_words.py).
     """
 
     seed: int
@@ -41,6 +50,7 @@ class SampleParams:
     min_new_tokens: int = 0
     min_stop_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seed), f"seed must be an int, got {self.seed!r}")
@@ -68,6 +78,9 @@ class SampleParams:
         _check(len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS and all(
             _is_int(t) and t >= 0 for t in self.allowed_token_ids),
             f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
+        _check(len(self.bad_words_ids) <= 2 * MAX_BAD_WORDS and all(
+            1 <= len(w) <= MAX_BAD_WORD_TOKENS and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids),
+            f"bad_words_ids: at most {2 * MAX_BAD_WORDS} sequences of 1..{MAX_BAD_WORD_TOKENS} token ids >= 0")
 
     @property
     def greedy(self) -> bool:

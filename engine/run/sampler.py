@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from engine.layers import cpu_kernels, sampling_masks, triton_ops
+from engine.run.bad_words import BadWords
 from engine.run.noise import _GAMMA, _UNIFORM_BITS, _mix64, _mix64_int
 from engine.run.ranking import canonical_topk, ranked_topk
 from engine.run.sample_params import SampleParams
@@ -72,6 +73,7 @@ class _Plan:
     any_bias: bool
     any_min: bool  # a row's min_new_tokens may mask its stop tokens
     any_allowed: bool  # a row samples among its allowed_token_ids only
+    any_bad: bool  # a row has bad_words (their tokens masked after their prefixes)
     mode: str  # candidates for filtering: "none" (full vocab), "topk", "sort"
     kmax: int  # candidate count in "topk" mode
     use_top_k: bool
@@ -86,9 +88,14 @@ class _Plan:
         return self.any_repetition or self.any_freq_presence
 
     @property
+    def any_history(self) -> bool:
+        """Whether the sampled tokens enter a history that later draws read."""
+        return self.any_penalty or self.any_bad
+
+    @property
     def argmax_only(self) -> bool:
         return self.all_greedy and not (self.any_penalty or self.any_bias or self.any_min or self.any_allowed
-                                        or self.want_logprobs)
+                                        or self.any_bad or self.want_logprobs)
 
 
 class _Batch(NamedTuple):
@@ -128,6 +135,7 @@ class Sampler:
         # min_new_tokens' stop ids with -inf, added while a row's position is below its _I_MIN_END
         self._min_stops = SlotRows(max_slots, vocab_size, self.device, self._upload)
         self._allowed = SlotRows(max_slots, vocab_size, self.device, self._upload)  # allowed_token_ids (1s)
+        self._bad = BadWords(max_slots, self.device, self._upload)
         self._batches: dict[tuple[int, ...], _Batch] = {}  # by slot tuple
         self._active_plan: _Plan | None = None  # plan over all registered slots
         self._fused_noise = self.device.type == "cuda" and triton_ops.available()
@@ -171,6 +179,7 @@ class Sampler:
         self._bias.set(slot, [t for t, _ in params.logit_bias], [v for _, v in params.logit_bias], "logit_bias")
         self._min_stops.set(slot, params.min_stop_ids, [-math.inf] * len(params.min_stop_ids), "min_stop_ids")
         self._allowed.set(slot, params.allowed_token_ids, [1.0] * len(params.allowed_token_ids), "allowed_token_ids")
+        self._bad.set(slot, params.bad_words_ids, output_ids)
         if params.uses_repetition:
             self._init_seen(slot, prompt_ids)
             if len(output_ids):
@@ -230,20 +239,21 @@ class Sampler:
             return SampleResult(token_ids=logits.argmax(dim=-1))
         logits, at = logits.float(), self._as_device(positions)
         history = self._prior(prior, batch.plan) if batch.plan.any_penalty else None
-        penalized = self._penalize(logits, batch, at, history)
+        recent = self._bad.verify_history(batch.slots, prior) if batch.plan.any_bad else None
+        penalized = self._penalize(logits, batch, at, history, recent)
         tokens = self._choose(penalized, batch, at)
         return self._with_logprobs(logits, tokens, batch.plan)
 
     @property
     def tracks_history(self) -> bool:
-        """Whether `record` has work: a registered request has a penalty."""
+        """Whether `record` has work: a registered request has a penalty or bad words."""
         if self._active_plan is None:
             self._active_plan = self._plan([p for p in self._params if p is not None])
-        return self._active_plan.any_penalty
+        return self._active_plan.any_history
 
     def record(self, slots: Tensor, tokens: Tensor) -> None:
-        """Add answered tokens (int64 device tensors, one slot per token, repeats allowed) to their
-        slots' penalty history."""
+        """Add answered tokens (int64 device tensors, one slot per token, a slot's in order, repeats
+        allowed) to their slots' penalty and bad_words histories."""
         if self.tracks_history:
             assert self._active_plan is not None
             self._record(_Batch(self._active_plan, slots, self._fp[:, slots], self._ip[:, slots]), tokens)
@@ -311,6 +321,7 @@ class Sampler:
             any_bias=any(p.logit_bias for p in params),
             any_min=any(p.min_stop_ids for p in params),
             any_allowed=any(p.allowed_token_ids for p in params),
+            any_bad=any(p.bad_words_ids for p in params),
             mode=mode,
             kmax=kmax,
             use_top_k=use_top_k,
@@ -324,12 +335,15 @@ class Sampler:
     # ---- logits processing ----
 
     def _penalize(self, logits: Tensor, batch: _Batch, positions: Tensor | None,
-                  prior: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  prior: tuple[Tensor, Tensor] | None = None, recent: Tensor | None = None) -> Tensor:
         """positions: the sampled tokens' (min_new_tokens; None skips it). prior: per row, tokens
-        (and their counts) of the history beyond the slot's (verify rows)."""
+        (and their counts) of the history beyond the slot's (verify rows); recent: per row, the last
+        output tokens that bad_words match (verify rows: with the drafts; None: the slot's own)."""
         plan, out = batch.plan, logits
         if plan.any_allowed:  # first: a bias or penalty of a masked token leaves it at -inf
             out = self._allowed.keep_only(out, batch.slots)
+        if plan.any_bad:
+            out = self._bad.ban(out, batch.slots, self._bad.history(batch.slots) if recent is None else recent)
         if plan.any_bias:  # rows of slots without a bias add zeros
             out = self._bias.add_to(out, batch.slots)
         if plan.any_min and positions is not None:
@@ -506,6 +520,8 @@ class Sampler:
         row before a penalised request uses it.
         """
         plan = batch.plan
+        if plan.any_bad:
+            self._bad.record(batch.slots, tokens)
         if plan.any_repetition and self._seen is not None:
             self._seen.index_put_((batch.slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
         if plan.any_freq_presence and self._counts is not None:

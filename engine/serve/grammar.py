@@ -375,6 +375,9 @@ async def constrain(
     if params.allowed_token_ids is not None and tools is not None:  # (beside a spec: SamplingParams.validate's)
         raise ApiError(400, "allowed_token_ids cannot be combined with a forced tool_choice (its grammar's next "
                        "tokens could all lie outside the set)", param="allowed_token_ids")
+    if params.bad_words and tools is not None:
+        raise ApiError(400, "bad_words cannot be combined with a forced tool_choice (its grammar's next tokens "
+                       "could all be banned)", param="bad_words")
     if not specs and tools is None:
         return msgspec.structs.replace(params, grammar=None) if params.grammar is not None else params
     if service is None:

@@ -26,7 +26,6 @@ from engine.serve.validate import (
     check_length,
     check_model,
     check_policy,
-    check_text_features,
     completion_prompts,
     fan_out,
     make_params,
@@ -35,6 +34,7 @@ from engine.serve.validate import (
     prompt_limit,
     request_rid,
     resolve_max_tokens,
+    text_features,
 )
 from engine.tokenizer import TextTokenizer
 from msgs.params import SamplingParams
@@ -55,7 +55,7 @@ def _params_for(
     max_new = resolve_max_tokens(requested, default, len(ids), limits)
     check_length(len(ids), max_new, limits, what)
     params = make_params(kw, max_new, limits.vocab_size, limits.eos_ids)
-    check_text_features(params, state.tok)
+    params = text_features(params, state.tok)
     check_policy(params, state.cfg)
     return params
 

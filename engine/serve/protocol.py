@@ -108,8 +108,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens (-1: the context's)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
     priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower first
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     # declared for REFUSED: accepted at their harmless values only
-    bad_words: Any = None
     length_penalty: Any = None
     use_beam_search: Any = None
     return_tokens_as_token_ids: Any = None
@@ -230,7 +230,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 # field -> (its harmless values, why the rest are refused): features this server does not have (both
 # endpoints', then chat's)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "bad_words": ((None, []), "bad_words is not supported (use logit_bias)"),
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),

@@ -20,7 +20,7 @@ from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
-from msgs.params import INT32, MAX_TOP_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams
+from msgs.params import INT32, MAX_BAD_WORD_TOKENS, MAX_TOP_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 1 << 16  # a request this large is tokenized on a thread
@@ -138,9 +138,32 @@ def check_length(prompt_len: int, max_new: int, limits: Limits, what: str = "pro
         )
 
 
-def check_text_features(params: SamplingParams, tok: TextTokenizer | None) -> None:
+def text_features(params: SamplingParams, tok: TextTokenizer | None) -> SamplingParams:
+    """params with its bad_words tokenized into bad_words_ids (a client's bad_words_ids replaced);
+    400 for a text feature (stop strings, bad_words) without a tokenizer."""
     if tok is None and params.stop:
         raise ApiError(400, f"stop strings need text: {IDS_ONLY}", param="stop")
+    if tok is None and params.bad_words:
+        raise ApiError(400, f"bad_words need text: {IDS_ONLY}", param="bad_words")
+    ids = bad_words_ids(tok, params.bad_words) if tok is not None and params.bad_words else []
+    return msgspec.structs.replace(params, bad_words_ids=ids) if ids or params.bad_words_ids else params
+
+
+def bad_words_ids(tok: TextTokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad_words: each word as it starts a text, and also after a space where
+    that is another first token of as many tokens (the word inside a text); 400 for a word of more
+    than MAX_BAD_WORD_TOKENS tokens or of none."""
+    out: list[list[int]] = []
+    for word in words:
+        first = tok.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not 1 <= len(first) <= MAX_BAD_WORD_TOKENS:
+            raise ApiError(400, f"bad_words: {word[:40]!r} is {len(first)} tokens (1..{MAX_BAD_WORD_TOKENS} "
+                           "taken)", param="bad_words")
+        out.append(first)
+        if spaced and spaced[0] != first[0] and len(spaced) == len(first):
+            out.append(spaced)
+    return out
 
 
 def check_policy(params: SamplingParams, cfg: ServerConfig) -> None:
@@ -182,6 +205,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     _set(kw, "min_new_tokens", req.min_tokens)
     _set(kw, "prompt_logprobs", req.prompt_logprobs)
     _set(kw, "allowed_token_ids", req.allowed_token_ids)
+    _set(kw, "bad_words", req.bad_words)
     _set(kw, "priority", req.priority)
     _set(kw, "presence_penalty", req.presence_penalty)
     _set(kw, "frequency_penalty", req.frequency_penalty)
@@ -452,6 +476,6 @@ def native_request(
         room = max(0, limits.max_context - len(ids))
         params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, room))
     check_params(params, limits.vocab_size, limits.eos_ids)
-    check_text_features(params, tok)
+    params = text_features(params, tok)
     check_length(len(ids), params.max_new_tokens, limits)
     return params

@@ -47,7 +47,7 @@ def test_hints_are_accepted_and_a_body_request_id_is_the_requests_id(server: Ser
 @pytest.mark.parametrize("name", sorted(REFUSED | REFUSED_IN_CHAT))
 def test_what_is_not_served_is_named_and_its_harmless_value_passes(server: Server, name: str) -> None:
     harmless, why = (REFUSED | REFUSED_IN_CHAT)[name]
-    real = {"priority": 5, "bad_words": ["x"], "length_penalty": 0.5,
+    real = {"priority": 5, "length_penalty": 0.5,
             "spaces_between_special_tokens": False, "lora_path": "a", "prediction": {"type": "content",
             "content": "x"}, "audio": {"voice": "x"}, "functions": [{"name": "f"}], "function_call": "auto",
             "web_search_options": {}, "chat_template": "{{ x }}", "documents": [{"text": "x"}],
@@ -59,6 +59,46 @@ def test_what_is_not_served_is_named_and_its_harmless_value_passes(server: Serve
         assert _chat(server, **{name: value}).status_code == 200, (name, value)
     if name in REFUSED:  # the completions endpoint takes the shared ones alike
         assert _post(server, "completions", prompt="Hi", max_tokens=1, **{name: real}).status_code == 400
+
+
+def _contains(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+
+def test_bad_words_are_not_generated(server: Server) -> None:
+    """vLLM's bad_words (a 400 until the forty-eighth session): each word's token sequences, as a text
+    starts with it and after a space, never appear in the output of /generate, completions or chat,
+    greedy or sampled; the greedy answer that had them changes. Too many words, a word of only
+    spaces or of too many tokens, or words beside a grammar or allowed_token_ids are a 400."""
+    def tokens(text: str) -> list[int]:
+        return httpx.post(f"{server.http}/tokenize", json={"prompt": text, "add_special_tokens": False},
+                          timeout=30).json()["tokens"]
+
+    def generate(**sampling: Any) -> dict:
+        r = httpx.post(f"{server.http}/generate", timeout=60, json={"text": "The capital of France is",
+                       "sampling_params": {"max_new_tokens": 8, "temperature": 0, **sampling}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    free = generate()
+    assert "Paris" in free["text"], free
+    words = ["Paris", "the city of"]
+    seqs = [tokens(w) for w in words] + [tokens(" " + w) for w in words]
+    assert any(_contains(free["output_ids"], s) for s in seqs)
+    for sampling in ({}, {"temperature": 1.0, "seed": 5}):
+        g = generate(bad_words=words, **sampling)
+        assert not any(_contains(g["output_ids"], s) for s in seqs), (g, seqs)
+        if not sampling:
+            assert g["output_ids"] != free["output_ids"]
+    r = _post(server, "completions", prompt="The capital of France is", max_tokens=8, temperature=0, bad_words=words)
+    assert r.status_code == 200, r.text
+    assert "Paris" not in r.json()["choices"][0]["text"], r.text  # (here the one-token " Paris" was the way)
+    r = _chat(server, bad_words=["Red", "red"])
+    assert r.status_code == 200, r.text
+    for body in ({"bad_words": ["x"] * 65}, {"bad_words": ["  "]}, {"bad_words": [" ".join("abcdefghijklmnopq")]},
+                 {"bad_words": ["x"], "regex": "[0-9]+"}, {"bad_words": ["x"], "allowed_token_ids": tokens(" x")}):
+        r = _post(server, "completions", prompt="Hi", max_tokens=1, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", (body, r.text)
 
 
 def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
