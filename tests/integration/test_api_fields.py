@@ -90,6 +90,7 @@ def test_bad_words_are_not_generated(server: Server) -> None:
         assert not any(_contains(g["output_ids"], s) for s in seqs), (g, seqs)
         if not sampling:
             assert g["output_ids"] != free["output_ids"]
+    assert generate(bad_words_ids=seqs)["output_ids"] == free["output_ids"]  # the front end's field: replaced
     r = _post(server, "completions", prompt="The capital of France is", max_tokens=8, temperature=0, bad_words=words)
     assert r.status_code == 200, r.text
     assert "Paris" not in r.json()["choices"][0]["text"], r.text  # (here the one-token " Paris" was the way)
