@@ -109,10 +109,10 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
     priority: int | None = None  # vLLM's: with --scheduling-policy priority, lower first
     bad_words: list[str] | None = None  # vLLM's: words never generated
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
     # declared for REFUSED: accepted at their harmless values only
     length_penalty: Any = None
     use_beam_search: Any = None
-    return_tokens_as_token_ids: Any = None
     spaces_between_special_tokens: Any = None
     lora_path: Any = None
     return_hidden_states: Any = None
@@ -232,7 +232,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
-    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens false is not supported"),
     "lora_path": ((None,), "LoRA adapters are not supported"),
     "return_hidden_states": ((None, False), "return_hidden_states is not supported"),

@@ -4,6 +4,7 @@ this server can serve honoured, the rest named in a 400 unless they carry their 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -100,6 +101,36 @@ def test_bad_words_are_not_generated(server: Server) -> None:
                  {"bad_words": ["x"], "regex": "[0-9]+"}, {"bad_words": ["x"], "allowed_token_ids": tokens(" x")}):
         r = _post(server, "completions", prompt="Hi", max_tokens=1, **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", (body, r.text)
+
+
+def test_return_tokens_as_token_ids_names_the_logprobs_tokens(server: Server) -> None:
+    """vLLM's return_tokens_as_token_ids (a 400 until the forty-eighth session): every logprobs token,
+    chosen and top, is "token_id:<id>" (its bytes that text's) in completions and chat, streamed or not;
+    the ids are the answer's (greedy, as /generate gives them) and the text is unchanged."""
+    g = httpx.post(f"{server.http}/generate", timeout=60, json={"text": "The capital of France is", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}}).json()
+    named = [f"token_id:{t}" for t in g["output_ids"]]
+    r = _post(server, "completions", prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2,
+              return_tokens_as_token_ids=True)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["logprobs"]["tokens"] == named and c["text"] == g["text"], (c, g)
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top), c
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    plain = _post(server, "chat/completions", **{**body, "return_tokens_as_token_ids": False}).json()
+    r = _post(server, "chat/completions", **body)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in content] == [e["logprob"] for e in plain["choices"][0]["logprobs"]["content"]]
+    for e in content:
+        assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode()), e
+        assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"]), e
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [e["token"] for line in lines for ch in json.loads(line[6:])["choices"]
+                for e in (ch.get("logprobs") or {}).get("content") or []]
+    assert streamed == [e["token"] for e in content]
 
 
 def test_allowed_token_ids_restrict_what_is_sampled(server: Server) -> None:
