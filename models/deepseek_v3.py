@@ -127,7 +127,6 @@ class MLAttention(nn.Module):
         self.kv_b_proj = MatrixWeight(r, [(None, cfg.num_heads * per_head, (hs * per_head, he * per_head))], dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * v, (hs * v, he * v), cfg.hidden_size, cfg.attention_bias,
                                         dtype)
-        self.o_proj.after_attention = True
 
     def forward(self, x: torch.Tensor, ctx: MLAContext) -> torch.Tensor:
         s, t = self.shapes, x.shape[0]

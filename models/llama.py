@@ -128,7 +128,6 @@ class Attention(nn.Module):
                  ("v", cfg.kv_size, (ks * d, ke * d))]
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.attention_bias, dtype)
         self.o_proj = RowParallelLinear(cfg.q_size, (qs * d, qe * d), cfg.hidden_size, cfg.o_proj_bias, dtype)
-        self.o_proj.after_attention = True
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -251,8 +250,8 @@ def linear_add_norm(
     if mine is None or reader.gemv_weights(x) is None or not residual.is_contiguous():
         return (linear.forward_silu_mul(x) if silu_mul else linear(x)), residual
     w, scale, cfg = mine
-    return triton_ops.gemv(x, w, *cfg, silu_mul=silu_mul, scale=scale, norm_out=(residual, norm.weight, norm.eps),
-                           prefetch=linear.l2_prefetch), residual
+    return triton_ops.gemv(x, w, *cfg, silu_mul=silu_mul, scale=scale,
+                           norm_out=(residual, norm.weight, norm.eps)), residual
 
 
 class DecoderLayer(nn.Module):

@@ -356,14 +356,13 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None,
-         prefetch: bool = False) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M.
     One-program tiles of 16-bit operands load through the tensor memory accelerator
     (invariant_gemm_tma_kernel: 1.1-1.7x the pointer loads at 4096 rows on an H200, the same
     bits) where the operands' layout allows it; float32, triton's interpreter and a misaligned
     view take the pointer loads. `tile`: `tiles`' answer forced; `tma`: the loads forced (the
-    GPU test's candidates). `prefetch`: the CUDA GEMV asks the L2 for w before its PDL wait."""
+    GPU test's candidates)."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
@@ -384,7 +383,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
     if bm == GEMV_ROWS:
-        if not (_cuda_gemv_takes(xs, ws_, bias) and _cuda_gemv(xs, ws_, bias, res, slices, prefetch=prefetch)):
+        if not (_cuda_gemv_takes(xs, ws_, bias) and _cuda_gemv(xs, ws_, bias, res, slices)):
             _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
     else:
         _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
@@ -410,10 +409,10 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 
 
 def _cuda_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-               act: bool = False, prefetch: bool = False) -> bool:
+               act: bool = False) -> bool:
     """invariant_gemv.gemv at its ring depth for the slices, with the GEMMs' PDL choice."""
     return invariant_gemv.gemv(x, w, bias, out, slices, invariant_gemv.stages_for(slices, x.shape[1]),
-                               _pdl(x.device)["PDL"], act=act, prefetch=prefetch)
+                               _pdl(x.device)["PDL"], act=act)
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,

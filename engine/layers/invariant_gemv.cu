@@ -104,7 +104,7 @@ template <int STAGES>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
-    int per, int groups, int half, int late, long long w_bytes, int prefetch) {
+    int per, int groups, int half, int late) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -121,16 +121,6 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
 
 #if __CUDA_ARCH__ >= 900
-  if (blockIdx.x < prefetch) {  // the first blocks ask the L2 for all of w while the previous kernel runs
-    const long long threads = (long long)prefetch * blockDim.x;
-    const long long piece = (w_bytes + threads * 16 - 1) / (threads * 16) * 16;
-    const long long off = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * piece;
-    if (off < w_bytes) {
-      const int bytes = int(min(piece, w_bytes - off));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<const char*>(w) + off),
-                   "r"(bytes) : "memory");
-    }
-  }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
   // the dependents may start now, unless `late` (see the launch)
   if (!late) asm volatile("griddepcontrol.launch_dependents;\n" ::);
@@ -232,7 +222,7 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
 
 template <int STAGES>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
-                   long long sw, long long so, int split, int half, int pdl, int prefetch, cudaStream_t stream) {
+                   long long sw, long long so, int split, int half, int pdl, cudaStream_t stream) {
   // row blocks a block: four warps at least; with `half` a gate and an up block per pair
   const int plain = split >= 4 ? 1 : 4 / split;
   const int groups = half ? (plain > 2 ? plain : 2) : plain;
@@ -280,27 +270,25 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<const __nv_bfloat16*>(x),
                             static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
-                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late,
-                            (long long)N * sw * 2, pdl ? min(prefetch, blocks) : 0);
+                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late);
 }
 
 }  // namespace
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 8, bf16, 16-byte aligned rows; split K slices (a
 // power of two, at most 32); stages 2, 3 or 4. half > 0: w is [gate | up] (N = 2 half, half a multiple
-// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. prefetch > 0 (with pdl): that many
-// blocks first ask the L2 for all of w (SM90 bulk prefetch) before their wait. Returns the cudaError_t.
+// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
                                      long long sx, long long sw, long long so, int split, int stages, int half,
-                                     int pdl, int prefetch, void* stream) {
+                                     int pdl, void* stream) {
   if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
   if (half && (half < 0 || N != 2 * half || half % ROWS != 0 || bias != nullptr || split > 16))
     return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   switch (stages) {
-    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, prefetch, s));
-    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, prefetch, s));
-    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, prefetch, s));
+    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
     default: return int(cudaErrorInvalidValue);
   }
 }

@@ -31,7 +31,6 @@ MAX_ROWS = 8
 STAGES = (2, 3, 4)  # the kernel's instantiations
 RING = 4  # K tiles in flight a warp, at most (4 beat 2, 3, 6 and 8 on an H100: docs/PERF.md)
 SMEM_BUDGET = 96 << 10  # a block's rings: two blocks an SM fit
-PREFETCH_BLOCKS = 64  # blocks that prefetch the weight into L2 (gemv's prefetch; triton_ops.L2_PREFETCH_PROGRAMS)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 
 
@@ -75,7 +74,7 @@ def library(target: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = _I
-    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _I, _P]
+    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P]
     return lib
 
 
@@ -120,11 +119,10 @@ def act_takes(x: torch.Tensor, w: torch.Tensor, slices: int) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-         stages: int, pdl: bool, act: bool = False, prefetch: bool = False) -> bool:
+         stages: int, pdl: bool, act: bool = False) -> bool:
     """out = x w^T (+ bias) on torch's current stream, or with `act` (w = [gate | up], act_takes,
     no bias) out [M, N / 2] = silu(x gate^T) * (x up^T) with the products rounded to bf16 first;
-    False where the kernel is not built here. prefetch (with pdl): the first PREFETCH_BLOCKS blocks
-    ask the L2 for all of w before their PDL wait (the GEMV after attention)."""
+    False where the kernel is not built here."""
     lib = library(arch(x.device))
     if lib is None:
         return False
@@ -133,7 +131,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
     err = lib.strata_invariant_gemv(
         x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), m, n, k,
         x.stride(0), w.stride(0), out.stride(0), slices, stages, n // 2 if act else 0, int(pdl),
-        PREFETCH_BLOCKS if prefetch else 0, torch.cuda.current_stream(x.device).cuda_stream)
+        torch.cuda.current_stream(x.device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T{' (act)' if act else ''}: CUDA error {err}")
     return True

@@ -253,10 +253,6 @@ class Linear(nn.Module):
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
         self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout (pack_for_cpu)
         self.quant: str | None = None  # a quantized weight format (engine/layers/quant.py), CUDA only
-        # the projection right after attention (o_proj): its GEMV may prefetch its weight into L2
-        # while attention runs (the tuning's l2_prefetch_after_attention); set by the model
-        self.after_attention = False
-        self.l2_prefetch = False  # decided with the GEMV config, on the weight's device
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
@@ -265,9 +261,7 @@ class Linear(nn.Module):
             # shape no tuning rule takes (or a GPU without rules) keeps the vendor kernel
             # quantized: only fp8 with row scales has a GEMV (weight-only, scaled per row)
             self._gemv = triton_ops.gemv_config(self.weight) if self.quant in (None, "fp8_row") else None
-            tuning = kernel_tuning(self.weight.device)
-            self._gemv_rows = tuning.gemv_rows(self._gemv)
-            self.l2_prefetch = self.after_attention and tuning.l2_prefetch_after_attention
+            self._gemv_rows = kernel_tuning(self.weight.device).gemv_rows(self._gemv)
         return gemv_for(self._gemv, self._gemv_rows, self.weight.shape[1], x)
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
@@ -292,8 +286,8 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         cfg = self.gemv_config(x) if self.packed is None else None
         if cfg is not None:  # batch-1 decode: a GEMV, not cuBLAS's M=1 GEMM
-            return triton_ops.gemv(x, self.weight, *cfg, prefetch=self.l2_prefetch)
-        return matmul(x, self.weight, self.bias, self.packed, prefetch=self.l2_prefetch)
+            return triton_ops.gemv(x, self.weight, *cfg)
+        return matmul(x, self.weight, self.bias, self.packed)
 
     def forward_act(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this [gate | up] layer's output (bias-free) in one launch where
@@ -354,7 +348,7 @@ class RowParallelLinear(Linear):
             return self.quant_forward(self, x, self._local_gemv(x), silu_mul=silu_mul)
         cfg = self._local_gemv(x)
         if cfg is not None:
-            return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul, prefetch=self.l2_prefetch)
+            return triton_ops.gemv(x, self.weight, *cfg, silu_mul=silu_mul)
         return matmul(ops.silu_and_mul(x) if silu_mul else x, self.weight)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
@@ -405,11 +399,11 @@ class ParallelLMHead(nn.Module):
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, prefetch: bool = False) -> torch.Tensor:
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) by the vendor kernel (oneDNN's packed weight where there is one: bias-free
     layers only). With deterministic inference: on CUDA one batch-invariant triton GEMM
     (engine/layers/invariant_gemm.py), elsewhere the vendor kernel in fixed row blocks
-    (batch_invariant.rows_of); `prefetch`: its CUDA GEMV asks the L2 for the weight early."""
+    (batch_invariant.rows_of)."""
     def gemm(a: torch.Tensor) -> torch.Tensor:
         return F.linear(a, weight, bias) if packed is None else packed_linear(a, packed)
 
@@ -418,7 +412,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda and x.dim() == 2 and _invariant_gemm_fits(x, weight):  # one launch, any row count
         from engine.layers import invariant_gemm
 
-        return invariant_gemm.gemm(x, weight, bias, prefetch=prefetch)
+        return invariant_gemm.gemm(x, weight, bias)
     key = ("packed" if packed is not None else "plain", bias is not None, *weight.shape, x.dtype)
     return batch_invariant.rows_of(x, gemm, key)
 

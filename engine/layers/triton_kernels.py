@@ -103,35 +103,16 @@ def gemv_store(v, y, rows, rmask, ss_in, p_in, eps, r, nw, ss_out, pid, K: tl.co
 
 
 @triton.jit
-def l2_prefetch(base, nbytes, pid, PROGRAMS: tl.constexpr, NT: tl.constexpr):
-    """Program pid (< PROGRAMS) asks the L2 for its share of the nbytes at base, one bulk
-    prefetch per thread (NT = the program's threads) of a 16-byte multiple: fire and forget (SM90
-    cp.async.bulk.prefetch.L2; nothing waits on it, no value changes)."""
-    piece = tl.cdiv(nbytes, PROGRAMS * NT * 16) * 16
-    offs = (pid * NT + tl.arange(0, NT)).to(tl.int64) * piece
-    size = tl.minimum(tl.maximum(nbytes - offs, 0), piece).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [base.to(tl.pointer_type(tl.int8)) + offs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, ss_in, p_in, eps, r, nw, ss_out, w_bytes,
+def gemv_kernel(x, w, ws, y, N, stride_w, stride_x, ss_in, p_in, eps, r, nw, ss_out,
                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M: tl.constexpr,
                 SILU_MUL: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
-                NORM_IN: tl.constexpr, P_IN: tl.constexpr, NORM_OUT: tl.constexpr,
-                PREFETCH: tl.constexpr, NT: tl.constexpr):
+                NORM_IN: tl.constexpr, P_IN: tl.constexpr, NORM_OUT: tl.constexpr):
     # BLOCK_K >= K: the whole row slice is one (column-masked) tile, every weight load issued
     # before the wait, and each of the M rows of x meets it; otherwise (M == 1) K % BLOCK_K == 0
     # and the first tile loads before the wait. HAS_SCALE: w is fp8 and row n's sum is
     # multiplied by ws[n] (a weight-only FP8 GEMV: the activation is not quantized).
     # NORM_IN / NORM_OUT: an RMSNorm split across two GEMVs (gemv_store; triton_ops.PreNormed)
-    # PREFETCH (> 0): launched under PDL beside a latency-bound kernel (attention), the first
-    # PREFETCH programs ask the L2 for the whole weight (w_bytes) before the wait, while HBM idles
     pid = tl.program_id(0)
-    if PREFETCH > 0:
-        if pid < PREFETCH:
-            l2_prefetch(w, w_bytes, pid, PREFETCH, NT)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     wrow = w + rows[:, None] * stride_w
@@ -620,17 +601,11 @@ def invariant_split_kernel(
 def invariant_merge_kernel(
     blk_rows, blk_reads, part_o, part_ml, parts_max, out,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, T: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     """Split decode, step 2: program (block, KV head) merges its token's partition states in
     partition order from a fresh state by _merge_state, and stores the output as
-    invariant_attention_kernel does (o / l in the output dtype). EARLY (PDL): the next launch may
-    start before the wait, while the split kernel still runs (it waits for this grid's end)."""
-    if EARLY and PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    else:
-        pdl_start(PDL)
+    invariant_attention_kernel does (o / l in the output dtype)."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     G: tl.constexpr = HQ // HKV

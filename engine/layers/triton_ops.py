@@ -192,17 +192,6 @@ def gemv_config(w: torch.Tensor) -> tuple[int, int, int, int] | None:
     return cfg if cfg is not None and _fits(w.shape[1], cfg[1]) else None
 
 
-L2_PREFETCH_PROGRAMS = 64  # programs of a GEMV that prefetch its weight into L2 (gemv's prefetch)
-
-
-def l2_prefetch_programs(w: torch.Tensor, programs: int) -> int:
-    """How many of a GEMV's programs prefetch w into L2: 0 where the bulk prefetch cannot run (not
-    compiled for SM90+, the interpreter, a base address not 16-byte aligned), else up to
-    L2_PREFETCH_PROGRAMS."""
-    ok = w.is_cuda and not interpreted() and torch.cuda.get_device_capability(w.device)[0] >= 9
-    return min(L2_PREFETCH_PROGRAMS, programs) if ok and w.data_ptr() % 16 == 0 else 0
-
-
 class PreNormed(NamedTuple):
     """An RMSNorm split across two GEMVs (batch-1 decode, one launch fewer a norm): the GEMV that
     produced s = x W^T + residual wrote s into the residual (in place), u = s * norm weight, and
@@ -217,8 +206,7 @@ class PreNormed(NamedTuple):
 
 def gemv(x: torch.Tensor | PreNormed, w: torch.Tensor, block_n: int = 16, block_k: int = 512, num_warps: int = 4,
          num_stages: int = 3, silu_mul: bool = False, scale: torch.Tensor | None = None,
-         norm_out: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-         prefetch: bool = False) -> torch.Tensor | PreNormed:
+         norm_out: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | PreNormed:
     """x [M, K] @ w[N, K]^T -> [M, N] (fp32 accumulation): one pass over the weights, no split-K
     reduce kernel. With silu_mul, x is [M, 2K] = [gate | up] and the product uses
     silu(gate) * up (the SwiGLU activation folded into the down projection: one launch fewer).
@@ -226,8 +214,7 @@ def gemv(x: torch.Tensor | PreNormed, w: torch.Tensor, block_n: int = 16, block_
     GEMV_MAX_ROWS), and contiguous rows. `scale` [N] float32: w is fp8 and row n is multiplied by
     scale[n] (engine/layers/quant.py's fp8_row format). x a PreNormed: the product of its norm.
     norm_out (residual [M, N], the next RMSNorm's weight, its eps): returns a PreNormed for the
-    GEMV that reads that norm's output, and the residual holds x W^T + residual. prefetch: the
-    first programs ask the L2 for all of w before their PDL wait (l2_prefetch_programs)."""
+    GEMV that reads that norm's output, and the residual holds x W^T + residual."""
     n, k = w.shape
     xt = x.u if isinstance(x, PreNormed) else x
     m = xt.shape[0]
@@ -244,11 +231,9 @@ def gemv(x: torch.Tensor | PreNormed, w: torch.Tensor, block_n: int = 16, block_
     _k().gemv_kernel[(programs,)](
         xt, w, w if scale is None else scale, y, n, w.stride(0), xt.stride(0),
         w if pre is None else pre.ss, 1 if pre is None else pre.ss.shape[1], 0.0 if pre is None else pre.eps,
-        r, nw, ss_out, n * w.stride(0) * w.element_size(), K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m,
-        SILU_MUL=silu_mul, HAS_SCALE=scale is not None, PDL=pdl, NORM_IN=pre is not None,
-        P_IN=1 if pre is None else _p2(pre.ss.shape[1]), NORM_OUT=norm_out is not None,
-        PREFETCH=l2_prefetch_programs(w, programs) if prefetch and pdl else 0, NT=32 * num_warps,
-        num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
+        r, nw, ss_out, K=k, BLOCK_N=block_n, BLOCK_K=block_k, M=m, SILU_MUL=silu_mul,
+        HAS_SCALE=scale is not None, PDL=pdl, NORM_IN=pre is not None, P_IN=1 if pre is None else _p2(pre.ss.shape[1]),
+        NORM_OUT=norm_out is not None, num_warps=num_warps, num_stages=num_stages, **_launch_opts(pdl),
     )
     return PreNormed(y, ss_out, eps_out) if norm_out is not None else y
 
@@ -447,8 +432,7 @@ def invariant_attention(
     k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], *cs, **geom,
                                                 F32_DOT=interpreted(), ROPE=rope, num_warps=warps, **opts)
     k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
-                                        T=tokens, CP=part // chunk, num_warps=4,
-                                        EARLY=kernel_tuning(q.device).l2_prefetch_after_attention, **opts)
+                                        T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out
 
 

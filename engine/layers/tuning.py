@@ -115,10 +115,6 @@ class KernelTuning:
     # one token's routed experts as two GEMV launches (engine/layers/moe_gemv.py): (block_n over w13,
     # block_k over w13, block_n over w2, block_k over w2, warps); None: the fused path at one token too
     moe_gemv: tuple[int, int, int, int, int] | None = None
-    # the GEMV after attention (o_proj, Linear.after_attention) asks the L2 for its whole weight before its
-    # PDL wait, while the latency-bound attention leaves HBM idle (triton_ops.l2_prefetch_programs; the
-    # deterministic CUDA GEMV's first blocks likewise, its split-KV merge then letting o_proj start early)
-    l2_prefetch_after_attention: bool = False
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # deterministic inference's GEMV (1-8 rows) as CUDA C++ (invariant_gemv.cu) instead of the triton one
     invariant_gemv_cuda: bool = False

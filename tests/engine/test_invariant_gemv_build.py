@@ -24,10 +24,10 @@ def test_builds_and_refuses_what_it_does_not_take(tmp_path: Path) -> None:
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = ctypes.c_int
     lib.strata_invariant_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 3 + [
-        ctypes.c_int] * 5 + [ctypes.c_void_p]
+        ctypes.c_int] * 4 + [ctypes.c_void_p]
 
     def call(m: int, split: int, stages: int = 4, n: int = 64, half: int = 0, bias: int | None = None) -> int:
-        return lib.strata_invariant_gemv(None, None, bias, None, m, n, 64, 64, 64, 64, split, stages, half, 0, 64, None)
+        return lib.strata_invariant_gemv(None, None, bias, None, m, n, 64, 64, 64, 64, split, stages, half, 0, None)
 
     assert call(0, 4) == INVALID_VALUE  # no rows
     assert call(invariant_gemv.MAX_ROWS + 1, 4) == INVALID_VALUE  # more rows than the mma's 8 columns

@@ -74,31 +74,3 @@ def test_a_kernel_the_compiler_refuses_fails(tmp_path: Path) -> None:
          "kernels.bad[(1,)](x, 16, BLOCK=16); print(x.tolist())"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert interpreted.stdout.strip() == str([min(i, 7) for i in range(16)]), interpreted.stderr[-1000:]
-
-
-def test_the_gemv_after_attention_prefetches_its_weight_only_when_asked() -> None:
-    """triton_ops.gemv's PREFETCH: the first programs' bulk L2 prefetch compiles for sm_90 (ptxas takes
-    it), one per thread of a program, and a GEMV not asked carries none (o_proj at Llama-3.1-8B's
-    shape, bf16 and fp8)."""
-    driver = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT)!r})
-        import torch
-        from scripts import compile_check as cc
-        from engine.layers import triton_ops
-        from engine.layers.tuning import load_tuning
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            w = torch.empty(4096, 4096, dtype=dtype)
-            cfg = load_tuning("NVIDIA H200").gemv_config(4096, 4096, fp8=dtype != torch.bfloat16)
-            with cc.recorded() as launches:
-                triton_ops.gemv(torch.empty(1, 4096, dtype=torch.bfloat16), w, *cfg, prefetch=True,
-                                scale=None if dtype == torch.bfloat16 else torch.ones(4096))
-            fn, args, kwargs = launches[0]
-            for programs in (0, 64):
-                ptx = cc.compile_launch(fn, args, kwargs | {{"PREFETCH": programs}}).asm["ptx"]
-                print(dtype, programs, ptx.count("cp.async.bulk.prefetch.L2.global"))
-    """)
-    r = _run("-c", driver)
-    assert r.returncode == 0, r.stderr[-2000:]
-    counts = [line.split() for line in r.stdout.splitlines()]
-    assert [c[1:] for c in counts] == [["0", "0"], ["64", "1"], ["0", "0"], ["64", "1"]], r.stdout
