@@ -22,6 +22,7 @@ MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 16
+MAX_PREDICTION_TOKENS = 32768  # a predicted output's tokens (the scheduler indexes its n-grams once)
 # prompt tokens a step of a request that scores its prompt (prompt_logprobs): the worker holds that
 # chunk's logits as [n, vocab] float32 and their log_softmax (512 x 152k: 2 x 311 MB)
 PROMPT_SCORE_CHUNK = 512
@@ -82,6 +83,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # sets (whatever a client sends there is replaced)
     bad_words: list[str] = []
     bad_words_ids: list[list[int]] = []
+    # OpenAI's predicted output (chat's `prediction`), tokenized by the front end: never changes the answer;
+    # under --speculative-algorithm NGRAM the drafts are also looked up in it (engine/sched/spec.py)
+    prediction_ids: list[int] = []
     # vLLM's request priority, under --scheduling-policy priority: lower values are admitted first and
     # retracted last (ties by arrival); 0 for every request otherwise
     priority: int = 0
@@ -134,6 +138,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (all(0 <= t < (vocab_size or INT32) for t in self.allowed_token_ids or ()),
              f"allowed_token_ids must be token ids in [0, {vocab_size or INT32})"),
             (-INT32 <= self.priority < INT32, "priority must be in [-2**31, 2**31)"),
+            (len(self.prediction_ids) <= MAX_PREDICTION_TOKENS,
+             f"prediction takes at most {MAX_PREDICTION_TOKENS} tokens"),
+            (all(0 <= t < (vocab_size or INT32) for t in self.prediction_ids),
+             f"prediction_ids must be token ids in [0, {vocab_size or INT32})"),
             (len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words takes at most {MAX_BAD_WORDS} words"),
             (all(0 < len(w) <= MAX_BAD_WORD_CHARS and not w.isspace() for w in self.bad_words),
              f"bad_words must be words of 1..{MAX_BAD_WORD_CHARS} characters, not only whitespace"),

@@ -181,10 +181,11 @@ class SpecPolicy:
         if req.ngram is None:
             req.ngram = NgramIndex()
         ids = req.all_ids  # (a new list of the whole history: made once a row)
+        look = _with_prediction(req, ids)
         if pending is None:
-            return self._corrupted(req, len(ids), self.tree_drafts(req, ids, k) or req.ngram.drafts(ids, k))
+            return self._corrupted(req, len(ids), self.tree_drafts(req, ids, k) or req.ngram.drafts(look, k))
         tail = list(pending)
-        guess = self.tree_drafts(req, ids, k + 1, tail) or req.ngram.drafts(ids, k + 1, tail)
+        guess = self.tree_drafts(req, ids, k + 1, tail) or req.ngram.drafts(look, k + 1, tail)
         return self._corrupted(req, len(ids) + len(tail) + 1, guess[1:])
 
     def _corrupted(self, req: Req, at: int, drafts: list[int]) -> list[int]:
@@ -222,6 +223,18 @@ class SpecPolicy:
             return []
         node = req.node if req.node is not None else self.cache.root
         return self.cache.continuation(node, ids[self.cache.depth(node):] + (tail or []), k)
+
+
+def _with_prediction(req: Req, ids: list[int]) -> list[int]:
+    """The tokens NGRAM looks drafts up in: req's history, with its predicted output (OpenAI's
+    `prediction`) between the prompt and the output, where the answer is predicted to go: a suffix
+    of the output is found in the output first, then in the prediction, then in the prompt (the
+    latest occurrence wins), and the list only grows at its end, as NgramIndex needs."""
+    pred = req.params.prediction_ids
+    if not pred:
+        return ids
+    n = len(req.prompt_ids)
+    return ids[:n] + pred + ids[n:]
 
 
 def _chance(rid: str, seed: int, position: int) -> float:

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import structlog
 
 from engine.serve import formats as fmt
@@ -31,6 +32,7 @@ from engine.serve.validate import (
     make_params,
     off_loop,
     openai_params,
+    prediction_ids,
     prompt_limit,
     request_rid,
     resolve_max_tokens,
@@ -108,6 +110,9 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     reasoning = _reasoning(state, prompt, template_kwargs)
     with as_sent(req):
         params = _params_for(state, ids, kw, requested, None, limits, "messages")
+        if req.prediction is not None:  # a hint for NGRAM's drafts (engine/sched/spec.py), never the answer
+            predicted = await off_loop(len(body), prediction_ids, state.tok, req.prediction)
+            params = msgspec.structs.replace(params, prediction_ids=predicted)
         params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
     # SGLang's separate_reasoning false: the reasoning stays in the content; vLLM's include_reasoning
     # false: it is left out of the answer

@@ -144,8 +144,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     store: bool | None = None
     service_tier: str | None = None
     modalities: list[str] | None = None
-    # declared for REFUSED
+    # OpenAI's predicted output ({"type": "content", "content": text or text parts}): a latency hint, never a
+    # change of the answer (NGRAM drafts from it: validate.prediction_ids)
     prediction: Any = None
+    # declared for REFUSED
     audio: Any = None
     functions: Any = None
     function_call: Any = None
@@ -237,8 +239,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_hidden_states": ((None, False), "return_hidden_states is not supported"),
 }
 REFUSED_IN_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "prediction": ((None,), "predicted outputs are not supported (--speculative-algorithm NGRAM drafts from the "
-                            "prompt)"),
     "audio": ((None,), "audio output is not supported (text only)"),
     "functions": ((None,), "functions is deprecated and not supported: use tools"),
     "function_call": ((None,), "function_call is deprecated and not supported: use tool_choice"),

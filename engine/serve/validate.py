@@ -20,7 +20,14 @@ from engine.serve.errors import ApiError, from_validation
 from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
-from msgs.params import INT32, MAX_BAD_WORD_TOKENS, MAX_TOP_LOGPROBS, MODEL_DEFAULT_FIELDS, SamplingParams
+from msgs.params import (
+    INT32,
+    MAX_BAD_WORD_TOKENS,
+    MAX_PREDICTION_TOKENS,
+    MAX_TOP_LOGPROBS,
+    MODEL_DEFAULT_FIELDS,
+    SamplingParams,
+)
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 1 << 16  # a request this large is tokenized on a thread
@@ -147,6 +154,26 @@ def text_features(params: SamplingParams, tok: TextTokenizer | None) -> Sampling
         raise ApiError(400, f"bad_words need text: {IDS_ONLY}", param="bad_words")
     ids = bad_words_ids(tok, params.bad_words) if tok is not None and params.bad_words else []
     return msgspec.structs.replace(params, bad_words_ids=ids) if ids or params.bad_words_ids else params
+
+
+def prediction_ids(tok: TextTokenizer | None, prediction: Any) -> list[int]:
+    """The tokens of OpenAI's chat `prediction` ({"type": "content", "content": a string or text
+    parts}); 400 for another shape, a server without a tokenizer or more than MAX_PREDICTION_TOKENS."""
+    content = prediction.get("content") if isinstance(prediction, dict) else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or not isinstance(content, str):
+        raise ApiError(400, 'prediction must be {"type": "content", "content": a string or text parts}',
+                       param="prediction")
+    if tok is None:
+        raise ApiError(400, f"prediction needs text: {IDS_ONLY}", param="prediction")
+    if len(content) > 8 * MAX_PREDICTION_TOKENS:  # (more characters than such tokens can hold: not read)
+        raise ApiError(400, f"prediction takes at most {MAX_PREDICTION_TOKENS} tokens", param="prediction")
+    ids = tok.encode(content, add_special_tokens=False)
+    if len(ids) > MAX_PREDICTION_TOKENS:
+        raise ApiError(400, f"prediction takes at most {MAX_PREDICTION_TOKENS} tokens", param="prediction")
+    return ids
 
 
 def bad_words_ids(tok: TextTokenizer, words: list[str]) -> list[list[int]]:

@@ -117,3 +117,30 @@ def test_speculative_tp2_gives_the_plain_tp1_tokens(spec_server: Server, server:
     assert r.json()["output_ids"] == want.output_ids
     plain = _complete(server, max_tokens=4)
     assert "spec_accept_length" not in plain["usage"]  # no speculation, no such counts
+
+
+def test_a_predicted_output_is_drafted_from(spec_server: Server) -> None:
+    """OpenAI's chat `prediction` (a string, or text parts): the answer is the same, and a prediction
+    that is the answer is accepted as drafts far more than the prompt's own tokens give; a prediction
+    of another shape is a 400 naming it."""
+    def chat(**extra: object) -> dict:
+        r = httpx.post(f"{spec_server.base_url}/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Write a short poem about the sea."}], "max_tokens": 32,
+            "temperature": 0, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain = chat()
+    text = plain["choices"][0]["message"]["content"]
+    for prediction in ({"type": "content", "content": text},
+                       {"type": "content", "content": [{"type": "text", "text": text[:40]}, {"type": "text",
+                                                                                             "text": text[40:]}]}):
+        got = chat(prediction=prediction)
+        assert got["choices"][0]["message"]["content"] == text
+        accepted = got["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+        assert accepted >= 16 and accepted > 2 * plain["usage"]["completion_tokens_details"][
+            "accepted_prediction_tokens"], (got["usage"], plain["usage"])
+    for bad in ("text", {"type": "audio", "content": "x"}, {"type": "content", "content": [{"type": "image"}]}):
+        r = httpx.post(f"{spec_server.base_url}/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prediction": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction", r.text
