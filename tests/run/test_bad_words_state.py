@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from engine.run.bad_words import NONE, WINDOW, BadWords
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-def _upload(values: list, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype)
+
+def _uploader(device: str):  # noqa: ANN202
+    return lambda values, dtype: torch.tensor(values, dtype=dtype).to(device)
 
 
 def _vllm_banned(words: list[list[int]], output: list[int]) -> set[int]:
@@ -23,10 +26,11 @@ def _window(output: list[int]) -> list[int]:
     return ([NONE] * WINDOW + output)[-WINDOW:]
 
 
-def test_rings_hold_the_last_tokens_through_repeated_records() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_rings_hold_the_last_tokens_through_repeated_records(device: str) -> None:
     rng = random.Random(0)
     slots = 5
-    bw = BadWords(slots, torch.device("cpu"), _upload)
+    bw = BadWords(slots, torch.device(device), _uploader(device))
     outputs: list[list[int]] = [[] for _ in range(slots)]
     for slot in range(slots):
         bw.set(slot, [[1, 2]], [])
@@ -34,20 +38,23 @@ def test_rings_hold_the_last_tokens_through_repeated_records() -> None:
         entries = [(rng.randrange(slots), rng.randrange(100)) for _ in range(rng.randrange(1, 3 * WINDOW))]
         for s, t in entries:  # a slot's tokens in the order given
             outputs[s].append(t)
-        bw.record(torch.tensor([s for s, _ in entries]), torch.tensor([t for _, t in entries]))
-        got = bw.history(torch.arange(slots))
+        bw.record(torch.tensor([s for s, _ in entries], device=device), torch.tensor([t for _, t in entries],
+                                                                                     device=device))
+        got = bw.history(torch.arange(slots, device=device))
         assert got.tolist() == [_window(o) for o in outputs]
-    seeded = BadWords(slots, torch.device("cpu"), _upload)
+    seeded = BadWords(slots, torch.device(device), _uploader(device))
     for slot in range(slots):  # a retraction's re-add: the tokens generated before
         seeded.set(slot, [[1, 2]], outputs[slot])
-    assert torch.equal(seeded.history(torch.arange(slots)), bw.history(torch.arange(slots)))
+    every = torch.arange(slots, device=device)
+    assert torch.equal(seeded.history(every), bw.history(every))
     assert torch.equal(seeded.count, bw.count)
 
 
-def test_ban_is_vllms_rule_with_and_without_drafts() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_ban_is_vllms_rule_with_and_without_drafts(device: str) -> None:
     rng = random.Random(1)
     vocab, slots = 12, 4
-    bw = BadWords(slots, torch.device("cpu"), _upload)
+    bw = BadWords(slots, torch.device(device), _uploader(device))
     # prefixes over the 4 tokens the outputs and drafts use (so they match), last tokens over the vocabulary
     words = [[[rng.randrange(4) for _ in range(n - 1)] + [rng.randrange(vocab)] for n in
               (rng.randrange(1, 5) for _ in range(rng.randrange(4, 12)))] for _ in range(slots)]
@@ -57,10 +64,10 @@ def test_ban_is_vllms_rule_with_and_without_drafts() -> None:
         bw.set(s, words[s], outputs[s])
     priors = [[rng.randrange(4) for _ in range(rng.randrange(0, WINDOW + 3))] for _ in range(8)]
     rows = [rng.randrange(slots) for _ in priors]
-    idx = torch.tensor(rows)
+    idx = torch.tensor(rows, device=device)
     masks = []
     for history, drafts in ((bw.history(idx), [[] for _ in priors]), (bw.verify_history(idx, priors), priors)):
-        masked = bw.ban(torch.zeros(len(rows), vocab), idx, history)
+        masked = bw.ban(torch.zeros(len(rows), vocab, device=device), idx, history).cpu()
         masks.append(masked)
         for j, s in enumerate(rows):
             want = _vllm_banned(words[s], outputs[s] + list(drafts[j]))

@@ -354,6 +354,33 @@ def test_allowed_token_ids_restrict_greedy_sampled_and_verify_rows(device: torch
         s.add(6, SampleParams(seed=0, allowed_token_ids=(vocab,)))
 
 
+def test_bad_words_follow_the_rows_history(device: torch.device) -> None:
+    """vLLM's bad_words as token sequences: a one-token word is never drawn, a pair's second token
+    never right after its first (greedy alternates, a sampled row never makes the pair), a verify
+    row's drafts count as history, answered tokens recorded with repeats advance it, a retracted
+    request's earlier output seeds it, rows without words keep their argmax, a reused slot forgets."""
+    vocab = 16
+    s = _sampler(device, vocab)
+    logits = torch.arange(vocab, 0, -1, dtype=torch.float32, device=device).unsqueeze(0)  # 0 best, then 1, 2
+    words = ((0,), (1, 1))
+    s.add(0, SampleParams(seed=0, temperature=0.0, bad_words_ids=words))
+    s.add(1, SampleParams(seed=1, temperature=0.0))
+    got = [s.sample(logits.expand(2, -1), [0, 1], _pos([i, i], device)).token_ids.tolist() for i in range(4)]
+    assert got == [[1, 0], [2, 0], [1, 0], [2, 0]]
+    verify = s.sample_verify(logits.expand(3, -1), [0, 0, 0], [4, 5, 6], [[], [1], [1, 2]])
+    assert verify.token_ids.tolist() == [1, 2, 1]  # (the history ends with 2, then 1, then 2)
+    s.record(_pos([0, 0], device), _pos([2, 1], device))
+    assert s.sample(logits, [0], _pos([7], device)).token_ids.item() == 2
+    s.add(2, SampleParams(seed=2, temperature=0.0, bad_words_ids=words), output_ids=[3, 1])
+    assert s.sample(logits, [2], _pos([9], device)).token_ids.item() == 2
+    s.add(3, SampleParams(seed=3, temperature=2.0, bad_words_ids=words))
+    drawn = [s.sample(logits, [3], _pos([i], device)).token_ids.item() for i in range(300)]
+    assert 0 not in drawn and all(drawn[i:i + 2] != [1, 1] for i in range(len(drawn))) and drawn.count(1) > 10
+    s.remove(0)
+    s.add(0, SampleParams(seed=0, temperature=0.0))
+    assert s.sample(logits, [0], _pos([0], device)).token_ids.item() == 0
+
+
 # ---- logprobs ----
 
 
