@@ -139,7 +139,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
              f"allowed_token_ids must be token ids in [0, {vocab_size or INT32})"),
             (-INT32 <= self.priority < INT32, "priority must be in [-2**31, 2**31)"),
             (len(self.prediction_ids) <= MAX_PREDICTION_TOKENS,
-             f"prediction takes at most {MAX_PREDICTION_TOKENS} tokens"),
+             f"prediction_ids takes at most {MAX_PREDICTION_TOKENS} tokens"),
             (all(0 <= t < (vocab_size or INT32) for t in self.prediction_ids),
              f"prediction_ids must be token ids in [0, {vocab_size or INT32})"),
             (len(self.bad_words) <= MAX_BAD_WORDS, f"bad_words takes at most {MAX_BAD_WORDS} words"),

@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
 import structlog
 
 from engine.serve import formats as fmt
@@ -57,7 +56,7 @@ def _params_for(
     max_new = resolve_max_tokens(requested, default, len(ids), limits)
     check_length(len(ids), max_new, limits, what)
     params = make_params(kw, max_new, limits.vocab_size, limits.eos_ids)
-    params = text_features(params, state.tok)
+    params = text_features(params, state.tok, limits)
     check_policy(params, state.cfg)
     return params
 
@@ -108,11 +107,10 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
     reasoning = _reasoning(state, prompt, template_kwargs)
+    if req.prediction is not None:  # a hint for NGRAM's drafts (engine/sched/spec.py), never the answer
+        kw["prediction_ids"] = await off_loop(len(body), prediction_ids, state.tok, req.prediction)
     with as_sent(req):
         params = _params_for(state, ids, kw, requested, None, limits, "messages")
-        if req.prediction is not None:  # a hint for NGRAM's drafts (engine/sched/spec.py), never the answer
-            predicted = await off_loop(len(body), prediction_ids, state.tok, req.prediction)
-            params = msgspec.structs.replace(params, prediction_ids=predicted)
         params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
     # SGLang's separate_reasoning false: the reasoning stays in the content; vLLM's include_reasoning
     # false: it is left out of the answer

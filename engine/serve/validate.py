@@ -145,15 +145,21 @@ def check_length(prompt_len: int, max_new: int, limits: Limits, what: str = "pro
         )
 
 
-def text_features(params: SamplingParams, tok: TextTokenizer | None) -> SamplingParams:
-    """params with its bad_words tokenized into bad_words_ids (a client's bad_words_ids replaced);
-    400 for a text feature (stop strings, bad_words) without a tokenizer."""
+def text_features(params: SamplingParams, tok: TextTokenizer | None, limits: Limits) -> SamplingParams:
+    """params with its bad_words tokenized into bad_words_ids (a client's bad_words_ids replaced) and
+    checked against the vocabulary like every other id; 400 for a text feature (stop strings,
+    bad_words) without a tokenizer."""
     if tok is None and params.stop:
         raise ApiError(400, f"stop strings need text: {IDS_ONLY}", param="stop")
     if tok is None and params.bad_words:
         raise ApiError(400, f"bad_words need text: {IDS_ONLY}", param="bad_words")
     ids = bad_words_ids(tok, params.bad_words) if tok is not None and params.bad_words else []
-    return msgspec.structs.replace(params, bad_words_ids=ids) if ids or params.bad_words_ids else params
+    if not (ids or params.bad_words_ids):
+        return params
+    params = msgspec.structs.replace(params, bad_words_ids=ids)
+    with renamed({"bad_words_ids": "bad_words"}):  # (the field the client sent)
+        check_params(params, limits.vocab_size, limits.eos_ids)
+    return params
 
 
 def prediction_ids(tok: TextTokenizer | None, prediction: Any) -> list[int]:
@@ -286,6 +292,8 @@ def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str
     guided = guided_spec(req)
     if guided is not None:
         names[guided[1]] = guided[0]
+    if getattr(req, "prediction", None) is not None:
+        names["prediction_ids"] = "prediction"
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         names["prompt_logprobs"] = "echo"  # (echo with logprobs scores the prompt)
     return names
@@ -503,6 +511,6 @@ def native_request(
         room = max(0, limits.max_context - len(ids))
         params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, room))
     check_params(params, limits.vocab_size, limits.eos_ids)
-    params = text_features(params, tok)
+    params = text_features(params, tok, limits)
     check_length(len(ids), params.max_new_tokens, limits)
     return params

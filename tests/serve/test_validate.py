@@ -29,8 +29,12 @@ from engine.serve.validate import (
     native_prompt,
     native_request,
     openai_params,
+    prediction_ids,
     resolve_max_tokens,
+    text_features,
 )
+from engine.tokenizer import load_tokenizer
+from models.default_model import ensure_default_model
 from msgs.params import SamplingParams
 
 LIMITS = Limits(max_context=100, vocab_size=1000)
@@ -474,3 +478,23 @@ def test_an_sdk_frames_unset_names_only_defaults_it_left() -> None:
         with pytest.raises(ApiError) as err:
             check_unset(unset, params)
         assert err.value.status == 400 and err.value.param == "unset"
+
+
+def test_ids_the_front_end_derives_are_checked_against_the_vocabulary() -> None:
+    """bad_words and a chat prediction become token ids at the edge: ids past the model's vocabulary
+    (a tokenizer larger than the model's embedding) are a 400 there, naming the field the client
+    sent, not an error at the scheduler; within it they pass."""
+    tok = load_tokenizer(str(ensure_default_model()))
+    small = Limits(max_context=100, vocab_size=100)  # the words' tokens are past 100
+    params = SamplingParams(bad_words=["Paris"])
+    with pytest.raises(ApiError) as err:
+        text_features(params, tok, small)
+    assert err.value.status == 400 and err.value.param == "bad_words", err.value.message
+    assert text_features(params, tok, Limits(max_context=100, vocab_size=49152)).bad_words_ids
+    body = msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}],
+                                "prediction": {"type": "content", "content": "Paris"}})
+    req = decode_body(body, ChatCompletionRequest)
+    kw = {**openai_params(req), "prediction_ids": prediction_ids(tok, req.prediction)}
+    with pytest.raises(ApiError) as err, as_sent(req):
+        make_params(kw, 8, small.vocab_size)
+    assert err.value.status == 400 and err.value.param == "prediction", err.value.message
