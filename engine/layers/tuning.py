@@ -118,9 +118,6 @@ class KernelTuning:
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # deterministic inference's GEMV (1-8 rows) as CUDA C++ (invariant_gemv.cu) instead of the triton one
     invariant_gemv_cuda: bool = False
-    # deterministic inference's residual-stream RMSNorms folded into the GEMMs around them (the CUDA GEMV's
-    # and the invariant GEMM's epilogues; models/llama.py fold_norms): no norm launch in a layer
-    det_norm_fold: bool = False
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
     # (engine/layers/mla_kernels.py) below that, and on every rank at 0 (a GPU nobody measured)
