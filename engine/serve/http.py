@@ -36,6 +36,7 @@ from engine.serve.errors import ApiError, api_error_body, error_body
 from engine.serve.frontend import GenerationFailed
 from engine.serve.native import abort_request, generate_http, health_generate, model_info
 from engine.serve.openai_api import chat_completions, completions
+from engine.serve.responses import responses
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
 from engine.serve.validate import check_model, check_rid
@@ -289,6 +290,7 @@ def build_app(state: ServeState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", api_route(state, chat_completions), methods=["POST"]),
         Route("/v1/completions", api_route(state, completions), methods=["POST"]),
+        Route("/v1/responses", api_route(state, responses), methods=["POST"]),
         Route("/generate", api_route(state, generate_http), methods=["POST"]),
         Route("/tokenize", api_route(state, tokenize), methods=["POST"]),
         Route("/detokenize", api_route(state, detokenize), methods=["POST"]),

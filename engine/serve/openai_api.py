@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -67,7 +68,7 @@ def stop_reason(c: Choice | Delta, stop_ids: frozenset[int]) -> int | str | None
     return c.matched if isinstance(c.matched, str) or c.matched in stop_ids else None
 
 
-async def _finish(gen: Generation) -> list[Choice]:
+async def finish(gen: Generation) -> list[Choice]:
     try:
         return await collect(gen)  # GenerationFailed is an ApiError: a 5xx JSON error
     finally:
@@ -86,10 +87,23 @@ def _usage_every_chunk(req: ChatCompletionRequest | CompletionRequest) -> bool:
 # -- chat -------------------------------------------------------------------------------
 
 
-async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
-    req = decode_body(body, ChatCompletionRequest)
-    check_model(req.model, state.accepted_models)
-    check_unsupported(req)
+@dataclass
+class ChatRun:
+    """A chat request admitted and submitted: its id, token ids, generation, a maker of each
+    choice's output parser, its tools and its stop_token_ids (/v1/chat/completions and
+    /v1/responses answer it each in their own format)."""
+
+    rid: str
+    ids: list[int]
+    gen: Generation
+    new_output: Callable[[], ChatOutput]
+    tools: ToolRequest | None
+    stop_ids: frozenset[int]
+
+
+async def start_chat(state: ServeState, req: ChatCompletionRequest, body_len: int, call: Call) -> ChatRun:
+    """Validate `req` (decoded, check_unsupported passed), render and tokenize its messages, build and
+    constrain its parameters, and submit it: every 4xx is raised here, before anything runs."""
     rid = request_rid(req, call.rid, call.rid_given)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.cfg.tool_call_parser)
     with as_sent(req):
@@ -99,7 +113,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     template_kwargs = req.chat_template_kwargs
     if req.reasoning_effort is not None:  # chat_template_kwargs, where it names one, wins
         template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
-    prompt, ids = await off_loop(len(body), chat_prompt, state.tok, req.messages, req.tools, template_kwargs, limits,
+    prompt, ids = await off_loop(body_len, chat_prompt, state.tok, req.messages, req.tools, template_kwargs, limits,
                                  add_generation_prompt=bool(req.add_generation_prompt),
                                  continue_final_message=bool(req.continue_final_message),
                                  add_special_tokens=bool(req.add_special_tokens), keep_last=prompt_limit(req, limits))
@@ -108,7 +122,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None
     reasoning = _reasoning(state, prompt, template_kwargs)
     if req.prediction is not None:  # a hint for NGRAM's drafts (engine/sched/spec.py), never the answer
-        kw["prediction_ids"] = await off_loop(len(body), prediction_ids, state.tok, req.prediction)
+        kw["prediction_ids"] = await off_loop(body_len, prediction_ids, state.tok, req.prediction)
     with as_sent(req):
         params = _params_for(state, ids, kw, requested, None, limits, "messages")
         params = await constrain(service_of(state), params, limits.vocab_size, forced, reasoning)
@@ -120,17 +134,26 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
     subs = fan_out(rid, [ids], [params], req.n)
     log.info("chat request", prompt_tokens=len(ids), n=req.n, max_tokens=params.max_new_tokens, stream=req.stream)
     gen = await Generation.start(state.frontend, state.tok, rid, subs, call.t0, req.stream)
+    return ChatRun(rid, ids, gen, new_output, tools, stop_ids)
+
+
+async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
+    req = decode_body(body, ChatCompletionRequest)
+    check_model(req.model, state.accepted_models)
+    check_unsupported(req)
+    run = await start_chat(state, req, len(body), call)
+    rid, gen, tools, stop_ids = run.rid, run.gen, run.tools, run.stop_ids
     created = int(time.time())
     if req.stream:
         deltas = await first_then_rest(gen)
-        parsed = _Parsed(new_output, tools)
+        parsed = _Parsed(run.new_output, tools)
         stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req), parsed,
                               _usage_every_chunk(req), stop_ids, _namer(state, req))
         return Reply(stream=stream, close=gen.close, rid=rid)
-    choices = await _finish(gen)
+    choices = await finish(gen)
     out = []
     for c in choices:
-        output = new_output()
+        output = run.new_output()
         output.feed(c.text)
         output.finish()
         lp = fmt.chat_logprobs(_namer(state, req), c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
@@ -140,7 +163,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
                                      for c in choices), (c.spec for c in choices))
     body = fmt.chat_completion(rid, state.model_name, created, out, use)
     if req.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
-        body["prompt_logprobs"] = _vllm_scores(state, ids, choices[0], req.prompt_logprobs)
+        body["prompt_logprobs"] = _vllm_scores(state, run.ids, choices[0], req.prompt_logprobs)
     return Reply(body=body, rid=rid)
 
 
@@ -285,7 +308,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req), echo,
                                     _usage_every_chunk(req), stop_ids, _namer(state, req))
         return Reply(stream=stream, close=gen.close, rid=rid)
-    choices = await _finish(gen)
+    choices = await finish(gen)
     out = []
     for c in choices:
         prompt = prompts[c.prompt_index]

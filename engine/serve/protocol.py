@@ -169,6 +169,48 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None
 
 
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's /v1/responses, stateless: the conversation comes whole in `input` (a text, or its
+    items: messages, function calls and their outputs), and nothing is kept after the answer
+    (engine/serve/responses.py maps it onto the chat path)."""
+
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": text / json_object / json_schema, "verbosity": a hint}
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": a hint}
+    include: list[str] | None = None
+    # accepted, nothing kept: store says whether OpenAI would keep the response (this server keeps none)
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # vLLM's extensions of this endpoint
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    request_id: str | None = None
+    priority: int | None = None
+    # declared for a clear 400 (responses.check_unsupported): state this server does not keep, and the rest
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    prompt: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+
+
 class GenerateBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """SGLang-native /generate. sampling_params stays a dict until `native_params` so
     that the defaults the client did not set can be told apart."""
@@ -213,8 +255,8 @@ class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens: list[int]
 
 
-_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest, GenerateBody,
-                                                  TokenizeBody, DetokenizeBody, AbortBody)}
+_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest, ResponsesRequest,
+                                                  GenerateBody, TokenizeBody, DetokenizeBody, AbortBody)}
 
 
 def decode_body(body: bytes, kind: type[T]) -> T:

@@ -114,7 +114,8 @@ def test_openai_routes_answer_or_4xx(server: Server, baseline: str, params: dict
 
 
 @SETTINGS
-@given(body=JSON, raw=RAW, path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]))
+@given(body=JSON, raw=RAW,
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"]))
 def test_arbitrary_bodies_are_4xx(server: Server, baseline: str, body: Any, raw: bytes, path: str) -> None:
     _check(httpx.post(server.http + path, content=json.dumps(body), timeout=60))
     _check(httpx.post(server.http + path, content=raw, timeout=60))
@@ -132,6 +133,21 @@ def test_arbitrary_bodies_are_4xx(server: Server, baseline: str, body: Any, raw:
 )
 def test_arbitrary_messages_are_answered_or_4xx(server: Server, baseline: str, messages: list) -> None:
     _check(httpx.post(f"{server.base_url}/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60))
+
+
+@SETTINGS
+@given(items=st.lists(
+    st.fixed_dictionaries({}, optional={"type": st.sampled_from(["message", "function_call", "function_call_output",
+                                                                 "reasoning", "x"]) | JSON,
+                                        "role": st.sampled_from(["user", "developer", "assistant", "tool"]) | JSON,
+                                        "content": JSON, "call_id": JSON, "name": JSON, "arguments": JSON,
+                                        "output": JSON}),
+    max_size=4),
+    extras=st.fixed_dictionaries({}, optional={k: JSON for k in ("text", "tools", "tool_choice", "reasoning", "include",
+                                                                "instructions", "truncation", "background")}))
+def test_arbitrary_response_items_are_answered_or_4xx(server: Server, baseline: str, items: list, extras: dict) -> None:
+    body = {"input": items, "max_output_tokens": 2, **extras}
+    _check(httpx.post(f"{server.base_url}/responses", json=body, timeout=60))
 
 
 FLOAT = st.floats() | st.sampled_from([math.inf, -math.inf, math.nan, 0.0, 1.0, 2.0])

@@ -101,13 +101,14 @@ def test_an_error_quotes_a_huge_field_briefly(server: Server) -> None:
         assert r.status_code == status and len(r.content) < 5000, (r.status_code, len(r.content))
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"])
 @pytest.mark.parametrize("depth", [1000, 100_000])
 def test_deeply_nested_json_is_400(server: Server, path: str, depth: int) -> None:
     nested = "[" * depth + "]" * depth
     body = {
         "/v1/completions": '{"model": "x", "prompt": %s}',
         "/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": %s}}',
+        "/v1/responses": '{"input": "hi", "metadata": {"a": %s}}',
         "/generate": '{"text": "hi", "sampling_params": {"x": %s}}',
     }[path] % nested
     r = httpx.post(server.http + path, content=body, headers={"content-type": "application/json"}, timeout=30)

@@ -192,6 +192,39 @@ def test_forced_tool_calls_streamed(client: OpenAI, choice: str) -> None:
     assert finish in ("tool_calls", "stop")
 
 
+def test_responses_function_calls_are_the_chats(client: OpenAI) -> None:
+    """/v1/responses with a named tool_choice: its function_call item is the chat's tool call (greedy,
+    the same turns), streamed or not; then the call and its output sent back as input items give the
+    chat's next answer for the same history."""
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    ask = "What is the weather in Paris?"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ask}], tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=96, temperature=0)
+    (want,) = chat.choices[0].message.tool_calls
+    kw = {"model": MODEL, "input": ask, "tools": flat, "tool_choice": {"type": "function", "name": "get_weather"},
+          "max_output_tokens": 96, "temperature": 0}
+    r = client.responses.create(**kw)
+    (call,) = [it for it in r.output if it.type == "function_call"]
+    assert (call.name, call.arguments) == (want.function.name, want.function.arguments)
+    with client.responses.stream(**kw) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        final = stream.get_final_response()
+    (streamed,) = [it for it in final.output if it.type == "function_call"]
+    assert (streamed.name, streamed.arguments, deltas) == (call.name, call.arguments, call.arguments)
+    history = [{"role": "user", "content": ask},
+               {"role": "assistant", "content": None, "tool_calls": [want.model_dump()]},
+               {"role": "tool", "tool_call_id": want.id, "content": "sunny, 21C"}]
+    chat2 = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=24,
+                                           temperature=0)
+    items = [{"role": "user", "content": ask},
+             {"type": "function_call", "call_id": want.id, "name": want.function.name,
+              "arguments": want.function.arguments},
+             {"type": "function_call_output", "call_id": want.id, "output": "sunny, 21C"}]
+    r2 = client.responses.create(model=MODEL, input=items, tools=flat, max_output_tokens=24, temperature=0)
+    assert r2.output_text == (chat2.choices[0].message.content or "")
+
+
 def test_regex_and_ebnf_on_completions_and_generate(client: OpenAI, srv: Server) -> None:
     r = client.completions.create(
         model=MODEL, prompt="The year was", max_tokens=16, temperature=0, extra_body={"regex": r" (19|20)[0-9]{2}\."}
