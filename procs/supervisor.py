@@ -160,10 +160,13 @@ def _run(
                     log.info("failure reported after a child ended", reporter=name, reason=msg.reason)
                     return crashed(dead, f"process {dead} ({how}) exited unexpectedly; {name} then failed: "
                                    f"{msg.reason[:300]}", how)
-                held = children.stopped(name, msg.by)  # a stopped rank: the others can only say they wait
+                # a stopped rank: the others can only say they wait, and the scheduler's watchdog may
+                # blame it (a worker's Fatal sent `by` the scheduler) or the rank waiting on it
+                held = children.stopped(msg.by or name)
                 if held is not None:
-                    return crashed(held, f"process {held} is stopped (SIGSTOP); {name} then failed: "
-                                   f"{msg.reason[:300]}", "stopped (SIGSTOP)")
+                    then = f"{msg.by} reported" if held == name else f"{name} then failed"
+                    return crashed(held, f"process {held} is stopped (SIGSTOP); {then}: {msg.reason[:300]}",
+                                   "stopped (SIGSTOP)")
                 return crashed(name, f"{name} failed: {msg.reason}", msg.reason)
             if isinstance(msg, Ready):
                 name = child_name(msg.proc, msg.rank)
