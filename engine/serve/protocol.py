@@ -202,7 +202,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     seed: int | None = None
     request_id: str | None = None
     priority: int | None = None
-    # declared for a clear 400 (responses.check_unsupported): state this server does not keep, and the rest
+    # declared for a clear 400 (responses.chat_request): state this server does not keep, and the rest
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
@@ -293,13 +293,18 @@ REFUSED_IN_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
 _REFUSED_IN_CHAT = REFUSED | REFUSED_IN_CHAT
 
 
-def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """Reject OpenAI features this server does not implement, when asked for for real."""
-    refused = REFUSED if isinstance(req, CompletionRequest) else _REFUSED_IN_CHAT
+def refuse(req: Any, refused: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """A 400 naming the first field of `refused` (name -> (its harmless values, why)) that `req` sets
+    to another value."""
     for name, (harmless, why) in refused.items():
         value = getattr(req, name)
         if not any(value == h and type(value) is type(h) for h in harmless):  # (0 == False: not the same here)
             raise ApiError(400, why, param=name)
+
+
+def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Reject OpenAI features this server does not implement, when asked for for real."""
+    refuse(req, REFUSED if isinstance(req, CompletionRequest) else _REFUSED_IN_CHAT)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if req.prompt_logprobs is not None and req.stream:  # (as vLLM)

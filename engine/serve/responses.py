@@ -24,7 +24,14 @@ from engine.serve.errors import ApiError
 from engine.serve.generate import Delta, GenerationFailed, first_then_rest
 from engine.serve.openai_api import ChatRun, finish, start_chat
 from engine.serve.parsers.output import ChatOutput, OutputDelta
-from engine.serve.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest, check_unsupported, decode_body
+from engine.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponsesRequest,
+    check_unsupported,
+    decode_body,
+    refuse,
+)
 from engine.serve.state import Call, Reply, ServeState
 from engine.serve.validate import check_model
 
@@ -71,10 +78,7 @@ async def responses(state: ServeState, body: bytes, call: Call) -> Reply:
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that answers `req`, or a 400 naming the field it cannot take."""
-    for name, (harmless, why) in _REFUSED.items():
-        value = getattr(req, name)
-        if not any(value == h and type(value) is type(h) for h in harmless):
-            raise ApiError(400, why, param=name)
+    refuse(req, _REFUSED)
     for what in req.include or []:
         if what not in _INCLUDABLE:
             raise ApiError(400, f"include {what!r} is not supported", param="include")
