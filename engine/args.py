@@ -125,6 +125,8 @@ HELP = {
     "those the model's generation_config.json sets (as SGLang and vLLM do) | openai: always OpenAI's (1, 1, off, 0, 1)",
     "chat_template": "a Jinja chat template file to use instead of the model's own (e.g. "
     "configs/templates/smollm2-hermes-tools.jinja: the default model with Hermes-style tools)",
+    "trust_request_chat_template": "render a chat request's own `chat_template` (a Jinja text, in a sandbox) instead "
+    "of the server's (vLLM's flag: off, such a request is a 400, since a template is code its sender runs here)",
 }
 
 

@@ -82,6 +82,7 @@ class ServerConfig:
     tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
     reasoning_parser: str = ""  # "" = <think> blocks stay in the content
     chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
+    trust_request_chat_template: bool = False  # a chat request's own `chat_template` is rendered (vLLM's flag)
     # what a request's unset temperature / top_p / top_k / min_p / repetition_penalty are: "model" (its
     # generation_config.json's, where it sets them; else OpenAI's) | "openai" (SGLang's flag)
     sampling_defaults: str = "model"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import msgspec
@@ -115,11 +115,13 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template: str | None = None,
 ) -> str:
     """The prompt text for a conversation, ending with the assistant's generation prompt, or
     (continue_final_message, vLLM's extension) with the final message left open so that the
-    model continues it (transformers cuts the render after that message's content)."""
-    if tok.chat_template is None:
+    model continues it (transformers cuts the render after that message's content). `template`:
+    the request's own chat template (checked by request_template) instead of the tokenizer's."""
+    if tok.chat_template is None and template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
     if add_generation_prompt and continue_final_message:
         raise ApiError(400, "continue_final_message needs add_generation_prompt false", "continue_final_message")
@@ -132,7 +134,7 @@ def render_chat(
     try:
         text = tok.hf.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False, **kwargs
+            continue_final_message=continue_final_message, tokenize=False, chat_template=template, **kwargs
         )
     except Exception as exc:  # noqa: BLE001 - jinja raises anything; all of it is the input's fault
         raise ApiError(400, f"the chat template failed to render these messages: {exc}", "messages") from None
@@ -149,12 +151,40 @@ def chat_text(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template: str | None = None,
 ) -> str:
     """A chat request's prompt text (validation + rendering)."""
     if tok is None:
         raise ApiError(400, f"chat is not available: {IDS_ONLY}", param="messages")
     return render_chat(tok, message_dicts(messages), tools, template_kwargs,
-                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       template=template)
+
+
+def request_template(template: str | None, trusted: bool) -> str | None:
+    """A request's own chat template (vLLM's `chat_template`), checked: it needs a server started with
+    --trust-request-chat-template (a template is code the sender runs here, if in jinja's sandbox) and
+    must compile; a 400 naming chat_template otherwise."""
+    if template is None:
+        return None
+    if not trusted:
+        raise ApiError(400, "a per-request chat template needs a server started with --trust-request-chat-template "
+                       "(or start it with --chat-template)", param="chat_template")
+    if not template.strip():
+        raise ApiError(400, "chat_template is empty", param="chat_template")
+    _compiles(template)
+    return template
+
+
+@lru_cache(maxsize=64)  # a client sends one template again and again
+def _compiles(template: str) -> None:
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as exc:
+        raise ApiError(400, f"chat_template does not compile: {exc} (line {exc.lineno})", "chat_template") from None
 
 
 def chat_prompt(
@@ -168,13 +198,14 @@ def chat_prompt(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     keep_last: int | None = None,
+    template: str | None = None,
 ) -> tuple[str, list[int]]:
     """A chat request's prompt text and token ids; with `limits`, a text too long to fit the
     context is refused before it is tokenized. The text tells a reasoning parser whether the
     template pre-filled `<think>`. add_special_tokens: the tokenizer's own (BOS) on top of the
     template's (vLLM's default, false, as the template writes them); keep_last: prompt_limit's."""
-    text = chat_text(tok, messages, tools, template_kwargs,
-                     add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    text = chat_text(tok, messages, tools, template_kwargs, add_generation_prompt=add_generation_prompt,
+                     continue_final_message=continue_final_message, template=template)
     assert tok is not None  # chat_text refused it
     if limits is None:
         return text, tok.encode(text, add_special_tokens=add_special_tokens)

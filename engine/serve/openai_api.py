@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from engine.serve import formats as fmt
-from engine.serve.chat import chat_prompt
+from engine.serve.chat import chat_prompt, request_template
 from engine.serve.errors import api_error_body
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
 from engine.serve.grammar import Reasoning, constrain, service_of
@@ -116,7 +116,8 @@ async def start_chat(state: ServeState, req: ChatCompletionRequest, body_len: in
     prompt, ids = await off_loop(body_len, chat_prompt, state.tok, req.messages, req.tools, template_kwargs, limits,
                                  add_generation_prompt=bool(req.add_generation_prompt),
                                  continue_final_message=bool(req.continue_final_message),
-                                 add_special_tokens=bool(req.add_special_tokens), keep_last=prompt_limit(req, limits))
+                                 add_special_tokens=bool(req.add_special_tokens), keep_last=prompt_limit(req, limits),
+                                 template=request_template(req.chat_template, state.cfg.trust_request_chat_template))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     structure = tools.structure() if tools is not None else None
     forced = (structure, tools.parallel) if structure is not None and tools is not None else None

@@ -152,7 +152,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     functions: Any = None
     function_call: Any = None
     web_search_options: Any = None
-    chat_template: Any = None
+    chat_template: str | None = None  # vLLM's: this request's Jinja template (--trust-request-chat-template)
     documents: Any = None
     echo: Any = None
     stream_reasoning: Any = None
@@ -244,6 +244,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as the chat endpoint's (--trust-request-chat-template)
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
@@ -285,7 +286,6 @@ REFUSED_IN_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None,), "functions is deprecated and not supported: use tools"),
     "function_call": ((None,), "function_call is deprecated and not supported: use tool_choice"),
     "web_search_options": ((None,), "web search is not supported"),
-    "chat_template": ((None,), "a per-request chat template is not accepted: start the server with --chat-template"),
     "documents": ((None,), "documents is not supported"),
     "echo": ((None, False), "echo is a /v1/completions feature; chat does not echo"),
     "stream_reasoning": ((None, True), "stream_reasoning false is not supported"),

@@ -8,7 +8,7 @@ rendering and ids: the same template, kwargs and tools); /detokenize answers {"p
 
 from __future__ import annotations
 
-from engine.serve.chat import chat_text
+from engine.serve.chat import chat_text, request_template
 from engine.serve.errors import ApiError
 from engine.serve.parsers.tool_request import check_tools
 from engine.serve.protocol import DetokenizeBody, TokenizeBody, decode_body
@@ -27,9 +27,10 @@ async def tokenize(state: ServeState, body: bytes, call: Call) -> Reply:
     limits = await state.limits()
     if req.messages is not None:
         check_tools(req.tools, None, None, state.cfg.tool_call_parser)  # the chat endpoint's checks: same render
+        template = request_template(req.chat_template, state.cfg.trust_request_chat_template)
         text = await off_loop(len(body), chat_text, state.tok, req.messages, req.tools, req.chat_template_kwargs,
                               add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message)
+                              continue_final_message=req.continue_final_message, template=template)
         ids = await off_loop(len(body), state.tok.encode, text, add_special_tokens=bool(req.add_special_tokens))
     else:
         ids = await off_loop(len(body), state.tok.encode, req.prompt or "",

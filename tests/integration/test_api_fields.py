@@ -293,3 +293,10 @@ def test_sglang_logprob_lists_are_there_when_no_token_came(server: Server) -> No
         "text": "Hello", "sampling_params": {"max_new_tokens": 0}, "return_logprob": True})
     meta = r.json()["meta_info"]
     assert r.status_code == 200 and meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == []
+
+
+def test_a_requests_chat_template_needs_the_servers_trust(server: Server) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ messages[0].content }}"}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]

@@ -27,6 +27,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--tool-call-parser", "hermes",
         "--chat-template", "configs/templates/smollm2-hermes-tools.jinja",
         "--max-total-tokens", "16384",
+        "--trust-request-chat-template",
     )  # fmt: skip
     yield s
     stop_server(s)
@@ -223,6 +224,27 @@ def test_responses_function_calls_are_the_chats(client: OpenAI) -> None:
              {"type": "function_call_output", "call_id": want.id, "output": "sunny, 21C"}]
     r2 = client.responses.create(model=MODEL, input=items, tools=flat, max_output_tokens=24, temperature=0)
     assert r2.output_text == (chat2.choices[0].message.content or "")
+
+
+def test_a_requests_own_chat_template_is_rendered(srv: Server) -> None:
+    """With --trust-request-chat-template a chat request's chat_template replaces the server's: its
+    prompt is the template's text (/tokenize with the same template counts the same tokens, and a
+    completion of that text answers the same, greedy)."""
+    own = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = httpx.post(f"{srv.base_url}/chat/completions", json={"messages": msgs, "chat_template": own,
+                                                                "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    text = "user: What is the capital of France?\nassistant:"
+    tok = httpx.post(f"{srv.http}/tokenize", json={"messages": msgs, "chat_template": own}, timeout=60).json()
+    plain = httpx.post(f"{srv.http}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert tok["tokens"] == plain["tokens"] and chat.json()["usage"]["prompt_tokens"] == plain["count"]
+    greedy = {"prompt": plain["tokens"], "max_tokens": 8, "temperature": 0}
+    done = httpx.post(f"{srv.base_url}/completions", json=greedy, timeout=60).json()
+    assert chat.json()["choices"][0]["message"]["content"] == done["choices"][0]["text"]
+    bad = httpx.post(f"{srv.base_url}/chat/completions", json={"messages": msgs, "chat_template": "{% if %}"},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
 
 
 def test_regex_and_ebnf_on_completions_and_generate(client: OpenAI, srv: Server) -> None:

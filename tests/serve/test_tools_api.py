@@ -181,3 +181,25 @@ def test_parser_registry_imports_no_torch() -> None:
 
     code = "import sys, engine.config, engine.serve.parsers; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_requests_own_chat_template(tmp_path: Path) -> None:
+    """vLLM's per-request chat_template: refused unless the server trusts it, refused empty or when it
+    does not compile (400s naming chat_template), else rendered in place of the model's, also for a
+    model that has none."""
+    from engine.serve.chat import chat_text, request_template
+
+    own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
+    for template, trusted, says in ((own, False, "--trust-request-chat-template"), ("  ", True, "empty"),
+                                    ("{% for m in messages %}", True, "does not compile")):
+        with pytest.raises(ApiError) as info:
+            request_template(template, trusted)
+        assert info.value.status == 400 and info.value.param == "chat_template" and says in info.value.message
+    assert request_template(None, False) is None and request_template(own, True) == own
+    msgs = _messages('[{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]')
+    for model in (write_model_dir(tmp_path / "m"), write_model_dir(tmp_path / "plain", chat_template=None)):
+        tok = load_tokenizer(str(model))
+        assert tok is not None
+        assert chat_text(tok, msgs, template=own) == "<system>s<user>hi>>"
+    tok = load_tokenizer(str(write_model_dir(tmp_path / "m3")))
+    assert tok is not None and chat_text(tok, msgs) != chat_text(tok, msgs, template=own)  # the model's otherwise
