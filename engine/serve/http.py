@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -34,10 +33,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError, api_error_body, error_body
 from engine.serve.frontend import GenerationFailed
-from engine.serve.native import abort_request, generate_http, health_generate, model_info
+from engine.serve.native import abort_request, generate_http, health_generate, model_info, server_info
 from engine.serve.openai_api import chat_completions, completions
 from engine.serve.responses import responses
-from engine.serve.state import Call, Reply, ServeState
+from engine.serve.state import VERSION, Call, Reply, ServeState
 from engine.serve.tokenize_api import detokenize, tokenize, tokenizer_info
 from engine.serve.validate import check_model, check_rid
 from msgs.client import MAX_FRAME_BYTES
@@ -187,10 +186,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().data_received(data)
 
 
-try:
-    VERSION = importlib.metadata.version("strata")
-except importlib.metadata.PackageNotFoundError:  # run from a tree on PYTHONPATH, not installed
-    VERSION = "unknown"
 MAX_BODY = MAX_FRAME_BYTES  # bytes of a request body: larger is a 413 (1M-token prompts fit in a few MB)
 
 
@@ -300,6 +295,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", api_route(state, health_generate), methods=["GET"]),
         Route("/get_model_info", api_route(state, model_info), methods=["GET"]),
+        Route("/get_server_info", api_route(state, server_info), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),

@@ -26,7 +26,7 @@ from engine.serve.errors import ApiError, api_error_body
 from engine.serve.generate import Choice, Delta, Generation, GenerationFailed, collect, first_then_rest
 from engine.serve.grammar import constrain, service_of
 from engine.serve.protocol import AbortBody, GenerateBody, decode_body
-from engine.serve.state import Call, Reply, ServeState
+from engine.serve.state import VERSION, Call, Reply, ServeState
 from engine.serve.validate import (
     MAX_N,
     MAX_SUBREQUESTS,
@@ -265,3 +265,17 @@ async def model_info(state: ServeState, body: bytes, call: Call) -> Reply:
     path = state.cfg.model or state.model_name
     return Reply(body={"model_path": path, "tokenizer_path": path, "is_generation": True,
                        "served_model_name": state.model_name})
+
+
+async def server_info(state: ServeState, body: bytes, call: Call) -> Reply:
+    """SGLang's GET /get_server_info: the server's arguments (its ServerConfig, the API key left out),
+    the KV pool's tokens and the longest request (SGLang's max_total_num_tokens and max_req_input_len,
+    which its benchmark and router read), whether it runs deterministic, and the version."""
+    limits = await state.limits()
+    stats = state.frontend.stats
+    assert stats is not None  # ready implies stats arrived
+    info = msgspec.json.decode(state.cfg.to_json())
+    info.pop("api_key", None)
+    info.update(max_total_num_tokens=stats.kv_pages_total * state.cfg.page_size, max_req_input_len=limits.max_context,
+                deterministic=stats.deterministic, version=VERSION)
+    return Reply(body=info)

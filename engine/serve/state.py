@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,11 @@ from engine.tokenizer import TextTokenizer
 # Requests that arrive before the scheduler reported ready wait this long, then get a 503:
 # the supervisor may announce readiness a moment before the first SchedulerStats lands.
 READY_TIMEOUT_S = 30.0
+
+try:
+    VERSION = importlib.metadata.version("strata")
+except importlib.metadata.PackageNotFoundError:  # run from a tree on PYTHONPATH, not installed
+    VERSION = "unknown"
 
 
 @dataclass

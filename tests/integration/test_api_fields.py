@@ -300,3 +300,16 @@ def test_a_requests_chat_template_needs_the_servers_trust(server: Server) -> Non
     r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_get_server_info_is_sglangs(server: Server) -> None:
+    """SGLang's /get_server_info: the arguments the server runs with (the test server's
+    --max-total-tokens and --max-prefill-tokens), the KV pool's tokens, the longest request, the
+    version; never the API key."""
+    info = httpx.get(f"{server.http}/get_server_info", timeout=30).json()
+    assert info["max_total_tokens"] == 16384 and info["max_prefill_tokens"] == 512
+    assert info["max_total_num_tokens"] >= 16384 and info["max_total_num_tokens"] % info["page_size"] == 0
+    version = httpx.get(f"{server.http}/version", timeout=30).json()["version"]
+    assert info["version"] == version and "api_key" not in info
+    stats = httpx.post(f"{server.http}/tokenize", json={"prompt": "x"}, timeout=30).json()
+    assert info["max_req_input_len"] == stats["max_model_len"]
