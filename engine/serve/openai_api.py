@@ -149,7 +149,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         deltas = await first_then_rest(gen)
         parsed = _Parsed(run.new_output, tools)
         stream = _chat_stream(state, gen, deltas, rid, created, req.logprobs, _include_usage(req), parsed,
-                              _usage_every_chunk(req), stop_ids, _namer(state, req))
+                              _usage_every_chunk(req), stop_ids, namer(state, req))
         return Reply(stream=stream, close=gen.close, rid=rid)
     choices = await finish(gen)
     out = []
@@ -157,7 +157,7 @@ async def chat_completions(state: ServeState, body: bytes, call: Call) -> Reply:
         output = run.new_output()
         output.feed(c.text)
         output.finish()
-        lp = fmt.chat_logprobs(_namer(state, req), c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
+        lp = fmt.chat_logprobs(namer(state, req), c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None
         out.append(fmt.chat_choice(c.index, output.message(), output.finish_reason(c.finish_reason, tools), lp,
                                    stop_reason(c, stop_ids)))
     use = fmt.with_spec(fmt.usage_of((c.prompt_index, c.prompt_tokens, c.completion_tokens, c.cached_tokens)
@@ -248,7 +248,7 @@ def _chat_stream(
     stop_ids: frozenset[int] = frozenset(),
     tok: TextTokenizer | None = None,
 ) -> AsyncIterator[bytes]:
-    """tok: what names the logprobs' tokens (_namer)."""
+    """tok: what names the logprobs' tokens (namer)."""
     model = state.model_name
 
     def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None) -> bytes:
@@ -307,7 +307,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         echo = [(_prompt_text(req.prompt, i, ids, state.tok), ids) for i, ids in enumerate(prompts)] if req.echo \
             else None
         stream = _completion_stream(state, gen, deltas, rid, created, want_lp, _include_usage(req), echo,
-                                    _usage_every_chunk(req), stop_ids, _namer(state, req))
+                                    _usage_every_chunk(req), stop_ids, namer(state, req))
         return Reply(stream=stream, close=gen.close, rid=rid)
     choices = await finish(gen)
     out = []
@@ -316,9 +316,9 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
         text, lp = c.text, None
         if req.echo:  # the prompt as given (a string) or decoded (ids), then the completion
             text = _prompt_text(req.prompt, c.prompt_index, prompt, state.tok) + text
-            lp = fmt.echo_logprobs(_namer(state, req), prompt, c)[0] if want_lp else None
+            lp = fmt.echo_logprobs(namer(state, req), prompt, c)[0] if want_lp else None
         elif want_lp:
-            lp = fmt.completion_logprobs(_namer(state, req), c.token_ids, c.logprobs, c.top_logprobs)[0]
+            lp = fmt.completion_logprobs(namer(state, req), c.token_ids, c.logprobs, c.top_logprobs)[0]
         out.append(fmt.completion_choice(c.index, text, c.finish_reason, lp, stop_reason(c, stop_ids)))
         if req.prompt_logprobs is not None:
             out[-1]["prompt_logprobs"] = _vllm_scores(state, prompt, c, req.prompt_logprobs)
@@ -327,7 +327,7 @@ async def completions(state: ServeState, body: bytes, call: Call) -> Reply:
     return Reply(body=fmt.completion(rid, state.model_name, created, out, use), rid=rid)
 
 
-def _namer(state: ServeState, req: ChatCompletionRequest | CompletionRequest) -> TextTokenizer | None:
+def namer(state: ServeState, req: ChatCompletionRequest | CompletionRequest) -> TextTokenizer | None:
     """The tokenizer that names the logprobs' tokens; None (each token as "token_id:<id>", its bytes
     those of that text) where vLLM's return_tokens_as_token_ids asks for it."""
     return None if req.return_tokens_as_token_ids else state.tok
@@ -361,7 +361,7 @@ def _completion_stream(
     tok: TextTokenizer | None = None,
 ) -> AsyncIterator[bytes]:
     """echo: each prompt's text and ids, sent (with their logprobs) before its choices' first text;
-    tok: what names the logprobs' tokens (_namer)."""
+    tok: what names the logprobs' tokens (namer)."""
     model = state.model_name
     offsets: dict[int, fmt.TextOffset] = {}
     prompt_of = {s.index: s.prompt_index for s in gen.subs}

@@ -202,12 +202,12 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     seed: int | None = None
     request_id: str | None = None
     priority: int | None = None
+    top_logprobs: int | None = None  # with include's message.output_text.logprobs, or alone (vLLM)
     # declared for a clear 400 (responses.chat_request): state this server does not keep, and the rest
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
     prompt: Any = None
-    top_logprobs: Any = None
     max_tool_calls: Any = None
 
 

@@ -22,7 +22,7 @@ import structlog
 from engine.serve import formats as fmt
 from engine.serve.errors import ApiError
 from engine.serve.generate import Delta, GenerationFailed, first_then_rest
-from engine.serve.openai_api import ChatRun, finish, start_chat
+from engine.serve.openai_api import ChatRun, finish, namer, start_chat
 from engine.serve.parsers.output import ChatOutput, OutputDelta
 from engine.serve.protocol import (
     ChatCompletionRequest,
@@ -46,11 +46,11 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "conversation": ((None,), "this server keeps no conversations: send the whole conversation in input"),
     "background": ((None, False), "background responses are not supported"),
     "prompt": ((None,), "stored prompt templates are not supported"),
-    "top_logprobs": ((None, 0), "top_logprobs is not supported on /v1/responses"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported"),
     "truncation": ((None, "disabled"), "truncation auto is not supported: the prompt must fit the context"),
 }
-_INCLUDABLE = ("reasoning.encrypted_content",)  # asked by stateless clients; reasoning is returned as text
+# asked by stateless clients (reasoning is returned as text), and the answer's token logprobs
+_INCLUDABLE = ("reasoning.encrypted_content", LOGPROBS := "message.output_text.logprobs")
 
 
 async def responses(state: ServeState, body: bytes, call: Call) -> Reply:
@@ -66,12 +66,12 @@ async def responses(state: ServeState, body: bytes, call: Call) -> Reply:
     head = _head(req, state.model_name, "resp_" + run.rid if not run.rid.startswith("resp_") else run.rid, created)
     if req.stream:
         deltas = await first_then_rest(run.gen)
-        return Reply(stream=_stream(state, run, deltas, head), close=run.gen.close, rid=run.rid)
+        return Reply(stream=_stream(state, run, deltas, head, chat), close=run.gen.close, rid=run.rid)
     (c,) = await finish(run.gen)
     output = run.new_output()
     output.feed(c.text)
     output.finish()
-    items = _items(output, c.finish_reason)
+    items = _items(output, c.finish_reason, _logprobs(state, chat, c.token_ids, c.logprobs, c.top_logprobs))
     use = _usage(state, c.prompt_tokens, c.completion_tokens, c.cached_tokens, output)
     return Reply(body=_done(head, items, use, c.finish_reason), rid=run.rid)
 
@@ -88,8 +88,10 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     effort = (req.reasoning or {}).get("effort")
     if effort is not None and effort not in _EFFORTS:
         raise ApiError(400, f"reasoning.effort must be one of {', '.join(_EFFORTS)}", param="reasoning")
+    logprobs = LOGPROBS in (req.include or []) or bool(req.top_logprobs)
     return ChatCompletionRequest(
         messages=_messages(req), model=req.model, max_completion_tokens=req.max_output_tokens,
+        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None,
         temperature=req.temperature, top_p=req.top_p, stream=bool(req.stream), tools=_tools(req.tools),
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text), reasoning_effort=effort, user=req.user,
@@ -231,12 +233,22 @@ def _reasoning_item(text: str, item_id: str) -> dict[str, Any]:
             "status": "completed"}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(text: str | None, item_id: str, status: str = "completed") -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
+def _logprobs(state: ServeState, chat: ChatCompletionRequest, ids: list[int], lps: list[float] | None,
+              tops: list[list[tuple[int, float]]] | None) -> list[dict[str, Any]]:
+    """The tokens' logprobs in OpenAI's shape (the chat's entries: token, logprob, bytes,
+    top_logprobs), where the request asked for them; else none."""
+    if not chat.logprobs:
+        return []
+    return (fmt.chat_logprobs(namer(state, chat), ids, lps, tops) or {}).get("content", [])
+
+
+def _message_item(text: str | None, item_id: str, status: str = "completed",
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -245,14 +257,16 @@ def _call_item(call_id: str, name: str, arguments: str, item_id: str, status: st
             "status": status}
 
 
-def _items(output: ChatOutput, reason: str | None) -> list[dict[str, Any]]:
+def _items(output: ChatOutput, reason: str | None, logprobs: list[dict[str, Any]] | None = None
+           ) -> list[dict[str, Any]]:
     """The output items of a finished choice: reasoning, message, calls (as the stream opens them:
-    a message where there is text, or where there is nothing else)."""
+    a message where there is text, or where there is nothing else). `logprobs`: every token's of the
+    answer, on the message's text (the tokens of its reasoning and calls among them)."""
     items = []
     if output.reasoned and output.reasoning_text:
         items.append(_reasoning_item(output.reasoning_text, _item_id("rs")))
     if output.content or not (items or output.calls):
-        items.append(_message_item(output.content, _item_id("msg"), _status(reason)))
+        items.append(_message_item(output.content, _item_id("msg"), _status(reason), logprobs))
     items += [_call_item(c.id, c.name, c.arguments, _item_id("fc")) for c in output.calls]
     return items
 
@@ -308,11 +322,14 @@ class _Items:
 
     def __init__(self, event: _Events) -> None:
         self.event = event
+        self.pending: list[dict[str, Any]] = []  # tokens' logprobs not yet sent with a text delta
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being filled
         self.calls: dict[int, dict[str, Any]] = {}  # a call's index -> its item
 
-    def feed(self, d: OutputDelta) -> list[bytes]:
+    def feed(self, d: OutputDelta, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
+        """The events of one parsed delta; `logprobs`: its tokens', sent with the next text delta."""
+        self.pending += logprobs or []
         out: list[bytes] = []
         if d.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
@@ -324,8 +341,10 @@ class _Items:
             if self.open is None or self.open["type"] != "message":
                 out += self._start_message()
             self.open["text"].append(d.content)  # type: ignore[index]
+            lps, self.pending = self.pending, []
+            self.open["lps"] += lps  # type: ignore[index]
             out.append(self.event("response.output_text.delta", item_id=self.open["id"],  # type: ignore[index]
-                                  output_index=len(self.items) - 1, content_index=0, delta=d.content, logprobs=[]))
+                                  output_index=len(self.items) - 1, content_index=0, delta=d.content, logprobs=lps))
         for c in d.calls:
             item = self.calls.get(c.index)
             if item is None:
@@ -341,7 +360,7 @@ class _Items:
 
     def _start_message(self) -> list[bytes]:
         out = self._start(_message_item(None, _item_id("msg"), "in_progress"))
-        self.open["text"] = []  # type: ignore[index]
+        self.open["text"], self.open["lps"] = [], []  # type: ignore[index]
         return [*out, self.event("response.content_part.added", item_id=self.open["id"],  # type: ignore[index]
                                  output_index=len(self.items) - 1, content_index=0, part=_text_part(""))]
 
@@ -353,7 +372,7 @@ class _Items:
         out = self.close()
         self.open = item
         self.items.append(item)
-        shown = {k: v for k, v in item.items() if k not in ("text", "pieces")}
+        shown = {k: v for k, v in item.items() if k not in ("text", "lps", "pieces")}
         return [*out, self.event("response.output_item.added", output_index=len(self.items) - 1, item=shown)]
 
     def close(self, reason: str | None = None) -> list[bytes]:
@@ -370,10 +389,11 @@ class _Items:
                                   text=text))
         elif item["type"] == "message":
             text = "".join(item.pop("text"))
-            part = _text_part(text)
-            item.update(_message_item(text, item["id"], _status(reason)))
+            lps = item.pop("lps") + (self.pending if reason is not None else [])
+            part = _text_part(text, lps)
+            item.update(_message_item(text, item["id"], _status(reason), lps))
             out += [self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                               text=text, logprobs=[]),
+                               text=text, logprobs=lps),
                     self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                part=part)]
         else:
@@ -384,8 +404,8 @@ class _Items:
         return [*out, self.event("response.output_item.done", output_index=i, item=item)]
 
 
-async def _stream(state: ServeState, run: ChatRun, deltas: AsyncIterator[Delta],
-                  head: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _stream(state: ServeState, run: ChatRun, deltas: AsyncIterator[Delta], head: dict[str, Any],
+                  chat: ChatCompletionRequest) -> AsyncIterator[bytes]:
     """response.created, response.in_progress, the items' events, then response.completed (or
     .incomplete at max_output_tokens, or .failed where the generation failed: a client never takes
     a crash for an answer). The generation is closed however the stream ends."""
@@ -403,7 +423,7 @@ async def _stream(state: ServeState, run: ChatRun, deltas: AsyncIterator[Delta],
                 parsed = output.feed(d.text)
                 if d.finish_reason is not None:
                     parsed.extend(output.finish())
-                for chunk in items.feed(parsed):
+                for chunk in items.feed(parsed, _logprobs(state, chat, d.token_ids, d.logprobs, d.top_logprobs)):
                     yield chunk
         except GenerationFailed as exc:
             log.warning("responses stream failed", status=exc.status, error=exc.message)

@@ -69,6 +69,23 @@ def test_the_answer_is_the_chats_streamed_or_not(server: Server, max_tokens: int
     assert events[-1]["response"]["usage"]["output_tokens"] == got["usage"]["output_tokens"]
 
 
+def test_logprobs_are_the_chats(server: Server) -> None:
+    """top_logprobs: the message's text carries the chat's logprobs for the same answer (greedy), and
+    streamed, the text deltas carry them in order."""
+    chat = _post(server, "/v1/chat/completions", {"messages": AS_CHAT, "temperature": 0, "max_tokens": 6,
+                                                  "logprobs": True, "top_logprobs": 2}).json()
+    want = chat["choices"][0]["logprobs"]["content"]
+    body = {"input": CONVERSATION, "temperature": 0, "max_output_tokens": 6, "top_logprobs": 2}
+    got = _post(server, "/v1/responses", body).json()
+    (msg,) = [it for it in got["output"] if it["type"] == "message"]
+    assert msg["content"][0]["logprobs"] == want and len(want) == 6
+    with httpx.stream("POST", f"{server.http}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        events = _events(r.read().decode())
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert streamed == want == done["logprobs"]
+
+
 def test_the_openai_sdk_reads_it(server: Server) -> None:
     client = OpenAI(base_url=f"{server.http}/v1", api_key="none", max_retries=0, timeout=120)
     r = client.responses.create(model="SmolLM2-135M-Instruct", input=CONVERSATION, instructions="Be kind.",

@@ -94,8 +94,7 @@ def test_formats_and_effort_map_to_the_chats() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
-        ({"top_logprobs": 2}, "top_logprobs"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning"),
         ({"input": [{"type": "message", "role": "critic", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
@@ -183,3 +182,11 @@ def test_the_chats_errors_name_this_bodys_fields() -> None:
                             ("messages[2].content", "input"), ("temperature", "temperature")):
         exc = _as_sent(ApiError(400, f"{chat_name} is wrong", chat_name))
         assert (exc.param, exc.message) == (sent, f"{sent} is wrong" if sent != "input" else f"{chat_name} is wrong")
+
+
+def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
+    assert not chat_request(_req(input="x")).logprobs
+    got = chat_request(_req(input="x", include=["message.output_text.logprobs"]))
+    assert got.logprobs and got.top_logprobs is None
+    got = chat_request(_req(input="x", top_logprobs=3))
+    assert got.logprobs and got.top_logprobs == 3
