@@ -98,7 +98,7 @@ def test_formats_and_effort_map_to_the_chats() -> None:
         ({"reasoning": {"effort": "extreme"}}, "reasoning"),
         ({"input": [{"type": "message", "role": "critic", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
-        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": [{"role": "user", "content": "x"}, {"type": "web_search_call"}]}, "input"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
         ({"input": ["hi"]}, "input[0]"),  # (msgspec names the element)
         ({"input": []}, "input"),
