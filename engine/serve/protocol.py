@@ -200,6 +200,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    ignore_eos: bool | None = None  # (benchmarks: an answer of exactly max_output_tokens)
     request_id: str | None = None
     priority: int | None = None
     top_logprobs: int | None = None  # with include's message.output_text.logprobs, or alone (vLLM)

@@ -96,6 +96,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req.text), reasoning_effort=effort, user=req.user,
         top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+        ignore_eos=bool(req.ignore_eos),
         request_id=req.request_id, priority=req.priority,
     )
 
@@ -430,7 +431,7 @@ async def _stream(state: ServeState, run: ChatRun, deltas: AsyncIterator[Delta],
             for chunk in items.close():
                 yield chunk
             failed = {**head, "status": "failed", "output": items.items, "usage": None,
-                      "error": {"code": "server_error", "message": exc.message}}
+                      "error": {"code": exc.code or "server_error", "message": exc.message}}
             yield event("response.failed", response=failed)
             return
         reason = last.finish_reason if last is not None else None

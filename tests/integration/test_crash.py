@@ -207,13 +207,23 @@ def test_scheduler_killed_mid_request(tmp_path: Path, capfd: pytest.CaptureFixtu
     chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": MAX, **LONG}
     whole = Background(_http_post(f"{srv.base_url}/chat/completions", chat))
     sdk = Background(_sdk_stream(srv.sdk))
-    assert sdk.started.wait(30)
-    _wait_running(srv, 2)
-    t_kill = time.monotonic()
-    children["scheduler"].send_signal(signal.SIGKILL)
+    first = threading.Event()
+    body = {"input": "Tell me a long story.", "max_output_tokens": MAX, "stream": True, **LONG}
+    with httpx.stream("POST", f"{srv.base_url}/responses", json=body, timeout=30) as resp:  # /v1/responses' stream
+        assert resp.status_code == 200
+        streamed = Background(lambda _started: _sse_events(resp, first))
+        assert sdk.started.wait(30) and first.wait(30)
+        _wait_running(srv, 3)
+        t_kill = time.monotonic()
+        children["scheduler"].send_signal(signal.SIGKILL)
+        events = streamed.join()
     _assert_503(whole.join(), "scheduler")
     _assert_sdk_503(sdk.join(), "scheduler")
-    assert max(sdk.done_at, whole.done_at) - t_kill < TOLD_WITHIN_S
+    failed = events[-1]  # the Responses API's end: response.failed, its error the process that died
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed", failed
+    error = failed["response"]["error"]
+    assert error["code"] == "process_died" and "scheduler" in error["message"], error
+    assert max(sdk.done_at, whole.done_at, streamed.done_at) - t_kill < TOLD_WITHIN_S
     _assert_orderly_exit(srv, children, leftovers, capfd, "scheduler (killed by SIGKILL)")
 
 
