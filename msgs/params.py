@@ -26,7 +26,7 @@ MAX_PREDICTION_TOKENS = 32768  # a predicted output's tokens (the scheduler inde
 # prompt tokens a step of a request that scores its prompt (prompt_logprobs): the worker holds that
 # chunk's logits as [n, vocab] float32 and their log_softmax (512 x 152k: 2 x 311 MB)
 PROMPT_SCORE_CHUNK = 512
-MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf text; a bigger spec is a 400, not a slow compile
+MAX_GRAMMAR_CHARS = 65536  # a json_schema / regex / ebnf / structural_tag text; more is a 400, not a slow compile
 
 
 class Grammar(msgspec.Struct, frozen=True):
@@ -93,6 +93,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     json_schema: str | None = None  # a JSON Schema, as JSON text
     regex: str | None = None
     ebnf: str | None = None
+    # SGLang's (and response_format's, vLLM's): JSON text {"structures": [{"begin", "schema", "end"}], "triggers":
+    # [...]}: free text, where a trigger starts one of the structures, whose content then follows its schema
+    structural_tag: str | None = None
     grammar: Grammar | None = None
 
     def validate(self, vocab_size: int | None = None, eos_ids: tuple[int, ...] | list[int] = ()) -> str | None:
@@ -160,7 +163,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (not (self.allowed_token_ids and self.min_new_tokens and set(self.allowed_token_ids) <= ends),
              "allowed_token_ids holds only tokens that end the output (EOS, stop_token_ids), which min_tokens "
              "forbids"),
-            (len(specs) <= 1, f"{' and '.join(specs)}: give at most one of json_schema, regex and ebnf"),
+            (len(specs) <= 1,
+             f"{' and '.join(specs)}: give at most one of json_schema, regex, ebnf and structural_tag"),
             (long is None, f"{long} must be at most {MAX_GRAMMAR_CHARS} characters"),
         ]
         for ok, problem in checks:
@@ -171,7 +175,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def grammar_specs(self) -> dict[str, str]:
         """The constrained-decoding fields the client set: name -> text."""
-        specs = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+        specs = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+                 "structural_tag": self.structural_tag}
         return {k: v for k, v in specs.items() if v is not None}
 
 

@@ -126,6 +126,8 @@ def spec_format(name: str, text: str) -> dict[str, Any]:
         return {"type": "regex", "pattern": text}
     if name == "ebnf":
         return {"type": "grammar", "grammar": text, "syntax": "ebnf"}
+    if name == "structural_tag":
+        return structural_format(text)
     try:
         schema = json.loads(text)
     except ValueError as exc:
@@ -155,6 +157,37 @@ def _outside_ref(schema: Any) -> str | None:
         elif isinstance(node, list):
             stack.extend(node)
     return None
+
+
+def structural_format(text: str) -> dict[str, Any]:
+    """SGLang's / vLLM's structural tag, {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, as
+    xgrammar's triggered tags: any text, where a trigger starts one of the structures (its begin, which
+    starts with a trigger), then JSON of its schema, then its end; 400s naming structural_tag."""
+    def bad(why: str) -> ApiError:
+        return ApiError(400, f"structural_tag: {why}", param="structural_tag")
+
+    try:
+        tag = json.loads(text)
+    except ValueError as exc:
+        raise bad(f"not valid JSON: {exc}") from None
+    if not isinstance(tag, dict) or sorted(tag) != ["structures", "triggers"]:
+        raise bad('an object of "structures" and "triggers" (and nothing else)')
+    structures, triggers = tag["structures"], tag["triggers"]
+    if not (isinstance(triggers, list) and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise bad("triggers must be a non-empty list of non-empty strings")
+    if not (isinstance(structures, list) and structures):
+        raise bad("structures must be a non-empty list")
+    tags = []
+    for i, st in enumerate(structures):
+        if not (isinstance(st, dict) and set(st) <= {"begin", "schema", "end"} and isinstance(st.get("begin"), str)
+                and isinstance(st.get("end"), str) and isinstance(st.get("schema", {}), dict | bool)):
+            raise bad(f"structures[{i}] must be {{begin: string, schema: object, end: string}}")
+        if not any(st["begin"].startswith(t) for t in triggers):
+            raise bad(f"structures[{i}].begin {st['begin'][:100]!r} starts with no trigger")
+        content = json_format(st.get("schema", {}), f"structural_tag: structures[{i}].schema")
+        tags.append({"type": "tag", "begin": st["begin"], "content": content, "end": st["end"]})
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "at_least_one": False,
+            "stop_after_first": False}
 
 
 def tools_format(structure: ToolStructure, parallel: bool) -> dict[str, Any]:
@@ -332,12 +365,14 @@ def response_format_spec(response_format: dict[str, Any] | None) -> dict[str, st
     rf = response_format
     kind = rf.get("type")
     if not isinstance(kind, str):
-        raise ApiError(400, "response_format.type is required: text, json_object or json_schema",
+        raise ApiError(400, "response_format.type is required: text, json_object, json_schema or structural_tag",
                        param="response_format.type")
     if kind == "text":
         return {}
     if kind == "json_object":
         return {"json_schema": '{"type": "object"}'}
+    if kind == "structural_tag":  # vLLM's and SGLang's: {"type", "structures", "triggers"}
+        return {"structural_tag": json.dumps({k: v for k, v in rf.items() if k != "type"})}
     if kind != "json_schema":
         raise ApiError(400, f"response_format type {kind!r} is not supported", param="response_format")
     js = rf.get("json_schema")

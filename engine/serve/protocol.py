@@ -311,7 +311,8 @@ def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.prompt_logprobs is not None and req.stream:  # (as vLLM)
         raise ApiError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
     fmt = (req.response_format or {}).get("type", "text")
-    if fmt not in ("text", "json_object", "json_schema"):  # the rest: engine.serve.grammar.response_format_spec
+    # the rest: engine.serve.grammar.response_format_spec
+    if fmt not in ("text", "json_object", "json_schema", "structural_tag"):
         raise ApiError(400, f"response_format type {fmt!r} is not supported", param="response_format")
     if isinstance(req, CompletionRequest):
         _check_completion_extras(req)

@@ -250,7 +250,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     guided = guided_spec(req)
     if guided is not None:
         field, name, spec = guided
-        if any(kw.get(k) for k in ("json_schema", "regex", "ebnf")):
+        if any(kw.get(k) for k in ("json_schema", "regex", "ebnf", "structural_tag")):
             raise ApiError(400, f"{field} with regex, ebnf or response_format: give one constraint", param=field)
         kw[name] = spec
     kw.update(_logprob_params(req))
@@ -288,7 +288,7 @@ def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str
     if getattr(req, "max_completion_tokens", None) is not None:
         names["max_tokens"] = "max_completion_tokens"
     if (req.response_format or {}).get("type", "text") != "text":
-        names["json_schema"] = "response_format"
+        names["json_schema"] = names["structural_tag"] = "response_format"
     guided = guided_spec(req)
     if guided is not None:
         names[guided[1]] = guided[0]

@@ -247,6 +247,33 @@ def test_a_requests_own_chat_template_is_rendered(srv: Server) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
 
 
+def test_structural_tag_constrains_what_a_trigger_starts(srv: Server) -> None:
+    """vLLM's response_format structural_tag and SGLang's sampling_params.structural_tag: free text, but
+    where the model writes a trigger, one of the structures follows (its begin, JSON of its schema, its
+    end). The answer to this question starts with the trigger ("The"), so the tag is taken."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    tag = {"structures": [{"begin": "The answer: ", "schema": schema, "end": "</answer>"}], "triggers": ["The"]}
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = httpx.post(f"{srv.base_url}/chat/completions", timeout=120, json={
+        "messages": msgs, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "structural_tag", **tag}})
+    assert chat.status_code == 200, chat.text
+    text = chat.json()["choices"][0]["message"]["content"]
+    assert text.startswith("The answer: ") and "</answer>" in text, text
+    jsonschema.validate(json.loads(text[len("The answer: "):text.index("</answer>")]), schema)
+    prompt = httpx.post(f"{srv.http}/tokenize", json={"messages": msgs}, timeout=60).json()["tokens"]
+    native = httpx.post(f"{srv.http}/generate", timeout=120, json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                                                 "structural_tag": json.dumps(tag)}})
+    assert native.status_code == 200 and native.json()["text"] == text
+    for bad in ({"structures": [], "triggers": ["The"]}, {"structures": tag["structures"], "triggers": ["<x>"]},
+                {**tag, "extra": 1}):
+        r = httpx.post(f"{srv.base_url}/chat/completions", timeout=60, json={
+            "messages": msgs, "response_format": {"type": "structural_tag", **bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 def test_regex_and_ebnf_on_completions_and_generate(client: OpenAI, srv: Server) -> None:
     r = client.completions.create(
         model=MODEL, prompt="The year was", max_tokens=16, temperature=0, extra_body={"regex": r" (19|20)[0-9]{2}\."}
