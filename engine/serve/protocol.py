@@ -61,6 +61,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None  # {"structures": [...], "triggers": [...]} as JSON text
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -299,14 +299,15 @@ def _names_sent(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str
     return names
 
 
-_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputs' fields
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # its fields
 
 
 def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str, str] | None:
     """vLLM's constraint, where one is given: guided_json / guided_regex / guided_choice /
     guided_grammar, or (vLLM >= 0.12) structured_outputs' json / regex / choice / grammar /
-    json_object. (The field's name, our field, the spec): json_schema, regex or ebnf (a choice:
-    an EBNF alternation of its strings as JSON literals). 400 where two are given."""
+    json_object / structural_tag. (The field's name, our field, the spec): json_schema, regex, ebnf
+    (a choice: an EBNF alternation of its strings as JSON literals) or structural_tag. 400 where two
+    are given."""
     so = req.structured_outputs
     given = [(name, getattr(req, name)) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
              if getattr(req, name) is not None]
@@ -327,6 +328,8 @@ def guided_spec(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, st
         return field, "regex", value
     if kind == "grammar":
         return field, "ebnf", value
+    if kind == "structural_tag":
+        return field, "structural_tag", value
     if not value or not all(value):
         raise ApiError(400, f"{field} must be a list of non-empty strings", param=field)
     return field, "ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)

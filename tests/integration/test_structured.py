@@ -267,6 +267,10 @@ def test_structural_tag_constrains_what_a_trigger_starts(srv: Server) -> None:
         "input_ids": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
                                                  "structural_tag": json.dumps(tag)}})
     assert native.status_code == 200 and native.json()["text"] == text
+    outputs = {"structural_tag": json.dumps(tag)}  # vLLM's structured_outputs field
+    vllm = httpx.post(f"{srv.base_url}/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 40, "temperature": 0, "structured_outputs": outputs})
+    assert vllm.status_code == 200 and vllm.json()["choices"][0]["text"] == text
     for bad in ({"structures": [], "triggers": ["The"]}, {"structures": tag["structures"], "triggers": ["<x>"]},
                 {**tag, "extra": 1}):
         r = httpx.post(f"{srv.base_url}/chat/completions", timeout=60, json={
