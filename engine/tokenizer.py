@@ -183,14 +183,24 @@ def read_chat_template(path: str) -> str:
         raise ValueError(f"--chat-template {path}: not a readable UTF-8 file ({exc})") from None
     if not text.strip():
         raise ValueError(f"--chat-template {path}: the file is empty")
+    problem = chat_template_problem(text)
+    if problem is not None:
+        raise ValueError(f"--chat-template {path}: {problem}")
+    return text
+
+
+def chat_template_problem(text: str) -> str | None:
+    """Why a chat template's text does not compile in jinja's sandbox (the environment transformers
+    renders it in), or None: for --chat-template's file and a request's own template
+    (engine/serve/chat.request_template)."""
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as exc:
-        raise ValueError(f"--chat-template {path} does not compile: {exc} (line {exc.lineno})") from None
-    return text
+        return f"does not compile: {exc} (line {exc.lineno})"
+    return None
 
 
 def _load(model_dir: str) -> TextTokenizer | None:

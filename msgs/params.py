@@ -26,6 +26,7 @@ MAX_PREDICTION_TOKENS = 32768  # a predicted output's tokens (the scheduler inde
 # prompt tokens a step of a request that scores its prompt (prompt_logprobs): the worker holds that
 # chunk's logits as [n, vocab] float32 and their log_softmax (512 x 152k: 2 x 311 MB)
 PROMPT_SCORE_CHUNK = 512
+GRAMMAR_SPECS = ("json_schema", "regex", "ebnf", "structural_tag")  # SamplingParams' constraint fields
 MAX_GRAMMAR_CHARS = 65536  # a json_schema / regex / ebnf / structural_tag text; more is a 400, not a slow compile
 
 
@@ -175,9 +176,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def grammar_specs(self) -> dict[str, str]:
         """The constrained-decoding fields the client set: name -> text."""
-        specs = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
-                 "structural_tag": self.structural_tag}
-        return {k: v for k, v in specs.items() if v is not None}
+        return {k: v for k in GRAMMAR_SPECS if (v := getattr(self, k)) is not None}
 
 
 def _ids_problem(vocab_size: int | None) -> str:

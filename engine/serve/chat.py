@@ -26,7 +26,7 @@ import msgspec
 from engine.serve.errors import ApiError
 from engine.serve.protocol import ChatMessage
 from engine.serve.validate import IDS_ONLY, Limits, encode_within
-from engine.tokenizer import TextTokenizer
+from engine.tokenizer import TextTokenizer, chat_template_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -172,19 +172,13 @@ def request_template(template: str | None, trusted: bool) -> str | None:
                        "(or start it with --chat-template)", param="chat_template")
     if not template.strip():
         raise ApiError(400, "chat_template is empty", param="chat_template")
-    _compiles(template)
+    problem = _template_problem(template)
+    if problem is not None:
+        raise ApiError(400, f"chat_template: {problem}", param="chat_template")
     return template
 
 
-@lru_cache(maxsize=64)  # a client sends one template again and again
-def _compiles(template: str) -> None:
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    try:
-        ImmutableSandboxedEnvironment().parse(template)
-    except TemplateSyntaxError as exc:
-        raise ApiError(400, f"chat_template does not compile: {exc} (line {exc.lineno})", "chat_template") from None
+_template_problem = lru_cache(maxsize=64)(chat_template_problem)  # a client sends one template again and again
 
 
 def chat_prompt(

@@ -21,6 +21,7 @@ from engine.serve.grammar import response_format_spec
 from engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from engine.tokenizer import TextTokenizer
 from msgs.params import (
+    GRAMMAR_SPECS,
     INT32,
     MAX_BAD_WORD_TOKENS,
     MAX_PREDICTION_TOKENS,
@@ -250,7 +251,7 @@ def openai_params(req: ChatCompletionRequest | CompletionRequest, defaults: dict
     guided = guided_spec(req)
     if guided is not None:
         field, name, spec = guided
-        if any(kw.get(k) for k in ("json_schema", "regex", "ebnf", "structural_tag")):
+        if any(kw.get(k) for k in GRAMMAR_SPECS):
             raise ApiError(400, f"{field} with regex, ebnf or response_format: give one constraint", param=field)
         kw[name] = spec
     kw.update(_logprob_params(req))
