@@ -227,10 +227,11 @@ def norm_linear(
     return linear(h), residual
 
 
-def residual_stream(x: torch.Tensor | PreNormed, residual: torch.Tensor) -> torch.Tensor:
+def residual_stream(x: torch.Tensor | PreNormed | None, residual: torch.Tensor) -> torch.Tensor:
     """The residual stream after a layer that returned (x, residual): their sum, or the residual
-    itself where x is a PreNormed (its GEMV added into the residual in place)."""
-    return residual if isinstance(x, PreNormed) else x + residual
+    itself where x is a PreNormed (its GEMV added into the residual in place) or None (a folded
+    layer's: its down projection added it)."""
+    return residual if x is None or isinstance(x, PreNormed) else x + residual
 
 
 def linear_add_norm(
@@ -265,6 +266,7 @@ class DecoderLayer(nn.Module):
         # them (LlamaForCausalLM sets it): this layer's down GEMV may do half that norm. A tuple,
         # so that nn.Module does not register the next layer's modules as this one's
         self.next_input: tuple[RMSNorm, Linear] | None = None
+        self.folded = False  # its norms folded into its GEMMs (fold_norms)
 
     def make_mlp(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
         """This layer's MLP; a subclass picks per layer (models/moe.py: MoE blocks)."""
@@ -274,7 +276,10 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h = residual + x (x: the previous sublayer's output; residual None at
-        layer 0, where x is the embedding). Returns (this layer's MLP output, its residual)."""
+        layer 0, where x is the embedding). Returns (this layer's MLP output, its residual); folded:
+        (None, the residual stream after the layer)."""
+        if self.folded:
+            return None, self.forward_folded(x if residual is None else residual, ctx)
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         o = self.self_attn.attend(qkv, ctx)
         post, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
@@ -283,6 +288,15 @@ class DecoderLayer(nn.Module):
         if self.next_input is None:
             return self.mlp.down(h), residual
         return linear_add_norm(self.mlp.down_proj, h, residual, *self.next_input, silu_mul=True)
+
+    def forward_folded(self, r: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The residual stream after this layer from the one before it, the norms folded (fold_norms):
+        qkv and gate_up normalize their rows in their epilogues, o_proj and down add the residual in
+        theirs; four GEMM launches and attention, no norm or add launch."""
+        attn, mlp = self.self_attn, self.mlp
+        r = attn.o_proj.forward_add(attn.attend(attn.qkv_proj(r), ctx), r)
+        a = mlp.gate_up_proj.forward_act(r)  # 1-8 rows: the activation in the GEMV's epilogue
+        return mlp.down_proj.forward_add(ops.silu_and_mul(mlp.gate_up_proj(r)) if a is None else a, r)
 
 
 class LlamaModel(nn.Module):
@@ -299,6 +313,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM. `forward` returns float32 logits [S, vocab] for batch.logit_indices."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer  # a subclass's decoder layer (models/moe.py)
+    norm_folded = False  # fold_norms folded every layer's norms (an arithmetic of its own: the L3 fingerprint)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -325,7 +340,59 @@ class LlamaForCausalLM(nn.Module):
         # the final norm is per token: select the sampled rows first
         idx = batch.logit_indices
         if idx.numel() == 0:  # a prefill chunk that samples no row (flashinfer's norm fails on 0 rows)
-            return x.new_empty(0, self.config.vocab_size)
-        h = self.model.norm(residual[idx] + x[idx])
+            return residual.new_empty(0, self.config.vocab_size)  # x is None where folded
+        h = self.model.norm(residual[idx] if x is None else residual[idx] + x[idx])
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return lm_logits(h, head.weight, self.config.vocab_size, head.packed)  # tp > 1: gathered on every rank
+
+
+def fold_norms(model: nn.Module) -> bool:
+    """Deterministic inference, where the GPU's tuning says so (`det_norm_fold_max_hidden`): every layer's two
+    RMSNorms folded into the GEMMs around them (DecoderLayer.forward_folded; docs/architecture.md,
+    "Norms folded"). The norm's weight is multiplied into the columns of the projection that reads it
+    (qkv_proj, gate_up_proj; once, here, rounded to bf16), which scales each row of its product by
+    rsqrt(mean(x^2) + eps) before rounding; o_proj and down_proj add the residual in their epilogues.
+    The arithmetic differs from the unfolded one in its roundings only, and is the same at every row
+    count (invariant_gemm's epilogues, the CUDA GEMV's). Every layer or none: a dense bf16 Llama-family
+    model on one rank, no projection bias, no quantized weight; returns whether it folded."""
+    from engine.layers import batch_invariant, invariant_gemv
+
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return False
+    layers = list(model.model.layers)
+    w = layers[0].self_attn.qkv_proj.weight if layers else None
+    if (w is None or not batch_invariant.enabled() or not w.is_cuda or w.dtype != torch.bfloat16
+            or parallel_state().tp.world != 1 or not triton_ops.available()):
+        return False
+    tuning = kernel_tuning(w.device)
+    if not (model.config.hidden_size <= tuning.det_norm_fold_max_hidden and tuning.invariant_gemv_cuda
+            and invariant_gemv.library(invariant_gemv.arch(w.device)) is not None):
+        return False
+    for layer in layers:
+        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
+            return False
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if any(li.bias is not None or li.quant is not None or li.weight.dtype != torch.bfloat16 for li in linears):
+            return False
+    fold_layers(model)
+    return True
+
+
+def fold_layers(model: LlamaForCausalLM) -> None:
+    """fold_norms' folding, unconditionally (its tests run it on a CPU, the GEMMs interpreted)."""
+    for layer in model.model.layers:
+        _fold(layer.input_layernorm, layer.self_attn.qkv_proj)
+        _fold(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+        layer.self_attn.o_proj.adds_residual = layer.mlp.down_proj.adds_residual = True
+        layer.folded = True
+    model.norm_folded = True
+
+
+@torch.no_grad()
+def _fold(norm: RMSNorm, linear: Linear, rows: int = 4096) -> None:
+    """linear's weight times norm's in each column, rounded to the weight's dtype (in row blocks: no
+    float32 copy of a whole weight); the linear then normalizes its rows itself."""
+    w, g = linear.weight, norm.weight.float()
+    for i in range(0, w.shape[0], rows):
+        w[i : i + rows] = (w[i : i + rows].float() * g).to(w.dtype)
+    linear.norm_eps = norm.eps

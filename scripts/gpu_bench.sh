@@ -41,6 +41,10 @@
 #             rows, time beside the triton GEMV), then decode latency with the mode on, the CUDA GEMV off / on / off / on
 #             (tuning patches), and with the mode off (DETGEMV_MODELS: "llama-3.1-8b qwen3-0.6b"; batch 1 8, ctx 1024;
 #             DETGEMV_PROBE=0 skips the probe; DETGEMV_ROUNDS, default 2, the off / on pairs)
+#   detfold   deterministic inference's RMSNorms folded into the GEMMs (models/llama.py fold_norms): its gpu tests
+#             (tests/gpu/test_norm_fold_gpu.py; DETFOLD_TESTS=0 skips them, DETFOLD_K a -k filter), then decode
+#             latency with the mode on, det_norm_fold_max_hidden 0 / 65536 with the CUDA GEMV on (tuning patches; DETFOLD_ROUNDS pairs,
+#             default 1; DETFOLD_BASE=1 first runs the tuning file as it is: an H200's triton GEMV), and the mode off (DETFOLD_OFF=0 skips it); DETFOLD_MODELS (default llama-3.1-8b), DETFOLD_BATCHES (default "1 8")
 #   detprofile kernels of a deterministic prefill + decode step (Qwen3-0.6B 64 x 256, Llama-3.1-8B 1 x 1024)
 #   detblocks the invariant attention GPU tests (decode blocks: prefill bits, batch-256 time) and decode in graphs
 #   detsglang bin/bench deterministic alone (SGLang's single / mixed / prefix modes, DET_SAMPLES a mode)
@@ -108,7 +112,7 @@
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="detgemv aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -300,6 +304,24 @@ for what in "$@"; do case $what in
                echo "$p"; grep -A4 "batch  *ctx" "$OUT/latency-$m-detgemv$i.log" | sed -n 3,4p; i=$((i + 1)); done
              run latency-$m-detoff 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 \
                --context-len 1024 --steps 50 --out "$OUT/latency-$m-detoff-$GPU.json" || fails=$((fails + 1))
+             grep -A4 "batch  *ctx" "$OUT/latency-$m-detoff.log" | sed -n 3,4p; done ;;
+  detfold) if [ "${DETFOLD_TESTS:-1}" = 1 ]; then
+             run gpu-detfold 300 python3 -m pytest -m gpu tests/gpu/test_norm_fold_gpu.py -q -rA -p no:cacheprovider \
+               -k "${DETFOLD_K:-.}" || fails=$((fails + 1))
+             grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-detfold.log" | tail -16; fi
+           for m in ${DETFOLD_MODELS:-llama-3.1-8b}; do i=0
+             for p in $([ "${DETFOLD_BASE:-0}" = 1 ] && echo '{}'; for r in $(seq "${DETFOLD_ROUNDS:-1}"); do
+                        echo '{"det_norm_fold_max_hidden":0,"invariant_gemv_cuda":true}' \
+                        '{"det_norm_fold_max_hidden":65536,"invariant_gemv_cuda":true}'; done); do
+               tuned "$p" run latency-$m-detfold$i 200 bin/bench latency --model configs/$m --load-format dummy \
+                 --batch-sizes ${DETFOLD_BATCHES:-1 8} --context-len 1024 --steps 50 \
+                 --server-args=--enable-deterministic-inference --out "$OUT/latency-$m-detfold$i-$GPU.json" \
+                 || fails=$((fails + 1))
+               echo "$p"; grep -A4 "batch  *ctx" "$OUT/latency-$m-detfold$i.log" | sed -n 3,4p; i=$((i + 1)); done
+             [ "${DETFOLD_OFF:-1}" = 1 ] || continue
+             run latency-$m-detoff 200 bin/bench latency --model configs/$m --load-format dummy \
+               --batch-sizes ${DETFOLD_BATCHES:-1 8} --context-len 1024 --steps 50 --out "$OUT/latency-$m-detoff-$GPU.json" \
+               || fails=$((fails + 1))
              grep -A4 "batch  *ctx" "$OUT/latency-$m-detoff.log" | sed -n 3,4p; done ;;
   detprofile) for ma in ${DET_PROFILE:-qwen3-0.6b:64:256 llama-3.1-8b:1:1024}; do IFS=: read -r m b c d <<< "$ma"; d=${d:-det}
             run profile-$m-b$b-$d 200 python3 scripts/profile_decode.py configs/$m $b $c $([ "$d" = det ] && echo --det) || fails=$((fails + 1))

@@ -24,6 +24,7 @@ M on the H200.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -137,8 +138,8 @@ def _slices_added(part, ws, counters, pid, s, mask, R: tl.constexpr, C: tl.const
 
 
 @triton.jit(do_not_specialize=["M"])
-def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
-                          HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
+def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so, scale, res, sr,
+                          HAS_BIAS: tl.constexpr, FOLD: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           SPLIT: tl.constexpr, SPLIT_GRID: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for one (BM, BN) tile; tiles in groups of
@@ -161,17 +162,18 @@ def invariant_gemm_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
         part = _slice(x, w, rm, rn, rk, M, N, K, sx, sw, s * per, min((s + 1) * per, kt), F32, EVEN_K, BM, BN, BK)
         last, acc = _slices_added(part, ws, counters, pid, s, rows, BM, BN, SPLIT)
         if last:
-            _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS)
+            _store(acc, bias, out, rm, rn, M, N, so, scale, res, sr, HAS_BIAS, FOLD)
     elif SPLIT == 1:
         _store(_slice(x, w, rm, rn, rk, M, N, K, sx, sw, 0, kt, F32, EVEN_K, BM, BN, BK), bias, out, rm, rn, M, N, so,
-               HAS_BIAS)
+               scale, res, sr, HAS_BIAS, FOLD)
     else:
         _store(_sliced(x, w, rm, rn, rk, M, N, K, sx, sw, kt, per, SPLIT, F32, EVEN_K, BM, BN, BK), bias, out,
-               rm, rn, M, N, so, HAS_BIAS)
+               rm, rn, M, N, so, scale, res, sr, HAS_BIAS, FOLD)
 
 
 @triton.jit(do_not_specialize=["M"])
-def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, scale, res, sr, HAS_BIAS: tl.constexpr,
+                              FOLD: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
                               PDL: tl.constexpr):
     """invariant_gemm_kernel's one-program tiles (GROUP_M > 1) with the x and w tiles loaded by
@@ -194,13 +196,14 @@ def invariant_gemm_tma_kernel(x_desc, w_desc, bias, out, M, N, K, so, HAS_BIAS: 
             part = tl.zeros((BM, BN), dtype=tl.float32)
     for _ in range(tl.cdiv(kt, per), SPLIT):
         acc = acc + part  # an empty slice's zeros
-    _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, HAS_BIAS)
+    _store(acc, bias, out, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N, so, scale, res, sr,
+           HAS_BIAS, FOLD)
 
 
 @triton.jit(do_not_specialize=["M"])
-def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
-                          HAS_BIAS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr, BN: tl.constexpr,
-                          BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so, scale, res, sr,
+                          HAS_BIAS: tl.constexpr, FOLD: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
+                          BN: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """invariant_gemm_kernel's split grid for M <= BR rows with the operands swapped: a program
     computes out^T's [BN, BR] tile = w[BN, K slice] @ x[BR, K slice]^T, the weight as the dot's
     64-row side (the warp group's operand) and the few rows of x as its narrow side, instead of
@@ -219,15 +222,21 @@ def invariant_gemv_kernel(x, w, bias, out, ws, counters, M, N, K, sx, sw, so,
     acc = _slice(w, x, rn, rm, rk, N, M, K, sw, sx, s * per, min((s + 1) * per, kt), F32, EVEN_K, BN, BR, BK)
     rows = rm[None, :] < M
     last, acc = _slices_added(acc, ws, counters, pid, s, rows, BN, BR, SPLIT)
-    if last:
+    if last:  # _store's epilogue, transposed
+        mask = rows & (rn[:, None] < N)
+        if FOLD == 1:
+            acc = acc * tl.load(scale + rm, mask=rm < M, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        if FOLD == 2:
+            r = tl.load(res + rm[None, :].to(tl.int64) * sr + rn[:, None], mask=mask, other=0.0)
+            acc = acc.to(out.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
         op = out + rm[None, :].to(tl.int64) * so + rn[:, None]
-        tl.store(op, acc.to(out.dtype.element_ty), mask=rows & (rn[:, None] < N))
+        tl.store(op, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, bn: int, stages: int,
-          slices: int, f32: bool) -> None:
+          slices: int, f32: bool, fold: _Fold) -> None:
     """invariant_gemv_kernel over out [M <= GEMV_ROWS, N]: the column tiles x the K slices, one
     warp group per 64 weight rows (bn), as the grid kernel has per 64 rows of x. (Its TMA twin
     measured no faster on the H200: docs/PERF.md, sixteenth session.)"""
@@ -239,17 +248,26 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
         raise ValueError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T: {slices} slices need more than the workspace")
     invariant_gemv_kernel[(grid_n, slices)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BN=bn, BR=GEMV_ROWS, BK=BLOCK_K,
-        SPLIT=slices, **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
+        *fold.args(x), HAS_BIAS=bias is not None, FOLD=fold.kind, F32=f32, EVEN_K=k % BLOCK_K == 0, BN=bn,
+        BR=GEMV_ROWS, BK=BLOCK_K, SPLIT=slices, **_pdl(x.device), num_warps=4 * (bn // 64), num_stages=stages,
     )
 
 
 @triton.jit
-def _store(acc, bias, out, rm, rn, M, N, so, HAS_BIAS: tl.constexpr):
+def _store(acc, bias, out, rm, rn, M, N, so, scale, res, sr, HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
+    """out[rm, rn] = acc (+ bias) rounded once; FOLD 1: acc times its row's `scale` first (the folded
+    norm, no bias), 2: bf16(acc) + `res` (row stride sr), rounded again: the epilogues of the CUDA
+    GEMV (invariant_gemv.cu), so every row count has its bits."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if FOLD == 1:
+        acc = acc * tl.load(scale + rm, mask=rm < M, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if FOLD == 2:
+        r = tl.load(res + rm[:, None].to(tl.int64) * sr + rn[None, :], mask=mask, other=0.0)
+        acc = acc.to(out.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     op = out + rm[:, None].to(tl.int64) * so + rn[None, :]
-    tl.store(op, acc.to(out.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(op, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @functools.cache  # per weight shape, asked on every GEMM call
@@ -355,9 +373,61 @@ def regime_rows(rows: list[int], n: int, k: int) -> list[int]:
     return sorted(first.values())
 
 
+@dataclass(frozen=True)
+class _Fold:
+    """A GEMM's epilogue beyond the bias (FOLD of the kernels' `_store`): 0 none, 1 the folded
+    norm (`eps`; `scale` its float32 row scales where a triton kernel applies them), 2 the residual
+    add (`residual`)."""
+
+    kind: int = 0
+    eps: float | None = None
+    scale: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+
+    @staticmethod
+    def of(x: torch.Tensor, eps: float | None, residual: torch.Tensor | None, bias: torch.Tensor | None) -> _Fold:
+        """The epilogue asked for, checked: one of the two, the norm bias-free on CUDA bf16 (the
+        scales come from the CUDA kernel) unless interpreted (the reference's scales, in tests)."""
+        if eps is not None and residual is not None:
+            raise ValueError("invariant GEMM: a folded norm and a residual add in one GEMM")
+        if eps is not None and (bias is not None or not (interpreted() or (x.is_cuda and x.dtype == torch.bfloat16))):
+            raise ValueError("invariant GEMM: a folded norm takes bf16 on CUDA, without a bias")
+        if residual is not None and (residual.shape != (x.shape[0], residual.shape[1]) or residual.stride(1) != 1):
+            raise ValueError(f"invariant GEMM: residual {tuple(residual.shape)} for {x.shape[0]} rows")
+        return _Fold(1 if eps is not None else 2 if residual is not None else 0, eps, None, residual)
+
+    def as_float(self) -> _Fold:
+        """The interpreter's float32 operands: the residual too."""
+        return self if self.residual is None else replace(self, residual=self.residual.float())
+
+    def scaled(self, x: torch.Tensor, slices: int) -> _Fold:
+        """For a triton kernel: the norm's row scales computed in the order of the CUDA GEMV of this
+        weight's `slices` K slices (the CUDA kernel's, or in the interpreter the reference's)."""
+        if self.kind != 1:
+            return self
+        if interpreted():
+            return replace(self, scale=invariant_gemv.row_scale_reference(x, self.eps, slices))
+        scale = invariant_gemv.row_scale(x, self.eps, slices, _pdl(x.device)["PDL"])
+        if scale is None:
+            raise RuntimeError("invariant GEMM: the folded norm needs the CUDA GEMV's library (nvcc)")
+        return replace(self, scale=scale)
+
+    def args(self, x: torch.Tensor) -> tuple:
+        """(scale, res, sr) of the kernels: x stands in for a pointer not read."""
+        res = self.residual
+        return (self.scale if self.scale is not None else x, res if res is not None else x,
+                res.stride(0) if res is not None else 0)
+
+
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
+         tile: tuple[int, int, int, int, int, int] | None = None, tma: bool | None = None,
+         norm_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) in x's dtype, each row's bits independent of M.
+    `norm_eps` (bf16 on CUDA, no bias): the RMSNorm of x folded in, its weight already in w: each
+    row's sums times rsqrt(mean(x_row^2) + norm_eps) before the rounding, its squares summed in the
+    CUDA GEMV's order for this weight's K slices (invariant_gemv.row_scale: one order for every row
+    count). `residual` [M, N]: bf16(x w^T) + residual, rounded again (the
+    residual stream's add after o_proj / down).
     One-program tiles of 16-bit operands load through the tensor memory accelerator
     (invariant_gemm_tma_kernel: 1.1-1.7x the pointer loads at 4096 rows on an H200, the same
     bits) where the operands' layout allows it; float32, triton's interpreter and a misaligned
@@ -378,25 +448,28 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if bm == GEMV_ROWS and x.dtype == torch.float32 and x.is_cuda:
         bm, bn = 64, 2 * decode_bn(n)  # (CUDA float32's bits through the GEMV are untested: the decode tile)
     f32 = x.dtype == torch.float32 or interpreted()
+    fold = _Fold.of(x, norm_eps, residual, bias)
     if f32 and bm != GEMV_ROWS:  # float32 tiles are twice the bytes: (stages - 1) buffers within WAVE_SMEM
         stages = min(stages, 1 + WAVE_SMEM // ((bm + bn) * BLOCK_K * 4))
     xs, ws_ = (x.float(), w.float()) if interpreted() and x.dtype != torch.float32 else (x, w)
     res = out.float() if xs is not x else out
+    if interpreted():
+        fold = fold.as_float()
     if bm == GEMV_ROWS:
-        if not (_cuda_gemv_takes(xs, ws_, bias) and _cuda_gemv(xs, ws_, bias, res, slices)):
-            _gemv(xs, ws_, bias, res, bn, stages, slices, f32)
+        if not (_cuda_gemv_takes(xs, ws_, bias) and _cuda_gemv(xs, ws_, bias, res, slices, fold=fold)):
+            _gemv(xs, ws_, bias, res, bn, stages, slices, f32, fold.scaled(xs, slices))
     else:
-        _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32)
+        _gemm(xs, ws_, bias, res, (bm, bn, group, warps, stages, slices), tma, f32, fold.scaled(xs, slices))
     if res is not out:
         out.copy_(res)
     return out
 
 
-def gemm_act(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+def gemm_act(x: torch.Tensor, w: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor | None:
     """silu(x gate^T) * (x up^T) [M, N / 2] for w = [gate | up] in one launch: the CUDA GEMV's
     epilogue applies flashinfer's act_and_mul to the bf16-rounded products, so the bits are
-    `gemm` then ops.silu_and_mul's (tests/gpu/test_invariant_gemm_gpu.py); None where that
-    kernel does not take the product (the caller runs the two)."""
+    `gemm` then ops.silu_and_mul's (tests/gpu/test_invariant_gemm_gpu.py), `norm_eps` as `gemm`'s;
+    None where that kernel does not take the product (the caller runs the two)."""
     m, k = x.shape
     n = w.shape[0]
     if not (1 <= m <= invariant_gemv.MAX_ROWS and _cuda_gemv_takes(x, w, None)):
@@ -405,18 +478,20 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not invariant_gemv.act_takes(x, w, slices):
         return None
     out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
-    return out if _cuda_gemv(x, w, None, out, slices, act=True) else None
+    fold = _Fold.of(x, norm_eps, None, None)
+    return out if _cuda_gemv(x, w, None, out, slices, act=True, fold=fold) else None
 
 
 def _cuda_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-               act: bool = False) -> bool:
+               act: bool = False, fold: _Fold | None = None) -> bool:
     """invariant_gemv.gemv at its ring depth for the slices, with the GEMMs' PDL choice."""
     return invariant_gemv.gemv(x, w, bias, out, slices, invariant_gemv.stages_for(slices, x.shape[1]),
-                               _pdl(x.device)["PDL"], act=act)
+                               _pdl(x.device)["PDL"], act=act, norm_eps=fold.eps if fold else None,
+                               residual=fold.residual if fold else None)
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-          tile: tuple[int, int, int, int, int, int], tma: bool | None, f32: bool) -> None:
+          tile: tuple[int, int, int, int, int, int], tma: bool | None, f32: bool, fold: _Fold) -> None:
     """invariant_gemm_kernel (or its TMA twin) over out [M, N] at `tile`."""
     (m, k), n = x.shape, w.shape[0]
     bm, bn, group, warps, stages, slices = tile
@@ -434,14 +509,16 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
 
         invariant_gemm_tma_kernel[(grid_mn,)](
             TensorDescriptor.from_tensor(x, [bm, BLOCK_K]), TensorDescriptor.from_tensor(w, [bn, BLOCK_K]),
-            bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
-            BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps, num_stages=stages,
+            bias if bias is not None else x, out, m, n, k, out.stride(0), *fold.args(x), HAS_BIAS=bias is not None,
+            FOLD=fold.kind, BM=bm, BN=bn, BK=BLOCK_K, GROUP_M=group, SPLIT=slices, **_pdl(x.device), num_warps=warps,
+            num_stages=stages,
         )
         return
     invariant_gemm_kernel[(grid_mn, slices if split_grid else 1)](
         x, w, bias if bias is not None else x, out, ws, counters, m, n, k, x.stride(0), w.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, F32=f32, EVEN_K=k % BLOCK_K == 0, BM=bm, BN=bn, BK=BLOCK_K,
-        GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device), num_warps=warps, num_stages=stages,
+        out.stride(0), *fold.args(x), HAS_BIAS=bias is not None, FOLD=fold.kind, F32=f32, EVEN_K=k % BLOCK_K == 0,
+        BM=bm, BN=bn, BK=BLOCK_K, GROUP_M=group, SPLIT=slices, SPLIT_GRID=split_grid, **_pdl(x.device),
+        num_warps=warps, num_stages=stages,
     )
 
 

@@ -18,6 +18,16 @@
 // output (silu_times): the unfused path's bits, one launch (the activation's) fewer a layer. Its PDL
 // trigger follows the waves (launch): H100, Llama-3.1-8B batch 1 6.05 against 6.17 ms unfused.
 //
+// The residual-stream RMSNorm folded (deterministic inference on the GPUs whose tuning says so:
+// models/llama.py's fold_norms): with NORM each output is scaled by rsqrt(mean(x_row^2) + eps) of its x
+// row before the one rounding (the norm's weight is folded into w at load). The sum of squares comes
+// from the B fragments the K loop already holds (no read of x beyond the ring's, nothing before the
+// loop): lane (g, q) adds the squares of its four x values of row g, k16 step by k16 step (`add_squares`),
+// the quad's four meet as (q0 + q1) + (q2 + q3), the K slices in order (`scale_of`); the order depends
+// on the weight's K split only, so strata_row_scale, given the split, gives the prefill tiles the same
+// scales. With `res` the output is bf16(bf16(sum) + res): the residual add after o_proj / down. So a
+// layer runs without a norm launch (docs/architecture.md, "Norms folded").
+//
 // Layout: a block is `groups` row blocks x `split` warps (warp = one 16-row block's one K slice);
 // each warp's ring holds STAGES K tiles of its 16 weight rows (2 KB) and of x's 8 rows (1 KB),
 // 16-byte chunks XOR-swizzled by row so ldmatrix reads are conflict-free.
@@ -27,12 +37,9 @@
 // weight tiles before the PDL wait (even on Llama, Qwen3-0.6B 1.32 against 1.28 ms); silu(gate) * up
 // on the down projection's B fragments (every block recomputed its K slice's activations: Llama 6.35
 // against 6.10 ms), which the gate_up epilogue now does once per element. Also (forty-sixth session) the
-// residual-stream RMSNorms folded (the norm's weight in qkv / gate_up, each block summing its x rows'
-// squares in its prologue and scaling its sums; o_proj / down adding the residual in their epilogue): bits
-// held, but Llama-3.1-8B batch 1 5.88 against 5.84 ms, batch 8 6.54 against 6.34 (every block re-reads
-// and sums x before its K loop, on the critical path); and (forty-ninth session) the same fold with the
-// squares taken from the K loop's B fragments (no prologue): batch 1 5.80 against 5.81-5.82 ms, batch 8
-// 6.42 against 6.32, overlapped. So the two norm launches a layer stay (code at b524677).
+// folded norm's squares summed in a prologue (each block re-reading its x rows before its K loop, on the
+// critical path): Llama-3.1-8B batch 1 5.88 against 5.84 ms unfolded, batch 8 6.54 against 6.34; hence
+// the squares from the B fragments above.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -47,6 +54,7 @@ constexpr int W_BYTES = ROWS * BK * 2;    // a stage's weight tile
 constexpr int X_BYTES = COLS * BK * 2;    // a stage's x tile
 constexpr int STAGE = W_BYTES + X_BYTES;
 constexpr int MAX_THREADS = 1024;
+constexpr int ROW_SCALE_THREADS = 128;  // strata_row_scale's block: 4 x split threads a row
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -102,11 +110,35 @@ __device__ __forceinline__ float silu_times(float g, float u) {
   return r;
 }
 
-template <int STAGES>
+// acc + the squares of the four bf16 values of a B fragment (b0's two, then b1's), each square exact in
+// float32, the adds rounded in turn (explicit _rn: no contraction, so every caller has these bits)
+__device__ __forceinline__ float add_squares(float acc, uint32_t b0, uint32_t b1) {
+  const float v[4] = {__uint_as_float(b0 << 16), __uint_as_float(b0 & 0xffff0000u), __uint_as_float(b1 << 16),
+                      __uint_as_float(b1 & 0xffff0000u)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc = __fadd_rn(acc, __fmul_rn(v[j], v[j]));
+  return acc;
+}
+
+// a quad's four partial sums of squares as the folded norm adds them
+__device__ __forceinline__ float quad_sum(float q0, float q1, float q2, float q3) {
+  return __fadd_rn(__fadd_rn(q0, q1), __fadd_rn(q2, q3));
+}
+
+// rsqrt(ss / K + eps), the folded norm's row scale
+__device__ __forceinline__ float norm_scale(float ss, int K, float eps) {
+  float r;
+  asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(__fadd_rn(__fdiv_rn(ss, float(K)), eps)));
+  return r;
+}
+
+constexpr int RES_REGS = 4;  // residual values a thread prefetches: (4 / split) x 16 x 8 rows / (4 x 32) at most
+
+template <int STAGES, bool NORM>
 __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ bias,
     __nv_bfloat16* __restrict__ out, int M, int N, int K, long long sx, long long sw, long long so, int split,
-    int per, int groups, int half, int late) {
+    int per, int groups, int half, int late, float eps, const __nv_bfloat16* __restrict__ res, long long sr) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warps = groups * split;
@@ -121,6 +153,7 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   const int count = max(t1 - t0, 0);
   const uint32_t ring = smem_addr(smem + warp * STAGES * STAGE);
   float* parts = reinterpret_cast<float*>(smem + warps * STAGES * STAGE);  // [warps][ROWS][COLS]
+  float* squares = parts + warps * ROWS * COLS;  // NORM: [split][COLS], each K slice's sums of squares
 
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // x: the previous launch's output (PDL)
@@ -162,8 +195,19 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
     if (i < count) load(i);
     cp_commit();
   }
+  float resv[RES_REGS];
+  if (res != nullptr) {
+#pragma unroll
+    for (int j = 0; j < RES_REGS; ++j) {
+      const int e = threadIdx.x + j * warps * 32;
+      const int gr = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
+      const int row = (blockIdx.x * groups + gr) * ROWS + r;
+      resv[j] = (e < groups * ROWS * M && row < N) ? __bfloat162float(res[col * sr + row]) : 0.0f;
+    }
+  }
 
   float acc[4] = {};
+  float sq = 0.0f;  // NORM: this lane's squares of x row lane / 4 (k 2q, 2q + 1, 2q + 8, 2q + 9 of each k16 step)
   const int m = lane >> 3, rr = lane & 7;  // ldmatrix: lane's matrix and row in it
   for (int i = 0; i < count; ++i) {
     cp_wait<STAGES - 2>();
@@ -177,6 +221,7 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
       uint32_t b[2];  // x rows 0-7 x k 0-7 / 8-15 (lanes 0-15 address them): b0, b1 of mma's B fragment
       ldmatrix_x2(chunk_at(xt, rr, kk * 2 + ((lane >> 3) & 1)), b);
       mma_bf16(acc, a, b);
+      if constexpr (NORM) sq = add_squares(sq, b[0], b[1]);
     }
     __syncwarp();  // every lane has read stage i % STAGES before it is loaded again
     if (i + STAGES - 1 < count) load(i + STAGES - 1);
@@ -194,7 +239,19 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
   part[g * COLS + 2 * q + 1] = acc[1];
   part[(g + 8) * COLS + 2 * q] = acc[2];
   part[(g + 8) * COLS + 2 * q + 1] = acc[3];
+  if constexpr (NORM) {  // the quad's partials of row g; one row block's warps store their slice's
+    const int base = lane & ~3;
+    const float s0 = __shfl_sync(0xffffffffu, sq, base), s1 = __shfl_sync(0xffffffffu, sq, base + 1);
+    const float s2 = __shfl_sync(0xffffffffu, sq, base + 2), s3 = __shfl_sync(0xffffffffu, sq, base + 3);
+    if (group == 0 && q == 0) squares[slice * COLS + g] = quad_sum(s0, s1, s2, s3);
+  }
   __syncthreads();
+  // the folded norm's scale of x row `col`: the slices' squares added in order to a zero
+  auto scale_of = [&](int col) {
+    float ss = 0.0f;
+    for (int s = 0; s < split; ++s) ss = __fadd_rn(ss, squares[s * COLS + col]);
+    return norm_scale(ss, K, eps);
+  };
   // the slices added in order to a zero (as the triton split grid's epilogue), then the bias
   auto total = [&](int gr, int r, int col) {
     float sum = 0.0f;
@@ -206,33 +263,43 @@ __global__ void __launch_bounds__(MAX_THREADS) invariant_gemv_kernel(
       const int p = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
       const int i = (blockIdx.x * (groups / 2) + p) * ROWS + r;
       if (i >= half) continue;
-      const float g = __bfloat162float(__float2bfloat16_rn(total(2 * p, r, col)));
-      const float u = __bfloat162float(__float2bfloat16_rn(total(2 * p + 1, r, col)));
+      float gs = total(2 * p, r, col), us = total(2 * p + 1, r, col);
+      if constexpr (NORM) {
+        const float sc = scale_of(col);
+        gs = __fmul_rn(gs, sc), us = __fmul_rn(us, sc);
+      }
+      const float g = __bfloat162float(__float2bfloat16_rn(gs));
+      const float u = __bfloat162float(__float2bfloat16_rn(us));
       out[col * so + i] = __float2bfloat16_rn(silu_times(g, u));
     }
     return;
   }
-  for (int e = threadIdx.x; e < groups * ROWS * M; e += warps * 32) {
+#pragma unroll
+  for (int j = 0; j < RES_REGS; ++j) {  // e < groups x ROWS x M <= RES_REGS x the block's threads
+    const int e = threadIdx.x + j * warps * 32;
     const int gr = e / (ROWS * M), r = (e / M) % ROWS, col = e % M;
     const int row = (blockIdx.x * groups + gr) * ROWS + r;
-    if (row >= N) continue;
+    if (e >= groups * ROWS * M || row >= N) continue;
     float sum = total(gr, r, col);
+    if constexpr (NORM) sum = __fmul_rn(sum, scale_of(col));  // (no bias with the norm: the launch refuses it)
     if (bias != nullptr) sum += __bfloat162float(bias[row]);
+    if (res != nullptr) sum = __fadd_rn(__bfloat162float(__float2bfloat16_rn(sum)), resv[j]);
     out[col * so + row] = __float2bfloat16_rn(sum);
   }
 }
 
-template <int STAGES>
+template <int STAGES, bool NORM>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* out, int M, int N, int K, long long sx,
-                   long long sw, long long so, int split, int half, int pdl, cudaStream_t stream) {
+                   long long sw, long long so, int split, int half, int pdl, float eps, const void* res, long long sr,
+                   cudaStream_t stream) {
   // row blocks a block: four warps at least; with `half` a gate and an up block per pair
   const int plain = split >= 4 ? 1 : 4 / split;
   const int groups = half ? (plain > 2 ? plain : 2) : plain;
   const int warps = groups * split;
   const int kt = (K + BK - 1) / BK;
   const int per = (kt + split - 1) / split;
-  const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4;
-  auto kernel = invariant_gemv_kernel<STAGES>;
+  const size_t smem = size_t(warps) * STAGES * STAGE + size_t(warps) * ROWS * COLS * 4 + (NORM ? split * COLS * 4 : 0);
+  auto kernel = invariant_gemv_kernel<STAGES, NORM>;
   const int rows = ROWS * (half ? groups / 2 : groups);  // output rows a block
   const int blocks = ((half ? half : N) + rows - 1) / rows;
   static size_t smem_allowed = 48 << 10;  // raised once per instantiation (not a stream operation)
@@ -272,25 +339,99 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* out, in
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<const __nv_bfloat16*>(x),
                             static_cast<const __nv_bfloat16*>(w), static_cast<const __nv_bfloat16*>(bias),
-                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late);
+                            static_cast<__nv_bfloat16*>(out), M, N, K, sx, sw, so, split, per, groups, half, late, eps,
+                            static_cast<const __nv_bfloat16*>(res), sr);
+}
+
+// out[r] = the folded norm's scale of x row r, its squares summed in the order of the GEMV whose weight
+// has `split` K slices (add_squares, quad_sum, then the slices in order): the scales of the prefill
+// tiles (invariant_gemm.py multiplies its sums by them). A thread per row, slice and quad lane q: the
+// k16 steps of its slice's K tiles in order, in each its four values k 2q, 2q + 1, 2q + 8, 2q + 9.
+__global__ void row_scale_kernel(const __nv_bfloat16* __restrict__ x, float* __restrict__ out, int M, int K,
+                                 long long sx, int split, int per, float eps) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+  __shared__ float parts[ROW_SCALE_THREADS];
+  const int per_row = 4 * split, t = threadIdx.x;
+  const int row = blockIdx.x * (ROW_SCALE_THREADS / per_row) + t / per_row;
+  const int s = (t % per_row) / 4, q = t & 3;
+  const int kt = (K + BK - 1) / BK, t1 = min((s + 1) * per, kt);
+  float sq = 0.0f;
+  if (row < M) {
+    const __nv_bfloat16* xr = x + row * sx;
+    for (int tile = s * per; tile < t1; ++tile) {
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        const int k = tile * BK + kk * 16 + 2 * q;
+        uint32_t b[2] = {};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // b0: k, k + 1; b1: k + 8, k + 9 (zeros past K, as the ring's)
+          const int k0 = k + 8 * h;
+          const uint32_t lo = k0 < K ? __bfloat16_as_ushort(xr[k0]) : 0u;
+          const uint32_t hi = k0 + 1 < K ? __bfloat16_as_ushort(xr[k0 + 1]) : 0u;
+          b[h] = lo | (hi << 16);
+        }
+        sq = add_squares(sq, b[0], b[1]);
+      }
+    }
+  }
+  parts[t] = sq;
+  __syncthreads();
+  if (row < M && t % per_row == 0) {
+    float ss = 0.0f;
+    for (int j = 0; j < split; ++j) {
+      const float* p = parts + t + 4 * j;
+      ss = __fadd_rn(ss, quad_sum(p[0], p[1], p[2], p[3]));
+    }
+    out[row] = norm_scale(ss, K, eps);
+  }
 }
 
 }  // namespace
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias): M <= 8, bf16, 16-byte aligned rows; split K slices (a
 // power of two, at most 32); stages 2, 3 or 4. half > 0: w is [gate | up] (N = 2 half, half a multiple
-// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. Returns the launch's cudaError_t.
+// of 16, no bias, split at most 16) and out[M, half] = silu(gate) * up. eps >= 0: each sum scaled by its
+// x row's norm scale first (no bias); res (not with half): out = bf16(bf16(sum) + res[M, N] (row stride
+// sr)), out not res. Returns the launch's cudaError_t.
 extern "C" int strata_invariant_gemv(const void* x, const void* w, const void* bias, void* out, int M, int N, int K,
                                      long long sx, long long sw, long long so, int split, int stages, int half,
-                                     int pdl, void* stream) {
+                                     int pdl, float eps, const void* res, long long sr, void* stream) {
   if (M < 1 || M > COLS || split < 1 || split > 32 || (split & (split - 1)) != 0) return int(cudaErrorInvalidValue);
   if (half && (half < 0 || N != 2 * half || half % ROWS != 0 || bias != nullptr || split > 16))
     return int(cudaErrorInvalidValue);
+  if ((eps >= 0.0f && bias != nullptr) || (res != nullptr && (half || res == out))) return int(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
-  switch (stages) {
-    case 2: return int(launch<2>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
-    case 3: return int(launch<3>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
-    case 4: return int(launch<4>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, s));
+  const bool norm = eps >= 0.0f;
+  switch (stages * 2 + norm) {
+    case 4: return int(launch<2, false>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
+    case 5: return int(launch<2, true>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
+    case 6: return int(launch<3, false>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
+    case 7: return int(launch<3, true>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
+    case 8: return int(launch<4, false>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
+    case 9: return int(launch<4, true>(x, w, bias, out, M, N, K, sx, sw, so, split, half, pdl, eps, res, sr, s));
     default: return int(cudaErrorInvalidValue);
   }
+}
+
+// out[M] (float32) = the folded norm's scale of each row of x[M, K] (bf16), its squares in the order of
+// the GEMV of a weight of `split` K slices (a power of two, at most 32). Returns the launch's cudaError_t.
+extern "C" int strata_row_scale(const void* x, void* out, int M, int K, long long sx, int split, float eps, int pdl,
+                                void* stream) {
+  if (M < 1 || K < 1 || split < 1 || split > 32 || (split & (split - 1)) != 0 || eps < 0.0f)
+    return int(cudaErrorInvalidValue);
+  const int kt = (K + BK - 1) / BK, per = (kt + split - 1) / split;
+  const int rows = ROW_SCALE_THREADS / (4 * split);  // a block's
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((M + rows - 1) / rows);
+  config.blockDim = dim3(ROW_SCALE_THREADS);
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return int(cudaLaunchKernelEx(&config, row_scale_kernel, static_cast<const __nv_bfloat16*>(x),
+                                static_cast<float*>(out), M, K, sx, split, per, eps));
 }

@@ -31,7 +31,7 @@ MAX_ROWS = 8
 STAGES = (2, 3, 4)  # the kernel's instantiations
 RING = 4  # K tiles in flight a warp, at most (4 beat 2, 3, 6 and 8 on an H100: docs/PERF.md)
 SMEM_BUDGET = 96 << 10  # a block's rings: two blocks an SM fit
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
 def nvcc() -> str | None:
@@ -74,7 +74,9 @@ def library(target: str) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = _I
-    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _P]
+    lib.strata_invariant_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _I, _L, _L, _L, _I, _I, _I, _I, _F, _P, _L, _P]
+    lib.strata_row_scale.restype = _I
+    lib.strata_row_scale.argtypes = [_P, _P, _I, _I, _L, _I, _F, _I, _P]
     return lib
 
 
@@ -119,19 +121,74 @@ def act_takes(x: torch.Tensor, w: torch.Tensor, slices: int) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, slices: int,
-         stages: int, pdl: bool, act: bool = False) -> bool:
+         stages: int, pdl: bool, act: bool = False, norm_eps: float | None = None,
+         residual: torch.Tensor | None = None) -> bool:
     """out = x w^T (+ bias) on torch's current stream, or with `act` (w = [gate | up], act_takes,
     no bias) out [M, N / 2] = silu(x gate^T) * (x up^T) with the products rounded to bf16 first;
-    False where the kernel is not built here."""
+    `norm_eps` (no bias): each product scaled by `row_scale(x, norm_eps)`'s value for its row before
+    rounding (the RMSNorm folded, its weight in w); `residual` [M, N] (not with act): out =
+    bf16(product) + residual, rounded once more. False where the kernel is not built here."""
     lib = library(arch(x.device))
     if lib is None:
         return False
     m, k = x.shape
     n = w.shape[0]
+    if residual is not None:
+        assert residual.shape == out.shape and residual.stride(1) == 1 and residual.dtype == out.dtype
     err = lib.strata_invariant_gemv(
         x.data_ptr(), w.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), m, n, k,
         x.stride(0), w.stride(0), out.stride(0), slices, stages, n // 2 if act else 0, int(pdl),
-        torch.cuda.current_stream(x.device).cuda_stream)
+        -1.0 if norm_eps is None else norm_eps, residual.data_ptr() if residual is not None else None,
+        residual.stride(0) if residual is not None else 0, torch.cuda.current_stream(x.device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"invariant GEMV [{m}, {k}] x [{n}, {k}]^T{' (act)' if act else ''}: CUDA error {err}")
     return True
+
+
+def row_scale(x: torch.Tensor, eps: float, slices: int, pdl: bool) -> torch.Tensor | None:
+    """float32 [M]: rsqrt(mean(x_row^2) + eps) of each bf16 row of x, its squares summed in the order
+    in which the GEMV of a weight of `slices` K slices sums them from its B fragments (the .cu's
+    add_squares / quad_sum / norm_scale), for the prefill tiles' folded norm; None where the kernel is
+    not built here."""
+    lib = library(arch(x.device))
+    if lib is None:
+        return None
+    m, k = x.shape
+    out = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return out
+    err = lib.strata_row_scale(x.data_ptr(), out.data_ptr(), m, k, x.stride(0), slices, eps, int(pdl),
+                               torch.cuda.current_stream(x.device).cuda_stream)
+    if err != 0:
+        raise RuntimeError(f"row scale [{m}, {k}], {slices} slices: CUDA error {err}")
+    return out
+
+
+def row_squares_reference(x: torch.Tensor, slices: int) -> torch.Tensor:
+    """float32 [M]: each row's sum of squares in the GEMV's order, in torch: K in tiles of 64, `slices`
+    slices of whole tiles (zeros past K); in a slice, quad lane q adds, k16 step by k16 step, the squares
+    of the step's values 2q, 2q + 1, 2q + 8, 2q + 9 in turn to a zero; the quad's four partials meet as
+    (q0 + q1) + (q2 + q3); the slices are added in order to a zero. Squares of bf16 values are exact in
+    float32, so each add is the kernel's one rounding."""
+    m, k = x.shape
+    kt = -(-k // 64)
+    per = -(-kt // slices)
+    v = torch.zeros(m, slices * per * 64, dtype=torch.float32, device=x.device)
+    v[:, :k] = x.float()
+    v = v.view(m, slices, per * 4, 16)  # [rows, slice, k16 step of the slice, value in the step]
+    lanes = torch.zeros(m, slices, 4, dtype=torch.float32, device=x.device)
+    quad = torch.arange(4, device=x.device) * 2
+    for step in range(per * 4):
+        for off in (0, 1, 8, 9):
+            lanes = lanes + v[:, :, step, quad + off] ** 2
+    quads = (lanes[..., 0] + lanes[..., 1]) + (lanes[..., 2] + lanes[..., 3])
+    total = torch.zeros(m, dtype=torch.float32, device=x.device)
+    for s in range(slices):
+        total = total + quads[:, s]
+    return total
+
+
+def row_scale_reference(x: torch.Tensor, eps: float, slices: int) -> torch.Tensor:
+    """row_scale in torch (row_squares_reference's sums; the rsqrt aside: the GPU's approximate one
+    may differ in the last bit): for the CPU tests of the epilogues."""
+    return torch.rsqrt(row_squares_reference(x, slices) / x.shape[1] + eps)

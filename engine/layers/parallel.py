@@ -253,6 +253,9 @@ class Linear(nn.Module):
         self._gemv_rows = 0  # most rows of x that config takes (the GPU's tuning)
         self.packed: torch.Tensor | None = None  # CPU: the weight in oneDNN's blocked layout (pack_for_cpu)
         self.quant: str | None = None  # a quantized weight format (engine/layers/quant.py), CUDA only
+        # deterministic inference's folded RMSNorm (models/llama.py fold_norms): the norm's weight is in
+        # self.weight and the invariant GEMM scales each row by rsqrt(mean(x^2) + norm_eps)
+        self.norm_eps: float | None = None
 
     def _local_gemv(self, x: torch.Tensor) -> tuple | None:
         """The triton GEMV config for x times this layer's local weight (bias aside), or None."""
@@ -281,6 +284,10 @@ class Linear(nn.Module):
         return None if cfg is None else (self.weight, getattr(self, "weight_scale", None), cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_eps is not None:
+            from engine.layers import invariant_gemm
+
+            return invariant_gemm.gemm(x, self.weight, norm_eps=self.norm_eps)
         if self.quant is not None:
             y = self.quant_forward(self, x, self._local_gemv(x))
             return y if self.bias is None else y + self.bias
@@ -299,7 +306,7 @@ class Linear(nn.Module):
             return None
         from engine.layers import invariant_gemm
 
-        return invariant_gemm.gemm_act(x, self.weight)
+        return invariant_gemm.gemm_act(x, self.weight, norm_eps=self.norm_eps)
 
     def forward_silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for h = [gate | up] ([T, 2 * in_features]): for small batches
@@ -332,6 +339,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_range[1] - in_range[0], out_features, bias, dtype)
         self.tp = parallel_state().tp
         _shard(self.weight, Sharding(1, (out_features, in_features), {None: Piece(in_range, 0, in_features, 0)}))
+        self.adds_residual = False  # its layer's norms folded: the forward_add GEMM runs (fold_norms)
 
     def gemv_config(self, x: torch.Tensor) -> tuple | None:
         # at world > 1 a GEMV run by the caller would be this rank's partial sum only (no
@@ -364,6 +372,13 @@ class RowParallelLinear(Linear):
         if self.tp.world == 1:
             return super().forward_silu_mul(h)
         return self._reduce(self.partial(h, silu_mul=True))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), the sum rounded once more, by the invariant GEMM's epilogue (deterministic
+        inference's folded norms, models/llama.py fold_norms: one rank, no bias)."""
+        from engine.layers import invariant_gemm
+
+        return invariant_gemm.gemm(x, self.weight, residual=residual)
 
 
 class VocabParallelEmbedding(nn.Module):

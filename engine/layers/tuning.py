@@ -118,6 +118,10 @@ class KernelTuning:
     invariant_gemm_pdl: bool = False  # deterministic inference's GEMM (invariant_gemm.py) launches with PDL
     # deterministic inference's GEMV (1-8 rows) as CUDA C++ (invariant_gemv.cu) instead of the triton one
     invariant_gemv_cuda: bool = False
+    # deterministic inference's residual-stream RMSNorms folded into the GEMMs around them (the CUDA GEMV's
+    # and the invariant GEMM's epilogues; models/llama.py fold_norms) for models up to this hidden size: no
+    # norm launch in a layer; per model, so the same arithmetic at every row count (H100: 1,024 wins, 4,096 loses)
+    det_norm_fold_max_hidden: int = 0
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel
     # (engine/layers/mla_kernels.py) below that, and on every rank at 0 (a GPU nobody measured)

@@ -35,6 +35,7 @@ from engine.run.memory import OutOfMemory, check_weights_fit, kv_bytes_per_token
 from engine.run.spec import DraftModel, SelfDraft, Speculator
 from engine.run.warmup import warm_up
 from models.config import ModelConfig
+from models.llama import fold_norms
 from models.registry import kv_layout, load_model
 
 if TYPE_CHECKING:
@@ -341,4 +342,6 @@ def load_checked(cfg: ServerConfig, dtype: torch.dtype, device: torch.device):  
         raise OutOfMemory(f"the model's weights do not fit on {device} in {dtype}: {e}") from e
     if device.type == "cpu":
         log.info("cpu projections in oneDNN's layout", layers=pack_for_cpu(model))
+    elif fold_norms(model):  # deterministic inference where the GPU's tuning folds them (det_norm_fold_max_hidden)
+        log.info("deterministic inference: the RMSNorms folded into the GEMMs", layers=mcfg.num_layers)
     return model, mcfg

@@ -65,7 +65,7 @@ class HiddenTap:
         def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             x, residual = output
             # a copy: later layers add into the residual in place
-            self.out[i] = residual.clone() if isinstance(x, PreNormed) else x + residual
+            self.out[i] = residual.clone() if x is None or isinstance(x, PreNormed) else x + residual
         return hook
 
     def captured(self, bs: int) -> None:

@@ -16,17 +16,19 @@ from models.loader import weights_identity
 from msgs.done import WorkerReady
 
 
-def arithmetic_identity(deterministic: bool, device: torch.device, cp_size: int = 1) -> str:
+def arithmetic_identity(deterministic: bool, device: torch.device, cp_size: int = 1, norm_folded: bool = False) -> str:
     """What decides a page's bits beyond the model: a deterministic engine's KV is a function of
     its kernels, which the device picks (a CPU's ISA and whether our C kernels built; a GPU's
-    model), and of --cp-size (attention merged over cp ranks sums in another order: layer 1's
-    K/V on differ), so it shares pages only with engines of the same; a non-deterministic
-    engine's KV moves with its batches anyway, and it shares with any other such engine."""
+    model, and whether its tuning folds the norms into the GEMMs: models/llama.py fold_norms), and
+    of --cp-size (attention merged over cp ranks sums in another order: layer 1's K/V on differ),
+    so it shares pages only with engines of the same; a non-deterministic engine's KV moves with
+    its batches anyway, and it shares with any other such engine."""
     if not deterministic:
         return "nondeterministic"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return f"deterministic/cuda/{torch.cuda.get_device_name(device)}/sm{major}{minor}/cp{cp_size}"
+        fold = "/normfold" if norm_folded else ""
+        return f"deterministic/cuda/{torch.cuda.get_device_name(device)}/sm{major}{minor}/cp{cp_size}{fold}"
     cpu = hashlib.sha256(cpu_kernels.cpu_identity().encode()).hexdigest()[:16]
     return f"deterministic/{device.type}/{cpu}/c-kernels:{cpu_kernels.library() is not None}/cp{cp_size}"
 
@@ -52,7 +54,8 @@ def l3_ready_fields(cfg: Any, runner: Any) -> dict[str, Any]:
         fields["l3_fingerprint"] = worker_fingerprint(
             cfg, runner.dtype, runner.kv_dtype, runner.host_tier.page_bytes, runner.mcfg.num_layers,
             runner.kv_layout.describe(runner.kv_dtype),
-            arithmetic_identity(runner.deterministic, runner.device, cfg.cp_size),
+            arithmetic_identity(runner.deterministic, runner.device, cfg.cp_size,
+                                getattr(runner.model, "norm_folded", False)),
         )
     return fields
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
 from engine.layers.moe import Router
-from engine.layers.parallel import Linear, ParallelLMHead, VocabParallelEmbedding, matmul
+from engine.layers.parallel import Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, matmul
 from engine.run.sample_params import SampleParams
 
 if TYPE_CHECKING:
@@ -95,7 +95,8 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int
             continue
         w = module.weight
         bias = None if head or isinstance(module, Router) else module.bias
-        key = (tuple(w.shape), w.dtype, bias is not None, head)
+        fold = _fold_of(module)
+        key = (tuple(w.shape), w.dtype, bias is not None, head, fold)
         if w.is_meta or w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or key in done:
             continue
         done.add(key)
@@ -105,10 +106,24 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int
 
             counts = regime_rows(list(counts), *w.shape)
         x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
+        res = torch.zeros(counts[-1], w.shape[0], dtype=w.dtype, device=w.device) if fold == "residual" else None
         for n in counts:
-            matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)
+            if fold == "norm":
+                module(x[:n])
+            elif res is not None:
+                module.forward_add(x[:n], res[:n])
+            else:
+                matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)
             runs += 1
     return runs
+
+
+def _fold_of(module: torch.nn.Module) -> str | None:
+    """The epilogue a folded layer's GEMM runs with (models/llama.py fold_norms): "norm" (qkv, gate_up),
+    "residual" (o_proj and down of a folded layer), else None."""
+    if isinstance(module, Linear) and module.norm_eps is not None:
+        return "norm"
+    return "residual" if isinstance(module, RowParallelLinear) and module.adds_residual else None
 
 
 def _forward(runner: ModelRunner, starts: list[int], lens: list[int], pages: list[int]) -> torch.Tensor:

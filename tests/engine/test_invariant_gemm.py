@@ -139,7 +139,7 @@ def test_tma_tiles_give_the_pointer_tiles_bits() -> None:
         grid = -(-m // 64) * -(-n // 32)
         invariant_gemm.invariant_gemm_tma_kernel[(grid,)](
             TensorDescriptor.from_tensor(x, [64, 64]), TensorDescriptor.from_tensor(w, [32, 64]), b, out, m, n, k,
-            out.stride(0), HAS_BIAS=True, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
+            out.stride(0), x, x, 0, HAS_BIAS=True, FOLD=0, BM=64, BN=32, BK=64, GROUP_M=8, SPLIT=slices, PDL=False)
         assert torch.equal(out, invariant_gemm.gemm(x, w, b, tile=(64, 32, 8, 4, 3, slices))), (m, n, k, slices)
 
 
@@ -158,3 +158,68 @@ def test_swapped_gemv_gives_the_tiles_bits() -> None:
         assert torch.equal(invariant_gemm.gemm(x[:3], w, b, tile=(16, 64, 1, 4, 2, slices)), prefill[:3])
     with pytest.raises(ValueError, match="at most 16"):
         invariant_gemm.gemm(x[:17], w, tile=(16, 64, 1, 4, 2, 1))
+
+
+def test_folded_norm_and_residual_epilogues_at_every_tile() -> None:
+    """The folded RMSNorm (each row's sums times its rsqrt(mean(x^2) + eps), the norm's weight in w)
+    and the residual add in the epilogue give the unfused products at every tile kind (the swapped
+    GEMV, the decode tile's split grid, the one-program prefill tiles) and keep a row's bits across
+    row counts; in the interpreter the scales are the reference's (on CUDA the kernel's, the GPU test)."""
+    from engine.layers import invariant_gemv
+
+    g = torch.Generator().manual_seed(11)
+    n, k, eps = 48, 512, 1e-5
+    w, x, r = torch.randn(n, k, generator=g), torch.randn(70, k, generator=g) * 3, torch.randn(70, n, generator=g)
+    s = invariant_gemv.row_scale_reference(x, eps, invariant_gemm.split(n, k))
+    torch.testing.assert_close(s.double(), torch.rsqrt(x.double().pow(2).mean(-1) + eps), rtol=1e-6, atol=0)
+    normed = invariant_gemm.gemm(x, w, norm_eps=eps)
+    torch.testing.assert_close(normed.double(), (x.double() * s.double()[:, None]) @ w.double().T, rtol=1e-5,
+                               atol=1e-5)
+    added = invariant_gemm.gemm(x, w, residual=r)
+    torch.testing.assert_close(added.double(), x.double() @ w.double().T + r.double(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(added, invariant_gemm.gemm(x, w) + r)  # float32: bf16(sum) is the sum itself here
+    for m in (1, 5, 16, 17, 64):  # the swapped GEMV, the decode tile, then one program a tile
+        assert torch.equal(invariant_gemm.gemm(x[:m], w, norm_eps=eps), normed[:m]), m
+        assert torch.equal(invariant_gemm.gemm(x[:m], w, residual=r[:m]), added[:m]), m
+    with pytest.raises(ValueError, match="folded norm"):
+        invariant_gemm.gemm(x, w, torch.zeros(n), norm_eps=eps)
+    with pytest.raises(ValueError, match="one GEMM"):
+        invariant_gemm.gemm(x, w, norm_eps=eps, residual=r)
+
+
+def _squares_by_lanes(row: torch.Tensor, slices: int) -> torch.Tensor:
+    """One row's sum of squares as the CUDA GEMV's lanes add it, a scalar at a time: slice by slice,
+    quad lane q walks its slice's k16 steps adding the squares of values 2q, 2q + 1, 2q + 8, 2q + 9."""
+    k = row.numel()
+    kt = -(-k // 64)
+    per = -(-kt // slices)
+    total = torch.tensor(0.0)
+    for s in range(slices):
+        lanes = []
+        for q in range(4):
+            acc = torch.tensor(0.0)
+            for step in range(s * per * 4, min((s + 1) * per, kt) * 4):
+                for off in (2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9):
+                    kk = step * 16 + off
+                    acc = acc + (row[kk] * row[kk] if kk < k else torch.tensor(0.0))
+            lanes.append(acc)
+        total = total + ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+    return total
+
+
+def test_row_squares_reference_sums_in_the_gemvs_order() -> None:
+    """row_squares_reference's order is the CUDA GEMV's (its lanes' B fragments, the quads, the slices
+    in order), against a scalar emulation at 1, 2 and 4 slices, with K past the last whole tile: rows
+    of values over 2^-8..2^8, whose float32 sums move with the order (so a reference in another order
+    fails here: checked by mutating it)."""
+    from engine.layers import invariant_gemv
+
+    g = torch.Generator().manual_seed(5)
+    k = 520  # 8 whole tiles and 8 values
+    x = (torch.randn(5, k, generator=g) * 2.0 ** torch.randint(-8, 9, (5, k), generator=g)).to(torch.bfloat16)
+    for slices in (1, 2, 4):
+        ref = invariant_gemv.row_squares_reference(x, slices)
+        for i in range(x.shape[0]):
+            assert torch.equal(ref[i], _squares_by_lanes(x[i].float(), slices)), (slices, i)
+    torch.testing.assert_close(invariant_gemv.row_scale_reference(x, 1e-6, 2),
+                               torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6), rtol=1e-5, atol=0)

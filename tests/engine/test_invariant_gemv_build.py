@@ -24,10 +24,15 @@ def test_builds_and_refuses_what_it_does_not_take(tmp_path: Path) -> None:
     lib = ctypes.CDLL(str(out))
     lib.strata_invariant_gemv.restype = ctypes.c_int
     lib.strata_invariant_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_longlong] * 3 + [
-        ctypes.c_int] * 4 + [ctypes.c_void_p]
+        ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p]
+    lib.strata_row_scale.restype = ctypes.c_int
+    lib.strata_row_scale.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                     ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
 
-    def call(m: int, split: int, stages: int = 4, n: int = 64, half: int = 0, bias: int | None = None) -> int:
-        return lib.strata_invariant_gemv(None, None, bias, None, m, n, 64, 64, 64, 64, split, stages, half, 0, None)
+    def call(m: int, split: int, stages: int = 4, n: int = 64, half: int = 0, bias: int | None = None,
+             eps: float = -1.0, res: int | None = None, out: int | None = None, k: int = 64) -> int:
+        return lib.strata_invariant_gemv(None, None, bias, out, m, n, k, 64, 64, 64, split, stages, half, 0, eps, res,
+                                         64, None)
 
     assert call(0, 4) == INVALID_VALUE  # no rows
     assert call(invariant_gemv.MAX_ROWS + 1, 4) == INVALID_VALUE  # more rows than the mma's 8 columns
@@ -40,6 +45,16 @@ def test_builds_and_refuses_what_it_does_not_take(tmp_path: Path) -> None:
     assert call(1, 4, n=64, half=32, bias=16) == INVALID_VALUE  # a bias
     assert call(1, 32, n=64, half=32) == INVALID_VALUE  # 64 warps a block
     assert call(1, 4, n=64, half=-32) == INVALID_VALUE
+    # the folded norm: no bias; the residual add: not with the activation, not in place
+    assert call(1, 4, eps=1e-5, bias=16) == INVALID_VALUE
+    assert call(1, 4, n=64, half=32, res=16) == INVALID_VALUE
+    assert call(1, 4, res=16, out=16) == INVALID_VALUE
+    # the prefill's row scales: rows, a K, the GEMV's slices (a power of two, at most 32), eps >= 0
+    assert lib.strata_row_scale(None, None, 0, 64, 64, 4, 1e-5, 0, None) == INVALID_VALUE
+    assert lib.strata_row_scale(None, None, 4, 0, 64, 4, 1e-5, 0, None) == INVALID_VALUE
+    assert lib.strata_row_scale(None, None, 4, 64, 64, 3, 1e-5, 0, None) == INVALID_VALUE
+    assert lib.strata_row_scale(None, None, 4, 64, 64, 64, 1e-5, 0, None) == INVALID_VALUE
+    assert lib.strata_row_scale(None, None, 4, 64, 64, 4, -1.0, 0, None) == INVALID_VALUE
 
 
 def test_ring_depth_fits_the_slice_and_shared_memory() -> None:
