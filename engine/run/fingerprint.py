@@ -3,6 +3,7 @@ WorkerReady fields that carry it."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,22 @@ from engine.layers import cpu_kernels
 from models.loader import weights_identity
 from msgs.done import WorkerReady
 
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_DIRS = ("engine/layers", "models")  # the code whose arithmetic writes a page
+
+
+@functools.cache
+def kernel_sources(root: Path = REPO) -> str:
+    """A digest of the kernels' and models' source (.py, .c, .cu, .h under KERNEL_DIRS): a
+    deterministic page's bits are a function of that code, which a release may change (a sum taken
+    in a new order), so L3 pages survive a restart of the same code only."""
+    h = hashlib.sha256()
+    for d in KERNEL_DIRS:
+        for f in sorted((root / d).rglob("*")):
+            if f.suffix in (".py", ".c", ".cu", ".h") and f.is_file():
+                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
 
 def arithmetic_identity(deterministic: bool, device: torch.device, cp_size: int = 1, norm_folded: bool = False) -> str:
     """What decides a page's bits beyond the model: a deterministic engine's KV is a function of
@@ -22,15 +39,17 @@ def arithmetic_identity(deterministic: bool, device: torch.device, cp_size: int 
     model, and whether its tuning folds the norms into the GEMMs: models/llama.py fold_norms), and
     of --cp-size (attention merged over cp ranks sums in another order: layer 1's K/V on differ),
     so it shares pages only with engines of the same; a non-deterministic engine's KV moves with
-    its batches anyway, and it shares with any other such engine."""
+    its batches anyway, and it shares with any other such engine. Deterministic: the kernels'
+    source too (kernel_sources)."""
     if not deterministic:
         return "nondeterministic"
+    src = kernel_sources()
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         fold = "/normfold" if norm_folded else ""
-        return f"deterministic/cuda/{torch.cuda.get_device_name(device)}/sm{major}{minor}/cp{cp_size}{fold}"
+        return f"deterministic/cuda/{torch.cuda.get_device_name(device)}/sm{major}{minor}/cp{cp_size}{fold}/src:{src}"
     cpu = hashlib.sha256(cpu_kernels.cpu_identity().encode()).hexdigest()[:16]
-    return f"deterministic/{device.type}/{cpu}/c-kernels:{cpu_kernels.library() is not None}/cp{cp_size}"
+    return f"deterministic/{device.type}/{cpu}/c-kernels:{cpu_kernels.library() is not None}/cp{cp_size}/src:{src}"
 
 
 def worker_fingerprint(

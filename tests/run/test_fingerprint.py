@@ -4,10 +4,13 @@ its answers from L3 stay its recompute's, bit for bit."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 from engine.config import ServerConfig
-from engine.run.fingerprint import arithmetic_identity, worker_fingerprint
+from engine.run.fingerprint import KERNEL_DIRS, REPO, arithmetic_identity, kernel_sources, worker_fingerprint
 from models.default_model import ensure_default_model
 
 
@@ -24,3 +27,16 @@ def test_the_arithmetic_is_part_of_the_fingerprint() -> None:
     args = (cfg, torch.bfloat16, torch.bfloat16, 3 * 64 * 16 * 2 * 2 * 30, 30, "k:3x64,v:3x64")
     assert worker_fingerprint(*args, arithmetic=det) == worker_fingerprint(*args, arithmetic=det)
     assert worker_fingerprint(*args, arithmetic=det) != worker_fingerprint(*args, arithmetic=nondet)
+
+
+def test_a_kernel_source_change_is_another_arithmetic(tmp_path: Path) -> None:
+    """Deterministic pages written by other kernel code (a sum in a new order) are not this code's:
+    the identity carries the kernels' source digest, which any edit to them changes."""
+    det = arithmetic_identity(True, torch.device("cpu"))
+    assert det.endswith("/src:" + kernel_sources())
+    for d in KERNEL_DIRS:
+        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    assert kernel_sources.__wrapped__(tmp_path) == kernel_sources()  # uncached
+    f = tmp_path / "engine/layers/triton_kernels.py"
+    f.write_text(f.read_text().replace("(s0 + s1)", "(s1 + s0)", 1))
+    assert kernel_sources.__wrapped__(tmp_path) != kernel_sources()
