@@ -309,15 +309,16 @@ class TorchAttention(AttentionBackend):
         eps: float,
     ) -> torch.Tensor | None:
         """Deterministic inference's captured split-KV decode takes the prologue in its split kernel,
-        with qk_norm_rope_store's bits (a q/k norm's sum of squares in both in rms_rows' explicit
-        order): a launch a layer fewer (H100, docs/PERF.md, fortieth session; Qwen3's norms: fiftieth)."""
-        if self._graph is None or self._g_splits <= 1:
+        with qk_norm_rope_store's bits (RoPE only: a q/k norm's sum would reduce in another order in
+        the split kernel's tile): a launch a layer fewer (H100, docs/PERF.md, fortieth session). Qwen3's
+        q/k norms taken too (both kernels' sums in one explicit order) measured even at batch 1 and
+        slower at batch 8 (fiftieth session): not taken."""
+        if self._graph is None or self._g_splits <= 1 or q_norm_weight is not None:
             return None
         hq, hkv, d = self._g_heads
-        norm = None if q_norm_weight is None else (q_norm_weight, k_norm_weight, eps)
         return batch_invariant.attend_blocks(qkv.view(qkv.shape[0], hq + 2 * hkv, d), self._graph_blocks(layer_id),
                                              self._graph[0], kv_pool, layer_id, self._g_splits, self._g_scratch,
-                                             cos_sin_cache, norm)
+                                             cos_sin_cache)
 
     def _graph_attend(self, q: torch.Tensor, layer_id: int, kv_pool: KVPool) -> torch.Tensor:
         """A decode step in a CUDA graph (its capture and warm-up): one kernel block per row, the

@@ -428,19 +428,18 @@ def _blocks_same(tokens: int, rows: int, dq: int, dv: int, chunk: int, device: t
 def attend_blocks(q: torch.Tensor, blocks: tuple[torch.Tensor, ...], page_table: torch.Tensor, kv_pool: KVPool,
                   layer: int, n_splits: int = 1,
                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  cos_sin_cache: torch.Tensor | None = None,
-                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                  cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
     """attend by the CUDA kernel over `blocks` (Plan.blocks' form, in any order: each block is
     one program that reads only its own entries and writes only its own real rows); n_splits > 1:
     split-KV (decode blocks only) with `scratch` (split_scratch), the same bits; with
-    `cos_sin_cache` q is the QKV projection [T, Hq + 2 Hkv, D] before RoPE (and before `qk_norm`'s
-    per-head RMSNorms: q weight, k weight, eps) and the K/V store (triton_ops.invariant_attention)."""
+    `cos_sin_cache` q is the QKV projection [T, Hq + 2 Hkv, D] before RoPE and the K/V store
+    (triton_ops.invariant_attention)."""
     from engine.layers import triton_ops
 
     ps = kv_pool.page_size
     q = q if cos_sin_cache is not None else q.contiguous()
     return triton_ops.invariant_attention(q, kv_pool.k[layer], kv_pool.v[layer], ps, page_table, blocks,
-                                          kv_chunk(ps), kv_part(ps), n_splits, scratch, cos_sin_cache, qk_norm)
+                                          kv_chunk(ps), kv_part(ps), n_splits, scratch, cos_sin_cache)
 
 
 class DecodeBlocks:

@@ -22,34 +22,12 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def rms_rows(rows, mask, eps, D: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of the head rows at `rows` ([R, 1] pointers, D values each), float32 [R,
-    1], in one explicit order whatever R and the layout: eight running sums (x[8j + e]^2 into sum e,
-    j in order), then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). Elementwise steps only (a
-    tl.sum's tree follows the tile's layout), so qk_norm_rope_store and the split decode kernel's
-    prologue give the same bits (deterministic inference; fusion off in both), and so does the
-    interpreter."""
-    e = tl.arange(0, 8)[None, :]
-    v = tl.load(rows + e, mask=mask, other=0.0).to(tl.float32)
-    acc = v * v
-    for j in tl.static_range(1, D // 8):
-        v = tl.load(rows + j * 8 + e, mask=mask, other=0.0).to(tl.float32)
-        acc = acc + v * v
-    R: tl.constexpr = acc.shape[0]
-    a, b = tl.split(tl.reshape(acc, [R, 4, 2]))  # (s0, s2, s4, s6), (s1, s3, s5, s7)
-    a, b = tl.split(tl.reshape(a + b, [R, 2, 2]))  # (s01, s45), (s23, s67)
-    a, b = tl.split(tl.reshape(a + b, [R, 1, 2]))  # s0123, s4567
-    return tl.rsqrt((a + b) / D + eps)
-
-
-@triton.jit
 def qk_norm_rope_store_kernel(
     qkv, qkv_stride, q_out, positions, slots, cos_sin, cs_stride,
     q_w, k_w, eps, k_cache, v_cache,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """ORDERED (deterministic inference): the norms' sums of squares in rms_rows' order."""
     pdl_start(PDL)  # everything here reads the previous kernel's output
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
@@ -67,10 +45,7 @@ def qk_norm_rope_store_kernel(
     q1 = tl.load(row + hq * D + d[None, :], mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(row + hq * D + half + d[None, :], mask=mq, other=0.0).to(tl.float32)
     if NORM:
-        if ORDERED:
-            r = rms_rows(row + hq * D, mq, eps, D)
-        else:
-            r = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)[:, None]
+        r = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)[:, None]
         q1 = (q1 * r * tl.load(q_w + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
         q2 = (q2 * r * tl.load(q_w + half + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
     qo = q_out + t * (HQ * D) + hq * D + d[None, :]
@@ -84,10 +59,7 @@ def qk_norm_rope_store_kernel(
     k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(kb + half, mask=mk, other=0.0).to(tl.float32)
     if NORM:
-        if ORDERED:
-            r = rms_rows(row + HQ * D + hk * D, mk, eps, D)
-        else:
-            r = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + eps)[:, None]
+        r = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + eps)[:, None]
         k1 = (k1 * r * tl.load(k_w + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
         k2 = (k2 * r * tl.load(k_w + half + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
     cache_t = k_cache.dtype.element_ty
@@ -546,23 +518,16 @@ def invariant_attention_kernel(
 
 
 @triton.jit
-def _rope_rows(rows, pos, cos_sin, cs_stride, w, eps, D: tl.constexpr, NORM: tl.constexpr):
-    """Neox RoPE of the [R, D] head rows at `rows` ([R, 1] pointers) at positions pos [R], in
-    float32, NORM: after the head's RMSNorm (weight w, rms_rows' order, rounded to the rows' dtype):
+def _rope_rows(x_ptr, pos, cos_sin, cs_stride, D: tl.constexpr):
+    """Neox RoPE of the [R, D] rows at x_ptr ([R, D] pointers) at positions pos [R], in float32:
     qk_norm_rope_store_kernel's products and sums (x1 cos - x2 sin | x2 cos + x1 sin) on
     full-width loads; with floating-point fusion off in both, the same bits (a sign times a
     product is exact)."""
     half: tl.constexpr = D // 2
     d = tl.arange(0, D)
     cs = cos_sin + pos[:, None] * cs_stride + (d % half)[None, :]
-    other = tl.where(d < half, d + half, d - half)
-    x = tl.load(rows + d[None, :]).to(tl.float32)
-    xs = tl.load(rows + other[None, :]).to(tl.float32)
-    if NORM:
-        act = rows.dtype.element_ty
-        r = rms_rows(rows, pos[:, None] >= 0, eps, D)  # every row is real
-        x = (x * r * tl.load(w + d).to(tl.float32)[None, :]).to(act).to(tl.float32)
-        xs = (xs * r * tl.load(w + other).to(tl.float32)[None, :]).to(act).to(tl.float32)
+    x = tl.load(x_ptr).to(tl.float32)
+    xs = tl.load(x_ptr + tl.where(d < half, half, -half)[None, :]).to(tl.float32)
     sign = tl.where(d < half, -1.0, 1.0)[None, :]
     return x * tl.load(cs) + sign * xs * tl.load(cs + half)
 
@@ -570,19 +535,18 @@ def _rope_rows(rows, pos, cos_sin, cs_stride, w, eps, D: tl.constexpr, NORM: tl.
 @triton.jit(do_not_specialize=["q_stride", "table_stride", "table_width", "parts_max"])
 def invariant_split_kernel(
     q, q_stride, k_cache, v_cache, table, table_stride, table_width, blk_req, blk_rows, blk_pos, blk_reads,
-    sm_scale, part_o, part_ml, parts_max, cos_sin, cs_stride, q_w, k_w, eps,
+    sm_scale, part_o, part_ml, parts_max, cos_sin, cs_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+    CP: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
 ):
     """Split decode, step 1: program (block, KV head, k) computes partitions k, k + splits, ...
     of its block (decode blocks: T copies of one token, computed as invariant_attention_kernel
     computes a block, so with its tile shapes and bits) and stores token 0's G rows' states in
     float32: part_o [blocks, parts_max, HQ, D], part_ml [blocks, parts_max, 2, HQ] (m, l).
     Programs past a block's partitions store nothing (the merge reads only its partitions).
-    ROPE: q is the layer's QKV projection [T, (HQ + 2 HKV) * D] before RoPE (NORM: and before the
-    per-head q/k RMSNorms, weights q_w / k_w): every program rotates its q rows, and the program of
-    the token's last partition (the one that reads its position) first stores the rotated K and
-    the V, as qk_norm_rope_store (ORDERED) would."""
+    ROPE: q is the layer's QKV projection [T, (HQ + 2 HKV) * D] before RoPE (no q/k norm):
+    every program rotates its q rows, and the program of the token's last partition (the one
+    that reads its position) first stores the rotated K and the V, as qk_norm_rope_store would."""
     pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -595,15 +559,14 @@ def invariant_split_kernel(
     d = tl.arange(0, D)
     if ROPE:
         act = q.dtype.element_ty
-        qv = _rope_rows(q + qrow[:, None] * q_stride + head[:, None] * D, pos, cos_sin, cs_stride, q_w, eps,
-                        D, NORM).to(act).to(dot_t)
+        qv = _rope_rows(q + qrow[:, None] * q_stride + head[:, None] * D + d[None, :], pos, cos_sin, cs_stride,
+                        D).to(act).to(dot_t)
         if k == ((reads + CP - 1) // CP - 1) % tl.num_programs(2):
             row0 = tl.load(blk_rows + b * T)
             p0 = tl.load(blk_pos + b * T + tl.arange(0, 1))  # [1]: _rope_rows' row positions
             kb = q + row0 * q_stride + HQ * D + kvh * D
             cache_t = k_cache.dtype.element_ty
-            k_new = _rope_rows(kb + tl.zeros([1, 1], tl.int32), p0, cos_sin, cs_stride, k_w, eps, D,
-                               NORM).to(act).to(cache_t)
+            k_new = _rope_rows(kb + d[None, :], p0, cos_sin, cs_stride, D).to(act).to(cache_t)
             slot = (tl.load(trow + p0 // PS).to(tl.int64) * PS + p0 % PS)[:, None] * (HKV * D) + kvh * D
             tl.store(k_cache + slot + d[None, :], k_new)
             tl.store(v_cache + slot + d[None, :], tl.load(kb + HKV * D + d[None, :]).to(cache_t))

@@ -136,16 +136,16 @@ def qk_norm_rope_store(
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
-    pdl, ordered = _pdl(qkv.device), batch_invariant.enabled()
+    pdl = _pdl(qkv.device)
     _k().qk_norm_rope_store_kernel[(t,)](
         qkv, qkv.stride(0), q, positions, out_slots, cos_sin_cache, cos_sin_cache.stride(0),
         q_norm_weight if norm else qkv, k_norm_weight if norm else qkv, eps, k_cache, v_cache,
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim,
-        HQ_P2=_p2(num_q_heads), HKV_P2=_p2(num_kv_heads), NORM=norm, ORDERED=ordered, PDL=pdl,
+        HQ_P2=_p2(num_q_heads), HKV_P2=_p2(num_kv_heads), NORM=norm, PDL=pdl,
         num_warps=4 if num_q_heads * head_dim >= 2048 else 2, **_launch_opts(pdl),
-        # deterministic inference: no FMA contraction and the norms' sums in rms_rows' order, so the
-        # split kernel's prologue (invariant_attention with cos_sin_cache) gives a token's K and q these bits
-        enable_fp_fusion=not ordered,
+        # deterministic inference: no FMA contraction, so the split kernel's RoPE prologue
+        # (invariant_attention with cos_sin_cache) gives a token's K and q these bits
+        enable_fp_fusion=not batch_invariant.enabled(),
     )
     return q
 
@@ -377,15 +377,14 @@ def invariant_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, table: torch.Tensor,
     blocks: tuple[torch.Tensor, ...], chunk: int, part: int | None = None, splits: int = 1,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None, cos_sin_cache: torch.Tensor | None = None,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Deterministic inference's attention (triton_kernels.invariant_attention_kernel): q [T, Hq,
     D] contiguous (with `cos_sin_cache`: the layer's QKV projection [T, Hq + 2 Hkv, D] before
-    RoPE and `qk_norm`'s (q weight, k weight, eps) per-head RMSNorms, as qk_norm_rope_store takes
-    it; split-KV only: the split kernel normalizes and rotates q and stores the new K/V itself);
-    blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb, tokens], reads int32
-    [nb], real int8 [nb, tokens]) from batch_invariant.plan (tokens per block: kernel_tokens); the
-    KV in partitions of `part` positions (batch_invariant.kv_part) merged in order.
+    RoPE, as qk_norm_rope_store takes it without q/k norms; split-KV only: the split kernel
+    rotates q and stores the new K/V itself); blocks = (req int32 [nb], rows int64 [nb, tokens], positions int64 [nb,
+    tokens], reads int32 [nb], real int8 [nb, tokens]) from batch_invariant.plan (tokens per
+    block: kernel_tokens); the KV in
+    partitions of `part` positions (batch_invariant.kv_part) merged in order.
 
     splits > 1 (decode blocks only: one token each) is split-KV: `splits` programs per (block,
     KV head) store the partitions' float32 states in `scratch` (batch_invariant.split_scratch:
@@ -430,10 +429,8 @@ def invariant_attention(
     if part_o.shape[0] < nb:
         raise ValueError(f"invariant_attention: scratch for {part_o.shape[0]} blocks, {nb} given")
     cs = (cos_sin_cache, cos_sin_cache.stride(0)) if rope else (q, 0)
-    norm = (qk_norm or (q, q, 0.0)) if rope else (q, q, 0.0)
-    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], *cs, *norm,
-                                                **geom, F32_DOT=interpreted(), ROPE=rope,
-                                                NORM=rope and qk_norm is not None, num_warps=warps, **opts)
+    k.invariant_split_kernel[(nb, hkv, splits)](*head, d**-0.5, part_o, part_ml, part_o.shape[1], *cs, **geom,
+                                                F32_DOT=interpreted(), ROPE=rope, num_warps=warps, **opts)
     k.invariant_merge_kernel[(nb, hkv)](rows, reads, part_o, part_ml, part_o.shape[1], out, HQ=hq, HKV=hkv, D=d,
                                         T=tokens, CP=part // chunk, num_warps=4, **opts)
     return out

@@ -140,13 +140,11 @@ def test_graph_protocol_splits_with_the_prefill_bits(setup) -> None:  # noqa: AN
     backend._warm_split(pool, torch.float32)  # what bind runs on CUDA: the split pair on the padding page
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_rope_prologue_gives_the_separate_kernels_bits(setup, norm: bool) -> None:  # noqa: ANN001
+def test_rope_prologue_gives_the_separate_kernels_bits(setup) -> None:  # noqa: ANN001
     """The split kernel's RoPE prologue (cos_sin_cache: q rotated in every program, the new K/V
-    stored by the program that reads the token's position; norm: Qwen3's per-head q/k RMSNorms
-    first) against qk_norm_rope_store and then the split kernel: the same outputs and the same
-    pool, for a batch of decode rows at partition edges on pages of their own (alone, and with more
-    splits than partitions)."""
+    stored by the program that reads the token's position) against qk_norm_rope_store and then the
+    split kernel: the same outputs and the same pool, for a batch of decode rows at partition
+    edges on pages of their own (alone, and with more splits than partitions)."""
     g = torch.Generator().manual_seed(7)
     pool = KVPool(1, 128, PS, HKV, D, torch.float32, "cpu")
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
@@ -161,8 +159,7 @@ def test_rope_prologue_gives_the_separate_kernels_bits(setup, norm: bool) -> Non
     inv = 10000.0 ** (-torch.arange(D // 2, dtype=torch.float32) / (D // 2))
     freqs = torch.arange(4 * P, dtype=torch.float32)[:, None] * inv[None, :]
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-    qkv = torch.randn(len(positions), HQ + 2 * HKV, D, generator=g) * 3
-    qk_norm = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5, 1e-6) if norm else None
+    qkv = torch.randn(len(positions), HQ + 2 * HKV, D, generator=g)
     for rows in ([0], [1], [2], [0, 1, 2]):
         plan = bi.plan(table[rows], [positions[i] + 1 for i in rows], [1] * len(rows), PS, kernel=True)
         pos = torch.tensor([positions[i] for i in rows])
@@ -176,9 +173,9 @@ def test_rope_prologue_gives_the_separate_kernels_bits(setup, norm: bool) -> Non
                 x.k[0].copy_(pool.k[0])
                 x.v[0].copy_(pool.v[0])
             q = triton_ops.qk_norm_rope_store(qkv[rows].view(len(rows), -1), HQ, HKV, D, pos, cos_sin, slots,
-                                              a.k[0], a.v[0], *(qk_norm or ()))
+                                              a.k[0], a.v[0])
             want = bi.attend_blocks(q, plan.blocks, plan.page_table, a, 0, n, scratch)
-            got = bi.attend_blocks(qkv[rows], plan.blocks, plan.page_table, b, 0, n, scratch, cos_sin, qk_norm)
+            got = bi.attend_blocks(qkv[rows], plan.blocks, plan.page_table, b, 0, n, scratch, cos_sin)
             assert torch.equal(got, want), (rows, n)
             assert torch.equal(b.k[0], a.k[0]) and torch.equal(b.v[0], a.v[0]), (rows, n)
             assert not torch.equal(b.k[0], pool.k[0])  # the new K was stored
