@@ -86,6 +86,9 @@ HELP = {
     "decode_kernel": "decode attention kernel on GPU: auto (the GPU's tuning file) | fa2 | xqa | triton; for debugging",
     "grammar_helpers": "processes per rank that run the grammar matchers of structured output (xgrammar holds the "
     "GIL; helpers accept a step's tokens in parallel): -1 = auto (GPU: min(8, cores / 2); CPU: 0, in the worker)",
+    "grammar_backend": "structured output (json_schema, regex, ebnf, structural tags, forced tool calls): xgrammar, "
+    "started with the server, so the first constrained request compiles only its grammar | none (refused with a 400; "
+    "no grammar process runs)",
     "enable_hierarchical_cache": "keep prefix-cache KV in a host-memory tier (L2, one shared-memory slab) when "
     "it leaves the GPU, and load it back on a match instead of recomputing it",
     "hicache_ratio": "L2 size as a multiple of the device KV pool (with --enable-hierarchical-cache)",

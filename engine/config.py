@@ -23,6 +23,7 @@ MAX_SPEC_STEPS = 16  # drafts a row and step, at most
 SPEC_BY_BATCH_DEFAULT = "4:3,16:0"
 
 
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # --grammar-backend
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # engine/layers/attention.py's _BACKENDS, and auto
 MAX_RUNNING_REQUESTS = 4096  # --max-running-requests' bound: 100,000 slots of a 49k vocabulary took 24 GB
 
@@ -79,6 +80,9 @@ class ServerConfig:
     cpu_threads: int = 0  # torch intra-op threads of a CPU worker; 0 = every core this process may use
     decode_kernel: str = "auto"  # auto (the GPU's tuning file) | fa2 | xqa | triton: override for debugging
     grammar_helpers: int = -1  # grammar matcher processes per rank; -1 = auto (GPU: min(8, cores/2); CPU: 0)
+    # structured output's engine (SGLang's flag): xgrammar, started with the server (ready means warm), or
+    # none: constrained requests are refused and no grammar process runs
+    grammar_backend: str = "xgrammar"
     tool_call_parser: str = ""  # "" = tools are only rendered into the prompt; see engine/serve/parsers
     reasoning_parser: str = ""  # "" = <think> blocks stay in the content
     chat_template: str = ""  # a Jinja file replacing the model's chat template ("" = the model's)
@@ -359,6 +363,8 @@ class ServerConfig:
         ):
             if value and value not in table:
                 raise ValueError(f"bad {flag} {value} (known: {', '.join(sorted(table))})")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"bad --grammar-backend {self.grammar_backend} ({' | '.join(GRAMMAR_BACKENDS)})")
         if self.sampling_defaults not in ("model", "openai"):
             raise ValueError(f"bad --sampling-defaults {self.sampling_defaults} (model | openai)")
         if self.chat_template:

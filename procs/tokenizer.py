@@ -40,6 +40,7 @@ import zmq.asyncio
 from engine.config import ServerConfig
 from engine.logs import setup_logging
 from engine.serve.frontend import Frontend
+from engine.serve.grammar import warm_when_ready
 from engine.serve.http import MAX_BODY, BoundedHeadProtocol, build_app
 from engine.serve.sampling_defaults import model_sampling_defaults
 from engine.serve.sdk_server import SdkServer
@@ -202,6 +203,7 @@ class TokenizerProcess:
             asyncio.create_task(self.beat(), name="alive"),
         }
         http = asyncio.create_task(server.serve(sockets=[http_sock]), name="http")
+        warm = asyncio.create_task(warm_when_ready(state), name="grammar-warm")  # ends early: not in `tasks`
         try:
             while not server.started:
                 if http.done():
@@ -214,9 +216,9 @@ class TokenizerProcess:
             done, _ = await asyncio.wait({http, *tasks}, return_when=asyncio.FIRST_COMPLETED)
             return self._exit_code(done, http)
         finally:
-            for task in (http, *tasks):
+            for task in (http, warm, *tasks):
                 task.cancel()
-            await asyncio.gather(http, *tasks, return_exceptions=True)
+            await asyncio.gather(http, warm, *tasks, return_exceptions=True)
             if state.grammar is not None:  # its grammar checker processes
                 state.grammar.close()
 

@@ -120,7 +120,8 @@ class KernelTuning:
     invariant_gemv_cuda: bool = False
     # deterministic inference's residual-stream RMSNorms folded into the GEMMs around them (the CUDA GEMV's
     # and the invariant GEMM's epilogues; models/llama.py fold_norms) for models up to this hidden size: no
-    # norm launch in a layer; per model, so the same arithmetic at every row count (H100: 1,024 and 2,048 win, 4,096 loses)
+    # norm launch in a layer; per model, so the same arithmetic at every row count (H100: hidden 1,024 and
+    # 2,048 win, 4,096 loses)
     det_norm_fold_max_hidden: int = 0
     # MLA decode (engine/layers/mla_attention.py): flashinfer's MLA wrapper (engine/layers/flashinfer_mla.py)
     # on ranks with at least this many query heads, where it takes the geometry; our triton kernel

@@ -130,7 +130,7 @@ class GrammarSlots(Effect, DraftMasks):
 
     def __init__(
         self, model_dir: str, vocab_size: int, max_slots: int, device: torch.device, background: bool = True,
-        helpers: int | None = None,
+        helpers: int | None = None, warm: bool = False,
     ) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
@@ -146,6 +146,11 @@ class GrammarSlots(Effect, DraftMasks):
         self._compiling: dict[str, tuple[int, Future[Any] | None]] = {}
         self._compiler: Any = None  # xgr.GrammarCompiler, made with the TokenizerInfo (compile thread)
         self._compiler_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # warm: the in-process compiler made on the compile thread from wait_ready on, in the background
+        # (importing xgrammar and building the tokenizer info took 1.3 s of the first constrained request
+        # on 2 cores; beside the model's warm-up it slowed that by as much); a grammar queues behind it
+        self._warm_compiler = warm
+        self._warming: Future[None] | None = None
         self._pending: _Pending | None = None  # without a background thread: advanced by the next mask
         self._job: Future[None] | None = None  # with one: the job advancing the last constrained step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar") if background else None
@@ -256,6 +261,14 @@ class GrammarSlots(Effect, DraftMasks):
         _, job = self._compiling.pop(key, (0, None))
         if job is not None:
             job.cancel()
+
+    def _warm(self) -> None:
+        """The compiler, on the compile thread; a model without tokenizer files (or a missing xgrammar)
+        fails the first grammar, as before."""
+        try:
+            self._compiler = grammar_compiler(self._tokenizer_info(), COMPILE_THREADS)
+        except Exception as exc:  # noqa: BLE001 - reported when a grammar needs it
+            log.info("grammar compiler not warmed", reason=str(exc)[:200])
 
     def _compile(self, data: bytes) -> Any:
         """On the compile thread (xgrammar releases the GIL while it compiles)."""
@@ -410,9 +423,12 @@ class GrammarSlots(Effect, DraftMasks):
             self._job = self._pool.submit(self._advance, pending)
 
     def wait_ready(self) -> None:
-        """Return once the helper processes (if any) are ready: before the worker's Ready."""
+        """Return once the helper processes (if any) are ready: before the worker's Ready. Without
+        helpers (warm), start building the in-process compiler in the background."""
         if self._helpers is not None:
             self._helpers.wait_ready()
+        elif self._warm_compiler and self._warming is None:
+            self._warming = self._compiler_pool.submit(self._warm)
 
     def close(self) -> None:
         """Stop the helper processes (they also exit when this process goes)."""

@@ -16,8 +16,10 @@ tokenizer process past 22 GB while serializing, killed).
   server keeps serving.
 * One compiler and one cache of checked grammars (by the SHA-256 of what is compiled)
   are shared by every request: 64 requests with one schema compile it once here.
-* xgrammar imports torch, which this process never loads: the children import it, started on
-  the first constrained request, and build the TokenizerInfo.
+* xgrammar imports torch, which this process never loads: the children import it and build the
+  TokenizerInfo. The first starts once the scheduler is ready (`warm`: 2.7 s on 2 cores, which the
+  first constrained request paid before), the second on first use; `--grammar-backend none` starts
+  none and refuses every constraint.
 * The TokenizerInfo has the MODEL's vocabulary size (logits may be wider than the
   tokenizer's vocabulary: those ids are never allowed). Workers build the same TokenizerInfo
   from the same tokenizer files (`tokenizer_info`), so every rank compiles the same grammar.
@@ -34,8 +36,9 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +240,8 @@ class GrammarService:
     """Compiles constraints to `Grammar`s for requests; see the module docstring."""
 
     def __init__(self, model_dir: str, metrics: Metrics, timeout_s: float = COMPILE_TIMEOUT_S,
-                 max_compiled_bytes: int = MAX_COMPILED_BYTES) -> None:
+                 max_compiled_bytes: int = MAX_COMPILED_BYTES, enabled: bool = True) -> None:
+        self.enabled = enabled  # --grammar-backend none: every constraint is a 400
         self._model_dir = model_dir
         self._metrics = metrics
         self.timeout_s = timeout_s
@@ -249,10 +253,13 @@ class GrammarService:
         self._inflight: dict[str, asyncio.Task[Grammar]] = {}
         self._down: str | None = None  # why the server went down (`down`)
         self._waiters: set[asyncio.Future[None]] = set()  # requests' waits on a compile, resolved by `down`
+        self._warming: Future[None] | None = None  # `warm`'s checker start
 
     async def compile(self, fmt: dict[str, Any], vocab_size: int, param: str) -> Grammar:
         """The Grammar of one structural-tag format; 400 naming `param` if it does not
         compile, takes longer than the time limit or is too large."""
+        if not self.enabled:
+            raise ApiError(400, f"{param}: constrained decoding is off on this server (--grammar-backend none)", param)
         tag = {"type": "structural_tag", "format": fmt}
         # keys in the request's order: a JSON schema's properties are generated in the order declared
         # (a "reasoning then answer" schema must not answer first); sorted, they came out alphabetical
@@ -295,6 +302,10 @@ class GrammarService:
 
     async def _compile(self, text: str, key: str, vocab_size: int, param: str) -> Grammar:
         try:
+            if self._warming is not None and not self._warming.done():
+                # the started checker is ready sooner than another would be: wait for it, then the
+                # compile goes to its thread (the pool's only one so far, and idle)
+                await asyncio.wrap_future(self._warming)
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._compile_sync, text, key, vocab_size, param)
         except ApiError as exc:
@@ -328,6 +339,24 @@ class GrammarService:
         log.info("grammar compiled", key=key[:12], seconds=round(reply.seconds, 4), compiled_bytes=reply.compiled_bytes,
                  bytes=len(data))
         return Grammar(key=key, data=data, stop_ids=checker.stop_ids, compiled_bytes=reply.compiled_bytes)
+
+    def warm(self, vocab_size: int) -> None:
+        """Start a checker now, on a pool thread (returns at once): the first constrained request then
+        finds it started, or waits for the start under way. A start that fails is logged; a request
+        retries it."""
+        if not self.enabled or self.checkers or self._warming is not None:
+            return
+
+        def start() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._checker(vocab_size).start()
+            except CheckerStartError as exc:
+                log.warning("grammar checker not warmed", reason=str(exc))
+            else:
+                log.info("grammar checker warm", seconds=round(time.perf_counter() - t0, 2))
+
+        self._warming = self._pool.submit(start)
 
     def _checker(self, vocab_size: int) -> Checker:
         """This pool thread's checker (one child process), for this vocabulary."""
@@ -427,9 +456,24 @@ async def constrain(
 
 
 def service_of(state: Any) -> GrammarService | None:
-    """The server's GrammarService (made on first use), or None without a tokenizer."""
+    """The server's GrammarService (made on first use or by `warm_when_ready`), or None without a tokenizer."""
     if state.tok is None:
         return None
     if state.grammar is None:
-        state.grammar = GrammarService(state.cfg.model, state.frontend.metrics)
+        state.grammar = GrammarService(state.cfg.model, state.frontend.metrics,
+                                       enabled=state.cfg.grammar_backend != "none")
     return state.grammar
+
+
+async def warm_when_ready(state: Any) -> None:
+    """Once the scheduler is ready (the vocabulary size is its), start a grammar checker in the
+    background: ready means warm, as far as a child process of its own can be."""
+    if state.tok is None or state.cfg.grammar_backend == "none":
+        return
+    try:
+        limits = await state.limits()
+    except ApiError:  # the scheduler did not come up: nothing to serve
+        return
+    service = service_of(state)
+    if service is not None:
+        service.warm(limits.vocab_size)

@@ -65,8 +65,7 @@ class Checker:
         """Compile `text` in the child. TimeoutError after timeout_s (the child killed);
         ChildProcessError if the child died meanwhile (whatever killed it: the next call starts
         another); CheckerStartError if it could not start."""
-        if self.proc is None:
-            self._start()
+        self.start()
         assert self.proc is not None and self.proc.stdin is not None
         try:
             write_frame(self.proc.stdin.fileno(), msgspec.msgpack.encode(CheckRequest(text)))
@@ -77,7 +76,10 @@ class Checker:
         assert isinstance(reply, CheckReply)
         return reply
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the child and take its ready frame, unless it runs (CheckerStartError)."""
+        if self.proc is not None:
+            return
         cmd = [sys.executable, "-m", "engine.serve.grammar_checker", self.model_dir, str(self.vocab_size)]
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -1,7 +1,8 @@
 """A served model's generation_config.json sampling defaults (--sampling-defaults model, the
 default) reach every front: a request that leaves temperature unset on a model that recommends
 temperature 0 gets the greedy answer, over /v1/completions, /v1/chat/completions, /generate and
-the SDK; one that sets it gets what it set."""
+the SDK; one that sets it gets what it set. The same server runs `--grammar-backend none`: every
+constraint is a 400 and no grammar checker process starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from msgs.sdk import Client
@@ -27,7 +29,8 @@ def greedy_model(default_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
             (model / f.name).symlink_to(f)
     gen = json.loads((default_model_dir / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0}))
-    srv = start_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--max-total-tokens", "4096")
+    srv = start_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--max-total-tokens", "4096",
+                       "--grammar-backend", "none")
     yield srv
     stop_server(srv)
 
@@ -60,3 +63,18 @@ def test_an_unset_temperature_is_the_model_s(greedy_model: Server) -> None:
     unset = httpx.post(f"{srv.http}/v1/chat/completions", json=chat, timeout=120).json()
     zero = httpx.post(f"{srv.http}/v1/chat/completions", json={**chat, "temperature": 0}, timeout=120).json()
     assert unset["choices"][0]["message"] == zero["choices"][0]["message"]
+
+
+def test_grammar_backend_none_refuses_constraints_and_runs_no_checker(greedy_model: Server) -> None:
+    srv = greedy_model
+    chat = {"messages": [{"role": "user", "content": "A name?"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}}
+    gen = {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "regex": "[a-z]+"}}
+    for path, body, param in (("/v1/chat/completions", chat, "response_format"), ("/generate", gen, "regex")):
+        r = httpx.post(f"{srv.http}{path}", json=body, timeout=120)
+        assert r.status_code == 400 and "--grammar-backend none" in r.text and param in r.text, r.text
+    r = httpx.post(f"{srv.http}/v1/chat/completions", json={**chat, "response_format": None}, timeout=120)
+    assert r.status_code == 200, r.text  # the server serves on
+    procs = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert any("procs.tokenizer" in p.cmdline() for p in procs)
+    assert not any("engine.serve.grammar_checker" in p.cmdline() for p in procs)

@@ -5,12 +5,14 @@ what does not compile, and an unconstrained request unchanged by constrained bat
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
 import openai
+import psutil
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
@@ -90,6 +92,26 @@ def _ask_json(client: OpenAI, name: str, schema: dict) -> tuple[str, str]:
         response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
     )
     return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+
+def _checkers(srv: Server) -> list[psutil.Process]:
+    """The tokenizer process's grammar checker children."""
+    tok = next(p for p in psutil.Process(srv.proc.pid).children(recursive=True) if "procs.tokenizer" in p.cmdline())
+    return [c for c in tok.children() if "engine.serve.grammar_checker" in c.cmdline()]
+
+
+def test_the_grammar_checker_starts_with_the_server(srv: Server, client: OpenAI) -> None:
+    """The module's first test: before any constrained request a checker runs (started once the
+    scheduler was ready), and the first json_schema request compiles on it, starting no other."""
+    deadline = time.monotonic() + 60
+    while not (started := _checkers(srv)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(started) == 1, "a checker started with the server, before any constrained request"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A name?"}], max_tokens=8,
+                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "n", "schema": _obj({"name": NAME})}})
+    assert r.choices[0].message.content
+    assert [p.pid for p in _checkers(srv)] == [started[0].pid]
 
 
 def test_every_json_schema_answer_validates(client: OpenAI) -> None:

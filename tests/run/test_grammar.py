@@ -315,6 +315,28 @@ def test_a_flush_drops_the_held_grammars_everywhere(default_model_dir: Path, set
     assert torch.equal(logits[0], logits[1]) and bool(torch.isinf(logits[0]).any())
 
 
+def test_a_warm_rank_builds_its_compiler_from_ready_on(default_model_dir: Path, tmp_path: Path) -> None:
+    """warm (the served worker's): wait_ready starts building the in-process compiler on the compile
+    thread, where a grammar queues behind it; a model without tokenizer files is fine (its first
+    grammar fails, as before)."""
+    g = GrammarSlots(str(default_model_dir), 49152, 4, torch.device("cpu"), helpers=0, warm=True)
+    OPEN.append(g)
+    assert g._warming is None and g._compiler is None  # nothing beside the model's warm-up
+    g.wait_ready()
+    assert g._warming is not None
+    g._warming.result(timeout=120)
+    assert g._compiler is not None
+    cold = GrammarSlots(str(default_model_dir), 49152, 4, torch.device("cpu"), helpers=0)
+    OPEN.append(cold)
+    cold.wait_ready()
+    assert cold._warming is None and cold._compiler is None  # lazy: the first grammar builds it
+    bare = GrammarSlots(str(tmp_path), 49152, 4, torch.device("cpu"), helpers=0, warm=True)
+    OPEN.append(bare)
+    bare.wait_ready()
+    bare._warming.result(timeout=120)
+    assert bare._compiler is None
+
+
 def test_the_worker_imports_xgrammar_only_for_a_grammar() -> None:
     """engine/run/grammar.py does not import xgrammar (nor transformers through it) until a
     grammar needs it: a worker without constrained requests starts without it."""

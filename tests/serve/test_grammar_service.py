@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,29 @@ def test_compiles_once_for_concurrent_requests_and_counts_hits(default_model_dir
     assert out[0].grammar.stop_ids == [2]
     assert metrics.grammar_compile._sum.get() > 0  # one compile observed
     assert metrics.grammar_cache_hits._value.get() == 3
+
+
+def test_warm_starts_a_checker_and_a_disabled_service_refuses(default_model_dir: Path) -> None:
+    """warm starts one checker in the background, which the next compile uses; --grammar-backend
+    none's service refuses every constraint (a 400 naming the field) and starts nothing."""
+    svc = GrammarService(str(default_model_dir), Metrics())
+    try:
+        svc.warm(49152)
+        deadline = time.monotonic() + 120
+        while not (svc.checkers and svc.checkers[0].proc is not None and svc.checkers[0].stop_ids):
+            assert time.monotonic() < deadline, "the warmed checker started"
+            time.sleep(0.05)
+        pid = svc.checkers[0].proc.pid
+        out = asyncio.run(constrain(svc, SamplingParams(json_schema=SCHEMA), 49152))
+        assert isinstance(out.grammar, Grammar) and [c.proc.pid for c in svc.checkers] == [pid]
+    finally:
+        svc.close()
+    off = GrammarService(str(default_model_dir), Metrics(), enabled=False)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(constrain(off, SamplingParams(regex="[a-z]+"), 49152))
+    assert err.value.status == 400 and err.value.param == "regex" and "--grammar-backend none" in str(err.value)
+    off.warm(49152)
+    assert not off.checkers
 
 
 def test_what_does_not_compile_is_a_400(service: GrammarService) -> None:
@@ -237,3 +261,12 @@ def test_allowed_token_ids_are_refused_beside_a_constraint() -> None:
     assert err.value.status == 400 and err.value.param == "allowed_token_ids"
     problem = SamplingParams(allowed_token_ids=[1], regex="[ab]").validate(49152)
     assert problem is not None and problem.startswith("allowed_token_ids")
+
+
+def test_the_grammar_backend_flag_takes_xgrammar_or_none() -> None:
+    from engine.config import ServerConfig
+
+    assert ServerConfig().grammar_backend == "xgrammar"
+    assert ServerConfig(grammar_backend="none").grammar_backend == "none"
+    with pytest.raises(ValueError, match="--grammar-backend"):
+        ServerConfig(grammar_backend="outlines")
