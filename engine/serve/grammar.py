@@ -471,9 +471,10 @@ async def warm_when_ready(state: Any) -> None:
     if state.tok is None or state.cfg.grammar_backend == "none":
         return
     try:
-        limits = await state.limits()
-    except ApiError:  # the scheduler did not come up: nothing to serve
+        while not await state.frontend.wait_ready(60.0):  # a large model loads for minutes
+            pass
+    except ApiError:  # a process died: nothing to serve
         return
-    service = service_of(state)
-    if service is not None:
+    limits, service = state.frontend.limits(), service_of(state)
+    if limits is not None and service is not None:
         service.warm(limits.vocab_size)
