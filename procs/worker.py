@@ -39,7 +39,7 @@ def main() -> int:
         from engine.run.pipeline import WorkerPipeline  # heavy imports after sockets: fail fast on bad config
         from engine.run.runner import ModelRunner
 
-        runner = ModelRunner(cfg, rank)
+        runner = ModelRunner(cfg, rank, served=True)
         ready_out = WithL3Identity(done, l3_ready_fields(cfg, runner))
         pipeline = WorkerPipeline(runner, steps, _with_backups(cfg, ctx, ready_out, runner, rank))
         pipeline.start()

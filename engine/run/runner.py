@@ -86,9 +86,10 @@ class _ToSample:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ServerConfig, rank: int = 0) -> None:
+    def __init__(self, cfg: ServerConfig, rank: int = 0, served: bool = False) -> None:
         """Assemble (engine/run/assembly.py: load, size, bind), set up the step state, then make
-        ready (warm up, capture)."""
+        ready (warm up, capture). served: a worker process (procs/worker.py), whose grammar compiler
+        warms from Ready on; in-process engines build it on their first grammar."""
         self.cfg = cfg
         self.rank = rank
         a = assemble(cfg, rank)
@@ -102,7 +103,7 @@ class ModelRunner:
         off = cfg.grammar_backend == "none"
         self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device,
                                     helpers=0 if off else None if cfg.grammar_helpers < 0 else cfg.grammar_helpers,
-                                    warm=not off)
+                                    warm=served and not off)  # a served worker's grammars: warm from Ready on
         self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.deferred: Launched | None = None  # the launched step whose sampling waits (grammar)

@@ -82,7 +82,9 @@ class Checker:
             return
         cmd = [sys.executable, "-m", "engine.serve.grammar_checker", self.model_dir, str(self.vocab_size)]
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            # a process group of its own: a terminal's Ctrl-C stops the server through its supervisor, and
+            # must not interrupt a checker mid-import (a traceback on the console); it exits with its stdin
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0)
         except OSError as exc:  # out of processes or file descriptors
             raise CheckerStartError(f"the grammar checker did not start: {exc}") from None
         try:

@@ -54,9 +54,13 @@ class Server:
 
 
 def start_server(log_dir: Path, *args: str, timeout: float = 600, new_session: bool = False,
-                 ports: tuple[int, int] | None = None) -> Server:
+                 ports: tuple[int, int] | None = None, grammar: bool = False) -> Server:
     """ports: (http, sdk), for a test that reserved other ports beside them (reserved here otherwise, with
-    the workers' rendezvous port unless args name one: tests/ports.py says why none comes from bind(0))."""
+    the workers' rendezvous port unless args name one: tests/ports.py says why none comes from bind(0)).
+    grammar: a server that serves constrained requests; the others run `--grammar-backend none` (unless
+    args say), as the grammar checker a server starts when ready costs a short test's 2 cores ~2 s."""
+    if not grammar and "--grammar-backend" not in args:
+        args = (*args, "--grammar-backend", "none")
     if ports is None:
         base = reserve_ports(3)
         ports = (base, base + 1)
@@ -117,6 +121,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "16384",
         "--max-prefill-tokens",
         "512",
+        grammar=True,
     )
     yield srv
     stop_server(srv)

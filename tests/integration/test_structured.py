@@ -30,6 +30,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--chat-template", "configs/templates/smollm2-hermes-tools.jinja",
         "--max-total-tokens", "16384",
         "--trust-request-chat-template",
+        grammar=True,
     )  # fmt: skip
     yield s
     stop_server(s)
@@ -460,6 +461,7 @@ def test_grammar_helper_processes_give_the_same_answers(srv: Server, client: Ope
         "--chat-template", "configs/templates/smollm2-hermes-tools.jinja",
         "--max-total-tokens", "16384",
         "--grammar-helpers", "2",
+        grammar=True,
     )  # fmt: skip
     try:
         procs = psutil.Process(helped.proc.pid).children(recursive=True)
