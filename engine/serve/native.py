@@ -240,6 +240,8 @@ async def health_generate(state: ServeState, body: bytes, call: Call) -> Reply:
                 raise ApiError(503, f"health_generate: no output within {HEALTH_GENERATE_TIMEOUT_S:g} s (a process is "
                                     "stuck)")
             await asyncio.wait({answer}, timeout=HEALTH_POLL_S)
+        if not answer.done():  # the output seen may be the probe's own, not taken by its task yet
+            await asyncio.wait({answer}, timeout=HEALTH_POLL_S)
         ids = answer.result()[0].token_ids if answer.done() else []
     finally:
         answer.cancel()
