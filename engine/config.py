@@ -319,6 +319,11 @@ class ServerConfig:
                 and self.attention_backend in ("auto", "torch") and self.speculative_eagle_topk <= 1)
 
     @property
+    def constrained_decoding(self) -> bool:
+        """Whether structured output is served (--grammar-backend other than none)."""
+        return self.grammar_backend != "none"
+
+    @property
     def net(self) -> TcpPlan | None:
         """Where the channels that cross nodes listen (None: one node, every channel ipc)."""
         if self.nnodes == 1:

@@ -100,10 +100,10 @@ class ModelRunner:
         self.startup = a.startup  # time to ready, by phase (Ready's info)
         self.sampler = Sampler(self.mcfg.vocab_size, cfg.max_running_requests, self.device, self.deterministic)
         # grammar matchers per slot (engine/run/grammar.py): an effect, like the sampler's state
-        off = cfg.grammar_backend == "none"
+        on = cfg.constrained_decoding
         self.grammar = GrammarSlots(cfg.model, self.mcfg.vocab_size, cfg.max_running_requests, self.device,
-                                    helpers=0 if off else None if cfg.grammar_helpers < 0 else cfg.grammar_helpers,
-                                    warm=served and not off)  # a served worker's grammars: warm from Ready on
+                                    helpers=0 if not on else None if cfg.grammar_helpers < 0 else cfg.grammar_helpers,
+                                    warm=served and on)  # a served worker's grammars: warm from Ready on
         self.replica = rank_replica([SamplerSlots(self.sampler), self.grammar])
         self.tokens = TokenChain()  # every token this rank sampled, for DigestCheck
         self.deferred: Launched | None = None  # the launched step whose sampling waits (grammar)

@@ -461,20 +461,20 @@ def service_of(state: Any) -> GrammarService | None:
         return None
     if state.grammar is None:
         state.grammar = GrammarService(state.cfg.model, state.frontend.metrics,
-                                       enabled=state.cfg.grammar_backend != "none")
+                                       enabled=state.cfg.constrained_decoding)
     return state.grammar
 
 
 async def warm_when_ready(state: Any) -> None:
     """Once the scheduler is ready (the vocabulary size is its), start a grammar checker in the
     background: ready means warm, as far as a child process of its own can be."""
-    if state.tok is None or state.cfg.grammar_backend == "none":
+    service = service_of(state)
+    if service is None or not service.enabled:
         return
     try:
         while not await state.frontend.wait_ready(60.0):  # a large model loads for minutes
             pass
+        limits = await state.limits()  # at once now
     except ApiError:  # a process died: nothing to serve
         return
-    limits, service = state.frontend.limits(), service_of(state)
-    if limits is not None and service is not None:
-        service.warm(limits.vocab_size)
+    service.warm(limits.vocab_size)
