@@ -1,0 +1,173 @@
+"""DeepGEMM's block-FP8 GEMM against cuBLASLt's at DeepSeek-V3 shapes (issue 23), on CUDA.
+
+    python3 scripts/deepgemm_probe.py --tokens 4096 --out deepgemm.json
+
+Per shape [N, K] and token count M, the median time replayed in a CUDA graph of:
+- `cublas`: the served block path (`quant_ops.fp8_block_cublas`: group quant + cuBLASLt 1x128/128x128);
+- `cublas_mm`: cuBLASLt alone on inputs quantized before;
+- `deep_gemm`: our group quant + DeepGEMM's `fp8_gemm_nt` (SM90 1d2d kernel, float32 scales);
+- `deep_gemm_mm`: DeepGEMM alone, its scale layouts made before;
+with TFLOPS and the relative error against float32 (q * s) @ dequantized(W)^T. DeepGEMM JIT-compiles a
+kernel per shape on first use: that time is recorded too. The FP8 roofline is cuBLASLt's rate at 8192^3
+measured in the same run, next to the data sheet's 1,979 TFLOPS.
+
+`sgl-deep-gemm`'s wheels are built against torch 2.14, whose headers changed three symbols since the GPU
+machine's torch 2.11: `--shim` compiles a small library that provides them from torch 2.11's own
+(an empty error-log capture class, the old CUDA check, `const_data_ptr<float>`) before the import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHIM_C = r"""
+/* torch 2.14's symbols that sgl-deep-gemm's _C.so needs, from torch 2.11's (see deepgemm_probe.py) */
+extern const float *_ZNK2at10TensorBase14const_data_ptrIfLi0EEEPKT_v(const void *self);
+extern void _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jb(int, const char *, const char *, unsigned, _Bool);
+const float *_ZNK2at10TensorBase14const_data_ptrIfEEPKT_v(const void *self) {
+  return _ZNK2at10TensorBase14const_data_ptrIfLi0EEEPKT_v(self);
+}
+void _ZN3c104cuda19CUDAErrorLogCaptureC1Ev(void *self) { (void)self; } /* an empty class */
+void _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jbPNS0_19CUDAErrorLogCaptureE(
+    int err, const char *file, const char *func, unsigned line, _Bool dev_asserts, void *capture) {
+  (void)capture;
+  _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jb(err, file, func, line, dev_asserts);
+}
+"""
+
+
+def load_shim(tmp: Path) -> str:
+    """Compile and load (RTLD_GLOBAL) the torch-2.11 shim; returns what happened."""
+    lib = Path(torch.__file__).parent / "lib"
+    src, so = tmp / "dg_shim.c", tmp / "libdg_shim.so"
+    src.write_text(SHIM_C)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", str(src), "-o", str(so), f"-L{lib}", "-lc10_cuda",
+                    "-ltorch_cpu", f"-Wl,-rpath,{lib}"], check=True)
+    for name in ("libnvrtc.so.13", "libcublasLt.so.13", "libcublas.so.13", "libcudart.so.13"):
+        for d in Path(torch.__file__).parents[1].glob("nvidia/**/lib"):
+            if (d / name).exists():
+                ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
+                break
+    ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
+    return f"shim {so}"
+
+
+def bench(fn: Any, rep: int = 60) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")) / 1e3
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def shape_row(dg: Any, n: int, k: int, m: int) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from engine.layers import quant, quant_ops
+    from engine.layers.parallel import Linear
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    lin = Linear(k, n, False, torch.bfloat16).to(dev)
+    lin.weight.data.normal_(0, 0.02)
+    quant.quantize(lin, "fp8_block")
+    w, ws = lin.weight, lin.weight_scale
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    q, s = quant_ops.group_quant(x)
+    ref = (q.float().view(m, -1, 128) * s.unsqueeze(2)).view(m, k) @ quant.dequantize(lin).float().t()
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    kb = ws.shape[1]
+    ws4 = F.pad(ws, (0, -kb % 4)) if kb % 4 else ws
+    s_cm = s.t().contiguous().t()
+    runs: dict[str, Any] = {
+        "cublas": lambda: quant_ops.fp8_block_cublas(x, w, ws),
+        "cublas_mm": lambda: F.scaled_mm(q, w.t(), s_cm, F.ScalingType.BlockWise1x128, ws4.t(),
+                                         F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
+    }
+    row: dict[str, Any] = {"n": n, "k": k, "m": m, "kernels": {}}
+    if dg is not None:
+        def dg_full() -> torch.Tensor:
+            qq, ss = quant_ops.group_quant(x)
+            dg.fp8_gemm_nt((qq, ss), (w, ws), out)
+            return out
+
+        t0 = time.perf_counter()
+        try:
+            dg_full()
+            torch.cuda.synchronize()
+            row["deep_gemm_first_call_s"] = time.perf_counter() - t0
+            runs["deep_gemm"] = dg_full
+            sfa = dg.transform_sf_into_required_layout(s, m, k, (1, 128, 128), is_sfa=True)
+            sfb = dg.transform_sf_into_required_layout(ws, n, k, (1, 128, 128), is_sfa=False)
+            row["sf_layouts"] = [list(sfa.shape), list(sfa.stride()), list(sfb.shape), list(sfb.stride())]
+
+            def dg_mm() -> torch.Tensor:
+                dg.fp8_gemm_nt((q, sfa), (w, sfb), out)
+                return out
+
+            runs["deep_gemm_mm"] = dg_mm
+        except Exception as e:  # noqa: BLE001 - recorded: the probe's point is whether it runs
+            row["kernels"]["deep_gemm"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    for name, fn in runs.items():
+        try:
+            y = fn()
+            torch.cuda.synchronize()
+            t = bench(fn)
+            row["kernels"][name] = {"us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12, "err": rel_err(y, ref)}
+        except Exception as e:  # noqa: BLE001
+            row["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    p.add_argument("--shim", action="store_true")
+    p.add_argument("--out", default="deepgemm.json")
+    args = p.parse_args()
+    from tqdm import tqdm
+
+    from engine.bench.quant import SHAPES, fp8_peak_tflops
+
+    info: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                            "commit": os.environ.get("STRATA_GIT_COMMIT", "")}
+    dg = None
+    try:
+        if args.shim:
+            info["shim"] = load_shim(Path("/tmp"))
+        import deep_gemm as dg
+
+        info["deep_gemm"] = getattr(dg, "__version__", "?")
+    except Exception as e:  # noqa: BLE001 - recorded
+        info["deep_gemm_error"] = f"{type(e).__name__}: {e}"[:600]
+    info["fp8_peak_tflops_measured"] = fp8_peak_tflops()
+    rows = []
+    for name, n, k in tqdm(SHAPES["deepseek-v3"], desc="shapes"):
+        for m in args.tokens:
+            r = shape_row(dg, n, k, m)
+            r["name"] = name
+            rows.append(r)
+            ks = "  ".join(f"{kn} {v.get('tflops', 0):.0f}T e{v.get('err', -1):.4f}" if "us" in v
+                           else f"{kn} ERR {v['error'][:120]}" for kn, v in r["kernels"].items())
+            print(f"{name:16s} m={m:5d} first={r.get('deep_gemm_first_call_s', -1):.1f}s  {ks}", flush=True)
+    info["rows"] = rows
+    Path(args.out).write_text(json.dumps(info, indent=1))
+    print(json.dumps({k: v for k, v in info.items() if k != "rows"}))
+
+
+if __name__ == "__main__":
+    main()
