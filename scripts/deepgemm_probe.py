@@ -7,7 +7,10 @@ Per shape [N, K] and token count M, the median time replayed in a CUDA graph of:
 - `cublas_mm`: cuBLASLt alone on inputs quantized before;
 - `deep_gemm`: our group quant + DeepGEMM's `fp8_gemm_nt` (SM90 1d2d kernel, float32 scales);
 - `deep_gemm_mm`: DeepGEMM alone, its scale layouts made before;
-with TFLOPS and the relative error against float32 (q * s) @ dequantized(W)^T. DeepGEMM JIT-compiles a
+- `quant`: the group quant alone (16-row tiles, scales column-major as the GEMMs read them), and
+  `quant_1row`: the kernel it replaced (a program per row and group, row-major scales);
+with TFLOPS and the relative error against float32 (q * s) @ dequantized(W)^T (`err`) and against
+x @ dequantized(W)^T (`err_x`: the activation's quantization included). DeepGEMM JIT-compiles a
 kernel per shape on first use: that time is recorded too. The FP8 roofline is cuBLASLt's rate at 8192^3
 measured in the same run, next to the data sheet's 1,979 TFLOPS.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import subprocess
@@ -64,6 +68,33 @@ def load_shim(tmp: Path) -> str:
     return f"shim {so}"
 
 
+@functools.cache
+def _one_row_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def one_row(x, xq, xs, K, G, stride_x, GROUP: tl.constexpr):
+        r, g = tl.program_id(0), tl.program_id(1)
+        cols = g * GROUP + tl.arange(0, GROUP)
+        v = tl.load(x + r * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        sc = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / 448.0
+        tl.store(xq + r * K + cols, tl.clamp(v / sc, -448.0, 448.0).to(xq.dtype.element_ty), mask=cols < K)
+        tl.store(xs + r * G + g, sc)
+
+    return one_row
+
+
+def quant_1row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group quant before this probe: one program (one warp) per row and 128 columns."""
+    m, k = x.shape
+    g = -(-k // 128)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, g, dtype=torch.float32, device=x.device)
+    _one_row_kernel()[(m, g)](x, q, s, k, g, x.stride(0), GROUP=128, num_warps=1)
+    return q, s
+
+
 def bench(fn: Any, rep: int = 60) -> float:
     import triton.testing
 
@@ -87,13 +118,17 @@ def shape_row(dg: Any, n: int, k: int, m: int) -> dict[str, Any]:
     quant.quantize(lin, "fp8_block")
     w, ws = lin.weight, lin.weight_scale
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    q, s = quant_ops.group_quant(x)
-    ref = (q.float().view(m, -1, 128) * s.unsqueeze(2)).view(m, k) @ quant.dequantize(lin).float().t()
+    q, s = quant_ops.group_quant(x, mn_major=True)
+    wd = quant.dequantize(lin).float()
+    ref = (q.float().view(m, -1, 128) * s.unsqueeze(2)).view(m, k) @ wd.t()
+    ref_x = x.float() @ wd.t()
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     kb = ws.shape[1]
     ws4 = F.pad(ws, (0, -kb % 4)) if kb % 4 else ws
-    s_cm = s.t().contiguous().t()
+    s_cm = s
     runs: dict[str, Any] = {
+        "quant": lambda: quant_ops.group_quant(x, mn_major=True),
+        "quant_1row": lambda: quant_1row(x),
         "cublas": lambda: quant_ops.fp8_block_cublas(x, w, ws),
         "cublas_mm": lambda: F.scaled_mm(q, w.t(), s_cm, F.ScalingType.BlockWise1x128, ws4.t(),
                                          F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
@@ -101,19 +136,20 @@ def shape_row(dg: Any, n: int, k: int, m: int) -> dict[str, Any]:
     row: dict[str, Any] = {"n": n, "k": k, "m": m, "kernels": {}}
     if dg is not None:
         def dg_full() -> torch.Tensor:
-            qq, ss = quant_ops.group_quant(x)
-            dg.fp8_gemm_nt((qq, ss), (w, ws), out)
+            qq, ss = quant_ops.group_quant(x, mn_major=True)
+            dg.fp8_gemm_nt((qq, ss), (w, sfb), out)
             return out
 
         t0 = time.perf_counter()
         try:
+            sfb = dg.transform_sf_into_required_layout(ws, n, k, (1, 128, 128), is_sfa=False)
+            row["sfb"] = [list(sfb.shape), list(sfb.stride()), sfb.data_ptr() == ws.data_ptr()]
             dg_full()
             torch.cuda.synchronize()
             row["deep_gemm_first_call_s"] = time.perf_counter() - t0
             runs["deep_gemm"] = dg_full
             sfa = dg.transform_sf_into_required_layout(s, m, k, (1, 128, 128), is_sfa=True)
-            sfb = dg.transform_sf_into_required_layout(ws, n, k, (1, 128, 128), is_sfa=False)
-            row["sf_layouts"] = [list(sfa.shape), list(sfa.stride()), list(sfb.shape), list(sfb.stride())]
+            row["sfa"] = [list(sfa.shape), list(sfa.stride()), sfa.data_ptr() == s.data_ptr()]
 
             def dg_mm() -> torch.Tensor:
                 dg.fp8_gemm_nt((q, sfa), (w, sfb), out)
@@ -127,7 +163,10 @@ def shape_row(dg: Any, n: int, k: int, m: int) -> dict[str, Any]:
             y = fn()
             torch.cuda.synchronize()
             t = bench(fn)
-            row["kernels"][name] = {"us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12, "err": rel_err(y, ref)}
+            e = {"us": t * 1e6}
+            if not name.startswith("quant"):
+                e |= {"tflops": 2 * m * n * k / t / 1e12, "err": rel_err(y, ref), "err_x": rel_err(y, ref_x)}
+            row["kernels"][name] = e
         except Exception as e:  # noqa: BLE001
             row["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
     return row
@@ -161,7 +200,7 @@ def main() -> None:
             r = shape_row(dg, n, k, m)
             r["name"] = name
             rows.append(r)
-            ks = "  ".join(f"{kn} {v.get('tflops', 0):.0f}T e{v.get('err', -1):.4f}" if "us" in v
+            ks = "  ".join(f"{kn} {v['us']:.0f}us {v.get('tflops', 0):.0f}T e{v.get('err', -1):.4f}" if "us" in v
                            else f"{kn} ERR {v['error'][:120]}" for kn, v in r["kernels"].items())
             print(f"{name:16s} m={m:5d} first={r.get('deep_gemm_first_call_s', -1):.1f}s  {ks}", flush=True)
     info["rows"] = rows

@@ -67,14 +67,18 @@ def silu_mul_quant_kernel(h, xq, xs, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def group_quant_kernel(x, xq, xs, K, G, stride_x, GROUP: tl.constexpr):
-    """Group g (GROUP columns) of row r -> e4m3, its scale at xs[r, g] (row-major [M, G])."""
-    r, g = tl.program_id(0), tl.program_id(1)
+def group_quant_kernel(x, xq, xs, M, K, stride_x, stride_sm, stride_sg, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """Rows [ROWS * pid0, +ROWS) of group g (GROUP columns) -> e4m3, each row's scale at
+    xs[r * stride_sm + g * stride_sg] (row-major [M, G] or the GEMMs' column-major layout)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
-    v = tl.load(x + r * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(v), 0), 1e-12) / FP8_MAX
-    tl.store(xq + r * K + cols, tl.clamp(v / s, -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty), mask=cols < K)
-    tl.store(xs + r * G + g, s)
+    ok = (rows[:, None] < M) & (cols[None, :] < K)
+    v = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / FP8_MAX
+    q = tl.clamp(v / s[:, None], -FP8_MAX, FP8_MAX).to(xq.dtype.element_ty)
+    tl.store(xq + rows[:, None] * K + cols[None, :], q, mask=ok)
+    tl.store(xs + rows * stride_sm + g * stride_sg, s, mask=rows < M)
 
 
 @triton.jit

@@ -71,14 +71,19 @@ def silu_mul_quant(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, K], float32 scales [M, ceil(K/group)]): one scale per row and `group` columns."""
+def group_quant(x: torch.Tensor, group: int = 128, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, ceil(K/group)]): one scale per row and `group` columns.
+    With mn_major the scales are column-major with columns of M rounded up to 4 (stride(1)), the
+    layout cuBLASLt's and DeepGEMM's 1x128 scaled GEMMs read, written by the same launch."""
     m, k = x.shape
     g = -(-k // group)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
-    s = torch.empty(m, g, dtype=torch.float32, device=x.device)
+    s = (torch.empty(g, -(-m // 4) * 4, dtype=torch.float32, device=x.device).t()[:m] if mn_major
+         else torch.empty(m, g, dtype=torch.float32, device=x.device))
     if m:
-        _k().group_quant_kernel[(m, g)](x, q, s, k, g, x.stride(0), GROUP=group, num_warps=1)
+        rows = 16 if m >= 16 else 1
+        _k().group_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, k, x.stride(0), s.stride(0), s.stride(1),
+                                                           ROWS=rows, GROUP=group, num_warps=4 if rows > 1 else 1)
     return q, s
 
 
@@ -156,10 +161,10 @@ def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> t
 
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, s = group_quant(xp)
+    q, s = group_quant(xp, mn_major=True)
     kb = scale.shape[1]
     ws = F.pad(scale, (0, -kb % 4)) if kb % 4 else scale
-    return F.scaled_mm(q, w.t(), s.t().contiguous().t(), F.ScalingType.BlockWise1x128, ws.t(),
+    return F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, ws.t(),
                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
 
 

@@ -100,3 +100,19 @@ def test_silu_mul_quant_scales() -> None:
     ref = ops.silu_and_mul(h).float()
     assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k)
     torch.testing.assert_close(s, ref.abs().amax(1, keepdim=True) / 448, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("mn_major", [False, True])
+@pytest.mark.parametrize(("m", "k"), [(1, 256), (5, 300), (37, 384)])  # one row a program, 16-row tiles with a tail
+def test_group_quant_scales_each_row_group_in_either_layout(m: int, k: int, mn_major: bool) -> None:
+    torch.manual_seed(m)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    q, s = quant_ops.group_quant(x, mn_major=mn_major)
+    g = -(-k // 128)
+    amax = torch.nn.functional.pad(x.float(), (0, g * 128 - k)).view(m, g, 128).abs().amax(2)
+    assert q.shape == (m, k) and s.shape == (m, g)
+    torch.testing.assert_close(s, amax / 448, rtol=1e-6, atol=0)
+    if mn_major:  # the GEMMs' layout: tokens contiguous, each group's column padded to 4 rows
+        assert s.stride() == (1, -(-m // 4) * 4)
+    deq = q.float() * s.repeat_interleave(128, 1)[:, :k]
+    assert _rel(deq, x.float()) < 0.08
