@@ -206,6 +206,9 @@ def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bo
                 return quant_ops.fp8_weight_only_gemm(a, w, s)
             if fmt == "fp8_row":
                 return _row_mm(linear, *quant_ops.per_token_quant(a), a.dtype)
+            if (0 < tuning.fp8_block_deepgemm_min_rows <= m and quant_ops.deepgemm_ok(*w.shape)
+                    and quant_ops.deep_gemm() is not None):
+                return quant_ops.fp8_block_deepgemm(a, w, s)
             if 0 < tuning.fp8_block_cublas_min_rows <= m and quant_ops.cublas_ok(*w.shape, True):
                 return quant_ops.fp8_block_cublas(a, w, s)
             return quant_ops.fp8_block_gemm(a, w, s)

@@ -6,11 +6,16 @@
   by cuBLASLt (`torch._scaled_mm` with row-wise scales, bf16 out); `fp8_row_mm` the product of
   already-quantized activations, on cuBLASLt or our triton kernel; `add_rms_norm_quant` and
   `silu_mul_quant` quantize inside the launch before (the norm, the SwiGLU).
-* `fp8_block_gemm`: per-(token, 128 columns) activation scales, then the block-scaled triton GEMM.
+* `fp8_block_gemm`: per-(token, 128 columns) activation scales, then the block-scaled triton GEMM;
+  `fp8_block_cublas` and `fp8_block_deepgemm` the same product by cuBLASLt and by DeepGEMM (the
+  `sgl-deep-gemm` package, where it imports: it JIT-compiles its kernels on first use).
 * `nvfp4_gemm`: the weight dequantized tile by tile inside a triton GEMM.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import torch
 import triton
@@ -166,6 +171,32 @@ def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> t
     ws = F.pad(scale, (0, -kb % 4)) if kb % 4 else scale
     return F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, ws.t(),
                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
+
+
+@functools.cache
+def deep_gemm() -> Any | None:
+    """The `deep_gemm` module where it imports on this machine (a CUDA build of `sgl-deep-gemm`
+    against this torch), else None: the block-scaled GEMMs then stay on cuBLASLt / triton."""
+    try:
+        import deep_gemm as dg
+    except Exception:  # noqa: BLE001 - an optional kernel package: any failure to load means not here
+        return None
+    return dg
+
+
+def deepgemm_ok(n: int, k: int) -> bool:
+    """Whether DeepGEMM's block-scaled GEMM takes weights [n, k] (whole 128 x 128 blocks, as every
+    DeepSeek-V3 projection has)."""
+    return n % 128 == 0 and k % 128 == 0
+
+
+def fp8_block_deepgemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The block-scaled GEMM by DeepGEMM's `fp8_gemm_nt` (SM90: 1x128 activation scales, float32,
+    in the column-major layout group_quant writes; 128x128 weight scales), bf16 out."""
+    q, s = group_quant(x, mn_major=True)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    deep_gemm().fp8_gemm_nt((q, s), (w, scale), out)
+    return out
 
 
 def nvfp4_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:

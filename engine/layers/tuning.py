@@ -103,6 +103,8 @@ class KernelTuning:
     gemv_fp8_looped: tuple[GemvRule, ...] = field(default=())
     fp8_weight_only_max_rows: int = 0
     fp8_block_cublas_min_rows: int = 0
+    # ... and from how many rows on DeepGEMM where `deep_gemm` imports (0: never; before cuBLASLt's rule)
+    fp8_block_deepgemm_min_rows: int = 0
     # row-scaled fp8 above the weight-only rows: the triton GEMM where a rule takes (rows, N), first
     # match wins; cuBLASLt otherwise
     fp8_row_triton: tuple[Fp8GemmRule, ...] = field(default=())

@@ -69,7 +69,8 @@ def warm_up(runner: ModelRunner) -> float:
             runner.sampler.remove(slot)
     if runner.device.type == "cuda":
         cfg = runner.cfg
-        warm_gemms(runner.model, cfg.max_prefill_tokens + cfg.max_running_requests, cfg.max_running_requests)
+        warm_gemms(runner.model, cfg.max_prefill_tokens + cfg.max_running_requests, cfg.max_running_requests,
+                   runner.dtype)
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
 
@@ -82,11 +83,12 @@ def gemm_rows(most: int) -> list[int]:
     return rows if rows[-1] == most else [*rows, most]
 
 
-def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int:
+def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int, act_dtype: torch.dtype) -> int:
     """Run every distinct projection and MoE router (weight shape, dtype, bias) through cuBLAS at
     `gemm_rows(most_rows)` and the LM head (or the tied embedding) at every sampled-row count:
-    the kernels any step will pick are loaded before ready (module docstring). Returns the GEMMs
-    run."""
+    the kernels any step will pick are loaded before ready (module docstring). A quantized
+    projection runs its own forward on `act_dtype` rows at the same counts (DeepGEMM compiles a
+    kernel per tile choice on first use). Returns the GEMMs run."""
     done: set[tuple] = set()
     runs = 0
     for module in model.modules():
@@ -96,10 +98,19 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int) -> int
         w = module.weight
         bias = None if head or isinstance(module, Router) else module.bias
         fold = _fold_of(module)
-        key = (tuple(w.shape), w.dtype, bias is not None, head, fold)
-        if w.is_meta or w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or key in done:
+        quant = getattr(module, "quant", None)
+        key = (tuple(w.shape), w.dtype, bias is not None, head, fold, quant)
+        if w.is_meta or key in done or (quant is None and w.dtype not in (torch.bfloat16, torch.float16,
+                                                                          torch.float32)):
             continue
         done.add(key)
+        if quant is not None:  # its forward picks GEMV / triton / cuBLASLt / DeepGEMM (a JIT) by rows
+            x = torch.zeros(most_rows, w.shape[1] * (2 if quant == "nvfp4" else 1), dtype=act_dtype,
+                            device=w.device)
+            for n in gemm_rows(most_rows):
+                module.quant_forward(module, x[:n], module._local_gemv(x[:n]))  # the shard's own: no collective
+                runs += 1
+            continue
         counts = range(1, most_sampled + 1) if head else gemm_rows(most_rows)
         if batch_invariant.enabled():  # one triton GEMM, compiled once per tile choice (invariant_gemm.tiles)
             from engine.layers.invariant_gemm import regime_rows

@@ -40,6 +40,50 @@ def test_quantized_gemm_matches_dequantized(fmt: str, m: int, n: int, k: int) ->
     assert _rel(y, ref) < (0.01 if weight_only else 0.05), (fmt, m, n, k)
 
 
+
+@pytest.mark.parametrize("mn_major", [False, True])
+@pytest.mark.parametrize(("m", "k"), [(1, 7168), (37, 384), (4096, 1536)])
+def test_group_quant_codes_are_the_rounded_quotients(m: int, k: int, mn_major: bool) -> None:
+    """The block-FP8 activation quant (16-row tiles, either scale layout): each scale is its
+    group's amax / 448 and each code the hardware's e4m3 rounding of x / scale, bit for bit."""
+    from engine.layers import quant_ops
+
+    torch.manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = quant_ops.group_quant(x, mn_major=mn_major)
+    groups = x.float().view(m, k // 128, 128)
+    s_ref = groups.abs().amax(2).clamp(min=1e-12) / 448
+    q_ref = (groups / s_ref[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    if mn_major:
+        assert s.stride() == (1, -(-m // 4) * 4)
+
+
+@pytest.mark.parametrize("m", [17, 130, 1000])
+@pytest.mark.parametrize(("n", "k"), [(2048, 7168), (7168, 2048), (1536, 512)])
+def test_deepgemm_block_gemm_matches_the_dequantized_product(m: int, n: int, k: int, monkeypatch) -> None:
+    """DeepGEMM's block-scaled GEMM (where `deep_gemm` imports) against float32 (q * s) @ W^T on
+    the same e4m3 codes, and the served forward taking it when the tuning's rule says so."""
+    import dataclasses
+
+    from engine.layers import quant, quant_ops
+    from engine.layers.parallel import Linear
+
+    if quant_ops.deep_gemm() is None:
+        pytest.skip("deep_gemm does not import here")
+    torch.manual_seed(m + n)
+    lin = Linear(k, n, False, torch.bfloat16).cuda()
+    lin.weight.data.normal_(0, 0.02)
+    quant.quantize(lin, "fp8_block")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s = quant_ops.group_quant(x)
+    ref = (q.float().view(m, -1, 128) * s[:, :, None]).view(m, k) @ quant.dequantize(lin).t()
+    y = quant_ops.fp8_block_deepgemm(x, lin.weight, lin.weight_scale)
+    assert y.shape == (m, n) and _rel(y, ref) < 0.01
+    tuned = dataclasses.replace(quant.kernel_tuning(x.device), fp8_block_deepgemm_min_rows=17)
+    monkeypatch.setattr(quant, "kernel_tuning", lambda device: tuned)
+    assert torch.equal(lin(x), y)
+
 def test_fp8_gemv_folds_silu_and_mul() -> None:
     from engine.layers import ops, quant
     from engine.layers.parallel import Linear

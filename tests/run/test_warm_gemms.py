@@ -46,10 +46,33 @@ def test_warm_gemms_runs_each_projection_and_router_at_every_count_and_the_head_
         return real(x, w, b)
 
     monkeypatch.setattr(torch.nn.functional, "linear", spy)  # records, then runs the real GEMM
-    runs = warm_gemms(model, most_rows=300, most_sampled=5)
+    runs = warm_gemms(model, most_rows=300, most_sampled=5, act_dtype=torch.float32)
     ladder = gemm_rows(300)
     assert runs == len(calls) == 3 * len(ladder) + 5
     assert [x[0] for x, w in calls if w == (6, 8)] == ladder
     assert [x[0] for x, w in calls if w == (24, 8)] == ladder
     assert [x[0] for x, w in calls if w == (8, 24)] == ladder
     assert [x[0] for x, w in calls if w == (40, 8)] == [1, 2, 3, 4, 5]
+
+
+def test_warm_gemms_runs_a_quantized_projection_through_its_own_forward_at_every_count() -> None:
+    """A quantized projection's forward picks its kernel by rows (GEMV, triton, cuBLASLt, DeepGEMM,
+    which compiles a kernel per tile choice on first use): the ladder runs that forward, on the
+    layer's own shard (no collective), with activation-dtype rows of its input width."""
+    from engine.layers import quant
+
+    model = nn.Module()
+    model.up = Linear(256, 128, bias=False, dtype=torch.float32)
+    model.up2 = Linear(256, 128, bias=False, dtype=torch.float32)  # the same shape and format: once
+    seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+    for lin in (model.up, model.up2):
+        quant.quantize(lin, "fp8_block")
+
+        def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bool = False) -> torch.Tensor:
+            seen.append((tuple(x.shape), x.dtype))
+            return x.float() @ quant.dequantize(linear).t()  # the product the CUDA kernels compute
+
+        lin.quant_forward = forward
+    runs = warm_gemms(model, most_rows=300, most_sampled=5, act_dtype=torch.bfloat16)
+    assert runs == len(seen) == len(gemm_rows(300))
+    assert [x[0] for x, _ in seen] == gemm_rows(300) and {(x[1], d) for x, d in seen} == {(256, torch.bfloat16)}
