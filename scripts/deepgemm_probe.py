@@ -15,8 +15,9 @@ kernel per shape on first use: that time is recorded too. The FP8 roofline is cu
 measured in the same run, next to the data sheet's 1,979 TFLOPS.
 
 `sgl-deep-gemm`'s wheels are built against torch 2.14, whose headers changed three symbols since the GPU
-machine's torch 2.11: `--shim` compiles a small library that provides them from torch 2.11's own
-(an empty error-log capture class, the old CUDA check, `const_data_ptr<float>`) before the import.
+machine's torch 2.11, and it calls two of torch 2.13's stable-ABI functions: `--shim` compiles a small
+library that provides them from torch 2.11's own (an empty error-log capture class, the old CUDA check,
+`const_data_ptr<float>`; the error texts as NULL, torch's own fallback) before the import.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ const float *_ZNK2at10TensorBase14const_data_ptrIfEEPKT_v(const void *self) {
   return _ZNK2at10TensorBase14const_data_ptrIfLi0EEEPKT_v(self);
 }
 void _ZN3c104cuda19CUDAErrorLogCaptureC1Ev(void *self) { (void)self; } /* an empty class */
+/* torch 2.13's stable-ABI error text: NULL is what its own fallback for older torch answers */
+const char *torch_exception_get_what(void) { return 0; }
+const char *torch_exception_get_what_without_backtrace(void) { return 0; }
 void _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jbPNS0_19CUDAErrorLogCaptureE(
     int err, const char *file, const char *func, unsigned line, _Bool dev_asserts, void *capture) {
   (void)capture;
