@@ -37,30 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHIM_C = r"""
-/* torch 2.14's symbols that sgl-deep-gemm's _C.so needs, from torch 2.11's (see deepgemm_probe.py) */
-extern const float *_ZNK2at10TensorBase14const_data_ptrIfLi0EEEPKT_v(const void *self);
-extern void _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jb(int, const char *, const char *, unsigned, _Bool);
-const float *_ZNK2at10TensorBase14const_data_ptrIfEEPKT_v(const void *self) {
-  return _ZNK2at10TensorBase14const_data_ptrIfLi0EEEPKT_v(self);
-}
-void _ZN3c104cuda19CUDAErrorLogCaptureC1Ev(void *self) { (void)self; } /* an empty class */
-/* torch 2.13's stable-ABI error text: NULL is what its own fallback for older torch answers */
-const char *torch_exception_get_what(void) { return 0; }
-const char *torch_exception_get_what_without_backtrace(void) { return 0; }
-void _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jbPNS0_19CUDAErrorLogCaptureE(
-    int err, const char *file, const char *func, unsigned line, _Bool dev_asserts, void *capture) {
-  (void)capture;
-  _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jb(err, file, func, line, dev_asserts);
-}
-"""
 
 
 def load_shim(tmp: Path) -> str:
     """Compile and load (RTLD_GLOBAL) the torch-2.11 shim; returns what happened."""
     lib = Path(torch.__file__).parent / "lib"
-    src, so = tmp / "dg_shim.c", tmp / "libdg_shim.so"
-    src.write_text(SHIM_C)
+    src, so = Path(__file__).with_name("deepgemm_shim.c"), tmp / "libdg_shim.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-O2", str(src), "-o", str(so), f"-L{lib}", "-lc10_cuda",
                     "-ltorch_cpu", f"-Wl,-rpath,{lib}"], check=True)
     for name in ("libnvrtc.so.13", "libcublasLt.so.13", "libcublas.so.13", "libcudart.so.13"):
@@ -195,8 +177,12 @@ def main() -> None:
         import deep_gemm as dg
 
         info["deep_gemm"] = getattr(dg, "__version__", "?")
-    except Exception as e:  # noqa: BLE001 - recorded
+    except Exception as e:  # noqa: BLE001 - recorded, with the loader's own message
         info["deep_gemm_error"] = f"{type(e).__name__}: {e}"[:600]
+        try:
+            ctypes.CDLL(str(Path(sys.modules.get("deep_gemm.cuda_helpers", torch).__file__).parent / "_C.so"))
+        except OSError as dl:
+            info["dlerror"] = str(dl)[:600]
     info["fp8_peak_tflops_measured"] = fp8_peak_tflops()
     rows = []
     for name, n, k in tqdm(SHAPES["deepseek-v3"], desc="shapes"):
