@@ -162,6 +162,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--shim", action="store_true")
+    p.add_argument("--names", nargs="+", help="only these DeepSeek-V3 projections (e.g. o 'dense gate_up')")
     p.add_argument("--out", default="deepgemm.json")
     args = p.parse_args()
     from tqdm import tqdm
@@ -184,8 +185,9 @@ def main() -> None:
         except OSError as dl:
             info["dlerror"] = str(dl)[:600]
     info["fp8_peak_tflops_measured"] = fp8_peak_tflops()
-    rows = []
-    for name, n, k in tqdm(SHAPES["deepseek-v3"], desc="shapes"):
+    info["rows"] = rows = []
+    shapes = [sh for sh in SHAPES["deepseek-v3"] if not args.names or sh[0] in args.names]
+    for name, n, k in tqdm(shapes, desc="shapes"):
         for m in args.tokens:
             r = shape_row(dg, n, k, m)
             r["name"] = name
@@ -193,7 +195,7 @@ def main() -> None:
             ks = "  ".join(f"{kn} {v['us']:.0f}us {v.get('tflops', 0):.0f}T e{v.get('err', -1):.4f}" if "us" in v
                            else f"{kn} ERR {v['error'][:120]}" for kn, v in r["kernels"].items())
             print(f"{name:16s} m={m:5d} first={r.get('deep_gemm_first_call_s', -1):.1f}s  {ks}", flush=True)
-    info["rows"] = rows
+            Path(args.out).write_text(json.dumps(info, indent=1))  # row by row: a cut run keeps what it measured
     Path(args.out).write_text(json.dumps(info, indent=1))
     print(json.dumps({k: v for k, v in info.items() if k != "rows"}))
 
