@@ -8,8 +8,9 @@ kernel alone). Rooflines measured in the same run: the copy bandwidth, and the F
 of cuBLASLt at 8192^3 (next to the H200's 1979 TFLOPS data-sheet peak).
 
 Kernels: bf16 (cuBLAS), fp8_row (per-token quant + torch._scaled_mm), fp8_gemv (the weight-only
-triton GEMV, M <= 4), fp8_block (the block-scaled triton GEMM), deep_gemm (DeepGEMM's fp8
-1x128 x 128x128 GEMM when `deep_gemm` imports; its error is recorded otherwise), nvfp4.
+triton GEMV, M <= 4), fp8_block (the block-scaled triton GEMM), deep_gemm (quant_ops.fp8_block_deepgemm
+where `deep_gemm` imports; on a torch older than its wheel's, with LD_PRELOAD of the shim
+scripts/deepgemm_probe.py builds), nvfp4.
 """
 
 from __future__ import annotations
@@ -50,17 +51,8 @@ def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def _deep_gemm() -> tuple[Any, str]:
-    try:
-        import deep_gemm
-
-        return deep_gemm, ""
-    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the triton kernel is measured anyway
-        return None, f"{type(e).__name__}: {e}"[:300]
-
-
 def _shape_rows(n: int, k: int, ms: list[int], rep: int) -> list[dict[str, Any]]:
-    from engine.layers import quant, triton_ops
+    from engine.layers import quant, quant_ops, triton_ops
     from engine.layers.parallel import Linear
 
     dev = torch.device("cuda")
@@ -74,7 +66,7 @@ def _shape_rows(n: int, k: int, ms: list[int], rep: int) -> list[dict[str, Any]]
         layers[fmt] = lin
     deq = {fmt: quant.dequantize(lin) for fmt, lin in layers.items()}
     gemv = triton_ops.gemv_config(layers["fp8_row"].weight)
-    dg, dg_err = _deep_gemm()
+    dg = quant_ops.deep_gemm()
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -95,7 +87,7 @@ def _shape_rows(n: int, k: int, ms: list[int], rep: int) -> list[dict[str, Any]]
                 entry["err_kernel"] = _err(y, x.float() @ deq[fmt].t())
             row["kernels"][name] = entry
         if dg is None:
-            row["kernels"]["deep_gemm"] = {"error": dg_err}
+            row["kernels"]["deep_gemm"] = {"error": "deep_gemm does not import (scripts/deepgemm_probe.py says why)"}
         rows.append(row)
     return rows
 
@@ -125,7 +117,7 @@ def _runs(x: torch.Tensor, w: torch.Tensor, layers: dict[str, Any], gemv: tuple 
     runs["served_block"] = (lambda: blk(x), "fp8_block")
     runs["cublas_block"] = (lambda: quant_ops.fp8_block_cublas(x, blk.weight, blk.weight_scale), "fp8_block")
     if dg is not None:
-        runs["deep_gemm"] = (_deep_gemm_fn(dg, x, blk), "fp8_block")
+        runs["deep_gemm"] = (lambda: quant_ops.fp8_block_deepgemm(x, blk.weight, blk.weight_scale), "fp8_block")
     return runs
 
 
@@ -173,21 +165,6 @@ def _time(fn: Any, rep: int) -> float | str:
         return _bench(fn, rep) * 1e6
     except Exception as e:  # noqa: BLE001 - a config that does not compile or run is recorded
         return f"{type(e).__name__}: {e}"[:200]
-
-
-def _deep_gemm_fn(dg: Any, x: torch.Tensor, blk: Any) -> Any:
-    """DeepGEMM's fp8 x fp8 GEMM (activations 1x128-scaled, weights 128x128), bf16 out."""
-    from engine.layers import quant_ops
-
-    m, n = x.shape[0], blk.weight.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-
-    def run() -> torch.Tensor:
-        q, s = quant_ops.group_quant(x)
-        dg.fp8_gemm_nt((q, s), (blk.weight, blk.weight_scale), out)
-        return out
-
-    return run
 
 
 def fp8_peak_tflops() -> float:
