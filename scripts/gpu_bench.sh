@@ -52,6 +52,8 @@
 #             DETLAT_MODELS="qwen3-30b-a3b" for another
 #   quant     quantized GEMMs: their gpu tests (QUANT_TESTS: a -k filter), then bin/bench quant (fp8 row/block,
 #             DeepGEMM, NVFP4 vs bf16; QUANT_BENCH=0 skips it)
+#   deepgemm  DeepGEMM (sgl-deep-gemm in .whl) through the torch-2.11 shim: scripts/deepgemm_probe.py at DeepSeek-V3
+#             shapes (DG_TOKENS, default "4096 1024"), then its GPU tests with the shim preloaded
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
@@ -112,7 +114,7 @@
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
 set -uo pipefail
-MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant deepgemm fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -338,6 +340,12 @@ for what in "$@"; do case $what in
          [ "${QUANT_BENCH:-1}" = 0 ] && continue
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-$GPU.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
+  deepgemm) run deepgemm-probe 300 python3 scripts/deepgemm_probe.py --shim --tokens ${DG_TOKENS:-4096 1024} \
+             --out "$OUT/deepgemm-probe-$GPU.json" || fails=$((fails + 1)); grep -E "m= |deep_gemm|torch" "$OUT/deepgemm-probe.log"
+           nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
+           LD_PRELOAD=/tmp/libdg_shim.so LD_LIBRARY_PATH=$nv:$LD_LIBRARY_PATH run gpu-deepgemm 200 python3 -m pytest -m gpu \
+             tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "deepgemm or group_quant" || fails=$((fails + 1))
+           grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error" "$OUT/gpu-deepgemm.log" | tail -12 ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-fp8 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --profile-idle --server-args "--quantization fp8" \
