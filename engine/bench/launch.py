@@ -65,10 +65,12 @@ def _tail(log: Path | None, lines: int = 30) -> str:
 
 
 def kernel_caches() -> list[Path]:
-    """Where compiled kernels land on disk: triton's, flashinfer's JIT and torch inductor's."""
+    """Where compiled kernels land on disk: triton's, flashinfer's JIT, DeepGEMM's JIT and torch
+    inductor's."""
     home = Path.home()
     return [Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
             Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or home) / ".cache" / "flashinfer",
+            Path(os.environ.get("DG_JIT_CACHE_DIR") or home / ".deep_gemm"),
             Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{_user()}")]
 
 
