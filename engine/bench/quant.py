@@ -27,7 +27,7 @@ SHAPES = {  # name -> [(projection, N, K)]
                     ("dense gate_up", 36864, 7168), ("dense down", 7168, 18432), ("expert gate_up", 4096, 7168),
                     ("expert down", 7168, 2048)],
 }
-TOKENS = {"llama-3.1-8b": [1, 4, 16, 64, 256, 1024, 4096], "deepseek-v3": [1, 64, 4096]}
+TOKENS = {"llama-3.1-8b": [1, 4, 16, 64, 256, 1024, 4096], "deepseek-v3": [1, 16, 32, 64, 256, 1024, 4096]}
 H200_FP8_PEAK_TFLOPS = 1979.0  # dense, data sheet
 
 
