@@ -1,7 +1,5 @@
 /* torch 2.14 symbols that sgl-deep-gemm 0.2.5's _C.so needs, provided from the GPU machine's torch 2.11
    (scripts/deepgemm_probe.py --shim compiles it and loads it RTLD_GLOBAL before importing deep_gemm). */
-
-/* torch 2.14's symbols that sgl-deep-gemm's _C.so needs, from torch 2.11's (see deepgemm_probe.py) */
 extern const float *_ZNK2at10TensorBase14const_data_ptrIfLi0EEEPKT_v(const void *self);
 extern void _ZN3c104cuda29c10_cuda_check_implementationEiPKcS2_jb(int, const char *, const char *, unsigned, _Bool);
 const float *_ZNK2at10TensorBase14const_data_ptrIfEEPKT_v(const void *self) {

@@ -342,7 +342,7 @@ for what in "$@"; do case $what in
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-$GPU.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
   deepgemm) run deepgemm-probe 300 python3 scripts/deepgemm_probe.py --shim --tokens ${DG_TOKENS:-4096 1024} \
-             --out "$OUT/deepgemm-probe-$GPU.json" || fails=$((fails + 1)); grep -E "m= |deep_gemm|torch" "$OUT/deepgemm-probe.log"
+             --out "$OUT/deepgemm-probe-$GPU.json" || fails=$((fails + 1)); grep -E "\"name\"|deep_gemm|torch" "$OUT/deepgemm-probe.log"
            nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
            LD_PRELOAD=/tmp/libdg_shim.so LD_LIBRARY_PATH=$nv:$LD_LIBRARY_PATH run gpu-deepgemm 200 python3 -m pytest -m gpu \
              tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider -k "deepgemm or group_quant" || fails=$((fails + 1))
