@@ -10,13 +10,19 @@ Timing is `bin/bench quant`'s (scripts/gpu_bench.sh deepgemm runs both, the shim
 
 `sgl-deep-gemm`'s wheels are built against torch 2.14, and the GPU machine has torch 2.11: `--shim`
 compiles scripts/deepgemm_shim.c, which provides the eight symbols 2.11 lacks from its own, and loads it
-(RTLD_GLOBAL) before the import.
+(RTLD_GLOBAL) before the import. Its kernels then register under the dispatch key whose number is
+CUDA's in 2.14 (the enum moved between the versions: 2.11 lists them under another backend and refuses
+CUDA tensors); `remap_dispatch` finds which key holds them, by a small product checked against the
+float32 one, and routes `deep_gemm`'s GEMM there (`redispatch`). `bin/bench quant` runs the same way:
+
+    LD_PRELOAD=/tmp/libdg_shim.so python3 scripts/deepgemm_probe.py --bench --shapes deepseek-v3 ...
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import subprocess
@@ -43,6 +49,37 @@ def load_shim() -> None:
                 ctypes.CDLL(str(d / name), mode=ctypes.RTLD_GLOBAL)
                 break
     ctypes.CDLL(str(SHIM_SO), mode=ctypes.RTLD_GLOBAL)
+
+
+def remap_dispatch() -> str:
+    """Route deep_gemm's fp8 GEMM to the dispatch key its kernel sits under on this torch (see the module
+    docstring); returns that key's name ("CUDA" where nothing moved) or raises with the dispatcher's table."""
+    import deep_gemm
+
+    op = torch.ops.deep_gemm.fp8_fp4_gemm_nt.default
+    table = torch._C._dispatch_dump("deep_gemm::fp8_fp4_gemm_nt")
+    keys = [line.split(":")[0] for line in table.splitlines() if ": registered at" in line]
+    m, n, k = 128, 256, 512
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn)
+    from engine.layers import quant_ops
+
+    q, s = quant_ops.group_quant(x, mn_major=True)
+    ws = torch.ones(n // 128, k // 128, device="cuda")
+    ref = (q.float() * s.repeat_interleave(128, 1)) @ w.float().t()
+    for key in ["CUDA"] + [k for k in keys if k != "CUDA"]:
+        call = op if key == "CUDA" else functools.partial(op.redispatch,
+                                                         torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        try:
+            call(q, s, w, ws, out, None, None, None, None, "", False, None, *deep_gemm._encode_epilogue(None))
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the next key
+            continue
+        if float((out.float() - ref).norm() / ref.norm()) < 0.02:
+            deep_gemm._C.fp8_fp4_gemm_nt = call
+            return key
+    raise RuntimeError(f"deep_gemm's GEMM runs under no dispatch key:\n{table}")
 
 
 def first_call(n: int, k: int, m: int) -> dict[str, Any]:
@@ -72,7 +109,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--shim", action="store_true")
     p.add_argument("--out", default="deepgemm.json")
-    args = p.parse_args()
+    p.add_argument("--bench", action="store_true", help="then run bin/bench quant with the other arguments")
+    args, rest = p.parse_known_args()
+    if args.bench:  # the shim is preloaded (LD_PRELOAD)
+        import runpy
+
+        print("deep_gemm under dispatch key", remap_dispatch(), flush=True)
+        sys.argv = ["engine.bench", "quant", *rest]
+        runpy.run_module("engine.bench", run_name="__main__")
+        return
     from engine.bench.quant import SHAPES
     from engine.layers import quant_ops
 
@@ -84,6 +129,10 @@ def main() -> None:
         import deep_gemm
 
         info["deep_gemm"] = getattr(deep_gemm, "__version__", "?")
+        try:
+            info["dispatch_key"] = remap_dispatch()
+        except RuntimeError as e:
+            info["dispatch_error"] = str(e)[:2000]
     except Exception as e:  # noqa: BLE001 - recorded, with the loader's own message
         info["deep_gemm_error"] = f"{type(e).__name__}: {e}"[:600]
         try:
