@@ -67,6 +67,7 @@ def remap_dispatch() -> str:
     q, s = quant_ops.group_quant(x, mn_major=True)
     ws = torch.ones(n // 128, k // 128, device="cuda")
     ref = (q.float() * s.repeat_interleave(128, 1)) @ w.float().t()
+    tried: list[str] = []
     for key in ["CUDA"] + [k for k in keys if k != "CUDA" and hasattr(torch._C.DispatchKey, k)]:
         call = op if key == "CUDA" else functools.partial(op.redispatch,
                                                          torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
@@ -74,12 +75,15 @@ def remap_dispatch() -> str:
         try:
             call(q, s, w, ws, out, None, None, None, None, "", False, None, *deep_gemm._encode_epilogue(None))
             torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001 - the next key
+        except Exception as e:  # noqa: BLE001 - the next key
+            tried.append(f"{key}: {type(e).__name__}: {e}"[:300])
             continue
-        if float((out.float() - ref).norm() / ref.norm()) < 0.02:
+        err = float((out.float() - ref).norm() / ref.norm())
+        if err < 0.02:
             deep_gemm._C.fp8_fp4_gemm_nt = call
             return key
-    raise RuntimeError(f"deep_gemm's GEMM runs under no dispatch key:\n{table}")
+        tried.append(f"{key}: relative error {err:.3g}")
+    raise RuntimeError("deep_gemm's GEMM runs under no dispatch key: " + "; ".join(tried) + f"\n{table}")
 
 
 def first_call(n: int, k: int, m: int) -> dict[str, Any]:
