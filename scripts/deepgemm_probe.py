@@ -133,10 +133,11 @@ def main() -> None:
         import deep_gemm
 
         info["deep_gemm"] = getattr(deep_gemm, "__version__", "?")
-        try:
-            info["dispatch_key"] = remap_dispatch()
-        except RuntimeError as e:
-            info["dispatch_error"] = str(e)[:2000]
+        if args.shim:  # the wheel's TORCH_LIBRARY ops (a source build is a pybind module: nothing to route)
+            try:
+                info["dispatch_key"] = remap_dispatch()
+            except RuntimeError as e:
+                info["dispatch_error"] = str(e)[:2000]
     except Exception as e:  # noqa: BLE001 - recorded, with the loader's own message
         info["deep_gemm_error"] = f"{type(e).__name__}: {e}"[:600]
         try:
