@@ -56,7 +56,7 @@
 #             build/deep_gemm.tgz), else sgl-deep-gemm in .whl through the torch-2.11 shim: scripts/deepgemm_probe.py
 #             at DeepSeek-V3 shapes (DG_TOKENS, default "4096 1024": first call and error), its GPU test (the build
 #             only), then bin/bench quant --shapes deepseek-v3 with it (every block kernel at 1-4,096 rows: the
-#             block rules; DG_BENCH=0 skips it)
+#             block rules; DG_BENCH=0 skips it, DG_BENCH_TOKENS="32 4096" other row counts, DG_REP_MS 40)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
@@ -359,7 +359,7 @@ for what in "$@"; do case $what in
            fi
            [ "${DG_BENCH:-1}" = 0 ] && continue  # every block kernel by rows: the tuning file's block rules
            run quant-gemm-deepseek 400 "${dg[@]}" python3 "${bench[@]}" quant --shapes deepseek-v3 \
-             --out "$OUT/quant-gemm-deepseek-$GPU.json" || fails=$((fails + 1))
+             ${DG_BENCH_TOKENS:+--tokens $DG_BENCH_TOKENS} --rep-ms ${DG_REP_MS:-40} --out "$OUT/quant-gemm-deepseek-$GPU.json" || fails=$((fails + 1))
            grep -A60 "^copy " "$OUT/quant-gemm-deepseek.log" ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-fp8 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \

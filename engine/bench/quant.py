@@ -34,6 +34,7 @@ H200_FP8_PEAK_TFLOPS = 1979.0  # dense, data sheet
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="shape sets to run")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
+    p.add_argument("--tokens", type=int, nargs="+", help="row counts (default: each shape set's own)")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configs at the Llama-3.1-8B shapes")
 
 
@@ -191,7 +192,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                "fp8_peak_tflops_datasheet": H200_FP8_PEAK_TFLOPS, "shapes": {}}
     jobs = [(s, name, n, k) for s in args.shapes for name, n, k in SHAPES[s]]
     for s, name, n, k in tqdm(jobs, desc="quantized GEMMs", unit="shape"):
-        figures["shapes"][f"{s} {name}"] = _shape_rows(n, k, TOKENS[s], args.rep_ms)
+        figures["shapes"][f"{s} {name}"] = _shape_rows(n, k, args.tokens or TOKENS[s], args.rep_ms)
     if args.sweep:
         figures["sweep"] = {name: sweep(n, k, args.rep_ms) for name, n, k in tqdm(SHAPES["llama-3.1-8b"], desc="sweep")}
         figures["sweep"]["deepseek-v3 dense gate_up"] = sweep(36864, 7168, args.rep_ms)
