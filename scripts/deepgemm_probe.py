@@ -6,7 +6,8 @@ Records `deep_gemm`'s version or why it does not load (the import's error and th
 message), then per DeepSeek-V3 shape and token count the first call of the served launcher
 (`quant_ops.fp8_block_deepgemm`: DeepGEMM JIT-compiles a kernel per tile choice on first use, the
 warm-up's cost) and its relative error against float32 (q * s) @ dequantized(W)^T on the same codes.
-Timing is `bin/bench quant`'s (scripts/gpu_bench.sh deepgemm runs both, the shim preloaded).
+It also times the served launcher and cuBLASLt's (quant included, CUDA events, median of 30 calls: a
+quick look; `bin/bench quant` replays CUDA graphs, and scripts/gpu_bench.sh deepgemm runs both).
 
 `sgl-deep-gemm`'s wheels are built against torch 2.14, and the GPU machine has torch 2.11: `--shim`
 compiles scripts/deepgemm_shim.c, which provides the eight symbols 2.11 lacks from its own, and loads it
@@ -104,8 +105,27 @@ def first_call(n: int, k: int, m: int) -> dict[str, Any]:
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - recorded: the probe's point is whether it runs
         return {"error": f"{type(e).__name__}: {e}"[:400]}
-    return {"first_call_s": time.perf_counter() - t0,
-            "err": float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))}
+    first_s = time.perf_counter() - t0
+    dg_us = _median_us(lambda: quant_ops.fp8_block_deepgemm(x, lin.weight, lin.weight_scale))
+    cublas_us = _median_us(lambda: quant_ops.fp8_block_cublas(x, lin.weight, lin.weight_scale))
+    return {"first_call_s": first_s, "err": float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30)),
+            "us": dg_us, "cublas_us": cublas_us, "tflops": 2 * m * n * k / dg_us / 1e6,
+            "cublas_tflops": 2 * m * n * k / cublas_us / 1e6}
+
+
+def _median_us(fn: Any, reps: int = 30) -> float:
+    """Median us of `fn` (activation quant included, as served) over `reps` calls, each timed by events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[reps // 2]
 
 
 def main() -> None:
