@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # DeepGEMM built from source against the GPU machine's torch (2.11, CUDA 13), here, for scripts/gpu_bench.sh
-# deepgemm: every sgl-deep-gemm wheel is built for torch 2.14, whose TensorImpl and dispatch keys 2.11 reads
-# differently (docs/PERF.md, fifty-second session). Only the host module (_C, one C++ file) is compiled; the
-# kernels are JIT-compiled by nvcc on the GPU machine (it has nvcc 13.0), as DeepGEMM always does.
+# deepgemm: every sgl-deep-gemm wheel is built for torch 2.14, whose dispatch keys and tensor layout 2.11 reads
+# differently (docs/PERF.md, fifty-second session). Only the host module (_C, one C++ file, ~45 s on 2 cores)
+# is compiled here; DeepGEMM JIT-compiles its kernels with nvcc on the GPU machine (it has nvcc 13.0).
 # Usage: bash scripts/build_deepgemm.sh SRC TORCH CUDA_INC [OUT]
 #   SRC      a DeepGEMM source tree (github.com/deepseek-ai/DeepGEMM; its python_api.cpp layout, v2.x)
 #   TORCH    an unpacked torch 2.11.0+cu130 wheel's torch/ (include/ and lib/)
 #   CUDA_INC the headers torch's CUDA headers include (cuda runtime, cublas, cusparse, cusolver, nvrtc: the
 #            CUDA 13 toolkit's include/ and the nvidia-* wheels' nvidia/cu13/include, separated by ":")
 #   OUT      default build/deep_gemm.tgz (git-ignored; carry it with .whl)
-# cute and cutlass (DeepGEMM's third-party submodule) come from the sgl-deep-gemm wheel's include/ when SRC lacks
-# them: DG_CUTLASS_FROM=<an unpacked sgl_deep_gemm wheel's deep_gemm/include>.
+# cute and cutlass (DeepGEMM's third-party submodule, absent from a snapshot without submodules) come from an
+# unpacked sgl-deep-gemm wheel's deep_gemm/include when SRC lacks them: DG_CUTLASS_FROM=<that directory>.
+# PY_INC: Python 3.12's headers (the GPU machine's Python), when python3.12 is not on the PATH.
 set -euo pipefail
 SRC=$1 TORCH=$2 CUDA_INC=$3 OUT=${4:-build/deep_gemm.tgz}
 PY_INC=${PY_INC:-$(python3.12 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')}

@@ -52,11 +52,11 @@
 #             DETLAT_MODELS="qwen3-30b-a3b" for another
 #   quant     quantized GEMMs: their gpu tests (QUANT_TESTS: a -k filter), then bin/bench quant (fp8 row/block,
 #             DeepGEMM, NVFP4 vs bf16; QUANT_BENCH=0 skips it)
-#   deepgemm  DeepGEMM: built here from source against the machine's torch (scripts/build_deepgemm.sh; carry
-#             build/deep_gemm.tgz), else sgl-deep-gemm in .whl through the torch-2.11 shim: scripts/deepgemm_probe.py
-#             at DeepSeek-V3 shapes (DG_TOKENS, default "4096 1024": first call and error), its GPU test (the build
-#             only), then bin/bench quant --shapes deepseek-v3 with it (every block kernel at 1-4,096 rows: the
-#             block rules; DG_BENCH=0 skips it, DG_BENCH_TOKENS="32 4096" other row counts, DG_REP_MS 40)
+#   deepgemm  DeepGEMM built here from source against the machine's torch 2.11 (scripts/build_deepgemm.sh; carry
+#             build/deep_gemm.tgz): scripts/deepgemm_probe.py at DeepSeek-V3 shapes (DG_TOKENS, default "4096 1024":
+#             first call, error, time beside cuBLASLt), its GPU test, then bin/bench quant --shapes deepseek-v3 with
+#             it (every block kernel by rows: the block rules; DG_BENCH=0 skips it, DG_BENCH_TOKENS="32 4096" other
+#             row counts, DG_REP_MS 40)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
@@ -343,22 +343,17 @@ for what in "$@"; do case $what in
          [ "${QUANT_BENCH:-1}" = 0 ] && continue
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-$GPU.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
-  deepgemm) nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
-           if [ -f build/deep_gemm.tgz ]; then  # built from source against this torch: scripts/build_deepgemm.sh
-             mkdir -p /tmp/dgpkg && tar -C /tmp/dgpkg -xzf build/deep_gemm.tgz
-             dg=(env PYTHONPATH=/tmp/dgpkg:$PYTHONPATH LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-}); probe=(); bench=(-m engine.bench)
-           else  # the sgl-deep-gemm wheel through the torch-2.11 shim (its kernels read 2.14's tensor layout: fails)
-             dg=(env LD_PRELOAD=/tmp/libdg_shim.so LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-}); probe=(--shim); bench=(scripts/deepgemm_probe.py --bench)
-           fi
-           run deepgemm-probe 300 "${dg[@]/LD_PRELOAD=*/LD_PRELOAD=}" python3 scripts/deepgemm_probe.py "${probe[@]}" \
-             --tokens ${DG_TOKENS:-4096 1024} --out "$OUT/deepgemm-probe-$GPU.json" || fails=$((fails + 1))
+  deepgemm) [ -f build/deep_gemm.tgz ] || { echo "deepgemm: carry build/deep_gemm.tgz (scripts/build_deepgemm.sh)"; exit 2; }
+           mkdir -p /tmp/dgpkg && tar -C /tmp/dgpkg -xzf build/deep_gemm.tgz  # built here against this torch
+           nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
+           dg=(env PYTHONPATH=/tmp/dgpkg:$PYTHONPATH LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-})
+           run deepgemm-probe 300 "${dg[@]}" python3 scripts/deepgemm_probe.py --tokens ${DG_TOKENS:-4096 1024} \
+             --out "$OUT/deepgemm-probe-$GPU.json" || fails=$((fails + 1))
            grep -E "\"name\"|deep_gemm|torch" "$OUT/deepgemm-probe.log" | cut -c1-300
-           if [ -f build/deep_gemm.tgz ]; then
-             run gpu-deepgemm 200 "${dg[@]}" python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
-               -k deepgemm || fails=$((fails + 1)); grep -E "PASSED|FAILED|SKIPPED|passed|failed" "$OUT/gpu-deepgemm.log" | tail -6
-           fi
+           run gpu-deepgemm 200 "${dg[@]}" python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
+             -k deepgemm || fails=$((fails + 1)); grep -E "PASSED|FAILED|SKIPPED|passed|failed" "$OUT/gpu-deepgemm.log" | tail -6
            [ "${DG_BENCH:-1}" = 0 ] && continue  # every block kernel by rows: the tuning file's block rules
-           run quant-gemm-deepseek 400 "${dg[@]}" python3 "${bench[@]}" quant --shapes deepseek-v3 \
+           run quant-gemm-deepseek 400 "${dg[@]}" python3 -m engine.bench quant --shapes deepseek-v3 \
              ${DG_BENCH_TOKENS:+--tokens $DG_BENCH_TOKENS} --rep-ms ${DG_REP_MS:-40} --out "$OUT/quant-gemm-deepseek-$GPU.json" || fails=$((fails + 1))
            grep -A60 "^copy " "$OUT/quant-gemm-deepseek.log" ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do

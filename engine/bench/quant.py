@@ -9,8 +9,7 @@ of cuBLASLt at 8192^3 (next to the H200's 1979 TFLOPS data-sheet peak).
 
 Kernels: bf16 (cuBLAS), fp8_row (per-token quant + torch._scaled_mm), fp8_gemv (the weight-only
 triton GEMV, M <= 4), fp8_block (the block-scaled triton GEMM), deep_gemm (quant_ops.fp8_block_deepgemm
-where `deep_gemm` imports; on a torch older than its wheel's, with LD_PRELOAD of the shim
-scripts/deepgemm_probe.py builds), nvfp4.
+where `deep_gemm` imports: on the GPU machine scripts/build_deepgemm.sh's build), nvfp4.
 """
 
 from __future__ import annotations
