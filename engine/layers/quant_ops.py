@@ -175,8 +175,8 @@ def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> t
 
 @functools.cache
 def deep_gemm() -> Any | None:
-    """The `deep_gemm` module where it imports on this machine (a CUDA build of `sgl-deep-gemm`
-    against this torch), else None: the block-scaled GEMMs then stay on cuBLASLt / triton."""
+    """The `deep_gemm` module where it imports on this machine (`sgl-deep-gemm` built for this torch,
+    or scripts/build_deepgemm.sh's build), else None: the block-scaled GEMMs stay on cuBLASLt / triton."""
     try:
         import deep_gemm as dg
     except Exception:  # noqa: BLE001 - an optional kernel package: any failure to load means not here
