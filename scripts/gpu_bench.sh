@@ -116,8 +116,13 @@
 #             go to bin/bench latency (e.g. "--temperature 1 --top-p 0.95"), AB_TAG names the tarball. Prints a
 #             table of overlapped ms a step; the result files go into one abcode-<model>-<variants>.tgz
 #   pack      tar the logs into one file ($OUT returns at most 8 files)
+#   cachepack the kernel caches this call compiled (triton's, flashinfer's JIT, DeepGEMM's JIT) into
+#             $OUT/kernel-cache.tgz (at most 16 MiB: $OUT's limit; else the largest entries are listed). Saved here as
+#             build/kernel-cache.tgz and carried, a later call starts with them (unpacked into $HOME first): a
+#             fresh machine then skips the compiles its warm-ups would repeat (Llama-3.1-8B fp8: warmup_s 148.6
+#             cold on an H100). Warm-ups still run before ready, and "compiled after ready" still diffs from ready
 set -uo pipefail
-MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant deepgemm fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack"
+MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant deepgemm fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack cachepack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -130,6 +135,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 # result files are named by the card that ran them (h100, h200, ...; "gpu" for another)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
 GPU=${GPU:-gpu}
+if [ -f build/kernel-cache.tgz ]; then  # the caches a previous call packed (cachepack): same GPU arch, same wheels
+  tar -C "$HOME" -xzf build/kernel-cache.tgz && echo "kernel caches restored from build/kernel-cache.tgz"
+fi
 run() {  # name, timeout, command...
   local name=$1 t=$2; shift 2
   echo "=== $name"; local t0=$(date +%s)
@@ -477,6 +485,10 @@ for what in "$@"; do case $what in
   ab) each_patch ab_latency ;;
   abcode) ab_code ;;
   aboffline) each_patch ab_offline ;;
+  cachepack) (cd "$HOME" && tar czf /tmp/kernel-cache.tgz --ignore-failed-read .triton/cache .cache/flashinfer .deep_gemm 2>/dev/null)
+          size=$(stat -c %s /tmp/kernel-cache.tgz); echo "kernel caches: $((size / 1048576)) MiB packed"
+          if [ "$size" -le 16777216 ]; then mv /tmp/kernel-cache.tgz "$OUT/"
+          else (cd "$HOME" && du -sm .triton/cache .cache/flashinfer/* .deep_gemm 2>/dev/null | sort -rn | head -8); fi ;;
   pack) tar czf /tmp/logs.tgz -C "$OUT" --exclude='*.json' . && find "$OUT" -mindepth 1 ! -name '*.json' -delete \
           && mv /tmp/logs.tgz "$OUT/"; ls "$OUT" ;;
 esac; done
