@@ -12,6 +12,15 @@
 # cute and cutlass (DeepGEMM's third-party submodule, absent from a snapshot without submodules) come from an
 # unpacked sgl-deep-gemm wheel's deep_gemm/include when SRC lacks them: DG_CUTLASS_FROM=<that directory>.
 # PY_INC: Python 3.12's headers (the GPU machine's Python), when python3.12 is not on the PATH.
+# The inputs, as the fifty-second session made them (Python 3.12's pip; the packages from the registry):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     torch==2.11.0 -d /tmp/t211 && unzip -q /tmp/t211/torch-*.whl 'torch/include/*' 'torch/lib/*' -d /tmp/t211
+#   for p in nvidia-cublas nvidia-cusparse nvidia-cusolver nvidia-cuda-nvrtc nvidia-curand; do pip download --no-deps \
+#     --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_28_x86_64 $p -d /tmp/cu13; done; for w in /tmp/cu13/*.whl; do unzip -q -o $w \
+#     'nvidia/*/include/*' 'nvidia/*/lib/*' -d /tmp/cu13; done   # then lib*.so -> lib*.so.13 links in its lib/
+#   the source: the `fetch` tool's github:sgl-project/DeepGEMM, `git archive main | tar -x -C /tmp/dgsrc`
+#   bash scripts/build_deepgemm.sh /tmp/dgsrc /tmp/t211/torch /usr/local/cuda-13.0/include:/tmp/cu13/nvidia/cu13/include
 set -euo pipefail
 SRC=$1 TORCH=$2 CUDA_INC=$3 OUT=${4:-build/deep_gemm.tgz}
 PY_INC=${PY_INC:-$(python3.12 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')}
