@@ -4,7 +4,9 @@ For each batch size: submit `batch` random prompts of `context_len` tokens, step
 engine through their prefill, then time decode steps (every row extends by one token)
 after a warm-up. The Steps come from SchedulerCore exactly as in the served engine
 (LocalEngine builds both halves); the loop here just runs them one at a time, without
-overlap, so that each ModelRunner.run_step can be timed on its own.
+overlap, so that each ModelRunner.run_step can be timed on its own. The record also keeps the
+runner's start-up phases and the kernel-cache files the measured steps added ("compiled after ready":
+none where the warm-up covered them, as a served engine's must).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tqdm import tqdm
 
 from engine.args import parse_args
 from engine.bench import idle, roofline
+from engine.bench.launch import cached_kernels, report_compiles
 from engine.config import ServerConfig
 from engine.local import LocalEngine
 from engine.run.memory import kv_bytes_per_token
@@ -267,6 +270,7 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
     cfg = server_config(args, model_dir)
     eng = LocalEngine(cfg)
     runner = eng.runner
+    at_ready = cached_kernels()  # the runner is warm: what the steps below compile, a request would meet
     weights = roofline.weight_bytes(runner.model, runner.mcfg.tie_word_embeddings)  # all of them
     moe = getattr(runner.mcfg, "moe", None) is not None
     kv_per_token = kv_bytes_per_token(runner.mcfg, runner.kv_dtype)
@@ -282,6 +286,7 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
     per_step = args.warmup + args.steps + (args.idle_steps if profiles_idle(args, runner.device) else 0)
     with tqdm(total=per_step * len(args.batch_sizes), desc="latency", unit="step") as bar:
         results = [measure_batch(drv, args, b, vocab, bar) for b in args.batch_sizes]
+    compiled = report_compiles(at_ready)
     engine = {
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
@@ -292,6 +297,8 @@ def run(args: Any, model_dir: str, vocab: int) -> tuple[dict[str, Any], list[dic
         "kv_bytes_per_token": kv_per_token,
         "num_parameters": sum(p.numel() for p in runner.model.parameters()),
         "kv_pool_tokens": (runner.num_pages - 1) * runner.page_size,
+        "startup_s": {k: round(v, 2) for k, v in runner.startup.items()},  # load, warm-up, capture
+        "compiled_after_ready": compiled,  # kernel-cache files the measured steps added (ready means warm)
     }
     tied = runner.mcfg.tie_word_embeddings
     step_weights = {b: roofline.weight_bytes(runner.model, tied, b) for b in args.batch_sizes}  # MoE: by batch

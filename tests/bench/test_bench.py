@@ -118,6 +118,7 @@ def test_latency_vs_roofline(tiny_model: Path, tmp_path: Path) -> None:
     assert rec["settings"]["top_k"] == 5 and rec["settings"]["top_p"] == 0.9
     f = rec["figures"]
     assert f["device"] == "cpu" and f["bandwidth_gb_s"] > 0 and f["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert f["compiled_after_ready"] == [] and f["startup_s"]["warmup_s"] >= 0 and f["startup_s"]["load_s"] > 0
     assert [b["batch_size"] for b in f["batches"]] == [1, 3]
     for b in f["batches"]:
         assert b["ms_per_step_median"] > 0 and b["roofline_ms"] > 0 and b["ratio_to_roofline"] > 0
