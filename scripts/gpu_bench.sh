@@ -53,10 +53,9 @@
 #   quant     quantized GEMMs: their gpu tests (QUANT_TESTS: a -k filter), then bin/bench quant (fp8 row/block,
 #             DeepGEMM, NVFP4 vs bf16; QUANT_BENCH=0 skips it)
 #   deepgemm  DeepGEMM built here from source against the machine's torch 2.11 (scripts/build_deepgemm.sh; carry
-#             build/deep_gemm.tgz): scripts/deepgemm_probe.py at DeepSeek-V3 shapes (DG_TOKENS, default "4096 1024":
-#             first call, error, time beside cuBLASLt), its GPU test, then bin/bench quant --shapes deepseek-v3 with
-#             it (every block kernel by rows: the block rules; DG_BENCH=0 skips it, DG_BENCH_TOKENS="32 4096" other
-#             row counts, DG_REP_MS 40)
+#             build/deep_gemm.tgz): its GPU test, then bin/bench quant --shapes deepseek-v3 with it (every block
+#             kernel by rows, each first call's JIT time, whether deep_gemm imported: the block rules;
+#             DG_TOKENS="32 4096" other row counts, DG_REP_MS 40)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
@@ -355,15 +354,11 @@ for what in "$@"; do case $what in
            mkdir -p /tmp/dgpkg && tar -C /tmp/dgpkg -xzf build/deep_gemm.tgz  # built here against this torch
            nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
            dg=(env PYTHONPATH=/tmp/dgpkg:$PYTHONPATH LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-})
-           run deepgemm-probe 300 "${dg[@]}" python3 scripts/deepgemm_probe.py --tokens ${DG_TOKENS:-4096 1024} \
-             --out "$OUT/deepgemm-probe-$GPU.json" || fails=$((fails + 1))
-           grep -E "\"name\"|deep_gemm|torch" "$OUT/deepgemm-probe.log" | cut -c1-300
            run gpu-deepgemm 200 "${dg[@]}" python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
              -k deepgemm || fails=$((fails + 1)); grep -E "PASSED|FAILED|SKIPPED|passed|failed" "$OUT/gpu-deepgemm.log" | tail -6
-           [ "${DG_BENCH:-1}" = 0 ] && continue  # every block kernel by rows: the tuning file's block rules
            run quant-gemm-deepseek 400 "${dg[@]}" python3 -m engine.bench quant --shapes deepseek-v3 \
-             ${DG_BENCH_TOKENS:+--tokens $DG_BENCH_TOKENS} --rep-ms ${DG_REP_MS:-40} --out "$OUT/quant-gemm-deepseek-$GPU.json" || fails=$((fails + 1))
-           grep -A60 "^copy " "$OUT/quant-gemm-deepseek.log" ;;
+             ${DG_TOKENS:+--tokens $DG_TOKENS} --rep-ms ${DG_REP_MS:-40} --out "$OUT/quant-gemm-deepseek-$GPU.json" || fails=$((fails + 1))
+           grep -A80 "^copy " "$OUT/quant-gemm-deepseek.log" ;;
   fp8lat) for m in qwen3-0.6b llama-3.1-8b; do
             run latency-$m-fp8 200 bin/bench latency --model configs/$m --load-format dummy --batch-sizes 1 8 32 \
               --context-len 1024 --steps 50 --profile-idle --server-args "--quantization fp8" \

@@ -4,8 +4,10 @@ Per shape [N, K] and token count M, each kernel's median time (replayed in a CUD
 TFLOPS and weight GB/s, and its error against bf16 on the same inputs
 (`err_bf16`: relative Frobenius error of the output against F.linear with the unquantized bf16
 weight, which includes the quantization; `err_kernel`: against float32 x @ dequantized W^T, the
-kernel alone). Rooflines measured in the same run: the copy bandwidth, and the FP8 tensor rate
-of cuBLASLt at 8192^3 (next to the H200's 1979 TFLOPS data-sheet peak).
+kernel alone), and its first call's time (`first_call_ms`: with its compile or JIT where this is
+the kernel's first shape, the warm-up's cost). Rooflines measured in the same run: the copy
+bandwidth, and the FP8 tensor rate of cuBLASLt at 8192^3 (next to the H200's 1979 TFLOPS data-sheet
+peak). The record says whether `deep_gemm` imported, or why not.
 
 Kernels: bf16 (cuBLAS), fp8_row (per-token quant + torch._scaled_mm), fp8_gemv (the weight-only
 triton GEMV, M <= 4), fp8_block (the block-scaled triton GEMM), deep_gemm (quant_ops.fp8_block_deepgemm
@@ -15,6 +17,7 @@ where `deep_gemm` imports: on the GPU machine scripts/build_deepgemm.sh's build)
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import torch
@@ -75,19 +78,20 @@ def _shape_rows(n: int, k: int, ms: list[int], rep: int) -> list[dict[str, Any]]
         runs = _runs(x, w, layers, gemv, dg)
         for name, (fn, fmt) in runs.items():
             try:
+                t0 = time.perf_counter()
                 y = fn()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0  # with its compile / JIT where this is the kernel's first shape
                 t = _bench(fn, rep)
             except Exception as e:  # noqa: BLE001 - one kernel's failure is a recorded result
                 row["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 continue
             wbytes = n * k * (2 if fmt is None else 1 if fmt.startswith("fp8") else 0.5625)
             entry = {"ms": t * 1e3, "tflops": 2 * m * n * k / t / 1e12, "weight_gbs": wbytes / t / 1e9,
-                     "err_bf16": _err(y, ref_bf16)}
+                     "err_bf16": _err(y, ref_bf16), "first_call_ms": first * 1e3}
             if fmt is not None:
                 entry["err_kernel"] = _err(y, x.float() @ deq[fmt].t())
             row["kernels"][name] = entry
-        if dg is None:
-            row["kernels"]["deep_gemm"] = {"error": "deep_gemm does not import (scripts/deepgemm_probe.py says why)"}
         rows.append(row)
     return rows
 
@@ -188,7 +192,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("bin/bench quant: needs a CUDA device")
     figures: dict[str, Any] = {"copy_gbs": copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e9,
                                "fp8_peak_tflops_measured": fp8_peak_tflops(),
-                               "fp8_peak_tflops_datasheet": H200_FP8_PEAK_TFLOPS, "shapes": {}}
+                               "fp8_peak_tflops_datasheet": H200_FP8_PEAK_TFLOPS, "deep_gemm": _deep_gemm_status(),
+                               "shapes": {}}
     jobs = [(s, name, n, k) for s in args.shapes for name, n, k in SHAPES[s]]
     for s, name, n, k in tqdm(jobs, desc="quantized GEMMs", unit="shape"):
         figures["shapes"][f"{s} {name}"] = _shape_rows(n, k, args.tokens or TOKENS[s], args.rep_ms)
@@ -201,15 +206,28 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
+def _deep_gemm_status() -> str:
+    """`deep_gemm`'s version, or why it does not import here (quant_ops.deep_gemm() only says None)."""
+    try:
+        import deep_gemm
+    except Exception as e:  # noqa: BLE001 - recorded: an optional package's failure is a result
+        return f"not imported: {type(e).__name__}: {e}"[:600]
+    return f"deep_gemm {getattr(deep_gemm, '__version__', '?')}"
+
+
 def _print(fig: dict[str, Any]) -> None:
     print(f"copy {fig['copy_gbs']:.0f} GB/s; FP8 cuBLASLt 8192^3 {fig['fp8_peak_tflops_measured']:.0f} TFLOPS "
-          f"(data sheet {fig['fp8_peak_tflops_datasheet']:.0f})")
+          f"(data sheet {fig['fp8_peak_tflops_datasheet']:.0f}); {fig['deep_gemm']}")
     print("per shape and M: kernel us/TFLOPS/err_bf16")
     for shape, rows in fig["shapes"].items():
         for r in rows:
             cells = [f"{n} {e['ms'] * 1e3:.1f}/{e['tflops']:.0f}/{e['err_bf16']:.3f}"
                      for n, e in r["kernels"].items() if "error" not in e]
             print(f"{shape:26} {r['m']:>5}  " + "  ".join(cells))
+    failed = {n: e["error"] for rows in fig["shapes"].values() for r in rows for n, e in r["kernels"].items()
+              if "error" in e}
+    for name, error in failed.items():  # one line a kernel: its last failure
+        print(f"failed: {name}: {error}")
     for shape, sw in fig.get("sweep", {}).items():
         for what, res in sw.items():
             ok = {c: t for c, t in res.items() if isinstance(t, float)}
