@@ -180,6 +180,14 @@ def to_plain(linear: nn.Module, dtype: torch.dtype) -> None:
     linear._gemv = False
 
 
+def ladder_rows(m: int) -> int:
+    """The row count a DeepGEMM call runs at for m rows: m up to 256, else m rounded up to a multiple
+    of 16 (up to 4096) or of 64 (beyond). DeepGEMM picks (and JIT-compiles) its tiles by the exact row
+    count, so calls run only at counts the warm-up's ladder holds (engine/run/warmup.py gemm_rows):
+    every tile choice a step can meet is compiled before ready, at <= 1.6% padded rows past 4096."""
+    return m if m <= 256 else -(-m // 16) * 16 if m <= 4096 else -(-m // 64) * 64
+
+
 def forward(linear: nn.Module, x: torch.Tensor, gemv: tuple | None, silu_mul: bool = False) -> torch.Tensor:
     """x W^T (no bias) for a quantized `linear` on CUDA; `gemv` the small-batch GEMV config or
     None; with silu_mul, x is [gate | up] and the product uses silu(gate) * up. With deterministic

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import triton
 
-from engine.layers import triton_ops
+from engine.layers import quant, triton_ops
 
 FP8 = torch.float8_e4m3fn
 
@@ -76,15 +76,18 @@ def silu_mul_quant(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def group_quant(x: torch.Tensor, group: int = 128, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_quant(x: torch.Tensor, group: int = 128, mn_major: bool = False,
+                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], float32 scales [M, ceil(K/group)]): one scale per row and `group` columns.
     With mn_major the scales are column-major with columns of M rounded up to 4 (stride(1)), the
-    layout cuBLASLt's and DeepGEMM's 1x128 scaled GEMMs read, written by the same launch."""
+    layout cuBLASLt's and DeepGEMM's 1x128 scaled GEMMs read, written by the same launch. `rows`
+    (>= M) sizes both outputs, the rows past M left unwritten."""
     m, k = x.shape
+    r = m if rows is None else rows
     g = -(-k // group)
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    s = (torch.empty(g, -(-m // 4) * 4, dtype=torch.float32, device=x.device).t()[:m] if mn_major
-         else torch.empty(m, g, dtype=torch.float32, device=x.device))
+    q = torch.empty(r, k, dtype=FP8, device=x.device)
+    s = (torch.empty(g, -(-r // 4) * 4, dtype=torch.float32, device=x.device).t()[:r] if mn_major
+         else torch.empty(r, g, dtype=torch.float32, device=x.device))
     if m:
         rows = 16 if m >= 16 else 1
         _k().group_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, k, x.stride(0), s.stride(0), s.stride(1),
@@ -192,11 +195,14 @@ def deepgemm_ok(n: int, k: int) -> bool:
 
 def fp8_block_deepgemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The block-scaled GEMM by DeepGEMM's `fp8_gemm_nt` (SM90: 1x128 activation scales, float32,
-    in the column-major layout group_quant writes; 128x128 weight scales), bf16 out."""
-    q, s = group_quant(x, mn_major=True)
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    in the column-major layout group_quant writes; 128x128 weight scales), bf16 out; run at
+    ladder_rows(M) rows, the padding rows' codes left unwritten (a row's output reads only its own
+    row, and those rows are cut off)."""
+    m = x.shape[0]
+    q, s = group_quant(x, mn_major=True, rows=quant.ladder_rows(m))
+    out = torch.empty(q.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     deep_gemm().fp8_gemm_nt((q, s), (w, scale), out)
-    return out
+    return out[:m]
 
 
 def nvfp4_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:

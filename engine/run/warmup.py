@@ -28,6 +28,7 @@ from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
 from engine.layers.moe import Router
 from engine.layers.parallel import Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, matmul
+from engine.layers.quant import ladder_rows
 from engine.run.sample_params import SampleParams
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def warm_up(runner: ModelRunner) -> float:
 def gemm_rows(most: int) -> list[int]:
     """Row counts a GEMM is warmed at: every count up to 256 (decode batches, short prompts:
     where cuBLAS's choice changes most often), every 16th up to 4096, every 64th beyond, and
-    `most` itself."""
+    `most` itself. DeepGEMM runs only at these counts (quant.ladder_rows pads to them)."""
     rows = [*range(1, min(most, 256) + 1), *range(272, min(most, 4096) + 1, 16), *range(4160, most + 1, 64)]
     return rows if rows[-1] == most else [*rows, most]
 
@@ -104,10 +105,12 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int, act_dt
                                                                           torch.float32)):
             continue
         done.add(key)
-        if quant is not None:  # its forward picks GEMV / triton / cuBLASLt / DeepGEMM (a JIT) by rows
-            x = torch.zeros(most_rows, w.shape[1] * (2 if quant == "nvfp4" else 1), dtype=act_dtype,
+        if quant is not None:  # its forward picks GEMV / triton / cuBLASLt / DeepGEMM (a JIT) by rows;
+            # DeepGEMM runs at quant.ladder_rows(n): the ladder, and the top step's padded count
+            rows = sorted({*gemm_rows(most_rows), ladder_rows(most_rows)})
+            x = torch.zeros(rows[-1], w.shape[1] * (2 if quant == "nvfp4" else 1), dtype=act_dtype,
                             device=w.device)
-            for n in gemm_rows(most_rows):
+            for n in rows:
                 module.quant_forward(module, x[:n], module._local_gemv(x[:n]))  # the shard's own: no collective
                 runs += 1
             continue

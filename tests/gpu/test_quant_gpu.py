@@ -59,7 +59,7 @@ def test_group_quant_codes_are_the_rounded_quotients(m: int, k: int, mn_major: b
         assert s.stride() == (1, -(-m // 4) * 4)
 
 
-@pytest.mark.parametrize("m", [17, 130, 1000])
+@pytest.mark.parametrize("m", [17, 130, 1000, 4100])  # 1000 and 4100 run padded (quant.ladder_rows)
 @pytest.mark.parametrize(("n", "k"), [(2048, 7168), (7168, 2048), (1536, 512)])
 def test_deepgemm_block_gemm_matches_the_dequantized_product(m: int, n: int, k: int, monkeypatch) -> None:
     """DeepGEMM's block-scaled GEMM (where `deep_gemm` imports) against float32 (q * s) @ W^T on

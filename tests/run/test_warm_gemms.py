@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.layers.moe import Router
 from engine.layers.parallel import Linear, ParallelLMHead
+from engine.layers.quant import ladder_rows
 from engine.run.warmup import gemm_rows, warm_gemms
 
 
@@ -22,6 +23,17 @@ def test_gemm_rows_cover_every_small_count_then_a_ladder_up_to_the_largest_step(
     assert gemm_rows(10) == list(range(1, 11))
     assert gemm_rows(4100)[-2:] == [4096, 4100]
 
+
+
+def test_deepgemm_runs_only_at_row_counts_the_warm_up_holds() -> None:
+    """DeepGEMM compiles a kernel per tile choice, and picks its tiles by the exact row count: each
+    call is padded to quant.ladder_rows, a count the warm-up runs (its ladder, or the top step's
+    padded count), so no step meets a tile choice after ready."""
+    for most in (300, 4100, 16640, 9999):
+        warmed = {*gemm_rows(most), ladder_rows(most)}
+        padded = {ladder_rows(m) for m in range(1, most + 1)}
+        assert padded <= warmed and all(ladder_rows(m) >= m for m in range(1, most + 1))
+    assert ladder_rows(4100) - 4100 < 64 and ladder_rows(257) == 272 and ladder_rows(256) == 256
 
 class _Tiny(nn.Module):
     def __init__(self) -> None:
@@ -74,5 +86,6 @@ def test_warm_gemms_runs_a_quantized_projection_through_its_own_forward_at_every
 
         lin.quant_forward = forward
     runs = warm_gemms(model, most_rows=300, most_sampled=5, act_dtype=torch.bfloat16)
-    assert runs == len(seen) == len(gemm_rows(300))
-    assert [x[0] for x, _ in seen] == gemm_rows(300) and {(x[1], d) for x, d in seen} == {(256, torch.bfloat16)}
+    rows = [*gemm_rows(300), 304]  # and DeepGEMM's padded count for the top step (quant.ladder_rows)
+    assert runs == len(seen) == len(rows)
+    assert [x[0] for x, _ in seen] == rows and {(x[1], d) for x, d in seen} == {(256, torch.bfloat16)}
