@@ -164,12 +164,12 @@ def cublas_ok(n: int, k: int, block: bool) -> bool:
 
 def fp8_block_cublas(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The block-scaled GEMM by cuBLASLt (torch's scaled_mm, 1x128 activation and 128x128 weight
-    scales): activation scales token-major with M padded to 4, weight K-blocks padded to 4."""
+    scales): activation scales token-major with M padded to 4 (rows left unwritten: a row's output
+    reads only its own row, and those are cut off), weight K-blocks padded to 4."""
     import torch.nn.functional as F
 
     m = x.shape[0]
-    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, s = group_quant(xp, mn_major=True)
+    q, s = group_quant(x, mn_major=True, rows=-(-m // 4) * 4)
     kb = scale.shape[1]
     ws = F.pad(scale, (0, -kb % 4)) if kb % 4 else scale
     return F.scaled_mm(q, w.t(), s, F.ScalingType.BlockWise1x128, ws.t(),
