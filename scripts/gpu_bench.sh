@@ -53,7 +53,7 @@
 #   quant     quantized GEMMs: their gpu tests (QUANT_TESTS: a -k filter), then bin/bench quant (fp8 row/block,
 #             DeepGEMM, NVFP4 vs bf16; QUANT_BENCH=0 skips it)
 #   deepgemm  DeepGEMM built here from source against the machine's torch 2.11 (scripts/build_deepgemm.sh; carry
-#             build/deep_gemm.tgz): its GPU test, then bin/bench quant --shapes deepseek-v3 with it (every block
+#             build/deep_gemm.tgz): its GPU test and the block GEMMs' (cuBLASLt, triton), then bin/bench quant --shapes deepseek-v3 with it (every block
 #             kernel by rows, each first call's JIT time, whether deep_gemm imported: the block rules;
 #             DG_TOKENS="32 4096" other row counts, DG_REP_MS 40)
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
@@ -355,7 +355,7 @@ for what in "$@"; do case $what in
            nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
            dg=(env PYTHONPATH=/tmp/dgpkg:$PYTHONPATH LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-})
            run gpu-deepgemm 200 "${dg[@]}" python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
-             -k deepgemm || fails=$((fails + 1)); grep -E "PASSED|FAILED|SKIPPED|passed|failed" "$OUT/gpu-deepgemm.log" | tail -6
+             -k "deepgemm or fp8_block or group_quant" || fails=$((fails + 1)); grep -E "FAILED|passed|failed" "$OUT/gpu-deepgemm.log" | tail -8
            run quant-gemm-deepseek 400 "${dg[@]}" python3 -m engine.bench quant --shapes deepseek-v3 \
              ${DG_TOKENS:+--tokens $DG_TOKENS} --rep-ms ${DG_REP_MS:-40} --out "$OUT/quant-gemm-deepseek-$GPU.json" || fails=$((fails + 1))
            grep -A80 "^copy " "$OUT/quant-gemm-deepseek.log" ;;
