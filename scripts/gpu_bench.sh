@@ -56,6 +56,9 @@
 #             build/deep_gemm.tgz): its GPU test and the block GEMMs' (cuBLASLt, triton), then bin/bench quant --shapes deepseek-v3 with it (every block
 #             kernel by rows, each first call's JIT time, whether deep_gemm imported: the block rules;
 #             DG_TOKENS="32 4096" other row counts, DG_REP_MS 40)
+#   dsfp8     DeepSeek-V3-5L with DeepSeek's block-FP8 config (configs/deepseek-v3-5l-fp8, dummy weights) decode
+#             latency, batch 1 8 64: the served block-FP8 path (DeepGEMM from 17 rows where build/deep_gemm.tgz is
+#             carried, else cuBLASLt), its start-up (warmup_s: DeepGEMM's cold compiles) and "compiled after ready"
 #   fp8lat    decode latency with --quantization fp8 (per-channel e4m3 weights), both models, batch 1 8 32
 #   llamafp8  Llama-3.1-8B offline 1000/1000, fp8 weights (--quantization fp8) + fp8 KV cache + fp8 math
 #   spec      speculative decoding: verify rows in the decode graphs (tests/gpu/test_spec_graphs_gpu.py), then the
@@ -121,7 +124,7 @@
 #             fresh machine then skips the compiles its warm-ups would repeat (Llama-3.1-8B fp8: warmup_s 148.6
 #             cold on an H100). Warm-ups still run before ready, and "compiled after ready" still diffs from ready
 set -uo pipefail
-MODES="detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant deepgemm fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack cachepack"
+MODES="dsfp8 detgemv detfold aboffline quick sampler samplinglat check latency qwen llama8m llama serve profile1 cache structured l2decode hostcopy det detcost detoffline detgemm quant deepgemm fp8lat llamafp8 detprofile detlat detblocks detsglang moe moetest moelat moeoffline moesweep nvfp4moe cp cpmla mla mlatest flashmla flashmlaserve mlaserve heads specnextn specnextnprofile specdraft spec specsweep specmla specmladet specmlaprofile specpolicy specpolicytest specgrammar spectree sweep ab abcode pack cachepack"
 [ $# -gt 0 ] || { echo "usage: bash scripts/gpu_bench.sh MODE ... (modes: $MODES)" >&2; exit 2; }
 for what in "$@"; do
   case " $MODES " in *" $what "*) ;; *) echo "gpu_bench.sh: unknown mode '$what' (modes: $MODES)" >&2; exit 2 ;; esac
@@ -220,8 +223,19 @@ moe_offline() {
     --out "$OUT/offline-qwen3-30b-a3b-1000-1000-$GPU.json" || fails=$((fails + 1))
   grep -h '"gpu idle"' "$OUT"/logs-moe/worker-0.log | tail -2
 }
+dg=(env)  # DeepGEMM built here against this torch (scripts/build_deepgemm.sh), where build/deep_gemm.tgz is carried
+if [ -f build/deep_gemm.tgz ]; then
+  mkdir -p /tmp/dgpkg && tar -C /tmp/dgpkg -xzf build/deep_gemm.tgz
+  nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
+  dg=(env PYTHONPATH=/tmp/dgpkg:$PYTHONPATH LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-})
+fi
 fails=0
 for what in "$@"; do case $what in
+  dsfp8) run latency-deepseek-v3-5l-fp8 560 "${dg[@]}" bin/bench latency --model configs/deepseek-v3-5l-fp8 --load-format dummy \
+           --batch-sizes 1 8 64 --context-len 1024 --steps 50 --out "$OUT/latency-deepseek-v3-5l-fp8-$GPU.json" \
+           || fails=$((fails + 1)); grep -A6 "batch  *ctx" "$OUT/latency-deepseek-v3-5l-fp8.log"
+         python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['figures']; print('startup', f['startup_s'])" \
+           "$OUT/latency-deepseek-v3-5l-fp8-$GPU.json" ;;
   quick) run gpu-quick 300 python3 -m pytest -m gpu tests/gpu/test_grammar_gpu.py tests/cache/test_tier_gpu.py -q -rA \
            -p no:cacheprovider || fails=$((fails + 1)); grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$OUT/gpu-quick.log" | tail -30 ;;
   sampler) run gpu-sampler 200 python3 -m pytest tests/run/test_sampler.py -q -rA -p no:cacheprovider -k cuda \
@@ -351,9 +365,6 @@ for what in "$@"; do case $what in
          run quant-gemm 400 bin/bench quant ${QUANT_SWEEP:+--sweep} --out "$OUT/quant-gemm-$GPU.json" || fails=$((fails + 1))
          grep -A60 "^copy " "$OUT/quant-gemm.log" ;;
   deepgemm) [ -f build/deep_gemm.tgz ] || { echo "deepgemm: carry build/deep_gemm.tgz (scripts/build_deepgemm.sh)"; exit 2; }
-           mkdir -p /tmp/dgpkg && tar -C /tmp/dgpkg -xzf build/deep_gemm.tgz  # built here against this torch
-           nv=$(python3 -c "import torch,pathlib;print(':'.join(map(str,pathlib.Path(torch.__file__).parents[1].glob('nvidia/**/lib'))))")
-           dg=(env PYTHONPATH=/tmp/dgpkg:$PYTHONPATH LD_LIBRARY_PATH=$nv:${LD_LIBRARY_PATH:-})
            run gpu-deepgemm 200 "${dg[@]}" python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -rA -p no:cacheprovider \
              -k "deepgemm or fp8_block or group_quant" || fails=$((fails + 1)); grep -E "FAILED|passed|failed" "$OUT/gpu-deepgemm.log" | tail -8
            run quant-gemm-deepseek 400 "${dg[@]}" python3 -m engine.bench quant --shapes deepseek-v3 \

@@ -199,3 +199,15 @@ def test_fp8_block_agrees_with_transformers(plain: dict[str, Path], tmp_path: Pa
     qkv = model.model.layers[1].self_attn.qkv_proj.weight
     assert torch.equal(hf.model.layers[1].self_attn.q_proj.weight, qkv[: model.config.q_size])
     assert got == [hf_greedy(hf, p, len(got[0]))[0] for p in PROMPTS]
+
+
+def test_the_block_fp8_deepseek_config_is_the_plain_one_with_deepseeks_quantization() -> None:
+    """configs/deepseek-v3-5l-fp8 (the GPU benchmarks' block-FP8 DeepSeek, dummy weights): the plain
+    5-layer config plus the quantization_config DeepSeek-V3's checkpoint ships, read as 128 x 128 fp8."""
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    fp8 = json.loads((configs / "deepseek-v3-5l-fp8" / "config.json").read_text())
+    plain = json.loads((configs / "deepseek-v3-5l" / "config.json").read_text())
+    q = fp8.pop("quantization_config")
+    assert fp8 == plain and (q["quant_method"], q["weight_block_size"]) == ("fp8", [128, 128])
+    scheme = read_scheme({**fp8, "quantization_config": q})
+    assert scheme is not None and (scheme.format, scheme.block) == ("fp8_block", (128, 128))
