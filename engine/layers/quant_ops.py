@@ -89,9 +89,9 @@ def group_quant(x: torch.Tensor, group: int = 128, mn_major: bool = False,
     s = (torch.empty(g, -(-r // 4) * 4, dtype=torch.float32, device=x.device).t()[:r] if mn_major
          else torch.empty(r, g, dtype=torch.float32, device=x.device))
     if m:
-        rows = 16 if m >= 16 else 1
-        _k().group_quant_kernel[(triton.cdiv(m, rows), g)](x, q, s, m, k, x.stride(0), s.stride(0), s.stride(1),
-                                                           ROWS=rows, GROUP=group, num_warps=4 if rows > 1 else 1)
+        tile = 16 if m >= 16 else 1
+        _k().group_quant_kernel[(triton.cdiv(m, tile), g)](x, q, s, m, k, x.stride(0), s.stride(0), s.stride(1),
+                                                           ROWS=tile, GROUP=group, num_warps=4 if tile > 1 else 1)
     return q, s
 
 

@@ -77,10 +77,10 @@ def warm_up(runner: ModelRunner) -> float:
 
 
 def gemm_rows(most: int) -> list[int]:
-    """Row counts a GEMM is warmed at: every count up to 256 (decode batches, short prompts:
-    where cuBLAS's choice changes most often), every 16th up to 4096, every 64th beyond, and
-    `most` itself. DeepGEMM runs only at these counts (quant.ladder_rows pads to them)."""
-    rows = [*range(1, min(most, 256) + 1), *range(272, min(most, 4096) + 1, 16), *range(4160, most + 1, 64)]
+    """Row counts a GEMM is warmed at: quant.ladder_rows' counts up to `most` (every count up to 256,
+    where cuBLAS's choice changes most often: decode batches, short prompts; every 16th up to 4096,
+    every 64th beyond), and `most` itself. DeepGEMM runs only at ladder counts."""
+    rows = sorted({r for r in map(ladder_rows, range(1, most + 1)) if r <= most})
     return rows if rows[-1] == most else [*rows, most]
 
 
