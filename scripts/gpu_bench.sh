@@ -231,7 +231,7 @@ if [ -f build/deep_gemm.tgz ]; then
 fi
 fails=0
 for what in "$@"; do case $what in
-  dsfp8) run latency-deepseek-v3-5l-fp8 560 "${dg[@]}" bin/bench latency --model configs/deepseek-v3-5l-fp8 --load-format dummy \
+  dsfp8) run latency-deepseek-v3-5l-fp8 "${DSFP8_TIMEOUT:-500}" "${dg[@]}" bin/bench latency --model configs/deepseek-v3-5l-fp8 --load-format dummy \
            --batch-sizes 1 8 64 --context-len 1024 --steps 50 --out "$OUT/latency-deepseek-v3-5l-fp8-$GPU.json" \
            || fails=$((fails + 1)); grep -A6 "batch  *ctx" "$OUT/latency-deepseek-v3-5l-fp8.log"
          python3 -c "import json,sys; f=json.load(open(sys.argv[1]))['figures']; print('startup', f['startup_s'])" \
