@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from engine.layers import batch_invariant
 from engine.layers.forward import ForwardBatch
@@ -71,7 +72,7 @@ def warm_up(runner: ModelRunner) -> float:
     if runner.device.type == "cuda":
         cfg = runner.cfg
         warm_gemms(runner.model, cfg.max_prefill_tokens + cfg.max_running_requests, cfg.max_running_requests,
-                   runner.dtype)
+                   runner.dtype, progress=runner.rank == 0)
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0
 
@@ -84,52 +85,73 @@ def gemm_rows(most: int) -> list[int]:
     return rows if rows[-1] == most else [*rows, most]
 
 
-def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int, act_dtype: torch.dtype) -> int:
+def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int, act_dtype: torch.dtype,
+               progress: bool = False) -> int:
     """Run every distinct projection and MoE router (weight shape, dtype, bias) through cuBLAS at
     `gemm_rows(most_rows)` and the LM head (or the tied embedding) at every sampled-row count:
     the kernels any step will pick are loaded before ready (module docstring). A quantized
     projection runs its own forward on `act_dtype` rows at the same counts (DeepGEMM compiles a
-    kernel per tile choice on first use). Returns the GEMMs run."""
+    kernel per tile choice on first use: minutes on a machine's first start, hence the bar).
+    Returns the GEMMs run."""
+    plan = _gemm_plan(model, most_rows, most_sampled)
+    total = sum(len(counts) for _, counts in plan)
+    with tqdm(total=total, desc="warming GEMMs", unit="gemm", disable=not progress) as bar:
+        for module, counts in plan:
+            _warm_one(module, counts, act_dtype, bar)
+    return total
+
+
+def _gemm_plan(model: torch.nn.Module, most_rows: int, most_sampled: int) -> list[tuple[torch.nn.Module, list[int]]]:
+    """(module, row counts) for each distinct GEMM the model runs (warm_gemms)."""
     done: set[tuple] = set()
-    runs = 0
+    plan = []
     for module in model.modules():
         head = isinstance(module, ParallelLMHead | VocabParallelEmbedding)
         if not (isinstance(module, Linear | Router) or head):  # Router: an MoE gate's GEMM (float32 or bf16)
             continue
         w = module.weight
         bias = None if head or isinstance(module, Router) else module.bias
-        fold = _fold_of(module)
         quant = getattr(module, "quant", None)
-        key = (tuple(w.shape), w.dtype, bias is not None, head, fold, quant)
+        key = (tuple(w.shape), w.dtype, bias is not None, head, _fold_of(module), quant)
         if w.is_meta or key in done or (quant is None and w.dtype not in (torch.bfloat16, torch.float16,
                                                                           torch.float32)):
             continue
         done.add(key)
         if quant is not None:  # its forward picks GEMV / triton / cuBLASLt / DeepGEMM (a JIT) by rows;
             # DeepGEMM runs at quant.ladder_rows(n): the ladder, and the top step's padded count
-            rows = sorted({*gemm_rows(most_rows), ladder_rows(most_rows)})
-            x = torch.zeros(rows[-1], w.shape[1] * (2 if quant == "nvfp4" else 1), dtype=act_dtype,
-                            device=w.device)
-            for n in rows:
-                module.quant_forward(module, x[:n], module._local_gemv(x[:n]))  # the shard's own: no collective
-                runs += 1
+            plan.append((module, sorted({*gemm_rows(most_rows), ladder_rows(most_rows)})))
             continue
-        counts = range(1, most_sampled + 1) if head else gemm_rows(most_rows)
+        counts = list(range(1, most_sampled + 1)) if head else gemm_rows(most_rows)
         if batch_invariant.enabled():  # one triton GEMM, compiled once per tile choice (invariant_gemm.tiles)
             from engine.layers.invariant_gemm import regime_rows
 
-            counts = regime_rows(list(counts), *w.shape)
-        x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
-        res = torch.zeros(counts[-1], w.shape[0], dtype=w.dtype, device=w.device) if fold == "residual" else None
+            counts = regime_rows(counts, *w.shape)
+        plan.append((module, counts))
+    return plan
+
+
+def _warm_one(module: torch.nn.Module, counts: list[int], act_dtype: torch.dtype, bar: tqdm) -> None:
+    w = module.weight
+    quant = getattr(module, "quant", None)
+    if quant is not None:
+        x = torch.zeros(counts[-1], w.shape[1] * (2 if quant == "nvfp4" else 1), dtype=act_dtype, device=w.device)
         for n in counts:
-            if fold == "norm":
-                module(x[:n])
-            elif res is not None:
-                module.forward_add(x[:n], res[:n])
-            else:
-                matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)
-            runs += 1
-    return runs
+            module.quant_forward(module, x[:n], module._local_gemv(x[:n]))  # the shard's own: no collective
+            bar.update(1)
+        return
+    head = isinstance(module, ParallelLMHead | VocabParallelEmbedding)
+    bias = None if head or isinstance(module, Router) else module.bias
+    fold = _fold_of(module)
+    x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
+    res = torch.zeros(counts[-1], w.shape[0], dtype=w.dtype, device=w.device) if fold == "residual" else None
+    for n in counts:
+        if fold == "norm":
+            module(x[:n])
+        elif res is not None:
+            module.forward_add(x[:n], res[:n])
+        else:
+            matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)
+        bar.update(1)
 
 
 def _fold_of(module: torch.nn.Module) -> str | None:

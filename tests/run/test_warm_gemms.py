@@ -67,7 +67,7 @@ def test_warm_gemms_runs_each_projection_and_router_at_every_count_and_the_head_
     assert [x[0] for x, w in calls if w == (40, 8)] == [1, 2, 3, 4, 5]
 
 
-def test_warm_gemms_runs_a_quantized_projection_through_its_own_forward_at_every_count() -> None:
+def test_warm_gemms_runs_a_quantized_projection_through_its_own_forward_at_every_count(capsys) -> None:
     """A quantized projection's forward picks its kernel by rows (GEMV, triton, cuBLASLt, DeepGEMM,
     which compiles a kernel per tile choice on first use): the ladder runs that forward, on the
     layer's own shard (no collective), with activation-dtype rows of its input width."""
@@ -85,7 +85,8 @@ def test_warm_gemms_runs_a_quantized_projection_through_its_own_forward_at_every
             return x.float() @ quant.dequantize(linear).t()  # the product the CUDA kernels compute
 
         lin.quant_forward = forward
-    runs = warm_gemms(model, most_rows=300, most_sampled=5, act_dtype=torch.bfloat16)
+    runs = warm_gemms(model, most_rows=300, most_sampled=5, act_dtype=torch.bfloat16, progress=True)
+    assert "warming GEMMs: 100%|" in capsys.readouterr().err  # minutes of DeepGEMM compiles on a first start
     rows = [*gemm_rows(300), 304]  # and DeepGEMM's padded count for the top step (quant.ladder_rows)
     assert runs == len(seen) == len(rows)
     assert [x[0] for x, _ in seen] == rows and {(x[1], d) for x, d in seen} == {(256, torch.bfloat16)}
