@@ -8,9 +8,10 @@
    0. Nothing depends on the batch, on how the row's prompt was chunked, on which of its keys came
    from a cache, on the block of tokens it was computed with, or on the thread that ran it.
 
-   With bf16 queries and keys on a CPU with AMX (strata_amx), the scores are instead the tile
-   unit's dot products (TDPBF16PS over 32 head dims a step, steps in order): a key row's products
-   with a query row, exact in float32, summed in the unit's fixed order, again nothing else. */
+   With bf16 queries and keys on a CPU with bf16 dot products (strata_bf16_dot: AMX's tiles, else
+   AVX512-BF16's VDPBF16PS), scores and values are instead sums of bf16 pairs' products (exact in
+   float32) in the unit's fixed order over the head dims (scores) or keys (values), per row: again
+   nothing else. Which unit is fixed by the CPU the library is compiled for (-march=native). */
 
 #include <math.h>
 #include <stdint.h>
@@ -23,8 +24,12 @@
 #endif
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define STRATA_AMX 1
+#define STRATA_PAIRS 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#elif defined(__AVX512F__) && defined(__AVX512BF16__)
+#define STRATA_DPBF16 1  /* AMD Zen 4 and later, Intel Cooper Lake: the same pairs, 16 lanes a step */
+#define STRATA_PAIRS 1
 #endif
 
 #define CHUNK 64   /* keys per tile: scores are vectorised over a tile's keys */
@@ -248,14 +253,13 @@ static float softmax_row(float *si, int seen, float *max) {
     return lane[0];
 }
 
+#ifdef STRATA_PAIRS
 #ifdef STRATA_AMX
 static int amx_granted = -1;
 
-/* Whether the scores go through AMX here: bf16 keys and queries, head dims in steps of 32, pages of
-   whole 16-key tiles, and the kernel's permission for the tile state (Linux asks for it once) */
-int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
+static int unit_ready(void) {  /* the kernel's permission for the tile state (Linux asks for it once) */
     if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
-    return amx_granted && kv_dtype == 1 && dq % 32 == 0 && dq <= 1024 && dv % 16 == 0 && page_size % 16 == 0;
+    return amx_granted;
 }
 
 typedef struct {
@@ -272,10 +276,19 @@ static void amx_begin(void) {  /* every tile 16 rows of 64 bytes: 16 x 16 float3
     }
     _tile_loadconfig(&c);
 }
+#else
+static int unit_ready(void) { return 1; }
+#endif
 
-/* The item's query rows (bf16) packed as the tile unit's A operands: qt [rows rounded up to 16][dq],
+/* Whether bf16 queries and keys take the pairs path here: bf16 keys, head dims in steps of 32,
+   pages of whole 16-key tiles, and (AMX) the tile state granted */
+int strata_bf16_dot(int dq, int dv, int page_size, int kv_dtype) {
+    return kv_dtype == 1 && dq % 32 == 0 && dq <= 1024 && dv % 16 == 0 && page_size % 16 == 0 && unit_ready();
+}
+
+/* The item's query rows (bf16) packed as the A operands: qt [rows rounded up to 16][dq],
    rows past the item's zeros */
-static void queries_amx(const Args *a, int row0, int h, int rows, uint16_t *qt) {
+static void queries_pairs(const Args *a, int row0, int h, int rows, uint16_t *qt) {
     const int g = a->q_heads / a->kv_heads, dq = a->dq;
     for (int i = 0; i < (rows + 15) / 16 * 16; i++) {
         uint16_t *dst = qt + (size_t)i * dq;
@@ -288,7 +301,7 @@ static void queries_amx(const Args *a, int row0, int h, int rows, uint16_t *qt) 
 
 /* The item's keys as B operands: for each 16 keys (a page's rows: a fixed stride) and 32-dim step,
    [16 dim pairs][16 keys] (a transpose of 32-bit pairs: bits moved only) */
-static void keys_amx(const Args *a, const int64_t *pt, int h, int keys, uint32_t *kt) {
+static void keys_pairs(const Args *a, const int64_t *pt, int h, int keys, uint32_t *kt) {
     const int steps = a->dq / 32;
     const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
     for (int p0 = 0; p0 < keys; p0 += 16) {
@@ -305,7 +318,7 @@ static void keys_amx(const Args *a, const int64_t *pt, int h, int keys, uint32_t
 }
 
 /* The item's values as B operands: vv[pair][d] = (v[2 pair][d], v[2 pair + 1][d]), zeros past the keys */
-static void values_vnni(const Args *a, const int64_t *pt, int h, int keys, uint32_t *vv) {
+static void values_pairs(const Args *a, const int64_t *pt, int h, int keys, uint32_t *vv) {
     const int dv = a->dv;
     for (int pr = 0; pr < (keys + 31) / 32 * 16; pr++) {
         const uint16_t *v[2];
@@ -341,12 +354,140 @@ static void split_row(float *si, int seen, int n, int width, float *tmp) {
     }
 }
 
-/* One item on the tile unit, 16 query rows at a time, each tile over only the keys its last row
-   sees. Scores: query row . key, summed over the 32-dim steps in order (TDPBF16PS), then times scale.
-   Values: the probabilities split into bf16 hi + lo (split_row) and each 32-key step adds hi . V,
-   then lo . V. Tile rows are independent in the unit, a row's keys past its own add exact zeros,
-   so a row's bits are its own whatever the tile, block, batch or thread. */
-static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
+#ifdef STRATA_AMX
+/* A 16-row tile's scores against keys 0 .. need (16 at a time): s[i][key] = q row i . key, summed
+   over the 32-dim steps in order (TDPBF16PS) */
+static void tile_scores(const uint16_t *qa, int dq, const uint32_t *kt, int need, float *s, int width, int nr) {
+    const int steps = dq / 32;
+    (void)nr;  /* the tile's 16 rows: those past nr are zeros */
+    for (int p0 = 0; p0 < need; p0 += 16) {
+        _tile_zero(0);
+        for (int st = 0; st < steps; st++) {
+            _tile_loadd(1, qa + st * 32, dq * 2);
+            _tile_loadd(2, kt + ((size_t)(p0 / 16) * steps + st) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s + p0, width * 4);
+    }
+}
+
+/* A 16-row tile's outputs o[i][0:dv] = sum over key pairs, 32 keys a step, of hi . V, then lo . V
+   (split_row's halves in s's rows) */
+static void tile_values(const float *s, int width, const uint32_t *vv, int dv, int vsteps, float *o, int nr) {
+    float c[256];
+    for (int d0 = 0; d0 < dv; d0 += 64) {  /* 64 dims in four accumulators (tiles 0, 3, 4, 5) */
+        const int nd = dv - d0 < 64 ? (dv - d0) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int st = 0; st < vsteps; st++) {
+            _tile_loadd(1, (const char *)s + st * 64, width * 4);                      /* hi */
+            _tile_loadd(6, (const char *)s + 2 * (size_t)width + st * 64, width * 4);  /* lo */
+            const uint32_t *b = vv + (size_t)st * 16 * dv + d0;
+#define STRATA_PV(acc, k) if (nd > k) { _tile_loadd(2, b + 16 * k, dv * 4); _tile_dpbf16ps(acc, 1, 2); \
+                                        _tile_dpbf16ps(acc, 6, 2); }
+            STRATA_PV(0, 0) STRATA_PV(3, 1) STRATA_PV(4, 2) STRATA_PV(5, 3)
+#undef STRATA_PV
+        }
+#define STRATA_OUT(acc, k) if (nd > k) { _tile_stored(acc, c, 64); \
+            for (int i = 0; i < nr; i++) memcpy(o + (size_t)i * dv + d0 + 16 * k, c + i * 16, 64); }
+        STRATA_OUT(0, 0) STRATA_OUT(3, 1) STRATA_OUT(4, 2) STRATA_OUT(5, 3)
+#undef STRATA_OUT
+    }
+}
+#else
+/* R query rows x B blocks of 16 keys from block b0: each score lane += one dim pair's two products
+   (VDPBF16PS), pairs in order; R x B independent sums in registers */
+static inline __attribute__((always_inline)) void dot_scores(const uint16_t *qa, int dq, const uint32_t *kt, int b0,
+                                                             float *s, int width, const int R, const int B) {
+    const int steps = dq / 32;
+    __m512 acc[16][4];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int st = 0; st < steps; st++)
+        for (int k = 0; k < 16; k++) {
+            __m512i kr[4];
+            for (int b = 0; b < B; b++) kr[b] = _mm512_loadu_si512(kt + ((size_t)(b0 + b) * steps + st) * 256 + k * 16);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, qa + (size_t)r * dq + st * 32 + 2 * k, 4);
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int b = 0; b < B; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qb, (__m512bh)kr[b]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) _mm512_storeu_ps(s + (size_t)r * width + (b0 + b) * 16, acc[r][b]);
+}
+
+/* tile_scores (AMX's above) on VDPBF16PS: a whole tile's 16 rows a block of keys at a time (the keys
+   read once a tile), else rows in fours and keys in 64s; a row's sums are its own */
+static void tile_scores(const uint16_t *qa, int dq, const uint32_t *kt, int need, float *s, int width, int nr) {
+    const int blocks = (need + 15) / 16;
+    int r = 0;
+    if (nr == 16) {
+        for (int b = 0; b < blocks; b++) dot_scores(qa, dq, kt, b, s, width, 16, 1);
+        return;
+    }
+    for (; r + 4 <= nr; r += 4) {
+        int b = 0;
+        for (; b + 4 <= blocks; b += 4) dot_scores(qa + (size_t)r * dq, dq, kt, b, s + (size_t)r * width, width, 4, 4);
+        for (; b < blocks; b++) dot_scores(qa + (size_t)r * dq, dq, kt, b, s + (size_t)r * width, width, 4, 1);
+    }
+    for (; r < nr; r++) {
+        int b = 0;
+        for (; b + 4 <= blocks; b += 4) dot_scores(qa + (size_t)r * dq, dq, kt, b, s + (size_t)r * width, width, 1, 4);
+        for (; b < blocks; b++) dot_scores(qa + (size_t)r * dq, dq, kt, b, s + (size_t)r * width, width, 1, 1);
+    }
+}
+
+/* R rows x B blocks of 16 dims from d0: each output lane += hi pair . V pair, then lo pair . V pair,
+   key pairs in order */
+static inline __attribute__((always_inline)) void dot_values(const float *s, int width, const uint32_t *vv, int dv,
+                                                             int d0, int pairs, float *o, const int R, const int B) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int pr = 0; pr < pairs; pr++) {
+        __m512i vr[4];
+        for (int b = 0; b < B; b++) vr[b] = _mm512_loadu_si512(vv + (size_t)pr * dv + d0 + 16 * b);
+        for (int r = 0; r < R; r++) {
+            const uint32_t *row = (const uint32_t *)(s + (size_t)r * width);
+            const __m512bh hi = (__m512bh)_mm512_set1_epi32((int32_t)row[pr]);
+            const __m512bh lo = (__m512bh)_mm512_set1_epi32((int32_t)row[width / 2 + pr]);
+            for (int b = 0; b < B; b++) {
+                acc[r][b] = _mm512_dpbf16_ps(acc[r][b], hi, (__m512bh)vr[b]);
+                acc[r][b] = _mm512_dpbf16_ps(acc[r][b], lo, (__m512bh)vr[b]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) _mm512_storeu_ps(o + (size_t)r * dv + d0 + 16 * b, acc[r][b]);
+}
+
+/* tile_values (AMX's above) on VDPBF16PS: rows in fours, dims in 64s (measured faster than a tile's
+   16 rows 16 dims at a time) */
+static void tile_values(const float *s, int width, const uint32_t *vv, int dv, int vsteps, float *o, int nr) {
+    const int pairs = vsteps * 16;
+    int r = 0;
+#define STRATA_ROWS(R)                                                                                           \
+    {                                                                                                            \
+        int d0 = 0;                                                                                              \
+        for (; d0 + 64 <= dv; d0 += 64)                                                                          \
+            dot_values(s + (size_t)r * width, width, vv, dv, d0, pairs, o + (size_t)r * dv, R, 4);               \
+        for (; d0 < dv; d0 += 16) dot_values(s + (size_t)r * width, width, vv, dv, d0, pairs, o + (size_t)r * dv, R, 1); \
+    }
+    for (; r + 4 <= nr; r += 4) STRATA_ROWS(4)
+    for (; r < nr; r++) STRATA_ROWS(1)
+#undef STRATA_ROWS
+}
+#endif
+
+/* One item, 16 query rows at a time, each tile over only the keys its last row sees: scores
+   (tile_scores), then times scale; the probabilities split into bf16 hi + lo (split_row) for the
+   values (tile_values). A row's sums are independent of the other rows, and its keys past its own
+   add exact zeros, so its bits are its own whatever the tile, block, batch or thread. */
+static void attend_item_pairs(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
     const int g = a->q_heads / a->kv_heads, rows = ntok * g, dq = a->dq, dv = a->dv, steps = dq / 32;
     const int keys = pos0 + ntok, width = (keys + CHUNK - 1) / CHUNK * CHUNK;
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
@@ -356,22 +497,13 @@ static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0
     uint16_t *qt = (uint16_t *)(tmp + width);               /* [rows rounded up to 16, dq] */
     uint32_t *kt = (uint32_t *)(qt + (size_t)(rows + 15) / 16 * 16 * dq);  /* [width / 16][steps][256] */
     uint32_t *vv = kt + (size_t)width / 16 * steps * 256;   /* [width / 2, dv] */
-    float l[16], mx[16], c[256];
-    queries_amx(a, row0, h, rows, qt);
-    keys_amx(a, pt, h, keys, kt);
-    values_vnni(a, pt, h, keys, vv);
+    float l[16], mx[16];
+    queries_pairs(a, row0, h, rows, qt);
+    keys_pairs(a, pt, h, keys, kt);
+    values_pairs(a, pt, h, keys, vv);
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int nr = rows - r0 < 16 ? rows - r0 : 16, need = pos0 + (r0 + nr - 1) / g + 1;
-        const uint16_t *qa = qt + (size_t)r0 * dq;
-        for (int p0 = 0; p0 < need; p0 += 16) {
-            _tile_zero(0);
-            for (int st = 0; st < steps; st++) {
-                _tile_loadd(1, qa + st * 32, dq * 2);
-                _tile_loadd(2, kt + ((size_t)(p0 / 16) * steps + st) * 256, 64);
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, s + p0, width * 4);
-        }
+        tile_scores(qt + (size_t)r0 * dq, dq, kt, need, s, width, nr);
         const int vsteps = (need + 31) / 32;
         for (int i = 0; i < nr; i++) {
             const int seen = pos0 + (r0 + i) / g + 1;
@@ -380,38 +512,19 @@ static void attend_item_amx(const Args *a, int req, int row0, int ntok, int pos0
             l[i] = softmax_row(si, seen, &mx[i]);
             split_row(si, seen, vsteps * 32, width, tmp);
         }
-        for (int d0 = 0; d0 < dv; d0 += 64) {  /* 64 dims in four accumulators (tiles 0, 3, 4, 5) */
-            const int nd = dv - d0 < 64 ? (dv - d0) / 16 : 4;
-            _tile_zero(0);
-            _tile_zero(3);
-            _tile_zero(4);
-            _tile_zero(5);
-            for (int st = 0; st < vsteps; st++) {
-                _tile_loadd(1, (const char *)s + st * 64, width * 4);                      /* hi */
-                _tile_loadd(6, (const char *)s + 2 * (size_t)width + st * 64, width * 4);  /* lo */
-                const uint32_t *b = vv + (size_t)st * 16 * dv + d0;
-#define STRATA_PV(acc, k) if (nd > k) { _tile_loadd(2, b + 16 * k, dv * 4); _tile_dpbf16ps(acc, 1, 2); \
-                                        _tile_dpbf16ps(acc, 6, 2); }
-                STRATA_PV(0, 0) STRATA_PV(3, 1) STRATA_PV(4, 2) STRATA_PV(5, 3)
-#undef STRATA_PV
-            }
-#define STRATA_OUT(acc, k) if (nd > k) { _tile_stored(acc, c, 64); \
-                for (int i = 0; i < nr; i++) memcpy(o + (size_t)i * dv + d0 + 16 * k, c + i * 16, 64); }
-            STRATA_OUT(0, 0) STRATA_OUT(3, 1) STRATA_OUT(4, 2) STRATA_OUT(5, 3)
-#undef STRATA_OUT
-        }
+        tile_values(s, width, vv, dv, vsteps, o, nr);
         for (int i = 0; i < nr; i++)
             store_row(a, row0 + (r0 + i) / g, h * g + (r0 + i) % g, o + (size_t)i * dv, l[i], mx[i]);
     }
 }
 
-/* floats of scratch attend_item_amx needs for a block of r rows and `width` keys */
-static size_t scratch_amx(size_t r, size_t width, int dq, int dv) {
+/* floats of scratch attend_item_pairs needs for a block of r rows and `width` keys */
+static size_t scratch_pairs(size_t r, size_t width, int dq, int dv) {
     return 16 * width + 16 * (size_t)dv + width + (r + 15) / 16 * 16 * dq / 2 + width / 16 * (dq / 32) * 256 +
            width / 2 * dv;
 }
 #else
-int strata_amx(int dq, int dv, int page_size, int kv_dtype) {
+int strata_bf16_dot(int dq, int dv, int page_size, int kv_dtype) {
     (void)dq; (void)dv; (void)page_size; (void)kv_dtype;
     return 0;
 }
@@ -475,31 +588,33 @@ static void attend_item(const Args *a, int req, int row0, int ntok, int pos0, in
     for (int i = 0; i < rows; i++) store_row(a, row0 + i / g, h * g + i % g, o + (size_t)i * dv, l[i], mx[i]);
 }
 
-/* 1 where this build has the AMX path (the CPU's compiler flags), else 0 */
-int strata_amx_built(void) {
-#ifdef STRATA_AMX
+/* The unit of this build's pairs path (the CPU's compiler flags): 1 AMX, 2 AVX512-BF16, 0 none */
+int strata_bf16_dot_unit(void) {
+#if defined(STRATA_AMX)
     return 1;
+#elif defined(STRATA_DPBF16)
+    return 2;
 #else
     return 0;
 #endif
 }
 
-/* floats of scratch that items [first, last) need (attend_item's layout, or attend_item_amx's, for
+/* floats of scratch that items [first, last) need (attend_item's layout, or attend_item_pairs', for
    their largest block); a range may start and end inside a block's KV heads */
 size_t strata_scratch(const int32_t *blocks, int first, int last, int kv_heads, int g, int dq, int dv) {
-    size_t scores = 0, rows = 0, amx = 0;
+    size_t scores = 0, rows = 0, pairs = 0;
     for (int blk = first / kv_heads; last > first && blk <= (last - 1) / kv_heads; blk++) {
         const int32_t *b = blocks + (size_t)blk * 4;
         const size_t r = (size_t)b[2] * g, width = (size_t)(b[3] + b[2] + CHUNK - 1) / CHUNK * CHUNK;
         scores = r * width > scores ? r * width : scores;
         rows = r > rows ? r : rows;
-#ifdef STRATA_AMX
-        const size_t need = scratch_amx(r, width, dq, dv);
-        amx = need > amx ? need : amx;
+#ifdef STRATA_PAIRS
+        const size_t need = scratch_pairs(r, width, dq, dv);
+        pairs = need > pairs ? need : pairs;
 #endif
     }
     const size_t fma = (size_t)dq * CHUNK + (size_t)CHUNK * dv + scores + rows * dv + 2 * rows;
-    return fma > amx ? fma : amx;
+    return fma > pairs ? fma : pairs;
 }
 
 /* items [first, last) of `blocks` (int32 [n, 4]: request, q row, tokens, position of the
@@ -511,7 +626,7 @@ int strata_attend(const void *q, int64_t q_stride, const void *k, const void *v,
                   int last, void *out, int q_bf16, int out_bf16, float *lse) {
     Args a = {q, q_stride, k, v, k_stride, v_stride, kv_dtype, kv_heads, q_heads, dq, dv, page_size, scale,
               page_table, pt_width, out, q_bf16, out_bf16, lse};
-    if (q_bf16 && !strata_amx(dq, dv, page_size, kv_dtype)) return -2;
+    if (q_bf16 && !strata_bf16_dot(dq, dv, page_size, kv_dtype)) return -2;
     float *scratch = malloc(strata_scratch(blocks, first, last, kv_heads, q_heads / kv_heads, dq, dv) * sizeof(float));
     if (!scratch) return -1;
 #ifdef STRATA_AMX
@@ -519,9 +634,9 @@ int strata_attend(const void *q, int64_t q_stride, const void *k, const void *v,
 #endif
     for (int it = first; it < last; it++) {
         const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
-#ifdef STRATA_AMX
+#ifdef STRATA_PAIRS
         if (q_bf16) {
-            attend_item_amx(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
+            attend_item_pairs(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
             continue;
         }
 #endif

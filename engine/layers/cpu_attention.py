@@ -12,9 +12,11 @@ which stays for CUDA geometries without a kernel and for a machine without a C c
 Measured on 2 cores (Xeon, AVX-512), the default model's 9 / 3 heads, a layer: a 32-row decode
 at 160 tokens 0.85 ms (the torch path 2.5 ms, the mode-off gathers and SDPA 1.2 ms); an 8,191-token
 prefill 540-575 ms (torch's CPU flash SDPA, not invariant: 128 ms in bf16 on the AMX tiles, 339 ms
-in float32; docs/PERF.md, "CPU attention kernel"). With bf16 queries and KV on a CPU with AMX the
-kernel's scores and values run on the tiles (the C file's header): a whole 8k-token prefill of the
-default model 17.7 -> 8.9 s (docs/PERF.md, "CPU attention on the AMX tiles").
+in float32; docs/PERF.md, "CPU attention kernel"). With bf16 queries and KV on a CPU with bf16 dot
+products the kernel's scores and values are sums of bf16 pairs (the C file's header): on AMX's tiles
+a whole 8k-token prefill of the default model 17.7 -> 8.9 s (docs/PERF.md, "CPU attention on the AMX
+tiles"); on AVX512-BF16 without AMX (AMD Zen 4) a layer's 8k-token prefill 820 -> 280 ms
+(docs/PERF.md, "CPU attention on AVX512-BF16").
 
 The library (engine/layers/cpu_kernels.py) is compiled once per source, compiler and CPU into the
 cache directory, at the backend's bind: before the engine says ready.
@@ -36,18 +38,19 @@ SCORES = 1 << 22  # and its scores (rows x keys) within this many floats: 16 MiB
 KV_DTYPES = cpu_kernels.DTYPES
 
 
-def amx_here() -> bool:
-    """Whether the built kernel has the AMX path (compiled for a CPU with AMX-BF16)."""
+def bf16_dot_unit() -> str | None:
+    """The unit of the built kernel's bf16 pairs path: "amx", "avx512_bf16" (compiled for a CPU
+    with it, -march=native), or None."""
     lib = library()
-    return lib is not None and bool(lib.strata_amx_built())
+    return None if lib is None else {1: "amx", 2: "avx512_bf16"}.get(lib.strata_bf16_dot_unit())
 
 
 @functools.cache
-def amx_applies(dq: int, dv: int, page_size: int, kv_dtype: int) -> bool:
-    """Whether bf16 queries of this geometry take the AMX path (asked of the kernel once; fixed for
+def bf16_dot_applies(dq: int, dv: int, page_size: int, kv_dtype: int) -> bool:
+    """Whether bf16 queries of this geometry take the pairs path (asked of the kernel once; fixed for
     the process, so every row of an engine takes one path)."""
     lib = library()
-    return lib is not None and bool(lib.strata_amx(dq, dv, page_size, kv_dtype))
+    return lib is not None and bool(lib.strata_bf16_dot(dq, dv, page_size, kv_dtype))
 
 
 def fits(kv_dtype: torch.dtype, dq: int) -> bool:
@@ -108,9 +111,9 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     dv = v.shape[2] if dv is None else dv
     if k.stride(2) != 1 or k.stride(0) != hkv * k.stride(1) or v.stride(2) != 1 or v.stride(0) != hkv * v.stride(1):
         raise ValueError("cpu_attention: KV rows must be (slot, head)-major with contiguous head dims")
-    # bf16 queries over bf16 keys: the scores on the AMX tiles where the CPU has them (the C file's header)
-    amx = q.dtype == torch.bfloat16 and amx_applies(dq, dv, page_size, KV_DTYPES[k.dtype])
-    qx = q if amx else q.float()
+    # bf16 queries over bf16 keys: sums of bf16 pairs where the CPU has the unit (the C file's header)
+    pairs = q.dtype == torch.bfloat16 and bf16_dot_applies(dq, dv, page_size, KV_DTYPES[k.dtype])
+    qx = q if pairs else q.float()
     if not cpu_kernels.heads_packed(qx):
         qx = qx.contiguous()
     out = torch.empty(t, hq, dv, dtype=out_dtype)
@@ -123,7 +126,7 @@ def attend(q: torch.Tensor, p: Plan, k: torch.Tensor, v: torch.Tensor, page_size
     def run(first: int, last: int) -> None:
         rc = lib.strata_attend(qx.data_ptr(), qx.stride(0), k.data_ptr(), v.data_ptr(), k.stride(1), v.stride(1),
                                KV_DTYPES[k.dtype], hkv, hq, dq, dv, page_size, scale, p.page_table.data_ptr(),
-                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr(), int(amx),
+                               p.page_table.shape[1], p.blocks.data_ptr(), first, last, out.data_ptr(), int(pairs),
                                int(out_dtype == torch.bfloat16), None if lse is None else lse.data_ptr())
         if rc != 0:
             raise MemoryError("cpu_attention: no memory for the kernel's scratch")

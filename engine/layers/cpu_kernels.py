@@ -84,9 +84,9 @@ def library() -> ctypes.CDLL | None:
     lib.strata_attend.restype = _I
     lib.strata_attend.argtypes = [_P, _L, _P, _P, _L, _L, _I, _I, _I, _I, _I, _I, _F, _P, _L, _P, _I, _I, _P, _I, _I,
                                   _P]
-    lib.strata_amx.restype = _I
-    lib.strata_amx.argtypes = [_I, _I, _I, _I]
-    lib.strata_amx_built.restype = _I
+    lib.strata_bf16_dot.restype = _I
+    lib.strata_bf16_dot.argtypes = [_I, _I, _I, _I]
+    lib.strata_bf16_dot_unit.restype = _I
     lib.strata_add_rms_norm.restype = None
     lib.strata_add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _L, _L, _I, _L, _L, _I, _L, _F, _I]
     lib.strata_silu_mul.restype = None

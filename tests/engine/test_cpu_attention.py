@@ -57,7 +57,7 @@ def _reference(q: torch.Tensor, table: torch.Tensor, seqs: list[int], lens: list
     return torch.cat(out)
 
 
-# (KV dtype, q dtype): bf16 queries over bf16 keys take the AMX tiles' scores where the CPU has them
+# (KV dtype, q dtype): bf16 queries over bf16 keys take the bf16 pairs path where the CPU has a unit for it
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
 
 
@@ -70,7 +70,7 @@ def test_close_to_float64(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> None:
     got = _attend(q, table, seqs, lens, k, v)
     want = _reference(q, table, seqs, lens, k, v, 64, 64**-0.5)
     assert got.dtype == torch.float32 and got.shape == (sum(lens), 9, 64)
-    # the AMX path (bf16 queries) splits the probabilities into bf16 hi + lo: 2^-16 of each term, two
+    # the pairs path (bf16 queries) splits the probabilities into bf16 hi + lo: 2^-16 of each term, two
     # orders below the bf16 rounding its caller applies to the output
     tol = {"rtol": 1e-4, "atol": 2e-5} if q_dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 2e-6}
     torch.testing.assert_close(got.double(), want, **tol)
@@ -135,7 +135,7 @@ def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype, q_dtype: torch.d
                          [(torch.float32, 48, (1e-5, 2e-6)), (torch.bfloat16, 96, (1e-4, 2e-5))])
 def test_latent_value_is_the_keys_first_dims(dtype: torch.dtype, dim: int, tol: tuple[float, float]) -> None:
     """MLA's form: one KV 'head' (the latent), the value its first `dv` values, a given scale (in
-    bf16 with a head dim of 32-dim steps: the AMX path where the CPU has it)."""
+    bf16 with a head dim of 32-dim steps: the pairs path where the CPU has it)."""
     seqs, lens = [40, 33], [40, 1]
     lat = _pool(16 * PS, 1, dim, dtype, 8)
     table = _table(2, 3, 16)
@@ -188,11 +188,11 @@ def test_scratch_covers_every_block_of_a_range() -> None:
         widths = {b: -(-int(blocks[b, 3] + blocks[b, 2]) // chunk) * chunk for b in used}
         fma = fixed + max(int(blocks[b, 2]) * g * widths[b] for b in used) + rows * dv + 2 * rows  # sums, maxima
 
-        def amx(r: int, w: int) -> int:  # attend_item_amx: a row tile's scores and outputs, a row, Q, K, V
+        def pairs(r: int, w: int) -> int:  # attend_item_pairs: a row tile's scores and outputs, a row, Q, K, V
             return 16 * w + 16 * dv + w + -(-r // 16) * 16 * dq // 2 + w // 16 * (dq // 32) * 256 + w // 2 * dv
 
-        amx_need = max(amx(int(blocks[b, 2]) * g, widths[b]) for b in used) if cpu_attention.amx_here() else 0
-        return max(fma, amx_need)
+        need = max(pairs(int(blocks[b, 2]) * g, widths[b]) for b in used) if cpu_attention.bf16_dot_unit() else 0
+        return max(fma, need)
 
     lib = cpu_attention.library()
     assert lib.strata_scratch(blocks.data_ptr(), 5, 10, kv_heads, g, dq, dv) == want(1, 2, 3)  # items 5..9
@@ -200,11 +200,11 @@ def test_scratch_covers_every_block_of_a_range() -> None:
 
 
 
-@pytest.mark.skipif(not cpu_attention.amx_here() or not cpu_attention.amx_applies(64, 64, PS, 1),
-                    reason="no AMX-BF16 here (or Linux does not grant the tile state)")
-def test_bf16_queries_take_the_tile_path_here() -> None:
-    """Where the CPU has AMX, bf16 queries over bf16 KV are the tile path: other last bits than the
-    float path's on the same values (the same queries as float32), close to them."""
+@pytest.mark.skipif(not cpu_attention.bf16_dot_unit() or not cpu_attention.bf16_dot_applies(64, 64, PS, 1),
+                    reason="no AMX-BF16 or AVX512-BF16 here (or Linux does not grant the tile state)")
+def test_bf16_queries_take_the_pairs_path_here() -> None:
+    """Where the CPU has AMX or AVX512-BF16, bf16 queries over bf16 KV are the pairs path: other last
+    bits than the float path's on the same values (the same queries as float32), close to them."""
     seqs, lens = [150, 64], [150, 1]
     k, v = _pool(64 * PS, 3, 64, torch.bfloat16, 1), _pool(64 * PS, 3, 64, torch.bfloat16, 2)
     table = _table(2, 10, 64)
@@ -216,7 +216,7 @@ def test_bf16_queries_take_the_tile_path_here() -> None:
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_pages_of_64_tokens(q_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--page-size 64 (the AMX path loads each page's keys 16 rows at a time): close to float64, and
+    """--page-size 64 (the pairs path loads each page's keys 16 rows at a time): close to float64, and
     a prompt's rows whole equal its rows in chunks of 37."""
     monkeypatch.setattr(sys.modules[__name__], "PS", 64)  # the helpers' page size
     pages = 4  # per request: 256 tokens
