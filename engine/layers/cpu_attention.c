@@ -337,21 +337,77 @@ static void values_pairs(const Args *a, const int64_t *pt, int h, int keys, uint
     }
 }
 
-/* Row si's probabilities (zero past `seen`, to n) rewritten in place as bf16 [hi | lo] (width each):
-   hi the upper half of each, lo the rest rounded (P = hi + lo to 2^-16 of P) */
-static void split_row(float *si, int seen, int n, int width, float *tmp) {
-    memcpy(tmp, si, sizeof(float) * seen);
-    uint16_t *hi = (uint16_t *)si, *lo = hi + width;
-    for (int j = 0; j < n; j++) {
-        const float p = j < seen ? tmp[j] : 0.0f;
-        uint32_t u;
-        memcpy(&u, &p, 4);
-        u &= 0xFFFF0000u;
-        float ph;
-        memcpy(&ph, &u, 4);
-        hi[j] = (uint16_t)(u >> 16);
-        lo[j] = f32_to_bf16(p - ph);  /* p - ph is exact */
+/* exp_neg on 16 lanes: the same operations as the scalar one (cpu_math.h), so the same bits */
+static inline __m512 exp_neg16(__m512 x) {
+    const __m512 floor_at = _mm512_set1_ps(-87.3f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, floor_at, _CMP_LT_OQ);
+    const __m512 c = _mm512_mask_blend_ps(under, x, floor_at);
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), c);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)));
+}
+
+/* f32_to_bf16 on 16 lanes (round to nearest even; NaN stays NaN), as 32-bit lanes */
+static inline __m512i to_bf16_16(__m512i u) {
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_blend_epi32(nan, rounded, quiet);
+}
+
+/* Row si's scores (keys 0 .. seen - 1) times scale, then softmax_row's exp-scores and sum, in one
+   pass each of 16-lane vectors (the float path's operations and lane order: the same bits), written
+   in place as bf16 [hi | lo] (width each) for keys 0 .. n (zeros past seen): hi the upper half of
+   each probability, lo the rest rounded (P = hi + lo to 2^-16 of P). Returns the sum, the maximum
+   in *max; tmp holds [n] floats */
+static float softmax_split_row(float *si, int seen, int n, int width, float scale, float *tmp, float *max) {
+    const int padded = (seen + LANES - 1) / LANES * LANES;
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    __m512 lanes = minus_inf;
+    for (int j = 0; j < padded; j += 16) {
+        const __mmask16 in = seen - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (seen - j)) - 1);
+        const __m512 x = _mm512_mask_mul_ps(minus_inf, in, _mm512_maskz_loadu_ps(in, si + j), sc);
+        _mm512_storeu_ps(si + j, x);
+        lanes = _mm512_max_ps(x, lanes);  /* x > lane ? x : lane, as softmax_row */
     }
+    float lane[LANES];
+    _mm512_storeu_ps(lane, lanes);
+    float m = lane[0];
+    for (int u = 1; u < LANES; u++) m = lane[u] > m ? lane[u] : m;
+    *max = m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < padded; j += 16) {
+        const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(si + j), mv));
+        _mm512_storeu_ps(tmp + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(lane, sum);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) lane[u] += lane[u + w];
+    for (int j = seen; j < n; j++) tmp[j] = 0.0f;
+    uint16_t *hi = (uint16_t *)si, *lo = hi + width;
+    for (int j = 0; j < n; j += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(tmp + j));
+        const __m512i h = _mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u));
+        const __m512 rest = _mm512_sub_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(h));  /* exact */
+        _mm256_storeu_si256((__m256i *)(hi + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+        _mm256_storeu_si256((__m256i *)(lo + j), _mm512_cvtepi32_epi16(to_bf16_16(_mm512_castps_si512(rest))));
+    }
+    return lane[0];
 }
 
 #ifdef STRATA_AMX
@@ -372,7 +428,7 @@ static void tile_scores(const uint16_t *qa, int dq, const uint32_t *kt, int need
 }
 
 /* A 16-row tile's outputs o[i][0:dv] = sum over key pairs, 32 keys a step, of hi . V, then lo . V
-   (split_row's halves in s's rows) */
+   (softmax_split_row's halves in s's rows) */
 static void tile_values(const float *s, int width, const uint32_t *vv, int dv, int vsteps, float *o, int nr) {
     float c[256];
     for (int d0 = 0; d0 < dv; d0 += 64) {  /* 64 dims in four accumulators (tiles 0, 3, 4, 5) */
@@ -484,7 +540,7 @@ static void tile_values(const float *s, int width, const uint32_t *vv, int dv, i
 #endif
 
 /* One item, 16 query rows at a time, each tile over only the keys its last row sees: scores
-   (tile_scores), then times scale; the probabilities split into bf16 hi + lo (split_row) for the
+   (tile_scores), then times scale; the probabilities split into bf16 hi + lo (softmax_split_row) for the
    values (tile_values). A row's sums are independent of the other rows, and its keys past its own
    add exact zeros, so its bits are its own whatever the tile, block, batch or thread. */
 static void attend_item_pairs(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
@@ -507,10 +563,7 @@ static void attend_item_pairs(const Args *a, int req, int row0, int ntok, int po
         const int vsteps = (need + 31) / 32;
         for (int i = 0; i < nr; i++) {
             const int seen = pos0 + (r0 + i) / g + 1;
-            float *si = s + (size_t)i * width;
-            for (int j = 0; j < seen; j++) si[j] *= a->scale;  /* as the float path: the sum, then times scale */
-            l[i] = softmax_row(si, seen, &mx[i]);
-            split_row(si, seen, vsteps * 32, width, tmp);
+            l[i] = softmax_split_row(s + (size_t)i * width, seen, vsteps * 32, width, a->scale, tmp, &mx[i]);
         }
         tile_values(s, width, vv, dv, vsteps, o, nr);
         for (int i = 0; i < nr; i++)
