@@ -15,7 +15,7 @@ prefill 540-575 ms (torch's CPU flash SDPA, not invariant: 128 ms in bf16 on the
 in float32; docs/PERF.md, "CPU attention kernel"). With bf16 queries and KV on a CPU with bf16 dot
 products the kernel's scores and values are sums of bf16 pairs (the C file's header): on AMX's tiles
 a whole 8k-token prefill of the default model 17.7 -> 8.9 s (docs/PERF.md, "CPU attention on the AMX
-tiles"); on AVX512-BF16 without AMX (AMD Zen 4) a layer's 8k-token prefill 820 -> 280 ms
+tiles"); on AVX512-BF16 without AMX (AMD Zen 4) a layer's 8k-token prefill 820 -> 357 ms
 (docs/PERF.md, "CPU attention on AVX512-BF16").
 
 The library (engine/layers/cpu_kernels.py) is compiled once per source, compiler and CPU into the
