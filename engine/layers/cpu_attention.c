@@ -571,6 +571,110 @@ static void attend_item_pairs(const Args *a, int req, int row0, int ntok, int po
     }
 }
 
+#ifdef STRATA_DPBF16
+/* R (1 to 4) rows' scores, keys 0 .. need: attend_item_pairs' products (the same operands, pairs in the
+   same order), each 16 keys transposed in registers as they are used instead of packed into kt */
+static inline __attribute__((always_inline)) void few_scores(const Args *a, const int64_t *pt, int h,
+                                                             const uint16_t *qt, int need, float *s, int width,
+                                                             const int R) {
+    const int dq = a->dq, steps = dq / 32;
+    const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
+    for (int p0 = 0; p0 < need; p0 += 16) {
+        const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
+        const char *k0 = (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2;
+        __m512 acc[4];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (int st = 0; st < steps; st++) {
+            __m512 kr[16];
+            for (int j = 0; j < 16; j++) kr[j] = _mm512_loadu_ps((const float *)(k0 + j * stride + st * 64));
+            transpose16(kr);
+            for (int k = 0; k < 16; k++)
+                for (int r = 0; r < R; r++) {
+                    int32_t pair;
+                    memcpy(&pair, qt + (size_t)r * dq + st * 32 + 2 * k, 4);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair),
+                                              (__m512bh)_mm512_castps_si512(kr[k]));
+                }
+        }
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(s + (size_t)r * width + p0, acc[r]);
+    }
+}
+
+/* R rows' outputs over key pairs 0 .. pairs: attend_item_pairs' products (hi . V, then lo . V a pair),
+   each value pair interleaved in registers as it is used instead of packed into vv; 64 dims a pass */
+static inline __attribute__((always_inline)) void few_values(const Args *a, const int64_t *pt, int h, int keys,
+                                                             const float *s, int width, int pairs, float *o,
+                                                             const int R) {
+    const int dv = a->dv;
+    for (int d0 = 0; d0 < dv; d0 += 64) {
+        const int nb = dv - d0 < 64 ? (dv - d0) / 16 : 4;
+        __m512 acc[4][4];
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < 4; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int pr = 0; pr < pairs; pr++) {
+            const uint16_t *v[2];
+            for (int e = 0; e < 2; e++) {
+                const int p = 2 * pr + e;
+                const int64_t slot = p < keys ? pt[p / a->page_size] * a->page_size + p % a->page_size : 0;
+                v[e] = p < keys ? (const uint16_t *)a->v + (slot * a->kv_heads + h) * a->v_stride + d0 : NULL;
+            }
+            __m512bh vr[4];
+            for (int b = 0; b < nb; b++) {
+                __m512i x[2];
+                for (int e = 0; e < 2; e++)
+                    x[e] = v[e] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v[e] + 16 * b)))
+                                : _mm512_setzero_si512();
+                vr[b] = (__m512bh)_mm512_or_si512(x[0], _mm512_slli_epi32(x[1], 16));
+            }
+            for (int r = 0; r < R; r++) {
+                const uint32_t *row = (const uint32_t *)(s + (size_t)r * width);
+                const __m512bh hi = (__m512bh)_mm512_set1_epi32((int32_t)row[pr]);
+                const __m512bh lo = (__m512bh)_mm512_set1_epi32((int32_t)row[width / 2 + pr]);
+                for (int b = 0; b < nb; b++) {
+                    acc[r][b] = _mm512_dpbf16_ps(acc[r][b], hi, vr[b]);
+                    acc[r][b] = _mm512_dpbf16_ps(acc[r][b], lo, vr[b]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < nb; b++) _mm512_storeu_ps(o + (size_t)r * dv + d0 + 16 * b, acc[r][b]);
+    }
+}
+
+/* An item of at most 4 query rows (a decode token's GQA group), on VDPBF16PS: attend_item_pairs'
+   arithmetic, row for row, without its packed operands. Such an item reads each key and value once,
+   so packing them (stores, then loads back) cost more than its products */
+static void attend_item_few(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
+    const int g = a->q_heads / a->kv_heads, rows = ntok * g, dq = a->dq;
+    const int keys = pos0 + ntok, width = (keys + CHUNK - 1) / CHUNK * CHUNK;
+    const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
+    float *s = scratch;                          /* [4, width] */
+    float *o = s + (size_t)4 * width;            /* [4, dv] */
+    float *tmp = o + (size_t)4 * a->dv;          /* [width] */
+    uint16_t *qt = (uint16_t *)(tmp + width);    /* [16, dq] */
+    float l[4], mx[4];
+    const int need = pos0 + (rows - 1) / g + 1, vsteps = (need + 31) / 32;
+    (void)dq;
+    queries_pairs(a, row0, h, rows, qt);
+    switch (rows) {
+        case 1: few_scores(a, pt, h, qt, need, s, width, 1); break;
+        case 2: few_scores(a, pt, h, qt, need, s, width, 2); break;
+        case 3: few_scores(a, pt, h, qt, need, s, width, 3); break;
+        default: few_scores(a, pt, h, qt, need, s, width, 4); break;
+    }
+    for (int i = 0; i < rows; i++)
+        l[i] = softmax_split_row(s + (size_t)i * width, pos0 + i / g + 1, vsteps * 32, width, a->scale, tmp, &mx[i]);
+    switch (rows) {
+        case 1: few_values(a, pt, h, keys, s, width, vsteps * 16, o, 1); break;
+        case 2: few_values(a, pt, h, keys, s, width, vsteps * 16, o, 2); break;
+        case 3: few_values(a, pt, h, keys, s, width, vsteps * 16, o, 3); break;
+        default: few_values(a, pt, h, keys, s, width, vsteps * 16, o, 4); break;
+    }
+    for (int i = 0; i < rows; i++) store_row(a, row0 + i / g, h * g + i % g, o + (size_t)i * a->dv, l[i], mx[i]);
+}
+
+#endif
+
 /* floats of scratch attend_item_pairs needs for a block of r rows and `width` keys */
 static size_t scratch_pairs(size_t r, size_t width, int dq, int dv) {
     return 16 * width + 16 * (size_t)dv + width + (r + 15) / 16 * 16 * dq / 2 + width / 16 * (dq / 32) * 256 +
@@ -689,6 +793,12 @@ int strata_attend(const void *q, int64_t q_stride, const void *k, const void *v,
         const int32_t *b = blocks + (size_t)(it / kv_heads) * 4;
 #ifdef STRATA_PAIRS
         if (q_bf16) {
+#ifdef STRATA_DPBF16
+            if (b[2] * (q_heads / kv_heads) <= 4) {
+                attend_item_few(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
+                continue;
+            }
+#endif
             attend_item_pairs(&a, b[0], b[1], b[2], b[3], it % kv_heads, scratch);
             continue;
         }
