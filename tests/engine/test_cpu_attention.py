@@ -102,11 +102,12 @@ def test_lse_is_each_rows_logsumexp(kv_dtype: torch.dtype, q_dtype: torch.dtype)
 
 
 @pytest.mark.parametrize(("kv_dtype", "q_dtype"), DTYPES)
-@pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3), (4, 2), (3, 3)])
 def test_a_row_has_its_bits_in_any_split(kv_dtype: torch.dtype, q_dtype: torch.dtype, heads: tuple[int, int]) -> None:
     """A 200-token prompt's rows: prefilled whole, in chunks of 37 behind its own prefix, a token
     at a time (decode), beside other requests, in blocks of 1, 3 or 64 tokens (GQA groups of 4
-    and of 3: blocks of an odd number of rows too), on 1 or 2 threads."""
+    and of 3: blocks of an odd number of rows too; of 2 and 1: a decode item of every row count up to
+    4, which AVX512-BF16 computes without packed operands), on 1 or 2 threads."""
     n, others = 200, [(90, 90), (300, 5), (17, 1)]
     hq, hkv = heads
     k, v = _pool(128 * PS, hkv, 32, kv_dtype, 4), _pool(128 * PS, hkv, 32, kv_dtype, 5)
