@@ -299,41 +299,52 @@ static void queries_pairs(const Args *a, int row0, int h, int rows, uint16_t *qt
     }
 }
 
-/* The item's keys as B operands: for each 16 keys (a page's rows: a fixed stride) and 32-dim step,
-   [16 dim pairs][16 keys] (a transpose of 32-bit pairs: bits moved only) */
+/* Keys p0 .. p0 + 15 (a page's rows: a fixed stride), dims 32 st .. 32 st + 31, as B operands in r:
+   r[k] = dim pair k of the 16 keys (a transpose of 32-bit pairs: bits moved only) */
+static inline void key_block(const Args *a, const int64_t *pt, int h, int p0, int st, __m512 r[16]) {
+    const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
+    const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
+    const char *k0 = (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2 + st * 64;
+    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps((const float *)(k0 + j * stride));
+    transpose16(r);
+}
+
+/* The item's keys as B operands: for each 16 keys and 32-dim step, [16 dim pairs][16 keys] (key_block) */
 static void keys_pairs(const Args *a, const int64_t *pt, int h, int keys, uint32_t *kt) {
     const int steps = a->dq / 32;
-    const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
-    for (int p0 = 0; p0 < keys; p0 += 16) {
-        const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
-        const char *k0 = (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2;
+    for (int p0 = 0; p0 < keys; p0 += 16)
         for (int st = 0; st < steps; st++) {
             __m512 r[16];
-            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps((const float *)(k0 + j * stride + st * 64));
-            transpose16(r);
+            key_block(a, pt, h, p0, st, r);
             uint32_t *b = kt + ((size_t)(p0 / 16) * steps + st) * 256;
             for (int d = 0; d < 16; d++) _mm512_storeu_ps((float *)(b + d * 16), r[d]);
         }
+}
+
+/* Key pair pr's value rows (v[2 pr], v[2 pr + 1]), NULL past the keys */
+static inline void value_rows(const Args *a, const int64_t *pt, int h, int keys, int pr, const uint16_t *v[2]) {
+    for (int e = 0; e < 2; e++) {
+        const int p = 2 * pr + e;
+        const int64_t slot = p < keys ? pt[p / a->page_size] * a->page_size + p % a->page_size : 0;
+        v[e] = p < keys ? (const uint16_t *)a->v + (slot * a->kv_heads + h) * a->v_stride : NULL;
     }
 }
 
-/* The item's values as B operands: vv[pair][d] = (v[2 pair][d], v[2 pair + 1][d]), zeros past the keys */
+/* Dims d .. d + 15 of a key pair's values as a B operand: (v[0][d], v[1][d]) a lane, zeros for no row */
+static inline __m512i value_pair(const uint16_t *const v[2], int d) {
+    __m512i x[2];
+    for (int e = 0; e < 2; e++)
+        x[e] = v[e] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v[e] + d))) : _mm512_setzero_si512();
+    return _mm512_or_si512(x[0], _mm512_slli_epi32(x[1], 16));
+}
+
+/* The item's values as B operands: vv[pair][d] = value_pair(pair's rows, d), zeros past the keys */
 static void values_pairs(const Args *a, const int64_t *pt, int h, int keys, uint32_t *vv) {
     const int dv = a->dv;
     for (int pr = 0; pr < (keys + 31) / 32 * 16; pr++) {
         const uint16_t *v[2];
-        for (int e = 0; e < 2; e++) {
-            const int p = 2 * pr + e;
-            const int64_t slot = p < keys ? pt[p / a->page_size] * a->page_size + p % a->page_size : 0;
-            v[e] = p < keys ? (const uint16_t *)a->v + (slot * a->kv_heads + h) * a->v_stride : NULL;
-        }
-        for (int d0 = 0; d0 < dv; d0 += 16) {
-            __m512i x[2];
-            for (int e = 0; e < 2; e++)
-                x[e] = v[e] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v[e] + d0)))
-                            : _mm512_setzero_si512();
-            _mm512_storeu_si512(vv + (size_t)pr * dv + d0, _mm512_or_si512(x[0], _mm512_slli_epi32(x[1], 16)));
-        }
+        value_rows(a, pt, h, keys, pr, v);
+        for (int d0 = 0; d0 < dv; d0 += 16) _mm512_storeu_si512(vv + (size_t)pr * dv + d0, value_pair(v, d0));
     }
 }
 
@@ -578,16 +589,12 @@ static inline __attribute__((always_inline)) void few_scores(const Args *a, cons
                                                              const uint16_t *qt, int need, float *s, int width,
                                                              const int R) {
     const int dq = a->dq, steps = dq / 32;
-    const int64_t stride = (int64_t)a->kv_heads * a->k_stride * 2;
     for (int p0 = 0; p0 < need; p0 += 16) {
-        const int64_t slot = pt[p0 / a->page_size] * a->page_size + p0 % a->page_size;
-        const char *k0 = (const char *)a->k + (slot * a->kv_heads + h) * a->k_stride * 2;
         __m512 acc[4];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int st = 0; st < steps; st++) {
             __m512 kr[16];
-            for (int j = 0; j < 16; j++) kr[j] = _mm512_loadu_ps((const float *)(k0 + j * stride + st * 64));
-            transpose16(kr);
+            key_block(a, pt, h, p0, st, kr);
             for (int k = 0; k < 16; k++)
                 for (int r = 0; r < R; r++) {
                     int32_t pair;
@@ -613,19 +620,9 @@ static inline __attribute__((always_inline)) void few_values(const Args *a, cons
             for (int b = 0; b < 4; b++) acc[r][b] = _mm512_setzero_ps();
         for (int pr = 0; pr < pairs; pr++) {
             const uint16_t *v[2];
-            for (int e = 0; e < 2; e++) {
-                const int p = 2 * pr + e;
-                const int64_t slot = p < keys ? pt[p / a->page_size] * a->page_size + p % a->page_size : 0;
-                v[e] = p < keys ? (const uint16_t *)a->v + (slot * a->kv_heads + h) * a->v_stride + d0 : NULL;
-            }
+            value_rows(a, pt, h, keys, pr, v);
             __m512bh vr[4];
-            for (int b = 0; b < nb; b++) {
-                __m512i x[2];
-                for (int e = 0; e < 2; e++)
-                    x[e] = v[e] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v[e] + 16 * b)))
-                                : _mm512_setzero_si512();
-                vr[b] = (__m512bh)_mm512_or_si512(x[0], _mm512_slli_epi32(x[1], 16));
-            }
+            for (int b = 0; b < nb; b++) vr[b] = (__m512bh)value_pair(v, d0 + 16 * b);
             for (int r = 0; r < R; r++) {
                 const uint32_t *row = (const uint32_t *)(s + (size_t)r * width);
                 const __m512bh hi = (__m512bh)_mm512_set1_epi32((int32_t)row[pr]);
@@ -645,7 +642,7 @@ static inline __attribute__((always_inline)) void few_values(const Args *a, cons
    arithmetic, row for row, without its packed operands. Such an item reads each key and value once,
    so packing them (stores, then loads back) cost more than its products */
 static void attend_item_few(const Args *a, int req, int row0, int ntok, int pos0, int h, float *scratch) {
-    const int g = a->q_heads / a->kv_heads, rows = ntok * g, dq = a->dq;
+    const int g = a->q_heads / a->kv_heads, rows = ntok * g;
     const int keys = pos0 + ntok, width = (keys + CHUNK - 1) / CHUNK * CHUNK;
     const int64_t *pt = a->page_table + (int64_t)req * a->pt_width;
     float *s = scratch;                          /* [4, width] */
@@ -654,7 +651,6 @@ static void attend_item_few(const Args *a, int req, int row0, int ntok, int pos0
     uint16_t *qt = (uint16_t *)(tmp + width);    /* [16, dq] */
     float l[4], mx[4];
     const int need = pos0 + (rows - 1) / g + 1, vsteps = (need + 31) / 32;
-    (void)dq;
     queries_pairs(a, row0, h, rows, qt);
     switch (rows) {
         case 1: few_scores(a, pt, h, qt, need, s, width, 1); break;
