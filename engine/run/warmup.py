@@ -19,7 +19,7 @@ before anything reads it, so the garbage is never seen.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,15 +94,24 @@ def warm_gemms(model: torch.nn.Module, most_rows: int, most_sampled: int, act_dt
     kernel per tile choice on first use: minutes on a machine's first start, hence the bar).
     Returns the GEMMs run."""
     plan = _gemm_plan(model, most_rows, most_sampled)
-    total = sum(len(counts) for _, counts in plan)
+    total = sum(len(g.counts) for g in plan)
     with tqdm(total=total, desc="warming GEMMs", unit="gemm", disable=not progress) as bar:
-        for module, counts in plan:
-            _warm_one(module, counts, act_dtype, bar)
+        for g in plan:
+            _warm_one(g, act_dtype, bar)
     return total
 
 
-def _gemm_plan(model: torch.nn.Module, most_rows: int, most_sampled: int) -> list[tuple[torch.nn.Module, list[int]]]:
-    """(module, row counts) for each distinct GEMM the model runs (warm_gemms)."""
+class _Gemm(NamedTuple):
+    """One distinct GEMM to warm: its module, row counts, bias (None for heads and routers) and fold."""
+
+    module: torch.nn.Module
+    counts: list[int]
+    bias: torch.Tensor | None
+    fold: str | None
+
+
+def _gemm_plan(model: torch.nn.Module, most_rows: int, most_sampled: int) -> list[_Gemm]:
+    """The distinct GEMMs the model runs, each with the row counts warm_gemms runs it at."""
     done: set[tuple] = set()
     plan = []
     for module in model.modules():
@@ -111,27 +120,28 @@ def _gemm_plan(model: torch.nn.Module, most_rows: int, most_sampled: int) -> lis
             continue
         w = module.weight
         bias = None if head or isinstance(module, Router) else module.bias
+        fold = _fold_of(module)
         quant = getattr(module, "quant", None)
-        key = (tuple(w.shape), w.dtype, bias is not None, head, _fold_of(module), quant)
+        key = (tuple(w.shape), w.dtype, bias is not None, head, fold, quant)
         if w.is_meta or key in done or (quant is None and w.dtype not in (torch.bfloat16, torch.float16,
                                                                           torch.float32)):
             continue
         done.add(key)
         if quant is not None:  # its forward picks GEMV / triton / cuBLASLt / DeepGEMM (a JIT) by rows;
             # DeepGEMM runs at quant.ladder_rows(n): the ladder, and the top step's padded count
-            plan.append((module, sorted({*gemm_rows(most_rows), ladder_rows(most_rows)})))
+            plan.append(_Gemm(module, sorted({*gemm_rows(most_rows), ladder_rows(most_rows)}), bias, fold))
             continue
         counts = list(range(1, most_sampled + 1)) if head else gemm_rows(most_rows)
         if batch_invariant.enabled():  # one triton GEMM, compiled once per tile choice (invariant_gemm.tiles)
             from engine.layers.invariant_gemm import regime_rows
 
             counts = regime_rows(counts, *w.shape)
-        plan.append((module, counts))
+        plan.append(_Gemm(module, counts, bias, fold))
     return plan
 
 
-def _warm_one(module: torch.nn.Module, counts: list[int], act_dtype: torch.dtype, bar: tqdm) -> None:
-    w = module.weight
+def _warm_one(g: _Gemm, act_dtype: torch.dtype, bar: tqdm) -> None:
+    module, counts, w = g.module, g.counts, g.module.weight
     quant = getattr(module, "quant", None)
     if quant is not None:
         x = torch.zeros(counts[-1], w.shape[1] * (2 if quant == "nvfp4" else 1), dtype=act_dtype, device=w.device)
@@ -139,18 +149,15 @@ def _warm_one(module: torch.nn.Module, counts: list[int], act_dtype: torch.dtype
             module.quant_forward(module, x[:n], module._local_gemv(x[:n]))  # the shard's own: no collective
             bar.update(1)
         return
-    head = isinstance(module, ParallelLMHead | VocabParallelEmbedding)
-    bias = None if head or isinstance(module, Router) else module.bias
-    fold = _fold_of(module)
     x = torch.zeros(counts[-1], w.shape[1], dtype=w.dtype, device=w.device)
-    res = torch.zeros(counts[-1], w.shape[0], dtype=w.dtype, device=w.device) if fold == "residual" else None
+    res = torch.zeros(counts[-1], w.shape[0], dtype=w.dtype, device=w.device) if g.fold == "residual" else None
     for n in counts:
-        if fold == "norm":
+        if g.fold == "norm":
             module(x[:n])
         elif res is not None:
             module.forward_add(x[:n], res[:n])
         else:
-            matmul(x[:n], w, bias) if batch_invariant.enabled() else F.linear(x[:n], w, bias)
+            matmul(x[:n], w, g.bias) if batch_invariant.enabled() else F.linear(x[:n], w, g.bias)
         bar.update(1)
 
 
